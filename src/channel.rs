@@ -1,0 +1,376 @@
+//! Typed channels between processes: `channel`, `pipe`, and connections by name.
+
+use std::cell::RefCell;
+use std::fmt;
+use std::io;
+use std::marker::PhantomData;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use ipc_channel::ipc::{self, IpcOneShotServer, IpcReceiver, IpcSender, OpaqueIpcReceiver, OpaqueIpcSender};
+use ipc_channel::{IpcError, TryRecvError as IpcTryRecvError};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::error::{Error, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError};
+
+thread_local! {
+    /// The reason the last message decoded on this thread was rejected by one of our own
+    /// `Deserialize` impls (the wire format's error type cannot carry it).
+    static DECODE_FAILURE: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+/// Records why a value failed to decode, for the receiver's error. Returns the message.
+pub(crate) fn note_decode_failure(message: String) -> String {
+    DECODE_FAILURE.with(|f| *f.borrow_mut() = Some(message.clone()));
+    message
+}
+
+fn take_decode_failure() -> Option<String> {
+    DECODE_FAILURE.with(|f| f.borrow_mut().take())
+}
+
+/// Creates a channel between processes. Either end can be sent to another process (as a spawn
+/// argument or inside a message); the sender can be cloned and sent to many processes.
+///
+/// The receiver reports [`RecvError::Disconnected`] once every sender is dropped, including
+/// senders held by processes that died; a process that keeps a sender of its own therefore
+/// never sees the channel disconnect.
+pub fn channel<T: Serialize + DeserializeOwned>() -> Result<(Sender<T>, Receiver<T>)> {
+    let (tx, rx) = ipc::channel::<T>()?;
+    Ok((Sender::from_ipc(tx), Receiver { inner: rx }))
+}
+
+/// The sending end of a channel. Clone it for several producers, in this process or others.
+pub struct Sender<T> {
+    inner: OpaqueIpcSender,
+    _message: PhantomData<fn(T)>,
+}
+
+impl<T> Clone for Sender<T> {
+    fn clone(&self) -> Self {
+        Sender { inner: self.inner.clone(), _message: PhantomData }
+    }
+}
+
+impl<T> fmt::Debug for Sender<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Sender").field("message", &std::any::type_name::<T>()).finish_non_exhaustive()
+    }
+}
+
+/// Serializes a borrowed message, so that a failed send can hand the value back.
+struct Outgoing<'a, T>(&'a T);
+
+impl<T: Serialize> Serialize for Outgoing<'_, T> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        self.0.serialize(serializer)
+    }
+}
+
+impl<'de, T> Deserialize<'de> for Outgoing<'_, T> {
+    fn deserialize<D: Deserializer<'de>>(_: D) -> std::result::Result<Self, D::Error> {
+        Err(serde::de::Error::custom("outgoing messages are never decoded"))
+    }
+}
+
+fn is_disconnect(e: &io::Error) -> bool {
+    matches!(e.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset | io::ErrorKind::NotConnected)
+}
+
+impl<T: Serialize> Sender<T> {
+    fn from_ipc(tx: IpcSender<T>) -> Self {
+        Sender { inner: tx.to_opaque(), _message: PhantomData }
+    }
+
+    /// Sends a message. Tensors inside it are shared, not copied: the receiver maps the same
+    /// memory. On failure the message comes back inside the error.
+    pub fn send(&self, value: T) -> std::result::Result<(), SendError<T>> {
+        let tx: IpcSender<Outgoing<'_, T>> = self.inner.clone().to();
+        match tx.send(Outgoing(&value)) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let failure = match e {
+                    IpcError::Disconnected => SendFailure::Disconnected,
+                    IpcError::Io(e) if is_disconnect(&e) => SendFailure::Disconnected,
+                    IpcError::Io(e) => SendFailure::Io(e.to_string()),
+                    IpcError::SerializationError(e) => {
+                        SendFailure::Serialize(take_decode_failure().unwrap_or_else(|| format!("{e:?}")))
+                    }
+                };
+                Err(SendError::new(value, failure))
+            }
+        }
+    }
+
+    /// Connects to a [`Listener`] by the name it published.
+    pub fn connect(name: &str) -> Result<Sender<T>> {
+        if name.is_empty() || name.len() >= 108 || name.contains('\0') {
+            return Err(Error::Io(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{name:?} is not a listener name"),
+            )));
+        }
+        let hello: IpcSender<Hello> = IpcSender::connect(name.to_owned())?;
+        hello.send(Hello::CURRENT).map_err(|e| Error::Io(io::Error::other(e.to_string())))?;
+        Ok(Sender { inner: hello.to_opaque(), _message: PhantomData })
+    }
+
+    /// Connects to a [`Listener`] whose name was written to `path` with
+    /// [`Listener::publish_to`], waiting up to `timeout` for the file to appear.
+    pub fn connect_file(path: impl AsRef<Path>, timeout: Duration) -> Result<Sender<T>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            match std::fs::read_to_string(path.as_ref()) {
+                Ok(name) => return Sender::connect(name.trim()),
+                Err(e) if e.kind() == io::ErrorKind::NotFound && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10))
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(Error::Timeout(timeout)),
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+}
+
+impl<T> Serialize for Sender<T> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        self.inner.serialize(serializer)
+    }
+}
+
+impl<'de, T> Deserialize<'de> for Sender<T> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        Ok(Sender { inner: OpaqueIpcSender::deserialize(deserializer)?, _message: PhantomData })
+    }
+}
+
+/// The receiving end of a channel. It can be moved to another process, not cloned.
+pub struct Receiver<T> {
+    inner: IpcReceiver<T>,
+}
+
+impl<T> fmt::Debug for Receiver<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Receiver").field("message", &std::any::type_name::<T>()).finish_non_exhaustive()
+    }
+}
+
+fn recv_error(e: IpcError) -> RecvError {
+    match e {
+        IpcError::Disconnected => RecvError::Disconnected,
+        IpcError::Io(e) if is_disconnect(&e) => RecvError::Disconnected,
+        IpcError::Io(e) => RecvError::Io(e.to_string()),
+        IpcError::SerializationError(e) => {
+            RecvError::Malformed(take_decode_failure().unwrap_or_else(|| format!("undecodable message ({e:?})")))
+        }
+    }
+}
+
+/// Runs a receive, turning a panic inside the transport's decoder (it indexes the descriptors
+/// that came with a message by numbers the message itself carries) into an error.
+fn guarded<R>(f: impl FnOnce() -> std::result::Result<R, RecvError>) -> std::result::Result<R, RecvError> {
+    take_decode_failure();
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(_) => Err(RecvError::Malformed("message refers to descriptors it does not carry".into())),
+    }
+}
+
+impl<T: Serialize + DeserializeOwned> Receiver<T> {
+    /// Blocks until a message arrives or every sender is gone.
+    pub fn recv(&self) -> std::result::Result<T, RecvError> {
+        guarded(|| self.inner.recv().map_err(recv_error))
+    }
+
+    /// Returns a waiting message, if any, without blocking.
+    pub fn try_recv(&self) -> std::result::Result<T, TryRecvError> {
+        let mut empty = false;
+        let r = guarded(|| match self.inner.try_recv() {
+            Ok(v) => Ok(v),
+            Err(IpcTryRecvError::Empty) => {
+                empty = true;
+                Err(RecvError::Disconnected)
+            }
+            Err(IpcTryRecvError::IpcError(e)) => Err(recv_error(e)),
+        });
+        match r {
+            Ok(v) => Ok(v),
+            Err(_) if empty => Err(TryRecvError::Empty),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Blocks until a message arrives, every sender is gone, or `timeout` passes.
+    pub fn recv_timeout(&self, timeout: Duration) -> std::result::Result<T, RecvTimeoutError> {
+        let mut timed_out = false;
+        let r = guarded(|| match self.inner.try_recv_timeout(timeout) {
+            Ok(v) => Ok(v),
+            Err(IpcTryRecvError::Empty) => {
+                timed_out = true;
+                Err(RecvError::Disconnected)
+            }
+            Err(IpcTryRecvError::IpcError(e)) => Err(recv_error(e)),
+        });
+        match r {
+            Ok(v) => Ok(v),
+            Err(_) if timed_out => Err(RecvTimeoutError::Timeout),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// An iterator that receives until the channel disconnects or a receive fails.
+    pub fn iter(&self) -> impl Iterator<Item = T> + '_ {
+        std::iter::from_fn(move || self.recv().ok())
+    }
+}
+
+impl<T> Serialize for Receiver<T> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        self.inner.serialize(serializer)
+    }
+}
+
+impl<'de, T: Serialize + DeserializeOwned> Deserialize<'de> for Receiver<T> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        Ok(Receiver { inner: OpaqueIpcReceiver::deserialize(deserializer)?.to() })
+    }
+}
+
+/// One end of a two-way connection made by [`pipe`]: it sends `S` and receives `R`.
+#[derive(Serialize, Deserialize)]
+#[serde(bound(serialize = "", deserialize = "R: Serialize + DeserializeOwned"))]
+pub struct Duplex<S, R> {
+    tx: Sender<S>,
+    rx: Receiver<R>,
+}
+
+impl<S, R> fmt::Debug for Duplex<S, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Duplex")
+            .field("sends", &std::any::type_name::<S>())
+            .field("receives", &std::any::type_name::<R>())
+            .finish()
+    }
+}
+
+/// Creates a two-way connection, like `multiprocessing.Pipe()`: the first end sends `A` and
+/// receives `B`, the second sends `B` and receives `A`.
+pub fn pipe<A, B>() -> Result<(Duplex<A, B>, Duplex<B, A>)>
+where
+    A: Serialize + DeserializeOwned,
+    B: Serialize + DeserializeOwned,
+{
+    let (tx_a, rx_a) = channel::<A>()?;
+    let (tx_b, rx_b) = channel::<B>()?;
+    Ok((Duplex { tx: tx_a, rx: rx_b }, Duplex { tx: tx_b, rx: rx_a }))
+}
+
+impl<S: Serialize + DeserializeOwned, R: Serialize + DeserializeOwned> Duplex<S, R> {
+    /// Sends to the other end.
+    pub fn send(&self, value: S) -> std::result::Result<(), SendError<S>> {
+        self.tx.send(value)
+    }
+
+    /// Receives from the other end, blocking.
+    pub fn recv(&self) -> std::result::Result<R, RecvError> {
+        self.rx.recv()
+    }
+
+    /// Receives from the other end without blocking.
+    pub fn try_recv(&self) -> std::result::Result<R, TryRecvError> {
+        self.rx.try_recv()
+    }
+
+    /// Receives from the other end, giving up after `timeout`.
+    pub fn recv_timeout(&self, timeout: Duration) -> std::result::Result<R, RecvTimeoutError> {
+        self.rx.recv_timeout(timeout)
+    }
+
+    /// Splits into the sending and receiving halves.
+    pub fn split(self) -> (Sender<S>, Receiver<R>) {
+        (self.tx, self.rx)
+    }
+}
+
+/// The first message on a named connection: tells a listener that a cuda-mp sender connected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+struct Hello {
+    magic: [u8; 8],
+    version: u32,
+}
+
+impl Hello {
+    const CURRENT: Hello = Hello { magic: *b"cuda-mp\0", version: 1 };
+    const CANCEL: Hello = Hello { magic: *b"cancel!\0", version: 1 };
+}
+
+/// Waits for one unrelated process to connect by name (see [`Sender::connect`]).
+pub struct Listener<T> {
+    server: IpcOneShotServer<Hello>,
+    name: String,
+    _message: PhantomData<fn() -> T>,
+}
+
+impl<T> fmt::Debug for Listener<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Listener").field("name", &self.name).finish_non_exhaustive()
+    }
+}
+
+impl<T: Serialize + DeserializeOwned> Listener<T> {
+    /// Creates a listener with a fresh name.
+    pub fn bind() -> Result<Listener<T>> {
+        let (server, name) = IpcOneShotServer::new()?;
+        Ok(Listener { server, name, _message: PhantomData })
+    }
+
+    /// The name a peer passes to [`Sender::connect`].
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Writes the name to `path` (atomically: a reader never sees half of it).
+    pub fn publish_to(&self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let tmp = path.with_extension("partial");
+        std::fs::write(&tmp, &self.name)?;
+        std::fs::rename(&tmp, path)?;
+        Ok(())
+    }
+
+    /// Blocks until a peer connects; returns the receiving end of the connection.
+    pub fn accept(self) -> Result<Receiver<T>> {
+        Ok(Receiver { inner: accept_hello(self.server)?.to() })
+    }
+
+    /// Like [`accept`](Self::accept), giving up after `timeout`.
+    pub fn accept_timeout(self, timeout: Duration) -> Result<Receiver<T>> {
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let server = self.server;
+        std::thread::spawn(move || {
+            let _ = done_tx.send(accept_hello(server));
+        });
+        match done_rx.recv_timeout(timeout) {
+            Ok(result) => Ok(Receiver { inner: result?.to() }),
+            Err(_) => {
+                // Unblock the accepting thread with a connection of our own.
+                if let Ok(tx) = IpcSender::<Hello>::connect(self.name.clone()) {
+                    let _ = tx.send(Hello::CANCEL);
+                }
+                Err(Error::Timeout(timeout))
+            }
+        }
+    }
+}
+
+fn accept_hello(server: IpcOneShotServer<Hello>) -> Result<OpaqueIpcReceiver> {
+    let (rx, hello) = catch_unwind(AssertUnwindSafe(|| server.accept()))
+        .map_err(|_| Error::Malformed("connection handshake refers to descriptors it does not carry".into()))?
+        .map_err(|e| Error::Malformed(format!("connection handshake failed: {e}")))?;
+    if hello != Hello::CURRENT {
+        return Err(Error::Malformed("the peer is not a cuda-mp sender of this version".into()));
+    }
+    Ok(rx.to_opaque())
+}

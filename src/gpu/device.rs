@@ -1,0 +1,213 @@
+//! GPUs of this process: one primary context, one stream and the shipped kernels per device.
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::result::{self as cu, DriverError};
+use cudarc::driver::sys;
+use cudarc::driver::{CudaContext, CudaStream};
+use once_cell::sync::{Lazy, OnceCell};
+
+use super::driver;
+use crate::error::{Error, Result};
+
+/// Maps a driver error to the crate's error, naming the call.
+pub(crate) fn driver_err(call: &'static str) -> impl FnOnce(DriverError) -> Error {
+    move |e| {
+        let name = e.error_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{e:?}"));
+        let text = e.error_string().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        Error::Driver { call, message: format!("{name}: {text}") }
+    }
+}
+
+/// True when a CUDA driver and at least one GPU are usable by this process.
+pub fn cuda_available() -> bool {
+    Device::count().map(|n| n > 0).unwrap_or(false)
+}
+
+fn init_driver() -> Result<()> {
+    static INIT: OnceCell<std::result::Result<(), String>> = OnceCell::new();
+    INIT.get_or_init(|| {
+        if !driver::driver_library_present() {
+            return Err("the CUDA driver library (libcuda.so) could not be loaded".into());
+        }
+        cu::init().map_err(|e| format!("cuInit failed: {e}"))
+    })
+    .clone()
+    .map_err(Error::CudaUnavailable)
+}
+
+/// A GPU as this process sees it, with the stream that cuda-mp orders its work on.
+pub struct Device {
+    ordinal: usize,
+    uuid: [u8; 16],
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    kernels: OnceCell<Kernels>,
+}
+
+impl fmt::Debug for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Device").field("ordinal", &self.ordinal).field("uuid", &self.uuid_string()).finish()
+    }
+}
+
+static DEVICES: Lazy<Mutex<HashMap<usize, Arc<Device>>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+
+/// Formats a GPU UUID the way `nvidia-smi -L` and `CUDA_VISIBLE_DEVICES` write it.
+pub(crate) fn format_uuid(u: &[u8; 16]) -> String {
+    let h: Vec<String> = u.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        h[..4].concat(),
+        h[4..6].concat(),
+        h[6..8].concat(),
+        h[8..10].concat(),
+        h[10..].concat()
+    )
+}
+
+fn device_uuid(dev: sys::CUdevice) -> Result<[u8; 16]> {
+    let u = cu::device::get_uuid(dev).map_err(driver_err("cuDeviceGetUuid"))?;
+    Ok(u.bytes.map(|b| b as u8))
+}
+
+impl Device {
+    /// Number of GPUs visible to this process.
+    pub fn count() -> Result<usize> {
+        init_driver()?;
+        Ok(cu::device::get_count().map_err(driver_err("cuDeviceGetCount"))? as usize)
+    }
+
+    /// The GPU with this ordinal (as numbered under this process's `CUDA_VISIBLE_DEVICES`).
+    pub fn get(ordinal: usize) -> Result<Arc<Device>> {
+        let count = Device::count()?;
+        if ordinal >= count {
+            return Err(Error::CudaUnavailable(format!("no gpu with ordinal {ordinal}: {count} visible")));
+        }
+        let mut devices = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(d) = devices.get(&ordinal) {
+            return Ok(d.clone());
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
+        let uuid = device_uuid(ctx.cu_device())?;
+        let stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
+        let device = Arc::new(Device { ordinal, uuid, ctx, stream, kernels: OnceCell::new() });
+        devices.insert(ordinal, device.clone());
+        Ok(device)
+    }
+
+    /// The GPU with this UUID, whatever its ordinal in this process.
+    pub fn by_uuid(uuid: &[u8; 16]) -> Result<Arc<Device>> {
+        for ordinal in 0..Device::count()? {
+            let dev = cu::device::get(ordinal as i32).map_err(driver_err("cuDeviceGet"))?;
+            if &device_uuid(dev)? == uuid {
+                return Device::get(ordinal);
+            }
+        }
+        Err(Error::DeviceNotVisible { uuid: format_uuid(uuid) })
+    }
+
+    /// Ordinal in this process.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The GPU's UUID (the same in every process).
+    pub fn uuid(&self) -> [u8; 16] {
+        self.uuid
+    }
+
+    /// The UUID as `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+    pub fn uuid_string(&self) -> String {
+        format_uuid(&self.uuid)
+    }
+
+    /// The primary context, as a cudarc context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream all of cuda-mp's work on this device is ordered on. Launch your own kernels
+    /// on it, or make your stream wait for it, to stay ordered with received tensors.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Blocks until the stream's queued work is done.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(driver_err("cuStreamSynchronize"))
+    }
+
+    /// Free and total device memory in bytes (`cuMemGetInfo`).
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.bind()?;
+        cu::mem_get_info().map_err(driver_err("cuMemGetInfo"))
+    }
+
+    /// True when kernels on this device can read and write memory of `peer` directly.
+    pub fn can_access_peer(&self, peer: &Device) -> Result<bool> {
+        driver::can_access_peer(self.ctx.cu_device(), peer.ctx.cu_device()).map_err(driver_err("cuDeviceCanAccessPeer"))
+    }
+
+    /// Makes the device's context current on the calling thread.
+    pub(crate) fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))
+    }
+
+    pub(crate) fn cu_stream(&self) -> sys::CUstream {
+        self.stream.cu_stream()
+    }
+
+    /// Launches a shipped kernel over `numel` elements on the device's stream.
+    pub(crate) fn launch(&self, kernel: &str, numel: usize, params: driver::KernelParams<'_>) -> Result<()> {
+        if numel == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let function = self.kernels.get_or_try_init(Kernels::load)?.function(kernel)?;
+        const THREADS: usize = 256;
+        let blocks = numel.div_ceil(THREADS).min(1 << 16) as u32;
+        // SAFETY: the function comes from the shipped module; the callers pass parameters that
+        // match its signature, pointing at memory that outlives the queued work (storages are
+        // freed only after synchronizing this stream).
+        unsafe { cu::launch_kernel(function.0, (blocks, 1, 1), (THREADS as u32, 1, 1), 0, self.cu_stream(), params) }
+            .map_err(driver_err("cuLaunchKernel"))
+    }
+}
+
+struct Function(sys::CUfunction);
+// SAFETY: a CUfunction is a handle usable from any thread once its context is current.
+unsafe impl Send for Function {}
+
+struct Kernels {
+    module: usize,
+    functions: Mutex<HashMap<String, usize>>,
+}
+
+const PTX: &str = include_str!("kernels.ptx");
+
+impl Kernels {
+    fn load() -> Result<Kernels> {
+        let image = CString::new(PTX).map_err(|_| Error::Unsupported("kernel image contains a NUL byte".into()))?;
+        // SAFETY: the image is a NUL-terminated PTX module and the device's context is current.
+        let module = unsafe { cu::module::load_data(image.as_ptr() as *const c_void) }
+            .map_err(driver_err("cuModuleLoadData"))?;
+        Ok(Kernels { module: module as usize, functions: Mutex::new(HashMap::new()) })
+    }
+
+    fn function(&self, name: &str) -> Result<Function> {
+        let mut functions = self.functions.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(&f) = functions.get(name) {
+            return Ok(Function(f as sys::CUfunction));
+        }
+        let cname = CString::new(name).map_err(|_| Error::Unsupported(format!("kernel name {name:?}")))?;
+        // SAFETY: the module is loaded and never unloaded.
+        let f = unsafe { cu::module::get_function(self.module as sys::CUmodule, cname) }
+            .map_err(|_| Error::Unsupported(format!("no shipped kernel {name}")))?;
+        functions.insert(name.to_owned(), f as usize);
+        Ok(Function(f))
+    }
+}

@@ -1,0 +1,88 @@
+// Elementwise kernels shipped with cuda-mp as PTX (src/gpu/kernels.ptx).
+//
+// Every kernel walks an arbitrary strided view: a `Layout` carries the
+// view's shape, strides (in elements) and storage offset, so the same
+// kernel serves contiguous tensors, slices, transposes and permutations.
+//
+// Regenerate the PTX (nvcc 12 or 13) with:
+//   nvcc -ptx -arch=compute_80 -O3 -o kernels.ptx kernels.cu
+// then set the `.version` line to 7.8 so that drivers from CUDA 11.8 on load it.
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#define MAX_DIMS 8
+
+struct Layout {
+    long long numel;
+    long long ndim;
+    long long offset;
+    long long shape[MAX_DIMS];
+    long long strides[MAX_DIMS];
+};
+
+__device__ __forceinline__ long long element_offset(const Layout& l, long long linear) {
+    long long off = l.offset;
+    for (int d = (int)l.ndim - 1; d >= 0; --d) {
+        long long extent = l.shape[d];
+        off += (linear % extent) * l.strides[d];
+        linear /= extent;
+    }
+    return off;
+}
+
+template <typename T> __device__ __forceinline__ T from_bits(unsigned long long bits) {
+    T value;
+    memcpy(&value, &bits, sizeof(T));
+    return value;
+}
+
+template <typename T> __device__ __forceinline__ T add_scalar(T x, double v) { return (T)((double)x + v); }
+template <> __device__ __forceinline__ float add_scalar<float>(float x, double v) { return x + (float)v; }
+template <> __device__ __forceinline__ __half add_scalar<__half>(__half x, double v) {
+    return __float2half(__half2float(x) + (float)v);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 add_scalar<__nv_bfloat16>(__nv_bfloat16 x, double v) {
+    return __float2bfloat16(__bfloat162float(x) + (float)v);
+}
+
+#define GRID_STRIDE_LOOP(i, n) \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (long long)blockDim.x * gridDim.x)
+
+template <typename T> __device__ void fill_impl(T* base, Layout l, unsigned long long bits) {
+    const T value = from_bits<T>(bits);
+    GRID_STRIDE_LOOP(i, l.numel) { base[element_offset(l, i)] = value; }
+}
+
+template <typename T> __device__ void add_impl(T* base, Layout l, double v) {
+    GRID_STRIDE_LOOP(i, l.numel) {
+        const long long o = element_offset(l, i);
+        base[o] = add_scalar<T>(base[o], v);
+    }
+}
+
+template <typename T> __device__ void copy_impl(T* dst, Layout ld, const T* src, Layout ls) {
+    GRID_STRIDE_LOOP(i, ld.numel) { dst[element_offset(ld, i)] = src[element_offset(ls, i)]; }
+}
+
+#define MOVE_KERNELS(name, T)                                                                          \
+    extern "C" __global__ void fill_##name(T* base, Layout l, unsigned long long bits) {               \
+        fill_impl<T>(base, l, bits);                                                                   \
+    }                                                                                                  \
+    extern "C" __global__ void copy_##name(T* dst, Layout ld, const T* src, Layout ls) {               \
+        copy_impl<T>(dst, ld, src, ls);                                                                \
+    }
+
+#define ARITH_KERNELS(name, T)                                                                         \
+    MOVE_KERNELS(name, T)                                                                              \
+    extern "C" __global__ void add_##name(T* base, Layout l, double v) { add_impl<T>(base, l, v); }
+
+ARITH_KERNELS(f32, float)
+ARITH_KERNELS(f64, double)
+ARITH_KERNELS(f16, __half)
+ARITH_KERNELS(bf16, __nv_bfloat16)
+ARITH_KERNELS(i8, signed char)
+ARITH_KERNELS(u8, unsigned char)
+ARITH_KERNELS(i16, short)
+ARITH_KERNELS(i32, int)
+ARITH_KERNELS(i64, long long)
+MOVE_KERNELS(bool, unsigned char)

@@ -1,0 +1,261 @@
+//! Shape, strides (in elements) and storage offset of a tensor view, with the checks that keep
+//! every view inside its storage.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// The most dimensions a tensor may have (the shipped GPU kernels take at most this many).
+pub const MAX_DIMS: usize = 8;
+
+/// Where the elements of a view lie in its storage.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Layout {
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+    offset: usize,
+}
+
+fn layout_err(msg: impl Into<String>) -> Error {
+    Error::Layout(msg.into())
+}
+
+impl Layout {
+    /// A row-major contiguous layout of `shape` at offset 0.
+    pub fn contiguous(shape: &[usize]) -> Result<Layout> {
+        let layout = Layout { shape: shape.to_vec(), strides: contiguous_strides(shape), offset: 0 };
+        layout.check_dims()?;
+        layout.numel_checked()?;
+        Ok(layout)
+    }
+
+    /// A layout from its parts, checked against a storage of `storage_elems` elements.
+    pub fn new(shape: Vec<usize>, strides: Vec<usize>, offset: usize, storage_elems: usize) -> Result<Layout> {
+        let layout = Layout { shape, strides, offset };
+        layout.check_fits(storage_elems)?;
+        Ok(layout)
+    }
+
+    /// Checks rank, arithmetic overflow and that every element lies inside `storage_elems`.
+    pub(crate) fn check_fits(&self, storage_elems: usize) -> Result<()> {
+        self.check_dims()?;
+        if self.shape.len() != self.strides.len() {
+            return Err(layout_err(format!(
+                "shape has {} dimensions but strides has {}",
+                self.shape.len(),
+                self.strides.len()
+            )));
+        }
+        let extent = self.extent()?;
+        if extent > storage_elems {
+            return Err(layout_err(format!("view reaches element {extent} but the storage holds {storage_elems}")));
+        }
+        Ok(())
+    }
+
+    fn check_dims(&self) -> Result<()> {
+        if self.shape.len() > MAX_DIMS {
+            return Err(layout_err(format!("{} dimensions, at most {MAX_DIMS} are supported", self.shape.len())));
+        }
+        Ok(())
+    }
+
+    fn numel_checked(&self) -> Result<usize> {
+        self.shape
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| layout_err("element count overflows"))
+    }
+
+    /// One past the highest storage element the view touches (0 for an empty view).
+    pub(crate) fn extent(&self) -> Result<usize> {
+        if self.numel_checked()? == 0 {
+            return Ok(0);
+        }
+        let mut last = self.offset;
+        for (&n, &s) in self.shape.iter().zip(&self.strides) {
+            let step = (n - 1).checked_mul(s).ok_or_else(|| layout_err("stride arithmetic overflows"))?;
+            last = last.checked_add(step).ok_or_else(|| layout_err("stride arithmetic overflows"))?;
+        }
+        last.checked_add(1).ok_or_else(|| layout_err("stride arithmetic overflows"))
+    }
+
+    /// The extent of each dimension.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The step, in elements, between neighbours along each dimension.
+    pub fn strides(&self) -> &[usize] {
+        &self.strides
+    }
+
+    /// The storage index, in elements, of the view's first element.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// Number of elements in the view.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// True when the view is row-major with no gaps (dimensions of extent 1 are ignored).
+    pub fn is_contiguous(&self) -> bool {
+        let mut expected = 1usize;
+        for (&n, &s) in self.shape.iter().zip(&self.strides).rev() {
+            if n == 1 {
+                continue;
+            }
+            if s != expected {
+                return false;
+            }
+            expected *= n;
+        }
+        true
+    }
+
+    fn check_dim(&self, dim: usize) -> Result<()> {
+        if dim >= self.shape.len() {
+            return Err(layout_err(format!("dimension {dim} out of range for {} dimensions", self.shape.len())));
+        }
+        Ok(())
+    }
+
+    /// The sub-range `start..start + len` of dimension `dim`.
+    pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Layout> {
+        self.check_dim(dim)?;
+        let end = start.checked_add(len).ok_or_else(|| layout_err("narrow range overflows"))?;
+        if end > self.shape[dim] {
+            return Err(layout_err(format!(
+                "narrow {start}..{end} exceeds extent {} of dimension {dim}",
+                self.shape[dim]
+            )));
+        }
+        let mut out = self.clone();
+        out.shape[dim] = len;
+        if len > 0 {
+            out.offset += start * self.strides[dim];
+        }
+        Ok(out)
+    }
+
+    /// Index `index` of dimension `dim`, which disappears from the result.
+    pub fn select(&self, dim: usize, index: usize) -> Result<Layout> {
+        let mut out = self.narrow(dim, index, 1)?;
+        out.shape.remove(dim);
+        out.strides.remove(dim);
+        Ok(out)
+    }
+
+    /// Swaps two dimensions.
+    pub fn transpose(&self, a: usize, b: usize) -> Result<Layout> {
+        self.check_dim(a)?;
+        self.check_dim(b)?;
+        let mut out = self.clone();
+        out.shape.swap(a, b);
+        out.strides.swap(a, b);
+        Ok(out)
+    }
+
+    /// Reorders the dimensions: dimension `i` of the result is dimension `order[i]` of `self`.
+    pub fn permute(&self, order: &[usize]) -> Result<Layout> {
+        let n = self.shape.len();
+        let mut seen = vec![false; n];
+        if order.len() != n || order.iter().any(|&d| d >= n || std::mem::replace(&mut seen[d], true)) {
+            return Err(layout_err(format!("{order:?} is not a permutation of {n} dimensions")));
+        }
+        Ok(Layout {
+            shape: order.iter().map(|&d| self.shape[d]).collect(),
+            strides: order.iter().map(|&d| self.strides[d]).collect(),
+            offset: self.offset,
+        })
+    }
+
+    /// The same elements under a new shape; only for contiguous views.
+    pub fn reshape(&self, shape: &[usize]) -> Result<Layout> {
+        if !self.is_contiguous() {
+            return Err(layout_err("reshape needs a contiguous view; copy it first"));
+        }
+        let mut out = Layout::contiguous(shape)?;
+        if out.numel() != self.numel() {
+            return Err(layout_err(format!("cannot reshape {} elements into {shape:?}", self.numel())));
+        }
+        out.offset = self.offset;
+        Ok(out)
+    }
+
+    /// Storage indices of every element, in row-major order of the view.
+    pub(crate) fn indices(&self) -> impl Iterator<Item = usize> + '_ {
+        let numel = self.numel();
+        let mut index = vec![0usize; self.shape.len()];
+        let mut pos = self.offset;
+        (0..numel).map(move |k| {
+            if k > 0 {
+                for d in (0..index.len()).rev() {
+                    index[d] += 1;
+                    pos += self.strides[d];
+                    if index[d] < self.shape[d] {
+                        break;
+                    }
+                    pos -= self.strides[d] * index[d];
+                    index[d] = 0;
+                }
+            }
+            pos
+        })
+    }
+}
+
+/// Row-major strides for `shape`.
+pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![0; shape.len()];
+    let mut acc = 1usize;
+    for (s, &n) in strides.iter_mut().zip(shape).rev() {
+        *s = acc;
+        acc = acc.saturating_mul(n.max(1));
+    }
+    strides
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn views_compute_offsets_and_contiguity() {
+        let l = Layout::contiguous(&[3, 4]).unwrap();
+        assert!(l.is_contiguous());
+        assert_eq!(l.strides(), &[4, 1]);
+        let t = l.transpose(0, 1).unwrap();
+        assert_eq!(t.shape(), &[4, 3]);
+        assert!(!t.is_contiguous());
+        let n = l.narrow(1, 1, 2).unwrap();
+        assert_eq!((n.offset(), n.shape()), (1, &[3usize, 2][..]));
+        assert!(!n.is_contiguous());
+        let rows = l.narrow(0, 1, 2).unwrap();
+        assert!(rows.is_contiguous());
+        assert_eq!(rows.reshape(&[8]).unwrap().offset(), 4);
+        assert!(t.reshape(&[12]).is_err());
+        assert!(l.reshape(&[5]).is_err());
+        let idx: Vec<usize> = t.indices().collect();
+        assert_eq!(idx, vec![0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11]);
+        assert_eq!(l.select(0, 2).unwrap().indices().collect::<Vec<_>>(), vec![8, 9, 10, 11]);
+        assert_eq!(l.permute(&[1, 0]).unwrap(), t);
+        assert!(l.permute(&[0, 0]).is_err());
+        assert!(l.narrow(1, 3, 2).is_err());
+        assert!(l.transpose(0, 2).is_err());
+    }
+
+    #[test]
+    fn layouts_that_leave_the_storage_are_rejected() {
+        assert!(Layout::new(vec![3, 4], vec![4, 1], 0, 12).is_ok());
+        assert!(Layout::new(vec![3, 4], vec![4, 1], 1, 12).is_err());
+        assert!(Layout::new(vec![3, 4], vec![4, 1], 0, 11).is_err());
+        assert!(Layout::new(vec![3], vec![4, 1], 0, 100).is_err());
+        assert!(Layout::new(vec![usize::MAX, 2], vec![1, 1], 0, 100).is_err());
+        assert!(Layout::new(vec![2, 2], vec![usize::MAX, 1], 0, 100).is_err());
+        assert!(Layout::new(vec![1; 9], vec![1; 9], 0, 100).is_err());
+        assert!(Layout::new(vec![0, 5], vec![5, 1], 1000, 0).is_ok());
+    }
+}

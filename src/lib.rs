@@ -1,0 +1,74 @@
+//! cuda-mp: worker processes and typed channels that pass tensors between them without
+//! copies, for Rust. A GPU tensor crosses a process boundary as a CUDA IPC handle, a host tensor
+//! as a shared-memory descriptor; the memory stays alive until the last process drops it, and
+//! the references of a process that dies are reclaimed.
+//!
+//! ```no_run
+//! use cuda_mp::{channel, spawn, HostTensor, Receiver, Sender};
+//!
+//! fn worker((rx, ack): (Receiver<HostTensor<f32>>, Sender<()>)) {
+//!     let t = rx.recv().unwrap();
+//!     t.map_inplace(|x| x + 1.0); // the parent sees this write: same memory
+//!     ack.send(()).unwrap();
+//! }
+//!
+//! #[cuda_mp::main]
+//! fn main() {
+//!     let (tx, rx) = channel().unwrap();
+//!     let (ack_tx, ack_rx) = channel().unwrap();
+//!     let child = spawn((rx, ack_tx), worker);
+//!     let t = HostTensor::<f32>::zeros(&[4, 5]).unwrap();
+//!     tx.send(t.clone()).unwrap();
+//!     ack_rx.recv().unwrap();
+//!     assert!(t.to_vec().iter().all(|&x| x == 1.0));
+//!     child.join().unwrap();
+//! }
+//! ```
+//!
+//! The element type is part of the tensor type, so a channel of `f32` tensors cannot hand out
+//! `f16` data:
+//!
+//! ```compile_fail
+//! use cuda_mp::{GpuTensor, Receiver};
+//! fn take(rx: Receiver<GpuTensor<f32>>) {
+//!     let t: GpuTensor<half::f16> = rx.recv().unwrap();
+//! }
+//! ```
+//!
+//! ```compile_fail
+//! use cuda_mp::{HostTensor, Receiver};
+//! fn take(rx: Receiver<HostTensor<f32>>) {
+//!     let t: HostTensor<i32> = rx.recv().unwrap();
+//! }
+//! ```
+#![deny(unsafe_op_in_unsafe_fn, missing_docs, missing_debug_implementations)]
+
+mod channel;
+mod dtype;
+mod error;
+mod gpu;
+mod host;
+mod layout;
+mod lifetime;
+mod process;
+mod tensor;
+
+pub use channel::{channel, pipe, Duplex, Listener, Receiver, Sender};
+pub use cuda_mp_macros::main;
+pub use dtype::{DType, Element};
+pub use error::{
+    Error, JoinError, PanicReport, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError,
+};
+pub use gpu::{cuda_available, Device, GpuStorage, GpuTensor, IpcPayload};
+pub use half::{bf16, f16};
+pub use host::{HostStorage, HostTensor};
+pub use layout::{Layout, MAX_DIMS};
+pub use lifetime::{lifetime_stats, wait_for_lifetime, LifetimeStats, StorageId};
+pub use process::{init, spawn, JoinHandle, Pool};
+pub use tensor::Tensor;
+
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::process::__mark_initialized_for_tests as mark_initialized_for_tests;
+    pub use procspawn;
+}
