@@ -1,0 +1,203 @@
+//! Host tensors across real processes: shared writes, release timing, dead consumers, forwarding.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use cuda_mp::{channel, lifetime_stats, spawn, wait_for_lifetime, HostTensor, Receiver, Sender};
+
+cuda_mp::enable_test_support!();
+
+/// The lifetime counters are per process; tests that read them run one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+const WAIT: Duration = Duration::from_secs(10);
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn add_100_then_read_back((rx, ack, go): (Receiver<HostTensor<f32>>, Sender<()>, Receiver<()>)) -> f32 {
+    let t = rx.recv().unwrap();
+    t.map_inplace(|x| x + 100.0);
+    ack.send(()).unwrap();
+    go.recv().unwrap();
+    t.to_vec()[0]
+}
+
+#[test]
+fn writes_by_either_process_are_seen_by_the_other() {
+    let _g = serial();
+    let (tx, rx) = channel().unwrap();
+    let (ack_tx, ack_rx) = channel().unwrap();
+    let (go_tx, go_rx) = channel().unwrap();
+    let child = spawn((rx, ack_tx, go_rx), add_100_then_read_back);
+    let t = HostTensor::<f32>::from_vec(&[2, 3], vec![0., 1., 2., 3., 4., 5.]).unwrap();
+    tx.send(t.clone()).unwrap();
+    ack_rx.recv_timeout(WAIT).unwrap();
+    assert_eq!(t.to_vec(), vec![100., 101., 102., 103., 104., 105.], "the child's writes are visible here");
+    t.narrow(1, 0, 1).unwrap().fill(-7.0);
+    go_tx.send(()).unwrap();
+    assert_eq!(child.join().unwrap(), -7.0, "the parent's write is visible in the child");
+}
+
+#[derive(serde::Serialize, serde::Deserialize, Debug)]
+enum Cmd {
+    Read,
+    Drop,
+}
+
+fn hold_until_told((rx, cmd, reply): (Receiver<HostTensor<i64>>, Receiver<Cmd>, Sender<i64>)) {
+    let mut t = Some(rx.recv().unwrap());
+    reply.send(t.as_ref().unwrap().to_vec().iter().sum()).unwrap();
+    while let Ok(c) = cmd.recv() {
+        match c {
+            Cmd::Read => reply.send(t.as_ref().unwrap().to_vec().iter().sum()).unwrap(),
+            Cmd::Drop => {
+                t = None;
+                reply.send(0).unwrap();
+            }
+        }
+    }
+    assert!(t.is_none());
+}
+
+#[test]
+fn producer_drops_first_and_release_happens_when_the_consumer_drops() {
+    let _g = serial();
+    let before = lifetime_stats();
+    let (tx, rx) = channel().unwrap();
+    let (cmd_tx, cmd_rx) = channel().unwrap();
+    let (reply_tx, reply_rx) = channel().unwrap();
+    let child = spawn((rx, cmd_rx, reply_tx), hold_until_told);
+    let t = HostTensor::<i64>::from_vec(&[1000], (0..1000).collect()).unwrap();
+    tx.send(t.clone()).unwrap();
+    assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), 499_500);
+    drop(t);
+    let s = lifetime_stats();
+    assert_eq!(s.live_storages, before.live_storages + 1, "limbo keeps the storage while the consumer holds it");
+    assert_eq!(s.exported_storages, before.exported_storages + 1);
+    cmd_tx.send(Cmd::Read).unwrap();
+    assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), 499_500, "the consumer still reads valid data");
+    assert_eq!(lifetime_stats().live_storages, before.live_storages + 1);
+    cmd_tx.send(Cmd::Drop).unwrap();
+    reply_rx.recv_timeout(WAIT).unwrap();
+    let after = wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages).expect("released after the drop");
+    assert_eq!(after.freed_storages, before.freed_storages + 1);
+    assert_eq!(after.outstanding_leases, before.outstanding_leases);
+    assert_eq!(after.exported_storages, before.exported_storages);
+    drop(cmd_tx);
+    child.join().unwrap();
+}
+
+fn hold_forever((rx, ack): (Receiver<HostTensor<u8>>, Sender<()>)) {
+    let t = rx.recv().unwrap();
+    ack.send(()).unwrap();
+    loop {
+        std::thread::park();
+        assert_eq!(t.numel(), 64);
+    }
+}
+
+#[test]
+fn a_sigkilled_consumer_is_reclaimed() {
+    let _g = serial();
+    let before = lifetime_stats();
+    let (tx, rx) = channel().unwrap();
+    let (ack_tx, ack_rx) = channel().unwrap();
+    let mut child = spawn((rx, ack_tx), hold_forever);
+    let t = HostTensor::<u8>::zeros(&[64]).unwrap();
+    tx.send(t).unwrap();
+    ack_rx.recv_timeout(WAIT).unwrap();
+    let s = lifetime_stats();
+    assert_eq!(s.live_storages, before.live_storages + 1, "held by the consumer");
+    assert_eq!(s.outstanding_leases, before.outstanding_leases + 1);
+    child.kill().unwrap();
+    let after = wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages)
+        .expect("the dead consumer's lease is reclaimed");
+    assert_eq!(after.outstanding_leases, before.outstanding_leases);
+    assert_eq!(after.leases_released, before.leases_released + 1);
+}
+
+fn forward((rx, next): (Receiver<HostTensor<i32>>, Sender<HostTensor<i32>>)) {
+    let t = rx.recv().unwrap();
+    t.map_inplace(|x| x * 10);
+    next.send(t).unwrap();
+}
+
+fn last_hop((rx, reply, cmd): (Receiver<HostTensor<i32>>, Sender<Vec<i32>>, Receiver<Cmd>)) {
+    let t = rx.recv().unwrap();
+    t.map_inplace(|x| x + 1);
+    reply.send(t.to_vec()).unwrap();
+    cmd.recv().unwrap();
+    drop(t);
+    reply.send(vec![]).unwrap();
+    let _ = cmd.recv();
+}
+
+#[test]
+fn forwarding_parent_to_a_to_b_keeps_the_storage_alive_until_all_are_done() {
+    let _g = serial();
+    let before = lifetime_stats();
+    let (to_a, a_rx) = channel().unwrap();
+    let (to_b, b_rx) = channel().unwrap();
+    let (reply_tx, reply_rx) = channel().unwrap();
+    let (cmd_tx, cmd_rx) = channel().unwrap();
+    let b = spawn((b_rx, reply_tx, cmd_rx), last_hop);
+    let a = spawn((a_rx, to_b), forward);
+    let t = HostTensor::<i32>::from_vec(&[4], vec![1, 2, 3, 4]).unwrap();
+    to_a.send(t.clone()).unwrap();
+    assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), vec![11, 21, 31, 41]);
+    a.join().unwrap();
+    assert_eq!(t.to_vec(), vec![11, 21, 31, 41], "both hops wrote the parent's memory");
+    drop(t);
+    assert_eq!(lifetime_stats().live_storages, before.live_storages + 1, "B still holds it after A exited");
+    cmd_tx.send(Cmd::Drop).unwrap();
+    assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), Vec::<i32>::new());
+    wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages).expect("released once B dropped it");
+    drop(cmd_tx);
+    b.join().unwrap();
+}
+
+#[test]
+fn a_channel_inside_one_process_hands_back_the_same_storage() {
+    let _g = serial();
+    let before = lifetime_stats();
+    let (tx, rx) = channel().unwrap();
+    let t = HostTensor::<f32>::zeros(&[3, 4]).unwrap();
+    tx.send(t.transpose(0, 1).unwrap()).unwrap();
+    let back: HostTensor<f32> = rx.recv().unwrap();
+    assert!(back.shares_storage_with(&t), "no second mapping in the same process");
+    assert_eq!(back.shape(), &[4, 3]);
+    assert_eq!(back.strides(), &[1, 4]);
+    back.fill(2.0);
+    assert!(t.to_vec().iter().all(|&x| x == 2.0));
+    drop((t, back));
+    wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages && s.outstanding_leases == before.outstanding_leases)
+        .expect("freed once the message's lease is gone");
+}
+
+#[test]
+fn many_handoffs_leave_nothing_behind() {
+    let _g = serial();
+    let before = lifetime_stats();
+    let fds_before = std::fs::read_dir("/proc/self/fd").unwrap().count();
+    let (tx, rx) = channel().unwrap();
+    let (ack_tx, ack_rx) = channel().unwrap();
+    let child = spawn((rx, ack_tx), |(rx, ack): (Receiver<HostTensor<f32>>, Sender<f32>)| {
+        while let Ok(t) = rx.recv() {
+            ack.send(t.to_vec()[0]).unwrap();
+        }
+    });
+    for i in 0..500 {
+        let t = HostTensor::<f32>::full(&[256], i as f32).unwrap();
+        tx.send(t).unwrap();
+        assert_eq!(ack_rx.recv_timeout(WAIT).unwrap(), i as f32);
+    }
+    drop(tx);
+    child.join().unwrap();
+    let after = wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages && s.outstanding_leases == 0)
+        .expect("every storage freed");
+    assert_eq!(after.freed_storages, before.freed_storages + 500);
+    assert_eq!(after.leases_granted - before.leases_granted, 500);
+    let fds_after = std::fs::read_dir("/proc/self/fd").unwrap().count();
+    assert!(fds_after <= fds_before + 4, "descriptors leak: {fds_before} before, {fds_after} after");
+}
