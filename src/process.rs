@@ -120,6 +120,10 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
 }
 
 /// A fixed set of worker processes that run spawned calls in turn.
+///
+/// A panic inside a pooled call ends that worker process; the pool starts a new one and the
+/// call's handle reports [`JoinError::Terminated`] (procspawn's pool does not carry the panic
+/// message back). Use [`spawn`] where the panic message matters.
 pub struct Pool {
     inner: procspawn::Pool,
 }

@@ -1,0 +1,157 @@
+//! Channel semantics across processes: queues with many producers, pipes, names, timeouts and
+//! disconnection when a peer dies.
+
+use std::time::{Duration, Instant};
+
+use cuda_mp::{
+    channel, pipe, spawn, Duplex, HostTensor, Listener, RecvError, RecvTimeoutError, Sender, TryRecvError,
+};
+
+cuda_mp::enable_test_support!();
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn produce((id, tx): (i32, Sender<(i32, HostTensor<i32>)>)) {
+    for k in 0..10 {
+        tx.send((id, HostTensor::full(&[8], id * 100 + k).unwrap())).unwrap();
+    }
+}
+
+#[test]
+fn many_producers_feed_one_receiver_until_all_are_gone() {
+    let (tx, rx) = channel().unwrap();
+    let children: Vec<_> = (0..4).map(|id| spawn((id, tx.clone()), produce)).collect();
+    drop(tx);
+    let mut seen = vec![Vec::new(); 4];
+    loop {
+        match rx.recv_timeout(WAIT) {
+            Ok((id, t)) => {
+                let v = t.to_vec();
+                assert!(v.iter().all(|&x| x == v[0]), "tensor from producer {id} is uniform");
+                assert_eq!(v[0] / 100, id);
+                seen[id as usize].push(v[0] % 100);
+            }
+            Err(RecvTimeoutError::Disconnected) => break,
+            Err(e) => panic!("unexpected {e}"),
+        }
+    }
+    for (id, ks) in seen.iter().enumerate() {
+        assert_eq!(ks, &(0..10).collect::<Vec<_>>(), "producer {id}'s messages arrive in order");
+    }
+    for c in children {
+        c.join().unwrap();
+    }
+}
+
+#[test]
+fn recv_timeout_and_try_recv_report_an_empty_channel() {
+    let (tx, rx) = channel::<u32>().unwrap();
+    assert_eq!(rx.try_recv(), Err(TryRecvError::Empty));
+    let start = Instant::now();
+    assert_eq!(rx.recv_timeout(Duration::from_millis(100)), Err(RecvTimeoutError::Timeout));
+    assert!(start.elapsed() >= Duration::from_millis(100));
+    tx.send(7).unwrap();
+    assert_eq!(rx.recv_timeout(WAIT), Ok(7));
+    drop(tx);
+    assert_eq!(rx.try_recv(), Err(TryRecvError::Disconnected));
+    assert_eq!(rx.recv(), Err(RecvError::Disconnected));
+}
+
+fn hold_sender_forever((tx, ready): (Sender<u32>, Sender<()>)) {
+    ready.send(()).unwrap();
+    loop {
+        std::thread::park();
+        let _ = &tx;
+    }
+}
+
+#[test]
+fn a_receiver_sees_disconnection_when_the_sending_process_dies() {
+    let (tx, rx) = channel::<u32>().unwrap();
+    let (ready_tx, ready_rx) = channel().unwrap();
+    let mut child = spawn((tx, ready_tx), hold_sender_forever);
+    ready_rx.recv_timeout(WAIT).unwrap();
+    assert_eq!(rx.try_recv(), Err(TryRecvError::Empty));
+    child.kill().unwrap();
+    assert_eq!(rx.recv_timeout(WAIT), Err(RecvTimeoutError::Disconnected));
+}
+
+fn receive_once(rx: cuda_mp::Receiver<u32>) -> u32 {
+    rx.recv().unwrap()
+}
+
+#[test]
+fn a_sender_gets_its_value_back_when_the_receiving_process_is_gone() {
+    let (tx, rx) = channel::<u32>().unwrap();
+    let child = spawn(rx, receive_once);
+    tx.send(1).unwrap();
+    assert_eq!(child.join().unwrap(), 1);
+    let err = tx.send(2).unwrap_err();
+    assert!(err.is_disconnected(), "{err}");
+    assert_eq!(err.to_string(), "sending on a disconnected channel");
+    assert_eq!(err.into_inner(), 2);
+}
+
+fn echo_doubled(end: Duplex<i64, HostTensor<i64>>) {
+    while let Ok(t) = end.recv() {
+        t.map_inplace(|x| x * 2);
+        end.send(t.to_vec().iter().sum()).unwrap();
+    }
+}
+
+#[test]
+fn pipe_carries_both_directions() {
+    let (here, there) = pipe::<HostTensor<i64>, i64>().unwrap();
+    let child = spawn(there, echo_doubled);
+    for n in 1..5i64 {
+        let t = HostTensor::from_vec(&[n as usize], (1..=n).collect()).unwrap();
+        here.send(t.clone()).unwrap();
+        assert_eq!(here.recv_timeout(WAIT).unwrap(), n * (n + 1));
+        assert_eq!(t.to_vec(), (1..=n).map(|x| 2 * x).collect::<Vec<_>>());
+    }
+    drop(here);
+    child.join().unwrap();
+}
+
+fn connect_and_send(name: String) {
+    let tx = Sender::<HostTensor<f64>>::connect(&name).unwrap();
+    tx.send(HostTensor::full(&[2, 2], 1.5).unwrap()).unwrap();
+}
+
+fn connect_by_file(path: String) {
+    let tx = Sender::<String>::connect_file(&path, WAIT).unwrap();
+    tx.send("hello by file".into()).unwrap();
+}
+
+#[test]
+fn unrelated_processes_connect_by_name_or_file() {
+    let listener = Listener::<HostTensor<f64>>::bind().unwrap();
+    let child = spawn(listener.name().to_owned(), connect_and_send);
+    let rx = listener.accept_timeout(WAIT).unwrap();
+    assert_eq!(rx.recv_timeout(WAIT).unwrap().to_vec(), vec![1.5; 4]);
+    child.join().unwrap();
+    assert_eq!(rx.recv_timeout(WAIT).unwrap_err(), RecvTimeoutError::Disconnected);
+
+    let dir = std::env::temp_dir().join(format!("cuda-mp-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("name");
+    let child = spawn(path.to_string_lossy().into_owned(), connect_by_file);
+    let listener = Listener::<String>::bind().unwrap();
+    listener.publish_to(&path).unwrap();
+    let rx = listener.accept_timeout(WAIT).unwrap();
+    assert_eq!(rx.recv_timeout(WAIT).unwrap(), "hello by file");
+    child.join().unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn accept_and_connect_time_out_instead_of_hanging() {
+    let listener = Listener::<u8>::bind().unwrap();
+    let err = listener.accept_timeout(Duration::from_millis(100)).unwrap_err();
+    assert!(matches!(err, cuda_mp::Error::Timeout(_)), "{err}");
+    let missing = std::env::temp_dir().join("cuda-mp-no-such-listener");
+    let err = Sender::<u8>::connect_file(&missing, Duration::from_millis(50)).unwrap_err();
+    assert!(matches!(err, cuda_mp::Error::Timeout(_)), "{err}");
+    assert!(Sender::<u8>::connect("/nonexistent/socket").is_err());
+    assert!(Sender::<u8>::connect("bad\0name").is_err());
+}
