@@ -21,10 +21,22 @@ thread_local! {
     static DECODE_FAILURE: RefCell<Option<String>> = const { RefCell::new(None) };
 }
 
-/// Records why a value failed to decode, for the receiver's error. Returns the message.
-pub(crate) fn note_decode_failure(message: String) -> String {
+/// Records why a value failed to encode or decode, for the sender's or receiver's error, and
+/// returns it as the serializer's error.
+pub(crate) fn codec_error<E: serde::de::Error>(error: Error) -> E {
+    let message = match error {
+        Error::Malformed(m) => m,
+        other => other.to_string(),
+    };
     DECODE_FAILURE.with(|f| *f.borrow_mut() = Some(message.clone()));
-    message
+    E::custom(message)
+}
+
+/// Like [`codec_error`], for serialization.
+pub(crate) fn encode_error<E: serde::ser::Error>(error: Error) -> E {
+    let message = error.to_string();
+    DECODE_FAILURE.with(|f| *f.borrow_mut() = Some(message.clone()));
+    E::custom(message)
 }
 
 fn take_decode_failure() -> Option<String> {
@@ -368,7 +380,12 @@ impl<T: Serialize + DeserializeOwned> Listener<T> {
 fn accept_hello(server: IpcOneShotServer<Hello>) -> Result<OpaqueIpcReceiver> {
     let (rx, hello) = catch_unwind(AssertUnwindSafe(|| server.accept()))
         .map_err(|_| Error::Malformed("connection handshake refers to descriptors it does not carry".into()))?
-        .map_err(|e| Error::Malformed(format!("connection handshake failed: {e}")))?;
+        .map_err(|e| match e {
+            IpcError::SerializationError(_) => {
+                Error::Malformed("the peer is not a cuda-mp sender of this version".into())
+            }
+            other => Error::Malformed(format!("connection handshake failed: {other}")),
+        })?;
     if hello != Hello::CURRENT {
         return Err(Error::Malformed("the peer is not a cuda-mp sender of this version".into()));
     }

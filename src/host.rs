@@ -7,7 +7,7 @@ use ipc_channel::ipc::IpcSharedMemory;
 use ndarray::{ArrayBase, ArrayD, ArrayViewD, ArrayViewMutD, Data, Dimension, IxDyn, ShapeBuilder};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::channel::note_decode_failure;
+use crate::channel::{codec_error, encode_error};
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::layout::Layout;
@@ -218,8 +218,7 @@ impl<T: Element> Serialize for Tensor<T, HostStorage> {
             Origin::Imported(lease) => lease.clone(),
             Origin::Local(_) => {
                 let keep = storage.clone();
-                lifetime::grant_lease(storage.id, move || keep)
-                    .map_err(|e| serde::ser::Error::custom(note_decode_failure(e.to_string())))?
+                lifetime::grant_lease(storage.id, move || keep).map_err(encode_error)?
             }
         };
         let wire = HostStorageWire { id: storage.id, bytes: storage.len, shm: storage._shm.clone(), lease };
@@ -230,7 +229,7 @@ impl<T: Element> Serialize for Tensor<T, HostStorage> {
 impl<'de, T: Element> Deserialize<'de> for Tensor<T, HostStorage> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let wire = TensorWire::<HostStorageWire>::deserialize(deserializer)?;
-        decode(wire).map_err(|e| serde::de::Error::custom(note_decode_failure(e.to_string())))
+        decode(wire).map_err(codec_error)
     }
 }
 

@@ -171,8 +171,10 @@ fn a_channel_inside_one_process_hands_back_the_same_storage() {
     back.fill(2.0);
     assert!(t.to_vec().iter().all(|&x| x == 2.0));
     drop((t, back));
-    wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages && s.outstanding_leases == before.outstanding_leases)
-        .expect("freed once the message's lease is gone");
+    wait_for_lifetime(WAIT, |s| {
+        s.live_storages == before.live_storages && s.outstanding_leases == before.outstanding_leases
+    })
+    .expect("freed once the message's lease is gone");
 }
 
 #[test]

@@ -10,7 +10,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::device::{driver_err, format_uuid, Device};
 use super::driver::{self, IpcHandle, IPC_HANDLE_BYTES};
-use crate::channel::note_decode_failure;
+use crate::channel::{codec_error, encode_error};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::lifetime::{self, Lease, LiveStorage, StorageId};
@@ -362,7 +362,7 @@ fn open(
 
 impl<T: Element> Serialize for Tensor<T, GpuStorage> {
     fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
-        let payload = encode(self).map_err(|e| serde::ser::Error::custom(note_decode_failure(e.to_string())))?;
+        let payload = encode(self).map_err(encode_error)?;
         payload.wire.serialize(serializer)
     }
 }
@@ -370,6 +370,6 @@ impl<T: Element> Serialize for Tensor<T, GpuStorage> {
 impl<'de, T: Element> Deserialize<'de> for Tensor<T, GpuStorage> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
         let wire = TensorWire::<GpuStorageWire>::deserialize(deserializer)?;
-        decode(IpcPayload { wire }).map_err(|e| serde::de::Error::custom(note_decode_failure(e.to_string())))
+        decode(IpcPayload { wire }).map_err(codec_error)
     }
 }

@@ -1,0 +1,188 @@
+//! Malformed, truncated and forged messages give errors, never panics, and lose nothing.
+
+use std::time::Duration;
+
+use cuda_mp::{lifetime_stats, wait_for_lifetime, HostTensor, Listener, Receiver, RecvError, Sender};
+use ipc_channel::ipc::{self, IpcSender, IpcSharedMemory};
+use serde::ser::SerializeTuple;
+use serde::{Deserialize, Serialize, Serializer};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+/// Connects a sender of one message type to a listener of another, as a foreign or buggy peer
+/// would.
+fn connect<Wire, Expected>() -> (Sender<Wire>, Receiver<Expected>)
+where
+    Wire: Serialize + for<'de> Deserialize<'de>,
+    Expected: Serialize + for<'de> Deserialize<'de> + Send + 'static,
+{
+    let listener = Listener::<Expected>::bind().unwrap();
+    let name = listener.name().to_owned();
+    let accept = std::thread::spawn(move || listener.accept_timeout(WAIT).unwrap());
+    let tx = Sender::<Wire>::connect(&name).unwrap();
+    (tx, accept.join().unwrap())
+}
+
+/// Raw bytes, written as they are (no length prefix).
+#[derive(Deserialize)]
+struct Raw(Vec<u8>);
+
+impl Serialize for Raw {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut t = s.serialize_tuple(self.0.len())?;
+        for b in &self.0 {
+            t.serialize_element(b)?;
+        }
+        t.end()
+    }
+}
+
+/// The wire layout of a host tensor, with every field under the forger's control.
+#[derive(Serialize, Deserialize)]
+struct ForgedTensor<Shm, Lease> {
+    dtype: u8,
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+    offset: usize,
+    owner: u128,
+    index: u64,
+    bytes: usize,
+    shm: Shm,
+    lease: Lease,
+}
+
+fn forged(dtype: u8, shape: Vec<usize>, bytes: usize) -> ForgedTensor<IpcSharedMemory, IpcSender<()>> {
+    let (lease, _) = ipc::channel().unwrap();
+    let strides = vec![1; shape.len()];
+    ForgedTensor {
+        dtype,
+        shape,
+        strides,
+        offset: 0,
+        owner: 0xdead_beef,
+        index: 1,
+        bytes,
+        shm: IpcSharedMemory::from_byte(0, 16),
+        lease,
+    }
+}
+
+fn malformed(r: Result<HostTensor<f32>, RecvError>) -> String {
+    match r {
+        Err(RecvError::Malformed(m)) => m,
+        other => panic!("expected a malformed-message error, got {other:?}"),
+    }
+}
+
+#[test]
+fn random_bytes_are_rejected() {
+    let (tx, rx) = connect::<Raw, HostTensor<f32>>();
+    let mut seed = 0x1234_5678_9abc_def0u64;
+    for len in [0usize, 1, 3, 17, 64, 300] {
+        let bytes = (0..len)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                seed as u8
+            })
+            .collect();
+        tx.send(Raw(bytes)).unwrap();
+        malformed(rx.recv_timeout(WAIT).map_err(|e| match e {
+            cuda_mp::RecvTimeoutError::Malformed(m) => RecvError::Malformed(m),
+            other => panic!("{other}"),
+        }));
+    }
+}
+
+#[test]
+fn a_truncated_message_is_rejected() {
+    let (tx, rx) = connect::<Raw, HostTensor<f32>>();
+    // dtype f32, a shape claiming 3 dimensions, then the message ends.
+    tx.send(Raw(vec![0, 3, 2])).unwrap();
+    malformed(rx.recv());
+}
+
+#[test]
+fn descriptor_slots_out_of_range_are_rejected() {
+    let (tx, rx) = connect::<ForgedTensor<usize, usize>, HostTensor<f32>>();
+    let f = ForgedTensor {
+        dtype: 0,
+        shape: vec![2],
+        strides: vec![1],
+        offset: 0,
+        owner: 1,
+        index: 1,
+        bytes: 8,
+        shm: 5,
+        lease: 9,
+    };
+    tx.send(f).unwrap();
+    let m = malformed(rx.recv());
+    assert!(!m.is_empty());
+
+    // A real shared-memory region, but the lease points at a channel slot that is not there.
+    let (tx, rx) = connect::<ForgedTensor<IpcSharedMemory, usize>, HostTensor<f32>>();
+    let f = ForgedTensor {
+        dtype: 0,
+        shape: vec![2],
+        strides: vec![1],
+        offset: 0,
+        owner: 1,
+        index: 1,
+        bytes: 8,
+        shm: IpcSharedMemory::from_byte(1, 8),
+        lease: 7,
+    };
+    tx.send(f).unwrap();
+    let m = malformed(rx.recv());
+    assert!(m.contains("descriptors"), "{m}");
+}
+
+#[test]
+fn a_view_beyond_its_storage_is_rejected() {
+    let (tx, rx) = connect::<ForgedTensor<IpcSharedMemory, IpcSender<()>>, HostTensor<f32>>();
+    tx.send(forged(0, vec![100], 16)).unwrap();
+    let m = malformed(rx.recv());
+    assert!(m.contains("view reaches element 100 but the storage holds 4"), "{m}");
+    // The claimed size exceeds the memory that came with the message.
+    tx.send(forged(0, vec![2], 4096)).unwrap();
+    let m = malformed(rx.recv());
+    assert!(m.contains("shared memory holds 16 bytes but the message claims 4096"), "{m}");
+    // Strides that overflow.
+    let mut f = forged(0, vec![2, 2], 16);
+    f.strides = vec![usize::MAX, 1];
+    tx.send(f).unwrap();
+    let m = malformed(rx.recv());
+    assert!(m.contains("overflows"), "{m}");
+}
+
+#[test]
+fn an_unknown_dtype_tag_is_rejected() {
+    let (tx, rx) = connect::<ForgedTensor<IpcSharedMemory, IpcSender<()>>, HostTensor<f32>>();
+    tx.send(forged(42, vec![2], 16)).unwrap();
+    assert_eq!(malformed(rx.recv()), "unknown dtype tag 42");
+}
+
+#[test]
+fn a_dtype_mismatch_is_an_error_and_releases_the_lease() {
+    let before = lifetime_stats();
+    let (tx, rx) = connect::<HostTensor<cuda_mp::f16>, HostTensor<f32>>();
+    let t = HostTensor::<cuda_mp::f16>::zeros(&[8]).unwrap();
+    tx.send(t.clone()).unwrap();
+    assert_eq!(malformed(rx.recv()), "dtype mismatch: expected f32, found f16");
+    drop(t);
+    wait_for_lifetime(WAIT, |s| {
+        s.live_storages == before.live_storages && s.outstanding_leases == before.outstanding_leases
+    })
+    .expect("the rejected message's lease is released and the storage freed");
+}
+
+#[test]
+fn a_peer_that_is_not_cuda_mp_is_refused() {
+    let listener = Listener::<u32>::bind().unwrap();
+    let raw: IpcSender<String> = IpcSender::connect(listener.name().to_owned()).unwrap();
+    raw.send("hello".into()).unwrap();
+    let err = listener.accept_timeout(WAIT).unwrap_err();
+    assert!(err.to_string().contains("not a cuda-mp sender"), "{err}");
+}
