@@ -64,7 +64,7 @@ pub use half::{bf16, f16};
 pub use host::{HostStorage, HostTensor};
 pub use layout::{Layout, MAX_DIMS};
 pub use lifetime::{lifetime_stats, wait_for_lifetime, LifetimeStats, StorageId};
-pub use process::{init, spawn, JoinHandle, Pool};
+pub use process::{init, spawn, Builder, JoinHandle, Pool};
 pub use tensor::Tensor;
 
 #[doc(hidden)]

@@ -50,10 +50,51 @@ where
     A: Serialize + DeserializeOwned,
     R: Serialize + DeserializeOwned,
 {
-    if not_initialized() {
-        return JoinHandle { inner: None };
+    Builder::new().spawn(args, f)
+}
+
+/// Options for a spawned process: environment variables (for example `CUDA_VISIBLE_DEVICES`).
+#[derive(Debug, Default)]
+pub struct Builder {
+    env: Vec<(String, Option<String>)>,
+}
+
+impl Builder {
+    /// Options with nothing changed from this process.
+    pub fn new() -> Builder {
+        Builder::default()
     }
-    JoinHandle { inner: Some(procspawn::spawn(args, f)) }
+
+    /// Sets an environment variable in the child.
+    pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Builder {
+        self.env.push((key.into(), Some(value.into())));
+        self
+    }
+
+    /// Removes an environment variable in the child.
+    pub fn env_remove(mut self, key: impl Into<String>) -> Builder {
+        self.env.push((key.into(), None));
+        self
+    }
+
+    /// Runs `f(args)` in a new process with these options; see [`spawn`].
+    pub fn spawn<A, R>(self, args: A, f: fn(A) -> R) -> JoinHandle<R>
+    where
+        A: Serialize + DeserializeOwned,
+        R: Serialize + DeserializeOwned,
+    {
+        if not_initialized() {
+            return JoinHandle { inner: None };
+        }
+        let mut builder = procspawn::Builder::new();
+        for (key, value) in self.env {
+            match value {
+                Some(v) => builder.env(key, v),
+                None => builder.env_remove(key),
+            };
+        }
+        JoinHandle { inner: Some(builder.spawn(args, f)) }
+    }
 }
 
 /// Waits for or kills a spawned process. Dropping it kills the process.

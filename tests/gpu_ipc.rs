@@ -1,0 +1,461 @@
+//! GPU tensors over CUDA IPC, across real processes. These need a CUDA GPU: they are ignored by
+//! a plain `cargo test` and fail with a clear message when run where no GPU is usable.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cuda_mp::{
+    bf16, channel, lifetime_stats, spawn, wait_for_lifetime, Builder, Device, GpuTensor, Listener, Receiver, RecvError,
+    Sender,
+};
+use serde::{Deserialize, Serialize};
+
+cuda_mp::enable_test_support!();
+
+static SERIAL: Mutex<()> = Mutex::new(());
+const WAIT: Duration = Duration::from_secs(60);
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn gpu() -> Arc<Device> {
+    Device::get(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU, and none is usable: {e}"))
+}
+
+fn free_memory(dev: &Device) -> usize {
+    dev.memory_info().unwrap().0
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+enum Cmd {
+    Read,
+    Drop,
+}
+
+fn add_one_then_read((rx, reply, go): (Receiver<GpuTensor<f32>>, Sender<Vec<f32>>, Receiver<()>)) {
+    let t = rx.recv().unwrap();
+    t.add_scalar(1.0).unwrap();
+    t.synchronize().unwrap();
+    reply.send(t.to_vec().unwrap()).unwrap();
+    go.recv().unwrap();
+    reply.send(t.to_vec().unwrap()).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn contiguous_handoff_with_writes_in_both_directions() {
+    let _g = serial();
+    let dev = gpu();
+    let (tx, rx) = channel().unwrap();
+    let (reply_tx, reply_rx) = channel().unwrap();
+    let (go_tx, go_rx) = channel().unwrap();
+    let child = spawn((rx, reply_tx, go_rx), add_one_then_read);
+    let data: Vec<f32> = (0..20).map(|x| x as f32 * 0.5).collect();
+    let t = GpuTensor::from_vec(&dev, &[4, 5], data.clone()).unwrap();
+    tx.send(t.clone()).unwrap();
+    let seen: Vec<f32> = reply_rx.recv_timeout(WAIT).unwrap();
+    let plus_one: Vec<f32> = data.iter().map(|x| x + 1.0).collect();
+    assert_eq!(seen, plus_one, "the child saw the parent's data and added one");
+    assert_eq!(t.to_vec().unwrap(), plus_one, "the child's write is visible here");
+    t.add_scalar(10.0).unwrap();
+    t.synchronize().unwrap();
+    go_tx.send(()).unwrap();
+    let plus_eleven: Vec<f32> = data.iter().map(|x| x + 11.0).collect();
+    assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), plus_eleven, "the parent's write is visible there");
+    child.join().unwrap();
+}
+
+#[derive(Serialize, Deserialize, Debug, PartialEq)]
+struct ViewInfo {
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+    offset: usize,
+    contiguous: bool,
+    values: Vec<f32>,
+}
+
+fn bf16_view_child((rx, reply, go): (Receiver<GpuTensor<bf16>>, Sender<ViewInfo>, Receiver<()>)) {
+    let v = rx.recv().unwrap();
+    let info = |v: &GpuTensor<bf16>| ViewInfo {
+        shape: v.shape().to_vec(),
+        strides: v.strides().to_vec(),
+        offset: v.offset(),
+        contiguous: v.is_contiguous(),
+        values: v.to_vec().unwrap().iter().map(|x| x.to_f32()).collect(),
+    };
+    reply.send(info(&v)).unwrap();
+    v.add_scalar(1.0).unwrap();
+    v.synchronize().unwrap();
+    reply.send(info(&v)).unwrap();
+    go.recv().unwrap();
+    reply.send(info(&v)).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn transposed_bf16_slice_handoff_with_writes_in_both_directions() {
+    let _g = serial();
+    let dev = gpu();
+    let base_vals: Vec<f32> = (0..48).map(|x| x as f32).collect();
+    let base = GpuTensor::from_vec(&dev, &[6, 8], base_vals.iter().map(|&x| bf16::from_f32(x)).collect()).unwrap();
+    // Rows 1..5, columns 2..5, transposed: shape [3, 4], strides [1, 8], offset 10.
+    let view = base.narrow(0, 1, 4).unwrap().narrow(1, 2, 3).unwrap().transpose(0, 1).unwrap();
+    let expected: Vec<f32> = (0..3).flat_map(|c| (0..4).map(move |r| ((r + 1) * 8 + c + 2) as f32)).collect();
+    let (tx, rx) = channel().unwrap();
+    let (reply_tx, reply_rx) = channel().unwrap();
+    let (go_tx, go_rx) = channel().unwrap();
+    let child = spawn((rx, reply_tx, go_rx), bf16_view_child);
+    tx.send(view.clone()).unwrap();
+    let first = reply_rx.recv_timeout(WAIT).unwrap();
+    assert_eq!(
+        first,
+        ViewInfo { shape: vec![3, 4], strides: vec![1, 8], offset: 10, contiguous: false, values: expected.clone() }
+    );
+    let second = reply_rx.recv_timeout(WAIT).unwrap();
+    assert_eq!(second.values, expected.iter().map(|x| x + 1.0).collect::<Vec<_>>());
+    // Only the view's elements changed in the parent's base tensor.
+    let now: Vec<f32> = base.to_vec().unwrap().iter().map(|x| x.to_f32()).collect();
+    for (i, (&was, &is)) in base_vals.iter().zip(&now).enumerate() {
+        let (r, c) = (i / 8, i % 8);
+        let inside = (1..5).contains(&r) && (2..5).contains(&c);
+        assert_eq!(is, if inside { was + 1.0 } else { was }, "element ({r}, {c})");
+    }
+    view.fill(bf16::from_f32(-3.0)).unwrap();
+    view.synchronize().unwrap();
+    go_tx.send(()).unwrap();
+    assert_eq!(reply_rx.recv_timeout(WAIT).unwrap().values, vec![-3.0; 12]);
+    child.join().unwrap();
+}
+
+fn hold_then_release((rx, cmd, reply): (Receiver<GpuTensor<f32>>, Receiver<Cmd>, Sender<bool>)) {
+    let mut t = Some(rx.recv().unwrap());
+    reply.send(true).unwrap();
+    while let Ok(c) = cmd.recv() {
+        match c {
+            Cmd::Read => reply.send(t.as_ref().unwrap().to_vec().unwrap().iter().all(|&x| x == 3.0)).unwrap(),
+            Cmd::Drop => {
+                t = None;
+                reply.send(true).unwrap();
+            }
+        }
+    }
+    assert!(t.is_none());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn eight_consumers_outlive_the_producer_and_memory_returns_to_baseline() {
+    let _g = serial();
+    let dev = gpu();
+    let warm = GpuTensor::<f32>::full(&dev, &[1], 0.0).unwrap();
+    drop(warm);
+    let baseline = free_memory(&dev);
+    let before = lifetime_stats();
+    let t = GpuTensor::<f32>::full(&dev, &[16 << 20], 3.0).unwrap(); // 64 MiB
+    let mut children = Vec::new();
+    let mut cmds = Vec::new();
+    let mut replies = Vec::new();
+    for _ in 0..8 {
+        let (tx, rx) = channel().unwrap();
+        let (cmd_tx, cmd_rx) = channel().unwrap();
+        let (reply_tx, reply_rx) = channel().unwrap();
+        children.push(spawn((rx, cmd_rx, reply_tx), hold_then_release));
+        tx.send(t.clone()).unwrap();
+        cmds.push(cmd_tx);
+        replies.push(reply_rx);
+    }
+    for r in &replies {
+        assert!(r.recv_timeout(WAIT).unwrap());
+    }
+    drop(t);
+    let s = lifetime_stats();
+    assert_eq!(s.live_storages, before.live_storages + 1, "kept alive for the consumers");
+    assert_eq!(s.outstanding_leases, before.outstanding_leases + 8);
+    for c in &cmds {
+        c.send(Cmd::Read).unwrap();
+    }
+    for r in &replies {
+        assert!(r.recv_timeout(WAIT).unwrap(), "a consumer read wrong data after the producer dropped");
+    }
+    for (i, c) in cmds.iter().enumerate() {
+        c.send(Cmd::Drop).unwrap();
+        assert!(replies[i].recv_timeout(WAIT).unwrap());
+        let s = lifetime_stats();
+        if i < 7 {
+            assert_eq!(s.live_storages, before.live_storages + 1, "freed before the last consumer dropped");
+        }
+    }
+    wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages).expect("freed after the last consumer");
+    drop(cmds);
+    for c in children {
+        c.join().unwrap();
+    }
+    let after = free_memory(&dev);
+    assert!(after + (2 << 20) >= baseline, "device memory not back to baseline: {baseline} before, {after} after");
+}
+
+fn first_element((rx, reply): (Receiver<GpuTensor<f32>>, Sender<f32>)) {
+    while let Ok(t) = rx.recv() {
+        let v = t.narrow(0, 0, 1).unwrap().to_vec().unwrap()[0];
+        reply.send(v).unwrap();
+    }
+}
+
+fn shm_entries() -> Vec<String> {
+    let mut v: Vec<String> =
+        std::fs::read_dir("/dev/shm").unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    v.sort();
+    v
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ten_thousand_fresh_handoffs_leave_no_memory_behind() {
+    let _g = serial();
+    let dev = gpu();
+    let warm = GpuTensor::<f32>::full(&dev, &[1], 0.0).unwrap();
+    drop(warm);
+    let baseline = free_memory(&dev);
+    let shm_before = shm_entries();
+    let before = lifetime_stats();
+    let (tx, rx) = channel().unwrap();
+    let (reply_tx, reply_rx) = channel().unwrap();
+    let child = spawn((rx, reply_tx), first_element);
+    for i in 0..10_000 {
+        let t = GpuTensor::<f32>::full(&dev, &[1024], i as f32).unwrap();
+        tx.send(t).unwrap();
+        assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), i as f32);
+    }
+    drop(tx);
+    child.join().unwrap();
+    let after = wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages && s.outstanding_leases == 0)
+        .expect("every storage freed");
+    assert_eq!(after.freed_storages - before.freed_storages, 10_000);
+    let free = free_memory(&dev);
+    assert!(free + (2 << 20) >= baseline, "device memory not back to baseline: {baseline} before, {free} after");
+    assert_eq!(shm_entries(), shm_before, "files left in /dev/shm");
+}
+
+fn hold_forever((rx, ack): (Receiver<GpuTensor<f32>>, Sender<()>)) {
+    let t = rx.recv().unwrap();
+    t.add_scalar(1.0).unwrap();
+    t.synchronize().unwrap();
+    ack.send(()).unwrap();
+    loop {
+        std::thread::park();
+        let _ = &t;
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_sigkilled_consumer_is_reclaimed() {
+    let _g = serial();
+    let dev = gpu();
+    let before = lifetime_stats();
+    let (tx, rx) = channel().unwrap();
+    let (ack_tx, ack_rx) = channel().unwrap();
+    let mut child = spawn((rx, ack_tx), hold_forever);
+    let t = GpuTensor::<f32>::zeros(&dev, &[1 << 20]).unwrap();
+    tx.send(t.clone()).unwrap();
+    ack_rx.recv_timeout(WAIT).unwrap();
+    assert_eq!(t.narrow(0, 0, 2).unwrap().to_vec().unwrap(), vec![1.0, 1.0]);
+    drop(t);
+    assert_eq!(lifetime_stats().live_storages, before.live_storages + 1);
+    child.kill().unwrap();
+    let after = wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages).expect("reclaimed");
+    assert_eq!(after.outstanding_leases, before.outstanding_leases);
+}
+
+fn forward((rx, next): (Receiver<GpuTensor<i32>>, Sender<GpuTensor<i32>>)) {
+    let t = rx.recv().unwrap();
+    t.add_scalar(100.0).unwrap();
+    next.send(t).unwrap();
+}
+
+fn last_hop((rx, reply, cmd): (Receiver<GpuTensor<i32>>, Sender<Vec<i32>>, Receiver<Cmd>)) {
+    let t = rx.recv().unwrap();
+    t.add_scalar(1.0).unwrap();
+    reply.send(t.to_vec().unwrap()).unwrap();
+    cmd.recv().unwrap();
+    drop(t);
+    reply.send(vec![]).unwrap();
+    let _ = cmd.recv();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn forwarding_to_a_third_process_works_and_keeps_memory_alive() {
+    let _g = serial();
+    let dev = gpu();
+    let before = lifetime_stats();
+    let (to_a, a_rx) = channel().unwrap();
+    let (to_b, b_rx) = channel().unwrap();
+    let (reply_tx, reply_rx) = channel().unwrap();
+    let (cmd_tx, cmd_rx) = channel().unwrap();
+    let b = spawn((b_rx, reply_tx, cmd_rx), last_hop);
+    let a = spawn((a_rx, to_b), forward);
+    let t = GpuTensor::from_vec(&dev, &[4], vec![1, 2, 3, 4]).unwrap();
+    to_a.send(t.clone()).unwrap();
+    assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), vec![102, 103, 104, 105]);
+    a.join().unwrap();
+    assert_eq!(t.to_vec().unwrap(), vec![102, 103, 104, 105]);
+    drop(t);
+    assert_eq!(lifetime_stats().live_storages, before.live_storages + 1, "B holds it after A exited");
+    cmd_tx.send(Cmd::Drop).unwrap();
+    reply_rx.recv_timeout(WAIT).unwrap();
+    wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages).expect("released after B dropped");
+    drop(cmd_tx);
+    b.join().unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_same_process_channel_hands_back_the_original_storage() {
+    let _g = serial();
+    let dev = gpu();
+    let before = lifetime_stats();
+    let (tx, rx) = channel().unwrap();
+    let t = GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
+    tx.send(t.transpose(0, 1).unwrap()).unwrap();
+    let back: GpuTensor<f32> = rx.recv().unwrap();
+    assert!(back.shares_storage_with(&t));
+    assert_eq!(back.device_ptr(), t.device_ptr());
+    back.add_scalar(2.5).unwrap();
+    assert_eq!(t.to_vec().unwrap(), vec![2.5; 6]);
+    drop((t, back));
+    wait_for_lifetime(WAIT, |s| {
+        s.live_storages == before.live_storages && s.outstanding_leases == before.outstanding_leases
+    })
+    .expect("freed");
+}
+
+/// The wire layout of a GPU tensor, with every field under the forger's control.
+#[derive(Serialize, Deserialize)]
+struct ForgedGpu {
+    dtype: u8,
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+    offset: usize,
+    owner: u128,
+    index: u64,
+    device_uuid: [u8; 16],
+    mem_handle: Vec<u8>,
+    alloc_offset: u64,
+    bytes: u64,
+    event_handle: Option<Vec<u8>>,
+    lease: ipc_channel::ipc::IpcSender<()>,
+}
+
+fn forged(uuid: [u8; 16], mem_handle: Vec<u8>) -> ForgedGpu {
+    ForgedGpu {
+        dtype: 0,
+        shape: vec![4],
+        strides: vec![1],
+        offset: 0,
+        owner: 77,
+        index: 1,
+        device_uuid: uuid,
+        mem_handle,
+        alloc_offset: 0,
+        bytes: 16,
+        event_handle: None,
+        lease: ipc_channel::ipc::channel().unwrap().0,
+    }
+}
+
+fn expect_malformed(r: Result<GpuTensor<f32>, RecvError>) -> String {
+    match r {
+        Err(RecvError::Malformed(m)) => m,
+        other => panic!("expected a malformed-message error, got {other:?}"),
+    }
+}
+
+fn send_and_exit(tx: Sender<GpuTensor<f32>>) {
+    let dev = Device::get(0).unwrap();
+    let t = GpuTensor::<f32>::full(&dev, &[4], 1.0).unwrap();
+    tx.send(t).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn forged_handles_and_handles_of_exited_producers_give_errors() {
+    let _g = serial();
+    let dev = gpu();
+    let listener = Listener::<GpuTensor<f32>>::bind().unwrap();
+    let name = listener.name().to_owned();
+    let accept = std::thread::spawn(move || listener.accept_timeout(WAIT).unwrap());
+    let tx = Sender::<ForgedGpu>::connect(&name).unwrap();
+    let rx = accept.join().unwrap();
+
+    tx.send(forged(dev.uuid(), (0..64).map(|i| (i * 37 + 11) as u8).collect())).unwrap();
+    let m = expect_malformed(rx.recv());
+    assert!(m.contains("cuIpcOpenMemHandle"), "{m}");
+    tx.send(forged(dev.uuid(), vec![0; 10])).unwrap();
+    let m = expect_malformed(rx.recv());
+    assert!(m.contains("memory handle has 10 bytes"), "{m}");
+    tx.send(forged([0xab; 16], vec![0; 64])).unwrap();
+    let m = expect_malformed(rx.recv());
+    assert!(m.contains("is not visible"), "{m}");
+
+    let (tx, rx) = channel().unwrap();
+    spawn(tx, send_and_exit).join().unwrap();
+    let m = expect_malformed(rx.recv_timeout(WAIT).map_err(|e| RecvError::Malformed(e.to_string())));
+    assert!(m.contains("cuIpcOpenMemHandle"), "{m}");
+    // The channel stays usable after a rejected message.
+    let own = GpuTensor::<f32>::zeros(&dev, &[1]).unwrap();
+    let (tx2, rx2) = channel().unwrap();
+    tx2.send(own).unwrap();
+    assert!(rx2.recv().is_ok());
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+struct Seen {
+    visible: Option<String>,
+    uuid: Result<String, String>,
+}
+
+fn add_one_report_uuid((rx, reply): (Receiver<GpuTensor<f32>>, Sender<Seen>)) {
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let uuid = match rx.recv() {
+        Ok(t) => {
+            t.add_scalar(1.0).unwrap();
+            t.synchronize().unwrap();
+            Ok(t.device().uuid_string())
+        }
+        Err(e) => Err(e.to_string()),
+    };
+    reply.send(Seen { visible, uuid }).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn processes_with_different_visible_devices_map_the_same_gpu() {
+    let _g = serial();
+    let dev = gpu();
+    let uuid = dev.uuid_string();
+    let t = GpuTensor::<f32>::zeros(&dev, &[8]).unwrap();
+    for visible in [uuid.clone(), "0".to_string()] {
+        let (tx, rx) = channel().unwrap();
+        let (reply_tx, reply_rx) = channel().unwrap();
+        let child =
+            Builder::new().env("CUDA_VISIBLE_DEVICES", visible.clone()).spawn((rx, reply_tx), add_one_report_uuid);
+        tx.send(t.clone()).unwrap();
+        let seen = reply_rx.recv_timeout(WAIT).unwrap();
+        assert_eq!(seen.visible.as_deref(), Some(visible.as_str()));
+        assert_eq!(seen.uuid.as_deref(), Ok(uuid.as_str()), "the child mapped the same physical gpu");
+        child.join().unwrap();
+    }
+    assert_eq!(t.to_vec().unwrap(), vec![2.0; 8], "both children wrote the parent's memory");
+
+    // A process that sees no GPU gets a clear error, not a crash.
+    let (tx, rx) = channel().unwrap();
+    let (reply_tx, reply_rx) = channel().unwrap();
+    let child = Builder::new().env("CUDA_VISIBLE_DEVICES", "").spawn((rx, reply_tx), add_one_report_uuid);
+    tx.send(t.clone()).unwrap();
+    let seen = reply_rx.recv_timeout(WAIT).unwrap();
+    let err = seen.uuid.unwrap_err();
+    assert!(err.contains("cuda is not available") || err.contains("not visible"), "{err}");
+    child.join().unwrap();
+}

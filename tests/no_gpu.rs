@@ -1,0 +1,18 @@
+//! What a machine without a usable GPU gets: errors, never panics.
+
+use cuda_mp::{cuda_available, Device, Error};
+
+#[test]
+fn device_lookup_reports_errors_instead_of_panicking() {
+    match Device::get(0) {
+        Ok(dev) => assert!(cuda_available(), "found {dev:?} but cuda_available() says no"),
+        Err(e) => {
+            assert!(!cuda_available());
+            assert!(matches!(e, Error::CudaUnavailable(_)), "{e}");
+            assert!(e.to_string().starts_with("cuda is not available: "), "{e}");
+        }
+    }
+    let err = Device::get(4096).unwrap_err();
+    assert!(matches!(err, Error::CudaUnavailable(_)), "{err}");
+    assert!(Device::by_uuid(&[0xee; 16]).is_err());
+}
