@@ -29,9 +29,18 @@
 //! `f16` data:
 //!
 //! ```compile_fail
+//! use cuda_mp::{f16, GpuTensor, Receiver};
+//! fn take(rx: Receiver<GpuTensor<f32>>) {
+//!     let t: GpuTensor<f16> = rx.recv().unwrap();
+//! }
+//! ```
+//!
+//! (With the matching element type the same code compiles:)
+//!
+//! ```no_run
 //! use cuda_mp::{GpuTensor, Receiver};
 //! fn take(rx: Receiver<GpuTensor<f32>>) {
-//!     let t: GpuTensor<half::f16> = rx.recv().unwrap();
+//!     let t: GpuTensor<f32> = rx.recv().unwrap();
 //! }
 //! ```
 //!

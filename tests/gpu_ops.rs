@@ -1,0 +1,72 @@
+//! The shipped GPU kernels on every dtype and on strided views (one process). Needs a CUDA GPU.
+
+use std::sync::Arc;
+
+use cuda_mp::{bf16, f16, Device, Element, GpuTensor};
+
+fn gpu() -> Arc<Device> {
+    Device::get(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU, and none is usable: {e}"))
+}
+
+fn check_dtype<T: Element + PartialEq>(dev: &Arc<Device>, from: impl Fn(i32) -> T) {
+    let name = T::DTYPE;
+    let t = GpuTensor::<T>::from_vec(dev, &[3, 4], (0..12).map(&from).collect()).unwrap();
+    assert_eq!(t.to_vec().unwrap(), (0..12).map(&from).collect::<Vec<_>>(), "{name}: upload and download");
+    // add on a strided view: column 1, every row
+    t.narrow(1, 1, 1).unwrap().add_scalar(3.0).unwrap();
+    let expect: Vec<T> = (0..12).map(|i| if i % 4 == 1 { from(i + 3) } else { from(i) }).collect();
+    assert_eq!(t.to_vec().unwrap(), expect, "{name}: add_scalar on a column");
+    // fill a transposed slice
+    t.narrow(0, 1, 2).unwrap().transpose(0, 1).unwrap().fill(from(7)).unwrap();
+    let expect: Vec<T> = (0..12).map(|i| if i >= 4 { from(7) } else { expect[i as usize] }).collect();
+    assert_eq!(t.to_vec().unwrap(), expect, "{name}: fill on a transposed slice");
+    // copy a transposed view into a fresh contiguous tensor
+    let tt = t.transpose(0, 1).unwrap();
+    let dst = GpuTensor::<T>::zeros(dev, &[4, 3]).unwrap();
+    dst.copy_from(&tt).unwrap();
+    assert!(dst.is_contiguous());
+    assert_eq!(dst.to_ndarray().unwrap(), tt.to_ndarray().unwrap(), "{name}: copy_from a transpose");
+    let full = GpuTensor::<T>::full(dev, &[5], from(2)).unwrap();
+    assert_eq!(full.to_vec().unwrap(), vec![from(2); 5], "{name}: full");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn kernels_work_on_every_dtype_and_strided_views() {
+    let dev = gpu();
+    check_dtype(&dev, |i| i as f32);
+    check_dtype(&dev, |i| i as f64);
+    check_dtype(&dev, |i| f16::from_f32(i as f32));
+    check_dtype(&dev, |i| bf16::from_f32(i as f32));
+    check_dtype(&dev, |i| i as i8);
+    check_dtype(&dev, |i| i as u8);
+    check_dtype(&dev, |i| i as i16);
+    check_dtype(&dev, |i| i);
+    check_dtype(&dev, |i| i as i64 * 1_000_000_000);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bool_tensors_fill_and_copy_but_do_not_add() {
+    let dev = gpu();
+    let t = GpuTensor::<bool>::from_vec(&dev, &[2, 2], vec![true, false, false, true]).unwrap();
+    assert_eq!(t.to_vec().unwrap(), vec![true, false, false, true]);
+    t.select(0, 1).unwrap().fill(true).unwrap();
+    assert_eq!(t.to_vec().unwrap(), vec![true, false, true, true]);
+    assert!(t.add_scalar(1.0).is_err());
+    let u = GpuTensor::<bool>::zeros(&dev, &[2, 2]).unwrap();
+    u.copy_from(&t.transpose(0, 1).unwrap()).unwrap();
+    assert_eq!(u.to_vec().unwrap(), vec![true, true, false, true]);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn shape_mismatch_and_empty_tensors() {
+    let dev = gpu();
+    let a = GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
+    let b = GpuTensor::<f32>::zeros(&dev, &[3, 2]).unwrap();
+    assert!(a.copy_from(&b).is_err());
+    let e = GpuTensor::<f32>::zeros(&dev, &[0, 5]).unwrap();
+    e.add_scalar(1.0).unwrap();
+    assert!(e.to_vec().unwrap().is_empty());
+}
