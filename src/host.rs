@@ -218,7 +218,7 @@ impl<T: Element> Serialize for Tensor<T, HostStorage> {
             Origin::Imported(lease) => lease.clone(),
             Origin::Local(_) => {
                 let keep = storage.clone();
-                lifetime::grant_lease(storage.id, move || keep).map_err(encode_error)?
+                lifetime::grant_lease(storage.id, move || keep, None).map_err(encode_error)?
             }
         };
         let wire = HostStorageWire { id: storage.id, bytes: storage.len, shm: storage._shm.clone(), lease };
@@ -237,21 +237,30 @@ fn decode<T: Element>(wire: TensorWire<HostStorageWire>) -> Result<HostTensor<T>
     let (w, layout) = wire.check_dtype::<T>()?;
     let storage = if w.id.is_local() {
         lifetime::local_storage(w.id)
-            .and_then(|s| s.downcast::<HostStorage>().ok())
+            .and_then(|s| match s {
+                lifetime::LocalStorage::Handle(s) | lifetime::LocalStorage::Memory(s) => {
+                    s.downcast::<HostStorage>().ok()
+                }
+            })
             .ok_or_else(|| Error::Malformed("message names a host storage of this process that is not shared".into()))?
     } else {
         let HostStorageWire { id, bytes, mut shm, lease } = w;
-        lifetime::import(id, KIND, move || {
-            if shm.len() < bytes {
-                return Err(Error::Malformed(format!(
-                    "shared memory holds {} bytes but the message claims {bytes}",
-                    shm.len()
-                )));
-            }
-            // SAFETY: the pointer is only used through raw accesses; see `HostStorage`.
-            let ptr = unsafe { shm.deref_mut() }.as_mut_ptr();
-            Ok(Arc::new(HostStorage { id, ptr, len: bytes, _shm: shm, origin: Origin::Imported(lease) }))
-        })?
+        lifetime::import(
+            id,
+            KIND,
+            |_| None,
+            move || {
+                if shm.len() < bytes {
+                    return Err(Error::Malformed(format!(
+                        "shared memory holds {} bytes but the message claims {bytes}",
+                        shm.len()
+                    )));
+                }
+                // SAFETY: the pointer is only used through raw accesses; see `HostStorage`.
+                let ptr = unsafe { shm.deref_mut() }.as_mut_ptr();
+                Ok(Arc::new(HostStorage { id, ptr, len: bytes, _shm: shm, origin: Origin::Imported(lease) }))
+            },
+        )?
     };
     let layout = layout.check(storage.len, T::DTYPE)?;
     Ok(Tensor::from_parts(storage, layout))

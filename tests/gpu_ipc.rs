@@ -459,3 +459,39 @@ fn processes_with_different_visible_devices_map_the_same_gpu() {
     assert!(err.contains("cuda is not available") || err.contains("not visible"), "{err}");
     child.join().unwrap();
 }
+
+fn receive_drop_report((rx, reply): (Receiver<GpuTensor<f32>>, Sender<(f32, u64, usize)>)) {
+    while let Ok(t) = rx.recv() {
+        let v = t.narrow(0, 0, 1).unwrap().to_vec().unwrap()[0];
+        drop(t);
+        let s = lifetime_stats();
+        reply.send((v, s.opened_mappings, s.cached_mappings)).unwrap();
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_resent_storage_is_mapped_once_and_the_cache_is_revoked_when_the_producer_drops_it() {
+    let _g = serial();
+    let dev = gpu();
+    let before = lifetime_stats();
+    let (tx, rx) = channel().unwrap();
+    let (reply_tx, reply_rx) = channel().unwrap();
+    let child = spawn((rx, reply_tx), receive_drop_report);
+    let t = GpuTensor::<f32>::zeros(&dev, &[4096]).unwrap();
+    let mut last = (0.0, 0, 0);
+    for i in 0..200 {
+        t.fill(i as f32).unwrap();
+        tx.send(t.clone()).unwrap();
+        last = reply_rx.recv_timeout(WAIT).unwrap();
+        assert_eq!(last.0, i as f32, "the consumer sees this round's value (event ordering)");
+    }
+    assert!(last.1 <= 2, "the consumer opened the handle {} times in 200 rounds", last.1);
+    assert_eq!(last.2, 1, "the consumer keeps one cached mapping");
+    assert_eq!(lifetime_stats().live_storages, before.live_storages + 1);
+    drop(t);
+    wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages && s.outstanding_leases == before.outstanding_leases)
+        .expect("the consumer's cached mapping is revoked and the memory freed");
+    drop(tx);
+    child.join().unwrap();
+}

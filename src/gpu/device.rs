@@ -46,6 +46,16 @@ pub struct Device {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     kernels: OnceCell<Kernels>,
+    ipc_event: OnceCell<IpcEvent>,
+}
+
+/// The interprocess event this process records on the device stream at every send. One event
+/// serves every send: a receiver waits for the work queued up to the latest record, which
+/// includes everything queued before its own message (never less, sometimes a little more).
+/// It lives as long as the process, so receivers may keep it open.
+pub(crate) struct IpcEvent {
+    pub(crate) event: usize,
+    pub(crate) handle: driver::IpcHandle,
 }
 
 impl fmt::Debug for Device {
@@ -94,20 +104,42 @@ impl Device {
         let ctx = CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
         let uuid = device_uuid(ctx.cu_device())?;
         let stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
-        let device = Arc::new(Device { ordinal, uuid, ctx, stream, kernels: OnceCell::new() });
+        let device =
+            Arc::new(Device { ordinal, uuid, ctx, stream, kernels: OnceCell::new(), ipc_event: OnceCell::new() });
         devices.insert(ordinal, device.clone());
         Ok(device)
     }
 
     /// The GPU with this UUID, whatever its ordinal in this process.
     pub fn by_uuid(uuid: &[u8; 16]) -> Result<Arc<Device>> {
+        static BY_UUID: Lazy<Mutex<HashMap<[u8; 16], usize>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+        if let Some(&ordinal) = BY_UUID.lock().unwrap_or_else(|p| p.into_inner()).get(uuid) {
+            return Device::get(ordinal);
+        }
         for ordinal in 0..Device::count()? {
             let dev = cu::device::get(ordinal as i32).map_err(driver_err("cuDeviceGet"))?;
             if &device_uuid(dev)? == uuid {
+                BY_UUID.lock().unwrap_or_else(|p| p.into_inner()).insert(*uuid, ordinal);
                 return Device::get(ordinal);
             }
         }
         Err(Error::DeviceNotVisible { uuid: format_uuid(uuid) })
+    }
+
+    /// Records this process's interprocess event after the work queued on the stream so far.
+    pub(crate) fn record_ipc_event(&self) -> Result<&IpcEvent> {
+        self.bind()?;
+        let ev = self.ipc_event.get_or_try_init(|| {
+            // SAFETY: the context is current.
+            let event = unsafe { driver::event_create_interprocess() }.map_err(driver_err("cuEventCreate"))?;
+            // SAFETY: `event` is a live interprocess event; it is never destroyed.
+            let handle = unsafe { driver::ipc_get_event_handle(event) }.map_err(driver_err("cuIpcGetEventHandle"))?;
+            Ok::<_, Error>(IpcEvent { event: event as usize, handle })
+        })?;
+        // SAFETY: event and stream are live; the context is current.
+        unsafe { cu::event::record(ev.event as sys::CUevent, self.cu_stream()) }
+            .map_err(driver_err("cuEventRecord"))?;
+        Ok(ev)
     }
 
     /// Ordinal in this process.

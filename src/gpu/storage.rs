@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::result as cu;
 use cudarc::driver::sys;
+use once_cell::sync::{Lazy, OnceCell};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::device::{driver_err, format_uuid, Device};
@@ -13,14 +14,22 @@ use super::driver::{self, IpcHandle, IPC_HANDLE_BYTES};
 use crate::channel::{codec_error, encode_error};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
-use crate::lifetime::{self, Lease, LiveStorage, StorageId};
+use crate::lifetime::{self, AnyStorage, CacheTicket, Lease, LiveStorage, LocalStorage, StorageId};
 use crate::tensor::{Tensor, TensorWire};
 
 const KIND: &str = "gpu";
 
 /// Device memory behind [`GpuTensor`](crate::GpuTensor)s: a `cuMemAlloc` allocation made by
 /// this process, or another process's allocation mapped here through its IPC handle.
+///
+/// This is the user-facing handle; the memory it refers to may outlive it (kept for other
+/// processes, or kept mapped for reuse while its owner holds it).
 pub struct GpuStorage {
+    memory: Arc<GpuMemory>,
+}
+
+/// The memory itself: freed (local) or unmapped (imported) when the last reference goes.
+pub(crate) struct GpuMemory {
     id: StorageId,
     device: Arc<Device>,
     /// First byte of the storage.
@@ -32,37 +41,31 @@ pub struct GpuStorage {
 enum Origin {
     Local {
         _live: LiveStorage,
-        export: Mutex<Option<Export>>,
+        handle: OnceCell<IpcHandle>,
     },
     Imported {
         _lease: Lease,
         mapping: sys::CUdeviceptr,
         handle: IpcHandle,
         alloc_offset: u64,
-        events: Mutex<HashMap<IpcHandle, usize>>,
+        ticket: Option<CacheTicket>,
     },
-}
-
-/// What this process made to share a local storage: fixed for the storage's life.
-struct Export {
-    handle: IpcHandle,
-    event: sys::CUevent,
-    event_handle: IpcHandle,
 }
 
 // SAFETY: device pointers and driver handles are plain values usable from any thread once the
 // device's context is current, which every access makes sure of.
-unsafe impl Send for GpuStorage {}
-// SAFETY: as above; the mutable parts sit behind mutexes.
-unsafe impl Sync for GpuStorage {}
+unsafe impl Send for GpuMemory {}
+// SAFETY: as above; nothing in it is mutated after construction.
+unsafe impl Sync for GpuMemory {}
 
 impl fmt::Debug for GpuStorage {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let m = &self.memory;
         f.debug_struct("GpuStorage")
-            .field("id", &self.id)
-            .field("device", &self.device.ordinal())
-            .field("bytes", &self.len)
-            .field("imported", &matches!(self.origin, Origin::Imported { .. }))
+            .field("id", &m.id)
+            .field("device", &m.device.ordinal())
+            .field("bytes", &m.len)
+            .field("imported", &matches!(m.origin, Origin::Imported { .. }))
             .finish()
     }
 }
@@ -73,87 +76,75 @@ impl GpuStorage {
         device.bind()?;
         // SAFETY: the context is current; a zero-byte request is rounded up to one byte.
         let ptr = unsafe { cu::malloc_sync(bytes.max(1)) }.map_err(driver_err("cuMemAlloc"))?;
-        Ok(Arc::new(GpuStorage {
+        let memory = GpuMemory {
             id: StorageId::new_local(),
             device: device.clone(),
             ptr,
             len: bytes,
-            origin: Origin::Local { _live: LiveStorage::new(), export: Mutex::new(None) },
-        }))
+            origin: Origin::Local { _live: LiveStorage::new(), handle: OnceCell::new() },
+        };
+        Ok(Arc::new(GpuStorage { memory: Arc::new(memory) }))
     }
 
     /// The device holding the memory.
     pub fn device(&self) -> &Arc<Device> {
-        &self.device
+        &self.memory.device
     }
 
     /// Size in bytes.
     pub fn byte_len(&self) -> usize {
-        self.len
+        self.memory.len
     }
 
     /// The storage's identity across processes.
     pub fn id(&self) -> StorageId {
-        self.id
+        self.memory.id
     }
 
     /// Device address of the first byte.
     pub fn device_ptr(&self) -> sys::CUdeviceptr {
-        self.ptr
-    }
-
-    /// Makes the device's stream wait for the sender's event (no host block).
-    fn wait_for(&self, event_handle: &IpcHandle) -> Result<()> {
-        let Origin::Imported { events, .. } = &self.origin else { return Ok(()) };
-        let mut events = events.lock().unwrap_or_else(|p| p.into_inner());
-        self.device.bind()?;
-        let event = match events.get(event_handle) {
-            Some(&e) => e as sys::CUevent,
-            None => {
-                // SAFETY: the context is current; the driver validates the handle.
-                let e = unsafe { driver::ipc_open_event_handle(event_handle) }
-                    .map_err(driver_err("cuIpcOpenEventHandle"))?;
-                events.insert(*event_handle, e as usize);
-                e
-            }
-        };
-        // SAFETY: stream and event are live; the context is current.
-        unsafe { driver::stream_wait_event(self.device.cu_stream(), event) }.map_err(driver_err("cuStreamWaitEvent"))
+        self.memory.ptr
     }
 }
 
 impl Drop for GpuStorage {
     fn drop(&mut self) {
+        let m = &self.memory;
+        match &m.origin {
+            Origin::Local { .. } => lifetime::handles_dropped(m.id),
+            Origin::Imported { ticket, .. } => {
+                let slot = ticket.as_ref().map_or(u32::MAX, |t| t.slot());
+                let memory: AnyStorage = m.clone();
+                // Kept for reuse while the owner holds it; otherwise unmapped right here.
+                drop(lifetime::park_idle(m.id, KIND, slot, memory));
+            }
+        }
+    }
+}
+
+impl Drop for GpuMemory {
+    fn drop(&mut self) {
         // Errors cannot be returned from drop; the driver reports them again on the next call.
         let device = self.device.clone();
-        match &mut self.origin {
-            Origin::Local { export, .. } => {
+        match &self.origin {
+            Origin::Local { .. } => {
                 if device.bind().is_err() {
                     return;
                 }
                 // Work queued on the memory must finish before it is freed.
                 let _ = device.synchronize();
-                if let Some(export) = export.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
-                    // SAFETY: the event was created by this storage and is not used after.
-                    let _ = unsafe { cu::event::destroy(export.event) };
-                }
-                // SAFETY: `ptr` came from cuMemAlloc and no tensor refers to it any more.
+                // SAFETY: `ptr` came from cuMemAlloc and nothing refers to it any more.
                 let _ = unsafe { cu::free_sync(self.ptr) };
             }
-            Origin::Imported { mapping, events, .. } => {
+            Origin::Imported { mapping, .. } => {
                 let mapping = *mapping;
-                let events = std::mem::take(events.get_mut().unwrap_or_else(|p| p.into_inner()));
                 lifetime::close_import(self.id, KIND, || {
                     if device.bind().is_err() {
                         return;
                     }
                     // Our work on the memory must finish before the owner may free it.
                     let _ = device.synchronize();
-                    for (_, e) in events {
-                        // SAFETY: opened by this storage; not used after.
-                        let _ = unsafe { cu::event::destroy(e as sys::CUevent) };
-                    }
-                    // SAFETY: `mapping` came from cuIpcOpenMemHandle; no tensor uses it any more.
+                    // SAFETY: `mapping` came from cuIpcOpenMemHandle; nothing uses it any more.
                     let _ = unsafe { driver::ipc_close_mem_handle(mapping) };
                 });
             }
@@ -171,6 +162,7 @@ pub(crate) struct GpuStorageWire {
     bytes: u64,
     event_handle: Option<Vec<u8>>,
     lease: Lease,
+    ticket: Option<CacheTicket>,
 }
 
 /// Everything a GPU tensor message carries, for the explicit export path: print it, send it any
@@ -250,78 +242,104 @@ fn handle_from(bytes: &[u8], what: &str) -> Result<IpcHandle> {
     bytes.try_into().map_err(|_| Error::Malformed(format!("{what} has {} bytes, not {IPC_HANDLE_BYTES}", bytes.len())))
 }
 
-/// Exports a tensor: grants a lease, records the event after the queued work, fills the wire.
-pub(crate) fn encode<T: Element>(tensor: &Tensor<T, GpuStorage>) -> Result<IpcPayload> {
-    let s = &tensor.storage;
-    let device = &s.device;
-    let (lease, mem_handle, alloc_offset, event_handle) = match &s.origin {
-        Origin::Local { export, .. } => {
-            let mut export = export.lock().unwrap_or_else(|p| p.into_inner());
-            device.bind()?;
-            if export.is_none() {
+/// Exports a storage: grants a lease, records the event after the queued work.
+pub(crate) fn encode_storage(storage: &Arc<GpuStorage>) -> Result<GpuStorageWire> {
+    let m = &storage.memory;
+    let device = &m.device;
+    let (lease, mem_handle, alloc_offset, event_handle, ticket) = match &m.origin {
+        Origin::Local { handle, .. } => {
+            let mem_handle = *handle.get_or_try_init(|| {
+                device.bind()?;
                 // SAFETY: the context is current and `ptr` is this storage's live cuMemAlloc pointer.
-                let handle = unsafe { driver::ipc_get_mem_handle(s.ptr) }.map_err(driver_err("cuIpcGetMemHandle"))?;
-                // SAFETY: the context is current.
-                let event = unsafe { driver::event_create_interprocess() }.map_err(driver_err("cuEventCreate"))?;
-                // SAFETY: `event` is a live interprocess event.
-                let event_handle = match unsafe { driver::ipc_get_event_handle(event) } {
-                    Ok(h) => h,
-                    Err(e) => {
-                        // SAFETY: created above, not shared.
-                        let _ = unsafe { cu::event::destroy(event) };
-                        return Err(driver_err("cuIpcGetEventHandle")(e));
-                    }
-                };
-                *export = Some(Export { handle, event, event_handle });
-            }
-            let ex = export.as_ref().expect("export was just made");
-            // SAFETY: event and stream are live; the context is current.
-            unsafe { cu::event::record(ex.event, device.cu_stream()) }.map_err(driver_err("cuEventRecord"))?;
-            let keep = s.clone();
-            let lease = lifetime::grant_lease(s.id, move || keep)?;
-            (lease, ex.handle, 0, Some(ex.event_handle.to_vec()))
+                unsafe { driver::ipc_get_mem_handle(m.ptr) }.map_err(driver_err("cuIpcGetMemHandle"))
+            })?;
+            let event = device.record_ipc_event()?;
+            let keep = m.clone();
+            let user: AnyStorage = storage.clone();
+            let lease = lifetime::grant_lease(m.id, move || keep, Some(Arc::downgrade(&user)))?;
+            let ticket = lifetime::cache_ticket(m.id)?;
+            (lease, mem_handle, 0, Some(event.handle.to_vec()), Some(ticket))
         }
-        Origin::Imported { _lease, handle, alloc_offset, .. } => {
+        Origin::Imported { _lease, handle, alloc_offset, ticket, .. } => {
             // Forwarding: our own writes must be visible to the next process, which has no
             // event of ours to wait on.
             device.synchronize()?;
-            (_lease.clone(), *handle, *alloc_offset, None)
+            (_lease.clone(), *handle, *alloc_offset, None, ticket.clone())
         }
     };
-    let storage = GpuStorageWire {
-        id: s.id,
+    Ok(GpuStorageWire {
+        id: m.id,
         device_uuid: device.uuid(),
         mem_handle: mem_handle.to_vec(),
         alloc_offset,
-        bytes: s.len as u64,
+        bytes: m.len as u64,
         event_handle,
         lease,
-    };
-    Ok(IpcPayload { wire: TensorWire::new::<T>(&tensor.layout, storage) })
+        ticket,
+    })
 }
 
-/// Imports a tensor: resolves the storage (this process's own, an existing mapping, or a new
-/// one), queues the wait on the sender's event and checks the view against the storage.
-pub(crate) fn decode<T: Element>(payload: IpcPayload) -> Result<Tensor<T, GpuStorage>> {
-    let (w, layout) = payload.wire.check_dtype::<T>()?;
-    let storage = if w.id.is_local() {
-        lifetime::local_storage(w.id)
-            .and_then(|s| s.downcast::<GpuStorage>().ok())
-            .ok_or_else(|| Error::Malformed("message names a gpu storage of this process that is not shared".into()))?
-    } else {
-        let device = Device::by_uuid(&w.device_uuid)?;
-        let handle = handle_from(&w.mem_handle, "memory handle")?;
-        let event = w.event_handle.as_deref().map(|e| handle_from(e, "event handle")).transpose()?;
-        let bytes = usize::try_from(w.bytes).map_err(|_| Error::Malformed("storage size overflows".into()))?;
-        let (id, alloc_offset, lease) = (w.id, w.alloc_offset, w.lease);
-        let storage = lifetime::import(id, KIND, move || open(device, id, handle, alloc_offset, bytes, lease))?;
-        if let Some(event) = event {
-            storage.wait_for(&event)?;
+/// Opened interprocess events of other processes, kept for the life of this process (their
+/// owners never destroy them).
+static OPENED_EVENTS: Lazy<Mutex<HashMap<(u128, usize, IpcHandle), usize>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+
+fn wait_for_event(device: &Device, owner: u128, handle: &IpcHandle) -> Result<()> {
+    let mut events = OPENED_EVENTS.lock().unwrap_or_else(|p| p.into_inner());
+    device.bind()?;
+    let key = (owner, device.ordinal(), *handle);
+    let event = match events.get(&key) {
+        Some(&e) => e as sys::CUevent,
+        None => {
+            // SAFETY: the context is current; the driver validates the handle.
+            let e = unsafe { driver::ipc_open_event_handle(handle) }.map_err(driver_err("cuIpcOpenEventHandle"))?;
+            events.insert(key, e as usize);
+            e
         }
-        storage
     };
-    let layout = layout.check(storage.len, T::DTYPE)?;
-    Ok(Tensor::from_parts(storage, layout))
+    // SAFETY: stream and event are live; the context is current.
+    unsafe { driver::stream_wait_event(device.cu_stream(), event) }.map_err(driver_err("cuStreamWaitEvent"))
+}
+
+/// Imports a storage: this process's own, a mapping in use or cached, or a new mapping; then
+/// queues the wait on the sender's event.
+pub(crate) fn decode_storage(w: GpuStorageWire) -> Result<Arc<GpuStorage>> {
+    if w.id.is_local() {
+        return match lifetime::local_storage(w.id) {
+            Some(LocalStorage::Handle(h)) => h.downcast::<GpuStorage>().ok(),
+            Some(LocalStorage::Memory(m)) => m.downcast::<GpuMemory>().ok().map(|memory| {
+                let handle = Arc::new(GpuStorage { memory });
+                let user: AnyStorage = handle.clone();
+                lifetime::revive_local(w.id, Arc::downgrade(&user));
+                handle
+            }),
+            None => None,
+        }
+        .ok_or_else(|| Error::Malformed("message names a gpu storage of this process that is not shared".into()));
+    }
+    let device = Device::by_uuid(&w.device_uuid)?;
+    let handle = handle_from(&w.mem_handle, "memory handle")?;
+    let event = w.event_handle.as_deref().map(|e| handle_from(e, "event handle")).transpose()?;
+    let bytes = usize::try_from(w.bytes).map_err(|_| Error::Malformed("storage size overflows".into()))?;
+    if let Some(ticket) = &w.ticket {
+        lifetime::subscribe(w.id, ticket.clone());
+    }
+    let GpuStorageWire { id, alloc_offset, lease, ticket, .. } = w;
+    let storage = lifetime::import(
+        id,
+        KIND,
+        |memory| memory.downcast::<GpuMemory>().ok().map(|memory| Arc::new(GpuStorage { memory })),
+        || open(device.clone(), id, handle, alloc_offset, bytes, lease, ticket),
+    )?;
+    if storage.memory.len != bytes {
+        return Err(Error::Malformed(format!(
+            "message claims {bytes} bytes for a storage mapped here with {}",
+            storage.memory.len
+        )));
+    }
+    if let Some(event) = event {
+        wait_for_event(&device, id.owner(), &event)?;
+    }
+    Ok(storage)
 }
 
 fn open(
@@ -331,6 +349,7 @@ fn open(
     alloc_offset: u64,
     bytes: usize,
     lease: Lease,
+    ticket: Option<CacheTicket>,
 ) -> Result<Arc<GpuStorage>> {
     device.bind()?;
     // SAFETY: the context is current; the driver validates the handle.
@@ -351,19 +370,32 @@ fn open(
             "storage of {bytes} bytes at offset {alloc_offset} exceeds the {size}-byte allocation"
         )));
     }
-    Ok(Arc::new(GpuStorage {
+    let memory = GpuMemory {
         id,
         device,
         ptr: mapping + alloc_offset,
         len: bytes,
-        origin: Origin::Imported { _lease: lease, mapping, handle, alloc_offset, events: Mutex::new(HashMap::new()) },
-    }))
+        origin: Origin::Imported { _lease: lease, mapping, handle, alloc_offset, ticket },
+    };
+    Ok(Arc::new(GpuStorage { memory: Arc::new(memory) }))
+}
+
+/// Exports a tensor: the storage's wire form plus the view.
+pub(crate) fn encode<T: Element>(tensor: &Tensor<T, GpuStorage>) -> Result<IpcPayload> {
+    Ok(IpcPayload { wire: TensorWire::new::<T>(&tensor.layout, encode_storage(&tensor.storage)?) })
+}
+
+/// Imports a tensor and checks the view against the storage.
+pub(crate) fn decode<T: Element>(payload: IpcPayload) -> Result<Tensor<T, GpuStorage>> {
+    let (w, layout) = payload.wire.check_dtype::<T>()?;
+    let storage = decode_storage(w)?;
+    let layout = layout.check(storage.byte_len(), T::DTYPE)?;
+    Ok(Tensor::from_parts(storage, layout))
 }
 
 impl<T: Element> Serialize for Tensor<T, GpuStorage> {
     fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
-        let payload = encode(self).map_err(encode_error)?;
-        payload.wire.serialize(serializer)
+        encode(self).map_err(encode_error)?.wire.serialize(serializer)
     }
 }
 

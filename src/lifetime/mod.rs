@@ -1,4 +1,5 @@
-//! Cross-process lifetime of shared storage: leases, limbo and the reaper. See README.md here.
+//! Cross-process lifetime of shared storage: leases, limbo, revocation and the reaper. See
+//! README.md here.
 
 use std::any::Any;
 use std::collections::hash_map::RandomState;
@@ -8,14 +9,15 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use ipc_channel::ipc::{self, IpcReceiver, IpcReceiverSet, IpcSelectionResult, IpcSender};
-use once_cell::sync::Lazy;
+use ipc_channel::ipc::{self, IpcReceiverSet, IpcSelectionResult, IpcSender, IpcSharedMemory};
+use once_cell::sync::{Lazy, OnceCell};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
 /// A storage as the lifetime machinery sees it: anything shareable, kept alive by `Arc`.
 pub(crate) type AnyStorage = Arc<dyn Any + Send + Sync>;
+type WeakStorage = Weak<dyn Any + Send + Sync>;
 
 /// Identifies a storage across processes: the process that allocated it and its number there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -34,6 +36,11 @@ impl StorageId {
     /// True when this process allocated the storage.
     pub fn is_local(&self) -> bool {
         self.owner == process_token()
+    }
+
+    /// The token of the process that allocated the storage.
+    pub(crate) fn owner(&self) -> u128 {
+        self.owner
     }
 }
 
@@ -59,6 +66,41 @@ pub(crate) fn process_token() -> u128 {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct Lease(IpcSender<()>);
 
+/// What a message carries besides the lease so that the receiver can cache the storage's
+/// mapping after its last use: where to ask the owner for revocations, and the storage's slot
+/// in the owner's liveness table.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct CacheTicket {
+    control: IpcSender<Control>,
+    slot: u32,
+}
+
+impl CacheTicket {
+    /// The storage's slot in its owner's liveness table.
+    pub(crate) fn slot(&self) -> u32 {
+        self.slot
+    }
+}
+
+/// Consumer to owner: subscribe to revocations.
+#[derive(Debug, Serialize, Deserialize)]
+enum Control {
+    Link { revocations: IpcSender<Revocation> },
+}
+
+/// Owner to consumer.
+#[derive(Debug, Serialize, Deserialize)]
+enum Revocation {
+    /// The owner's liveness table: slot `s` holds the index of the storage it tracks while the
+    /// owner's own handles on it are alive, 0 otherwise.
+    Table(IpcSharedMemory),
+    /// The owner dropped its handles on storage `index`: drop cached mappings of it.
+    Storage(u64),
+}
+
+const TABLE_SLOTS: usize = 1 << 16;
+const NO_SLOT: u32 = u32::MAX;
+
 /// Counters of the lifetime machinery in this process, for tests and monitoring.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LifetimeStats {
@@ -74,19 +116,37 @@ pub struct LifetimeStats {
     pub leases_granted: u64,
     /// Leases released since the process started (dropped, or reclaimed from dead processes).
     pub leases_released: u64,
-    /// Storages of other processes mapped in this process.
+    /// Storages of other processes mapped in this process and in use.
     pub imported_storages: usize,
+    /// Mappings of other processes' storages kept open here after their last use, for reuse
+    /// while their owners still hold them.
+    pub cached_mappings: usize,
+    /// Mappings of other processes' storages opened since the process started (a message for
+    /// a storage already mapped here, in use or cached, opens nothing).
+    pub opened_mappings: u64,
 }
 
 struct Exported {
     keep_alive: AnyStorage,
+    handle: Option<WeakStorage>,
     leases: usize,
+    slot: u32,
+}
+
+struct Owner {
+    table: Option<Table>,
+    free_slots: Vec<u32>,
+    subscribers: Vec<IpcSender<Revocation>>,
 }
 
 #[derive(Default)]
 struct State {
     exported: HashMap<StorageId, Exported>,
-    imported: HashMap<(StorageId, &'static str), Weak<dyn Any + Send + Sync>>,
+    imported: HashMap<(StorageId, &'static str), WeakStorage>,
+    /// Mappings kept after their last use, with their slot in the owner's table.
+    idle: HashMap<(StorageId, &'static str), (AnyStorage, u32)>,
+    /// Liveness tables of owners this process subscribed to (`None` until the table arrives).
+    owner_tables: HashMap<u128, Option<Table>>,
     stats: LifetimeStats,
 }
 
@@ -98,8 +158,8 @@ struct Shared {
 static SHARED: Lazy<Shared> = Lazy::new(|| Shared { state: Mutex::new(State::default()), changed: Condvar::new() });
 
 fn state() -> MutexGuard<'static, State> {
-    // A panic while holding the lock cannot leave the maps inconsistent (every update is a
-    // single insert, remove or counter change), so a poisoned lock is still usable.
+    // Every update is a single insert, remove or counter change, so a lock poisoned by a panic
+    // elsewhere still guards consistent maps.
     SHARED.state.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -107,13 +167,57 @@ fn notify() {
     SHARED.changed.notify_all();
 }
 
-/// Current counters.
-pub fn lifetime_stats() -> LifetimeStats {
-    let s = state();
+fn owner() -> MutexGuard<'static, Owner> {
+    static OWNER: Lazy<Mutex<Owner>> =
+        Lazy::new(|| Mutex::new(Owner { table: None, free_slots: Vec::new(), subscribers: Vec::new() }));
+    OWNER.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A liveness table mapped in this process: shared memory accessed only through atomics.
+struct Table {
+    cells: *const AtomicU64,
+    len: usize,
+    shm: IpcSharedMemory,
+}
+
+// SAFETY: the mapping is owned by `shm` and only accessed atomically.
+unsafe impl Send for Table {}
+// SAFETY: as above.
+unsafe impl Sync for Table {}
+
+impl Table {
+    fn new(mut shm: IpcSharedMemory) -> Table {
+        // SAFETY: the pointer is only used for atomic accesses, which other processes' writes
+        // cannot make undefined.
+        let bytes = unsafe { shm.deref_mut() };
+        Table { cells: bytes.as_mut_ptr() as *const AtomicU64, len: bytes.len() / 8, shm }
+    }
+
+    fn cell(&self, slot: u32) -> Option<&AtomicU64> {
+        if (slot as usize) < self.len {
+            // SAFETY: in bounds; the mapping is page-aligned, so every cell is 8-byte aligned.
+            Some(unsafe { &*self.cells.add(slot as usize) })
+        } else {
+            None
+        }
+    }
+}
+
+fn table_cell(table: &Table, slot: u32) -> Option<&AtomicU64> {
+    table.cell(slot)
+}
+
+fn stats_of(s: &State) -> LifetimeStats {
     let mut stats = s.stats;
     stats.exported_storages = s.exported.len();
     stats.imported_storages = s.imported.values().filter(|w| w.strong_count() > 0).count();
+    stats.cached_mappings = s.idle.len();
     stats
+}
+
+/// Current counters.
+pub fn lifetime_stats() -> LifetimeStats {
+    stats_of(&state())
 }
 
 /// Waits until `condition` holds for the counters, or `timeout` passes. Wakes on every change
@@ -122,9 +226,7 @@ pub fn wait_for_lifetime(timeout: Duration, condition: impl Fn(&LifetimeStats) -
     let deadline = Instant::now() + timeout;
     let mut guard = state();
     loop {
-        let mut stats = guard.stats;
-        stats.exported_storages = guard.exported.len();
-        stats.imported_storages = guard.imported.values().filter(|w| w.strong_count() > 0).count();
+        let stats = stats_of(&guard);
         if condition(&stats) {
             return Ok(stats);
         }
@@ -159,19 +261,73 @@ impl Drop for LiveStorage {
     }
 }
 
-/// Grants a lease on a local storage for one outgoing message. Until that lease is released
-/// the storage is kept alive here, whatever this process does with its own handles (limbo).
-pub(crate) fn grant_lease(id: StorageId, storage: impl FnOnce() -> AnyStorage) -> Result<Lease> {
-    let (tx, rx) = ipc::channel::<()>()?;
+/// Grants a lease on a local storage for one outgoing message. Until the lease is released the
+/// storage's memory (`keep_alive`) stays here, whatever this process does with its own handles
+/// (limbo). `handle`, when given, is the user-facing handle that a message coming back to this
+/// process resolves to while it lives.
+pub(crate) fn grant_lease(
+    id: StorageId,
+    keep_alive: impl FnOnce() -> AnyStorage,
+    handle: Option<WeakStorage>,
+) -> Result<Lease> {
+    let lease = reaper()?.new_lease(id)?;
     {
         let mut s = state();
-        s.exported.entry(id).or_insert_with(|| Exported { keep_alive: storage(), leases: 0 }).leases += 1;
+        let entry = s.exported.entry(id).or_insert_with(|| Exported {
+            keep_alive: keep_alive(),
+            handle,
+            leases: 0,
+            slot: NO_SLOT,
+        });
+        entry.leases += 1;
         s.stats.outstanding_leases += 1;
         s.stats.leases_granted += 1;
     }
-    reaper()?.watch(id, rx);
     notify();
-    Ok(Lease(tx))
+    Ok(lease)
+}
+
+/// A ticket that lets the receiver keep its mapping of `id` cached after use, for as long as
+/// this process holds handles on the storage. Call after [`grant_lease`].
+pub(crate) fn cache_ticket(id: StorageId) -> Result<CacheTicket> {
+    let control = reaper()?.control.clone();
+    let mut s = state();
+    let Some(entry) = s.exported.get_mut(&id) else {
+        return Ok(CacheTicket { control, slot: NO_SLOT });
+    };
+    if entry.slot == NO_SLOT {
+        let mut o = owner();
+        if o.table.is_none() {
+            o.table = Some(Table::new(IpcSharedMemory::from_byte(0, TABLE_SLOTS * 8)));
+            o.free_slots = (0..TABLE_SLOTS as u32).rev().collect();
+        }
+        if let Some(slot) = o.free_slots.pop() {
+            if let Some(cell) = o.table.as_ref().and_then(|t| table_cell(t, slot)) {
+                cell.store(id.index, Ordering::SeqCst);
+            }
+            entry.slot = slot;
+        }
+    }
+    Ok(CacheTicket { control, slot: entry.slot })
+}
+
+/// This process dropped its last handle on local storage `id`: receivers may no longer keep
+/// idle mappings of it. The memory itself stays until the last lease is released.
+pub(crate) fn handles_dropped(id: StorageId) {
+    let slot = match state().exported.get(&id) {
+        Some(e) => e.slot,
+        None => return,
+    };
+    if slot == NO_SLOT {
+        return;
+    }
+    let mut o = owner();
+    // Mark the storage dead before telling anyone: a receiver that checks the table after
+    // missing the revocation sees it dead.
+    if let Some(cell) = o.table.as_ref().and_then(|t| table_cell(t, slot)) {
+        cell.store(0, Ordering::SeqCst);
+    }
+    o.subscribers.retain(|s| s.send(Revocation::Storage(id.index)).is_ok());
 }
 
 fn release_lease(id: StorageId) {
@@ -183,45 +339,122 @@ fn release_lease(id: StorageId) {
         s.stats.outstanding_leases -= 1;
         s.stats.leases_released += 1;
         if last {
-            s.exported.remove(&id).map(|e| e.keep_alive)
+            s.exported.remove(&id)
         } else {
             None
         }
     };
-    // Freeing may call into the driver: do it outside the lock.
-    drop(dropped);
+    if let Some(entry) = dropped {
+        if entry.slot != NO_SLOT {
+            let mut o = owner();
+            if let Some(cell) = o.table.as_ref().and_then(|t| table_cell(t, entry.slot)) {
+                cell.store(0, Ordering::SeqCst);
+            }
+            o.free_slots.push(entry.slot);
+        }
+        // Freeing may call into the driver: do it outside the lock.
+        drop(entry);
+    }
     notify();
 }
 
-/// The local storage `id`, when it is alive and leased (a message this process sent came back).
-pub(crate) fn local_storage(id: StorageId) -> Option<AnyStorage> {
-    state().exported.get(&id).map(|e| e.keep_alive.clone())
+/// A local storage named by a message that came back to this process: the live user handle if
+/// there is one, else the storage's memory (to wrap in a new handle), while it is leased.
+pub(crate) enum LocalStorage {
+    Handle(AnyStorage),
+    Memory(AnyStorage),
 }
 
-/// The storage `id` of another process as mapped here: the existing mapping when this process
-/// already holds one (a storage is mapped once per process), else the one `open` makes.
-/// `open` runs under the import lock, so a mapping is never opened while another is closing.
-pub(crate) fn import<S: Any + Send + Sync>(
-    id: StorageId,
-    kind: &'static str,
-    open: impl FnOnce() -> Result<Arc<S>>,
-) -> Result<Arc<S>> {
+pub(crate) fn local_storage(id: StorageId) -> Option<LocalStorage> {
+    let s = state();
+    let e = s.exported.get(&id)?;
+    Some(match e.handle.as_ref().and_then(Weak::upgrade) {
+        Some(h) => LocalStorage::Handle(h),
+        None => LocalStorage::Memory(e.keep_alive.clone()),
+    })
+}
+
+/// Records a new user handle for a local storage revived by a returning message.
+pub(crate) fn revive_local(id: StorageId, handle: WeakStorage) {
     let mut s = state();
-    if let Some(existing) = s.imported.get(&(id, kind)).and_then(Weak::upgrade) {
-        if let Ok(storage) = existing.downcast::<S>() {
-            return Ok(storage);
+    if let Some(e) = s.exported.get_mut(&id) {
+        e.handle = Some(handle);
+        if let Some(cell) = owner().table.as_ref().and_then(|t| table_cell(t, e.slot)) {
+            cell.store(id.index, Ordering::SeqCst);
         }
     }
-    let storage = open()?;
-    let as_any: AnyStorage = storage.clone();
+}
+
+/// The storage `id` of another process as mapped here: the handle in use, else a cached idle
+/// mapping passed to `revive`, else the one `open` makes. Both run under the import lock, so a
+/// mapping is never opened while another of the same storage is closing.
+pub(crate) fn import<H: Any + Send + Sync>(
+    id: StorageId,
+    kind: &'static str,
+    revive: impl FnOnce(AnyStorage) -> Option<Arc<H>>,
+    open: impl FnOnce() -> Result<Arc<H>>,
+) -> Result<Arc<H>> {
+    let mut s = state();
+    if let Some(existing) = s.imported.get(&(id, kind)).and_then(Weak::upgrade) {
+        if let Ok(handle) = existing.downcast::<H>() {
+            return Ok(handle);
+        }
+    }
+    let handle = match s.idle.remove(&(id, kind)).and_then(|(memory, _)| revive(memory)) {
+        Some(handle) => handle,
+        None => {
+            let handle = open()?;
+            s.stats.opened_mappings += 1;
+            handle
+        }
+    };
+    let as_any: AnyStorage = handle.clone();
     s.imported.insert((id, kind), Arc::downgrade(&as_any));
     drop(s);
     notify();
-    Ok(storage)
+    Ok(handle)
 }
 
-/// Runs `close` for an imported storage that is being dropped, under the import lock, and
-/// forgets the mapping unless a newer one replaced it.
+/// Subscribes to revocations from the owner of `id` (once per owner), so that mappings of its
+/// storages can be cached after use.
+pub(crate) fn subscribe(id: StorageId, ticket: CacheTicket) {
+    if id.is_local() || state().owner_tables.contains_key(&id.owner) {
+        return;
+    }
+    let Ok(reaper) = reaper() else { return };
+    let Ok((tx, rx)) = ipc::channel::<Revocation>() else { return };
+    if ticket.control.send(Control::Link { revocations: tx }).is_ok() {
+        state().owner_tables.insert(id.owner, None);
+        reaper.watch(Watched::Revocations(id.owner), rx.to_opaque());
+    }
+}
+
+/// The last user handle of an imported storage is gone. Keeps its mapping (`memory`) cached
+/// when the owner still holds the storage; otherwise hands it back to be closed.
+pub(crate) fn park_idle(id: StorageId, kind: &'static str, slot: u32, memory: AnyStorage) -> Option<AnyStorage> {
+    let mut s = state();
+    if s.imported.get(&(id, kind)).is_some_and(|w| w.strong_count() == 0) {
+        s.imported.remove(&(id, kind));
+    }
+    let alive = s
+        .owner_tables
+        .get(&id.owner)
+        .and_then(Option::as_ref)
+        .and_then(|t| table_cell(t, slot))
+        .is_some_and(|c| c.load(Ordering::SeqCst) == id.index);
+    let result = if alive {
+        s.idle.insert((id, kind), (memory, slot));
+        None
+    } else {
+        Some(memory)
+    };
+    drop(s);
+    notify();
+    result
+}
+
+/// Runs `close` for a mapping of another process's storage that is being dropped, under the
+/// import lock.
 pub(crate) fn close_import(id: StorageId, kind: &'static str, close: impl FnOnce()) {
     {
         let mut s = state();
@@ -233,40 +466,96 @@ pub(crate) fn close_import(id: StorageId, kind: &'static str, close: impl FnOnce
     notify();
 }
 
-/// Watches the receiving ends of granted leases and releases a lease when its channel closes.
-struct Reaper {
-    pending: Mutex<Vec<(StorageId, IpcReceiver<()>)>>,
-    wake_pending: AtomicBool,
-    wake: Mutex<IpcSender<()>>,
+fn revoke(owner: u128, index: Option<u64>) {
+    let evicted: Vec<AnyStorage> = {
+        let mut s = state();
+        let keys: Vec<_> =
+            s.idle.keys().filter(|(id, _)| id.owner == owner && index.is_none_or(|i| id.index == i)).copied().collect();
+        keys.iter().filter_map(|k| s.idle.remove(k)).map(|(m, _)| m).collect()
+    };
+    // Closing the mappings takes the lock again: outside it.
+    drop(evicted);
+    notify();
 }
 
+/// What the reaper watches.
+#[derive(Debug, Clone, Copy)]
+enum Watched {
+    Lease(StorageId),
+    /// A pre-made lease channel not yet handed out.
+    Spare,
+    Control,
+    Revocations(u128),
+}
+
+/// Watches the receiving ends of leases, the control channel and revocation subscriptions.
+struct Reaper {
+    control: IpcSender<Control>,
+    pending: Mutex<Vec<(Watched, ipc::OpaqueIpcReceiver)>>,
+    wake_pending: AtomicBool,
+    wake: Mutex<IpcSender<()>>,
+    watched: Mutex<HashMap<u64, Watched>>,
+    spares: Mutex<Vec<(u64, IpcSender<()>)>>,
+}
+
+const SPARE_LEASES: usize = 64;
+
 fn reaper() -> Result<&'static Reaper> {
-    static REAPER: once_cell::sync::OnceCell<Reaper> = once_cell::sync::OnceCell::new();
+    static REAPER: OnceCell<Reaper> = OnceCell::new();
     REAPER.get_or_try_init(|| {
         let (wake, wake_rx) = ipc::channel::<()>()?;
+        let (control, control_rx) = ipc::channel::<Control>()?;
         let mut set = IpcReceiverSet::new()?;
         let wake_id = set.add(wake_rx)?;
+        let mut watched = HashMap::new();
+        watched.insert(set.add(control_rx)?, Watched::Control);
         std::thread::Builder::new().name("cuda-mp-reaper".into()).spawn(move || reap(set, wake_id))?;
-        Ok(Reaper { pending: Mutex::new(Vec::new()), wake_pending: AtomicBool::new(false), wake: Mutex::new(wake) })
+        Ok(Reaper {
+            control,
+            pending: Mutex::new(Vec::new()),
+            wake_pending: AtomicBool::new(false),
+            wake: Mutex::new(wake),
+            watched: Mutex::new(watched),
+            spares: Mutex::new(Vec::new()),
+        })
     })
 }
 
 impl Reaper {
-    fn watch(&self, id: StorageId, rx: IpcReceiver<()>) {
-        self.pending.lock().unwrap_or_else(|p| p.into_inner()).push((id, rx));
+    fn watch(&self, what: Watched, rx: ipc::OpaqueIpcReceiver) {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner()).push((what, rx));
+        self.wake();
+    }
+
+    fn wake(&self) {
         if !self.wake_pending.swap(true, Ordering::SeqCst) {
             // The reaper thread lives as long as the process, so the wake channel is open.
             let _ = self.wake.lock().unwrap_or_else(|p| p.into_inner()).send(());
         }
     }
 
-    fn take_pending(&self) -> Vec<(StorageId, IpcReceiver<()>)> {
-        std::mem::take(&mut *self.pending.lock().unwrap_or_else(|p| p.into_inner()))
+    /// A lease channel for `id`: a spare one already watched when there is one (no system call
+    /// on the send path), else a new one.
+    fn new_lease(&self, id: StorageId) -> Result<Lease> {
+        let spare = {
+            let mut spares = self.spares.lock().unwrap_or_else(|p| p.into_inner());
+            let spare = spares.pop();
+            if spares.len() < SPARE_LEASES / 4 {
+                self.wake();
+            }
+            spare
+        };
+        if let Some((set_id, tx)) = spare {
+            self.watched.lock().unwrap_or_else(|p| p.into_inner()).insert(set_id, Watched::Lease(id));
+            return Ok(Lease(tx));
+        }
+        let (tx, rx) = ipc::channel::<()>()?;
+        self.watch(Watched::Lease(id), rx.to_opaque());
+        Ok(Lease(tx))
     }
 }
 
 fn reap(mut set: IpcReceiverSet, wake_id: u64) {
-    let mut watched: HashMap<u64, StorageId> = HashMap::new();
     let Ok(reaper) = reaper() else { return };
     loop {
         let events = match set.select() {
@@ -281,23 +570,68 @@ fn reap(mut set: IpcReceiverSet, wake_id: u64) {
                 IpcSelectionResult::MessageReceived(id, _) if id == wake_id => {
                     reaper.wake_pending.store(false, Ordering::SeqCst);
                 }
-                // Nothing is ever sent on a lease; a forged message on one is ignored.
-                IpcSelectionResult::MessageReceived(..) => {}
+                IpcSelectionResult::MessageReceived(id, message) => {
+                    let what = reaper.watched.lock().unwrap_or_else(|p| p.into_inner()).get(&id).copied();
+                    match what {
+                        Some(Watched::Control) => {
+                            if let Ok(Control::Link { revocations }) = message.to::<Control>() {
+                                let mut o = owner();
+                                if let Some(table) = &o.table {
+                                    if revocations.send(Revocation::Table(table.shm.clone())).is_ok() {
+                                        o.subscribers.push(revocations);
+                                    }
+                                }
+                            }
+                        }
+                        Some(Watched::Revocations(owner)) => match message.to::<Revocation>() {
+                            Ok(Revocation::Table(table)) => {
+                                state().owner_tables.insert(owner, Some(Table::new(table)));
+                            }
+                            Ok(Revocation::Storage(index)) => revoke(owner, Some(index)),
+                            Err(_) => {}
+                        },
+                        // Nothing is ever sent on a lease; a forged message on one is ignored.
+                        _ => {}
+                    }
+                }
                 IpcSelectionResult::ChannelClosed(id) => {
-                    if let Some(storage) = watched.remove(&id) {
-                        release_lease(storage);
+                    let what = reaper.watched.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+                    match what {
+                        Some(Watched::Lease(storage)) => release_lease(storage),
+                        Some(Watched::Revocations(owner)) => {
+                            // The owner is gone: its storages with it.
+                            state().owner_tables.remove(&owner);
+                            revoke(owner, None);
+                        }
+                        _ => {}
                     }
                 }
             }
         }
-        for (storage, rx) in reaper.take_pending() {
-            match set.add(rx) {
+        let pending = std::mem::take(&mut *reaper.pending.lock().unwrap_or_else(|p| p.into_inner()));
+        for (what, rx) in pending {
+            match set.add_opaque(rx) {
                 Ok(id) => {
-                    watched.insert(id, storage);
+                    reaper.watched.lock().unwrap_or_else(|p| p.into_inner()).insert(id, what);
                 }
                 // Cannot watch it (out of descriptors): release now rather than leak forever.
-                Err(_) => release_lease(storage),
+                Err(_) => {
+                    if let Watched::Lease(storage) = what {
+                        release_lease(storage)
+                    }
+                }
             }
         }
+        refill_spares(reaper, &mut set);
+    }
+}
+
+fn refill_spares(reaper: &Reaper, set: &mut IpcReceiverSet) {
+    let missing = SPARE_LEASES.saturating_sub(reaper.spares.lock().unwrap_or_else(|p| p.into_inner()).len());
+    for _ in 0..missing {
+        let Ok((tx, rx)) = ipc::channel::<()>() else { return };
+        let Ok(id) = set.add(rx) else { return };
+        reaper.watched.lock().unwrap_or_else(|p| p.into_inner()).insert(id, Watched::Spare);
+        reaper.spares.lock().unwrap_or_else(|p| p.into_inner()).push((id, tx));
     }
 }
