@@ -1,5 +1,6 @@
 //! GPU tensors: device memory shared across processes through CUDA IPC. See README.md here.
 
+mod bundle;
 mod device;
 mod driver;
 mod storage;
@@ -12,6 +13,7 @@ use cudarc::driver::sys;
 use cudarc::driver::CudaStream;
 use ndarray::{ArrayBase, ArrayD, Data, Dimension, IxDyn};
 
+pub use bundle::{Bundle, BundleBuilder, BundleEntry};
 pub use device::{cuda_available, Device};
 pub use storage::{GpuStorage, IpcPayload};
 
