@@ -490,8 +490,10 @@ fn a_resent_storage_is_mapped_once_and_the_cache_is_revoked_when_the_producer_dr
     assert_eq!(last.2, 1, "the consumer keeps one cached mapping");
     assert_eq!(lifetime_stats().live_storages, before.live_storages + 1);
     drop(t);
-    wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages && s.outstanding_leases == before.outstanding_leases)
-        .expect("the consumer's cached mapping is revoked and the memory freed");
+    wait_for_lifetime(WAIT, |s| {
+        s.live_storages == before.live_storages && s.outstanding_leases == before.outstanding_leases
+    })
+    .expect("the consumer's cached mapping is revoked and the memory freed");
     drop(tx);
     child.join().unwrap();
 }

@@ -73,7 +73,8 @@ impl BundleBuilder {
             }
             let start = bytes.div_ceil(ALIGN) * ALIGN;
             let mut layout = Layout::contiguous(&shape)?;
-            let len = layout.numel().checked_mul(dtype.size()).ok_or_else(|| Error::Layout("bundle too large".into()))?;
+            let len =
+                layout.numel().checked_mul(dtype.size()).ok_or_else(|| Error::Layout("bundle too large".into()))?;
             layout = Layout::new(shape, layout.strides().to_vec(), start / dtype.size(), usize::MAX)?;
             bytes = start.checked_add(len).ok_or_else(|| Error::Layout("bundle too large".into()))?;
             entries.push(BundleEntry { name, dtype, layout });

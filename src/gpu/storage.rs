@@ -281,7 +281,9 @@ pub(crate) fn encode_storage(storage: &Arc<GpuStorage>) -> Result<GpuStorageWire
 
 /// Opened interprocess events of other processes, kept for the life of this process (their
 /// owners never destroy them).
-static OPENED_EVENTS: Lazy<Mutex<HashMap<(u128, usize, IpcHandle), usize>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+/// Keyed by (owner token, device ordinal, event handle); the value is the opened `CUevent`.
+type OpenedEvents = HashMap<(u128, usize, IpcHandle), usize>;
+static OPENED_EVENTS: Lazy<Mutex<OpenedEvents>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
 fn wait_for_event(device: &Device, owner: u128, handle: &IpcHandle) -> Result<()> {
     let mut events = OPENED_EVENTS.lock().unwrap_or_else(|p| p.into_inner());

@@ -1,0 +1,378 @@
+//! Handoff benchmarks against torch.multiprocessing, in one run, on one GPU.
+//!
+//!     cargo bench --bench handoff                 # ours, then benches/torch_baseline.py, one table
+//!     cargo bench --bench handoff -- --no-torch   # ours only
+//!     cargo bench --bench handoff -- --quick      # fewer rounds
+//!
+//! Rows (torch runs the same workloads; the ratio is torch / ours, higher is better for us):
+//!   a  round trip, same storage resent; the consumer receives, drops, acknowledges
+//!   b  round trip, a fresh allocation every round
+//!   c  one-way throughput of 4 KiB tensors to a consumer that keeps up
+//!   d  weight publish: 291 bf16 tensors shaped like a 7B transformer (13.5 GB); first publish,
+//!      then re-publish after an in-place update; the consumer keeps the latest weights and
+//!      reads the step counter published with them
+//!   e  fan-out: one 1 MiB tensor to 8 consumers, until all acknowledged
+
+use std::collections::HashMap;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use cuda_mp::{
+    bf16, channel, cuda_available, spawn, Bundle, BundleBuilder, Device, GpuTensor, JoinHandle, Receiver, Sender,
+};
+
+const WAIT: Duration = Duration::from_secs(120);
+const SIZES: [(&str, usize); 4] = [("4K", 4 << 10), ("1M", 1 << 20), ("64M", 64 << 20), ("1G", 1 << 30)];
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+/// Median and p99 in microseconds.
+fn summarize(mut us: Vec<f64>) -> (f64, f64) {
+    us.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    (percentile(&us, 0.5), percentile(&us, 0.99))
+}
+
+fn drop_and_ack((rx, ack): (Receiver<GpuTensor<u8>>, Sender<()>)) {
+    while let Ok(t) = rx.recv() {
+        drop(t);
+        if ack.send(()).is_err() {
+            break;
+        }
+    }
+}
+
+fn count_then_ack((rx, ack, n): (Receiver<GpuTensor<u8>>, Sender<u64>, u64)) {
+    let mut seen = 0;
+    while seen < n {
+        match rx.recv() {
+            Ok(t) => {
+                drop(t);
+                seen += 1;
+            }
+            Err(_) => break,
+        }
+    }
+    let _ = ack.send(seen);
+}
+
+fn hold_latest((rx, ack): (Receiver<Bundle>, Sender<i64>)) {
+    let mut latest = None;
+    while let Ok(b) = rx.recv() {
+        let step = b.get::<i64>("step").and_then(|s| s.to_vec()).map(|v| v[0]).unwrap_or(-1);
+        latest = Some(b);
+        if ack.send(step).is_err() {
+            break;
+        }
+    }
+    drop(latest);
+}
+
+fn ping((rx, ack): (Receiver<()>, Sender<()>)) {
+    while rx.recv().is_ok() {
+        if ack.send(()).is_err() {
+            break;
+        }
+    }
+}
+
+struct Consumer {
+    tx: Sender<GpuTensor<u8>>,
+    ack: Receiver<()>,
+    child: JoinHandle<()>,
+}
+
+fn consumer() -> Consumer {
+    let (tx, rx) = channel().unwrap();
+    let (ack_tx, ack) = channel().unwrap();
+    let child = spawn((rx, ack_tx), drop_and_ack);
+    Consumer { tx, ack, child }
+}
+
+impl Consumer {
+    fn round(&self, t: &GpuTensor<u8>) -> f64 {
+        let start = Instant::now();
+        self.tx.send(t.clone()).unwrap();
+        self.ack.recv_timeout(WAIT).unwrap();
+        start.elapsed().as_secs_f64() * 1e6
+    }
+
+    fn finish(self) {
+        drop(self.tx);
+        self.child.join().unwrap();
+    }
+}
+
+fn llama7b_shapes() -> Vec<(String, Vec<usize>)> {
+    let (vocab, d, ff, layers) = (32000, 4096, 11008, 32);
+    let mut v = vec![("model.embed_tokens.weight".to_string(), vec![vocab, d])];
+    for l in 0..layers {
+        let p = format!("model.layers.{l}");
+        for n in ["q_proj", "k_proj", "v_proj", "o_proj"] {
+            v.push((format!("{p}.self_attn.{n}.weight"), vec![d, d]));
+        }
+        v.push((format!("{p}.mlp.gate_proj.weight"), vec![ff, d]));
+        v.push((format!("{p}.mlp.up_proj.weight"), vec![ff, d]));
+        v.push((format!("{p}.mlp.down_proj.weight"), vec![d, ff]));
+        v.push((format!("{p}.input_layernorm.weight"), vec![d]));
+        v.push((format!("{p}.post_attention_layernorm.weight"), vec![d]));
+    }
+    v.push(("model.norm.weight".to_string(), vec![d]));
+    v.push(("lm_head.weight".to_string(), vec![vocab, d]));
+    v
+}
+
+#[derive(Default)]
+struct Results {
+    /// key -> (median, p99) in microseconds, or (rate, 0) for throughput rows.
+    ours: HashMap<String, (f64, f64)>,
+    torch: HashMap<String, (f64, f64)>,
+}
+
+fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, r: &mut Results) {
+    let rounds = if quick { 200 } else { 1000 };
+    let warm = if quick { 20 } else { 100 };
+
+    // Floor: an empty message round trip through the same channels.
+    {
+        let (tx, rx) = channel().unwrap();
+        let (ack_tx, ack) = channel().unwrap();
+        let child = spawn((rx, ack_tx), ping);
+        let mut us = Vec::new();
+        for i in 0..rounds + warm {
+            let start = Instant::now();
+            tx.send(()).unwrap();
+            ack.recv_timeout(WAIT).unwrap();
+            if i >= warm {
+                us.push(start.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        drop(tx);
+        child.join().unwrap();
+        r.ours.insert("floor".into(), summarize(us));
+    }
+    // Export cost in process: lease, event record, wire form.
+    {
+        let t = GpuTensor::<u8>::zeros(dev, &[1 << 20]).unwrap();
+        let mut us = Vec::new();
+        for i in 0..rounds + warm {
+            let start = Instant::now();
+            let p = t.ipc_payload().unwrap();
+            drop(p);
+            if i >= warm {
+                us.push(start.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        r.ours.insert("export".into(), summarize(us));
+    }
+    // a: same storage resent.
+    for (name, bytes) in SIZES {
+        let c = consumer();
+        let t = GpuTensor::<u8>::zeros(dev, &[bytes]).unwrap();
+        let us: Vec<f64> = (0..rounds + warm).map(|_| c.round(&t)).skip(warm).collect();
+        c.finish();
+        r.ours.insert(format!("a_{name}"), summarize(us));
+    }
+    // b: fresh allocation every round (allocation and free outside the timed part).
+    for (name, bytes) in SIZES {
+        let c = consumer();
+        let mut us = Vec::new();
+        for i in 0..rounds + warm {
+            let t = GpuTensor::<u8>::zeros(dev, &[bytes]).unwrap();
+            t.synchronize().unwrap();
+            let dt = c.round(&t);
+            if i >= warm {
+                us.push(dt);
+            }
+        }
+        c.finish();
+        r.ours.insert(format!("b_{name}"), summarize(us));
+        // The last tensors are freed as their leases close: wait so the next row starts clean.
+        let _ = cuda_mp::wait_for_lifetime(WAIT, |s| s.outstanding_leases == 0);
+    }
+    // c: one-way throughput.
+    {
+        let n: u64 = if quick { 20_000 } else { 100_000 };
+        let pool: Vec<GpuTensor<u8>> = (0..64).map(|_| GpuTensor::<u8>::zeros(dev, &[4096]).unwrap()).collect();
+        let (tx, rx) = channel().unwrap();
+        let (ack_tx, ack) = channel().unwrap();
+        let child = spawn((rx, ack_tx, n), count_then_ack);
+        for t in pool.iter().take(8) {
+            tx.send(t.clone()).unwrap(); // warm-up: the consumer maps the pool
+        }
+        let child_n = n - 8;
+        let start = Instant::now();
+        for i in 0..child_n {
+            tx.send(pool[i as usize % pool.len()].clone()).unwrap();
+        }
+        let seen = ack.recv_timeout(WAIT).unwrap();
+        let secs = start.elapsed().as_secs_f64();
+        assert_eq!(seen, n);
+        drop(tx);
+        child.join().unwrap();
+        r.ours.insert("c_rate".into(), (child_n as f64 / secs, 0.0));
+    }
+    // d: weight publish.
+    {
+        let shapes = llama7b_shapes();
+        let mut builder = BundleBuilder::new();
+        for (name, shape) in &shapes {
+            builder = builder.add::<bf16>(name.clone(), shape);
+        }
+        let bundle = builder.add::<i64>("step", &[1]).build(dev).unwrap();
+        let tensors: Vec<GpuTensor<bf16>> = shapes.iter().map(|(n, _)| bundle.get::<bf16>(n).unwrap()).collect();
+        let step = bundle.get::<i64>("step").unwrap();
+        bundle.synchronize().unwrap();
+        println!("weights: {} tensors, {:.2} GB in one allocation", shapes.len(), bundle.byte_len() as f64 / 1e9);
+        let (tx, rx) = channel().unwrap();
+        let (ack_tx, ack) = channel().unwrap();
+        let child = spawn((rx, ack_tx), hold_latest);
+        let publish = |s: i64| {
+            step.fill(s).unwrap();
+            bundle.synchronize().unwrap();
+            let start = Instant::now();
+            tx.send(bundle.clone()).unwrap();
+            let got = ack.recv_timeout(WAIT).unwrap();
+            let us = start.elapsed().as_secs_f64() * 1e6;
+            assert_eq!(got, s, "the consumer read this publish's step");
+            us
+        };
+        let first = publish(1);
+        let mut again = Vec::new();
+        for s in 2..=11 {
+            for t in &tensors {
+                t.add_scalar(1.0).unwrap();
+            }
+            again.push(publish(s));
+        }
+        drop(tx);
+        child.join().unwrap();
+        r.ours.insert("d_first".into(), (first, first));
+        r.ours.insert("d_republish".into(), summarize(again));
+    }
+    // e: fan-out to 8 consumers.
+    {
+        let t = GpuTensor::<u8>::zeros(dev, &[1 << 20]).unwrap();
+        let cs: Vec<Consumer> = (0..8).map(|_| consumer()).collect();
+        let mut us = Vec::new();
+        for i in 0..rounds + warm {
+            let start = Instant::now();
+            for c in &cs {
+                c.tx.send(t.clone()).unwrap();
+            }
+            for c in &cs {
+                c.ack.recv_timeout(WAIT).unwrap();
+            }
+            if i >= warm {
+                us.push(start.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        for c in cs {
+            c.finish();
+        }
+        r.ours.insert("e_fanout8".into(), summarize(us));
+    }
+}
+
+fn run_torch(quick: bool, r: &mut Results) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/torch_baseline.py");
+    let script =
+        if std::path::Path::new(script).exists() { script.to_string() } else { "benches/torch_baseline.py".into() };
+    let mut cmd = Command::new("python3");
+    cmd.arg(&script);
+    if quick {
+        cmd.arg("--quick");
+    }
+    println!("running the torch.multiprocessing baseline: python3 {script}");
+    match cmd.output() {
+        Ok(out) if out.status.success() => {
+            for line in String::from_utf8_lossy(&out.stdout).lines() {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                if f.len() == 4 && f[0] == "row" {
+                    if let (Ok(a), Ok(b)) = (f[2].parse(), f[3].parse()) {
+                        r.torch.insert(f[1].to_string(), (a, b));
+                    }
+                } else if !line.is_empty() {
+                    println!("  torch: {line}");
+                }
+            }
+        }
+        Ok(out) => {
+            println!("torch baseline failed ({}):\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+        }
+        Err(e) => println!("torch baseline not run: {e}"),
+    }
+}
+
+fn print_table(r: &Results) {
+    let rows: Vec<(&str, String)> = std::iter::empty()
+        .chain(SIZES.iter().map(|(n, _)| ("a", n.to_string())))
+        .chain(SIZES.iter().map(|(n, _)| ("b", n.to_string())))
+        .chain([("c", "rate".to_string())])
+        .chain([("d", "first".to_string()), ("d", "republish".to_string())])
+        .chain([("e", "fanout8".to_string())])
+        .collect();
+    println!();
+    println!("| row | workload | cuda-mp median | cuda-mp p99 | torch median | torch p99 | torch / cuda-mp |");
+    println!("|---|---|---|---|---|---|---|");
+    for (row, name) in rows {
+        let key = format!("{row}_{name}");
+        let ours = r.ours.get(&key);
+        let torch = r.torch.get(&key);
+        let fmt = |v: Option<&(f64, f64)>, i: usize| match v {
+            Some(v) if row == "c" && i == 0 => format!("{:.0}/s", v.0),
+            Some(_) if row == "c" => "-".into(),
+            Some(v) => format!("{:.1} us", if i == 0 { v.0 } else { v.1 }),
+            None => "n/a".into(),
+        };
+        let ratio = match (ours, torch) {
+            (Some(o), Some(t)) if row == "c" => format!("{:.1}x", o.0 / t.0),
+            (Some(o), Some(t)) => format!("{:.1}x", t.0 / o.0),
+            _ => "n/a".into(),
+        };
+        let what = match row {
+            "a" => format!("round trip, same storage, {name}"),
+            "b" => format!("round trip, fresh allocation, {name}"),
+            "c" => "one-way, 4 KiB tensors per second".into(),
+            "d" => format!("7B weights (291 bf16 tensors), {name}"),
+            _ => "1 MiB to 8 consumers, all acknowledged".into(),
+        };
+        println!(
+            "| {row} | {what} | {} | {} | {} | {} | {ratio} |",
+            fmt(ours, 0),
+            fmt(ours, 1),
+            fmt(torch, 0),
+            fmt(torch, 1)
+        );
+    }
+    if let Some(f) = r.ours.get("floor") {
+        println!("\ncuda-mp floor, empty message round trip: median {:.1} us, p99 {:.1} us", f.0, f.1);
+    }
+    if let Some(e) = r.ours.get("export") {
+        println!("cuda-mp export in process (lease, event record, wire form): median {:.1} us, p99 {:.1} us", e.0, e.1);
+    }
+    if let (Some(e), Some(a)) = (r.ours.get("e_fanout8"), r.ours.get("a_1M")) {
+        println!("fan-out to 8 / single-consumer round trip (1 MiB): {:.1}x", e.0 / a.0);
+    }
+}
+
+#[cuda_mp::main]
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let no_torch = args.iter().any(|a| a == "--no-torch");
+    if !cuda_available() {
+        let why = Device::count().err().map(|e| e.to_string()).unwrap_or_else(|| "no GPU is visible".into());
+        println!("the handoff benchmark needs a CUDA GPU: {why}");
+        std::process::exit(2);
+    }
+    let dev = Device::get(0).unwrap();
+    println!("GPU 0: {}", dev.uuid_string());
+    let mut r = Results::default();
+    run_ours(&dev, quick, &mut r);
+    if !no_torch {
+        run_torch(quick, &mut r);
+    }
+    print_table(&r);
+}
