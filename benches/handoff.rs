@@ -178,18 +178,41 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, r: &mut Results) {
     for (name, bytes) in SIZES {
         let c = consumer();
         let mut us = Vec::new();
+        let live = cuda_mp::lifetime_stats().live_storages;
         for i in 0..rounds + warm {
             let t = GpuTensor::<u8>::zeros(dev, &[bytes]).unwrap();
             t.synchronize().unwrap();
             let dt = c.round(&t);
+            drop(t);
+            // Untimed: the consumer unmaps and this process frees before the next round.
+            cuda_mp::wait_for_lifetime(WAIT, |s| s.live_storages == live).unwrap();
             if i >= warm {
                 us.push(dt);
             }
         }
         c.finish();
         r.ours.insert(format!("b_{name}"), summarize(us));
-        // The last tensors are freed as their leases close: wait so the next row starts clean.
-        let _ = cuda_mp::wait_for_lifetime(WAIT, |s| s.outstanding_leases == 0);
+    }
+    // c, transport ceiling: one-way empty messages.
+    {
+        let n: u64 = if quick { 20_000 } else { 100_000 };
+        let (tx, rx) = channel::<()>().unwrap();
+        let (ack_tx, ack) = channel().unwrap();
+        let child = spawn((rx, ack_tx, n), |(rx, ack, n): (Receiver<()>, Sender<u64>, u64)| {
+            let mut seen = 0;
+            while seen < n && rx.recv().is_ok() {
+                seen += 1;
+            }
+            let _ = ack.send(seen);
+        });
+        let start = Instant::now();
+        for _ in 0..n {
+            tx.send(()).unwrap();
+        }
+        assert_eq!(ack.recv_timeout(WAIT).unwrap(), n);
+        r.ours.insert("c_empty".into(), (n as f64 / start.elapsed().as_secs_f64(), 0.0));
+        drop(tx);
+        child.join().unwrap();
     }
     // c: one-way throughput.
     {
@@ -228,6 +251,10 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, r: &mut Results) {
         let (tx, rx) = channel().unwrap();
         let (ack_tx, ack) = channel().unwrap();
         let child = spawn((rx, ack_tx), hold_latest);
+        // Untimed warm-up: the consumer starts CUDA on a small bundle first.
+        let small = BundleBuilder::new().add::<i64>("step", &[1]).build(dev).unwrap();
+        tx.send(small).unwrap();
+        ack.recv_timeout(WAIT).unwrap();
         let publish = |s: i64| {
             step.fill(s).unwrap();
             bundle.synchronize().unwrap();
@@ -346,8 +373,11 @@ fn print_table(r: &Results) {
             fmt(torch, 1)
         );
     }
+    if let Some(c) = r.ours.get("c_empty") {
+        println!("\ncuda-mp transport ceiling, one-way empty messages: {:.0}/s", c.0);
+    }
     if let Some(f) = r.ours.get("floor") {
-        println!("\ncuda-mp floor, empty message round trip: median {:.1} us, p99 {:.1} us", f.0, f.1);
+        println!("cuda-mp floor, empty message round trip: median {:.1} us, p99 {:.1} us", f.0, f.1);
     }
     if let Some(e) = r.ours.get("export") {
         println!("cuda-mp export in process (lease, event record, wire form): median {:.1} us, p99 {:.1} us", e.0, e.1);

@@ -346,6 +346,7 @@ struct ForgedGpu {
     bytes: u64,
     event_handle: Option<Vec<u8>>,
     lease: ipc_channel::ipc::IpcSender<()>,
+    cache_ticket: Option<u8>,
 }
 
 fn forged(uuid: [u8; 16], mem_handle: Vec<u8>) -> ForgedGpu {
@@ -362,6 +363,7 @@ fn forged(uuid: [u8; 16], mem_handle: Vec<u8>) -> ForgedGpu {
         bytes: 16,
         event_handle: None,
         lease: ipc_channel::ipc::channel().unwrap().0,
+        cache_ticket: None,
     }
 }
 

@@ -93,6 +93,9 @@ impl Device {
 
     /// The GPU with this ordinal (as numbered under this process's `CUDA_VISIBLE_DEVICES`).
     pub fn get(ordinal: usize) -> Result<Arc<Device>> {
+        if let Some(d) = DEVICES.lock().unwrap_or_else(|p| p.into_inner()).get(&ordinal) {
+            return Ok(d.clone());
+        }
         let count = Device::count()?;
         if ordinal >= count {
             return Err(Error::CudaUnavailable(format!("no gpu with ordinal {ordinal}: {count} visible")));
@@ -126,9 +129,15 @@ impl Device {
         Err(Error::DeviceNotVisible { uuid: format_uuid(uuid) })
     }
 
-    /// Records this process's interprocess event after the work queued on the stream so far.
-    pub(crate) fn record_ipc_event(&self) -> Result<&IpcEvent> {
+    /// Records this process's interprocess event after the work queued on the stream so far,
+    /// or returns `None` when that work is already done: a receiver then has nothing to wait
+    /// for, and neither process puts a command on the GPU for the handoff.
+    pub(crate) fn record_ipc_event(&self) -> Result<Option<&IpcEvent>> {
         self.bind()?;
+        // SAFETY: the context is current and the stream is live.
+        if unsafe { driver::stream_is_idle(self.cu_stream()) }.map_err(driver_err("cuStreamQuery"))? {
+            return Ok(None);
+        }
         let ev = self.ipc_event.get_or_try_init(|| {
             // SAFETY: the context is current.
             let event = unsafe { driver::event_create_interprocess() }.map_err(driver_err("cuEventCreate"))?;
@@ -139,7 +148,7 @@ impl Device {
         // SAFETY: event and stream are live; the context is current.
         unsafe { cu::event::record(ev.event as sys::CUevent, self.cu_stream()) }
             .map_err(driver_err("cuEventRecord"))?;
-        Ok(ev)
+        Ok(Some(ev))
     }
 
     /// Ordinal in this process.

@@ -155,3 +155,29 @@ pub(crate) unsafe fn event_create_interprocess() -> Result<sys::CUevent, DriverE
         Ok(event.assume_init())
     }
 }
+
+/// `cuStreamQuery`: true when every piece of work queued on `stream` is done.
+///
+/// # Safety
+/// A context must be current and `stream` live.
+pub(crate) unsafe fn stream_is_idle(stream: sys::CUstream) -> Result<bool, DriverError> {
+    // SAFETY: upheld by the caller.
+    match unsafe { sys::cuStreamQuery(stream) } {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        e => Err(DriverError(e)),
+    }
+}
+
+/// `cuEventQuery`: true when the work before the event's latest record is done.
+///
+/// # Safety
+/// A context must be current and `event` live.
+pub(crate) unsafe fn event_is_complete(event: sys::CUevent) -> Result<bool, DriverError> {
+    // SAFETY: upheld by the caller.
+    match unsafe { sys::cuEventQuery(event) } {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        e => Err(DriverError(e)),
+    }
+}

@@ -258,7 +258,7 @@ pub(crate) fn encode_storage(storage: &Arc<GpuStorage>) -> Result<GpuStorageWire
             let user: AnyStorage = storage.clone();
             let lease = lifetime::grant_lease(m.id, move || keep, Some(Arc::downgrade(&user)))?;
             let ticket = lifetime::cache_ticket(m.id)?;
-            (lease, mem_handle, 0, Some(event.handle.to_vec()), Some(ticket))
+            (lease, mem_handle, 0, event.map(|e| e.handle.to_vec()), Some(ticket))
         }
         Origin::Imported { _lease, handle, alloc_offset, ticket, .. } => {
             // Forwarding: our own writes must be visible to the next process, which has no
@@ -298,6 +298,11 @@ fn wait_for_event(device: &Device, owner: u128, handle: &IpcHandle) -> Result<()
             e
         }
     };
+    // Already complete: nothing to wait for, no command for the GPU.
+    // SAFETY: the event is live; the context is current.
+    if unsafe { driver::event_is_complete(event) }.map_err(driver_err("cuEventQuery"))? {
+        return Ok(());
+    }
     // SAFETY: stream and event are live; the context is current.
     unsafe { driver::stream_wait_event(device.cu_stream(), event) }.map_err(driver_err("cuStreamWaitEvent"))
 }
