@@ -218,7 +218,8 @@ impl<T: Element> Serialize for Tensor<T, HostStorage> {
             Origin::Imported(lease) => lease.clone(),
             Origin::Local(_) => {
                 let keep = storage.clone();
-                lifetime::grant_lease(storage.id, move || keep, None).map_err(encode_error)?
+                lifetime::grant_lease(storage.id, move || keep, None, lifetime::LeaseMode::PerMessage)
+                    .map_err(encode_error)?
             }
         };
         let wire = HostStorageWire { id: storage.id, bytes: storage.len, shm: storage._shm.clone(), lease };

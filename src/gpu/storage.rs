@@ -14,7 +14,7 @@ use super::driver::{self, IpcHandle, IPC_HANDLE_BYTES};
 use crate::channel::{codec_error, encode_error};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
-use crate::lifetime::{self, AnyStorage, CacheTicket, Lease, LiveStorage, LocalStorage, StorageId};
+use crate::lifetime::{self, AnyStorage, CacheTicket, Lease, LeaseMode, LiveStorage, LocalStorage, StorageId};
 use crate::tensor::{Tensor, TensorWire};
 
 const KIND: &str = "gpu";
@@ -256,7 +256,7 @@ pub(crate) fn encode_storage(storage: &Arc<GpuStorage>) -> Result<GpuStorageWire
             let event = device.record_ipc_event()?;
             let keep = m.clone();
             let user: AnyStorage = storage.clone();
-            let lease = lifetime::grant_lease(m.id, move || keep, Some(Arc::downgrade(&user)))?;
+            let lease = lifetime::grant_lease(m.id, move || keep, Some(Arc::downgrade(&user)), LeaseMode::PerStorage)?;
             let ticket = lifetime::cache_ticket(m.id)?;
             (lease, mem_handle, 0, event.map(|e| e.handle.to_vec()), Some(ticket))
         }

@@ -110,11 +110,14 @@ pub struct LifetimeStats {
     pub freed_storages: u64,
     /// Storages of this process held alive for other processes (in limbo or still in use here).
     pub exported_storages: usize,
-    /// Leases of this process's storages held by other processes or by messages in flight.
+    /// Open lease channels on this process's storages (held by other processes, by messages in
+    /// flight, or for GPU storage by this process while it holds the storage).
     pub outstanding_leases: usize,
-    /// Leases granted since the process started (one per storage per message sent).
+    /// Lease channels made since the process started: one per message for host storage, one per
+    /// GPU storage per period of being shared (every message of that period carries a copy).
     pub leases_granted: u64,
-    /// Leases released since the process started (dropped, or reclaimed from dead processes).
+    /// Lease channels closed since the process started (every copy dropped, or reclaimed from
+    /// dead processes).
     pub leases_released: u64,
     /// Storages of other processes mapped in this process and in use.
     pub imported_storages: usize,
@@ -131,6 +134,9 @@ struct Exported {
     handle: Option<WeakStorage>,
     leases: usize,
     slot: u32,
+    /// The owner's copy of the storage's shared lease channel, cloned into every message and
+    /// dropped when the owner's handles are gone.
+    shared_lease: Option<IpcSender<()>>,
 }
 
 struct Owner {
@@ -261,6 +267,16 @@ impl Drop for LiveStorage {
     }
 }
 
+/// How a storage's messages carry leases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LeaseMode {
+    /// A new lease channel per message; the storage's handle is its memory.
+    PerMessage,
+    /// One lease channel per storage, shared by every message while the owner holds handles
+    /// on it (see [`handles_dropped`]); no channel is made on the send path.
+    PerStorage,
+}
+
 /// Grants a lease on a local storage for one outgoing message. Until the lease is released the
 /// storage's memory (`keep_alive`) stays here, whatever this process does with its own handles
 /// (limbo). `handle`, when given, is the user-facing handle that a message coming back to this
@@ -269,20 +285,30 @@ pub(crate) fn grant_lease(
     id: StorageId,
     keep_alive: impl FnOnce() -> AnyStorage,
     handle: Option<WeakStorage>,
+    mode: LeaseMode,
 ) -> Result<Lease> {
-    let lease = reaper()?.new_lease(id)?;
-    {
+    let reaper = reaper()?;
+    let lease = {
         let mut s = state();
+        if let Some(shared) = s.exported.get(&id).and_then(|e| e.shared_lease.as_ref()) {
+            return Ok(Lease(shared.clone()));
+        }
+        let lease = reaper.new_lease(id)?;
         let entry = s.exported.entry(id).or_insert_with(|| Exported {
             keep_alive: keep_alive(),
             handle,
             leases: 0,
             slot: NO_SLOT,
+            shared_lease: None,
         });
         entry.leases += 1;
+        if mode == LeaseMode::PerStorage {
+            entry.shared_lease = Some(lease.0.clone());
+        }
         s.stats.outstanding_leases += 1;
         s.stats.leases_granted += 1;
-    }
+        lease
+    };
     notify();
     Ok(lease)
 }
@@ -314,10 +340,12 @@ pub(crate) fn cache_ticket(id: StorageId) -> Result<CacheTicket> {
 /// This process dropped its last handle on local storage `id`: receivers may no longer keep
 /// idle mappings of it. The memory itself stays until the last lease is released.
 pub(crate) fn handles_dropped(id: StorageId) {
-    let slot = match state().exported.get(&id) {
-        Some(e) => e.slot,
+    let (slot, shared_lease) = match state().exported.get_mut(&id) {
+        Some(e) => (e.slot, e.shared_lease.take()),
         None => return,
     };
+    // The owner's copy of the shared lease goes: the lease ends when the receivers' copies do.
+    drop(shared_lease);
     if slot == NO_SLOT {
         return;
     }
@@ -503,6 +531,7 @@ const SPARE_LEASES: usize = 64;
 fn reaper() -> Result<&'static Reaper> {
     static REAPER: OnceCell<Reaper> = OnceCell::new();
     REAPER.get_or_try_init(|| {
+        raise_descriptor_limit();
         let (wake, wake_rx) = ipc::channel::<()>()?;
         let (control, control_rx) = ipc::channel::<Control>()?;
         let mut set = IpcReceiverSet::new()?;
@@ -623,6 +652,18 @@ fn reap(mut set: IpcReceiverSet, wake_id: u64) {
             }
         }
         refill_spares(reaper, &mut set);
+    }
+}
+
+/// Every lease is a descriptor: lift the soft limit on descriptors to the hard limit, as
+/// servers that hold many sockets do.
+fn raise_descriptor_limit() {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `limit` is a valid, writable rlimit.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0 && limit.rlim_cur < limit.rlim_max {
+        limit.rlim_cur = limit.rlim_max;
+        // SAFETY: `limit` is a valid rlimit; raising the soft limit up to the hard one is allowed.
+        unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) };
     }
 }
 
