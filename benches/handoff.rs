@@ -18,7 +18,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use cuda_mp::{
-    bf16, channel, cuda_available, spawn, Bundle, BundleBuilder, Device, GpuTensor, JoinHandle, Receiver, Sender,
+    bf16, channel, cuda_available, spawn, Bundle, BundleBuilder, Device, GpuTensor, IpcPayload, JoinHandle, Receiver,
+    Sender,
 };
 
 const WAIT: Duration = Duration::from_secs(120);
@@ -67,6 +68,22 @@ fn hold_latest((rx, ack): (Receiver<Bundle>, Sender<i64>)) {
         }
     }
     drop(latest);
+}
+
+/// Times the import of an exported payload (opening its handle) and the first read through it.
+fn profile_import((rx, ack): (Receiver<IpcPayload>, Sender<(f64, f64)>)) {
+    while let Ok(p) = rx.recv() {
+        let start = Instant::now();
+        let t = GpuTensor::<u8>::from_ipc_payload(p).unwrap();
+        let imported = start.elapsed().as_secs_f64() * 1e6;
+        let start = Instant::now();
+        let _ = t.narrow(0, t.numel() - 1, 1).unwrap().to_vec().unwrap();
+        let read = start.elapsed().as_secs_f64() * 1e6;
+        drop(t);
+        if ack.send((imported, read)).is_err() {
+            break;
+        }
+    }
 }
 
 fn ping((rx, ack): (Receiver<()>, Sender<()>)) {
@@ -165,6 +182,37 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, r: &mut Results) {
             }
         }
         r.ours.insert("export".into(), summarize(us));
+    }
+    // Where a first handoff's time goes: export (IPC handle, lease) here, handle opening and the
+    // first read through the mapping in the consumer. Each size is a fresh allocation.
+    {
+        let (tx, rx) = channel().unwrap();
+        let (ack_tx, ack) = channel().unwrap();
+        let child = spawn((rx, ack_tx), profile_import);
+        let warm = GpuTensor::<u8>::zeros(dev, &[4096]).unwrap();
+        tx.send(warm.ipc_payload().unwrap()).unwrap();
+        ack.recv_timeout(WAIT).unwrap();
+        for (name, bytes) in [("4K", 4usize << 10), ("1G", 1 << 30), ("13.5G", 13_476_000_000)] {
+            let mut export = Vec::new();
+            let mut import = Vec::new();
+            let mut read = Vec::new();
+            for _ in 0..if bytes > 1 << 30 { 3 } else { 20 } {
+                let t = GpuTensor::<u8>::zeros(dev, &[bytes]).unwrap();
+                t.synchronize().unwrap();
+                let start = Instant::now();
+                let p = t.ipc_payload().unwrap();
+                export.push(start.elapsed().as_secs_f64() * 1e6);
+                tx.send(p).unwrap();
+                let (i, r) = ack.recv_timeout(WAIT).unwrap();
+                import.push(i);
+                read.push(r);
+            }
+            r.ours.insert(format!("p_export_{name}"), summarize(export));
+            r.ours.insert(format!("p_import_{name}"), summarize(import));
+            r.ours.insert(format!("p_read_{name}"), summarize(read));
+        }
+        drop(tx);
+        child.join().unwrap();
     }
     // a: same storage resent.
     for (name, bytes) in SIZES {
@@ -381,6 +429,18 @@ fn print_table(r: &Results) {
     }
     if let Some(e) = r.ours.get("export") {
         println!("cuda-mp export in process (lease, event record, wire form): median {:.1} us, p99 {:.1} us", e.0, e.1);
+    }
+    for name in ["4K", "1G", "13.5G"] {
+        if let (Some(e), Some(i), Some(rd)) = (
+            r.ours.get(&format!("p_export_{name}")),
+            r.ours.get(&format!("p_import_{name}")),
+            r.ours.get(&format!("p_read_{name}")),
+        ) {
+            println!(
+                "first handoff of a fresh {name} allocation: export {:.1} us, import (handle open) {:.1} us, first read {:.1} us (medians)",
+                e.0, i.0, rd.0
+            );
+        }
     }
     if let (Some(e), Some(a)) = (r.ours.get("e_fanout8"), r.ours.get("a_1M")) {
         println!("fan-out to 8 / single-consumer round trip (1 MiB): {:.1}x", e.0 / a.0);

@@ -15,8 +15,13 @@ cuda_mp::enable_test_support!();
 static SERIAL: Mutex<()> = Mutex::new(());
 const WAIT: Duration = Duration::from_secs(60);
 
+/// Runs tests one at a time, each starting once everything an earlier test shared is freed,
+/// so that the counters each test reads are its own.
 fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+    let guard = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    wait_for_lifetime(WAIT, |s| s.outstanding_leases == 0 && s.exported_storages == 0)
+        .expect("an earlier test left shared storage behind");
+    guard
 }
 
 fn gpu() -> Arc<Device> {
@@ -345,7 +350,7 @@ struct ForgedGpu {
     alloc_offset: u64,
     bytes: u64,
     event_handle: Option<Vec<u8>>,
-    lease: ipc_channel::ipc::IpcSender<()>,
+    lease: ipc_channel::ipc::IpcSender<u8>,
     cache_ticket: Option<u8>,
 }
 

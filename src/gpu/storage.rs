@@ -327,8 +327,8 @@ pub(crate) fn decode_storage(w: GpuStorageWire) -> Result<Arc<GpuStorage>> {
     let handle = handle_from(&w.mem_handle, "memory handle")?;
     let event = w.event_handle.as_deref().map(|e| handle_from(e, "event handle")).transpose()?;
     let bytes = usize::try_from(w.bytes).map_err(|_| Error::Malformed("storage size overflows".into()))?;
-    if let Some(ticket) = &w.ticket {
-        lifetime::subscribe(w.id, ticket.clone());
+    if w.ticket.is_some() {
+        lifetime::subscribe(w.id, &w.lease);
     }
     let GpuStorageWire { id, alloc_offset, lease, ticket, .. } = w;
     let storage = lifetime::import(

@@ -64,14 +64,13 @@ pub(crate) fn process_token() -> u128 {
 /// receiving end the owner watches: when every copy of it is dropped, or every process that
 /// held one has died, the owner sees the channel close and releases its reference.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub(crate) struct Lease(IpcSender<()>);
+pub(crate) struct Lease(IpcSender<Control>);
 
 /// What a message carries besides the lease so that the receiver can cache the storage's
-/// mapping after its last use: where to ask the owner for revocations, and the storage's slot
-/// in the owner's liveness table.
+/// mapping after its last use: the storage's slot in the owner's liveness table. (The receiver
+/// subscribes to the owner's revocations through the lease itself.)
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct CacheTicket {
-    control: IpcSender<Control>,
     slot: u32,
 }
 
@@ -82,7 +81,7 @@ impl CacheTicket {
     }
 }
 
-/// Consumer to owner: subscribe to revocations.
+/// Receiver to owner, on a lease channel: subscribe to revocations.
 #[derive(Debug, Serialize, Deserialize)]
 enum Control {
     Link { revocations: IpcSender<Revocation> },
@@ -136,7 +135,7 @@ struct Exported {
     slot: u32,
     /// The owner's copy of the storage's shared lease channel, cloned into every message and
     /// dropped when the owner's handles are gone.
-    shared_lease: Option<IpcSender<()>>,
+    shared_lease: Option<IpcSender<Control>>,
 }
 
 struct Owner {
@@ -316,10 +315,9 @@ pub(crate) fn grant_lease(
 /// A ticket that lets the receiver keep its mapping of `id` cached after use, for as long as
 /// this process holds handles on the storage. Call after [`grant_lease`].
 pub(crate) fn cache_ticket(id: StorageId) -> Result<CacheTicket> {
-    let control = reaper()?.control.clone();
     let mut s = state();
     let Some(entry) = s.exported.get_mut(&id) else {
-        return Ok(CacheTicket { control, slot: NO_SLOT });
+        return Ok(CacheTicket { slot: NO_SLOT });
     };
     if entry.slot == NO_SLOT {
         let mut o = owner();
@@ -334,7 +332,7 @@ pub(crate) fn cache_ticket(id: StorageId) -> Result<CacheTicket> {
             entry.slot = slot;
         }
     }
-    Ok(CacheTicket { control, slot: entry.slot })
+    Ok(CacheTicket { slot: entry.slot })
 }
 
 /// This process dropped its last handle on local storage `id`: receivers may no longer keep
@@ -443,15 +441,15 @@ pub(crate) fn import<H: Any + Send + Sync>(
     Ok(handle)
 }
 
-/// Subscribes to revocations from the owner of `id` (once per owner), so that mappings of its
-/// storages can be cached after use.
-pub(crate) fn subscribe(id: StorageId, ticket: CacheTicket) {
+/// Subscribes to revocations from the owner of `id` (once per owner), through a lease on one of
+/// its storages, so that mappings of its storages can be cached after use.
+pub(crate) fn subscribe(id: StorageId, lease: &Lease) {
     if id.is_local() || state().owner_tables.contains_key(&id.owner) {
         return;
     }
     let Ok(reaper) = reaper() else { return };
     let Ok((tx, rx)) = ipc::channel::<Revocation>() else { return };
-    if ticket.control.send(Control::Link { revocations: tx }).is_ok() {
+    if lease.0.send(Control::Link { revocations: tx }).is_ok() {
         state().owner_tables.insert(id.owner, None);
         reaper.watch(Watched::Revocations(id.owner), rx.to_opaque());
     }
@@ -512,18 +510,17 @@ enum Watched {
     Lease(StorageId),
     /// A pre-made lease channel not yet handed out.
     Spare,
-    Control,
     Revocations(u128),
 }
 
-/// Watches the receiving ends of leases, the control channel and revocation subscriptions.
+/// Watches the receiving ends of leases (which also carry subscriptions to revocations) and
+/// this process's own subscriptions.
 struct Reaper {
-    control: IpcSender<Control>,
     pending: Mutex<Vec<(Watched, ipc::OpaqueIpcReceiver)>>,
     wake_pending: AtomicBool,
     wake: Mutex<IpcSender<()>>,
     watched: Mutex<HashMap<u64, Watched>>,
-    spares: Mutex<Vec<(u64, IpcSender<()>)>>,
+    spares: Mutex<Vec<(u64, IpcSender<Control>)>>,
 }
 
 const SPARE_LEASES: usize = 64;
@@ -533,14 +530,11 @@ fn reaper() -> Result<&'static Reaper> {
     REAPER.get_or_try_init(|| {
         raise_descriptor_limit();
         let (wake, wake_rx) = ipc::channel::<()>()?;
-        let (control, control_rx) = ipc::channel::<Control>()?;
         let mut set = IpcReceiverSet::new()?;
         let wake_id = set.add(wake_rx)?;
-        let mut watched = HashMap::new();
-        watched.insert(set.add(control_rx)?, Watched::Control);
+        let watched = HashMap::new();
         std::thread::Builder::new().name("cuda-mp-reaper".into()).spawn(move || reap(set, wake_id))?;
         Ok(Reaper {
-            control,
             pending: Mutex::new(Vec::new()),
             wake_pending: AtomicBool::new(false),
             wake: Mutex::new(wake),
@@ -578,7 +572,7 @@ impl Reaper {
             self.watched.lock().unwrap_or_else(|p| p.into_inner()).insert(set_id, Watched::Lease(id));
             return Ok(Lease(tx));
         }
-        let (tx, rx) = ipc::channel::<()>()?;
+        let (tx, rx) = ipc::channel::<Control>()?;
         self.watch(Watched::Lease(id), rx.to_opaque());
         Ok(Lease(tx))
     }
@@ -602,7 +596,7 @@ fn reap(mut set: IpcReceiverSet, wake_id: u64) {
                 IpcSelectionResult::MessageReceived(id, message) => {
                     let what = reaper.watched.lock().unwrap_or_else(|p| p.into_inner()).get(&id).copied();
                     match what {
-                        Some(Watched::Control) => {
+                        Some(Watched::Lease(_)) => {
                             if let Ok(Control::Link { revocations }) = message.to::<Control>() {
                                 let mut o = owner();
                                 if let Some(table) = &o.table {
@@ -619,7 +613,7 @@ fn reap(mut set: IpcReceiverSet, wake_id: u64) {
                             Ok(Revocation::Storage(index)) => revoke(owner, Some(index)),
                             Err(_) => {}
                         },
-                        // Nothing is ever sent on a lease; a forged message on one is ignored.
+                        // Anything else is forged or stale: ignored.
                         _ => {}
                     }
                 }
@@ -670,7 +664,7 @@ fn raise_descriptor_limit() {
 fn refill_spares(reaper: &Reaper, set: &mut IpcReceiverSet) {
     let missing = SPARE_LEASES.saturating_sub(reaper.spares.lock().unwrap_or_else(|p| p.into_inner()).len());
     for _ in 0..missing {
-        let Ok((tx, rx)) = ipc::channel::<()>() else { return };
+        let Ok((tx, rx)) = ipc::channel::<Control>() else { return };
         let Ok(id) = set.add(rx) else { return };
         reaper.watched.lock().unwrap_or_else(|p| p.into_inner()).insert(id, Watched::Spare);
         reaper.spares.lock().unwrap_or_else(|p| p.into_inner()).push((id, tx));
