@@ -206,6 +206,10 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, r: &mut Results) {
                 let (i, r) = ack.recv_timeout(WAIT).unwrap();
                 import.push(i);
                 read.push(r);
+                // Untimed: the consumer unmaps and this process frees before the next one.
+                let live = cuda_mp::lifetime_stats().live_storages;
+                drop(t);
+                cuda_mp::wait_for_lifetime(WAIT, |s| s.live_storages < live).unwrap();
             }
             r.ours.insert(format!("p_export_{name}"), summarize(export));
             r.ours.insert(format!("p_import_{name}"), summarize(import));
@@ -431,6 +435,9 @@ fn print_table(r: &Results) {
         println!("cuda-mp export in process (lease, event record, wire form): median {:.1} us, p99 {:.1} us", e.0, e.1);
     }
     for name in ["4K", "1G", "13.5G"] {
+        if let Some(o) = r.torch.get(&format!("p_rawopen_{name}")) {
+            println!("driver baseline, cudaIpcOpenMemHandle of a fresh {name} cudaMalloc allocation (cupy): {:.1} us (median)", o.0);
+        }
         if let (Some(e), Some(i), Some(rd)) = (
             r.ours.get(&format!("p_export_{name}")),
             r.ours.get(&format!("p_import_{name}")),

@@ -53,6 +53,44 @@ def hold_latest(q, ack):
     del latest
 
 
+def raw_open(q, ack):
+    import cupy
+
+    cupy.cuda.runtime.setDevice(0)
+    cupy.cuda.runtime.free(cupy.cuda.runtime.malloc(1))
+    while True:
+        h = q.get()
+        if h is None:
+            break
+        start = time.perf_counter()
+        ptr = cupy.cuda.runtime.ipcOpenMemHandle(h, 1)
+        opened = (time.perf_counter() - start) * 1e6
+        cupy.cuda.runtime.ipcCloseMemHandle(ptr)
+        ack.put(opened)
+
+
+def raw_open_profile(ctx):
+    """The driver's own cost of opening a fresh allocation's IPC handle, through cupy."""
+    try:
+        import cupy
+    except ImportError:
+        print("cupy not available: no driver baseline for handle opening", flush=True)
+        return
+    q, ack = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=raw_open, args=(q, ack))
+    p.start()
+    for name, nbytes, n in [("4K", 4 << 10, 20), ("1G", 1 << 30, 20), ("13.5G", 13_476_000_000, 3)]:
+        us = []
+        for _ in range(n + 1):
+            ptr = cupy.cuda.runtime.malloc(nbytes)
+            q.put(cupy.cuda.runtime.ipcGetMemHandle(ptr))
+            us.append(ack.get())
+            cupy.cuda.runtime.free(ptr)
+        row(f"p_rawopen_{name}", *summarize(us[1:]))
+    q.put(None)
+    p.join()
+
+
 class Consumer:
     def __init__(self, ctx):
         self.q, self.ack = ctx.Queue(), ctx.Queue()
@@ -93,6 +131,7 @@ def main():
     ctx = mp.get_context("spawn")
     dev = torch.device("cuda", 0)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}", flush=True)
+    raw_open_profile(ctx)
 
     for name, nbytes in SIZES:  # a: same storage resent
         c = Consumer(ctx)

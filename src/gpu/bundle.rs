@@ -80,7 +80,7 @@ impl BundleBuilder {
             entries.push(BundleEntry { name, dtype, layout });
         }
         let storage = GpuTensor::<u8>::zeros(device, &[bytes])?.storage;
-        Ok(Bundle { storage, entries })
+        Ok(Bundle { storage, entries: entries.into() })
     }
 }
 
@@ -89,7 +89,7 @@ impl BundleBuilder {
 #[derive(Clone)]
 pub struct Bundle {
     storage: Arc<GpuStorage>,
-    entries: Vec<BundleEntry>,
+    entries: Arc<[BundleEntry]>,
 }
 
 impl fmt::Debug for Bundle {
@@ -148,16 +148,23 @@ impl Bundle {
     }
 }
 
-#[derive(Serialize, Deserialize)]
+#[derive(Deserialize)]
 struct BundleWire {
     storage: GpuStorageWire,
     entries: Vec<BundleEntry>,
 }
 
+/// The same layout as [`BundleWire`], borrowing the entries.
+#[derive(Serialize)]
+struct BundleWireRef<'a> {
+    storage: GpuStorageWire,
+    entries: &'a [BundleEntry],
+}
+
 impl Serialize for Bundle {
     fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
         let storage = encode_storage(&self.storage).map_err(encode_error)?;
-        BundleWire { storage, entries: self.entries.clone() }.serialize(serializer)
+        BundleWireRef { storage, entries: &self.entries }.serialize(serializer)
     }
 }
 
@@ -173,5 +180,5 @@ fn decode(wire: BundleWire) -> Result<Bundle> {
     for e in &wire.entries {
         e.layout.check_fits(storage.byte_len() / e.dtype.size())?;
     }
-    Ok(Bundle { storage, entries: wire.entries })
+    Ok(Bundle { storage, entries: wire.entries.into() })
 }

@@ -150,6 +150,8 @@ struct State {
     imported: HashMap<(StorageId, &'static str), WeakStorage>,
     /// Mappings kept after their last use, with their slot in the owner's table.
     idle: HashMap<(StorageId, &'static str), (AnyStorage, u32)>,
+    /// Mappings being closed right now (outside the lock): not to be opened again until done.
+    closing: std::collections::HashSet<(StorageId, &'static str)>,
     /// Liveness tables of owners this process subscribed to (`None` until the table arrives).
     owner_tables: HashMap<u128, Option<Table>>,
     stats: LifetimeStats,
@@ -421,6 +423,10 @@ pub(crate) fn import<H: Any + Send + Sync>(
     open: impl FnOnce() -> Result<Arc<H>>,
 ) -> Result<Arc<H>> {
     let mut s = state();
+    // A handle can be opened only once per process: wait while a mapping of it is closing.
+    while s.closing.contains(&(id, kind)) {
+        s = SHARED.changed.wait(s).unwrap_or_else(|p| p.into_inner());
+    }
     if let Some(existing) = s.imported.get(&(id, kind)).and_then(Weak::upgrade) {
         if let Ok(handle) = existing.downcast::<H>() {
             return Ok(handle);
@@ -479,16 +485,18 @@ pub(crate) fn park_idle(id: StorageId, kind: &'static str, slot: u32, memory: An
     result
 }
 
-/// Runs `close` for a mapping of another process's storage that is being dropped, under the
-/// import lock.
+/// Runs `close` for a mapping of another process's storage that is being dropped. Other
+/// imports go on meanwhile; only a new import of the same storage waits for it.
 pub(crate) fn close_import(id: StorageId, kind: &'static str, close: impl FnOnce()) {
     {
         let mut s = state();
-        close();
         if s.imported.get(&(id, kind)).is_some_and(|w| w.strong_count() == 0) {
             s.imported.remove(&(id, kind));
         }
+        s.closing.insert((id, kind));
     }
+    close();
+    state().closing.remove(&(id, kind));
     notify();
 }
 
