@@ -68,7 +68,9 @@ pub use dtype::{DType, Element};
 pub use error::{
     Error, JoinError, PanicReport, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError,
 };
-pub use gpu::{cuda_available, Bundle, BundleBuilder, BundleEntry, Device, GpuStorage, GpuTensor, IpcPayload};
+pub use gpu::{
+    cuda_available, Bundle, BundleBuilder, BundleEntry, Device, GpuStorage, GpuTensor, IpcPayload, DEFAULT_CHUNK_BYTES,
+};
 pub use half::{bf16, f16};
 pub use host::{HostStorage, HostTensor};
 pub use layout::{Layout, MAX_DIMS};

@@ -1,4 +1,11 @@
-//! Many named tensors laid out in one exported allocation: one IPC handle maps them all.
+//! Many named tensors packed into a few large exported allocations: a receiver opens a handle
+//! per allocation once, and a re-publish opens nothing.
+//!
+//! Why a few allocations rather than one: the driver's cost of opening a legacy IPC handle
+//! grows much faster than the allocation (measured on an H200, driver 580: about 0.1 ms for
+//! 1 GiB, about 100 ms for one 13.5 GB allocation). Allocations of at most 1 GiB (the default,
+//! see [`BundleBuilder::chunk_bytes`]) keep the first publish of 7B-parameter weights at a few
+//! milliseconds.
 
 use std::fmt;
 use std::sync::Arc;
@@ -17,11 +24,15 @@ use crate::tensor::Tensor;
 /// Byte alignment of every tensor in a bundle.
 const ALIGN: usize = 256;
 
+/// Default largest allocation of a bundle.
+pub const DEFAULT_CHUNK_BYTES: usize = 1 << 30;
+
 /// One named tensor of a [`Bundle`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BundleEntry {
     name: String,
     dtype: DType,
+    chunk: u32,
     layout: Layout,
 }
 
@@ -41,9 +52,16 @@ impl BundleEntry {
 }
 
 /// Describes the tensors of a [`Bundle`] before it is allocated.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Clone)]
 pub struct BundleBuilder {
     entries: Vec<(String, DType, Vec<usize>)>,
+    chunk_bytes: usize,
+}
+
+impl Default for BundleBuilder {
+    fn default() -> Self {
+        BundleBuilder { entries: Vec::new(), chunk_bytes: DEFAULT_CHUNK_BYTES }
+    }
 }
 
 impl BundleBuilder {
@@ -63,38 +81,66 @@ impl BundleBuilder {
         self
     }
 
-    /// Allocates one zeroed allocation on `device` holding every tensor, each 256-byte aligned.
+    /// Packs tensors into allocations of at most `bytes` bytes (a larger tensor gets one of its
+    /// own); `usize::MAX` puts everything in one allocation. Default: 1 GiB.
+    pub fn chunk_bytes(mut self, bytes: usize) -> BundleBuilder {
+        self.chunk_bytes = bytes.max(1);
+        self
+    }
+
+    /// Allocates zeroed memory on `device` for every tensor, each 256-byte aligned, in the
+    /// order added.
     pub fn build(self, device: &Arc<Device>) -> Result<Bundle> {
-        let mut entries = Vec::with_capacity(self.entries.len());
-        let mut bytes = 0usize;
-        for (name, dtype, shape) in self.entries {
-            if entries.iter().any(|e: &BundleEntry| e.name == name) {
-                return Err(Error::Layout(format!("bundle has two tensors named {name:?}")));
-            }
-            let start = bytes.div_ceil(ALIGN) * ALIGN;
-            let mut layout = Layout::contiguous(&shape)?;
-            let len =
-                layout.numel().checked_mul(dtype.size()).ok_or_else(|| Error::Layout("bundle too large".into()))?;
-            layout = Layout::new(shape, layout.strides().to_vec(), start / dtype.size(), usize::MAX)?;
-            bytes = start.checked_add(len).ok_or_else(|| Error::Layout("bundle too large".into()))?;
-            entries.push(BundleEntry { name, dtype, layout });
-        }
-        let storage = GpuTensor::<u8>::zeros(device, &[bytes])?.storage;
-        Ok(Bundle { storage, entries: entries.into() })
+        let (entries, chunk_lens) = pack(self.entries, self.chunk_bytes)?;
+        let chunks: Vec<Arc<GpuStorage>> = chunk_lens
+            .iter()
+            .map(|&len| GpuTensor::<u8>::zeros(device, &[len]).map(|t| t.storage))
+            .collect::<Result<_>>()?;
+        Ok(Bundle { chunks: chunks.into(), entries: entries.into() })
     }
 }
 
-/// Named GPU tensors in one allocation. Sending a bundle exports one IPC handle for all of
-/// them; a receiver that already maps the allocation (a re-publish) opens nothing.
+/// Lays tensors out in allocations of at most `chunk_bytes` (a larger tensor alone in its
+/// own): the entries with their allocation and offset, and each allocation's length.
+fn pack(tensors: Vec<(String, DType, Vec<usize>)>, chunk_bytes: usize) -> Result<(Vec<BundleEntry>, Vec<usize>)> {
+    let too_large = || Error::Layout("bundle too large".into());
+    let mut entries = Vec::with_capacity(tensors.len());
+    let mut chunk_lens = vec![0usize];
+    for (name, dtype, shape) in tensors {
+        if entries.iter().any(|e: &BundleEntry| e.name == name) {
+            return Err(Error::Layout(format!("bundle has two tensors named {name:?}")));
+        }
+        let layout = Layout::contiguous(&shape)?;
+        let len = layout.numel().checked_mul(dtype.size()).ok_or_else(too_large)?;
+        let used = *chunk_lens.last().expect("one chunk at least");
+        let mut start = used.div_ceil(ALIGN).checked_mul(ALIGN).ok_or_else(too_large)?;
+        if used > 0 && start.checked_add(len).is_none_or(|end| end > chunk_bytes) {
+            chunk_lens.push(0);
+            start = 0;
+        }
+        let chunk = chunk_lens.len() - 1;
+        chunk_lens[chunk] = start.checked_add(len).ok_or_else(too_large)?;
+        let layout = Layout::new(shape, layout.strides().to_vec(), start / dtype.size(), usize::MAX)?;
+        entries.push(BundleEntry { name, dtype, chunk: chunk as u32, layout });
+    }
+    Ok((entries, chunk_lens))
+}
+
+/// Named GPU tensors packed into a few allocations. Sending a bundle exports one IPC handle per
+/// allocation; a receiver that already maps them (a re-publish) opens nothing.
 #[derive(Clone)]
 pub struct Bundle {
-    storage: Arc<GpuStorage>,
+    chunks: Arc<[Arc<GpuStorage>]>,
     entries: Arc<[BundleEntry]>,
 }
 
 impl fmt::Debug for Bundle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Bundle").field("tensors", &self.entries.len()).field("bytes", &self.storage.byte_len()).finish()
+        f.debug_struct("Bundle")
+            .field("tensors", &self.entries.len())
+            .field("allocations", &self.chunks.len())
+            .field("bytes", &self.byte_len())
+            .finish()
     }
 }
 
@@ -109,7 +155,7 @@ impl Bundle {
         if entry.dtype != T::DTYPE {
             return Err(Error::DTypeMismatch { expected: T::DTYPE, found: entry.dtype });
         }
-        Ok(Tensor::from_parts(self.storage.clone(), entry.layout.clone()))
+        Ok(Tensor::from_parts(self.chunks[entry.chunk as usize].clone(), entry.layout.clone()))
     }
 
     /// The tensors' names, element types and shapes, in the order they were added.
@@ -127,44 +173,49 @@ impl Bundle {
         self.entries.is_empty()
     }
 
-    /// Size of the allocation in bytes.
+    /// Total size of the allocations in bytes.
     pub fn byte_len(&self) -> usize {
-        self.storage.byte_len()
+        self.chunks.iter().map(|c| c.byte_len()).sum()
+    }
+
+    /// Number of allocations (IPC handles) the tensors are packed into.
+    pub fn allocations(&self) -> usize {
+        self.chunks.len()
     }
 
     /// The device holding the bundle.
     pub fn device(&self) -> &Arc<Device> {
-        self.storage.device()
+        self.chunks[0].device()
     }
 
-    /// Identity of the shared allocation across processes.
-    pub fn storage_id(&self) -> StorageId {
-        self.storage.id()
+    /// Identities of the allocations across processes.
+    pub fn storage_ids(&self) -> Vec<StorageId> {
+        self.chunks.iter().map(|c| c.id()).collect()
     }
 
     /// Blocks until the work queued on the bundle's stream is done.
     pub fn synchronize(&self) -> Result<()> {
-        self.storage.device().synchronize()
+        self.device().synchronize()
     }
 }
 
 #[derive(Deserialize)]
 struct BundleWire {
-    storage: GpuStorageWire,
+    chunks: Vec<GpuStorageWire>,
     entries: Vec<BundleEntry>,
 }
 
 /// The same layout as [`BundleWire`], borrowing the entries.
 #[derive(Serialize)]
 struct BundleWireRef<'a> {
-    storage: GpuStorageWire,
+    chunks: Vec<GpuStorageWire>,
     entries: &'a [BundleEntry],
 }
 
 impl Serialize for Bundle {
     fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
-        let storage = encode_storage(&self.storage).map_err(encode_error)?;
-        BundleWireRef { storage, entries: &self.entries }.serialize(serializer)
+        let chunks = self.chunks.iter().map(encode_storage).collect::<Result<_>>().map_err(encode_error)?;
+        BundleWireRef { chunks, entries: &self.entries }.serialize(serializer)
     }
 }
 
@@ -176,9 +227,48 @@ impl<'de> Deserialize<'de> for Bundle {
 }
 
 fn decode(wire: BundleWire) -> Result<Bundle> {
-    let storage = decode_storage(wire.storage)?;
-    for e in &wire.entries {
-        e.layout.check_fits(storage.byte_len() / e.dtype.size())?;
+    if wire.chunks.is_empty() {
+        return Err(Error::Malformed("bundle without an allocation".into()));
     }
-    Ok(Bundle { storage, entries: wire.entries.into() })
+    let chunks: Vec<Arc<GpuStorage>> = wire.chunks.into_iter().map(decode_storage).collect::<Result<_>>()?;
+    for e in &wire.entries {
+        let chunk = chunks.get(e.chunk as usize).ok_or_else(|| {
+            Error::Malformed(format!("tensor {:?} names allocation {} of {}", e.name, e.chunk, chunks.len()))
+        })?;
+        e.layout.check_fits(chunk.byte_len() / e.dtype.size())?;
+    }
+    Ok(Bundle { chunks: chunks.into(), entries: wire.entries.into() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(name: &str, dtype: DType, shape: &[usize]) -> (String, DType, Vec<usize>) {
+        (name.to_string(), dtype, shape.to_vec())
+    }
+
+    #[test]
+    fn packing_aligns_tensors_and_splits_allocations() {
+        let (entries, lens) = pack(
+            vec![
+                t("a", DType::F32, &[3]),
+                t("b", DType::BF16, &[100]),
+                t("c", DType::I64, &[1]),
+                t("big", DType::U8, &[5000]),
+            ],
+            1024,
+        )
+        .unwrap();
+        assert_eq!(entries.iter().map(|e| e.chunk).collect::<Vec<_>>(), vec![0, 0, 0, 1]);
+        // a at byte 0, b at 256, c at 512 (after b's 200 bytes, aligned), big alone.
+        let offsets: Vec<usize> = entries.iter().map(|e| e.layout.offset() * e.dtype.size()).collect();
+        assert_eq!(offsets, vec![0, 256, 512, 0]);
+        assert_eq!(lens, vec![520, 5000]);
+        let (one, lens) = pack(vec![t("a", DType::F32, &[3]), t("big", DType::U8, &[5000])], usize::MAX).unwrap();
+        assert_eq!(lens.len(), 1);
+        assert_eq!(one[1].layout.offset(), 256);
+        assert!(pack(vec![t("a", DType::F32, &[1]), t("a", DType::F32, &[1])], 1024).is_err());
+        assert!(pack(vec![t("x", DType::F64, &[usize::MAX / 4])], usize::MAX).is_err());
+    }
 }

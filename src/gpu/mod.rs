@@ -13,7 +13,7 @@ use cudarc::driver::sys;
 use cudarc::driver::CudaStream;
 use ndarray::{ArrayBase, ArrayD, Data, Dimension, IxDyn};
 
-pub use bundle::{Bundle, BundleBuilder, BundleEntry};
+pub use bundle::{Bundle, BundleBuilder, BundleEntry, DEFAULT_CHUNK_BYTES};
 pub use device::{cuda_available, Device};
 pub use storage::{GpuStorage, IpcPayload};
 
