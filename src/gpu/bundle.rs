@@ -1,11 +1,10 @@
-//! Many named tensors packed into a few large exported allocations: a receiver opens a handle
-//! per allocation once, and a re-publish opens nothing.
+//! Many named tensors laid out in one exported allocation: a receiver opens one handle once,
+//! and a re-publish opens nothing.
 //!
-//! Why a few allocations rather than one: the driver's cost of opening a legacy IPC handle
-//! grows much faster than the allocation (measured on an H200, driver 580: about 0.1 ms for
-//! 1 GiB, about 100 ms for one 13.5 GB allocation). Allocations of at most 1 GiB (the default,
-//! see [`BundleBuilder::chunk_bytes`]) keep the first publish of 7B-parameter weights at a few
-//! milliseconds.
+//! The first open of a handle costs the driver about 6 ms per GB of fresh memory on an H200
+//! (driver 580: about 80-100 ms for 13.5 GB), whether the memory is one allocation or many;
+//! [`BundleBuilder::chunk_bytes`] splits a bundle into several allocations where one large
+//! allocation is not available.
 
 use std::fmt;
 use std::sync::Arc;
@@ -24,8 +23,8 @@ use crate::tensor::Tensor;
 /// Byte alignment of every tensor in a bundle.
 const ALIGN: usize = 256;
 
-/// Default largest allocation of a bundle.
-pub const DEFAULT_CHUNK_BYTES: usize = 1 << 30;
+/// Default largest allocation of a bundle: unlimited (one allocation).
+pub const DEFAULT_CHUNK_BYTES: usize = usize::MAX;
 
 /// One named tensor of a [`Bundle`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -82,7 +81,7 @@ impl BundleBuilder {
     }
 
     /// Packs tensors into allocations of at most `bytes` bytes (a larger tensor gets one of its
-    /// own); `usize::MAX` puts everything in one allocation. Default: 1 GiB.
+    /// own). Default: [`DEFAULT_CHUNK_BYTES`], everything in one allocation.
     pub fn chunk_bytes(mut self, bytes: usize) -> BundleBuilder {
         self.chunk_bytes = bytes.max(1);
         self
@@ -126,8 +125,9 @@ fn pack(tensors: Vec<(String, DType, Vec<usize>)>, chunk_bytes: usize) -> Result
     Ok((entries, chunk_lens))
 }
 
-/// Named GPU tensors packed into a few allocations. Sending a bundle exports one IPC handle per
-/// allocation; a receiver that already maps them (a re-publish) opens nothing.
+/// Named GPU tensors in one allocation (or a few, see [`BundleBuilder::chunk_bytes`]). Sending
+/// a bundle exports one IPC handle per allocation; a receiver that already maps them (a
+/// re-publish) opens nothing.
 #[derive(Clone)]
 pub struct Bundle {
     chunks: Arc<[Arc<GpuStorage>]>,

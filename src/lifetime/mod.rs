@@ -150,6 +150,9 @@ struct State {
     imported: HashMap<(StorageId, &'static str), WeakStorage>,
     /// Mappings kept after their last use, with their slot in the owner's table.
     idle: HashMap<(StorageId, &'static str), (AnyStorage, u32)>,
+    /// Exported storages whose last lease is gone and whose memory is being freed right now
+    /// (outside the lock); still counted as exported until done.
+    freeing: usize,
     /// Mappings being closed right now (outside the lock): not to be opened again until done.
     closing: std::collections::HashSet<(StorageId, &'static str)>,
     /// Liveness tables of owners this process subscribed to (`None` until the table arrives).
@@ -216,7 +219,7 @@ fn table_cell(table: &Table, slot: u32) -> Option<&AtomicU64> {
 
 fn stats_of(s: &State) -> LifetimeStats {
     let mut stats = s.stats;
-    stats.exported_storages = s.exported.len();
+    stats.exported_storages = s.exported.len() + s.freeing;
     stats.imported_storages = s.imported.values().filter(|w| w.strong_count() > 0).count();
     stats.cached_mappings = s.idle.len();
     stats
@@ -367,6 +370,7 @@ fn release_lease(id: StorageId) {
         s.stats.outstanding_leases -= 1;
         s.stats.leases_released += 1;
         if last {
+            s.freeing += 1;
             s.exported.remove(&id)
         } else {
             None
@@ -382,6 +386,7 @@ fn release_lease(id: StorageId) {
         }
         // Freeing may call into the driver: do it outside the lock.
         drop(entry);
+        state().freeing -= 1;
     }
     notify();
 }
