@@ -40,6 +40,14 @@ pub enum Error {
         /// The UUID of the GPU the message names.
         uuid: String,
     },
+    /// A GPU cannot reach memory on another GPU (`cuDeviceCanAccessPeer` says no).
+    #[error("gpu {device} cannot access memory on gpu {owner}: the two gpus have no peer access")]
+    NoPeerAccess {
+        /// The GPU that would run the work: ordinal and UUID.
+        device: String,
+        /// The GPU holding the memory: ordinal and UUID.
+        owner: String,
+    },
     /// The operation is not supported for this element type or tensor.
     #[error("unsupported operation: {0}")]
     Unsupported(String),

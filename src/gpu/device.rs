@@ -79,6 +79,14 @@ pub(crate) fn format_uuid(u: &[u8; 16]) -> String {
     )
 }
 
+/// The error for a GPU (`access`) that cannot reach memory on another (`owner`).
+pub(crate) fn no_peer_access(access: (usize, &[u8; 16]), owner: (usize, &[u8; 16])) -> Error {
+    Error::NoPeerAccess {
+        device: format!("{} ({})", access.0, format_uuid(access.1)),
+        owner: format!("{} ({})", owner.0, format_uuid(owner.1)),
+    }
+}
+
 fn device_uuid(dev: sys::CUdevice) -> Result<[u8; 16]> {
     let u = cu::device::get_uuid(dev).map_err(driver_err("cuDeviceGetUuid"))?;
     Ok(u.bytes.map(|b| b as u8))
@@ -193,6 +201,15 @@ impl Device {
         driver::can_access_peer(self.ctx.cu_device(), peer.ctx.cu_device()).map_err(driver_err("cuDeviceCanAccessPeer"))
     }
 
+    /// Succeeds when kernels on this GPU can read and write memory of `owner` (the same GPU, or
+    /// a peer); otherwise the error names both GPUs.
+    pub fn require_peer_access(&self, owner: &Device) -> Result<()> {
+        if self.uuid == owner.uuid || self.can_access_peer(owner)? {
+            return Ok(());
+        }
+        Err(no_peer_access((self.ordinal, &self.uuid), (owner.ordinal, &owner.uuid)))
+    }
+
     /// Makes the device's context current on the calling thread.
     pub(crate) fn bind(&self) -> Result<()> {
         self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))
@@ -250,5 +267,24 @@ impl Kernels {
             .map_err(|_| Error::Unsupported(format!("no shipped kernel {name}")))?;
         functions.insert(name.to_owned(), f as usize);
         Ok(Function(f))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uuids_print_like_nvidia_smi_and_peer_errors_name_both_gpus() {
+        let a: [u8; 16] =
+            [0xab, 0x7e, 0x11, 0xa6, 0x41, 0x88, 0xe5, 0xf8, 0xb2, 0xb8, 0x94, 0xf2, 0xf1, 0x2d, 0x20, 0x51];
+        assert_eq!(format_uuid(&a), "GPU-ab7e11a6-4188-e5f8-b2b8-94f2f12d2051");
+        let b = [0u8; 16];
+        let e = no_peer_access((1, &a), (0, &b)).to_string();
+        assert_eq!(
+            e,
+            "gpu 1 (GPU-ab7e11a6-4188-e5f8-b2b8-94f2f12d2051) cannot access memory on gpu 0 \
+             (GPU-00000000-0000-0000-0000-000000000000): the two gpus have no peer access"
+        );
     }
 }

@@ -165,13 +165,33 @@ impl<T: Element> Tensor<T, GpuStorage> {
         self.device().launch(&self.kernel("add"), self.numel(), &mut [arg(&mut ptr), arg(&mut layout), arg(&mut v)])
     }
 
-    /// Copies `src` (same shape, same device) into this view, element by element.
+    /// Copies `src` (same shape) into this view, element by element. Between two GPUs both
+    /// views must be contiguous: the copy is a peer copy by the copy engines, after `src`'s
+    /// queued work.
     pub fn copy_from(&self, src: &Self) -> Result<()> {
         if src.shape() != self.shape() {
             return Err(Error::Layout(format!("shape {:?} does not match {:?}", src.shape(), self.shape())));
         }
         if !Arc::ptr_eq(src.device(), self.device()) {
-            return Err(Error::Unsupported("copy between tensors on different gpus".into()));
+            if !(self.is_contiguous() && src.is_contiguous()) {
+                return Err(Error::Unsupported("copy between gpus of a view that is not contiguous".into()));
+            }
+            src.synchronize()?;
+            self.device().bind()?;
+            let bytes = self.numel() * T::DTYPE.size();
+            // SAFETY: both ranges lie inside their storages (checked layouts, contiguous views);
+            // `src` has no queued work left; the copy is ordered on this tensor's stream.
+            return unsafe {
+                cu::memcpy_peer_async(
+                    self.device().context().cu_ctx(),
+                    self.device_ptr(),
+                    src.device().context().cu_ctx(),
+                    src.device_ptr(),
+                    bytes,
+                    self.device().cu_stream(),
+                )
+            }
+            .map_err(driver_err("cuMemcpyPeerAsync"));
         }
         let mut dst = self.storage.device_ptr();
         let mut dst_layout = KernelLayout::of(&self.layout);
@@ -220,6 +240,14 @@ impl<T: Element> Tensor<T, GpuStorage> {
 
     /// Rebuilds a tensor from an exported payload (in another process, or this one).
     pub fn from_ipc_payload(payload: IpcPayload) -> Result<Self> {
-        storage::decode(payload)
+        storage::decode(payload, None)
+    }
+
+    /// Rebuilds a tensor from another process's payload, mapped on `access`: when that is not
+    /// the GPU holding the memory, through peer access (checked first: without it the error
+    /// names both GPUs). Work on the returned tensor runs on `access` and reads and writes the
+    /// other GPU's memory directly.
+    pub fn from_ipc_payload_on(payload: IpcPayload, access: &Arc<Device>) -> Result<Self> {
+        storage::decode(payload, Some(access))
     }
 }

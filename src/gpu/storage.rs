@@ -49,6 +49,9 @@ enum Origin {
         handle: IpcHandle,
         alloc_offset: u64,
         ticket: Option<CacheTicket>,
+        /// The import table's kind: [`KIND`] when mapped on the owner's GPU, else one per GPU
+        /// that maps it through peer access.
+        kind: &'static str,
     },
 }
 
@@ -112,11 +115,11 @@ impl Drop for GpuStorage {
         let m = &self.memory;
         match &m.origin {
             Origin::Local { .. } => lifetime::handles_dropped(m.id),
-            Origin::Imported { ticket, .. } => {
+            Origin::Imported { ticket, kind, .. } => {
                 let slot = ticket.as_ref().map_or(u32::MAX, |t| t.slot());
                 let memory: AnyStorage = m.clone();
                 // Kept for reuse while the owner holds it; otherwise unmapped right here.
-                drop(lifetime::park_idle(m.id, KIND, slot, memory));
+                drop(lifetime::park_idle(m.id, kind, slot, memory));
             }
         }
     }
@@ -136,9 +139,9 @@ impl Drop for GpuMemory {
                 // SAFETY: `ptr` came from cuMemAlloc and nothing refers to it any more.
                 let _ = unsafe { cu::free_sync(self.ptr) };
             }
-            Origin::Imported { mapping, .. } => {
+            Origin::Imported { mapping, kind, .. } => {
                 let mapping = *mapping;
-                lifetime::close_import(self.id, KIND, || {
+                lifetime::close_import(self.id, kind, || {
                     if device.bind().is_err() {
                         return;
                     }
@@ -285,10 +288,12 @@ pub(crate) fn encode_storage(storage: &Arc<GpuStorage>) -> Result<GpuStorageWire
 type OpenedEvents = HashMap<(u128, usize, IpcHandle), usize>;
 static OPENED_EVENTS: Lazy<Mutex<OpenedEvents>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
-fn wait_for_event(device: &Device, owner: u128, handle: &IpcHandle) -> Result<()> {
+/// Makes `wait_on`'s stream wait for the sender's event, opened on the GPU it was recorded on
+/// (`owner_device`; a stream may wait on an event of another device).
+fn wait_for_event(owner_device: &Device, wait_on: &Device, owner: u128, handle: &IpcHandle) -> Result<()> {
     let mut events = OPENED_EVENTS.lock().unwrap_or_else(|p| p.into_inner());
-    device.bind()?;
-    let key = (owner, device.ordinal(), *handle);
+    owner_device.bind()?;
+    let key = (owner, owner_device.ordinal(), *handle);
     let event = match events.get(&key) {
         Some(&e) => e as sys::CUevent,
         None => {
@@ -303,14 +308,35 @@ fn wait_for_event(device: &Device, owner: u128, handle: &IpcHandle) -> Result<()
     if unsafe { driver::event_is_complete(event) }.map_err(driver_err("cuEventQuery"))? {
         return Ok(());
     }
-    // SAFETY: stream and event are live; the context is current.
-    unsafe { driver::stream_wait_event(device.cu_stream(), event) }.map_err(driver_err("cuStreamWaitEvent"))
+    wait_on.bind()?;
+    // SAFETY: stream and event are live; the stream's context is current.
+    unsafe { driver::stream_wait_event(wait_on.cu_stream(), event) }.map_err(driver_err("cuStreamWaitEvent"))
+}
+
+/// The import table's kind for mappings made on GPU `ordinal` through peer access.
+fn peer_kind(ordinal: usize) -> &'static str {
+    static KINDS: Lazy<Mutex<HashMap<usize, &'static str>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+    // One small string per GPU of the machine, made once.
+    KINDS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .entry(ordinal)
+        .or_insert_with(|| Box::leak(format!("gpu-peer-{ordinal}").into_boxed_str()))
 }
 
 /// Imports a storage: this process's own, a mapping in use or cached, or a new mapping; then
 /// queues the wait on the sender's event.
 pub(crate) fn decode_storage(w: GpuStorageWire) -> Result<Arc<GpuStorage>> {
+    decode_storage_on(w, None)
+}
+
+/// Like [`decode_storage`], mapping the memory on `access` (through peer access when that is
+/// not the GPU holding it) so that work on `access` reads and writes it.
+pub(crate) fn decode_storage_on(w: GpuStorageWire, access: Option<&Arc<Device>>) -> Result<Arc<GpuStorage>> {
     if w.id.is_local() {
+        if access.is_some_and(|a| a.uuid() != w.device_uuid) {
+            return Err(Error::Unsupported("mapping this process's own storage on another gpu".into()));
+        }
         return match lifetime::local_storage(w.id) {
             Some(LocalStorage::Handle(h)) => h.downcast::<GpuStorage>().ok(),
             Some(LocalStorage::Memory(m)) => m.downcast::<GpuMemory>().ok().map(|memory| {
@@ -323,7 +349,15 @@ pub(crate) fn decode_storage(w: GpuStorageWire) -> Result<Arc<GpuStorage>> {
         }
         .ok_or_else(|| Error::Malformed("message names a gpu storage of this process that is not shared".into()));
     }
-    let device = Device::by_uuid(&w.device_uuid)?;
+    let owner_device = Device::by_uuid(&w.device_uuid)?;
+    let device = match access {
+        Some(a) if a.uuid() != owner_device.uuid() => {
+            a.require_peer_access(&owner_device)?;
+            a.clone()
+        }
+        _ => owner_device.clone(),
+    };
+    let kind = if Arc::ptr_eq(&device, &owner_device) { KIND } else { peer_kind(device.ordinal()) };
     let handle = handle_from(&w.mem_handle, "memory handle")?;
     let event = w.event_handle.as_deref().map(|e| handle_from(e, "event handle")).transpose()?;
     let bytes = usize::try_from(w.bytes).map_err(|_| Error::Malformed("storage size overflows".into()))?;
@@ -333,9 +367,9 @@ pub(crate) fn decode_storage(w: GpuStorageWire) -> Result<Arc<GpuStorage>> {
     let GpuStorageWire { id, alloc_offset, lease, ticket, .. } = w;
     let storage = lifetime::import(
         id,
-        KIND,
+        kind,
         |memory| memory.downcast::<GpuMemory>().ok().map(|memory| Arc::new(GpuStorage { memory })),
-        || open(device.clone(), id, handle, alloc_offset, bytes, lease, ticket),
+        || open(device.clone(), OpenRequest { id, handle, alloc_offset, bytes, lease, ticket, kind }),
     )?;
     if storage.memory.len != bytes {
         return Err(Error::Malformed(format!(
@@ -344,20 +378,24 @@ pub(crate) fn decode_storage(w: GpuStorageWire) -> Result<Arc<GpuStorage>> {
         )));
     }
     if let Some(event) = event {
-        wait_for_event(&device, id.owner(), &event)?;
+        wait_for_event(&owner_device, &device, id.owner(), &event)?;
     }
     Ok(storage)
 }
 
-fn open(
-    device: Arc<Device>,
+/// What opening a mapping needs, from a message.
+struct OpenRequest {
     id: StorageId,
     handle: IpcHandle,
     alloc_offset: u64,
     bytes: usize,
     lease: Lease,
     ticket: Option<CacheTicket>,
-) -> Result<Arc<GpuStorage>> {
+    kind: &'static str,
+}
+
+fn open(device: Arc<Device>, req: OpenRequest) -> Result<Arc<GpuStorage>> {
+    let OpenRequest { id, handle, alloc_offset, bytes, lease, ticket, kind } = req;
     device.bind()?;
     // SAFETY: the context is current; the driver validates the handle.
     let mapping = unsafe { driver::ipc_open_mem_handle(&handle) }.map_err(driver_err("cuIpcOpenMemHandle"))?;
@@ -382,7 +420,7 @@ fn open(
         device,
         ptr: mapping + alloc_offset,
         len: bytes,
-        origin: Origin::Imported { _lease: lease, mapping, handle, alloc_offset, ticket },
+        origin: Origin::Imported { _lease: lease, mapping, handle, alloc_offset, ticket, kind },
     };
     Ok(Arc::new(GpuStorage { memory: Arc::new(memory) }))
 }
@@ -392,10 +430,11 @@ pub(crate) fn encode<T: Element>(tensor: &Tensor<T, GpuStorage>) -> Result<IpcPa
     Ok(IpcPayload { wire: TensorWire::new::<T>(&tensor.layout, encode_storage(&tensor.storage)?) })
 }
 
-/// Imports a tensor and checks the view against the storage.
-pub(crate) fn decode<T: Element>(payload: IpcPayload) -> Result<Tensor<T, GpuStorage>> {
+/// Imports a tensor (on `access`, or on the GPU holding it) and checks the view against the
+/// storage.
+pub(crate) fn decode<T: Element>(payload: IpcPayload, access: Option<&Arc<Device>>) -> Result<Tensor<T, GpuStorage>> {
     let (w, layout) = payload.wire.check_dtype::<T>()?;
-    let storage = decode_storage(w)?;
+    let storage = decode_storage_on(w, access)?;
     let layout = layout.check(storage.byte_len(), T::DTYPE)?;
     Ok(Tensor::from_parts(storage, layout))
 }
@@ -409,6 +448,6 @@ impl<T: Element> Serialize for Tensor<T, GpuStorage> {
 impl<'de, T: Element> Deserialize<'de> for Tensor<T, GpuStorage> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
         let wire = TensorWire::<GpuStorageWire>::deserialize(deserializer)?;
-        decode(IpcPayload { wire }).map_err(codec_error)
+        decode(IpcPayload { wire }, None).map_err(codec_error)
     }
 }
