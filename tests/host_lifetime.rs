@@ -85,7 +85,10 @@ fn producer_drops_first_and_release_happens_when_the_consumer_drops() {
     assert_eq!(lifetime_stats().live_storages, before.live_storages + 1);
     cmd_tx.send(Cmd::Drop).unwrap();
     reply_rx.recv_timeout(WAIT).unwrap();
-    let after = wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages).expect("released after the drop");
+    let after = wait_for_lifetime(WAIT, |s| {
+        s.live_storages == before.live_storages && s.exported_storages == before.exported_storages
+    })
+    .expect("released after the drop");
     assert_eq!(after.freed_storages, before.freed_storages + 1);
     assert_eq!(after.outstanding_leases, before.outstanding_leases);
     assert_eq!(after.exported_storages, before.exported_storages);
