@@ -52,6 +52,8 @@ enum Origin {
         /// The import table's kind: [`KIND`] when mapped on the owner's GPU, else one per GPU
         /// that maps it through peer access.
         kind: &'static str,
+        /// The GPU holding the memory (not the one mapping it, under peer access).
+        owner_uuid: [u8; 16],
     },
 }
 
@@ -249,7 +251,7 @@ fn handle_from(bytes: &[u8], what: &str) -> Result<IpcHandle> {
 pub(crate) fn encode_storage(storage: &Arc<GpuStorage>) -> Result<GpuStorageWire> {
     let m = &storage.memory;
     let device = &m.device;
-    let (lease, mem_handle, alloc_offset, event_handle, ticket) = match &m.origin {
+    let (lease, mem_handle, alloc_offset, event_handle, ticket, device_uuid) = match &m.origin {
         Origin::Local { handle, .. } => {
             let mem_handle = *handle.get_or_try_init(|| {
                 device.bind()?;
@@ -261,18 +263,18 @@ pub(crate) fn encode_storage(storage: &Arc<GpuStorage>) -> Result<GpuStorageWire
             let user: AnyStorage = storage.clone();
             let lease = lifetime::grant_lease(m.id, move || keep, Some(Arc::downgrade(&user)), LeaseMode::PerStorage)?;
             let ticket = lifetime::cache_ticket(m.id)?;
-            (lease, mem_handle, 0, event.map(|e| e.handle.to_vec()), Some(ticket))
+            (lease, mem_handle, 0, event.map(|e| e.handle.to_vec()), Some(ticket), device.uuid())
         }
-        Origin::Imported { _lease, handle, alloc_offset, ticket, .. } => {
+        Origin::Imported { _lease, handle, alloc_offset, ticket, owner_uuid, .. } => {
             // Forwarding: our own writes must be visible to the next process, which has no
             // event of ours to wait on.
             device.synchronize()?;
-            (_lease.clone(), *handle, *alloc_offset, None, ticket.clone())
+            (_lease.clone(), *handle, *alloc_offset, None, ticket.clone(), *owner_uuid)
         }
     };
     Ok(GpuStorageWire {
         id: m.id,
-        device_uuid: device.uuid(),
+        device_uuid,
         mem_handle: mem_handle.to_vec(),
         alloc_offset,
         bytes: m.len as u64,
@@ -369,7 +371,10 @@ pub(crate) fn decode_storage_on(w: GpuStorageWire, access: Option<&Arc<Device>>)
         id,
         kind,
         |memory| memory.downcast::<GpuMemory>().ok().map(|memory| Arc::new(GpuStorage { memory })),
-        || open(device.clone(), OpenRequest { id, handle, alloc_offset, bytes, lease, ticket, kind }),
+        || {
+            let owner_uuid = owner_device.uuid();
+            open(device.clone(), OpenRequest { id, handle, alloc_offset, bytes, lease, ticket, kind, owner_uuid })
+        },
     )?;
     if storage.memory.len != bytes {
         return Err(Error::Malformed(format!(
@@ -392,10 +397,11 @@ struct OpenRequest {
     lease: Lease,
     ticket: Option<CacheTicket>,
     kind: &'static str,
+    owner_uuid: [u8; 16],
 }
 
 fn open(device: Arc<Device>, req: OpenRequest) -> Result<Arc<GpuStorage>> {
-    let OpenRequest { id, handle, alloc_offset, bytes, lease, ticket, kind } = req;
+    let OpenRequest { id, handle, alloc_offset, bytes, lease, ticket, kind, owner_uuid } = req;
     device.bind()?;
     // SAFETY: the context is current; the driver validates the handle.
     let mapping = unsafe { driver::ipc_open_mem_handle(&handle) }.map_err(driver_err("cuIpcOpenMemHandle"))?;
@@ -420,7 +426,7 @@ fn open(device: Arc<Device>, req: OpenRequest) -> Result<Arc<GpuStorage>> {
         device,
         ptr: mapping + alloc_offset,
         len: bytes,
-        origin: Origin::Imported { _lease: lease, mapping, handle, alloc_offset, ticket, kind },
+        origin: Origin::Imported { _lease: lease, mapping, handle, alloc_offset, ticket, kind, owner_uuid },
     };
     Ok(Arc::new(GpuStorage { memory: Arc::new(memory) }))
 }

@@ -428,8 +428,9 @@ pub(crate) fn import<H: Any + Send + Sync>(
     open: impl FnOnce() -> Result<Arc<H>>,
 ) -> Result<Arc<H>> {
     let mut s = state();
-    // A handle can be opened only once per process: wait while a mapping of it is closing.
-    while s.closing.contains(&(id, kind)) {
+    // A handle can be opened only once per process: wait while a mapping of it is closing, or
+    // while its last handle is being dropped (it is about to be cached or closed).
+    while s.closing.contains(&(id, kind)) || s.imported.get(&(id, kind)).is_some_and(|w| w.strong_count() == 0) {
         s = SHARED.changed.wait(s).unwrap_or_else(|p| p.into_inner());
     }
     if let Some(existing) = s.imported.get(&(id, kind)).and_then(Weak::upgrade) {
