@@ -474,13 +474,14 @@ pub(crate) fn park_idle(id: StorageId, kind: &'static str, slot: u32, memory: An
     if s.imported.get(&(id, kind)).is_some_and(|w| w.strong_count() == 0) {
         s.imported.remove(&(id, kind));
     }
-    let alive = s
-        .owner_tables
-        .get(&id.owner)
-        .and_then(Option::as_ref)
-        .and_then(|t| table_cell(t, slot))
-        .is_some_and(|c| c.load(Ordering::SeqCst) == id.index);
-    let result = if alive {
+    // Cache while the owner holds the storage; also while the owner's table is still on its
+    // way (the mapping is checked when it arrives, or evicted if the owner goes away first).
+    let keep = match s.owner_tables.get(&id.owner) {
+        Some(Some(table)) => table_cell(table, slot).is_some_and(|c| c.load(Ordering::SeqCst) == id.index),
+        Some(None) => slot != NO_SLOT,
+        None => false,
+    };
+    let result = if keep {
         s.idle.insert((id, kind), (memory, slot));
         None
     } else {
@@ -503,6 +504,26 @@ pub(crate) fn close_import(id: StorageId, kind: &'static str, close: impl FnOnce
     }
     close();
     state().closing.remove(&(id, kind));
+    notify();
+}
+
+/// An owner's liveness table arrived: keep it, and evict the mappings cached while it was on
+/// its way whose storages the owner no longer holds.
+fn table_arrived(owner: u128, table: Table) {
+    let evicted: Vec<AnyStorage> = {
+        let mut s = state();
+        let dead: Vec<_> = s
+            .idle
+            .iter()
+            .filter(|((id, _), (_, slot))| {
+                id.owner == owner && table_cell(&table, *slot).is_none_or(|c| c.load(Ordering::SeqCst) != id.index)
+            })
+            .map(|(k, _)| *k)
+            .collect();
+        s.owner_tables.insert(owner, Some(table));
+        dead.iter().filter_map(|k| s.idle.remove(k)).map(|(m, _)| m).collect()
+    };
+    drop(evicted);
     notify();
 }
 
@@ -535,6 +556,8 @@ struct Reaper {
     wake: Mutex<IpcSender<()>>,
     watched: Mutex<HashMap<u64, Watched>>,
     spares: Mutex<Vec<(u64, IpcSender<Control>)>>,
+    /// Set once this process grants a lease: only then are spare lease channels kept.
+    granting: AtomicBool,
 }
 
 const SPARE_LEASES: usize = 64;
@@ -554,6 +577,7 @@ fn reaper() -> Result<&'static Reaper> {
             wake: Mutex::new(wake),
             watched: Mutex::new(watched),
             spares: Mutex::new(Vec::new()),
+            granting: AtomicBool::new(false),
         })
     })
 }
@@ -574,6 +598,7 @@ impl Reaper {
     /// A lease channel for `id`: a spare one already watched when there is one (no system call
     /// on the send path), else a new one.
     fn new_lease(&self, id: StorageId) -> Result<Lease> {
+        self.granting.store(true, Ordering::Relaxed);
         let spare = {
             let mut spares = self.spares.lock().unwrap_or_else(|p| p.into_inner());
             let spare = spares.pop();
@@ -621,9 +646,7 @@ fn reap(mut set: IpcReceiverSet, wake_id: u64) {
                             }
                         }
                         Some(Watched::Revocations(owner)) => match message.to::<Revocation>() {
-                            Ok(Revocation::Table(table)) => {
-                                state().owner_tables.insert(owner, Some(Table::new(table)));
-                            }
+                            Ok(Revocation::Table(table)) => table_arrived(owner, Table::new(table)),
                             Ok(Revocation::Storage(index)) => revoke(owner, Some(index)),
                             Err(_) => {}
                         },
@@ -676,6 +699,9 @@ fn raise_descriptor_limit() {
 }
 
 fn refill_spares(reaper: &Reaper, set: &mut IpcReceiverSet) {
+    if !reaper.granting.load(Ordering::Relaxed) {
+        return;
+    }
     let missing = SPARE_LEASES.saturating_sub(reaper.spares.lock().unwrap_or_else(|p| p.into_inner()).len());
     for _ in 0..missing {
         let Ok((tx, rx)) = ipc::channel::<Control>() else { return };
