@@ -10,18 +10,15 @@ use cuda_mp::{
 };
 use serde::{Deserialize, Serialize};
 
+mod common;
+
 cuda_mp::enable_test_support!();
 
 static SERIAL: Mutex<()> = Mutex::new(());
 const WAIT: Duration = Duration::from_secs(60);
 
-/// Runs tests one at a time, each starting once everything an earlier test shared is freed,
-/// so that the counters each test reads are its own.
 fn serial() -> std::sync::MutexGuard<'static, ()> {
-    let guard = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    wait_for_lifetime(WAIT, |s| s.outstanding_leases == 0 && s.exported_storages == 0)
-        .expect("an earlier test left shared storage behind");
-    guard
+    common::serial(&SERIAL, WAIT)
 }
 
 fn gpu() -> Arc<Device> {

@@ -5,19 +5,15 @@ use std::time::Duration;
 
 use cuda_mp::{channel, lifetime_stats, spawn, wait_for_lifetime, HostTensor, Receiver, Sender};
 
+mod common;
+
 cuda_mp::enable_test_support!();
 
-/// The lifetime counters are per process; tests that read them run one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
 const WAIT: Duration = Duration::from_secs(10);
 
-/// Runs tests one at a time, each starting once everything an earlier test shared is freed,
-/// so that the counters each test reads are its own.
 fn serial() -> std::sync::MutexGuard<'static, ()> {
-    let guard = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    wait_for_lifetime(WAIT, |s| s.outstanding_leases == 0 && s.exported_storages == 0)
-        .expect("an earlier test left shared storage behind");
-    guard
+    common::serial(&SERIAL, WAIT)
 }
 
 fn add_100_then_read_back((rx, ack, go): (Receiver<HostTensor<f32>>, Sender<()>, Receiver<()>)) -> f32 {
