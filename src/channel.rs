@@ -21,22 +21,24 @@ thread_local! {
     static DECODE_FAILURE: RefCell<Option<String>> = const { RefCell::new(None) };
 }
 
-/// Records why a value failed to encode or decode, for the sender's or receiver's error, and
-/// returns it as the serializer's error.
-pub(crate) fn codec_error<E: serde::de::Error>(error: Error) -> E {
-    let message = match error {
-        Error::Malformed(m) => m,
-        other => other.to_string(),
-    };
+/// Keeps `message` as the reason the current message failed to encode or decode (the wire
+/// format's error type cannot carry it) and returns it.
+fn remember_failure(message: String) -> String {
     DECODE_FAILURE.with(|f| *f.borrow_mut() = Some(message.clone()));
-    E::custom(message)
+    message
 }
 
-/// Like [`codec_error`], for serialization.
+/// A decode failure as the deserializer's error; a malformed message's reason stands alone.
+pub(crate) fn codec_error<E: serde::de::Error>(error: Error) -> E {
+    E::custom(remember_failure(match error {
+        Error::Malformed(m) => m,
+        other => other.to_string(),
+    }))
+}
+
+/// An encode failure as the serializer's error.
 pub(crate) fn encode_error<E: serde::ser::Error>(error: Error) -> E {
-    let message = error.to_string();
-    DECODE_FAILURE.with(|f| *f.borrow_mut() = Some(message.clone()));
-    E::custom(message)
+    E::custom(remember_failure(error.to_string()))
 }
 
 fn take_decode_failure() -> Option<String> {
