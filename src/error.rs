@@ -26,14 +26,38 @@ pub enum Error {
     /// No CUDA driver, no GPU, or no GPU with the requested ordinal.
     #[error("cuda is not available: {0}")]
     CudaUnavailable(String),
-    /// A CUDA driver call failed.
+    /// A CUDA driver call failed; [`Error::is_out_of_memory`] tells out-of-memory apart.
     #[error("cuda driver call {call} failed: {message}")]
     Driver {
         /// The driver entry point that failed.
         call: &'static str,
+        /// The driver's result code.
+        code: cudarc::driver::sys::CUresult,
         /// The driver's name and description of the error.
         message: String,
     },
+    /// A tensor name that a bundle does not hold.
+    #[error("bundle has no tensor named {name:?}")]
+    NoSuchTensor {
+        /// The name asked for.
+        name: String,
+    },
+    /// This process has as many file descriptors open as its limit allows (every shared
+    /// storage and lease is one); raise `ulimit -n` or hold fewer tensors.
+    #[error("out of file descriptors: this process may open at most {limit}")]
+    OutOfDescriptors {
+        /// The process's soft limit on open descriptors (`RLIMIT_NOFILE`).
+        limit: u64,
+    },
+    /// A send failed.
+    #[error("{0}")]
+    Send(SendFailure),
+    /// A receive failed.
+    #[error(transparent)]
+    Recv(#[from] RecvError),
+    /// Waiting for a child process failed.
+    #[error(transparent)]
+    Join(#[from] JoinError),
     /// A message names a GPU that this process cannot see.
     #[error("gpu {uuid} is not visible to this process (check CUDA_VISIBLE_DEVICES)")]
     DeviceNotVisible {
@@ -62,6 +86,36 @@ pub enum Error {
     NotInitialized,
 }
 
+impl Error {
+    /// True when the CUDA driver ran out of device memory.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, Error::Driver { code: cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY, .. })
+    }
+
+    /// True when a blocking operation gave up after its timeout.
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, Error::Timeout(_))
+    }
+}
+
+impl<T> From<SendError<T>> for Error {
+    fn from(e: SendError<T>) -> Self {
+        Error::Send(e.failure)
+    }
+}
+
+impl From<RecvTimeoutError> for Error {
+    fn from(e: RecvTimeoutError) -> Self {
+        match e {
+            RecvTimeoutError::Timeout => Error::Timeout(Duration::ZERO),
+            RecvTimeoutError::Disconnected => Error::Recv(RecvError::Disconnected),
+            RecvTimeoutError::Malformed(m) => Error::Recv(RecvError::Malformed(m)),
+            RecvTimeoutError::Io(m) => Error::Recv(RecvError::Io(m)),
+            RecvTimeoutError::OutOfDescriptors { limit } => Error::OutOfDescriptors { limit },
+        }
+    }
+}
+
 /// The result type of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -75,6 +129,24 @@ pub enum SendFailure {
     Serialize(String),
     /// The operating system refused the message.
     Io(String),
+    /// This process is out of file descriptors (the limit is given).
+    OutOfDescriptors {
+        /// The process's soft limit on open descriptors.
+        limit: u64,
+    },
+}
+
+impl fmt::Display for SendFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SendFailure::Disconnected => f.write_str("sending on a disconnected channel"),
+            SendFailure::Serialize(m) => write!(f, "failed to serialize the message: {m}"),
+            SendFailure::Io(m) => write!(f, "failed to send the message: {m}"),
+            SendFailure::OutOfDescriptors { limit } => {
+                write!(f, "out of file descriptors: this process may open at most {limit}")
+            }
+        }
+    }
 }
 
 /// A failed send; the value comes back with [`SendError::into_inner`].
@@ -102,6 +174,11 @@ impl<T> SendError<T> {
     pub fn is_disconnected(&self) -> bool {
         self.failure == SendFailure::Disconnected
     }
+
+    /// True when the send failed because this process is out of file descriptors.
+    pub fn is_out_of_descriptors(&self) -> bool {
+        matches!(self.failure, SendFailure::OutOfDescriptors { .. })
+    }
 }
 
 impl<T> fmt::Debug for SendError<T> {
@@ -112,11 +189,7 @@ impl<T> fmt::Debug for SendError<T> {
 
 impl<T> fmt::Display for SendError<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.failure {
-            SendFailure::Disconnected => f.write_str("sending on a disconnected channel"),
-            SendFailure::Serialize(m) => write!(f, "failed to serialize the message: {m}"),
-            SendFailure::Io(m) => write!(f, "failed to send the message: {m}"),
-        }
+        self.failure.fmt(f)
     }
 }
 
@@ -136,6 +209,13 @@ pub enum RecvError {
     /// The operating system reported an error.
     #[error("failed to receive: {0}")]
     Io(String),
+    /// This process is out of file descriptors (the limit is given); the message is lost and
+    /// its resources released.
+    #[error("out of file descriptors: this process may open at most {limit}")]
+    OutOfDescriptors {
+        /// The process's soft limit on open descriptors.
+        limit: u64,
+    },
 }
 
 /// A failed non-blocking receive.
@@ -154,6 +234,13 @@ pub enum TryRecvError {
     /// The operating system reported an error.
     #[error("failed to receive: {0}")]
     Io(String),
+    /// This process is out of file descriptors (the limit is given); the message is lost and
+    /// its resources released.
+    #[error("out of file descriptors: this process may open at most {limit}")]
+    OutOfDescriptors {
+        /// The process's soft limit on open descriptors.
+        limit: u64,
+    },
 }
 
 /// A failed receive with a timeout.
@@ -172,6 +259,44 @@ pub enum RecvTimeoutError {
     /// The operating system reported an error.
     #[error("failed to receive: {0}")]
     Io(String),
+    /// This process is out of file descriptors (the limit is given); the message is lost and
+    /// its resources released.
+    #[error("out of file descriptors: this process may open at most {limit}")]
+    OutOfDescriptors {
+        /// The process's soft limit on open descriptors.
+        limit: u64,
+    },
+}
+
+impl RecvError {
+    /// True when every sender is gone.
+    pub fn is_disconnected(&self) -> bool {
+        matches!(self, RecvError::Disconnected)
+    }
+}
+
+impl TryRecvError {
+    /// True when no message was waiting.
+    pub fn is_empty(&self) -> bool {
+        matches!(self, TryRecvError::Empty)
+    }
+
+    /// True when every sender is gone.
+    pub fn is_disconnected(&self) -> bool {
+        matches!(self, TryRecvError::Disconnected)
+    }
+}
+
+impl RecvTimeoutError {
+    /// True when no message arrived in time.
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, RecvTimeoutError::Timeout)
+    }
+
+    /// True when every sender is gone.
+    pub fn is_disconnected(&self) -> bool {
+        matches!(self, RecvTimeoutError::Disconnected)
+    }
 }
 
 impl From<RecvError> for TryRecvError {
@@ -180,6 +305,7 @@ impl From<RecvError> for TryRecvError {
             RecvError::Disconnected => TryRecvError::Disconnected,
             RecvError::Malformed(m) => TryRecvError::Malformed(m),
             RecvError::Io(m) => TryRecvError::Io(m),
+            RecvError::OutOfDescriptors { limit } => TryRecvError::OutOfDescriptors { limit },
         }
     }
 }
@@ -190,12 +316,14 @@ impl From<RecvError> for RecvTimeoutError {
             RecvError::Disconnected => RecvTimeoutError::Disconnected,
             RecvError::Malformed(m) => RecvTimeoutError::Malformed(m),
             RecvError::Io(m) => RecvTimeoutError::Io(m),
+            RecvError::OutOfDescriptors { limit } => RecvTimeoutError::OutOfDescriptors { limit },
         }
     }
 }
 
 /// Where a panic in a child process happened and what it said.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PanicReport {
     /// The panic message.
     pub message: String,
@@ -222,7 +350,22 @@ pub enum JoinError {
     /// The child did not finish within the timeout; it is still running.
     #[error("timed out waiting for the child process")]
     Timeout,
-    /// The child died without returning (killed, crashed or exited early).
+    /// The child was killed by a signal (by [`JoinHandle::kill`](crate::JoinHandle::kill),
+    /// another process, or a crash) before returning.
+    #[error("child process was killed by signal {signal} ({name})")]
+    Signaled {
+        /// The signal number.
+        signal: i32,
+        /// The signal's name, such as `SIGKILL`.
+        name: &'static str,
+    },
+    /// The child exited before returning a result.
+    #[error("child process exited with status {code} without a result")]
+    Exited {
+        /// Its exit status.
+        code: i32,
+    },
+    /// The child died without returning, and how is unknown (a pooled worker).
     #[error("child process terminated without a result: {0}")]
     Terminated(String),
     /// The child could not be started or its result not decoded.

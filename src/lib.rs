@@ -64,6 +64,7 @@ mod tensor;
 
 pub use channel::{channel, pipe, Duplex, Listener, Receiver, Sender};
 pub use cuda_mp_macros::main;
+pub use ndarray;
 pub use dtype::{DType, Element};
 pub use error::{
     Error, JoinError, PanicReport, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError,

@@ -18,7 +18,7 @@ pub(crate) fn driver_err(call: &'static str) -> impl FnOnce(DriverError) -> Erro
     move |e| {
         let name = e.error_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{e:?}"));
         let text = e.error_string().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-        Error::Driver { call, message: format!("{name}: {text}") }
+        Error::Driver { call, code: e.0, message: format!("{name}: {text}") }
     }
 }
 
