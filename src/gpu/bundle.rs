@@ -145,13 +145,14 @@ impl fmt::Debug for Bundle {
 }
 
 impl Bundle {
-    /// The tensor called `name`, as element type `T` (an error if it holds another type).
+    /// The tensor called `name`, as element type `T`: [`Error::NoSuchTensor`] when the bundle
+    /// has none of that name, [`Error::DTypeMismatch`] when it holds another type.
     pub fn get<T: Element>(&self, name: &str) -> Result<GpuTensor<T>> {
         let entry = self
             .entries
             .iter()
             .find(|e| e.name == name)
-            .ok_or_else(|| Error::Layout(format!("bundle has no tensor named {name:?}")))?;
+            .ok_or_else(|| Error::NoSuchTensor { name: name.to_owned() })?;
         if entry.dtype != T::DTYPE {
             return Err(Error::DTypeMismatch { expected: T::DTYPE, found: entry.dtype });
         }
@@ -270,5 +271,21 @@ mod tests {
         assert_eq!(one[1].layout.offset(), 256);
         assert!(pack(vec![t("a", DType::F32, &[1]), t("a", DType::F32, &[1])], 1024).is_err());
         assert!(pack(vec![t("x", DType::F64, &[usize::MAX / 4])], usize::MAX).is_err());
+    }
+
+    #[test]
+    fn missing_names_and_other_dtypes_are_their_own_errors() {
+        let (entries, _) = pack(vec![t("w", DType::F32, &[4])], usize::MAX).unwrap();
+        // No allocation is needed to look a name up: both errors come before one is touched.
+        let bundle = Bundle { chunks: Vec::new().into(), entries: entries.into() };
+        match bundle.get::<f32>("b") {
+            Err(Error::NoSuchTensor { name }) => assert_eq!(name, "b"),
+            other => panic!("expected NoSuchTensor, got {other:?}"),
+        }
+        assert_eq!(Error::NoSuchTensor { name: "b".into() }.to_string(), "bundle has no tensor named \"b\"");
+        assert!(matches!(
+            bundle.get::<i32>("w"),
+            Err(Error::DTypeMismatch { expected: DType::I32, found: DType::F32 })
+        ));
     }
 }

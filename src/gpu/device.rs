@@ -1,26 +1,22 @@
-//! GPUs of this process: one primary context, one stream and the shipped kernels per device.
+//! GPUs of this process: one primary context, one stream, the shipped kernels and the
+//! interprocess event per device.
 
 use std::collections::HashMap;
-use std::ffi::{c_void, CString};
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::result::{self as cu, DriverError};
+use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaStream};
 use once_cell::sync::{Lazy, OnceCell};
 
-use super::driver;
+use super::driver::{self, IpcHandle};
+use super::events;
+use super::handles::InterprocessEvent;
+use super::kernels::Kernels;
 use crate::error::{Error, Result};
 
-/// Maps a driver error to the crate's error, naming the call.
-pub(crate) fn driver_err(call: &'static str) -> impl FnOnce(DriverError) -> Error {
-    move |e| {
-        let name = e.error_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{e:?}"));
-        let text = e.error_string().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-        Error::Driver { call, code: e.0, message: format!("{name}: {text}") }
-    }
-}
+pub(crate) use super::driver::driver_err;
 
 /// True when a CUDA driver and at least one GPU are usable by this process.
 pub fn cuda_available() -> bool {
@@ -46,16 +42,16 @@ pub struct Device {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     kernels: OnceCell<Kernels>,
-    ipc_event: OnceCell<IpcEvent>,
+    /// This process's interprocess event on the device (see `events.rs`); never destroyed,
+    /// since devices live as long as the process.
+    ipc_event: OnceCell<InterprocessEvent>,
 }
 
-/// The interprocess event this process records on the device stream at every send. One event
-/// serves every send: a receiver waits for the work queued up to the latest record, which
-/// includes everything queued before its own message (never less, sometimes a little more).
-/// It lives as long as the process, so receivers may keep it open.
+/// The handle of this process's interprocess event, as [`Device::record_ipc_event`] returns it.
+/// Superseded by [`events::record`]; kept until `storage.rs` moves to it.
+#[allow(dead_code)]
 pub(crate) struct IpcEvent {
-    pub(crate) event: usize,
-    pub(crate) handle: driver::IpcHandle,
+    pub(crate) handle: IpcHandle,
 }
 
 impl fmt::Debug for Device {
@@ -138,25 +134,11 @@ impl Device {
     }
 
     /// Records this process's interprocess event after the work queued on the stream so far,
-    /// or returns `None` when that work is already done: a receiver then has nothing to wait
-    /// for, and neither process puts a command on the GPU for the handoff.
-    pub(crate) fn record_ipc_event(&self) -> Result<Option<&IpcEvent>> {
-        self.bind()?;
-        // SAFETY: the context is current and the stream is live.
-        if unsafe { driver::stream_is_idle(self.cu_stream()) }.map_err(driver_err("cuStreamQuery"))? {
-            return Ok(None);
-        }
-        let ev = self.ipc_event.get_or_try_init(|| {
-            // SAFETY: the context is current.
-            let event = unsafe { driver::event_create_interprocess() }.map_err(driver_err("cuEventCreate"))?;
-            // SAFETY: `event` is a live interprocess event; it is never destroyed.
-            let handle = unsafe { driver::ipc_get_event_handle(event) }.map_err(driver_err("cuIpcGetEventHandle"))?;
-            Ok::<_, Error>(IpcEvent { event: event as usize, handle })
-        })?;
-        // SAFETY: event and stream are live; the context is current.
-        unsafe { cu::event::record(ev.event as sys::CUevent, self.cu_stream()) }
-            .map_err(driver_err("cuEventRecord"))?;
-        Ok(Some(ev))
+    /// or returns `None` when that work is already done. Superseded by [`events::record`];
+    /// kept until `storage.rs` moves to it.
+    #[allow(dead_code)]
+    pub(crate) fn record_ipc_event(&self) -> Result<Option<IpcEvent>> {
+        Ok(events::record(self)?.map(|handle| IpcEvent { handle }))
     }
 
     /// Ordinal in this process.
@@ -215,58 +197,22 @@ impl Device {
         self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))
     }
 
+    /// The stream's raw handle. Superseded by the wrappers taking [`Device::stream`]; kept
+    /// until `storage.rs` moves to them.
+    #[allow(dead_code)]
     pub(crate) fn cu_stream(&self) -> sys::CUstream {
         self.stream.cu_stream()
     }
 
-    /// Launches a shipped kernel over `numel` elements on the device's stream.
-    pub(crate) fn launch(&self, kernel: &str, numel: usize, params: driver::KernelParams<'_>) -> Result<()> {
-        if numel == 0 {
-            return Ok(());
-        }
-        self.bind()?;
-        let function = self.kernels.get_or_try_init(Kernels::load)?.function(kernel)?;
-        const THREADS: usize = 256;
-        let blocks = numel.div_ceil(THREADS).min(1 << 16) as u32;
-        // SAFETY: the function comes from the shipped module; the callers pass parameters that
-        // match its signature, pointing at memory that outlives the queued work (storages are
-        // freed only after synchronizing this stream).
-        unsafe { cu::launch_kernel(function.0, (blocks, 1, 1), (THREADS as u32, 1, 1), 0, self.cu_stream(), params) }
-            .map_err(driver_err("cuLaunchKernel"))
-    }
-}
-
-struct Function(sys::CUfunction);
-// SAFETY: a CUfunction is a handle usable from any thread once its context is current.
-unsafe impl Send for Function {}
-
-struct Kernels {
-    module: usize,
-    functions: Mutex<HashMap<String, usize>>,
-}
-
-const PTX: &str = include_str!("kernels.ptx");
-
-impl Kernels {
-    fn load() -> Result<Kernels> {
-        let image = CString::new(PTX).map_err(|_| Error::Unsupported("kernel image contains a NUL byte".into()))?;
-        // SAFETY: the image is a NUL-terminated PTX module and the device's context is current.
-        let module = unsafe { cu::module::load_data(image.as_ptr() as *const c_void) }
-            .map_err(driver_err("cuModuleLoadData"))?;
-        Ok(Kernels { module: module as usize, functions: Mutex::new(HashMap::new()) })
+    /// The shipped kernels, loaded in the device's context on first use.
+    pub(crate) fn kernels(&self) -> Result<&Kernels> {
+        self.kernels.get_or_try_init(|| Kernels::load(&self.ctx))
     }
 
-    fn function(&self, name: &str) -> Result<Function> {
-        let mut functions = self.functions.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(&f) = functions.get(name) {
-            return Ok(Function(f as sys::CUfunction));
-        }
-        let cname = CString::new(name).map_err(|_| Error::Unsupported(format!("kernel name {name:?}")))?;
-        // SAFETY: the module is loaded and never unloaded.
-        let f = unsafe { cu::module::get_function(self.module as sys::CUmodule, cname) }
-            .map_err(|_| Error::Unsupported(format!("no shipped kernel {name}")))?;
-        functions.insert(name.to_owned(), f as usize);
-        Ok(Function(f))
+    /// The cell of this process's interprocess event on the device (created by `events.rs` on
+    /// the first send with queued work).
+    pub(crate) fn ipc_event_cell(&self) -> &OnceCell<InterprocessEvent> {
+        &self.ipc_event
     }
 }
 

@@ -1,12 +1,36 @@
-//! The only place that calls raw CUDA driver entry points (`cudarc::driver::sys`): each is
-//! wrapped once here and returns `Result<_, DriverError>`; everything above uses these wrappers
-//! or cudarc's own `result` layer.
+//! The one layer that calls CUDA driver entry points Rust cannot check: everything in
+//! `cudarc::driver::sys`, and the `unsafe` functions of `cudarc::driver::result`. Each entry
+//! point is wrapped once, here, with the reason the call is sound.
+//!
+//! Two kinds of wrapper:
+//! - `unsafe fn`s over driver objects (allocations, mappings, events, modules, functions). Their
+//!   preconditions (a current context, a live handle) are upheld by the owners in `handles.rs`,
+//!   the only other file of `src/gpu/` with `unsafe`.
+//! - safe functions that check their own preconditions: the memset and copies take the range of
+//!   the memory they may touch ([`DeviceRange`]) and check bounds, take cudarc's safe
+//!   [`CudaStream`] and make its context current; the host copies wait for their stream before
+//!   returning, so the host buffer outlives the copy. Kernel arguments ([`KernelArgs`]) are built
+//!   from views that are checked against their allocation ([`KernelView::new`]).
+//!
+//! Raw wrappers return cudarc's `DriverError`; their callers name the call with
+//! [`driver_err`], which keeps the `CUresult` in [`Error::Driver`]. Safe wrappers return the
+//! crate's error directly.
 
-use std::ffi::{c_uint, c_void};
+use std::any::TypeId;
+use std::ffi::{c_uint, c_void, CStr};
 use std::mem::MaybeUninit;
 
 use cudarc::driver::result::DriverError;
 use cudarc::driver::sys;
+use cudarc::driver::{CudaContext, CudaStream};
+use half::{bf16, f16};
+
+use crate::dtype::{DType, Element};
+use crate::error::{Error, Result};
+use crate::layout::{Layout, MAX_DIMS};
+
+/// What a raw wrapper returns: the driver's own error, named by the caller.
+pub(crate) type DriverResult<T> = std::result::Result<T, DriverError>;
 
 /// Size of an IPC memory or event handle.
 pub(crate) const IPC_HANDLE_BYTES: usize = 64;
@@ -14,10 +38,24 @@ pub(crate) const IPC_HANDLE_BYTES: usize = 64;
 /// An IPC handle as plain bytes.
 pub(crate) type IpcHandle = [u8; IPC_HANDLE_BYTES];
 
+/// Maps a driver error to the crate's error, naming the call and keeping its `CUresult`.
+pub(crate) fn driver_err(call: &'static str) -> impl FnOnce(DriverError) -> Error {
+    move |e| {
+        let name = e.error_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{e:?}"));
+        let text = e.error_string().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        Error::Driver { call, code: e.0, message: format!("{name}: {text}") }
+    }
+}
+
 /// True when libcuda can be loaded. Every other call needs it: cudarc panics without it.
 pub(crate) fn driver_library_present() -> bool {
     // SAFETY: only tries to open the library; no other precondition.
     unsafe { sys::is_culib_present() }
+}
+
+/// Makes `ctx` current on the calling thread (what every wrapper below needs first).
+fn bind(ctx: &CudaContext) -> Result<()> {
+    ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))
 }
 
 fn to_bytes(reserved: [std::ffi::c_char; IPC_HANDLE_BYTES]) -> IpcHandle {
@@ -28,11 +66,37 @@ fn from_bytes(bytes: &IpcHandle) -> [std::ffi::c_char; IPC_HANDLE_BYTES] {
     bytes.map(|b| b as std::ffi::c_char)
 }
 
+// ---------------------------------------------------------------------------------------------
+// Allocations and IPC mappings (owned by `handles::DeviceAllocation` and `handles::IpcMapping`).
+
+/// `cuMemAlloc`: `bytes` bytes (not zero) of device memory that legacy IPC can export.
+///
+/// # Safety
+/// A context must be current on this thread. The pointer must be freed once, with [`mem_free`].
+pub(crate) unsafe fn mem_alloc(bytes: usize) -> DriverResult<sys::CUdeviceptr> {
+    let mut ptr = MaybeUninit::uninit();
+    // SAFETY: the caller made a context current; `ptr` is writable and set on success.
+    unsafe {
+        sys::cuMemAlloc_v2(ptr.as_mut_ptr(), bytes).result()?;
+        Ok(ptr.assume_init())
+    }
+}
+
+/// `cuMemFree`.
+///
+/// # Safety
+/// `ptr` must come from [`mem_alloc`] in the current context, with no work queued on it, and
+/// not be used after.
+pub(crate) unsafe fn mem_free(ptr: sys::CUdeviceptr) -> DriverResult<()> {
+    // SAFETY: upheld by the caller.
+    unsafe { sys::cuMemFree_v2(ptr).result() }
+}
+
 /// `cuIpcGetMemHandle`: the IPC handle of the allocation containing `ptr`.
 ///
 /// # Safety
 /// A context must be current on this thread and `ptr` must be a live `cuMemAlloc` pointer.
-pub(crate) unsafe fn ipc_get_mem_handle(ptr: sys::CUdeviceptr) -> Result<IpcHandle, DriverError> {
+pub(crate) unsafe fn ipc_get_mem_handle(ptr: sys::CUdeviceptr) -> DriverResult<IpcHandle> {
     let mut handle = MaybeUninit::<sys::CUipcMemHandle>::uninit();
     // SAFETY: the caller upholds the driver's preconditions; `handle` is writable.
     unsafe {
@@ -44,8 +108,9 @@ pub(crate) unsafe fn ipc_get_mem_handle(ptr: sys::CUdeviceptr) -> Result<IpcHand
 /// `cuIpcOpenMemHandle_v2` with lazy peer access: maps another process's allocation.
 ///
 /// # Safety
-/// A context must be current on this thread.
-pub(crate) unsafe fn ipc_open_mem_handle(handle: &IpcHandle) -> Result<sys::CUdeviceptr, DriverError> {
+/// A context must be current on this thread. The mapping must be closed once, with
+/// [`ipc_close_mem_handle`].
+pub(crate) unsafe fn ipc_open_mem_handle(handle: &IpcHandle) -> DriverResult<sys::CUdeviceptr> {
     let mut ptr = MaybeUninit::uninit();
     let handle = sys::CUipcMemHandle { reserved: from_bytes(handle) };
     let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as c_uint;
@@ -60,16 +125,50 @@ pub(crate) unsafe fn ipc_open_mem_handle(handle: &IpcHandle) -> Result<sys::CUde
 ///
 /// # Safety
 /// `ptr` must come from `ipc_open_mem_handle` in the current context and not be used after.
-pub(crate) unsafe fn ipc_close_mem_handle(ptr: sys::CUdeviceptr) -> Result<(), DriverError> {
+pub(crate) unsafe fn ipc_close_mem_handle(ptr: sys::CUdeviceptr) -> DriverResult<()> {
     // SAFETY: upheld by the caller.
     unsafe { sys::cuIpcCloseMemHandle(ptr).result() }
+}
+
+/// `cuMemGetAddressRange_v2`: base and size of the allocation containing `ptr`.
+///
+/// # Safety
+/// A context must be current on this thread.
+pub(crate) unsafe fn mem_address_range(ptr: sys::CUdeviceptr) -> DriverResult<(sys::CUdeviceptr, usize)> {
+    let mut base = MaybeUninit::uninit();
+    let mut size = MaybeUninit::uninit();
+    // SAFETY: upheld by the caller; outputs are writable.
+    unsafe {
+        sys::cuMemGetAddressRange_v2(base.as_mut_ptr(), size.as_mut_ptr(), ptr).result()?;
+        Ok((base.assume_init(), size.assume_init()))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Events (owned by `handles::InterprocessEvent` and `handles::OpenedEvent`).
+
+/// `cuEventCreate` with `CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING`: an event whose
+/// handle another process can open.
+///
+/// # Safety
+/// A context must be current on this thread. The event must be destroyed once, with
+/// [`event_destroy`].
+pub(crate) unsafe fn event_create_interprocess() -> DriverResult<sys::CUevent> {
+    let flags =
+        sys::CUevent_flags::CU_EVENT_INTERPROCESS as c_uint | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
+    let mut event = MaybeUninit::uninit();
+    // SAFETY: the caller made a context current; `event` is writable.
+    unsafe {
+        sys::cuEventCreate(event.as_mut_ptr(), flags).result()?;
+        Ok(event.assume_init())
+    }
 }
 
 /// `cuIpcGetEventHandle` of an event created with the interprocess flag.
 ///
 /// # Safety
 /// A context must be current and `event` a live interprocess event.
-pub(crate) unsafe fn ipc_get_event_handle(event: sys::CUevent) -> Result<IpcHandle, DriverError> {
+pub(crate) unsafe fn ipc_get_event_handle(event: sys::CUevent) -> DriverResult<IpcHandle> {
     let mut handle = MaybeUninit::<sys::CUipcEventHandle>::uninit();
     // SAFETY: upheld by the caller; `handle` is writable.
     unsafe {
@@ -81,8 +180,9 @@ pub(crate) unsafe fn ipc_get_event_handle(event: sys::CUevent) -> Result<IpcHand
 /// `cuIpcOpenEventHandle`: opens another process's interprocess event.
 ///
 /// # Safety
-/// A context must be current on this thread.
-pub(crate) unsafe fn ipc_open_event_handle(handle: &IpcHandle) -> Result<sys::CUevent, DriverError> {
+/// A context must be current on this thread. The event must be destroyed once, with
+/// [`event_destroy`].
+pub(crate) unsafe fn ipc_open_event_handle(handle: &IpcHandle) -> DriverResult<sys::CUevent> {
     let mut event = MaybeUninit::uninit();
     let handle = sys::CUipcEventHandle { reserved: from_bytes(handle) };
     // SAFETY: the caller made a context current; the driver validates the handle.
@@ -92,92 +192,561 @@ pub(crate) unsafe fn ipc_open_event_handle(handle: &IpcHandle) -> Result<sys::CU
     }
 }
 
-/// `cuMemGetAddressRange_v2`: base and size of the allocation containing `ptr`.
+/// `cuEventRecord`: the event completes when the work queued on `stream` so far is done.
 ///
 /// # Safety
-/// A context must be current on this thread.
-pub(crate) unsafe fn mem_address_range(ptr: sys::CUdeviceptr) -> Result<(sys::CUdeviceptr, usize), DriverError> {
-    let mut base = MaybeUninit::uninit();
-    let mut size = MaybeUninit::uninit();
-    // SAFETY: upheld by the caller; outputs are writable.
-    unsafe {
-        sys::cuMemGetAddressRange_v2(base.as_mut_ptr(), size.as_mut_ptr(), ptr).result()?;
-        Ok((base.assume_init(), size.assume_init()))
-    }
-}
-
-/// `cuStreamWaitEvent`: work queued later on `stream` waits for `event` (no host block).
-///
-/// # Safety
-/// A context must be current; `stream` and `event` must be live.
-pub(crate) unsafe fn stream_wait_event(stream: sys::CUstream, event: sys::CUevent) -> Result<(), DriverError> {
+/// The event's context must be current; `event` and `stream` must be live and of that context.
+pub(crate) unsafe fn event_record(event: sys::CUevent, stream: sys::CUstream) -> DriverResult<()> {
     // SAFETY: upheld by the caller.
-    unsafe { sys::cuStreamWaitEvent(stream, event, 0).result() }
-}
-
-/// `cuMemsetD8Async`: sets `bytes` bytes at `ptr` to `value`, ordered on `stream`.
-///
-/// # Safety
-/// A context must be current and `ptr..ptr + bytes` device memory owned by the caller.
-pub(crate) unsafe fn memset_d8_async(
-    ptr: sys::CUdeviceptr,
-    value: u8,
-    bytes: usize,
-    stream: sys::CUstream,
-) -> Result<(), DriverError> {
-    // SAFETY: upheld by the caller.
-    unsafe { sys::cuMemsetD8Async(ptr, value, bytes, stream).result() }
-}
-
-/// `cuDeviceCanAccessPeer`.
-pub(crate) fn can_access_peer(dev: sys::CUdevice, peer: sys::CUdevice) -> Result<bool, DriverError> {
-    let mut can = 0;
-    // SAFETY: `can` is writable; the driver validates the device handles.
-    unsafe { sys::cuDeviceCanAccessPeer(&mut can, dev, peer).result()? };
-    Ok(can != 0)
-}
-
-/// A kernel parameter list as the driver wants it.
-pub(crate) type KernelParams<'a> = &'a mut [*mut c_void];
-
-/// `cuEventCreate` with `CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING`: an event whose
-/// handle another process can open.
-///
-/// # Safety
-/// A context must be current on this thread.
-pub(crate) unsafe fn event_create_interprocess() -> Result<sys::CUevent, DriverError> {
-    let flags =
-        sys::CUevent_flags::CU_EVENT_INTERPROCESS as c_uint | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
-    let mut event = MaybeUninit::uninit();
-    // SAFETY: the caller made a context current; `event` is writable.
-    unsafe {
-        sys::cuEventCreate(event.as_mut_ptr(), flags).result()?;
-        Ok(event.assume_init())
-    }
-}
-
-/// `cuStreamQuery`: true when every piece of work queued on `stream` is done.
-///
-/// # Safety
-/// A context must be current and `stream` live.
-pub(crate) unsafe fn stream_is_idle(stream: sys::CUstream) -> Result<bool, DriverError> {
-    // SAFETY: upheld by the caller.
-    match unsafe { sys::cuStreamQuery(stream) } {
-        sys::CUresult::CUDA_SUCCESS => Ok(true),
-        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-        e => Err(DriverError(e)),
-    }
+    unsafe { sys::cuEventRecord(event, stream).result() }
 }
 
 /// `cuEventQuery`: true when the work before the event's latest record is done.
 ///
 /// # Safety
 /// A context must be current and `event` live.
-pub(crate) unsafe fn event_is_complete(event: sys::CUevent) -> Result<bool, DriverError> {
+pub(crate) unsafe fn event_is_complete(event: sys::CUevent) -> DriverResult<bool> {
     // SAFETY: upheld by the caller.
     match unsafe { sys::cuEventQuery(event) } {
         sys::CUresult::CUDA_SUCCESS => Ok(true),
         sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
         e => Err(DriverError(e)),
+    }
+}
+
+/// `cuStreamWaitEvent`: work queued later on `stream` waits for `event` (no host block).
+///
+/// # Safety
+/// A context must be current; `stream` and `event` must be live (the event may belong to
+/// another context or device).
+pub(crate) unsafe fn stream_wait_event(stream: sys::CUstream, event: sys::CUevent) -> DriverResult<()> {
+    // SAFETY: upheld by the caller.
+    unsafe { sys::cuStreamWaitEvent(stream, event, 0).result() }
+}
+
+/// `cuEventDestroy`. Work already waiting on the event is not affected.
+///
+/// # Safety
+/// `event` must be live, created or opened in the current context, and not used after.
+pub(crate) unsafe fn event_destroy(event: sys::CUevent) -> DriverResult<()> {
+    // SAFETY: upheld by the caller.
+    unsafe { sys::cuEventDestroy_v2(event).result() }
+}
+
+/// `cuStreamQuery`: true when every piece of work queued on `stream` is done.
+pub(crate) fn stream_is_idle(stream: &CudaStream) -> Result<bool> {
+    bind(stream.context())?;
+    // SAFETY: the stream is live (cudarc owns it) and its context is current.
+    match unsafe { sys::cuStreamQuery(stream.cu_stream()) } {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        e => Err(driver_err("cuStreamQuery")(DriverError(e))),
+    }
+}
+
+/// `cuDeviceCanAccessPeer`.
+pub(crate) fn can_access_peer(dev: sys::CUdevice, peer: sys::CUdevice) -> DriverResult<bool> {
+    let mut can = 0;
+    // SAFETY: `can` is writable; the driver validates the device handles.
+    unsafe { sys::cuDeviceCanAccessPeer(&mut can, dev, peer).result()? };
+    Ok(can != 0)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memset and copies: safe, bounds-checked.
+
+/// Device memory that an operation may touch: `len` bytes from `ptr`.
+///
+/// The crate builds one only over memory it holds (a storage's allocation or mapping, or part
+/// of one), which stays alive until the device's stream has finished the work queued on it:
+/// the owners in `handles.rs` synchronize before they free or unmap. The operations below
+/// never touch a byte outside the range they are given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DeviceRange {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+impl DeviceRange {
+    /// The `len` bytes from `ptr` of memory the caller holds.
+    pub(crate) fn new(ptr: sys::CUdeviceptr, len: usize) -> DeviceRange {
+        DeviceRange { ptr, len }
+    }
+
+    /// True when the range holds no byte.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The `len` bytes from byte `offset` of this range; an error when they do not lie inside.
+    pub(crate) fn sub(&self, offset: usize, len: usize) -> Result<DeviceRange> {
+        let end = offset.checked_add(len).filter(|&end| end <= self.len).ok_or_else(|| {
+            Error::Layout(format!(
+                "bytes {offset}..{} lie outside the {}-byte device memory",
+                offset.saturating_add(len),
+                self.len
+            ))
+        })?;
+        let ptr = self.ptr.checked_add(offset as u64).filter(|p| p.checked_add((end - offset) as u64).is_some());
+        let ptr = ptr.ok_or_else(|| Error::Layout("device address overflows".into()))?;
+        Ok(DeviceRange { ptr, len })
+    }
+}
+
+fn check_same_len(what: &str, have: usize, want: &DeviceRange) -> Result<()> {
+    if have != want.len {
+        return Err(Error::Layout(format!("{what} of {have} bytes into {} bytes of device memory", want.len)));
+    }
+    Ok(())
+}
+
+/// `cuMemsetD8Async`: sets every byte of `dst` to `value`, ordered on `stream`.
+pub(crate) fn memset_d8(stream: &CudaStream, dst: DeviceRange, value: u8) -> Result<()> {
+    bind(stream.context())?;
+    // SAFETY: the context is current and the stream live; `dst` is memory the caller holds
+    // (see `DeviceRange`) and the write stays inside it.
+    unsafe { sys::cuMemsetD8Async(dst.ptr, value, dst.len, stream.cu_stream()) }
+        .result()
+        .map_err(driver_err("cuMemsetD8Async"))
+}
+
+/// Copies `src` into `dst` (exactly its length) after the work queued on `stream`, and waits
+/// for the copy.
+pub(crate) fn copy_htod<T: Element>(stream: &CudaStream, src: &[T], dst: DeviceRange) -> Result<()> {
+    let bytes = std::mem::size_of_val(src);
+    check_same_len("a copy", bytes, &dst)?;
+    if bytes == 0 {
+        return Ok(());
+    }
+    bind(stream.context())?;
+    // SAFETY: the context is current and the stream live; `src` is `bytes` readable bytes (every
+    // element type is plain data without padding) and stays borrowed until the stream is
+    // synchronized below; `dst` is memory the caller holds, exactly `bytes` long.
+    unsafe { sys::cuMemcpyHtoDAsync_v2(dst.ptr, src.as_ptr() as *const c_void, bytes, stream.cu_stream()) }
+        .result()
+        .map_err(driver_err("cuMemcpyHtoDAsync"))?;
+    stream.synchronize().map_err(driver_err("cuStreamSynchronize"))
+}
+
+/// How the bytes of an element type may be written by the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HostRepr {
+    /// Every bit pattern is a value: the device's bytes are the elements.
+    Plain,
+    /// `bool`: a byte another process wrote may be neither 0 nor 1; normalized after the copy.
+    Bool,
+}
+
+/// The representation of `T`, by its exact type (not by the element trait's word for it).
+fn host_repr<T: 'static>() -> Option<HostRepr> {
+    let t = TypeId::of::<T>();
+    let plain = [
+        TypeId::of::<f32>(),
+        TypeId::of::<f64>(),
+        TypeId::of::<f16>(),
+        TypeId::of::<bf16>(),
+        TypeId::of::<i8>(),
+        TypeId::of::<u8>(),
+        TypeId::of::<i16>(),
+        TypeId::of::<i32>(),
+        TypeId::of::<i64>(),
+    ];
+    if plain.contains(&t) {
+        Some(HostRepr::Plain)
+    } else if t == TypeId::of::<bool>() {
+        Some(HostRepr::Bool)
+    } else {
+        None
+    }
+}
+
+/// Turns bytes of any value into valid `bool` bytes: non-zero reads as true.
+fn normalize_bools(bytes: &mut [u8]) {
+    for b in bytes {
+        *b = (*b != 0) as u8;
+    }
+}
+
+/// The number of `T` elements in `bytes` bytes, or an error when they do not divide.
+fn element_count<T>(bytes: usize) -> Result<usize> {
+    let size = std::mem::size_of::<T>();
+    if size == 0 || !bytes.is_multiple_of(size) {
+        return Err(Error::Layout(format!("{bytes} bytes are not a whole number of {size}-byte elements")));
+    }
+    Ok(bytes / size)
+}
+
+/// Copies `src` to a new host vector after the work queued on `stream`, straight into the
+/// vector's memory (one copy), and waits for it. `bool` bytes are normalized to 0 or 1.
+pub(crate) fn copy_dtoh<T: Element>(stream: &CudaStream, src: DeviceRange) -> Result<Vec<T>> {
+    let repr =
+        host_repr::<T>().ok_or_else(|| Error::Unsupported(format!("copying {} elements to the host", T::DTYPE)))?;
+    let n = element_count::<T>(src.len)?;
+    let mut out: Vec<T> = Vec::with_capacity(n);
+    if n == 0 {
+        return Ok(out);
+    }
+    bind(stream.context())?;
+    let dst = out.as_mut_ptr() as *mut c_void;
+    // SAFETY: the context is current and the stream live; `dst` is the vector's buffer, with
+    // room for `n` elements = `src.len` bytes, and it is not freed or moved before the copy
+    // ends (the stream is synchronized below; on failure the buffer is leaked). `src` is
+    // memory the caller holds.
+    unsafe { sys::cuMemcpyDtoHAsync_v2(dst, src.ptr, src.len, stream.cu_stream()) }
+        .result()
+        .map_err(driver_err("cuMemcpyDtoHAsync"))?;
+    if let Err(e) = stream.synchronize() {
+        // The copy may still be under way: never hand the buffer back to the allocator.
+        std::mem::forget(out);
+        return Err(driver_err("cuStreamSynchronize")(e));
+    }
+    if repr == HostRepr::Bool {
+        // SAFETY: the copy is complete, so the first `src.len` bytes of the buffer are
+        // initialized; they are viewed as bytes only, and no other reference to them exists.
+        normalize_bools(unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, src.len) });
+    }
+    // SAFETY: the first `n` elements are initialized by the completed copy, and every byte
+    // pattern is a valid `T` (plain types) or was normalized to 0 or 1 (`bool`).
+    unsafe { out.set_len(n) };
+    Ok(out)
+}
+
+/// `cuMemcpyPeerAsync`: copies `src` (in `src_ctx`'s device memory) into `dst` (same length),
+/// ordered on `dst_stream`, whose context is the destination's.
+pub(crate) fn copy_peer(
+    dst_stream: &CudaStream,
+    dst: DeviceRange,
+    src_ctx: &CudaContext,
+    src: DeviceRange,
+) -> Result<()> {
+    check_same_len("a peer copy", src.len, &dst)?;
+    if dst.is_empty() {
+        return Ok(());
+    }
+    let dst_ctx = dst_stream.context();
+    bind(dst_ctx)?;
+    // SAFETY: the context is current, the stream and both contexts live (cudarc owns them);
+    // both ranges are memory the caller holds, of the same length.
+    unsafe {
+        sys::cuMemcpyPeerAsync(dst.ptr, dst_ctx.cu_ctx(), src.ptr, src_ctx.cu_ctx(), dst.len, dst_stream.cu_stream())
+    }
+    .result()
+    .map_err(driver_err("cuMemcpyPeerAsync"))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Modules and kernels (owned by `handles::Module` and `handles::KernelFunction`).
+
+/// `cuModuleLoadData` of a NUL-terminated PTX image.
+///
+/// # Safety
+/// A context must be current on this thread. The module must be unloaded once, with
+/// [`module_unload`], after its functions' last use.
+pub(crate) unsafe fn module_load_data(image: &CStr) -> DriverResult<sys::CUmodule> {
+    let mut module = MaybeUninit::uninit();
+    // SAFETY: the caller made a context current; `image` is NUL-terminated and outlives the
+    // call (the driver copies it).
+    unsafe {
+        sys::cuModuleLoadData(module.as_mut_ptr(), image.as_ptr() as *const c_void).result()?;
+        Ok(module.assume_init())
+    }
+}
+
+/// `cuModuleUnload`.
+///
+/// # Safety
+/// `module` must be loaded in the current context; none of its functions may be used after.
+pub(crate) unsafe fn module_unload(module: sys::CUmodule) -> DriverResult<()> {
+    // SAFETY: upheld by the caller.
+    unsafe { sys::cuModuleUnload(module).result() }
+}
+
+/// `cuModuleGetFunction`: the kernel called `name` in `module`.
+///
+/// # Safety
+/// `module` must be loaded in the current context. The function is valid while it stays loaded.
+pub(crate) unsafe fn module_get_function(module: sys::CUmodule, name: &CStr) -> DriverResult<sys::CUfunction> {
+    let mut function = MaybeUninit::uninit();
+    // SAFETY: upheld by the caller; `function` is writable and `name` NUL-terminated.
+    unsafe {
+        sys::cuModuleGetFunction(function.as_mut_ptr(), module, name.as_ptr()).result()?;
+        Ok(function.assume_init())
+    }
+}
+
+/// A view's layout as the shipped kernels take it: `struct Layout` in kernels.cu, field for field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct KernelLayout {
+    numel: i64,
+    ndim: i64,
+    offset: i64,
+    shape: [i64; MAX_DIMS],
+    strides: [i64; MAX_DIMS],
+}
+
+impl KernelLayout {
+    /// The kernel form of `layout`; an error when a number does not fit the kernel's `long long`.
+    pub(crate) fn of(layout: &Layout) -> Result<KernelLayout> {
+        let (shape, strides) = (layout.shape(), layout.strides());
+        if shape.len() > MAX_DIMS || shape.len() != strides.len() {
+            return Err(Error::Layout(format!(
+                "a kernel takes at most {MAX_DIMS} dimensions with one stride each, not {} and {}",
+                shape.len(),
+                strides.len()
+            )));
+        }
+        let big = || Error::Layout("view too large for a kernel".into());
+        let int = |v: usize| i64::try_from(v).map_err(|_| big());
+        // The kernels index up to the extent: it must fit too.
+        int(layout.extent()?)?;
+        let mut k = KernelLayout {
+            numel: int(layout.numel())?,
+            ndim: shape.len() as i64,
+            offset: int(layout.offset())?,
+            shape: [1; MAX_DIMS],
+            strides: [0; MAX_DIMS],
+        };
+        for (d, (&n, &s)) in shape.iter().zip(strides).enumerate() {
+            k.shape[d] = int(n)?;
+            k.strides[d] = int(s)?;
+        }
+        Ok(k)
+    }
+}
+
+/// A strided view as a shipped kernel takes it: the base of its allocation and its layout,
+/// checked to lie inside the allocation.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KernelView {
+    base: sys::CUdeviceptr,
+    layout: KernelLayout,
+    dtype: DType,
+    numel: usize,
+}
+
+impl KernelView {
+    /// The view `layout` of `dtype` elements over `alloc` (the storage the layout's offsets
+    /// count from); an error when any element would lie outside `alloc`.
+    pub(crate) fn new(alloc: DeviceRange, layout: &Layout, dtype: DType) -> Result<KernelView> {
+        let kernel_layout = KernelLayout::of(layout)?;
+        let extent = layout.extent()?;
+        let fits = extent.checked_mul(dtype.size()).is_some_and(|end| end <= alloc.len);
+        if !fits {
+            return Err(Error::Layout(format!(
+                "view reaches element {extent} of {} elements but its memory holds {} bytes",
+                dtype, alloc.len
+            )));
+        }
+        Ok(KernelView { base: alloc.ptr, layout: kernel_layout, dtype, numel: layout.numel() })
+    }
+}
+
+/// The shipped kernels' operations (kernels.cu): the kernel of `op` for `dtype` is named
+/// `{op}_{dtype}` and takes the parameters of the matching [`KernelArgs`] variant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum KernelOp {
+    /// `fill_T(T* base, Layout l, unsigned long long bits)`.
+    Fill,
+    /// `add_T(T* base, Layout l, double v)`.
+    Add,
+    /// `copy_T(T* dst, Layout ld, const T* src, Layout ls)`.
+    Copy,
+}
+
+impl KernelOp {
+    /// The name prefix in kernels.cu.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            KernelOp::Fill => "fill",
+            KernelOp::Add => "add",
+            KernelOp::Copy => "copy",
+        }
+    }
+}
+
+/// The arguments of one launch of a shipped kernel.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum KernelArgs {
+    /// Sets every element of `view` to the element whose bits are `bits` (zero-extended).
+    Fill {
+        /// The view written.
+        view: KernelView,
+        /// The value's bits.
+        bits: u64,
+    },
+    /// Adds `value` to every element of `view`.
+    Add {
+        /// The view updated.
+        view: KernelView,
+        /// The addend.
+        value: f64,
+    },
+    /// Copies `src` into `dst`, element by element.
+    Copy {
+        /// The view written.
+        dst: KernelView,
+        /// The view read.
+        src: KernelView,
+    },
+}
+
+impl KernelArgs {
+    /// The operation, element type and element count these arguments are for; an error when a
+    /// copy's two views differ in element type or count.
+    pub(crate) fn signature(&self) -> Result<(KernelOp, DType, usize)> {
+        match self {
+            KernelArgs::Fill { view, .. } => Ok((KernelOp::Fill, view.dtype, view.numel)),
+            KernelArgs::Add { view, .. } => Ok((KernelOp::Add, view.dtype, view.numel)),
+            KernelArgs::Copy { dst, src } => {
+                if dst.dtype != src.dtype || dst.numel != src.numel {
+                    return Err(Error::Layout(format!(
+                        "copy of {} {} elements into {} {} elements",
+                        src.numel, src.dtype, dst.numel, dst.dtype
+                    )));
+                }
+                Ok((KernelOp::Copy, dst.dtype, dst.numel))
+            }
+        }
+    }
+}
+
+fn param<V>(v: &mut V) -> *mut c_void {
+    v as *mut V as *mut c_void
+}
+
+/// `cuLaunchKernel` of `function` over `blocks` blocks of `threads` threads on `stream`, with
+/// `args` as its parameters.
+///
+/// # Safety
+/// `function` must be live (its module loaded) in the current context, and take exactly the
+/// parameters of `args`' variant for `args`' element type (see [`KernelOp`]); `stream` must be
+/// live in that context. The views' memory must be reachable from the device and stay alive
+/// until the stream has run the kernel.
+pub(crate) unsafe fn launch_kernel(
+    function: sys::CUfunction,
+    blocks: u32,
+    threads: u32,
+    stream: sys::CUstream,
+    args: &KernelArgs,
+) -> DriverResult<()> {
+    // The driver copies the parameter values at launch: locals are enough.
+    let launch = |params: &mut [*mut c_void]| {
+        // SAFETY: upheld by the caller; `params` points at one value per kernel parameter.
+        unsafe {
+            sys::cuLaunchKernel(
+                function,
+                blocks,
+                1,
+                1,
+                threads,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+            .result()
+        }
+    };
+    match *args {
+        KernelArgs::Fill { view, bits } => {
+            let (mut base, mut layout, mut bits) = (view.base, view.layout, bits);
+            launch(&mut [param(&mut base), param(&mut layout), param(&mut bits)])
+        }
+        KernelArgs::Add { view, value } => {
+            let (mut base, mut layout, mut value) = (view.base, view.layout, value);
+            launch(&mut [param(&mut base), param(&mut layout), param(&mut value)])
+        }
+        KernelArgs::Copy { dst, src } => {
+            let (mut dst_base, mut dst_layout, mut src_base, mut src_layout) =
+                (dst.base, dst.layout, src.base, src.layout);
+            launch(&mut [param(&mut dst_base), param(&mut dst_layout), param(&mut src_base), param(&mut src_layout)])
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_narrow_only_inside() {
+        let r = DeviceRange::new(0x1000, 100);
+        assert_eq!(r.sub(10, 90).unwrap(), DeviceRange::new(0x100a, 90));
+        assert_eq!(r.sub(100, 0).unwrap(), DeviceRange::new(0x1064, 0));
+        assert!(r.sub(10, 91).is_err());
+        assert!(r.sub(101, 0).is_err());
+        assert!(r.sub(usize::MAX, 2).is_err());
+        assert!(DeviceRange::new(u64::MAX - 4, 100).sub(8, 1).is_err());
+        assert!(r.sub(0, 0).unwrap().is_empty());
+    }
+
+    #[test]
+    fn copies_need_exact_lengths_and_whole_elements() {
+        let r = DeviceRange::new(0x1000, 16);
+        assert!(check_same_len("a copy", 16, &r).is_ok());
+        assert!(check_same_len("a copy", 15, &r).is_err());
+        assert!(check_same_len("a copy", 17, &r).is_err());
+        assert_eq!(element_count::<f32>(16).unwrap(), 4);
+        assert_eq!(element_count::<f64>(0).unwrap(), 0);
+        assert!(element_count::<f64>(12).is_err());
+        assert!(element_count::<()>(0).is_err());
+    }
+
+    #[test]
+    fn host_copies_know_which_types_take_any_bytes() {
+        assert_eq!(host_repr::<f32>(), Some(HostRepr::Plain));
+        assert_eq!(host_repr::<bf16>(), Some(HostRepr::Plain));
+        assert_eq!(host_repr::<i64>(), Some(HostRepr::Plain));
+        assert_eq!(host_repr::<bool>(), Some(HostRepr::Bool));
+        assert_eq!(host_repr::<char>(), None);
+        assert_eq!(host_repr::<u32>(), None);
+        let mut bytes = [0u8, 1, 2, 255];
+        normalize_bools(&mut bytes);
+        assert_eq!(bytes, [0, 1, 1, 1]);
+    }
+
+    #[test]
+    fn kernel_layouts_mirror_the_cuda_struct() {
+        assert_eq!(std::mem::size_of::<KernelLayout>(), 8 * (3 + 2 * MAX_DIMS));
+        let l = Layout::new(vec![3, 4], vec![1, 3], 2, 14).unwrap();
+        let k = KernelLayout::of(&l).unwrap();
+        assert_eq!((k.numel, k.ndim, k.offset), (12, 2, 2));
+        assert_eq!(&k.shape[..3], &[3, 4, 1]);
+        assert_eq!(&k.strides[..3], &[1, 3, 0]);
+        let huge = Layout::new(vec![2], vec![1 << 63], 0, usize::MAX).unwrap();
+        assert!(KernelLayout::of(&huge).is_err());
+    }
+
+    #[test]
+    fn kernel_views_stay_inside_their_allocation() {
+        let l = Layout::new(vec![3, 4], vec![4, 1], 2, 14).unwrap();
+        // Reaches element 14: 56 bytes of f32.
+        assert!(KernelView::new(DeviceRange::new(0x1000, 56), &l, DType::F32).is_ok());
+        assert!(KernelView::new(DeviceRange::new(0x1000, 55), &l, DType::F32).is_err());
+        assert!(KernelView::new(DeviceRange::new(0x1000, 14), &l, DType::U8).is_ok());
+        assert!(KernelView::new(DeviceRange::new(0x1000, 56), &l, DType::F64).is_err());
+        let empty = Layout::new(vec![0, 5], vec![5, 1], 1000, 0).unwrap();
+        let v = KernelView::new(DeviceRange::new(0x1000, 0), &empty, DType::I64).unwrap();
+        assert_eq!(KernelArgs::Fill { view: v, bits: 0 }.signature().unwrap().2, 0);
+        let big = Layout::new(vec![usize::MAX / 4], vec![1], 0, usize::MAX).unwrap();
+        assert!(KernelView::new(DeviceRange::new(0x1000, usize::MAX), &big, DType::F64).is_err());
+    }
+
+    #[test]
+    fn kernel_arguments_name_their_signature() {
+        let alloc = DeviceRange::new(0x1000, 64);
+        let a = KernelView::new(alloc, &Layout::contiguous(&[4]).unwrap(), DType::F32).unwrap();
+        let b = KernelView::new(alloc, &Layout::contiguous(&[2, 2]).unwrap(), DType::F32).unwrap();
+        let c = KernelView::new(alloc, &Layout::contiguous(&[3]).unwrap(), DType::F32).unwrap();
+        let d = KernelView::new(alloc, &Layout::contiguous(&[4]).unwrap(), DType::I32).unwrap();
+        assert_eq!(KernelArgs::Fill { view: a, bits: 1 }.signature().unwrap(), (KernelOp::Fill, DType::F32, 4));
+        assert_eq!(KernelArgs::Add { view: d, value: 1.0 }.signature().unwrap(), (KernelOp::Add, DType::I32, 4));
+        assert_eq!(KernelArgs::Copy { dst: a, src: b }.signature().unwrap(), (KernelOp::Copy, DType::F32, 4));
+        assert!(KernelArgs::Copy { dst: a, src: c }.signature().is_err());
+        assert!(KernelArgs::Copy { dst: a, src: d }.signature().is_err());
+        assert_eq!(format!("{}_{}", KernelOp::Add.name(), DType::BF16.name()), "add_bf16");
     }
 }

@@ -3,12 +3,13 @@
 mod bundle;
 mod device;
 mod driver;
+mod events;
+mod handles;
+mod kernels;
 mod storage;
 
-use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 use cudarc::driver::CudaStream;
 use ndarray::{ArrayBase, ArrayD, Data, Dimension, IxDyn};
@@ -19,54 +20,25 @@ pub use storage::{GpuStorage, IpcPayload};
 
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
-use crate::layout::{Layout, MAX_DIMS};
+use crate::layout::Layout;
 use crate::lifetime::StorageId;
 use crate::tensor::Tensor;
-use device::driver_err;
+use driver::DeviceRange;
 
 /// A tensor in GPU memory. Sending it through a channel exports its allocation as a CUDA IPC
 /// handle; the receiver maps the same memory, after the work queued on it here.
 pub type GpuTensor<T> = Tensor<T, GpuStorage>;
 
-/// A view's layout as the shipped kernels take it (`struct Layout` in kernels.cu).
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct KernelLayout {
-    numel: i64,
-    ndim: i64,
-    offset: i64,
-    shape: [i64; MAX_DIMS],
-    strides: [i64; MAX_DIMS],
-}
-
-impl KernelLayout {
-    fn of(layout: &Layout) -> KernelLayout {
-        let mut k = KernelLayout {
-            numel: layout.numel() as i64,
-            ndim: layout.shape().len() as i64,
-            offset: layout.offset() as i64,
-            shape: [1; MAX_DIMS],
-            strides: [0; MAX_DIMS],
-        };
-        for (d, (&n, &s)) in layout.shape().iter().zip(layout.strides()).enumerate() {
-            k.shape[d] = n as i64;
-            k.strides[d] = s as i64;
-        }
-        k
-    }
-}
-
-fn arg<V>(v: &mut V) -> *mut c_void {
-    v as *mut V as *mut c_void
+/// The device memory of a storage, for the checked copies and kernel launches.
+fn memory(storage: &GpuStorage) -> DeviceRange {
+    DeviceRange::new(storage.device_ptr(), storage.byte_len())
 }
 
 impl<T: Element> Tensor<T, GpuStorage> {
     /// A contiguous tensor of zeros on `device`.
     pub fn zeros(device: &Arc<Device>, shape: &[usize]) -> Result<Self> {
         let t = Self::uninit(device, shape)?;
-        // SAFETY: the context is current (alloc bound it) and the range is the new storage.
-        unsafe { driver::memset_d8_async(t.storage.device_ptr(), 0, t.storage.byte_len(), device.cu_stream()) }
-            .map_err(driver_err("cuMemsetD8Async"))?;
+        driver::memset_d8(device.stream(), memory(&t.storage), 0)?;
         Ok(t)
     }
 
@@ -91,13 +63,8 @@ impl<T: Element> Tensor<T, GpuStorage> {
     ) -> Result<Self> {
         let t = Self::uninit(device, array.shape())?;
         let host: Vec<T> = array.iter().copied().collect();
-        if !host.is_empty() {
-            // SAFETY: the destination holds exactly `host.len()` elements; the copy is
-            // complete before `host` is dropped (the stream is synchronized below).
-            unsafe { cu::memcpy_htod_async(t.storage.device_ptr(), &host, device.cu_stream()) }
-                .map_err(driver_err("cuMemcpyHtoDAsync"))?;
-            device.synchronize()?;
-        }
+        // Waits for the copy: `host` is dropped right after.
+        driver::copy_htod(device.stream(), &host, memory(&t.storage))?;
         Ok(t)
     }
 
@@ -107,32 +74,26 @@ impl<T: Element> Tensor<T, GpuStorage> {
         Self::from_ndarray(device, &array)
     }
 
-    /// Copies the view to the host, after the work queued on it.
+    /// Copies the view to the host, after the work queued on it: a contiguous view straight
+    /// into the array's memory; any other view as the range of storage that covers it, then
+    /// gathered.
     pub fn to_ndarray(&self) -> Result<ArrayD<T>> {
         let size = T::DTYPE.size();
         let first = self.offset();
-        let extent = self.layout.extent()?;
-        let mut bytes = vec![0u8; (extent.saturating_sub(first)) * size];
-        if !bytes.is_empty() {
-            self.device().bind()?;
-            // SAFETY: the source range lies inside the storage (the layout was checked); the
-            // stream is synchronized before `bytes` is read.
-            unsafe {
-                cu::memcpy_dtoh_async(
-                    &mut bytes,
-                    self.storage.device_ptr() + (first * size) as u64,
-                    self.device().cu_stream(),
-                )
+        let covered = self.layout.extent()?.saturating_sub(first);
+        let data = if covered == 0 {
+            Vec::new()
+        } else {
+            let range = memory(&self.storage).sub(first * size, covered * size)?;
+            let covering: Vec<T> = driver::copy_dtoh(self.stream(), range)?;
+            if self.is_contiguous() {
+                // The covering range is the view, in order.
+                covering
+            } else {
+                // Every index is in first..extent, so inside `covering`.
+                self.layout.indices().map(|i| covering[i - first]).collect()
             }
-            .map_err(driver_err("cuMemcpyDtoHAsync"))?;
-            self.device().synchronize()?;
-        }
-        let data: Vec<T> = self
-            .layout
-            .indices()
-            // SAFETY: every index is in first..extent, so inside `bytes`.
-            .map(|i| unsafe { T::load(bytes.as_ptr().add((i - first) * size) as *const T) })
-            .collect();
+        };
         ArrayD::from_shape_vec(IxDyn(self.shape()), data).map_err(|e| Error::Layout(e.to_string()))
     }
 
@@ -141,16 +102,9 @@ impl<T: Element> Tensor<T, GpuStorage> {
         Ok(self.to_ndarray()?.into_iter().collect())
     }
 
-    fn kernel(&self, op: &str) -> String {
-        format!("{op}_{}", T::DTYPE.name())
-    }
-
     /// Sets every element of the view to `value` (queued on the device's stream).
     pub fn fill(&self, value: T) -> Result<()> {
-        let mut ptr = self.storage.device_ptr();
-        let mut layout = KernelLayout::of(&self.layout);
-        let mut bits = value.to_bits();
-        self.device().launch(&self.kernel("fill"), self.numel(), &mut [arg(&mut ptr), arg(&mut layout), arg(&mut bits)])
+        kernels::fill(self.device(), memory(&self.storage), &self.layout, T::DTYPE, value.to_bits())
     }
 
     /// Adds `value` to every element of the view, in place (queued on the device's stream).
@@ -159,10 +113,7 @@ impl<T: Element> Tensor<T, GpuStorage> {
         if T::DTYPE == DType::Bool {
             return Err(Error::Unsupported("add_scalar on a bool tensor".into()));
         }
-        let mut ptr = self.storage.device_ptr();
-        let mut layout = KernelLayout::of(&self.layout);
-        let mut v = value;
-        self.device().launch(&self.kernel("add"), self.numel(), &mut [arg(&mut ptr), arg(&mut layout), arg(&mut v)])
+        kernels::add_scalar(self.device(), memory(&self.storage), &self.layout, T::DTYPE, value)
     }
 
     /// Copies `src` (same shape) into this view, element by element. Between two GPUs both
@@ -177,28 +128,13 @@ impl<T: Element> Tensor<T, GpuStorage> {
                 return Err(Error::Unsupported("copy between gpus of a view that is not contiguous".into()));
             }
             src.synchronize()?;
-            self.device().bind()?;
-            let bytes = self.numel() * T::DTYPE.size();
-            // SAFETY: both ranges lie inside their storages (checked layouts, contiguous views);
-            // `src` has no queued work left; the copy is ordered on this tensor's stream.
-            return unsafe {
-                cu::memcpy_peer_async(
-                    self.device().context().cu_ctx(),
-                    self.device_ptr(),
-                    src.device().context().cu_ctx(),
-                    src.device_ptr(),
-                    bytes,
-                    self.device().cu_stream(),
-                )
-            }
-            .map_err(driver_err("cuMemcpyPeerAsync"));
+            let size = T::DTYPE.size();
+            let bytes = self.numel() * size;
+            let dst_range = memory(&self.storage).sub(self.offset() * size, bytes)?;
+            let src_range = memory(&src.storage).sub(src.offset() * size, bytes)?;
+            return driver::copy_peer(self.stream(), dst_range, src.device().context(), src_range);
         }
-        let mut dst = self.storage.device_ptr();
-        let mut dst_layout = KernelLayout::of(&self.layout);
-        let mut src_ptr = src.storage.device_ptr();
-        let mut src_layout = KernelLayout::of(&src.layout);
-        let params = &mut [arg(&mut dst), arg(&mut dst_layout), arg(&mut src_ptr), arg(&mut src_layout)];
-        self.device().launch(&self.kernel("copy"), self.numel(), params)
+        kernels::copy(self.device(), memory(&self.storage), &self.layout, memory(&src.storage), &src.layout, T::DTYPE)
     }
 
     /// The device holding the tensor.

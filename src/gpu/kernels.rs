@@ -1,0 +1,114 @@
+//! The elementwise kernels shipped with cuda-mp (`kernels.cu`, compiled to `kernels.ptx`:
+//! strided fill, add-scalar and copy for every dtype) and their launches on a device's stream.
+//! Each launch checks its views against the memory they lie in before anything is queued.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::CudaContext;
+
+use super::device::Device;
+use super::driver::{DeviceRange, KernelArgs, KernelOp, KernelView};
+use super::handles::{KernelFunction, Module};
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::layout::Layout;
+
+/// The shipped PTX module; `kernels.cu` is its source, and the command that regenerates it is
+/// at the top of that file.
+pub(crate) const PTX: &str = include_str!("kernels.ptx");
+
+/// Threads per block of every launch.
+const THREADS: u32 = 256;
+
+/// The most blocks of a launch: the kernels loop over the elements a grid does not cover.
+const MAX_BLOCKS: usize = 1 << 16;
+
+/// Blocks for `numel` elements (at least one).
+fn blocks(numel: usize) -> u32 {
+    numel.div_ceil(THREADS as usize).clamp(1, MAX_BLOCKS) as u32
+}
+
+/// The shipped module of one device and the kernels looked up in it so far.
+pub(crate) struct Kernels {
+    module: Arc<Module>,
+    functions: Mutex<HashMap<(KernelOp, DType), KernelFunction>>,
+}
+
+impl Kernels {
+    /// Loads the shipped module in `ctx`.
+    pub(crate) fn load(ctx: &Arc<CudaContext>) -> Result<Kernels> {
+        Ok(Kernels { module: Module::load_shipped(ctx)?, functions: Mutex::new(HashMap::new()) })
+    }
+
+    fn function(&self, op: KernelOp, dtype: DType) -> Result<KernelFunction> {
+        let mut functions = self.functions.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(f) = functions.get(&(op, dtype)) {
+            return Ok(f.clone());
+        }
+        let f = self.module.function(op, dtype)?;
+        functions.insert((op, dtype), f.clone());
+        Ok(f)
+    }
+}
+
+/// Queues the kernel for `args` on `device`'s stream; nothing (not even the module load) for
+/// zero elements.
+fn launch(device: &Device, args: KernelArgs) -> Result<()> {
+    let (op, dtype, numel) = args.signature()?;
+    if numel == 0 {
+        return Ok(());
+    }
+    let function = device.kernels()?.function(op, dtype)?;
+    function.launch(device.stream(), blocks(numel), THREADS, &args)
+}
+
+/// Sets every element of the view `layout` over `alloc` (the storage its offsets count from) to
+/// the `dtype` value whose bits are `bits`.
+pub(crate) fn fill(device: &Device, alloc: DeviceRange, layout: &Layout, dtype: DType, bits: u64) -> Result<()> {
+    launch(device, KernelArgs::Fill { view: KernelView::new(alloc, layout, dtype)?, bits })
+}
+
+/// Adds `value` to every element of the view `layout` over `alloc`, in place.
+pub(crate) fn add_scalar(device: &Device, alloc: DeviceRange, layout: &Layout, dtype: DType, value: f64) -> Result<()> {
+    launch(device, KernelArgs::Add { view: KernelView::new(alloc, layout, dtype)?, value })
+}
+
+/// Copies the view `src_layout` over `src` into the view `dst_layout` over `dst`, element by
+/// element in row-major order (the same number of elements), on `device`'s stream.
+pub(crate) fn copy(
+    device: &Device,
+    dst: DeviceRange,
+    dst_layout: &Layout,
+    src: DeviceRange,
+    src_layout: &Layout,
+    dtype: DType,
+) -> Result<()> {
+    let dst = KernelView::new(dst, dst_layout, dtype)?;
+    let src = KernelView::new(src, src_layout, dtype)?;
+    launch(device, KernelArgs::Copy { dst, src })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grids_cover_the_elements_up_to_a_cap() {
+        assert_eq!(blocks(1), 1);
+        assert_eq!(blocks(256), 1);
+        assert_eq!(blocks(257), 2);
+        assert_eq!(blocks(usize::MAX), 1 << 16);
+    }
+
+    #[test]
+    fn every_dtype_has_its_kernels_in_the_ptx() {
+        for dtype in DType::ALL {
+            for op in [KernelOp::Fill, KernelOp::Add, KernelOp::Copy] {
+                let entry = format!(".entry {}_{}(", op.name(), dtype.name());
+                let shipped = PTX.contains(&entry);
+                assert_eq!(shipped, !(op == KernelOp::Add && dtype == DType::Bool), "{entry}");
+            }
+        }
+    }
+}
