@@ -81,65 +81,68 @@ impl fmt::Display for DType {
 }
 
 mod sealed {
-    pub trait Sealed {}
+    /// The crate-private half of [`Element`](super::Element). The trait is `pub(crate)`, so
+    /// its items cannot be called from outside the crate, not even as `T::from_bits` on a
+    /// `T: Element` (a `pub` trait in a private module would still allow that).
+    pub(crate) trait Sealed: Copy {
+        /// The element whose bits are the low `size_of::<Self>()` bytes of `bits` (the layout
+        /// [`Element::to_bits`](super::Element::to_bits) produces). Every bit pattern is a
+        /// value: `bool` is `true` for any non-zero byte, since another process may have
+        /// written any byte.
+        fn from_bits(bits: u64) -> Self;
+    }
 }
 
 /// A Rust type that can be a tensor element. Implemented for `f32`, `f64`, `half::f16`,
-/// `half::bf16`, `i8`, `u8`, `i16`, `i32`, `i64` and `bool`; sealed.
+/// `half::bf16`, `i8`, `u8`, `i16`, `i32`, `i64` and `bool`; sealed (its crate-private
+/// supertrait cannot be implemented or called from outside the crate).
+///
+/// ```compile_fail,E0624
+/// // The element conversions are the crate's own business.
+/// fn decode<T: cuda_mp::Element>(bits: u64) -> T {
+///     T::from_bits(bits)
+/// }
+/// ```
+#[allow(private_bounds)] // the private supertrait is what seals the trait
 pub trait Element: sealed::Sealed + Copy + Send + Sync + fmt::Debug + 'static {
     /// The runtime tag of this type.
     const DTYPE: DType;
-
-    /// Reads one element from memory that another process may have written.
-    ///
-    /// # Safety
-    /// `ptr` must be valid for a read of `size_of::<Self>()` bytes.
-    unsafe fn load(ptr: *const Self) -> Self {
-        // SAFETY: the caller guarantees `ptr` is readable.
-        unsafe { ptr.read_unaligned() }
-    }
 
     /// The element's bits, zero-extended to 64 bits (little endian), for kernel arguments.
     fn to_bits(self) -> u64;
 }
 
 macro_rules! element {
-    ($t:ty, $d:expr, $bits:expr) => {
-        impl sealed::Sealed for $t {}
+    ($t:ty, $d:expr, $to:expr, $from:expr) => {
+        impl sealed::Sealed for $t {
+            #[inline]
+            fn from_bits(bits: u64) -> Self {
+                let f: fn(u64) -> $t = $from;
+                f(bits)
+            }
+        }
         impl Element for $t {
             const DTYPE: DType = $d;
+            #[inline]
             fn to_bits(self) -> u64 {
-                let f: fn($t) -> u64 = $bits;
+                let f: fn($t) -> u64 = $to;
                 f(self)
             }
         }
     };
 }
 
-element!(f32, DType::F32, |v| v.to_bits() as u64);
-element!(f64, DType::F64, |v| v.to_bits());
-element!(f16, DType::F16, |v| v.to_bits() as u64);
-element!(bf16, DType::BF16, |v| v.to_bits() as u64);
-element!(i8, DType::I8, |v| v as u8 as u64);
-element!(u8, DType::U8, |v| v as u64);
-element!(i16, DType::I16, |v| v as u16 as u64);
-element!(i32, DType::I32, |v| v as u32 as u64);
-element!(i64, DType::I64, |v| v as u64);
-
-impl sealed::Sealed for bool {}
-impl Element for bool {
-    const DTYPE: DType = DType::Bool;
-
-    unsafe fn load(ptr: *const Self) -> Self {
-        // A byte written by another process may be neither 0 nor 1: read it as a byte.
-        // SAFETY: the caller guarantees `ptr` is readable.
-        unsafe { (ptr as *const u8).read() != 0 }
-    }
-
-    fn to_bits(self) -> u64 {
-        self as u64
-    }
-}
+element!(f32, DType::F32, |v| v.to_bits() as u64, |b| f32::from_bits(b as u32));
+element!(f64, DType::F64, |v| v.to_bits(), f64::from_bits);
+element!(f16, DType::F16, |v| v.to_bits() as u64, |b| f16::from_bits(b as u16));
+element!(bf16, DType::BF16, |v| v.to_bits() as u64, |b| bf16::from_bits(b as u16));
+element!(i8, DType::I8, |v| v as u8 as u64, |b| b as u8 as i8);
+element!(u8, DType::U8, |v| v as u64, |b| b as u8);
+element!(i16, DType::I16, |v| v as u16 as u64, |b| b as u16 as i16);
+element!(i32, DType::I32, |v| v as u32 as u64, |b| b as u32 as i32);
+element!(i64, DType::I64, |v| v as u64, |b| b as i64);
+// Another process may write any byte into a bool tensor: every non-zero byte reads as true.
+element!(bool, DType::Bool, |v| v as u64, |b| b as u8 != 0);
 
 #[cfg(test)]
 mod tests {
@@ -158,9 +161,32 @@ mod tests {
     }
 
     #[test]
-    fn bool_load_accepts_any_byte() {
+    fn bool_from_bits_accepts_any_byte() {
         let bytes = [0u8, 1, 2, 255];
-        let got: Vec<bool> = bytes.iter().map(|b| unsafe { bool::load(b as *const u8 as *const bool) }).collect();
+        let got: Vec<bool> = bytes.iter().map(|&b| <bool as sealed::Sealed>::from_bits(b as u64)).collect();
         assert_eq!(got, vec![false, true, true, true]);
+    }
+
+    fn round_trip<T: Element + PartialEq>(values: &[T]) {
+        for &v in values {
+            assert_eq!(T::from_bits(v.to_bits()), v, "{v:?}");
+            let size = std::mem::size_of::<T>();
+            assert!(size == 8 || v.to_bits() >> (8 * size) == 0, "{v:?} is not zero-extended");
+        }
+    }
+
+    #[test]
+    fn bits_round_trip_for_every_element_type() {
+        round_trip(&[0.0f32, -1.5, f32::MAX, f32::MIN_POSITIVE, f32::INFINITY]);
+        round_trip(&[0.0f64, -1.5, f64::MAX, f64::NEG_INFINITY]);
+        round_trip(&[f16::from_f32(0.5), f16::MIN, f16::MAX]);
+        round_trip(&[bf16::from_f32(-2.0), bf16::MIN, bf16::MAX]);
+        round_trip(&[i8::MIN, -1, 0, i8::MAX]);
+        round_trip(&[0u8, 7, u8::MAX]);
+        round_trip(&[i16::MIN, -1, i16::MAX]);
+        round_trip(&[i32::MIN, -1, i32::MAX]);
+        round_trip(&[i64::MIN, -1, i64::MAX]);
+        round_trip(&[false, true]);
+        assert!(<f32 as sealed::Sealed>::from_bits(f32::NAN.to_bits() as u64).is_nan());
     }
 }

@@ -1,8 +1,42 @@
 //! Element access of host tensors: construction, copies in and out, in-place updates and
 //! ndarray views.
+//!
+//! # Concurrent access
+//!
+//! The elements of a host tensor live in shared memory: every clone and view of the tensor in
+//! this process, and every process the tensor was sent to, reads and writes the same bytes, and
+//! nothing orders those accesses for you. The rule:
+//!
+//! - **Safe methods are always sound.** [`to_vec`](crate::Tensor::to_vec),
+//!   [`fill`](crate::Tensor::fill), [`map_inplace`](crate::Tensor::map_inplace),
+//!   [`copy_from_ndarray`](crate::Tensor::copy_from_ndarray) and the rest never cause undefined
+//!   behaviour, whatever other threads and processes do to the same memory at the same time:
+//!   every access they make is a relaxed atomic access (of the aligned 8-byte word that holds
+//!   the element), never a plain load or store.
+//! - **Concurrent writers race logically.** When two writers update the same elements at the
+//!   same time, for each element the last write wins; a read that overlaps a write may return
+//!   some elements before the write and some after it. Each element is read and written whole
+//!   (no element mixes bytes of two writes by this library), and a `bool` read from a byte that
+//!   someone set to neither 0 nor 1 is `true`. This is what torch's shared-memory tensors do:
+//!   when you need a consistent snapshot, order the accesses yourself, e.g. write, then send a
+//!   message; receive it, then read.
+//! - **The unsafe views need exclusive use.** [`as_array_view`](crate::Tensor::as_array_view)
+//!   and [`as_array_view_mut`](crate::Tensor::as_array_view_mut) hand out plain Rust
+//!   references into the shared memory, for ndarray's own algorithms at full speed. While such
+//!   a view lives, nobody (no thread, no process) may write the viewed elements, and for the
+//!   mutable view nobody may read them either; otherwise it is a data race: undefined behaviour.
+//!
+//! Contiguous copies (`to_vec` of a contiguous view, `from_vec`, `fill`, `copy_from_ndarray` of
+//! a standard-layout array into a contiguous view) run word by word, at the speed of a
+//! `memcpy`; strided views go row by row where their innermost elements are adjacent, and
+//! element by element otherwise.
+
+#[path = "access.rs"]
+mod access;
 
 use ndarray::{ArrayBase, ArrayD, ArrayViewD, ArrayViewMutD, Data, Dimension, IxDyn, ShapeBuilder};
 
+use self::access::Shared;
 use super::HostStorage;
 use crate::dtype::Element;
 use crate::error::{Error, Result};
@@ -10,13 +44,29 @@ use crate::layout::Layout;
 use crate::lifetime::StorageId;
 use crate::tensor::Tensor;
 
+/// Rows shorter than this many bytes are copied element by element. (Small in tests, so that
+/// they walk short rows both ways.)
+const MIN_ROW_BYTES: usize = if cfg!(test) { 4 } else { 64 };
+
+/// How a view's elements are walked: in runs of adjacent storage elements, one run per start
+/// index, or one element at a time.
+enum Walk {
+    Runs { starts: Layout, run: usize },
+    Elements,
+}
+
 impl<T: Element> Tensor<T, HostStorage> {
     /// A contiguous tensor of zeros (all bytes zero) in fresh shared memory.
+    ///
+    /// Fails with [`Error::Layout`] when the tensor would need more than `isize::MAX` bytes, and
+    /// with the allocation's error when the shared memory cannot be had.
     pub fn zeros(shape: &[usize]) -> Result<Self> {
         let layout = Layout::contiguous(shape)?;
         let bytes =
-            layout.numel().checked_mul(T::DTYPE.size()).ok_or_else(|| Error::Layout("tensor size overflows".into()))?;
-        Ok(Tensor::from_parts(HostStorage::new_zeroed(bytes), layout))
+            layout.numel().checked_mul(T::DTYPE.size()).filter(|&b| b <= isize::MAX as usize).ok_or_else(|| {
+                Error::Layout(format!("a {} tensor of shape {shape:?} needs more than isize::MAX bytes", T::DTYPE))
+            })?;
+        Ok(Tensor::from_parts(HostStorage::try_new_zeroed(bytes)?, layout))
     }
 
     /// A contiguous tensor with every element `value`.
@@ -29,17 +79,23 @@ impl<T: Element> Tensor<T, HostStorage> {
     /// A contiguous copy of an ndarray array, in fresh shared memory.
     pub fn from_ndarray<S: Data<Elem = T>, D: Dimension>(array: &ArrayBase<S, D>) -> Result<Self> {
         let t = Self::zeros(array.shape())?;
-        for (i, v) in array.iter().enumerate() {
-            // SAFETY: the storage is fresh, contiguous and holds `array.len()` elements.
-            unsafe { (t.storage.ptr as *mut T).add(i).write(*v) };
+        let array = array.as_standard_layout();
+        match array.as_slice() {
+            Some(values) => t.shared().write(0, values),
+            None => t.copy_elements(array.iter().copied()),
         }
         Ok(t)
     }
 
     /// A contiguous tensor of `shape` holding `data` in row-major order.
     pub fn from_vec(shape: &[usize], data: Vec<T>) -> Result<Self> {
-        let array = ArrayD::from_shape_vec(IxDyn(shape), data).map_err(|e| Error::Layout(e.to_string()))?;
-        Self::from_ndarray(&array)
+        let numel = Layout::contiguous(shape)?.numel();
+        if numel != data.len() {
+            return Err(Error::Layout(format!("shape {shape:?} holds {numel} elements, not {}", data.len())));
+        }
+        let t = Self::zeros(shape)?;
+        t.shared().write(0, &data);
+        Ok(t)
     }
 
     /// The storage shared by this view.
@@ -47,75 +103,167 @@ impl<T: Element> Tensor<T, HostStorage> {
         &self.storage
     }
 
-    fn element_ptr(&self, index: usize) -> *mut T {
-        // SAFETY (for the callers' dereference): every index from `Layout::indices` lies inside
-        // the storage, which the layout was checked against when the view was made.
-        (self.storage.base_ptr() as *mut T).wrapping_add(index)
+    fn shared(&self) -> Shared<'_> {
+        Shared::new(&self.storage)
     }
 
-    /// Copies the view's elements into a new ndarray array.
+    /// Splits the view into runs of adjacent storage elements: the trailing dimensions that are
+    /// laid out row-major without gaps form one run, the leading ones give the runs' starts.
+    fn walk(&self) -> Walk {
+        let (shape, strides) = (self.layout.shape(), self.layout.strides());
+        let mut run = 1usize;
+        let mut outer = shape.len();
+        while outer > 0 {
+            let d = outer - 1;
+            if shape[d] != 1 {
+                if strides[d] != run {
+                    break;
+                }
+                run *= shape[d];
+            }
+            outer = d;
+        }
+        if run < self.numel() && run * T::DTYPE.size() < MIN_ROW_BYTES {
+            return Walk::Elements;
+        }
+        let starts = (shape[..outer].to_vec(), strides[..outer].to_vec());
+        match Layout::new(starts.0, starts.1, self.layout.offset(), usize::MAX) {
+            Ok(starts) => Walk::Runs { starts, run },
+            // Cannot happen: the leading dimensions of a checked layout fit where it fits.
+            Err(_) => Walk::Elements,
+        }
+    }
+
+    /// Writes `values`, in row-major order of the view, element by element.
+    fn copy_elements(&self, values: impl Iterator<Item = T>) {
+        let shared = self.shared();
+        for (i, v) in self.layout.indices().zip(values) {
+            shared.store(i, v);
+        }
+    }
+
+    /// Copies the view's elements into a new ndarray array. Safe while other threads or
+    /// processes write the elements: a racing write may show in some elements and not in
+    /// others (each element is read whole).
     pub fn to_ndarray(&self) -> ArrayD<T> {
-        // SAFETY: indices come from the checked layout; see `element_ptr`.
-        let data: Vec<T> = self.layout.indices().map(|i| unsafe { T::load(self.element_ptr(i)) }).collect();
-        ArrayD::from_shape_vec(IxDyn(self.shape()), data).expect("shape and element count agree")
+        ArrayD::from_shape_vec(IxDyn(self.shape()), self.to_vec()).expect("shape and element count agree")
     }
 
-    /// Copies the view's elements into a vector, in row-major order.
+    /// Copies the view's elements into a vector, in row-major order. Safe while other threads
+    /// or processes write the elements: a racing write may show in some elements and not in
+    /// others (each element is read whole).
     pub fn to_vec(&self) -> Vec<T> {
-        self.to_ndarray().into_iter().collect()
+        let numel = self.numel();
+        if numel == 0 {
+            return Vec::new();
+        }
+        let shared = self.shared();
+        match self.walk() {
+            Walk::Runs { starts, run } => shared.read_runs(starts.indices(), run, numel),
+            Walk::Elements => self.layout.indices().map(|i| shared.load(i)).collect(),
+        }
     }
 
-    /// Sets every element of the view to `value`.
+    /// Sets every element of the view to `value`. Safe while other threads or processes read
+    /// or write the elements; where writes race, for each element the last write wins.
     pub fn fill(&self, value: T) {
-        for i in self.layout.indices() {
-            // SAFETY: see `element_ptr`.
-            unsafe { self.element_ptr(i).write(value) };
+        if self.numel() == 0 {
+            return;
+        }
+        let shared = self.shared();
+        match self.walk() {
+            Walk::Runs { starts, run } => starts.indices().for_each(|s| shared.fill(s, run, value)),
+            Walk::Elements => self.layout.indices().for_each(|i| shared.store(i, value)),
         }
     }
 
-    /// Replaces every element `x` of the view by `f(x)`, in place.
+    /// Replaces every element `x` of the view by `f(x)`, in place, in row-major order (`f` is
+    /// called once per element). Safe while other threads or processes read or write the
+    /// elements, but not an atomic read-modify-write: a write by someone else between the read
+    /// of `x` and the write of `f(x)` is lost.
     pub fn map_inplace(&self, mut f: impl FnMut(T) -> T) {
-        for i in self.layout.indices() {
-            let p = self.element_ptr(i);
-            // SAFETY: see `element_ptr`.
-            unsafe { p.write(f(T::load(p))) };
+        if self.numel() == 0 {
+            return;
+        }
+        let shared = self.shared();
+        match self.walk() {
+            Walk::Runs { starts, run } => starts.indices().for_each(|s| shared.map(s, run, &mut f)),
+            Walk::Elements => self.layout.indices().for_each(|i| shared.store(i, f(shared.load(i)))),
         }
     }
 
-    /// Copies `src` (of the same shape) into this view.
+    /// Copies `src` (of the same shape) into this view. Safe while other threads or processes
+    /// read or write the elements; where writes race, for each element the last write wins.
     pub fn copy_from_ndarray<S: Data<Elem = T>, D: Dimension>(&self, src: &ArrayBase<S, D>) -> Result<()> {
         if src.shape() != self.shape() {
             return Err(Error::Layout(format!("shape {:?} does not match {:?}", src.shape(), self.shape())));
         }
-        for (i, v) in self.layout.indices().zip(src.iter()) {
-            // SAFETY: see `element_ptr`.
-            unsafe { self.element_ptr(i).write(*v) };
+        if self.numel() == 0 {
+            return Ok(());
+        }
+        match self.walk() {
+            Walk::Runs { starts, run } => {
+                let src = src.as_standard_layout();
+                match src.as_slice() {
+                    Some(values) => {
+                        let shared = self.shared();
+                        for (s, chunk) in starts.indices().zip(values.chunks(run)) {
+                            shared.write(s, chunk);
+                        }
+                    }
+                    None => self.copy_elements(src.iter().copied()),
+                }
+            }
+            Walk::Elements => self.copy_elements(src.iter().copied()),
         }
         Ok(())
     }
 
-    /// Borrows the view as an ndarray view with its shape and strides.
+    fn element_ptr(&self, index: usize) -> *mut T {
+        // For the escape hatches below: every index of the layout lies inside the storage,
+        // which the layout was checked against when the view was made.
+        (self.storage.base_ptr() as *mut T).wrapping_add(index)
+    }
+
+    /// Borrows the view as an ndarray view with its shape and strides, for ndarray's own
+    /// algorithms without a copy.
+    ///
+    /// The safe methods access the shared memory with atomic loads and stores, so they may run
+    /// while other threads and processes write it (the writes then race logically: last writer
+    /// wins, element by element). This view reads it with plain loads instead, so nobody may
+    /// write the viewed elements while it lives: that would be a data race, undefined
+    /// behaviour. Use [`to_ndarray`](Self::to_ndarray) when someone else may be writing.
     ///
     /// # Safety
-    /// No process may write to the viewed elements while the view lives (other tensors on the
-    /// same storage, here or in another process, included), and for `bool` every viewed byte
-    /// must be 0 or 1.
+    /// No thread or process may write to the viewed elements while the view lives (other
+    /// tensors on the same storage, here or in another process, included), and for `bool`
+    /// every viewed byte must be 0 or 1.
     pub unsafe fn as_array_view(&self) -> ArrayViewD<'_, T> {
         let shape = IxDyn(self.shape()).strides(IxDyn(self.strides()));
-        // SAFETY: the layout lies inside the storage; the caller rules out concurrent writes.
+        // SAFETY: the layout lies inside the storage, which lives as long as `self`; the
+        // caller rules out concurrent writes and invalid `bool` bytes.
         unsafe { ArrayViewD::from_shape_ptr(shape, self.element_ptr(self.offset()) as *const T) }
     }
 
-    /// Borrows the view as a mutable ndarray view with its shape and strides.
+    /// Borrows the view as a mutable ndarray view with its shape and strides, for ndarray's
+    /// own algorithms without a copy.
+    ///
+    /// The safe methods access the shared memory with atomic loads and stores, so they may run
+    /// while other threads and processes use it. This view reads and writes it with plain
+    /// loads and stores instead, so nobody else may read or write the viewed elements while it
+    /// lives: that would be a data race, undefined behaviour. Use
+    /// [`map_inplace`](Self::map_inplace) or [`copy_from_ndarray`](Self::copy_from_ndarray)
+    /// when someone else may be using them.
     ///
     /// # Safety
-    /// No other process or tensor may read or write the viewed elements while the view lives,
-    /// the view must not overlap itself (no stride 0 on a dimension longer than 1), and for
-    /// `bool` every viewed byte must be 0 or 1.
+    /// No other thread, process or tensor may read or write the viewed elements while the
+    /// view lives, the view must not overlap itself (no stride 0 on a dimension longer than 1),
+    /// and for `bool` every viewed byte must be 0 or 1.
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn as_array_view_mut(&self) -> ArrayViewMutD<'_, T> {
         let shape = IxDyn(self.shape()).strides(IxDyn(self.strides()));
-        // SAFETY: the layout lies inside the storage; the caller guarantees exclusive access.
+        // SAFETY: the layout lies inside the storage, which lives as long as `self`; the
+        // caller guarantees exclusive access, no self-overlap and valid `bool` bytes.
         unsafe { ArrayViewMutD::from_shape_ptr(shape, self.element_ptr(self.offset())) }
     }
 
@@ -128,7 +276,7 @@ impl<T: Element> Tensor<T, HostStorage> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::HostTensor;
+    use crate::{bf16, f16, HostTensor};
 
     #[test]
     fn views_read_and_write_the_shared_elements() {
@@ -154,5 +302,194 @@ mod tests {
         let b = HostTensor::<bool>::from_vec(&[3], vec![true, false, true]).unwrap();
         assert_eq!(b.to_vec(), vec![true, false, true]);
         assert!(HostTensor::<u8>::from_vec(&[2, 2], vec![1, 2, 3]).is_err());
+    }
+
+    /// The value `k` of a sequence of distinct values of each element type.
+    trait Sample: Element + PartialEq {
+        fn sample(k: usize) -> Self;
+    }
+
+    macro_rules! sample {
+        ($($t:ty => $f:expr),* $(,)?) => {$(
+            impl Sample for $t {
+                fn sample(k: usize) -> Self {
+                    let f: fn(usize) -> $t = $f;
+                    f(k)
+                }
+            }
+        )*};
+    }
+
+    sample! {
+        f32 => |k| k as f32 * 0.5 - 7.0,
+        f64 => |k| k as f64 * 0.25 - 3.0,
+        f16 => |k| f16::from_f32((k % 1000) as f32 - 500.0),
+        bf16 => |k| bf16::from_f32((k % 200) as f32 - 100.0),
+        i8 => |k| (k % 251) as i8,
+        u8 => |k| (k % 253) as u8,
+        i16 => |k| (k as i16).wrapping_mul(7),
+        i32 => |k| -(k as i32) * 3,
+        i64 => |k| (k as i64) << 33 | k as i64,
+        bool => |k| k % 3 == 1,
+    }
+
+    /// A strided reference copy of the elements of `t` through the layout's indices.
+    fn reference<T: Sample>(all: &[T], t: &HostTensor<T>) -> Vec<T> {
+        t.layout().indices().map(|i| all[i]).collect()
+    }
+
+    fn exercise<T: Sample>() {
+        // 3 x 5 x 7: rows of 7 elements, odd sizes, so runs start mid-word.
+        let n = 105;
+        let values: Vec<T> = (0..n).map(T::sample).collect();
+        let t = HostTensor::from_vec(&[3, 5, 7], values.clone()).unwrap();
+        assert_eq!(t.to_vec(), values);
+        assert_eq!(t.to_ndarray().iter().copied().collect::<Vec<_>>(), values);
+        let views = [
+            t.clone(),
+            t.transpose(0, 2).unwrap(),
+            t.permute(&[1, 0, 2]).unwrap(),
+            t.narrow(2, 1, 5).unwrap(),
+            t.narrow(0, 1, 2).unwrap(),
+            t.narrow(1, 1, 3).unwrap().narrow(2, 3, 4).unwrap(),
+            t.select(1, 2).unwrap(),
+            t.select(0, 1).unwrap().select(0, 3).unwrap(),
+            t.reshape(&[105]).unwrap().narrow(0, 3, 13).unwrap(),
+            t.narrow(0, 0, 0).unwrap(),
+        ];
+        for v in &views {
+            assert_eq!(v.to_vec(), reference(&values, v), "{v:?}");
+        }
+        // Writes through each view change exactly the view's elements.
+        for (j, v) in views.iter().enumerate() {
+            t.copy_from_ndarray(&ndarray::Array::from_vec(values.clone()).into_shape_with_order((3, 5, 7)).unwrap())
+                .unwrap();
+            let mut expect = values.clone();
+            let fill = T::sample(1000 + j);
+            v.fill(fill);
+            v.layout().indices().for_each(|i| expect[i] = fill);
+            assert_eq!(t.to_vec(), expect, "fill {v:?}");
+
+            let new: Vec<T> = (0..v.numel()).map(|k| T::sample(2000 + 3 * k + j)).collect();
+            v.copy_from_ndarray(&ndarray::ArrayD::from_shape_vec(IxDyn(v.shape()), new.clone()).unwrap()).unwrap();
+            v.layout().indices().zip(&new).for_each(|(i, &x)| expect[i] = x);
+            assert_eq!(t.to_vec(), expect, "copy into {v:?}");
+            assert_eq!(v.to_vec(), new);
+
+            // A source in non-standard layout.
+            if v.ndim() == 2 {
+                let src = ndarray::ArrayD::from_shape_vec(IxDyn(&[v.shape()[1], v.shape()[0]]), new.clone()).unwrap();
+                let src = src.t();
+                v.copy_from_ndarray(&src).unwrap();
+                assert_eq!(v.to_vec(), src.iter().copied().collect::<Vec<_>>());
+                v.layout().indices().zip(src.iter()).for_each(|(i, &x)| expect[i] = x);
+            }
+
+            let mut calls = 0;
+            let flip = |x: T| if x == fill { T::sample(7) } else { fill };
+            v.map_inplace(|x| {
+                calls += 1;
+                flip(x)
+            });
+            assert_eq!(calls, v.numel());
+            v.layout().indices().for_each(|i| expect[i] = flip(expect[i]));
+            assert_eq!(t.to_vec(), expect, "map {v:?}");
+        }
+        let back = HostTensor::from_ndarray(&t.transpose(0, 1).unwrap().to_ndarray()).unwrap();
+        assert_eq!(back.to_vec(), t.transpose(0, 1).unwrap().to_vec());
+        let full = HostTensor::full(&[2, 9], T::sample(5)).unwrap();
+        assert!(full.to_vec().iter().all(|&x| x == T::sample(5)));
+        let scalar = HostTensor::from_vec(&[], vec![T::sample(3)]).unwrap();
+        assert_eq!(scalar.to_vec(), [T::sample(3)]);
+        scalar.map_inplace(|_| T::sample(4));
+        assert_eq!(scalar.to_vec(), [T::sample(4)]);
+    }
+
+    #[test]
+    fn every_dtype_round_trips_through_every_access() {
+        exercise::<f32>();
+        exercise::<f64>();
+        exercise::<f16>();
+        exercise::<bf16>();
+        exercise::<i8>();
+        exercise::<u8>();
+        exercise::<i16>();
+        exercise::<i32>();
+        exercise::<i64>();
+        exercise::<bool>();
+    }
+
+    #[test]
+    fn unaligned_edges_are_copied_exactly() {
+        // 13 u8 elements at offset 3: a partial head word, a whole word, a partial tail word.
+        let t = HostTensor::<u8>::full(&[24], 0xee).unwrap();
+        let v = t.narrow(0, 3, 13).unwrap();
+        v.copy_from_ndarray(&ndarray::Array::from_vec((1..=13).collect())).unwrap();
+        let mut expect = vec![0xeeu8; 24];
+        expect[3..16].copy_from_slice(&(1..=13).collect::<Vec<u8>>());
+        assert_eq!(t.to_vec(), expect);
+        assert_eq!(v.to_vec(), (1..=13).collect::<Vec<u8>>());
+        v.fill(9);
+        v.map_inplace(|x| x + 1);
+        expect[3..16].fill(10);
+        assert_eq!(t.to_vec(), expect);
+        // i16 rows of 40 elements (80 bytes, copied as runs) starting at odd word offsets.
+        let t = HostTensor::<i16>::from_vec(&[4, 43], (0..172).collect()).unwrap();
+        let v = t.narrow(1, 3, 40).unwrap();
+        assert_eq!(
+            v.to_vec(),
+            (0..4).flat_map(|r| (r * 43 + 3..r * 43 + 43).collect::<Vec<i16>>()).collect::<Vec<_>>()
+        );
+        v.fill(-1);
+        let all = t.to_vec();
+        for (k, &x) in all.iter().enumerate() {
+            assert_eq!(x, if k % 43 >= 3 { -1 } else { k as i16 }, "element {k}");
+        }
+    }
+
+    #[test]
+    fn empty_tensors_copy_nothing() {
+        for shape in [&[0][..], &[3, 0], &[0, 4, 5]] {
+            let t = HostTensor::<f32>::zeros(shape).unwrap();
+            assert!(t.to_vec().is_empty());
+            assert_eq!(t.to_ndarray().shape(), shape);
+            t.fill(1.0);
+            t.map_inplace(|x| x + 1.0);
+            t.copy_from_ndarray(&ndarray::ArrayD::<f32>::zeros(IxDyn(shape))).unwrap();
+            assert!(HostTensor::<f32>::from_vec(shape, vec![]).unwrap().to_vec().is_empty());
+        }
+    }
+
+    #[test]
+    fn absurd_sizes_are_errors_not_panics() {
+        for shape in [&[usize::MAX, 2][..], &[1 << 62], &[1 << 40, 1 << 30]] {
+            assert!(matches!(HostTensor::<f32>::zeros(shape), Err(Error::Layout(_))), "{shape:?}");
+            assert!(matches!(HostTensor::<i64>::full(shape, 1), Err(Error::Layout(_))), "{shape:?}");
+        }
+        assert!(matches!(HostTensor::<u8>::zeros(&[(isize::MAX as usize) + 1]), Err(Error::Layout(_))));
+        assert!(matches!(HostTensor::<f64>::zeros(&[(isize::MAX as usize) / 4]), Err(Error::Layout(_))));
+        assert!(matches!(HostTensor::<bool>::from_vec(&[usize::MAX, 3], vec![]), Err(Error::Layout(_))));
+        // Representable, but more memory than any machine has: the allocation fails.
+        assert!(HostTensor::<u8>::zeros(&[1 << 62]).is_err());
+    }
+
+    #[test]
+    fn racing_writers_never_tear_elements() {
+        // Two threads write whole-tensor patterns while a third reads: every element read is
+        // one of the two patterns' values (atomic word accesses; no UB, no torn elements).
+        let t = HostTensor::<i16>::zeros(&[4099]).unwrap();
+        let odd = t.narrow(0, 1, 4097).unwrap();
+        std::thread::scope(|s| {
+            for v in [0x1111i16, 0x2222] {
+                let t = &t;
+                s.spawn(move || (0..200).for_each(|_| t.fill(v)));
+            }
+            s.spawn(|| (0..200).for_each(|_| odd.map_inplace(|x| if x == 0x1111 { 0x2222 } else { 0x1111 })));
+            s.spawn(|| {
+                for _ in 0..200 {
+                    assert!(odd.to_vec().iter().all(|&x| [0, 0x1111, 0x2222].contains(&x)));
+                }
+            });
+        });
     }
 }
