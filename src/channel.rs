@@ -1,10 +1,8 @@
 //! Typed channels between processes: `channel`, `pipe`, and connections by name.
 
-use std::cell::RefCell;
 use std::fmt;
 use std::io;
 use std::marker::PhantomData;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -14,36 +12,8 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::error::{Error, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError};
-
-thread_local! {
-    /// The reason the last message decoded on this thread was rejected by one of our own
-    /// `Deserialize` impls (the wire format's error type cannot carry it).
-    static DECODE_FAILURE: RefCell<Option<String>> = const { RefCell::new(None) };
-}
-
-/// Keeps `message` as the reason the current message failed to encode or decode (the wire
-/// format's error type cannot carry it) and returns it.
-fn remember_failure(message: String) -> String {
-    DECODE_FAILURE.with(|f| *f.borrow_mut() = Some(message.clone()));
-    message
-}
-
-/// A decode failure as the deserializer's error; a malformed message's reason stands alone.
-pub(crate) fn codec_error<E: serde::de::Error>(error: Error) -> E {
-    E::custom(remember_failure(match error {
-        Error::Malformed(m) => m,
-        other => other.to_string(),
-    }))
-}
-
-/// An encode failure as the serializer's error.
-pub(crate) fn encode_error<E: serde::ser::Error>(error: Error) -> E {
-    E::custom(remember_failure(error.to_string()))
-}
-
-fn take_decode_failure() -> Option<String> {
-    DECODE_FAILURE.with(|f| f.borrow_mut().take())
-}
+use crate::os::{catch_quietly, descriptor_limit, out_of_descriptors};
+use crate::wire;
 
 /// Creates a channel between processes. Either end can be sent to another process (as a spawn
 /// argument or inside a message); the sender can be cloned and sent to many processes.
@@ -93,28 +63,62 @@ fn is_disconnect(e: &io::Error) -> bool {
     matches!(e.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset | io::ErrorKind::NotConnected)
 }
 
+/// Sends one message with the side channel of its descriptors, then the descriptors that did
+/// not fit in it.
+pub(crate) fn send_message<M: Serialize>(tx: &IpcSender<M>, message: M) -> std::result::Result<(), SendFailure> {
+    let (sent, overflow) = wire::encode_scope(|| catch_quietly(move || tx.send(message)));
+    if !matches!(sent, Ok(Ok(()))) {
+        wire::discard_leftovers();
+    }
+    match sent {
+        Ok(Ok(())) => overflow.send().map_err(|e| match e {
+            Error::OutOfDescriptors { limit } => SendFailure::OutOfDescriptors { limit },
+            Error::Io(e) if is_disconnect(&e) => SendFailure::Disconnected,
+            other => SendFailure::Io(other.to_string()),
+        }),
+        Ok(Err(e)) => Err(send_failure(e)),
+        // The transport asserts instead of failing when a message holds more than 64 of its
+        // own descriptors (channels in the message beside our tensors').
+        Err(panic) if panic.contains("MAX_FDS_IN_CMSG") => Err(SendFailure::Io(format!(
+            "the message holds more than 64 channels and shared-memory regions of its own ({panic})"
+        ))),
+        Err(panic) => Err(SendFailure::Io(format!("the transport failed: {panic}"))),
+    }
+}
+
+fn send_failure(e: IpcError) -> SendFailure {
+    if out_of_descriptors() {
+        return SendFailure::OutOfDescriptors { limit: descriptor_limit() };
+    }
+    match e {
+        IpcError::Disconnected => SendFailure::Disconnected,
+        IpcError::Io(e) if is_disconnect(&e) => SendFailure::Disconnected,
+        IpcError::Io(e) => SendFailure::Io(e.to_string()),
+        IpcError::SerializationError(e) => {
+            SendFailure::Serialize(wire::take_failure().unwrap_or_else(|| format!("{e:?}")))
+        }
+    }
+}
+
 impl<T: Serialize> Sender<T> {
     fn from_ipc(tx: IpcSender<T>) -> Self {
         Sender { inner: tx.to_opaque(), _message: PhantomData }
     }
 
     /// Sends a message. Tensors inside it are shared, not copied: the receiver maps the same
-    /// memory. On failure the message comes back inside the error.
+    /// memory. Any number of tensors may travel in one message. On failure the message comes
+    /// back inside the error.
+    ///
+    /// ```
+    /// let (tx, rx) = cuda_mp::channel::<String>().unwrap();
+    /// tx.send("hello".to_string()).unwrap();
+    /// assert_eq!(rx.recv().unwrap(), "hello");
+    /// ```
     pub fn send(&self, value: T) -> std::result::Result<(), SendError<T>> {
         let tx: IpcSender<Outgoing<'_, T>> = self.inner.clone().to();
-        match tx.send(Outgoing(&value)) {
+        match send_message(&tx, Outgoing(&value)) {
             Ok(()) => Ok(()),
-            Err(e) => {
-                let failure = match e {
-                    IpcError::Disconnected => SendFailure::Disconnected,
-                    IpcError::Io(e) if is_disconnect(&e) => SendFailure::Disconnected,
-                    IpcError::Io(e) => SendFailure::Io(e.to_string()),
-                    IpcError::SerializationError(e) => {
-                        SendFailure::Serialize(take_decode_failure().unwrap_or_else(|| format!("{e:?}")))
-                    }
-                };
-                Err(SendError::new(value, failure))
-            }
+            Err(failure) => Err(SendError::new(value, failure)),
         }
     }
 
@@ -177,18 +181,25 @@ fn recv_error(e: IpcError) -> RecvError {
         IpcError::Io(e) if is_disconnect(&e) => RecvError::Disconnected,
         IpcError::Io(e) => RecvError::Io(e.to_string()),
         IpcError::SerializationError(e) => {
-            RecvError::Malformed(take_decode_failure().unwrap_or_else(|| format!("undecodable message ({e:?})")))
+            RecvError::Malformed(wire::take_failure().unwrap_or_else(|| format!("undecodable message ({e:?})")))
         }
     }
 }
 
-/// Runs a receive, turning a panic inside the transport's decoder (it indexes the descriptors
-/// that came with a message by numbers the message itself carries) into an error.
+/// Runs a receive with a fresh decoding context, turning a panic inside the transport's
+/// decoder (it indexes the descriptors that came with a message by numbers the message itself
+/// carries) into an error, and naming descriptor exhaustion when that is why it failed (the
+/// kernel drops descriptors a full process cannot take).
 fn guarded<R>(f: impl FnOnce() -> std::result::Result<R, RecvError>) -> std::result::Result<R, RecvError> {
-    take_decode_failure();
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(r) => r,
-        Err(_) => Err(RecvError::Malformed("message refers to descriptors it does not carry".into())),
+    wire::decode_begin();
+    let result = catch_quietly(f)
+        .unwrap_or_else(|_| Err(RecvError::Malformed("message refers to descriptors it does not carry".into())));
+    wire::decode_end();
+    match result {
+        Err(RecvError::Malformed(_) | RecvError::Io(_)) if out_of_descriptors() => {
+            Err(RecvError::OutOfDescriptors { limit: descriptor_limit() })
+        }
+        other => other,
     }
 }
 
@@ -380,7 +391,7 @@ impl<T: Serialize + DeserializeOwned> Listener<T> {
 }
 
 fn accept_hello(server: IpcOneShotServer<Hello>) -> Result<OpaqueIpcReceiver> {
-    let (rx, hello) = catch_unwind(AssertUnwindSafe(|| server.accept()))
+    let (rx, hello) = catch_quietly(|| server.accept())
         .map_err(|_| Error::Malformed("connection handshake refers to descriptors it does not carry".into()))?
         .map_err(|e| match e {
             IpcError::SerializationError(_) => {
@@ -393,3 +404,4 @@ fn accept_hello(server: IpcOneShotServer<Hello>) -> Result<OpaqueIpcReceiver> {
     }
     Ok(rx.to_opaque())
 }
+pub(crate) use crate::wire::{decode_error as codec_error, encode_error};

@@ -59,12 +59,16 @@ mod gpu;
 mod host;
 mod layout;
 mod lifetime;
+mod os;
 mod process;
+mod storage;
 mod tensor;
+#[doc(hidden)]
+pub mod testing;
+mod wire;
 
 pub use channel::{channel, pipe, Duplex, Listener, Receiver, Sender};
 pub use cuda_mp_macros::main;
-pub use ndarray;
 pub use dtype::{DType, Element};
 pub use error::{
     Error, JoinError, PanicReport, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError,
@@ -76,6 +80,7 @@ pub use half::{bf16, f16};
 pub use host::{HostStorage, HostTensor};
 pub use layout::{Layout, MAX_DIMS};
 pub use lifetime::{lifetime_stats, wait_for_lifetime, LifetimeStats, StorageId};
+pub use ndarray;
 pub use process::{init, spawn, Builder, JoinHandle, Pool};
 pub use tensor::Tensor;
 

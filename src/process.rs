@@ -3,12 +3,14 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::error::{JoinError, PanicReport};
+use crate::os::{catch_quietly, signal_name, ChildWatch, Exit};
+use crate::wire;
 
 static INITIALIZED: AtomicBool = AtomicBool::new(false);
 
@@ -17,6 +19,8 @@ static INITIALIZED: AtomicBool = AtomicBool::new(false);
 /// before it must have side effects.
 pub fn init() {
     procspawn::init();
+    // Every shared storage and lease is a descriptor: lift the soft limit in every process.
+    crate::os::raise_descriptor_limit();
     INITIALIZED.store(true, Ordering::SeqCst);
 }
 
@@ -84,7 +88,7 @@ impl Builder {
         R: Serialize + DeserializeOwned,
     {
         if not_initialized() {
-            return JoinHandle { inner: None };
+            return JoinHandle::failed(JoinError::NotInitialized);
         }
         let mut builder = procspawn::Builder::new();
         for (key, value) in self.env {
@@ -93,13 +97,32 @@ impl Builder {
                 None => builder.env_remove(key),
             };
         }
-        JoinHandle { inner: Some(builder.spawn(args, f)) }
+        // The arguments are encoded like a channel message: tensors inside may be exported.
+        let (handle, overflow) = wire::encode_scope(|| catch_quietly(|| builder.spawn(args, f)));
+        match handle {
+            Ok(handle) => {
+                // A failure here reaches the child as a malformed argument, and its join says so.
+                let _ = overflow.send();
+                JoinHandle::started(handle)
+            }
+            Err(panic) => JoinHandle::failed(JoinError::Failed(panic)),
+        }
     }
 }
 
-/// Waits for or kills a spawned process. Dropping it kills the process.
+/// Waits for or kills a spawned process. Dropping it kills the process (SIGKILL); its shared
+/// references are then reclaimed by their owners.
 pub struct JoinHandle<R> {
-    inner: Option<procspawn::JoinHandle<R>>,
+    inner: Inner<R>,
+    /// Watches the child's end, so that a join can say how it died.
+    watch: Option<ChildWatch>,
+    /// Set by [`kill`](Self::kill).
+    killed: bool,
+}
+
+enum Inner<R> {
+    Running(procspawn::JoinHandle<R>),
+    Failed(Option<JoinError>),
 }
 
 impl<R> fmt::Debug for JoinHandle<R> {
@@ -124,38 +147,115 @@ fn join_error(e: procspawn::SpawnError) -> JoinError {
     }
 }
 
+/// Longest pause between two looks at a joined child (it wakes early when the child exits).
+const JOIN_POLL: Duration = Duration::from_millis(20);
+
 impl<R> JoinHandle<R> {
+    fn started(handle: procspawn::JoinHandle<R>) -> Self {
+        let watch = handle.pid().map(ChildWatch::new);
+        JoinHandle { inner: Inner::Running(handle), watch, killed: false }
+    }
+
+    fn failed(error: JoinError) -> Self {
+        JoinHandle { inner: Inner::Failed(Some(error)), watch: None, killed: false }
+    }
+
     /// The child's process id, once it runs.
     pub fn pid(&self) -> Option<u32> {
-        self.inner.as_ref().and_then(|h| h.pid())
+        match &self.inner {
+            Inner::Running(h) => h.pid(),
+            Inner::Failed(_) => None,
+        }
+    }
+
+    /// A join failure, naming the signal or exit status when the child died without a result.
+    fn died(&self, e: procspawn::SpawnError, exit: Option<Exit>) -> JoinError {
+        let error = join_error(e);
+        if !matches!(error, JoinError::Terminated(_)) {
+            return error;
+        }
+        match exit {
+            Some(Exit::Signal(signal)) => JoinError::Signaled { signal, name: signal_name(signal) },
+            Some(Exit::Code(code)) => JoinError::Exited { code },
+            None if self.killed => JoinError::Signaled { signal: libc::SIGKILL, name: "SIGKILL" },
+            None => error,
+        }
     }
 }
 
 impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
     /// Waits for the child's result. A panic in the child comes back as
-    /// [`JoinError::Panicked`] with its message and location.
+    /// [`JoinError::Panicked`] with its message and location; a child killed by a signal or
+    /// exiting early as [`JoinError::Signaled`] or [`JoinError::Exited`].
     pub fn join(mut self) -> Result<R, JoinError> {
-        match self.inner.take() {
-            Some(h) => h.join().map_err(join_error),
-            None => Err(JoinError::NotInitialized),
-        }
+        self.join_until(None)
     }
 
     /// Like [`join`](Self::join), giving up after `timeout` with [`JoinError::Timeout`]; the
     /// child keeps running and the handle stays usable.
     pub fn join_timeout(&mut self, timeout: Duration) -> Result<R, JoinError> {
-        match self.inner.as_mut() {
-            Some(h) => h.join_timeout(timeout).map_err(join_error),
-            None => Err(JoinError::NotInitialized),
+        self.join_until(Some(Instant::now() + timeout))
+    }
+
+    fn join_until(&mut self, deadline: Option<Instant>) -> Result<R, JoinError> {
+        let handle = match &mut self.inner {
+            Inner::Running(h) => h,
+            Inner::Failed(e) => return Err(e.take().unwrap_or(JoinError::Failed("already joined".into()))),
+        };
+        let Some(watch) = &self.watch else {
+            // A pooled call: no process of its own to watch.
+            let r = match deadline {
+                Some(d) => handle.join_timeout(d.saturating_duration_since(Instant::now())),
+                None => handle.join_timeout(Duration::from_secs(u32::MAX as u64)),
+            };
+            return r.map_err(join_error);
+        };
+        // Look at the child's end before each look at its result: the transport reaps a child
+        // whose channel closed, and its exit status with it.
+        let mut pause = Duration::from_millis(1);
+        loop {
+            let exit = watch.exited(Duration::ZERO);
+            match handle.join_timeout(Duration::ZERO) {
+                Ok(v) => return Ok(v),
+                Err(e) if e.is_timeout() && exit.is_none() => {}
+                Err(e) if e.is_timeout() => {
+                    // Ended without a result.
+                    let error = match exit {
+                        Some(Exit::Signal(signal)) => JoinError::Signaled { signal, name: signal_name(signal) },
+                        Some(Exit::Code(code)) => JoinError::Exited { code },
+                        None => JoinError::Terminated("the child ended".into()),
+                    };
+                    let _ = handle.kill();
+                    self.inner = Inner::Failed(None);
+                    return Err(error);
+                }
+                Err(e) => {
+                    let error = self.died(e, exit);
+                    self.inner = Inner::Failed(None);
+                    return Err(error);
+                }
+            }
+            let now = Instant::now();
+            let wait = match deadline {
+                Some(d) if now >= d => return Err(JoinError::Timeout),
+                Some(d) => pause.min(d - now),
+                None => pause,
+            };
+            watch.exited(wait);
+            pause = (pause * 2).min(JOIN_POLL);
         }
     }
 
     /// Kills the child (SIGKILL). Its shared-memory and GPU references are reclaimed by their
     /// owners when the kernel closes its descriptors.
     pub fn kill(&mut self) -> Result<(), JoinError> {
-        match self.inner.as_mut() {
-            Some(h) => h.kill().map_err(join_error),
-            None => Err(JoinError::NotInitialized),
+        match &mut self.inner {
+            Inner::Running(h) => {
+                self.killed = true;
+                h.kill().map_err(join_error)
+            }
+            Inner::Failed(Some(e)) => Err(JoinError::Failed(e.to_string())),
+            Inner::Failed(None) => Ok(()),
         }
     }
 }
@@ -195,7 +295,15 @@ impl Pool {
         A: Serialize + DeserializeOwned,
         R: Serialize + DeserializeOwned + Send + 'static,
     {
-        JoinHandle { inner: Some(self.inner.spawn(args, f)) }
+        let (handle, overflow) = wire::encode_scope(|| catch_quietly(|| self.inner.spawn(args, f)));
+        match handle {
+            Ok(handle) => {
+                let _ = overflow.send();
+                // Pooled calls share their worker's process: nothing of their own to watch.
+                JoinHandle { inner: Inner::Running(handle), watch: None, killed: false }
+            }
+            Err(panic) => JoinHandle::failed(JoinError::Failed(panic)),
+        }
     }
 
     /// Waits for every queued call, then stops the workers.

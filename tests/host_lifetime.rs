@@ -81,8 +81,11 @@ fn producer_drops_first_and_release_happens_when_the_consumer_drops() {
     assert_eq!(lifetime_stats().live_storages, before.live_storages + 1);
     cmd_tx.send(Cmd::Drop).unwrap();
     reply_rx.recv_timeout(WAIT).unwrap();
+    // The consumer's release frees the storage; its lease channel closes right after.
     let after = wait_for_lifetime(WAIT, |s| {
-        s.live_storages == before.live_storages && s.exported_storages == before.exported_storages
+        s.live_storages == before.live_storages
+            && s.exported_storages == before.exported_storages
+            && s.outstanding_leases == before.outstanding_leases
     })
     .expect("released after the drop");
     assert_eq!(after.freed_storages, before.freed_storages + 1);

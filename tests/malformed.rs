@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use cuda_mp::{lifetime_stats, wait_for_lifetime, HostTensor, Listener, Receiver, RecvError, Sender};
-use ipc_channel::ipc::{self, IpcSender, IpcSharedMemory};
+use ipc_channel::ipc::{self, IpcReceiver, IpcSender, IpcSharedMemory};
 use serde::ser::SerializeTuple;
 use serde::{Deserialize, Serialize, Serializer};
 
@@ -37,6 +37,31 @@ impl Serialize for Raw {
     }
 }
 
+/// A descriptor as it travels: shared memory or a channel.
+#[derive(Serialize, Deserialize)]
+enum Desc<M, C> {
+    Memory(M),
+    Channel(C),
+}
+
+/// Where a descriptor is: in the message, in overflow batches, or the same as an earlier one.
+#[derive(Serialize, Deserialize)]
+enum How<D> {
+    Inline(D),
+    Overflow(Option<IpcReceiver<()>>),
+    Again(u32),
+}
+
+#[derive(Serialize, Deserialize)]
+struct Carried<D> {
+    message: u64,
+    how: How<D>,
+}
+
+fn inline<D>(d: D) -> Carried<D> {
+    Carried { message: 7, how: How::Inline(d) }
+}
+
 /// The wire layout of a host tensor, with every field under the forger's control.
 #[derive(Serialize, Deserialize)]
 struct ForgedTensor<Shm, Lease> {
@@ -46,9 +71,10 @@ struct ForgedTensor<Shm, Lease> {
     offset: usize,
     owner: u128,
     index: u64,
-    bytes: usize,
-    shm: Shm,
-    lease: Lease,
+    bytes: u64,
+    lease: Carried<Desc<(), Lease>>,
+    ticket: Option<u32>,
+    shm: Option<Carried<Desc<Shm, ()>>>,
 }
 
 fn forged(dtype: u8, shape: Vec<usize>, bytes: usize) -> ForgedTensor<IpcSharedMemory, IpcSender<()>> {
@@ -61,9 +87,10 @@ fn forged(dtype: u8, shape: Vec<usize>, bytes: usize) -> ForgedTensor<IpcSharedM
         offset: 0,
         owner: 0xdead_beef,
         index: 1,
-        bytes,
-        shm: IpcSharedMemory::from_byte(0, 16),
-        lease,
+        bytes: bytes as u64,
+        lease: inline(Desc::Channel(lease)),
+        ticket: None,
+        shm: Some(inline(Desc::Memory(IpcSharedMemory::from_byte(0, 16)))),
     }
 }
 
@@ -114,8 +141,9 @@ fn descriptor_slots_out_of_range_are_rejected() {
         owner: 1,
         index: 1,
         bytes: 8,
-        shm: 5,
-        lease: 9,
+        lease: inline(Desc::Channel(9)),
+        ticket: None,
+        shm: Some(inline(Desc::Memory(5))),
     };
     tx.send(f).unwrap();
     let m = malformed(rx.recv());
@@ -131,8 +159,9 @@ fn descriptor_slots_out_of_range_are_rejected() {
         owner: 1,
         index: 1,
         bytes: 8,
-        shm: IpcSharedMemory::from_byte(1, 8),
-        lease: 7,
+        lease: inline(Desc::Channel(7)),
+        ticket: None,
+        shm: Some(inline(Desc::Memory(IpcSharedMemory::from_byte(1, 8)))),
     };
     tx.send(f).unwrap();
     let m = malformed(rx.recv());

@@ -1,161 +1,166 @@
-//! Host tensors in shared memory (memfd): sent by mapping, never by copying.
+//! Host tensors in shared memory (memfd): sent by mapping, never by copying. The storage kind
+//! is [`HostKind`]: a lease per message covers every host storage in it.
 
 mod tensor;
 
-use std::fmt;
 use std::sync::Arc;
 
 use ipc_channel::ipc::IpcSharedMemory;
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde::{Deserialize, Serialize};
 
-use crate::channel::{codec_error, encode_error};
-use crate::dtype::Element;
-use crate::layout::Layout;
 use crate::error::{Error, Result};
-use crate::lifetime::{self, Lease, LiveStorage, StorageId};
-use crate::tensor::{Tensor, TensorWire};
+use crate::lifetime::{LeaseMode, StorageId};
+use crate::os::{catch_quietly, SharedMapping};
+use crate::storage::{Handle, Memory, Shared, StorageKind};
+use crate::tensor::Tensor;
+use crate::wire::{self, Descriptor};
 
 /// A tensor whose elements live in host shared memory. Sending it through a channel passes the
 /// memory's file descriptor: the receiver maps the same pages, and writes by either process are
 /// seen by the other.
+///
+/// ```
+/// let t = cuda_mp::HostTensor::<f32>::full(&[2, 3], 1.5).unwrap();
+/// assert_eq!(t.to_vec(), vec![1.5; 6]);
+/// ```
 pub type HostTensor<T> = Tensor<T, HostStorage>;
 
 /// Shared host memory behind [`HostTensor`]s: an anonymous memory file mapped into each process
 /// that holds it; the kernel frees it when the last mapping is gone.
-pub struct HostStorage {
-    id: StorageId,
-    ptr: *mut u8,
-    len: usize,
-    // Keeps the mapping that `ptr` points into alive.
-    _shm: IpcSharedMemory,
-    origin: Origin,
+///
+/// ```
+/// let t = cuda_mp::HostTensor::<u8>::zeros(&[10]).unwrap();
+/// assert_eq!(t.storage().byte_len(), 10);
+/// ```
+#[derive(Debug)]
+pub struct HostStorage(Handle<HostKind>);
+
+/// Host shared memory as a storage kind.
+#[derive(Debug)]
+pub(crate) struct HostKind;
+
+/// A host storage's own part of its record: the memory file.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct HostWire {
+    shm: Option<SharedMemory>,
 }
 
-enum Origin {
-    /// Allocated here.
-    Local(LiveStorage),
-    /// Mapped from another process; the lease keeps the owner's reference.
-    Imported(Lease),
+/// Shared memory as it travels: through the message's descriptors.
+struct SharedMemory(Arc<IpcSharedMemory>);
+
+impl Serialize for SharedMemory {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        wire::carry(Descriptor::Memory(self.0.clone()), None).map_err(wire::encode_error)?.serialize(serializer)
+    }
 }
 
-// SAFETY: the mapping is owned by `_shm` and lives as long as the storage; element access goes
-// through raw pointers and is documented as racing with other writers, as in any shared memory.
-unsafe impl Send for HostStorage {}
-// SAFETY: as above.
-unsafe impl Sync for HostStorage {}
+impl<'de> Deserialize<'de> for SharedMemory {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        match wire::take(wire::Carried::deserialize(deserializer)?).map_err(wire::decode_error)? {
+            Descriptor::Memory(shm) => Ok(SharedMemory(shm)),
+            Descriptor::Channel(_) => {
+                Err(wire::decode_error(Error::Malformed("a shared-memory slot carries a channel instead".into())))
+            }
+        }
+    }
+}
 
-impl fmt::Debug for HostStorage {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("HostStorage")
-            .field("id", &self.id)
-            .field("bytes", &self.len)
-            .field("imported", &matches!(self.origin, Origin::Imported(_)))
-            .finish()
+impl StorageKind for HostKind {
+    const LEASE: LeaseMode = LeaseMode::PerMessage;
+    // Mapping a memory file costs microseconds; nothing worth caching.
+    const CACHE_IDLE: bool = false;
+    type Raw = SharedMapping;
+    type Wire = HostWire;
+    type Place = ();
+
+    fn export(memory: &Memory<Self>) -> Result<HostWire> {
+        Ok(HostWire { shm: Some(SharedMemory(memory.raw().memory().clone())) })
+    }
+
+    fn forward(memory: &Memory<Self>) -> Result<HostWire> {
+        Self::export(memory)
+    }
+
+    fn place(_: &HostWire, _: Option<&()>) -> Result<((), &'static str)> {
+        Ok(((), "host"))
+    }
+
+    fn check_local(_: &Memory<Self>, _: Option<&()>) -> Result<()> {
+        Ok(())
+    }
+
+    fn open(wire: &mut HostWire, bytes: usize, _: &()) -> Result<SharedMapping> {
+        let shm = wire.shm.take().ok_or_else(|| Error::Malformed("host storage without its memory".into()))?.0;
+        if shm.len() < bytes {
+            return Err(Error::Malformed(format!(
+                "shared memory holds {} bytes but the message claims {bytes}",
+                shm.len()
+            )));
+        }
+        Ok(SharedMapping::from_shared(shm))
+    }
+
+    fn arrived(_: &Memory<Self>, _: &HostWire, _: &()) -> Result<()> {
+        Ok(())
+    }
+}
+
+impl Shared for HostStorage {
+    type Kind = HostKind;
+
+    fn handle(&self) -> &Handle<HostKind> {
+        &self.0
+    }
+
+    fn from_handle(handle: Handle<HostKind>) -> Self {
+        HostStorage(handle)
     }
 }
 
 impl HostStorage {
+    /// `bytes` zeroed bytes of fresh shared memory.
+    pub(crate) fn try_new_zeroed(bytes: usize) -> Result<Arc<HostStorage>> {
+        if bytes > isize::MAX as usize {
+            return Err(Error::Layout(format!("a tensor of {bytes} bytes is too large")));
+        }
+        crate::os::raise_descriptor_limit();
+        let shm = catch_quietly(|| IpcSharedMemory::from_byte(0, bytes)).map_err(|reason| {
+            wire::descriptor_error(Error::Io(std::io::Error::other(format!(
+                "cannot allocate {bytes} bytes of shared memory: {reason}"
+            ))))
+        })?;
+        Ok(Arc::new(HostStorage(Handle::new_local(bytes, SharedMapping::new(shm)))))
+    }
+
+    /// `bytes` zeroed bytes of fresh shared memory, for tests.
+    #[cfg(test)]
     pub(crate) fn new_zeroed(bytes: usize) -> Arc<HostStorage> {
-        let mut shm = IpcSharedMemory::from_byte(0, bytes);
-        // SAFETY: the memory was just created and nobody else has it yet.
-        let ptr = unsafe { shm.deref_mut() }.as_mut_ptr();
-        Arc::new(HostStorage {
-            id: StorageId::new_local(),
-            ptr,
-            len: bytes,
-            _shm: shm,
-            origin: Origin::Local(LiveStorage::new()),
-        })
+        HostStorage::try_new_zeroed(bytes).expect("shared memory")
     }
 
     /// First byte of the mapping; valid for [`byte_len`](Self::byte_len) bytes while the
     /// storage lives.
     pub(crate) fn base_ptr(&self) -> *mut u8 {
-        self.ptr
+        self.0.memory().raw().ptr()
     }
 
     /// Size in bytes.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<f64>::zeros(&[3]).unwrap();
+    /// assert_eq!(t.storage().byte_len(), 24);
+    /// ```
     pub fn byte_len(&self) -> usize {
-        self.len
+        self.0.memory().len()
     }
 
     /// The storage's identity across processes.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<f64>::zeros(&[3]).unwrap();
+    /// assert!(t.storage().id().is_local());
+    /// ```
     pub fn id(&self) -> StorageId {
-        self.id
+        self.0.memory().id()
     }
 }
-
-impl Drop for HostStorage {
-    fn drop(&mut self) {
-        if let Origin::Imported(_) = self.origin {
-            lifetime::close_import(self.id, KIND, || {});
-        }
-    }
-}
-
-const KIND: &str = "host";
-
-#[derive(Serialize, Deserialize)]
-struct HostStorageWire {
-    id: StorageId,
-    bytes: usize,
-    shm: IpcSharedMemory,
-    lease: Lease,
-}
-
-impl<T: Element> Serialize for Tensor<T, HostStorage> {
-    fn serialize<Se: Serializer>(&self, serializer: Se) -> Result<Se::Ok, Se::Error> {
-        let storage = &self.storage;
-        let lease = match &storage.origin {
-            Origin::Imported(lease) => lease.clone(),
-            Origin::Local(_) => {
-                let keep = storage.clone();
-                lifetime::grant_lease(storage.id, move || keep, None, lifetime::LeaseMode::PerMessage)
-                    .map_err(encode_error)?
-            }
-        };
-        let wire = HostStorageWire { id: storage.id, bytes: storage.len, shm: storage._shm.clone(), lease };
-        TensorWire::new::<T>(&self.layout, wire).serialize(serializer)
-    }
-}
-
-impl<'de, T: Element> Deserialize<'de> for Tensor<T, HostStorage> {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        let wire = TensorWire::<HostStorageWire>::deserialize(deserializer)?;
-        decode(wire).map_err(codec_error)
-    }
-}
-
-fn decode<T: Element>(wire: TensorWire<HostStorageWire>) -> Result<HostTensor<T>> {
-    let (w, layout) = wire.check_dtype::<T>()?;
-    let storage = if w.id.is_local() {
-        lifetime::local_storage(w.id)
-            .and_then(|s| match s {
-                lifetime::LocalStorage::Handle(s) | lifetime::LocalStorage::Memory(s) => {
-                    s.downcast::<HostStorage>().ok()
-                }
-            })
-            .ok_or_else(|| Error::Malformed("message names a host storage of this process that is not shared".into()))?
-    } else {
-        let HostStorageWire { id, bytes, mut shm, lease } = w;
-        lifetime::import(
-            id,
-            KIND,
-            |_| None,
-            move || {
-                if shm.len() < bytes {
-                    return Err(Error::Malformed(format!(
-                        "shared memory holds {} bytes but the message claims {bytes}",
-                        shm.len()
-                    )));
-                }
-                // SAFETY: the pointer is only used through raw accesses; see `HostStorage`.
-                let ptr = unsafe { shm.deref_mut() }.as_mut_ptr();
-                Ok(Arc::new(HostStorage { id, ptr, len: bytes, _shm: shm, origin: Origin::Imported(lease) }))
-            },
-        )?
-    };
-    let layout = layout.check(storage.len, T::DTYPE)?;
-    Ok(Tensor::from_parts(storage, layout))
-}
-

@@ -1,0 +1,236 @@
+//! The owner registry: storages of this process that other processes may hold, the claims on
+//! them per lease, and limbo (memory kept after this process's own handles are gone).
+
+use std::sync::{Arc, Weak};
+
+use super::lease::{CacheTicket, Lease, LeaseMode};
+use super::table::{owner, NO_SLOT};
+use super::{notify, reaper, state, AnyStorage, State, StorageId, WeakStorage};
+use crate::error::Result;
+use crate::wire;
+
+pub(super) struct Exported {
+    /// The memory, kept while any claim is open (limbo once the user handles are gone).
+    keep_alive: AnyStorage,
+    /// The user handle a message coming back to this process resolves to while it lives.
+    handle: Option<WeakStorage>,
+    /// Claims over every lease.
+    claims: usize,
+    /// Slot in this process's liveness table, or [`NO_SLOT`].
+    slot: u32,
+    /// Per-storage mode: this process's copy of the storage's lease, cloned into every message
+    /// and dropped when its handles are gone.
+    shared_lease: Option<Lease>,
+}
+
+/// Counts one live storage of this process from construction to drop. Embed one in every
+/// storage this process allocates.
+#[derive(Debug)]
+pub(crate) struct LiveStorage(());
+
+impl LiveStorage {
+    pub(crate) fn new() -> LiveStorage {
+        state().stats.live_storages += 1;
+        LiveStorage(())
+    }
+}
+
+impl Drop for LiveStorage {
+    fn drop(&mut self) {
+        {
+            let mut s = state();
+            s.stats.live_storages -= 1;
+            s.stats.freed_storages += 1;
+        }
+        notify();
+    }
+}
+
+/// A lease for one outgoing message, and for cacheable kinds the storage's slot in the
+/// liveness table.
+#[derive(Debug)]
+pub(crate) struct Grant {
+    pub(crate) lease: Lease,
+    pub(crate) ticket: Option<CacheTicket>,
+}
+
+/// Grants a claim on local storage `id` for the message being encoded. Until it is released
+/// the storage's memory (`keep_alive`) stays here, whatever this process does with its own
+/// handles (limbo). `handle` is the user handle that a message coming back resolves to.
+/// `cache` asks for a slot in the liveness table, so that receivers may keep their mapping
+/// after use while this process holds the storage.
+pub(crate) fn grant(
+    id: StorageId,
+    mode: LeaseMode,
+    cache: bool,
+    keep_alive: impl FnOnce() -> AnyStorage,
+    handle: Option<WeakStorage>,
+) -> Result<Grant> {
+    let reaper = reaper::reaper()?;
+    let grant = match mode {
+        LeaseMode::PerStorage => {
+            let mut s = state();
+            if let Some(e) = s.exported.get(&id) {
+                if let Some(lease) = &e.shared_lease {
+                    let ticket = cache.then_some(CacheTicket { slot: e.slot });
+                    return Ok(Grant { lease: lease.clone(), ticket });
+                }
+            }
+            let lease = reaper.new_lease()?;
+            opened_lease(&mut s);
+            let entry = claim(&mut s, id, &lease, keep_alive, handle);
+            entry.shared_lease = Some(lease.clone());
+            let ticket = cache.then(|| CacheTicket { slot: slot_of(entry, id) });
+            Grant { lease, ticket }
+        }
+        LeaseMode::PerMessage => {
+            let lease = wire::per_message(|| {
+                let lease = reaper.new_lease()?;
+                opened_lease(&mut state());
+                Ok(lease)
+            })?;
+            let mut s = state();
+            let entry = claim(&mut s, id, &lease, keep_alive, handle);
+            let ticket = cache.then(|| CacheTicket { slot: slot_of(entry, id) });
+            Grant { lease, ticket }
+        }
+    };
+    notify();
+    Ok(grant)
+}
+
+fn opened_lease(s: &mut State) {
+    s.stats.outstanding_leases += 1;
+    s.stats.leases_granted += 1;
+}
+
+fn claim<'s>(
+    s: &'s mut State,
+    id: StorageId,
+    lease: &Lease,
+    keep_alive: impl FnOnce() -> AnyStorage,
+    handle: Option<WeakStorage>,
+) -> &'s mut Exported {
+    *s.covers.entry(lease.key()).or_default().entry(id.index()).or_insert(0) += 1;
+    let entry = s.exported.entry(id).or_insert_with(|| Exported {
+        keep_alive: keep_alive(),
+        handle,
+        claims: 0,
+        slot: NO_SLOT,
+        shared_lease: None,
+    });
+    entry.claims += 1;
+    entry
+}
+
+fn slot_of(entry: &mut Exported, id: StorageId) -> u32 {
+    if entry.slot == NO_SLOT {
+        entry.slot = owner().take_slot(id);
+    }
+    entry.slot
+}
+
+/// This process dropped its last handle on local storage `id`: receivers may no longer keep
+/// idle mappings of it. The memory itself stays until the last claim is released.
+pub(crate) fn handles_dropped(id: StorageId) {
+    let (slot, shared_lease) = match state().exported.get_mut(&id) {
+        Some(e) => (e.slot, e.shared_lease.take()),
+        None => return,
+    };
+    // This process's copy of the shared lease goes: the claim ends when the holders' copies do.
+    drop(shared_lease);
+    if slot != NO_SLOT {
+        owner().revoke(slot, id.index());
+    }
+}
+
+/// A message on lease `lease` of this process: a holder releases one claim on storage
+/// `index`, or passes one on (`retain`). Claims the lease does not hold are ignored, so a
+/// forged or repeated release cannot free what others still use.
+pub(super) fn lease_message(lease: u64, index: u64, retain: bool) {
+    let mut s = state();
+    let Some(count) = s.covers.get_mut(&lease).and_then(|c| c.get_mut(&index)) else { return };
+    if *count == 0 {
+        return;
+    }
+    if retain {
+        *count += 1;
+        if let Some(e) = s.exported.get_mut(&StorageId::local(index)) {
+            e.claims += 1;
+        }
+        return;
+    }
+    *count -= 1;
+    if *count == 0 {
+        if let Some(c) = s.covers.get_mut(&lease) {
+            c.remove(&index);
+        }
+    }
+    release(s, &[(index, 1)]);
+}
+
+/// Lease channel `lease` closed: every claim still on it is released.
+pub(super) fn lease_closed(lease: u64) {
+    let mut s = state();
+    s.stats.outstanding_leases -= 1;
+    s.stats.leases_released += 1;
+    let claims: Vec<(u64, usize)> = s.covers.remove(&lease).map(|c| c.into_iter().collect()).unwrap_or_default();
+    release(s, &claims);
+}
+
+/// Releases claims; frees storages whose last claim went, outside the lock.
+fn release(mut s: std::sync::MutexGuard<'static, State>, claims: &[(u64, usize)]) {
+    let mut freed = Vec::new();
+    for &(index, n) in claims {
+        let id = StorageId::local(index);
+        let Some(e) = s.exported.get_mut(&id) else { continue };
+        e.claims = e.claims.saturating_sub(n);
+        if e.claims == 0 {
+            if let Some(e) = s.exported.remove(&id) {
+                freed.push(e);
+            }
+        }
+    }
+    s.freeing += freed.len();
+    drop(s);
+    if !freed.is_empty() {
+        {
+            let mut o = owner();
+            for e in &freed {
+                o.free_slot(e.slot);
+            }
+        }
+        let n = freed.len();
+        // Freeing may call into the driver: outside the lock.
+        drop(freed);
+        state().freeing -= n;
+    }
+    notify();
+}
+
+/// A local storage named by a message that came back to this process: the live user handle if
+/// there is one, else the storage's memory (to wrap in a new handle), while it is claimed.
+pub(crate) enum LocalStorage {
+    Handle(AnyStorage),
+    Memory(AnyStorage),
+}
+
+pub(crate) fn local_storage(id: StorageId) -> Option<LocalStorage> {
+    let s = state();
+    let e = s.exported.get(&id)?;
+    Some(match e.handle.as_ref().and_then(Weak::upgrade) {
+        Some(h) => LocalStorage::Handle(h),
+        None => LocalStorage::Memory(e.keep_alive.clone()),
+    })
+}
+
+/// Records a new user handle for a local storage revived by a returning message.
+pub(crate) fn revive_local(id: StorageId, handle: &AnyStorage) {
+    let mut s = state();
+    if let Some(e) = s.exported.get_mut(&id) {
+        e.handle = Some(Arc::downgrade(handle));
+        if e.slot != NO_SLOT {
+            owner().mark(e.slot, id.index());
+        }
+    }
+}

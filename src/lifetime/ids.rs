@@ -1,0 +1,69 @@
+//! Identities: of this process, and of a storage across processes.
+
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use once_cell::sync::Lazy;
+use serde::{Deserialize, Serialize};
+
+/// Identifies a storage across processes: the process that allocated it and its number there.
+///
+/// ```
+/// let t = cuda_mp::HostTensor::<f32>::zeros(&[2]).unwrap();
+/// assert!(t.storage_id().is_local());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct StorageId {
+    owner: u128,
+    index: u64,
+}
+
+impl StorageId {
+    /// A fresh id for a storage allocated by this process.
+    pub(crate) fn new_local() -> StorageId {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        StorageId { owner: process_token(), index: NEXT.fetch_add(1, Ordering::Relaxed) }
+    }
+
+    /// The id of storage `index` of this process.
+    pub(crate) fn local(index: u64) -> StorageId {
+        StorageId { owner: process_token(), index }
+    }
+
+    /// True when this process allocated the storage.
+    pub fn is_local(&self) -> bool {
+        self.owner == process_token()
+    }
+
+    /// The token of the process that allocated the storage.
+    pub(crate) fn owner(&self) -> u128 {
+        self.owner
+    }
+
+    /// The storage's number in its owner.
+    pub(crate) fn index(&self) -> u64 {
+        self.index
+    }
+
+    #[cfg(test)]
+    pub(crate) fn foreign(owner: u128, index: u64) -> StorageId {
+        StorageId { owner, index }
+    }
+}
+
+/// A random 128-bit identity of this process, fixed at first use (pids can be reused; these
+/// are not).
+pub(crate) fn process_token() -> u128 {
+    static TOKEN: Lazy<u128> = Lazy::new(|| {
+        let nanos =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+        let mut hi = RandomState::new().build_hasher();
+        hi.write_u128(nanos);
+        hi.write_u32(std::process::id());
+        let mut lo = RandomState::new().build_hasher();
+        lo.write_u64(hi.finish());
+        ((hi.finish() as u128) << 64) | lo.finish() as u128
+    });
+    *TOKEN
+}

@@ -1,0 +1,159 @@
+//! The import table and the idle cache: other processes' storages mapped here, each once per
+//! process, opened and closed outside the lock.
+
+use std::any::Any;
+use std::sync::{Arc, Weak};
+
+use super::lease::{CacheTicket, Lease};
+use super::table::{Table, NO_SLOT};
+use super::{notify, reaper, state, wait, AnyStorage, ImportKey, StorageId};
+use crate::error::Result;
+
+/// The storage `id` of another process as mapped here, under import key `kind`: the handle in
+/// use, else a cached idle mapping passed to `revive`, else the one `open` makes.
+///
+/// `open` runs outside the lock, so imports of other storages, sends and releases go on
+/// meanwhile; a second import of the same storage waits for it (a handle opens once per
+/// process), as does one whose mapping is being closed.
+pub(crate) fn import<H: Any + Send + Sync>(
+    id: StorageId,
+    kind: &'static str,
+    revive: impl FnOnce(AnyStorage) -> Option<Arc<H>>,
+    open: impl FnOnce() -> Result<Arc<H>>,
+) -> Result<Arc<H>> {
+    let key: ImportKey = (id, kind);
+    let mut s = state();
+    // Wait while the storage is being opened or closed, or while its last handle is being
+    // dropped (it is about to be cached or closed).
+    while s.opening.contains(&key)
+        || s.closing.contains(&key)
+        || s.imported.get(&key).is_some_and(|w| w.strong_count() == 0)
+    {
+        s = wait(s);
+    }
+    if let Some(existing) = s.imported.get(&key).and_then(Weak::upgrade) {
+        if let Ok(handle) = existing.downcast::<H>() {
+            return Ok(handle);
+        }
+    }
+    if let Some(handle) = s.idle.remove(&key).and_then(|(memory, _)| revive(memory)) {
+        let any: AnyStorage = handle.clone();
+        s.imported.insert(key, Arc::downgrade(&any));
+        drop(s);
+        notify();
+        return Ok(handle);
+    }
+    s.opening.insert(key);
+    drop(s);
+    let opened = open();
+    let mut s = state();
+    s.opening.remove(&key);
+    if let Ok(handle) = &opened {
+        let any: AnyStorage = handle.clone();
+        s.imported.insert(key, Arc::downgrade(&any));
+        s.stats.opened_mappings += 1;
+    }
+    drop(s);
+    notify();
+    opened
+}
+
+/// Subscribes to revocations from the owner of `id` (once per owner), through a lease on one of
+/// its storages, so that mappings of its storages can be cached after use.
+pub(crate) fn subscribe(id: StorageId, lease: &Lease) {
+    if id.is_local() || state().owner_tables.contains_key(&id.owner()) {
+        return;
+    }
+    if reaper::subscribe(id.owner(), lease) {
+        state().owner_tables.entry(id.owner()).or_insert(None);
+    }
+}
+
+/// The last user handle of an imported storage is gone. Keeps its mapping (`memory`) cached
+/// when the owner still holds the storage; otherwise hands it back to be closed.
+pub(crate) fn park_idle(
+    id: StorageId,
+    kind: &'static str,
+    ticket: Option<CacheTicket>,
+    memory: AnyStorage,
+) -> Option<AnyStorage> {
+    let key = (id, kind);
+    let slot = ticket.map_or(NO_SLOT, |t| t.slot);
+    let mut s = state();
+    if s.imported.get(&key).is_some_and(|w| w.strong_count() == 0) {
+        s.imported.remove(&key);
+    }
+    // Cache while the owner holds the storage; also while the owner's table is still on its
+    // way (the mapping is checked when it arrives, or evicted if the owner goes away first).
+    let keep = match s.owner_tables.get(&id.owner()) {
+        Some(Some(table)) => table.holds(slot, id),
+        Some(None) => slot != NO_SLOT,
+        None => false,
+    };
+    let result = if keep {
+        s.idle.insert(key, (memory, slot));
+        None
+    } else {
+        Some(memory)
+    };
+    drop(s);
+    notify();
+    result
+}
+
+/// Runs `close` for a mapping of another process's storage that is being dropped. Other
+/// imports go on meanwhile; only a new import of the same storage waits for it.
+pub(crate) fn close_import(id: StorageId, kind: &'static str, close: impl FnOnce()) {
+    let key = (id, kind);
+    {
+        let mut s = state();
+        if s.imported.get(&key).is_some_and(|w| w.strong_count() == 0) {
+            s.imported.remove(&key);
+        }
+        s.closing.insert(key);
+    }
+    close();
+    state().closing.remove(&key);
+    notify();
+}
+
+/// An owner's liveness table arrived: keep it, and evict the mappings cached while it was on
+/// its way whose storages the owner no longer holds.
+pub(super) fn table_arrived(owner: u128, table: Table) {
+    let evicted: Vec<AnyStorage> = {
+        let mut s = state();
+        let dead: Vec<ImportKey> = s
+            .idle
+            .iter()
+            .filter(|((id, _), (_, slot))| id.owner() == owner && !table.holds(*slot, *id))
+            .map(|(k, _)| *k)
+            .collect();
+        s.owner_tables.insert(owner, Some(table));
+        dead.iter().filter_map(|k| s.idle.remove(k)).map(|(m, _)| m).collect()
+    };
+    // Closing the mappings takes the lock again: outside it.
+    drop(evicted);
+    notify();
+}
+
+/// The owner dropped storage `index` (or, for `None`, went away): evict cached mappings.
+pub(super) fn revoke(owner: u128, index: Option<u64>) {
+    let evicted: Vec<AnyStorage> = {
+        let mut s = state();
+        let keys: Vec<ImportKey> = s
+            .idle
+            .keys()
+            .filter(|(id, _)| id.owner() == owner && index.is_none_or(|i| id.index() == i))
+            .copied()
+            .collect();
+        keys.iter().filter_map(|k| s.idle.remove(k)).map(|(m, _)| m).collect()
+    };
+    drop(evicted);
+    notify();
+}
+
+/// The owner's revocation channel closed: it is gone, and its storages with it.
+pub(super) fn owner_gone(owner: u128) {
+    state().owner_tables.remove(&owner);
+    revoke(owner, None);
+}

@@ -1,0 +1,152 @@
+//! Leases and covers, as the holder sees them, and the messages that travel on lease
+//! channels.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use ipc_channel::ipc::{IpcSender, IpcSharedMemory};
+use serde::{Deserialize, Serialize};
+
+use super::StorageId;
+use crate::error::Result;
+use crate::wire::{self, Carried, Descriptor};
+
+/// How a storage kind's messages carry leases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LeaseMode {
+    /// One lease channel per message, covering every storage of this kind in it; a holder
+    /// that drops one storage says so on the lease (`Release`), and the channel's close
+    /// releases whatever is left.
+    PerMessage,
+    /// One lease channel per storage, shared by every message while the owner holds handles
+    /// on it; no channel is made on the send path, and a holder's claim is its copy of the
+    /// channel.
+    PerStorage,
+}
+
+/// Holder to owner, on a lease channel.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) enum Control {
+    /// Subscribe to the owner's revocations.
+    Link { revocations: IpcSender<Revocation> },
+    /// The holder dropped its claim on storage `index` (per-message leases).
+    Release(u64),
+    /// The holder passes a claim on storage `index` on to another process: one more claim
+    /// through this lease (per-message leases).
+    Retain(u64),
+}
+
+/// Owner to holder.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) enum Revocation {
+    /// The owner's liveness table: slot `s` holds the index of the storage it tracks while the
+    /// owner's own handles on it are alive, 0 otherwise.
+    Table(IpcSharedMemory),
+    /// The owner dropped its handles on storage `index`: drop cached mappings of it.
+    Storage(u64),
+}
+
+/// The sending end of a lease channel, whose receiving end the storage's owner watches.
+#[derive(Debug, Clone)]
+pub(crate) struct Lease {
+    pub(super) tx: IpcSender<Control>,
+    /// Identity within this process, so that a message carries one lease once.
+    key: u64,
+}
+
+fn next_key() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+impl Lease {
+    pub(super) fn new(tx: IpcSender<Control>) -> Lease {
+        Lease { tx, key: next_key() }
+    }
+
+    /// Identity in this process; in the owner, the key its claims are counted under.
+    pub(super) fn key(&self) -> u64 {
+        self.key
+    }
+
+    /// Places the lease in the message being encoded (once per message).
+    fn carry(&self) -> Result<Carried> {
+        wire::carry(Descriptor::Channel(self.tx.clone().to_opaque()), Some(self.key))
+    }
+
+    /// Takes a lease out of the message being decoded.
+    fn take(carried: Carried) -> Result<Lease> {
+        match wire::take(carried)? {
+            Descriptor::Channel(tx) => Ok(Lease::new(tx.to())),
+            Descriptor::Memory(_) => {
+                Err(crate::error::Error::Malformed("a lease slot carries shared memory instead of a channel".into()))
+            }
+        }
+    }
+}
+
+impl Serialize for Lease {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        self.carry().map_err(wire::encode_error)?.serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for Lease {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        Lease::take(Carried::deserialize(deserializer)?).map_err(wire::decode_error)
+    }
+}
+
+/// One claim on one storage through a lease. Dropping it ends the claim: for a per-message
+/// lease it says so on the lease; for a per-storage lease the dropped copy of the channel is
+/// the claim.
+#[derive(Debug)]
+pub(crate) struct Cover {
+    lease: Lease,
+    id: StorageId,
+    mode: LeaseMode,
+}
+
+impl Cover {
+    pub(crate) fn new(lease: Lease, id: StorageId, mode: LeaseMode) -> Cover {
+        Cover { lease, id, mode }
+    }
+
+    /// A lease to send with this storage to another process: the same lease, plus one claim
+    /// on it for the new holder when claims are counted per message.
+    pub(crate) fn forward(&self) -> Lease {
+        if self.mode == LeaseMode::PerMessage {
+            // Sent before the message that carries the claim, so the owner reads it before the
+            // new holder's release, which comes later on the same channel. From another
+            // thread: this runs while a message is being encoded here, and the transport would
+            // take that message's descriptors along.
+            let tx = &self.lease.tx;
+            let index = self.id.index();
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    let _ = tx.send(Control::Retain(index));
+                });
+            });
+        }
+        self.lease.clone()
+    }
+
+    pub(crate) fn lease(&self) -> &Lease {
+        &self.lease
+    }
+}
+
+impl Drop for Cover {
+    fn drop(&mut self) {
+        if self.mode == LeaseMode::PerMessage {
+            // The owner may have died: then nothing is owed.
+            let _ = self.lease.tx.send(Control::Release(self.id.index()));
+        }
+    }
+}
+
+/// What lets a receiver keep a mapping cached after use: the storage's slot in its owner's
+/// liveness table.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub(crate) struct CacheTicket {
+    pub(super) slot: u32,
+}

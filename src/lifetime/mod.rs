@@ -1,0 +1,159 @@
+//! Cross-process lifetime of shared storage: leases, limbo, the import table, the idle cache,
+//! revocation and the reaper. It knows nothing of what a storage is: storages are
+//! `Arc<dyn Any + Send + Sync>` here. See README.md here for the states and the lock order.
+
+mod export;
+mod ids;
+mod import;
+mod lease;
+mod reaper;
+mod table;
+#[cfg(test)]
+mod tests;
+
+use std::any::Any;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use once_cell::sync::Lazy;
+
+use crate::error::{Error, Result};
+
+pub(crate) use export::{grant, handles_dropped, local_storage, revive_local, LiveStorage, LocalStorage};
+pub(crate) use ids::process_token;
+pub use ids::StorageId;
+pub(crate) use import::{close_import, import, park_idle, subscribe};
+pub(crate) use lease::{CacheTicket, Cover, Lease, LeaseMode};
+
+/// A storage as the lifetime machinery sees it: anything shareable, kept alive by `Arc`.
+pub(crate) type AnyStorage = Arc<dyn Any + Send + Sync>;
+type WeakStorage = Weak<dyn Any + Send + Sync>;
+
+/// The import table's key: a storage and the kind of mapping (one per GPU that maps it).
+type ImportKey = (StorageId, &'static str);
+
+/// Counters of the lifetime machinery in this process, for tests and monitoring.
+///
+/// ```
+/// let stats = cuda_mp::lifetime_stats();
+/// assert!(stats.freed_storages <= stats.freed_storages + stats.live_storages as u64);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LifetimeStats {
+    /// Storages allocated by this process that are not yet freed.
+    pub live_storages: usize,
+    /// Storages allocated by this process and freed since it started.
+    pub freed_storages: u64,
+    /// Storages of this process held alive for other processes (in limbo or still in use here).
+    pub exported_storages: usize,
+    /// Open lease channels on this process's storages (held by other processes, by messages in
+    /// flight, or for GPU storage by this process while it holds the storage).
+    pub outstanding_leases: usize,
+    /// Lease channels made since the process started: one per message carrying host storage,
+    /// one per GPU storage per period of being shared (every message of that period carries a
+    /// copy).
+    pub leases_granted: u64,
+    /// Lease channels closed since the process started (every copy dropped, or reclaimed from
+    /// dead processes).
+    pub leases_released: u64,
+    /// Storages of other processes mapped in this process and in use.
+    pub imported_storages: usize,
+    /// Mappings of other processes' storages kept open here after their last use, for reuse
+    /// while their owners still hold them.
+    pub cached_mappings: usize,
+    /// Mappings of other processes' storages opened since the process started (a message for
+    /// a storage already mapped here, in use or cached, opens nothing).
+    pub opened_mappings: u64,
+}
+
+/// Everything the lifetime machinery tracks in this process, under one lock (see README.md
+/// for the lock order).
+#[derive(Default)]
+struct State {
+    /// The owner registry: storages of this process that other processes may hold.
+    exported: HashMap<StorageId, export::Exported>,
+    /// Claims per open lease channel of this process: storage index -> number of claims.
+    covers: HashMap<u64, HashMap<u64, usize>>,
+    /// Exported storages whose last claim is gone and whose memory is being freed right now
+    /// (outside the lock); still counted as exported until done.
+    freeing: usize,
+    /// The import table: mappings of other processes' storages in use here.
+    imported: HashMap<ImportKey, WeakStorage>,
+    /// Mappings kept after their last use, with their slot in the owner's table.
+    idle: HashMap<ImportKey, (AnyStorage, u32)>,
+    /// Mappings being opened right now (outside the lock): a second import of the same
+    /// storage waits for the first.
+    opening: HashSet<ImportKey>,
+    /// Mappings being closed right now (outside the lock): not to be opened again until done.
+    closing: HashSet<ImportKey>,
+    /// Liveness tables of owners this process subscribed to (`None` until the table arrives).
+    owner_tables: HashMap<u128, Option<table::Table>>,
+    stats: LifetimeStats,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+static SHARED: Lazy<Shared> = Lazy::new(|| Shared { state: Mutex::new(State::default()), changed: Condvar::new() });
+
+fn state() -> MutexGuard<'static, State> {
+    // Every update is a single insert, remove or counter change, so a lock poisoned by a panic
+    // elsewhere still guards consistent maps.
+    SHARED.state.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn wait(guard: MutexGuard<'static, State>) -> MutexGuard<'static, State> {
+    SHARED.changed.wait(guard).unwrap_or_else(|p| p.into_inner())
+}
+
+fn notify() {
+    SHARED.changed.notify_all();
+}
+
+fn stats_of(s: &State) -> LifetimeStats {
+    let mut stats = s.stats;
+    stats.exported_storages = s.exported.len() + s.freeing;
+    stats.imported_storages = s.imported.values().filter(|w| w.strong_count() > 0).count();
+    stats.cached_mappings = s.idle.len();
+    stats
+}
+
+/// Current counters of this process.
+///
+/// ```
+/// let before = cuda_mp::lifetime_stats();
+/// let t = cuda_mp::HostTensor::<u8>::zeros(&[16]).unwrap();
+/// assert_eq!(cuda_mp::lifetime_stats().live_storages, before.live_storages + 1);
+/// drop(t);
+/// ```
+pub fn lifetime_stats() -> LifetimeStats {
+    stats_of(&state())
+}
+
+/// Waits until `condition` holds for the counters, or `timeout` passes. Wakes on every change
+/// (a storage freed, a lease granted or released), never by polling.
+///
+/// ```
+/// use std::time::Duration;
+/// let stats = cuda_mp::wait_for_lifetime(Duration::from_secs(1), |s| s.cached_mappings == 0).unwrap();
+/// assert_eq!(stats.cached_mappings, 0);
+/// ```
+pub fn wait_for_lifetime(timeout: Duration, condition: impl Fn(&LifetimeStats) -> bool) -> Result<LifetimeStats> {
+    let deadline = Instant::now() + timeout;
+    let mut guard = state();
+    loop {
+        let stats = stats_of(&guard);
+        if condition(&stats) {
+            return Ok(stats);
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(Error::Timeout(timeout));
+        }
+        guard = SHARED.changed.wait_timeout(guard, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+    }
+}

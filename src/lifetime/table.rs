@@ -1,0 +1,92 @@
+//! Liveness tables: which of its storages an owner still holds, readable by every process
+//! that caches mappings of them, and the owner's list of subscribers to revocations.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Mutex, MutexGuard};
+
+use ipc_channel::ipc::{IpcSender, IpcSharedMemory};
+use once_cell::sync::Lazy;
+
+use super::lease::Revocation;
+use super::StorageId;
+use crate::os::SharedCells;
+
+/// Slots per owner; storages beyond that many shared at once are not cached by receivers
+/// (correct, just slower).
+const TABLE_SLOTS: usize = 1 << 16;
+
+/// No slot: the receiver never caches the mapping.
+pub(super) const NO_SLOT: u32 = u32::MAX;
+
+/// A liveness table mapped in this process.
+pub(super) struct Table(SharedCells);
+
+impl Table {
+    pub(super) fn from_memory(shm: IpcSharedMemory) -> Table {
+        Table(SharedCells::new(shm))
+    }
+
+    /// True when the owner still holds storage `id` in `slot`.
+    pub(super) fn holds(&self, slot: u32, id: StorageId) -> bool {
+        self.0.cell(slot).is_some_and(|c| c.load(Ordering::SeqCst) == id.index())
+    }
+}
+
+/// This process as an owner: its table, free slots and subscribers.
+pub(super) struct Owner {
+    table: Option<Table>,
+    free_slots: Vec<u32>,
+    subscribers: Vec<IpcSender<Revocation>>,
+}
+
+/// The owner lock; taken after the state lock, never before it.
+pub(super) fn owner() -> MutexGuard<'static, Owner> {
+    static OWNER: Lazy<Mutex<Owner>> =
+        Lazy::new(|| Mutex::new(Owner { table: None, free_slots: Vec::new(), subscribers: Vec::new() }));
+    OWNER.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Owner {
+    /// A slot marked as holding `id` (made with the table on first use), or [`NO_SLOT`] when
+    /// the table is full.
+    pub(super) fn take_slot(&mut self, id: StorageId) -> u32 {
+        if self.table.is_none() {
+            self.table = Some(Table(SharedCells::zeroed(TABLE_SLOTS)));
+            self.free_slots = (0..TABLE_SLOTS as u32).rev().collect();
+        }
+        let Some(slot) = self.free_slots.pop() else { return NO_SLOT };
+        self.mark(slot, id.index());
+        slot
+    }
+
+    /// Writes `value` (a storage index, or 0 for none) into `slot`.
+    pub(super) fn mark(&self, slot: u32, value: u64) {
+        if let Some(cell) = self.table.as_ref().and_then(|t| t.0.cell(slot)) {
+            cell.store(value, Ordering::SeqCst);
+        }
+    }
+
+    /// The storage in `slot` is freed: the slot is free again.
+    pub(super) fn free_slot(&mut self, slot: u32) {
+        if slot != NO_SLOT {
+            self.mark(slot, 0);
+            self.free_slots.push(slot);
+        }
+    }
+
+    /// The owner dropped its handles on `index`: clear its slot, then tell subscribers (a
+    /// receiver that checks the table after missing the revocation sees it dead).
+    pub(super) fn revoke(&mut self, slot: u32, index: u64) {
+        self.mark(slot, 0);
+        self.subscribers.retain(|s| s.send(Revocation::Storage(index)).is_ok());
+    }
+
+    /// A receiver subscribes: it gets the table, then every revocation.
+    pub(super) fn subscribe(&mut self, revocations: IpcSender<Revocation>) {
+        if let Some(table) = &self.table {
+            if revocations.send(Revocation::Table(table.0.memory().clone())).is_ok() {
+                self.subscribers.push(revocations);
+            }
+        }
+    }
+}

@@ -1,0 +1,233 @@
+//! The lifetime protocol on the CPU, in one process: owners of other processes are simulated
+//! by storage ids with foreign owner tokens, and their liveness tables by shared memory made
+//! here. Cross-process behaviour of the same protocol is tested in tests/ with real processes.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use super::export::{lease_closed, lease_message};
+use super::import::{owner_gone, revoke, table_arrived};
+use super::lease::CacheTicket;
+use super::table::Table;
+use super::*;
+use crate::wire;
+
+/// Memory that counts how often it was closed.
+struct Mapping {
+    closed: Arc<AtomicU64>,
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        self.closed.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+fn foreign_owner() -> u128 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    0xfeed_0000_0000_0000_0000_0000_0000_0000 | NEXT.fetch_add(1, Ordering::SeqCst) as u128
+}
+
+/// A table of `slots` cells in which `marked` slots hold `index`.
+fn table_with(slots: usize, marked: &[(u32, u64)]) -> Table {
+    let cells = crate::os::SharedCells::zeroed(slots);
+    for &(slot, index) in marked {
+        cells.cell(slot).unwrap().store(index, Ordering::SeqCst);
+    }
+    Table::from_memory(cells.memory().clone())
+}
+
+fn imported(owner: u128, index: u64) -> (StorageId, Arc<AtomicU64>, Arc<Mapping>) {
+    let closed = Arc::new(AtomicU64::new(0));
+    let id = StorageId::foreign(owner, index);
+    let handle = import(id, "fake", |_| None, || Ok(Arc::new(Mapping { closed: closed.clone() }))).unwrap();
+    (id, closed, handle)
+}
+
+#[test]
+fn a_second_import_reuses_the_mapping_and_opens_nothing() {
+    let owner = foreign_owner();
+    let (id, _, first) = imported(owner, 1);
+    let again = import(id, "fake", |_| None, || -> Result<Arc<Mapping>> { panic!("opened twice") }).unwrap();
+    assert!(Arc::ptr_eq(&first, &again));
+}
+
+#[test]
+fn a_parked_mapping_is_cached_while_the_owner_holds_it_and_evicted_on_revocation() {
+    let owner = foreign_owner();
+    state().owner_tables.insert(owner, Some(table_with(8, &[(3, 1)])));
+    let (id, closed, handle) = imported(owner, 1);
+    let memory: AnyStorage = handle;
+    assert!(park_idle(id, "fake", Some(CacheTicket { slot: 3 }), memory).is_none(), "cached");
+    // A new message for it revives the cached mapping: nothing is opened.
+    let revived = import(
+        id,
+        "fake",
+        |m| m.downcast::<Mapping>().ok(),
+        || -> Result<Arc<Mapping>> { panic!("the cached mapping should be revived") },
+    )
+    .unwrap();
+    assert!(park_idle(id, "fake", Some(CacheTicket { slot: 3 }), revived).is_none());
+    revoke(owner, Some(1));
+    assert_eq!(closed.load(Ordering::SeqCst), 1, "revocation closes the cached mapping");
+    assert!(!state().idle.keys().any(|(i, _)| *i == id));
+    owner_gone(owner);
+}
+
+#[test]
+fn a_mapping_of_a_storage_the_owner_dropped_is_not_cached() {
+    let owner = foreign_owner();
+    state().owner_tables.insert(owner, Some(table_with(8, &[(3, 0)])));
+    let (id, closed, handle) = imported(owner, 1);
+    let back = park_idle(id, "fake", Some(CacheTicket { slot: 3 }), handle);
+    assert!(back.is_some(), "handed back to be closed");
+    drop(back);
+    assert_eq!(closed.load(Ordering::SeqCst), 1);
+    // Without a ticket, nothing is ever cached.
+    let (id, closed, handle) = imported(owner, 2);
+    drop(park_idle(id, "fake", None, handle));
+    assert_eq!(closed.load(Ordering::SeqCst), 1);
+    owner_gone(owner);
+}
+
+#[test]
+fn mappings_parked_before_the_table_arrives_are_checked_when_it_does() {
+    let owner = foreign_owner();
+    // Subscribed, table on its way.
+    state().owner_tables.insert(owner, None);
+    let (live, live_closed, h1) = imported(owner, 1);
+    let (dead, dead_closed, h2) = imported(owner, 2);
+    assert!(park_idle(live, "fake", Some(CacheTicket { slot: 0 }), h1).is_none());
+    assert!(park_idle(dead, "fake", Some(CacheTicket { slot: 1 }), h2).is_none());
+    // The owner still holds storage 1 (slot 0) but dropped storage 2 (slot 1).
+    table_arrived(owner, table_with(4, &[(0, 1)]));
+    assert_eq!(dead_closed.load(Ordering::SeqCst), 1, "the dropped storage's mapping is evicted");
+    assert_eq!(live_closed.load(Ordering::SeqCst), 0, "the held one stays cached");
+    // The owner goes away: everything of it is evicted.
+    owner_gone(owner);
+    assert_eq!(live_closed.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn a_close_in_progress_makes_a_new_import_of_the_same_storage_wait() {
+    let owner = foreign_owner();
+    let id = StorageId::foreign(owner, 9);
+    let started = Arc::new(Barrier::new(2));
+    let closer = {
+        let started = started.clone();
+        std::thread::spawn(move || {
+            close_import(id, "fake", || {
+                started.wait();
+                std::thread::sleep(Duration::from_millis(200));
+            })
+        })
+    };
+    started.wait();
+    let t = Instant::now();
+    let closed = Arc::new(AtomicU64::new(0));
+    import(id, "fake", |_| None, || Ok(Arc::new(Mapping { closed: closed.clone() }))).unwrap();
+    assert!(t.elapsed() >= Duration::from_millis(150), "the open waited for the close");
+    closer.join().unwrap();
+}
+
+#[test]
+fn opens_of_different_storages_run_in_parallel_and_the_same_storage_opens_once() {
+    let owner = foreign_owner();
+    let opens = Arc::new(AtomicU64::new(0));
+    let delay = Duration::from_millis(300);
+    let t = Instant::now();
+    let threads: Vec<_> = [1u64, 2, 1, 2]
+        .into_iter()
+        .map(|index| {
+            let opens = opens.clone();
+            std::thread::spawn(move || {
+                let id = StorageId::foreign(owner, index);
+                import(
+                    id,
+                    "fake",
+                    |_| None,
+                    || {
+                        opens.fetch_add(1, Ordering::SeqCst);
+                        std::thread::sleep(delay);
+                        Ok(Arc::new(index))
+                    },
+                )
+                .unwrap()
+            })
+        })
+        .collect();
+    // Meanwhile the lock is free: counters answer at once.
+    std::thread::sleep(Duration::from_millis(50));
+    let q = Instant::now();
+    let _ = lifetime_stats();
+    assert!(q.elapsed() < Duration::from_millis(100), "the state lock was held across an open");
+    let handles: Vec<Arc<u64>> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    assert!(t.elapsed() < delay * 2, "two opens ran one after the other: {:?}", t.elapsed());
+    assert_eq!(opens.load(Ordering::SeqCst), 2, "each storage opened once");
+    assert!(Arc::ptr_eq(&handles[0], &handles[2]) && Arc::ptr_eq(&handles[1], &handles[3]));
+}
+
+#[test]
+fn a_failed_open_leaves_nothing_behind() {
+    let owner = foreign_owner();
+    let id = StorageId::foreign(owner, 4);
+    let r = import(id, "fake", |_| None, || -> Result<Arc<u8>> { Err(Error::Malformed("no".into())) });
+    assert!(r.is_err());
+    let s = state();
+    assert!(!s.opening.contains(&(id, "fake")) && !s.imported.contains_key(&(id, "fake")));
+}
+
+/// Claims per message lease, as the owner counts them, through the reaper's entry points.
+#[test]
+fn claims_per_lease_are_released_once_and_forged_releases_are_ignored() {
+    let reaper = reaper::reaper().unwrap();
+    let (a, b) = (StorageId::new_local(), StorageId::new_local());
+    let freed = Arc::new(AtomicU64::new(0));
+    let keep = |freed: &Arc<AtomicU64>| -> AnyStorage { Arc::new(Mapping { closed: freed.clone() }) };
+    // One message carries both storages under one lease.
+    let (grants, overflow) = wire::encode_scope(|| {
+        let ga = grant(a, LeaseMode::PerMessage, false, || keep(&freed), None).unwrap();
+        let gb = grant(b, LeaseMode::PerMessage, false, || keep(&freed), None).unwrap();
+        (ga, gb)
+    });
+    overflow.send().unwrap();
+    let key = grants.0.lease.key();
+    assert_eq!(key, grants.1.lease.key(), "one lease per message");
+    assert_eq!(state().covers[&key].len(), 2);
+    // A forged release of a storage the lease does not cover changes nothing.
+    lease_message(key, 0xdead, false);
+    lease_message(key + 1_000_000, a.index(), false);
+    assert!(state().exported.contains_key(&a) && state().exported.contains_key(&b));
+    // Forwarding adds a claim; two releases then free `a`, a third is ignored.
+    lease_message(key, a.index(), true);
+    lease_message(key, a.index(), false);
+    assert_eq!(freed.load(Ordering::SeqCst), 0, "one claim on a is left");
+    lease_message(key, a.index(), false);
+    assert_eq!(freed.load(Ordering::SeqCst), 1, "a is freed at its last release");
+    lease_message(key, a.index(), false);
+    // The lease closes: what it still covers (b) is released.
+    drop(grants);
+    lease_closed(key);
+    assert_eq!(freed.load(Ordering::SeqCst), 2);
+    assert!(!state().covers.contains_key(&key));
+    let _ = reaper;
+}
+
+#[test]
+fn a_lease_channel_carries_releases_to_the_reaper() {
+    let id = StorageId::new_local();
+    let freed = Arc::new(AtomicU64::new(0));
+    let keep: AnyStorage = Arc::new(Mapping { closed: freed.clone() });
+    let (g, overflow) = wire::encode_scope(|| grant(id, LeaseMode::PerMessage, false, move || keep, None).unwrap());
+    overflow.send().unwrap();
+    // A holder's claim, ended by dropping its cover: the release travels on the channel.
+    let cover = Cover::new(g.lease.clone(), id, LeaseMode::PerMessage);
+    drop(g);
+    drop(cover);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while freed.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "the release never arrived");
+        let _ = wait_for_lifetime(Duration::from_millis(50), |_| false);
+    }
+}

@@ -1,0 +1,298 @@
+//! The operating-system calls cuda-mp makes itself (everything else goes through ipc-channel):
+//! the descriptor limit, shared memory read as atomics, and panics of the transport caught
+//! without printing them.
+
+use std::cell::Cell;
+use std::sync::atomic::AtomicU64;
+
+use ipc_channel::ipc::IpcSharedMemory;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Once;
+
+/// The soft and hard limits on open file descriptors (`RLIMIT_NOFILE`).
+fn descriptor_limits() -> Option<(u64, u64)> {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `limit` is a valid, writable rlimit.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0;
+    // `rlim_t` is not `u64` on every platform.
+    #[allow(clippy::unnecessary_cast)]
+    ok.then_some((limit.rlim_cur as u64, limit.rlim_max as u64))
+}
+
+/// The soft limit on open descriptors of this process.
+pub(crate) fn descriptor_limit() -> u64 {
+    descriptor_limits().map_or(0, |(soft, _)| soft)
+}
+
+/// Lifts the soft limit on open descriptors to the hard limit, once per process: every shared
+/// storage and every lease is a descriptor, as every connection is for a server.
+pub(crate) fn raise_descriptor_limit() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        if let Some((soft, hard)) = descriptor_limits() {
+            if soft < hard {
+                let limit = libc::rlimit { rlim_cur: hard as libc::rlim_t, rlim_max: hard as libc::rlim_t };
+                // SAFETY: `limit` is a valid rlimit; raising the soft limit up to the hard one
+                // is always allowed.
+                unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) };
+            }
+        }
+    });
+}
+
+/// True when this process cannot open one more descriptor (`EMFILE`/`ENFILE`): probes by
+/// duplicating standard input's slot number into a fresh descriptor and closing it again.
+pub(crate) fn out_of_descriptors() -> bool {
+    // SAFETY: `F_DUPFD_CLOEXEC` on descriptor 0 only reads the descriptor table; a returned
+    // descriptor is ours and closed at once.
+    let fd = unsafe { libc::fcntl(0, libc::F_DUPFD_CLOEXEC, 0) };
+    if fd >= 0 {
+        // SAFETY: `fd` was just returned to us and is used nowhere else.
+        unsafe { libc::close(fd) };
+        return false;
+    }
+    let errno = std::io::Error::last_os_error().raw_os_error();
+    // Without a descriptor 0 the probe says nothing: try a pipe instead.
+    if errno == Some(libc::EBADF) {
+        let mut fds = [0 as libc::c_int; 2];
+        // SAFETY: `fds` is a writable array of two descriptors.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } == 0 {
+            // SAFETY: both descriptors were just returned to us.
+            unsafe {
+                libc::close(fds[0]);
+                libc::close(fds[1]);
+            }
+            return false;
+        }
+        let errno = std::io::Error::last_os_error().raw_os_error();
+        return matches!(errno, Some(libc::EMFILE) | Some(libc::ENFILE));
+    }
+    matches!(errno, Some(libc::EMFILE) | Some(libc::ENFILE))
+}
+
+/// Shared memory seen as an array of `AtomicU64` cells: other processes may write it at any
+/// time, so it is only ever accessed atomically.
+pub(crate) struct SharedCells {
+    cells: *const AtomicU64,
+    len: usize,
+    shm: IpcSharedMemory,
+}
+
+// SAFETY: the mapping is owned by `shm` and lives as long as the value; cells are only accessed
+// atomically, which concurrent writers (threads or processes) cannot make undefined.
+unsafe impl Send for SharedCells {}
+// SAFETY: as above.
+unsafe impl Sync for SharedCells {}
+
+impl SharedCells {
+    /// Cells over `shm` (its length rounded down to whole cells).
+    pub(crate) fn new(mut shm: IpcSharedMemory) -> SharedCells {
+        // SAFETY: the slice is used only for its address and length; every access through the
+        // pointer below is atomic.
+        let bytes = unsafe { shm.deref_mut() };
+        SharedCells { cells: bytes.as_mut_ptr() as *const AtomicU64, len: bytes.len() / 8, shm }
+    }
+
+    /// `len` zeroed cells in fresh shared memory.
+    pub(crate) fn zeroed(len: usize) -> SharedCells {
+        SharedCells::new(IpcSharedMemory::from_byte(0, len * 8))
+    }
+
+    /// Cell `i`, if in range.
+    pub(crate) fn cell(&self, i: u32) -> Option<&AtomicU64> {
+        if (i as usize) < self.len {
+            // SAFETY: in bounds of the live mapping; the mapping is page-aligned, so every cell
+            // is 8-byte aligned, as AtomicU64 requires.
+            Some(unsafe { &*self.cells.add(i as usize) })
+        } else {
+            None
+        }
+    }
+
+    /// The shared memory, to send to another process.
+    pub(crate) fn memory(&self) -> &IpcSharedMemory {
+        &self.shm
+    }
+}
+
+/// Shared memory with the address of its mapping in this process.
+pub(crate) struct SharedMapping {
+    ptr: *mut u8,
+    /// Shared with messages being sent, so that sending maps and duplicates nothing extra.
+    shm: std::sync::Arc<IpcSharedMemory>,
+}
+
+// SAFETY: the mapping is owned by `shm` and lives as long as the value; the pointer is only
+// dereferenced by the host access layer, which accesses shared memory atomically.
+unsafe impl Send for SharedMapping {}
+// SAFETY: as above.
+unsafe impl Sync for SharedMapping {}
+
+impl SharedMapping {
+    /// Takes `shm` and the address of its mapping.
+    pub(crate) fn new(mut shm: IpcSharedMemory) -> SharedMapping {
+        // SAFETY: the slice is used only for its address: every later access goes through the
+        // host access layer's atomic reads and writes.
+        let ptr = unsafe { shm.deref_mut() }.as_mut_ptr();
+        SharedMapping { ptr, shm: std::sync::Arc::new(shm) }
+    }
+
+    /// Takes shared memory that arrived in a message.
+    pub(crate) fn from_shared(shm: std::sync::Arc<IpcSharedMemory>) -> SharedMapping {
+        match std::sync::Arc::try_unwrap(shm) {
+            Ok(shm) => SharedMapping::new(shm),
+            // Still referred to by the message: map our own copy of the descriptor.
+            Err(shm) => SharedMapping::new((*shm).clone()),
+        }
+    }
+
+    /// First byte of the mapping.
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// The shared memory, to send to another process.
+    pub(crate) fn memory(&self) -> &std::sync::Arc<IpcSharedMemory> {
+        &self.shm
+    }
+}
+
+/// How a child process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Exit {
+    /// It exited with this status.
+    Code(i32),
+    /// A signal killed it.
+    Signal(i32),
+}
+
+/// Watches a child process for its end without reaping it (whoever owns it reaps it).
+#[derive(Debug)]
+pub(crate) struct ChildWatch {
+    pid: libc::pid_t,
+    /// A pidfd, readable once the child has exited (`None` where the kernel has none).
+    pidfd: Option<std::os::fd::OwnedFd>,
+}
+
+impl ChildWatch {
+    pub(crate) fn new(pid: u32) -> ChildWatch {
+        // SAFETY: `pidfd_open(pid, 0)` has no memory arguments; a non-negative result is a new
+        // descriptor that we own.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        let pidfd = (fd >= 0).then(|| {
+            // SAFETY: `fd` is a fresh descriptor owned by nobody else.
+            unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as libc::c_int) }
+        });
+        ChildWatch { pid: pid as libc::pid_t, pidfd }
+    }
+
+    /// How the child ended, if it has (waiting up to `wait` for it to end); leaves it to be
+    /// reaped by its owner. `None` while it runs, or once someone else reaped it.
+    pub(crate) fn exited(&self, wait: std::time::Duration) -> Option<Exit> {
+        if let Some(exit) = self.peek() {
+            return Some(exit);
+        }
+        if wait.is_zero() {
+            return None;
+        }
+        match &self.pidfd {
+            Some(fd) => {
+                let mut poll =
+                    libc::pollfd { fd: std::os::fd::AsRawFd::as_raw_fd(fd), events: libc::POLLIN, revents: 0 };
+                let ms = wait.as_millis().min(i32::MAX as u128) as libc::c_int;
+                // SAFETY: `poll` is one valid pollfd.
+                unsafe { libc::poll(&mut poll, 1, ms) };
+            }
+            None => std::thread::sleep(wait),
+        }
+        self.peek()
+    }
+
+    fn peek(&self) -> Option<Exit> {
+        // SAFETY: zeroed siginfo_t is a valid output buffer for waitid.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `info` is writable; WNOWAIT leaves the child to be reaped by its owner.
+        let r = unsafe {
+            libc::waitid(libc::P_PID, self.pid as libc::id_t, &mut info, libc::WEXITED | libc::WNOHANG | libc::WNOWAIT)
+        };
+        // SAFETY: after a successful waitid the pid and status fields are initialized.
+        let (pid, status) = unsafe { (info.si_pid(), info.si_status()) };
+        if r != 0 || pid == 0 {
+            return None;
+        }
+        Some(match info.si_code {
+            libc::CLD_EXITED => Exit::Code(status),
+            _ => Exit::Signal(status),
+        })
+    }
+}
+
+/// The name of signal `signal`, such as `SIGKILL`.
+pub(crate) fn signal_name(signal: i32) -> &'static str {
+    match signal {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGTRAP => "SIGTRAP",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGUSR2 => "SIGUSR2",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGALRM => "SIGALRM",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGXCPU => "SIGXCPU",
+        libc::SIGXFSZ => "SIGXFSZ",
+        libc::SIGSYS => "SIGSYS",
+        _ => "unknown signal",
+    }
+}
+
+thread_local! {
+    /// Set while a panic of the transport is being caught on this thread.
+    static QUIET: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f`, turning a panic into `Err(message)` without printing it: the transport
+/// (ipc-channel) asserts where it should return errors (a forged descriptor index, a failed
+/// `memfd_create` or `mmap`), and those are errors of ours to report, not crashes to print.
+/// Panics elsewhere, on other threads or outside `f`, print as usual.
+pub(crate) fn catch_quietly<R>(f: impl FnOnce() -> R) -> Result<R, String> {
+    static HOOK: Once = Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !QUIET.with(Cell::get) {
+                previous(info)
+            }
+        }));
+    });
+    let was_quiet = QUIET.with(|q| q.replace(true));
+    let result = catch_unwind(AssertUnwindSafe(f));
+    QUIET.with(|q| q.set(was_quiet));
+    result.map_err(|payload| {
+        payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_caught_panic_becomes_its_message() {
+        assert_eq!(catch_quietly(|| 7), Ok(7));
+        assert_eq!(catch_quietly(|| -> () { panic!("boom {}", 1) }), Err("boom 1".to_string()));
+        assert!(!out_of_descriptors());
+        raise_descriptor_limit();
+        assert!(descriptor_limit() > 0);
+    }
+}

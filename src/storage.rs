@@ -1,0 +1,290 @@
+//! The storage seam: what one kind of shareable memory implements ([`StorageKind`]), and the
+//! one path every storage takes across a process boundary ([`export`], [`import`], and the
+//! serde implementation of `Tensor<T, S>` for every storage).
+//!
+//! A storage is three objects: the kind's raw memory (an allocation here, or a mapping of
+//! another process's), [`Memory`] around it (identity, size, where it came from: what leases
+//! keep alive and what the idle cache holds), and the user handle ([`Handle`], inside the
+//! public storage type) that tensors share. Dropping the last user handle of local memory
+//! unpublishes it (receivers may no longer cache it); of imported memory, parks it in the idle
+//! cache or closes it. See docs/architecture.md, "Adding a storage kind".
+
+use std::fmt;
+use std::sync::Arc;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::dtype::Element;
+use crate::error::{Error, Result};
+use crate::lifetime::{self, AnyStorage, CacheTicket, Cover, Lease, LeaseMode, LiveStorage, LocalStorage, StorageId};
+use crate::tensor::{Tensor, TensorWire};
+use crate::wire;
+
+/// One kind of memory that can cross a process boundary.
+pub(crate) trait StorageKind: Sized + Send + Sync + 'static {
+    /// How messages carry claims on this kind: a lease per message, or one per storage.
+    const LEASE: LeaseMode;
+    /// Whether a receiver keeps a mapping after its last use while the owner holds the
+    /// storage (worth it when mapping is expensive).
+    const CACHE_IDLE: bool;
+    /// The memory: an allocation of this process, or a mapping of another's. Dropping it frees
+    /// or unmaps; a mapping is dropped outside every lock.
+    type Raw: Send + Sync + 'static;
+    /// The kind's part of a storage's record on the wire (descriptors inside it travel through
+    /// the [`wire`] module).
+    type Wire: Serialize + DeserializeOwned;
+    /// Where a receiver maps the memory (a GPU, say), and which import table entry that is.
+    type Place;
+
+    /// The record of memory allocated here, for one message.
+    fn export(memory: &Memory<Self>) -> Result<Self::Wire>;
+    /// The record of memory mapped from another process, passed on to a third.
+    fn forward(memory: &Memory<Self>) -> Result<Self::Wire>;
+    /// Where to map `wire`'s memory (the place asked for, or the kind's own choice), and the
+    /// import table key of mappings made there.
+    fn place(wire: &Self::Wire, requested: Option<&Self::Place>) -> Result<(Self::Place, &'static str)>;
+    /// Checks that this process's own `memory`, named by a message that came back, may be used
+    /// at the place asked for.
+    fn check_local(memory: &Memory<Self>, requested: Option<&Self::Place>) -> Result<()>;
+    /// Maps another process's memory of `bytes` bytes (checking that the memory holds them).
+    /// Runs outside every lock: imports of other storages, sends and releases go on meanwhile.
+    fn open(wire: &mut Self::Wire, bytes: usize, place: &Self::Place) -> Result<Self::Raw>;
+    /// Runs once the storage is resolved (newly opened, cached, or already in use here) and
+    /// before its tensor is handed out: for example, wait for the sender's queued work.
+    fn arrived(memory: &Memory<Self>, wire: &Self::Wire, place: &Self::Place) -> Result<()>;
+}
+
+/// Where memory came from.
+enum Origin {
+    /// Allocated here; counted while it lives.
+    Local(LiveStorage),
+    /// Mapped from another process under a claim on one of its leases.
+    Imported { cover: Cover, ticket: Option<CacheTicket> },
+}
+
+/// A storage's memory with its identity: what leases keep alive and the idle cache holds.
+pub(crate) struct Memory<K: StorageKind> {
+    id: StorageId,
+    len: usize,
+    /// The import table key (imported memory).
+    key: &'static str,
+    origin: Origin,
+    /// `Some` until dropped.
+    raw: Option<K::Raw>,
+}
+
+impl<K: StorageKind> Memory<K> {
+    /// Memory allocated by this process.
+    pub(crate) fn local(len: usize, raw: K::Raw) -> Arc<Memory<K>> {
+        Arc::new(Memory {
+            id: StorageId::new_local(),
+            len,
+            key: "",
+            origin: Origin::Local(LiveStorage::new()),
+            raw: Some(raw),
+        })
+    }
+
+    /// The raw memory.
+    pub(crate) fn raw(&self) -> &K::Raw {
+        self.raw.as_ref().expect("raw memory lives until the memory is dropped")
+    }
+
+    /// The storage's identity across processes.
+    pub(crate) fn id(&self) -> StorageId {
+        self.id
+    }
+
+    /// Size in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when mapped from another process.
+    pub(crate) fn is_imported(&self) -> bool {
+        matches!(self.origin, Origin::Imported { .. })
+    }
+}
+
+impl<K: StorageKind> Drop for Memory<K> {
+    fn drop(&mut self) {
+        let raw = self.raw.take();
+        match self.origin {
+            // Freed before the live count drops, so that a counter that says "freed" is true.
+            Origin::Local(_) => drop(raw),
+            // A new import of the same storage waits until the mapping is closed.
+            Origin::Imported { .. } => lifetime::close_import(self.id, self.key, || drop(raw)),
+        }
+    }
+}
+
+/// A user handle on a storage's memory; the public storage types wrap one.
+pub(crate) struct Handle<K: StorageKind> {
+    memory: Arc<Memory<K>>,
+}
+
+impl<K: StorageKind> Handle<K> {
+    /// A handle on new memory of this process.
+    pub(crate) fn new_local(len: usize, raw: K::Raw) -> Handle<K> {
+        Handle { memory: Memory::local(len, raw) }
+    }
+
+    /// The memory.
+    pub(crate) fn memory(&self) -> &Memory<K> {
+        &self.memory
+    }
+}
+
+impl<K: StorageKind> Drop for Handle<K> {
+    fn drop(&mut self) {
+        let m = &self.memory;
+        match &m.origin {
+            Origin::Local(_) => lifetime::handles_dropped(m.id),
+            Origin::Imported { ticket, .. } if K::CACHE_IDLE => {
+                let memory: AnyStorage = m.clone();
+                // Kept for reuse while the owner holds it; otherwise closed right here.
+                drop(lifetime::park_idle(m.id, m.key, *ticket, memory));
+            }
+            Origin::Imported { .. } => {}
+        }
+    }
+}
+
+impl<K: StorageKind> fmt::Debug for Handle<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Storage")
+            .field("id", &self.memory.id)
+            .field("bytes", &self.memory.len)
+            .field("imported", &self.memory.is_imported())
+            .finish()
+    }
+}
+
+/// A public storage type: a user handle of one kind. Tensors hold `Arc`s of it.
+pub(crate) trait Shared: Send + Sync + Sized + 'static {
+    /// The kind of memory.
+    type Kind: StorageKind;
+    /// The handle inside.
+    fn handle(&self) -> &Handle<Self::Kind>;
+    /// Wraps a handle.
+    fn from_handle(handle: Handle<Self::Kind>) -> Self;
+}
+
+/// A storage as it travels: identity, size, the claim's lease, the cache ticket, and the
+/// kind's own record.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Record<W> {
+    pub(crate) id: StorageId,
+    pub(crate) bytes: u64,
+    pub(crate) lease: Lease,
+    pub(crate) ticket: Option<CacheTicket>,
+    pub(crate) kind: W,
+}
+
+/// Exports a storage for one message: a claim on it (a lease), the kind's record. Refused,
+/// with no state changed, outside a cuda-mp channel or spawn, unless `explicit` (a payload
+/// made by hand holds its own lease).
+pub(crate) fn export<S: Shared>(storage: &Arc<S>, explicit: bool) -> Result<Record<<S::Kind as StorageKind>::Wire>> {
+    if !explicit {
+        wire::require_scope()?;
+    }
+    let m = &storage.handle().memory;
+    let (lease, ticket, kind) = match &m.origin {
+        Origin::Local(_) => {
+            let kind = S::Kind::export(m)?;
+            let keep = m.clone();
+            let user: AnyStorage = storage.clone();
+            let grant =
+                lifetime::grant(m.id, S::Kind::LEASE, S::Kind::CACHE_IDLE, move || keep, Some(Arc::downgrade(&user)))?;
+            (grant.lease, grant.ticket, kind)
+        }
+        Origin::Imported { cover, ticket } => (cover.forward(), *ticket, S::Kind::forward(m)?),
+    };
+    Ok(Record { id: m.id, bytes: m.len as u64, lease, ticket, kind })
+}
+
+/// Imports a storage from a record: this process's own (a message that came back), a mapping
+/// in use here or cached, or a new mapping at `requested` (or the kind's choice); then checks
+/// its size and runs the kind's arrival step.
+pub(crate) fn import<S: Shared>(
+    record: Record<<S::Kind as StorageKind>::Wire>,
+    requested: Option<&<S::Kind as StorageKind>::Place>,
+) -> Result<Arc<S>> {
+    let Record { id, bytes, lease, ticket, mut kind } = record;
+    let bytes = usize::try_from(bytes).map_err(|_| Error::Malformed("storage size overflows".into()))?;
+    // The message's claim: kept by a new mapping, otherwise ended when this returns.
+    let cover = Cover::new(lease, id, S::Kind::LEASE);
+    let storage = if id.is_local() {
+        let storage = local::<S>(id)?;
+        S::Kind::check_local(&storage.handle().memory, requested)?;
+        storage
+    } else {
+        let (place, key) = S::Kind::place(&kind, requested)?;
+        if ticket.is_some() && S::Kind::CACHE_IDLE {
+            lifetime::subscribe(id, cover.lease());
+        }
+        let storage = lifetime::import(
+            id,
+            key,
+            |memory| {
+                memory.downcast::<Memory<S::Kind>>().ok().map(|memory| Arc::new(S::from_handle(Handle { memory })))
+            },
+            || {
+                let raw = S::Kind::open(&mut kind, bytes, &place)?;
+                let origin = Origin::Imported { cover, ticket };
+                let memory = Arc::new(Memory { id, len: bytes, key, origin, raw: Some(raw) });
+                Ok(Arc::new(S::from_handle(Handle { memory })))
+            },
+        )?;
+        S::Kind::arrived(&storage.handle().memory, &kind, &place)?;
+        storage
+    };
+    let held = storage.handle().memory.len;
+    if held != bytes {
+        return Err(Error::Malformed(format!("message claims {bytes} bytes for a storage held here with {held}")));
+    }
+    Ok(storage)
+}
+
+/// This process's storage `id`, named by a message that came back: the live user handle, or
+/// a new one on the memory that claims kept alive.
+fn local<S: Shared>(id: StorageId) -> Result<Arc<S>> {
+    let found = match lifetime::local_storage(id) {
+        Some(LocalStorage::Handle(h)) => h.downcast::<S>().ok(),
+        Some(LocalStorage::Memory(m)) => m.downcast::<Memory<S::Kind>>().ok().map(|memory| {
+            let handle = Arc::new(S::from_handle(Handle { memory }));
+            let user: AnyStorage = handle.clone();
+            lifetime::revive_local(id, &user);
+            handle
+        }),
+        None => None,
+    };
+    found.ok_or_else(|| Error::Malformed("message names a storage of this process that is not shared".into()))
+}
+
+impl<T: Element, S: Shared> Serialize for Tensor<T, S> {
+    fn serialize<Se: Serializer>(&self, serializer: Se) -> std::result::Result<Se::Ok, Se::Error> {
+        let record = export(&self.storage, false).map_err(wire::encode_error)?;
+        TensorWire::new::<T>(&self.layout, record).serialize(serializer)
+    }
+}
+
+impl<'de, T: Element, S: Shared> Deserialize<'de> for Tensor<T, S> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        let wire = TensorWire::<Record<<S::Kind as StorageKind>::Wire>>::deserialize(deserializer)?;
+        decode_tensor(wire, None).map_err(wire::decode_error)
+    }
+}
+
+/// Rebuilds a tensor from its wire form: checks the dtype, imports the storage, checks the
+/// view against it.
+pub(crate) fn decode_tensor<T: Element, S: Shared>(
+    wire: TensorWire<Record<<S::Kind as StorageKind>::Wire>>,
+    requested: Option<&<S::Kind as StorageKind>::Place>,
+) -> Result<Tensor<T, S>> {
+    let (record, layout) = wire.check_dtype::<T>()?;
+    let storage = import::<S>(record, requested)?;
+    let layout = layout.check(storage.handle().memory.len, T::DTYPE)?;
+    Ok(Tensor::from_parts(storage, layout))
+}

@@ -1,0 +1,123 @@
+//! A storage kind for testing the lifetime protocol where no GPU is: it crosses processes like
+//! GPU storage (a lease per storage, mappings cached while the owner holds the storage,
+//! revocation), but its "memory" is a size, and "mapping" it in another process only waits a
+//! delay chosen by the sender (a stand-in for a slow driver open). Not part of the API.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::dtype::Element;
+use crate::error::Result;
+use crate::layout::Layout;
+use crate::lifetime::{LeaseMode, StorageId};
+use crate::storage::{Handle, Memory, Shared, StorageKind};
+use crate::tensor::Tensor;
+
+/// A tensor on fake storage.
+pub type FakeTensor<T> = Tensor<T, FakeStorage>;
+
+/// Storage of the fake kind.
+#[derive(Debug)]
+pub struct FakeStorage(Handle<FakeKind>);
+
+#[derive(Debug)]
+pub(crate) struct FakeKind;
+
+/// The fake memory: how long mapping it takes elsewhere.
+#[derive(Debug)]
+pub(crate) struct FakeMemory {
+    open_delay: Duration,
+    imported: bool,
+}
+
+static CLOSED: AtomicU64 = AtomicU64::new(0);
+
+impl Drop for FakeMemory {
+    fn drop(&mut self) {
+        if self.imported {
+            CLOSED.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+pub(crate) struct FakeWire {
+    open_delay_ms: u64,
+}
+
+impl StorageKind for FakeKind {
+    const LEASE: LeaseMode = LeaseMode::PerStorage;
+    const CACHE_IDLE: bool = true;
+    type Raw = FakeMemory;
+    type Wire = FakeWire;
+    type Place = ();
+
+    fn export(memory: &Memory<Self>) -> Result<FakeWire> {
+        Ok(FakeWire { open_delay_ms: memory.raw().open_delay.as_millis() as u64 })
+    }
+
+    fn forward(memory: &Memory<Self>) -> Result<FakeWire> {
+        Self::export(memory)
+    }
+
+    fn place(_: &FakeWire, _: Option<&()>) -> Result<((), &'static str)> {
+        Ok(((), "fake"))
+    }
+
+    fn check_local(_: &Memory<Self>, _: Option<&()>) -> Result<()> {
+        Ok(())
+    }
+
+    fn open(wire: &mut FakeWire, _: usize, _: &()) -> Result<FakeMemory> {
+        let open_delay = Duration::from_millis(wire.open_delay_ms.min(60_000));
+        std::thread::sleep(open_delay);
+        Ok(FakeMemory { open_delay, imported: true })
+    }
+
+    fn arrived(_: &Memory<Self>, _: &FakeWire, _: &()) -> Result<()> {
+        Ok(())
+    }
+}
+
+impl Shared for FakeStorage {
+    type Kind = FakeKind;
+
+    fn handle(&self) -> &Handle<FakeKind> {
+        &self.0
+    }
+
+    fn from_handle(handle: Handle<FakeKind>) -> Self {
+        FakeStorage(handle)
+    }
+}
+
+impl FakeStorage {
+    /// The storage's identity across processes.
+    pub fn id(&self) -> StorageId {
+        self.0.memory().id()
+    }
+}
+
+impl<T: Element> Tensor<T, FakeStorage> {
+    /// A contiguous tensor on fake storage whose mapping in another process takes
+    /// `open_delay`.
+    pub fn fake(shape: &[usize], open_delay: Duration) -> Result<Self> {
+        let layout = Layout::contiguous(shape)?;
+        let bytes = layout.numel() * T::DTYPE.size();
+        let memory = FakeMemory { open_delay, imported: false };
+        Ok(Tensor::from_parts(Arc::new(FakeStorage(Handle::new_local(bytes, memory))), layout))
+    }
+
+    /// The identity of the underlying storage across processes.
+    pub fn storage_id(&self) -> StorageId {
+        self.storage.id()
+    }
+}
+
+/// Fake mappings closed in this process so far.
+pub fn fake_mappings_closed() -> u64 {
+    CLOSED.load(Ordering::SeqCst)
+}

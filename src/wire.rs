@@ -1,0 +1,467 @@
+//! The serde side channel of one message: the descriptors its storages carry (shared memory,
+//! lease channels), what a failed encode or decode was about, and values shared by every
+//! storage of the message (its lease). Cleared per operation.
+//!
+//! ipc-channel carries descriptors out of band (`SCM_RIGHTS`), at most 64 per transport
+//! message. A message may hold any number of tensors, so its descriptors are spread: the first
+//! [`INLINE_DESCRIPTORS`] travel in the message itself, the rest in batches on a private
+//! channel whose receiving end travels with the first of them; the receiver reads the batches
+//! as it decodes. A descriptor that appears twice in one message (a lease shared by its
+//! storages) travels once.
+//!
+//! Tensors are encoded only inside a scope opened by a cuda-mp channel or spawn
+//! ([`encode_scope`]); any other serializer gets an error and no state changes.
+
+use std::any::Any;
+use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ipc_channel::ipc::{self, IpcReceiver, IpcSender, IpcSharedMemory, OpaqueIpcSender};
+use ipc_channel::TryRecvError;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// Descriptors of ours carried in the transport message itself; the transport allows 64 in
+/// all, and the rest are left to channels the user put in the message.
+pub(crate) const INLINE_DESCRIPTORS: usize = 32;
+
+/// Descriptors per overflow batch (the transport's limit is 64 per message).
+const BATCH_DESCRIPTORS: usize = 60;
+
+/// How long a receiver waits for a message's overflow batches, which the sender writes right
+/// after the message itself.
+const OVERFLOW_WAIT: Duration = Duration::from_secs(30);
+
+/// A descriptor as it travels.
+pub(crate) enum Descriptor {
+    /// Shared memory (a memfd), shared with its storage until the message is sent.
+    Memory(Arc<IpcSharedMemory>),
+    /// The sending end of a channel.
+    Channel(OpaqueIpcSender),
+}
+
+/// The wire form of [`Descriptor`].
+#[derive(Serialize)]
+enum DescriptorRef<'a> {
+    Memory(&'a IpcSharedMemory),
+    Channel(&'a OpaqueIpcSender),
+}
+
+#[derive(Deserialize)]
+enum DescriptorOwned {
+    Memory(IpcSharedMemory),
+    Channel(OpaqueIpcSender),
+}
+
+impl Serialize for Descriptor {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        match self {
+            Descriptor::Memory(m) => DescriptorRef::Memory(m),
+            Descriptor::Channel(c) => DescriptorRef::Channel(c),
+        }
+        .serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for Descriptor {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        Ok(match DescriptorOwned::deserialize(deserializer)? {
+            DescriptorOwned::Memory(m) => Descriptor::Memory(Arc::new(m)),
+            DescriptorOwned::Channel(c) => Descriptor::Channel(c),
+        })
+    }
+}
+
+/// A descriptor's place in a message.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Carried {
+    /// Which message this belongs to (a receiver starts afresh on a new one).
+    message: u64,
+    how: How,
+}
+
+#[derive(Serialize, Deserialize)]
+enum How {
+    /// In the transport message.
+    Inline(Descriptor),
+    /// The next descriptor of the overflow batches; the first one brings their channel.
+    Overflow(Option<IpcReceiver<Batch>>),
+    /// The same channel as the message's `n`-th descriptor.
+    Again(u32),
+}
+
+/// One overflow batch.
+#[derive(Serialize, Deserialize)]
+struct Batch(Vec<Descriptor>);
+
+struct Encoding {
+    message: u64,
+    inline: usize,
+    /// Descriptors carried so far, by dedup key, with their number in the message.
+    numbered: HashMap<u64, u32>,
+    count: u32,
+    overflow: Vec<Descriptor>,
+    batches: Option<IpcSender<Batch>>,
+    /// Values shared by every storage of the message, by type.
+    shared: Vec<Box<dyn Any>>,
+    /// Sends of our own to run once the message is sent.
+    deferred: Vec<Box<dyn FnOnce()>>,
+}
+
+#[derive(Default)]
+struct Decoding {
+    message: Option<u64>,
+    /// Channels by their number in the message (memory is never referred to again).
+    numbered: Vec<Option<OpaqueIpcSender>>,
+    batches: Option<IpcReceiver<Batch>>,
+    arrived: VecDeque<Descriptor>,
+}
+
+thread_local! {
+    static ENCODING: RefCell<Option<Encoding>> = const { RefCell::new(None) };
+    static DECODING: RefCell<Decoding> = RefCell::new(Decoding::default());
+    /// Why the current operation's encode or decode failed (serde's error types cannot say).
+    static FAILURE: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+fn next_message() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    // Distinct across processes too: a receiver may see messages of many senders in turn.
+    (crate::lifetime::process_token() as u64) ^ NEXT.fetch_add(1, Ordering::Relaxed).rotate_left(40)
+}
+
+/// What an encode scope leaves to do once its message is sent: the overflow batches.
+#[must_use = "the overflow must be sent after the message"]
+pub(crate) struct Overflow {
+    batches: Option<(IpcSender<Batch>, Vec<Descriptor>)>,
+}
+
+impl std::fmt::Debug for Overflow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Overflow").field("descriptors", &self.batches.as_ref().map_or(0, |b| b.1.len())).finish()
+    }
+}
+
+impl Overflow {
+    /// Sends the descriptors that did not fit in the message, after the message itself.
+    pub(crate) fn send(self) -> Result<()> {
+        let Some((tx, descriptors)) = self.batches else { return Ok(()) };
+        let mut descriptors = descriptors.into_iter().peekable();
+        while descriptors.peek().is_some() {
+            let batch = Batch(descriptors.by_ref().take(BATCH_DESCRIPTORS).collect());
+            tx.send(batch)
+                .map_err(|e| Error::Io(std::io::Error::other(format!("sending overflow descriptors: {e}"))))?;
+        }
+        Ok(())
+    }
+}
+
+/// Runs `encode` (a transport's serialization of one message) with this module's context:
+/// tensors inside may export their storages. Returns its result and the overflow to send once
+/// the message is sent. Nested scopes join the outer one.
+pub(crate) fn encode_scope<R>(encode: impl FnOnce() -> R) -> (R, Overflow) {
+    if ENCODING.with(|e| e.borrow().is_some()) {
+        return (encode(), Overflow { batches: None });
+    }
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            // Also after a panic: a stale context would let the next serializer export.
+            ENCODING.with(|e| e.borrow_mut().take());
+        }
+    }
+    FAILURE.with(|f| f.borrow_mut().take());
+    ENCODING.with(|e| {
+        *e.borrow_mut() = Some(Encoding {
+            message: next_message(),
+            inline: 0,
+            numbered: HashMap::new(),
+            count: 0,
+            overflow: Vec::new(),
+            batches: None,
+            shared: Vec::new(),
+            deferred: Vec::new(),
+        })
+    });
+    let reset = Reset;
+    let result = encode();
+    let state = ENCODING.with(|e| e.borrow_mut().take());
+    drop(reset);
+    let Some(state) = state else { return (result, Overflow { batches: None }) };
+    for action in state.deferred {
+        action();
+    }
+    let batches = state.batches.map(|tx| (tx, state.overflow));
+    (result, Overflow { batches })
+}
+
+fn outside_scope() -> Error {
+    Error::Unsupported(
+        "tensors cross processes only through cuda-mp channels and spawn arguments; \
+         this serializer is not one"
+            .into(),
+    )
+}
+
+/// Runs `action` (a send of our own on some channel) once the message being encoded on this
+/// thread is sent, or now when none is. The transport's send takes every descriptor serialized
+/// so far on its thread, so a send in the middle of encoding would carry off the message's.
+pub(crate) fn defer(action: impl FnOnce() + 'static) {
+    let action: Box<dyn FnOnce()> = Box::new(action);
+    let left = ENCODING.with(|e| match e.borrow_mut().as_mut() {
+        Some(e) => {
+            e.deferred.push(action);
+            None
+        }
+        None => Some(action),
+    });
+    if let Some(action) = left {
+        action();
+    }
+}
+
+/// Fails unless a cuda-mp encode scope is open on this thread. Call before changing any
+/// state for an export.
+pub(crate) fn require_scope() -> Result<()> {
+    if ENCODING.with(|e| e.borrow().is_some()) {
+        Ok(())
+    } else {
+        Err(outside_scope())
+    }
+}
+
+/// The value of type `V` shared by every storage of the message being encoded, made by `make`
+/// on first use.
+pub(crate) fn per_message<V: Clone + 'static>(make: impl FnOnce() -> Result<V>) -> Result<V> {
+    let found = ENCODING.with(|e| {
+        let e = e.borrow();
+        let e = e.as_ref().ok_or_else(outside_scope)?;
+        Ok::<_, Error>(e.shared.iter().find_map(|v| v.downcast_ref::<V>()).cloned())
+    })?;
+    if let Some(v) = found {
+        return Ok(v);
+    }
+    let v = make()?;
+    ENCODING.with(|e| {
+        if let Some(e) = e.borrow_mut().as_mut() {
+            e.shared.push(Box::new(v.clone()));
+        }
+    });
+    Ok(v)
+}
+
+/// Places a descriptor in the message being encoded. A channel with a `dedup` key already
+/// carried in this message is carried once.
+pub(crate) fn carry(descriptor: Descriptor, dedup: Option<u64>) -> Result<Carried> {
+    ENCODING.with(|e| {
+        let mut e = e.borrow_mut();
+        let e = e.as_mut().ok_or_else(outside_scope)?;
+        if let Some(&n) = dedup.and_then(|k| e.numbered.get(&k)) {
+            return Ok(Carried { message: e.message, how: How::Again(n) });
+        }
+        if let Some(k) = dedup {
+            e.numbered.insert(k, e.count);
+        }
+        e.count += 1;
+        let how = if e.inline < INLINE_DESCRIPTORS {
+            e.inline += 1;
+            How::Inline(descriptor)
+        } else {
+            e.overflow.push(descriptor);
+            if e.batches.is_none() {
+                let (tx, rx) = ipc::channel::<Batch>().map_err(|e| descriptor_error(e.into()))?;
+                e.batches = Some(tx);
+                How::Overflow(Some(rx))
+            } else {
+                How::Overflow(None)
+            }
+        };
+        Ok(Carried { message: e.message, how })
+    })
+}
+
+/// After a send that failed part-way through serializing, the transport keeps the descriptors
+/// serialized so far in thread-locals, and its next send on this thread would carry them off:
+/// send them to a throwaway channel instead (closing them).
+pub(crate) fn discard_leftovers() {
+    if let Ok((tx, rx)) = ipc::channel::<()>() {
+        let _ = tx.send(());
+        drop(rx);
+    }
+}
+
+/// An I/O error, named as descriptor exhaustion when that is what it is.
+pub(crate) fn descriptor_error(e: Error) -> Error {
+    if crate::os::out_of_descriptors() {
+        Error::OutOfDescriptors { limit: crate::os::descriptor_limit() }
+    } else {
+        e
+    }
+}
+
+/// Starts decoding a new message on this thread: forgets the previous one's descriptors.
+pub(crate) fn decode_begin() {
+    DECODING.with(|d| *d.borrow_mut() = Decoding::default());
+    FAILURE.with(|f| f.borrow_mut().take());
+}
+
+/// Ends decoding a message: drops this module's copies of its descriptors (a lease copy kept
+/// here would keep the lease open), keeping the failure reason for the caller.
+pub(crate) fn decode_end() {
+    let done = DECODING.with(|d| std::mem::take(&mut *d.borrow_mut()));
+    drop(done);
+}
+
+/// Takes a descriptor out of the message being decoded.
+pub(crate) fn take(carried: Carried) -> Result<Descriptor> {
+    DECODING.with(|d| {
+        let mut d = d.borrow_mut();
+        if d.message != Some(carried.message) {
+            // A message decoded without `decode_begin` (spawn arguments): start afresh.
+            *d = Decoding { message: Some(carried.message), ..Decoding::default() };
+        }
+        let descriptor = match carried.how {
+            How::Again(n) => {
+                let channel = d.numbered.get(n as usize).and_then(Option::as_ref).ok_or_else(|| {
+                    Error::Malformed(format!("message refers to descriptor {n}, which it has not carried"))
+                })?;
+                return Ok(Descriptor::Channel(channel.clone()));
+            }
+            How::Inline(descriptor) => descriptor,
+            How::Overflow(batches) => {
+                if let Some(rx) = batches {
+                    d.batches = Some(rx);
+                }
+                next_overflow(&mut d)?
+            }
+        };
+        let numbered = match &descriptor {
+            Descriptor::Channel(c) => Some(c.clone()),
+            Descriptor::Memory(_) => None,
+        };
+        d.numbered.push(numbered);
+        Ok(descriptor)
+    })
+}
+
+fn next_overflow(d: &mut Decoding) -> Result<Descriptor> {
+    loop {
+        if let Some(descriptor) = d.arrived.pop_front() {
+            return Ok(descriptor);
+        }
+        let rx = d
+            .batches
+            .take()
+            .ok_or_else(|| Error::Malformed("message refers to overflow descriptors without their channel".into()))?;
+        // The transport's decoding keeps the message's descriptors in thread-locals that a
+        // nested receive would overwrite: receive the batch on a thread of its own.
+        let (rx, received) = std::thread::spawn(move || {
+            let received = rx.try_recv_timeout(OVERFLOW_WAIT);
+            (rx, received)
+        })
+        .join()
+        .map_err(|_| Error::Malformed("an overflow batch could not be decoded".into()))?;
+        d.batches = Some(rx);
+        match received {
+            Ok(Batch(batch)) if !batch.is_empty() => d.arrived.extend(batch),
+            Ok(_) => return Err(Error::Malformed("empty overflow batch".into())),
+            Err(TryRecvError::Empty) => {
+                return Err(Error::Malformed(format!(
+                    "the message's remaining descriptors did not arrive within {OVERFLOW_WAIT:?}"
+                )))
+            }
+            Err(TryRecvError::IpcError(ipc_channel::IpcError::Disconnected)) => {
+                return Err(Error::Malformed("the sender closed the message's overflow before sending it all".into()))
+            }
+            Err(TryRecvError::IpcError(e)) => {
+                return Err(descriptor_error(Error::Malformed(format!("cannot receive overflow descriptors: {e:?}"))))
+            }
+        }
+    }
+}
+
+/// Records why the current encode or decode failed and returns the reason as text (for
+/// serde's error types).
+pub(crate) fn fail(error: &Error) -> String {
+    let text = match error {
+        Error::Malformed(m) => m.clone(),
+        other => other.to_string(),
+    };
+    FAILURE.with(|f| *f.borrow_mut() = Some(text.clone()));
+    text
+}
+
+/// The failure recorded by this operation, if any (and forgets it).
+pub(crate) fn take_failure() -> Option<String> {
+    FAILURE.with(|f| f.borrow_mut().take())
+}
+
+/// An encode failure as the serializer's error.
+pub(crate) fn encode_error<E: serde::ser::Error>(error: Error) -> E {
+    E::custom(fail(&error))
+}
+
+/// A decode failure as the deserializer's error.
+pub(crate) fn decode_error<E: serde::de::Error>(error: Error) -> E {
+    E::custom(fail(&error))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn channel_descriptor() -> Descriptor {
+        let (tx, _rx) = ipc::channel::<()>().unwrap();
+        Descriptor::Channel(tx.to_opaque())
+    }
+
+    #[test]
+    fn outside_a_scope_nothing_is_carried() {
+        assert!(carry(channel_descriptor(), None).is_err());
+        assert!(require_scope().is_err());
+        assert!(per_message(|| Ok(1u8)).is_err());
+    }
+
+    #[test]
+    fn descriptors_beyond_the_inline_budget_go_to_the_overflow_once_per_key() {
+        let (carried, overflow) = encode_scope(|| {
+            let mut v = Vec::new();
+            for i in 0..INLINE_DESCRIPTORS + 70 {
+                v.push(carry(channel_descriptor(), Some(i as u64)).unwrap());
+            }
+            // A repeated key is carried once.
+            v.push(carry(channel_descriptor(), Some(0)).unwrap());
+            assert_eq!(per_message(|| Ok(5u32)).unwrap(), 5);
+            assert_eq!(per_message(|| Ok(6u32)).unwrap(), 5, "made once per message");
+            v
+        });
+        assert!(matches!(carried[0].how, How::Inline(_)));
+        assert!(matches!(carried[INLINE_DESCRIPTORS].how, How::Overflow(Some(_))));
+        assert!(matches!(carried[INLINE_DESCRIPTORS + 1].how, How::Overflow(None)));
+        assert!(matches!(carried.last().unwrap().how, How::Again(0)));
+        assert_eq!(overflow.batches.as_ref().unwrap().1.len(), 70);
+        overflow.send().unwrap();
+        // The receiving side, in the same order.
+        decode_begin();
+        let n = carried.len();
+        for c in carried {
+            take(c).unwrap();
+        }
+        DECODING.with(|d| assert_eq!(d.borrow().numbered.len(), n - 1));
+        // Scope closed: exporting is refused again.
+        assert!(require_scope().is_err());
+    }
+
+    #[test]
+    fn a_reference_to_an_uncarried_descriptor_is_malformed() {
+        decode_begin();
+        let forged = Carried { message: 42, how: How::Again(3) };
+        assert!(matches!(take(forged), Err(Error::Malformed(_))));
+        let forged = Carried { message: 43, how: How::Overflow(None) };
+        assert!(matches!(take(forged), Err(Error::Malformed(_))));
+    }
+}

@@ -1,0 +1,390 @@
+//! One suite of lifetime tests run over every storage kind, across real processes: fake
+//! storage (the GPU protocol: a lease per storage, idle cache, revocation; no GPU needed), host
+//! shared memory, and GPU memory (ignored without a GPU).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use cuda_mp::testing::{fake_mappings_closed, FakeTensor};
+use cuda_mp::{
+    channel, lifetime_stats, spawn, wait_for_lifetime, Device, GpuTensor, HostTensor, Receiver, Sender, Tensor,
+};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+mod common;
+
+cuda_mp::enable_test_support!();
+
+static SERIAL: Mutex<()> = Mutex::new(());
+const WAIT: Duration = Duration::from_secs(30);
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    common::serial(&SERIAL, WAIT)
+}
+
+/// A storage kind under test: how to make a tensor of it.
+trait Kind: 'static {
+    type S: Send + Sync + 'static;
+    fn make(len: usize) -> Tensor<f32, Self::S>;
+}
+
+struct Fake;
+impl Kind for Fake {
+    type S = cuda_mp::testing::FakeStorage;
+    fn make(len: usize) -> FakeTensor<f32> {
+        FakeTensor::fake(&[len], Duration::ZERO).unwrap()
+    }
+}
+
+struct Host;
+impl Kind for Host {
+    type S = cuda_mp::HostStorage;
+    fn make(len: usize) -> HostTensor<f32> {
+        HostTensor::zeros(&[len]).unwrap()
+    }
+}
+
+struct Gpu;
+impl Kind for Gpu {
+    type S = cuda_mp::GpuStorage;
+    fn make(len: usize) -> GpuTensor<f32> {
+        let dev = Device::get(0).expect("this test needs a CUDA GPU");
+        GpuTensor::zeros(&dev, &[len]).unwrap()
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+enum Cmd {
+    /// Keep only the tensors at these positions.
+    Keep(Vec<usize>),
+    /// Send the tensors on, then drop them.
+    Forward,
+    Drop,
+}
+
+type Msg<S> = Vec<Tensor<f32, S>>;
+
+/// Receives a message of tensors, says how many, then follows commands.
+#[allow(clippy::type_complexity)]
+fn holder<S>((rx, cmd, reply, next): (Receiver<Msg<S>>, Receiver<Cmd>, Sender<usize>, Option<Sender<Msg<S>>>))
+where
+    Tensor<f32, S>: Serialize + DeserializeOwned,
+{
+    let mut held = rx.recv().unwrap();
+    reply.send(held.len()).unwrap();
+    while let Ok(c) = cmd.recv() {
+        match c {
+            Cmd::Keep(keep) => {
+                held = held.into_iter().enumerate().filter(|(i, _)| keep.contains(i)).map(|(_, t)| t).collect();
+            }
+            Cmd::Forward => {
+                next.as_ref().unwrap().send(std::mem::take(&mut held)).unwrap();
+            }
+            Cmd::Drop => held.clear(),
+        }
+        reply.send(held.len()).unwrap();
+    }
+}
+
+type Child<S> = (Sender<Msg<S>>, Sender<Cmd>, Receiver<usize>, cuda_mp::JoinHandle<()>);
+
+fn start<S>(next: Option<Sender<Msg<S>>>) -> Child<S>
+where
+    Tensor<f32, S>: Serialize + DeserializeOwned,
+{
+    let (tx, rx) = channel().unwrap();
+    let (cmd_tx, cmd_rx) = channel().unwrap();
+    let (reply_tx, reply_rx) = channel().unwrap();
+    let child = spawn((rx, cmd_rx, reply_tx, next), holder::<S>);
+    (tx, cmd_tx, reply_rx, child)
+}
+
+fn ask<S>(c: &Child<S>, cmd: Cmd) -> usize {
+    c.1.send(cmd).unwrap();
+    c.2.recv_timeout(WAIT).unwrap()
+}
+
+fn settled(before: cuda_mp::LifetimeStats) -> cuda_mp::LifetimeStats {
+    wait_for_lifetime(WAIT, |s| {
+        s.live_storages == before.live_storages
+            && s.exported_storages == before.exported_storages
+            && s.outstanding_leases == before.outstanding_leases
+    })
+    .expect("every storage released and freed")
+}
+
+/// The producer drops its tensors at once; the consumer keeps one of three; the other two are
+/// freed then, the last when the consumer drops it.
+fn a_kept_tensor_pins_only_its_own_storage<K: Kind>()
+where
+    Tensor<f32, K::S>: Serialize + DeserializeOwned,
+{
+    let _g = serial();
+    let before = lifetime_stats();
+    let c = start::<K::S>(None);
+    c.0.send((0..3).map(|_| K::make(64)).collect()).unwrap();
+    assert_eq!(c.2.recv_timeout(WAIT).unwrap(), 3);
+    assert_eq!(lifetime_stats().live_storages, before.live_storages + 3, "limbo keeps all three");
+    assert_eq!(ask(&c, Cmd::Keep(vec![1])), 1);
+    wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages + 1).expect("the two dropped ones are freed");
+    assert_eq!(ask(&c, Cmd::Drop), 0);
+    settled(before);
+    drop(c.1);
+    c.3.join().unwrap();
+}
+
+/// A consumer killed while holding tensors releases them all at once.
+fn a_sigkilled_holder_is_reclaimed<K: Kind>()
+where
+    Tensor<f32, K::S>: Serialize + DeserializeOwned,
+{
+    let _g = serial();
+    let before = lifetime_stats();
+    let mut c = start::<K::S>(None);
+    c.0.send((0..5).map(|_| K::make(16)).collect()).unwrap();
+    assert_eq!(c.2.recv_timeout(WAIT).unwrap(), 5);
+    c.3.kill().unwrap();
+    settled(before);
+}
+
+/// Parent -> A -> B: A forwards and drops; the memory lives until B drops it.
+fn a_forwarded_storage_lives_until_the_last_holder_drops_it<K: Kind>()
+where
+    Tensor<f32, K::S>: Serialize + DeserializeOwned,
+{
+    let _g = serial();
+    let before = lifetime_stats();
+    let b = start::<K::S>(None);
+    let a = start::<K::S>(Some(b.0.clone()));
+    a.0.send(vec![K::make(8), K::make(8)]).unwrap();
+    assert_eq!(a.2.recv_timeout(WAIT).unwrap(), 2);
+    assert_eq!(ask(&a, Cmd::Forward), 0);
+    assert_eq!(b.2.recv_timeout(WAIT).unwrap(), 2, "B got both");
+    drop(a.1);
+    a.3.join().unwrap();
+    assert_eq!(lifetime_stats().live_storages, before.live_storages + 2, "B still holds both after A exited");
+    assert_eq!(ask(&b, Cmd::Drop), 0);
+    settled(before);
+    drop(b.1);
+    b.3.join().unwrap();
+}
+
+/// A message with more tensors than one transport message can carry descriptors for.
+fn many_tensors_cross_in_one_message<K: Kind>(n: usize)
+where
+    Tensor<f32, K::S>: Serialize + DeserializeOwned,
+{
+    let _g = serial();
+    let before = lifetime_stats();
+    let c = start::<K::S>(None);
+    c.0.send((0..n).map(|_| K::make(4)).collect()).unwrap();
+    assert_eq!(c.2.recv_timeout(WAIT).unwrap(), n);
+    assert_eq!(ask(&c, Cmd::Keep(vec![0, n - 1])), 2);
+    wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages + 2).expect("all but two freed");
+    assert_eq!(ask(&c, Cmd::Drop), 0);
+    settled(before);
+    drop(c.1);
+    c.3.join().unwrap();
+}
+
+/// A message that comes back to its owner hands back the very storage, and releases its claim.
+fn a_message_back_to_the_owner_is_the_same_storage<K: Kind>()
+where
+    Tensor<f32, K::S>: Serialize + DeserializeOwned,
+{
+    let _g = serial();
+    let before = lifetime_stats();
+    let (tx, rx) = channel::<Msg<K::S>>().unwrap();
+    let t = K::make(12);
+    tx.send(vec![t.clone(), t.reshape(&[3, 4]).unwrap()]).unwrap();
+    let back = rx.recv().unwrap();
+    assert!(back[0].shares_storage_with(&t) && back[1].shares_storage_with(&t));
+    assert_eq!(back[1].shape(), &[3, 4]);
+    drop((t, back));
+    settled(before);
+}
+
+/// Serializing a tensor anywhere but in a cuda-mp channel is an error and changes nothing.
+fn other_serializers_are_refused<K: Kind>()
+where
+    Tensor<f32, K::S>: Serialize + DeserializeOwned,
+{
+    let _g = serial();
+    let before = lifetime_stats();
+    let t = K::make(4);
+    let err = serde_json::to_string(&t).unwrap_err().to_string();
+    assert!(err.contains("only through cuda-mp channels"), "{err}");
+    assert_eq!(lifetime_stats().exported_storages, before.exported_storages);
+    assert_eq!(lifetime_stats().leases_granted, before.leases_granted);
+    drop(t);
+    // The process can still spawn and send.
+    let c = start::<K::S>(None);
+    c.0.send(vec![K::make(4)]).unwrap();
+    assert_eq!(c.2.recv_timeout(WAIT).unwrap(), 1);
+    drop(c.1);
+    c.3.join().unwrap();
+    settled(before);
+}
+
+macro_rules! suite {
+    ($module:ident, $kind:ty, $many:expr $(, #[$attr:meta])?) => {
+        mod $module {
+            use super::*;
+
+            #[test]
+            $(#[$attr])?
+            fn a_kept_tensor_pins_only_its_own_storage() {
+                super::a_kept_tensor_pins_only_its_own_storage::<$kind>();
+            }
+
+            #[test]
+            $(#[$attr])?
+            fn a_sigkilled_holder_is_reclaimed() {
+                super::a_sigkilled_holder_is_reclaimed::<$kind>();
+            }
+
+            #[test]
+            $(#[$attr])?
+            fn a_forwarded_storage_lives_until_the_last_holder_drops_it() {
+                super::a_forwarded_storage_lives_until_the_last_holder_drops_it::<$kind>();
+            }
+
+            #[test]
+            $(#[$attr])?
+            fn many_tensors_cross_in_one_message() {
+                super::many_tensors_cross_in_one_message::<$kind>($many);
+            }
+
+            #[test]
+            $(#[$attr])?
+            fn a_message_back_to_the_owner_is_the_same_storage() {
+                super::a_message_back_to_the_owner_is_the_same_storage::<$kind>();
+            }
+
+            #[test]
+            $(#[$attr])?
+            fn other_serializers_are_refused() {
+                super::other_serializers_are_refused::<$kind>();
+            }
+        }
+    };
+}
+
+suite!(fake, Fake, 1_000);
+suite!(host, Host, 10_000);
+suite!(gpu, Gpu, 1_000, #[ignore = "needs a CUDA GPU"]);
+
+/// Sends one fake storage whose mapping takes `delay_ms`, then waits to be killed.
+fn send_slow((tx, delay_ms): (Sender<FakeTensor<f32>>, u64)) {
+    tx.send(FakeTensor::fake(&[1], Duration::from_millis(delay_ms)).unwrap()).unwrap();
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+#[test]
+fn a_send_is_not_held_up_by_an_import_opening_meanwhile() {
+    let _g = serial();
+    let (tx, rx) = channel::<FakeTensor<f32>>().unwrap();
+    let mut child = spawn((tx, 1500), send_slow);
+    let sender = std::thread::spawn(|| {
+        // Once the import below is opening:
+        std::thread::sleep(Duration::from_millis(500));
+        let (tx, rx) = channel::<HostTensor<u8>>().unwrap();
+        let s = Instant::now();
+        tx.send(HostTensor::zeros(&[16]).unwrap()).unwrap();
+        let _ = lifetime_stats();
+        let took = s.elapsed();
+        drop(rx.recv().unwrap());
+        took
+    });
+    let t = Instant::now();
+    let slow = rx.recv_timeout(WAIT).unwrap();
+    assert!(t.elapsed() >= Duration::from_millis(1400), "the open took its time");
+    let took = sender.join().unwrap();
+    assert!(took < Duration::from_millis(300), "a send waited for another thread's open: {took:?}");
+    drop(slow);
+    child.kill().unwrap();
+}
+
+/// Two messages received in two threads open their storages at the same time.
+fn send_two((a, b, delay_ms): (Sender<FakeTensor<f32>>, Sender<FakeTensor<f32>>, u64)) {
+    let delay = Duration::from_millis(delay_ms);
+    a.send(FakeTensor::fake(&[1], delay).unwrap()).unwrap();
+    b.send(FakeTensor::fake(&[1], delay).unwrap()).unwrap();
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+#[test]
+fn two_threads_import_different_storages_in_parallel() {
+    let _g = serial();
+    let (a_tx, a_rx) = channel::<FakeTensor<f32>>().unwrap();
+    let (b_tx, b_rx) = channel::<FakeTensor<f32>>().unwrap();
+    let mut child = spawn((a_tx, b_tx, 800), send_two);
+    let t = Instant::now();
+    let other = std::thread::spawn(move || b_rx.recv_timeout(WAIT).unwrap());
+    let a = a_rx.recv_timeout(WAIT).unwrap();
+    let b = other.join().unwrap();
+    let took = t.elapsed();
+    assert!(took < Duration::from_millis(1500), "the two opens ran one after the other: {took:?}");
+    assert_ne!(a.storage_id(), b.storage_id());
+    child.kill().unwrap();
+}
+
+/// A resent fake storage is mapped once and kept cached until its owner drops it.
+fn resend((tx, go): (Sender<FakeTensor<f32>>, Receiver<()>)) {
+    let t = FakeTensor::fake(&[4], Duration::ZERO).unwrap();
+    tx.send(t.clone()).unwrap();
+    go.recv().unwrap();
+    tx.send(t.clone()).unwrap();
+    go.recv().unwrap();
+    drop(t);
+    go.recv().unwrap();
+}
+
+#[test]
+fn a_resent_storage_is_mapped_once_and_unmapped_when_its_owner_drops_it() {
+    let _g = serial();
+    let (tx, rx) = channel().unwrap();
+    let (go_tx, go_rx) = channel().unwrap();
+    let child = spawn((tx, go_rx), resend);
+    let before = lifetime_stats();
+    let closed = fake_mappings_closed();
+    let first = rx.recv_timeout(WAIT).unwrap();
+    drop(first);
+    wait_for_lifetime(WAIT, |s| s.cached_mappings == before.cached_mappings + 1).expect("kept cached");
+    go_tx.send(()).unwrap();
+    let second = rx.recv_timeout(WAIT).unwrap();
+    assert_eq!(lifetime_stats().opened_mappings, before.opened_mappings + 1, "mapped once");
+    drop(second);
+    go_tx.send(()).unwrap();
+    wait_for_lifetime(WAIT, |s| s.cached_mappings == before.cached_mappings)
+        .expect("revoked when the owner dropped it");
+    assert_eq!(fake_mappings_closed(), closed + 1);
+    go_tx.send(()).unwrap();
+    child.join().unwrap();
+}
+
+/// A state dict as torch sends it: many GPU tensors by name in one message.
+fn count_state_dict((rx, reply): (Receiver<HashMap<String, GpuTensor<f32>>>, Sender<usize>)) {
+    let dict = rx.recv().unwrap();
+    reply.send(dict.values().map(|t| t.numel()).sum()).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_state_dict_of_a_thousand_gpu_tensors_crosses_in_one_message() {
+    let _g = serial();
+    let before = lifetime_stats();
+    let dev = Device::get(0).expect("this test needs a CUDA GPU");
+    let dict: HashMap<String, GpuTensor<f32>> =
+        (0..1000).map(|i| (format!("layer.{i}.weight"), GpuTensor::zeros(&dev, &[i % 7 + 1]).unwrap())).collect();
+    let expected: usize = dict.values().map(|t| t.numel()).sum();
+    let (tx, rx) = channel().unwrap();
+    let (reply_tx, reply_rx) = channel().unwrap();
+    let child = spawn((rx, reply_tx), count_state_dict);
+    tx.send(dict).unwrap();
+    assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), expected);
+    child.join().unwrap();
+    settled(before);
+}
