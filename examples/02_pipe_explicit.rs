@@ -1,8 +1,12 @@
-//! The explicit path: export a GPU tensor's IPC payload by hand, print every field it carries,
-//! send it over a pipe and rebuild the tensor in a worker, which sums arange(12) viewed 3x4.
+//! 02: the explicit path. Export a GPU tensor's IPC payload by hand, print every field it
+//! carries, send it over a pipe and rebuild the tensor in a worker, which sums arange(12)
+//! viewed 3x4. Needs a CUDA GPU.
 //!
 //!     cargo run --release --example 02_pipe_explicit
 
+mod common;
+
+use common::{Outcome, TIMEOUT};
 use cuda_mp::{pipe, spawn, Device, Duplex, GpuTensor, IpcPayload};
 
 fn worker(end: Duplex<f64, IpcPayload>) {
@@ -11,11 +15,15 @@ fn worker(end: Duplex<f64, IpcPayload>) {
     let values = t.to_vec().expect("read the tensor");
     let sum: f64 = values.iter().map(|&x| x as f64).sum();
     println!("worker: shape {:?}, sum of arange(12) viewed 3x4 = {sum}", t.shape());
-    assert_eq!(sum, 66.0, "sum of 0..12");
     end.send(sum).expect("reply");
 }
 
-fn run() -> Result<bool, Box<dyn std::error::Error>> {
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn run() -> Outcome {
+    common::require_gpu()?;
     let dev = Device::get(0)?;
     let flat = GpuTensor::from_vec(&dev, &[12], (0..12).map(|x| x as f32).collect())?;
     let view = flat.reshape(&[3, 4])?;
@@ -34,26 +42,12 @@ fn run() -> Result<bool, Box<dyn std::error::Error>> {
     let (here, there) = pipe::<IpcPayload, f64>()?;
     let child = spawn(there, worker);
     here.send(payload)?;
-    let sum = here.recv_timeout(std::time::Duration::from_secs(60))?;
+    let sum = here.recv_timeout(TIMEOUT)?;
     child.join()?;
-    Ok(sum == 66.0)
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    common::ensure(sum == 66.0, &format!("the worker summed {sum}, not 66"))
 }
 
 #[cuda_mp::main]
-fn main() {
-    match run() {
-        Ok(true) => println!("PASS: the worker rebuilt the tensor from the payload and summed 66"),
-        Ok(false) => {
-            println!("FAIL: wrong sum");
-            std::process::exit(1);
-        }
-        Err(e) => {
-            println!("FAIL: {e}");
-            std::process::exit(1);
-        }
-    }
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    common::verdict(run(), "the worker rebuilt the tensor from the payload and summed 66")
 }

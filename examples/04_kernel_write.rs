@@ -1,8 +1,12 @@
-//! The sender fills 0, 1, 2, ... on the GPU; the receiver runs a kernel that adds 100 in place
-//! to the sender's memory; the sender reads back 100, 101, 102, ...
+//! 04: a kernel in another process writes this process's GPU memory. The sender fills
+//! 0, 1, 2, ... on the GPU; the receiver runs a kernel that adds 100 in place to the sender's
+//! memory; the sender reads back 100, 101, 102, ... Needs a CUDA GPU.
 //!
 //!     cargo run --release --example 04_kernel_write
 
+mod common;
+
+use common::{Outcome, TIMEOUT};
 use cuda_mp::{channel, spawn, Device, GpuTensor, Receiver, Sender};
 
 const N: usize = 1 << 20;
@@ -16,31 +20,22 @@ fn receiver((rx, done): (Receiver<GpuTensor<i32>>, Sender<u64>)) {
     done.send(t.device_ptr()).expect("report");
 }
 
-fn run() -> Result<bool, Box<dyn std::error::Error>> {
+fn run() -> Outcome {
+    common::require_gpu()?;
     let dev = Device::get(0)?;
     let t = GpuTensor::from_vec(&dev, &[N], (0..N as i32).collect())?;
     let (tx, rx) = channel()?;
     let (done_tx, done_rx) = channel()?;
     let child = spawn((rx, done_tx), receiver);
     tx.send(t.clone())?;
-    done_rx.recv_timeout(std::time::Duration::from_secs(60))?;
+    done_rx.recv_timeout(TIMEOUT)?;
     child.join()?;
     let back = t.to_vec()?;
     println!("sender: first values {:?} ... last {}", &back[..5], back[N - 1]);
-    Ok(back.iter().enumerate().all(|(i, &v)| v == i as i32 + 100))
+    common::ensure(back.iter().enumerate().all(|(i, &v)| v == i as i32 + 100), "wrong values")
 }
 
 #[cuda_mp::main]
-fn main() {
-    match run() {
-        Ok(true) => println!("PASS: the receiver's kernel wrote i + 100 into the sender's memory"),
-        Ok(false) => {
-            println!("FAIL: wrong values");
-            std::process::exit(1);
-        }
-        Err(e) => {
-            println!("FAIL: {e}");
-            std::process::exit(1);
-        }
-    }
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    common::verdict(run(), "the receiver's kernel wrote i + 100 into the sender's memory")
 }

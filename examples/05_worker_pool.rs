@@ -1,8 +1,12 @@
-//! A pool of worker processes receives GPU tensors, computes on them in place and returns
-//! them: the returned tensors are the parent's own memory, not copies.
+//! 05: a pool of worker processes receives GPU tensors, computes on them in place and returns
+//! them: the returned tensors are the parent's own memory, not copies. Needs a CUDA GPU;
+//! 13_host_pool does the same kind of work on host tensors.
 //!
 //!     cargo run --release --example 05_worker_pool
 
+mod common;
+
+use common::Outcome;
 use cuda_mp::{Device, GpuTensor, Pool};
 
 const WORKERS: usize = 4;
@@ -15,7 +19,8 @@ fn job((t, k): (GpuTensor<f32>, f64)) -> (u32, GpuTensor<f32>) {
     (std::process::id(), t)
 }
 
-fn run() -> Result<bool, Box<dyn std::error::Error>> {
+fn run() -> Outcome {
+    common::require_gpu()?;
     let dev = Device::get(0)?;
     let pool = Pool::new(WORKERS)?;
     let inputs: Vec<GpuTensor<f32>> =
@@ -37,20 +42,10 @@ fn run() -> Result<bool, Box<dyn std::error::Error>> {
     }
     println!("{} jobs ran on {} worker processes", JOBS, pids.len());
     pool.shutdown();
-    Ok(ok && pids.len() > 1)
+    common::ensure(ok && pids.len() > 1, "wrong values, copies or a single worker")
 }
 
 #[cuda_mp::main]
-fn main() {
-    match run() {
-        Ok(true) => println!("PASS: the pool computed in place on the parent's GPU memory"),
-        Ok(false) => {
-            println!("FAIL: wrong values, copies or a single worker");
-            std::process::exit(1);
-        }
-        Err(e) => {
-            println!("FAIL: {e}");
-            std::process::exit(1);
-        }
-    }
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    common::verdict(run(), "the pool computed in place on the parent's GPU memory")
 }

@@ -1,11 +1,15 @@
-//! A trainer updates a bundle of weights in place each step and publishes it to two rollout
-//! processes, which check that they read exactly that step's weights. The whole bundle is one
-//! allocation: each rollout opens its handle once, and every re-publish opens nothing.
+//! 06: a trainer updates a bundle of weights in place each step and publishes it to two
+//! rollout processes, which check that they read exactly that step's weights. The whole bundle
+//! is one allocation: each rollout opens its handle once, and every re-publish opens nothing.
+//! Needs a CUDA GPU.
 //!
 //!     cargo run --release --example 06_weight_sync
 
-use std::time::{Duration, Instant};
+mod common;
 
+use std::time::Instant;
+
+use common::{Outcome, TIMEOUT};
 use cuda_mp::{bf16, channel, lifetime_stats, spawn, Bundle, BundleBuilder, Device, Receiver, Sender};
 
 const STEPS: i64 = 5;
@@ -38,7 +42,8 @@ fn rollout((rx, reply): (Receiver<Bundle>, Sender<Result<(i64, u64), String>>)) 
     drop(weights);
 }
 
-fn run() -> Result<bool, Box<dyn std::error::Error>> {
+fn run() -> Outcome {
+    common::require_gpu()?;
     let dev = Device::get(0)?;
     let mut builder = BundleBuilder::new();
     for (i, n) in names().into_iter().enumerate() {
@@ -63,7 +68,7 @@ fn run() -> Result<bool, Box<dyn std::error::Error>> {
             tx.send(weights.clone())?;
         }
         for (r, (_, reply, _)) in rollouts.iter().enumerate() {
-            match reply.recv_timeout(Duration::from_secs(60))? {
+            match reply.recv_timeout(TIMEOUT)? {
                 Ok((seen, opened)) => {
                     println!("step {step}: rollout {r} read step {seen} weights, handles opened so far: {opened}");
                     ok &= seen == step && opened == 1;
@@ -80,20 +85,10 @@ fn run() -> Result<bool, Box<dyn std::error::Error>> {
         drop(tx);
         child.join()?;
     }
-    Ok(ok)
+    common::ensure(ok, "a rollout read the wrong weights or reopened the bundle")
 }
 
 #[cuda_mp::main]
-fn main() {
-    match run() {
-        Ok(true) => println!("PASS: both rollouts read exactly each step's weights, one handle each"),
-        Ok(false) => {
-            println!("FAIL: a rollout read the wrong weights or reopened the bundle");
-            std::process::exit(1);
-        }
-        Err(e) => {
-            println!("FAIL: {e}");
-            std::process::exit(1);
-        }
-    }
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    common::verdict(run(), "both rollouts read exactly each step's weights, one handle each")
 }

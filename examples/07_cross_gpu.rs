@@ -1,21 +1,17 @@
-//! Cross-GPU: the sender allocates on `--src-device` and fills 0, 1, 2, ...; the receiver maps
-//! that memory from `--access-device` through peer access and runs a kernel there that adds
-//! 1000 in place; the sender reads back i + 1000.
+//! 07: cross-GPU. The sender allocates on `--src-device` and fills 0, 1, 2, ...; the receiver
+//! maps that memory from `--access-device` through peer access and runs a kernel there that
+//! adds 1000 in place; the sender reads back i + 1000.
 //!
 //!     cargo run --release --example 07_cross_gpu -- --src-device 0 --access-device 1
 //!
 //! Needs two GPUs with peer access (`--access-device 0` runs the same path on one GPU).
 
-use std::time::Duration;
+mod common;
 
+use common::{Outcome, TIMEOUT};
 use cuda_mp::{channel, spawn, Device, GpuTensor, IpcPayload, Receiver, Sender};
 
 const N: usize = 1 << 20;
-
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok()).unwrap_or(default)
-}
 
 fn receiver((rx, access, done): (Receiver<IpcPayload>, usize, Sender<Result<String, String>>)) {
     let result = (|| -> cuda_mp::Result<String> {
@@ -36,9 +32,10 @@ fn receiver((rx, access, done): (Receiver<IpcPayload>, usize, Sender<Result<Stri
     let _ = done.send(result.map_err(|e| e.to_string()));
 }
 
-fn run() -> Result<bool, Box<dyn std::error::Error>> {
-    let (src, access) = (arg("--src-device", 0), arg("--access-device", 1));
-    let visible = Device::count()?;
+fn run() -> Outcome {
+    let src: usize = common::arg("--src-device", 0)?;
+    let access: usize = common::arg("--access-device", 1)?;
+    let visible = common::require_gpu()?;
     if src.max(access) >= visible {
         return Err(format!(
             "this example needs gpus {src} and {access}, and {visible} visible; on one GPU run it with --access-device 0"
@@ -57,24 +54,14 @@ fn run() -> Result<bool, Box<dyn std::error::Error>> {
     let (done_tx, done_rx) = channel()?;
     let child = spawn((rx, access, done_tx), receiver);
     tx.send(t.ipc_payload()?)?;
-    println!("{}", done_rx.recv_timeout(Duration::from_secs(60))??);
+    println!("{}", done_rx.recv_timeout(TIMEOUT)??);
     child.join()?;
     let back = t.to_vec()?;
     println!("sender: first values {:?} ... last {}", &back[..4], back[N - 1]);
-    Ok(back.iter().enumerate().all(|(i, &v)| v == i as f32 + 1000.0))
+    common::ensure(back.iter().enumerate().all(|(i, &v)| v == i as f32 + 1000.0), "wrong values")
 }
 
 #[cuda_mp::main]
-fn main() {
-    match run() {
-        Ok(true) => println!("PASS: cross-GPU IPC remote write verified"),
-        Ok(false) => {
-            println!("FAIL: wrong values");
-            std::process::exit(1);
-        }
-        Err(e) => {
-            println!("FAIL: {e}");
-            std::process::exit(1);
-        }
-    }
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    common::verdict(run(), "cross-GPU IPC remote write verified")
 }
