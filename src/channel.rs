@@ -12,7 +12,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::error::{Error, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError};
-use crate::os::{catch_quietly, descriptor_limit, out_of_descriptors};
+use crate::os::{catch_quietly, descriptor_limit, near_descriptor_limit, out_of_descriptors};
 use crate::wire;
 
 /// Creates a channel between processes. Either end can be sent to another process (as a spawn
@@ -196,7 +196,7 @@ fn guarded<R>(f: impl FnOnce() -> std::result::Result<R, RecvError>) -> std::res
         .unwrap_or_else(|_| Err(RecvError::Malformed("message refers to descriptors it does not carry".into())));
     wire::decode_end();
     match result {
-        Err(RecvError::Malformed(_) | RecvError::Io(_)) if out_of_descriptors() => {
+        Err(RecvError::Malformed(_) | RecvError::Io(_)) if near_descriptor_limit() => {
             Err(RecvError::OutOfDescriptors { limit: descriptor_limit() })
         }
         other => other,
@@ -404,4 +404,3 @@ fn accept_hello(server: IpcOneShotServer<Hello>) -> Result<OpaqueIpcReceiver> {
     }
     Ok(rx.to_opaque())
 }
-pub(crate) use crate::wire::{decode_error as codec_error, encode_error};

@@ -40,6 +40,15 @@ pub(crate) fn raise_descriptor_limit() {
     });
 }
 
+/// True when this process is at, or within one transport message (64 descriptors) of, its
+/// limit on open descriptors: a message whose descriptors could not all be received was
+/// probably cut short by the limit, and dropping it has freed what did arrive.
+pub(crate) fn near_descriptor_limit() -> bool {
+    let limit = descriptor_limit();
+    let open = std::fs::read_dir("/proc/self/fd").map(|d| d.count() as u64).unwrap_or(0);
+    out_of_descriptors() || open + 64 >= limit
+}
+
 /// True when this process cannot open one more descriptor (`EMFILE`/`ENFILE`): probes by
 /// duplicating standard input's slot number into a fresh descriptor and closing it again.
 pub(crate) fn out_of_descriptors() -> bool {

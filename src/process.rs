@@ -98,7 +98,7 @@ impl Builder {
             };
         }
         // The arguments are encoded like a channel message: tensors inside may be exported.
-        let (handle, overflow) = wire::encode_scope(|| catch_quietly(|| builder.spawn(args, f)));
+        let (handle, overflow) = wire::encode_spawn_scope(|| catch_quietly(|| builder.spawn(args, f)));
         match handle {
             Ok(handle) => {
                 // A failure here reaches the child as a malformed argument, and its join says so.
@@ -295,7 +295,7 @@ impl Pool {
         A: Serialize + DeserializeOwned,
         R: Serialize + DeserializeOwned + Send + 'static,
     {
-        let (handle, overflow) = wire::encode_scope(|| catch_quietly(|| self.inner.spawn(args, f)));
+        let (handle, overflow) = wire::encode_spawn_scope(|| catch_quietly(|| self.inner.spawn(args, f)));
         match handle {
             Ok(handle) => {
                 let _ = overflow.send();

@@ -82,6 +82,9 @@ pub(crate) struct Carried {
     /// Which message this belongs to (a receiver starts afresh on a new one).
     message: u64,
     how: How,
+    /// Whether later parts of the message may refer to this descriptor again (the receiver
+    /// then keeps a copy until the message is decoded).
+    keep: bool,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -100,6 +103,9 @@ struct Batch(Vec<Descriptor>);
 
 struct Encoding {
     message: u64,
+    /// Whether a channel carried twice travels once (not for spawn arguments, which the child
+    /// decodes outside a cuda-mp receive: it could not drop its copies afterwards).
+    dedup: bool,
     inline: usize,
     /// Descriptors carried so far, by dedup key, with their number in the message.
     numbered: HashMap<u64, u32>,
@@ -109,7 +115,7 @@ struct Encoding {
     /// Values shared by every storage of the message, by type.
     shared: Vec<Box<dyn Any>>,
     /// Sends of our own to run once the message is sent.
-    deferred: Vec<Box<dyn FnOnce()>>,
+    deferred: Vec<Box<dyn FnOnce() + Send>>,
 }
 
 #[derive(Default)]
@@ -164,6 +170,15 @@ impl Overflow {
 /// tensors inside may export their storages. Returns its result and the overflow to send once
 /// the message is sent. Nested scopes join the outer one.
 pub(crate) fn encode_scope<R>(encode: impl FnOnce() -> R) -> (R, Overflow) {
+    scope(true, encode)
+}
+
+/// Like [`encode_scope`], for spawn arguments: descriptors are not shared within the message.
+pub(crate) fn encode_spawn_scope<R>(encode: impl FnOnce() -> R) -> (R, Overflow) {
+    scope(false, encode)
+}
+
+fn scope<R>(dedup: bool, encode: impl FnOnce() -> R) -> (R, Overflow) {
     if ENCODING.with(|e| e.borrow().is_some()) {
         return (encode(), Overflow { batches: None });
     }
@@ -175,18 +190,7 @@ pub(crate) fn encode_scope<R>(encode: impl FnOnce() -> R) -> (R, Overflow) {
         }
     }
     FAILURE.with(|f| f.borrow_mut().take());
-    ENCODING.with(|e| {
-        *e.borrow_mut() = Some(Encoding {
-            message: next_message(),
-            inline: 0,
-            numbered: HashMap::new(),
-            count: 0,
-            overflow: Vec::new(),
-            batches: None,
-            shared: Vec::new(),
-            deferred: Vec::new(),
-        })
-    });
+    ENCODING.with(|e| *e.borrow_mut() = Some(Encoding::new(dedup)));
     let reset = Reset;
     let result = encode();
     let state = ENCODING.with(|e| e.borrow_mut().take());
@@ -197,6 +201,29 @@ pub(crate) fn encode_scope<R>(encode: impl FnOnce() -> R) -> (R, Overflow) {
     }
     let batches = state.batches.map(|tx| (tx, state.overflow));
     (result, Overflow { batches })
+}
+
+impl Encoding {
+    fn new(dedup: bool) -> Encoding {
+        Encoding {
+            message: next_message(),
+            dedup,
+            inline: 0,
+            numbered: HashMap::new(),
+            count: 0,
+            overflow: Vec::new(),
+            batches: None,
+            shared: Vec::new(),
+            deferred: Vec::new(),
+        }
+    }
+}
+
+/// True while procspawn encodes a spawned function's result (or arguments of a spawn that did
+/// not go through cuda-mp): a transport message, but not one of ours. Tensors then travel with
+/// their descriptors in the message itself, each on its own.
+fn in_procspawn() -> bool {
+    procspawn::serde::in_ipc_mode()
 }
 
 fn outside_scope() -> Error {
@@ -210,8 +237,8 @@ fn outside_scope() -> Error {
 /// Runs `action` (a send of our own on some channel) once the message being encoded on this
 /// thread is sent, or now when none is. The transport's send takes every descriptor serialized
 /// so far on its thread, so a send in the middle of encoding would carry off the message's.
-pub(crate) fn defer(action: impl FnOnce() + 'static) {
-    let action: Box<dyn FnOnce()> = Box::new(action);
+pub(crate) fn defer(action: impl FnOnce() + Send + 'static) {
+    let action: Box<dyn FnOnce() + Send> = Box::new(action);
     let left = ENCODING.with(|e| match e.borrow_mut().as_mut() {
         Some(e) => {
             e.deferred.push(action);
@@ -219,15 +246,20 @@ pub(crate) fn defer(action: impl FnOnce() + 'static) {
         }
         None => Some(action),
     });
-    if let Some(action) = left {
-        action();
+    match left {
+        // Inside procspawn's encoding, which we cannot wait for: send from another thread.
+        Some(action) if in_procspawn() => {
+            let _ = std::thread::spawn(action).join();
+        }
+        Some(action) => action(),
+        None => {}
     }
 }
 
 /// Fails unless a cuda-mp encode scope is open on this thread. Call before changing any
 /// state for an export.
 pub(crate) fn require_scope() -> Result<()> {
-    if ENCODING.with(|e| e.borrow().is_some()) {
+    if ENCODING.with(|e| e.borrow().is_some()) || in_procspawn() {
         Ok(())
     } else {
         Err(outside_scope())
@@ -239,8 +271,11 @@ pub(crate) fn require_scope() -> Result<()> {
 pub(crate) fn per_message<V: Clone + 'static>(make: impl FnOnce() -> Result<V>) -> Result<V> {
     let found = ENCODING.with(|e| {
         let e = e.borrow();
-        let e = e.as_ref().ok_or_else(outside_scope)?;
-        Ok::<_, Error>(e.shared.iter().find_map(|v| v.downcast_ref::<V>()).cloned())
+        match e.as_ref() {
+            Some(e) => Ok(e.shared.iter().find_map(|v| v.downcast_ref::<V>()).cloned()),
+            None if in_procspawn() => Ok(None),
+            None => Err(outside_scope()),
+        }
     })?;
     if let Some(v) = found {
         return Ok(v);
@@ -259,9 +294,15 @@ pub(crate) fn per_message<V: Clone + 'static>(make: impl FnOnce() -> Result<V>) 
 pub(crate) fn carry(descriptor: Descriptor, dedup: Option<u64>) -> Result<Carried> {
     ENCODING.with(|e| {
         let mut e = e.borrow_mut();
-        let e = e.as_mut().ok_or_else(outside_scope)?;
+        let Some(e) = e.as_mut() else {
+            if in_procspawn() {
+                return Ok(Carried { message: next_message(), how: How::Inline(descriptor), keep: false });
+            }
+            return Err(outside_scope());
+        };
+        let dedup = dedup.filter(|_| e.dedup);
         if let Some(&n) = dedup.and_then(|k| e.numbered.get(&k)) {
-            return Ok(Carried { message: e.message, how: How::Again(n) });
+            return Ok(Carried { message: e.message, how: How::Again(n), keep: false });
         }
         if let Some(k) = dedup {
             e.numbered.insert(k, e.count);
@@ -280,7 +321,7 @@ pub(crate) fn carry(descriptor: Descriptor, dedup: Option<u64>) -> Result<Carrie
                 How::Overflow(None)
             }
         };
-        Ok(Carried { message: e.message, how })
+        Ok(Carried { message: e.message, how, keep: dedup.is_some() })
     })
 }
 
@@ -340,8 +381,8 @@ pub(crate) fn take(carried: Carried) -> Result<Descriptor> {
             }
         };
         let numbered = match &descriptor {
-            Descriptor::Channel(c) => Some(c.clone()),
-            Descriptor::Memory(_) => None,
+            Descriptor::Channel(c) if carried.keep => Some(c.clone()),
+            _ => None,
         };
         d.numbered.push(numbered);
         Ok(descriptor)
@@ -459,9 +500,9 @@ mod tests {
     #[test]
     fn a_reference_to_an_uncarried_descriptor_is_malformed() {
         decode_begin();
-        let forged = Carried { message: 42, how: How::Again(3) };
+        let forged = Carried { message: 42, how: How::Again(3), keep: false };
         assert!(matches!(take(forged), Err(Error::Malformed(_))));
-        let forged = Carried { message: 43, how: How::Overflow(None) };
+        let forged = Carried { message: 43, how: How::Overflow(None), keep: false };
         assert!(matches!(take(forged), Err(Error::Malformed(_))));
     }
 }

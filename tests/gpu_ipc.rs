@@ -333,6 +333,19 @@ fn a_same_process_channel_hands_back_the_original_storage() {
     .expect("freed");
 }
 
+/// A lease as it travels: carried inline in the message (variant 0), as a channel (variant 1).
+#[derive(Serialize, Deserialize)]
+enum ForgedHow {
+    Inline(ForgedDescriptor),
+}
+
+#[derive(Serialize, Deserialize)]
+enum ForgedDescriptor {
+    #[allow(dead_code)]
+    Memory(u8),
+    Channel(ipc_channel::ipc::IpcSender<u8>),
+}
+
 /// The wire layout of a GPU tensor, with every field under the forger's control.
 #[derive(Serialize, Deserialize)]
 struct ForgedGpu {
@@ -342,13 +355,15 @@ struct ForgedGpu {
     offset: usize,
     owner: u128,
     index: u64,
+    bytes: u64,
+    message: u64,
+    lease: ForgedHow,
+    keep: bool,
+    cache_ticket: Option<u32>,
     device_uuid: [u8; 16],
     mem_handle: Vec<u8>,
     alloc_offset: u64,
-    bytes: u64,
     event_handle: Option<Vec<u8>>,
-    lease: ipc_channel::ipc::IpcSender<u8>,
-    cache_ticket: Option<u8>,
 }
 
 fn forged(uuid: [u8; 16], mem_handle: Vec<u8>) -> ForgedGpu {
@@ -359,13 +374,15 @@ fn forged(uuid: [u8; 16], mem_handle: Vec<u8>) -> ForgedGpu {
         offset: 0,
         owner: 77,
         index: 1,
+        bytes: 16,
+        message: 5,
+        lease: ForgedHow::Inline(ForgedDescriptor::Channel(ipc_channel::ipc::channel().unwrap().0)),
+        keep: false,
+        cache_ticket: None,
         device_uuid: uuid,
         mem_handle,
         alloc_offset: 0,
-        bytes: 16,
         event_handle: None,
-        lease: ipc_channel::ipc::channel().unwrap().0,
-        cache_ticket: None,
     }
 }
 
@@ -535,7 +552,7 @@ fn a_bundle_is_published_with_one_handle_and_republished_in_place() {
     assert_eq!(bundle.len(), 3);
     let w = bundle.get::<bf16>("layer.0.weight").unwrap();
     assert!(matches!(bundle.get::<f32>("layer.0.weight"), Err(cuda_mp::Error::DTypeMismatch { .. })));
-    assert!(bundle.get::<f32>("missing").is_err());
+    assert!(matches!(bundle.get::<f32>("missing"), Err(cuda_mp::Error::NoSuchTensor { .. })));
     let (tx, rx) = channel().unwrap();
     let (reply_tx, reply_rx) = channel().unwrap();
     let child = spawn((rx, reply_tx), read_bundle);
@@ -552,4 +569,38 @@ fn a_bundle_is_published_with_one_handle_and_republished_in_place() {
     drop(tx);
     child.join().unwrap();
     wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages).expect("bundle freed");
+}
+
+fn sum_bundle((rx, reply): (Receiver<cuda_mp::Bundle>, Sender<(usize, usize, f32)>)) {
+    let b = rx.recv().unwrap();
+    let total: f32 = b.entries().iter().map(|e| b.get::<f32>(e.name()).unwrap().to_vec().unwrap()[0]).sum();
+    reply.send((b.len(), b.allocations(), total)).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_bundle_of_a_hundred_allocations_crosses_in_one_message() {
+    let _g = serial();
+    let dev = gpu();
+    let before = lifetime_stats();
+    let mut builder = cuda_mp::BundleBuilder::new().chunk_bytes(4096);
+    for i in 0..100 {
+        builder = builder.add::<f32>(format!("t{i}"), &[1024]);
+    }
+    let bundle = builder.build(&dev).unwrap();
+    assert_eq!(bundle.allocations(), 100);
+    for i in 0..100 {
+        bundle.get::<f32>(&format!("t{i}")).unwrap().fill(i as f32).unwrap();
+    }
+    let (tx, rx) = channel().unwrap();
+    let (reply_tx, reply_rx) = channel().unwrap();
+    let child = spawn((rx, reply_tx), sum_bundle);
+    tx.send(bundle.clone()).unwrap();
+    assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), (100, 100, 4950.0));
+    child.join().unwrap();
+    drop(bundle);
+    wait_for_lifetime(WAIT, |s| {
+        s.live_storages == before.live_storages && s.outstanding_leases == before.outstanding_leases
+    })
+    .expect("every allocation freed");
 }

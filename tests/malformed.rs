@@ -56,10 +56,11 @@ enum How<D> {
 struct Carried<D> {
     message: u64,
     how: How<D>,
+    keep: bool,
 }
 
 fn inline<D>(d: D) -> Carried<D> {
-    Carried { message: 7, how: How::Inline(d) }
+    Carried { message: 7, how: How::Inline(d), keep: false }
 }
 
 /// The wire layout of a host tensor, with every field under the forger's control.

@@ -40,7 +40,38 @@ fn join_timeout_then_kill() {
     assert!(matches!(child.join_timeout(Duration::from_millis(100)), Err(JoinError::Timeout)));
     child.kill().unwrap();
     let err = child.join().unwrap_err();
-    assert!(!matches!(err, JoinError::Timeout | JoinError::Panicked(_)), "{err}");
+    assert!(matches!(err, JoinError::Signaled { signal: 9, name: "SIGKILL" }), "{err:?}");
+    assert_eq!(err.to_string(), "child process was killed by signal 9 (SIGKILL)");
+}
+
+fn exit_early(code: i32) {
+    std::process::exit(code);
+}
+
+fn abort(_: ()) {
+    std::process::abort();
+}
+
+fn report_pid_then_sleep(tx: cuda_mp::Sender<u32>) {
+    tx.send(std::process::id()).unwrap();
+    std::thread::sleep(Duration::from_secs(30));
+}
+
+#[test]
+fn join_errors_name_the_exit_status_or_the_signal() {
+    let err = spawn(3, exit_early).join().unwrap_err();
+    assert!(matches!(err, JoinError::Exited { code: 3 }), "{err:?}");
+    assert_eq!(err.to_string(), "child process exited with status 3 without a result");
+    let err = spawn((), abort).join().unwrap_err();
+    assert!(matches!(err, JoinError::Signaled { name: "SIGABRT", .. }), "{err:?}");
+    // Killed by someone else.
+    let (tx, rx) = cuda_mp::channel().unwrap();
+    let child = spawn(tx, report_pid_then_sleep);
+    let pid = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    // SAFETY: sends a signal to our own child, which is alive (it just answered).
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) }, 0);
+    let err = child.join().unwrap_err();
+    assert!(matches!(err, JoinError::Signaled { signal: 15, name: "SIGTERM" }), "{err:?}");
 }
 
 #[test]

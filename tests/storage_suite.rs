@@ -228,6 +228,30 @@ where
     settled(before);
 }
 
+fn hand_back<S>(v: Msg<S>) -> Msg<S> {
+    v
+}
+
+/// Spawn arguments and results carry tensors too, in a process of its own and in a pool.
+fn spawn_arguments_and_results_carry_tensors<K: Kind>()
+where
+    Tensor<f32, K::S>: Serialize + DeserializeOwned,
+{
+    let _g = serial();
+    let before = lifetime_stats();
+    // Results travel in procspawn's own message: up to 32 descriptors of ours fit (see the docs).
+    let sent: Msg<K::S> = (0..25).map(|_| K::make(8)).collect();
+    let back = spawn(sent.clone(), hand_back::<K::S>).join().unwrap();
+    assert_eq!(back.len(), 25);
+    assert!(back.iter().zip(&sent).all(|(a, b)| a.shares_storage_with(b)), "the same storages came back");
+    let pool = cuda_mp::Pool::new(2).unwrap();
+    let back2 = pool.spawn(sent[..3].to_vec(), hand_back::<K::S>).join().unwrap();
+    assert!(back2[2].shares_storage_with(&sent[2]));
+    pool.shutdown();
+    drop((sent, back, back2));
+    settled(before);
+}
+
 macro_rules! suite {
     ($module:ident, $kind:ty, $many:expr $(, #[$attr:meta])?) => {
         mod $module {
@@ -261,6 +285,12 @@ macro_rules! suite {
             $(#[$attr])?
             fn a_message_back_to_the_owner_is_the_same_storage() {
                 super::a_message_back_to_the_owner_is_the_same_storage::<$kind>();
+            }
+
+            #[test]
+            $(#[$attr])?
+            fn spawn_arguments_and_results_carry_tensors() {
+                super::spawn_arguments_and_results_carry_tensors::<$kind>();
             }
 
             #[test]

@@ -51,12 +51,6 @@ impl DeviceAllocation {
         self.ptr
     }
 
-    /// Size in bytes, as requested.
-    #[allow(dead_code)] // storage.rs keeps its own length
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
     /// `cuIpcGetMemHandle`: the handle another process opens to map this memory. The same for
     /// the allocation's whole life; callers cache it.
     pub(crate) fn ipc_handle(&self) -> Result<IpcHandle> {

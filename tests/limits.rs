@@ -1,0 +1,71 @@
+//! Running out of file descriptors is an error that says so, never a panic or a "malformed
+//! message": every shared storage and lease is a descriptor.
+
+use std::time::Duration;
+
+use cuda_mp::{channel, spawn, Error, HostTensor, Receiver, RecvTimeoutError, Sender};
+
+cuda_mp::enable_test_support!();
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// Lowers this process's soft descriptor limit to `headroom` above what it has open (after
+/// cuda-mp's own start-up, which raises it to the hard limit).
+fn leave_headroom(headroom: u64) -> u64 {
+    drop(HostTensor::<u8>::zeros(&[1]).unwrap());
+    let open = std::fs::read_dir("/proc/self/fd").unwrap().count() as u64;
+    let limit = open + headroom;
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `r` is a valid, writable rlimit; lowering the soft limit is always allowed.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut r), 0);
+        r.rlim_cur = limit as libc::rlim_t;
+        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &r), 0);
+    }
+    limit
+}
+
+fn allocate_until_it_fails(_: ()) -> String {
+    let limit = leave_headroom(8);
+    let mut held = Vec::new();
+    for _ in 0..100 {
+        match HostTensor::<u8>::zeros(&[64]) {
+            Ok(t) => held.push(t),
+            Err(Error::OutOfDescriptors { limit: said }) => {
+                assert_eq!(said, limit);
+                return format!("out of descriptors after {}", held.len());
+            }
+            Err(other) => return format!("unexpected error: {other}"),
+        }
+    }
+    "never failed".into()
+}
+
+#[test]
+fn allocating_past_the_descriptor_limit_is_an_error_that_says_so() {
+    let said = spawn((), allocate_until_it_fails).join().unwrap();
+    assert!(said.starts_with("out of descriptors after"), "{said}");
+}
+
+fn receive_with_little_room((rx, ready, reply): (Receiver<Vec<HostTensor<u8>>>, Sender<()>, Sender<String>)) {
+    leave_headroom(6);
+    ready.send(()).unwrap();
+    let said = match rx.recv_timeout(WAIT) {
+        Err(RecvTimeoutError::OutOfDescriptors { .. }) => "out of descriptors".to_string(),
+        Err(other) => format!("unexpected error: {other}"),
+        Ok(v) => format!("received {} tensors", v.len()),
+    };
+    reply.send(said).unwrap();
+}
+
+#[test]
+fn receiving_past_the_descriptor_limit_is_an_error_that_says_so() {
+    let (tx, rx) = channel().unwrap();
+    let (ready_tx, ready_rx) = channel().unwrap();
+    let (reply_tx, reply_rx) = channel().unwrap();
+    let child = spawn((rx, ready_tx, reply_tx), receive_with_little_room);
+    ready_rx.recv_timeout(WAIT).unwrap();
+    tx.send((0..20).map(|_| HostTensor::<u8>::zeros(&[8]).unwrap()).collect()).unwrap();
+    assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), "out of descriptors");
+    child.join().unwrap();
+}
