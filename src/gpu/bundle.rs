@@ -13,12 +13,12 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::storage::{decode_storage, encode_storage, GpuStorageWire};
 use super::{Device, GpuStorage, GpuTensor};
-use crate::channel::{codec_error, encode_error};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::lifetime::StorageId;
 use crate::tensor::Tensor;
+use crate::wire::{decode_error, encode_error};
 
 /// Byte alignment of every tensor in a bundle.
 const ALIGN: usize = 256;
@@ -223,7 +223,7 @@ impl Serialize for Bundle {
 impl<'de> Deserialize<'de> for Bundle {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
         let wire = BundleWire::deserialize(deserializer)?;
-        decode(wire).map_err(codec_error)
+        decode(wire).map_err(decode_error)
     }
 }
 

@@ -10,8 +10,7 @@ use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaStream};
 use once_cell::sync::{Lazy, OnceCell};
 
-use super::driver::{self, IpcHandle};
-use super::events;
+use super::driver;
 use super::handles::InterprocessEvent;
 use super::kernels::Kernels;
 use crate::error::{Error, Result};
@@ -45,13 +44,6 @@ pub struct Device {
     /// This process's interprocess event on the device (see `events.rs`); never destroyed,
     /// since devices live as long as the process.
     ipc_event: OnceCell<InterprocessEvent>,
-}
-
-/// The handle of this process's interprocess event, as [`Device::record_ipc_event`] returns it.
-/// Superseded by [`events::record`]; kept until `storage.rs` moves to it.
-#[allow(dead_code)]
-pub(crate) struct IpcEvent {
-    pub(crate) handle: IpcHandle,
 }
 
 impl fmt::Debug for Device {
@@ -133,14 +125,6 @@ impl Device {
         Err(Error::DeviceNotVisible { uuid: format_uuid(uuid) })
     }
 
-    /// Records this process's interprocess event after the work queued on the stream so far,
-    /// or returns `None` when that work is already done. Superseded by [`events::record`];
-    /// kept until `storage.rs` moves to it.
-    #[allow(dead_code)]
-    pub(crate) fn record_ipc_event(&self) -> Result<Option<IpcEvent>> {
-        Ok(events::record(self)?.map(|handle| IpcEvent { handle }))
-    }
-
     /// Ordinal in this process.
     pub fn ordinal(&self) -> usize {
         self.ordinal
@@ -195,13 +179,6 @@ impl Device {
     /// Makes the device's context current on the calling thread.
     pub(crate) fn bind(&self) -> Result<()> {
         self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))
-    }
-
-    /// The stream's raw handle. Superseded by the wrappers taking [`Device::stream`]; kept
-    /// until `storage.rs` moves to them.
-    #[allow(dead_code)]
-    pub(crate) fn cu_stream(&self) -> sys::CUstream {
-        self.stream.cu_stream()
     }
 
     /// The shipped kernels, loaded in the device's context on first use.
