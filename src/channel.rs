@@ -21,12 +21,25 @@ use crate::wire;
 /// The receiver reports [`RecvError::Disconnected`] once every sender is dropped, including
 /// senders held by processes that died; a process that keeps a sender of its own therefore
 /// never sees the channel disconnect.
+///
+/// ```
+/// let (tx, rx) = cuda_mp::channel::<u32>().unwrap();
+/// tx.send(7).unwrap();
+/// assert_eq!(rx.recv().unwrap(), 7);
+/// ```
 pub fn channel<T: Serialize + DeserializeOwned>() -> Result<(Sender<T>, Receiver<T>)> {
     let (tx, rx) = ipc::channel::<T>()?;
     Ok((Sender::from_ipc(tx), Receiver { inner: rx }))
 }
 
 /// The sending end of a channel. Clone it for several producers, in this process or others.
+///
+/// ```
+/// let (tx, rx) = cuda_mp::channel::<String>().unwrap();
+/// let tx2 = tx.clone();
+/// tx2.send("from a clone".into()).unwrap();
+/// assert_eq!(rx.recv().unwrap(), "from a clone");
+/// ```
 pub struct Sender<T> {
     inner: OpaqueIpcSender,
     _message: PhantomData<fn(T)>,
@@ -123,6 +136,14 @@ impl<T: Serialize> Sender<T> {
     }
 
     /// Connects to a [`Listener`] by the name it published.
+    ///
+    /// ```
+    /// let listener = cuda_mp::Listener::<u8>::bind().unwrap();
+    /// let tx = cuda_mp::Sender::<u8>::connect(listener.name()).unwrap();
+    /// let rx = listener.accept().unwrap();
+    /// tx.send(1).unwrap();
+    /// assert_eq!(rx.recv().unwrap(), 1);
+    /// ```
     pub fn connect(name: &str) -> Result<Sender<T>> {
         if name.is_empty() || name.len() >= 108 || name.contains('\0') {
             return Err(Error::Io(io::Error::new(
@@ -137,6 +158,17 @@ impl<T: Serialize> Sender<T> {
 
     /// Connects to a [`Listener`] whose name was written to `path` with
     /// [`Listener::publish_to`], waiting up to `timeout` for the file to appear.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let listener = cuda_mp::Listener::<u8>::bind().unwrap();
+    /// let path = std::env::temp_dir().join(format!("cuda-mp-doc-{}.name", std::process::id()));
+    /// listener.publish_to(&path).unwrap();
+    /// let tx = cuda_mp::Sender::<u8>::connect_file(&path, Duration::from_secs(5)).unwrap();
+    /// let rx = listener.accept().unwrap();
+    /// tx.send(2).unwrap();
+    /// assert_eq!(rx.recv().unwrap(), 2);
+    /// ```
     pub fn connect_file(path: impl AsRef<Path>, timeout: Duration) -> Result<Sender<T>> {
         let deadline = Instant::now() + timeout;
         loop {
@@ -165,6 +197,12 @@ impl<'de, T> Deserialize<'de> for Sender<T> {
 }
 
 /// The receiving end of a channel. It can be moved to another process, not cloned.
+///
+/// ```
+/// let (tx, rx) = cuda_mp::channel::<i64>().unwrap();
+/// tx.send(-1).unwrap();
+/// assert_eq!(rx.recv().unwrap(), -1);
+/// ```
 pub struct Receiver<T> {
     inner: IpcReceiver<T>,
 }
@@ -205,11 +243,22 @@ fn guarded<R>(f: impl FnOnce() -> std::result::Result<R, RecvError>) -> std::res
 
 impl<T: Serialize + DeserializeOwned> Receiver<T> {
     /// Blocks until a message arrives or every sender is gone.
+    ///
+    /// ```
+    /// let (tx, rx) = cuda_mp::channel::<u8>().unwrap();
+    /// drop(tx);
+    /// assert!(rx.recv().unwrap_err().is_disconnected());
+    /// ```
     pub fn recv(&self) -> std::result::Result<T, RecvError> {
         guarded(|| self.inner.recv().map_err(recv_error))
     }
 
     /// Returns a waiting message, if any, without blocking.
+    ///
+    /// ```
+    /// let (_tx, rx) = cuda_mp::channel::<u8>().unwrap();
+    /// assert!(rx.try_recv().unwrap_err().is_empty());
+    /// ```
     pub fn try_recv(&self) -> std::result::Result<T, TryRecvError> {
         let mut empty = false;
         let r = guarded(|| match self.inner.try_recv() {
@@ -228,6 +277,12 @@ impl<T: Serialize + DeserializeOwned> Receiver<T> {
     }
 
     /// Blocks until a message arrives, every sender is gone, or `timeout` passes.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let (_tx, rx) = cuda_mp::channel::<u8>().unwrap();
+    /// assert!(rx.recv_timeout(Duration::from_millis(10)).unwrap_err().is_timeout());
+    /// ```
     pub fn recv_timeout(&self, timeout: Duration) -> std::result::Result<T, RecvTimeoutError> {
         let mut timed_out = false;
         let r = guarded(|| match self.inner.try_recv_timeout(timeout) {
@@ -246,6 +301,15 @@ impl<T: Serialize + DeserializeOwned> Receiver<T> {
     }
 
     /// An iterator that receives until the channel disconnects or a receive fails.
+    ///
+    /// ```
+    /// let (tx, rx) = cuda_mp::channel::<u8>().unwrap();
+    /// for i in 0..3 {
+    ///     tx.send(i).unwrap();
+    /// }
+    /// drop(tx);
+    /// assert_eq!(rx.iter().collect::<Vec<_>>(), vec![0, 1, 2]);
+    /// ```
     pub fn iter(&self) -> impl Iterator<Item = T> + '_ {
         std::iter::from_fn(move || self.recv().ok())
     }
@@ -264,6 +328,13 @@ impl<'de, T: Serialize + DeserializeOwned> Deserialize<'de> for Receiver<T> {
 }
 
 /// One end of a two-way connection made by [`pipe`]: it sends `S` and receives `R`.
+///
+/// ```
+/// let (a, b) = cuda_mp::pipe::<u8, String>().unwrap();
+/// a.send(3).unwrap();
+/// b.send(format!("got {}", b.recv().unwrap())).unwrap();
+/// assert_eq!(a.recv().unwrap(), "got 3");
+/// ```
 #[derive(Serialize, Deserialize)]
 #[serde(bound(serialize = "", deserialize = "R: Serialize + DeserializeOwned"))]
 pub struct Duplex<S, R> {
@@ -282,6 +353,12 @@ impl<S, R> fmt::Debug for Duplex<S, R> {
 
 /// Creates a two-way connection, like `multiprocessing.Pipe()`: the first end sends `A` and
 /// receives `B`, the second sends `B` and receives `A`.
+///
+/// ```
+/// let (here, there) = cuda_mp::pipe::<u8, u8>().unwrap();
+/// there.send(9).unwrap();
+/// assert_eq!(here.recv().unwrap(), 9);
+/// ```
 pub fn pipe<A, B>() -> Result<(Duplex<A, B>, Duplex<B, A>)>
 where
     A: Serialize + DeserializeOwned,
@@ -294,26 +371,56 @@ where
 
 impl<S: Serialize + DeserializeOwned, R: Serialize + DeserializeOwned> Duplex<S, R> {
     /// Sends to the other end.
+    ///
+    /// ```
+    /// let (a, b) = cuda_mp::pipe::<u8, u8>().unwrap();
+    /// a.send(1).unwrap();
+    /// assert_eq!(b.recv().unwrap(), 1);
+    /// ```
     pub fn send(&self, value: S) -> std::result::Result<(), SendError<S>> {
         self.tx.send(value)
     }
 
     /// Receives from the other end, blocking.
+    ///
+    /// ```
+    /// let (a, b) = cuda_mp::pipe::<u8, u8>().unwrap();
+    /// b.send(2).unwrap();
+    /// assert_eq!(a.recv().unwrap(), 2);
+    /// ```
     pub fn recv(&self) -> std::result::Result<R, RecvError> {
         self.rx.recv()
     }
 
     /// Receives from the other end without blocking.
+    ///
+    /// ```
+    /// let (a, _b) = cuda_mp::pipe::<u8, u8>().unwrap();
+    /// assert!(a.try_recv().unwrap_err().is_empty());
+    /// ```
     pub fn try_recv(&self) -> std::result::Result<R, TryRecvError> {
         self.rx.try_recv()
     }
 
     /// Receives from the other end, giving up after `timeout`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let (a, _b) = cuda_mp::pipe::<u8, u8>().unwrap();
+    /// assert!(a.recv_timeout(Duration::from_millis(10)).unwrap_err().is_timeout());
+    /// ```
     pub fn recv_timeout(&self, timeout: Duration) -> std::result::Result<R, RecvTimeoutError> {
         self.rx.recv_timeout(timeout)
     }
 
     /// Splits into the sending and receiving halves.
+    ///
+    /// ```
+    /// let (a, b) = cuda_mp::pipe::<u8, u8>().unwrap();
+    /// let (tx, _rx) = a.split();
+    /// tx.send(4).unwrap();
+    /// assert_eq!(b.recv().unwrap(), 4);
+    /// ```
     pub fn split(self) -> (Sender<S>, Receiver<R>) {
         (self.tx, self.rx)
     }
@@ -332,6 +439,11 @@ impl Hello {
 }
 
 /// Waits for one unrelated process to connect by name (see [`Sender::connect`]).
+///
+/// ```
+/// let listener = cuda_mp::Listener::<String>::bind().unwrap();
+/// assert!(!listener.name().is_empty());
+/// ```
 pub struct Listener<T> {
     server: IpcOneShotServer<Hello>,
     name: String,
@@ -346,17 +458,34 @@ impl<T> fmt::Debug for Listener<T> {
 
 impl<T: Serialize + DeserializeOwned> Listener<T> {
     /// Creates a listener with a fresh name.
+    ///
+    /// ```
+    /// let listener = cuda_mp::Listener::<u8>::bind().unwrap();
+    /// println!("connect to {}", listener.name());
+    /// ```
     pub fn bind() -> Result<Listener<T>> {
         let (server, name) = IpcOneShotServer::new()?;
         Ok(Listener { server, name, _message: PhantomData })
     }
 
     /// The name a peer passes to [`Sender::connect`].
+    ///
+    /// ```
+    /// let listener = cuda_mp::Listener::<u8>::bind().unwrap();
+    /// let _tx = cuda_mp::Sender::<u8>::connect(listener.name()).unwrap();
+    /// ```
     pub fn name(&self) -> &str {
         &self.name
     }
 
     /// Writes the name to `path` (atomically: a reader never sees half of it).
+    ///
+    /// ```
+    /// let listener = cuda_mp::Listener::<u8>::bind().unwrap();
+    /// let path = std::env::temp_dir().join(format!("cuda-mp-doc-pub-{}.name", std::process::id()));
+    /// listener.publish_to(&path).unwrap();
+    /// assert_eq!(std::fs::read_to_string(&path).unwrap(), listener.name());
+    /// ```
     pub fn publish_to(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         let tmp = path.with_extension("partial");
@@ -366,11 +495,26 @@ impl<T: Serialize + DeserializeOwned> Listener<T> {
     }
 
     /// Blocks until a peer connects; returns the receiving end of the connection.
+    ///
+    /// ```
+    /// let listener = cuda_mp::Listener::<u8>::bind().unwrap();
+    /// let tx = cuda_mp::Sender::<u8>::connect(listener.name()).unwrap();
+    /// let rx = listener.accept().unwrap();
+    /// tx.send(5).unwrap();
+    /// assert_eq!(rx.recv().unwrap(), 5);
+    /// ```
     pub fn accept(self) -> Result<Receiver<T>> {
         Ok(Receiver { inner: accept_hello(self.server)?.to() })
     }
 
     /// Like [`accept`](Self::accept), giving up after `timeout`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let listener = cuda_mp::Listener::<u8>::bind().unwrap();
+    /// let err = listener.accept_timeout(Duration::from_millis(50)).unwrap_err();
+    /// assert!(err.is_timeout());
+    /// ```
     pub fn accept_timeout(self, timeout: Duration) -> Result<Receiver<T>> {
         let (done_tx, done_rx) = std::sync::mpsc::channel();
         let server = self.server;

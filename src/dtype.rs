@@ -6,6 +6,13 @@ use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 
 /// The element type of a tensor.
+///
+/// ```
+/// use cuda_mp::{bf16, DType, HostTensor};
+/// let t = HostTensor::<bf16>::zeros(&[4]).unwrap();
+/// assert_eq!(t.dtype(), DType::BF16);
+/// assert_eq!(t.dtype().to_string(), "bf16");
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[repr(u8)]
 #[allow(missing_docs)]
@@ -24,6 +31,12 @@ pub enum DType {
 
 impl DType {
     /// Every dtype, in tag order.
+    ///
+    /// ```
+    /// use cuda_mp::DType;
+    /// assert_eq!(DType::ALL.len(), 10);
+    /// assert!(DType::ALL.iter().enumerate().all(|(i, d)| d.tag() as usize == i));
+    /// ```
     pub const ALL: [DType; 10] = [
         DType::F32,
         DType::F64,
@@ -38,6 +51,12 @@ impl DType {
     ];
 
     /// Size of one element in bytes.
+    ///
+    /// ```
+    /// use cuda_mp::DType;
+    /// assert_eq!(DType::BF16.size(), 2);
+    /// assert_eq!(DType::I64.size(), std::mem::size_of::<i64>());
+    /// ```
     pub const fn size(self) -> usize {
         match self {
             DType::F64 | DType::I64 => 8,
@@ -48,6 +67,10 @@ impl DType {
     }
 
     /// The short name used in kernels and messages (`f32`, `bf16`, ...).
+    ///
+    /// ```
+    /// assert_eq!(cuda_mp::DType::F16.name(), "f16");
+    /// ```
     pub const fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",
@@ -64,11 +87,23 @@ impl DType {
     }
 
     /// The dtype with the given wire tag, if any.
+    ///
+    /// ```
+    /// use cuda_mp::DType;
+    /// assert_eq!(DType::from_tag(DType::I32.tag()), Some(DType::I32));
+    /// assert_eq!(DType::from_tag(200), None);
+    /// ```
     pub fn from_tag(tag: u8) -> Option<DType> {
         DType::ALL.get(tag as usize).copied()
     }
 
     /// The wire tag of this dtype.
+    ///
+    /// ```
+    /// use cuda_mp::DType;
+    /// assert_eq!(DType::F32.tag(), 0);
+    /// assert_eq!(DType::Bool.tag(), 9);
+    /// ```
     pub const fn tag(self) -> u8 {
         self as u8
     }
@@ -97,6 +132,31 @@ mod sealed {
 /// `half::bf16`, `i8`, `u8`, `i16`, `i32`, `i64` and `bool`; sealed (its crate-private
 /// supertrait cannot be implemented or called from outside the crate).
 ///
+/// ```
+/// fn describe<T: cuda_mp::Element>(t: &cuda_mp::HostTensor<T>) -> String {
+///     format!("{} x {}", T::DTYPE, t.numel())
+/// }
+/// assert_eq!(describe(&cuda_mp::HostTensor::<u8>::zeros(&[3]).unwrap()), "u8 x 3");
+/// ```
+///
+/// Other types are not elements:
+///
+/// ```compile_fail,E0599
+/// let t = cuda_mp::HostTensor::<u32>::zeros(&[4]); // u32 is not an element type
+/// ```
+///
+/// ```compile_fail,E0277
+/// // The list of element types is closed.
+/// #[derive(Clone, Copy, Debug)]
+/// struct Rgb(u8, u8, u8);
+/// impl cuda_mp::Element for Rgb {
+///     const DTYPE: cuda_mp::DType = cuda_mp::DType::U8;
+///     fn to_bits(self) -> u64 {
+///         0
+///     }
+/// }
+/// ```
+///
 /// ```compile_fail,E0624
 /// // The element conversions are the crate's own business.
 /// fn decode<T: cuda_mp::Element>(bits: u64) -> T {
@@ -109,6 +169,12 @@ pub trait Element: sealed::Sealed + Copy + Send + Sync + fmt::Debug + 'static {
     const DTYPE: DType;
 
     /// The element's bits, zero-extended to 64 bits (little endian), for kernel arguments.
+    ///
+    /// ```
+    /// use cuda_mp::Element;
+    /// assert_eq!(Element::to_bits(1.0f32), 0x3f80_0000);
+    /// assert_eq!(Element::to_bits(-1i8), 0xff); // zero-extended, not sign-extended
+    /// ```
     fn to_bits(self) -> u64;
 }
 

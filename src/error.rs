@@ -6,6 +6,12 @@ use std::time::Duration;
 use crate::dtype::DType;
 
 /// The crate's error type for everything that is not a channel operation.
+///
+/// ```
+/// let err = cuda_mp::HostTensor::<f32>::from_vec(&[2, 2], vec![1.0]).unwrap_err();
+/// assert!(matches!(err, cuda_mp::Error::Layout(_)));
+/// assert_eq!(err.to_string(), "invalid layout: shape [2, 2] holds 4 elements, not 1");
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -88,11 +94,23 @@ pub enum Error {
 
 impl Error {
     /// True when the CUDA driver ran out of device memory.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let err = cuda_mp::GpuTensor::<u8>::zeros(&dev, &[1 << 50]).unwrap_err(); // a petabyte
+    /// assert!(err.is_out_of_memory());
+    /// ```
     pub fn is_out_of_memory(&self) -> bool {
         matches!(self, Error::Driver { code: cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY, .. })
     }
 
     /// True when a blocking operation gave up after its timeout.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let err = cuda_mp::wait_for_lifetime(Duration::from_millis(10), |_| false).unwrap_err();
+    /// assert!(err.is_timeout());
+    /// ```
     pub fn is_timeout(&self) -> bool {
         matches!(self, Error::Timeout(_))
     }
@@ -117,9 +135,23 @@ impl From<RecvTimeoutError> for Error {
 }
 
 /// The result type of this crate.
+///
+/// ```
+/// fn elements(shape: &[usize]) -> cuda_mp::Result<usize> {
+///     Ok(cuda_mp::HostTensor::<f32>::zeros(shape)?.numel())
+/// }
+/// assert_eq!(elements(&[2, 3]).unwrap(), 6);
+/// ```
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Why a send failed.
+///
+/// ```
+/// let (tx, rx) = cuda_mp::channel::<u32>().unwrap();
+/// drop(rx);
+/// let err = tx.send(7).unwrap_err();
+/// assert_eq!(err.failure(), &cuda_mp::SendFailure::Disconnected);
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum SendFailure {
@@ -150,6 +182,14 @@ impl fmt::Display for SendFailure {
 }
 
 /// A failed send; the value comes back with [`SendError::into_inner`].
+///
+/// ```
+/// let (tx, rx) = cuda_mp::channel::<String>().unwrap();
+/// drop(rx);
+/// let err = tx.send("lost".to_string()).unwrap_err();
+/// assert!(err.is_disconnected());
+/// assert_eq!(err.into_inner(), "lost");
+/// ```
 pub struct SendError<T> {
     value: T,
     failure: SendFailure,
@@ -161,21 +201,49 @@ impl<T> SendError<T> {
     }
 
     /// Takes back the value that could not be sent.
+    ///
+    /// ```
+    /// let (tx, rx) = cuda_mp::channel::<cuda_mp::HostTensor<f32>>().unwrap();
+    /// drop(rx);
+    /// let t = cuda_mp::HostTensor::<f32>::full(&[2], 3.0).unwrap();
+    /// let back = tx.send(t).unwrap_err().into_inner();
+    /// assert_eq!(back.to_vec(), vec![3.0, 3.0]);
+    /// ```
     pub fn into_inner(self) -> T {
         self.value
     }
 
     /// Why the send failed.
+    ///
+    /// ```
+    /// let (tx, rx) = cuda_mp::channel::<u32>().unwrap();
+    /// drop(rx);
+    /// let err = tx.send(7).unwrap_err();
+    /// assert_eq!(err.failure().to_string(), "sending on a disconnected channel");
+    /// ```
     pub fn failure(&self) -> &SendFailure {
         &self.failure
     }
 
     /// True when the send failed because every receiver is gone.
+    ///
+    /// ```
+    /// let (tx, rx) = cuda_mp::channel::<u32>().unwrap();
+    /// drop(rx);
+    /// assert!(tx.send(7).unwrap_err().is_disconnected());
+    /// ```
     pub fn is_disconnected(&self) -> bool {
         self.failure == SendFailure::Disconnected
     }
 
     /// True when the send failed because this process is out of file descriptors.
+    ///
+    /// ```
+    /// let (tx, rx) = cuda_mp::channel::<u32>().unwrap();
+    /// drop(rx);
+    /// let err = tx.send(7).unwrap_err();
+    /// assert!(!err.is_out_of_descriptors()); // disconnected instead
+    /// ```
     pub fn is_out_of_descriptors(&self) -> bool {
         matches!(self.failure, SendFailure::OutOfDescriptors { .. })
     }
@@ -196,6 +264,12 @@ impl<T> fmt::Display for SendError<T> {
 impl<T> std::error::Error for SendError<T> {}
 
 /// A failed blocking receive.
+///
+/// ```
+/// let (tx, rx) = cuda_mp::channel::<u32>().unwrap();
+/// drop(tx);
+/// assert_eq!(rx.recv().unwrap_err(), cuda_mp::RecvError::Disconnected);
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum RecvError {
@@ -219,6 +293,13 @@ pub enum RecvError {
 }
 
 /// A failed non-blocking receive.
+///
+/// ```
+/// let (tx, rx) = cuda_mp::channel::<u32>().unwrap();
+/// assert_eq!(rx.try_recv().unwrap_err(), cuda_mp::TryRecvError::Empty);
+/// tx.send(1).unwrap();
+/// assert_eq!(rx.try_recv().unwrap(), 1);
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum TryRecvError {
@@ -244,6 +325,13 @@ pub enum TryRecvError {
 }
 
 /// A failed receive with a timeout.
+///
+/// ```
+/// use std::time::Duration;
+/// let (_tx, rx) = cuda_mp::channel::<u32>().unwrap();
+/// let err = rx.recv_timeout(Duration::from_millis(10)).unwrap_err();
+/// assert_eq!(err, cuda_mp::RecvTimeoutError::Timeout);
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum RecvTimeoutError {
@@ -270,6 +358,12 @@ pub enum RecvTimeoutError {
 
 impl RecvError {
     /// True when every sender is gone.
+    ///
+    /// ```
+    /// let (tx, rx) = cuda_mp::channel::<u32>().unwrap();
+    /// drop(tx);
+    /// assert!(rx.recv().unwrap_err().is_disconnected());
+    /// ```
     pub fn is_disconnected(&self) -> bool {
         matches!(self, RecvError::Disconnected)
     }
@@ -277,11 +371,22 @@ impl RecvError {
 
 impl TryRecvError {
     /// True when no message was waiting.
+    ///
+    /// ```
+    /// let (_tx, rx) = cuda_mp::channel::<u32>().unwrap();
+    /// assert!(rx.try_recv().unwrap_err().is_empty());
+    /// ```
     pub fn is_empty(&self) -> bool {
         matches!(self, TryRecvError::Empty)
     }
 
     /// True when every sender is gone.
+    ///
+    /// ```
+    /// let (tx, rx) = cuda_mp::channel::<u32>().unwrap();
+    /// drop(tx);
+    /// assert!(rx.try_recv().unwrap_err().is_disconnected());
+    /// ```
     pub fn is_disconnected(&self) -> bool {
         matches!(self, TryRecvError::Disconnected)
     }
@@ -289,11 +394,24 @@ impl TryRecvError {
 
 impl RecvTimeoutError {
     /// True when no message arrived in time.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let (_tx, rx) = cuda_mp::channel::<u32>().unwrap();
+    /// assert!(rx.recv_timeout(Duration::from_millis(10)).unwrap_err().is_timeout());
+    /// ```
     pub fn is_timeout(&self) -> bool {
         matches!(self, RecvTimeoutError::Timeout)
     }
 
     /// True when every sender is gone.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let (tx, rx) = cuda_mp::channel::<u32>().unwrap();
+    /// drop(tx);
+    /// assert!(rx.recv_timeout(Duration::from_secs(1)).unwrap_err().is_disconnected());
+    /// ```
     pub fn is_disconnected(&self) -> bool {
         matches!(self, RecvTimeoutError::Disconnected)
     }
@@ -322,6 +440,14 @@ impl From<RecvError> for RecvTimeoutError {
 }
 
 /// Where a panic in a child process happened and what it said.
+///
+/// ```
+/// // What `JoinHandle::join` says about a child that panicked.
+/// fn panic_message(err: &cuda_mp::JoinError) -> Option<&str> {
+///     err.panic().map(|report| report.message.as_str())
+/// }
+/// assert_eq!(panic_message(&cuda_mp::JoinError::Timeout), None);
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct PanicReport {
@@ -341,6 +467,11 @@ impl fmt::Display for PanicReport {
 }
 
 /// A failed join of a child process.
+///
+/// ```
+/// let err = cuda_mp::JoinError::Signaled { signal: 9, name: "SIGKILL" };
+/// assert_eq!(err.to_string(), "child process was killed by signal 9 (SIGKILL)");
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum JoinError {
@@ -378,6 +509,11 @@ pub enum JoinError {
 
 impl JoinError {
     /// The child's panic, when it panicked.
+    ///
+    /// ```
+    /// let err = cuda_mp::JoinError::Exited { code: 3 };
+    /// assert!(err.panic().is_none()); // it exited, it did not panic
+    /// ```
     pub fn panic(&self) -> Option<&PanicReport> {
         match self {
             JoinError::Panicked(p) => Some(p),

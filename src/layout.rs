@@ -6,9 +6,23 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 
 /// The most dimensions a tensor may have (the shipped GPU kernels take at most this many).
+///
+/// ```
+/// use cuda_mp::{Layout, MAX_DIMS};
+/// assert!(Layout::contiguous(&[1; MAX_DIMS]).is_ok());
+/// assert!(Layout::contiguous(&[1; MAX_DIMS + 1]).is_err());
+/// ```
 pub const MAX_DIMS: usize = 8;
 
 /// Where the elements of a view lie in its storage.
+///
+/// ```
+/// use cuda_mp::Layout;
+/// let l = Layout::contiguous(&[3, 4]).unwrap();
+/// let column = l.select(1, 2).unwrap();
+/// assert_eq!(column.shape(), &[3]);
+/// assert_eq!((column.strides(), column.offset()), (&[4][..], 2));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Layout {
     shape: Vec<usize>,
@@ -22,6 +36,12 @@ fn layout_err(msg: impl Into<String>) -> Error {
 
 impl Layout {
     /// A row-major contiguous layout of `shape` at offset 0.
+    ///
+    /// ```
+    /// let l = cuda_mp::Layout::contiguous(&[2, 3, 4]).unwrap();
+    /// assert_eq!(l.strides(), &[12, 4, 1]);
+    /// assert_eq!(l.offset(), 0);
+    /// ```
     pub fn contiguous(shape: &[usize]) -> Result<Layout> {
         let layout = Layout { shape: shape.to_vec(), strides: contiguous_strides(shape), offset: 0 };
         layout.check_dims()?;
@@ -30,6 +50,13 @@ impl Layout {
     }
 
     /// A layout from its parts, checked against a storage of `storage_elems` elements.
+    ///
+    /// ```
+    /// use cuda_mp::Layout;
+    /// let columns_first = Layout::new(vec![2, 2], vec![1, 2], 0, 4).unwrap();
+    /// assert!(!columns_first.is_contiguous());
+    /// assert!(Layout::new(vec![2, 2], vec![2, 1], 1, 4).is_err()); // would reach element 4 of 0..4
+    /// ```
     pub fn new(shape: Vec<usize>, strides: Vec<usize>, offset: usize, storage_elems: usize) -> Result<Layout> {
         let layout = Layout { shape, strides, offset };
         layout.check_fits(storage_elems)?;
@@ -81,26 +108,55 @@ impl Layout {
     }
 
     /// The extent of each dimension.
+    ///
+    /// ```
+    /// assert_eq!(cuda_mp::Layout::contiguous(&[2, 5]).unwrap().shape(), &[2, 5]);
+    /// ```
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }
 
     /// The step, in elements, between neighbours along each dimension.
+    ///
+    /// ```
+    /// let l = cuda_mp::Layout::contiguous(&[2, 5]).unwrap();
+    /// assert_eq!(l.strides(), &[5, 1]);
+    /// assert_eq!(l.transpose(0, 1).unwrap().strides(), &[1, 5]);
+    /// ```
     pub fn strides(&self) -> &[usize] {
         &self.strides
     }
 
     /// The storage index, in elements, of the view's first element.
+    ///
+    /// ```
+    /// let l = cuda_mp::Layout::contiguous(&[4, 5]).unwrap();
+    /// assert_eq!(l.narrow(0, 1, 2).unwrap().offset(), 5);
+    /// ```
     pub fn offset(&self) -> usize {
         self.offset
     }
 
     /// Number of elements in the view.
+    ///
+    /// ```
+    /// use cuda_mp::Layout;
+    /// assert_eq!(Layout::contiguous(&[2, 5]).unwrap().numel(), 10);
+    /// assert_eq!(Layout::contiguous(&[3, 0]).unwrap().numel(), 0);
+    /// assert_eq!(Layout::contiguous(&[]).unwrap().numel(), 1); // a scalar
+    /// ```
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
 
     /// True when the view is row-major with no gaps (dimensions of extent 1 are ignored).
+    ///
+    /// ```
+    /// let l = cuda_mp::Layout::contiguous(&[3, 4]).unwrap();
+    /// assert!(l.narrow(0, 1, 2).unwrap().is_contiguous()); // whole rows
+    /// assert!(!l.narrow(1, 1, 2).unwrap().is_contiguous()); // gaps between rows
+    /// assert!(!l.transpose(0, 1).unwrap().is_contiguous());
+    /// ```
     pub fn is_contiguous(&self) -> bool {
         let mut expected = 1usize;
         for (&n, &s) in self.shape.iter().zip(&self.strides).rev() {
@@ -123,6 +179,13 @@ impl Layout {
     }
 
     /// The sub-range `start..start + len` of dimension `dim`.
+    ///
+    /// ```
+    /// let l = cuda_mp::Layout::contiguous(&[3, 4]).unwrap();
+    /// let n = l.narrow(1, 1, 2).unwrap();
+    /// assert_eq!((n.shape(), n.offset()), (&[3, 2][..], 1));
+    /// assert!(l.narrow(1, 3, 2).is_err());
+    /// ```
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Layout> {
         self.check_dim(dim)?;
         let end = start.checked_add(len).ok_or_else(|| layout_err("narrow range overflows"))?;
@@ -141,6 +204,12 @@ impl Layout {
     }
 
     /// Index `index` of dimension `dim`, which disappears from the result.
+    ///
+    /// ```
+    /// let l = cuda_mp::Layout::contiguous(&[3, 4]).unwrap();
+    /// let row = l.select(0, 2).unwrap();
+    /// assert_eq!((row.shape(), row.offset()), (&[4][..], 8));
+    /// ```
     pub fn select(&self, dim: usize, index: usize) -> Result<Layout> {
         let mut out = self.narrow(dim, index, 1)?;
         out.shape.remove(dim);
@@ -149,6 +218,12 @@ impl Layout {
     }
 
     /// Swaps two dimensions.
+    ///
+    /// ```
+    /// let t = cuda_mp::Layout::contiguous(&[3, 4]).unwrap().transpose(0, 1).unwrap();
+    /// assert_eq!(t.shape(), &[4, 3]);
+    /// assert_eq!(t.strides(), &[1, 4]);
+    /// ```
     pub fn transpose(&self, a: usize, b: usize) -> Result<Layout> {
         self.check_dim(a)?;
         self.check_dim(b)?;
@@ -159,6 +234,13 @@ impl Layout {
     }
 
     /// Reorders the dimensions: dimension `i` of the result is dimension `order[i]` of `self`.
+    ///
+    /// ```
+    /// let l = cuda_mp::Layout::contiguous(&[2, 3, 4]).unwrap();
+    /// let p = l.permute(&[2, 0, 1]).unwrap();
+    /// assert_eq!((p.shape(), p.strides()), (&[4, 2, 3][..], &[1, 12, 4][..]));
+    /// assert!(l.permute(&[0, 0, 1]).is_err());
+    /// ```
     pub fn permute(&self, order: &[usize]) -> Result<Layout> {
         let n = self.shape.len();
         let mut seen = vec![false; n];
@@ -173,6 +255,13 @@ impl Layout {
     }
 
     /// The same elements under a new shape; only for contiguous views.
+    ///
+    /// ```
+    /// let l = cuda_mp::Layout::contiguous(&[3, 4]).unwrap();
+    /// assert_eq!(l.reshape(&[2, 6]).unwrap().strides(), &[6, 1]);
+    /// assert!(l.reshape(&[5, 2]).is_err()); // 12 elements, not 10
+    /// assert!(l.transpose(0, 1).unwrap().reshape(&[12]).is_err());
+    /// ```
     pub fn reshape(&self, shape: &[usize]) -> Result<Layout> {
         if !self.is_contiguous() {
             return Err(layout_err("reshape needs a contiguous view; copy it first"));

@@ -17,6 +17,14 @@ static INITIALIZED: AtomicBool = AtomicBool::new(false);
 /// Prepares this process for spawning workers. Call it first in `main` (or annotate `main` with
 /// `#[cuda_mp::main]`): in a worker this runs the worker's function and exits, so nothing
 /// before it must have side effects.
+///
+/// ```no_run
+/// fn main() {
+///     cuda_mp::init(); // first: in a worker this runs the worker's function and exits
+///     let child = cuda_mp::spawn(2u32, |x| x * 10);
+///     assert_eq!(child.join().unwrap(), 20);
+/// }
+/// ```
 pub fn init() {
     procspawn::init();
     // Every shared storage and lease is a descriptor: lift the soft limit in every process.
@@ -49,6 +57,17 @@ fn not_initialized() -> bool {
 /// Runs `f(args)` in a new process. `f` must be a plain function (or a closure that captures
 /// nothing); `args` and the result cross the process boundary by serialization, so they may
 /// hold channels and tensors.
+///
+/// ```no_run
+/// fn square(x: u64) -> u64 {
+///     x * x
+/// }
+///
+/// #[cuda_mp::main]
+/// fn main() {
+///     assert_eq!(cuda_mp::spawn(7, square).join().unwrap(), 49);
+/// }
+/// ```
 pub fn spawn<A, R>(args: A, f: fn(A) -> R) -> JoinHandle<R>
 where
     A: Serialize + DeserializeOwned,
@@ -58,6 +77,16 @@ where
 }
 
 /// Options for a spawned process: environment variables (for example `CUDA_VISIBLE_DEVICES`).
+///
+/// ```no_run
+/// #[cuda_mp::main]
+/// fn main() {
+///     let child = cuda_mp::Builder::new()
+///         .env("CUDA_VISIBLE_DEVICES", "1")
+///         .spawn((), |()| std::env::var("CUDA_VISIBLE_DEVICES").unwrap());
+///     assert_eq!(child.join().unwrap(), "1");
+/// }
+/// ```
 #[derive(Debug, Default)]
 pub struct Builder {
     env: Vec<(String, Option<String>)>,
@@ -65,23 +94,44 @@ pub struct Builder {
 
 impl Builder {
     /// Options with nothing changed from this process.
+    ///
+    /// ```
+    /// let builder = cuda_mp::Builder::new();
+    /// println!("{builder:?}");
+    /// ```
     pub fn new() -> Builder {
         Builder::default()
     }
 
     /// Sets an environment variable in the child.
+    ///
+    /// ```
+    /// let _builder = cuda_mp::Builder::new().env("RUST_LOG", "debug");
+    /// ```
     pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Builder {
         self.env.push((key.into(), Some(value.into())));
         self
     }
 
     /// Removes an environment variable in the child.
+    ///
+    /// ```
+    /// let _builder = cuda_mp::Builder::new().env_remove("CUDA_VISIBLE_DEVICES");
+    /// ```
     pub fn env_remove(mut self, key: impl Into<String>) -> Builder {
         self.env.push((key.into(), None));
         self
     }
 
     /// Runs `f(args)` in a new process with these options; see [`spawn`].
+    ///
+    /// ```no_run
+    /// #[cuda_mp::main]
+    /// fn main() {
+    ///     let child = cuda_mp::Builder::new().env("MODE", "fast").spawn((), |()| std::env::var("MODE").unwrap());
+    ///     assert_eq!(child.join().unwrap(), "fast");
+    /// }
+    /// ```
     pub fn spawn<A, R>(self, args: A, f: fn(A) -> R) -> JoinHandle<R>
     where
         A: Serialize + DeserializeOwned,
@@ -112,6 +162,15 @@ impl Builder {
 
 /// Waits for or kills a spawned process. Dropping it kills the process (SIGKILL); its shared
 /// references are then reclaimed by their owners.
+///
+/// ```no_run
+/// #[cuda_mp::main]
+/// fn main() {
+///     let mut child = cuda_mp::spawn((), |()| std::thread::sleep(std::time::Duration::from_secs(60)));
+///     child.kill().unwrap();
+///     assert!(matches!(child.join(), Err(cuda_mp::JoinError::Signaled { name: "SIGKILL", .. })));
+/// }
+/// ```
 pub struct JoinHandle<R> {
     inner: Inner<R>,
     /// Watches the child's end, so that a join can say how it died.
@@ -161,6 +220,15 @@ impl<R> JoinHandle<R> {
     }
 
     /// The child's process id, once it runs.
+    ///
+    /// ```no_run
+    /// #[cuda_mp::main]
+    /// fn main() {
+    ///     let child = cuda_mp::spawn((), |()| std::process::id());
+    ///     let pid = child.pid();
+    ///     assert_eq!(child.join().ok(), pid);
+    /// }
+    /// ```
     pub fn pid(&self) -> Option<u32> {
         match &self.inner {
             Inner::Running(h) => h.pid(),
@@ -187,12 +255,31 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
     /// Waits for the child's result. A panic in the child comes back as
     /// [`JoinError::Panicked`] with its message and location; a child killed by a signal or
     /// exiting early as [`JoinError::Signaled`] or [`JoinError::Exited`].
+    ///
+    /// ```no_run
+    /// #[cuda_mp::main]
+    /// fn main() {
+    ///     let err = cuda_mp::spawn((), |()| -> u8 { panic!("no") }).join().unwrap_err();
+    ///     assert_eq!(err.panic().unwrap().message, "no");
+    /// }
+    /// ```
     pub fn join(mut self) -> Result<R, JoinError> {
         self.join_until(None)
     }
 
     /// Like [`join`](Self::join), giving up after `timeout` with [`JoinError::Timeout`]; the
     /// child keeps running and the handle stays usable.
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    ///
+    /// #[cuda_mp::main]
+    /// fn main() {
+    ///     let mut child = cuda_mp::spawn((), |()| std::thread::sleep(Duration::from_secs(60)));
+    ///     assert!(matches!(child.join_timeout(Duration::from_millis(10)), Err(cuda_mp::JoinError::Timeout)));
+    ///     child.kill().unwrap();
+    /// }
+    /// ```
     pub fn join_timeout(&mut self, timeout: Duration) -> Result<R, JoinError> {
         self.join_until(Some(Instant::now() + timeout))
     }
@@ -248,6 +335,14 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
 
     /// Kills the child (SIGKILL). Its shared-memory and GPU references are reclaimed by their
     /// owners when the kernel closes its descriptors.
+    ///
+    /// ```no_run
+    /// #[cuda_mp::main]
+    /// fn main() {
+    ///     let mut child = cuda_mp::spawn((), |()| std::thread::sleep(std::time::Duration::from_secs(60)));
+    ///     child.kill().unwrap();
+    /// }
+    /// ```
     pub fn kill(&mut self) -> Result<(), JoinError> {
         match &mut self.inner {
             Inner::Running(h) => {
@@ -265,6 +360,21 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
 /// A panic inside a pooled call ends that worker process; the pool starts a new one and the
 /// call's handle reports [`JoinError::Terminated`] (procspawn's pool does not carry the panic
 /// message back). Use [`spawn`] where the panic message matters.
+///
+/// ```no_run
+/// fn double(x: u32) -> u32 {
+///     x * 2
+/// }
+///
+/// #[cuda_mp::main]
+/// fn main() {
+///     let pool = cuda_mp::Pool::new(4).unwrap();
+///     let handles: Vec<_> = (0..8).map(|i| pool.spawn(i, double)).collect();
+///     let results: Vec<u32> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+///     assert_eq!(results[3], 6);
+///     pool.shutdown();
+/// }
+/// ```
 pub struct Pool {
     inner: procspawn::Pool,
 }
@@ -277,6 +387,16 @@ impl fmt::Debug for Pool {
 
 impl Pool {
     /// Starts `size` worker processes.
+    ///
+    /// ```no_run
+    /// #[cuda_mp::main]
+    /// fn main() {
+    ///     let pool = cuda_mp::Pool::new(2).unwrap();
+    ///     assert_eq!(pool.size(), 2);
+    ///     assert_eq!(pool.spawn(21u32, |x| x * 2).join().unwrap(), 42);
+    ///     pool.shutdown();
+    /// }
+    /// ```
     pub fn new(size: usize) -> Result<Pool, JoinError> {
         if not_initialized() {
             return Err(JoinError::NotInitialized);
@@ -285,11 +405,31 @@ impl Pool {
     }
 
     /// Number of worker processes.
+    ///
+    /// ```no_run
+    /// #[cuda_mp::main]
+    /// fn main() {
+    ///     let pool = cuda_mp::Pool::new(2).unwrap();
+    ///     assert_eq!(pool.size(), 2);
+    ///     assert_eq!(pool.spawn(21u32, |x| x * 2).join().unwrap(), 42);
+    ///     pool.shutdown();
+    /// }
+    /// ```
     pub fn size(&self) -> usize {
         self.inner.size()
     }
 
     /// Runs `f(args)` on the next free worker.
+    ///
+    /// ```no_run
+    /// #[cuda_mp::main]
+    /// fn main() {
+    ///     let pool = cuda_mp::Pool::new(2).unwrap();
+    ///     assert_eq!(pool.size(), 2);
+    ///     assert_eq!(pool.spawn(21u32, |x| x * 2).join().unwrap(), 42);
+    ///     pool.shutdown();
+    /// }
+    /// ```
     pub fn spawn<A, R>(&self, args: A, f: fn(A) -> R) -> JoinHandle<R>
     where
         A: Serialize + DeserializeOwned,
@@ -307,6 +447,16 @@ impl Pool {
     }
 
     /// Waits for every queued call, then stops the workers.
+    ///
+    /// ```no_run
+    /// #[cuda_mp::main]
+    /// fn main() {
+    ///     let pool = cuda_mp::Pool::new(2).unwrap();
+    ///     assert_eq!(pool.size(), 2);
+    ///     assert_eq!(pool.spawn(21u32, |x| x * 2).join().unwrap(), 42);
+    ///     pool.shutdown();
+    /// }
+    /// ```
     pub fn shutdown(self) {
         self.inner.shutdown();
     }

@@ -14,6 +14,14 @@ use crate::layout::Layout;
 ///
 /// Use the aliases [`HostTensor`](crate::HostTensor) (shared host memory) and
 /// [`GpuTensor`](crate::GpuTensor) (device memory).
+///
+/// ```
+/// use cuda_mp::HostTensor;
+/// let t = HostTensor::<f32>::from_vec(&[2, 3], vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]).unwrap();
+/// let column = t.select(1, 2).unwrap(); // a view: no copy
+/// assert_eq!(column.to_vec(), vec![2.0, 5.0]);
+/// assert!(column.shares_storage_with(&t));
+/// ```
 pub struct Tensor<T, S> {
     pub(crate) storage: Arc<S>,
     pub(crate) layout: Layout,
@@ -48,71 +56,156 @@ impl<T: Element, S> Tensor<T, S> {
     }
 
     /// The element type.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<i64>::zeros(&[3]).unwrap();
+    /// assert_eq!(t.dtype(), cuda_mp::DType::I64);
+    /// ```
     pub fn dtype(&self) -> DType {
         T::DTYPE
     }
 
     /// The extent of each dimension.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<f32>::zeros(&[2, 3]).unwrap();
+    /// assert_eq!(t.shape(), &[2, 3]);
+    /// assert_eq!(t.transpose(0, 1).unwrap().shape(), &[3, 2]);
+    /// ```
     pub fn shape(&self) -> &[usize] {
         self.layout.shape()
     }
 
     /// The step between neighbours along each dimension, in elements.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<f32>::zeros(&[2, 3]).unwrap();
+    /// assert_eq!(t.strides(), &[3, 1]);
+    /// assert_eq!(t.transpose(0, 1).unwrap().strides(), &[1, 3]);
+    /// ```
     pub fn strides(&self) -> &[usize] {
         self.layout.strides()
     }
 
     /// The index, in elements, of the view's first element in its storage.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<f32>::zeros(&[4, 5]).unwrap();
+    /// assert_eq!(t.offset(), 0);
+    /// assert_eq!(t.narrow(0, 2, 2).unwrap().offset(), 10); // starts at row 2
+    /// ```
     pub fn offset(&self) -> usize {
         self.layout.offset()
     }
 
     /// Number of elements in the view.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<u8>::zeros(&[2, 3, 4]).unwrap();
+    /// assert_eq!(t.numel(), 24);
+    /// assert_eq!(t.narrow(2, 0, 0).unwrap().numel(), 0);
+    /// ```
     pub fn numel(&self) -> usize {
         self.layout.numel()
     }
 
     /// Number of dimensions.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<u8>::zeros(&[2, 3, 4]).unwrap();
+    /// assert_eq!(t.ndim(), 3);
+    /// assert_eq!(t.select(0, 1).unwrap().ndim(), 2);
+    /// ```
     pub fn ndim(&self) -> usize {
         self.layout.shape().len()
     }
 
     /// The view's shape, strides and offset.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<f32>::zeros(&[2, 3]).unwrap();
+    /// assert_eq!(t.layout(), &cuda_mp::Layout::contiguous(&[2, 3]).unwrap());
+    /// ```
     pub fn layout(&self) -> &Layout {
         &self.layout
     }
 
     /// True when the view is row-major with no gaps.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<f32>::zeros(&[2, 3]).unwrap();
+    /// assert!(t.is_contiguous());
+    /// assert!(!t.transpose(0, 1).unwrap().is_contiguous());
+    /// ```
     pub fn is_contiguous(&self) -> bool {
         self.layout.is_contiguous()
     }
 
     /// True when both views share one storage (in this process or across processes).
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<f32>::zeros(&[2, 3]).unwrap();
+    /// assert!(t.reshape(&[6]).unwrap().shares_storage_with(&t));
+    /// let copy = cuda_mp::HostTensor::from_vec(&[2, 3], t.to_vec()).unwrap();
+    /// assert!(!copy.shares_storage_with(&t));
+    /// ```
     pub fn shares_storage_with(&self, other: &Self) -> bool {
         Arc::ptr_eq(&self.storage, &other.storage)
     }
 
     /// The sub-range `start..start + len` of dimension `dim`, sharing storage.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<i32>::from_vec(&[2, 3], (0..6).collect()).unwrap();
+    /// assert_eq!(t.narrow(1, 1, 2).unwrap().to_vec(), vec![1, 2, 4, 5]);
+    /// assert!(t.narrow(1, 2, 2).is_err()); // columns 2..4 of 3
+    /// ```
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Self> {
         Ok(self.with_layout(self.layout.narrow(dim, start, len)?))
     }
 
     /// Index `index` of dimension `dim`, which disappears; shares storage.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<i32>::from_vec(&[2, 3], (0..6).collect()).unwrap();
+    /// let row = t.select(0, 1).unwrap();
+    /// assert_eq!((row.shape(), row.to_vec()), (&[3][..], vec![3, 4, 5]));
+    /// ```
     pub fn select(&self, dim: usize, index: usize) -> Result<Self> {
         Ok(self.with_layout(self.layout.select(dim, index)?))
     }
 
     /// Swaps two dimensions, sharing storage.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<i32>::from_vec(&[2, 3], (0..6).collect()).unwrap();
+    /// let tt = t.transpose(0, 1).unwrap();
+    /// assert_eq!(tt.shape(), &[3, 2]);
+    /// assert_eq!(tt.to_vec(), vec![0, 3, 1, 4, 2, 5]);
+    /// ```
     pub fn transpose(&self, a: usize, b: usize) -> Result<Self> {
         Ok(self.with_layout(self.layout.transpose(a, b)?))
     }
 
     /// Reorders the dimensions, sharing storage.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<f32>::zeros(&[2, 3, 4]).unwrap();
+    /// let p = t.permute(&[2, 0, 1]).unwrap();
+    /// assert_eq!(p.shape(), &[4, 2, 3]);
+    /// assert_eq!(p.strides(), &[1, 12, 4]);
+    /// ```
     pub fn permute(&self, order: &[usize]) -> Result<Self> {
         Ok(self.with_layout(self.layout.permute(order)?))
     }
 
     /// The same elements under a new shape, sharing storage; only for contiguous views.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<i32>::from_vec(&[2, 3], (0..6).collect()).unwrap();
+    /// assert_eq!(t.reshape(&[3, 2]).unwrap().to_vec(), t.to_vec());
+    /// assert!(t.transpose(0, 1).unwrap().reshape(&[6]).is_err()); // not contiguous
+    /// ```
     pub fn reshape(&self, shape: &[usize]) -> Result<Self> {
         Ok(self.with_layout(self.layout.reshape(shape)?))
     }

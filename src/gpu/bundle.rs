@@ -24,9 +24,20 @@ use crate::wire::{decode_error, encode_error};
 const ALIGN: usize = 256;
 
 /// Default largest allocation of a bundle: unlimited (one allocation).
+///
+/// ```
+/// assert_eq!(cuda_mp::DEFAULT_CHUNK_BYTES, usize::MAX); // no limit: one allocation
+/// ```
 pub const DEFAULT_CHUNK_BYTES: usize = usize::MAX;
 
 /// One named tensor of a [`Bundle`].
+///
+/// ```no_run
+/// let dev = cuda_mp::Device::get(0).unwrap();
+/// let bundle = cuda_mp::BundleBuilder::new().add::<f32>("w", &[4, 8]).build(&dev).unwrap();
+/// let entry = &bundle.entries()[0];
+/// assert_eq!((entry.name(), entry.dtype(), entry.shape()), ("w", cuda_mp::DType::F32, &[4, 8][..]));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BundleEntry {
     name: String,
@@ -37,20 +48,46 @@ pub struct BundleEntry {
 
 impl BundleEntry {
     /// The tensor's name.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let bundle = cuda_mp::BundleBuilder::new().add::<f32>("w", &[4]).build(&dev).unwrap();
+    /// assert_eq!(bundle.entries()[0].name(), "w");
+    /// ```
     pub fn name(&self) -> &str {
         &self.name
     }
     /// The tensor's element type.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let bundle = cuda_mp::BundleBuilder::new().add::<i64>("step", &[]).build(&dev).unwrap();
+    /// assert_eq!(bundle.entries()[0].dtype(), cuda_mp::DType::I64);
+    /// ```
     pub fn dtype(&self) -> DType {
         self.dtype
     }
     /// The tensor's shape.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let bundle = cuda_mp::BundleBuilder::new().add::<f32>("w", &[4, 8]).build(&dev).unwrap();
+    /// assert_eq!(bundle.entries()[0].shape(), &[4, 8]);
+    /// ```
     pub fn shape(&self) -> &[usize] {
         self.layout.shape()
     }
 }
 
 /// Describes the tensors of a [`Bundle`] before it is allocated.
+///
+/// ```no_run
+/// use cuda_mp::{BundleBuilder, DType, Device};
+/// let dev = Device::get(0).unwrap();
+/// let bundle =
+///     BundleBuilder::new().add::<f32>("weight", &[64, 64]).add_dtype("bias", DType::BF16, &[64]).build(&dev).unwrap();
+/// assert_eq!(bundle.len(), 2);
+/// ```
 #[derive(Debug, Clone)]
 pub struct BundleBuilder {
     entries: Vec<(String, DType, Vec<usize>)>,
@@ -65,16 +102,38 @@ impl Default for BundleBuilder {
 
 impl BundleBuilder {
     /// An empty description.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let bundle = cuda_mp::BundleBuilder::new().build(&dev).unwrap();
+    /// assert!(bundle.is_empty());
+    /// ```
     pub fn new() -> BundleBuilder {
         BundleBuilder::default()
     }
 
     /// Adds a tensor of element type `T`.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let bundle = cuda_mp::BundleBuilder::new().add::<i64>("step", &[]).build(&dev).unwrap();
+    /// assert_eq!(bundle.get::<i64>("step").unwrap().to_vec().unwrap(), vec![0]);
+    /// ```
     pub fn add<T: Element>(self, name: impl Into<String>, shape: &[usize]) -> BundleBuilder {
         self.add_dtype(name, T::DTYPE, shape)
     }
 
     /// Adds a tensor of the given element type.
+    ///
+    /// ```no_run
+    /// use cuda_mp::{BundleBuilder, DType, Device};
+    /// let dev = Device::get(0).unwrap();
+    /// let mut builder = BundleBuilder::new();
+    /// for (name, dtype) in [("a", DType::F16), ("b", DType::I8)] {
+    ///     builder = builder.add_dtype(name, dtype, &[8]); // element types known only at run time
+    /// }
+    /// assert_eq!(builder.build(&dev).unwrap().entries()[1].dtype(), DType::I8);
+    /// ```
     pub fn add_dtype(mut self, name: impl Into<String>, dtype: DType, shape: &[usize]) -> BundleBuilder {
         self.entries.push((name.into(), dtype, shape.to_vec()));
         self
@@ -82,6 +141,13 @@ impl BundleBuilder {
 
     /// Packs tensors into allocations of at most `bytes` bytes (a larger tensor gets one of its
     /// own). Default: [`DEFAULT_CHUNK_BYTES`], everything in one allocation.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let builder = cuda_mp::BundleBuilder::new().add::<u8>("a", &[1000]).add::<u8>("b", &[1000]);
+    /// assert_eq!(builder.clone().build(&dev).unwrap().allocations(), 1);
+    /// assert_eq!(builder.chunk_bytes(1024).build(&dev).unwrap().allocations(), 2);
+    /// ```
     pub fn chunk_bytes(mut self, bytes: usize) -> BundleBuilder {
         self.chunk_bytes = bytes.max(1);
         self
@@ -89,6 +155,12 @@ impl BundleBuilder {
 
     /// Allocates zeroed memory on `device` for every tensor, each 256-byte aligned, in the
     /// order added.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let bundle = cuda_mp::BundleBuilder::new().add::<f32>("w", &[4]).build(&dev).unwrap();
+    /// assert_eq!(bundle.get::<f32>("w").unwrap().to_vec().unwrap(), vec![0.0; 4]);
+    /// ```
     pub fn build(self, device: &Arc<Device>) -> Result<Bundle> {
         let (entries, chunk_lens) = pack(self.entries, self.chunk_bytes)?;
         let chunks: Vec<Arc<GpuStorage>> = chunk_lens
@@ -128,6 +200,14 @@ fn pack(tensors: Vec<(String, DType, Vec<usize>)>, chunk_bytes: usize) -> Result
 /// Named GPU tensors in one allocation (or a few, see [`BundleBuilder::chunk_bytes`]). Sending
 /// a bundle exports one IPC handle per allocation; a receiver that already maps them (a
 /// re-publish) opens nothing.
+///
+/// ```no_run
+/// let dev = cuda_mp::Device::get(0).unwrap();
+/// let bundle = cuda_mp::BundleBuilder::new().add::<f32>("w", &[2, 2]).add::<i32>("step", &[]).build(&dev).unwrap();
+/// bundle.get::<f32>("w").unwrap().fill(0.5).unwrap(); // views of the bundle's memory
+/// assert_eq!(bundle.get::<f32>("w").unwrap().to_vec().unwrap(), vec![0.5; 4]);
+/// assert_eq!(bundle.allocations(), 1);
+/// ```
 #[derive(Clone)]
 pub struct Bundle {
     chunks: Arc<[Arc<GpuStorage>]>,
@@ -147,6 +227,14 @@ impl fmt::Debug for Bundle {
 impl Bundle {
     /// The tensor called `name`, as element type `T`: [`Error::NoSuchTensor`] when the bundle
     /// has none of that name, [`Error::DTypeMismatch`] when it holds another type.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let bundle = cuda_mp::BundleBuilder::new().add::<f32>("w", &[4]).build(&dev).unwrap();
+    /// assert_eq!(bundle.get::<f32>("w").unwrap().shape(), &[4]);
+    /// assert!(matches!(bundle.get::<f32>("b"), Err(cuda_mp::Error::NoSuchTensor { .. })));
+    /// assert!(matches!(bundle.get::<i32>("w"), Err(cuda_mp::Error::DTypeMismatch { .. })));
+    /// ```
     pub fn get<T: Element>(&self, name: &str) -> Result<GpuTensor<T>> {
         let entry = self
             .entries
@@ -160,41 +248,93 @@ impl Bundle {
     }
 
     /// The tensors' names, element types and shapes, in the order they were added.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let bundle = cuda_mp::BundleBuilder::new().add::<f32>("b", &[4]).add::<f32>("a", &[2]).build(&dev).unwrap();
+    /// let names: Vec<&str> = bundle.entries().iter().map(|e| e.name()).collect();
+    /// assert_eq!(names, ["b", "a"]);
+    /// ```
     pub fn entries(&self) -> &[BundleEntry] {
         &self.entries
     }
 
     /// Number of tensors.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let bundle = cuda_mp::BundleBuilder::new().add::<f32>("w", &[4]).add::<f32>("b", &[2]).build(&dev).unwrap();
+    /// assert_eq!(bundle.len(), 2);
+    /// ```
     pub fn len(&self) -> usize {
         self.entries.len()
     }
 
     /// True when the bundle holds no tensor.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let bundle = cuda_mp::BundleBuilder::new().add::<f32>("w", &[4]).build(&dev).unwrap();
+    /// assert!(!bundle.is_empty());
+    /// ```
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
 
     /// Total size of the allocations in bytes.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let builder = cuda_mp::BundleBuilder::new().add::<f32>("a", &[3]).add::<cuda_mp::bf16>("b", &[100]);
+    /// let bundle = builder.build(&dev).unwrap();
+    /// assert_eq!(bundle.byte_len(), 256 + 200); // "b" starts at the next 256-byte boundary
+    /// ```
     pub fn byte_len(&self) -> usize {
         self.chunks.iter().map(|c| c.byte_len()).sum()
     }
 
     /// Number of allocations (IPC handles) the tensors are packed into.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let builder = cuda_mp::BundleBuilder::new().add::<u8>("a", &[1000]).add::<u8>("b", &[1000]);
+    /// assert_eq!(builder.chunk_bytes(1024).build(&dev).unwrap().allocations(), 2);
+    /// ```
     pub fn allocations(&self) -> usize {
         self.chunks.len()
     }
 
     /// The device holding the bundle.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let bundle = cuda_mp::BundleBuilder::new().add::<f32>("w", &[4]).build(&dev).unwrap();
+    /// assert_eq!(bundle.device().ordinal(), 0);
+    /// ```
     pub fn device(&self) -> &Arc<Device> {
         self.chunks[0].device()
     }
 
     /// Identities of the allocations across processes.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let bundle = cuda_mp::BundleBuilder::new().add::<f32>("w", &[4]).build(&dev).unwrap();
+    /// assert_eq!(bundle.storage_ids(), vec![bundle.get::<f32>("w").unwrap().storage_id()]);
+    /// ```
     pub fn storage_ids(&self) -> Vec<StorageId> {
         self.chunks.iter().map(|c| c.id()).collect()
     }
 
     /// Blocks until the work queued on the bundle's stream is done.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let bundle = cuda_mp::BundleBuilder::new().add::<f32>("w", &[1 << 20]).build(&dev).unwrap();
+    /// bundle.get::<f32>("w").unwrap().fill(1.0).unwrap(); // queued
+    /// bundle.synchronize().unwrap(); // done
+    /// assert_eq!(bundle.get::<f32>("w").unwrap().to_vec().unwrap()[0], 1.0);
+    /// ```
     pub fn synchronize(&self) -> Result<()> {
         self.device().synchronize()
     }

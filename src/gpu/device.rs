@@ -18,6 +18,12 @@ use crate::error::{Error, Result};
 pub(crate) use super::driver::driver_err;
 
 /// True when a CUDA driver and at least one GPU are usable by this process.
+///
+/// ```
+/// if cuda_mp::cuda_available() {
+///     assert!(cuda_mp::Device::count().unwrap() > 0);
+/// }
+/// ```
 pub fn cuda_available() -> bool {
     Device::count().map(|n| n > 0).unwrap_or(false)
 }
@@ -35,6 +41,13 @@ fn init_driver() -> Result<()> {
 }
 
 /// A GPU as this process sees it, with the stream that cuda-mp orders its work on.
+///
+/// ```no_run
+/// let dev = cuda_mp::Device::get(0).unwrap();
+/// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[4]).unwrap();
+/// assert_eq!(t.device().ordinal(), 0);
+/// println!("{dev:?}"); // Device { ordinal: 0, uuid: "GPU-..." }
+/// ```
 pub struct Device {
     ordinal: usize,
     uuid: [u8; 16],
@@ -82,12 +95,23 @@ fn device_uuid(dev: sys::CUdevice) -> Result<[u8; 16]> {
 
 impl Device {
     /// Number of GPUs visible to this process.
+    ///
+    /// ```no_run
+    /// let n = cuda_mp::Device::count().unwrap();
+    /// assert!(cuda_mp::Device::get(n).is_err()); // ordinals are 0..n
+    /// ```
     pub fn count() -> Result<usize> {
         init_driver()?;
         Ok(cu::device::get_count().map_err(driver_err("cuDeviceGetCount"))? as usize)
     }
 
     /// The GPU with this ordinal (as numbered under this process's `CUDA_VISIBLE_DEVICES`).
+    ///
+    /// ```no_run
+    /// use cuda_mp::Device;
+    /// let dev = Device::get(0).unwrap();
+    /// assert!(std::sync::Arc::ptr_eq(&dev, &Device::get(0).unwrap())); // one Device per GPU
+    /// ```
     pub fn get(ordinal: usize) -> Result<Arc<Device>> {
         if let Some(d) = DEVICES.lock().unwrap_or_else(|p| p.into_inner()).get(&ordinal) {
             return Ok(d.clone());
@@ -110,6 +134,13 @@ impl Device {
     }
 
     /// The GPU with this UUID, whatever its ordinal in this process.
+    ///
+    /// ```no_run
+    /// use cuda_mp::Device;
+    /// let dev = Device::get(0).unwrap();
+    /// assert!(std::sync::Arc::ptr_eq(&Device::by_uuid(&dev.uuid()).unwrap(), &dev));
+    /// assert!(Device::by_uuid(&[0; 16]).is_err());
+    /// ```
     pub fn by_uuid(uuid: &[u8; 16]) -> Result<Arc<Device>> {
         static BY_UUID: Lazy<Mutex<HashMap<[u8; 16], usize>>> = Lazy::new(|| Mutex::new(HashMap::new()));
         if let Some(&ordinal) = BY_UUID.lock().unwrap_or_else(|p| p.into_inner()).get(uuid) {
@@ -126,49 +157,101 @@ impl Device {
     }
 
     /// Ordinal in this process.
+    ///
+    /// ```no_run
+    /// assert_eq!(cuda_mp::Device::get(0).unwrap().ordinal(), 0);
+    /// ```
     pub fn ordinal(&self) -> usize {
         self.ordinal
     }
 
     /// The GPU's UUID (the same in every process).
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// assert_eq!(cuda_mp::Device::by_uuid(&dev.uuid()).unwrap().ordinal(), dev.ordinal());
+    /// ```
     pub fn uuid(&self) -> [u8; 16] {
         self.uuid
     }
 
     /// The UUID as `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let uuid = dev.uuid_string();
+    /// assert!(uuid.starts_with("GPU-"));
+    /// assert_eq!(uuid.len(), 40);
+    /// ```
     pub fn uuid_string(&self) -> String {
         format_uuid(&self.uuid)
     }
 
     /// The primary context, as a cudarc context.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// assert_eq!(dev.context().ordinal(), dev.ordinal());
+    /// ```
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
 
     /// The stream all of cuda-mp's work on this device is ordered on. Launch your own kernels
     /// on it, or make your stream wait for it, to stay ordered with received tensors.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[4]).unwrap();
+    /// assert!(std::sync::Arc::ptr_eq(t.stream(), dev.stream()));
+    /// ```
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
 
     /// Blocks until the stream's queued work is done.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[1 << 20]).unwrap();
+    /// t.fill(1.0).unwrap(); // queued
+    /// dev.synchronize().unwrap(); // done
+    /// assert_eq!(t.to_vec().unwrap()[0], 1.0);
+    /// ```
     pub fn synchronize(&self) -> Result<()> {
         self.stream.synchronize().map_err(driver_err("cuStreamSynchronize"))
     }
 
     /// Free and total device memory in bytes (`cuMemGetInfo`).
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let (free, total) = dev.memory_info().unwrap();
+    /// assert!(free <= total);
+    /// ```
     pub fn memory_info(&self) -> Result<(usize, usize)> {
         self.bind()?;
         cu::mem_get_info().map_err(driver_err("cuMemGetInfo"))
     }
 
     /// True when kernels on this device can read and write memory of `peer` directly.
+    ///
+    /// ```no_run
+    /// use cuda_mp::Device;
+    /// let (a, b) = (Device::get(0).unwrap(), Device::get(1).unwrap());
+    /// assert_eq!(a.can_access_peer(&b).unwrap(), a.require_peer_access(&b).is_ok());
+    /// ```
     pub fn can_access_peer(&self, peer: &Device) -> Result<bool> {
         driver::can_access_peer(self.ctx.cu_device(), peer.ctx.cu_device()).map_err(driver_err("cuDeviceCanAccessPeer"))
     }
 
     /// Succeeds when kernels on this GPU can read and write memory of `owner` (the same GPU, or
     /// a peer); otherwise the error names both GPUs.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// dev.require_peer_access(&dev).unwrap(); // a GPU always reaches its own memory
+    /// ```
     pub fn require_peer_access(&self, owner: &Device) -> Result<()> {
         if self.uuid == owner.uuid || self.can_access_peer(owner)? {
             return Ok(());

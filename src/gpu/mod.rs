@@ -27,6 +27,13 @@ use driver::DeviceRange;
 
 /// A tensor in GPU memory. Sending it through a channel exports its allocation as a CUDA IPC
 /// handle; the receiver maps the same memory, after the work queued on it here.
+///
+/// ```no_run
+/// let dev = cuda_mp::Device::get(0).unwrap();
+/// let t = cuda_mp::GpuTensor::<f32>::full(&dev, &[2, 3], 1.0).unwrap();
+/// t.add_scalar(1.0).unwrap(); // queued on the device's stream
+/// assert_eq!(t.to_vec().unwrap(), vec![2.0; 6]);
+/// ```
 pub type GpuTensor<T> = Tensor<T, GpuStorage>;
 
 /// The device memory of a storage, for the checked copies and kernel launches.
@@ -36,6 +43,12 @@ fn memory(storage: &GpuStorage) -> DeviceRange {
 
 impl<T: Element> Tensor<T, GpuStorage> {
     /// A contiguous tensor of zeros on `device`.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<i32>::zeros(&dev, &[2, 3]).unwrap();
+    /// assert_eq!(t.to_vec().unwrap(), vec![0; 6]);
+    /// ```
     pub fn zeros(device: &Arc<Device>, shape: &[usize]) -> Result<Self> {
         let t = Self::uninit(device, shape)?;
         driver::memset_d8(device.stream(), memory(&t.storage), 0)?;
@@ -50,6 +63,12 @@ impl<T: Element> Tensor<T, GpuStorage> {
     }
 
     /// A contiguous tensor with every element `value`.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::full(&dev, &[4], 2.5f32).unwrap();
+    /// assert_eq!(t.to_vec().unwrap(), vec![2.5; 4]);
+    /// ```
     pub fn full(device: &Arc<Device>, shape: &[usize], value: T) -> Result<Self> {
         let t = Self::uninit(device, shape)?;
         t.fill(value)?;
@@ -57,6 +76,13 @@ impl<T: Element> Tensor<T, GpuStorage> {
     }
 
     /// Copies an ndarray array to a new contiguous tensor on `device`.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let a = cuda_mp::ndarray::arr2(&[[1.0f32, 2.0], [3.0, 4.0]]);
+    /// let t = cuda_mp::GpuTensor::from_ndarray(&dev, &a).unwrap();
+    /// assert_eq!(t.to_ndarray().unwrap(), a.into_dyn());
+    /// ```
     pub fn from_ndarray<S: Data<Elem = T>, D: Dimension>(
         device: &Arc<Device>,
         array: &ArrayBase<S, D>,
@@ -69,6 +95,13 @@ impl<T: Element> Tensor<T, GpuStorage> {
     }
 
     /// A contiguous tensor of `shape` holding `data` in row-major order.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::from_vec(&dev, &[2, 2], vec![1i64, 2, 3, 4]).unwrap();
+    /// assert_eq!(t.select(0, 1).unwrap().to_vec().unwrap(), vec![3, 4]);
+    /// assert!(cuda_mp::GpuTensor::from_vec(&dev, &[2, 2], vec![1i64]).is_err());
+    /// ```
     pub fn from_vec(device: &Arc<Device>, shape: &[usize], data: Vec<T>) -> Result<Self> {
         let array = ArrayD::from_shape_vec(IxDyn(shape), data).map_err(|e| Error::Layout(e.to_string()))?;
         Self::from_ndarray(device, &array)
@@ -77,6 +110,13 @@ impl<T: Element> Tensor<T, GpuStorage> {
     /// Copies the view to the host, after the work queued on it: a contiguous view straight
     /// into the array's memory; any other view as the range of storage that covers it, then
     /// gathered.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<i32>::from_vec(&dev, &[2, 3], (0..6).collect()).unwrap();
+    /// let a = t.transpose(0, 1).unwrap().to_ndarray().unwrap();
+    /// assert_eq!(a, cuda_mp::ndarray::arr2(&[[0, 3], [1, 4], [2, 5]]).into_dyn());
+    /// ```
     pub fn to_ndarray(&self) -> Result<ArrayD<T>> {
         let size = T::DTYPE.size();
         let first = self.offset();
@@ -98,17 +138,39 @@ impl<T: Element> Tensor<T, GpuStorage> {
     }
 
     /// Copies the view to a host vector in row-major order.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<i32>::from_vec(&dev, &[2, 3], (0..6).collect()).unwrap();
+    /// assert_eq!(t.narrow(1, 1, 2).unwrap().to_vec().unwrap(), vec![1, 2, 4, 5]);
+    /// ```
     pub fn to_vec(&self) -> Result<Vec<T>> {
         Ok(self.to_ndarray()?.into_iter().collect())
     }
 
     /// Sets every element of the view to `value` (queued on the device's stream).
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
+    /// t.narrow(1, 0, 1).unwrap().fill(9.0).unwrap(); // column 0 of `t`
+    /// assert_eq!(t.to_vec().unwrap(), vec![9.0, 0.0, 0.0, 9.0, 0.0, 0.0]);
+    /// ```
     pub fn fill(&self, value: T) -> Result<()> {
         kernels::fill(self.device(), memory(&self.storage), &self.layout, T::DTYPE, value.to_bits())
     }
 
     /// Adds `value` to every element of the view, in place (queued on the device's stream).
     /// Integer results wrap as in C; not for `bool`.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::from_vec(&dev, &[3], vec![1i32, 2, 3]).unwrap();
+    /// t.add_scalar(10.0).unwrap();
+    /// assert_eq!(t.to_vec().unwrap(), vec![11, 12, 13]);
+    /// let flags = cuda_mp::GpuTensor::<bool>::zeros(&dev, &[3]).unwrap();
+    /// assert!(matches!(flags.add_scalar(1.0), Err(cuda_mp::Error::Unsupported(_))));
+    /// ```
     pub fn add_scalar(&self, value: f64) -> Result<()> {
         if T::DTYPE == DType::Bool {
             return Err(Error::Unsupported("add_scalar on a bool tensor".into()));
@@ -119,6 +181,23 @@ impl<T: Element> Tensor<T, GpuStorage> {
     /// Copies `src` (same shape) into this view, element by element. Between two GPUs both
     /// views must be contiguous: the copy is a peer copy by the copy engines, after `src`'s
     /// queued work.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let a = cuda_mp::GpuTensor::from_vec(&dev, &[2, 2], vec![1.0f32, 2.0, 3.0, 4.0]).unwrap();
+    /// let b = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 2]).unwrap();
+    /// b.copy_from(&a.transpose(0, 1).unwrap()).unwrap();
+    /// assert_eq!(b.to_vec().unwrap(), vec![1.0, 3.0, 2.0, 4.0]);
+    /// ```
+    ///
+    /// Both tensors have one element type:
+    ///
+    /// ```compile_fail,E0308
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let a = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[4]).unwrap();
+    /// let b = cuda_mp::GpuTensor::<cuda_mp::f16>::zeros(&dev, &[4]).unwrap();
+    /// a.copy_from(&b).unwrap();
+    /// ```
     pub fn copy_from(&self, src: &Self) -> Result<()> {
         if src.shape() != self.shape() {
             return Err(Error::Layout(format!("shape {:?} does not match {:?}", src.shape(), self.shape())));
@@ -138,43 +217,100 @@ impl<T: Element> Tensor<T, GpuStorage> {
     }
 
     /// The device holding the tensor.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[4]).unwrap();
+    /// assert!(std::sync::Arc::ptr_eq(t.device(), &dev));
+    /// ```
     pub fn device(&self) -> &Arc<Device> {
         self.storage.device()
     }
 
     /// The stream this tensor's work is ordered on (the device's cuda-mp stream).
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[4]).unwrap();
+    /// assert!(std::sync::Arc::ptr_eq(t.stream(), dev.stream()));
+    /// ```
     pub fn stream(&self) -> &Arc<CudaStream> {
         self.storage.device().stream()
     }
 
     /// Device address of the view's first element, for your own kernels. Order them on
     /// [`stream`](Self::stream).
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[4]).unwrap();
+    /// let view = t.narrow(0, 1, 3).unwrap();
+    /// assert_eq!(view.device_ptr(), t.device_ptr() + 4); // one f32 further
+    /// ```
     pub fn device_ptr(&self) -> sys::CUdeviceptr {
         self.storage.device_ptr() + (self.offset() * T::DTYPE.size()) as u64
     }
 
     /// Blocks until the work queued on the tensor's stream is done.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[1 << 20]).unwrap();
+    /// t.fill(1.0).unwrap(); // queued
+    /// t.synchronize().unwrap(); // done: other streams and libraries may read the memory now
+    /// assert_eq!(t.to_vec().unwrap()[0], 1.0);
+    /// ```
     pub fn synchronize(&self) -> Result<()> {
         self.device().synchronize()
     }
 
     /// The storage shared by this view.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[4]).unwrap();
+    /// let view = t.narrow(0, 2, 2).unwrap();
+    /// assert_eq!(view.storage().byte_len(), 16); // the whole storage, not the view
+    /// ```
     pub fn storage(&self) -> &GpuStorage {
         &self.storage
     }
 
     /// The identity of the underlying storage across processes.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
+    /// assert_eq!(t.transpose(0, 1).unwrap().storage_id(), t.storage_id());
+    /// assert!(t.storage_id().is_local());
+    /// ```
     pub fn storage_id(&self) -> StorageId {
         self.storage.id()
     }
 
     /// Exports the tensor by hand: everything its message would carry. The payload holds a
     /// reference on the memory until it is dropped or imported and dropped.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
+    /// let payload = t.ipc_payload().unwrap();
+    /// assert_eq!(payload.shape(), &[2, 3]);
+    /// assert_eq!(payload.dtype(), Some(cuda_mp::DType::F32));
+    /// ```
     pub fn ipc_payload(&self) -> Result<IpcPayload> {
         storage::encode(self)
     }
 
     /// Rebuilds a tensor from an exported payload (in another process, or this one).
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::full(&dev, &[4], 1.0).unwrap();
+    /// let back = cuda_mp::GpuTensor::<f32>::from_ipc_payload(t.ipc_payload().unwrap()).unwrap();
+    /// assert_eq!(back.storage_id(), t.storage_id());
+    /// assert_eq!(back.to_vec().unwrap(), vec![1.0; 4]);
+    /// ```
     pub fn from_ipc_payload(payload: IpcPayload) -> Result<Self> {
         storage::decode(payload, None)
     }
@@ -183,6 +319,16 @@ impl<T: Element> Tensor<T, GpuStorage> {
     /// the GPU holding the memory, through peer access (checked first: without it the error
     /// names both GPUs). Work on the returned tensor runs on `access` and reads and writes the
     /// other GPU's memory directly.
+    ///
+    /// ```no_run
+    /// use cuda_mp::{Device, GpuTensor, IpcPayload, Receiver};
+    /// // `rx` brings payloads from a process whose tensors live on GPU 0; work here runs on GPU 1.
+    /// fn on_gpu1(rx: &Receiver<IpcPayload>) -> cuda_mp::Result<GpuTensor<f32>> {
+    ///     let t = GpuTensor::from_ipc_payload_on(rx.recv()?, &Device::get(1)?)?;
+    ///     assert_eq!(t.device().ordinal(), 1);
+    ///     Ok(t)
+    /// }
+    /// ```
     pub fn from_ipc_payload_on(payload: IpcPayload, access: &Arc<Device>) -> Result<Self> {
         storage::decode(payload, Some(access))
     }

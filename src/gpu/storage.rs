@@ -293,42 +293,142 @@ fn hex(bytes: &[u8]) -> String {
 
 impl IpcPayload {
     /// Element type tag as sent (checked on import).
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
+    /// let p = t.ipc_payload().unwrap();
+    /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
+    /// assert_eq!((p.mem_handle().len(), p.alloc_offset(), p.storage_bytes()), (64, 0, 24));
+    /// assert_eq!((p.device_uuid(), p.storage_id()), (dev.uuid_string(), t.storage_id()));
+    /// let _maybe_event = p.event_handle();
+    /// ```
     pub fn dtype(&self) -> Option<DType> {
         DType::from_tag(self.wire.dtype)
     }
     /// Shape of the view.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
+    /// let p = t.ipc_payload().unwrap();
+    /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
+    /// assert_eq!((p.mem_handle().len(), p.alloc_offset(), p.storage_bytes()), (64, 0, 24));
+    /// assert_eq!((p.device_uuid(), p.storage_id()), (dev.uuid_string(), t.storage_id()));
+    /// let _maybe_event = p.event_handle();
+    /// ```
     pub fn shape(&self) -> &[usize] {
         &self.wire.shape
     }
     /// Strides of the view, in elements.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
+    /// let p = t.ipc_payload().unwrap();
+    /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
+    /// assert_eq!((p.mem_handle().len(), p.alloc_offset(), p.storage_bytes()), (64, 0, 24));
+    /// assert_eq!((p.device_uuid(), p.storage_id()), (dev.uuid_string(), t.storage_id()));
+    /// let _maybe_event = p.event_handle();
+    /// ```
     pub fn strides(&self) -> &[usize] {
         &self.wire.strides
     }
     /// Offset of the view in its storage, in elements.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
+    /// let p = t.ipc_payload().unwrap();
+    /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
+    /// assert_eq!((p.mem_handle().len(), p.alloc_offset(), p.storage_bytes()), (64, 0, 24));
+    /// assert_eq!((p.device_uuid(), p.storage_id()), (dev.uuid_string(), t.storage_id()));
+    /// let _maybe_event = p.event_handle();
+    /// ```
     pub fn offset(&self) -> usize {
         self.wire.offset
     }
     /// UUID of the GPU holding the memory.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
+    /// let p = t.ipc_payload().unwrap();
+    /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
+    /// assert_eq!((p.mem_handle().len(), p.alloc_offset(), p.storage_bytes()), (64, 0, 24));
+    /// assert_eq!((p.device_uuid(), p.storage_id()), (dev.uuid_string(), t.storage_id()));
+    /// let _maybe_event = p.event_handle();
+    /// ```
     pub fn device_uuid(&self) -> String {
         format_uuid(&self.wire.storage.kind.device_uuid)
     }
     /// The 64-byte IPC handle of the base allocation.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
+    /// let p = t.ipc_payload().unwrap();
+    /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
+    /// assert_eq!((p.mem_handle().len(), p.alloc_offset(), p.storage_bytes()), (64, 0, 24));
+    /// assert_eq!((p.device_uuid(), p.storage_id()), (dev.uuid_string(), t.storage_id()));
+    /// let _maybe_event = p.event_handle();
+    /// ```
     pub fn mem_handle(&self) -> &[u8] {
         &self.wire.storage.kind.mem_handle
     }
     /// Byte offset of the storage inside the base allocation.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
+    /// let p = t.ipc_payload().unwrap();
+    /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
+    /// assert_eq!((p.mem_handle().len(), p.alloc_offset(), p.storage_bytes()), (64, 0, 24));
+    /// assert_eq!((p.device_uuid(), p.storage_id()), (dev.uuid_string(), t.storage_id()));
+    /// let _maybe_event = p.event_handle();
+    /// ```
     pub fn alloc_offset(&self) -> u64 {
         self.wire.storage.kind.alloc_offset
     }
     /// Size of the storage in bytes.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
+    /// let p = t.ipc_payload().unwrap();
+    /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
+    /// assert_eq!((p.mem_handle().len(), p.alloc_offset(), p.storage_bytes()), (64, 0, 24));
+    /// assert_eq!((p.device_uuid(), p.storage_id()), (dev.uuid_string(), t.storage_id()));
+    /// let _maybe_event = p.event_handle();
+    /// ```
     pub fn storage_bytes(&self) -> u64 {
         self.wire.storage.bytes
     }
     /// The 64-byte IPC handle of the event recorded after the producer's queued work, if any.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
+    /// let p = t.ipc_payload().unwrap();
+    /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
+    /// assert_eq!((p.mem_handle().len(), p.alloc_offset(), p.storage_bytes()), (64, 0, 24));
+    /// assert_eq!((p.device_uuid(), p.storage_id()), (dev.uuid_string(), t.storage_id()));
+    /// let _maybe_event = p.event_handle();
+    /// ```
     pub fn event_handle(&self) -> Option<&[u8]> {
         self.wire.storage.kind.event_handle.as_deref()
     }
     /// Identity of the storage across processes.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
+    /// let p = t.ipc_payload().unwrap();
+    /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
+    /// assert_eq!((p.mem_handle().len(), p.alloc_offset(), p.storage_bytes()), (64, 0, 24));
+    /// assert_eq!((p.device_uuid(), p.storage_id()), (dev.uuid_string(), t.storage_id()));
+    /// let _maybe_event = p.event_handle();
+    /// ```
     pub fn storage_id(&self) -> StorageId {
         self.wire.storage.id
     }

@@ -60,6 +60,12 @@ impl<T: Element> Tensor<T, HostStorage> {
     ///
     /// Fails with [`Error::Layout`] when the tensor would need more than `isize::MAX` bytes, and
     /// with the allocation's error when the shared memory cannot be had.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<f32>::zeros(&[2, 3]).unwrap();
+    /// assert_eq!(t.to_vec(), vec![0.0; 6]);
+    /// assert!(cuda_mp::HostTensor::<f32>::zeros(&[usize::MAX, 2]).is_err());
+    /// ```
     pub fn zeros(shape: &[usize]) -> Result<Self> {
         let layout = Layout::contiguous(shape)?;
         let bytes =
@@ -70,6 +76,11 @@ impl<T: Element> Tensor<T, HostStorage> {
     }
 
     /// A contiguous tensor with every element `value`.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::full(&[2, 2], 7i32).unwrap();
+    /// assert_eq!(t.to_vec(), vec![7; 4]);
+    /// ```
     pub fn full(shape: &[usize], value: T) -> Result<Self> {
         let t = Self::zeros(shape)?;
         t.fill(value);
@@ -77,6 +88,13 @@ impl<T: Element> Tensor<T, HostStorage> {
     }
 
     /// A contiguous copy of an ndarray array, in fresh shared memory.
+    ///
+    /// ```
+    /// let a = cuda_mp::ndarray::arr2(&[[1.0f32, 2.0], [3.0, 4.0]]);
+    /// let t = cuda_mp::HostTensor::from_ndarray(&a.t()).unwrap(); // any view, copied row-major
+    /// assert!(t.is_contiguous());
+    /// assert_eq!(t.to_vec(), vec![1.0, 3.0, 2.0, 4.0]);
+    /// ```
     pub fn from_ndarray<S: Data<Elem = T>, D: Dimension>(array: &ArrayBase<S, D>) -> Result<Self> {
         let t = Self::zeros(array.shape())?;
         let array = array.as_standard_layout();
@@ -88,6 +106,12 @@ impl<T: Element> Tensor<T, HostStorage> {
     }
 
     /// A contiguous tensor of `shape` holding `data` in row-major order.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::from_vec(&[2, 2], vec![1u8, 2, 3, 4]).unwrap();
+    /// assert_eq!(t.select(0, 1).unwrap().to_vec(), vec![3, 4]);
+    /// assert!(cuda_mp::HostTensor::from_vec(&[2, 2], vec![1u8]).is_err()); // 4 elements needed
+    /// ```
     pub fn from_vec(shape: &[usize], data: Vec<T>) -> Result<Self> {
         let numel = Layout::contiguous(shape)?.numel();
         if numel != data.len() {
@@ -99,6 +123,12 @@ impl<T: Element> Tensor<T, HostStorage> {
     }
 
     /// The storage shared by this view.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<f32>::zeros(&[4]).unwrap();
+    /// let view = t.narrow(0, 1, 2).unwrap();
+    /// assert_eq!(view.storage().byte_len(), 16); // the whole storage, not the view
+    /// ```
     pub fn storage(&self) -> &HostStorage {
         &self.storage
     }
@@ -145,6 +175,12 @@ impl<T: Element> Tensor<T, HostStorage> {
     /// Copies the view's elements into a new ndarray array. Safe while other threads or
     /// processes write the elements: a racing write may show in some elements and not in
     /// others (each element is read whole).
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<i32>::from_vec(&[2, 3], (0..6).collect()).unwrap();
+    /// let a = t.transpose(0, 1).unwrap().to_ndarray();
+    /// assert_eq!(a, cuda_mp::ndarray::arr2(&[[0, 3], [1, 4], [2, 5]]).into_dyn());
+    /// ```
     pub fn to_ndarray(&self) -> ArrayD<T> {
         ArrayD::from_shape_vec(IxDyn(self.shape()), self.to_vec()).expect("shape and element count agree")
     }
@@ -152,6 +188,12 @@ impl<T: Element> Tensor<T, HostStorage> {
     /// Copies the view's elements into a vector, in row-major order. Safe while other threads
     /// or processes write the elements: a racing write may show in some elements and not in
     /// others (each element is read whole).
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<i32>::from_vec(&[2, 3], (0..6).collect()).unwrap();
+    /// assert_eq!(t.to_vec(), vec![0, 1, 2, 3, 4, 5]);
+    /// assert_eq!(t.narrow(1, 1, 2).unwrap().to_vec(), vec![1, 2, 4, 5]);
+    /// ```
     pub fn to_vec(&self) -> Vec<T> {
         let numel = self.numel();
         if numel == 0 {
@@ -166,6 +208,12 @@ impl<T: Element> Tensor<T, HostStorage> {
 
     /// Sets every element of the view to `value`. Safe while other threads or processes read
     /// or write the elements; where writes race, for each element the last write wins.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<f32>::zeros(&[2, 3]).unwrap();
+    /// t.select(0, 1).unwrap().fill(5.0); // fills row 1 of `t`
+    /// assert_eq!(t.to_vec(), vec![0.0, 0.0, 0.0, 5.0, 5.0, 5.0]);
+    /// ```
     pub fn fill(&self, value: T) {
         if self.numel() == 0 {
             return;
@@ -181,6 +229,12 @@ impl<T: Element> Tensor<T, HostStorage> {
     /// called once per element). Safe while other threads or processes read or write the
     /// elements, but not an atomic read-modify-write: a write by someone else between the read
     /// of `x` and the write of `f(x)` is lost.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::from_vec(&[3], vec![1, 2, 3]).unwrap();
+    /// t.map_inplace(|x| x * 10);
+    /// assert_eq!(t.to_vec(), vec![10, 20, 30]);
+    /// ```
     pub fn map_inplace(&self, mut f: impl FnMut(T) -> T) {
         if self.numel() == 0 {
             return;
@@ -194,6 +248,13 @@ impl<T: Element> Tensor<T, HostStorage> {
 
     /// Copies `src` (of the same shape) into this view. Safe while other threads or processes
     /// read or write the elements; where writes race, for each element the last write wins.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<i64>::zeros(&[2, 2]).unwrap();
+    /// t.transpose(0, 1).unwrap().copy_from_ndarray(&cuda_mp::ndarray::arr2(&[[1, 2], [3, 4]])).unwrap();
+    /// assert_eq!(t.to_vec(), vec![1, 3, 2, 4]);
+    /// assert!(t.copy_from_ndarray(&cuda_mp::ndarray::arr1(&[1, 2])).is_err()); // shape [2], not [2, 2]
+    /// ```
     pub fn copy_from_ndarray<S: Data<Elem = T>, D: Dimension>(&self, src: &ArrayBase<S, D>) -> Result<()> {
         if src.shape() != self.shape() {
             return Err(Error::Layout(format!("shape {:?} does not match {:?}", src.shape(), self.shape())));
@@ -238,6 +299,13 @@ impl<T: Element> Tensor<T, HostStorage> {
     /// No thread or process may write to the viewed elements while the view lives (other
     /// tensors on the same storage, here or in another process, included), and for `bool`
     /// every viewed byte must be 0 or 1.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::from_vec(&[2, 2], vec![1.0f64, 2.0, 3.0, 4.0]).unwrap();
+    /// // SAFETY: nothing writes `t`'s elements while the view lives.
+    /// let view = unsafe { t.as_array_view() };
+    /// assert_eq!(view.sum(), 10.0);
+    /// ```
     pub unsafe fn as_array_view(&self) -> ArrayViewD<'_, T> {
         let shape = IxDyn(self.shape()).strides(IxDyn(self.strides()));
         // SAFETY: the layout lies inside the storage, which lives as long as `self`; the
@@ -259,6 +327,15 @@ impl<T: Element> Tensor<T, HostStorage> {
     /// No other thread, process or tensor may read or write the viewed elements while the
     /// view lives, the view must not overlap itself (no stride 0 on a dimension longer than 1),
     /// and for `bool` every viewed byte must be 0 or 1.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<f64>::zeros(&[2, 2]).unwrap();
+    /// // SAFETY: nothing else reads or writes `t`'s elements while the view lives.
+    /// let mut view = unsafe { t.as_array_view_mut() };
+    /// view.diag_mut().fill(1.0);
+    /// drop(view);
+    /// assert_eq!(t.to_vec(), vec![1.0, 0.0, 0.0, 1.0]);
+    /// ```
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn as_array_view_mut(&self) -> ArrayViewMutD<'_, T> {
         let shape = IxDyn(self.shape()).strides(IxDyn(self.strides()));
@@ -268,6 +345,12 @@ impl<T: Element> Tensor<T, HostStorage> {
     }
 
     /// The identity of the underlying storage across processes.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<f32>::zeros(&[2, 3]).unwrap();
+    /// assert_eq!(t.transpose(0, 1).unwrap().storage_id(), t.storage_id());
+    /// assert_ne!(cuda_mp::HostTensor::<f32>::zeros(&[2, 3]).unwrap().storage_id(), t.storage_id());
+    /// ```
     pub fn storage_id(&self) -> StorageId {
         self.storage.id()
     }

@@ -32,6 +32,11 @@ impl StorageId {
     }
 
     /// True when this process allocated the storage.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<u8>::zeros(&[4]).unwrap();
+    /// assert!(t.storage_id().is_local()); // a tensor received from another process has a foreign id
+    /// ```
     pub fn is_local(&self) -> bool {
         self.owner == process_token()
     }
