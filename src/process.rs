@@ -19,11 +19,10 @@ static INITIALIZED: AtomicBool = AtomicBool::new(false);
 /// before it must have side effects.
 ///
 /// ```no_run
-/// fn main() {
-///     cuda_mp::init(); // first: in a worker this runs the worker's function and exits
-///     let child = cuda_mp::spawn(2u32, |x| x * 10);
-///     assert_eq!(child.join().unwrap(), 20);
-/// }
+/// // First thing in main: in a worker this runs the worker's function and exits.
+/// cuda_mp::init();
+/// let child = cuda_mp::spawn(2u32, |x| x * 10);
+/// assert_eq!(child.join().unwrap(), 20);
 /// ```
 pub fn init() {
     procspawn::init();
