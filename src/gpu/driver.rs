@@ -257,10 +257,10 @@ pub(crate) fn can_access_peer(dev: sys::CUdevice, peer: sys::CUdevice) -> Driver
 
 /// Device memory that an operation may touch: `len` bytes from `ptr`.
 ///
-/// The crate builds one only over memory it holds (a storage's allocation or mapping, or part
-/// of one), which stays alive until the device's stream has finished the work queued on it:
-/// the owners in `handles.rs` synchronize before they free or unmap. The operations below
-/// never touch a byte outside the range they are given.
+/// Only the owners in `handles.rs` make one, over the memory they hold (an allocation or a
+/// mapping); narrower ranges come from [`DeviceRange::sub`]. That memory stays alive until the
+/// device's stream has finished the work queued on it: the owners synchronize before they free
+/// or unmap. The operations below never touch a byte outside the range they are given.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct DeviceRange {
     ptr: sys::CUdeviceptr,
@@ -268,8 +268,8 @@ pub(crate) struct DeviceRange {
 }
 
 impl DeviceRange {
-    /// The `len` bytes from `ptr` of memory the caller holds.
-    pub(crate) fn new(ptr: sys::CUdeviceptr, len: usize) -> DeviceRange {
+    /// The `len` bytes from `ptr` of memory the caller holds (for the owners in `handles.rs`).
+    pub(super) fn new(ptr: sys::CUdeviceptr, len: usize) -> DeviceRange {
         DeviceRange { ptr, len }
     }
 

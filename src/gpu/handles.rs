@@ -13,7 +13,7 @@ use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaStream};
 
 use super::device::Device;
-use super::driver::{self, driver_err, IpcHandle, KernelArgs, KernelOp};
+use super::driver::{self, driver_err, DeviceRange, IpcHandle, KernelArgs, KernelOp};
 use super::kernels;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -49,6 +49,11 @@ impl DeviceAllocation {
     /// Device address of the first byte.
     pub(crate) fn ptr(&self) -> sys::CUdeviceptr {
         self.ptr
+    }
+
+    /// The allocation's memory, for checked copies and launches.
+    pub(crate) fn range(&self) -> DeviceRange {
+        DeviceRange::new(self.ptr, self.len)
     }
 
     /// `cuIpcGetMemHandle`: the handle another process opens to map this memory. The same for
@@ -124,6 +129,11 @@ impl IpcMapping {
     /// Size of the mapped allocation (`cuMemGetAddressRange`).
     pub(crate) fn size(&self) -> usize {
         self.size
+    }
+
+    /// The mapping's memory, for checked copies and launches.
+    pub(crate) fn range(&self) -> DeviceRange {
+        DeviceRange::new(self.ptr, self.size)
     }
 }
 

@@ -23,7 +23,6 @@ use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::lifetime::StorageId;
 use crate::tensor::Tensor;
-use driver::DeviceRange;
 
 /// A tensor in GPU memory. Sending it through a channel exports its allocation as a CUDA IPC
 /// handle; the receiver maps the same memory, after the work queued on it here.
@@ -36,11 +35,6 @@ use driver::DeviceRange;
 /// ```
 pub type GpuTensor<T> = Tensor<T, GpuStorage>;
 
-/// The device memory of a storage, for the checked copies and kernel launches.
-fn memory(storage: &GpuStorage) -> DeviceRange {
-    DeviceRange::new(storage.device_ptr(), storage.byte_len())
-}
-
 impl<T: Element> Tensor<T, GpuStorage> {
     /// A contiguous tensor of zeros on `device`.
     ///
@@ -51,7 +45,7 @@ impl<T: Element> Tensor<T, GpuStorage> {
     /// ```
     pub fn zeros(device: &Arc<Device>, shape: &[usize]) -> Result<Self> {
         let t = Self::uninit(device, shape)?;
-        driver::memset_d8(device.stream(), memory(&t.storage), 0)?;
+        driver::memset_d8(device.stream(), t.storage.range()?, 0)?;
         Ok(t)
     }
 
@@ -90,7 +84,7 @@ impl<T: Element> Tensor<T, GpuStorage> {
         let t = Self::uninit(device, array.shape())?;
         let host: Vec<T> = array.iter().copied().collect();
         // Waits for the copy: `host` is dropped right after.
-        driver::copy_htod(device.stream(), &host, memory(&t.storage))?;
+        driver::copy_htod(device.stream(), &host, t.storage.range()?)?;
         Ok(t)
     }
 
@@ -124,7 +118,7 @@ impl<T: Element> Tensor<T, GpuStorage> {
         let data = if covered == 0 {
             Vec::new()
         } else {
-            let range = memory(&self.storage).sub(first * size, covered * size)?;
+            let range = self.storage.range()?.sub(first * size, covered * size)?;
             let covering: Vec<T> = driver::copy_dtoh(self.stream(), range)?;
             if self.is_contiguous() {
                 // The covering range is the view, in order.
@@ -157,7 +151,7 @@ impl<T: Element> Tensor<T, GpuStorage> {
     /// assert_eq!(t.to_vec().unwrap(), vec![9.0, 0.0, 0.0, 9.0, 0.0, 0.0]);
     /// ```
     pub fn fill(&self, value: T) -> Result<()> {
-        kernels::fill(self.device(), memory(&self.storage), &self.layout, T::DTYPE, value.to_bits())
+        kernels::fill(self.device(), self.storage.range()?, &self.layout, T::DTYPE, value.to_bits())
     }
 
     /// Adds `value` to every element of the view, in place (queued on the device's stream).
@@ -175,7 +169,7 @@ impl<T: Element> Tensor<T, GpuStorage> {
         if T::DTYPE == DType::Bool {
             return Err(Error::Unsupported("add_scalar on a bool tensor".into()));
         }
-        kernels::add_scalar(self.device(), memory(&self.storage), &self.layout, T::DTYPE, value)
+        kernels::add_scalar(self.device(), self.storage.range()?, &self.layout, T::DTYPE, value)
     }
 
     /// Copies `src` (same shape) into this view, element by element. Between two GPUs both
@@ -209,11 +203,11 @@ impl<T: Element> Tensor<T, GpuStorage> {
             src.synchronize()?;
             let size = T::DTYPE.size();
             let bytes = self.numel() * size;
-            let dst_range = memory(&self.storage).sub(self.offset() * size, bytes)?;
-            let src_range = memory(&src.storage).sub(src.offset() * size, bytes)?;
+            let dst_range = self.storage.range()?.sub(self.offset() * size, bytes)?;
+            let src_range = src.storage.range()?.sub(src.offset() * size, bytes)?;
             return driver::copy_peer(self.stream(), dst_range, src.device().context(), src_range);
         }
-        kernels::copy(self.device(), memory(&self.storage), &self.layout, memory(&src.storage), &src.layout, T::DTYPE)
+        kernels::copy(self.device(), self.storage.range()?, &self.layout, src.storage.range()?, &src.layout, T::DTYPE)
     }
 
     /// The device holding the tensor.

@@ -10,7 +10,7 @@ use once_cell::sync::{Lazy, OnceCell};
 use serde::{Deserialize, Serialize};
 
 use super::device::{format_uuid, Device};
-use super::driver::{IpcHandle, IPC_HANDLE_BYTES};
+use super::driver::{DeviceRange, IpcHandle, IPC_HANDLE_BYTES};
 use super::events;
 use super::handles::{DeviceAllocation, IpcMapping};
 use crate::dtype::{DType, Element};
@@ -60,6 +60,17 @@ impl GpuMemory {
         match self {
             GpuMemory::Local { allocation, .. } => allocation.device(),
             GpuMemory::Imported { mapping, .. } => mapping.device(),
+        }
+    }
+
+    /// The storage's memory: the allocation, or its part of the mapped allocation.
+    fn range(&self, len: usize) -> Result<DeviceRange> {
+        match self {
+            GpuMemory::Local { allocation, .. } => allocation.range().sub(0, len),
+            GpuMemory::Imported { mapping, alloc_offset, .. } => {
+                let offset = usize::try_from(*alloc_offset).map_err(|_| Error::Layout("offset overflows".into()))?;
+                mapping.range().sub(offset, len)
+            }
         }
     }
 
@@ -209,6 +220,11 @@ impl GpuStorage {
 
     fn memory(&self) -> &Memory<LegacyIpc> {
         self.0.memory()
+    }
+
+    /// The storage's device memory, for the checked copies and kernel launches.
+    pub(crate) fn range(&self) -> Result<DeviceRange> {
+        self.memory().raw().range(self.memory().len())
     }
 
     /// The device holding the memory (for a mapping made through peer access, the device that
