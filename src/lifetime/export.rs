@@ -4,7 +4,7 @@
 use std::sync::{Arc, Weak};
 
 use super::lease::{CacheTicket, Lease, LeaseMode};
-use super::table::{owner, NO_SLOT};
+use super::table::{notify_revoked, owner, NO_SLOT};
 use super::{notify, reaper, state, AnyStorage, State, StorageId, WeakStorage};
 use crate::error::Result;
 use crate::wire;
@@ -140,7 +140,8 @@ pub(crate) fn handles_dropped(id: StorageId) {
     // This process's copy of the shared lease goes: the claim ends when the holders' copies do.
     drop(shared_lease);
     if slot != NO_SLOT {
-        owner().revoke(slot, id.index());
+        let subscribers = owner().revoke(slot);
+        notify_revoked(subscribers, id.index());
     }
 }
 

@@ -138,8 +138,13 @@ impl Cover {
 impl Drop for Cover {
     fn drop(&mut self) {
         if self.mode == LeaseMode::PerMessage {
-            // The owner may have died: then nothing is owed.
-            let _ = self.lease.tx.send(Control::Release(self.id.index()));
+            let tx = self.lease.tx.clone();
+            let index = self.id.index();
+            // The owner may have died: then nothing is owed. Not in the middle of encoding a
+            // message on this thread (the transport would take its descriptors along).
+            wire::defer(move || {
+                let _ = tx.send(Control::Release(index));
+            });
         }
     }
 }

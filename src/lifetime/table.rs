@@ -36,13 +36,15 @@ impl Table {
 pub(super) struct Owner {
     table: Option<Table>,
     free_slots: Vec<u32>,
-    subscribers: Vec<IpcSender<Revocation>>,
+    subscribers: Vec<(u64, IpcSender<Revocation>)>,
+    next_subscriber: u64,
 }
 
 /// The owner lock; taken after the state lock, never before it.
 pub(super) fn owner() -> MutexGuard<'static, Owner> {
-    static OWNER: Lazy<Mutex<Owner>> =
-        Lazy::new(|| Mutex::new(Owner { table: None, free_slots: Vec::new(), subscribers: Vec::new() }));
+    static OWNER: Lazy<Mutex<Owner>> = Lazy::new(|| {
+        Mutex::new(Owner { table: None, free_slots: Vec::new(), subscribers: Vec::new(), next_subscriber: 0 })
+    });
     OWNER.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -74,19 +76,37 @@ impl Owner {
         }
     }
 
-    /// The owner dropped its handles on `index`: clear its slot, then tell subscribers (a
-    /// receiver that checks the table after missing the revocation sees it dead).
-    pub(super) fn revoke(&mut self, slot: u32, index: u64) {
+    /// The owner dropped its handles on `index`: clears its slot and returns the subscribers
+    /// to tell, after the owner lock is released (see [`notify_revoked`]).
+    pub(super) fn revoke(&mut self, slot: u32) -> Vec<(u64, IpcSender<Revocation>)> {
         self.mark(slot, 0);
-        self.subscribers.retain(|s| s.send(Revocation::Storage(index)).is_ok());
+        self.subscribers.clone()
     }
 
     /// A receiver subscribes: it gets the table, then every revocation.
     pub(super) fn subscribe(&mut self, revocations: IpcSender<Revocation>) {
         if let Some(table) = &self.table {
             if revocations.send(Revocation::Table(table.0.memory().clone())).is_ok() {
-                self.subscribers.push(revocations);
+                self.next_subscriber += 1;
+                self.subscribers.push((self.next_subscriber, revocations));
             }
         }
     }
+}
+
+/// Tells `subscribers` that the owner dropped storage `index` (the table slot is already
+/// cleared: a receiver that checks it after missing this sees the storage dead), once any
+/// message being encoded on this thread is sent; forgets subscribers that are gone. Call
+/// without the owner lock.
+pub(super) fn notify_revoked(subscribers: Vec<(u64, IpcSender<Revocation>)>, index: u64) {
+    if subscribers.is_empty() {
+        return;
+    }
+    crate::wire::defer(move || {
+        let gone: Vec<u64> =
+            subscribers.iter().filter(|(_, s)| s.send(Revocation::Storage(index)).is_err()).map(|(n, _)| *n).collect();
+        if !gone.is_empty() {
+            owner().subscribers.retain(|(n, _)| !gone.contains(n));
+        }
+    });
 }
