@@ -5,8 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cuda_mp::{
-    bf16, channel, lifetime_stats, spawn, wait_for_lifetime, Builder, Device, GpuTensor, Listener, Receiver, RecvError,
-    Sender,
+    bf16, channel, lifetime_stats, spawn, wait_for_lifetime, Builder, Device, GpuTensor, Receiver, RecvError, Sender,
 };
 use serde::{Deserialize, Serialize};
 
@@ -404,11 +403,7 @@ fn send_and_exit(tx: Sender<GpuTensor<f32>>) {
 fn forged_handles_and_handles_of_exited_producers_give_errors() {
     let _g = serial();
     let dev = gpu();
-    let listener = Listener::<GpuTensor<f32>>::bind().unwrap();
-    let name = listener.name().to_owned();
-    let accept = std::thread::spawn(move || listener.accept_timeout(WAIT).unwrap());
-    let tx = Sender::<ForgedGpu>::connect(&name).unwrap();
-    let rx = accept.join().unwrap();
+    let (tx, rx) = common::connect::<ForgedGpu, GpuTensor<f32>>();
 
     tx.send(forged(dev.uuid(), (0..64).map(|i| (i * 37 + 11) as u8).collect())).unwrap();
     let m = expect_malformed(rx.recv());

@@ -2,26 +2,15 @@
 
 use std::time::Duration;
 
-use cuda_mp::{lifetime_stats, wait_for_lifetime, HostTensor, Listener, Receiver, RecvError, Sender};
+use cuda_mp::{lifetime_stats, wait_for_lifetime, HostTensor, Listener, RecvError};
 use ipc_channel::ipc::{self, IpcReceiver, IpcSender, IpcSharedMemory};
 use serde::ser::SerializeTuple;
 use serde::{Deserialize, Serialize, Serializer};
 
-const WAIT: Duration = Duration::from_secs(10);
+mod common;
+use common::connect;
 
-/// Connects a sender of one message type to a listener of another, as a foreign or buggy peer
-/// would.
-fn connect<Wire, Expected>() -> (Sender<Wire>, Receiver<Expected>)
-where
-    Wire: Serialize + for<'de> Deserialize<'de>,
-    Expected: Serialize + for<'de> Deserialize<'de> + Send + 'static,
-{
-    let listener = Listener::<Expected>::bind().unwrap();
-    let name = listener.name().to_owned();
-    let accept = std::thread::spawn(move || listener.accept_timeout(WAIT).unwrap());
-    let tx = Sender::<Wire>::connect(&name).unwrap();
-    (tx, accept.join().unwrap())
-}
+const WAIT: Duration = Duration::from_secs(10);
 
 /// Raw bytes, written as they are (no length prefix).
 #[derive(Deserialize)]

@@ -2,9 +2,10 @@
 //! prints nothing: the transport's panic is caught without its message reaching stderr.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
 
-use cuda_mp::{HostTensor, Listener, RecvError, Sender};
+use cuda_mp::{HostTensor, RecvError};
+
+mod common;
 
 /// A host tensor record whose memory and lease name descriptor slots the message does not have.
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -32,11 +33,7 @@ static PRINTED: AtomicBool = AtomicBool::new(false);
 fn a_forged_descriptor_index_prints_no_panic() {
     // Before cuda-mp installs its own hook in front of it (on first use).
     std::panic::set_hook(Box::new(|_| PRINTED.store(true, Ordering::SeqCst)));
-    let listener = Listener::<HostTensor<f32>>::bind().unwrap();
-    let name = listener.name().to_owned();
-    let accept = std::thread::spawn(move || listener.accept_timeout(Duration::from_secs(10)).unwrap());
-    let tx = Sender::<Forged>::connect(&name).unwrap();
-    let rx = accept.join().unwrap();
+    let (tx, rx) = common::connect::<Forged, HostTensor<f32>>();
     let forged = Forged {
         dtype: 0,
         shape: vec![2],

@@ -3,14 +3,31 @@
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use cuda_mp::wait_for_lifetime;
+use cuda_mp::{wait_for_lifetime, Listener, Receiver, Sender};
+use serde::{Deserialize, Serialize};
 
 /// The lifetime counters are per process: tests that read them run one at a time, each
 /// starting once everything an earlier test shared is freed, so that the counters each test
 /// reads are its own. Fails if an earlier test left shared storage behind for `wait`.
+#[allow(dead_code)] // not every test binary shares counters
 pub fn serial(lock: &'static Mutex<()>, wait: Duration) -> MutexGuard<'static, ()> {
     let guard = lock.lock().unwrap_or_else(|p| p.into_inner());
     wait_for_lifetime(wait, |s| s.outstanding_leases == 0 && s.exported_storages == 0)
         .expect("an earlier test left shared storage behind");
     guard
+}
+
+/// Connects a sender of one message type to a listener of another, as a foreign or buggy peer
+/// would.
+#[allow(dead_code)] // not every test binary forges messages
+pub fn connect<Wire, Expected>() -> (Sender<Wire>, Receiver<Expected>)
+where
+    Wire: Serialize + for<'de> Deserialize<'de>,
+    Expected: Serialize + for<'de> Deserialize<'de> + Send + 'static,
+{
+    let listener = Listener::<Expected>::bind().unwrap();
+    let name = listener.name().to_owned();
+    let accept = std::thread::spawn(move || listener.accept_timeout(Duration::from_secs(10)).unwrap());
+    let tx = Sender::<Wire>::connect(&name).unwrap();
+    (tx, accept.join().unwrap())
 }
