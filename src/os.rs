@@ -40,6 +40,17 @@ pub(crate) fn raise_descriptor_limit() {
     });
 }
 
+/// Bytes of physical memory of this machine (0 when unknown).
+pub(crate) fn physical_memory() -> u64 {
+    // SAFETY: sysconf only reads system configuration.
+    let (pages, page) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    if pages > 0 && page > 0 {
+        (pages as u64).saturating_mul(page as u64)
+    } else {
+        0
+    }
+}
+
 /// True when this process is at, or within one transport message (64 descriptors) of, its
 /// limit on open descriptors: a message whose descriptors could not all be received was
 /// probably cut short by the limit, and dropping it has freed what did arrive.

@@ -123,6 +123,15 @@ impl HostStorage {
         if bytes > isize::MAX as usize {
             return Err(Error::Layout(format!("a tensor of {bytes} bytes is too large")));
         }
+        // The transport fills new shared memory byte by byte: refuse what cannot fit at all
+        // rather than fault in memory until the machine runs out.
+        let physical = crate::os::physical_memory();
+        if physical > 0 && bytes as u64 > physical {
+            return Err(Error::Io(std::io::Error::new(
+                std::io::ErrorKind::OutOfMemory,
+                format!("a host tensor of {bytes} bytes is larger than this machine's {physical} bytes of memory"),
+            )));
+        }
         crate::os::raise_descriptor_limit();
         let shm = catch_quietly(|| IpcSharedMemory::from_byte(0, bytes)).map_err(|reason| {
             wire::descriptor_error(Error::Io(std::io::Error::other(format!(

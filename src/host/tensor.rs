@@ -554,6 +554,8 @@ mod tests {
         assert!(matches!(HostTensor::<bool>::from_vec(&[usize::MAX, 3], vec![]), Err(Error::Layout(_))));
         // Representable, but more memory than any machine has: the allocation fails.
         assert!(HostTensor::<u8>::zeros(&[1 << 62]).is_err());
+        let err = HostTensor::<f32>::zeros(&[1 << 46]).unwrap_err();
+        assert!(err.to_string().contains("larger than this machine"), "{err}");
     }
 
     #[test]
