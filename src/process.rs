@@ -294,7 +294,15 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
                 Some(d) => handle.join_timeout(d.saturating_duration_since(Instant::now())),
                 None => handle.join_timeout(Duration::from_secs(u32::MAX as u64)),
             };
-            return r.map_err(join_error);
+            return r.map_err(|e| match join_error(e) {
+                // The pool restarts a worker that died; how it died is not passed on.
+                JoinError::Terminated(_) => JoinError::Terminated(
+                    "the pooled worker running this call ended without a result (a panic in the call \
+                     ends its worker: its message is on the worker's standard error)"
+                        .into(),
+                ),
+                other => other,
+            });
         };
         // Look at the child's end before each look at its result: the transport reaps a child
         // whose channel closed, and its exit status with it.
