@@ -161,3 +161,33 @@ fn accept_and_connect_time_out_instead_of_hanging() {
     assert!(Sender::<u8>::connect("/nonexistent/socket").is_err());
     assert!(Sender::<u8>::connect("bad\0name").is_err());
 }
+
+/// A value whose serialization fails with its own reason.
+struct Unsendable;
+
+impl serde::Serialize for Unsendable {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        Err(serde::ser::Error::custom("this value refuses to be sent"))
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Unsendable {
+    fn deserialize<D: serde::Deserializer<'de>>(_: D) -> Result<Self, D::Error> {
+        Ok(Unsendable)
+    }
+}
+
+#[test]
+fn a_failed_send_reports_its_own_reason_not_an_earlier_one() {
+    // An earlier failure on this thread: a tensor given to another serializer.
+    let t = HostTensor::<f32>::zeros(&[2]).unwrap();
+    assert!(serde_json::to_string(&t).is_err());
+    let (tx, _rx) = channel::<Unsendable>().unwrap();
+    let err = tx.send(Unsendable).unwrap_err();
+    match err.failure() {
+        cuda_mp::SendFailure::Serialize(reason) => {
+            assert!(!reason.contains("only through cuda-mp channels"), "a stale reason: {reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
