@@ -57,6 +57,13 @@ pub struct Device {
     /// This process's interprocess event on the device (see `events.rs`); never destroyed,
     /// since devices live as long as the process.
     ipc_event: OnceCell<InterprocessEvent>,
+    /// Whether the GPU makes VMM memory shareable as file descriptors (asked once).
+    vmm_supported: OnceCell<bool>,
+    /// The minimum VMM allocation granularity (asked once).
+    vmm_granularity: OnceCell<usize>,
+    /// Per peer GPU ordinal: true once this context has peer access to the peer's context,
+    /// false when the hardware cannot reach it (asked once per pair).
+    peers: Mutex<HashMap<usize, bool>>,
 }
 
 impl fmt::Debug for Device {
@@ -127,8 +134,17 @@ impl Device {
         let ctx = CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
         let uuid = device_uuid(ctx.cu_device())?;
         let stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
-        let device =
-            Arc::new(Device { ordinal, uuid, ctx, stream, kernels: OnceCell::new(), ipc_event: OnceCell::new() });
+        let device = Arc::new(Device {
+            ordinal,
+            uuid,
+            ctx,
+            stream,
+            kernels: OnceCell::new(),
+            ipc_event: OnceCell::new(),
+            vmm_supported: OnceCell::new(),
+            vmm_granularity: OnceCell::new(),
+            peers: Mutex::new(HashMap::new()),
+        });
         devices.insert(ordinal, device.clone());
         Ok(device)
     }
@@ -257,6 +273,79 @@ impl Device {
             return Ok(());
         }
         Err(no_peer_access((self.ordinal, &self.uuid), (owner.ordinal, &owner.uuid)))
+    }
+
+    /// The driver's handle of the GPU.
+    pub(crate) fn cu_device(&self) -> sys::CUdevice {
+        self.ctx.cu_device()
+    }
+
+    /// Succeeds when kernels on this GPU can read and write memory on GPU `owner` (a device of
+    /// this process, the same GPU or a peer); otherwise the error names both GPUs. Unlike
+    /// [`require_peer_access`](Self::require_peer_access) it needs no `Device` for `owner`, so
+    /// no context is made on it.
+    pub(crate) fn require_access_to(&self, owner: sys::CUdevice) -> Result<()> {
+        let here = self.cu_device();
+        if owner == here || driver::can_access_peer(here, owner).map_err(driver_err("cuDeviceCanAccessPeer"))? {
+            return Ok(());
+        }
+        // A device handle is its ordinal in this process.
+        let owner_ordinal = usize::try_from(owner).unwrap_or(usize::MAX);
+        Err(no_peer_access((self.ordinal, &self.uuid), (owner_ordinal, &device_uuid(owner)?)))
+    }
+
+    /// Gives this device's context direct access to `peer`'s (`cuCtxEnablePeerAccess`), once
+    /// per pair, when the hardware allows it (`cuDeviceCanAccessPeer`): copies between the two
+    /// then go over NVLink or PCIe instead of through host memory. True when this context can
+    /// reach `peer`'s memory directly (always for the same GPU); false when the GPUs have no
+    /// peer access, which is not an error.
+    pub(crate) fn enable_peer_access(&self, peer: &Device) -> Result<bool> {
+        if self.uuid == peer.uuid {
+            return Ok(true);
+        }
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(&enabled) = peers.get(&peer.ordinal) {
+            return Ok(enabled);
+        }
+        let can = self.can_access_peer(peer)?;
+        if can {
+            driver::enable_peer_access(&self.ctx, &peer.ctx)?;
+        }
+        peers.insert(peer.ordinal, can);
+        Ok(can)
+    }
+
+    /// True when this GPU supports virtual memory management with memory shareable as POSIX
+    /// file descriptors (`CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED` and
+    /// `CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`); asked once.
+    pub(crate) fn vmm_supported(&self) -> Result<bool> {
+        self.vmm_supported
+            .get_or_try_init(|| {
+                use sys::CUdevice_attribute as A;
+                let has = |a| self.ctx.attribute(a).map(|v| v != 0).map_err(driver_err("cuDeviceGetAttribute"));
+                Ok(has(A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)?
+                    && has(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)?)
+            })
+            .copied()
+    }
+
+    /// The minimum allocation granularity of such memory on this GPU
+    /// (`cuMemGetAllocationGranularity`, `CU_MEM_ALLOC_GRANULARITY_MINIMUM`): VMM sizes are
+    /// multiples of it. Asked once.
+    pub(crate) fn vmm_granularity(&self) -> Result<usize> {
+        self.vmm_granularity
+            .get_or_try_init(|| {
+                let g =
+                    driver::vmm_granularity(self.cu_device()).map_err(driver_err("cuMemGetAllocationGranularity"))?;
+                if g == 0 {
+                    return Err(Error::Unsupported(format!(
+                        "gpu {} reports a virtual memory granularity of 0 bytes",
+                        self.ordinal
+                    )));
+                }
+                Ok(g)
+            })
+            .copied()
     }
 
     /// Makes the device's context current on the calling thread.

@@ -17,8 +17,9 @@
 //! crate's error directly.
 
 use std::any::TypeId;
-use std::ffi::{c_uint, c_void, CStr};
+use std::ffi::{c_int, c_uint, c_void, CStr};
 use std::mem::MaybeUninit;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 use cudarc::driver::result::DriverError;
 use cudarc::driver::sys;
@@ -145,6 +146,222 @@ pub(crate) unsafe fn mem_address_range(ptr: sys::CUdeviceptr) -> DriverResult<(s
 }
 
 // ---------------------------------------------------------------------------------------------
+// Virtual memory management (owned by `handles::VmmAllocation` and `handles::VmmMapping`).
+
+/// The shareable handle type of cuda-mp's VMM memory: a POSIX file descriptor (an `int`).
+const POSIX_FD: sys::CUmemAllocationHandleType =
+    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+
+/// A generic allocation handle (`CUmemGenericAllocationHandle`) of physical memory, made with
+/// [`mem_create`] or imported with [`mem_import_fd`]. The value never leaves this file. Not
+/// `Clone`: it is released once, by value, with [`mem_release`], so a borrowed handle is live
+/// (one dropped without release leaks the memory, nothing worse).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct AllocationHandle(sys::CUmemGenericAllocationHandle);
+
+/// `CUmemLocation` of device `dev`.
+fn device_location(dev: sys::CUdevice) -> sys::CUmemLocation {
+    sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: dev }
+}
+
+/// The properties of the VMM memory cuda-mp makes: pinned memory on `dev`, exportable as a
+/// POSIX file descriptor.
+fn fd_exportable_props(dev: sys::CUdevice) -> sys::CUmemAllocationProp {
+    sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: POSIX_FD,
+        location: device_location(dev),
+        win32HandleMetaData: std::ptr::null_mut(),
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    }
+}
+
+/// `cuMemGetAllocationGranularity` (`CU_MEM_ALLOC_GRANULARITY_MINIMUM`) of the memory
+/// [`mem_create`] makes on `dev`: sizes, offsets and addresses of mappings are multiples of it.
+pub(crate) fn vmm_granularity(dev: sys::CUdevice) -> DriverResult<usize> {
+    let prop = fd_exportable_props(dev);
+    let mut granularity = 0usize;
+    let option = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+    // SAFETY: `granularity` is writable; `prop` is a complete property struct (valid enum
+    // values, null Windows metadata) that outlives the call; the driver validates the device.
+    unsafe { sys::cuMemGetAllocationGranularity(&mut granularity, &prop, option).result()? };
+    Ok(granularity)
+}
+
+/// `cuMemCreate`: `bytes` bytes (a nonzero multiple of [`vmm_granularity`]) of pinned memory
+/// on `dev`, exportable as a POSIX file descriptor, mapped nowhere yet.
+pub(crate) fn mem_create(dev: sys::CUdevice, bytes: usize) -> DriverResult<AllocationHandle> {
+    let prop = fd_exportable_props(dev);
+    let mut handle = MaybeUninit::uninit();
+    // SAFETY: `handle` is writable and set on success; `prop` is a complete property struct
+    // that outlives the call; flags must be 0. The driver validates the device and the size.
+    unsafe {
+        sys::cuMemCreate(handle.as_mut_ptr(), bytes, &prop, 0).result()?;
+        Ok(AllocationHandle(handle.assume_init()))
+    }
+}
+
+/// `cuMemImportFromShareableHandle` of a POSIX file descriptor exported by
+/// [`mem_export_fd`] (in this process or another). The descriptor is only read: the caller
+/// still owns it and may close it as soon as this returns (the handle holds the memory).
+pub(crate) fn mem_import_fd(fd: BorrowedFd<'_>) -> DriverResult<AllocationHandle> {
+    let mut handle = MaybeUninit::uninit();
+    // For this handle type `osHandle` is the descriptor's value itself in the pointer's place
+    // (`(void *)(uintptr_t)fd` in C), not the address of an `int`. A `BorrowedFd` is never
+    // negative, so the widening keeps the value.
+    let os_handle = std::ptr::without_provenance_mut::<c_void>(fd.as_raw_fd() as usize);
+    // SAFETY: `handle` is writable and set on success; the driver never dereferences
+    // `os_handle` for this handle type, and validates the descriptor (one that is not a CUDA
+    // export is an error); `fd` stays open for the call (it is borrowed) and is not closed by it.
+    unsafe {
+        sys::cuMemImportFromShareableHandle(handle.as_mut_ptr(), os_handle, POSIX_FD).result()?;
+        Ok(AllocationHandle(handle.assume_init()))
+    }
+}
+
+/// `cuMemExportToShareableHandle` as a POSIX file descriptor: a new descriptor, owned by the
+/// caller, that another process imports with [`mem_import_fd`]. The memory lives while any
+/// descriptor or handle of it is open.
+pub(crate) fn mem_export_fd(handle: &AllocationHandle) -> DriverResult<OwnedFd> {
+    let mut fd: c_int = -1;
+    // SAFETY: for this handle type the driver writes one `int` through `shareableHandle`,
+    // which points at `fd`; the handle is live (handles are released only by value); flags
+    // must be 0.
+    unsafe {
+        sys::cuMemExportToShareableHandle(&mut fd as *mut c_int as *mut c_void, handle.0, POSIX_FD, 0).result()?;
+    }
+    if fd < 0 {
+        return Err(DriverError(sys::CUresult::CUDA_ERROR_UNKNOWN));
+    }
+    // SAFETY: the driver has just opened `fd` for the caller, who now owns it; nothing else
+    // refers to it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `cuMemRelease`: gives back this handle's reference on the memory, which is freed when no
+/// handle, descriptor or mapping of it is left (mappings made with the handle stay valid).
+pub(crate) fn mem_release(handle: AllocationHandle) -> DriverResult<()> {
+    // SAFETY: the handle is live (handles are released only by value, here) and not used after.
+    unsafe { sys::cuMemRelease(handle.0).result() }
+}
+
+/// `CUmemAllocationProp` as the driver may write it: every enum as a plain `u32`, since a
+/// newer driver may write values that the bindings' Rust enums do not have (reading those as
+/// the enums would be undefined behavior).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AllocationProps {
+    type_: u32,
+    requested_handle_types: u32,
+    location_type: u32,
+    location_id: c_int,
+    win32_handle_meta_data: *mut c_void,
+    alloc_flags: [u8; 8],
+}
+
+const _: () = {
+    assert!(std::mem::size_of::<AllocationProps>() == std::mem::size_of::<sys::CUmemAllocationProp>());
+    assert!(std::mem::align_of::<AllocationProps>() == std::mem::align_of::<sys::CUmemAllocationProp>());
+};
+
+impl AllocationProps {
+    /// The device holding memory of these properties, when it is pinned device memory that can
+    /// be shared as a POSIX file descriptor; otherwise what is wrong with it.
+    pub(crate) fn fd_shareable_device(&self) -> std::result::Result<sys::CUdevice, String> {
+        if self.type_ != sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED as u32 {
+            return Err(format!("the imported memory is not pinned memory (allocation type {})", self.type_));
+        }
+        if self.location_type != sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE as u32 {
+            return Err(format!("the imported memory is not on a gpu (location type {})", self.location_type));
+        }
+        if self.requested_handle_types & POSIX_FD.0 == 0 {
+            return Err(format!(
+                "the imported memory cannot be shared as a file descriptor (handle types {:#x})",
+                self.requested_handle_types
+            ));
+        }
+        Ok(self.location_id)
+    }
+}
+
+/// `cuMemGetAllocationPropertiesFromHandle`.
+pub(crate) fn mem_allocation_props(handle: &AllocationHandle) -> DriverResult<AllocationProps> {
+    let mut prop = MaybeUninit::<AllocationProps>::zeroed();
+    // SAFETY: `prop` is writable, with the size and alignment of `CUmemAllocationProp` (checked
+    // above) and plain integer fields (any value is valid); the handle is live.
+    unsafe {
+        sys::cuMemGetAllocationPropertiesFromHandle(prop.as_mut_ptr() as *mut sys::CUmemAllocationProp, handle.0)
+            .result()?;
+        Ok(prop.assume_init())
+    }
+}
+
+/// `cuMemAddressReserve`: `size` bytes of this process's device address space (a multiple of
+/// the granularity), aligned to `alignment` (a power of two, or 0 for the default), backed by
+/// nothing yet. Must be given back once with [`mem_address_free`].
+pub(crate) fn mem_address_reserve(size: usize, alignment: usize) -> DriverResult<sys::CUdeviceptr> {
+    let mut ptr = MaybeUninit::uninit();
+    // SAFETY: `ptr` is writable and set on success; no address hint, flags must be 0; the
+    // driver validates size and alignment. Reserving addresses touches no memory.
+    unsafe {
+        sys::cuMemAddressReserve(ptr.as_mut_ptr(), size, alignment, 0, 0).result()?;
+        Ok(ptr.assume_init())
+    }
+}
+
+/// `cuMemAddressFree`.
+///
+/// # Safety
+/// `ptr` and `size` must be exactly a reservation from [`mem_address_reserve`], with nothing
+/// mapped in it any more, and not used after.
+pub(crate) unsafe fn mem_address_free(ptr: sys::CUdeviceptr, size: usize) -> DriverResult<()> {
+    // SAFETY: upheld by the caller.
+    unsafe { sys::cuMemAddressFree(ptr, size).result() }
+}
+
+/// `cuMemMap`: maps the first `size` bytes of `handle`'s memory at `ptr`. The memory is not
+/// accessible until [`mem_set_access`].
+///
+/// # Safety
+/// `ptr` and `size` must be exactly a reservation from [`mem_address_reserve`] that the caller
+/// owns, with nothing mapped in it. The mapping must be undone once with [`mem_unmap`].
+pub(crate) unsafe fn mem_map(ptr: sys::CUdeviceptr, size: usize, handle: &AllocationHandle) -> DriverResult<()> {
+    // SAFETY: upheld by the caller; the handle is live; offset and flags must be 0. The driver
+    // checks `size` against the memory.
+    unsafe { sys::cuMemMap(ptr, size, 0, handle.0, 0).result() }
+}
+
+/// `cuMemSetAccess`: makes the `size` bytes mapped at `ptr` readable and writable by device
+/// `dev` (the GPU holding the memory, or a peer of it).
+///
+/// # Safety
+/// `ptr` and `size` must be exactly a mapping made with [`mem_map`] that the caller owns.
+pub(crate) unsafe fn mem_set_access(ptr: sys::CUdeviceptr, size: usize, dev: sys::CUdevice) -> DriverResult<()> {
+    let desc = sys::CUmemAccessDesc {
+        location: device_location(dev),
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    // SAFETY: upheld by the caller; `desc` is one complete access descriptor that outlives the
+    // call. The driver validates the device.
+    unsafe { sys::cuMemSetAccess(ptr, size, &desc, 1).result() }
+}
+
+/// `cuMemUnmap`.
+///
+/// # Safety
+/// `ptr` and `size` must be exactly a mapping made with [`mem_map`] that the caller owns, with
+/// no work queued on it, and not used after.
+pub(crate) unsafe fn mem_unmap(ptr: sys::CUdeviceptr, size: usize) -> DriverResult<()> {
+    // SAFETY: upheld by the caller.
+    unsafe { sys::cuMemUnmap(ptr, size).result() }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Events (owned by `handles::InterprocessEvent` and `handles::OpenedEvent`).
 
 /// `cuEventCreate` with `CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING`: an event whose
@@ -250,6 +467,17 @@ pub(crate) fn can_access_peer(dev: sys::CUdevice, peer: sys::CUdevice) -> Driver
     // SAFETY: `can` is writable; the driver validates the device handles.
     unsafe { sys::cuDeviceCanAccessPeer(&mut can, dev, peer).result()? };
     Ok(can != 0)
+}
+
+/// `cuCtxEnablePeerAccess`: lets `ctx` (made current here) reach the memory of `peer`'s context
+/// directly (NVLink or PCIe), for copies and kernels. Already enabled is success.
+pub(crate) fn enable_peer_access(ctx: &CudaContext, peer: &CudaContext) -> Result<()> {
+    bind(ctx)?;
+    // SAFETY: `ctx` is current; `peer` is a live context (cudarc owns both); flags must be 0.
+    match unsafe { sys::cuCtxEnablePeerAccess(peer.cu_ctx(), 0) } {
+        sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
+        e => Err(driver_err("cuCtxEnablePeerAccess")(DriverError(e))),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -681,6 +909,30 @@ mod tests {
         assert!(r.sub(usize::MAX, 2).is_err());
         assert!(DeviceRange::new(u64::MAX - 4, 100).sub(8, 1).is_err());
         assert!(r.sub(0, 0).unwrap().is_empty());
+    }
+
+    #[test]
+    fn imported_vmm_memory_must_be_pinned_gpu_memory_shareable_as_a_descriptor() {
+        let made = fd_exportable_props(3);
+        // SAFETY: `AllocationProps` has the size and alignment of `CUmemAllocationProp` (checked
+        // at compile time) and plain fields, so any bytes of one are a valid other.
+        let props: AllocationProps = unsafe { std::mem::transmute_copy(&made) };
+        assert_eq!((props.type_, props.requested_handle_types, props.location_type), (1, 1, 1));
+        assert_eq!(props.fd_shareable_device(), Ok(3));
+        let with = |f: &dyn Fn(&mut AllocationProps)| {
+            let mut p = props;
+            f(&mut p);
+            p.fd_shareable_device()
+        };
+        // Several handle types, one of them a descriptor: fine.
+        assert_eq!(with(&|p| p.requested_handle_types = 0x9), Ok(3));
+        // Values the bindings' enums lack (a newer driver) are errors, not undefined behavior.
+        assert!(with(&|p| p.type_ = 2).unwrap_err().contains("not pinned"));
+        assert!(with(&|p| p.type_ = 0x7fff_ffff).unwrap_err().contains("not pinned"));
+        assert!(with(&|p| p.location_type = 2).unwrap_err().contains("not on a gpu"));
+        assert!(with(&|p| p.location_type = 6).unwrap_err().contains("not on a gpu"));
+        assert!(with(&|p| p.requested_handle_types = 0).unwrap_err().contains("file descriptor"));
+        assert!(with(&|p| p.requested_handle_types = 8).unwrap_err().contains("file descriptor"));
     }
 
     #[test]

@@ -7,13 +7,15 @@
 
 use std::ffi::CString;
 use std::fmt;
-use std::sync::Arc;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::{Arc, Mutex};
 
+use cudarc::driver::result::DriverError;
 use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaStream};
 
 use super::device::Device;
-use super::driver::{self, driver_err, DeviceRange, IpcHandle, KernelArgs, KernelOp};
+use super::driver::{self, driver_err, AllocationHandle, DeviceRange, IpcHandle, KernelArgs, KernelOp};
 use super::kernels;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -158,6 +160,322 @@ impl Drop for IpcMapping {
         // SAFETY: `ptr` came from cuIpcOpenMemHandle in this (current) context, our stream has
         // no work left on it, and nothing uses it any more.
         let _ = unsafe { driver::ipc_close_mem_handle(self.ptr) };
+    }
+}
+
+/// `bytes` rounded up to a whole number of `granularity`-byte granules, at least one.
+fn round_to_granularity(bytes: usize, granularity: usize) -> Result<usize> {
+    if granularity == 0 {
+        return Err(Error::Unsupported("the driver reports a virtual memory granularity of 0 bytes".into()));
+    }
+    bytes.max(1).div_ceil(granularity).checked_mul(granularity).ok_or_else(|| {
+        Error::Layout(format!("an allocation of {bytes} bytes overflows when rounded to {granularity}-byte granules"))
+    })
+}
+
+/// A mapping size that another process claims: a nonzero whole number of granules.
+fn check_mapping_size(size: usize, granularity: usize) -> Result<()> {
+    if size == 0 || granularity == 0 || !size.is_multiple_of(granularity) {
+        return Err(Error::Malformed(format!(
+            "a virtual memory mapping of {size} bytes is not a nonzero multiple of the {granularity}-byte granularity"
+        )));
+    }
+    Ok(())
+}
+
+/// The alignment to reserve addresses with: the granularity when it is a power of two (mappings
+/// start on a granule), else the driver's default.
+fn reserve_alignment(granularity: usize) -> usize {
+    if granularity.is_power_of_two() {
+        granularity
+    } else {
+        0
+    }
+}
+
+/// Physical VMM memory mapped at one range of this process's addresses, readable and writable
+/// by one device (and by the peers it was granted to): the common part of [`VmmAllocation`]
+/// and [`VmmMapping`]. Built step by step; dropping it undoes the steps done: after
+/// synchronizing the streams of the devices with access it unmaps, gives the addresses back and
+/// releases the handle (errors ignored).
+struct VmmRegion {
+    /// The device with access: bound for every step, its stream synchronized before unmapping.
+    device: Arc<Device>,
+    /// The GPU holding the physical memory.
+    owner: sys::CUdevice,
+    /// Other devices granted access ([`VmmRegion::grant`]): their streams are synchronized
+    /// before unmapping too.
+    peers: Mutex<Vec<Arc<Device>>>,
+    /// Taken by the drop, to release it.
+    handle: Option<AllocationHandle>,
+    /// The reserved range (0 until reserved) and its size.
+    ptr: sys::CUdeviceptr,
+    size: usize,
+    /// True once `handle` is mapped over the whole range.
+    mapped: bool,
+}
+
+impl VmmRegion {
+    /// Holds `handle` (released on drop), memory on GPU `owner`; maps nothing yet.
+    fn hold(device: &Arc<Device>, owner: sys::CUdevice, handle: AllocationHandle) -> VmmRegion {
+        VmmRegion {
+            device: device.clone(),
+            owner,
+            peers: Mutex::new(Vec::new()),
+            handle: Some(handle),
+            ptr: 0,
+            size: 0,
+            mapped: false,
+        }
+    }
+
+    /// Reserves `size` bytes of addresses, maps the held memory over them (a failure of
+    /// `cuMemMap` becomes `map_err`'s error) and makes them readable and writable by the device.
+    fn map(&mut self, size: usize, granularity: usize, map_err: impl FnOnce(DriverError) -> Error) -> Result<()> {
+        let handle = self.handle.as_ref().ok_or_else(|| Error::Unsupported("mapping released memory".into()))?;
+        if self.ptr != 0 {
+            return Err(Error::Unsupported("mapping memory twice".into()));
+        }
+        self.device.bind()?;
+        self.ptr = driver::mem_address_reserve(size, reserve_alignment(granularity))
+            .map_err(driver_err("cuMemAddressReserve"))?;
+        self.size = size;
+        // SAFETY: `ptr`/`size` is the reservation just made, owned by this value and not mapped
+        // yet; the drop unmaps it once (`mapped` is set right after).
+        unsafe { driver::mem_map(self.ptr, size, handle) }.map_err(map_err)?;
+        self.mapped = true;
+        // SAFETY: `ptr`/`size` is exactly the mapping just made, owned by this value.
+        unsafe { driver::mem_set_access(self.ptr, size, self.device.cu_device()) }.map_err(driver_err("cuMemSetAccess"))
+    }
+
+    /// Makes the mapping readable and writable by `peer` too (`cuMemSetAccess`, once per
+    /// device). Other GPUs reach VMM memory only through access granted to them: context peer
+    /// access (`cuCtxEnablePeerAccess`) does not cover it. An error naming both GPUs when `peer`
+    /// cannot reach the GPU holding the memory.
+    fn grant(&self, peer: &Arc<Device>) -> Result<()> {
+        if !self.mapped {
+            return Err(Error::Unsupported("granting access to unmapped memory".into()));
+        }
+        if Arc::ptr_eq(peer, &self.device) {
+            return Ok(());
+        }
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        if peers.iter().any(|d| Arc::ptr_eq(d, peer)) {
+            return Ok(());
+        }
+        peer.require_access_to(self.owner)?;
+        self.device.bind()?;
+        // SAFETY: `ptr`/`size` is exactly the mapping this value made and still holds; the drop
+        // synchronizes `peer`'s stream (recorded below) before unmapping it.
+        unsafe { driver::mem_set_access(self.ptr, self.size, peer.cu_device()) }
+            .map_err(driver_err("cuMemSetAccess"))?;
+        peers.push(peer.clone());
+        Ok(())
+    }
+
+    /// A new POSIX file descriptor for the memory (`cuMemExportToShareableHandle`).
+    fn export_fd(&self) -> Result<OwnedFd> {
+        let handle = self.handle.as_ref().ok_or_else(|| Error::Unsupported("exporting released memory".into()))?;
+        self.device.bind()?;
+        driver::mem_export_fd(handle).map_err(driver_err("cuMemExportToShareableHandle"))
+    }
+
+    fn range(&self) -> DeviceRange {
+        DeviceRange::new(self.ptr, self.size)
+    }
+}
+
+impl Drop for VmmRegion {
+    fn drop(&mut self) {
+        // Errors cannot be returned from drop; the driver reports them again on the next call.
+        if self.device.bind().is_err() {
+            // Nothing may be unmapped before the stream is known idle: leak rather than risk it.
+            return;
+        }
+        if self.mapped {
+            // Work queued on the memory must finish before it is unmapped, on every device
+            // with access.
+            for peer in self.peers.get_mut().unwrap_or_else(|p| p.into_inner()).iter() {
+                let _ = peer.synchronize();
+            }
+            let _ = self.device.synchronize();
+            // SAFETY: `ptr`/`size` is the mapping this value made, the streams of the devices
+            // with access have no work left on it, and nothing uses it any more.
+            let _ = unsafe { driver::mem_unmap(self.ptr, self.size) };
+        }
+        if self.ptr != 0 {
+            // SAFETY: `ptr`/`size` is the reservation this value made, with nothing mapped in it
+            // any more (unmapped just above, or never mapped).
+            let _ = unsafe { driver::mem_address_free(self.ptr, self.size) };
+        }
+        if let Some(handle) = self.handle.take() {
+            let _ = driver::mem_release(handle);
+        }
+    }
+}
+
+/// Physical memory made with `cuMemCreate` (virtual memory management): pinned, on `device`,
+/// exportable as a POSIX file descriptor, its size rounded up to the allocation granularity;
+/// mapped at a range of addresses reserved for it and readable and writable by `device`.
+/// Unlike `cuMemAlloc` memory, it outlives this process while another process holds a
+/// descriptor or a mapping of it. Dropping it waits for the work queued on the device's
+/// stream, then unmaps it, frees the addresses and releases this process's handle.
+pub(crate) struct VmmAllocation {
+    region: VmmRegion,
+}
+
+impl VmmAllocation {
+    /// Allocates `bytes` bytes (uninitialized; rounded up to the granularity, a zero-byte
+    /// request gets one granule) on `device`.
+    pub(crate) fn new(device: &Arc<Device>, bytes: usize) -> Result<VmmAllocation> {
+        if !device.vmm_supported()? {
+            return Err(Error::Unsupported(format!(
+                "gpu {} does not support virtual memory management with file-descriptor sharing",
+                device.ordinal()
+            )));
+        }
+        let granularity = device.vmm_granularity()?;
+        let size = round_to_granularity(bytes, granularity)?;
+        device.bind()?;
+        let handle = driver::mem_create(device.cu_device(), size).map_err(driver_err("cuMemCreate"))?;
+        let mut region = VmmRegion::hold(device, device.cu_device(), handle);
+        region.map(size, granularity, driver_err("cuMemMap"))?;
+        Ok(VmmAllocation { region })
+    }
+
+    /// The device holding the memory.
+    pub(crate) fn device(&self) -> &Arc<Device> {
+        &self.region.device
+    }
+
+    /// Device address of the first byte.
+    pub(crate) fn ptr(&self) -> sys::CUdeviceptr {
+        self.region.ptr
+    }
+
+    /// The rounded size: what is mapped here, and what a receiver maps.
+    pub(crate) fn size(&self) -> usize {
+        self.region.size
+    }
+
+    /// The whole rounded mapping, for checked copies and launches.
+    pub(crate) fn range(&self) -> DeviceRange {
+        self.region.range()
+    }
+
+    /// `cuMemExportToShareableHandle`: a new file descriptor for the physical memory, which
+    /// another process imports with [`VmmMapping::import`]. A new one per call: callers cache it.
+    pub(crate) fn export_fd(&self) -> Result<OwnedFd> {
+        self.region.export_fd()
+    }
+
+    /// Makes the memory readable and writable by `peer` too, once per device (for peer copies
+    /// and kernels there: context peer access does not cover VMM memory). `Error::NoPeerAccess`
+    /// when `peer` cannot reach this GPU. Dropping waits for `peer`'s stream too.
+    pub(crate) fn grant_access(&self, peer: &Arc<Device>) -> Result<()> {
+        self.region.grant(peer)
+    }
+}
+
+impl fmt::Debug for VmmAllocation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("VmmAllocation")
+            .field("device", &self.region.device.ordinal())
+            .field("ptr", &format_args!("{:#x}", self.region.ptr))
+            .field("size", &self.region.size)
+            .finish()
+    }
+}
+
+/// Another process's VMM memory, imported from a POSIX file descriptor and mapped here,
+/// readable and writable by `access` (the GPU holding the memory, or a peer of it: VMM needs
+/// no peer context, only access granted for that GPU). This process's handle keeps the memory
+/// alive even after its owner exits. Dropping it waits for the work queued on `access`'s
+/// stream, then unmaps it, frees the addresses and releases the handle.
+pub(crate) struct VmmMapping {
+    region: VmmRegion,
+}
+
+impl VmmMapping {
+    /// Imports the memory of `fd` (closed as soon as the import holds the memory) and maps
+    /// `size` bytes of it (the sender's rounded size) for `access`. The memory must be pinned
+    /// GPU memory shareable as a descriptor; a size it does not have is `Error::Malformed`; a
+    /// GPU `access` cannot reach is `Error::NoPeerAccess`.
+    pub(crate) fn import(fd: OwnedFd, size: usize, access: &Arc<Device>) -> Result<VmmMapping> {
+        access.bind()?;
+        let handle = driver::mem_import_fd(fd.as_fd()).map_err(driver_err("cuMemImportFromShareableHandle"))?;
+        // The handle holds the memory now.
+        drop(fd);
+        let props = match driver::mem_allocation_props(&handle) {
+            Ok(props) => props,
+            Err(e) => {
+                let _ = driver::mem_release(handle);
+                return Err(driver_err("cuMemGetAllocationPropertiesFromHandle")(e));
+            }
+        };
+        let owner = match props.fd_shareable_device() {
+            Ok(owner) => owner,
+            Err(why) => {
+                let _ = driver::mem_release(handle);
+                return Err(Error::Malformed(why));
+            }
+        };
+        // Released on every error path below.
+        let mut region = VmmRegion::hold(access, owner, handle);
+        access.require_access_to(owner)?;
+        let granularity = driver::vmm_granularity(owner).map_err(driver_err("cuMemGetAllocationGranularity"))?;
+        check_mapping_size(size, granularity)?;
+        region.map(size, granularity, |e| {
+            let e = driver_err("cuMemMap")(e);
+            if e.is_out_of_memory() {
+                return e;
+            }
+            Error::Malformed(format!("the imported memory cannot be mapped at {size} bytes ({e})"))
+        })?;
+        Ok(VmmMapping { region })
+    }
+
+    /// The device the memory is mapped for (where work on it runs).
+    pub(crate) fn device(&self) -> &Arc<Device> {
+        &self.region.device
+    }
+
+    /// Base of the mapping.
+    pub(crate) fn ptr(&self) -> sys::CUdeviceptr {
+        self.region.ptr
+    }
+
+    /// Size of the mapping (the sender's rounded size).
+    pub(crate) fn size(&self) -> usize {
+        self.region.size
+    }
+
+    /// The whole mapping, for checked copies and launches.
+    pub(crate) fn range(&self) -> DeviceRange {
+        self.region.range()
+    }
+
+    /// Re-exports the imported memory as a new file descriptor (to forward it to a third
+    /// process).
+    pub(crate) fn export_fd(&self) -> Result<OwnedFd> {
+        self.region.export_fd()
+    }
+
+    /// Makes the mapping readable and writable by `peer` too, once per device (for peer copies
+    /// and kernels there). `Error::NoPeerAccess` when `peer` cannot reach the GPU holding the
+    /// memory. Dropping waits for `peer`'s stream too.
+    pub(crate) fn grant_access(&self, peer: &Arc<Device>) -> Result<()> {
+        self.region.grant(peer)
+    }
+}
+
+impl fmt::Debug for VmmMapping {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("VmmMapping")
+            .field("device", &self.region.device.ordinal())
+            .field("ptr", &format_args!("{:#x}", self.region.ptr))
+            .field("size", &self.region.size)
+            .finish()
     }
 }
 
@@ -398,5 +716,38 @@ mod tests {
         send_sync::<Module>();
         send_sync::<KernelFunction>();
         send_sync::<Device>();
+        send_sync::<VmmAllocation>();
+        send_sync::<VmmMapping>();
+    }
+
+    #[test]
+    fn vmm_sizes_round_up_to_whole_granules() {
+        let g = 2 << 20;
+        assert_eq!(round_to_granularity(0, g).unwrap(), g);
+        assert_eq!(round_to_granularity(1, g).unwrap(), g);
+        assert_eq!(round_to_granularity(g, g).unwrap(), g);
+        assert_eq!(round_to_granularity(g + 1, g).unwrap(), 2 * g);
+        assert_eq!(round_to_granularity(5 * g - 7, g).unwrap(), 5 * g);
+        assert_eq!(round_to_granularity(3, 3).unwrap(), 3);
+        assert!(round_to_granularity(usize::MAX, g).is_err());
+        assert!(round_to_granularity(usize::MAX - g + 2, g).is_err());
+        assert_eq!(round_to_granularity(usize::MAX - g + 1, g).unwrap(), usize::MAX - g + 1);
+        assert_eq!(round_to_granularity(usize::MAX - 2 * g + 2, g).unwrap(), usize::MAX - g + 1);
+        assert!(round_to_granularity(10, 0).is_err());
+    }
+
+    #[test]
+    fn claimed_vmm_sizes_are_whole_granules() {
+        let g = 2 << 20;
+        assert!(check_mapping_size(g, g).is_ok());
+        assert!(check_mapping_size(7 * g, g).is_ok());
+        for bad in [0, 1, g - 1, g + 1, usize::MAX] {
+            let e = check_mapping_size(bad, g).unwrap_err();
+            assert!(matches!(&e, Error::Malformed(m) if m.contains(&format!("{bad} bytes"))), "{e}");
+        }
+        assert!(check_mapping_size(g, 0).is_err());
+        assert_eq!(reserve_alignment(g), g);
+        assert_eq!(reserve_alignment(3 << 20), 0);
+        assert_eq!(reserve_alignment(0), 0);
     }
 }

@@ -7,6 +7,7 @@ mod events;
 mod handles;
 mod kernels;
 mod storage;
+mod vmm;
 
 use std::sync::Arc;
 
@@ -16,7 +17,7 @@ use ndarray::{ArrayBase, ArrayD, Data, Dimension, IxDyn};
 
 pub use bundle::{Bundle, BundleBuilder, BundleEntry, DEFAULT_CHUNK_BYTES};
 pub use device::{cuda_available, Device};
-pub use storage::{GpuStorage, IpcPayload};
+pub use storage::{GpuMemoryKind, GpuStorage, IpcPayload, VMM_MIN_BYTES};
 
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
@@ -199,6 +200,16 @@ impl<T: Element> Tensor<T, GpuStorage> {
         if !Arc::ptr_eq(src.device(), self.device()) {
             if !(self.is_contiguous() && src.is_contiguous()) {
                 return Err(Error::Unsupported("copy between gpus of a view that is not contiguous".into()));
+            }
+            // A direct copy (NVLink or PCIe) needs peer access between the two contexts, both
+            // ways, enabled once per pair; without it the driver stages the copy through host
+            // memory. GPUs without peer access still copy, staged.
+            let peers =
+                self.device().enable_peer_access(src.device())? & src.device().enable_peer_access(self.device())?;
+            if peers {
+                // VMM memory is reached per allocation, not through the contexts.
+                self.storage.grant_access(src.device())?;
+                src.storage.grant_access(self.device())?;
             }
             src.synchronize()?;
             let size = T::DTYPE.size();
