@@ -3,6 +3,7 @@
 //!     cargo bench --bench handoff                 # ours, then benches/torch_baseline.py, one table
 //!     cargo bench --bench handoff -- --no-torch   # ours only
 //!     cargo bench --bench handoff -- --quick      # fewer rounds
+//!     cargo bench --bench handoff -- --storage vmm  # producer memory: legacy, vmm or auto
 //!
 //! Rows (torch runs the same workloads; the ratio is torch / ours, higher is better for us):
 //!   a  round trip, same storage resent; the consumer receives, drops, acknowledges
@@ -476,7 +477,19 @@ fn main() {
         std::process::exit(2);
     }
     let dev = Device::get(0).unwrap();
-    println!("GPU 0: {}", dev.uuid_string());
+    // `--storage legacy|vmm|auto`: the GPU memory the producer allocates (default auto).
+    let storage = args.iter().position(|a| a == "--storage").and_then(|i| args.get(i + 1)).map(String::as_str);
+    let kind = match storage {
+        Some("legacy") => cuda_mp::GpuMemoryKind::Legacy,
+        Some("vmm") => cuda_mp::GpuMemoryKind::Vmm,
+        None | Some("auto") => cuda_mp::GpuMemoryKind::Auto,
+        Some(other) => {
+            println!("unknown --storage {other}: use legacy, vmm or auto");
+            std::process::exit(2);
+        }
+    };
+    dev.set_memory_kind(kind);
+    println!("GPU 0: {} (memory: {kind:?})", dev.uuid_string());
     let mut r = Results::default();
     run_ours(&dev, quick, &mut r);
     if !no_torch {

@@ -55,6 +55,12 @@ pub enum Error {
         /// The process's soft limit on open descriptors (`RLIMIT_NOFILE`).
         limit: u64,
     },
+    /// Another process's memory could not be mapped because the process that allocated it has
+    /// exited: legacy CUDA IPC memory cannot be mapped after that (VMM memory can, when the
+    /// message came from a process that still maps it), and a VMM descriptor can only be
+    /// fetched from a live process.
+    #[error("the process that allocated this memory has exited before this process mapped it ({0})")]
+    OwnerExited(String),
     /// A send failed.
     #[error("{0}")]
     Send(SendFailure),

@@ -55,6 +55,7 @@
 mod channel;
 mod dtype;
 mod error;
+mod fdpass;
 mod gpu;
 mod host;
 mod layout;
@@ -74,7 +75,8 @@ pub use error::{
     Error, JoinError, PanicReport, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError,
 };
 pub use gpu::{
-    cuda_available, Bundle, BundleBuilder, BundleEntry, Device, GpuStorage, GpuTensor, IpcPayload, DEFAULT_CHUNK_BYTES,
+    cuda_available, Bundle, BundleBuilder, BundleEntry, Device, GpuMemoryKind, GpuStorage, GpuTensor, IpcPayload,
+    DEFAULT_CHUNK_BYTES, VMM_MIN_BYTES,
 };
 pub use half::{bf16, f16};
 pub use host::{HostStorage, HostTensor};

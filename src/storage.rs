@@ -231,7 +231,13 @@ pub(crate) fn import<S: Shared>(
                 memory.downcast::<Memory<S::Kind>>().ok().map(|memory| Arc::new(S::from_handle(Handle { memory })))
             },
             || {
-                let raw = S::Kind::open(&mut kind, bytes, &place)?;
+                let raw = S::Kind::open(&mut kind, bytes, &place).map_err(|e| {
+                    if cover.owner_alive() {
+                        e
+                    } else {
+                        Error::OwnerExited(e.to_string())
+                    }
+                })?;
                 let origin = Origin::Imported { cover, ticket };
                 let memory = Arc::new(Memory { id, len: bytes, key, origin, raw: Some(raw) });
                 Ok(Arc::new(S::from_handle(Handle { memory })))

@@ -360,6 +360,8 @@ struct ForgedGpu {
     keep: bool,
     cache_ticket: Option<u32>,
     device_uuid: [u8; 16],
+    /// 0: legacy IPC memory (handle and offset follow).
+    memory_variant: u32,
     mem_handle: Vec<u8>,
     alloc_offset: u64,
     event_handle: Option<Vec<u8>>,
@@ -379,6 +381,7 @@ fn forged(uuid: [u8; 16], mem_handle: Vec<u8>) -> ForgedGpu {
         keep: false,
         cache_ticket: None,
         device_uuid: uuid,
+        memory_variant: 0,
         mem_handle,
         alloc_offset: 0,
         event_handle: None,
@@ -598,4 +601,137 @@ fn a_bundle_of_a_hundred_allocations_crosses_in_one_message() {
         s.live_storages == before.live_storages && s.outstanding_leases == before.outstanding_leases
     })
     .expect("every allocation freed");
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+enum Op {
+    /// Add this to every element, then report the first element.
+    AddAndRead(f32),
+    Forward,
+    Drop,
+}
+
+type ConsumerArgs =
+    (Receiver<GpuTensor<f32>>, Receiver<Op>, Sender<Result<f32, String>>, Option<Sender<GpuTensor<f32>>>);
+
+/// Receives one tensor (says whether it could), then follows orders.
+fn consumer((rx, ops, reply, next): ConsumerArgs) {
+    let mut held = match rx.recv_timeout(WAIT) {
+        Ok(t) => {
+            reply.send(Ok(0.0)).unwrap();
+            Some(t)
+        }
+        Err(e) => {
+            reply.send(Err(e.to_string())).unwrap();
+            None
+        }
+    };
+    while let Ok(op) = ops.recv() {
+        let answer = match (op, held.as_ref()) {
+            (Op::AddAndRead(x), Some(t)) => {
+                t.add_scalar(x as f64).unwrap();
+                Ok(t.to_vec().unwrap()[0])
+            }
+            (Op::Forward, Some(t)) => next.as_ref().unwrap().send(t.clone()).map(|_| 0.0).map_err(|e| e.to_string()),
+            (Op::Drop, _) => {
+                held = None;
+                Ok(0.0)
+            }
+            (op, None) => Err(format!("{op:?} without a tensor")),
+        };
+        reply.send(answer).unwrap();
+    }
+}
+
+/// Allocates 1 GiB of the given kind, sends it to every consumer, waits for the word, exits.
+fn producer((txs, go, vmm): (Vec<Sender<GpuTensor<f32>>>, Receiver<()>, bool)) {
+    let dev = Device::get(0).unwrap();
+    dev.set_memory_kind(if vmm { cuda_mp::GpuMemoryKind::Vmm } else { cuda_mp::GpuMemoryKind::Legacy });
+    let t = GpuTensor::<f32>::full(&dev, &[1 << 28], 1.0).unwrap();
+    for tx in &txs {
+        tx.send(t.clone()).unwrap();
+    }
+    go.recv().unwrap();
+}
+
+struct Consumer {
+    tx: Sender<GpuTensor<f32>>,
+    ops: Sender<Op>,
+    reply: Receiver<Result<f32, String>>,
+    child: cuda_mp::JoinHandle<()>,
+}
+
+fn start_consumer(next: Option<Sender<GpuTensor<f32>>>) -> Consumer {
+    let (tx, rx) = channel().unwrap();
+    let (ops, ops_rx) = channel().unwrap();
+    let (reply_tx, reply) = channel().unwrap();
+    let child = spawn((rx, ops_rx, reply_tx, next), consumer);
+    Consumer { tx, ops, reply, child }
+}
+
+impl Consumer {
+    fn ask(&self, op: Op) -> Result<f32, String> {
+        self.ops.send(op).unwrap();
+        self.reply.recv_timeout(WAIT).unwrap()
+    }
+}
+
+/// The producer sends 1 GiB to three consumers and exits; the consumers keep writing it, one
+/// forwards it to a fourth. Returns what the fourth said on receipt.
+fn outlive_the_producer(vmm: bool) -> Result<f32, String> {
+    let dev = gpu();
+    let baseline = free_memory(&dev);
+    let fourth = start_consumer(None);
+    let cs: Vec<Consumer> =
+        (0..3).map(|i| start_consumer(if i == 0 { Some(fourth.tx.clone()) } else { None })).collect();
+    let (go_tx, go_rx) = channel().unwrap();
+    let producer = spawn((cs.iter().map(|c| c.tx.clone()).collect(), go_rx, vmm), producer);
+    for c in &cs {
+        c.reply.recv_timeout(WAIT).unwrap().expect("each consumer maps the memory");
+    }
+    go_tx.send(()).unwrap();
+    producer.join().unwrap();
+    // The producer has exited: the three keep reading and writing the same memory.
+    for (i, c) in cs.iter().enumerate() {
+        assert_eq!(c.ask(Op::AddAndRead(1.0)), Ok(2.0 + i as f32), "consumer {i} sees every earlier write");
+    }
+    cs[0].ask(Op::Forward).unwrap();
+    let fourth_got = fourth.reply.recv_timeout(WAIT).unwrap();
+    if fourth_got.is_ok() {
+        assert_eq!(fourth.ask(Op::AddAndRead(1.0)), Ok(5.0), "the fourth process writes the same memory");
+    }
+    let held = free_memory(&dev);
+    for c in cs.iter().chain([&fourth]) {
+        c.ask(Op::Drop).unwrap();
+    }
+    // The last holder dropped it: the 1 GiB is free again while the consumers still run.
+    let deadline = std::time::Instant::now() + WAIT;
+    while free_memory(&dev) < held + (900 << 20) {
+        assert!(std::time::Instant::now() < deadline, "1 GiB not freed after the last holder dropped it");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for c in cs.into_iter().chain([fourth]) {
+        drop(c.ops);
+        c.child.join().unwrap();
+    }
+    assert!(free_memory(&dev) + (64 << 20) >= baseline, "device memory back to where it started");
+    fourth_got
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn vmm_memory_outlives_its_producer_and_travels_on() {
+    let _g = serial();
+    if !gpu().supports_memory_kind(cuda_mp::GpuMemoryKind::Vmm).unwrap() {
+        panic!("this GPU has no virtual memory management with file-descriptor export");
+    }
+    assert_eq!(outlive_the_producer(true), Ok(0.0));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn legacy_memory_of_an_exited_producer_cannot_be_mapped_and_the_error_says_why() {
+    let _g = serial();
+    let err = outlive_the_producer(false).unwrap_err();
+    assert!(err.contains("has exited"), "{err}");
 }

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use cuda_mp::testing::{fake_mappings_closed, FakeTensor};
 use cuda_mp::{
-    channel, lifetime_stats, spawn, wait_for_lifetime, Device, GpuTensor, HostTensor, Receiver, Sender, Tensor,
+    channel, lifetime_stats, spawn, wait_for_lifetime, Device, GpuMemoryKind, GpuTensor, HostTensor, Receiver, Sender,
+    Tensor,
 };
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -46,12 +47,28 @@ impl Kind for Host {
     }
 }
 
-struct Gpu;
-impl Kind for Gpu {
+/// GPU memory of one kind (legacy IPC or VMM), whatever the size.
+fn gpu_tensor(len: usize, kind: GpuMemoryKind) -> GpuTensor<f32> {
+    let dev = Device::get(0).expect("this test needs a CUDA GPU");
+    dev.set_memory_kind(kind);
+    let t = GpuTensor::zeros(&dev, &[len]).unwrap();
+    assert_eq!(t.storage().memory_kind(), kind);
+    t
+}
+
+struct GpuLegacy;
+impl Kind for GpuLegacy {
     type S = cuda_mp::GpuStorage;
     fn make(len: usize) -> GpuTensor<f32> {
-        let dev = Device::get(0).expect("this test needs a CUDA GPU");
-        GpuTensor::zeros(&dev, &[len]).unwrap()
+        gpu_tensor(len, GpuMemoryKind::Legacy)
+    }
+}
+
+struct GpuVmm;
+impl Kind for GpuVmm {
+    type S = cuda_mp::GpuStorage;
+    fn make(len: usize) -> GpuTensor<f32> {
+        gpu_tensor(len, GpuMemoryKind::Vmm)
     }
 }
 
@@ -111,6 +128,7 @@ fn settled(before: cuda_mp::LifetimeStats) -> cuda_mp::LifetimeStats {
         s.live_storages == before.live_storages
             && s.exported_storages == before.exported_storages
             && s.outstanding_leases == before.outstanding_leases
+            && s.offered_descriptors == before.offered_descriptors
     })
     .expect("every storage released and freed")
 }
@@ -304,7 +322,8 @@ macro_rules! suite {
 
 suite!(fake, Fake, 1_000);
 suite!(host, Host, 10_000);
-suite!(gpu, Gpu, 1_000, #[ignore = "needs a CUDA GPU"]);
+suite!(gpu_legacy, GpuLegacy, 1_000, #[ignore = "needs a CUDA GPU"]);
+suite!(gpu_vmm, GpuVmm, 1_000, #[ignore = "needs a CUDA GPU"]);
 
 /// Sends one fake storage whose mapping takes `delay_ms`, then waits to be killed.
 fn send_slow((tx, delay_ms): (Sender<FakeTensor<f32>>, u64)) {

@@ -33,6 +33,8 @@ pub(crate) enum Control {
     /// The holder passes a claim on storage `index` on to another process: one more claim
     /// through this lease (per-message leases).
     Retain(u64),
+    /// Nothing: a holder checks that the owner is still there.
+    Ping,
 }
 
 /// Owner to holder.
@@ -132,6 +134,11 @@ impl Cover {
 
     pub(crate) fn lease(&self) -> &Lease {
         &self.lease
+    }
+
+    /// False once the storage's owner has exited (its end of the lease is closed).
+    pub(crate) fn owner_alive(&self) -> bool {
+        self.id.is_local() || self.lease.tx.send(Control::Ping).is_ok()
     }
 }
 

@@ -66,6 +66,9 @@ pub struct LifetimeStats {
     /// Mappings of other processes' storages opened since the process started (a message for
     /// a storage already mapped here, in use or cached, opens nothing).
     pub opened_mappings: u64,
+    /// File descriptors of GPU (VMM) memory this process offers to other processes: one per
+    /// VMM storage it has sent and still holds.
+    pub offered_descriptors: usize,
 }
 
 /// Everything the lifetime machinery tracks in this process, under one lock (see README.md
@@ -119,6 +122,7 @@ fn stats_of(s: &State) -> LifetimeStats {
     stats.exported_storages = s.exported.len() + s.freeing;
     stats.imported_storages = s.imported.values().filter(|w| w.strong_count() > 0).count();
     stats.cached_mappings = s.idle.len();
+    stats.offered_descriptors = crate::fdpass::offered();
     stats
 }
 

@@ -138,6 +138,7 @@ fn reap(mut set: IpcReceiverSet, wake_id: u64) {
                             Ok(Control::Link { revocations }) => owner().subscribe(revocations),
                             Ok(Control::Release(index)) => lease_message(key, index, false),
                             Ok(Control::Retain(index)) => lease_message(key, index, true),
+                            Ok(Control::Ping) => {}
                             Err(_) => {}
                         },
                         Some(Watched::Revocations(owner)) => match message.to::<Revocation>() {

@@ -1,0 +1,160 @@
+//! GPU memory made with virtual memory management (`cuMemCreate` with a POSIX file-descriptor
+//! handle type), shared by file descriptor: the storage's record carries a ticket to this
+//! process's descriptor broker (`src/fdpass.rs`), the receiver fetches the descriptor,
+//! imports the memory and closes the descriptor, and maps the memory where it needs it. The
+//! physical memory lives while any process holds it: a consumer keeps using it after the
+//! producer exited, and forwards it by offering a descriptor of its own.
+
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::sys;
+use once_cell::sync::OnceCell;
+use serde::{Deserialize, Serialize};
+
+use super::device::Device;
+use super::driver::DeviceRange;
+use super::handles::{VmmAllocation, VmmMapping};
+use crate::error::{Error, Result};
+use crate::fdpass::{self, Ticket};
+
+/// How long a receiver waits for the producer's broker to hand over a descriptor.
+const FETCH_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Largest allocation a record may claim (256 TiB): anything larger is forged.
+const MAX_BYTES: u64 = 1 << 48;
+
+/// A VMM storage's part of its record.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct VmmWire {
+    /// Where to fetch the allocation's descriptor.
+    ticket: Ticket,
+    /// The allocation's size, rounded to the granularity (what the receiver maps).
+    size: u64,
+}
+
+/// VMM memory, allocated here or mapped from another process, with the descriptor this process
+/// offers for it once it has been sent.
+pub(crate) struct VmmMemory {
+    /// Withdrawn before the memory is released.
+    offered: OnceCell<Offered>,
+    backing: Backing,
+    /// The GPU holding the physical memory.
+    owner_uuid: [u8; 16],
+}
+
+enum Backing {
+    Local(VmmAllocation),
+    Imported(VmmMapping),
+}
+
+/// This process's offer of a descriptor for the memory: withdrawn when dropped.
+struct Offered {
+    key: u64,
+    ticket: Ticket,
+    /// Keeps the descriptor the broker hands out.
+    _fd: Arc<OwnedFd>,
+}
+
+impl Drop for Offered {
+    fn drop(&mut self) {
+        fdpass::withdraw(self.key);
+    }
+}
+
+fn next_key() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+impl VmmMemory {
+    /// `bytes` bytes of VMM memory on `device` (rounded up to the granularity).
+    pub(crate) fn alloc(device: &Arc<Device>, bytes: usize) -> Result<VmmMemory> {
+        Ok(VmmMemory {
+            offered: OnceCell::new(),
+            backing: Backing::Local(VmmAllocation::new(device, bytes)?),
+            owner_uuid: device.uuid(),
+        })
+    }
+
+    /// Maps another process's VMM memory of `bytes` bytes on `access` (the GPU holding it is
+    /// `owner`): fetches the descriptor from the sender's broker, imports and maps.
+    pub(crate) fn open(wire: &VmmWire, bytes: usize, owner: &Device, access: &Arc<Device>) -> Result<VmmMemory> {
+        if wire.size > MAX_BYTES || (bytes as u64) > wire.size {
+            return Err(Error::Malformed(format!(
+                "a storage of {bytes} bytes in an allocation of {} bytes",
+                wire.size
+            )));
+        }
+        let fd = fdpass::fetch(&wire.ticket, FETCH_TIMEOUT)?;
+        let mapping = VmmMapping::import(fd, wire.size as usize, access)?;
+        Ok(VmmMemory { offered: OnceCell::new(), backing: Backing::Imported(mapping), owner_uuid: owner.uuid() })
+    }
+
+    /// The record to send: offers a descriptor for the memory from this process (once).
+    pub(crate) fn offer(&self) -> Result<VmmWire> {
+        let offered = self.offered.get_or_try_init(|| {
+            let fd = Arc::new(match &self.backing {
+                Backing::Local(a) => a.export_fd()?,
+                Backing::Imported(m) => m.export_fd()?,
+            });
+            let key = next_key();
+            let ticket = fdpass::offer(key, fd.clone())?;
+            Ok::<_, Error>(Offered { key, ticket, _fd: fd })
+        })?;
+        Ok(VmmWire { ticket: offered.ticket.clone(), size: self.size() as u64 })
+    }
+
+    /// Makes the memory readable and writable by `peer` too (context peer access does not
+    /// cover VMM memory).
+    pub(crate) fn grant_access(&self, peer: &Arc<Device>) -> Result<()> {
+        match &self.backing {
+            Backing::Local(a) => a.grant_access(peer),
+            Backing::Imported(m) => m.grant_access(peer),
+        }
+    }
+
+    /// True when mapped from another process.
+    pub(crate) fn is_imported(&self) -> bool {
+        matches!(self.backing, Backing::Imported(_))
+    }
+
+    /// The GPU holding the physical memory.
+    pub(crate) fn owner_uuid(&self) -> [u8; 16] {
+        self.owner_uuid
+    }
+
+    /// The device the memory is used from.
+    pub(crate) fn device(&self) -> &Arc<Device> {
+        match &self.backing {
+            Backing::Local(a) => a.device(),
+            Backing::Imported(m) => m.device(),
+        }
+    }
+
+    /// Device address of the first byte.
+    pub(crate) fn ptr(&self) -> sys::CUdeviceptr {
+        match &self.backing {
+            Backing::Local(a) => a.ptr(),
+            Backing::Imported(m) => m.ptr(),
+        }
+    }
+
+    /// The whole mapping.
+    pub(crate) fn range(&self) -> DeviceRange {
+        match &self.backing {
+            Backing::Local(a) => a.range(),
+            Backing::Imported(m) => m.range(),
+        }
+    }
+
+    /// The allocation's size, rounded to the granularity.
+    fn size(&self) -> usize {
+        match &self.backing {
+            Backing::Local(a) => a.size(),
+            Backing::Imported(m) => m.size(),
+        }
+    }
+}
