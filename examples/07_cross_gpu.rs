@@ -3,13 +3,16 @@
 //! adds 1000 in place; the sender reads back i + 1000.
 //!
 //!     cargo run --release --example 07_cross_gpu -- --src-device 0 --access-device 1
+//!     cargo run --release --example 07_cross_gpu -- --storage legacy   # or vmm (default: auto)
 //!
-//! Needs two GPUs with peer access (`--access-device 0` runs the same path on one GPU).
+//! Needs two GPUs with peer access (`--access-device 0` runs the same path on one GPU). VMM
+//! memory is mapped on the other GPU with an access grant for it; legacy memory through the
+//! contexts' peer access.
 
 mod common;
 
 use common::{Outcome, TIMEOUT};
-use cuda_mp::{channel, spawn, Device, GpuTensor, IpcPayload, Receiver, Sender};
+use cuda_mp::{channel, spawn, Device, GpuMemoryKind, GpuTensor, IpcPayload, Receiver, Sender};
 
 const N: usize = 1 << 20;
 
@@ -43,6 +46,13 @@ fn run() -> Outcome {
         .into());
     }
     let (dev_src, dev_access) = (Device::get(src)?, Device::get(access)?);
+    let kind = match common::arg("--storage", "auto".to_string())?.as_str() {
+        "legacy" => GpuMemoryKind::Legacy,
+        "vmm" => GpuMemoryKind::Vmm,
+        "auto" => GpuMemoryKind::Auto,
+        other => return Err(format!("--storage {other}: use legacy, vmm or auto").into()),
+    };
+    dev_src.set_memory_kind(kind);
     dev_access.require_peer_access(&dev_src)?;
     println!(
         "sender: gpu {src} ({}), receiver maps it from gpu {access} ({})",
@@ -50,6 +60,7 @@ fn run() -> Outcome {
         dev_access.uuid_string()
     );
     let t = GpuTensor::from_vec(&dev_src, &[N], (0..N).map(|i| i as f32).collect())?;
+    println!("sender: {:?} memory", t.storage().memory_kind());
     let (tx, rx) = channel()?;
     let (done_tx, done_rx) = channel()?;
     let child = spawn((rx, access, done_tx), receiver);
