@@ -84,7 +84,8 @@ fn a_pool_runs_calls_on_its_workers() {
     // A panic ends the pooled worker (procspawn restarts it); the call reports the termination.
     let err = pool.spawn("in pool".to_string(), explode).join().unwrap_err();
     assert!(matches!(err, JoinError::Terminated(_) | JoinError::Panicked(_)), "{err:?}");
-    assert!(err.to_string().contains("pooled worker"), "{err}");
+    // Either the panic came back, or the worker's death is named as such.
+    assert!(err.panic().is_some() || err.to_string().contains("pooled worker"), "{err}");
     assert_eq!(pool.spawn(5, square).join().unwrap(), 25, "the pool keeps working after a panic");
     pool.shutdown();
 }
