@@ -3,6 +3,7 @@
 //!
 //!     cargo bench --bench cross_gpu                       # gpu 0 memory, work on gpu 1
 //!     cargo bench --bench cross_gpu -- --devices 0,0      # the same paths on one GPU
+//!     cargo bench --bench cross_gpu -- --storage legacy   # or vmm (default: auto)
 //!
 //! remote read:  a kernel on the access GPU copies the mapped memory into its own memory
 //! remote write: a kernel on the access GPU copies its own memory into the mapped memory
@@ -63,6 +64,14 @@ fn main() {
         std::process::exit(2);
     }
     let (dev_o, dev_a) = (Device::get(owner).unwrap(), Device::get(access).unwrap());
+    // `--storage legacy|vmm|auto`: the memory of both tensors (default auto: VMM at this size).
+    let kind = match args.iter().position(|a| a == "--storage").and_then(|i| args.get(i + 1)).map(String::as_str) {
+        Some("legacy") => cuda_mp::GpuMemoryKind::Legacy,
+        Some("vmm") => cuda_mp::GpuMemoryKind::Vmm,
+        _ => cuda_mp::GpuMemoryKind::Auto,
+    };
+    dev_o.set_memory_kind(kind);
+    dev_a.set_memory_kind(kind);
     if let Err(e) = dev_a.require_peer_access(&dev_o) {
         println!("{e}");
         std::process::exit(2);
@@ -77,7 +86,10 @@ fn main() {
     child.join().unwrap();
     let dst = GpuTensor::<i32>::zeros(&dev_a, &[BYTES / 4]).unwrap();
     let peer = timed(&dev_a, || dst.copy_from(&src).unwrap());
-    println!("| gpu {owner} memory, work on gpu {access}, 1 GiB x {REPEAT} | GB/s |");
+    println!(
+        "| gpu {owner} memory ({:?}), work on gpu {access}, 1 GiB x {REPEAT} | GB/s |",
+        src.storage().memory_kind()
+    );
     println!("|---|---|");
     println!("| remote read through the mapping (kernel on gpu {access}) | {read:.1} |");
     println!("| remote write through the mapping (kernel on gpu {access}) | {write:.1} |");
