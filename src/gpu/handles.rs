@@ -455,12 +455,6 @@ impl VmmMapping {
         self.region.range()
     }
 
-    /// Re-exports the imported memory as a new file descriptor (to forward it to a third
-    /// process).
-    pub(crate) fn export_fd(&self) -> Result<OwnedFd> {
-        self.region.export_fd()
-    }
-
     /// Makes the mapping readable and writable by `peer` too, once per device (for peer copies
     /// and kernels there). `Error::NoPeerAccess` when `peer` cannot reach the GPU holding the
     /// memory. Dropping waits for `peer`'s stream too.

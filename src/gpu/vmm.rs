@@ -1,9 +1,10 @@
 //! GPU memory made with virtual memory management (`cuMemCreate` with a POSIX file-descriptor
 //! handle type), shared by file descriptor: the storage's record carries a ticket to this
 //! process's descriptor broker (`src/fdpass.rs`), the receiver fetches the descriptor,
-//! imports the memory and closes the descriptor, and maps the memory where it needs it. The
-//! physical memory lives while any process holds it: a consumer keeps using it after the
-//! producer exited, and forwards it by offering a descriptor of its own.
+//! imports and maps the memory where it needs it. The physical memory lives while any process
+//! holds it: a consumer keeps using it after the producer exited, and forwards it by offering
+//! the descriptor it fetched (the driver refuses to export an imported handle again, so a
+//! receiver keeps that one descriptor while it maps the memory).
 
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -40,6 +41,8 @@ pub(crate) struct VmmWire {
 pub(crate) struct VmmMemory {
     /// Withdrawn before the memory is released.
     offered: OnceCell<Offered>,
+    /// For imported memory: the descriptor fetched, to offer when forwarding.
+    fetched: Option<Arc<OwnedFd>>,
     backing: Backing,
     /// The GPU holding the physical memory.
     owner_uuid: [u8; 16],
@@ -74,6 +77,7 @@ impl VmmMemory {
     pub(crate) fn alloc(device: &Arc<Device>, bytes: usize) -> Result<VmmMemory> {
         Ok(VmmMemory {
             offered: OnceCell::new(),
+            fetched: None,
             backing: Backing::Local(VmmAllocation::new(device, bytes)?),
             owner_uuid: device.uuid(),
         })
@@ -89,17 +93,27 @@ impl VmmMemory {
             )));
         }
         let fd = fdpass::fetch(&wire.ticket, FETCH_TIMEOUT)?;
+        let kept = fd.try_clone().map_err(|e| crate::wire::descriptor_error(e.into()))?;
         let mapping = VmmMapping::import(fd, wire.size as usize, access)?;
-        Ok(VmmMemory { offered: OnceCell::new(), backing: Backing::Imported(mapping), owner_uuid: owner.uuid() })
+        Ok(VmmMemory {
+            offered: OnceCell::new(),
+            fetched: Some(Arc::new(kept)),
+            backing: Backing::Imported(mapping),
+            owner_uuid: owner.uuid(),
+        })
     }
 
     /// The record to send: offers a descriptor for the memory from this process (once).
     pub(crate) fn offer(&self) -> Result<VmmWire> {
         let offered = self.offered.get_or_try_init(|| {
-            let fd = Arc::new(match &self.backing {
-                Backing::Local(a) => a.export_fd()?,
-                Backing::Imported(m) => m.export_fd()?,
-            });
+            let fd = match (&self.backing, &self.fetched) {
+                (_, Some(fetched)) => fetched.clone(),
+                (Backing::Local(a), None) => Arc::new(a.export_fd()?),
+                // Every import keeps its descriptor; the driver cannot export an imported handle.
+                (Backing::Imported(_), None) => {
+                    return Err(Error::Unsupported("forwarding vmm memory without its descriptor".into()))
+                }
+            };
             let key = next_key();
             let ticket = fdpass::offer(key, fd.clone())?;
             Ok::<_, Error>(Offered { key, ticket, _fd: fd })
