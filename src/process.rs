@@ -208,6 +208,9 @@ fn join_error(e: procspawn::SpawnError) -> JoinError {
 /// Longest pause between two looks at a joined child (it wakes early when the child exits).
 const JOIN_POLL: Duration = Duration::from_millis(20);
 
+/// How often a join looks for the result of a child that is still running.
+const RESULT_LOOK: Duration = Duration::from_millis(200);
+
 impl<R> JoinHandle<R> {
     fn started(handle: procspawn::JoinHandle<R>) -> Self {
         let watch = handle.pid().map(ChildWatch::new);
@@ -306,37 +309,43 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
         };
         // Look at the child's end before each look at its result: the transport reaps a child
         // whose channel closed, and its exit status with it.
-        let mut pause = Duration::from_millis(1);
+        // The transport reaps a child whose channel closed, and its exit status with it, so
+        // its result is looked at only once the child has exited (the pidfd wakes us then;
+        // its result, if it sent one, is still queued), or now and then while it runs, for a
+        // result too large to be queued before the child exits.
+        let mut last_look = Instant::now();
         loop {
             let exit = watch.exited(Duration::ZERO);
-            match handle.join_timeout(Duration::ZERO) {
-                Ok(v) => return Ok(v),
-                Err(e) if e.is_timeout() && exit.is_none() => {}
-                Err(e) if e.is_timeout() => {
-                    // Ended without a result.
-                    let error = match exit {
-                        Some(Exit::Signal(signal)) => JoinError::Signaled { signal, name: signal_name(signal) },
-                        Some(Exit::Code(code)) => JoinError::Exited { code },
-                        None => JoinError::Terminated("the child ended".into()),
-                    };
-                    let _ = handle.kill();
-                    self.inner = Inner::Failed(None);
-                    return Err(error);
-                }
-                Err(e) => {
-                    let error = self.died(e, exit);
-                    self.inner = Inner::Failed(None);
-                    return Err(error);
+            if exit.is_some() || last_look.elapsed() >= RESULT_LOOK {
+                last_look = Instant::now();
+                match handle.join_timeout(Duration::ZERO) {
+                    Ok(v) => return Ok(v),
+                    Err(e) if e.is_timeout() && exit.is_none() => {}
+                    Err(e) if e.is_timeout() => {
+                        // Ended without a result.
+                        let error = match exit {
+                            Some(Exit::Signal(signal)) => JoinError::Signaled { signal, name: signal_name(signal) },
+                            Some(Exit::Code(code)) => JoinError::Exited { code },
+                            None => JoinError::Terminated("the child ended".into()),
+                        };
+                        let _ = handle.kill();
+                        self.inner = Inner::Failed(None);
+                        return Err(error);
+                    }
+                    Err(e) => {
+                        let error = self.died(e, exit);
+                        self.inner = Inner::Failed(None);
+                        return Err(error);
+                    }
                 }
             }
             let now = Instant::now();
             let wait = match deadline {
                 Some(d) if now >= d => return Err(JoinError::Timeout),
-                Some(d) => pause.min(d - now),
-                None => pause,
+                Some(d) => JOIN_POLL.min(d - now),
+                None => JOIN_POLL,
             };
             watch.exited(wait);
-            pause = (pause * 2).min(JOIN_POLL);
         }
     }
 

@@ -30,8 +30,10 @@ const MAX_BYTES: u64 = 1 << 48;
 /// A VMM storage's part of its record.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) struct VmmWire {
-    /// Where to fetch the allocation's descriptor.
+    /// Where to fetch the allocation's descriptor: from the process that allocated it.
     ticket: Ticket,
+    /// Where else, when that process has exited: the process that forwarded it.
+    fallback: Option<Ticket>,
     /// The allocation's size, rounded to the granularity (what the receiver maps).
     size: u64,
 }
@@ -43,6 +45,10 @@ pub(crate) struct VmmMemory {
     offered: OnceCell<Offered>,
     /// For imported memory: the descriptor fetched, to offer when forwarding.
     fetched: Option<Arc<OwnedFd>>,
+    /// For imported memory: the allocating process's ticket, passed on when forwarding (its
+    /// offer lasts while the memory is claimed, unlike this process's, which goes when this
+    /// process drops the memory).
+    origin: Option<Ticket>,
     backing: Backing,
     /// The GPU holding the physical memory.
     owner_uuid: [u8; 16],
@@ -78,6 +84,7 @@ impl VmmMemory {
         Ok(VmmMemory {
             offered: OnceCell::new(),
             fetched: None,
+            origin: None,
             backing: Backing::Local(VmmAllocation::new(device, bytes)?),
             owner_uuid: device.uuid(),
         })
@@ -92,12 +99,16 @@ impl VmmMemory {
                 wire.size
             )));
         }
-        let fd = fdpass::fetch(&wire.ticket, FETCH_TIMEOUT)?;
+        let fd = match (fdpass::fetch(&wire.ticket, FETCH_TIMEOUT), &wire.fallback) {
+            (Err(Error::OwnerExited(_)), Some(fallback)) => fdpass::fetch(fallback, FETCH_TIMEOUT)?,
+            (fetched, _) => fetched?,
+        };
         let kept = fd.try_clone().map_err(|e| crate::wire::descriptor_error(e.into()))?;
         let mapping = VmmMapping::import(fd, wire.size as usize, access)?;
         Ok(VmmMemory {
             offered: OnceCell::new(),
             fetched: Some(Arc::new(kept)),
+            origin: Some(wire.ticket.clone()),
             backing: Backing::Imported(mapping),
             owner_uuid: owner.uuid(),
         })
@@ -118,7 +129,11 @@ impl VmmMemory {
             let ticket = fdpass::offer(key, fd.clone())?;
             Ok::<_, Error>(Offered { key, ticket, _fd: fd })
         })?;
-        Ok(VmmWire { ticket: offered.ticket.clone(), size: self.size() as u64 })
+        let own = offered.ticket.clone();
+        Ok(match &self.origin {
+            Some(origin) => VmmWire { ticket: origin.clone(), fallback: Some(own), size: self.size() as u64 },
+            None => VmmWire { ticket: own, fallback: None, size: self.size() as u64 },
+        })
     }
 
     /// Makes the memory readable and writable by `peer` too (context peer access does not
