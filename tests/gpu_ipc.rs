@@ -735,3 +735,77 @@ fn legacy_memory_of_an_exited_producer_cannot_be_mapped_and_the_error_says_why()
     let err = outlive_the_producer(false).unwrap_err();
     assert!(err.contains("has exited"), "{err}");
 }
+
+/// The wire layout of a GPU tensor of VMM memory, with every field under the forger's control.
+#[derive(Serialize, Deserialize, Clone)]
+struct VmmRecord {
+    dtype: u8,
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+    offset: usize,
+    owner: u128,
+    index: u64,
+    bytes: u64,
+    message: u64,
+    lease: ForgedHow,
+    keep: bool,
+    cache_ticket: Option<u32>,
+    device_uuid: [u8; 16],
+    /// 1: VMM memory (ticket and size follow).
+    memory_variant: u32,
+    broker: String,
+    key: u64,
+    secret: [u8; 16],
+    fallback: Option<(String, u64, [u8; 16])>,
+    size: u64,
+    event_handle: Option<Vec<u8>>,
+}
+
+impl Clone for ForgedHow {
+    fn clone(&self) -> Self {
+        match self {
+            ForgedHow::Inline(ForgedDescriptor::Channel(c)) => ForgedHow::Inline(ForgedDescriptor::Channel(c.clone())),
+            ForgedHow::Inline(ForgedDescriptor::Memory(m)) => ForgedHow::Inline(ForgedDescriptor::Memory(*m)),
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn forged_vmm_records_give_errors() {
+    let _g = serial();
+    let dev = gpu();
+    assert!(dev.supports_memory_kind(cuda_mp::GpuMemoryKind::Vmm).unwrap(), "this GPU has no VMM");
+    dev.set_memory_kind(cuda_mp::GpuMemoryKind::Vmm);
+    let t = GpuTensor::<f32>::full(&dev, &[1024], 2.0).unwrap();
+    dev.set_memory_kind(cuda_mp::GpuMemoryKind::Auto);
+    // A genuine record, read as plain fields.
+    let (tx, rx) = common::connect::<GpuTensor<f32>, VmmRecord>();
+    tx.send(t.clone()).unwrap();
+    let genuine = rx.recv_timeout(WAIT).unwrap();
+    assert_eq!(genuine.memory_variant, 1, "vmm memory travels as a ticket");
+    let (tx, rx) = common::connect::<VmmRecord, GpuTensor<f32>>();
+    // Named as another process's storage, so the receiver fetches the descriptor.
+    let as_foreign = |index: u64| VmmRecord { owner: 0x1234, index, ..genuine.clone() };
+    let refused = |r: VmmRecord| -> String {
+        tx.send(r).unwrap();
+        match rx.recv_timeout(WAIT) {
+            Err(cuda_mp::RecvTimeoutError::Malformed(m)) => m,
+            other => panic!("expected a malformed-message error, got {other:?}"),
+        }
+    };
+    let m = refused(VmmRecord { secret: [7; 16], ..as_foreign(1) });
+    assert!(m.contains("forged"), "{m}");
+    let m = refused(VmmRecord { key: genuine.key + 1000, ..as_foreign(2) });
+    assert!(m.contains("offers nothing"), "{m}");
+    let m = refused(VmmRecord { bytes: genuine.size + 4, ..as_foreign(3) });
+    assert!(m.contains("in an allocation of"), "{m}");
+    let m = refused(VmmRecord { size: genuine.size + (2 << 20), ..as_foreign(4) });
+    assert!(m.contains(&format!("{}", genuine.size + (2 << 20))), "the size it does not have: {m}");
+    let m = refused(VmmRecord { broker: "cuda-mp-1-00000000000000ff".into(), ..as_foreign(5) });
+    assert!(m.contains("exited"), "{m}");
+    // The genuine ticket, as another process would receive it, maps the same memory.
+    tx.send(as_foreign(6)).unwrap();
+    let mapped = rx.recv_timeout(WAIT).unwrap();
+    assert_eq!(mapped.to_vec().unwrap(), vec![2.0; 1024]);
+}
