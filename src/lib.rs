@@ -1,7 +1,8 @@
 //! cuda-mp: worker processes and typed channels that pass tensors between them without
-//! copies, for Rust. A GPU tensor crosses a process boundary as a CUDA IPC handle, a host tensor
-//! as a shared-memory descriptor; the memory stays alive until the last process drops it, and
-//! the references of a process that dies are reclaimed.
+//! copies, for Rust. A GPU tensor crosses a process boundary as a CUDA IPC handle (or, for VMM
+//! memory, a file descriptor), a host tensor as a shared-memory descriptor; the memory stays
+//! alive until the last process drops it, and the references of a process that dies are
+//! reclaimed.
 //!
 //! ```no_run
 //! use cuda_mp::{channel, spawn, HostTensor, Receiver, Sender};
