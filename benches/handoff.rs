@@ -335,6 +335,29 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, r: &mut Results) {
                 again.push(publish(s));
             }
             r.ours.insert("d_republish".into(), summarize(again));
+            // The same bundle through a channel inside this process: encoding and decoding its
+            // 292-entry table and resolving its storage here, with no other process, no GPU
+            // work and no acknowledgement.
+            let (self_tx, self_rx) = channel::<cuda_mp::Bundle>().unwrap();
+            let mut local = Vec::new();
+            for _ in 0..20 {
+                let start = Instant::now();
+                self_tx.send(bundle.clone()).unwrap();
+                let back = self_rx.recv().unwrap();
+                local.push(start.elapsed().as_secs_f64() * 1e6);
+                drop(back);
+            }
+            let (median, p99) = summarize(local);
+            println!("bundle of 292 tensors sent to this process and decoded: median {median:.1} us, p99 {p99:.1} us");
+            // What the consumer does after decoding: read the step counter back.
+            let mut reads = Vec::new();
+            for _ in 0..20 {
+                let start = Instant::now();
+                let _ = step.to_vec().unwrap();
+                reads.push(start.elapsed().as_secs_f64() * 1e6);
+            }
+            let (median, p99) = summarize(reads);
+            println!("reading one i64 back to the host: median {median:.1} us, p99 {p99:.1} us");
         }
         drop(tx);
         child.join().unwrap();
