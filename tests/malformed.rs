@@ -3,12 +3,12 @@
 use std::time::Duration;
 
 use cuda_mp::{lifetime_stats, wait_for_lifetime, HostTensor, Listener, RecvError};
-use ipc_channel::ipc::{self, IpcReceiver, IpcSender, IpcSharedMemory};
+use ipc_channel::ipc::{self, IpcSender, IpcSharedMemory};
 use serde::ser::SerializeTuple;
 use serde::{Deserialize, Serialize, Serializer};
 
 mod common;
-use common::connect;
+use common::{connect, inline, Desc, ForgedTensor};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -24,47 +24,6 @@ impl Serialize for Raw {
         }
         t.end()
     }
-}
-
-/// A descriptor as it travels: shared memory or a channel.
-#[derive(Serialize, Deserialize)]
-enum Desc<M, C> {
-    Memory(M),
-    Channel(C),
-}
-
-/// Where a descriptor is: in the message, in overflow batches, or the same as an earlier one.
-#[derive(Serialize, Deserialize)]
-enum How<D> {
-    Inline(D),
-    Overflow(Option<IpcReceiver<()>>),
-    Again(u32),
-}
-
-#[derive(Serialize, Deserialize)]
-struct Carried<D> {
-    message: u64,
-    how: How<D>,
-    keep: bool,
-}
-
-fn inline<D>(d: D) -> Carried<D> {
-    Carried { message: 7, how: How::Inline(d), keep: false }
-}
-
-/// The wire layout of a host tensor, with every field under the forger's control.
-#[derive(Serialize, Deserialize)]
-struct ForgedTensor<Shm, Lease> {
-    dtype: u8,
-    shape: Vec<usize>,
-    strides: Vec<usize>,
-    offset: usize,
-    owner: u128,
-    index: u64,
-    bytes: u64,
-    lease: Carried<Desc<(), Lease>>,
-    ticket: Option<u32>,
-    shm: Option<Carried<Desc<Shm, ()>>>,
 }
 
 fn forged(dtype: u8, shape: Vec<usize>, bytes: usize) -> ForgedTensor<IpcSharedMemory, IpcSender<()>> {

@@ -6,25 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use cuda_mp::{HostTensor, RecvError};
 
 mod common;
-
-/// A host tensor record whose memory and lease name descriptor slots the message does not have.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct Forged {
-    dtype: u8,
-    shape: Vec<usize>,
-    strides: Vec<usize>,
-    offset: usize,
-    owner: u128,
-    index: u64,
-    bytes: u64,
-    message: u64,
-    /// `Inline(Channel(slot))`.
-    lease: (u32, u32, usize),
-    keep: bool,
-    ticket: Option<u32>,
-    /// `Some(Carried { message, Inline(Memory(slot)), keep })`.
-    shm: Option<(u64, u32, u32, usize, bool)>,
-}
+use common::{inline, Desc, ForgedTensor};
 
 /// Set by the panic hook this test installs; cuda-mp's quiet catch sits in front of it.
 static PRINTED: AtomicBool = AtomicBool::new(false);
@@ -33,8 +15,9 @@ static PRINTED: AtomicBool = AtomicBool::new(false);
 fn a_forged_descriptor_index_prints_no_panic() {
     // Before cuda-mp installs its own hook in front of it (on first use).
     std::panic::set_hook(Box::new(|_| PRINTED.store(true, Ordering::SeqCst)));
-    let (tx, rx) = common::connect::<Forged, HostTensor<f32>>();
-    let forged = Forged {
+    // The memory and the lease name descriptor slots the message does not have.
+    let (tx, rx) = common::connect::<ForgedTensor<usize, usize>, HostTensor<f32>>();
+    let forged = ForgedTensor {
         dtype: 0,
         shape: vec![2],
         strides: vec![1],
@@ -42,11 +25,9 @@ fn a_forged_descriptor_index_prints_no_panic() {
         owner: 1,
         index: 1,
         bytes: 8,
-        message: 3,
-        lease: (0, 1, 9),
-        keep: false,
+        lease: inline(Desc::Channel(9)),
         ticket: None,
-        shm: Some((3, 0, 0, 5, false)),
+        shm: Some(inline(Desc::Memory(5))),
     };
     tx.send(forged).unwrap();
     let r = rx.recv();

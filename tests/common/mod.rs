@@ -4,6 +4,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use cuda_mp::{wait_for_lifetime, Listener, Receiver, Sender};
+use ipc_channel::ipc::IpcReceiver;
 use serde::{Deserialize, Serialize};
 
 /// The lifetime counters are per process: tests that read them run one at a time, each
@@ -30,4 +31,50 @@ where
     let accept = std::thread::spawn(move || listener.accept_timeout(Duration::from_secs(10)).unwrap());
     let tx = Sender::<Wire>::connect(&name).unwrap();
     (tx, accept.join().unwrap())
+}
+
+/// A descriptor as it travels: shared memory or a channel.
+#[derive(Serialize, Deserialize)]
+#[allow(dead_code)] // not every test binary forges messages
+pub enum Desc<M, C> {
+    Memory(M),
+    Channel(C),
+}
+
+/// Where a descriptor is: in the message, in overflow batches, or the same as an earlier one.
+#[derive(Serialize, Deserialize)]
+#[allow(dead_code)] // not every test binary forges messages
+pub enum How<D> {
+    Inline(D),
+    Overflow(Option<IpcReceiver<()>>),
+    Again(u32),
+}
+
+#[derive(Serialize, Deserialize)]
+#[allow(dead_code)] // not every test binary forges messages
+pub struct Carried<D> {
+    pub message: u64,
+    pub how: How<D>,
+    pub keep: bool,
+}
+
+#[allow(dead_code)]
+pub fn inline<D>(d: D) -> Carried<D> {
+    Carried { message: 7, how: How::Inline(d), keep: false }
+}
+
+/// The wire layout of a host tensor, with every field under the forger's control.
+#[derive(Serialize, Deserialize)]
+#[allow(dead_code)] // not every test binary forges messages
+pub struct ForgedTensor<Shm, Lease> {
+    pub dtype: u8,
+    pub shape: Vec<usize>,
+    pub strides: Vec<usize>,
+    pub offset: usize,
+    pub owner: u128,
+    pub index: u64,
+    pub bytes: u64,
+    pub lease: Carried<Desc<(), Lease>>,
+    pub ticket: Option<u32>,
+    pub shm: Option<Carried<Desc<Shm, ()>>>,
 }
