@@ -502,6 +502,15 @@ pub enum JoinError {
         /// Its exit status.
         code: i32,
     },
+    /// One process of [`spawn_n`](crate::spawn_n) failed (the first to fail); the others were
+    /// terminated.
+    #[error("rank {rank} failed: {error}")]
+    Rank {
+        /// The failed process's rank.
+        rank: usize,
+        /// How it failed.
+        error: Box<JoinError>,
+    },
     /// The child died without returning, and how is unknown (a pooled worker).
     #[error("child process terminated without a result: {0}")]
     Terminated(String),

@@ -84,7 +84,7 @@ pub use host::{HostStorage, HostTensor};
 pub use layout::{Layout, MAX_DIMS};
 pub use lifetime::{lifetime_stats, wait_for_lifetime, LifetimeStats, StorageId};
 pub use ndarray;
-pub use process::{init, spawn, Builder, JoinHandle, Pool};
+pub use process::{init, spawn, spawn_n, Builder, JoinHandle, Pool};
 pub use tensor::Tensor;
 
 #[doc(hidden)]

@@ -228,6 +228,17 @@ impl ChildWatch {
         self.peek()
     }
 
+    /// Sends `signal` to the child unless it has exited (then its pid may belong to someone
+    /// else once reaped; an exited child not yet reaped is left alone too).
+    pub(crate) fn signal(&self, signal: i32) -> bool {
+        if self.peek().is_some() {
+            return false;
+        }
+        // SAFETY: `kill` has no memory arguments; the pid is our child's, which has not
+        // exited (so not reaped: the pid is not reused).
+        unsafe { libc::kill(self.pid, signal) == 0 }
+    }
+
     fn peek(&self) -> Option<Exit> {
         // SAFETY: zeroed siginfo_t is a valid output buffer for waitid.
         let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };

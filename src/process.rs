@@ -176,6 +176,8 @@ pub struct JoinHandle<R> {
     watch: Option<ChildWatch>,
     /// Set by [`kill`](Self::kill).
     killed: bool,
+    /// When a join last looked for the result of the running child.
+    last_look: Instant,
 }
 
 enum Inner<R> {
@@ -214,11 +216,65 @@ const RESULT_LOOK: Duration = Duration::from_millis(200);
 impl<R> JoinHandle<R> {
     fn started(handle: procspawn::JoinHandle<R>) -> Self {
         let watch = handle.pid().map(ChildWatch::new);
-        JoinHandle { inner: Inner::Running(handle), watch, killed: false }
+        JoinHandle { inner: Inner::Running(handle), watch, killed: false, last_look: Instant::now() }
     }
 
     fn failed(error: JoinError) -> Self {
-        JoinHandle { inner: Inner::Failed(Some(error)), watch: None, killed: false }
+        JoinHandle { inner: Inner::Failed(Some(error)), watch: None, killed: false, last_look: Instant::now() }
+    }
+
+    /// True while the child process runs (false once it has exited, was killed or never
+    /// started, and for a pooled call, which has no process of its own).
+    ///
+    /// ```no_run
+    /// #[cuda_mp::main]
+    /// fn main() {
+    ///     let child = cuda_mp::spawn((), |()| std::thread::sleep(std::time::Duration::from_secs(1)));
+    ///     assert!(child.is_alive());
+    /// }
+    /// ```
+    pub fn is_alive(&self) -> bool {
+        matches!(self.inner, Inner::Running(_))
+            && self.watch.as_ref().is_some_and(|w| w.exited(Duration::ZERO).is_none())
+    }
+
+    /// The child's exit status once it has exited normally (`None` while it runs, when a
+    /// signal ended it, or once it has been joined).
+    ///
+    /// ```no_run
+    /// fn leave(code: i32) {
+    ///     std::process::exit(code)
+    /// }
+    ///
+    /// #[cuda_mp::main]
+    /// fn main() {
+    ///     let child = cuda_mp::spawn(4, leave);
+    ///     std::thread::sleep(std::time::Duration::from_millis(500));
+    ///     assert_eq!(child.exit_code(), Some(4));
+    /// }
+    /// ```
+    pub fn exit_code(&self) -> Option<i32> {
+        match self.watch.as_ref()?.exited(Duration::ZERO)? {
+            Exit::Code(code) => Some(code),
+            Exit::Signal(_) => None,
+        }
+    }
+
+    /// Lets the child run on after this handle is gone: dropping a `JoinHandle` otherwise kills
+    /// the child (SIGKILL). Nothing in this process waits for it any more; its exit is
+    /// collected only when this process exits.
+    ///
+    /// ```no_run
+    /// #[cuda_mp::main]
+    /// fn main() {
+    ///     cuda_mp::spawn((), |()| std::thread::sleep(std::time::Duration::from_secs(5))).detach();
+    /// }
+    /// ```
+    pub fn detach(self) {
+        if let Inner::Running(handle) = self.inner {
+            // procspawn's handle kills the child when dropped: never drop it.
+            std::mem::forget(handle);
+        }
     }
 
     /// The child's process id, once it runs.
@@ -313,11 +369,10 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
         // its result is looked at only once the child has exited (the pidfd wakes us then;
         // its result, if it sent one, is still queued), or now and then while it runs, for a
         // result too large to be queued before the child exits.
-        let mut last_look = Instant::now();
         loop {
             let exit = watch.exited(Duration::ZERO);
-            if exit.is_some() || last_look.elapsed() >= RESULT_LOOK {
-                last_look = Instant::now();
+            if exit.is_some() || self.last_look.elapsed() >= RESULT_LOOK {
+                self.last_look = Instant::now();
                 match handle.join_timeout(Duration::ZERO) {
                     Ok(v) => return Ok(v),
                     Err(e) if e.is_timeout() && exit.is_none() => {}
@@ -369,6 +424,84 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
             Inner::Failed(None) => Ok(()),
         }
     }
+
+    /// Asks the child to stop (SIGTERM), and kills it (SIGKILL) if it is still running after
+    /// `grace`. A join afterwards reports the signal that ended it.
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    ///
+    /// #[cuda_mp::main]
+    /// fn main() {
+    ///     let mut child = cuda_mp::spawn((), |()| std::thread::sleep(Duration::from_secs(60)));
+    ///     child.terminate(Duration::from_secs(2)).unwrap();
+    ///     assert!(matches!(child.join(), Err(cuda_mp::JoinError::Signaled { name: "SIGTERM", .. })));
+    /// }
+    /// ```
+    pub fn terminate(&mut self, grace: Duration) -> Result<(), JoinError> {
+        let Some(watch) = &self.watch else { return self.kill() };
+        if watch.signal(libc::SIGTERM) {
+            let deadline = Instant::now() + grace;
+            while watch.exited(Duration::ZERO).is_none() && Instant::now() < deadline {
+                watch.exited(JOIN_POLL.min(deadline.saturating_duration_since(Instant::now())));
+            }
+        }
+        if watch.exited(Duration::ZERO).is_some() {
+            return Ok(());
+        }
+        self.kill()
+    }
+}
+
+/// Runs `f((rank, args))` in `n` new processes, ranks `0..n`, and waits for all of them, like
+/// `torch.multiprocessing.spawn`: the results in rank order, or the first failure with its
+/// rank ([`JoinError::Rank`]), the other processes then terminated (SIGTERM, then SIGKILL
+/// after 5 s).
+///
+/// ```no_run
+/// fn work((rank, scale): (usize, u64)) -> u64 {
+///     rank as u64 * scale
+/// }
+///
+/// #[cuda_mp::main]
+/// fn main() {
+///     assert_eq!(cuda_mp::spawn_n(4, 10, work).unwrap(), vec![0, 10, 20, 30]);
+/// }
+/// ```
+pub fn spawn_n<A, R>(n: usize, args: A, f: fn((usize, A)) -> R) -> Result<Vec<R>, JoinError>
+where
+    A: Serialize + DeserializeOwned + Clone,
+    R: Serialize + DeserializeOwned,
+{
+    let mut handles: Vec<Option<JoinHandle<R>>> = (0..n).map(|rank| Some(spawn((rank, args.clone()), f))).collect();
+    let mut results: Vec<Option<R>> = (0..n).map(|_| None).collect();
+    let mut left = n;
+    while left > 0 {
+        for rank in 0..n {
+            let Some(handle) = handles[rank].as_mut() else { continue };
+            match handle.join_timeout(Duration::ZERO) {
+                Ok(r) => {
+                    results[rank] = Some(r);
+                    handles[rank] = None;
+                    left -= 1;
+                }
+                Err(JoinError::Timeout) => {}
+                Err(error) => {
+                    for other in handles.iter_mut().flatten() {
+                        let _ = other.terminate(Duration::from_secs(5));
+                    }
+                    return Err(JoinError::Rank { rank, error: Box::new(error) });
+                }
+            }
+        }
+        if left > 0 {
+            // Wakes early when the first still-running child exits.
+            if let Some(watch) = handles.iter().flatten().find_map(|h| h.watch.as_ref()) {
+                watch.exited(JOIN_POLL);
+            }
+        }
+    }
+    Ok(results.into_iter().flatten().collect())
 }
 
 /// A fixed set of worker processes that run spawned calls in turn.
@@ -456,7 +589,7 @@ impl Pool {
             Ok(handle) => {
                 let _ = overflow.send();
                 // Pooled calls share their worker's process: nothing of their own to watch.
-                JoinHandle { inner: Inner::Running(handle), watch: None, killed: false }
+                JoinHandle { inner: Inner::Running(handle), watch: None, killed: false, last_look: Instant::now() }
             }
             Err(panic) => JoinHandle::failed(JoinError::Failed(panic)),
         }

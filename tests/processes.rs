@@ -89,3 +89,81 @@ fn a_pool_runs_calls_on_its_workers() {
     assert_eq!(pool.spawn(5, square).join().unwrap(), 25, "the pool keeps working after a panic");
     pool.shutdown();
 }
+
+fn rank_times_ten((rank, base): (usize, u64)) -> u64 {
+    base + rank as u64 * 10
+}
+
+fn rank_two_fails((rank, _): (usize, ())) -> usize {
+    if rank == 2 {
+        panic!("rank two gives up");
+    }
+    std::thread::sleep(Duration::from_secs(30));
+    rank
+}
+
+#[test]
+fn spawn_n_runs_every_rank_and_reports_the_first_failure_with_its_rank() {
+    assert_eq!(cuda_mp::spawn_n(4, 1, rank_times_ten).unwrap(), vec![1, 11, 21, 31]);
+    let t = std::time::Instant::now();
+    let err = cuda_mp::spawn_n(4, (), rank_two_fails).unwrap_err();
+    match &err {
+        JoinError::Rank { rank: 2, error } => assert_eq!(error.panic().unwrap().message, "rank two gives up"),
+        other => panic!("{other:?}"),
+    }
+    assert!(err.to_string().starts_with("rank 2 failed: child process panicked: rank two gives up"), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(20), "the other ranks were terminated, not waited for");
+}
+
+fn ignore_sigterm(_: ()) {
+    // SAFETY: sets this process's SIGTERM disposition to ignore; no handler code runs.
+    unsafe { libc::signal(libc::SIGTERM, libc::SIG_IGN) };
+    std::thread::sleep(Duration::from_secs(30));
+}
+
+#[test]
+fn terminate_asks_first_then_kills_after_the_grace_period() {
+    let mut child = spawn((), sleep_long);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(child.is_alive());
+    child.terminate(Duration::from_secs(5)).unwrap();
+    assert!(!child.is_alive());
+    assert!(matches!(child.join(), Err(JoinError::Signaled { name: "SIGTERM", .. })));
+
+    let mut stubborn = spawn((), ignore_sigterm);
+    std::thread::sleep(Duration::from_millis(300));
+    let t = std::time::Instant::now();
+    stubborn.terminate(Duration::from_millis(300)).unwrap();
+    assert!(t.elapsed() >= Duration::from_millis(300), "it waited out the grace period");
+    assert!(matches!(stubborn.join(), Err(JoinError::Signaled { name: "SIGKILL", .. })));
+}
+
+#[test]
+fn exit_code_is_known_once_the_child_exited() {
+    let child = spawn(4, exit_early);
+    let t = std::time::Instant::now();
+    while child.exit_code().is_none() {
+        assert!(t.elapsed() < Duration::from_secs(10), "the child never exited");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(child.exit_code(), Some(4));
+    assert!(!child.is_alive());
+}
+
+fn touch_later(path: String) {
+    std::thread::sleep(Duration::from_millis(300));
+    std::fs::write(path, b"done").unwrap();
+}
+
+#[test]
+fn a_detached_child_runs_on() {
+    let path = std::env::temp_dir().join(format!("cuda-mp-detached-{}", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    spawn(path.to_string_lossy().into_owned(), touch_later).detach();
+    let t = std::time::Instant::now();
+    while !path.exists() {
+        assert!(t.elapsed() < Duration::from_secs(10), "the detached child was killed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = std::fs::remove_file(&path);
+}
