@@ -207,6 +207,14 @@ fn join_error(e: procspawn::SpawnError) -> JoinError {
     }
 }
 
+/// The error for a child that ended this way without a result.
+fn exit_error(exit: Exit) -> JoinError {
+    match exit {
+        Exit::Signal(signal) => JoinError::Signaled { signal, name: signal_name(signal) },
+        Exit::Code(code) => JoinError::Exited { code },
+    }
+}
+
 /// Longest pause between two looks at a joined child (it wakes early when the child exits).
 const JOIN_POLL: Duration = Duration::from_millis(20);
 
@@ -301,8 +309,7 @@ impl<R> JoinHandle<R> {
             return error;
         }
         match exit {
-            Some(Exit::Signal(signal)) => JoinError::Signaled { signal, name: signal_name(signal) },
-            Some(Exit::Code(code)) => JoinError::Exited { code },
+            Some(exit) => exit_error(exit),
             None if self.killed => JoinError::Signaled { signal: libc::SIGKILL, name: "SIGKILL" },
             None => error,
         }
@@ -375,17 +382,13 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
                 self.last_look = Instant::now();
                 match handle.join_timeout(Duration::ZERO) {
                     Ok(v) => return Ok(v),
-                    Err(e) if e.is_timeout() && exit.is_none() => {}
                     Err(e) if e.is_timeout() => {
-                        // Ended without a result.
-                        let error = match exit {
-                            Some(Exit::Signal(signal)) => JoinError::Signaled { signal, name: signal_name(signal) },
-                            Some(Exit::Code(code)) => JoinError::Exited { code },
-                            None => JoinError::Terminated("the child ended".into()),
-                        };
-                        let _ = handle.kill();
-                        self.inner = Inner::Failed(None);
-                        return Err(error);
+                        if let Some(exit) = exit {
+                            // Ended without a result.
+                            let _ = handle.kill();
+                            self.inner = Inner::Failed(None);
+                            return Err(exit_error(exit));
+                        }
                     }
                     Err(e) => {
                         let error = self.died(e, exit);
