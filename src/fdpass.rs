@@ -760,26 +760,34 @@ fn open_spare() -> Option<OwnedFd> {
     std::fs::File::open("/dev/null").ok().map(OwnedFd::from)
 }
 
+/// Accepts one connection (`accept4` with `flags`).
+fn accept(listener: RawFd, flags: libc::c_int) -> io::Result<OwnedFd> {
+    // SAFETY: accept4 without an address buffer.
+    let fd = unsafe { libc::accept4(listener, std::ptr::null_mut(), std::ptr::null_mut(), flags) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by accept4 and is owned by nothing else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
 /// Accepts every waiting connection. False when the listener is broken.
 fn accept_all(listener: RawFd, pending: &mut Vec<Pending>, spare: &mut Option<OwnedFd>) -> bool {
     loop {
-        let flags = libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK;
-        // SAFETY: accept4 without an address buffer.
-        let fd = unsafe { libc::accept4(listener, std::ptr::null_mut(), std::ptr::null_mut(), flags) };
-        if fd < 0 {
-            let e = io::Error::last_os_error();
-            return match errno(&e) {
-                libc::EAGAIN => true,
-                libc::EINTR | libc::ECONNABORTED | libc::EPROTO => continue,
-                libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM => {
-                    refuse_one(listener, spare);
-                    true
-                }
-                _ => false,
-            };
-        }
-        // SAFETY: `fd` was just returned by accept4 and is owned by nothing else.
-        let conn = unsafe { OwnedFd::from_raw_fd(fd) };
+        let conn = match accept(listener, libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK) {
+            Ok(conn) => conn,
+            Err(e) => {
+                return match errno(&e) {
+                    libc::EAGAIN => true,
+                    libc::EINTR | libc::ECONNABORTED | libc::EPROTO => continue,
+                    libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM => {
+                        refuse_one(listener, spare);
+                        true
+                    }
+                    _ => false,
+                };
+            }
+        };
         if !peer_allowed(&conn) {
             let _ = send_record(conn.as_raw_fd(), &[status::DENIED], &[]);
             continue;
@@ -805,12 +813,7 @@ fn refuse_one(listener: RawFd, spare: &mut Option<OwnedFd>) {
         *spare = open_spare();
         return;
     }
-    let flags = libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK;
-    // SAFETY: accept4 without an address buffer.
-    let fd = unsafe { libc::accept4(listener, std::ptr::null_mut(), std::ptr::null_mut(), flags) };
-    if fd >= 0 {
-        // SAFETY: `fd` was just returned by accept4 and is owned by nothing else.
-        let conn = unsafe { OwnedFd::from_raw_fd(fd) };
+    if let Ok(conn) = accept(listener, libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK) {
         let _ = send_record(conn.as_raw_fd(), &[status::BROKER_OUT_OF_DESCRIPTORS], &[]);
     }
     *spare = open_spare();
@@ -1134,11 +1137,7 @@ mod tests {
         let listener = bind_listener(&name).unwrap();
         let thread = std::thread::spawn(move || {
             wait_for(listener.as_raw_fd(), libc::POLLIN, Some(Instant::now() + LONG)).ok().unwrap();
-            // SAFETY: accept4 without an address buffer.
-            let fd = unsafe { libc::accept4(listener.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut(), 0) };
-            assert!(fd >= 0);
-            // SAFETY: just returned to us.
-            let conn = unsafe { OwnedFd::from_raw_fd(fd) };
+            let conn = accept(listener.as_raw_fd(), 0).unwrap();
             wait_for(conn.as_raw_fd(), libc::POLLIN, Some(Instant::now() + LONG)).ok().unwrap();
             let request = receive_record(conn.as_raw_fd()).unwrap();
             assert_eq!(request.data_len, 16, "the first 16 bytes of the request");
@@ -1177,11 +1176,8 @@ mod tests {
         let listener = bind_listener(&name).unwrap();
         let thread = std::thread::spawn(move || {
             wait_for(listener.as_raw_fd(), libc::POLLIN, Some(Instant::now() + LONG)).ok().unwrap();
-            // SAFETY: accept4 without an address buffer.
-            let fd = unsafe { libc::accept4(listener.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut(), 0) };
-            assert!(fd >= 0);
-            // SAFETY: just returned to us; closed at once.
-            drop(unsafe { OwnedFd::from_raw_fd(fd) });
+            // Closed at once.
+            drop(accept(listener.as_raw_fd(), 0).unwrap());
         });
         let text = fetch(&Ticket { broker: name, key: 3, secret: [1; 16] }, LONG).unwrap_err().to_string();
         assert!(text.contains("without replying"), "{text}");
