@@ -345,9 +345,10 @@ enum ForgedDescriptor {
     Channel(ipc_channel::ipc::IpcSender<u8>),
 }
 
-/// The wire layout of a GPU tensor, with every field under the forger's control.
-#[derive(Serialize, Deserialize)]
-struct ForgedGpu {
+/// The wire layout of a GPU tensor, with every field under the forger's control; `M` is the
+/// memory's own record (legacy or VMM).
+#[derive(Serialize, Deserialize, Clone)]
+struct ForgedGpu<M> {
     dtype: u8,
     shape: Vec<usize>,
     strides: Vec<usize>,
@@ -360,14 +361,30 @@ struct ForgedGpu {
     keep: bool,
     cache_ticket: Option<u32>,
     device_uuid: [u8; 16],
-    /// 0: legacy IPC memory (handle and offset follow).
+    /// 0: legacy IPC memory, 1: VMM memory.
     memory_variant: u32,
-    mem_handle: Vec<u8>,
-    alloc_offset: u64,
+    memory: M,
     event_handle: Option<Vec<u8>>,
 }
 
-fn forged(uuid: [u8; 16], mem_handle: Vec<u8>) -> ForgedGpu {
+/// Legacy IPC memory: the allocation's handle and the storage's offset in it.
+#[derive(Serialize, Deserialize, Clone)]
+struct LegacyRecord {
+    mem_handle: Vec<u8>,
+    alloc_offset: u64,
+}
+
+/// VMM memory: the ticket to fetch its descriptor, and the allocation's size.
+#[derive(Serialize, Deserialize, Clone)]
+struct VmmRecord {
+    broker: String,
+    key: u64,
+    secret: [u8; 16],
+    fallback: Option<(String, u64, [u8; 16])>,
+    size: u64,
+}
+
+fn forged(uuid: [u8; 16], mem_handle: Vec<u8>) -> ForgedGpu<LegacyRecord> {
     ForgedGpu {
         dtype: 0,
         shape: vec![4],
@@ -382,8 +399,7 @@ fn forged(uuid: [u8; 16], mem_handle: Vec<u8>) -> ForgedGpu {
         cache_ticket: None,
         device_uuid: uuid,
         memory_variant: 0,
-        mem_handle,
-        alloc_offset: 0,
+        memory: LegacyRecord { mem_handle, alloc_offset: 0 },
         event_handle: None,
     }
 }
@@ -406,7 +422,7 @@ fn send_and_exit(tx: Sender<GpuTensor<f32>>) {
 fn forged_handles_and_handles_of_exited_producers_give_errors() {
     let _g = serial();
     let dev = gpu();
-    let (tx, rx) = common::connect::<ForgedGpu, GpuTensor<f32>>();
+    let (tx, rx) = common::connect::<ForgedGpu<LegacyRecord>, GpuTensor<f32>>();
 
     tx.send(forged(dev.uuid(), (0..64).map(|i| (i * 37 + 11) as u8).collect())).unwrap();
     let m = expect_malformed(rx.recv());
@@ -736,31 +752,6 @@ fn legacy_memory_of_an_exited_producer_cannot_be_mapped_and_the_error_says_why()
     assert!(err.contains("has exited"), "{err}");
 }
 
-/// The wire layout of a GPU tensor of VMM memory, with every field under the forger's control.
-#[derive(Serialize, Deserialize, Clone)]
-struct VmmRecord {
-    dtype: u8,
-    shape: Vec<usize>,
-    strides: Vec<usize>,
-    offset: usize,
-    owner: u128,
-    index: u64,
-    bytes: u64,
-    message: u64,
-    lease: ForgedHow,
-    keep: bool,
-    cache_ticket: Option<u32>,
-    device_uuid: [u8; 16],
-    /// 1: VMM memory (ticket and size follow).
-    memory_variant: u32,
-    broker: String,
-    key: u64,
-    secret: [u8; 16],
-    fallback: Option<(String, u64, [u8; 16])>,
-    size: u64,
-    event_handle: Option<Vec<u8>>,
-}
-
 impl Clone for ForgedHow {
     fn clone(&self) -> Self {
         match self {
@@ -780,32 +771,33 @@ fn forged_vmm_records_give_errors() {
     let t = GpuTensor::<f32>::full(&dev, &[1024], 2.0).unwrap();
     dev.set_memory_kind(cuda_mp::GpuMemoryKind::Auto);
     // A genuine record, read as plain fields.
-    let (tx, rx) = common::connect::<GpuTensor<f32>, VmmRecord>();
+    let (tx, rx) = common::connect::<GpuTensor<f32>, ForgedGpu<VmmRecord>>();
     tx.send(t.clone()).unwrap();
     let genuine = rx.recv_timeout(WAIT).unwrap();
     assert_eq!(genuine.memory_variant, 1, "vmm memory travels as a ticket");
-    let (tx, rx) = common::connect::<VmmRecord, GpuTensor<f32>>();
+    let (tx, rx) = common::connect::<ForgedGpu<VmmRecord>, GpuTensor<f32>>();
     // Named as another process's storage, so the receiver fetches the descriptor.
-    let as_foreign = |index: u64| VmmRecord { owner: 0x1234, index, ..genuine.clone() };
-    let refused = |r: VmmRecord| -> String {
+    let as_foreign = |index: u64, memory: VmmRecord| ForgedGpu { owner: 0x1234, index, memory, ..genuine.clone() };
+    let refused = |r: ForgedGpu<VmmRecord>| -> String {
         tx.send(r).unwrap();
         match rx.recv_timeout(WAIT) {
             Err(cuda_mp::RecvTimeoutError::Malformed(m)) => m,
             other => panic!("expected a malformed-message error, got {other:?}"),
         }
     };
-    let m = refused(VmmRecord { secret: [7; 16], ..as_foreign(1) });
+    let v = &genuine.memory;
+    let m = refused(as_foreign(1, VmmRecord { secret: [7; 16], ..v.clone() }));
     assert!(m.contains("forged"), "{m}");
-    let m = refused(VmmRecord { key: genuine.key + 1000, ..as_foreign(2) });
+    let m = refused(as_foreign(2, VmmRecord { key: v.key + 1000, ..v.clone() }));
     assert!(m.contains("offers nothing"), "{m}");
-    let m = refused(VmmRecord { bytes: genuine.size + 4, ..as_foreign(3) });
+    let m = refused(ForgedGpu { bytes: v.size + 4, ..as_foreign(3, v.clone()) });
     assert!(m.contains("in an allocation of"), "{m}");
-    let m = refused(VmmRecord { size: genuine.size + (2 << 20), ..as_foreign(4) });
-    assert!(m.contains(&format!("{}", genuine.size + (2 << 20))), "the size it does not have: {m}");
-    let m = refused(VmmRecord { broker: "cuda-mp-1-00000000000000ff".into(), ..as_foreign(5) });
+    let m = refused(as_foreign(4, VmmRecord { size: v.size + (2 << 20), ..v.clone() }));
+    assert!(m.contains(&format!("{}", v.size + (2 << 20))), "the size it does not have: {m}");
+    let m = refused(as_foreign(5, VmmRecord { broker: "cuda-mp-1-00000000000000ff".into(), ..v.clone() }));
     assert!(m.contains("exited"), "{m}");
     // The genuine ticket, as another process would receive it, maps the same memory.
-    tx.send(as_foreign(6)).unwrap();
+    tx.send(as_foreign(6, v.clone())).unwrap();
     let mapped = rx.recv_timeout(WAIT).unwrap();
     assert_eq!(mapped.to_vec().unwrap(), vec![2.0; 1024]);
 }
