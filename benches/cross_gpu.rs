@@ -65,10 +65,13 @@ fn main() {
     }
     let (dev_o, dev_a) = (Device::get(owner).unwrap(), Device::get(access).unwrap());
     // `--storage legacy|vmm|auto`: the memory of both tensors (default auto: VMM at this size).
-    let kind = match args.iter().position(|a| a == "--storage").and_then(|i| args.get(i + 1)).map(String::as_str) {
-        Some("legacy") => cuda_mp::GpuMemoryKind::Legacy,
-        Some("vmm") => cuda_mp::GpuMemoryKind::Vmm,
-        _ => cuda_mp::GpuMemoryKind::Auto,
+    let storage = args.iter().position(|a| a == "--storage").and_then(|i| args.get(i + 1));
+    let kind: cuda_mp::GpuMemoryKind = match storage.map_or(Ok(cuda_mp::GpuMemoryKind::Auto), |s| s.parse()) {
+        Ok(kind) => kind,
+        Err(e) => {
+            println!("--storage: {e}");
+            std::process::exit(2);
+        }
     };
     dev_o.set_memory_kind(kind);
     dev_a.set_memory_kind(kind);

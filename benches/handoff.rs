@@ -501,13 +501,11 @@ fn main() {
     }
     let dev = Device::get(0).unwrap();
     // `--storage legacy|vmm|auto`: the GPU memory the producer allocates (default auto).
-    let storage = args.iter().position(|a| a == "--storage").and_then(|i| args.get(i + 1)).map(String::as_str);
-    let kind = match storage {
-        Some("legacy") => cuda_mp::GpuMemoryKind::Legacy,
-        Some("vmm") => cuda_mp::GpuMemoryKind::Vmm,
-        None | Some("auto") => cuda_mp::GpuMemoryKind::Auto,
-        Some(other) => {
-            println!("unknown --storage {other}: use legacy, vmm or auto");
+    let storage = args.iter().position(|a| a == "--storage").and_then(|i| args.get(i + 1));
+    let kind: cuda_mp::GpuMemoryKind = match storage.map_or(Ok(cuda_mp::GpuMemoryKind::Auto), |s| s.parse()) {
+        Ok(kind) => kind,
+        Err(e) => {
+            println!("--storage: {e}");
             std::process::exit(2);
         }
     };

@@ -46,12 +46,7 @@ fn run() -> Outcome {
         .into());
     }
     let (dev_src, dev_access) = (Device::get(src)?, Device::get(access)?);
-    let kind = match common::arg("--storage", "auto".to_string())?.as_str() {
-        "legacy" => GpuMemoryKind::Legacy,
-        "vmm" => GpuMemoryKind::Vmm,
-        "auto" => GpuMemoryKind::Auto,
-        other => return Err(format!("--storage {other}: use legacy, vmm or auto").into()),
-    };
+    let kind: GpuMemoryKind = common::arg("--storage", GpuMemoryKind::Auto)?;
     dev_src.set_memory_kind(kind);
     dev_access.require_peer_access(&dev_src)?;
     println!(

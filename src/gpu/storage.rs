@@ -256,6 +256,26 @@ pub enum GpuMemoryKind {
     Vmm,
 }
 
+impl std::str::FromStr for GpuMemoryKind {
+    type Err = Error;
+
+    /// `auto`, `legacy` or `vmm`, as command-line options write them.
+    ///
+    /// ```
+    /// let kind: cuda_mp::GpuMemoryKind = "vmm".parse().unwrap();
+    /// assert_eq!(kind, cuda_mp::GpuMemoryKind::Vmm);
+    /// assert!("fast".parse::<cuda_mp::GpuMemoryKind>().is_err());
+    /// ```
+    fn from_str(s: &str) -> Result<GpuMemoryKind> {
+        match s {
+            "auto" => Ok(GpuMemoryKind::Auto),
+            "legacy" => Ok(GpuMemoryKind::Legacy),
+            "vmm" => Ok(GpuMemoryKind::Vmm),
+            other => Err(Error::Unsupported(format!("gpu memory kind {other:?}: use auto, legacy or vmm"))),
+        }
+    }
+}
+
 /// Under [`GpuMemoryKind::Auto`], allocations of at least this many bytes (2 GiB) use VMM
 /// memory. Measured on an H200: a fresh allocation's first handoff costs about 1 ms with VMM
 /// (descriptor export, broker round trip, import and map, at any size), against 0.1-0.2 ms
