@@ -18,6 +18,7 @@ use std::collections::HashMap;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use cuda_mp::__private::{Phase, PhaseTimes};
 use cuda_mp::{
     bf16, channel, cuda_available, spawn, Bundle, BundleBuilder, Device, GpuTensor, IpcPayload, JoinHandle, Receiver,
     Sender,
@@ -34,6 +35,129 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 fn summarize(mut us: Vec<f64>) -> (f64, f64) {
     us.sort_by(|a, b| a.partial_cmp(b).unwrap());
     (percentile(&us, 0.5), percentile(&us, 0.99))
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: one clock for every process on this machine, so the two
+/// sides of a round trip can be laid on one timeline.
+fn mono_ns() -> u64 {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `t` is a valid, writable timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+}
+
+/// The consumer's side of one traced round: when its receive returned, when it had done its
+/// work, and the library's phase times (microseconds) within the receive.
+#[derive(serde::Serialize, serde::Deserialize, Clone, Copy, Default)]
+struct Trace {
+    received_ns: u64,
+    done_ns: u64,
+    decode_us: f64,
+    open_us: f64,
+    fetch_us: f64,
+    wait_us: f64,
+    /// Bundle rows: reading the step counter back to the host.
+    read_us: f64,
+}
+
+fn phase_us(after: &PhaseTimes, before: &PhaseTimes, phase: Phase) -> f64 {
+    after.since(before, phase).as_secs_f64() * 1e6
+}
+
+fn traced_receive<T: serde::Serialize + serde::de::DeserializeOwned>(rx: &Receiver<T>) -> Option<(T, Trace)> {
+    let before = PhaseTimes::now();
+    let value = rx.recv().ok()?;
+    let received_ns = mono_ns();
+    let after = PhaseTimes::now();
+    let trace = Trace {
+        received_ns,
+        decode_us: phase_us(&after, &before, Phase::Decode),
+        open_us: phase_us(&after, &before, Phase::Open),
+        fetch_us: phase_us(&after, &before, Phase::Fetch),
+        wait_us: phase_us(&after, &before, Phase::EventWait),
+        ..Trace::default()
+    };
+    Some((value, trace))
+}
+
+fn traced_drop_and_ack((rx, ack): (Receiver<GpuTensor<u8>>, Sender<Trace>)) {
+    while let Some((t, mut trace)) = traced_receive(&rx) {
+        drop(t);
+        trace.done_ns = mono_ns();
+        if ack.send(trace).is_err() {
+            break;
+        }
+    }
+}
+
+fn traced_hold_latest((rx, ack): (Receiver<Bundle>, Sender<(i64, Trace)>)) {
+    let mut latest = None;
+    while let Some((b, mut trace)) = traced_receive(&rx) {
+        let start = Instant::now();
+        let step = b.get::<i64>("step").and_then(|s| s.to_vec()).map(|v| v[0]).unwrap_or(-1);
+        trace.read_us = start.elapsed().as_secs_f64() * 1e6;
+        latest = Some(b);
+        trace.done_ns = mono_ns();
+        if ack.send((step, trace)).is_err() {
+            break;
+        }
+    }
+    drop(latest);
+}
+
+/// Both sides of traced rounds, on one clock: the producer's export and send, the receiver
+/// waking up and decoding (open, event wait), its work, and the acknowledgement's way back.
+#[derive(Default)]
+struct Timeline {
+    export: Vec<f64>,
+    send: Vec<f64>,
+    to_received: Vec<f64>,
+    decode: Vec<f64>,
+    open: Vec<f64>,
+    fetch: Vec<f64>,
+    wait: Vec<f64>,
+    work: Vec<f64>,
+    read: Vec<f64>,
+    ack: Vec<f64>,
+    total: Vec<f64>,
+}
+
+impl Timeline {
+    /// `start`, `sent`, `acked`: the producer's clock at the send, after it, at the acknowledgement.
+    fn push(&mut self, start: u64, sent: u64, acked: u64, export_us: f64, t: &Trace) {
+        let us = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1e3;
+        self.export.push(export_us);
+        self.send.push(us(start, sent));
+        self.to_received.push(us(sent, t.received_ns));
+        self.decode.push(t.decode_us);
+        self.open.push(t.open_us);
+        self.fetch.push(t.fetch_us);
+        self.wait.push(t.wait_us);
+        self.work.push(us(t.received_ns, t.done_ns));
+        self.read.push(t.read_us);
+        self.ack.push(us(t.done_ns, acked));
+        self.total.push(us(start, acked));
+    }
+
+    fn print(self, what: &str) {
+        let m = |v: Vec<f64>| summarize(v).0;
+        println!(
+            "timeline, {what} (medians, us): total {:.1} = send {:.1} (export {:.1}) + until received {:.1} \
+             (decode {:.1}: open {:.1}, descriptor fetch {:.1}, event wait {:.1}) + consumer's work {:.1} \
+             (step read {:.1}) + ack {:.1}",
+            m(self.total),
+            m(self.send),
+            m(self.export),
+            m(self.to_received),
+            m(self.decode),
+            m(self.open),
+            m(self.fetch),
+            m(self.wait),
+            m(self.work),
+            m(self.read),
+            m(self.ack)
+        );
+    }
 }
 
 fn drop_and_ack((rx, ack): (Receiver<GpuTensor<u8>>, Sender<()>)) {
@@ -72,16 +196,18 @@ fn hold_latest((rx, ack): (Receiver<Bundle>, Sender<i64>)) {
 }
 
 /// Times the import of an exported payload (opening its handle) and the first read through it.
-fn profile_import((rx, ack): (Receiver<IpcPayload>, Sender<(f64, f64)>)) {
+fn profile_import((rx, ack): (Receiver<IpcPayload>, Sender<(f64, f64, f64)>)) {
     while let Ok(p) = rx.recv() {
+        let before = PhaseTimes::now();
         let start = Instant::now();
         let t = GpuTensor::<u8>::from_ipc_payload(p).unwrap();
         let imported = start.elapsed().as_secs_f64() * 1e6;
+        let fetch = phase_us(&PhaseTimes::now(), &before, Phase::Fetch);
         let start = Instant::now();
         let _ = t.narrow(0, t.numel() - 1, 1).unwrap().to_vec().unwrap();
         let read = start.elapsed().as_secs_f64() * 1e6;
         drop(t);
-        if ack.send((imported, read)).is_err() {
+        if ack.send((imported, read, fetch)).is_err() {
             break;
         }
     }
@@ -197,16 +323,21 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, r: &mut Results) {
             let mut export = Vec::new();
             let mut import = Vec::new();
             let mut read = Vec::new();
+            let mut fetch = Vec::new();
+            let mut alloc = Vec::new();
             for _ in 0..if bytes > 1 << 30 { 3 } else { 20 } {
+                let start = Instant::now();
                 let t = GpuTensor::<u8>::zeros(dev, &[bytes]).unwrap();
                 t.synchronize().unwrap();
+                alloc.push(start.elapsed().as_secs_f64() * 1e6);
                 let start = Instant::now();
                 let p = t.ipc_payload().unwrap();
                 export.push(start.elapsed().as_secs_f64() * 1e6);
                 tx.send(p).unwrap();
-                let (i, r) = ack.recv_timeout(WAIT).unwrap();
+                let (i, r, f) = ack.recv_timeout(WAIT).unwrap();
                 import.push(i);
                 read.push(r);
+                fetch.push(f);
                 // Untimed: the consumer unmaps and this process frees before the next one.
                 let live = cuda_mp::lifetime_stats().live_storages;
                 drop(t);
@@ -215,6 +346,8 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, r: &mut Results) {
             r.ours.insert(format!("p_export_{name}"), summarize(export));
             r.ours.insert(format!("p_import_{name}"), summarize(import));
             r.ours.insert(format!("p_read_{name}"), summarize(read));
+            r.ours.insert(format!("p_fetch_{name}"), summarize(fetch));
+            r.ours.insert(format!("p_alloc_{name}"), summarize(alloc));
         }
         drop(tx);
         child.join().unwrap();
@@ -245,6 +378,33 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, r: &mut Results) {
         }
         c.finish();
         r.ours.insert(format!("b_{name}"), summarize(us));
+    }
+    // b, traced: the same rounds with both sides' steps on one clock.
+    for (name, bytes) in SIZES {
+        let (tx, rx) = channel().unwrap();
+        let (ack_tx, ack) = channel().unwrap();
+        let child = spawn((rx, ack_tx), traced_drop_and_ack);
+        let live = cuda_mp::lifetime_stats().live_storages;
+        let mut timeline = Timeline::default();
+        for i in 0..(rounds + warm) / 4 {
+            let t = GpuTensor::<u8>::zeros(dev, &[bytes]).unwrap();
+            t.synchronize().unwrap();
+            let before = PhaseTimes::now();
+            let start = mono_ns();
+            tx.send(t.clone()).unwrap();
+            let sent = mono_ns();
+            let trace: Trace = ack.recv_timeout(WAIT).unwrap();
+            let acked = mono_ns();
+            let export_us = phase_us(&PhaseTimes::now(), &before, Phase::Export);
+            drop(t);
+            cuda_mp::wait_for_lifetime(WAIT, |s| s.live_storages == live).unwrap();
+            if i >= warm / 4 {
+                timeline.push(start, sent, acked, export_us, &trace);
+            }
+        }
+        drop(tx);
+        child.join().unwrap();
+        timeline.print(&format!("b {name}"));
     }
     // c, transport ceiling: one-way empty messages.
     {
@@ -361,6 +521,55 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, r: &mut Results) {
         }
         drop(tx);
         child.join().unwrap();
+        if key == "d" {
+            // Traced: first publish to a fresh consumer, then re-publishes, both sides on one clock.
+            let (tx, rx) = channel().unwrap();
+            let (ack_tx, ack) = channel().unwrap();
+            let child = spawn((rx, ack_tx), traced_hold_latest);
+            let small = BundleBuilder::new().add::<i64>("step", &[1]).build(dev).unwrap();
+            tx.send(small).unwrap();
+            ack.recv_timeout(WAIT).unwrap();
+            let mut first = Timeline::default();
+            let mut again = Timeline::default();
+            let mut idle = Timeline::default();
+            for s in 100..=110 {
+                if s > 100 {
+                    for t in &tensors {
+                        t.add_scalar(1.0).unwrap();
+                    }
+                }
+                step.fill(s).unwrap();
+                bundle.synchronize().unwrap();
+                let before = PhaseTimes::now();
+                let start = mono_ns();
+                tx.send(bundle.clone()).unwrap();
+                let sent = mono_ns();
+                let (got, trace): (i64, Trace) = ack.recv_timeout(WAIT).unwrap();
+                let acked = mono_ns();
+                assert_eq!(got, s);
+                let export_us = phase_us(&PhaseTimes::now(), &before, Phase::Export);
+                let timeline = if s == 100 { &mut first } else { &mut again };
+                timeline.push(start, sent, acked, export_us, &trace);
+            }
+            // The same re-publish without the update kernels: no GPU work of the producer's
+            // between two publishes.
+            for s in 200..=210 {
+                let before = PhaseTimes::now();
+                let start = mono_ns();
+                tx.send(bundle.clone()).unwrap();
+                let sent = mono_ns();
+                let (got, trace): (i64, Trace) = ack.recv_timeout(WAIT).unwrap();
+                let acked = mono_ns();
+                assert_eq!(got, 110, "step {s}: the step counter is unchanged");
+                let export_us = phase_us(&PhaseTimes::now(), &before, Phase::Export);
+                idle.push(start, sent, acked, export_us, &trace);
+            }
+            first.print("d first publish");
+            again.print("d re-publish after the update kernels");
+            idle.print("d re-publish, no update in between");
+            drop(tx);
+            child.join().unwrap();
+        }
     }
     // e: fan-out to 8 consumers.
     {
@@ -478,8 +687,10 @@ fn print_table(r: &Results) {
             r.ours.get(&format!("p_import_{name}")),
             r.ours.get(&format!("p_read_{name}")),
         ) {
+            let fetch = r.ours.get(&format!("p_fetch_{name}")).map_or(0.0, |f| f.0);
+            let alloc = r.ours.get(&format!("p_alloc_{name}")).map_or(0.0, |f| f.0);
             println!(
-                "first handoff of a fresh {name} allocation: export {:.1} us, import (handle open) {:.1} us, first read {:.1} us (medians)",
+                "first handoff of a fresh {name} allocation: allocate and zero {alloc:.1} us, export {:.1} us, import {:.1} us (of which descriptor fetch {fetch:.1} us), first read {:.1} us (medians)",
                 e.0, i.0, rd.0
             );
         }

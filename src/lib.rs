@@ -63,6 +63,7 @@ mod layout;
 mod lifetime;
 mod os;
 mod process;
+mod profile;
 mod storage;
 mod tensor;
 #[doc(hidden)]
@@ -90,5 +91,6 @@ pub use tensor::Tensor;
 #[doc(hidden)]
 pub mod __private {
     pub use crate::process::__mark_initialized_for_tests as mark_initialized_for_tests;
+    pub use crate::profile::{Phase, PhaseTimes};
     pub use procspawn;
 }

@@ -18,6 +18,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::lifetime::{self, AnyStorage, CacheTicket, Cover, Lease, LeaseMode, LiveStorage, LocalStorage, StorageId};
+use crate::profile::{self, Phase};
 use crate::tensor::{Tensor, TensorWire};
 use crate::wire;
 
@@ -186,6 +187,10 @@ pub(crate) struct Record<W> {
 /// with no state changed, outside a cuda-mp channel or spawn, unless `explicit` (a payload
 /// made by hand holds its own lease).
 pub(crate) fn export<S: Shared>(storage: &Arc<S>, explicit: bool) -> Result<Record<<S::Kind as StorageKind>::Wire>> {
+    profile::timed(Phase::Export, || export_now(storage, explicit))
+}
+
+fn export_now<S: Shared>(storage: &Arc<S>, explicit: bool) -> Result<Record<<S::Kind as StorageKind>::Wire>> {
     if !explicit {
         wire::require_scope()?;
     }
@@ -231,7 +236,7 @@ pub(crate) fn import<S: Shared>(
                 memory.downcast::<Memory<S::Kind>>().ok().map(|memory| Arc::new(S::from_handle(Handle { memory })))
             },
             || {
-                let raw = S::Kind::open(&mut kind, bytes, &place).map_err(|e| {
+                let raw = profile::timed(Phase::Open, || S::Kind::open(&mut kind, bytes, &place)).map_err(|e| {
                     if cover.owner_alive() {
                         e
                     } else {
@@ -243,7 +248,7 @@ pub(crate) fn import<S: Shared>(
                 Ok(Arc::new(S::from_handle(Handle { memory })))
             },
         )?;
-        S::Kind::arrived(&storage.handle().memory, &kind, &place)?;
+        profile::timed(Phase::EventWait, || S::Kind::arrived(&storage.handle().memory, &kind, &place))?;
         storage
     };
     let held = storage.handle().memory.len;
@@ -286,6 +291,13 @@ impl<'de, T: Element, S: Shared> Deserialize<'de> for Tensor<T, S> {
 /// Rebuilds a tensor from its wire form: checks the dtype, imports the storage, checks the
 /// view against it.
 pub(crate) fn decode_tensor<T: Element, S: Shared>(
+    wire: TensorWire<Record<<S::Kind as StorageKind>::Wire>>,
+    requested: Option<&<S::Kind as StorageKind>::Place>,
+) -> Result<Tensor<T, S>> {
+    profile::timed(Phase::Decode, || decode_now(wire, requested))
+}
+
+fn decode_now<T: Element, S: Shared>(
     wire: TensorWire<Record<<S::Kind as StorageKind>::Wire>>,
     requested: Option<&<S::Kind as StorageKind>::Place>,
 ) -> Result<Tensor<T, S>> {

@@ -17,6 +17,7 @@ use super::vmm::{VmmMemory, VmmWire};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::lifetime::{LeaseMode, StorageId};
+use crate::profile::{self, Phase};
 use crate::storage::{self, Handle, Memory, Record, Shared, StorageKind};
 use crate::tensor::{Tensor, TensorWire};
 
@@ -151,13 +152,16 @@ impl StorageKind for GpuKind {
     fn export(memory: &Memory<Self>) -> Result<GpuWire> {
         let (device, wire_memory) = match memory.raw() {
             GpuMemory::Local { allocation, handle } => {
-                let mem_handle = *handle.get_or_try_init(|| allocation.ipc_handle())?;
+                let mem_handle =
+                    *profile::timed(Phase::ExportRecord, || handle.get_or_try_init(|| allocation.ipc_handle()))?;
                 (allocation.device(), WireMemory::Legacy { mem_handle: mem_handle.to_vec(), alloc_offset: 0 })
             }
-            GpuMemory::Vmm(m) if !m.is_imported() => (m.device(), WireMemory::Vmm(m.offer()?)),
+            GpuMemory::Vmm(m) if !m.is_imported() => {
+                (m.device(), WireMemory::Vmm(profile::timed(Phase::ExportRecord, || m.offer())?))
+            }
             _ => return Self::forward(memory),
         };
-        let event = events::record(device)?;
+        let event = profile::timed(Phase::EventRecord, || events::record(device))?;
         Ok(GpuWire { device_uuid: device.uuid(), memory: wire_memory, event_handle: event.map(|e| e.to_vec()) })
     }
 

@@ -20,6 +20,7 @@ use super::driver::DeviceRange;
 use super::handles::{VmmAllocation, VmmMapping};
 use crate::error::{Error, Result};
 use crate::fdpass::{self, Ticket};
+use crate::profile::{self, Phase};
 
 /// How long a receiver waits for the producer's broker to hand over a descriptor.
 const FETCH_TIMEOUT: Duration = Duration::from_secs(30);
@@ -80,14 +81,19 @@ fn next_key() -> u64 {
 
 impl VmmMemory {
     /// `bytes` bytes of VMM memory on `device` (rounded up to the granularity).
+    /// The descriptor is exported and offered at once: the export costs 0.2-1 ms, which a
+    /// first send then does not pay. Should that fail (out of descriptors, say), the first
+    /// send tries again and reports the error.
     pub(crate) fn alloc(device: &Arc<Device>, bytes: usize) -> Result<VmmMemory> {
-        Ok(VmmMemory {
+        let memory = VmmMemory {
             offered: OnceCell::new(),
             fetched: None,
             origin: None,
             backing: Backing::Local(VmmAllocation::new(device, bytes)?),
             owner_uuid: device.uuid(),
-        })
+        };
+        let _ = memory.offer();
+        Ok(memory)
     }
 
     /// Maps another process's VMM memory of `bytes` bytes on `access` (the GPU holding it is
@@ -99,10 +105,10 @@ impl VmmMemory {
                 wire.size
             )));
         }
-        let fd = match (fdpass::fetch(&wire.ticket, FETCH_TIMEOUT), &wire.fallback) {
-            (Err(Error::OwnerExited(_)), Some(fallback)) => fdpass::fetch(fallback, FETCH_TIMEOUT)?,
-            (fetched, _) => fetched?,
-        };
+        let fd = profile::timed(Phase::Fetch, || match (fdpass::fetch(&wire.ticket, FETCH_TIMEOUT), &wire.fallback) {
+            (Err(Error::OwnerExited(_)), Some(fallback)) => fdpass::fetch(fallback, FETCH_TIMEOUT),
+            (fetched, _) => fetched,
+        })?;
         let kept = fd.try_clone().map_err(|e| crate::wire::descriptor_error(e.into()))?;
         let mapping = VmmMapping::import(fd, wire.size as usize, access)?;
         Ok(VmmMemory {
