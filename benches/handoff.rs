@@ -4,6 +4,7 @@
 //!     cargo bench --bench handoff -- --no-torch   # ours only
 //!     cargo bench --bench handoff -- --quick      # fewer rounds
 //!     cargo bench --bench handoff -- --storage vmm  # producer memory: legacy, vmm or auto
+//!     cargo bench --bench handoff -- --only bd   # rows b and d only (p: floor and split)
 //!
 //! Rows (torch runs the same workloads; the ratio is torch / ours, higher is better for us):
 //!   a  round trip, same storage resent; the consumer receives, drops, acknowledges
@@ -274,12 +275,14 @@ struct Results {
     torch: HashMap<String, (f64, f64)>,
 }
 
-fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, r: &mut Results) {
+fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, only: Option<&str>, r: &mut Results) {
+    // `--only ROWS`: the rows to run (letters a-e; p for the floor, export and first-handoff split).
+    let want = |row: &str| only.is_none_or(|o| o.contains(row));
     let rounds = if quick { 200 } else { 1000 };
     let warm = if quick { 20 } else { 100 };
 
     // Floor: an empty message round trip through the same channels.
-    {
+    if want("p") {
         let (tx, rx) = channel().unwrap();
         let (ack_tx, ack) = channel().unwrap();
         let child = spawn((rx, ack_tx), ping);
@@ -297,7 +300,7 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, r: &mut Results) {
         r.ours.insert("floor".into(), summarize(us));
     }
     // Export cost in process: lease, event record, wire form.
-    {
+    if want("p") {
         let t = GpuTensor::<u8>::zeros(dev, &[1 << 20]).unwrap();
         let mut us = Vec::new();
         for i in 0..rounds + warm {
@@ -312,7 +315,7 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, r: &mut Results) {
     }
     // Where a first handoff's time goes: export (IPC handle, lease) here, handle opening and the
     // first read through the mapping in the consumer. Each size is a fresh allocation.
-    {
+    if want("p") {
         let (tx, rx) = channel().unwrap();
         let (ack_tx, ack) = channel().unwrap();
         let child = spawn((rx, ack_tx), profile_import);
@@ -353,7 +356,7 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, r: &mut Results) {
         child.join().unwrap();
     }
     // a: same storage resent.
-    for (name, bytes) in SIZES {
+    for (name, bytes) in SIZES.into_iter().filter(|_| want("a")) {
         let c = consumer();
         let t = GpuTensor::<u8>::zeros(dev, &[bytes]).unwrap();
         let us: Vec<f64> = (0..rounds + warm).map(|_| c.round(&t)).skip(warm).collect();
@@ -361,7 +364,7 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, r: &mut Results) {
         r.ours.insert(format!("a_{name}"), summarize(us));
     }
     // b: fresh allocation every round (allocation and free outside the timed part).
-    for (name, bytes) in SIZES {
+    for (name, bytes) in SIZES.into_iter().filter(|_| want("b")) {
         let c = consumer();
         let mut us = Vec::new();
         let live = cuda_mp::lifetime_stats().live_storages;
@@ -380,7 +383,7 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, r: &mut Results) {
         r.ours.insert(format!("b_{name}"), summarize(us));
     }
     // b, traced: the same rounds with both sides' steps on one clock.
-    for (name, bytes) in SIZES {
+    for (name, bytes) in SIZES.into_iter().filter(|_| want("b")) {
         let (tx, rx) = channel().unwrap();
         let (ack_tx, ack) = channel().unwrap();
         let child = spawn((rx, ack_tx), traced_drop_and_ack);
@@ -407,7 +410,7 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, r: &mut Results) {
         timeline.print(&format!("b {name}"));
     }
     // c, transport ceiling: one-way empty messages.
-    {
+    if want("c") {
         let n: u64 = if quick { 20_000 } else { 100_000 };
         let (tx, rx) = channel::<()>().unwrap();
         let (ack_tx, ack) = channel().unwrap();
@@ -428,7 +431,7 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, r: &mut Results) {
         child.join().unwrap();
     }
     // c: one-way throughput.
-    {
+    if want("c") {
         let n: u64 = if quick { 20_000 } else { 100_000 };
         let pool: Vec<GpuTensor<u8>> = (0..64).map(|_| GpuTensor::<u8>::zeros(dev, &[4096]).unwrap()).collect();
         let (tx, rx) = channel().unwrap();
@@ -451,7 +454,7 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, r: &mut Results) {
     }
     // d: weight publish in one allocation (the default), then re-published; and the first
     // publish of the same weights packed into 1 GiB allocations, for comparison.
-    for (key, chunk) in [("d", cuda_mp::DEFAULT_CHUNK_BYTES), ("d1", 1 << 30)] {
+    for (key, chunk) in [("d", cuda_mp::DEFAULT_CHUNK_BYTES), ("d1", 1 << 30)].into_iter().filter(|_| want("d")) {
         let shapes = llama7b_shapes();
         let mut builder = BundleBuilder::new().chunk_bytes(chunk);
         for (name, shape) in &shapes {
@@ -551,6 +554,22 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, r: &mut Results) {
                 let timeline = if s == 100 { &mut first } else { &mut again };
                 timeline.push(start, sent, acked, export_us, &trace);
             }
+            // The same re-publish after a pause as long as the update kernels take, without
+            // them: both processes idle for that long, neither GPU work nor a context switch.
+            let mut paused = Timeline::default();
+            for s in 300..=310 {
+                std::thread::sleep(Duration::from_millis(7));
+                let before = PhaseTimes::now();
+                let start = mono_ns();
+                tx.send(bundle.clone()).unwrap();
+                let sent = mono_ns();
+                let (got, trace): (i64, Trace) = ack.recv_timeout(WAIT).unwrap();
+                let acked = mono_ns();
+                assert_eq!(got, 110, "step {s}: the step counter is unchanged");
+                let export_us = phase_us(&PhaseTimes::now(), &before, Phase::Export);
+                paused.push(start, sent, acked, export_us, &trace);
+            }
+            paused.print("d re-publish after a 7 ms pause, no update");
             // The same re-publish without the update kernels: no GPU work of the producer's
             // between two publishes.
             for s in 200..=210 {
@@ -572,7 +591,7 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, r: &mut Results) {
         }
     }
     // e: fan-out to 8 consumers.
-    {
+    if want("e") {
         let t = GpuTensor::<u8>::zeros(dev, &[1 << 20]).unwrap();
         let cs: Vec<Consumer> = (0..8).map(|_| consumer()).collect();
         let mut us = Vec::new();
@@ -723,7 +742,8 @@ fn main() {
     dev.set_memory_kind(kind);
     println!("GPU 0: {} (memory: {kind:?})", dev.uuid_string());
     let mut r = Results::default();
-    run_ours(&dev, quick, &mut r);
+    let only = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1));
+    run_ours(&dev, quick, only.map(String::as_str), &mut r);
     if !no_torch {
         run_torch(quick, &mut r);
     }

@@ -6,8 +6,11 @@
 //! [`BundleBuilder::chunk_bytes`] splits a bundle into several allocations where one large
 //! allocation is not available.
 
+use std::collections::VecDeque;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+use once_cell::sync::OnceCell;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -17,6 +20,7 @@ use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::lifetime::StorageId;
+use crate::profile::{self, Phase};
 use crate::tensor::Tensor;
 use crate::wire::{decode_error, encode_error};
 
@@ -167,7 +171,7 @@ impl BundleBuilder {
             .iter()
             .map(|&len| GpuTensor::<u8>::zeros(device, &[len]).map(|t| t.storage))
             .collect::<Result<_>>()?;
-        Ok(Bundle { chunks: chunks.into(), entries: entries.into() })
+        Ok(Bundle { chunks: chunks.into(), entries: entries.into(), table: Arc::default() })
     }
 }
 
@@ -212,6 +216,8 @@ fn pack(tensors: Vec<(String, DType, Vec<usize>)>, chunk_bytes: usize) -> Result
 pub struct Bundle {
     chunks: Arc<[Arc<GpuStorage>]>,
     entries: Arc<[BundleEntry]>,
+    /// The entries as they travel, encoded at the first send and reused by every later one.
+    table: Arc<OnceCell<Vec<u8>>>,
 }
 
 impl fmt::Debug for Bundle {
@@ -343,27 +349,36 @@ impl Bundle {
 #[derive(Deserialize)]
 struct BundleWire {
     chunks: Vec<GpuStorageWire>,
-    entries: Vec<BundleEntry>,
+    /// The entries, encoded (postcard) by the sender once per bundle.
+    #[serde(with = "serde_bytes")]
+    table: Vec<u8>,
 }
 
-/// The same layout as [`BundleWire`], borrowing the entries.
+/// The same layout as [`BundleWire`], borrowing the table.
 #[derive(Serialize)]
 struct BundleWireRef<'a> {
     chunks: Vec<GpuStorageWire>,
-    entries: &'a [BundleEntry],
+    #[serde(with = "serde_bytes")]
+    table: &'a [u8],
 }
 
 impl Serialize for Bundle {
     fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
         let chunks = self.chunks.iter().map(encode_storage).collect::<Result<_>>().map_err(encode_error)?;
-        BundleWireRef { chunks, entries: &self.entries }.serialize(serializer)
+        let table = self
+            .table
+            .get_or_try_init(|| postcard::to_allocvec(&*self.entries))
+            .map_err(|e| encode_error(Error::Malformed(format!("bundle table: {e}"))))?;
+        BundleWireRef { chunks, table }.serialize(serializer)
     }
 }
 
 impl<'de> Deserialize<'de> for Bundle {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        let wire = BundleWire::deserialize(deserializer)?;
-        decode(wire).map_err(decode_error)
+        profile::timed(Phase::Decode, || {
+            let wire = BundleWire::deserialize(deserializer)?;
+            decode(wire).map_err(decode_error)
+        })
     }
 }
 
@@ -372,13 +387,67 @@ fn decode(wire: BundleWire) -> Result<Bundle> {
         return Err(Error::Malformed("bundle without an allocation".into()));
     }
     let chunks: Vec<Arc<GpuStorage>> = wire.chunks.into_iter().map(decode_storage).collect::<Result<_>>()?;
-    for e in &wire.entries {
-        let chunk = chunks.get(e.chunk as usize).ok_or_else(|| {
-            Error::Malformed(format!("tensor {:?} names allocation {} of {}", e.name, e.chunk, chunks.len()))
-        })?;
-        e.layout.check_fits(chunk.byte_len() / e.dtype.size())?;
+    let ids: Vec<StorageId> = chunks.iter().map(|c| c.id()).collect();
+    let lens: Vec<usize> = chunks.iter().map(|c| c.byte_len()).collect();
+    let entries = RECEIVED_TABLES.entries(&ids, &lens, &wire.table)?;
+    Ok(Bundle { chunks: chunks.into(), entries, table: Arc::new(OnceCell::with_value(wire.table)) })
+}
+
+/// Tables of bundles received lately, parsed and checked, so that a re-publish (the same
+/// storages, the same table) costs a byte comparison instead of a parse, hundreds of
+/// allocations and the checks. Keyed by the storages' ids: a storage id names one storage of
+/// one size for good, so a table checked against them once fits them always.
+struct ReceivedTables {
+    recent: Mutex<VecDeque<ParsedTable>>,
+}
+
+struct ParsedTable {
+    ids: Vec<StorageId>,
+    bytes: Vec<u8>,
+    entries: Arc<[BundleEntry]>,
+}
+
+/// How many tables are kept (most recent first); a process that receives more distinct
+/// bundles in turn parses them again.
+const KEPT_TABLES: usize = 8;
+
+static RECEIVED_TABLES: ReceivedTables = ReceivedTables { recent: Mutex::new(VecDeque::new()) };
+
+impl ReceivedTables {
+    /// The entries of `table` for a bundle of the storages `ids` of `lens` bytes: kept from an
+    /// earlier message, or parsed and checked against the storages.
+    fn entries(&self, ids: &[StorageId], lens: &[usize], table: &[u8]) -> Result<Arc<[BundleEntry]>> {
+        let mut recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = recent.iter().position(|t| t.ids == ids && t.bytes == table) {
+            let hit = recent.remove(i).expect("position is in range");
+            let entries = hit.entries.clone();
+            recent.push_front(hit);
+            return Ok(entries);
+        }
+        drop(recent);
+        let entries = parse_table(table, lens)?;
+        let mut recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+        recent.push_front(ParsedTable { ids: ids.to_vec(), bytes: table.to_vec(), entries: entries.clone() });
+        recent.truncate(KEPT_TABLES);
+        Ok(entries)
     }
-    Ok(Bundle { chunks: chunks.into(), entries: wire.entries.into() })
+}
+
+/// Parses a bundle's table and checks every entry against the allocations' sizes (`lens`, in
+/// bytes).
+fn parse_table(table: &[u8], lens: &[usize]) -> Result<Arc<[BundleEntry]>> {
+    let (entries, rest): (Vec<BundleEntry>, &[u8]) =
+        postcard::take_from_bytes(table).map_err(|e| Error::Malformed(format!("bundle table: {e}")))?;
+    if !rest.is_empty() {
+        return Err(Error::Malformed(format!("bundle table: {} bytes after its entries", rest.len())));
+    }
+    for e in &entries {
+        let len = lens.get(e.chunk as usize).ok_or_else(|| {
+            Error::Malformed(format!("tensor {:?} names allocation {} of {}", e.name, e.chunk, lens.len()))
+        })?;
+        e.layout.check_fits(len / e.dtype.size())?;
+    }
+    Ok(entries.into())
 }
 
 #[cfg(test)]
@@ -417,7 +486,7 @@ mod tests {
     fn missing_names_and_other_dtypes_are_their_own_errors() {
         let (entries, _) = pack(vec![t("w", DType::F32, &[4])], usize::MAX).unwrap();
         // No allocation is needed to look a name up: both errors come before one is touched.
-        let bundle = Bundle { chunks: Vec::new().into(), entries: entries.into() };
+        let bundle = Bundle { chunks: Vec::new().into(), entries: entries.into(), table: Arc::default() };
         match bundle.get::<f32>("b") {
             Err(Error::NoSuchTensor { name }) => assert_eq!(name, "b"),
             other => panic!("expected NoSuchTensor, got {other:?}"),
@@ -427,5 +496,53 @@ mod tests {
             bundle.get::<i32>("w"),
             Err(Error::DTypeMismatch { expected: DType::I32, found: DType::F32 })
         ));
+    }
+
+    #[test]
+    fn a_table_is_parsed_once_and_checked_against_its_allocations() {
+        let (entries, lens) = pack(vec![t("w", DType::F32, &[4]), t("b", DType::BF16, &[3])], usize::MAX).unwrap();
+        let bytes = postcard::to_allocvec(&entries).unwrap();
+        let ids = [StorageId::foreign(7, 1)];
+        let first = RECEIVED_TABLES.entries(&ids, &lens, &bytes).unwrap();
+        assert_eq!(&first[..], &entries[..]);
+        // The same storages and table again: the parsed entries are reused.
+        let again = RECEIVED_TABLES.entries(&ids, &lens, &bytes).unwrap();
+        assert!(Arc::ptr_eq(&first, &again));
+        // Other storages with the same table: parsed and checked for them.
+        let other = RECEIVED_TABLES.entries(&[StorageId::foreign(7, 2)], &lens, &bytes).unwrap();
+        assert!(!Arc::ptr_eq(&first, &other));
+        // Checked against the allocations: too small, or an allocation that is not there.
+        let err = |r: Result<Arc<[BundleEntry]>>| r.unwrap_err().to_string();
+        assert!(err(RECEIVED_TABLES.entries(&[StorageId::foreign(7, 3)], &[8], &bytes)).contains("storage holds"));
+        let far = vec![BundleEntry { chunk: 1, ..entries[0].clone() }];
+        let far = postcard::to_allocvec(&far).unwrap();
+        assert!(err(RECEIVED_TABLES.entries(&ids, &lens, &far)).contains("names allocation 1 of 1"));
+    }
+
+    #[test]
+    fn forged_tables_are_malformed() {
+        let (entries, lens) = pack(vec![t("w", DType::F32, &[4])], usize::MAX).unwrap();
+        let good = postcard::to_allocvec(&entries).unwrap();
+        let ids = [StorageId::foreign(9, 1)];
+        let mut cases: Vec<Vec<u8>> = vec![
+            Vec::new(),
+            vec![0xff; 16],
+            good[..good.len() - 1].to_vec(),
+            [&good[..], &[0u8][..]].concat(),
+            // Claims 2^63 entries.
+            vec![0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f],
+        ];
+        // Every single-byte corruption: an error or a table that fits, never a panic.
+        for i in 0..good.len() {
+            let mut bad = good.clone();
+            bad[i] ^= 0xa5;
+            cases.push(bad);
+        }
+        for (n, bytes) in cases.iter().enumerate() {
+            match RECEIVED_TABLES.entries(&ids, &lens, bytes) {
+                Ok(parsed) => assert!(n >= 5, "case {n} parsed: {parsed:?}"),
+                Err(e) => assert!(matches!(e, Error::Malformed(_) | Error::Layout(_)), "case {n}: {e:?}"),
+            }
+        }
     }
 }
