@@ -295,9 +295,19 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, only: Option<&str>, r: &m
                 us.push(start.elapsed().as_secs_f64() * 1e6);
             }
         }
+        r.ours.insert("floor".into(), summarize(us));
+        // The same after both processes idled 7 ms (as long as row d's update kernels take).
+        let mut us = Vec::new();
+        for _ in 0..200 {
+            std::thread::sleep(Duration::from_millis(7));
+            let start = Instant::now();
+            tx.send(()).unwrap();
+            ack.recv_timeout(WAIT).unwrap();
+            us.push(start.elapsed().as_secs_f64() * 1e6);
+        }
+        r.ours.insert("floor_paused".into(), summarize(us));
         drop(tx);
         child.join().unwrap();
-        r.ours.insert("floor".into(), summarize(us));
     }
     // Export cost in process: lease, event record, wire form.
     if want("p") {
@@ -322,7 +332,9 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, only: Option<&str>, r: &m
         let warm = GpuTensor::<u8>::zeros(dev, &[4096]).unwrap();
         tx.send(warm.ipc_payload().unwrap()).unwrap();
         ack.recv_timeout(WAIT).unwrap();
-        for (name, bytes) in [("4K", 4usize << 10), ("1G", 1 << 30), ("13.5G", 13_476_000_000)] {
+        for (name, bytes) in
+            [("4K", 4usize << 10), ("1M", 1 << 20), ("64M", 64 << 20), ("1G", 1 << 30), ("13.5G", 13_476_000_000)]
+        {
             let mut export = Vec::new();
             let mut import = Vec::new();
             let mut read = Vec::new();
@@ -694,10 +706,19 @@ fn print_table(r: &Results) {
     if let Some(f) = r.ours.get("floor") {
         println!("cuda-mp floor, empty message round trip: median {:.1} us, p99 {:.1} us", f.0, f.1);
     }
+    if let Some(f) = r.ours.get("floor_paused") {
+        println!("cuda-mp floor after both processes idled 7 ms: median {:.1} us, p99 {:.1} us", f.0, f.1);
+    }
+    if let (Some(hot), Some(paused)) = (r.torch.get("w_hot"), r.torch.get("w_paused")) {
+        println!(
+            "machine baseline, multiprocessing.Pipe empty round trip (python): back to back {:.1} us, after 7 ms idle {:.1} us (medians)",
+            hot.0, paused.0
+        );
+    }
     if let Some(e) = r.ours.get("export") {
         println!("cuda-mp export in process (lease, event record, wire form): median {:.1} us, p99 {:.1} us", e.0, e.1);
     }
-    for name in ["4K", "1G", "13.5G"] {
+    for name in ["4K", "1M", "64M", "1G", "13.5G"] {
         if let Some(o) = r.torch.get(&format!("p_rawopen_{name}")) {
             println!("driver baseline, cudaIpcOpenMemHandle of a fresh {name} cudaMalloc allocation (cupy): {:.1} us (median)", o.0);
         }

@@ -79,7 +79,13 @@ def raw_open_profile(ctx):
     q, ack = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=raw_open, args=(q, ack))
     p.start()
-    for name, nbytes, n in [("4K", 4 << 10, 20), ("1G", 1 << 30, 20), ("13.5G", 13_476_000_000, 3)]:
+    for name, nbytes, n in [
+        ("4K", 4 << 10, 20),
+        ("1M", 1 << 20, 20),
+        ("64M", 64 << 20, 20),
+        ("1G", 1 << 30, 20),
+        ("13.5G", 13_476_000_000, 3),
+    ]:
         us = []
         for _ in range(n + 1):
             ptr = cupy.cuda.runtime.malloc(nbytes)
@@ -88,6 +94,33 @@ def raw_open_profile(ctx):
             cupy.cuda.runtime.free(ptr)
         row(f"p_rawopen_{name}", *summarize(us[1:]))
     q.put(None)
+    p.join()
+
+
+def echo(conn):
+    while conn.recv() is not None:
+        conn.send(None)
+
+
+def wakeup_profile(ctx):
+    """A machine baseline with nothing of torch's or ours: a multiprocessing.Pipe round trip of
+    an empty message, back to back and after both processes idled 7 ms (the time the update
+    kernels of row d take)."""
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=echo, args=(b,))
+    p.start()
+    for key, pause in [("w_hot", 0.0), ("w_paused", 0.007)]:
+        us = []
+        for i in range(220):
+            if pause:
+                time.sleep(pause)
+            start = time.perf_counter()
+            a.send(0)
+            a.recv()
+            if i >= 20:
+                us.append((time.perf_counter() - start) * 1e6)
+        row(key, *summarize(us))
+    a.send(None)
     p.join()
 
 
@@ -132,6 +165,7 @@ def main():
     dev = torch.device("cuda", 0)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}", flush=True)
     raw_open_profile(ctx)
+    wakeup_profile(ctx)
 
     for name, nbytes in SIZES:  # a: same storage resent
         c = Consumer(ctx)
