@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::sys::{self, Region, W32};
-use super::{deadline, invalid, time_left, Kind, Object, Open, BODY};
+use super::{deadline, invalid, slice, time_left, Kind, Object, Open, BODY};
 use crate::error::{Error, Result};
 
 /// The number of parties, fixed at creation.
@@ -256,7 +256,9 @@ impl Barrier {
                 }
                 continue;
             }
-            sys::wait(state, now, left);
+            // A slice at a time: a last party killed between its change and its wake wakes
+            // nobody.
+            sys::wait(state, now, Some(slice(left)));
         }
     }
 

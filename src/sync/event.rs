@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::sys::{self, W32};
-use super::{deadline, time_left, Kind, Object, Open, BODY};
+use super::{deadline, slice, time_left, Kind, Object, Open, BODY};
 use crate::error::Result;
 
 /// The event's one word: [`SET`], [`WAITERS`], and a generation above them.
@@ -221,7 +221,8 @@ impl Event {
             if left == Some(Duration::ZERO) {
                 return false;
             }
-            sys::wait(state, current, left);
+            // A slice at a time: a setter killed between its change and its wake wakes nobody.
+            sys::wait(state, current, Some(slice(left)));
             current = state.load(Ordering::Acquire);
         }
     }

@@ -49,8 +49,9 @@ const ID_AT: W64 = W64::at(8);
 /// The first word after the header.
 const BODY: usize = 16;
 
-/// Longest sleep before a waiter looks again at what futex wakes alone cannot tell it (a lock
-/// holder that died, a wake lost with a process killed right after it was woken).
+/// Longest sleep before a waiter looks again at what futex wakes alone cannot tell it: a lock
+/// holder that died, a wake lost with a process killed between its change and its wake, or
+/// right after it was woken.
 const SLICE: Duration = Duration::from_millis(100);
 
 /// What a region holds.
