@@ -65,6 +65,7 @@ mod os;
 mod process;
 mod profile;
 mod storage;
+mod sync;
 mod tensor;
 #[doc(hidden)]
 pub mod testing;
@@ -86,6 +87,9 @@ pub use layout::{Layout, MAX_DIMS};
 pub use lifetime::{lifetime_stats, wait_for_lifetime, LifetimeStats, StorageId};
 pub use ndarray;
 pub use process::{init, spawn, spawn_n, Builder, JoinHandle, Pool};
+pub use sync::{
+    Barrier, BarrierError, BarrierWaitResult, Event, Lock, LockError, LockGuard, Semaphore, SemaphoreGuard,
+};
 pub use tensor::Tensor;
 
 #[doc(hidden)]

@@ -1,0 +1,396 @@
+//! The operating-system layer of the sync objects, and all of their `unsafe`: a small region
+//! of shared memory read and written only as atomic words, futex wait and wake on those words,
+//! named regions in `/dev/shm` with their creator's lock, and whether a process still lives.
+
+use std::ffi::CString;
+use std::fs::{File, OpenOptions, TryLockError};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use ipc_channel::ipc::IpcSharedMemory;
+
+use crate::error::{Error, Result};
+use crate::os::{catch_quietly, SharedMapping};
+
+/// Bytes of one sync object: a header and the object's words.
+pub(super) const BYTES: usize = 64;
+
+/// Where a 32-bit word lies in a region. Made only by [`W32::at`] in constants, which checks at
+/// compile time that the word is aligned and inside [`BYTES`].
+#[derive(Clone, Copy)]
+pub(super) struct W32(usize);
+
+impl W32 {
+    pub(super) const fn at(offset: usize) -> W32 {
+        assert!(offset.is_multiple_of(4) && offset + 4 <= BYTES, "a 32-bit word outside the region");
+        W32(offset)
+    }
+}
+
+/// Where a 64-bit word lies in a region; see [`W32`].
+#[derive(Clone, Copy)]
+pub(super) struct W64(usize);
+
+impl W64 {
+    pub(super) const fn at(offset: usize) -> W64 {
+        assert!(offset.is_multiple_of(8) && offset + 8 <= BYTES, "a 64-bit word outside the region");
+        W64(offset)
+    }
+}
+
+/// [`BYTES`] bytes of shared memory, mapped in this process, that other processes may write at
+/// any time: only ever accessed through atomics.
+pub(super) struct Region {
+    /// First byte of the mapping: valid for [`BYTES`] bytes and 8-byte aligned while the
+    /// region lives (checked when the region is made).
+    ptr: *mut u8,
+    backing: Backing,
+}
+
+// SAFETY: the mapping is owned by the region and lives as long as it does; its bytes are only
+// accessed atomically, which concurrent writers (threads or processes) cannot make undefined.
+unsafe impl Send for Region {}
+// SAFETY: as above.
+unsafe impl Sync for Region {}
+
+enum Backing {
+    /// An anonymous memory file, sent to other processes as a descriptor.
+    Anonymous(SharedMapping),
+    /// A file in `/dev/shm`, mapped by this region.
+    Named(Named),
+}
+
+struct Named {
+    /// Open while the region lives; the creator holds a shared lock on it.
+    file: File,
+    path: PathBuf,
+    /// Whether this region published the name (and removes it when dropped).
+    creator: bool,
+}
+
+impl Region {
+    /// Fresh zeroed anonymous shared memory.
+    pub(super) fn anonymous() -> Result<Region> {
+        crate::os::raise_descriptor_limit();
+        let shm = catch_quietly(|| IpcSharedMemory::from_byte(0, BYTES)).map_err(|reason| {
+            crate::wire::descriptor_error(Error::Io(io::Error::other(format!(
+                "cannot allocate shared memory for a sync object: {reason}"
+            ))))
+        })?;
+        Region::from_memory(Arc::new(shm))
+    }
+
+    /// The shared memory of a message: refused unless it holds a whole region.
+    pub(super) fn from_memory(shm: Arc<IpcSharedMemory>) -> Result<Region> {
+        if shm.len() < BYTES {
+            return Err(Error::Malformed(format!(
+                "a sync object needs {BYTES} bytes of shared memory, the message carries {}",
+                shm.len()
+            )));
+        }
+        let mapping = SharedMapping::from_shared(shm);
+        Region::checked(mapping.ptr(), Backing::Anonymous(mapping))
+    }
+
+    fn checked(ptr: *mut u8, backing: Backing) -> Result<Region> {
+        if ptr.is_null() || !(ptr as usize).is_multiple_of(8) {
+            return Err(Error::Malformed("shared memory of a sync object is not 8-byte aligned".into()));
+        }
+        Ok(Region { ptr, backing })
+    }
+
+    /// The anonymous shared memory, to send to another process (`None` for a named region).
+    pub(super) fn memory(&self) -> Option<&Arc<IpcSharedMemory>> {
+        match &self.backing {
+            Backing::Anonymous(mapping) => Some(mapping.memory()),
+            Backing::Named(_) => None,
+        }
+    }
+
+    /// The 32-bit word at `at`.
+    pub(super) fn u32(&self, at: W32) -> &AtomicU32 {
+        // SAFETY: `at` lies inside the first BYTES bytes and is 4-byte aligned (checked when it
+        // was made); the region's pointer is valid for BYTES bytes and 8-byte aligned while the
+        // region (borrowed for the reference's lifetime) lives. The memory is only accessed
+        // atomically, by this and every other process.
+        unsafe { AtomicU32::from_ptr(self.ptr.add(at.0).cast()) }
+    }
+
+    /// The 64-bit word at `at`.
+    pub(super) fn u64(&self, at: W64) -> &AtomicU64 {
+        // SAFETY: as in `u32`, with 8-byte alignment.
+        unsafe { AtomicU64::from_ptr(self.ptr.add(at.0).cast()) }
+    }
+
+    /// Creates a region under `path`: `init` fills it before anyone can open it, then it is
+    /// published under the name, which it owns from then on. `None` when the name is taken.
+    pub(super) fn create_named(path: &Path, init: impl FnOnce(&Region)) -> Result<Option<Region>> {
+        let dir = path.parent().unwrap_or(Path::new("/"));
+        // A file without a name (O_TMPFILE): nothing is left behind if we stop before
+        // publishing it, and nobody sees it half-made.
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .mode(0o600)
+            .custom_flags(libc::O_TMPFILE)
+            .open(dir)
+            .map_err(|e| named_error(e, dir))?;
+        file.set_len(BYTES as u64)?;
+        // Held for as long as this process holds the region: how others tell that the creator
+        // lives. The kernel drops it when the process ends, however it ends.
+        file.lock_shared()?;
+        let region = map(file, path.to_owned())?;
+        init(&region);
+        let published = match &region.backing {
+            Backing::Named(named) => publish(&named.file, path),
+            Backing::Anonymous(_) => Err(io::Error::other("an anonymous region has no name")),
+        };
+        match published {
+            Ok(()) => {
+                let mut region = region;
+                if let Backing::Named(named) = &mut region.backing {
+                    named.creator = true;
+                }
+                Ok(Some(region))
+            }
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Opens the region published under `path`. `None` when there is none, or when its creator
+    /// is gone: such a leftover of a process that ended without dropping its object is removed
+    /// here.
+    pub(super) fn open_named(path: &Path) -> Result<Option<Region>> {
+        for _ in 0..100 {
+            let file = match OpenOptions::new().read(true).write(true).custom_flags(libc::O_NOFOLLOW).open(path) {
+                Ok(file) => file,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+                Err(e) => return Err(named_error(e, path)),
+            };
+            match file.try_lock() {
+                Ok(()) => {
+                    // Nobody holds the creator's shared lock: the creator is gone. Removers
+                    // hold this exclusive lock, so the name is removed at most once.
+                    if same_file(&file, path) {
+                        let _ = std::fs::remove_file(path);
+                    }
+                    continue;
+                }
+                Err(TryLockError::WouldBlock) => {
+                    // The creator's lock, or another process removing a leftover: a shared
+                    // lock waits for the latter only.
+                    file.lock_shared()?;
+                    file.unlock()?;
+                    if !same_file(&file, path) {
+                        continue;
+                    }
+                }
+                Err(TryLockError::Error(e)) => return Err(e.into()),
+            }
+            let len = file.metadata()?.len();
+            if len < BYTES as u64 {
+                return Err(Error::Malformed(format!(
+                    "{} is not a sync object of cuda-mp: it holds {len} bytes",
+                    path.display()
+                )));
+            }
+            return map(file, path.to_owned()).map(Some);
+        }
+        Err(Error::Io(io::Error::other(format!("{} keeps being replaced; giving up opening it", path.display()))))
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        if let Backing::Named(named) = &self.backing {
+            // SAFETY: `ptr` is the start of our own mapping of BYTES bytes, made by `map`;
+            // nothing refers to it any more (every reference borrowed the region).
+            unsafe { libc::munmap(self.ptr.cast(), BYTES) };
+            if named.creator {
+                // The creator owns the name: remove it, unless it was replaced meanwhile (a
+                // process that took this object for a leftover removed it and made another).
+                let _ = named.file.lock();
+                if same_file(&named.file, &named.path) {
+                    let _ = std::fs::remove_file(&named.path);
+                }
+            }
+        }
+    }
+}
+
+/// Maps the first [`BYTES`] bytes of `file`, which holds at least that many.
+fn map(file: File, path: PathBuf) -> Result<Region> {
+    // SAFETY: a fresh shared mapping of an open file, at an address the kernel picks; no memory
+    // of ours is passed in.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            BYTES,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error().into());
+    }
+    Region::checked(ptr.cast(), Backing::Named(Named { file, path, creator: false }))
+}
+
+/// Gives the nameless `file` the name `path`; fails with `AlreadyExists` when it is taken.
+fn publish(file: &File, path: &Path) -> io::Result<()> {
+    let from = CString::new(format!("/proc/self/fd/{}", file.as_raw_fd())).map_err(io::Error::other)?;
+    let to = CString::new(path.as_os_str().as_bytes()).map_err(io::Error::other)?;
+    // SAFETY: both paths are valid NUL-terminated strings that outlive the call.
+    let r =
+        unsafe { libc::linkat(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::AT_SYMLINK_FOLLOW) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// True while `path` names the file open as `file`.
+fn same_file(file: &File, path: &Path) -> bool {
+    match (file.metadata(), std::fs::symlink_metadata(path)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
+}
+
+fn named_error(e: io::Error, path: &Path) -> Error {
+    Error::Io(io::Error::new(e.kind(), format!("{}: {e}", path.display())))
+}
+
+/// Sleeps while `word` holds `expected`, for at most `timeout` (`None`: no limit). Returns on a
+/// wake, a timeout, a signal, or at once when the word holds another value: the caller looks at
+/// the word again in every case.
+pub(super) fn wait(word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
+    let timeout = timeout.map(|d| libc::timespec {
+        tv_sec: d.as_secs().min(i32::MAX as u64) as libc::time_t,
+        tv_nsec: d.subsec_nanos() as libc::c_long,
+    });
+    let timeout_ptr = timeout.as_ref().map_or(std::ptr::null(), |t| t as *const libc::timespec);
+    // SAFETY: `word` is a live, aligned 32-bit word for the duration of the call; `timeout_ptr`
+    // is null or points to a timespec that outlives the call. FUTEX_WAIT (not the private
+    // variant: the word is shared between processes) only reads the word.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            timeout_ptr,
+            std::ptr::null::<u32>(),
+            0,
+        )
+    };
+}
+
+/// Wakes up to `n` processes or threads sleeping in [`wait`] on `word`.
+pub(super) fn wake(word: &AtomicU32, n: u32) {
+    let n = n.min(i32::MAX as u32) as libc::c_int;
+    // SAFETY: `word` is a live, aligned 32-bit word; FUTEX_WAKE does not access its memory.
+    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, n, std::ptr::null::<u32>(), 0, 0) };
+}
+
+/// Wakes every sleeper on `word`.
+pub(super) fn wake_all(word: &AtomicU32) {
+    wake(word, u32::MAX)
+}
+
+/// This process's id.
+pub(super) fn own_pid() -> u32 {
+    std::process::id()
+}
+
+/// When this process started (in clock ticks since boot; 0 when unknown).
+pub(super) fn own_start() -> u64 {
+    static START: OnceLock<u64> = OnceLock::new();
+    *START.get_or_init(|| process_stat(own_pid()).map_or(0, |s| s.start))
+}
+
+/// The identity of this process's pid namespace (0 when unknown): pids of processes in other
+/// namespaces mean nothing here.
+pub(super) fn pid_namespace() -> u64 {
+    std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino())
+}
+
+/// True when the process `pid`, which started at `start` (0: unknown), has ended: no such
+/// process, a zombie, or the pid now belongs to a process that started at another time.
+pub(super) fn process_gone(pid: u32, start: u64) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else { return true };
+    if pid <= 0 {
+        // No process has this id (and kill would address a group).
+        return true;
+    }
+    // SAFETY: signal 0 sends nothing, only checks that the process exists; no memory is passed.
+    if unsafe { libc::kill(pid, 0) } != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+        return true;
+    }
+    match process_stat(pid as u32) {
+        Some(stat) => matches!(stat.state, 'Z' | 'X' | 'x') || (start != 0 && stat.start != start),
+        // Exists (kill said so) but /proc does not show it to us: assume it lives.
+        None => false,
+    }
+}
+
+struct Stat {
+    state: char,
+    start: u64,
+}
+
+/// The state and start time of a process, from `/proc/PID/stat`.
+fn process_stat(pid: u32) -> Option<Stat> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (comm) state ppid ...": the name may hold spaces and parentheses; fields follow the
+    // last ')'. The start time is field 22, the 20th after the name.
+    let rest = &text[text.rfind(')')? + 1..];
+    let mut fields = rest.split_ascii_whitespace();
+    let state = fields.next()?.chars().next()?;
+    let start = fields.nth(18)?.parse().ok()?;
+    Some(Stat { state, start })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn this_process_lives_and_a_made_up_one_does_not() {
+        assert!(!process_gone(own_pid(), own_start()));
+        assert!(own_start() != 0);
+        assert!(process_gone(own_pid(), own_start() + 1), "a pid reused by a later process");
+        assert!(process_gone(0, 0));
+        assert!(process_gone(u32::MAX, 0));
+        assert!(process_gone(libc::pid_t::MAX as u32, 0));
+    }
+
+    #[test]
+    fn a_wait_on_a_changed_word_returns_at_once_and_a_timeout_ends_a_wait() {
+        let region = Region::anonymous().unwrap();
+        const W: W32 = W32::at(16);
+        let word = region.u32(W);
+        let start = std::time::Instant::now();
+        wait(word, 1, None); // holds 0, not 1
+        wait(word, 0, Some(Duration::from_millis(30)));
+        let waited = start.elapsed();
+        assert!(waited >= Duration::from_millis(25) && waited < Duration::from_secs(2), "{waited:?}");
+    }
+
+    #[test]
+    fn short_memory_is_refused() {
+        let shm = Arc::new(IpcSharedMemory::from_byte(0, BYTES - 1));
+        assert!(matches!(Region::from_memory(shm), Err(Error::Malformed(_))));
+        assert!(matches!(Region::from_memory(Arc::new(IpcSharedMemory::from_bytes(&[]))), Err(Error::Malformed(_))));
+    }
+}
