@@ -90,7 +90,7 @@ pub use process::{init, spawn, spawn_n, Builder, JoinHandle, Pool};
 pub use sync::{
     Barrier, BarrierError, BarrierWaitResult, Event, Lock, LockError, LockGuard, Semaphore, SemaphoreGuard,
 };
-pub use tensor::Tensor;
+pub use tensor::{DynTensor, Tensor, TensorStorage};
 
 #[doc(hidden)]
 pub mod __private {

@@ -19,7 +19,7 @@ use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::lifetime::{self, AnyStorage, CacheTicket, Cover, Lease, LeaseMode, LiveStorage, LocalStorage, StorageId};
 use crate::profile::{self, Phase};
-use crate::tensor::{Tensor, TensorWire};
+use crate::tensor::{DynTensor, Tensor, TensorWire};
 use crate::wire;
 
 /// One kind of memory that can cross a process boundary.
@@ -285,6 +285,26 @@ impl<'de, T: Element, S: Shared> Deserialize<'de> for Tensor<T, S> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
         let wire = TensorWire::<Record<<S::Kind as StorageKind>::Wire>>::deserialize(deserializer)?;
         decode_tensor(wire, None).map_err(wire::decode_error)
+    }
+}
+
+impl<S: Shared> Serialize for DynTensor<S> {
+    fn serialize<Se: Serializer>(&self, serializer: Se) -> std::result::Result<Se::Ok, Se::Error> {
+        let record = export(&self.storage, false).map_err(wire::encode_error)?;
+        TensorWire::of_dtype(self.dtype, &self.layout, record).serialize(serializer)
+    }
+}
+
+impl<'de, S: Shared> Deserialize<'de> for DynTensor<S> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        let wire = TensorWire::<Record<<S::Kind as StorageKind>::Wire>>::deserialize(deserializer)?;
+        profile::timed(Phase::Decode, || {
+            let (dtype, record, layout) = wire.any_dtype()?;
+            let storage = import::<S>(record, None)?;
+            let layout = layout.check(storage.handle().memory.len, dtype)?;
+            Ok(DynTensor { storage, layout, dtype })
+        })
+        .map_err(wire::decode_error)
     }
 }
 

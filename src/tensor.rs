@@ -223,8 +223,12 @@ pub(crate) struct TensorWire<W> {
 
 impl<W> TensorWire<W> {
     pub(crate) fn new<T: Element>(layout: &Layout, storage: W) -> Self {
+        Self::of_dtype(T::DTYPE, layout, storage)
+    }
+
+    pub(crate) fn of_dtype(dtype: DType, layout: &Layout, storage: W) -> Self {
         TensorWire {
-            dtype: T::DTYPE.tag(),
+            dtype: dtype.tag(),
             shape: layout.shape().to_vec(),
             strides: layout.strides().to_vec(),
             offset: layout.offset(),
@@ -242,6 +246,13 @@ impl<W> TensorWire<W> {
         }
         Ok((self.storage, Layout0 { shape: self.shape, strides: self.strides, offset: self.offset }))
     }
+
+    /// The dtype the tag names, the storage wire and the layout to check.
+    pub(crate) fn any_dtype(self) -> Result<(DType, W, Layout0)> {
+        let dtype =
+            DType::from_tag(self.dtype).ok_or_else(|| Error::Malformed(format!("unknown dtype tag {}", self.dtype)))?;
+        Ok((dtype, self.storage, Layout0 { shape: self.shape, strides: self.strides, offset: self.offset }))
+    }
 }
 
 /// A layout not yet checked against its storage.
@@ -254,5 +265,169 @@ pub(crate) struct Layout0 {
 impl Layout0 {
     pub(crate) fn check(self, storage_bytes: usize, elem: DType) -> Result<Layout> {
         Layout::new(self.shape, self.strides, self.offset, storage_bytes / elem.size())
+    }
+}
+
+/// A strided view of a storage whose element type is known at run time: what a language
+/// binding or a heterogeneous collection holds. It travels exactly as a [`Tensor`] of its
+/// element type does, so a `DynTensor` sent is received as a `Tensor<T, _>` of the same type,
+/// and the other way round.
+///
+/// ```
+/// use cuda_mp::{DType, DynTensor, HostTensor};
+/// let t = HostTensor::<f32>::zeros(&[2, 3]).unwrap();
+/// let any: DynTensor<_> = t.clone().into();
+/// assert_eq!((any.dtype(), any.shape()), (DType::F32, &[2, 3][..]));
+/// assert!(any.typed::<f32>().unwrap().shares_storage_with(&t));
+/// assert!(any.typed::<i32>().is_err()); // the element type is checked
+/// ```
+pub struct DynTensor<S> {
+    pub(crate) storage: Arc<S>,
+    pub(crate) layout: Layout,
+    pub(crate) dtype: DType,
+}
+
+impl<S> Clone for DynTensor<S> {
+    fn clone(&self) -> Self {
+        DynTensor { storage: self.storage.clone(), layout: self.layout.clone(), dtype: self.dtype }
+    }
+}
+
+impl<S> fmt::Debug for DynTensor<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DynTensor")
+            .field("dtype", &self.dtype)
+            .field("shape", &self.layout.shape())
+            .field("strides", &self.layout.strides())
+            .field("offset", &self.layout.offset())
+            .field("storage", &std::any::type_name::<S>().rsplit("::").next().unwrap_or("storage"))
+            .finish()
+    }
+}
+
+impl<T: Element, S> From<Tensor<T, S>> for DynTensor<S> {
+    fn from(t: Tensor<T, S>) -> Self {
+        DynTensor { storage: t.storage, layout: t.layout, dtype: T::DTYPE }
+    }
+}
+
+impl<S: TensorStorage> DynTensor<S> {
+    /// A view of `storage` with `layout` (in elements of `dtype`), checked against the
+    /// storage's size.
+    ///
+    /// ```
+    /// use cuda_mp::{DType, DynTensor, HostStorage, Layout};
+    /// let storage = HostStorage::zeroed(16).unwrap();
+    /// let view = DynTensor::new(storage.clone(), Layout::contiguous(&[4]).unwrap(), DType::I32).unwrap();
+    /// assert_eq!(view.shape(), &[4]);
+    /// assert!(DynTensor::new(storage, Layout::contiguous(&[5]).unwrap(), DType::I32).is_err()); // 20 bytes of 16
+    /// ```
+    pub fn new(storage: Arc<S>, layout: Layout, dtype: DType) -> Result<Self> {
+        layout.check_fits(storage.byte_len() / dtype.size())?;
+        Ok(DynTensor { storage, layout, dtype })
+    }
+}
+
+/// A storage a tensor can be a view of: [`HostStorage`](crate::HostStorage) or
+/// [`GpuStorage`](crate::GpuStorage). Other crates cannot add storage kinds.
+///
+/// ```
+/// fn bytes<S: cuda_mp::TensorStorage>(t: &cuda_mp::DynTensor<S>) -> usize {
+///     t.storage().byte_len()
+/// }
+/// let t: cuda_mp::DynTensor<_> = cuda_mp::HostTensor::<u8>::zeros(&[3]).unwrap().into();
+/// assert_eq!(bytes(&t), 3);
+/// ```
+pub trait TensorStorage: sealed::Sealed + Send + Sync + 'static {
+    /// Size in bytes.
+    fn byte_len(&self) -> usize;
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+impl<S: crate::storage::Shared> sealed::Sealed for S {}
+
+impl<S: crate::storage::Shared> TensorStorage for S {
+    fn byte_len(&self) -> usize {
+        self.handle().memory().len()
+    }
+}
+
+impl<S> DynTensor<S> {
+    /// The element type.
+    ///
+    /// ```
+    /// let t: cuda_mp::DynTensor<_> = cuda_mp::HostTensor::<i64>::zeros(&[3]).unwrap().into();
+    /// assert_eq!(t.dtype(), cuda_mp::DType::I64);
+    /// ```
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The extent of each dimension.
+    ///
+    /// ```
+    /// let t: cuda_mp::DynTensor<_> = cuda_mp::HostTensor::<u8>::zeros(&[2, 3]).unwrap().into();
+    /// assert_eq!(t.shape(), &[2, 3]);
+    /// ```
+    pub fn shape(&self) -> &[usize] {
+        self.layout.shape()
+    }
+
+    /// The step between neighbours along each dimension, in elements.
+    ///
+    /// ```
+    /// let t: cuda_mp::DynTensor<_> = cuda_mp::HostTensor::<u8>::zeros(&[2, 3]).unwrap().into();
+    /// assert_eq!(t.strides(), &[3, 1]);
+    /// ```
+    pub fn strides(&self) -> &[usize] {
+        self.layout.strides()
+    }
+
+    /// The index, in elements, of the view's first element in its storage.
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<u8>::zeros(&[4, 5]).unwrap();
+    /// let t: cuda_mp::DynTensor<_> = t.narrow(0, 1, 2).unwrap().into();
+    /// assert_eq!(t.offset(), 5);
+    /// ```
+    pub fn offset(&self) -> usize {
+        self.layout.offset()
+    }
+
+    /// The view's shape, strides and offset.
+    ///
+    /// ```
+    /// let t: cuda_mp::DynTensor<_> = cuda_mp::HostTensor::<u8>::zeros(&[2]).unwrap().into();
+    /// assert!(t.layout().is_contiguous());
+    /// ```
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// The storage the view is of.
+    ///
+    /// ```
+    /// let t: cuda_mp::DynTensor<_> = cuda_mp::HostTensor::<u8>::zeros(&[8]).unwrap().into();
+    /// assert_eq!(t.storage().byte_len(), 8);
+    /// ```
+    pub fn storage(&self) -> &Arc<S> {
+        &self.storage
+    }
+
+    /// The same view as a tensor of element type `T`; `Error::DTypeMismatch` unless `T` is its
+    /// element type.
+    ///
+    /// ```
+    /// let t: cuda_mp::DynTensor<_> = cuda_mp::HostTensor::<f32>::zeros(&[2]).unwrap().into();
+    /// assert_eq!(t.typed::<f32>().unwrap().to_vec(), vec![0.0, 0.0]);
+    /// ```
+    pub fn typed<T: Element>(&self) -> Result<Tensor<T, S>> {
+        if T::DTYPE != self.dtype {
+            return Err(Error::DTypeMismatch { expected: T::DTYPE, found: self.dtype });
+        }
+        Ok(Tensor::from_parts(self.storage.clone(), self.layout.clone()))
     }
 }

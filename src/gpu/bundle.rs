@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::lifetime::StorageId;
 use crate::profile::{self, Phase};
-use crate::tensor::Tensor;
+use crate::tensor::{DynTensor, Tensor};
 use crate::wire::{decode_error, encode_error};
 
 /// Byte alignment of every tensor in a bundle.
@@ -251,6 +251,70 @@ impl Bundle {
             return Err(Error::DTypeMismatch { expected: T::DTYPE, found: entry.dtype });
         }
         Ok(Tensor::from_parts(self.chunks[entry.chunk as usize].clone(), entry.layout.clone()))
+    }
+
+    /// The tensor called `name`, of whatever element type it holds.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let bundle = cuda_mp::BundleBuilder::new().add::<i64>("step", &[1]).build(&dev).unwrap();
+    /// assert_eq!(bundle.get_dyn("step").unwrap().dtype(), cuda_mp::DType::I64);
+    /// ```
+    pub fn get_dyn(&self, name: &str) -> Result<DynTensor<GpuStorage>> {
+        let entry = self
+            .entries
+            .iter()
+            .find(|e| e.name == name)
+            .ok_or_else(|| Error::NoSuchTensor { name: name.to_owned() })?;
+        Ok(DynTensor {
+            storage: self.chunks[entry.chunk as usize].clone(),
+            layout: entry.layout.clone(),
+            dtype: entry.dtype,
+        })
+    }
+
+    /// A bundle of tensors that already exist, named: one allocation per distinct storage
+    /// (tensors that share a storage share its allocation in the bundle too). Useful for
+    /// memory made elsewhere, such as a state dict of PyTorch tensors wrapped with
+    /// [`GpuStorage::from_foreign`]; for one allocation holding everything, build with
+    /// [`BundleBuilder`] and copy in. `Error::Layout` for a repeated name or tensors on
+    /// different GPUs, `Error::Malformed` for an empty list.
+    ///
+    /// ```no_run
+    /// use cuda_mp::{Bundle, Device, GpuTensor};
+    /// let dev = Device::get(0).unwrap();
+    /// let w = GpuTensor::<f32>::zeros(&dev, &[4, 4]).unwrap();
+    /// let b = GpuTensor::<f32>::zeros(&dev, &[4]).unwrap();
+    /// let bundle = Bundle::from_tensors(vec![("w".into(), w.clone().into()), ("b".into(), b.into())]).unwrap();
+    /// assert_eq!((bundle.len(), bundle.allocations()), (2, 2));
+    /// assert!(bundle.get::<f32>("w").unwrap().shares_storage_with(&w));
+    /// ```
+    pub fn from_tensors(tensors: Vec<(String, DynTensor<GpuStorage>)>) -> Result<Bundle> {
+        let Some((_, first)) = tensors.first() else {
+            return Err(Error::Malformed("a bundle needs at least one tensor".into()));
+        };
+        let device = first.storage.device().uuid();
+        let mut chunks: Vec<Arc<GpuStorage>> = Vec::new();
+        let mut entries = Vec::with_capacity(tensors.len());
+        let mut names = std::collections::HashSet::new();
+        for (name, t) in tensors {
+            if !names.insert(name.clone()) {
+                return Err(Error::Layout(format!("two tensors named {name:?}")));
+            }
+            if t.storage.device().uuid() != device {
+                return Err(Error::Layout(format!("tensor {name:?} is on another gpu than the first")));
+            }
+            let chunk = match chunks.iter().position(|c| Arc::ptr_eq(c, &t.storage)) {
+                Some(i) => i,
+                None => {
+                    chunks.push(t.storage.clone());
+                    chunks.len() - 1
+                }
+            };
+            let chunk = u32::try_from(chunk).map_err(|_| Error::Layout("too many allocations".into()))?;
+            entries.push(BundleEntry { name, dtype: t.dtype, chunk, layout: t.layout });
+        }
+        Ok(Bundle { chunks: chunks.into(), entries: entries.into(), table: Arc::default() })
     }
 
     /// The tensors' names, element types and shapes, in the order they were added.

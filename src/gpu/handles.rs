@@ -100,6 +100,172 @@ pub(crate) struct IpcMapping {
     size: usize,
 }
 
+/// One mapping per (device, handle) in this process, shared by every storage of the
+/// allocation: the driver maps a handle once per context, and another library's allocator
+/// (PyTorch's) sends several storages cut from one allocation. The first user opens it (others
+/// of the same handle wait for that open, not for opens of other handles); the last one to
+/// drop it closes it.
+type MappingSlot = once_cell::sync::OnceCell<IpcMapping>;
+type OpenMappings = std::collections::HashMap<(usize, IpcHandle), std::sync::Weak<MappingSlot>>;
+static OPEN_MAPPINGS: once_cell::sync::Lazy<Mutex<OpenMappings>> = once_cell::sync::Lazy::new(Default::default);
+
+/// A mapping shared by the storages of one allocation.
+#[derive(Clone)]
+pub(crate) struct SharedMapping(Arc<MappingSlot>);
+
+impl SharedMapping {
+    /// This process's mapping of `handle` on `device`, opened now if no storage holds it.
+    pub(crate) fn open(device: &Arc<Device>, handle: &IpcHandle) -> Result<SharedMapping> {
+        let slot = {
+            let mut open = OPEN_MAPPINGS.lock().unwrap_or_else(|p| p.into_inner());
+            let key = (device.ordinal(), *handle);
+            match open.get(&key).and_then(std::sync::Weak::upgrade) {
+                Some(slot) => slot,
+                None => {
+                    // Entries of closed mappings go when the table has grown.
+                    if open.len() >= 64 {
+                        open.retain(|_, slot| slot.strong_count() > 0);
+                    }
+                    let slot = Arc::new(MappingSlot::new());
+                    open.insert(key, Arc::downgrade(&slot));
+                    slot
+                }
+            }
+        };
+        slot.get_or_try_init(|| IpcMapping::open(device, handle))?;
+        Ok(SharedMapping(slot))
+    }
+
+    fn mapping(&self) -> &IpcMapping {
+        self.0.get().expect("a shared mapping is made only once opened")
+    }
+
+    /// The device the memory is mapped on.
+    pub(crate) fn device(&self) -> &Arc<Device> {
+        self.mapping().device()
+    }
+
+    /// Base of the mapping.
+    pub(crate) fn ptr(&self) -> sys::CUdeviceptr {
+        self.mapping().ptr()
+    }
+
+    /// Size of the mapped allocation.
+    pub(crate) fn size(&self) -> usize {
+        self.mapping().size()
+    }
+
+    /// The mapping's memory.
+    pub(crate) fn range(&self) -> DeviceRange {
+        self.mapping().range()
+    }
+}
+
+impl fmt::Debug for SharedMapping {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.mapping().fmt(f)
+    }
+}
+
+/// Part of an allocation that another library made in this process with `cuMemAlloc` (or
+/// `cudaMalloc`): `len` bytes at `offset` into the allocation at `base`. The owner's reference
+/// is kept in `keeper` and dropped with this value; the memory is never freed here.
+pub(crate) struct ForeignBlock {
+    device: Arc<Device>,
+    base: sys::CUdeviceptr,
+    size: usize,
+    offset: usize,
+    _keeper: Box<dyn std::any::Any + Send + Sync>,
+}
+
+impl ForeignBlock {
+    /// Describes `len` bytes at `ptr` on `device`; `Error::Unsupported` unless they lie inside
+    /// one allocation of the device's context.
+    ///
+    /// # Safety
+    /// The allocation must stay allocated while `keeper` lives.
+    pub(crate) unsafe fn new(
+        device: &Arc<Device>,
+        ptr: sys::CUdeviceptr,
+        len: usize,
+        keeper: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Result<ForeignBlock> {
+        device.bind()?;
+        // SAFETY: the context is current; the driver looks the pointer up and fails for one it
+        // did not allocate.
+        let (base, size) = unsafe { driver::mem_address_range(ptr) }.map_err(|e| {
+            Error::Unsupported(format!(
+                "{ptr:#x} is not memory allocated in gpu {}'s context ({})",
+                device.ordinal(),
+                driver_err("cuMemGetAddressRange")(e)
+            ))
+        })?;
+        let offset = (ptr - base) as usize;
+        if offset.checked_add(len).is_none_or(|end| end > size) {
+            return Err(Error::Layout(format!(
+                "{len} bytes at {ptr:#x} run past the end of their {size}-byte allocation"
+            )));
+        }
+        Ok(ForeignBlock { device: device.clone(), base, size, offset, _keeper: keeper })
+    }
+
+    /// The IPC handle of the whole allocation; `Error::Unsupported` naming the likely cause
+    /// when the driver cannot export it.
+    pub(crate) fn ipc_handle(&self) -> Result<IpcHandle> {
+        self.device.bind()?;
+        // SAFETY: the context is current and `base` is a live allocation (kept by the keeper).
+        unsafe { driver::ipc_get_mem_handle(self.base) }.map_err(|e| {
+            Error::Unsupported(format!(
+                "the allocation cannot be exported with legacy CUDA IPC ({}); memory from PyTorch's \
+                 expandable_segments allocator cannot: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False \
+                 or copy the tensor into cuda-mp memory",
+                driver_err("cuIpcGetMemHandle")(e)
+            ))
+        })
+    }
+
+    /// The device the memory is on.
+    pub(crate) fn device(&self) -> &Arc<Device> {
+        &self.device
+    }
+
+    /// Where the storage starts in the allocation.
+    pub(crate) fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// Device address of the storage's first byte.
+    pub(crate) fn ptr(&self) -> sys::CUdeviceptr {
+        self.base + self.offset as u64
+    }
+
+    /// The whole allocation, for checked copies and launches.
+    pub(crate) fn range(&self) -> DeviceRange {
+        DeviceRange::new(self.base, self.size)
+    }
+}
+
+impl Drop for ForeignBlock {
+    fn drop(&mut self) {
+        // Our work on the memory must finish before the owner may reuse it (the keeper goes
+        // right after this).
+        if self.device.bind().is_ok() {
+            let _ = self.device.synchronize();
+        }
+    }
+}
+
+impl fmt::Debug for ForeignBlock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ForeignBlock")
+            .field("device", &self.device.ordinal())
+            .field("base", &format_args!("{:#x}", self.base))
+            .field("size", &self.size)
+            .field("offset", &self.offset)
+            .finish()
+    }
+}
+
 impl IpcMapping {
     /// Maps the allocation of `handle` on `device`.
     pub(crate) fn open(device: &Arc<Device>, handle: &IpcHandle) -> Result<IpcMapping> {

@@ -338,3 +338,30 @@ impl<T: Element> Tensor<T, GpuStorage> {
         storage::decode(payload, Some(access))
     }
 }
+
+impl crate::DynTensor<GpuStorage> {
+    /// The device holding the memory (for a mapping made through peer access, the device that
+    /// maps it).
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t: cuda_mp::DynTensor<_> = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[4]).unwrap().into();
+    /// assert_eq!(t.device().ordinal(), 0);
+    /// ```
+    pub fn device(&self) -> &Arc<Device> {
+        self.storage.device()
+    }
+
+    /// Device address of the view's first element (what DLPack calls `data` plus
+    /// `byte_offset`).
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[4, 4]).unwrap();
+    /// let row: cuda_mp::DynTensor<_> = t.narrow(0, 1, 1).unwrap().into();
+    /// assert_eq!(row.device_ptr(), t.device_ptr() + 16);
+    /// ```
+    pub fn device_ptr(&self) -> sys::CUdeviceptr {
+        self.storage.device_ptr() + (self.layout.offset() * self.dtype.size()) as u64
+    }
+}

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use super::device::{format_uuid, Device};
 use super::driver::{DeviceRange, IpcHandle, IPC_HANDLE_BYTES};
 use super::events;
-use super::handles::{DeviceAllocation, IpcMapping};
+use super::handles::{DeviceAllocation, ForeignBlock, SharedMapping};
 use super::vmm::{VmmMemory, VmmWire};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
@@ -48,8 +48,8 @@ pub(crate) enum GpuMemory {
     Local { allocation: DeviceAllocation, handle: OnceCell<IpcHandle> },
     /// Another process's `cuMemAlloc` allocation mapped here.
     Imported {
-        /// The mapping of the whole allocation.
-        mapping: IpcMapping,
+        /// The mapping of the whole allocation (shared by its storages in this process).
+        mapping: SharedMapping,
         /// The allocation's IPC handle.
         handle: IpcHandle,
         /// Where the storage starts in the allocation.
@@ -59,6 +59,9 @@ pub(crate) enum GpuMemory {
     },
     /// VMM memory, allocated here or mapped from another process.
     Vmm(VmmMemory),
+    /// Part of another library's `cuMemAlloc` allocation in this process (PyTorch's, say),
+    /// exported as the allocation's IPC handle and the offset.
+    Foreign { block: ForeignBlock, handle: OnceCell<IpcHandle> },
 }
 
 impl GpuMemory {
@@ -68,6 +71,7 @@ impl GpuMemory {
             GpuMemory::Local { allocation, .. } => allocation.device(),
             GpuMemory::Imported { mapping, .. } => mapping.device(),
             GpuMemory::Vmm(m) => m.device(),
+            GpuMemory::Foreign { block, .. } => block.device(),
         }
     }
 
@@ -80,6 +84,7 @@ impl GpuMemory {
                 mapping.range().sub(offset, len)
             }
             GpuMemory::Vmm(m) => m.range().sub(0, len),
+            GpuMemory::Foreign { block, .. } => block.range().sub(block.offset(), len),
         }
     }
 
@@ -89,6 +94,7 @@ impl GpuMemory {
             GpuMemory::Local { allocation, .. } => allocation.ptr(),
             GpuMemory::Imported { mapping, alloc_offset, .. } => mapping.ptr() + alloc_offset,
             GpuMemory::Vmm(m) => m.ptr(),
+            GpuMemory::Foreign { block, .. } => block.ptr(),
         }
     }
 
@@ -159,6 +165,12 @@ impl StorageKind for GpuKind {
             GpuMemory::Vmm(m) if !m.is_imported() => {
                 (m.device(), WireMemory::Vmm(profile::timed(Phase::ExportRecord, || m.offer())?))
             }
+            GpuMemory::Foreign { block, handle } => {
+                let mem_handle =
+                    *profile::timed(Phase::ExportRecord, || handle.get_or_try_init(|| block.ipc_handle()))?;
+                let alloc_offset = block.offset() as u64;
+                (block.device(), WireMemory::Legacy { mem_handle: mem_handle.to_vec(), alloc_offset })
+            }
             _ => return Self::forward(memory),
         };
         let event = profile::timed(Phase::EventRecord, || events::record(device))?;
@@ -210,7 +222,7 @@ impl StorageKind for GpuKind {
         match &wire.memory {
             WireMemory::Legacy { mem_handle, alloc_offset } => {
                 let handle = handle_from(mem_handle, "memory handle")?;
-                let mapping = IpcMapping::open(&place.access, &handle)?;
+                let mapping = SharedMapping::open(&place.access, &handle)?;
                 let size = mapping.size() as u64;
                 let fits = alloc_offset.checked_add(bytes as u64).is_some_and(|end| end <= size);
                 if !fits {
@@ -361,6 +373,43 @@ impl GpuStorage {
         } else {
             GpuMemory::Local { allocation: DeviceAllocation::new(device, bytes)?, handle: OnceCell::new() }
         };
+        Ok(Arc::new(GpuStorage(Handle::new_local(bytes, memory))))
+    }
+
+    /// Wraps `bytes` bytes at device address `ptr` of `device`, part of an allocation that
+    /// another library made in this process with `cuMemAlloc` / `cudaMalloc` (PyTorch's caching
+    /// allocator, say), as a storage that can be sent like any other: a receiver maps the
+    /// allocation's IPC handle and finds the storage at its offset. `keeper` is what keeps the
+    /// memory allocated (for PyTorch, a reference to the tensor); it is dropped when the storage
+    /// is freed, which is after every receiver has released it.
+    ///
+    /// Errors: `Error::Unsupported` when `ptr` is not device memory of `device`'s context,
+    /// `Error::Layout` when the bytes run past the end of its allocation. Memory that legacy IPC
+    /// cannot export (PyTorch's `expandable_segments`) fails at the first send, with an error
+    /// that says so.
+    ///
+    /// # Safety
+    /// The memory must stay allocated while `keeper` lives, and nothing else may free it.
+    ///
+    /// ```no_run
+    /// use cuda_mp::{Device, DType, DynTensor, GpuStorage, GpuTensor, Layout};
+    /// let dev = Device::get(0).unwrap();
+    /// let owner = GpuTensor::<f32>::zeros(&dev, &[1024]).unwrap(); // stands in for another library's memory
+    /// let keep = owner.clone();
+    /// // SAFETY: `keep` holds the allocation.
+    /// let storage = unsafe { GpuStorage::from_foreign(&dev, owner.device_ptr() + 256, 512, Box::new(keep)) }.unwrap();
+    /// let t = DynTensor::new(storage, Layout::contiguous(&[128]).unwrap(), DType::F32).unwrap();
+    /// assert_eq!(t.typed::<f32>().unwrap().to_vec().unwrap(), vec![0.0; 128]);
+    /// ```
+    pub unsafe fn from_foreign(
+        device: &Arc<Device>,
+        ptr: sys::CUdeviceptr,
+        bytes: usize,
+        keeper: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Result<Arc<GpuStorage>> {
+        // SAFETY: upheld by the caller.
+        let block = unsafe { ForeignBlock::new(device, ptr, bytes, keeper) }?;
+        let memory = GpuMemory::Foreign { block, handle: OnceCell::new() };
         Ok(Arc::new(GpuStorage(Handle::new_local(bytes, memory))))
     }
 

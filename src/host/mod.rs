@@ -118,8 +118,37 @@ impl Shared for HostStorage {
 }
 
 impl HostStorage {
-    /// `bytes` zeroed bytes of fresh shared memory.
-    pub(crate) fn try_new_zeroed(bytes: usize) -> Result<Arc<HostStorage>> {
+    /// `bytes` zeroed bytes of fresh shared memory (for views of any element type made with
+    /// [`DynTensor::new`](crate::DynTensor::new)).
+    ///
+    /// ```
+    /// let s = cuda_mp::HostStorage::zeroed(64).unwrap();
+    /// assert_eq!(s.byte_len(), 64);
+    /// ```
+    pub fn zeroed(bytes: usize) -> Result<Arc<HostStorage>> {
+        HostStorage::try_new_zeroed(bytes)
+    }
+
+    /// Fresh shared memory holding a copy of `bytes`.
+    ///
+    /// ```
+    /// use cuda_mp::{DType, DynTensor, HostStorage, Layout};
+    /// let s = HostStorage::from_bytes(&7i32.to_ne_bytes()).unwrap();
+    /// let t = DynTensor::new(s, Layout::contiguous(&[1]).unwrap(), DType::I32).unwrap();
+    /// assert_eq!(t.typed::<i32>().unwrap().to_vec(), vec![7]);
+    /// ```
+    pub fn from_bytes(bytes: &[u8]) -> Result<Arc<HostStorage>> {
+        Self::check_size(bytes.len())?;
+        let shm = catch_quietly(|| IpcSharedMemory::from_bytes(bytes)).map_err(|reason| {
+            wire::descriptor_error(Error::Io(std::io::Error::other(format!(
+                "cannot allocate {} bytes of shared memory: {reason}",
+                bytes.len()
+            ))))
+        })?;
+        Ok(Arc::new(HostStorage(Handle::new_local(bytes.len(), SharedMapping::new(shm)))))
+    }
+
+    fn check_size(bytes: usize) -> Result<()> {
         if bytes > isize::MAX as usize {
             return Err(Error::Layout(format!("a tensor of {bytes} bytes is too large")));
         }
@@ -133,6 +162,12 @@ impl HostStorage {
             )));
         }
         crate::os::raise_descriptor_limit();
+        Ok(())
+    }
+
+    /// `bytes` zeroed bytes of fresh shared memory.
+    pub(crate) fn try_new_zeroed(bytes: usize) -> Result<Arc<HostStorage>> {
+        Self::check_size(bytes)?;
         let shm = catch_quietly(|| IpcSharedMemory::from_byte(0, bytes)).map_err(|reason| {
             wire::descriptor_error(Error::Io(std::io::Error::other(format!(
                 "cannot allocate {bytes} bytes of shared memory: {reason}"
@@ -151,6 +186,19 @@ impl HostStorage {
     /// storage lives.
     pub(crate) fn base_ptr(&self) -> *mut u8 {
         self.0.memory().raw().ptr()
+    }
+
+    /// Address of the first byte, for handing the memory to another library (NumPy, PyTorch,
+    /// DLPack); valid for [`byte_len`](Self::byte_len) bytes while the storage lives. Other
+    /// processes may write the memory at any time, so whoever reads through it must allow for
+    /// that (this crate's own accessors use atomic word accesses).
+    ///
+    /// ```
+    /// let t = cuda_mp::HostTensor::<f64>::zeros(&[3]).unwrap();
+    /// assert!(!t.storage().as_ptr().is_null());
+    /// ```
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.base_ptr()
     }
 
     /// Size in bytes.
