@@ -238,6 +238,18 @@ impl Device {
         self.stream.synchronize().map_err(driver_err("cuStreamSynchronize"))
     }
 
+    /// True when the stream has no queued work left (`cuStreamQuery`): another library that
+    /// shares the memory need not wait for this one.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// dev.synchronize().unwrap();
+    /// assert!(dev.is_idle().unwrap());
+    /// ```
+    pub fn is_idle(&self) -> Result<bool> {
+        driver::stream_is_idle(&self.stream)
+    }
+
     /// Free and total device memory in bytes (`cuMemGetInfo`).
     ///
     /// ```no_run

@@ -1,0 +1,688 @@
+//! The native half of the `cuda_mp` Python package: channels of cuda-mp tensors, tensors that
+//! wrap PyTorch's and NumPy's memory for sending, and received tensors handed to PyTorch and
+//! NumPy through DLPack. The Python half (`cuda_mp/__init__.py`) converts between these and
+//! `torch.Tensor` / `numpy.ndarray`.
+//!
+//! What crosses is exactly what the Rust crate sends: a `Tensor` of this module travels as a
+//! `cuda_mp::DynTensor`, which a Rust receiver takes as `GpuTensor<T>` or `HostTensor<T>` of
+//! the same element type, and a `Bundle` as `cuda_mp::Bundle`.
+#![deny(missing_docs, missing_debug_implementations)]
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use cuda_mp::{
+    Bundle as RsBundle, BundleBuilder, DType, Device, DynTensor, GpuStorage, HostStorage, Layout, Listener as RsListener,
+    Receiver as RsReceiver, RecvTimeoutError, Sender as RsSender,
+};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyTuple};
+
+mod dlpack;
+mod torch_ipc;
+
+// ---------------------------------------------------------------------------------------------
+// Errors: cuda-mp's errors as the exception classes of `cuda_mp._errors`.
+
+fn exception(py: Python<'_>, class: &str, message: String) -> PyErr {
+    let made = py
+        .import("cuda_mp._errors")
+        .and_then(|m| m.getattr(class))
+        .and_then(|c| c.call1((message.clone(),)));
+    match made {
+        Ok(value) => PyErr::from_value(value),
+        Err(e) => e,
+    }
+}
+
+/// A cuda-mp error as the matching Python exception.
+fn error(e: cuda_mp::Error) -> PyErr {
+    Python::attach(|py| {
+        let class = match &e {
+            cuda_mp::Error::DTypeMismatch { .. } => "DTypeError",
+            cuda_mp::Error::Malformed(_) => "Malformed",
+            cuda_mp::Error::Timeout(_) => "Timeout",
+            _ => "Error",
+        };
+        exception(py, class, e.to_string())
+    })
+}
+
+fn recv_error(e: RecvTimeoutError) -> PyErr {
+    Python::attach(|py| {
+        let class = match &e {
+            RecvTimeoutError::Timeout => "Timeout",
+            RecvTimeoutError::Disconnected => "Disconnected",
+            RecvTimeoutError::Malformed(m) if m.contains("dtype mismatch") => "DTypeError",
+            RecvTimeoutError::Malformed(_) => "Malformed",
+            _ => "Error",
+        };
+        exception(py, class, e.to_string())
+    })
+}
+
+fn dtype_named(name: &str) -> PyResult<DType> {
+    DType::ALL
+        .iter()
+        .copied()
+        .find(|d| d.name() == name)
+        .ok_or_else(|| Python::attach(|py| exception(py, "DTypeError", format!("cuda-mp has no element type {name:?}"))))
+}
+
+fn layout(shape: Vec<usize>, strides: Vec<isize>, offset: usize) -> PyResult<Layout> {
+    let strides = strides
+        .into_iter()
+        .map(|s| usize::try_from(s).map_err(|_| PyValueError::new_err("negative strides cannot be shared")))
+        .collect::<PyResult<Vec<usize>>>()?;
+    let elems = shape.iter().zip(&strides).map(|(n, s)| n.saturating_sub(1) * s).sum::<usize>() + offset + 1;
+    Layout::new(shape, strides, offset, elems).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensors.
+
+/// Where the memory of a tensor lives.
+#[derive(Clone)]
+enum Any {
+    Gpu(DynTensor<GpuStorage>),
+    Host(DynTensor<HostStorage>),
+}
+
+/// A cuda-mp tensor: received from another process, or wrapping memory of this one for
+/// sending. PyTorch and NumPy take it without a copy through DLPack (`torch.from_dlpack`,
+/// `numpy.from_dlpack`); the memory, and its claim on the sender's memory, lives until every
+/// array made from it is gone.
+#[pyclass(frozen, module = "cuda_mp._native")]
+#[derive(Clone)]
+pub struct Tensor {
+    inner: Any,
+}
+
+impl fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.inner {
+            Any::Gpu(t) => t.fmt(f),
+            Any::Host(t) => t.fmt(f),
+        }
+    }
+}
+
+#[pymethods]
+impl Tensor {
+    /// The element type's name (`"f32"`, `"bf16"`, ...).
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        match &self.inner {
+            Any::Gpu(t) => t.dtype().name(),
+            Any::Host(t) => t.dtype().name(),
+        }
+    }
+
+    /// The extent of each dimension.
+    #[getter]
+    fn shape(&self) -> Vec<usize> {
+        match &self.inner {
+            Any::Gpu(t) => t.shape().to_vec(),
+            Any::Host(t) => t.shape().to_vec(),
+        }
+    }
+
+    /// The step between neighbours along each dimension, in elements.
+    #[getter]
+    fn strides(&self) -> Vec<usize> {
+        match &self.inner {
+            Any::Gpu(t) => t.strides().to_vec(),
+            Any::Host(t) => t.strides().to_vec(),
+        }
+    }
+
+    /// The GPU's ordinal in this process, or None for host memory.
+    #[getter]
+    fn device(&self) -> Option<usize> {
+        match &self.inner {
+            Any::Gpu(t) => Some(t.device().ordinal()),
+            Any::Host(_) => None,
+        }
+    }
+
+    /// True when the GPU work that produced the memory is done as far as this process can
+    /// tell (the receiving stream is idle); otherwise the caller orders its own stream after
+    /// `stream_ptr()`.
+    fn ready(&self) -> PyResult<bool> {
+        match &self.inner {
+            Any::Gpu(t) => t.device().is_idle().map_err(error),
+            Any::Host(_) => Ok(true),
+        }
+    }
+
+    /// `cudaStream_t` (as an integer) of the stream cuda-mp ordered the memory on.
+    fn stream_ptr(&self) -> usize {
+        match &self.inner {
+            Any::Gpu(t) => t.device().stream().cu_stream() as usize,
+            Any::Host(_) => 0,
+        }
+    }
+
+    /// The storage's identity across processes, as a string (the same in every process).
+    fn storage_id(&self) -> String {
+        match &self.inner {
+            Any::Gpu(t) => format!("{:?}", t.storage().id()),
+            Any::Host(t) => format!("{:?}", t.storage().id()),
+        }
+    }
+
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__<'py>(
+        &self,
+        py: Python<'py>,
+        stream: Option<Bound<'py, PyAny>>,
+        max_version: Option<Bound<'py, PyAny>>,
+        dl_device: Option<Bound<'py, PyAny>>,
+        copy: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        remember(&self.inner);
+        dlpack::export(py, &self.inner, stream, max_version, dl_device, copy)
+    }
+
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        dlpack::device(&self.inner)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("{self:?}")
+    }
+}
+
+/// Storages handed to Python, by address, so that a tensor made from one and sent again
+/// travels as that storage (a forward, or a re-send of this process's own memory) instead of as
+/// a new wrapper.
+#[derive(Default)]
+struct Handed {
+    gpu: BTreeMap<(usize, u64), (usize, Weak<GpuStorage>)>,
+    host: BTreeMap<usize, (usize, Weak<HostStorage>)>,
+}
+
+static HANDED: Mutex<Option<Handed>> = Mutex::new(None);
+
+fn handed<R>(f: impl FnOnce(&mut Handed) -> R) -> R {
+    let mut guard = HANDED.lock().unwrap_or_else(|p| p.into_inner());
+    f(guard.get_or_insert_with(Handed::default))
+}
+
+fn remember(t: &Any) {
+    handed(|h| match t {
+        Any::Gpu(t) => {
+            let s = t.storage();
+            if h.gpu.len() > 4096 {
+                h.gpu.retain(|_, (_, w)| w.strong_count() > 0);
+            }
+            h.gpu.insert((t.device().ordinal(), s.device_ptr()), (s.byte_len(), Arc::downgrade(s)));
+        }
+        Any::Host(t) => {
+            let s = t.storage();
+            if h.host.len() > 4096 {
+                h.host.retain(|_, (_, w)| w.strong_count() > 0);
+            }
+            h.host.insert(s.as_ptr() as usize, (s.byte_len(), Arc::downgrade(s)));
+        }
+    })
+}
+
+/// The handed-out GPU storage holding `[ptr, ptr + bytes)` on `ordinal`, with the offset of
+/// `ptr` in it.
+fn handed_gpu(ordinal: usize, ptr: u64, bytes: usize) -> Option<(Arc<GpuStorage>, usize)> {
+    handed(|h| {
+        let (&(o, base), (len, weak)) = h.gpu.range(..=(ordinal, ptr)).next_back()?;
+        let within = o == ordinal && ptr >= base && (ptr - base) as usize + bytes <= *len;
+        within.then(|| weak.upgrade().map(|s| (s, (ptr - base) as usize))).flatten()
+    })
+}
+
+fn handed_host(ptr: usize, bytes: usize) -> Option<(Arc<HostStorage>, usize)> {
+    handed(|h| {
+        let (&base, (len, weak)) = h.host.range(..=ptr).next_back()?;
+        let within = ptr >= base && ptr - base + bytes <= *len;
+        within.then(|| weak.upgrade().map(|s| (s, ptr - base))).flatten()
+    })
+}
+
+/// Wraps part of a GPU allocation of this process for sending: `nbytes` bytes at `ptr` on GPU
+/// `device` (a PyTorch storage: `data_ptr()`, `nbytes()`), viewed with `shape`, `strides` and
+/// `offset` in elements of `dtype`. Memory that cuda-mp handed to Python travels as itself;
+/// other memory (PyTorch's caching allocator) as its allocation's IPC handle plus offset, and
+/// `keeper` (the PyTorch tensor) is held until every receiver has released it.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn gpu_tensor(
+    device: usize,
+    ptr: u64,
+    nbytes: usize,
+    dtype: &str,
+    shape: Vec<usize>,
+    strides: Vec<isize>,
+    offset: usize,
+    keeper: Py<PyAny>,
+) -> PyResult<Tensor> {
+    let dtype = dtype_named(dtype)?;
+    let dev = Device::get(device).map_err(error)?;
+    let (storage, byte_offset) = match handed_gpu(device, ptr, nbytes) {
+        Some(found) => found,
+        None => {
+            // SAFETY: `keeper` is the PyTorch tensor whose storage this is; PyTorch keeps the
+            // memory allocated while the tensor lives, and the keeper lives as long as the
+            // storage made here.
+            let storage = unsafe { GpuStorage::from_foreign(&dev, ptr, nbytes, Box::new(keeper)) }.map_err(error)?;
+            (storage, 0)
+        }
+    };
+    if byte_offset % dtype.size() != 0 {
+        return Err(PyValueError::new_err("the tensor is not aligned to its element size in its storage"));
+    }
+    let layout = layout(shape, strides, offset + byte_offset / dtype.size())?;
+    let t = DynTensor::new(storage, layout, dtype).map_err(error)?;
+    Ok(Tensor { inner: Any::Gpu(t) })
+}
+
+/// A host tensor for sending: memory that cuda-mp handed to Python (`ptr`, `nbytes`) travels
+/// as itself; anything else is copied from `data` (the array's bytes, C order) into fresh
+/// shared memory.
+#[pyfunction]
+#[pyo3(signature = (dtype, shape, strides, offset, ptr, nbytes, data=None))]
+fn host_tensor(
+    dtype: &str,
+    shape: Vec<usize>,
+    strides: Vec<isize>,
+    offset: usize,
+    ptr: usize,
+    nbytes: usize,
+    data: Option<&Bound<'_, PyBytes>>,
+) -> PyResult<Option<Tensor>> {
+    let dtype = dtype_named(dtype)?;
+    if let Some((storage, byte_offset)) = handed_host(ptr, nbytes) {
+        if byte_offset % dtype.size() != 0 {
+            return Err(PyValueError::new_err("the array is not aligned to its element size in its storage"));
+        }
+        let layout = layout(shape, strides, offset + byte_offset / dtype.size())?;
+        let t = DynTensor::new(storage, layout, dtype).map_err(error)?;
+        return Ok(Some(Tensor { inner: Any::Host(t) }));
+    }
+    let Some(data) = data else { return Ok(None) };
+    let storage = HostStorage::from_bytes(data.as_bytes()).map_err(error)?;
+    let layout = Layout::contiguous(&shape).map_err(error)?;
+    let t = DynTensor::new(storage, layout, dtype).map_err(error)?;
+    Ok(Some(Tensor { inner: Any::Host(t) }))
+}
+
+/// `nbytes` zeroed bytes of shared memory as a tensor of bytes: arrays made on it are sent
+/// without a copy.
+#[pyfunction]
+fn empty_host(nbytes: usize) -> PyResult<Tensor> {
+    let storage = HostStorage::zeroed(nbytes).map_err(error)?;
+    let t = DynTensor::new(storage, Layout::contiguous(&[nbytes]).map_err(error)?, DType::U8).map_err(error)?;
+    Ok(Tensor { inner: Any::Host(t) })
+}
+
+/// `cudaStream_t` (as an integer) of cuda-mp's stream on GPU `device`: a sender orders it after
+/// its own stream before sending.
+#[pyfunction]
+fn stream_ptr(device: usize) -> PyResult<usize> {
+    Ok(Device::get(device).map_err(error)?.stream().cu_stream() as usize)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bundles.
+
+/// Named GPU tensors in few allocations, sent as one message (a `cuda_mp::Bundle`).
+#[pyclass(frozen, module = "cuda_mp._native")]
+#[derive(Clone, Debug)]
+pub struct Bundle {
+    inner: RsBundle,
+}
+
+#[pymethods]
+impl Bundle {
+    /// The tensors' names, in order.
+    fn names(&self) -> Vec<String> {
+        self.inner.entries().iter().map(|e| e.name().to_owned()).collect()
+    }
+
+    /// The tensor called `name`.
+    fn get(&self, name: &str) -> PyResult<Tensor> {
+        Ok(Tensor { inner: Any::Gpu(self.inner.get_dyn(name).map_err(error)?) })
+    }
+
+    /// Number of allocations (each one IPC handle or descriptor).
+    fn allocations(&self) -> usize {
+        self.inner.allocations()
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("{:?}", self.inner)
+    }
+}
+
+/// Allocates one bundle on GPU `device` for `entries` (name, dtype, shape), zeroed, in at most
+/// `chunk_bytes`-byte allocations (default: one).
+#[pyfunction]
+#[pyo3(signature = (device, entries, chunk_bytes=None))]
+fn pack(device: usize, entries: Vec<(String, String, Vec<usize>)>, chunk_bytes: Option<usize>) -> PyResult<Bundle> {
+    let dev = Device::get(device).map_err(error)?;
+    let mut builder = BundleBuilder::new();
+    if let Some(c) = chunk_bytes {
+        builder = builder.chunk_bytes(c);
+    }
+    for (name, dtype, shape) in entries {
+        builder = builder.add_dtype(name, dtype_named(&dtype)?, &shape);
+    }
+    Ok(Bundle { inner: builder.build(&dev).map_err(error)? })
+}
+
+/// A bundle of existing GPU tensors (one allocation per distinct storage).
+#[pyfunction]
+fn bundle_of(entries: Vec<(String, Bound<'_, Tensor>)>) -> PyResult<Bundle> {
+    let tensors = entries
+        .into_iter()
+        .map(|(name, t)| match t.get().inner.clone() {
+            Any::Gpu(t) => Ok((name, t)),
+            Any::Host(_) => Err(PyTypeError::new_err(format!("bundle entry {name:?} is not on a gpu"))),
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    Ok(Bundle { inner: RsBundle::from_tensors(tensors).map_err(error)? })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Channels.
+
+/// What a channel carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Gpu,
+    Host,
+    Bundle,
+}
+
+fn kind(name: &str) -> PyResult<Kind> {
+    match name {
+        "gpu" => Ok(Kind::Gpu),
+        "host" => Ok(Kind::Host),
+        "bundle" => Ok(Kind::Bundle),
+        other => Err(PyValueError::new_err(format!("unknown channel kind {other:?}: gpu, host or bundle"))),
+    }
+}
+
+enum Received {
+    Tensor(Any),
+    Bundle(RsBundle),
+}
+
+enum Rx {
+    Gpu(RsReceiver<DynTensor<GpuStorage>>),
+    Host(RsReceiver<DynTensor<HostStorage>>),
+    Bundle(RsReceiver<RsBundle>),
+}
+
+enum Tx {
+    Gpu(RsSender<DynTensor<GpuStorage>>),
+    Host(RsSender<DynTensor<HostStorage>>),
+    Bundle(RsSender<RsBundle>),
+}
+
+enum Bound_ {
+    Gpu(RsListener<DynTensor<GpuStorage>>),
+    Host(RsListener<DynTensor<HostStorage>>),
+    Bundle(RsListener<RsBundle>),
+}
+
+fn seconds(timeout: Option<f64>) -> PyResult<Option<Duration>> {
+    timeout
+        .map(|t| Duration::try_from_secs_f64(t).map_err(|_| PyValueError::new_err("timeout must be a non-negative number")))
+        .transpose()
+}
+
+/// Waits on `step` in slices, without the GIL, checking for KeyboardInterrupt between slices.
+fn wait<R>(
+    py: Python<'_>,
+    timeout: Option<Duration>,
+    mut step: impl FnMut(Duration) -> Result<R, RecvTimeoutError> + Send,
+) -> PyResult<R>
+where
+    R: Send,
+{
+    const SLICE: Duration = Duration::from_millis(100);
+    let deadline = timeout.map(|t| Instant::now() + t);
+    loop {
+        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        let slice = left.map_or(SLICE, |l| l.min(SLICE));
+        match py.detach(|| step(slice)) {
+            Err(RecvTimeoutError::Timeout) if left.is_none_or(|l| l > slice) => py.check_signals()?,
+            other => return other.map_err(recv_error),
+        }
+    }
+}
+
+/// Waits for the one connection of a bound name; gives the receiving end.
+#[pyclass(module = "cuda_mp._native")]
+pub struct Listener {
+    kind: Kind,
+    name: String,
+    bound: Mutex<Option<Bound_>>,
+}
+
+impl fmt::Debug for Listener {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Listener").field("kind", &self.kind).field("name", &self.name).finish()
+    }
+}
+
+#[pymethods]
+impl Listener {
+    /// Binds a fresh name for a channel of `kind` ("gpu", "host" or "bundle").
+    #[new]
+    fn new(kind_name: &str) -> PyResult<Listener> {
+        let kind = kind(kind_name)?;
+        let (bound, name) = match kind {
+            Kind::Gpu => {
+                let l = RsListener::bind().map_err(error)?;
+                let n = l.name().to_owned();
+                (Bound_::Gpu(l), n)
+            }
+            Kind::Host => {
+                let l = RsListener::bind().map_err(error)?;
+                let n = l.name().to_owned();
+                (Bound_::Host(l), n)
+            }
+            Kind::Bundle => {
+                let l = RsListener::bind().map_err(error)?;
+                let n = l.name().to_owned();
+                (Bound_::Bundle(l), n)
+            }
+        };
+        Ok(Listener { kind, name, bound: Mutex::new(Some(bound)) })
+    }
+
+    /// The name a sender connects to.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Waits (at most `timeout` seconds) for the sender to connect; once only.
+    #[pyo3(signature = (timeout=None))]
+    fn accept(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Receiver> {
+        let timeout = seconds(timeout)?.unwrap_or(Duration::from_secs(365 * 24 * 3600));
+        let bound = self
+            .bound
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .ok_or_else(|| PyValueError::new_err("this listener has already accepted its sender"))?;
+        let rx = py.detach(move || match bound {
+            Bound_::Gpu(l) => l.accept_timeout(timeout).map(Rx::Gpu),
+            Bound_::Host(l) => l.accept_timeout(timeout).map(Rx::Host),
+            Bound_::Bundle(l) => l.accept_timeout(timeout).map(Rx::Bundle),
+        });
+        Ok(Receiver { kind: self.kind, rx: Mutex::new(rx.map_err(error)?) })
+    }
+}
+
+/// The receiving end of a channel.
+#[pyclass(module = "cuda_mp._native")]
+pub struct Receiver {
+    kind: Kind,
+    rx: Mutex<Rx>,
+}
+
+impl fmt::Debug for Receiver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Receiver").field("kind", &self.kind).finish()
+    }
+}
+
+#[pymethods]
+impl Receiver {
+    /// The next message (a `Tensor` or a `Bundle`), waiting at most `timeout` seconds (None:
+    /// for ever).
+    #[pyo3(signature = (timeout=None))]
+    fn recv(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
+        let timeout = seconds(timeout)?;
+        let got = wait(py, timeout, |d| {
+            let rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
+            match &*rx {
+                Rx::Gpu(rx) => rx.recv_timeout(d).map(|t| Received::Tensor(Any::Gpu(t))),
+                Rx::Host(rx) => rx.recv_timeout(d).map(|t| Received::Tensor(Any::Host(t))),
+                Rx::Bundle(rx) => rx.recv_timeout(d).map(Received::Bundle),
+            }
+        })?;
+        Ok(match got {
+            Received::Tensor(inner) => Tensor { inner }.into_pyobject(py)?.into_any().unbind(),
+            Received::Bundle(inner) => Bundle { inner }.into_pyobject(py)?.into_any().unbind(),
+        })
+    }
+
+    /// "gpu", "host" or "bundle".
+    #[getter]
+    fn kind(&self) -> &'static str {
+        kind_name(self.kind)
+    }
+}
+
+fn kind_name(k: Kind) -> &'static str {
+    match k {
+        Kind::Gpu => "gpu",
+        Kind::Host => "host",
+        Kind::Bundle => "bundle",
+    }
+}
+
+/// The sending end of a channel.
+#[pyclass(module = "cuda_mp._native")]
+pub struct Sender {
+    kind: Kind,
+    tx: Mutex<Tx>,
+}
+
+impl fmt::Debug for Sender {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Sender").field("kind", &self.kind).finish()
+    }
+}
+
+#[pymethods]
+impl Sender {
+    /// Connects to the listener called `name`, for a channel of `kind`.
+    #[staticmethod]
+    fn connect(py: Python<'_>, name: &str, kind_name: &str) -> PyResult<Sender> {
+        let kind = kind(kind_name)?;
+        let name = name.to_owned();
+        let tx = py.detach(move || match kind {
+            Kind::Gpu => RsSender::connect(&name).map(Tx::Gpu),
+            Kind::Host => RsSender::connect(&name).map(Tx::Host),
+            Kind::Bundle => RsSender::connect(&name).map(Tx::Bundle),
+        });
+        Ok(Sender { kind, tx: Mutex::new(tx.map_err(error)?) })
+    }
+
+    /// Sends a `Tensor` (gpu and host channels) or a `Bundle` (bundle channels).
+    fn send(&self, py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<()> {
+        let wrong = || {
+            let got = value.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+            PyTypeError::new_err(format!("a {} channel cannot send a {got}", kind_name(self.kind)))
+        };
+        let message = match self.kind {
+            Kind::Gpu | Kind::Host => match value.cast::<Tensor>() {
+                Ok(t) => Received::Tensor(t.get().inner.clone()),
+                Err(_) => return Err(wrong()),
+            },
+            Kind::Bundle => match value.cast::<Bundle>() {
+                Ok(b) => Received::Bundle(b.get().inner.clone()),
+                Err(_) => return Err(wrong()),
+            },
+        };
+        let sent = py.detach(|| {
+            let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+            match (&*tx, message) {
+                (Tx::Gpu(tx), Received::Tensor(Any::Gpu(t))) => Ok(tx.send(t).map_err(|e| e.to_string())),
+                (Tx::Host(tx), Received::Tensor(Any::Host(t))) => Ok(tx.send(t).map_err(|e| e.to_string())),
+                (Tx::Bundle(tx), Received::Bundle(b)) => Ok(tx.send(b).map_err(|e| e.to_string())),
+                _ => Err(()),
+            }
+        });
+        let sent = sent.map_err(|()| wrong())?;
+        sent.map_err(|m| {
+            let class = if m.contains("disconnected") { "Disconnected" } else { "Error" };
+            exception(py, class, m)
+        })
+    }
+
+    /// "gpu", "host" or "bundle".
+    #[getter]
+    fn kind(&self) -> &'static str {
+        kind_name(self.kind)
+    }
+}
+
+/// Lifetime counters of this process (storages alive, exported, leases outstanding), for tests.
+#[pyfunction]
+fn lifetime_stats(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
+    let s = cuda_mp::lifetime_stats();
+    PyTuple::new(py, [s.live_storages as u64, s.exported_storages as u64, s.outstanding_leases as u64])
+}
+
+/// The names of the element types cuda-mp knows.
+#[pyfunction]
+fn dtypes(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
+    PyList::new(py, DType::ALL.iter().map(|d| d.name()))
+}
+
+/// Whether a CUDA GPU is usable in this process.
+#[pyfunction]
+fn cuda_available() -> bool {
+    cuda_mp::cuda_available()
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Tensor>()?;
+    m.add_class::<Bundle>()?;
+    m.add_class::<Listener>()?;
+    m.add_class::<Receiver>()?;
+    m.add_class::<Sender>()?;
+    m.add_function(wrap_pyfunction!(gpu_tensor, m)?)?;
+    m.add_function(wrap_pyfunction!(host_tensor, m)?)?;
+    m.add_function(wrap_pyfunction!(empty_host, m)?)?;
+    m.add_function(wrap_pyfunction!(stream_ptr, m)?)?;
+    m.add_function(wrap_pyfunction!(pack, m)?)?;
+    m.add_function(wrap_pyfunction!(bundle_of, m)?)?;
+    m.add_function(wrap_pyfunction!(lifetime_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(dtypes, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
+    torch_ipc::register(m)?;
+    Ok(())
+}
