@@ -52,7 +52,8 @@ const POLL: Duration = Duration::from_millis(50);
 ///
 /// Failures come back per job and the pool keeps working: a job's panic as
 /// [`JoinError::Panicked`] with its message and location; a worker killed by a signal or
-/// exiting during a job as [`JoinError::Signaled`] or [`JoinError::Exited`]; the worker is
+/// exiting during a job as [`JoinError::Signaled`] or [`JoinError::Exited`] (on Linux 6.15 and
+/// later, see below); the worker is
 /// replaced by a fresh process (which runs the initializer again) and the jobs queued behind it
 /// still run. [`map`] reports the first job to fail as [`JoinError::Job`] with its index.
 ///
@@ -72,9 +73,9 @@ const POLL: Duration = Duration::from_millis(50);
 ///   process start per panic.
 /// - **How a worker died** is read from the kernel: procspawn reaps a dead worker itself, so
 ///   the pool reads its exit status through a pidfd, which Linux 6.15 and later keep after a
-///   process is reaped. On older kernels the signal or status is named when the pool sees the
-///   worker before procspawn reaps it, and otherwise the job fails with
-///   [`JoinError::Terminated`].
+///   process is reaped. On older kernels the job fails with [`JoinError::Terminated`] instead:
+///   procspawn has almost always reaped the worker by the time the pool learns of its death,
+///   and with it the status.
 /// - **Arguments are encoded when a worker takes the job**, on the worker's dispatcher thread:
 ///   arguments and results must be `Send + 'static`, and tensors in queued jobs are exported
 ///   when their job starts.
