@@ -511,7 +511,31 @@ pub enum JoinError {
         /// How it failed.
         error: Box<JoinError>,
     },
-    /// The child died without returning, and how is unknown (a pooled worker).
+    /// One job of a [`Pool::map`](crate::Pool::map) failed (the first to fail); the jobs of
+    /// the call that had not started were cancelled.
+    #[error("job {index} failed: {error}")]
+    Job {
+        /// The failed job's place among the call's items.
+        index: usize,
+        /// How it failed.
+        error: Box<JoinError>,
+    },
+    /// A pool worker's initializer failed, so the worker could not take jobs.
+    #[error("the pool worker's initializer failed: {0}")]
+    Initializer(Box<JoinError>),
+    /// A pool was asked for with settings it cannot have (no workers, or a limit of no jobs
+    /// per worker).
+    #[error("invalid pool settings: {0}")]
+    InvalidPool(String),
+    /// The pool was terminated (or dropped) before the job finished.
+    #[error("the pool was terminated before the job finished")]
+    PoolClosed,
+    /// The pooled job was cancelled (by [`JoinHandle::kill`](crate::JoinHandle::kill), or
+    /// because another job of the same map failed) before it started.
+    #[error("the job was cancelled before it started")]
+    Cancelled,
+    /// The child died without returning, and how is unknown (a pool worker, on a kernel that
+    /// does not keep the exit status of a reaped process).
     #[error("child process terminated without a result: {0}")]
     Terminated(String),
     /// The child could not be started or its result not decoded.

@@ -62,6 +62,7 @@ mod host;
 mod layout;
 mod lifetime;
 mod os;
+mod pool;
 mod process;
 mod profile;
 mod storage;
@@ -86,7 +87,8 @@ pub use host::{HostStorage, HostTensor};
 pub use layout::{Layout, MAX_DIMS};
 pub use lifetime::{lifetime_stats, wait_for_lifetime, LifetimeStats, StorageId};
 pub use ndarray;
-pub use process::{init, spawn, spawn_n, Builder, JoinHandle, Pool};
+pub use pool::{AsyncResult, Imap, ImapUnordered, Pool, PoolBuilder};
+pub use process::{init, spawn, spawn_n, Builder, JoinHandle};
 pub use sync::{
     Barrier, BarrierError, BarrierWaitResult, Event, Lock, LockError, LockGuard, Semaphore, SemaphoreGuard,
 };

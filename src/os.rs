@@ -1,13 +1,16 @@
 //! The operating-system calls cuda-mp makes itself (everything else goes through ipc-channel):
-//! the descriptor limit, shared memory read as atomics, and panics of the transport caught
-//! without printing them.
+//! the descriptor limit, shared memory read as atomics, watching a child's exit, panics of the
+//! transport caught without printing them, and the panics of a pool worker's job thread
+//! reported as they happen.
 
 use std::cell::Cell;
 use std::sync::atomic::AtomicU64;
 
 use ipc_channel::ipc::IpcSharedMemory;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::Once;
+use std::sync::{Once, OnceLock, RwLock};
+
+use crate::error::PanicReport;
 
 /// The soft and hard limits on open file descriptors (`RLIMIT_NOFILE`).
 fn descriptor_limits() -> Option<(u64, u64)> {
@@ -239,6 +242,34 @@ impl ChildWatch {
         unsafe { libc::kill(self.pid, signal) == 0 }
     }
 
+    /// How the child ended, also once someone else has reaped it: then the kernel keeps its
+    /// exit status for the pidfd (Linux 6.15 and later; `None` on older kernels). `None` while
+    /// it runs.
+    pub(crate) fn exit_status(&self) -> Option<Exit> {
+        self.peek().or_else(|| self.reaped_status())
+    }
+
+    fn reaped_status(&self) -> Option<Exit> {
+        let fd = std::os::fd::AsRawFd::as_raw_fd(self.pidfd.as_ref()?);
+        // SAFETY: `pidfd_info` is plain integers, for which all zeroes is a valid value.
+        let mut info: libc::pidfd_info = unsafe { std::mem::zeroed() };
+        info.mask = libc::PIDFD_INFO_EXIT as u64;
+        // SAFETY: `PIDFD_GET_INFO` writes at most `size_of::<pidfd_info>()` bytes (the size the
+        // request encodes) into `info`, which is valid and writable; a kernel without it fails.
+        let r = unsafe { libc::ioctl(fd, libc::PIDFD_GET_INFO, &mut info) };
+        if r != 0 || info.mask & libc::PIDFD_INFO_EXIT as u64 == 0 {
+            return None;
+        }
+        let status = info.exit_code;
+        if libc::WIFSIGNALED(status) {
+            Some(Exit::Signal(libc::WTERMSIG(status)))
+        } else if libc::WIFEXITED(status) {
+            Some(Exit::Code(libc::WEXITSTATUS(status)))
+        } else {
+            None
+        }
+    }
+
     fn peek(&self) -> Option<Exit> {
         // SAFETY: zeroed siginfo_t is a valid output buffer for waitid.
         let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
@@ -288,30 +319,88 @@ thread_local! {
     static QUIET: Cell<bool> = const { Cell::new(false) };
 }
 
+/// Where the panics of one thread of this process are reported (see [`report_panics`]).
+struct Reporter {
+    thread: std::thread::ThreadId,
+    report: Box<dyn Fn(PanicReport) + Send + Sync>,
+}
+
+static REPORTER: OnceLock<Reporter> = OnceLock::new();
+
+/// A panic hook.
+type Hook = Box<dyn Fn(&std::panic::PanicHookInfo<'_>) + Send + Sync>;
+
+/// The hook that this module's hook passes the panics it does not keep quiet to: the one it
+/// replaced, or Rust's default hook once [`report_panics`] has been called.
+static PREVIOUS: RwLock<Option<Hook>> = RwLock::new(None);
+
+/// Installs this module's panic hook, once per process: it keeps the panics that
+/// [`catch_quietly`] catches from printing, hands the panics of the thread given to
+/// [`report_panics`] to its reporter, and passes everything else on to [`PREVIOUS`].
+fn install_hook() {
+    static HOOK: Once = Once::new();
+    HOOK.call_once(|| {
+        *PREVIOUS.write().unwrap_or_else(|p| p.into_inner()) = Some(std::panic::take_hook());
+        std::panic::set_hook(Box::new(|info| {
+            if QUIET.with(Cell::get) {
+                return;
+            }
+            if let Some(reporter) = REPORTER.get() {
+                if reporter.thread == std::thread::current().id() {
+                    (reporter.report)(PanicReport {
+                        message: panic_message(info.payload()),
+                        location: info.location().map(|l| format!("{}:{}:{}", l.file(), l.line(), l.column())),
+                    });
+                }
+            }
+            if let Some(previous) = PREVIOUS.read().unwrap_or_else(|p| p.into_inner()).as_ref() {
+                previous(info)
+            }
+        }));
+    });
+}
+
+/// Hands every panic of the calling thread to `report` as it happens, before the panic unwinds
+/// (and before it prints), except the panics that [`catch_quietly`] catches. One thread per
+/// process: false (and nothing changes) when a reporter is already set.
+///
+/// The panics of this process then print with Rust's default hook rather than the hook
+/// installed before cuda-mp's: in a spawned process that is procspawn's, which captures and
+/// resolves a backtrace for its own report (a second or more in a debug build), a report that
+/// the caller, reporting panics itself, does not read.
+pub(crate) fn report_panics(report: impl Fn(PanicReport) + Send + Sync + 'static) -> bool {
+    install_hook();
+    if REPORTER.set(Reporter { thread: std::thread::current().id(), report: Box::new(report) }).is_err() {
+        return false;
+    }
+    // `take_hook` puts the default hook in place of the one it returns: take ours, then the
+    // default, and put ours back.
+    let ours = std::panic::take_hook();
+    let default = std::panic::take_hook();
+    std::panic::set_hook(ours);
+    *PREVIOUS.write().unwrap_or_else(|p| p.into_inner()) = Some(default);
+    true
+}
+
 /// Runs `f`, turning a panic into `Err(message)` without printing it: the transport
 /// (ipc-channel) asserts where it should return errors (a forged descriptor index, a failed
 /// `memfd_create` or `mmap`), and those are errors of ours to report, not crashes to print.
 /// Panics elsewhere, on other threads or outside `f`, print as usual.
 pub(crate) fn catch_quietly<R>(f: impl FnOnce() -> R) -> Result<R, String> {
-    static HOOK: Once = Once::new();
-    HOOK.call_once(|| {
-        let previous = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            if !QUIET.with(Cell::get) {
-                previous(info)
-            }
-        }));
-    });
+    install_hook();
     let was_quiet = QUIET.with(|q| q.replace(true));
     let result = catch_unwind(AssertUnwindSafe(f));
     QUIET.with(|q| q.set(was_quiet));
-    result.map_err(|payload| {
-        payload
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "unknown panic".into())
-    })
+    result.map_err(|payload| panic_message(&*payload))
+}
+
+/// The message a panic was given (`panic!` makes it a `&str` or a `String`).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@ use serde::Serialize;
 
 use crate::error::{JoinError, PanicReport};
 use crate::os::{catch_quietly, signal_name, ChildWatch, Exit};
+use crate::pool::AsyncResult;
 use crate::wire;
 
 static INITIALIZED: AtomicBool = AtomicBool::new(false);
@@ -49,7 +50,7 @@ macro_rules! enable_test_support {
     };
 }
 
-fn not_initialized() -> bool {
+pub(crate) fn not_initialized() -> bool {
     !INITIALIZED.load(Ordering::SeqCst)
 }
 
@@ -160,7 +161,10 @@ impl Builder {
 }
 
 /// Waits for or kills a spawned process. Dropping it kills the process (SIGKILL); its shared
-/// references are then reclaimed by their owners.
+/// references are then reclaimed by their owners. (A call queued with [`Pool::spawn`] has no
+/// process of its own: dropping its handle lets it run on.)
+///
+/// [`Pool::spawn`]: crate::Pool::spawn
 ///
 /// ```no_run
 /// #[cuda_mp::main]
@@ -182,6 +186,8 @@ pub struct JoinHandle<R> {
 
 enum Inner<R> {
     Running(procspawn::JoinHandle<R>),
+    /// A call queued on a [`Pool`](crate::Pool).
+    Pooled(AsyncResult<R>),
     Failed(Option<JoinError>),
 }
 
@@ -191,7 +197,7 @@ impl<R> fmt::Debug for JoinHandle<R> {
     }
 }
 
-fn join_error(e: procspawn::SpawnError) -> JoinError {
+pub(crate) fn join_error(e: procspawn::SpawnError) -> JoinError {
     if let Some(info) = e.panic_info() {
         return JoinError::Panicked(PanicReport {
             message: info.message().to_owned(),
@@ -208,7 +214,7 @@ fn join_error(e: procspawn::SpawnError) -> JoinError {
 }
 
 /// The error for a child that ended this way without a result.
-fn exit_error(exit: Exit) -> JoinError {
+pub(crate) fn exit_error(exit: Exit) -> JoinError {
     match exit {
         Exit::Signal(signal) => JoinError::Signaled { signal, name: signal_name(signal) },
         Exit::Code(code) => JoinError::Exited { code },
@@ -229,6 +235,10 @@ impl<R> JoinHandle<R> {
 
     fn failed(error: JoinError) -> Self {
         JoinHandle { inner: Inner::Failed(Some(error)), watch: None, killed: false, last_look: Instant::now() }
+    }
+
+    pub(crate) fn pooled(result: AsyncResult<R>) -> Self {
+        JoinHandle { inner: Inner::Pooled(result), watch: None, killed: false, last_look: Instant::now() }
     }
 
     /// True while the child process runs (false once it has exited, was killed or never
@@ -298,6 +308,7 @@ impl<R> JoinHandle<R> {
     pub fn pid(&self) -> Option<u32> {
         match &self.inner {
             Inner::Running(h) => h.pid(),
+            Inner::Pooled(result) => result.pid(),
             Inner::Failed(_) => None,
         }
     }
@@ -352,23 +363,14 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
     fn join_until(&mut self, deadline: Option<Instant>) -> Result<R, JoinError> {
         let handle = match &mut self.inner {
             Inner::Running(h) => h,
+            Inner::Pooled(result) => return result.wait(deadline),
             Inner::Failed(e) => return Err(e.take().unwrap_or(JoinError::Failed("already joined".into()))),
         };
         let Some(watch) = &self.watch else {
-            // A pooled call: no process of its own to watch.
-            let r = match deadline {
-                Some(d) => handle.join_timeout(d.saturating_duration_since(Instant::now())),
-                None => handle.join_timeout(Duration::from_secs(u32::MAX as u64)),
-            };
-            return r.map_err(|e| match join_error(e) {
-                // The pool restarts a worker that died; how it died is not passed on.
-                JoinError::Terminated(_) => JoinError::Terminated(
-                    "the pooled worker running this call ended without a result (a panic in the call \
-                     ends its worker: its message is on the worker's standard error)"
-                        .into(),
-                ),
-                other => other,
-            });
+            // A process whose id was never known: nothing to watch, only its result to wait for.
+            let wait =
+                deadline.map_or(Duration::from_secs(u32::MAX as u64), |d| d.saturating_duration_since(Instant::now()));
+            return handle.join_timeout(wait).map_err(join_error);
         };
         // Look at the child's end before each look at its result: the transport reaps a child
         // whose channel closed, and its exit status with it.
@@ -408,7 +410,9 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
     }
 
     /// Kills the child (SIGKILL). Its shared-memory and GPU references are reclaimed by their
-    /// owners when the kernel closes its descriptors.
+    /// owners when the kernel closes its descriptors. A pooled call is cancelled if it has not
+    /// started (its join then reports [`JoinError::Cancelled`]), or its worker is killed (the
+    /// pool starts another).
     ///
     /// ```no_run
     /// #[cuda_mp::main]
@@ -422,6 +426,10 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
             Inner::Running(h) => {
                 self.killed = true;
                 h.kill().map_err(join_error)
+            }
+            Inner::Pooled(result) => {
+                result.cancel();
+                Ok(())
             }
             Inner::Failed(Some(e)) => Err(JoinError::Failed(e.to_string())),
             Inner::Failed(None) => Ok(()),
@@ -505,111 +513,4 @@ where
         }
     }
     Ok(results.into_iter().flatten().collect())
-}
-
-/// A fixed set of worker processes that run spawned calls in turn.
-///
-/// A panic inside a pooled call ends that worker process; the pool starts a new one and the
-/// call's handle reports [`JoinError::Terminated`] (procspawn's pool does not carry the panic
-/// message back). Use [`spawn`] where the panic message matters.
-///
-/// ```no_run
-/// fn double(x: u32) -> u32 {
-///     x * 2
-/// }
-///
-/// #[cuda_mp::main]
-/// fn main() {
-///     let pool = cuda_mp::Pool::new(4).unwrap();
-///     let handles: Vec<_> = (0..8).map(|i| pool.spawn(i, double)).collect();
-///     let results: Vec<u32> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-///     assert_eq!(results[3], 6);
-///     pool.shutdown();
-/// }
-/// ```
-pub struct Pool {
-    inner: procspawn::Pool,
-}
-
-impl fmt::Debug for Pool {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Pool").field("size", &self.inner.size()).finish()
-    }
-}
-
-impl Pool {
-    /// Starts `size` worker processes.
-    ///
-    /// ```no_run
-    /// #[cuda_mp::main]
-    /// fn main() {
-    ///     let pool = cuda_mp::Pool::new(2).unwrap();
-    ///     assert_eq!(pool.size(), 2);
-    ///     assert_eq!(pool.spawn(21u32, |x| x * 2).join().unwrap(), 42);
-    ///     pool.shutdown();
-    /// }
-    /// ```
-    pub fn new(size: usize) -> Result<Pool, JoinError> {
-        if not_initialized() {
-            return Err(JoinError::NotInitialized);
-        }
-        procspawn::Pool::new(size).map(|inner| Pool { inner }).map_err(join_error)
-    }
-
-    /// Number of worker processes.
-    ///
-    /// ```no_run
-    /// #[cuda_mp::main]
-    /// fn main() {
-    ///     let pool = cuda_mp::Pool::new(2).unwrap();
-    ///     assert_eq!(pool.size(), 2);
-    ///     assert_eq!(pool.spawn(21u32, |x| x * 2).join().unwrap(), 42);
-    ///     pool.shutdown();
-    /// }
-    /// ```
-    pub fn size(&self) -> usize {
-        self.inner.size()
-    }
-
-    /// Runs `f(args)` on the next free worker.
-    ///
-    /// ```no_run
-    /// #[cuda_mp::main]
-    /// fn main() {
-    ///     let pool = cuda_mp::Pool::new(2).unwrap();
-    ///     assert_eq!(pool.size(), 2);
-    ///     assert_eq!(pool.spawn(21u32, |x| x * 2).join().unwrap(), 42);
-    ///     pool.shutdown();
-    /// }
-    /// ```
-    pub fn spawn<A, R>(&self, args: A, f: fn(A) -> R) -> JoinHandle<R>
-    where
-        A: Serialize + DeserializeOwned,
-        R: Serialize + DeserializeOwned + Send + 'static,
-    {
-        let (handle, overflow) = wire::encode_spawn_scope(|| catch_quietly(|| self.inner.spawn(args, f)));
-        match handle {
-            Ok(handle) => {
-                let _ = overflow.send();
-                // Pooled calls share their worker's process: nothing of their own to watch.
-                JoinHandle { inner: Inner::Running(handle), watch: None, killed: false, last_look: Instant::now() }
-            }
-            Err(panic) => JoinHandle::failed(JoinError::Failed(panic)),
-        }
-    }
-
-    /// Waits for every queued call, then stops the workers.
-    ///
-    /// ```no_run
-    /// #[cuda_mp::main]
-    /// fn main() {
-    ///     let pool = cuda_mp::Pool::new(2).unwrap();
-    ///     assert_eq!(pool.size(), 2);
-    ///     assert_eq!(pool.spawn(21u32, |x| x * 2).join().unwrap(), 42);
-    ///     pool.shutdown();
-    /// }
-    /// ```
-    pub fn shutdown(self) {
-        self.inner.shutdown();
-    }
 }

@@ -1,0 +1,321 @@
+//! The pool: map, imap, imap_unordered and apply_async results; panics with message and
+//! location; workers killed by a signal, replaced by an initializer-run fresh process or after
+//! their job limit; tensors as job arguments and results; shutdown, terminate and timeouts.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use cuda_mp::{channel, HostTensor, JoinError, Pool, Sender};
+
+cuda_mp::enable_test_support!();
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn square(x: u64) -> u64 {
+    x * x
+}
+
+fn pid(_: ()) -> u32 {
+    std::process::id()
+}
+
+fn nap(ms: u64) -> u64 {
+    std::thread::sleep(Duration::from_millis(ms));
+    ms
+}
+
+const EXPLODE_LINE: u32 = line!() + 3;
+fn explode(what: String) -> u64 {
+    // The panic is on EXPLODE_LINE.
+    panic!("job failed: {what}");
+}
+
+fn explode_on_three(x: u64) -> u64 {
+    if x == 3 {
+        explode("three".into());
+    }
+    x
+}
+
+#[test]
+fn map_imap_and_imap_unordered_return_every_result() {
+    let pool = Pool::new(2).unwrap();
+    assert_eq!(pool.size(), 2);
+    let expected: Vec<u64> = (0..8).map(|x| x * x).collect();
+    assert_eq!(pool.map(square, 0..8).unwrap(), expected);
+    assert_eq!(pool.map(square, Vec::new()).unwrap(), Vec::<u64>::new());
+
+    let in_order: Vec<u64> = pool.imap(square, 0..8).map(Result::unwrap).collect();
+    assert_eq!(in_order, expected);
+
+    // Finishing order: the long job comes last although it is first.
+    let finished: Vec<(usize, u64)> = pool.imap_unordered(nap, [400, 1, 1, 1]).map(Result::unwrap).collect();
+    assert_eq!(finished.len(), 4);
+    assert_eq!(finished.last(), Some(&(0, 400)), "{finished:?}");
+    let indices: BTreeSet<usize> = finished.iter().map(|(i, _)| *i).collect();
+    assert_eq!(indices, (0..4).collect());
+
+    let mut results = pool.imap(nap, [300, 1]);
+    assert!(matches!(results.next_timeout(Duration::from_millis(10)), Some(Err(JoinError::Timeout))));
+    assert_eq!(results.next_timeout(WAIT).unwrap().unwrap(), 300);
+    assert_eq!(results.next().unwrap().unwrap(), 1);
+    assert!(results.next().is_none());
+
+    let mut unordered = pool.imap_unordered(nap, [300]);
+    assert!(matches!(unordered.next_timeout(Duration::from_millis(10)), Some(Err(JoinError::Timeout))));
+    assert_eq!(unordered.next_timeout(WAIT).unwrap().unwrap(), (0, 300));
+    assert!(unordered.next_timeout(Duration::from_millis(10)).is_none());
+    pool.shutdown();
+}
+
+#[test]
+fn apply_async_get_and_get_timeout() {
+    let pool = Pool::new(2).unwrap();
+    let mut slow = pool.apply_async(300, nap);
+    let quick = pool.apply_async(12, square);
+    assert_eq!(quick.get().unwrap(), 144);
+    assert!(!slow.is_ready());
+    assert!(matches!(slow.get_timeout(Duration::from_millis(10)), Err(JoinError::Timeout)));
+    assert_eq!(slow.get_timeout(WAIT).unwrap(), 300);
+    assert!(slow.is_ready());
+    assert!(matches!(slow.get_timeout(WAIT), Err(JoinError::Failed(_))), "the result was taken");
+
+    // The JoinHandle of a pooled call.
+    let mut handle = pool.spawn(300, nap);
+    assert!(matches!(handle.join_timeout(Duration::from_millis(10)), Err(JoinError::Timeout)));
+    assert_eq!(handle.join().unwrap(), 300);
+
+    let err = pool.map_timeout(nap, [1, 10_000], Duration::from_millis(500)).unwrap_err();
+    assert!(matches!(err, JoinError::Timeout), "{err:?}");
+    pool.terminate();
+}
+
+#[test]
+fn a_panicking_job_reports_its_message_and_location() {
+    let pool = Pool::new(2).unwrap();
+    let err = pool.apply_async("bad input".to_string(), explode).get().unwrap_err();
+    let panic = err.panic().expect("a panic report");
+    assert_eq!(panic.message, "job failed: bad input");
+    assert_eq!(panic.location.as_deref(), Some(format!("tests/pool.rs:{EXPLODE_LINE}:5").as_str()));
+    assert!(err.to_string().starts_with("child process panicked: job failed: bad input at tests/pool.rs:"), "{err}");
+
+    // In a map: the failed item's index, and the panic.
+    match pool.map(explode_on_three, 0..6).unwrap_err() {
+        JoinError::Job { index: 3, error } => {
+            assert_eq!(error.panic().unwrap().message, "job failed: three");
+        }
+        other => panic!("{other:?}"),
+    }
+    // In imap_unordered: the same, as that item's result.
+    let failures: Vec<JoinError> = pool.imap_unordered(explode_on_three, 2..5).filter_map(Result::err).collect();
+    assert!(matches!(failures.as_slice(), [JoinError::Job { index: 1, .. }]), "{failures:?}");
+
+    // Through a JoinHandle, and the pool keeps working with fresh workers.
+    let err = pool.spawn("again".to_string(), explode).join().unwrap_err();
+    assert_eq!(err.panic().unwrap().message, "job failed: again");
+    assert_eq!(pool.map(square, 0..4).unwrap(), vec![0, 1, 4, 9]);
+    pool.shutdown();
+}
+
+/// Linux 6.15 and later keep a reaped process's exit status for its pidfd, where the pool reads
+/// how a worker died.
+fn kernel_keeps_exit_status() -> bool {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut numbers = release.split(|c: char| !c.is_ascii_digit()).map(|n| n.parse::<u32>().unwrap_or(0));
+    (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0)) >= (6, 15)
+}
+
+fn leave(code: i32) -> u8 {
+    std::process::exit(code)
+}
+
+fn report_pid_then_sleep(tx: Sender<u32>) -> u64 {
+    tx.send(std::process::id()).unwrap();
+    std::thread::sleep(Duration::from_secs(30));
+    0
+}
+
+#[test]
+fn a_sigkilled_worker_is_replaced_its_job_fails_and_the_queued_jobs_run() {
+    let pool = Pool::new(1).unwrap();
+    let (tx, rx) = channel().unwrap();
+    let doomed = pool.apply_async(tx, report_pid_then_sleep);
+    // Queued behind the job whose worker dies.
+    let queued: Vec<_> = (0..4).map(|x| pool.apply_async(x, square)).collect();
+    let victim = rx.recv_timeout(WAIT).unwrap();
+    let t = Instant::now();
+    // SAFETY: sends a signal to a worker of ours, which is alive (it just answered).
+    assert_eq!(unsafe { libc::kill(victim as libc::pid_t, libc::SIGKILL) }, 0);
+
+    let err = doomed.get().unwrap_err();
+    if kernel_keeps_exit_status() {
+        assert!(matches!(err, JoinError::Signaled { signal: 9, name: "SIGKILL" }), "{err:?}");
+        assert_eq!(err.to_string(), "child process was killed by signal 9 (SIGKILL)");
+    } else {
+        // The worker's status went with procspawn's reaping of it.
+        assert!(matches!(err, JoinError::Signaled { signal: 9, .. } | JoinError::Terminated(_)), "{err:?}");
+    }
+    let results: Vec<u64> = queued.into_iter().map(|r| r.get().unwrap()).collect();
+    assert_eq!(results, vec![0, 1, 4, 9]);
+    assert!(t.elapsed() < Duration::from_secs(20), "the queued jobs did not wait for the dead job");
+    let now = pool.map(pid, vec![(); 2]).unwrap();
+    assert!(now.iter().all(|&p| p != victim), "a fresh worker runs the jobs");
+    assert_eq!(pool.size(), 1);
+
+    // A job that ends its worker's process.
+    let err = pool.apply_async(3, leave).get().unwrap_err();
+    assert!(
+        matches!(err, JoinError::Exited { code: 3 })
+            || (!kernel_keeps_exit_status() && matches!(err, JoinError::Terminated(_))),
+        "{err:?}"
+    );
+
+    // Killing a pooled call through its handle: queued, it is cancelled; running, its worker
+    // is killed.
+    let mut running = pool.spawn(10_000, nap);
+    let mut queued = pool.spawn(1, nap);
+    queued.kill().unwrap();
+    assert!(matches!(queued.join(), Err(JoinError::Cancelled)));
+    while running.pid().is_none() {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    running.kill().unwrap();
+    let err = running.join().unwrap_err();
+    assert!(
+        matches!(err, JoinError::Signaled { name: "SIGKILL", .. })
+            || (!kernel_keeps_exit_status() && matches!(err, JoinError::Terminated(_))),
+        "{err:?}"
+    );
+    assert_eq!(pool.map(square, [5]).unwrap(), vec![25]);
+    pool.shutdown();
+}
+
+/// How many times the initializer ran in this process.
+static INITIALIZED: AtomicU32 = AtomicU32::new(0);
+
+fn initialize(path: String) {
+    INITIALIZED.fetch_add(1, Ordering::SeqCst);
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new().create(true).append(true).open(path).unwrap();
+    // One write, so that the lines of workers starting together do not interleave.
+    file.write_all(format!("{}\n", std::process::id()).as_bytes()).unwrap();
+}
+
+fn pid_and_initialized(_: ()) -> (u32, u32) {
+    (std::process::id(), INITIALIZED.load(Ordering::SeqCst))
+}
+
+fn fail_to_initialize(_: ()) {
+    panic!("no model here");
+}
+
+fn hang(_: ()) {
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+fn initialized_pids(path: &std::path::Path) -> Vec<u32> {
+    std::fs::read_to_string(path).unwrap().lines().map(|l| l.parse().unwrap()).collect()
+}
+
+#[test]
+fn the_initializer_runs_once_in_each_worker_before_its_jobs() {
+    let path = std::env::temp_dir().join(format!("cuda-mp-pool-init-{}", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let arg = path.to_string_lossy().into_owned();
+    let pool = Pool::builder().size(2).initializer(arg.clone(), initialize).build().unwrap();
+    let seen = pool.map(pid_and_initialized, vec![(); 8]).unwrap();
+    assert!(seen.iter().all(|&(_, count)| count == 1), "{seen:?}");
+    pool.shutdown();
+    let pids = initialized_pids(&path);
+    assert_eq!(pids.len(), 2, "once per worker: {pids:?}");
+    assert_eq!(pids.iter().collect::<BTreeSet<_>>().len(), 2);
+    assert!(seen.iter().all(|(pid, _)| pids.contains(pid)));
+
+    // A replacement worker runs it too.
+    let _ = std::fs::remove_file(&path);
+    let pool = Pool::builder().size(1).initializer(arg, initialize).max_tasks_per_child(1).build().unwrap();
+    let seen = pool.map(pid_and_initialized, vec![(); 3]).unwrap();
+    pool.shutdown();
+    assert!(seen.iter().all(|&(_, count)| count == 1), "{seen:?}");
+    let pids = initialized_pids(&path);
+    assert!(seen.iter().all(|(pid, _)| pids.contains(pid)), "{seen:?} {pids:?}");
+    let _ = std::fs::remove_file(&path);
+
+    // A failing initializer fails the build, with its panic.
+    let err = Pool::builder().size(1).initializer((), fail_to_initialize).build().unwrap_err();
+    match &err {
+        JoinError::Initializer(error) => assert_eq!(error.panic().unwrap().message, "no model here"),
+        other => panic!("{other:?}"),
+    }
+    assert!(err.to_string().starts_with("the pool worker's initializer failed: child process panicked"), "{err}");
+    // One that hangs, after the build's timeout.
+    let t = Instant::now();
+    let err = Pool::builder().size(1).initializer((), hang).build_timeout(Duration::from_millis(500)).unwrap_err();
+    assert!(matches!(err, JoinError::Timeout), "{err:?}");
+    assert!(t.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn max_tasks_per_child_replaces_workers_after_their_limit() {
+    let pool = Pool::builder().size(1).max_tasks_per_child(2).build().unwrap();
+    let pids = pool.map(pid, vec![(); 6]).unwrap();
+    pool.shutdown();
+    assert_eq!(pids[0], pids[1]);
+    assert_eq!(pids[2], pids[3]);
+    assert_eq!(pids[4], pids[5]);
+    assert_eq!(pids.iter().collect::<BTreeSet<_>>().len(), 3, "{pids:?}");
+}
+
+/// Doubles a block in place and returns its sum and a new tensor made in the worker.
+fn double_block(block: HostTensor<f32>) -> (f32, HostTensor<f32>) {
+    block.map_inplace(|x| x * 2.0);
+    let sum = block.to_vec().iter().sum();
+    (sum, HostTensor::full(&[2], sum).unwrap())
+}
+
+#[test]
+fn host_tensors_travel_as_job_arguments_and_results() {
+    let pool = Pool::new(2).unwrap();
+    let t = HostTensor::<f32>::from_vec(&[4, 2], (0..8).map(|x| x as f32).collect()).unwrap();
+    let blocks: Vec<HostTensor<f32>> = (0..4).map(|row| t.narrow(0, row, 1).unwrap()).collect();
+    let results = pool.map(double_block, blocks.clone()).unwrap();
+    // The workers wrote this process's memory: same storage, not copies.
+    assert_eq!(t.to_vec(), (0..8).map(|x| 2.0 * x as f32).collect::<Vec<_>>());
+    for (row, (sum, made)) in results.iter().enumerate() {
+        let expected = 2.0 * (4 * row + 1) as f32;
+        assert_eq!(*sum, expected);
+        assert_eq!(made.to_vec(), vec![expected; 2]);
+    }
+    let (sum, _) = pool.apply_async(t.clone(), double_block).get().unwrap();
+    assert_eq!(sum, 112.0);
+    pool.shutdown();
+}
+
+#[test]
+fn shutdown_waits_terminate_fails_pending_jobs_and_bad_settings_are_refused() {
+    fn shared_between_threads<T: Send + Sync>() {}
+    shared_between_threads::<Pool>();
+
+    let pool = Pool::new(1).unwrap();
+    let pending = pool.apply_async(200, nap);
+    pool.shutdown();
+    assert_eq!(pending.get().unwrap(), 200, "shutdown waited for the job");
+
+    let pool = Pool::new(1).unwrap();
+    let running = pool.apply_async(10_000, nap);
+    let queued = pool.apply_async(1, nap);
+    let t = Instant::now();
+    assert!(matches!(pool.shutdown_timeout(Duration::from_millis(300)), Err(JoinError::Timeout)));
+    assert!(matches!(running.get(), Err(JoinError::PoolClosed)));
+    assert!(matches!(queued.get(), Err(JoinError::PoolClosed)));
+    assert!(t.elapsed() < Duration::from_secs(5));
+
+    let pool = Pool::new(1).unwrap();
+    let running = pool.spawn(10_000, nap);
+    drop(pool);
+    assert!(matches!(running.join(), Err(JoinError::PoolClosed)));
+
+    assert!(matches!(Pool::new(0), Err(JoinError::InvalidPool(_))));
+    assert!(matches!(Pool::builder().size(1).max_tasks_per_child(0).build(), Err(JoinError::InvalidPool(_))));
+}
