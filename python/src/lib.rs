@@ -14,8 +14,8 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use cuda_mp::{
-    Bundle as RsBundle, BundleBuilder, DType, Device, DynTensor, GpuStorage, HostStorage, Layout, Listener as RsListener,
-    Receiver as RsReceiver, RecvTimeoutError, Sender as RsSender,
+    Bundle as RsBundle, BundleBuilder, DType, Device, DynTensor, GpuStorage, HostStorage, Layout,
+    Listener as RsListener, Receiver as RsReceiver, RecvTimeoutError, Sender as RsSender,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -28,10 +28,7 @@ mod torch_ipc;
 // Errors: cuda-mp's errors as the exception classes of `cuda_mp._errors`.
 
 fn exception(py: Python<'_>, class: &str, message: String) -> PyErr {
-    let made = py
-        .import("cuda_mp._errors")
-        .and_then(|m| m.getattr(class))
-        .and_then(|c| c.call1((message.clone(),)));
+    let made = py.import("cuda_mp._errors").and_then(|m| m.getattr(class)).and_then(|c| c.call1((message.clone(),)));
     match made {
         Ok(value) => PyErr::from_value(value),
         Err(e) => e,
@@ -65,11 +62,9 @@ fn recv_error(e: RecvTimeoutError) -> PyErr {
 }
 
 fn dtype_named(name: &str) -> PyResult<DType> {
-    DType::ALL
-        .iter()
-        .copied()
-        .find(|d| d.name() == name)
-        .ok_or_else(|| Python::attach(|py| exception(py, "DTypeError", format!("cuda-mp has no element type {name:?}"))))
+    DType::ALL.iter().copied().find(|d| d.name() == name).ok_or_else(|| {
+        Python::attach(|py| exception(py, "DTypeError", format!("cuda-mp has no element type {name:?}")))
+    })
 }
 
 fn layout(shape: Vec<usize>, strides: Vec<isize>, offset: usize) -> PyResult<Layout> {
@@ -179,12 +174,12 @@ impl Tensor {
         &self,
         py: Python<'py>,
         stream: Option<Bound<'py, PyAny>>,
-        max_version: Option<Bound<'py, PyAny>>,
-        dl_device: Option<Bound<'py, PyAny>>,
-        copy: Option<Bound<'py, PyAny>>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(u32, i32)>,
+        copy: Option<bool>,
     ) -> PyResult<Py<PyAny>> {
         remember(&self.inner);
-        dlpack::export(py, &self.inner, stream, max_version, dl_device, copy)
+        dlpack::export(py, self, stream, max_version, dl_device, copy)
     }
 
     fn __dlpack_device__(&self) -> (i32, i32) {
@@ -442,7 +437,9 @@ enum Bound_ {
 
 fn seconds(timeout: Option<f64>) -> PyResult<Option<Duration>> {
     timeout
-        .map(|t| Duration::try_from_secs_f64(t).map_err(|_| PyValueError::new_err("timeout must be a non-negative number")))
+        .map(|t| {
+            Duration::try_from_secs_f64(t).map_err(|_| PyValueError::new_err("timeout must be a non-negative number"))
+        })
         .transpose()
 }
 

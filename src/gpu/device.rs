@@ -250,6 +250,25 @@ impl Device {
         driver::stream_is_idle(&self.stream)
     }
 
+    /// Makes `stream`, a stream of another library in this device's context (a PyTorch stream,
+    /// say), wait for the work queued on this device's stream, without blocking the host;
+    /// nothing when that is idle. This is how memory received here is handed to another
+    /// library: a received tensor's stream has waited for its sender's work.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this device's primary context, or the legacy (0) or
+    /// per-thread (2) default stream.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// // SAFETY: 0 is the legacy default stream.
+    /// unsafe { dev.order_stream_after(std::ptr::null_mut()) }.unwrap();
+    /// ```
+    pub unsafe fn order_stream_after(&self, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: upheld by the caller.
+        unsafe { super::events::order_after(self, stream) }
+    }
+
     /// Free and total device memory in bytes (`cuMemGetInfo`).
     ///
     /// ```no_run

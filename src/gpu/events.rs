@@ -51,3 +51,18 @@ pub(crate) fn wait(owner_device: &Device, wait_on: &Device, owner: u128, handle:
     }
     event.wait_on(wait_on.stream())
 }
+
+/// Makes `stream`, another library's stream of `device`'s context, wait for the work queued on
+/// the device's stream (nothing when that is idle).
+///
+/// # Safety
+/// As [`InterprocessEvent::make_wait`].
+pub(crate) unsafe fn order_after(device: &Device, stream: cudarc::driver::sys::CUstream) -> Result<()> {
+    if driver::stream_is_idle(device.stream())? {
+        return Ok(());
+    }
+    let event = device.ipc_event_cell().get_or_try_init(|| InterprocessEvent::create(device))?;
+    event.record(device.stream())?;
+    // SAFETY: upheld by the caller.
+    unsafe { event.make_wait(stream) }
+}

@@ -682,6 +682,18 @@ impl InterprocessEvent {
         // SAFETY: the context is current; the event and the stream are live and of it.
         unsafe { driver::event_record(self.raw, stream.cu_stream()) }.map_err(driver_err("cuEventRecord"))
     }
+
+    /// Makes `stream`, another library's stream of this event's context, wait for the latest
+    /// record.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this event's context (or 0, the legacy default stream,
+    /// or 2, the per-thread default stream).
+    pub(crate) unsafe fn make_wait(&self, stream: sys::CUstream) -> Result<()> {
+        bind(&self.ctx)?;
+        // SAFETY: the context is current and the event live; the stream is upheld by the caller.
+        unsafe { driver::stream_wait_event(stream, self.raw) }.map_err(driver_err("cuStreamWaitEvent"))
+    }
 }
 
 impl fmt::Debug for InterprocessEvent {
