@@ -154,3 +154,56 @@ pub fn random_values(n: usize) -> Vec<f32> {
         })
         .collect()
 }
+
+/// A Python program started by an example, with its standard output read line by line.
+pub struct PythonPeer {
+    child: std::process::Child,
+    lines: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+}
+
+impl PythonPeer {
+    /// Starts `python3 <script> <args>` (the script's path relative to the repository root),
+    /// with this repository's `python/` package importable unless `PYTHONPATH` already says
+    /// where `cuda_mp` is.
+    pub fn start(script: &str, args: &[&str]) -> Outcome<PythonPeer> {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let path = if root.join(script).exists() { root.join(script) } else { PathBuf::from(script) };
+        let mut cmd = Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()));
+        cmd.arg(&path).args(args).stdout(std::process::Stdio::piped());
+        if std::env::var_os("PYTHONPATH").is_none() {
+            cmd.env("PYTHONPATH", root.join("python"));
+        }
+        let mut child = cmd.spawn().map_err(|e| format!("cannot start python3 {}: {e}", path.display()))?;
+        let stdout = child.stdout.take().ok_or("no stdout")?;
+        Ok(PythonPeer { child, lines: std::io::BufRead::lines(std::io::BufReader::new(stdout)) })
+    }
+
+    /// The rest of the first line that starts with `prefix` (lines before it are echoed).
+    pub fn line_after(&mut self, prefix: &str) -> Outcome<String> {
+        for line in self.lines.by_ref() {
+            let line = line?;
+            match line.strip_prefix(prefix) {
+                Some(rest) => return Ok(rest.trim().to_string()),
+                None => println!("python: {line}"),
+            }
+        }
+        Err(format!("python exited before printing {prefix:?}").into())
+    }
+
+    /// Echoes the rest of the output and waits for the program; fails unless it exited with 0.
+    pub fn finish(mut self) -> Outcome {
+        for line in self.lines.by_ref() {
+            println!("python: {}", line?);
+        }
+        let status = self.child.wait()?;
+        ensure(status.success(), &format!("the python program ended with {status}"))
+    }
+}
+
+impl Drop for PythonPeer {
+    fn drop(&mut self) {
+        // A peer left running after a failure would wait for ever on its channels.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,410 @@
+"""cuda_mp: PyTorch and NumPy tensors between processes without copies.
+
+A CUDA tensor crosses as the IPC handle of its allocation (or, for cuda-mp's VMM memory, a file
+descriptor); the receiver gets a ``torch.Tensor`` on the same device memory, through DLPack, and
+the sender's memory lives until every receiver has dropped what it received. Host arrays cross
+through shared memory. Messages are wire-compatible with the Rust crate ``cuda-mp``: a Rust
+``Receiver<GpuTensor<bf16>>`` receives a bf16 ``torch.Tensor`` sent here, and the other way round.
+
+    import torch, cuda_mp
+
+    listener = cuda_mp.Listener(cuda_mp.GpuTensor)   # in the receiving process
+    print(listener.name)                             # give this name to the sender
+    rx = listener.accept(timeout=30)
+    t = rx.recv(timeout=10)                          # a torch.Tensor on the sender's memory
+
+    tx = cuda_mp.connect(name, cuda_mp.GpuTensor)    # in the sending process
+    tx.send(torch.ones(1024, device="cuda"))
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+from . import _native
+from ._errors import Disconnected, DTypeError, Error, Malformed, Timeout
+
+__all__ = [
+    "Bundle",
+    "DTypeError",
+    "Disconnected",
+    "Error",
+    "GpuTensor",
+    "HostTensor",
+    "Listener",
+    "Malformed",
+    "PackedStateDict",
+    "Receiver",
+    "Sender",
+    "Timeout",
+    "channel",
+    "connect",
+    "empty_host",
+    "pack_state_dict",
+]
+
+
+class GpuTensor:
+    """Channel kind: CUDA ``torch.Tensor``s (Rust: ``GpuTensor<T>``)."""
+
+    kind = "gpu"
+
+
+class HostTensor:
+    """Channel kind: host arrays, ``numpy.ndarray`` or CPU ``torch.Tensor`` (Rust: ``HostTensor<T>``)."""
+
+    kind = "host"
+
+
+class Bundle:
+    """Channel kind: ``dict[str, torch.Tensor]`` of CUDA tensors as one message (Rust: ``Bundle``)."""
+
+    kind = "bundle"
+
+
+def _kind(kind) -> str:
+    if isinstance(kind, str) and kind in ("gpu", "host", "bundle"):
+        return kind
+    k = getattr(kind, "kind", None)
+    if k in ("gpu", "host", "bundle"):
+        return k
+    raise ValueError(f"unknown channel kind {kind!r}: cuda_mp.GpuTensor, cuda_mp.HostTensor or cuda_mp.Bundle")
+
+
+# --- element types ---------------------------------------------------------------------------
+
+_NUMPY_TO_NAME = {
+    "float32": "f32",
+    "float64": "f64",
+    "float16": "f16",
+    "int8": "i8",
+    "uint8": "u8",
+    "int16": "i16",
+    "int32": "i32",
+    "int64": "i64",
+    "bool": "bool",
+}
+
+
+def _torch_names():
+    import torch
+
+    return {
+        torch.float32: "f32",
+        torch.float64: "f64",
+        torch.float16: "f16",
+        torch.bfloat16: "bf16",
+        torch.int8: "i8",
+        torch.uint8: "u8",
+        torch.int16: "i16",
+        torch.int32: "i32",
+        torch.int64: "i64",
+        torch.bool: "bool",
+    }
+
+
+def _torch_dtype_name(dtype) -> str:
+    name = _torch_names().get(dtype)
+    if name is None:
+        raise DTypeError(f"cuda-mp cannot send {dtype}: its element types are {', '.join(_native.dtypes())}")
+    return name
+
+
+def _is_torch(obj) -> bool:
+    t = type(obj)
+    return t.__module__.startswith("torch") and hasattr(obj, "untyped_storage")
+
+
+# --- conversions to cuda-mp tensors -----------------------------------------------------------
+
+
+def _order_after_torch(device_index: int) -> None:
+    """Makes cuda-mp's stream wait for PyTorch's current stream (what the sender queued)."""
+    import torch
+
+    current = torch.cuda.current_stream(device_index)
+    if current.query():
+        return
+    ours = torch.cuda.ExternalStream(_native.stream_ptr(device_index), device=torch.device("cuda", device_index))
+    ours.wait_stream(current)
+
+
+def _gpu(t, order: bool = True) -> "_native.Tensor":
+    if isinstance(t, _native.Tensor):
+        return t
+    if not _is_torch(t) or not t.is_cuda:
+        raise TypeError(f"a gpu channel sends CUDA torch.Tensors, not {type(t).__name__}")
+    device = t.device.index if t.device.index is not None else 0
+    if order:
+        _order_after_torch(device)
+    storage = t.untyped_storage()
+    return _native.gpu_tensor(
+        device,
+        storage.data_ptr(),
+        storage.nbytes(),
+        _torch_dtype_name(t.dtype),
+        list(t.shape),
+        list(t.stride()),
+        t.storage_offset(),
+        t,
+    )
+
+
+def _host(a) -> "_native.Tensor":
+    if isinstance(a, _native.Tensor):
+        return a
+    import numpy as np
+
+    if _is_torch(a):
+        if a.is_cuda:
+            raise TypeError("a host channel sends numpy arrays or CPU tensors; this tensor is on a GPU")
+        dtype = _torch_dtype_name(a.dtype)
+        c = a.contiguous()
+        if dtype == "bf16":
+            c = c.view(__import__("torch").int16)
+        a = c.numpy()
+    else:
+        a = np.asarray(a)
+        dtype = _NUMPY_TO_NAME.get(a.dtype.name)
+        if dtype is None:
+            raise DTypeError(f"cuda-mp cannot send numpy {a.dtype}: its element types are {', '.join(_native.dtypes())}")
+    itemsize = a.dtype.itemsize
+    ptr = a.__array_interface__["data"][0]
+    if all(s >= 0 and s % itemsize == 0 for s in a.strides):
+        strides = [s // itemsize for s in a.strides]
+        span = (sum((n - 1) * s for n, s in zip(a.shape, a.strides)) + itemsize) if a.size else 0
+        # Memory cuda-mp made (received, or from empty_host) travels as itself.
+        shared = _native.host_tensor(dtype, list(a.shape), strides, 0, ptr, span)
+        if shared is not None:
+            return shared
+    data = np.ascontiguousarray(a).tobytes()
+    return _native.host_tensor(dtype, list(a.shape), [], 0, 0, 0, data)
+
+
+class PackedStateDict(dict):
+    """A state dict whose tensors are views of one cuda-mp allocation (see ``pack_state_dict``):
+    sent on a ``Bundle`` channel as that allocation, one handle for all of it; update the
+    tensors in place and send again to re-publish."""
+
+    def __init__(self, native_bundle: "_native.Bundle", tensors: Dict[str, Any]):
+        super().__init__(tensors)
+        self._bundle = native_bundle
+
+    @property
+    def allocations(self) -> int:
+        return self._bundle.allocations()
+
+
+def pack_state_dict(state_dict: Dict[str, Any], device=None, chunk_bytes: Optional[int] = None) -> PackedStateDict:
+    """Copies ``state_dict`` (name -> CUDA or CPU tensor) into one cuda-mp allocation on
+    ``device`` (default: the first tensor's GPU) and gives back views of it by the same names.
+    Train on, or copy into, these views; sending the result on a ``Bundle`` channel sends one
+    handle, and a receiver of a re-publish opens nothing."""
+    import torch
+
+    if not state_dict:
+        raise ValueError("an empty state dict")
+    first = next(iter(state_dict.values()))
+    if device is None:
+        device = first.device if first.is_cuda else torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    entries = [(name, _torch_dtype_name(t.dtype), list(t.shape)) for name, t in state_dict.items()]
+    native = _native.pack(index, entries, chunk_bytes)
+    views = {}
+    with torch.cuda.device(index):
+        for name, t in state_dict.items():
+            view = torch.from_dlpack(native.get(name))
+            view.copy_(t)
+            views[name] = view
+    return PackedStateDict(native, views)
+
+
+def _bundle(d) -> "_native.Bundle":
+    if isinstance(d, _native.Bundle):
+        return d
+    if isinstance(d, PackedStateDict):
+        index = next(iter(d.values())).device.index or 0
+        _order_after_torch(index)
+        return d._bundle
+    if not isinstance(d, dict):
+        raise TypeError(f"a bundle channel sends a dict of CUDA tensors, not {type(d).__name__}")
+    ordered = set()
+    entries = []
+    for name, t in d.items():
+        if not isinstance(name, str):
+            raise TypeError(f"bundle names are strings, not {type(name).__name__}")
+        if _is_torch(t) and t.is_cuda and t.device.index not in ordered:
+            _order_after_torch(t.device.index or 0)
+            ordered.add(t.device.index)
+        entries.append((name, _gpu(t, order=False)))
+    return _native.bundle_of(entries)
+
+
+# --- conversions from cuda-mp tensors ---------------------------------------------------------
+
+
+def _to_torch(t: "_native.Tensor"):
+    import torch
+
+    if t.device is None:
+        return torch.from_numpy(_to_numpy(t)) if t.dtype != "bf16" else _host_bf16(t)
+    with torch.cuda.device(t.device):
+        return torch.from_dlpack(t)
+
+
+def _host_bf16(t):
+    import torch
+
+    return torch.from_dlpack(t)
+
+
+def _to_numpy(t: "_native.Tensor"):
+    import numpy as np
+
+    if t.dtype == "bf16":
+        raise DTypeError("numpy has no bfloat16: receive with as_torch=True")
+    return np.from_dlpack(t)
+
+
+# --- channels ---------------------------------------------------------------------------------
+
+
+class Receiver:
+    """The receiving end of a channel. ``recv`` gives ``torch.Tensor`` (gpu channels),
+    ``numpy.ndarray`` (host channels; ``torch.Tensor`` with ``as_torch=True``) or
+    ``dict[str, torch.Tensor]`` (bundle channels), all on the sender's memory."""
+
+    def __init__(self, native, kind: str, as_torch: bool = False):
+        self._native = native
+        self.kind = kind
+        self.as_torch = as_torch
+
+    def recv(self, timeout: Optional[float] = None, raw: bool = False):
+        """The next message; waits at most ``timeout`` seconds (None: for ever). Raises
+        ``Timeout``, ``Disconnected`` (the sender is gone and nothing is left), ``Malformed``.
+        ``raw=True`` gives cuda-mp's own objects (``_native.Tensor`` / ``_native.Bundle``)."""
+        got = self._native.recv(timeout)
+        if raw:
+            return got
+        if self.kind == "gpu":
+            return _to_torch(got)
+        if self.kind == "host":
+            return _to_torch(got) if self.as_torch else _to_numpy(got)
+        return {name: _to_torch(got.get(name)) for name in got.names()}
+
+    def __iter__(self) -> Iterator[Any]:
+        """Messages until the sender is gone (other errors are raised)."""
+        while True:
+            try:
+                yield self.recv()
+            except Disconnected:
+                return
+
+
+class Sender:
+    """The sending end of a channel."""
+
+    def __init__(self, native, kind: str):
+        self._native = native
+        self.kind = kind
+
+    def send(self, value) -> None:
+        """Sends a CUDA ``torch.Tensor`` (gpu channels), a ``numpy.ndarray`` or CPU tensor
+        (host channels: copied into shared memory unless it is cuda-mp's already), or a
+        ``dict[str, torch.Tensor]`` (bundle channels; a ``PackedStateDict`` goes as its one
+        allocation). The sender's CUDA memory stays alive, and the tensor referenced, until every
+        receiver has dropped it. Raises ``Disconnected`` when the receiver is gone."""
+        if self.kind == "gpu":
+            self._native.send(_gpu(value))
+        elif self.kind == "host":
+            self._native.send(_host(value))
+        else:
+            self._native.send(_bundle(value))
+
+
+class Listener:
+    """A name one sender connects to; ``accept`` gives the receiving end."""
+
+    def __init__(self, kind=GpuTensor, as_torch: bool = False):
+        self.kind = _kind(kind)
+        self._native = _native.Listener(self.kind)
+        self._as_torch = as_torch
+
+    @property
+    def name(self) -> str:
+        return self._native.name
+
+    def accept(self, timeout: Optional[float] = None) -> Receiver:
+        """Waits at most ``timeout`` seconds for the sender; once per listener."""
+        return Receiver(self._native.accept(timeout), self.kind, self._as_torch)
+
+
+def connect(name: str, kind=GpuTensor) -> Sender:
+    """Connects to the listener called ``name`` (in this or another process, Python or Rust)."""
+    k = _kind(kind)
+    return Sender(_native.Sender.connect(name, k), k)
+
+
+class _LazySender(Sender):
+    """The sending end of ``channel()``: pickles as the listener's name and connects on first
+    use, in whichever process uses it (one process only)."""
+
+    def __init__(self, name: str, kind: str):
+        self._name = name
+        self.kind = kind
+        self._native = None
+        self._lock = threading.Lock()
+
+    def __getstate__(self):
+        return (self._name, self.kind)
+
+    def __setstate__(self, state):
+        self.__init__(*state)
+
+    def send(self, value) -> None:
+        with self._lock:
+            if self._native is None:
+                self._native = _native.Sender.connect(self._name, self.kind)
+        super().send(value)
+
+
+class _LazyReceiver(Receiver):
+    def __init__(self, listener: Listener, accept_timeout: float):
+        self._listener = listener
+        self._accept_timeout = accept_timeout
+        self.kind = listener.kind
+        self.as_torch = listener._as_torch
+        self._native = None
+
+    def recv(self, timeout: Optional[float] = None, raw: bool = False):
+        if self._native is None:
+            self._native = self._listener._native.accept(self._accept_timeout if timeout is None else timeout)
+        return super().recv(timeout, raw)
+
+
+def channel(kind=GpuTensor, as_torch: bool = False, accept_timeout: float = 60.0) -> Tuple[Sender, Receiver]:
+    """A channel for a process this one starts (``multiprocessing``, ``torch.multiprocessing``):
+    pass the sender to the child (it pickles as a name and connects on first use); the receiver
+    stays here. The sender must connect within ``accept_timeout`` seconds of the first ``recv``."""
+    listener = Listener(kind, as_torch)
+    return _LazySender(listener.name, listener.kind), _LazyReceiver(listener, accept_timeout)
+
+
+def empty_host(shape, dtype="float32"):
+    """A zeroed ``numpy.ndarray`` in shared memory: sent on a host channel without a copy, and
+    a receiver's writes are seen here."""
+    import numpy as np
+
+    dtype = np.dtype(dtype)
+    count = 1
+    for n in shape:
+        count *= n
+    raw = np.from_dlpack(_native.empty_host(count * dtype.itemsize))
+    return raw.view(dtype).reshape(shape)
+
+
+def cuda_available() -> bool:
+    """Whether a CUDA GPU is usable in this process."""
+    return _native.cuda_available()

@@ -1,0 +1,170 @@
+"""CUDA tensors between PyTorch processes and Rust, on a GPU machine: `pytest -m gpu`."""
+
+import subprocess
+
+import pytest
+
+import cuda_mp
+from conftest import rust_example
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+if not torch.cuda.is_available():
+    pytest.fail("these tests need a CUDA GPU, and none is usable", pytrace=False)
+
+
+def pair(kind=cuda_mp.GpuTensor):
+    listener = cuda_mp.Listener(kind)
+    tx = cuda_mp.connect(listener.name, kind)
+    return tx, listener.accept(timeout=10)
+
+
+def consumer_adds(tx_name, n):
+    import torch
+
+    import cuda_mp
+
+    rx_listener = cuda_mp.Listener(cuda_mp.GpuTensor)
+    back = cuda_mp.connect(tx_name, cuda_mp.HostTensor)
+    back.send(__import__("numpy").frombuffer(rx_listener.name.encode(), dtype="uint8"))
+    rx = rx_listener.accept(timeout=60)
+    for _ in range(n):
+        t = rx.recv(timeout=60)
+        t.add_(1)  # on torch's current stream, ordered after the sender's work
+        torch.cuda.current_stream().synchronize()
+        back.send(__import__("numpy").array([t.numel()]))
+        del t
+
+
+def test_a_torch_tensor_crosses_to_another_process_and_is_written_in_place():
+    import numpy as np
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    acks = cuda_mp.Listener(cuda_mp.HostTensor)
+    p = ctx.Process(target=consumer_adds, args=(acks.name, 3))
+    p.start()
+    rx = acks.accept(timeout=60)
+    name = bytes(rx.recv(timeout=60)).decode()
+    tx = cuda_mp.connect(name, cuda_mp.GpuTensor)
+    # bf16, a strided view at a storage offset, and a tensor from the caching allocator's pool
+    big = torch.arange(4096, dtype=torch.float32, device="cuda").reshape(64, 64)
+    cases = [
+        torch.zeros(1000, dtype=torch.bfloat16, device="cuda"),
+        big[8:, 3],  # strided, offset into its storage
+        big,
+    ]
+    for t in cases:
+        before = t.clone()
+        # Queue work right before sending: the receiver must see its result.
+        t.mul_(1)
+        tx.send(t)
+        assert int(rx.recv(timeout=60)[0]) == t.numel()
+        assert torch.equal(t, before + 1), "the consumer's in-place add is visible here"
+    p.join(60)
+    assert p.exitcode == 0
+
+
+def holder(acks_name):
+    import gc
+
+    import numpy as np
+
+    import cuda_mp
+
+    acks = cuda_mp.connect(acks_name, cuda_mp.HostTensor)
+    listener = cuda_mp.Listener(cuda_mp.GpuTensor)
+    acks.send(np.frombuffer(listener.name.encode(), dtype="uint8"))
+    rx = listener.accept(timeout=60)
+    t = rx.recv(timeout=60)
+    view = t[10:20]  # a view keeps the memory too
+    del t
+    gc.collect()
+    acks.send(np.array([float(view.sum().item())]))
+    rx.recv(timeout=60)  # told to drop
+    del view
+    gc.collect()
+    acks.send(np.array([0.0]))
+
+
+def test_the_sender_memory_lives_until_the_receiver_garbage_collects_its_last_view():
+    import time
+
+    acks_listener = cuda_mp.Listener(cuda_mp.HostTensor)
+    p = torch.multiprocessing.get_context("spawn").Process(target=holder, args=(acks_listener.name,))
+    p.start()
+    acks = acks_listener.accept(timeout=60)
+    tx = cuda_mp.connect(bytes(acks.recv(timeout=60)).decode(), cuda_mp.GpuTensor)
+    baseline = cuda_mp._native.lifetime_stats()[1]
+    t = torch.ones(1000, device="cuda")
+    tx.send(t)
+    del t
+    torch.cuda.synchronize()
+    assert float(acks.recv(timeout=60)[0]) == 10.0
+    assert cuda_mp._native.lifetime_stats()[1] == baseline + 1, "kept while the receiver holds a view"
+    tx.send(torch.zeros(1, device="cuda"))  # tells it to drop
+    assert float(acks.recv(timeout=60)[0]) == 0.0
+    deadline = time.time() + 10
+    while cuda_mp._native.lifetime_stats()[1] > baseline and time.time() < deadline:
+        time.sleep(0.01)
+    assert cuda_mp._native.lifetime_stats()[1] == baseline, "released once the receiver dropped its view"
+    p.join(60)
+    assert p.exitcode == 0
+
+
+def test_a_state_dict_is_sent_as_one_allocation_and_republished_in_place():
+    sd = {
+        "w": torch.randn(256, 256, device="cuda").to(torch.bfloat16),
+        "b": torch.randn(256, device="cuda"),
+        "step": torch.zeros(1, dtype=torch.int64, device="cuda"),
+    }
+    packed = cuda_mp.pack_state_dict(sd)
+    assert packed.allocations == 1
+    for k in sd:
+        assert torch.equal(packed[k], sd[k])
+    tx, rx = pair(cuda_mp.Bundle)
+    for step in range(1, 4):
+        packed["step"].fill_(step)
+        packed["w"].add_(1)
+        tx.send(packed)
+        got = rx.recv(timeout=10)
+        assert int(got["step"].item()) == step
+        assert torch.equal(got["w"], packed["w"])
+    # A plain dict of torch tensors goes too (one allocation per storage).
+    tx.send(sd)
+    got = rx.recv(timeout=10)
+    assert set(got) == set(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+
+
+def test_a_rust_process_adds_one_to_torch_memory_and_sends_it_back():
+    replies = cuda_mp.Listener(cuda_mp.GpuTensor)
+    peer = subprocess.Popen(
+        [str(rust_example("14_python_peer")), "--kind", "gpu", "--reply-to", replies.name],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = peer.stdout.readline()
+        assert line.startswith("LISTEN "), line
+        tx = cuda_mp.connect(line.split()[1], cuda_mp.GpuTensor)
+        rx = replies.accept(timeout=60)
+        t = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+        for n in range(1, 4):
+            tx.send(t)
+            back = rx.recv(timeout=60)
+            assert torch.equal(back, torch.arange(1 << 20, dtype=torch.float32, device="cuda") + n)
+            assert back.data_ptr() == t.data_ptr(), "the same memory came back"
+            del back
+        del tx
+        out, _ = peer.communicate(timeout=60)
+        assert peer.returncode == 0 and "PASS" in out, out
+    finally:
+        peer.kill()
+
+
+def test_wrong_values_raise():
+    tx, _rx = pair()
+    with pytest.raises(TypeError):
+        tx.send(torch.zeros(3))  # a CPU tensor on a gpu channel
+    with pytest.raises(cuda_mp.DTypeError):
+        tx.send(torch.zeros(3, dtype=torch.complex64, device="cuda"))

@@ -1,0 +1,113 @@
+"""Host arrays across processes, errors, and a Rust peer: no GPU needed."""
+
+import multiprocessing as mp
+import subprocess
+
+import numpy as np
+import pytest
+
+import cuda_mp
+from conftest import rust_example
+
+
+def pair(kind=cuda_mp.HostTensor, **kw):
+    listener = cuda_mp.Listener(kind, **kw)
+    tx = cuda_mp.connect(listener.name, kind)
+    return tx, listener.accept(timeout=10)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int8", "uint8", "int16", "int32", "int64", "bool"])
+def test_every_numpy_dtype_arrives_with_its_values(dtype):
+    tx, rx = pair()
+    a = (np.arange(24) % 5).astype(dtype).reshape(2, 3, 4)
+    tx.send(a)
+    b = rx.recv(timeout=10)
+    assert b.dtype == a.dtype and b.shape == a.shape
+    np.testing.assert_array_equal(a, b)
+
+
+def test_views_are_sent_by_value_and_shared_memory_by_reference():
+    tx, rx = pair()
+    a = np.arange(12, dtype=np.int32).reshape(3, 4)
+    tx.send(a.T)  # not contiguous: copied in C order
+    np.testing.assert_array_equal(rx.recv(timeout=10), a.T)
+    shared = cuda_mp.empty_host((3, 4), "int32")
+    shared[:] = a
+    tx.send(shared[1:])  # cuda-mp's own memory: no copy, the same bytes
+    got = rx.recv(timeout=10)
+    assert got.__array_interface__["data"][0] == shared[1:].__array_interface__["data"][0]
+    got[0, 0] = -1
+    assert shared[1, 0] == -1
+
+
+def test_timeouts_disconnects_and_wrong_values_raise_their_exceptions():
+    tx, rx = pair()
+    with pytest.raises(cuda_mp.Timeout) as e:
+        rx.recv(timeout=0.2)
+    assert isinstance(e.value, TimeoutError) and isinstance(e.value, cuda_mp.Error)
+    with pytest.raises(cuda_mp.DTypeError):
+        tx.send(np.zeros(3, dtype=np.complex64))
+    bundles = cuda_mp.Listener(cuda_mp.Bundle)
+    with pytest.raises(TypeError):
+        cuda_mp.connect(bundles.name, cuda_mp.Bundle).send(np.zeros(3))
+    with pytest.raises(ValueError):
+        cuda_mp.Listener("nonsense")
+    del tx
+    with pytest.raises(cuda_mp.Disconnected):
+        rx.recv(timeout=5)
+    with pytest.raises(cuda_mp.Error):
+        cuda_mp.connect("no-such-listener-anywhere", cuda_mp.HostTensor)
+
+
+def child_writes(tx, n):
+    import numpy as np
+
+    for i in range(n):
+        shared = cuda_mp.empty_host((4,), "int64")
+        shared[:] = i
+        tx.send(shared)
+
+
+def test_a_spawned_python_process_sends_over_a_channel():
+    tx, rx = cuda_mp.channel(cuda_mp.HostTensor)
+    p = mp.get_context("spawn").Process(target=child_writes, args=(tx, 5))
+    p.start()
+    got = [rx.recv(timeout=30) for _ in range(5)]
+    p.join(30)
+    assert p.exitcode == 0
+    assert [int(g[0]) for g in got] == list(range(5))
+    # The child exited: what it sent is still readable here (the memory is shared, not its own).
+    assert all((g == i).all() for i, g in enumerate(got))
+
+
+def test_a_rust_process_adds_one_in_place_and_sends_the_same_memory_back():
+    replies = cuda_mp.Listener(cuda_mp.HostTensor)
+    peer = subprocess.Popen(
+        [str(rust_example("14_python_peer")), "--kind", "host", "--reply-to", replies.name],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = peer.stdout.readline()
+        assert line.startswith("LISTEN "), line
+        tx = cuda_mp.connect(line.split()[1], cuda_mp.HostTensor)
+        rx = replies.accept(timeout=30)
+        for n in range(3):
+            shared = cuda_mp.empty_host((2, 8), "float32")
+            shared[:] = np.arange(16, dtype=np.float32).reshape(2, 8) * n
+            tx.send(shared)
+            back = rx.recv(timeout=30)
+            expected = np.arange(16, dtype=np.float32).reshape(2, 8) * n + 1
+            np.testing.assert_array_equal(back, expected)
+            np.testing.assert_array_equal(shared, expected)  # written in this process's memory
+            assert back.__array_interface__["data"][0] == shared.__array_interface__["data"][0]
+        # A plain array is copied into shared memory on the way; the answer is that copy.
+        back = None
+        tx.send(np.full(3, 2.5, dtype=np.float32))
+        np.testing.assert_array_equal(rx.recv(timeout=30), np.full(3, 3.5, dtype=np.float32))
+        del tx
+        out, _ = peer.communicate(timeout=30)
+        assert peer.returncode == 0, out
+        assert "PASS" in out and "served 4 host tensors" in out, out
+    finally:
+        peer.kill()
