@@ -5,12 +5,13 @@
 //!     cargo run --example 14_python_peer -- --kind host --reply-to <name of a Python listener>
 //!
 //! It prints `LISTEN <name>`: the Python side connects a sender of that kind there. `--kind
-//! gpu` serves f32 GPU tensors (needs a GPU).
+//! gpu` serves f32 GPU tensors (needs a GPU); `--kind bundle` answers each bundle with its
+//! `step` tensor's value (a host tensor of one i64), as a weight consumer would.
 
 mod common;
 
 use common::{Outcome, TIMEOUT};
-use cuda_mp::{GpuTensor, HostTensor, Listener, Sender};
+use cuda_mp::{Bundle, GpuTensor, HostTensor, Listener, Sender};
 
 fn serve_host(reply_to: &str) -> Outcome<usize> {
     let listener = Listener::<HostTensor<f32>>::bind()?;
@@ -42,6 +43,24 @@ fn serve_gpu(reply_to: &str) -> Outcome<usize> {
     Ok(served)
 }
 
+fn serve_bundles(reply_to: &str) -> Outcome<usize> {
+    common::require_gpu()?;
+    let listener = Listener::<Bundle>::bind()?;
+    println!("LISTEN {}", listener.name());
+    let reply = Sender::<HostTensor<i64>>::connect(reply_to)?;
+    let rx = listener.accept_timeout(TIMEOUT)?;
+    let mut served = 0;
+    // Keeps the latest weights, as a rollout engine does.
+    let mut _latest = None;
+    while let Ok(b) = rx.recv() {
+        let step = b.get::<i64>("step")?.to_vec()?;
+        _latest = Some(b);
+        reply.send(HostTensor::from_vec(&[1], step)?)?;
+        served += 1;
+    }
+    Ok(served)
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let kind: String = common::arg("--kind", "host".to_string())?;
     let reply_to: String = common::arg("--reply-to", String::new())?;
@@ -49,7 +68,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         _ if reply_to.is_empty() => Err("--reply-to <name> is needed".into()),
         "host" => serve_host(&reply_to).map(|n| println!("served {n} host tensors")),
         "gpu" => serve_gpu(&reply_to).map(|n| println!("served {n} gpu tensors")),
-        other => Err(format!("--kind {other}: host or gpu").into()),
+        "bundle" => serve_bundles(&reply_to).map(|n| println!("served {n} bundles")),
+        other => Err(format!("--kind {other}: host, gpu or bundle").into()),
     };
-    common::verdict(outcome, "every tensor from Python came back with 1 added in place")
+    let pass = if kind == "bundle" {
+        "every bundle from Python was read and answered with its step"
+    } else {
+        "every tensor from Python came back with 1 added in place"
+    };
+    common::verdict(outcome, pass)
 }

@@ -1,0 +1,151 @@
+"""Python -> Rust weight publish, beside torch.multiprocessing on the same workload.
+
+A PyTorch process packs 7B-shaped weights (291 bf16 tensors, 13.5 GB, plus a step counter)
+with cuda_mp.pack_state_dict and publishes them to a Rust consumer (examples/14_python_peer
+--kind bundle), which keeps the latest weights and answers with the step it read: the first
+publish to a fresh consumer, then re-publishes after every tensor was updated in place.
+torch.multiprocessing does the same with its Queue and a torch consumer process, in this run.
+
+    python3 benches/python_publish.py [--rust-peer PATH] [--no-torch]
+
+Needs a GPU, torch, and the cuda_mp package; the Rust peer is built by
+`cargo build --release --example 14_python_peer`.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+import cuda_mp
+
+ROUNDS = 10
+
+
+def llama7b_shapes():
+    vocab, d, ff, layers = 32000, 4096, 11008, 32
+    shapes = [("model.embed_tokens.weight", (vocab, d))]
+    for layer in range(layers):
+        p = f"model.layers.{layer}"
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            shapes.append((f"{p}.self_attn.{n}.weight", (d, d)))
+        shapes.append((f"{p}.mlp.gate_proj.weight", (ff, d)))
+        shapes.append((f"{p}.mlp.up_proj.weight", (ff, d)))
+        shapes.append((f"{p}.mlp.down_proj.weight", (d, ff)))
+        shapes.append((f"{p}.input_layernorm.weight", (d,)))
+        shapes.append((f"{p}.post_attention_layernorm.weight", (d,)))
+    shapes.append(("model.norm.weight", (d,)))
+    shapes.append(("lm_head.weight", (vocab, d)))
+    return shapes
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def p99(xs):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(0.99 * (len(xs) - 1)))]
+
+
+def publish_rounds(state, send, wait_step):
+    """First publish, then ROUNDS re-publishes after an in-place update; microseconds."""
+
+    def one(step):
+        state["step"].fill_(step)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        send(step)
+        got = wait_step()
+        assert got == step, (got, step)
+        return (time.perf_counter() - start) * 1e6
+
+    first = one(1)
+    again = []
+    for step in range(2, 2 + ROUNDS):
+        with torch.no_grad():
+            for name, t in state.items():
+                if name != "step":
+                    t.add_(1)
+        again.append(one(step))
+    return first, again
+
+
+def ours(rust_peer):
+    weights = {n: torch.zeros(s, dtype=torch.bfloat16, device="cuda") for n, s in llama7b_shapes()}
+    weights["step"] = torch.zeros(1, dtype=torch.int64, device="cuda")
+    packed = cuda_mp.pack_state_dict(weights)
+    del weights
+    torch.cuda.empty_cache()
+    replies = cuda_mp.Listener(cuda_mp.HostTensor)
+    peer = subprocess.Popen([rust_peer, "--kind", "bundle", "--reply-to", replies.name], stdout=subprocess.PIPE, text=True)
+    line = peer.stdout.readline()
+    assert line.startswith("LISTEN "), line
+    tx = cuda_mp.connect(line.split()[1], cuda_mp.Bundle)
+    rx = replies.accept(timeout=60)
+    # Untimed warm-up: the consumer starts CUDA on a small bundle first.
+    warm = cuda_mp.pack_state_dict({"step": torch.zeros(1, dtype=torch.int64, device="cuda")})
+    tx.send(warm)
+    rx.recv(timeout=60)
+    first, again = publish_rounds(packed, lambda step: tx.send(packed), lambda: int(rx.recv(timeout=120)[0]))
+    del tx
+    out, _ = peer.communicate(timeout=120)
+    assert peer.returncode == 0, out
+    return first, again, packed.allocations
+
+
+def torch_consumer(q, ack):
+    latest = None
+    while True:
+        d = q.get()
+        if d is None:
+            break
+        step = int(d["step"].item())
+        latest = d
+        ack.put(step)
+    del latest
+
+
+def theirs():
+    ctx = mp.get_context("spawn")
+    q, ack = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=torch_consumer, args=(q, ack))
+    p.start()
+    q.put({"step": torch.zeros(1, dtype=torch.int64, device="cuda")})
+    ack.get()
+    weights = {n: torch.zeros(s, dtype=torch.bfloat16, device="cuda") for n, s in llama7b_shapes()}
+    weights["step"] = torch.zeros(1, dtype=torch.int64, device="cuda")
+    first, again = publish_rounds(weights, lambda step: q.put(weights), lambda: ack.get(timeout=120))
+    q.put(None)
+    p.join()
+    return first, again
+
+
+def main():
+    args = sys.argv[1:]
+    peer = os.environ.get("CUDA_MP_RUST_PEER", "target/release/examples/14_python_peer")
+    if "--rust-peer" in args:
+        peer = args[args.index("--rust-peer") + 1]
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
+    first, again, allocations = ours(peer)
+    rows = [("Python -> Rust, first publish", first, first), ("Python -> Rust, re-publish", median(again), p99(again))]
+    torch_rows = [None, None]
+    if "--no-torch" not in args:
+        t_first, t_again = theirs()
+        torch_rows = [(t_first, t_first), (median(t_again), p99(t_again))]
+    print(f"\nweights: 291 bf16 tensors + step, 13.48 GB, packed into {allocations} cuda-mp allocation(s)\n")
+    print("| workload | cuda-mp median | cuda-mp p99 | torch.mp median | torch.mp p99 | torch / cuda-mp |")
+    print("|---|---|---|---|---|---|")
+    for (what, m, p), t in zip(rows, torch_rows):
+        if t is None:
+            print(f"| {what} | {m:.1f} us | {p:.1f} us | n/a | n/a | n/a |")
+        else:
+            print(f"| {what} | {m:.1f} us | {p:.1f} us | {t[0]:.1f} us | {t[1]:.1f} us | {t[0] / m:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()
