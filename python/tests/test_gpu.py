@@ -168,3 +168,35 @@ def test_wrong_values_raise():
         tx.send(torch.zeros(3))  # a CPU tensor on a gpu channel
     with pytest.raises(cuda_mp.DTypeError):
         tx.send(torch.zeros(3, dtype=torch.complex64, device="cuda"))
+
+
+def test_cpu_torch_tensors_cross_a_host_channel_bf16_included():
+    listener = cuda_mp.Listener(cuda_mp.HostTensor, as_torch=True)
+    tx = cuda_mp.connect(listener.name, cuda_mp.HostTensor)
+    rx = listener.accept(timeout=10)
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        t = (torch.arange(12) % 5).to(dtype).reshape(3, 4)
+        tx.send(t.T)  # not contiguous: copied in C order
+        got = rx.recv(timeout=10)
+        assert got.dtype == dtype and torch.equal(got, t.T)
+
+
+EXPANDABLE = """
+import torch, cuda_mp
+listener = cuda_mp.Listener(cuda_mp.GpuTensor)
+tx = cuda_mp.connect(listener.name, cuda_mp.GpuTensor)
+try:
+    tx.send(torch.ones(1 << 20, device="cuda"))
+except cuda_mp.Error as e:
+    print("REFUSED", e)
+"""
+
+
+def test_memory_of_the_expandable_segments_allocator_is_refused_with_what_to_do():
+    import os
+    import sys
+
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    out = subprocess.run([sys.executable, "-c", EXPANDABLE], env=env, capture_output=True, text=True, timeout=120)
+    assert "REFUSED" in out.stdout, out.stdout + out.stderr
+    assert "expandable_segments" in out.stdout, out.stdout
