@@ -7,6 +7,7 @@ mod events;
 mod handles;
 mod kernels;
 mod storage;
+mod torch_refs;
 mod vmm;
 
 use std::sync::Arc;
