@@ -363,7 +363,7 @@ impl std::fmt::Debug for RefRegistry {
 /// This process's registry and the thread that watches it.
 struct Producer {
     registry: Mutex<RefRegistry>,
-    /// Wakes the thread when a share is made.
+    /// Wakes the thread when a share is made while none was outstanding.
     shared: Condvar,
 }
 
@@ -418,13 +418,18 @@ fn watch() {
 /// files, with `keep` kept until the consumer takes the slot back to 0 (or this process exits).
 pub(crate) fn share(keep: Keep) -> Result<(CString, usize)> {
     start();
-    let (shared, done) = {
+    let (shared, done, first) = {
         let mut guard = registry();
         let done = guard.collect();
-        (guard.share(keep), done)
+        let shared = guard.share(keep);
+        let first = guard.outstanding() == 1;
+        (shared, done, first)
     };
     drop(done);
-    PRODUCER.shared.notify_all();
+    if first {
+        // The thread sleeps while nothing is outstanding; otherwise it is already looking.
+        PRODUCER.shared.notify_all();
+    }
     shared
 }
 
