@@ -33,30 +33,16 @@ _TORCH_DTYPES = {
 }
 
 
-def _dtype_error(message):
-    from ._errors import DTypeError
-
-    return DTypeError(message)
-
-
-def _cuda_mp_dtype(dtype):
-    """cuda-mp's name of the PyTorch dtype ``dtype``."""
-    import torch
-
-    for name, attr in _TORCH_DTYPES.items():
-        if getattr(torch, attr) == dtype:
-            return name
-    raise _dtype_error(f"cuda-mp has no element type for {dtype}")
-
-
 def _torch_dtype(name):
     """The PyTorch dtype of cuda-mp's element type ``name``."""
     import torch
 
+    from ._errors import DTypeError
+
     try:
         return getattr(torch, _TORCH_DTYPES[name])
     except KeyError:
-        raise _dtype_error(f"pytorch has no element type for cuda-mp's {name!r}") from None
+        raise DTypeError(f"pytorch has no element type for cuda-mp's {name!r}") from None
 
 
 def from_torch_reduction(reduced):
@@ -110,46 +96,39 @@ def from_torch_reduction(reduced):
         event_handle,
         event_sync_required,
     )
+    from . import _torch_dtype_name
+
     return _native.from_torch(
         fields,
-        _cuda_mp_dtype(dtype),
+        _torch_dtype_name(dtype),
         [int(n) for n in tensor_size],
         [int(s) for s in tensor_stride],
         int(tensor_offset),
     )
 
 
-def _order_after_torch(device):
-    """Makes cuda-mp's stream on ``device`` wait for PyTorch's current stream there, when that
-    has work queued (writes made through ``torch.from_dlpack`` views, say)."""
-    import torch
-
-    if not torch.cuda.is_initialized():
-        return
-    current = torch.cuda.current_stream(device)
-    if current.query():
-        return
-    ours = torch.cuda.ExternalStream(_native.stream_ptr(device), device=device)
-    ours.wait_stream(current)
-
-
 def to_torch_args(tensor):
-    """The 15 arguments of ``torch.multiprocessing.reductions.rebuild_cuda_tensor`` for a
-    cuda-mp GPU tensor of this process (pickle them to a PyTorch process, which calls
-    :func:`rebuild` or ``rebuild_cuda_tensor(*args)``).
+    """The 15 arguments of ``torch.multiprocessing.reductions.rebuild_cuda_tensor`` for a GPU
+    tensor of this process: a cuda-mp tensor, or a CUDA ``torch.Tensor`` (of PyTorch's caching
+    allocator, or a view of cuda-mp memory). Pickle them to a PyTorch process, which calls
+    :func:`rebuild` or ``rebuild_cuda_tensor(*args)``.
 
     Each call is one share: the memory is kept until the PyTorch consumer frees its tensor,
-    and then released (or until this process exits, when the consumer dies first). PyTorch's
-    current stream here is waited for, as well as cuda-mp's stream. Memory received from
-    another process, and VMM memory, cannot be handed to PyTorch this way (an error says so);
-    allocate legacy memory or copy.
+    and then released (or until this process exits, when the consumer dies first). What
+    PyTorch's current stream here has queued is waited for, as well as cuda-mp's stream.
+    Memory received from another process, and VMM memory, cannot be handed to PyTorch this way
+    (an error says so); allocate legacy memory or copy.
     """
     import torch
 
-    device = tensor.device
-    if device is None:
+    from . import _gpu, _order_after_torch
+
+    if not isinstance(tensor, _native.Tensor):
+        tensor = _gpu(tensor)  # waits for PyTorch's current stream itself
+    elif tensor.device is None:
         raise TypeError("a host tensor has no pytorch cuda ipc handle")
-    _order_after_torch(device)
+    elif torch.cuda.is_initialized():
+        _order_after_torch(tensor.device)
     (
         storage_device,
         storage_handle,

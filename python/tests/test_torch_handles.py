@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.gpu
+
 torch = pytest.importorskip("torch", reason="the PyTorch interop tests need PyTorch")
 if not torch.cuda.is_available():
     pytest.skip("the PyTorch interop tests need a CUDA GPU", allow_module_level=True)
@@ -250,11 +252,13 @@ def test_expandable_segments_are_refused_with_what_to_do():
 
 
 def _consumer_round_trip(t, x):
-    """Hands cuda-mp tensor ``t`` (viewed here as ``x``, columns 2..10 of a 16x16 arange) to a
-    PyTorch consumer, which doubles it; checks the write and the release."""
+    """Hands ``t`` (a cuda-mp tensor or a CUDA torch.Tensor of this process: columns 2..10 of
+    ``x``, a 16x16 arange) to a PyTorch consumer, which doubles it; checks the write and the
+    release. Gives the arguments sent."""
     outstanding, _, released = _native.torch_ipc_stats()
     args = to_torch_args(t)
     assert args[7] is not None and len(args[7]) == 64
+    assert (tuple(args[1]), tuple(args[2]), args[5]) == ((16, 8), (16, 1), torch.float32)
     assert _native.torch_ipc_stats()[0] == outstanding + 1
     p, conn = _spawn(torch_consumer, args)
     try:
@@ -272,6 +276,7 @@ def _consumer_round_trip(t, x):
     finally:
         if p.is_alive():
             p.kill()
+    return args
 
 
 def test_a_cuda_mp_tensor_is_used_by_a_pytorch_consumer_and_released():
@@ -279,22 +284,31 @@ def test_a_cuda_mp_tensor_is_used_by_a_pytorch_consumer_and_released():
     bundle = _native.pack(0, [("pad", "u8", [300]), ("w", "f32", [16, 16])])
     whole = bundle.get("w")
     x = torch.from_dlpack(whole)
+    # Queued on PyTorch's stream right before the handoff: the consumer must see it.
     x.copy_(torch.arange(256, dtype=torch.float32, device="cuda").reshape(16, 16))
-    # A strided view at an offset: columns 2..10.
-    view = _native.gpu_tensor(
-        0, x.data_ptr(), x.untyped_storage().nbytes(), "f32", [16, 8], [16, 1], 2, x
-    )
-    assert _native.element_offset(view) > 2, "the view lies past the bundle's first entry"
-    _consumer_round_trip(view, x)
+    # A strided view, past the bundle's first entry: cuda-mp's own allocation, at an offset.
+    view = _native.gpu_tensor(0, x.data_ptr(), x.untyped_storage().nbytes(), "f32", [16, 8], [16, 1], 2, x)
+    offset = _native.element_offset(view)
+    assert offset > 2
+    args = _consumer_round_trip(view, x)
+    assert (args[3], args[9]) == (offset, 0), "the allocation itself, the view at its offset"
     del view, x, whole, bundle
     gc.collect()
     _wait_for(lambda: _native.lifetime_stats()[0] == live_before, "the storage to be freed")
 
 
-def test_pytorch_memory_wrapped_here_is_used_by_a_pytorch_consumer_and_released():
+def test_a_pytorch_view_of_cuda_mp_memory_is_shared_as_that_memory():
+    bundle = _native.pack(0, [("w", "f32", [16, 16])])
+    x = torch.from_dlpack(bundle.get("w"))
+    x.copy_(torch.arange(256, dtype=torch.float32, device="cuda").reshape(16, 16))
+    args = _consumer_round_trip(x[:, 2:10], x)
+    assert (args[3], args[9]) == (2, 0)
+
+
+def test_pytorch_memory_of_this_process_is_used_by_a_pytorch_consumer_and_released():
     x = torch.arange(256, dtype=torch.float32, device="cuda").reshape(16, 16)
-    t = _native.gpu_tensor(0, x.data_ptr(), x.untyped_storage().nbytes(), "f32", [16, 8], [16, 1], 2, x)
-    _consumer_round_trip(t, x)
+    args = _consumer_round_trip(x[:, 2:10], x)
+    assert args[3] == 2
 
 
 def test_a_host_tensor_has_no_pytorch_handle():
