@@ -79,8 +79,8 @@ pub use error::{
     Error, JoinError, PanicReport, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError,
 };
 pub use gpu::{
-    cuda_available, Bundle, BundleBuilder, BundleEntry, Device, GpuMemoryKind, GpuStorage, GpuTensor, IpcPayload,
-    DEFAULT_CHUNK_BYTES, VMM_MIN_BYTES,
+    cuda_available, torch_ipc_stats, Bundle, BundleBuilder, BundleEntry, Device, GpuMemoryKind, GpuStorage, GpuTensor,
+    IpcPayload, TorchIpcHandle, TorchIpcStats, DEFAULT_CHUNK_BYTES, VMM_MIN_BYTES,
 };
 pub use half::{bf16, f16};
 pub use host::{HostStorage, HostTensor};

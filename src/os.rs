@@ -1,7 +1,8 @@
 //! The operating-system calls cuda-mp makes itself (everything else goes through ipc-channel):
-//! the descriptor limit, shared memory read as atomics, watching a child's exit, panics of the
-//! transport caught without printing them, and the panics of a pool worker's job thread
-//! reported as they happen.
+//! the descriptor limit, shared memory read as atomics (anonymous, or named with `shm_open` for
+//! PyTorch's reference counters), exit hooks, watching a child's exit, panics of the transport
+//! caught without printing them, and the panics of a pool worker's job thread reported as they
+//! happen.
 
 use std::cell::Cell;
 use std::sync::atomic::AtomicU64;
@@ -178,6 +179,183 @@ impl SharedMapping {
     pub(crate) fn memory(&self) -> &std::sync::Arc<IpcSharedMemory> {
         &self.shm
     }
+}
+
+/// A named POSIX shared-memory object (`shm_open`), mapped read-write in full and accessed only
+/// through atomics (other processes write it at any time). Dropping it unmaps it; the object
+/// itself stays until someone unlinks it ([`shm_unlink`]).
+///
+/// Another process that shrinks the object while it is mapped here makes accesses past its new
+/// end fault (`SIGBUS`), as with any shared mapping; the objects cuda-mp maps belong to
+/// cooperating processes (PyTorch's reference counters) that never shrink them.
+pub(crate) struct ShmFile {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is owned by the value and lives as long as it; its bytes are only
+// accessed atomically, which concurrent writers (threads or processes) cannot make undefined.
+unsafe impl Send for ShmFile {}
+// SAFETY: as above.
+unsafe impl Sync for ShmFile {}
+
+/// What opening an existing shared-memory object found.
+#[derive(Debug)]
+pub(crate) enum ShmOpen {
+    /// Mapped.
+    Mapped(ShmFile),
+    /// No object of that name.
+    Missing,
+    /// The object holds fewer bytes than asked for (it is left as it is).
+    TooSmall,
+}
+
+/// Closes `fd` when dropped.
+struct Fd(libc::c_int);
+
+impl Drop for Fd {
+    fn drop(&mut self) {
+        // SAFETY: the descriptor was returned to us by `shm_open` and is closed once, here.
+        unsafe { libc::close(self.0) };
+    }
+}
+
+/// Size in bytes of the object behind `fd`.
+fn fd_size(fd: &Fd) -> std::io::Result<u64> {
+    // SAFETY: `stat` is plain integers, for which all zeroes is a valid value.
+    let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `stat` is valid and writable; `fd` is open.
+    if unsafe { libc::fstat(fd.0, &mut stat) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(stat.st_size.max(0) as u64)
+}
+
+impl ShmFile {
+    /// Creates the object `name` (which must not exist yet; mode 0600) with `len` zeroed bytes,
+    /// and maps it. `ErrorKind::AlreadyExists` when the name is taken.
+    pub(crate) fn create(name: &std::ffi::CStr, len: usize) -> std::io::Result<ShmFile> {
+        // SAFETY: `name` is NUL-terminated; a non-negative result is a new descriptor we own.
+        let fd = unsafe {
+            libc::shm_open(name.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC, 0o600)
+        };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let fd = Fd(fd);
+        let mapped = libc::off_t::try_from(len)
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))
+            .and_then(|size| {
+                // SAFETY: `fd` is open, and ours.
+                if unsafe { libc::ftruncate(fd.0, size) } != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                ShmFile::map(&fd, len)
+            });
+        if mapped.is_err() {
+            // Nobody else knows the name yet: take it back.
+            let _ = shm_unlink(name);
+        }
+        mapped
+    }
+
+    /// Opens the existing object `name` read-write and maps its first `len` bytes; creates
+    /// nothing and changes nothing when it is missing or smaller.
+    pub(crate) fn open(name: &std::ffi::CStr, len: usize) -> std::io::Result<ShmOpen> {
+        // SAFETY: `name` is NUL-terminated; a non-negative result is a new descriptor we own.
+        let fd = unsafe { libc::shm_open(name.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0) };
+        if fd < 0 {
+            let e = std::io::Error::last_os_error();
+            return match e.raw_os_error() {
+                Some(libc::ENOENT) => Ok(ShmOpen::Missing),
+                _ => Err(e),
+            };
+        }
+        let fd = Fd(fd);
+        let size = fd_size(&fd)?;
+        if size < len as u64 {
+            return Ok(ShmOpen::TooSmall);
+        }
+        Ok(ShmOpen::Mapped(ShmFile::map(&fd, len)?))
+    }
+
+    /// Size in bytes of the existing object `name`, or None when there is none.
+    pub(crate) fn size_of(name: &std::ffi::CStr) -> std::io::Result<Option<u64>> {
+        // SAFETY: `name` is NUL-terminated; a non-negative result is a new descriptor we own.
+        let fd = unsafe { libc::shm_open(name.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC, 0) };
+        if fd < 0 {
+            let e = std::io::Error::last_os_error();
+            return match e.raw_os_error() {
+                Some(libc::ENOENT) => Ok(None),
+                _ => Err(e),
+            };
+        }
+        fd_size(&Fd(fd)).map(Some)
+    }
+
+    /// Maps the first `len` bytes (at least one) of `fd`, shared and read-write.
+    fn map(fd: &Fd, len: usize) -> std::io::Result<ShmFile> {
+        if len == 0 {
+            return Err(std::io::Error::from(std::io::ErrorKind::InvalidInput));
+        }
+        // SAFETY: a fresh mapping chosen by the kernel (no address hint) of an open descriptor;
+        // the descriptor may be closed afterwards, the mapping stays.
+        let ptr = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.0, 0)
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        let ptr =
+            std::ptr::NonNull::new(ptr as *mut u8).ok_or_else(|| std::io::Error::from(std::io::ErrorKind::Other))?;
+        Ok(ShmFile { ptr, len })
+    }
+
+    /// The 32-bit cell at byte `offset`, if aligned and inside the mapping.
+    pub(crate) fn i32_at(&self, offset: usize) -> Option<&std::sync::atomic::AtomicI32> {
+        let inside = offset.is_multiple_of(4) && offset.checked_add(4).is_some_and(|end| end <= self.len);
+        // SAFETY: inside the live mapping, which is page-aligned, so the cell is 4-byte aligned
+        // as `AtomicI32` requires; the reference lives no longer than the mapping (`&self`), and
+        // the memory is only ever accessed atomically.
+        inside.then(|| unsafe { &*(self.ptr.as_ptr().add(offset) as *const std::sync::atomic::AtomicI32) })
+    }
+
+    /// The 64-bit cell at byte `offset`, if aligned and inside the mapping.
+    pub(crate) fn i64_at(&self, offset: usize) -> Option<&std::sync::atomic::AtomicI64> {
+        let inside = offset.is_multiple_of(8) && offset.checked_add(8).is_some_and(|end| end <= self.len);
+        // SAFETY: as for `i32_at`, with 8-byte alignment.
+        inside.then(|| unsafe { &*(self.ptr.as_ptr().add(offset) as *const std::sync::atomic::AtomicI64) })
+    }
+}
+
+impl Drop for ShmFile {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` and `len` are exactly the mapping made in `map`; no reference into it
+        // outlives `self`.
+        unsafe { libc::munmap(self.ptr.as_ptr() as *mut libc::c_void, self.len) };
+    }
+}
+
+impl std::fmt::Debug for ShmFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmFile").field("len", &self.len).finish_non_exhaustive()
+    }
+}
+
+/// Removes the shared-memory object `name` (processes that have it mapped keep their mapping).
+pub(crate) fn shm_unlink(name: &std::ffi::CStr) -> std::io::Result<()> {
+    // SAFETY: `name` is NUL-terminated.
+    if unsafe { libc::shm_unlink(name.as_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Runs `f` when the process exits normally (`exit`, or returning from `main`), after the
+/// handlers registered later. False when it could not be registered.
+pub(crate) fn at_exit(f: extern "C" fn()) -> bool {
+    // SAFETY: `f` is a plain function with no arguments, valid for the life of the process.
+    unsafe { libc::atexit(f) == 0 }
 }
 
 /// How a child process ended.

@@ -52,6 +52,18 @@ pub(crate) fn wait(owner_device: &Device, wait_on: &Device, owner: u128, handle:
     event.wait_on(wait_on.stream())
 }
 
+/// Makes `device`'s stream wait for another library's event (PyTorch's, recorded for one
+/// share), unless it has already completed. The event is opened, waited on and closed again
+/// (a queued wait is not affected by the close): PyTorch records a new event per share, so
+/// keeping them open would grow without bound.
+pub(crate) fn wait_once(device: &Device, handle: &IpcHandle) -> Result<()> {
+    let event = OpenedEvent::open(device, handle)?;
+    if event.is_complete()? {
+        return Ok(());
+    }
+    event.wait_on(device.stream())
+}
+
 /// Makes `stream`, another library's stream of `device`'s context, wait for the work queued on
 /// the device's stream (nothing when that is idle).
 ///

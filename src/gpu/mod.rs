@@ -7,6 +7,8 @@ mod events;
 mod handles;
 mod kernels;
 mod storage;
+mod torch;
+mod torch_refs;
 mod vmm;
 
 use std::sync::Arc;
@@ -18,6 +20,7 @@ use ndarray::{ArrayBase, ArrayD, Data, Dimension, IxDyn};
 pub use bundle::{Bundle, BundleBuilder, BundleEntry, DEFAULT_CHUNK_BYTES};
 pub use device::{cuda_available, Device};
 pub use storage::{GpuMemoryKind, GpuStorage, IpcPayload, VMM_MIN_BYTES};
+pub use torch::{torch_ipc_stats, TorchIpcHandle, TorchIpcStats};
 
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};

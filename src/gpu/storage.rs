@@ -13,6 +13,7 @@ use super::device::{format_uuid, Device};
 use super::driver::{DeviceRange, IpcHandle, IPC_HANDLE_BYTES};
 use super::events;
 use super::handles::{DeviceAllocation, ForeignBlock, SharedMapping};
+use super::torch::TorchBlock;
 use super::vmm::{VmmMemory, VmmWire};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
@@ -62,6 +63,10 @@ pub(crate) enum GpuMemory {
     /// Part of another library's `cuMemAlloc` allocation in this process (PyTorch's, say),
     /// exported as the allocation's IPC handle and the offset.
     Foreign { block: ForeignBlock, handle: OnceCell<IpcHandle> },
+    /// Part of a PyTorch process's `cudaMalloc` block, mapped here from the handle PyTorch
+    /// shares, holding the share's reference-counter slot (see `torch.rs`). This process's
+    /// memory for cuda-mp: sent on as the block's handle and the offset.
+    Torch(TorchBlock),
 }
 
 impl GpuMemory {
@@ -72,6 +77,7 @@ impl GpuMemory {
             GpuMemory::Imported { mapping, .. } => mapping.device(),
             GpuMemory::Vmm(m) => m.device(),
             GpuMemory::Foreign { block, .. } => block.device(),
+            GpuMemory::Torch(block) => block.device(),
         }
     }
 
@@ -85,6 +91,7 @@ impl GpuMemory {
             }
             GpuMemory::Vmm(m) => m.range().sub(0, len),
             GpuMemory::Foreign { block, .. } => block.range().sub(block.offset(), len),
+            GpuMemory::Torch(block) => block.range().sub(block.offset(), len),
         }
     }
 
@@ -95,6 +102,7 @@ impl GpuMemory {
             GpuMemory::Imported { mapping, alloc_offset, .. } => mapping.ptr() + alloc_offset,
             GpuMemory::Vmm(m) => m.ptr(),
             GpuMemory::Foreign { block, .. } => block.ptr(),
+            GpuMemory::Torch(block) => block.ptr(),
         }
     }
 
@@ -170,6 +178,12 @@ impl StorageKind for GpuKind {
                     *profile::timed(Phase::ExportRecord, || handle.get_or_try_init(|| block.ipc_handle()))?;
                 let alloc_offset = block.offset() as u64;
                 (block.device(), WireMemory::Legacy { mem_handle: mem_handle.to_vec(), alloc_offset })
+            }
+            GpuMemory::Torch(block) => {
+                // Receivers map PyTorch's block; their leases keep this storage, and so the
+                // share's slot, until they are done.
+                let alloc_offset = block.offset() as u64;
+                (block.device(), WireMemory::Legacy { mem_handle: block.handle().to_vec(), alloc_offset })
             }
             _ => return Self::forward(memory),
         };
