@@ -64,6 +64,7 @@ mod lifetime;
 mod os;
 mod process;
 mod profile;
+mod queue;
 mod storage;
 mod sync;
 mod tensor;
@@ -87,6 +88,7 @@ pub use layout::{Layout, MAX_DIMS};
 pub use lifetime::{lifetime_stats, wait_for_lifetime, LifetimeStats, StorageId};
 pub use ndarray;
 pub use process::{init, spawn, spawn_n, Builder, JoinHandle, Pool};
+pub use queue::{GetError, GetTimeoutError, Queue, QueueConsumer, QueueStats, TryGetError};
 pub use sync::{
     Barrier, BarrierError, BarrierWaitResult, Event, Lock, LockError, LockGuard, Semaphore, SemaphoreGuard,
 };
