@@ -5,7 +5,7 @@
 mod dispatch;
 
 use std::fmt;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{mpsc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
@@ -14,7 +14,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use crate::channel::{channel, Receiver, Sender};
 use crate::error::{Error, RecvError, RecvTimeoutError, Result, SendError, SendFailure};
 
-use dispatch::{Ctl, Failure, Join, Reply, Slot};
+use dispatch::{Ctl, Event, Failure, Join, Reply, Slot};
 
 /// How long a consumer that gave up waiting ([`Queue::get_timeout`]) waits for the dispatcher
 /// to confirm; it answers at once unless its process is stuck.
@@ -73,8 +73,9 @@ const CANCEL_WAIT: Duration = Duration::from_secs(10);
 ///   descriptors and the owners reclaim the memory, as for any channel.
 /// - **Puts never wait for consumers.** The queue is unbounded: the dispatcher reads every
 ///   put into its backlog as it arrives.
-/// - **Order.** One producer's messages are handed out in the order it put them (a message
-///   taken back from a dead consumer goes first, ahead of later ones).
+/// - **Order.** Messages put through one handle (and its clones, in one process) are handed
+///   out in the order put; a message taken back from a dead consumer goes first, ahead of
+///   later ones.
 ///
 /// # Design: a dispatcher, not a shared receiver
 ///
@@ -94,12 +95,16 @@ const CANCEL_WAIT: Duration = Duration::from_secs(10);
 /// disconnected [`SendError`], in every process. Create the queue in the process that
 /// outlives the workers (the parent, as a rule).
 ///
-/// Costs: each message is two hops (producer to dispatcher, dispatcher to consumer) and an
-/// acknowledgement; the dispatcher's process maps each waiting tensor that another process
-/// produced and holds its descriptors (a host tensor: its memory and its message's lease)
-/// until it is delivered; the dispatcher runs three threads, plus one per consumer.
+/// Costs: a get is one round trip to the dispatcher plus an acknowledgement. A put from the
+/// creating process hands the value to the dispatcher as it is; a put from another process is
+/// one more hop, and the dispatcher's process then maps each waiting tensor of it and holds
+/// its descriptors (a host tensor: its memory and its message's lease) until it is delivered.
+/// The dispatcher runs three threads, plus one per consumer.
 pub struct Queue<T> {
     inbox: Sender<T>,
+    /// In the process that created the queue (and not in copies sent elsewhere): the
+    /// dispatcher's own event queue, which a put enters without being encoded.
+    local: Option<mpsc::Sender<Event<T>>>,
     consumer: QueueConsumer<T>,
 }
 
@@ -165,7 +170,7 @@ pub struct QueueStats {
 
 impl<T> Clone for Queue<T> {
     fn clone(&self) -> Self {
-        Queue { inbox: self.inbox.clone(), consumer: self.consumer.clone() }
+        Queue { inbox: self.inbox.clone(), local: self.local.clone(), consumer: self.consumer.clone() }
     }
 }
 
@@ -204,7 +209,7 @@ impl<T> Serialize for Queue<T> {
 impl<'de, T> Deserialize<'de> for Queue<T> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
         let QueueWire { inbox, join } = QueueWire::deserialize(deserializer)?;
-        Ok(Queue { inbox, consumer: QueueConsumer { join, endpoint: Mutex::new(None) } })
+        Ok(Queue { inbox, local: None, consumer: QueueConsumer { join, endpoint: Mutex::new(None) } })
     }
 }
 
@@ -230,8 +235,12 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Queue<T> {
     /// assert_eq!(queue.get().unwrap(), "task");
     /// ```
     pub fn new() -> Result<Queue<T>> {
-        let (inbox, join) = dispatch::start::<T>()?;
-        Ok(Queue { inbox, consumer: QueueConsumer { join, endpoint: Mutex::new(None) } })
+        let ends = dispatch::start::<T>()?;
+        Ok(Queue {
+            inbox: ends.inbox,
+            local: Some(ends.local),
+            consumer: QueueConsumer { join: ends.join, endpoint: Mutex::new(None) },
+        })
     }
 
     /// Puts a message on the queue. It never waits for a consumer (the queue is unbounded);
@@ -246,7 +255,15 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Queue<T> {
     /// assert!(got.shares_storage_with(&t));
     /// ```
     pub fn put(&self, value: T) -> std::result::Result<(), SendError<T>> {
-        self.inbox.send(value)
+        let Some(local) = &self.local else { return self.inbox.send(value) };
+        match local.send(Event::Put(value)) {
+            Ok(()) => Ok(()),
+            // The dispatcher thread is gone (it runs while any event sender exists, this one
+            // included, so it panicked): the inbox reports what became of the queue.
+            Err(mpsc::SendError(Event::Put(value))) => self.inbox.send(value),
+            // What comes back is what was sent.
+            Err(_) => Ok(()),
+        }
     }
 
     /// A handle that only gets and does not keep the queue open.

@@ -94,8 +94,8 @@ pub(super) struct Join<T> {
     pub(super) replies: Sender<Reply<T>>,
 }
 
-/// What the reader threads tell the dispatcher thread.
-enum Event<T> {
+/// What the reader threads, and puts made in this process, tell the dispatcher thread.
+pub(super) enum Event<T> {
     Put(T),
     /// A put arrived that does not decode here (it is discarded; its resources released).
     Undecodable,
@@ -130,9 +130,19 @@ struct Dispatcher<T> {
     undecodable: u64,
 }
 
-/// Starts a queue's dispatcher in this process; returns the producers' and the consumers'
-/// ends.
-pub(super) fn start<T>() -> Result<(Sender<T>, Sender<Join<T>>)>
+/// The ends of a queue whose dispatcher runs in this process.
+pub(super) struct Ends<T> {
+    /// Producers anywhere: the inbox.
+    pub(super) inbox: Sender<T>,
+    /// Producers in this process: the dispatcher's event queue itself, which takes the value
+    /// as it is (no encoding, no descriptors, no lease).
+    pub(super) local: mpsc::Sender<Event<T>>,
+    /// Consumers anywhere.
+    pub(super) join: Sender<Join<T>>,
+}
+
+/// Starts a queue's dispatcher in this process.
+pub(super) fn start<T>() -> Result<Ends<T>>
 where
     T: Serialize + DeserializeOwned + Send + 'static,
 {
@@ -142,8 +152,9 @@ where
     thread::Builder::new().name("cuda-mp-queue".into()).spawn(move || Dispatcher::new().run(events_rx))?;
     let puts = events_tx.clone();
     thread::Builder::new().name("cuda-mp-queue-puts".into()).spawn(move || read_puts(inbox_rx, puts))?;
-    thread::Builder::new().name("cuda-mp-queue-joins".into()).spawn(move || read_joins(join_rx, events_tx))?;
-    Ok((inbox_tx, join_tx))
+    let joins = events_tx.clone();
+    thread::Builder::new().name("cuda-mp-queue-joins".into()).spawn(move || read_joins(join_rx, joins))?;
+    Ok(Ends { inbox: inbox_tx, local: events_tx, join: join_tx })
 }
 
 /// Moves every put into the dispatcher's unbounded event queue at once, so that a producer
