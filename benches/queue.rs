@@ -8,7 +8,13 @@
 //! uint8 host tensors on one queue drained by 1 or 4 consumer processes that get and drop
 //! them; either *fresh* (a new tensor allocated for every put, allocation timed) or *resent*
 //! (the same 8 tensors put again and again). Tensors per second from the first put until every
-//! consumer has got every tensor; the median of the rounds. torch runs the same workloads with
+//! consumer has got every tensor; the median of the rounds. The producer stays at most 1,024
+//! tensors ahead of the consumers (each returns a credit per 256 tensors it dropped): the queue
+//! is unbounded, and every live host tensor, queued or not, is a descriptor in the producer's
+//! process. It also pauses (timed) while its process holds more than 4,096 storages and lease
+//! channels, which a loaded machine's reaper may free later than the consumers drop them, and
+//! each round starts once the previous one's are freed. torch runs the same workloads, with the
+//! same credits, with
 //! `torch.multiprocessing.Queue` (spawn context, a `None` per consumer to stop); the ratio is
 //! ours / torch, higher is better for us. For scale, the same workloads over a plain channel
 //! to one consumer (no queue: no dispatcher, no acknowledgement) are printed after the table.
@@ -16,22 +22,57 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use cuda_mp::{channel, spawn, HostTensor, Queue, QueueConsumer, Receiver, Sender};
+use cuda_mp::{channel, spawn, wait_for_lifetime, HostTensor, Queue, QueueConsumer, Receiver, Sender};
 
 const BYTES: usize = 4096;
 const POOL: usize = 8;
 const WAIT: Duration = Duration::from_secs(120);
+/// How far the producer may run ahead of the consumers, in tensors.
+const WINDOW: usize = 1024;
+/// Tensors per credit a consumer returns.
+const CREDIT: u64 = 256;
+/// Storages and lease channels this process may hold alive while producing.
+const HELD: usize = 4096;
+
+/// The ends a consumer reports on: ready, a credit per [`CREDIT`] tensors, its count at the end.
+type Reports = (Sender<()>, Sender<()>, Sender<u64>);
 
 /// Joins the queue, says so, gets and drops until the queue is closed, and reports how many.
-fn consume((queue, ready, done): (QueueConsumer<HostTensor<u8>>, Sender<()>, Sender<u64>)) {
+fn consume((queue, (ready, credit, done)): (QueueConsumer<HostTensor<u8>>, Reports)) {
     queue.stats().expect("join the queue");
     ready.send(()).expect("report ready");
     let mut n = 0u64;
-    for t in queue.iter() {
-        drop(t);
+    loop {
+        match queue.get() {
+            Ok(t) => drop(t),
+            Err(e) if e.is_disconnected() => break,
+            Err(e) => panic!("get: {e}"),
+        }
         n += 1;
+        if n.is_multiple_of(CREDIT) {
+            credit.send(()).expect("return a credit");
+        }
     }
     done.send(n).expect("report the count");
+}
+
+/// Sends `n` tensors with `send`, at most [`WINDOW`] ahead of the credits returned.
+fn produce(mode: Mode, n: usize, credits: &Receiver<()>, mut send: impl FnMut(HostTensor<u8>)) {
+    let pool: Vec<HostTensor<u8>> = (0..POOL).map(|_| HostTensor::zeros(&[BYTES]).expect("a tensor")).collect();
+    let mut returned = 0usize;
+    for i in 0..n {
+        while i >= returned * CREDIT as usize + WINDOW {
+            credits.recv_timeout(WAIT).expect("a credit");
+            returned += 1;
+        }
+        if i % 64 == 0 {
+            wait_for_lifetime(WAIT, |s| s.live_storages + s.outstanding_leases <= HELD).expect("releases");
+        }
+        send(match mode {
+            Mode::Fresh => HostTensor::zeros(&[BYTES]).expect("a tensor"),
+            Mode::Resent => pool[i % POOL].clone(),
+        });
+    }
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -49,25 +90,26 @@ impl Mode {
     }
 }
 
+/// Waits until everything an earlier round shared is freed.
+fn settle() {
+    wait_for_lifetime(WAIT, |s| s.exported_storages == 0 && s.outstanding_leases == 0).expect("an earlier round freed");
+}
+
 /// One round: tensors per second.
 fn round(consumers: usize, mode: Mode, n: usize) -> f64 {
+    settle();
     let queue = Queue::<HostTensor<u8>>::new().expect("a queue");
     let (ready_tx, ready_rx) = channel().expect("a channel");
+    let (credit_tx, credit_rx) = channel().expect("a channel");
     let (done_tx, done_rx) = channel().expect("a channel");
-    let children: Vec<_> =
-        (0..consumers).map(|_| spawn((queue.consumer(), ready_tx.clone(), done_tx.clone()), consume)).collect();
+    let children: Vec<_> = (0..consumers)
+        .map(|_| spawn((queue.consumer(), (ready_tx.clone(), credit_tx.clone(), done_tx.clone())), consume))
+        .collect();
     for _ in 0..consumers {
         ready_rx.recv_timeout(WAIT).expect("a consumer ready");
     }
-    let pool: Vec<HostTensor<u8>> = (0..POOL).map(|_| HostTensor::zeros(&[BYTES]).expect("a tensor")).collect();
     let start = Instant::now();
-    for i in 0..n {
-        let t = match mode {
-            Mode::Fresh => HostTensor::zeros(&[BYTES]).expect("a tensor"),
-            Mode::Resent => pool[i % POOL].clone(),
-        };
-        queue.put(t).expect("put");
-    }
+    produce(mode, n, &credit_rx, |t| queue.put(t).expect("put"));
     drop(queue);
     let got: u64 = (0..consumers).map(|_| done_rx.recv_timeout(WAIT).expect("a consumer's count")).sum();
     let secs = start.elapsed().as_secs_f64();
@@ -78,32 +120,30 @@ fn round(consumers: usize, mode: Mode, n: usize) -> f64 {
     n as f64 / secs
 }
 
-fn drain((rx, ready, done): (Receiver<HostTensor<u8>>, Sender<()>, Sender<u64>)) {
+fn drain((rx, (ready, credit, done)): (Receiver<HostTensor<u8>>, Reports)) {
     ready.send(()).expect("report ready");
     let mut n = 0u64;
     for t in rx.iter() {
         drop(t);
         n += 1;
+        if n.is_multiple_of(CREDIT) {
+            credit.send(()).expect("return a credit");
+        }
     }
     done.send(n).expect("report the count");
 }
 
 /// The same workload over a plain channel to one consumer: tensors per second.
 fn channel_round(mode: Mode, n: usize) -> f64 {
+    settle();
     let (tx, rx) = channel().expect("a channel");
     let (ready_tx, ready_rx) = channel().expect("a channel");
+    let (credit_tx, credit_rx) = channel().expect("a channel");
     let (done_tx, done_rx) = channel().expect("a channel");
-    let child = spawn((rx, ready_tx, done_tx), drain);
+    let child = spawn((rx, (ready_tx, credit_tx, done_tx)), drain);
     ready_rx.recv_timeout(WAIT).expect("the consumer ready");
-    let pool: Vec<HostTensor<u8>> = (0..POOL).map(|_| HostTensor::zeros(&[BYTES]).expect("a tensor")).collect();
     let start = Instant::now();
-    for i in 0..n {
-        let t = match mode {
-            Mode::Fresh => HostTensor::zeros(&[BYTES]).expect("a tensor"),
-            Mode::Resent => pool[i % POOL].clone(),
-        };
-        tx.send(t).expect("send");
-    }
+    produce(mode, n, &credit_rx, |t| tx.send(t).expect("send"));
     drop(tx);
     let got = done_rx.recv_timeout(WAIT).expect("the consumer's count");
     let secs = start.elapsed().as_secs_f64();

@@ -1,7 +1,9 @@
 """torch.multiprocessing baseline for benches/queue.rs: one torch.multiprocessing.Queue drained
 by 1 and 4 consumer processes, 4 KiB uint8 CPU tensors, fresh (a new tensor per put) or resent
-(the same 8 tensors again and again). Prints `row <key> <tensors_per_s>` per workload (the
-median of the rounds), or `skip <why>` when torch is not installed.
+(the same 8 tensors again and again), the producer at most 1,024 tensors ahead of the consumers
+(each returns a credit per 256 tensors), as in benches/queue.rs. Prints
+`row <key> <tensors_per_s>` per workload (the median of the rounds), or `skip <why>` when
+torch is not installed.
 
     python3 benches/torch_queue.py [--quick] [--n N] [--rounds R]
 """
@@ -18,9 +20,11 @@ except ImportError:
 
 BYTES = 4096
 POOL = 8
+WINDOW = 1024
+CREDIT = 256
 
 
-def consume(q, ready, done):
+def consume(q, ready, credit, done):
     ready.put(1)
     n = 0
     while True:
@@ -29,19 +33,25 @@ def consume(q, ready, done):
             break
         del t
         n += 1
+        if n % CREDIT == 0:
+            credit.put(1)
     done.put(n)
 
 
 def one_round(ctx, consumers, mode, n):
-    q, ready, done = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    ps = [ctx.Process(target=consume, args=(q, ready, done)) for _ in range(consumers)]
+    q, ready, credit, done = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    ps = [ctx.Process(target=consume, args=(q, ready, credit, done)) for _ in range(consumers)]
     for p in ps:
         p.start()
     for _ in ps:
         ready.get()
     pool = [torch.zeros(BYTES, dtype=torch.uint8) for _ in range(POOL)]
+    returned = 0
     start = time.perf_counter()
     for i in range(n):
+        while i >= returned * CREDIT + WINDOW:
+            credit.get()
+            returned += 1
         t = torch.zeros(BYTES, dtype=torch.uint8) if mode == "fresh" else pool[i % POOL]
         q.put(t)
     for _ in ps:
