@@ -100,6 +100,14 @@ const CANCEL_WAIT: Duration = Duration::from_secs(10);
 /// one more hop, and the dispatcher's process then maps each waiting tensor of it and holds
 /// its descriptors (a host tensor: its memory and its message's lease) until it is delivered.
 /// The dispatcher runs three threads, plus one per consumer.
+///
+/// Unbounded means the backlog keeps its tensors alive: every live host tensor is a
+/// descriptor in the process that made it, so a producer of fresh tensors running tens of
+/// thousands ahead of its consumers reaches the descriptor limit. Its allocations then fail,
+/// and a get whose message the dispatcher cannot send reports
+/// [`GetError::OutOfDescriptors`] (the message stays first in the queue). Where that can
+/// happen, bound how far the producer runs ahead (the queue's benchmark returns a credit per
+/// 256 tensors consumed).
 pub struct Queue<T> {
     inbox: Sender<T>,
     /// In the process that created the queue (and not in copies sent elsewhere): the
