@@ -518,17 +518,17 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
     }
 
     /// Takes a message if one is waiting now, without waiting for one (it asks the dispatcher,
-    /// a round trip).
+    /// a round trip). A put made earlier in the queue's own process is seen; one from another
+    /// process once it has reached the dispatcher.
     ///
     /// ```
     /// let queue = cuda_mp::Queue::new().unwrap();
     /// let consumer = queue.consumer();
     /// assert!(consumer.try_get().unwrap_err().is_empty());
     /// queue.put('x').unwrap();
-    /// std::thread::sleep(std::time::Duration::from_millis(50)); // the put reaches the dispatcher
     /// assert_eq!(consumer.try_get().unwrap(), 'x');
     /// drop(queue);
-    /// std::thread::sleep(std::time::Duration::from_millis(50));
+    /// assert!(consumer.get().unwrap_err().is_disconnected()); // waits until the close is seen
     /// assert!(consumer.try_get().unwrap_err().is_disconnected());
     /// ```
     pub fn try_get(&self) -> std::result::Result<T, TryGetError> {
@@ -569,7 +569,6 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
     /// let queue = cuda_mp::Queue::<u8>::new().unwrap();
     /// let consumer = queue.consumer();
     /// queue.put(1).unwrap();
-    /// std::thread::sleep(std::time::Duration::from_millis(50)); // the put reaches the dispatcher
     /// let stats = consumer.stats().unwrap();
     /// assert_eq!((stats.backlog, stats.consumers), (1, 1));
     /// ```
@@ -753,7 +752,7 @@ impl TryGetError {
     /// let queue = cuda_mp::Queue::<u8>::new().unwrap();
     /// let consumer = queue.consumer();
     /// drop(queue);
-    /// std::thread::sleep(std::time::Duration::from_millis(50)); // the dispatcher sees it
+    /// assert!(consumer.get().unwrap_err().is_disconnected()); // waits until the close is seen
     /// assert!(consumer.try_get().unwrap_err().is_disconnected());
     /// ```
     pub fn is_disconnected(&self) -> bool {
