@@ -353,7 +353,14 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
             return;
         };
         match c.replies.send(Reply::Item(Slot::Shared(item.clone()))) {
-            Ok(()) => c.in_flight = Some(item),
+            Ok(()) => {
+                // A consumer of this crate acknowledges before it asks again; one that does not
+                // gets its older message put back rather than lost.
+                if let Some(older) = c.in_flight.replace(item) {
+                    self.backlog.push_front(older);
+                    self.requeued += 1;
+                }
+            }
             Err(e) if e.is_disconnected() => {
                 // Its process is gone (or it dropped its handle): another consumer gets it.
                 self.backlog.push_front(item);
