@@ -281,6 +281,13 @@ fn consumers_join_and_leave_at_any_time() {
     assert_eq!((s.delivered, s.requeued, s.backlog), (200, 0, 0), "{s:?}");
 }
 
+#[test]
+fn handles_are_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<Queue<HostTensor<u8>>>();
+    check::<QueueConsumer<HostTensor<u8>>>();
+}
+
 fn create_and_exit(tx: Sender<(Queue<u32>, QueueConsumer<u32>)>) {
     let queue = Queue::new().unwrap();
     tx.send((queue.clone(), queue.consumer())).unwrap();
