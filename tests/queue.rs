@@ -193,6 +193,32 @@ fn several_producer_processes_keep_their_order_for_one_consumer() {
     wait_for_lifetime(WAIT, |s| s.imported_storages == before.imported_storages).expect("imports released");
 }
 
+/// Checks every tagged tensor until the queue is closed; how many per producer.
+fn check_tagged(queue: QueueConsumer<Tagged>) -> Vec<u32> {
+    let mut next = vec![0u32; 2];
+    for (id, k, t) in queue.iter() {
+        assert_eq!(k, next[id as usize]);
+        next[id as usize] += 1;
+        assert_eq!(t.to_vec(), vec![(id * 100_000 + k) as i32; 16]);
+    }
+    next
+}
+
+#[test]
+fn tensors_from_producers_that_exited_reach_a_consumer_process() {
+    let _g = serial();
+    let before = lifetime_stats();
+    let queue = Queue::<Tagged>::new().unwrap();
+    for id in 0..2 {
+        spawn((id, queue.clone(), 100), produce).join().unwrap();
+    }
+    // Both producers are gone; their tensors wait here, forwarded on to another process.
+    let consumer = spawn(queue.consumer(), check_tagged);
+    drop(queue);
+    assert_eq!(consumer.join().unwrap(), vec![100, 100]);
+    wait_for_lifetime(WAIT, |s| s.imported_storages == before.imported_storages).expect("imports released");
+}
+
 fn put_numbers((queue, n): (Queue<u32>, u32)) {
     for i in 0..n {
         queue.put(i).unwrap();
