@@ -65,6 +65,7 @@ mod os;
 mod pool;
 mod process;
 mod profile;
+mod queue;
 mod storage;
 mod sync;
 mod tensor;
@@ -89,6 +90,7 @@ pub use lifetime::{lifetime_stats, wait_for_lifetime, LifetimeStats, StorageId};
 pub use ndarray;
 pub use pool::{AsyncResult, Imap, ImapUnordered, Pool, PoolBuilder};
 pub use process::{init, spawn, spawn_n, Builder, JoinHandle};
+pub use queue::{GetError, GetTimeoutError, Queue, QueueConsumer, QueueStats, TryGetError};
 pub use sync::{
     Barrier, BarrierError, BarrierWaitResult, Event, Lock, LockError, LockGuard, Semaphore, SemaphoreGuard,
 };

@@ -1,0 +1,238 @@
+//! Queue throughput against `torch.multiprocessing.Queue`, in one run, on the CPU.
+//!
+//!     cargo bench --bench queue                  # ours, then benches/torch_queue.py, one table
+//!     cargo bench --bench queue -- --quick       # fewer tensors, one round
+//!     cargo bench --bench queue -- --no-torch    # ours only
+//!
+//! Each row: one producer (this process, which also runs the queue's dispatcher) puts 4 KiB
+//! uint8 host tensors on one queue drained by 1 or 4 consumer processes that get and drop
+//! them; either *fresh* (a new tensor allocated for every put, allocation timed) or *resent*
+//! (the same 8 tensors put again and again). Tensors per second from the first put until every
+//! consumer has got every tensor; the median of the rounds. The producer stays at most 1,024
+//! tensors ahead of the consumers (each returns a credit per 256 tensors it dropped): the queue
+//! is unbounded, and every live host tensor, queued or not, is a descriptor in the producer's
+//! process. It also pauses (timed) while its process holds more than 4,096 storages and lease
+//! channels, which a loaded machine's reaper may free later than the consumers drop them, and
+//! each round starts once the previous one's are freed. torch runs the same workloads, with the
+//! same credits, with
+//! `torch.multiprocessing.Queue` (spawn context, a `None` per consumer to stop); the ratio is
+//! ours / torch, higher is better for us. For scale, the same workloads over a plain channel
+//! to one consumer (no queue: no dispatcher, no acknowledgement) are printed after the table.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use cuda_mp::{channel, spawn, wait_for_lifetime, HostTensor, Queue, QueueConsumer, Receiver, Sender};
+
+const BYTES: usize = 4096;
+const POOL: usize = 8;
+const WAIT: Duration = Duration::from_secs(120);
+/// How far the producer may run ahead of the consumers, in tensors.
+const WINDOW: usize = 1024;
+/// Tensors per credit a consumer returns.
+const CREDIT: u64 = 256;
+/// Storages and lease channels this process may hold alive while producing.
+const HELD: usize = 4096;
+
+/// The ends a consumer reports on: ready, a credit per [`CREDIT`] tensors, its count at the end.
+type Reports = (Sender<()>, Sender<()>, Sender<u64>);
+
+/// Joins the queue, says so, gets and drops until the queue is closed, and reports how many.
+fn consume((queue, (ready, credit, done)): (QueueConsumer<HostTensor<u8>>, Reports)) {
+    queue.stats().expect("join the queue");
+    ready.send(()).expect("report ready");
+    let mut n = 0u64;
+    loop {
+        match queue.get() {
+            Ok(t) => drop(t),
+            Err(e) if e.is_disconnected() => break,
+            Err(e) => panic!("get: {e}"),
+        }
+        n += 1;
+        if n.is_multiple_of(CREDIT) {
+            credit.send(()).expect("return a credit");
+        }
+    }
+    done.send(n).expect("report the count");
+}
+
+/// Sends `n` tensors with `send`, at most [`WINDOW`] ahead of the credits returned.
+fn produce(mode: Mode, n: usize, credits: &Receiver<()>, mut send: impl FnMut(HostTensor<u8>)) {
+    let pool: Vec<HostTensor<u8>> = (0..POOL).map(|_| HostTensor::zeros(&[BYTES]).expect("a tensor")).collect();
+    let mut returned = 0usize;
+    for i in 0..n {
+        while i >= returned * CREDIT as usize + WINDOW {
+            credits.recv_timeout(WAIT).expect("a credit");
+            returned += 1;
+        }
+        if i % 64 == 0 {
+            wait_for_lifetime(WAIT, |s| s.live_storages + s.outstanding_leases <= HELD).expect("releases");
+        }
+        send(match mode {
+            Mode::Fresh => HostTensor::zeros(&[BYTES]).expect("a tensor"),
+            Mode::Resent => pool[i % POOL].clone(),
+        });
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    Fresh,
+    Resent,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Fresh => "fresh",
+            Mode::Resent => "resent",
+        }
+    }
+}
+
+/// Waits until everything an earlier round shared is freed.
+fn settle() {
+    wait_for_lifetime(WAIT, |s| s.exported_storages == 0 && s.outstanding_leases == 0).expect("an earlier round freed");
+}
+
+/// One round: tensors per second.
+fn round(consumers: usize, mode: Mode, n: usize) -> f64 {
+    settle();
+    let queue = Queue::<HostTensor<u8>>::new().expect("a queue");
+    let (ready_tx, ready_rx) = channel().expect("a channel");
+    let (credit_tx, credit_rx) = channel().expect("a channel");
+    let (done_tx, done_rx) = channel().expect("a channel");
+    let children: Vec<_> = (0..consumers)
+        .map(|_| spawn((queue.consumer(), (ready_tx.clone(), credit_tx.clone(), done_tx.clone())), consume))
+        .collect();
+    for _ in 0..consumers {
+        ready_rx.recv_timeout(WAIT).expect("a consumer ready");
+    }
+    let start = Instant::now();
+    produce(mode, n, &credit_rx, |t| queue.put(t).expect("put"));
+    drop(queue);
+    let got: u64 = (0..consumers).map(|_| done_rx.recv_timeout(WAIT).expect("a consumer's count")).sum();
+    let secs = start.elapsed().as_secs_f64();
+    assert_eq!(got, n as u64, "every tensor received once");
+    for c in children {
+        c.join().expect("a consumer");
+    }
+    n as f64 / secs
+}
+
+fn drain((rx, (ready, credit, done)): (Receiver<HostTensor<u8>>, Reports)) {
+    ready.send(()).expect("report ready");
+    let mut n = 0u64;
+    for t in rx.iter() {
+        drop(t);
+        n += 1;
+        if n.is_multiple_of(CREDIT) {
+            credit.send(()).expect("return a credit");
+        }
+    }
+    done.send(n).expect("report the count");
+}
+
+/// The same workload over a plain channel to one consumer: tensors per second.
+fn channel_round(mode: Mode, n: usize) -> f64 {
+    settle();
+    let (tx, rx) = channel().expect("a channel");
+    let (ready_tx, ready_rx) = channel().expect("a channel");
+    let (credit_tx, credit_rx) = channel().expect("a channel");
+    let (done_tx, done_rx) = channel().expect("a channel");
+    let child = spawn((rx, (ready_tx, credit_tx, done_tx)), drain);
+    ready_rx.recv_timeout(WAIT).expect("the consumer ready");
+    let start = Instant::now();
+    produce(mode, n, &credit_rx, |t| tx.send(t).expect("send"));
+    drop(tx);
+    let got = done_rx.recv_timeout(WAIT).expect("the consumer's count");
+    let secs = start.elapsed().as_secs_f64();
+    assert_eq!(got, n as u64);
+    child.join().expect("the consumer");
+    n as f64 / secs
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+const ROWS: [(usize, Mode); 4] = [(1, Mode::Fresh), (1, Mode::Resent), (4, Mode::Fresh), (4, Mode::Resent)];
+
+fn key(consumers: usize, mode: Mode) -> String {
+    format!("c{consumers}_{}", mode.name())
+}
+
+/// Runs benches/torch_queue.py; its rates by row key, or why there are none.
+fn run_torch(quick: bool, n: usize, rounds: usize) -> Result<Vec<(String, f64)>, String> {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/torch_queue.py");
+    let script =
+        if std::path::Path::new(script).exists() { script.to_string() } else { "benches/torch_queue.py".into() };
+    let mut cmd = Command::new("python3");
+    cmd.arg(&script).arg("--n").arg(n.to_string()).arg("--rounds").arg(rounds.to_string());
+    if quick {
+        cmd.arg("--quick");
+    }
+    println!("running the torch.multiprocessing baseline: python3 {script}");
+    let out = cmd.output().map_err(|e| format!("python3 could not be started: {e}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let mut rows = Vec::new();
+    for line in stdout.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        match f.as_slice() {
+            ["row", key, rate] => {
+                if let Ok(rate) = rate.parse() {
+                    rows.push((key.to_string(), rate));
+                }
+            }
+            ["skip", why @ ..] => return Err(why.join(" ")),
+            _ if !line.is_empty() => println!("  torch: {line}"),
+            _ => {}
+        }
+    }
+    if !out.status.success() {
+        return Err(format!("it failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim()));
+    }
+    Ok(rows)
+}
+
+#[cuda_mp::main]
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let no_torch = args.iter().any(|a| a == "--no-torch");
+    let (n, rounds) = if quick { (5_000, 1) } else { (20_000, 3) };
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    println!("queue: {n} tensors of {BYTES} bytes per round, median of {rounds} round(s), {cpus} cpus");
+
+    let mut ours = Vec::new();
+    for (consumers, mode) in ROWS {
+        // One untimed warm-up round of a tenth the size.
+        round(consumers, mode, n / 10);
+        let rate = median((0..rounds).map(|_| round(consumers, mode, n)).collect());
+        println!("  cuda-mp {}: {rate:.0} tensors/s", key(consumers, mode));
+        ours.push(rate);
+    }
+
+    let torch = if no_torch { Err("--no-torch".to_string()) } else { run_torch(quick, n, rounds) };
+    if let Err(why) = &torch {
+        println!("the torch baseline was not run: {why}");
+    }
+    println!();
+    println!("| consumers | tensors | cuda-mp tensors/s | torch tensors/s | cuda-mp / torch |");
+    println!("|---|---|---|---|---|");
+    for ((consumers, mode), rate) in ROWS.into_iter().zip(ours) {
+        let theirs = torch.as_ref().ok().and_then(|rows| rows.iter().find(|(k, _)| *k == key(consumers, mode)));
+        let (t, ratio) = match theirs {
+            Some((_, t)) => (format!("{t:.0}"), format!("{:.1}x", rate / t)),
+            None => ("-".into(), "-".into()),
+        };
+        println!("| {consumers} | {} | {rate:.0} | {t} | {ratio} |", mode.name());
+    }
+    println!();
+    for mode in [Mode::Fresh, Mode::Resent] {
+        channel_round(mode, n / 10);
+        let rate = median((0..rounds).map(|_| channel_round(mode, n)).collect());
+        println!("for scale, a plain channel to one consumer, {}: {rate:.0} tensors/s", mode.name());
+    }
+}

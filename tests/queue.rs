@@ -1,0 +1,340 @@
+//! One queue, many producers and consumers in many processes: each message delivered once, a
+//! killed consumer losing nothing it had not received and releasing what it held, per-producer
+//! order, timeouts, closing, consumers joining and leaving, and the queue's end with its
+//! creator.
+
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use cuda_mp::{
+    channel, lifetime_stats, spawn, wait_for_lifetime, GetError, GetTimeoutError, HostTensor, Queue, QueueConsumer,
+    Receiver, Sender, TryGetError,
+};
+
+mod common;
+
+cuda_mp::enable_test_support!();
+
+/// Tests that share tensors run one at a time, so that the lifetime counters they read are
+/// their own.
+static SERIAL: Mutex<()> = Mutex::new(());
+const WAIT: Duration = Duration::from_secs(20);
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    common::serial(&SERIAL, WAIT)
+}
+
+const N: u32 = 10_000;
+const BYTES: usize = 4096;
+
+/// The contents of tensor `i`: its index in the first four bytes, then a pattern of it.
+fn pattern(i: u32) -> Vec<u8> {
+    let mut v: Vec<u8> =
+        (0..BYTES).map(|j| (i as usize).wrapping_mul(31).wrapping_add(j * 7) as u8 ^ (i >> 8) as u8).collect();
+    v[..4].copy_from_slice(&i.to_le_bytes());
+    v
+}
+
+/// The index a tensor carries, after checking every byte of it.
+fn index_of(t: &HostTensor<u8>) -> u32 {
+    let v = t.to_vec();
+    assert_eq!(v.len(), BYTES);
+    let i = u32::from_le_bytes([v[0], v[1], v[2], v[3]]);
+    assert!(i < N, "index {i} out of range");
+    assert!(v == pattern(i), "tensor {i} does not hold its pattern");
+    i
+}
+
+/// Files in /dev/shm, but those of named sync objects (which other test programs may be
+/// making right now; this test makes none).
+fn shm_entries() -> BTreeSet<String> {
+    std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| !n.starts_with("cuda-mp-sync."))
+        .collect()
+}
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < WAIT, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Gets until the queue is closed, reporting each index; the holder keeps every tensor it got.
+fn consume((rank, queue, report, hold): (usize, QueueConsumer<HostTensor<u8>>, Sender<(usize, u32)>, bool)) -> usize {
+    let mut held = Vec::new();
+    let mut n = 0;
+    loop {
+        match queue.get() {
+            Ok(t) => {
+                report.send((rank, index_of(&t))).unwrap();
+                n += 1;
+                if hold {
+                    held.push(t);
+                }
+            }
+            Err(GetError::Disconnected) => return n,
+            Err(e) => panic!("consumer {rank}: {e}"),
+        }
+    }
+}
+
+/// Receives reports until `total` have come in all.
+fn reports_until(rx: &Receiver<(usize, u32)>, seen: &mut [Vec<u32>], total: usize) {
+    while seen.iter().map(Vec::len).sum::<usize>() < total {
+        let (rank, i) = rx.recv_timeout(WAIT).expect("a report");
+        seen[rank].push(i);
+    }
+}
+
+#[test]
+fn four_consumers_drain_ten_thousand_tensors_and_a_killed_one_loses_nothing() {
+    let _g = serial();
+    let shm_before = shm_entries();
+    let before = lifetime_stats();
+    let queue = Queue::<HostTensor<u8>>::new().unwrap();
+    let watcher = queue.consumer();
+    let (report_tx, report_rx) = channel().unwrap();
+    // Consumer 0 keeps every tensor it gets, and is the one killed.
+    let mut consumers: Vec<_> =
+        (0..4).map(|rank| spawn((rank, queue.consumer(), report_tx.clone(), rank == 0), consume)).collect();
+    drop(report_tx);
+    let mut seen = vec![Vec::new(); 4];
+
+    for i in 0..N / 2 {
+        queue.put(HostTensor::from_vec(&[BYTES], pattern(i)).unwrap()).unwrap();
+    }
+    reports_until(&report_rx, &mut seen, N as usize / 2);
+    // Every consumer waits in a get with nothing left. Stopped there, consumer 0 will not read
+    // the next message the dispatcher sends it.
+    wait_until("all four consumers wait", || {
+        let s = watcher.stats().unwrap();
+        s.waiting == 4 && s.backlog == 0 && s.in_flight == 0
+    });
+    let victim = consumers[0].pid().unwrap();
+    // SAFETY: sends a signal to our own child, which is alive (it is waiting in a get).
+    assert_eq!(unsafe { libc::kill(victim as libc::pid_t, libc::SIGSTOP) }, 0);
+    let got_before_stop = seen[0].len();
+    assert!(got_before_stop > 0, "consumer 0 took part");
+
+    for i in N / 2..N {
+        queue.put(HostTensor::from_vec(&[BYTES], pattern(i)).unwrap()).unwrap();
+    }
+    reports_until(&report_rx, &mut seen, N as usize * 3 / 4);
+    let s = watcher.stats().unwrap();
+    assert!(s.in_flight >= 1, "the stopped consumer has a message it has not received: {s:?}");
+    // Killed midway, holding the tensors it received and one message it never read.
+    consumers[0].kill().unwrap();
+    drop(queue); // the last producer: the others drain the queue, then stop
+    reports_until(&report_rx, &mut seen, N as usize);
+
+    assert_eq!(seen[0].len(), got_before_stop, "nothing reached the stopped consumer's code");
+    for (rank, c) in consumers.into_iter().enumerate().skip(1) {
+        assert_eq!(c.join().unwrap(), seen[rank].len(), "consumer {rank} reported all it got");
+        assert!(!seen[rank].is_empty(), "consumer {rank} took part");
+    }
+    let mut all: Vec<u32> = seen.concat();
+    all.sort_unstable();
+    assert_eq!(all.len(), N as usize, "no message delivered twice");
+    assert!(all.iter().copied().eq(0..N), "every message delivered");
+    let s = watcher.stats().unwrap();
+    assert_eq!(s.requeued, 1, "the killed consumer's unread message went to another: {s:?}");
+    assert_eq!((s.delivered, s.backlog, s.in_flight, s.closed), (N as u64, 0, 0, true), "{s:?}");
+    drop(watcher);
+
+    // Everything dropped: the killed consumer's tensors are reclaimed with the rest.
+    let after = wait_for_lifetime(WAIT, |s| {
+        s.live_storages == before.live_storages
+            && s.exported_storages == before.exported_storages
+            && s.outstanding_leases == before.outstanding_leases
+    })
+    .unwrap_or_else(|_| panic!("storages or leases left: {:?} (before {before:?})", lifetime_stats()));
+    assert_eq!(after.freed_storages - before.freed_storages, N as u64);
+    assert_eq!(shm_entries(), shm_before, "files left in /dev/shm");
+}
+
+type Tagged = (u32, u32, HostTensor<i32>);
+
+fn produce((id, queue, n): (u32, Queue<Tagged>, u32)) {
+    for k in 0..n {
+        queue.put((id, k, HostTensor::full(&[16], (id * 100_000 + k) as i32).unwrap())).unwrap();
+    }
+}
+
+#[test]
+fn several_producer_processes_keep_their_order_for_one_consumer() {
+    let _g = serial();
+    let before = lifetime_stats();
+    let queue = Queue::<Tagged>::new().unwrap();
+    let consumer = queue.consumer();
+    let producers: Vec<_> = (0..3).map(|id| spawn((id, queue.clone(), 300), produce)).collect();
+    drop(queue);
+    let mut next = [0u32; 3];
+    loop {
+        match consumer.get_timeout(WAIT) {
+            Ok((id, k, t)) => {
+                assert_eq!(k, next[id as usize], "producer {id}'s messages in the order put");
+                next[id as usize] += 1;
+                assert_eq!(t.to_vec(), vec![(id * 100_000 + k) as i32; 16]);
+            }
+            Err(GetTimeoutError::Disconnected) => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(next, [300; 3]);
+    for p in producers {
+        p.join().unwrap();
+    }
+    drop(consumer);
+    wait_for_lifetime(WAIT, |s| s.imported_storages == before.imported_storages).expect("imports released");
+}
+
+/// Checks every tagged tensor until the queue is closed; how many per producer.
+fn check_tagged(queue: QueueConsumer<Tagged>) -> Vec<u32> {
+    let mut next = vec![0u32; 2];
+    for (id, k, t) in queue.iter() {
+        assert_eq!(k, next[id as usize]);
+        next[id as usize] += 1;
+        assert_eq!(t.to_vec(), vec![(id * 100_000 + k) as i32; 16]);
+    }
+    next
+}
+
+#[test]
+fn tensors_from_producers_that_exited_reach_a_consumer_process() {
+    let _g = serial();
+    let before = lifetime_stats();
+    let queue = Queue::<Tagged>::new().unwrap();
+    for id in 0..2 {
+        spawn((id, queue.clone(), 100), produce).join().unwrap();
+    }
+    // Both producers are gone; their tensors wait here, forwarded on to another process.
+    let consumer = spawn(queue.consumer(), check_tagged);
+    drop(queue);
+    assert_eq!(consumer.join().unwrap(), vec![100, 100]);
+    wait_for_lifetime(WAIT, |s| s.imported_storages == before.imported_storages).expect("imports released");
+}
+
+fn put_numbers((queue, n): (Queue<u32>, u32)) {
+    for i in 0..n {
+        queue.put(i).unwrap();
+    }
+}
+
+#[test]
+fn get_timeout_times_out_and_disconnected_comes_after_the_backlog() {
+    let queue = Queue::<u32>::new().unwrap();
+    let consumer = queue.consumer();
+    assert_eq!(consumer.try_get(), Err(TryGetError::Empty));
+    let start = Instant::now();
+    assert_eq!(consumer.get_timeout(Duration::from_millis(100)), Err(GetTimeoutError::Timeout));
+    assert!(start.elapsed() >= Duration::from_millis(100));
+    assert!(consumer.get_timeout(Duration::ZERO).unwrap_err().is_timeout());
+
+    // A producer process puts three and exits; the handle here was the only other producer.
+    spawn((queue.clone(), 3), put_numbers).join().unwrap();
+    drop(queue);
+    for i in 0..3 {
+        assert_eq!(consumer.get_timeout(WAIT), Ok(i), "the backlog is drained first");
+    }
+    assert_eq!(consumer.get(), Err(GetError::Disconnected));
+    assert_eq!(consumer.try_get(), Err(TryGetError::Disconnected));
+    assert_eq!(consumer.get_timeout(WAIT), Err(GetTimeoutError::Disconnected));
+    let s = consumer.stats().unwrap();
+    assert!(s.closed && s.backlog == 0 && s.delivered == 3, "{s:?}");
+    assert_eq!(GetError::Disconnected.to_string(), "getting from an empty and closed queue");
+    assert_eq!(GetTimeoutError::Timeout.to_string(), "timed out waiting on queue");
+}
+
+#[test]
+fn gets_that_time_out_while_messages_arrive_lose_none() {
+    let queue = Queue::<u32>::new().unwrap();
+    let consumer = queue.consumer();
+    let producer = std::thread::spawn(move || {
+        for i in 0..2000 {
+            queue.put(i).unwrap();
+            if i % 50 == 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    });
+    let mut got = Vec::new();
+    let mut timeouts = 0;
+    loop {
+        match consumer.get_timeout(Duration::from_micros(100)) {
+            Ok(i) => got.push(i),
+            Err(GetTimeoutError::Timeout) => timeouts += 1,
+            Err(GetTimeoutError::Disconnected) => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    producer.join().unwrap();
+    assert!(got.iter().copied().eq(0..2000), "each once, in order ({timeouts} timeouts)");
+    let s = consumer.stats().unwrap();
+    assert_eq!((s.delivered, s.requeued, s.waiting), (2000, 0, 0), "{s:?}");
+}
+
+fn take_some((queue, n, report): (QueueConsumer<u32>, usize, Sender<u32>)) {
+    for _ in 0..n {
+        report.send(queue.get().unwrap()).unwrap();
+    }
+    // Leaves the queue here, with messages still in it.
+}
+
+#[test]
+fn consumers_join_and_leave_at_any_time() {
+    let queue = Queue::<u32>::new().unwrap();
+    for i in 0..200 {
+        queue.put(i).unwrap();
+    }
+    let (tx, rx) = channel().unwrap();
+    spawn((queue.consumer(), 50, tx.clone()), take_some).join().unwrap();
+    let a = spawn((queue.consumer(), 70, tx.clone()), take_some);
+    let b = spawn((queue.consumer(), 70, tx.clone()), take_some);
+    a.join().unwrap();
+    b.join().unwrap();
+    let mut got: Vec<u32> = (0..190).map(|_| rx.recv_timeout(WAIT).unwrap()).collect();
+    // The last ten, here.
+    got.extend((0..10).map(|_| queue.get_timeout(WAIT).unwrap()));
+    got.sort_unstable();
+    assert!(got.iter().copied().eq(0..200));
+    assert_eq!(queue.try_get(), Err(TryGetError::Empty));
+    let s = queue.stats().unwrap();
+    assert_eq!((s.delivered, s.requeued, s.backlog), (200, 0, 0), "{s:?}");
+}
+
+#[test]
+fn handles_are_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<Queue<HostTensor<u8>>>();
+    check::<QueueConsumer<HostTensor<u8>>>();
+}
+
+fn create_and_exit(tx: Sender<(Queue<u32>, QueueConsumer<u32>)>) {
+    let queue = Queue::new().unwrap();
+    tx.send((queue.clone(), queue.consumer())).unwrap();
+    // Returns: this process exits, and the queue with it.
+}
+
+#[test]
+fn the_queue_ends_when_its_creator_exits() {
+    let (tx, rx) = channel().unwrap();
+    let child = spawn(tx, create_and_exit);
+    let (queue, consumer) = rx.recv_timeout(WAIT).unwrap();
+    child.join().unwrap();
+    assert_eq!(consumer.get_timeout(WAIT), Err(GetTimeoutError::Disconnected));
+    assert_eq!(queue.get(), Err(GetError::Disconnected));
+    // The process may take a moment to close everything it had open.
+    wait_until("a put fails", || match queue.put(1) {
+        Ok(()) => false,
+        Err(e) => {
+            assert!(e.is_disconnected(), "{e}");
+            assert_eq!(e.into_inner(), 1);
+            true
+        }
+    });
+}
