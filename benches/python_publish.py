@@ -76,11 +76,16 @@ def publish_rounds(state, send, wait_step):
 
 
 def ours(rust_peer):
-    weights = {n: torch.zeros(s, dtype=torch.bfloat16, device="cuda") for n, s in llama7b_shapes()}
-    weights["step"] = torch.zeros(1, dtype=torch.int64, device="cuda")
-    packed = cuda_mp.pack_state_dict(weights)
-    del weights
-    torch.cuda.empty_cache()
+    meta = {n: torch.empty(s, dtype=torch.bfloat16, device="meta") for n, s in llama7b_shapes()}
+    meta["step"] = torch.empty(1, dtype=torch.int64, device="meta")
+    layout = os.environ.get("PACK_AFTER_TORCH") == "1"
+    if layout:  # the weights made by PyTorch first, then packed (PyTorch's memory freed after)
+        weights = {n: torch.zeros(t.shape, dtype=t.dtype, device="cuda") for n, t in meta.items()}
+        packed = cuda_mp.pack_state_dict(weights)
+        del weights
+        torch.cuda.empty_cache()
+    else:  # packed from the shapes: no PyTorch allocation before it
+        packed = cuda_mp.pack_state_dict(meta, device="cuda")
     replies = cuda_mp.Listener(cuda_mp.HostTensor)
     peer = subprocess.Popen([rust_peer, "--kind", "bundle", "--reply-to", replies.name], stdout=subprocess.PIPE, text=True)
     line = peer.stdout.readline()
@@ -91,10 +96,37 @@ def ours(rust_peer):
     warm = cuda_mp.pack_state_dict({"step": torch.zeros(1, dtype=torch.int64, device="cuda")})
     tx.send(warm)
     rx.recv(timeout=60)
-    first, again = publish_rounds(packed, lambda step: tx.send(packed), lambda: int(rx.recv(timeout=120)[0]))
+    sends = []
+    marks = []
+
+    def send(step):
+        start = time.monotonic_ns()
+        tx.send(packed)
+        sent = time.monotonic_ns()
+        sends.append((sent - start) / 1e3)
+        marks.append([start, sent])
+
+    def wait_step():
+        step = int(rx.recv(timeout=120)[0])
+        marks[-1].append(time.monotonic_ns())
+        return step
+
+    first, again = publish_rounds(packed, send, wait_step)
     del tx
     out, _ = peer.communicate(timeout=120)
     assert peer.returncode == 0, out
+    traces = [line for line in out.splitlines() if line.startswith("TRACE")]
+    print(f"cuda-mp sends (this process): first {sends[0]:.1f} us, re-publish median {median(sends[1:]):.1f} us")
+    for mark, line in zip(marks[:2], traces[1:3]):  # the first publish, then a re-publish (traces[0]: warm-up)
+        f = line.split()
+        received, dropped, replied = (int(f[f.index(k) + 1]) for k in ("received_ns", "dropped_ns", "replied_ns"))
+        start, sent, back = mark
+        print(
+            f"timeline (us, one clock): send {(sent - start) / 1e3:.1f}, until the consumer's receive returned "
+            f"{(received - sent) / 1e3:.1f}, its read and drop of the previous {(dropped - received) / 1e3:.1f}, "
+            f"its reply {(replied - dropped) / 1e3:.1f}, until the reply was read here {(back - replied) / 1e3:.1f}"
+        )
+        print(f"cuda-mp consumer (Rust): {line[line.index('decode'):]}")
     return first, again, packed.allocations
 
 

@@ -11,6 +11,9 @@
 mod common;
 
 use common::{Outcome, TIMEOUT};
+use std::time::Instant;
+
+use cuda_mp::__private::{Phase, PhaseTimes};
 use cuda_mp::{Bundle, GpuTensor, HostTensor, Listener, Sender};
 
 fn serve_host(reply_to: &str) -> Outcome<usize> {
@@ -43,6 +46,14 @@ fn serve_gpu(reply_to: &str) -> Outcome<usize> {
     Ok(served)
 }
 
+/// CLOCK_MONOTONIC in nanoseconds: the clock Python's `time.monotonic_ns()` reads too.
+fn monotonic_ns() -> u64 {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `t` is a valid, writable timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+}
+
 fn serve_bundles(reply_to: &str) -> Outcome<usize> {
     common::require_gpu()?;
     let listener = Listener::<Bundle>::bind()?;
@@ -52,10 +63,26 @@ fn serve_bundles(reply_to: &str) -> Outcome<usize> {
     let mut served = 0;
     // Keeps the latest weights, as a rollout engine does.
     let mut _latest = None;
-    while let Ok(b) = rx.recv() {
+    loop {
+        let before = PhaseTimes::now();
+        let Ok(b) = rx.recv() else { break };
+        let got = PhaseTimes::now();
+        let received_ns = monotonic_ns();
+        let read = Instant::now();
         let step = b.get::<i64>("step")?.to_vec()?;
+        let us = |p| got.since(&before, p).as_secs_f64() * 1e6;
+        // Where the receive went, for benches/python_publish.py.
+        let read_us = read.elapsed().as_secs_f64() * 1e6;
+        let (decode, open, fetch) = (us(Phase::Decode), us(Phase::Open), us(Phase::Fetch));
+        let first = step[0];
         _latest = Some(b);
+        let dropped_ns = monotonic_ns();
         reply.send(HostTensor::from_vec(&[1], step)?)?;
+        println!(
+            "TRACE step {first} received_ns {received_ns} dropped_ns {dropped_ns} replied_ns {} decode {decode:.1} us \
+             (open {open:.1}, descriptor fetch {fetch:.1}), step read {read_us:.1} us",
+            monotonic_ns()
+        );
         served += 1;
     }
     Ok(served)

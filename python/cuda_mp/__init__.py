@@ -197,8 +197,9 @@ class PackedStateDict(dict):
 
 
 def pack_state_dict(state_dict: Dict[str, Any], device=None, chunk_bytes: Optional[int] = None) -> PackedStateDict:
-    """Copies ``state_dict`` (name -> CUDA or CPU tensor) into one cuda-mp allocation on
-    ``device`` (default: the first tensor's GPU) and gives back views of it by the same names.
+    """Copies ``state_dict`` (name -> CUDA, CPU or meta tensor) into one cuda-mp allocation on
+    ``device`` (default: the first tensor's GPU) and gives back views of it by the same names
+    (zeros for meta tensors: pack a model built on the meta device, then load into the views).
     Train on, or copy into, these views; sending the result on a ``Bundle`` channel sends one
     handle, and a receiver of a re-publish opens nothing."""
     import torch
@@ -216,7 +217,8 @@ def pack_state_dict(state_dict: Dict[str, Any], device=None, chunk_bytes: Option
     with torch.cuda.device(index):
         for name, t in state_dict.items():
             view = torch.from_dlpack(native.get(name))
-            view.copy_(t)
+            if t.device.type != "meta":  # meta tensors give shapes only: their views stay zero
+                view.copy_(t)
             views[name] = view
     return PackedStateDict(native, views)
 

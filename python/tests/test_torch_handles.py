@@ -191,7 +191,8 @@ def test_a_pytorch_producers_tensor_is_used_here_and_given_back():
         conn.send("dropped")
         tag, freed, slot_after = _recv(conn)
         assert tag == "freed"
-        assert slot_after == 0
+        # None: PyTorch removed its file when it collected, which it does only with no slot in use.
+        assert slot_after in (0, None)
         assert freed >= 16 * 64 * 4, "ipc_collect did not free the producer's block"
         _join(p)
     finally:
@@ -225,7 +226,7 @@ def test_a_failed_rebuild_leaves_the_slot_for_a_retry():
         _wait_for(lambda: _slot(name, slot) == 0, "the slot to come back to 0")
         conn.send("dropped")
         tag, freed, slot_after = _recv(conn)
-        assert (tag, slot_after) == ("freed", 0)
+        assert tag == "freed" and slot_after in (0, None)
         _join(p)
     finally:
         if p.is_alive():
