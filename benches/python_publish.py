@@ -119,12 +119,15 @@ def ours(rust_peer):
     print(f"cuda-mp sends (this process): first {sends[0]:.1f} us, re-publish median {median(sends[1:]):.1f} us")
     for mark, line in zip(marks[:2], traces[1:3]):  # the first publish, then a re-publish (traces[0]: warm-up)
         f = line.split()
-        received, dropped, replied = (int(f[f.index(k) + 1]) for k in ("received_ns", "dropped_ns", "replied_ns"))
+        keys = ("waiting_ns", "received_ns", "dropped_ns", "made_ns", "replied_ns")
+        waiting, received, dropped, made, replied = (int(f[f.index(k) + 1]) for k in keys)
         start, sent, back = mark
         print(
-            f"timeline (us, one clock): send {(sent - start) / 1e3:.1f}, until the consumer's receive returned "
+            f"timeline (us, one clock): send {(sent - start) / 1e3:.1f} (the consumer was waiting since "
+            f"{(start - waiting) / 1e3:.1f} before it), until the consumer's receive returned "
             f"{(received - sent) / 1e3:.1f}, its read and drop of the previous {(dropped - received) / 1e3:.1f}, "
-            f"its reply {(replied - dropped) / 1e3:.1f}, until the reply was read here {(back - replied) / 1e3:.1f}"
+            f"its reply: made {(made - dropped) / 1e3:.1f}, sent {(replied - made) / 1e3:.1f}, "
+            f"until the reply was read here {(back - replied) / 1e3:.1f}"
         )
         print(f"cuda-mp consumer (Rust): {line[line.index('decode'):]}")
     return first, again, packed.allocations

@@ -65,6 +65,7 @@ fn serve_bundles(reply_to: &str) -> Outcome<usize> {
     let mut _latest = None;
     loop {
         let before = PhaseTimes::now();
+        let waiting_ns = monotonic_ns();
         let Ok(b) = rx.recv() else { break };
         let got = PhaseTimes::now();
         let received_ns = monotonic_ns();
@@ -77,10 +78,13 @@ fn serve_bundles(reply_to: &str) -> Outcome<usize> {
         let first = step[0];
         _latest = Some(b);
         let dropped_ns = monotonic_ns();
-        reply.send(HostTensor::from_vec(&[1], step)?)?;
+        let answer = HostTensor::from_vec(&[1], step)?;
+        let made_ns = monotonic_ns();
+        reply.send(answer)?;
         println!(
-            "TRACE step {first} received_ns {received_ns} dropped_ns {dropped_ns} replied_ns {} decode {decode:.1} us \
-             (open {open:.1}, descriptor fetch {fetch:.1}), step read {read_us:.1} us",
+            "TRACE step {first} waiting_ns {waiting_ns} received_ns {received_ns} dropped_ns {dropped_ns} \
+             made_ns {made_ns} replied_ns {} decode {decode:.1} us (open {open:.1}, descriptor fetch {fetch:.1}), \
+             step read {read_us:.1} us",
             monotonic_ns()
         );
         served += 1;
