@@ -1,0 +1,94 @@
+//! One-way channel throughput on the CPU: a worker process receives and drops as fast as it
+//! can while this process sends. No GPU needed.
+//!
+//!     cargo bench --bench channel_throughput              # 5 rounds of each row
+//!     cargo bench --bench channel_throughput -- --quick   # 2 rounds
+//!
+//! Rows: empty messages (`()`), and 4 KiB host tensors from a pool of 64 (each message shares
+//! one tensor's memory and grants a lease). Each round counts the messages per second from the
+//! first send until the worker acknowledges the last; the best and the median round are shown.
+
+use std::time::{Duration, Instant};
+
+use cuda_mp::{channel, spawn, HostTensor, Receiver, Sender};
+
+const WAIT: Duration = Duration::from_secs(120);
+
+fn count_empty((rx, ack, n): (Receiver<()>, Sender<u64>, u64)) {
+    let mut seen = 0;
+    while seen < n && rx.recv().is_ok() {
+        seen += 1;
+    }
+    let _ = ack.send(seen);
+}
+
+fn count_tensors((rx, ack, n): (Receiver<HostTensor<u8>>, Sender<u64>, u64)) {
+    let mut seen = 0;
+    while seen < n {
+        match rx.recv() {
+            Ok(t) => drop(t),
+            Err(_) => break,
+        }
+        seen += 1;
+    }
+    let _ = ack.send(seen);
+}
+
+/// Messages per second of one round: `n` empty messages.
+fn empty_round(n: u64) -> f64 {
+    let (tx, rx) = channel::<()>().unwrap();
+    let (ack_tx, ack) = channel().unwrap();
+    let child = spawn((rx, ack_tx, n), count_empty);
+    // Wait for the worker to be up: its first receive.
+    tx.send(()).unwrap();
+    let start = Instant::now();
+    for _ in 1..n {
+        tx.send(()).unwrap();
+    }
+    assert_eq!(ack.recv_timeout(WAIT).unwrap(), n);
+    let rate = (n - 1) as f64 / start.elapsed().as_secs_f64();
+    drop(tx);
+    child.join().unwrap();
+    rate
+}
+
+/// Messages per second of one round: `n` messages of one 4 KiB host tensor each.
+fn tensor_round(n: u64) -> f64 {
+    let pool: Vec<HostTensor<u8>> = (0..64).map(|_| HostTensor::<u8>::zeros(&[4096]).unwrap()).collect();
+    let (tx, rx) = channel().unwrap();
+    let (ack_tx, ack) = channel().unwrap();
+    let child = spawn((rx, ack_tx, n), count_tensors);
+    for t in pool.iter().take(8) {
+        tx.send(t.clone()).unwrap(); // warm-up: the worker maps part of the pool
+    }
+    let start = Instant::now();
+    for i in 8..n {
+        tx.send(pool[i as usize % pool.len()].clone()).unwrap();
+    }
+    assert_eq!(ack.recv_timeout(WAIT).unwrap(), n);
+    let rate = (n - 8) as f64 / start.elapsed().as_secs_f64();
+    drop(tx);
+    child.join().unwrap();
+    rate
+}
+
+fn report(what: &str, mut rates: Vec<f64>) {
+    rates.sort_by(|a, b| b.partial_cmp(a).unwrap());
+    let best = rates[0];
+    let median = rates[rates.len() / 2];
+    println!("{what:<32} best {best:>9.0}/s   median {median:>9.0}/s   ({} rounds)", rates.len());
+}
+
+fn main() {
+    cuda_mp::init();
+    let quick = std::env::args().any(|a| a == "--quick");
+    let rounds = if quick { 2 } else { 5 };
+    let (mut empty, mut tensors) = (Vec::new(), Vec::new());
+    // Interleaved, so that a slow moment of a shared machine hits both rows alike.
+    for _ in 0..rounds {
+        empty.push(empty_round(50_000));
+        tensors.push(tensor_round(20_000));
+    }
+    report("one-way, empty messages", empty);
+    report("one-way, 4 KiB host tensors", tensors);
+}
