@@ -7,10 +7,11 @@
 //! Rows: empty messages (`()`), and 4 KiB host tensors from a pool of 64 (each message shares
 //! one tensor's memory and grants a lease). Each round counts the messages per second from the
 //! first send until the worker acknowledges the last; the best and the median round are shown.
+//! A last row times round trips of empty messages over a pipe (the reader always keeps up).
 
 use std::time::{Duration, Instant};
 
-use cuda_mp::{channel, spawn, HostTensor, Receiver, Sender};
+use cuda_mp::{channel, pipe, spawn, Duplex, HostTensor, Receiver, Sender};
 
 const WAIT: Duration = Duration::from_secs(120);
 
@@ -72,6 +73,31 @@ fn tensor_round(n: u64) -> f64 {
     rate
 }
 
+fn echo(end: Duplex<(), ()>) {
+    while end.recv().is_ok() {
+        if end.send(()).is_err() {
+            break;
+        }
+    }
+}
+
+/// Round trips per second of one round: `n` empty messages there and back.
+fn round_trip_round(n: u64) -> f64 {
+    let (here, there) = pipe::<(), ()>().unwrap();
+    let child = spawn(there, echo);
+    here.send(()).unwrap();
+    here.recv_timeout(WAIT).unwrap();
+    let start = Instant::now();
+    for _ in 0..n {
+        here.send(()).unwrap();
+        here.recv_timeout(WAIT).unwrap();
+    }
+    let rate = n as f64 / start.elapsed().as_secs_f64();
+    drop(here);
+    child.join().unwrap();
+    rate
+}
+
 fn report(what: &str, mut rates: Vec<f64>) {
     rates.sort_by(|a, b| b.partial_cmp(a).unwrap());
     let best = rates[0];
@@ -83,12 +109,14 @@ fn main() {
     cuda_mp::init();
     let quick = std::env::args().any(|a| a == "--quick");
     let rounds = if quick { 2 } else { 5 };
-    let (mut empty, mut tensors) = (Vec::new(), Vec::new());
-    // Interleaved, so that a slow moment of a shared machine hits both rows alike.
+    let (mut empty, mut tensors, mut trips) = (Vec::new(), Vec::new(), Vec::new());
+    // Interleaved, so that a slow moment of a shared machine hits every row alike.
     for _ in 0..rounds {
         empty.push(empty_round(50_000));
         tensors.push(tensor_round(20_000));
+        trips.push(round_trip_round(10_000));
     }
     report("one-way, empty messages", empty);
     report("one-way, 4 KiB host tensors", tensors);
+    report("round trips, empty messages", trips);
 }
