@@ -12,7 +12,7 @@
 //! | 32..36 | `capacity` | 0: unbounded; else the most messages queued at once |
 //! | 36..40 | `free` | free places of a bounded channel |
 //! | 40..44 | `sleepers` | senders asleep on `free` |
-//! | 44..48 | `room` | advanced when `queued` falls to half the limit while a feeder waits |
+//! | 44..48 | `room` | advanced when `queued` falls to a quarter of the limit while a feeder waits |
 //! | 48..52 | `room_waiters` | feeders asleep on `room` |
 //!
 //! Another process can write anything here: bad contents give wrong estimates (a send that
@@ -161,34 +161,37 @@ impl Gauge {
         self.region.u64(QUEUED_AT).fetch_add(cost, Ordering::AcqRel);
     }
 
-    /// Whether a frame of `cost` would fit within the limit now.
-    pub(super) fn has_room(&self, cost: u64) -> bool {
-        self.region.u64(QUEUED_AT).load(Ordering::Acquire).saturating_add(cost) <= self.limit
+    /// Whether the socket is nearly drained: the reader is about to run out of frames.
+    pub(super) fn nearly_drained(&self) -> bool {
+        self.region.u64(QUEUED_AT).load(Ordering::SeqCst) <= self.limit / 4
     }
 
-    /// A frame of `cost` left the socket (read, or never written). Wakes feeders waiting for
-    /// room once the socket is half empty.
+    /// A frame of `cost` left the socket (read, or never written). When that drains the socket
+    /// nearly (a quarter of the limit), wakes the feeders waiting for it: once per crossing.
     pub(super) fn release(&self, cost: u64) {
         let before = self
             .region
             .u64(QUEUED_AT)
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| Some(q.saturating_sub(cost)))
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| Some(q.saturating_sub(cost)))
             .unwrap_or(0);
         let after = before.saturating_sub(cost);
-        if after <= self.limit / 2 && self.region.u32(ROOM_WAITERS_AT).load(Ordering::SeqCst) != 0 {
+        let low = self.limit / 4;
+        if before > low && after <= low && self.region.u32(ROOM_WAITERS_AT).load(Ordering::SeqCst) != 0 {
             let room = self.region.u32(ROOM_AT);
             room.fetch_add(1, Ordering::SeqCst);
             sys::wake_all(room);
         }
     }
 
-    /// Sleeps until the socket may have room for a frame of `cost`, or `timeout` passes.
-    pub(super) fn wait_for_room(&self, cost: u64, timeout: Duration) {
+    /// Sleeps until the socket is nearly drained, or `timeout` passes. (A waiter announces
+    /// itself before it looks: a release that drains the socket after the look sees it, and
+    /// its wake finds it asleep or makes its sleep return at once.)
+    pub(super) fn wait_until_drained(&self, timeout: Duration) {
         let room = self.region.u32(ROOM_AT);
         let waiters = self.region.u32(ROOM_WAITERS_AT);
-        let seen = room.load(Ordering::SeqCst);
         waiters.fetch_add(1, Ordering::SeqCst);
-        if !self.has_room(cost) {
+        let seen = room.load(Ordering::SeqCst);
+        if !self.nearly_drained() {
             sys::wait(room, seen, Some(timeout));
         }
         waiters.fetch_sub(1, Ordering::SeqCst);
@@ -258,19 +261,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn reservations_stay_within_the_limit_and_releases_wake_nothing_when_nobody_waits() {
+    fn reservations_stay_within_the_limit_and_a_drained_socket_wakes_the_feeder() {
         let g = Gauge::new(0, 64 << 10).unwrap();
         assert_eq!(g.limit(), 48 << 10);
         assert!(g.try_reserve(40 << 10));
         assert!(!g.try_reserve(10 << 10));
-        assert!(g.has_room(8 << 10));
+        assert!(!g.nearly_drained());
         g.reserve(10 << 10); // a feeder's frame passes the limit
-        assert!(!g.has_room(1));
         g.release(50 << 10);
+        assert!(g.nearly_drained());
         assert!(g.try_reserve(48 << 10));
         g.release(u64::MAX); // never below zero
-        assert!(g.has_room(g.limit()));
-        g.wait_for_room(1, Duration::from_secs(5)); // room now: returns at once
+        assert!(g.try_reserve(g.limit()));
+        g.release(g.limit());
+        g.wait_until_drained(Duration::from_secs(5)); // drained now: returns at once
+                                                      // A feeder asleep is woken when a release drains the socket.
+        assert!(g.try_reserve(g.limit()));
+        let other = g.clone();
+        let start = Instant::now();
+        let waiter = std::thread::spawn(move || other.wait_until_drained(Duration::from_secs(5)));
+        std::thread::sleep(Duration::from_millis(20));
+        g.release(g.limit());
+        waiter.join().unwrap();
+        assert!(start.elapsed() < Duration::from_secs(4), "woken, not timed out");
     }
 
     #[test]

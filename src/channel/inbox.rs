@@ -51,6 +51,12 @@ impl<T: DeserializeOwned> Source<T> {
 pub(super) struct Inbox<T> {
     pub(super) main: Source<T>,
     pub(super) spill: Option<Source<T>>,
+    /// What frames read from the socket cost, not yet given back to the shared counters: given
+    /// back an eighth of the limit at a time, so that the receiver does not touch memory the
+    /// senders write on every frame. The counters then show at most that much more than is
+    /// on the socket; when the socket is empty they show less than a quarter of the limit,
+    /// which is all a waiting feeder asks (`Gauge::nearly_drained`).
+    unsettled: u64,
 }
 
 /// How long a receive may wait.
@@ -137,9 +143,24 @@ fn read<T: DeserializeOwned>(rx: &IpcReceiver<Incoming<T>>, wait: Wait) -> Resul
     })
 }
 
+impl<T> Inbox<T> {
+    /// Counts a frame read from the socket, giving the costs back in eighths of the limit.
+    fn settle(&mut self, gauge: &Gauge, cost: u64) {
+        self.unsettled += cost;
+        if self.unsettled >= gauge.limit() / 8 {
+            self.settle_all(gauge);
+        }
+    }
+
+    /// Gives back every cost not yet given back (before the receiver leaves this process).
+    pub(super) fn settle_all(&mut self, gauge: &Gauge) {
+        gauge.release(std::mem::take(&mut self.unsettled));
+    }
+}
+
 impl<T: DeserializeOwned> Inbox<T> {
     pub(super) fn new(main: IpcReceiver<Incoming<T>>) -> Inbox<T> {
-        Inbox { main: Source::watched(main), spill: None }
+        Inbox { main: Source::watched(main), spill: None, unsettled: 0 }
     }
 
     /// Receives the next message: from the spill batch while there is one, else from the
@@ -154,7 +175,7 @@ impl<T: DeserializeOwned> Inbox<T> {
             match read(rx, wait) {
                 Ok(Incoming::Message { cost, value }) => {
                     if !from_spill {
-                        gauge.release(cost);
+                        self.settle(gauge, cost);
                     }
                     gauge.free_place();
                     return value.map_err(|m| Missing::Failed(checked(RecvError::Malformed(m))));
@@ -165,7 +186,7 @@ impl<T: DeserializeOwned> Inbox<T> {
                             "a spilled batch refers to another batch".into(),
                         )));
                     }
-                    gauge.release(SMALL_COST);
+                    self.settle(gauge, SMALL_COST);
                     self.spill = Some(Source::unwatched(batch));
                 }
                 Err(Missing::Failed(RecvError::Disconnected)) if from_spill => self.spill = None,

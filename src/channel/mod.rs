@@ -94,9 +94,10 @@ pub fn bounded<T: Serialize + DeserializeOwned>(capacity: usize) -> Result<(Send
 }
 
 fn make<T: Serialize + DeserializeOwned>(capacity: u32) -> Result<(Sender<T>, Receiver<T>)> {
-    let gauge = Gauge::new(capacity, sys::default_send_buffer())?;
     let (tx, rx) = ipc::channel::<Incoming<T>>()?;
-    let outbox = Outbox::attach(tx.to_opaque(), gauge.clone());
+    let tx = tx.to_opaque();
+    let gauge = Gauge::new(capacity, sys::send_buffer(&format!("{tx:?}")))?;
+    let outbox = Outbox::attach(tx, gauge.clone());
     Ok((Sender { outbox, _message: PhantomData }, Receiver::from_parts(rx, None, gauge)))
 }
 
@@ -246,16 +247,19 @@ impl<T: Serialize> Sender<T> {
         let outbox = &self.outbox;
         let limit = outbox.gauge().limit();
         let (written, overflow) = wire::encode_scope(|| {
-            let bytes = match catch_quietly(|| postcard::to_allocvec(value)) {
-                Ok(Ok(bytes)) => bytes,
-                Ok(Err(e)) => {
-                    return Err(SendFailure::Serialize(wire::take_failure().unwrap_or_else(|| format!("{e:?}"))))
-                }
-                Err(panic) => return Err(SendFailure::Io(format!("the transport failed: {panic}"))),
-            };
-            let frame = catch_quietly(|| FrameOut::message(&bytes, limit))
-                .map_err(|panic| SendFailure::Io(format!("cannot put a large message in shared memory: {panic}")))?;
-            outbox.write(frame)
+            // The transport asserts where it could fail (a full descriptor table when it makes
+            // shared memory for a large message): a panic here is a failed send.
+            let encoded = catch_quietly(|| {
+                postcard::to_allocvec(value).map(|bytes| {
+                    let frame = FrameOut::message(&bytes, limit);
+                    outbox.write(frame)
+                })
+            });
+            match encoded {
+                Ok(Ok(written)) => written,
+                Ok(Err(e)) => Err(SendFailure::Serialize(wire::take_failure().unwrap_or_else(|| format!("{e:?}")))),
+                Err(panic) => Err(SendFailure::Io(format!("the transport failed: {panic}"))),
+            }
         });
         if written.is_err() {
             // What an encode left behind would ride with this thread's next transport send.
@@ -292,8 +296,10 @@ impl<T: Serialize> Sender<T> {
                 format!("{name:?} is not a listener name"),
             )));
         }
-        let gauge = Gauge::new(0, sys::default_send_buffer())?;
         let hello: IpcSender<Hello> = IpcSender::connect(name.to_owned())?;
+        let hello = hello.to_opaque();
+        let gauge = Gauge::new(0, sys::send_buffer(&format!("{hello:?}")))?;
+        let hello: IpcSender<Hello> = hello.to();
         let greeting = Hello { gauge: Some((*gauge.memory()?).clone()), ..Hello::CURRENT };
         hello.send(greeting).map_err(|e| Error::Io(io::Error::other(e.to_string())))?;
         Ok(Sender { outbox: Outbox::attach(hello.to_opaque(), gauge), _message: PhantomData })
@@ -770,7 +776,8 @@ struct ReceiverIn {
 
 impl<T> Serialize for Receiver<T> {
     fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
-        let inbox = self.inbox.lock().unwrap_or_else(|p| p.into_inner());
+        let mut inbox = self.inbox.lock().unwrap_or_else(|p| p.into_inner());
+        inbox.settle_all(&self.gauge);
         let gauge = carry_gauge(&self.gauge)?;
         ReceiverOut { main: &inbox.main.rx, spill: inbox.spill.as_ref().map(|s| &s.rx), gauge }.serialize(serializer)
     }

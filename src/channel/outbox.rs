@@ -8,7 +8,7 @@ use std::io;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ipc_channel::ipc::{self, IpcSender, OpaqueIpcReceiver, OpaqueIpcSender};
 use ipc_channel::IpcError;
@@ -23,8 +23,13 @@ use crate::wire;
 /// How long an idle feeder waits for more work before its thread ends.
 const FEEDER_IDLE: Duration = Duration::from_secs(2);
 
-/// How long a feeder sleeps at most while it waits for room on the socket.
+/// How long a feeder sleeps at most while it waits for the socket to drain.
 const ROOM_WAIT: Duration = Duration::from_millis(10);
+
+/// How long the open batch waits for room on the socket at most before it is handed on anyway:
+/// the latency a spilled message may gain, and what keeps messages moving when the counters
+/// are wrong (a frame counted but never read, by a process killed between the two).
+const HANDOVER_DELAY: Duration = Duration::from_millis(20);
 
 /// Set once the process is exiting: feeders then hand on everything at once.
 static EXITING: AtomicBool = AtomicBool::new(false);
@@ -39,6 +44,8 @@ pub(super) struct Outbox {
     changed: Condvar,
     /// Live `Sender` handles of this process (the feeder holds the outbox without being one).
     handles: AtomicUsize,
+    /// Set with `Backlog::disconnected`, read without the lock.
+    gone: AtomicBool,
 }
 
 /// Frames waiting for the feeder, in order.
@@ -52,6 +59,8 @@ struct Backlog {
     handing_on: bool,
     /// A feeder thread runs.
     feeder: bool,
+    /// The feeder sleeps until told of new work.
+    feeder_idle: bool,
     /// The receiver is gone: sends fail, and what was spilled is dropped.
     disconnected: bool,
     /// Messages spilled and not yet handed on (for `Debug`).
@@ -64,9 +73,11 @@ struct Batch {
     /// `None` once the batch is full: nothing more is written to it.
     tx: Option<OpaqueIpcSender>,
     rx: OpaqueIpcReceiver,
-    /// What its frames cost its socket.
+    /// What its frames cost its socket, and what they may cost without a write waiting.
     cost: u64,
+    limit: u64,
     messages: usize,
+    opened: Instant,
 }
 
 impl Backlog {
@@ -160,6 +171,7 @@ impl Outbox {
             backlog: Mutex::new(Backlog::default()),
             changed: Condvar::new(),
             handles: AtomicUsize::new(1),
+            gone: AtomicBool::new(false),
         });
         registry.retain(|_, w| w.strong_count() > 0);
         registry.insert(outbox.gauge.id(), Arc::downgrade(&outbox));
@@ -194,12 +206,19 @@ impl Outbox {
 
     /// True once a send found the receiver gone.
     pub(super) fn disconnected(&self) -> bool {
-        self.lock().disconnected
+        self.gone.load(Ordering::Acquire)
+    }
+
+    /// The receiver is gone: what was spilled is dropped, and every later send fails.
+    fn disconnect(&self, backlog: &mut Backlog) {
+        backlog.disconnect();
+        self.gone.store(true, Ordering::Release);
+        self.changed.notify_all();
     }
 
     /// True once the receiver is known to be gone.
     pub(super) fn receiver_gone(&self) -> bool {
-        self.lock().disconnected || self.probe.as_ref().is_some_and(sys::peer_closed)
+        self.disconnected() || self.probe.as_ref().is_some_and(sys::peer_closed)
     }
 
     /// Writes the frame of one message, encoded on this thread: to the socket when nothing of
@@ -217,7 +236,7 @@ impl Outbox {
                 Err(failure) => {
                     self.gauge.release(cost);
                     if failure == SendFailure::Disconnected {
-                        backlog.disconnect();
+                        self.disconnect(&mut backlog);
                     }
                     Err(failure)
                 }
@@ -228,8 +247,7 @@ impl Outbox {
 
     /// Writes a frame to the open batch (a fresh one when there is none or it is full).
     fn spill(self: &Arc<Self>, backlog: &mut Backlog, frame: FrameOut<'_>, cost: u64) -> Result<(), SendFailure> {
-        let limit = self.gauge.limit();
-        if backlog.open.as_ref().is_some_and(|b| b.cost + cost > limit) {
+        if backlog.open.as_ref().is_some_and(|b| b.cost + cost > b.limit) {
             if let Some(mut full) = backlog.open.take() {
                 full.tx = None;
                 backlog.closed.push_back(full);
@@ -238,15 +256,18 @@ impl Outbox {
         if backlog.open.is_none() {
             // A new batch is where a receiver that is gone would be noticed last: look now.
             if self.probe.as_ref().is_some_and(sys::peer_closed) {
-                backlog.disconnect();
-                self.changed.notify_all();
+                self.disconnect(backlog);
                 return Err(SendFailure::Disconnected);
             }
             let (tx, rx) = ipc::channel::<()>().map_err(|e| match wire::descriptor_error(e.into()) {
                 Error::OutOfDescriptors { limit } => SendFailure::OutOfDescriptors { limit },
                 other => SendFailure::Io(format!("cannot make a batch for the backlog: {other}")),
             })?;
-            backlog.open = Some(Batch { tx: Some(tx.to_opaque()), rx: rx.to_opaque(), cost: 0, messages: 0 });
+            let tx = tx.to_opaque();
+            // Within the limit of the channel's socket at least, whose frames all fit.
+            let limit = (sys::send_buffer(&format!("{tx:?}")) as u64 / 4 * 3).max(self.gauge.limit());
+            backlog.open =
+                Some(Batch { tx: Some(tx), rx: rx.to_opaque(), cost: 0, limit, messages: 0, opened: Instant::now() });
         }
         if !backlog.feeder {
             self.start_feeder()?;
@@ -260,7 +281,10 @@ impl Outbox {
         batch.cost += cost;
         batch.messages += 1;
         backlog.messages += 1;
-        self.changed.notify_all();
+        if backlog.feeder_idle {
+            // Otherwise the feeder is busy, or waits for room and looks again when there is.
+            self.changed.notify_all();
+        }
         Ok(())
     }
 
@@ -274,9 +298,8 @@ impl Outbox {
                 if result.is_err() {
                     // Nothing more will be handed on: fail the sends that would wait for it.
                     let mut backlog = outbox.lock();
-                    backlog.disconnect();
+                    outbox.disconnect(&mut backlog);
                     backlog.feeder = false;
-                    outbox.changed.notify_all();
                 }
             })
             .map(drop)
@@ -285,8 +308,8 @@ impl Outbox {
 
     /// The feeder: hands the backlog's batches on to the receiver, oldest first, each by a
     /// redirect frame on the socket (a write that may wait, on this thread only). The open
-    /// batch is handed on once the socket has room again (the receiver caught up), at once
-    /// when no handle is left or the process exits.
+    /// batch is handed on once the socket is nearly drained (the reader is about to run out) or
+    /// after [`HANDOVER_DELAY`], at once when no handle is left or the process exits.
     fn feed(self: &Arc<Self>) {
         let mut backlog = self.lock();
         loop {
@@ -294,9 +317,10 @@ impl Outbox {
                 break;
             }
             let urgent = self.handles.load(Ordering::SeqCst) == 0 || EXITING.load(Ordering::SeqCst);
+            let due = |b: &Batch| urgent || b.opened.elapsed() >= HANDOVER_DELAY || self.gauge.nearly_drained();
             let next = match backlog.closed.pop_front() {
                 Some(batch) => Some(batch),
-                None if backlog.open.is_some() && (urgent || self.gauge.has_room(SMALL_COST)) => backlog.open.take(),
+                None if backlog.open.as_ref().is_some_and(due) => backlog.open.take(),
                 None => None,
             };
             match next {
@@ -314,14 +338,19 @@ impl Outbox {
                         Ok(()) => backlog.messages = backlog.messages.saturating_sub(messages),
                         Err(_) => {
                             self.gauge.release(SMALL_COST);
-                            backlog.disconnect();
+                            self.disconnect(&mut backlog);
                         }
                     }
                     self.changed.notify_all();
                 }
                 None if backlog.open.is_some() => {
+                    if self.probe.as_ref().is_some_and(sys::peer_closed) {
+                        // The receiver is gone: no room will come.
+                        self.disconnect(&mut backlog);
+                        continue;
+                    }
                     drop(backlog);
-                    self.gauge.wait_for_room(SMALL_COST, ROOM_WAIT);
+                    self.gauge.wait_until_drained(ROOM_WAIT);
                     backlog = self.lock();
                 }
                 None => {
@@ -329,9 +358,11 @@ impl Outbox {
                     if urgent {
                         break;
                     }
+                    backlog.feeder_idle = true;
                     let (b, waited) =
                         self.changed.wait_timeout(backlog, FEEDER_IDLE).unwrap_or_else(|p| p.into_inner());
                     backlog = b;
+                    backlog.feeder_idle = false;
                     if waited.timed_out() && backlog.is_empty() {
                         break;
                     }

@@ -160,6 +160,43 @@ pub(super) fn default_send_buffer() -> usize {
     })
 }
 
+/// The send buffer asked for every socket of ours: more frames wait in the kernel before a
+/// sender has to spill, and a backlog needs fewer batches. The kernel caps the request at
+/// `net.core.wmem_max` (often the default buffer itself, then nothing changes).
+const SEND_BUFFER: usize = 1 << 20;
+
+/// Asks for a send buffer of [`SEND_BUFFER`] bytes on the socket of the channel whose `Debug`
+/// output is `debug` (call it while the channel is borrowed); returns the buffer it has then,
+/// or the default when the socket cannot be found.
+pub(super) fn send_buffer(debug: &str) -> usize {
+    let Some(fd) = descriptor_number(debug).filter(|&fd| fd >= 0 && is_seqpacket(fd)) else {
+        return default_send_buffer();
+    };
+    let want = SEND_BUFFER as libc::c_int;
+    // SAFETY: `want` is a valid c_int for the call's duration; `fd` is the borrowed channel's
+    // socket (checked above).
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            (&want as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    let mut size: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `size` and `len` are valid and writable, sized as SO_SNDBUF requires.
+    let r = unsafe {
+        libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_SNDBUF, (&mut size as *mut libc::c_int).cast(), &mut len)
+    };
+    if r == 0 && size > 0 {
+        size as usize
+    } else {
+        default_send_buffer()
+    }
+}
+
 /// A non-blocking `eventfd`: written to interrupt a thread that polls it.
 pub(super) fn bell() -> io::Result<OwnedFd> {
     // SAFETY: no memory arguments; a non-negative result is a new descriptor that we own.
