@@ -400,3 +400,68 @@ fn recv_async_serves_tokio_tasks_on_both_runtimes() {
         c.join().unwrap();
     }
 }
+
+#[test]
+fn select_and_async_receives_follow_a_spilled_backlog() {
+    const N: u32 = 5000;
+    // Far more than the socket holds: most of these wait in the sender's backlog.
+    let (tx, rx) = channel::<u32>().unwrap();
+    for i in 0..N {
+        tx.send(i).unwrap();
+    }
+    drop(tx);
+    let mut sel = Select::new();
+    let i = sel.add(&rx);
+    let mut got = Vec::new();
+    loop {
+        assert_eq!(sel.select_timeout(WAIT), Ok(i));
+        match rx.try_recv() {
+            Ok(x) => got.push(x),
+            Err(e) if e.is_disconnected() => break,
+            Err(e) => assert!(e.is_empty(), "{e}"),
+        }
+    }
+    assert_eq!(got, (0..N).collect::<Vec<_>>());
+
+    let (tx, rx) = channel::<u32>().unwrap();
+    for i in 0..N {
+        tx.send(i).unwrap();
+    }
+    drop(tx);
+    let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let got = runtime.block_on(async {
+        let mut got = Vec::new();
+        while let Ok(x) = rx.recv_async().await {
+            got.push(x);
+        }
+        got
+    });
+    assert_eq!(got, (0..N).collect::<Vec<_>>());
+}
+
+fn count_rest((rx, first): (Receiver<u32>, u32)) -> (u32, bool) {
+    let mut next = first;
+    let mut in_order = true;
+    for x in &rx {
+        in_order &= x == next;
+        next += 1;
+    }
+    (next - first, in_order)
+}
+
+#[test]
+fn a_receiver_moved_to_another_process_in_the_middle_of_a_backlog_goes_on_in_order() {
+    const N: u32 = 20_000;
+    let (tx, rx) = channel::<u32>().unwrap();
+    for i in 0..N {
+        tx.send(i).unwrap();
+    }
+    drop(tx);
+    // Deep enough to be reading a spilled batch, most likely.
+    let taken = 3000;
+    for i in 0..taken {
+        assert_eq!(rx.recv().unwrap(), i);
+    }
+    let child = spawn((rx, taken), count_rest);
+    assert_eq!(child.join().unwrap(), (N - taken, true));
+}
