@@ -3,6 +3,7 @@
 //!
 //!     cargo bench --bench channel_throughput              # 5 rounds of each row
 //!     cargo bench --bench channel_throughput -- --quick   # 2 rounds
+//!     cargo bench --bench channel_throughput -- --only empty   # one row: empty, tensors or trips
 //!
 //! Rows: empty messages (`()`), and 4 KiB host tensors from a pool of 64 (each message shares
 //! one tensor's memory and grants a lease). Each round counts the messages per second from the
@@ -107,16 +108,31 @@ fn report(what: &str, mut rates: Vec<f64>) {
 
 fn main() {
     cuda_mp::init();
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let only = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)).cloned();
+    let want = |row: &str| only.as_deref().is_none_or(|o| o == row);
     let rounds = if quick { 2 } else { 5 };
     let (mut empty, mut tensors, mut trips) = (Vec::new(), Vec::new(), Vec::new());
     // Interleaved, so that a slow moment of a shared machine hits every row alike.
     for _ in 0..rounds {
-        empty.push(empty_round(50_000));
-        tensors.push(tensor_round(20_000));
-        trips.push(round_trip_round(10_000));
+        if want("empty") {
+            empty.push(empty_round(50_000));
+        }
+        if want("tensors") {
+            tensors.push(tensor_round(20_000));
+        }
+        if want("trips") {
+            trips.push(round_trip_round(10_000));
+        }
     }
-    report("one-way, empty messages", empty);
-    report("one-way, 4 KiB host tensors", tensors);
-    report("round trips, empty messages", trips);
+    for (what, rates) in [
+        ("one-way, empty messages", empty),
+        ("one-way, 4 KiB host tensors", tensors),
+        ("round trips, empty messages", trips),
+    ] {
+        if !rates.is_empty() {
+            report(what, rates);
+        }
+    }
 }
