@@ -269,6 +269,279 @@ impl<T> fmt::Display for SendError<T> {
 
 impl<T> std::error::Error for SendError<T> {}
 
+/// A failed [`try_send`](crate::Sender::try_send); the value comes back with
+/// [`into_inner`](Self::into_inner).
+///
+/// ```
+/// let (tx, _rx) = cuda_mp::bounded::<u32>(1).unwrap();
+/// tx.try_send(1).unwrap();
+/// let err = tx.try_send(2).unwrap_err();
+/// assert!(err.is_full());
+/// assert_eq!(err.to_string(), "sending on a full channel");
+/// assert_eq!(err.into_inner(), 2);
+/// ```
+#[non_exhaustive]
+pub enum TrySendError<T> {
+    /// A bounded channel holds as many messages as it may.
+    Full(T),
+    /// Every receiver is gone.
+    Disconnected(T),
+    /// The message could not be sent for another reason (it could not be serialized, the
+    /// operating system refused it, no descriptor was left).
+    Failed(T, SendFailure),
+}
+
+impl<T> TrySendError<T> {
+    /// Takes back the value that was not sent.
+    ///
+    /// ```
+    /// let (tx, rx) = cuda_mp::channel::<String>().unwrap();
+    /// drop(rx);
+    /// assert_eq!(tx.try_send("back".into()).unwrap_err().into_inner(), "back");
+    /// ```
+    pub fn into_inner(self) -> T {
+        match self {
+            TrySendError::Full(v) | TrySendError::Disconnected(v) | TrySendError::Failed(v, _) => v,
+        }
+    }
+
+    /// True when the channel was full.
+    ///
+    /// ```
+    /// let (tx, _rx) = cuda_mp::bounded::<u8>(1).unwrap();
+    /// tx.send(0).unwrap();
+    /// assert!(tx.try_send(1).unwrap_err().is_full());
+    /// ```
+    pub fn is_full(&self) -> bool {
+        matches!(self, TrySendError::Full(_))
+    }
+
+    /// True when every receiver is gone.
+    ///
+    /// ```
+    /// let (tx, rx) = cuda_mp::channel::<u8>().unwrap();
+    /// drop(rx);
+    /// assert!(tx.try_send(1).unwrap_err().is_disconnected());
+    /// ```
+    pub fn is_disconnected(&self) -> bool {
+        matches!(self, TrySendError::Disconnected(_))
+    }
+
+    /// Why the send failed, for [`TrySendError::Failed`].
+    ///
+    /// ```
+    /// let (tx, _rx) = cuda_mp::bounded::<u8>(1).unwrap();
+    /// tx.send(0).unwrap();
+    /// assert!(tx.try_send(1).unwrap_err().failure().is_none()); // full, not failed
+    /// ```
+    pub fn failure(&self) -> Option<&SendFailure> {
+        match self {
+            TrySendError::Failed(_, f) => Some(f),
+            _ => None,
+        }
+    }
+}
+
+impl<T> fmt::Debug for TrySendError<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TrySendError::Full(_) => f.write_str("Full(..)"),
+            TrySendError::Disconnected(_) => f.write_str("Disconnected(..)"),
+            TrySendError::Failed(_, failure) => f.debug_tuple("Failed").field(&"..").field(failure).finish(),
+        }
+    }
+}
+
+impl<T> fmt::Display for TrySendError<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TrySendError::Full(_) => f.write_str("sending on a full channel"),
+            TrySendError::Disconnected(_) => SendFailure::Disconnected.fmt(f),
+            TrySendError::Failed(_, failure) => failure.fmt(f),
+        }
+    }
+}
+
+impl<T> std::error::Error for TrySendError<T> {}
+
+impl<T> From<TrySendError<T>> for Error {
+    fn from(e: TrySendError<T>) -> Self {
+        match e {
+            // A try is a wait of no time.
+            TrySendError::Full(_) => Error::Timeout(Duration::ZERO),
+            TrySendError::Disconnected(_) => Error::Send(SendFailure::Disconnected),
+            TrySendError::Failed(_, failure) => Error::Send(failure),
+        }
+    }
+}
+
+/// A failed [`send_timeout`](crate::Sender::send_timeout); the value comes back with
+/// [`into_inner`](Self::into_inner).
+///
+/// ```
+/// use std::time::Duration;
+/// let (tx, _rx) = cuda_mp::bounded::<u32>(1).unwrap();
+/// tx.send(1).unwrap();
+/// let err = tx.send_timeout(2, Duration::from_millis(10)).unwrap_err();
+/// assert!(err.is_timeout());
+/// assert_eq!(err.to_string(), "timed out waiting for room in the channel");
+/// assert_eq!(err.into_inner(), 2);
+/// ```
+#[non_exhaustive]
+pub enum SendTimeoutError<T> {
+    /// A bounded channel stayed full for the whole timeout.
+    Timeout(T),
+    /// Every receiver is gone.
+    Disconnected(T),
+    /// The message could not be sent for another reason (see [`SendFailure`]).
+    Failed(T, SendFailure),
+}
+
+impl<T> SendTimeoutError<T> {
+    /// Takes back the value that was not sent.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let (tx, rx) = cuda_mp::channel::<String>().unwrap();
+    /// drop(rx);
+    /// let err = tx.send_timeout("back".into(), Duration::from_secs(1)).unwrap_err();
+    /// assert_eq!(err.into_inner(), "back");
+    /// ```
+    pub fn into_inner(self) -> T {
+        match self {
+            SendTimeoutError::Timeout(v) | SendTimeoutError::Disconnected(v) | SendTimeoutError::Failed(v, _) => v,
+        }
+    }
+
+    /// True when the channel stayed full for the whole timeout.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let (tx, _rx) = cuda_mp::bounded::<u8>(1).unwrap();
+    /// tx.send(0).unwrap();
+    /// assert!(tx.send_timeout(1, Duration::from_millis(5)).unwrap_err().is_timeout());
+    /// ```
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, SendTimeoutError::Timeout(_))
+    }
+
+    /// True when every receiver is gone.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let (tx, rx) = cuda_mp::channel::<u8>().unwrap();
+    /// drop(rx);
+    /// assert!(tx.send_timeout(1, Duration::from_secs(1)).unwrap_err().is_disconnected());
+    /// ```
+    pub fn is_disconnected(&self) -> bool {
+        matches!(self, SendTimeoutError::Disconnected(_))
+    }
+
+    /// Why the send failed, for [`SendTimeoutError::Failed`].
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let (tx, _rx) = cuda_mp::bounded::<u8>(1).unwrap();
+    /// tx.send(0).unwrap();
+    /// assert!(tx.send_timeout(1, Duration::ZERO).unwrap_err().failure().is_none());
+    /// ```
+    pub fn failure(&self) -> Option<&SendFailure> {
+        match self {
+            SendTimeoutError::Failed(_, f) => Some(f),
+            _ => None,
+        }
+    }
+}
+
+impl<T> fmt::Debug for SendTimeoutError<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SendTimeoutError::Timeout(_) => f.write_str("Timeout(..)"),
+            SendTimeoutError::Disconnected(_) => f.write_str("Disconnected(..)"),
+            SendTimeoutError::Failed(_, failure) => f.debug_tuple("Failed").field(&"..").field(failure).finish(),
+        }
+    }
+}
+
+impl<T> fmt::Display for SendTimeoutError<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SendTimeoutError::Timeout(_) => f.write_str("timed out waiting for room in the channel"),
+            SendTimeoutError::Disconnected(_) => SendFailure::Disconnected.fmt(f),
+            SendTimeoutError::Failed(_, failure) => failure.fmt(f),
+        }
+    }
+}
+
+impl<T> std::error::Error for SendTimeoutError<T> {}
+
+impl<T> From<SendTimeoutError<T>> for Error {
+    fn from(e: SendTimeoutError<T>) -> Self {
+        match e {
+            SendTimeoutError::Timeout(_) => Error::Timeout(Duration::ZERO),
+            SendTimeoutError::Disconnected(_) => Error::Send(SendFailure::Disconnected),
+            SendTimeoutError::Failed(_, failure) => Error::Send(failure),
+        }
+    }
+}
+
+/// A failed [`Select::select`](crate::Select::select).
+///
+/// ```
+/// let mut sel = cuda_mp::Select::new();
+/// assert_eq!(sel.select(), Err(cuda_mp::SelectError::NoReceivers));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SelectError {
+    /// No receiver was added: nothing could ever be ready.
+    #[error("selecting over no receivers")]
+    NoReceivers,
+    /// The operating system reported an error.
+    #[error("failed to wait for the receivers: {0}")]
+    Io(String),
+}
+
+/// A failed [`Select::select_timeout`](crate::Select::select_timeout).
+///
+/// ```
+/// use std::time::Duration;
+/// let (_tx, rx) = cuda_mp::channel::<u8>().unwrap();
+/// let mut sel = cuda_mp::Select::new();
+/// sel.add(&rx);
+/// let err = sel.select_timeout(Duration::from_millis(10)).unwrap_err();
+/// assert!(err.is_timeout());
+/// assert_eq!(err.to_string(), "timed out waiting for a receiver to be ready");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SelectTimeoutError {
+    /// No receiver became ready in time.
+    #[error("timed out waiting for a receiver to be ready")]
+    Timeout,
+    /// No receiver was added: nothing could ever be ready.
+    #[error("selecting over no receivers")]
+    NoReceivers,
+    /// The operating system reported an error.
+    #[error("failed to wait for the receivers: {0}")]
+    Io(String),
+}
+
+impl SelectTimeoutError {
+    /// True when no receiver became ready in time.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let (_tx, rx) = cuda_mp::channel::<u8>().unwrap();
+    /// let mut sel = cuda_mp::Select::new();
+    /// sel.add(&rx);
+    /// assert!(sel.select_timeout(Duration::ZERO).unwrap_err().is_timeout());
+    /// ```
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, SelectTimeoutError::Timeout)
+    }
+}
+
 /// A failed blocking receive.
 ///
 /// ```

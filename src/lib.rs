@@ -73,11 +73,15 @@ mod tensor;
 pub mod testing;
 mod wire;
 
-pub use channel::{channel, pipe, Duplex, Listener, Receiver, Sender};
+pub use channel::{
+    bounded, channel, pipe, Duplex, IntoIter, Iter, IterResults, Listener, Receiver, RecvFuture, RecvStream, Select,
+    Sender, TryIter,
+};
 pub use cuda_mp_macros::main;
 pub use dtype::{DType, Element};
 pub use error::{
-    Error, JoinError, PanicReport, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError,
+    Error, JoinError, PanicReport, RecvError, RecvTimeoutError, Result, SelectError, SelectTimeoutError, SendError,
+    SendFailure, SendTimeoutError, TryRecvError, TrySendError,
 };
 pub use gpu::{
     cuda_available, torch_ipc_stats, Bundle, BundleBuilder, BundleEntry, Device, GpuMemoryKind, GpuStorage, GpuTensor,

@@ -11,6 +11,12 @@
 //!
 //! Tensors are encoded only inside a scope opened by a cuda-mp channel or spawn
 //! ([`encode_scope`]); any other serializer gets an error and no state changes.
+//!
+//! A channel's send encodes its message and writes the message's frame (to the socket, or to
+//! the sender's backlog) inside one scope, on the calling thread: the transport's write takes
+//! exactly the descriptors this encoding left in its thread-locals, and deferred sends run
+//! after it. The feeder thread that hands a backlog on writes only redirect frames, which
+//! carry no descriptor of a message (`src/channel/README.md`).
 
 use std::any::Any;
 use std::cell::RefCell;
@@ -153,6 +159,15 @@ impl std::fmt::Debug for Overflow {
 }
 
 impl Overflow {
+    /// How many batches [`send`](Self::send) writes to the overflow channel.
+    pub(crate) fn batches(&self) -> usize {
+        self.batches.as_ref().map_or(0, |b| b.1.len().div_ceil(BATCH_DESCRIPTORS))
+    }
+
+    /// The most bytes one batch's frame holds: per descriptor its kind and index (a varint),
+    /// and the batch's length.
+    pub(crate) const BATCH_BYTES: usize = BATCH_DESCRIPTORS * 11 + 16;
+
     /// Sends the descriptors that did not fit in the message, after the message itself.
     pub(crate) fn send(self) -> Result<()> {
         let Some((tx, descriptors)) = self.batches else { return Ok(()) };

@@ -8,7 +8,7 @@ mod barrier;
 mod event;
 mod lock;
 mod semaphore;
-mod sys;
+pub(crate) mod sys;
 
 pub use barrier::{Barrier, BarrierError, BarrierWaitResult};
 pub use event::Event;
@@ -287,7 +287,7 @@ fn write_header(region: &Region, kind: Kind) {
 }
 
 /// An identity for a new object, distinct from the others of this and other processes.
-fn fresh_id() -> u64 {
+pub(crate) fn fresh_id() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
     let token = crate::lifetime::process_token();

@@ -1,6 +1,7 @@
-//! The operating-system layer of the sync objects, and all of their `unsafe`: a small region
-//! of shared memory read and written only as atomic words, futex wait and wake on those words,
-//! named regions in `/dev/shm` with their creator's lock, and whether a process still lives.
+//! The operating-system layer of the sync objects (and of the channels' shared counters), and
+//! all of their `unsafe`: a small region of shared memory read and written only as atomic words,
+//! futex wait and wake on those words, named regions in `/dev/shm` with their creator's lock, and
+//! whether a process still lives.
 
 use std::ffi::CString;
 use std::fs::{File, OpenOptions, TryLockError};
@@ -19,15 +20,15 @@ use crate::error::{Error, Result};
 use crate::os::{catch_quietly, SharedMapping};
 
 /// Bytes of one sync object: a header and the object's words.
-pub(super) const BYTES: usize = 64;
+pub(crate) const BYTES: usize = 64;
 
 /// Where a 32-bit word lies in a region. Made only by [`W32::at`] in constants, which checks at
 /// compile time that the word is aligned and inside [`BYTES`].
 #[derive(Clone, Copy)]
-pub(super) struct W32(usize);
+pub(crate) struct W32(usize);
 
 impl W32 {
-    pub(super) const fn at(offset: usize) -> W32 {
+    pub(crate) const fn at(offset: usize) -> W32 {
         assert!(offset.is_multiple_of(4) && offset + 4 <= BYTES, "a 32-bit word outside the region");
         W32(offset)
     }
@@ -35,10 +36,10 @@ impl W32 {
 
 /// Where a 64-bit word lies in a region; see [`W32`].
 #[derive(Clone, Copy)]
-pub(super) struct W64(usize);
+pub(crate) struct W64(usize);
 
 impl W64 {
-    pub(super) const fn at(offset: usize) -> W64 {
+    pub(crate) const fn at(offset: usize) -> W64 {
         assert!(offset.is_multiple_of(8) && offset + 8 <= BYTES, "a 64-bit word outside the region");
         W64(offset)
     }
@@ -46,7 +47,7 @@ impl W64 {
 
 /// [`BYTES`] bytes of shared memory, mapped in this process, that other processes may write at
 /// any time: only ever accessed through atomics.
-pub(super) struct Region {
+pub(crate) struct Region {
     /// First byte of the mapping: valid for [`BYTES`] bytes and 8-byte aligned while the
     /// region lives (checked when the region is made).
     ptr: *mut u8,
@@ -76,7 +77,7 @@ struct Named {
 
 impl Region {
     /// Fresh zeroed anonymous shared memory.
-    pub(super) fn anonymous() -> Result<Region> {
+    pub(crate) fn anonymous() -> Result<Region> {
         crate::os::raise_descriptor_limit();
         let shm = catch_quietly(|| IpcSharedMemory::from_byte(0, BYTES)).map_err(|reason| {
             crate::wire::descriptor_error(Error::Io(io::Error::other(format!(
@@ -87,7 +88,7 @@ impl Region {
     }
 
     /// The shared memory of a message: refused unless it holds a whole region.
-    pub(super) fn from_memory(shm: Arc<IpcSharedMemory>) -> Result<Region> {
+    pub(crate) fn from_memory(shm: Arc<IpcSharedMemory>) -> Result<Region> {
         if shm.len() < BYTES {
             return Err(Error::Malformed(format!(
                 "a sync object needs {BYTES} bytes of shared memory, the message carries {}",
@@ -106,7 +107,7 @@ impl Region {
     }
 
     /// The anonymous shared memory, to send to another process (`None` for a named region).
-    pub(super) fn memory(&self) -> Option<&Arc<IpcSharedMemory>> {
+    pub(crate) fn memory(&self) -> Option<&Arc<IpcSharedMemory>> {
         match &self.backing {
             Backing::Anonymous(mapping) => Some(mapping.memory()),
             Backing::Named(_) => None,
@@ -114,7 +115,7 @@ impl Region {
     }
 
     /// The 32-bit word at `at`.
-    pub(super) fn u32(&self, at: W32) -> &AtomicU32 {
+    pub(crate) fn u32(&self, at: W32) -> &AtomicU32 {
         // SAFETY: `at` lies inside the first BYTES bytes and is 4-byte aligned (checked when it
         // was made); the region's pointer is valid for BYTES bytes and 8-byte aligned while the
         // region (borrowed for the reference's lifetime) lives. The memory is only accessed
@@ -123,7 +124,7 @@ impl Region {
     }
 
     /// The 64-bit word at `at`.
-    pub(super) fn u64(&self, at: W64) -> &AtomicU64 {
+    pub(crate) fn u64(&self, at: W64) -> &AtomicU64 {
         // SAFETY: as in `u32`, with 8-byte alignment.
         unsafe { AtomicU64::from_ptr(self.ptr.add(at.0).cast()) }
     }
@@ -274,7 +275,7 @@ fn named_error(e: io::Error, path: &Path) -> Error {
 /// Sleeps while `word` holds `expected`, for at most `timeout` (`None`: no limit). Returns on a
 /// wake, a timeout, a signal, or at once when the word holds another value: the caller looks at
 /// the word again in every case.
-pub(super) fn wait(word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
+pub(crate) fn wait(word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
     let timeout = timeout.map(|d| libc::timespec {
         tv_sec: d.as_secs().min(i32::MAX as u64) as libc::time_t,
         tv_nsec: d.subsec_nanos() as libc::c_long,
@@ -297,14 +298,14 @@ pub(super) fn wait(word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
 }
 
 /// Wakes up to `n` processes or threads sleeping in [`wait`] on `word`.
-pub(super) fn wake(word: &AtomicU32, n: u32) {
+pub(crate) fn wake(word: &AtomicU32, n: u32) {
     let n = n.min(i32::MAX as u32) as libc::c_int;
     // SAFETY: `word` is a live, aligned 32-bit word; FUTEX_WAKE does not access its memory.
     unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, n, std::ptr::null::<u32>(), 0, 0) };
 }
 
 /// Wakes every sleeper on `word`.
-pub(super) fn wake_all(word: &AtomicU32) {
+pub(crate) fn wake_all(word: &AtomicU32) {
     wake(word, u32::MAX)
 }
 

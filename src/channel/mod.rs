@@ -1,0 +1,1026 @@
+//! Typed channels between processes: `channel`, `bounded`, `pipe`, connections by name, select
+//! over several receivers, and receives for async code. How a send avoids waiting for the
+//! reader, and the frames on the wire: `src/channel/README.md`.
+
+mod asynch;
+mod frame;
+mod gauge;
+mod inbox;
+mod outbox;
+mod select;
+mod sys;
+
+pub use asynch::{RecvFuture, RecvStream};
+pub use select::Select;
+
+use std::fmt;
+use std::io;
+use std::marker::PhantomData;
+use std::os::fd::OwnedFd;
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::time::{Duration, Instant};
+
+use ipc_channel::ipc::{
+    self, IpcOneShotServer, IpcReceiver, IpcSender, IpcSharedMemory, OpaqueIpcReceiver, OpaqueIpcSender,
+};
+use ipc_channel::IpcError;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use self::frame::{FrameOut, Incoming};
+use self::gauge::{Gauge, NoPlace, MAX_CAPACITY};
+use self::inbox::{Inbox, Missing, Readiness, Wait};
+use self::outbox::Outbox;
+use crate::error::{
+    Error, RecvError, RecvTimeoutError, Result, SendError, SendFailure, SendTimeoutError, TryRecvError, TrySendError,
+};
+use crate::os::catch_quietly;
+use crate::wire::{self, Carried, Descriptor, Overflow};
+
+/// Creates an unbounded channel between processes. Either end can be sent to another process
+/// (as a spawn argument or inside a message); the sender can be cloned and sent to many
+/// processes.
+///
+/// A send never waits for the reader: when the reader falls behind, messages wait in a backlog
+/// of the sending process (memory grows instead), and each process's messages arrive in the
+/// order it sent them. Tensors in the backlog keep their memory alive until received. A process
+/// that exits with a backlog first waits until it is handed on (or the receiver is gone), like
+/// torch's queues; see [`bounded`] for a channel whose sends wait for room instead.
+///
+/// The receiver reports [`RecvError::Disconnected`] once every sender is gone and everything
+/// sent was received, including senders held by processes that died; a process that keeps a
+/// sender of its own therefore never sees the channel disconnect.
+///
+/// ```
+/// let (tx, rx) = cuda_mp::channel::<u32>().unwrap();
+/// for i in 0..100_000 {
+///     tx.send(i).unwrap(); // nobody receives yet: no send waits
+/// }
+/// drop(tx);
+/// assert_eq!(rx.iter().count(), 100_000);
+/// ```
+pub fn channel<T: Serialize + DeserializeOwned>() -> Result<(Sender<T>, Receiver<T>)> {
+    make(0)
+}
+
+/// Creates a channel that holds at most `capacity` messages: [`Sender::send`] waits while it
+/// is full, [`Sender::try_send`] fails with [`TrySendError::Full`], and
+/// [`Sender::send_timeout`] gives up after its timeout. A message counts from its send until it
+/// is received. `capacity` is 1 to `i32::MAX`.
+///
+/// The count lives in shared memory that every end of the channel maps; a process killed
+/// between taking a place and sending its message leaves that place taken.
+///
+/// ```
+/// use std::time::Duration;
+/// let (tx, rx) = cuda_mp::bounded::<u8>(2).unwrap();
+/// tx.send(1).unwrap();
+/// tx.send(2).unwrap();
+/// assert!(tx.try_send(3).unwrap_err().is_full());
+/// assert!(tx.send_timeout(3, Duration::from_millis(10)).unwrap_err().is_timeout());
+/// assert_eq!(rx.recv().unwrap(), 1);
+/// tx.try_send(3).unwrap(); // room again
+/// assert!(cuda_mp::bounded::<u8>(0).is_err());
+/// ```
+pub fn bounded<T: Serialize + DeserializeOwned>(capacity: usize) -> Result<(Sender<T>, Receiver<T>)> {
+    if capacity == 0 || capacity > MAX_CAPACITY {
+        return Err(Error::Io(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("a bounded channel holds 1 to {MAX_CAPACITY} messages, not {capacity}"),
+        )));
+    }
+    make(capacity as u32)
+}
+
+fn make<T: Serialize + DeserializeOwned>(capacity: u32) -> Result<(Sender<T>, Receiver<T>)> {
+    let (tx, rx) = ipc::channel::<Incoming<T>>()?;
+    let tx = tx.to_opaque();
+    let gauge = Gauge::new(capacity, sys::send_buffer(&format!("{tx:?}")))?;
+    let outbox = Outbox::attach(tx, gauge.clone());
+    Ok((Sender { outbox, _message: PhantomData }, Receiver::from_parts(rx, None, gauge)))
+}
+
+/// The sending end of a channel. Clone it for several producers, in this process or others.
+///
+/// | form | when the channel is full (bounded) | when the receiver is gone |
+/// | --- | --- | --- |
+/// | [`send`](Self::send) | waits | [`SendError`], value back |
+/// | [`try_send`](Self::try_send) | [`TrySendError::Full`], value back | [`TrySendError::Disconnected`] |
+/// | [`send_timeout`](Self::send_timeout) | waits, then [`SendTimeoutError::Timeout`] | [`SendTimeoutError::Disconnected`] |
+///
+/// An unbounded channel is never full: its sends return without waiting for the reader.
+///
+/// ```
+/// let (tx, rx) = cuda_mp::channel::<String>().unwrap();
+/// let tx2 = tx.clone();
+/// tx2.send("from a clone".into()).unwrap();
+/// assert_eq!(rx.recv().unwrap(), "from a clone");
+/// ```
+pub struct Sender<T> {
+    outbox: Arc<Outbox>,
+    _message: PhantomData<fn(T)>,
+}
+
+impl<T> Clone for Sender<T> {
+    fn clone(&self) -> Self {
+        Sender { outbox: self.outbox.add_handle(), _message: PhantomData }
+    }
+}
+
+impl<T> Drop for Sender<T> {
+    fn drop(&mut self) {
+        self.outbox.drop_handle();
+    }
+}
+
+impl<T> fmt::Debug for Sender<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Sender")
+            .field("message", &std::any::type_name::<T>())
+            .field("outbox", &self.outbox)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a send did not happen.
+enum Refused {
+    Full,
+    Timeout,
+    Failed(SendFailure),
+}
+
+/// A frame of overflow batches: what it may cost its socket.
+fn overflow_cost(overflow: &Overflow) -> u64 {
+    overflow.batches() as u64 * frame::cost(Overflow::BATCH_BYTES)
+}
+
+impl<T: Serialize> Sender<T> {
+    /// Sends a message. Tensors inside it are shared, not copied: the receiver maps the same
+    /// memory. Any number of tensors may travel in one message. The message is encoded before
+    /// this returns (a tensor that cannot be exported fails here). On an unbounded channel this
+    /// never waits for the reader; on a [`bounded`] one it waits while the channel is full. On
+    /// failure the message comes back inside the error.
+    ///
+    /// ```
+    /// let (tx, rx) = cuda_mp::channel::<String>().unwrap();
+    /// tx.send("hello".to_string()).unwrap();
+    /// assert_eq!(rx.recv().unwrap(), "hello");
+    /// ```
+    pub fn send(&self, value: T) -> std::result::Result<(), SendError<T>> {
+        self.submit(value, None).map_err(|(value, refused)| match refused {
+            Refused::Failed(failure) => SendError::new(value, failure),
+            // A wait without limit is neither full nor timed out.
+            Refused::Full | Refused::Timeout => {
+                SendError::new(value, SendFailure::Io("the channel stayed full".into()))
+            }
+        })
+    }
+
+    /// Sends a message if the channel has room now, without waiting for it.
+    ///
+    /// ```
+    /// let (tx, rx) = cuda_mp::bounded::<u8>(1).unwrap();
+    /// tx.try_send(1).unwrap();
+    /// let err = tx.try_send(2).unwrap_err();
+    /// assert!(err.is_full());
+    /// assert_eq!(rx.recv().unwrap(), 1);
+    /// tx.try_send(err.into_inner()).unwrap();
+    /// ```
+    pub fn try_send(&self, value: T) -> std::result::Result<(), TrySendError<T>> {
+        self.submit(value, Some(None)).map_err(|(value, refused)| match refused {
+            Refused::Full | Refused::Timeout => TrySendError::Full(value),
+            Refused::Failed(SendFailure::Disconnected) => TrySendError::Disconnected(value),
+            Refused::Failed(failure) => TrySendError::Failed(value, failure),
+        })
+    }
+
+    /// Sends a message, waiting at most `timeout` for room in a bounded channel.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let (tx, _rx) = cuda_mp::bounded::<u8>(1).unwrap();
+    /// tx.send_timeout(1, Duration::from_secs(1)).unwrap();
+    /// assert!(tx.send_timeout(2, Duration::from_millis(10)).unwrap_err().is_timeout());
+    /// ```
+    pub fn send_timeout(&self, value: T, timeout: Duration) -> std::result::Result<(), SendTimeoutError<T>> {
+        let deadline = Instant::now().checked_add(timeout);
+        // A timeout too long to represent is a wait without limit.
+        let wait = deadline.map(Some);
+        self.submit(value, wait).map_err(|(value, refused)| match refused {
+            Refused::Full | Refused::Timeout => SendTimeoutError::Timeout(value),
+            Refused::Failed(SendFailure::Disconnected) => SendTimeoutError::Disconnected(value),
+            Refused::Failed(failure) => SendTimeoutError::Failed(value, failure),
+        })
+    }
+
+    /// Takes a place in a bounded channel (`wait`: `None` without limit, `Some(None)` not at
+    /// all, `Some(Some(deadline))` until then), then encodes and writes the message.
+    fn submit(&self, value: T, wait: Option<Option<Instant>>) -> std::result::Result<(), (T, Refused)> {
+        if self.outbox.disconnected() {
+            return Err((value, Refused::Failed(SendFailure::Disconnected)));
+        }
+        let gauge = self.outbox.gauge();
+        let bounded = gauge.capacity().is_some();
+        if bounded {
+            match gauge.take_place(wait, || self.outbox.receiver_gone()) {
+                Ok(()) => {}
+                Err(NoPlace::Full) => return Err((value, Refused::Full)),
+                Err(NoPlace::Timeout) => return Err((value, Refused::Timeout)),
+                Err(NoPlace::Gone) => return Err((value, Refused::Failed(SendFailure::Disconnected))),
+            }
+        }
+        match self.write(&value) {
+            Ok(()) => Ok(()),
+            Err(failure) => {
+                if bounded {
+                    gauge.free_place();
+                }
+                Err((value, Refused::Failed(failure)))
+            }
+        }
+    }
+
+    /// Encodes `value` on this thread and writes its frame, inside one encode scope: the
+    /// transport's write takes every descriptor serialized so far on this thread.
+    fn write(&self, value: &T) -> std::result::Result<(), SendFailure> {
+        let outbox = &self.outbox;
+        let limit = outbox.gauge().limit();
+        let (written, overflow) = wire::encode_scope(|| {
+            // The transport asserts where it could fail (a full descriptor table when it makes
+            // shared memory for a large message): a panic here is a failed send.
+            let encoded = catch_quietly(|| {
+                postcard::to_allocvec(value).map(|bytes| {
+                    let frame = FrameOut::message(&bytes, limit);
+                    outbox.write(frame)
+                })
+            });
+            match encoded {
+                Ok(Ok(written)) => written,
+                Ok(Err(e)) => Err(SendFailure::Serialize(wire::take_failure().unwrap_or_else(|| format!("{e:?}")))),
+                Err(panic) => Err(SendFailure::Io(format!("the transport failed: {panic}"))),
+            }
+        });
+        if written.is_err() {
+            // What an encode left behind would ride with this thread's next transport send.
+            wire::discard_leftovers();
+            return written;
+        }
+        send_overflow(overflow, limit)
+    }
+
+    /// The most messages the channel holds; `None` for an unbounded channel.
+    ///
+    /// ```
+    /// assert_eq!(cuda_mp::bounded::<u8>(4).unwrap().0.capacity(), Some(4));
+    /// assert_eq!(cuda_mp::channel::<u8>().unwrap().0.capacity(), None);
+    /// ```
+    pub fn capacity(&self) -> Option<usize> {
+        self.outbox.gauge().capacity().map(|c| c as usize)
+    }
+
+    /// Connects to a [`Listener`] by the name it published. The connection is an unbounded
+    /// channel.
+    ///
+    /// ```
+    /// let listener = cuda_mp::Listener::<u8>::bind().unwrap();
+    /// let tx = cuda_mp::Sender::<u8>::connect(listener.name()).unwrap();
+    /// let rx = listener.accept().unwrap();
+    /// tx.send(1).unwrap();
+    /// assert_eq!(rx.recv().unwrap(), 1);
+    /// ```
+    pub fn connect(name: &str) -> Result<Sender<T>> {
+        if name.is_empty() || name.len() >= 108 || name.contains('\0') {
+            return Err(Error::Io(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{name:?} is not a listener name"),
+            )));
+        }
+        let hello: IpcSender<Hello> = IpcSender::connect(name.to_owned())?;
+        let hello = hello.to_opaque();
+        let gauge = Gauge::new(0, sys::send_buffer(&format!("{hello:?}")))?;
+        let hello: IpcSender<Hello> = hello.to();
+        let greeting = Hello { gauge: Some((*gauge.memory()?).clone()), ..Hello::CURRENT };
+        hello.send(greeting).map_err(|e| Error::Io(io::Error::other(e.to_string())))?;
+        Ok(Sender { outbox: Outbox::attach(hello.to_opaque(), gauge), _message: PhantomData })
+    }
+
+    /// Connects to a [`Listener`] whose name was written to `path` with
+    /// [`Listener::publish_to`], waiting up to `timeout` for the file to appear.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let listener = cuda_mp::Listener::<u8>::bind().unwrap();
+    /// let path = std::env::temp_dir().join(format!("cuda-mp-doc-{}.name", std::process::id()));
+    /// listener.publish_to(&path).unwrap();
+    /// let tx = cuda_mp::Sender::<u8>::connect_file(&path, Duration::from_secs(5)).unwrap();
+    /// let rx = listener.accept().unwrap();
+    /// tx.send(2).unwrap();
+    /// assert_eq!(rx.recv().unwrap(), 2);
+    /// ```
+    pub fn connect_file(path: impl AsRef<Path>, timeout: Duration) -> Result<Sender<T>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            match std::fs::read_to_string(path.as_ref()) {
+                Ok(name) => return Sender::connect(name.trim()),
+                Err(e) if e.kind() == io::ErrorKind::NotFound && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10))
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(Error::Timeout(timeout)),
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+}
+
+/// Sends the descriptors of a message that did not fit in its frame. Where they could fill
+/// their private channel before the receiver reads the message, a thread of their own sends
+/// them: this one does not wait for the reader.
+fn send_overflow(overflow: Overflow, limit: u64) -> std::result::Result<(), SendFailure> {
+    let send = |overflow: Overflow| {
+        overflow.send().map_err(|e| match e {
+            Error::OutOfDescriptors { limit } => SendFailure::OutOfDescriptors { limit },
+            Error::Io(e) if e.kind() == io::ErrorKind::BrokenPipe => SendFailure::Disconnected,
+            other => SendFailure::Io(other.to_string()),
+        })
+    };
+    if overflow_cost(&overflow) <= limit {
+        return send(overflow);
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let spawned = std::thread::Builder::new().name("cuda-mp-overflow".into()).spawn(move || {
+        let overflow = match rx.recv() {
+            Ok(overflow) => overflow,
+            Err(_) => return,
+        };
+        let _ = send(overflow);
+    });
+    match spawned {
+        Ok(_) => {
+            // The thread is waiting for it: this cannot fail.
+            let _ = tx.send(overflow);
+            Ok(())
+        }
+        Err(e) => Err(SendFailure::Io(format!("cannot start a thread for the message's descriptors: {e}"))),
+    }
+}
+
+/// A sender as it travels: the socket and the shared counters.
+#[derive(Serialize)]
+struct SenderOut<'a> {
+    main: &'a OpaqueIpcSender,
+    gauge: Carried,
+}
+
+#[derive(Deserialize)]
+struct SenderIn {
+    main: OpaqueIpcSender,
+    gauge: Carried,
+}
+
+/// The channel's shared counters, placed in the message being encoded.
+fn carry_gauge<E: serde::ser::Error>(gauge: &Gauge) -> std::result::Result<Carried, E> {
+    let memory = gauge.memory().map_err(wire::encode_error)?;
+    wire::carry(Descriptor::Memory(memory), None).map_err(wire::encode_error)
+}
+
+/// The channel's shared counters, taken out of the message being decoded.
+fn take_gauge<E: serde::de::Error>(carried: Carried) -> std::result::Result<Gauge, E> {
+    match wire::take(carried).map_err(wire::decode_error)? {
+        Descriptor::Memory(shm) => Gauge::from_memory(shm).map_err(wire::decode_error),
+        Descriptor::Channel(_) => {
+            Err(wire::decode_error(Error::Malformed("a channel's counters slot carries a channel instead".into())))
+        }
+    }
+}
+
+impl<T> Serialize for Sender<T> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        SenderOut { main: self.outbox.main(), gauge: carry_gauge(self.outbox.gauge())? }.serialize(serializer)
+    }
+}
+
+impl<'de, T> Deserialize<'de> for Sender<T> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        let wire = SenderIn::deserialize(deserializer)?;
+        let gauge = take_gauge(wire.gauge)?;
+        Ok(Sender { outbox: Outbox::attach(wire.main, gauge), _message: PhantomData })
+    }
+}
+
+/// The receiving end of a channel. It can be moved to another process, not cloned; threads of
+/// one process may share it (one of them receives each message).
+///
+/// | form | waits | returns |
+/// | --- | --- | --- |
+/// | [`recv`](Self::recv) | until a message or disconnection | `Result<T, RecvError>` |
+/// | [`try_recv`](Self::try_recv) | no | `Result<T, TryRecvError>` |
+/// | [`recv_timeout`](Self::recv_timeout) | at most the timeout | `Result<T, RecvTimeoutError>` |
+/// | [`recv_async`](Self::recv_async) | as a future | `Result<T, RecvError>` |
+/// | [`iter`](Self::iter), `for x in &rx` | yields `T` until disconnection or the first failure | |
+/// | [`iter_results`](Self::iter_results) | yields every message and failure until disconnection | |
+/// | [`try_iter`](Self::try_iter) | yields what waits now | |
+/// | [`stream`](Self::stream) | a `futures_core::Stream` of `Result<T, RecvError>` | |
+///
+/// [`Select`] waits for the first of several receivers.
+///
+/// ```
+/// let (tx, rx) = cuda_mp::channel::<i64>().unwrap();
+/// tx.send(-1).unwrap();
+/// assert_eq!(rx.recv().unwrap(), -1);
+/// ```
+pub struct Receiver<T> {
+    inbox: Mutex<Inbox<T>>,
+    /// Our copy of the socket's descriptor, to wait on without holding the inbox.
+    main_fd: Option<Arc<OwnedFd>>,
+    gauge: Gauge,
+}
+
+impl<T> fmt::Debug for Receiver<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Receiver")
+            .field("message", &std::any::type_name::<T>())
+            .field("capacity", &self.gauge.capacity())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T: DeserializeOwned> Receiver<T> {
+    fn from_parts(main: IpcReceiver<Incoming<T>>, spill: Option<OpaqueIpcReceiver>, gauge: Gauge) -> Receiver<T> {
+        let mut inbox = Inbox::new(main);
+        inbox.spill = spill.map(inbox::Source::unwatched);
+        let main_fd = inbox.main.fd();
+        Receiver { inbox: Mutex::new(inbox), main_fd, gauge }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inbox<T>> {
+        self.inbox.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The inbox, unless another thread is receiving.
+    fn try_lock(&self) -> Option<MutexGuard<'_, Inbox<T>>> {
+        match self.inbox.try_lock() {
+            Ok(inbox) => Some(inbox),
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// Whether a receive would return at once, or what to wait on for one (`None`: this
+    /// channel's descriptor cannot be watched).
+    fn readiness(&self) -> Option<Readiness> {
+        match self.try_lock() {
+            Some(mut inbox) => inbox.readiness(),
+            // Another thread is receiving: wait for the socket with it.
+            None => self.main_fd.clone().map(Readiness::Wait),
+        }
+    }
+
+    /// Blocks until a message arrives or every sender is gone.
+    ///
+    /// ```
+    /// let (tx, rx) = cuda_mp::channel::<u8>().unwrap();
+    /// drop(tx);
+    /// assert!(rx.recv().unwrap_err().is_disconnected());
+    /// ```
+    pub fn recv(&self) -> std::result::Result<T, RecvError> {
+        match self.lock().receive(&self.gauge, Wait::Forever) {
+            Ok(v) => Ok(v),
+            Err(Missing::Failed(e)) => Err(e),
+            Err(Missing::Empty) => Err(RecvError::Io("a receive without limit returned nothing".into())),
+        }
+    }
+
+    /// Returns a waiting message, if any, without blocking.
+    ///
+    /// ```
+    /// let (_tx, rx) = cuda_mp::channel::<u8>().unwrap();
+    /// assert!(rx.try_recv().unwrap_err().is_empty());
+    /// ```
+    pub fn try_recv(&self) -> std::result::Result<T, TryRecvError> {
+        let Some(mut inbox) = self.try_lock() else {
+            // Another thread is receiving: whatever waits is its.
+            return Err(TryRecvError::Empty);
+        };
+        match inbox.receive(&self.gauge, Wait::Not) {
+            Ok(v) => Ok(v),
+            Err(Missing::Empty) => Err(TryRecvError::Empty),
+            Err(Missing::Failed(e)) => Err(e.into()),
+        }
+    }
+
+    /// Blocks until a message arrives, every sender is gone, or `timeout` passes.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let (_tx, rx) = cuda_mp::channel::<u8>().unwrap();
+    /// assert!(rx.recv_timeout(Duration::from_millis(10)).unwrap_err().is_timeout());
+    /// ```
+    pub fn recv_timeout(&self, timeout: Duration) -> std::result::Result<T, RecvTimeoutError> {
+        let Some(deadline) = Instant::now().checked_add(timeout) else {
+            return self.recv().map_err(RecvTimeoutError::from);
+        };
+        loop {
+            if let Some(mut inbox) = self.try_lock() {
+                return match inbox.receive(&self.gauge, Wait::Until(deadline)) {
+                    Ok(v) => Ok(v),
+                    Err(Missing::Empty) => Err(RecvTimeoutError::Timeout),
+                    Err(Missing::Failed(e)) => Err(e.into()),
+                };
+            }
+            // Another thread is receiving: look again shortly.
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(RecvTimeoutError::Timeout);
+            }
+            std::thread::sleep(left.min(Duration::from_millis(1)));
+        }
+    }
+
+    /// An iterator that receives until the channel disconnects. It also ends at the first
+    /// failed receive (a malformed message, an i/o error), without saying so: use
+    /// [`iter_results`](Self::iter_results) to see failures and go on past them.
+    ///
+    /// ```
+    /// let (tx, rx) = cuda_mp::channel::<u8>().unwrap();
+    /// for i in 0..3 {
+    ///     tx.send(i).unwrap();
+    /// }
+    /// drop(tx);
+    /// assert_eq!(rx.iter().collect::<Vec<_>>(), vec![0, 1, 2]);
+    /// ```
+    pub fn iter(&self) -> Iter<'_, T> {
+        Iter { rx: self }
+    }
+
+    /// An iterator over every receive's result, until the channel disconnects: a message that
+    /// does not decode yields `Err(RecvError::Malformed)` and the iterator goes on with the next
+    /// one. It ends after [`RecvError::Disconnected`] (not yielded) and after an
+    /// [`RecvError::Io`] (yielded: the channel is then unusable).
+    ///
+    /// ```
+    /// let (tx, rx) = cuda_mp::channel::<u8>().unwrap();
+    /// tx.send(1).unwrap();
+    /// drop(tx);
+    /// let all: Vec<Result<u8, cuda_mp::RecvError>> = rx.iter_results().collect();
+    /// assert_eq!(all, vec![Ok(1)]);
+    /// ```
+    pub fn iter_results(&self) -> IterResults<'_, T> {
+        IterResults { rx: self, done: false }
+    }
+
+    /// An iterator over the messages waiting now; it never blocks, and ends when none waits
+    /// (or a receive fails).
+    ///
+    /// ```
+    /// let (tx, rx) = cuda_mp::channel::<u8>().unwrap();
+    /// tx.send(1).unwrap();
+    /// tx.send(2).unwrap();
+    /// assert_eq!(rx.try_iter().collect::<Vec<_>>(), vec![1, 2]);
+    /// assert_eq!(rx.try_iter().count(), 0);
+    /// ```
+    pub fn try_iter(&self) -> TryIter<'_, T> {
+        TryIter { rx: self }
+    }
+
+    /// The most messages the channel holds; `None` for an unbounded channel.
+    ///
+    /// ```
+    /// assert_eq!(cuda_mp::bounded::<u8>(3).unwrap().1.capacity(), Some(3));
+    /// ```
+    pub fn capacity(&self) -> Option<usize> {
+        self.gauge.capacity().map(|c| c as usize)
+    }
+}
+
+/// Iterator of [`Receiver::iter`] (and of `for x in &rx`): messages until the channel
+/// disconnects or a receive fails.
+///
+/// ```
+/// let (tx, rx) = cuda_mp::channel::<u8>().unwrap();
+/// tx.send(5).unwrap();
+/// drop(tx);
+/// let mut it: cuda_mp::Iter<'_, u8> = rx.iter();
+/// assert_eq!(it.next(), Some(5));
+/// assert_eq!(it.next(), None);
+/// ```
+pub struct Iter<'a, T> {
+    rx: &'a Receiver<T>,
+}
+
+impl<T: DeserializeOwned> Iterator for Iter<'_, T> {
+    type Item = T;
+
+    fn next(&mut self) -> Option<T> {
+        self.rx.recv().ok()
+    }
+}
+
+impl<T> fmt::Debug for Iter<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Iter").field("rx", self.rx).finish()
+    }
+}
+
+/// Iterator of [`Receiver::try_iter`]: the messages waiting now.
+///
+/// ```
+/// let (tx, rx) = cuda_mp::channel::<u8>().unwrap();
+/// tx.send(5).unwrap();
+/// let mut it: cuda_mp::TryIter<'_, u8> = rx.try_iter();
+/// assert_eq!(it.next(), Some(5));
+/// assert_eq!(it.next(), None);
+/// ```
+pub struct TryIter<'a, T> {
+    rx: &'a Receiver<T>,
+}
+
+impl<T: DeserializeOwned> Iterator for TryIter<'_, T> {
+    type Item = T;
+
+    fn next(&mut self) -> Option<T> {
+        self.rx.try_recv().ok()
+    }
+}
+
+impl<T> fmt::Debug for TryIter<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TryIter").field("rx", self.rx).finish()
+    }
+}
+
+/// Iterator of [`Receiver::iter_results`]: every receive's result until disconnection.
+///
+/// ```
+/// let (tx, rx) = cuda_mp::channel::<u8>().unwrap();
+/// drop(tx);
+/// let mut it: cuda_mp::IterResults<'_, u8> = rx.iter_results();
+/// assert!(it.next().is_none());
+/// ```
+pub struct IterResults<'a, T> {
+    rx: &'a Receiver<T>,
+    done: bool,
+}
+
+impl<T: DeserializeOwned> Iterator for IterResults<'_, T> {
+    type Item = std::result::Result<T, RecvError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.done {
+            return None;
+        }
+        match self.rx.recv() {
+            Err(RecvError::Disconnected) => {
+                self.done = true;
+                None
+            }
+            Err(e @ RecvError::Io(_)) => {
+                self.done = true;
+                Some(Err(e))
+            }
+            other => Some(other),
+        }
+    }
+}
+
+impl<T> fmt::Debug for IterResults<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IterResults").field("rx", self.rx).field("done", &self.done).finish()
+    }
+}
+
+/// Iterator of a receiver taken by value (`for x in rx`): messages until the channel
+/// disconnects or a receive fails.
+///
+/// ```
+/// let (tx, rx) = cuda_mp::channel::<u8>().unwrap();
+/// tx.send(1).unwrap();
+/// drop(tx);
+/// let it: cuda_mp::IntoIter<u8> = rx.into_iter();
+/// assert_eq!(it.collect::<Vec<_>>(), vec![1]);
+/// ```
+pub struct IntoIter<T> {
+    rx: Receiver<T>,
+}
+
+impl<T: DeserializeOwned> Iterator for IntoIter<T> {
+    type Item = T;
+
+    fn next(&mut self) -> Option<T> {
+        self.rx.recv().ok()
+    }
+}
+
+impl<T> fmt::Debug for IntoIter<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IntoIter").field("rx", &self.rx).finish()
+    }
+}
+
+/// `for x in &rx`: like [`Receiver::iter`].
+///
+/// ```
+/// let (tx, rx) = cuda_mp::channel::<u8>().unwrap();
+/// tx.send(1).unwrap();
+/// tx.send(2).unwrap();
+/// drop(tx);
+/// let mut sum = 0;
+/// for x in &rx {
+///     sum += x;
+/// }
+/// assert_eq!(sum, 3);
+/// ```
+impl<'a, T: DeserializeOwned> IntoIterator for &'a Receiver<T> {
+    type Item = T;
+    type IntoIter = Iter<'a, T>;
+
+    fn into_iter(self) -> Iter<'a, T> {
+        self.iter()
+    }
+}
+
+/// `for x in rx`: like [`Receiver::iter`], owning the receiver.
+///
+/// ```
+/// let (tx, rx) = cuda_mp::channel::<u8>().unwrap();
+/// tx.send(7).unwrap();
+/// drop(tx);
+/// for x in rx {
+///     assert_eq!(x, 7);
+/// }
+/// ```
+impl<T: DeserializeOwned> IntoIterator for Receiver<T> {
+    type Item = T;
+    type IntoIter = IntoIter<T>;
+
+    fn into_iter(self) -> IntoIter<T> {
+        IntoIter { rx: self }
+    }
+}
+
+/// A receiver as it travels: the socket, the spill batch being read, the shared counters.
+#[derive(Serialize)]
+#[serde(bound = "")]
+struct ReceiverOut<'a, T> {
+    main: &'a IpcReceiver<Incoming<T>>,
+    spill: Option<&'a IpcReceiver<Incoming<T>>>,
+    gauge: Carried,
+}
+
+#[derive(Deserialize)]
+struct ReceiverIn {
+    main: OpaqueIpcReceiver,
+    spill: Option<OpaqueIpcReceiver>,
+    gauge: Carried,
+}
+
+impl<T> Serialize for Receiver<T> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        let mut inbox = self.inbox.lock().unwrap_or_else(|p| p.into_inner());
+        inbox.settle_all(&self.gauge);
+        let gauge = carry_gauge(&self.gauge)?;
+        ReceiverOut { main: &inbox.main.rx, spill: inbox.spill.as_ref().map(|s| &s.rx), gauge }.serialize(serializer)
+    }
+}
+
+impl<'de, T: DeserializeOwned> Deserialize<'de> for Receiver<T> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        let wire = ReceiverIn::deserialize(deserializer)?;
+        let gauge = take_gauge(wire.gauge)?;
+        Ok(Receiver::from_parts(wire.main.to(), wire.spill, gauge))
+    }
+}
+
+/// One end of a two-way connection made by [`pipe`]: it sends `S` and receives `R`.
+///
+/// ```
+/// let (a, b) = cuda_mp::pipe::<u8, String>().unwrap();
+/// a.send(3).unwrap();
+/// b.send(format!("got {}", b.recv().unwrap())).unwrap();
+/// assert_eq!(a.recv().unwrap(), "got 3");
+/// ```
+#[derive(Serialize, Deserialize)]
+#[serde(bound(serialize = "", deserialize = "R: DeserializeOwned"))]
+pub struct Duplex<S, R> {
+    tx: Sender<S>,
+    rx: Receiver<R>,
+}
+
+impl<S, R> fmt::Debug for Duplex<S, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Duplex")
+            .field("sends", &std::any::type_name::<S>())
+            .field("receives", &std::any::type_name::<R>())
+            .finish()
+    }
+}
+
+/// Creates a two-way connection, like `multiprocessing.Pipe()`: the first end sends `A` and
+/// receives `B`, the second sends `B` and receives `A`. Both directions are unbounded
+/// channels.
+///
+/// ```
+/// let (here, there) = cuda_mp::pipe::<u8, u8>().unwrap();
+/// there.send(9).unwrap();
+/// assert_eq!(here.recv().unwrap(), 9);
+/// ```
+pub fn pipe<A, B>() -> Result<(Duplex<A, B>, Duplex<B, A>)>
+where
+    A: Serialize + DeserializeOwned,
+    B: Serialize + DeserializeOwned,
+{
+    let (tx_a, rx_a) = channel::<A>()?;
+    let (tx_b, rx_b) = channel::<B>()?;
+    Ok((Duplex { tx: tx_a, rx: rx_b }, Duplex { tx: tx_b, rx: rx_a }))
+}
+
+impl<S: Serialize + DeserializeOwned, R: Serialize + DeserializeOwned> Duplex<S, R> {
+    /// Sends to the other end.
+    ///
+    /// ```
+    /// let (a, b) = cuda_mp::pipe::<u8, u8>().unwrap();
+    /// a.send(1).unwrap();
+    /// assert_eq!(b.recv().unwrap(), 1);
+    /// ```
+    pub fn send(&self, value: S) -> std::result::Result<(), SendError<S>> {
+        self.tx.send(value)
+    }
+
+    /// Receives from the other end, blocking.
+    ///
+    /// ```
+    /// let (a, b) = cuda_mp::pipe::<u8, u8>().unwrap();
+    /// b.send(2).unwrap();
+    /// assert_eq!(a.recv().unwrap(), 2);
+    /// ```
+    pub fn recv(&self) -> std::result::Result<R, RecvError> {
+        self.rx.recv()
+    }
+
+    /// Receives from the other end without blocking.
+    ///
+    /// ```
+    /// let (a, _b) = cuda_mp::pipe::<u8, u8>().unwrap();
+    /// assert!(a.try_recv().unwrap_err().is_empty());
+    /// ```
+    pub fn try_recv(&self) -> std::result::Result<R, TryRecvError> {
+        self.rx.try_recv()
+    }
+
+    /// Receives from the other end, giving up after `timeout`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let (a, _b) = cuda_mp::pipe::<u8, u8>().unwrap();
+    /// assert!(a.recv_timeout(Duration::from_millis(10)).unwrap_err().is_timeout());
+    /// ```
+    pub fn recv_timeout(&self, timeout: Duration) -> std::result::Result<R, RecvTimeoutError> {
+        self.rx.recv_timeout(timeout)
+    }
+
+    /// Splits into the sending and receiving halves.
+    ///
+    /// ```
+    /// let (a, b) = cuda_mp::pipe::<u8, u8>().unwrap();
+    /// let (tx, _rx) = a.split();
+    /// tx.send(4).unwrap();
+    /// assert_eq!(b.recv().unwrap(), 4);
+    /// ```
+    pub fn split(self) -> (Sender<S>, Receiver<R>) {
+        (self.tx, self.rx)
+    }
+}
+
+/// The first message on a named connection: tells a listener that a cuda-mp sender connected,
+/// and brings the connection's shared counters.
+#[derive(Serialize, Deserialize)]
+struct Hello {
+    magic: [u8; 8],
+    version: u32,
+    gauge: Option<IpcSharedMemory>,
+}
+
+impl Hello {
+    const CURRENT: Hello = Hello { magic: *b"cuda-mp\0", version: 2, gauge: None };
+    const CANCEL: Hello = Hello { magic: *b"cancel!\0", version: 2, gauge: None };
+
+    fn is(&self, other: &Hello) -> bool {
+        self.magic == other.magic && self.version == other.version
+    }
+}
+
+/// Waits for one unrelated process to connect by name (see [`Sender::connect`]).
+///
+/// ```
+/// let listener = cuda_mp::Listener::<String>::bind().unwrap();
+/// assert!(!listener.name().is_empty());
+/// ```
+pub struct Listener<T> {
+    server: IpcOneShotServer<Hello>,
+    name: String,
+    _message: PhantomData<fn() -> T>,
+}
+
+impl<T> fmt::Debug for Listener<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Listener").field("name", &self.name).finish_non_exhaustive()
+    }
+}
+
+impl<T: Serialize + DeserializeOwned> Listener<T> {
+    /// Creates a listener with a fresh name.
+    ///
+    /// ```
+    /// let listener = cuda_mp::Listener::<u8>::bind().unwrap();
+    /// println!("connect to {}", listener.name());
+    /// ```
+    pub fn bind() -> Result<Listener<T>> {
+        let (server, name) = IpcOneShotServer::new()?;
+        Ok(Listener { server, name, _message: PhantomData })
+    }
+
+    /// The name a peer passes to [`Sender::connect`].
+    ///
+    /// ```
+    /// let listener = cuda_mp::Listener::<u8>::bind().unwrap();
+    /// let _tx = cuda_mp::Sender::<u8>::connect(listener.name()).unwrap();
+    /// ```
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Writes the name to `path` (atomically: a reader never sees half of it).
+    ///
+    /// ```
+    /// let listener = cuda_mp::Listener::<u8>::bind().unwrap();
+    /// let path = std::env::temp_dir().join(format!("cuda-mp-doc-pub-{}.name", std::process::id()));
+    /// listener.publish_to(&path).unwrap();
+    /// assert_eq!(std::fs::read_to_string(&path).unwrap(), listener.name());
+    /// ```
+    pub fn publish_to(&self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let tmp = path.with_extension("partial");
+        std::fs::write(&tmp, &self.name)?;
+        std::fs::rename(&tmp, path)?;
+        Ok(())
+    }
+
+    /// Blocks until a peer connects; returns the receiving end of the connection.
+    ///
+    /// ```
+    /// let listener = cuda_mp::Listener::<u8>::bind().unwrap();
+    /// let tx = cuda_mp::Sender::<u8>::connect(listener.name()).unwrap();
+    /// let rx = listener.accept().unwrap();
+    /// tx.send(5).unwrap();
+    /// assert_eq!(rx.recv().unwrap(), 5);
+    /// ```
+    pub fn accept(self) -> Result<Receiver<T>> {
+        let (rx, gauge) = accept_hello(self.server)?;
+        Ok(Receiver::from_parts(rx.to(), None, gauge))
+    }
+
+    /// Like [`accept`](Self::accept), giving up after `timeout`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let listener = cuda_mp::Listener::<u8>::bind().unwrap();
+    /// let err = listener.accept_timeout(Duration::from_millis(50)).unwrap_err();
+    /// assert!(err.is_timeout());
+    /// ```
+    pub fn accept_timeout(self, timeout: Duration) -> Result<Receiver<T>> {
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let server = self.server;
+        std::thread::spawn(move || {
+            let _ = done_tx.send(accept_hello(server));
+        });
+        match done_rx.recv_timeout(timeout) {
+            Ok(result) => {
+                let (rx, gauge) = result?;
+                Ok(Receiver::from_parts(rx.to(), None, gauge))
+            }
+            Err(_) => {
+                // Unblock the accepting thread with a connection of our own.
+                if let Ok(tx) = IpcSender::<Hello>::connect(self.name.clone()) {
+                    let _ = tx.send(Hello::CANCEL);
+                }
+                Err(Error::Timeout(timeout))
+            }
+        }
+    }
+}
+
+/// The receiving end of a connection and its shared counters, once the peer said hello.
+fn accept_hello(server: IpcOneShotServer<Hello>) -> Result<(OpaqueIpcReceiver, Gauge)> {
+    let not_ours = || Error::Malformed("the peer is not a cuda-mp sender of this version".into());
+    let (rx, hello) = catch_quietly(|| server.accept())
+        .map_err(|_| Error::Malformed("connection handshake refers to descriptors it does not carry".into()))?
+        .map_err(|e| match e {
+            IpcError::SerializationError(_) => not_ours(),
+            other => Error::Malformed(format!("connection handshake failed: {other}")),
+        })?;
+    if !hello.is(&Hello::CURRENT) {
+        return Err(not_ours());
+    }
+    let gauge = Gauge::from_memory(Arc::new(hello.gauge.ok_or_else(not_ours)?))?;
+    Ok((rx.to_opaque(), gauge))
+}

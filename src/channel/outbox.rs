@@ -1,0 +1,409 @@
+//! The sending side of a channel in one process: the socket, the shared counters, and the
+//! backlog of spilled frames with the feeder thread that hands it on. See
+//! `src/channel/README.md` for why a send never waits for the reader and what that costs.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use ipc_channel::ipc::{self, IpcSender, OpaqueIpcReceiver, OpaqueIpcSender};
+use ipc_channel::IpcError;
+
+use super::frame::{FrameOut, SMALL_COST};
+use super::gauge::Gauge;
+use super::sys;
+use crate::error::{Error, SendFailure};
+use crate::os::{catch_quietly, descriptor_limit, out_of_descriptors};
+use crate::wire;
+
+/// How long an idle feeder waits for more work before its thread ends.
+const FEEDER_IDLE: Duration = Duration::from_secs(2);
+
+/// How long a feeder sleeps at most while it waits for the socket to drain.
+const ROOM_WAIT: Duration = Duration::from_millis(10);
+
+/// How long the open batch waits for room on the socket at most before it is handed on anyway:
+/// the latency a spilled message may gain, and what keeps messages moving when the counters
+/// are wrong (a frame counted but never read, by a process killed between the two).
+const HANDOVER_DELAY: Duration = Duration::from_millis(20);
+
+/// Set once the process is exiting: feeders then hand on everything at once.
+static EXITING: AtomicBool = AtomicBool::new(false);
+
+/// The senders of one channel in this process, shared by all their handles.
+pub(super) struct Outbox {
+    main: OpaqueIpcSender,
+    gauge: Gauge,
+    /// Our copy of the socket's descriptor: tells when the receiver is gone.
+    probe: Option<OwnedFd>,
+    backlog: Mutex<Backlog>,
+    changed: Condvar,
+    /// Live `Sender` handles of this process (the feeder holds the outbox without being one).
+    handles: AtomicUsize,
+    /// Set with `Backlog::disconnected`, read without the lock.
+    gone: AtomicBool,
+}
+
+/// Frames waiting for the feeder, in order.
+#[derive(Default)]
+struct Backlog {
+    /// Full batches (their writing end closed), oldest first.
+    closed: VecDeque<Batch>,
+    /// The batch being filled.
+    open: Option<Batch>,
+    /// The feeder is writing a redirect to the socket now.
+    handing_on: bool,
+    /// A feeder thread runs.
+    feeder: bool,
+    /// The feeder sleeps until told of new work.
+    feeder_idle: bool,
+    /// The receiver is gone: sends fail, and what was spilled is dropped.
+    disconnected: bool,
+    /// Messages spilled and not yet handed on (for `Debug`).
+    messages: usize,
+}
+
+/// A private channel holding spilled frames: written here, read by the receiver after the
+/// redirect that hands it on.
+struct Batch {
+    /// `None` once the batch is full: nothing more is written to it.
+    tx: Option<OpaqueIpcSender>,
+    rx: OpaqueIpcReceiver,
+    /// What its frames cost its socket, and what they may cost without a write waiting.
+    cost: u64,
+    limit: u64,
+    messages: usize,
+    opened: Instant,
+}
+
+impl Backlog {
+    fn is_empty(&self) -> bool {
+        self.closed.is_empty() && self.open.is_none() && !self.handing_on
+    }
+
+    fn disconnect(&mut self) {
+        self.disconnected = true;
+        self.closed.clear();
+        self.open = None;
+        self.messages = 0;
+    }
+}
+
+impl fmt::Debug for Outbox {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let backlog = self.lock();
+        f.debug_struct("Outbox")
+            .field("capacity", &self.gauge.capacity())
+            .field("queued", &self.gauge.capacity().map(|_| self.gauge.queued_messages()))
+            .field("spilled", &backlog.messages)
+            .field("disconnected", &backlog.disconnected)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Every outbox of this process, by the id of its channel: the handles of one channel in one
+/// process share one backlog, so that one thread's messages stay in order whichever handle it
+/// uses.
+fn registry() -> MutexGuard<'static, HashMap<u64, Weak<Outbox>>> {
+    static REGISTRY: OnceLock<Mutex<HashMap<u64, Weak<Outbox>>>> = OnceLock::new();
+    REGISTRY.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn is_disconnect(e: &io::Error) -> bool {
+    matches!(e.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset | io::ErrorKind::NotConnected)
+}
+
+fn failure(e: IpcError) -> SendFailure {
+    if out_of_descriptors() {
+        return SendFailure::OutOfDescriptors { limit: descriptor_limit() };
+    }
+    match e {
+        IpcError::Disconnected => SendFailure::Disconnected,
+        IpcError::Io(e) if is_disconnect(&e) => SendFailure::Disconnected,
+        IpcError::Io(e) => SendFailure::Io(e.to_string()),
+        IpcError::SerializationError(e) => {
+            SendFailure::Serialize(wire::take_failure().unwrap_or_else(|| format!("{e:?}")))
+        }
+    }
+}
+
+/// Writes one frame to a socket, with every descriptor serialized so far on this thread.
+pub(super) fn write_frame(tx: &OpaqueIpcSender, frame: FrameOut<'_>) -> Result<(), SendFailure> {
+    let tx: IpcSender<FrameOut<'_>> = tx.clone().to();
+    match catch_quietly(move || tx.send(frame)) {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(failure(e)),
+        // The transport asserts instead of failing when a message holds more than 64 of its
+        // own descriptors (channels in the message beside our tensors').
+        Err(panic) if panic.contains("MAX_FDS_IN_CMSG") => Err(SendFailure::Io(format!(
+            "the message holds more than 64 channels and shared-memory regions of its own ({panic})"
+        ))),
+        Err(panic) => Err(SendFailure::Io(format!("the transport failed: {panic}"))),
+    }
+}
+
+impl Outbox {
+    /// The outbox of this process for the channel `main` writes to, whose counters are
+    /// `gauge`: the existing one when this process already holds a sender of the channel.
+    pub(super) fn attach(main: OpaqueIpcSender, gauge: Gauge) -> Arc<Outbox> {
+        let probe = sys::socket_copy(&format!("{main:?}"));
+        let mut registry = registry();
+        if let Some(existing) = registry.get(&gauge.id()).and_then(Weak::upgrade) {
+            let same = match (&existing.probe, &probe) {
+                (Some(a), Some(b)) => {
+                    sys::socket_identity(a).is_some() && sys::socket_identity(a) == sys::socket_identity(b)
+                }
+                _ => false,
+            };
+            if same {
+                existing.handles.fetch_add(1, Ordering::SeqCst);
+                return existing;
+            }
+        }
+        let outbox = Arc::new(Outbox {
+            main,
+            gauge,
+            probe,
+            backlog: Mutex::new(Backlog::default()),
+            changed: Condvar::new(),
+            handles: AtomicUsize::new(1),
+            gone: AtomicBool::new(false),
+        });
+        registry.retain(|_, w| w.strong_count() > 0);
+        registry.insert(outbox.gauge.id(), Arc::downgrade(&outbox));
+        outbox
+    }
+
+    /// Another handle of this outbox.
+    pub(super) fn add_handle(self: &Arc<Self>) -> Arc<Outbox> {
+        self.handles.fetch_add(1, Ordering::SeqCst);
+        self.clone()
+    }
+
+    /// A handle is dropped: when it was the last, the feeder hands on the rest at once.
+    pub(super) fn drop_handle(&self) {
+        if self.handles.fetch_sub(1, Ordering::SeqCst) == 1 {
+            let _backlog = self.lock();
+            self.changed.notify_all();
+        }
+    }
+
+    pub(super) fn gauge(&self) -> &Gauge {
+        &self.gauge
+    }
+
+    pub(super) fn main(&self) -> &OpaqueIpcSender {
+        &self.main
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Backlog> {
+        self.backlog.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// True once a send found the receiver gone.
+    pub(super) fn disconnected(&self) -> bool {
+        self.gone.load(Ordering::Acquire)
+    }
+
+    /// The receiver is gone: what was spilled is dropped, and every later send fails.
+    fn disconnect(&self, backlog: &mut Backlog) {
+        backlog.disconnect();
+        self.gone.store(true, Ordering::Release);
+        self.changed.notify_all();
+    }
+
+    /// True once the receiver is known to be gone.
+    pub(super) fn receiver_gone(&self) -> bool {
+        self.disconnected() || self.probe.as_ref().is_some_and(sys::peer_closed)
+    }
+
+    /// Writes the frame of one message, encoded on this thread: to the socket when nothing of
+    /// ours waits before it and the socket surely has room, else to the backlog. Never waits
+    /// for the reader.
+    pub(super) fn write(self: &Arc<Self>, frame: FrameOut<'_>) -> Result<(), SendFailure> {
+        let cost = frame.cost();
+        let mut backlog = self.lock();
+        if backlog.disconnected {
+            return Err(SendFailure::Disconnected);
+        }
+        if backlog.is_empty() && self.gauge.try_reserve(cost) {
+            return match write_frame(&self.main, frame) {
+                Ok(()) => Ok(()),
+                Err(failure) => {
+                    self.gauge.release(cost);
+                    if failure == SendFailure::Disconnected {
+                        self.disconnect(&mut backlog);
+                    }
+                    Err(failure)
+                }
+            };
+        }
+        self.spill(&mut backlog, frame, cost)
+    }
+
+    /// Writes a frame to the open batch (a fresh one when there is none or it is full).
+    fn spill(self: &Arc<Self>, backlog: &mut Backlog, frame: FrameOut<'_>, cost: u64) -> Result<(), SendFailure> {
+        if backlog.open.as_ref().is_some_and(|b| b.cost + cost > b.limit) {
+            if let Some(mut full) = backlog.open.take() {
+                full.tx = None;
+                backlog.closed.push_back(full);
+            }
+        }
+        if backlog.open.is_none() {
+            // A new batch is where a receiver that is gone would be noticed last: look now.
+            if self.probe.as_ref().is_some_and(sys::peer_closed) {
+                self.disconnect(backlog);
+                return Err(SendFailure::Disconnected);
+            }
+            let (tx, rx) = ipc::channel::<()>().map_err(|e| match wire::descriptor_error(e.into()) {
+                Error::OutOfDescriptors { limit } => SendFailure::OutOfDescriptors { limit },
+                other => SendFailure::Io(format!("cannot make a batch for the backlog: {other}")),
+            })?;
+            let tx = tx.to_opaque();
+            // Within the limit of the channel's socket at least, whose frames all fit.
+            let limit = (sys::send_buffer(&format!("{tx:?}")) as u64 / 4 * 3).max(self.gauge.limit());
+            backlog.open =
+                Some(Batch { tx: Some(tx), rx: rx.to_opaque(), cost: 0, limit, messages: 0, opened: Instant::now() });
+        }
+        if !backlog.feeder {
+            self.start_feeder()?;
+            backlog.feeder = true;
+        }
+        let batch = backlog.open.as_mut().ok_or_else(|| SendFailure::Io("the backlog lost its batch".into()))?;
+        let tx = batch.tx.as_ref().ok_or_else(|| SendFailure::Io("the backlog's batch is closed".into()))?;
+        // Nobody reads the batch before its redirect, and its frames stay within the socket's
+        // limit: this write does not wait.
+        write_frame(tx, frame)?;
+        batch.cost += cost;
+        batch.messages += 1;
+        backlog.messages += 1;
+        if backlog.feeder_idle {
+            // Otherwise the feeder is busy, or waits for room and looks again when there is.
+            self.changed.notify_all();
+        }
+        Ok(())
+    }
+
+    fn start_feeder(self: &Arc<Self>) -> Result<(), SendFailure> {
+        install_exit_hook();
+        let outbox = self.clone();
+        std::thread::Builder::new()
+            .name("cuda-mp-feeder".into())
+            .spawn(move || {
+                let result = catch_quietly(|| outbox.feed());
+                if result.is_err() {
+                    // Nothing more will be handed on: fail the sends that would wait for it.
+                    let mut backlog = outbox.lock();
+                    outbox.disconnect(&mut backlog);
+                    backlog.feeder = false;
+                }
+            })
+            .map(drop)
+            .map_err(|e| SendFailure::Io(format!("cannot start the thread that feeds the channel: {e}")))
+    }
+
+    /// The feeder: hands the backlog's batches on to the receiver, oldest first, each by a
+    /// redirect frame on the socket (a write that may wait, on this thread only). The open
+    /// batch is handed on once the socket is nearly drained (the reader is about to run out) or
+    /// after [`HANDOVER_DELAY`], at once when no handle is left or the process exits.
+    fn feed(self: &Arc<Self>) {
+        let mut backlog = self.lock();
+        loop {
+            if backlog.disconnected {
+                break;
+            }
+            let urgent = self.handles.load(Ordering::SeqCst) == 0 || EXITING.load(Ordering::SeqCst);
+            let due = |b: &Batch| urgent || b.opened.elapsed() >= HANDOVER_DELAY || self.gauge.nearly_drained();
+            let next = match backlog.closed.pop_front() {
+                Some(batch) => Some(batch),
+                None if backlog.open.as_ref().is_some_and(due) => backlog.open.take(),
+                None => None,
+            };
+            match next {
+                Some(batch) => {
+                    backlog.handing_on = true;
+                    drop(backlog);
+                    let messages = batch.messages;
+                    // Closing the writing end first: the receiver reads the batch to its end.
+                    drop(batch.tx);
+                    self.gauge.reserve(SMALL_COST);
+                    let written = write_frame(&self.main, FrameOut::Redirect(batch.rx));
+                    backlog = self.lock();
+                    backlog.handing_on = false;
+                    match written {
+                        Ok(()) => backlog.messages = backlog.messages.saturating_sub(messages),
+                        Err(_) => {
+                            self.gauge.release(SMALL_COST);
+                            self.disconnect(&mut backlog);
+                        }
+                    }
+                    self.changed.notify_all();
+                }
+                None if backlog.open.is_some() => {
+                    if self.probe.as_ref().is_some_and(sys::peer_closed) {
+                        // The receiver is gone: no room will come.
+                        self.disconnect(&mut backlog);
+                        continue;
+                    }
+                    drop(backlog);
+                    self.gauge.wait_until_drained(ROOM_WAIT);
+                    backlog = self.lock();
+                }
+                None => {
+                    self.changed.notify_all();
+                    if urgent {
+                        break;
+                    }
+                    backlog.feeder_idle = true;
+                    let (b, waited) =
+                        self.changed.wait_timeout(backlog, FEEDER_IDLE).unwrap_or_else(|p| p.into_inner());
+                    backlog = b;
+                    backlog.feeder_idle = false;
+                    if waited.timed_out() && backlog.is_empty() {
+                        break;
+                    }
+                }
+            }
+        }
+        backlog.feeder = false;
+        self.changed.notify_all();
+    }
+
+    /// Waits until everything spilled here was handed on, or the receiver is gone.
+    fn drain(&self) {
+        let mut backlog = self.lock();
+        while !(backlog.is_empty() || backlog.disconnected) {
+            if !backlog.feeder {
+                // No thread to hand it on (it could not start): nothing to wait for.
+                break;
+            }
+            backlog = self.changed.wait_timeout(backlog, ROOM_WAIT).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+}
+
+/// Lets the backlogs of this process drain when it exits, as torch's queues join their feeder
+/// threads: a process that returns from `main` (or a spawned worker that returns) first waits
+/// until every message it sent has been handed on, or its receiver is gone.
+fn install_exit_hook() {
+    static INSTALLED: OnceLock<bool> = OnceLock::new();
+    INSTALLED.get_or_init(|| sys::at_exit(drain_at_exit));
+}
+
+extern "C" fn drain_at_exit() {
+    let _ = catch_quietly(|| {
+        EXITING.store(true, Ordering::SeqCst);
+        let outboxes: Vec<Arc<Outbox>> = registry().values().filter_map(Weak::upgrade).collect();
+        for outbox in &outboxes {
+            let _backlog = outbox.lock();
+            outbox.changed.notify_all();
+        }
+        for outbox in outboxes {
+            outbox.drain();
+        }
+    });
+}
