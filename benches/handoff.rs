@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 
 use cuda_mp::__private::{Phase, PhaseTimes};
 use cuda_mp::{
-    bf16, channel, cuda_available, spawn, Bundle, BundleBuilder, Device, GpuTensor, IpcPayload, JoinHandle, Receiver,
-    Sender,
+    bf16, channel, cuda_available, spawn, Bundle, BundleBuilder, Device, GpuTensor, HostTensor, IpcPayload, JoinHandle,
+    Receiver, Sender,
 };
 
 const WAIT: Duration = Duration::from_secs(120);
@@ -59,6 +59,8 @@ struct Trace {
     wait_us: f64,
     /// Bundle rows: reading the step counter back to the host.
     read_us: f64,
+    /// Bundle rows: making a one-element host tensor (fresh shared memory, mapped) after it.
+    host_us: f64,
 }
 
 fn phase_us(after: &PhaseTimes, before: &PhaseTimes, phase: Phase) -> f64 {
@@ -97,6 +99,10 @@ fn traced_hold_latest((rx, ack): (Receiver<Bundle>, Sender<(i64, Trace)>)) {
         let start = Instant::now();
         let step = b.get::<i64>("step").and_then(|s| s.to_vec()).map(|v| v[0]).unwrap_or(-1);
         trace.read_us = start.elapsed().as_secs_f64() * 1e6;
+        // A reply made of shared memory, as a consumer answering with a tensor would make.
+        let start = Instant::now();
+        drop(HostTensor::<i64>::from_vec(&[1], vec![step]));
+        trace.host_us = start.elapsed().as_secs_f64() * 1e6;
         latest = Some(b);
         trace.done_ns = mono_ns();
         if ack.send((step, trace)).is_err() {
@@ -119,6 +125,7 @@ struct Timeline {
     wait: Vec<f64>,
     work: Vec<f64>,
     read: Vec<f64>,
+    host: Vec<f64>,
     ack: Vec<f64>,
     total: Vec<f64>,
 }
@@ -136,6 +143,7 @@ impl Timeline {
         self.wait.push(t.wait_us);
         self.work.push(us(t.received_ns, t.done_ns));
         self.read.push(t.read_us);
+        self.host.push(t.host_us);
         self.ack.push(us(t.done_ns, acked));
         self.total.push(us(start, acked));
     }
@@ -145,7 +153,7 @@ impl Timeline {
         println!(
             "timeline, {what} (medians, us): total {:.1} = send {:.1} (export {:.1}) + until received {:.1} \
              (decode {:.1}: open {:.1}, descriptor fetch {:.1}, event wait {:.1}) + consumer's work {:.1} \
-             (step read {:.1}) + ack {:.1}",
+             (step read {:.1}, a host tensor made {:.1}) + ack {:.1}",
             m(self.total),
             m(self.send),
             m(self.export),
@@ -156,6 +164,7 @@ impl Timeline {
             m(self.wait),
             m(self.work),
             m(self.read),
+            m(self.host),
             m(self.ack)
         );
     }
