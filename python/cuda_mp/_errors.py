@@ -14,7 +14,8 @@ class Disconnected(Error, ConnectionError):
 
 
 class Malformed(Error, ValueError):
-    """A message, record or handle that is not what it claims to be."""
+    """A message, record or handle that is not what it claims to be, or a view (shape, strides,
+    offset) that does not fit its memory."""
 
 
 class DTypeError(Error, TypeError):

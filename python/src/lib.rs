@@ -40,7 +40,7 @@ fn error(e: cuda_mp::Error) -> PyErr {
     Python::attach(|py| {
         let class = match &e {
             cuda_mp::Error::DTypeMismatch { .. } => "DTypeError",
-            cuda_mp::Error::Malformed(_) => "Malformed",
+            cuda_mp::Error::Malformed(_) | cuda_mp::Error::Layout(_) => "Malformed",
             cuda_mp::Error::Timeout(_) => "Timeout",
             _ => "Error",
         };
@@ -72,8 +72,15 @@ fn layout(shape: Vec<usize>, strides: Vec<isize>, offset: usize) -> PyResult<Lay
         .into_iter()
         .map(|s| usize::try_from(s).map_err(|_| PyValueError::new_err("negative strides cannot be shared")))
         .collect::<PyResult<Vec<usize>>>()?;
-    let elems = shape.iter().zip(&strides).map(|(n, s)| n.saturating_sub(1) * s).sum::<usize>() + offset + 1;
-    Layout::new(shape, strides, offset, elems).map_err(|e| PyValueError::new_err(e.to_string()))
+    // The view's extent, so that `Layout::new` checks only the layout itself here; the storage
+    // checks it against its size after.
+    let extent = shape
+        .iter()
+        .zip(&strides)
+        .try_fold(offset, |end, (n, s)| n.saturating_sub(1).checked_mul(*s).and_then(|step| end.checked_add(step)))
+        .and_then(|last| last.checked_add(1))
+        .ok_or_else(|| PyValueError::new_err("the view's shape and strides overflow"))?;
+    Layout::new(shape, strides, offset, extent).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 // ---------------------------------------------------------------------------------------------

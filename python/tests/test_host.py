@@ -52,6 +52,8 @@ def test_timeouts_disconnects_and_wrong_values_raise_their_exceptions():
         cuda_mp.connect(bundles.name, cuda_mp.Bundle).send(np.zeros(3))
     with pytest.raises(ValueError):
         cuda_mp.Listener("nonsense")
+    with pytest.raises(ValueError):  # a forged view: no panic, no overflow
+        cuda_mp._native.host_tensor("f32", [2**62, 4], [2**62, 1], 0, 0, 0, b"\0" * 16)
     del tx
     with pytest.raises(cuda_mp.Disconnected):
         rx.recv(timeout=5)
