@@ -15,7 +15,7 @@ use std::sync::Arc;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::dtype::Element;
+use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::lifetime::{self, AnyStorage, CacheTicket, Cover, Lease, LeaseMode, LiveStorage, LocalStorage, StorageId};
 use crate::profile::{self, Phase};
@@ -298,13 +298,7 @@ impl<S: Shared> Serialize for DynTensor<S> {
 impl<'de, S: Shared> Deserialize<'de> for DynTensor<S> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
         let wire = TensorWire::<Record<<S::Kind as StorageKind>::Wire>>::deserialize(deserializer)?;
-        profile::timed(Phase::Decode, || {
-            let (dtype, record, layout) = wire.any_dtype()?;
-            let storage = import::<S>(record, None)?;
-            let layout = layout.check(storage.handle().memory.len, dtype)?;
-            Ok(DynTensor { storage, layout, dtype })
-        })
-        .map_err(wire::decode_error)
+        decode_dyn(wire, None, None).map_err(wire::decode_error)
     }
 }
 
@@ -314,15 +308,24 @@ pub(crate) fn decode_tensor<T: Element, S: Shared>(
     wire: TensorWire<Record<<S::Kind as StorageKind>::Wire>>,
     requested: Option<&<S::Kind as StorageKind>::Place>,
 ) -> Result<Tensor<T, S>> {
-    profile::timed(Phase::Decode, || decode_now(wire, requested))
+    let t = decode_dyn(wire, Some(T::DTYPE), requested)?;
+    Ok(Tensor::from_parts(t.storage, t.layout))
 }
 
-fn decode_now<T: Element, S: Shared>(
+/// Rebuilds a tensor of the dtype its wire names, which must be `expected` when given (checked
+/// before the storage is imported, so a mismatch changes nothing).
+fn decode_dyn<S: Shared>(
     wire: TensorWire<Record<<S::Kind as StorageKind>::Wire>>,
+    expected: Option<DType>,
     requested: Option<&<S::Kind as StorageKind>::Place>,
-) -> Result<Tensor<T, S>> {
-    let (record, layout) = wire.check_dtype::<T>()?;
-    let storage = import::<S>(record, requested)?;
-    let layout = layout.check(storage.handle().memory.len, T::DTYPE)?;
-    Ok(Tensor::from_parts(storage, layout))
+) -> Result<DynTensor<S>> {
+    profile::timed(Phase::Decode, || {
+        let (dtype, record, layout) = wire.any_dtype()?;
+        if let Some(expected) = expected.filter(|&e| e != dtype) {
+            return Err(Error::DTypeMismatch { expected, found: dtype });
+        }
+        let storage = import::<S>(record, requested)?;
+        let layout = layout.check(storage.handle().memory.len, dtype)?;
+        Ok(DynTensor { storage, layout, dtype })
+    })
 }

@@ -236,17 +236,6 @@ impl<W> TensorWire<W> {
         }
     }
 
-    /// Checks the dtype tag against `T` and returns the storage wire with the layout to check
-    /// against the storage once it is resolved.
-    pub(crate) fn check_dtype<T: Element>(self) -> Result<(W, Layout0)> {
-        let found =
-            DType::from_tag(self.dtype).ok_or_else(|| Error::Malformed(format!("unknown dtype tag {}", self.dtype)))?;
-        if found != T::DTYPE {
-            return Err(Error::DTypeMismatch { expected: T::DTYPE, found });
-        }
-        Ok((self.storage, Layout0 { shape: self.shape, strides: self.strides, offset: self.offset }))
-    }
-
     /// The dtype the tag names, the storage wire and the layout to check.
     pub(crate) fn any_dtype(self) -> Result<(DType, W, Layout0)> {
         let dtype =
