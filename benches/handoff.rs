@@ -170,6 +170,32 @@ impl Timeline {
     }
 }
 
+/// Sends `value`, waits for the consumer's answer and, when `timeline` is given, lays both
+/// sides of the round on it (one clock); gives the answer.
+fn traced_round<T, A>(
+    tx: &Sender<T>,
+    ack: &Receiver<A>,
+    value: T,
+    trace: impl Fn(&A) -> &Trace,
+    timeline: Option<&mut Timeline>,
+) -> A
+where
+    T: serde::Serialize + serde::de::DeserializeOwned,
+    A: serde::Serialize + serde::de::DeserializeOwned,
+{
+    let before = PhaseTimes::now();
+    let start = mono_ns();
+    tx.send(value).unwrap();
+    let sent = mono_ns();
+    let answer = ack.recv_timeout(WAIT).unwrap();
+    let acked = mono_ns();
+    if let Some(timeline) = timeline {
+        let export_us = phase_us(&PhaseTimes::now(), &before, Phase::Export);
+        timeline.push(start, sent, acked, export_us, trace(&answer));
+    }
+    answer
+}
+
 fn drop_and_ack((rx, ack): (Receiver<GpuTensor<u8>>, Sender<()>)) {
     while let Ok(t) = rx.recv() {
         drop(t);
@@ -413,18 +439,10 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, only: Option<&str>, r: &m
         for i in 0..(rounds + warm) / 4 {
             let t = GpuTensor::<u8>::zeros(dev, &[bytes]).unwrap();
             t.synchronize().unwrap();
-            let before = PhaseTimes::now();
-            let start = mono_ns();
-            tx.send(t.clone()).unwrap();
-            let sent = mono_ns();
-            let trace: Trace = ack.recv_timeout(WAIT).unwrap();
-            let acked = mono_ns();
-            let export_us = phase_us(&PhaseTimes::now(), &before, Phase::Export);
+            let measured = (i >= warm / 4).then_some(&mut timeline);
+            traced_round(&tx, &ack, t.clone(), |t: &Trace| t, measured);
             drop(t);
             cuda_mp::wait_for_lifetime(WAIT, |s| s.live_storages == live).unwrap();
-            if i >= warm / 4 {
-                timeline.push(start, sent, acked, export_us, &trace);
-            }
         }
         drop(tx);
         child.join().unwrap();
@@ -564,45 +582,24 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, only: Option<&str>, r: &m
                 }
                 step.fill(s).unwrap();
                 bundle.synchronize().unwrap();
-                let before = PhaseTimes::now();
-                let start = mono_ns();
-                tx.send(bundle.clone()).unwrap();
-                let sent = mono_ns();
-                let (got, trace): (i64, Trace) = ack.recv_timeout(WAIT).unwrap();
-                let acked = mono_ns();
-                assert_eq!(got, s);
-                let export_us = phase_us(&PhaseTimes::now(), &before, Phase::Export);
                 let timeline = if s == 100 { &mut first } else { &mut again };
-                timeline.push(start, sent, acked, export_us, &trace);
+                let (got, _) = traced_round(&tx, &ack, bundle.clone(), |a: &(i64, Trace)| &a.1, Some(timeline));
+                assert_eq!(got, s);
             }
             // The same re-publish after a pause as long as the update kernels take, without
             // them: both processes idle for that long, neither GPU work nor a context switch.
             let mut paused = Timeline::default();
             for s in 300..=310 {
                 std::thread::sleep(Duration::from_millis(7));
-                let before = PhaseTimes::now();
-                let start = mono_ns();
-                tx.send(bundle.clone()).unwrap();
-                let sent = mono_ns();
-                let (got, trace): (i64, Trace) = ack.recv_timeout(WAIT).unwrap();
-                let acked = mono_ns();
+                let (got, _) = traced_round(&tx, &ack, bundle.clone(), |a: &(i64, Trace)| &a.1, Some(&mut paused));
                 assert_eq!(got, 110, "step {s}: the step counter is unchanged");
-                let export_us = phase_us(&PhaseTimes::now(), &before, Phase::Export);
-                paused.push(start, sent, acked, export_us, &trace);
             }
             paused.print("d re-publish after a 7 ms pause, no update");
             // The same re-publish without the update kernels: no GPU work of the producer's
             // between two publishes.
             for s in 200..=210 {
-                let before = PhaseTimes::now();
-                let start = mono_ns();
-                tx.send(bundle.clone()).unwrap();
-                let sent = mono_ns();
-                let (got, trace): (i64, Trace) = ack.recv_timeout(WAIT).unwrap();
-                let acked = mono_ns();
+                let (got, _) = traced_round(&tx, &ack, bundle.clone(), |a: &(i64, Trace)| &a.1, Some(&mut idle));
                 assert_eq!(got, 110, "step {s}: the step counter is unchanged");
-                let export_us = phase_us(&PhaseTimes::now(), &before, Phase::Export);
-                idle.push(start, sent, acked, export_us, &trace);
             }
             first.print("d first publish");
             again.print("d re-publish after the update kernels");
