@@ -14,12 +14,10 @@ use pyo3::prelude::*;
 
 use crate::{error, Any, Tensor};
 
-/// (device type, device id) of DLPack: CPU 1, CUDA 2.
+/// (device type, device id) of DLPack, as `__dlpack_device__` gives them: CPU 1, CUDA 2.
 pub(crate) fn device(t: &Any) -> (i32, i32) {
-    match t {
-        Any::Gpu(t) => (2, t.device().ordinal() as i32),
-        Any::Host(_) => (1, 0),
-    }
+    let d = dl_device(t);
+    (d.device_type.0 as i32, d.device_id)
 }
 
 fn dl_device(t: &Any) -> DLDevice {

@@ -198,57 +198,73 @@ impl Tensor {
     }
 }
 
-/// Storages handed to Python, by address, so that a tensor made from one and sent again
-/// travels as that storage (a forward, or a re-send of this process's own memory) instead of as
-/// a new wrapper.
-#[derive(Default)]
-struct Handed {
-    gpu: BTreeMap<(usize, u64), (usize, Weak<GpuStorage>)>,
-    host: BTreeMap<usize, (usize, Weak<HostStorage>)>,
+/// Storages of one kind handed to Python, by (device, address), so that a tensor made from
+/// one and sent again travels as that storage (a forward, or a re-send of this process's own
+/// memory) instead of as a new wrapper. Held weakly: the book keeps nothing alive.
+struct Handed<S> {
+    by_address: Mutex<BTreeMap<(usize, u64), (usize, Weak<S>)>>,
 }
 
-static HANDED: Mutex<Option<Handed>> = Mutex::new(None);
+/// The device part of a host storage's key.
+const HOST: usize = usize::MAX;
 
-fn handed<R>(f: impl FnOnce(&mut Handed) -> R) -> R {
-    let mut guard = HANDED.lock().unwrap_or_else(|p| p.into_inner());
-    f(guard.get_or_insert_with(Handed::default))
+static HANDED_GPU: Handed<GpuStorage> = Handed::new();
+static HANDED_HOST: Handed<HostStorage> = Handed::new();
+
+impl<S> Handed<S> {
+    const fn new() -> Self {
+        Handed { by_address: Mutex::new(BTreeMap::new()) }
+    }
+
+    fn remember(&self, device: usize, address: u64, storage: &Arc<S>, len: usize) {
+        let mut book = self.by_address.lock().unwrap_or_else(|p| p.into_inner());
+        if book.len() > 4096 {
+            book.retain(|_, (_, w)| w.strong_count() > 0);
+        }
+        book.insert((device, address), (len, Arc::downgrade(storage)));
+    }
+
+    /// The storage holding `[ptr, ptr + bytes)` on `device`, with the offset of `ptr` in it.
+    fn find(&self, device: usize, ptr: u64, bytes: usize) -> Option<(Arc<S>, usize)> {
+        let book = self.by_address.lock().unwrap_or_else(|p| p.into_inner());
+        let (&(d, base), (len, weak)) = book.range(..=(device, ptr)).next_back()?;
+        if d != device {
+            return None;
+        }
+        let offset = usize::try_from(ptr.checked_sub(base)?).ok()?;
+        let within = offset.checked_add(bytes).is_some_and(|end| end <= *len);
+        within.then(|| weak.upgrade().map(|s| (s, offset))).flatten()
+    }
 }
 
 fn remember(t: &Any) {
-    handed(|h| match t {
+    match t {
         Any::Gpu(t) => {
             let s = t.storage();
-            if h.gpu.len() > 4096 {
-                h.gpu.retain(|_, (_, w)| w.strong_count() > 0);
-            }
-            h.gpu.insert((t.device().ordinal(), s.device_ptr()), (s.byte_len(), Arc::downgrade(s)));
+            HANDED_GPU.remember(t.device().ordinal(), s.device_ptr(), s, s.byte_len());
         }
         Any::Host(t) => {
             let s = t.storage();
-            if h.host.len() > 4096 {
-                h.host.retain(|_, (_, w)| w.strong_count() > 0);
-            }
-            h.host.insert(s.as_ptr() as usize, (s.byte_len(), Arc::downgrade(s)));
+            HANDED_HOST.remember(HOST, s.as_ptr() as u64, s, s.byte_len());
         }
-    })
+    }
 }
 
-/// The handed-out GPU storage holding `[ptr, ptr + bytes)` on `ordinal`, with the offset of
-/// `ptr` in it.
-fn handed_gpu(ordinal: usize, ptr: u64, bytes: usize) -> Option<(Arc<GpuStorage>, usize)> {
-    handed(|h| {
-        let (&(o, base), (len, weak)) = h.gpu.range(..=(ordinal, ptr)).next_back()?;
-        let within = o == ordinal && ptr >= base && (ptr - base) as usize + bytes <= *len;
-        within.then(|| weak.upgrade().map(|s| (s, (ptr - base) as usize))).flatten()
-    })
-}
-
-fn handed_host(ptr: usize, bytes: usize) -> Option<(Arc<HostStorage>, usize)> {
-    handed(|h| {
-        let (&base, (len, weak)) = h.host.range(..=ptr).next_back()?;
-        let within = ptr >= base && ptr - base + bytes <= *len;
-        within.then(|| weak.upgrade().map(|s| (s, ptr - base))).flatten()
-    })
+/// A view of `storage` from `byte_offset` on: `shape` and `strides` in elements of `dtype`,
+/// starting `offset` elements further.
+fn view_of<S: cuda_mp::TensorStorage>(
+    storage: Arc<S>,
+    byte_offset: usize,
+    dtype: DType,
+    shape: Vec<usize>,
+    strides: Vec<isize>,
+    offset: usize,
+) -> PyResult<DynTensor<S>> {
+    if !byte_offset.is_multiple_of(dtype.size()) {
+        return Err(PyValueError::new_err("the view is not aligned to its element size in its storage"));
+    }
+    let layout = layout(shape, strides, offset + byte_offset / dtype.size())?;
+    DynTensor::new(storage, layout, dtype).map_err(error)
 }
 
 /// Wraps part of a GPU allocation of this process for sending: `nbytes` bytes at `ptr` on GPU
@@ -270,7 +286,7 @@ fn gpu_tensor(
 ) -> PyResult<Tensor> {
     let dtype = dtype_named(dtype)?;
     let dev = Device::get(device).map_err(error)?;
-    let (storage, byte_offset) = match handed_gpu(device, ptr, nbytes) {
+    let (storage, byte_offset) = match HANDED_GPU.find(device, ptr, nbytes) {
         Some(found) => found,
         None => {
             // SAFETY: `keeper` is the PyTorch tensor whose storage this is; PyTorch keeps the
@@ -280,11 +296,7 @@ fn gpu_tensor(
             (storage, 0)
         }
     };
-    if byte_offset % dtype.size() != 0 {
-        return Err(PyValueError::new_err("the tensor is not aligned to its element size in its storage"));
-    }
-    let layout = layout(shape, strides, offset + byte_offset / dtype.size())?;
-    let t = DynTensor::new(storage, layout, dtype).map_err(error)?;
+    let t = view_of(storage, byte_offset, dtype, shape, strides, offset)?;
     Ok(Tensor { inner: Any::Gpu(t) })
 }
 
@@ -303,12 +315,8 @@ fn host_tensor(
     data: Option<&Bound<'_, PyBytes>>,
 ) -> PyResult<Option<Tensor>> {
     let dtype = dtype_named(dtype)?;
-    if let Some((storage, byte_offset)) = handed_host(ptr, nbytes) {
-        if byte_offset % dtype.size() != 0 {
-            return Err(PyValueError::new_err("the array is not aligned to its element size in its storage"));
-        }
-        let layout = layout(shape, strides, offset + byte_offset / dtype.size())?;
-        let t = DynTensor::new(storage, layout, dtype).map_err(error)?;
+    if let Some((storage, byte_offset)) = HANDED_HOST.find(HOST, ptr as u64, nbytes) {
+        let t = view_of(storage, byte_offset, dtype, shape, strides, offset)?;
         return Ok(Some(Tensor { inner: Any::Host(t) }));
     }
     let Some(data) = data else { return Ok(None) };
@@ -491,23 +499,17 @@ impl Listener {
     #[new]
     fn new(kind_name: &str) -> PyResult<Listener> {
         let kind = kind(kind_name)?;
-        let (bound, name) = match kind {
-            Kind::Gpu => {
-                let l = RsListener::bind().map_err(error)?;
-                let n = l.name().to_owned();
-                (Bound_::Gpu(l), n)
-            }
-            Kind::Host => {
-                let l = RsListener::bind().map_err(error)?;
-                let n = l.name().to_owned();
-                (Bound_::Host(l), n)
-            }
-            Kind::Bundle => {
-                let l = RsListener::bind().map_err(error)?;
-                let n = l.name().to_owned();
-                (Bound_::Bundle(l), n)
-            }
+        let bound = match kind {
+            Kind::Gpu => Bound_::Gpu(RsListener::bind().map_err(error)?),
+            Kind::Host => Bound_::Host(RsListener::bind().map_err(error)?),
+            Kind::Bundle => Bound_::Bundle(RsListener::bind().map_err(error)?),
         };
+        let name = match &bound {
+            Bound_::Gpu(l) => l.name(),
+            Bound_::Host(l) => l.name(),
+            Bound_::Bundle(l) => l.name(),
+        }
+        .to_owned();
         Ok(Listener { kind, name, bound: Mutex::new(Some(bound)) })
     }
 
