@@ -22,24 +22,10 @@ import torch.multiprocessing as mp
 
 import cuda_mp
 
+# The same weights and the same torch consumer as the handoff bench's baseline (this folder).
+from torch_baseline import hold_latest, llama7b_shapes
+
 ROUNDS = 10
-
-
-def llama7b_shapes():
-    vocab, d, ff, layers = 32000, 4096, 11008, 32
-    shapes = [("model.embed_tokens.weight", (vocab, d))]
-    for layer in range(layers):
-        p = f"model.layers.{layer}"
-        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            shapes.append((f"{p}.self_attn.{n}.weight", (d, d)))
-        shapes.append((f"{p}.mlp.gate_proj.weight", (ff, d)))
-        shapes.append((f"{p}.mlp.up_proj.weight", (ff, d)))
-        shapes.append((f"{p}.mlp.down_proj.weight", (d, ff)))
-        shapes.append((f"{p}.input_layernorm.weight", (d,)))
-        shapes.append((f"{p}.post_attention_layernorm.weight", (d,)))
-    shapes.append(("model.norm.weight", (d,)))
-    shapes.append(("lm_head.weight", (vocab, d)))
-    return shapes
 
 
 def median(xs):
@@ -133,22 +119,10 @@ def ours(rust_peer):
     return first, again, packed.allocations
 
 
-def torch_consumer(q, ack):
-    latest = None
-    while True:
-        d = q.get()
-        if d is None:
-            break
-        step = int(d["step"].item())
-        latest = d
-        ack.put(step)
-    del latest
-
-
 def theirs():
     ctx = mp.get_context("spawn")
     q, ack = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=torch_consumer, args=(q, ack))
+    p = ctx.Process(target=hold_latest, args=(q, ack))
     p.start()
     q.put({"step": torch.zeros(1, dtype=torch.int64, device="cuda")})
     ack.get()

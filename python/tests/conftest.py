@@ -1,5 +1,6 @@
 import os
 import pathlib
+import subprocess
 
 import pytest
 
@@ -16,3 +17,23 @@ def rust_example(name: str) -> pathlib.Path:
             if folder and candidate.is_file() and os.access(candidate, os.X_OK):
                 return candidate
     pytest.fail(f"the Rust example {name} is not built: run `cargo build --example {name}` first")
+
+
+def start_rust_peer(kind, timeout):
+    """Starts example 14 serving channels of ``kind`` (a cuda_mp kind class): gives the process,
+    a sender to it and the receiver of its answers. The caller kills the process when done."""
+    import cuda_mp
+
+    replies = cuda_mp.Listener(kind)
+    peer = subprocess.Popen(
+        [str(rust_example("14_python_peer")), "--kind", kind.kind, "--reply-to", replies.name],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = peer.stdout.readline()
+        assert line.startswith("LISTEN "), line
+        return peer, cuda_mp.connect(line.split()[1], kind), replies.accept(timeout=timeout)
+    except BaseException:
+        peer.kill()
+        raise

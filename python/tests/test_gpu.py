@@ -5,7 +5,7 @@ import subprocess
 import pytest
 
 import cuda_mp
-from conftest import rust_example
+from conftest import start_rust_peer
 
 pytestmark = pytest.mark.gpu
 
@@ -137,17 +137,8 @@ def test_a_state_dict_is_sent_as_one_allocation_and_republished_in_place():
 
 
 def test_a_rust_process_adds_one_to_torch_memory_and_sends_it_back():
-    replies = cuda_mp.Listener(cuda_mp.GpuTensor)
-    peer = subprocess.Popen(
-        [str(rust_example("14_python_peer")), "--kind", "gpu", "--reply-to", replies.name],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    peer, tx, rx = start_rust_peer(cuda_mp.GpuTensor, timeout=60)
     try:
-        line = peer.stdout.readline()
-        assert line.startswith("LISTEN "), line
-        tx = cuda_mp.connect(line.split()[1], cuda_mp.GpuTensor)
-        rx = replies.accept(timeout=60)
         t = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
         for n in range(1, 4):
             tx.send(t)

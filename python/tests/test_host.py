@@ -1,13 +1,12 @@
 """Host arrays across processes, errors, and a Rust peer: no GPU needed."""
 
 import multiprocessing as mp
-import subprocess
 
 import numpy as np
 import pytest
 
 import cuda_mp
-from conftest import rust_example
+from conftest import start_rust_peer
 
 
 def pair(kind=cuda_mp.HostTensor, **kw):
@@ -83,17 +82,8 @@ def test_a_spawned_python_process_sends_over_a_channel():
 
 
 def test_a_rust_process_adds_one_in_place_and_sends_the_same_memory_back():
-    replies = cuda_mp.Listener(cuda_mp.HostTensor)
-    peer = subprocess.Popen(
-        [str(rust_example("14_python_peer")), "--kind", "host", "--reply-to", replies.name],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    peer, tx, rx = start_rust_peer(cuda_mp.HostTensor, timeout=30)
     try:
-        line = peer.stdout.readline()
-        assert line.startswith("LISTEN "), line
-        tx = cuda_mp.connect(line.split()[1], cuda_mp.HostTensor)
-        rx = replies.accept(timeout=30)
         for n in range(3):
             shared = cuda_mp.empty_host((2, 8), "float32")
             shared[:] = np.arange(16, dtype=np.float32).reshape(2, 8) * n
