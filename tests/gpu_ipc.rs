@@ -1,7 +1,7 @@
 //! GPU tensors over CUDA IPC, across real processes. These need a CUDA GPU: they are ignored by
 //! a plain `cargo test` and fail with a clear message when run where no GPU is usable.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use cuda_mp::{
@@ -20,9 +20,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     common::serial(&SERIAL, WAIT)
 }
 
-fn gpu() -> Arc<Device> {
-    Device::get(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU, and none is usable: {e}"))
-}
+use common::gpu;
 
 fn free_memory(dev: &Device) -> usize {
     dev.memory_info().unwrap().0

@@ -4,9 +4,9 @@ use std::sync::Arc;
 
 use cuda_mp::{bf16, f16, Device, Element, GpuTensor};
 
-fn gpu() -> Arc<Device> {
-    Device::get(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU, and none is usable: {e}"))
-}
+mod common;
+
+use common::gpu;
 
 fn check_dtype<T: Element + PartialEq>(dev: &Arc<Device>, from: impl Fn(i32) -> T) {
     let name = T::DTYPE;

@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cuda_mp::{
-    channel, lifetime_stats, spawn, wait_for_lifetime, Bundle, DType, Device, DynTensor, GpuStorage, GpuTensor,
-    HostStorage, HostTensor, Layout, Receiver, Sender,
+    channel, lifetime_stats, spawn, wait_for_lifetime, Bundle, DType, DynTensor, GpuStorage, GpuTensor, HostStorage,
+    HostTensor, Layout, Receiver, Sender,
 };
 
 mod common;
@@ -20,9 +20,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     common::serial(&SERIAL, WAIT)
 }
 
-fn gpu() -> Arc<Device> {
-    Device::get(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU, and none is usable: {e}"))
-}
+use common::gpu;
 
 /// Receives typed f32 tensors, adds 1 in place, answers with their contents.
 fn typed_add_one((rx, reply): (Receiver<HostTensor<f32>>, Sender<Result<Vec<f32>, String>>)) {

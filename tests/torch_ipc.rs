@@ -5,7 +5,7 @@
 //! usable. (The tests against PyTorch itself are python/tests/test_torch_handles.py.)
 
 use std::io::{Read, Seek, SeekFrom};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use cuda_mp::{
@@ -24,9 +24,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     common::serial(&SERIAL, WAIT)
 }
 
-fn gpu() -> Arc<Device> {
-    Device::get(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU, and none is usable: {e}"))
-}
+use common::gpu;
 
 /// A handle as it travels in these tests: its eight values.
 type Fields = (usize, Vec<u8>, u64, u64, Vec<u8>, u64, Vec<u8>, bool);

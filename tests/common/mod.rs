@@ -1,9 +1,9 @@
 //! Helpers shared by the integration tests.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use cuda_mp::{wait_for_lifetime, Listener, Receiver, Sender};
+use cuda_mp::{wait_for_lifetime, Device, Listener, Receiver, Sender};
 use ipc_channel::ipc::IpcReceiver;
 use serde::{Deserialize, Serialize};
 
@@ -16,6 +16,13 @@ pub fn serial(lock: &'static Mutex<()>, wait: Duration) -> MutexGuard<'static, (
     wait_for_lifetime(wait, |s| s.outstanding_leases == 0 && s.exported_storages == 0)
         .expect("an earlier test left shared storage behind");
     guard
+}
+
+/// GPU 0; fails the test, saying why, where no GPU is usable (GPU tests never pass by
+/// skipping their body).
+#[allow(dead_code)] // only the GPU test binaries use it
+pub fn gpu() -> Arc<Device> {
+    Device::get(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU, and none is usable: {e}"))
 }
 
 /// Connects a sender of one message type to a listener of another, as a foreign or buggy peer
