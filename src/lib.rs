@@ -61,6 +61,7 @@ mod gpu;
 mod host;
 mod layout;
 mod lifetime;
+mod net;
 mod os;
 mod pool;
 mod process;
@@ -85,11 +86,12 @@ pub use error::{
 };
 pub use gpu::{
     cuda_available, torch_ipc_stats, Bundle, BundleBuilder, BundleEntry, Device, GpuMemoryKind, GpuStorage, GpuTensor,
-    IpcPayload, TorchIpcHandle, TorchIpcStats, DEFAULT_CHUNK_BYTES, VMM_MIN_BYTES,
+    IpcPayload, TorchIpcHandle, TorchIpcStats, DEFAULT_CHUNK_BYTES, VMM_MIN_BYTES, nccl_library,
 };
 pub use half::{bf16, f16};
 pub use host::{HostStorage, HostTensor};
 pub use layout::{Layout, MAX_DIMS};
+pub use net::{RemoteListener, RemoteOptions, RemoteReceiver, RemoteSender, Route, REMOTE_PROTOCOL_VERSION};
 pub use lifetime::{lifetime_stats, wait_for_lifetime, LifetimeStats, StorageId};
 pub use ndarray;
 pub use pool::{AsyncResult, Imap, ImapUnordered, Pool, PoolBuilder};

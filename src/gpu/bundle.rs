@@ -20,6 +20,7 @@ use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::lifetime::StorageId;
+use crate::net;
 use crate::profile::{self, Phase};
 use crate::tensor::{DynTensor, Tensor};
 use crate::wire::{decode_error, encode_error};
@@ -428,17 +429,63 @@ struct BundleWireRef<'a> {
 
 impl Serialize for Bundle {
     fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
-        let chunks = self.chunks.iter().map(encode_storage).collect::<Result<_>>().map_err(encode_error)?;
         let table = self
             .table
             .get_or_try_init(|| postcard::to_allocvec(&*self.entries))
             .map_err(|e| encode_error(Error::Malformed(format!("bundle table: {e}"))))?;
+        if net::is_encoding() {
+            // To another host: the table, and each allocation's bytes by NCCL.
+            let mut chunks = Vec::with_capacity(self.chunks.len());
+            for chunk in self.chunks.iter() {
+                net::send_gpu(chunk.clone(), 0, chunk.byte_len()).map_err(encode_error)?;
+                chunks.push(chunk.byte_len() as u64);
+            }
+            return RemoteBundleRef { chunks, table }.serialize(serializer);
+        }
+        let chunks = self.chunks.iter().map(encode_storage).collect::<Result<_>>().map_err(encode_error)?;
         BundleWireRef { chunks, table }.serialize(serializer)
     }
 }
 
+/// A bundle as it travels to another host: the allocations' sizes (their bytes follow by
+/// NCCL, in order) and the table.
+#[derive(Serialize)]
+struct RemoteBundleRef<'a> {
+    chunks: Vec<u64>,
+    #[serde(with = "serde_bytes")]
+    table: &'a [u8],
+}
+
+/// The owned form of [`RemoteBundleRef`].
+#[derive(Deserialize)]
+struct RemoteBundle {
+    chunks: Vec<u64>,
+    #[serde(with = "serde_bytes")]
+    table: Vec<u8>,
+}
+
+/// A bundle from another host: fresh allocations on the connection's GPU (filled after the
+/// decode), the table parsed and checked against them.
+fn decode_remote(wire: RemoteBundle) -> Result<Bundle> {
+    if wire.chunks.is_empty() {
+        return Err(Error::Malformed("bundle without an allocation".into()));
+    }
+    let lens: Vec<usize> = wire
+        .chunks
+        .iter()
+        .map(|&b| usize::try_from(b).map_err(|_| Error::Malformed("bundle allocation size overflows".into())))
+        .collect::<Result<_>>()?;
+    // Checked before anything is allocated: a forged table costs no GPU memory.
+    let entries = parse_table(&wire.table, &lens)?;
+    let chunks: Vec<Arc<GpuStorage>> = lens.iter().map(|&len| net::receive_gpu(len)).collect::<Result<_>>()?;
+    Ok(Bundle { chunks: chunks.into(), entries, table: Arc::new(OnceCell::with_value(wire.table)) })
+}
+
 impl<'de> Deserialize<'de> for Bundle {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        if net::is_decoding() {
+            return decode_remote(RemoteBundle::deserialize(deserializer)?).map_err(decode_error);
+        }
         profile::timed(Phase::Decode, || {
             let wire = BundleWire::deserialize(deserializer)?;
             decode(wire).map_err(decode_error)

@@ -502,6 +502,16 @@ impl DeviceRange {
         self.len == 0
     }
 
+    /// Its length in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Its first byte's device address, for the NCCL calls (`nccl.rs`).
+    pub(super) fn ptr(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+
     /// The `len` bytes from byte `offset` of this range; an error when they do not lie inside.
     pub(crate) fn sub(&self, offset: usize, len: usize) -> Result<DeviceRange> {
         let end = offset.checked_add(len).filter(|&end| end <= self.len).ok_or_else(|| {

@@ -6,6 +6,7 @@ mod driver;
 mod events;
 mod handles;
 mod kernels;
+mod nccl;
 mod storage;
 mod torch;
 mod torch_refs;
@@ -367,4 +368,28 @@ impl crate::DynTensor<GpuStorage> {
     pub fn device_ptr(&self) -> sys::CUdeviceptr {
         self.storage.device_ptr() + (self.layout.offset() * self.dtype.size()) as u64
     }
+}
+
+/// A packed (contiguous) copy of the view `layout` of `dtype` elements over `storage`, queued
+/// on its device's stream: how a strided GPU view leaves for another host.
+pub(crate) fn pack(storage: &Arc<GpuStorage>, layout: &Layout, dtype: DType) -> Result<Arc<GpuStorage>> {
+    let device = storage.device();
+    let packed = GpuStorage::alloc(device, (layout.numel() * dtype.size()).max(1))?;
+    kernels::copy(device, packed.range()?, &Layout::contiguous(layout.shape())?, storage.range()?, layout, dtype)?;
+    Ok(packed)
+}
+
+pub(crate) use nccl::{Communicator, UniqueId};
+
+/// The NCCL library this process loads (its file name and version, `22809` for 2.28.9), or
+/// why it cannot: the error names every file looked for.
+///
+/// ```no_run
+/// match cuda_mp::nccl_library() {
+///     Ok((name, version)) => println!("{name}, version {version}"),
+///     Err(e) => println!("{e}"),
+/// }
+/// ```
+pub fn nccl_library() -> Result<(String, i32)> {
+    nccl::library()
 }

@@ -3,6 +3,8 @@
 
 mod tensor;
 
+pub(crate) use tensor::gather_bytes;
+
 use std::sync::Arc;
 
 use ipc_channel::ipc::IpcSharedMemory;

@@ -1,0 +1,245 @@
+//! How tensors are written for a peer on another host: the serde side of the remote transport.
+//!
+//! A remote send serializes its message inside [`encode`]; there, a tensor writes only its
+//! dtype and shape ([`RemoteTensor`]) and leaves its bytes in this thread's list of transfers
+//! (a contiguous range of its storage, or a packed copy of a strided view). A remote receive
+//! deserializes inside [`decode`]; there, a tensor allocates fresh memory of the size its
+//! shape says (on the connection's GPU, or shared host memory) and leaves it in the list of
+//! arrivals. The transport then moves the bytes, in the lists' order: host bytes on the TCP
+//! stream after the frame, GPU bytes by NCCL. Nothing here touches a descriptor or a lease:
+//! across hosts a tensor is copied, never shared.
+
+use std::any::Any;
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::gpu::{Device, GpuStorage};
+use crate::host::HostStorage;
+use crate::layout::Layout;
+use crate::storage::Shared;
+use crate::tensor::DynTensor;
+use crate::wire;
+
+/// Bytes of a message on their way out, with what keeps them alive until they have left.
+pub(crate) enum Outgoing {
+    /// `len` bytes from byte `offset` of a host storage.
+    Host { storage: Arc<HostStorage>, offset: usize, len: usize },
+    /// A strided host view, packed.
+    Packed(Vec<u8>),
+    /// `len` bytes from byte `offset` of a GPU storage (a packed copy for a strided view).
+    Gpu { storage: Arc<GpuStorage>, offset: usize, len: usize },
+}
+
+impl Outgoing {
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Outgoing::Host { len, .. } | Outgoing::Gpu { len, .. } => *len,
+            Outgoing::Packed(bytes) => bytes.len(),
+        }
+    }
+}
+
+/// Fresh memory of a message being received, in the order its bytes arrive.
+/// Each with the number of bytes that arrive into it (an empty tensor still has one byte of
+/// memory to point at).
+pub(crate) enum Incoming {
+    Host(Arc<HostStorage>, usize),
+    Gpu(Arc<GpuStorage>, usize),
+}
+
+/// What a decode may allocate.
+pub(crate) struct Budget {
+    /// The GPU that receives GPU tensors, opened at the first one.
+    pub(crate) device: Option<usize>,
+    /// Host bytes the message may still claim.
+    pub(crate) host_bytes: u64,
+}
+
+struct Decoding {
+    budget: Budget,
+    device: Option<Arc<Device>>,
+    incoming: Vec<Incoming>,
+}
+
+thread_local! {
+    static ENCODING: RefCell<Option<Vec<Outgoing>>> = const { RefCell::new(None) };
+    static DECODING: RefCell<Option<Decoding>> = const { RefCell::new(None) };
+}
+
+/// Runs `encode` (the serialization of one message for a remote peer) and returns its result
+/// with the transfers its tensors left.
+pub(crate) fn encode<R>(encode: impl FnOnce() -> R) -> (R, Vec<Outgoing>) {
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            ENCODING.with(|e| e.borrow_mut().take());
+        }
+    }
+    ENCODING.with(|e| *e.borrow_mut() = Some(Vec::new()));
+    let reset = Reset;
+    let result = encode();
+    let out = ENCODING.with(|e| e.borrow_mut().take()).unwrap_or_default();
+    drop(reset);
+    (result, out)
+}
+
+/// Runs `decode` (the deserialization of one message from a remote peer) and returns its
+/// result with the memory its tensors allocated.
+pub(crate) fn decode<R>(budget: Budget, decode: impl FnOnce() -> R) -> (R, Vec<Incoming>) {
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            DECODING.with(|d| d.borrow_mut().take());
+        }
+    }
+    DECODING.with(|d| *d.borrow_mut() = Some(Decoding { budget, device: None, incoming: Vec::new() }));
+    let reset = Reset;
+    let result = decode();
+    let incoming = DECODING.with(|d| d.borrow_mut().take()).map(|d| d.incoming).unwrap_or_default();
+    drop(reset);
+    (result, incoming)
+}
+
+/// True while a message for a remote peer is being serialized on this thread.
+pub(crate) fn is_encoding() -> bool {
+    ENCODING.with(|e| e.borrow().is_some())
+}
+
+/// True while a message from a remote peer is being deserialized on this thread.
+pub(crate) fn is_decoding() -> bool {
+    DECODING.with(|d| d.borrow().is_some())
+}
+
+fn push(out: Outgoing) -> Result<()> {
+    ENCODING.with(|e| match e.borrow_mut().as_mut() {
+        Some(list) => {
+            list.push(out);
+            Ok(())
+        }
+        None => Err(Error::Unsupported("no remote message is being encoded".into())),
+    })
+}
+
+/// Leaves `len` bytes from `offset` of a GPU storage to be sent by NCCL.
+pub(crate) fn send_gpu(storage: Arc<GpuStorage>, offset: usize, len: usize) -> Result<()> {
+    push(Outgoing::Gpu { storage, offset, len })
+}
+
+/// Allocates `bytes` bytes on the connection's GPU for bytes that arrive by NCCL.
+pub(crate) fn receive_gpu(bytes: usize) -> Result<Arc<GpuStorage>> {
+    DECODING.with(|d| {
+        let mut d = d.borrow_mut();
+        let d = d.as_mut().ok_or_else(|| Error::Unsupported("no remote message is being decoded".into()))?;
+        let device = match &d.device {
+            Some(device) => device.clone(),
+            None => {
+                let ordinal = d.budget.device.ok_or_else(|| {
+                    Error::Unsupported("a GPU tensor arrived on a connection set up without a GPU".into())
+                })?;
+                let device = Device::get(ordinal)?;
+                d.device = Some(device.clone());
+                device
+            }
+        };
+        let storage = GpuStorage::alloc(&device, bytes.max(1))?;
+        d.incoming.push(Incoming::Gpu(storage.clone(), bytes));
+        Ok(storage)
+    })
+}
+
+/// Allocates `bytes` bytes of shared host memory for bytes that arrive on the stream.
+fn receive_host(bytes: usize) -> Result<Arc<HostStorage>> {
+    DECODING.with(|d| {
+        let mut d = d.borrow_mut();
+        let d = d.as_mut().ok_or_else(|| Error::Unsupported("no remote message is being decoded".into()))?;
+        let want = bytes as u64;
+        if want > d.budget.host_bytes {
+            return Err(Error::Malformed(format!(
+                "a host tensor of {bytes} bytes is more than the message may still claim ({} bytes)",
+                d.budget.host_bytes
+            )));
+        }
+        d.budget.host_bytes -= want;
+        let storage = HostStorage::try_new_zeroed(bytes.max(1))?;
+        d.incoming.push(Incoming::Host(storage.clone(), bytes));
+        Ok(storage)
+    })
+}
+
+/// A tensor as it travels to another host: its bytes follow the frame, in order.
+#[derive(Serialize, Deserialize)]
+struct RemoteTensor {
+    dtype: u8,
+    shape: Vec<usize>,
+}
+
+fn downcast<S: 'static + Send + Sync, K: 'static + Send + Sync>(storage: Arc<K>) -> Option<Arc<S>> {
+    let any: Arc<dyn Any + Send + Sync> = storage;
+    any.downcast::<S>().ok()
+}
+
+/// Serializes a tensor for a remote peer: dtype and shape; its bytes join the transfers
+/// (strided views packed first: on the GPU by the shipped copy kernel, on the host by the
+/// word-wise reads of `src/host/access.rs`).
+pub(crate) fn encode_tensor<S: Shared, Se: Serializer>(
+    storage: &Arc<S>,
+    dtype: DType,
+    layout: &Layout,
+    serializer: Se,
+) -> std::result::Result<Se::Ok, Se::Error> {
+    let bytes = layout.numel() * dtype.size();
+    let start = layout.offset() * dtype.size();
+    let moved = if let Some(host) = downcast::<HostStorage, S>(storage.clone()) {
+        if layout.is_contiguous() {
+            push(Outgoing::Host { storage: host, offset: start, len: bytes })
+        } else {
+            push(Outgoing::Packed(crate::host::gather_bytes(&host, layout, dtype)))
+        }
+    } else if let Some(gpu) = downcast::<GpuStorage, S>(storage.clone()) {
+        if layout.is_contiguous() {
+            send_gpu(gpu, start, bytes)
+        } else {
+            crate::gpu::pack(&gpu, layout, dtype).and_then(|packed| send_gpu(packed, 0, bytes))
+        }
+    } else {
+        Err(Error::Unsupported("this storage kind cannot be sent to another host".into()))
+    };
+    moved.map_err(wire::encode_error)?;
+    RemoteTensor { dtype: dtype.tag(), shape: layout.shape().to_vec() }.serialize(serializer)
+}
+
+/// Deserializes a tensor from a remote peer into fresh memory of this host (its bytes arrive
+/// after the decode), refusing any dtype but `expected` when given.
+pub(crate) fn decode_tensor<'de, S: Shared, D: Deserializer<'de>>(
+    deserializer: D,
+    expected: Option<DType>,
+) -> std::result::Result<DynTensor<S>, D::Error> {
+    let wire = RemoteTensor::deserialize(deserializer)?;
+    decode_remote::<S>(wire, expected).map_err(wire::decode_error)
+}
+
+fn decode_remote<S: Shared>(wire: RemoteTensor, expected: Option<DType>) -> Result<DynTensor<S>> {
+    let dtype =
+        DType::from_tag(wire.dtype).ok_or_else(|| Error::Malformed(format!("unknown dtype tag {}", wire.dtype)))?;
+    if let Some(expected) = expected.filter(|&e| e != dtype) {
+        return Err(Error::DTypeMismatch { expected, found: dtype });
+    }
+    let layout = Layout::contiguous(&wire.shape)?;
+    let bytes = layout
+        .numel()
+        .checked_mul(dtype.size())
+        .ok_or_else(|| Error::Malformed("tensor size overflows".into()))?;
+    let storage: Arc<S> = if std::any::TypeId::of::<S>() == std::any::TypeId::of::<HostStorage>() {
+        downcast::<S, HostStorage>(receive_host(bytes)?)
+    } else if std::any::TypeId::of::<S>() == std::any::TypeId::of::<GpuStorage>() {
+        downcast::<S, GpuStorage>(receive_gpu(bytes)?)
+    } else {
+        None
+    }
+    .ok_or_else(|| Error::Unsupported("this storage kind cannot be received from another host".into()))?;
+    DynTensor::new(storage, layout, dtype)
+}

@@ -1,0 +1,935 @@
+//! Typed channels between hosts: a [`RemoteListener`] on a TCP address, [`RemoteSender::connect`]
+//! to it. On one host the pair is an ordinary cuda-mp channel (tensors shared, not copied); across
+//! hosts messages travel on the TCP connection and GPU bytes by NCCL. See `README.md` here.
+
+mod codec;
+mod sys;
+
+use std::fmt;
+use std::io;
+use std::marker::PhantomData;
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+pub(crate) use codec::{decode_tensor, encode_tensor, is_decoding, is_encoding, receive_gpu, send_gpu};
+
+use self::codec::{Budget, Incoming, Outgoing};
+use crate::channel::{Listener, Receiver, Sender};
+use crate::error::{Error, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError};
+use crate::gpu::{Communicator, Device, UniqueId};
+use crate::os::catch_quietly;
+use crate::wire;
+
+/// The version of the remote protocol; both ends must speak the same.
+///
+/// ```
+/// assert_eq!(cuda_mp::REMOTE_PROTOCOL_VERSION, 1);
+/// ```
+pub const REMOTE_PROTOCOL_VERSION: u32 = 1;
+
+const MAGIC: [u8; 8] = *b"cuda-mp\0";
+
+/// The largest handshake message either end reads.
+const HANDSHAKE_BYTES: usize = 64 << 10;
+
+/// Frame trailer: kind (1), transfers (4), host bytes (8).
+const TRAILER: usize = 13;
+const KIND_MESSAGE: u8 = 0;
+const KIND_SETUP: u8 = 1;
+
+/// How a remote channel's messages travel.
+///
+/// ```no_run
+/// let listener = cuda_mp::RemoteListener::<u32>::bind("127.0.0.1:0").unwrap();
+/// let tx = cuda_mp::RemoteSender::<u32>::connect(listener.local_addr().unwrap()).unwrap();
+/// let rx = listener.accept().unwrap();
+/// assert_eq!(tx.route(), cuda_mp::Route::SameHost); // both ends on this machine
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// Both ends are on one host: an ordinary cuda-mp channel. Tensors are shared (CUDA IPC,
+    /// shared memory), never copied.
+    SameHost,
+    /// The ends are on different hosts (or asked for the network): messages travel on the TCP
+    /// connection, GPU tensors' bytes by NCCL, host tensors' bytes on the TCP connection. A
+    /// tensor arrives as a new tensor: copied, not shared.
+    Network,
+}
+
+/// Settings of a remote channel's end.
+///
+/// ```
+/// use std::time::Duration;
+/// let options = cuda_mp::RemoteOptions::default().device(1).transfer_timeout(Duration::from_secs(5));
+/// assert_eq!(options.get_device(), Some(1));
+/// ```
+#[derive(Debug, Clone)]
+pub struct RemoteOptions {
+    device: Option<usize>,
+    connect_timeout: Duration,
+    handshake_timeout: Duration,
+    transfer_timeout: Duration,
+    max_frame_bytes: usize,
+    max_host_bytes: u64,
+    network_only: bool,
+}
+
+impl Default for RemoteOptions {
+    fn default() -> Self {
+        RemoteOptions {
+            device: Some(0),
+            connect_timeout: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(10),
+            transfer_timeout: Duration::from_secs(120),
+            max_frame_bytes: 256 << 20,
+            max_host_bytes: 64 << 30,
+            network_only: false,
+        }
+    }
+}
+
+impl RemoteOptions {
+    /// The GPU (ordinal) on which a receiver allocates the GPU tensors it receives over the
+    /// network; 0 by default. A sender's GPU is that of its tensors.
+    pub fn device(mut self, ordinal: usize) -> Self {
+        self.device = Some(ordinal);
+        self
+    }
+
+    /// The receiving GPU, if any.
+    ///
+    /// ```
+    /// assert_eq!(cuda_mp::RemoteOptions::default().get_device(), Some(0));
+    /// ```
+    pub fn get_device(&self) -> Option<usize> {
+        self.device
+    }
+
+    /// How long [`RemoteSender::connect_with`] tries to reach the listener (10 s by default).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// How long either end waits for the other's part of the handshake (10 s by default).
+    pub fn handshake_timeout(mut self, timeout: Duration) -> Self {
+        self.handshake_timeout = timeout;
+        self
+    }
+
+    /// How long a message's bytes may take once its frame has started to move, including the
+    /// NCCL set-up at the first GPU tensor (120 s by default). Past it the transfer fails, the
+    /// NCCL communicator is aborted and the connection is closed.
+    pub fn transfer_timeout(mut self, timeout: Duration) -> Self {
+        self.transfer_timeout = timeout;
+        self
+    }
+
+    /// The largest frame (a message's serialized form, tensor bytes excluded) either end
+    /// writes or reads: 256 MiB by default. A peer that announces more is refused.
+    pub fn max_frame_bytes(mut self, bytes: usize) -> Self {
+        self.max_frame_bytes = bytes.min(u32::MAX as usize - TRAILER);
+        self
+    }
+
+    /// The most host-tensor bytes one received message may make this end allocate (64 GiB by
+    /// default).
+    pub fn max_host_bytes(mut self, bytes: u64) -> Self {
+        self.max_host_bytes = bytes;
+        self
+    }
+
+    /// Takes the network route even when both ends are on one host: how two processes of one
+    /// machine stand in for two hosts (tests, benchmarks). Either end may ask.
+    pub fn network_only(mut self, yes: bool) -> Self {
+        self.network_only = yes;
+        self
+    }
+}
+
+/// What makes two ends "one host": the same kernel boot and the same IPC and mount namespaces
+/// (CUDA IPC and our Unix sockets need both).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct HostIdentity {
+    boot_id: String,
+    namespaces: Vec<String>,
+}
+
+fn host_identity() -> HostIdentity {
+    let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default().trim().to_string();
+    let namespaces = ["ipc", "mnt"]
+        .iter()
+        .map(|ns| std::fs::read_link(format!("/proc/self/ns/{ns}")).map(|p| p.display().to_string()).unwrap_or_default())
+        .collect();
+    HostIdentity { boot_id, namespaces }
+}
+
+impl HostIdentity {
+    fn is_known(&self) -> bool {
+        !self.boot_id.is_empty() && self.namespaces.iter().all(|n| !n.is_empty())
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct Hello {
+    magic: [u8; 8],
+    version: u32,
+    /// The message type's name: both ends must agree on what the bytes mean.
+    message: String,
+    host: HostIdentity,
+    network_only: bool,
+}
+
+#[derive(Serialize, Deserialize)]
+enum Welcome {
+    Refused(String),
+    /// Connect to this local listener instead.
+    SameHost(String),
+    Network,
+}
+
+#[derive(Serialize, Deserialize)]
+enum Joined {
+    Yes,
+    No(String),
+}
+
+fn malformed(what: &str, e: impl fmt::Display) -> Error {
+    Error::Malformed(format!("{what}: {e}"))
+}
+
+fn io_error(e: io::Error, waiting_for: &str, timeout: Duration) -> Error {
+    if e.kind() == io::ErrorKind::TimedOut {
+        Error::Timeout(timeout)
+    } else if e.kind() == io::ErrorKind::UnexpectedEof {
+        Error::Malformed(format!("the peer closed the connection during {waiting_for}"))
+    } else {
+        Error::Io(e)
+    }
+}
+
+fn write_handshake<M: Serialize>(stream: &TcpStream, message: &M, timeout: Duration) -> Result<()> {
+    let body = postcard::to_allocvec(message).map_err(|e| malformed("handshake", e))?;
+    let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+    frame.extend_from_slice(&body);
+    sys::write_all(stream, &frame, Instant::now() + timeout).map_err(|e| io_error(e, "the handshake", timeout))
+}
+
+fn read_handshake<M: DeserializeOwned>(stream: &TcpStream, timeout: Duration) -> Result<M> {
+    let deadline = Instant::now() + timeout;
+    let mut reader = FrameReader::new(HANDSHAKE_BYTES);
+    let body = match reader.read(stream, deadline) {
+        Ok(Some(body)) => body,
+        Ok(None) => return Err(Error::Malformed("the peer closed the connection during the handshake".into())),
+        Err(e) => return Err(io_error(e, "the handshake", timeout)),
+    };
+    postcard::from_bytes(&body).map_err(|e| malformed("undecodable handshake", e))
+}
+
+/// Reads length-prefixed frames; a read that times out keeps what it read for the next one.
+#[derive(Debug)]
+struct FrameReader {
+    max: usize,
+    prefix: [u8; 4],
+    prefix_filled: usize,
+    body: Vec<u8>,
+    body_len: Option<usize>,
+}
+
+impl FrameReader {
+    fn new(max: usize) -> FrameReader {
+        FrameReader { max, prefix: [0; 4], prefix_filled: 0, body: Vec::new(), body_len: None }
+    }
+
+    /// The next frame's body; `None` when the stream ended between frames. `TimedOut` keeps
+    /// the partial frame; `UnexpectedEof` is a stream that ended inside one; `InvalidData` a
+    /// frame over the limit.
+    fn read(&mut self, socket: &TcpStream, deadline: Instant) -> io::Result<Option<Vec<u8>>> {
+        while self.body_len.is_none() {
+            let n = sys::read_some(socket, &mut self.prefix[self.prefix_filled..], deadline)?;
+            if n == 0 {
+                if self.prefix_filled == 0 {
+                    return Ok(None);
+                }
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the stream ended inside a frame's length"));
+            }
+            self.prefix_filled += n;
+            if self.prefix_filled == 4 {
+                let len = u32::from_le_bytes(self.prefix) as usize;
+                if len > self.max {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("the peer announced a frame of {len} bytes; the limit is {}", self.max),
+                    ));
+                }
+                self.body_len = Some(len);
+                self.body = Vec::with_capacity(len.min(1 << 20));
+            }
+        }
+        let len = self.body_len.expect("set above");
+        while self.body.len() < len {
+            let start = self.body.len();
+            let want = (len - start).min(1 << 20);
+            self.body.resize(start + want, 0);
+            let n = sys::read_some(socket, &mut self.body[start..], deadline);
+            let n = match n {
+                Ok(n) => n,
+                Err(e) => {
+                    self.body.truncate(start);
+                    return Err(e);
+                }
+            };
+            self.body.truncate(start + n);
+            if n == 0 {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, format!("the stream ended inside a frame of {len} bytes")));
+            }
+        }
+        self.prefix_filled = 0;
+        self.body_len = None;
+        Ok(Some(std::mem::take(&mut self.body)))
+    }
+}
+
+/// A frame: its payload, then the trailer.
+fn frame(mut payload: Vec<u8>, kind: u8, transfers: u32, host_bytes: u64) -> Vec<u8> {
+    payload.push(kind);
+    payload.extend_from_slice(&transfers.to_le_bytes());
+    payload.extend_from_slice(&host_bytes.to_le_bytes());
+    let len = (payload.len() - 4) as u32;
+    payload[..4].copy_from_slice(&len.to_le_bytes());
+    payload
+}
+
+/// A frame's body split into its payload and trailer.
+fn parse_frame(body: &[u8]) -> Result<(&[u8], u8, u32, u64)> {
+    if body.len() < TRAILER {
+        return Err(Error::Malformed(format!("a frame of {} bytes is shorter than its trailer", body.len())));
+    }
+    let (payload, trailer) = body.split_at(body.len() - TRAILER);
+    let kind = trailer[0];
+    let transfers = u32::from_le_bytes(trailer[1..5].try_into().expect("4 bytes"));
+    let host_bytes = u64::from_le_bytes(trailer[5..13].try_into().expect("8 bytes"));
+    Ok((payload, kind, transfers, host_bytes))
+}
+
+fn resolve(addr: impl ToSocketAddrs) -> Result<Vec<SocketAddr>> {
+    let addrs: Vec<SocketAddr> = addr.to_socket_addrs()?.collect();
+    if addrs.is_empty() {
+        return Err(Error::Io(io::Error::new(io::ErrorKind::InvalidInput, "the address resolves to nothing")));
+    }
+    Ok(addrs)
+}
+
+/// Listens on a TCP address for [`RemoteSender`]s of `T`: each accepted connection is one
+/// [`RemoteReceiver`].
+///
+/// ```
+/// let listener = cuda_mp::RemoteListener::<String>::bind("127.0.0.1:0").unwrap();
+/// let addr = listener.local_addr().unwrap();
+/// let tx = cuda_mp::RemoteSender::<String>::connect(addr).unwrap();
+/// let rx = listener.accept().unwrap();
+/// tx.send("hello".into()).unwrap();
+/// assert_eq!(rx.recv().unwrap(), "hello");
+/// ```
+pub struct RemoteListener<T> {
+    listener: TcpListener,
+    options: RemoteOptions,
+    _message: PhantomData<fn() -> T>,
+}
+
+impl<T> fmt::Debug for RemoteListener<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RemoteListener").field("addr", &self.listener.local_addr().ok()).finish_non_exhaustive()
+    }
+}
+
+impl<T: Serialize + DeserializeOwned> RemoteListener<T> {
+    /// Listens on `addr` (port 0 picks a free port) with the default options.
+    pub fn bind(addr: impl ToSocketAddrs) -> Result<RemoteListener<T>> {
+        Self::bind_with(addr, RemoteOptions::default())
+    }
+
+    /// Listens on `addr` with `options` (the receiving GPU, timeouts, limits).
+    pub fn bind_with(addr: impl ToSocketAddrs, options: RemoteOptions) -> Result<RemoteListener<T>> {
+        let listener = TcpListener::bind(&resolve(addr)?[..])?;
+        listener.set_nonblocking(true)?;
+        Ok(RemoteListener { listener, options, _message: PhantomData })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        Ok(self.listener.local_addr()?)
+    }
+
+    /// Waits for a sender and completes the handshake with it.
+    ///
+    /// A peer that is not a cuda-mp sender of `T` of this protocol version gets a refusal and
+    /// this returns [`Error::Malformed`] or [`Error::Unsupported`]; the listener goes on
+    /// listening.
+    pub fn accept(&self) -> Result<RemoteReceiver<T>> {
+        self.accept_until(None)
+    }
+
+    /// Like [`accept`](Self::accept), giving up after `timeout` ([`Error::Timeout`]).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let listener = cuda_mp::RemoteListener::<u8>::bind("127.0.0.1:0").unwrap();
+    /// assert!(listener.accept_timeout(Duration::from_millis(20)).unwrap_err().is_timeout());
+    /// ```
+    pub fn accept_timeout(&self, timeout: Duration) -> Result<RemoteReceiver<T>> {
+        self.accept_until(Some((Instant::now() + timeout, timeout)))
+    }
+
+    fn accept_until(&self, deadline: Option<(Instant, Duration)>) -> Result<RemoteReceiver<T>> {
+        let far = Instant::now() + Duration::from_secs(365 * 24 * 3600);
+        let stream = loop {
+            match self.listener.accept() {
+                Ok((stream, _)) => break stream,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    use std::os::fd::AsRawFd;
+                    match sys::wait(self.listener.as_raw_fd(), libc::POLLIN, deadline.map_or(far, |d| d.0)) {
+                        Ok(_) => {}
+                        Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+                            return Err(Error::Timeout(deadline.map_or(Duration::MAX, |d| d.1)))
+                        }
+                        Err(e) => return Err(Error::Io(e)),
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(Error::Io(e)),
+            }
+        };
+        stream.set_nonblocking(false)?;
+        stream.set_nodelay(true)?;
+        self.handshake(stream)
+    }
+
+    fn handshake(&self, stream: TcpStream) -> Result<RemoteReceiver<T>> {
+        let timeout = self.options.handshake_timeout;
+        let hello: Hello = read_handshake(&stream, timeout)?;
+        let refuse = |why: String, error: Error| {
+            let _ = write_handshake(&stream, &Welcome::Refused(why), timeout);
+            Err(error)
+        };
+        if hello.magic != MAGIC {
+            return refuse("not a cuda-mp peer".into(), Error::Malformed("the peer is not a cuda-mp sender".into()));
+        }
+        if hello.version != REMOTE_PROTOCOL_VERSION {
+            let why = format!(
+                "protocol version {} here, {} at the sender: use the same cuda-mp version on both ends",
+                REMOTE_PROTOCOL_VERSION, hello.version
+            );
+            return refuse(why.clone(), Error::Unsupported(why));
+        }
+        let here = std::any::type_name::<T>();
+        if hello.message != here {
+            let why = format!("the listener receives {here}, the sender sends {}", hello.message);
+            return refuse(why.clone(), Error::Unsupported(why));
+        }
+        let identity = host_identity();
+        let same_host =
+            !hello.network_only && !self.options.network_only && identity.is_known() && hello.host == identity;
+        if same_host {
+            let local = Listener::<T>::bind()?;
+            write_handshake(&stream, &Welcome::SameHost(local.name().to_string()), timeout)?;
+            match read_handshake::<Joined>(&stream, timeout)? {
+                Joined::Yes => {
+                    let rx = local.accept_timeout(timeout)?;
+                    return Ok(RemoteReceiver { inner: ReceiverInner::Local(rx) });
+                }
+                // The sender could not reach the local listener (another mount namespace, say):
+                // the network route serves instead.
+                Joined::No(_) => {}
+            }
+        } else {
+            write_handshake(&stream, &Welcome::Network, timeout)?;
+        }
+        let net = NetReceiver {
+            reader: FrameReader::new(self.options.max_frame_bytes.saturating_add(TRAILER)),
+            stream,
+            comm: None,
+            options: self.options.clone(),
+            broken: false,
+        };
+        Ok(RemoteReceiver { inner: ReceiverInner::Net(Mutex::new(net)) })
+    }
+}
+
+/// The sending end of a remote channel.
+///
+/// `send` returns once the message has left: over the network, once its tensors' bytes have
+/// moved (NCCL's send completed, host bytes written), so the sender may overwrite or drop its
+/// tensors at once. A GPU send is a rendezvous: it waits for the receiver's `recv`.
+pub struct RemoteSender<T> {
+    inner: SenderInner<T>,
+}
+
+enum SenderInner<T> {
+    Local(Sender<T>),
+    Net(Mutex<NetSender>),
+}
+
+struct NetSender {
+    stream: TcpStream,
+    comm: Option<Communicator>,
+    options: RemoteOptions,
+    broken: bool,
+}
+
+impl<T> fmt::Debug for RemoteSender<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RemoteSender").field("route", &self.route()).finish_non_exhaustive()
+    }
+}
+
+impl<T> RemoteSender<T> {
+    /// Which way this channel's messages travel.
+    pub fn route(&self) -> Route {
+        match self.inner {
+            SenderInner::Local(_) => Route::SameHost,
+            SenderInner::Net(_) => Route::Network,
+        }
+    }
+}
+
+fn lock<S>(m: &Mutex<S>) -> MutexGuard<'_, S> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl<T: Serialize + DeserializeOwned> RemoteSender<T> {
+    /// Connects to a [`RemoteListener`] of `T` at `addr` with the default options.
+    pub fn connect(addr: impl ToSocketAddrs) -> Result<RemoteSender<T>> {
+        Self::connect_with(addr, RemoteOptions::default())
+    }
+
+    /// Connects with `options`.
+    ///
+    /// Errors: [`Error::Timeout`] when the listener cannot be reached or does not answer in
+    /// time; [`Error::Unsupported`] when it refuses (another protocol version, another message
+    /// type).
+    pub fn connect_with(addr: impl ToSocketAddrs, options: RemoteOptions) -> Result<RemoteSender<T>> {
+        let mut last = None;
+        let mut stream = None;
+        for addr in resolve(addr)? {
+            match TcpStream::connect_timeout(&addr, options.connect_timeout) {
+                Ok(s) => {
+                    stream = Some(s);
+                    break;
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        let stream = match (stream, last) {
+            (Some(s), _) => s,
+            (None, Some(e)) => return Err(io_error(e, "connecting", options.connect_timeout)),
+            (None, None) => unreachable!("resolve returns at least one address"),
+        };
+        stream.set_nodelay(true)?;
+        let timeout = options.handshake_timeout;
+        let hello = Hello {
+            magic: MAGIC,
+            version: REMOTE_PROTOCOL_VERSION,
+            message: std::any::type_name::<T>().to_string(),
+            host: host_identity(),
+            network_only: options.network_only,
+        };
+        write_handshake(&stream, &hello, timeout)?;
+        match read_handshake::<Welcome>(&stream, timeout)? {
+            Welcome::Refused(why) => Err(Error::Unsupported(format!("the listener refused: {why}"))),
+            Welcome::SameHost(name) => match Sender::<T>::connect(&name) {
+                Ok(tx) => {
+                    write_handshake(&stream, &Joined::Yes, timeout)?;
+                    Ok(RemoteSender { inner: SenderInner::Local(tx) })
+                }
+                Err(e) => {
+                    write_handshake(&stream, &Joined::No(e.to_string()), timeout)?;
+                    Ok(Self::net(stream, options))
+                }
+            },
+            Welcome::Network => Ok(Self::net(stream, options)),
+        }
+    }
+
+    fn net(stream: TcpStream, options: RemoteOptions) -> RemoteSender<T> {
+        RemoteSender { inner: SenderInner::Net(Mutex::new(NetSender { stream, comm: None, options, broken: false })) }
+    }
+
+    /// Sends `value`; on failure it comes back in the error.
+    ///
+    /// Over the network, a failure after the message started to move (the peer died, a
+    /// timeout) closes the connection: later sends fail as disconnected.
+    pub fn send(&self, value: T) -> std::result::Result<(), SendError<T>> {
+        match &self.inner {
+            SenderInner::Local(tx) => tx.send(value),
+            SenderInner::Net(net) => {
+                let mut net = lock(net);
+                match net.send(&value) {
+                    Ok(()) => Ok(()),
+                    Err(failure) => Err(SendError::new(value, failure)),
+                }
+            }
+        }
+    }
+}
+
+impl NetSender {
+    fn send<T: Serialize>(&mut self, value: &T) -> std::result::Result<(), SendFailure> {
+        if self.broken {
+            return Err(SendFailure::Disconnected);
+        }
+        // Four bytes kept for the frame's length.
+        let (encoded, outgoing) = codec::encode(|| catch_quietly(|| postcard::to_extend(value, vec![0u8; 4])));
+        let bytes = match encoded {
+            Ok(Ok(bytes)) => bytes,
+            Ok(Err(e)) => return Err(SendFailure::Serialize(wire::take_failure().unwrap_or_else(|| e.to_string()))),
+            Err(panic) => return Err(SendFailure::Serialize(format!("serialization panicked: {panic}"))),
+        };
+        if bytes.len() - 4 > self.options.max_frame_bytes {
+            return Err(SendFailure::Serialize(format!(
+                "the message takes {} bytes; the frame limit is {} (RemoteOptions::max_frame_bytes)",
+                bytes.len() - 4,
+                self.options.max_frame_bytes
+            )));
+        }
+        // One connection moves GPU bytes of one device: its communicator's.
+        let mut device: Option<std::sync::Arc<Device>> = self.comm.as_ref().map(|c| c.device().clone());
+        for out in &outgoing {
+            if let Outgoing::Gpu { storage, .. } = out {
+                match &device {
+                    Some(d) if d.ordinal() != storage.device().ordinal() => {
+                        return Err(SendFailure::Serialize(format!(
+                            "this connection moves GPU tensors of gpu {}; the message has one on gpu {}",
+                            d.ordinal(),
+                            storage.device().ordinal()
+                        )))
+                    }
+                    Some(_) => {}
+                    None => device = Some(storage.device().clone()),
+                }
+            }
+        }
+        let host_bytes: u64 = outgoing.iter().filter(|o| !matches!(o, Outgoing::Gpu { .. })).map(|o| o.len() as u64).sum();
+        let message = frame(bytes, KIND_MESSAGE, outgoing.len() as u32, host_bytes);
+        let result = self.transmit(message, &outgoing, device);
+        if result.is_err() {
+            self.close();
+        }
+        result
+    }
+
+    fn transmit(
+        &mut self,
+        message: Vec<u8>,
+        outgoing: &[Outgoing],
+        device: Option<std::sync::Arc<Device>>,
+    ) -> std::result::Result<(), SendFailure> {
+        let timeout = self.options.transfer_timeout;
+        let deadline = Instant::now() + timeout;
+        let failed = |e: io::Error| match e.kind() {
+            io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => SendFailure::Disconnected,
+            io::ErrorKind::TimedOut => SendFailure::Io(format!("timed out after {timeout:?} writing to the peer")),
+            _ => SendFailure::Io(e.to_string()),
+        };
+        let gpu: Vec<_> = outgoing
+            .iter()
+            .filter_map(|o| match o {
+                Outgoing::Gpu { storage, offset, len } => Some((storage, *offset, *len)),
+                _ => None,
+            })
+            .collect();
+        let needs_comm = gpu.iter().any(|g| g.2 > 0);
+        if needs_comm && self.comm.is_none() {
+            let device = device.expect("a GPU transfer has a device");
+            let id = UniqueId::new().map_err(|e| SendFailure::Io(e.to_string()))?;
+            let mut payload = vec![0u8; 4];
+            payload.extend_from_slice(&id.0);
+            sys::write_all(&self.stream, &frame(payload, KIND_SETUP, 0, 0), deadline).map_err(failed)?;
+            let stream = &self.stream;
+            let comm = Communicator::join(&device, &id, 0, deadline, &mut || !sys::peer_closed(stream))
+                .map_err(|e| send_failure(e))?;
+            self.comm = Some(comm);
+        }
+        sys::write_all(&self.stream, &message, deadline).map_err(failed)?;
+        for out in outgoing {
+            match out {
+                Outgoing::Host { storage, offset, len } => {
+                    sys::write_host(&self.stream, storage, *offset, *len, deadline).map_err(failed)?
+                }
+                Outgoing::Packed(bytes) => sys::write_all(&self.stream, bytes, deadline).map_err(failed)?,
+                Outgoing::Gpu { .. } => {}
+            }
+        }
+        if needs_comm {
+            let ranges = gpu
+                .iter()
+                .map(|(s, offset, len)| s.range().and_then(|r| r.sub(*offset, *len)))
+                .collect::<Result<Vec<_>>>()
+                .map_err(|e| SendFailure::Io(e.to_string()))?;
+            let stream = &self.stream;
+            let comm = self.comm.as_mut().expect("set up above");
+            comm.transfer(true, &ranges, deadline, &mut || !sys::peer_closed(stream)).map_err(send_failure)?;
+        }
+        Ok(())
+    }
+
+    fn close(&mut self) {
+        self.broken = true;
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        // Dropping aborts it: a broken peer cannot take part in a clean shutdown.
+        self.comm = None;
+    }
+}
+
+fn send_failure(e: Error) -> SendFailure {
+    match e {
+        Error::Recv(RecvError::Disconnected) => SendFailure::Disconnected,
+        e => SendFailure::Io(e.to_string()),
+    }
+}
+
+/// The receiving end of a remote channel.
+pub struct RemoteReceiver<T> {
+    inner: ReceiverInner<T>,
+}
+
+enum ReceiverInner<T> {
+    Local(Receiver<T>),
+    Net(Mutex<NetReceiver>),
+}
+
+struct NetReceiver {
+    stream: TcpStream,
+    reader: FrameReader,
+    comm: Option<Communicator>,
+    options: RemoteOptions,
+    broken: bool,
+}
+
+impl<T> fmt::Debug for RemoteReceiver<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RemoteReceiver").field("route", &self.route()).finish_non_exhaustive()
+    }
+}
+
+impl<T> RemoteReceiver<T> {
+    /// Which way this channel's messages travel.
+    pub fn route(&self) -> Route {
+        match self.inner {
+            ReceiverInner::Local(_) => Route::SameHost,
+            ReceiverInner::Net(_) => Route::Network,
+        }
+    }
+}
+
+impl<T: Serialize + DeserializeOwned> RemoteReceiver<T> {
+    /// Waits for the next message.
+    ///
+    /// Over the network, a malformed message, a transfer that fails or times out, or a peer
+    /// that dies mid-message closes the connection: this returns the reason, and later calls
+    /// return [`RecvError::Disconnected`].
+    pub fn recv(&self) -> std::result::Result<T, RecvError> {
+        self.recv_until(None).map_err(|e| match e {
+            RecvTimeoutError::Timeout => RecvError::Io("timed out without a deadline".into()),
+            RecvTimeoutError::Disconnected => RecvError::Disconnected,
+            RecvTimeoutError::Malformed(m) => RecvError::Malformed(m),
+            RecvTimeoutError::Io(m) => RecvError::Io(m),
+            RecvTimeoutError::OutOfDescriptors { limit } => RecvError::OutOfDescriptors { limit },
+        })
+    }
+
+    /// Waits for the next message until `timeout` has passed. A message whose frame is
+    /// partly read when the time is up stays where it was: the next call goes on with it.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let listener = cuda_mp::RemoteListener::<u8>::bind_with(
+    ///     "127.0.0.1:0",
+    ///     cuda_mp::RemoteOptions::default().network_only(true),
+    /// ).unwrap();
+    /// let _tx = cuda_mp::RemoteSender::<u8>::connect(listener.local_addr().unwrap()).unwrap();
+    /// let rx = listener.accept().unwrap();
+    /// assert!(rx.recv_timeout(Duration::from_millis(20)).unwrap_err().is_timeout());
+    /// ```
+    pub fn recv_timeout(&self, timeout: Duration) -> std::result::Result<T, RecvTimeoutError> {
+        self.recv_until(Some(Instant::now() + timeout))
+    }
+
+    /// The next message if one is there.
+    pub fn try_recv(&self) -> std::result::Result<T, TryRecvError> {
+        match &self.inner {
+            ReceiverInner::Local(rx) => rx.try_recv(),
+            ReceiverInner::Net(_) => self.recv_until(Some(Instant::now())).map_err(|e| match e {
+                RecvTimeoutError::Timeout => TryRecvError::Empty,
+                RecvTimeoutError::Disconnected => TryRecvError::Disconnected,
+                RecvTimeoutError::Malformed(m) => TryRecvError::Malformed(m),
+                RecvTimeoutError::Io(m) => TryRecvError::Io(m),
+                RecvTimeoutError::OutOfDescriptors { limit } => TryRecvError::OutOfDescriptors { limit },
+            }),
+        }
+    }
+
+    /// The messages as they come, each a `Result`; ends once the sender is gone.
+    pub fn iter(&self) -> impl Iterator<Item = std::result::Result<T, RecvError>> + '_ {
+        std::iter::from_fn(move || match self.recv() {
+            Err(RecvError::Disconnected) => None,
+            other => Some(other),
+        })
+    }
+
+    fn recv_until(&self, deadline: Option<Instant>) -> std::result::Result<T, RecvTimeoutError> {
+        match &self.inner {
+            ReceiverInner::Local(rx) => match deadline {
+                Some(d) => rx.recv_timeout(d.saturating_duration_since(Instant::now())),
+                None => rx.recv().map_err(|e| match e {
+                    RecvError::Disconnected => RecvTimeoutError::Disconnected,
+                    RecvError::Malformed(m) => RecvTimeoutError::Malformed(m),
+                    RecvError::Io(m) => RecvTimeoutError::Io(m),
+                    RecvError::OutOfDescriptors { limit } => RecvTimeoutError::OutOfDescriptors { limit },
+                }),
+            },
+            ReceiverInner::Net(net) => {
+                let mut net = lock(net);
+                if net.broken {
+                    return Err(RecvTimeoutError::Disconnected);
+                }
+                let result = net.recv::<T>(deadline);
+                if matches!(result, Err(ref e) if !matches!(e, RecvTimeoutError::Timeout)) {
+                    net.close();
+                }
+                result
+            }
+        }
+    }
+}
+
+impl NetReceiver {
+    fn recv<T: DeserializeOwned>(&mut self, deadline: Option<Instant>) -> std::result::Result<T, RecvTimeoutError> {
+        let far = Instant::now() + Duration::from_secs(365 * 24 * 3600);
+        loop {
+            let body = match self.reader.read(&self.stream, deadline.unwrap_or(far)) {
+                Ok(Some(body)) => body,
+                Ok(None) => return Err(RecvTimeoutError::Disconnected),
+                Err(e) => {
+                    return Err(match e.kind() {
+                        io::ErrorKind::TimedOut => RecvTimeoutError::Timeout,
+                        io::ErrorKind::UnexpectedEof | io::ErrorKind::InvalidData => {
+                            RecvTimeoutError::Malformed(e.to_string())
+                        }
+                        io::ErrorKind::ConnectionReset => RecvTimeoutError::Disconnected,
+                        _ => RecvTimeoutError::Io(e.to_string()),
+                    })
+                }
+            };
+            let (payload, kind, transfers, host_bytes) = parse_frame(&body).map_err(recv_error)?;
+            match kind {
+                KIND_SETUP => self.join(payload).map_err(recv_error)?,
+                KIND_MESSAGE => return self.message(payload, transfers, host_bytes),
+                other => return Err(RecvTimeoutError::Malformed(format!("unknown frame kind {other}"))),
+            }
+        }
+    }
+
+    /// Joins the communicator the sender made (as rank 1), on this end's GPU.
+    fn join(&mut self, payload: &[u8]) -> Result<()> {
+        let id: [u8; 128] = payload
+            .try_into()
+            .map_err(|_| Error::Malformed(format!("an NCCL set-up of {} bytes, not 128", payload.len())))?;
+        if self.comm.is_some() {
+            return Err(Error::Malformed("a second NCCL set-up on one connection".into()));
+        }
+        let ordinal = self
+            .options
+            .device
+            .ok_or_else(|| Error::Unsupported("GPU tensors are coming, and this end has no GPU set".into()))?;
+        let device = Device::get(ordinal)?;
+        let deadline = Instant::now() + self.options.transfer_timeout;
+        let stream = &self.stream;
+        self.comm = Some(Communicator::join(&device, &UniqueId(id), 1, deadline, &mut || !sys::peer_closed(stream))?);
+        Ok(())
+    }
+
+    fn message<T: DeserializeOwned>(
+        &mut self,
+        payload: &[u8],
+        transfers: u32,
+        host_bytes: u64,
+    ) -> std::result::Result<T, RecvTimeoutError> {
+        if host_bytes > self.options.max_host_bytes {
+            return Err(RecvTimeoutError::Malformed(format!(
+                "a message with {host_bytes} bytes of host tensors; the limit is {} (RemoteOptions::max_host_bytes)",
+                self.options.max_host_bytes
+            )));
+        }
+        let budget = Budget { device: self.options.device, host_bytes };
+        let (decoded, incoming) = codec::decode(budget, || catch_quietly(|| postcard::from_bytes::<T>(payload)));
+        let value = match decoded {
+            Ok(Ok(value)) => value,
+            Ok(Err(e)) => {
+                return Err(RecvTimeoutError::Malformed(
+                    wire::take_failure().unwrap_or_else(|| format!("undecodable message ({e})")),
+                ))
+            }
+            Err(panic) => return Err(RecvTimeoutError::Malformed(format!("decoding panicked: {panic}"))),
+        };
+        if incoming.len() != transfers as usize {
+            return Err(RecvTimeoutError::Malformed(format!(
+                "the frame announces {transfers} tensors, the message holds {}",
+                incoming.len()
+            )));
+        }
+        let announced: u64 =
+            incoming.iter().map(|i| if let Incoming::Host(_, len) = i { *len as u64 } else { 0 }).sum();
+        if announced != host_bytes {
+            return Err(RecvTimeoutError::Malformed(format!(
+                "the frame announces {host_bytes} host bytes, the message's tensors hold {announced}"
+            )));
+        }
+        let timeout = self.options.transfer_timeout;
+        let deadline = Instant::now() + timeout;
+        for arrival in &incoming {
+            if let Incoming::Host(storage, len) = arrival {
+                sys::read_host(&self.stream, storage, *len, deadline).map_err(|e| match e.kind() {
+                    io::ErrorKind::TimedOut => RecvTimeoutError::Io(format!("a host tensor did not arrive within {timeout:?}")),
+                    io::ErrorKind::UnexpectedEof => RecvTimeoutError::Malformed(e.to_string()),
+                    _ => RecvTimeoutError::Io(e.to_string()),
+                })?;
+            }
+        }
+        let ranges = incoming
+            .iter()
+            .filter_map(|i| match i {
+                Incoming::Gpu(storage, len) => Some(storage.range().and_then(|r| r.sub(0, *len))),
+                Incoming::Host(..) => None,
+            })
+            .collect::<Result<Vec<_>>>()
+            .map_err(recv_error)?;
+        if ranges.iter().any(|r| !r.is_empty()) {
+            let stream = &self.stream;
+            let comm = self
+                .comm
+                .as_mut()
+                .ok_or_else(|| RecvTimeoutError::Malformed("GPU tensors arrived before the NCCL set-up".into()))?;
+            comm.transfer(false, &ranges, deadline, &mut || !sys::peer_closed(stream)).map_err(recv_error)?;
+        }
+        Ok(value)
+    }
+
+    fn close(&mut self) {
+        self.broken = true;
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        self.comm = None;
+    }
+}
+
+fn recv_error(e: Error) -> RecvTimeoutError {
+    match e {
+        Error::Malformed(m) => RecvTimeoutError::Malformed(m),
+        Error::Recv(RecvError::Disconnected) => RecvTimeoutError::Disconnected,
+        e => RecvTimeoutError::Io(e.to_string()),
+    }
+}

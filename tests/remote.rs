@@ -1,0 +1,209 @@
+//! Remote channels on the CPU: the TCP handshake and its refusals, both routes, host tensors
+//! over the network (copied, packed when strided), malformed and truncated frames, a peer that
+//! dies, and the timeouts. GPU tensors over NCCL are in `tests/gpu_remote.rs`.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use cuda_mp::{bf16, HostTensor, RemoteListener, RemoteOptions, RemoteReceiver, RemoteSender, Route};
+
+fn network() -> RemoteOptions {
+    RemoteOptions::default().network_only(true)
+}
+
+/// A connected pair; the listener's options decide the route.
+fn pair<T>(options: RemoteOptions) -> (RemoteSender<T>, RemoteReceiver<T>)
+where
+    T: serde::Serialize + serde::de::DeserializeOwned + 'static,
+{
+    let listener = RemoteListener::<T>::bind_with("127.0.0.1:0", options).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let tx = thread::spawn(move || RemoteSender::<T>::connect(addr).unwrap());
+    let rx = listener.accept().unwrap();
+    (tx.join().unwrap(), rx)
+}
+
+cuda_mp::enable_test_support!();
+
+#[test]
+fn same_host_peers_share_host_memory() {
+    let (tx, rx) = pair::<HostTensor<f32>>(RemoteOptions::default());
+    assert_eq!((tx.route(), rx.route()), (Route::SameHost, Route::SameHost));
+    let t = HostTensor::<f32>::zeros(&[8]).unwrap();
+    tx.send(t.clone()).unwrap();
+    let got = rx.recv().unwrap();
+    got.fill(5.0);
+    assert_eq!(t.to_vec(), vec![5.0; 8], "the same memory: the write is visible to the sender");
+}
+
+#[test]
+fn network_peers_get_a_copy() {
+    let (tx, rx) = pair::<HostTensor<f32>>(network());
+    assert_eq!((tx.route(), rx.route()), (Route::Network, Route::Network));
+    let t = HostTensor::<f32>::from_vec(&[2, 3], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
+    tx.send(t.clone()).unwrap();
+    let got = rx.recv().unwrap();
+    assert_eq!((got.shape(), got.to_vec()), (&[2, 3][..], t.to_vec()));
+    got.fill(0.0);
+    assert_eq!(t.to_vec(), vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], "a copy: the sender's tensor is unchanged");
+    assert_ne!(got.storage_id(), t.storage_id());
+}
+
+#[test]
+fn strided_views_arrive_packed_and_contiguous() {
+    let (tx, rx) = pair::<HostTensor<i32>>(network());
+    let t = HostTensor::<i32>::from_vec(&[3, 4], (0..12).collect()).unwrap();
+    let view = t.transpose(0, 1).unwrap().narrow(0, 1, 2).unwrap(); // columns 1 and 2
+    tx.send(view.clone()).unwrap();
+    let got = rx.recv().unwrap();
+    assert_eq!(got.shape(), &[2, 3]);
+    assert!(got.is_contiguous());
+    assert_eq!(got.to_vec(), view.to_vec());
+    assert_eq!(got.to_vec(), vec![1, 5, 9, 2, 6, 10]);
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Step {
+    name: String,
+    weights: Vec<HostTensor<bf16>>,
+    mask: HostTensor<bool>,
+    empty: HostTensor<f64>,
+    step: u64,
+}
+
+#[test]
+fn messages_of_many_tensors_and_fields_arrive_whole_in_order() {
+    let (tx, rx) = pair::<Step>(network());
+    for step in 0..20u64 {
+        let weights = (0..5)
+            .map(|i| HostTensor::<bf16>::full(&[64, i + 1], bf16::from_f32((step * 10 + i as u64) as f32)).unwrap())
+            .collect();
+        let mask = HostTensor::<bool>::from_vec(&[3], vec![true, false, step % 2 == 0]).unwrap();
+        let empty = HostTensor::<f64>::zeros(&[0, 4]).unwrap();
+        tx.send(Step { name: format!("step {step}"), weights, mask, empty, step }).unwrap();
+    }
+    for step in 0..20u64 {
+        let got = rx.recv().unwrap();
+        assert_eq!((got.name.as_str(), got.step), (format!("step {step}").as_str(), step));
+        for (i, w) in got.weights.iter().enumerate() {
+            assert_eq!(w.shape(), &[64, i + 1]);
+            assert!(w.to_vec().iter().all(|&x| x == bf16::from_f32((step * 10 + i as u64) as f32)));
+        }
+        assert_eq!(got.mask.to_vec(), vec![true, false, step % 2 == 0]);
+        assert_eq!(got.empty.shape(), &[0, 4]);
+    }
+}
+
+#[test]
+fn a_large_host_tensor_crosses_while_the_receiver_reads() {
+    let (tx, rx) = pair::<HostTensor<i32>>(network());
+    let n = 16 << 20; // 64 MiB: far more than the socket buffers
+    let t = HostTensor::<i32>::from_vec(&[n], (0..n as i32).collect()).unwrap();
+    let sender = thread::spawn(move || tx.send(t).map_err(|e| e.to_string()));
+    let got = rx.recv().unwrap();
+    sender.join().unwrap().unwrap();
+    assert!(got.to_vec().iter().enumerate().all(|(i, &x)| x == i as i32));
+}
+
+#[test]
+fn a_dropped_sender_disconnects_after_the_last_message() {
+    let (tx, rx) = pair::<u32>(network());
+    tx.send(1).unwrap();
+    tx.send(2).unwrap();
+    drop(tx);
+    let got: Vec<u32> = rx.iter().map(|r| r.unwrap()).collect();
+    assert_eq!(got, vec![1, 2]);
+    assert!(rx.recv().unwrap_err().is_disconnected());
+}
+
+#[test]
+fn a_dropped_receiver_fails_sends_with_the_value_back() {
+    let (tx, rx) = pair::<String>(network());
+    drop(rx);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match tx.send("kept".to_string()) {
+            Ok(()) => assert!(Instant::now() < deadline, "sends kept succeeding after the receiver was dropped"),
+            Err(e) => {
+                assert!(e.is_disconnected(), "{e}");
+                assert_eq!(e.into_inner(), "kept");
+                break;
+            }
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn timeouts_keep_a_partly_read_frame() {
+    let (tx, rx) = pair::<Vec<u8>>(network());
+    assert!(rx.recv_timeout(Duration::from_millis(30)).unwrap_err().is_timeout());
+    assert!(rx.try_recv().unwrap_err().is_empty());
+    tx.send(vec![7; 1000]).unwrap();
+    assert_eq!(rx.recv_timeout(Duration::from_secs(5)).unwrap(), vec![7; 1000]);
+}
+
+#[test]
+fn a_listener_without_peers_and_a_silent_listener_time_out() {
+    let listener = RemoteListener::<u8>::bind("127.0.0.1:0").unwrap();
+    let start = Instant::now();
+    assert!(listener.accept_timeout(Duration::from_millis(50)).unwrap_err().is_timeout());
+    assert!(start.elapsed() < Duration::from_secs(5));
+
+    // A TCP server that never answers the handshake.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = silent.local_addr().unwrap();
+    let options = RemoteOptions::default().handshake_timeout(Duration::from_millis(100));
+    let err = RemoteSender::<u8>::connect_with(addr, options).unwrap_err();
+    assert!(err.is_timeout(), "{err}");
+    drop(silent);
+
+    // Nobody listening at all.
+    let free = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    assert!(RemoteSender::<u8>::connect(free).is_err());
+}
+
+#[test]
+fn the_listener_refuses_other_message_types_and_goes_on() {
+    let listener = RemoteListener::<u32>::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let wrong = thread::spawn(move || RemoteSender::<String>::connect(addr).unwrap_err().to_string());
+    let err = listener.accept().unwrap_err().to_string();
+    assert!(err.contains("u32") && err.contains("String"), "{err}");
+    let sent = wrong.join().unwrap();
+    assert!(sent.contains("refused"), "{sent}");
+    let right = thread::spawn(move || RemoteSender::<u32>::connect(addr).unwrap());
+    let rx = listener.accept().unwrap();
+    right.join().unwrap().send(5).unwrap();
+    assert_eq!(rx.recv().unwrap(), 5);
+}
+
+/// Writes `bytes` to a fresh connection on `listener` and returns what `accept` says.
+fn accept_after(bytes: &'static [u8]) -> String {
+    let listener =
+        RemoteListener::<u32>::bind_with("127.0.0.1:0", RemoteOptions::default().handshake_timeout(Duration::from_secs(2)))
+            .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let peer = thread::spawn(move || {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(bytes).unwrap();
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+    });
+    let err = listener.accept().unwrap_err().to_string();
+    peer.join().unwrap();
+    err
+}
+
+#[test]
+fn garbage_and_oversized_handshakes_are_refused_without_a_panic() {
+    let err = accept_after(&[5, 0, 0, 0, 1, 2, 3, 4, 5]);
+    assert!(err.contains("handshake"), "{err}");
+    let err = accept_after(&[0xff, 0xff, 0xff, 0x7f]);
+    assert!(err.contains("limit"), "{err}");
+    // Three bytes of a length, then silence: the handshake's timeout ends the wait.
+    let err = accept_after(&[40, 0, 0]);
+    assert!(err.contains("timed out"), "{err}");
+}
