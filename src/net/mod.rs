@@ -933,3 +933,148 @@ fn recv_error(e: Error) -> RecvTimeoutError {
         e => RecvTimeoutError::Io(e.to_string()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::HostTensor;
+
+    type Msg = (String, HostTensor<u8>);
+
+    fn hello<T>(version: u32) -> Hello {
+        Hello {
+            magic: MAGIC,
+            version,
+            message: std::any::type_name::<T>().to_string(),
+            host: host_identity(),
+            network_only: true,
+        }
+    }
+
+    /// A receiver whose peer is a raw socket that did the handshake by hand.
+    fn forged_peer(options: RemoteOptions) -> (TcpStream, RemoteReceiver<Msg>) {
+        let listener = RemoteListener::<Msg>::bind_with("127.0.0.1:0", options.network_only(true)).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let peer = std::thread::spawn(move || {
+            let s = TcpStream::connect(addr).unwrap();
+            write_handshake(&s, &hello::<Msg>(REMOTE_PROTOCOL_VERSION), Duration::from_secs(5)).unwrap();
+            assert!(matches!(read_handshake::<Welcome>(&s, Duration::from_secs(5)).unwrap(), Welcome::Network));
+            s
+        });
+        let rx = listener.accept().unwrap();
+        (peer.join().unwrap(), rx)
+    }
+
+    fn payload(value: &Msg) -> Vec<u8> {
+        codec::encode(|| postcard::to_extend(value, vec![0u8; 4])).0.unwrap()
+    }
+
+    /// What the receiver says after the peer wrote `bytes` and closed its side, then next.
+    fn after(bytes: Vec<u8>, options: RemoteOptions) -> (String, String) {
+        let (mut peer, rx) = forged_peer(options);
+        std::io::Write::write_all(&mut peer, &bytes).unwrap();
+        peer.shutdown(std::net::Shutdown::Write).unwrap();
+        let first = rx.recv_timeout(Duration::from_secs(10)).unwrap_err().to_string();
+        let second = rx.recv_timeout(Duration::from_secs(10)).unwrap_err().to_string();
+        (first, second)
+    }
+
+    fn small() -> Msg {
+        ("x".into(), HostTensor::<u8>::from_vec(&[4], vec![1, 2, 3, 4]).unwrap())
+    }
+
+    #[test]
+    fn a_well_formed_forged_message_is_received() {
+        let (mut peer, rx) = forged_peer(RemoteOptions::default());
+        let mut bytes = frame(payload(&small()), KIND_MESSAGE, 1, 4);
+        bytes.extend_from_slice(&[9, 8, 7, 6]);
+        std::io::Write::write_all(&mut peer, &bytes).unwrap();
+        let (name, t) = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert_eq!((name.as_str(), t.to_vec()), ("x", vec![9, 8, 7, 6]));
+    }
+
+    #[test]
+    fn forged_frames_are_malformed_and_close_the_connection() {
+        let options = || RemoteOptions::default().max_frame_bytes(1 << 10).max_host_bytes(1 << 20);
+        let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+            ("over the frame limit", vec![0xff, 0xff, 0, 0], "limit"),
+            ("shorter than its trailer", vec![3, 0, 0, 0, 1, 2, 3], "trailer"),
+            ("unknown kind", frame(vec![0; 4], 9, 0, 0), "unknown frame kind"),
+            ("undecodable payload", frame(vec![0, 0, 0, 0, 0xff, 0xff, 0xff], KIND_MESSAGE, 0, 0), "undecodable"),
+            ("transfers miscounted", frame(payload(&small()), KIND_MESSAGE, 3, 4), "announces 3 tensors"),
+            ("host bytes miscounted", frame(payload(&small()), KIND_MESSAGE, 1, 9), "announces 9 host bytes"),
+            ("host bytes over the limit", frame(payload(&small()), KIND_MESSAGE, 1, 1 << 40), "limit"),
+            ("a set-up of the wrong size", frame(vec![0; 4 + 5], KIND_SETUP, 0, 0), "not 128"),
+            ("a frame cut short", vec![100, 0, 0, 0, 1, 2], "ended inside a frame"),
+            ("host bytes cut short", frame(payload(&small()), KIND_MESSAGE, 1, 4), "mid-message"),
+        ];
+        for (what, bytes, expect) in cases {
+            let (first, second) = after(bytes, options());
+            assert!(first.contains(expect), "{what}: {first}");
+            assert!(second.contains("disconnected"), "{what}, then: {second}");
+        }
+    }
+
+    #[test]
+    fn a_huge_tensor_shape_is_refused_before_any_allocation() {
+        let (mut peer, rx) = forged_peer(RemoteOptions::default().max_host_bytes(1 << 20));
+        // A shape of 2^40 bytes, announced honestly: over the message's budget.
+        let shape_only = ("x".to_string(), RemoteTensorForTest { dtype: crate::DType::U8.tag(), shape: vec![1 << 40] });
+        let bytes = frame(postcard::to_extend(&shape_only, vec![0u8; 4]).unwrap(), KIND_MESSAGE, 1, 1 << 20);
+        std::io::Write::write_all(&mut peer, &bytes).unwrap();
+        let err = rx.recv_timeout(Duration::from_secs(10)).unwrap_err().to_string();
+        assert!(err.contains("more than the message may still claim"), "{err}");
+    }
+
+    /// The wire form of a remote tensor, written by hand.
+    #[derive(Serialize)]
+    struct RemoteTensorForTest {
+        dtype: u8,
+        shape: Vec<usize>,
+    }
+
+    #[test]
+    fn another_protocol_version_is_refused_on_both_ends() {
+        let listener = RemoteListener::<u8>::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let peer = std::thread::spawn(move || {
+            let s = TcpStream::connect(addr).unwrap();
+            write_handshake(&s, &hello::<u8>(REMOTE_PROTOCOL_VERSION + 1), Duration::from_secs(5)).unwrap();
+            match read_handshake::<Welcome>(&s, Duration::from_secs(5)).unwrap() {
+                Welcome::Refused(why) => why,
+                _ => panic!("not refused"),
+            }
+        });
+        let err = listener.accept().unwrap_err().to_string();
+        assert!(err.contains("protocol version 1 here, 2 at the sender"), "{err}");
+        assert!(peer.join().unwrap().contains("protocol version"));
+    }
+
+    #[test]
+    fn a_sender_that_dies_mid_message_does_not_hang_the_receiver() {
+        let (mut peer, rx) = forged_peer(RemoteOptions::default().transfer_timeout(Duration::from_secs(30)));
+        let value = ("x".to_string(), HostTensor::<u8>::zeros(&[1 << 20]).unwrap());
+        let mut bytes = frame(payload(&value), KIND_MESSAGE, 1, 1 << 20);
+        bytes.extend_from_slice(&[0; 1000]);
+        std::io::Write::write_all(&mut peer, &bytes).unwrap();
+        let start = Instant::now();
+        let killer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            drop(peer);
+        });
+        let err = rx.recv().unwrap_err().to_string();
+        killer.join().unwrap();
+        assert!(err.contains("mid-message"), "{err}");
+        assert!(start.elapsed() < Duration::from_secs(10));
+    }
+
+    #[test]
+    fn a_transfer_that_stalls_times_out() {
+        let (mut peer, rx) = forged_peer(RemoteOptions::default().transfer_timeout(Duration::from_millis(200)));
+        let bytes = frame(payload(&small()), KIND_MESSAGE, 1, 4);
+        std::io::Write::write_all(&mut peer, &bytes).unwrap();
+        let err = rx.recv().unwrap_err().to_string();
+        assert!(err.contains("did not arrive within"), "{err}");
+        drop(peer);
+    }
+}
