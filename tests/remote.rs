@@ -207,3 +207,14 @@ fn garbage_and_oversized_handshakes_are_refused_without_a_panic() {
     let err = accept_after(&[40, 0, 0]);
     assert!(err.contains("timed out"), "{err}");
 }
+
+fn load_nccl(_: ()) -> Result<(String, i32), String> {
+    cuda_mp::nccl_library().map_err(|e| e.to_string())
+}
+
+#[test]
+fn a_missing_nccl_is_an_error_naming_the_file_looked_for() {
+    let child = cuda_mp::Builder::new().env("CUDA_MP_NCCL_LIBRARY", "/nonexistent/libnccl.so.2").spawn((), load_nccl);
+    let err = child.join().unwrap().unwrap_err();
+    assert!(err.contains("/nonexistent/libnccl.so.2") && err.contains("CUDA_MP_NCCL_LIBRARY"), "{err}");
+}

@@ -29,7 +29,8 @@ use super::device::Device;
 use super::driver::DeviceRange;
 use crate::error::{Error, Result};
 
-/// Where the library is looked for, in order (after `CUDA_MP_NCCL_LIBRARY`, when set).
+/// Where the library is looked for, in order, unless `CUDA_MP_NCCL_LIBRARY` names the one file
+/// to load.
 const LIBRARY_NAMES: [&str; 2] = ["libnccl.so.2", "libnccl.so"];
 
 /// The environment variable naming the library file to load instead.
@@ -77,8 +78,11 @@ fn nccl() -> Result<&'static Nccl> {
 }
 
 fn load() -> std::result::Result<Nccl, String> {
-    let mut names: Vec<String> = std::env::var(LIBRARY_VARIABLE).into_iter().filter(|n| !n.is_empty()).collect();
-    names.extend(LIBRARY_NAMES.iter().map(|n| n.to_string()));
+    // A library named by the user is the only one tried: no silent fallback to another NCCL.
+    let names: Vec<String> = match std::env::var(LIBRARY_VARIABLE) {
+        Ok(name) if !name.is_empty() => vec![name],
+        _ => LIBRARY_NAMES.iter().map(|n| n.to_string()).collect(),
+    };
     let mut tried = Vec::new();
     for name in &names {
         // SAFETY: loading runs the library's initializers; NCCL's only set up its own state.
@@ -88,7 +92,7 @@ fn load() -> std::result::Result<Nccl, String> {
         }
     }
     Err(format!(
-        "NCCL is not installed here: looked for {} (set {LIBRARY_VARIABLE} to the library's path)",
+        "NCCL cannot be loaded: looked for {} (set {LIBRARY_VARIABLE} to the library's path)",
         tried.join(", ")
     ))
 }

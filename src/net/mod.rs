@@ -49,7 +49,7 @@ const KIND_SETUP: u8 = 1;
 /// let rx = listener.accept().unwrap();
 /// assert_eq!(tx.route(), cuda_mp::Route::SameHost); // both ends on this machine
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Route {
     /// Both ends are on one host: an ordinary cuda-mp channel. Tensors are shared (CUDA IPC,
     /// shared memory), never copied.
