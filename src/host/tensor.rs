@@ -356,6 +356,18 @@ impl<T: Element> Tensor<T, HostStorage> {
     }
 }
 
+/// The bytes of the view `layout` (of `dtype` elements) over `storage`, packed in row-major
+/// order: how a strided host view leaves for another host.
+pub(crate) fn gather_bytes(
+    storage: &HostStorage,
+    layout: &crate::layout::Layout,
+    dtype: crate::dtype::DType,
+) -> Vec<u8> {
+    let size = dtype.size();
+    let numel = layout.numel();
+    Shared::new(storage).read_runs::<u8>(layout.indices().map(|i| i * size), size, numel * size)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -577,12 +589,4 @@ mod tests {
             });
         });
     }
-}
-
-/// The bytes of the view `layout` (of `dtype` elements) over `storage`, packed in row-major
-/// order: how a strided host view leaves for another host.
-pub(crate) fn gather_bytes(storage: &HostStorage, layout: &crate::layout::Layout, dtype: crate::dtype::DType) -> Vec<u8> {
-    let size = dtype.size();
-    let numel = layout.numel();
-    Shared::new(storage).read_runs::<u8>(layout.indices().map(|i| i * size), size, numel * size)
 }

@@ -229,10 +229,8 @@ fn decode_remote<S: Shared>(wire: RemoteTensor, expected: Option<DType>) -> Resu
         return Err(Error::DTypeMismatch { expected, found: dtype });
     }
     let layout = Layout::contiguous(&wire.shape)?;
-    let bytes = layout
-        .numel()
-        .checked_mul(dtype.size())
-        .ok_or_else(|| Error::Malformed("tensor size overflows".into()))?;
+    let bytes =
+        layout.numel().checked_mul(dtype.size()).ok_or_else(|| Error::Malformed("tensor size overflows".into()))?;
     let storage: Arc<S> = if std::any::TypeId::of::<S>() == std::any::TypeId::of::<HostStorage>() {
         downcast::<S, HostStorage>(receive_host(bytes)?)
     } else if std::any::TypeId::of::<S>() == std::any::TypeId::of::<GpuStorage>() {

@@ -163,7 +163,9 @@ fn host_identity() -> HostIdentity {
     let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default().trim().to_string();
     let namespaces = ["ipc", "mnt"]
         .iter()
-        .map(|ns| std::fs::read_link(format!("/proc/self/ns/{ns}")).map(|p| p.display().to_string()).unwrap_or_default())
+        .map(|ns| {
+            std::fs::read_link(format!("/proc/self/ns/{ns}")).map(|p| p.display().to_string()).unwrap_or_default()
+        })
         .collect();
     HostIdentity { boot_id, namespaces }
 }
@@ -285,7 +287,10 @@ impl FrameReader {
             };
             self.body.truncate(start + n);
             if n == 0 {
-                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, format!("the stream ended inside a frame of {len} bytes")));
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!("the stream ended inside a frame of {len} bytes"),
+                ));
             }
         }
         self.prefix_filled = 0;
@@ -613,9 +618,17 @@ impl NetSender {
                 }
             }
         }
-        let host_bytes: u64 = outgoing.iter().filter(|o| !matches!(o, Outgoing::Gpu { .. })).map(|o| o.len() as u64).sum();
+        let host_bytes: u64 =
+            outgoing.iter().filter(|o| !matches!(o, Outgoing::Gpu { .. })).map(|o| o.len() as u64).sum();
         let message = frame(bytes, KIND_MESSAGE, outgoing.len() as u32, host_bytes);
-        let result = self.transmit(message, &outgoing, device);
+        // The communicator's identity, made before anything is written: without NCCL the send
+        // fails and the connection stays open for messages without GPU tensors.
+        let needs_comm = outgoing.iter().any(|o| matches!(o, Outgoing::Gpu { len, .. } if *len > 0));
+        let setup = match (needs_comm, &self.comm, device) {
+            (true, None, Some(device)) => Some((UniqueId::new().map_err(|e| SendFailure::Io(e.to_string()))?, device)),
+            _ => None,
+        };
+        let result = self.transmit(message, &outgoing, setup);
         if result.is_err() {
             self.close();
         }
@@ -626,7 +639,7 @@ impl NetSender {
         &mut self,
         message: Vec<u8>,
         outgoing: &[Outgoing],
-        device: Option<std::sync::Arc<Device>>,
+        setup: Option<(UniqueId, std::sync::Arc<Device>)>,
     ) -> std::result::Result<(), SendFailure> {
         let timeout = self.options.transfer_timeout;
         let deadline = Instant::now() + timeout;
@@ -643,15 +656,13 @@ impl NetSender {
             })
             .collect();
         let needs_comm = gpu.iter().any(|g| g.2 > 0);
-        if needs_comm && self.comm.is_none() {
-            let device = device.expect("a GPU transfer has a device");
-            let id = UniqueId::new().map_err(|e| SendFailure::Io(e.to_string()))?;
+        if let Some((id, device)) = setup {
             let mut payload = vec![0u8; 4];
             payload.extend_from_slice(&id.0);
             sys::write_all(&self.stream, &frame(payload, KIND_SETUP, 0, 0), deadline).map_err(failed)?;
             let stream = &self.stream;
             let comm = Communicator::join(&device, &id, 0, deadline, &mut || !sys::peer_closed(stream))
-                .map_err(|e| send_failure(e))?;
+                .map_err(send_failure)?;
             self.comm = Some(comm);
         }
         sys::write_all(&self.stream, &message, deadline).map_err(failed)?;
@@ -894,7 +905,9 @@ impl NetReceiver {
         for arrival in &incoming {
             if let Incoming::Host(storage, len) = arrival {
                 sys::read_host(&self.stream, storage, *len, deadline).map_err(|e| match e.kind() {
-                    io::ErrorKind::TimedOut => RecvTimeoutError::Io(format!("a host tensor did not arrive within {timeout:?}")),
+                    io::ErrorKind::TimedOut => {
+                        RecvTimeoutError::Io(format!("a host tensor did not arrive within {timeout:?}"))
+                    }
                     io::ErrorKind::UnexpectedEof => RecvTimeoutError::Malformed(e.to_string()),
                     _ => RecvTimeoutError::Io(e.to_string()),
                 })?;

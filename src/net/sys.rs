@@ -119,11 +119,11 @@ pub(super) fn read_host(socket: &impl AsRawFd, storage: &HostStorage, len: usize
         wait(fd, libc::POLLIN, deadline)?;
         // SAFETY: `done..len` lies inside the mapping (checked above), which lives while
         // `storage` is borrowed; the kernel writes it, no Rust reference to it is made.
-        let n = unsafe {
-            libc::recv(fd, storage.base_ptr().add(done).cast(), len - done, libc::MSG_DONTWAIT)
-        };
+        let n = unsafe { libc::recv(fd, storage.base_ptr().add(done).cast(), len - done, libc::MSG_DONTWAIT) };
         match n {
-            0 => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the connection mid-message")),
+            0 => {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the connection mid-message"))
+            }
             n if n > 0 => done += n as usize,
             _ => {
                 let e = io::Error::last_os_error();
