@@ -85,15 +85,15 @@ pub use error::{
     SendFailure, SendTimeoutError, TryRecvError, TrySendError,
 };
 pub use gpu::{
-    cuda_available, torch_ipc_stats, Bundle, BundleBuilder, BundleEntry, Device, GpuMemoryKind, GpuStorage, GpuTensor,
-    IpcPayload, TorchIpcHandle, TorchIpcStats, DEFAULT_CHUNK_BYTES, VMM_MIN_BYTES, nccl_library,
+    cuda_available, nccl_library, torch_ipc_stats, Bundle, BundleBuilder, BundleEntry, Device, GpuMemoryKind,
+    GpuStorage, GpuTensor, IpcPayload, TorchIpcHandle, TorchIpcStats, DEFAULT_CHUNK_BYTES, VMM_MIN_BYTES,
 };
 pub use half::{bf16, f16};
 pub use host::{HostStorage, HostTensor};
 pub use layout::{Layout, MAX_DIMS};
-pub use net::{RemoteListener, RemoteOptions, RemoteReceiver, RemoteSender, Route, REMOTE_PROTOCOL_VERSION};
 pub use lifetime::{lifetime_stats, wait_for_lifetime, LifetimeStats, StorageId};
 pub use ndarray;
+pub use net::{RemoteListener, RemoteOptions, RemoteReceiver, RemoteSender, Route, REMOTE_PROTOCOL_VERSION};
 pub use pool::{AsyncResult, Imap, ImapUnordered, Pool, PoolBuilder};
 pub use process::{init, spawn, spawn_n, Builder, JoinHandle};
 pub use queue::{GetError, GetTimeoutError, Queue, QueueConsumer, QueueStats, TryGetError};

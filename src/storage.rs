@@ -17,8 +17,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
-use crate::net;
 use crate::lifetime::{self, AnyStorage, CacheTicket, Cover, Lease, LeaseMode, LiveStorage, LocalStorage, StorageId};
+use crate::net;
 use crate::profile::{self, Phase};
 use crate::tensor::{DynTensor, Tensor, TensorWire};
 use crate::wire;

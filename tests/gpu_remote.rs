@@ -40,7 +40,8 @@ fn weights(dev: &Arc<Device>, step: u32) -> Weights {
     let n = 1 << 20;
     let dense = GpuTensor::<f32>::from_vec(dev, &[n], (0..n).map(|i| (i as u32 ^ step) as f32).collect()).unwrap();
     let half = GpuTensor::<bf16>::full(dev, &[3, 1000], bf16::from_f32(step as f32)).unwrap();
-    let base = GpuTensor::<f32>::from_vec(dev, &[64, 32], (0..2048).map(|i| (i + step as usize) as f32).collect()).unwrap();
+    let base =
+        GpuTensor::<f32>::from_vec(dev, &[64, 32], (0..2048).map(|i| (i + step as usize) as f32).collect()).unwrap();
     let strided = base.transpose(0, 1).unwrap();
     let empty = GpuTensor::<f32>::zeros(dev, &[0, 7]).unwrap();
     Weights { step, dense, half, strided, empty }
@@ -147,7 +148,8 @@ fn gpu_tensors_cross_on_nccls_network_transport() {
 fn receive_bundle((addr_tx, report): (Sender<String>, Sender<Result<Vec<f32>, String>>)) {
     let run = || -> Result<Vec<f32>, String> {
         let options = RemoteOptions::default().device(1).network_only(true);
-        let listener = RemoteListener::<cuda_mp::Bundle>::bind_with("127.0.0.1:0", options).map_err(|e| e.to_string())?;
+        let listener =
+            RemoteListener::<cuda_mp::Bundle>::bind_with("127.0.0.1:0", options).map_err(|e| e.to_string())?;
         addr_tx.send(listener.local_addr().map_err(|e| e.to_string())?.to_string()).map_err(|e| e.to_string())?;
         let rx = listener.accept().map_err(|e| e.to_string())?;
         let b = rx.recv().map_err(|e| e.to_string())?;
@@ -172,8 +174,12 @@ fn a_bundle_crosses_whole_with_its_table() {
     let (report_tx, report_rx) = channel().unwrap();
     let child = spawn((addr_tx, report_tx), receive_bundle);
     let addr = addr_rx.recv_timeout(Duration::from_secs(60)).unwrap();
-    let bundle =
-        BundleBuilder::new().add::<f32>("a", &[100]).add::<f32>("b", &[3, 5]).add::<f32>("c", &[1]).build(&gpu0).unwrap();
+    let bundle = BundleBuilder::new()
+        .add::<f32>("a", &[100])
+        .add::<f32>("b", &[3, 5])
+        .add::<f32>("c", &[1])
+        .build(&gpu0)
+        .unwrap();
     for (i, name) in ["a", "b", "c"].iter().enumerate() {
         bundle.get::<f32>(name).unwrap().fill(i as f32 + 0.5).unwrap();
     }

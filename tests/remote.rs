@@ -182,9 +182,11 @@ fn the_listener_refuses_other_message_types_and_goes_on() {
 
 /// Writes `bytes` to a fresh connection on `listener` and returns what `accept` says.
 fn accept_after(bytes: &'static [u8]) -> String {
-    let listener =
-        RemoteListener::<u32>::bind_with("127.0.0.1:0", RemoteOptions::default().handshake_timeout(Duration::from_secs(2)))
-            .unwrap();
+    let listener = RemoteListener::<u32>::bind_with(
+        "127.0.0.1:0",
+        RemoteOptions::default().handshake_timeout(Duration::from_secs(2)),
+    )
+    .unwrap();
     let addr = listener.local_addr().unwrap();
     let peer = thread::spawn(move || {
         let mut s = TcpStream::connect(addr).unwrap();

@@ -46,8 +46,7 @@ const MAX_CALL_BYTES: usize = 1 << 30;
 
 type GetVersion = unsafe extern "C" fn(*mut c_int) -> c_int;
 type GetUniqueId = unsafe extern "C" fn(*mut ncclUniqueId) -> c_int;
-type CommInitRankConfig =
-    unsafe extern "C" fn(*mut ncclComm_t, c_int, ncclUniqueId, c_int, *mut ncclConfig_t) -> c_int;
+type CommInitRankConfig = unsafe extern "C" fn(*mut ncclComm_t, c_int, ncclUniqueId, c_int, *mut ncclConfig_t) -> c_int;
 type CommGetAsyncError = unsafe extern "C" fn(ncclComm_t, *mut c_int) -> c_int;
 type CommOp = unsafe extern "C" fn(ncclComm_t) -> c_int;
 type PointToPoint = unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, ncclComm_t, *mut c_void) -> c_int;
@@ -380,7 +379,6 @@ impl Communicator {
         }
         Ok(())
     }
-
 }
 
 impl Drop for Communicator {
