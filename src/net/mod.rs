@@ -927,7 +927,12 @@ impl NetReceiver {
                 .comm
                 .as_mut()
                 .ok_or_else(|| RecvTimeoutError::Malformed("GPU tensors arrived before the NCCL set-up".into()))?;
-            comm.transfer(false, &ranges, deadline, &mut || !sys::peer_closed(stream)).map_err(recv_error)?;
+            if let Err(e) = comm.transfer(false, &ranges, deadline, &mut || !sys::peer_closed(stream)) {
+                // Abort before the fresh memory is freed: freeing waits for the stream, where
+                // the receive may still be waiting for a peer that is gone.
+                self.close();
+                return Err(recv_error(e));
+            }
         }
         Ok(value)
     }
