@@ -94,7 +94,7 @@ pub use lifetime::{lifetime_stats, wait_for_lifetime, LifetimeStats, StorageId};
 pub use ndarray;
 pub use pool::{AsyncResult, Imap, ImapUnordered, Pool, PoolBuilder};
 pub use process::{init, spawn, spawn_n, Builder, JoinHandle};
-pub use queue::{GetError, GetTimeoutError, Queue, QueueConsumer, QueueStats, TryGetError};
+pub use queue::{GetError, GetTimeoutError, Queue, QueueConsumer, QueueStats, TryGetError, QUEUE_PREFETCH};
 pub use sync::{
     Barrier, BarrierError, BarrierWaitResult, Event, Lock, LockError, LockGuard, Semaphore, SemaphoreGuard,
 };
