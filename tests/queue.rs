@@ -1,7 +1,8 @@
 //! One queue, many producers and consumers in many processes: each message delivered once, a
-//! killed consumer losing nothing it had not received and releasing what it held, per-producer
-//! order, timeouts, closing, consumers joining and leaving, and the queue's end with its
-//! creator.
+//! killed consumer losing nothing it had not received and releasing what it held, messages
+//! prefetched by a consumer that leaves or is killed going to another, per-producer order,
+//! timeouts, closing, consumers joining and leaving, fairness among waiting consumers, and the
+//! queue's end with its creator.
 
 use std::collections::BTreeSet;
 use std::sync::Mutex;
@@ -358,4 +359,147 @@ fn the_queue_ends_when_its_creator_exits() {
             true
         }
     });
+}
+
+#[test]
+fn a_dropped_consumer_gives_back_what_it_prefetched_in_order() {
+    let queue = Queue::<u32>::new().unwrap();
+    let watcher = queue.consumer();
+    for i in 0..10 {
+        queue.put(i).unwrap();
+    }
+    let a = queue.consumer().with_prefetch(3);
+    assert_eq!(a.get(), Ok(0));
+    // Three asked for ahead of the next get and sent; the counters' answer comes after them,
+    // so reading it takes them off the channel into the handle.
+    let s = a.stats().unwrap();
+    assert_eq!((s.backlog, s.in_flight, s.delivered), (6, 3, 1), "{s:?}");
+    drop(a);
+    wait_until("the dropped consumer's messages are back", || {
+        let s = watcher.stats().unwrap();
+        (s.backlog, s.in_flight, s.requeued) == (9, 0, 3)
+    });
+    drop(queue);
+    let b = watcher.clone();
+    assert_eq!(b.iter().collect::<Vec<_>>(), (1..10).collect::<Vec<_>>(), "each once, in the order put");
+    let s = watcher.stats().unwrap();
+    assert_eq!((s.delivered, s.requeued, s.in_flight, s.closed), (10, 3, 0, true), "{s:?}");
+}
+
+/// Gets one tensor and reports it, then waits to be killed with the messages it asked for
+/// ahead still unread in its channel.
+fn get_one_and_stop((queue, report): (QueueConsumer<HostTensor<u8>>, Sender<u32>)) {
+    let t = queue.get().unwrap();
+    report.send(index_of(&t)).unwrap();
+    loop {
+        std::thread::park();
+    }
+}
+
+#[test]
+fn a_killed_consumer_loses_none_of_the_messages_it_prefetched() {
+    const M: u32 = 100;
+    let _g = serial();
+    let before = lifetime_stats();
+    let queue = Queue::<HostTensor<u8>>::new().unwrap();
+    let watcher = queue.consumer();
+    for i in 0..M {
+        queue.put(HostTensor::from_vec(&[BYTES], pattern(i)).unwrap()).unwrap();
+    }
+    let (tx, rx) = channel().unwrap();
+    let mut victim = spawn((queue.consumer().with_prefetch(4), tx), get_one_and_stop);
+    assert_eq!(rx.recv_timeout(WAIT).unwrap(), 0);
+    wait_until("four messages are prefetched", || {
+        let s = watcher.stats().unwrap();
+        (s.delivered, s.in_flight, s.backlog) == (1, 4, M as usize - 5)
+    });
+    victim.kill().unwrap();
+    wait_until("the killed consumer's messages are back", || watcher.stats().unwrap().requeued == 4);
+    drop(queue);
+    let got: Vec<u32> = watcher.iter().map(|t| index_of(&t)).collect();
+    assert_eq!(got, (1..M).collect::<Vec<_>>(), "each once, in the order put");
+    let s = watcher.stats().unwrap();
+    assert_eq!((s.delivered, s.requeued, s.in_flight, s.closed), (M as u64, 4, 0, true), "{s:?}");
+    drop(watcher);
+    wait_for_lifetime(WAIT, |s| {
+        s.live_storages == before.live_storages
+            && s.exported_storages == before.exported_storages
+            && s.outstanding_leases == before.outstanding_leases
+    })
+    .unwrap_or_else(|_| panic!("storages or leases left: {:?} (before {before:?})", lifetime_stats()));
+}
+
+#[test]
+fn a_waiting_consumer_is_served_before_another_gets_one_more_ahead() {
+    let queue = Queue::<u32>::new().unwrap();
+    let watcher = queue.consumer();
+    let a = queue.consumer().with_prefetch(2);
+    queue.put(0).unwrap();
+    assert_eq!(a.get(), Ok(0));
+    // `a` still asks for two ahead of its next get, and is first in line: it gets this one.
+    queue.put(1).unwrap();
+    wait_until("a has one prefetched", || watcher.stats().unwrap().in_flight == 1);
+    let b = queue.consumer().with_prefetch(2);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiting = std::thread::spawn(move || {
+        tx.send(b.get()).unwrap();
+        b
+    });
+    wait_until("b waits", || watcher.stats().unwrap().waiting == 1);
+    // `a` wants one more and is ahead in line, but holds one already: `b`, with none, goes
+    // first.
+    queue.put(2).unwrap();
+    assert_eq!(rx.recv_timeout(WAIT).expect("b is served"), Ok(2));
+    assert_eq!(a.get(), Ok(1));
+    let b = waiting.join().unwrap();
+    drop(queue);
+    assert_eq!(a.get(), Err(GetError::Disconnected));
+    assert_eq!(b.get(), Err(GetError::Disconnected));
+}
+
+#[test]
+fn one_consumer_gets_in_put_order_whichever_way_it_gets() {
+    const M: u32 = 3000;
+    let queue = Queue::<u32>::new().unwrap();
+    let consumer = queue.consumer().with_prefetch(4);
+    let producer = std::thread::spawn(move || {
+        for i in 0..M {
+            queue.put(i).unwrap();
+            if i % 100 == 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    });
+    let mut got = Vec::new();
+    for k in 0u32.. {
+        if k % 50 == 0 {
+            consumer.stats().unwrap();
+        }
+        let next = match k % 3 {
+            0 => consumer.get(),
+            1 => match consumer.try_get() {
+                Err(TryGetError::Empty) => continue,
+                other => other.map_err(|e| match e {
+                    TryGetError::Disconnected => GetError::Disconnected,
+                    e => panic!("{e}"),
+                }),
+            },
+            _ => match consumer.get_timeout(Duration::from_micros(200)) {
+                Err(GetTimeoutError::Timeout) => continue,
+                other => other.map_err(|e| match e {
+                    GetTimeoutError::Disconnected => GetError::Disconnected,
+                    e => panic!("{e}"),
+                }),
+            },
+        };
+        match next {
+            Ok(i) => got.push(i),
+            Err(GetError::Disconnected) => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    producer.join().unwrap();
+    assert!(got.iter().copied().eq(0..M), "each once, in order");
+    let s = consumer.stats().unwrap();
+    assert_eq!((s.delivered, s.requeued, s.in_flight, s.waiting), (M as u64, 0, 0, 0), "{s:?}");
 }
