@@ -96,7 +96,7 @@ pub use ndarray;
 pub use net::{RemoteListener, RemoteOptions, RemoteReceiver, RemoteSender, Route, REMOTE_PROTOCOL_VERSION};
 pub use pool::{AsyncResult, Imap, ImapUnordered, Pool, PoolBuilder};
 pub use process::{init, spawn, spawn_n, Builder, JoinHandle};
-pub use queue::{GetError, GetTimeoutError, Queue, QueueConsumer, QueueStats, TryGetError};
+pub use queue::{GetError, GetTimeoutError, Queue, QueueConsumer, QueueStats, TryGetError, QUEUE_PREFETCH};
 pub use sync::{
     Barrier, BarrierError, BarrierWaitResult, Event, Lock, LockError, LockGuard, Semaphore, SemaphoreGuard,
 };

@@ -1,7 +1,8 @@
 //! One queue, many producers and consumers in many processes: each message delivered once, a
-//! killed consumer losing nothing it had not received and releasing what it held, per-producer
-//! order, timeouts, closing, consumers joining and leaving, and the queue's end with its
-//! creator.
+//! killed consumer losing nothing it had not received and releasing what it held, messages
+//! prefetched by a consumer that leaves or is killed going to another, per-producer order,
+//! timeouts, closing, consumers joining and leaving, fairness among waiting consumers, and the
+//! queue's end with its creator.
 
 use std::collections::BTreeSet;
 use std::sync::Mutex;
@@ -64,6 +65,19 @@ fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
+/// Waits until every thread of process `pid` is stopped: a stop signal is taken by one thread,
+/// which stops the others, and until then they run on.
+fn wait_stopped(pid: u32) {
+    wait_until("the process is stopped", || {
+        std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().all(|task| {
+            let stat = task.map(|t| std::fs::read_to_string(t.path().join("stat"))).ok().and_then(|r| r.ok());
+            // The state follows the command name, which is in parentheses.
+            stat.and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with(['T', 't'])))
+                .unwrap_or(false)
+        })
+    });
+}
+
 /// Gets until the queue is closed, reporting each index; the holder keeps every tensor it got.
 fn consume((rank, queue, report, hold): (usize, QueueConsumer<HostTensor<u8>>, Sender<(usize, u32)>, bool)) -> usize {
     let mut held = Vec::new();
@@ -115,9 +129,13 @@ fn four_consumers_drain_ten_thousand_tensors_and_a_killed_one_loses_nothing() {
         let s = watcher.stats().unwrap();
         s.waiting == 4 && s.backlog == 0 && s.in_flight == 0
     });
+    // Waiting in a get, each consumer has asked for its prefetch (at least one message): the
+    // stopped one will be sent that many.
+    let ahead = watcher.prefetch().max(1) as u64;
     let victim = consumers[0].pid().unwrap();
     // SAFETY: sends a signal to our own child, which is alive (it is waiting in a get).
     assert_eq!(unsafe { libc::kill(victim as libc::pid_t, libc::SIGSTOP) }, 0);
+    wait_stopped(victim);
     let got_before_stop = seen[0].len();
     assert!(got_before_stop > 0, "consumer 0 took part");
 
@@ -127,7 +145,7 @@ fn four_consumers_drain_ten_thousand_tensors_and_a_killed_one_loses_nothing() {
     reports_until(&report_rx, &mut seen, N as usize * 3 / 4);
     let s = watcher.stats().unwrap();
     assert!(s.in_flight >= 1, "the stopped consumer has a message it has not received: {s:?}");
-    // Killed midway, holding the tensors it received and one message it never read.
+    // Killed midway, holding the tensors it received and messages it never read.
     consumers[0].kill().unwrap();
     drop(queue); // the last producer: the others drain the queue, then stop
     reports_until(&report_rx, &mut seen, N as usize);
@@ -142,7 +160,7 @@ fn four_consumers_drain_ten_thousand_tensors_and_a_killed_one_loses_nothing() {
     assert_eq!(all.len(), N as usize, "no message delivered twice");
     assert!(all.iter().copied().eq(0..N), "every message delivered");
     let s = watcher.stats().unwrap();
-    assert_eq!(s.requeued, 1, "the killed consumer's unread message went to another: {s:?}");
+    assert_eq!(s.requeued, ahead, "the killed consumer's unread messages went to another: {s:?}");
     assert_eq!((s.delivered, s.backlog, s.in_flight, s.closed), (N as u64, 0, 0, true), "{s:?}");
     drop(watcher);
 
@@ -304,7 +322,11 @@ fn consumers_join_and_leave_at_any_time() {
     assert!(got.iter().copied().eq(0..200));
     assert_eq!(queue.try_get(), Err(TryGetError::Empty));
     let s = queue.stats().unwrap();
-    assert_eq!((s.delivered, s.requeued, s.backlog), (200, 0, 0), "{s:?}");
+    assert_eq!((s.delivered, s.backlog), (200, 0), "{s:?}");
+    // Each consumer that left had asked for messages ahead of gets it did not make: those it
+    // was sent (or that could not be sent, as it was gone) went back to the queue.
+    let ahead = queue.consumer().prefetch() as u64;
+    assert!(s.requeued <= 3 * ahead, "{s:?}");
 }
 
 #[test]
@@ -337,4 +359,147 @@ fn the_queue_ends_when_its_creator_exits() {
             true
         }
     });
+}
+
+#[test]
+fn a_dropped_consumer_gives_back_what_it_prefetched_in_order() {
+    let queue = Queue::<u32>::new().unwrap();
+    let watcher = queue.consumer();
+    for i in 0..10 {
+        queue.put(i).unwrap();
+    }
+    let a = queue.consumer().with_prefetch(3);
+    assert_eq!(a.get(), Ok(0));
+    // Three asked for ahead of the next get and sent; the counters' answer comes after them,
+    // so reading it takes them off the channel into the handle.
+    let s = a.stats().unwrap();
+    assert_eq!((s.backlog, s.in_flight, s.delivered), (6, 3, 1), "{s:?}");
+    drop(a);
+    wait_until("the dropped consumer's messages are back", || {
+        let s = watcher.stats().unwrap();
+        (s.backlog, s.in_flight, s.requeued) == (9, 0, 3)
+    });
+    drop(queue);
+    let b = watcher.clone();
+    assert_eq!(b.iter().collect::<Vec<_>>(), (1..10).collect::<Vec<_>>(), "each once, in the order put");
+    let s = watcher.stats().unwrap();
+    assert_eq!((s.delivered, s.requeued, s.in_flight, s.closed), (10, 3, 0, true), "{s:?}");
+}
+
+/// Gets one tensor and reports it, then waits to be killed with the messages it asked for
+/// ahead still unread in its channel.
+fn get_one_and_stop((queue, report): (QueueConsumer<HostTensor<u8>>, Sender<u32>)) {
+    let t = queue.get().unwrap();
+    report.send(index_of(&t)).unwrap();
+    loop {
+        std::thread::park();
+    }
+}
+
+#[test]
+fn a_killed_consumer_loses_none_of_the_messages_it_prefetched() {
+    const M: u32 = 100;
+    let _g = serial();
+    let before = lifetime_stats();
+    let queue = Queue::<HostTensor<u8>>::new().unwrap();
+    let watcher = queue.consumer();
+    for i in 0..M {
+        queue.put(HostTensor::from_vec(&[BYTES], pattern(i)).unwrap()).unwrap();
+    }
+    let (tx, rx) = channel().unwrap();
+    let mut victim = spawn((queue.consumer().with_prefetch(4), tx), get_one_and_stop);
+    assert_eq!(rx.recv_timeout(WAIT).unwrap(), 0);
+    wait_until("four messages are prefetched", || {
+        let s = watcher.stats().unwrap();
+        (s.delivered, s.in_flight, s.backlog) == (1, 4, M as usize - 5)
+    });
+    victim.kill().unwrap();
+    wait_until("the killed consumer's messages are back", || watcher.stats().unwrap().requeued == 4);
+    drop(queue);
+    let got: Vec<u32> = watcher.iter().map(|t| index_of(&t)).collect();
+    assert_eq!(got, (1..M).collect::<Vec<_>>(), "each once, in the order put");
+    let s = watcher.stats().unwrap();
+    assert_eq!((s.delivered, s.requeued, s.in_flight, s.closed), (M as u64, 4, 0, true), "{s:?}");
+    drop(watcher);
+    wait_for_lifetime(WAIT, |s| {
+        s.live_storages == before.live_storages
+            && s.exported_storages == before.exported_storages
+            && s.outstanding_leases == before.outstanding_leases
+    })
+    .unwrap_or_else(|_| panic!("storages or leases left: {:?} (before {before:?})", lifetime_stats()));
+}
+
+#[test]
+fn a_waiting_consumer_is_served_before_another_gets_one_more_ahead() {
+    let queue = Queue::<u32>::new().unwrap();
+    let watcher = queue.consumer();
+    let a = queue.consumer().with_prefetch(2);
+    queue.put(0).unwrap();
+    assert_eq!(a.get(), Ok(0));
+    // `a` still asks for two ahead of its next get, and is first in line: it gets this one.
+    queue.put(1).unwrap();
+    wait_until("a has one prefetched", || watcher.stats().unwrap().in_flight == 1);
+    let b = queue.consumer().with_prefetch(2);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiting = std::thread::spawn(move || {
+        tx.send(b.get()).unwrap();
+        b
+    });
+    wait_until("b waits", || watcher.stats().unwrap().waiting == 1);
+    // `a` wants one more and is ahead in line, but holds one already: `b`, with none, goes
+    // first.
+    queue.put(2).unwrap();
+    assert_eq!(rx.recv_timeout(WAIT).expect("b is served"), Ok(2));
+    assert_eq!(a.get(), Ok(1));
+    let b = waiting.join().unwrap();
+    drop(queue);
+    assert_eq!(a.get(), Err(GetError::Disconnected));
+    assert_eq!(b.get(), Err(GetError::Disconnected));
+}
+
+#[test]
+fn one_consumer_gets_in_put_order_whichever_way_it_gets() {
+    const M: u32 = 3000;
+    let queue = Queue::<u32>::new().unwrap();
+    let consumer = queue.consumer().with_prefetch(4);
+    let producer = std::thread::spawn(move || {
+        for i in 0..M {
+            queue.put(i).unwrap();
+            if i % 100 == 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    });
+    let mut got = Vec::new();
+    for k in 0u32.. {
+        if k % 50 == 0 {
+            consumer.stats().unwrap();
+        }
+        let next = match k % 3 {
+            0 => consumer.get(),
+            1 => match consumer.try_get() {
+                Err(TryGetError::Empty) => continue,
+                other => other.map_err(|e| match e {
+                    TryGetError::Disconnected => GetError::Disconnected,
+                    e => panic!("{e}"),
+                }),
+            },
+            _ => match consumer.get_timeout(Duration::from_micros(200)) {
+                Err(GetTimeoutError::Timeout) => continue,
+                other => other.map_err(|e| match e {
+                    GetTimeoutError::Disconnected => GetError::Disconnected,
+                    e => panic!("{e}"),
+                }),
+            },
+        };
+        match next {
+            Ok(i) => got.push(i),
+            Err(GetError::Disconnected) => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    producer.join().unwrap();
+    assert!(got.iter().copied().eq(0..M), "each once, in order");
+    let s = consumer.stats().unwrap();
+    assert_eq!((s.delivered, s.requeued, s.in_flight, s.waiting), (M as u64, 0, 0, 0), "{s:?}");
 }

@@ -15,19 +15,26 @@ use crate::error::{RecvError, Result, SendFailure};
 
 use super::QueueStats;
 
-/// A consumer's request, on the consumer's own channel to the dispatcher. Every request but
-/// `Got` gets exactly one answer on the consumer's reply channel, in the order asked.
+/// A consumer's request, on the consumer's own channel to the dispatcher. Each message wanted
+/// is answered by one `Item`, until an answer that is not an `Item` (`Closed`, `Failed`,
+/// `Cancelled`) withdraws every message still wanted; every other request but `Got` gets one
+/// answer. Answers to one consumer leave in the order the dispatcher decided them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub(super) enum Ctl {
-    /// One message, whenever there is one (answered `Item`, `Closed` or `Failed`).
-    Want,
+    /// This many more messages, each whenever there is one (answered `Item` each, or `Closed`
+    /// or `Failed` for all that are left).
+    Want(u32),
     /// One message if one is waiting now (answered `Item`, `Empty`, `Closed` or `Failed`).
+    /// While the consumer wants messages the backlog is empty (it would have been served), so
+    /// this is then answered `Empty`, after the `Item`s already sent.
     TryWant,
-    /// Withdraws a `Want` (answered `Cancelled`, after the `Want`'s own answer if it was
-    /// already answered).
+    /// Withdraws every message wanted (answered `Cancelled`, after the `Item`s already sent).
     Cancel,
-    /// The last `Item` arrived and decoded: it is delivered. No answer.
-    Got,
+    /// The oldest `Item` in flight to this consumer arrived, decoded and is being returned: it
+    /// is delivered. Then this many more messages are wanted, as by `Want`. No answer of its
+    /// own. Oldest is right without a sequence number: the reply channel keeps the order in
+    /// which the dispatcher sent, and a consumer returns its messages in the order received.
+    Got(u32),
     /// The queue's counters (answered `Stats`).
     Stats,
 }
@@ -36,17 +43,17 @@ pub(super) enum Ctl {
 #[derive(Serialize, Deserialize)]
 #[serde(bound(serialize = "T: Serialize", deserialize = "T: DeserializeOwned"))]
 pub(super) enum Reply<T> {
-    /// A message; the consumer acknowledges it with `Got` once decoded.
+    /// A message; the consumer acknowledges it with `Got` when its get returns it.
     Item(Slot<T>),
     /// Nothing waiting (for `TryWant`).
     Empty,
     /// Every producer is gone and nothing is left or in flight.
     Closed,
-    /// The `Want` is withdrawn.
+    /// Every message wanted is withdrawn.
     Cancelled,
     /// The counters.
     Stats(QueueStats),
-    /// The dispatcher could not send the message it had for this request.
+    /// The dispatcher could not send the message it had for this consumer.
     Failed(Failure),
 }
 
@@ -110,18 +117,21 @@ pub(super) enum Event<T> {
 type Item<T> = Arc<Mutex<T>>;
 
 struct Consumer<T> {
-    replies: Sender<Reply<T>>,
-    /// Sent, not yet acknowledged.
-    in_flight: Option<Item<T>>,
-    /// Has an unanswered `Want` (is in the waiting line). Answers are sent by the dispatcher
-    /// thread alone, in order, so a `Cancel` finds its `Want` either waiting or answered.
-    waiting: bool,
+    /// `None` once a send to it failed (see `cut_off`): it is sent nothing more.
+    replies: Option<Sender<Reply<T>>>,
+    /// Sent, not yet acknowledged, oldest first (the order of the reply channel).
+    in_flight: VecDeque<Item<T>>,
+    /// Messages wanted and not yet answered; the consumer is in the waiting line while this is
+    /// not zero. Answers are sent by the dispatcher thread alone, in order, so a `Cancel` finds
+    /// each wanted message either still wanted or already sent.
+    wants: u32,
 }
 
 struct Dispatcher<T> {
     backlog: VecDeque<Item<T>>,
     consumers: HashMap<u64, Consumer<T>>,
-    /// Consumers with an unanswered `Want`, first come first served.
+    /// Consumers that want messages, in the order they asked; one served that wants more goes
+    /// to the back (see `serve`).
     waiting: VecDeque<u64>,
     inbox_closed: bool,
     delivered: u64,
@@ -269,7 +279,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
                 self.serve();
             }
             Event::Joined(id, replies) => {
-                self.consumers.insert(id, Consumer { replies, in_flight: None, waiting: false });
+                self.consumers.insert(id, Consumer { replies: Some(replies), in_flight: VecDeque::new(), wants: 0 });
             }
             Event::Request(id, ctl) => self.request(id, ctl),
             Event::Left(id) => {
@@ -281,16 +291,28 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
 
     fn request(&mut self, id: u64, ctl: Ctl) {
         let Some(c) = self.consumers.get_mut(&id) else { return };
-        match ctl {
-            Ctl::Want => {
-                if !c.waiting {
-                    c.waiting = true;
-                    self.waiting.push_back(id);
+        if c.replies.is_none() {
+            // Cut off: only its acknowledgements still count, for messages it did return.
+            if let Ctl::Got(_) = ctl {
+                if c.in_flight.pop_front().is_some() {
+                    self.delivered += 1;
+                    self.serve();
                 }
+            }
+            return;
+        }
+        match ctl {
+            Ctl::Want(n) => {
+                self.want(id, n);
                 self.serve();
             }
             Ctl::TryWant => {
-                if let Some(item) = self.backlog.pop_front() {
+                // While it wants messages the consumer tells this answer from theirs only if it
+                // is not an `Item`. Nothing is lost: a consumer that wants messages has been
+                // sent the backlog's, if any (see `serve`).
+                if c.wants > 0 {
+                    self.answer(id, Reply::Empty);
+                } else if let Some(item) = self.backlog.pop_front() {
                     self.hand(id, item);
                 } else {
                     let reply = if self.drained() { Reply::Closed } else { Reply::Empty };
@@ -298,19 +320,17 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
                 }
             }
             Ctl::Cancel => {
-                if c.waiting {
-                    c.waiting = false;
-                    self.waiting.retain(|&w| w != id);
-                }
+                self.withdraw(id);
                 self.answer(id, Reply::Cancelled);
             }
-            Ctl::Got => {
-                if c.in_flight.take().is_some() {
+            Ctl::Got(n) => {
+                if c.in_flight.pop_front().is_some() {
                     self.delivered += 1;
-                    // The last delivery may be what the waiting consumers wait for to be told
-                    // the queue is closed.
-                    self.serve();
                 }
+                self.want(id, n);
+                // Serves what it wants now; and the last delivery may be what the waiting
+                // consumers wait for to be told the queue is closed.
+                self.serve();
             }
             Ctl::Stats => {
                 let stats = self.stats();
@@ -319,26 +339,70 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
         }
     }
 
+    /// Adds `n` messages to what a consumer wants, putting it in the waiting line.
+    fn want(&mut self, id: u64, n: u32) {
+        let Some(c) = self.consumers.get_mut(&id) else { return };
+        if c.replies.is_none() {
+            return;
+        }
+        if n > 0 && c.wants == 0 {
+            self.waiting.push_back(id);
+        }
+        c.wants = c.wants.saturating_add(n);
+    }
+
+    /// Withdraws every message a consumer wants, taking it out of the waiting line.
+    fn withdraw(&mut self, id: u64) {
+        let Some(c) = self.consumers.get_mut(&id) else { return };
+        if c.wants > 0 {
+            c.wants = 0;
+            self.waiting.retain(|&w| w != id);
+        }
+    }
+
     /// Every producer gone, nothing in the backlog, nothing sent and unacknowledged (which
     /// could come back if its consumer dies).
     fn drained(&self) -> bool {
-        self.inbox_closed && self.backlog.is_empty() && self.consumers.values().all(|c| c.in_flight.is_none())
+        self.inbox_closed && self.backlog.is_empty() && self.consumers.values().all(|c| c.in_flight.is_empty())
     }
 
-    /// Hands backlog messages to waiting consumers, first come first served; once drained,
-    /// tells every waiting consumer the queue is closed.
+    /// The next consumer to serve: of those waiting, the ones with the fewest messages in
+    /// flight, and of them the first in line. A consumer that has nothing gets a message
+    /// before any other gets one more ahead of its gets, so prefetching takes nothing from a
+    /// consumer that waits.
+    fn next_in_line(&self) -> Option<usize> {
+        let mut best: Option<(usize, usize)> = None;
+        for (at, id) in self.waiting.iter().enumerate() {
+            let held = self.consumers.get(id).map_or(0, |c| c.in_flight.len());
+            if best.is_none_or(|(_, fewest)| held < fewest) {
+                best = Some((at, held));
+                if held == 0 {
+                    break;
+                }
+            }
+        }
+        best.map(|(at, _)| at)
+    }
+
+    /// Hands backlog messages to waiting consumers (see `next_in_line`); a consumer served that
+    /// still wants more goes to the back of the line. Once drained, tells every waiting
+    /// consumer the queue is closed. Afterwards the backlog is empty or nobody wants a message.
     fn serve(&mut self) {
         while !self.backlog.is_empty() {
-            let Some(id) = self.waiting.pop_front() else { return };
+            let Some(at) = self.next_in_line() else { return };
+            let Some(id) = self.waiting.remove(at) else { return };
             let Some(c) = self.consumers.get_mut(&id) else { continue };
-            c.waiting = false;
+            c.wants -= 1;
+            if c.wants > 0 {
+                self.waiting.push_back(id);
+            }
             let item = self.backlog.pop_front().expect("backlog checked non-empty");
             self.hand(id, item);
         }
         if self.drained() {
             while let Some(id) = self.waiting.pop_front() {
                 if let Some(c) = self.consumers.get_mut(&id) {
-                    c.waiting = false;
+                    c.wants = 0;
                     self.answer(id, Reply::Closed);
                 }
             }
@@ -346,26 +410,24 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
     }
 
     /// Sends one message to a consumer and keeps it as in flight until acknowledged; a send
-    /// that fails puts it back first in the backlog (or discards it, when it cannot be encoded).
+    /// that fails puts it back first in the backlog (or discards it, when it cannot be encoded)
+    /// and withdraws what the consumer wants.
     fn hand(&mut self, id: u64, item: Item<T>) {
-        let Some(c) = self.consumers.get_mut(&id) else {
+        let Some(replies) = self.consumers.get_mut(&id).and_then(|c| c.replies.as_ref()) else {
             self.backlog.push_front(item);
             return;
         };
-        match c.replies.send(Reply::Item(Slot::Shared(item.clone()))) {
+        match replies.send(Reply::Item(Slot::Shared(item.clone()))) {
             Ok(()) => {
-                // A consumer of this crate acknowledges before it asks again; one that does not
-                // gets its older message put back rather than lost.
-                if let Some(older) = c.in_flight.replace(item) {
-                    self.backlog.push_front(older);
-                    self.requeued += 1;
+                if let Some(c) = self.consumers.get_mut(&id) {
+                    c.in_flight.push_back(item);
                 }
             }
             Err(e) if e.is_disconnected() => {
                 // Its process is gone (or it dropped its handle): another consumer gets it.
                 self.backlog.push_front(item);
                 self.requeued += 1;
-                self.leave(id);
+                self.cut_off(id);
             }
             Err(e) => {
                 let f = failure(e.failure());
@@ -373,42 +435,88 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
                     Failure::Discarded(_) => self.discarded += 1,
                     _ => self.backlog.push_front(item),
                 }
+                // One failure reported once, to the consumer's next get, rather than once for
+                // each message it wants; that get asks again.
+                self.withdraw(id);
                 self.answer(id, Reply::Failed(f));
             }
         }
     }
 
-    /// Sends an answer that is not a message; a consumer that cannot be reached is done with.
+    /// Sends an answer that is not a message; a consumer that cannot be reached is cut off.
     fn answer(&mut self, id: u64, reply: Reply<T>) {
-        let Some(c) = self.consumers.get(&id) else { return };
-        if c.replies.send(reply).is_err() {
-            self.leave(id);
+        let Some(replies) = self.consumers.get(&id).and_then(|c| c.replies.as_ref()) else { return };
+        if replies.send(reply).is_err() {
+            self.cut_off(id);
         }
     }
 
-    /// Forgets a consumer; its unacknowledged message goes back first in the backlog.
+    /// After a failed send: sends the consumer nothing more, and drops the reply channel's
+    /// sending end, so that a consumer still there sees it closed and leaves. What is in flight
+    /// to it stays until its request channel closes (`leave`): requests it wrote before it went
+    /// may still be unread, among them `Got`s for messages it did return, which taken back now
+    /// would be delivered twice.
+    fn cut_off(&mut self, id: u64) {
+        self.withdraw(id);
+        if let Some(c) = self.consumers.get_mut(&id) {
+            c.replies = None;
+        }
+    }
+
+    /// Forgets a consumer; its unacknowledged messages go back first in the backlog, in the
+    /// order they were sent.
     fn leave(&mut self, id: u64) {
         let Some(c) = self.consumers.remove(&id) else { return };
-        if c.waiting {
+        if c.wants > 0 {
             self.waiting.retain(|&w| w != id);
         }
-        if let Some(item) = c.in_flight {
+        self.requeued += c.in_flight.len() as u64;
+        for item in c.in_flight.into_iter().rev() {
             self.backlog.push_front(item);
-            self.requeued += 1;
         }
     }
 
     fn stats(&self) -> QueueStats {
         QueueStats {
             backlog: self.backlog.len(),
-            in_flight: self.consumers.values().filter(|c| c.in_flight.is_some()).count(),
+            in_flight: self.consumers.values().map(|c| c.in_flight.len()).sum(),
             consumers: self.consumers.len(),
-            waiting: self.waiting.len(),
+            waiting: self.consumers.values().filter(|c| c.wants > 0 && c.in_flight.is_empty()).count(),
             closed: self.inbox_closed,
             delivered: self.delivered,
             requeued: self.requeued,
             discarded: self.discarded,
             undecodable: self.undecodable,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A consumer that returned a message and left: the dispatcher fails to send it the next
+    /// one before reading the `Got` it wrote for the one it returned. That message must count
+    /// as delivered, not go back to the backlog.
+    #[test]
+    fn a_failed_send_takes_back_nothing_before_the_consumer_s_requests_are_read() {
+        let mut d = Dispatcher::<u32>::new();
+        let (replies, consumer) = channel::<Reply<u32>>().unwrap();
+        d.handle(Event::Joined(1, replies));
+        for i in 0..4 {
+            d.handle(Event::Put(i));
+        }
+        d.handle(Event::Request(1, Ctl::Want(2)));
+        let first = consumer.recv().unwrap();
+        assert!(matches!(first, Reply::Item(Slot::Owned(0))));
+        // It returns 0 and 1 (its Gots are on their way) and leaves.
+        drop(consumer);
+        d.handle(Event::Request(1, Ctl::Got(1)));
+        // Sending 2 failed: 2 is back, the consumer is sent nothing more.
+        assert_eq!((d.stats().backlog, d.stats().in_flight, d.stats().requeued), (2, 1, 1));
+        d.handle(Event::Request(1, Ctl::Got(1)));
+        d.handle(Event::Left(1));
+        let s = d.stats();
+        assert_eq!((s.delivered, s.requeued, s.backlog, s.in_flight, s.consumers), (2, 1, 2, 0, 0), "{s:?}");
     }
 }
