@@ -233,39 +233,61 @@ fn send_forever(addr: String) {
     }
 }
 
+/// What the receiver of a killed sender saw: its error, how long after its last good message
+/// it came, and whether its GPU still works.
+type Outcome = Result<(String, Duration, bool), String>;
+
+/// Receives on GPU 1 until the sender is gone; says when the first message is in.
+fn receive_until_gone((addr_tx, first_tx, report): (Sender<String>, Sender<()>, Sender<Outcome>)) {
+    let run = || -> Outcome {
+        let options = RemoteOptions::default().device(1).network_only(true).transfer_timeout(Duration::from_secs(60));
+        let listener = RemoteListener::<GpuTensor<u8>>::bind_with("127.0.0.1:0", options).map_err(|e| e.to_string())?;
+        addr_tx.send(listener.local_addr().map_err(|e| e.to_string())?.to_string()).map_err(|e| e.to_string())?;
+        let rx = listener.accept_timeout(Duration::from_secs(60)).map_err(|e| e.to_string())?;
+        let first = rx.recv().map_err(|e| e.to_string())?;
+        if first.numel() != 4 << 30 {
+            return Err("the first message lost bytes".into());
+        }
+        drop(first);
+        first_tx.send(()).map_err(|e| e.to_string())?;
+        let start = Instant::now();
+        let err = loop {
+            match rx.recv() {
+                Ok(_) if start.elapsed() < Duration::from_secs(120) => {}
+                Ok(_) => return Err("the receiver kept receiving from a killed sender".into()),
+                Err(e) => break e.to_string(),
+            }
+        };
+        let took = start.elapsed();
+        if !rx.recv().is_err_and(|e| e.is_disconnected()) {
+            return Err("the connection stayed open after the failure".into());
+        }
+        // The receiving GPU is still usable after the abort.
+        let t = GpuTensor::<f32>::full(&Device::get(1).map_err(|e| e.to_string())?, &[4], 2.0)
+            .map_err(|e| e.to_string())?;
+        Ok((err, took, t.to_vec().map_err(|e| e.to_string())? == vec![2.0; 4]))
+    };
+    report.send(run()).unwrap();
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_sender_killed_mid_transfer_leaves_no_hang() {
     two_gpus();
-    let options = RemoteOptions::default().device(1).network_only(true).transfer_timeout(Duration::from_secs(60));
-    let listener = RemoteListener::<GpuTensor<u8>>::bind_with("127.0.0.1:0", options).unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    let builder = NETWORK_TRANSPORT.iter().fold(Builder::new(), |b, (k, v)| b.env(*k, *v));
-    let child = builder.spawn(addr, send_forever);
-    let rx = listener.accept_timeout(Duration::from_secs(60)).unwrap();
-    let first = rx.recv().unwrap();
-    assert_eq!(first.numel(), 4 << 30);
-    drop(first);
-    let pid = child.pid().unwrap();
-    let killer = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(300));
-        let _ = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status();
-    });
-    let start = Instant::now();
-    let mut outcome = Ok(());
-    for _ in 0..100 {
-        if let Err(e) = rx.recv() {
-            outcome = Err(e);
-            break;
-        }
-    }
-    killer.join().unwrap();
-    let err = outcome.expect_err("the receiver kept receiving from a killed sender");
-    assert!(start.elapsed() < Duration::from_secs(30), "the receiver took {:?} to notice", start.elapsed());
-    eprintln!("receiver saw: {err} after {:?}", start.elapsed());
-    assert!(rx.recv().unwrap_err().is_disconnected());
-    let _ = child.join();
-    // The receiving GPU is still usable after the abort.
-    let t = GpuTensor::<f32>::full(&Device::get(1).unwrap(), &[4], 2.0).unwrap();
-    assert_eq!(t.to_vec().unwrap(), vec![2.0; 4]);
+    // Both ranks must see the same NCCL transport settings: both ends are children.
+    let env = || NETWORK_TRANSPORT.iter().fold(Builder::new(), |b, (k, v)| b.env(*k, *v));
+    let (addr_tx, addr_rx) = channel::<String>().unwrap();
+    let (first_tx, first_rx) = channel::<()>().unwrap();
+    let (report_tx, report_rx) = channel::<Outcome>().unwrap();
+    let receiver = env().spawn((addr_tx, first_tx, report_tx), receive_until_gone);
+    let addr = addr_rx.recv_timeout(Duration::from_secs(60)).unwrap();
+    let mut sender = env().spawn(addr, send_forever);
+    first_rx.recv_timeout(Duration::from_secs(120)).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    sender.kill().unwrap();
+    let (err, took, gpu_ok) = report_rx.recv_timeout(Duration::from_secs(120)).unwrap().unwrap();
+    eprintln!("receiver saw: {err} after {took:?}");
+    assert!(took < Duration::from_secs(30), "the receiver took {took:?} to notice");
+    assert!(gpu_ok, "the receiving GPU failed after the abort");
+    receiver.join().unwrap();
 }

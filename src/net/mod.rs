@@ -41,6 +41,11 @@ const TRAILER: usize = 13;
 const KIND_MESSAGE: u8 = 0;
 const KIND_SETUP: u8 = 1;
 
+/// What a receiver writes back once a message's GPU bytes have arrived: a sender's `send`
+/// returns only then, so a sender that exits right after cannot take bytes still on their way
+/// (NCCL's send completes when its buffer may be reused, not when the peer has the bytes).
+const ACK: u8 = 0x06;
+
 /// How a remote channel's messages travel.
 ///
 /// ```no_run
@@ -684,6 +689,15 @@ impl NetSender {
             let stream = &self.stream;
             let comm = self.comm.as_mut().expect("set up above");
             comm.transfer(true, &ranges, deadline, &mut || !sys::peer_closed(stream)).map_err(send_failure)?;
+            let mut ack = [0u8; 1];
+            match sys::read_some(&self.stream, &mut ack, deadline) {
+                Ok(1) if ack[0] == ACK => {}
+                Ok(0) => return Err(SendFailure::Disconnected),
+                Ok(_) => {
+                    return Err(SendFailure::Io(format!("the receiver answered {:#x}, not an acknowledgement", ack[0])))
+                }
+                Err(e) => return Err(failed(e)),
+            }
         }
         Ok(())
     }
@@ -932,6 +946,11 @@ impl NetReceiver {
                 // the receive may still be waiting for a peer that is gone.
                 self.close();
                 return Err(recv_error(e));
+            }
+            // The bytes are here: the message is the receiver's even if the acknowledgement
+            // cannot be written (the sender then reports a failure and the connection closes).
+            if sys::write_all(&self.stream, &[ACK], deadline).is_err() {
+                self.close();
             }
         }
         Ok(value)
