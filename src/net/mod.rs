@@ -50,9 +50,11 @@ const ACK: u8 = 0x06;
 ///
 /// ```no_run
 /// let listener = cuda_mp::RemoteListener::<u32>::bind("127.0.0.1:0").unwrap();
-/// let tx = cuda_mp::RemoteSender::<u32>::connect(listener.local_addr().unwrap()).unwrap();
-/// let rx = listener.accept().unwrap();
+/// let addr = listener.local_addr().unwrap();
+/// let rx = std::thread::spawn(move || listener.accept().unwrap());
+/// let tx = cuda_mp::RemoteSender::<u32>::connect(addr).unwrap();
 /// assert_eq!(tx.route(), cuda_mp::Route::SameHost); // both ends on this machine
+/// assert_eq!(rx.join().unwrap().route(), cuda_mp::Route::SameHost);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Route {
@@ -340,8 +342,10 @@ fn resolve(addr: impl ToSocketAddrs) -> Result<Vec<SocketAddr>> {
 /// ```
 /// let listener = cuda_mp::RemoteListener::<String>::bind("127.0.0.1:0").unwrap();
 /// let addr = listener.local_addr().unwrap();
+/// // The handshake needs both ends: accept on one thread, connect on another.
+/// let accepting = std::thread::spawn(move || listener.accept().unwrap());
 /// let tx = cuda_mp::RemoteSender::<String>::connect(addr).unwrap();
-/// let rx = listener.accept().unwrap();
+/// let rx = accepting.join().unwrap();
 /// tx.send("hello".into()).unwrap();
 /// assert_eq!(rx.recv().unwrap(), "hello");
 /// ```
@@ -512,7 +516,8 @@ fn lock<S>(m: &Mutex<S>) -> MutexGuard<'_, S> {
 }
 
 impl<T: Serialize + DeserializeOwned> RemoteSender<T> {
-    /// Connects to a [`RemoteListener`] of `T` at `addr` with the default options.
+    /// Connects to a [`RemoteListener`] of `T` at `addr` with the default options. Returns
+    /// once the listener has accepted: the handshake needs both ends.
     pub fn connect(addr: impl ToSocketAddrs) -> Result<RemoteSender<T>> {
         Self::connect_with(addr, RemoteOptions::default())
     }
@@ -776,8 +781,10 @@ impl<T: Serialize + DeserializeOwned> RemoteReceiver<T> {
     ///     "127.0.0.1:0",
     ///     cuda_mp::RemoteOptions::default().network_only(true),
     /// ).unwrap();
-    /// let _tx = cuda_mp::RemoteSender::<u8>::connect(listener.local_addr().unwrap()).unwrap();
-    /// let rx = listener.accept().unwrap();
+    /// let addr = listener.local_addr().unwrap();
+    /// let accepting = std::thread::spawn(move || listener.accept().unwrap());
+    /// let _tx = cuda_mp::RemoteSender::<u8>::connect(addr).unwrap();
+    /// let rx = accepting.join().unwrap();
     /// assert!(rx.recv_timeout(Duration::from_millis(20)).unwrap_err().is_timeout());
     /// ```
     pub fn recv_timeout(&self, timeout: Duration) -> std::result::Result<T, RecvTimeoutError> {
