@@ -314,7 +314,8 @@ fn shutdown_waits_terminate_fails_pending_jobs_and_bad_settings_are_refused() {
     let pool = Pool::new(1).unwrap();
     let running = pool.spawn(10_000, nap);
     drop(pool);
-    assert!(matches!(running.join(), Err(JoinError::PoolClosed)));
+    let joined = running.join();
+    assert!(matches!(joined, Err(JoinError::PoolClosed)), "{joined:?}");
 
     assert!(matches!(Pool::new(0), Err(JoinError::InvalidPool(_))));
     assert!(matches!(Pool::builder().size(1).max_tasks_per_child(0).build(), Err(JoinError::InvalidPool(_))));
