@@ -138,13 +138,14 @@ fn run() -> Outcome {
             t.add_scalar((i % 5 + step as usize) as f64)?;
         }
         let start = Instant::now();
+        println!("step {step}: publishing");
         tx.send((step, weights.clone()))?;
         let sent = start.elapsed();
+        println!("step {step}: sent and acknowledged in {:.1} ms", sent.as_secs_f64() * 1e3);
         match reports.recv_timeout(TIMEOUT * 5)? {
             Report::Checked { step: seen, mismatches } => {
                 println!(
-                    "step {step}: 13.5 GB sent in {:.1} ms ({:.1} GB/s); rollout checked step {seen}: {mismatches} wrong elements",
-                    sent.as_secs_f64() * 1e3,
+                    "step {step}: {:.1} GB/s; rollout checked step {seen}: {mismatches} wrong elements",
                     weights.byte_len() as f64 / sent.as_secs_f64() / 1e9
                 );
                 ok &= seen == step && mismatches == 0;
