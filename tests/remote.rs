@@ -220,3 +220,61 @@ fn a_missing_nccl_is_an_error_naming_the_file_looked_for() {
     let err = child.join().unwrap().unwrap_err();
     assert!(err.contains("/nonexistent/libnccl.so.2") && err.contains("CUDA_MP_NCCL_LIBRARY"), "{err}");
 }
+
+/// Sends 256 MiB host tensors to `addr` on the network route until killed.
+fn send_host_forever(addr: String) {
+    let t = HostTensor::<u8>::zeros(&[256 << 20]).unwrap();
+    let tx = RemoteSender::<HostTensor<u8>>::connect_with(addr.as_str(), network()).unwrap();
+    loop {
+        tx.send(t.clone()).unwrap();
+    }
+}
+
+#[test]
+fn a_sender_process_killed_mid_message_ends_the_receive_with_an_error() {
+    let options = network().transfer_timeout(Duration::from_secs(60));
+    let listener = RemoteListener::<HostTensor<u8>>::bind_with("127.0.0.1:0", options).unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let mut child = cuda_mp::spawn(addr, send_host_forever);
+    let rx = listener.accept_timeout(Duration::from_secs(30)).unwrap();
+    assert_eq!(rx.recv().unwrap().numel(), 256 << 20);
+    let start = Instant::now();
+    child.kill().unwrap();
+    // Whatever was on its way when it died: complete messages, then an error, never a hang.
+    let err = loop {
+        match rx.recv() {
+            Ok(t) => assert_eq!(t.numel(), 256 << 20),
+            Err(e) => break e,
+        }
+    };
+    assert!(start.elapsed() < Duration::from_secs(20), "took {:?}", start.elapsed());
+    assert!(err.is_disconnected() || err.to_string().contains("mid-message"), "{err}");
+    assert!(rx.recv().unwrap_err().is_disconnected());
+}
+
+#[test]
+fn one_sender_shared_by_threads_delivers_whole_messages() {
+    let (tx, rx) = pair::<(u32, HostTensor<i32>)>(network());
+    let tx = std::sync::Arc::new(tx);
+    let threads: Vec<_> = (0..4u32)
+        .map(|k| {
+            let tx = tx.clone();
+            thread::spawn(move || {
+                for i in 0..50 {
+                    let t = HostTensor::<i32>::full(&[1000 + i], (k * 1000 + i as u32) as i32).unwrap();
+                    tx.send((k, t)).unwrap();
+                }
+            })
+        })
+        .collect();
+    let mut next = [0i32; 4];
+    for _ in 0..200 {
+        let (k, t) = rx.recv().unwrap();
+        let i = next[k as usize];
+        assert_eq!(t.shape(), &[1000 + i as usize]);
+        assert!(t.to_vec().iter().all(|&x| x == k as i32 * 1000 + i), "thread {k} message {i}");
+        next[k as usize] += 1;
+    }
+    threads.into_iter().for_each(|t| t.join().unwrap());
+    assert_eq!(next, [50; 4], "each thread's messages in its order");
+}
