@@ -160,9 +160,79 @@ fn a_listener_without_peers_and_a_silent_listener_time_out() {
     assert!(err.is_timeout(), "{err}");
     drop(silent);
 
-    // Nobody listening at all.
+    // Nobody listening at all: retried until the connect timeout.
     let free = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
-    assert!(RemoteSender::<u8>::connect(free).is_err());
+    let start = Instant::now();
+    let options = RemoteOptions::default().connect_timeout(Duration::from_millis(300));
+    assert!(RemoteSender::<u8>::connect_with(free, options).is_err());
+    assert!(start.elapsed() >= Duration::from_millis(250) && start.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn connect_waits_for_a_listener_that_is_not_up_yet() {
+    let addr = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let late = thread::spawn(move || {
+        thread::sleep(Duration::from_millis(300));
+        let listener = RemoteListener::<u8>::bind(addr).unwrap();
+        listener.accept().unwrap().recv().unwrap()
+    });
+    let tx = RemoteSender::<u8>::connect(addr).unwrap();
+    tx.send(9).unwrap();
+    assert_eq!(late.join().unwrap(), 9);
+}
+
+#[test]
+fn empty_views_cross_whatever_their_offset() {
+    let (tx, rx) = pair::<HostTensor<f32>>(network());
+    let t = HostTensor::<f32>::zeros(&[4]).unwrap();
+    let empty = t.narrow(0, 4, 0).unwrap(); // offset 4: past the last element
+    tx.send(empty).unwrap();
+    assert_eq!(rx.recv().unwrap().shape(), &[0]);
+    tx.send(t).unwrap(); // the connection is still open
+    assert_eq!(rx.recv().unwrap().to_vec(), vec![0.0; 4]);
+}
+
+#[test]
+fn try_recv_does_not_wait_for_another_threads_recv() {
+    let (tx, rx) = pair::<u8>(network());
+    let rx = std::sync::Arc::new(rx);
+    let waiting = {
+        let rx = rx.clone();
+        thread::spawn(move || rx.recv().unwrap())
+    };
+    thread::sleep(Duration::from_millis(100)); // the other thread is inside recv
+    let start = Instant::now();
+    assert!(rx.try_recv().unwrap_err().is_empty());
+    assert!(rx.recv_timeout(Duration::from_millis(50)).unwrap_err().is_timeout());
+    assert!(start.elapsed() < Duration::from_secs(1), "took {:?}", start.elapsed());
+    tx.send(3).unwrap();
+    assert_eq!(waiting.join().unwrap(), 3);
+}
+
+/// Fails to serialize, with its own reason.
+struct Refuses;
+
+impl serde::Serialize for Refuses {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        Err(serde::ser::Error::custom("my own reason"))
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Refuses {
+    fn deserialize<D: serde::Deserializer<'de>>(_: D) -> Result<Self, D::Error> {
+        Ok(Refuses)
+    }
+}
+
+#[test]
+fn a_failed_send_does_not_report_an_earlier_failure() {
+    // An earlier failure on this thread (a tensor outside any cuda-mp channel) is not this one's.
+    let earlier = serde_json::to_string(&HostTensor::<f32>::zeros(&[1]).unwrap()).unwrap_err().to_string();
+    let (tx, rx) = pair::<Refuses>(network());
+    let err = tx.send(Refuses).unwrap_err().to_string();
+    // The wire format keeps no custom message: the failure says whose it is.
+    assert!(err.contains("the message's Serialize failed") && !err.contains(&earlier), "{err}");
+    drop(rx);
 }
 
 #[test]

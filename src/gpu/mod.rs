@@ -379,6 +379,7 @@ pub(crate) fn pack(storage: &Arc<GpuStorage>, layout: &Layout, dtype: DType) -> 
     Ok(packed)
 }
 
+pub(crate) use driver::DeviceRange;
 pub(crate) use nccl::{Communicator, UniqueId};
 
 /// The NCCL library this process loads (its file name and version, `22809` for 2.28.9), or

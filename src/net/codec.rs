@@ -51,12 +51,42 @@ pub(crate) enum Incoming {
     Gpu(Arc<GpuStorage>, usize),
 }
 
-/// What a decode may allocate.
+/// What a decode may allocate: checked tensor by tensor, before each allocation, so that a
+/// forged message costs no memory beyond what its frame announced and the limits allow.
 pub(crate) struct Budget {
     /// The GPU that receives GPU tensors, opened at the first one.
     pub(crate) device: Option<usize>,
+    /// Whether GPU bytes can arrive (the NCCL set-up has been done).
+    pub(crate) gpu_ready: bool,
     /// Host bytes the message may still claim.
     pub(crate) host_bytes: u64,
+    /// Tensors the frame announced and not yet decoded.
+    pub(crate) transfers: u32,
+}
+
+impl Budget {
+    fn take_transfer(&mut self) -> Result<()> {
+        self.transfers = self
+            .transfers
+            .checked_sub(1)
+            .ok_or_else(|| Error::Malformed("the message holds more tensors than its frame announces".into()))?;
+        Ok(())
+    }
+}
+
+/// One shared empty allocation per kind (and GPU) for every empty tensor received: a message
+/// of many empty tensors costs no descriptor or allocation each.
+static EMPTY_HOST: once_cell::sync::OnceCell<Arc<HostStorage>> = once_cell::sync::OnceCell::new();
+static EMPTY_GPU: std::sync::Mutex<Vec<Arc<GpuStorage>>> = std::sync::Mutex::new(Vec::new());
+
+fn empty_gpu(device: &Arc<Device>) -> Result<Arc<GpuStorage>> {
+    let mut empties = EMPTY_GPU.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(e) = empties.iter().find(|e| e.device().ordinal() == device.ordinal()) {
+        return Ok(e.clone());
+    }
+    let e = GpuStorage::alloc(device, 1)?;
+    empties.push(e.clone());
+    Ok(e)
 }
 
 struct Decoding {
@@ -71,36 +101,39 @@ thread_local! {
 }
 
 /// Runs `encode` (the serialization of one message for a remote peer) and returns its result
-/// with the transfers its tensors left.
+/// with the transfers its tensors left. A nested call (a remote send inside a `Serialize`)
+/// keeps its own list and gives the outer one back when it ends.
 pub(crate) fn encode<R>(encode: impl FnOnce() -> R) -> (R, Vec<Outgoing>) {
-    struct Reset;
-    impl Drop for Reset {
+    struct Restore(Option<Vec<Outgoing>>);
+    impl Drop for Restore {
         fn drop(&mut self) {
-            ENCODING.with(|e| e.borrow_mut().take());
+            let outer = self.0.take();
+            ENCODING.with(|e| *e.borrow_mut() = outer);
         }
     }
-    ENCODING.with(|e| *e.borrow_mut() = Some(Vec::new()));
-    let reset = Reset;
+    let _restore = Restore(ENCODING.with(|e| e.borrow_mut().replace(Vec::new())));
+    // A reason left by an earlier, unrelated serialization on this thread is not this one's.
+    let _ = wire::take_failure();
     let result = encode();
     let out = ENCODING.with(|e| e.borrow_mut().take()).unwrap_or_default();
-    drop(reset);
     (result, out)
 }
 
 /// Runs `decode` (the deserialization of one message from a remote peer) and returns its
-/// result with the memory its tensors allocated.
+/// result with the memory its tensors allocated. Nested calls keep their own state.
 pub(crate) fn decode<R>(budget: Budget, decode: impl FnOnce() -> R) -> (R, Vec<Incoming>) {
-    struct Reset;
-    impl Drop for Reset {
+    struct Restore(Option<Decoding>);
+    impl Drop for Restore {
         fn drop(&mut self) {
-            DECODING.with(|d| d.borrow_mut().take());
+            let outer = self.0.take();
+            DECODING.with(|d| *d.borrow_mut() = outer);
         }
     }
-    DECODING.with(|d| *d.borrow_mut() = Some(Decoding { budget, device: None, incoming: Vec::new() }));
-    let reset = Reset;
+    let fresh = Decoding { budget, device: None, incoming: Vec::new() };
+    let _restore = Restore(DECODING.with(|d| d.borrow_mut().replace(fresh)));
+    let _ = wire::take_failure();
     let result = decode();
     let incoming = DECODING.with(|d| d.borrow_mut().take()).map(|d| d.incoming).unwrap_or_default();
-    drop(reset);
     (result, incoming)
 }
 
@@ -134,6 +167,10 @@ pub(crate) fn receive_gpu(bytes: usize) -> Result<Arc<GpuStorage>> {
     DECODING.with(|d| {
         let mut d = d.borrow_mut();
         let d = d.as_mut().ok_or_else(|| Error::Unsupported("no remote message is being decoded".into()))?;
+        d.budget.take_transfer()?;
+        if bytes > 0 && !d.budget.gpu_ready {
+            return Err(Error::Malformed("GPU tensors arrived before the NCCL set-up".into()));
+        }
         let device = match &d.device {
             Some(device) => device.clone(),
             None => {
@@ -145,7 +182,7 @@ pub(crate) fn receive_gpu(bytes: usize) -> Result<Arc<GpuStorage>> {
                 device
             }
         };
-        let storage = GpuStorage::alloc(&device, bytes.max(1))?;
+        let storage = if bytes == 0 { empty_gpu(&device)? } else { GpuStorage::alloc(&device, bytes)? };
         d.incoming.push(Incoming::Gpu(storage.clone(), bytes));
         Ok(storage)
     })
@@ -156,6 +193,7 @@ fn receive_host(bytes: usize) -> Result<Arc<HostStorage>> {
     DECODING.with(|d| {
         let mut d = d.borrow_mut();
         let d = d.as_mut().ok_or_else(|| Error::Unsupported("no remote message is being decoded".into()))?;
+        d.budget.take_transfer()?;
         let want = bytes as u64;
         if want > d.budget.host_bytes {
             return Err(Error::Malformed(format!(
@@ -164,7 +202,11 @@ fn receive_host(bytes: usize) -> Result<Arc<HostStorage>> {
             )));
         }
         d.budget.host_bytes -= want;
-        let storage = HostStorage::try_new_zeroed(bytes.max(1))?;
+        let storage = if bytes == 0 {
+            EMPTY_HOST.get_or_try_init(|| HostStorage::try_new_zeroed(1))?.clone()
+        } else {
+            HostStorage::try_new_zeroed(bytes)?
+        };
         d.incoming.push(Incoming::Host(storage.clone(), bytes));
         Ok(storage)
     })
@@ -192,15 +234,16 @@ pub(crate) fn encode_tensor<S: Shared, Se: Serializer>(
     serializer: Se,
 ) -> std::result::Result<Se::Ok, Se::Error> {
     let bytes = layout.numel() * dtype.size();
-    let start = layout.offset() * dtype.size();
+    // An empty view may have any offset, even past its storage's end: it moves nothing.
+    let start = if bytes == 0 { 0 } else { layout.offset() * dtype.size() };
     let moved = if let Some(host) = downcast::<HostStorage, S>(storage.clone()) {
-        if layout.is_contiguous() {
+        if layout.is_contiguous() || bytes == 0 {
             push(Outgoing::Host { storage: host, offset: start, len: bytes })
         } else {
             push(Outgoing::Packed(crate::host::gather_bytes(&host, layout, dtype)))
         }
     } else if let Some(gpu) = downcast::<GpuStorage, S>(storage.clone()) {
-        if layout.is_contiguous() {
+        if layout.is_contiguous() || bytes == 0 {
             send_gpu(gpu, start, bytes)
         } else {
             crate::gpu::pack(&gpu, layout, dtype).and_then(|packed| send_gpu(packed, 0, bytes))

@@ -82,6 +82,7 @@ pub struct RemoteOptions {
     transfer_timeout: Duration,
     max_frame_bytes: usize,
     max_host_bytes: u64,
+    max_tensors: u32,
     network_only: bool,
 }
 
@@ -94,6 +95,7 @@ impl Default for RemoteOptions {
             transfer_timeout: Duration::from_secs(120),
             max_frame_bytes: 256 << 20,
             max_host_bytes: 64 << 30,
+            max_tensors: 16 << 10,
             network_only: false,
         }
     }
@@ -116,7 +118,8 @@ impl RemoteOptions {
         self.device
     }
 
-    /// How long [`RemoteSender::connect_with`] tries to reach the listener (10 s by default).
+    /// How long [`RemoteSender::connect_with`] tries to reach the listener, retrying while
+    /// nobody listens yet (10 s by default).
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
         self
@@ -147,6 +150,13 @@ impl RemoteOptions {
     /// default).
     pub fn max_host_bytes(mut self, bytes: u64) -> Self {
         self.max_host_bytes = bytes;
+        self
+    }
+
+    /// The most tensors one received message may hold (16,384 by default): each host tensor
+    /// received is a shared-memory descriptor of this process.
+    pub fn max_tensors(mut self, tensors: u32) -> Self {
+        self.max_tensors = tensors;
         self
     }
 
@@ -528,21 +538,25 @@ impl<T: Serialize + DeserializeOwned> RemoteSender<T> {
     /// time; [`Error::Unsupported`] when it refuses (another protocol version, another message
     /// type).
     pub fn connect_with(addr: impl ToSocketAddrs, options: RemoteOptions) -> Result<RemoteSender<T>> {
-        let mut last = None;
-        let mut stream = None;
-        for addr in resolve(addr)? {
-            match TcpStream::connect_timeout(&addr, options.connect_timeout) {
-                Ok(s) => {
-                    stream = Some(s);
-                    break;
+        // Retried until the connect timeout: the listener may not be up yet (a peer process
+        // still starting), as torch.distributed's rendezvous retries.
+        let addrs = resolve(addr)?;
+        let deadline = Instant::now() + options.connect_timeout;
+        let stream = 'connected: loop {
+            let mut last = None;
+            for addr in &addrs {
+                let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+                match TcpStream::connect_timeout(addr, left) {
+                    Ok(s) => break 'connected s,
+                    Err(e) => last = Some(e),
                 }
-                Err(e) => last = Some(e),
             }
-        }
-        let stream = match (stream, last) {
-            (Some(s), _) => s,
-            (None, Some(e)) => return Err(io_error(e, "connecting", options.connect_timeout)),
-            (None, None) => unreachable!("resolve returns at least one address"),
+            let e = last.expect("resolve returns at least one address");
+            let retry = matches!(e.kind(), io::ErrorKind::ConnectionRefused | io::ErrorKind::ConnectionReset);
+            if !retry || Instant::now() >= deadline {
+                return Err(io_error(e, "connecting", options.connect_timeout));
+            }
+            std::thread::sleep(Duration::from_millis(50).min(deadline.saturating_duration_since(Instant::now())));
         };
         stream.set_nodelay(true)?;
         let timeout = options.handshake_timeout;
@@ -601,7 +615,11 @@ impl NetSender {
         let (encoded, outgoing) = codec::encode(|| catch_quietly(|| postcard::to_extend(value, vec![0u8; 4])));
         let bytes = match encoded {
             Ok(Ok(bytes)) => bytes,
-            Ok(Err(e)) => return Err(SendFailure::Serialize(wire::take_failure().unwrap_or_else(|| e.to_string()))),
+            Ok(Err(e)) => {
+                return Err(SendFailure::Serialize(
+                    wire::take_failure().unwrap_or_else(|| format!("the message's Serialize failed ({e})")),
+                ))
+            }
             Err(panic) => return Err(SendFailure::Serialize(format!("serialization panicked: {panic}"))),
         };
         if bytes.len() - 4 > self.options.max_frame_bytes {
@@ -634,11 +652,30 @@ impl NetSender {
         // The communicator's identity, made before anything is written: without NCCL the send
         // fails and the connection stays open for messages without GPU tensors.
         let needs_comm = outgoing.iter().any(|o| matches!(o, Outgoing::Gpu { len, .. } if *len > 0));
+        // Every range checked before anything is written: a failure after the frame has left
+        // would close the connection with the message maybe delivered.
+        let mut gpu = Vec::new();
+        for out in &outgoing {
+            match out {
+                Outgoing::Host { storage, offset, len } => {
+                    if offset.checked_add(*len).is_none_or(|end| end > storage.byte_len()) {
+                        return Err(SendFailure::Serialize("a host tensor's bytes lie outside its storage".into()));
+                    }
+                }
+                Outgoing::Gpu { storage, offset, len } => gpu.push(
+                    storage
+                        .range()
+                        .and_then(|r| r.sub(*offset, *len))
+                        .map_err(|e| SendFailure::Serialize(e.to_string()))?,
+                ),
+                Outgoing::Packed(_) => {}
+            }
+        }
         let setup = match (needs_comm, &self.comm, device) {
             (true, None, Some(device)) => Some((UniqueId::new().map_err(|e| SendFailure::Io(e.to_string()))?, device)),
             _ => None,
         };
-        let result = self.transmit(message, &outgoing, setup);
+        let result = self.transmit(message, &outgoing, &gpu, setup);
         if result.is_err() {
             self.close();
         }
@@ -649,6 +686,7 @@ impl NetSender {
         &mut self,
         message: Vec<u8>,
         outgoing: &[Outgoing],
+        gpu: &[crate::gpu::DeviceRange],
         setup: Option<(UniqueId, std::sync::Arc<Device>)>,
     ) -> std::result::Result<(), SendFailure> {
         let timeout = self.options.transfer_timeout;
@@ -658,14 +696,7 @@ impl NetSender {
             io::ErrorKind::TimedOut => SendFailure::Io(format!("timed out after {timeout:?} writing to the peer")),
             _ => SendFailure::Io(e.to_string()),
         };
-        let gpu: Vec<_> = outgoing
-            .iter()
-            .filter_map(|o| match o {
-                Outgoing::Gpu { storage, offset, len } => Some((storage, *offset, *len)),
-                _ => None,
-            })
-            .collect();
-        let needs_comm = gpu.iter().any(|g| g.2 > 0);
+        let needs_comm = gpu.iter().any(|r| !r.is_empty());
         if let Some((id, device)) = setup {
             let mut payload = vec![0u8; 4];
             payload.extend_from_slice(&id.0);
@@ -686,14 +717,9 @@ impl NetSender {
             }
         }
         if needs_comm {
-            let ranges = gpu
-                .iter()
-                .map(|(s, offset, len)| s.range().and_then(|r| r.sub(*offset, *len)))
-                .collect::<Result<Vec<_>>>()
-                .map_err(|e| SendFailure::Io(e.to_string()))?;
             let stream = &self.stream;
             let comm = self.comm.as_mut().expect("set up above");
-            comm.transfer(true, &ranges, deadline, &mut || !sys::peer_closed(stream)).map_err(send_failure)?;
+            comm.transfer(true, gpu, deadline, &mut || !sys::peer_closed(stream)).map_err(send_failure)?;
             let mut ack = [0u8; 1];
             match sys::read_some(&self.stream, &mut ack, deadline) {
                 Ok(1) if ack[0] == ACK => {}
@@ -825,7 +851,19 @@ impl<T: Serialize + DeserializeOwned> RemoteReceiver<T> {
                 }),
             },
             ReceiverInner::Net(net) => {
-                let mut net = lock(net);
+                // Another thread receiving holds the connection: wait for it only until the
+                // deadline (a `try_recv` not at all).
+                let mut net = loop {
+                    match net.try_lock() {
+                        Ok(guard) => break guard,
+                        Err(std::sync::TryLockError::Poisoned(p)) => break p.into_inner(),
+                        Err(std::sync::TryLockError::WouldBlock) => match deadline {
+                            None => break lock(net),
+                            Some(d) if Instant::now() >= d => return Err(RecvTimeoutError::Timeout),
+                            Some(_) => std::thread::sleep(Duration::from_micros(200)),
+                        },
+                    }
+                };
                 if net.broken {
                     return Err(RecvTimeoutError::Disconnected);
                 }
@@ -897,10 +935,19 @@ impl NetReceiver {
                 self.options.max_host_bytes
             )));
         }
-        let budget = Budget { device: self.options.device, host_bytes };
-        let (decoded, incoming) = codec::decode(budget, || catch_quietly(|| postcard::from_bytes::<T>(payload)));
+        if transfers > self.options.max_tensors {
+            return Err(RecvTimeoutError::Malformed(format!(
+                "a message with {transfers} tensors; the limit is {} (RemoteOptions::max_tensors)",
+                self.options.max_tensors
+            )));
+        }
+        let budget = Budget { device: self.options.device, gpu_ready: self.comm.is_some(), host_bytes, transfers };
+        let (decoded, incoming) = codec::decode(budget, || catch_quietly(|| postcard::take_from_bytes::<T>(payload)));
         let value = match decoded {
-            Ok(Ok(value)) => value,
+            Ok(Ok((value, []))) => value,
+            Ok(Ok((_, rest))) => {
+                return Err(RecvTimeoutError::Malformed(format!("{} bytes after the message's end", rest.len())))
+            }
             Ok(Err(e)) => {
                 return Err(RecvTimeoutError::Malformed(
                     wire::take_failure().unwrap_or_else(|| format!("undecodable message ({e})")),
@@ -1057,6 +1104,72 @@ mod tests {
             assert!(first.contains(expect), "{what}: {first}");
             assert!(second.contains("disconnected"), "{what}, then: {second}");
         }
+    }
+
+    #[test]
+    fn tensor_counts_are_checked_against_the_frame_and_the_limit() {
+        let empties = |n: usize| {
+            let v: Vec<RemoteTensorForTest> =
+                (0..n).map(|_| RemoteTensorForTest { dtype: crate::DType::U8.tag(), shape: vec![0] }).collect();
+            postcard::to_extend(&v, vec![0u8; 4]).unwrap()
+        };
+        type Many = Vec<HostTensor<u8>>;
+        let receiver = |options: RemoteOptions| {
+            let listener = RemoteListener::<Many>::bind_with("127.0.0.1:0", options.network_only(true)).unwrap();
+            let addr = listener.local_addr().unwrap();
+            let peer = std::thread::spawn(move || {
+                let s = TcpStream::connect(addr).unwrap();
+                write_handshake(&s, &hello::<Many>(REMOTE_PROTOCOL_VERSION), Duration::from_secs(5)).unwrap();
+                read_handshake::<Welcome>(&s, Duration::from_secs(5)).unwrap();
+                s
+            });
+            let rx = listener.accept().unwrap();
+            (peer.join().unwrap(), rx)
+        };
+        // More tensors than the frame announces: refused at the first one too many.
+        let (mut peer, rx) = receiver(RemoteOptions::default());
+        std::io::Write::write_all(&mut peer, &frame(empties(50_000), KIND_MESSAGE, 10, 0)).unwrap();
+        let err = rx.recv_timeout(Duration::from_secs(10)).unwrap_err().to_string();
+        assert!(err.contains("more tensors than its frame announces"), "{err}");
+        // More than the limit: refused before decoding.
+        let (mut peer, rx) = receiver(RemoteOptions::default().max_tensors(100));
+        std::io::Write::write_all(&mut peer, &frame(empties(101), KIND_MESSAGE, 101, 0)).unwrap();
+        let err = rx.recv_timeout(Duration::from_secs(10)).unwrap_err().to_string();
+        assert!(err.contains("the limit is 100"), "{err}");
+        // Empty tensors, announced honestly, share one allocation: no descriptor each.
+        let (mut peer, rx) = receiver(RemoteOptions::default());
+        std::io::Write::write_all(&mut peer, &frame(empties(5_000), KIND_MESSAGE, 5_000, 0)).unwrap();
+        let got = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert_eq!(got.len(), 5_000);
+        assert!(got.windows(2).all(|w| w[0].storage_id() == w[1].storage_id()));
+    }
+
+    #[test]
+    fn trailing_bytes_and_gpu_tensors_before_the_set_up_are_malformed() {
+        let (mut peer, rx) = forged_peer(RemoteOptions::default());
+        let mut payload = payload(&small());
+        payload.extend_from_slice(&[1, 2, 3]);
+        std::io::Write::write_all(&mut peer, &frame(payload, KIND_MESSAGE, 1, 4)).unwrap();
+        let err = rx.recv_timeout(Duration::from_secs(10)).unwrap_err().to_string();
+        assert!(err.contains("3 bytes after the message's end"), "{err}");
+
+        type Gpu = crate::GpuTensor<f32>;
+        let listener =
+            RemoteListener::<Gpu>::bind_with("127.0.0.1:0", RemoteOptions::default().network_only(true)).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let peer = std::thread::spawn(move || {
+            let s = TcpStream::connect(addr).unwrap();
+            write_handshake(&s, &hello::<Gpu>(REMOTE_PROTOCOL_VERSION), Duration::from_secs(5)).unwrap();
+            read_handshake::<Welcome>(&s, Duration::from_secs(5)).unwrap();
+            s
+        });
+        let rx = listener.accept().unwrap();
+        let mut peer = peer.join().unwrap();
+        let tensor = RemoteTensorForTest { dtype: crate::DType::F32.tag(), shape: vec![1 << 20] };
+        let bytes = frame(postcard::to_extend(&tensor, vec![0u8; 4]).unwrap(), KIND_MESSAGE, 1, 0);
+        std::io::Write::write_all(&mut peer, &bytes).unwrap();
+        let err = rx.recv_timeout(Duration::from_secs(10)).unwrap_err().to_string();
+        assert!(err.contains("before the NCCL set-up"), "{err}");
     }
 
     #[test]
