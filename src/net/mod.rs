@@ -109,6 +109,17 @@ impl RemoteOptions {
         self
     }
 
+    /// No receiving GPU: a message with GPU tensors is refused (a host-only receiver that
+    /// should never touch CUDA).
+    ///
+    /// ```
+    /// assert_eq!(cuda_mp::RemoteOptions::default().without_device().get_device(), None);
+    /// ```
+    pub fn without_device(mut self) -> Self {
+        self.device = None;
+        self
+    }
+
     /// The receiving GPU, if any.
     ///
     /// ```
@@ -1170,6 +1181,14 @@ mod tests {
         std::io::Write::write_all(&mut peer, &bytes).unwrap();
         let err = rx.recv_timeout(Duration::from_secs(10)).unwrap_err().to_string();
         assert!(err.contains("before the NCCL set-up"), "{err}");
+    }
+
+    #[test]
+    fn a_receiver_without_a_gpu_refuses_the_nccl_set_up() {
+        let (first, second) =
+            after(frame(vec![0; 4 + 128], KIND_SETUP, 0, 0), RemoteOptions::default().without_device());
+        assert!(first.contains("no GPU set"), "{first}");
+        assert!(second.contains("disconnected"), "{second}");
     }
 
     #[test]
