@@ -348,3 +348,18 @@ fn one_sender_shared_by_threads_delivers_whole_messages() {
     threads.into_iter().for_each(|t| t.join().unwrap());
     assert_eq!(next, [50; 4], "each thread's messages in its order");
 }
+
+#[test]
+fn a_message_over_the_receivers_limits_fails_at_the_sender_and_the_connection_stays_open() {
+    let (tx, rx) = pair::<Vec<HostTensor<u8>>>(network().max_tensors(2).max_host_bytes(1000));
+    let three = vec![HostTensor::<u8>::zeros(&[1]).unwrap(); 3];
+    let err = tx.send(three).unwrap_err();
+    assert!(err.to_string().contains("3 tensors; the receiver takes at most 2"), "{err}");
+    assert_eq!(err.into_inner().len(), 3);
+    let big = vec![HostTensor::<u8>::zeros(&[600]).unwrap(); 2];
+    let err = tx.send(big).unwrap_err();
+    assert!(err.to_string().contains("1200 bytes of host tensors; the receiver takes at most 1000"), "{err}");
+    tx.send(vec![HostTensor::<u8>::full(&[10], 7).unwrap(); 2]).unwrap();
+    let got = rx.recv().unwrap();
+    assert_eq!((got.len(), got[1].to_vec()), (2, vec![7; 10]));
+}

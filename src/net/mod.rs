@@ -219,7 +219,27 @@ enum Welcome {
     Refused(String),
     /// Connect to this local listener instead.
     SameHost(String),
-    Network,
+    /// Messages go on this connection, within the receiver's limits.
+    Network(Limits),
+}
+
+/// What a receiver takes in one message: the sender checks before it writes, so a message
+/// over them fails with its value back and the connection stays open.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+struct Limits {
+    frame_bytes: u64,
+    host_bytes: u64,
+    tensors: u32,
+}
+
+impl Limits {
+    fn of(options: &RemoteOptions) -> Limits {
+        Limits {
+            frame_bytes: options.max_frame_bytes as u64,
+            host_bytes: options.max_host_bytes,
+            tensors: options.max_tensors,
+        }
+    }
 }
 
 #[derive(Serialize, Deserialize)]
@@ -479,10 +499,10 @@ impl<T: Serialize + DeserializeOwned> RemoteListener<T> {
                 }
                 // The sender could not reach the local listener (another mount namespace, say):
                 // the network route serves instead.
-                Joined::No(_) => {}
+                Joined::No(_) => write_handshake(&stream, &Welcome::Network(Limits::of(&self.options)), timeout)?,
             }
         } else {
-            write_handshake(&stream, &Welcome::Network, timeout)?;
+            write_handshake(&stream, &Welcome::Network(Limits::of(&self.options)), timeout)?;
         }
         let net = NetReceiver {
             reader: FrameReader::new(self.options.max_frame_bytes.saturating_add(TRAILER)),
@@ -513,6 +533,8 @@ struct NetSender {
     stream: TcpStream,
     comm: Option<Communicator>,
     options: RemoteOptions,
+    /// The receiver's limits.
+    peer: Limits,
     broken: bool,
 }
 
@@ -588,15 +610,19 @@ impl<T: Serialize + DeserializeOwned> RemoteSender<T> {
                 }
                 Err(e) => {
                     write_handshake(&stream, &Joined::No(e.to_string()), timeout)?;
-                    Ok(Self::net(stream, options))
+                    match read_handshake::<Welcome>(&stream, timeout)? {
+                        Welcome::Network(limits) => Ok(Self::net(stream, options, limits)),
+                        _ => Err(Error::Malformed("the listener answered out of turn".into())),
+                    }
                 }
             },
-            Welcome::Network => Ok(Self::net(stream, options)),
+            Welcome::Network(limits) => Ok(Self::net(stream, options, limits)),
         }
     }
 
-    fn net(stream: TcpStream, options: RemoteOptions) -> RemoteSender<T> {
-        RemoteSender { inner: SenderInner::Net(Mutex::new(NetSender { stream, comm: None, options, broken: false })) }
+    fn net(stream: TcpStream, options: RemoteOptions, peer: Limits) -> RemoteSender<T> {
+        let net = NetSender { stream, comm: None, options, peer, broken: false };
+        RemoteSender { inner: SenderInner::Net(Mutex::new(net)) }
     }
 
     /// Sends `value`; on failure it comes back in the error.
@@ -659,6 +685,20 @@ impl NetSender {
         }
         let host_bytes: u64 =
             outgoing.iter().filter(|o| !matches!(o, Outgoing::Gpu { .. })).map(|o| o.len() as u64).sum();
+        let over = |what: &str, have: u64, limit: u64| {
+            Err(SendFailure::Serialize(format!(
+                "the message has {have} {what}; the receiver takes at most {limit} (its RemoteOptions)"
+            )))
+        };
+        if (bytes.len() - 4) as u64 > self.peer.frame_bytes {
+            return over("bytes of frame", (bytes.len() - 4) as u64, self.peer.frame_bytes);
+        }
+        if outgoing.len() as u64 > u64::from(self.peer.tensors) {
+            return over("tensors", outgoing.len() as u64, u64::from(self.peer.tensors));
+        }
+        if host_bytes > self.peer.host_bytes {
+            return over("bytes of host tensors", host_bytes, self.peer.host_bytes);
+        }
         let message = frame(bytes, KIND_MESSAGE, outgoing.len() as u32, host_bytes);
         // The communicator's identity, made before anything is written: without NCCL the send
         // fails and the connection stays open for messages without GPU tensors.
@@ -1060,7 +1100,7 @@ mod tests {
         let peer = std::thread::spawn(move || {
             let s = TcpStream::connect(addr).unwrap();
             write_handshake(&s, &hello::<Msg>(REMOTE_PROTOCOL_VERSION), Duration::from_secs(5)).unwrap();
-            assert!(matches!(read_handshake::<Welcome>(&s, Duration::from_secs(5)).unwrap(), Welcome::Network));
+            assert!(matches!(read_handshake::<Welcome>(&s, Duration::from_secs(5)).unwrap(), Welcome::Network(_)));
             s
         });
         let rx = listener.accept().unwrap();
