@@ -518,8 +518,10 @@ impl<T: Serialize + DeserializeOwned> RemoteListener<T> {
 /// The sending end of a remote channel.
 ///
 /// `send` returns once the message has left: over the network, once its tensors' bytes have
-/// moved (NCCL's send completed, host bytes written), so the sender may overwrite or drop its
-/// tensors at once. A GPU send is a rendezvous: it waits for the receiver's `recv`.
+/// moved (host bytes written to the connection; GPU bytes received and acknowledged by the
+/// receiver), so the sender may overwrite or drop its tensors at once. A GPU send is a
+/// rendezvous: it waits for the receiver's `recv`. Share one sender between threads in an
+/// `Arc`: their sends take turns, each message whole.
 pub struct RemoteSender<T> {
     inner: SenderInner<T>,
 }
