@@ -534,12 +534,6 @@ fn receive_record(socket: RawFd) -> io::Result<Reply> {
     })
 }
 
-/// Milliseconds for `poll`, rounded up so that a wait never ends early.
-fn poll_millis(left: Duration) -> libc::c_int {
-    let millis = left.as_nanos().div_ceil(1_000_000);
-    millis.min(libc::c_int::MAX as u128) as libc::c_int
-}
-
 /// Waits until `socket` has one of `events`, or the deadline passes.
 fn wait_for(socket: RawFd, events: libc::c_short, deadline: Option<Instant>) -> Result<(), Failure> {
     loop {
@@ -550,7 +544,7 @@ fn wait_for(socket: RawFd, events: libc::c_short, deadline: Option<Instant>) -> 
                 if now >= deadline {
                     return Err(Failure::Timeout);
                 }
-                poll_millis(deadline - now)
+                crate::os::poll_millis(Some(deadline - now))
             }
         };
         let mut poll_fd = libc::pollfd { fd: socket, events, revents: 0 };
@@ -720,7 +714,7 @@ fn serve(listener: RawFd) -> bool {
     loop {
         let now = Instant::now();
         pending.retain(|p| p.deadline > now);
-        let millis = pending.iter().map(|p| poll_millis(p.deadline - now)).min().unwrap_or(-1);
+        let millis = pending.iter().map(|p| crate::os::poll_millis(Some(p.deadline - now))).min().unwrap_or(-1);
         poll_fds.clear();
         poll_fds.push(libc::pollfd { fd: listener, events: libc::POLLIN, revents: 0 });
         poll_fds.extend(pending.iter().map(|p| libc::pollfd {

@@ -23,6 +23,15 @@ fn descriptor_limits() -> Option<(u64, u64)> {
     ok.then_some((limit.rlim_cur as u64, limit.rlim_max as u64))
 }
 
+/// Milliseconds for `poll(2)`: -1 without a limit, rounded up so that a wait never ends before
+/// its deadline.
+pub(crate) fn poll_millis(left: Option<std::time::Duration>) -> libc::c_int {
+    match left {
+        None => -1,
+        Some(d) => d.as_nanos().div_ceil(1_000_000).min(libc::c_int::MAX as u128) as libc::c_int,
+    }
+}
+
 /// The soft limit on open descriptors of this process.
 pub(crate) fn descriptor_limit() -> u64 {
     descriptor_limits().map_or(0, |(soft, _)| soft)

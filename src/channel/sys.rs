@@ -13,7 +13,7 @@ use std::io;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// The number after `fd: SharedFileDescriptor(` or `fd: Cell { value: ` in a channel's `Debug`
 /// output.
@@ -96,17 +96,6 @@ pub(super) fn pending_bytes(fd: &OwnedFd) -> usize {
     }
 }
 
-/// Milliseconds for `poll(2)`: -1 without a limit, rounded up so that a short wait waits.
-fn poll_millis(left: Option<Duration>) -> libc::c_int {
-    match left {
-        None => -1,
-        Some(d) => {
-            let ms = d.as_nanos().div_ceil(1_000_000);
-            ms.min(i32::MAX as u128) as libc::c_int
-        }
-    }
-}
-
 /// Waits until one of `fds` is readable, hung up or in error, or `deadline` passes (`None`: no
 /// limit). Returns which are ready (all false on a timeout).
 pub(super) fn wait_readable(fds: &[RawFd], deadline: Option<Instant>) -> io::Result<Vec<bool>> {
@@ -115,7 +104,7 @@ pub(super) fn wait_readable(fds: &[RawFd], deadline: Option<Instant>) -> io::Res
     loop {
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
         // SAFETY: `polled` is a valid array of `polled.len()` pollfds for the call's duration.
-        let n = unsafe { libc::poll(polled.as_mut_ptr(), polled.len() as libc::nfds_t, poll_millis(left)) };
+        let n = unsafe { libc::poll(polled.as_mut_ptr(), polled.len() as libc::nfds_t, crate::os::poll_millis(left)) };
         if n >= 0 {
             return Ok(polled.iter().map(|p| p.revents != 0).collect());
         }

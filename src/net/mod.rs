@@ -272,7 +272,7 @@ fn write_handshake<M: Serialize>(stream: &TcpStream, message: &M, timeout: Durat
 fn read_handshake<M: DeserializeOwned>(stream: &TcpStream, timeout: Duration) -> Result<M> {
     let deadline = Instant::now() + timeout;
     let mut reader = FrameReader::new(HANDSHAKE_BYTES);
-    let body = match reader.read(stream, deadline) {
+    let body = match reader.read(stream, Some(deadline)) {
         Ok(Some(body)) => body,
         Ok(None) => return Err(Error::Malformed("the peer closed the connection during the handshake".into())),
         Err(e) => return Err(io_error(e, "the handshake", timeout)),
@@ -298,7 +298,7 @@ impl FrameReader {
     /// The next frame's body; `None` when the stream ended between frames. `TimedOut` keeps
     /// the partial frame; `UnexpectedEof` is a stream that ended inside one; `InvalidData` a
     /// frame over the limit.
-    fn read(&mut self, socket: &TcpStream, deadline: Instant) -> io::Result<Option<Vec<u8>>> {
+    fn read(&mut self, socket: &TcpStream, deadline: Option<Instant>) -> io::Result<Option<Vec<u8>>> {
         while self.body_len.is_none() {
             let n = sys::read_some(socket, &mut self.prefix[self.prefix_filled..], deadline)?;
             if n == 0 {
@@ -441,13 +441,12 @@ impl<T: Serialize + DeserializeOwned> RemoteListener<T> {
     }
 
     fn accept_until(&self, deadline: Option<(Instant, Duration)>) -> Result<RemoteReceiver<T>> {
-        let far = Instant::now() + Duration::from_secs(365 * 24 * 3600);
         let stream = loop {
             match self.listener.accept() {
                 Ok((stream, _)) => break stream,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     use std::os::fd::AsRawFd;
-                    match sys::wait(self.listener.as_raw_fd(), libc::POLLIN, deadline.map_or(far, |d| d.0)) {
+                    match sys::wait(self.listener.as_raw_fd(), libc::POLLIN, deadline.map(|d| d.0)) {
                         Ok(_) => {}
                         Err(e) if e.kind() == io::ErrorKind::TimedOut => {
                             return Err(Error::Timeout(deadline.map_or(Duration::MAX, |d| d.1)))
@@ -774,7 +773,7 @@ impl NetSender {
             let comm = self.comm.as_mut().expect("set up above");
             comm.transfer(true, gpu, deadline, &mut || !sys::peer_closed(stream)).map_err(send_failure)?;
             let mut ack = [0u8; 1];
-            match sys::read_some(&self.stream, &mut ack, deadline) {
+            match sys::read_some(&self.stream, &mut ack, Some(deadline)) {
                 Ok(1) if ack[0] == ACK => {}
                 Ok(0) => return Err(SendFailure::Disconnected),
                 Ok(_) => {
@@ -896,12 +895,7 @@ impl<T: Serialize + DeserializeOwned> RemoteReceiver<T> {
         match &self.inner {
             ReceiverInner::Local(rx) => match deadline {
                 Some(d) => rx.recv_timeout(d.saturating_duration_since(Instant::now())),
-                None => rx.recv().map_err(|e| match e {
-                    RecvError::Disconnected => RecvTimeoutError::Disconnected,
-                    RecvError::Malformed(m) => RecvTimeoutError::Malformed(m),
-                    RecvError::Io(m) => RecvTimeoutError::Io(m),
-                    RecvError::OutOfDescriptors { limit } => RecvTimeoutError::OutOfDescriptors { limit },
-                }),
+                None => rx.recv().map_err(RecvTimeoutError::from),
             },
             ReceiverInner::Net(net) => {
                 // Another thread receiving holds the connection: wait for it only until the
@@ -932,9 +926,8 @@ impl<T: Serialize + DeserializeOwned> RemoteReceiver<T> {
 
 impl NetReceiver {
     fn recv<T: DeserializeOwned>(&mut self, deadline: Option<Instant>) -> std::result::Result<T, RecvTimeoutError> {
-        let far = Instant::now() + Duration::from_secs(365 * 24 * 3600);
         loop {
-            let body = match self.reader.read(&self.stream, deadline.unwrap_or(far)) {
+            let body = match self.reader.read(&self.stream, deadline) {
                 Ok(Some(body)) => body,
                 Ok(None) => return Err(RecvTimeoutError::Disconnected),
                 Err(e) => {

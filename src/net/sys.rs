@@ -8,18 +8,14 @@ use std::time::Instant;
 
 use crate::host::HostStorage;
 
-fn poll_millis(deadline: Instant) -> libc::c_int {
-    let left = deadline.saturating_duration_since(Instant::now());
-    // Rounded up, so that a wait never ends before its deadline.
-    left.as_micros().div_ceil(1000).min(libc::c_int::MAX as u128) as libc::c_int
-}
-
-/// Waits until `fd` is ready for `events` or `deadline` passes (then `TimedOut`).
-pub(super) fn wait(fd: RawFd, events: libc::c_short, deadline: Instant) -> io::Result<libc::c_short> {
+/// Waits until `fd` is ready for `events` or `deadline` passes (then `TimedOut`; `None`: no
+/// limit).
+pub(super) fn wait(fd: RawFd, events: libc::c_short, deadline: Option<Instant>) -> io::Result<libc::c_short> {
     loop {
         let mut pfd = libc::pollfd { fd, events, revents: 0 };
+        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
         // SAFETY: `pfd` is one valid pollfd.
-        let n = unsafe { libc::poll(&mut pfd, 1, poll_millis(deadline)) };
+        let n = unsafe { libc::poll(&mut pfd, 1, crate::os::poll_millis(left)) };
         if n < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
@@ -30,7 +26,7 @@ pub(super) fn wait(fd: RawFd, events: libc::c_short, deadline: Instant) -> io::R
         if n > 0 {
             return Ok(pfd.revents);
         }
-        if Instant::now() >= deadline {
+        if deadline.is_some_and(|d| Instant::now() >= d) {
             return Err(io::Error::new(io::ErrorKind::TimedOut, "timed out"));
         }
     }
@@ -45,9 +41,9 @@ pub(super) fn peer_closed(socket: &impl AsRawFd) -> bool {
     n > 0 && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0
 }
 
-/// Reads what is there (at least one byte) into `buf`, waiting until `deadline`; 0 at the end
-/// of the stream.
-pub(super) fn read_some(socket: &impl AsRawFd, buf: &mut [u8], deadline: Instant) -> io::Result<usize> {
+/// Reads what is there (at least one byte) into `buf`, waiting until `deadline` (`None`: no
+/// limit); 0 at the end of the stream.
+pub(super) fn read_some(socket: &impl AsRawFd, buf: &mut [u8], deadline: Option<Instant>) -> io::Result<usize> {
     let fd = socket.as_raw_fd();
     loop {
         wait(fd, libc::POLLIN, deadline)?;
@@ -65,7 +61,7 @@ pub(super) fn read_some(socket: &impl AsRawFd, buf: &mut [u8], deadline: Instant
 
 fn send_from(fd: RawFd, mut ptr: *const u8, mut len: usize, deadline: Instant) -> io::Result<()> {
     while len > 0 {
-        wait(fd, libc::POLLOUT, deadline)?;
+        wait(fd, libc::POLLOUT, Some(deadline))?;
         // SAFETY: the caller guarantees `len` readable bytes at `ptr`; MSG_NOSIGNAL turns a
         // closed peer into EPIPE instead of SIGPIPE.
         let n = unsafe { libc::send(fd, ptr.cast(), len, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
@@ -116,7 +112,7 @@ pub(super) fn read_host(socket: &impl AsRawFd, storage: &HostStorage, len: usize
     let fd = socket.as_raw_fd();
     let mut done = 0;
     while done < len {
-        wait(fd, libc::POLLIN, deadline)?;
+        wait(fd, libc::POLLIN, Some(deadline))?;
         // SAFETY: `done..len` lies inside the mapping (checked above), which lives while
         // `storage` is borrowed; the kernel writes it, no Rust reference to it is made.
         let n = unsafe { libc::recv(fd, storage.base_ptr().add(done).cast(), len - done, libc::MSG_DONTWAIT) };
