@@ -4,17 +4,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::gpus;
 use cuda_mp::{channel, spawn, Device, GpuTensor, IpcPayload, Receiver, Sender};
+
+mod common;
 
 cuda_mp::enable_test_support!();
 
 const WAIT: Duration = Duration::from_secs(60);
-
-fn gpus(n: usize) -> Vec<Arc<Device>> {
-    let visible = Device::count().unwrap_or_else(|e| panic!("this test needs {n} CUDA GPUs, and none is usable: {e}"));
-    assert!(visible >= n, "this test needs {n} CUDA GPUs with peer access; {visible} visible");
-    (0..n).map(|i| Device::get(i).unwrap()).collect()
-}
 
 /// Maps the payload on `access`, checks it holds 0, 1, 2, ..., adds 1000 there, and copies the
 /// result into memory of its own on `access` to read it back.

@@ -14,13 +14,14 @@ use serde::{Deserialize, Serialize};
 
 cuda_mp::enable_test_support!();
 
+mod common;
+
 fn two_gpus() -> (Arc<Device>, Arc<Device>) {
-    let visible = Device::count().unwrap_or_else(|e| panic!("this test needs 2 CUDA GPUs, and none is usable: {e}"));
-    assert!(visible >= 2, "this test needs 2 CUDA GPUs; {visible} visible");
+    let gpus = common::gpus(2);
     if let Err(e) = nccl_library() {
         panic!("this test needs NCCL: {e}");
     }
-    (Device::get(0).unwrap(), Device::get(1).unwrap())
+    (gpus[0].clone(), gpus[1].clone())
 }
 
 /// NCCL's network transport (sockets), as between two hosts.

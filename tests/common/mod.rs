@@ -25,6 +25,14 @@ pub fn gpu() -> Arc<Device> {
     Device::get(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU, and none is usable: {e}"))
 }
 
+/// GPUs 0 to `n - 1`; fails the test, saying why, where fewer are usable.
+#[allow(dead_code)] // only the multi-GPU test binaries use it
+pub fn gpus(n: usize) -> Vec<Arc<Device>> {
+    let visible = Device::count().unwrap_or_else(|e| panic!("this test needs {n} CUDA GPUs, and none is usable: {e}"));
+    assert!(visible >= n, "this test needs {n} CUDA GPUs; {visible} visible");
+    (0..n).map(|i| Device::get(i).unwrap()).collect()
+}
+
 /// Connects a sender of one message type to a listener of another, as a foreign or buggy peer
 /// would.
 #[allow(dead_code)] // not every test binary forges messages
