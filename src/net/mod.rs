@@ -1090,11 +1090,17 @@ mod tests {
 
     /// A receiver whose peer is a raw socket that did the handshake by hand.
     fn forged_peer(options: RemoteOptions) -> (TcpStream, RemoteReceiver<Msg>) {
-        let listener = RemoteListener::<Msg>::bind_with("127.0.0.1:0", options.network_only(true)).unwrap();
+        forged_peer_of::<Msg>(options)
+    }
+
+    /// The same, for messages of type `T`.
+    fn forged_peer_of<T: Serialize + DeserializeOwned>(options: RemoteOptions) -> (TcpStream, RemoteReceiver<T>) {
+        let listener = RemoteListener::<T>::bind_with("127.0.0.1:0", options.network_only(true)).unwrap();
         let addr = listener.local_addr().unwrap();
+        let hello = hello::<T>(REMOTE_PROTOCOL_VERSION);
         let peer = std::thread::spawn(move || {
             let s = TcpStream::connect(addr).unwrap();
-            write_handshake(&s, &hello::<Msg>(REMOTE_PROTOCOL_VERSION), Duration::from_secs(5)).unwrap();
+            write_handshake(&s, &hello, Duration::from_secs(5)).unwrap();
             assert!(matches!(read_handshake::<Welcome>(&s, Duration::from_secs(5)).unwrap(), Welcome::Network(_)));
             s
         });
@@ -1159,19 +1165,7 @@ mod tests {
                 (0..n).map(|_| RemoteTensorForTest { dtype: crate::DType::U8.tag(), shape: vec![0] }).collect();
             postcard::to_extend(&v, vec![0u8; 4]).unwrap()
         };
-        type Many = Vec<HostTensor<u8>>;
-        let receiver = |options: RemoteOptions| {
-            let listener = RemoteListener::<Many>::bind_with("127.0.0.1:0", options.network_only(true)).unwrap();
-            let addr = listener.local_addr().unwrap();
-            let peer = std::thread::spawn(move || {
-                let s = TcpStream::connect(addr).unwrap();
-                write_handshake(&s, &hello::<Many>(REMOTE_PROTOCOL_VERSION), Duration::from_secs(5)).unwrap();
-                read_handshake::<Welcome>(&s, Duration::from_secs(5)).unwrap();
-                s
-            });
-            let rx = listener.accept().unwrap();
-            (peer.join().unwrap(), rx)
-        };
+        let receiver = forged_peer_of::<Vec<HostTensor<u8>>>;
         // More tensors than the frame announces: refused at the first one too many.
         let (mut peer, rx) = receiver(RemoteOptions::default());
         std::io::Write::write_all(&mut peer, &frame(empties(50_000), KIND_MESSAGE, 10, 0)).unwrap();
@@ -1199,18 +1193,7 @@ mod tests {
         let err = rx.recv_timeout(Duration::from_secs(10)).unwrap_err().to_string();
         assert!(err.contains("3 bytes after the message's end"), "{err}");
 
-        type Gpu = crate::GpuTensor<f32>;
-        let listener =
-            RemoteListener::<Gpu>::bind_with("127.0.0.1:0", RemoteOptions::default().network_only(true)).unwrap();
-        let addr = listener.local_addr().unwrap();
-        let peer = std::thread::spawn(move || {
-            let s = TcpStream::connect(addr).unwrap();
-            write_handshake(&s, &hello::<Gpu>(REMOTE_PROTOCOL_VERSION), Duration::from_secs(5)).unwrap();
-            read_handshake::<Welcome>(&s, Duration::from_secs(5)).unwrap();
-            s
-        });
-        let rx = listener.accept().unwrap();
-        let mut peer = peer.join().unwrap();
+        let (mut peer, rx) = forged_peer_of::<crate::GpuTensor<f32>>(RemoteOptions::default());
         let tensor = RemoteTensorForTest { dtype: crate::DType::F32.tag(), shape: vec![1 << 20] };
         let bytes = frame(postcard::to_extend(&tensor, vec![0u8; 4]).unwrap(), KIND_MESSAGE, 1, 0);
         std::io::Write::write_all(&mut peer, &bytes).unwrap();
