@@ -3,6 +3,7 @@
 //!     cargo bench --bench queue                  # ours, then benches/torch_queue.py, one table
 //!     cargo bench --bench queue -- --quick       # fewer tensors, one round
 //!     cargo bench --bench queue -- --no-torch    # ours only
+//!     cargo bench --bench queue -- --prefetch 8  # consumers that prefetch 8 (QUEUE_PREFETCH otherwise)
 //!
 //! Each row: one producer (this process, which also runs the queue's dispatcher) puts 4 KiB
 //! uint8 host tensors on one queue drained by 1 or 4 consumer processes that get and drop
@@ -22,7 +23,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use cuda_mp::{channel, spawn, wait_for_lifetime, HostTensor, Queue, QueueConsumer, Receiver, Sender};
+use cuda_mp::{channel, spawn, wait_for_lifetime, HostTensor, Queue, QueueConsumer, Receiver, Sender, QUEUE_PREFETCH};
 
 const BYTES: usize = 4096;
 const POOL: usize = 8;
@@ -96,14 +97,19 @@ fn settle() {
 }
 
 /// One round: tensors per second.
-fn round(consumers: usize, mode: Mode, n: usize) -> f64 {
+fn round(consumers: usize, mode: Mode, n: usize, prefetch: usize) -> f64 {
     settle();
     let queue = Queue::<HostTensor<u8>>::new().expect("a queue");
     let (ready_tx, ready_rx) = channel().expect("a channel");
     let (credit_tx, credit_rx) = channel().expect("a channel");
     let (done_tx, done_rx) = channel().expect("a channel");
     let children: Vec<_> = (0..consumers)
-        .map(|_| spawn((queue.consumer(), (ready_tx.clone(), credit_tx.clone(), done_tx.clone())), consume))
+        .map(|_| {
+            spawn(
+                (queue.consumer().with_prefetch(prefetch), (ready_tx.clone(), credit_tx.clone(), done_tx.clone())),
+                consume,
+            )
+        })
         .collect();
     for _ in 0..consumers {
         ready_rx.recv_timeout(WAIT).expect("a consumer ready");
@@ -202,14 +208,24 @@ fn main() {
     let quick = args.iter().any(|a| a == "--quick");
     let no_torch = args.iter().any(|a| a == "--no-torch");
     let (n, rounds) = if quick { (5_000, 1) } else { (20_000, 3) };
+    let prefetch = match args.iter().position(|a| a == "--prefetch").map(|i| args.get(i + 1).map(|v| v.parse())) {
+        None => QUEUE_PREFETCH,
+        Some(Some(Ok(p))) => p,
+        Some(_) => {
+            println!("--prefetch takes a number of messages");
+            std::process::exit(2);
+        }
+    };
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
-    println!("queue: {n} tensors of {BYTES} bytes per round, median of {rounds} round(s), {cpus} cpus");
+    println!(
+        "queue: {n} tensors of {BYTES} bytes per round, median of {rounds} round(s), {cpus} cpus, prefetch {prefetch}"
+    );
 
     let mut ours = Vec::new();
     for (consumers, mode) in ROWS {
         // One untimed warm-up round of a tenth the size.
-        round(consumers, mode, n / 10);
-        let rate = median((0..rounds).map(|_| round(consumers, mode, n)).collect());
+        round(consumers, mode, n / 10, prefetch);
+        let rate = median((0..rounds).map(|_| round(consumers, mode, n, prefetch)).collect());
         println!("  cuda-mp {}: {rate:.0} tensors/s", key(consumers, mode));
         ours.push(rate);
     }

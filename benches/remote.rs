@@ -44,6 +44,7 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use cuda_mp::__private::{Phase, PhaseTimes};
 use cuda_mp::{
     bf16, channel, spawn, Bundle, BundleBuilder, Device, GpuTensor, RemoteListener, RemoteOptions, RemoteSender, Route,
     Sender,
@@ -96,12 +97,19 @@ fn receive((addr_tx, quick): (Sender<String>, bool)) -> Result<(), String> {
     if rx.route() != Route::Network {
         return Err(format!("the channel took the {:?} route, not the network", rx.route()));
     }
-    // Receives one message and drops it; gives its bytes.
+    // Receives one message and drops it; gives its bytes. The drop (freeing the fresh memory)
+    // is timed apart, for the per-message breakdown.
+    let dropping = std::cell::Cell::new(Duration::ZERO);
     let recv = || -> Result<u64, String> {
-        Ok(match rx.recv().map_err(|e| format!("receive: {e}"))? {
+        let payload = rx.recv().map_err(|e| format!("receive: {e}"))?;
+        let bytes = match &payload {
             Payload::Tensor(t) => t.numel() as u64,
             Payload::Weights(b) => b.byte_len() as u64,
-        })
+        };
+        let start = Instant::now();
+        drop(payload);
+        dropping.set(dropping.get() + start.elapsed());
+        Ok(bytes)
     };
     let start = Instant::now();
     recv()?;
@@ -111,12 +119,21 @@ fn receive((addr_tx, quick): (Sender<String>, bool)) -> Result<(), String> {
             recv()?;
         }
         let messages = counted(n, quick);
+        let (phases, dropped) = (PhaseTimes::now(), dropping.get());
         let start = Instant::now();
         let mut bytes = 0;
         for _ in 0..messages {
             bytes += recv()?;
         }
         println!("result {name} {bytes} {messages} {:.6}", start.elapsed().as_secs_f64());
+        let now = PhaseTimes::now();
+        let per = |d: Duration| duration(d.as_secs_f64() / messages as f64);
+        println!(
+            "per message on the receiver ({name}): allocating {}, NCCL {}, dropping {}",
+            per(now.since(&phases, Phase::RemoteAlloc)),
+            per(now.since(&phases, Phase::RemoteNccl)),
+            per(dropping.get() - dropped)
+        );
     }
     Ok(())
 }
@@ -162,10 +179,29 @@ fn run_ours(quick: bool) -> Result<(), String> {
                 .zip(&PAYLOADS)
                 .flat_map(|(p, &(name, _, warm, n))| std::iter::repeat_n((p, name), warm + counted(n, quick))),
         );
+        // Per payload, the sender's side of each message (warm-up ones included).
+        let mut current = ("", PhaseTimes::now(), 0u32);
+        let report = |(name, since, sent): (&str, PhaseTimes, u32)| {
+            if sent > 0 {
+                let now = PhaseTimes::now();
+                let per = |p| duration(now.since(&since, p).as_secs_f64() / f64::from(sent));
+                println!(
+                    "per message on the sender ({name}): writing the frame {}, NCCL {}, awaiting the acknowledgement {}",
+                    per(Phase::RemoteWrite),
+                    per(Phase::RemoteNccl),
+                    per(Phase::RemoteAck)
+                );
+            }
+        };
         for (payload, name) in sends {
+            if name != current.0 {
+                report(std::mem::replace(&mut current, (name, PhaseTimes::now(), 0)));
+            }
             tx.send(payload.clone()).map_err(|e| format!("send ({name}): {e}"))?;
+            current.2 += 1;
             let _ = progress.send(name);
         }
+        report(current);
         Ok(())
     });
     let mut last = "none yet";

@@ -21,9 +21,17 @@ pub enum Phase {
     Fetch,
     /// Receiver: waiting on the sender's event.
     EventWait,
+    /// Remote sender: writing a message's frame and host bytes on its TCP connection.
+    RemoteWrite,
+    /// Remote receiver: allocating a message's fresh memory (inside its decode).
+    RemoteAlloc,
+    /// Either remote end: a message's NCCL transfers, from the first call until its bytes moved.
+    RemoteNccl,
+    /// Remote sender: waiting for the receiver's acknowledgement after the NCCL transfers.
+    RemoteAck,
 }
 
-const PHASES: usize = 7;
+const PHASES: usize = 11;
 
 impl Phase {
     /// Every phase, in the order of `PhaseTimes::totals`.
@@ -35,6 +43,10 @@ impl Phase {
         Phase::Open,
         Phase::Fetch,
         Phase::EventWait,
+        Phase::RemoteWrite,
+        Phase::RemoteAlloc,
+        Phase::RemoteNccl,
+        Phase::RemoteAck,
     ];
 }
 

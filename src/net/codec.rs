@@ -20,6 +20,7 @@ use crate::error::{Error, Result};
 use crate::gpu::{Device, GpuStorage};
 use crate::host::HostStorage;
 use crate::layout::Layout;
+use crate::profile::{self, Phase};
 use crate::storage::Shared;
 use crate::tensor::DynTensor;
 use crate::wire;
@@ -182,7 +183,11 @@ pub(crate) fn receive_gpu(bytes: usize) -> Result<Arc<GpuStorage>> {
                 device
             }
         };
-        let storage = if bytes == 0 { empty_gpu(&device)? } else { GpuStorage::alloc(&device, bytes)? };
+        let storage = if bytes == 0 {
+            empty_gpu(&device)?
+        } else {
+            profile::timed(Phase::RemoteAlloc, || GpuStorage::alloc(&device, bytes))?
+        };
         d.incoming.push(Incoming::Gpu(storage.clone(), bytes));
         Ok(storage)
     })

@@ -22,6 +22,7 @@ use crate::channel::{Listener, Receiver, Sender};
 use crate::error::{Error, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError};
 use crate::gpu::{Communicator, Device, UniqueId};
 use crate::os::catch_quietly;
+use crate::profile::{self, Phase};
 use crate::wire;
 
 /// The version of the remote protocol; both ends must speak the same.
@@ -758,22 +759,27 @@ impl NetSender {
                 .map_err(send_failure)?;
             self.comm = Some(comm);
         }
-        sys::write_all(&self.stream, &message, deadline).map_err(failed)?;
-        for out in outgoing {
-            match out {
-                Outgoing::Host { storage, offset, len } => {
-                    sys::write_host(&self.stream, storage, *offset, *len, deadline).map_err(failed)?
+        profile::timed(Phase::RemoteWrite, || {
+            sys::write_all(&self.stream, &message, deadline)?;
+            for out in outgoing {
+                match out {
+                    Outgoing::Host { storage, offset, len } => {
+                        sys::write_host(&self.stream, storage, *offset, *len, deadline)?
+                    }
+                    Outgoing::Packed(bytes) => sys::write_all(&self.stream, bytes, deadline)?,
+                    Outgoing::Gpu { .. } => {}
                 }
-                Outgoing::Packed(bytes) => sys::write_all(&self.stream, bytes, deadline).map_err(failed)?,
-                Outgoing::Gpu { .. } => {}
             }
-        }
+            Ok(())
+        })
+        .map_err(failed)?;
         if needs_comm {
             let stream = &self.stream;
             let comm = self.comm.as_mut().expect("set up above");
-            comm.transfer(true, gpu, deadline, &mut || !sys::peer_closed(stream)).map_err(send_failure)?;
+            profile::timed(Phase::RemoteNccl, || comm.transfer(true, gpu, deadline, &mut || !sys::peer_closed(stream)))
+                .map_err(send_failure)?;
             let mut ack = [0u8; 1];
-            match sys::read_some(&self.stream, &mut ack, Some(deadline)) {
+            match profile::timed(Phase::RemoteAck, || sys::read_some(&self.stream, &mut ack, Some(deadline))) {
                 Ok(1) if ack[0] == ACK => {}
                 Ok(0) => return Err(SendFailure::Disconnected),
                 Ok(_) => {
@@ -1041,7 +1047,9 @@ impl NetReceiver {
                 .comm
                 .as_mut()
                 .ok_or_else(|| RecvTimeoutError::Malformed("GPU tensors arrived before the NCCL set-up".into()))?;
-            if let Err(e) = comm.transfer(false, &ranges, deadline, &mut || !sys::peer_closed(stream)) {
+            if let Err(e) = profile::timed(Phase::RemoteNccl, || {
+                comm.transfer(false, &ranges, deadline, &mut || !sys::peer_closed(stream))
+            }) {
                 // Abort before the fresh memory is freed: freeing waits for the stream, where
                 // the receive may still be waiting for a peer that is gone.
                 self.close();
