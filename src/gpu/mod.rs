@@ -117,26 +117,11 @@ impl<T: Element> Tensor<T, GpuStorage> {
     /// assert_eq!(a, cuda_mp::ndarray::arr2(&[[0, 3], [1, 4], [2, 5]]).into_dyn());
     /// ```
     pub fn to_ndarray(&self) -> Result<ArrayD<T>> {
-        let size = T::DTYPE.size();
-        let first = self.offset();
-        let covered = self.layout.extent()?.saturating_sub(first);
-        let data = if covered == 0 {
-            Vec::new()
-        } else {
-            let range = self.storage.range()?.sub(first * size, covered * size)?;
-            let covering: Vec<T> = driver::copy_dtoh(self.stream(), range)?;
-            if self.is_contiguous() {
-                // The covering range is the view, in order.
-                covering
-            } else {
-                // Every index is in first..extent, so inside `covering`.
-                self.layout.indices().map(|i| covering[i - first]).collect()
-            }
-        };
-        ArrayD::from_shape_vec(IxDyn(self.shape()), data).map_err(|e| Error::Layout(e.to_string()))
+        ArrayD::from_shape_vec(IxDyn(self.shape()), self.to_vec()?).map_err(|e| Error::Layout(e.to_string()))
     }
 
-    /// Copies the view to a host vector in row-major order.
+    /// Copies the view to a host vector in row-major order (a contiguous view with one copy
+    /// and no pass over its elements).
     ///
     /// ```no_run
     /// let dev = cuda_mp::Device::get(0).unwrap();
@@ -144,7 +129,21 @@ impl<T: Element> Tensor<T, GpuStorage> {
     /// assert_eq!(t.narrow(1, 1, 2).unwrap().to_vec().unwrap(), vec![1, 2, 4, 5]);
     /// ```
     pub fn to_vec(&self) -> Result<Vec<T>> {
-        Ok(self.to_ndarray()?.into_iter().collect())
+        let size = T::DTYPE.size();
+        let first = self.offset();
+        let covered = self.layout.extent()?.saturating_sub(first);
+        if covered == 0 {
+            return Ok(Vec::new());
+        }
+        let range = self.storage.range()?.sub(first * size, covered * size)?;
+        let covering: Vec<T> = driver::copy_dtoh(self.stream(), range)?;
+        Ok(if self.is_contiguous() {
+            // The covering range is the view, in order.
+            covering
+        } else {
+            // Every index is in first..extent, so inside `covering`.
+            self.layout.indices().map(|i| covering[i - first]).collect()
+        })
     }
 
     /// Sets every element of the view to `value` (queued on the device's stream).
