@@ -136,6 +136,12 @@ impl<K: StorageKind> Handle<K> {
     pub(crate) fn memory(&self) -> &Memory<K> {
         &self.memory
     }
+
+    /// True when this handle is all that holds the memory: no claim, no registry entry, no
+    /// cached mapping elsewhere keeps it, so it may be refilled for a new storage.
+    pub(crate) fn holds_alone(&mut self) -> bool {
+        !self.memory.is_imported() && Arc::get_mut(&mut self.memory).is_some()
+    }
 }
 
 impl<K: StorageKind> Drop for Handle<K> {

@@ -292,3 +292,56 @@ fn a_sender_killed_mid_transfer_leaves_no_hang() {
     assert!(gpu_ok, "the receiving GPU failed after the abort");
     receiver.join().unwrap();
 }
+
+/// Receives four 1 MiB tensors on GPU 1: the first dropped, the second held while the third
+/// arrives. Gives each one's device address, and whether each held the values sent.
+fn receive_four((addr_tx, report): (Sender<String>, Sender<Result<Vec<u64>, String>>)) {
+    let run = || -> Result<Vec<u64>, String> {
+        let e = |e: cuda_mp::Error| e.to_string();
+        let options = RemoteOptions::default().device(1).network_only(true);
+        let listener = RemoteListener::<GpuTensor<i32>>::bind_with("127.0.0.1:0", options).map_err(e)?;
+        addr_tx.send(listener.local_addr().map_err(e)?.to_string()).map_err(|e| e.to_string())?;
+        let rx = listener.accept().map_err(e)?;
+        let expect = |t: &GpuTensor<i32>, step: i32| -> Result<u64, String> {
+            if t.to_vec().map_err(e)?.iter().any(|&x| x != step) {
+                return Err(format!("message {step} does not hold its values"));
+            }
+            Ok(t.device_ptr())
+        };
+        let mut seen = Vec::new();
+        let first = rx.recv().map_err(|e| e.to_string())?;
+        seen.push(expect(&first, 0)?);
+        drop(first);
+        let second = rx.recv().map_err(|e| e.to_string())?;
+        seen.push(expect(&second, 1)?);
+        let third = rx.recv().map_err(|e| e.to_string())?;
+        seen.push(expect(&third, 2)?);
+        // The held message was not received into.
+        expect(&second, 1)?;
+        drop((second, third));
+        let fourth = rx.recv().map_err(|e| e.to_string())?;
+        seen.push(expect(&fourth, 3)?);
+        Ok(seen)
+    };
+    report.send(run()).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_dropped_messages_memory_is_received_into_and_a_held_ones_is_not() {
+    let (gpu0, _) = two_gpus();
+    let (addr_tx, addr_rx) = channel::<String>().unwrap();
+    let (report_tx, report_rx) = channel().unwrap();
+    let child = spawn((addr_tx, report_tx), receive_four);
+    let addr = addr_rx.recv_timeout(Duration::from_secs(60)).unwrap();
+    let tx = RemoteSender::<GpuTensor<i32>>::connect_with(addr.as_str(), RemoteOptions::default().network_only(true))
+        .unwrap();
+    for step in 0..4i32 {
+        tx.send(GpuTensor::<i32>::full(&gpu0, &[1 << 18], step).unwrap()).unwrap();
+    }
+    let at = report_rx.recv_timeout(Duration::from_secs(120)).unwrap().unwrap();
+    assert_eq!(at[1], at[0], "the second message did not reuse the dropped first one's memory");
+    assert_ne!(at[2], at[1], "the third message was received into memory still held");
+    assert_eq!(at[3], at[2], "the fourth message did not reuse the third one's memory");
+    child.join().unwrap();
+}

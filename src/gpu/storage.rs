@@ -479,6 +479,13 @@ impl GpuStorage {
         self.memory().len()
     }
 
+    /// True when `storage` is the only reference to this storage and its memory anywhere (no
+    /// tensor, no other process, no cache), so that its memory may be refilled: what a remote
+    /// receiver checks before it receives a new message into a dropped one's memory.
+    pub(crate) fn is_unshared(storage: &mut Arc<GpuStorage>) -> bool {
+        Arc::get_mut(storage).is_some_and(|s| s.0.holds_alone())
+    }
+
     /// The storage's identity across processes.
     ///
     /// ```no_run

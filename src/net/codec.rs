@@ -63,9 +63,18 @@ pub(crate) struct Budget {
     pub(crate) host_bytes: u64,
     /// Tensors the frame announced and not yet decoded.
     pub(crate) transfers: u32,
+    /// GPU storages of earlier messages to receive into instead of allocating, where one of
+    /// the same size is no longer held by anyone.
+    pub(crate) spare: Vec<Arc<GpuStorage>>,
 }
 
 impl Budget {
+    /// A spare storage of exactly `bytes` bytes that nothing else holds.
+    fn take_spare(&mut self, bytes: usize) -> Option<Arc<GpuStorage>> {
+        let i = self.spare.iter_mut().position(|s| s.byte_len() == bytes && GpuStorage::is_unshared(s))?;
+        Some(self.spare.swap_remove(i))
+    }
+
     fn take_transfer(&mut self) -> Result<()> {
         self.transfers = self
             .transfers
@@ -121,8 +130,9 @@ pub(crate) fn encode<R>(encode: impl FnOnce() -> R) -> (R, Vec<Outgoing>) {
 }
 
 /// Runs `decode` (the deserialization of one message from a remote peer) and returns its
-/// result with the memory its tensors allocated. Nested calls keep their own state.
-pub(crate) fn decode<R>(budget: Budget, decode: impl FnOnce() -> R) -> (R, Vec<Incoming>) {
+/// result with the memory its tensors took, and the spare storages it did not take. Nested
+/// calls keep their own state.
+pub(crate) fn decode<R>(budget: Budget, decode: impl FnOnce() -> R) -> (R, Vec<Incoming>, Vec<Arc<GpuStorage>>) {
     struct Restore(Option<Decoding>);
     impl Drop for Restore {
         fn drop(&mut self) {
@@ -134,8 +144,9 @@ pub(crate) fn decode<R>(budget: Budget, decode: impl FnOnce() -> R) -> (R, Vec<I
     let _restore = Restore(DECODING.with(|d| d.borrow_mut().replace(fresh)));
     let _ = wire::take_failure();
     let result = decode();
-    let incoming = DECODING.with(|d| d.borrow_mut().take()).map(|d| d.incoming).unwrap_or_default();
-    (result, incoming)
+    let (incoming, spare) =
+        DECODING.with(|d| d.borrow_mut().take()).map(|d| (d.incoming, d.budget.spare)).unwrap_or_default();
+    (result, incoming, spare)
 }
 
 /// True while a message for a remote peer is being serialized on this thread.
@@ -185,6 +196,8 @@ pub(crate) fn receive_gpu(bytes: usize) -> Result<Arc<GpuStorage>> {
         };
         let storage = if bytes == 0 {
             empty_gpu(&device)?
+        } else if let Some(spare) = d.budget.take_spare(bytes) {
+            spare
         } else {
             profile::timed(Phase::RemoteAlloc, || GpuStorage::alloc(&device, bytes))?
         };

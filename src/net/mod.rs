@@ -9,7 +9,7 @@ use std::fmt;
 use std::io;
 use std::marker::PhantomData;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
@@ -20,7 +20,7 @@ pub(crate) use codec::{decode_tensor, encode_tensor, is_decoding, is_encoding, r
 use self::codec::{Budget, Incoming, Outgoing};
 use crate::channel::{Listener, Receiver, Sender};
 use crate::error::{Error, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError};
-use crate::gpu::{Communicator, Device, UniqueId};
+use crate::gpu::{Communicator, Device, GpuStorage, UniqueId};
 use crate::os::catch_quietly;
 use crate::profile::{self, Phase};
 use crate::wire;
@@ -85,6 +85,7 @@ pub struct RemoteOptions {
     max_host_bytes: u64,
     max_tensors: u32,
     network_only: bool,
+    reuse_memory: bool,
 }
 
 impl Default for RemoteOptions {
@@ -98,6 +99,7 @@ impl Default for RemoteOptions {
             max_host_bytes: 64 << 30,
             max_tensors: 16 << 10,
             network_only: false,
+            reuse_memory: true,
         }
     }
 }
@@ -177,6 +179,32 @@ impl RemoteOptions {
     pub fn network_only(mut self, yes: bool) -> Self {
         self.network_only = yes;
         self
+    }
+
+    /// Whether a receiver receives GPU tensors into the memory of the previous message's,
+    /// once nothing holds that any more (on by default), as a caching allocator would: a
+    /// steady stream of same-sized messages (weights at every step) then costs no allocation
+    /// and no free on the receiving GPU. The receiver keeps the last message's GPU memory
+    /// until the next message or its own drop, so a dropped message's memory goes back to
+    /// the driver only then; `false` frees it when its last tensor is dropped.
+    ///
+    /// Memory is reused only when no tensor, no other process and no cache holds it. Work
+    /// that reads a received tensor on a CUDA stream of another library (not the device's
+    /// stream, where cuda-mp queues its own work and the next message's transfer) must be
+    /// finished before the tensor's last handle is dropped, as with any caching allocator.
+    ///
+    /// ```
+    /// let options = cuda_mp::RemoteOptions::default().reuse_memory(false);
+    /// assert!(!options.get_reuse_memory());
+    /// ```
+    pub fn reuse_memory(mut self, yes: bool) -> Self {
+        self.reuse_memory = yes;
+        self
+    }
+
+    /// Whether a receiver reuses dropped messages' GPU memory.
+    pub fn get_reuse_memory(&self) -> bool {
+        self.reuse_memory
     }
 }
 
@@ -508,6 +536,7 @@ impl<T: Serialize + DeserializeOwned> RemoteListener<T> {
             reader: FrameReader::new(self.options.max_frame_bytes.saturating_add(TRAILER)),
             stream,
             comm: None,
+            spare: Vec::new(),
             options: self.options.clone(),
             broken: false,
         };
@@ -819,7 +848,10 @@ enum ReceiverInner<T> {
 struct NetReceiver {
     stream: TcpStream,
     reader: FrameReader,
+    /// Dropped before `spare` (fields drop in order): aborted before memory is freed.
     comm: Option<Communicator>,
+    /// The last message's GPU storages, to receive into again once nothing else holds them.
+    spare: Vec<Arc<GpuStorage>>,
     options: RemoteOptions,
     broken: bool,
 }
@@ -993,8 +1025,17 @@ impl NetReceiver {
                 self.options.max_tensors
             )));
         }
-        let budget = Budget { device: self.options.device, gpu_ready: self.comm.is_some(), host_bytes, transfers };
-        let (decoded, incoming) = codec::decode(budget, || catch_quietly(|| postcard::take_from_bytes::<T>(payload)));
+        let budget = Budget {
+            device: self.options.device,
+            gpu_ready: self.comm.is_some(),
+            host_bytes,
+            transfers,
+            spare: if self.options.reuse_memory { std::mem::take(&mut self.spare) } else { Vec::new() },
+        };
+        let (decoded, incoming, unused) =
+            codec::decode(budget, || catch_quietly(|| postcard::take_from_bytes::<T>(payload)));
+        // A message without GPU tensors leaves the spares for the next one.
+        self.spare = unused;
         let value = match decoded {
             Ok(Ok((value, []))) => value,
             Ok(Ok((_, rest))) => {
@@ -1059,6 +1100,14 @@ impl NetReceiver {
             // cannot be written (the sender then reports a failure and the connection closes).
             if sys::write_all(&self.stream, &[ACK], deadline).is_err() {
                 self.close();
+            } else if self.options.reuse_memory {
+                self.spare = incoming
+                    .iter()
+                    .filter_map(|i| match i {
+                        Incoming::Gpu(storage, len) if *len > 0 => Some(storage.clone()),
+                        _ => None,
+                    })
+                    .collect();
             }
         }
         Ok(value)
@@ -1068,6 +1117,7 @@ impl NetReceiver {
         self.broken = true;
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
         self.comm = None;
+        self.spare.clear();
     }
 }
 
