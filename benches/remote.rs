@@ -9,8 +9,9 @@
 //!     cargo bench --bench remote -- --python python3.12   # the interpreter that has torch
 //!
 //! Needs GPUs 0 and 1. Ours: a process sends from GPU 0 through a `RemoteSender` with
-//! `network_only(true)`; the process it spawns receives on GPU 1, where every message arrives
-//! in freshly allocated memory, and drops it. Torch: rank 0 on cuda:0 sends, rank 1 on cuda:1
+//! `network_only(true)`; the process it spawns receives on GPU 1 and drops each message, so
+//! the next one is received into its memory (`RemoteOptions::reuse_memory`, on by default;
+//! the first message of each size allocates). Torch: rank 0 on cuda:0 sends, rank 1 on cuda:1
 //! receives into tensors allocated once.
 //!
 //! Transports. NCCL reads its environment once per process, so for each transport this program
@@ -28,7 +29,8 @@
 //! as its best case, as one flat buffer).
 //!
 //! Timing, on the receiver. The very first message (1 MiB) is timed on its own, from `accept`
-//! to its `recv` returning: it includes NCCL's communicator set-up. Then per payload, the
+//! to its `recv` returning: it includes NCCL's communicator set-up, not the CUDA context (both
+//! sides make theirs before). Then per payload, the
 //! warm-up messages are received and dropped uncounted; the clock starts when the last warm-up
 //! `recv` returned and stops when the last counted `recv` returned (its memory dropped), so it
 //! covers the counted messages back to back, the sender's per-message work included.
@@ -89,6 +91,8 @@ enum Payload {
 /// Our receiving process, on GPU 1: sends its address, accepts one sender, receives every
 /// payload's messages and prints `first` and `result` lines as it goes.
 fn receive((addr_tx, quick): (Sender<String>, bool)) -> Result<(), String> {
+    // The GPU's context made before the clock starts, as torch's script makes its own.
+    Device::get(1).map_err(|e| e.to_string())?;
     let options = RemoteOptions::default().device(1).network_only(true).transfer_timeout(TIMEOUT);
     let listener = RemoteListener::<Payload>::bind_with("127.0.0.1:0", options).map_err(|e| e.to_string())?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
@@ -97,7 +101,7 @@ fn receive((addr_tx, quick): (Sender<String>, bool)) -> Result<(), String> {
     if rx.route() != Route::Network {
         return Err(format!("the channel took the {:?} route, not the network", rx.route()));
     }
-    // Receives one message and drops it; gives its bytes. The drop (freeing the fresh memory)
+    // Receives one message and drops it; gives its bytes. The drop (freeing memory, if any)
     // is timed apart, for the per-message breakdown.
     let dropping = std::cell::Cell::new(Duration::ZERO);
     let recv = || -> Result<u64, String> {
@@ -332,7 +336,10 @@ fn print_table(transport: &str, ours: &Side, torch: Option<&Side>, quick: bool) 
         first(Some(ours)),
         first(torch)
     );
-    println!("cuda-mp allocates every received message fresh; torch receives into buffers allocated once");
+    println!(
+        "cuda-mp receives into the memory of the message dropped before (RemoteOptions::reuse_memory); \
+         torch receives into buffers allocated once"
+    );
     for (label, side) in [("cuda-mp", Some(ours)), ("torch", torch)] {
         if let Some(why) = side.and_then(|s| s.failed.as_ref()) {
             println!("{label} stopped early: {why}");

@@ -13,10 +13,10 @@ Timing: the first message (1 MiB) alone, including the communicator torch sets u
 the first send/recv; then per payload, warm-up messages uncounted, and the counted ones between
 two `torch.cuda.synchronize()`.
 
-Not the same work as ours: here the receiver receives into tensors allocated once and reused
-(torch's normal usage), while cuda-mp allocates a fresh receive buffer for every message; and
-here the CPU queues sends and receives on NCCL's stream without waiting for each, while a
-cuda-mp send or receive returns once its NCCL transfer is done.
+Not quite the same work as ours: here the CPU queues sends and receives on NCCL's stream
+without waiting for each, while a cuda-mp send returns once its bytes are acknowledged and a
+receive once they are in. Both receive into memory allocated before (torch: tensors allocated
+once; cuda-mp: the memory of the message dropped before).
 """
 import glob
 import os
