@@ -511,6 +511,16 @@ mod tests {
         assert!(matches!(first, Reply::Item(Slot::Owned(0))));
         // It returns 0 and 1 (its Gots are on their way) and leaves.
         drop(consumer);
+        // The close reaches the sending end on its own time: wait until a send sees it, so
+        // that the dispatcher's next send fails (a send that still got through would only be
+        // taken back when the consumer's `Left` is handled, another path).
+        let replies = d.consumers[&1].replies.clone().expect("not cut off yet");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while replies.send(Reply::Empty).is_ok() {
+            assert!(std::time::Instant::now() < deadline, "the dropped receiver never showed as gone");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        drop(replies);
         d.handle(Event::Request(1, Ctl::Got(1)));
         // Sending 2 failed: 2 is back, the consumer is sent nothing more.
         assert_eq!((d.stats().backlog, d.stats().in_flight, d.stats().requeued), (2, 1, 1));
