@@ -24,7 +24,8 @@
 //! transport NCCL picked. Unless CUDA_MP_NCCL_LIBRARY is set, ours loads the NCCL library torch
 //! loads, so both sides run the same NCCL.
 //!
-//! Payloads: 1 MiB, 64 MiB, 1 GiB (one `GpuTensor<u8>` each) and 7B-shaped weights (a `Bundle`
+//! Payloads: 1 MiB, 64 MiB, 1 GiB (one `GpuTensor<u8>` each), 64 tensors of 1 MiB in one
+//! message (a `Vec`: how small tensors travel at NVLink's rate) and 7B-shaped weights (a `Bundle`
 //! of 291 bf16 tensors, 13.5 GB in one allocation; torch sends them one `dist.send` each and,
 //! as its best case, as one flat buffer).
 //!
@@ -63,13 +64,25 @@ const TIMEOUT: Duration = Duration::from_secs(60);
 /// message takes seconds over loopback; this only catches a transfer that never ends.
 const STALL: Duration = Duration::from_secs(90);
 
-/// Name, bytes (`None`: the 7B bundle), warm-up messages, counted messages (a fifth with
-/// `--quick`). `benches/torch_nccl.py` has the same.
-const PAYLOADS: [(&str, Option<usize>, usize, usize); 4] = [
-    ("1MiB", Some(1 << 20), 2, 200),
-    ("64MiB", Some(64 << 20), 2, 50),
-    ("1GiB", Some(1 << 30), 2, 10),
-    ("7B", None, 1, 3),
+/// What a message holds.
+#[derive(Clone, Copy)]
+enum Shape {
+    /// One tensor of this many bytes.
+    Bytes(usize),
+    /// This many tensors of 1 MiB in one message (torch: a send each).
+    Batch(usize),
+    /// The 7B bundle.
+    Weights,
+}
+
+/// Name, what a message holds, warm-up messages, counted messages (a fifth with `--quick`).
+/// `benches/torch_nccl.py` has the same.
+const PAYLOADS: [(&str, Shape, usize, usize); 5] = [
+    ("1MiB", Shape::Bytes(1 << 20), 2, 200),
+    ("64x1MiB", Shape::Batch(64), 2, 20),
+    ("64MiB", Shape::Bytes(64 << 20), 2, 50),
+    ("1GiB", Shape::Bytes(1 << 30), 2, 10),
+    ("7B", Shape::Weights, 1, 3),
 ];
 
 fn counted(n: usize, quick: bool) -> usize {
@@ -85,6 +98,7 @@ fn counted(n: usize, quick: bool) -> usize {
 #[derive(Clone, serde::Serialize, serde::Deserialize)]
 enum Payload {
     Tensor(GpuTensor<u8>),
+    Batch(Vec<GpuTensor<u8>>),
     Weights(Bundle),
 }
 
@@ -108,6 +122,7 @@ fn receive((addr_tx, quick): (Sender<String>, bool)) -> Result<(), String> {
         let payload = rx.recv().map_err(|e| format!("receive: {e}"))?;
         let bytes = match &payload {
             Payload::Tensor(t) => t.numel() as u64,
+            Payload::Batch(ts) => ts.iter().map(|t| t.numel() as u64).sum(),
             Payload::Weights(b) => b.byte_len() as u64,
         };
         let start = Instant::now();
@@ -155,9 +170,12 @@ fn run_ours(quick: bool) -> Result<(), String> {
     // Everything is allocated before the receiver starts: its clock never sees our allocations.
     let payloads = PAYLOADS
         .iter()
-        .map(|&(_, bytes, ..)| match bytes {
-            Some(n) => GpuTensor::<u8>::zeros(&dev, &[n]).map(Payload::Tensor),
-            None => llama7b_shapes()
+        .map(|&(_, shape, ..)| match shape {
+            Shape::Bytes(n) => GpuTensor::<u8>::zeros(&dev, &[n]).map(Payload::Tensor),
+            Shape::Batch(n) => {
+                (0..n).map(|_| GpuTensor::<u8>::zeros(&dev, &[1 << 20])).collect::<Result<_, _>>().map(Payload::Batch)
+            }
+            Shape::Weights => llama7b_shapes()
                 .iter()
                 .fold(BundleBuilder::new(), |b, (name, shape)| b.add::<bf16>(name.clone(), shape))
                 .build(&dev)
@@ -319,7 +337,11 @@ fn print_table(transport: &str, ours: &Side, torch: Option<&Side>, quick: bool) 
     println!("| payload | cuda-mp GB/s | cuda-mp per message | torch GB/s | torch per message | cuda-mp / torch |");
     println!("|---|---|---|---|---|---|");
     for &(name, _, _, n) in &PAYLOADS {
-        let what = if name == "7B" { "7B weights, 291 bf16 tensors (torch: a send each)" } else { name };
+        let what = match name {
+            "7B" => "7B weights, 291 bf16 tensors (torch: a send each)",
+            "64x1MiB" => "64 tensors of 1 MiB in one message (torch: a send each)",
+            _ => name,
+        };
         let ((og, om), (tg, tm)) = (cells(Some(ours), name), cells(torch, name));
         let r = ratio(ours.get(name), torch.and_then(|t| t.get(name)));
         println!("| {what}, x {} | {og} | {om} | {tg} | {tm} | {r} |", counted(n, quick));

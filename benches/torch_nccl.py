@@ -5,7 +5,7 @@ to cuda:1 (rank 1), the same payloads and message counts, timed on the receiver.
     python3 benches/torch_nccl.py --transport net|nvlink [--quick]
     python3 benches/torch_nccl.py --nccl-path    # the NCCL library this torch loads
 
-Payloads: 1 MiB, 64 MiB, 1 GiB of uint8, the 291 bf16 tensors of the 7B shapes sent one
+Payloads: 1 MiB, 64 MiB, 1 GiB of uint8, 64 tensors of 1 MiB per message, the 291 bf16 tensors of the 7B shapes sent one
 `dist.send` each (how torch users publish weights), and the same 13.5 GB as one flat uint8
 buffer (torch's best case).
 
@@ -33,6 +33,8 @@ from torch_baseline import llama7b_shapes
 
 # (name, bytes, warm-up messages, counted messages): PAYLOADS in benches/remote.rs.
 PAYLOADS = [("1MiB", 1 << 20, 2, 200), ("64MiB", 64 << 20, 2, 50), ("1GiB", 1 << 30, 2, 10)]
+# 64 tensors of 1 MiB per message (ours: one message holding all 64; here a send each).
+BATCH, BATCH_WARM, BATCH_MESSAGES = 64, 2, 20
 WEIGHTS_WARM, WEIGHTS_MESSAGES = 1, 3
 
 
@@ -89,6 +91,9 @@ def worker(rank, port, quick):
         print(f"first {secs:.6f}", flush=True)
     for name, nbytes, warm, messages in PAYLOADS:
         run(name, [alloc(nbytes, dtype=torch.uint8, device=dev)], warm, counted(messages, quick))
+    batch = [alloc(1 << 20, dtype=torch.uint8, device=dev) for _ in range(BATCH)]
+    run(f"{BATCH}x1MiB", batch, BATCH_WARM, counted(BATCH_MESSAGES, quick))
+    del batch
     weights = [alloc(shape, dtype=torch.bfloat16, device=dev) for _, shape in llama7b_shapes()]
     run("7B", weights, WEIGHTS_WARM, counted(WEIGHTS_MESSAGES, quick))
     total = sum(t.numel() * t.element_size() for t in weights)

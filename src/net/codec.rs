@@ -11,6 +11,7 @@
 
 use std::any::Any;
 use std::cell::RefCell;
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -64,15 +65,23 @@ pub(crate) struct Budget {
     /// Tensors the frame announced and not yet decoded.
     pub(crate) transfers: u32,
     /// GPU storages of earlier messages to receive into instead of allocating, where one of
-    /// the same size is no longer held by anyone.
-    pub(crate) spare: Vec<Arc<GpuStorage>>,
+    /// the same size is no longer held by anyone; in the order the earlier message took them.
+    pub(crate) spare: VecDeque<Arc<GpuStorage>>,
 }
+
+/// How far into the spares a tensor looks for one of its size. A message shaped like the last
+/// finds its match first; the bound keeps a message of another shape linear.
+const SPARE_WINDOW: usize = 64;
 
 impl Budget {
     /// A spare storage of exactly `bytes` bytes that nothing else holds.
     fn take_spare(&mut self, bytes: usize) -> Option<Arc<GpuStorage>> {
-        let i = self.spare.iter_mut().position(|s| s.byte_len() == bytes && GpuStorage::is_unshared(s))?;
-        Some(self.spare.swap_remove(i))
+        let i = self
+            .spare
+            .iter_mut()
+            .take(SPARE_WINDOW)
+            .position(|s| s.byte_len() == bytes && GpuStorage::is_unshared(s))?;
+        self.spare.remove(i)
     }
 
     fn take_transfer(&mut self) -> Result<()> {
@@ -132,7 +141,7 @@ pub(crate) fn encode<R>(encode: impl FnOnce() -> R) -> (R, Vec<Outgoing>) {
 /// Runs `decode` (the deserialization of one message from a remote peer) and returns its
 /// result with the memory its tensors took, and the spare storages it did not take. Nested
 /// calls keep their own state.
-pub(crate) fn decode<R>(budget: Budget, decode: impl FnOnce() -> R) -> (R, Vec<Incoming>, Vec<Arc<GpuStorage>>) {
+pub(crate) fn decode<R>(budget: Budget, decode: impl FnOnce() -> R) -> (R, Vec<Incoming>, VecDeque<Arc<GpuStorage>>) {
     struct Restore(Option<Decoding>);
     impl Drop for Restore {
         fn drop(&mut self) {

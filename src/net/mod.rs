@@ -5,6 +5,7 @@
 mod codec;
 mod sys;
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::io;
 use std::marker::PhantomData;
@@ -536,7 +537,7 @@ impl<T: Serialize + DeserializeOwned> RemoteListener<T> {
             reader: FrameReader::new(self.options.max_frame_bytes.saturating_add(TRAILER)),
             stream,
             comm: None,
-            spare: Vec::new(),
+            spare: VecDeque::new(),
             options: self.options.clone(),
             broken: false,
         };
@@ -851,7 +852,7 @@ struct NetReceiver {
     /// Dropped before `spare` (fields drop in order): aborted before memory is freed.
     comm: Option<Communicator>,
     /// The last message's GPU storages, to receive into again once nothing else holds them.
-    spare: Vec<Arc<GpuStorage>>,
+    spare: VecDeque<Arc<GpuStorage>>,
     options: RemoteOptions,
     broken: bool,
 }
@@ -1030,7 +1031,7 @@ impl NetReceiver {
             gpu_ready: self.comm.is_some(),
             host_bytes,
             transfers,
-            spare: if self.options.reuse_memory { std::mem::take(&mut self.spare) } else { Vec::new() },
+            spare: if self.options.reuse_memory { std::mem::take(&mut self.spare) } else { VecDeque::new() },
         };
         let (decoded, incoming, unused) =
             codec::decode(budget, || catch_quietly(|| postcard::take_from_bytes::<T>(payload)));
