@@ -22,12 +22,18 @@ use crate::error::Result;
 /// Records this process's one interprocess event of `device` after the work queued on its
 /// stream, or None when the stream is idle (nothing to wait for).
 pub(crate) fn record(device: &Device) -> Result<Option<IpcHandle>> {
+    Ok(recorded(device)?.map(|event| *event.handle()))
+}
+
+/// The device's interprocess event recorded after the work queued on its stream, or None when
+/// the stream is idle.
+fn recorded(device: &Device) -> Result<Option<&InterprocessEvent>> {
     if driver::stream_is_idle(device.stream())? {
         return Ok(None);
     }
     let event = device.ipc_event_cell().get_or_try_init(|| InterprocessEvent::create(device))?;
     event.record(device.stream())?;
-    Ok(Some(*event.handle()))
+    Ok(Some(event))
 }
 
 /// Opened events of other processes, keyed by (owner token, owner device ordinal, handle).
@@ -70,11 +76,9 @@ pub(crate) fn wait_once(device: &Device, handle: &IpcHandle) -> Result<()> {
 /// # Safety
 /// As [`InterprocessEvent::make_wait`].
 pub(crate) unsafe fn order_after(device: &Device, stream: cudarc::driver::sys::CUstream) -> Result<()> {
-    if driver::stream_is_idle(device.stream())? {
-        return Ok(());
+    match recorded(device)? {
+        // SAFETY: upheld by the caller.
+        Some(event) => unsafe { event.make_wait(stream) },
+        None => Ok(()),
     }
-    let event = device.ipc_event_cell().get_or_try_init(|| InterprocessEvent::create(device))?;
-    event.record(device.stream())?;
-    // SAFETY: upheld by the caller.
-    unsafe { event.make_wait(stream) }
 }
