@@ -13,6 +13,7 @@ mod tests;
 
 use std::any::Any;
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -109,12 +110,31 @@ fn state() -> MutexGuard<'static, State> {
     SHARED.state.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Threads waiting on `SHARED.changed`. Counted under the state lock before each wait, so a
+/// change made under the lock and notified after it either is seen by the waiter's own check
+/// or finds the waiter counted: `notify` may then skip the wake-up system call when nobody
+/// waits, which is almost always (it runs at every send, release and free).
+static WAITERS: AtomicUsize = AtomicUsize::new(0);
+
 fn wait(guard: MutexGuard<'static, State>) -> MutexGuard<'static, State> {
-    SHARED.changed.wait(guard).unwrap_or_else(|p| p.into_inner())
+    WAITERS.fetch_add(1, Ordering::SeqCst);
+    let guard = SHARED.changed.wait(guard).unwrap_or_else(|p| p.into_inner());
+    WAITERS.fetch_sub(1, Ordering::SeqCst);
+    guard
 }
 
+fn wait_timeout(guard: MutexGuard<'static, State>, timeout: Duration) -> MutexGuard<'static, State> {
+    WAITERS.fetch_add(1, Ordering::SeqCst);
+    let guard = SHARED.changed.wait_timeout(guard, timeout).unwrap_or_else(|p| p.into_inner()).0;
+    WAITERS.fetch_sub(1, Ordering::SeqCst);
+    guard
+}
+
+/// Wakes the waiters after a change made under the state lock (call it after the change).
 fn notify() {
-    SHARED.changed.notify_all();
+    if WAITERS.load(Ordering::SeqCst) > 0 {
+        SHARED.changed.notify_all();
+    }
 }
 
 fn stats_of(s: &State) -> LifetimeStats {
@@ -158,6 +178,6 @@ pub fn wait_for_lifetime(timeout: Duration, condition: impl Fn(&LifetimeStats) -
         if now >= deadline {
             return Err(Error::Timeout(timeout));
         }
-        guard = SHARED.changed.wait_timeout(guard, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+        guard = wait_timeout(guard, deadline - now);
     }
 }
