@@ -178,7 +178,9 @@ impl<T: Element> Tensor<T, GpuStorage> {
 
     /// Copies `src` (same shape) into this view, element by element. Between two GPUs both
     /// views must be contiguous: the copy is a peer copy by the copy engines, after `src`'s
-    /// queued work.
+    /// queued work, and it returns once the copy is done (nothing on `src`'s device orders
+    /// later work after a copy queued on this one's, so `src` may be written, dropped or
+    /// received into only then).
     ///
     /// ```no_run
     /// let dev = cuda_mp::Device::get(0).unwrap();
@@ -219,7 +221,8 @@ impl<T: Element> Tensor<T, GpuStorage> {
             let bytes = self.numel() * size;
             let dst_range = self.storage.range()?.sub(self.offset() * size, bytes)?;
             let src_range = src.storage.range()?.sub(src.offset() * size, bytes)?;
-            return driver::copy_peer(self.stream(), dst_range, src.device().context(), src_range);
+            driver::copy_peer(self.stream(), dst_range, src.device().context(), src_range)?;
+            return self.synchronize();
         }
         kernels::copy(self.device(), self.storage.range()?, &self.layout, src.storage.range()?, &src.layout, T::DTYPE)
     }
