@@ -74,14 +74,20 @@ pub(crate) struct Budget {
 const SPARE_WINDOW: usize = 64;
 
 impl Budget {
-    /// A spare storage of exactly `bytes` bytes that nothing else holds.
+    /// A spare storage of exactly `bytes` bytes that nothing else holds. When there is none,
+    /// the message is not shaped like the last (or the user still holds or has sent on what it
+    /// received): every spare is let go before the caller allocates, so that what nothing
+    /// holds is freed first and the receiver never holds two messages' memory.
     fn take_spare(&mut self, bytes: usize) -> Option<Arc<GpuStorage>> {
-        let i = self
-            .spare
-            .iter_mut()
-            .take(SPARE_WINDOW)
-            .position(|s| s.byte_len() == bytes && GpuStorage::is_unshared(s))?;
-        self.spare.remove(i)
+        let found =
+            self.spare.iter_mut().take(SPARE_WINDOW).position(|s| s.byte_len() == bytes && GpuStorage::is_unshared(s));
+        match found {
+            Some(i) => self.spare.remove(i),
+            None => {
+                self.spare.clear();
+                None
+            }
+        }
     }
 
     fn take_transfer(&mut self) -> Result<()> {

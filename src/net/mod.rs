@@ -185,14 +185,17 @@ impl RemoteOptions {
     /// Whether a receiver receives GPU tensors into the memory of the previous message's,
     /// once nothing holds that any more (on by default), as a caching allocator would: a
     /// steady stream of same-sized messages (weights at every step) then costs no allocation
-    /// and no free on the receiving GPU. The receiver keeps the last message's GPU memory
-    /// until the next message or its own drop, so a dropped message's memory goes back to
-    /// the driver only then; `false` frees it when its last tensor is dropped.
+    /// and no free on the receiving GPU. The receiver keeps a handle on the last GPU message's
+    /// storages until the next message with GPU tensors is decoded (or the receiver is dropped),
+    /// so a dropped message's memory goes back to the driver only then, and a reused storage
+    /// keeps its `storage_id`; `false` frees it when its last tensor is dropped.
     ///
-    /// Memory is reused only when no tensor, no other process and no cache holds it. Work
-    /// that reads a received tensor on a CUDA stream of another library (not the device's
-    /// stream, where cuda-mp queues its own work and the next message's transfer) must be
-    /// finished before the tensor's last handle is dropped, as with any caching allocator.
+    /// Memory is reused only when no tensor of this process holds it and it was never sent on
+    /// to another process; a message shaped otherwise lets every kept storage go before it
+    /// allocates. cuda-mp's own work on a received tensor is ordered before the next transfer
+    /// (the device's stream; a copy to another GPU returns once done); work of another library
+    /// that reads it on its own stream must be finished before the last handle is dropped, as
+    /// with any caching allocator. See "Reusing GPU memory" in `src/net/README.md`.
     ///
     /// ```
     /// let options = cuda_mp::RemoteOptions::default().reuse_memory(false);
