@@ -696,6 +696,22 @@ impl RecvTimeoutError {
     }
 }
 
+impl RecvTimeoutError {
+    /// The failure this is, other than running out of time (`None` for [`Timeout`]): how a
+    /// receive that waits by deadline reports to `recv` and `try_recv`.
+    ///
+    /// [`Timeout`]: RecvTimeoutError::Timeout
+    pub(crate) fn failure(self) -> Option<RecvError> {
+        match self {
+            RecvTimeoutError::Timeout => None,
+            RecvTimeoutError::Disconnected => Some(RecvError::Disconnected),
+            RecvTimeoutError::Malformed(m) => Some(RecvError::Malformed(m)),
+            RecvTimeoutError::Io(m) => Some(RecvError::Io(m)),
+            RecvTimeoutError::OutOfDescriptors { limit } => Some(RecvError::OutOfDescriptors { limit }),
+        }
+    }
+}
+
 impl From<RecvError> for TryRecvError {
     fn from(e: RecvError) -> Self {
         match e {

@@ -883,13 +883,8 @@ impl<T: Serialize + DeserializeOwned> RemoteReceiver<T> {
     /// that dies mid-message closes the connection: this returns the reason, and later calls
     /// return [`RecvError::Disconnected`].
     pub fn recv(&self) -> std::result::Result<T, RecvError> {
-        self.recv_until(None).map_err(|e| match e {
-            RecvTimeoutError::Timeout => RecvError::Io("timed out without a deadline".into()),
-            RecvTimeoutError::Disconnected => RecvError::Disconnected,
-            RecvTimeoutError::Malformed(m) => RecvError::Malformed(m),
-            RecvTimeoutError::Io(m) => RecvError::Io(m),
-            RecvTimeoutError::OutOfDescriptors { limit } => RecvError::OutOfDescriptors { limit },
-        })
+        self.recv_until(None)
+            .map_err(|e| e.failure().unwrap_or_else(|| RecvError::Io("timed out without a deadline".into())))
     }
 
     /// Waits for the next message until `timeout` has passed. A message whose frame is
@@ -915,13 +910,9 @@ impl<T: Serialize + DeserializeOwned> RemoteReceiver<T> {
     pub fn try_recv(&self) -> std::result::Result<T, TryRecvError> {
         match &self.inner {
             ReceiverInner::Local(rx) => rx.try_recv(),
-            ReceiverInner::Net(_) => self.recv_until(Some(Instant::now())).map_err(|e| match e {
-                RecvTimeoutError::Timeout => TryRecvError::Empty,
-                RecvTimeoutError::Disconnected => TryRecvError::Disconnected,
-                RecvTimeoutError::Malformed(m) => TryRecvError::Malformed(m),
-                RecvTimeoutError::Io(m) => TryRecvError::Io(m),
-                RecvTimeoutError::OutOfDescriptors { limit } => TryRecvError::OutOfDescriptors { limit },
-            }),
+            ReceiverInner::Net(_) => self
+                .recv_until(Some(Instant::now()))
+                .map_err(|e| e.failure().map_or(TryRecvError::Empty, TryRecvError::from)),
         }
     }
 
