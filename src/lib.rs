@@ -57,6 +57,7 @@ mod channel;
 mod dtype;
 mod error;
 mod fdpass;
+mod fork;
 mod gpu;
 mod host;
 mod layout;

@@ -367,6 +367,37 @@ pub(crate) fn at_exit(f: extern "C" fn()) -> bool {
     unsafe { libc::atexit(f) == 0 }
 }
 
+/// Runs `f` in the child of every later `fork(2)`, before `fork` returns there (a
+/// `pthread_atfork` child handler). False when it could not be registered.
+pub(crate) fn at_fork_child(f: extern "C" fn()) -> bool {
+    // SAFETY: `f` is a plain function with no arguments, valid for the life of the process, and
+    // the caller makes it async-signal-safe (it runs in a child that may have inherited locks).
+    unsafe { libc::pthread_atfork(None, None, Some(f)) == 0 }
+}
+
+/// Forks, runs `f` in the child and ends the child with `f`'s answer (a panic is `false`),
+/// without running exit hooks: the child of a multithreaded test process, as a library that
+/// forks would make one. The parent waits for the child and gets the answer.
+#[cfg(test)]
+pub(crate) fn fork_and_run(f: impl FnOnce() -> bool) -> std::io::Result<bool> {
+    // SAFETY: the child only runs `f` and `_exit`s; the parent only waits for it.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if pid == 0 {
+        let ok = catch_unwind(AssertUnwindSafe(f)).unwrap_or(false);
+        // SAFETY: ends the child at once, as a forked child must (no exit hooks of the parent).
+        unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+    }
+    let mut status = 0;
+    // SAFETY: `pid` is our child; `status` is writable.
+    if unsafe { libc::waitpid(pid, &mut status, 0) } != pid {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0)
+}
+
 /// How a child process ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Exit {

@@ -14,6 +14,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::channel::{channel, Receiver, Sender};
 use crate::error::{Error, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError};
+use crate::fork::ForkLocal;
 
 use dispatch::{Ctl, Event, Failure, Join, Reply, Slot};
 
@@ -129,6 +130,9 @@ pub struct Queue<T> {
     /// In the process that created the queue (and not in copies sent elsewhere): the
     /// dispatcher's own event queue, which a put enters without being encoded.
     local: Option<mpsc::Sender<Event<T>>>,
+    /// The process generation (`crate::fork`) `local` belongs to: a forked child's copy of the
+    /// queue puts through the inbox, since the dispatcher thread is its parent's.
+    generation: u64,
     consumer: QueueConsumer<T>,
 }
 
@@ -149,7 +153,8 @@ pub struct QueueConsumer<T> {
     /// Messages kept asked for ahead of the gets.
     prefetch: usize,
     /// This handle's consumer, made on first use.
-    endpoint: Mutex<Option<Endpoint<T>>>,
+    /// (A forked child's copy joins afresh: its parent's endpoint is the parent's.)
+    endpoint: ForkLocal<Mutex<Option<Endpoint<T>>>>,
 }
 
 /// A consumer's two channels to the dispatcher, and where it stands with it.
@@ -207,20 +212,29 @@ pub struct QueueStats {
 
 impl<T> Clone for Queue<T> {
     fn clone(&self) -> Self {
-        Queue { inbox: self.inbox.clone(), local: self.local.clone(), consumer: self.consumer.clone() }
+        Queue {
+            inbox: self.inbox.clone(),
+            local: self.local.clone(),
+            generation: self.generation,
+            consumer: self.consumer.clone(),
+        }
     }
 }
 
 impl<T> Clone for QueueConsumer<T> {
     /// Another handle on the same queue, a consumer of its own with the same prefetch.
     fn clone(&self) -> Self {
-        QueueConsumer { join: self.join.clone(), prefetch: self.prefetch, endpoint: Mutex::new(None) }
+        QueueConsumer {
+            join: self.join.clone(),
+            prefetch: self.prefetch,
+            endpoint: ForkLocal::new(|| Mutex::new(None)),
+        }
     }
 }
 
 impl<T> QueueConsumer<T> {
     fn new(join: Sender<Join<T>>, prefetch: usize) -> Self {
-        QueueConsumer { join, prefetch: prefetch.min(MAX_PREFETCH), endpoint: Mutex::new(None) }
+        QueueConsumer { join, prefetch: prefetch.min(MAX_PREFETCH), endpoint: ForkLocal::new(|| Mutex::new(None)) }
     }
 
     /// This handle with its gets keeping `n` messages asked for ahead of them (at most 64;
@@ -296,7 +310,12 @@ impl<T> Serialize for Queue<T> {
 impl<'de, T> Deserialize<'de> for Queue<T> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
         let QueueWire { inbox, join } = QueueWire::deserialize(deserializer)?;
-        Ok(Queue { inbox, local: None, consumer: QueueConsumer::new(join, QUEUE_PREFETCH) })
+        Ok(Queue {
+            inbox,
+            local: None,
+            generation: crate::fork::generation(),
+            consumer: QueueConsumer::new(join, QUEUE_PREFETCH),
+        })
     }
 }
 
@@ -335,6 +354,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Queue<T> {
         Ok(Queue {
             inbox: ends.inbox,
             local: Some(ends.local),
+            generation: crate::fork::generation(),
             consumer: QueueConsumer::new(ends.join, QUEUE_PREFETCH),
         })
     }
@@ -351,7 +371,8 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Queue<T> {
     /// assert!(got.shares_storage_with(&t));
     /// ```
     pub fn put(&self, value: T) -> std::result::Result<(), SendError<T>> {
-        let Some(local) = &self.local else { return self.inbox.send(value) };
+        let local = self.local.as_ref().filter(|_| self.generation == crate::fork::generation());
+        let Some(local) = local else { return self.inbox.send(value) };
         match local.send(Event::Put(value)) {
             Ok(()) => Ok(()),
             // The dispatcher thread is gone (it runs while any event sender exists, this one
@@ -604,13 +625,14 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
     }
 
     fn lock(&self) -> MutexGuard<'_, Option<Endpoint<T>>> {
-        match self.endpoint.lock() {
+        let endpoint = self.endpoint.get();
+        match endpoint.lock() {
             Ok(g) => g,
             Err(poisoned) => {
                 // A panic in the middle of an exchange: its state is unknown, start afresh.
                 let mut g = poisoned.into_inner();
                 *g = None;
-                self.endpoint.clear_poison();
+                endpoint.clear_poison();
                 g
             }
         }

@@ -203,6 +203,14 @@ fn export_now<S: Shared>(storage: &Arc<S>, explicit: bool) -> Result<Record<<S::
     }
     let m = &storage.handle().memory;
     let (lease, ticket, kind) = match &m.origin {
+        Origin::Local(live) if !live.is_this_process() => {
+            return Err(Error::Unsupported(
+                "this storage was allocated by the parent before this process forked: a forked child cannot share \
+                 it (receive it through a channel instead, allocate it after the fork, or start processes with \
+                 spawn or forkserver)"
+                    .into(),
+            ))
+        }
         Origin::Local(_) => {
             let kind = S::Kind::export(m)?;
             let keep = m.clone();

@@ -200,9 +200,17 @@ impl Tensor {
 
 /// Storages of one kind handed to Python, by (device, address), so that a tensor made from
 /// one and sent again travels as that storage (a forward, or a re-send of this process's own
-/// memory) instead of as a new wrapper. Held weakly: the book keeps nothing alive.
+/// memory) instead of as a new wrapper. Held weakly: the book keeps nothing alive. A child
+/// forked from this process starts with an empty book: what its parent was handed is the
+/// parent's to share, and the child sends copies of it.
 struct Handed<S> {
-    by_address: Mutex<BTreeMap<(usize, u64), (usize, Weak<S>)>>,
+    by_address: Mutex<Book<S>>,
+}
+
+struct Book<S> {
+    /// The process the entries belong to.
+    pid: u32,
+    entries: BTreeMap<(usize, u64), (usize, Weak<S>)>,
 }
 
 /// The device part of a host storage's key.
@@ -213,21 +221,32 @@ static HANDED_HOST: Handed<HostStorage> = Handed::new();
 
 impl<S> Handed<S> {
     const fn new() -> Self {
-        Handed { by_address: Mutex::new(BTreeMap::new()) }
+        Handed { by_address: Mutex::new(Book { pid: 0, entries: BTreeMap::new() }) }
+    }
+
+    /// This process's entries.
+    fn book(&self) -> std::sync::MutexGuard<'_, Book<S>> {
+        let mut book = self.by_address.lock().unwrap_or_else(|p| p.into_inner());
+        let pid = std::process::id();
+        if book.pid != pid {
+            book.pid = pid;
+            book.entries.clear();
+        }
+        book
     }
 
     fn remember(&self, device: usize, address: u64, storage: &Arc<S>, len: usize) {
-        let mut book = self.by_address.lock().unwrap_or_else(|p| p.into_inner());
-        if book.len() > 4096 {
-            book.retain(|_, (_, w)| w.strong_count() > 0);
+        let mut book = self.book();
+        if book.entries.len() > 4096 {
+            book.entries.retain(|_, (_, w)| w.strong_count() > 0);
         }
-        book.insert((device, address), (len, Arc::downgrade(storage)));
+        book.entries.insert((device, address), (len, Arc::downgrade(storage)));
     }
 
     /// The storage holding `[ptr, ptr + bytes)` on `device`, with the offset of `ptr` in it.
     fn find(&self, device: usize, ptr: u64, bytes: usize) -> Option<(Arc<S>, usize)> {
-        let book = self.by_address.lock().unwrap_or_else(|p| p.into_inner());
-        let (&(d, base), (len, weak)) = book.range(..=(device, ptr)).next_back()?;
+        let book = self.book();
+        let (&(d, base), (len, weak)) = book.entries.range(..=(device, ptr)).next_back()?;
         if d != device {
             return None;
         }

@@ -22,11 +22,14 @@ use serde::de::DeserializeOwned;
 use super::inbox::{Missing, Readiness, Wait};
 use super::{sys, Receiver};
 use crate::error::RecvError;
+use crate::fork::ForkLocal;
 
 /// Sockets that tasks wait on, by registration.
 struct Poller {
     waiting: Mutex<Waiting>,
     bell: OwnedFd,
+    /// Whether its thread started.
+    started: OnceLock<bool>,
 }
 
 #[derive(Default)]
@@ -35,12 +38,14 @@ struct Waiting {
     by_id: HashMap<u64, (Arc<OwnedFd>, Waker)>,
 }
 
+/// The poller of this process (a forked child starts its own: its parent's thread is not there).
 fn poller() -> Option<&'static Poller> {
-    static POLLER: OnceLock<Option<Poller>> = OnceLock::new();
+    static POLLER: ForkLocal<OnceLock<Option<Poller>>> = ForkLocal::new(OnceLock::new);
     POLLER
+        .get()
         .get_or_init(|| {
             let bell = sys::bell().ok()?;
-            let poller = Poller { waiting: Mutex::new(Waiting::default()), bell };
+            let poller = Poller { waiting: Mutex::new(Waiting::default()), bell, started: OnceLock::new() };
             Some(poller)
         })
         .as_ref()
@@ -54,8 +59,9 @@ impl Poller {
 
     /// Starts the thread on first use; false when it cannot be started.
     fn started(&'static self) -> bool {
-        static STARTED: OnceLock<bool> = OnceLock::new();
-        *STARTED.get_or_init(|| std::thread::Builder::new().name("cuda-mp-poller".into()).spawn(|| self.run()).is_ok())
+        *self
+            .started
+            .get_or_init(|| std::thread::Builder::new().name("cuda-mp-poller".into()).spawn(|| self.run()).is_ok())
     }
 
     /// Waits on every registered socket and the bell; wakes the tasks whose socket is ready

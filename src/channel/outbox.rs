@@ -17,6 +17,7 @@ use super::frame::{FrameOut, SMALL_COST};
 use super::gauge::Gauge;
 use super::sys;
 use crate::error::{Error, SendFailure};
+use crate::fork::ForkLocal;
 use crate::os::{catch_quietly, descriptor_limit, out_of_descriptors};
 use crate::wire;
 
@@ -40,12 +41,19 @@ pub(super) struct Outbox {
     gauge: Gauge,
     /// Our copy of the socket's descriptor: tells when the receiver is gone.
     probe: Option<OwnedFd>,
-    backlog: Mutex<Backlog>,
-    changed: Condvar,
+    /// The backlog of this process: a forked child's copy of a sender starts with none (its
+    /// parent's is the parent's to hand on, by the parent's feeder).
+    pending: ForkLocal<Pending>,
     /// Live `Sender` handles of this process (the feeder holds the outbox without being one).
     handles: AtomicUsize,
     /// Set with `Backlog::disconnected`, read without the lock.
     gone: AtomicBool,
+}
+
+#[derive(Default)]
+struct Pending {
+    backlog: Mutex<Backlog>,
+    changed: Condvar,
 }
 
 /// Frames waiting for the feeder, in order.
@@ -109,8 +117,8 @@ impl fmt::Debug for Outbox {
 /// process share one backlog, so that one thread's messages stay in order whichever handle it
 /// uses.
 fn registry() -> MutexGuard<'static, HashMap<u64, Weak<Outbox>>> {
-    static REGISTRY: OnceLock<Mutex<HashMap<u64, Weak<Outbox>>>> = OnceLock::new();
-    REGISTRY.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner())
+    static REGISTRY: ForkLocal<Mutex<HashMap<u64, Weak<Outbox>>>> = ForkLocal::new(Default::default);
+    REGISTRY.get().lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn is_disconnect(e: &io::Error) -> bool {
@@ -168,8 +176,7 @@ impl Outbox {
             main,
             gauge,
             probe,
-            backlog: Mutex::new(Backlog::default()),
-            changed: Condvar::new(),
+            pending: ForkLocal::new(Pending::default),
             handles: AtomicUsize::new(1),
             gone: AtomicBool::new(false),
         });
@@ -188,7 +195,7 @@ impl Outbox {
     pub(super) fn drop_handle(&self) {
         if self.handles.fetch_sub(1, Ordering::SeqCst) == 1 {
             let _backlog = self.lock();
-            self.changed.notify_all();
+            self.changed().notify_all();
         }
     }
 
@@ -201,7 +208,11 @@ impl Outbox {
     }
 
     fn lock(&self) -> MutexGuard<'_, Backlog> {
-        self.backlog.lock().unwrap_or_else(|p| p.into_inner())
+        self.pending.get().backlog.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn changed(&self) -> &Condvar {
+        &self.pending.get().changed
     }
 
     /// True once a send found the receiver gone.
@@ -213,7 +224,7 @@ impl Outbox {
     fn disconnect(&self, backlog: &mut Backlog) {
         backlog.disconnect();
         self.gone.store(true, Ordering::Release);
-        self.changed.notify_all();
+        self.changed().notify_all();
     }
 
     /// True once the receiver is known to be gone.
@@ -283,13 +294,23 @@ impl Outbox {
         backlog.messages += 1;
         if backlog.feeder_idle {
             // Otherwise the feeder is busy, or waits for room and looks again when there is.
-            self.changed.notify_all();
+            self.changed().notify_all();
         }
         Ok(())
     }
 
     fn start_feeder(self: &Arc<Self>) -> Result<(), SendFailure> {
         install_exit_hook();
+        // A sender that a forked child inherited is not in the child's registry yet: the exit
+        // hook must find it there.
+        registry()
+            .entry(self.gauge.id())
+            .and_modify(|w| {
+                if w.strong_count() == 0 {
+                    *w = Arc::downgrade(self);
+                }
+            })
+            .or_insert_with(|| Arc::downgrade(self));
         let outbox = self.clone();
         std::thread::Builder::new()
             .name("cuda-mp-feeder".into())
@@ -341,7 +362,7 @@ impl Outbox {
                             self.disconnect(&mut backlog);
                         }
                     }
-                    self.changed.notify_all();
+                    self.changed().notify_all();
                 }
                 None if backlog.open.is_some() => {
                     if self.probe.as_ref().is_some_and(sys::peer_closed) {
@@ -354,13 +375,13 @@ impl Outbox {
                     backlog = self.lock();
                 }
                 None => {
-                    self.changed.notify_all();
+                    self.changed().notify_all();
                     if urgent {
                         break;
                     }
                     backlog.feeder_idle = true;
                     let (b, waited) =
-                        self.changed.wait_timeout(backlog, FEEDER_IDLE).unwrap_or_else(|p| p.into_inner());
+                        self.changed().wait_timeout(backlog, FEEDER_IDLE).unwrap_or_else(|p| p.into_inner());
                     backlog = b;
                     backlog.feeder_idle = false;
                     if waited.timed_out() && backlog.is_empty() {
@@ -370,7 +391,7 @@ impl Outbox {
             }
         }
         backlog.feeder = false;
-        self.changed.notify_all();
+        self.changed().notify_all();
     }
 
     /// Waits until everything spilled here was handed on, or the receiver is gone.
@@ -381,7 +402,7 @@ impl Outbox {
                 // No thread to hand it on (it could not start): nothing to wait for.
                 break;
             }
-            backlog = self.changed.wait_timeout(backlog, ROOM_WAIT).unwrap_or_else(|p| p.into_inner()).0;
+            backlog = self.changed().wait_timeout(backlog, ROOM_WAIT).unwrap_or_else(|p| p.into_inner()).0;
         }
     }
 }
@@ -400,7 +421,7 @@ extern "C" fn drain_at_exit() {
         let outboxes: Vec<Arc<Outbox>> = registry().values().filter_map(Weak::upgrade).collect();
         for outbox in &outboxes {
             let _backlog = outbox.lock();
-            outbox.changed.notify_all();
+            outbox.changed().notify_all();
         }
         for outbox in outboxes {
             outbox.drain();

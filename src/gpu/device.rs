@@ -29,12 +29,15 @@ pub fn cuda_available() -> bool {
 }
 
 fn init_driver() -> Result<()> {
+    driver::check_not_forked()?;
     static INIT: OnceCell<std::result::Result<(), String>> = OnceCell::new();
     INIT.get_or_init(|| {
         if !driver::driver_library_present() {
             return Err("the CUDA driver library (libcuda.so) could not be loaded".into());
         }
-        cu::init().map_err(|e| format!("cuInit failed: {e}"))
+        cu::init().map_err(|e| format!("cuInit failed: {e}"))?;
+        driver::mark_initialized();
+        Ok(())
     })
     .clone()
     .map_err(Error::CudaUnavailable)
@@ -120,6 +123,7 @@ impl Device {
     /// assert!(std::sync::Arc::ptr_eq(&dev, &Device::get(0).unwrap())); // one Device per GPU
     /// ```
     pub fn get(ordinal: usize) -> Result<Arc<Device>> {
+        init_driver()?;
         if let Some(d) = DEVICES.lock().unwrap_or_else(|p| p.into_inner()).get(&ordinal) {
             return Ok(d.clone());
         }
@@ -381,7 +385,7 @@ impl Device {
 
     /// Makes the device's context current on the calling thread.
     pub(crate) fn bind(&self) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))
+        driver::bind(&self.ctx)
     }
 
     /// The shipped kernels, loaded in the device's context on first use.

@@ -20,6 +20,7 @@ use std::any::TypeId;
 use std::ffi::{c_int, c_uint, c_void, CStr};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::result::DriverError;
 use cudarc::driver::sys;
@@ -54,8 +55,34 @@ pub(crate) fn driver_library_present() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
-/// Makes `ctx` current on the calling thread (what every wrapper below needs first).
-fn bind(ctx: &CudaContext) -> Result<()> {
+/// The process generation (`crate::fork`) in which this process initialized the driver;
+/// `u64::MAX` until it does.
+static CUDA_GENERATION: AtomicU64 = AtomicU64::new(u64::MAX);
+
+/// Records that this process initialized the driver.
+pub(crate) fn mark_initialized() {
+    CUDA_GENERATION.store(crate::fork::generation(), Ordering::SeqCst);
+}
+
+/// Refuses every CUDA call in a child forked after its parent initialized the driver: CUDA's
+/// state does not survive `fork`, and its objects (contexts, memory, events) are the
+/// parent's. Such a child drops what it inherited without calling the driver.
+pub(crate) fn check_not_forked() -> Result<()> {
+    match CUDA_GENERATION.load(Ordering::SeqCst) {
+        u64::MAX => Ok(()),
+        g if g == crate::fork::generation() => Ok(()),
+        _ => Err(Error::CudaUnavailable(
+            "CUDA was initialized in the parent before this process was forked, and CUDA cannot be used in a \
+             forked child: start processes with spawn or forkserver (cuda-mp's own spawn, or multiprocessing's \
+             'spawn' or 'forkserver' start method)"
+                .into(),
+        )),
+    }
+}
+
+/// Makes `ctx` current on the calling thread (what every driver call needs first).
+pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
+    check_not_forked()?;
     ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))
 }
 

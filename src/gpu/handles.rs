@@ -15,14 +15,10 @@ use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaStream};
 
 use super::device::Device;
-use super::driver::{self, driver_err, AllocationHandle, DeviceRange, IpcHandle, KernelArgs, KernelOp};
+use super::driver::{self, bind, driver_err, AllocationHandle, DeviceRange, IpcHandle, KernelArgs, KernelOp};
 use super::kernels;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-
-fn bind(ctx: &CudaContext) -> Result<()> {
-    ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))
-}
 
 /// Device memory from `cuMemAlloc`, which legacy CUDA IPC can export (the stream-ordered pool
 /// behind cudarc's `CudaSlice` cannot). Dropping it waits for the work queued on the device's

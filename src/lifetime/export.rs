@@ -24,19 +24,31 @@ pub(super) struct Exported {
 }
 
 /// Counts one live storage of this process from construction to drop. Embed one in every
-/// storage this process allocates.
+/// storage this process allocates. It also tells a storage that a forked child inherited from
+/// its parent, which the child neither counts nor may share.
 #[derive(Debug)]
-pub(crate) struct LiveStorage(());
+pub(crate) struct LiveStorage {
+    generation: u64,
+}
 
 impl LiveStorage {
     pub(crate) fn new() -> LiveStorage {
         state().stats.live_storages += 1;
-        LiveStorage(())
+        LiveStorage { generation: crate::fork::generation() }
+    }
+
+    /// False in a forked child for a storage its parent allocated before the fork.
+    pub(crate) fn is_this_process(&self) -> bool {
+        self.generation == crate::fork::generation()
     }
 }
 
 impl Drop for LiveStorage {
     fn drop(&mut self) {
+        if !self.is_this_process() {
+            // The parent's storage, counted in the parent.
+            return;
+        }
         {
             let mut s = state();
             s.stats.live_storages -= 1;

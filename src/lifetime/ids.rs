@@ -4,8 +4,9 @@ use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use once_cell::sync::Lazy;
 use serde::{Deserialize, Serialize};
+
+use crate::fork::ForkLocal;
 
 /// Identifies a storage across processes: the process that allocated it and its number there.
 ///
@@ -58,9 +59,9 @@ impl StorageId {
 }
 
 /// A random 128-bit identity of this process, fixed at first use (pids can be reused; these
-/// are not).
+/// are not). A forked child gets its own: storages it allocates are its own, not its parent's.
 pub(crate) fn process_token() -> u128 {
-    static TOKEN: Lazy<u128> = Lazy::new(|| {
+    static TOKEN: ForkLocal<u128> = ForkLocal::new(|| {
         let nanos =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
         let mut hi = RandomState::new().build_hasher();
@@ -70,5 +71,5 @@ pub(crate) fn process_token() -> u128 {
         lo.write_u64(hi.finish());
         ((hi.finish() as u128) << 64) | lo.finish() as u128
     });
-    *TOKEN
+    *TOKEN.get()
 }

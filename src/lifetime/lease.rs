@@ -106,11 +106,14 @@ pub(crate) struct Cover {
     lease: Lease,
     id: StorageId,
     mode: LeaseMode,
+    /// The process generation that holds the claim: a forked child's copy of its parent's
+    /// cover is not a claim of its own, and its drop releases nothing.
+    generation: u64,
 }
 
 impl Cover {
     pub(crate) fn new(lease: Lease, id: StorageId, mode: LeaseMode) -> Cover {
-        Cover { lease, id, mode }
+        Cover { lease, id, mode, generation: crate::fork::generation() }
     }
 
     /// A lease to send with this storage to another process: the same lease, plus one claim
@@ -144,7 +147,7 @@ impl Cover {
 
 impl Drop for Cover {
     fn drop(&mut self) {
-        if self.mode == LeaseMode::PerMessage {
+        if self.mode == LeaseMode::PerMessage && self.generation == crate::fork::generation() {
             let tx = self.lease.tx.clone();
             let index = self.id.index();
             // The owner may have died: then nothing is owed. Not in the middle of encoding a

@@ -17,9 +17,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use once_cell::sync::Lazy;
-
 use crate::error::{Error, Result};
+use crate::fork::ForkLocal;
 
 pub(crate) use export::{grant, handles_dropped, local_storage, revive_local, LiveStorage, LocalStorage};
 pub(crate) use ids::process_token;
@@ -100,40 +99,48 @@ struct State {
 struct Shared {
     state: Mutex<State>,
     changed: Condvar,
+    /// Threads waiting on `changed`. Counted under the state lock before each wait, so a
+    /// change made under the lock and notified after it either is seen by the waiter's own
+    /// check or finds the waiter counted: `notify` may then skip the wake-up system call when
+    /// nobody waits, which is almost always (it runs at every send, release and free).
+    waiters: AtomicUsize,
 }
 
-static SHARED: Lazy<Shared> = Lazy::new(|| Shared { state: Mutex::new(State::default()), changed: Condvar::new() });
+/// Per process: a forked child starts with nothing exported, imported or cached (what it
+/// inherited is its parent's).
+static SHARED: ForkLocal<Shared> = ForkLocal::new(|| Shared {
+    state: Mutex::new(State::default()),
+    changed: Condvar::new(),
+    waiters: AtomicUsize::new(0),
+});
 
 fn state() -> MutexGuard<'static, State> {
     // Every update is a single insert, remove or counter change, so a lock poisoned by a panic
     // elsewhere still guards consistent maps.
-    SHARED.state.lock().unwrap_or_else(|p| p.into_inner())
+    SHARED.get().state.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Threads waiting on `SHARED.changed`. Counted under the state lock before each wait, so a
-/// change made under the lock and notified after it either is seen by the waiter's own check
-/// or finds the waiter counted: `notify` may then skip the wake-up system call when nobody
-/// waits, which is almost always (it runs at every send, release and free).
-static WAITERS: AtomicUsize = AtomicUsize::new(0);
-
 fn wait(guard: MutexGuard<'static, State>) -> MutexGuard<'static, State> {
-    WAITERS.fetch_add(1, Ordering::SeqCst);
-    let guard = SHARED.changed.wait(guard).unwrap_or_else(|p| p.into_inner());
-    WAITERS.fetch_sub(1, Ordering::SeqCst);
+    let shared = SHARED.get();
+    shared.waiters.fetch_add(1, Ordering::SeqCst);
+    let guard = shared.changed.wait(guard).unwrap_or_else(|p| p.into_inner());
+    shared.waiters.fetch_sub(1, Ordering::SeqCst);
     guard
 }
 
 fn wait_timeout(guard: MutexGuard<'static, State>, timeout: Duration) -> MutexGuard<'static, State> {
-    WAITERS.fetch_add(1, Ordering::SeqCst);
-    let guard = SHARED.changed.wait_timeout(guard, timeout).unwrap_or_else(|p| p.into_inner()).0;
-    WAITERS.fetch_sub(1, Ordering::SeqCst);
+    let shared = SHARED.get();
+    shared.waiters.fetch_add(1, Ordering::SeqCst);
+    let guard = shared.changed.wait_timeout(guard, timeout).unwrap_or_else(|p| p.into_inner()).0;
+    shared.waiters.fetch_sub(1, Ordering::SeqCst);
     guard
 }
 
 /// Wakes the waiters after a change made under the state lock (call it after the change).
 fn notify() {
-    if WAITERS.load(Ordering::SeqCst) > 0 {
-        SHARED.changed.notify_all();
+    let shared = SHARED.get();
+    if shared.waiters.load(Ordering::SeqCst) > 0 {
+        shared.changed.notify_all();
     }
 }
 

@@ -14,6 +14,7 @@ use super::import::{owner_gone, revoke, table_arrived};
 use super::lease::{Control, Lease, Revocation};
 use super::table::{owner, Table};
 use crate::error::Result;
+use crate::fork::ForkLocal;
 use crate::wire::{self, descriptor_error};
 
 /// What the reaper watches.
@@ -44,10 +45,11 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// The reaper of this process, started on first use.
+/// The reaper of this process, started on first use (in a forked child too: the parent's
+/// thread is not there).
 pub(super) fn reaper() -> Result<&'static Reaper> {
-    static REAPER: OnceCell<Reaper> = OnceCell::new();
-    REAPER.get_or_try_init(|| {
+    static REAPER: ForkLocal<OnceCell<Reaper>> = ForkLocal::new(OnceCell::new);
+    REAPER.get().get_or_try_init(|| {
         crate::os::raise_descriptor_limit();
         let (wake, wake_rx) = ipc::channel::<()>().map_err(|e| descriptor_error(e.into()))?;
         let mut set = IpcReceiverSet::new().map_err(|e| descriptor_error(e.into()))?;

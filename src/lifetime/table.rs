@@ -5,10 +5,10 @@ use std::sync::atomic::Ordering;
 use std::sync::{Mutex, MutexGuard};
 
 use ipc_channel::ipc::{IpcSender, IpcSharedMemory};
-use once_cell::sync::Lazy;
 
 use super::lease::Revocation;
 use super::StorageId;
+use crate::fork::ForkLocal;
 use crate::os::SharedCells;
 
 /// Slots per owner; storages beyond that many shared at once are not cached by receivers
@@ -42,10 +42,11 @@ pub(super) struct Owner {
 
 /// The owner lock; taken after the state lock, never before it.
 pub(super) fn owner() -> MutexGuard<'static, Owner> {
-    static OWNER: Lazy<Mutex<Owner>> = Lazy::new(|| {
+    // Per process: a forked child publishes a table of its own.
+    static OWNER: ForkLocal<Mutex<Owner>> = ForkLocal::new(|| {
         Mutex::new(Owner { table: None, free_slots: Vec::new(), subscribers: Vec::new(), next_subscriber: 0 })
     });
-    OWNER.lock().unwrap_or_else(|p| p.into_inner())
+    OWNER.get().lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Owner {

@@ -1,0 +1,150 @@
+//! Processes made by `fork(2)` without `exec`: Python's `multiprocessing` default start method on
+//! Linux before 3.14, and any library that forks. A forked child is a copy of its parent's memory
+//! with one thread, the one that forked: every other thread (the reaper, feeders, the poller)
+//! is gone, any lock one of them held stays locked forever, and every identity (the process
+//! token that names storages) is the parent's. None of that may be used by the child.
+//!
+//! So process-wide state lives in [`ForkLocal`] cells: each belongs to one *generation* of the
+//! process, and the first use in a forked child builds a fresh value instead of touching the
+//! inherited one. The generation is a counter that a `pthread_atfork` child handler bumps; it
+//! is registered at the first use of any cell, before which there is nothing to inherit.
+//!
+//! What a forked child inherits and does not use: the parent's values are left as they are in
+//! the child's copy of memory (never dropped there: dropping them would free or unmap what the
+//! parent owns, or send on the parent's behalf). Their descriptors stay open in the child until
+//! it exits, like every descriptor a fork inherits.
+
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+
+/// Bumped in every forked child, before `fork` returns there.
+static GENERATION: AtomicU64 = AtomicU64::new(0);
+
+extern "C" fn forked_child() {
+    // Async-signal-safe: one atomic add, in the child's only thread.
+    GENERATION.fetch_add(1, Ordering::SeqCst);
+}
+
+/// This process's generation: 0 in a process started fresh (or spawned, or exec'd), one more
+/// in each forked child than in its parent.
+pub(crate) fn generation() -> u64 {
+    static REGISTERED: AtomicBool = AtomicBool::new(false);
+    if !REGISTERED.load(Ordering::Acquire) && !REGISTERED.swap(true, Ordering::AcqRel) {
+        crate::os::at_fork_child(forked_child);
+    }
+    GENERATION.load(Ordering::Acquire)
+}
+
+/// A value of one generation of the process: built on first use, and built afresh on first use
+/// in a forked child, which never touches its parent's value. `init` must be cheap and free of
+/// side effects (two threads may race to build the value, and the loser's is dropped): put a
+/// `OnceCell` inside for what starts threads or makes descriptors.
+pub(crate) struct ForkLocal<T> {
+    current: AtomicPtr<Slot<T>>,
+    init: fn() -> T,
+}
+
+struct Slot<T> {
+    generation: u64,
+    value: T,
+}
+
+impl<T> ForkLocal<T> {
+    /// A cell whose value `init` builds.
+    pub(crate) const fn new(init: fn() -> T) -> ForkLocal<T> {
+        ForkLocal { current: AtomicPtr::new(std::ptr::null_mut()), init }
+    }
+
+    /// This generation's value.
+    pub(crate) fn get(&self) -> &T {
+        let generation = generation();
+        let seen = self.current.load(Ordering::Acquire);
+        // SAFETY: a non-null pointer was published by the compare-exchange below from
+        // `Box::into_raw`, and no published slot is freed before `self` is dropped (slots of
+        // earlier generations are left behind on purpose: see the module's comment).
+        if let Some(slot) = unsafe { seen.as_ref() } {
+            if slot.generation == generation {
+                return &slot.value;
+            }
+        }
+        let fresh = Box::into_raw(Box::new(Slot { generation, value: (self.init)() }));
+        match self.current.compare_exchange(seen, fresh, Ordering::AcqRel, Ordering::Acquire) {
+            // SAFETY: just published; it lives as long as `self` (above).
+            Ok(_) => unsafe { &(*fresh).value },
+            Err(winner) => {
+                // SAFETY: `fresh` was never published; it is ours alone.
+                drop(unsafe { Box::from_raw(fresh) });
+                // SAFETY: published by the thread that won, as above. Both raced in this
+                // generation (a fork leaves one thread), so the winner's value is this
+                // generation's.
+                unsafe { &(*winner).value }
+            }
+        }
+    }
+
+    /// True when this cell holds a value of an earlier generation (this process was forked
+    /// from one that used it) or none yet.
+    pub(crate) fn is_stale(&self) -> bool {
+        // SAFETY: as in `get`.
+        unsafe { self.current.load(Ordering::Acquire).as_ref() }.is_none_or(|s| s.generation != generation())
+    }
+}
+
+impl<T> Drop for ForkLocal<T> {
+    fn drop(&mut self) {
+        let current = *self.current.get_mut();
+        if !current.is_null() {
+            // SAFETY: published from `Box::into_raw` and owned by this cell; `&mut self` means
+            // no reference from `get` is alive. Earlier generations' slots are not freed.
+            drop(unsafe { Box::from_raw(current) });
+        }
+    }
+}
+
+// SAFETY: the cell hands out `&T` to any thread and may drop a `T` built on another thread:
+// exactly what `Sync + Send` of `T` allow.
+unsafe impl<T: Send + Sync> Sync for ForkLocal<T> {}
+// SAFETY: as above; the slot is owned by the cell.
+unsafe impl<T: Send> Send for ForkLocal<T> {}
+
+impl<T> std::fmt::Debug for ForkLocal<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ForkLocal").field("stale", &self.is_stale()).finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_value_is_built_once_per_generation() {
+        static BUILT: AtomicU64 = AtomicU64::new(0);
+        let cell = ForkLocal::new(|| BUILT.fetch_add(1, Ordering::SeqCst));
+        assert!(cell.is_stale());
+        let first = *cell.get();
+        assert_eq!(*cell.get(), first);
+        assert!(!cell.is_stale());
+        // Many threads see the one value.
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| assert_eq!(*cell.get(), first));
+            }
+        });
+        assert_eq!(BUILT.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_forked_child_gets_its_own_value_and_generation() {
+        let cell = ForkLocal::new(|| std::process::id());
+        let parent_generation = generation();
+        assert_eq!(*cell.get(), std::process::id());
+        let child = crate::os::fork_and_run(|| {
+            // The parent's value is not the child's.
+            generation() == parent_generation + 1 && cell.is_stale() && *cell.get() == std::process::id()
+        })
+        .expect("fork");
+        assert!(child, "the forked child saw its parent's value or generation");
+        assert_eq!(generation(), parent_generation, "fork changed the parent's generation");
+        assert_eq!(*cell.get(), std::process::id());
+    }
+}

@@ -1,0 +1,137 @@
+//! Children made by `fork(2)` without exec (Python's default start method on Linux before 3.14,
+//! or any library that forks) after the parent used cuda-mp: each gets its own identity, its
+//! own lifetime state and threads, and shares tensors with its parent in both directions.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use cuda_mp::{channel, lifetime_stats, wait_for_lifetime, Error, HostTensor, Queue, Receiver, Sender};
+
+/// One fork at a time: the child of a test process has only the forking thread, and forking
+/// while another test forks gains nothing.
+static FORKING: Mutex<()> = Mutex::new(());
+
+/// Forks; the child runs `f`, says why it failed on standard error, and ends without running
+/// exit hooks (as a forked Python worker ends, with `os._exit`). The parent waits for it.
+fn in_forked_child(f: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
+    // SAFETY: the child runs `f` and `_exit`s; the parent only waits for it.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        let code = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+            Ok(Ok(())) => 0,
+            Ok(Err(why)) => {
+                eprintln!("forked child: {why}");
+                1
+            }
+            Err(_) => 2,
+        };
+        // SAFETY: ends the child at once, without the parent's exit hooks.
+        unsafe { libc::_exit(code) };
+    }
+    let mut status = 0;
+    // SAFETY: `pid` is our child and `status` is writable.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    match (libc::WIFEXITED(status), libc::WEXITSTATUS(status)) {
+        (true, 0) => Ok(()),
+        (true, 2) => Err("the forked child panicked".into()),
+        _ => Err(format!("the forked child failed (wait status {status:#x}; its reason is on standard error)")),
+    }
+}
+
+fn check(ok: bool, why: &str) -> Result<(), String> {
+    ok.then_some(()).ok_or_else(|| why.to_string())
+}
+
+#[test]
+fn a_forked_child_shares_tensors_with_its_parent_both_ways() {
+    let _one = FORKING.lock().unwrap_or_else(|p| p.into_inner());
+    let (to_child, child_rx): (Sender<HostTensor<f32>>, Receiver<HostTensor<f32>>) = channel().unwrap();
+    let (child_tx, from_child): (Sender<HostTensor<f32>>, Receiver<HostTensor<f32>>) = channel().unwrap();
+    let baseline = lifetime_stats();
+    // The parent uses cuda-mp before the fork: a send (a lease, the reaper, its identity) and
+    // a tensor that the child inherits.
+    let sent = HostTensor::<f32>::zeros(&[1024]).unwrap();
+    to_child.send(sent.clone()).unwrap();
+    let inherited = HostTensor::<f32>::full(&[16], 5.0).unwrap();
+    let parent_id = sent.storage_id();
+
+    in_forked_child(|| {
+        let stats = lifetime_stats();
+        check(stats.live_storages == 0, "the child counts its parent's storages as its own")?;
+        check(!sent.storage_id().is_local(), "the child takes its parent's storage for its own")?;
+        // What the parent sent before the fork arrives here, and is the parent's memory.
+        let got = child_rx.recv_timeout(Duration::from_secs(10)).map_err(|e| format!("receive: {e}"))?;
+        check(got.storage_id() == parent_id, "the received storage is not the parent's")?;
+        got.map_inplace(|x| x + 1.0);
+        // A fresh tensor of the child's own, with an identity that is not its parent's.
+        let fresh = HostTensor::<f32>::full(&[256], 2.0).map_err(|e| format!("allocate: {e}"))?;
+        check(fresh.storage_id().is_local(), "the child's own storage is not local")?;
+        check(fresh.storage_id() != parent_id, "identity collision")?;
+        child_tx.send(fresh).map_err(|e| format!("send fresh: {e}"))?;
+        // The parent's memory goes back to it (a forward of what the child received).
+        child_tx.send(got).map_err(|e| format!("send back: {e}"))?;
+        // A tensor the child only inherited cannot be shared by it: a clear error.
+        match child_tx.send(inherited.clone()) {
+            Err(e) if matches!(e.failure(), cuda_mp::SendFailure::Serialize(why) if why.contains("forked")) => {}
+            other => return Err(format!("sending an inherited tensor: {other:?}")),
+        }
+        Ok(())
+    })
+    .unwrap();
+
+    let fresh = from_child.recv_timeout(Duration::from_secs(10)).expect("the child's fresh tensor");
+    assert!(!fresh.storage_id().is_local(), "the child's storage arrived as the parent's own");
+    assert!(fresh.to_vec().iter().all(|&x| x == 2.0));
+    let back = from_child.recv_timeout(Duration::from_secs(10)).expect("the parent's tensor, back");
+    assert!(back.shares_storage_with(&sent), "the tensor that came back is not the parent's own");
+    assert!(sent.to_vec().iter().all(|&x| x == 1.0), "the child's write is not seen");
+    assert_eq!(inherited.to_vec(), vec![5.0; 16]);
+    drop((fresh, back, sent, inherited));
+    // Every claim of the child on the parent's storage ended with the child.
+    wait_for_lifetime(Duration::from_secs(10), |s| {
+        s.exported_storages == baseline.exported_storages && s.live_storages == baseline.live_storages
+    })
+    .expect("the parent's storages are not all released after the child's exit");
+}
+
+#[test]
+fn a_forked_child_puts_on_its_parents_queue() {
+    let _one = FORKING.lock().unwrap_or_else(|p| p.into_inner());
+    let queue = Queue::<HostTensor<u8>>::new().unwrap();
+    // The parent's dispatcher is running and the parent has put and got once.
+    queue.put(HostTensor::full(&[8], 1).unwrap()).unwrap();
+    assert_eq!(queue.get_timeout(Duration::from_secs(10)).unwrap().to_vec(), vec![1; 8]);
+
+    in_forked_child(|| {
+        // The dispatcher thread is the parent's: the child's puts go to it.
+        for i in 0..3u8 {
+            let t = HostTensor::full(&[8], 10 + i).map_err(|e| format!("allocate: {e}"))?;
+            queue.put(t).map_err(|e| format!("put: {e}"))?;
+        }
+        Ok(())
+    })
+    .unwrap();
+
+    let mut got: Vec<u8> =
+        (0..3).map(|_| queue.get_timeout(Duration::from_secs(10)).expect("a put of the child").to_vec()[0]).collect();
+    got.sort();
+    assert_eq!(got, vec![10, 11, 12]);
+}
+
+#[test]
+fn a_forked_child_that_never_used_cuda_gets_a_clear_error_only_when_its_parent_did() {
+    let _one = FORKING.lock().unwrap_or_else(|p| p.into_inner());
+    // Whatever this machine has, a child must not hang or crash asking for a GPU: the answer is
+    // the same kind of error (or success, where a GPU exists and the parent never used CUDA).
+    let parent_used_cuda = cuda_mp::cuda_available();
+    in_forked_child(|| match cuda_mp::Device::get(0) {
+        Err(Error::CudaUnavailable(why)) if parent_used_cuda => {
+            check(why.contains("forked"), &format!("the error does not say why: {why}"))
+        }
+        Err(Error::CudaUnavailable(_)) => Ok(()),
+        Ok(_) if !parent_used_cuda => Ok(()),
+        other => Err(format!("a GPU in a child forked after CUDA was initialized: {other:?}")),
+    })
+    .unwrap();
+}
