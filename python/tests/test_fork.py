@@ -1,0 +1,65 @@
+"""Children of every multiprocessing start method, fork included, after the parent used cuda-mp:
+each child has its own identity and trades shared host arrays with its parent both ways."""
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+
+import cuda_mp
+
+
+def _name_as_array(name: str) -> np.ndarray:
+    return np.frombuffer(name.encode(), dtype=np.uint8).copy()
+
+
+def _child(to_parent, inherited):
+    # The parent's array reached this child by fork (inherited) or by pickling (a copy); either
+    # way this child may send it: a copy travels, never the parent's identity.
+    listener = cuda_mp.Listener(cuda_mp.HostTensor)
+    to_parent.send(_name_as_array(listener.name))
+    rx = listener.accept(timeout=30)
+    shared = rx.recv(timeout=30)  # the parent's shared memory, sent after the start
+    shared += 1
+    fresh = cuda_mp.empty_host((256,), "float32")  # memory of this child's own
+    fresh[:] = 2
+    to_parent.send(fresh)
+    to_parent.send(inherited)
+    to_parent.send(shared)  # the parent's memory goes back to it
+    # The parent has received everything once this arrives: nothing is left for an exit
+    # that skips the exit hooks (multiprocessing's fork children end with os._exit).
+    assert rx.recv(timeout=30)[0] == 99
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_a_child_of_any_start_method_trades_arrays_with_a_parent_that_used_cuda_mp(method):
+    if method not in mp.get_all_start_methods():
+        pytest.skip(f"{method} is not available here")
+    # The parent uses cuda-mp before it starts the child: a send, a receive, shared memory.
+    listener = cuda_mp.Listener(cuda_mp.HostTensor)
+    warm = cuda_mp.connect(listener.name, cuda_mp.HostTensor)
+    warm.send(np.ones(4, dtype=np.float32))
+    assert listener.accept(timeout=10).recv(timeout=10).sum() == 4
+    inherited = cuda_mp.empty_host((16,), "int32")
+    inherited[:] = 7
+
+    to_parent, from_child = cuda_mp.channel(cuda_mp.HostTensor)
+    child = mp.get_context(method).Process(target=_child, args=(to_parent, inherited))
+    child.start()
+    try:
+        to_child = cuda_mp.connect(bytes(from_child.recv(timeout=60)).decode(), cuda_mp.HostTensor)
+        shared = cuda_mp.empty_host((64,), "float32")
+        to_child.send(shared)
+        fresh = from_child.recv(timeout=30)
+        np.testing.assert_array_equal(fresh, np.full(256, 2, dtype=np.float32))
+        copy = from_child.recv(timeout=30)
+        np.testing.assert_array_equal(copy, np.full(16, 7, dtype=np.int32))
+        back = from_child.recv(timeout=30)
+        assert back.__array_interface__["data"][0] == shared.__array_interface__["data"][0], "not the parent's memory"
+        np.testing.assert_array_equal(shared, np.ones(64, dtype=np.float32))  # the child's write is seen
+        to_child.send(np.array([99], dtype=np.int32))
+        child.join(timeout=60)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            child.kill()
