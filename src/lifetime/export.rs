@@ -90,6 +90,7 @@ pub(crate) fn grant(
             }
             let lease = reaper.new_lease()?;
             opened_lease(&mut s);
+            s.shared_leases.insert(lease.key());
             let entry = claim(&mut s, id, &lease, keep_alive, handle);
             entry.shared_lease = Some(lease.clone());
             let ticket = cache.then(|| CacheTicket { slot: slot_of(entry, id) });
@@ -159,9 +160,14 @@ pub(crate) fn handles_dropped(id: StorageId) {
 
 /// A message on lease `lease` of this process: a holder releases one claim on storage
 /// `index`, or passes one on (`retain`). Claims the lease does not hold are ignored, so a
-/// forged or repeated release cannot free what others still use.
+/// forged or repeated release cannot free what others still use; so is every such message on
+/// a per-storage lease, whose one claim all its holders share (it ends when the channel
+/// closes, and only then).
 pub(super) fn lease_message(lease: u64, index: u64, retain: bool) {
     let mut s = state();
+    if s.shared_leases.contains(&lease) {
+        return;
+    }
     let Some(count) = s.covers.get_mut(&lease).and_then(|c| c.get_mut(&index)) else { return };
     if *count == 0 {
         return;
@@ -187,6 +193,7 @@ pub(super) fn lease_closed(lease: u64) {
     let mut s = state();
     s.stats.outstanding_leases -= 1;
     s.stats.leases_released += 1;
+    s.shared_leases.remove(&lease);
     let claims: Vec<(u64, usize)> = s.covers.remove(&lease).map(|c| c.into_iter().collect()).unwrap_or_default();
     release(s, &claims);
 }

@@ -79,6 +79,9 @@ struct State {
     exported: HashMap<StorageId, export::Exported>,
     /// Claims per open lease channel of this process: storage index -> number of claims.
     covers: HashMap<u64, HashMap<u64, usize>>,
+    /// Open lease channels of this process that are per-storage: every holder has a copy, so
+    /// the channel's close is the only release, and `Release`/`Retain` on them are ignored.
+    shared_leases: HashSet<u64>,
     /// Exported storages whose last claim is gone and whose memory is being freed right now
     /// (outside the lock); still counted as exported until done.
     freeing: usize,

@@ -235,3 +235,37 @@ fn a_lease_channel_carries_releases_to_the_reaper() {
         let _ = wait_for_lifetime(Duration::from_millis(50), |_| false);
     }
 }
+
+/// Every holder of a per-storage lease holds a copy of one channel: a `Release` or `Retain`
+/// sent on it, by any holder, forged or repeated, must not end the claim that all of them share.
+#[test]
+fn releases_on_a_per_storage_lease_free_nothing_that_other_holders_use() {
+    let id = StorageId::new_local();
+    let freed = Arc::new(AtomicU64::new(0));
+    let keep: AnyStorage = Arc::new(Mapping { closed: freed.clone() });
+    let g = wire::encode_scope(|| grant(id, LeaseMode::PerStorage, true, move || keep, None).unwrap()).0;
+    let key = g.lease.key();
+    // Two holders of the storage: each has a copy of the lease.
+    let (first, second) = (g.lease.clone(), g.lease.clone());
+    drop(g);
+    for _ in 0..3 {
+        lease_message(key, id.index(), false);
+    }
+    lease_message(key, id.index(), true);
+    assert!(state().exported.contains_key(&id), "a release on a per-storage lease ended the shared claim");
+    assert_eq!(freed.load(Ordering::SeqCst), 0);
+    // The owner's handles go; the holders' copies still claim it.
+    handles_dropped(id);
+    drop(first);
+    assert_eq!(freed.load(Ordering::SeqCst), 0, "freed while a holder still holds the lease");
+    // The last copy closes: the reaper sees the channel close and frees it, once (the retain
+    // above added nothing that would keep it).
+    drop(second);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while freed.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "the storage was never freed");
+        let _ = wait_for_lifetime(Duration::from_millis(50), |_| false);
+    }
+    assert_eq!(freed.load(Ordering::SeqCst), 1);
+    assert!(!state().exported.contains_key(&id));
+}
