@@ -135,7 +135,7 @@ mod tests {
 
     #[test]
     fn a_forked_child_gets_its_own_value_and_generation() {
-        let cell = ForkLocal::new(|| std::process::id());
+        let cell = ForkLocal::new(std::process::id);
         let parent_generation = generation();
         assert_eq!(*cell.get(), std::process::id());
         let child = crate::os::fork_and_run(|| {

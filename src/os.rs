@@ -367,6 +367,18 @@ pub(crate) fn at_exit(f: extern "C" fn()) -> bool {
     unsafe { libc::atexit(f) == 0 }
 }
 
+/// Makes the file behind `fd` non-blocking (for every descriptor of it, in every process).
+pub(crate) fn set_nonblocking(fd: &std::os::fd::OwnedFd) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: F_GETFL/F_SETFL on a descriptor that `fd` keeps open; no memory is passed.
+    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    // SAFETY: as above.
+    if flags < 0 || unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Runs `f` in the child of every later `fork(2)`, before `fork` returns there (a
 /// `pthread_atfork` child handler). False when it could not be registered.
 pub(crate) fn at_fork_child(f: extern "C" fn()) -> bool {

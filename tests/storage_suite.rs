@@ -437,3 +437,48 @@ fn a_state_dict_of_a_thousand_gpu_tensors_crosses_in_one_message() {
     child.join().unwrap();
     settled(before);
 }
+
+/// Caches what it receives (drops it while the owner holds it), says how many mappings it
+/// caches, and once told reports how many of them revocations closed.
+fn cache_and_wait((rx, ready, go): (Receiver<Vec<FakeTensor<f32>>>, Sender<usize>, Receiver<()>)) {
+    let closed_before = fake_mappings_closed();
+    drop(rx.recv_timeout(WAIT).unwrap());
+    ready.send(lifetime_stats().cached_mappings).unwrap();
+    go.recv_timeout(Duration::from_secs(120)).unwrap();
+    wait_for_lifetime(WAIT, |s| s.cached_mappings == 0).expect("revocations never arrived");
+    ready.send((fake_mappings_closed() - closed_before) as usize).unwrap();
+}
+
+/// An owner's drops never wait for a subscriber that does not read: revocations to a stopped
+/// process wait in this process (coalesced), and reach it once it reads again.
+#[test]
+fn drops_do_not_wait_for_a_subscriber_that_never_reads() {
+    const N: usize = 2_000;
+    let _serial = serial();
+    let (tx, rx) = channel().unwrap();
+    let (ready_tx, ready) = channel().unwrap();
+    let (go, go_rx) = channel().unwrap();
+    let mut child = spawn((rx, ready_tx, go_rx), cache_and_wait);
+    let tensors: Vec<FakeTensor<f32>> = (0..N).map(|_| Fake::make(4)).collect();
+    tx.send(tensors.clone()).unwrap();
+    assert_eq!(ready.recv_timeout(WAIT).unwrap(), N, "the subscriber caches every mapping");
+    let pid = child.pid().unwrap() as libc::pid_t;
+    // SAFETY: signals our own child.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let (done_tx, done) = std::sync::mpsc::channel();
+    let dropper = std::thread::spawn(move || {
+        let started = Instant::now();
+        drop(tensors);
+        let _ = done_tx.send(started.elapsed());
+    });
+    let took = done.recv_timeout(Duration::from_secs(5));
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    let took = took.expect("dropping the owner's tensors waited for a stopped subscriber");
+    dropper.join().unwrap();
+    go.send(()).unwrap();
+    assert_eq!(ready.recv_timeout(WAIT).unwrap(), N, "every revocation reached the subscriber once it read again");
+    child.join_timeout(WAIT).unwrap();
+    wait_for_lifetime(WAIT, |s| s.exported_storages == 0 && s.outstanding_leases == 0).unwrap();
+    eprintln!("{N} drops with a stopped subscriber took {took:?}");
+}

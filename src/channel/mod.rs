@@ -12,6 +12,7 @@ mod sys;
 
 pub use asynch::{RecvFuture, RecvStream};
 pub use select::Select;
+pub(crate) use sys::socket_copy;
 
 use std::fmt;
 use std::io;

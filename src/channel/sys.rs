@@ -49,7 +49,7 @@ fn is_seqpacket(fd: RawFd) -> bool {
 /// A copy of the socket descriptor of the channel whose `Debug` output is `debug`; call it while
 /// the channel is borrowed, so that the number still names its socket. `None` when the output
 /// names no descriptor, or one that is not such a socket.
-pub(super) fn socket_copy(debug: &str) -> Option<OwnedFd> {
+pub(crate) fn socket_copy(debug: &str) -> Option<OwnedFd> {
     let fd = descriptor_number(debug)?;
     if fd < 0 || !is_seqpacket(fd) {
         return None;

@@ -43,8 +43,8 @@ pub(crate) enum Revocation {
     /// The owner's liveness table: slot `s` holds the index of the storage it tracks while the
     /// owner's own handles on it are alive, 0 otherwise.
     Table(IpcSharedMemory),
-    /// The owner dropped its handles on storage `index`: drop cached mappings of it.
-    Storage(u64),
+    /// The owner dropped its handles on these storages: drop cached mappings of them.
+    Storages(Vec<u64>),
 }
 
 /// The sending end of a lease channel, whose receiving end the storage's owner watches.
@@ -148,13 +148,8 @@ impl Cover {
 impl Drop for Cover {
     fn drop(&mut self) {
         if self.mode == LeaseMode::PerMessage && self.generation == crate::fork::generation() {
-            let tx = self.lease.tx.clone();
-            let index = self.id.index();
-            // The owner may have died: then nothing is owed. Not in the middle of encoding a
-            // message on this thread (the transport would take its descriptors along).
-            wire::defer(move || {
-                let _ = tx.send(Control::Release(index));
-            });
+            // Sent by the courier: a drop never waits for the owner to read.
+            super::courier::release(self.lease.tx.clone(), self.id.index());
         }
     }
 }

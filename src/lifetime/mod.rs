@@ -2,6 +2,7 @@
 //! revocation and the reaper. It knows nothing of what a storage is: storages are
 //! `Arc<dyn Any + Send + Sync>` here. See README.md here for the states and the lock order.
 
+mod courier;
 mod export;
 mod ids;
 mod import;

@@ -145,7 +145,11 @@ fn reap(mut set: IpcReceiverSet, wake_id: u64) {
                         },
                         Some(Watched::Revocations(owner)) => match message.to::<Revocation>() {
                             Ok(Revocation::Table(table)) => table_arrived(owner, Table::from_memory(table)),
-                            Ok(Revocation::Storage(index)) => revoke(owner, Some(index)),
+                            Ok(Revocation::Storages(indices)) => {
+                                for index in indices {
+                                    revoke(owner, Some(index));
+                                }
+                            }
                             Err(_) => {}
                         },
                         // Anything else is forged or stale: ignored.

@@ -36,7 +36,7 @@ impl Table {
 pub(super) struct Owner {
     table: Option<Table>,
     free_slots: Vec<u32>,
-    subscribers: Vec<(u64, IpcSender<Revocation>)>,
+    pub(super) subscribers: Vec<(u64, IpcSender<Revocation>)>,
     next_subscriber: u64,
 }
 
@@ -86,6 +86,14 @@ impl Owner {
 
     /// A receiver subscribes: it gets the table, then every revocation.
     pub(super) fn subscribe(&mut self, revocations: IpcSender<Revocation>) {
+        // Only this process holds this end: a subscriber that stops reading fills its socket,
+        // and the courier keeps its revocations instead of waiting (a socket that cannot be
+        // made non-blocking is refused: it could make the courier wait for ever).
+        let nonblocking = crate::channel::socket_copy(&format!("{revocations:?}"))
+            .is_some_and(|fd| crate::os::set_nonblocking(&fd).is_ok());
+        if !nonblocking {
+            return;
+        }
         if let Some(table) = &self.table {
             if revocations.send(Revocation::Table(table.0.memory().clone())).is_ok() {
                 self.next_subscriber += 1;
@@ -96,18 +104,9 @@ impl Owner {
 }
 
 /// Tells `subscribers` that the owner dropped storage `index` (the table slot is already
-/// cleared: a receiver that checks it after missing this sees the storage dead), once any
-/// message being encoded on this thread is sent; forgets subscribers that are gone. Call
+/// cleared: a receiver that checks it after missing this sees the storage dead), through the
+/// courier, which never makes the caller wait; subscribers that are gone are forgotten. Call
 /// without the owner lock.
 pub(super) fn notify_revoked(subscribers: Vec<(u64, IpcSender<Revocation>)>, index: u64) {
-    if subscribers.is_empty() {
-        return;
-    }
-    crate::wire::defer(move || {
-        let gone: Vec<u64> =
-            subscribers.iter().filter(|(_, s)| s.send(Revocation::Storage(index)).is_err()).map(|(n, _)| *n).collect();
-        if !gone.is_empty() {
-            owner().subscribers.retain(|(n, _)| !gone.contains(n));
-        }
-    });
+    super::courier::revoke(subscribers, index);
 }

@@ -1,0 +1,171 @@
+//! The courier: one thread per process that sends what drop paths owe other processes, so that
+//! no `drop` waits for a peer. Two things travel this way:
+//!
+//! - **Revocations** to subscribers (the owner dropped its handles on a storage). Their
+//!   sockets are non-blocking on the owner's side (only the owner holds that end): a subscriber
+//!   that does not read keeps its revocations here, coalesced into one message of many
+//!   indices, tried again every [`RETRY`] and at every new post, while every other subscriber
+//!   is served.
+//! - **Releases** of per-message (host) claims, on lease channels. Every holder shares a lease's
+//!   socket, so it stays blocking (a `Retain` must never be dropped): a release waits on this
+//!   thread, not on the thread that dropped the tensor.
+//!
+//! Order: a holder's releases keep their order (one thread, first in, first out); a release
+//! cannot overtake the message that brought its claim (it is posted after that message was
+//! received). If the thread cannot be started, posts are sent on the caller's thread, as
+//! before.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
+
+use ipc_channel::ipc::IpcSender;
+use ipc_channel::IpcError;
+
+use super::lease::{Control, Revocation};
+use super::table::owner;
+use crate::fork::ForkLocal;
+
+/// How often revocations that a subscriber's full socket refused are tried again.
+const RETRY: Duration = Duration::from_millis(10);
+
+/// Indices in one revocation message at most (a small message, whatever the backlog).
+const BATCH: usize = 512;
+
+struct Courier {
+    queue: Mutex<Queue>,
+    posted: Condvar,
+    started: OnceLock<bool>,
+}
+
+#[derive(Default)]
+struct Queue {
+    /// Per subscriber (by its number in the owner's list): its socket and the indices it has
+    /// not been told of yet, oldest first.
+    revocations: BTreeMap<u64, (IpcSender<Revocation>, Vec<u64>)>,
+    /// Releases to send, in order.
+    releases: Vec<(IpcSender<Control>, u64)>,
+    /// True when some revocations wait for room in a subscriber's socket.
+    blocked: bool,
+}
+
+static COURIER: ForkLocal<Courier> = ForkLocal::new(|| Courier {
+    queue: Mutex::new(Queue::default()),
+    posted: Condvar::new(),
+    started: OnceLock::new(),
+});
+
+fn lock(courier: &Courier) -> MutexGuard<'_, Queue> {
+    courier.queue.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The courier of this process, its thread started on first use; `None` if it cannot start.
+fn courier() -> Option<&'static Courier> {
+    let courier = COURIER.get();
+    let started = *courier
+        .started
+        .get_or_init(|| std::thread::Builder::new().name("cuda-mp-courier".into()).spawn(move || run(courier)).is_ok());
+    started.then_some(courier)
+}
+
+/// Tells `subscribers` that the owner dropped storage `index`, without waiting for any of them.
+pub(super) fn revoke(subscribers: Vec<(u64, IpcSender<Revocation>)>, index: u64) {
+    if subscribers.is_empty() {
+        return;
+    }
+    let Some(courier) = courier() else {
+        let mut gone = Vec::new();
+        for (n, tx) in &subscribers {
+            if tx.send(Revocation::Storages(vec![index])).is_err() {
+                gone.push(*n);
+            }
+        }
+        forget(&gone);
+        return;
+    };
+    let mut queue = lock(courier);
+    for (n, tx) in subscribers {
+        queue.revocations.entry(n).or_insert_with(|| (tx, Vec::new())).1.push(index);
+    }
+    drop(queue);
+    courier.posted.notify_one();
+}
+
+/// Sends `Release(index)` on a per-message lease, without waiting for its owner.
+pub(super) fn release(tx: IpcSender<Control>, index: u64) {
+    let Some(courier) = courier() else {
+        let _ = tx.send(Control::Release(index));
+        return;
+    };
+    lock(courier).releases.push((tx, index));
+    courier.posted.notify_one();
+}
+
+/// Subscribers that are gone leave the owner's list.
+fn forget(gone: &[u64]) {
+    if !gone.is_empty() {
+        owner().subscribers.retain(|(n, _)| !gone.contains(n));
+    }
+}
+
+fn would_block(e: &IpcError) -> bool {
+    matches!(e, IpcError::Io(e) if e.kind() == io::ErrorKind::WouldBlock)
+}
+
+fn run(courier: &'static Courier) {
+    loop {
+        let (releases, revocations) = {
+            let mut queue = lock(courier);
+            while queue.releases.is_empty() && queue.revocations.is_empty() {
+                queue = courier.posted.wait(queue).unwrap_or_else(|p| p.into_inner());
+            }
+            if queue.releases.is_empty() && queue.blocked {
+                // Only revocations that found no room last time: give the reader a moment (a
+                // new post ends the wait early).
+                queue = courier.posted.wait_timeout(queue, RETRY).unwrap_or_else(|p| p.into_inner()).0;
+            }
+            queue.blocked = false;
+            (std::mem::take(&mut queue.releases), std::mem::take(&mut queue.revocations))
+        };
+        for (tx, index) in releases {
+            // An owner that died owes nothing: its lease is gone with it.
+            let _ = tx.send(Control::Release(index));
+        }
+        let mut gone = Vec::new();
+        let mut waiting = Vec::new();
+        for (n, (tx, mut indices)) in revocations {
+            let mut sent = 0;
+            let mut full = false;
+            while sent < indices.len() {
+                let end = indices.len().min(sent + BATCH);
+                match tx.send(Revocation::Storages(indices[sent..end].to_vec())) {
+                    Ok(()) => sent = end,
+                    Err(e) if would_block(&e) => {
+                        full = true;
+                        break;
+                    }
+                    Err(_) => {
+                        gone.push(n);
+                        break;
+                    }
+                }
+            }
+            if full {
+                indices.drain(..sent);
+                waiting.push((n, tx, indices));
+            }
+        }
+        forget(&gone);
+        if !waiting.is_empty() {
+            let mut queue = lock(courier);
+            for (n, tx, mut older) in waiting {
+                // Older indices first; posts that came meanwhile after them.
+                let entry = queue.revocations.entry(n).or_insert_with(|| (tx, Vec::new()));
+                older.append(&mut entry.1);
+                entry.1 = older;
+            }
+            queue.blocked = true;
+        }
+    }
+}
