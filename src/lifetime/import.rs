@@ -45,17 +45,30 @@ pub(crate) fn import<H: Any + Send + Sync>(
     }
     s.opening.insert(key);
     drop(s);
+    // Unmarks the key however `open` ends: a panic in it must not leave every later import of
+    // the storage waiting for ever.
+    let mark = Opening(key);
     let opened = open();
     let mut s = state();
-    s.opening.remove(&key);
     if let Ok(handle) = &opened {
         let any: AnyStorage = handle.clone();
         s.imported.insert(key, Arc::downgrade(&any));
         s.stats.opened_mappings += 1;
     }
     drop(s);
-    notify();
+    drop(mark);
     opened
+}
+
+/// A storage being opened by this thread: the `opening` mark, removed (and waiters woken) when
+/// dropped, after the import table was updated.
+struct Opening(ImportKey);
+
+impl Drop for Opening {
+    fn drop(&mut self) {
+        state().opening.remove(&self.0);
+        notify();
+    }
 }
 
 /// Subscribes to revocations from the owner of `id` (once per owner), through a lease on one of

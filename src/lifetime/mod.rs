@@ -179,16 +179,25 @@ pub fn lifetime_stats() -> LifetimeStats {
 /// ```
 pub fn wait_for_lifetime(timeout: Duration, condition: impl Fn(&LifetimeStats) -> bool) -> Result<LifetimeStats> {
     let deadline = Instant::now() + timeout;
-    let mut guard = state();
+    let mut stats = lifetime_stats();
     loop {
-        let stats = stats_of(&guard);
+        // The caller's condition runs without the lock: it may take time, or call cuda-mp.
         if condition(&stats) {
             return Ok(stats);
         }
-        let now = Instant::now();
-        if now >= deadline {
+        let guard = state();
+        let now = stats_of(&guard);
+        if now != stats {
+            // Changed while the condition ran: look again before waiting.
+            stats = now;
+            continue;
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
             return Err(Error::Timeout(timeout));
         }
-        guard = wait_timeout(guard, deadline - now);
+        // Every change is made under the lock and notified after it: none is missed between
+        // the comparison above and this wait (the waiter is counted under the lock).
+        stats = stats_of(&wait_timeout(guard, left));
     }
 }

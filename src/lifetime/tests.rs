@@ -269,3 +269,27 @@ fn releases_on_a_per_storage_lease_free_nothing_that_other_holders_use() {
     assert_eq!(freed.load(Ordering::SeqCst), 1);
     assert!(!state().exported.contains_key(&id));
 }
+
+#[test]
+fn a_panic_inside_an_open_leaves_the_storage_openable() {
+    let id = StorageId::foreign(foreign_owner(), 1);
+    let panicked = std::panic::catch_unwind(|| {
+        let _ = import(id, "fake", |_| None, || -> Result<Arc<Mapping>> { panic!("the driver's open panicked") });
+    });
+    assert!(panicked.is_err());
+    assert!(!state().opening.contains(&(id, "fake")), "the storage is left marked as opening");
+    let closed = Arc::new(AtomicU64::new(0));
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(import(id, "fake", |_| None, || Ok(Arc::new(Mapping { closed }))).is_ok());
+    });
+    assert_eq!(rx.recv_timeout(Duration::from_secs(10)), Ok(true), "a later import of it waits for ever");
+}
+
+#[test]
+fn a_condition_of_wait_for_lifetime_may_call_cuda_mp() {
+    // The condition runs without the lifetime lock: reading the counters inside it does not
+    // deadlock.
+    let stats = wait_for_lifetime(Duration::from_secs(10), |s| lifetime_stats().freed_storages >= s.freed_storages);
+    assert!(stats.is_ok());
+}
