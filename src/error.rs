@@ -56,9 +56,8 @@ pub enum Error {
         limit: u64,
     },
     /// Another process's memory could not be mapped because the process that allocated it has
-    /// exited: legacy CUDA IPC memory cannot be mapped after that (VMM memory can, when the
-    /// message came from a process that still maps it), and a VMM descriptor can only be
-    /// fetched from a live process.
+    /// exited: legacy CUDA IPC memory cannot be mapped after that (VMM memory can: its
+    /// descriptor travels in the message).
     #[error("the process that allocated this memory has exited before this process mapped it ({0})")]
     OwnerExited(String),
     /// A send failed.

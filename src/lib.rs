@@ -56,7 +56,6 @@
 mod channel;
 mod dtype;
 mod error;
-mod fdpass;
 mod fork;
 mod gpu;
 mod host;
@@ -70,6 +69,7 @@ mod profile;
 mod queue;
 mod storage;
 mod sync;
+mod sys;
 mod tensor;
 #[doc(hidden)]
 pub mod testing;

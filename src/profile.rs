@@ -17,7 +17,7 @@ pub enum Phase {
     Decode,
     /// Receiver: opening a mapping that was neither in use nor cached.
     Open,
-    /// Receiver: fetching a VMM descriptor from its owner's broker (inside `Open`).
+    /// Receiver: taking a VMM descriptor out of the message (inside `Decode`).
     Fetch,
     /// Receiver: waiting on the sender's event.
     EventWait,

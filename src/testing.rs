@@ -121,3 +121,24 @@ impl<T: Element> Tensor<T, FakeStorage> {
 pub fn fake_mappings_closed() -> u64 {
     CLOSED.load(Ordering::SeqCst)
 }
+
+/// Any file, carried in a message the way VMM memory's descriptor is (parked in the message:
+/// the kernel keeps it while the message is in flight, also after the sender exits), so that
+/// the transport of descriptors is tested where no GPU is.
+#[derive(Debug)]
+pub struct CarriedFile(pub std::fs::File);
+
+impl Serialize for CarriedFile {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        use std::os::fd::AsFd;
+        crate::wire::park(self.0.as_fd()).map_err(crate::wire::encode_error)?.serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for CarriedFile {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        let carried = crate::wire::Carried::deserialize(deserializer)?;
+        let fd = crate::wire::unpark(carried).map_err(crate::wire::decode_error)?;
+        Ok(CarriedFile(std::fs::File::from(fd)))
+    }
+}

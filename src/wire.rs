@@ -359,6 +359,49 @@ pub(crate) fn descriptor_error(e: Error) -> Error {
     }
 }
 
+/// The byte a parked descriptor's message carries.
+const PARKED: u8 = 0x70;
+
+/// Carries any descriptor (VMM memory's, say) in the message being encoded, as ipc-channel
+/// cannot: it is sent with `SCM_RIGHTS` into a fresh socket pair, and the pair's other end
+/// travels in the message as a channel. The kernel keeps the descriptor alive while it is in
+/// flight (also after this process exits), until the receiver takes it ([`unpark`]) or the
+/// message is dropped unread.
+pub(crate) fn park(fd: std::os::fd::BorrowedFd<'_>) -> Result<Carried> {
+    use std::os::fd::AsFd;
+    let (tx, rx) = ipc::channel::<()>().map_err(|e| descriptor_error(e.into()))?;
+    let end = crate::channel::socket_copy(&format!("{rx:?}")).ok_or_else(|| {
+        Error::Io(std::io::Error::other("the transport's socket cannot be used to park a descriptor"))
+    })?;
+    crate::sys::send_with_fds(end.as_fd(), &[PARKED], &[fd]).map_err(|e| descriptor_error(e.into()))?;
+    // Only `tx`'s end is left: the message queued at it is read from there.
+    drop((end, rx));
+    carry(Descriptor::Channel(tx.to_opaque()), None)
+}
+
+/// Takes the descriptor parked in `carried` by [`park`]. A channel with nothing parked in it,
+/// something else, or more than one descriptor is malformed.
+pub(crate) fn unpark(carried: Carried) -> Result<std::os::fd::OwnedFd> {
+    use std::os::fd::AsFd;
+    let Descriptor::Channel(tx) = take(carried)? else {
+        return Err(Error::Malformed("a parked descriptor's slot carries shared memory".into()));
+    };
+    let end = crate::channel::socket_copy(&format!("{tx:?}"))
+        .ok_or_else(|| Error::Malformed("a parked descriptor's slot is not a socket of ours".into()))?;
+    let mut byte = [0u8; 1];
+    match crate::sys::recv_with_fds(end.as_fd(), &mut byte, 1) {
+        Ok((1, mut fds)) if byte[0] == PARKED && fds.len() == 1 => Ok(fds.remove(0)),
+        Ok(_) => Err(Error::Malformed("a parked descriptor's socket holds something else".into())),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+            Err(Error::Malformed("a parked descriptor's socket holds no descriptor".into()))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+            Err(Error::Malformed(format!("a parked descriptor's socket holds something else ({e})")))
+        }
+        Err(e) => Err(descriptor_error(e.into())),
+    }
+}
+
 /// Starts decoding a new message on this thread: forgets the previous one's descriptors.
 pub(crate) fn decode_begin() {
     DECODING.with(|d| *d.borrow_mut() = Decoding::default());

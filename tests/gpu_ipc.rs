@@ -372,13 +372,13 @@ struct LegacyRecord {
     alloc_offset: u64,
 }
 
-/// VMM memory: the ticket to fetch its descriptor, and the allocation's size.
+/// VMM memory: its descriptor (parked in a socket whose end travels as a channel in the
+/// message), and the allocation's size.
 #[derive(Serialize, Deserialize, Clone)]
 struct VmmRecord {
-    broker: String,
-    key: u64,
-    secret: [u8; 16],
-    fallback: Option<(String, u64, [u8; 16])>,
+    descriptor_message: u64,
+    descriptor: ForgedHow,
+    descriptor_keep: bool,
     size: u64,
 }
 
@@ -768,14 +768,17 @@ fn forged_vmm_records_give_errors() {
     dev.set_memory_kind(cuda_mp::GpuMemoryKind::Vmm);
     let t = GpuTensor::<f32>::full(&dev, &[1024], 2.0).unwrap();
     dev.set_memory_kind(cuda_mp::GpuMemoryKind::Auto);
-    // A genuine record, read as plain fields.
-    let (tx, rx) = common::connect::<GpuTensor<f32>, ForgedGpu<VmmRecord>>();
-    tx.send(t.clone()).unwrap();
-    let genuine = rx.recv_timeout(WAIT).unwrap();
-    assert_eq!(genuine.memory_variant, 1, "vmm memory travels as a ticket");
+    // Genuine records, read as plain fields: each send parks a descriptor of its own.
+    let (genuine_tx, genuine_rx) = common::connect::<GpuTensor<f32>, ForgedGpu<VmmRecord>>();
+    let genuine = || {
+        genuine_tx.send(t.clone()).unwrap();
+        let g = genuine_rx.recv_timeout(WAIT).unwrap();
+        assert_eq!(g.memory_variant, 1, "vmm memory travels as its descriptor");
+        g
+    };
     let (tx, rx) = common::connect::<ForgedGpu<VmmRecord>, GpuTensor<f32>>();
-    // Named as another process's storage, so the receiver fetches the descriptor.
-    let as_foreign = |index: u64, memory: VmmRecord| ForgedGpu { owner: 0x1234, index, memory, ..genuine.clone() };
+    // Named as another process's storage, so the receiver imports the descriptor.
+    let as_foreign = |index: u64, g: ForgedGpu<VmmRecord>| ForgedGpu { owner: 0x1234, index, ..g };
     let refused = |r: ForgedGpu<VmmRecord>| -> String {
         tx.send(r).unwrap();
         match rx.recv_timeout(WAIT) {
@@ -783,19 +786,87 @@ fn forged_vmm_records_give_errors() {
             other => panic!("expected a malformed-message error, got {other:?}"),
         }
     };
-    let v = &genuine.memory;
-    let m = refused(as_foreign(1, VmmRecord { secret: [7; 16], ..v.clone() }));
-    assert!(m.contains("forged"), "{m}");
-    let m = refused(as_foreign(2, VmmRecord { key: v.key + 1000, ..v.clone() }));
-    assert!(m.contains("offers nothing"), "{m}");
-    let m = refused(ForgedGpu { bytes: v.size + 4, ..as_foreign(3, v.clone()) });
+    // A channel with no descriptor parked in it.
+    let g = genuine();
+    let empty = ForgedHow::Inline(ForgedDescriptor::Channel(ipc_channel::ipc::channel().unwrap().0));
+    let memory = VmmRecord { descriptor: empty, ..g.memory.clone() };
+    let m = refused(as_foreign(1, ForgedGpu { memory, ..g }));
+    assert!(m.contains("holds no descriptor"), "{m}");
+    // One parked descriptor, taken by a first message: a second naming it finds nothing.
+    let g = genuine();
+    let first = as_foreign(2, g.clone());
+    tx.send(first).unwrap();
+    assert_eq!(rx.recv_timeout(WAIT).unwrap().to_vec().unwrap(), vec![2.0; 1024]);
+    let m = refused(as_foreign(3, g));
+    assert!(m.contains("holds no descriptor"), "{m}");
+    let g = genuine();
+    let size = g.memory.size;
+    let m = refused(ForgedGpu { bytes: size + 4, ..as_foreign(4, g) });
     assert!(m.contains("in an allocation of"), "{m}");
-    let m = refused(as_foreign(4, VmmRecord { size: v.size + (2 << 20), ..v.clone() }));
-    assert!(m.contains(&format!("{}", v.size + (2 << 20))), "the size it does not have: {m}");
-    let m = refused(as_foreign(5, VmmRecord { broker: "cuda-mp-1-00000000000000ff".into(), ..v.clone() }));
-    assert!(m.contains("exited"), "{m}");
-    // The genuine ticket, as another process would receive it, maps the same memory.
-    tx.send(as_foreign(6, v.clone())).unwrap();
+    let g = genuine();
+    let memory = VmmRecord { size: size + (2 << 20), ..g.memory.clone() };
+    let m = refused(as_foreign(5, ForgedGpu { memory, ..g }));
+    assert!(m.contains(&format!("{}", size + (2 << 20))), "the size it does not have: {m}");
+    // A genuine record, as another process would receive it, maps the same memory.
+    tx.send(as_foreign(6, genuine())).unwrap();
     let mapped = rx.recv_timeout(WAIT).unwrap();
     assert_eq!(mapped.to_vec().unwrap(), vec![2.0; 1024]);
+}
+
+/// Allocates 1 GiB of VMM memory filled with 1.0, sends it to every sender and returns at
+/// once: its messages are still in flight when it exits.
+fn send_vmm_and_exit(txs: Vec<Sender<GpuTensor<f32>>>) {
+    let dev = Device::get(0).unwrap();
+    dev.set_memory_kind(cuda_mp::GpuMemoryKind::Vmm);
+    let t = GpuTensor::<f32>::full(&dev, &[1 << 28], 1.0).unwrap();
+    for tx in &txs {
+        tx.send(t.clone()).unwrap();
+    }
+}
+
+/// A consumer of the messages already waiting in `rx`.
+fn consumer_of(rx: Receiver<GpuTensor<f32>>) -> Consumer {
+    let (ops, ops_rx) = channel().unwrap();
+    let (reply_tx, reply) = channel().unwrap();
+    let child = spawn((rx, ops_rx, reply_tx, None), consumer);
+    Consumer { tx: channel().unwrap().0, ops, reply, child }
+}
+
+/// The descriptor travels in the message: a producer that exits right after its send loses
+/// nothing, whoever receives after its exit.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn vmm_memory_sent_by_a_producer_that_exits_at_once_is_received_after_its_exit() {
+    let _g = serial();
+    let dev = gpu();
+    assert!(dev.supports_memory_kind(cuda_mp::GpuMemoryKind::Vmm).unwrap(), "this GPU has no VMM");
+    let baseline = free_memory(&dev);
+    let (txs, mut rxs): (Vec<Sender<GpuTensor<f32>>>, Vec<Receiver<GpuTensor<f32>>>) =
+        (0..3).map(|_| channel().unwrap()).unzip();
+    spawn(txs, send_vmm_and_exit).join().unwrap();
+    // Two consumers start only now, after the producer's exit; the third later still.
+    let last = rxs.pop().unwrap();
+    let mut cs: Vec<Consumer> = rxs.into_iter().map(consumer_of).collect();
+    for c in &cs {
+        c.reply.recv_timeout(WAIT).unwrap().expect("a consumer started after the producer's exit maps the memory");
+    }
+    assert_eq!(cs[0].ask(Op::AddAndRead(1.0)), Ok(2.0));
+    assert_eq!(cs[1].ask(Op::AddAndRead(1.0)), Ok(3.0), "the second consumer sees the first one's write");
+    cs.push(consumer_of(last));
+    cs[2].reply.recv_timeout(WAIT).unwrap().expect("the third consumer maps the memory");
+    assert_eq!(cs[2].ask(Op::AddAndRead(1.0)), Ok(4.0), "the third consumer sees both writes");
+    let held = free_memory(&dev);
+    for c in &cs {
+        c.ask(Op::Drop).unwrap();
+    }
+    let deadline = std::time::Instant::now() + WAIT;
+    while free_memory(&dev) < held + (900 << 20) {
+        assert!(std::time::Instant::now() < deadline, "1 GiB not freed after the last holder dropped it");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for c in cs {
+        drop(c.ops);
+        c.child.join().unwrap();
+    }
+    assert!(free_memory(&dev) + (64 << 20) >= baseline, "device memory back to where it started");
 }

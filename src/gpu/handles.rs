@@ -7,7 +7,7 @@
 
 use std::ffi::CString;
 use std::fmt;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::result::DriverError;
@@ -563,11 +563,10 @@ impl VmmMapping {
     /// `size` bytes of it (the sender's rounded size) for `access`. The memory must be pinned
     /// GPU memory shareable as a descriptor; a size it does not have is `Error::Malformed`; a
     /// GPU `access` cannot reach is `Error::NoPeerAccess`.
-    pub(crate) fn import(fd: OwnedFd, size: usize, access: &Arc<Device>) -> Result<VmmMapping> {
+    pub(crate) fn import(fd: BorrowedFd<'_>, size: usize, access: &Arc<Device>) -> Result<VmmMapping> {
         access.bind()?;
-        let handle = driver::mem_import_fd(fd.as_fd()).map_err(driver_err("cuMemImportFromShareableHandle"))?;
-        // The handle holds the memory now.
-        drop(fd);
+        // The handle holds the memory from here on, whatever becomes of the descriptor.
+        let handle = driver::mem_import_fd(fd).map_err(driver_err("cuMemImportFromShareableHandle"))?;
         let props = match driver::mem_allocation_props(&handle) {
             Ok(props) => props,
             Err(e) => {

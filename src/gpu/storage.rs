@@ -129,7 +129,7 @@ pub(crate) struct GpuWire {
 enum WireMemory {
     /// The 64-byte IPC handle of the base allocation, and the storage's offset in it.
     Legacy { mem_handle: Vec<u8>, alloc_offset: u64 },
-    /// Where to fetch the allocation's file descriptor, and the allocation's (rounded) size.
+    /// The allocation's file descriptor (in the message), and its (rounded) size.
     Vmm(VmmWire),
 }
 
@@ -157,7 +157,7 @@ fn peer_key(ordinal: usize) -> &'static str {
 impl StorageKind for GpuKind {
     const LEASE: LeaseMode = LeaseMode::PerStorage;
     // Opening a legacy handle costs 40 us to 100 ms: keep mappings while the owner holds the
-    // memory (a VMM import is cheaper, but still a descriptor fetch, import and map).
+    // memory (a VMM import is cheaper, but still a descriptor's transfer, import and map).
     const CACHE_IDLE: bool = true;
     type Raw = GpuMemory;
     type Wire = GpuWire;
@@ -171,7 +171,7 @@ impl StorageKind for GpuKind {
                 (allocation.device(), WireMemory::Legacy { mem_handle: mem_handle.to_vec(), alloc_offset: 0 })
             }
             GpuMemory::Vmm(m) if !m.is_imported() => {
-                (m.device(), WireMemory::Vmm(profile::timed(Phase::ExportRecord, || m.offer())?))
+                (m.device(), WireMemory::Vmm(profile::timed(Phase::ExportRecord, || m.wire())?))
             }
             GpuMemory::Foreign { block, handle } => {
                 let mem_handle =
@@ -201,9 +201,9 @@ impl StorageKind for GpuKind {
             }
             GpuMemory::Vmm(m) if m.is_imported() => {
                 m.device().synchronize()?;
-                // Offered by this process: the next one fetches the descriptor here, so the
-                // memory can travel on after its producer exited.
-                (m.owner_uuid(), WireMemory::Vmm(m.offer()?))
+                // The descriptor this process received travels on: the memory can travel on
+                // after its producer exited.
+                (m.owner_uuid(), WireMemory::Vmm(m.wire()?))
             }
             _ => return Self::export(memory),
         };
@@ -308,7 +308,7 @@ impl std::str::FromStr for GpuMemoryKind {
 
 /// Under [`GpuMemoryKind::Auto`], allocations of at least this many bytes (2 GiB) use VMM
 /// memory. Measured on an H200: a fresh allocation's first handoff costs about 1 ms with VMM
-/// (descriptor export, broker round trip, import and map, at any size), against 0.1-0.2 ms
+/// (descriptor export, its transfer, import and map, at any size), against 0.1-0.2 ms
 /// with legacy IPC up to 64 MiB and 0.8 ms at 1 GiB; but legacy opening grows with the size
 /// (80-95 ms at 13.5 GB, where VMM takes 1.4 ms), and small VMM allocations waste their 2 MiB
 /// granule.

@@ -1,29 +1,27 @@
 //! GPU memory made with virtual memory management (`cuMemCreate` with a POSIX file-descriptor
-//! handle type), shared by file descriptor: the storage's record carries a ticket to this
-//! process's descriptor broker (`src/fdpass.rs`), the receiver fetches the descriptor,
-//! imports and maps the memory where it needs it. The physical memory lives while any process
-//! holds it: a consumer keeps using it after the producer exited, and forwards it by offering
-//! the descriptor it fetched (the driver refuses to export an imported handle again, so a
-//! receiver keeps that one descriptor while it maps the memory).
+//! handle type), shared by file descriptor. The descriptor travels inline in the message
+//! ([`crate::wire::park`]): the kernel keeps it while the message is in flight, also after the
+//! sender exited, so nothing has to be fetched from the sender later. The receiver imports and
+//! maps the memory where it needs it. The physical memory lives while any process holds it
+//! (an imported handle, a descriptor, or a message in flight): a consumer keeps using it after
+//! the producer exited, and forwards it by parking the descriptor it received (the driver
+//! refuses to export an imported handle again, so a receiver keeps that one descriptor while it
+//! maps the memory).
 
-use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
-use std::time::Duration;
 
 use cudarc::driver::sys;
 use once_cell::sync::OnceCell;
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::device::Device;
 use super::driver::DeviceRange;
 use super::handles::{VmmAllocation, VmmMapping};
 use crate::error::{Error, Result};
-use crate::fdpass::{self, Ticket};
+use crate::lifetime;
 use crate::profile::{self, Phase};
-
-/// How long a receiver waits for the producer's broker to hand over a descriptor.
-const FETCH_TIMEOUT: Duration = Duration::from_secs(30);
+use crate::wire;
 
 /// Largest allocation a record may claim (256 TiB): anything larger is forged.
 const MAX_BYTES: u64 = 1 << 48;
@@ -31,25 +29,58 @@ const MAX_BYTES: u64 = 1 << 48;
 /// A VMM storage's part of its record.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) struct VmmWire {
-    /// Where to fetch the allocation's descriptor: from the process that allocated it.
-    ticket: Ticket,
-    /// Where else, when that process has exited: the process that forwarded it.
-    fallback: Option<Ticket>,
+    /// The allocation's descriptor, parked in the message.
+    descriptor: Descriptor,
     /// The allocation's size, rounded to the granularity (what the receiver maps).
     size: u64,
 }
 
-/// VMM memory, allocated here or mapped from another process, with the descriptor this process
-/// offers for it once it has been sent.
+/// A descriptor of VMM memory as it travels: parked in the message when serialized, taken out
+/// of it when deserialized (so a receiver holds it from decoding on, and drops it unused when
+/// the storage is mapped here already).
+#[derive(Clone, Debug)]
+struct Descriptor(Arc<OwnedFd>);
+
+impl Serialize for Descriptor {
+    fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        wire::park(self.0.as_fd()).map_err(wire::encode_error)?.serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for Descriptor {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        let carried = wire::Carried::deserialize(deserializer)?;
+        let fd = profile::timed(Phase::Fetch, || wire::unpark(carried)).map_err(wire::decode_error)?;
+        Ok(Descriptor(Arc::new(fd)))
+    }
+}
+
+/// One descriptor held, counted in `lifetime_stats().offered_descriptors` while it lives (in
+/// the process generation that made it: a forked child does not count its parent's).
+struct Held {
+    fd: Arc<OwnedFd>,
+    generation: u64,
+}
+
+impl Held {
+    fn new(fd: Arc<OwnedFd>) -> Held {
+        lifetime::descriptors_held(1);
+        Held { fd, generation: crate::fork::generation() }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if self.generation == crate::fork::generation() {
+            lifetime::descriptors_held(-1);
+        }
+    }
+}
+
+/// VMM memory, allocated here or mapped from another process, with its descriptor.
 pub(crate) struct VmmMemory {
-    /// Withdrawn before the memory is released.
-    offered: OnceCell<Offered>,
-    /// For imported memory: the descriptor fetched, to offer when forwarding.
-    fetched: Option<Arc<OwnedFd>>,
-    /// For imported memory: the allocating process's ticket, passed on when forwarding (its
-    /// offer lasts while the memory is claimed, unlike this process's, which goes when this
-    /// process drops the memory).
-    origin: Option<Ticket>,
+    /// Exported at allocation (or at the first send, should that have failed), or received.
+    fd: OnceCell<Held>,
     backing: Backing,
     /// The GPU holding the physical memory.
     owner_uuid: [u8; 16],
@@ -60,44 +91,23 @@ enum Backing {
     Imported(VmmMapping),
 }
 
-/// This process's offer of a descriptor for the memory: withdrawn when dropped.
-struct Offered {
-    key: u64,
-    ticket: Ticket,
-    /// Keeps the descriptor the broker hands out.
-    _fd: Arc<OwnedFd>,
-}
-
-impl Drop for Offered {
-    fn drop(&mut self) {
-        fdpass::withdraw(self.key);
-    }
-}
-
-fn next_key() -> u64 {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    NEXT.fetch_add(1, Ordering::Relaxed)
-}
-
 impl VmmMemory {
-    /// `bytes` bytes of VMM memory on `device` (rounded up to the granularity).
-    /// The descriptor is exported and offered at once: the export costs 0.2-1 ms, which a
-    /// first send then does not pay. Should that fail (out of descriptors, say), the first
-    /// send tries again and reports the error.
+    /// `bytes` bytes of VMM memory on `device` (rounded up to the granularity). The descriptor
+    /// is exported at once: the export costs 0.2-1 ms, which a first send then does not pay.
+    /// Should that fail (out of descriptors, say), the first send tries again and reports the
+    /// error.
     pub(crate) fn alloc(device: &Arc<Device>, bytes: usize) -> Result<VmmMemory> {
         let memory = VmmMemory {
-            offered: OnceCell::new(),
-            fetched: None,
-            origin: None,
+            fd: OnceCell::new(),
             backing: Backing::Local(VmmAllocation::new(device, bytes)?),
             owner_uuid: device.uuid(),
         };
-        let _ = memory.offer();
+        let _ = memory.descriptor();
         Ok(memory)
     }
 
     /// Maps another process's VMM memory of `bytes` bytes on `access` (the GPU holding it is
-    /// `owner`): fetches the descriptor from the sender's broker, imports and maps.
+    /// `owner`) from the descriptor its record brought: imports and maps.
     pub(crate) fn open(wire: &VmmWire, bytes: usize, owner: &Device, access: &Arc<Device>) -> Result<VmmMemory> {
         if wire.size > MAX_BYTES || (bytes as u64) > wire.size {
             return Err(Error::Malformed(format!(
@@ -105,41 +115,26 @@ impl VmmMemory {
                 wire.size
             )));
         }
-        let fd = profile::timed(Phase::Fetch, || match (fdpass::fetch(&wire.ticket, FETCH_TIMEOUT), &wire.fallback) {
-            (Err(Error::OwnerExited(_)), Some(fallback)) => fdpass::fetch(fallback, FETCH_TIMEOUT),
-            (fetched, _) => fetched,
-        })?;
-        let kept = fd.try_clone().map_err(|e| crate::wire::descriptor_error(e.into()))?;
-        let mapping = VmmMapping::import(fd, wire.size as usize, access)?;
+        let mapping = VmmMapping::import(wire.descriptor.0.as_fd(), wire.size as usize, access)?;
         Ok(VmmMemory {
-            offered: OnceCell::new(),
-            fetched: Some(Arc::new(kept)),
-            origin: Some(wire.ticket.clone()),
+            fd: OnceCell::with_value(Held::new(wire.descriptor.0.clone())),
             backing: Backing::Imported(mapping),
             owner_uuid: owner.uuid(),
         })
     }
 
-    /// The record to send: offers a descriptor for the memory from this process (once).
-    pub(crate) fn offer(&self) -> Result<VmmWire> {
-        let offered = self.offered.get_or_try_init(|| {
-            let fd = match (&self.backing, &self.fetched) {
-                (_, Some(fetched)) => fetched.clone(),
-                (Backing::Local(a), None) => Arc::new(a.export_fd()?),
-                // Every import keeps its descriptor; the driver cannot export an imported handle.
-                (Backing::Imported(_), None) => {
-                    return Err(Error::Unsupported("forwarding vmm memory without its descriptor".into()))
-                }
-            };
-            let key = next_key();
-            let ticket = fdpass::offer(key, fd.clone())?;
-            Ok::<_, Error>(Offered { key, ticket, _fd: fd })
+    fn descriptor(&self) -> Result<&Arc<OwnedFd>> {
+        let held = self.fd.get_or_try_init(|| match &self.backing {
+            Backing::Local(a) => Ok(Held::new(Arc::new(a.export_fd()?))),
+            // Every import keeps its descriptor; the driver cannot export an imported handle.
+            Backing::Imported(_) => Err(Error::Unsupported("forwarding vmm memory without its descriptor".into())),
         })?;
-        let own = offered.ticket.clone();
-        Ok(match &self.origin {
-            Some(origin) => VmmWire { ticket: origin.clone(), fallback: Some(own), size: self.size() as u64 },
-            None => VmmWire { ticket: own, fallback: None, size: self.size() as u64 },
-        })
+        Ok(&held.fd)
+    }
+
+    /// The record to send: the descriptor, parked in the message when the record is encoded.
+    pub(crate) fn wire(&self) -> Result<VmmWire> {
+        Ok(VmmWire { descriptor: Descriptor(self.descriptor()?.clone()), size: self.size() as u64 })
     }
 
     /// Makes the memory readable and writable by `peer` too (context peer access does not

@@ -67,8 +67,9 @@ pub struct LifetimeStats {
     /// Mappings of other processes' storages opened since the process started (a message for
     /// a storage already mapped here, in use or cached, opens nothing).
     pub opened_mappings: u64,
-    /// File descriptors of GPU (VMM) memory this process offers to other processes: one per
-    /// VMM storage it has sent and still holds.
+    /// File descriptors of GPU (VMM) memory this process holds to share it: one per VMM
+    /// storage allocated here (exported at allocation) or mapped here, while it lives. Each
+    /// message that carries the storage parks a copy of it, which lives while the message does.
     pub offered_descriptors: usize,
 }
 
@@ -148,12 +149,25 @@ fn notify() {
     }
 }
 
+/// Descriptors of GPU (VMM) memory this process holds to share it (per process generation).
+static DESCRIPTORS: ForkLocal<AtomicUsize> = ForkLocal::new(|| AtomicUsize::new(0));
+
+/// One more (`1`) or one fewer (`-1`) VMM descriptor held by this process.
+pub(crate) fn descriptors_held(delta: isize) {
+    let counter = DESCRIPTORS.get();
+    if delta >= 0 {
+        counter.fetch_add(delta as usize, Ordering::Relaxed);
+    } else {
+        counter.fetch_sub(delta.unsigned_abs(), Ordering::Relaxed);
+    }
+}
+
 fn stats_of(s: &State) -> LifetimeStats {
     let mut stats = s.stats;
     stats.exported_storages = s.exported.len() + s.freeing;
     stats.imported_storages = s.imported.values().filter(|w| w.strong_count() > 0).count();
     stats.cached_mappings = s.idle.len();
-    stats.offered_descriptors = crate::fdpass::offered();
+    stats.offered_descriptors = DESCRIPTORS.get().load(Ordering::Relaxed);
     stats
 }
 

@@ -1,0 +1,100 @@
+//! Descriptors of any kind carried inline in messages (what VMM memory's descriptor does), on
+//! the CPU: they outlive their sender, any number travel in one message, and forged or reused
+//! ones are errors.
+
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::time::Duration;
+
+use cuda_mp::testing::CarriedFile;
+use cuda_mp::{channel, spawn, Receiver, RecvTimeoutError, Sender};
+
+mod common;
+
+cuda_mp::enable_test_support!();
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// A file of this process holding `text`, not named anywhere.
+fn file_with(text: &str) -> std::fs::File {
+    let mut f = tempfile();
+    f.write_all(text.as_bytes()).unwrap();
+    f
+}
+
+fn tempfile() -> std::fs::File {
+    let path = std::env::temp_dir().join(format!(
+        "cuda-mp-descriptors-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    f
+}
+
+fn read_all(mut f: &std::fs::File) -> String {
+    f.seek(SeekFrom::Start(0)).unwrap();
+    let mut s = String::new();
+    f.read_to_string(&mut s).unwrap();
+    s
+}
+
+/// Sends `n` files and exits at once.
+fn send_files_and_exit((tx, n): (Sender<Vec<CarriedFile>>, usize)) {
+    let files = (0..n).map(|i| CarriedFile(file_with(&format!("file {i}")))).collect();
+    tx.send(files).unwrap();
+}
+
+#[test]
+fn descriptors_in_flight_outlive_their_sender_and_any_number_travel_in_one_message() {
+    let (tx, rx): (Sender<Vec<CarriedFile>>, Receiver<Vec<CarriedFile>>) = channel().unwrap();
+    // More than ipc-channel's 64 and the kernel's 253 descriptors per transport message.
+    spawn((tx, 300), send_files_and_exit).join().unwrap();
+    // The sender has exited: its files are still there, each the one it wrote.
+    let files = rx.recv_timeout(WAIT).unwrap();
+    assert_eq!(files.len(), 300);
+    for (i, f) in files.iter().enumerate() {
+        assert_eq!(read_all(&f.0), format!("file {i}"));
+    }
+}
+
+#[test]
+fn a_received_descriptor_is_the_senders_file() {
+    let (tx, rx) = channel::<CarriedFile>().unwrap();
+    let mine = file_with("before");
+    tx.send(CarriedFile(mine.try_clone().unwrap())).unwrap();
+    let got = rx.recv_timeout(WAIT).unwrap();
+    (&got.0).write_all(b" and after").unwrap();
+    assert_eq!(read_all(&mine), "before and after");
+}
+
+/// The wire form of a carried descriptor, under the forger's control: the message's number, a
+/// channel inline (variant 0 of both enums), whether it is kept.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ForgedCarried(u64, ForgedHow, bool);
+
+#[derive(serde::Serialize, serde::Deserialize)]
+enum ForgedHow {
+    Inline(ForgedDescriptor),
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+enum ForgedDescriptor {
+    #[allow(dead_code)]
+    Memory(u8),
+    Channel(ipc_channel::ipc::IpcSender<u8>),
+}
+
+#[test]
+fn a_channel_with_nothing_parked_in_it_is_malformed_and_the_receiver_goes_on() {
+    let (tx, rx) = common::connect::<ForgedCarried, CarriedFile>();
+    let (empty, _keep) = ipc_channel::ipc::channel::<u8>().unwrap();
+    tx.send(ForgedCarried(7, ForgedHow::Inline(ForgedDescriptor::Channel(empty)), false)).unwrap();
+    match rx.recv_timeout(WAIT) {
+        Err(RecvTimeoutError::Malformed(m)) => assert!(m.contains("holds no descriptor"), "{m}"),
+        other => panic!("expected a malformed message, got {other:?}"),
+    }
+    let (good_tx, good_rx) = channel::<CarriedFile>().unwrap();
+    good_tx.send(CarriedFile(file_with("fine"))).unwrap();
+    assert_eq!(read_all(&good_rx.recv_timeout(WAIT).unwrap().0), "fine");
+}
