@@ -135,3 +135,35 @@ fn a_forked_child_that_never_used_cuda_gets_a_clear_error_only_when_its_parent_d
     })
     .unwrap();
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_child_forked_after_cuda_was_used_is_refused_cuda_and_drops_what_it_inherited() {
+    let _one = FORKING.lock().unwrap_or_else(|p| p.into_inner());
+    let dev = cuda_mp::Device::get(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}"));
+    let kept = cuda_mp::GpuTensor::<f32>::full(&dev, &[1024], 3.0).unwrap();
+    let doomed = cuda_mp::GpuTensor::<f32>::full(&dev, &[1024], 4.0).unwrap();
+    // The parent shares GPU memory before the fork (its lifetime machinery and events run).
+    let (tx, rx) = channel::<cuda_mp::GpuTensor<f32>>().unwrap();
+    tx.send(kept.clone()).unwrap();
+    assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap().shares_storage_with(&kept));
+
+    in_forked_child(move || {
+        match cuda_mp::Device::get(0) {
+            Err(Error::CudaUnavailable(why)) => {
+                check(why.contains("forked"), &format!("the reason is missing: {why}"))?
+            }
+            other => return Err(format!("a GPU in a child forked after CUDA was used: {other:?}")),
+        }
+        check(doomed.to_vec().is_err(), "a driver call on an inherited tensor succeeded")?;
+        check(tx.send(doomed.clone()).is_err(), "an inherited GPU tensor was sent")?;
+        // The last handle in this child: dropped without a driver call (the parent frees it).
+        drop(doomed);
+        Ok(())
+    })
+    .unwrap();
+    // The parent's memory is untouched and still its own.
+    assert_eq!(kept.to_vec().unwrap(), vec![3.0; 1024]);
+    let fresh = cuda_mp::GpuTensor::<f32>::full(&dev, &[16], 5.0).unwrap();
+    assert_eq!(fresh.to_vec().unwrap(), vec![5.0; 16]);
+}
