@@ -391,10 +391,15 @@ pub(crate) fn unpark(carried: Carried) -> Result<std::os::fd::OwnedFd> {
     let mut byte = [0u8; 1];
     match crate::sys::recv_with_fds(end.as_fd(), &mut byte, 1) {
         Ok((1, mut fds)) if byte[0] == PARKED && fds.len() == 1 => Ok(fds.remove(0)),
-        Ok(_) => Err(Error::Malformed("a parked descriptor's socket holds something else".into())),
+        // Nothing queued: empty (`WouldBlock`), or at its end (its other end closed, and what it
+        // held already taken).
+        Ok((0, fds)) if fds.is_empty() => {
+            Err(Error::Malformed("a parked descriptor's socket holds no descriptor".into()))
+        }
         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
             Err(Error::Malformed("a parked descriptor's socket holds no descriptor".into()))
         }
+        Ok(_) => Err(Error::Malformed("a parked descriptor's socket holds something else".into())),
         Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
             Err(Error::Malformed(format!("a parked descriptor's socket holds something else ({e})")))
         }

@@ -94,7 +94,35 @@ fn a_channel_with_nothing_parked_in_it_is_malformed_and_the_receiver_goes_on() {
         Err(RecvTimeoutError::Malformed(m)) => assert!(m.contains("holds no descriptor"), "{m}"),
         other => panic!("expected a malformed message, got {other:?}"),
     }
+    // The same with the channel's other end closed: at its end, nothing in it.
+    let empty = ipc_channel::ipc::channel::<u8>().unwrap().0;
+    tx.send(ForgedCarried(8, ForgedHow::Inline(ForgedDescriptor::Channel(empty)), false)).unwrap();
+    match rx.recv_timeout(WAIT) {
+        Err(RecvTimeoutError::Malformed(m)) => assert!(m.contains("holds no descriptor"), "{m}"),
+        other => panic!("expected a malformed message, got {other:?}"),
+    }
     let (good_tx, good_rx) = channel::<CarriedFile>().unwrap();
     good_tx.send(CarriedFile(file_with("fine"))).unwrap();
     assert_eq!(read_all(&good_rx.recv_timeout(WAIT).unwrap().0), "fine");
+}
+
+#[test]
+fn a_parked_descriptor_taken_once_is_gone_for_a_second_message_naming_it() {
+    // Read as the plain wire form, a genuine record can be sent twice: the first takes the
+    // descriptor, the second finds nothing.
+    let (genuine_tx, genuine_rx) = common::connect::<CarriedFile, ForgedCarried>();
+    genuine_tx.send(CarriedFile(file_with("once"))).unwrap();
+    let ForgedCarried(n, ForgedHow::Inline(ForgedDescriptor::Channel(parked)), keep) =
+        genuine_rx.recv_timeout(WAIT).unwrap()
+    else {
+        panic!("a parked descriptor travels as a channel inline")
+    };
+    let (tx, rx) = common::connect::<ForgedCarried, CarriedFile>();
+    tx.send(ForgedCarried(n, ForgedHow::Inline(ForgedDescriptor::Channel(parked.clone())), keep)).unwrap();
+    assert_eq!(read_all(&rx.recv_timeout(WAIT).unwrap().0), "once");
+    tx.send(ForgedCarried(n + 1, ForgedHow::Inline(ForgedDescriptor::Channel(parked)), keep)).unwrap();
+    match rx.recv_timeout(WAIT) {
+        Err(RecvTimeoutError::Malformed(m)) => assert!(m.contains("holds no descriptor"), "{m}"),
+        other => panic!("expected a malformed message, got {other:?}"),
+    }
 }
