@@ -428,3 +428,37 @@ fn a_named_object_sent_over_a_channel_is_opened_by_name() {
     let _second = Event::create(&name).unwrap();
     assert!(malformed(rx.recv()).contains("was replaced"));
 }
+
+/// A named object's file that others may open, or that another user owns, is refused: a local
+/// user of another account gets nothing from it, and cannot plant one for us to map.
+#[test]
+fn a_named_object_open_to_others_or_owned_by_another_user_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let _named = named();
+    let name = unique("foreign");
+    let event = Event::create(&name).unwrap();
+    let path = format!("/dev/shm/cuda-mp-sync.event.{name}");
+    let mode = |m: u32| std::fs::set_permissions(&path, std::fs::Permissions::from_mode(m)).unwrap();
+    let refused = |what: &str| match Event::open(&name) {
+        Err(Error::Io(e)) => {
+            assert_eq!(e.kind(), ErrorKind::PermissionDenied, "{what}: {e}");
+            assert!(e.to_string().contains("refused"), "{what}: {e}");
+        }
+        other => panic!("{what}: opened ({other:?})"),
+    };
+    Event::open(&name).expect("this user's own object, mode 600");
+    mode(0o644);
+    refused("readable by others");
+    mode(0o660);
+    refused("open to the group");
+    mode(0o600);
+    // Another user's file (only root can give one away: CI and the GPU machine run as root).
+    if rustix::process::geteuid().is_root() {
+        std::os::unix::fs::chown(&path, Some(65534), Some(65534)).unwrap();
+        refused("owned by another user");
+        std::os::unix::fs::chown(&path, Some(0), Some(0)).unwrap();
+    }
+    let opened = Event::open(&name).unwrap();
+    opened.set();
+    assert!(event.is_set());
+}

@@ -299,6 +299,8 @@ impl<T: Serialize> Sender<T> {
         }
         let hello: IpcSender<Hello> = IpcSender::connect(name.to_owned())?;
         let hello = hello.to_opaque();
+        // A listener of another user (a socket planted under the name) gets nothing.
+        check_peer(&format!("{hello:?}"))?;
         let gauge = Gauge::new(0, sys::send_buffer(&format!("{hello:?}")))?;
         let hello: IpcSender<Hello> = hello.to();
         let greeting = Hello { gauge: Some((*gauge.memory()?).clone()), ..Hello::CURRENT };
@@ -1010,6 +1012,14 @@ impl<T: Serialize + DeserializeOwned> Listener<T> {
     }
 }
 
+/// Refuses a connection (named by its `Debug` output) whose other end is another user's.
+fn check_peer(debug: &str) -> Result<()> {
+    use std::os::fd::AsFd;
+    let socket = sys::socket_copy(debug)
+        .ok_or_else(|| Error::Io(io::Error::other("the connection's socket cannot be checked")))?;
+    crate::sys::check_peer_is_this_user(socket.as_fd()).map_err(Error::Io)
+}
+
 /// The receiving end of a connection and its shared counters, once the peer said hello.
 fn accept_hello(server: IpcOneShotServer<Hello>) -> Result<(OpaqueIpcReceiver, Gauge)> {
     let not_ours = || Error::Malformed("the peer is not a cuda-mp sender of this version".into());
@@ -1019,9 +1029,12 @@ fn accept_hello(server: IpcOneShotServer<Hello>) -> Result<(OpaqueIpcReceiver, G
             IpcError::SerializationError(_) => not_ours(),
             other => Error::Malformed(format!("connection handshake failed: {other}")),
         })?;
+    // A sender of another user is refused before its hello is used.
+    let rx = rx.to_opaque();
+    check_peer(&format!("{rx:?}"))?;
     if !hello.is(&Hello::CURRENT) {
         return Err(not_ours());
     }
     let gauge = Gauge::from_memory(Arc::new(hello.gauge.ok_or_else(not_ours)?))?;
-    Ok((rx.to_opaque(), gauge))
+    Ok((rx, gauge))
 }

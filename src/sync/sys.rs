@@ -175,6 +175,9 @@ impl Region {
                 Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
                 Err(e) => return Err(named_error(e, path)),
             };
+            // Before anything else, a leftover's removal included: another user's file, or one
+            // that others may open, is not ours to map (it could be changed under us).
+            check_private(&file, path)?;
             match file.try_lock() {
                 Ok(()) => {
                     // Nobody holds the creator's shared lock: the creator is gone. Removers
@@ -266,6 +269,25 @@ fn same_file(file: &File, path: &Path) -> bool {
         (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
         _ => false,
     }
+}
+
+/// Refuses a named object's file that another user owns or that others may open: only files
+/// this user made with mode 0600 are mapped.
+fn check_private(file: &File, path: &Path) -> Result<()> {
+    let meta = file.metadata()?;
+    let me = rustix::process::geteuid().as_raw();
+    if meta.uid() != me || meta.mode() & 0o077 != 0 {
+        return Err(Error::Io(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "{}: refused, it is owned by user {} with mode {:o} (a sync object is this user's alone, mode 600)",
+                path.display(),
+                meta.uid(),
+                meta.mode() & 0o7777
+            ),
+        )));
+    }
+    Ok(())
 }
 
 fn named_error(e: io::Error, path: &Path) -> Error {

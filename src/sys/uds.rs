@@ -57,6 +57,25 @@ pub(crate) fn recv_with_fds(
     Ok((got.bytes, fds))
 }
 
+/// Refuses a connected Unix socket whose other end is a process of another user (its
+/// credentials as the kernel recorded them at `connect` or `listen`, `SO_PEERCRED`).
+pub(crate) fn check_peer_is_this_user(socket: BorrowedFd<'_>) -> io::Result<()> {
+    let peer = rustix::net::sockopt::socket_peercred(socket)?;
+    let me = rustix::process::geteuid();
+    if peer.uid != me {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "refused: the process at the other end of the connection (pid {}) runs as user {}, not as this user ({})",
+                peer.pid.as_raw_nonzero(),
+                peer.uid.as_raw(),
+                me.as_raw()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use std::os::fd::AsFd;
@@ -84,6 +103,12 @@ mod tests {
         assert_eq!(recv_with_fds(y.as_fd(), &mut buf, 0).unwrap().0, 1);
         // Nothing queued: no wait.
         assert_eq!(recv_with_fds(b.as_fd(), &mut buf, 1).unwrap_err().kind(), io::ErrorKind::WouldBlock);
+    }
+
+    #[test]
+    fn a_peer_of_this_user_is_accepted() {
+        let (a, _b) = pair();
+        check_peer_is_this_user(a.as_fd()).unwrap();
     }
 
     #[test]
