@@ -30,6 +30,9 @@ pub(crate) struct FakeKind;
 #[derive(Debug)]
 pub(crate) struct FakeMemory {
     open_delay: Duration,
+    /// How long freeing this process's own memory takes (a stand-in for a GPU free that waits
+    /// for the device).
+    free_delay: Duration,
     imported: bool,
 }
 
@@ -37,6 +40,9 @@ static CLOSED: AtomicU64 = AtomicU64::new(0);
 
 impl Drop for FakeMemory {
     fn drop(&mut self) {
+        if !self.imported {
+            std::thread::sleep(self.free_delay);
+        }
         if self.imported {
             CLOSED.fetch_add(1, Ordering::SeqCst);
         }
@@ -74,7 +80,7 @@ impl StorageKind for FakeKind {
     fn open(wire: &mut FakeWire, _: usize, _: &()) -> Result<FakeMemory> {
         let open_delay = Duration::from_millis(wire.open_delay_ms.min(60_000));
         std::thread::sleep(open_delay);
-        Ok(FakeMemory { open_delay, imported: true })
+        Ok(FakeMemory { open_delay, free_delay: Duration::ZERO, imported: true })
     }
 
     fn arrived(_: &Memory<Self>, _: &FakeWire, _: &()) -> Result<()> {
@@ -105,9 +111,14 @@ impl<T: Element> Tensor<T, FakeStorage> {
     /// A contiguous tensor on fake storage whose mapping in another process takes
     /// `open_delay`.
     pub fn fake(shape: &[usize], open_delay: Duration) -> Result<Self> {
+        Self::fake_freed_slowly(shape, open_delay, Duration::ZERO)
+    }
+
+    /// Like [`fake`](Self::fake), with memory whose free here takes `free_delay`.
+    pub fn fake_freed_slowly(shape: &[usize], open_delay: Duration, free_delay: Duration) -> Result<Self> {
         let layout = Layout::contiguous(shape)?;
         let bytes = layout.numel() * T::DTYPE.size();
-        let memory = FakeMemory { open_delay, imported: false };
+        let memory = FakeMemory { open_delay, free_delay, imported: false };
         Ok(Tensor::from_parts(Arc::new(FakeStorage(Handle::new_local(bytes, memory))), layout))
     }
 

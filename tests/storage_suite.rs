@@ -482,3 +482,50 @@ fn drops_do_not_wait_for_a_subscriber_that_never_reads() {
     wait_for_lifetime(WAIT, |s| s.exported_storages == 0 && s.outstanding_leases == 0).unwrap();
     eprintln!("{N} drops with a stopped subscriber took {took:?}");
 }
+
+/// Drops what it receives, each message as it comes, and says so.
+fn drop_each((fakes, hosts, said): (Receiver<FakeTensor<f32>>, Receiver<HostTensor<f32>>, Sender<()>)) {
+    drop(fakes.recv_timeout(WAIT).unwrap());
+    said.send(()).unwrap();
+    drop(hosts.recv_timeout(WAIT).unwrap());
+    said.send(()).unwrap();
+}
+
+/// A free that waits (a GPU free waits for the device) does not hold up the reaper: another
+/// storage's release is processed meanwhile.
+#[test]
+fn a_slow_free_does_not_hold_up_other_releases() {
+    let _serial = serial();
+    let before = lifetime_stats();
+    let (fake_tx, fake_rx) = channel().unwrap();
+    let (host_tx, host_rx) = channel().unwrap();
+    let (said_tx, said) = channel().unwrap();
+    let mut child = spawn((fake_rx, host_rx, said_tx), drop_each);
+    // Freed when the child drops it (this process drops its handle first): takes 3 s.
+    let slow = FakeTensor::<f32>::fake_freed_slowly(&[4], Duration::ZERO, Duration::from_secs(3)).unwrap();
+    fake_tx.send(slow).unwrap();
+    said.recv_timeout(WAIT).unwrap();
+    // The slow free is under way. A host storage sent now and dropped by the child is released
+    // at once all the same.
+    let host = HostTensor::<f32>::zeros(&[4]).unwrap();
+    host_tx.send(host.clone()).unwrap();
+    drop(host);
+    said.recv_timeout(WAIT).unwrap();
+    let started = Instant::now();
+    // Both leases closed and processed while the slow free still runs (the reaper does not
+    // free: frees run in order on a thread of their own).
+    let during = wait_for_lifetime(Duration::from_secs(2), |s| {
+        s.outstanding_leases == before.outstanding_leases && s.leases_released == before.leases_released + 2
+    });
+    let during = during.unwrap_or_else(|e| {
+        panic!("the host storage's release waited for another storage's free ({e}): {:?}", lifetime_stats())
+    });
+    assert_eq!(during.freed_storages, before.freed_storages, "the slow free finished first: the test proves nothing");
+    let took = started.elapsed();
+    child.join_timeout(WAIT).unwrap();
+    wait_for_lifetime(WAIT, |s| {
+        s.exported_storages == before.exported_storages && s.live_storages == before.live_storages
+    })
+    .expect("both storages freed");
+    eprintln!("the host release took {took:?} while a 3 s free ran");
+}

@@ -169,3 +169,58 @@ fn run(courier: &'static Courier) {
         }
     }
 }
+
+/// Work that must not run on the reaper thread: frees and unmaps (a GPU free first waits for
+/// the device's stream). One more thread, so that a free waits neither for the reaper nor for
+/// a send of the courier's, and the reaper keeps reading leases meanwhile.
+struct Disposer {
+    jobs: Mutex<Vec<Job>>,
+    posted: Condvar,
+    started: OnceLock<bool>,
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+static DISPOSER: ForkLocal<Disposer> =
+    ForkLocal::new(|| Disposer { jobs: Mutex::new(Vec::new()), posted: Condvar::new(), started: OnceLock::new() });
+
+std::thread_local! {
+    /// True on the reaper's thread.
+    static ON_REAPER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks the calling thread as the reaper's.
+pub(super) fn this_is_the_reaper() {
+    ON_REAPER.with(|r| r.set(true));
+}
+
+/// Runs `job` (a free, an unmap) now, or on the disposer's thread when called on the reaper's.
+pub(super) fn dispose(job: impl FnOnce() + Send + 'static) {
+    if !ON_REAPER.with(|r| r.get()) {
+        return job();
+    }
+    let disposer = DISPOSER.get();
+    let started = *disposer.started.get_or_init(|| {
+        std::thread::Builder::new().name("cuda-mp-disposer".into()).spawn(move || run_jobs(disposer)).is_ok()
+    });
+    if !started {
+        return job();
+    }
+    disposer.jobs.lock().unwrap_or_else(|p| p.into_inner()).push(Box::new(job));
+    disposer.posted.notify_one();
+}
+
+fn run_jobs(disposer: &'static Disposer) {
+    loop {
+        let jobs = {
+            let mut jobs = disposer.jobs.lock().unwrap_or_else(|p| p.into_inner());
+            while jobs.is_empty() {
+                jobs = disposer.posted.wait(jobs).unwrap_or_else(|p| p.into_inner());
+            }
+            std::mem::take(&mut *jobs)
+        };
+        for job in jobs {
+            job();
+        }
+    }
+}

@@ -220,10 +220,14 @@ fn release(mut s: std::sync::MutexGuard<'static, State>, claims: &[(u64, usize)]
                 o.free_slot(e.slot);
             }
         }
-        let n = freed.len();
-        // Freeing may call into the driver: outside the lock.
-        drop(freed);
-        state().freeing -= n;
+        // Freeing may call into the driver (and wait for the device): outside the lock, and
+        // off the reaper's thread.
+        super::courier::dispose(move || {
+            let n = freed.len();
+            drop(freed);
+            state().freeing -= n;
+            notify();
+        });
     }
     notify();
 }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Weak};
 
 use super::lease::{CacheTicket, Lease};
 use super::table::{Table, NO_SLOT};
-use super::{notify, reaper, state, wait, AnyStorage, ImportKey, StorageId};
+use super::{notify, reaper, state, wait, AnyStorage, ImportKey, State, StorageId};
 use crate::error::Result;
 
 /// The storage `id` of another process as mapped here, under import key `kind`: the handle in
@@ -133,7 +133,7 @@ pub(crate) fn close_import(id: StorageId, kind: &'static str, close: impl FnOnce
 /// An owner's liveness table arrived: keep it, and evict the mappings cached while it was on
 /// its way whose storages the owner no longer holds.
 pub(super) fn table_arrived(owner: u128, table: Table) {
-    let evicted: Vec<AnyStorage> = {
+    let evicted = {
         let mut s = state();
         let dead: Vec<ImportKey> = s
             .idle
@@ -142,16 +142,44 @@ pub(super) fn table_arrived(owner: u128, table: Table) {
             .map(|(k, _)| *k)
             .collect();
         s.owner_tables.insert(owner, Some(table));
-        dead.iter().filter_map(|k| s.idle.remove(k)).map(|(m, _)| m).collect()
+        evict(&mut s, &dead)
     };
-    // Closing the mappings takes the lock again: outside it.
-    drop(evicted);
+    // Closing the mappings takes the lock again: outside it, and off the reaper's thread.
+    dispose_evicted(evicted);
+}
+
+/// Takes `keys` out of the idle cache, under the lock: each is marked closing (a new import of
+/// it waits until it is closed) and still counts as cached until then.
+fn evict(s: &mut State, keys: &[ImportKey]) -> Vec<(ImportKey, AnyStorage)> {
+    let evicted: Vec<(ImportKey, AnyStorage)> =
+        keys.iter().filter_map(|k| s.idle.remove(k).map(|(m, _)| (*k, m))).collect();
+    s.evicting += evicted.len();
+    s.closing.extend(evicted.iter().map(|(k, _)| *k));
+    evicted
+}
+
+/// Closes mappings that [`evict`] took: outside the lock, and off the reaper's thread, as
+/// closing a GPU mapping waits for the device.
+fn dispose_evicted(evicted: Vec<(ImportKey, AnyStorage)>) {
+    if !evicted.is_empty() {
+        super::courier::dispose(move || {
+            let keys: Vec<ImportKey> = evicted.iter().map(|(k, _)| *k).collect();
+            drop(evicted);
+            let mut s = state();
+            s.evicting -= keys.len();
+            for k in &keys {
+                s.closing.remove(k);
+            }
+            drop(s);
+            notify();
+        });
+    }
     notify();
 }
 
 /// The owner dropped storage `index` (or, for `None`, went away): evict cached mappings.
 pub(super) fn revoke(owner: u128, index: Option<u64>) {
-    let evicted: Vec<AnyStorage> = {
+    let evicted = {
         let mut s = state();
         let keys: Vec<ImportKey> = s
             .idle
@@ -159,10 +187,9 @@ pub(super) fn revoke(owner: u128, index: Option<u64>) {
             .filter(|(id, _)| id.owner() == owner && index.is_none_or(|i| id.index() == i))
             .copied()
             .collect();
-        keys.iter().filter_map(|k| s.idle.remove(k)).map(|(m, _)| m).collect()
+        evict(&mut s, &keys)
     };
-    drop(evicted);
-    notify();
+    dispose_evicted(evicted);
 }
 
 /// The owner's revocation channel closed: it is gone, and its storages with it.

@@ -91,6 +91,9 @@ struct State {
     imported: HashMap<ImportKey, WeakStorage>,
     /// Mappings kept after their last use, with their slot in the owner's table.
     idle: HashMap<ImportKey, (AnyStorage, u32)>,
+    /// Mappings evicted from `idle` and being closed right now (off the reaper's thread);
+    /// still counted as cached until done.
+    evicting: usize,
     /// Mappings being opened right now (outside the lock): a second import of the same
     /// storage waits for the first.
     opening: HashSet<ImportKey>,
@@ -166,7 +169,7 @@ fn stats_of(s: &State) -> LifetimeStats {
     let mut stats = s.stats;
     stats.exported_storages = s.exported.len() + s.freeing;
     stats.imported_storages = s.imported.values().filter(|w| w.strong_count() > 0).count();
-    stats.cached_mappings = s.idle.len();
+    stats.cached_mappings = s.idle.len() + s.evicting;
     stats.offered_descriptors = DESCRIPTORS.get().load(Ordering::Relaxed);
     stats
 }

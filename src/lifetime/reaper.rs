@@ -119,6 +119,7 @@ pub(super) fn subscribe(owner: u128, lease: &Lease) -> bool {
 }
 
 fn reap(mut set: IpcReceiverSet, wake_id: u64) {
+    super::courier::this_is_the_reaper();
     let Ok(reaper) = reaper() else { return };
     loop {
         let events = match set.select() {
