@@ -76,8 +76,8 @@ pub mod testing;
 mod wire;
 
 pub use channel::{
-    bounded, channel, pipe, Duplex, IntoIter, Iter, IterResults, Listener, Receiver, RecvFuture, RecvStream, Select,
-    Sender, TryIter,
+    bounded, channel, flush_sends, pipe, Duplex, IntoIter, Iter, IterResults, Listener, Receiver, RecvFuture,
+    RecvStream, Select, Sender, TryIter,
 };
 pub use cuda_mp_macros::main;
 pub use dtype::{DType, Element};

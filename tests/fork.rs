@@ -167,3 +167,36 @@ fn a_child_forked_after_cuda_was_used_is_refused_cuda_and_drops_what_it_inherite
     let fresh = cuda_mp::GpuTensor::<f32>::full(&dev, &[16], 5.0).unwrap();
     assert_eq!(fresh.to_vec().unwrap(), vec![5.0; 16]);
 }
+
+#[test]
+fn a_forked_child_that_ends_with_exit_loses_nothing_it_flushed() {
+    let _one = FORKING.lock().unwrap_or_else(|p| p.into_inner());
+    const N: u32 = 3_000;
+    let (tx, rx) = channel::<u32>().unwrap();
+    // The parent reads while the child runs, as a consumer would, but late: the child's
+    // sends fill the socket first.
+    let reader = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        let mut got = Vec::new();
+        while got.len() < N as usize {
+            match rx.recv_timeout(Duration::from_secs(10)) {
+                Ok(i) => got.push(i),
+                Err(_) => break,
+            }
+        }
+        got
+    });
+    in_forked_child(|| {
+        // Far more than the socket holds: most of it waits in this child's backlog.
+        for i in 0..N {
+            tx.send(i).map_err(|e| format!("send: {e}"))?;
+        }
+        // The child ends with `_exit` (as a forked Python worker does): no exit hook hands the
+        // backlog on, so it does so here.
+        cuda_mp::flush_sends(Duration::from_secs(30)).map_err(|e| format!("flush: {e}"))
+    })
+    .unwrap();
+    let got = reader.join().unwrap();
+    assert_eq!(got.len(), N as usize, "messages of the child were lost");
+    assert!(got.iter().enumerate().all(|(i, &m)| m == i as u32), "messages of the child were reordered");
+}

@@ -41,6 +41,7 @@ __all__ = [
     "channel",
     "connect",
     "empty_host",
+    "flush_sends",
     "pack_state_dict",
 ]
 
@@ -410,3 +411,33 @@ def empty_host(shape, dtype="float32"):
 def cuda_available() -> bool:
     """Whether a CUDA GPU is usable in this process."""
     return _native.cuda_available()
+
+
+def flush_sends(timeout: Optional[float] = None) -> None:
+    """Waits until every message this process sent has been handed to its receiver (or the
+    receiver is gone), at most ``timeout`` seconds (None: as long as it takes); raises
+    ``Timeout``. Sends never wait for the reader, so a process whose reader is behind holds a
+    backlog; a process that exits normally waits for it by itself, and so does a
+    ``multiprocessing`` child (a child of the ``fork`` start method ends with ``os._exit``,
+    which skips that), through the exit finalizer this package registers."""
+    _native.flush_sends(timeout)
+
+
+class _ExitFlush:
+    """Registers a ``multiprocessing`` finalizer that hands this process's backlogs on when it
+    ends: ``multiprocessing`` runs its finalizers as a worker ends, also where the worker then
+    leaves with ``os._exit`` and skips every other exit hook. A forked child gets one of its
+    own (a fork clears the finalizers it inherited)."""
+
+    def __init__(self):
+        import multiprocessing.util as util
+
+        self._util = util
+        self._register()
+        util.register_after_fork(self, _ExitFlush._register)
+
+    def _register(self):
+        self._util.Finalize(None, _native.flush_sends, exitpriority=0)
+
+
+_EXIT_FLUSH = _ExitFlush()

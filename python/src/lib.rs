@@ -692,6 +692,25 @@ fn cuda_available() -> bool {
     cuda_mp::cuda_available()
 }
 
+/// Waits until every message this process sent has been handed to its receiver's socket (or
+/// the receiver is gone), at most `timeout` seconds (None: as long as it takes), without the
+/// GIL, checking for KeyboardInterrupt between slices.
+#[pyfunction]
+#[pyo3(signature = (timeout=None))]
+fn flush_sends(py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+    const SLICE: Duration = Duration::from_millis(100);
+    let deadline = seconds(timeout)?.map(|t| Instant::now() + t);
+    loop {
+        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        let slice = left.map_or(SLICE, |l| l.min(SLICE));
+        match py.detach(|| cuda_mp::flush_sends(slice)) {
+            Ok(()) => return Ok(()),
+            Err(cuda_mp::Error::Timeout(_)) if left.is_none_or(|l| l > slice) => py.check_signals()?,
+            Err(e) => return Err(error(e)),
+        }
+    }
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Tensor>()?;
@@ -708,6 +727,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(lifetime_stats, m)?)?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
+    m.add_function(wrap_pyfunction!(flush_sends, m)?)?;
     torch_ipc::register(m)?;
     Ok(())
 }

@@ -63,3 +63,26 @@ def test_a_child_of_any_start_method_trades_arrays_with_a_parent_that_used_cuda_
     finally:
         if child.is_alive():
             child.kill()
+
+
+def _send_many(tx, n):
+    # Far more than the socket holds: most of it waits in this child's backlog when it returns.
+    for i in range(n):
+        tx.send(np.array([i], dtype=np.int64))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_a_child_that_returns_with_its_sends_still_queued_loses_none_of_them(method):
+    if method not in mp.get_all_start_methods():
+        pytest.skip(f"{method} is not available here")
+    n = 3000
+    tx, rx = cuda_mp.channel(cuda_mp.HostTensor)
+    child = mp.get_context(method).Process(target=_send_many, args=(tx, n))
+    child.start()
+    import time
+
+    time.sleep(0.5)  # the child's sends fill the socket before anyone reads
+    got = [int(rx.recv(timeout=30)[0]) for _ in range(n)]
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert got == list(range(n)), "messages of the child were lost or reordered"

@@ -94,6 +94,32 @@ pub fn bounded<T: Serialize + DeserializeOwned>(capacity: usize) -> Result<(Send
     make(capacity as u32)
 }
 
+/// Waits until every message this process sent, on any channel, has been handed to the socket
+/// its receiver reads (or its receiver is gone), for at most `timeout`. A send never waits for
+/// the reader, so a process whose reader is behind holds a backlog: returning from `main` (or
+/// from a spawned worker) waits for it by itself, but a process that ends with `_exit` does not
+/// (a child of Python's `multiprocessing` with the `fork` start method; the Python package
+/// calls this for it), nor one that is killed. [`Error::Timeout`] when the backlog is not
+/// handed on in time (the reader does not read).
+///
+/// ```
+/// let (tx, rx) = cuda_mp::channel::<u32>().unwrap();
+/// for i in 0..10_000 {
+///     tx.send(i).unwrap();
+/// }
+/// let reader = std::thread::spawn(move || rx.iter().count());
+/// cuda_mp::flush_sends(std::time::Duration::from_secs(30)).unwrap();
+/// drop(tx);
+/// assert_eq!(reader.join().unwrap(), 10_000);
+/// ```
+pub fn flush_sends(timeout: Duration) -> Result<()> {
+    if outbox::flush_all(Some(timeout)) {
+        Ok(())
+    } else {
+        Err(Error::Timeout(timeout))
+    }
+}
+
 fn make<T: Serialize + DeserializeOwned>(capacity: u32) -> Result<(Sender<T>, Receiver<T>)> {
     let (tx, rx) = ipc::channel::<Incoming<T>>()?;
     let tx = tx.to_opaque();

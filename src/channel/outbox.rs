@@ -35,6 +35,9 @@ const HANDOVER_DELAY: Duration = Duration::from_millis(20);
 /// Set once the process is exiting: feeders then hand on everything at once.
 static EXITING: AtomicBool = AtomicBool::new(false);
 
+/// Threads waiting in [`flush_all`]: feeders hand on everything at once meanwhile.
+static FLUSHING: AtomicUsize = AtomicUsize::new(0);
+
 /// The senders of one channel in this process, shared by all their handles.
 pub(super) struct Outbox {
     main: OpaqueIpcSender,
@@ -337,7 +340,9 @@ impl Outbox {
             if backlog.disconnected {
                 break;
             }
-            let urgent = self.handles.load(Ordering::SeqCst) == 0 || EXITING.load(Ordering::SeqCst);
+            let urgent = self.handles.load(Ordering::SeqCst) == 0
+                || EXITING.load(Ordering::SeqCst)
+                || FLUSHING.load(Ordering::SeqCst) > 0;
             let due = |b: &Batch| urgent || b.opened.elapsed() >= HANDOVER_DELAY || self.gauge.nearly_drained();
             let next = match backlog.closed.pop_front() {
                 Some(batch) => Some(batch),
@@ -395,15 +400,22 @@ impl Outbox {
     }
 
     /// Waits until everything spilled here was handed on, or the receiver is gone.
-    fn drain(&self) {
+    /// False when `deadline` passed first.
+    fn drain(&self, deadline: Option<Instant>) -> bool {
         let mut backlog = self.lock();
         while !(backlog.is_empty() || backlog.disconnected) {
             if !backlog.feeder {
                 // No thread to hand it on (it could not start): nothing to wait for.
                 break;
             }
-            backlog = self.changed().wait_timeout(backlog, ROOM_WAIT).unwrap_or_else(|p| p.into_inner()).0;
+            let wait = match deadline.map(|d| d.saturating_duration_since(Instant::now())) {
+                Some(left) if left.is_zero() => return false,
+                Some(left) => left.min(ROOM_WAIT),
+                None => ROOM_WAIT,
+            };
+            backlog = self.changed().wait_timeout(backlog, wait).unwrap_or_else(|p| p.into_inner()).0;
         }
+        true
     }
 }
 
@@ -418,13 +430,21 @@ fn install_exit_hook() {
 extern "C" fn drain_at_exit() {
     let _ = catch_quietly(|| {
         EXITING.store(true, Ordering::SeqCst);
-        let outboxes: Vec<Arc<Outbox>> = registry().values().filter_map(Weak::upgrade).collect();
-        for outbox in &outboxes {
-            let _backlog = outbox.lock();
-            outbox.changed().notify_all();
-        }
-        for outbox in outboxes {
-            outbox.drain();
-        }
+        flush_all(None)
     });
+}
+
+/// Waits until every backlog of this process was handed on (or its receiver is gone), until
+/// `timeout` at most; false when it passed first. Feeders hand on at once meanwhile.
+pub(super) fn flush_all(timeout: Option<Duration>) -> bool {
+    let deadline = timeout.map(|t| Instant::now() + t);
+    FLUSHING.fetch_add(1, Ordering::SeqCst);
+    let outboxes: Vec<Arc<Outbox>> = registry().values().filter_map(Weak::upgrade).collect();
+    for outbox in &outboxes {
+        let _backlog = outbox.lock();
+        outbox.changed().notify_all();
+    }
+    let done = outboxes.iter().all(|outbox| outbox.drain(deadline));
+    FLUSHING.fetch_sub(1, Ordering::SeqCst);
+    done
 }
