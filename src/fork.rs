@@ -14,23 +14,31 @@
 //! parent owns, or send on the parent's behalf). Their descriptors stay open in the child until
 //! it exits, like every descriptor a fork inherits.
 
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 
 /// Bumped in every forked child, before `fork` returns there.
 static GENERATION: AtomicU64 = AtomicU64::new(0);
 
 extern "C" fn forked_child() {
-    // Async-signal-safe: one atomic add, in the child's only thread.
+    // In the child's only thread, before `fork` returns there.
     GENERATION.fetch_add(1, Ordering::SeqCst);
+    // The parent's lease channels must not stay open in the child for as long as it lives
+    // (its memory would be held that long): close this child's copies at once. Nothing may
+    // unwind out of this handler.
+    let _ = std::panic::catch_unwind(crate::lifetime::close_inherited_leases);
 }
 
 /// This process's generation: 0 in a process started fresh (or spawned, or exec'd), one more
 /// in each forked child than in its parent.
 pub(crate) fn generation() -> u64 {
-    static REGISTERED: AtomicBool = AtomicBool::new(false);
-    if !REGISTERED.load(Ordering::Acquire) && !REGISTERED.swap(true, Ordering::AcqRel) {
-        crate::os::at_fork_child(forked_child);
-    }
+    // Every caller waits until the handler is registered, so no cell is built before a fork
+    // could be told apart.
+    static REGISTERED: std::sync::Once = std::sync::Once::new();
+    REGISTERED.call_once(|| {
+        // Should this fail (only when out of memory), forked children are not told apart:
+        // they behave as before this module existed.
+        let _ = crate::os::at_fork_child(forked_child);
+    });
     GENERATION.load(Ordering::Acquire)
 }
 
@@ -81,6 +89,14 @@ impl<T> ForkLocal<T> {
         }
     }
 
+    /// The value of an earlier generation this cell holds (its parent's, in a forked child
+    /// that has not used the cell yet), if any.
+    pub(crate) fn inherited(&self) -> Option<&T> {
+        // SAFETY: as in `get`.
+        let slot = unsafe { self.current.load(Ordering::Acquire).as_ref() }?;
+        (slot.generation != generation()).then_some(&slot.value)
+    }
+
     /// True when this cell holds a value of an earlier generation (this process was forked
     /// from one that used it) or none yet.
     pub(crate) fn is_stale(&self) -> bool {
@@ -92,9 +108,12 @@ impl<T> ForkLocal<T> {
 impl<T> Drop for ForkLocal<T> {
     fn drop(&mut self) {
         let current = *self.current.get_mut();
-        if !current.is_null() {
-            // SAFETY: published from `Box::into_raw` and owned by this cell; `&mut self` means
-            // no reference from `get` is alive. Earlier generations' slots are not freed.
+        // SAFETY: as in `get`; `&mut self` means no reference from `get` is alive.
+        let ours = unsafe { current.as_ref() }.is_some_and(|s| s.generation == generation());
+        if ours {
+            // SAFETY: published from `Box::into_raw`, of this generation, owned by this cell.
+            // A slot of an earlier generation (the parent's, in a child that never used the
+            // cell) is left as it is, like every inherited value.
             drop(unsafe { Box::from_raw(current) });
         }
     }

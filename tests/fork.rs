@@ -5,6 +5,7 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
+use cuda_mp::testing::FakeTensor;
 use cuda_mp::{channel, lifetime_stats, wait_for_lifetime, Error, HostTensor, Queue, Receiver, Sender};
 
 /// One fork at a time: the child of a test process has only the forking thread, and forking
@@ -199,4 +200,40 @@ fn a_forked_child_that_ends_with_exit_loses_nothing_it_flushed() {
     let got = reader.join().unwrap();
     assert_eq!(got.len(), N as usize, "messages of the child were lost");
     assert!(got.iter().enumerate().all(|(i, &m)| m == i as u32), "messages of the child were reordered");
+}
+
+#[test]
+fn a_forked_child_does_not_keep_its_parents_leases_open() {
+    let _one = FORKING.lock().unwrap_or_else(|p| p.into_inner());
+    // Fake storage: one lease per storage, as GPU storage (the claim ends only when every copy
+    // of the lease is closed). The parent shares it, so its lease and spare leases exist.
+    let (tx, rx) = channel::<FakeTensor<f32>>().unwrap();
+    let kept = FakeTensor::<f32>::fake(&[4], Duration::ZERO).unwrap();
+    tx.send(kept.clone()).unwrap();
+    drop(rx.recv_timeout(Duration::from_secs(10)).unwrap());
+    let baseline = lifetime_stats();
+    // A child that sleeps and never uses cuda-mp, as a forked worker that only computes.
+    // SAFETY: the child only sleeps and `_exit`s.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        std::thread::sleep(Duration::from_secs(30));
+        // SAFETY: ends the child at once.
+        unsafe { libc::_exit(0) };
+    }
+    // While the child lives: a storage shared before the fork and one shared after it (through
+    // a spare lease the child also inherited) are freed once the parent is done with them.
+    let after = FakeTensor::<f32>::fake(&[4], Duration::ZERO).unwrap();
+    tx.send(after.clone()).unwrap();
+    drop(rx.recv_timeout(Duration::from_secs(10)).unwrap());
+    drop((kept, after));
+    let released = wait_for_lifetime(Duration::from_secs(10), |s| {
+        s.exported_storages == 0 && s.outstanding_leases < baseline.outstanding_leases.max(1)
+    });
+    // SAFETY: our child.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let mut status = 0;
+    // SAFETY: our child; `status` is writable.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    released.expect("the forked child kept the parent's leases open");
 }

@@ -505,6 +505,8 @@ fn a_slow_free_does_not_hold_up_other_releases() {
     let slow = FakeTensor::<f32>::fake_freed_slowly(&[4], Duration::ZERO, Duration::from_secs(3)).unwrap();
     fake_tx.send(slow).unwrap();
     said.recv_timeout(WAIT).unwrap();
+    // The reaper has seen the fake's lease close (so its free is queued first).
+    wait_for_lifetime(WAIT, |s| s.leases_released == before.leases_released + 1).unwrap();
     // The slow free is under way. A host storage sent now and dropped by the child is released
     // at once all the same.
     let host = HostTensor::<f32>::zeros(&[4]).unwrap();

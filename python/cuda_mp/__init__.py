@@ -419,7 +419,9 @@ def flush_sends(timeout: Optional[float] = None) -> None:
     ``Timeout``. Sends never wait for the reader, so a process whose reader is behind holds a
     backlog; a process that exits normally waits for it by itself, and so does a
     ``multiprocessing`` child (a child of the ``fork`` start method ends with ``os._exit``,
-    which skips that), through the exit finalizer this package registers."""
+    which skips that), through the exit finalizer this package registers. As with
+    ``torch.multiprocessing`` queues, a parent that joins such a child before reading what it
+    sent waits for ever once the child's backlog is more than the socket holds: read first."""
     _native.flush_sends(timeout)
 
 

@@ -446,5 +446,6 @@ pub(super) fn flush_all(timeout: Option<Duration>) -> bool {
     }
     let done = outboxes.iter().all(|outbox| outbox.drain(deadline));
     FLUSHING.fetch_sub(1, Ordering::SeqCst);
-    done
+    // Releases of claims this process dropped are messages too.
+    done && crate::lifetime::wait_for_releases(deadline)
 }

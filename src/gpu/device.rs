@@ -35,7 +35,17 @@ fn init_driver() -> Result<()> {
         if !driver::driver_library_present() {
             return Err("the CUDA driver library (libcuda.so) could not be loaded".into());
         }
-        cu::init().map_err(|e| format!("cuInit failed: {e}"))?;
+        cu::init().map_err(|e| {
+            if crate::fork::generation() > 0 {
+                // Another library (PyTorch, say) initialized CUDA before the fork.
+                format!(
+                    "cuInit failed: {e} (this process was forked: CUDA cannot be used in a child forked after its \
+                     parent initialized CUDA; start processes with spawn or forkserver)"
+                )
+            } else {
+                format!("cuInit failed: {e}")
+            }
+        })?;
         driver::mark_initialized();
         Ok(())
     })

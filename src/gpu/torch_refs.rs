@@ -127,6 +127,9 @@ pub(crate) struct TorchRefSlot {
     name: CString,
     slot: usize,
     armed: bool,
+    /// The process generation (`crate::fork`) that holds the slot: a forked child's copy
+    /// releases nothing (its parent does).
+    generation: u64,
 }
 
 impl TorchRefSlot {
@@ -156,7 +159,7 @@ impl TorchRefSlot {
                 "slot {slot} of {shown} is already held by a storage of this process: each share is rebuilt once"
             )));
         }
-        Ok(TorchRefSlot { name, slot, armed: false })
+        Ok(TorchRefSlot { name, slot, armed: false, generation: crate::fork::generation() })
     }
 
     /// From now on, dropping releases the slot.
@@ -167,6 +170,9 @@ impl TorchRefSlot {
 
 impl Drop for TorchRefSlot {
     fn drop(&mut self) {
+        if self.generation != crate::fork::generation() {
+            return;
+        }
         if self.armed {
             // Errors cannot be returned from drop; PyTorch ignores them too.
             let _ = release_slot(&self.name, self.slot);

@@ -36,6 +36,8 @@ const BATCH: usize = 512;
 struct Courier {
     queue: Mutex<Queue>,
     posted: Condvar,
+    /// Notified when the thread has sent what it took.
+    sent: Condvar,
     started: OnceLock<bool>,
 }
 
@@ -48,13 +50,33 @@ struct Queue {
     releases: Vec<(IpcSender<Control>, u64)>,
     /// True when some revocations wait for room in a subscriber's socket.
     blocked: bool,
+    /// True while the thread sends what it took from the queue.
+    sending: bool,
 }
 
 static COURIER: ForkLocal<Courier> = ForkLocal::new(|| Courier {
     queue: Mutex::new(Queue::default()),
     posted: Condvar::new(),
+    sent: Condvar::new(),
     started: OnceLock::new(),
 });
+
+/// Waits until every release posted so far has been sent, until `deadline` at most; false when
+/// it passed first. (Revocations to a subscriber that does not read may wait for ever: they
+/// only let it close cached mappings sooner, so nothing waits for them.)
+pub(crate) fn wait_for_releases(deadline: Option<std::time::Instant>) -> bool {
+    let courier = COURIER.get();
+    let mut queue = lock(courier);
+    while !queue.releases.is_empty() || queue.sending {
+        let wait = match deadline.map(|d| d.saturating_duration_since(std::time::Instant::now())) {
+            Some(left) if left.is_zero() => return false,
+            Some(left) => left.min(RETRY),
+            None => RETRY,
+        };
+        queue = courier.sent.wait_timeout(queue, wait).unwrap_or_else(|p| p.into_inner()).0;
+    }
+    true
+}
 
 fn lock(courier: &Courier) -> MutexGuard<'_, Queue> {
     courier.queue.lock().unwrap_or_else(|p| p.into_inner())
@@ -126,6 +148,7 @@ fn run(courier: &'static Courier) {
                 queue = courier.posted.wait_timeout(queue, RETRY).unwrap_or_else(|p| p.into_inner()).0;
             }
             queue.blocked = false;
+            queue.sending = true;
             (std::mem::take(&mut queue.releases), std::mem::take(&mut queue.revocations))
         };
         for (tx, index) in releases {
@@ -157,8 +180,8 @@ fn run(courier: &'static Courier) {
             }
         }
         forget(&gone);
+        let mut queue = lock(courier);
         if !waiting.is_empty() {
-            let mut queue = lock(courier);
             for (n, tx, mut older) in waiting {
                 // Older indices first; posts that came meanwhile after them.
                 let entry = queue.revocations.entry(n).or_insert_with(|| (tx, Vec::new()));
@@ -167,6 +190,9 @@ fn run(courier: &'static Courier) {
             }
             queue.blocked = true;
         }
+        queue.sending = false;
+        drop(queue);
+        courier.sent.notify_all();
     }
 }
 
@@ -220,7 +246,9 @@ fn run_jobs(disposer: &'static Disposer) {
             std::mem::take(&mut *jobs)
         };
         for job in jobs {
-            job();
+            // A panic in one free (a storage kind's bug) must not end the thread that runs
+            // every later one.
+            let _ = crate::os::catch_quietly(job);
         }
     }
 }

@@ -143,6 +143,12 @@ fn slot_of(entry: &mut Exported, id: StorageId) -> u32 {
     entry.slot
 }
 
+/// Takes an exported storage's shared lease out (a forked child closing its copy of its
+/// parent's: see `close_inherited_leases`).
+pub(super) fn take_shared_lease(e: &mut Exported) -> Option<Lease> {
+    e.shared_lease.take()
+}
+
 /// This process dropped its last handle on local storage `id`: receivers may no longer keep
 /// idle mappings of it. The memory itself stays until the last claim is released.
 pub(crate) fn handles_dropped(id: StorageId) {

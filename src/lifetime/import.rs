@@ -26,7 +26,7 @@ pub(crate) fn import<H: Any + Send + Sync>(
     // Wait while the storage is being opened or closed, or while its last handle is being
     // dropped (it is about to be cached or closed).
     while s.opening.contains(&key)
-        || s.closing.contains(&key)
+        || s.closing.contains_key(&key)
         || s.imported.get(&key).is_some_and(|w| w.strong_count() == 0)
     {
         s = wait(s);
@@ -123,10 +123,10 @@ pub(crate) fn close_import(id: StorageId, kind: &'static str, close: impl FnOnce
         if s.imported.get(&key).is_some_and(|w| w.strong_count() == 0) {
             s.imported.remove(&key);
         }
-        s.closing.insert(key);
+        s.mark_closing(key);
     }
     close();
-    state().closing.remove(&key);
+    state().unmark_closing(&key);
     notify();
 }
 
@@ -154,7 +154,9 @@ fn evict(s: &mut State, keys: &[ImportKey]) -> Vec<(ImportKey, AnyStorage)> {
     let evicted: Vec<(ImportKey, AnyStorage)> =
         keys.iter().filter_map(|k| s.idle.remove(k).map(|(m, _)| (*k, m))).collect();
     s.evicting += evicted.len();
-    s.closing.extend(evicted.iter().map(|(k, _)| *k));
+    for (k, _) in &evicted {
+        s.mark_closing(*k);
+    }
     evicted
 }
 
@@ -168,7 +170,7 @@ fn dispose_evicted(evicted: Vec<(ImportKey, AnyStorage)>) {
             let mut s = state();
             s.evicting -= keys.len();
             for k in &keys {
-                s.closing.remove(k);
+                s.unmark_closing(k);
             }
             drop(s);
             notify();

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::fork::ForkLocal;
 
+pub(crate) use courier::wait_for_releases;
 pub(crate) use export::{grant, handles_dropped, local_storage, revive_local, LiveStorage, LocalStorage};
 pub(crate) use ids::process_token;
 pub use ids::StorageId;
@@ -98,7 +99,8 @@ struct State {
     /// storage waits for the first.
     opening: HashSet<ImportKey>,
     /// Mappings being closed right now (outside the lock): not to be opened again until done.
-    closing: HashSet<ImportKey>,
+    /// (Counted: an eviction and the close it leads to each hold a mark.)
+    closing: HashMap<ImportKey, usize>,
     /// Liveness tables of owners this process subscribed to (`None` until the table arrives).
     owner_tables: HashMap<u128, Option<table::Table>>,
     stats: LifetimeStats,
@@ -152,6 +154,25 @@ fn notify() {
     }
 }
 
+/// In a forked child, before anything else runs there (the `fork` module's child handler):
+/// closes the child's copies of its parent's lease channels, which would keep the parent's
+/// storages claimed for as long as the child lives: the spare leases ready for the parent's
+/// next grants, and the per-storage leases of the parent's exported storages. Only what can be
+/// reached without waiting is closed (a lock that a thread of the parent held at the fork
+/// stays held: what it guards is left alone). Leases inside storages the child inherited
+/// (the parent's imports, in use or cached) stay open until the child drops them or exits.
+pub(crate) fn close_inherited_leases() {
+    if let Some(shared) = SHARED.inherited() {
+        let leases: Vec<Lease> = match shared.state.try_lock() {
+            Ok(mut s) => s.exported.values_mut().filter_map(export::take_shared_lease).collect(),
+            Err(_) => Vec::new(),
+        };
+        // Closing this process's copies; the parent's stay open.
+        drop(leases);
+    }
+    reaper::close_inherited_spares();
+}
+
 /// Descriptors of GPU (VMM) memory this process holds to share it (per process generation).
 static DESCRIPTORS: ForkLocal<AtomicUsize> = ForkLocal::new(|| AtomicUsize::new(0));
 
@@ -162,6 +183,24 @@ pub(crate) fn descriptors_held(delta: isize) {
         counter.fetch_add(delta as usize, Ordering::Relaxed);
     } else {
         counter.fetch_sub(delta.unsigned_abs(), Ordering::Relaxed);
+    }
+    notify();
+}
+
+impl State {
+    /// Marks `key` as being closed, once more.
+    fn mark_closing(&mut self, key: ImportKey) {
+        *self.closing.entry(key).or_insert(0) += 1;
+    }
+
+    /// Takes one mark off `key`.
+    fn unmark_closing(&mut self, key: &ImportKey) {
+        if let Some(n) = self.closing.get_mut(key) {
+            *n -= 1;
+            if *n == 0 {
+                self.closing.remove(key);
+            }
+        }
     }
 }
 

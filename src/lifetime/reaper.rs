@@ -45,10 +45,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The reaper of this process (a forked child builds its own).
+static REAPER: ForkLocal<OnceCell<Reaper>> = ForkLocal::new(OnceCell::new);
+
 /// The reaper of this process, started on first use (in a forked child too: the parent's
 /// thread is not there).
 pub(super) fn reaper() -> Result<&'static Reaper> {
-    static REAPER: ForkLocal<OnceCell<Reaper>> = ForkLocal::new(OnceCell::new);
     REAPER.get().get_or_try_init(|| {
         crate::os::raise_descriptor_limit();
         let (wake, wake_rx) = ipc::channel::<()>().map_err(|e| descriptor_error(e.into()))?;
@@ -105,6 +107,17 @@ impl Reaper {
         self.watch(Watched::Lease(lease.key()), rx.to_opaque());
         Ok(lease)
     }
+}
+
+/// In a forked child: closes its copies of the parent's spare lease channels (see
+/// `close_inherited_leases`).
+pub(super) fn close_inherited_spares() {
+    let Some(reaper) = REAPER.inherited().and_then(OnceCell::get) else { return };
+    let spares = match reaper.spares.try_lock() {
+        Ok(mut spares) => std::mem::take(&mut *spares),
+        Err(_) => Vec::new(),
+    };
+    drop(spares);
 }
 
 /// Subscribes to the revocations of owner `owner` through `lease`, one of its leases.
