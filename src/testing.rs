@@ -142,14 +142,12 @@ pub struct CarriedFile(pub std::fs::File);
 impl Serialize for CarriedFile {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
         use std::os::fd::AsFd;
-        crate::wire::park(self.0.as_fd()).map_err(crate::wire::encode_error)?.serialize(serializer)
+        crate::wire::serialize_parked(self.0.as_fd(), serializer)
     }
 }
 
 impl<'de> Deserialize<'de> for CarriedFile {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        let carried = crate::wire::Carried::deserialize(deserializer)?;
-        let fd = crate::wire::unpark(carried).map_err(crate::wire::decode_error)?;
-        Ok(CarriedFile(std::fs::File::from(fd)))
+        Ok(CarriedFile(std::fs::File::from(crate::wire::deserialize_parked(deserializer)?)))
     }
 }

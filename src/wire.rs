@@ -379,6 +379,23 @@ pub(crate) fn park(fd: std::os::fd::BorrowedFd<'_>) -> Result<Carried> {
     carry(Descriptor::Channel(tx.to_opaque()), None)
 }
 
+/// Serializes `fd` parked in the message being encoded ([`park`]): the serde side of any type
+/// that carries a descriptor of its own.
+pub(crate) fn serialize_parked<S: serde::Serializer>(
+    fd: std::os::fd::BorrowedFd<'_>,
+    serializer: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    park(fd).map_err(encode_error)?.serialize(serializer)
+}
+
+/// Deserializes a descriptor parked by [`serialize_parked`] and takes it ([`unpark`]).
+pub(crate) fn deserialize_parked<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> std::result::Result<std::os::fd::OwnedFd, D::Error> {
+    let carried = Carried::deserialize(deserializer)?;
+    unpark(carried).map_err(decode_error)
+}
+
 /// Takes the descriptor parked in `carried` by [`park`]. A channel with nothing parked in it,
 /// something else, or more than one descriptor is malformed.
 pub(crate) fn unpark(carried: Carried) -> Result<std::os::fd::OwnedFd> {
@@ -389,16 +406,16 @@ pub(crate) fn unpark(carried: Carried) -> Result<std::os::fd::OwnedFd> {
     let end = crate::channel::socket_copy(&format!("{tx:?}"))
         .ok_or_else(|| Error::Malformed("a parked descriptor's slot is not a socket of ours".into()))?;
     let mut byte = [0u8; 1];
-    match crate::sys::recv_with_fds(end.as_fd(), &mut byte, 1) {
+    let got = crate::sys::recv_with_fds(end.as_fd(), &mut byte, 1);
+    // Nothing queued: empty (`WouldBlock`), or at its end (its other end closed, and what it
+    // held already taken).
+    let nothing = matches!(&got, Ok((0, fds)) if fds.is_empty())
+        || matches!(&got, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+    if nothing {
+        return Err(Error::Malformed("a parked descriptor's socket holds no descriptor".into()));
+    }
+    match got {
         Ok((1, mut fds)) if byte[0] == PARKED && fds.len() == 1 => Ok(fds.remove(0)),
-        // Nothing queued: empty (`WouldBlock`), or at its end (its other end closed, and what it
-        // held already taken).
-        Ok((0, fds)) if fds.is_empty() => {
-            Err(Error::Malformed("a parked descriptor's socket holds no descriptor".into()))
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-            Err(Error::Malformed("a parked descriptor's socket holds no descriptor".into()))
-        }
         Ok(_) => Err(Error::Malformed("a parked descriptor's socket holds something else".into())),
         Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
             Err(Error::Malformed(format!("a parked descriptor's socket holds something else ({e})")))

@@ -43,14 +43,13 @@ struct Descriptor(Arc<OwnedFd>);
 
 impl Serialize for Descriptor {
     fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
-        wire::park(self.0.as_fd()).map_err(wire::encode_error)?.serialize(serializer)
+        wire::serialize_parked(self.0.as_fd(), serializer)
     }
 }
 
 impl<'de> Deserialize<'de> for Descriptor {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        let carried = wire::Carried::deserialize(deserializer)?;
-        let fd = profile::timed(Phase::Fetch, || wire::unpark(carried)).map_err(wire::decode_error)?;
+        let fd = profile::timed(Phase::Fetch, || wire::deserialize_parked(deserializer))?;
         Ok(Descriptor(Arc::new(fd)))
     }
 }
