@@ -126,3 +126,52 @@ fn a_parked_descriptor_taken_once_is_gone_for_a_second_message_naming_it() {
         other => panic!("expected a malformed message, got {other:?}"),
     }
 }
+
+#[test]
+fn a_message_of_many_storages_that_does_not_decode_is_an_error_and_keeps_nothing_claimed() {
+    use cuda_mp::testing::FakeTensor;
+    let before = cuda_mp::lifetime_stats();
+    // Three storages, each with a lease of its own, to a receiver of another element type: the
+    // first tensor is refused, and the leases of the other two, never reached, are closed too.
+    let (tx, rx) = common::connect::<Vec<FakeTensor<f32>>, Vec<FakeTensor<i32>>>();
+    let sent: Vec<FakeTensor<f32>> = (0..3).map(|_| FakeTensor::fake(&[4], Duration::ZERO).unwrap()).collect();
+    tx.send(sent.clone()).unwrap();
+    match rx.recv_timeout(WAIT) {
+        Err(RecvTimeoutError::Malformed(m)) => assert!(m.contains("dtype"), "{m}"),
+        other => panic!("expected a malformed message, got {other:?}"),
+    }
+    drop(sent);
+    cuda_mp::wait_for_lifetime(WAIT, |s| {
+        s.exported_storages == before.exported_storages && s.outstanding_leases == before.outstanding_leases
+    })
+    .expect("the leases of a message that did not decode stay open");
+    // The channel goes on.
+    tx.send(vec![FakeTensor::fake(&[4], Duration::ZERO).unwrap()]).unwrap();
+    assert!(matches!(rx.recv_timeout(WAIT), Err(RecvTimeoutError::Malformed(_))));
+}
+
+/// Receives one message that does not decode; says how many descriptors it had open before
+/// and after.
+fn receive_one_undecodable((rx, counts): (Receiver<(CarriedFile, u64, CarriedFile)>, Sender<(usize, usize, String)>)) {
+    let open = || std::fs::read_dir("/proc/self/fd").unwrap().count();
+    // The channel's own descriptors are open already; the message is waiting.
+    let before = open();
+    let said = match rx.recv_timeout(WAIT) {
+        Err(RecvTimeoutError::Malformed(m)) => m,
+        other => format!("not malformed: {other:?}"),
+    };
+    counts.send((before, open(), said)).unwrap();
+}
+
+#[test]
+fn a_message_of_many_parked_descriptors_that_does_not_decode_closes_them_all() {
+    // Files sent to a receiver that expects something else where the second one is.
+    let (tx, rx) = common::connect::<(CarriedFile, CarriedFile, CarriedFile), (CarriedFile, u64, CarriedFile)>();
+    tx.send((CarriedFile(file_with("a")), CarriedFile(file_with("b")), CarriedFile(file_with("c")))).unwrap();
+    let (counts_tx, counts) = channel().unwrap();
+    let mut child = spawn((rx, counts_tx), receive_one_undecodable);
+    let (before, after, said) = counts.recv_timeout(WAIT).unwrap();
+    child.join_timeout(WAIT).unwrap();
+    assert!(!said.starts_with("not malformed"), "{said}");
+    assert!(after <= before, "descriptors left open by a message that did not decode: {before} before, {after} after");
+}

@@ -69,3 +69,57 @@ fn receiving_past_the_descriptor_limit_is_an_error_that_says_so() {
     assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), "out of descriptors");
     child.join().unwrap();
 }
+
+/// Files made before the limit is lowered, then sent: each parks its descriptor in a socket
+/// pair of its own, which the limit refuses.
+fn send_files_with_little_room(tx: Sender<Vec<cuda_mp::testing::CarriedFile>>) -> String {
+    let files: Vec<_> = (0..20)
+        .map(|i| {
+            cuda_mp::testing::CarriedFile(
+                std::fs::File::open(if i % 2 == 0 { "/dev/null" } else { "/dev/zero" }).unwrap(),
+            )
+        })
+        .collect();
+    leave_headroom(3);
+    match tx.send(files) {
+        Ok(()) => "sent".into(),
+        Err(e) if e.to_string().contains("descriptor") => "out of descriptors".into(),
+        Err(e) => format!("unexpected error: {e}"),
+    }
+}
+
+#[test]
+fn parking_descriptors_past_the_limit_is_an_error_that_says_so() {
+    let (tx, rx) = channel().unwrap();
+    let said = spawn(tx, send_files_with_little_room).join().unwrap();
+    assert_eq!(said, "out of descriptors");
+    drop(rx);
+}
+
+fn receive_files_with_little_room(
+    (rx, ready, reply): (Receiver<Vec<cuda_mp::testing::CarriedFile>>, Sender<()>, Sender<String>),
+) {
+    leave_headroom(6);
+    ready.send(()).unwrap();
+    let said = match rx.recv_timeout(WAIT) {
+        Err(RecvTimeoutError::OutOfDescriptors { .. }) => "out of descriptors".to_string(),
+        Err(other) => format!("unexpected error: {other}"),
+        Ok(v) => format!("received {} files", v.len()),
+    };
+    reply.send(said).unwrap();
+}
+
+#[test]
+fn receiving_parked_descriptors_past_the_limit_is_an_error_that_says_so() {
+    let (tx, rx) = channel().unwrap();
+    let (ready_tx, ready_rx) = channel().unwrap();
+    let (reply_tx, reply_rx) = channel().unwrap();
+    let child = spawn((rx, ready_tx, reply_tx), receive_files_with_little_room);
+    ready_rx.recv_timeout(WAIT).unwrap();
+    let files = (0..20).map(|_| cuda_mp::testing::CarriedFile(std::fs::File::open("/dev/null").unwrap())).collect();
+    tx.send(files).unwrap();
+    let said = reply_rx.recv_timeout(WAIT);
+    let joined = child.join();
+    assert_eq!(said.as_deref().ok(), Some("out of descriptors"), "{said:?} {joined:?}");
+    joined.unwrap();
+}

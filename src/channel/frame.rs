@@ -15,11 +15,12 @@
 use std::fmt;
 use std::marker::PhantomData;
 
-use ipc_channel::ipc::{IpcSharedMemory, OpaqueIpcReceiver};
+use ipc_channel::ipc::{IpcSharedMemory, OpaqueIpcReceiver, OpaqueIpcSender};
 use serde::de::{DeserializeOwned, DeserializeSeed, SeqAccess, Visitor};
 use serde::ser::SerializeTuple;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use super::sys;
 use crate::os::catch_quietly;
 use crate::wire;
 
@@ -127,10 +128,37 @@ impl<T> Serialize for Incoming<T> {
 /// transport's decoder (it indexes the frame's descriptors by numbers the bytes carry) is a
 /// malformed message.
 fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
-    match catch_quietly(|| postcard::from_bytes::<T>(bytes)) {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(e)) => Err(wire::take_failure().unwrap_or_else(|| format!("undecodable message ({e:?})"))),
-        Err(_) => Err("message refers to descriptors it does not carry".into()),
+    let failed = match catch_quietly(|| postcard::from_bytes::<T>(bytes)) {
+        Ok(Ok(value)) => return Ok(value),
+        Ok(Err(e)) => wire::take_failure().unwrap_or_else(|| format!("undecodable message ({e:?})")),
+        Err(_) => "message refers to descriptors it does not carry".into(),
+    };
+    close_untaken_channels();
+    Err(failed)
+}
+
+/// Takes, and closes, every channel of the frame that the message's decoding left untaken. A
+/// message that does not decode (forged, of another type, or refused by a check of what it
+/// holds) stops half-way; the transport would keep the channels it did not reach open for as
+/// long as the process lives (the leases among them keeping their storages claimed), and in a
+/// debug build it asserts on each as it drops the frame, which aborts the process from the
+/// second one on. Call it while the frame's descriptors are at hand (inside its decoding).
+fn close_untaken_channels() {
+    for index in 0usize.. {
+        let Ok(bytes) = postcard::to_allocvec(&index) else { return };
+        match catch_quietly(|| postcard::from_bytes::<OpaqueIpcSender>(&bytes)) {
+            Ok(Ok(channel)) => {
+                if sys::names_a_descriptor(&format!("{channel:?}")) {
+                    drop(channel);
+                } else {
+                    // Taken already (the transport left -1 in its place): nothing to close,
+                    // and closing -1 would make the transport assert.
+                    std::mem::forget(channel);
+                }
+            }
+            // Past the frame's channels (the transport's index panicked), or nothing to decode.
+            _ => return,
+        }
     }
 }
 

@@ -25,6 +25,11 @@ fn descriptor_number(debug: &str) -> Option<RawFd> {
     rest[..digits].parse().ok()
 }
 
+/// True when a channel's `Debug` output names a descriptor (not the -1 of one taken already).
+pub(super) fn names_a_descriptor(debug: &str) -> bool {
+    descriptor_number(debug).is_some_and(|fd| fd >= 0)
+}
+
 /// True when `fd` is an open Unix socket of type `SOCK_SEQPACKET` (what ipc-channel makes).
 fn is_seqpacket(fd: RawFd) -> bool {
     let mut kind: libc::c_int = 0;
