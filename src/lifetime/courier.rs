@@ -68,11 +68,7 @@ pub(crate) fn wait_for_releases(deadline: Option<std::time::Instant>) -> bool {
     let courier = COURIER.get();
     let mut queue = lock(courier);
     while !queue.releases.is_empty() || queue.sending {
-        let wait = match deadline.map(|d| d.saturating_duration_since(std::time::Instant::now())) {
-            Some(left) if left.is_zero() => return false,
-            Some(left) => left.min(RETRY),
-            None => RETRY,
-        };
+        let Some(wait) = crate::os::wait_slice(deadline, RETRY) else { return false };
         queue = courier.sent.wait_timeout(queue, wait).unwrap_or_else(|p| p.into_inner()).0;
     }
     true

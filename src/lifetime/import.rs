@@ -2,6 +2,7 @@
 //! process, opened and closed outside the lock.
 
 use std::any::Any;
+use std::collections::HashSet;
 use std::sync::{Arc, Weak};
 
 use super::lease::{CacheTicket, Lease};
@@ -179,14 +180,16 @@ fn dispose_evicted(evicted: Vec<(ImportKey, AnyStorage)>) {
     notify();
 }
 
-/// The owner dropped storage `index` (or, for `None`, went away): evict cached mappings.
-pub(super) fn revoke(owner: u128, index: Option<u64>) {
+/// The owner dropped these storages (or, for `None`, went away): evict cached mappings, in one
+/// pass over the idle cache however many storages one revocation names.
+pub(super) fn revoke(owner: u128, indices: Option<&[u64]>) {
+    let indices: Option<HashSet<u64>> = indices.map(|i| i.iter().copied().collect());
     let evicted = {
         let mut s = state();
         let keys: Vec<ImportKey> = s
             .idle
             .keys()
-            .filter(|(id, _)| id.owner() == owner && index.is_none_or(|i| id.index() == i))
+            .filter(|(id, _)| id.owner() == owner && indices.as_ref().is_none_or(|i| i.contains(&id.index())))
             .copied()
             .collect();
         evict(&mut s, &keys)

@@ -159,11 +159,7 @@ fn reap(mut set: IpcReceiverSet, wake_id: u64) {
                         },
                         Some(Watched::Revocations(owner)) => match message.to::<Revocation>() {
                             Ok(Revocation::Table(table)) => table_arrived(owner, Table::from_memory(table)),
-                            Ok(Revocation::Storages(indices)) => {
-                                for index in indices {
-                                    revoke(owner, Some(index));
-                                }
-                            }
+                            Ok(Revocation::Storages(indices)) => revoke(owner, Some(&indices)),
                             Err(_) => {}
                         },
                         // Anything else is forged or stale: ignored.

@@ -69,7 +69,7 @@ fn a_parked_mapping_is_cached_while_the_owner_holds_it_and_evicted_on_revocation
     )
     .unwrap();
     assert!(park_idle(id, "fake", Some(CacheTicket { slot: 3 }), revived).is_none());
-    revoke(owner, Some(1));
+    revoke(owner, Some(&[1]));
     assert_eq!(closed.load(Ordering::SeqCst), 1, "revocation closes the cached mapping");
     assert!(!state().idle.keys().any(|(i, _)| *i == id));
     owner_gone(owner);
