@@ -32,6 +32,19 @@ pub(crate) fn poll_millis(left: Option<std::time::Duration>) -> libc::c_int {
     }
 }
 
+/// How long to wait next, at most `most`, before `deadline` (none: no limit); `None` once it
+/// has passed.
+pub(crate) fn wait_slice(
+    deadline: Option<std::time::Instant>,
+    most: std::time::Duration,
+) -> Option<std::time::Duration> {
+    match deadline.map(|d| d.saturating_duration_since(std::time::Instant::now())) {
+        Some(left) if left.is_zero() => None,
+        Some(left) => Some(left.min(most)),
+        None => Some(most),
+    }
+}
+
 /// The soft limit on open descriptors of this process.
 pub(crate) fn descriptor_limit() -> u64 {
     descriptor_limits().map_or(0, |(soft, _)| soft)

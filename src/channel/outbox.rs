@@ -18,7 +18,7 @@ use super::gauge::Gauge;
 use super::sys;
 use crate::error::{Error, SendFailure};
 use crate::fork::ForkLocal;
-use crate::os::{catch_quietly, descriptor_limit, out_of_descriptors};
+use crate::os::{catch_quietly, descriptor_limit, out_of_descriptors, wait_slice};
 use crate::wire;
 
 /// How long an idle feeder waits for more work before its thread ends.
@@ -408,11 +408,7 @@ impl Outbox {
                 // No thread to hand it on (it could not start): nothing to wait for.
                 break;
             }
-            let wait = match deadline.map(|d| d.saturating_duration_since(Instant::now())) {
-                Some(left) if left.is_zero() => return false,
-                Some(left) => left.min(ROOM_WAIT),
-                None => ROOM_WAIT,
-            };
+            let Some(wait) = wait_slice(deadline, ROOM_WAIT) else { return false };
             backlog = self.changed().wait_timeout(backlog, wait).unwrap_or_else(|p| p.into_inner()).0;
         }
         true
