@@ -4,6 +4,8 @@
 use std::time::Duration;
 
 use cuda_mp::{channel, spawn, Error, HostTensor, Receiver, RecvTimeoutError, Sender};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 
 cuda_mp::enable_test_support!();
 
@@ -47,27 +49,40 @@ fn allocating_past_the_descriptor_limit_is_an_error_that_says_so() {
     assert!(said.starts_with("out of descriptors after"), "{said}");
 }
 
-fn receive_with_little_room((rx, ready, reply): (Receiver<Vec<HostTensor<u8>>>, Sender<()>, Sender<String>)) {
+/// Lowers its limit, then receives one message of many items: says what became of it.
+fn receive_with_little_room<T: DeserializeOwned>((rx, ready, reply): (Receiver<Vec<T>>, Sender<()>, Sender<String>)) {
     leave_headroom(6);
     ready.send(()).unwrap();
     let said = match rx.recv_timeout(WAIT) {
         Err(RecvTimeoutError::OutOfDescriptors { .. }) => "out of descriptors".to_string(),
         Err(other) => format!("unexpected error: {other}"),
-        Ok(v) => format!("received {} tensors", v.len()),
+        Ok(v) => format!("received {} items", v.len()),
     };
     reply.send(said).unwrap();
 }
 
-#[test]
-fn receiving_past_the_descriptor_limit_is_an_error_that_says_so() {
+/// Sends `items` to a process that has lowered its descriptor limit first; what it said of the
+/// message, and how it ended.
+fn sent_to_a_receiver_with_little_room<T: Serialize + DeserializeOwned>(
+    items: impl FnOnce() -> Vec<T>,
+) -> (Result<String, RecvTimeoutError>, Result<(), cuda_mp::JoinError>) {
     let (tx, rx) = channel().unwrap();
     let (ready_tx, ready_rx) = channel().unwrap();
     let (reply_tx, reply_rx) = channel().unwrap();
-    let child = spawn((rx, ready_tx, reply_tx), receive_with_little_room);
+    let child = spawn((rx, ready_tx, reply_tx), receive_with_little_room::<T>);
     ready_rx.recv_timeout(WAIT).unwrap();
-    tx.send((0..20).map(|_| HostTensor::<u8>::zeros(&[8]).unwrap()).collect()).unwrap();
-    assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), "out of descriptors");
-    child.join().unwrap();
+    tx.send(items()).unwrap();
+    let said = reply_rx.recv_timeout(WAIT);
+    (said, child.join())
+}
+
+#[test]
+fn receiving_past_the_descriptor_limit_is_an_error_that_says_so() {
+    let (said, joined) = sent_to_a_receiver_with_little_room(|| {
+        (0..20).map(|_| HostTensor::<u8>::zeros(&[8]).unwrap()).collect::<Vec<_>>()
+    });
+    assert_eq!(said.as_deref().ok(), Some("out of descriptors"), "{said:?} {joined:?}");
+    joined.unwrap();
 }
 
 /// Files made before the limit is lowered, then sent: each parks its descriptor in a socket
@@ -96,30 +111,11 @@ fn parking_descriptors_past_the_limit_is_an_error_that_says_so() {
     drop(rx);
 }
 
-fn receive_files_with_little_room(
-    (rx, ready, reply): (Receiver<Vec<cuda_mp::testing::CarriedFile>>, Sender<()>, Sender<String>),
-) {
-    leave_headroom(6);
-    ready.send(()).unwrap();
-    let said = match rx.recv_timeout(WAIT) {
-        Err(RecvTimeoutError::OutOfDescriptors { .. }) => "out of descriptors".to_string(),
-        Err(other) => format!("unexpected error: {other}"),
-        Ok(v) => format!("received {} files", v.len()),
-    };
-    reply.send(said).unwrap();
-}
-
 #[test]
 fn receiving_parked_descriptors_past_the_limit_is_an_error_that_says_so() {
-    let (tx, rx) = channel().unwrap();
-    let (ready_tx, ready_rx) = channel().unwrap();
-    let (reply_tx, reply_rx) = channel().unwrap();
-    let child = spawn((rx, ready_tx, reply_tx), receive_files_with_little_room);
-    ready_rx.recv_timeout(WAIT).unwrap();
-    let files = (0..20).map(|_| cuda_mp::testing::CarriedFile(std::fs::File::open("/dev/null").unwrap())).collect();
-    tx.send(files).unwrap();
-    let said = reply_rx.recv_timeout(WAIT);
-    let joined = child.join();
+    let (said, joined) = sent_to_a_receiver_with_little_room(|| {
+        (0..20).map(|_| cuda_mp::testing::CarriedFile(std::fs::File::open("/dev/null").unwrap())).collect::<Vec<_>>()
+    });
     assert_eq!(said.as_deref().ok(), Some("out of descriptors"), "{said:?} {joined:?}");
     joined.unwrap();
 }
