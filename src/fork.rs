@@ -12,7 +12,9 @@
 //! What a forked child inherits and does not use: the parent's values are left as they are in
 //! the child's copy of memory (never dropped there: dropping them would free or unmap what the
 //! parent owns, or send on the parent's behalf). Their descriptors stay open in the child until
-//! it exits, like every descriptor a fork inherits.
+//! it exits, like every descriptor a fork inherits, except the parent's lease channels, which
+//! the child handler closes at once (`lifetime::close_inherited_leases`): open, they would keep
+//! the parent's storages claimed for the child's whole life.
 
 use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 

@@ -38,10 +38,7 @@ fn init_driver() -> Result<()> {
         cu::init().map_err(|e| {
             if crate::fork::generation() > 0 {
                 // Another library (PyTorch, say) initialized CUDA before the fork.
-                format!(
-                    "cuInit failed: {e} (this process was forked: CUDA cannot be used in a child forked after its \
-                     parent initialized CUDA; start processes with spawn or forkserver)"
-                )
+                format!("cuInit failed: {e} (perhaps {})", driver::FORKED_AFTER_CUDA)
             } else {
                 format!("cuInit failed: {e}")
             }

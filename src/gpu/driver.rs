@@ -71,14 +71,14 @@ pub(crate) fn check_not_forked() -> Result<()> {
     match CUDA_GENERATION.load(Ordering::SeqCst) {
         u64::MAX => Ok(()),
         g if g == crate::fork::generation() => Ok(()),
-        _ => Err(Error::CudaUnavailable(
-            "CUDA was initialized in the parent before this process was forked, and CUDA cannot be used in a \
-             forked child: start processes with spawn or forkserver (cuda-mp's own spawn, or multiprocessing's \
-             'spawn' or 'forkserver' start method)"
-                .into(),
-        )),
+        _ => Err(Error::CudaUnavailable(FORKED_AFTER_CUDA.into())),
     }
 }
+
+/// Why CUDA is refused in a forked child, and what to do instead.
+pub(crate) const FORKED_AFTER_CUDA: &str = "this process was forked after its parent initialized CUDA, and CUDA \
+     cannot be used in a forked child: start processes with spawn or forkserver (cuda-mp's own spawn, or \
+     multiprocessing's 'spawn' or 'forkserver' start method)";
 
 /// Makes `ctx` current on the calling thread (what every driver call needs first).
 pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
