@@ -58,6 +58,7 @@ mod dtype;
 mod error;
 mod fork;
 mod gpu;
+mod handover;
 mod host;
 mod layout;
 mod lifetime;

@@ -7,7 +7,6 @@
 use std::cell::Cell;
 use std::sync::atomic::AtomicU64;
 
-use ipc_channel::ipc::IpcSharedMemory;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Once, OnceLock, RwLock};
 
@@ -119,87 +118,35 @@ pub(crate) fn out_of_descriptors() -> bool {
 /// Shared memory seen as an array of `AtomicU64` cells: other processes may write it at any
 /// time, so it is only ever accessed atomically.
 pub(crate) struct SharedCells {
-    cells: *const AtomicU64,
-    len: usize,
-    shm: IpcSharedMemory,
+    memory: std::sync::Arc<crate::sys::MemoryFile>,
 }
 
-// SAFETY: the mapping is owned by `shm` and lives as long as the value; cells are only accessed
-// atomically, which concurrent writers (threads or processes) cannot make undefined.
-unsafe impl Send for SharedCells {}
-// SAFETY: as above.
-unsafe impl Sync for SharedCells {}
-
 impl SharedCells {
-    /// Cells over `shm` (its length rounded down to whole cells).
-    pub(crate) fn new(mut shm: IpcSharedMemory) -> SharedCells {
-        // SAFETY: the slice is used only for its address and length; every access through the
-        // pointer below is atomic.
-        let bytes = unsafe { shm.deref_mut() };
-        SharedCells { cells: bytes.as_mut_ptr() as *const AtomicU64, len: bytes.len() / 8, shm }
+    /// Cells over `memory` (its length rounded down to whole cells).
+    pub(crate) fn new(memory: std::sync::Arc<crate::sys::MemoryFile>) -> SharedCells {
+        SharedCells { memory }
     }
 
     /// `len` zeroed cells in fresh shared memory.
-    pub(crate) fn zeroed(len: usize) -> SharedCells {
-        SharedCells::new(IpcSharedMemory::from_byte(0, len * 8))
+    pub(crate) fn zeroed(len: usize) -> std::io::Result<SharedCells> {
+        Ok(SharedCells::new(std::sync::Arc::new(crate::sys::MemoryFile::zeroed(len * 8)?)))
     }
 
     /// Cell `i`, if in range.
     pub(crate) fn cell(&self, i: u32) -> Option<&AtomicU64> {
-        if (i as usize) < self.len {
+        if (i as usize) < self.memory.len() / 8 {
             // SAFETY: in bounds of the live mapping; the mapping is page-aligned, so every cell
-            // is 8-byte aligned, as AtomicU64 requires.
-            Some(unsafe { &*self.cells.add(i as usize) })
+            // is 8-byte aligned, as AtomicU64 requires; every access to it, in any process, is
+            // atomic.
+            Some(unsafe { AtomicU64::from_ptr(self.memory.ptr().cast::<u64>().add(i as usize)) })
         } else {
             None
         }
     }
 
     /// The shared memory, to send to another process.
-    pub(crate) fn memory(&self) -> &IpcSharedMemory {
-        &self.shm
-    }
-}
-
-/// Shared memory with the address of its mapping in this process.
-pub(crate) struct SharedMapping {
-    ptr: *mut u8,
-    /// Shared with messages being sent, so that sending maps and duplicates nothing extra.
-    shm: std::sync::Arc<IpcSharedMemory>,
-}
-
-// SAFETY: the mapping is owned by `shm` and lives as long as the value; the pointer is only
-// dereferenced by the host access layer, which accesses shared memory atomically.
-unsafe impl Send for SharedMapping {}
-// SAFETY: as above.
-unsafe impl Sync for SharedMapping {}
-
-impl SharedMapping {
-    /// Takes `shm` and the address of its mapping.
-    pub(crate) fn new(mut shm: IpcSharedMemory) -> SharedMapping {
-        // SAFETY: the slice is used only for its address: every later access goes through the
-        // host access layer's atomic reads and writes.
-        let ptr = unsafe { shm.deref_mut() }.as_mut_ptr();
-        SharedMapping { ptr, shm: std::sync::Arc::new(shm) }
-    }
-
-    /// Takes shared memory that arrived in a message.
-    pub(crate) fn from_shared(shm: std::sync::Arc<IpcSharedMemory>) -> SharedMapping {
-        match std::sync::Arc::try_unwrap(shm) {
-            Ok(shm) => SharedMapping::new(shm),
-            // Still referred to by the message: map our own copy of the descriptor.
-            Err(shm) => SharedMapping::new((*shm).clone()),
-        }
-    }
-
-    /// First byte of the mapping.
-    pub(crate) fn ptr(&self) -> *mut u8 {
-        self.ptr
-    }
-
-    /// The shared memory, to send to another process.
-    pub(crate) fn memory(&self) -> &std::sync::Arc<IpcSharedMemory> {
-        &self.shm
+    pub(crate) fn memory(&self) -> &std::sync::Arc<crate::sys::MemoryFile> {
+        &self.memory
     }
 }
 
@@ -378,18 +325,6 @@ pub(crate) fn shm_unlink(name: &std::ffi::CStr) -> std::io::Result<()> {
 pub(crate) fn at_exit(f: extern "C" fn()) -> bool {
     // SAFETY: `f` is a plain function with no arguments, valid for the life of the process.
     unsafe { libc::atexit(f) == 0 }
-}
-
-/// Makes the file behind `fd` non-blocking (for every descriptor of it, in every process).
-pub(crate) fn set_nonblocking(fd: &std::os::fd::OwnedFd) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
-    // SAFETY: F_GETFL/F_SETFL on a descriptor that `fd` keeps open; no memory is passed.
-    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
-    // SAFETY: as above.
-    if flags < 0 || unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// Runs `f` in the child of every later `fork(2)`, before `fork` returns there (a

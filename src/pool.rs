@@ -13,7 +13,6 @@ use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use ipc_channel::ipc::{self, IpcReceiver, IpcSender};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -1142,7 +1141,7 @@ struct Worker {
     watch: Arc<ChildWatch>,
     pid: u32,
     /// The panics of the worker's job thread, sent by its panic hook before they unwind.
-    panics: IpcReceiver<Report>,
+    panics: crate::Receiver<Report>,
     /// Jobs run (the initializer not counted).
     tasks: usize,
     /// Set when a call failed: the process is gone or in an unknown state, and is replaced.
@@ -1158,7 +1157,7 @@ struct Report {
 
 /// The first call in every worker: report the panics of this thread (the one that runs the
 /// jobs) on `panics`, before they unwind. Returns the worker's process id.
-fn setup_worker(panics: IpcSender<Report>) -> u32 {
+fn setup_worker(panics: crate::Sender<Report>) -> u32 {
     let panics = Mutex::new(panics);
     report_panics(move |panic| {
         let panics = panics.lock().unwrap_or_else(|p| p.into_inner());
@@ -1206,9 +1205,9 @@ impl Worker {
             Ok(Err(e)) => return Err(join_error(e)),
             Err(panic) => return Err(JoinError::Failed(format!("could not start a pool worker: {panic}"))),
         };
-        let (tx, panics) = ipc::channel::<Report>()
+        let (tx, panics) = crate::channel::<Report>()
             .map_err(|e| JoinError::Failed(format!("could not open a pool worker's panic channel: {e}")))?;
-        let mut setup = catch_quietly(|| pool.spawn(tx, setup_worker))
+        let mut setup = wire::encode_spawn_scope(|| catch_quietly(|| pool.spawn(tx, setup_worker)))
             .map_err(|panic| JoinError::Failed(format!("could not set up a pool worker: {panic}")))?;
         let pid = match wait(&mut setup, deadline, shared) {
             Waited::Done(pid) => pid,
@@ -1235,7 +1234,7 @@ impl Worker {
         // Reports of panics that an earlier job caught.
         while self.panics.try_recv().is_ok() {}
         // The arguments are encoded like a channel message: tensors inside may be exported.
-        let (handle, overflow) = wire::encode_spawn_scope(|| catch_quietly(|| self.pool.spawn(args, f)));
+        let handle = wire::encode_spawn_scope(|| catch_quietly(|| self.pool.spawn(args, f)));
         let mut handle = match handle {
             Ok(handle) => handle,
             Err(panic) => {
@@ -1245,8 +1244,6 @@ impl Worker {
                 return Err(JoinError::Failed(format!("could not hand the job to its worker: {panic}")));
             }
         };
-        // A failure here reaches the worker as a malformed argument, and the job says so.
-        let _ = overflow.send();
         let waited = wait(&mut handle, deadline, shared);
         if !matches!(waited, Waited::Done(_)) {
             self.broken = true;

@@ -147,14 +147,11 @@ impl Builder {
                 None => builder.env_remove(key),
             };
         }
-        // The arguments are encoded like a channel message: tensors inside may be exported.
-        let (handle, overflow) = wire::encode_spawn_scope(|| catch_quietly(|| builder.spawn(args, f)));
+        // The arguments are encoded like a channel message: tensors inside may be exported, and
+        // their descriptors wait at this process's home for the child to fetch.
+        let handle = wire::encode_spawn_scope(|| catch_quietly(|| builder.spawn(args, f)));
         match handle {
-            Ok(handle) => {
-                // A failure here reaches the child as a malformed argument, and its join says so.
-                let _ = overflow.send();
-                JoinHandle::started(handle)
-            }
+            Ok(handle) => JoinHandle::started(handle),
             Err(panic) => JoinHandle::failed(JoinError::Failed(panic)),
         }
     }

@@ -133,21 +133,32 @@ pub fn fake_mappings_closed() -> u64 {
     CLOSED.load(Ordering::SeqCst)
 }
 
-/// Any file, carried in a message the way VMM memory's descriptor is (parked in the message:
+/// Any file, carried in a message the way VMM memory's descriptor is (in the message itself:
 /// the kernel keeps it while the message is in flight, also after the sender exits), so that
 /// the transport of descriptors is tested where no GPU is.
 #[derive(Debug)]
 pub struct CarriedFile(pub std::fs::File);
 
+impl Clone for CarriedFile {
+    /// Another descriptor of the same file.
+    ///
+    /// # Panics
+    ///
+    /// When this process has no descriptor left (a testing type: tests fail there).
+    fn clone(&self) -> Self {
+        CarriedFile(self.0.try_clone().expect("a descriptor for a copy of the file"))
+    }
+}
+
 impl Serialize for CarriedFile {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
         use std::os::fd::AsFd;
-        crate::wire::serialize_parked(self.0.as_fd(), serializer)
+        crate::wire::serialize_fd(self.0.as_fd(), serializer)
     }
 }
 
 impl<'de> Deserialize<'de> for CarriedFile {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        Ok(CarriedFile(std::fs::File::from(crate::wire::deserialize_parked(deserializer)?)))
+        Ok(CarriedFile(std::fs::File::from(crate::wire::deserialize_fd(deserializer)?)))
     }
 }

@@ -68,38 +68,20 @@ fn a_received_descriptor_is_the_senders_file() {
     assert_eq!(read_all(&mine), "before and after");
 }
 
-/// The wire form of a carried descriptor, under the forger's control: the message's number, a
-/// channel inline (variant 0 of both enums), whether it is kept.
+/// The wire form of a carried descriptor, under the forger's control: its index among the
+/// message's descriptors (and no spawn ticket).
 #[derive(serde::Serialize, serde::Deserialize)]
-struct ForgedCarried(u64, ForgedHow, bool);
-
-#[derive(serde::Serialize, serde::Deserialize)]
-enum ForgedHow {
-    Inline(ForgedDescriptor),
-}
-
-#[derive(serde::Serialize, serde::Deserialize)]
-enum ForgedDescriptor {
-    #[allow(dead_code)]
-    Memory(u8),
-    Channel(ipc_channel::ipc::IpcSender<u8>),
-}
+struct ForgedCarried(u32, Option<()>);
 
 #[test]
-fn a_channel_with_nothing_parked_in_it_is_malformed_and_the_receiver_goes_on() {
+fn a_message_naming_a_descriptor_it_does_not_carry_is_malformed_and_the_receiver_goes_on() {
     let (tx, rx) = common::connect::<ForgedCarried, CarriedFile>();
-    let (empty, _keep) = ipc_channel::ipc::channel::<u8>().unwrap();
-    tx.send(ForgedCarried(7, ForgedHow::Inline(ForgedDescriptor::Channel(empty)), false)).unwrap();
-    match rx.recv_timeout(WAIT) {
-        Err(RecvTimeoutError::Malformed(m)) => assert!(m.contains("holds no descriptor"), "{m}"),
-        other => panic!("expected a malformed message, got {other:?}"),
-    }
-    // The same with the channel's other end closed: at its end, nothing in it.
-    let empty = ipc_channel::ipc::channel::<u8>().unwrap().0;
-    tx.send(ForgedCarried(8, ForgedHow::Inline(ForgedDescriptor::Channel(empty)), false)).unwrap();
-    match rx.recv_timeout(WAIT) {
-        Err(RecvTimeoutError::Malformed(m)) => assert!(m.contains("holds no descriptor"), "{m}"),
-        other => panic!("expected a malformed message, got {other:?}"),
+    for index in [0, 1, 70_000, u32::MAX] {
+        tx.send(ForgedCarried(index, None)).unwrap();
+        match rx.recv_timeout(WAIT) {
+            Err(RecvTimeoutError::Malformed(m)) => assert!(m.contains("does not carry"), "{m}"),
+            other => panic!("expected a malformed message, got {other:?}"),
+        }
     }
     let (good_tx, good_rx) = channel::<CarriedFile>().unwrap();
     good_tx.send(CarriedFile(file_with("fine"))).unwrap();
@@ -107,24 +89,19 @@ fn a_channel_with_nothing_parked_in_it_is_malformed_and_the_receiver_goes_on() {
 }
 
 #[test]
-fn a_parked_descriptor_taken_once_is_gone_for_a_second_message_naming_it() {
-    // Read as the plain wire form, a genuine record can be sent twice: the first takes the
-    // descriptor, the second finds nothing.
-    let (genuine_tx, genuine_rx) = common::connect::<CarriedFile, ForgedCarried>();
-    genuine_tx.send(CarriedFile(file_with("once"))).unwrap();
-    let ForgedCarried(n, ForgedHow::Inline(ForgedDescriptor::Channel(parked)), keep) =
-        genuine_rx.recv_timeout(WAIT).unwrap()
-    else {
-        panic!("a parked descriptor travels as a channel inline")
-    };
-    let (tx, rx) = common::connect::<ForgedCarried, CarriedFile>();
-    tx.send(ForgedCarried(n, ForgedHow::Inline(ForgedDescriptor::Channel(parked.clone())), keep)).unwrap();
-    assert_eq!(read_all(&rx.recv_timeout(WAIT).unwrap().0), "once");
-    tx.send(ForgedCarried(n + 1, ForgedHow::Inline(ForgedDescriptor::Channel(parked)), keep)).unwrap();
+fn a_descriptor_named_twice_in_one_message_is_taken_once() {
+    // The second value of the message names the first one's descriptor again.
+    let (tx, rx) = common::connect::<(CarriedFile, ForgedCarried), (CarriedFile, CarriedFile)>();
+    tx.send((CarriedFile(file_with("once")), ForgedCarried(0, None))).unwrap();
     match rx.recv_timeout(WAIT) {
-        Err(RecvTimeoutError::Malformed(m)) => assert!(m.contains("holds no descriptor"), "{m}"),
+        Err(RecvTimeoutError::Malformed(m)) => assert!(m.contains("twice"), "{m}"),
         other => panic!("expected a malformed message, got {other:?}"),
     }
+    // A genuine message of two descriptors after it arrives whole.
+    let (tx, rx) = common::connect::<(CarriedFile, CarriedFile), (CarriedFile, CarriedFile)>();
+    tx.send((CarriedFile(file_with("a")), CarriedFile(file_with("b")))).unwrap();
+    let (a, b) = rx.recv_timeout(WAIT).unwrap();
+    assert_eq!((read_all(&a.0), read_all(&b.0)), ("a".to_string(), "b".to_string()));
 }
 
 #[test]

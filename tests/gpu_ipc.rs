@@ -21,6 +21,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 }
 
 use common::gpu;
+use cuda_mp::testing::CarriedFile;
 
 fn free_memory(dev: &Device) -> usize {
     dev.memory_info().unwrap().0
@@ -330,23 +331,10 @@ fn a_same_process_channel_hands_back_the_original_storage() {
     .expect("freed");
 }
 
-/// A lease as it travels: carried inline in the message (variant 0), as a channel (variant 1).
-#[derive(Serialize, Deserialize)]
-enum ForgedHow {
-    Inline(ForgedDescriptor),
-}
-
-#[derive(Serialize, Deserialize)]
-enum ForgedDescriptor {
-    #[allow(dead_code)]
-    Memory(u8),
-    Channel(ipc_channel::ipc::IpcSender<u8>),
-}
-
 /// The wire layout of a GPU tensor, with every field under the forger's control; `M` is the
-/// memory's own record (legacy or VMM).
+/// memory's own record (legacy or VMM), `L` the lease's slot.
 #[derive(Serialize, Deserialize, Clone)]
-struct ForgedGpu<M> {
+struct ForgedGpu<M, L = CarriedFile> {
     dtype: u8,
     shape: Vec<usize>,
     strides: Vec<usize>,
@@ -354,9 +342,7 @@ struct ForgedGpu<M> {
     owner: u128,
     index: u64,
     bytes: u64,
-    message: u64,
-    lease: ForgedHow,
-    keep: bool,
+    lease: L,
     cache_ticket: Option<u32>,
     device_uuid: [u8; 16],
     /// 0: legacy IPC memory, 1: VMM memory.
@@ -372,13 +358,11 @@ struct LegacyRecord {
     alloc_offset: u64,
 }
 
-/// VMM memory: its descriptor (parked in a socket whose end travels as a channel in the
-/// message), and the allocation's size.
+/// VMM memory: its descriptor (carried in the message; `D` is its slot) and the allocation's
+/// size.
 #[derive(Serialize, Deserialize, Clone)]
-struct VmmRecord {
-    descriptor_message: u64,
-    descriptor: ForgedHow,
-    descriptor_keep: bool,
+struct VmmRecord<D = CarriedFile> {
+    descriptor: D,
     size: u64,
 }
 
@@ -391,9 +375,7 @@ fn forged(uuid: [u8; 16], mem_handle: Vec<u8>) -> ForgedGpu<LegacyRecord> {
         owner: 77,
         index: 1,
         bytes: 16,
-        message: 5,
-        lease: ForgedHow::Inline(ForgedDescriptor::Channel(ipc_channel::ipc::channel().unwrap().0)),
-        keep: false,
+        lease: CarriedFile(common::socket_pair().0),
         cache_ticket: None,
         device_uuid: uuid,
         memory_variant: 0,
@@ -750,15 +732,6 @@ fn legacy_memory_of_an_exited_producer_cannot_be_mapped_and_the_error_says_why()
     assert!(err.contains("has exited"), "{err}");
 }
 
-impl Clone for ForgedHow {
-    fn clone(&self) -> Self {
-        match self {
-            ForgedHow::Inline(ForgedDescriptor::Channel(c)) => ForgedHow::Inline(ForgedDescriptor::Channel(c.clone())),
-            ForgedHow::Inline(ForgedDescriptor::Memory(m)) => ForgedHow::Inline(ForgedDescriptor::Memory(*m)),
-        }
-    }
-}
-
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn forged_vmm_records_give_errors() {
@@ -786,19 +759,40 @@ fn forged_vmm_records_give_errors() {
             other => panic!("expected a malformed-message error, got {other:?}"),
         }
     };
-    // A channel with no descriptor parked in it.
+    // A record naming a descriptor the message does not carry.
     let g = genuine();
-    let empty = ForgedHow::Inline(ForgedDescriptor::Channel(ipc_channel::ipc::channel().unwrap().0));
-    let memory = VmmRecord { descriptor: empty, ..g.memory.clone() };
-    let m = refused(as_foreign(1, ForgedGpu { memory, ..g }));
-    assert!(m.contains("holds no descriptor"), "{m}");
-    // One parked descriptor, taken by a first message: a second naming it finds nothing.
+    let (slot_tx, slot_rx) = common::connect::<ForgedGpu<VmmRecord<common::Slot>>, GpuTensor<f32>>();
+    let memory = VmmRecord { descriptor: common::slot(9), size: g.memory.size };
+    let g = as_foreign(1, g);
+    let forged = ForgedGpu {
+        dtype: g.dtype,
+        shape: g.shape,
+        strides: g.strides,
+        offset: g.offset,
+        owner: g.owner,
+        index: g.index,
+        bytes: g.bytes,
+        lease: g.lease,
+        cache_ticket: g.cache_ticket,
+        device_uuid: g.device_uuid,
+        memory_variant: g.memory_variant,
+        memory,
+        event_handle: g.event_handle,
+    };
+    slot_tx.send(forged).unwrap();
+    match slot_rx.recv_timeout(WAIT) {
+        Err(cuda_mp::RecvTimeoutError::Malformed(m)) => assert!(m.contains("does not carry"), "{m}"),
+        other => panic!("expected a malformed-message error, got {other:?}"),
+    }
+    // A descriptor that is not VMM memory (a socket).
     let g = genuine();
-    let first = as_foreign(2, g.clone());
-    tx.send(first).unwrap();
+    let memory = VmmRecord { descriptor: CarriedFile(common::socket_pair().0), size: g.memory.size };
+    let m = refused(as_foreign(2, ForgedGpu { memory, ..g }));
+    assert!(!m.is_empty());
+    // The genuine record sent twice: each message carries its own copy of the descriptor.
+    let g = genuine();
+    tx.send(as_foreign(3, g.clone())).unwrap();
     assert_eq!(rx.recv_timeout(WAIT).unwrap().to_vec().unwrap(), vec![2.0; 1024]);
-    let m = refused(as_foreign(3, g));
-    assert!(m.contains("holds no descriptor"), "{m}");
     let g = genuine();
     let size = g.memory.size;
     let m = refused(ForgedGpu { bytes: size + 4, ..as_foreign(4, g) });

@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use cuda_mp::{channel, spawn, Error, Listener, Sender};
 
+mod common;
+
 cuda_mp::enable_test_support!();
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -22,24 +24,29 @@ fn become_nobody() {
     assert!(ok, "cannot become user {NOBODY}: {}", std::io::Error::last_os_error());
 }
 
-/// A cuda-mp connection's first message, as any program could write it.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct Hello {
-    magic: [u8; 8],
-    version: u32,
-    gauge: Option<ipc_channel::ipc::IpcSharedMemory>,
-}
-
 /// As another user: connects to `name` and says a well-formed hello (no cuda-mp on this end,
-/// whose own connect would refuse a listener of another user).
+/// whose own connect would refuse a listener of another user): the transport's header (one
+/// descriptor), the magic and version, and 64 bytes of sealed shared memory for the counters.
 fn connect_as_nobody(name: String) -> bool {
+    use rustix::net::{connect, sendmsg, socket_with, AddressFamily, SendAncillaryBuffer, SendAncillaryMessage};
+    use rustix::net::{SendFlags, SocketAddrUnix, SocketFlags, SocketType};
+    use std::os::fd::AsFd;
+    let gauge = common::sealed_memory(64, 0);
     become_nobody();
-    let hello =
-        Hello { magic: *b"cuda-mp\0", version: 2, gauge: Some(ipc_channel::ipc::IpcSharedMemory::from_byte(0, 64)) };
-    match ipc_channel::ipc::IpcSender::<Hello>::connect(name) {
-        Ok(tx) => tx.send(hello).is_ok(),
-        Err(_) => false,
+    let Ok(fd) = socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None) else {
+        return false;
+    };
+    if connect(&fd, &SocketAddrUnix::new(name.as_str()).unwrap()).is_err() {
+        return false;
     }
+    let mut hello = 1u32.to_le_bytes().to_vec();
+    hello.extend_from_slice(b"cuda-mp\0");
+    hello.extend_from_slice(&3u32.to_le_bytes());
+    let fds = [gauge.as_fd()];
+    let mut space = vec![std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    control.push(SendAncillaryMessage::ScmRights(&fds));
+    sendmsg(&fd, &[std::io::IoSlice::new(&hello)], &mut control, SendFlags::empty()).is_ok()
 }
 
 /// As another user: listens, says where, and waits for a word before exiting.
@@ -78,17 +85,21 @@ fn a_sender_of_another_user_is_refused_by_the_listener() {
     }
     let listener = Listener::<u8>::bind().unwrap();
     // The listener's socket lives in a directory only its user may enter, so another user
-    // cannot even connect. Opened up here, as if the name were reachable by anyone: the
-    // listener must still refuse the peer.
+    // cannot even connect. Reachable here by anyone, through a link in an open directory (as
+    // if the name were): the listener must still refuse the peer.
     use std::os::unix::fs::PermissionsExt;
-    let socket = std::path::Path::new(listener.name());
-    let open = |p: &std::path::Path, m| std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap();
-    open(socket.parent().unwrap(), 0o755);
-    open(socket, 0o777);
-    let peer = spawn(listener.name().to_string(), connect_as_nobody);
+    let open_dir = std::env::temp_dir().join(format!("cuda-mp-open-{}", std::process::id()));
+    std::fs::create_dir_all(&open_dir).unwrap();
+    std::fs::set_permissions(&open_dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let reachable = open_dir.join("listener");
+    let _ = std::fs::remove_file(&reachable);
+    std::fs::hard_link(listener.name(), &reachable).unwrap();
+    std::fs::set_permissions(&reachable, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let peer = spawn(reachable.to_str().unwrap().to_string(), connect_as_nobody);
     let e = listener.accept_timeout(WAIT).unwrap_err();
     assert_refused(&e, "a sender running as nobody");
-    let _ = peer.join();
+    assert!(peer.join().unwrap(), "the peer connected and said hello");
+    std::fs::remove_dir_all(&open_dir).unwrap();
 }
 
 #[test]

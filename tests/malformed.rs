@@ -3,12 +3,12 @@
 use std::time::Duration;
 
 use cuda_mp::{lifetime_stats, wait_for_lifetime, HostTensor, Listener, RecvError};
-use ipc_channel::ipc::{self, IpcSender, IpcSharedMemory};
 use serde::ser::SerializeTuple;
 use serde::{Deserialize, Serialize, Serializer};
 
 mod common;
-use common::{connect, inline, Desc, ForgedTensor};
+use common::{connect, sealed_memory, slot, socket_pair, ForgedTensor, Slot};
+use cuda_mp::testing::CarriedFile;
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -26,8 +26,8 @@ impl Serialize for Raw {
     }
 }
 
-fn forged(dtype: u8, shape: Vec<usize>, bytes: usize) -> ForgedTensor<IpcSharedMemory, IpcSender<()>> {
-    let (lease, _) = ipc::channel().unwrap();
+fn forged(dtype: u8, shape: Vec<usize>, bytes: usize) -> ForgedTensor<CarriedFile, CarriedFile> {
+    let (lease, _) = socket_pair();
     let strides = vec![1; shape.len()];
     ForgedTensor {
         dtype,
@@ -37,9 +37,9 @@ fn forged(dtype: u8, shape: Vec<usize>, bytes: usize) -> ForgedTensor<IpcSharedM
         owner: 0xdead_beef,
         index: 1,
         bytes: bytes as u64,
-        lease: inline(Desc::Channel(lease)),
+        lease: CarriedFile(lease),
         ticket: None,
-        shm: Some(inline(Desc::Memory(IpcSharedMemory::from_byte(0, 16)))),
+        shm: Some(CarriedFile(sealed_memory(16, 0))),
     }
 }
 
@@ -81,7 +81,7 @@ fn a_truncated_message_is_rejected() {
 
 #[test]
 fn descriptor_slots_out_of_range_are_rejected() {
-    let (tx, rx) = connect::<ForgedTensor<usize, usize>, HostTensor<f32>>();
+    let (tx, rx) = connect::<ForgedTensor<Slot, Slot>, HostTensor<f32>>();
     let f = ForgedTensor {
         dtype: 0,
         shape: vec![2],
@@ -90,16 +90,16 @@ fn descriptor_slots_out_of_range_are_rejected() {
         owner: 1,
         index: 1,
         bytes: 8,
-        lease: inline(Desc::Channel(9)),
+        lease: slot(9),
         ticket: None,
-        shm: Some(inline(Desc::Memory(5))),
+        shm: Some(slot(5)),
     };
     tx.send(f).unwrap();
     let m = malformed(rx.recv());
     assert!(!m.is_empty());
 
     // A real shared-memory region, but the lease points at a channel slot that is not there.
-    let (tx, rx) = connect::<ForgedTensor<IpcSharedMemory, usize>, HostTensor<f32>>();
+    let (tx, rx) = connect::<ForgedTensor<CarriedFile, Slot>, HostTensor<f32>>();
     let f = ForgedTensor {
         dtype: 0,
         shape: vec![2],
@@ -108,18 +108,18 @@ fn descriptor_slots_out_of_range_are_rejected() {
         owner: 1,
         index: 1,
         bytes: 8,
-        lease: inline(Desc::Channel(7)),
+        lease: slot(7),
         ticket: None,
-        shm: Some(inline(Desc::Memory(IpcSharedMemory::from_byte(1, 8)))),
+        shm: Some(CarriedFile(sealed_memory(8, 1))),
     };
     tx.send(f).unwrap();
     let m = malformed(rx.recv());
-    assert!(m.contains("descriptors"), "{m}");
+    assert!(m.contains("does not carry"), "{m}");
 }
 
 #[test]
 fn a_view_beyond_its_storage_is_rejected() {
-    let (tx, rx) = connect::<ForgedTensor<IpcSharedMemory, IpcSender<()>>, HostTensor<f32>>();
+    let (tx, rx) = connect::<ForgedTensor<CarriedFile, CarriedFile>, HostTensor<f32>>();
     tx.send(forged(0, vec![100], 16)).unwrap();
     let m = malformed(rx.recv());
     assert!(m.contains("view reaches element 100 but the storage holds 4"), "{m}");
@@ -137,7 +137,7 @@ fn a_view_beyond_its_storage_is_rejected() {
 
 #[test]
 fn an_unknown_dtype_tag_is_rejected() {
-    let (tx, rx) = connect::<ForgedTensor<IpcSharedMemory, IpcSender<()>>, HostTensor<f32>>();
+    let (tx, rx) = connect::<ForgedTensor<CarriedFile, CarriedFile>, HostTensor<f32>>();
     tx.send(forged(42, vec![2], 16)).unwrap();
     assert_eq!(malformed(rx.recv()), "unknown dtype tag 42");
 }
@@ -159,8 +159,16 @@ fn a_dtype_mismatch_is_an_error_and_releases_the_lease() {
 #[test]
 fn a_peer_that_is_not_cuda_mp_is_refused() {
     let listener = Listener::<u32>::bind().unwrap();
-    let raw: IpcSender<String> = IpcSender::connect(listener.name().to_owned()).unwrap();
-    raw.send("hello".into()).unwrap();
+    // A peer that connects and writes something else than our hello.
+    let fd = rustix::net::socket_with(
+        rustix::net::AddressFamily::UNIX,
+        rustix::net::SocketType::SEQPACKET,
+        rustix::net::SocketFlags::CLOEXEC,
+        None,
+    )
+    .unwrap();
+    rustix::net::connect(&fd, &rustix::net::SocketAddrUnix::new(listener.name()).unwrap()).unwrap();
+    rustix::net::send(&fd, b"hello", rustix::net::SendFlags::empty()).unwrap();
     let err = listener.accept_timeout(WAIT).unwrap_err();
     assert!(err.to_string().contains("not a cuda-mp sender"), "{err}");
 }

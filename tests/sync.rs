@@ -10,11 +10,11 @@ use std::time::{Duration, Instant};
 use cuda_mp::{
     channel, spawn, spawn_n, Barrier, Error, Event, HostTensor, Lock, LockError, Receiver, RecvError, Semaphore, Sender,
 };
-use ipc_channel::ipc::{self, IpcSender, IpcSharedMemory};
 use serde::{Deserialize, Serialize};
 
 mod common;
-use common::{connect, inline, Carried, Desc, How};
+use common::{connect, sealed_bytes, slot, socket_pair, Slot};
+use cuda_mp::testing::CarriedFile;
 
 cuda_mp::enable_test_support!();
 
@@ -343,12 +343,12 @@ fn named_objects_leave_dev_shm_as_it_was() {
 
 /// A sync object as it travels, with every field under the forger's control.
 #[derive(Serialize, Deserialize)]
-enum ForgedSync<M, C> {
-    Memory { kind: u32, memory: Carried<Desc<M, C>> },
+enum ForgedSync<M> {
+    Memory { kind: u32, memory: M },
     Named { kind: u32, name: String, id: u64 },
 }
 
-type Forged = ForgedSync<IpcSharedMemory, IpcSender<()>>;
+type Forged = ForgedSync<CarriedFile>;
 
 fn malformed<T: std::fmt::Debug>(r: Result<T, RecvError>) -> String {
     match r {
@@ -358,7 +358,7 @@ fn malformed<T: std::fmt::Debug>(r: Result<T, RecvError>) -> String {
 }
 
 fn memory(kind: u32, bytes: Vec<u8>) -> Forged {
-    ForgedSync::Memory { kind, memory: inline(Desc::Memory(IpcSharedMemory::from_bytes(&bytes))) }
+    ForgedSync::Memory { kind, memory: CarriedFile(sealed_bytes(&bytes)) }
 }
 
 /// The bytes of a sync object's header: magic, layout version 1 and kind.
@@ -382,12 +382,12 @@ fn forged_sync_objects_are_errors() {
     assert!(malformed(rx.recv()).contains("expected an Event, the message carries a Lock"));
     tx.send(memory(1, header(3))).unwrap();
     assert!(malformed(rx.recv()).contains("expected an Event, found a Lock"));
-    let (channel, _keep) = ipc::channel::<()>().unwrap();
-    tx.send(ForgedSync::Memory { kind: 1, memory: inline(Desc::Channel(channel)) }).unwrap();
-    assert!(malformed(rx.recv()).contains("carries a channel instead"));
-    let again = Carried { message: 7, how: How::Again(3), keep: false };
-    tx.send(ForgedSync::Memory { kind: 1, memory: again }).unwrap();
-    assert!(malformed(rx.recv()).contains("refers to descriptor 3"));
+    let (socket, _keep) = socket_pair();
+    tx.send(ForgedSync::Memory { kind: 1, memory: CarriedFile(socket) }).unwrap();
+    assert!(malformed(rx.recv()).contains("not a sealed memory file"));
+    let (slot_tx, slot_rx) = connect::<ForgedSync<Slot>, Event>();
+    slot_tx.send(ForgedSync::Memory { kind: 1, memory: slot(3) }).unwrap();
+    assert!(malformed(slot_rx.recv()).contains("refers to descriptor 3"));
     tx.send(ForgedSync::Named { kind: 1, name: unique("never-made"), id: 1 }).unwrap();
     assert!(malformed(rx.recv()).contains("no longer exists"));
     tx.send(ForgedSync::Named { kind: 1, name: "../../etc/passwd".into(), id: 1 }).unwrap();

@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::task::{Context, Poll, Waker};
@@ -20,9 +20,10 @@ use std::task::{Context, Poll, Waker};
 use serde::de::DeserializeOwned;
 
 use super::inbox::{Missing, Readiness, Wait};
-use super::{sys, Receiver};
+use super::Receiver;
 use crate::error::RecvError;
 use crate::fork::ForkLocal;
+use crate::sys::Socket;
 
 /// Sockets that tasks wait on, by registration.
 struct Poller {
@@ -35,7 +36,7 @@ struct Poller {
 #[derive(Default)]
 struct Waiting {
     next: u64,
-    by_id: HashMap<u64, (Arc<OwnedFd>, Waker)>,
+    by_id: HashMap<u64, (Arc<Socket>, Waker)>,
 }
 
 /// The poller of this process (a forked child starts its own: its parent's thread is not there).
@@ -44,7 +45,7 @@ fn poller() -> Option<&'static Poller> {
     POLLER
         .get()
         .get_or_init(|| {
-            let bell = sys::bell().ok()?;
+            let bell = crate::sys::bell().ok()?;
             let poller = Poller { waiting: Mutex::new(Waiting::default()), bell, started: OnceLock::new() };
             Some(poller)
         })
@@ -68,18 +69,20 @@ impl Poller {
     /// (each registration serves one wait).
     fn run(&self) {
         loop {
-            let (ids, fds): (Vec<u64>, Vec<Arc<OwnedFd>>) =
+            let (ids, fds): (Vec<u64>, Vec<Arc<Socket>>) =
                 self.lock().by_id.iter().map(|(&id, (fd, _))| (id, fd.clone())).unzip();
-            let mut raw: Vec<_> = fds.iter().map(|fd| fd.as_raw_fd()).collect();
-            raw.push(self.bell.as_raw_fd());
-            let Ok(ready) = sys::wait_readable(&raw, None) else {
+            let mut raw: Vec<_> = fds.iter().map(|fd| fd.as_fd()).collect();
+            raw.push(self.bell.as_fd());
+            let ready = crate::sys::wait_readable(&raw, Wait::Forever);
+            drop(raw);
+            let Ok(ready) = ready else {
                 std::thread::sleep(std::time::Duration::from_millis(10));
                 continue;
             };
             // Our copies of the sockets are released before anything else happens.
             drop(fds);
             if ready[ids.len()] {
-                sys::silence(&self.bell);
+                crate::sys::silence(&self.bell);
             }
             let wakers: Vec<Waker> = {
                 let mut waiting = self.lock();
@@ -97,7 +100,7 @@ impl Poller {
     }
 
     /// Wakes `waker` once `fd` is readable: a new registration, or `id`'s renewed.
-    fn register(&self, id: &mut Option<u64>, fd: Arc<OwnedFd>, waker: &Waker) {
+    fn register(&self, id: &mut Option<u64>, fd: Arc<Socket>, waker: &Waker) {
         {
             let mut waiting = self.lock();
             let key = match *id {
@@ -121,14 +124,14 @@ impl Poller {
                 }
             }
         }
-        sys::ring(&self.bell);
+        crate::sys::ring(&self.bell);
     }
 
     fn deregister(&self, id: &mut Option<u64>) {
         if let Some(key) = id.take() {
             if self.lock().by_id.remove(&key).is_some() {
                 // The poller lets go of its copy of the socket.
-                sys::ring(&self.bell);
+                crate::sys::ring(&self.bell);
             }
         }
     }
@@ -165,7 +168,7 @@ fn poll_recv<T: DeserializeOwned>(
             },
         },
         // Another thread is receiving: wait for the socket with it.
-        None => rx.main_fd.clone(),
+        None => Some(rx.main.clone()),
     };
     match fd {
         Some(fd) => {

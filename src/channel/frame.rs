@@ -1,28 +1,25 @@
-//! What travels on a channel's socket: frames. A message is encoded (postcard, inside the
-//! sender's encode scope) before anything is written, and its bytes go in a frame:
+//! What travels on a channel's socket: frames. A message is encoded (postcard, with its
+//! descriptors collected by its encode context) before anything is written, and its bytes go in
+//! a frame, one transport message:
 //!
-//! | kind | payload | |
-//! | --- | --- | --- |
-//! | 0 | the message's bytes | a message that fits in a frame |
-//! | 1 | shared memory holding the bytes, and their length | a larger message |
-//! | 2 | the receiving end of a spill batch | "read this batch to its end, then come back" |
+//! | kind (first byte) | rest of the bytes | descriptors | |
+//! | --- | --- | --- | --- |
+//! | 0 | the message's bytes | the message's | a message that fits in a frame |
+//! | 1 | the message's length (u64, little-endian) | a frozen memory file holding the bytes, then the message's | a larger message |
+//! | 2 | nothing | the receiving end of a spill batch | "read this batch to its end, then come back" |
 //!
-//! The descriptors of the message (its tensors', its channels') ride with the frame, as before;
-//! the receiver decodes the message inside the frame's decoding, while they are at hand. A
-//! frame that holds a message says how many bytes it has, so that its cost on the socket is
-//! known to both sides even when the message itself does not decode.
+//! The receiver decodes the message with its descriptors at hand (`wire::decode`). A frame that
+//! holds a message says how many bytes it has, so that its cost on the socket is known to both
+//! sides even when the message itself does not decode.
 
 use std::fmt;
-use std::marker::PhantomData;
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
-use ipc_channel::ipc::{IpcSharedMemory, OpaqueIpcReceiver, OpaqueIpcSender};
-use serde::de::{DeserializeOwned, DeserializeSeed, SeqAccess, Visitor};
-use serde::ser::SerializeTuple;
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde::de::DeserializeOwned;
 
-use super::sys;
-use crate::os::catch_quietly;
-use crate::wire;
+use crate::sys::{MemoryFile, Socket, Wait};
+use crate::wire::{self, Held};
 
 const INLINE: u8 = 0;
 const SHARED: u8 = 1;
@@ -39,27 +36,33 @@ pub(super) const fn cost(len: usize) -> u64 {
 /// The cost of a frame without a message's bytes (shared memory or a redirect).
 pub(super) const SMALL_COST: u64 = cost(64);
 
+/// The largest message that travels in the frame itself (under any limit).
+pub(super) const INLINE_LIMIT: usize = 64 << 10;
+
+/// The receive buffer every frame fits in.
+pub(super) const BUFFER: usize = Socket::buffer_for(INLINE_LIMIT + 1);
+
 /// The largest message that travels in the frame itself under a socket limit of `limit`; a
 /// larger one travels in shared memory. A frame then never costs more than half the limit.
 pub(super) fn inline_max(limit: u64) -> usize {
     let by_limit = (limit / 2).saturating_sub(cost(0)) / 2;
-    (by_limit as usize).min(64 << 10)
+    (by_limit as usize).min(INLINE_LIMIT)
 }
 
 /// A frame to write.
 pub(super) enum FrameOut<'a> {
     Inline(&'a [u8]),
-    Shared(IpcSharedMemory, u64),
-    Redirect(OpaqueIpcReceiver),
+    Shared(MemoryFile, u64),
+    Redirect(Socket),
 }
 
 impl<'a> FrameOut<'a> {
     /// The frame for a message's `bytes` on a channel whose socket limit is `limit`.
-    pub(super) fn message(bytes: &'a [u8], limit: u64) -> FrameOut<'a> {
+    pub(super) fn message(bytes: &'a [u8], limit: u64) -> io::Result<FrameOut<'a>> {
         if bytes.len() <= inline_max(limit) {
-            FrameOut::Inline(bytes)
+            Ok(FrameOut::Inline(bytes))
         } else {
-            FrameOut::Shared(IpcSharedMemory::from_bytes(bytes), bytes.len() as u64)
+            Ok(FrameOut::Shared(MemoryFile::frozen(bytes)?, bytes.len() as u64))
         }
     }
 
@@ -70,32 +73,19 @@ impl<'a> FrameOut<'a> {
             FrameOut::Shared(..) | FrameOut::Redirect(_) => SMALL_COST,
         }
     }
-}
 
-impl Serialize for FrameOut<'_> {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let mut t = serializer.serialize_tuple(2)?;
+    /// Writes the frame to `socket`, with the message's descriptors `fds`.
+    pub(super) fn write(&self, socket: &Socket, fds: &[Held], wait: Wait) -> io::Result<()> {
         match self {
-            FrameOut::Inline(bytes) => {
-                t.serialize_element(&INLINE)?;
-                t.serialize_element(serde_bytes::Bytes::new(bytes))?;
-            }
+            FrameOut::Inline(bytes) => socket.send(&[&[INLINE], bytes], &wire::borrow_all(fds), wait),
             FrameOut::Shared(memory, len) => {
-                t.serialize_element(&SHARED)?;
-                t.serialize_element(&(memory, len))?;
+                let mut all: Vec<BorrowedFd<'_>> = Vec::with_capacity(fds.len() + 1);
+                all.push(memory.as_fd());
+                all.extend(fds.iter().map(|fd| fd.as_fd()));
+                socket.send(&[&[SHARED], &len.to_le_bytes()], &all, wait)
             }
-            FrameOut::Redirect(batch) => {
-                t.serialize_element(&REDIRECT)?;
-                t.serialize_element(batch)?;
-            }
+            FrameOut::Redirect(batch) => socket.send(&[&[REDIRECT]], &[batch.as_fd()], wait),
         }
-        t.end()
-    }
-}
-
-impl<'de> Deserialize<'de> for FrameOut<'_> {
-    fn deserialize<D: Deserializer<'de>>(_: D) -> Result<Self, D::Error> {
-        Err(serde::de::Error::custom("outgoing frames are never decoded"))
     }
 }
 
@@ -104,7 +94,7 @@ pub(super) enum Incoming<T> {
     /// A message (or why it does not decode), and what its frame cost.
     Message { cost: u64, value: Result<T, String> },
     /// The receiving end of a spill batch.
-    Redirect(OpaqueIpcReceiver),
+    Redirect(Socket),
 }
 
 impl<T> fmt::Debug for Incoming<T> {
@@ -118,135 +108,95 @@ impl<T> fmt::Debug for Incoming<T> {
     }
 }
 
-impl<T> Serialize for Incoming<T> {
-    fn serialize<S: Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
-        Err(serde::ser::Error::custom("incoming frames are never encoded"))
-    }
-}
-
-/// Decodes a message's bytes, while the descriptors of its frame are at hand. A panic of the
-/// transport's decoder (it indexes the frame's descriptors by numbers the bytes carry) is a
-/// malformed message.
-fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
-    let failed = match catch_quietly(|| postcard::from_bytes::<T>(bytes)) {
-        Ok(Ok(value)) => return Ok(value),
-        Ok(Err(e)) => wire::take_failure().unwrap_or_else(|| format!("undecodable message ({e:?})")),
-        Err(_) => "message refers to descriptors it does not carry".into(),
-    };
-    close_untaken_channels();
-    Err(failed)
-}
-
-/// Takes, and closes, every channel of the frame that the message's decoding left untaken. A
-/// message that does not decode (forged, of another type, or refused by a check of what it
-/// holds) stops half-way; the transport would keep the channels it did not reach open for as
-/// long as the process lives (the leases among them keeping their storages claimed), and in a
-/// debug build it asserts on each as it drops the frame, which aborts the process from the
-/// second one on. Call it while the frame's descriptors are at hand (inside its decoding).
-fn close_untaken_channels() {
-    for index in 0usize.. {
-        let Ok(bytes) = postcard::to_allocvec(&index) else { return };
-        match catch_quietly(|| postcard::from_bytes::<OpaqueIpcSender>(&bytes)) {
-            Ok(Ok(channel)) => {
-                if sys::names_a_descriptor(&format!("{channel:?}")) {
-                    drop(channel);
-                } else {
-                    // Taken already (the transport left -1 in its place): nothing to close,
-                    // and closing -1 would make the transport assert.
-                    std::mem::forget(channel);
-                }
+/// Reads a frame: its bytes and descriptors as they arrived. A frame that is not one of ours
+/// (raw bytes from a foreign writer) is an error, its descriptors closed and its cost unknown.
+pub(super) fn read<T: DeserializeOwned>(bytes: &[u8], mut fds: Vec<OwnedFd>) -> Result<Incoming<T>, String> {
+    let (&kind, rest) = bytes.split_first().ok_or("an empty frame")?;
+    match kind {
+        INLINE => Ok(Incoming::Message { cost: cost(rest.len()), value: wire::decode(rest, fds) }),
+        SHARED => {
+            let len: [u8; 8] = rest.try_into().map_err(|_| "a shared-memory frame without its length")?;
+            let len = u64::from_le_bytes(len);
+            if fds.is_empty() {
+                return Err("a shared-memory frame without its memory".into());
             }
-            // Past the frame's channels (the transport's index panicked), or nothing to decode.
-            _ => return,
+            let memory = fds.remove(0);
+            let value = usize::try_from(len).map_err(|_| format!("a frame of {len} bytes")).and_then(|len| {
+                let memory = MemoryFile::open(memory, len).map_err(|e| format!("a frame's shared memory: {e}"))?;
+                let bytes = memory.frozen_bytes().ok_or("a frame's shared memory is not sealed against writes")?;
+                wire::decode(&bytes[..len], fds)
+            });
+            Ok(Incoming::Message { cost: SMALL_COST, value })
         }
-    }
-}
-
-/// Reads a message's bytes and decodes them at once.
-struct InlineSeed<T>(PhantomData<fn() -> T>);
-
-impl<'de, T: DeserializeOwned> DeserializeSeed<'de> for InlineSeed<T> {
-    type Value = (usize, Result<T, String>);
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
-        deserializer.deserialize_bytes(self)
-    }
-}
-
-impl<'de, T: DeserializeOwned> Visitor<'de> for InlineSeed<T> {
-    type Value = (usize, Result<T, String>);
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a message's bytes")
-    }
-
-    fn visit_bytes<E: serde::de::Error>(self, bytes: &[u8]) -> Result<Self::Value, E> {
-        Ok((bytes.len(), decode(bytes)))
-    }
-}
-
-struct FrameVisitor<T>(PhantomData<fn() -> T>);
-
-impl<'de, T: DeserializeOwned> Visitor<'de> for FrameVisitor<T> {
-    type Value = Incoming<T>;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a cuda-mp frame")
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Incoming<T>, A::Error> {
-        let missing = || serde::de::Error::custom("truncated frame");
-        let kind: u8 = seq.next_element()?.ok_or_else(missing)?;
-        match kind {
-            INLINE => {
-                let (len, value) = seq.next_element_seed(InlineSeed(PhantomData))?.ok_or_else(missing)?;
-                Ok(Incoming::Message { cost: cost(len), value })
-            }
-            SHARED => {
-                let (memory, len): (IpcSharedMemory, u64) = seq.next_element()?.ok_or_else(missing)?;
-                let value = match usize::try_from(len).ok().and_then(|len| memory.get(..len)) {
-                    Some(bytes) => decode(bytes),
-                    None => Err(format!("the frame claims {len} bytes in shared memory of {}", memory.len())),
-                };
-                Ok(Incoming::Message { cost: SMALL_COST, value })
-            }
-            REDIRECT => Ok(Incoming::Redirect(seq.next_element()?.ok_or_else(missing)?)),
-            other => Err(serde::de::Error::custom(format!("unknown frame kind {other}"))),
+        REDIRECT => {
+            let batch = match (rest.is_empty(), fds.len()) {
+                (true, 1) => fds.remove(0),
+                _ => return Err("a redirect frame that is not one".into()),
+            };
+            Socket::from_fd(batch).map(Incoming::Redirect).map_err(|e| format!("a redirect frame: {e}"))
         }
-    }
-}
-
-impl<'de, T: DeserializeOwned> Deserialize<'de> for Incoming<T> {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_tuple(2, FrameVisitor(PhantomData))
+        other => Err(format!("unknown frame kind {other}")),
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::os::fd::AsRawFd;
+
     use super::*;
+
+    /// Bytes the kernel charges to the sending socket for what it holds unread (`SIOCOUTQ`).
+    fn queued_bytes(socket: &Socket) -> u64 {
+        let mut n: libc::c_int = 0;
+        // SAFETY: SIOCOUTQ writes one c_int to the pointer, which is valid for it.
+        unsafe { libc::ioctl(socket.as_fd().as_raw_fd(), libc::TIOCOUTQ, &mut n as *mut libc::c_int) };
+        n.max(0) as u64
+    }
 
     #[test]
     fn the_cost_bounds_what_the_kernel_charges() {
-        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
         // Frames of many sizes, each alone on a fresh socket: what the kernel charges the sender
-        // for it unread (SIOCOUTQ) stays within `cost`.
-        for len in [0usize, 1, 16, 100, 200, 500, 1000, 2000, 4000, 8000, 16_000, 17_000, 32_000, 50_000] {
-            let mut fds = [0 as libc::c_int; 2];
-            // SAFETY: `fds` has room for the two descriptors.
-            assert_eq!(unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_SEQPACKET, 0, fds.as_mut_ptr()) }, 0);
-            // SAFETY: just returned to us.
-            let (a, _b) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-            // ipc-channel's header (two words) and the frame's own (kind and length).
-            let data = vec![7u8; len + 16 + 4];
-            // SAFETY: sends `data`, valid for its length.
-            let sent = unsafe { libc::send(a.as_raw_fd(), data.as_ptr().cast(), data.len(), 0) };
-            assert_eq!(sent, data.len() as isize);
-            let charged = crate::channel::sys::tests::queued_bytes(a.as_raw_fd()) as u64;
+        // for it unread stays within `cost`.
+        for len in [0usize, 1, 16, 100, 200, 500, 1000, 2000, 4000, 8000, 16_000, 17_000, 32_000, 50_000, INLINE_LIMIT]
+        {
+            let (a, _b) = Socket::pair().unwrap();
+            let data = vec![7u8; len];
+            FrameOut::Inline(&data).write(&a, &[], Wait::Not).unwrap();
+            let charged = queued_bytes(&a);
             assert!(charged <= cost(len), "a frame of {len} bytes costs the kernel {charged}, more than {}", cost(len));
         }
         assert!(inline_max(159_744) < 64 << 10);
         assert!(cost(inline_max(159_744)) <= 159_744 / 2);
         assert_eq!(inline_max(1 << 30), 64 << 10);
+    }
+
+    #[test]
+    fn frames_round_trip_and_foreign_ones_are_refused() {
+        let (a, b) = Socket::pair().unwrap();
+        let mut buf = vec![0u8; BUFFER];
+        let mut next = || {
+            let (range, fds) = b.recv_in(&mut buf, Wait::Not).unwrap().unwrap();
+            read::<Vec<u8>>(&buf[range], fds)
+        };
+        let small = postcard::to_allocvec(&vec![1u8; 10]).unwrap();
+        FrameOut::message(&small, 1 << 20).unwrap().write(&a, &[], Wait::Not).unwrap();
+        assert!(matches!(next(), Ok(Incoming::Message { value: Ok(v), .. }) if v == vec![1u8; 10]));
+        let large = postcard::to_allocvec(&vec![2u8; 100_000]).unwrap();
+        let frame = FrameOut::message(&large, 1 << 20).unwrap();
+        assert!(matches!(frame, FrameOut::Shared(..)));
+        frame.write(&a, &[], Wait::Not).unwrap();
+        assert!(matches!(next(), Ok(Incoming::Message { cost: SMALL_COST, value: Ok(v) }) if v == vec![2u8; 100_000]));
+        let (batch, _) = Socket::pair().unwrap();
+        FrameOut::Redirect(batch).write(&a, &[], Wait::Not).unwrap();
+        assert!(matches!(next(), Ok(Incoming::Redirect(_))));
+        // Not ours: unknown kinds, a shared frame whose memory is not sealed or is too small.
+        a.send(&[&[9]], &[], Wait::Not).unwrap();
+        assert!(next().is_err());
+        let short = MemoryFile::frozen(&[0; 8]).unwrap();
+        a.send(&[&[SHARED], &1000u64.to_le_bytes()], &[short.as_fd()], Wait::Not).unwrap();
+        assert!(matches!(next(), Ok(Incoming::Message { value: Err(_), .. })));
+        let writable = MemoryFile::zeroed(4096).unwrap();
+        a.send(&[&[SHARED], &10u64.to_le_bytes()], &[writable.as_fd()], Wait::Not).unwrap();
+        assert!(matches!(next(), Ok(Incoming::Message { value: Err(_), .. })));
     }
 }

@@ -24,10 +24,12 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ipc_channel::ipc::IpcSharedMemory;
-
 use crate::error::{Error, Result};
 use crate::sync::sys::{self, Region, W32, W64};
+use crate::sys::MemoryFile;
+
+/// Bytes of the counters' shared memory.
+pub(super) const BYTES: usize = sys::BYTES;
 
 const MAGIC: u32 = u32::from_be_bytes(*b"CMCH");
 const VERSION: u32 = 1;
@@ -99,7 +101,7 @@ impl Gauge {
     }
 
     /// The counters of a channel that arrived in a message; refused unless they are ours.
-    pub(super) fn from_memory(shm: Arc<IpcSharedMemory>) -> Result<Gauge> {
+    pub(super) fn from_memory(shm: Arc<MemoryFile>) -> Result<Gauge> {
         let region = Region::from_memory(shm)?;
         if region.u32(MAGIC_AT).load(Ordering::Acquire) != MAGIC {
             return Err(Error::Malformed("a channel's shared counters are not ours".into()));
@@ -121,7 +123,7 @@ impl Gauge {
     }
 
     /// The shared memory, to send to another process.
-    pub(super) fn memory(&self) -> Result<Arc<IpcSharedMemory>> {
+    pub(super) fn memory(&self) -> Result<Arc<MemoryFile>> {
         self.region.memory().cloned().ok_or_else(|| Error::Unsupported("a channel's counters without memory".into()))
     }
 
@@ -313,9 +315,11 @@ mod tests {
 
     #[test]
     fn foreign_memory_is_refused() {
-        let garbage = Arc::new(IpcSharedMemory::from_byte(0xab, crate::sync::sys::BYTES));
-        assert!(matches!(Gauge::from_memory(garbage), Err(Error::Malformed(_))));
-        let short = Arc::new(IpcSharedMemory::from_byte(0, 8));
+        let garbage = MemoryFile::zeroed(BYTES).unwrap();
+        // SAFETY: in bounds of the fresh mapping, which nothing else uses.
+        unsafe { std::ptr::write_bytes(garbage.ptr(), 0xab, BYTES) };
+        assert!(matches!(Gauge::from_memory(Arc::new(garbage)), Err(Error::Malformed(_))));
+        let short = Arc::new(MemoryFile::zeroed(8).unwrap());
         assert!(matches!(Gauge::from_memory(short), Err(Error::Malformed(_))));
     }
 }

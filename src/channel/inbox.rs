@@ -1,48 +1,28 @@
 //! The receiving side of a channel: the socket, the spill batch being read, and the loop that
 //! reads frames, follows redirects and settles the shared counters.
 
-use std::os::fd::OwnedFd;
+use std::io;
+use std::marker::PhantomData;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
-use ipc_channel::ipc::{IpcReceiver, OpaqueIpcReceiver};
-use ipc_channel::{IpcError, TryRecvError as IpcTryRecvError};
 use serde::de::DeserializeOwned;
 
-use super::frame::{Incoming, SMALL_COST};
+use super::frame::{self, Incoming, SMALL_COST};
 use super::gauge::Gauge;
-use super::sys;
 use crate::error::RecvError;
-use crate::os::{catch_quietly, descriptor_limit, near_descriptor_limit};
-use crate::wire;
+use crate::os::{descriptor_limit, near_descriptor_limit};
+use crate::sys::Socket;
+pub(super) use crate::sys::Wait;
 
-/// One socket frames are read from, with our copy of its descriptor (to wait on it without
-/// holding the receiver, and to ask how much it holds), made when first needed.
+/// One socket frames are read from.
 pub(super) struct Source<T> {
-    pub(super) rx: IpcReceiver<Incoming<T>>,
-    fd: Option<Arc<OwnedFd>>,
+    pub(super) socket: Arc<Socket>,
+    _message: PhantomData<fn() -> T>,
 }
 
-impl<T: DeserializeOwned> Source<T> {
-    /// A source whose descriptor is copied now.
-    pub(super) fn watched(rx: IpcReceiver<Incoming<T>>) -> Source<T> {
-        let mut source = Source { rx, fd: None };
-        source.fd();
-        source
-    }
-
-    /// A source whose descriptor is copied only if something waits on it (a spill batch is
-    /// usually read without waiting).
-    pub(super) fn unwatched(rx: OpaqueIpcReceiver) -> Source<T> {
-        Source { rx: rx.to(), fd: None }
-    }
-
-    /// Our copy of the socket's descriptor (`None`: it cannot be found).
-    pub(super) fn fd(&mut self) -> Option<Arc<OwnedFd>> {
-        if self.fd.is_none() {
-            self.fd = sys::socket_copy(&format!("{:?}", self.rx)).map(Arc::new);
-        }
-        self.fd.clone()
+impl<T> Source<T> {
+    pub(super) fn new(socket: Arc<Socket>) -> Source<T> {
+        Source { socket, _message: PhantomData }
     }
 }
 
@@ -57,14 +37,8 @@ pub(super) struct Inbox<T> {
     /// on the socket; when the socket is empty they show less than a quarter of the limit,
     /// which is all a waiting feeder asks (`Gauge::nearly_drained`).
     unsettled: u64,
-}
-
-/// How long a receive may wait.
-#[derive(Clone, Copy)]
-pub(super) enum Wait {
-    Forever,
-    Until(Instant),
-    Not,
+    /// Where frames are read into (made once: a receive allocates nothing for its frame).
+    buf: Vec<u8>,
 }
 
 /// Why a receive returned no message.
@@ -79,26 +53,8 @@ pub(super) enum Missing {
 pub(super) enum Readiness {
     /// A receive would not wait.
     Ready,
-    /// Wait for this descriptor to become readable.
-    Wait(Arc<OwnedFd>),
-}
-
-fn recv_error(e: IpcError) -> RecvError {
-    match e {
-        IpcError::Disconnected => RecvError::Disconnected,
-        IpcError::Io(e)
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::NotConnected
-            ) =>
-        {
-            RecvError::Disconnected
-        }
-        IpcError::Io(e) => RecvError::Io(e.to_string()),
-        IpcError::SerializationError(e) => {
-            RecvError::Malformed(wire::take_failure().unwrap_or_else(|| format!("undecodable message ({e:?})")))
-        }
-    }
+    /// Wait for this socket to become readable.
+    Wait(Arc<Socket>),
 }
 
 /// A malformed message, named as descriptor exhaustion when that is why it failed (the kernel
@@ -112,35 +68,19 @@ fn checked(e: RecvError) -> RecvError {
     }
 }
 
-/// Reads one frame with a fresh decoding context, turning a panic inside the transport's
-/// decoder into an error.
-fn read<T: DeserializeOwned>(rx: &IpcReceiver<Incoming<T>>, wait: Wait) -> Result<Incoming<T>, Missing> {
-    wire::decode_begin();
-    let result = catch_quietly(|| match wait {
-        Wait::Forever => rx.recv().map_err(|e| Missing::Failed(recv_error(e))),
-        Wait::Until(deadline) => {
-            // The transport waits whole milliseconds, rounded down: round up, so that a
-            // receive never gives up before its deadline.
-            let left = deadline.saturating_duration_since(Instant::now());
-            let left = Duration::from_millis(left.as_nanos().div_ceil(1_000_000).min(u64::MAX as u128) as u64);
-            rx.try_recv_timeout(left).map_err(|e| match e {
-                IpcTryRecvError::Empty => Missing::Empty,
-                IpcTryRecvError::IpcError(e) => Missing::Failed(recv_error(e)),
-            })
+/// Reads one frame.
+fn read<T: DeserializeOwned>(socket: &Socket, buf: &mut [u8], wait: Wait) -> Result<Incoming<T>, Missing> {
+    let failed = |e: RecvError| Missing::Failed(checked(e));
+    match socket.recv_in(buf, wait) {
+        Ok(Some((range, fds))) => frame::read(&buf[range], fds).map_err(|e| failed(RecvError::Malformed(e))),
+        Ok(None) => Err(Missing::Failed(RecvError::Disconnected)),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Err(Missing::Empty),
+        Err(e) if e.kind() == io::ErrorKind::InvalidData => Err(failed(RecvError::Malformed(e.to_string()))),
+        Err(e) if matches!(e.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::NotConnected) => {
+            Err(Missing::Failed(RecvError::Disconnected))
         }
-        Wait::Not => rx.try_recv_timeout(Duration::ZERO).map_err(|e| match e {
-            IpcTryRecvError::Empty => Missing::Empty,
-            IpcTryRecvError::IpcError(e) => Missing::Failed(recv_error(e)),
-        }),
-    })
-    .unwrap_or_else(|_| {
-        Err(Missing::Failed(RecvError::Malformed("message refers to descriptors it does not carry".into())))
-    });
-    wire::decode_end();
-    result.map_err(|m| match m {
-        Missing::Failed(e) => Missing::Failed(checked(e)),
-        empty => empty,
-    })
+        Err(e) => Err(failed(RecvError::Io(e.to_string()))),
+    }
 }
 
 impl<T> Inbox<T> {
@@ -159,8 +99,8 @@ impl<T> Inbox<T> {
 }
 
 impl<T: DeserializeOwned> Inbox<T> {
-    pub(super) fn new(main: IpcReceiver<Incoming<T>>) -> Inbox<T> {
-        Inbox { main: Source::watched(main), spill: None, unsettled: 0 }
+    pub(super) fn new(main: Arc<Socket>) -> Inbox<T> {
+        Inbox { main: Source::new(main), spill: None, unsettled: 0, buf: vec![0; frame::BUFFER] }
     }
 
     /// Receives the next message: from the spill batch while there is one, else from the
@@ -168,11 +108,11 @@ impl<T: DeserializeOwned> Inbox<T> {
     pub(super) fn receive(&mut self, gauge: &Gauge, wait: Wait) -> Result<T, Missing> {
         loop {
             let from_spill = self.spill.is_some();
-            let rx = match &self.spill {
-                Some(spill) => &spill.rx,
-                None => &self.main.rx,
+            let socket = match &self.spill {
+                Some(spill) => &spill.socket,
+                None => &self.main.socket,
             };
-            match read(rx, wait) {
+            match read(socket, &mut self.buf, wait) {
                 Ok(Incoming::Message { cost, value }) => {
                     if !from_spill {
                         self.settle(gauge, cost);
@@ -187,7 +127,7 @@ impl<T: DeserializeOwned> Inbox<T> {
                         )));
                     }
                     self.settle(gauge, SMALL_COST);
-                    self.spill = Some(Source::unwatched(batch));
+                    self.spill = Some(Source::new(Arc::new(batch)));
                 }
                 Err(Missing::Failed(RecvError::Disconnected)) if from_spill => self.spill = None,
                 Err(missing) => return Err(missing),
@@ -198,17 +138,16 @@ impl<T: DeserializeOwned> Inbox<T> {
     /// Whether a receive would return at once, or which descriptor to wait on. A spill batch
     /// read to its end is left here (which loses nothing).
     pub(super) fn readiness(&mut self) -> Option<Readiness> {
-        if let Some(spill) = &mut self.spill {
-            let fd = spill.fd()?;
-            if sys::pending_bytes(&fd) > 0 {
+        if let Some(spill) = &self.spill {
+            if spill.socket.pending_bytes() > 0 {
                 return Some(Readiness::Ready);
             }
-            if !sys::peer_closed(&fd) {
-                return Some(Readiness::Wait(fd));
+            if !spill.socket.peer_closed() {
+                return Some(Readiness::Wait(spill.socket.clone()));
             }
             // Read to its end and closed.
             self.spill = None;
         }
-        self.main.fd().map(Readiness::Wait)
+        Some(Readiness::Wait(self.main.socket.clone()))
     }
 }

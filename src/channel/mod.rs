@@ -11,33 +11,29 @@ mod select;
 mod sys;
 
 pub use asynch::{RecvFuture, RecvStream};
+pub(crate) use outbox::install_exit_hook;
 pub use select::Select;
-pub(crate) use sys::socket_copy;
 
 use std::fmt;
 use std::io;
 use std::marker::PhantomData;
-use std::os::fd::OwnedFd;
-use std::path::Path;
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
-use ipc_channel::ipc::{
-    self, IpcOneShotServer, IpcReceiver, IpcSender, IpcSharedMemory, OpaqueIpcReceiver, OpaqueIpcSender,
-};
-use ipc_channel::IpcError;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use self::frame::{FrameOut, Incoming};
+use self::frame::FrameOut;
 use self::gauge::{Gauge, NoPlace, MAX_CAPACITY};
 use self::inbox::{Inbox, Missing, Readiness, Wait};
 use self::outbox::Outbox;
 use crate::error::{
     Error, RecvError, RecvTimeoutError, Result, SendError, SendFailure, SendTimeoutError, TryRecvError, TrySendError,
 };
-use crate::os::catch_quietly;
-use crate::wire::{self, Carried, Descriptor, Overflow};
+use crate::sys::{Listening, MemoryFile, Socket};
+use crate::wire::{self, Carried, Held};
 
 /// Creates an unbounded channel between processes. Either end can be sent to another process
 /// (as a spawn argument or inside a message); the sender can be cloned and sent to many
@@ -121,11 +117,10 @@ pub fn flush_sends(timeout: Duration) -> Result<()> {
 }
 
 fn make<T: Serialize + DeserializeOwned>(capacity: u32) -> Result<(Sender<T>, Receiver<T>)> {
-    let (tx, rx) = ipc::channel::<Incoming<T>>()?;
-    let tx = tx.to_opaque();
-    let gauge = Gauge::new(capacity, sys::send_buffer(&format!("{tx:?}")))?;
-    let outbox = Outbox::attach(tx, gauge.clone());
-    Ok((Sender { outbox, _message: PhantomData }, Receiver::from_parts(rx, None, gauge)))
+    let (tx, rx) = Socket::pair().map_err(wire::io_error)?;
+    let gauge = Gauge::new(capacity, tx.send_buffer())?;
+    let outbox = Outbox::attach(Arc::new(tx), gauge.clone());
+    Ok((Sender { outbox, _message: PhantomData }, Receiver::from_parts(Arc::new(rx), None, gauge)))
 }
 
 /// The sending end of a channel. Clone it for several producers, in this process or others.
@@ -175,11 +170,6 @@ enum Refused {
     Full,
     Timeout,
     Failed(SendFailure),
-}
-
-/// A frame of overflow batches: what it may cost its socket.
-fn overflow_cost(overflow: &Overflow) -> u64 {
-    overflow.batches() as u64 * frame::cost(Overflow::BATCH_BYTES)
 }
 
 impl<T: Serialize> Sender<T> {
@@ -268,32 +258,11 @@ impl<T: Serialize> Sender<T> {
         }
     }
 
-    /// Encodes `value` on this thread and writes its frame, inside one encode scope: the
-    /// transport's write takes every descriptor serialized so far on this thread.
+    /// Encodes `value` (collecting its descriptors) and writes its frame.
     fn write(&self, value: &T) -> std::result::Result<(), SendFailure> {
-        let outbox = &self.outbox;
-        let limit = outbox.gauge().limit();
-        let (written, overflow) = wire::encode_scope(|| {
-            // The transport asserts where it could fail (a full descriptor table when it makes
-            // shared memory for a large message): a panic here is a failed send.
-            let encoded = catch_quietly(|| {
-                postcard::to_allocvec(value).map(|bytes| {
-                    let frame = FrameOut::message(&bytes, limit);
-                    outbox.write(frame)
-                })
-            });
-            match encoded {
-                Ok(Ok(written)) => written,
-                Ok(Err(e)) => Err(SendFailure::Serialize(wire::take_failure().unwrap_or_else(|| format!("{e:?}")))),
-                Err(panic) => Err(SendFailure::Io(format!("the transport failed: {panic}"))),
-            }
-        });
-        if written.is_err() {
-            // What an encode left behind would ride with this thread's next transport send.
-            wire::discard_leftovers();
-            return written;
-        }
-        send_overflow(overflow, limit)
+        let encoded = wire::encode(value).map_err(SendFailure::Serialize)?;
+        let frame = FrameOut::message(&encoded.bytes, self.outbox.gauge().limit()).map_err(outbox::failure)?;
+        self.outbox.write(frame, &encoded.fds)
     }
 
     /// The most messages the channel holds; `None` for an unbounded channel.
@@ -323,15 +292,14 @@ impl<T: Serialize> Sender<T> {
                 format!("{name:?} is not a listener name"),
             )));
         }
-        let hello: IpcSender<Hello> = IpcSender::connect(name.to_owned())?;
-        let hello = hello.to_opaque();
-        // A listener of another user (a socket planted under the name) gets nothing.
-        check_peer(&format!("{hello:?}"))?;
-        let gauge = Gauge::new(0, sys::send_buffer(&format!("{hello:?}")))?;
-        let hello: IpcSender<Hello> = hello.to();
-        let greeting = Hello { gauge: Some((*gauge.memory()?).clone()), ..Hello::CURRENT };
-        hello.send(greeting).map_err(|e| Error::Io(io::Error::other(e.to_string())))?;
-        Ok(Sender { outbox: Outbox::attach(hello.to_opaque(), gauge), _message: PhantomData })
+        // A listener of another user (a socket planted under the name) is refused here.
+        let socket = crate::sys::connect_to(Path::new(name)).map_err(wire::io_error)?;
+        let gauge = Gauge::new(0, socket.send_buffer())?;
+        let memory = gauge.memory()?;
+        socket
+            .send(&[&Hello::CURRENT.bytes()], &[memory.as_fd()], crate::sys::Wait::Forever)
+            .map_err(wire::io_error)?;
+        Ok(Sender { outbox: Outbox::attach(Arc::new(socket), gauge), _message: PhantomData })
     }
 
     /// Connects to a [`Listener`] whose name was written to `path` with
@@ -362,78 +330,50 @@ impl<T: Serialize> Sender<T> {
     }
 }
 
-/// Sends the descriptors of a message that did not fit in its frame. Where they could fill
-/// their private channel before the receiver reads the message, a thread of their own sends
-/// them: this one does not wait for the reader.
-fn send_overflow(overflow: Overflow, limit: u64) -> std::result::Result<(), SendFailure> {
-    let send = |overflow: Overflow| {
-        overflow.send().map_err(|e| match e {
-            Error::OutOfDescriptors { limit } => SendFailure::OutOfDescriptors { limit },
-            Error::Io(e) if e.kind() == io::ErrorKind::BrokenPipe => SendFailure::Disconnected,
-            other => SendFailure::Io(other.to_string()),
-        })
-    };
-    if overflow_cost(&overflow) <= limit {
-        return send(overflow);
-    }
-    let (tx, rx) = std::sync::mpsc::channel();
-    let spawned = std::thread::Builder::new().name("cuda-mp-overflow".into()).spawn(move || {
-        let overflow = match rx.recv() {
-            Ok(overflow) => overflow,
-            Err(_) => return,
-        };
-        let _ = send(overflow);
-    });
-    match spawned {
-        Ok(_) => {
-            // The thread is waiting for it: this cannot fail.
-            let _ = tx.send(overflow);
-            Ok(())
-        }
-        Err(e) => Err(SendFailure::Io(format!("cannot start a thread for the message's descriptors: {e}"))),
-    }
-}
-
 /// A sender as it travels: the socket and the shared counters.
-#[derive(Serialize)]
-struct SenderOut<'a> {
-    main: &'a OpaqueIpcSender,
-    gauge: Carried,
-}
-
-#[derive(Deserialize)]
-struct SenderIn {
-    main: OpaqueIpcSender,
+#[derive(Serialize, Deserialize)]
+struct SenderWire {
+    main: Carried,
     gauge: Carried,
 }
 
 /// The channel's shared counters, placed in the message being encoded.
 fn carry_gauge<E: serde::ser::Error>(gauge: &Gauge) -> std::result::Result<Carried, E> {
-    let memory = gauge.memory().map_err(wire::encode_error)?;
-    wire::carry(Descriptor::Memory(memory), None).map_err(wire::encode_error)
+    let memory: Held = gauge.memory().map_err(wire::encode_error)?;
+    wire::carry(memory, None).map_err(wire::encode_error)
 }
 
 /// The channel's shared counters, taken out of the message being decoded.
 fn take_gauge<E: serde::de::Error>(carried: Carried) -> std::result::Result<Gauge, E> {
-    match wire::take(carried).map_err(wire::decode_error)? {
-        Descriptor::Memory(shm) => Gauge::from_memory(shm).map_err(wire::decode_error),
-        Descriptor::Channel(_) => {
-            Err(wire::decode_error(Error::Malformed("a channel's counters slot carries a channel instead".into())))
-        }
-    }
+    let fd = wire::take(carried).map_err(wire::decode_error)?;
+    let memory = MemoryFile::open(fd, gauge::BYTES)
+        .map_err(|e| wire::decode_error(Error::Malformed(format!("a channel's counters: {e}"))))?;
+    Gauge::from_memory(Arc::new(memory)).map_err(wire::decode_error)
+}
+
+/// A socket of a channel, placed in the message being encoded.
+fn carry_socket<E: serde::ser::Error>(socket: &Arc<Socket>) -> std::result::Result<Carried, E> {
+    let held: Held = socket.clone();
+    wire::carry(held, None).map_err(wire::encode_error)
+}
+
+fn take_socket<E: serde::de::Error>(carried: Carried) -> std::result::Result<Arc<Socket>, E> {
+    wire::take_socket(carried).map_err(wire::decode_error)
 }
 
 impl<T> Serialize for Sender<T> {
     fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
-        SenderOut { main: self.outbox.main(), gauge: carry_gauge(self.outbox.gauge())? }.serialize(serializer)
+        SenderWire { main: carry_socket(self.outbox.main())?, gauge: carry_gauge(self.outbox.gauge())? }
+            .serialize(serializer)
     }
 }
 
 impl<'de, T> Deserialize<'de> for Sender<T> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        let wire = SenderIn::deserialize(deserializer)?;
+        let wire = SenderWire::deserialize(deserializer)?;
+        let main = take_socket(wire.main)?;
         let gauge = take_gauge(wire.gauge)?;
-        Ok(Sender { outbox: Outbox::attach(wire.main, gauge), _message: PhantomData })
+        Ok(Sender { outbox: Outbox::attach(main, gauge), _message: PhantomData })
     }
 }
 
@@ -460,8 +400,8 @@ impl<'de, T> Deserialize<'de> for Sender<T> {
 /// ```
 pub struct Receiver<T> {
     inbox: Mutex<Inbox<T>>,
-    /// Our copy of the socket's descriptor, to wait on without holding the inbox.
-    main_fd: Option<Arc<OwnedFd>>,
+    /// The channel's socket, to wait on without holding the inbox.
+    main: Arc<Socket>,
     gauge: Gauge,
 }
 
@@ -475,11 +415,10 @@ impl<T> fmt::Debug for Receiver<T> {
 }
 
 impl<T: DeserializeOwned> Receiver<T> {
-    fn from_parts(main: IpcReceiver<Incoming<T>>, spill: Option<OpaqueIpcReceiver>, gauge: Gauge) -> Receiver<T> {
-        let mut inbox = Inbox::new(main);
-        inbox.spill = spill.map(inbox::Source::unwatched);
-        let main_fd = inbox.main.fd();
-        Receiver { inbox: Mutex::new(inbox), main_fd, gauge }
+    fn from_parts(main: Arc<Socket>, spill: Option<Arc<Socket>>, gauge: Gauge) -> Receiver<T> {
+        let mut inbox = Inbox::new(main.clone());
+        inbox.spill = spill.map(inbox::Source::new);
+        Receiver { inbox: Mutex::new(inbox), main, gauge }
     }
 
     fn lock(&self) -> MutexGuard<'_, Inbox<T>> {
@@ -501,7 +440,7 @@ impl<T: DeserializeOwned> Receiver<T> {
         match self.try_lock() {
             Some(mut inbox) => inbox.readiness(),
             // Another thread is receiving: wait for the socket with it.
-            None => self.main_fd.clone().map(Readiness::Wait),
+            None => Some(Readiness::Wait(self.main.clone())),
         }
     }
 
@@ -788,18 +727,10 @@ impl<T: DeserializeOwned> IntoIterator for Receiver<T> {
 }
 
 /// A receiver as it travels: the socket, the spill batch being read, the shared counters.
-#[derive(Serialize)]
-#[serde(bound = "")]
-struct ReceiverOut<'a, T> {
-    main: &'a IpcReceiver<Incoming<T>>,
-    spill: Option<&'a IpcReceiver<Incoming<T>>>,
-    gauge: Carried,
-}
-
-#[derive(Deserialize)]
-struct ReceiverIn {
-    main: OpaqueIpcReceiver,
-    spill: Option<OpaqueIpcReceiver>,
+#[derive(Serialize, Deserialize)]
+struct ReceiverWire {
+    main: Carried,
+    spill: Option<Carried>,
     gauge: Carried,
 }
 
@@ -807,16 +738,18 @@ impl<T> Serialize for Receiver<T> {
     fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
         let mut inbox = self.inbox.lock().unwrap_or_else(|p| p.into_inner());
         inbox.settle_all(&self.gauge);
-        let gauge = carry_gauge(&self.gauge)?;
-        ReceiverOut { main: &inbox.main.rx, spill: inbox.spill.as_ref().map(|s| &s.rx), gauge }.serialize(serializer)
+        let spill = inbox.spill.as_ref().map(|s| carry_socket(&s.socket)).transpose()?;
+        ReceiverWire { main: carry_socket(&self.main)?, spill, gauge: carry_gauge(&self.gauge)? }.serialize(serializer)
     }
 }
 
 impl<'de, T: DeserializeOwned> Deserialize<'de> for Receiver<T> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        let wire = ReceiverIn::deserialize(deserializer)?;
+        let wire = ReceiverWire::deserialize(deserializer)?;
+        let main = take_socket(wire.main)?;
+        let spill = wire.spill.map(take_socket).transpose()?;
         let gauge = take_gauge(wire.gauge)?;
-        Ok(Receiver::from_parts(wire.main.to(), wire.spill, gauge))
+        Ok(Receiver::from_parts(main, spill, gauge))
     }
 }
 
@@ -920,23 +853,26 @@ impl<S: Serialize + DeserializeOwned, R: Serialize + DeserializeOwned> Duplex<S,
     }
 }
 
-/// The first message on a named connection: tells a listener that a cuda-mp sender connected,
-/// and brings the connection's shared counters.
-#[derive(Serialize, Deserialize)]
+/// The first message on a named connection: tells a listener that a cuda-mp sender connected;
+/// it brings the connection's shared counters (its one descriptor).
 struct Hello {
     magic: [u8; 8],
     version: u32,
-    gauge: Option<IpcSharedMemory>,
 }
 
 impl Hello {
-    const CURRENT: Hello = Hello { magic: *b"cuda-mp\0", version: 2, gauge: None };
-    const CANCEL: Hello = Hello { magic: *b"cancel!\0", version: 2, gauge: None };
+    const CURRENT: Hello = Hello { magic: *b"cuda-mp\0", version: 3 };
 
-    fn is(&self, other: &Hello) -> bool {
-        self.magic == other.magic && self.version == other.version
+    fn bytes(&self) -> [u8; 12] {
+        let mut b = [0u8; 12];
+        b[..8].copy_from_slice(&self.magic);
+        b[8..].copy_from_slice(&self.version.to_le_bytes());
+        b
     }
 }
+
+/// How long an accepted peer has to say hello.
+const HELLO_WAIT: Duration = Duration::from_secs(10);
 
 /// Waits for one unrelated process to connect by name (see [`Sender::connect`]).
 ///
@@ -945,8 +881,9 @@ impl Hello {
 /// assert!(!listener.name().is_empty());
 /// ```
 pub struct Listener<T> {
-    server: IpcOneShotServer<Hello>,
+    listening: Listening,
     name: String,
+    path: PathBuf,
     _message: PhantomData<fn() -> T>,
 }
 
@@ -956,16 +893,27 @@ impl<T> fmt::Debug for Listener<T> {
     }
 }
 
+impl<T> Drop for Listener<T> {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
 impl<T: Serialize + DeserializeOwned> Listener<T> {
-    /// Creates a listener with a fresh name.
+    /// Creates a listener with a fresh name: a socket in a directory that only this user may
+    /// enter.
     ///
     /// ```
     /// let listener = cuda_mp::Listener::<u8>::bind().unwrap();
     /// println!("connect to {}", listener.name());
     /// ```
     pub fn bind() -> Result<Listener<T>> {
-        let (server, name) = IpcOneShotServer::new()?;
-        Ok(Listener { server, name, _message: PhantomData })
+        let dir = crate::sys::private_dir().map_err(wire::io_error)?;
+        let path = dir.join(format!("listener-{:032x}", crate::sys::random_u128()));
+        let listening = Listening::bind(&path).map_err(wire::io_error)?;
+        let name =
+            path.to_str().ok_or_else(|| Error::Io(io::Error::other("the listener's path is not text")))?.to_owned();
+        Ok(Listener { listening, name, path, _message: PhantomData })
     }
 
     /// The name a peer passes to [`Sender::connect`].
@@ -1004,8 +952,7 @@ impl<T: Serialize + DeserializeOwned> Listener<T> {
     /// assert_eq!(rx.recv().unwrap(), 5);
     /// ```
     pub fn accept(self) -> Result<Receiver<T>> {
-        let (rx, gauge) = accept_hello(self.server)?;
-        Ok(Receiver::from_parts(rx.to(), None, gauge))
+        self.accept_until(Wait::Forever, Duration::MAX)
     }
 
     /// Like [`accept`](Self::accept), giving up after `timeout`.
@@ -1017,50 +964,40 @@ impl<T: Serialize + DeserializeOwned> Listener<T> {
     /// assert!(err.is_timeout());
     /// ```
     pub fn accept_timeout(self, timeout: Duration) -> Result<Receiver<T>> {
-        let (done_tx, done_rx) = std::sync::mpsc::channel();
-        let server = self.server;
-        std::thread::spawn(move || {
-            let _ = done_tx.send(accept_hello(server));
-        });
-        match done_rx.recv_timeout(timeout) {
-            Ok(result) => {
-                let (rx, gauge) = result?;
-                Ok(Receiver::from_parts(rx.to(), None, gauge))
-            }
-            Err(_) => {
-                // Unblock the accepting thread with a connection of our own.
-                if let Ok(tx) = IpcSender::<Hello>::connect(self.name.clone()) {
-                    let _ = tx.send(Hello::CANCEL);
-                }
-                Err(Error::Timeout(timeout))
-            }
+        match Instant::now().checked_add(timeout) {
+            Some(deadline) => self.accept_until(Wait::Until(deadline), timeout),
+            None => self.accept(),
         }
     }
+
+    fn accept_until(self, wait: Wait, timeout: Duration) -> Result<Receiver<T>> {
+        // A peer of another user is refused here, before anything of it is read.
+        let socket = match self.listening.accept(wait) {
+            Ok(socket) => socket,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Err(Error::Timeout(timeout)),
+            Err(e) => return Err(wire::io_error(e)),
+        };
+        let gauge = accept_hello(&socket)?;
+        Ok(Receiver::from_parts(Arc::new(socket), None, gauge))
+    }
 }
 
-/// Refuses a connection (named by its `Debug` output) whose other end is another user's.
-fn check_peer(debug: &str) -> Result<()> {
-    use std::os::fd::AsFd;
-    let socket = sys::socket_copy(debug)
-        .ok_or_else(|| Error::Io(io::Error::other("the connection's socket cannot be checked")))?;
-    crate::sys::check_peer_is_this_user(socket.as_fd()).map_err(Error::Io)
-}
-
-/// The receiving end of a connection and its shared counters, once the peer said hello.
-fn accept_hello(server: IpcOneShotServer<Hello>) -> Result<(OpaqueIpcReceiver, Gauge)> {
+/// The connection's shared counters, once the peer said hello.
+fn accept_hello(socket: &Socket) -> Result<Gauge> {
     let not_ours = || Error::Malformed("the peer is not a cuda-mp sender of this version".into());
-    let (rx, hello) = catch_quietly(|| server.accept())
-        .map_err(|_| Error::Malformed("connection handshake refers to descriptors it does not carry".into()))?
-        .map_err(|e| match e {
-            IpcError::SerializationError(_) => not_ours(),
-            other => Error::Malformed(format!("connection handshake failed: {other}")),
-        })?;
-    // A sender of another user is refused before its hello is used.
-    let rx = rx.to_opaque();
-    check_peer(&format!("{rx:?}"))?;
-    if !hello.is(&Hello::CURRENT) {
+    let hello = match socket.recv(64, Wait::Until(Instant::now() + HELLO_WAIT)) {
+        Ok(Some(hello)) => hello,
+        Ok(None) => return Err(Error::Malformed("the peer closed the connection before its hello".into())),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+            return Err(Error::Malformed(format!("the peer said no hello within {HELLO_WAIT:?}")))
+        }
+        Err(e) if e.kind() == io::ErrorKind::InvalidData => return Err(not_ours()),
+        Err(e) => return Err(wire::io_error(e)),
+    };
+    if hello.bytes != Hello::CURRENT.bytes() || hello.fds.len() != 1 {
         return Err(not_ours());
     }
-    let gauge = Gauge::from_memory(Arc::new(hello.gauge.ok_or_else(not_ours)?))?;
-    Ok((rx, gauge))
+    let fd = hello.fds.into_iter().next().ok_or_else(not_ours)?;
+    let memory = MemoryFile::open(fd, gauge::BYTES).map_err(|_| not_ours())?;
+    Gauge::from_memory(Arc::new(memory))
 }

@@ -5,21 +5,18 @@
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::io;
-use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use ipc_channel::ipc::{self, IpcSender, OpaqueIpcReceiver, OpaqueIpcSender};
-use ipc_channel::IpcError;
-
 use super::frame::{FrameOut, SMALL_COST};
 use super::gauge::Gauge;
 use super::sys;
-use crate::error::{Error, SendFailure};
+use crate::error::SendFailure;
 use crate::fork::ForkLocal;
 use crate::os::{catch_quietly, descriptor_limit, out_of_descriptors, wait_slice};
-use crate::wire;
+use crate::sys::{Socket, Wait};
+use crate::wire::Held;
 
 /// How long an idle feeder waits for more work before its thread ends.
 const FEEDER_IDLE: Duration = Duration::from_secs(2);
@@ -40,10 +37,9 @@ static FLUSHING: AtomicUsize = AtomicUsize::new(0);
 
 /// The senders of one channel in this process, shared by all their handles.
 pub(super) struct Outbox {
-    main: OpaqueIpcSender,
+    /// The channel's socket (its sending end).
+    main: Arc<Socket>,
     gauge: Gauge,
-    /// Our copy of the socket's descriptor: tells when the receiver is gone.
-    probe: Option<OwnedFd>,
     /// The backlog of this process: a forked child's copy of a sender starts with none (its
     /// parent's is the parent's to hand on, by the parent's feeder).
     pending: ForkLocal<Pending>,
@@ -82,8 +78,8 @@ struct Backlog {
 /// redirect that hands it on.
 struct Batch {
     /// `None` once the batch is full: nothing more is written to it.
-    tx: Option<OpaqueIpcSender>,
-    rx: OpaqueIpcReceiver,
+    tx: Option<Socket>,
+    rx: Socket,
     /// What its frames cost its socket, and what they may cost without a write waiting.
     cost: u64,
     limit: u64,
@@ -128,49 +124,31 @@ fn is_disconnect(e: &io::Error) -> bool {
     matches!(e.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset | io::ErrorKind::NotConnected)
 }
 
-fn failure(e: IpcError) -> SendFailure {
-    if out_of_descriptors() {
+/// A failed system call of a send, as the send's failure.
+pub(super) fn failure(e: io::Error) -> SendFailure {
+    if out_of_descriptors() || e.raw_os_error() == Some(rustix::io::Errno::MFILE.raw_os_error()) {
         return SendFailure::OutOfDescriptors { limit: descriptor_limit() };
     }
-    match e {
-        IpcError::Disconnected => SendFailure::Disconnected,
-        IpcError::Io(e) if is_disconnect(&e) => SendFailure::Disconnected,
-        IpcError::Io(e) => SendFailure::Io(e.to_string()),
-        IpcError::SerializationError(e) => {
-            SendFailure::Serialize(wire::take_failure().unwrap_or_else(|| format!("{e:?}")))
-        }
+    if is_disconnect(&e) {
+        SendFailure::Disconnected
+    } else {
+        SendFailure::Io(e.to_string())
     }
 }
 
-/// Writes one frame to a socket, with every descriptor serialized so far on this thread.
-pub(super) fn write_frame(tx: &OpaqueIpcSender, frame: FrameOut<'_>) -> Result<(), SendFailure> {
-    let tx: IpcSender<FrameOut<'_>> = tx.clone().to();
-    match catch_quietly(move || tx.send(frame)) {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(failure(e)),
-        // The transport asserts instead of failing when a message holds more than 64 of its
-        // own descriptors (channels in the message beside our tensors').
-        Err(panic) if panic.contains("MAX_FDS_IN_CMSG") => Err(SendFailure::Io(format!(
-            "the message holds more than 64 channels and shared-memory regions of its own ({panic})"
-        ))),
-        Err(panic) => Err(SendFailure::Io(format!("the transport failed: {panic}"))),
-    }
+/// Writes one frame, with its message's descriptors, to a socket.
+pub(super) fn write_frame(tx: &Socket, frame: &FrameOut<'_>, fds: &[Held]) -> Result<(), SendFailure> {
+    frame.write(tx, fds, Wait::Forever).map_err(failure)
 }
 
 impl Outbox {
     /// The outbox of this process for the channel `main` writes to, whose counters are
     /// `gauge`: the existing one when this process already holds a sender of the channel.
-    pub(super) fn attach(main: OpaqueIpcSender, gauge: Gauge) -> Arc<Outbox> {
-        let probe = sys::socket_copy(&format!("{main:?}"));
+    pub(super) fn attach(main: Arc<Socket>, gauge: Gauge) -> Arc<Outbox> {
         let mut registry = registry();
         if let Some(existing) = registry.get(&gauge.id()).and_then(Weak::upgrade) {
-            let same = match (&existing.probe, &probe) {
-                (Some(a), Some(b)) => {
-                    sys::socket_identity(a).is_some() && sys::socket_identity(a) == sys::socket_identity(b)
-                }
-                _ => false,
-            };
-            if same {
+            let identity = existing.main.identity();
+            if identity.is_some() && identity == main.identity() {
                 existing.handles.fetch_add(1, Ordering::SeqCst);
                 return existing;
             }
@@ -178,7 +156,6 @@ impl Outbox {
         let outbox = Arc::new(Outbox {
             main,
             gauge,
-            probe,
             pending: ForkLocal::new(Pending::default),
             handles: AtomicUsize::new(1),
             gone: AtomicBool::new(false),
@@ -206,7 +183,7 @@ impl Outbox {
         &self.gauge
     }
 
-    pub(super) fn main(&self) -> &OpaqueIpcSender {
+    pub(super) fn main(&self) -> &Arc<Socket> {
         &self.main
     }
 
@@ -232,20 +209,20 @@ impl Outbox {
 
     /// True once the receiver is known to be gone.
     pub(super) fn receiver_gone(&self) -> bool {
-        self.disconnected() || self.probe.as_ref().is_some_and(sys::peer_closed)
+        self.disconnected() || self.main.peer_closed()
     }
 
     /// Writes the frame of one message, encoded on this thread: to the socket when nothing of
     /// ours waits before it and the socket surely has room, else to the backlog. Never waits
     /// for the reader.
-    pub(super) fn write(self: &Arc<Self>, frame: FrameOut<'_>) -> Result<(), SendFailure> {
+    pub(super) fn write(self: &Arc<Self>, frame: FrameOut<'_>, fds: &[Held]) -> Result<(), SendFailure> {
         let cost = frame.cost();
         let mut backlog = self.lock();
         if backlog.disconnected {
             return Err(SendFailure::Disconnected);
         }
         if backlog.is_empty() && self.gauge.try_reserve(cost) {
-            return match write_frame(&self.main, frame) {
+            return match write_frame(&self.main, &frame, fds) {
                 Ok(()) => Ok(()),
                 Err(failure) => {
                     self.gauge.release(cost);
@@ -256,11 +233,17 @@ impl Outbox {
                 }
             };
         }
-        self.spill(&mut backlog, frame, cost)
+        self.spill(&mut backlog, frame, fds, cost)
     }
 
     /// Writes a frame to the open batch (a fresh one when there is none or it is full).
-    fn spill(self: &Arc<Self>, backlog: &mut Backlog, frame: FrameOut<'_>, cost: u64) -> Result<(), SendFailure> {
+    fn spill(
+        self: &Arc<Self>,
+        backlog: &mut Backlog,
+        frame: FrameOut<'_>,
+        fds: &[Held],
+        cost: u64,
+    ) -> Result<(), SendFailure> {
         if backlog.open.as_ref().is_some_and(|b| b.cost + cost > b.limit) {
             if let Some(mut full) = backlog.open.take() {
                 full.tx = None;
@@ -269,19 +252,17 @@ impl Outbox {
         }
         if backlog.open.is_none() {
             // A new batch is where a receiver that is gone would be noticed last: look now.
-            if self.probe.as_ref().is_some_and(sys::peer_closed) {
+            if self.main.peer_closed() {
                 self.disconnect(backlog);
                 return Err(SendFailure::Disconnected);
             }
-            let (tx, rx) = ipc::channel::<()>().map_err(|e| match wire::descriptor_error(e.into()) {
-                Error::OutOfDescriptors { limit } => SendFailure::OutOfDescriptors { limit },
-                other => SendFailure::Io(format!("cannot make a batch for the backlog: {other}")),
+            let (tx, rx) = Socket::pair().map_err(|e| match failure(e) {
+                SendFailure::Io(e) => SendFailure::Io(format!("cannot make a batch for the backlog: {e}")),
+                other => other,
             })?;
-            let tx = tx.to_opaque();
             // Within the limit of the channel's socket at least, whose frames all fit.
-            let limit = (sys::send_buffer(&format!("{tx:?}")) as u64 / 4 * 3).max(self.gauge.limit());
-            backlog.open =
-                Some(Batch { tx: Some(tx), rx: rx.to_opaque(), cost: 0, limit, messages: 0, opened: Instant::now() });
+            let limit = (tx.send_buffer() as u64 / 4 * 3).max(self.gauge.limit());
+            backlog.open = Some(Batch { tx: Some(tx), rx, cost: 0, limit, messages: 0, opened: Instant::now() });
         }
         if !backlog.feeder {
             self.start_feeder()?;
@@ -291,7 +272,7 @@ impl Outbox {
         let tx = batch.tx.as_ref().ok_or_else(|| SendFailure::Io("the backlog's batch is closed".into()))?;
         // Nobody reads the batch before its redirect, and its frames stay within the socket's
         // limit: this write does not wait.
-        write_frame(tx, frame)?;
+        write_frame(tx, &frame, fds)?;
         batch.cost += cost;
         batch.messages += 1;
         backlog.messages += 1;
@@ -357,7 +338,7 @@ impl Outbox {
                     // Closing the writing end first: the receiver reads the batch to its end.
                     drop(batch.tx);
                     self.gauge.reserve(SMALL_COST);
-                    let written = write_frame(&self.main, FrameOut::Redirect(batch.rx));
+                    let written = write_frame(&self.main, &FrameOut::Redirect(batch.rx), &[]);
                     backlog = self.lock();
                     backlog.handing_on = false;
                     match written {
@@ -370,7 +351,7 @@ impl Outbox {
                     self.changed().notify_all();
                 }
                 None if backlog.open.is_some() => {
-                    if self.probe.as_ref().is_some_and(sys::peer_closed) {
+                    if self.main.peer_closed() {
                         // The receiver is gone: no room will come.
                         self.disconnect(&mut backlog);
                         continue;
@@ -418,7 +399,7 @@ impl Outbox {
 /// Lets the backlogs of this process drain when it exits, as torch's queues join their feeder
 /// threads: a process that returns from `main` (or a spawned worker that returns) first waits
 /// until every message it sent has been handed on, or its receiver is gone.
-fn install_exit_hook() {
+pub(crate) fn install_exit_hook() {
     static INSTALLED: OnceLock<bool> = OnceLock::new();
     INSTALLED.get_or_init(|| sys::at_exit(drain_at_exit));
 }
@@ -426,7 +407,9 @@ fn install_exit_hook() {
 extern "C" fn drain_at_exit() {
     let _ = catch_quietly(|| {
         EXITING.store(true, Ordering::SeqCst);
-        flush_all(None)
+        flush_all(None);
+        // Results of a spawned function wait for the parent to fetch their descriptors.
+        crate::handover::wait_at_exit();
     });
 }
 

@@ -1,15 +1,16 @@
 //! [`Select`]: waiting for the first of several receivers.
 
 use std::fmt;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 
-use super::inbox::Readiness;
-use super::{sys, Receiver};
+use super::inbox::{Readiness, Wait};
+use super::Receiver;
 use crate::error::{SelectError, SelectTimeoutError};
+use crate::sys::Socket;
 
 /// What `Select` asks of a receiver of any message type.
 trait Watch {
@@ -180,7 +181,7 @@ impl<'a> Select<'a> {
             return Err(SelectTimeoutError::NoReceivers);
         }
         loop {
-            let mut waits: Vec<(usize, Arc<OwnedFd>)> = Vec::new();
+            let mut waits: Vec<(usize, Arc<Socket>)> = Vec::new();
             for k in 0..n {
                 let i = (self.next + k) % n;
                 let Some(entry) = self.entries[i] else { continue };
@@ -194,8 +195,9 @@ impl<'a> Select<'a> {
                     }
                 }
             }
-            let fds: Vec<_> = waits.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
-            let ready = sys::wait_readable(&fds, deadline).map_err(|e| SelectTimeoutError::Io(e.to_string()))?;
+            let fds: Vec<_> = waits.iter().map(|(_, fd)| fd.as_fd()).collect();
+            let wait = deadline.map_or(Wait::Forever, Wait::Until);
+            let ready = crate::sys::wait_readable(&fds, wait).map_err(|e| SelectTimeoutError::Io(e.to_string()))?;
             if let Some(&(i, _)) = waits.iter().zip(&ready).find(|(_, &r)| r).map(|(w, _)| w) {
                 return Ok(self.chosen(i));
             }

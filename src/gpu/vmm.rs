@@ -29,13 +29,13 @@ const MAX_BYTES: u64 = 1 << 48;
 /// A VMM storage's part of its record.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) struct VmmWire {
-    /// The allocation's descriptor, parked in the message.
+    /// The allocation's descriptor, carried in the message.
     descriptor: Descriptor,
     /// The allocation's size, rounded to the granularity (what the receiver maps).
     size: u64,
 }
 
-/// A descriptor of VMM memory as it travels: parked in the message when serialized, taken out
+/// A descriptor of VMM memory as it travels: carried in the message when serialized, taken out
 /// of it when deserialized (so a receiver holds it from decoding on, and drops it unused when
 /// the storage is mapped here already).
 #[derive(Clone, Debug)]
@@ -43,13 +43,14 @@ struct Descriptor(Arc<OwnedFd>);
 
 impl Serialize for Descriptor {
     fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
-        wire::serialize_parked(self.0.as_fd(), serializer)
+        let held: wire::Held = self.0.clone();
+        wire::carry(held, None).map_err(wire::encode_error)?.serialize(serializer)
     }
 }
 
 impl<'de> Deserialize<'de> for Descriptor {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        let fd = profile::timed(Phase::Fetch, || wire::deserialize_parked(deserializer))?;
+        let fd = profile::timed(Phase::Fetch, || wire::deserialize_fd(deserializer))?;
         Ok(Descriptor(Arc::new(fd)))
     }
 }

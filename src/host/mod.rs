@@ -7,15 +7,14 @@ pub(crate) use tensor::gather_bytes;
 
 use std::sync::Arc;
 
-use ipc_channel::ipc::IpcSharedMemory;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::lifetime::{LeaseMode, StorageId};
-use crate::os::{catch_quietly, SharedMapping};
 use crate::storage::{Handle, Memory, Shared, StorageKind};
+use crate::sys::MemoryFile;
 use crate::tensor::Tensor;
-use crate::wire::{self, Descriptor};
+use crate::wire;
 
 /// A tensor whose elements live in host shared memory. Sending it through a channel passes the
 /// memory's file descriptor: the receiver maps the same pages, and writes by either process are
@@ -48,22 +47,22 @@ pub(crate) struct HostWire {
 }
 
 /// Shared memory as it travels: through the message's descriptors.
-struct SharedMemory(Arc<IpcSharedMemory>);
+struct SharedMemory(Arc<MemoryFile>);
 
 impl Serialize for SharedMemory {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
-        wire::carry(Descriptor::Memory(self.0.clone()), None).map_err(wire::encode_error)?.serialize(serializer)
+        let held: wire::Held = self.0.clone();
+        wire::carry(held, None).map_err(wire::encode_error)?.serialize(serializer)
     }
 }
 
 impl<'de> Deserialize<'de> for SharedMemory {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        match wire::take(wire::Carried::deserialize(deserializer)?).map_err(wire::decode_error)? {
-            Descriptor::Memory(shm) => Ok(SharedMemory(shm)),
-            Descriptor::Channel(_) => {
-                Err(wire::decode_error(Error::Malformed("a shared-memory slot carries a channel instead".into())))
-            }
-        }
+        // Mapped later, by `open`, once the record says how many bytes it must hold.
+        let fd = wire::take(wire::Carried::deserialize(deserializer)?).map_err(wire::decode_error)?;
+        let memory = MemoryFile::open(fd, 0)
+            .map_err(|e| wire::decode_error(Error::Malformed(format!("a host tensor's memory: {e}"))))?;
+        Ok(SharedMemory(Arc::new(memory)))
     }
 }
 
@@ -71,12 +70,12 @@ impl StorageKind for HostKind {
     const LEASE: LeaseMode = LeaseMode::PerMessage;
     // Mapping a memory file costs microseconds; nothing worth caching.
     const CACHE_IDLE: bool = false;
-    type Raw = SharedMapping;
+    type Raw = Arc<MemoryFile>;
     type Wire = HostWire;
     type Place = ();
 
     fn export(memory: &Memory<Self>) -> Result<HostWire> {
-        Ok(HostWire { shm: Some(SharedMemory(memory.raw().memory().clone())) })
+        Ok(HostWire { shm: Some(SharedMemory(memory.raw().clone())) })
     }
 
     fn forward(memory: &Memory<Self>) -> Result<HostWire> {
@@ -91,7 +90,7 @@ impl StorageKind for HostKind {
         Ok(())
     }
 
-    fn open(wire: &mut HostWire, bytes: usize, _: &()) -> Result<SharedMapping> {
+    fn open(wire: &mut HostWire, bytes: usize, _: &()) -> Result<Arc<MemoryFile>> {
         let shm = wire.shm.take().ok_or_else(|| Error::Malformed("host storage without its memory".into()))?.0;
         if shm.len() < bytes {
             return Err(Error::Malformed(format!(
@@ -99,7 +98,7 @@ impl StorageKind for HostKind {
                 shm.len()
             )));
         }
-        Ok(SharedMapping::from_shared(shm))
+        Ok(shm)
     }
 
     fn arrived(_: &Memory<Self>, _: &HostWire, _: &()) -> Result<()> {
@@ -117,6 +116,16 @@ impl Shared for HostStorage {
     fn from_handle(handle: Handle<HostKind>) -> Self {
         HostStorage(handle)
     }
+}
+
+/// `bytes` zeroed bytes of fresh shared memory, sealed against resizing.
+fn fresh_memory(bytes: usize) -> Result<MemoryFile> {
+    MemoryFile::zeroed(bytes).map_err(|e| {
+        wire::descriptor_error(Error::Io(std::io::Error::new(
+            e.kind(),
+            format!("cannot allocate {bytes} bytes of shared memory: {e}"),
+        )))
+    })
 }
 
 impl HostStorage {
@@ -141,21 +150,21 @@ impl HostStorage {
     /// ```
     pub fn from_bytes(bytes: &[u8]) -> Result<Arc<HostStorage>> {
         Self::check_size(bytes.len())?;
-        let shm = catch_quietly(|| IpcSharedMemory::from_bytes(bytes)).map_err(|reason| {
-            wire::descriptor_error(Error::Io(std::io::Error::other(format!(
-                "cannot allocate {} bytes of shared memory: {reason}",
-                bytes.len()
-            ))))
-        })?;
-        Ok(Arc::new(HostStorage(Handle::new_local(bytes.len(), SharedMapping::new(shm)))))
+        let memory = fresh_memory(bytes.len())?;
+        if !bytes.is_empty() {
+            // SAFETY: the fresh mapping holds `bytes.len()` bytes and no other process has it
+            // yet; `bytes` is valid for reading that many and cannot overlap it.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), memory.ptr(), bytes.len()) };
+        }
+        Ok(Arc::new(HostStorage(Handle::new_local(bytes.len(), Arc::new(memory)))))
     }
 
     fn check_size(bytes: usize) -> Result<()> {
         if bytes > isize::MAX as usize {
             return Err(Error::Layout(format!("a tensor of {bytes} bytes is too large")));
         }
-        // The transport fills new shared memory byte by byte: refuse what cannot fit at all
-        // rather than fault in memory until the machine runs out.
+        // Refuse what cannot fit at all rather than fault in memory until the machine runs
+        // out.
         let physical = crate::os::physical_memory();
         if physical > 0 && bytes as u64 > physical {
             return Err(Error::Io(std::io::Error::new(
@@ -170,12 +179,7 @@ impl HostStorage {
     /// `bytes` zeroed bytes of fresh shared memory.
     pub(crate) fn try_new_zeroed(bytes: usize) -> Result<Arc<HostStorage>> {
         Self::check_size(bytes)?;
-        let shm = catch_quietly(|| IpcSharedMemory::from_byte(0, bytes)).map_err(|reason| {
-            wire::descriptor_error(Error::Io(std::io::Error::other(format!(
-                "cannot allocate {bytes} bytes of shared memory: {reason}"
-            ))))
-        })?;
-        Ok(Arc::new(HostStorage(Handle::new_local(bytes, SharedMapping::new(shm)))))
+        Ok(Arc::new(HostStorage(Handle::new_local(bytes, Arc::new(fresh_memory(bytes)?)))))
     }
 
     /// `bytes` zeroed bytes of fresh shared memory, for tests.

@@ -2,7 +2,7 @@
 //! no `drop` waits for a peer. Two things travel this way:
 //!
 //! - **Revocations** to subscribers (the owner dropped its handles on a storage). Their
-//!   sockets are non-blocking on the owner's side (only the owner holds that end): a subscriber
+//!   sends never wait (`MSG_DONTWAIT`): a subscriber
 //!   that does not read keeps its revocations here, coalesced into one message of many
 //!   indices, tried again every [`RETRY`] and at every new post, while every other subscriber
 //!   is served.
@@ -17,15 +17,13 @@
 
 use std::collections::BTreeMap;
 use std::io;
-use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
-use ipc_channel::ipc::IpcSender;
-use ipc_channel::IpcError;
-
-use super::lease::{Control, Revocation};
+use super::lease::{self, Control, Revocation};
 use super::table::owner;
 use crate::fork::ForkLocal;
+use crate::sys::{Socket, Wait};
 
 /// How often revocations that a subscriber's full socket refused are tried again.
 const RETRY: Duration = Duration::from_millis(10);
@@ -45,9 +43,9 @@ struct Courier {
 struct Queue {
     /// Per subscriber (by its number in the owner's list): its socket and the indices it has
     /// not been told of yet, oldest first.
-    revocations: BTreeMap<u64, (IpcSender<Revocation>, Vec<u64>)>,
+    revocations: BTreeMap<u64, (Arc<Socket>, Vec<u64>)>,
     /// Releases to send, in order.
-    releases: Vec<(IpcSender<Control>, u64)>,
+    releases: Vec<(Arc<Socket>, u64)>,
     /// True when some revocations wait for room in a subscriber's socket.
     blocked: bool,
     /// True while the thread sends what it took from the queue.
@@ -88,14 +86,14 @@ fn courier() -> Option<&'static Courier> {
 }
 
 /// Tells `subscribers` that the owner dropped storage `index`, without waiting for any of them.
-pub(super) fn revoke(subscribers: Vec<(u64, IpcSender<Revocation>)>, index: u64) {
+pub(super) fn revoke(subscribers: Vec<(u64, Arc<Socket>)>, index: u64) {
     if subscribers.is_empty() {
         return;
     }
     let Some(courier) = courier() else {
         let mut gone = Vec::new();
         for (n, tx) in &subscribers {
-            if tx.send(Revocation::Storages(vec![index])).is_err() {
+            if lease::send(tx, &Revocation::Storages(vec![index]), &[], Wait::Not).is_err() {
                 gone.push(*n);
             }
         }
@@ -111,9 +109,9 @@ pub(super) fn revoke(subscribers: Vec<(u64, IpcSender<Revocation>)>, index: u64)
 }
 
 /// Sends `Release(index)` on a per-message lease, without waiting for its owner.
-pub(super) fn release(tx: IpcSender<Control>, index: u64) {
+pub(super) fn release(tx: Arc<Socket>, index: u64) {
     let Some(courier) = courier() else {
-        let _ = tx.send(Control::Release(index));
+        let _ = lease::send(&tx, &Control::Release(index), &[], Wait::Forever);
         return;
     };
     lock(courier).releases.push((tx, index));
@@ -127,8 +125,8 @@ fn forget(gone: &[u64]) {
     }
 }
 
-fn would_block(e: &IpcError) -> bool {
-    matches!(e, IpcError::Io(e) if e.kind() == io::ErrorKind::WouldBlock)
+fn would_block(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::WouldBlock
 }
 
 fn run(courier: &'static Courier) {
@@ -149,7 +147,7 @@ fn run(courier: &'static Courier) {
         };
         for (tx, index) in releases {
             // An owner that died owes nothing: its lease is gone with it.
-            let _ = tx.send(Control::Release(index));
+            let _ = lease::send(&tx, &Control::Release(index), &[], Wait::Forever);
         }
         let mut gone = Vec::new();
         let mut waiting = Vec::new();
@@ -158,7 +156,7 @@ fn run(courier: &'static Courier) {
             let mut full = false;
             while sent < indices.len() {
                 let end = indices.len().min(sent + BATCH);
-                match tx.send(Revocation::Storages(indices[sent..end].to_vec())) {
+                match lease::send(&tx, &Revocation::Storages(indices[sent..end].to_vec()), &[], Wait::Not) {
                     Ok(()) => sent = end,
                     Err(e) if would_block(&e) => {
                         full = true;

@@ -1,14 +1,16 @@
 //! Leases and covers, as the holder sees them, and the messages that travel on lease
 //! channels.
 
+use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
-use ipc_channel::ipc::{IpcSender, IpcSharedMemory};
 use serde::{Deserialize, Serialize};
 
 use super::StorageId;
 use crate::error::Result;
-use crate::wire::{self, Carried, Descriptor};
+use crate::sys::{MemoryFile, Socket, Wait};
+use crate::wire::{self, Carried, Held};
 
 /// How a storage kind's messages carry leases.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,31 +28,51 @@ pub(crate) enum LeaseMode {
 /// Holder to owner, on a lease channel.
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) enum Control {
-    /// Subscribe to the owner's revocations.
-    Link { revocations: IpcSender<Revocation> },
+    /// Subscribe to the owner's revocations (the message's one descriptor is where to send
+    /// them).
+    Link,
     /// The holder dropped its claim on storage `index` (per-message leases).
     Release(u64),
     /// The holder passes a claim on storage `index` on to another process: one more claim
     /// through this lease (per-message leases).
     Retain(u64),
-    /// Nothing: a holder checks that the owner is still there.
-    Ping,
 }
 
 /// Owner to holder.
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) enum Revocation {
-    /// The owner's liveness table: slot `s` holds the index of the storage it tracks while the
-    /// owner's own handles on it are alive, 0 otherwise.
-    Table(IpcSharedMemory),
+    /// The owner's liveness table (the message's one descriptor): slot `s` holds the index of
+    /// the storage it tracks while the owner's own handles on it are alive, 0 otherwise.
+    Table,
     /// The owner dropped its handles on these storages: drop cached mappings of them.
     Storages(Vec<u64>),
+}
+
+/// The most bytes of a message on a lease or revocation socket.
+pub(super) const MESSAGE_BYTES: usize = 16 << 10;
+
+/// Sends a small message of ours (postcard), with `fds`, on `socket`.
+pub(super) fn send<M: Serialize>(
+    socket: &Socket,
+    message: &M,
+    fds: &[&dyn std::os::fd::AsFd],
+    wait: Wait,
+) -> io::Result<()> {
+    let bytes = postcard::to_allocvec(message).map_err(|e| io::Error::other(e.to_string()))?;
+    let fds: Vec<_> = fds.iter().map(|fd| fd.as_fd()).collect();
+    socket.send(&[&bytes], &fds, wait)
+}
+
+/// The memory of a liveness table that arrived in a `Revocation::Table`.
+pub(super) fn table_memory(fds: Vec<std::os::fd::OwnedFd>) -> Option<Arc<MemoryFile>> {
+    let fd = fds.into_iter().next()?;
+    MemoryFile::open(fd, 8).ok().map(Arc::new)
 }
 
 /// The sending end of a lease channel, whose receiving end the storage's owner watches.
 #[derive(Debug, Clone)]
 pub(crate) struct Lease {
-    pub(super) tx: IpcSender<Control>,
+    pub(super) tx: Arc<Socket>,
     /// Identity within this process, so that a message carries one lease once.
     key: u64,
 }
@@ -61,7 +83,7 @@ fn next_key() -> u64 {
 }
 
 impl Lease {
-    pub(super) fn new(tx: IpcSender<Control>) -> Lease {
+    pub(super) fn new(tx: Arc<Socket>) -> Lease {
         Lease { tx, key: next_key() }
     }
 
@@ -72,17 +94,13 @@ impl Lease {
 
     /// Places the lease in the message being encoded (once per message).
     fn carry(&self) -> Result<Carried> {
-        wire::carry(Descriptor::Channel(self.tx.clone().to_opaque()), Some(self.key))
+        let held: Held = self.tx.clone();
+        wire::carry(held, Some(self.key))
     }
 
     /// Takes a lease out of the message being decoded.
     fn take(carried: Carried) -> Result<Lease> {
-        match wire::take(carried)? {
-            Descriptor::Channel(tx) => Ok(Lease::new(tx.to())),
-            Descriptor::Memory(_) => {
-                Err(crate::error::Error::Malformed("a lease slot carries shared memory instead of a channel".into()))
-            }
-        }
+        Ok(Lease::new(wire::take_socket(carried)?))
     }
 }
 
@@ -121,16 +139,8 @@ impl Cover {
     pub(crate) fn forward(&self) -> Lease {
         if self.mode == LeaseMode::PerMessage {
             // Sent before the message that carries the claim, so the owner reads it before the
-            // new holder's release, which comes later on the same channel. From another
-            // thread: this runs while a message is being encoded here, and the transport would
-            // take that message's descriptors along.
-            let tx = &self.lease.tx;
-            let index = self.id.index();
-            std::thread::scope(|s| {
-                s.spawn(|| {
-                    let _ = tx.send(Control::Retain(index));
-                });
-            });
+            // new holder's release, which comes later on the same channel.
+            let _ = send(&self.lease.tx, &Control::Retain(self.id.index()), &[], Wait::Forever);
         }
         self.lease.clone()
     }
@@ -141,7 +151,7 @@ impl Cover {
 
     /// False once the storage's owner has exited (its end of the lease is closed).
     pub(crate) fn owner_alive(&self) -> bool {
-        self.id.is_local() || self.lease.tx.send(Control::Ping).is_ok()
+        self.id.is_local() || !self.lease.tx.peer_closed()
     }
 }
 

@@ -1,21 +1,24 @@
 //! The reaper: one thread per process that watches the receiving ends of this process's lease
 //! channels (closing, or carrying releases and subscriptions) and this process's own
-//! subscriptions to other owners' revocations.
+//! subscriptions to other owners' revocations, all in one `epoll` set.
 
 use std::collections::HashMap;
+use std::io;
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
-use ipc_channel::ipc::{self, IpcReceiverSet, IpcSelectionResult, IpcSender};
 use once_cell::sync::OnceCell;
+use rustix::event::epoll;
 
 use super::export::{lease_closed, lease_message};
 use super::import::{owner_gone, revoke, table_arrived};
-use super::lease::{Control, Lease, Revocation};
+use super::lease::{self, Control, Lease, Revocation};
 use super::table::{owner, Table};
 use crate::error::Result;
 use crate::fork::ForkLocal;
-use crate::wire::{self, descriptor_error};
+use crate::sys::{Socket, Wait};
+use crate::wire::io_error;
 
 /// What the reaper watches.
 #[derive(Debug, Clone, Copy)]
@@ -28,12 +31,18 @@ enum Watched {
     Revocations(u128),
 }
 
+/// The id of the reaper's bell in its epoll set (watched sockets count from 1).
+const BELL: u64 = 0;
+
 pub(super) struct Reaper {
-    pending: Mutex<Vec<(Watched, ipc::OpaqueIpcReceiver)>>,
+    epoll: OwnedFd,
+    /// Rung when spare leases run low.
+    bell: OwnedFd,
     wake_pending: AtomicBool,
-    wake: Mutex<IpcSender<()>>,
-    watched: Mutex<HashMap<u64, Watched>>,
-    spares: Mutex<Vec<(u64, IpcSender<Control>)>>,
+    /// Every watched socket, by its id in the epoll set.
+    watched: Mutex<HashMap<u64, (Watched, Arc<Socket>)>>,
+    next_id: Mutex<u64>,
+    spares: Mutex<Vec<(u64, Arc<Socket>)>>,
     /// Set once this process grants a lease: only then are spare lease channels kept.
     granting: AtomicBool,
 }
@@ -53,15 +62,17 @@ static REAPER: ForkLocal<OnceCell<Reaper>> = ForkLocal::new(OnceCell::new);
 pub(super) fn reaper() -> Result<&'static Reaper> {
     REAPER.get().get_or_try_init(|| {
         crate::os::raise_descriptor_limit();
-        let (wake, wake_rx) = ipc::channel::<()>().map_err(|e| descriptor_error(e.into()))?;
-        let mut set = IpcReceiverSet::new().map_err(|e| descriptor_error(e.into()))?;
-        let wake_id = set.add(wake_rx).map_err(|e| descriptor_error(e.into()))?;
-        std::thread::Builder::new().name("cuda-mp-reaper".into()).spawn(move || reap(set, wake_id))?;
+        let epoll = epoll::create(epoll::CreateFlags::CLOEXEC).map_err(|e| io_error(e.into()))?;
+        let bell = crate::sys::bell().map_err(io_error)?;
+        epoll::add(&epoll, &bell, epoll::EventData::new_u64(BELL), epoll::EventFlags::IN)
+            .map_err(|e| io_error(e.into()))?;
+        std::thread::Builder::new().name("cuda-mp-reaper".into()).spawn(reap)?;
         Ok(Reaper {
-            pending: Mutex::new(Vec::new()),
+            epoll,
+            bell,
             wake_pending: AtomicBool::new(false),
-            wake: Mutex::new(wake),
             watched: Mutex::new(HashMap::new()),
+            next_id: Mutex::new(BELL + 1),
             spares: Mutex::new(Vec::new()),
             granting: AtomicBool::new(false),
         })
@@ -69,19 +80,25 @@ pub(super) fn reaper() -> Result<&'static Reaper> {
 }
 
 impl Reaper {
-    fn watch(&'static self, what: Watched, rx: ipc::OpaqueIpcReceiver) {
-        lock(&self.pending).push((what, rx));
-        self.wake();
+    /// Watches `rx` from now on (any thread may add to the set while the reaper waits).
+    fn watch(&self, what: Watched, rx: Socket) -> io::Result<u64> {
+        let id = {
+            let mut next = lock(&self.next_id);
+            *next += 1;
+            *next
+        };
+        let rx = Arc::new(rx);
+        lock(&self.watched).insert(id, (what, rx.clone()));
+        if let Err(e) = epoll::add(&self.epoll, &*rx, epoll::EventData::new_u64(id), epoll::EventFlags::IN) {
+            lock(&self.watched).remove(&id);
+            return Err(e.into());
+        }
+        Ok(id)
     }
 
-    fn wake(&'static self) {
+    fn wake(&self) {
         if !self.wake_pending.swap(true, Ordering::SeqCst) {
-            // The reaper thread lives as long as the process, so the wake channel is open. Not
-            // while a message is being encoded on this thread: the transport would take that
-            // message's descriptors along with the wake-up.
-            wire::defer(move || {
-                let _ = lock(&self.wake).send(());
-            });
+            crate::sys::ring(&self.bell);
         }
     }
 
@@ -97,14 +114,19 @@ impl Reaper {
             }
             spare
         };
-        if let Some((set_id, tx)) = spare {
+        if let Some((id, tx)) = spare {
             let lease = Lease::new(tx);
-            lock(&self.watched).insert(set_id, Watched::Lease(lease.key()));
+            if let Some(entry) = lock(&self.watched).get_mut(&id) {
+                entry.0 = Watched::Lease(lease.key());
+            }
             return Ok(lease);
         }
-        let (tx, rx) = ipc::channel::<Control>().map_err(|e| descriptor_error(e.into()))?;
-        let lease = Lease::new(tx);
-        self.watch(Watched::Lease(lease.key()), rx.to_opaque());
+        let (tx, rx) = Socket::pair().map_err(io_error)?;
+        let lease = Lease::new(Arc::new(tx));
+        if self.watch(Watched::Lease(lease.key()), rx).is_err() {
+            // Cannot watch it (out of descriptors): refuse the grant rather than never release.
+            return Err(io_error(io::Error::other("cannot watch a new lease channel")));
+        }
         Ok(lease)
     }
 }
@@ -123,86 +145,96 @@ pub(super) fn close_inherited_spares() {
 /// Subscribes to the revocations of owner `owner` through `lease`, one of its leases.
 pub(super) fn subscribe(owner: u128, lease: &Lease) -> bool {
     let Ok(reaper) = reaper() else { return false };
-    let Ok((tx, rx)) = ipc::channel::<Revocation>() else { return false };
-    if lease.tx.send(Control::Link { revocations: tx }).is_err() {
+    let Ok((tx, rx)) = Socket::pair() else { return false };
+    if lease::send(&lease.tx, &Control::Link, &[&tx], Wait::Forever).is_err() {
         return false;
     }
-    reaper.watch(Watched::Revocations(owner), rx.to_opaque());
-    true
+    reaper.watch(Watched::Revocations(owner), rx).is_ok()
 }
 
-fn reap(mut set: IpcReceiverSet, wake_id: u64) {
+fn reap() {
     super::courier::this_is_the_reaper();
     let Ok(reaper) = reaper() else { return };
+    let mut events = Vec::with_capacity(256);
     loop {
-        let events = match set.select() {
-            Ok(events) => events,
-            Err(e) => {
-                eprintln!("cuda-mp: lease watcher failed, leases are no longer released: {e}");
-                return;
+        events.clear();
+        if let Err(e) = epoll::wait(&reaper.epoll, rustix::buffer::spare_capacity(&mut events), None) {
+            if e == rustix::io::Errno::INTR {
+                continue;
             }
-        };
-        for event in events {
-            match event {
-                IpcSelectionResult::MessageReceived(id, _) if id == wake_id => {
-                    reaper.wake_pending.store(false, Ordering::SeqCst);
-                }
-                IpcSelectionResult::MessageReceived(id, message) => {
-                    let what = lock(&reaper.watched).get(&id).copied();
-                    match what {
-                        Some(Watched::Lease(key)) => match message.to::<Control>() {
-                            Ok(Control::Link { revocations }) => owner().subscribe(revocations),
-                            Ok(Control::Release(index)) => lease_message(key, index, false),
-                            Ok(Control::Retain(index)) => lease_message(key, index, true),
-                            Ok(Control::Ping) => {}
-                            Err(_) => {}
-                        },
-                        Some(Watched::Revocations(owner)) => match message.to::<Revocation>() {
-                            Ok(Revocation::Table(table)) => table_arrived(owner, Table::from_memory(table)),
-                            Ok(Revocation::Storages(indices)) => revoke(owner, Some(&indices)),
-                            Err(_) => {}
-                        },
-                        // Anything else is forged or stale: ignored.
-                        _ => {}
-                    }
-                }
-                IpcSelectionResult::ChannelClosed(id) => {
-                    let what = lock(&reaper.watched).remove(&id);
-                    match what {
-                        Some(Watched::Lease(key)) => lease_closed(key),
-                        Some(Watched::Revocations(owner)) => owner_gone(owner),
-                        _ => {}
-                    }
-                }
-            }
+            eprintln!("cuda-mp: lease watcher failed, leases are no longer released: {e}");
+            return;
         }
-        let pending = std::mem::take(&mut *lock(&reaper.pending));
-        for (what, rx) in pending {
-            match set.add_opaque(rx) {
-                Ok(id) => {
-                    lock(&reaper.watched).insert(id, what);
-                }
-                // Cannot watch it (out of descriptors): release now rather than never.
-                Err(_) => match what {
-                    Watched::Lease(key) => lease_closed(key),
-                    Watched::Revocations(owner) => owner_gone(owner),
-                    Watched::Spare => {}
-                },
+        for event in &events {
+            let id = event.data.u64();
+            if id == BELL {
+                crate::sys::silence(&reaper.bell);
+                reaper.wake_pending.store(false, Ordering::SeqCst);
+                continue;
             }
+            let Some((_, socket)) = lock(&reaper.watched).get(&id).cloned() else { continue };
+            drain(reaper, id, &socket);
         }
-        refill_spares(reaper, &mut set);
+        refill_spares(reaper);
     }
 }
 
-fn refill_spares(reaper: &Reaper, set: &mut IpcReceiverSet) {
+/// Reads everything waiting on watched socket `id`; at its end, stops watching it.
+fn drain(reaper: &Reaper, id: u64, socket: &Socket) {
+    loop {
+        let message = match socket.recv(lease::MESSAGE_BYTES, Wait::Not) {
+            Ok(Some(message)) => message,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+            // Forged or cut short: ignored, like any message the owner cannot match.
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => continue,
+            // The end: every copy of the other end is closed (or the socket failed).
+            Ok(None) | Err(_) => break,
+        };
+        // Read at the time of each message: a spare may have become a lease meanwhile.
+        let what = lock(&reaper.watched).get(&id).map(|e| e.0);
+        match what {
+            Some(Watched::Lease(key)) => match postcard::from_bytes::<Control>(&message.bytes) {
+                Ok(Control::Link) => {
+                    if let Some(revocations) = message.fds.into_iter().next().and_then(|fd| Socket::from_fd(fd).ok()) {
+                        owner().subscribe(revocations);
+                    }
+                }
+                Ok(Control::Release(index)) => lease_message(key, index, false),
+                Ok(Control::Retain(index)) => lease_message(key, index, true),
+                Err(_) => {}
+            },
+            Some(Watched::Revocations(owner)) => match postcard::from_bytes::<Revocation>(&message.bytes) {
+                Ok(Revocation::Table) => {
+                    if let Some(memory) = lease::table_memory(message.fds) {
+                        table_arrived(owner, Table::from_memory(memory));
+                    }
+                }
+                Ok(Revocation::Storages(indices)) => revoke(owner, Some(&indices)),
+                Err(_) => {}
+            },
+            // Anything else is forged or stale: ignored.
+            _ => {}
+        }
+    }
+    let removed = lock(&reaper.watched).remove(&id);
+    if let Some((what, socket)) = removed {
+        let _ = epoll::delete(&reaper.epoll, &*socket);
+        match what {
+            Watched::Lease(key) => lease_closed(key),
+            Watched::Revocations(owner) => owner_gone(owner),
+            Watched::Spare => {}
+        }
+    }
+}
+
+fn refill_spares(reaper: &Reaper) {
     if !reaper.granting.load(Ordering::Relaxed) {
         return;
     }
     let missing = SPARE_LEASES.saturating_sub(lock(&reaper.spares).len());
     for _ in 0..missing {
-        let Ok((tx, rx)) = ipc::channel::<Control>() else { return };
-        let Ok(id) = set.add(rx) else { return };
-        lock(&reaper.watched).insert(id, Watched::Spare);
-        lock(&reaper.spares).push((id, tx));
+        let Ok((tx, rx)) = Socket::pair() else { return };
+        let Ok(id) = reaper.watch(Watched::Spare, rx) else { return };
+        lock(&reaper.spares).push((id, Arc::new(tx)));
     }
 }

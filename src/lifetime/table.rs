@@ -4,12 +4,13 @@
 use std::sync::atomic::Ordering;
 use std::sync::{Mutex, MutexGuard};
 
-use ipc_channel::ipc::{IpcSender, IpcSharedMemory};
+use std::sync::Arc;
 
-use super::lease::Revocation;
+use super::lease::{self, Revocation};
 use super::StorageId;
 use crate::fork::ForkLocal;
 use crate::os::SharedCells;
+use crate::sys::{MemoryFile, Socket, Wait};
 
 /// Slots per owner; storages beyond that many shared at once are not cached by receivers
 /// (correct, just slower).
@@ -22,8 +23,8 @@ pub(super) const NO_SLOT: u32 = u32::MAX;
 pub(super) struct Table(SharedCells);
 
 impl Table {
-    pub(super) fn from_memory(shm: IpcSharedMemory) -> Table {
-        Table(SharedCells::new(shm))
+    pub(super) fn from_memory(memory: Arc<MemoryFile>) -> Table {
+        Table(SharedCells::new(memory))
     }
 
     /// True when the owner still holds storage `id` in `slot`.
@@ -36,7 +37,7 @@ impl Table {
 pub(super) struct Owner {
     table: Option<Table>,
     free_slots: Vec<u32>,
-    pub(super) subscribers: Vec<(u64, IpcSender<Revocation>)>,
+    pub(super) subscribers: Vec<(u64, Arc<Socket>)>,
     next_subscriber: u64,
 }
 
@@ -54,7 +55,9 @@ impl Owner {
     /// the table is full.
     pub(super) fn take_slot(&mut self, id: StorageId) -> u32 {
         if self.table.is_none() {
-            self.table = Some(Table(SharedCells::zeroed(TABLE_SLOTS)));
+            // Without shared memory for the table, nothing is cached by receivers.
+            let Ok(cells) = SharedCells::zeroed(TABLE_SLOTS) else { return NO_SLOT };
+            self.table = Some(Table(cells));
             self.free_slots = (0..TABLE_SLOTS as u32).rev().collect();
         }
         let Some(slot) = self.free_slots.pop() else { return NO_SLOT };
@@ -79,23 +82,19 @@ impl Owner {
 
     /// The owner dropped its handles on `index`: clears its slot and returns the subscribers
     /// to tell, after the owner lock is released (see [`notify_revoked`]).
-    pub(super) fn revoke(&mut self, slot: u32) -> Vec<(u64, IpcSender<Revocation>)> {
+    pub(super) fn revoke(&mut self, slot: u32) -> Vec<(u64, Arc<Socket>)> {
         self.mark(slot, 0);
         self.subscribers.clone()
     }
 
     /// A receiver subscribes: it gets the table, then every revocation.
-    pub(super) fn subscribe(&mut self, revocations: IpcSender<Revocation>) {
-        // Only this process holds this end: a subscriber that stops reading fills its socket,
-        // and the courier keeps its revocations instead of waiting (a socket that cannot be
-        // made non-blocking is refused: it could make the courier wait for ever).
-        let nonblocking = crate::channel::socket_copy(&format!("{revocations:?}"))
-            .is_some_and(|fd| crate::os::set_nonblocking(&fd).is_ok());
-        if !nonblocking {
-            return;
-        }
+    pub(super) fn subscribe(&mut self, revocations: Socket) {
+        // A subscriber that stops reading fills its socket: every send to it is one that does
+        // not wait, and the courier keeps its revocations instead.
         if let Some(table) = &self.table {
-            if revocations.send(Revocation::Table(table.0.memory().clone())).is_ok() {
+            let memory = table.0.memory().clone();
+            if lease::send(&revocations, &Revocation::Table, &[&*memory], Wait::Not).is_ok() {
+                let revocations = Arc::new(revocations);
                 self.next_subscriber += 1;
                 self.subscribers.push((self.next_subscriber, revocations));
             }
@@ -107,6 +106,6 @@ impl Owner {
 /// cleared: a receiver that checks it after missing this sees the storage dead), through the
 /// courier, which never makes the caller wait; subscribers that are gone are forgotten. Call
 /// without the owner lock.
-pub(super) fn notify_revoked(subscribers: Vec<(u64, IpcSender<Revocation>)>, index: u64) {
+pub(super) fn notify_revoked(subscribers: Vec<(u64, Arc<Socket>)>, index: u64) {
     super::courier::revoke(subscribers, index);
 }

@@ -31,7 +31,7 @@ fn foreign_owner() -> u128 {
 
 /// A table of `slots` cells in which `marked` slots hold `index`.
 fn table_with(slots: usize, marked: &[(u32, u64)]) -> Table {
-    let cells = crate::os::SharedCells::zeroed(slots);
+    let cells = crate::os::SharedCells::zeroed(slots).unwrap();
     for &(slot, index) in marked {
         cells.cell(slot).unwrap().store(index, Ordering::SeqCst);
     }
@@ -186,12 +186,11 @@ fn claims_per_lease_are_released_once_and_forged_releases_are_ignored() {
     let freed = Arc::new(AtomicU64::new(0));
     let keep = |freed: &Arc<AtomicU64>| -> AnyStorage { Arc::new(Mapping { closed: freed.clone() }) };
     // One message carries both storages under one lease.
-    let (grants, overflow) = wire::encode_scope(|| {
+    let (grants, _fds) = wire::encode_scope(|| {
         let ga = grant(a, LeaseMode::PerMessage, false, || keep(&freed), None).unwrap();
         let gb = grant(b, LeaseMode::PerMessage, false, || keep(&freed), None).unwrap();
         (ga, gb)
     });
-    overflow.send().unwrap();
     let key = grants.0.lease.key();
     assert_eq!(key, grants.1.lease.key(), "one lease per message");
     assert_eq!(state().covers[&key].len(), 2);
@@ -223,8 +222,7 @@ fn a_lease_channel_carries_releases_to_the_reaper() {
     let id = StorageId::new_local();
     let freed = Arc::new(AtomicU64::new(0));
     let keep: AnyStorage = Arc::new(Mapping { closed: freed.clone() });
-    let (g, overflow) = wire::encode_scope(|| grant(id, LeaseMode::PerMessage, false, move || keep, None).unwrap());
-    overflow.send().unwrap();
+    let (g, _fds) = wire::encode_scope(|| grant(id, LeaseMode::PerMessage, false, move || keep, None).unwrap());
     // A holder's claim, ended by dropping its cover: the release travels on the channel.
     let cover = Cover::new(g.lease.clone(), id, LeaseMode::PerMessage);
     drop(g);

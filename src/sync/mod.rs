@@ -24,7 +24,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use self::sys::{Region, W32, W64};
 use crate::error::{Error, Result};
-use crate::wire::{self, Descriptor};
+use crate::wire::{self, Held};
 
 /// Where named objects live.
 const NAME_DIR: &str = "/dev/shm";
@@ -212,7 +212,10 @@ impl Object {
             (Some(name), _) => Wire::Named { kind: self.kind as u32, name: name.clone(), id: self.id() },
             (None, Some(memory)) => Wire::Memory {
                 kind: self.kind as u32,
-                memory: wire::carry(Descriptor::Memory(memory.clone()), None).map_err(wire::encode_error)?,
+                memory: {
+                    let held: Held = memory.clone();
+                    wire::carry(held, None).map_err(wire::encode_error)?
+                },
             },
             (None, None) => {
                 return Err(wire::encode_error(Error::Unsupported("a sync object without memory or name".into())))
@@ -232,13 +235,11 @@ impl Object {
             Wire::Memory { kind: sent, memory } => {
                 // Take the descriptor first, whatever the rest says: it must not stay behind.
                 let descriptor = wire::take(memory).map_err(wire::decode_error)?;
-                check_sent_kind(sent, kind).and_then(|()| match descriptor {
-                    Descriptor::Memory(shm) => {
-                        Region::from_memory(shm).and_then(|region| Object::attach(region, kind, None, &check))
-                    }
-                    Descriptor::Channel(_) => {
-                        Err(Error::Malformed("a sync object's memory slot carries a channel instead".into()))
-                    }
+                check_sent_kind(sent, kind).and_then(|()| {
+                    let memory = crate::sys::MemoryFile::open(descriptor, 0)
+                        .map_err(|e| Error::Malformed(format!("a sync object's memory: {e}")))?;
+                    Region::from_memory(std::sync::Arc::new(memory))
+                        .and_then(|region| Object::attach(region, kind, None, &check))
                 })
             }
             Wire::Named { kind: sent, name, id } => check_sent_kind(sent, kind).and_then(|()| {
@@ -349,8 +350,10 @@ mod tests {
         let region = Region::from_memory(shm).unwrap();
         let err = Object::attach(region, Kind::Event, None, &|_| Ok(())).err().unwrap();
         assert_eq!(err.to_string(), "malformed message: expected an Event, found a Lock");
-        let garbage = std::sync::Arc::new(ipc_channel::ipc::IpcSharedMemory::from_byte(0xab, sys::BYTES));
-        let region = Region::from_memory(garbage).unwrap();
+        let garbage = crate::sys::MemoryFile::zeroed(sys::BYTES).unwrap();
+        // SAFETY: in bounds of the fresh mapping, which nothing else uses.
+        unsafe { std::ptr::write_bytes(garbage.ptr(), 0xab, sys::BYTES) };
+        let region = Region::from_memory(std::sync::Arc::new(garbage)).unwrap();
         assert!(matches!(Object::attach(region, Kind::Event, None, &|_| Ok(())), Err(Error::Malformed(_))));
     }
 }

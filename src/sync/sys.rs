@@ -14,10 +14,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use ipc_channel::ipc::IpcSharedMemory;
-
 use crate::error::{Error, Result};
-use crate::os::{catch_quietly, SharedMapping};
+use crate::sys::MemoryFile;
 
 /// Bytes of one sync object: a header and the object's words.
 pub(crate) const BYTES: usize = 64;
@@ -62,7 +60,7 @@ unsafe impl Sync for Region {}
 
 enum Backing {
     /// An anonymous memory file, sent to other processes as a descriptor.
-    Anonymous(SharedMapping),
+    Anonymous(Arc<MemoryFile>),
     /// A file in `/dev/shm`, mapped by this region.
     Named(Named),
 }
@@ -79,24 +77,24 @@ impl Region {
     /// Fresh zeroed anonymous shared memory.
     pub(crate) fn anonymous() -> Result<Region> {
         crate::os::raise_descriptor_limit();
-        let shm = catch_quietly(|| IpcSharedMemory::from_byte(0, BYTES)).map_err(|reason| {
-            crate::wire::descriptor_error(Error::Io(io::Error::other(format!(
-                "cannot allocate shared memory for a sync object: {reason}"
-            ))))
+        let memory = MemoryFile::zeroed(BYTES).map_err(|e| {
+            crate::wire::descriptor_error(Error::Io(io::Error::new(
+                e.kind(),
+                format!("cannot allocate shared memory for a sync object: {e}"),
+            )))
         })?;
-        Region::from_memory(Arc::new(shm))
+        Region::from_memory(Arc::new(memory))
     }
 
     /// The shared memory of a message: refused unless it holds a whole region.
-    pub(crate) fn from_memory(shm: Arc<IpcSharedMemory>) -> Result<Region> {
+    pub(crate) fn from_memory(shm: Arc<MemoryFile>) -> Result<Region> {
         if shm.len() < BYTES {
             return Err(Error::Malformed(format!(
                 "a sync object needs {BYTES} bytes of shared memory, the message carries {}",
                 shm.len()
             )));
         }
-        let mapping = SharedMapping::from_shared(shm);
-        Region::checked(mapping.ptr(), Backing::Anonymous(mapping))
+        Region::checked(shm.ptr(), Backing::Anonymous(shm))
     }
 
     fn checked(ptr: *mut u8, backing: Backing) -> Result<Region> {
@@ -107,9 +105,9 @@ impl Region {
     }
 
     /// The anonymous shared memory, to send to another process (`None` for a named region).
-    pub(crate) fn memory(&self) -> Option<&Arc<IpcSharedMemory>> {
+    pub(crate) fn memory(&self) -> Option<&Arc<MemoryFile>> {
         match &self.backing {
-            Backing::Anonymous(mapping) => Some(mapping.memory()),
+            Backing::Anonymous(memory) => Some(memory),
             Backing::Named(_) => None,
         }
     }
@@ -412,8 +410,8 @@ mod tests {
 
     #[test]
     fn short_memory_is_refused() {
-        let shm = Arc::new(IpcSharedMemory::from_byte(0, BYTES - 1));
+        let shm = Arc::new(MemoryFile::zeroed(BYTES - 1).unwrap());
         assert!(matches!(Region::from_memory(shm), Err(Error::Malformed(_))));
-        assert!(matches!(Region::from_memory(Arc::new(IpcSharedMemory::from_bytes(&[]))), Err(Error::Malformed(_))));
+        assert!(matches!(Region::from_memory(Arc::new(MemoryFile::zeroed(0).unwrap())), Err(Error::Malformed(_))));
     }
 }

@@ -1,7 +1,27 @@
 //! Operating-system calls made through `rustix` (safe wrappers, descriptors as `OwnedFd` /
-//! `BorrowedFd`): the layer the rest of the crate's system calls move into. Now: messages with
-//! descriptors on Unix sockets, and who is at a socket's other end (`uds.rs`).
+//! `BorrowedFd`): the one local transport (`socket.rs`: messages with any number of
+//! descriptors on Unix sockets, listeners, who is at a socket's other end, `poll`, `eventfd`)
+//! and shared memory files (`memory.rs`).
 
-mod uds;
+mod memory;
+mod socket;
 
-pub(crate) use uds::{check_peer_is_this_user, recv_with_fds, send_with_fds};
+pub(crate) use memory::MemoryFile;
+pub(crate) use socket::{
+    bell, connect_to, private_dir, ring, silence, wait_readable, Listening, Socket, Wait, MESSAGE_FDS,
+};
+
+/// 128 random bits from the kernel (`getrandom`): names and secrets no other process can guess.
+pub(crate) fn random_u128() -> u128 {
+    let mut bytes = [0u8; 16];
+    let mut filled = 0;
+    while filled < bytes.len() {
+        match rustix::rand::getrandom(&mut bytes[filled..], rustix::rand::GetRandomFlags::empty()) {
+            Ok(n) => filled += n,
+            Err(rustix::io::Errno::INTR) => {}
+            // Not expected on any kernel cuda-mp runs on; a weaker source beats failing.
+            Err(_) => return crate::lifetime::process_token() ^ std::time::Instant::now().elapsed().as_nanos(),
+        }
+    }
+    u128::from_le_bytes(bytes)
+}

@@ -4,7 +4,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use cuda_mp::{wait_for_lifetime, Device, Listener, Receiver, Sender};
-use ipc_channel::ipc::IpcReceiver;
 use serde::{Deserialize, Serialize};
 
 /// The lifetime counters are per process: tests that read them run one at a time, each
@@ -48,34 +47,45 @@ where
     (tx, accept.join().unwrap())
 }
 
-/// A descriptor as it travels: shared memory or a channel.
-#[derive(Serialize, Deserialize)]
+/// A descriptor's place in a message as the forger writes it: an index among the message's
+/// descriptors (and no spawn ticket). A real descriptor travels as a
+/// [`cuda_mp::testing::CarriedFile`] in the same place.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 #[allow(dead_code)] // not every test binary forges messages
-pub enum Desc<M, C> {
-    Memory(M),
-    Channel(C),
-}
+pub struct Slot(pub u32, pub Option<()>);
 
-/// Where a descriptor is: in the message, in overflow batches, or the same as an earlier one.
-#[derive(Serialize, Deserialize)]
-#[allow(dead_code)] // not every test binary forges messages
-pub enum How<D> {
-    Inline(D),
-    Overflow(Option<IpcReceiver<()>>),
-    Again(u32),
-}
-
-#[derive(Serialize, Deserialize)]
-#[allow(dead_code)] // not every test binary forges messages
-pub struct Carried<D> {
-    pub message: u64,
-    pub how: How<D>,
-    pub keep: bool,
-}
-
+/// A slot naming the message's descriptor `index`.
 #[allow(dead_code)]
-pub fn inline<D>(d: D) -> Carried<D> {
-    Carried { message: 7, how: How::Inline(d), keep: false }
+pub fn slot(index: u32) -> Slot {
+    Slot(index, None)
+}
+
+/// A memory file of `len` bytes, each `byte`, sealed as cuda-mp's shared memory is (against
+/// shrinking and growing), to carry in forged messages.
+#[allow(dead_code)]
+pub fn sealed_memory(len: usize, byte: u8) -> std::fs::File {
+    sealed_bytes(&vec![byte; len])
+}
+
+/// A memory file holding `bytes`, sealed as cuda-mp's shared memory is.
+#[allow(dead_code)]
+pub fn sealed_bytes(bytes: &[u8]) -> std::fs::File {
+    use rustix::fs::{fcntl_add_seals, memfd_create, MemfdFlags, SealFlags};
+    use std::io::Write;
+    let fd = memfd_create("forged", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+    let mut file = std::fs::File::from(fd);
+    file.write_all(bytes).unwrap();
+    fcntl_add_seals(&file, SealFlags::SHRINK | SealFlags::GROW).unwrap();
+    file
+}
+
+/// A connected pair of Unix `SOCK_SEQPACKET` sockets, the kind cuda-mp's leases and channels
+/// are, as files to carry in forged messages.
+#[allow(dead_code)]
+pub fn socket_pair() -> (std::fs::File, std::fs::File) {
+    use rustix::net::{socketpair, AddressFamily, SocketFlags, SocketType};
+    let (a, b) = socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None).unwrap();
+    (std::fs::File::from(a), std::fs::File::from(b))
 }
 
 /// The wire layout of a host tensor, with every field under the forger's control.
@@ -89,7 +99,7 @@ pub struct ForgedTensor<Shm, Lease> {
     pub owner: u128,
     pub index: u64,
     pub bytes: u64,
-    pub lease: Carried<Desc<(), Lease>>,
+    pub lease: Lease,
     pub ticket: Option<u32>,
-    pub shm: Option<Carried<Desc<Shm, ()>>>,
+    pub shm: Option<Shm>,
 }

@@ -1,0 +1,172 @@
+//! How the descriptors of spawn arguments and results cross: procspawn carries only bytes (its
+//! own ipc-channel transport cannot carry descriptors of ours), so the process that encodes
+//! them deposits them here, under a fresh 128-bit secret, and the process that decodes them
+//! fetches them from this process's **home**: a listener socket in this user's private
+//! directory, served by one thread, started on first use. The place of each descriptor in the
+//! bytes says where it waits ([`SpawnTicket`]: the home's path and the secret).
+//!
+//! - Arguments: the parent deposits them before procspawn sends the call; the child fetches them
+//!   as it decodes. A deposit nobody fetches within [`ARGUMENT_TTL`] (its child died first) is
+//!   dropped, and the claims it held with it.
+//! - Results: the child deposits each descriptor as procspawn encodes the result; the parent
+//!   fetches it when it decodes the result (at `join`). A process that exits first waits for
+//!   its results to be fetched, for as long as its parent lives.
+//!
+//! The kernel checks who connects (the home is in a directory only this user may enter, and
+//! each side checks the other's credentials); the secret says which deposit.
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::fork::ForkLocal;
+use crate::sys::{Listening, Wait};
+use crate::wire::{self, Held, SpawnTicket};
+
+/// How long a deposit of spawn arguments waits for its child.
+const ARGUMENT_TTL: Duration = Duration::from_secs(120);
+
+/// How long a fetch waits for the home's answer.
+const FETCH_WAIT: Duration = Duration::from_secs(30);
+
+/// How often a process at exit looks whether its results were fetched (or its parent died).
+const EXIT_SLICE: Duration = Duration::from_millis(50);
+
+struct Deposit {
+    fds: Vec<Held>,
+    /// `Some(deadline)` for arguments; results wait for ever.
+    expires: Option<Instant>,
+}
+
+struct Home {
+    path: PathBuf,
+    deposits: Mutex<HashMap<u128, Deposit>>,
+    fetched: Condvar,
+}
+
+/// This process's home (a forked child makes its own).
+static HOME: ForkLocal<OnceLock<std::result::Result<Home, String>>> = ForkLocal::new(OnceLock::new);
+
+fn home() -> Result<&'static Home> {
+    let home = HOME.get().get_or_init(|| start().map_err(|e| e.to_string()));
+    home.as_ref().map_err(|e| Error::Io(io::Error::other(format!("cannot serve spawn descriptors: {e}"))))
+}
+
+fn start() -> io::Result<Home> {
+    let path = crate::sys::private_dir()?.join(format!("home-{:032x}", crate::sys::random_u128()));
+    let listening = Listening::bind(&path)?;
+    std::thread::Builder::new().name("cuda-mp-handover".into()).spawn(move || serve(listening))?;
+    crate::channel::install_exit_hook();
+    Ok(Home { path, deposits: Mutex::new(HashMap::new()), fetched: Condvar::new() })
+}
+
+fn lock(home: &Home) -> MutexGuard<'_, HashMap<u128, Deposit>> {
+    home.deposits.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A fresh ticket at this process's home.
+pub(crate) fn ticket() -> Result<SpawnTicket> {
+    let home = home()?;
+    let path = home.path.to_str().ok_or_else(|| Error::Io(io::Error::other("the home's path is not text")))?;
+    Ok(SpawnTicket { path: path.to_owned(), token: crate::sys::random_u128() })
+}
+
+/// Adds `fd` to what waits at this process's home under `ticket` (made by [`ticket`]) until it
+/// is fetched, and returns its index there; `arguments`: the deposit expires after
+/// [`ARGUMENT_TTL`].
+pub(crate) fn append(ticket: &SpawnTicket, fd: Held, arguments: bool) -> Result<u32> {
+    let home = home()?;
+    let mut deposits = lock(home);
+    let now = Instant::now();
+    deposits.retain(|_, d| d.expires.is_none_or(|e| e > now));
+    let expires = arguments.then(|| now + ARGUMENT_TTL);
+    let deposit = deposits.entry(ticket.token).or_insert_with(|| Deposit { fds: Vec::new(), expires });
+    deposit.fds.push(fd);
+    Ok(deposit.fds.len() as u32 - 1)
+}
+
+fn serve(listening: Listening) {
+    loop {
+        let Ok(socket) = listening.accept(Wait::Forever) else {
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        };
+        // One short exchange per connection: a peer that says nothing is dropped after a while.
+        let Ok(Some(request)) = socket.recv(16, Wait::Until(Instant::now() + Duration::from_secs(5))) else { continue };
+        let Ok(home) = home() else { continue };
+        let token = <[u8; 16]>::try_from(&request.bytes[..]).ok().map(u128::from_le_bytes);
+        let deposit = token.and_then(|t| lock(home).remove(&t));
+        let _ = match &deposit {
+            Some(d) => socket.send(&[b"ok"], &wire::borrow_all(&d.fds), Wait::Until(Instant::now() + FETCH_WAIT)),
+            None => socket.send(&[b"no"], &[], Wait::Not),
+        };
+        // Dropped only now: the descriptors are in flight, or the fetcher is gone.
+        drop(deposit);
+        home.fetched.notify_all();
+    }
+}
+
+/// Fetches the descriptors deposited under `ticket`, from the home it names.
+pub(crate) fn fetch(ticket: &SpawnTicket) -> Result<Vec<OwnedFd>> {
+    let refused = |why: String| Error::Malformed(format!("the descriptors of a spawn's values: {why}"));
+    let socket = crate::sys::connect_to(std::path::Path::new(&ticket.path)).map_err(|e| refused(e.to_string()))?;
+    socket.send(&[&ticket.token.to_le_bytes()], &[], Wait::Forever).map_err(|e| refused(e.to_string()))?;
+    match socket.recv(16, Wait::Until(Instant::now() + FETCH_WAIT)) {
+        Ok(Some(answer)) if answer.bytes == b"ok" => Ok(answer.fds),
+        Ok(Some(_)) => Err(refused("the process that sent them holds none under that ticket".into())),
+        Ok(None) => Err(refused("the process that sent them closed the connection".into())),
+        Err(e) => Err(refused(e.to_string())),
+    }
+}
+
+/// At exit: waits until every result this process deposited has been fetched, for as long as
+/// its parent lives (arguments it deposited are its children's to fetch, not waited for).
+pub(crate) fn wait_at_exit() {
+    let Some(Ok(home)) = HOME.get().get() else { return };
+    let parent = rustix::process::getppid();
+    let mut deposits = lock(home);
+    loop {
+        let now = Instant::now();
+        deposits.retain(|_, d| d.expires.is_none_or(|e| e > now));
+        if deposits.values().all(|d| d.expires.is_some()) || rustix::process::getppid() != parent {
+            return;
+        }
+        deposits = home.fetched.wait_timeout(deposits, EXIT_SLICE).unwrap_or_else(|p| p.into_inner()).0;
+    }
+}
+
+/// Deposits one descriptor that a value carries while procspawn encodes it outside any
+/// context of ours (a spawned function's result), under a ticket of its own.
+pub(crate) fn deposit_one(fd: Held) -> Result<SpawnTicket> {
+    let ticket = ticket()?;
+    append(&ticket, fd, false)?;
+    Ok(ticket)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::sys::Socket;
+
+    #[test]
+    fn deposited_descriptors_are_fetched_once_by_their_secret() {
+        let (a, b) = Socket::pair().unwrap();
+        let t = ticket().unwrap();
+        let held: Held = Arc::new(b);
+        assert_eq!(append(&t, held, true).unwrap(), 0);
+        let fds = fetch(&t).unwrap();
+        assert_eq!(fds.len(), 1);
+        let b = Socket::from_fd(fds.into_iter().next().unwrap()).unwrap();
+        a.send(&[b"x"], &[], Wait::Not).unwrap();
+        assert_eq!(b.recv(4, Wait::Not).unwrap().unwrap().bytes, b"x");
+        // Once only; a wrong secret gets nothing.
+        assert!(fetch(&t).is_err());
+        assert!(fetch(&SpawnTicket { token: t.token ^ 1, ..t }).is_err());
+    }
+}

@@ -1,0 +1,182 @@
+//! Shared memory: anonymous memory files (`memfd`), sealed so that no holder can shrink or grow
+//! them, mapped whole into each process that holds one. The one kind of shared memory that
+//! travels between processes (host tensors, the channels' counters, sync objects, liveness
+//! tables, large messages).
+//!
+//! A holder that could shrink the file would make every other holder's accesses past the new
+//! end fault (`SIGBUS`); so every file is sealed against shrinking and growing before it leaves
+//! the process that made it, and a file that arrives without those seals, or smaller than its
+//! message says, is refused before it is mapped. A file made for a message's bytes is sealed
+//! against writes too ([`MemoryFile::frozen`]): only then may the receiver read it as plain
+//! bytes.
+
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::ptr::NonNull;
+
+use rustix::fs::{fcntl_add_seals, fcntl_get_seals, fstat, ftruncate, memfd_create, MemfdFlags, SealFlags};
+use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
+
+/// The seals every shared memory file carries.
+const SIZE_SEALS: SealFlags = SealFlags::SHRINK.union(SealFlags::GROW);
+
+/// A sealed memory file mapped whole (read-write, or read-only when it is frozen) in this
+/// process. Other processes that hold it may write it at any time (unless frozen): its bytes
+/// are accessed only through raw pointers, atomically or by the host access layer, never as
+/// Rust references.
+#[derive(Debug)]
+pub(crate) struct MemoryFile {
+    fd: OwnedFd,
+    /// First byte of the mapping (dangling when `len` is 0: nothing is mapped).
+    ptr: NonNull<u8>,
+    len: usize,
+    /// Sealed against writes: nobody can change its bytes.
+    frozen: bool,
+}
+
+// SAFETY: the mapping belongs to the value and lives as long as it does; the value hands out
+// only raw pointers (whose users access the memory atomically) and, when frozen, shared
+// references to bytes that no process can change.
+unsafe impl Send for MemoryFile {}
+// SAFETY: as above.
+unsafe impl Sync for MemoryFile {}
+
+fn out_of_memory(e: io::Error, what: &str) -> io::Error {
+    io::Error::new(e.kind(), format!("cannot make {what}: {e}"))
+}
+
+impl MemoryFile {
+    /// A fresh zeroed file of `len` bytes, sealed against resizing, mapped read-write.
+    pub(crate) fn zeroed(len: usize) -> io::Result<MemoryFile> {
+        let fd = memfd_create("cuda-mp", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+            .map_err(|e| out_of_memory(e.into(), "shared memory"))?;
+        ftruncate(&fd, len as u64).map_err(|e| out_of_memory(e.into(), &format!("{len} bytes of shared memory")))?;
+        fcntl_add_seals(&fd, SIZE_SEALS | SealFlags::SEAL)?;
+        map(fd, len, false)
+    }
+
+    /// A file holding `bytes`, sealed against every change, mapped read-only.
+    pub(crate) fn frozen(bytes: &[u8]) -> io::Result<MemoryFile> {
+        let fd = memfd_create("cuda-mp-message", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+            .map_err(|e| out_of_memory(e.into(), "shared memory"))?;
+        ftruncate(&fd, bytes.len() as u64)
+            .map_err(|e| out_of_memory(e.into(), &format!("{} bytes of shared memory", bytes.len())))?;
+        let mut written = 0;
+        while written < bytes.len() {
+            match rustix::io::pwrite(&fd, &bytes[written..], written as u64) {
+                Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "shared memory took no bytes")),
+                Ok(n) => written += n,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        fcntl_add_seals(&fd, SIZE_SEALS | SealFlags::WRITE | SealFlags::SEAL)?;
+        map(fd, bytes.len(), true)
+    }
+
+    /// A file that arrived in a message: refused unless it is a memory file sealed against
+    /// resizing, of at least `min_len` bytes. Mapped read-only when it is sealed against
+    /// writes, else read-write.
+    pub(crate) fn open(fd: OwnedFd, min_len: usize) -> io::Result<MemoryFile> {
+        let refused = |why: String| io::Error::new(io::ErrorKind::InvalidData, why);
+        let seals =
+            fcntl_get_seals(&fd).map_err(|_| refused("shared memory that is not a sealed memory file".into()))?;
+        if !seals.contains(SIZE_SEALS) {
+            return Err(refused("shared memory that another process could shrink (not sealed)".into()));
+        }
+        let len = usize::try_from(fstat(&fd)?.st_size).map_err(|_| refused("shared memory of no size".into()))?;
+        if len < min_len {
+            return Err(refused(format!("shared memory of {len} bytes where {min_len} were promised")));
+        }
+        map(fd, len, seals.contains(SealFlags::WRITE))
+    }
+
+    /// First byte of the mapping.
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Bytes mapped.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The bytes of a frozen file (`None` otherwise: other processes may be writing them).
+    pub(crate) fn frozen_bytes(&self) -> Option<&[u8]> {
+        if !self.frozen {
+            return None;
+        }
+        if self.len == 0 {
+            return Some(&[]);
+        }
+        // SAFETY: the mapping is valid for `len` bytes while `self` lives, and the file is
+        // sealed against writes (checked, or made so here): no process can change its bytes.
+        Some(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) })
+    }
+}
+
+fn map(fd: OwnedFd, len: usize, frozen: bool) -> io::Result<MemoryFile> {
+    if len == 0 {
+        return Ok(MemoryFile { fd, ptr: NonNull::dangling(), len, frozen });
+    }
+    let prot = if frozen { ProtFlags::READ } else { ProtFlags::READ | ProtFlags::WRITE };
+    // SAFETY: a fresh mapping chosen by the kernel (null hint), of a file sealed against
+    // shrinking, so every byte of it stays backed while it is mapped; nothing else refers to
+    // that address range.
+    let ptr = unsafe { mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, &fd, 0) }
+        .map_err(|e| out_of_memory(e.into(), &format!("a mapping of {len} bytes of shared memory")))?;
+    let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
+    Ok(MemoryFile { fd, ptr, len, frozen })
+}
+
+impl AsFd for MemoryFile {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+impl Drop for MemoryFile {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            // SAFETY: the mapping made in `map`, of `len` bytes, unmapped once; nothing refers to
+            // it after the value is gone (pointers handed out do not outlive it).
+            unsafe {
+                let _ = munmap(self.ptr.as_ptr().cast(), self.len);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_is_shared_sealed_and_checked_on_receipt() {
+        let a = MemoryFile::zeroed(4096).unwrap();
+        let b = MemoryFile::open(a.as_fd().try_clone_to_owned().unwrap(), 4096).unwrap();
+        // SAFETY: in bounds of both live mappings; no other access at the same time.
+        unsafe { a.ptr().add(10).write_volatile(7) };
+        // SAFETY: as above.
+        assert_eq!(unsafe { b.ptr().add(10).read_volatile() }, 7, "the same pages");
+        assert!(a.frozen_bytes().is_none());
+        // Nobody can shrink it.
+        assert!(ftruncate(&b.fd, 10).is_err());
+        // Smaller than promised, or unsealed: refused.
+        assert!(MemoryFile::open(a.as_fd().try_clone_to_owned().unwrap(), 8192).is_err());
+        let loose = memfd_create("loose", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+        ftruncate(&loose, 4096).unwrap();
+        assert!(MemoryFile::open(loose, 0).is_err());
+        let not_memory = crate::sys::bell().unwrap();
+        assert!(MemoryFile::open(not_memory, 0).is_err());
+    }
+
+    #[test]
+    fn a_frozen_file_reads_as_bytes_everywhere() {
+        let a = MemoryFile::frozen(b"hello").unwrap();
+        let b = MemoryFile::open(a.as_fd().try_clone_to_owned().unwrap(), 5).unwrap();
+        assert_eq!(b.frozen_bytes(), Some(&b"hello"[..]));
+        assert_eq!(MemoryFile::frozen(b"").unwrap().frozen_bytes(), Some(&b""[..]));
+        assert_eq!(MemoryFile::zeroed(0).unwrap().len(), 0);
+    }
+}

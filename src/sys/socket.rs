@@ -1,0 +1,527 @@
+//! The one local transport: Unix `SOCK_SEQPACKET` sockets carrying ordered messages of bytes
+//! and any number of descriptors of any kind (`SCM_RIGHTS`).
+//!
+//! A message is one packet: a 4-byte header (the number of descriptors it carries in all), then
+//! its bytes, with up to [`PACKET_FDS`] descriptors attached. A message with more descriptors
+//! than that sends the rest first, in packets of [`PACKET_FDS`], into a fresh socket pair made
+//! for it, and attaches that pair's reading end as its last descriptor: the receiver reads the
+//! rest from there. The message stays one packet on the socket, so several writers (threads or
+//! processes) never interleave parts of their messages, and callers never see the limit.
+//!
+//! Sockets are shared by processes, so the file's own non-blocking flag is never set (it would
+//! change every holder's socket): whether a call waits is chosen per call (`MSG_DONTWAIT`).
+
+use std::io::{self, IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
+use rustix::net::{
+    accept_with, bind, connect, listen, recvmsg, sendmsg, socket_with, socketpair, sockopt, AddressFamily,
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer, SendAncillaryMessage,
+    SendFlags, SocketAddrUnix, SocketFlags, SocketType,
+};
+
+/// The kernel's limit on descriptors attached to one packet (`SCM_MAX_FD`).
+pub(crate) const PACKET_FDS: usize = 253;
+
+/// Bytes of the transport's header on every message.
+const HEADER: usize = 4;
+
+/// The most descriptors one message may carry in all: more is refused before anything is sent
+/// (and a received header claiming more is malformed).
+pub(crate) const MESSAGE_FDS: usize = 1 << 20;
+
+/// The send buffer asked for every socket: more messages wait in the kernel before a channel's
+/// sender has to spill to its backlog. The kernel caps it at `net.core.wmem_max`.
+const SEND_BUFFER: usize = 1 << 20;
+
+/// How long a blocking wait sleeps at most before it looks again (a signal, or a peer that
+/// closed while the socket still looked writable).
+const WAIT_SLICE: Duration = Duration::from_millis(100);
+
+/// Whether a call may wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Wait {
+    /// Until it can proceed.
+    Forever,
+    /// Until the deadline at most (then `WouldBlock`).
+    Until(Instant),
+    /// Not at all (`WouldBlock` at once).
+    Not,
+}
+
+/// One end of a Unix `SOCK_SEQPACKET` socket.
+#[derive(Debug)]
+pub(crate) struct Socket(OwnedFd);
+
+/// A message read from a socket.
+#[derive(Debug)]
+pub(crate) struct Message {
+    /// Its bytes (the transport's header removed).
+    pub(crate) bytes: Vec<u8>,
+    /// Every descriptor it carried, in the order they were given to [`Socket::send`].
+    pub(crate) fds: Vec<OwnedFd>,
+}
+
+fn invalid(text: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, text.to_owned())
+}
+
+impl Socket {
+    /// A connected pair.
+    pub(crate) fn pair() -> io::Result<(Socket, Socket)> {
+        let (a, b) = socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
+        let _ = sockopt::set_socket_send_buffer_size(&a, SEND_BUFFER);
+        let _ = sockopt::set_socket_send_buffer_size(&b, SEND_BUFFER);
+        Ok((Socket(a), Socket(b)))
+    }
+
+    /// A descriptor that arrived in a message, checked to be a Unix `SOCK_SEQPACKET` socket.
+    pub(crate) fn from_fd(fd: OwnedFd) -> io::Result<Socket> {
+        let seqpacket = sockopt::socket_type(&fd).is_ok_and(|t| t == SocketType::SEQPACKET)
+            && sockopt::socket_domain(&fd).is_ok_and(|d| d == AddressFamily::UNIX);
+        if seqpacket {
+            Ok(Socket(fd))
+        } else {
+            Err(invalid("a descriptor that should be a socket of ours is something else"))
+        }
+    }
+
+    /// Sends one message: `parts` (their bytes in order, together not empty) and `fds`, which
+    /// the receiver gets in the same order. `Wait::Not` fails with `WouldBlock` when the socket
+    /// is full; a peer that is gone is `BrokenPipe`.
+    pub(crate) fn send(&self, parts: &[&[u8]], fds: &[BorrowedFd<'_>], wait: Wait) -> io::Result<()> {
+        if fds.len() > MESSAGE_FDS {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("a message carries at most {MESSAGE_FDS} descriptors, not {}", fds.len()),
+            ));
+        }
+        let header = (fds.len() as u32).to_le_bytes();
+        let mut slices = Vec::with_capacity(parts.len() + 1);
+        slices.push(IoSlice::new(&header));
+        slices.extend(parts.iter().map(|p| IoSlice::new(p)));
+        let rest;
+        let attached: Vec<BorrowedFd<'_>> = if fds.len() <= PACKET_FDS {
+            fds.to_vec()
+        } else {
+            let (head, tail) = fds.split_at(PACKET_FDS - 1);
+            rest = overflow(tail)?;
+            head.iter().copied().chain([rest.0.as_fd()]).collect()
+        };
+        send_packet(self.0.as_fd(), &slices, &attached, wait)
+    }
+
+    /// Receives one message of at most `max` bytes. `Ok(None)`: the peer is gone and
+    /// everything it sent was read. `Wait::Until` and `Wait::Not` fail with `WouldBlock` when
+    /// nothing came. A message longer than `max`, or whose descriptors do not add up, is
+    /// `InvalidData` (its descriptors closed) and the socket stays usable.
+    pub(crate) fn recv(&self, max: usize, wait: Wait) -> io::Result<Option<Message>> {
+        let mut buf = vec![0u8; max + HEADER];
+        let Some((bytes, fds)) = self.recv_in(&mut buf, wait)? else { return Ok(None) };
+        let bytes = buf[bytes].to_vec();
+        Ok(Some(Message { bytes, fds }))
+    }
+
+    /// Like [`recv`](Self::recv), into `buf` (kept by the caller, so that a receive allocates
+    /// nothing): messages of up to `buf.len() - 4` bytes; the message's bytes are `buf[range]`.
+    pub(crate) fn recv_in(
+        &self,
+        buf: &mut [u8],
+        wait: Wait,
+    ) -> io::Result<Option<(std::ops::Range<usize>, Vec<OwnedFd>)>> {
+        let Some((len, mut fds)) = recv_packet(self.0.as_fd(), buf, wait)? else { return Ok(None) };
+        if len < HEADER {
+            return Err(invalid("a message shorter than the transport's header"));
+        }
+        let claimed = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+        if claimed > MESSAGE_FDS || claimed < fds.len() || (claimed > fds.len() && fds.len() != PACKET_FDS) {
+            return Err(invalid("a message whose descriptors do not match its header"));
+        }
+        if claimed > fds.len() {
+            let rest = fds.pop().map(Socket::from_fd).transpose()?.ok_or_else(|| invalid("no overflow socket"))?;
+            rest.read_overflow(claimed - fds.len(), &mut fds)?;
+        }
+        Ok(Some((HEADER..len, fds)))
+    }
+
+    /// The buffer size [`recv_in`](Self::recv_in) needs for messages of `max` bytes.
+    pub(crate) const fn buffer_for(max: usize) -> usize {
+        max + HEADER
+    }
+
+    /// Reads `count` descriptors from an overflow socket (written in full before its message
+    /// was sent, so nothing here waits).
+    fn read_overflow(&self, count: usize, fds: &mut Vec<OwnedFd>) -> io::Result<()> {
+        let target = fds.len() + count;
+        let mut byte = [0u8; 1];
+        while fds.len() < target {
+            match recv_packet(self.0.as_fd(), &mut byte, Wait::Not)? {
+                Some((1, got)) if !got.is_empty() && fds.len() + got.len() <= target => fds.extend(got),
+                _ => return Err(invalid("a message's overflow descriptors are missing or too many")),
+            }
+        }
+        Ok(())
+    }
+
+    /// True once the other end is closed (every holder of it is gone).
+    pub(crate) fn peer_closed(&self) -> bool {
+        let mut fds = [PollFd::new(&self.0, PollFlags::OUT)];
+        matches!(poll(&mut fds, Some(&Timespec::default())), Ok(n) if n > 0)
+            && fds[0].revents().intersects(PollFlags::HUP | PollFlags::ERR)
+    }
+
+    /// Bytes waiting to be read (0 when none or unknown).
+    pub(crate) fn pending_bytes(&self) -> usize {
+        rustix::io::ioctl_fionread(&self.0).map_or(0, |n| n as usize)
+    }
+
+    /// The send buffer the kernel gave this socket.
+    pub(crate) fn send_buffer(&self) -> usize {
+        sockopt::socket_send_buffer_size(&self.0).unwrap_or(212_992)
+    }
+
+    /// The socket's identity (device and inode): two descriptors of one socket share it.
+    pub(crate) fn identity(&self) -> Option<(u64, u64)> {
+        rustix::fs::fstat(&self.0).ok().map(|st| (st.st_dev, st.st_ino))
+    }
+
+    /// Refuses a connected socket whose other end is a process of another user (its
+    /// credentials as the kernel recorded them at `connect` or `listen`, `SO_PEERCRED`).
+    pub(crate) fn check_peer_is_this_user(&self) -> io::Result<()> {
+        check_peer_is_this_user(self.0.as_fd())
+    }
+}
+
+impl AsFd for Socket {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
+
+impl From<Socket> for OwnedFd {
+    fn from(socket: Socket) -> OwnedFd {
+        socket.0
+    }
+}
+
+/// The descriptors past the first packet's, written into a fresh pair whose reading end is
+/// returned (the writing end is closed, so the reader sees where they end).
+fn overflow(fds: &[BorrowedFd<'_>]) -> io::Result<Socket> {
+    let (tx, rx) = Socket::pair()?;
+    for chunk in fds.chunks(PACKET_FDS) {
+        send_packet(tx.0.as_fd(), &[IoSlice::new(&[0])], chunk, Wait::Not).map_err(|e| {
+            if e.kind() == io::ErrorKind::WouldBlock {
+                io::Error::other("too many descriptors for one message (the overflow socket is full)")
+            } else {
+                e
+            }
+        })?;
+    }
+    Ok(rx)
+}
+
+fn send_packet(socket: BorrowedFd<'_>, slices: &[IoSlice<'_>], fds: &[BorrowedFd<'_>], wait: Wait) -> io::Result<()> {
+    let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(fds.len().max(1)))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(io::Error::other("the descriptors do not fit their control buffer"));
+    }
+    let total: usize = slices.iter().map(|s| s.len()).sum();
+    loop {
+        let flags = match wait {
+            Wait::Forever => SendFlags::NOSIGNAL,
+            Wait::Until(_) | Wait::Not => SendFlags::NOSIGNAL | SendFlags::DONTWAIT,
+        };
+        match sendmsg(socket, slices, &mut control, flags) {
+            Ok(sent) if sent == total => return Ok(()),
+            Ok(_) => return Err(io::Error::new(io::ErrorKind::WriteZero, "the message was cut short")),
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(rustix::io::Errno::AGAIN) if matches!(wait, Wait::Until(_)) => {
+                let Wait::Until(deadline) = wait else { unreachable!() };
+                if !wait_writable(socket, deadline)? {
+                    return Err(io::ErrorKind::WouldBlock.into());
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// Waits until `socket` is writable (or in error) or `deadline` passes; false on a timeout.
+fn wait_writable(socket: BorrowedFd<'_>, deadline: Instant) -> io::Result<bool> {
+    let mut fds = [PollFd::from_borrowed_fd(socket, PollFlags::OUT)];
+    let left = deadline.saturating_duration_since(Instant::now());
+    Ok(poll_once(&mut fds, Some(left))? > 0)
+}
+
+fn recv_packet(socket: BorrowedFd<'_>, buf: &mut [u8], wait: Wait) -> io::Result<Option<(usize, Vec<OwnedFd>)>> {
+    let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(PACKET_FDS))];
+    loop {
+        if let Wait::Until(deadline) = wait {
+            if !wait_readable(&[socket], Wait::Until(deadline))?[0] {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+        }
+        let flags = match wait {
+            Wait::Forever => RecvFlags::CMSG_CLOEXEC,
+            Wait::Until(_) | Wait::Not => RecvFlags::CMSG_CLOEXEC | RecvFlags::DONTWAIT,
+        };
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let got = match recvmsg(socket, &mut [IoSliceMut::new(buf)], &mut control, flags) {
+            Ok(got) => got,
+            Err(rustix::io::Errno::INTR) => continue,
+            // Another reader took what woke us: wait again.
+            Err(rustix::io::Errno::AGAIN) if matches!(wait, Wait::Until(_)) => continue,
+            Err(rustix::io::Errno::CONNRESET) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let mut fds = Vec::new();
+        for message in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(rights) = message {
+                fds.extend(rights);
+            }
+        }
+        if got.flags.intersects(ReturnFlags::TRUNC | ReturnFlags::CTRUNC) {
+            return Err(invalid("a message longer, or with more descriptors, than this socket takes"));
+        }
+        if got.bytes == 0 && fds.is_empty() {
+            // Every message of ours has a header: no bytes is the end.
+            return Ok(None);
+        }
+        return Ok(Some((got.bytes, fds)));
+    }
+}
+
+/// Waits until one of `fds` is readable, hung up or in error, or `wait` ends. Returns which are
+/// ready (all false when the wait ended first).
+pub(crate) fn wait_readable(fds: &[BorrowedFd<'_>], wait: Wait) -> io::Result<Vec<bool>> {
+    let mut polled: Vec<PollFd<'_>> = fds.iter().map(|fd| PollFd::from_borrowed_fd(*fd, PollFlags::IN)).collect();
+    loop {
+        let left = match wait {
+            Wait::Forever => None,
+            Wait::Until(deadline) => Some(deadline.saturating_duration_since(Instant::now())),
+            Wait::Not => Some(Duration::ZERO),
+        };
+        let slice = left.map_or(WAIT_SLICE, |l| l.min(WAIT_SLICE));
+        if poll_once(&mut polled, Some(slice))? > 0 || left.is_some_and(|l| l <= slice) {
+            return Ok(polled.iter().map(|p| !p.revents().is_empty()).collect());
+        }
+    }
+}
+
+/// One `poll(2)`, `timeout` at most (`None`: no limit); an interrupted poll returns 0.
+fn poll_once(fds: &mut [PollFd<'_>], timeout: Option<Duration>) -> io::Result<usize> {
+    let timeout =
+        timeout.map(|t| Timespec { tv_sec: t.as_secs().min(i64::MAX as u64) as i64, tv_nsec: t.subsec_nanos() as _ });
+    match poll(fds, timeout.as_ref()) {
+        Ok(n) => Ok(n),
+        Err(rustix::io::Errno::INTR) => Ok(0),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Refuses a connected Unix socket whose other end is a process of another user.
+fn check_peer_is_this_user(socket: BorrowedFd<'_>) -> io::Result<()> {
+    let peer = sockopt::socket_peercred(socket)?;
+    let me = rustix::process::geteuid();
+    if peer.uid != me {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "refused: the process at the other end of the connection (pid {}) runs as user {}, not as this user ({})",
+                peer.pid.as_raw_nonzero(),
+                peer.uid.as_raw(),
+                me.as_raw()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A socket listening for connections at a path (see [`private_dir`]).
+#[derive(Debug)]
+pub(crate) struct Listening(OwnedFd);
+
+impl Listening {
+    /// Listens at `path` (which must not exist).
+    pub(crate) fn bind(path: &Path) -> io::Result<Listening> {
+        let fd = socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
+        bind(&fd, &SocketAddrUnix::new(path)?)?;
+        listen(&fd, 64)?;
+        Ok(Listening(fd))
+    }
+
+    /// Accepts one connection, waiting as `wait` says; refuses a peer of another user.
+    pub(crate) fn accept(&self, wait: Wait) -> io::Result<Socket> {
+        if wait != Wait::Forever && !wait_readable(&[self.0.as_fd()], wait)?[0] {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        let fd = loop {
+            match accept_with(&self.0, SocketFlags::CLOEXEC) {
+                Ok(fd) => break fd,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        };
+        let socket = Socket(fd);
+        socket.check_peer_is_this_user()?;
+        let _ = sockopt::set_socket_send_buffer_size(&socket.0, SEND_BUFFER);
+        Ok(socket)
+    }
+}
+
+/// Connects to a listener at `path`; refuses a listener of another user.
+pub(crate) fn connect_to(path: &Path) -> io::Result<Socket> {
+    let fd = socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
+    loop {
+        match connect(&fd, &SocketAddrUnix::new(path)?) {
+            Ok(()) => break,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let socket = Socket(fd);
+    socket.check_peer_is_this_user()?;
+    let _ = sockopt::set_socket_send_buffer_size(&socket.0, SEND_BUFFER);
+    Ok(socket)
+}
+
+/// This user's directory for listener sockets, which only this user may enter (made mode 0700
+/// if missing; refused if another user owns it or others may enter it).
+pub(crate) fn private_dir() -> io::Result<std::path::PathBuf> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    let uid = rustix::process::geteuid().as_raw();
+    let dir = std::env::temp_dir().join(format!("cuda-mp-{uid}"));
+    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    let meta = std::fs::symlink_metadata(&dir)?;
+    if meta.is_dir() && meta.uid() == uid && meta.permissions().mode() & 0o077 != 0 {
+        // Ours, opened up by this user: closed again (only this user or root could have).
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+    }
+    let meta = std::fs::symlink_metadata(&dir)?;
+    if !meta.is_dir() || meta.uid() != uid || meta.permissions().mode() & 0o077 != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("refused: {} is not a directory of this user's alone", dir.display()),
+        ));
+    }
+    Ok(dir)
+}
+
+/// A non-blocking `eventfd`, written to interrupt a thread that polls it.
+pub(crate) fn bell() -> io::Result<OwnedFd> {
+    use rustix::event::{eventfd, EventfdFlags};
+    Ok(eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?)
+}
+
+/// Rings `bell`: a poll that watches it returns.
+pub(crate) fn ring(bell: &OwnedFd) {
+    let _ = rustix::io::write(bell, &1u64.to_ne_bytes());
+}
+
+/// Quiets `bell` after it rang.
+pub(crate) fn silence(bell: &OwnedFd) {
+    let mut count = [0u8; 8];
+    let _ = rustix::io::read(bell, &mut count);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn send(s: &Socket, bytes: &[u8], fds: &[&OwnedFd]) -> io::Result<()> {
+        let fds: Vec<BorrowedFd<'_>> = fds.iter().map(|f| f.as_fd()).collect();
+        s.send(&[bytes], &fds, Wait::Forever)
+    }
+
+    #[test]
+    fn descriptors_travel_with_their_message_and_stay_alive_in_flight() {
+        let (a, b) = Socket::pair().unwrap();
+        let (x, y) = Socket::pair().unwrap();
+        send(&a, b"fd", &[&x.0]).unwrap();
+        // The sender's copy goes: the one in flight keeps the socket alive.
+        drop(x);
+        let got = b.recv(16, Wait::Not).unwrap().unwrap();
+        assert_eq!((&got.bytes[..], got.fds.len()), (&b"fd"[..], 1));
+        let x = Socket::from_fd(got.fds.into_iter().next().unwrap()).unwrap();
+        send(&x, b"!", &[]).unwrap();
+        assert_eq!(y.recv(16, Wait::Not).unwrap().unwrap().bytes, b"!");
+        // Nothing queued: no wait.
+        assert_eq!(b.recv(16, Wait::Not).unwrap_err().kind(), io::ErrorKind::WouldBlock);
+        let start = Instant::now();
+        let deadline = start + Duration::from_millis(30);
+        assert_eq!(b.recv(16, Wait::Until(deadline)).unwrap_err().kind(), io::ErrorKind::WouldBlock);
+        assert!(Instant::now() >= deadline);
+        // The peer gone: the end, after what it sent.
+        send(&a, b"last", &[]).unwrap();
+        drop(a);
+        assert!(b.peer_closed());
+        assert_eq!(b.recv(16, Wait::Forever).unwrap().unwrap().bytes, b"last");
+        assert!(b.recv(16, Wait::Forever).unwrap().is_none());
+    }
+
+    #[test]
+    fn any_number_of_descriptors_arrive_in_order_in_one_message() {
+        crate::os::raise_descriptor_limit();
+        let (a, b) = Socket::pair().unwrap();
+        for count in [0usize, 1, PACKET_FDS - 1, PACKET_FDS, PACKET_FDS + 1, 700] {
+            let files: Vec<OwnedFd> = (0..count).map(|_| bell().unwrap()).collect();
+            for (i, f) in files.iter().enumerate() {
+                rustix::io::write(f, &(i as u64 + 1).to_ne_bytes()).unwrap();
+            }
+            let borrowed: Vec<&OwnedFd> = files.iter().collect();
+            send(&a, &[count as u8], &borrowed).unwrap();
+            drop(files);
+            let got = b.recv(16, Wait::Not).unwrap().unwrap();
+            assert_eq!(got.fds.len(), count);
+            for (i, f) in got.fds.iter().enumerate() {
+                let mut v = [0u8; 8];
+                rustix::io::read(f, &mut v).unwrap();
+                assert_eq!(u64::from_ne_bytes(v), i as u64 + 1, "descriptor {i} of {count} in its place");
+            }
+        }
+    }
+
+    #[test]
+    fn a_forged_header_or_an_oversized_message_is_refused_and_the_socket_goes_on() {
+        let (a, b) = Socket::pair().unwrap();
+        let (x, _y) = Socket::pair().unwrap();
+        // Raw packets, without our header's promise kept.
+        let raw =
+            |bytes: &[u8], fds: &[BorrowedFd<'_>]| send_packet(a.0.as_fd(), &[IoSlice::new(bytes)], fds, Wait::Not);
+        raw(&[9, 0, 0, 0], &[x.0.as_fd()]).unwrap();
+        assert_eq!(b.recv(16, Wait::Not).unwrap_err().kind(), io::ErrorKind::InvalidData);
+        raw(&[0, 0, 0, 0], &[x.0.as_fd()]).unwrap();
+        assert_eq!(b.recv(16, Wait::Not).unwrap_err().kind(), io::ErrorKind::InvalidData);
+        raw(&[1], &[]).unwrap();
+        assert_eq!(b.recv(16, Wait::Not).unwrap_err().kind(), io::ErrorKind::InvalidData);
+        send(&a, &[7; 64], &[]).unwrap();
+        assert_eq!(b.recv(16, Wait::Not).unwrap_err().kind(), io::ErrorKind::InvalidData);
+        send(&a, b"ok", &[]).unwrap();
+        assert_eq!(b.recv(16, Wait::Not).unwrap().unwrap().bytes, b"ok");
+        // A descriptor that is not a socket is not taken for one.
+        assert!(Socket::from_fd(bell().unwrap()).is_err());
+    }
+
+    #[test]
+    fn a_listener_accepts_a_peer_of_this_user() {
+        let path = private_dir().unwrap().join(format!("test-{}", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let listening = Listening::bind(&path).unwrap();
+        assert_eq!(listening.accept(Wait::Not).unwrap_err().kind(), io::ErrorKind::WouldBlock);
+        let client = connect_to(&path).unwrap();
+        let server = listening.accept(Wait::Forever).unwrap();
+        send(&client, b"hi", &[]).unwrap();
+        assert_eq!(server.recv(8, Wait::Forever).unwrap().unwrap().bytes, b"hi");
+        assert_ne!(client.identity(), server.identity());
+        std::fs::remove_file(&path).unwrap();
+    }
+}
