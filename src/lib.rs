@@ -72,6 +72,7 @@ mod storage;
 mod sync;
 mod sys;
 mod tensor;
+#[cfg(any(test, feature = "testing"))]
 #[doc(hidden)]
 pub mod testing;
 mod wire;
@@ -106,7 +107,9 @@ pub use tensor::{DynTensor, Tensor, TensorStorage};
 
 #[doc(hidden)]
 pub mod __private {
+    #[cfg(feature = "testing")]
     pub use crate::process::__mark_initialized_for_tests as mark_initialized_for_tests;
     pub use crate::profile::{Phase, PhaseTimes};
+    #[cfg(feature = "testing")]
     pub use procspawn;
 }

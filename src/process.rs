@@ -32,13 +32,16 @@ pub fn init() {
     INITIALIZED.store(true, Ordering::SeqCst);
 }
 
+#[cfg(feature = "testing")]
 #[doc(hidden)]
 pub fn __mark_initialized_for_tests() {
     INITIALIZED.store(true, Ordering::SeqCst);
 }
 
 /// Makes [`spawn`] work inside `cargo test`: put `cuda_mp::enable_test_support!();` once at the
-/// top level of a test crate. Workers then run the test binary itself.
+/// top level of a test crate, and enable the `testing` feature for tests (a dev-dependency on
+/// `cuda-mp` with `features = ["testing"]`). Workers then run the test binary itself.
+#[cfg(feature = "testing")]
 #[macro_export]
 macro_rules! enable_test_support {
     () => {
