@@ -221,14 +221,16 @@ pub(crate) fn carry(fd: Held, dedup: Option<u64>) -> Result<Carried> {
     })
 }
 
-/// Carries a copy of `fd` (VMM memory's, say) in the message being encoded.
-pub(crate) fn carry_copy(fd: BorrowedFd<'_>) -> Result<Carried> {
+/// Carries a copy of `fd` in the message being encoded.
+#[cfg(any(test, feature = "testing"))]
+fn carry_copy(fd: BorrowedFd<'_>) -> Result<Carried> {
     let copy = fd.try_clone_to_owned().map_err(|e| descriptor_error(e.into()))?;
     carry(Arc::new(copy), None)
 }
 
-/// Serializes a copy of `fd` carried in the message being encoded: the serde side of any type
-/// that carries a descriptor of its own.
+/// Serializes a copy of `fd` carried in the message being encoded: the serde side of a type
+/// that carries a descriptor of its own (the test helpers' files).
+#[cfg(any(test, feature = "testing"))]
 pub(crate) fn serialize_fd<S: serde::Serializer>(
     fd: BorrowedFd<'_>,
     serializer: S,
