@@ -17,8 +17,9 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{JoinError, PanicReport};
-use crate::os::{catch_quietly, report_panics, ChildWatch};
+use crate::os::{catch_quietly, report_panics};
 use crate::process::{exit_error, join_error, not_initialized, JoinHandle};
+use crate::sys::ChildWatch;
 use crate::wire;
 
 /// How often a dispatcher waiting on its worker looks whether the pool is being terminated or
@@ -1032,7 +1033,7 @@ impl Shared {
             job.fail(JoinError::PoolClosed);
         }
         for watch in workers {
-            watch.signal(libc::SIGKILL);
+            watch.signal(rustix::process::Signal::KILL);
         }
         self.work.notify_all();
         self.idle.notify_all();
@@ -1377,7 +1378,7 @@ impl JobState {
             Phase::Queued => *phase = Phase::Cancelled,
             Phase::Running { watch, killed, .. } if !*killed => {
                 *killed = true;
-                watch.signal(libc::SIGKILL);
+                watch.signal(rustix::process::Signal::KILL);
             }
             _ => {}
         }

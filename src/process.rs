@@ -9,8 +9,9 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::error::{JoinError, PanicReport};
-use crate::os::{catch_quietly, signal_name, ChildWatch, Exit};
+use crate::os::{catch_quietly, signal_name};
 use crate::pool::AsyncResult;
+use crate::sys::{ChildWatch, Exit};
 use crate::wire;
 
 static INITIALIZED: AtomicBool = AtomicBool::new(false);
@@ -28,7 +29,7 @@ static INITIALIZED: AtomicBool = AtomicBool::new(false);
 pub fn init() {
     procspawn::init();
     // Every shared storage and lease is a descriptor: lift the soft limit in every process.
-    crate::os::raise_descriptor_limit();
+    crate::sys::raise_descriptor_limit();
     INITIALIZED.store(true, Ordering::SeqCst);
 }
 
@@ -451,7 +452,7 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
     /// ```
     pub fn terminate(&mut self, grace: Duration) -> Result<(), JoinError> {
         let Some(watch) = &self.watch else { return self.kill() };
-        if watch.signal(libc::SIGTERM) {
+        if watch.signal(rustix::process::Signal::TERM) {
             let deadline = Instant::now() + grace;
             while watch.exited(Duration::ZERO).is_none() && Instant::now() < deadline {
                 watch.exited(JOIN_POLL.min(deadline.saturating_duration_since(Instant::now())));

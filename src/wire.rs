@@ -248,8 +248,8 @@ pub(crate) fn deserialize_fd<'de, D: serde::Deserializer<'de>>(
 
 /// An I/O error, named as descriptor exhaustion when that is what it is.
 pub(crate) fn descriptor_error(e: Error) -> Error {
-    if crate::os::out_of_descriptors() {
-        Error::OutOfDescriptors { limit: crate::os::descriptor_limit() }
+    if crate::sys::out_of_descriptors() {
+        Error::OutOfDescriptors { limit: crate::sys::descriptor_limit() }
     } else {
         e
     }

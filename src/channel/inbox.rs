@@ -10,9 +10,9 @@ use serde::de::DeserializeOwned;
 use super::frame::{self, Incoming, SMALL_COST};
 use super::gauge::Gauge;
 use crate::error::RecvError;
-use crate::os::{descriptor_limit, near_descriptor_limit};
 use crate::sys::Socket;
 pub(super) use crate::sys::Wait;
+use crate::sys::{descriptor_limit, near_descriptor_limit};
 
 /// One socket frames are read from.
 pub(super) struct Source<T> {

@@ -8,7 +8,6 @@ mod gauge;
 mod inbox;
 mod outbox;
 mod select;
-mod sys;
 
 pub use asynch::{RecvFuture, RecvStream};
 pub(crate) use outbox::install_exit_hook;

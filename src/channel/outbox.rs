@@ -11,10 +11,10 @@ use std::time::{Duration, Instant};
 
 use super::frame::{FrameOut, SMALL_COST};
 use super::gauge::Gauge;
-use super::sys;
 use crate::error::SendFailure;
 use crate::fork::ForkLocal;
-use crate::os::{catch_quietly, descriptor_limit, out_of_descriptors, wait_slice};
+use crate::os::{catch_quietly, wait_slice};
+use crate::sys::{descriptor_limit, out_of_descriptors};
 use crate::sys::{Socket, Wait};
 use crate::wire::Held;
 
@@ -401,7 +401,7 @@ impl Outbox {
 /// until every message it sent has been handed on, or its receiver is gone.
 pub(crate) fn install_exit_hook() {
     static INSTALLED: OnceLock<bool> = OnceLock::new();
-    INSTALLED.get_or_init(|| sys::at_exit(drain_at_exit));
+    INSTALLED.get_or_init(|| crate::os::at_exit(drain_at_exit));
 }
 
 extern "C" fn drain_at_exit() {

@@ -30,7 +30,7 @@ use std::time::Duration;
 use once_cell::sync::Lazy;
 
 use crate::error::{Error, Result};
-use crate::os::{self, ShmFile, ShmOpen};
+use crate::sys::{self, ShmFile, ShmOpen};
 
 /// Slots per file.
 pub(crate) const SLOTS: usize = 10_000;
@@ -111,7 +111,7 @@ pub(crate) fn release_slot(name: &CStr, slot: usize) -> std::io::Result<Released
 /// Gives back this process's count on a file; unlinks the file when that leaves 0 (true then).
 fn close_count(count: &std::sync::atomic::AtomicI32, name: &CStr) -> bool {
     if count.fetch_sub(1, Ordering::SeqCst) == 1 {
-        return os::shm_unlink(name).is_ok();
+        return sys::shm_unlink(name).is_ok();
     }
     false
 }
@@ -397,7 +397,7 @@ extern "C" fn close_at_exit() {
 fn start() {
     static START: Once = Once::new();
     START.call_once(|| {
-        os::at_exit(close_at_exit);
+        crate::os::at_exit(close_at_exit);
         let spawned = std::thread::Builder::new().name("cuda-mp-torch-refs".into()).spawn(watch);
         // Without the thread, shares are still collected at every new share.
         drop(spawned);

@@ -165,14 +165,14 @@ impl HostStorage {
         }
         // Refuse what cannot fit at all rather than fault in memory until the machine runs
         // out.
-        let physical = crate::os::physical_memory();
+        let physical = crate::sys::physical_memory();
         if physical > 0 && bytes as u64 > physical {
             return Err(Error::Io(std::io::Error::new(
                 std::io::ErrorKind::OutOfMemory,
                 format!("a host tensor of {bytes} bytes is larger than this machine's {physical} bytes of memory"),
             )));
         }
-        crate::os::raise_descriptor_limit();
+        crate::sys::raise_descriptor_limit();
         Ok(())
     }
 

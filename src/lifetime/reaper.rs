@@ -61,7 +61,7 @@ static REAPER: ForkLocal<OnceCell<Reaper>> = ForkLocal::new(OnceCell::new);
 /// thread is not there).
 pub(super) fn reaper() -> Result<&'static Reaper> {
     REAPER.get().get_or_try_init(|| {
-        crate::os::raise_descriptor_limit();
+        crate::sys::raise_descriptor_limit();
         let epoll = epoll::create(epoll::CreateFlags::CLOEXEC).map_err(|e| io_error(e.into()))?;
         let bell = crate::sys::bell().map_err(io_error)?;
         epoll::add(&epoll, &bell, epoll::EventData::new_u64(BELL), epoll::EventFlags::IN)

@@ -479,7 +479,7 @@ impl<T: Serialize + DeserializeOwned> RemoteListener<T> {
                 Ok((stream, _)) => break stream,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     use std::os::fd::AsRawFd;
-                    match sys::wait(self.listener.as_raw_fd(), libc::POLLIN, deadline.map(|d| d.0)) {
+                    match sys::wait(self.listener.as_raw_fd(), rustix::event::PollFlags::IN, deadline.map(|d| d.0)) {
                         Ok(_) => {}
                         Err(e) if e.kind() == io::ErrorKind::TimedOut => {
                             return Err(Error::Timeout(deadline.map_or(Duration::MAX, |d| d.1)))

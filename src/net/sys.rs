@@ -3,42 +3,31 @@
 //! the kernel copies it, as a device would).
 
 use std::io;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::time::Instant;
 
+use rustix::event::PollFlags;
+
 use crate::host::HostStorage;
+use crate::sys::Wait;
 
 /// Waits until `fd` is ready for `events` or `deadline` passes (then `TimedOut`; `None`: no
 /// limit).
-pub(super) fn wait(fd: RawFd, events: libc::c_short, deadline: Option<Instant>) -> io::Result<libc::c_short> {
-    loop {
-        let mut pfd = libc::pollfd { fd, events, revents: 0 };
-        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        // SAFETY: `pfd` is one valid pollfd.
-        let n = unsafe { libc::poll(&mut pfd, 1, crate::os::poll_millis(left)) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if n > 0 {
-            return Ok(pfd.revents);
-        }
-        if deadline.is_some_and(|d| Instant::now() >= d) {
-            return Err(io::Error::new(io::ErrorKind::TimedOut, "timed out"));
-        }
+pub(super) fn wait(fd: RawFd, events: PollFlags, deadline: Option<Instant>) -> io::Result<PollFlags> {
+    // SAFETY: `fd` is the caller's open socket, borrowed for this call only.
+    let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+    let wait = deadline.map_or(Wait::Forever, Wait::Until);
+    match crate::sys::wait_for(fd, events, wait)? {
+        Some(revents) => Ok(revents),
+        None => Err(io::Error::new(io::ErrorKind::TimedOut, "timed out")),
     }
 }
 
 /// True when the peer has closed its end (or the socket failed): what a sender, whose peer
 /// never writes, and a receiver waiting for a transfer ask while they wait.
-pub(super) fn peer_closed(socket: &impl AsRawFd) -> bool {
-    let mut pfd = libc::pollfd { fd: socket.as_raw_fd(), events: libc::POLLRDHUP, revents: 0 };
-    // SAFETY: `pfd` is one valid pollfd; a zero timeout does not block.
-    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
-    n > 0 && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0
+pub(super) fn peer_closed(socket: &impl AsFd) -> bool {
+    let hung = PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR | PollFlags::NVAL;
+    matches!(crate::sys::wait_for(socket.as_fd(), PollFlags::RDHUP, Wait::Not), Ok(Some(r)) if r.intersects(hung))
 }
 
 /// Reads what is there (at least one byte) into `buf`, waiting until `deadline` (`None`: no
@@ -46,7 +35,7 @@ pub(super) fn peer_closed(socket: &impl AsRawFd) -> bool {
 pub(super) fn read_some(socket: &impl AsRawFd, buf: &mut [u8], deadline: Option<Instant>) -> io::Result<usize> {
     let fd = socket.as_raw_fd();
     loop {
-        wait(fd, libc::POLLIN, deadline)?;
+        wait(fd, PollFlags::IN, deadline)?;
         // SAFETY: `buf` is writable for its length.
         let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
         if n >= 0 {
@@ -61,7 +50,7 @@ pub(super) fn read_some(socket: &impl AsRawFd, buf: &mut [u8], deadline: Option<
 
 fn send_from(fd: RawFd, mut ptr: *const u8, mut len: usize, deadline: Instant) -> io::Result<()> {
     while len > 0 {
-        wait(fd, libc::POLLOUT, Some(deadline))?;
+        wait(fd, PollFlags::OUT, Some(deadline))?;
         // SAFETY: the caller guarantees `len` readable bytes at `ptr`; MSG_NOSIGNAL turns a
         // closed peer into EPIPE instead of SIGPIPE.
         let n = unsafe { libc::send(fd, ptr.cast(), len, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
@@ -112,7 +101,7 @@ pub(super) fn read_host(socket: &impl AsRawFd, storage: &HostStorage, len: usize
     let fd = socket.as_raw_fd();
     let mut done = 0;
     while done < len {
-        wait(fd, libc::POLLIN, Some(deadline))?;
+        wait(fd, PollFlags::IN, Some(deadline))?;
         // SAFETY: `done..len` lies inside the mapping (checked above), which lives while
         // `storage` is borrowed; the kernel writes it, no Rust reference to it is made.
         let n = unsafe { libc::recv(fd, storage.base_ptr().add(done).cast(), len - done, libc::MSG_DONTWAIT) };

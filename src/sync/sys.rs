@@ -3,11 +3,9 @@
 //! futex wait and wake on those words, named regions in `/dev/shm` with their creator's lock, and
 //! whether a process still lives.
 
-use std::ffi::CString;
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64};
@@ -76,7 +74,7 @@ struct Named {
 impl Region {
     /// Fresh zeroed anonymous shared memory.
     pub(crate) fn anonymous() -> Result<Region> {
-        crate::os::raise_descriptor_limit();
+        crate::sys::raise_descriptor_limit();
         let memory = MemoryFile::zeroed(BYTES).map_err(|e| {
             crate::wire::descriptor_error(Error::Io(io::Error::new(
                 e.kind(),
@@ -137,7 +135,7 @@ impl Region {
             .read(true)
             .write(true)
             .mode(0o600)
-            .custom_flags(libc::O_TMPFILE)
+            .custom_flags(rustix::fs::OFlags::TMPFILE.bits() as i32)
             .open(dir)
             .map_err(|e| named_error(e, dir))?;
         file.set_len(BYTES as u64)?;
@@ -168,7 +166,12 @@ impl Region {
     /// here.
     pub(super) fn open_named(path: &Path) -> Result<Option<Region>> {
         for _ in 0..100 {
-            let file = match OpenOptions::new().read(true).write(true).custom_flags(libc::O_NOFOLLOW).open(path) {
+            let file = match OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+                .open(path)
+            {
                 Ok(file) => file,
                 Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
                 Err(e) => return Err(named_error(e, path)),
@@ -214,7 +217,7 @@ impl Drop for Region {
         if let Backing::Named(named) = &self.backing {
             // SAFETY: `ptr` is the start of our own mapping of BYTES bytes, made by `map`;
             // nothing refers to it any more (every reference borrowed the region).
-            unsafe { libc::munmap(self.ptr.cast(), BYTES) };
+            let _ = unsafe { rustix::mm::munmap(self.ptr.cast(), BYTES) };
             if named.creator {
                 // The creator owns the name: remove it, unless it was replaced meanwhile (a
                 // process that took this object for a leftover removed it and made another).
@@ -229,36 +232,20 @@ impl Drop for Region {
 
 /// Maps the first [`BYTES`] bytes of `file`, which holds at least that many.
 fn map(file: File, path: PathBuf) -> Result<Region> {
+    use rustix::mm::{mmap, MapFlags, ProtFlags};
     // SAFETY: a fresh shared mapping of an open file, at an address the kernel picks; no memory
     // of ours is passed in.
-    let ptr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            BYTES,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            file.as_raw_fd(),
-            0,
-        )
-    };
-    if ptr == libc::MAP_FAILED {
-        return Err(io::Error::last_os_error().into());
-    }
+    let ptr =
+        unsafe { mmap(std::ptr::null_mut(), BYTES, ProtFlags::READ | ProtFlags::WRITE, MapFlags::SHARED, &file, 0) }
+            .map_err(io::Error::from)?;
     Region::checked(ptr.cast(), Backing::Named(Named { file, path, creator: false }))
 }
 
 /// Gives the nameless `file` the name `path`; fails with `AlreadyExists` when it is taken.
 fn publish(file: &File, path: &Path) -> io::Result<()> {
-    let from = CString::new(format!("/proc/self/fd/{}", file.as_raw_fd())).map_err(io::Error::other)?;
-    let to = CString::new(path.as_os_str().as_bytes()).map_err(io::Error::other)?;
-    // SAFETY: both paths are valid NUL-terminated strings that outlive the call.
-    let r =
-        unsafe { libc::linkat(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::AT_SYMLINK_FOLLOW) };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+    use rustix::fs::{linkat, AtFlags, CWD};
+    let from = format!("/proc/self/fd/{}", file.as_raw_fd());
+    Ok(linkat(CWD, from.as_str(), CWD, path, AtFlags::SYMLINK_FOLLOW)?)
 }
 
 /// True while `path` names the file open as `file`.
@@ -296,32 +283,20 @@ fn named_error(e: io::Error, path: &Path) -> Error {
 /// wake, a timeout, a signal, or at once when the word holds another value: the caller looks at
 /// the word again in every case.
 pub(crate) fn wait(word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
-    let timeout = timeout.map(|d| libc::timespec {
-        tv_sec: d.as_secs().min(i32::MAX as u64) as libc::time_t,
-        tv_nsec: d.subsec_nanos() as libc::c_long,
+    use rustix::thread::futex;
+    let timeout = timeout.map(|d| rustix::time::Timespec {
+        tv_sec: d.as_secs().min(i32::MAX as u64) as i64,
+        tv_nsec: d.subsec_nanos() as _,
     });
-    let timeout_ptr = timeout.as_ref().map_or(std::ptr::null(), |t| t as *const libc::timespec);
-    // SAFETY: `word` is a live, aligned 32-bit word for the duration of the call; `timeout_ptr`
-    // is null or points to a timespec that outlives the call. FUTEX_WAIT (not the private
-    // variant: the word is shared between processes) only reads the word.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAIT,
-            expected,
-            timeout_ptr,
-            std::ptr::null::<u32>(),
-            0,
-        )
-    };
+    // Not the private variant: the word is shared between processes. A changed word, a wake,
+    // a signal and a timeout all just return.
+    let _ = futex::wait(word, futex::Flags::empty(), expected, timeout.as_ref());
 }
 
 /// Wakes up to `n` processes or threads sleeping in [`wait`] on `word`.
 pub(crate) fn wake(word: &AtomicU32, n: u32) {
-    let n = n.min(i32::MAX as u32) as libc::c_int;
-    // SAFETY: `word` is a live, aligned 32-bit word; FUTEX_WAKE does not access its memory.
-    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, n, std::ptr::null::<u32>(), 0, 0) };
+    use rustix::thread::futex;
+    let _ = futex::wake(word, futex::Flags::empty(), n.min(i32::MAX as u32));
 }
 
 /// Wakes every sleeper on `word`.
@@ -349,16 +324,14 @@ pub(super) fn pid_namespace() -> u64 {
 /// True when the process `pid`, which started at `start` (0: unknown), has ended: no such
 /// process, a zombie, or the pid now belongs to a process that started at another time.
 pub(super) fn process_gone(pid: u32, start: u64) -> bool {
-    let Ok(pid) = libc::pid_t::try_from(pid) else { return true };
-    if pid <= 0 {
-        // No process has this id (and kill would address a group).
+    // No process has this id (and kill would address a group).
+    let Some(raw) = i32::try_from(pid).ok().filter(|&p| p > 0) else { return true };
+    let Some(target) = rustix::process::Pid::from_raw(raw) else { return true };
+    // Signal 0: sends nothing, only checks that the process exists.
+    if rustix::process::test_kill_process(target) == Err(rustix::io::Errno::SRCH) {
         return true;
     }
-    // SAFETY: signal 0 sends nothing, only checks that the process exists; no memory is passed.
-    if unsafe { libc::kill(pid, 0) } != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
-        return true;
-    }
-    match process_stat(pid as u32) {
+    match process_stat(pid) {
         Some(stat) => matches!(stat.state, 'Z' | 'X' | 'x') || (start != 0 && stat.start != start),
         // Exists (kill said so) but /proc does not show it to us: assume it lives.
         None => false,
@@ -393,7 +366,7 @@ mod tests {
         assert!(process_gone(own_pid(), own_start() + 1), "a pid reused by a later process");
         assert!(process_gone(0, 0));
         assert!(process_gone(u32::MAX, 0));
-        assert!(process_gone(libc::pid_t::MAX as u32, 0));
+        assert!(process_gone(i32::MAX as u32, 0));
     }
 
     #[test]

@@ -313,8 +313,28 @@ pub(crate) fn wait_readable(fds: &[BorrowedFd<'_>], wait: Wait) -> io::Result<Ve
     }
 }
 
+/// Waits until `fd` has one of `events` (or hangs up or fails), or `wait` ends: what it has,
+/// `None` when the wait ended first.
+pub(crate) fn wait_for(fd: BorrowedFd<'_>, events: PollFlags, wait: Wait) -> io::Result<Option<PollFlags>> {
+    let mut polled = [PollFd::from_borrowed_fd(fd, events)];
+    loop {
+        let left = match wait {
+            Wait::Forever => None,
+            Wait::Until(deadline) => Some(deadline.saturating_duration_since(Instant::now())),
+            Wait::Not => Some(Duration::ZERO),
+        };
+        let slice = left.map_or(WAIT_SLICE, |l| l.min(WAIT_SLICE));
+        if poll_once(&mut polled, Some(slice))? > 0 {
+            return Ok(Some(polled[0].revents()));
+        }
+        if left.is_some_and(|l| l <= slice) {
+            return Ok(None);
+        }
+    }
+}
+
 /// One `poll(2)`, `timeout` at most (`None`: no limit); an interrupted poll returns 0.
-fn poll_once(fds: &mut [PollFd<'_>], timeout: Option<Duration>) -> io::Result<usize> {
+pub(crate) fn poll_once(fds: &mut [PollFd<'_>], timeout: Option<Duration>) -> io::Result<usize> {
     let timeout =
         timeout.map(|t| Timespec { tv_sec: t.as_secs().min(i64::MAX as u64) as i64, tv_nsec: t.subsec_nanos() as _ });
     match poll(fds, timeout.as_ref()) {
@@ -470,7 +490,7 @@ mod tests {
 
     #[test]
     fn any_number_of_descriptors_arrive_in_order_in_one_message() {
-        crate::os::raise_descriptor_limit();
+        crate::sys::raise_descriptor_limit();
         let (a, b) = Socket::pair().unwrap();
         for count in [0usize, 1, PACKET_FDS - 1, PACKET_FDS, PACKET_FDS + 1, 700] {
             let files: Vec<OwnedFd> = (0..count).map(|_| bell().unwrap()).collect();

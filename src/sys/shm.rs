@@ -1,0 +1,132 @@
+//! Named POSIX shared-memory objects (`shm_open`): PyTorch's reference-counter files.
+
+use std::ffi::CStr;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicI32, AtomicI64};
+
+use rustix::fs::{fstat, ftruncate, Mode};
+use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
+use rustix::shm;
+
+/// A named POSIX shared-memory object, mapped read-write in full and accessed only through
+/// atomics (other processes write it at any time). Dropping it unmaps it; the object itself
+/// stays until someone unlinks it ([`shm_unlink`]).
+///
+/// Another process that shrinks the object while it is mapped here makes accesses past its new
+/// end fault (`SIGBUS`), as with any shared mapping; the objects cuda-mp maps belong to
+/// cooperating processes (PyTorch's reference counters) that never shrink them, and cannot be
+/// sealed (they are not memory files).
+pub(crate) struct ShmFile {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is owned by the value and lives as long as it; its bytes are only
+// accessed atomically, which concurrent writers (threads or processes) cannot make undefined.
+unsafe impl Send for ShmFile {}
+// SAFETY: as above.
+unsafe impl Sync for ShmFile {}
+
+/// What opening an existing shared-memory object found.
+#[derive(Debug)]
+pub(crate) enum ShmOpen {
+    /// Mapped.
+    Mapped(ShmFile),
+    /// No object of that name.
+    Missing,
+    /// The object holds fewer bytes than asked for (it is left as it is).
+    TooSmall,
+}
+
+fn size_of_fd(fd: &OwnedFd) -> io::Result<u64> {
+    Ok(fstat(fd)?.st_size.max(0) as u64)
+}
+
+impl ShmFile {
+    /// Creates the object `name` (which must not exist yet; mode 0600) with `len` zeroed bytes,
+    /// and maps it. `ErrorKind::AlreadyExists` when the name is taken.
+    pub(crate) fn create(name: &CStr, len: usize) -> io::Result<ShmFile> {
+        let flags = shm::OFlags::CREATE | shm::OFlags::EXCL | shm::OFlags::RDWR;
+        let fd = shm::open(name, flags, Mode::RUSR | Mode::WUSR)?;
+        let mapped = ftruncate(&fd, len as u64).map_err(io::Error::from).and_then(|()| ShmFile::map(&fd, len));
+        if mapped.is_err() {
+            // Nobody else knows the name yet: take it back.
+            let _ = shm_unlink(name);
+        }
+        mapped
+    }
+
+    /// Opens the existing object `name` read-write and maps its first `len` bytes; creates
+    /// nothing and changes nothing when it is missing or smaller.
+    pub(crate) fn open(name: &CStr, len: usize) -> io::Result<ShmOpen> {
+        let fd = match shm::open(name, shm::OFlags::RDWR, Mode::empty()) {
+            Ok(fd) => fd,
+            Err(rustix::io::Errno::NOENT) => return Ok(ShmOpen::Missing),
+            Err(e) => return Err(e.into()),
+        };
+        if size_of_fd(&fd)? < len as u64 {
+            return Ok(ShmOpen::TooSmall);
+        }
+        Ok(ShmOpen::Mapped(ShmFile::map(&fd, len)?))
+    }
+
+    /// Size in bytes of the existing object `name`, or None when there is none.
+    pub(crate) fn size_of(name: &CStr) -> io::Result<Option<u64>> {
+        match shm::open(name, shm::OFlags::RDONLY, Mode::empty()) {
+            Ok(fd) => size_of_fd(&fd).map(Some),
+            Err(rustix::io::Errno::NOENT) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Maps the first `len` bytes (at least one) of `fd`, shared and read-write.
+    fn map(fd: &OwnedFd, len: usize) -> io::Result<ShmFile> {
+        if len == 0 {
+            return Err(io::Error::from(io::ErrorKind::InvalidInput));
+        }
+        // SAFETY: a fresh mapping chosen by the kernel (no address hint) of an open descriptor;
+        // the descriptor may be closed afterwards, the mapping stays; nothing else refers to
+        // that address range.
+        let ptr =
+            unsafe { mmap(std::ptr::null_mut(), len, ProtFlags::READ | ProtFlags::WRITE, MapFlags::SHARED, fd, 0) }?;
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
+        Ok(ShmFile { ptr, len })
+    }
+
+    /// The 32-bit cell at byte `offset`, if aligned and inside the mapping.
+    pub(crate) fn i32_at(&self, offset: usize) -> Option<&AtomicI32> {
+        let inside = offset.is_multiple_of(4) && offset.checked_add(4).is_some_and(|end| end <= self.len);
+        // SAFETY: inside the live mapping, which is page-aligned, so the cell is 4-byte aligned
+        // as `AtomicI32` requires; the reference lives no longer than the mapping (`&self`), and
+        // the memory is only ever accessed atomically.
+        inside.then(|| unsafe { AtomicI32::from_ptr(self.ptr.as_ptr().add(offset).cast()) })
+    }
+
+    /// The 64-bit cell at byte `offset`, if aligned and inside the mapping.
+    pub(crate) fn i64_at(&self, offset: usize) -> Option<&AtomicI64> {
+        let inside = offset.is_multiple_of(8) && offset.checked_add(8).is_some_and(|end| end <= self.len);
+        // SAFETY: as for `i32_at`, with 8-byte alignment.
+        inside.then(|| unsafe { AtomicI64::from_ptr(self.ptr.as_ptr().add(offset).cast()) })
+    }
+}
+
+impl Drop for ShmFile {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` and `len` are exactly the mapping made in `map`; no reference into it
+        // outlives `self`.
+        let _ = unsafe { munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+impl std::fmt::Debug for ShmFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmFile").field("len", &self.len).finish_non_exhaustive()
+    }
+}
+
+/// Removes the shared-memory object `name` (processes that have it mapped keep their mapping).
+pub(crate) fn shm_unlink(name: &CStr) -> io::Result<()> {
+    Ok(shm::unlink(name)?)
+}
