@@ -149,6 +149,89 @@ impl From<RecvTimeoutError> for Error {
 /// ```
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// An operating-system error inside one of the channel, queue and select errors (their
+/// `source()`): the [`std::io::Error`] itself is its own `source()` (and
+/// [`io_error`](Self::io_error)), and clones of the error share it.
+///
+/// ```
+/// use std::error::Error;
+/// let (tx, rx) = cuda_mp::channel::<u8>().unwrap();
+/// let err = cuda_mp::RecvError::Io(std::io::Error::other("gone").into());
+/// let failure = err.source().unwrap().downcast_ref::<cuda_mp::IoFailure>().unwrap();
+/// assert_eq!(failure.kind(), std::io::ErrorKind::Other);
+/// assert_eq!(failure.io_error().to_string(), "gone");
+/// let io = failure.source().unwrap().downcast_ref::<std::io::Error>().unwrap();
+/// assert_eq!(io.to_string(), "gone");
+/// # drop((tx, rx));
+/// ```
+#[derive(Clone)]
+pub struct IoFailure(std::sync::Arc<std::io::Error>);
+
+impl IoFailure {
+    /// An error of kind `Other` that says `text` (what went wrong where no system call failed).
+    pub(crate) fn other(text: impl Into<String>) -> IoFailure {
+        IoFailure::from(std::io::Error::other(text.into()))
+    }
+
+    /// The same kind of error as `e`, saying `text` first.
+    pub(crate) fn context(e: &std::io::Error, text: &str) -> IoFailure {
+        IoFailure::from(std::io::Error::new(e.kind(), format!("{text}: {e}")))
+    }
+
+    /// The kind of the operating-system error.
+    ///
+    /// ```
+    /// let f: cuda_mp::IoFailure = std::io::Error::from(std::io::ErrorKind::BrokenPipe).into();
+    /// assert_eq!(f.kind(), std::io::ErrorKind::BrokenPipe);
+    /// ```
+    pub fn kind(&self) -> std::io::ErrorKind {
+        self.0.kind()
+    }
+
+    /// The operating-system error.
+    ///
+    /// ```
+    /// let f: cuda_mp::IoFailure = std::io::Error::other("x").into();
+    /// assert_eq!(f.io_error().to_string(), "x");
+    /// ```
+    pub fn io_error(&self) -> &std::io::Error {
+        &self.0
+    }
+}
+
+impl From<std::io::Error> for IoFailure {
+    fn from(e: std::io::Error) -> IoFailure {
+        IoFailure(std::sync::Arc::new(e))
+    }
+}
+
+impl fmt::Debug for IoFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl fmt::Display for IoFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&*self.0, f)
+    }
+}
+
+/// Equal when of the same kind and saying the same.
+impl PartialEq for IoFailure {
+    fn eq(&self, other: &IoFailure) -> bool {
+        self.kind() == other.kind() && self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl Eq for IoFailure {}
+
+impl std::error::Error for IoFailure {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
+    }
+}
+
 /// Why a send failed.
 ///
 /// ```
@@ -165,7 +248,7 @@ pub enum SendFailure {
     /// The value could not be serialized (for example a GPU tensor could not be exported).
     Serialize(String),
     /// The operating system refused the message.
-    Io(String),
+    Io(IoFailure),
     /// This process is out of file descriptors (the limit is given).
     OutOfDescriptors {
         /// The process's soft limit on open descriptors.
@@ -266,7 +349,14 @@ impl<T> fmt::Display for SendError<T> {
     }
 }
 
-impl<T> std::error::Error for SendError<T> {}
+impl<T> std::error::Error for SendError<T> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match &self.failure {
+            SendFailure::Io(e) => Some(e),
+            _ => None,
+        }
+    }
+}
 
 /// A failed [`try_send`](crate::Sender::try_send); the value comes back with
 /// [`into_inner`](Self::into_inner).
@@ -498,7 +588,7 @@ pub enum SelectError {
     NoReceivers,
     /// The operating system reported an error.
     #[error("failed to wait for the receivers: {0}")]
-    Io(String),
+    Io(#[source] IoFailure),
 }
 
 /// A failed [`Select::select_timeout`](crate::Select::select_timeout).
@@ -523,7 +613,7 @@ pub enum SelectTimeoutError {
     NoReceivers,
     /// The operating system reported an error.
     #[error("failed to wait for the receivers: {0}")]
-    Io(String),
+    Io(#[source] IoFailure),
 }
 
 impl SelectTimeoutError {
@@ -560,7 +650,7 @@ pub enum RecvError {
     Malformed(String),
     /// The operating system reported an error.
     #[error("failed to receive: {0}")]
-    Io(String),
+    Io(#[source] IoFailure),
     /// This process is out of file descriptors (the limit is given); the message is lost and
     /// its resources released.
     #[error("out of file descriptors: this process may open at most {limit}")]
@@ -592,7 +682,7 @@ pub enum TryRecvError {
     Malformed(String),
     /// The operating system reported an error.
     #[error("failed to receive: {0}")]
-    Io(String),
+    Io(#[source] IoFailure),
     /// This process is out of file descriptors (the limit is given); the message is lost and
     /// its resources released.
     #[error("out of file descriptors: this process may open at most {limit}")]
@@ -624,7 +714,7 @@ pub enum RecvTimeoutError {
     Malformed(String),
     /// The operating system reported an error.
     #[error("failed to receive: {0}")]
-    Io(String),
+    Io(#[source] IoFailure),
     /// This process is out of file descriptors (the limit is given); the message is lost and
     /// its resources released.
     #[error("out of file descriptors: this process may open at most {limit}")]

@@ -84,8 +84,8 @@ pub use channel::{
 pub use cuda_mp_macros::main;
 pub use dtype::{DType, Element};
 pub use error::{
-    Error, JoinError, PanicReport, RecvError, RecvTimeoutError, Result, SelectError, SelectTimeoutError, SendError,
-    SendFailure, SendTimeoutError, TryRecvError, TrySendError,
+    Error, IoFailure, JoinError, PanicReport, RecvError, RecvTimeoutError, Result, SelectError, SelectTimeoutError,
+    SendError, SendFailure, SendTimeoutError, TryRecvError, TrySendError,
 };
 pub use gpu::{
     cuda_available, nccl_library, torch_ipc_stats, Bundle, BundleBuilder, BundleEntry, Device, GpuMemoryKind,

@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::channel::{channel, Receiver, Sender};
-use crate::error::{Error, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError};
+use crate::error::{Error, IoFailure, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError};
 use crate::fork::ForkLocal;
 
 use dispatch::{Ctl, Event, Failure, Join, Reply, Slot};
@@ -445,7 +445,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Queue<T> {
 enum Fault {
     Disconnected,
     Malformed(String),
-    Io(String),
+    Io(IoFailure),
     OutOfDescriptors(u64),
     /// The dispatcher could not send the message meant for this request (the consumer is
     /// still in step with it).
@@ -458,7 +458,7 @@ impl From<RecvError> for Fault {
             RecvError::Disconnected => Fault::Disconnected,
             RecvError::Malformed(m) => Fault::Malformed(m),
             RecvError::OutOfDescriptors { limit } => Fault::OutOfDescriptors(limit),
-            other => Fault::Io(other.to_string()),
+            RecvError::Io(e) => Fault::Io(e),
         }
     }
 }
@@ -469,7 +469,8 @@ impl From<TryRecvError> for Fault {
             TryRecvError::Disconnected => Fault::Disconnected,
             TryRecvError::Malformed(m) => Fault::Malformed(m),
             TryRecvError::OutOfDescriptors { limit } => Fault::OutOfDescriptors(limit),
-            other => Fault::Io(other.to_string()),
+            TryRecvError::Io(e) => Fault::Io(e),
+            other => Fault::Io(IoFailure::other(other.to_string())),
         }
     }
 }
@@ -480,7 +481,8 @@ impl From<RecvTimeoutError> for Fault {
             RecvTimeoutError::Disconnected => Fault::Disconnected,
             RecvTimeoutError::Malformed(m) => Fault::Malformed(m),
             RecvTimeoutError::OutOfDescriptors { limit } => Fault::OutOfDescriptors(limit),
-            other => Fault::Io(other.to_string()),
+            RecvTimeoutError::Io(e) => Fault::Io(e),
+            other => Fault::Io(IoFailure::other(other.to_string())),
         }
     }
 }
@@ -489,19 +491,21 @@ fn send_fault(f: &SendFailure) -> Fault {
     match f {
         SendFailure::Disconnected => Fault::Disconnected,
         SendFailure::OutOfDescriptors { limit } => Fault::OutOfDescriptors(*limit),
-        other => Fault::Io(other.to_string()),
+        SendFailure::Io(e) => Fault::Io(e.clone()),
+        other => Fault::Io(IoFailure::other(other.to_string())),
     }
 }
 
 fn error_fault(e: Error) -> Fault {
     match e {
         Error::OutOfDescriptors { limit } => Fault::OutOfDescriptors(limit),
-        other => Fault::Io(other.to_string()),
+        Error::Io(e) => Fault::Io(e.into()),
+        other => Fault::Io(IoFailure::other(other.to_string())),
     }
 }
 
 fn out_of_turn() -> Fault {
-    Fault::Io("the queue's dispatcher answered out of turn".into())
+    Fault::Io(IoFailure::other("the queue's dispatcher answered out of turn"))
 }
 
 impl<T: Serialize + DeserializeOwned + Send + 'static> Endpoint<T> {
@@ -564,7 +568,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Endpoint<T> {
     ) -> std::result::Result<Reply<T>, Fault> {
         loop {
             let Some(reply) = self.read(timeout)? else {
-                return Err(Fault::Io("the queue's dispatcher did not answer".into()));
+                return Err(Fault::Io(IoFailure::other("the queue's dispatcher did not answer")));
             };
             if self.asked > 0 && matches!(reply, Reply::Item(_) | Reply::Closed | Reply::Failed(_)) {
                 let reply = self.counted(reply)?;
@@ -660,7 +664,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
         let ahead = self.prefetch;
         self.exchange(|e| match e.next(ahead, None)? {
             Some(reply) => e.deliver(reply, ahead),
-            None => Err(Fault::Io("a receive without limit returned nothing".into())),
+            None => Err(Fault::Io(IoFailure::other("a receive without limit returned nothing"))),
         })
         .map_err(GetError::from)
     }
@@ -811,7 +815,7 @@ pub enum GetError {
     Malformed(String),
     /// The operating system reported an error.
     #[error("failed to get: {0}")]
-    Io(String),
+    Io(#[source] IoFailure),
     /// A process is out of file descriptors (this one, or the queue's for a message it could
     /// not forward, which stays queued); the limit is given.
     #[error("out of file descriptors: this process may open at most {limit}")]
@@ -843,7 +847,7 @@ pub enum TryGetError {
     Malformed(String),
     /// The operating system reported an error.
     #[error("failed to get: {0}")]
-    Io(String),
+    Io(#[source] IoFailure),
     /// As [`GetError::OutOfDescriptors`].
     #[error("out of file descriptors: this process may open at most {limit}")]
     OutOfDescriptors {
@@ -875,7 +879,7 @@ pub enum GetTimeoutError {
     Malformed(String),
     /// The operating system reported an error.
     #[error("failed to get: {0}")]
-    Io(String),
+    Io(#[source] IoFailure),
     /// As [`GetError::OutOfDescriptors`].
     #[error("out of file descriptors: this process may open at most {limit}")]
     OutOfDescriptors {
@@ -887,7 +891,9 @@ pub enum GetTimeoutError {
 fn forward_text(f: Failure) -> Fault {
     match f {
         Failure::Discarded(m) => Fault::Malformed(format!("the queue could not forward a message and dropped it: {m}")),
-        Failure::Io(m) => Fault::Io(format!("the queue could not forward a message (it stays queued): {m}")),
+        Failure::Io(m) => {
+            Fault::Io(IoFailure::other(format!("the queue could not forward a message (it stays queued): {m}")))
+        }
         Failure::OutOfDescriptors(limit) => Fault::OutOfDescriptors(limit),
     }
 }

@@ -21,7 +21,7 @@ use serde::de::DeserializeOwned;
 
 use super::inbox::{Missing, Readiness, Wait};
 use super::Receiver;
-use crate::error::RecvError;
+use crate::error::{IoFailure, RecvError};
 use crate::fork::ForkLocal;
 use crate::sys::Socket;
 
@@ -145,7 +145,11 @@ fn poll_recv<T: DeserializeOwned>(
 ) -> Poll<Result<T, RecvError>> {
     let poller = match poller() {
         Some(p) => p,
-        None => return Poll::Ready(Err(RecvError::Io("cannot start the thread that waits for async receives".into()))),
+        None => {
+            return Poll::Ready(Err(RecvError::Io(IoFailure::other(
+                "cannot start the thread that waits for async receives",
+            ))))
+        }
     };
     let fd = match rx.try_lock() {
         Some(mut inbox) => match inbox.receive(&rx.gauge, Wait::Not) {
@@ -177,7 +181,7 @@ fn poll_recv<T: DeserializeOwned>(
         }
         None => {
             poller.deregister(registration);
-            Poll::Ready(Err(RecvError::Io("this channel has no descriptor this process can wait on".into())))
+            Poll::Ready(Err(RecvError::Io(IoFailure::other("this channel has no descriptor this process can wait on"))))
         }
     }
 }

@@ -9,7 +9,7 @@ use serde::de::DeserializeOwned;
 
 use super::frame::{self, Incoming, SMALL_COST};
 use super::gauge::Gauge;
-use crate::error::RecvError;
+use crate::error::{IoFailure, RecvError};
 use crate::sys::Socket;
 pub(super) use crate::sys::Wait;
 use crate::sys::{descriptor_limit, near_descriptor_limit};
@@ -79,7 +79,7 @@ fn read<T: DeserializeOwned>(socket: &Socket, buf: &mut [u8], wait: Wait) -> Res
         Err(e) if matches!(e.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::NotConnected) => {
             Err(Missing::Failed(RecvError::Disconnected))
         }
-        Err(e) => Err(failed(RecvError::Io(e.to_string()))),
+        Err(e) => Err(failed(RecvError::Io(IoFailure::from(e)))),
     }
 }
 

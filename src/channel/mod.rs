@@ -29,7 +29,8 @@ use self::gauge::{Gauge, NoPlace, MAX_CAPACITY};
 use self::inbox::{Inbox, Missing, Readiness, Wait};
 use self::outbox::Outbox;
 use crate::error::{
-    Error, RecvError, RecvTimeoutError, Result, SendError, SendFailure, SendTimeoutError, TryRecvError, TrySendError,
+    Error, IoFailure, RecvError, RecvTimeoutError, Result, SendError, SendFailure, SendTimeoutError, TryRecvError,
+    TrySendError,
 };
 use crate::sys::{Listening, MemoryFile, Socket};
 use crate::wire::{self, Carried, Held};
@@ -188,7 +189,7 @@ impl<T: Serialize> Sender<T> {
             Refused::Failed(failure) => SendError::new(value, failure),
             // A wait without limit is neither full nor timed out.
             Refused::Full | Refused::Timeout => {
-                SendError::new(value, SendFailure::Io("the channel stayed full".into()))
+                SendError::new(value, SendFailure::Io(IoFailure::other("the channel stayed full")))
             }
         })
     }
@@ -454,7 +455,7 @@ impl<T: DeserializeOwned> Receiver<T> {
         match self.lock().receive(&self.gauge, Wait::Forever) {
             Ok(v) => Ok(v),
             Err(Missing::Failed(e)) => Err(e),
-            Err(Missing::Empty) => Err(RecvError::Io("a receive without limit returned nothing".into())),
+            Err(Missing::Empty) => Err(RecvError::Io(IoFailure::other("a receive without limit returned nothing"))),
         }
     }
 

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use super::frame::{FrameOut, SMALL_COST};
 use super::gauge::Gauge;
-use crate::error::SendFailure;
+use crate::error::{IoFailure, SendFailure};
 use crate::fork::ForkLocal;
 use crate::os::{catch_quietly, wait_slice};
 use crate::sys::{descriptor_limit, out_of_descriptors};
@@ -132,7 +132,7 @@ pub(super) fn failure(e: io::Error) -> SendFailure {
     if is_disconnect(&e) {
         SendFailure::Disconnected
     } else {
-        SendFailure::Io(e.to_string())
+        SendFailure::Io(IoFailure::from(e))
     }
 }
 
@@ -257,7 +257,9 @@ impl Outbox {
                 return Err(SendFailure::Disconnected);
             }
             let (tx, rx) = Socket::pair().map_err(|e| match failure(e) {
-                SendFailure::Io(e) => SendFailure::Io(format!("cannot make a batch for the backlog: {e}")),
+                SendFailure::Io(e) => {
+                    SendFailure::Io(IoFailure::context(e.io_error(), "cannot make a batch for the backlog"))
+                }
                 other => other,
             })?;
             // Within the limit of the channel's socket at least, whose frames all fit.
@@ -268,8 +270,9 @@ impl Outbox {
             self.start_feeder()?;
             backlog.feeder = true;
         }
-        let batch = backlog.open.as_mut().ok_or_else(|| SendFailure::Io("the backlog lost its batch".into()))?;
-        let tx = batch.tx.as_ref().ok_or_else(|| SendFailure::Io("the backlog's batch is closed".into()))?;
+        let batch =
+            backlog.open.as_mut().ok_or_else(|| SendFailure::Io(IoFailure::other("the backlog lost its batch")))?;
+        let tx = batch.tx.as_ref().ok_or_else(|| SendFailure::Io(IoFailure::other("the backlog's batch is closed")))?;
         // Nobody reads the batch before its redirect, and its frames stay within the socket's
         // limit: this write does not wait.
         write_frame(tx, &frame, fds)?;
@@ -308,7 +311,9 @@ impl Outbox {
                 }
             })
             .map(drop)
-            .map_err(|e| SendFailure::Io(format!("cannot start the thread that feeds the channel: {e}")))
+            .map_err(|e| {
+                SendFailure::Io(IoFailure::other(format!("cannot start the thread that feeds the channel: {e}")))
+            })
     }
 
     /// The feeder: hands the backlog's batches on to the receiver, oldest first, each by a

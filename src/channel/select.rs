@@ -9,7 +9,7 @@ use serde::de::DeserializeOwned;
 
 use super::inbox::{Readiness, Wait};
 use super::Receiver;
-use crate::error::{SelectError, SelectTimeoutError};
+use crate::error::{IoFailure, SelectError, SelectTimeoutError};
 use crate::sys::Socket;
 
 /// What `Select` asks of a receiver of any message type.
@@ -153,7 +153,7 @@ impl<'a> Select<'a> {
         self.wait(None).map_err(|e| match e {
             SelectTimeoutError::NoReceivers => SelectError::NoReceivers,
             SelectTimeoutError::Io(m) => SelectError::Io(m),
-            SelectTimeoutError::Timeout => SelectError::Io("a wait without limit timed out".into()),
+            SelectTimeoutError::Timeout => SelectError::Io(IoFailure::other("a wait without limit timed out")),
         })
     }
 
@@ -189,15 +189,16 @@ impl<'a> Select<'a> {
                     Some(Readiness::Ready) => return Ok(self.chosen(i)),
                     Some(Readiness::Wait(fd)) => waits.push((i, fd)),
                     None => {
-                        return Err(SelectTimeoutError::Io(format!(
+                        return Err(SelectTimeoutError::Io(IoFailure::other(format!(
                             "receiver {i} has no descriptor this process can wait on"
-                        )))
+                        ))))
                     }
                 }
             }
             let fds: Vec<_> = waits.iter().map(|(_, fd)| fd.as_fd()).collect();
             let wait = deadline.map_or(Wait::Forever, Wait::Until);
-            let ready = crate::sys::wait_readable(&fds, wait).map_err(|e| SelectTimeoutError::Io(e.to_string()))?;
+            let ready =
+                crate::sys::wait_readable(&fds, wait).map_err(|e| SelectTimeoutError::Io(IoFailure::from(e)))?;
             if let Some(&(i, _)) = waits.iter().zip(&ready).find(|(_, &r)| r).map(|(w, _)| w) {
                 return Ok(self.chosen(i));
             }

@@ -20,7 +20,7 @@ pub(crate) use codec::{decode_tensor, encode_tensor, is_decoding, is_encoding, r
 
 use self::codec::{Budget, Incoming, Outgoing};
 use crate::channel::{Listener, Receiver, Sender};
-use crate::error::{Error, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError};
+use crate::error::{Error, IoFailure, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError};
 use crate::gpu::{Communicator, Device, GpuStorage, UniqueId};
 use crate::os::catch_quietly;
 use crate::profile::{self, Phase};
@@ -758,7 +758,9 @@ impl NetSender {
             }
         }
         let setup = match (needs_comm, &self.comm, device) {
-            (true, None, Some(device)) => Some((UniqueId::new().map_err(|e| SendFailure::Io(e.to_string()))?, device)),
+            (true, None, Some(device)) => {
+                Some((UniqueId::new().map_err(|e| SendFailure::Io(IoFailure::other(e.to_string())))?, device))
+            }
             _ => None,
         };
         let result = self.transmit(message, &outgoing, &gpu, setup);
@@ -779,8 +781,10 @@ impl NetSender {
         let deadline = Instant::now() + timeout;
         let failed = |e: io::Error| match e.kind() {
             io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => SendFailure::Disconnected,
-            io::ErrorKind::TimedOut => SendFailure::Io(format!("timed out after {timeout:?} writing to the peer")),
-            _ => SendFailure::Io(e.to_string()),
+            io::ErrorKind::TimedOut => {
+                SendFailure::Io(IoFailure::other(format!("timed out after {timeout:?} writing to the peer")))
+            }
+            _ => SendFailure::Io(IoFailure::from(e)),
         };
         let needs_comm = gpu.iter().any(|r| !r.is_empty());
         if let Some((id, device)) = setup {
@@ -816,7 +820,10 @@ impl NetSender {
                 Ok(1) if ack[0] == ACK => {}
                 Ok(0) => return Err(SendFailure::Disconnected),
                 Ok(_) => {
-                    return Err(SendFailure::Io(format!("the receiver answered {:#x}, not an acknowledgement", ack[0])))
+                    return Err(SendFailure::Io(IoFailure::other(format!(
+                        "the receiver answered {:#x}, not an acknowledgement",
+                        ack[0]
+                    ))))
                 }
                 Err(e) => return Err(failed(e)),
             }
@@ -835,7 +842,7 @@ impl NetSender {
 fn send_failure(e: Error) -> SendFailure {
     match e {
         Error::Recv(RecvError::Disconnected) => SendFailure::Disconnected,
-        e => SendFailure::Io(e.to_string()),
+        e => SendFailure::Io(IoFailure::other(e.to_string())),
     }
 }
 
@@ -884,7 +891,7 @@ impl<T: Serialize + DeserializeOwned> RemoteReceiver<T> {
     /// return [`RecvError::Disconnected`].
     pub fn recv(&self) -> std::result::Result<T, RecvError> {
         self.recv_until(None)
-            .map_err(|e| e.failure().unwrap_or_else(|| RecvError::Io("timed out without a deadline".into())))
+            .map_err(|e| e.failure().unwrap_or_else(|| RecvError::Io(IoFailure::other("timed out without a deadline"))))
     }
 
     /// Waits for the next message until `timeout` has passed. A message whose frame is
@@ -970,7 +977,7 @@ impl NetReceiver {
                             RecvTimeoutError::Malformed(e.to_string())
                         }
                         io::ErrorKind::ConnectionReset => RecvTimeoutError::Disconnected,
-                        _ => RecvTimeoutError::Io(e.to_string()),
+                        _ => RecvTimeoutError::Io(IoFailure::from(e)),
                     })
                 }
             };
@@ -1061,11 +1068,11 @@ impl NetReceiver {
         for arrival in &incoming {
             if let Incoming::Host(storage, len) = arrival {
                 sys::read_host(&self.stream, storage, *len, deadline).map_err(|e| match e.kind() {
-                    io::ErrorKind::TimedOut => {
-                        RecvTimeoutError::Io(format!("a host tensor did not arrive within {timeout:?}"))
-                    }
+                    io::ErrorKind::TimedOut => RecvTimeoutError::Io(IoFailure::other(format!(
+                        "a host tensor did not arrive within {timeout:?}"
+                    ))),
                     io::ErrorKind::UnexpectedEof => RecvTimeoutError::Malformed(e.to_string()),
-                    _ => RecvTimeoutError::Io(e.to_string()),
+                    _ => RecvTimeoutError::Io(IoFailure::from(e)),
                 })?;
             }
         }
@@ -1120,7 +1127,7 @@ fn recv_error(e: Error) -> RecvTimeoutError {
     match e {
         Error::Malformed(m) => RecvTimeoutError::Malformed(m),
         Error::Recv(RecvError::Disconnected) => RecvTimeoutError::Disconnected,
-        e => RecvTimeoutError::Io(e.to_string()),
+        e => RecvTimeoutError::Io(IoFailure::other(e.to_string())),
     }
 }
 
