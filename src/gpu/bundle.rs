@@ -20,8 +20,8 @@ use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::lifetime::StorageId;
-use crate::net;
 use crate::profile::{self, Phase};
+use crate::storage::remote;
 use crate::tensor::{DynTensor, Tensor};
 use crate::wire::{decode_error, encode_error};
 
@@ -433,11 +433,11 @@ impl Serialize for Bundle {
             .table
             .get_or_try_init(|| postcard::to_allocvec(&*self.entries))
             .map_err(|e| encode_error(Error::Malformed(format!("bundle table: {e}"))))?;
-        if net::is_encoding() {
+        if remote::is_encoding() {
             // To another host: the table, and each allocation's bytes by NCCL.
             let mut chunks = Vec::with_capacity(self.chunks.len());
             for chunk in self.chunks.iter() {
-                net::send_gpu(chunk.clone(), 0, chunk.byte_len()).map_err(encode_error)?;
+                remote::send_gpu(chunk.clone(), 0, chunk.byte_len()).map_err(encode_error)?;
                 chunks.push(chunk.byte_len() as u64);
             }
             return RemoteBundleRef { chunks, table }.serialize(serializer);
@@ -477,13 +477,13 @@ fn decode_remote(wire: RemoteBundle) -> Result<Bundle> {
         .collect::<Result<_>>()?;
     // Checked before anything is allocated: a forged table costs no GPU memory.
     let entries = parse_table(&wire.table, &lens)?;
-    let chunks: Vec<Arc<GpuStorage>> = lens.iter().map(|&len| net::receive_gpu(len)).collect::<Result<_>>()?;
+    let chunks: Vec<Arc<GpuStorage>> = lens.iter().map(|&len| remote::receive_gpu(len)).collect::<Result<_>>()?;
     Ok(Bundle { chunks: chunks.into(), entries, table: Arc::new(OnceCell::with_value(wire.table)) })
 }
 
 impl<'de> Deserialize<'de> for Bundle {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        if net::is_decoding() {
+        if remote::is_decoding() {
             return decode_remote(RemoteBundle::deserialize(deserializer)?).map_err(decode_error);
         }
         profile::timed(Phase::Decode, || {

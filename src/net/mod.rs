@@ -2,7 +2,6 @@
 //! to it. On one host the pair is an ordinary cuda-mp channel (tensors shared, not copied); across
 //! hosts messages travel on the TCP connection and GPU bytes by NCCL. See `README.md` here.
 
-mod codec;
 mod sys;
 
 use std::collections::VecDeque;
@@ -16,14 +15,12 @@ use std::time::{Duration, Instant};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-pub(crate) use codec::{decode_tensor, encode_tensor, is_decoding, is_encoding, receive_gpu, send_gpu};
-
-use self::codec::{Budget, Incoming, Outgoing};
 use crate::channel::{Listener, Receiver, Sender};
 use crate::error::{Error, IoFailure, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError};
 use crate::gpu::{Communicator, Device, GpuStorage, UniqueId};
 use crate::os::catch_quietly;
 use crate::profile::{self, Phase};
+use crate::storage::remote::{self as codec, Budget, Incoming, Outgoing};
 use crate::wire;
 
 /// The version of the remote protocol; both ends must speak the same.

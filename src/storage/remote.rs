@@ -1,4 +1,5 @@
-//! How tensors are written for a peer on another host: the serde side of the remote transport.
+//! How tensors are written for a peer on another host: the serde side of the remote transport
+//! (`src/net/`), beside the storage seam whose serde implementations ask it first.
 //!
 //! A remote send serializes its message inside [`encode`]; there, a tensor writes only its
 //! dtype and shape ([`RemoteTensor`]) and leaves its bytes in this thread's list of transfers

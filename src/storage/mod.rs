@@ -9,6 +9,8 @@
 //! unpublishes it (receivers may no longer cache it); of imported memory, parks it in the idle
 //! cache or closes it. See docs/architecture.md, "Adding a storage kind".
 
+pub(crate) mod remote;
+
 use std::fmt;
 use std::sync::Arc;
 
@@ -18,7 +20,6 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::lifetime::{self, AnyStorage, CacheTicket, Cover, Lease, LeaseMode, LiveStorage, LocalStorage, StorageId};
-use crate::net;
 use crate::profile::{self, Phase};
 use crate::tensor::{DynTensor, Tensor, TensorWire};
 use crate::wire;
@@ -291,8 +292,8 @@ fn local<S: Shared>(id: StorageId) -> Result<Arc<S>> {
 
 impl<T: Element, S: Shared> Serialize for Tensor<T, S> {
     fn serialize<Se: Serializer>(&self, serializer: Se) -> std::result::Result<Se::Ok, Se::Error> {
-        if net::is_encoding() {
-            return net::encode_tensor(&self.storage, T::DTYPE, &self.layout, serializer);
+        if remote::is_encoding() {
+            return remote::encode_tensor(&self.storage, T::DTYPE, &self.layout, serializer);
         }
         let record = export(&self.storage, false).map_err(wire::encode_error)?;
         TensorWire::new::<T>(&self.layout, record).serialize(serializer)
@@ -301,8 +302,8 @@ impl<T: Element, S: Shared> Serialize for Tensor<T, S> {
 
 impl<'de, T: Element, S: Shared> Deserialize<'de> for Tensor<T, S> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        if net::is_decoding() {
-            let t = net::decode_tensor::<S, D>(deserializer, Some(T::DTYPE))?;
+        if remote::is_decoding() {
+            let t = remote::decode_tensor::<S, D>(deserializer, Some(T::DTYPE))?;
             return Ok(Tensor::from_parts(t.storage, t.layout));
         }
         let wire = TensorWire::<Record<<S::Kind as StorageKind>::Wire>>::deserialize(deserializer)?;
@@ -312,8 +313,8 @@ impl<'de, T: Element, S: Shared> Deserialize<'de> for Tensor<T, S> {
 
 impl<S: Shared> Serialize for DynTensor<S> {
     fn serialize<Se: Serializer>(&self, serializer: Se) -> std::result::Result<Se::Ok, Se::Error> {
-        if net::is_encoding() {
-            return net::encode_tensor(&self.storage, self.dtype, &self.layout, serializer);
+        if remote::is_encoding() {
+            return remote::encode_tensor(&self.storage, self.dtype, &self.layout, serializer);
         }
         let record = export(&self.storage, false).map_err(wire::encode_error)?;
         TensorWire::of_dtype(self.dtype, &self.layout, record).serialize(serializer)
@@ -322,8 +323,8 @@ impl<S: Shared> Serialize for DynTensor<S> {
 
 impl<'de, S: Shared> Deserialize<'de> for DynTensor<S> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        if net::is_decoding() {
-            return net::decode_tensor::<S, D>(deserializer, None);
+        if remote::is_decoding() {
+            return remote::decode_tensor::<S, D>(deserializer, None);
         }
         let wire = TensorWire::<Record<<S::Kind as StorageKind>::Wire>>::deserialize(deserializer)?;
         decode_dyn(wire, None, None).map_err(wire::decode_error)
