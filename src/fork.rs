@@ -13,21 +13,36 @@
 //! the child's copy of memory (never dropped there: dropping them would free or unmap what the
 //! parent owns, or send on the parent's behalf). Their descriptors stay open in the child until
 //! it exits, like every descriptor a fork inherits, except the parent's lease channels, which
-//! the child handler closes at once (`lifetime::close_inherited_leases`): open, they would keep
-//! the parent's storages claimed for the child's whole life.
+//! the child handler closes at once (the hook the lifetime registry registers here,
+//! [`on_fork_child`]): open, they would keep the parent's storages claimed for the child's
+//! whole life.
 
 use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
+use std::sync::OnceLock;
 
 /// Bumped in every forked child, before `fork` returns there.
 static GENERATION: AtomicU64 = AtomicU64::new(0);
+
+/// What the child handler runs after bumping the generation.
+static CHILD_HOOK: OnceLock<fn()> = OnceLock::new();
+
+/// Runs `hook` in every later forked child, in its handler (so it must not block on a lock the
+/// parent's other threads may have held, nor allocate where that could deadlock). One hook per
+/// process; a second registration is ignored.
+pub(crate) fn on_fork_child(hook: fn()) {
+    generation();
+    let _ = CHILD_HOOK.set(hook);
+}
 
 extern "C" fn forked_child() {
     // In the child's only thread, before `fork` returns there.
     GENERATION.fetch_add(1, Ordering::SeqCst);
     // The parent's lease channels must not stay open in the child for as long as it lives
-    // (its memory would be held that long): close this child's copies at once. Nothing may
-    // unwind out of this handler.
-    let _ = std::panic::catch_unwind(crate::lifetime::close_inherited_leases);
+    // (its memory would be held that long): the lifetime registry's hook closes this child's
+    // copies at once. Nothing may unwind out of this handler.
+    if let Some(hook) = CHILD_HOOK.get() {
+        let _ = std::panic::catch_unwind(*hook);
+    }
 }
 
 /// This process's generation: 0 in a process started fresh (or spawned, or exec'd), one more

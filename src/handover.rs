@@ -25,7 +25,9 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::fork::ForkLocal;
 use crate::sys::{Listening, Wait};
-use crate::wire::{self, Held, SpawnTicket};
+
+use crate::sys::{borrow_all, Held};
+use serde::{Deserialize, Serialize};
 
 /// How long a deposit of spawn arguments waits for its child.
 const ARGUMENT_TTL: Duration = Duration::from_secs(120);
@@ -35,6 +37,14 @@ const FETCH_WAIT: Duration = Duration::from_secs(30);
 
 /// How often a process at exit looks whether its results were fetched (or its parent died).
 const EXIT_SLICE: Duration = Duration::from_millis(50);
+
+/// Where a spawned child fetches the descriptors of its arguments: a listener of its parent's,
+/// and the secret that names this spawn there.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct SpawnTicket {
+    pub(crate) path: String,
+    pub(crate) token: u128,
+}
 
 struct Deposit {
     fds: Vec<Held>,
@@ -60,7 +70,7 @@ fn start() -> io::Result<Home> {
     let path = crate::sys::private_dir()?.join(format!("home-{:032x}", crate::sys::random_u128()));
     let listening = Listening::bind(&path)?;
     std::thread::Builder::new().name("cuda-mp-handover".into()).spawn(move || serve(listening))?;
-    crate::channel::install_exit_hook();
+    crate::os::at_exit(wait_at_exit_hook);
     Ok(Home { path, deposits: Mutex::new(HashMap::new()), fetched: Condvar::new() })
 }
 
@@ -101,7 +111,7 @@ fn serve(listening: Listening) {
         let token = <[u8; 16]>::try_from(&request.bytes[..]).ok().map(u128::from_le_bytes);
         let deposit = token.and_then(|t| lock(home).remove(&t));
         let _ = match &deposit {
-            Some(d) => socket.send(&[b"ok"], &wire::borrow_all(&d.fds), Wait::Until(Instant::now() + FETCH_WAIT)),
+            Some(d) => socket.send(&[b"ok"], &borrow_all(&d.fds), Wait::Until(Instant::now() + FETCH_WAIT)),
             None => socket.send(&[b"no"], &[], Wait::Not),
         };
         // Dropped only now: the descriptors are in flight, or the fetcher is gone.
@@ -123,9 +133,13 @@ pub(crate) fn fetch(ticket: &SpawnTicket) -> Result<Vec<OwnedFd>> {
     }
 }
 
+extern "C" fn wait_at_exit_hook() {
+    let _ = crate::os::catch_quietly(wait_at_exit);
+}
+
 /// At exit: waits until every result this process deposited has been fetched, for as long as
 /// its parent lives (arguments it deposited are its children's to fetch, not waited for).
-pub(crate) fn wait_at_exit() {
+fn wait_at_exit() {
     let Some(Ok(home)) = HOME.get().get() else { return };
     let parent = rustix::process::getppid();
     let mut deposits = lock(home);

@@ -20,17 +20,17 @@ use std::any::Any;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+pub(crate) use crate::handover::SpawnTicket;
 use crate::sys::Socket;
 
-/// A descriptor held by a message being built, until it is sent.
-pub(crate) type Held = Arc<dyn AsFd + Send + Sync>;
+pub(crate) use crate::sys::Held;
 
 /// A descriptor's place in a message.
 #[derive(Debug, Serialize, Deserialize)]
@@ -39,14 +39,6 @@ pub(crate) struct Carried {
     index: u32,
     /// For spawn arguments: where the child fetches the descriptors.
     spawn: Option<SpawnTicket>,
-}
-
-/// Where a spawned child fetches the descriptors of its arguments: a listener of its parent's,
-/// and the secret that names this spawn there.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct SpawnTicket {
-    pub(crate) path: String,
-    pub(crate) token: u128,
 }
 
 struct Encoding {
@@ -93,10 +85,7 @@ impl std::fmt::Debug for Encoded {
     }
 }
 
-/// The descriptors of `fds`, borrowed for a send.
-pub(crate) fn borrow_all(fds: &[Held]) -> Vec<BorrowedFd<'_>> {
-    fds.iter().map(|fd| fd.as_fd()).collect()
-}
+pub(crate) use crate::sys::borrow_all;
 
 /// Encodes `value` as one message (postcard), collecting its descriptors. The error says why
 /// (a tensor that cannot be exported, say).
@@ -223,7 +212,7 @@ pub(crate) fn carry(fd: Held, dedup: Option<u64>) -> Result<Carried> {
 
 /// Carries a copy of `fd` in the message being encoded.
 #[cfg(any(test, feature = "testing"))]
-fn carry_copy(fd: BorrowedFd<'_>) -> Result<Carried> {
+fn carry_copy(fd: std::os::fd::BorrowedFd<'_>) -> Result<Carried> {
     let copy = fd.try_clone_to_owned().map_err(|e| descriptor_error(e.into()))?;
     carry(Arc::new(copy), None)
 }
@@ -232,7 +221,7 @@ fn carry_copy(fd: BorrowedFd<'_>) -> Result<Carried> {
 /// that carries a descriptor of its own (the test helpers' files).
 #[cfg(any(test, feature = "testing"))]
 pub(crate) fn serialize_fd<S: serde::Serializer>(
-    fd: BorrowedFd<'_>,
+    fd: std::os::fd::BorrowedFd<'_>,
     serializer: S,
 ) -> std::result::Result<S::Ok, S::Error> {
     carry_copy(fd).map_err(encode_error)?.serialize(serializer)

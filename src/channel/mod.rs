@@ -10,7 +10,6 @@ mod outbox;
 mod select;
 
 pub use asynch::{RecvFuture, RecvStream};
-pub(crate) use outbox::install_exit_hook;
 pub use select::Select;
 
 use std::fmt;

@@ -404,7 +404,7 @@ impl Outbox {
 /// Lets the backlogs of this process drain when it exits, as torch's queues join their feeder
 /// threads: a process that returns from `main` (or a spawned worker that returns) first waits
 /// until every message it sent has been handed on, or its receiver is gone.
-pub(crate) fn install_exit_hook() {
+fn install_exit_hook() {
     static INSTALLED: OnceLock<bool> = OnceLock::new();
     INSTALLED.get_or_init(|| crate::os::at_exit(drain_at_exit));
 }
@@ -412,9 +412,7 @@ pub(crate) fn install_exit_hook() {
 extern "C" fn drain_at_exit() {
     let _ = catch_quietly(|| {
         EXITING.store(true, Ordering::SeqCst);
-        flush_all(None);
-        // Results of a spawned function wait for the parent to fetch their descriptors.
-        crate::handover::wait_at_exit();
+        flush_all(None)
     });
 }
 

@@ -61,6 +61,8 @@ static REAPER: ForkLocal<OnceCell<Reaper>> = ForkLocal::new(OnceCell::new);
 /// thread is not there).
 pub(super) fn reaper() -> Result<&'static Reaper> {
     REAPER.get().get_or_try_init(|| {
+        // Before any lease exists: a forked child closes its copies of this process's leases.
+        crate::fork::on_fork_child(super::close_inherited_leases);
         crate::sys::raise_descriptor_limit();
         let epoll = epoll::create(epoll::CreateFlags::CLOEXEC).map_err(|e| io_error(e.into()))?;
         let bell = crate::sys::bell().map_err(io_error)?;

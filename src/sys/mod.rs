@@ -29,8 +29,27 @@ pub(crate) fn random_u128() -> u128 {
             Ok(n) => filled += n,
             Err(rustix::io::Errno::INTR) => {}
             // Not expected on any kernel cuda-mp runs on; a weaker source beats failing.
-            Err(_) => return crate::lifetime::process_token() ^ std::time::Instant::now().elapsed().as_nanos(),
+            Err(_) => return weak_random(),
         }
     }
     u128::from_le_bytes(bytes)
+}
+
+/// A descriptor held by a message being built, until it is sent.
+pub(crate) type Held = std::sync::Arc<dyn std::os::fd::AsFd + Send + Sync>;
+
+/// The descriptors of `fds`, borrowed for a send.
+pub(crate) fn borrow_all(fds: &[Held]) -> Vec<std::os::fd::BorrowedFd<'_>> {
+    fds.iter().map(|fd| fd.as_fd()).collect()
+}
+
+/// Bits from the standard library's per-process random hash keys and the clock: only where
+/// `getrandom` fails.
+fn weak_random() -> u128 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    let hi = h.finish();
+    h.write_u64(hi);
+    ((hi as u128) << 64) | h.finish() as u128
 }
