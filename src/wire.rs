@@ -310,13 +310,25 @@ pub(crate) fn take(carried: Carried) -> Result<OwnedFd> {
 }
 
 /// Takes a socket out of the message being decoded: one that several values of the message
-/// share (a lease) is one socket for all of them.
+/// share (a lease) is one socket for all of them. Checked to be a Unix `SOCK_SEQPACKET`
+/// socket: a channel's end, which this process will read or write frames on.
 pub(crate) fn take_socket(carried: Carried) -> Result<Arc<Socket>> {
+    take_shared(carried, |fd| {
+        Socket::from_fd(fd).map_err(|e| Error::Malformed(format!("a socket slot of the message: {e}")))
+    })
+}
+
+/// Like [`take_socket`], without the check (two system calls per descriptor): a lease, which
+/// this process only holds, and writes small messages to, which fail harmlessly on a
+/// descriptor that is not such a socket.
+pub(crate) fn take_lease_socket(carried: Carried) -> Result<Arc<Socket>> {
+    take_shared(carried, |fd| Ok(Socket::from_fd_unchecked(fd)))
+}
+
+fn take_shared(carried: Carried, make: impl FnOnce(OwnedFd) -> Result<Socket>) -> Result<Arc<Socket>> {
     with_slot(&carried, |slot| match std::mem::replace(slot, Slot::Taken) {
         Slot::Fd(fd) => {
-            let socket = Arc::new(
-                Socket::from_fd(fd).map_err(|e| Error::Malformed(format!("a socket slot of the message: {e}")))?,
-            );
+            let socket = Arc::new(make(fd)?);
             *slot = Slot::Socket(socket.clone());
             Ok(socket)
         }

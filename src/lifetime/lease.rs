@@ -100,7 +100,7 @@ impl Lease {
 
     /// Takes a lease out of the message being decoded.
     fn take(carried: Carried) -> Result<Lease> {
-        Ok(Lease::new(wire::take_socket(carried)?))
+        Ok(Lease::new(wire::take_lease_socket(carried)?))
     }
 }
 
