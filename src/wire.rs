@@ -55,8 +55,10 @@ struct Encoding {
 /// A descriptor of a message being decoded.
 enum Slot {
     Fd(OwnedFd),
-    /// Taken as a socket that several values share (a lease carried once).
+    /// Taken as a socket that several values share.
     Socket(Arc<Socket>),
+    /// Taken as a descriptor that several values share (a lease carried once).
+    Shared(Arc<OwnedFd>),
     Taken,
 }
 
@@ -318,11 +320,24 @@ pub(crate) fn take_socket(carried: Carried) -> Result<Arc<Socket>> {
     })
 }
 
-/// Like [`take_socket`], without the check (two system calls per descriptor): a lease, which
-/// this process only holds, and writes small messages to, which fail harmlessly on a
-/// descriptor that is not such a socket.
-pub(crate) fn take_lease_socket(carried: Carried) -> Result<Arc<Socket>> {
-    take_shared(carried, |fd| Ok(Socket::from_fd_unchecked(fd)))
+/// Takes a descriptor out of the message being decoded that several values of the message may
+/// share (a lease): one descriptor for all of them.
+pub(crate) fn take_shared_fd(carried: Carried) -> Result<Arc<OwnedFd>> {
+    with_slot(&carried, |slot| match std::mem::replace(slot, Slot::Taken) {
+        Slot::Fd(fd) => {
+            let fd = Arc::new(fd);
+            *slot = Slot::Shared(fd.clone());
+            Ok(fd)
+        }
+        Slot::Shared(fd) => {
+            *slot = Slot::Shared(fd.clone());
+            Ok(fd)
+        }
+        other => {
+            *slot = other;
+            Err(Error::Malformed("message refers to a descriptor taken already".into()))
+        }
+    })
 }
 
 fn take_shared(carried: Carried, make: impl FnOnce(OwnedFd) -> Result<Socket>) -> Result<Arc<Socket>> {
@@ -336,7 +351,10 @@ fn take_shared(carried: Carried, make: impl FnOnce(OwnedFd) -> Result<Socket>) -
             *slot = Slot::Socket(socket.clone());
             Ok(socket)
         }
-        Slot::Taken => Err(Error::Malformed("message refers to a descriptor taken already".into())),
+        other => {
+            *slot = other;
+            Err(Error::Malformed("message refers to a descriptor taken already".into()))
+        }
     })
 }
 

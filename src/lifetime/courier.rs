@@ -6,9 +6,9 @@
 //!   that does not read keeps its revocations here, coalesced into one message of many
 //!   indices, tried again every [`RETRY`] and at every new post, while every other subscriber
 //!   is served.
-//! - **Releases** of per-message (host) claims, on lease channels. Every holder shares a lease's
-//!   socket, so it stays blocking (a `Retain` must never be dropped): a release waits on this
-//!   thread, not on the thread that dropped the tensor.
+//! - **Releases** of per-message (host) claims, records on lease pipes. Every holder shares a
+//!   lease's pipe, so its writes wait for room (a `Retain` must never be dropped): a release
+//!   waits on this thread, not on the thread that dropped the tensor.
 //!
 //! Order: a holder's releases keep their order (one thread, first in, first out); a release
 //! cannot overtake the message that brought its claim (it is posted after that message was
@@ -17,6 +17,7 @@
 
 use std::collections::BTreeMap;
 use std::io;
+use std::os::fd::OwnedFd;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
@@ -45,7 +46,7 @@ struct Queue {
     /// not been told of yet, oldest first.
     revocations: BTreeMap<u64, (Arc<Socket>, Vec<u64>)>,
     /// Releases to send, in order.
-    releases: Vec<(Arc<Socket>, u64)>,
+    releases: Vec<(Arc<OwnedFd>, u64)>,
     /// True when some revocations wait for room in a subscriber's socket.
     blocked: bool,
     /// True while the thread sends what it took from the queue.
@@ -109,9 +110,9 @@ pub(super) fn revoke(subscribers: Vec<(u64, Arc<Socket>)>, index: u64) {
 }
 
 /// Sends `Release(index)` on a per-message lease, without waiting for its owner.
-pub(super) fn release(tx: Arc<Socket>, index: u64) {
+pub(super) fn release(tx: Arc<OwnedFd>, index: u64) {
     let Some(courier) = courier() else {
-        let _ = lease::send(&tx, &Control::Release(index), &[], Wait::Forever);
+        let _ = Control::Release(index).send(&*tx);
         return;
     };
     lock(courier).releases.push((tx, index));
@@ -147,7 +148,7 @@ fn run(courier: &'static Courier) {
         };
         for (tx, index) in releases {
             // An owner that died owes nothing: its lease is gone with it.
-            let _ = lease::send(&tx, &Control::Release(index), &[], Wait::Forever);
+            let _ = Control::Release(index).send(&*tx);
         }
         let mut gone = Vec::new();
         let mut waiting = Vec::new();

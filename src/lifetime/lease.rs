@@ -1,7 +1,8 @@
-//! Leases and covers, as the holder sees them, and the messages that travel on lease
-//! channels.
+//! Leases and covers, as the holder sees them, the records holders write on lease pipes, and
+//! the messages owners send on revocation sockets.
 
 use std::io;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -9,28 +10,28 @@ use serde::{Deserialize, Serialize};
 
 use super::StorageId;
 use crate::error::Result;
+use crate::handover::SpawnTicket;
 use crate::sys::{MemoryFile, Socket, Wait};
 use crate::wire::{self, Carried, Held};
 
 /// How a storage kind's messages carry leases.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum LeaseMode {
-    /// One lease channel per message, covering every storage of this kind in it; a holder
-    /// that drops one storage says so on the lease (`Release`), and the channel's close
-    /// releases whatever is left.
+    /// One lease per message, covering every storage of this kind in it; a holder that drops
+    /// one storage says so on the lease (`Release`), and the lease's close releases whatever
+    /// is left.
     PerMessage,
-    /// One lease channel per storage, shared by every message while the owner holds handles
-    /// on it; no channel is made on the send path, and a holder's claim is its copy of the
-    /// channel.
+    /// One lease per storage, shared by every message while the owner holds handles on it;
+    /// none is made on the send path, and a holder's claim is its copy of the lease.
     PerStorage,
 }
 
-/// Holder to owner, on a lease channel.
-#[derive(Debug, Serialize, Deserialize)]
+/// Holder to owner, a record on a lease pipe (`src/sys/pipe.rs`).
+#[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Control {
-    /// Subscribe to the owner's revocations (the message's one descriptor is where to send
-    /// them).
-    Link,
+    /// Subscribe to the owner's revocations: the sending end of the socket to send them on
+    /// waits at the subscriber's home under this ticket (`src/handover.rs`).
+    Link(SpawnTicket),
     /// The holder dropped its claim on storage `index` (per-message leases).
     Release(u64),
     /// The holder passes a claim on storage `index` on to another process: one more claim
@@ -38,7 +39,62 @@ pub(crate) enum Control {
     Retain(u64),
 }
 
-/// Owner to holder.
+const RELEASE: u8 = 1;
+const RETAIN: u8 = 2;
+const LINK: u8 = 3;
+
+impl Control {
+    /// The record: a tag, then 8 bytes of index, or 2 bytes of length and the ticket.
+    fn record(&self) -> io::Result<Vec<u8>> {
+        let (tag, body) = match self {
+            Control::Release(index) => (RELEASE, index.to_le_bytes().to_vec()),
+            Control::Retain(index) => (RETAIN, index.to_le_bytes().to_vec()),
+            Control::Link(ticket) => {
+                let ticket = postcard::to_allocvec(ticket).map_err(|e| io::Error::other(e.to_string()))?;
+                let mut body = (ticket.len() as u16).to_le_bytes().to_vec();
+                body.extend(ticket);
+                (LINK, body)
+            }
+        };
+        let mut record = vec![tag];
+        record.extend(body);
+        Ok(record)
+    }
+
+    /// The records at the start of `bytes`, and how many bytes they took (a record cut off at
+    /// the end waits for the rest). `None` when the bytes are not records of ours: the rest of
+    /// what this lease says is then ignored (a holder can only lose its own claims' releases).
+    pub(super) fn parse(bytes: &[u8]) -> Option<(Vec<Control>, usize)> {
+        let mut at = 0;
+        let mut out = Vec::new();
+        while at < bytes.len() {
+            let rest = &bytes[at..];
+            let index = |b: &[u8]| b.get(1..9).map(|i| u64::from_le_bytes(i.try_into().expect("8 bytes")));
+            match rest[0] {
+                RELEASE | RETAIN => {
+                    let Some(i) = index(rest) else { break };
+                    out.push(if rest[0] == RELEASE { Control::Release(i) } else { Control::Retain(i) });
+                    at += 9;
+                }
+                LINK => {
+                    let Some(len) = rest.get(1..3).map(|l| u16::from_le_bytes([l[0], l[1]]) as usize) else { break };
+                    let Some(ticket) = rest.get(3..3 + len) else { break };
+                    out.push(Control::Link(postcard::from_bytes(ticket).ok()?));
+                    at += 3 + len;
+                }
+                _ => return None,
+            }
+        }
+        Some((out, at))
+    }
+
+    /// Writes the record to the lease `tx`, whole, waiting while the pipe is full.
+    pub(super) fn send(&self, tx: &impl AsFd) -> io::Result<()> {
+        crate::sys::write_record(tx.as_fd(), &self.record()?)
+    }
+}
+
+/// Owner to holder, on a revocation socket.
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) enum Revocation {
     /// The owner's liveness table (the message's one descriptor): slot `s` holds the index of
@@ -48,7 +104,7 @@ pub(crate) enum Revocation {
     Storages(Vec<u64>),
 }
 
-/// The most bytes of a message on a lease or revocation socket.
+/// The most bytes of a message on a revocation socket.
 pub(super) const MESSAGE_BYTES: usize = 16 << 10;
 
 /// Sends a small message of ours (postcard), with `fds`, on `socket`.
@@ -69,10 +125,10 @@ pub(super) fn table_memory(fds: Vec<std::os::fd::OwnedFd>) -> Option<Arc<MemoryF
     MemoryFile::open(fd, 8).ok().map(Arc::new)
 }
 
-/// The sending end of a lease channel, whose receiving end the storage's owner watches.
+/// The writing end of a lease pipe, whose reading end the storage's owner watches.
 #[derive(Debug, Clone)]
 pub(crate) struct Lease {
-    pub(super) tx: Arc<Socket>,
+    pub(super) tx: Arc<OwnedFd>,
     /// Identity within this process, so that a message carries one lease once.
     key: u64,
 }
@@ -83,7 +139,7 @@ fn next_key() -> u64 {
 }
 
 impl Lease {
-    pub(super) fn new(tx: Arc<Socket>) -> Lease {
+    pub(super) fn new(tx: Arc<OwnedFd>) -> Lease {
         Lease { tx, key: next_key() }
     }
 
@@ -98,9 +154,11 @@ impl Lease {
         wire::carry(held, Some(self.key))
     }
 
-    /// Takes a lease out of the message being decoded.
+    /// Takes a lease out of the message being decoded. Any descriptor will do: a holder only
+    /// keeps it and writes records to it, which fail harmlessly on anything but a pipe (or
+    /// socket) to its owner.
     fn take(carried: Carried) -> Result<Lease> {
-        Ok(Lease::new(wire::take_lease_socket(carried)?))
+        Ok(Lease::new(wire::take_shared_fd(carried)?))
     }
 }
 
@@ -140,7 +198,7 @@ impl Cover {
         if self.mode == LeaseMode::PerMessage {
             // Sent before the message that carries the claim, so the owner reads it before the
             // new holder's release, which comes later on the same channel.
-            let _ = send(&self.lease.tx, &Control::Retain(self.id.index()), &[], Wait::Forever);
+            let _ = Control::Retain(self.id.index()).send(&self.lease.tx);
         }
         self.lease.clone()
     }
@@ -151,7 +209,7 @@ impl Cover {
 
     /// False once the storage's owner has exited (its end of the lease is closed).
     pub(crate) fn owner_alive(&self) -> bool {
-        self.id.is_local() || !self.lease.tx.peer_closed()
+        self.id.is_local() || !crate::sys::reader_gone(&*self.lease.tx)
     }
 }
 
@@ -169,4 +227,24 @@ impl Drop for Cover {
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 pub(crate) struct CacheTicket {
     pub(super) slot: u32,
+}
+
+#[cfg(test)]
+mod record_tests {
+    use super::*;
+
+    #[test]
+    fn records_parse_back_whole_and_a_cut_one_waits() {
+        let ticket = SpawnTicket { path: "/tmp/x".into(), token: 7 };
+        let mut bytes = Vec::new();
+        for c in [Control::Release(5), Control::Link(ticket.clone()), Control::Retain(u64::MAX)] {
+            bytes.extend(c.record().unwrap());
+        }
+        let (parsed, used) = Control::parse(&bytes).unwrap();
+        assert_eq!(parsed, vec![Control::Release(5), Control::Link(ticket), Control::Retain(u64::MAX)]);
+        assert_eq!(used, bytes.len());
+        let (parsed, used) = Control::parse(&bytes[..bytes.len() - 3]).unwrap();
+        assert_eq!((parsed.len(), used), (2, bytes.len() - 9), "the cut record waits");
+        assert!(Control::parse(&[9, 1, 2]).is_none(), "not ours");
+    }
 }

@@ -1,6 +1,6 @@
-//! The reaper: one thread per process that watches the receiving ends of this process's lease
-//! channels (closing, or carrying releases and subscriptions) and this process's own
-//! subscriptions to other owners' revocations, all in one `epoll` set.
+//! The reaper: one thread per process that watches the reading ends of this process's lease
+//! pipes (closing, or carrying releases and subscriptions) and this process's own
+//! subscriptions to other owners' revocations (sockets), all in one `epoll` set.
 
 use std::collections::HashMap;
 use std::io;
@@ -23,12 +23,36 @@ use crate::wire::io_error;
 /// What the reaper watches.
 #[derive(Debug, Clone, Copy)]
 enum Watched {
-    /// A lease channel of this process, by its key.
+    /// A lease of this process, by its key.
     Lease(u64),
-    /// A pre-made lease channel not yet handed out.
+    /// A pre-made lease not yet handed out.
     Spare,
     /// Revocations from the owner with this token.
     Revocations(u128),
+}
+
+/// The reading end of what the reaper watches: a lease pipe, or a revocation socket.
+#[derive(Clone)]
+enum Source {
+    Pipe(Arc<OwnedFd>),
+    Socket(Arc<Socket>),
+}
+
+impl Source {
+    fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        match self {
+            Source::Pipe(fd) => fd.as_fd(),
+            Source::Socket(s) => s.as_fd(),
+        }
+    }
+}
+
+/// One watched reading end: what it is, and the bytes of a lease record not complete yet.
+struct Entry {
+    what: Watched,
+    source: Source,
+    partial: Vec<u8>,
 }
 
 /// The id of the reaper's bell in its epoll set (watched sockets count from 1).
@@ -39,10 +63,10 @@ pub(super) struct Reaper {
     /// Rung when spare leases run low.
     bell: OwnedFd,
     wake_pending: AtomicBool,
-    /// Every watched socket, by its id in the epoll set.
-    watched: Mutex<HashMap<u64, (Watched, Arc<Socket>)>>,
+    /// Every watched reading end, by its id in the epoll set.
+    watched: Mutex<HashMap<u64, Entry>>,
     next_id: Mutex<u64>,
-    spares: Mutex<Vec<(u64, Arc<Socket>)>>,
+    spares: Mutex<Vec<(u64, Arc<OwnedFd>)>>,
     /// Set once this process grants a lease: only then are spare lease channels kept.
     granting: AtomicBool,
 }
@@ -82,16 +106,15 @@ pub(super) fn reaper() -> Result<&'static Reaper> {
 }
 
 impl Reaper {
-    /// Watches `rx` from now on (any thread may add to the set while the reaper waits).
-    fn watch(&self, what: Watched, rx: Socket) -> io::Result<u64> {
+    /// Watches `source` from now on (any thread may add to the set while the reaper waits).
+    fn watch(&self, what: Watched, source: Source) -> io::Result<u64> {
         let id = {
             let mut next = lock(&self.next_id);
             *next += 1;
             *next
         };
-        let rx = Arc::new(rx);
-        lock(&self.watched).insert(id, (what, rx.clone()));
-        if let Err(e) = epoll::add(&self.epoll, &*rx, epoll::EventData::new_u64(id), epoll::EventFlags::IN) {
+        lock(&self.watched).insert(id, Entry { what, source: source.clone(), partial: Vec::new() });
+        if let Err(e) = epoll::add(&self.epoll, source.fd(), epoll::EventData::new_u64(id), epoll::EventFlags::IN) {
             lock(&self.watched).remove(&id);
             return Err(e.into());
         }
@@ -119,13 +142,13 @@ impl Reaper {
         if let Some((id, tx)) = spare {
             let lease = Lease::new(tx);
             if let Some(entry) = lock(&self.watched).get_mut(&id) {
-                entry.0 = Watched::Lease(lease.key());
+                entry.what = Watched::Lease(lease.key());
             }
             return Ok(lease);
         }
-        let (tx, rx) = Socket::pair().map_err(io_error)?;
+        let (rx, tx) = crate::sys::lease_pipe().map_err(io_error)?;
         let lease = Lease::new(Arc::new(tx));
-        if self.watch(Watched::Lease(lease.key()), rx).is_err() {
+        if self.watch(Watched::Lease(lease.key()), Source::Pipe(Arc::new(rx))).is_err() {
             // Cannot watch it (out of descriptors): refuse the grant rather than never release.
             return Err(io_error(io::Error::other("cannot watch a new lease channel")));
         }
@@ -144,14 +167,17 @@ pub(super) fn close_inherited_spares() {
     drop(spares);
 }
 
-/// Subscribes to the revocations of owner `owner` through `lease`, one of its leases.
+/// Subscribes to the revocations of owner `owner` through `lease`, one of its leases: the
+/// sending end of a fresh socket pair waits at this process's home for the owner to fetch
+/// (a pipe carries no descriptor), and the lease says where.
 pub(super) fn subscribe(owner: u128, lease: &Lease) -> bool {
     let Ok(reaper) = reaper() else { return false };
     let Ok((tx, rx)) = Socket::pair() else { return false };
-    if lease::send(&lease.tx, &Control::Link, &[&tx], Wait::Forever).is_err() {
+    let Ok(ticket) = crate::handover::ticket() else { return false };
+    if crate::handover::append(&ticket, Arc::new(tx), true).is_err() || Control::Link(ticket).send(&lease.tx).is_err() {
         return false;
     }
-    reaper.watch(Watched::Revocations(owner), rx).is_ok()
+    reaper.watch(Watched::Revocations(owner), Source::Socket(Arc::new(rx))).is_ok()
 }
 
 fn reap() {
@@ -174,54 +200,95 @@ fn reap() {
                 reaper.wake_pending.store(false, Ordering::SeqCst);
                 continue;
             }
-            let Some((_, socket)) = lock(&reaper.watched).get(&id).cloned() else { continue };
-            drain(reaper, id, &socket);
+            let Some(source) = lock(&reaper.watched).get(&id).map(|e| e.source.clone()) else { continue };
+            let open = match &source {
+                Source::Pipe(pipe) => drain_lease(reaper, id, pipe),
+                Source::Socket(socket) => drain_revocations(reaper, id, socket),
+            };
+            if !open {
+                closed(reaper, id);
+            }
         }
         refill_spares(reaper);
     }
 }
 
-/// Reads everything waiting on watched socket `id`; at its end, stops watching it.
-fn drain(reaper: &Reaper, id: u64, socket: &Socket) {
+/// Reads every record waiting on lease pipe `id`; false at its end (every holder's copy
+/// closed).
+fn drain_lease(reaper: &Reaper, id: u64, pipe: &OwnedFd) -> bool {
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = match crate::sys::read_available(pipe, &mut buf) {
+            Ok(Some(0)) => return true,
+            Ok(Some(n)) => n,
+            Ok(None) | Err(_) => return false,
+        };
+        // Read at the time of each read: a spare may have become a lease meanwhile.
+        let (what, records) = {
+            let mut watched = lock(&reaper.watched);
+            let Some(entry) = watched.get_mut(&id) else { return true };
+            entry.partial.extend_from_slice(&buf[..n]);
+            let records = match Control::parse(&entry.partial) {
+                Some((records, used)) => {
+                    entry.partial.drain(..used);
+                    records
+                }
+                // Not records of ours: what this lease says is ignored from here on.
+                None => {
+                    entry.partial.clear();
+                    Vec::new()
+                }
+            };
+            (entry.what, records)
+        };
+        let Watched::Lease(key) = what else { continue };
+        for record in records {
+            match record {
+                Control::Release(index) => lease_message(key, index, false),
+                Control::Retain(index) => lease_message(key, index, true),
+                // The subscriber's socket is fetched from its home off this thread: a
+                // subscriber that does not answer must not hold up every lease.
+                Control::Link(ticket) => super::courier::dispose(move || {
+                    let socket = crate::handover::fetch(&ticket).ok().and_then(|fds| fds.into_iter().next());
+                    if let Some(socket) = socket.and_then(|fd| Socket::from_fd(fd).ok()) {
+                        owner().subscribe(socket);
+                    }
+                }),
+            }
+        }
+    }
+}
+
+/// Reads every message waiting on revocation socket `id`; false at its end (the owner is gone).
+fn drain_revocations(reaper: &Reaper, id: u64, socket: &Socket) -> bool {
     loop {
         let message = match socket.recv(lease::MESSAGE_BYTES, Wait::Not) {
             Ok(Some(message)) => message,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
-            // Forged or cut short: ignored, like any message the owner cannot match.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
+            // Forged or cut short: ignored.
             Err(e) if e.kind() == io::ErrorKind::InvalidData => continue,
-            // The end: every copy of the other end is closed (or the socket failed).
-            Ok(None) | Err(_) => break,
+            Ok(None) | Err(_) => return false,
         };
-        // Read at the time of each message: a spare may have become a lease meanwhile.
-        let what = lock(&reaper.watched).get(&id).map(|e| e.0);
-        match what {
-            Some(Watched::Lease(key)) => match postcard::from_bytes::<Control>(&message.bytes) {
-                Ok(Control::Link) => {
-                    if let Some(revocations) = message.fds.into_iter().next().and_then(|fd| Socket::from_fd(fd).ok()) {
-                        owner().subscribe(revocations);
-                    }
+        let what = lock(&reaper.watched).get(&id).map(|e| e.what);
+        let Some(Watched::Revocations(owner)) = what else { continue };
+        match postcard::from_bytes::<Revocation>(&message.bytes) {
+            Ok(Revocation::Table) => {
+                if let Some(memory) = lease::table_memory(message.fds) {
+                    table_arrived(owner, Table::from_memory(memory));
                 }
-                Ok(Control::Release(index)) => lease_message(key, index, false),
-                Ok(Control::Retain(index)) => lease_message(key, index, true),
-                Err(_) => {}
-            },
-            Some(Watched::Revocations(owner)) => match postcard::from_bytes::<Revocation>(&message.bytes) {
-                Ok(Revocation::Table) => {
-                    if let Some(memory) = lease::table_memory(message.fds) {
-                        table_arrived(owner, Table::from_memory(memory));
-                    }
-                }
-                Ok(Revocation::Storages(indices)) => revoke(owner, Some(&indices)),
-                Err(_) => {}
-            },
-            // Anything else is forged or stale: ignored.
-            _ => {}
+            }
+            Ok(Revocation::Storages(indices)) => revoke(owner, Some(&indices)),
+            Err(_) => {}
         }
     }
+}
+
+/// Watched reading end `id` is at its end: stops watching it, and releases what it stood for.
+fn closed(reaper: &Reaper, id: u64) {
     let removed = lock(&reaper.watched).remove(&id);
-    if let Some((what, socket)) = removed {
-        let _ = epoll::delete(&reaper.epoll, &*socket);
-        match what {
+    if let Some(entry) = removed {
+        let _ = epoll::delete(&reaper.epoll, entry.source.fd());
+        match entry.what {
             Watched::Lease(key) => lease_closed(key),
             Watched::Revocations(owner) => owner_gone(owner),
             Watched::Spare => {}
@@ -235,8 +302,8 @@ fn refill_spares(reaper: &Reaper) {
     }
     let missing = SPARE_LEASES.saturating_sub(lock(&reaper.spares).len());
     for _ in 0..missing {
-        let Ok((tx, rx)) = Socket::pair() else { return };
-        let Ok(id) = reaper.watch(Watched::Spare, rx) else { return };
+        let Ok((rx, tx)) = crate::sys::lease_pipe() else { return };
+        let Ok(id) = reaper.watch(Watched::Spare, Source::Pipe(Arc::new(rx))) else { return };
         lock(&reaper.spares).push((id, Arc::new(tx)));
     }
 }

@@ -7,6 +7,7 @@
 mod child;
 mod limits;
 mod memory;
+mod pipe;
 mod shm;
 mod socket;
 
@@ -15,6 +16,7 @@ pub(crate) use limits::{
     descriptor_limit, near_descriptor_limit, out_of_descriptors, physical_memory, raise_descriptor_limit,
 };
 pub(crate) use memory::MemoryFile;
+pub(crate) use pipe::{lease_pipe, read_available, reader_gone, write_record};
 pub(crate) use shm::{shm_unlink, ShmFile, ShmOpen};
 pub(crate) use socket::{
     bell, connect_to, private_dir, ring, silence, wait_for, wait_readable, Listening, Socket, Wait, MESSAGE_FDS,

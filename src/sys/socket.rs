@@ -90,12 +90,6 @@ impl Socket {
         }
     }
 
-    /// A descriptor taken for a socket without asking the kernel (for a descriptor this process
-    /// only holds and writes small messages to: on anything else those writes just fail).
-    pub(crate) fn from_fd_unchecked(fd: OwnedFd) -> Socket {
-        Socket(fd)
-    }
-
     /// Sends one message: `parts` (their bytes in order, together not empty) and `fds`, which
     /// the receiver gets in the same order. `Wait::Not` fails with `WouldBlock` when the socket
     /// is full; a peer that is gone is `BrokenPipe`.

@@ -1,0 +1,93 @@
+//! Pipes as leases: the reading end stays with the storage's owner, the writing end travels to
+//! every holder. When every copy of the writing end is closed (each holder dropped it, or
+//! died), the owner reads the end of the pipe; until then holders write small records to it.
+//! A pipe passes between processes and closes more cheaply than a socket pair (the kernel
+//! tracks sockets in flight for its garbage collector, not pipes).
+
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::time::Duration;
+
+use rustix::event::{PollFd, PollFlags};
+use rustix::fs::{fcntl_getfl, fcntl_setfl, OFlags};
+use rustix::pipe::{pipe_with, PipeFlags, PIPE_BUF};
+
+/// The most bytes one record may hold: up to this a write is atomic, so records of many
+/// writers never interleave.
+pub(crate) const RECORD_MAX: usize = PIPE_BUF;
+
+/// A new pipe: its reading end (non-blocking: only the owner reads it) and its writing end.
+pub(crate) fn lease_pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let (read, write) = pipe_with(PipeFlags::CLOEXEC)?;
+    fcntl_setfl(&read, fcntl_getfl(&read)? | OFlags::NONBLOCK)?;
+    Ok((read, write))
+}
+
+/// Writes one record (at most [`RECORD_MAX`] bytes) to a pipe's writing end, whole, waiting
+/// while the pipe is full.
+pub(crate) fn write_record(pipe: BorrowedFd<'_>, record: &[u8]) -> io::Result<()> {
+    if record.is_empty() || record.len() > RECORD_MAX {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "a record of no bytes, or too many"));
+    }
+    loop {
+        match rustix::io::write(pipe, record) {
+            Ok(n) if n == record.len() => return Ok(()),
+            Ok(_) => return Err(io::Error::new(io::ErrorKind::WriteZero, "a record was cut short")),
+            Err(rustix::io::Errno::INTR) => {}
+            Err(rustix::io::Errno::AGAIN) => {
+                // A writing end some holder made non-blocking: wait for room.
+                let mut fds = [PollFd::from_borrowed_fd(pipe, PollFlags::OUT)];
+                let _ = crate::sys::socket::poll_once(&mut fds, Some(Duration::from_millis(100)));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// Reads what waits on a pipe's (non-blocking) reading end into `buf`: `Some(n)` bytes (0:
+/// nothing now), `None` at its end (every writing end closed, everything read).
+pub(crate) fn read_available(pipe: &OwnedFd, buf: &mut [u8]) -> io::Result<Option<usize>> {
+    loop {
+        match rustix::io::read(pipe, &mut *buf) {
+            Ok(0) => return Ok(None),
+            Ok(n) => return Ok(Some(n)),
+            Err(rustix::io::Errno::INTR) => {}
+            Err(rustix::io::Errno::AGAIN) => return Ok(Some(0)),
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// True once a pipe's reading end is closed (seen from a writing end).
+pub(crate) fn reader_gone(pipe: &impl AsFd) -> bool {
+    let mut fds = [PollFd::new(pipe, PollFlags::OUT)];
+    matches!(crate::sys::socket::poll_once(&mut fds, Some(Duration::ZERO)), Ok(n) if n > 0)
+        && fds[0].revents().intersects(PollFlags::ERR | PollFlags::HUP)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_arrive_whole_and_the_last_writer_closing_ends_the_pipe() {
+        let (read, write) = lease_pipe().unwrap();
+        let copy = write.try_clone().unwrap();
+        write_record(write.as_fd(), b"one").unwrap();
+        write_record(copy.as_fd(), b"two").unwrap();
+        let mut buf = [0u8; 64];
+        assert_eq!(read_available(&read, &mut buf).unwrap(), Some(6));
+        assert_eq!(&buf[..6], b"onetwo");
+        assert_eq!(read_available(&read, &mut buf).unwrap(), Some(0), "nothing now: no wait");
+        drop(write);
+        assert_eq!(read_available(&read, &mut buf).unwrap(), Some(0), "a copy is left");
+        assert!(!reader_gone(&copy));
+        drop(copy);
+        assert_eq!(read_available(&read, &mut buf).unwrap(), None);
+        let (read, write) = lease_pipe().unwrap();
+        drop(read);
+        assert!(reader_gone(&write));
+        assert!(write_record(write.as_fd(), b"x").is_err());
+        assert!(write_record(write.as_fd(), &[0; RECORD_MAX + 1]).is_err());
+    }
+}
