@@ -190,10 +190,11 @@ pub(crate) fn report_panics(report: impl Fn(PanicReport) + Send + Sync + 'static
     true
 }
 
-/// Runs `f`, turning a panic into `Err(message)` without printing it: the transport
-/// (ipc-channel) asserts where it should return errors (a forged descriptor index, a failed
-/// `memfd_create` or `mmap`), and those are errors of ours to report, not crashes to print.
-/// Panics elsewhere, on other threads or outside `f`, print as usual.
+/// Runs `f`, turning a panic into `Err(message)` without printing it: procspawn panics where it
+/// should return errors (a spawn that cannot start, a pool worker that cannot be set up), a
+/// serializer of the user's may panic, and a thread of ours must not die of either; those are
+/// errors to report, not crashes to print. Panics elsewhere, on other threads or outside `f`,
+/// print as usual.
 pub(crate) fn catch_quietly<R>(f: impl FnOnce() -> R) -> Result<R, String> {
     install_hook();
     let was_quiet = QUIET.with(|q| q.replace(true));
