@@ -9,8 +9,17 @@ pub(crate) fn descriptor_limit() -> u64 {
     getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
 }
 
+/// Slots of the descriptor table made ready at once (see [`raise_descriptor_limit`]).
+const TABLE_SLOTS: u64 = 4096;
+
 /// Lifts the soft limit on open descriptors to the hard limit, once per process: every shared
-/// storage and every lease is a descriptor, as every connection is for a server.
+/// storage and every lease is a descriptor, as every connection is for a server. Also grows
+/// the process's descriptor table to [`TABLE_SLOTS`] slots at once: the kernel grows it by
+/// doubling as descriptors are opened, and in a process of several threads each growth waits
+/// for an RCU grace period (measured: 5-23 ms on the H200 machines, during which every thread
+/// that opens or receives a descriptor waits too), so a few growths while the first weights
+/// arrive cost tens of milliseconds. Grown here, early (in `init`, before other threads), it
+/// costs one allocation; the table never shrinks.
 pub(crate) fn raise_descriptor_limit() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
@@ -19,7 +28,17 @@ pub(crate) fn raise_descriptor_limit() {
             // Raising the soft limit up to the hard one is always allowed.
             let _ = setrlimit(Resource::Nofile, Rlimit { current: limit.maximum, maximum: limit.maximum });
         }
+        grow_descriptor_table(TABLE_SLOTS.min(descriptor_limit()));
     });
+}
+
+/// Makes the descriptor table hold at least `slots` descriptors: a descriptor duplicated to
+/// the number `slots - 1` (and closed at once) makes the kernel grow it in one step.
+fn grow_descriptor_table(slots: u64) {
+    let Some(top) = slots.checked_sub(1).and_then(|t| i32::try_from(t).ok()) else { return };
+    if let Ok(probe) = crate::sys::bell() {
+        let _ = rustix::io::fcntl_dupfd_cloexec(&probe, top);
+    }
 }
 
 /// Bytes of physical memory of this machine (0 when unknown).
@@ -55,6 +74,10 @@ mod tests {
     #[test]
     fn the_limits_are_known() {
         raise_descriptor_limit();
+        // The descriptor table was grown in one step (the kernel reports its size).
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let size: u64 = status.lines().find_map(|l| l.strip_prefix("FDSize:")).unwrap().trim().parse().unwrap();
+        assert!(size >= TABLE_SLOTS.min(descriptor_limit()), "FDSize {size}");
         assert!(descriptor_limit() > 64);
         assert!(!out_of_descriptors());
         assert!(physical_memory() > 1 << 20);
