@@ -6,15 +6,22 @@ with cuda_mp.pack_state_dict and publishes them to a Rust consumer (examples/14_
 publish to a fresh consumer, then re-publishes after every tensor was updated in place.
 torch.multiprocessing does the same with its Queue and a torch consumer process, in this run.
 
-    python3 benches/python_publish.py [--rust-peer PATH] [--no-torch]
+    python3 benches/python_publish.py [--rust-peer PATH] [--no-torch] [--sample]
+
+With --sample, every thread of the Rust consumer is sampled every 0.2 ms while it runs (its
+current system call and kernel wait channel, from /proc/PID/task/TID/{syscall,wchan}: no
+tracing tools needed), and the states seen during the first publish's receive and reply are
+printed: where a stall inside a system call happens.
 
 Needs a GPU, torch, and the cuda_mp package; the Rust peer is built by
 `cargo build --release --example 14_python_peer`.
 """
 
+import collections
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -61,7 +68,47 @@ def publish_rounds(state, send, wait_step):
     return first, again
 
 
-def ours(rust_peer):
+class Sampler:
+    """Samples what each thread of process `pid` is doing until stopped."""
+
+    def __init__(self, pid):
+        self.samples = []
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.run, args=(pid,), daemon=True)
+        self.thread.start()
+
+    def run(self, pid):
+        while not self.stopped.is_set():
+            now = time.monotonic_ns()
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                return
+            for tid in tids:
+                base = f"/proc/{pid}/task/{tid}"
+                try:
+                    with open(base + "/comm") as f:
+                        comm = f.read().strip()
+                    with open(base + "/syscall") as f:
+                        call = f.read().split()[0]
+                    with open(base + "/wchan") as f:
+                        wchan = f.read().strip()
+                    with open(base + "/stat") as f:
+                        state = f.read().rsplit(")", 1)[1].split()[0]
+                except OSError:
+                    continue
+                self.samples.append((now, comm, state, call, wchan))
+            time.sleep(0.0002)
+
+    def report(self, name, start, end):
+        self.stopped.set()
+        seen = collections.Counter(s[1:] for s in self.samples if start <= s[0] <= end)
+        print(f"  sampled during {name} ({(end - start) / 1e3:.1f} us):")
+        for (comm, state, call, wchan), n in seen.most_common(12):
+            print(f"    {n:5d} x {comm:18s} state {state} syscall {call:>7s} wchan {wchan}")
+
+
+def ours(rust_peer, sample=False):
     meta = {n: torch.empty(s, dtype=torch.bfloat16, device="meta") for n, s in llama7b_shapes()}
     meta["step"] = torch.empty(1, dtype=torch.int64, device="meta")
     layout = os.environ.get("PACK_AFTER_TORCH") == "1"
@@ -74,6 +121,7 @@ def ours(rust_peer):
         packed = cuda_mp.pack_state_dict(meta, device="cuda")
     replies = cuda_mp.Listener(cuda_mp.HostTensor)
     peer = subprocess.Popen([rust_peer, "--kind", "bundle", "--reply-to", replies.name], stdout=subprocess.PIPE, text=True)
+    sampler = Sampler(peer.pid) if sample else None
     line = peer.stdout.readline()
     assert line.startswith("LISTEN "), line
     tx = cuda_mp.connect(line.split()[1], cuda_mp.Bundle)
@@ -116,6 +164,9 @@ def ours(rust_peer):
             f"until the reply was read here {(back - replied) / 1e3:.1f}"
         )
         print(f"cuda-mp consumer (Rust): {line[line.index('decode'):]}")
+        if sampler is not None and mark is marks[0]:
+            sampler.report("the first publish's receive", sent, received)
+            sampler.report("the first publish's reply", dropped, made)
     return first, again, packed.allocations
 
 
@@ -140,7 +191,7 @@ def main():
     if "--rust-peer" in args:
         peer = args[args.index("--rust-peer") + 1]
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
-    first, again, allocations = ours(peer)
+    first, again, allocations = ours(peer, sample="--sample" in args)
     rows = [("Python -> Rust, first publish", first, first), ("Python -> Rust, re-publish", median(again), p99(again))]
     torch_rows = [None, None]
     if "--no-torch" not in args:
