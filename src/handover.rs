@@ -1,9 +1,9 @@
 //! How the descriptors of spawn arguments and results cross: procspawn carries only bytes (its
 //! own ipc-channel transport cannot carry descriptors of ours), so the process that encodes
 //! them deposits them here, under a fresh 128-bit secret, and the process that decodes them
-//! fetches them from this process's **home**: a listener socket in this user's private
-//! directory, served by one thread, started on first use. The place of each descriptor in the
-//! bytes says where it waits ([`SpawnTicket`]: the home's path and the secret).
+//! fetches them from this process's **home**: a listener socket with an abstract name (no
+//! file; it goes with the process), served by one thread, started on first use. The place of each descriptor in the
+//! bytes says where it waits ([`SpawnTicket`]: the home's name and the secret).
 //!
 //! - Arguments: the parent deposits them before procspawn sends the call; the child fetches them
 //!   as it decodes. A deposit nobody fetches within [`ARGUMENT_TTL`] (its child died first) is
@@ -12,13 +12,12 @@
 //!   fetches it when it decodes the result (at `join`). A process that exits first waits for
 //!   its results to be fetched, for as long as its parent lives.
 //!
-//! The kernel checks who connects (the home is in a directory only this user may enter, and
-//! each side checks the other's credentials); the secret says which deposit.
+//! Each side checks the other's credentials (`SO_PEERCRED`: a process of another user gets
+//! nothing); the secret says which deposit.
 
 use std::collections::HashMap;
 use std::io;
 use std::os::fd::OwnedFd;
-use std::path::PathBuf;
 use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -38,11 +37,11 @@ const FETCH_WAIT: Duration = Duration::from_secs(30);
 /// How often a process at exit looks whether its results were fetched (or its parent died).
 const EXIT_SLICE: Duration = Duration::from_millis(50);
 
-/// Where a spawned child fetches the descriptors of its arguments: a listener of its parent's,
-/// and the secret that names this spawn there.
+/// Where the decoder of a spawn's values (or of a subscription) fetches their descriptors: the
+/// abstract socket name of the encoding process's home, and the secret that names them there.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct SpawnTicket {
-    pub(crate) path: String,
+    pub(crate) home: String,
     pub(crate) token: u128,
 }
 
@@ -53,7 +52,8 @@ struct Deposit {
 }
 
 struct Home {
-    path: PathBuf,
+    /// The home's abstract socket name.
+    name: String,
     deposits: Mutex<HashMap<u128, Deposit>>,
     fetched: Condvar,
 }
@@ -67,11 +67,12 @@ fn home() -> Result<&'static Home> {
 }
 
 fn start() -> io::Result<Home> {
-    let path = crate::sys::private_dir()?.join(format!("home-{:032x}", crate::sys::random_u128()));
-    let listening = Listening::bind(&path)?;
+    // An abstract name: nothing is left behind when the process ends, however it ends.
+    let name = format!("cuda-mp-home-{:032x}", crate::sys::random_u128());
+    let listening = Listening::bind_abstract(&name)?;
     std::thread::Builder::new().name("cuda-mp-handover".into()).spawn(move || serve(listening))?;
     crate::os::at_exit(wait_at_exit_hook);
-    Ok(Home { path, deposits: Mutex::new(HashMap::new()), fetched: Condvar::new() })
+    Ok(Home { name, deposits: Mutex::new(HashMap::new()), fetched: Condvar::new() })
 }
 
 fn lock(home: &Home) -> MutexGuard<'_, HashMap<u128, Deposit>> {
@@ -81,8 +82,7 @@ fn lock(home: &Home) -> MutexGuard<'_, HashMap<u128, Deposit>> {
 /// A fresh ticket at this process's home.
 pub(crate) fn ticket() -> Result<SpawnTicket> {
     let home = home()?;
-    let path = home.path.to_str().ok_or_else(|| Error::Io(io::Error::other("the home's path is not text")))?;
-    Ok(SpawnTicket { path: path.to_owned(), token: crate::sys::random_u128() })
+    Ok(SpawnTicket { home: home.name.clone(), token: crate::sys::random_u128() })
 }
 
 /// Adds `fd` to what waits at this process's home under `ticket` (made by [`ticket`]) until it
@@ -123,7 +123,7 @@ fn serve(listening: Listening) {
 /// Fetches the descriptors deposited under `ticket`, from the home it names.
 pub(crate) fn fetch(ticket: &SpawnTicket) -> Result<Vec<OwnedFd>> {
     let refused = |why: String| Error::Malformed(format!("the descriptors of a spawn's values: {why}"));
-    let socket = crate::sys::connect_to(std::path::Path::new(&ticket.path)).map_err(|e| refused(e.to_string()))?;
+    let socket = crate::sys::connect_abstract(&ticket.home).map_err(|e| refused(e.to_string()))?;
     socket.send(&[&ticket.token.to_le_bytes()], &[], Wait::Forever).map_err(|e| refused(e.to_string()))?;
     match socket.recv(16, Wait::Until(Instant::now() + FETCH_WAIT)) {
         Ok(Some(answer)) if answer.bytes == b"ok" => Ok(answer.fds),
@@ -181,6 +181,11 @@ mod tests {
         assert_eq!(b.recv(4, Wait::Not).unwrap().unwrap().bytes, b"x");
         // Once only; a wrong secret gets nothing.
         assert!(fetch(&t).is_err());
-        assert!(fetch(&SpawnTicket { token: t.token ^ 1, ..t }).is_err());
+        assert!(fetch(&SpawnTicket { token: t.token ^ 1, ..t.clone() }).is_err());
+        // The home is no file: nothing is left behind by a process that used one.
+        let dir = crate::sys::private_dir().unwrap();
+        let files: Vec<String> =
+            std::fs::read_dir(dir).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+        assert!(!files.iter().any(|f| t.home.contains(f.as_str()) || f.contains(&t.home)), "{files:?}");
     }
 }

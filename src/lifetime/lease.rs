@@ -235,7 +235,7 @@ mod record_tests {
 
     #[test]
     fn records_parse_back_whole_and_a_cut_one_waits() {
-        let ticket = SpawnTicket { path: "/tmp/x".into(), token: 7 };
+        let ticket = SpawnTicket { home: "cuda-mp-home-test".into(), token: 7 };
         let mut bytes = Vec::new();
         for c in [Control::Release(5), Control::Link(ticket.clone()), Control::Retain(u64::MAX)] {
             bytes.extend(c.record().unwrap());

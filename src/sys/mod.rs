@@ -19,7 +19,8 @@ pub(crate) use memory::MemoryFile;
 pub(crate) use pipe::{lease_pipe, read_available, reader_gone, write_record};
 pub(crate) use shm::{shm_unlink, ShmFile, ShmOpen};
 pub(crate) use socket::{
-    bell, connect_to, private_dir, ring, silence, wait_for, wait_readable, Listening, Socket, Wait, MESSAGE_FDS,
+    bell, connect_abstract, connect_to, private_dir, ring, silence, wait_for, wait_readable, Listening, Socket, Wait,
+    MESSAGE_FDS,
 };
 
 /// 128 random bits from the kernel (`getrandom`): names and secrets no other process can guess.

@@ -369,8 +369,19 @@ pub(crate) struct Listening(OwnedFd);
 impl Listening {
     /// Listens at `path` (which must not exist).
     pub(crate) fn bind(path: &Path) -> io::Result<Listening> {
+        Listening::bind_to(&SocketAddrUnix::new(path)?)
+    }
+
+    /// Listens at the abstract name `name` (Linux): no file, and the name goes with the last
+    /// descriptor of the socket, however the process ends. Anyone on the machine may connect,
+    /// so [`accept`](Self::accept) refuses peers of other users, as always.
+    pub(crate) fn bind_abstract(name: &str) -> io::Result<Listening> {
+        Listening::bind_to(&SocketAddrUnix::new_abstract_name(name.as_bytes())?)
+    }
+
+    fn bind_to(addr: &SocketAddrUnix) -> io::Result<Listening> {
         let fd = socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
-        bind(&fd, &SocketAddrUnix::new(path)?)?;
+        bind(&fd, addr)?;
         listen(&fd, 64)?;
         Ok(Listening(fd))
     }
@@ -396,9 +407,18 @@ impl Listening {
 
 /// Connects to a listener at `path`; refuses a listener of another user.
 pub(crate) fn connect_to(path: &Path) -> io::Result<Socket> {
+    connect_addr(&SocketAddrUnix::new(path)?)
+}
+
+/// Connects to a listener at the abstract name `name`; refuses a listener of another user.
+pub(crate) fn connect_abstract(name: &str) -> io::Result<Socket> {
+    connect_addr(&SocketAddrUnix::new_abstract_name(name.as_bytes())?)
+}
+
+fn connect_addr(addr: &SocketAddrUnix) -> io::Result<Socket> {
     let fd = socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
     loop {
-        match connect(&fd, &SocketAddrUnix::new(path)?) {
+        match connect(&fd, addr) {
             Ok(()) => break,
             Err(rustix::io::Errno::INTR) => continue,
             Err(e) => return Err(e.into()),
