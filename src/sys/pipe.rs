@@ -60,9 +60,7 @@ pub(crate) fn read_available(pipe: &OwnedFd, buf: &mut [u8]) -> io::Result<Optio
 
 /// True once a pipe's reading end is closed (seen from a writing end).
 pub(crate) fn reader_gone(pipe: &impl AsFd) -> bool {
-    let mut fds = [PollFd::new(pipe, PollFlags::OUT)];
-    matches!(crate::sys::socket::poll_once(&mut fds, Some(Duration::ZERO)), Ok(n) if n > 0)
-        && fds[0].revents().intersects(PollFlags::ERR | PollFlags::HUP)
+    crate::sys::socket::peer_gone(pipe.as_fd())
 }
 
 #[cfg(test)]

@@ -27,6 +27,10 @@ use rustix::net::{
 /// The kernel's limit on descriptors attached to one packet (`SCM_MAX_FD`).
 pub(crate) const PACKET_FDS: usize = 253;
 
+/// Bytes of the control buffer for one packet's descriptors (on the stack: a send or receive
+/// allocates none).
+const CONTROL_SPACE: usize = rustix::cmsg_space!(ScmRights(PACKET_FDS));
+
 /// Bytes of the transport's header on every message.
 const HEADER: usize = 4;
 
@@ -79,6 +83,15 @@ impl Socket {
         Ok((Socket(a), Socket(b)))
     }
 
+    /// One end of a connection made through a listener: refused unless the process at the other
+    /// end runs as this user; given the send buffer every socket of ours asks for.
+    fn connected(fd: OwnedFd) -> io::Result<Socket> {
+        let socket = Socket(fd);
+        socket.check_peer_is_this_user()?;
+        let _ = sockopt::set_socket_send_buffer_size(&socket.0, SEND_BUFFER);
+        Ok(socket)
+    }
+
     /// A descriptor that arrived in a message, checked to be a Unix `SOCK_SEQPACKET` socket.
     pub(crate) fn from_fd(fd: OwnedFd) -> io::Result<Socket> {
         let seqpacket = sockopt::socket_type(&fd).is_ok_and(|t| t == SocketType::SEQPACKET)
@@ -104,14 +117,12 @@ impl Socket {
         let mut slices = Vec::with_capacity(parts.len() + 1);
         slices.push(IoSlice::new(&header));
         slices.extend(parts.iter().map(|p| IoSlice::new(p)));
-        let rest;
-        let attached: Vec<BorrowedFd<'_>> = if fds.len() <= PACKET_FDS {
-            fds.to_vec()
-        } else {
-            let (head, tail) = fds.split_at(PACKET_FDS - 1);
-            rest = overflow(tail)?;
-            head.iter().copied().chain([rest.0.as_fd()]).collect()
-        };
+        if fds.len() <= PACKET_FDS {
+            return send_packet(self.0.as_fd(), &slices, fds, wait);
+        }
+        let (head, tail) = fds.split_at(PACKET_FDS - 1);
+        let rest = overflow(tail)?;
+        let attached: Vec<BorrowedFd<'_>> = head.iter().copied().chain([rest.0.as_fd()]).collect();
         send_packet(self.0.as_fd(), &slices, &attached, wait)
     }
 
@@ -169,9 +180,7 @@ impl Socket {
 
     /// True once the other end is closed (every holder of it is gone).
     pub(crate) fn peer_closed(&self) -> bool {
-        let mut fds = [PollFd::new(&self.0, PollFlags::OUT)];
-        matches!(poll(&mut fds, Some(&Timespec::default())), Ok(n) if n > 0)
-            && fds[0].revents().intersects(PollFlags::HUP | PollFlags::ERR)
+        peer_gone(self.0.as_fd())
     }
 
     /// Bytes waiting to be read (0 when none or unknown).
@@ -225,7 +234,7 @@ fn overflow(fds: &[BorrowedFd<'_>]) -> io::Result<Socket> {
 }
 
 fn send_packet(socket: BorrowedFd<'_>, slices: &[IoSlice<'_>], fds: &[BorrowedFd<'_>], wait: Wait) -> io::Result<()> {
-    let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(fds.len().max(1)))];
+    let mut space = [MaybeUninit::uninit(); CONTROL_SPACE];
     let mut control = SendAncillaryBuffer::new(&mut space);
     if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
         return Err(io::Error::other("the descriptors do not fit their control buffer"));
@@ -241,8 +250,7 @@ fn send_packet(socket: BorrowedFd<'_>, slices: &[IoSlice<'_>], fds: &[BorrowedFd
             Ok(_) => return Err(io::Error::new(io::ErrorKind::WriteZero, "the message was cut short")),
             Err(rustix::io::Errno::INTR) => continue,
             Err(rustix::io::Errno::AGAIN) if matches!(wait, Wait::Until(_)) => {
-                let Wait::Until(deadline) = wait else { unreachable!() };
-                if !wait_writable(socket, deadline)? {
+                if wait_for(socket, PollFlags::OUT, wait)?.is_none() {
                     return Err(io::ErrorKind::WouldBlock.into());
                 }
             }
@@ -251,15 +259,8 @@ fn send_packet(socket: BorrowedFd<'_>, slices: &[IoSlice<'_>], fds: &[BorrowedFd
     }
 }
 
-/// Waits until `socket` is writable (or in error) or `deadline` passes; false on a timeout.
-fn wait_writable(socket: BorrowedFd<'_>, deadline: Instant) -> io::Result<bool> {
-    let mut fds = [PollFd::from_borrowed_fd(socket, PollFlags::OUT)];
-    let left = deadline.saturating_duration_since(Instant::now());
-    Ok(poll_once(&mut fds, Some(left))? > 0)
-}
-
 fn recv_packet(socket: BorrowedFd<'_>, buf: &mut [u8], wait: Wait) -> io::Result<Option<(usize, Vec<OwnedFd>)>> {
-    let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(PACKET_FDS))];
+    let mut space = [MaybeUninit::uninit(); CONTROL_SPACE];
     loop {
         if let Wait::Until(deadline) = wait {
             if !wait_readable(&[socket], Wait::Until(deadline))?[0] {
@@ -300,23 +301,20 @@ fn recv_packet(socket: BorrowedFd<'_>, buf: &mut [u8], wait: Wait) -> io::Result
 /// ready (all false when the wait ended first).
 pub(crate) fn wait_readable(fds: &[BorrowedFd<'_>], wait: Wait) -> io::Result<Vec<bool>> {
     let mut polled: Vec<PollFd<'_>> = fds.iter().map(|fd| PollFd::from_borrowed_fd(*fd, PollFlags::IN)).collect();
-    loop {
-        let left = match wait {
-            Wait::Forever => None,
-            Wait::Until(deadline) => Some(deadline.saturating_duration_since(Instant::now())),
-            Wait::Not => Some(Duration::ZERO),
-        };
-        let slice = left.map_or(WAIT_SLICE, |l| l.min(WAIT_SLICE));
-        if poll_once(&mut polled, Some(slice))? > 0 || left.is_some_and(|l| l <= slice) {
-            return Ok(polled.iter().map(|p| !p.revents().is_empty()).collect());
-        }
-    }
+    poll_until(&mut polled, wait)?;
+    Ok(polled.iter().map(|p| !p.revents().is_empty()).collect())
 }
 
 /// Waits until `fd` has one of `events` (or hangs up or fails), or `wait` ends: what it has,
 /// `None` when the wait ended first.
 pub(crate) fn wait_for(fd: BorrowedFd<'_>, events: PollFlags, wait: Wait) -> io::Result<Option<PollFlags>> {
     let mut polled = [PollFd::from_borrowed_fd(fd, events)];
+    Ok(poll_until(&mut polled, wait)?.then(|| polled[0].revents()))
+}
+
+/// Polls `polled` until one of them is ready (true) or `wait` ends (false), in slices of at
+/// most [`WAIT_SLICE`].
+fn poll_until(polled: &mut [PollFd<'_>], wait: Wait) -> io::Result<bool> {
     loop {
         let left = match wait {
             Wait::Forever => None,
@@ -324,13 +322,19 @@ pub(crate) fn wait_for(fd: BorrowedFd<'_>, events: PollFlags, wait: Wait) -> io:
             Wait::Not => Some(Duration::ZERO),
         };
         let slice = left.map_or(WAIT_SLICE, |l| l.min(WAIT_SLICE));
-        if poll_once(&mut polled, Some(slice))? > 0 {
-            return Ok(Some(polled[0].revents()));
+        if poll_once(polled, Some(slice))? > 0 {
+            return Ok(true);
         }
         if left.is_some_and(|l| l <= slice) {
-            return Ok(None);
+            return Ok(false);
         }
     }
+}
+
+/// True once the other end of `fd` is closed: a socket's peer, or a pipe's reader, seen from
+/// a writing end.
+pub(crate) fn peer_gone(fd: BorrowedFd<'_>) -> bool {
+    matches!(wait_for(fd, PollFlags::OUT, Wait::Not), Ok(Some(r)) if r.intersects(PollFlags::HUP | PollFlags::ERR))
 }
 
 /// One `poll(2)`, `timeout` at most (`None`: no limit); an interrupted poll returns 0.
@@ -398,10 +402,7 @@ impl Listening {
                 Err(e) => return Err(e.into()),
             }
         };
-        let socket = Socket(fd);
-        socket.check_peer_is_this_user()?;
-        let _ = sockopt::set_socket_send_buffer_size(&socket.0, SEND_BUFFER);
-        Ok(socket)
+        Socket::connected(fd)
     }
 }
 
@@ -424,10 +425,7 @@ fn connect_addr(addr: &SocketAddrUnix) -> io::Result<Socket> {
             Err(e) => return Err(e.into()),
         }
     }
-    let socket = Socket(fd);
-    socket.check_peer_is_this_user()?;
-    let _ = sockopt::set_socket_send_buffer_size(&socket.0, SEND_BUFFER);
-    Ok(socket)
+    Socket::connected(fd)
 }
 
 /// This user's directory for listener sockets, which only this user may enter (made mode 0700
