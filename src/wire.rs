@@ -55,8 +55,6 @@ struct Encoding {
 /// A descriptor of a message being decoded.
 enum Slot {
     Fd(OwnedFd),
-    /// Taken as a socket that several values share.
-    Socket(Arc<Socket>),
     /// Taken as a descriptor that several values share (a lease carried once).
     Shared(Arc<OwnedFd>),
     Taken,
@@ -176,7 +174,7 @@ pub(crate) fn per_message<V: Clone + 'static>(make: impl FnOnce() -> Result<V>) 
 }
 
 /// Places a descriptor in the message being encoded. One with a `dedup` key already carried in
-/// this message is carried once (the receiver takes it with [`take_socket`]).
+/// this message is carried once (the receiver takes it with [`take_shared_fd`]).
 pub(crate) fn carry(fd: Held, dedup: Option<u64>) -> Result<Carried> {
     ENCODING.with(|e| {
         let mut e = e.borrow_mut();
@@ -311,13 +309,12 @@ pub(crate) fn take(carried: Carried) -> Result<OwnedFd> {
     })
 }
 
-/// Takes a socket out of the message being decoded: one that several values of the message
-/// share (a lease) is one socket for all of them. Checked to be a Unix `SOCK_SEQPACKET`
-/// socket: a channel's end, which this process will read or write frames on.
+/// Takes a socket out of the message being decoded (a channel's end, carried once per value),
+/// checked to be a Unix `SOCK_SEQPACKET` socket: this process will read or write frames on it.
 pub(crate) fn take_socket(carried: Carried) -> Result<Arc<Socket>> {
-    take_shared(carried, |fd| {
-        Socket::from_fd(fd).map_err(|e| Error::Malformed(format!("a socket slot of the message: {e}")))
-    })
+    let socket =
+        Socket::from_fd(take(carried)?).map_err(|e| Error::Malformed(format!("a socket slot of the message: {e}")))?;
+    Ok(Arc::new(socket))
 }
 
 /// Takes a descriptor out of the message being decoded that several values of the message may
@@ -332,24 +329,6 @@ pub(crate) fn take_shared_fd(carried: Carried) -> Result<Arc<OwnedFd>> {
         Slot::Shared(fd) => {
             *slot = Slot::Shared(fd.clone());
             Ok(fd)
-        }
-        other => {
-            *slot = other;
-            Err(Error::Malformed("message refers to a descriptor taken already".into()))
-        }
-    })
-}
-
-fn take_shared(carried: Carried, make: impl FnOnce(OwnedFd) -> Result<Socket>) -> Result<Arc<Socket>> {
-    with_slot(&carried, |slot| match std::mem::replace(slot, Slot::Taken) {
-        Slot::Fd(fd) => {
-            let socket = Arc::new(make(fd)?);
-            *slot = Slot::Socket(socket.clone());
-            Ok(socket)
-        }
-        Slot::Socket(socket) => {
-            *slot = Slot::Socket(socket.clone());
-            Ok(socket)
         }
         other => {
             *slot = other;
@@ -429,13 +408,13 @@ mod tests {
     fn decoding_takes_each_descriptor_once_and_closes_the_rest() {
         let (a, b) = Socket::pair().unwrap();
         let fds = vec![OwnedFd::from(b), OwnedFd::from(Socket::pair().unwrap().0)];
-        // Takes the first twice as a shared socket, never the second.
+        // Takes the first twice as a shared descriptor (a lease), never the second.
         let shared: (Carried, Carried) = (Carried { index: 0, spawn: None }, Carried { index: 0, spawn: None });
         let bytes = postcard::to_allocvec(&shared).unwrap();
         #[derive(Deserialize)]
-        struct Two(#[serde(deserialize_with = "sock")] Arc<Socket>, #[serde(deserialize_with = "sock")] Arc<Socket>);
-        fn sock<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Arc<Socket>, D::Error> {
-            take_socket(Carried::deserialize(d)?).map_err(decode_error)
+        struct Two(#[serde(deserialize_with = "sock")] Arc<OwnedFd>, #[serde(deserialize_with = "sock")] Arc<OwnedFd>);
+        fn sock<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Arc<OwnedFd>, D::Error> {
+            take_shared_fd(Carried::deserialize(d)?).map_err(decode_error)
         }
         let two: Two = decode(&bytes, fds).unwrap();
         assert!(Arc::ptr_eq(&two.0, &two.1));

@@ -14,23 +14,11 @@ use crate::sys::Socket;
 pub(super) use crate::sys::Wait;
 use crate::sys::{descriptor_limit, near_descriptor_limit};
 
-/// One socket frames are read from.
-pub(super) struct Source<T> {
-    pub(super) socket: Arc<Socket>,
-    _message: PhantomData<fn() -> T>,
-}
-
-impl<T> Source<T> {
-    pub(super) fn new(socket: Arc<Socket>) -> Source<T> {
-        Source { socket, _message: PhantomData }
-    }
-}
-
 /// What a receiver reads from: its socket, and the spill batch a redirect pointed it to (read
 /// to its end first).
 pub(super) struct Inbox<T> {
-    pub(super) main: Source<T>,
-    pub(super) spill: Option<Source<T>>,
+    pub(super) main: Arc<Socket>,
+    pub(super) spill: Option<Arc<Socket>>,
     /// What frames read from the socket cost, not yet given back to the shared counters: given
     /// back an eighth of the limit at a time, so that the receiver does not touch memory the
     /// senders write on every frame. The counters then show at most that much more than is
@@ -39,6 +27,7 @@ pub(super) struct Inbox<T> {
     unsettled: u64,
     /// Where frames are read into (made once: a receive allocates nothing for its frame).
     buf: Vec<u8>,
+    _message: PhantomData<fn() -> T>,
 }
 
 /// Why a receive returned no message.
@@ -100,7 +89,7 @@ impl<T> Inbox<T> {
 
 impl<T: DeserializeOwned> Inbox<T> {
     pub(super) fn new(main: Arc<Socket>) -> Inbox<T> {
-        Inbox { main: Source::new(main), spill: None, unsettled: 0, buf: vec![0; frame::BUFFER] }
+        Inbox { main, spill: None, unsettled: 0, buf: vec![0; frame::BUFFER], _message: PhantomData }
     }
 
     /// Receives the next message: from the spill batch while there is one, else from the
@@ -109,8 +98,8 @@ impl<T: DeserializeOwned> Inbox<T> {
         loop {
             let from_spill = self.spill.is_some();
             let socket = match &self.spill {
-                Some(spill) => &spill.socket,
-                None => &self.main.socket,
+                Some(spill) => spill,
+                None => &self.main,
             };
             match read(socket, &mut self.buf, wait) {
                 Ok(Incoming::Message { cost, value }) => {
@@ -127,7 +116,7 @@ impl<T: DeserializeOwned> Inbox<T> {
                         )));
                     }
                     self.settle(gauge, SMALL_COST);
-                    self.spill = Some(Source::new(Arc::new(batch)));
+                    self.spill = Some(Arc::new(batch));
                 }
                 Err(Missing::Failed(RecvError::Disconnected)) if from_spill => self.spill = None,
                 Err(missing) => return Err(missing),
@@ -139,15 +128,15 @@ impl<T: DeserializeOwned> Inbox<T> {
     /// read to its end is left here (which loses nothing).
     pub(super) fn readiness(&mut self) -> Option<Readiness> {
         if let Some(spill) = &self.spill {
-            if spill.socket.pending_bytes() > 0 {
+            if spill.pending_bytes() > 0 {
                 return Some(Readiness::Ready);
             }
-            if !spill.socket.peer_closed() {
-                return Some(Readiness::Wait(spill.socket.clone()));
+            if !spill.peer_closed() {
+                return Some(Readiness::Wait(spill.clone()));
             }
             // Read to its end and closed.
             self.spill = None;
         }
-        Some(Readiness::Wait(self.main.socket.clone()))
+        Some(Readiness::Wait(self.main.clone()))
     }
 }

@@ -416,7 +416,7 @@ impl<T> fmt::Debug for Receiver<T> {
 impl<T: DeserializeOwned> Receiver<T> {
     fn from_parts(main: Arc<Socket>, spill: Option<Arc<Socket>>, gauge: Gauge) -> Receiver<T> {
         let mut inbox = Inbox::new(main.clone());
-        inbox.spill = spill.map(inbox::Source::new);
+        inbox.spill = spill;
         Receiver { inbox: Mutex::new(inbox), main, gauge }
     }
 
@@ -737,7 +737,7 @@ impl<T> Serialize for Receiver<T> {
     fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
         let mut inbox = self.inbox.lock().unwrap_or_else(|p| p.into_inner());
         inbox.settle_all(&self.gauge);
-        let spill = inbox.spill.as_ref().map(|s| carry_socket(&s.socket)).transpose()?;
+        let spill = inbox.spill.as_ref().map(carry_socket).transpose()?;
         ReceiverWire { main: carry_socket(&self.main)?, spill, gauge: carry_gauge(&self.gauge)? }.serialize(serializer)
     }
 }
