@@ -1,7 +1,5 @@
 //! Identities: of this process, and of a storage across processes.
 
-use std::collections::hash_map::RandomState;
-use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
@@ -61,15 +59,6 @@ impl StorageId {
 /// A random 128-bit identity of this process, fixed at first use (pids can be reused; these
 /// are not). A forked child gets its own: storages it allocates are its own, not its parent's.
 pub(crate) fn process_token() -> u128 {
-    static TOKEN: ForkLocal<u128> = ForkLocal::new(|| {
-        let nanos =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-        let mut hi = RandomState::new().build_hasher();
-        hi.write_u128(nanos);
-        hi.write_u32(std::process::id());
-        let mut lo = RandomState::new().build_hasher();
-        lo.write_u64(hi.finish());
-        ((hi.finish() as u128) << 64) | lo.finish() as u128
-    });
+    static TOKEN: ForkLocal<u128> = ForkLocal::new(crate::sys::random_u128);
     *TOKEN.get()
 }
