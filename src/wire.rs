@@ -28,6 +28,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 pub(crate) use crate::handover::SpawnTicket;
+use crate::lifetime::{Connection, ConnectionKey, ConnectionLeases, Cover, Introduction, StorageId};
 use crate::sys::Socket;
 
 pub(crate) use crate::sys::Held;
@@ -50,6 +51,27 @@ struct Encoding {
     /// For spawn arguments: whether this is their encoding, and the ticket their descriptors
     /// wait under at this process's home (made at the first one).
     spawn: Option<Option<SpawnTicket>>,
+    /// For a message on a channel: this process's side of the connection, whose lease counts
+    /// the message's claims.
+    connection: Option<Arc<Connection>>,
+    /// Claims counted on the connection's lease for this message: (lease key, storage index).
+    claims: Vec<(u64, u64)>,
+    /// The connection lease the message's frame must introduce (not yet known to be sent).
+    introduce: Vec<Introduction>,
+}
+
+impl Encoding {
+    fn new(spawn: Option<Option<SpawnTicket>>, connection: Option<Arc<Connection>>) -> Encoding {
+        Encoding {
+            fds: Vec::new(),
+            numbered: HashMap::new(),
+            shared: Vec::new(),
+            spawn,
+            connection,
+            claims: Vec::new(),
+            introduce: Vec::new(),
+        }
+    }
 }
 
 /// A descriptor of a message being decoded.
@@ -62,6 +84,10 @@ enum Slot {
 
 struct Decoding {
     slots: Vec<Slot>,
+    /// For a message from a channel: a cover for each claim the message lists, by connection
+    /// lease and storage, for its records to take. What no record took is released when
+    /// decoding ends.
+    claims: HashMap<(ConnectionKey, u64), Vec<Cover>>,
 }
 
 thread_local! {
@@ -73,44 +99,107 @@ thread_local! {
     static FAILURE: RefCell<Option<String>> = const { RefCell::new(None) };
 }
 
-/// A message encoded: its bytes and the descriptors to send with them.
+/// A message encoded: its bytes and the descriptors to send with them; on a channel also the
+/// connection lease its frame introduces and the claims it counts there. Claims of a message
+/// dropped unsent are taken back ([`Encoded::sent`] says it was sent).
 pub(crate) struct Encoded {
     pub(crate) bytes: Vec<u8>,
     pub(crate) fds: Vec<Held>,
+    pub(crate) introduce: Vec<Introduction>,
+    claims: Vec<(u64, u64)>,
+    connection: Option<Arc<Connection>>,
+}
+
+impl Encoded {
+    /// The message was written: its claims stand, and the lease it introduced is the
+    /// receiver's to hold from now on.
+    pub(crate) fn sent(mut self) {
+        self.claims.clear();
+        if let Some(connection) = &self.connection {
+            for i in &self.introduce {
+                connection.introduced(i.name.key);
+            }
+        }
+    }
+}
+
+impl Drop for Encoded {
+    fn drop(&mut self) {
+        crate::lifetime::withdraw(&self.claims);
+    }
 }
 
 impl std::fmt::Debug for Encoded {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Encoded").field("bytes", &self.bytes.len()).field("fds", &self.fds.len()).finish()
+        f.debug_struct("Encoded")
+            .field("bytes", &self.bytes.len())
+            .field("fds", &self.fds.len())
+            .field("introduce", &self.introduce.len())
+            .field("claims", &self.claims.len())
+            .finish()
     }
 }
 
 pub(crate) use crate::sys::borrow_all;
 
-/// Encodes `value` as one message (postcard), collecting its descriptors. The error says why
-/// (a tensor that cannot be exported, say).
-pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> std::result::Result<Encoded, String> {
-    let (bytes, fds) = encode_scope(|| postcard::to_allocvec(value));
+/// Encodes `value` as one message (postcard) on a channel whose sending side in this process
+/// is `connection`, collecting its descriptors; claims on this process's storages are counted
+/// on the connection's lease. The error says why (a tensor that cannot be exported, say).
+pub(crate) fn encode_on<T: Serialize + ?Sized>(
+    value: &T,
+    connection: &Arc<Connection>,
+) -> std::result::Result<Encoded, String> {
+    encode_message(value, Some(connection.clone()))
+}
+
+fn encode_message<T: Serialize + ?Sized>(
+    value: &T,
+    connection: Option<Arc<Connection>>,
+) -> std::result::Result<Encoded, String> {
+    let (bytes, e) = scope(Encoding::new(None, connection), || postcard::to_allocvec(value));
+    let mut encoded =
+        Encoded { bytes: Vec::new(), fds: e.fds, introduce: e.introduce, claims: e.claims, connection: e.connection };
     match bytes {
-        Ok(bytes) => Ok(Encoded { bytes, fds }),
+        Ok(mut bytes) => {
+            if encoded.connection.is_some() {
+                append_claims(&mut bytes, &encoded.claims);
+            }
+            encoded.bytes = bytes;
+            Ok(encoded)
+        }
+        // `encoded` drops here: the claims made before the failure are taken back.
         Err(e) => Err(take_failure().unwrap_or_else(|| format!("{e:?}"))),
     }
 }
 
 /// Runs `encode` (the serialization of one message) with a fresh context: values inside may
 /// carry descriptors and export storages. Returns its result and the descriptors it carried.
+#[cfg(test)]
 pub(crate) fn encode_scope<R>(encode: impl FnOnce() -> R) -> (R, Vec<Held>) {
-    scope(None, encode)
+    let (result, e) = scope(Encoding::new(None, None), encode);
+    (result, e.fds)
+}
+
+/// Like [`encode_scope`], for a message on a channel whose sending side here is `connection`:
+/// gives the claims counted on its lease and the introductions too.
+#[cfg(test)]
+pub(crate) fn encode_scope_on<R>(
+    connection: &Arc<Connection>,
+    encode: impl FnOnce() -> R,
+) -> (R, Vec<(u64, u64)>, Vec<Introduction>) {
+    let (result, e) = scope(Encoding::new(None, Some(connection.clone())), encode);
+    (result, e.claims, e.introduce)
 }
 
 /// Like [`encode_scope`], for the arguments of a spawn that procspawn serializes: the
 /// descriptors wait at this process's home, and each one's place says where the child fetches
 /// it.
 pub(crate) fn encode_spawn_scope<R>(encode: impl FnOnce() -> R) -> R {
-    scope(Some(None), encode).0
+    scope(Encoding::new(Some(None), None), encode).0
 }
 
-fn scope<R>(spawn: Option<Option<SpawnTicket>>, encode: impl FnOnce() -> R) -> (R, Vec<Held>) {
+/// Runs `encode` with `context` pushed, and gives back what it collected.
+fn scope<R>(context: Encoding, encode: impl FnOnce() -> R) -> (R, Encoding) {
     struct Pop;
     impl Drop for Pop {
         fn drop(&mut self) {
@@ -119,14 +208,93 @@ fn scope<R>(spawn: Option<Option<SpawnTicket>>, encode: impl FnOnce() -> R) -> (
         }
     }
     FAILURE.with(|f| f.borrow_mut().take());
-    ENCODING.with(|e| {
-        e.borrow_mut().push(Encoding { fds: Vec::new(), numbered: HashMap::new(), shared: Vec::new(), spawn })
-    });
+    ENCODING.with(|e| e.borrow_mut().push(context));
     let pop = Pop;
     let result = encode();
-    let fds = ENCODING.with(|e| e.borrow_mut().last_mut().map(|e| std::mem::take(&mut e.fds))).unwrap_or_default();
+    let collected = ENCODING.with(|e| {
+        e.borrow_mut().last_mut().map(|e| std::mem::replace(e, Encoding::new(None, None))).expect("pushed above")
+    });
     drop(pop);
-    (result, fds)
+    (result, collected)
+}
+
+/// The channel connection the message being encoded goes on, if it goes on one.
+pub(crate) fn connection() -> Option<Arc<Connection>> {
+    ENCODING.with(|e| e.borrow().last().and_then(|e| e.connection.clone()))
+}
+
+/// Records a claim counted on the connection's lease `key` for the message being encoded, and
+/// the lease's introduction when its frame must carry one (once per message).
+pub(crate) fn connection_claim(key: u64, index: u64, introduce: Option<Introduction>) {
+    ENCODING.with(|e| {
+        if let Some(e) = e.borrow_mut().last_mut() {
+            e.claims.push((key, index));
+            if let Some(i) = introduce {
+                if !e.introduce.iter().any(|known| known.name == i.name) {
+                    e.introduce.push(i);
+                }
+            }
+        }
+    });
+}
+
+/// The bytes of one claim in a message's list: the lease's key and the storage's index.
+const CLAIM_BYTES: usize = 16;
+
+/// Appends the list of claims a message on a channel counts on its sender's connection
+/// leases: a last byte of 0 when there are none; else the claims (key, index: u64 each), the
+/// sender's process token (u128), their number (u32), all little-endian, and a last byte of 1.
+/// The receiver makes a cover for each before it decodes the message, so that a claim whose
+/// record is never reached (a message that does not decode) is released all the same.
+fn append_claims(bytes: &mut Vec<u8>, claims: &[(u64, u64)]) {
+    if claims.is_empty() {
+        bytes.push(0);
+        return;
+    }
+    bytes.reserve(claims.len() * CLAIM_BYTES + 21);
+    for (key, index) in claims {
+        bytes.extend(key.to_le_bytes());
+        bytes.extend(index.to_le_bytes());
+    }
+    bytes.extend(crate::lifetime::process_token().to_le_bytes());
+    bytes.extend((claims.len() as u32).to_le_bytes());
+    bytes.push(1);
+}
+
+/// Covers of the claims a message lists, by connection lease and storage.
+type Covers = HashMap<(ConnectionKey, u64), Vec<Cover>>;
+
+/// Splits a channel message into its value's bytes and a cover for each claim it lists (see
+/// [`append_claims`]). A claim on a lease the channel does not know gets no cover: a record
+/// that names it is refused.
+fn split_claims<'b>(bytes: &'b [u8], leases: &ConnectionLeases) -> std::result::Result<(&'b [u8], Covers), String> {
+    let not_ours = || "a message whose list of claims does not add up".to_string();
+    let (&flag, body) = bytes.split_last().ok_or_else(not_ours)?;
+    let mut covers = Covers::new();
+    match flag {
+        0 => return Ok((body, covers)),
+        1 => {}
+        _ => return Err(not_ours()),
+    }
+    let tail = body.len().checked_sub(20).ok_or_else(not_ours)?;
+    let owner = u128::from_le_bytes(body[tail..tail + 16].try_into().expect("16 bytes"));
+    let n = u32::from_le_bytes(body[tail + 16..].try_into().expect("4 bytes")) as usize;
+    let start = n.checked_mul(CLAIM_BYTES).and_then(|len| tail.checked_sub(len)).ok_or_else(not_ours)?;
+    for claim in body[start..tail].chunks_exact(CLAIM_BYTES) {
+        let key = u64::from_le_bytes(claim[..8].try_into().expect("8 bytes"));
+        let index = u64::from_le_bytes(claim[8..].try_into().expect("8 bytes"));
+        let name = ConnectionKey { owner, key };
+        if let Some(lease) = leases.get(&name) {
+            covers.entry((name, index)).or_default().push(Cover::counted(lease, StorageId::foreign(owner, index)));
+        }
+    }
+    Ok((&body[..start], covers))
+}
+
+/// Takes the cover of a claim on storage `index` through connection lease `name` that the
+/// message being decoded lists (each claim once).
+pub(crate) fn take_connection_cover(name: ConnectionKey, index: u64) -> Option<Cover> {
+    DECODING.with(|d| d.borrow_mut().last_mut().and_then(|d| d.claims.get_mut(&(name, index))).and_then(Vec::pop))
 }
 
 /// True while procspawn encodes a value outside any context of ours (a spawned function's
@@ -246,15 +414,32 @@ pub(crate) fn descriptor_error(e: Error) -> Error {
 
 /// Decodes one message (postcard) with its descriptors at hand. Whatever its values did not
 /// take is closed before this returns. The error says why it does not decode.
+#[cfg(test)]
 pub(crate) fn decode<T: DeserializeOwned>(bytes: &[u8], fds: Vec<OwnedFd>) -> std::result::Result<T, String> {
+    decode_on(bytes, fds, None)
+}
+
+/// Like [`decode`], for a message from a channel whose senders introduced `leases` (the
+/// message ends with its list of claims on them).
+pub(crate) fn decode_on<T: DeserializeOwned>(
+    bytes: &[u8],
+    fds: Vec<OwnedFd>,
+    leases: Option<&ConnectionLeases>,
+) -> std::result::Result<T, String> {
     struct Pop;
     impl Drop for Pop {
         fn drop(&mut self) {
-            DECODING.with(|d| d.borrow_mut().pop());
+            // Dropped outside the borrow: untaken covers release their claims as they go.
+            let popped = DECODING.with(|d| d.borrow_mut().pop());
+            drop(popped);
         }
     }
+    let (bytes, claims) = match leases {
+        Some(leases) => split_claims(bytes, leases)?,
+        None => (bytes, Covers::new()),
+    };
     FAILURE.with(|f| f.borrow_mut().take());
-    DECODING.with(|d| d.borrow_mut().push(Decoding { slots: fds.into_iter().map(Slot::Fd).collect() }));
+    DECODING.with(|d| d.borrow_mut().push(Decoding { slots: fds.into_iter().map(Slot::Fd).collect(), claims }));
     let pop = Pop;
     let result = postcard::from_bytes::<T>(bytes);
     drop(pop);
@@ -282,7 +467,10 @@ fn with_slot<R>(carried: &Carried, f: impl FnOnce(&mut Slot) -> Result<R>) -> Re
         let mut s = s.borrow_mut();
         if s.as_ref().is_none_or(|(t, _)| t != ticket) {
             let fds = crate::handover::fetch(ticket)?;
-            *s = Some((ticket.clone(), Decoding { slots: fds.into_iter().map(Slot::Fd).collect() }));
+            *s = Some((
+                ticket.clone(),
+                Decoding { slots: fds.into_iter().map(Slot::Fd).collect(), claims: Covers::new() },
+            ));
         }
         let (_, decoding) = s.as_mut().expect("just set");
         let result = match decoding.slots.get_mut(index) {

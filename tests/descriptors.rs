@@ -108,8 +108,8 @@ fn a_descriptor_named_twice_in_one_message_is_taken_once() {
 fn a_message_of_many_storages_that_does_not_decode_is_an_error_and_keeps_nothing_claimed() {
     use cuda_mp::testing::FakeTensor;
     let before = cuda_mp::lifetime_stats();
-    // Three storages, each with a lease of its own, to a receiver of another element type: the
-    // first tensor is refused, and the leases of the other two, never reached, are closed too.
+    // Three storages to a receiver of another element type: the first tensor is refused, and
+    // the claims of the other two, never reached, are released too.
     let (tx, rx) = common::connect::<Vec<FakeTensor<f32>>, Vec<FakeTensor<i32>>>();
     let sent: Vec<FakeTensor<f32>> = (0..3).map(|_| FakeTensor::fake(&[4], Duration::ZERO).unwrap()).collect();
     tx.send(sent.clone()).unwrap();
@@ -118,13 +118,17 @@ fn a_message_of_many_storages_that_does_not_decode_is_an_error_and_keeps_nothing
         other => panic!("expected a malformed message, got {other:?}"),
     }
     drop(sent);
-    cuda_mp::wait_for_lifetime(WAIT, |s| {
-        s.exported_storages == before.exported_storages && s.outstanding_leases == before.outstanding_leases
-    })
-    .expect("the leases of a message that did not decode stay open");
+    cuda_mp::wait_for_lifetime(WAIT, |s| s.exported_storages == before.exported_storages)
+        .expect("the claims of a message that did not decode are kept");
     // The channel goes on.
     tx.send(vec![FakeTensor::fake(&[4], Duration::ZERO).unwrap()]).unwrap();
     assert!(matches!(rx.recv_timeout(WAIT), Err(RecvTimeoutError::Malformed(_))));
+    cuda_mp::wait_for_lifetime(WAIT, |s| s.exported_storages == before.exported_storages).unwrap();
+    // The connection's lease lives as long as its receiver.
+    assert_eq!(cuda_mp::lifetime_stats().outstanding_leases, before.outstanding_leases + 1);
+    drop(rx);
+    cuda_mp::wait_for_lifetime(WAIT, |s| s.outstanding_leases == before.outstanding_leases)
+        .expect("the connection's lease outlived its receiver");
 }
 
 /// Receives one message that does not decode; says how many descriptors it had open before

@@ -171,7 +171,7 @@ fn eight_consumers_outlive_the_producer_and_memory_returns_to_baseline() {
     drop(t);
     let s = lifetime_stats();
     assert_eq!(s.live_storages, before.live_storages + 1, "kept alive for the consumers");
-    assert_eq!(s.outstanding_leases, before.outstanding_leases + 1, "one lease channel shared by the 8 messages");
+    assert_eq!(s.outstanding_leases, before.outstanding_leases + 8, "one lease per connection, none per message");
     for c in &cmds {
         c.send(Cmd::Read).unwrap();
     }
@@ -325,10 +325,10 @@ fn a_same_process_channel_hands_back_the_original_storage() {
     back.add_scalar(2.5).unwrap();
     assert_eq!(t.to_vec().unwrap(), vec![2.5; 6]);
     drop((t, back));
-    wait_for_lifetime(WAIT, |s| {
-        s.live_storages == before.live_storages && s.outstanding_leases == before.outstanding_leases
-    })
-    .expect("freed");
+    wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages).expect("freed");
+    drop(rx);
+    wait_for_lifetime(WAIT, |s| s.outstanding_leases == before.outstanding_leases)
+        .expect("the connection's lease closes with its receiver");
 }
 
 /// The wire layout of a GPU tensor, with every field under the forger's control; `M` is the
@@ -342,7 +342,7 @@ struct ForgedGpu<M, L = CarriedFile> {
     owner: u128,
     index: u64,
     bytes: u64,
-    lease: L,
+    lease: common::Claim<L>,
     cache_ticket: Option<u32>,
     device_uuid: [u8; 16],
     /// 0: legacy IPC memory, 1: VMM memory.
@@ -375,7 +375,7 @@ fn forged(uuid: [u8; 16], mem_handle: Vec<u8>) -> ForgedGpu<LegacyRecord> {
         owner: 77,
         index: 1,
         bytes: 16,
-        lease: CarriedFile(common::socket_pair().0),
+        lease: common::Claim::Lease(CarriedFile(common::socket_pair().0)),
         cache_ticket: None,
         device_uuid: uuid,
         memory_variant: 0,
@@ -505,12 +505,14 @@ fn a_resent_storage_is_mapped_once_and_the_cache_is_revoked_when_the_producer_dr
     assert_eq!(last.2, 1, "the consumer keeps one cached mapping");
     assert_eq!(lifetime_stats().live_storages, before.live_storages + 1);
     drop(t);
-    wait_for_lifetime(WAIT, |s| {
-        s.live_storages == before.live_storages && s.outstanding_leases == before.outstanding_leases
-    })
-    .expect("the consumer's cached mapping is revoked and the memory freed");
+    wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages)
+        .expect("the consumer's cached mapping is revoked and the memory freed");
+    let leases = lifetime_stats().leases_granted - before.leases_granted;
+    assert_eq!(leases, 1, "200 messages on one connection made {leases} leases");
     drop(tx);
     child.join().unwrap();
+    wait_for_lifetime(WAIT, |s| s.outstanding_leases == before.outstanding_leases)
+        .expect("the connection's lease closes with the consumer");
 }
 
 fn read_bundle((rx, reply): (Receiver<cuda_mp::Bundle>, Sender<Result<(Vec<f32>, i64, u64), String>>)) {
@@ -750,8 +752,14 @@ fn forged_vmm_records_give_errors() {
         g
     };
     let (tx, rx) = common::connect::<ForgedGpu<VmmRecord>, GpuTensor<f32>>();
-    // Named as another process's storage, so the receiver imports the descriptor.
-    let as_foreign = |index: u64, g: ForgedGpu<VmmRecord>| ForgedGpu { owner: 0x1234, index, ..g };
+    // Named as another process's storage, so the receiver imports the descriptor; its claim is
+    // through a lease of the forger's (the genuine one is counted on the genuine channel).
+    let as_foreign = |index: u64, g: ForgedGpu<VmmRecord>| ForgedGpu {
+        owner: 0x1234,
+        index,
+        lease: common::Claim::Lease(CarriedFile(common::socket_pair().0)),
+        ..g
+    };
     let refused = |r: ForgedGpu<VmmRecord>| -> String {
         tx.send(r).unwrap();
         match rx.recv_timeout(WAIT) {

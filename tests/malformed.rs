@@ -7,7 +7,7 @@ use serde::ser::SerializeTuple;
 use serde::{Deserialize, Serialize, Serializer};
 
 mod common;
-use common::{connect, sealed_memory, slot, socket_pair, ForgedTensor, Slot};
+use common::{connect, sealed_memory, slot, socket_pair, Claim, ForgedTensor, Slot};
 use cuda_mp::testing::CarriedFile;
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -37,7 +37,7 @@ fn forged(dtype: u8, shape: Vec<usize>, bytes: usize) -> ForgedTensor<CarriedFil
         owner: 0xdead_beef,
         index: 1,
         bytes: bytes as u64,
-        lease: CarriedFile(lease),
+        lease: Claim::Lease(CarriedFile(lease)),
         ticket: None,
         shm: Some(CarriedFile(sealed_memory(16, 0))),
     }
@@ -90,7 +90,7 @@ fn descriptor_slots_out_of_range_are_rejected() {
         owner: 1,
         index: 1,
         bytes: 8,
-        lease: slot(9),
+        lease: Claim::Lease(slot(9)),
         ticket: None,
         shm: Some(slot(5)),
     };
@@ -108,7 +108,7 @@ fn descriptor_slots_out_of_range_are_rejected() {
         owner: 1,
         index: 1,
         bytes: 8,
-        lease: slot(7),
+        lease: Claim::Lease(slot(7)),
         ticket: None,
         shm: Some(CarriedFile(sealed_memory(8, 1))),
     };
@@ -143,17 +143,18 @@ fn an_unknown_dtype_tag_is_rejected() {
 }
 
 #[test]
-fn a_dtype_mismatch_is_an_error_and_releases_the_lease() {
+fn a_dtype_mismatch_is_an_error_and_releases_the_claim() {
     let before = lifetime_stats();
     let (tx, rx) = connect::<HostTensor<cuda_mp::f16>, HostTensor<f32>>();
     let t = HostTensor::<cuda_mp::f16>::zeros(&[8]).unwrap();
     tx.send(t.clone()).unwrap();
     assert_eq!(malformed(rx.recv()), "dtype mismatch: expected f32, found f16");
     drop(t);
-    wait_for_lifetime(WAIT, |s| {
-        s.live_storages == before.live_storages && s.outstanding_leases == before.outstanding_leases
-    })
-    .expect("the rejected message's lease is released and the storage freed");
+    wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages)
+        .expect("the rejected message's claim is released and the storage freed");
+    drop((tx, rx));
+    wait_for_lifetime(WAIT, |s| s.outstanding_leases == before.outstanding_leases)
+        .expect("the connection's lease closes with its receiver");
 }
 
 #[test]
@@ -171,4 +172,71 @@ fn a_peer_that_is_not_cuda_mp_is_refused() {
     rustix::net::send(&fd, b"hello", rustix::net::SendFlags::empty()).unwrap();
     let err = listener.accept_timeout(WAIT).unwrap_err();
     assert!(err.to_string().contains("not a cuda-mp sender"), "{err}");
+}
+
+/// What the forger sends: a genuine tensor (read back field by field, or as a tensor), or a
+/// forged record.
+#[derive(Serialize, Deserialize)]
+enum Sent {
+    Genuine(HostTensor<f32>),
+    Forged(ForgedTensor<CarriedFile, CarriedFile>),
+    Fields(HostTensor<f32>),
+}
+
+/// What the receiver reads, variant by variant.
+#[derive(Serialize, Deserialize)]
+enum Received {
+    Genuine(HostTensor<f32>),
+    Forged(HostTensor<f32>),
+    Fields(ForgedTensor<CarriedFile, CarriedFile>),
+}
+
+/// A record that names a connection claim its message does not list (a copy of a genuine
+/// record, its claim repeated or its index changed) is refused, and releases nothing: the
+/// receiver's genuine claim on that storage keeps it alive after its owner drops it.
+#[test]
+fn a_forged_connection_claim_is_refused_and_releases_nothing() {
+    let before = lifetime_stats();
+    let (tx, rx) = connect::<Sent, Received>();
+    let held = HostTensor::<f32>::full(&[4], 7.0).unwrap();
+    tx.send(Sent::Genuine(held.clone())).unwrap();
+    let Ok(Received::Genuine(kept)) = rx.recv_timeout(WAIT) else { panic!("the genuine tensor") };
+    // The genuine record, field by field: its claim is counted on the channel's lease.
+    tx.send(Sent::Fields(held.clone())).unwrap();
+    let Ok(Received::Fields(record)) = rx.recv_timeout(WAIT) else { panic!("the genuine record") };
+    let Claim::Connection(owner, key, index) = record.lease.clone() else { panic!("a connection claim") };
+    for forged_index in [index, index + 1, u64::MAX] {
+        let mut forged = ForgedTensor { lease: Claim::Connection(owner, key, forged_index), ..record_copy(&record) };
+        forged.index = forged_index;
+        tx.send(Sent::Forged(forged)).unwrap();
+        match rx.recv_timeout(WAIT) {
+            Err(cuda_mp::RecvTimeoutError::Malformed(m)) => assert!(m.contains("does not carry"), "{m}"),
+            Ok(_) => panic!("a forged claim was accepted"),
+            Err(other) => panic!("{other}"),
+        }
+    }
+    drop(record);
+    // The owner's handle goes: the receiver's genuine claim alone keeps the memory.
+    drop(held);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(lifetime_stats().live_storages, before.live_storages + 1, "a forged claim released the storage");
+    assert_eq!(kept.to_vec(), vec![7.0; 4]);
+    drop(kept);
+    wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages).expect("freed at the genuine release");
+}
+
+/// The fields of a record read back, with a fresh copy of its memory's descriptor.
+fn record_copy(r: &ForgedTensor<CarriedFile, CarriedFile>) -> ForgedTensor<CarriedFile, CarriedFile> {
+    ForgedTensor {
+        dtype: r.dtype,
+        shape: r.shape.clone(),
+        strides: r.strides.clone(),
+        offset: r.offset,
+        owner: r.owner,
+        index: r.index,
+        bytes: r.bytes,
+        lease: r.lease.clone(),
+        ticket: r.ticket,
+        shm: r.shm.clone(),
+    }
 }

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use cuda_mp::{HostTensor, RecvError};
 
 mod common;
-use common::{slot, ForgedTensor, Slot};
+use common::{slot, Claim, ForgedTensor, Slot};
 
 /// Set by the panic hook this test installs; cuda-mp's quiet catch sits in front of it.
 static PRINTED: AtomicBool = AtomicBool::new(false);
@@ -25,7 +25,7 @@ fn a_forged_descriptor_index_prints_no_panic() {
         owner: 1,
         index: 1,
         bytes: 8,
-        lease: slot(9),
+        lease: Claim::Lease(slot(9)),
         ticket: None,
         shm: Some(slot(5)),
     };

@@ -123,14 +123,20 @@ fn ask<S>(c: &Child<S>, cmd: Cmd) -> usize {
     c.2.recv_timeout(WAIT).unwrap()
 }
 
+/// Every storage released and freed (the channels' leases may still be open).
 fn settled(before: cuda_mp::LifetimeStats) -> cuda_mp::LifetimeStats {
     wait_for_lifetime(WAIT, |s| {
         s.live_storages == before.live_storages
             && s.exported_storages == before.exported_storages
-            && s.outstanding_leases == before.outstanding_leases
             && s.offered_descriptors == before.offered_descriptors
     })
     .expect("every storage released and freed")
+}
+
+/// Every lease closed: the receivers of the channels that carried storages are gone.
+fn closed(before: cuda_mp::LifetimeStats) {
+    wait_for_lifetime(WAIT, |s| s.outstanding_leases == before.outstanding_leases)
+        .expect("a connection's lease outlived its receiver");
 }
 
 /// The producer drops its tensors at once; the consumer keeps one of three; the other two are
@@ -151,6 +157,7 @@ where
     settled(before);
     drop(c.1);
     c.3.join().unwrap();
+    closed(before);
 }
 
 /// A consumer killed while holding tensors releases them all at once.
@@ -165,6 +172,7 @@ where
     assert_eq!(c.2.recv_timeout(WAIT).unwrap(), 5);
     c.3.kill().unwrap();
     settled(before);
+    closed(before);
 }
 
 /// Parent -> A -> B: A forwards and drops; the memory lives until B drops it.
@@ -187,6 +195,7 @@ where
     settled(before);
     drop(b.1);
     b.3.join().unwrap();
+    closed(before);
 }
 
 /// A message with more tensors than one transport message can carry descriptors for.
@@ -205,6 +214,7 @@ where
     settled(before);
     drop(c.1);
     c.3.join().unwrap();
+    closed(before);
 }
 
 /// A message that comes back to its owner hands back the very storage, and releases its claim.
@@ -222,6 +232,8 @@ where
     assert_eq!(back[1].shape(), &[3, 4]);
     drop((t, back));
     settled(before);
+    drop(rx);
+    closed(before);
 }
 
 /// Serializing a tensor anywhere but in a cuda-mp channel is an error and changes nothing.
@@ -268,6 +280,80 @@ where
     pool.shutdown();
     drop((sent, back, back2));
     settled(before);
+    closed(before);
+}
+
+/// Receives `n` messages, dropping each, then says how many.
+fn drop_n<S>((rx, reply, n): (Receiver<Tensor<f32, S>>, Sender<usize>, usize))
+where
+    Tensor<f32, S>: Serialize + DeserializeOwned,
+{
+    let mut seen = 0;
+    while seen < n && rx.recv_timeout(WAIT).is_ok() {
+        seen += 1;
+    }
+    reply.send(seen).unwrap();
+    // Held until told: the connection's lease stays open meanwhile.
+    let _ = rx.recv_timeout(WAIT);
+}
+
+/// Every message of a connection counts its claims on one lease: sending the same storage and
+/// fresh ones many times grants one lease, and a consumer killed afterwards releases them all.
+fn one_lease_per_connection<K: Kind>()
+where
+    Tensor<f32, K::S>: Serialize + DeserializeOwned,
+{
+    let _g = serial();
+    let before = lifetime_stats();
+    let (tx, rx) = channel().unwrap();
+    let (reply_tx, reply) = channel().unwrap();
+    let mut child = spawn((rx, reply_tx, 200usize), drop_n::<K::S>);
+    let kept = K::make(16);
+    for i in 0..200 {
+        let t = if i % 2 == 0 { kept.clone() } else { K::make(16) };
+        tx.send(t).unwrap();
+    }
+    assert_eq!(reply.recv_timeout(WAIT).unwrap(), 200);
+    let s = lifetime_stats();
+    assert_eq!(s.leases_granted - before.leases_granted, 1, "200 messages on one connection");
+    assert_eq!(s.outstanding_leases, before.outstanding_leases + 1);
+    drop(kept);
+    settled(before);
+    // The receiver still holds the channel, and with it the lease: one more message uses it.
+    let last = K::make(16);
+    tx.send(last.clone()).unwrap();
+    assert_eq!(lifetime_stats().exported_storages, before.exported_storages + 1);
+    drop(last);
+    child.kill().unwrap();
+    settled(before);
+    closed(before);
+    assert_eq!(lifetime_stats().leases_granted - before.leases_granted, 1);
+}
+
+/// A receiver that moves to another process takes the connection's leases along: a message
+/// that names the lease (introduced by an earlier message, received here) decodes there.
+fn a_receiver_moved_to_another_process_keeps_its_connection_leases<K: Kind>()
+where
+    Tensor<f32, K::S>: Serialize + DeserializeOwned,
+{
+    let _g = serial();
+    let before = lifetime_stats();
+    let (tx, rx) = channel::<Tensor<f32, K::S>>().unwrap();
+    let (first, second) = (K::make(4), K::make(4));
+    tx.send(first.clone()).unwrap();
+    drop(rx.recv_timeout(WAIT).unwrap());
+    // Names the lease the first message introduced; waits on the socket while `rx` moves.
+    tx.send(second.clone()).unwrap();
+    let (reply_tx, reply) = channel().unwrap();
+    let child = spawn((rx, reply_tx), |(rx, reply): (Receiver<Tensor<f32, K::S>>, Sender<Vec<usize>>)| {
+        let t = rx.recv_timeout(WAIT).unwrap();
+        reply.send(t.shape().to_vec()).unwrap();
+    });
+    assert_eq!(reply.recv_timeout(WAIT).unwrap(), vec![4]);
+    child.join().unwrap();
+    drop((first, second));
+    settled(before);
+    closed(before);
 }
 
 macro_rules! suite {
@@ -315,6 +401,18 @@ macro_rules! suite {
             $(#[$attr])?
             fn other_serializers_are_refused() {
                 super::other_serializers_are_refused::<$kind>();
+            }
+
+            #[test]
+            $(#[$attr])?
+            fn one_lease_per_connection() {
+                super::one_lease_per_connection::<$kind>();
+            }
+
+            #[test]
+            $(#[$attr])?
+            fn a_receiver_moved_to_another_process_keeps_its_connection_leases() {
+                super::a_receiver_moved_to_another_process_keeps_its_connection_leases::<$kind>();
             }
         }
     };
@@ -436,6 +534,7 @@ fn a_state_dict_of_a_thousand_gpu_tensors_crosses_in_one_message() {
     assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), expected);
     child.join().unwrap();
     settled(before);
+    closed(before);
 }
 
 /// Caches what it receives (drops it while the owner holds it), says how many mappings it
@@ -483,11 +582,14 @@ fn drops_do_not_wait_for_a_subscriber_that_never_reads() {
     eprintln!("{N} drops with a stopped subscriber took {took:?}");
 }
 
-/// Drops what it receives, each message as it comes, and says so.
+/// Drops what it receives, each message as it comes, and the channel it came on (which closes
+/// the channel's lease, after the release), and says so.
 fn drop_each((fakes, hosts, said): (Receiver<FakeTensor<f32>>, Receiver<HostTensor<f32>>, Sender<()>)) {
     drop(fakes.recv_timeout(WAIT).unwrap());
+    drop(fakes);
     said.send(()).unwrap();
     drop(hosts.recv_timeout(WAIT).unwrap());
+    drop(hosts);
     said.send(()).unwrap();
 }
 

@@ -8,6 +8,13 @@
 //! | 1 | the message's length (u64, little-endian) | a frozen memory file holding the bytes, then the message's | a larger message |
 //! | 2 | nothing | the receiving end of a spill batch | "read this batch to its end, then come back" |
 //!
+//! A message frame (kinds 0 and 1) may also introduce connection leases
+//! (`src/lifetime/connection.rs`): its kind then has the high bit set, and the kind byte is
+//! followed by their number (one byte) and their names (owner, 16 bytes, and key, 8 bytes,
+//! little-endian), and their descriptors come before all others. The receiver keeps them
+//! before it decodes the message, so that a message that does not decode still leaves them
+//! known to every later one.
+//!
 //! The receiver decodes the message with its descriptors at hand (`wire::decode`). A frame that
 //! holds a message says how many bytes it has, so that its cost on the socket is known to both
 //! sides even when the message itself does not decode.
@@ -18,12 +25,22 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use serde::de::DeserializeOwned;
 
+use std::sync::Arc;
+
+use crate::lifetime::{ConnectionKey, ConnectionLeases, Introduction, Lease};
 use crate::sys::{MemoryFile, Socket, Wait};
 use crate::wire::{self, Held};
 
 const INLINE: u8 = 0;
 const SHARED: u8 = 1;
 const REDIRECT: u8 = 2;
+/// Set in the kind of a message frame that introduces connection leases.
+const WITH_LEASES: u8 = 0x80;
+/// The bytes of one introduced lease's name.
+const NAME_BYTES: usize = 24;
+/// Leases one frame introduces at most (a message introduces its sender's one lease on the
+/// channel; the bound keeps a forged frame's prefix small).
+const MAX_INTRODUCED: usize = 16;
 
 /// What the kernel may charge for a frame of `len` bytes, at most: its buffer rounds up to a
 /// power of two, plus the socket buffer's own bookkeeping (measured: 768 bytes for a frame of a
@@ -51,42 +68,102 @@ pub(super) fn inline_max(limit: u64) -> usize {
 
 /// A frame to write.
 pub(super) enum FrameOut<'a> {
-    Inline(&'a [u8]),
-    Shared(MemoryFile, u64),
+    Inline(&'a [u8], &'a [Introduction]),
+    Shared(MemoryFile, u64, &'a [Introduction]),
     Redirect(Socket),
 }
 
+/// The bytes after the kind byte that name introduced `leases`.
+fn prefix_len(leases: &[Introduction]) -> usize {
+    if leases.is_empty() {
+        0
+    } else {
+        1 + leases.len() * NAME_BYTES
+    }
+}
+
+/// The kind byte and, when `leases` are introduced, the prefix that names them.
+fn head(kind: u8, leases: &[Introduction]) -> Vec<u8> {
+    if leases.is_empty() {
+        return vec![kind];
+    }
+    let mut head = Vec::with_capacity(2 + leases.len() * NAME_BYTES);
+    head.push(kind | WITH_LEASES);
+    head.push(leases.len() as u8);
+    for i in leases {
+        head.extend(i.name.owner.to_le_bytes());
+        head.extend(i.name.key.to_le_bytes());
+    }
+    head
+}
+
 impl<'a> FrameOut<'a> {
-    /// The frame for a message's `bytes` on a channel whose socket limit is `limit`.
-    pub(super) fn message(bytes: &'a [u8], limit: u64) -> io::Result<FrameOut<'a>> {
+    /// The frame for a message's `bytes` on a channel whose socket limit is `limit`,
+    /// introducing `leases`.
+    pub(super) fn message(bytes: &'a [u8], limit: u64, leases: &'a [Introduction]) -> io::Result<FrameOut<'a>> {
+        if leases.len() > MAX_INTRODUCED {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "a frame introduces too many leases"));
+        }
         if bytes.len() <= inline_max(limit) {
-            Ok(FrameOut::Inline(bytes))
+            Ok(FrameOut::Inline(bytes, leases))
         } else {
-            Ok(FrameOut::Shared(MemoryFile::frozen(bytes)?, bytes.len() as u64))
+            Ok(FrameOut::Shared(MemoryFile::frozen(bytes)?, bytes.len() as u64, leases))
         }
     }
 
     /// What it may cost the kernel while unread.
     pub(super) fn cost(&self) -> u64 {
         match self {
-            FrameOut::Inline(bytes) => cost(bytes.len()),
-            FrameOut::Shared(..) | FrameOut::Redirect(_) => SMALL_COST,
+            FrameOut::Inline(bytes, leases) => cost(bytes.len() + prefix_len(leases)),
+            FrameOut::Shared(_, _, leases) => cost(64 + prefix_len(leases)),
+            FrameOut::Redirect(_) => SMALL_COST,
         }
     }
 
     /// Writes the frame to `socket`, with the message's descriptors `fds`.
     pub(super) fn write(&self, socket: &Socket, fds: &[Held], wait: Wait) -> io::Result<()> {
         match self {
-            FrameOut::Inline(bytes) => socket.send(&[&[INLINE], bytes], &wire::borrow_all(fds), wait),
-            FrameOut::Shared(memory, len) => {
-                let mut all: Vec<BorrowedFd<'_>> = Vec::with_capacity(fds.len() + 1);
-                all.push(memory.as_fd());
-                all.extend(fds.iter().map(|fd| fd.as_fd()));
-                socket.send(&[&[SHARED], &len.to_le_bytes()], &all, wait)
+            FrameOut::Inline(bytes, []) => socket.send(&[&[INLINE], bytes], &wire::borrow_all(fds), wait),
+            FrameOut::Inline(bytes, leases) => {
+                socket.send(&[&head(INLINE, leases), bytes], &all_fds(leases, None, fds), wait)
             }
+            FrameOut::Shared(memory, len, leases) => socket.send(
+                &[&head(SHARED, leases), &len.to_le_bytes()],
+                &all_fds(leases, Some(memory.as_fd()), fds),
+                wait,
+            ),
             FrameOut::Redirect(batch) => socket.send(&[&[REDIRECT]], &[batch.as_fd()], wait),
         }
     }
+}
+
+/// A frame's descriptors in order: the leases it introduces, its own (shared memory), the
+/// message's.
+fn all_fds<'f>(leases: &'f [Introduction], own: Option<BorrowedFd<'f>>, fds: &'f [Held]) -> Vec<BorrowedFd<'f>> {
+    let mut all = Vec::with_capacity(leases.len() + fds.len() + 1);
+    all.extend(leases.iter().map(|i| i.lease.fd()));
+    all.extend(own);
+    all.extend(fds.iter().map(|fd| fd.as_fd()));
+    all
+}
+
+/// Takes the leases a frame introduces (its prefix, `rest` after the kind byte, and its first
+/// descriptors) into `known`; gives the rest of the frame's bytes.
+fn introduce<'b>(rest: &'b [u8], fds: &mut Vec<OwnedFd>, known: Option<&ConnectionLeases>) -> Result<&'b [u8], String> {
+    let (&n, rest) = rest.split_first().ok_or("a frame's leases without their number")?;
+    let n = n as usize;
+    if n == 0 || n > MAX_INTRODUCED || fds.len() < n || rest.len() < n * NAME_BYTES {
+        return Err("a frame whose leases do not add up".into());
+    }
+    let (names, rest) = rest.split_at(n * NAME_BYTES);
+    for (name, fd) in names.chunks_exact(NAME_BYTES).zip(fds.drain(..n)) {
+        let owner = u128::from_le_bytes(name[..16].try_into().expect("16 bytes"));
+        let key = u64::from_le_bytes(name[16..].try_into().expect("8 bytes"));
+        if let Some(known) = known {
+            known.adopt(ConnectionKey { owner, key }, Lease::from_fd(fd));
+        }
+    }
+    Ok(rest)
 }
 
 /// A frame as read.
@@ -110,10 +187,23 @@ impl<T> fmt::Debug for Incoming<T> {
 
 /// Reads a frame: its bytes and descriptors as they arrived. A frame that is not one of ours
 /// (raw bytes from a foreign writer) is an error, its descriptors closed and its cost unknown.
-pub(super) fn read<T: DeserializeOwned>(bytes: &[u8], mut fds: Vec<OwnedFd>) -> Result<Incoming<T>, String> {
-    let (&kind, rest) = bytes.split_first().ok_or("an empty frame")?;
+/// Leases the frame introduces go into `leases` (the receiving end's), and the message is
+/// decoded with them at hand.
+pub(super) fn read<T: DeserializeOwned>(
+    bytes: &[u8],
+    mut fds: Vec<OwnedFd>,
+    leases: Option<&Arc<ConnectionLeases>>,
+) -> Result<Incoming<T>, String> {
+    let (&kind, mut rest) = bytes.split_first().ok_or("an empty frame")?;
+    let kind = if kind & WITH_LEASES != 0 && kind & !WITH_LEASES <= SHARED {
+        rest = introduce(rest, &mut fds, leases.map(|l| &**l))?;
+        kind & !WITH_LEASES
+    } else {
+        kind
+    };
+    let decode = |bytes: &[u8], fds| wire::decode_on(bytes, fds, leases.map(|l| &**l));
     match kind {
-        INLINE => Ok(Incoming::Message { cost: cost(rest.len()), value: wire::decode(rest, fds) }),
+        INLINE => Ok(Incoming::Message { cost: cost(bytes.len() - 1), value: decode(rest, fds) }),
         SHARED => {
             let len: [u8; 8] = rest.try_into().map_err(|_| "a shared-memory frame without its length")?;
             let len = u64::from_le_bytes(len);
@@ -124,9 +214,9 @@ pub(super) fn read<T: DeserializeOwned>(bytes: &[u8], mut fds: Vec<OwnedFd>) -> 
             let value = usize::try_from(len).map_err(|_| format!("a frame of {len} bytes")).and_then(|len| {
                 let memory = MemoryFile::open(memory, len).map_err(|e| format!("a frame's shared memory: {e}"))?;
                 let bytes = memory.frozen_bytes().ok_or("a frame's shared memory is not sealed against writes")?;
-                wire::decode(&bytes[..len], fds)
+                decode(&bytes[..len], fds)
             });
-            Ok(Incoming::Message { cost: SMALL_COST, value })
+            Ok(Incoming::Message { cost: cost(bytes.len().saturating_sub(1 + 8) + 64), value })
         }
         REDIRECT => {
             let batch = match (rest.is_empty(), fds.len()) {
@@ -161,7 +251,7 @@ mod tests {
         {
             let (a, _b) = Socket::pair().unwrap();
             let data = vec![7u8; len];
-            FrameOut::Inline(&data).write(&a, &[], Wait::Not).unwrap();
+            FrameOut::Inline(&data, &[]).write(&a, &[], Wait::Not).unwrap();
             let charged = queued_bytes(&a);
             assert!(charged <= cost(len), "a frame of {len} bytes costs the kernel {charged}, more than {}", cost(len));
         }
@@ -176,13 +266,13 @@ mod tests {
         let mut buf = vec![0u8; BUFFER];
         let mut next = || {
             let (range, fds) = b.recv_in(&mut buf, Wait::Not).unwrap().unwrap();
-            read::<Vec<u8>>(&buf[range], fds)
+            read::<Vec<u8>>(&buf[range], fds, None)
         };
         let small = postcard::to_allocvec(&vec![1u8; 10]).unwrap();
-        FrameOut::message(&small, 1 << 20).unwrap().write(&a, &[], Wait::Not).unwrap();
+        FrameOut::message(&small, 1 << 20, &[]).unwrap().write(&a, &[], Wait::Not).unwrap();
         assert!(matches!(next(), Ok(Incoming::Message { value: Ok(v), .. }) if v == vec![1u8; 10]));
         let large = postcard::to_allocvec(&vec![2u8; 100_000]).unwrap();
-        let frame = FrameOut::message(&large, 1 << 20).unwrap();
+        let frame = FrameOut::message(&large, 1 << 20, &[]).unwrap();
         assert!(matches!(frame, FrameOut::Shared(..)));
         frame.write(&a, &[], Wait::Not).unwrap();
         assert!(matches!(next(), Ok(Incoming::Message { cost: SMALL_COST, value: Ok(v) }) if v == vec![2u8; 100_000]));

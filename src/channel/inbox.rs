@@ -10,6 +10,7 @@ use serde::de::DeserializeOwned;
 use super::frame::{self, Incoming, SMALL_COST};
 use super::gauge::Gauge;
 use crate::error::{IoFailure, RecvError};
+use crate::lifetime::ConnectionLeases;
 use crate::sys::Socket;
 pub(super) use crate::sys::Wait;
 use crate::sys::{descriptor_limit, near_descriptor_limit};
@@ -27,6 +28,8 @@ pub(super) struct Inbox<T> {
     unsettled: u64,
     /// Where frames are read into (made once: a receive allocates nothing for its frame).
     buf: Vec<u8>,
+    /// The connection leases this channel's senders introduced (`src/lifetime/connection.rs`).
+    pub(super) leases: Arc<ConnectionLeases>,
     _message: PhantomData<fn() -> T>,
 }
 
@@ -58,10 +61,17 @@ fn checked(e: RecvError) -> RecvError {
 }
 
 /// Reads one frame.
-fn read<T: DeserializeOwned>(socket: &Socket, buf: &mut [u8], wait: Wait) -> Result<Incoming<T>, Missing> {
+fn read<T: DeserializeOwned>(
+    socket: &Socket,
+    buf: &mut [u8],
+    leases: &Arc<ConnectionLeases>,
+    wait: Wait,
+) -> Result<Incoming<T>, Missing> {
     let failed = |e: RecvError| Missing::Failed(checked(e));
     match socket.recv_in(buf, wait) {
-        Ok(Some((range, fds))) => frame::read(&buf[range], fds).map_err(|e| failed(RecvError::Malformed(e))),
+        Ok(Some((range, fds))) => {
+            frame::read(&buf[range], fds, Some(leases)).map_err(|e| failed(RecvError::Malformed(e)))
+        }
         Ok(None) => Err(Missing::Failed(RecvError::Disconnected)),
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => Err(Missing::Empty),
         Err(e) if e.kind() == io::ErrorKind::InvalidData => Err(failed(RecvError::Malformed(e.to_string()))),
@@ -88,8 +98,8 @@ impl<T> Inbox<T> {
 }
 
 impl<T: DeserializeOwned> Inbox<T> {
-    pub(super) fn new(main: Arc<Socket>) -> Inbox<T> {
-        Inbox { main, spill: None, unsettled: 0, buf: vec![0; frame::BUFFER], _message: PhantomData }
+    pub(super) fn new(main: Arc<Socket>, leases: Arc<ConnectionLeases>) -> Inbox<T> {
+        Inbox { main, spill: None, unsettled: 0, buf: vec![0; frame::BUFFER], leases, _message: PhantomData }
     }
 
     /// Receives the next message: from the spill batch while there is one, else from the
@@ -101,7 +111,7 @@ impl<T: DeserializeOwned> Inbox<T> {
                 Some(spill) => spill,
                 None => &self.main,
             };
-            match read(socket, &mut self.buf, wait) {
+            match read(socket, &mut self.buf, &self.leases, wait) {
                 Ok(Incoming::Message { cost, value }) => {
                     if !from_spill {
                         self.settle(gauge, cost);

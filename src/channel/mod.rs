@@ -31,6 +31,7 @@ use crate::error::{
     Error, IoFailure, RecvError, RecvTimeoutError, Result, SendError, SendFailure, SendTimeoutError, TryRecvError,
     TrySendError,
 };
+use crate::lifetime::{ConnectionKey, ConnectionLeases, Lease};
 use crate::sys::{Listening, MemoryFile, Socket};
 use crate::wire::{self, Carried, Held};
 
@@ -119,7 +120,7 @@ fn make<T: Serialize + DeserializeOwned>(capacity: u32) -> Result<(Sender<T>, Re
     let (tx, rx) = Socket::pair().map_err(wire::io_error)?;
     let gauge = Gauge::new(capacity, tx.send_buffer())?;
     let outbox = Outbox::attach(Arc::new(tx), gauge.clone());
-    Ok((Sender { outbox, _message: PhantomData }, Receiver::from_parts(Arc::new(rx), None, gauge)))
+    Ok((Sender { outbox, _message: PhantomData }, Receiver::from_parts(Arc::new(rx), None, gauge, Default::default())))
 }
 
 /// The sending end of a channel. Clone it for several producers, in this process or others.
@@ -259,9 +260,13 @@ impl<T: Serialize> Sender<T> {
 
     /// Encodes `value` (collecting its descriptors) and writes its frame.
     fn write(&self, value: &T) -> std::result::Result<(), SendFailure> {
-        let encoded = wire::encode(value).map_err(SendFailure::Serialize)?;
-        let frame = FrameOut::message(&encoded.bytes, self.outbox.gauge().limit()).map_err(outbox::failure)?;
-        self.outbox.write(frame, &encoded.fds)
+        let encoded = wire::encode_on(value, self.outbox.connection()).map_err(SendFailure::Serialize)?;
+        let frame = FrameOut::message(&encoded.bytes, self.outbox.gauge().limit(), &encoded.introduce)
+            .map_err(outbox::failure)?;
+        self.outbox.write(frame, &encoded.fds)?;
+        // Not sent (an error above): `encoded` takes its claims back as it drops.
+        encoded.sent();
+        Ok(())
     }
 
     /// The most messages the channel holds; `None` for an unbounded channel.
@@ -414,8 +419,13 @@ impl<T> fmt::Debug for Receiver<T> {
 }
 
 impl<T: DeserializeOwned> Receiver<T> {
-    fn from_parts(main: Arc<Socket>, spill: Option<Arc<Socket>>, gauge: Gauge) -> Receiver<T> {
-        let mut inbox = Inbox::new(main.clone());
+    fn from_parts(
+        main: Arc<Socket>,
+        spill: Option<Arc<Socket>>,
+        gauge: Gauge,
+        leases: Arc<ConnectionLeases>,
+    ) -> Receiver<T> {
+        let mut inbox = Inbox::new(main.clone(), leases);
         inbox.spill = spill;
         Receiver { inbox: Mutex::new(inbox), main, gauge }
     }
@@ -725,12 +735,14 @@ impl<T: DeserializeOwned> IntoIterator for Receiver<T> {
     }
 }
 
-/// A receiver as it travels: the socket, the spill batch being read, the shared counters.
+/// A receiver as it travels: the socket, the spill batch being read, the shared counters, and
+/// the connection leases its senders introduced (messages still on the socket name them).
 #[derive(Serialize, Deserialize)]
 struct ReceiverWire {
     main: Carried,
     spill: Option<Carried>,
     gauge: Carried,
+    leases: Vec<(ConnectionKey, Lease)>,
 }
 
 impl<T> Serialize for Receiver<T> {
@@ -738,7 +750,9 @@ impl<T> Serialize for Receiver<T> {
         let mut inbox = self.inbox.lock().unwrap_or_else(|p| p.into_inner());
         inbox.settle_all(&self.gauge);
         let spill = inbox.spill.as_ref().map(carry_socket).transpose()?;
-        ReceiverWire { main: carry_socket(&self.main)?, spill, gauge: carry_gauge(&self.gauge)? }.serialize(serializer)
+        let leases = inbox.leases.all();
+        ReceiverWire { main: carry_socket(&self.main)?, spill, gauge: carry_gauge(&self.gauge)?, leases }
+            .serialize(serializer)
     }
 }
 
@@ -748,7 +762,7 @@ impl<'de, T: DeserializeOwned> Deserialize<'de> for Receiver<T> {
         let main = take_socket(wire.main)?;
         let spill = wire.spill.map(take_socket).transpose()?;
         let gauge = take_gauge(wire.gauge)?;
-        Ok(Receiver::from_parts(main, spill, gauge))
+        Ok(Receiver::from_parts(main, spill, gauge, ConnectionLeases::from_leases(wire.leases)))
     }
 }
 
@@ -977,7 +991,7 @@ impl<T: Serialize + DeserializeOwned> Listener<T> {
             Err(e) => return Err(wire::io_error(e)),
         };
         let gauge = accept_hello(&socket)?;
-        Ok(Receiver::from_parts(Arc::new(socket), None, gauge))
+        Ok(Receiver::from_parts(Arc::new(socket), None, gauge, Default::default()))
     }
 }
 

@@ -13,6 +13,7 @@ use super::frame::{FrameOut, SMALL_COST};
 use super::gauge::Gauge;
 use crate::error::{IoFailure, SendFailure};
 use crate::fork::ForkLocal;
+use crate::lifetime::Connection;
 use crate::os::{catch_quietly, wait_slice};
 use crate::sys::{descriptor_limit, out_of_descriptors};
 use crate::sys::{Socket, Wait};
@@ -47,6 +48,8 @@ pub(super) struct Outbox {
     handles: AtomicUsize,
     /// Set with `Backlog::disconnected`, read without the lock.
     gone: AtomicBool,
+    /// This process's lease on the channel (a forked child makes its own).
+    connection: ForkLocal<Arc<Connection>>,
 }
 
 #[derive(Default)]
@@ -159,6 +162,7 @@ impl Outbox {
             pending: ForkLocal::new(Pending::default),
             handles: AtomicUsize::new(1),
             gone: AtomicBool::new(false),
+            connection: ForkLocal::new(|| Arc::new(Connection::default())),
         });
         registry.retain(|_, w| w.strong_count() > 0);
         registry.insert(outbox.gauge.id(), Arc::downgrade(&outbox));
@@ -181,6 +185,11 @@ impl Outbox {
 
     pub(super) fn gauge(&self) -> &Gauge {
         &self.gauge
+    }
+
+    /// This process's side of the channel's connection lease.
+    pub(super) fn connection(&self) -> &Arc<Connection> {
+        self.connection.get()
     }
 
     pub(super) fn main(&self) -> &Arc<Socket> {

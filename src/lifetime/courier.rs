@@ -17,7 +17,7 @@
 
 use std::collections::BTreeMap;
 use std::io;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
@@ -45,8 +45,8 @@ struct Queue {
     /// Per subscriber (by its number in the owner's list): its socket and the indices it has
     /// not been told of yet, oldest first.
     revocations: BTreeMap<u64, (Arc<Socket>, Vec<u64>)>,
-    /// Releases to send, in order.
-    releases: Vec<(Arc<OwnedFd>, u64)>,
+    /// Releases to send, in order: the lease, the storage's index and how many claims.
+    releases: Vec<(Arc<OwnedFd>, u64, u64)>,
     /// True when some revocations wait for room in a subscriber's socket.
     blocked: bool,
     /// True while the thread sends what it took from the queue.
@@ -109,14 +109,40 @@ pub(super) fn revoke(subscribers: Vec<(u64, Arc<Socket>)>, index: u64) {
     courier.posted.notify_one();
 }
 
-/// Sends `Release(index)` on a per-message lease, without waiting for its owner.
-pub(super) fn release(tx: Arc<OwnedFd>, index: u64) {
+/// Sends `Release(index, count)` on a counted lease, without waiting for its owner.
+pub(super) fn release(tx: Arc<OwnedFd>, index: u64, count: u64) {
     let Some(courier) = courier() else {
-        let _ = Control::Release(index).send(&*tx);
+        let _ = Control::Release(index, count).send(&*tx);
         return;
     };
-    lock(courier).releases.push((tx, index));
+    lock(courier).releases.push((tx, index, count));
     courier.posted.notify_one();
+}
+
+/// Writes `releases` in order, the records of consecutive releases on one lease together, in
+/// writes of at most `PIPE_BUF` bytes (each whole, so records of other holders never cut in).
+fn send_releases(releases: Vec<(Arc<OwnedFd>, u64, u64)>) {
+    let mut batch: Vec<u8> = Vec::new();
+    let mut on: Option<Arc<OwnedFd>> = None;
+    let flush = |on: &Option<Arc<OwnedFd>>, batch: &mut Vec<u8>| {
+        if let Some(tx) = on {
+            if !batch.is_empty() {
+                // An owner that died owes nothing: its lease is gone with it.
+                let _ = crate::sys::write_record(tx.as_fd(), batch);
+            }
+        }
+        batch.clear();
+    };
+    for (tx, index, count) in releases {
+        let Ok(record) = Control::Release(index, count).record() else { continue };
+        let same = on.as_ref().is_some_and(|o| Arc::ptr_eq(o, &tx));
+        if !same || batch.len() + record.len() > crate::sys::RECORD_MAX {
+            flush(&on, &mut batch);
+            on = Some(tx);
+        }
+        batch.extend(record);
+    }
+    flush(&on, &mut batch);
 }
 
 /// Subscribers that are gone leave the owner's list.
@@ -146,10 +172,7 @@ fn run(courier: &'static Courier) {
             queue.sending = true;
             (std::mem::take(&mut queue.releases), std::mem::take(&mut queue.revocations))
         };
-        for (tx, index) in releases {
-            // An owner that died owes nothing: its lease is gone with it.
-            let _ = Control::Release(index).send(&*tx);
-        }
+        send_releases(releases);
         let mut gone = Vec::new();
         let mut waiting = Vec::new();
         for (n, (tx, mut indices)) in revocations {

@@ -3,7 +3,8 @@
 
 use std::sync::{Arc, Weak};
 
-use super::lease::{CacheTicket, Lease, LeaseMode};
+use super::connection::{Connection, ConnectionKey, Introduction, Slot};
+use super::lease::{CacheTicket, Claim, Lease, LeaseMode};
 use super::table::{notify_revoked, owner, NO_SLOT};
 use super::{notify, reaper, state, AnyStorage, State, StorageId, WeakStorage};
 use crate::error::Result;
@@ -58,11 +59,11 @@ impl Drop for LiveStorage {
     }
 }
 
-/// A lease for one outgoing message, and for cacheable kinds the storage's slot in the
+/// A claim for one outgoing message, and for cacheable kinds the storage's slot in the
 /// liveness table.
 #[derive(Debug)]
 pub(crate) struct Grant {
-    pub(crate) lease: Lease,
+    pub(crate) claim: Claim,
     pub(crate) ticket: Option<CacheTicket>,
 }
 
@@ -71,6 +72,10 @@ pub(crate) struct Grant {
 /// handles (limbo). `handle` is the user handle that a message coming back resolves to.
 /// `cache` asks for a slot in the liveness table, so that receivers may keep their mapping
 /// after use while this process holds the storage.
+///
+/// On a channel the claim is counted on the connection's lease (see `connection.rs`), whatever
+/// the kind's `mode`; elsewhere (spawn arguments, pool calls) `mode` says how the message
+/// carries it.
 pub(crate) fn grant(
     id: StorageId,
     mode: LeaseMode,
@@ -79,22 +84,25 @@ pub(crate) fn grant(
     handle: Option<WeakStorage>,
 ) -> Result<Grant> {
     let reaper = reaper::reaper()?;
+    if let Some(connection) = wire::connection() {
+        return grant_on_connection(&connection, id, cache, keep_alive, handle);
+    }
     let grant = match mode {
         LeaseMode::PerStorage => {
             let mut s = state();
             if let Some(e) = s.exported.get(&id) {
                 if let Some(lease) = &e.shared_lease {
                     let ticket = cache.then_some(CacheTicket { slot: e.slot });
-                    return Ok(Grant { lease: lease.clone(), ticket });
+                    return Ok(Grant { claim: Claim::Lease(lease.clone()), ticket });
                 }
             }
             let lease = reaper.new_lease()?;
             opened_lease(&mut s);
             s.shared_leases.insert(lease.key());
-            let entry = claim(&mut s, id, &lease, keep_alive, handle);
+            let entry = claim(&mut s, id, lease.key(), keep_alive, handle);
             entry.shared_lease = Some(lease.clone());
             let ticket = cache.then(|| CacheTicket { slot: slot_of(entry, id) });
-            Grant { lease, ticket }
+            Grant { claim: Claim::Lease(lease), ticket }
         }
         LeaseMode::PerMessage => {
             let lease = wire::per_message(|| {
@@ -103,13 +111,55 @@ pub(crate) fn grant(
                 Ok(lease)
             })?;
             let mut s = state();
-            let entry = claim(&mut s, id, &lease, keep_alive, handle);
+            let entry = claim(&mut s, id, lease.key(), keep_alive, handle);
             let ticket = cache.then(|| CacheTicket { slot: slot_of(entry, id) });
-            Grant { lease, ticket }
+            Grant { claim: Claim::Lease(lease), ticket }
         }
     };
     notify();
     Ok(grant)
+}
+
+/// A claim counted on this process's lease on the channel the message is encoded for: the
+/// lease is made on the connection's first message (or after the last one closed), and the
+/// frame introduces it until one that does has been written.
+fn grant_on_connection(
+    connection: &Connection,
+    id: StorageId,
+    cache: bool,
+    keep_alive: impl FnOnce() -> AnyStorage,
+    handle: Option<WeakStorage>,
+) -> Result<Grant> {
+    let mut s = state();
+    let (key, unsent) = {
+        let mut slot = connection.lock();
+        match slot.as_ref() {
+            // Open as long as the owner counts claims on it (the reaper has not seen it close).
+            Some(current) if s.covers.contains_key(&current.key) => (current.key, current.unsent.clone()),
+            _ => {
+                let lease = reaper::reaper()?.new_lease()?;
+                opened_lease(&mut s);
+                s.covers.insert(lease.key(), Default::default());
+                *slot = Some(Slot { key: lease.key(), unsent: Some(lease.clone()) });
+                (lease.key(), Some(lease))
+            }
+        }
+    };
+    let entry = claim(&mut s, id, key, keep_alive, handle);
+    let ticket = cache.then(|| CacheTicket { slot: slot_of(entry, id) });
+    drop(s);
+    notify();
+    let name = ConnectionKey { owner: super::process_token(), key };
+    wire::connection_claim(key, id.index(), unsent.map(|lease| Introduction { name, lease }));
+    Ok(Grant { claim: Claim::Connection { name, index: id.index() }, ticket })
+}
+
+/// Takes back claims granted for a message that was not sent after all (its encode or its
+/// write failed): `(lease key, storage index)`, one claim each.
+pub(crate) fn withdraw(claims: &[(u64, u64)]) {
+    for &(key, index) in claims {
+        lease_message(key, index, Change::Release(1));
+    }
 }
 
 fn opened_lease(s: &mut State) {
@@ -117,14 +167,14 @@ fn opened_lease(s: &mut State) {
     s.stats.leases_granted += 1;
 }
 
-fn claim<'s>(
-    s: &'s mut State,
+fn claim(
+    s: &mut State,
     id: StorageId,
-    lease: &Lease,
+    lease: u64,
     keep_alive: impl FnOnce() -> AnyStorage,
     handle: Option<WeakStorage>,
-) -> &'s mut Exported {
-    *s.covers.entry(lease.key()).or_default().entry(id.index()).or_insert(0) += 1;
+) -> &mut Exported {
+    *s.covers.entry(lease).or_default().entry(id.index()).or_insert(0) += 1;
     let entry = s.exported.entry(id).or_insert_with(|| Exported {
         keep_alive: keep_alive(),
         handle,
@@ -164,12 +214,21 @@ pub(crate) fn handles_dropped(id: StorageId) {
     }
 }
 
-/// A message on lease `lease` of this process: a holder releases one claim on storage
-/// `index`, or passes one on (`retain`). Claims the lease does not hold are ignored, so a
-/// forged or repeated release cannot free what others still use; so is every such message on
-/// a per-storage lease, whose one claim all its holders share (it ends when the channel
-/// closes, and only then).
-pub(super) fn lease_message(lease: u64, index: u64, retain: bool) {
+/// What a holder says about one storage on a lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Change {
+    /// It drops this many claims.
+    Release(u64),
+    /// It passes one claim on to another process.
+    Retain,
+}
+
+/// A record on lease `lease` of this process about storage `index`. Claims the lease does not
+/// hold are ignored, so a forged or repeated release cannot free what others still use (a
+/// release of more than the lease holds releases what it holds); so is every such record on a
+/// per-storage lease, whose one claim all its holders share (it ends when the channel closes,
+/// and only then).
+pub(super) fn lease_message(lease: u64, index: u64, change: Change) {
     let mut s = state();
     if s.shared_leases.contains(&lease) {
         return;
@@ -178,20 +237,23 @@ pub(super) fn lease_message(lease: u64, index: u64, retain: bool) {
     if *count == 0 {
         return;
     }
-    if retain {
-        *count += 1;
-        if let Some(e) = s.exported.get_mut(&StorageId::local(index)) {
-            e.claims += 1;
+    let n = match change {
+        Change::Retain => {
+            *count += 1;
+            if let Some(e) = s.exported.get_mut(&StorageId::local(index)) {
+                e.claims += 1;
+            }
+            return;
         }
-        return;
-    }
-    *count -= 1;
+        Change::Release(n) => n.min(*count as u64) as usize,
+    };
+    *count -= n;
     if *count == 0 {
         if let Some(c) = s.covers.get_mut(&lease) {
             c.remove(&index);
         }
     }
-    release(s, &[(index, 1)]);
+    release(s, &[(index, n)]);
 }
 
 /// Lease channel `lease` closed: every claim still on it is released.

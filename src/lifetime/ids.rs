@@ -50,7 +50,7 @@ impl StorageId {
         self.index
     }
 
-    #[cfg(test)]
+    /// The id of storage `index` of the process whose token is `owner`.
     pub(crate) fn foreign(owner: u128, index: u64) -> StorageId {
         StorageId { owner, index }
     }

@@ -8,8 +8,9 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
+use super::connection::ConnectionKey;
 use super::StorageId;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::handover::SpawnTicket;
 use crate::sys::{MemoryFile, Socket, Wait};
 use crate::wire::{self, Carried, Held};
@@ -32,8 +33,8 @@ pub(crate) enum Control {
     /// Subscribe to the owner's revocations: the sending end of the socket to send them on
     /// waits at the subscriber's home under this ticket (`src/handover.rs`).
     Link(SpawnTicket),
-    /// The holder dropped its claim on storage `index` (per-message leases).
-    Release(u64),
+    /// The holder dropped `count` claims on storage `index` (counted leases).
+    Release(u64, u64),
     /// The holder passes a claim on storage `index` on to another process: one more claim
     /// through this lease (per-message leases).
     Retain(u64),
@@ -42,12 +43,15 @@ pub(crate) enum Control {
 const RELEASE: u8 = 1;
 const RETAIN: u8 = 2;
 const LINK: u8 = 3;
+const RELEASE_MANY: u8 = 4;
 
 impl Control {
-    /// The record: a tag, then 8 bytes of index, or 2 bytes of length and the ticket.
-    fn record(&self) -> io::Result<Vec<u8>> {
+    /// The record: a tag, then 8 bytes of index (and 8 of count for more than one release),
+    /// or 2 bytes of length and the ticket.
+    pub(super) fn record(&self) -> io::Result<Vec<u8>> {
         let (tag, body) = match self {
-            Control::Release(index) => (RELEASE, index.to_le_bytes().to_vec()),
+            Control::Release(index, 1) => (RELEASE, index.to_le_bytes().to_vec()),
+            Control::Release(index, count) => (RELEASE_MANY, [index.to_le_bytes(), count.to_le_bytes()].concat()),
             Control::Retain(index) => (RETAIN, index.to_le_bytes().to_vec()),
             Control::Link(ticket) => {
                 let ticket = postcard::to_allocvec(ticket).map_err(|e| io::Error::other(e.to_string()))?;
@@ -69,12 +73,18 @@ impl Control {
         let mut out = Vec::new();
         while at < bytes.len() {
             let rest = &bytes[at..];
-            let index = |b: &[u8]| b.get(1..9).map(|i| u64::from_le_bytes(i.try_into().expect("8 bytes")));
+            let word =
+                |b: &[u8], at: usize| b.get(at..at + 8).map(|i| u64::from_le_bytes(i.try_into().expect("8 bytes")));
             match rest[0] {
                 RELEASE | RETAIN => {
-                    let Some(i) = index(rest) else { break };
-                    out.push(if rest[0] == RELEASE { Control::Release(i) } else { Control::Retain(i) });
+                    let Some(i) = word(rest, 1) else { break };
+                    out.push(if rest[0] == RELEASE { Control::Release(i, 1) } else { Control::Retain(i) });
                     at += 9;
+                }
+                RELEASE_MANY => {
+                    let (Some(i), Some(n)) = (word(rest, 1), word(rest, 9)) else { break };
+                    out.push(Control::Release(i, n));
+                    at += 17;
                 }
                 LINK => {
                     let Some(len) = rest.get(1..3).map(|l| u16::from_le_bytes([l[0], l[1]]) as usize) else { break };
@@ -154,6 +164,16 @@ impl Lease {
         wire::carry(held, Some(self.key))
     }
 
+    /// The lease's sending end, to attach to a frame that introduces it.
+    pub(crate) fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.tx.as_fd()
+    }
+
+    /// A lease whose sending end arrived outside a message's values (a frame's introduction).
+    pub(crate) fn from_fd(fd: OwnedFd) -> Lease {
+        Lease::new(Arc::new(fd))
+    }
+
     /// Takes a lease out of the message being decoded. Any descriptor will do: a holder only
     /// keeps it and writes records to it, which fail harmlessly on anything but a pipe (or
     /// socket) to its owner.
@@ -174,14 +194,67 @@ impl<'de> Deserialize<'de> for Lease {
     }
 }
 
-/// One claim on one storage through a lease. Dropping it ends the claim: for a per-message
-/// lease it says so on the lease; for a per-storage lease the dropped copy of the channel is
-/// the claim.
+/// The claim a storage's record in a message stands for.
+#[derive(Debug)]
+pub(crate) enum Claim {
+    /// A claim through a lease the message carries (spawn arguments, pool calls, a storage
+    /// forwarded from a third process).
+    Lease(Lease),
+    /// A claim on storage `index` counted on the connection lease `name`, which the message
+    /// names and does not carry (the sender's side).
+    Connection { name: ConnectionKey, index: u64 },
+    /// A connection claim as decoded: the cover the receiver made for it from the message's
+    /// list of claims (`wire::take_connection_cover`).
+    Counted(Cover),
+}
+
+/// A claim as it travels.
+#[derive(Serialize, Deserialize)]
+enum ClaimWire {
+    Lease(Carried),
+    Connection(ConnectionKey, u64),
+}
+
+impl Serialize for Claim {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        match self {
+            Claim::Lease(lease) => ClaimWire::Lease(lease.carry().map_err(wire::encode_error)?),
+            Claim::Connection { name, index } => ClaimWire::Connection(*name, *index),
+            Claim::Counted(_) => {
+                return Err(wire::encode_error(Error::Unsupported("a decoded claim is not sent again".into())))
+            }
+        }
+        .serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for Claim {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        Ok(match ClaimWire::deserialize(deserializer)? {
+            ClaimWire::Lease(carried) => Claim::Lease(Lease::take(carried).map_err(wire::decode_error)?),
+            ClaimWire::Connection(name, index) => {
+                Claim::Counted(wire::take_connection_cover(name, index).ok_or_else(|| {
+                    wire::decode_error(Error::Malformed(
+                        "message names a connection claim that it does not carry".into(),
+                    ))
+                })?)
+            }
+        })
+    }
+}
+
+/// One claim on one storage through a lease. Dropping it ends the claim: for a counted lease
+/// it says so on the lease; for a per-storage lease the dropped copy of the channel is
+/// the claim. A counted cover may hold several claims through its lease (messages that
+/// brought a storage already mapped here add theirs to the mapping's cover): its drop
+/// releases them all in one record.
 #[derive(Debug)]
 pub(crate) struct Cover {
     lease: Lease,
     id: StorageId,
     mode: LeaseMode,
+    /// Claims this cover holds (counted leases).
+    claims: AtomicU64,
     /// The process generation that holds the claim: a forked child's copy of its parent's
     /// cover is not a claim of its own, and its drop releases nothing.
     generation: u64,
@@ -189,11 +262,43 @@ pub(crate) struct Cover {
 
 impl Cover {
     pub(crate) fn new(lease: Lease, id: StorageId, mode: LeaseMode) -> Cover {
-        Cover { lease, id, mode, generation: crate::fork::generation() }
+        Cover { lease, id, mode, claims: AtomicU64::new(1), generation: crate::fork::generation() }
+    }
+
+    /// The cover of a claim decoded from a message; `mode` is the kind's for leases the
+    /// message carried (connection claims are always counted).
+    pub(crate) fn of_claim(claim: Claim, id: StorageId, mode: LeaseMode) -> Result<Cover> {
+        match claim {
+            Claim::Lease(lease) => Ok(Cover::new(lease, id, mode)),
+            Claim::Counted(cover) if cover.id == id => Ok(cover),
+            Claim::Counted(_) => Err(Error::Malformed("a storage's record names another storage's claim".into())),
+            Claim::Connection { .. } => Err(Error::Malformed("a connection claim that was not decoded".into())),
+        }
+    }
+
+    /// The cover of one claim counted on a connection lease.
+    pub(crate) fn counted(lease: Lease, id: StorageId) -> Cover {
+        Cover::new(lease, id, LeaseMode::PerMessage)
+    }
+
+    /// Takes over `other`'s claims when both are counted claims on the same storage through
+    /// the same lease (a message that brought a storage already mapped here): nothing is sent
+    /// now, and this cover's drop releases them all. Gives `other` back otherwise.
+    pub(crate) fn absorb(&self, other: Cover) -> Option<Cover> {
+        let same = self.mode == LeaseMode::PerMessage
+            && other.mode == LeaseMode::PerMessage
+            && self.id == other.id
+            && self.lease.key() == other.lease.key()
+            && self.generation == other.generation;
+        if !same {
+            return Some(other);
+        }
+        self.claims.fetch_add(other.claims.swap(0, Ordering::Relaxed), Ordering::Relaxed);
+        None
     }
 
     /// A lease to send with this storage to another process: the same lease, plus one claim
-    /// on it for the new holder when claims are counted per message.
+    /// on it for the new holder when claims are counted.
     pub(crate) fn forward(&self) -> Lease {
         if self.mode == LeaseMode::PerMessage {
             // Sent before the message that carries the claim, so the owner reads it before the
@@ -215,9 +320,10 @@ impl Cover {
 
 impl Drop for Cover {
     fn drop(&mut self) {
-        if self.mode == LeaseMode::PerMessage && self.generation == crate::fork::generation() {
+        let claims = *self.claims.get_mut();
+        if self.mode == LeaseMode::PerMessage && claims > 0 && self.generation == crate::fork::generation() {
             // Sent by the courier: a drop never waits for the owner to read.
-            super::courier::release(self.lease.tx.clone(), self.id.index());
+            super::courier::release(self.lease.tx.clone(), self.id.index(), claims);
         }
     }
 }
@@ -237,14 +343,19 @@ mod record_tests {
     fn records_parse_back_whole_and_a_cut_one_waits() {
         let ticket = SpawnTicket { home: "cuda-mp-home-test".into(), token: 7 };
         let mut bytes = Vec::new();
-        for c in [Control::Release(5), Control::Link(ticket.clone()), Control::Retain(u64::MAX)] {
+        for c in
+            [Control::Release(5, 1), Control::Link(ticket.clone()), Control::Retain(u64::MAX), Control::Release(7, 300)]
+        {
             bytes.extend(c.record().unwrap());
         }
         let (parsed, used) = Control::parse(&bytes).unwrap();
-        assert_eq!(parsed, vec![Control::Release(5), Control::Link(ticket), Control::Retain(u64::MAX)]);
+        assert_eq!(
+            parsed,
+            vec![Control::Release(5, 1), Control::Link(ticket), Control::Retain(u64::MAX), Control::Release(7, 300)]
+        );
         assert_eq!(used, bytes.len());
         let (parsed, used) = Control::parse(&bytes[..bytes.len() - 3]).unwrap();
-        assert_eq!((parsed.len(), used), (2, bytes.len() - 9), "the cut record waits");
+        assert_eq!((parsed.len(), used), (3, bytes.len() - 17), "the cut record waits");
         assert!(Control::parse(&[9, 1, 2]).is_none(), "not ours");
     }
 }

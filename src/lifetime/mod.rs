@@ -2,6 +2,7 @@
 //! revocation and the reaper. It knows nothing of what a storage is: storages are
 //! `Arc<dyn Any + Send + Sync>` here. See README.md here for the states and the lock order.
 
+mod connection;
 mod courier;
 mod export;
 mod ids;
@@ -21,12 +22,13 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::fork::ForkLocal;
 
+pub(crate) use connection::{Connection, ConnectionKey, ConnectionLeases, Introduction};
 pub(crate) use courier::wait_for_releases;
-pub(crate) use export::{grant, handles_dropped, local_storage, revive_local, LiveStorage, LocalStorage};
+pub(crate) use export::{grant, handles_dropped, local_storage, revive_local, withdraw, LiveStorage, LocalStorage};
 pub(crate) use ids::process_token;
 pub use ids::StorageId;
 pub(crate) use import::{close_import, import, park_idle, subscribe};
-pub(crate) use lease::{CacheTicket, Cover, Lease, LeaseMode};
+pub(crate) use lease::{CacheTicket, Claim, Cover, Lease, LeaseMode};
 
 /// A storage as the lifetime machinery sees it: anything shareable, kept alive by `Arc`.
 pub(crate) type AnyStorage = Arc<dyn Any + Send + Sync>;

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use once_cell::sync::OnceCell;
 use rustix::event::epoll;
 
-use super::export::{lease_closed, lease_message};
+use super::export::{lease_closed, lease_message, Change};
 use super::import::{owner_gone, revoke, table_arrived};
 use super::lease::{self, Control, Lease, Revocation};
 use super::table::{owner, Table};
@@ -244,8 +244,8 @@ fn drain_lease(reaper: &Reaper, id: u64, pipe: &OwnedFd) -> bool {
         let Watched::Lease(key) = what else { continue };
         for record in records {
             match record {
-                Control::Release(index) => lease_message(key, index, false),
-                Control::Retain(index) => lease_message(key, index, true),
+                Control::Release(index, count) => lease_message(key, index, Change::Release(count)),
+                Control::Retain(index) => lease_message(key, index, Change::Retain),
                 // The subscriber's socket is fetched from its home off this thread: a
                 // subscriber that does not answer must not hold up every lease.
                 Control::Link(ticket) => super::courier::dispose(move || {

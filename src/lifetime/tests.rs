@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use super::export::lease_message;
+use super::export::{lease_message, Change, Grant};
 use super::import::{owner_gone, revoke, table_arrived};
 use super::lease::CacheTicket;
 use super::table::Table;
@@ -21,6 +21,14 @@ struct Mapping {
 impl Drop for Mapping {
     fn drop(&mut self) {
         self.closed.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// The lease a grant made outside a channel carries.
+fn lease_of(g: &Grant) -> &Lease {
+    match &g.claim {
+        Claim::Lease(lease) => lease,
+        other => panic!("a grant outside a channel made {other:?}"),
     }
 }
 
@@ -191,20 +199,20 @@ fn claims_per_lease_are_released_once_and_forged_releases_are_ignored() {
         let gb = grant(b, LeaseMode::PerMessage, false, || keep(&freed), None).unwrap();
         (ga, gb)
     });
-    let key = grants.0.lease.key();
-    assert_eq!(key, grants.1.lease.key(), "one lease per message");
+    let key = lease_of(&grants.0).key();
+    assert_eq!(key, lease_of(&grants.1).key(), "one lease per message");
     assert_eq!(state().covers[&key].len(), 2);
     // A forged release of a storage the lease does not cover changes nothing.
-    lease_message(key, 0xdead, false);
-    lease_message(key + 1_000_000, a.index(), false);
+    lease_message(key, 0xdead, Change::Release(1));
+    lease_message(key + 1_000_000, a.index(), Change::Release(1));
     assert!(state().exported.contains_key(&a) && state().exported.contains_key(&b));
     // Forwarding adds a claim; two releases then free `a`, a third is ignored.
-    lease_message(key, a.index(), true);
-    lease_message(key, a.index(), false);
+    lease_message(key, a.index(), Change::Retain);
+    lease_message(key, a.index(), Change::Release(1));
     assert_eq!(freed.load(Ordering::SeqCst), 0, "one claim on a is left");
-    lease_message(key, a.index(), false);
+    lease_message(key, a.index(), Change::Release(1));
     assert_eq!(freed.load(Ordering::SeqCst), 1, "a is freed at its last release");
-    lease_message(key, a.index(), false);
+    lease_message(key, a.index(), Change::Release(1));
     // The lease closes: what it still covers (b) is released, by the reaper, which watches the
     // lease channel (closing it here too would count the lease twice).
     drop(grants);
@@ -224,7 +232,7 @@ fn a_lease_channel_carries_releases_to_the_reaper() {
     let keep: AnyStorage = Arc::new(Mapping { closed: freed.clone() });
     let (g, _fds) = wire::encode_scope(|| grant(id, LeaseMode::PerMessage, false, move || keep, None).unwrap());
     // A holder's claim, ended by dropping its cover: the release travels on the channel.
-    let cover = Cover::new(g.lease.clone(), id, LeaseMode::PerMessage);
+    let cover = Cover::new(lease_of(&g).clone(), id, LeaseMode::PerMessage);
     drop(g);
     drop(cover);
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -242,14 +250,14 @@ fn releases_on_a_per_storage_lease_free_nothing_that_other_holders_use() {
     let freed = Arc::new(AtomicU64::new(0));
     let keep: AnyStorage = Arc::new(Mapping { closed: freed.clone() });
     let g = wire::encode_scope(|| grant(id, LeaseMode::PerStorage, true, move || keep, None).unwrap()).0;
-    let key = g.lease.key();
+    let key = lease_of(&g).key();
     // Two holders of the storage: each has a copy of the lease.
-    let (first, second) = (g.lease.clone(), g.lease.clone());
+    let (first, second) = (lease_of(&g).clone(), lease_of(&g).clone());
     drop(g);
     for _ in 0..3 {
-        lease_message(key, id.index(), false);
+        lease_message(key, id.index(), Change::Release(1));
     }
-    lease_message(key, id.index(), true);
+    lease_message(key, id.index(), Change::Retain);
     assert!(state().exported.contains_key(&id), "a release on a per-storage lease ended the shared claim");
     assert_eq!(freed.load(Ordering::SeqCst), 0);
     // The owner's handles go; the holders' copies still claim it.
@@ -290,4 +298,52 @@ fn a_condition_of_wait_for_lifetime_may_call_cuda_mp() {
     // deadlock.
     let stats = wait_for_lifetime(Duration::from_secs(10), |s| lifetime_stats().freed_storages >= s.freed_storages);
     assert!(stats.is_ok());
+}
+
+/// Two holders of one storage, each through a connection of its own: releases on one
+/// connection's lease, forged, repeated or larger than what it holds, end only the claims
+/// counted there; the other holder's claim keeps the storage.
+#[test]
+fn releases_on_one_connection_free_nothing_that_another_connection_holds() {
+    let id = StorageId::new_local();
+    let freed = Arc::new(AtomicU64::new(0));
+    let keep: AnyStorage = Arc::new(Mapping { closed: freed.clone() });
+    let (a, b) = (Arc::new(Connection::default()), Arc::new(Connection::default()));
+    let on = |connection: &Arc<Connection>| {
+        let keep = keep.clone();
+        let (grant, claims, introduce) =
+            wire::encode_scope_on(connection, || grant(id, LeaseMode::PerStorage, true, move || keep, None).unwrap());
+        assert!(matches!(grant.claim, Claim::Connection { .. }), "counted on the connection, whatever the kind");
+        assert_eq!(claims.len(), 1);
+        (claims[0].0, introduce)
+    };
+    let (key_a, intro_a) = on(&a);
+    let (key_b, intro_b) = on(&b);
+    assert_ne!(key_a, key_b, "one lease per connection");
+    assert_eq!((intro_a.len(), intro_b.len()), (1, 1), "a connection's first message introduces its lease");
+    // A second message on `a` counts a second claim on the same lease, and introduces it again
+    // until a frame that did is written.
+    let (again, intro) = on(&a);
+    assert_eq!((again, intro.len()), (key_a, 1));
+    a.introduced(key_a);
+    let (_, intro) = on(&a);
+    assert!(intro.is_empty(), "introduced once written");
+    // `a` holds three claims: many releases on its lease end those, and nothing of `b`'s.
+    lease_message(key_a, id.index(), Change::Release(1_000));
+    lease_message(key_a, id.index(), Change::Release(1));
+    lease_message(key_a, 0xdead, Change::Release(1));
+    assert!(state().exported.contains_key(&id), "releases on one connection ended another's claim");
+    assert_eq!(freed.load(Ordering::SeqCst), 0);
+    // `b`'s one claim, released (twice: the second is ignored), frees it.
+    lease_message(key_b, id.index(), Change::Release(1));
+    lease_message(key_b, id.index(), Change::Release(1));
+    assert!(!state().exported.contains_key(&id));
+    drop(keep);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while freed.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "the storage was never freed");
+        let _ = wait_for_lifetime(Duration::from_millis(50), |_| false);
+    }
+    assert_eq!(freed.load(Ordering::SeqCst), 1);
+    drop((intro_a, intro_b));
 }

@@ -19,7 +19,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
-use crate::lifetime::{self, AnyStorage, CacheTicket, Cover, Lease, LeaseMode, LiveStorage, LocalStorage, StorageId};
+use crate::lifetime::{self, AnyStorage, CacheTicket, Claim, Cover, LeaseMode, LiveStorage, LocalStorage, StorageId};
 use crate::profile::{self, Phase};
 use crate::tensor::{DynTensor, Tensor, TensorWire};
 use crate::wire;
@@ -186,7 +186,7 @@ pub(crate) trait Shared: Send + Sync + Sized + 'static {
 pub(crate) struct Record<W> {
     pub(crate) id: StorageId,
     pub(crate) bytes: u64,
-    pub(crate) lease: Lease,
+    pub(crate) lease: Claim,
     pub(crate) ticket: Option<CacheTicket>,
     pub(crate) kind: W,
 }
@@ -218,9 +218,9 @@ fn export_now<S: Shared>(storage: &Arc<S>, explicit: bool) -> Result<Record<<S::
             let user: AnyStorage = storage.clone();
             let grant =
                 lifetime::grant(m.id, S::Kind::LEASE, S::Kind::CACHE_IDLE, move || keep, Some(Arc::downgrade(&user)))?;
-            (grant.lease, grant.ticket, kind)
+            (grant.claim, grant.ticket, kind)
         }
-        Origin::Imported { cover, ticket } => (cover.forward(), *ticket, S::Kind::forward(m)?),
+        Origin::Imported { cover, ticket } => (Claim::Lease(cover.forward()), *ticket, S::Kind::forward(m)?),
     };
     Ok(Record { id: m.id, bytes: m.len as u64, lease, ticket, kind })
 }
@@ -234,8 +234,9 @@ pub(crate) fn import<S: Shared>(
 ) -> Result<Arc<S>> {
     let Record { id, bytes, lease, ticket, mut kind } = record;
     let bytes = usize::try_from(bytes).map_err(|_| Error::Malformed("storage size overflows".into()))?;
-    // The message's claim: kept by a new mapping, otherwise ended when this returns.
-    let cover = Cover::new(lease, id, S::Kind::LEASE);
+    // The message's claim: kept by a new mapping, added to the cover of a mapping this process
+    // already holds through the same lease, otherwise ended when this returns.
+    let mut cover = Some(Cover::of_claim(lease, id, S::Kind::LEASE)?);
     let storage = if id.is_local() {
         let storage = local::<S>(id)?;
         S::Kind::check_local(&storage.handle().memory, requested)?;
@@ -243,7 +244,9 @@ pub(crate) fn import<S: Shared>(
     } else {
         let (place, key) = S::Kind::place(&kind, requested)?;
         if ticket.is_some() && S::Kind::CACHE_IDLE {
-            lifetime::subscribe(id, cover.lease());
+            if let Some(cover) = &cover {
+                lifetime::subscribe(id, cover.lease());
+            }
         }
         let storage = lifetime::import(
             id,
@@ -252,6 +255,7 @@ pub(crate) fn import<S: Shared>(
                 memory.downcast::<Memory<S::Kind>>().ok().map(|memory| Arc::new(S::from_handle(Handle { memory })))
             },
             || {
+                let cover = cover.take().expect("opened once");
                 let raw = profile::timed(Phase::Open, || S::Kind::open(&mut kind, bytes, &place)).map_err(|e| {
                     if cover.owner_alive() {
                         e
@@ -264,9 +268,15 @@ pub(crate) fn import<S: Shared>(
                 Ok(Arc::new(S::from_handle(Handle { memory })))
             },
         )?;
+        // Mapped already: the mapping's cover holds this message's claim from now on when it
+        // can (the same counted lease), so that re-sending a storage costs no release.
+        if let (Some(new), Origin::Imported { cover: held, .. }) = (cover.take(), &storage.handle().memory.origin) {
+            cover = held.absorb(new);
+        }
         profile::timed(Phase::EventWait, || S::Kind::arrived(&storage.handle().memory, &kind, &place))?;
         storage
     };
+    drop(cover);
     let held = storage.handle().memory.len;
     if held != bytes {
         return Err(Error::Malformed(format!("message claims {bytes} bytes for a storage held here with {held}")));

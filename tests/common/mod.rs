@@ -88,6 +88,16 @@ pub fn socket_pair() -> (std::fs::File, std::fs::File) {
     (std::fs::File::from(a), std::fs::File::from(b))
 }
 
+/// A claim as a storage's record carries it: a lease carried in the message, or a claim
+/// counted on the channel's lease (its owner and key, and the storage's index), which the
+/// message's list of claims must hold.
+#[derive(Serialize, Deserialize, Clone, Debug)]
+#[allow(dead_code)] // not every test binary forges messages
+pub enum Claim<L> {
+    Lease(L),
+    Connection(u128, u64, u64),
+}
+
 /// The wire layout of a host tensor, with every field under the forger's control.
 #[derive(Serialize, Deserialize)]
 #[allow(dead_code)] // not every test binary forges messages
@@ -99,7 +109,7 @@ pub struct ForgedTensor<Shm, Lease> {
     pub owner: u128,
     pub index: u64,
     pub bytes: u64,
-    pub lease: Lease,
+    pub lease: Claim<Lease>,
     pub ticket: Option<u32>,
     pub shm: Option<Shm>,
 }
