@@ -37,7 +37,7 @@ fn forged(dtype: u8, shape: Vec<usize>, bytes: usize) -> ForgedTensor<CarriedFil
         owner: 0xdead_beef,
         index: 1,
         bytes: bytes as u64,
-        lease: Claim::Lease(CarriedFile(lease)),
+        lease: Claim::Lease(CarriedFile(lease), true),
         ticket: None,
         shm: Some(CarriedFile(sealed_memory(16, 0))),
     }
@@ -90,7 +90,7 @@ fn descriptor_slots_out_of_range_are_rejected() {
         owner: 1,
         index: 1,
         bytes: 8,
-        lease: Claim::Lease(slot(9)),
+        lease: Claim::Lease(slot(9), true),
         ticket: None,
         shm: Some(slot(5)),
     };
@@ -108,7 +108,7 @@ fn descriptor_slots_out_of_range_are_rejected() {
         owner: 1,
         index: 1,
         bytes: 8,
-        lease: Claim::Lease(slot(7)),
+        lease: Claim::Lease(slot(7), true),
         ticket: None,
         shm: Some(CarriedFile(sealed_memory(8, 1))),
     };

@@ -25,7 +25,7 @@ fn a_forged_descriptor_index_prints_no_panic() {
         owner: 1,
         index: 1,
         bytes: 8,
-        lease: Claim::Lease(slot(9)),
+        lease: Claim::Lease(slot(9), true),
         ticket: None,
         shm: Some(slot(5)),
     };

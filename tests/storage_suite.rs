@@ -198,6 +198,28 @@ where
     closed(before);
 }
 
+/// Parent -> A -> B while A lives on (holding the channel the storages came on, as a queue's
+/// dispatcher does): the storages are freed when B drops them, not when A exits.
+fn a_storage_forwarded_by_a_live_process_is_freed_at_the_last_drop<K: Kind>()
+where
+    Tensor<f32, K::S>: Serialize + DeserializeOwned,
+{
+    let _g = serial();
+    let before = lifetime_stats();
+    let b = start::<K::S>(None);
+    let a = start::<K::S>(Some(b.0.clone()));
+    a.0.send(vec![K::make(8), K::make(8)]).unwrap();
+    assert_eq!(a.2.recv_timeout(WAIT).unwrap(), 2);
+    assert_eq!(ask(&a, Cmd::Forward), 0);
+    assert_eq!(b.2.recv_timeout(WAIT).unwrap(), 2, "B got both");
+    assert_eq!(ask(&b, Cmd::Drop), 0);
+    settled(before);
+    drop((a.1, b.1));
+    a.3.join().unwrap();
+    b.3.join().unwrap();
+    closed(before);
+}
+
 /// A message with more tensors than one transport message can carry descriptors for.
 fn many_tensors_cross_in_one_message<K: Kind>(n: usize)
 where
@@ -377,6 +399,12 @@ macro_rules! suite {
             $(#[$attr])?
             fn a_forwarded_storage_lives_until_the_last_holder_drops_it() {
                 super::a_forwarded_storage_lives_until_the_last_holder_drops_it::<$kind>();
+            }
+
+            #[test]
+            $(#[$attr])?
+            fn a_storage_forwarded_by_a_live_process_is_freed_at_the_last_drop() {
+                super::a_storage_forwarded_by_a_live_process_is_freed_at_the_last_drop::<$kind>();
             }
 
             #[test]

@@ -93,7 +93,7 @@ pub(crate) fn grant(
             if let Some(e) = s.exported.get(&id) {
                 if let Some(lease) = &e.shared_lease {
                     let ticket = cache.then_some(CacheTicket { slot: e.slot });
-                    return Ok(Grant { claim: Claim::Lease(lease.clone()), ticket });
+                    return Ok(Grant { claim: Claim::Lease { lease: lease.clone(), counted: false }, ticket });
                 }
             }
             let lease = reaper.new_lease()?;
@@ -102,7 +102,7 @@ pub(crate) fn grant(
             let entry = claim(&mut s, id, lease.key(), keep_alive, handle);
             entry.shared_lease = Some(lease.clone());
             let ticket = cache.then(|| CacheTicket { slot: slot_of(entry, id) });
-            Grant { claim: Claim::Lease(lease), ticket }
+            Grant { claim: Claim::Lease { lease, counted: false }, ticket }
         }
         LeaseMode::PerMessage => {
             let lease = wire::per_message(|| {
@@ -113,7 +113,7 @@ pub(crate) fn grant(
             let mut s = state();
             let entry = claim(&mut s, id, lease.key(), keep_alive, handle);
             let ticket = cache.then(|| CacheTicket { slot: slot_of(entry, id) });
-            Grant { claim: Claim::Lease(lease), ticket }
+            Grant { claim: Claim::Lease { lease, counted: true }, ticket }
         }
     };
     notify();

@@ -198,8 +198,9 @@ impl<'de> Deserialize<'de> for Lease {
 #[derive(Debug)]
 pub(crate) enum Claim {
     /// A claim through a lease the message carries (spawn arguments, pool calls, a storage
-    /// forwarded from a third process).
-    Lease(Lease),
+    /// forwarded from a third process), counted per storage on it or (`counted: false`) a
+    /// per-storage lease whose every copy is one claim.
+    Lease { lease: Lease, counted: bool },
     /// A claim on storage `index` counted on the connection lease `name`, which the message
     /// names and does not carry (the sender's side).
     Connection { name: ConnectionKey, index: u64 },
@@ -211,14 +212,14 @@ pub(crate) enum Claim {
 /// A claim as it travels.
 #[derive(Serialize, Deserialize)]
 enum ClaimWire {
-    Lease(Carried),
+    Lease(Carried, bool),
     Connection(ConnectionKey, u64),
 }
 
 impl Serialize for Claim {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
         match self {
-            Claim::Lease(lease) => ClaimWire::Lease(lease.carry().map_err(wire::encode_error)?),
+            Claim::Lease { lease, counted } => ClaimWire::Lease(lease.carry().map_err(wire::encode_error)?, *counted),
             Claim::Connection { name, index } => ClaimWire::Connection(*name, *index),
             Claim::Counted(_) => {
                 return Err(wire::encode_error(Error::Unsupported("a decoded claim is not sent again".into())))
@@ -231,7 +232,9 @@ impl Serialize for Claim {
 impl<'de> Deserialize<'de> for Claim {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
         Ok(match ClaimWire::deserialize(deserializer)? {
-            ClaimWire::Lease(carried) => Claim::Lease(Lease::take(carried).map_err(wire::decode_error)?),
+            ClaimWire::Lease(carried, counted) => {
+                Claim::Lease { lease: Lease::take(carried).map_err(wire::decode_error)?, counted }
+            }
             ClaimWire::Connection(name, index) => {
                 Claim::Counted(wire::take_connection_cover(name, index).ok_or_else(|| {
                     wire::decode_error(Error::Malformed(
@@ -265,11 +268,13 @@ impl Cover {
         Cover { lease, id, mode, claims: AtomicU64::new(1), generation: crate::fork::generation() }
     }
 
-    /// The cover of a claim decoded from a message; `mode` is the kind's for leases the
-    /// message carried (connection claims are always counted).
-    pub(crate) fn of_claim(claim: Claim, id: StorageId, mode: LeaseMode) -> Result<Cover> {
+    /// The cover of a claim decoded from a message. (A message that calls a counted lease
+    /// per-storage only keeps its claim longer; one that calls a per-storage lease counted sends
+    /// releases that its owner ignores.)
+    pub(crate) fn of_claim(claim: Claim, id: StorageId) -> Result<Cover> {
         match claim {
-            Claim::Lease(lease) => Ok(Cover::new(lease, id, mode)),
+            Claim::Lease { lease, counted: true } => Ok(Cover::new(lease, id, LeaseMode::PerMessage)),
+            Claim::Lease { lease, counted: false } => Ok(Cover::new(lease, id, LeaseMode::PerStorage)),
             Claim::Counted(cover) if cover.id == id => Ok(cover),
             Claim::Counted(_) => Err(Error::Malformed("a storage's record names another storage's claim".into())),
             Claim::Connection { .. } => Err(Error::Malformed("a connection claim that was not decoded".into())),
@@ -297,15 +302,16 @@ impl Cover {
         None
     }
 
-    /// A lease to send with this storage to another process: the same lease, plus one claim
+    /// The claim to send with this storage to another process: the same lease, plus one claim
     /// on it for the new holder when claims are counted.
-    pub(crate) fn forward(&self) -> Lease {
-        if self.mode == LeaseMode::PerMessage {
+    pub(crate) fn forward(&self) -> Claim {
+        let counted = self.mode == LeaseMode::PerMessage;
+        if counted {
             // Sent before the message that carries the claim, so the owner reads it before the
             // new holder's release, which comes later on the same channel.
             let _ = Control::Retain(self.id.index()).send(&self.lease.tx);
         }
-        self.lease.clone()
+        Claim::Lease { lease: self.lease.clone(), counted }
     }
 
     pub(crate) fn lease(&self) -> &Lease {

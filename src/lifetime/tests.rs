@@ -27,7 +27,7 @@ impl Drop for Mapping {
 /// The lease a grant made outside a channel carries.
 fn lease_of(g: &Grant) -> &Lease {
     match &g.claim {
-        Claim::Lease(lease) => lease,
+        Claim::Lease { lease, .. } => lease,
         other => panic!("a grant outside a channel made {other:?}"),
     }
 }

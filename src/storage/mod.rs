@@ -220,7 +220,7 @@ fn export_now<S: Shared>(storage: &Arc<S>, explicit: bool) -> Result<Record<<S::
                 lifetime::grant(m.id, S::Kind::LEASE, S::Kind::CACHE_IDLE, move || keep, Some(Arc::downgrade(&user)))?;
             (grant.claim, grant.ticket, kind)
         }
-        Origin::Imported { cover, ticket } => (Claim::Lease(cover.forward()), *ticket, S::Kind::forward(m)?),
+        Origin::Imported { cover, ticket } => (cover.forward(), *ticket, S::Kind::forward(m)?),
     };
     Ok(Record { id: m.id, bytes: m.len as u64, lease, ticket, kind })
 }
@@ -236,7 +236,7 @@ pub(crate) fn import<S: Shared>(
     let bytes = usize::try_from(bytes).map_err(|_| Error::Malformed("storage size overflows".into()))?;
     // The message's claim: kept by a new mapping, added to the cover of a mapping this process
     // already holds through the same lease, otherwise ended when this returns.
-    let mut cover = Some(Cover::of_claim(lease, id, S::Kind::LEASE)?);
+    let mut cover = Some(Cover::of_claim(lease, id)?);
     let storage = if id.is_local() {
         let storage = local::<S>(id)?;
         S::Kind::check_local(&storage.handle().memory, requested)?;

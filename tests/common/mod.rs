@@ -94,7 +94,8 @@ pub fn socket_pair() -> (std::fs::File, std::fs::File) {
 #[derive(Serialize, Deserialize, Clone, Debug)]
 #[allow(dead_code)] // not every test binary forges messages
 pub enum Claim<L> {
-    Lease(L),
+    /// The lease, and whether claims are counted on it (else every copy is one).
+    Lease(L, bool),
     Connection(u128, u64, u64),
 }
 
