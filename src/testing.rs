@@ -55,7 +55,7 @@ pub(crate) struct FakeWire {
 }
 
 impl StorageKind for FakeKind {
-    const LEASE: LeaseMode = LeaseMode::PerStorage;
+    const LEASE: LeaseMode = LeaseMode::Shared;
     const CACHE_IDLE: bool = true;
     type Raw = FakeMemory;
     type Wire = FakeWire;

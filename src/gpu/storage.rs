@@ -155,7 +155,7 @@ fn peer_key(ordinal: usize) -> &'static str {
 }
 
 impl StorageKind for GpuKind {
-    const LEASE: LeaseMode = LeaseMode::PerStorage;
+    const LEASE: LeaseMode = LeaseMode::Shared;
     // Opening a legacy handle costs 40 us to 100 ms: keep mappings while the owner holds the
     // memory (a VMM import is cheaper, but still a descriptor's transfer, import and map).
     const CACHE_IDLE: bool = true;

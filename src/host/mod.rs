@@ -1,5 +1,6 @@
 //! Host tensors in shared memory (memfd): sent by mapping, never by copying. The storage kind
-//! is [`HostKind`]: a lease per message covers every host storage in it.
+//! is [`HostKind`]: claims on it are counted per storage on a lease (the channel's, or one per
+//! message outside channels).
 
 mod tensor;
 
@@ -67,7 +68,7 @@ impl<'de> Deserialize<'de> for SharedMemory {
 }
 
 impl StorageKind for HostKind {
-    const LEASE: LeaseMode = LeaseMode::PerMessage;
+    const LEASE: LeaseMode = LeaseMode::Counted;
     // Mapping a memory file costs microseconds; nothing worth caching.
     const CACHE_IDLE: bool = false;
     type Raw = Arc<MemoryFile>;

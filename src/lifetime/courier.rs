@@ -6,9 +6,10 @@
 //!   that does not read keeps its revocations here, coalesced into one message of many
 //!   indices, tried again every [`RETRY`] and at every new post, while every other subscriber
 //!   is served.
-//! - **Releases** of per-message (host) claims, records on lease pipes. Every holder shares a
-//!   lease's pipe, so its writes wait for room (a `Retain` must never be dropped): a release
-//!   waits on this thread, not on the thread that dropped the tensor.
+//! - **Releases** of counted claims (every claim a channel carries), records on lease pipes.
+//!   Every holder shares a lease's pipe, so its writes wait for room (a `Retain` must never be
+//!   dropped): a release waits on this thread, not on the thread that dropped the tensor.
+//!   Consecutive releases on one lease go in one write.
 //!
 //! Order: a holder's releases keep their order (one thread, first in, first out); a release
 //! cannot overtake the message that brought its claim (it is posted after that message was

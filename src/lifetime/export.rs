@@ -88,7 +88,7 @@ pub(crate) fn grant(
         return grant_on_connection(&connection, id, cache, keep_alive, handle);
     }
     let grant = match mode {
-        LeaseMode::PerStorage => {
+        LeaseMode::Shared => {
             let mut s = state();
             if let Some(e) = s.exported.get(&id) {
                 if let Some(lease) = &e.shared_lease {
@@ -104,7 +104,7 @@ pub(crate) fn grant(
             let ticket = cache.then(|| CacheTicket { slot: slot_of(entry, id) });
             Grant { claim: Claim::Lease { lease, counted: false }, ticket }
         }
-        LeaseMode::PerMessage => {
+        LeaseMode::Counted => {
             let lease = wire::per_message(|| {
                 let lease = reaper.new_lease()?;
                 opened_lease(&mut state());

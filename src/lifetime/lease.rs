@@ -15,16 +15,18 @@ use crate::handover::SpawnTicket;
 use crate::sys::{MemoryFile, Socket, Wait};
 use crate::wire::{self, Carried, Held};
 
-/// How a storage kind's messages carry leases.
+/// How claims are held on a lease. On a channel every claim is counted on the connection's
+/// lease; outside one (spawn arguments, pool calls) a storage kind's mode says which lease its
+/// messages carry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum LeaseMode {
-    /// One lease per message, covering every storage of this kind in it; a holder that drops
-    /// one storage says so on the lease (`Release`), and the lease's close releases whatever
-    /// is left.
-    PerMessage,
+    /// The owner counts claims per storage on the lease; a holder that drops one says so on
+    /// the lease (`Release`), and the lease's close releases whatever is left. Outside a
+    /// channel: one lease per message, covering every storage of this kind in it.
+    Counted,
     /// One lease per storage, shared by every message while the owner holds handles on it;
     /// none is made on the send path, and a holder's claim is its copy of the lease.
-    PerStorage,
+    Shared,
 }
 
 /// Holder to owner, a record on a lease pipe (`src/sys/pipe.rs`).
@@ -36,7 +38,7 @@ pub(crate) enum Control {
     /// The holder dropped `count` claims on storage `index` (counted leases).
     Release(u64, u64),
     /// The holder passes a claim on storage `index` on to another process: one more claim
-    /// through this lease (per-message leases).
+    /// through this lease (counted leases).
     Retain(u64),
 }
 
@@ -273,8 +275,8 @@ impl Cover {
     /// releases that its owner ignores.)
     pub(crate) fn of_claim(claim: Claim, id: StorageId) -> Result<Cover> {
         match claim {
-            Claim::Lease { lease, counted: true } => Ok(Cover::new(lease, id, LeaseMode::PerMessage)),
-            Claim::Lease { lease, counted: false } => Ok(Cover::new(lease, id, LeaseMode::PerStorage)),
+            Claim::Lease { lease, counted: true } => Ok(Cover::new(lease, id, LeaseMode::Counted)),
+            Claim::Lease { lease, counted: false } => Ok(Cover::new(lease, id, LeaseMode::Shared)),
             Claim::Counted(cover) if cover.id == id => Ok(cover),
             Claim::Counted(_) => Err(Error::Malformed("a storage's record names another storage's claim".into())),
             Claim::Connection { .. } => Err(Error::Malformed("a connection claim that was not decoded".into())),
@@ -283,15 +285,15 @@ impl Cover {
 
     /// The cover of one claim counted on a connection lease.
     pub(crate) fn counted(lease: Lease, id: StorageId) -> Cover {
-        Cover::new(lease, id, LeaseMode::PerMessage)
+        Cover::new(lease, id, LeaseMode::Counted)
     }
 
     /// Takes over `other`'s claims when both are counted claims on the same storage through
     /// the same lease (a message that brought a storage already mapped here): nothing is sent
     /// now, and this cover's drop releases them all. Gives `other` back otherwise.
     pub(crate) fn absorb(&self, other: Cover) -> Option<Cover> {
-        let same = self.mode == LeaseMode::PerMessage
-            && other.mode == LeaseMode::PerMessage
+        let same = self.mode == LeaseMode::Counted
+            && other.mode == LeaseMode::Counted
             && self.id == other.id
             && self.lease.key() == other.lease.key()
             && self.generation == other.generation;
@@ -305,7 +307,7 @@ impl Cover {
     /// The claim to send with this storage to another process: the same lease, plus one claim
     /// on it for the new holder when claims are counted.
     pub(crate) fn forward(&self) -> Claim {
-        let counted = self.mode == LeaseMode::PerMessage;
+        let counted = self.mode == LeaseMode::Counted;
         if counted {
             // Sent before the message that carries the claim, so the owner reads it before the
             // new holder's release, which comes later on the same channel.
@@ -327,7 +329,7 @@ impl Cover {
 impl Drop for Cover {
     fn drop(&mut self) {
         let claims = *self.claims.get_mut();
-        if self.mode == LeaseMode::PerMessage && claims > 0 && self.generation == crate::fork::generation() {
+        if self.mode == LeaseMode::Counted && claims > 0 && self.generation == crate::fork::generation() {
             // Sent by the courier: a drop never waits for the owner to read.
             super::courier::release(self.lease.tx.clone(), self.id.index(), claims);
         }

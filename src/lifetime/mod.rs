@@ -52,12 +52,14 @@ pub struct LifetimeStats {
     pub freed_storages: u64,
     /// Storages of this process held alive for other processes (in limbo or still in use here).
     pub exported_storages: usize,
-    /// Open lease channels on this process's storages (held by other processes, by messages in
-    /// flight, or for GPU storage by this process while it holds the storage).
+    /// Open lease channels on this process's storages: one per channel this process sent
+    /// storages on, held by its receiver for as long as it holds the channel or anything that
+    /// came through it; outside channels (spawn arguments, pool calls) one per message of host
+    /// storage, and one per GPU storage while this process holds it and it is shared.
     pub outstanding_leases: usize,
-    /// Lease channels made since the process started: one per message carrying host storage,
-    /// one per GPU storage per period of being shared (every message of that period carries a
-    /// copy).
+    /// Lease channels made since the process started: one per channel and sending process
+    /// (again only after the last one of that channel closed), and outside channels as
+    /// `outstanding_leases` says.
     pub leases_granted: u64,
     /// Lease channels closed since the process started (every copy dropped, or reclaimed from
     /// dead processes).

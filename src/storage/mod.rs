@@ -26,7 +26,8 @@ use crate::wire;
 
 /// One kind of memory that can cross a process boundary.
 pub(crate) trait StorageKind: Sized + Send + Sync + 'static {
-    /// How messages carry claims on this kind: a lease per message, or one per storage.
+    /// How messages outside a channel carry claims on this kind: a lease per message, or one
+    /// per storage (on a channel every claim is counted on the connection's lease).
     const LEASE: LeaseMode;
     /// Whether a receiver keeps a mapping after its last use while the owner holds the
     /// storage (worth it when mapping is expensive).
