@@ -3,15 +3,18 @@
 //!
 //!     cargo bench --bench channel_throughput              # 5 rounds of each row
 //!     cargo bench --bench channel_throughput -- --quick   # 2 rounds
-//!     cargo bench --bench channel_throughput -- --only empty   # one row: empty, tensors or trips
+//!     cargo bench --bench channel_throughput -- --only empty   # one row: empty, tensors, fakes or trips
 //!
-//! Rows: empty messages (`()`), and 4 KiB host tensors from a pool of 64 (each message shares
-//! one tensor's memory and grants a lease). Each round counts the messages per second from the
+//! Rows: empty messages (`()`), 4 KiB host tensors from a pool of 64 (each message shares one
+//! tensor's memory and counts a claim), and the same with the fake storage of the tests, which
+//! runs the GPU protocol (the receiver keeps mappings cached) without a GPU: the CPU cost of a
+//! resent GPU tensor, less the driver's. Each round counts the messages per second from the
 //! first send until the worker acknowledges the last; the best and the median round are shown.
 //! A last row times round trips of empty messages over a pipe (the reader always keeps up).
 
 use std::time::{Duration, Instant};
 
+use cuda_mp::testing::FakeTensor;
 use cuda_mp::{channel, pipe, spawn, Duplex, HostTensor, Receiver, Sender};
 
 const WAIT: Duration = Duration::from_secs(120);
@@ -24,7 +27,7 @@ fn count_empty((rx, ack, n): (Receiver<()>, Sender<u64>, u64)) {
     let _ = ack.send(seen);
 }
 
-fn count_tensors((rx, ack, n): (Receiver<HostTensor<u8>>, Sender<u64>, u64)) {
+fn count_tensors<T: serde::Serialize + serde::de::DeserializeOwned>((rx, ack, n): (Receiver<T>, Sender<u64>, u64)) {
     let mut seen = 0;
     while seen < n {
         match rx.recv() {
@@ -54,12 +57,11 @@ fn empty_round(n: u64) -> f64 {
     rate
 }
 
-/// Messages per second of one round: `n` messages of one 4 KiB host tensor each.
-fn tensor_round(n: u64) -> f64 {
-    let pool: Vec<HostTensor<u8>> = (0..64).map(|_| HostTensor::<u8>::zeros(&[4096]).unwrap()).collect();
+/// Messages per second of one round: `n` messages of one tensor each, cycled from `pool`.
+fn tensor_round<T: serde::Serialize + serde::de::DeserializeOwned + Clone>(n: u64, pool: Vec<T>) -> f64 {
     let (tx, rx) = channel().unwrap();
     let (ack_tx, ack) = channel().unwrap();
-    let child = spawn((rx, ack_tx, n), count_tensors);
+    let child = spawn((rx, ack_tx, n), count_tensors::<T>);
     for t in pool.iter().take(8) {
         tx.send(t.clone()).unwrap(); // warm-up: the worker maps part of the pool
     }
@@ -113,14 +115,19 @@ fn main() {
     let only = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)).cloned();
     let want = |row: &str| only.as_deref().is_none_or(|o| o == row);
     let rounds = if quick { 2 } else { 5 };
-    let (mut empty, mut tensors, mut trips) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut empty, mut tensors, mut fakes, mut trips) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     // Interleaved, so that a slow moment of a shared machine hits every row alike.
     for _ in 0..rounds {
         if want("empty") {
             empty.push(empty_round(50_000));
         }
         if want("tensors") {
-            tensors.push(tensor_round(20_000));
+            let pool: Vec<HostTensor<u8>> = (0..64).map(|_| HostTensor::<u8>::zeros(&[4096]).unwrap()).collect();
+            tensors.push(tensor_round(20_000, pool));
+        }
+        if want("fakes") {
+            let pool: Vec<FakeTensor<u8>> = (0..64).map(|_| FakeTensor::fake(&[4096], Duration::ZERO).unwrap()).collect();
+            fakes.push(tensor_round(20_000, pool));
         }
         if want("trips") {
             trips.push(round_trip_round(10_000));
@@ -129,6 +136,7 @@ fn main() {
     for (what, rates) in [
         ("one-way, empty messages", empty),
         ("one-way, 4 KiB host tensors", tensors),
+        ("one-way, fake tensors (GPU's)", fakes),
         ("round trips, empty messages", trips),
     ] {
         if !rates.is_empty() {
