@@ -126,7 +126,8 @@ fn main() {
             tensors.push(tensor_round(20_000, pool));
         }
         if want("fakes") {
-            let pool: Vec<FakeTensor<u8>> = (0..64).map(|_| FakeTensor::fake(&[4096], Duration::ZERO).unwrap()).collect();
+            let pool: Vec<FakeTensor<u8>> =
+                (0..64).map(|_| FakeTensor::fake(&[4096], Duration::ZERO).unwrap()).collect();
             fakes.push(tensor_round(20_000, pool));
         }
         if want("trips") {

@@ -58,7 +58,14 @@ struct Encoding {
     claims: Vec<(u64, u64)>,
     /// The connection lease the message's frame must introduce (not yet known to be sent).
     introduce: Vec<Introduction>,
+    /// For a message to another host: what its encoding keeps (`src/storage/remote.rs`); its
+    /// values then carry no descriptor and export no storage.
+    remote: Option<Remote>,
 }
+
+/// What a message to or from another host keeps while it is encoded or decoded (its
+/// transfers, its budget): the remote codec's own, which this module only holds.
+pub(crate) type Remote = Box<dyn Any>;
 
 impl Encoding {
     fn new(spawn: Option<Option<SpawnTicket>>, connection: Option<Arc<Connection>>) -> Encoding {
@@ -70,6 +77,7 @@ impl Encoding {
             connection,
             claims: Vec::new(),
             introduce: Vec::new(),
+            remote: None,
         }
     }
 }
@@ -88,6 +96,8 @@ struct Decoding {
     /// lease and storage, for its records to take. What no record took is released when
     /// decoding ends.
     claims: HashMap<(ConnectionKey, u64), Vec<Cover>>,
+    /// For a message from another host: what its decoding keeps (`src/storage/remote.rs`).
+    remote: Option<Remote>,
 }
 
 thread_local! {
@@ -218,6 +228,54 @@ fn scope<R>(context: Encoding, encode: impl FnOnce() -> R) -> (R, Encoding) {
     (result, collected)
 }
 
+/// Runs `encode` (the serialization of one message for another host) in a context of its own
+/// that keeps `remote`; gives `encode`'s result and `remote` back. A message encoded inside it
+/// (a local send in a value's `Serialize`) gets its own context, and is local.
+pub(crate) fn encode_remote<R>(remote: Remote, encode: impl FnOnce() -> R) -> (R, Remote) {
+    let mut context = Encoding::new(None, None);
+    context.remote = Some(remote);
+    let (result, mut e) = scope(context, encode);
+    (result, e.remote.take().expect("kept by the context"))
+}
+
+/// Like [`encode_remote`], for the deserialization of one message from another host.
+pub(crate) fn decode_remote<R>(remote: Remote, decode: impl FnOnce() -> R) -> (R, Remote) {
+    struct Pop;
+    impl Drop for Pop {
+        fn drop(&mut self) {
+            DECODING.with(|d| d.borrow_mut().pop());
+        }
+    }
+    FAILURE.with(|f| f.borrow_mut().take());
+    DECODING.with(|d| d.borrow_mut().push(Decoding { slots: Vec::new(), claims: Covers::new(), remote: Some(remote) }));
+    let pop = Pop;
+    let result = decode();
+    let remote =
+        DECODING.with(|d| d.borrow_mut().last_mut().and_then(|d| d.remote.take())).expect("kept by the context");
+    drop(pop);
+    (result, remote)
+}
+
+/// Runs `f` on what the message being encoded keeps for another host, if it goes to one.
+pub(crate) fn with_remote_encoding<R>(f: impl FnOnce(&mut Remote) -> R) -> Option<R> {
+    ENCODING.with(|e| e.borrow_mut().last_mut().and_then(|e| e.remote.as_mut()).map(f))
+}
+
+/// Runs `f` on what the message being decoded keeps for another host, if it came from one.
+pub(crate) fn with_remote_decoding<R>(f: impl FnOnce(&mut Remote) -> R) -> Option<R> {
+    DECODING.with(|d| d.borrow_mut().last_mut().and_then(|d| d.remote.as_mut()).map(f))
+}
+
+/// True while the message being encoded on this thread goes to another host.
+pub(crate) fn is_remote_encoding() -> bool {
+    ENCODING.with(|e| e.borrow().last().is_some_and(|e| e.remote.is_some()))
+}
+
+/// True while the message being decoded on this thread came from another host.
+pub(crate) fn is_remote_decoding() -> bool {
+    DECODING.with(|d| d.borrow().last().is_some_and(|d| d.remote.is_some()))
+}
+
 /// The channel connection the message being encoded goes on, if it goes on one.
 pub(crate) fn connection() -> Option<Arc<Connection>> {
     ENCODING.with(|e| e.borrow().last().and_then(|e| e.connection.clone()))
@@ -314,17 +372,24 @@ fn outside_scope() -> Error {
 /// Fails unless a cuda-mp encode context is open on this thread. Call before changing any
 /// state for an export.
 pub(crate) fn require_scope() -> Result<()> {
-    if ENCODING.with(|e| !e.borrow().is_empty()) || in_procspawn() {
-        Ok(())
-    } else {
-        Err(outside_scope())
+    match ENCODING.with(|e| e.borrow().last().map(|e| e.remote.is_some())) {
+        Some(false) => Ok(()),
+        Some(true) => Err(to_another_host()),
+        None if in_procspawn() => Ok(()),
+        None => Err(outside_scope()),
     }
+}
+
+/// What a message to another host cannot carry: descriptors, and storages shared in place.
+fn to_another_host() -> Error {
+    Error::Unsupported("a message to another host carries no descriptors (channels, files, shared memory)".into())
 }
 
 /// The value of type `V` shared by every storage of the message being encoded, made by `make`
 /// on first use.
 pub(crate) fn per_message<V: Clone + 'static>(make: impl FnOnce() -> Result<V>) -> Result<V> {
     let found = ENCODING.with(|e| match e.borrow().last() {
+        Some(e) if e.remote.is_some() => Err(to_another_host()),
         Some(e) => Ok(e.shared.iter().find_map(|v| v.downcast_ref::<V>()).cloned()),
         None if in_procspawn() => Ok(None),
         None => Err(outside_scope()),
@@ -353,6 +418,9 @@ pub(crate) fn carry(fd: Held, dedup: Option<u64>) -> Result<Carried> {
             }
             return Err(outside_scope());
         };
+        if e.remote.is_some() {
+            return Err(to_another_host());
+        }
         if let Some(ticket) = &mut e.spawn {
             // Spawn arguments are decoded outside a receive of ours: each value owns its own,
             // and it waits at this process's home from now on, before the call is handed over.
@@ -439,7 +507,9 @@ pub(crate) fn decode_on<T: DeserializeOwned>(
         None => (bytes, Covers::new()),
     };
     FAILURE.with(|f| f.borrow_mut().take());
-    DECODING.with(|d| d.borrow_mut().push(Decoding { slots: fds.into_iter().map(Slot::Fd).collect(), claims }));
+    DECODING.with(|d| {
+        d.borrow_mut().push(Decoding { slots: fds.into_iter().map(Slot::Fd).collect(), claims, remote: None })
+    });
     let pop = Pop;
     let result = postcard::from_bytes::<T>(bytes);
     drop(pop);
@@ -469,7 +539,7 @@ fn with_slot<R>(carried: &Carried, f: impl FnOnce(&mut Slot) -> Result<R>) -> Re
             let fds = crate::handover::fetch(ticket)?;
             *s = Some((
                 ticket.clone(),
-                Decoding { slots: fds.into_iter().map(Slot::Fd).collect(), claims: Covers::new() },
+                Decoding { slots: fds.into_iter().map(Slot::Fd).collect(), claims: Covers::new(), remote: None },
             ));
         }
         let (_, decoding) = s.as_mut().expect("just set");
@@ -562,6 +632,35 @@ mod tests {
 
     fn socket() -> Held {
         Arc::new(Socket::pair().unwrap().0)
+    }
+
+    #[test]
+    fn a_message_for_another_host_carries_no_descriptor_and_one_encoded_inside_it_is_local() {
+        let ((refused, inner), remote) = encode_remote(Box::new(7u32), || {
+            assert!(is_remote_encoding());
+            let refused = carry(socket(), None).is_err() && require_scope().is_err();
+            let (inner, fds) = encode_scope(|| !is_remote_encoding() && carry(socket(), None).is_ok());
+            assert!(is_remote_encoding(), "the remote context is back after the local one");
+            (refused, inner && fds.len() == 1)
+        });
+        assert!(refused, "a descriptor in a message to another host");
+        assert!(inner, "a local message inside a remote one is local");
+        assert_eq!(remote.downcast_ref::<u32>(), Some(&7));
+        assert!(!is_remote_encoding());
+        /// Says, as it decodes, whether its message came from another host.
+        struct Probe(bool);
+        impl<'de> Deserialize<'de> for Probe {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Probe, D::Error> {
+                u8::deserialize(d)?;
+                Ok(Probe(is_remote_decoding()))
+            }
+        }
+        let (seen, _) = decode_remote(Box::new(5u32), || {
+            let local = decode::<Probe>(&[1], Vec::new()).map(|p| p.0);
+            (with_remote_decoding(|s| s.downcast_ref::<u32>().copied()).flatten(), local, is_remote_decoding())
+        });
+        assert_eq!(seen, (Some(5), Ok(false), true), "a local message inside a remote one decodes as local");
+        assert!(!is_remote_decoding());
     }
 
     #[test]

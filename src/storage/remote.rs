@@ -11,7 +11,6 @@
 //! across hosts a tensor is copied, never shared.
 
 use std::any::Any;
-use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
@@ -121,68 +120,39 @@ struct Decoding {
     incoming: Vec<Incoming>,
 }
 
-thread_local! {
-    static ENCODING: RefCell<Option<Vec<Outgoing>>> = const { RefCell::new(None) };
-    static DECODING: RefCell<Option<Decoding>> = const { RefCell::new(None) };
-}
-
 /// Runs `encode` (the serialization of one message for a remote peer) and returns its result
-/// with the transfers its tensors left. A nested call (a remote send inside a `Serialize`)
-/// keeps its own list and gives the outer one back when it ends.
+/// with the transfers its tensors left. The transfers are kept in the message's encode context
+/// (`wire::encode_remote`): a nested call keeps its own list, and a local message encoded
+/// inside is local.
 pub(crate) fn encode<R>(encode: impl FnOnce() -> R) -> (R, Vec<Outgoing>) {
-    struct Restore(Option<Vec<Outgoing>>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            let outer = self.0.take();
-            ENCODING.with(|e| *e.borrow_mut() = outer);
-        }
-    }
-    let _restore = Restore(ENCODING.with(|e| e.borrow_mut().replace(Vec::new())));
-    // A reason left by an earlier, unrelated serialization on this thread is not this one's.
-    let _ = wire::take_failure();
-    let result = encode();
-    let out = ENCODING.with(|e| e.borrow_mut().take()).unwrap_or_default();
-    (result, out)
+    let (result, out) = wire::encode_remote(Box::new(Vec::<Outgoing>::new()), encode);
+    (result, out.downcast::<Vec<Outgoing>>().map(|b| *b).unwrap_or_default())
 }
 
 /// Runs `decode` (the deserialization of one message from a remote peer) and returns its
 /// result with the memory its tensors took, and the spare storages it did not take. Nested
 /// calls keep their own state.
 pub(crate) fn decode<R>(budget: Budget, decode: impl FnOnce() -> R) -> (R, Vec<Incoming>, VecDeque<Arc<GpuStorage>>) {
-    struct Restore(Option<Decoding>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            let outer = self.0.take();
-            DECODING.with(|d| *d.borrow_mut() = outer);
-        }
-    }
     let fresh = Decoding { budget, device: None, incoming: Vec::new() };
-    let _restore = Restore(DECODING.with(|d| d.borrow_mut().replace(fresh)));
-    let _ = wire::take_failure();
-    let result = decode();
-    let (incoming, spare) =
-        DECODING.with(|d| d.borrow_mut().take()).map(|d| (d.incoming, d.budget.spare)).unwrap_or_default();
+    let (result, state) = wire::decode_remote(Box::new(fresh), decode);
+    let (incoming, spare) = state.downcast::<Decoding>().map(|d| (d.incoming, d.budget.spare)).unwrap_or_default();
     (result, incoming, spare)
 }
 
 /// True while a message for a remote peer is being serialized on this thread.
 pub(crate) fn is_encoding() -> bool {
-    ENCODING.with(|e| e.borrow().is_some())
+    wire::is_remote_encoding()
 }
 
 /// True while a message from a remote peer is being deserialized on this thread.
 pub(crate) fn is_decoding() -> bool {
-    DECODING.with(|d| d.borrow().is_some())
+    wire::is_remote_decoding()
 }
 
 fn push(out: Outgoing) -> Result<()> {
-    ENCODING.with(|e| match e.borrow_mut().as_mut() {
-        Some(list) => {
-            list.push(out);
-            Ok(())
-        }
-        None => Err(Error::Unsupported("no remote message is being encoded".into())),
-    })
+    wire::with_remote_encoding(|state| state.downcast_mut::<Vec<Outgoing>>().map(|list| list.push(out)))
+        .flatten()
+        .ok_or_else(|| Error::Unsupported("no remote message is being encoded".into()))
 }
 
 /// Leaves `len` bytes from `offset` of a GPU storage to be sent by NCCL.
@@ -190,11 +160,16 @@ pub(crate) fn send_gpu(storage: Arc<GpuStorage>, offset: usize, len: usize) -> R
     push(Outgoing::Gpu { storage, offset, len })
 }
 
+/// Runs `f` on the decoding state of the remote message being decoded.
+fn decoding<R>(f: impl FnOnce(&mut Decoding) -> Result<R>) -> Result<R> {
+    wire::with_remote_decoding(|state| state.downcast_mut::<Decoding>().map(f))
+        .flatten()
+        .unwrap_or_else(|| Err(Error::Unsupported("no remote message is being decoded".into())))
+}
+
 /// Allocates `bytes` bytes on the connection's GPU for bytes that arrive by NCCL.
 pub(crate) fn receive_gpu(bytes: usize) -> Result<Arc<GpuStorage>> {
-    DECODING.with(|d| {
-        let mut d = d.borrow_mut();
-        let d = d.as_mut().ok_or_else(|| Error::Unsupported("no remote message is being decoded".into()))?;
+    decoding(|d| {
         d.budget.take_transfer()?;
         if bytes > 0 && !d.budget.gpu_ready {
             return Err(Error::Malformed("GPU tensors arrived before the NCCL set-up".into()));
@@ -224,9 +199,7 @@ pub(crate) fn receive_gpu(bytes: usize) -> Result<Arc<GpuStorage>> {
 
 /// Allocates `bytes` bytes of shared host memory for bytes that arrive on the stream.
 fn receive_host(bytes: usize) -> Result<Arc<HostStorage>> {
-    DECODING.with(|d| {
-        let mut d = d.borrow_mut();
-        let d = d.as_mut().ok_or_else(|| Error::Unsupported("no remote message is being decoded".into()))?;
+    decoding(|d| {
         d.budget.take_transfer()?;
         let want = bytes as u64;
         if want > d.budget.host_bytes {
