@@ -719,4 +719,48 @@ mod tests {
         let err = decode::<One>(&forged, vec![]).unwrap_err();
         assert!(err.contains("does not carry"), "{err}");
     }
+
+    mod fuzz {
+        use proptest::prelude::*;
+
+        use super::*;
+        use crate::lifetime::Lease;
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+            /// Any bytes as a channel message: its list of claims is refused or read, never a
+            /// panic, and what is left of the message is a prefix of it.
+            #[test]
+            fn any_list_of_claims_is_read_without_a_panic(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
+                let leases = ConnectionLeases::default();
+                if let Ok((body, covers)) = split_claims(&bytes, &leases) {
+                    prop_assert!(bytes.starts_with(body));
+                    prop_assert!(covers.is_empty(), "no lease is known: no cover");
+                }
+            }
+
+            /// A list of claims appended to a message reads back: the message's bytes whole, and
+            /// a cover for each claim on a lease the channel knows.
+            #[test]
+            fn claims_read_back(
+                message in proptest::collection::vec(any::<u8>(), 0..64),
+                claims in proptest::collection::vec((0u64..3, any::<u64>()), 0..20),
+            ) {
+                let owner = crate::lifetime::process_token();
+                let leases = ConnectionLeases::default();
+                // Keys 0 and 1 are known here, key 2 is not.
+                for key in 0..2 {
+                    leases.adopt(ConnectionKey { owner, key }, Lease::from_fd(crate::sys::lease_pipe().unwrap().1));
+                }
+                let mut bytes = message.clone();
+                append_claims(&mut bytes, &claims);
+                let (body, covers) = split_claims(&bytes, &leases).unwrap();
+                prop_assert_eq!(body, &message[..]);
+                let known = claims.iter().filter(|(key, _)| *key < 2).count();
+                prop_assert_eq!(covers.values().map(Vec::len).sum::<usize>(), known);
+                // The covers are dropped here: their releases go to leases nobody reads.
+            }
+        }
+    }
 }

@@ -289,4 +289,63 @@ mod tests {
         a.send(&[&[SHARED], &10u64.to_le_bytes()], &[writable.as_fd()], Wait::Not).unwrap();
         assert!(matches!(next(), Ok(Incoming::Message { value: Err(_), .. })));
     }
+
+    mod fuzz {
+        use proptest::prelude::*;
+
+        use super::*;
+
+        /// Descriptors for a forged frame: pipes' and memory files' ends, `n` of them.
+        fn descriptors(n: usize) -> Vec<OwnedFd> {
+            (0..n)
+                .map(|i| match i % 2 {
+                    0 => crate::sys::lease_pipe().unwrap().1,
+                    _ => MemoryFile::zeroed(64).unwrap().as_fd().try_clone_to_owned().unwrap(),
+                })
+                .collect()
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+            /// Any bytes with any few descriptors, as a frame: an error or a message that does
+            /// not decode, never a panic; a lease prefix adopts at most what it names.
+            #[test]
+            fn any_frame_is_read_without_a_panic(
+                bytes in proptest::collection::vec(any::<u8>(), 0..200),
+                kind in prop_oneof![Just(0u8), Just(1), Just(2), Just(0x80), Just(0x81), any::<u8>()],
+                fds in 0usize..4,
+            ) {
+                let mut frame = vec![kind];
+                frame.extend(&bytes);
+                let leases = Arc::new(ConnectionLeases::default());
+                let _ = read::<(u32, Vec<u8>)>(&frame, descriptors(fds), Some(&leases));
+                prop_assert!(leases.all().len() <= fds.min(MAX_INTRODUCED));
+            }
+
+            /// A frame that introduces leases reads back their names and keeps their
+            /// descriptors, whatever message follows.
+            #[test]
+            fn introduced_leases_read_back(
+                names in proptest::collection::vec((any::<u128>(), any::<u64>()), 1..4),
+                tail in proptest::collection::vec(any::<u8>(), 0..40),
+            ) {
+                let leases: Vec<Introduction> = names
+                    .iter()
+                    .map(|&(owner, key)| Introduction {
+                        name: ConnectionKey { owner, key },
+                        lease: Lease::from_fd(crate::sys::lease_pipe().unwrap().1),
+                    })
+                    .collect();
+                let mut frame = head(INLINE, &leases);
+                frame.extend(&tail);
+                let known = Arc::new(ConnectionLeases::default());
+                let fds = leases.iter().map(|i| i.lease.fd().try_clone_to_owned().unwrap()).collect();
+                let _ = read::<u8>(&frame, fds, Some(&known));
+                for i in &leases {
+                    prop_assert!(known.get(&i.name).is_some());
+                }
+            }
+        }
+    }
 }

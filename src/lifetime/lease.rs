@@ -366,4 +366,28 @@ mod record_tests {
         assert_eq!((parsed.len(), used), (3, bytes.len() - 17), "the cut record waits");
         assert!(Control::parse(&[9, 1, 2]).is_none(), "not ours");
     }
+
+    mod fuzz {
+        use proptest::prelude::*;
+
+        use super::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+            /// Any bytes on a lease pipe: records or "not ours", never a panic; the records read
+            /// are what their bytes say.
+            #[test]
+            fn any_bytes_on_a_lease_parse_without_a_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+                if let Some((records, used)) = Control::parse(&bytes) {
+                    prop_assert!(used <= bytes.len());
+                    for r in records {
+                        let record = r.record().unwrap();
+                        let (again, n) = Control::parse(&record).unwrap();
+                        prop_assert_eq!((again, n), (vec![r], record.len()));
+                    }
+                }
+            }
+        }
+    }
 }
