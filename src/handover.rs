@@ -6,8 +6,9 @@
 //! bytes says where it waits ([`SpawnTicket`]: the home's name and the secret).
 //!
 //! - Arguments: the parent deposits them before procspawn sends the call; the child fetches them
-//!   as it decodes. A deposit nobody fetches within [`ARGUMENT_TTL`] (its child died first) is
-//!   dropped, and the claims it held with it.
+//!   as it decodes. A deposit whose child ended first is withdrawn as soon as the parent knows
+//!   (it killed the child, or a join saw it end: [`withdraw`]), else dropped once nobody fetched
+//!   it within [`ARGUMENT_TTL`]; the claims it held go with it.
 //! - Results: the child deposits each descriptor as procspawn encodes the result; the parent
 //!   fetches it when it decodes the result (at `join`). A process that exits first waits for
 //!   its results to be fetched, for as long as its parent lives.
@@ -77,6 +78,19 @@ fn start() -> io::Result<Home> {
 
 fn lock(home: &Home) -> MutexGuard<'_, HashMap<u128, Deposit>> {
     home.deposits.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Drops what waits at this process's home under `ticket`, unfetched: the child it was for
+/// ended (killed, say) before it fetched its arguments, and the claims they hold go now rather
+/// than after [`ARGUMENT_TTL`]. Nothing happens when they were fetched.
+pub(crate) fn withdraw(ticket: &SpawnTicket) {
+    let Ok(home) = home() else { return };
+    if home.name != ticket.home {
+        return;
+    }
+    let deposit = lock(home).remove(&ticket.token);
+    // Dropped outside the lock: closing them may release claims.
+    drop(deposit);
 }
 
 /// A fresh ticket at this process's home.

@@ -1208,9 +1208,21 @@ impl Worker {
         };
         let (tx, panics) = crate::channel::<Report>()
             .map_err(|e| JoinError::Failed(format!("could not open a pool worker's panic channel: {e}")))?;
-        let mut setup = wire::encode_spawn_scope(|| catch_quietly(|| pool.spawn(tx, setup_worker)))
-            .map_err(|panic| JoinError::Failed(format!("could not set up a pool worker: {panic}")))?;
-        let pid = match wait(&mut setup, deadline, shared) {
+        let (setup, arguments) = wire::encode_spawn_scope(|| catch_quietly(|| pool.spawn(tx, setup_worker)));
+        let withdraw = || {
+            if let Some(ticket) = &arguments {
+                crate::handover::withdraw(ticket);
+            }
+        };
+        let mut setup = setup.map_err(|panic| {
+            withdraw();
+            JoinError::Failed(format!("could not set up a pool worker: {panic}"))
+        })?;
+        let waited = wait(&mut setup, deadline, shared);
+        if !matches!(waited, Waited::Done(_)) {
+            withdraw();
+        }
+        let pid = match waited {
             Waited::Done(pid) => pid,
             Waited::Failed(e) => return Err(join_error(e)),
             Waited::TimedOut => return Err(JoinError::Timeout),
@@ -1235,10 +1247,17 @@ impl Worker {
         // Reports of panics that an earlier job caught.
         while self.panics.try_recv().is_ok() {}
         // The arguments are encoded like a channel message: tensors inside may be exported.
-        let handle = wire::encode_spawn_scope(|| catch_quietly(|| self.pool.spawn(args, f)));
+        let (handle, arguments) = wire::encode_spawn_scope(|| catch_quietly(|| self.pool.spawn(args, f)));
+        // A job that did not run to its end may have left its arguments unfetched.
+        let withdraw = || {
+            if let Some(ticket) = &arguments {
+                crate::handover::withdraw(ticket);
+            }
+        };
         let mut handle = match handle {
             Ok(handle) => handle,
             Err(panic) => {
+                withdraw();
                 // procspawn may have handed the call over before failing: the worker is in an
                 // unknown state.
                 self.broken = true;
@@ -1248,6 +1267,7 @@ impl Worker {
         let waited = wait(&mut handle, deadline, shared);
         if !matches!(waited, Waited::Done(_)) {
             self.broken = true;
+            withdraw();
         }
         match waited {
             Waited::Done(value) => Ok(value),

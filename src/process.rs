@@ -153,10 +153,15 @@ impl Builder {
         }
         // The arguments are encoded like a channel message: tensors inside may be exported, and
         // their descriptors wait at this process's home for the child to fetch.
-        let handle = wire::encode_spawn_scope(|| catch_quietly(|| builder.spawn(args, f)));
+        let (handle, arguments) = wire::encode_spawn_scope(|| catch_quietly(|| builder.spawn(args, f)));
         match handle {
-            Ok(handle) => JoinHandle::started(handle),
-            Err(panic) => JoinHandle::failed(JoinError::Failed(panic)),
+            Ok(handle) => JoinHandle::started(handle, arguments),
+            Err(panic) => {
+                if let Some(ticket) = arguments {
+                    crate::handover::withdraw(&ticket);
+                }
+                JoinHandle::failed(JoinError::Failed(panic))
+            }
         }
     }
 }
@@ -183,6 +188,17 @@ pub struct JoinHandle<R> {
     killed: bool,
     /// When a join last looked for the result of the running child.
     last_look: Instant,
+    /// Where the descriptors of the child's arguments wait until it fetches them: withdrawn
+    /// once the child is known to have ended (a child killed before it fetched them would
+    /// otherwise keep what they claim until they expire).
+    arguments: Option<crate::handover::SpawnTicket>,
+}
+
+impl<R> Drop for JoinHandle<R> {
+    fn drop(&mut self) {
+        // procspawn's handle kills the child as it drops.
+        self.forget_arguments();
+    }
 }
 
 enum Inner<R> {
@@ -229,17 +245,37 @@ const JOIN_POLL: Duration = Duration::from_millis(20);
 const RESULT_LOOK: Duration = Duration::from_millis(200);
 
 impl<R> JoinHandle<R> {
-    fn started(handle: procspawn::JoinHandle<R>) -> Self {
+    fn started(handle: procspawn::JoinHandle<R>, arguments: Option<crate::handover::SpawnTicket>) -> Self {
         let watch = handle.pid().map(ChildWatch::new);
-        JoinHandle { inner: Inner::Running(handle), watch, killed: false, last_look: Instant::now() }
+        JoinHandle { inner: Inner::Running(handle), watch, killed: false, last_look: Instant::now(), arguments }
     }
 
     fn failed(error: JoinError) -> Self {
-        JoinHandle { inner: Inner::Failed(Some(error)), watch: None, killed: false, last_look: Instant::now() }
+        JoinHandle {
+            inner: Inner::Failed(Some(error)),
+            watch: None,
+            killed: false,
+            last_look: Instant::now(),
+            arguments: None,
+        }
+    }
+
+    /// The child has ended (or is being killed): what its arguments claim and it did not fetch
+    /// is released now.
+    fn forget_arguments(&mut self) {
+        if let Some(ticket) = self.arguments.take() {
+            crate::handover::withdraw(&ticket);
+        }
     }
 
     pub(crate) fn pooled(result: AsyncResult<R>) -> Self {
-        JoinHandle { inner: Inner::Pooled(result), watch: None, killed: false, last_look: Instant::now() }
+        JoinHandle {
+            inner: Inner::Pooled(result),
+            watch: None,
+            killed: false,
+            last_look: Instant::now(),
+            arguments: None,
+        }
     }
 
     /// True while the child process runs (false once it has exited, was killed or never
@@ -289,8 +325,10 @@ impl<R> JoinHandle<R> {
     ///     cuda_mp::spawn((), |()| std::thread::sleep(std::time::Duration::from_secs(5))).detach();
     /// }
     /// ```
-    pub fn detach(self) {
-        if let Inner::Running(handle) = self.inner {
+    pub fn detach(mut self) {
+        // The child runs on, and fetches its arguments itself.
+        self.arguments = None;
+        if let Inner::Running(handle) = std::mem::replace(&mut self.inner, Inner::Failed(None)) {
             // procspawn's handle kills the child when dropped: never drop it.
             std::mem::forget(handle);
         }
@@ -390,12 +428,14 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
                             // Ended without a result.
                             let _ = handle.kill();
                             self.inner = Inner::Failed(None);
+                            self.forget_arguments();
                             return Err(exit_error(exit));
                         }
                     }
                     Err(e) => {
                         let error = self.died(e, exit);
                         self.inner = Inner::Failed(None);
+                        self.forget_arguments();
                         return Err(error);
                     }
                 }
@@ -426,7 +466,9 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
         match &mut self.inner {
             Inner::Running(h) => {
                 self.killed = true;
-                h.kill().map_err(join_error)
+                let killed = h.kill().map_err(join_error);
+                self.forget_arguments();
+                killed
             }
             Inner::Pooled(result) => {
                 result.cancel();

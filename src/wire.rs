@@ -203,9 +203,11 @@ pub(crate) fn encode_scope_on<R>(
 
 /// Like [`encode_scope`], for the arguments of a spawn that procspawn serializes: the
 /// descriptors wait at this process's home, and each one's place says where the child fetches
-/// it.
-pub(crate) fn encode_spawn_scope<R>(encode: impl FnOnce() -> R) -> R {
-    scope(Encoding::new(Some(None), None), encode).0
+/// it. Gives the ticket they wait under, if they carried any (to withdraw them should the child
+/// end before it fetched them).
+pub(crate) fn encode_spawn_scope<R>(encode: impl FnOnce() -> R) -> (R, Option<SpawnTicket>) {
+    let (result, e) = scope(Encoding::new(Some(None), None), encode);
+    (result, e.spawn.flatten())
 }
 
 /// Runs `encode` with `context` pushed, and gives back what it collected.

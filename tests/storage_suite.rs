@@ -378,6 +378,60 @@ where
     closed(before);
 }
 
+/// Receives tensors, keeping every third (dropping the rest), and says how many it received
+/// after each; until killed.
+fn keep_some<S>((rx, progress): (Receiver<Tensor<f32, S>>, Sender<usize>))
+where
+    Tensor<f32, S>: Serialize + DeserializeOwned,
+{
+    let mut kept = Vec::new();
+    let mut seen = 0;
+    while let Ok(t) = rx.recv() {
+        seen += 1;
+        if seen % 3 == 0 {
+            kept.push(t);
+        }
+        if progress.send(seen).is_err() {
+            break;
+        }
+    }
+}
+
+/// A consumer killed at any point of a stream (messages in flight on its channel, some of its
+/// tensors kept, mappings cached, a connection lease introduced or not yet) leaves nothing
+/// claimed and no lease open.
+fn a_consumer_killed_at_any_point_of_a_stream_leaves_nothing_behind<K: Kind>()
+where
+    Tensor<f32, K::S>: Serialize + DeserializeOwned,
+{
+    let _g = serial();
+    let before = lifetime_stats();
+    let resent: Vec<Tensor<f32, K::S>> = (0..4).map(|_| K::make(8)).collect();
+    for kill_after in [0usize, 1, 7, 60] {
+        let (tx, rx) = channel().unwrap();
+        let (progress_tx, progress) = channel().unwrap();
+        let mut child = spawn((rx, progress_tx), keep_some::<K::S>);
+        let mut seen = 0;
+        for i in 0..120usize {
+            // Fresh and resent storages alike.
+            let t = if i % 2 == 0 { K::make(8) } else { resent[i % resent.len()].clone() };
+            if tx.send(t).is_err() {
+                break;
+            }
+            if seen < kill_after {
+                seen = progress.recv_timeout(WAIT).unwrap();
+            }
+            if i == kill_after {
+                child.kill().unwrap();
+            }
+        }
+        drop(tx);
+    }
+    drop(resent);
+    settled(before);
+    closed(before);
+}
+
 macro_rules! suite {
     ($module:ident, $kind:ty, $many:expr $(, #[$attr:meta])?) => {
         mod $module {
@@ -429,6 +483,12 @@ macro_rules! suite {
             $(#[$attr])?
             fn other_serializers_are_refused() {
                 super::other_serializers_are_refused::<$kind>();
+            }
+
+            #[test]
+            $(#[$attr])?
+            fn a_consumer_killed_at_any_point_of_a_stream_leaves_nothing_behind() {
+                super::a_consumer_killed_at_any_point_of_a_stream_leaves_nothing_behind::<$kind>();
             }
 
             #[test]
