@@ -42,7 +42,7 @@ fn connect_as_nobody(name: String) -> bool {
     }
     let mut hello = 1u32.to_le_bytes().to_vec();
     hello.extend_from_slice(b"cuda-mp\0");
-    hello.extend_from_slice(&3u32.to_le_bytes());
+    hello.extend_from_slice(&4u32.to_le_bytes());
     let fds = [gauge.as_fd()];
     let mut space = vec![std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut control = SendAncillaryBuffer::new(&mut space);

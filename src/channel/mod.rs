@@ -874,7 +874,7 @@ struct Hello {
 }
 
 impl Hello {
-    const CURRENT: Hello = Hello { magic: *b"cuda-mp\0", version: 3 };
+    const CURRENT: Hello = Hello { magic: *b"cuda-mp\0", version: 4 };
 
     fn bytes(&self) -> [u8; 12] {
         let mut b = [0u8; 12];
