@@ -209,18 +209,29 @@ fn drop_and_ack((rx, ack): (Receiver<GpuTensor<u8>>, Sender<()>)) {
     }
 }
 
-fn count_then_ack((rx, ack, n): (Receiver<GpuTensor<u8>>, Sender<u64>, u64)) {
+/// Receives and drops `n` tensors; answers how many, and where its time went per message
+/// after the first: the whole loop, the tensors' decode, and the drops (microseconds).
+fn count_then_ack((rx, ack, n): (Receiver<GpuTensor<u8>>, Sender<(u64, f64, f64, f64)>, u64)) {
     let mut seen = 0;
+    let (mut start, mut phases) = (Instant::now(), PhaseTimes::now());
+    let mut dropping = Duration::ZERO;
     while seen < n {
         match rx.recv() {
             Ok(t) => {
+                let dropped = Instant::now();
                 drop(t);
+                dropping += dropped.elapsed();
                 seen += 1;
+                if seen == 1 {
+                    (start, phases, dropping) = (Instant::now(), PhaseTimes::now(), Duration::ZERO);
+                }
             }
             Err(_) => break,
         }
     }
-    let _ = ack.send(seen);
+    let per = |d: Duration| d.as_secs_f64() * 1e6 / (seen.max(2) - 1) as f64;
+    let decode = PhaseTimes::now().since(&phases, Phase::Decode);
+    let _ = ack.send((seen, per(start.elapsed()), per(decode), per(dropping)));
 }
 
 fn hold_latest((rx, ack): (Receiver<Bundle>, Sender<i64>)) {
@@ -465,16 +476,25 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, only: Option<&str>, r: &m
             tx.send(t.clone()).unwrap(); // warm-up: the consumer maps the pool
         }
         let child_n = n - 8;
+        let phases = PhaseTimes::now();
         let start = Instant::now();
         for i in 0..child_n {
             tx.send(pool[i as usize % pool.len()].clone()).unwrap();
         }
-        let seen = ack.recv_timeout(WAIT).unwrap();
+        let sending = start.elapsed();
+        let (seen, consumer_loop, consumer_decode, consumer_drop) = ack.recv_timeout(WAIT).unwrap();
         let secs = start.elapsed().as_secs_f64();
         assert_eq!(seen, n);
         drop(tx);
         child.join().unwrap();
         r.ours.insert("c_rate".into(), (child_n as f64 / secs, 0.0));
+        let per = |d: Duration| d.as_secs_f64() * 1e6 / child_n as f64;
+        let export = PhaseTimes::now().since(&phases, Phase::Export);
+        let record = PhaseTimes::now().since(&phases, Phase::EventRecord);
+        r.ours.insert("c_split_send".into(), (per(sending), per(export)));
+        r.ours.insert("c_split_record".into(), (per(record), 0.0));
+        r.ours.insert("c_split_recv".into(), (consumer_loop, consumer_decode));
+        r.ours.insert("c_split_drop".into(), (consumer_drop, 0.0));
     }
     // d: weight publish in one allocation (the default), then re-published; and the first
     // publish of the same weights packed into 1 GiB allocations, for comparison.
@@ -693,6 +713,18 @@ fn print_table(r: &Results) {
     }
     if let Some(c) = r.ours.get("c_empty") {
         println!("cuda-mp transport ceiling, one-way empty messages: {:.0}/s", c.0);
+    }
+    if let (Some(s), Some(rec), Some(v), Some(d)) = (
+        r.ours.get("c_split_send"),
+        r.ours.get("c_split_record"),
+        r.ours.get("c_split_recv"),
+        r.ours.get("c_split_drop"),
+    ) {
+        println!(
+            "row c per message: producer {:.2} us a send (export {:.2} us, of which event check and record {:.2} us); \
+             consumer {:.2} us a receive loop (decode {:.2} us, drop {:.2} us)",
+            s.0, s.1, rec.0, v.0, v.1, d.0
+        );
     }
     if let Some(f) = r.ours.get("floor") {
         println!("cuda-mp floor, empty message round trip: median {:.1} us, p99 {:.1} us", f.0, f.1);
