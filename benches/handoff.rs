@@ -209,8 +209,13 @@ fn drop_and_ack((rx, ack): (Receiver<GpuTensor<u8>>, Sender<()>)) {
     }
 }
 
-/// Receives and drops `n` tensors; answers how many, and where its time went per message
-/// after the first: the whole loop, the tensors' decode, and the drops (microseconds).
+/// Row c's warm-up: tensors the consumer receives (and maps) before the timed part.
+const C_WARM: u64 = 8;
+
+/// Receives and drops `n` tensors; says when it has received the first [`C_WARM`] (its CUDA
+/// set up, part of the pool mapped), then, at the end, how many in all and where its time went
+/// per message after the warm-up: the whole loop, the tensors' decode, and the drops
+/// (microseconds).
 fn count_then_ack((rx, ack, n): (Receiver<GpuTensor<u8>>, Sender<(u64, f64, f64, f64)>, u64)) {
     let mut seen = 0;
     let (mut start, mut phases) = (Instant::now(), PhaseTimes::now());
@@ -222,14 +227,15 @@ fn count_then_ack((rx, ack, n): (Receiver<GpuTensor<u8>>, Sender<(u64, f64, f64,
                 drop(t);
                 dropping += dropped.elapsed();
                 seen += 1;
-                if seen == 1 {
+                if seen == C_WARM {
+                    let _ = ack.send((seen, 0.0, 0.0, 0.0));
                     (start, phases, dropping) = (Instant::now(), PhaseTimes::now(), Duration::ZERO);
                 }
             }
             Err(_) => break,
         }
     }
-    let per = |d: Duration| d.as_secs_f64() * 1e6 / (seen.max(2) - 1) as f64;
+    let per = |d: Duration| d.as_secs_f64() * 1e6 / seen.saturating_sub(C_WARM).max(1) as f64;
     let decode = PhaseTimes::now().since(&phases, Phase::Decode);
     let _ = ack.send((seen, per(start.elapsed()), per(decode), per(dropping)));
 }
@@ -472,10 +478,12 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, only: Option<&str>, r: &m
         let (tx, rx) = channel().unwrap();
         let (ack_tx, ack) = channel().unwrap();
         let child = spawn((rx, ack_tx, n), count_then_ack);
-        for t in pool.iter().take(8) {
-            tx.send(t.clone()).unwrap(); // warm-up: the consumer maps the pool
+        for t in pool.iter().take(C_WARM as usize) {
+            tx.send(t.clone()).unwrap(); // warm-up: the consumer sets up CUDA and maps part of the pool
         }
-        let child_n = n - 8;
+        // Timed from when the consumer has received them (torch's row waits the same way).
+        assert_eq!(ack.recv_timeout(WAIT).unwrap().0, C_WARM);
+        let child_n = n - C_WARM;
         let phases = PhaseTimes::now();
         let start = Instant::now();
         for i in 0..child_n {
