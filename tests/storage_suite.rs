@@ -721,3 +721,28 @@ fn a_slow_free_does_not_hold_up_other_releases() {
     .expect("both storages freed");
     eprintln!("the host release took {took:?} while a 3 s free ran");
 }
+
+/// A sender that arrives anew with every request (a reply channel's sender, passed with each
+/// call) goes on with its process's one lease on the channel: the receiver does not collect a
+/// lease per request.
+#[test]
+fn a_sender_that_comes_with_every_request_uses_one_lease() {
+    let _g = serial();
+    let before = lifetime_stats();
+    let (tx, rx) = channel::<FakeTensor<f32>>().unwrap();
+    let (carrier_tx, carrier_rx) = channel::<Sender<FakeTensor<f32>>>().unwrap();
+    let mut tx = Some(tx);
+    for _ in 0..20 {
+        let sender = tx.take().unwrap();
+        sender.send(Fake::make(4)).unwrap();
+        // Travels, and is dropped here: this process holds no sender of the channel meanwhile.
+        carrier_tx.send(sender).unwrap();
+        tx = Some(carrier_rx.recv_timeout(WAIT).unwrap());
+        drop(rx.recv_timeout(WAIT).unwrap());
+    }
+    let granted = lifetime_stats().leases_granted - before.leases_granted;
+    assert_eq!(granted, 1, "20 requests made {granted} leases on one channel");
+    drop((tx, rx));
+    settled(before);
+    closed(before);
+}

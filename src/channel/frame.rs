@@ -104,7 +104,8 @@ impl<'a> FrameOut<'a> {
         if leases.len() > MAX_INTRODUCED {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "a frame introduces too many leases"));
         }
-        if bytes.len() <= inline_max(limit) {
+        // The prefix that names the leases counts too: the receive buffer holds a whole frame.
+        if bytes.len() + prefix_len(leases) <= inline_max(limit) {
             Ok(FrameOut::Inline(bytes, leases))
         } else {
             Ok(FrameOut::Shared(MemoryFile::frozen(bytes)?, bytes.len() as u64, leases))

@@ -260,7 +260,7 @@ impl<T: Serialize> Sender<T> {
 
     /// Encodes `value` (collecting its descriptors) and writes its frame.
     fn write(&self, value: &T) -> std::result::Result<(), SendFailure> {
-        let encoded = wire::encode_on(value, self.outbox.connection()).map_err(SendFailure::Serialize)?;
+        let encoded = wire::encode_on(value, &self.outbox.connection()).map_err(SendFailure::Serialize)?;
         let frame = FrameOut::message(&encoded.bytes, self.outbox.gauge().limit(), &encoded.introduce)
             .map_err(outbox::failure)?;
         self.outbox.write(frame, &encoded.fds)?;

@@ -48,8 +48,6 @@ pub(super) struct Outbox {
     handles: AtomicUsize,
     /// Set with `Backlog::disconnected`, read without the lock.
     gone: AtomicBool,
-    /// This process's lease on the channel (a forked child makes its own).
-    connection: ForkLocal<Arc<Connection>>,
 }
 
 #[derive(Default)]
@@ -123,6 +121,24 @@ fn registry() -> MutexGuard<'static, HashMap<u64, Weak<Outbox>>> {
     REGISTRY.get().lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// This process's side of the connection of channel `id` (a forked child has its own). Kept
+/// after the channel's senders here are gone, so that a later one (a sender that comes with
+/// every request) goes on with the same lease; the table drops connections that hold no open
+/// lease as it grows.
+fn connection_of(id: u64) -> Arc<Connection> {
+    static CONNECTIONS: ForkLocal<Mutex<(HashMap<u64, Arc<Connection>>, usize)>> = ForkLocal::new(Default::default);
+    let mut table = CONNECTIONS.get().lock().unwrap_or_else(|p| p.into_inner());
+    let (connections, swept) = &mut *table;
+    if let Some(c) = connections.get(&id) {
+        return c.clone();
+    }
+    if connections.len() >= 64.max(2 * *swept) {
+        connections.retain(|_, c| Arc::strong_count(c) > 1 || crate::lifetime::connection_open(c));
+        *swept = connections.len();
+    }
+    connections.entry(id).or_default().clone()
+}
+
 fn is_disconnect(e: &io::Error) -> bool {
     matches!(e.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset | io::ErrorKind::NotConnected)
 }
@@ -162,7 +178,6 @@ impl Outbox {
             pending: ForkLocal::new(Pending::default),
             handles: AtomicUsize::new(1),
             gone: AtomicBool::new(false),
-            connection: ForkLocal::new(|| Arc::new(Connection::default())),
         });
         registry.retain(|_, w| w.strong_count() > 0);
         registry.insert(outbox.gauge.id(), Arc::downgrade(&outbox));
@@ -187,9 +202,10 @@ impl Outbox {
         &self.gauge
     }
 
-    /// This process's side of the channel's connection lease.
-    pub(super) fn connection(&self) -> &Arc<Connection> {
-        self.connection.get()
+    /// This process's side of the channel's connection lease: one per channel and process,
+    /// whichever of its senders (now or later: a sender that arrives with every request) sends.
+    pub(super) fn connection(&self) -> Arc<Connection> {
+        connection_of(self.gauge.id())
     }
 
     pub(super) fn main(&self) -> &Arc<Socket> {

@@ -45,6 +45,12 @@ impl fmt::Debug for Connection {
     }
 }
 
+/// True while `connection`'s lease is open (the owner still counts claims on it).
+pub(crate) fn connection_open(connection: &Connection) -> bool {
+    let key = connection.lock().as_ref().map(|s| s.key);
+    key.is_some_and(|key| super::state().covers.contains_key(&key))
+}
+
 impl Connection {
     pub(super) fn lock(&self) -> MutexGuard<'_, Option<Slot>> {
         self.slot.lock().unwrap_or_else(|p| p.into_inner())

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::fork::ForkLocal;
 
-pub(crate) use connection::{Connection, ConnectionKey, ConnectionLeases, Introduction};
+pub(crate) use connection::{connection_open, Connection, ConnectionKey, ConnectionLeases, Introduction};
 pub(crate) use courier::wait_for_releases;
 pub(crate) use export::{grant, handles_dropped, local_storage, revive_local, withdraw, LiveStorage, LocalStorage};
 pub(crate) use ids::process_token;
