@@ -55,7 +55,7 @@ struct Encoding {
     /// the message's claims.
     connection: Option<Arc<Connection>>,
     /// Claims counted on the connection's lease for this message: (lease key, storage index).
-    claims: Vec<(u64, u64)>,
+    claims: Vec<OwnClaim>,
     /// The connection lease the message's frame must introduce (not yet known to be sent).
     introduce: Vec<Introduction>,
     /// For a message to another host: what its encoding keeps (`src/storage/remote.rs`); its
@@ -116,7 +116,7 @@ pub(crate) struct Encoded {
     pub(crate) bytes: Vec<u8>,
     pub(crate) fds: Vec<Held>,
     pub(crate) introduce: Vec<Introduction>,
-    claims: Vec<(u64, u64)>,
+    claims: Vec<OwnClaim>,
     connection: Option<Arc<Connection>>,
 }
 
@@ -135,8 +135,28 @@ impl Encoded {
 
 impl Drop for Encoded {
     fn drop(&mut self) {
-        crate::lifetime::withdraw(&self.claims);
+        // Not sent (`sent` empties `claims`): take its claims back, and let go of a lease only
+        // it was to introduce.
+        if self.claims.is_empty() {
+            return;
+        }
+        let claims: Vec<(u64, u64)> = self.claims.iter().map(|c| (c.lease, c.index)).collect();
+        crate::lifetime::withdraw(&claims);
+        if let Some(connection) = &self.connection {
+            for i in &self.introduce {
+                connection.not_introduced(i.name.key);
+            }
+        }
     }
+}
+
+/// A claim a message counts on this process's connection lease: the lease's key here, its
+/// name in messages, and the storage's index.
+#[derive(Debug, Clone, Copy)]
+struct OwnClaim {
+    lease: u64,
+    name: u64,
+    index: u64,
 }
 
 impl std::fmt::Debug for Encoded {
@@ -198,7 +218,7 @@ pub(crate) fn encode_scope_on<R>(
     encode: impl FnOnce() -> R,
 ) -> (R, Vec<(u64, u64)>, Vec<Introduction>) {
     let (result, e) = scope(Encoding::new(None, Some(connection.clone())), encode);
-    (result, e.claims, e.introduce)
+    (result, e.claims.iter().map(|c| (c.lease, c.index)).collect(), e.introduce)
 }
 
 /// Like [`encode_scope`], for the arguments of a spawn that procspawn serializes: the
@@ -285,10 +305,10 @@ pub(crate) fn connection() -> Option<Arc<Connection>> {
 
 /// Records a claim counted on the connection's lease `key` for the message being encoded, and
 /// the lease's introduction when its frame must carry one (once per message).
-pub(crate) fn connection_claim(key: u64, index: u64, introduce: Option<Introduction>) {
+pub(crate) fn connection_claim(key: u64, index: u64, introduce: Option<Introduction>, name: u64) {
     ENCODING.with(|e| {
         if let Some(e) = e.borrow_mut().last_mut() {
-            e.claims.push((key, index));
+            e.claims.push(OwnClaim { lease: key, name, index });
             if let Some(i) = introduce {
                 if !e.introduce.iter().any(|known| known.name == i.name) {
                     e.introduce.push(i);
@@ -302,17 +322,17 @@ pub(crate) fn connection_claim(key: u64, index: u64, introduce: Option<Introduct
 const CLAIM_BYTES: usize = 16;
 
 /// Appends the list of claims a message on a channel counts on its sender's connection
-/// leases: a last byte of 0 when there are none; else the claims (key, index: u64 each), the
+/// leases: a last byte of 0 when there are none; else the claims (lease name, index: u64 each), the
 /// sender's process token (u128), their number (u32), all little-endian, and a last byte of 1.
 /// The receiver makes a cover for each before it decodes the message, so that a claim whose
 /// record is never reached (a message that does not decode) is released all the same.
-fn append_claims(bytes: &mut Vec<u8>, claims: &[(u64, u64)]) {
+fn append_claims(bytes: &mut Vec<u8>, claims: &[OwnClaim]) {
     if claims.is_empty() {
         bytes.push(0);
         return;
     }
     bytes.reserve(claims.len() * CLAIM_BYTES + 21);
-    for (key, index) in claims {
+    for OwnClaim { name: key, index, .. } in claims {
         bytes.extend(key.to_le_bytes());
         bytes.extend(index.to_le_bytes());
     }
@@ -756,7 +776,9 @@ mod tests {
                     leases.adopt(ConnectionKey { owner, key }, Lease::from_fd(crate::sys::lease_pipe().unwrap().1));
                 }
                 let mut bytes = message.clone();
-                append_claims(&mut bytes, &claims);
+                let own: Vec<OwnClaim> =
+                    claims.iter().map(|&(name, index)| OwnClaim { lease: name, name, index }).collect();
+                append_claims(&mut bytes, &own);
                 let (body, covers) = split_claims(&bytes, &leases).unwrap();
                 prop_assert_eq!(body, &message[..]);
                 let known = claims.iter().filter(|(key, _)| *key < 2).count();

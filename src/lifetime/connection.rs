@@ -12,8 +12,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::lease::Lease;
 
-/// A connection lease as a message names it: the owner's process token and the lease's key in
-/// that process.
+/// A connection lease as a message names it: the owner's process token and the lease's name,
+/// 64 random bits the owner chose for it (another sender on the channel cannot guess it, so it
+/// cannot name this lease in claims or introductions of its own).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub(crate) struct ConnectionKey {
     pub(crate) owner: u128,
@@ -29,6 +30,8 @@ pub(crate) struct Connection {
 
 pub(super) struct Slot {
     pub(super) key: u64,
+    /// The lease's name in messages ([`ConnectionKey::key`]).
+    pub(super) name: u64,
     /// This process's copy of the lease's sending end, kept only until a frame introducing it
     /// is written: after that the receiver holds it, and a copy here would keep the lease open
     /// (and its claims alive) after the receiver died.
@@ -56,11 +59,22 @@ impl Connection {
         self.slot.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A frame introducing lease `key` was written: the receiver holds the lease from now on,
-    /// and this process lets go of its copy.
-    pub(crate) fn introduced(&self, key: u64) {
-        if let Some(slot) = self.lock().as_mut().filter(|s| s.key == key) {
+    /// A frame introducing the lease named `name` was written: the receiver holds the lease
+    /// from now on, and this process lets go of its copy.
+    pub(crate) fn introduced(&self, name: u64) {
+        if let Some(slot) = self.lock().as_mut().filter(|s| s.name == name) {
             slot.unsent = None;
+        }
+    }
+
+    /// A message that was to introduce the lease named `name` was not sent: while no frame has
+    /// introduced it, the connection lets it go (the next message makes another), so that this
+    /// process's copy does not keep it, and the claims of messages already sent with it, open
+    /// for ever on a channel whose receiver never got it.
+    pub(crate) fn not_introduced(&self, name: u64) {
+        let mut slot = self.lock();
+        if slot.as_ref().is_some_and(|s| s.name == name && s.unsent.is_some()) {
+            *slot = None;
         }
     }
 }

@@ -131,17 +131,18 @@ fn grant_on_connection(
     handle: Option<WeakStorage>,
 ) -> Result<Grant> {
     let mut s = state();
-    let (key, unsent) = {
+    let (key, name, unsent) = {
         let mut slot = connection.lock();
         match slot.as_ref() {
             // Open as long as the owner counts claims on it (the reaper has not seen it close).
-            Some(current) if s.covers.contains_key(&current.key) => (current.key, current.unsent.clone()),
+            Some(current) if s.covers.contains_key(&current.key) => (current.key, current.name, current.unsent.clone()),
             _ => {
                 let lease = reaper::reaper()?.new_lease()?;
                 opened_lease(&mut s);
                 s.covers.insert(lease.key(), Default::default());
-                *slot = Some(Slot { key: lease.key(), unsent: Some(lease.clone()) });
-                (lease.key(), Some(lease))
+                let name = crate::sys::random_u128() as u64;
+                *slot = Some(Slot { key: lease.key(), name, unsent: Some(lease.clone()) });
+                (lease.key(), name, Some(lease))
             }
         }
     };
@@ -149,8 +150,8 @@ fn grant_on_connection(
     let ticket = cache.then(|| CacheTicket { slot: slot_of(entry, id) });
     drop(s);
     notify();
-    let name = ConnectionKey { owner: super::process_token(), key };
-    wire::connection_claim(key, id.index(), unsent.map(|lease| Introduction { name, lease }));
+    let name = ConnectionKey { owner: super::process_token(), key: name };
+    wire::connection_claim(key, id.index(), unsent.map(|lease| Introduction { name, lease }), name.key);
     Ok(Grant { claim: Claim::Connection { name, index: id.index() }, ticket })
 }
 

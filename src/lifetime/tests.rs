@@ -325,7 +325,8 @@ fn releases_on_one_connection_free_nothing_that_another_connection_holds() {
     // until a frame that did is written.
     let (again, intro) = on(&a);
     assert_eq!((again, intro.len()), (key_a, 1));
-    a.introduced(key_a);
+    assert_ne!(intro[0].name.key, key_a, "a lease's name is not its key here");
+    a.introduced(intro[0].name.key);
     let (_, intro) = on(&a);
     assert!(intro.is_empty(), "introduced once written");
     // `a` holds three claims: many releases on its lease end those, and nothing of `b`'s.
