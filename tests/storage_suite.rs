@@ -305,7 +305,8 @@ where
     closed(before);
 }
 
-/// Receives `n` messages, dropping each, then says how many.
+/// Receives `n` messages, dropping each, then says how many; then keeps the next one until
+/// killed.
 fn drop_n<S>((rx, reply, n): (Receiver<Tensor<f32, S>>, Sender<usize>, usize))
 where
     Tensor<f32, S>: Serialize + DeserializeOwned,
@@ -315,7 +316,7 @@ where
         seen += 1;
     }
     reply.send(seen).unwrap();
-    // Held until told: the connection's lease stays open meanwhile.
+    let _kept = rx.recv_timeout(WAIT);
     let _ = rx.recv_timeout(WAIT);
 }
 
@@ -341,11 +342,14 @@ where
     assert_eq!(s.outstanding_leases, before.outstanding_leases + 1);
     drop(kept);
     settled(before);
-    // The receiver still holds the channel, and with it the lease: one more message uses it.
+    // The receiver still holds the channel, and with it the lease: one more message uses it,
+    // and the consumer keeps that one until it is killed.
     let last = K::make(16);
     tx.send(last.clone()).unwrap();
-    assert_eq!(lifetime_stats().exported_storages, before.exported_storages + 1);
     drop(last);
+    wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages + 1).expect("kept by the consumer");
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(lifetime_stats().live_storages, before.live_storages + 1, "the kept storage was freed");
     child.kill().unwrap();
     settled(before);
     closed(before);
