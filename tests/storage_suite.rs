@@ -175,6 +175,20 @@ where
     closed(before);
 }
 
+/// Starts holders A and B, sends two storages to A, which forwards both to B: gives (A, B).
+fn forward_two<K: Kind>() -> (Child<K::S>, Child<K::S>)
+where
+    Tensor<f32, K::S>: Serialize + DeserializeOwned,
+{
+    let b = start::<K::S>(None);
+    let a = start::<K::S>(Some(b.0.clone()));
+    a.0.send(vec![K::make(8), K::make(8)]).unwrap();
+    assert_eq!(a.2.recv_timeout(WAIT).unwrap(), 2);
+    assert_eq!(ask(&a, Cmd::Forward), 0);
+    assert_eq!(b.2.recv_timeout(WAIT).unwrap(), 2, "B got both");
+    (a, b)
+}
+
 /// Parent -> A -> B: A forwards and drops; the memory lives until B drops it.
 fn a_forwarded_storage_lives_until_the_last_holder_drops_it<K: Kind>()
 where
@@ -182,12 +196,7 @@ where
 {
     let _g = serial();
     let before = lifetime_stats();
-    let b = start::<K::S>(None);
-    let a = start::<K::S>(Some(b.0.clone()));
-    a.0.send(vec![K::make(8), K::make(8)]).unwrap();
-    assert_eq!(a.2.recv_timeout(WAIT).unwrap(), 2);
-    assert_eq!(ask(&a, Cmd::Forward), 0);
-    assert_eq!(b.2.recv_timeout(WAIT).unwrap(), 2, "B got both");
+    let (a, b) = forward_two::<K>();
     drop(a.1);
     a.3.join().unwrap();
     assert_eq!(lifetime_stats().live_storages, before.live_storages + 2, "B still holds both after A exited");
@@ -206,12 +215,7 @@ where
 {
     let _g = serial();
     let before = lifetime_stats();
-    let b = start::<K::S>(None);
-    let a = start::<K::S>(Some(b.0.clone()));
-    a.0.send(vec![K::make(8), K::make(8)]).unwrap();
-    assert_eq!(a.2.recv_timeout(WAIT).unwrap(), 2);
-    assert_eq!(ask(&a, Cmd::Forward), 0);
-    assert_eq!(b.2.recv_timeout(WAIT).unwrap(), 2, "B got both");
+    let (a, b) = forward_two::<K>();
     assert_eq!(ask(&b, Cmd::Drop), 0);
     settled(before);
     drop((a.1, b.1));

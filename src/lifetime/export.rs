@@ -85,7 +85,7 @@ pub(crate) fn grant(
 ) -> Result<Grant> {
     let reaper = reaper::reaper()?;
     if let Some(connection) = wire::connection() {
-        return grant_on_connection(&connection, id, cache, keep_alive, handle);
+        return grant_on_connection(reaper, &connection, id, cache, keep_alive, handle);
     }
     let grant = match mode {
         LeaseMode::Shared => {
@@ -124,6 +124,7 @@ pub(crate) fn grant(
 /// lease is made on the connection's first message (or after the last one closed), and the
 /// frame introduces it until one that does has been written.
 fn grant_on_connection(
+    reaper: &'static reaper::Reaper,
     connection: &Connection,
     id: StorageId,
     cache: bool,
@@ -137,7 +138,7 @@ fn grant_on_connection(
             // Open as long as the owner counts claims on it (the reaper has not seen it close).
             Some(current) if s.covers.contains_key(&current.key) => (current.key, current.name, current.unsent.clone()),
             _ => {
-                let lease = reaper::reaper()?.new_lease()?;
+                let lease = reaper.new_lease()?;
                 opened_lease(&mut s);
                 s.covers.insert(lease.key(), Default::default());
                 let name = crate::sys::random_u128() as u64;

@@ -24,6 +24,16 @@ impl Drop for Mapping {
     }
 }
 
+/// Waits (10 s at most, failing with `what`) until `freed` counts `n` frees, which the reaper
+/// and the disposer make on threads of their own.
+fn wait_freed(freed: &AtomicU64, n: u64, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while freed.load(Ordering::SeqCst) < n {
+        assert!(Instant::now() < deadline, "{what}");
+        let _ = wait_for_lifetime(Duration::from_millis(50), |_| false);
+    }
+}
+
 /// The lease a grant made outside a channel carries.
 fn lease_of(g: &Grant) -> &Lease {
     match &g.claim {
@@ -216,10 +226,7 @@ fn claims_per_lease_are_released_once_and_forged_releases_are_ignored() {
     // The lease closes: what it still covers (b) is released, by the reaper, which watches the
     // lease channel (closing it here too would count the lease twice).
     drop(grants);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while freed.load(Ordering::SeqCst) < 2 && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
+    wait_freed(&freed, 2, "b was never freed");
     assert_eq!(freed.load(Ordering::SeqCst), 2);
     assert!(!state().covers.contains_key(&key));
     let _ = reaper;
@@ -235,11 +242,7 @@ fn a_lease_channel_carries_releases_to_the_reaper() {
     let cover = Cover::new(lease_of(&g).clone(), id, LeaseMode::Counted);
     drop(g);
     drop(cover);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while freed.load(Ordering::SeqCst) == 0 {
-        assert!(Instant::now() < deadline, "the release never arrived");
-        let _ = wait_for_lifetime(Duration::from_millis(50), |_| false);
-    }
+    wait_freed(&freed, 1, "the release never arrived");
 }
 
 /// Every holder of a per-storage lease holds a copy of one channel: a `Release` or `Retain`
@@ -267,11 +270,7 @@ fn releases_on_a_per_storage_lease_free_nothing_that_other_holders_use() {
     // The last copy closes: the reaper sees the channel close and frees it, once (the retain
     // above added nothing that would keep it).
     drop(second);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while freed.load(Ordering::SeqCst) == 0 {
-        assert!(Instant::now() < deadline, "the storage was never freed");
-        let _ = wait_for_lifetime(Duration::from_millis(50), |_| false);
-    }
+    wait_freed(&freed, 1, "the storage was never freed");
     assert_eq!(freed.load(Ordering::SeqCst), 1);
     assert!(!state().exported.contains_key(&id));
 }
@@ -340,11 +339,7 @@ fn releases_on_one_connection_free_nothing_that_another_connection_holds() {
     lease_message(key_b, id.index(), Change::Release(1));
     assert!(!state().exported.contains_key(&id));
     drop(keep);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while freed.load(Ordering::SeqCst) == 0 {
-        assert!(Instant::now() < deadline, "the storage was never freed");
-        let _ = wait_for_lifetime(Duration::from_millis(50), |_| false);
-    }
+    wait_freed(&freed, 1, "the storage was never freed");
     assert_eq!(freed.load(Ordering::SeqCst), 1);
     drop((intro_a, intro_b));
 }
