@@ -262,31 +262,20 @@ pub(crate) fn encode_remote<R>(remote: Remote, encode: impl FnOnce() -> R) -> (R
 
 /// Like [`encode_remote`], for the deserialization of one message from another host.
 pub(crate) fn decode_remote<R>(remote: Remote, decode: impl FnOnce() -> R) -> (R, Remote) {
-    let context = Decoding { slots: Vec::new(), claims: Covers::new(), remote: Some(remote) };
-    let (result, mut d) = decode_scope(context, decode);
-    (result, d.remote.take().expect("kept by the context"))
-}
-
-/// Runs `decode` with `context` pushed (also popped after a panic), and gives it back. It is
-/// dropped by the caller, outside the borrow: untaken covers release their claims as they go.
-fn decode_scope<R>(context: Decoding, decode: impl FnOnce() -> R) -> (R, Decoding) {
-    /// Pops the context if `decode` panics.
-    struct Pop(bool);
+    struct Pop;
     impl Drop for Pop {
         fn drop(&mut self) {
-            if self.0 {
-                let popped = DECODING.with(|d| d.borrow_mut().pop());
-                drop(popped);
-            }
+            DECODING.with(|d| d.borrow_mut().pop());
         }
     }
     FAILURE.with(|f| f.borrow_mut().take());
-    DECODING.with(|d| d.borrow_mut().push(context));
-    let mut pop = Pop(true);
+    DECODING.with(|d| d.borrow_mut().push(Decoding { slots: Vec::new(), claims: Covers::new(), remote: Some(remote) }));
+    let pop = Pop;
     let result = decode();
-    pop.0 = false;
-    let popped = DECODING.with(|d| d.borrow_mut().pop()).expect("pushed above");
-    (result, popped)
+    let remote =
+        DECODING.with(|d| d.borrow_mut().last_mut().and_then(|d| d.remote.take())).expect("kept by the context");
+    drop(pop);
+    (result, remote)
 }
 
 /// Runs `f` on what the message being encoded keeps for another host, if it goes to one.
@@ -527,14 +516,25 @@ pub(crate) fn decode_on<T: DeserializeOwned>(
     fds: Vec<OwnedFd>,
     leases: Option<&ConnectionLeases>,
 ) -> std::result::Result<T, String> {
+    struct Pop;
+    impl Drop for Pop {
+        fn drop(&mut self) {
+            // Dropped outside the borrow: untaken covers release their claims as they go.
+            let popped = DECODING.with(|d| d.borrow_mut().pop());
+            drop(popped);
+        }
+    }
     let (bytes, claims) = match leases {
         Some(leases) => split_claims(bytes, leases)?,
         None => (bytes, Covers::new()),
     };
-    let context = Decoding { slots: fds.into_iter().map(Slot::Fd).collect(), claims, remote: None };
-    let (result, context) = decode_scope(context, || postcard::from_bytes::<T>(bytes));
-    // What no value took is closed, and its claims released, here.
-    drop(context);
+    FAILURE.with(|f| f.borrow_mut().take());
+    DECODING.with(|d| {
+        d.borrow_mut().push(Decoding { slots: fds.into_iter().map(Slot::Fd).collect(), claims, remote: None })
+    });
+    let pop = Pop;
+    let result = postcard::from_bytes::<T>(bytes);
+    drop(pop);
     result.map_err(|e| take_failure().unwrap_or_else(|| format!("undecodable message ({e:?})")))
 }
 
