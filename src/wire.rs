@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 pub(crate) use crate::handover::SpawnTicket;
-use crate::lifetime::{Connection, ConnectionKey, ConnectionLeases, Cover, Introduction, StorageId};
+use crate::lifetime::{Connection, ConnectionKey, ConnectionLeases, Cover, Introduction};
 use crate::sys::Socket;
 
 pub(crate) use crate::sys::Held;
@@ -365,7 +365,7 @@ fn split_claims<'b>(bytes: &'b [u8], leases: &ConnectionLeases) -> std::result::
         let index = u64::from_le_bytes(claim[8..].try_into().expect("8 bytes"));
         let name = ConnectionKey { owner, key };
         if let Some(lease) = leases.get(&name) {
-            covers.entry((name, index)).or_default().push(Cover::counted(lease, StorageId::foreign(owner, index)));
+            covers.entry((name, index)).or_default().push(Cover::counted(lease, owner, index));
         }
     }
     Ok((&body[..start], covers))

@@ -396,6 +396,35 @@ fn get_one_and_stop((queue, report): (QueueConsumer<HostTensor<u8>>, Sender<u32>
     }
 }
 
+/// Puts one tensor of its own, then, when told, waits until nobody holds it any more and
+/// says whether that happened while it still holds the queue.
+fn put_one_and_watch((queue, said, go): (Queue<HostTensor<u8>>, Sender<bool>, Receiver<()>)) {
+    queue.put(HostTensor::from_vec(&[BYTES], pattern(0)).unwrap()).unwrap();
+    go.recv().unwrap();
+    let freed = wait_for_lifetime(WAIT, |s| s.live_storages == 0 && s.exported_storages == 0).is_ok();
+    said.send(freed).unwrap();
+    drop(queue);
+}
+
+/// A producer's tensor, handed on by the dispatcher to a consumer that is killed holding it,
+/// is freed then, while the queue (and the dispatcher's channel from the producer) lives on.
+#[test]
+fn a_tensor_held_by_a_killed_consumer_is_freed_while_the_queue_lives_on() {
+    let _g = serial();
+    let queue = Queue::<HostTensor<u8>>::new().unwrap();
+    let (said_tx, said_rx) = channel().unwrap();
+    let (go_tx, go_rx) = channel().unwrap();
+    let producer = spawn((queue.clone(), said_tx, go_rx), put_one_and_watch);
+    let (tx, rx) = channel().unwrap();
+    let mut victim = spawn((queue.consumer(), tx), get_one_and_stop);
+    assert_eq!(rx.recv_timeout(WAIT).unwrap(), 0);
+    victim.kill().unwrap();
+    go_tx.send(()).unwrap();
+    assert!(said_rx.recv_timeout(WAIT * 2).unwrap(), "the producer's tensor outlived the consumer that held it");
+    producer.join().unwrap();
+    drop(queue);
+}
+
 #[test]
 fn a_killed_consumer_loses_none_of_the_messages_it_prefetched() {
     const M: u32 = 100;

@@ -207,6 +207,27 @@ where
     closed(before);
 }
 
+/// Parent -> A -> B, then A is killed: B's copies of the leases up the chain keep the claims
+/// A held for it counted, so the memory lives until B drops it.
+fn a_forwarded_storage_outlives_its_killed_forwarder<K: Kind>()
+where
+    Tensor<f32, K::S>: Serialize + DeserializeOwned,
+{
+    let _g = serial();
+    let before = lifetime_stats();
+    let (mut a, b) = forward_two::<K>();
+    a.3.kill().unwrap();
+    // A is gone (it held the only sender of its replies); a wrong release would come now.
+    assert!(a.2.recv_timeout(WAIT).unwrap_err().is_disconnected());
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(lifetime_stats().live_storages, before.live_storages + 2, "B still holds both after A was killed");
+    assert_eq!(ask(&b, Cmd::Drop), 0);
+    settled(before);
+    drop(b.1);
+    b.3.join().unwrap();
+    closed(before);
+}
+
 /// Parent -> A -> B while A lives on (holding the channel the storages came on, as a queue's
 /// dispatcher does): the storages are freed when B drops them, not when A exits.
 fn a_storage_forwarded_by_a_live_process_is_freed_at_the_last_drop<K: Kind>()
@@ -221,6 +242,22 @@ where
     drop((a.1, b.1));
     a.3.join().unwrap();
     b.3.join().unwrap();
+    closed(before);
+}
+
+/// Parent -> A -> B while A lives on, holding both channels (as a queue's dispatcher does);
+/// B is killed holding what A forwarded: the storages are freed then, not when A ends.
+fn a_forwarded_storage_whose_new_holder_is_killed_is_freed_at_once<K: Kind>()
+where
+    Tensor<f32, K::S>: Serialize + DeserializeOwned,
+{
+    let _g = serial();
+    let before = lifetime_stats();
+    let (a, mut b) = forward_two::<K>();
+    b.3.kill().unwrap();
+    settled(before);
+    drop(a.1);
+    a.3.join().unwrap();
     closed(before);
 }
 
@@ -467,6 +504,18 @@ macro_rules! suite {
             $(#[$attr])?
             fn a_storage_forwarded_by_a_live_process_is_freed_at_the_last_drop() {
                 super::a_storage_forwarded_by_a_live_process_is_freed_at_the_last_drop::<$kind>();
+            }
+
+            #[test]
+            $(#[$attr])?
+            fn a_forwarded_storage_outlives_its_killed_forwarder() {
+                super::a_forwarded_storage_outlives_its_killed_forwarder::<$kind>();
+            }
+
+            #[test]
+            $(#[$attr])?
+            fn a_forwarded_storage_whose_new_holder_is_killed_is_freed_at_once() {
+                super::a_forwarded_storage_whose_new_holder_is_killed_is_freed_at_once::<$kind>();
             }
 
             #[test]

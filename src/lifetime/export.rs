@@ -4,7 +4,7 @@
 use std::sync::{Arc, Weak};
 
 use super::connection::{Connection, ConnectionKey, Introduction, Slot};
-use super::lease::{CacheTicket, Claim, Lease, LeaseMode};
+use super::lease::{CacheTicket, Claim, Cover, Lease, LeaseMode};
 use super::table::{notify_revoked, owner, NO_SLOT};
 use super::{notify, reaper, state, AnyStorage, State, StorageId, WeakStorage};
 use crate::error::Result;
@@ -22,6 +22,9 @@ pub(super) struct Exported {
     /// Per-storage mode: this process's copy of the storage's lease, cloned into every message
     /// and dropped when its handles are gone.
     shared_lease: Option<Lease>,
+    /// For a relay (a storage of another process that this one forwarded on a channel): that
+    /// storage. `keep_alive` is then this process's own claim on it.
+    relay_of: Option<StorageId>,
 }
 
 /// Counts one live storage of this process from construction to drop. Embed one in every
@@ -120,9 +123,7 @@ pub(crate) fn grant(
     Ok(grant)
 }
 
-/// A claim counted on this process's lease on the channel the message is encoded for: the
-/// lease is made on the connection's first message (or after the last one closed), and the
-/// frame introduces it until one that does has been written.
+/// A claim counted on this process's lease on the channel the message is encoded for.
 fn grant_on_connection(
     reaper: &'static reaper::Reaper,
     connection: &Connection,
@@ -132,28 +133,89 @@ fn grant_on_connection(
     handle: Option<WeakStorage>,
 ) -> Result<Grant> {
     let mut s = state();
-    let (key, name, unsent) = {
-        let mut slot = connection.lock();
-        match slot.as_ref() {
-            // Open as long as the owner counts claims on it (the reaper has not seen it close).
-            Some(current) if s.covers.contains_key(&current.key) => (current.key, current.name, current.unsent.clone()),
-            _ => {
-                let lease = reaper.new_lease()?;
-                opened_lease(&mut s);
-                s.covers.insert(lease.key(), Default::default());
-                let name = crate::sys::random_u128() as u64;
-                *slot = Some(Slot { key: lease.key(), name, unsent: Some(lease.clone()) });
-                (lease.key(), name, Some(lease))
-            }
-        }
-    };
+    let (key, name, unsent) = connection_lease(&mut s, reaper, connection)?;
     let entry = claim(&mut s, id, key, keep_alive, handle);
     let ticket = cache.then(|| CacheTicket { slot: slot_of(entry, id) });
     drop(s);
     notify();
+    Ok(Grant { claim: connection_claim(key, name, unsent, id.index(), Vec::new()), ticket })
+}
+
+/// The connection's lease `(key, name, the lease while no frame has introduced it)`: made on
+/// the connection's first message (or after the last one closed), and introduced by the frame
+/// until one that does has been written.
+fn connection_lease(
+    s: &mut State,
+    reaper: &'static reaper::Reaper,
+    connection: &Connection,
+) -> Result<(u64, u64, Option<Lease>)> {
+    let mut slot = connection.lock();
+    Ok(match slot.as_ref() {
+        // Open as long as the owner counts claims on it (the reaper has not seen it close).
+        Some(current) if s.covers.contains_key(&current.key) => (current.key, current.name, current.unsent.clone()),
+        _ => {
+            let lease = reaper.new_lease()?;
+            opened_lease(s);
+            s.covers.insert(lease.key(), Default::default());
+            let name = crate::sys::random_u128() as u64;
+            *slot = Some(Slot { key: lease.key(), name, unsent: Some(lease.clone()) });
+            (lease.key(), name, Some(lease))
+        }
+    })
+}
+
+/// Lists a claim on entry `index` of connection lease `key` with the message being encoded.
+fn connection_claim(key: u64, name: u64, unsent: Option<Lease>, index: u64, anchors: Vec<Lease>) -> Claim {
     let name = ConnectionKey { owner: super::process_token(), key: name };
-    wire::connection_claim(key, id.index(), unsent.map(|lease| Introduction { name, lease }), name.key);
-    Ok(Grant { claim: Claim::Connection { name, index: id.index() }, ticket })
+    wire::connection_claim(key, index, unsent.map(|lease| Introduction { name, lease }), name.key);
+    Claim::Connection { name, index, anchors }
+}
+
+/// The claim to send with a storage of another process that this one holds through `cover`.
+///
+/// On a channel, a counted claim is **relayed**: this process keeps one claim of its own on
+/// the storage (`Retain`, once, in a relay entry of its registry) for as long as the holders it
+/// sent it to hold theirs, which it counts on the connection's lease like its own storages.
+/// Their releases, and the close of the connection's lease when they die, come back here; the
+/// relay's last one ends this process's own claim. (Sharing the forwarder's lease instead
+/// would leave a new holder that dies counted for as long as the forwarder holds the channel
+/// the storage came on.) The new holder also keeps copies of the leases up the chain
+/// (`Cover::chain`), so that this process dying frees nothing it still holds.
+///
+/// Outside a channel, and for per-storage leases (whose every copy is a claim), the
+/// forwarder's lease travels itself (`Cover::forward`).
+pub(crate) fn forward(cover: &Cover) -> Result<Claim> {
+    match wire::connection() {
+        Some(connection) if cover.is_counted() => relay(reaper::reaper()?, &connection, cover),
+        _ => Ok(cover.forward()),
+    }
+}
+
+fn relay(reaper: &'static reaper::Reaper, connection: &Connection, cover: &Cover) -> Result<Claim> {
+    let id = cover.id();
+    // This process's own claim for a new relay, made outside the lock (`Retain` is a write to
+    // the owner's pipe); dropped (released) if another send made the relay meanwhile.
+    let mut hold = None;
+    loop {
+        let mut s = state();
+        let known = s.relays.get(&id).copied();
+        if known.is_none() && hold.is_none() {
+            drop(s);
+            hold = Some(cover.retain());
+            continue;
+        }
+        let relay = known.unwrap_or_else(StorageId::new_local);
+        let (key, name, unsent) = connection_lease(&mut s, reaper, connection)?;
+        let entry = claim(&mut s, relay, key, || Arc::new(hold.take().expect("a new relay has its claim")), None);
+        if known.is_none() {
+            entry.relay_of = Some(id);
+            s.relays.insert(id, relay);
+        }
+        drop(s);
+        drop(hold);
+        notify();
+        return Ok(connection_claim(key, name, unsent, relay.index(), cover.chain()));
+    }
 }
 
 /// Takes back claims granted for a message that was not sent after all (its encode or its
@@ -183,6 +245,7 @@ fn claim(
         claims: 0,
         slot: NO_SLOT,
         shared_lease: None,
+        relay_of: None,
     });
     entry.claims += 1;
     entry
@@ -271,18 +334,26 @@ pub(super) fn lease_closed(lease: u64) {
 /// Releases claims; frees storages whose last claim went, outside the lock.
 fn release(mut s: std::sync::MutexGuard<'static, State>, claims: &[(u64, usize)]) {
     let mut freed = Vec::new();
+    let mut relays = Vec::new();
     for &(index, n) in claims {
         let id = StorageId::local(index);
         let Some(e) = s.exported.get_mut(&id) else { continue };
         e.claims = e.claims.saturating_sub(n);
         if e.claims == 0 {
-            if let Some(e) = s.exported.remove(&id) {
-                freed.push(e);
+            match s.exported.remove(&id) {
+                Some(e @ Exported { relay_of: Some(of), .. }) => {
+                    s.relays.remove(&of);
+                    relays.push(e);
+                }
+                Some(e) => freed.push(e),
+                None => {}
             }
         }
     }
     s.freeing += freed.len();
     drop(s);
+    // A relay's end only releases this process's own claim (through the courier).
+    drop(relays);
     if !freed.is_empty() {
         {
             let mut o = owner();

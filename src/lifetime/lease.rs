@@ -203,9 +203,14 @@ pub(crate) enum Claim {
     /// forwarded from a third process), counted per storage on it or (`counted: false`) a
     /// per-storage lease whose every copy is one claim.
     Lease { lease: Lease, counted: bool },
-    /// A claim on storage `index` counted on the connection lease `name`, which the message
-    /// names and does not carry (the sender's side).
-    Connection { name: ConnectionKey, index: u64 },
+    /// A counted claim on entry `index` of the lease the message carries, for a storage whose
+    /// forwarder holds it for the new holder (outside a channel: see [`Cover::forward`]);
+    /// `anchors` are the leases the claims behind it are counted on (see [`Cover`]).
+    Relayed { lease: Lease, index: u64, anchors: Vec<Lease> },
+    /// A claim on entry `index` counted on the connection lease `name`, which the message
+    /// names and does not carry (the sender's side). `anchors` as for `Relayed`: empty for a
+    /// storage of the sender's own.
+    Connection { name: ConnectionKey, index: u64, anchors: Vec<Lease> },
     /// A connection claim as decoded: the cover the receiver made for it from the message's
     /// list of claims (`wire::take_connection_cover`).
     Counted(Cover),
@@ -216,13 +221,30 @@ pub(crate) enum Claim {
 enum ClaimWire {
     Lease(Carried, bool),
     Connection(ConnectionKey, u64),
+    Relayed(Carried, u64, Vec<Carried>),
+    ConnectionRelayed(ConnectionKey, u64, Vec<Carried>),
+}
+
+fn carry_all(leases: &[Lease]) -> Result<Vec<Carried>> {
+    leases.iter().map(Lease::carry).collect()
+}
+
+fn take_all(carried: Vec<Carried>) -> Result<Vec<Lease>> {
+    carried.into_iter().map(Lease::take).collect()
 }
 
 impl Serialize for Claim {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        let carried = |lease: &Lease| lease.carry().map_err(wire::encode_error);
         match self {
-            Claim::Lease { lease, counted } => ClaimWire::Lease(lease.carry().map_err(wire::encode_error)?, *counted),
-            Claim::Connection { name, index } => ClaimWire::Connection(*name, *index),
+            Claim::Lease { lease, counted } => ClaimWire::Lease(carried(lease)?, *counted),
+            Claim::Relayed { lease, index, anchors } => {
+                ClaimWire::Relayed(carried(lease)?, *index, carry_all(anchors).map_err(wire::encode_error)?)
+            }
+            Claim::Connection { name, index, anchors } if anchors.is_empty() => ClaimWire::Connection(*name, *index),
+            Claim::Connection { name, index, anchors } => {
+                ClaimWire::ConnectionRelayed(*name, *index, carry_all(anchors).map_err(wire::encode_error)?)
+            }
             Claim::Counted(_) => {
                 return Err(wire::encode_error(Error::Unsupported("a decoded claim is not sent again".into())))
             }
@@ -233,16 +255,26 @@ impl Serialize for Claim {
 
 impl<'de> Deserialize<'de> for Claim {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        let connection_cover = |name, index| {
+            wire::take_connection_cover(name, index).ok_or_else(|| {
+                wire::decode_error(Error::Malformed("message names a connection claim that it does not carry".into()))
+            })
+        };
         Ok(match ClaimWire::deserialize(deserializer)? {
             ClaimWire::Lease(carried, counted) => {
                 Claim::Lease { lease: Lease::take(carried).map_err(wire::decode_error)?, counted }
             }
-            ClaimWire::Connection(name, index) => {
-                Claim::Counted(wire::take_connection_cover(name, index).ok_or_else(|| {
-                    wire::decode_error(Error::Malformed(
-                        "message names a connection claim that it does not carry".into(),
-                    ))
-                })?)
+            ClaimWire::Relayed(carried, index, anchors) => Claim::Relayed {
+                lease: Lease::take(carried).map_err(wire::decode_error)?,
+                index,
+                anchors: take_all(anchors).map_err(wire::decode_error)?,
+            },
+            ClaimWire::Connection(name, index) => Claim::Counted(connection_cover(name, index)?),
+            ClaimWire::ConnectionRelayed(name, index, anchors) => {
+                let anchors = take_all(anchors).map_err(wire::decode_error)?;
+                let mut cover = connection_cover(name, index)?;
+                cover.anchors = anchors;
+                Claim::Counted(cover)
             }
         })
     }
@@ -253,21 +285,36 @@ impl<'de> Deserialize<'de> for Claim {
 /// the claim. A counted cover may hold several claims through its lease (messages that
 /// brought a storage already mapped here add theirs to the mapping's cover): its drop
 /// releases them all in one record.
+///
+/// A storage that came through a forwarder is claimed from the forwarder, which holds a claim
+/// of its own on it for as long as its new holders hold theirs (`export.rs`, relays). Its
+/// cover then also keeps copies of the leases every claim up the chain is counted on
+/// (`anchors`, the owner's first): were a forwarder to die, the claims it holds stay counted
+/// while any of those copies is open.
 #[derive(Debug)]
 pub(crate) struct Cover {
     lease: Lease,
     id: StorageId,
+    /// The entry the claims are counted under on the lease: the storage's index in its owner,
+    /// or a forwarder's relay of it.
+    index: u64,
     mode: LeaseMode,
     /// Claims this cover holds (counted leases).
     claims: AtomicU64,
     /// The process generation that holds the claim: a forked child's copy of its parent's
     /// cover is not a claim of its own, and its drop releases nothing.
     generation: u64,
+    /// Copies of the leases the forwarders' claims are counted on, the owner's first.
+    anchors: Vec<Lease>,
 }
 
 impl Cover {
     pub(crate) fn new(lease: Lease, id: StorageId, mode: LeaseMode) -> Cover {
-        Cover { lease, id, mode, claims: AtomicU64::new(1), generation: crate::fork::generation() }
+        Cover::at(lease, id, id.index(), mode, Vec::new())
+    }
+
+    fn at(lease: Lease, id: StorageId, index: u64, mode: LeaseMode, anchors: Vec<Lease>) -> Cover {
+        Cover { lease, id, index, mode, claims: AtomicU64::new(1), generation: crate::fork::generation(), anchors }
     }
 
     /// The cover of a claim decoded from a message. (A message that calls a counted lease
@@ -277,24 +324,32 @@ impl Cover {
         match claim {
             Claim::Lease { lease, counted: true } => Ok(Cover::new(lease, id, LeaseMode::Counted)),
             Claim::Lease { lease, counted: false } => Ok(Cover::new(lease, id, LeaseMode::Shared)),
+            Claim::Relayed { lease, index, anchors } => Ok(Cover::at(lease, id, index, LeaseMode::Counted, anchors)),
+            // A forwarder's relay: counted under the relay's own entry, for the storage named.
+            Claim::Counted(mut cover) if !cover.anchors.is_empty() => {
+                cover.id = id;
+                Ok(cover)
+            }
             Claim::Counted(cover) if cover.id == id => Ok(cover),
             Claim::Counted(_) => Err(Error::Malformed("a storage's record names another storage's claim".into())),
             Claim::Connection { .. } => Err(Error::Malformed("a connection claim that was not decoded".into())),
         }
     }
 
-    /// The cover of one claim counted on a connection lease.
-    pub(crate) fn counted(lease: Lease, id: StorageId) -> Cover {
-        Cover::new(lease, id, LeaseMode::Counted)
+    /// The cover of one claim on entry `index` counted on a connection lease of the process
+    /// whose token is `owner`.
+    pub(crate) fn counted(lease: Lease, owner: u128, index: u64) -> Cover {
+        Cover::new(lease, StorageId::foreign(owner, index), LeaseMode::Counted)
     }
 
     /// Takes over `other`'s claims when both are counted claims on the same storage through
-    /// the same lease (a message that brought a storage already mapped here): nothing is sent
-    /// now, and this cover's drop releases them all. Gives `other` back otherwise.
+    /// the same lease entry (a message that brought a storage already mapped here): nothing is
+    /// sent now, and this cover's drop releases them all. Gives `other` back otherwise.
     pub(crate) fn absorb(&self, other: Cover) -> Option<Cover> {
         let same = self.mode == LeaseMode::Counted
             && other.mode == LeaseMode::Counted
             && self.id == other.id
+            && self.index == other.index
             && self.lease.key() == other.lease.key()
             && self.generation == other.generation;
         if !same {
@@ -304,25 +359,55 @@ impl Cover {
         None
     }
 
-    /// The claim to send with this storage to another process: the same lease, plus one claim
-    /// on it for the new holder when claims are counted.
+    /// The claim to send with this storage to another process outside a channel: the same
+    /// lease, plus one claim on it for the new holder when claims are counted. (On a channel
+    /// the forwarder relays it instead: `export.rs`.)
     pub(crate) fn forward(&self) -> Claim {
         let counted = self.mode == LeaseMode::Counted;
         if counted {
             // Sent before the message that carries the claim, so the owner reads it before the
             // new holder's release, which comes later on the same channel.
-            let _ = Control::Retain(self.id.index()).send(&self.lease.tx);
+            let _ = Control::Retain(self.index).send(&self.lease.tx);
+        }
+        if counted && (self.index != self.id.index() || !self.anchors.is_empty()) {
+            return Claim::Relayed { lease: self.lease.clone(), index: self.index, anchors: self.anchors.clone() };
         }
         Claim::Lease { lease: self.lease.clone(), counted }
     }
 
-    pub(crate) fn lease(&self) -> &Lease {
-        &self.lease
+    /// True for claims counted on their lease (which a forwarder relays on a channel).
+    pub(crate) fn is_counted(&self) -> bool {
+        self.mode == LeaseMode::Counted
+    }
+
+    /// The storage this cover claims.
+    pub(crate) fn id(&self) -> StorageId {
+        self.id
+    }
+
+    /// One more claim through the same lease entry, in a cover of its own (a forwarder's claim
+    /// for the holders it relays to): `Retain` is written before this returns.
+    pub(crate) fn retain(&self) -> Cover {
+        let _ = Control::Retain(self.index).send(&self.lease.tx);
+        Cover::at(self.lease.clone(), self.id, self.index, LeaseMode::Counted, Vec::new())
+    }
+
+    /// The anchors to give a holder this process relays the storage to: this cover's, then
+    /// its own lease.
+    pub(crate) fn chain(&self) -> Vec<Lease> {
+        let mut chain = self.anchors.clone();
+        chain.push(self.lease.clone());
+        chain
+    }
+
+    /// A lease of the storage's owner: the one to subscribe to its revocations on.
+    pub(crate) fn owner_lease(&self) -> &Lease {
+        self.anchors.first().unwrap_or(&self.lease)
     }
 
     /// False once the storage's owner has exited (its end of the lease is closed).
     pub(crate) fn owner_alive(&self) -> bool {
-        self.id.is_local() || !crate::sys::reader_gone(&*self.lease.tx)
+        self.id.is_local() || !crate::sys::reader_gone(&*self.owner_lease().tx)
     }
 }
 
@@ -331,7 +416,7 @@ impl Drop for Cover {
         let claims = *self.claims.get_mut();
         if self.mode == LeaseMode::Counted && claims > 0 && self.generation == crate::fork::generation() {
             // Sent by the courier: a drop never waits for the owner to read.
-            super::courier::release(self.lease.tx.clone(), self.id.index(), claims);
+            super::courier::release(self.lease.tx.clone(), self.index, claims);
         }
     }
 }

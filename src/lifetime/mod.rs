@@ -24,7 +24,9 @@ use crate::fork::ForkLocal;
 
 pub(crate) use connection::{connection_open, Connection, ConnectionKey, ConnectionLeases, Introduction};
 pub(crate) use courier::wait_for_releases;
-pub(crate) use export::{grant, handles_dropped, local_storage, revive_local, withdraw, LiveStorage, LocalStorage};
+pub(crate) use export::{
+    forward, grant, handles_dropped, local_storage, revive_local, withdraw, LiveStorage, LocalStorage,
+};
 pub(crate) use ids::process_token;
 pub use ids::StorageId;
 pub(crate) use import::{close_import, import, park_idle, subscribe};
@@ -52,6 +54,9 @@ pub struct LifetimeStats {
     pub freed_storages: u64,
     /// Storages of this process held alive for other processes (in limbo or still in use here).
     pub exported_storages: usize,
+    /// Storages of other processes that this process forwarded on channels and keeps a claim
+    /// on for the processes it sent them to, until the last of those drops them or dies.
+    pub relayed_storages: usize,
     /// Open lease channels on this process's storages: one per channel this process sent
     /// storages on, held by its receiver for as long as it holds the channel or anything that
     /// came through it; outside channels (spawn arguments, pool calls) one per message of host
@@ -84,6 +89,9 @@ pub struct LifetimeStats {
 struct State {
     /// The owner registry: storages of this process that other processes may hold.
     exported: HashMap<StorageId, export::Exported>,
+    /// Relays (`export.rs`): a storage of another process this one forwarded on a channel ->
+    /// its relay entry in `exported`.
+    relays: HashMap<StorageId, StorageId>,
     /// Claims per open lease channel of this process: storage index -> number of claims.
     covers: HashMap<u64, HashMap<u64, usize>>,
     /// Open lease channels of this process that are per-storage: every holder has a copy, so
@@ -210,7 +218,8 @@ impl State {
 
 fn stats_of(s: &State) -> LifetimeStats {
     let mut stats = s.stats;
-    stats.exported_storages = s.exported.len() + s.freeing;
+    stats.exported_storages = s.exported.len() - s.relays.len() + s.freeing;
+    stats.relayed_storages = s.relays.len();
     stats.imported_storages = s.imported.values().filter(|w| w.strong_count() > 0).count();
     stats.cached_mappings = s.idle.len() + s.evicting;
     stats.offered_descriptors = DESCRIPTORS.get().load(Ordering::Relaxed);

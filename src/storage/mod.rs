@@ -221,7 +221,7 @@ fn export_now<S: Shared>(storage: &Arc<S>, explicit: bool) -> Result<Record<<S::
                 lifetime::grant(m.id, S::Kind::LEASE, S::Kind::CACHE_IDLE, move || keep, Some(Arc::downgrade(&user)))?;
             (grant.claim, grant.ticket, kind)
         }
-        Origin::Imported { cover, ticket } => (cover.forward(), *ticket, S::Kind::forward(m)?),
+        Origin::Imported { cover, ticket } => (lifetime::forward(cover)?, *ticket, S::Kind::forward(m)?),
     };
     Ok(Record { id: m.id, bytes: m.len as u64, lease, ticket, kind })
 }
@@ -246,7 +246,7 @@ pub(crate) fn import<S: Shared>(
         let (place, key) = S::Kind::place(&kind, requested)?;
         if ticket.is_some() && S::Kind::CACHE_IDLE {
             if let Some(cover) = &cover {
-                lifetime::subscribe(id, cover.lease());
+                lifetime::subscribe(id, cover.owner_lease());
             }
         }
         let storage = lifetime::import(
