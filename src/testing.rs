@@ -162,3 +162,9 @@ impl<'de> Deserialize<'de> for CarriedFile {
         Ok(CarriedFile(std::fs::File::from(crate::wire::deserialize_fd(deserializer)?)))
     }
 }
+
+/// Messages this process received through a sender's ring (shared memory, no system call)
+/// rather than the channel's socket.
+pub fn ring_messages_received() -> u64 {
+    crate::channel::ring_messages_received()
+}

@@ -200,3 +200,150 @@ fn a_failed_send_reports_its_own_reason_not_an_earlier_one() {
         other => panic!("{other:?}"),
     }
 }
+
+/// A message of each path a send may take: small ones (a ring, once the channel has carried a
+/// few), ones with a fresh host tensor (its descriptor: the socket), large ones (shared memory).
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+enum Mixed {
+    Small(i32, u32),
+    Tensor(i32, u32, HostTensor<i32>),
+    Large(i32, u32, Vec<u8>),
+}
+
+const MIXED: u32 = 3_000;
+
+fn produce_mixed((id, tx): (i32, Sender<Mixed>)) {
+    for k in 0..MIXED {
+        let m = match k % 20 {
+            3 => Mixed::Tensor(id, k, HostTensor::full(&[4], k as i32).unwrap()),
+            5 => Mixed::Large(id, k, vec![k as u8; 20_000]),
+            _ => Mixed::Small(id, k),
+        };
+        tx.send(m).unwrap();
+        if k.is_multiple_of(400) {
+            // The receiver goes to sleep now and then.
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
+#[test]
+fn messages_of_every_path_arrive_in_order_per_producer() {
+    let (tx, rx) = channel().unwrap();
+    let children: Vec<_> = (0..3).map(|id| spawn((id, tx.clone()), produce_mixed)).collect();
+    drop(tx);
+    let mut next = [0u32; 3];
+    let mut received = 0u32;
+    loop {
+        let (id, k) = match rx.recv_timeout(WAIT) {
+            Ok(Mixed::Small(id, k)) => (id, k),
+            Ok(Mixed::Tensor(id, k, t)) => {
+                assert_eq!(t.to_vec(), vec![k as i32; 4]);
+                (id, k)
+            }
+            Ok(Mixed::Large(id, k, bytes)) => {
+                assert!(bytes.len() == 20_000 && bytes.iter().all(|&b| b == k as u8));
+                (id, k)
+            }
+            Err(RecvTimeoutError::Disconnected) => break,
+            Err(e) => panic!("unexpected {e}"),
+        };
+        assert_eq!(k, next[id as usize], "producer {id}'s messages in the order sent");
+        next[id as usize] += 1;
+        received += 1;
+        if received.is_multiple_of(1_000) {
+            // And falls behind now and then.
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    assert_eq!(next, [MIXED; 3], "every message once");
+    for c in children {
+        c.join().unwrap();
+    }
+}
+
+/// Once a channel has carried a few messages from a process, a small message without
+/// descriptors sent while nothing is unread and the receiver is not asleep takes the ring.
+#[test]
+fn small_messages_take_the_ring_while_the_receiver_keeps_up() {
+    let (tx, rx) = channel::<u64>().unwrap();
+    let before = cuda_mp::testing::ring_messages_received();
+    for i in 0..10 {
+        tx.send(i).unwrap();
+        assert_eq!(rx.try_recv(), Ok(i));
+    }
+    // The first four went to the socket (the fourth after the ring's introduction).
+    assert_eq!(cuda_mp::testing::ring_messages_received() - before, 6);
+    // Sent together: both in the ring, in order.
+    tx.send(10).unwrap();
+    tx.send(11).unwrap();
+    assert_eq!((rx.try_recv(), rx.try_recv()), (Ok(10), Ok(11)));
+    assert_eq!(cuda_mp::testing::ring_messages_received() - before, 8);
+    drop(tx);
+    assert_eq!(rx.recv_timeout(WAIT), Err(RecvTimeoutError::Disconnected));
+}
+
+fn count_up((tx, n): (Sender<u32>, u32)) {
+    for i in 0..n {
+        tx.send(i).unwrap();
+    }
+}
+
+fn receive_rest((rx, report): (cuda_mp::Receiver<u32>, Sender<Vec<u32>>)) {
+    report.send(rx.iter().collect()).unwrap();
+}
+
+/// The receiving end moves to another process in the middle of a stream, with messages in the
+/// producer's ring and on the socket: the new holder goes on where this process stopped.
+#[test]
+fn a_receiver_moved_in_the_middle_of_a_stream_goes_on_in_order() {
+    const N: u32 = 200_000;
+    let (tx, rx) = channel().unwrap();
+    let producer = spawn((tx, N), count_up);
+    let mut got: Vec<u32> = (0..20_000).map(|_| rx.recv_timeout(WAIT).unwrap()).collect();
+    let (report_tx, report) = channel().unwrap();
+    let heir = spawn((rx, report_tx), receive_rest);
+    got.extend(report.recv_timeout(Duration::from_secs(60)).unwrap());
+    assert_eq!(got.len(), N as usize, "nothing lost or repeated");
+    assert!(got.iter().copied().eq(0..N), "in order across the move");
+    producer.join().unwrap();
+    heir.join().unwrap();
+}
+
+/// Waits in `Select` and in `recv_async` end for messages written to a ring, whether the
+/// receiver was awake when they were sent (bursts) or asleep (one now and then).
+#[test]
+fn select_and_async_receives_wake_for_messages_of_a_ring() {
+    const N: u32 = 400;
+    let bursts = |tx: Sender<u32>| {
+        std::thread::spawn(move || {
+            for i in 0..N {
+                tx.send(i).unwrap();
+                if i.is_multiple_of(50) {
+                    std::thread::sleep(Duration::from_millis(3));
+                }
+            }
+        })
+    };
+    let (tx, rx) = channel::<u32>().unwrap();
+    let sender = bursts(tx);
+    for i in 0..N {
+        let mut select = cuda_mp::Select::new();
+        select.add(&rx);
+        select.select_timeout(WAIT).expect("woken for every message");
+        // Ready means a receive would not wait (this thread alone receives).
+        assert_eq!(rx.try_recv(), Ok(i));
+    }
+    sender.join().unwrap();
+
+    let (tx, rx) = channel::<u32>().unwrap();
+    let sender = bursts(tx);
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+    runtime.block_on(async {
+        for i in 0..N {
+            let got = tokio::time::timeout(WAIT, rx.recv_async()).await.expect("woken for every message");
+            assert_eq!(got, Ok(i));
+        }
+    });
+    sender.join().unwrap();
+}

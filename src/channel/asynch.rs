@@ -19,6 +19,7 @@ use std::task::{Context, Poll, Waker};
 
 use serde::de::DeserializeOwned;
 
+use super::gauge::Asleep;
 use super::inbox::{Missing, Readiness, Wait};
 use super::Receiver;
 use crate::error::{IoFailure, RecvError};
@@ -141,8 +142,11 @@ impl Poller {
 fn poll_recv<T: DeserializeOwned>(
     rx: &Receiver<T>,
     registration: &mut Option<u64>,
+    asleep: &mut Option<Asleep>,
     cx: &mut Context<'_>,
 ) -> Poll<Result<T, RecvError>> {
+    // A wait announced for the last poll ends: this one looks again.
+    *asleep = None;
     let poller = match poller() {
         Some(p) => p,
         None => {
@@ -161,8 +165,11 @@ fn poll_recv<T: DeserializeOwned>(
                 poller.deregister(registration);
                 return Poll::Ready(Err(e));
             }
-            Err(Missing::Empty) => match inbox.readiness() {
-                Some(Readiness::Wait(fd)) => Some(fd),
+            Err(Missing::Empty) => match inbox.readiness(&rx.gauge) {
+                Some(Readiness::Wait(fd, announced)) => {
+                    *asleep = announced;
+                    Some(fd)
+                }
                 // A spill batch with messages left: poll again at once.
                 Some(Readiness::Ready) => {
                     cx.waker().wake_by_ref();
@@ -210,7 +217,7 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// }
     /// ```
     pub fn recv_async(&self) -> RecvFuture<'_, T> {
-        RecvFuture { rx: self, registration: None }
+        RecvFuture { rx: self, registration: None, asleep: None }
     }
 
     /// The messages as a [`futures_core::Stream`] of receive results, borrowing the receiver;
@@ -236,7 +243,7 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// # }
     /// ```
     pub fn stream(&self) -> RecvStream<'_, T> {
-        RecvStream { rx: Holder::Borrowed(self), registration: None, done: false }
+        RecvStream { rx: Holder::Borrowed(self), registration: None, asleep: None, done: false }
     }
 
     /// Like [`stream`](Self::stream), owning the receiver (to move it into a task).
@@ -249,7 +256,7 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// # }
     /// ```
     pub fn into_stream(self) -> RecvStream<'static, T> {
-        RecvStream { rx: Holder::Owned(self), registration: None, done: false }
+        RecvStream { rx: Holder::Owned(self), registration: None, asleep: None, done: false }
     }
 }
 
@@ -268,6 +275,8 @@ impl<T: DeserializeOwned> Receiver<T> {
 pub struct RecvFuture<'a, T> {
     rx: &'a Receiver<T>,
     registration: Option<u64>,
+    /// The receiver's sleep, announced while the task waits (see `ring.rs`).
+    asleep: Option<Asleep>,
 }
 
 impl<T> fmt::Debug for RecvFuture<'_, T> {
@@ -281,7 +290,7 @@ impl<T: DeserializeOwned> Future for RecvFuture<'_, T> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        poll_recv(this.rx, &mut this.registration, cx)
+        poll_recv(this.rx, &mut this.registration, &mut this.asleep, cx)
     }
 }
 
@@ -321,6 +330,7 @@ impl<T> Holder<'_, T> {
 pub struct RecvStream<'a, T> {
     rx: Holder<'a, T>,
     registration: Option<u64>,
+    asleep: Option<Asleep>,
     done: bool,
 }
 
@@ -341,7 +351,7 @@ impl<T: DeserializeOwned> futures_core::Stream for RecvStream<'_, T> {
         if this.done {
             return Poll::Ready(None);
         }
-        match poll_recv(this.rx.get(), &mut this.registration, cx) {
+        match poll_recv(this.rx.get(), &mut this.registration, &mut this.asleep, cx) {
             Poll::Pending => Poll::Pending,
             Poll::Ready(Err(RecvError::Disconnected)) => {
                 this.done = true;

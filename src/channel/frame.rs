@@ -7,6 +7,8 @@
 //! | 0 | the message's bytes | the message's | a message that fits in a frame |
 //! | 1 | the message's length (u64, little-endian) | a frozen memory file holding the bytes, then the message's | a larger message |
 //! | 2 | nothing | the receiving end of a spill batch | "read this batch to its end, then come back" |
+//! | 3 | nothing | a ring's memory, then the reading end of its pipe | "this sender's messages may come in this ring too" (`ring.rs`) |
+//! | 4 | nothing | none | "look at the rings": a message went to a ring while the receiver slept |
 //!
 //! A message frame (kinds 0 and 1) may also introduce connection leases
 //! (`src/lifetime/connection.rs`): its kind then has the high bit set, and the kind byte is
@@ -27,6 +29,7 @@ use serde::de::DeserializeOwned;
 
 use std::sync::Arc;
 
+use super::ring::{self, RingReader};
 use crate::lifetime::{ConnectionKey, ConnectionLeases, Introduction, Lease};
 use crate::sys::{MemoryFile, Socket, Wait};
 use crate::wire::{self, Held};
@@ -34,6 +37,8 @@ use crate::wire::{self, Held};
 const INLINE: u8 = 0;
 const SHARED: u8 = 1;
 const REDIRECT: u8 = 2;
+const RING: u8 = 3;
+const WAKE: u8 = 4;
 /// Set in the kind of a message frame that introduces connection leases.
 const WITH_LEASES: u8 = 0x80;
 /// The bytes of one introduced lease's name.
@@ -71,6 +76,8 @@ pub(super) enum FrameOut<'a> {
     Inline(&'a [u8], &'a [Introduction]),
     Shared(MemoryFile, u64, &'a [Introduction]),
     Redirect(Socket),
+    Ring(&'a ring::Introduction),
+    Wake,
 }
 
 /// The bytes after the kind byte that name introduced `leases`.
@@ -117,7 +124,7 @@ impl<'a> FrameOut<'a> {
         match self {
             FrameOut::Inline(bytes, leases) => cost(bytes.len() + prefix_len(leases)),
             FrameOut::Shared(_, _, leases) => cost(64 + prefix_len(leases)),
-            FrameOut::Redirect(_) => SMALL_COST,
+            FrameOut::Redirect(_) | FrameOut::Ring(_) | FrameOut::Wake => SMALL_COST,
         }
     }
 
@@ -134,6 +141,8 @@ impl<'a> FrameOut<'a> {
                 wait,
             ),
             FrameOut::Redirect(batch) => socket.send(&[&[REDIRECT]], &[batch.as_fd()], wait),
+            FrameOut::Ring(ring) => socket.send(&[&[RING]], &[ring.memory.as_fd(), ring.alive.as_fd()], wait),
+            FrameOut::Wake => socket.send(&[&[WAKE]], &[], wait),
         }
     }
 }
@@ -173,6 +182,10 @@ pub(super) enum Incoming<T> {
     Message { cost: u64, value: Result<T, String> },
     /// The receiving end of a spill batch.
     Redirect(Socket),
+    /// A sender's ring.
+    Ring(RingReader),
+    /// A message went to a ring while the receiver slept.
+    Wake,
 }
 
 impl<T> fmt::Debug for Incoming<T> {
@@ -182,6 +195,8 @@ impl<T> fmt::Debug for Incoming<T> {
                 f.debug_struct("Message").field("cost", cost).field("decoded", &value.is_ok()).finish()
             }
             Incoming::Redirect(_) => f.write_str("Redirect"),
+            Incoming::Ring(_) => f.write_str("Ring"),
+            Incoming::Wake => f.write_str("Wake"),
         }
     }
 }
@@ -226,6 +241,16 @@ pub(super) fn read<T: DeserializeOwned>(
             };
             Socket::from_fd(batch).map(Incoming::Redirect).map_err(|e| format!("a redirect frame: {e}"))
         }
+        RING => {
+            if !rest.is_empty() || fds.len() != 2 {
+                return Err("a ring frame that is not one".into());
+            }
+            let alive = fds.pop().expect("two descriptors");
+            let memory = fds.pop().expect("two descriptors");
+            RingReader::adopt(memory, alive).map(Incoming::Ring)
+        }
+        WAKE if rest.is_empty() && fds.is_empty() => Ok(Incoming::Wake),
+        WAKE => Err("a wake frame that is not one".into()),
         other => Err(format!("unknown frame kind {other}")),
     }
 }
@@ -280,6 +305,17 @@ mod tests {
         let (batch, _) = Socket::pair().unwrap();
         FrameOut::Redirect(batch).write(&a, &[], Wait::Not).unwrap();
         assert!(matches!(next(), Ok(Incoming::Redirect(_))));
+        let (_writer, intro) = ring::RingWriter::new().unwrap();
+        FrameOut::Ring(&intro).write(&a, &[], Wait::Not).unwrap();
+        assert!(matches!(next(), Ok(Incoming::Ring(_))));
+        FrameOut::Wake.write(&a, &[], Wait::Not).unwrap();
+        assert!(matches!(next(), Ok(Incoming::Wake)));
+        // A ring frame whose memory is not a ring's, a wake frame with a descriptor.
+        let (_, pipe) = crate::sys::lease_pipe().unwrap();
+        a.send(&[&[RING]], &[MemoryFile::zeroed(64).unwrap().as_fd(), pipe.as_fd()], Wait::Not).unwrap();
+        assert!(next().is_err());
+        a.send(&[&[WAKE]], &[pipe.as_fd()], Wait::Not).unwrap();
+        assert!(next().is_err());
         // Not ours: unknown kinds, a shared frame whose memory is not sealed or is too small.
         a.send(&[&[9]], &[], Wait::Not).unwrap();
         assert!(next().is_err());
@@ -314,7 +350,7 @@ mod tests {
             #[test]
             fn any_frame_is_read_without_a_panic(
                 bytes in proptest::collection::vec(any::<u8>(), 0..200),
-                kind in prop_oneof![Just(0u8), Just(1), Just(2), Just(0x80), Just(0x81), any::<u8>()],
+                kind in prop_oneof![Just(0u8), Just(1), Just(2), Just(3), Just(4), Just(0x80), Just(0x81), any::<u8>()],
                 fds in 0usize..4,
             ) {
                 let mut frame = vec![kind];

@@ -14,6 +14,9 @@
 //! | 40..44 | `sleepers` | senders asleep on `free` |
 //! | 44..48 | `room` | advanced when `queued` falls to a quarter of the limit while a feeder waits |
 //! | 48..52 | `room_waiters` | feeders asleep on `room` |
+//! | 52..56 | `asleep` | the receiver's waits in the kernel now (a receive's, a select's, an async receive's) |
+//! | 56..60 | `written` | frames our senders wrote or are writing to the socket (wrapping) |
+//! | 60..64 | `read` | frames the receiver has read from the socket (wrapping) |
 //!
 //! Another process can write anything here: bad contents give wrong estimates (a send that
 //! spills to its backlog when it need not, or one that waits in the kernel), never undefined
@@ -32,7 +35,7 @@ use crate::sys::MemoryFile;
 pub(super) const BYTES: usize = sys::BYTES;
 
 const MAGIC: u32 = u32::from_be_bytes(*b"CMCH");
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 
 const MAGIC_AT: W32 = W32::at(0);
 const VERSION_AT: W32 = W32::at(4);
@@ -44,6 +47,9 @@ const FREE_AT: W32 = W32::at(36);
 const SLEEPERS_AT: W32 = W32::at(40);
 const ROOM_AT: W32 = W32::at(44);
 const ROOM_WAITERS_AT: W32 = W32::at(48);
+const ASLEEP_AT: W32 = W32::at(52);
+const WRITTEN_AT: W32 = W32::at(56);
+const READ_AT: W32 = W32::at(60);
 
 /// The most messages a bounded channel may hold.
 pub(crate) const MAX_CAPACITY: usize = i32::MAX as usize;
@@ -199,6 +205,52 @@ impl Gauge {
         waiters.fetch_sub(1, Ordering::SeqCst);
     }
 
+    /// A frame of ours is about to be written to the socket (before the write: a sender that
+    /// sees `written == read` knows that no frame of anyone's is unread).
+    pub(super) fn writing_frame(&self) {
+        self.region.u32(WRITTEN_AT).fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// A frame counted with [`writing_frame`](Self::writing_frame) was not written after all.
+    pub(super) fn frame_not_written(&self) {
+        self.region.u32(WRITTEN_AT).fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// The receiver read a frame from the socket.
+    pub(super) fn frame_read(&self) {
+        self.region.u32(READ_AT).fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// True when every frame our senders wrote to the socket has been read. (A frame counted
+    /// but never written, by a process killed between the two, keeps this false: sends then
+    /// take the socket, as they did before rings.)
+    pub(super) fn socket_read_up(&self) -> bool {
+        self.region.u32(WRITTEN_AT).load(Ordering::SeqCst) == self.region.u32(READ_AT).load(Ordering::SeqCst)
+    }
+
+    /// True while the receiver waits in the kernel: a message written to a ring then needs a
+    /// wake on the socket.
+    pub(super) fn receiver_asleep(&self) -> bool {
+        self.region.u32(ASLEEP_AT).load(Ordering::SeqCst) != 0
+    }
+
+    /// Announces a wait of the receiver in the kernel, until the guard drops. The caller looks
+    /// at the rings once more after this and before it waits: a sender that wrote to a ring
+    /// before the announcement is seen then, one that wrote after it sees the announcement and
+    /// wakes the socket.
+    pub(super) fn asleep(&self) -> Asleep {
+        self.region.u32(ASLEEP_AT).fetch_add(1, Ordering::SeqCst);
+        // Before the caller's look at the rings (a sender fences between its write and its
+        // look at this word).
+        std::sync::atomic::fence(Ordering::SeqCst);
+        Asleep(self.region.clone())
+    }
+
+    /// Forgets waits announced by another process that held the receiving end (it moved here).
+    pub(super) fn forget_sleepers(&self) {
+        self.region.u32(ASLEEP_AT).store(0, Ordering::SeqCst);
+    }
+
     /// Takes a free place of a bounded channel: at once or not at all (`deadline` `Some(None)`),
     /// waiting until `deadline` (`Some(Some(_))`), or for as long as it takes (`None`). `gone`
     /// says whether the receiver has gone; it is asked whenever no place is free.
@@ -258,9 +310,50 @@ impl Gauge {
     }
 }
 
+/// A wait of the receiver in the kernel, announced in the counters while it lives.
+pub(super) struct Asleep(Arc<Region>);
+
+impl Drop for Asleep {
+    fn drop(&mut self) {
+        let _ = self.0.u32(ASLEEP_AT).fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+    }
+}
+
+impl fmt::Debug for Asleep {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Asleep")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn frames_written_and_read_and_the_receivers_sleep_are_counted() {
+        let g = Gauge::new(0, 1 << 20).unwrap();
+        let other = Gauge::from_memory(g.memory().unwrap()).unwrap();
+        assert!(g.socket_read_up());
+        g.writing_frame();
+        assert!(!other.socket_read_up());
+        g.writing_frame();
+        g.frame_not_written();
+        other.frame_read();
+        assert!(g.socket_read_up());
+        assert!(!g.receiver_asleep());
+        let a = other.asleep();
+        let b = other.asleep();
+        assert!(g.receiver_asleep());
+        drop(a);
+        assert!(g.receiver_asleep());
+        drop(b);
+        assert!(!g.receiver_asleep());
+        let c = other.asleep();
+        g.forget_sleepers();
+        assert!(!g.receiver_asleep());
+        drop(c); // never below zero
+        assert!(!g.receiver_asleep());
+    }
 
     #[test]
     fn reservations_stay_within_the_limit_and_a_drained_socket_wakes_the_feeder() {

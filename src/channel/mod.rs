@@ -7,6 +7,7 @@ mod frame;
 mod gauge;
 mod inbox;
 mod outbox;
+mod ring;
 mod select;
 
 pub use asynch::{RecvFuture, RecvStream};
@@ -27,6 +28,7 @@ use self::frame::FrameOut;
 use self::gauge::{Gauge, NoPlace, MAX_CAPACITY};
 use self::inbox::{Inbox, Missing, Readiness, Wait};
 use self::outbox::Outbox;
+use self::ring::RingReader;
 use crate::error::{
     Error, IoFailure, RecvError, RecvTimeoutError, Result, SendError, SendFailure, SendTimeoutError, TryRecvError,
     TrySendError,
@@ -114,6 +116,12 @@ pub fn flush_sends(timeout: Duration) -> Result<()> {
     } else {
         Err(Error::Timeout(timeout))
     }
+}
+
+/// Messages this process received through a sender's ring.
+#[cfg(any(test, feature = "testing"))]
+pub(crate) fn ring_messages_received() -> u64 {
+    inbox::RING_MESSAGES.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 fn make<T: Serialize + DeserializeOwned>(capacity: u32) -> Result<(Sender<T>, Receiver<T>)> {
@@ -261,6 +269,10 @@ impl<T: Serialize> Sender<T> {
     /// Encodes `value` (collecting its descriptors) and writes its frame.
     fn write(&self, value: &T) -> std::result::Result<(), SendFailure> {
         let encoded = wire::encode_on(value, &self.outbox.connection()).map_err(SendFailure::Serialize)?;
+        if encoded.fds.is_empty() && encoded.introduce.is_empty() && self.outbox.try_ring(&encoded.bytes)? {
+            encoded.sent();
+            return Ok(());
+        }
         let frame = FrameOut::message(&encoded.bytes, self.outbox.gauge().limit(), &encoded.introduce)
             .map_err(outbox::failure)?;
         self.outbox.write(frame, &encoded.fds)?;
@@ -447,9 +459,9 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// channel's descriptor cannot be watched).
     fn readiness(&self) -> Option<Readiness> {
         match self.try_lock() {
-            Some(mut inbox) => inbox.readiness(),
+            Some(mut inbox) => inbox.readiness(&self.gauge),
             // Another thread is receiving: wait for the socket with it.
-            None => Some(Readiness::Wait(self.main.clone())),
+            None => Some(Readiness::Wait(self.main.clone(), None)),
         }
     }
 
@@ -743,6 +755,10 @@ struct ReceiverWire {
     spill: Option<Carried>,
     gauge: Carried,
     leases: Vec<(ConnectionKey, Lease)>,
+    /// The senders' rings: memory and pipe end of each.
+    rings: Vec<(Carried, Carried)>,
+    /// A frame read while the rings held messages that come first (`inbox.rs`).
+    stash: Option<(Vec<u8>, Vec<Carried>)>,
 }
 
 impl<T> Serialize for Receiver<T> {
@@ -751,7 +767,30 @@ impl<T> Serialize for Receiver<T> {
         inbox.settle_all(&self.gauge);
         let spill = inbox.spill.as_ref().map(carry_socket).transpose()?;
         let leases = inbox.leases.all();
-        ReceiverWire { main: carry_socket(&self.main)?, spill, gauge: carry_gauge(&self.gauge)?, leases }
+        let rings = inbox
+            .rings
+            .iter()
+            .map(|ring| {
+                let (memory, alive) = ring.descriptors();
+                Ok((wire::carry(memory, None)?, wire::carry(alive, None)?))
+            })
+            .collect::<Result<Vec<_>>>()
+            .map_err(wire::encode_error)?;
+        let stash = match inbox.stashed() {
+            Some((bytes, fds)) => {
+                let fds = fds
+                    .into_iter()
+                    .map(|fd| {
+                        let held: Held = Arc::new(fd.try_clone_to_owned().map_err(wire::io_error)?);
+                        wire::carry(held, None)
+                    })
+                    .collect::<Result<Vec<_>>>()
+                    .map_err(wire::encode_error)?;
+                Some((bytes, fds))
+            }
+            None => None,
+        };
+        ReceiverWire { main: carry_socket(&self.main)?, spill, gauge: carry_gauge(&self.gauge)?, leases, rings, stash }
             .serialize(serializer)
     }
 }
@@ -762,7 +801,32 @@ impl<'de, T: DeserializeOwned> Deserialize<'de> for Receiver<T> {
         let main = take_socket(wire.main)?;
         let spill = wire.spill.map(take_socket).transpose()?;
         let gauge = take_gauge(wire.gauge)?;
-        Ok(Receiver::from_parts(main, spill, gauge, ConnectionLeases::from_leases(wire.leases)))
+        let rings = wire
+            .rings
+            .into_iter()
+            .map(|(memory, alive)| {
+                let (memory, alive) = (wire::take(memory)?, wire::take(alive)?);
+                RingReader::adopt(memory, alive).map_err(Error::Malformed)
+            })
+            .collect::<Result<Vec<_>>>()
+            .map_err(wire::decode_error)?;
+        // Waits announced where the end was before are over: this process waits now.
+        gauge.forget_sleepers();
+        let stash = match wire.stash {
+            Some((bytes, fds)) => {
+                Some((bytes, fds.into_iter().map(wire::take).collect::<Result<Vec<_>>>().map_err(wire::decode_error)?))
+            }
+            None => None,
+        };
+        let rx = Receiver::from_parts(main, spill, gauge, ConnectionLeases::from_leases(wire.leases));
+        {
+            let mut inbox = rx.lock();
+            inbox.rings = rings;
+            if let Some((bytes, fds)) = stash {
+                inbox.restash(&bytes, fds);
+            }
+        }
+        Ok(rx)
     }
 }
 

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use super::frame::{FrameOut, SMALL_COST};
 use super::gauge::Gauge;
+use super::ring::{self, RingWriter};
 use crate::error::{IoFailure, SendFailure};
 use crate::fork::ForkLocal;
 use crate::lifetime::Connection;
@@ -32,6 +33,14 @@ const HANDOVER_DELAY: Duration = Duration::from_millis(20);
 
 /// Set once the process is exiting: feeders then hand on everything at once.
 static EXITING: AtomicBool = AtomicBool::new(false);
+
+/// Messages a process sends directly on a channel before it makes a ring for it: a process
+/// that sends one message (a reply on a sender that came with its request) makes none.
+const BEFORE_RING: u32 = 3;
+
+/// Every so many messages written to its ring, a sender looks whether the receiver is gone
+/// (a write to a ring cannot tell).
+const RING_CHECK_EVERY: u64 = 64;
 
 /// Threads waiting in [`flush_all`]: feeders hand on everything at once meanwhile.
 static FLUSHING: AtomicUsize = AtomicUsize::new(0);
@@ -73,6 +82,10 @@ struct Backlog {
     disconnected: bool,
     /// Messages spilled and not yet handed on (for `Debug`).
     messages: usize,
+    /// This process's ring on the channel, once made (`ring.rs`).
+    ring: Option<RingWriter>,
+    /// Messages that could have taken a ring before there was one.
+    ring_candidates: u32,
 }
 
 /// A private channel holding spilled frames: written here, read by the receiver after the
@@ -247,7 +260,7 @@ impl Outbox {
             return Err(SendFailure::Disconnected);
         }
         if backlog.is_empty() && self.gauge.try_reserve(cost) {
-            return match write_frame(&self.main, &frame, fds) {
+            return match self.write_main(&frame, fds, Wait::Forever) {
                 Ok(()) => Ok(()),
                 Err(failure) => {
                     self.gauge.release(cost);
@@ -259,6 +272,82 @@ impl Outbox {
             };
         }
         self.spill(&mut backlog, frame, fds, cost)
+    }
+
+    /// Writes a frame to the channel's socket, counted in the shared counters' `written`
+    /// before the write (and taken back if it fails).
+    fn write_main(&self, frame: &FrameOut<'_>, fds: &[Held], wait: Wait) -> Result<(), SendFailure> {
+        self.gauge.writing_frame();
+        let written = frame.write(&self.main, fds, wait).map_err(failure);
+        if written.is_err() {
+            self.gauge.frame_not_written();
+        }
+        written
+    }
+
+    /// Writes the bytes of a message that carries no descriptor to this process's ring of the
+    /// channel, when that keeps every message in order: nothing of this process waits in a
+    /// backlog, every frame on the socket has been read, and the receiver is not asleep in the
+    /// kernel (it looks at the rings before it sleeps). `Ok(false)` when the message must take
+    /// the socket instead. The ring is made (and introduced on the socket) once the channel has
+    /// carried a few messages from this process that could have taken it.
+    pub(super) fn try_ring(&self, bytes: &[u8]) -> Result<bool, SendFailure> {
+        if bytes.len() > ring::MAX_MESSAGE {
+            return Ok(false);
+        }
+        let mut backlog = self.lock();
+        if backlog.disconnected {
+            return Err(SendFailure::Disconnected);
+        }
+        if !backlog.is_empty() || self.gauge.receiver_asleep() || !self.gauge.socket_read_up() {
+            return Ok(false);
+        }
+        let Some(ring) = backlog.ring.as_mut() else {
+            backlog.ring_candidates += 1;
+            if backlog.ring_candidates > BEFORE_RING {
+                backlog.ring = self.open_ring();
+            }
+            return Ok(false);
+        };
+        if !ring.push(bytes) {
+            return Ok(false);
+        }
+        if ring.written % RING_CHECK_EVERY == 1 && self.main.peer_closed() {
+            self.disconnect(&mut backlog);
+            return Err(SendFailure::Disconnected);
+        }
+        if self.gauge.receiver_asleep() {
+            // It went to sleep after our look: wake it through the socket.
+            self.wake();
+        }
+        Ok(true)
+    }
+
+    /// Makes this process's ring and introduces it on the socket (its first message comes
+    /// after that frame is read). `None` when either fails: the ring is then tried again later.
+    fn open_ring(&self) -> Option<RingWriter> {
+        let (writer, introduction) = RingWriter::new().ok()?;
+        let frame = FrameOut::Ring(&introduction);
+        if !self.gauge.try_reserve(frame.cost()) {
+            return None;
+        }
+        match self.write_main(&frame, &[], Wait::Not) {
+            Ok(()) => Some(writer),
+            Err(_) => {
+                self.gauge.release(frame.cost());
+                None
+            }
+        }
+    }
+
+    /// A wake frame on the socket, unless the socket is full (its frames wake the receiver).
+    fn wake(&self) {
+        if !self.gauge.try_reserve(SMALL_COST) {
+            return;
+        }
+        if self.write_main(&FrameOut::Wake, &[], Wait::Not).is_err() {
+            self.gauge.release(SMALL_COST);
+        }
     }
 
     /// Writes a frame to the open batch (a fresh one when there is none or it is full).
@@ -368,7 +457,7 @@ impl Outbox {
                     // Closing the writing end first: the receiver reads the batch to its end.
                     drop(batch.tx);
                     self.gauge.reserve(SMALL_COST);
-                    let written = write_frame(&self.main, &FrameOut::Redirect(batch.rx), &[]);
+                    let written = self.write_main(&FrameOut::Redirect(batch.rx), &[], Wait::Forever);
                     backlog = self.lock();
                     backlog.handing_on = false;
                     match written {

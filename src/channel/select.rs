@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 
+use super::gauge::Asleep;
 use super::inbox::{Readiness, Wait};
 use super::Receiver;
 use crate::error::{IoFailure, SelectError, SelectTimeoutError};
@@ -181,13 +182,14 @@ impl<'a> Select<'a> {
             return Err(SelectTimeoutError::NoReceivers);
         }
         loop {
-            let mut waits: Vec<(usize, Arc<Socket>)> = Vec::new();
+            // Each with its receiver's sleep announced until the wait ends.
+            let mut waits: Vec<(usize, Arc<Socket>, Option<Asleep>)> = Vec::new();
             for k in 0..n {
                 let i = (self.next + k) % n;
                 let Some(entry) = self.entries[i] else { continue };
                 match entry.readiness() {
                     Some(Readiness::Ready) => return Ok(self.chosen(i)),
-                    Some(Readiness::Wait(fd)) => waits.push((i, fd)),
+                    Some(Readiness::Wait(fd, asleep)) => waits.push((i, fd, asleep)),
                     None => {
                         return Err(SelectTimeoutError::Io(IoFailure::other(format!(
                             "receiver {i} has no descriptor this process can wait on"
@@ -195,11 +197,11 @@ impl<'a> Select<'a> {
                     }
                 }
             }
-            let fds: Vec<_> = waits.iter().map(|(_, fd)| fd.as_fd()).collect();
+            let fds: Vec<_> = waits.iter().map(|(_, fd, _)| fd.as_fd()).collect();
             let wait = deadline.map_or(Wait::Forever, Wait::Until);
             let ready =
                 crate::sys::wait_readable(&fds, wait).map_err(|e| SelectTimeoutError::Io(IoFailure::from(e)))?;
-            if let Some(&(i, _)) = waits.iter().zip(&ready).find(|(_, &r)| r).map(|(w, _)| w) {
+            if let Some(&(i, _, _)) = waits.iter().zip(&ready).find(|(_, &r)| r).map(|(w, _)| w) {
                 return Ok(self.chosen(i));
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {

@@ -13,6 +13,7 @@
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
+use std::sync::atomic::AtomicU64;
 
 use rustix::fs::{fcntl_add_seals, fcntl_get_seals, fstat, ftruncate, memfd_create, MemfdFlags, SealFlags};
 use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
@@ -101,6 +102,44 @@ impl MemoryFile {
         self.len
     }
 
+    /// The 64-bit word at `offset` (a multiple of 8, inside the mapping) of a file that is not
+    /// frozen, for atomic access only.
+    pub(crate) fn word(&self, offset: usize) -> Option<&AtomicU64> {
+        if self.frozen || !offset.is_multiple_of(8) || offset.checked_add(8)? > self.len {
+            return None;
+        }
+        // SAFETY: in bounds and 8-byte aligned (the mapping is page-aligned); the mapping lives
+        // as long as `self`, which the reference borrows. Other processes may write the word at
+        // any time, which atomic accesses tolerate.
+        Some(unsafe { &*self.ptr.as_ptr().add(offset).cast::<AtomicU64>() })
+    }
+
+    /// Copies `bytes` into the mapping at `offset`; false (nothing written) when they do not
+    /// fit or the file is frozen.
+    pub(crate) fn copy_in(&self, offset: usize, bytes: &[u8]) -> bool {
+        if self.frozen || offset.checked_add(bytes.len()).is_none_or(|end| end > self.len) {
+            return false;
+        }
+        // SAFETY: in bounds of the live mapping, which is writable (not frozen); the source is
+        // a Rust slice, which cannot overlap a mapping only handed out as raw pointers.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.ptr.as_ptr().add(offset), bytes.len()) };
+        true
+    }
+
+    /// Copies `out.len()` bytes of the mapping from `offset` into `out`; false (nothing read)
+    /// when they are not all inside it. Another process may be writing them meanwhile: the
+    /// copy then mixes old and new bytes, which the caller must check like any input.
+    pub(crate) fn copy_out(&self, offset: usize, out: &mut [u8]) -> bool {
+        if offset.checked_add(out.len()).is_none_or(|end| end > self.len) {
+            return false;
+        }
+        // SAFETY: in bounds of the live mapping; `out` is a Rust slice, which cannot overlap a
+        // mapping only handed out as raw pointers. Bytes of shared memory are plain data: any
+        // value is valid.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset), out.as_mut_ptr(), out.len()) };
+        true
+    }
+
     /// The bytes of a frozen file (`None` otherwise: other processes may be writing them).
     pub(crate) fn frozen_bytes(&self) -> Option<&[u8]> {
         if !self.frozen {
@@ -169,6 +208,21 @@ mod tests {
         assert!(MemoryFile::open(loose, 0).is_err());
         let not_memory = crate::sys::bell().unwrap();
         assert!(MemoryFile::open(not_memory, 0).is_err());
+    }
+
+    #[test]
+    fn words_and_copies_stay_inside_the_mapping() {
+        let a = MemoryFile::zeroed(64).unwrap();
+        let b = MemoryFile::open(a.as_fd().try_clone_to_owned().unwrap(), 64).unwrap();
+        a.word(8).unwrap().store(5, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(b.word(8).unwrap().load(std::sync::atomic::Ordering::Relaxed), 5, "the same word");
+        assert!(a.word(4).is_none() && a.word(64).is_none() && a.word(usize::MAX - 3).is_none());
+        assert!(a.copy_in(60, b"abcd") && !a.copy_in(61, b"abcd") && !a.copy_in(usize::MAX, b"a"));
+        let mut out = [0u8; 4];
+        assert!(b.copy_out(60, &mut out) && &out == b"abcd");
+        assert!(!b.copy_out(61, &mut out) && !b.copy_out(usize::MAX, &mut out));
+        let frozen = MemoryFile::frozen(&[1; 16]).unwrap();
+        assert!(frozen.word(0).is_none() && !frozen.copy_in(0, b"x"), "a frozen file takes no writes");
     }
 
     #[test]

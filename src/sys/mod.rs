@@ -16,7 +16,7 @@ pub(crate) use limits::{
     descriptor_limit, near_descriptor_limit, out_of_descriptors, physical_memory, raise_descriptor_limit,
 };
 pub(crate) use memory::MemoryFile;
-pub(crate) use pipe::{lease_pipe, read_available, reader_gone, write_record, RECORD_MAX};
+pub(crate) use pipe::{lease_pipe, read_available, reader_gone, write_record, writers_gone, RECORD_MAX};
 pub(crate) use shm::{shm_unlink, ShmFile, ShmOpen};
 pub(crate) use socket::{
     bell, connect_abstract, connect_to, private_dir, ring, silence, wait_for, wait_readable, Listening, Socket, Wait,

@@ -58,6 +58,11 @@ pub(crate) fn read_available(pipe: &OwnedFd, buf: &mut [u8]) -> io::Result<Optio
     }
 }
 
+/// True once every writing end of a pipe is closed (seen from its reading end).
+pub(crate) fn writers_gone(pipe: &impl AsFd) -> bool {
+    crate::sys::socket::peer_gone(pipe.as_fd())
+}
+
 /// True once a pipe's reading end is closed (seen from a writing end).
 pub(crate) fn reader_gone(pipe: &impl AsFd) -> bool {
     crate::sys::socket::peer_gone(pipe.as_fd())

@@ -10,11 +10,6 @@
 //!
 //! Sockets are shared by processes, so the file's own non-blocking flag is never set (it would
 //! change every holder's socket): whether a call waits is chosen per call (`MSG_DONTWAIT`).
-//!
-//! A receive that may wait first looks again and again without waiting for a short while
-//! (`spin`: 50 us where at least 2 processors run, none on one; `CUDA_MP_SPIN_US` sets it):
-//! a reply that comes within that time is read by a process that never slept, so neither the
-//! wake-up of a sleeping process nor a processor's return from an idle state is on the path.
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
@@ -266,32 +261,20 @@ fn send_packet(socket: BorrowedFd<'_>, slices: &[IoSlice<'_>], fds: &[BorrowedFd
 
 fn recv_packet(socket: BorrowedFd<'_>, buf: &mut [u8], wait: Wait) -> io::Result<Option<(usize, Vec<OwnedFd>)>> {
     let mut space = [MaybeUninit::uninit(); CONTROL_SPACE];
-    // A receive that may wait looks without waiting until then (see `spin`).
-    let spin_until = match (wait, spin()) {
-        (_, spin) if spin.is_zero() => None,
-        (Wait::Not, _) => None,
-        (Wait::Forever, spin) => Some(Instant::now() + spin),
-        (Wait::Until(deadline), spin) => Some(deadline.min(Instant::now() + spin)),
-    };
     loop {
-        let spinning = spin_until.is_some_and(|end| Instant::now() < end);
-        if let (Wait::Until(deadline), false) = (wait, spinning) {
+        if let Wait::Until(deadline) = wait {
             if !wait_readable(&[socket], Wait::Until(deadline))?[0] {
                 return Err(io::ErrorKind::WouldBlock.into());
             }
         }
         let flags = match wait {
-            Wait::Forever if !spinning => RecvFlags::CMSG_CLOEXEC,
+            Wait::Forever => RecvFlags::CMSG_CLOEXEC,
             _ => RecvFlags::CMSG_CLOEXEC | RecvFlags::DONTWAIT,
         };
         let mut control = RecvAncillaryBuffer::new(&mut space);
         let got = match recvmsg(socket, &mut [IoSliceMut::new(buf)], &mut control, flags) {
             Ok(got) => got,
             Err(rustix::io::Errno::INTR) => continue,
-            Err(rustix::io::Errno::AGAIN) if spinning => {
-                std::hint::spin_loop();
-                continue;
-            }
             // Another reader took what woke us: wait again.
             Err(rustix::io::Errno::AGAIN) if matches!(wait, Wait::Until(_)) => continue,
             Err(rustix::io::Errno::CONNRESET) => return Ok(None),
@@ -312,18 +295,6 @@ fn recv_packet(socket: BorrowedFd<'_>, buf: &mut [u8], wait: Wait) -> io::Result
         }
         return Ok(Some((got.bytes, fds)));
     }
-}
-
-/// How long a receive that may wait looks for a message without waiting first: 50 us where at
-/// least 2 processors run (a spinning receiver then leaves the sender one), none on one;
-/// `CUDA_MP_SPIN_US` (microseconds, 0 for none) sets it.
-fn spin() -> Duration {
-    static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
-    *SPIN.get_or_init(|| {
-        let set = std::env::var("CUDA_MP_SPIN_US").ok().and_then(|v| v.trim().parse::<u64>().ok());
-        let processors = std::thread::available_parallelism().map_or(1, |n| n.get());
-        Duration::from_micros(set.unwrap_or(if processors >= 2 { 50 } else { 0 }))
-    })
 }
 
 /// Waits until one of `fds` is readable, hung up or in error, or `wait` ends. Returns which are

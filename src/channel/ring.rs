@@ -1,0 +1,335 @@
+//! A sending process's ring on a channel: shared memory that carries the bytes of its messages
+//! without descriptors, so that neither side makes a system call for them while the receiver
+//! is awake. See `src/channel/README.md` ("Rings") for when a message takes the ring and why
+//! every message still arrives in order.
+//!
+//! | bytes | |
+//! | --- | --- |
+//! | 0..8 | magic `"CMRING01"` |
+//! | 64..72 | `tail`: bytes of entries the writer has written (wrapping), written by the writer |
+//! | 128..136 | `head`: bytes of entries the reader has read, written by the reader |
+//! | 192.. | [`CAPACITY`] bytes of entries |
+//!
+//! An entry is its length (u32) and the length's complement (u32), then its bytes, padded to 8;
+//! an entry never wraps: where one does not fit before the end, a skip entry (length `u32::MAX`)
+//! fills the rest. The writer publishes an entry by storing `tail` after writing it, the reader
+//! frees its place by storing `head` after copying it out. The reader checks everything the
+//! writer wrote (it may be forged, or change while read) and copies an entry out before it
+//! decodes it; a ring that does not add up is dropped, losing only its writer's messages.
+
+use std::fmt;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::sys::{lease_pipe, writers_gone, MemoryFile};
+use crate::wire::Held;
+
+const MAGIC: u64 = u64::from_le_bytes(*b"CMRING01");
+const MAGIC_AT: usize = 0;
+const TAIL_AT: usize = 64;
+const HEAD_AT: usize = 128;
+const DATA_AT: usize = 192;
+
+/// Bytes of entries one ring holds.
+pub(super) const CAPACITY: u64 = 128 << 10;
+
+/// The largest message a ring carries; a larger one takes the socket.
+pub(super) const MAX_MESSAGE: usize = 8 << 10;
+
+/// The bytes of the ring's shared memory.
+const BYTES: usize = DATA_AT + CAPACITY as usize;
+
+/// An entry's length and its complement.
+const HEADER: u64 = 8;
+
+/// The length of a skip entry.
+const SKIP: u32 = u32::MAX;
+
+/// The bytes an entry of `len` bytes takes.
+fn entry_bytes(len: usize) -> u64 {
+    (HEADER + len as u64 + 7) & !7
+}
+
+fn word(memory: &MemoryFile, at: usize) -> &AtomicU64 {
+    memory.word(at).expect("a ring's words lie inside its memory, which is never frozen")
+}
+
+/// The writer's side, kept by the sending process's outbox of the channel.
+pub(super) struct RingWriter {
+    memory: Arc<MemoryFile>,
+    /// The writing end of a pipe whose reading end went with the ring: the receiver drops the
+    /// ring once this is closed (with the outbox, or the process) and the ring is empty.
+    _alive: OwnedFd,
+    tail: u64,
+    /// Entries written: every so often the writer looks whether the receiver is gone.
+    pub(super) written: u64,
+}
+
+impl fmt::Debug for RingWriter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RingWriter").field("tail", &self.tail).field("written", &self.written).finish()
+    }
+}
+
+/// What introduces a ring to the receiver: its memory and the reading end of its pipe.
+pub(super) struct Introduction {
+    pub(super) memory: Arc<MemoryFile>,
+    pub(super) alive: OwnedFd,
+}
+
+impl RingWriter {
+    /// A fresh, empty ring.
+    pub(super) fn new() -> io::Result<(RingWriter, Introduction)> {
+        let memory = Arc::new(MemoryFile::zeroed(BYTES)?);
+        word(&memory, MAGIC_AT).store(MAGIC, Ordering::Release);
+        let (read, write) = lease_pipe()?;
+        Ok((
+            RingWriter { memory: memory.clone(), _alive: write, tail: 0, written: 0 },
+            Introduction { memory, alive: read },
+        ))
+    }
+
+    /// Writes `bytes` as one entry; false, writing nothing, when they are too many or the ring
+    /// has no room for them now.
+    pub(super) fn push(&mut self, bytes: &[u8]) -> bool {
+        if bytes.len() > MAX_MESSAGE {
+            return false;
+        }
+        let head = word(&self.memory, HEAD_AT).load(Ordering::Acquire);
+        let used = self.tail.wrapping_sub(head);
+        let at = self.tail % CAPACITY;
+        let need = entry_bytes(bytes.len());
+        let skip = if need > CAPACITY - at { CAPACITY - at } else { 0 };
+        // A head the reader could not have written (`used` past the capacity) is not trusted
+        // either: the message takes the socket.
+        if used > CAPACITY || used + skip + need > CAPACITY {
+            return false;
+        }
+        let mut start = at;
+        if skip > 0 {
+            self.memory.copy_in(DATA_AT + at as usize, &[SKIP.to_le_bytes(), 0u32.to_le_bytes()].concat());
+            start = 0;
+        }
+        let len = bytes.len() as u32;
+        let header = [len.to_le_bytes(), (!len).to_le_bytes()].concat();
+        let copied = self.memory.copy_in(DATA_AT + start as usize, &header)
+            && self.memory.copy_in(DATA_AT + start as usize + HEADER as usize, bytes);
+        debug_assert!(copied, "an entry inside the ring");
+        self.tail = self.tail.wrapping_add(skip + need);
+        word(&self.memory, TAIL_AT).store(self.tail, Ordering::Release);
+        // Ordered before the writer's next look at whether the receiver sleeps (`Gauge`): the
+        // receiver announces its sleep, then looks at the tail, with a fence of its own.
+        fence(Ordering::SeqCst);
+        self.written += 1;
+        true
+    }
+}
+
+/// The reader's side, kept by the receiving end (and travelling with it).
+pub(super) struct RingReader {
+    memory: Arc<MemoryFile>,
+    alive: Arc<OwnedFd>,
+    head: u64,
+}
+
+impl fmt::Debug for RingReader {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RingReader").field("head", &self.head).finish()
+    }
+}
+
+impl RingReader {
+    /// The ring whose memory and pipe end arrived: refused unless the memory is a sealed,
+    /// writable memory file of a ring's size with a ring's magic.
+    pub(super) fn adopt(memory: OwnedFd, alive: OwnedFd) -> Result<RingReader, String> {
+        let memory = MemoryFile::open(memory, BYTES).map_err(|e| format!("a channel's ring: {e}"))?;
+        if memory.word(MAGIC_AT).map(|w| w.load(Ordering::Acquire)) != Some(MAGIC) {
+            return Err("a channel's ring that is not one".into());
+        }
+        let head = word(&memory, HEAD_AT).load(Ordering::Acquire);
+        Ok(RingReader { memory: Arc::new(memory), alive: Arc::new(alive), head })
+    }
+
+    /// True when the writer has written an entry not yet read.
+    pub(super) fn has_entries(&self) -> bool {
+        word(&self.memory, TAIL_AT).load(Ordering::Acquire) != self.head
+    }
+
+    /// True once the writer's side is gone (its outbox, or its process): nothing more comes.
+    pub(super) fn writer_gone(&self) -> bool {
+        writers_gone(&*self.alive)
+    }
+
+    /// Copies the next entry into `out`: `Ok(true)`, `Ok(false)` when there is none, `Err` when
+    /// the ring does not add up (forged, or not ours).
+    pub(super) fn pop(&mut self, out: &mut Vec<u8>) -> Result<bool, String> {
+        let broken = |why: &str| Err(format!("a channel's ring {why}"));
+        loop {
+            let tail = word(&self.memory, TAIL_AT).load(Ordering::Acquire);
+            if tail == self.head {
+                return Ok(false);
+            }
+            let used = tail.wrapping_sub(self.head);
+            if used > CAPACITY || !used.is_multiple_of(8) {
+                return broken("whose writer says it holds more than it can");
+            }
+            let at = self.head % CAPACITY;
+            let mut header = [0u8; HEADER as usize];
+            self.memory.copy_out(DATA_AT + at as usize, &mut header);
+            let len = u32::from_le_bytes(header[..4].try_into().expect("4 bytes"));
+            let check = u32::from_le_bytes(header[4..].try_into().expect("4 bytes"));
+            if len == SKIP {
+                let skip = CAPACITY - at;
+                if skip > used {
+                    return broken("that skips past what it holds");
+                }
+                self.advance(skip);
+                continue;
+            }
+            let need = entry_bytes(len as usize);
+            if check != !len || len as usize > MAX_MESSAGE || need > used || at + need > CAPACITY {
+                return broken("with an entry that does not add up");
+            }
+            out.resize(len as usize, 0);
+            self.memory.copy_out(DATA_AT + (at + HEADER) as usize, out);
+            self.advance(need);
+            return Ok(true);
+        }
+    }
+
+    fn advance(&mut self, bytes: u64) {
+        self.head = self.head.wrapping_add(bytes);
+        word(&self.memory, HEAD_AT).store(self.head, Ordering::Release);
+    }
+
+    /// The ring's memory and pipe end, to send with the receiving end to another process.
+    pub(super) fn descriptors(&self) -> (Held, Held) {
+        (self.memory.clone(), self.alive.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsFd;
+
+    use super::*;
+
+    fn pair() -> (RingWriter, RingReader) {
+        let (writer, intro) = RingWriter::new().unwrap();
+        let reader = RingReader::adopt(intro.memory.as_fd().try_clone_to_owned().unwrap(), intro.alive).unwrap();
+        (writer, reader)
+    }
+
+    #[test]
+    fn entries_come_out_in_order_across_the_end_and_a_full_ring_refuses() {
+        let (mut w, mut r) = pair();
+        let mut out = Vec::new();
+        assert!(!r.pop(&mut out).unwrap());
+        let mut next_in = 0u32;
+        let mut next_out = 0u32;
+        // Many times round the ring, with entries of many sizes, the reader behind.
+        for round in 0..2_000u32 {
+            let len = (round as usize * 37) % 3000;
+            let mut msg = next_in.to_le_bytes().to_vec();
+            msg.resize(4 + len, round as u8);
+            if w.push(&msg) {
+                next_in += 1;
+            } else {
+                assert!(r.has_entries(), "refused only when full");
+            }
+            if round % 3 != 0 {
+                while r.pop(&mut out).unwrap() {
+                    assert_eq!(u32::from_le_bytes(out[..4].try_into().unwrap()), next_out);
+                    next_out += 1;
+                }
+            }
+        }
+        while r.pop(&mut out).unwrap() {
+            next_out += 1;
+        }
+        assert_eq!(next_in, next_out, "every entry once");
+        assert!(next_in > 1_000);
+        assert!(!w.push(&vec![0; MAX_MESSAGE + 1]), "too large for a ring");
+        // Full: refused until the reader reads.
+        let big = vec![1u8; MAX_MESSAGE];
+        let mut n = 0;
+        while w.push(&big) {
+            n += 1;
+        }
+        assert_eq!(n, CAPACITY / entry_bytes(MAX_MESSAGE));
+        assert!(r.pop(&mut out).unwrap());
+        assert!(w.push(&big));
+    }
+
+    #[test]
+    fn the_reader_sees_the_writer_go() {
+        let (w, r) = pair();
+        assert!(!r.writer_gone());
+        drop(w);
+        assert!(r.writer_gone());
+    }
+
+    #[test]
+    fn forged_rings_are_refused_not_followed() {
+        // Not a ring: the wrong magic, or too small.
+        let small = MemoryFile::zeroed(64).unwrap();
+        let (_, alive) = lease_pipe().unwrap();
+        assert!(RingReader::adopt(small.as_fd().try_clone_to_owned().unwrap(), alive).is_err());
+        let blank = MemoryFile::zeroed(BYTES).unwrap();
+        let (_, alive) = lease_pipe().unwrap();
+        assert!(RingReader::adopt(blank.as_fd().try_clone_to_owned().unwrap(), alive).is_err());
+        // A tail past the capacity, a length that does not match its complement, a skip past
+        // the tail: errors, never a read outside the ring.
+        let (w, mut r) = pair();
+        let mut out = Vec::new();
+        word(&w.memory, TAIL_AT).store(CAPACITY + 8, Ordering::Release);
+        assert!(r.pop(&mut out).is_err());
+        let (w, mut r) = pair();
+        w.memory.copy_in(DATA_AT, &[16u32.to_le_bytes(), 0u32.to_le_bytes()].concat());
+        word(&w.memory, TAIL_AT).store(24, Ordering::Release);
+        assert!(r.pop(&mut out).is_err());
+        let (w, mut r) = pair();
+        w.memory.copy_in(DATA_AT, &[SKIP.to_le_bytes(), 0u32.to_le_bytes()].concat());
+        word(&w.memory, TAIL_AT).store(8, Ordering::Release);
+        assert!(r.pop(&mut out).is_err());
+    }
+
+    mod fuzz {
+        use proptest::prelude::*;
+
+        use super::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+            /// Whatever a writer puts in the ring's memory, the reader returns entries of at
+            /// most the largest message or an error, never a panic or a read outside it.
+            #[test]
+            fn any_ring_contents_are_read_without_a_panic(
+                words in proptest::collection::vec((0usize..(CAPACITY as usize / 8), any::<u64>()), 0..40),
+                tail in any::<u64>(),
+                head in any::<u64>(),
+            ) {
+                let (w, _) = pair();
+                for (i, v) in words {
+                    w.memory.copy_in(DATA_AT + i * 8, &v.to_le_bytes());
+                }
+                word(&w.memory, HEAD_AT).store(head, Ordering::Release);
+                word(&w.memory, TAIL_AT).store(tail, Ordering::Release);
+                let mut r = RingReader::adopt(
+                    w.memory.as_fd().try_clone_to_owned().unwrap(),
+                    lease_pipe().unwrap().0,
+                ).unwrap();
+                let mut out = Vec::new();
+                for _ in 0..64 {
+                    match r.pop(&mut out) {
+                        Ok(true) => prop_assert!(out.len() <= MAX_MESSAGE),
+                        Ok(false) | Err(_) => break,
+                    }
+                }
+            }
+        }
+    }
+}
