@@ -256,7 +256,7 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// # }
     /// ```
     pub fn into_stream(self) -> RecvStream<'static, T> {
-        RecvStream { rx: Holder::Owned(self), registration: None, asleep: None, done: false }
+        RecvStream { rx: Holder::Owned(Box::new(self)), registration: None, asleep: None, done: false }
     }
 }
 
@@ -304,7 +304,7 @@ impl<T> Drop for RecvFuture<'_, T> {
 
 enum Holder<'a, T> {
     Borrowed(&'a Receiver<T>),
-    Owned(Receiver<T>),
+    Owned(Box<Receiver<T>>),
 }
 
 impl<T> Holder<'_, T> {

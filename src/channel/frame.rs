@@ -10,6 +10,11 @@
 //! | 3 | nothing | a ring's memory, then the reading end of its pipe | "this sender's messages may come in this ring too" (`ring.rs`) |
 //! | 4 | nothing | none | "look at the rings": a message went to a ring while the receiver slept |
 //!
+//! A message frame from a process with a ring on the channel is **ordered**: its kind has bit
+//! 0x40 set and the kind byte is followed by the ring's id and the message's number among that
+//! ring's sender's messages (u64 each, little-endian), so that the receiver puts it in order
+//! with the ring's messages (`inbox.rs`).
+//!
 //! A message frame (kinds 0 and 1) may also introduce connection leases
 //! (`src/lifetime/connection.rs`): its kind then has the high bit set, and the kind byte is
 //! followed by their number (one byte) and their names (owner, 16 bytes, and key, 8 bytes,
@@ -41,6 +46,10 @@ const RING: u8 = 3;
 const WAKE: u8 = 4;
 /// Set in the kind of a message frame that introduces connection leases.
 const WITH_LEASES: u8 = 0x80;
+/// Set in the kind of a message frame that carries its place in its sender's order.
+const WITH_ORDER: u8 = 0x40;
+/// The bytes of that place: the ring's id and the message's number.
+const ORDER_BYTES: usize = 16;
 /// The bytes of one introduced lease's name.
 const NAME_BYTES: usize = 24;
 /// Leases one frame introduces at most (a message introduces its sender's one lease on the
@@ -80,28 +89,46 @@ pub(super) enum FrameOut<'a> {
     Wake,
 }
 
-/// The bytes after the kind byte that name introduced `leases`.
-fn prefix_len(leases: &[Introduction]) -> usize {
-    if leases.is_empty() {
-        0
-    } else {
-        1 + leases.len() * NAME_BYTES
-    }
+/// A message's place in its sender's order: the sender's ring and the message's number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Order {
+    pub(super) ring: u64,
+    pub(super) number: u64,
 }
 
-/// The kind byte and, when `leases` are introduced, the prefix that names them.
-fn head(kind: u8, leases: &[Introduction]) -> Vec<u8> {
-    if leases.is_empty() {
-        return vec![kind];
+/// The bytes after the kind byte that name introduced `leases` (and a place in an order, which
+/// is counted whether there is one or not).
+fn prefix_len(leases: &[Introduction]) -> usize {
+    ORDER_BYTES + if leases.is_empty() { 0 } else { 1 + leases.len() * NAME_BYTES }
+}
+
+/// The kind byte and the prefixes: the place in the sender's order, then the names of the
+/// introduced `leases`.
+fn head(kind: u8, leases: &[Introduction], order: Option<Order>) -> Vec<u8> {
+    let mut head = Vec::with_capacity(2 + ORDER_BYTES + leases.len() * NAME_BYTES);
+    head.push(kind | if leases.is_empty() { 0 } else { WITH_LEASES } | if order.is_some() { WITH_ORDER } else { 0 });
+    if let Some(o) = order {
+        head.extend(o.ring.to_le_bytes());
+        head.extend(o.number.to_le_bytes());
     }
-    let mut head = Vec::with_capacity(2 + leases.len() * NAME_BYTES);
-    head.push(kind | WITH_LEASES);
-    head.push(leases.len() as u8);
-    for i in leases {
-        head.extend(i.name.owner.to_le_bytes());
-        head.extend(i.name.key.to_le_bytes());
+    if !leases.is_empty() {
+        head.push(leases.len() as u8);
+        for i in leases {
+            head.extend(i.name.owner.to_le_bytes());
+            head.extend(i.name.key.to_le_bytes());
+        }
     }
     head
+}
+
+/// The place in its sender's order of a message frame that has one.
+pub(super) fn order_of(frame: &[u8]) -> Option<Order> {
+    let (&kind, rest) = frame.split_first()?;
+    if kind & WITH_ORDER == 0 || kind & !(WITH_ORDER | WITH_LEASES) > SHARED {
+        return None;
+    }
+    let word = |at: usize| rest.get(at..at + 8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")));
+    Some(Order { ring: word(0)?, number: word(8)? })
 }
 
 impl<'a> FrameOut<'a> {
@@ -129,14 +156,28 @@ impl<'a> FrameOut<'a> {
     }
 
     /// Writes the frame to `socket`, with the message's descriptors `fds`.
+    #[cfg(test)]
     pub(super) fn write(&self, socket: &Socket, fds: &[Held], wait: Wait) -> io::Result<()> {
+        self.write_in_order(socket, fds, wait, None)
+    }
+
+    /// Writes the frame, a message frame with its place in its sender's `order`.
+    pub(super) fn write_in_order(
+        &self,
+        socket: &Socket,
+        fds: &[Held],
+        wait: Wait,
+        order: Option<Order>,
+    ) -> io::Result<()> {
         match self {
-            FrameOut::Inline(bytes, []) => socket.send(&[&[INLINE], bytes], &wire::borrow_all(fds), wait),
+            FrameOut::Inline(bytes, []) if order.is_none() => {
+                socket.send(&[&[INLINE], bytes], &wire::borrow_all(fds), wait)
+            }
             FrameOut::Inline(bytes, leases) => {
-                socket.send(&[&head(INLINE, leases), bytes], &all_fds(leases, None, fds), wait)
+                socket.send(&[&head(INLINE, leases, order), bytes], &all_fds(leases, None, fds), wait)
             }
             FrameOut::Shared(memory, len, leases) => socket.send(
-                &[&head(SHARED, leases), &len.to_le_bytes()],
+                &[&head(SHARED, leases, order), &len.to_le_bytes()],
                 &all_fds(leases, Some(memory.as_fd()), fds),
                 wait,
             ),
@@ -188,6 +229,16 @@ pub(super) enum Incoming<T> {
     Wake,
 }
 
+impl<T> Incoming<T> {
+    /// What the frame cost on the socket.
+    pub(super) fn cost(&self) -> u64 {
+        match self {
+            Incoming::Message { cost, .. } => *cost,
+            Incoming::Redirect(_) | Incoming::Ring(_) | Incoming::Wake => SMALL_COST,
+        }
+    }
+}
+
 impl<T> fmt::Debug for Incoming<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -211,9 +262,15 @@ pub(super) fn read<T: DeserializeOwned>(
     leases: Option<&Arc<ConnectionLeases>>,
 ) -> Result<Incoming<T>, String> {
     let (&kind, mut rest) = bytes.split_first().ok_or("an empty frame")?;
-    let kind = if kind & WITH_LEASES != 0 && kind & !WITH_LEASES <= SHARED {
+    let message = kind & !(WITH_LEASES | WITH_ORDER) <= SHARED;
+    if message && kind & WITH_ORDER != 0 {
+        rest = rest.get(ORDER_BYTES..).ok_or("a frame whose place in its order is cut short")?;
+    }
+    let kind = if message && kind & WITH_LEASES != 0 {
         rest = introduce(rest, &mut fds, leases.map(|l| &**l))?;
-        kind & !WITH_LEASES
+        kind & !(WITH_LEASES | WITH_ORDER)
+    } else if message {
+        kind & !WITH_ORDER
     } else {
         kind
     };
@@ -305,6 +362,18 @@ mod tests {
         let (batch, _) = Socket::pair().unwrap();
         FrameOut::Redirect(batch).write(&a, &[], Wait::Not).unwrap();
         assert!(matches!(next(), Ok(Incoming::Redirect(_))));
+        // An ordered frame, with and without leases: its place reads back, the message too.
+        let order = Order { ring: 7, number: 41 };
+        FrameOut::Inline(&small, &[]).write_in_order(&a, &[], Wait::Not, Some(order)).unwrap();
+        let (range, fds) = b.recv_in(&mut buf, Wait::Not).unwrap().unwrap();
+        assert_eq!(order_of(&buf[range.clone()]), Some(order));
+        assert!(
+            matches!(read::<Vec<u8>>(&buf[range], fds, None), Ok(Incoming::Message { value: Ok(v), .. }) if v == vec![1u8; 10])
+        );
+        let mut next = || {
+            let (range, fds) = b.recv_in(&mut buf, Wait::Not).unwrap().unwrap();
+            read::<Vec<u8>>(&buf[range], fds, None)
+        };
         let (_writer, intro) = ring::RingWriter::new().unwrap();
         FrameOut::Ring(&intro).write(&a, &[], Wait::Not).unwrap();
         assert!(matches!(next(), Ok(Incoming::Ring(_))));
@@ -350,7 +419,7 @@ mod tests {
             #[test]
             fn any_frame_is_read_without_a_panic(
                 bytes in proptest::collection::vec(any::<u8>(), 0..200),
-                kind in prop_oneof![Just(0u8), Just(1), Just(2), Just(3), Just(4), Just(0x80), Just(0x81), any::<u8>()],
+                kind in prop_oneof![Just(0u8), Just(1), Just(2), Just(3), Just(4), Just(0x40), Just(0xc1), Just(0x80), Just(0x81), any::<u8>()],
                 fds in 0usize..4,
             ) {
                 let mut frame = vec![kind];
@@ -374,7 +443,7 @@ mod tests {
                         lease: Lease::from_fd(crate::sys::lease_pipe().unwrap().1),
                     })
                     .collect();
-                let mut frame = head(INLINE, &leases);
+                let mut frame = head(INLINE, &leases, None);
                 frame.extend(&tail);
                 let known = Arc::new(ConnectionLeases::default());
                 let fds = leases.iter().map(|i| i.lease.fd().try_clone_to_owned().unwrap()).collect();

@@ -205,8 +205,8 @@ impl Gauge {
         waiters.fetch_sub(1, Ordering::SeqCst);
     }
 
-    /// A frame of ours is about to be written to the socket (before the write: a sender that
-    /// sees `written == read` knows that no frame of anyone's is unread).
+    /// A frame of ours is about to be written to the socket (before the write: a spinning
+    /// receiver that sees `written == read` need not ask the kernel).
     pub(super) fn writing_frame(&self) {
         self.region.u32(WRITTEN_AT).fetch_add(1, Ordering::SeqCst);
     }
@@ -222,8 +222,8 @@ impl Gauge {
     }
 
     /// True when every frame our senders wrote to the socket has been read. (A frame counted
-    /// but never written, by a process killed between the two, keeps this false: sends then
-    /// take the socket, as they did before rings.)
+    /// but never written, by a process killed between the two, keeps this false: a spinning
+    /// receiver then asks the kernel at every look.)
     pub(super) fn socket_read_up(&self) -> bool {
         self.region.u32(WRITTEN_AT).load(Ordering::SeqCst) == self.region.u32(READ_AT).load(Ordering::SeqCst)
     }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 
-use super::frame::{self, Incoming, SMALL_COST};
+use super::frame::{self, Incoming, Order};
 use super::gauge::{Asleep, Gauge};
 use super::ring::RingReader;
 use crate::error::{IoFailure, RecvError};
@@ -40,13 +40,20 @@ pub(super) struct Inbox<T> {
     buf: Vec<u8>,
     /// Where a ring's entry is copied to before it is decoded.
     entry: Vec<u8>,
-    /// A frame read from the socket while a ring held messages that may have come before it:
-    /// delivered once the rings are empty (no sender writes to a ring meanwhile, as the frame
-    /// is counted read only when it is delivered). Its bytes stay in `buf`.
-    stash: Option<Raw>,
+    /// A frame that came before its turn (its sender's ring holds messages numbered before
+    /// it): delivered after them. Its bytes stay in `buf`.
+    stash: Option<Stashed>,
     /// The connection leases this channel's senders introduced (`src/lifetime/connection.rs`).
     pub(super) leases: Arc<ConnectionLeases>,
     _message: PhantomData<fn() -> T>,
+}
+
+/// A frame read before its turn.
+struct Stashed {
+    raw: Raw,
+    /// Read from the channel's socket (not a batch): its cost is settled when delivered.
+    main: bool,
+    order: Order,
 }
 
 /// What one look found.
@@ -146,23 +153,21 @@ impl<T> Inbox<T> {
         gauge.release(std::mem::take(&mut self.unsettled));
     }
 
-    /// The stashed frame's bytes and descriptors, to send with the receiving end (the
-    /// descriptors stay here until the message that carries them has been sent).
-    pub(super) fn stashed(&self) -> Option<(Vec<u8>, Vec<std::os::fd::BorrowedFd<'_>>)> {
-        let (range, fds) = self.stash.as_ref()?;
-        Some((self.buf[range.clone()].to_vec(), fds.iter().map(|fd| fd.as_fd()).collect()))
+    /// The stashed frame's bytes and descriptors and whether it came from the socket, to send
+    /// with the receiving end (the descriptors stay here until the message has been sent).
+    pub(super) fn stashed(&self) -> Option<(Vec<u8>, Vec<std::os::fd::BorrowedFd<'_>>, bool)> {
+        let Stashed { raw: (range, fds), main, .. } = self.stash.as_ref()?;
+        Some((self.buf[range.clone()].to_vec(), fds.iter().map(|fd| fd.as_fd()).collect(), *main))
     }
 
-    /// A stashed frame that came with the receiving end.
-    pub(super) fn restash(&mut self, bytes: &[u8], fds: Vec<OwnedFd>) {
+    /// A stashed frame that came with the receiving end (ignored unless it has a place in an
+    /// order).
+    pub(super) fn restash(&mut self, bytes: &[u8], fds: Vec<OwnedFd>, main: bool) {
         let len = bytes.len().min(self.buf.len());
         self.buf[..len].copy_from_slice(&bytes[..len]);
-        self.stash = Some((0..len, fds));
-    }
-
-    /// True when a ring holds a message.
-    fn rings_hold_any(&self) -> bool {
-        self.rings.iter().any(RingReader::has_entries)
+        if let Some(order) = frame::order_of(&self.buf[..len]) {
+            self.stash = Some(Stashed { raw: (0..len, fds), main, order });
+        }
     }
 }
 
@@ -182,10 +187,9 @@ impl<T: DeserializeOwned> Inbox<T> {
         }
     }
 
-    /// Receives the next message: from the spill batch while there is one, else from the
-    /// rings and the socket, in order, following redirects. A receive that may wait looks
-    /// without waiting first for up to [`spin`], then announces its sleep and waits for the
-    /// socket.
+    /// Receives the next message, in its sender's order across its ring, the socket and
+    /// spill batches, following redirects. A receive that may wait looks without waiting
+    /// first for up to [`spin`], then announces its sleep and waits for its socket.
     pub(super) fn receive(&mut self, gauge: &Gauge, wait: Wait) -> Result<T, Missing> {
         let spin_until = match (wait, spin()) {
             (_, spin) if spin.is_zero() => None,
@@ -195,19 +199,10 @@ impl<T: DeserializeOwned> Inbox<T> {
         };
         let mut looks = 0u32;
         loop {
-            if self.spill.is_some() {
-                match self.next_of_spill(gauge, wait) {
-                    Some(got) => return got,
-                    None => continue,
-                }
-            }
             let kernel = looks.is_multiple_of(KERNEL_LOOK_EVERY);
             looks = looks.wrapping_add(1);
             if let Some(got) = self.look(gauge, kernel) {
                 return got;
-            }
-            if self.spill.is_some() {
-                continue;
             }
             if spin_until.is_some_and(|end| Instant::now() < end) {
                 std::hint::spin_loop();
@@ -226,10 +221,8 @@ impl<T: DeserializeOwned> Inbox<T> {
             if let Some(got) = self.look(gauge, true) {
                 return got;
             }
-            if self.spill.is_some() {
-                continue;
-            }
-            let ready = crate::sys::wait_readable(&[self.main.as_fd()], wait)
+            let socket = self.spill.clone().unwrap_or_else(|| self.main.clone());
+            let ready = crate::sys::wait_readable(&[socket.as_fd()], wait)
                 .map_err(|e| Missing::Failed(RecvError::Io(IoFailure::from(e))))?;
             drop(asleep);
             if !ready[0] {
@@ -239,125 +232,197 @@ impl<T: DeserializeOwned> Inbox<T> {
         }
     }
 
-    /// One frame of the spill batch being read: `None` when the batch ended (the receiver goes
-    /// back to its socket).
-    fn next_of_spill(&mut self, gauge: &Gauge, wait: Wait) -> Option<Result<T, Missing>> {
-        let spill = self.spill.as_ref()?;
-        match receive_raw(spill, &mut self.buf, wait).and_then(|raw| parse(&self.buf, raw, &self.leases)) {
-            Ok(Incoming::Message { value, .. }) => {
-                gauge.free_place();
-                Some(value.map_err(|m| Missing::Failed(checked(RecvError::Malformed(m)))))
-            }
-            Ok(Incoming::Redirect(_) | Incoming::Ring(_) | Incoming::Wake) => Some(Err(Missing::Failed(
-                RecvError::Malformed("a spilled batch holds a frame that only a channel's socket may".into()),
-            ))),
-            Err(Missing::Failed(RecvError::Disconnected)) => {
-                self.spill = None;
-                None
-            }
-            Err(missing) => Some(Err(missing)),
-        }
-    }
-
-    /// One look that does not wait, at the rings and the socket. `kernel` asks the kernel
-    /// about the socket even when the counters say no frame of ours is unread (a foreign frame,
-    /// the last sender's close). `None`: nothing now, or a frame that was not a message (a
-    /// redirect, a ring, a wake).
-    ///
-    /// Why the order holds: a sender writes to its ring only when every frame on the socket has
-    /// been read (`Outbox::try_ring`), so a frame read when the rings are empty came before
-    /// anything its sender puts in its ring later; and a frame read while a ring holds
-    /// messages (which may have come before it: written before it, read after) waits in the
-    /// stash, not yet counted read, until the rings are empty; no sender writes to a ring
-    /// meanwhile.
+    /// Looks without waiting until it finds a message (or a failure) or nothing more.
+    /// `kernel` asks the kernel about the socket even when the counters say no frame of ours
+    /// is unread (a foreign frame, the last sender's close).
     fn look(&mut self, gauge: &Gauge, kernel: bool) -> Option<Result<T, Missing>> {
         loop {
             match self.look_once(gauge, kernel) {
                 Look::Got(got) => return Some(got),
-                Look::Nothing => return None,
-                // A frame that was not a message: look again at once (in a batch, it may be).
-                Look::Again if self.spill.is_some() => return None,
                 Look::Again => {}
+                Look::Nothing => return None,
             }
         }
     }
 
+    /// One step. Each sending process numbers its messages once it has a ring (`ring.rs`), on
+    /// the ring and in its frames alike: a ring's messages are delivered in turn, and a frame
+    /// waits in the stash while its sender's ring holds messages numbered before it (they
+    /// were written before the frame, so they are there). A ring whose next message is still
+    /// on its way (on the socket, in a batch not yet handed on) waits for it.
     fn look_once(&mut self, gauge: &Gauge, kernel: bool) -> Look<T> {
+        if let Some(stashed) = self.stash.take() {
+            return self.release(gauge, stashed);
+        }
         if let Some(got) = self.next_of_rings(gauge) {
             return Look::Got(got);
         }
-        let raw = match self.stash.take() {
-            Some(raw) => raw,
+        let (raw, main) = match self.spill.clone() {
+            // A batch is complete when it is handed on: a read finds a frame or its end.
+            Some(spill) => match receive_raw(&spill, &mut self.buf, Wait::Not) {
+                Ok(raw) => (raw, false),
+                Err(Missing::Failed(RecvError::Disconnected)) => {
+                    self.spill = None;
+                    return Look::Again;
+                }
+                Err(Missing::Empty) => return Look::Nothing,
+                Err(missing) => return Look::Got(Err(missing)),
+            },
             None => {
                 if !kernel && gauge.socket_read_up() {
                     return Look::Nothing;
                 }
                 match receive_raw(&self.main, &mut self.buf, Wait::Not) {
-                    Ok(raw) if self.rings_hold_any() => {
-                        self.stash = Some(raw);
-                        return self.next_of_rings(gauge).map_or(Look::Again, Look::Got);
+                    Ok(raw) => {
+                        gauge.frame_read();
+                        (raw, true)
                     }
-                    Ok(raw) => raw,
                     Err(Missing::Empty) => return Look::Nothing,
-                    // The last sender is gone: what its rings still hold comes first.
-                    Err(Missing::Failed(RecvError::Disconnected)) => {
-                        return Look::Got(
-                            self.next_of_rings(gauge).unwrap_or(Err(Missing::Failed(RecvError::Disconnected))),
-                        )
-                    }
+                    Err(Missing::Failed(RecvError::Disconnected)) => return Look::Got(self.at_end(gauge)),
                     Err(missing) => return Look::Got(Err(missing)),
                 }
             }
         };
-        gauge.frame_read();
-        match parse(&self.buf, raw, &self.leases) {
-            Ok(Incoming::Message { cost, value }) => {
-                self.settle(gauge, cost);
+        if let Some(order) = frame::order_of(&self.buf[raw.0.clone()]) {
+            if let Some(ring) = self.rings.iter_mut().find(|r| r.id() == order.ring) {
+                if order.number > ring.next() {
+                    self.stash = Some(Stashed { raw, main, order });
+                    return Look::Again;
+                }
+                if order.number == ring.next() {
+                    ring.set_next(order.number + 1);
+                }
+            }
+        }
+        self.deliver(gauge, raw, main)
+    }
+
+    /// The stashed frame, once its sender's ring has delivered what comes before it.
+    fn release(&mut self, gauge: &Gauge, stashed: Stashed) -> Look<T> {
+        let number = stashed.order.number;
+        let Some(i) = self.rings.iter().position(|r| r.id() == stashed.order.ring) else {
+            return self.deliver(gauge, stashed.raw, stashed.main);
+        };
+        if self.rings[i].next() < number {
+            match self.rings[i].first() {
+                Ok(Some(before)) if before < number => {
+                    self.stash = Some(stashed);
+                    return Look::Got(self.pop_ring(gauge, i));
+                }
+                // Not in the ring: lost with its sender (killed with a backlog).
+                Ok(_) => self.rings[i].set_next(number),
+                Err(why) => {
+                    self.rings.remove(i);
+                    self.stash = Some(stashed);
+                    return Look::Got(Err(Missing::Failed(RecvError::Malformed(why))));
+                }
+            }
+        }
+        if self.rings[i].next() == number {
+            self.rings[i].set_next(number + 1);
+        }
+        self.deliver(gauge, stashed.raw, stashed.main)
+    }
+
+    /// A frame in its turn: its message, or what a frame of another kind does.
+    fn deliver(&mut self, gauge: &Gauge, raw: Raw, main: bool) -> Look<T> {
+        let incoming = parse(&self.buf, raw, &self.leases);
+        if main {
+            if let Ok(i) = &incoming {
+                self.settle(gauge, i.cost());
+            }
+        }
+        match incoming {
+            Ok(Incoming::Message { value, .. }) => {
                 gauge.free_place();
                 Look::Got(value.map_err(|m| Missing::Failed(checked(RecvError::Malformed(m)))))
             }
+            Ok(Incoming::Redirect(_) | Incoming::Ring(_)) if !main => Look::Got(Err(Missing::Failed(
+                RecvError::Malformed("a spilled batch holds a frame that only a channel's socket may".into()),
+            ))),
             Ok(Incoming::Redirect(batch)) => {
-                self.settle(gauge, SMALL_COST);
                 self.spill = Some(Arc::new(batch));
                 Look::Again
             }
             Ok(Incoming::Ring(ring)) => {
-                self.settle(gauge, SMALL_COST);
                 // Rings whose writers are gone, read to their end, go first.
                 self.rings.retain(|r| !r.writer_gone() || r.has_entries());
                 self.rings.push(ring);
                 Look::Again
             }
-            Ok(Incoming::Wake) => {
-                self.settle(gauge, SMALL_COST);
-                Look::Again
-            }
+            Ok(Incoming::Wake) => Look::Again,
             Err(missing) => Look::Got(Err(missing)),
         }
     }
 
-    /// The next message of a ring, the rings taking turns. A ring that does not add up is
-    /// dropped (its writer's later messages are lost) and reported as a malformed message.
+    /// The next message of a ring that is next in its sender's order, the rings taking turns.
+    /// A ring that does not add up is dropped (its writer's later messages are lost) and
+    /// reported as a malformed message.
     fn next_of_rings(&mut self, gauge: &Gauge) -> Option<Result<T, Missing>> {
         let n = self.rings.len();
         for k in 0..n {
             let i = (self.next_ring + k) % n;
-            match self.rings[i].pop(&mut self.entry) {
-                Ok(false) => continue,
-                Ok(true) => {
-                    RING_MESSAGES.fetch_add(1, Ordering::Relaxed);
-                    self.next_ring = i + 1;
-                    gauge.free_place();
-                    let value = wire::decode_on(&self.entry, Vec::new(), Some(&*self.leases));
-                    return Some(value.map_err(|m| Missing::Failed(checked(RecvError::Malformed(m)))));
+            let ring = &mut self.rings[i];
+            match ring.first() {
+                Ok(None) => continue,
+                Ok(Some(number)) if number == ring.next() => {}
+                Ok(Some(number)) if number < ring.next() => {
+                    self.rings.remove(i);
+                    return Some(Err(Missing::Failed(RecvError::Malformed(
+                        "a channel's ring whose writer numbers a message twice".into(),
+                    ))));
+                }
+                // Messages before it are on their way, unless its writer is gone and nothing
+                // is left to read: then they were lost with it.
+                Ok(Some(number)) => {
+                    if !(ring.writer_gone() && self.spill.is_none() && self.main.pending_bytes() == 0) {
+                        continue;
+                    }
+                    ring.set_next(number);
                 }
                 Err(why) => {
                     self.rings.remove(i);
                     return Some(Err(Missing::Failed(RecvError::Malformed(why))));
                 }
             }
+            self.next_ring = i + 1;
+            return Some(self.pop_ring(gauge, i));
         }
         None
+    }
+
+    /// Takes ring `i`'s first message.
+    fn pop_ring(&mut self, gauge: &Gauge, i: usize) -> Result<T, Missing> {
+        match self.rings[i].pop(&mut self.entry) {
+            Ok(Some(_)) => {
+                RING_MESSAGES.fetch_add(1, Ordering::Relaxed);
+                gauge.free_place();
+                wire::decode_on(&self.entry, Vec::new(), Some(&*self.leases))
+                    .map_err(|m| Missing::Failed(checked(RecvError::Malformed(m))))
+            }
+            Ok(None) => Err(Missing::Empty),
+            Err(why) => {
+                self.rings.remove(i);
+                Err(Missing::Failed(RecvError::Malformed(why)))
+            }
+        }
+    }
+
+    /// Every sender is gone: what the rings still hold comes first, whatever was lost before
+    /// it, then the end.
+    fn at_end(&mut self, gauge: &Gauge) -> Result<T, Missing> {
+        for i in 0..self.rings.len() {
+            if let Ok(Some(number)) = self.rings[i].first() {
+                self.rings[i].set_next(number);
+                return self.pop_ring(gauge, i);
+            }
+        }
+        Err(Missing::Failed(RecvError::Disconnected))
+    }
+
+    /// True when a ring's first message is next in its sender's order.
+    fn rings_ready(&mut self) -> bool {
+        self.rings.iter_mut().any(|r| matches!(r.first(), Ok(Some(n)) if n == r.next()) || r.first().is_err())
     }
 
     /// Whether a receive would return at once, or which descriptor to wait on. A spill batch
@@ -373,11 +438,11 @@ impl<T: DeserializeOwned> Inbox<T> {
             // Read to its end and closed.
             self.spill = None;
         }
-        if self.stash.is_some() || self.rings_hold_any() {
+        if self.stash.is_some() || self.rings_ready() {
             return Some(Readiness::Ready);
         }
         let asleep = gauge.asleep();
-        if self.rings_hold_any() {
+        if self.rings_ready() {
             return Some(Readiness::Ready);
         }
         Some(Readiness::Wait(self.main.clone(), Some(asleep)))

@@ -757,8 +757,9 @@ struct ReceiverWire {
     leases: Vec<(ConnectionKey, Lease)>,
     /// The senders' rings: memory and pipe end of each.
     rings: Vec<(Carried, Carried)>,
-    /// A frame read while the rings held messages that come first (`inbox.rs`).
-    stash: Option<(Vec<u8>, Vec<Carried>)>,
+    /// A frame read before its turn (`inbox.rs`): its bytes, descriptors, and whether it came
+    /// from the socket.
+    stash: Option<(Vec<u8>, Vec<Carried>, bool)>,
 }
 
 impl<T> Serialize for Receiver<T> {
@@ -777,7 +778,7 @@ impl<T> Serialize for Receiver<T> {
             .collect::<Result<Vec<_>>>()
             .map_err(wire::encode_error)?;
         let stash = match inbox.stashed() {
-            Some((bytes, fds)) => {
+            Some((bytes, fds, main)) => {
                 let fds = fds
                     .into_iter()
                     .map(|fd| {
@@ -786,7 +787,7 @@ impl<T> Serialize for Receiver<T> {
                     })
                     .collect::<Result<Vec<_>>>()
                     .map_err(wire::encode_error)?;
-                Some((bytes, fds))
+                Some((bytes, fds, main))
             }
             None => None,
         };
@@ -813,17 +814,19 @@ impl<'de, T: DeserializeOwned> Deserialize<'de> for Receiver<T> {
         // Waits announced where the end was before are over: this process waits now.
         gauge.forget_sleepers();
         let stash = match wire.stash {
-            Some((bytes, fds)) => {
-                Some((bytes, fds.into_iter().map(wire::take).collect::<Result<Vec<_>>>().map_err(wire::decode_error)?))
-            }
+            Some((bytes, fds, main)) => Some((
+                bytes,
+                fds.into_iter().map(wire::take).collect::<Result<Vec<_>>>().map_err(wire::decode_error)?,
+                main,
+            )),
             None => None,
         };
         let rx = Receiver::from_parts(main, spill, gauge, ConnectionLeases::from_leases(wire.leases));
         {
             let mut inbox = rx.lock();
             inbox.rings = rings;
-            if let Some((bytes, fds)) = stash {
-                inbox.restash(&bytes, fds);
+            if let Some((bytes, fds, main)) = stash {
+                inbox.restash(&bytes, fds, main);
             }
         }
         Ok(rx)

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use super::frame::{FrameOut, SMALL_COST};
+use super::frame::{FrameOut, Order, SMALL_COST};
 use super::gauge::Gauge;
 use super::ring::{self, RingWriter};
 use crate::error::{IoFailure, SendFailure};
@@ -168,11 +168,6 @@ pub(super) fn failure(e: io::Error) -> SendFailure {
     }
 }
 
-/// Writes one frame, with its message's descriptors, to a socket.
-pub(super) fn write_frame(tx: &Socket, frame: &FrameOut<'_>, fds: &[Held]) -> Result<(), SendFailure> {
-    frame.write(tx, fds, Wait::Forever).map_err(failure)
-}
-
 impl Outbox {
     /// The outbox of this process for the channel `main` writes to, whose counters are
     /// `gauge`: the existing one when this process already holds a sender of the channel.
@@ -259,9 +254,17 @@ impl Outbox {
         if backlog.disconnected {
             return Err(SendFailure::Disconnected);
         }
+        // Once this process has a ring on the channel, its frames carry their place among its
+        // messages, so that the receiver puts them in order with the ring's.
+        let order = backlog.ring.as_ref().map(RingWriter::order);
         if backlog.is_empty() && self.gauge.try_reserve(cost) {
-            return match self.write_main(&frame, fds, Wait::Forever) {
-                Ok(()) => Ok(()),
+            return match self.write_main(&frame, fds, Wait::Forever, order) {
+                Ok(()) => {
+                    if let Some(ring) = backlog.ring.as_mut() {
+                        ring.sent();
+                    }
+                    Ok(())
+                }
                 Err(failure) => {
                     self.gauge.release(cost);
                     if failure == SendFailure::Disconnected {
@@ -271,14 +274,24 @@ impl Outbox {
                 }
             };
         }
-        self.spill(&mut backlog, frame, fds, cost)
+        self.spill(&mut backlog, frame, fds, cost, order)?;
+        if let Some(ring) = backlog.ring.as_mut() {
+            ring.sent();
+        }
+        Ok(())
     }
 
     /// Writes a frame to the channel's socket, counted in the shared counters' `written`
-    /// before the write (and taken back if it fails).
-    fn write_main(&self, frame: &FrameOut<'_>, fds: &[Held], wait: Wait) -> Result<(), SendFailure> {
+    /// before the write (and taken back if it fails): a hint for the receiver's spin.
+    fn write_main(
+        &self,
+        frame: &FrameOut<'_>,
+        fds: &[Held],
+        wait: Wait,
+        order: Option<Order>,
+    ) -> Result<(), SendFailure> {
         self.gauge.writing_frame();
-        let written = frame.write(&self.main, fds, wait).map_err(failure);
+        let written = frame.write_in_order(&self.main, fds, wait, order).map_err(failure);
         if written.is_err() {
             self.gauge.frame_not_written();
         }
@@ -286,11 +299,11 @@ impl Outbox {
     }
 
     /// Writes the bytes of a message that carries no descriptor to this process's ring of the
-    /// channel, when that keeps every message in order: nothing of this process waits in a
-    /// backlog, every frame on the socket has been read, and the receiver is not asleep in the
-    /// kernel (it looks at the rings before it sleeps). `Ok(false)` when the message must take
-    /// the socket instead. The ring is made (and introduced on the socket) once the channel has
-    /// carried a few messages from this process that could have taken it.
+    /// channel, when nothing of this process waits in a backlog (so the ring does not wait for
+    /// the backlog's handover) and the receiver is not asleep in the kernel (it looks at the
+    /// rings before it sleeps). `Ok(false)` when the message must take the socket instead. The
+    /// ring is made (and introduced on the socket) once the channel has carried a few messages
+    /// from this process that could have taken it.
     pub(super) fn try_ring(&self, bytes: &[u8]) -> Result<bool, SendFailure> {
         if bytes.len() > ring::MAX_MESSAGE {
             return Ok(false);
@@ -299,7 +312,7 @@ impl Outbox {
         if backlog.disconnected {
             return Err(SendFailure::Disconnected);
         }
-        if !backlog.is_empty() || self.gauge.receiver_asleep() || !self.gauge.socket_read_up() {
+        if !backlog.is_empty() || self.gauge.receiver_asleep() {
             return Ok(false);
         }
         let Some(ring) = backlog.ring.as_mut() else {
@@ -331,7 +344,7 @@ impl Outbox {
         if !self.gauge.try_reserve(frame.cost()) {
             return None;
         }
-        match self.write_main(&frame, &[], Wait::Not) {
+        match self.write_main(&frame, &[], Wait::Not, None) {
             Ok(()) => Some(writer),
             Err(_) => {
                 self.gauge.release(frame.cost());
@@ -345,7 +358,7 @@ impl Outbox {
         if !self.gauge.try_reserve(SMALL_COST) {
             return;
         }
-        if self.write_main(&FrameOut::Wake, &[], Wait::Not).is_err() {
+        if self.write_main(&FrameOut::Wake, &[], Wait::Not, None).is_err() {
             self.gauge.release(SMALL_COST);
         }
     }
@@ -357,6 +370,7 @@ impl Outbox {
         frame: FrameOut<'_>,
         fds: &[Held],
         cost: u64,
+        order: Option<Order>,
     ) -> Result<(), SendFailure> {
         if backlog.open.as_ref().is_some_and(|b| b.cost + cost > b.limit) {
             if let Some(mut full) = backlog.open.take() {
@@ -389,7 +403,7 @@ impl Outbox {
         let tx = batch.tx.as_ref().ok_or_else(|| SendFailure::Io(IoFailure::other("the backlog's batch is closed")))?;
         // Nobody reads the batch before its redirect, and its frames stay within the socket's
         // limit: this write does not wait.
-        write_frame(tx, &frame, fds)?;
+        frame.write_in_order(tx, fds, Wait::Forever, order).map_err(failure)?;
         batch.cost += cost;
         batch.messages += 1;
         backlog.messages += 1;
@@ -457,7 +471,7 @@ impl Outbox {
                     // Closing the writing end first: the receiver reads the batch to its end.
                     drop(batch.tx);
                     self.gauge.reserve(SMALL_COST);
-                    let written = self.write_main(&FrameOut::Redirect(batch.rx), &[], Wait::Forever);
+                    let written = self.write_main(&FrameOut::Redirect(batch.rx), &[], Wait::Forever, None);
                     backlog = self.lock();
                     backlog.handing_on = false;
                     match written {

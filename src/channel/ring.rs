@@ -5,12 +5,18 @@
 //!
 //! | bytes | |
 //! | --- | --- |
-//! | 0..8 | magic `"CMRING01"` |
+//! | 0..8 | magic `"CMRING02"` |
+//! | 8..16 | the ring's id (random): ordered frames of its writer name it |
 //! | 64..72 | `tail`: bytes of entries the writer has written (wrapping), written by the writer |
 //! | 128..136 | `head`: bytes of entries the reader has read, written by the reader |
+//! | 136..144 | `next`: the number of the writer's next message to deliver, written by the reader |
 //! | 192.. | [`CAPACITY`] bytes of entries |
 //!
-//! An entry is its length (u32) and the length's complement (u32), then its bytes, padded to 8;
+//! Every message of the writer's process on the channel, from the ring's making on, has a
+//! number, whether it goes to the ring or to the socket (an ordered frame, `frame.rs`).
+//!
+//! An entry is its length (u32), the length's complement (u32) and the message's number (u64),
+//! then its bytes, padded to 8;
 //! an entry never wraps: where one does not fit before the end, a skip entry (length `u32::MAX`)
 //! fills the rest. The writer publishes an entry by storing `tail` after writing it, the reader
 //! frees its place by storing `head` after copying it out. The reader checks everything the
@@ -23,13 +29,16 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::Arc;
 
+use super::frame::Order;
 use crate::sys::{lease_pipe, writers_gone, MemoryFile};
 use crate::wire::Held;
 
-const MAGIC: u64 = u64::from_le_bytes(*b"CMRING01");
+const MAGIC: u64 = u64::from_le_bytes(*b"CMRING02");
 const MAGIC_AT: usize = 0;
+const ID_AT: usize = 8;
 const TAIL_AT: usize = 64;
 const HEAD_AT: usize = 128;
+const NEXT_AT: usize = 136;
 const DATA_AT: usize = 192;
 
 /// Bytes of entries one ring holds.
@@ -41,8 +50,8 @@ pub(super) const MAX_MESSAGE: usize = 8 << 10;
 /// The bytes of the ring's shared memory.
 const BYTES: usize = DATA_AT + CAPACITY as usize;
 
-/// An entry's length and its complement.
-const HEADER: u64 = 8;
+/// An entry's length, its complement and the message's number.
+const HEADER: u64 = 16;
 
 /// The length of a skip entry.
 const SKIP: u32 = u32::MAX;
@@ -63,6 +72,9 @@ pub(super) struct RingWriter {
     /// ring once this is closed (with the outbox, or the process) and the ring is empty.
     _alive: OwnedFd,
     tail: u64,
+    id: u64,
+    /// The number of this process's next message on the channel (ring or socket).
+    next: u64,
     /// Entries written: every so often the writer looks whether the receiver is gone.
     pub(super) written: u64,
 }
@@ -83,16 +95,27 @@ impl RingWriter {
     /// A fresh, empty ring.
     pub(super) fn new() -> io::Result<(RingWriter, Introduction)> {
         let memory = Arc::new(MemoryFile::zeroed(BYTES)?);
+        let id = crate::sys::random_u128() as u64;
+        word(&memory, ID_AT).store(id, Ordering::Relaxed);
         word(&memory, MAGIC_AT).store(MAGIC, Ordering::Release);
         let (read, write) = lease_pipe()?;
-        Ok((
-            RingWriter { memory: memory.clone(), _alive: write, tail: 0, written: 0 },
-            Introduction { memory, alive: read },
-        ))
+        let writer = RingWriter { memory: memory.clone(), _alive: write, tail: 0, id, next: 0, written: 0 };
+        Ok((writer, Introduction { memory, alive: read }))
     }
 
-    /// Writes `bytes` as one entry; false, writing nothing, when they are too many or the ring
-    /// has no room for them now.
+    /// The place of this process's next message on the channel, for a frame on the socket
+    /// (taken with [`sent`](Self::sent) once the frame is written).
+    pub(super) fn order(&self) -> Order {
+        Order { ring: self.id, number: self.next }
+    }
+
+    /// A message with the place [`order`](Self::order) gave was sent on the socket.
+    pub(super) fn sent(&mut self) {
+        self.next += 1;
+    }
+
+    /// Writes `bytes` as one entry, the process's next message; false, writing nothing, when
+    /// they are too many or the ring has no room for them now.
     pub(super) fn push(&mut self, bytes: &[u8]) -> bool {
         if bytes.len() > MAX_MESSAGE {
             return false;
@@ -113,7 +136,7 @@ impl RingWriter {
             start = 0;
         }
         let len = bytes.len() as u32;
-        let header = [len.to_le_bytes(), (!len).to_le_bytes()].concat();
+        let header = [&len.to_le_bytes()[..], &(!len).to_le_bytes(), &self.next.to_le_bytes()].concat();
         let copied = self.memory.copy_in(DATA_AT + start as usize, &header)
             && self.memory.copy_in(DATA_AT + start as usize + HEADER as usize, bytes);
         debug_assert!(copied, "an entry inside the ring");
@@ -123,6 +146,7 @@ impl RingWriter {
         // receiver announces its sleep, then looks at the tail, with a fence of its own.
         fence(Ordering::SeqCst);
         self.written += 1;
+        self.next += 1;
         true
     }
 }
@@ -132,6 +156,10 @@ pub(super) struct RingReader {
     memory: Arc<MemoryFile>,
     alive: Arc<OwnedFd>,
     head: u64,
+    id: u64,
+    /// The number of the writer's next message to deliver (kept in the ring too, for a
+    /// receiving end that moves).
+    next: u64,
 }
 
 impl fmt::Debug for RingReader {
@@ -149,7 +177,25 @@ impl RingReader {
             return Err("a channel's ring that is not one".into());
         }
         let head = word(&memory, HEAD_AT).load(Ordering::Acquire);
-        Ok(RingReader { memory: Arc::new(memory), alive: Arc::new(alive), head })
+        let id = word(&memory, ID_AT).load(Ordering::Relaxed);
+        let next = word(&memory, NEXT_AT).load(Ordering::Relaxed);
+        Ok(RingReader { memory: Arc::new(memory), alive: Arc::new(alive), head, id, next })
+    }
+
+    /// The ring's id, which its writer's ordered frames name.
+    pub(super) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The number of the writer's next message to deliver.
+    pub(super) fn next(&self) -> u64 {
+        self.next
+    }
+
+    /// The writer's messages before number `next` were delivered (or are lost).
+    pub(super) fn set_next(&mut self, next: u64) {
+        self.next = next;
+        word(&self.memory, NEXT_AT).store(next, Ordering::Relaxed);
     }
 
     /// True when the writer has written an entry not yet read.
@@ -162,21 +208,40 @@ impl RingReader {
         writers_gone(&*self.alive)
     }
 
-    /// Copies the next entry into `out`: `Ok(true)`, `Ok(false)` when there is none, `Err` when
+    /// The number of the first entry not yet read: `Ok(None)` when there is none, `Err` when
     /// the ring does not add up (forged, or not ours).
-    pub(super) fn pop(&mut self, out: &mut Vec<u8>) -> Result<bool, String> {
+    pub(super) fn first(&mut self) -> Result<Option<u64>, String> {
+        Ok(self.locate()?.map(|(_, _, number)| number))
+    }
+
+    /// Copies the first entry into `out` and takes it: its number, `Ok(None)` when there is
+    /// none, `Err` when the ring does not add up. The next message to deliver is then the one
+    /// after it.
+    pub(super) fn pop(&mut self, out: &mut Vec<u8>) -> Result<Option<u64>, String> {
+        let Some((at, len, number)) = self.locate()? else { return Ok(None) };
+        out.resize(len, 0);
+        self.memory.copy_out(DATA_AT + (at + HEADER) as usize, out);
+        self.advance(entry_bytes(len));
+        self.set_next(number.wrapping_add(1));
+        Ok(Some(number))
+    }
+
+    /// The first entry not yet read: where it lies, its length and number (skip entries
+    /// passed over).
+    fn locate(&mut self) -> Result<Option<(u64, usize, u64)>, String> {
         let broken = |why: &str| Err(format!("a channel's ring {why}"));
         loop {
             let tail = word(&self.memory, TAIL_AT).load(Ordering::Acquire);
             if tail == self.head {
-                return Ok(false);
+                return Ok(None);
             }
             let used = tail.wrapping_sub(self.head);
             if used > CAPACITY || !used.is_multiple_of(8) {
                 return broken("whose writer says it holds more than it can");
             }
             let at = self.head % CAPACITY;
-            let mut header = [0u8; HEADER as usize];
+            // A skip entry may be the last 8 bytes: its length and complement only.
+            let mut header = [0u8; 8];
             self.memory.copy_out(DATA_AT + at as usize, &mut header);
             let len = u32::from_le_bytes(header[..4].try_into().expect("4 bytes"));
             let check = u32::from_le_bytes(header[4..].try_into().expect("4 bytes"));
@@ -192,10 +257,9 @@ impl RingReader {
             if check != !len || len as usize > MAX_MESSAGE || need > used || at + need > CAPACITY {
                 return broken("with an entry that does not add up");
             }
-            out.resize(len as usize, 0);
-            self.memory.copy_out(DATA_AT + (at + HEADER) as usize, out);
-            self.advance(need);
-            return Ok(true);
+            let mut number = [0u8; 8];
+            self.memory.copy_out(DATA_AT + at as usize + 8, &mut number);
+            return Ok(Some((at, len as usize, u64::from_le_bytes(number))));
         }
     }
 
@@ -226,7 +290,7 @@ mod tests {
     fn entries_come_out_in_order_across_the_end_and_a_full_ring_refuses() {
         let (mut w, mut r) = pair();
         let mut out = Vec::new();
-        assert!(!r.pop(&mut out).unwrap());
+        assert!(r.pop(&mut out).unwrap().is_none());
         let mut next_in = 0u32;
         let mut next_out = 0u32;
         // Many times round the ring, with entries of many sizes, the reader behind.
@@ -240,13 +304,15 @@ mod tests {
                 assert!(r.has_entries(), "refused only when full");
             }
             if round % 3 != 0 {
-                while r.pop(&mut out).unwrap() {
+                while let Some(number) = r.pop(&mut out).unwrap() {
                     assert_eq!(u32::from_le_bytes(out[..4].try_into().unwrap()), next_out);
+                    assert_eq!(number, next_out as u64, "numbered in order");
+                    assert_eq!(r.next(), number + 1);
                     next_out += 1;
                 }
             }
         }
-        while r.pop(&mut out).unwrap() {
+        while r.pop(&mut out).unwrap().is_some() {
             next_out += 1;
         }
         assert_eq!(next_in, next_out, "every entry once");
@@ -259,8 +325,13 @@ mod tests {
             n += 1;
         }
         assert_eq!(n, CAPACITY / entry_bytes(MAX_MESSAGE));
-        assert!(r.pop(&mut out).unwrap());
+        assert!(r.pop(&mut out).unwrap().is_some());
         assert!(w.push(&big));
+        // A message sent on the socket takes a number too.
+        let before = w.order().number;
+        w.sent();
+        assert_eq!(w.order().number, before + 1);
+        assert_eq!(w.order().ring, r.id());
     }
 
     #[test]
@@ -325,8 +396,8 @@ mod tests {
                 let mut out = Vec::new();
                 for _ in 0..64 {
                     match r.pop(&mut out) {
-                        Ok(true) => prop_assert!(out.len() <= MAX_MESSAGE),
-                        Ok(false) | Err(_) => break,
+                        Ok(Some(_)) => prop_assert!(out.len() <= MAX_MESSAGE),
+                        Ok(None) | Err(_) => break,
                     }
                 }
             }
