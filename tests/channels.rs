@@ -202,7 +202,8 @@ fn a_failed_send_reports_its_own_reason_not_an_earlier_one() {
 }
 
 /// A message of each path a send may take: small ones (a ring, once the channel has carried a
-/// few), ones with a fresh host tensor (its descriptor: the socket), large ones (shared memory).
+/// few; the socket or a backlog when the ring is full), ones with a fresh host tensor (its
+/// descriptor: the socket), large ones (shared memory).
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 enum Mixed {
     Small(i32, u32),
@@ -232,6 +233,8 @@ fn messages_of_every_path_arrive_in_order_per_producer() {
     let (tx, rx) = channel().unwrap();
     let children: Vec<_> = (0..3).map(|id| spawn((id, tx.clone()), produce_mixed)).collect();
     drop(tx);
+    // Behind from the start: the rings fill, then the socket, then the producers' backlogs.
+    std::thread::sleep(Duration::from_millis(300));
     let mut next = [0u32; 3];
     let mut received = 0u32;
     loop {
