@@ -339,6 +339,12 @@ mod tests {
         let (w, r) = pair();
         assert!(!r.writer_gone());
         drop(w);
+        // Another test of this binary may be starting a process right now: between its fork
+        // and its exec the child holds a copy of every descriptor, the writing end too.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !r.writer_gone() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         assert!(r.writer_gone());
     }
 
