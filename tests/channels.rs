@@ -350,3 +350,55 @@ fn select_and_async_receives_wake_for_messages_of_a_ring() {
     });
     sender.join().unwrap();
 }
+
+/// Sends five small messages, then, when told, many more, saying when 20,000 are sent.
+fn flood((tx, go, said): (Sender<Mixed>, cuda_mp::Receiver<()>, Sender<()>)) {
+    for k in 0..5 {
+        tx.send(Mixed::Small(0, k)).unwrap();
+    }
+    go.recv().unwrap();
+    for k in 5..100_000 {
+        tx.send(Mixed::Small(0, k)).unwrap();
+        if k == 20_000 {
+            said.send(()).unwrap();
+        }
+    }
+}
+
+fn send_one_tensor((tx, said): (Sender<Mixed>, Sender<()>)) {
+    tx.send(Mixed::Tensor(1, 0, HostTensor::full(&[4], 7).unwrap())).unwrap();
+    said.send(()).unwrap();
+}
+
+/// A sender that keeps its ring full does not hold up another's frame on the socket: the
+/// frame comes after at most a few of the ring's messages.
+#[test]
+fn a_full_ring_does_not_hold_up_another_senders_frame() {
+    let (tx, rx) = channel().unwrap();
+    let (go_tx, go) = channel().unwrap();
+    let (said_tx, said) = channel().unwrap();
+    let flooder = spawn((tx.clone(), go, said_tx.clone()), flood);
+    for k in 0..5 {
+        assert!(matches!(rx.recv_timeout(WAIT), Ok(Mixed::Small(0, n)) if n == k));
+    }
+    // The flooder's ring is known now; the other's frame goes to the socket, then the flood.
+    let other = spawn((tx, said_tx), send_one_tensor);
+    said.recv_timeout(WAIT).unwrap();
+    go_tx.send(()).unwrap();
+    said.recv_timeout(WAIT).unwrap();
+    let mut before = 0;
+    loop {
+        match rx.recv_timeout(WAIT).unwrap() {
+            Mixed::Tensor(1, 0, t) => {
+                assert_eq!(t.to_vec(), vec![7; 4]);
+                break;
+            }
+            Mixed::Small(0, _) => before += 1,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(before <= 64, "{before} messages of the full ring came first");
+    other.join().unwrap();
+    drop(rx);
+    let _ = flooder.join();
+}

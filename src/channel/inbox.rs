@@ -30,6 +30,10 @@ pub(super) struct Inbox<T> {
     pub(super) rings: Vec<RingReader>,
     /// The ring to look at first (they take turns).
     next_ring: usize,
+    /// Messages taken from rings since the socket was last read: past [`RING_STREAK`], the
+    /// socket's turn comes first, so that a sender that keeps its ring full does not hold up
+    /// the others' frames.
+    ring_streak: u32,
     /// What frames read from the socket cost, not yet given back to the shared counters: given
     /// back an eighth of the limit at a time, so that the receiver does not touch memory the
     /// senders write on every frame. The counters then show at most that much more than is
@@ -136,6 +140,9 @@ fn spin() -> Duration {
 /// or the last sender's close soon.
 const KERNEL_LOOK_EVERY: u32 = 64;
 
+/// Messages from rings in a row before the socket's turn.
+const RING_STREAK: u32 = 16;
+
 /// Messages this process received from rings (for the tests).
 pub(super) static RING_MESSAGES: AtomicU64 = AtomicU64::new(0);
 
@@ -178,6 +185,7 @@ impl<T: DeserializeOwned> Inbox<T> {
             spill: None,
             rings: Vec::new(),
             next_ring: 0,
+            ring_streak: 0,
             unsettled: 0,
             buf: vec![0; frame::BUFFER],
             entry: Vec::new(),
@@ -254,9 +262,15 @@ impl<T: DeserializeOwned> Inbox<T> {
         if let Some(stashed) = self.stash.take() {
             return self.release(gauge, stashed);
         }
-        if let Some(got) = self.next_of_rings(gauge) {
-            return Look::Got(got);
+        // Reading the socket first is safe at any time: each frame waits for its turn.
+        let socket_turn = self.ring_streak >= RING_STREAK && self.spill.is_none() && !gauge.socket_read_up();
+        if !socket_turn {
+            if let Some(got) = self.next_of_rings(gauge) {
+                self.ring_streak += 1;
+                return Look::Got(got);
+            }
         }
+        self.ring_streak = 0;
         let (raw, main) = match self.spill.clone() {
             // A batch is complete when it is handed on: a read finds a frame or its end.
             Some(spill) => match receive_raw(&spill, &mut self.buf, Wait::Not) {
@@ -277,6 +291,8 @@ impl<T: DeserializeOwned> Inbox<T> {
                         gauge.frame_read();
                         (raw, true)
                     }
+                    // Not there yet: the rings again.
+                    Err(Missing::Empty) if socket_turn => return Look::Again,
                     Err(Missing::Empty) => return Look::Nothing,
                     Err(Missing::Failed(RecvError::Disconnected)) => return Look::Got(self.at_end(gauge)),
                     Err(missing) => return Look::Got(Err(missing)),
