@@ -438,7 +438,12 @@ impl<T: DeserializeOwned> Inbox<T> {
 
     /// True when a ring's first message is next in its sender's order.
     fn rings_ready(&mut self) -> bool {
-        self.rings.iter_mut().any(|r| matches!(r.first(), Ok(Some(n)) if n == r.next()) || r.first().is_err())
+        self.rings.iter_mut().any(|r| match r.first() {
+            Ok(Some(n)) => n == r.next(),
+            Ok(None) => false,
+            // A receive reports it at once.
+            Err(_) => true,
+        })
     }
 
     /// Whether a receive would return at once, or which descriptor to wait on. A spill batch
