@@ -268,7 +268,7 @@ impl<T: Serialize> Sender<T> {
 
     /// Encodes `value` (collecting its descriptors) and writes its frame.
     fn write(&self, value: &T) -> std::result::Result<(), SendFailure> {
-        let encoded = wire::encode_on(value, &self.outbox.connection()).map_err(SendFailure::Serialize)?;
+        let encoded = wire::encode_on(value, self.outbox.connection()).map_err(SendFailure::Serialize)?;
         if encoded.fds.is_empty() && encoded.introduce.is_empty() && self.outbox.try_ring(&encoded.bytes)? {
             encoded.sent();
             return Ok(());

@@ -57,6 +57,9 @@ pub(super) struct Outbox {
     handles: AtomicUsize,
     /// Set with `Backlog::disconnected`, read without the lock.
     gone: AtomicBool,
+    /// This process's side of the channel's connection, looked up once (a forked child looks
+    /// up its own).
+    connection: ForkLocal<OnceLock<Arc<Connection>>>,
 }
 
 #[derive(Default)]
@@ -186,6 +189,7 @@ impl Outbox {
             pending: ForkLocal::new(Pending::default),
             handles: AtomicUsize::new(1),
             gone: AtomicBool::new(false),
+            connection: ForkLocal::new(OnceLock::new),
         });
         registry.retain(|_, w| w.strong_count() > 0);
         registry.insert(outbox.gauge.id(), Arc::downgrade(&outbox));
@@ -212,8 +216,8 @@ impl Outbox {
 
     /// This process's side of the channel's connection lease: one per channel and process,
     /// whichever of its senders (now or later: a sender that arrives with every request) sends.
-    pub(super) fn connection(&self) -> Arc<Connection> {
-        connection_of(self.gauge.id())
+    pub(super) fn connection(&self) -> &Arc<Connection> {
+        self.connection.get().get_or_init(|| connection_of(self.gauge.id()))
     }
 
     pub(super) fn main(&self) -> &Arc<Socket> {
