@@ -54,7 +54,7 @@ pub(crate) fn generation() -> u64 {
     REGISTERED.call_once(|| {
         // Should this fail (only when out of memory), forked children are not told apart:
         // they behave as before this module existed.
-        let _ = crate::os::at_fork_child(forked_child);
+        let _ = crate::sys::at_fork_child(forked_child);
     });
     GENERATION.load(Ordering::Acquire)
 }
@@ -174,7 +174,7 @@ mod tests {
         let cell = ForkLocal::new(std::process::id);
         let parent_generation = generation();
         assert_eq!(*cell.get(), std::process::id());
-        let child = crate::os::fork_and_run(|| {
+        let child = crate::sys::fork_and_run(|| {
             // The parent's value is not the child's.
             generation() == parent_generation + 1 && cell.is_stale() && *cell.get() == std::process::id()
         })

@@ -72,7 +72,7 @@ fn start() -> io::Result<Home> {
     let name = format!("cuda-mp-home-{:032x}", crate::sys::random_u128());
     let listening = Listening::bind_abstract(&name)?;
     std::thread::Builder::new().name("cuda-mp-handover".into()).spawn(move || serve(listening))?;
-    crate::os::at_exit(wait_at_exit_hook);
+    crate::sys::at_exit(wait_at_exit_hook);
     Ok(Home { name, deposits: Mutex::new(HashMap::new()), fetched: Condvar::new() })
 }
 

@@ -1,7 +1,6 @@
 //! What the process does around its system calls (which live in `src/sys/`): deadlines cut
-//! into waits, shared memory read as atomic cells, the C library's exit and fork hooks, signal
-//! names, procspawn's panics caught without printing them, and the panics of a pool worker's
-//! job thread reported as they happen.
+//! into waits, shared memory read as atomic cells, procspawn's panics caught without printing
+//! them, and the panics of a pool worker's job thread reported as they happen.
 
 use std::cell::Cell;
 use std::sync::atomic::AtomicU64;
@@ -43,82 +42,12 @@ impl SharedCells {
 
     /// Cell `i`, if in range.
     pub(crate) fn cell(&self, i: u32) -> Option<&AtomicU64> {
-        if (i as usize) < self.memory.len() / 8 {
-            // SAFETY: in bounds of the live mapping; the mapping is page-aligned, so every cell
-            // is 8-byte aligned, as AtomicU64 requires; every access to it, in any process, is
-            // atomic.
-            Some(unsafe { AtomicU64::from_ptr(self.memory.ptr().cast::<u64>().add(i as usize)) })
-        } else {
-            None
-        }
+        self.memory.word(i as usize * 8)
     }
 
     /// The shared memory, to send to another process.
     pub(crate) fn memory(&self) -> &std::sync::Arc<crate::sys::MemoryFile> {
         &self.memory
-    }
-}
-
-/// Runs `f` when the process exits normally (`exit`, or returning from `main`), after the
-/// handlers registered later. False when it could not be registered.
-pub(crate) fn at_exit(f: extern "C" fn()) -> bool {
-    // SAFETY: `f` is a plain function with no arguments, valid for the life of the process.
-    unsafe { libc::atexit(f) == 0 }
-}
-
-/// Runs `f` in the child of every later `fork(2)`, before `fork` returns there (a
-/// `pthread_atfork` child handler). False when it could not be registered.
-pub(crate) fn at_fork_child(f: extern "C" fn()) -> bool {
-    // SAFETY: `f` is a plain function with no arguments, valid for the life of the process, and
-    // the caller makes it async-signal-safe (it runs in a child that may have inherited locks).
-    unsafe { libc::pthread_atfork(None, None, Some(f)) == 0 }
-}
-
-/// Forks, runs `f` in the child and ends the child with `f`'s answer (a panic is `false`),
-/// without running exit hooks: the child of a multithreaded test process, as a library that
-/// forks would make one. The parent waits for the child and gets the answer.
-#[cfg(test)]
-pub(crate) fn fork_and_run(f: impl FnOnce() -> bool) -> std::io::Result<bool> {
-    // SAFETY: the child only runs `f` and `_exit`s; the parent only waits for it.
-    let pid = unsafe { libc::fork() };
-    if pid < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    if pid == 0 {
-        let ok = catch_unwind(AssertUnwindSafe(f)).unwrap_or(false);
-        // SAFETY: ends the child at once, as a forked child must (no exit hooks of the parent).
-        unsafe { libc::_exit(if ok { 0 } else { 1 }) };
-    }
-    let mut status = 0;
-    // SAFETY: `pid` is our child; `status` is writable.
-    if unsafe { libc::waitpid(pid, &mut status, 0) } != pid {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0)
-}
-
-/// The name of signal `signal`, such as `SIGKILL`.
-pub(crate) fn signal_name(signal: i32) -> &'static str {
-    match signal {
-        libc::SIGHUP => "SIGHUP",
-        libc::SIGINT => "SIGINT",
-        libc::SIGQUIT => "SIGQUIT",
-        libc::SIGILL => "SIGILL",
-        libc::SIGTRAP => "SIGTRAP",
-        libc::SIGABRT => "SIGABRT",
-        libc::SIGBUS => "SIGBUS",
-        libc::SIGFPE => "SIGFPE",
-        libc::SIGKILL => "SIGKILL",
-        libc::SIGUSR1 => "SIGUSR1",
-        libc::SIGSEGV => "SIGSEGV",
-        libc::SIGUSR2 => "SIGUSR2",
-        libc::SIGPIPE => "SIGPIPE",
-        libc::SIGALRM => "SIGALRM",
-        libc::SIGTERM => "SIGTERM",
-        libc::SIGXCPU => "SIGXCPU",
-        libc::SIGXFSZ => "SIGXFSZ",
-        libc::SIGSYS => "SIGSYS",
-        _ => "unknown signal",
     }
 }
 

@@ -9,8 +9,9 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::error::{JoinError, PanicReport};
-use crate::os::{catch_quietly, signal_name};
+use crate::os::catch_quietly;
 use crate::pool::AsyncResult;
+use crate::sys::signal_name;
 use crate::sys::{ChildWatch, Exit};
 use crate::wire;
 
@@ -360,7 +361,7 @@ impl<R> JoinHandle<R> {
         }
         match exit {
             Some(exit) => exit_error(exit),
-            None if self.killed => JoinError::Signaled { signal: libc::SIGKILL, name: "SIGKILL" },
+            None if self.killed => JoinError::Signaled { signal: crate::sys::SIGKILL, name: "SIGKILL" },
             None => error,
         }
     }

@@ -373,7 +373,7 @@ fn header(kind: u32) -> Vec<u8> {
 fn forged_sync_objects_are_errors() {
     let (tx, rx) = connect::<Forged, Event>();
     tx.send(memory(1, vec![0; 16])).unwrap();
-    assert!(malformed(rx.recv()).contains("needs 64 bytes of shared memory, the message carries 16"));
+    assert!(malformed(rx.recv()).contains("needs 64 bytes of writable shared memory, the message carries 16"));
     tx.send(memory(1, vec![0; 64])).unwrap();
     assert!(malformed(rx.recv()).contains("not a sync object"));
     tx.send(memory(9, header(1))).unwrap();
@@ -392,6 +392,12 @@ fn forged_sync_objects_are_errors() {
     assert!(malformed(rx.recv()).contains("no longer exists"));
     tx.send(ForgedSync::Named { kind: 1, name: "../../etc/passwd".into(), id: 1 }).unwrap();
     assert!(malformed(rx.recv()).contains("is not a sync object name"));
+    // A well-formed header in memory sealed against writes: mapped read-only here, where the
+    // object's first write would fault, so refused.
+    let frozen = sealed_bytes(&header(1));
+    rustix::fs::fcntl_add_seals(&frozen, rustix::fs::SealFlags::WRITE).unwrap();
+    tx.send(ForgedSync::Memory { kind: 1, memory: CarriedFile(frozen) }).unwrap();
+    assert!(malformed(rx.recv()).contains("writable shared memory"));
     // A well-formed header of the right kind works.
     tx.send(memory(1, header(1))).unwrap();
     let event = rx.recv().unwrap();

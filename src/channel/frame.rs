@@ -314,17 +314,7 @@ pub(super) fn read<T: DeserializeOwned>(
 
 #[cfg(test)]
 mod tests {
-    use std::os::fd::AsRawFd;
-
     use super::*;
-
-    /// Bytes the kernel charges to the sending socket for what it holds unread (`SIOCOUTQ`).
-    fn queued_bytes(socket: &Socket) -> u64 {
-        let mut n: libc::c_int = 0;
-        // SAFETY: SIOCOUTQ writes one c_int to the pointer, which is valid for it.
-        unsafe { libc::ioctl(socket.as_fd().as_raw_fd(), libc::TIOCOUTQ, &mut n as *mut libc::c_int) };
-        n.max(0) as u64
-    }
 
     #[test]
     fn the_cost_bounds_what_the_kernel_charges() {
@@ -335,7 +325,7 @@ mod tests {
             let (a, _b) = Socket::pair().unwrap();
             let data = vec![7u8; len];
             FrameOut::Inline(&data, &[]).write(&a, &[], Wait::Not).unwrap();
-            let charged = queued_bytes(&a);
+            let charged = a.queued_bytes();
             assert!(charged <= cost(len), "a frame of {len} bytes costs the kernel {charged}, more than {}", cost(len));
         }
         assert!(inline_max(159_744) < 64 << 10);

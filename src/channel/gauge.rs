@@ -28,11 +28,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::sync::sys::{self, Region, W32, W64};
+use crate::sync::region::{self, Region, W32, W64};
+use crate::sys;
 use crate::sys::MemoryFile;
 
 /// Bytes of the counters' shared memory.
-pub(super) const BYTES: usize = sys::BYTES;
+pub(super) const BYTES: usize = region::BYTES;
 
 const MAGIC: u32 = u32::from_be_bytes(*b"CMCH");
 const VERSION: u32 = 2;
@@ -187,7 +188,7 @@ impl Gauge {
         if before > low && after <= low && self.region.u32(ROOM_WAITERS_AT).load(Ordering::SeqCst) != 0 {
             let room = self.region.u32(ROOM_AT);
             room.fetch_add(1, Ordering::SeqCst);
-            sys::wake_all(room);
+            sys::futex_wake_all(room);
         }
     }
 
@@ -200,7 +201,7 @@ impl Gauge {
         waiters.fetch_add(1, Ordering::SeqCst);
         let seen = room.load(Ordering::SeqCst);
         if !self.nearly_drained() {
-            sys::wait(room, seen, Some(timeout));
+            sys::futex_wait(room, seen, Some(timeout));
         }
         waiters.fetch_sub(1, Ordering::SeqCst);
     }
@@ -288,7 +289,7 @@ impl Gauge {
             // look sees us and wakes us (the Semaphore's protocol, src/sync/README.md).
             sleepers.fetch_add(1, Ordering::SeqCst);
             if free.load(Ordering::SeqCst) == 0 {
-                sys::wait(free, 0, Some(limit));
+                sys::futex_wait(free, 0, Some(limit));
             }
             sleepers.fetch_sub(1, Ordering::SeqCst);
         }
@@ -305,7 +306,7 @@ impl Gauge {
         if free.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |f| (f < capacity).then_some(f + 1)).is_ok()
             && self.region.u32(SLEEPERS_AT).load(Ordering::SeqCst) != 0
         {
-            sys::wake(free, 1);
+            sys::futex_wake(free, 1);
         }
     }
 }

@@ -538,7 +538,7 @@ impl Outbox {
 /// until every message it sent has been handed on, or its receiver is gone.
 fn install_exit_hook() {
     static INSTALLED: OnceLock<bool> = OnceLock::new();
-    INSTALLED.get_or_init(|| crate::os::at_exit(drain_at_exit));
+    INSTALLED.get_or_init(|| crate::sys::at_exit(drain_at_exit));
 }
 
 extern "C" fn drain_at_exit() {

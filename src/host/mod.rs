@@ -152,11 +152,7 @@ impl HostStorage {
     pub fn from_bytes(bytes: &[u8]) -> Result<Arc<HostStorage>> {
         Self::check_size(bytes.len())?;
         let memory = fresh_memory(bytes.len())?;
-        if !bytes.is_empty() {
-            // SAFETY: the fresh mapping holds `bytes.len()` bytes and no other process has it
-            // yet; `bytes` is valid for reading that many and cannot overlap it.
-            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), memory.ptr(), bytes.len()) };
-        }
+        memory.copy_in(0, bytes);
         Ok(Arc::new(HostStorage(Handle::new_local(bytes.len(), Arc::new(memory)))))
     }
 
@@ -187,6 +183,11 @@ impl HostStorage {
     #[cfg(test)]
     pub(crate) fn new_zeroed(bytes: usize) -> Arc<HostStorage> {
         HostStorage::try_new_zeroed(bytes).expect("shared memory")
+    }
+
+    /// The memory file, for the socket calls that read or write it in place.
+    pub(crate) fn memory_file(&self) -> &MemoryFile {
+        self.0.memory().raw()
     }
 
     /// First byte of the mapping; valid for [`byte_len`](Self::byte_len) bytes while the

@@ -2,8 +2,6 @@
 //! to it. On one host the pair is an ordinary cuda-mp channel (tensors shared, not copied); across
 //! hosts messages travel on the TCP connection and GPU bytes by NCCL. See `README.md` here.
 
-mod sys;
-
 use std::collections::VecDeque;
 use std::fmt;
 use std::io;
@@ -21,6 +19,7 @@ use crate::gpu::{Communicator, Device, GpuStorage, UniqueId};
 use crate::os::catch_quietly;
 use crate::profile::{self, Phase};
 use crate::storage::remote::{self as codec, Budget, Incoming, Outgoing};
+use crate::sys::tcp;
 use crate::wire;
 
 /// The version of the remote protocol; both ends must speak the same.
@@ -296,7 +295,7 @@ fn write_handshake<M: Serialize>(stream: &TcpStream, message: &M, timeout: Durat
     let body = postcard::to_allocvec(message).map_err(|e| malformed("handshake", e))?;
     let mut frame = (body.len() as u32).to_le_bytes().to_vec();
     frame.extend_from_slice(&body);
-    sys::write_all(stream, &frame, Instant::now() + timeout).map_err(|e| io_error(e, "the handshake", timeout))
+    tcp::write_all(stream, &frame, Instant::now() + timeout).map_err(|e| io_error(e, "the handshake", timeout))
 }
 
 fn read_handshake<M: DeserializeOwned>(stream: &TcpStream, timeout: Duration) -> Result<M> {
@@ -330,7 +329,7 @@ impl FrameReader {
     /// frame over the limit.
     fn read(&mut self, socket: &TcpStream, deadline: Option<Instant>) -> io::Result<Option<Vec<u8>>> {
         while self.body_len.is_none() {
-            let n = sys::read_some(socket, &mut self.prefix[self.prefix_filled..], deadline)?;
+            let n = tcp::read_some(socket, &mut self.prefix[self.prefix_filled..], deadline)?;
             if n == 0 {
                 if self.prefix_filled == 0 {
                     return Ok(None);
@@ -355,7 +354,7 @@ impl FrameReader {
             let start = self.body.len();
             let want = (len - start).min(1 << 20);
             self.body.resize(start + want, 0);
-            let n = sys::read_some(socket, &mut self.body[start..], deadline);
+            let n = tcp::read_some(socket, &mut self.body[start..], deadline);
             let n = match n {
                 Ok(n) => n,
                 Err(e) => {
@@ -475,8 +474,7 @@ impl<T: Serialize + DeserializeOwned> RemoteListener<T> {
             match self.listener.accept() {
                 Ok((stream, _)) => break stream,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    use std::os::fd::AsRawFd;
-                    match sys::wait(self.listener.as_raw_fd(), rustix::event::PollFlags::IN, deadline.map(|d| d.0)) {
+                    match tcp::stream_wait(&self.listener, rustix::event::PollFlags::IN, deadline.map(|d| d.0)) {
                         Ok(_) => {}
                         Err(e) if e.kind() == io::ErrorKind::TimedOut => {
                             return Err(Error::Timeout(deadline.map_or(Duration::MAX, |d| d.1)))
@@ -787,20 +785,20 @@ impl NetSender {
         if let Some((id, device)) = setup {
             let mut payload = vec![0u8; 4];
             payload.extend_from_slice(&id.0);
-            sys::write_all(&self.stream, &frame(payload, KIND_SETUP, 0, 0), deadline).map_err(failed)?;
+            tcp::write_all(&self.stream, &frame(payload, KIND_SETUP, 0, 0), deadline).map_err(failed)?;
             let stream = &self.stream;
-            let comm = Communicator::join(&device, &id, 0, deadline, &mut || !sys::peer_closed(stream))
+            let comm = Communicator::join(&device, &id, 0, deadline, &mut || !tcp::peer_closed(stream))
                 .map_err(send_failure)?;
             self.comm = Some(comm);
         }
         profile::timed(Phase::RemoteWrite, || {
-            sys::write_all(&self.stream, &message, deadline)?;
+            tcp::write_all(&self.stream, &message, deadline)?;
             for out in outgoing {
                 match out {
                     Outgoing::Host { storage, offset, len } => {
-                        sys::write_host(&self.stream, storage, *offset, *len, deadline)?
+                        tcp::write_mapped(&self.stream, storage.memory_file().mapping(), *offset, *len, deadline)?
                     }
-                    Outgoing::Packed(bytes) => sys::write_all(&self.stream, bytes, deadline)?,
+                    Outgoing::Packed(bytes) => tcp::write_all(&self.stream, bytes, deadline)?,
                     Outgoing::Gpu { .. } => {}
                 }
             }
@@ -810,10 +808,10 @@ impl NetSender {
         if needs_comm {
             let stream = &self.stream;
             let comm = self.comm.as_mut().expect("set up above");
-            profile::timed(Phase::RemoteNccl, || comm.transfer(true, gpu, deadline, &mut || !sys::peer_closed(stream)))
+            profile::timed(Phase::RemoteNccl, || comm.transfer(true, gpu, deadline, &mut || !tcp::peer_closed(stream)))
                 .map_err(send_failure)?;
             let mut ack = [0u8; 1];
-            match profile::timed(Phase::RemoteAck, || sys::read_some(&self.stream, &mut ack, Some(deadline))) {
+            match profile::timed(Phase::RemoteAck, || tcp::read_some(&self.stream, &mut ack, Some(deadline))) {
                 Ok(1) if ack[0] == ACK => {}
                 Ok(0) => return Err(SendFailure::Disconnected),
                 Ok(_) => {
@@ -1002,7 +1000,7 @@ impl NetReceiver {
         let device = Device::get(ordinal)?;
         let deadline = Instant::now() + self.options.transfer_timeout;
         let stream = &self.stream;
-        self.comm = Some(Communicator::join(&device, &UniqueId(id), 1, deadline, &mut || !sys::peer_closed(stream))?);
+        self.comm = Some(Communicator::join(&device, &UniqueId(id), 1, deadline, &mut || !tcp::peer_closed(stream))?);
         Ok(())
     }
 
@@ -1064,7 +1062,9 @@ impl NetReceiver {
         let deadline = Instant::now() + timeout;
         for arrival in &incoming {
             if let Incoming::Host(storage, len) = arrival {
-                sys::read_host(&self.stream, storage, *len, deadline).map_err(|e| match e.kind() {
+                tcp::read_mapped(&self.stream, storage.memory_file().mapping(), *len, deadline).map_err(|e| match e
+                    .kind()
+                {
                     io::ErrorKind::TimedOut => RecvTimeoutError::Io(IoFailure::other(format!(
                         "a host tensor did not arrive within {timeout:?}"
                     ))),
@@ -1088,7 +1088,7 @@ impl NetReceiver {
                 .as_mut()
                 .ok_or_else(|| RecvTimeoutError::Malformed("GPU tensors arrived before the NCCL set-up".into()))?;
             if let Err(e) = profile::timed(Phase::RemoteNccl, || {
-                comm.transfer(false, &ranges, deadline, &mut || !sys::peer_closed(stream))
+                comm.transfer(false, &ranges, deadline, &mut || !tcp::peer_closed(stream))
             }) {
                 // Abort before the fresh memory is freed: freeing waits for the stream, where
                 // the receive may still be waiting for a peer that is gone.
@@ -1097,7 +1097,7 @@ impl NetReceiver {
             }
             // The bytes are here: the message is the receiver's even if the acknowledgement
             // cannot be written (the sender then reports a failure and the connection closes).
-            if sys::write_all(&self.stream, &[ACK], deadline).is_err() {
+            if tcp::write_all(&self.stream, &[ACK], deadline).is_err() {
                 self.close();
             } else if self.options.reuse_memory {
                 self.spare = incoming

@@ -8,9 +8,10 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::sys::{self, Region, W32};
+use super::region::{Region, W32};
 use super::{deadline, invalid, slice, time_left, Kind, Object, Open, BODY};
 use crate::error::{Error, Result};
+use crate::sys;
 
 /// The number of parties, fixed at creation.
 const PARTIES: W32 = W32::at(BODY);
@@ -217,7 +218,7 @@ impl Barrier {
                 let next = next_generation(current);
                 match state.compare_exchange_weak(current, next, Ordering::AcqRel, Ordering::Acquire) {
                     Ok(_) => {
-                        sys::wake_all(state);
+                        sys::futex_wake_all(state);
                         let index = count.min(self.parties - 1) as usize;
                         return Ok(BarrierWaitResult { index, leader: true });
                     }
@@ -251,14 +252,14 @@ impl Barrier {
             if left == Some(Duration::ZERO) {
                 // Break the barrier for the others, unless it opened meanwhile.
                 if state.compare_exchange(now, now | BROKEN, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-                    sys::wake_all(state);
+                    sys::futex_wake_all(state);
                     return Err(BarrierError::Timeout);
                 }
                 continue;
             }
             // A slice at a time: a last party killed between its change and its wake wakes
             // nobody.
-            sys::wait(state, now, Some(slice(left)));
+            sys::futex_wait(state, now, Some(slice(left)));
         }
     }
 
@@ -274,7 +275,7 @@ impl Barrier {
         let state = self.state();
         let previous = state.fetch_or(BROKEN, Ordering::AcqRel);
         if previous & BROKEN == 0 {
-            sys::wake_all(state);
+            sys::futex_wake_all(state);
         }
     }
 
@@ -303,7 +304,7 @@ impl Barrier {
                 Err(now) => current = now,
             }
         }
-        sys::wake_all(state);
+        sys::futex_wake_all(state);
     }
 }
 

@@ -7,9 +7,10 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::sys::{self, W32};
+use super::region::W32;
 use super::{deadline, slice, time_left, Kind, Object, Open, BODY};
 use crate::error::Result;
+use crate::sys;
 
 /// The event's one word: [`SET`], [`WAITERS`], and a generation above them.
 const STATE: W32 = W32::at(BODY);
@@ -153,7 +154,7 @@ impl Event {
             match state.compare_exchange_weak(current, next, Ordering::AcqRel, Ordering::Relaxed) {
                 Ok(_) => {
                     if current & WAITERS != 0 {
-                        sys::wake_all(state);
+                        sys::futex_wake_all(state);
                     }
                     return;
                 }
@@ -222,7 +223,7 @@ impl Event {
                 return false;
             }
             // A slice at a time: a setter killed between its change and its wake wakes nobody.
-            sys::wait(state, current, Some(slice(left)));
+            sys::futex_wait(state, current, Some(slice(left)));
             current = state.load(Ordering::Acquire);
         }
     }

@@ -7,9 +7,10 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::sys::{self, Region, W32, W64};
+use super::region::{Region, W32, W64};
 use super::{deadline, slice, time_left, Kind, Object, Open, BODY};
 use crate::error::{Error, Result};
+use crate::sys;
 
 /// The lock word: the holder's pid (0: free) and [`WAITERS`].
 const WORD: W32 = W32::at(BODY);
@@ -238,7 +239,7 @@ impl Lock {
                 return Err(LockError::Timeout);
             }
             // Woken by a release, or after a slice to look at the holder again.
-            sys::wait(word, current | WAITERS, Some(slice(left)));
+            sys::futex_wait(word, current | WAITERS, Some(slice(left)));
             slept = true;
         }
     }
@@ -263,7 +264,7 @@ impl Lock {
     fn release(&self) {
         self.holder_start().store(0, Ordering::Release);
         if self.word().swap(0, Ordering::Release) & WAITERS != 0 {
-            sys::wake(self.word(), 1);
+            sys::futex_wake(self.word(), 1);
         }
     }
 }

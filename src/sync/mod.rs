@@ -7,8 +7,8 @@
 mod barrier;
 mod event;
 mod lock;
+pub(crate) mod region;
 mod semaphore;
-pub(crate) mod sys;
 
 pub use barrier::{Barrier, BarrierError, BarrierWaitResult};
 pub use event::Event;
@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use self::sys::{Region, W32, W64};
+use self::region::{Region, W32, W64};
 use crate::error::{Error, Result};
 use crate::wire::{self, Held};
 
@@ -350,9 +350,8 @@ mod tests {
         let region = Region::from_memory(shm).unwrap();
         let err = Object::attach(region, Kind::Event, None, &|_| Ok(())).err().unwrap();
         assert_eq!(err.to_string(), "malformed message: expected an Event, found a Lock");
-        let garbage = crate::sys::MemoryFile::zeroed(sys::BYTES).unwrap();
-        // SAFETY: in bounds of the fresh mapping, which nothing else uses.
-        unsafe { std::ptr::write_bytes(garbage.ptr(), 0xab, sys::BYTES) };
+        let garbage = crate::sys::MemoryFile::zeroed(region::BYTES).unwrap();
+        assert!(garbage.copy_in(0, &[0xab; region::BYTES]));
         let region = Region::from_memory(std::sync::Arc::new(garbage)).unwrap();
         assert!(matches!(Object::attach(region, Kind::Event, None, &|_| Ok(())), Err(Error::Malformed(_))));
     }

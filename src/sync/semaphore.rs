@@ -7,9 +7,10 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::sys::{self, W32};
+use super::region::{Region, W32};
 use super::{deadline, invalid, slice, time_left, Kind, Object, Open, BODY};
 use crate::error::Result;
+use crate::sys;
 
 /// The number of free permits.
 const COUNT: W32 = W32::at(BODY);
@@ -97,7 +98,7 @@ impl Semaphore {
 
     fn named(name: &str, open: Open, permits: u32) -> Result<Semaphore> {
         check_permits(permits)?;
-        let init = |r: &sys::Region| r.u32(COUNT).store(permits, Ordering::Relaxed);
+        let init = |r: &Region| r.u32(COUNT).store(permits, Ordering::Relaxed);
         Ok(Semaphore { object: Arc::new(Object::named(Kind::Semaphore, name, open, init, |_| Ok(()))?) })
     }
 
@@ -191,7 +192,7 @@ impl Semaphore {
             // made the count non-zero before the look (both sides are SeqCst).
             self.sleepers().fetch_add(1, Ordering::SeqCst);
             if count.load(Ordering::SeqCst) == 0 {
-                sys::wait(count, 0, Some(slice(left)));
+                sys::futex_wait(count, 0, Some(slice(left)));
             }
             self.sleepers().fetch_sub(1, Ordering::SeqCst);
         }
@@ -218,7 +219,7 @@ impl Semaphore {
             }
         }
         if self.sleepers().load(Ordering::SeqCst) != 0 {
-            sys::wake(count, 1);
+            sys::futex_wake(count, 1);
         }
         Ok(())
     }

@@ -12,35 +12,26 @@
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::ptr::NonNull;
 use std::sync::atomic::AtomicU64;
 
 use rustix::fs::{fcntl_add_seals, fcntl_get_seals, fstat, ftruncate, memfd_create, MemfdFlags, SealFlags};
-use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
+
+use super::Mapping;
 
 /// The seals every shared memory file carries.
 const SIZE_SEALS: SealFlags = SealFlags::SHRINK.union(SealFlags::GROW);
 
 /// A sealed memory file mapped whole (read-write, or read-only when it is frozen) in this
 /// process. Other processes that hold it may write it at any time (unless frozen): its bytes
-/// are accessed only through raw pointers, atomically or by the host access layer, never as
-/// Rust references.
+/// are accessed only through the mapping's atomics and copies, or by raw pointer in the host
+/// access layer, never as Rust references.
 #[derive(Debug)]
 pub(crate) struct MemoryFile {
     fd: OwnedFd,
-    /// First byte of the mapping (dangling when `len` is 0: nothing is mapped).
-    ptr: NonNull<u8>,
-    len: usize,
+    mapping: Mapping,
     /// Sealed against writes: nobody can change its bytes.
     frozen: bool,
 }
-
-// SAFETY: the mapping belongs to the value and lives as long as it does; the value hands out
-// only raw pointers (whose users access the memory atomically) and, when frozen, shared
-// references to bytes that no process can change.
-unsafe impl Send for MemoryFile {}
-// SAFETY: as above.
-unsafe impl Sync for MemoryFile {}
 
 fn out_of_memory(e: io::Error, what: &str) -> io::Error {
     io::Error::new(e.kind(), format!("cannot make {what}: {e}"))
@@ -94,95 +85,56 @@ impl MemoryFile {
 
     /// First byte of the mapping.
     pub(crate) fn ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
+        self.mapping.ptr()
     }
 
     /// Bytes mapped.
     pub(crate) fn len(&self) -> usize {
-        self.len
+        self.mapping.len()
+    }
+
+    /// The mapping, for the socket calls that read or write it in place.
+    pub(crate) fn mapping(&self) -> &Mapping {
+        &self.mapping
     }
 
     /// The 64-bit word at `offset` (a multiple of 8, inside the mapping) of a file that is not
     /// frozen, for atomic access only.
     pub(crate) fn word(&self, offset: usize) -> Option<&AtomicU64> {
-        if self.frozen || !offset.is_multiple_of(8) || offset.checked_add(8)? > self.len {
-            return None;
-        }
-        // SAFETY: in bounds and 8-byte aligned (the mapping is page-aligned); the mapping lives
-        // as long as `self`, which the reference borrows. Other processes may write the word at
-        // any time, which atomic accesses tolerate.
-        Some(unsafe { &*self.ptr.as_ptr().add(offset).cast::<AtomicU64>() })
+        self.mapping.u64_at(offset)
     }
 
     /// Copies `bytes` into the mapping at `offset`; false (nothing written) when they do not
     /// fit or the file is frozen.
     pub(crate) fn copy_in(&self, offset: usize, bytes: &[u8]) -> bool {
-        if self.frozen || offset.checked_add(bytes.len()).is_none_or(|end| end > self.len) {
-            return false;
-        }
-        // SAFETY: in bounds of the live mapping, which is writable (not frozen); the source is
-        // a Rust slice, which cannot overlap a mapping only handed out as raw pointers.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.ptr.as_ptr().add(offset), bytes.len()) };
-        true
+        self.mapping.copy_in(offset, bytes)
     }
 
     /// Copies `out.len()` bytes of the mapping from `offset` into `out`; false (nothing read)
     /// when they are not all inside it. Another process may be writing them meanwhile: the
     /// copy then mixes old and new bytes, which the caller must check like any input.
     pub(crate) fn copy_out(&self, offset: usize, out: &mut [u8]) -> bool {
-        if offset.checked_add(out.len()).is_none_or(|end| end > self.len) {
-            return false;
-        }
-        // SAFETY: in bounds of the live mapping; `out` is a Rust slice, which cannot overlap a
-        // mapping only handed out as raw pointers. Bytes of shared memory are plain data: any
-        // value is valid.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset), out.as_mut_ptr(), out.len()) };
-        true
+        self.mapping.copy_out(offset, out)
     }
 
     /// The bytes of a frozen file (`None` otherwise: other processes may be writing them).
     pub(crate) fn frozen_bytes(&self) -> Option<&[u8]> {
-        if !self.frozen {
-            return None;
-        }
-        if self.len == 0 {
-            return Some(&[]);
-        }
-        // SAFETY: the mapping is valid for `len` bytes while `self` lives, and the file is
-        // sealed against writes (checked, or made so here): no process can change its bytes.
-        Some(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) })
+        // SAFETY: a frozen file is sealed against writes (checked on receipt, or made so
+        // here): no process can change its bytes.
+        self.frozen.then(|| unsafe { self.mapping.bytes() })
     }
 }
 
+/// Maps a file sealed against shrinking (so every byte of it stays backed while mapped).
 fn map(fd: OwnedFd, len: usize, frozen: bool) -> io::Result<MemoryFile> {
-    if len == 0 {
-        return Ok(MemoryFile { fd, ptr: NonNull::dangling(), len, frozen });
-    }
-    let prot = if frozen { ProtFlags::READ } else { ProtFlags::READ | ProtFlags::WRITE };
-    // SAFETY: a fresh mapping chosen by the kernel (null hint), of a file sealed against
-    // shrinking, so every byte of it stays backed while it is mapped; nothing else refers to
-    // that address range.
-    let ptr = unsafe { mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, &fd, 0) }
-        .map_err(|e| out_of_memory(e.into(), &format!("a mapping of {len} bytes of shared memory")))?;
-    let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
-    Ok(MemoryFile { fd, ptr, len, frozen })
+    let mapping = Mapping::new(&fd, len, !frozen)
+        .map_err(|e| out_of_memory(e, &format!("a mapping of {len} bytes of shared memory")))?;
+    Ok(MemoryFile { fd, mapping, frozen })
 }
 
 impl AsFd for MemoryFile {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
-    }
-}
-
-impl Drop for MemoryFile {
-    fn drop(&mut self) {
-        if self.len > 0 {
-            // SAFETY: the mapping made in `map`, of `len` bytes, unmapped once; nothing refers to
-            // it after the value is gone (pointers handed out do not outlive it).
-            unsafe {
-                let _ = munmap(self.ptr.as_ptr().cast(), self.len);
-            }
-        }
     }
 }
 

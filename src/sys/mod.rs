@@ -1,22 +1,36 @@
-//! Operating-system calls made through `rustix` (safe wrappers, descriptors as `OwnedFd` /
-//! `BorrowedFd`): the one local transport (`socket.rs`: messages with any number of
-//! descriptors on Unix sockets, listeners, who is at a socket's other end, `poll`, `eventfd`),
-//! shared memory files (`memory.rs`), named POSIX shared memory (`shm.rs`), descriptor and
-//! memory limits (`limits.rs`) and watching a child's end (`child.rs`). See `README.md`.
+//! Every system call of the crate, made through `rustix` (safe wrappers, descriptors as
+//! `OwnedFd` / `BorrowedFd`; `libc` only where rustix has none): the one local transport
+//! (`socket.rs`), the remote transport's stream calls (`tcp.rs`), one mapping of shared memory
+//! (`mapping.rs`) under memory files, named sync objects and PyTorch's reference-counter files
+//! (`memory.rs`, `named.rs`, `shm.rs`), futexes, process liveness and hooks, limits and a
+//! child's end. See `README.md`.
 
 mod child;
+mod futex;
 mod limits;
+mod mapping;
 mod memory;
+mod named;
 mod pipe;
+mod process;
 mod shm;
 mod socket;
+pub(crate) mod tcp;
 
 pub(crate) use child::{ChildWatch, Exit};
+pub(crate) use futex::{futex_wait, futex_wake, futex_wake_all};
 pub(crate) use limits::{
     descriptor_limit, near_descriptor_limit, out_of_descriptors, physical_memory, raise_descriptor_limit,
 };
+pub(crate) use mapping::Mapping;
 pub(crate) use memory::MemoryFile;
+pub(crate) use named::NamedMemory;
 pub(crate) use pipe::{lease_pipe, read_available, reader_gone, write_record, writers_gone, RECORD_MAX};
+#[cfg(test)]
+pub(crate) use process::fork_and_run;
+pub(crate) use process::{
+    at_exit, at_fork_child, own_pid, own_start, pid_namespace, process_gone, signal_name, SIGKILL,
+};
 pub(crate) use shm::{shm_unlink, ShmFile, ShmOpen};
 pub(crate) use socket::{
     bell, connect_abstract, connect_to, private_dir, ring, silence, wait_for, wait_readable, Listening, Socket, Wait,

@@ -3,12 +3,12 @@
 use std::ffi::CStr;
 use std::io;
 use std::os::fd::OwnedFd;
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicI32, AtomicI64};
 
 use rustix::fs::{fstat, ftruncate, Mode};
-use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
 use rustix::shm;
+
+use super::Mapping;
 
 /// A named POSIX shared-memory object, mapped read-write in full and accessed only through
 /// atomics (other processes write it at any time). Dropping it unmaps it; the object itself
@@ -18,16 +18,10 @@ use rustix::shm;
 /// end fault (`SIGBUS`), as with any shared mapping; the objects cuda-mp maps belong to
 /// cooperating processes (PyTorch's reference counters) that never shrink them, and cannot be
 /// sealed (they are not memory files).
+#[derive(Debug)]
 pub(crate) struct ShmFile {
-    ptr: NonNull<u8>,
-    len: usize,
+    mapping: Mapping,
 }
-
-// SAFETY: the mapping is owned by the value and lives as long as it; its bytes are only
-// accessed atomically, which concurrent writers (threads or processes) cannot make undefined.
-unsafe impl Send for ShmFile {}
-// SAFETY: as above.
-unsafe impl Sync for ShmFile {}
 
 /// What opening an existing shared-memory object found.
 #[derive(Debug)]
@@ -86,43 +80,17 @@ impl ShmFile {
         if len == 0 {
             return Err(io::Error::from(io::ErrorKind::InvalidInput));
         }
-        // SAFETY: a fresh mapping chosen by the kernel (no address hint) of an open descriptor;
-        // the descriptor may be closed afterwards, the mapping stays; nothing else refers to
-        // that address range.
-        let ptr =
-            unsafe { mmap(std::ptr::null_mut(), len, ProtFlags::READ | ProtFlags::WRITE, MapFlags::SHARED, fd, 0) }?;
-        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
-        Ok(ShmFile { ptr, len })
+        Ok(ShmFile { mapping: Mapping::new(fd, len, true)? })
     }
 
     /// The 32-bit cell at byte `offset`, if aligned and inside the mapping.
     pub(crate) fn i32_at(&self, offset: usize) -> Option<&AtomicI32> {
-        let inside = offset.is_multiple_of(4) && offset.checked_add(4).is_some_and(|end| end <= self.len);
-        // SAFETY: inside the live mapping, which is page-aligned, so the cell is 4-byte aligned
-        // as `AtomicI32` requires; the reference lives no longer than the mapping (`&self`), and
-        // the memory is only ever accessed atomically.
-        inside.then(|| unsafe { AtomicI32::from_ptr(self.ptr.as_ptr().add(offset).cast()) })
+        self.mapping.i32_at(offset)
     }
 
     /// The 64-bit cell at byte `offset`, if aligned and inside the mapping.
     pub(crate) fn i64_at(&self, offset: usize) -> Option<&AtomicI64> {
-        let inside = offset.is_multiple_of(8) && offset.checked_add(8).is_some_and(|end| end <= self.len);
-        // SAFETY: as for `i32_at`, with 8-byte alignment.
-        inside.then(|| unsafe { AtomicI64::from_ptr(self.ptr.as_ptr().add(offset).cast()) })
-    }
-}
-
-impl Drop for ShmFile {
-    fn drop(&mut self) {
-        // SAFETY: `ptr` and `len` are exactly the mapping made in `map`; no reference into it
-        // outlives `self`.
-        let _ = unsafe { munmap(self.ptr.as_ptr().cast(), self.len) };
-    }
-}
-
-impl std::fmt::Debug for ShmFile {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ShmFile").field("len", &self.len).finish_non_exhaustive()
+        self.mapping.i64_at(offset)
     }
 }
 

@@ -193,6 +193,16 @@ impl Socket {
         sockopt::socket_send_buffer_size(&self.0).unwrap_or(212_992)
     }
 
+    /// Bytes the kernel charges to this sending socket for what it holds unread (`SIOCOUTQ`).
+    #[cfg(test)]
+    pub(crate) fn queued_bytes(&self) -> u64 {
+        use std::os::fd::AsRawFd;
+        let mut n: libc::c_int = 0;
+        // SAFETY: SIOCOUTQ writes one c_int to the pointer, which is valid for it.
+        unsafe { libc::ioctl(self.0.as_raw_fd(), libc::TIOCOUTQ, &mut n as *mut libc::c_int) };
+        n.max(0) as u64
+    }
+
     /// The socket's identity (device and inode): two descriptors of one socket share it.
     pub(crate) fn identity(&self) -> Option<(u64, u64)> {
         rustix::fs::fstat(&self.0).ok().map(|st| (st.st_dev, st.st_ino))

@@ -1,0 +1,163 @@
+//! One mapping of shared memory: every file this crate maps (memory files, named POSIX shared
+//! memory, named sync objects) is mapped here, and every access to mapped bytes goes through
+//! this type's bounds-checked atomic words and copies.
+
+use std::io;
+use std::os::fd::AsFd;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64};
+
+use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
+
+/// The first `len` bytes of a file, mapped shared in this process. Other processes that map
+/// the file may write it at any time: its bytes are handed out only as atomic words, copies
+/// and raw pointers, never as plain Rust references (except [`Mapping::bytes`], whose caller
+/// vouches that nobody writes them).
+#[derive(Debug)]
+pub(crate) struct Mapping {
+    /// First byte (dangling when `len` is 0: nothing is mapped).
+    ptr: NonNull<u8>,
+    len: usize,
+    writable: bool,
+}
+
+// SAFETY: the mapping belongs to the value and lives as long as it does; the value hands out
+// only atomics, copies and raw pointers, which concurrent writers (threads or processes) cannot
+// make undefined.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps the first `len` bytes of `fd`, read-write or read-only. The caller makes sure the
+    /// file holds them and cannot shrink below them while mapped (else an access past its new
+    /// end faults, `SIGBUS`).
+    pub(crate) fn new(fd: impl AsFd, len: usize, writable: bool) -> io::Result<Mapping> {
+        if len == 0 {
+            return Ok(Mapping { ptr: NonNull::dangling(), len, writable });
+        }
+        let prot = if writable { ProtFlags::READ | ProtFlags::WRITE } else { ProtFlags::READ };
+        // SAFETY: a fresh mapping at an address the kernel picks (null hint) of an open
+        // descriptor; no memory of ours is passed in and nothing else refers to that range.
+        let ptr = unsafe { mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, fd, 0) }?;
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
+        Ok(Mapping { ptr, len, writable })
+    }
+
+    /// First byte of the mapping.
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Bytes mapped.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The address of the `size`-byte, `size`-aligned word at `offset` of a writable mapping,
+    /// if it lies inside.
+    fn word_at(&self, offset: usize, size: usize) -> Option<*mut u8> {
+        let inside =
+            self.writable && offset.is_multiple_of(size) && offset.checked_add(size).is_some_and(|end| end <= self.len);
+        // SAFETY (of the `add`): in bounds of the mapping, checked just above.
+        inside.then(|| unsafe { self.ptr.as_ptr().add(offset) })
+    }
+
+    /// The 32-bit word at byte `offset` (a multiple of 4, inside a writable mapping).
+    pub(crate) fn u32_at(&self, offset: usize) -> Option<&AtomicU32> {
+        // SAFETY: in bounds and aligned (the mapping is page-aligned, the offset a multiple of
+        // the size); the reference lives no longer than the mapping (`&self`); every access to
+        // the memory, in any process, is atomic.
+        self.word_at(offset, 4).map(|p| unsafe { AtomicU32::from_ptr(p.cast()) })
+    }
+
+    /// The 64-bit word at byte `offset` (a multiple of 8, inside a writable mapping).
+    pub(crate) fn u64_at(&self, offset: usize) -> Option<&AtomicU64> {
+        // SAFETY: as in `u32_at`.
+        self.word_at(offset, 8).map(|p| unsafe { AtomicU64::from_ptr(p.cast()) })
+    }
+
+    /// The signed 32-bit word at byte `offset`, as [`u32_at`](Self::u32_at).
+    pub(crate) fn i32_at(&self, offset: usize) -> Option<&AtomicI32> {
+        // SAFETY: as in `u32_at`.
+        self.word_at(offset, 4).map(|p| unsafe { AtomicI32::from_ptr(p.cast()) })
+    }
+
+    /// The signed 64-bit word at byte `offset`, as [`u64_at`](Self::u64_at).
+    pub(crate) fn i64_at(&self, offset: usize) -> Option<&AtomicI64> {
+        // SAFETY: as in `u32_at`.
+        self.word_at(offset, 8).map(|p| unsafe { AtomicI64::from_ptr(p.cast()) })
+    }
+
+    /// Copies `bytes` into the mapping at `offset`; false (nothing written) when they do not
+    /// fit or the mapping is read-only.
+    pub(crate) fn copy_in(&self, offset: usize, bytes: &[u8]) -> bool {
+        if !self.writable || offset.checked_add(bytes.len()).is_none_or(|end| end > self.len) {
+            return false;
+        }
+        // SAFETY: in bounds of the live, writable mapping; the source is a Rust slice, which
+        // cannot overlap a mapping only handed out as raw pointers.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.ptr.as_ptr().add(offset), bytes.len()) };
+        true
+    }
+
+    /// Copies `out.len()` bytes of the mapping from `offset` into `out`; false (nothing read)
+    /// when they are not all inside it. Another process may be writing them meanwhile: the
+    /// copy then mixes old and new bytes, which the caller checks like any input.
+    pub(crate) fn copy_out(&self, offset: usize, out: &mut [u8]) -> bool {
+        if offset.checked_add(out.len()).is_none_or(|end| end > self.len) {
+            return false;
+        }
+        // SAFETY: in bounds of the live mapping; `out` is a Rust slice, which cannot overlap a
+        // mapping only handed out as raw pointers. Shared bytes are plain data: any value is
+        // valid.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset), out.as_mut_ptr(), out.len()) };
+        true
+    }
+
+    /// The mapped bytes as a slice.
+    ///
+    /// # Safety
+    /// Nobody may write them while the slice lives: the file is sealed against writes.
+    pub(crate) unsafe fn bytes(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: the mapping is valid for `len` bytes while `self` lives; the caller vouches
+        // that no process writes them.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            // SAFETY: exactly the mapping made in `new`, unmapped once; no reference into it
+            // outlives `self`.
+            let _ = unsafe { munmap(self.ptr.as_ptr().cast(), self.len) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn words_and_copies_stay_inside_a_writable_mapping() {
+        let fd = rustix::fs::memfd_create("t", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&fd, 64).unwrap();
+        let m = Mapping::new(&fd, 64, true).unwrap();
+        assert!(m.u64_at(56).is_some() && m.u64_at(60).is_none() && m.u64_at(64).is_none());
+        assert!(m.u32_at(60).is_some() && m.u32_at(62).is_none() && m.i64_at(usize::MAX - 3).is_none());
+        m.i32_at(0).unwrap().store(-2, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(m.u32_at(0).unwrap().load(std::sync::atomic::Ordering::Relaxed), u32::MAX - 1);
+        assert!(m.copy_in(60, &[1, 2, 3, 4]) && !m.copy_in(61, &[1, 2, 3, 4]));
+        let mut out = [0u8; 4];
+        assert!(m.copy_out(60, &mut out) && !m.copy_out(62, &mut out));
+        assert_eq!(out, [1, 2, 3, 4]);
+        let read_only = Mapping::new(&fd, 64, false).unwrap();
+        assert!(read_only.u64_at(0).is_none() && !read_only.copy_in(0, &[1]));
+        assert!(read_only.copy_out(60, &mut out));
+    }
+}

@@ -1,0 +1,160 @@
+//! Named shared memory: a small file published under a path (in `/dev/shm`) whose creator holds
+//! a shared lock on it for as long as it lives, so that others can tell a live object from the
+//! leftover of a process that ended without removing it.
+
+use std::fs::{File, OpenOptions, TryLockError};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use super::Mapping;
+
+/// A named file of shared memory, mapped read-write.
+#[derive(Debug)]
+pub(crate) struct NamedMemory {
+    /// Open while this value lives; the creator holds a shared lock on it.
+    file: File,
+    path: PathBuf,
+    /// Whether this value published the name (and removes it when dropped).
+    creator: bool,
+    mapping: Mapping,
+}
+
+impl NamedMemory {
+    /// The mapping.
+    pub(crate) fn mapping(&self) -> &Mapping {
+        &self.mapping
+    }
+
+    /// A fresh file of `len` zeroed bytes for `path`, not published yet: nobody can open it
+    /// until [`publish`](Self::publish) gives it the name.
+    pub(crate) fn unpublished(path: &Path, len: usize) -> io::Result<NamedMemory> {
+        let dir = path.parent().unwrap_or(Path::new("/"));
+        // A file without a name (O_TMPFILE): nothing is left behind if we stop before
+        // publishing it, and nobody sees it half-made.
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .mode(0o600)
+            .custom_flags(rustix::fs::OFlags::TMPFILE.bits() as i32)
+            .open(dir)
+            .map_err(|e| with_path(e, dir))?;
+        file.set_len(len as u64)?;
+        // Held for as long as this process holds the memory: how others tell that the creator
+        // lives. The kernel drops it when the process ends, however it ends.
+        file.lock_shared()?;
+        let mapping = Mapping::new(&file, len, true)?;
+        Ok(NamedMemory { file, path: path.to_owned(), creator: false, mapping })
+    }
+
+    /// Gives the file its name, which it owns from then on; false when the name is taken.
+    pub(crate) fn publish(&mut self) -> io::Result<bool> {
+        use rustix::fs::{linkat, AtFlags, CWD};
+        let from = format!("/proc/self/fd/{}", self.file.as_raw_fd());
+        match linkat(CWD, from.as_str(), CWD, &self.path, AtFlags::SYMLINK_FOLLOW) {
+            Ok(()) => {
+                self.creator = true;
+                Ok(true)
+            }
+            Err(rustix::io::Errno::EXIST) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Opens the file published under `path`, of at least `min_len` bytes (else
+    /// `InvalidData`). `None` when there is none, or when its creator is gone: such a leftover
+    /// of a process that ended without dropping its object is removed here. Another user's
+    /// file, or one that others may open, is refused (`PermissionDenied`).
+    pub(crate) fn open(path: &Path, min_len: usize) -> io::Result<Option<NamedMemory>> {
+        for _ in 0..100 {
+            let file = match OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+                .open(path)
+            {
+                Ok(file) => file,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+                Err(e) => return Err(with_path(e, path)),
+            };
+            // Before anything else, a leftover's removal included: another user's file, or one
+            // that others may open, is not ours to map (it could be changed under us).
+            check_private(&file, path)?;
+            match file.try_lock() {
+                Ok(()) => {
+                    // Nobody holds the creator's shared lock: the creator is gone. Removers
+                    // hold this exclusive lock, so the name is removed at most once.
+                    if same_file(&file, path) {
+                        let _ = std::fs::remove_file(path);
+                    }
+                    continue;
+                }
+                Err(TryLockError::WouldBlock) => {
+                    // The creator's lock, or another process removing a leftover: a shared
+                    // lock waits for the latter only.
+                    file.lock_shared()?;
+                    file.unlock()?;
+                    if !same_file(&file, path) {
+                        continue;
+                    }
+                }
+                Err(TryLockError::Error(e)) => return Err(e),
+            }
+            let len = file.metadata()?.len();
+            if len < min_len as u64 {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("{} holds {len} bytes, fewer than {min_len}", path.display()),
+                ));
+            }
+            let mapping = Mapping::new(&file, min_len, true)?;
+            return Ok(Some(NamedMemory { file, path: path.to_owned(), creator: false, mapping }));
+        }
+        Err(io::Error::other(format!("{} keeps being replaced; giving up opening it", path.display())))
+    }
+}
+
+impl Drop for NamedMemory {
+    fn drop(&mut self) {
+        if self.creator {
+            // The creator owns the name: remove it, unless it was replaced meanwhile (a process
+            // that took this object for a leftover removed it and made another).
+            let _ = self.file.lock();
+            if same_file(&self.file, &self.path) {
+                let _ = std::fs::remove_file(&self.path);
+            }
+        }
+    }
+}
+
+/// True while `path` names the file open as `file`.
+fn same_file(file: &File, path: &Path) -> bool {
+    match (file.metadata(), std::fs::symlink_metadata(path)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
+}
+
+/// Refuses a file that another user owns or that others may open: only files this user made
+/// with mode 0600 are mapped.
+fn check_private(file: &File, path: &Path) -> io::Result<()> {
+    let meta = file.metadata()?;
+    let me = rustix::process::geteuid().as_raw();
+    if meta.uid() != me || meta.mode() & 0o077 != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "{}: refused, it is owned by user {} with mode {:o} (a named object is this user's alone, mode 600)",
+                path.display(),
+                meta.uid(),
+                meta.mode() & 0o7777
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn with_path(e: io::Error, path: &Path) -> io::Error {
+    io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+}

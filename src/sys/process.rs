@@ -1,0 +1,139 @@
+//! This process and others: whether a process still lives (its id, start time and pid
+//! namespace), the C library's exit and fork hooks, and signal names.
+
+use std::os::unix::fs::MetadataExt;
+use std::sync::OnceLock;
+
+/// This process's id.
+pub(crate) fn own_pid() -> u32 {
+    std::process::id()
+}
+
+/// When this process started (in clock ticks since boot; 0 when unknown).
+pub(crate) fn own_start() -> u64 {
+    static START: OnceLock<u64> = OnceLock::new();
+    *START.get_or_init(|| process_stat(own_pid()).map_or(0, |s| s.start))
+}
+
+/// The identity of this process's pid namespace (0 when unknown): pids of processes in other
+/// namespaces mean nothing here.
+pub(crate) fn pid_namespace() -> u64 {
+    std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino())
+}
+
+/// True when the process `pid`, which started at `start` (0: unknown), has ended: no such
+/// process, a zombie, or the pid now belongs to a process that started at another time.
+pub(crate) fn process_gone(pid: u32, start: u64) -> bool {
+    // No process has this id (and kill would address a group).
+    let Some(raw) = i32::try_from(pid).ok().filter(|&p| p > 0) else { return true };
+    let Some(target) = rustix::process::Pid::from_raw(raw) else { return true };
+    // Signal 0: sends nothing, only checks that the process exists.
+    if rustix::process::test_kill_process(target) == Err(rustix::io::Errno::SRCH) {
+        return true;
+    }
+    match process_stat(pid) {
+        Some(stat) => matches!(stat.state, 'Z' | 'X' | 'x') || (start != 0 && stat.start != start),
+        // Exists (kill said so) but /proc does not show it to us: assume it lives.
+        None => false,
+    }
+}
+
+struct Stat {
+    state: char,
+    start: u64,
+}
+
+/// The state and start time of a process, from `/proc/PID/stat`.
+fn process_stat(pid: u32) -> Option<Stat> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (comm) state ppid ...": the name may hold spaces and parentheses; fields follow the
+    // last ')'. The start time is field 22, the 20th after the name.
+    let rest = &text[text.rfind(')')? + 1..];
+    let mut fields = rest.split_ascii_whitespace();
+    let state = fields.next()?.chars().next()?;
+    let start = fields.nth(18)?.parse().ok()?;
+    Some(Stat { state, start })
+}
+
+/// Runs `f` when the process exits normally (`exit`, or returning from `main`), after the
+/// handlers registered later. False when it could not be registered.
+pub(crate) fn at_exit(f: extern "C" fn()) -> bool {
+    // SAFETY: `f` is a plain function with no arguments, valid for the life of the process.
+    unsafe { libc::atexit(f) == 0 }
+}
+
+/// Runs `f` in the child of every later `fork(2)`, before `fork` returns there (a
+/// `pthread_atfork` child handler). False when it could not be registered.
+pub(crate) fn at_fork_child(f: extern "C" fn()) -> bool {
+    // SAFETY: `f` is a plain function with no arguments, valid for the life of the process, and
+    // the caller makes it async-signal-safe (it runs in a child that may have inherited locks).
+    unsafe { libc::pthread_atfork(None, None, Some(f)) == 0 }
+}
+
+/// Forks, runs `f` in the child and ends the child with `f`'s answer (a panic is `false`),
+/// without running exit hooks: the child of a multithreaded test process, as a library that
+/// forks would make one. The parent waits for the child and gets the answer.
+#[cfg(test)]
+pub(crate) fn fork_and_run(f: impl FnOnce() -> bool) -> std::io::Result<bool> {
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    // SAFETY: the child only runs `f` and `_exit`s; the parent only waits for it.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if pid == 0 {
+        let ok = catch_unwind(AssertUnwindSafe(f)).unwrap_or(false);
+        // SAFETY: ends the child at once, as a forked child must (no exit hooks of the parent).
+        unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+    }
+    let mut status = 0;
+    // SAFETY: `pid` is our child; `status` is writable.
+    if unsafe { libc::waitpid(pid, &mut status, 0) } != pid {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0)
+}
+
+/// The number of `SIGKILL`.
+pub(crate) const SIGKILL: i32 = libc::SIGKILL;
+
+/// The name of signal `signal`, such as `SIGKILL`.
+pub(crate) fn signal_name(signal: i32) -> &'static str {
+    match signal {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGTRAP => "SIGTRAP",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGUSR2 => "SIGUSR2",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGALRM => "SIGALRM",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGXCPU => "SIGXCPU",
+        libc::SIGXFSZ => "SIGXFSZ",
+        libc::SIGSYS => "SIGSYS",
+        _ => "unknown signal",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn this_process_lives_and_a_made_up_one_does_not() {
+        assert!(!process_gone(own_pid(), own_start()));
+        assert!(own_start() != 0);
+        assert!(process_gone(own_pid(), own_start() + 1), "a pid reused by a later process");
+        assert!(process_gone(0, 0));
+        assert!(process_gone(u32::MAX, 0));
+        assert!(process_gone(i32::MAX as u32, 0));
+        assert_eq!(signal_name(SIGKILL), "SIGKILL");
+    }
+}

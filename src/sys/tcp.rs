@@ -1,0 +1,134 @@
+//! The remote transport's socket calls: a stream read and written under a deadline, and
+//! `send` / `recv` between a TCP socket and shared memory in place (whose bytes Rust code never
+//! borrows as a slice: the kernel copies them, as a device would).
+
+use std::io;
+use std::os::fd::{AsFd, AsRawFd};
+use std::time::Instant;
+
+use rustix::event::PollFlags;
+use rustix::net::{RecvFlags, SendFlags};
+
+use super::{wait_for, Mapping, Wait};
+
+/// Waits until `fd` is ready for `events` or `deadline` passes (then `TimedOut`; `None`: no
+/// limit).
+pub(crate) fn stream_wait(fd: &impl AsFd, events: PollFlags, deadline: Option<Instant>) -> io::Result<PollFlags> {
+    let wait = deadline.map_or(Wait::Forever, Wait::Until);
+    match wait_for(fd.as_fd(), events, wait)? {
+        Some(revents) => Ok(revents),
+        None => Err(io::Error::new(io::ErrorKind::TimedOut, "timed out")),
+    }
+}
+
+/// True when the peer has closed its end (or the socket failed): what a sender, whose peer
+/// never writes, and a receiver waiting for a transfer ask while they wait.
+pub(crate) fn peer_closed(socket: &impl AsFd) -> bool {
+    let hung = PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR | PollFlags::NVAL;
+    matches!(wait_for(socket.as_fd(), PollFlags::RDHUP, Wait::Not), Ok(Some(r)) if r.intersects(hung))
+}
+
+/// A call that may be retried: interrupted, or not ready yet.
+fn again(e: rustix::io::Errno) -> bool {
+    e == rustix::io::Errno::INTR || e == rustix::io::Errno::AGAIN
+}
+
+/// Reads what is there (at least one byte) into `buf`, waiting until `deadline` (`None`: no
+/// limit); 0 at the end of the stream.
+pub(crate) fn read_some(socket: &impl AsFd, buf: &mut [u8], deadline: Option<Instant>) -> io::Result<usize> {
+    loop {
+        stream_wait(socket, PollFlags::IN, deadline)?;
+        match rustix::net::recv(socket, &mut *buf, RecvFlags::DONTWAIT) {
+            Ok((_, n)) => return Ok(n),
+            Err(e) if again(e) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// Writes all of `bytes`, waiting until `deadline`.
+pub(crate) fn write_all(socket: &impl AsFd, mut bytes: &[u8], deadline: Instant) -> io::Result<()> {
+    while !bytes.is_empty() {
+        stream_wait(socket, PollFlags::OUT, Some(deadline))?;
+        // NOSIGNAL turns a closed peer into EPIPE instead of SIGPIPE.
+        match rustix::net::send(socket, bytes, SendFlags::NOSIGNAL | SendFlags::DONTWAIT) {
+            Ok(n) => bytes = &bytes[n..],
+            Err(e) if again(e) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+fn check_range(mapping: &Mapping, offset: usize, len: usize) -> io::Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= mapping.len() => Ok(()),
+        _ => Err(io::Error::new(io::ErrorKind::InvalidInput, "bytes outside the shared memory")),
+    }
+}
+
+/// Writes `len` bytes of `mapping` from byte `offset`, waiting until `deadline`.
+pub(crate) fn write_mapped(
+    socket: &(impl AsFd + AsRawFd),
+    mapping: &Mapping,
+    offset: usize,
+    len: usize,
+    deadline: Instant,
+) -> io::Result<()> {
+    check_range(mapping, offset, len)?;
+    let mut done = 0;
+    while done < len {
+        stream_wait(socket, PollFlags::OUT, Some(deadline))?;
+        // SAFETY: `offset + done .. offset + len` lies inside the mapping (checked above),
+        // which lives while it is borrowed; the kernel reads it, no Rust reference to it is
+        // made. NOSIGNAL turns a closed peer into EPIPE instead of SIGPIPE.
+        let n = unsafe {
+            libc::send(
+                socket.as_raw_fd(),
+                mapping.ptr().add(offset + done).cast(),
+                len - done,
+                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+            )
+        };
+        if n >= 0 {
+            done += n as usize;
+            continue;
+        }
+        let e = io::Error::last_os_error();
+        if !matches!(e.kind(), io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock) {
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// Fills the first `len` bytes of `mapping` from the stream, waiting until `deadline`.
+pub(crate) fn read_mapped(
+    socket: &(impl AsFd + AsRawFd),
+    mapping: &Mapping,
+    len: usize,
+    deadline: Instant,
+) -> io::Result<()> {
+    check_range(mapping, 0, len)?;
+    let mut done = 0;
+    while done < len {
+        stream_wait(socket, PollFlags::IN, Some(deadline))?;
+        // SAFETY: `done..len` lies inside the mapping (checked above), which lives while it is
+        // borrowed; the kernel writes it, no Rust reference to it is made.
+        let n =
+            unsafe { libc::recv(socket.as_raw_fd(), mapping.ptr().add(done).cast(), len - done, libc::MSG_DONTWAIT) };
+        match n {
+            0 => {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the connection mid-message"))
+            }
+            n if n > 0 => done += n as usize,
+            _ => {
+                let e = io::Error::last_os_error();
+                if !matches!(e.kind(), io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock) {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
+}
