@@ -136,6 +136,19 @@ fn a_view_beyond_its_storage_is_rejected() {
 }
 
 #[test]
+fn host_memory_sealed_against_writes_is_rejected() {
+    // Mapped read-only in the receiver, the tensor's first write would fault: refused instead.
+    let (tx, rx) = connect::<ForgedTensor<CarriedFile, CarriedFile>, HostTensor<f32>>();
+    let mut f = forged(0, vec![4], 16);
+    let frozen = sealed_memory(16, 0);
+    rustix::fs::fcntl_add_seals(&frozen, rustix::fs::SealFlags::WRITE).unwrap();
+    f.shm = Some(CarriedFile(frozen));
+    tx.send(f).unwrap();
+    let m = malformed(rx.recv());
+    assert!(m.contains("sealed against writes"), "{m}");
+}
+
+#[test]
 fn an_unknown_dtype_tag_is_rejected() {
     let (tx, rx) = connect::<ForgedTensor<CarriedFile, CarriedFile>, HostTensor<f32>>();
     tx.send(forged(42, vec![2], 16)).unwrap();

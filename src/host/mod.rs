@@ -93,6 +93,10 @@ impl StorageKind for HostKind {
 
     fn open(wire: &mut HostWire, bytes: usize, _: &()) -> Result<Arc<MemoryFile>> {
         let shm = wire.shm.take().ok_or_else(|| Error::Malformed("host storage without its memory".into()))?.0;
+        if shm.frozen_bytes().is_some() {
+            // Mapped read-only here: the tensor's first write would fault.
+            return Err(Error::Malformed("a host tensor's shared memory is sealed against writes".into()));
+        }
         if shm.len() < bytes {
             return Err(Error::Malformed(format!(
                 "shared memory holds {} bytes but the message claims {bytes}",
