@@ -67,6 +67,7 @@ mod os;
 mod pool;
 mod process;
 mod profile;
+mod protocol;
 mod queue;
 mod storage;
 mod sync;

@@ -152,7 +152,8 @@ fn host_memory_sealed_against_writes_is_rejected() {
 fn an_unknown_dtype_tag_is_rejected() {
     let (tx, rx) = connect::<ForgedTensor<CarriedFile, CarriedFile>, HostTensor<f32>>();
     tx.send(forged(42, vec![2], 16)).unwrap();
-    assert_eq!(malformed(rx.recv()), "unknown dtype tag 42");
+    let m = malformed(rx.recv());
+    assert!(m.starts_with("unknown dtype tag 42 (the sender sends "), "{m}");
 }
 
 #[test]
@@ -161,7 +162,8 @@ fn a_dtype_mismatch_is_an_error_and_releases_the_claim() {
     let (tx, rx) = connect::<HostTensor<cuda_mp::f16>, HostTensor<f32>>();
     let t = HostTensor::<cuda_mp::f16>::zeros(&[8]).unwrap();
     tx.send(t.clone()).unwrap();
-    assert_eq!(malformed(rx.recv()), "dtype mismatch: expected f32, found f16");
+    let m = malformed(rx.recv());
+    assert!(m.starts_with("dtype mismatch: expected f32, found f16 (the sender sends cuda_mp::"), "{m}");
     drop(t);
     wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages)
         .expect("the rejected message's claim is released and the storage freed");
@@ -185,6 +187,53 @@ fn a_peer_that_is_not_cuda_mp_is_refused() {
     rustix::net::send(&fd, b"hello", rustix::net::SendFlags::empty()).unwrap();
     let err = listener.accept_timeout(WAIT).unwrap_err();
     assert!(err.to_string().contains("not a cuda-mp sender"), "{err}");
+}
+
+#[test]
+fn a_named_connection_of_another_version_is_refused_with_both_versions() {
+    let listener = Listener::<u32>::bind().unwrap();
+    let fd = rustix::net::socket_with(
+        rustix::net::AddressFamily::UNIX,
+        rustix::net::SocketType::SEQPACKET,
+        rustix::net::SocketFlags::CLOEXEC,
+        None,
+    )
+    .unwrap();
+    rustix::net::connect(&fd, &rustix::net::SocketAddrUnix::new(listener.name()).unwrap()).unwrap();
+    // The transport's header (no descriptor), then a hello's magic and version 4.
+    let mut hello = 0u32.to_le_bytes().to_vec();
+    hello.extend_from_slice(b"cuda-mp\0");
+    hello.push(4);
+    rustix::net::send(&fd, &hello, rustix::net::SendFlags::empty()).unwrap();
+    let err = listener.accept_timeout(WAIT).unwrap_err();
+    assert!(err.to_string().contains("protocol version 5 here, 4 at the peer"), "{err}");
+}
+
+#[test]
+fn a_message_of_another_type_on_a_named_connection_names_both_types() {
+    let listener = Listener::<Vec<String>>::bind().unwrap();
+    let tx = cuda_mp::Sender::<u64>::connect(listener.name()).unwrap();
+    let rx = listener.accept_timeout(WAIT).unwrap();
+    // Three messages on the socket, the next ones in the sender's ring: both paths say it.
+    for _ in 0..6 {
+        tx.send(7).unwrap();
+    }
+    for _ in 0..6 {
+        match rx.recv_timeout(WAIT) {
+            Err(cuda_mp::RecvTimeoutError::Malformed(m)) => assert!(
+                m.contains("(the sender sends u64, this receiver takes alloc::vec::Vec<alloc::string::String>)"),
+                "{m}"
+            ),
+            other => panic!("expected a malformed message, got {other:?}"),
+        }
+    }
+    // Types that differ but whose bytes agree are not refused: what decodes is delivered (a
+    // sender of `DynTensor` and a receiver of `Tensor<f32>`, say).
+    let listener = Listener::<u64>::bind().unwrap();
+    let tx = cuda_mp::Sender::<u32>::connect(listener.name()).unwrap();
+    let rx = listener.accept_timeout(WAIT).unwrap();
+    tx.send(7).unwrap();
+    assert_eq!(rx.recv_timeout(WAIT).unwrap(), 7);
 }
 
 /// What the forger sends: a genuine tensor (read back field by field, or as a tensor), or a

@@ -39,11 +39,8 @@ use crate::lifetime::{ConnectionKey, ConnectionLeases, Introduction, Lease};
 use crate::sys::{MemoryFile, Socket, Wait};
 use crate::wire::{self, Held};
 
-const INLINE: u8 = 0;
-const SHARED: u8 = 1;
-const REDIRECT: u8 = 2;
-const RING: u8 = 3;
-const WAKE: u8 = 4;
+// The kinds this transport uses of those both transports share (`src/protocol.rs`).
+use crate::protocol::kind::{MESSAGE as INLINE, REDIRECT, RING, SHARED, WAKE};
 /// Set in the kind of a message frame that introduces connection leases.
 const WITH_LEASES: u8 = 0x80;
 /// Set in the kind of a message frame that carries its place in its sender's order.
@@ -119,6 +116,11 @@ fn head(kind: u8, leases: &[Introduction], order: Option<Order>) -> Vec<u8> {
         }
     }
     head
+}
+
+/// Whether a frame's bytes are a wake frame's.
+pub(super) fn is_wake(frame: &[u8]) -> bool {
+    frame == [WAKE]
 }
 
 /// The place in its sender's order of a message frame that has one.

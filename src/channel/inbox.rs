@@ -49,6 +49,9 @@ pub(super) struct Inbox<T> {
     stash: Option<Stashed>,
     /// The connection leases this channel's senders introduced (`src/lifetime/connection.rs`).
     pub(super) leases: Arc<ConnectionLeases>,
+    /// What the sender of a named connection said it sends, when that is not `T`: named in
+    /// the error of a message that does not decode.
+    pub(super) sender_sends: Option<String>,
     _message: PhantomData<fn() -> T>,
 }
 
@@ -57,7 +60,8 @@ struct Stashed {
     raw: Raw,
     /// Read from the channel's socket (not a batch): its cost is settled when delivered.
     main: bool,
-    order: Order,
+    /// Its place in its sender's order (`None`: delivered next, whatever the rings hold).
+    order: Option<Order>,
 }
 
 /// What one look found.
@@ -173,7 +177,7 @@ impl<T> Inbox<T> {
         let len = bytes.len().min(self.buf.len());
         self.buf[..len].copy_from_slice(&bytes[..len]);
         if let Some(order) = frame::order_of(&self.buf[..len]) {
-            self.stash = Some(Stashed { raw: (0..len, fds), main, order });
+            self.stash = Some(Stashed { raw: (0..len, fds), main, order: Some(order) });
         }
     }
 }
@@ -191,6 +195,7 @@ impl<T: DeserializeOwned> Inbox<T> {
             entry: Vec::new(),
             stash: None,
             leases,
+            sender_sends: None,
             _message: PhantomData,
         }
     }
@@ -302,7 +307,7 @@ impl<T: DeserializeOwned> Inbox<T> {
         if let Some(order) = frame::order_of(&self.buf[raw.0.clone()]) {
             if let Some(ring) = self.rings.iter_mut().find(|r| r.id() == order.ring) {
                 if order.number > ring.next() {
-                    self.stash = Some(Stashed { raw, main, order });
+                    self.stash = Some(Stashed { raw, main, order: Some(order) });
                     return Look::Again;
                 }
                 if order.number == ring.next() {
@@ -315,8 +320,9 @@ impl<T: DeserializeOwned> Inbox<T> {
 
     /// The stashed frame, once its sender's ring has delivered what comes before it.
     fn release(&mut self, gauge: &Gauge, stashed: Stashed) -> Look<T> {
-        let number = stashed.order.number;
-        let Some(i) = self.rings.iter().position(|r| r.id() == stashed.order.ring) else {
+        let Some(order) = stashed.order else { return self.deliver(gauge, stashed.raw, stashed.main) };
+        let number = order.number;
+        let Some(i) = self.rings.iter().position(|r| r.id() == order.ring) else {
             return self.deliver(gauge, stashed.raw, stashed.main);
         };
         if self.rings[i].next() < number {
@@ -351,7 +357,7 @@ impl<T: DeserializeOwned> Inbox<T> {
         match incoming {
             Ok(Incoming::Message { value, .. }) => {
                 gauge.free_place();
-                Look::Got(value.map_err(|m| Missing::Failed(checked(RecvError::Malformed(m)))))
+                Look::Got(value.map_err(|m| self.undecodable(m)))
             }
             Ok(Incoming::Redirect(_) | Incoming::Ring(_)) if !main => Look::Got(Err(Missing::Failed(
                 RecvError::Malformed("a spilled batch holds a frame that only a channel's socket may".into()),
@@ -407,14 +413,48 @@ impl<T: DeserializeOwned> Inbox<T> {
         None
     }
 
+    /// A message that did not decode, with the types of both ends when they differ.
+    fn undecodable(&self, why: String) -> Missing {
+        let why = match &self.sender_sends {
+            Some(sends) => {
+                format!("{why} (the sender sends {sends}, this receiver takes {})", std::any::type_name::<T>())
+            }
+            None => why,
+        };
+        Missing::Failed(checked(RecvError::Malformed(why)))
+    }
+
+    /// Takes the wake frames at the head of the socket; true when another frame (or the end)
+    /// is there to read. A wake for a message that was taken from its ring before the wake was
+    /// read leaves the socket readable with nothing to receive: a waiter would be told
+    /// "ready" for nothing.
+    fn take_wakes(&mut self, gauge: &Gauge) -> bool {
+        let mut head = [0u8; 2];
+        loop {
+            match self.main.peek(&mut head) {
+                None => return false,
+                Some(bytes) if !frame::is_wake(bytes) => return true,
+                Some(_) => {}
+            }
+            let Ok(raw) = receive_raw(&self.main, &mut self.buf, Wait::Not) else { return true };
+            gauge.frame_read();
+            if !frame::is_wake(&self.buf[raw.0.clone()]) {
+                // Not the frame peeked at (another process reads this socket too): it is the
+                // next to deliver.
+                self.stash = Some(Stashed { order: frame::order_of(&self.buf[raw.0.clone()]), raw, main: true });
+                return true;
+            }
+            let _ = self.deliver(gauge, raw, true);
+        }
+    }
+
     /// Takes ring `i`'s first message.
     fn pop_ring(&mut self, gauge: &Gauge, i: usize) -> Result<T, Missing> {
         match self.rings[i].pop(&mut self.entry) {
             Ok(Some(_)) => {
                 RING_MESSAGES.fetch_add(1, Ordering::Relaxed);
                 gauge.free_place();
-                wire::decode_on(&self.entry, Vec::new(), Some(&*self.leases))
-                    .map_err(|m| Missing::Failed(checked(RecvError::Malformed(m))))
+                wire::decode_on(&self.entry, Vec::new(), Some(&*self.leases)).map_err(|m| self.undecodable(m))
             }
             Ok(None) => Err(Missing::Empty),
             Err(why) => {
@@ -460,6 +500,10 @@ impl<T: DeserializeOwned> Inbox<T> {
             self.spill = None;
         }
         if self.stash.is_some() || self.rings_ready() {
+            return Some(Readiness::Ready);
+        }
+        // The socket: ready when a frame other than a wake is there (or its end).
+        if self.spill.is_none() && self.take_wakes(gauge) {
             return Some(Readiness::Ready);
         }
         let asleep = gauge.asleep();

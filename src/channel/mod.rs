@@ -16,7 +16,7 @@ pub use select::Select;
 use std::fmt;
 use std::io;
 use std::marker::PhantomData;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
@@ -34,6 +34,7 @@ use crate::error::{
     TrySendError,
 };
 use crate::lifetime::{ConnectionKey, ConnectionLeases, Lease};
+use crate::protocol::{Hello, Refusal};
 use crate::sys::{Listening, MemoryFile, Socket};
 use crate::wire::{self, Carried, Held};
 
@@ -313,7 +314,7 @@ impl<T: Serialize> Sender<T> {
         let gauge = Gauge::new(0, socket.send_buffer())?;
         let memory = gauge.memory()?;
         socket
-            .send(&[&Hello::CURRENT.bytes()], &[memory.as_fd()], crate::sys::Wait::Forever)
+            .send(&[&Hello::of::<T>(()).encode()], &[memory.as_fd()], crate::sys::Wait::Forever)
             .map_err(wire::io_error)?;
         Ok(Sender { outbox: Outbox::attach(Arc::new(socket), gauge), _message: PhantomData })
     }
@@ -933,23 +934,8 @@ impl<S: Serialize + DeserializeOwned, R: Serialize + DeserializeOwned> Duplex<S,
     }
 }
 
-/// The first message on a named connection: tells a listener that a cuda-mp sender connected;
-/// it brings the connection's shared counters (its one descriptor).
-struct Hello {
-    magic: [u8; 8],
-    version: u32,
-}
-
-impl Hello {
-    const CURRENT: Hello = Hello { magic: *b"cuda-mp\0", version: 4 };
-
-    fn bytes(&self) -> [u8; 12] {
-        let mut b = [0u8; 12];
-        b[..8].copy_from_slice(&self.magic);
-        b[8..].copy_from_slice(&self.version.to_le_bytes());
-        b
-    }
-}
+/// The most bytes a named connection's hello may have (a message type's name is in it).
+const HELLO_BYTES: usize = 64 << 10;
 
 /// How long an accepted peer has to say hello.
 const HELLO_WAIT: Duration = Duration::from_secs(10);
@@ -1057,27 +1043,28 @@ impl<T: Serialize + DeserializeOwned> Listener<T> {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Err(Error::Timeout(timeout)),
             Err(e) => return Err(wire::io_error(e)),
         };
-        let gauge = accept_hello(&socket)?;
-        Ok(Receiver::from_parts(Arc::new(socket), None, gauge, Default::default()))
+        let (gauge, sends) = accept_hello::<T>(&socket)?;
+        let rx = Receiver::from_parts(Arc::new(socket), None, gauge, Default::default());
+        rx.lock().sender_sends = sends;
+        Ok(rx)
     }
 }
 
-/// The connection's shared counters, once the peer said hello.
-fn accept_hello(socket: &Socket) -> Result<Gauge> {
-    let not_ours = || Error::Malformed("the peer is not a cuda-mp sender of this version".into());
-    let hello = match socket.recv(64, Wait::Until(Instant::now() + HELLO_WAIT)) {
+/// The connection's shared counters, once the peer said hello, and what the peer sends when
+/// that is not `T` (see [`Listener::accept`]).
+fn accept_hello<T>(socket: &Socket) -> Result<(Gauge, Option<String>)> {
+    let hello = match socket.recv(HELLO_BYTES, Wait::Until(Instant::now() + HELLO_WAIT)) {
         Ok(Some(hello)) => hello,
         Ok(None) => return Err(Error::Malformed("the peer closed the connection before its hello".into())),
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
             return Err(Error::Malformed(format!("the peer said no hello within {HELLO_WAIT:?}")))
         }
-        Err(e) if e.kind() == io::ErrorKind::InvalidData => return Err(not_ours()),
+        Err(e) if e.kind() == io::ErrorKind::InvalidData => return Err(Refusal::Foreign.error()),
         Err(e) => return Err(wire::io_error(e)),
     };
-    if hello.bytes != Hello::CURRENT.bytes() || hello.fds.len() != 1 {
-        return Err(not_ours());
-    }
-    let fd = hello.fds.into_iter().next().ok_or_else(not_ours)?;
-    let memory = MemoryFile::open(fd, gauge::BYTES).map_err(|_| not_ours())?;
-    Gauge::from_memory(Arc::new(memory))
+    let said = Hello::<()>::decode(&hello.bytes).map_err(|r| r.error())?;
+    let [fd] = <[OwnedFd; 1]>::try_from(hello.fds).map_err(|_| Refusal::Foreign.error())?;
+    let memory = MemoryFile::open(fd, gauge::BYTES).map_err(|_| Refusal::Foreign.error())?;
+    let other = (!said.sends::<T>()).then_some(said.message);
+    Ok((Gauge::from_memory(Arc::new(memory))?, other))
 }

@@ -31,8 +31,9 @@ impl<T: DeserializeOwned> Watch for Receiver<T> {
 /// one whose index comes back. The receivers are borrowed, not consumed: they stay usable
 /// alone, and may be selected again.
 ///
-/// Readiness is a promise about the next receive only as long as nobody else receives from the
-/// same receiver meanwhile, and may rarely be spurious: receive with
+/// Readiness is a promise about the next receive as long as nobody else receives from the
+/// same receiver meanwhile (a receiver that another thread is receiving from is reported ready
+/// when its socket is readable, which may be for that thread's message): receive with
 /// [`try_recv`](Receiver::try_recv) and select again on [`TryRecvError::Empty`]. A receiver
 /// whose senders are all gone is always ready (its receive reports the disconnection); remove
 /// it with [`remove`](Self::remove). When several are ready, they take turns.
@@ -201,10 +202,14 @@ impl<'a> Select<'a> {
             let wait = deadline.map_or(Wait::Forever, Wait::Until);
             let ready =
                 crate::sys::wait_readable(&fds, wait).map_err(|e| SelectTimeoutError::Io(IoFailure::from(e)))?;
-            if let Some(&(i, _, _)) = waits.iter().zip(&ready).find(|(_, &r)| r).map(|(w, _)| w) {
-                return Ok(self.chosen(i));
+            // A readable socket is looked at again, unless another thread is receiving from it
+            // (it could not be looked at): what made it readable may be a wake for a message
+            // already received, which the next look takes away.
+            let unlooked = waits.iter().zip(&ready).find(|((_, _, asleep), &r)| r && asleep.is_none());
+            if let Some(((i, _, _), _)) = unlooked {
+                return Ok(self.chosen(*i));
             }
-            if deadline.is_some_and(|d| Instant::now() >= d) {
+            if deadline.is_some_and(|d| Instant::now() >= d) && !ready.contains(&true) {
                 return Err(SelectTimeoutError::Timeout);
             }
         }

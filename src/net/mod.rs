@@ -18,26 +18,26 @@ use crate::error::{Error, IoFailure, RecvError, RecvTimeoutError, Result, SendEr
 use crate::gpu::{Communicator, Device, GpuStorage, UniqueId};
 use crate::os::catch_quietly;
 use crate::profile::{self, Phase};
+use crate::protocol::{self, kind};
 use crate::storage::remote::{self as codec, Budget, Incoming, Outgoing};
 use crate::sys::tcp;
 use crate::wire;
 
-/// The version of the remote protocol; both ends must speak the same.
+/// The version of the protocol, local and remote; both ends must speak the same.
 ///
 /// ```
-/// assert_eq!(cuda_mp::REMOTE_PROTOCOL_VERSION, 1);
+/// assert_eq!(cuda_mp::REMOTE_PROTOCOL_VERSION, 5);
 /// ```
-pub const REMOTE_PROTOCOL_VERSION: u32 = 1;
-
-const MAGIC: [u8; 8] = *b"cuda-mp\0";
+pub const REMOTE_PROTOCOL_VERSION: u32 = protocol::VERSION;
 
 /// The largest handshake message either end reads.
 const HANDSHAKE_BYTES: usize = 64 << 10;
 
-/// Frame trailer: kind (1), transfers (4), host bytes (8).
-const TRAILER: usize = 13;
-const KIND_MESSAGE: u8 = 0;
-const KIND_SETUP: u8 = 1;
+/// A frame's header after its length: kind (1), transfers (4), host bytes (8).
+const HEADER: usize = 13;
+/// What a frame's bytes start with before its payload: the length (4), then the header. A
+/// payload is encoded after this many reserved bytes, which [`frame`] fills in.
+const HEAD: usize = 4 + HEADER;
 
 /// What a receiver writes back once a message's GPU bytes have arrived: a sender's `send`
 /// returns only then, so a sender that exits right after cannot take bytes still on their way
@@ -153,7 +153,7 @@ impl RemoteOptions {
     /// The largest frame (a message's serialized form, tensor bytes excluded) either end
     /// writes or reads: 256 MiB by default. A peer that announces more is refused.
     pub fn max_frame_bytes(mut self, bytes: usize) -> Self {
-        self.max_frame_bytes = bytes.min(u32::MAX as usize - TRAILER);
+        self.max_frame_bytes = bytes.min(u32::MAX as usize - HEADER);
         self
     }
 
@@ -233,15 +233,14 @@ impl HostIdentity {
     }
 }
 
-#[derive(Serialize, Deserialize)]
-struct Hello {
-    magic: [u8; 8],
-    version: u32,
-    /// The message type's name: both ends must agree on what the bytes mean.
-    message: String,
+/// What a remote hello adds to the shared one (`src/protocol.rs`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Remote {
     host: HostIdentity,
     network_only: bool,
 }
+
+type Hello = protocol::Hello<Remote>;
 
 #[derive(Serialize, Deserialize)]
 enum Welcome {
@@ -292,21 +291,29 @@ fn io_error(e: io::Error, waiting_for: &str, timeout: Duration) -> Error {
 }
 
 fn write_handshake<M: Serialize>(stream: &TcpStream, message: &M, timeout: Duration) -> Result<()> {
-    let body = postcard::to_allocvec(message).map_err(|e| malformed("handshake", e))?;
+    write_handshake_bytes(stream, postcard::to_allocvec(message).map_err(|e| malformed("handshake", e))?, timeout)
+}
+
+/// A handshake message's bytes, length-prefixed.
+fn write_handshake_bytes(stream: &TcpStream, body: Vec<u8>, timeout: Duration) -> Result<()> {
     let mut frame = (body.len() as u32).to_le_bytes().to_vec();
     frame.extend_from_slice(&body);
     tcp::write_all(stream, &frame, Instant::now() + timeout).map_err(|e| io_error(e, "the handshake", timeout))
 }
 
 fn read_handshake<M: DeserializeOwned>(stream: &TcpStream, timeout: Duration) -> Result<M> {
+    postcard::from_bytes(&read_handshake_bytes(stream, timeout)?).map_err(|e| malformed("undecodable handshake", e))
+}
+
+/// The next handshake message's bytes.
+fn read_handshake_bytes(stream: &TcpStream, timeout: Duration) -> Result<Vec<u8>> {
     let deadline = Instant::now() + timeout;
     let mut reader = FrameReader::new(HANDSHAKE_BYTES);
-    let body = match reader.read(stream, Some(deadline)) {
-        Ok(Some(body)) => body,
-        Ok(None) => return Err(Error::Malformed("the peer closed the connection during the handshake".into())),
-        Err(e) => return Err(io_error(e, "the handshake", timeout)),
-    };
-    postcard::from_bytes(&body).map_err(|e| malformed("undecodable handshake", e))
+    match reader.read(stream, Some(deadline)) {
+        Ok(Some(body)) => Ok(body),
+        Ok(None) => Err(Error::Malformed("the peer closed the connection during the handshake".into())),
+        Err(e) => Err(io_error(e, "the handshake", timeout)),
+    }
 }
 
 /// Reads length-prefixed frames; a read that times out keeps what it read for the next one.
@@ -376,25 +383,25 @@ impl FrameReader {
     }
 }
 
-/// A frame: its payload, then the trailer.
+/// A frame: its length, its header, then its payload (encoded after [`HEAD`] reserved bytes).
 fn frame(mut payload: Vec<u8>, kind: u8, transfers: u32, host_bytes: u64) -> Vec<u8> {
-    payload.push(kind);
-    payload.extend_from_slice(&transfers.to_le_bytes());
-    payload.extend_from_slice(&host_bytes.to_le_bytes());
     let len = (payload.len() - 4) as u32;
     payload[..4].copy_from_slice(&len.to_le_bytes());
+    payload[4] = kind;
+    payload[5..9].copy_from_slice(&transfers.to_le_bytes());
+    payload[9..HEAD].copy_from_slice(&host_bytes.to_le_bytes());
     payload
 }
 
-/// A frame's body split into its payload and trailer.
+/// A frame's body (after its length) split into its header and payload.
 fn parse_frame(body: &[u8]) -> Result<(&[u8], u8, u32, u64)> {
-    if body.len() < TRAILER {
-        return Err(Error::Malformed(format!("a frame of {} bytes is shorter than its trailer", body.len())));
+    if body.len() < HEADER {
+        return Err(Error::Malformed(format!("a frame of {} bytes is shorter than its header", body.len())));
     }
-    let (payload, trailer) = body.split_at(body.len() - TRAILER);
-    let kind = trailer[0];
-    let transfers = u32::from_le_bytes(trailer[1..5].try_into().expect("4 bytes"));
-    let host_bytes = u64::from_le_bytes(trailer[5..13].try_into().expect("8 bytes"));
+    let (header, payload) = body.split_at(HEADER);
+    let kind = header[0];
+    let transfers = u32::from_le_bytes(header[1..5].try_into().expect("4 bytes"));
+    let host_bytes = u64::from_le_bytes(header[5..13].try_into().expect("8 bytes"));
     Ok((payload, kind, transfers, host_bytes))
 }
 
@@ -493,29 +500,24 @@ impl<T: Serialize + DeserializeOwned> RemoteListener<T> {
 
     fn handshake(&self, stream: TcpStream) -> Result<RemoteReceiver<T>> {
         let timeout = self.options.handshake_timeout;
-        let hello: Hello = read_handshake(&stream, timeout)?;
         let refuse = |why: String, error: Error| {
             let _ = write_handshake(&stream, &Welcome::Refused(why), timeout);
             Err(error)
         };
-        if hello.magic != MAGIC {
-            return refuse("not a cuda-mp peer".into(), Error::Malformed("the peer is not a cuda-mp sender".into()));
-        }
-        if hello.version != REMOTE_PROTOCOL_VERSION {
-            let why = format!(
-                "protocol version {} here, {} at the sender: use the same cuda-mp version on both ends",
-                REMOTE_PROTOCOL_VERSION, hello.version
-            );
-            return refuse(why.clone(), Error::Unsupported(why));
-        }
+        let hello = match Hello::decode(&read_handshake_bytes(&stream, timeout)?) {
+            Ok(hello) => hello,
+            Err(refusal) => return refuse(refusal.reason(), refusal.error()),
+        };
         let here = std::any::type_name::<T>();
-        if hello.message != here {
+        if !hello.sends::<T>() {
             let why = format!("the listener receives {here}, the sender sends {}", hello.message);
             return refuse(why.clone(), Error::Unsupported(why));
         }
         let identity = host_identity();
-        let same_host =
-            !hello.network_only && !self.options.network_only && identity.is_known() && hello.host == identity;
+        let same_host = !hello.extra.network_only
+            && !self.options.network_only
+            && identity.is_known()
+            && hello.extra.host == identity;
         if same_host {
             let local = Listener::<T>::bind()?;
             write_handshake(&stream, &Welcome::SameHost(local.name().to_string()), timeout)?;
@@ -532,7 +534,7 @@ impl<T: Serialize + DeserializeOwned> RemoteListener<T> {
             write_handshake(&stream, &Welcome::Network(Limits::of(&self.options)), timeout)?;
         }
         let net = NetReceiver {
-            reader: FrameReader::new(self.options.max_frame_bytes.saturating_add(TRAILER)),
+            reader: FrameReader::new(self.options.max_frame_bytes.saturating_add(HEADER)),
             stream,
             comm: None,
             spare: VecDeque::new(),
@@ -623,14 +625,8 @@ impl<T: Serialize + DeserializeOwned> RemoteSender<T> {
         };
         stream.set_nodelay(true)?;
         let timeout = options.handshake_timeout;
-        let hello = Hello {
-            magic: MAGIC,
-            version: REMOTE_PROTOCOL_VERSION,
-            message: std::any::type_name::<T>().to_string(),
-            host: host_identity(),
-            network_only: options.network_only,
-        };
-        write_handshake(&stream, &hello, timeout)?;
+        let hello = Hello::of::<T>(Remote { host: host_identity(), network_only: options.network_only });
+        write_handshake_bytes(&stream, hello.encode(), timeout)?;
         match read_handshake::<Welcome>(&stream, timeout)? {
             Welcome::Refused(why) => Err(Error::Unsupported(format!("the listener refused: {why}"))),
             Welcome::SameHost(name) => match Sender::<T>::connect(&name) {
@@ -679,7 +675,7 @@ impl NetSender {
             return Err(SendFailure::Disconnected);
         }
         // Four bytes kept for the frame's length.
-        let (encoded, outgoing) = codec::encode(|| catch_quietly(|| postcard::to_extend(value, vec![0u8; 4])));
+        let (encoded, outgoing) = codec::encode(|| catch_quietly(|| postcard::to_extend(value, vec![0u8; HEAD])));
         let bytes = match encoded {
             Ok(Ok(bytes)) => bytes,
             Ok(Err(e)) => {
@@ -689,10 +685,10 @@ impl NetSender {
             }
             Err(panic) => return Err(SendFailure::Serialize(format!("serialization panicked: {panic}"))),
         };
-        if bytes.len() - 4 > self.options.max_frame_bytes {
+        if bytes.len() - HEAD > self.options.max_frame_bytes {
             return Err(SendFailure::Serialize(format!(
                 "the message takes {} bytes; the frame limit is {} (RemoteOptions::max_frame_bytes)",
-                bytes.len() - 4,
+                bytes.len() - HEAD,
                 self.options.max_frame_bytes
             )));
         }
@@ -720,8 +716,8 @@ impl NetSender {
                 "the message has {have} {what}; the receiver takes at most {limit} (its RemoteOptions)"
             )))
         };
-        if (bytes.len() - 4) as u64 > self.peer.frame_bytes {
-            return over("bytes of frame", (bytes.len() - 4) as u64, self.peer.frame_bytes);
+        if (bytes.len() - HEAD) as u64 > self.peer.frame_bytes {
+            return over("bytes of frame", (bytes.len() - HEAD) as u64, self.peer.frame_bytes);
         }
         if outgoing.len() as u64 > u64::from(self.peer.tensors) {
             return over("tensors", outgoing.len() as u64, u64::from(self.peer.tensors));
@@ -729,7 +725,7 @@ impl NetSender {
         if host_bytes > self.peer.host_bytes {
             return over("bytes of host tensors", host_bytes, self.peer.host_bytes);
         }
-        let message = frame(bytes, KIND_MESSAGE, outgoing.len() as u32, host_bytes);
+        let message = frame(bytes, kind::MESSAGE, outgoing.len() as u32, host_bytes);
         // The communicator's identity, made before anything is written: without NCCL the send
         // fails and the connection stays open for messages without GPU tensors.
         let needs_comm = outgoing.iter().any(|o| matches!(o, Outgoing::Gpu { len, .. } if *len > 0));
@@ -783,9 +779,9 @@ impl NetSender {
         };
         let needs_comm = gpu.iter().any(|r| !r.is_empty());
         if let Some((id, device)) = setup {
-            let mut payload = vec![0u8; 4];
+            let mut payload = vec![0u8; HEAD];
             payload.extend_from_slice(&id.0);
-            tcp::write_all(&self.stream, &frame(payload, KIND_SETUP, 0, 0), deadline).map_err(failed)?;
+            tcp::write_all(&self.stream, &frame(payload, kind::NCCL_SETUP, 0, 0), deadline).map_err(failed)?;
             let stream = &self.stream;
             let comm = Communicator::join(&device, &id, 0, deadline, &mut || !tcp::peer_closed(stream))
                 .map_err(send_failure)?;
@@ -978,8 +974,8 @@ impl NetReceiver {
             };
             let (payload, kind, transfers, host_bytes) = parse_frame(&body).map_err(recv_error)?;
             match kind {
-                KIND_SETUP => self.join(payload).map_err(recv_error)?,
-                KIND_MESSAGE => return self.message(payload, transfers, host_bytes),
+                kind::NCCL_SETUP => self.join(payload).map_err(recv_error)?,
+                kind::MESSAGE => return self.message(payload, transfers, host_bytes),
                 other => return Err(RecvTimeoutError::Malformed(format!("unknown frame kind {other}"))),
             }
         }
@@ -1135,14 +1131,13 @@ mod tests {
 
     type Msg = (String, HostTensor<u8>);
 
-    fn hello<T>(version: u32) -> Hello {
-        Hello {
-            magic: MAGIC,
-            version,
-            message: std::any::type_name::<T>().to_string(),
-            host: host_identity(),
-            network_only: true,
-        }
+    /// A hello's bytes, of `version` (the fields after it are this version's).
+    fn hello<T>(version: u32) -> Vec<u8> {
+        let ours = Hello::of::<T>(Remote { host: host_identity(), network_only: true }).encode();
+        let mut bytes = postcard::to_allocvec(&(crate::protocol::MAGIC, version)).unwrap();
+        let (_, rest) = postcard::take_from_bytes::<([u8; 8], u32)>(&ours).unwrap();
+        bytes.extend_from_slice(rest);
+        bytes
     }
 
     /// A receiver whose peer is a raw socket that did the handshake by hand.
@@ -1157,7 +1152,7 @@ mod tests {
         let hello = hello::<T>(REMOTE_PROTOCOL_VERSION);
         let peer = std::thread::spawn(move || {
             let s = TcpStream::connect(addr).unwrap();
-            write_handshake(&s, &hello, Duration::from_secs(5)).unwrap();
+            write_handshake_bytes(&s, hello, Duration::from_secs(5)).unwrap();
             assert!(matches!(read_handshake::<Welcome>(&s, Duration::from_secs(5)).unwrap(), Welcome::Network(_)));
             s
         });
@@ -1166,7 +1161,7 @@ mod tests {
     }
 
     fn payload(value: &Msg) -> Vec<u8> {
-        codec::encode(|| postcard::to_extend(value, vec![0u8; 4])).0.unwrap()
+        codec::encode(|| postcard::to_extend(value, vec![0u8; HEAD])).0.unwrap()
     }
 
     /// What the receiver says after the peer wrote `bytes` and closed its side, then next.
@@ -1186,7 +1181,7 @@ mod tests {
     #[test]
     fn a_well_formed_forged_message_is_received() {
         let (mut peer, rx) = forged_peer(RemoteOptions::default());
-        let mut bytes = frame(payload(&small()), KIND_MESSAGE, 1, 4);
+        let mut bytes = frame(payload(&small()), kind::MESSAGE, 1, 4);
         bytes.extend_from_slice(&[9, 8, 7, 6]);
         std::io::Write::write_all(&mut peer, &bytes).unwrap();
         let (name, t) = rx.recv_timeout(Duration::from_secs(10)).unwrap();
@@ -1198,15 +1193,15 @@ mod tests {
         let options = || RemoteOptions::default().max_frame_bytes(1 << 10).max_host_bytes(1 << 20);
         let cases: Vec<(&str, Vec<u8>, &str)> = vec![
             ("over the frame limit", vec![0xff, 0xff, 0, 0], "limit"),
-            ("shorter than its trailer", vec![3, 0, 0, 0, 1, 2, 3], "trailer"),
-            ("unknown kind", frame(vec![0; 4], 9, 0, 0), "unknown frame kind"),
-            ("undecodable payload", frame(vec![0, 0, 0, 0, 0xff, 0xff, 0xff], KIND_MESSAGE, 0, 0), "undecodable"),
-            ("transfers miscounted", frame(payload(&small()), KIND_MESSAGE, 3, 4), "announces 3 tensors"),
-            ("host bytes miscounted", frame(payload(&small()), KIND_MESSAGE, 1, 9), "announces 9 host bytes"),
-            ("host bytes over the limit", frame(payload(&small()), KIND_MESSAGE, 1, 1 << 40), "limit"),
-            ("a set-up of the wrong size", frame(vec![0; 4 + 5], KIND_SETUP, 0, 0), "not 128"),
+            ("shorter than its header", vec![3, 0, 0, 0, 1, 2, 3], "header"),
+            ("unknown kind", frame(vec![0; HEAD], 9, 0, 0), "unknown frame kind"),
+            ("undecodable payload", frame([&[0; HEAD][..], &[0xff; 3]].concat(), kind::MESSAGE, 0, 0), "undecodable"),
+            ("transfers miscounted", frame(payload(&small()), kind::MESSAGE, 3, 4), "announces 3 tensors"),
+            ("host bytes miscounted", frame(payload(&small()), kind::MESSAGE, 1, 9), "announces 9 host bytes"),
+            ("host bytes over the limit", frame(payload(&small()), kind::MESSAGE, 1, 1 << 40), "limit"),
+            ("a set-up of the wrong size", frame(vec![0; HEAD + 5], kind::NCCL_SETUP, 0, 0), "not 128"),
             ("a frame cut short", vec![100, 0, 0, 0, 1, 2], "ended inside a frame"),
-            ("host bytes cut short", frame(payload(&small()), KIND_MESSAGE, 1, 4), "mid-message"),
+            ("host bytes cut short", frame(payload(&small()), kind::MESSAGE, 1, 4), "mid-message"),
         ];
         for (what, bytes, expect) in cases {
             let (first, second) = after(bytes, options());
@@ -1220,22 +1215,22 @@ mod tests {
         let empties = |n: usize| {
             let v: Vec<RemoteTensorForTest> =
                 (0..n).map(|_| RemoteTensorForTest { dtype: crate::DType::U8.tag(), shape: vec![0] }).collect();
-            postcard::to_extend(&v, vec![0u8; 4]).unwrap()
+            postcard::to_extend(&v, vec![0u8; HEAD]).unwrap()
         };
         let receiver = forged_peer_of::<Vec<HostTensor<u8>>>;
         // More tensors than the frame announces: refused at the first one too many.
         let (mut peer, rx) = receiver(RemoteOptions::default());
-        std::io::Write::write_all(&mut peer, &frame(empties(50_000), KIND_MESSAGE, 10, 0)).unwrap();
+        std::io::Write::write_all(&mut peer, &frame(empties(50_000), kind::MESSAGE, 10, 0)).unwrap();
         let err = rx.recv_timeout(Duration::from_secs(10)).unwrap_err().to_string();
         assert!(err.contains("more tensors than its frame announces"), "{err}");
         // More than the limit: refused before decoding.
         let (mut peer, rx) = receiver(RemoteOptions::default().max_tensors(100));
-        std::io::Write::write_all(&mut peer, &frame(empties(101), KIND_MESSAGE, 101, 0)).unwrap();
+        std::io::Write::write_all(&mut peer, &frame(empties(101), kind::MESSAGE, 101, 0)).unwrap();
         let err = rx.recv_timeout(Duration::from_secs(10)).unwrap_err().to_string();
         assert!(err.contains("the limit is 100"), "{err}");
         // Empty tensors, announced honestly, share one allocation: no descriptor each.
         let (mut peer, rx) = receiver(RemoteOptions::default());
-        std::io::Write::write_all(&mut peer, &frame(empties(5_000), KIND_MESSAGE, 5_000, 0)).unwrap();
+        std::io::Write::write_all(&mut peer, &frame(empties(5_000), kind::MESSAGE, 5_000, 0)).unwrap();
         let got = rx.recv_timeout(Duration::from_secs(10)).unwrap();
         assert_eq!(got.len(), 5_000);
         assert!(got.windows(2).all(|w| w[0].storage_id() == w[1].storage_id()));
@@ -1246,13 +1241,13 @@ mod tests {
         let (mut peer, rx) = forged_peer(RemoteOptions::default());
         let mut payload = payload(&small());
         payload.extend_from_slice(&[1, 2, 3]);
-        std::io::Write::write_all(&mut peer, &frame(payload, KIND_MESSAGE, 1, 4)).unwrap();
+        std::io::Write::write_all(&mut peer, &frame(payload, kind::MESSAGE, 1, 4)).unwrap();
         let err = rx.recv_timeout(Duration::from_secs(10)).unwrap_err().to_string();
         assert!(err.contains("3 bytes after the message's end"), "{err}");
 
         let (mut peer, rx) = forged_peer_of::<crate::GpuTensor<f32>>(RemoteOptions::default());
         let tensor = RemoteTensorForTest { dtype: crate::DType::F32.tag(), shape: vec![1 << 20] };
-        let bytes = frame(postcard::to_extend(&tensor, vec![0u8; 4]).unwrap(), KIND_MESSAGE, 1, 0);
+        let bytes = frame(postcard::to_extend(&tensor, vec![0u8; HEAD]).unwrap(), kind::MESSAGE, 1, 0);
         std::io::Write::write_all(&mut peer, &bytes).unwrap();
         let err = rx.recv_timeout(Duration::from_secs(10)).unwrap_err().to_string();
         assert!(err.contains("before the NCCL set-up"), "{err}");
@@ -1261,7 +1256,7 @@ mod tests {
     #[test]
     fn a_receiver_without_a_gpu_refuses_the_nccl_set_up() {
         let (first, second) =
-            after(frame(vec![0; 4 + 128], KIND_SETUP, 0, 0), RemoteOptions::default().without_device());
+            after(frame(vec![0; HEAD + 128], kind::NCCL_SETUP, 0, 0), RemoteOptions::default().without_device());
         assert!(first.contains("no GPU set"), "{first}");
         assert!(second.contains("disconnected"), "{second}");
     }
@@ -1271,7 +1266,7 @@ mod tests {
         let (mut peer, rx) = forged_peer(RemoteOptions::default().max_host_bytes(1 << 20));
         // A shape of 2^40 bytes, announced honestly: over the message's budget.
         let shape_only = ("x".to_string(), RemoteTensorForTest { dtype: crate::DType::U8.tag(), shape: vec![1 << 40] });
-        let bytes = frame(postcard::to_extend(&shape_only, vec![0u8; 4]).unwrap(), KIND_MESSAGE, 1, 1 << 20);
+        let bytes = frame(postcard::to_extend(&shape_only, vec![0u8; HEAD]).unwrap(), kind::MESSAGE, 1, 1 << 20);
         std::io::Write::write_all(&mut peer, &bytes).unwrap();
         let err = rx.recv_timeout(Duration::from_secs(10)).unwrap_err().to_string();
         assert!(err.contains("more than the message may still claim"), "{err}");
@@ -1290,14 +1285,14 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let peer = std::thread::spawn(move || {
             let s = TcpStream::connect(addr).unwrap();
-            write_handshake(&s, &hello::<u8>(REMOTE_PROTOCOL_VERSION + 1), Duration::from_secs(5)).unwrap();
+            write_handshake_bytes(&s, hello::<u8>(REMOTE_PROTOCOL_VERSION + 1), Duration::from_secs(5)).unwrap();
             match read_handshake::<Welcome>(&s, Duration::from_secs(5)).unwrap() {
                 Welcome::Refused(why) => why,
                 _ => panic!("not refused"),
             }
         });
         let err = listener.accept().unwrap_err().to_string();
-        assert!(err.contains("protocol version 1 here, 2 at the sender"), "{err}");
+        assert!(err.contains("protocol version 5 here, 6 at the peer"), "{err}");
         assert!(peer.join().unwrap().contains("protocol version"));
     }
 
@@ -1305,7 +1300,7 @@ mod tests {
     fn a_sender_that_dies_mid_message_does_not_hang_the_receiver() {
         let (mut peer, rx) = forged_peer(RemoteOptions::default().transfer_timeout(Duration::from_secs(30)));
         let value = ("x".to_string(), HostTensor::<u8>::zeros(&[1 << 20]).unwrap());
-        let mut bytes = frame(payload(&value), KIND_MESSAGE, 1, 1 << 20);
+        let mut bytes = frame(payload(&value), kind::MESSAGE, 1, 1 << 20);
         bytes.extend_from_slice(&[0; 1000]);
         std::io::Write::write_all(&mut peer, &bytes).unwrap();
         let start = Instant::now();
@@ -1322,7 +1317,7 @@ mod tests {
     #[test]
     fn a_transfer_that_stalls_times_out() {
         let (mut peer, rx) = forged_peer(RemoteOptions::default().transfer_timeout(Duration::from_millis(200)));
-        let bytes = frame(payload(&small()), KIND_MESSAGE, 1, 4);
+        let bytes = frame(payload(&small()), kind::MESSAGE, 1, 4);
         std::io::Write::write_all(&mut peer, &bytes).unwrap();
         let err = rx.recv().unwrap_err().to_string();
         assert!(err.contains("did not arrive within"), "{err}");

@@ -188,6 +188,22 @@ impl Socket {
         rustix::io::ioctl_fionread(&self.0).map_or(0, |n| n as usize)
     }
 
+    /// The first bytes of the next message (after the transport's header, at most `buf`'s
+    /// length), without taking it; `None` when nothing is there to read. The end of the
+    /// connection reads as an empty message.
+    pub(crate) fn peek<'b>(&self, buf: &'b mut [u8]) -> Option<&'b [u8]> {
+        let mut head = [0u8; HEADER + 8];
+        let want = (HEADER + buf.len()).min(head.len());
+        match rustix::net::recv(&self.0, &mut head[..want], RecvFlags::PEEK | RecvFlags::DONTWAIT) {
+            Ok((_, n)) => {
+                let body = n.saturating_sub(HEADER);
+                buf[..body].copy_from_slice(&head[HEADER..HEADER + body]);
+                Some(&buf[..body])
+            }
+            Err(_) => None,
+        }
+    }
+
     /// The send buffer the kernel gave this socket.
     pub(crate) fn send_buffer(&self) -> usize {
         sockopt::socket_send_buffer_size(&self.0).unwrap_or(212_992)
