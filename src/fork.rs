@@ -54,7 +54,10 @@ pub(crate) fn generation() -> u64 {
     REGISTERED.call_once(|| {
         // Should this fail (only when out of memory), forked children are not told apart:
         // they behave as before this module existed.
-        let _ = crate::sys::at_fork_child(forked_child);
+        // SAFETY: `forked_child` waits on no lock (the hook it runs only tries locks) and
+        // allocates only through the C library's malloc, whose locks `fork` resets in the
+        // child (glibc); nothing unwinds out of it.
+        let _ = unsafe { crate::sys::at_fork_child(forked_child) };
     });
     GENERATION.load(Ordering::Acquire)
 }

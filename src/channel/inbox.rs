@@ -44,6 +44,9 @@ pub(super) struct Inbox<T> {
     buf: Vec<u8>,
     /// Where a ring's entry is copied to before it is decoded.
     entry: Vec<u8>,
+    /// A failure met while taking wake frames off the socket (`take_wakes`), for the next
+    /// receive to report.
+    failure: Option<RecvError>,
     /// A frame that came before its turn (its sender's ring holds messages numbered before
     /// it): delivered after them. Its bytes stay in `buf`.
     stash: Option<Stashed>,
@@ -171,13 +174,13 @@ impl<T> Inbox<T> {
         Some((self.buf[range.clone()].to_vec(), fds.iter().map(|fd| fd.as_fd()).collect(), *main))
     }
 
-    /// A stashed frame that came with the receiving end (ignored unless it has a place in an
-    /// order).
+    /// A stashed frame that came with the receiving end.
     pub(super) fn restash(&mut self, bytes: &[u8], fds: Vec<OwnedFd>, main: bool) {
         let len = bytes.len().min(self.buf.len());
         self.buf[..len].copy_from_slice(&bytes[..len]);
-        if let Some(order) = frame::order_of(&self.buf[..len]) {
-            self.stash = Some(Stashed { raw: (0..len, fds), main, order: Some(order) });
+        if len > 0 {
+            let order = frame::order_of(&self.buf[..len]);
+            self.stash = Some(Stashed { raw: (0..len, fds), main, order });
         }
     }
 }
@@ -193,6 +196,7 @@ impl<T: DeserializeOwned> Inbox<T> {
             unsettled: 0,
             buf: vec![0; frame::BUFFER],
             entry: Vec::new(),
+            failure: None,
             stash: None,
             leases,
             sender_sends: None,
@@ -264,6 +268,9 @@ impl<T: DeserializeOwned> Inbox<T> {
     /// were written before the frame, so they are there). A ring whose next message is still
     /// on its way (on the socket, in a batch not yet handed on) waits for it.
     fn look_once(&mut self, gauge: &Gauge, kernel: bool) -> Look<T> {
+        if let Some(failure) = self.failure.take() {
+            return Look::Got(Err(Missing::Failed(failure)));
+        }
         if let Some(stashed) = self.stash.take() {
             return self.release(gauge, stashed);
         }
@@ -436,7 +443,17 @@ impl<T: DeserializeOwned> Inbox<T> {
                 Some(bytes) if !frame::is_wake(bytes) => return true,
                 Some(_) => {}
             }
-            let Ok(raw) = receive_raw(&self.main, &mut self.buf, Wait::Not) else { return true };
+            let raw = match receive_raw(&self.main, &mut self.buf, Wait::Not) {
+                Ok(raw) => raw,
+                Err(Missing::Empty) => return false,
+                // The end stays readable: the receive finds it, and reads the rings out first.
+                Err(Missing::Failed(RecvError::Disconnected)) => return true,
+                Err(Missing::Failed(e)) => {
+                    // The frame is gone: the next receive reports why.
+                    self.failure = Some(e);
+                    return true;
+                }
+            };
             gauge.frame_read();
             if !frame::is_wake(&self.buf[raw.0.clone()]) {
                 // Not the frame peeked at (another process reads this socket too): it is the
@@ -444,7 +461,11 @@ impl<T: DeserializeOwned> Inbox<T> {
                 self.stash = Some(Stashed { order: frame::order_of(&self.buf[raw.0.clone()]), raw, main: true });
                 return true;
             }
-            let _ = self.deliver(gauge, raw, true);
+            if let Look::Got(Err(Missing::Failed(e))) = self.deliver(gauge, raw, true) {
+                // A wake frame that is not one (descriptors attached, say).
+                self.failure = Some(e);
+                return true;
+            }
         }
     }
 
@@ -499,7 +520,7 @@ impl<T: DeserializeOwned> Inbox<T> {
             // Read to its end and closed.
             self.spill = None;
         }
-        if self.stash.is_some() || self.rings_ready() {
+        if self.stash.is_some() || self.failure.is_some() || self.rings_ready() {
             return Some(Readiness::Ready);
         }
         // The socket: ready when a frame other than a wake is there (or its end).

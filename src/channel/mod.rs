@@ -1068,3 +1068,31 @@ fn accept_hello<T>(socket: &Socket) -> Result<(Gauge, Option<String>)> {
     let other = (!said.sends::<T>()).then_some(said.message);
     Ok((Gauge::from_memory(Arc::new(memory))?, other))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A wake frame whose message was already taken does not make a receiver ready, and a
+    /// frame that only looks like one is reported, not dropped.
+    #[test]
+    fn a_stale_wake_is_not_readiness_and_a_forged_one_is_reported() {
+        let (tx, rx) = channel::<u32>().unwrap();
+        tx.send(1).unwrap();
+        assert_eq!(rx.recv().unwrap(), 1);
+        tx.outbox.write_raw(&[4], &[]);
+        let mut select = Select::new();
+        select.add(&rx);
+        assert!(select.select_timeout(Duration::from_millis(50)).unwrap_err().is_timeout(), "a stale wake");
+        assert_eq!(rx.try_recv(), Err(TryRecvError::Empty));
+        // The same bytes with a descriptor attached: not a wake frame.
+        let fd = crate::sys::bell().unwrap();
+        tx.outbox.write_raw(&[4], &[fd.as_fd()]);
+        assert_eq!(select.select_timeout(Duration::from_secs(5)), Ok(0));
+        assert!(matches!(rx.try_recv(), Err(TryRecvError::Malformed(_))));
+        tx.send(2).unwrap();
+        assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(2), "the channel goes on");
+    }
+}

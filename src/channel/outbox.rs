@@ -210,6 +210,13 @@ impl Outbox {
         }
     }
 
+    /// Writes raw bytes and descriptors to the channel's socket, counted as a frame of ours.
+    #[cfg(test)]
+    pub(super) fn write_raw(&self, bytes: &[u8], fds: &[std::os::fd::BorrowedFd<'_>]) {
+        self.gauge.writing_frame();
+        self.main.send(&[bytes], fds, Wait::Forever).expect("a raw frame written");
+    }
+
     pub(super) fn gauge(&self) -> &Gauge {
         &self.gauge
     }

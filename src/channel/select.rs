@@ -31,10 +31,12 @@ impl<T: DeserializeOwned> Watch for Receiver<T> {
 /// one whose index comes back. The receivers are borrowed, not consumed: they stay usable
 /// alone, and may be selected again.
 ///
-/// Readiness is a promise about the next receive as long as nobody else receives from the
+/// Readiness is a promise about the next receive only as long as nobody else receives from the
 /// same receiver meanwhile (a receiver that another thread is receiving from is reported ready
-/// when its socket is readable, which may be for that thread's message): receive with
-/// [`try_recv`](Receiver::try_recv) and select again on [`TryRecvError::Empty`]. A receiver
+/// when its socket is readable, which may be for that thread's message), and may rarely be
+/// spurious (a frame that announces a sender's ring makes a receiver ready, and the receive
+/// finds the ring still empty): receive with [`try_recv`](Receiver::try_recv) and select again
+/// on [`TryRecvError::Empty`]. A receiver
 /// whose senders are all gone is always ready (its receive reports the disconnection); remove
 /// it with [`remove`](Self::remove). When several are ready, they take turns.
 ///

@@ -125,12 +125,15 @@ impl Shared for HostStorage {
 
 /// `bytes` zeroed bytes of fresh shared memory, sealed against resizing.
 fn fresh_memory(bytes: usize) -> Result<MemoryFile> {
-    MemoryFile::zeroed(bytes).map_err(|e| {
-        wire::descriptor_error(Error::Io(std::io::Error::new(
-            e.kind(),
-            format!("cannot allocate {bytes} bytes of shared memory: {e}"),
-        )))
-    })
+    MemoryFile::zeroed(bytes).map_err(|e| allocation_error(bytes, e))
+}
+
+/// Why `bytes` of fresh shared memory could not be had (out of descriptors, named as such).
+fn allocation_error(bytes: usize, e: std::io::Error) -> Error {
+    wire::descriptor_error(Error::Io(std::io::Error::new(
+        e.kind(),
+        format!("cannot allocate {bytes} bytes of shared memory: {e}"),
+    )))
 }
 
 impl HostStorage {
@@ -155,8 +158,7 @@ impl HostStorage {
     /// ```
     pub fn from_bytes(bytes: &[u8]) -> Result<Arc<HostStorage>> {
         Self::check_size(bytes.len())?;
-        let memory = fresh_memory(bytes.len())?;
-        memory.copy_in(0, bytes);
+        let memory = MemoryFile::holding(bytes).map_err(|e| allocation_error(bytes.len(), e))?;
         Ok(Arc::new(HostStorage(Handle::new_local(bytes.len(), Arc::new(memory)))))
     }
 

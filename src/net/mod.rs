@@ -674,7 +674,7 @@ impl NetSender {
         if self.broken {
             return Err(SendFailure::Disconnected);
         }
-        // Four bytes kept for the frame's length.
+        // HEAD bytes kept for the frame's length and header.
         let (encoded, outgoing) = codec::encode(|| catch_quietly(|| postcard::to_extend(value, vec![0u8; HEAD])));
         let bytes = match encoded {
             Ok(Ok(bytes)) => bytes,
@@ -791,9 +791,14 @@ impl NetSender {
             tcp::write_all(&self.stream, &message, deadline)?;
             for out in outgoing {
                 match out {
-                    Outgoing::Host { storage, offset, len } => {
-                        tcp::write_mapped(&self.stream, storage.memory_file().mapping(), *offset, *len, deadline)?
-                    }
+                    Outgoing::Host { storage, offset, len } => tcp::write_mapped(
+                        &self.stream,
+                        storage.memory_file().mapping(),
+                        storage.byte_len(),
+                        *offset,
+                        *len,
+                        deadline,
+                    )?,
                     Outgoing::Packed(bytes) => tcp::write_all(&self.stream, bytes, deadline)?,
                     Outgoing::Gpu { .. } => {}
                 }
@@ -1058,15 +1063,14 @@ impl NetReceiver {
         let deadline = Instant::now() + timeout;
         for arrival in &incoming {
             if let Incoming::Host(storage, len) = arrival {
-                tcp::read_mapped(&self.stream, storage.memory_file().mapping(), *len, deadline).map_err(|e| match e
-                    .kind()
-                {
-                    io::ErrorKind::TimedOut => RecvTimeoutError::Io(IoFailure::other(format!(
-                        "a host tensor did not arrive within {timeout:?}"
-                    ))),
-                    io::ErrorKind::UnexpectedEof => RecvTimeoutError::Malformed(e.to_string()),
-                    _ => RecvTimeoutError::Io(IoFailure::from(e)),
-                })?;
+                tcp::read_mapped(&self.stream, storage.memory_file().mapping(), storage.byte_len(), *len, deadline)
+                    .map_err(|e| match e.kind() {
+                        io::ErrorKind::TimedOut => RecvTimeoutError::Io(IoFailure::other(format!(
+                            "a host tensor did not arrive within {timeout:?}"
+                        ))),
+                        io::ErrorKind::UnexpectedEof => RecvTimeoutError::Malformed(e.to_string()),
+                        _ => RecvTimeoutError::Io(IoFailure::from(e)),
+                    })?;
             }
         }
         let ranges = incoming

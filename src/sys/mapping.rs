@@ -1,18 +1,21 @@
 //! One mapping of shared memory: every file this crate maps (memory files, named POSIX shared
 //! memory, named sync objects) is mapped here, and every access to mapped bytes goes through
-//! this type's bounds-checked atomic words and copies.
+//! this type's bounds-checked atomic words and copies. The copies are made of relaxed atomic
+//! accesses too (a word at a time where aligned): another thread or process writing the same
+//! bytes meanwhile garbles what is copied, which the caller checks like any input, but makes
+//! nothing undefined.
 
 use std::io;
 use std::os::fd::AsFd;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64};
+use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64, AtomicU8, Ordering};
 
 use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
 
 /// The first `len` bytes of a file, mapped shared in this process. Other processes that map
 /// the file may write it at any time: its bytes are handed out only as atomic words, copies
-/// and raw pointers, never as plain Rust references (except [`Mapping::bytes`], whose caller
-/// vouches that nobody writes them).
+/// made of atomic accesses and raw pointers, never as plain Rust references (except
+/// [`Mapping::bytes`], whose caller vouches that nobody writes them).
 #[derive(Debug)]
 pub(crate) struct Mapping {
     /// First byte (dangling when `len` is 0: nothing is mapped).
@@ -21,9 +24,9 @@ pub(crate) struct Mapping {
     writable: bool,
 }
 
-// SAFETY: the mapping belongs to the value and lives as long as it does; the value hands out
-// only atomics, copies and raw pointers, which concurrent writers (threads or processes) cannot
-// make undefined.
+// SAFETY: the mapping belongs to the value and lives as long as it does; the value accesses its
+// bytes only atomically and hands out only atomics and raw pointers, which concurrent writers
+// (threads or processes) cannot make undefined.
 unsafe impl Send for Mapping {}
 // SAFETY: as above.
 unsafe impl Sync for Mapping {}
@@ -89,15 +92,29 @@ impl Mapping {
         self.word_at(offset, 8).map(|p| unsafe { AtomicI64::from_ptr(p.cast()) })
     }
 
+    /// Whether the mapping may be written.
+    pub(crate) fn is_writable(&self) -> bool {
+        self.writable
+    }
+
     /// Copies `bytes` into the mapping at `offset`; false (nothing written) when they do not
     /// fit or the mapping is read-only.
     pub(crate) fn copy_in(&self, offset: usize, bytes: &[u8]) -> bool {
         if !self.writable || offset.checked_add(bytes.len()).is_none_or(|end| end > self.len) {
             return false;
         }
-        // SAFETY: in bounds of the live, writable mapping; the source is a Rust slice, which
-        // cannot overlap a mapping only handed out as raw pointers.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.ptr.as_ptr().add(offset), bytes.len()) };
+        let mut done = 0;
+        while done < bytes.len() {
+            let at = offset + done;
+            if at.is_multiple_of(8) && bytes.len() - done >= 8 {
+                let word = u64::from_ne_bytes(bytes[done..done + 8].try_into().expect("8 bytes"));
+                self.u64_at(at).expect("in bounds and aligned").store(word, Ordering::Relaxed);
+                done += 8;
+            } else {
+                self.u8_at(at).store(bytes[done], Ordering::Relaxed);
+                done += 1;
+            }
+        }
         true
     }
 
@@ -108,11 +125,31 @@ impl Mapping {
         if offset.checked_add(out.len()).is_none_or(|end| end > self.len) {
             return false;
         }
-        // SAFETY: in bounds of the live mapping; `out` is a Rust slice, which cannot overlap a
-        // mapping only handed out as raw pointers. Shared bytes are plain data: any value is
-        // valid.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset), out.as_mut_ptr(), out.len()) };
+        let mut done = 0;
+        while done < out.len() {
+            let at = offset + done;
+            if at.is_multiple_of(8) && out.len() - done >= 8 {
+                // SAFETY: in bounds (checked above) and 8-byte aligned (the mapping is
+                // page-aligned); read atomically, as every access to the mapping is. A read-only
+                // mapping is only read.
+                let word = unsafe { AtomicU64::from_ptr(self.ptr.as_ptr().add(at).cast()) }.load(Ordering::Relaxed);
+                out[done..done + 8].copy_from_slice(&word.to_ne_bytes());
+                done += 8;
+            } else {
+                out[done] = self.u8_at(at).load(Ordering::Relaxed);
+                done += 1;
+            }
+        }
         true
+    }
+
+    /// The byte at `at`, which the caller checked lies inside the mapping (loads only, on a
+    /// read-only mapping).
+    fn u8_at(&self, at: usize) -> &AtomicU8 {
+        debug_assert!(at < self.len);
+        // SAFETY: inside the live mapping (checked by every caller); any address is aligned
+        // for a byte; every access to the mapping, in any process, is atomic.
+        unsafe { AtomicU8::from_ptr(self.ptr.as_ptr().add(at)) }
     }
 
     /// The mapped bytes as a slice.
@@ -150,8 +187,8 @@ mod tests {
         let m = Mapping::new(&fd, 64, true).unwrap();
         assert!(m.u64_at(56).is_some() && m.u64_at(60).is_none() && m.u64_at(64).is_none());
         assert!(m.u32_at(60).is_some() && m.u32_at(62).is_none() && m.i64_at(usize::MAX - 3).is_none());
-        m.i32_at(0).unwrap().store(-2, std::sync::atomic::Ordering::Relaxed);
-        assert_eq!(m.u32_at(0).unwrap().load(std::sync::atomic::Ordering::Relaxed), u32::MAX - 1);
+        m.i32_at(0).unwrap().store(-2, Ordering::Relaxed);
+        assert_eq!(m.u32_at(0).unwrap().load(Ordering::Relaxed), u32::MAX - 1);
         assert!(m.copy_in(60, &[1, 2, 3, 4]) && !m.copy_in(61, &[1, 2, 3, 4]));
         let mut out = [0u8; 4];
         assert!(m.copy_out(60, &mut out) && !m.copy_out(62, &mut out));
@@ -159,5 +196,15 @@ mod tests {
         let read_only = Mapping::new(&fd, 64, false).unwrap();
         assert!(read_only.u64_at(0).is_none() && !read_only.copy_in(0, &[1]));
         assert!(read_only.copy_out(60, &mut out));
+        // Copies of every alignment and length read back.
+        let bytes: Vec<u8> = (0..40).collect();
+        for at in 0..9 {
+            for len in [0, 1, 7, 8, 9, 17, 23] {
+                assert!(m.copy_in(at, &bytes[..len]));
+                let mut back = vec![0xee; len];
+                assert!(read_only.copy_out(at, &mut back));
+                assert_eq!(back, &bytes[..len], "at {at}, {len} bytes");
+            }
+        }
     }
 }

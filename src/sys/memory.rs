@@ -47,23 +47,15 @@ impl MemoryFile {
         map(fd, len, false)
     }
 
+    /// A fresh file holding a copy of `bytes` (written by the kernel before anyone else has
+    /// it), sealed against resizing, mapped read-write.
+    pub(crate) fn holding(bytes: &[u8]) -> io::Result<MemoryFile> {
+        written(bytes, "cuda-mp", false)
+    }
+
     /// A file holding `bytes`, sealed against every change, mapped read-only.
     pub(crate) fn frozen(bytes: &[u8]) -> io::Result<MemoryFile> {
-        let fd = memfd_create("cuda-mp-message", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
-            .map_err(|e| out_of_memory(e.into(), "shared memory"))?;
-        ftruncate(&fd, bytes.len() as u64)
-            .map_err(|e| out_of_memory(e.into(), &format!("{} bytes of shared memory", bytes.len())))?;
-        let mut written = 0;
-        while written < bytes.len() {
-            match rustix::io::pwrite(&fd, &bytes[written..], written as u64) {
-                Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "shared memory took no bytes")),
-                Ok(n) => written += n,
-                Err(rustix::io::Errno::INTR) => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
-        fcntl_add_seals(&fd, SIZE_SEALS | SealFlags::WRITE | SealFlags::SEAL)?;
-        map(fd, bytes.len(), true)
+        written(bytes, "cuda-mp-message", true)
     }
 
     /// A file that arrived in a message: refused unless it is a memory file sealed against
@@ -125,6 +117,26 @@ impl MemoryFile {
     }
 }
 
+/// A fresh file of `bytes`, sealed against resizing (and against writes when `frozen`), mapped.
+fn written(bytes: &[u8], name: &str, frozen: bool) -> io::Result<MemoryFile> {
+    let fd = memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+        .map_err(|e| out_of_memory(e.into(), "shared memory"))?;
+    ftruncate(&fd, bytes.len() as u64)
+        .map_err(|e| out_of_memory(e.into(), &format!("{} bytes of shared memory", bytes.len())))?;
+    let mut done = 0;
+    while done < bytes.len() {
+        match rustix::io::pwrite(&fd, &bytes[done..], done as u64) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "shared memory took no bytes")),
+            Ok(n) => done += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let seals = if frozen { SIZE_SEALS | SealFlags::WRITE } else { SIZE_SEALS };
+    fcntl_add_seals(&fd, seals | SealFlags::SEAL)?;
+    map(fd, bytes.len(), frozen)
+}
+
 /// Maps a file sealed against shrinking (so every byte of it stays backed while mapped).
 fn map(fd: OwnedFd, len: usize, frozen: bool) -> io::Result<MemoryFile> {
     let mapping = Mapping::new(&fd, len, !frozen)
@@ -184,5 +196,9 @@ mod tests {
         assert_eq!(b.frozen_bytes(), Some(&b"hello"[..]));
         assert_eq!(MemoryFile::frozen(b"").unwrap().frozen_bytes(), Some(&b""[..]));
         assert_eq!(MemoryFile::zeroed(0).unwrap().len(), 0);
+        let held = MemoryFile::holding(b"held").unwrap();
+        let mut out = [0u8; 4];
+        assert!(held.frozen_bytes().is_none() && held.copy_out(0, &mut out) && &out == b"held");
+        assert!(held.copy_in(0, b"h"), "writable");
     }
 }

@@ -64,9 +64,13 @@ pub(crate) fn at_exit(f: extern "C" fn()) -> bool {
 
 /// Runs `f` in the child of every later `fork(2)`, before `fork` returns there (a
 /// `pthread_atfork` child handler). False when it could not be registered.
-pub(crate) fn at_fork_child(f: extern "C" fn()) -> bool {
-    // SAFETY: `f` is a plain function with no arguments, valid for the life of the process, and
-    // the caller makes it async-signal-safe (it runs in a child that may have inherited locks).
+///
+/// # Safety
+/// `f` must be async-signal-safe: it runs in a child that may have inherited locks held by
+/// threads that do not exist there.
+pub(crate) unsafe fn at_fork_child(f: extern "C" fn()) -> bool {
+    // SAFETY: `f` is a plain function with no arguments, valid for the life of the process;
+    // the caller vouches that it is async-signal-safe.
     unsafe { libc::pthread_atfork(None, None, Some(f)) == 0 }
 }
 
@@ -76,7 +80,9 @@ pub(crate) fn at_fork_child(f: extern "C" fn()) -> bool {
 #[cfg(test)]
 pub(crate) fn fork_and_run(f: impl FnOnce() -> bool) -> std::io::Result<bool> {
     use std::panic::{catch_unwind, AssertUnwindSafe};
-    // SAFETY: the child only runs `f` and `_exit`s; the parent only waits for it.
+    // SAFETY: the child only runs `f` and `_exit`s; the parent only waits for it. (`f` may
+    // allocate: the tests that use this hold no allocator lock across the fork in practice; a
+    // child that deadlocked would hang its test, not corrupt memory.)
     let pid = unsafe { libc::fork() };
     if pid < 0 {
         return Err(std::io::Error::last_os_error());
@@ -87,9 +93,15 @@ pub(crate) fn fork_and_run(f: impl FnOnce() -> bool) -> std::io::Result<bool> {
         unsafe { libc::_exit(if ok { 0 } else { 1 }) };
     }
     let mut status = 0;
-    // SAFETY: `pid` is our child; `status` is writable.
-    if unsafe { libc::waitpid(pid, &mut status, 0) } != pid {
-        return Err(std::io::Error::last_os_error());
+    loop {
+        // SAFETY: `pid` is our child; `status` is writable.
+        if unsafe { libc::waitpid(pid, &mut status, 0) } == pid {
+            break;
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
+        }
     }
     Ok(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0)
 }

@@ -60,22 +60,26 @@ pub(crate) fn write_all(socket: &impl AsFd, mut bytes: &[u8], deadline: Instant)
     Ok(())
 }
 
-fn check_range(mapping: &Mapping, offset: usize, len: usize) -> io::Result<()> {
+/// Refuses a range that is not inside the first `limit` bytes of `mapping` (the storage's size,
+/// which its mapping may exceed).
+fn check_range(mapping: &Mapping, limit: usize, offset: usize, len: usize) -> io::Result<()> {
     match offset.checked_add(len) {
-        Some(end) if end <= mapping.len() => Ok(()),
+        Some(end) if end <= limit.min(mapping.len()) => Ok(()),
         _ => Err(io::Error::new(io::ErrorKind::InvalidInput, "bytes outside the shared memory")),
     }
 }
 
-/// Writes `len` bytes of `mapping` from byte `offset`, waiting until `deadline`.
+/// Writes `len` bytes of `mapping` from byte `offset`, inside its first `limit`, waiting until
+/// `deadline`.
 pub(crate) fn write_mapped(
     socket: &(impl AsFd + AsRawFd),
     mapping: &Mapping,
+    limit: usize,
     offset: usize,
     len: usize,
     deadline: Instant,
 ) -> io::Result<()> {
-    check_range(mapping, offset, len)?;
+    check_range(mapping, limit, offset, len)?;
     let mut done = 0;
     while done < len {
         stream_wait(socket, PollFlags::OUT, Some(deadline))?;
@@ -102,14 +106,19 @@ pub(crate) fn write_mapped(
     Ok(())
 }
 
-/// Fills the first `len` bytes of `mapping` from the stream, waiting until `deadline`.
+/// Fills the first `len` bytes of a writable `mapping`, inside its first `limit`, from the
+/// stream, waiting until `deadline`.
 pub(crate) fn read_mapped(
     socket: &(impl AsFd + AsRawFd),
     mapping: &Mapping,
+    limit: usize,
     len: usize,
     deadline: Instant,
 ) -> io::Result<()> {
-    check_range(mapping, 0, len)?;
+    if !mapping.is_writable() {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "shared memory sealed against writes"));
+    }
+    check_range(mapping, limit, 0, len)?;
     let mut done = 0;
     while done < len {
         stream_wait(socket, PollFlags::IN, Some(deadline))?;
