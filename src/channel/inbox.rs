@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 
 use super::frame::{self, Incoming, Order};
 use super::gauge::{Asleep, Gauge};
-use super::ring::RingReader;
+use super::ring::{self, RingReader};
 use crate::error::{IoFailure, RecvError};
 use crate::lifetime::ConnectionLeases;
 use crate::sys::Socket;
@@ -376,7 +376,13 @@ impl<T: DeserializeOwned> Inbox<T> {
             Ok(Incoming::Ring(ring)) => {
                 // Rings whose writers are gone, read to their end, go first.
                 self.rings.retain(|r| !r.writer_gone() || r.has_entries());
-                self.rings.push(ring);
+                if self.rings.len() < ring::MAX_RINGS {
+                    ring.accept();
+                    self.rings.push(ring);
+                } else {
+                    // Its writer has written nothing to it, and now never will.
+                    ring.refuse();
+                }
                 Look::Again
             }
             Ok(Incoming::Wake) => Look::Again,

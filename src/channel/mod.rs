@@ -1095,4 +1095,22 @@ mod tests {
         tx.send(2).unwrap();
         assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(2), "the channel goes on");
     }
+
+    /// A receiving end keeps at most `MAX_RINGS` rings; the writer of one it refuses writes
+    /// nothing to it, and no writer writes before its ring is adopted.
+    #[test]
+    fn a_receiver_keeps_a_bounded_number_of_rings() {
+        let (tx, rx) = channel::<u32>().unwrap();
+        let mut writers = Vec::new();
+        for _ in 0..ring::MAX_RINGS + 3 {
+            let (mut writer, introduction) = ring::RingWriter::new().unwrap();
+            assert!(!writer.push(&7u32.to_le_bytes()), "nothing written before the ring is adopted");
+            tx.outbox.write_frame(&FrameOut::Ring(&introduction));
+            writers.push(writer);
+        }
+        assert_eq!(rx.try_recv(), Err(TryRecvError::Empty));
+        assert_eq!(rx.lock().rings.len(), ring::MAX_RINGS);
+        let writing = writers.iter_mut().map(|w| w.push(&[1])).filter(|&wrote| wrote).count();
+        assert_eq!(writing, ring::MAX_RINGS, "the writers of refused rings take the socket");
+    }
 }

@@ -217,6 +217,13 @@ impl Outbox {
         self.main.send(&[bytes], fds, Wait::Forever).expect("a raw frame written");
     }
 
+    /// Writes a frame to the channel's socket as this process's feeder would.
+    #[cfg(test)]
+    pub(super) fn write_frame(&self, frame: &FrameOut<'_>) {
+        assert!(self.gauge.try_reserve(frame.cost()));
+        self.write_main(frame, &[], Wait::Forever, None).expect("a frame written");
+    }
+
     pub(super) fn gauge(&self) -> &Gauge {
         &self.gauge
     }

@@ -5,15 +5,20 @@
 //!
 //! | bytes | |
 //! | --- | --- |
-//! | 0..8 | magic `"CMRING02"` |
+//! | 0..8 | magic `"CMRING03"` |
 //! | 8..16 | the ring's id (random): ordered frames of its writer name it |
 //! | 64..72 | `tail`: bytes of entries the writer has written (wrapping), written by the writer |
 //! | 128..136 | `head`: bytes of entries the reader has read, written by the reader |
 //! | 136..144 | `next`: the number of the writer's next message to deliver, written by the reader |
+//! | 144..152 | `state`: 0 introduced, 1 adopted, 2 refused; written by the reader |
 //! | 192.. | [`CAPACITY`] bytes of entries |
 //!
 //! Every message of the writer's process on the channel, from the ring's making on, has a
 //! number, whether it goes to the ring or to the socket (an ordered frame, `frame.rs`).
+//!
+//! The writer writes no entry before the reader has adopted the ring: until then (and for
+//! ever, if the reader refuses it: a receiver keeps at most [`MAX_RINGS`] rings) its messages
+//! take the socket, so a ring the reader refuses holds nothing to lose.
 //!
 //! An entry is its length (u32), the length's complement (u32) and the message's number (u64),
 //! then its bytes, padded to 8;
@@ -33,13 +38,20 @@ use super::frame::Order;
 use crate::sys::{lease_pipe, writers_gone, MemoryFile};
 use crate::wire::Held;
 
-const MAGIC: u64 = u64::from_le_bytes(*b"CMRING02");
+const MAGIC: u64 = u64::from_le_bytes(*b"CMRING03");
 const MAGIC_AT: usize = 0;
 const ID_AT: usize = 8;
 const TAIL_AT: usize = 64;
 const HEAD_AT: usize = 128;
 const NEXT_AT: usize = 136;
+const STATE_AT: usize = 144;
+const ADOPTED: u64 = 1;
+const REFUSED: u64 = 2;
 const DATA_AT: usize = 192;
+
+/// The most rings one receiving end keeps (one per sending process): what their memory and
+/// descriptors cost it stays bounded; the senders beyond take the socket.
+pub(super) const MAX_RINGS: usize = 128;
 
 /// Bytes of entries one ring holds.
 pub(super) const CAPACITY: u64 = 128 << 10;
@@ -77,6 +89,8 @@ pub(super) struct RingWriter {
     next: u64,
     /// Entries written: every so often the writer looks whether the receiver is gone.
     pub(super) written: u64,
+    /// The reader adopted the ring: entries may be written.
+    adopted: bool,
 }
 
 impl fmt::Debug for RingWriter {
@@ -99,7 +113,8 @@ impl RingWriter {
         word(&memory, ID_AT).store(id, Ordering::Relaxed);
         word(&memory, MAGIC_AT).store(MAGIC, Ordering::Release);
         let (read, write) = lease_pipe()?;
-        let writer = RingWriter { memory: memory.clone(), _alive: write, tail: 0, id, next: 0, written: 0 };
+        let writer =
+            RingWriter { memory: memory.clone(), _alive: write, tail: 0, id, next: 0, written: 0, adopted: false };
         Ok((writer, Introduction { memory, alive: read }))
     }
 
@@ -119,6 +134,13 @@ impl RingWriter {
     pub(super) fn push(&mut self, bytes: &[u8]) -> bool {
         if bytes.len() > MAX_MESSAGE {
             return false;
+        }
+        if !self.adopted {
+            // Not yet adopted (or refused): nothing is written that the reader might not read.
+            if word(&self.memory, STATE_AT).load(Ordering::Acquire) != ADOPTED {
+                return false;
+            }
+            self.adopted = true;
         }
         let head = word(&self.memory, HEAD_AT).load(Ordering::Acquire);
         let used = self.tail.wrapping_sub(head);
@@ -180,6 +202,17 @@ impl RingReader {
         let id = word(&memory, ID_AT).load(Ordering::Relaxed);
         let next = word(&memory, NEXT_AT).load(Ordering::Relaxed);
         Ok(RingReader { memory: Arc::new(memory), alive: Arc::new(alive), head, id, next })
+    }
+
+    /// Tells the writer that its entries will be read (also again, by a receiving end that
+    /// moved with the ring).
+    pub(super) fn accept(&self) {
+        word(&self.memory, STATE_AT).store(ADOPTED, Ordering::Release);
+    }
+
+    /// Tells the writer that the ring will not be read: its messages take the socket.
+    pub(super) fn refuse(self) {
+        word(&self.memory, STATE_AT).store(REFUSED, Ordering::Release);
     }
 
     /// The ring's id, which its writer's ordered frames name.
@@ -283,6 +316,7 @@ mod tests {
     fn pair() -> (RingWriter, RingReader) {
         let (writer, intro) = RingWriter::new().unwrap();
         let reader = RingReader::adopt(intro.memory.as_fd().try_clone_to_owned().unwrap(), intro.alive).unwrap();
+        reader.accept();
         (writer, reader)
     }
 
