@@ -103,15 +103,20 @@ impl Mapping {
         if !self.writable || offset.checked_add(bytes.len()).is_none_or(|end| end > self.len) {
             return false;
         }
+        let base = self.ptr.as_ptr();
         let mut done = 0;
         while done < bytes.len() {
             let at = offset + done;
             if at.is_multiple_of(8) && bytes.len() - done >= 8 {
                 let word = u64::from_ne_bytes(bytes[done..done + 8].try_into().expect("8 bytes"));
-                self.u64_at(at).expect("in bounds and aligned").store(word, Ordering::Relaxed);
+                // SAFETY: inside the writable mapping (the whole range was checked above) and
+                // 8-byte aligned (the mapping is page-aligned); written atomically, as every
+                // access to the mapping is.
+                unsafe { AtomicU64::from_ptr(base.add(at).cast()) }.store(word, Ordering::Relaxed);
                 done += 8;
             } else {
-                self.u8_at(at).store(bytes[done], Ordering::Relaxed);
+                // SAFETY: as above, for one byte.
+                unsafe { AtomicU8::from_ptr(base.add(at)) }.store(bytes[done], Ordering::Relaxed);
                 done += 1;
             }
         }
@@ -125,31 +130,24 @@ impl Mapping {
         if offset.checked_add(out.len()).is_none_or(|end| end > self.len) {
             return false;
         }
+        let base = self.ptr.as_ptr();
         let mut done = 0;
         while done < out.len() {
             let at = offset + done;
             if at.is_multiple_of(8) && out.len() - done >= 8 {
-                // SAFETY: in bounds (checked above) and 8-byte aligned (the mapping is
-                // page-aligned); read atomically, as every access to the mapping is. A read-only
-                // mapping is only read.
-                let word = unsafe { AtomicU64::from_ptr(self.ptr.as_ptr().add(at).cast()) }.load(Ordering::Relaxed);
+                // SAFETY: inside the mapping (the whole range was checked above) and 8-byte
+                // aligned (the mapping is page-aligned); read atomically, as every access to the
+                // mapping is (a read-only mapping is only read).
+                let word = unsafe { AtomicU64::from_ptr(base.add(at).cast()) }.load(Ordering::Relaxed);
                 out[done..done + 8].copy_from_slice(&word.to_ne_bytes());
                 done += 8;
             } else {
-                out[done] = self.u8_at(at).load(Ordering::Relaxed);
+                // SAFETY: as above, for one byte.
+                out[done] = unsafe { AtomicU8::from_ptr(base.add(at)) }.load(Ordering::Relaxed);
                 done += 1;
             }
         }
         true
-    }
-
-    /// The byte at `at`, which the caller checked lies inside the mapping (loads only, on a
-    /// read-only mapping).
-    fn u8_at(&self, at: usize) -> &AtomicU8 {
-        debug_assert!(at < self.len);
-        // SAFETY: inside the live mapping (checked by every caller); any address is aligned
-        // for a byte; every access to the mapping, in any process, is atomic.
-        unsafe { AtomicU8::from_ptr(self.ptr.as_ptr().add(at)) }
     }
 
     /// The mapped bytes as a slice.
