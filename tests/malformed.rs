@@ -172,18 +172,19 @@ fn a_dtype_mismatch_is_an_error_and_releases_the_claim() {
         .expect("the connection's lease closes with its receiver");
 }
 
+/// A socket connected to the listener `name`, to write by hand what a peer says.
+fn raw_peer(name: &str) -> std::os::fd::OwnedFd {
+    use rustix::net::{connect, socket_with, AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let fd = socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None).unwrap();
+    connect(&fd, &SocketAddrUnix::new(name).unwrap()).unwrap();
+    fd
+}
+
 #[test]
 fn a_peer_that_is_not_cuda_mp_is_refused() {
     let listener = Listener::<u32>::bind().unwrap();
     // A peer that connects and writes something else than our hello.
-    let fd = rustix::net::socket_with(
-        rustix::net::AddressFamily::UNIX,
-        rustix::net::SocketType::SEQPACKET,
-        rustix::net::SocketFlags::CLOEXEC,
-        None,
-    )
-    .unwrap();
-    rustix::net::connect(&fd, &rustix::net::SocketAddrUnix::new(listener.name()).unwrap()).unwrap();
+    let fd = raw_peer(listener.name());
     rustix::net::send(&fd, b"hello", rustix::net::SendFlags::empty()).unwrap();
     let err = listener.accept_timeout(WAIT).unwrap_err();
     assert!(err.to_string().contains("not a cuda-mp sender"), "{err}");
@@ -192,14 +193,7 @@ fn a_peer_that_is_not_cuda_mp_is_refused() {
 #[test]
 fn a_named_connection_of_another_version_is_refused_with_both_versions() {
     let listener = Listener::<u32>::bind().unwrap();
-    let fd = rustix::net::socket_with(
-        rustix::net::AddressFamily::UNIX,
-        rustix::net::SocketType::SEQPACKET,
-        rustix::net::SocketFlags::CLOEXEC,
-        None,
-    )
-    .unwrap();
-    rustix::net::connect(&fd, &rustix::net::SocketAddrUnix::new(listener.name()).unwrap()).unwrap();
+    let fd = raw_peer(listener.name());
     // The transport's header (no descriptor), then a hello's magic and version 4.
     let mut hello = 0u32.to_le_bytes().to_vec();
     hello.extend_from_slice(b"cuda-mp\0");
