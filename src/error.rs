@@ -92,13 +92,28 @@ pub enum Error {
     /// A blocking operation gave up after its timeout.
     #[error("timed out after {0:?}")]
     Timeout(Duration),
+    /// A new segment of the caching allocator would take the device's reserved memory past the
+    /// limit set with [`Device::set_cache_limit`](crate::Device::set_cache_limit), even after
+    /// every unused segment was released.
+    #[error(
+        "gpu allocation of {requested} bytes refused: the caching allocator holds {reserved} bytes and its limit is {limit}"
+    )]
+    CacheLimit {
+        /// Bytes of the segment that was needed.
+        requested: usize,
+        /// Bytes the allocator's segments held.
+        reserved: usize,
+        /// The limit.
+        limit: usize,
+    },
     /// `spawn` was called before `cuda_mp::init()`.
     #[error("process spawning is not initialized: call cuda_mp::init() first in main or use #[cuda_mp::main]")]
     NotInitialized,
 }
 
 impl Error {
-    /// True when the CUDA driver ran out of device memory.
+    /// True when the CUDA driver ran out of device memory, or the caching allocator's limit
+    /// refused more.
     ///
     /// ```no_run
     /// let dev = cuda_mp::Device::get(0).unwrap();
@@ -106,7 +121,11 @@ impl Error {
     /// assert!(err.is_out_of_memory());
     /// ```
     pub fn is_out_of_memory(&self) -> bool {
-        matches!(self, Error::Driver { code: cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY, .. })
+        matches!(
+            self,
+            Error::Driver { code: cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY, .. }
+                | Error::CacheLimit { .. }
+        )
     }
 
     /// True when a blocking operation gave up after its timeout.
@@ -919,6 +938,20 @@ pub enum JoinError {
     /// The child could not be started or its result not decoded.
     #[error("child process failed: {0}")]
     Failed(String),
+    /// A new segment of the caching allocator would take the device's reserved memory past the
+    /// limit set with [`Device::set_cache_limit`](crate::Device::set_cache_limit), even after
+    /// every unused segment was released.
+    #[error(
+        "gpu allocation of {requested} bytes refused: the caching allocator holds {reserved} bytes and its limit is {limit}"
+    )]
+    CacheLimit {
+        /// Bytes of the segment that was needed.
+        requested: usize,
+        /// Bytes the allocator's segments held.
+        reserved: usize,
+        /// The limit.
+        limit: usize,
+    },
     /// `spawn` was called before `cuda_mp::init()`.
     #[error("process spawning is not initialized: call cuda_mp::init() first in main or use #[cuda_mp::main]")]
     NotInitialized,

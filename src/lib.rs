@@ -89,8 +89,9 @@ pub use error::{
     SendError, SendFailure, SendTimeoutError, TryRecvError, TrySendError,
 };
 pub use gpu::{
-    cuda_available, nccl_library, torch_ipc_stats, Bundle, BundleBuilder, BundleEntry, Device, GpuMemoryKind,
-    GpuStorage, GpuTensor, IpcPayload, TorchIpcHandle, TorchIpcStats, DEFAULT_CHUNK_BYTES, VMM_MIN_BYTES,
+    cuda_available, nccl_library, torch_ipc_stats, AllocatorStats, Bundle, BundleBuilder, BundleEntry, Device,
+    GpuMemoryKind, GpuStorage, GpuTensor, IpcPayload, TorchIpcHandle, TorchIpcStats, DEFAULT_CHUNK_BYTES,
+    VMM_MIN_BYTES,
 };
 pub use half::{bf16, f16};
 pub use host::{HostStorage, HostTensor};

@@ -83,7 +83,7 @@ impl StorageKind for FakeKind {
         Ok(FakeMemory { open_delay, free_delay: Duration::ZERO, imported: true })
     }
 
-    fn arrived(_: &Memory<Self>, _: &FakeWire, _: &()) -> Result<()> {
+    fn arrived(_: &Memory<Self>, _: &mut FakeWire, _: &()) -> Result<()> {
         Ok(())
     }
 }

@@ -10,6 +10,7 @@ use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaStream};
 use once_cell::sync::{Lazy, OnceCell};
 
+use super::caching::Allocator;
 use super::driver;
 use super::handles::InterprocessEvent;
 use super::kernels::Kernels;
@@ -74,6 +75,8 @@ pub struct Device {
     /// Per peer GPU ordinal: true once this context has peer access to the peer's context,
     /// false when the hardware cannot reach it (asked once per pair).
     peers: Mutex<HashMap<usize, bool>>,
+    /// The caching allocator of this process's tensors on the device.
+    allocator: Arc<Allocator>,
 }
 
 impl fmt::Debug for Device {
@@ -155,6 +158,7 @@ impl Device {
             vmm_supported: OnceCell::new(),
             vmm_granularity: OnceCell::new(),
             peers: Mutex::new(HashMap::new()),
+            allocator: Arc::default(),
         });
         devices.insert(ordinal, device.clone());
         Ok(device)
@@ -181,6 +185,11 @@ impl Device {
             }
         }
         Err(Error::DeviceNotVisible { uuid: format_uuid(uuid) })
+    }
+
+    /// This process's caching allocator on the device.
+    pub(crate) fn allocator(&self) -> &Arc<Allocator> {
+        &self.allocator
     }
 
     /// Ordinal in this process.

@@ -1,6 +1,7 @@
 //! GPU tensors: device memory shared across processes through CUDA IPC. See README.md here.
 
 mod bundle;
+mod caching;
 mod device;
 mod driver;
 mod events;
@@ -19,6 +20,7 @@ use cudarc::driver::CudaStream;
 use ndarray::{ArrayBase, ArrayD, Data, Dimension, IxDyn};
 
 pub use bundle::{Bundle, BundleBuilder, BundleEntry, DEFAULT_CHUNK_BYTES};
+pub use caching::AllocatorStats;
 pub use device::{cuda_available, Device};
 pub use storage::{GpuMemoryKind, GpuStorage, IpcPayload, VMM_MIN_BYTES};
 pub use torch::{torch_ipc_stats, TorchIpcHandle, TorchIpcStats};

@@ -9,6 +9,7 @@ use cudarc::driver::sys;
 use once_cell::sync::{Lazy, OnceCell};
 use serde::{Deserialize, Serialize};
 
+use super::caching::{ImportedBlock, PoolBlock};
 use super::device::{format_uuid, Device};
 use super::driver::{DeviceRange, IpcHandle, IPC_HANDLE_BYTES};
 use super::events;
@@ -67,6 +68,10 @@ pub(crate) enum GpuMemory {
     /// shares, holding the share's reference-counter slot (see `torch.rs`). This process's
     /// memory for cuda-mp: sent on as the block's handle and the offset.
     Torch(TorchBlock),
+    /// A block of a segment of this process's caching allocator (see `caching.rs`).
+    Pooled(PoolBlock),
+    /// A block of another process's segment, which this process maps once for all its blocks.
+    ImportedBlock(ImportedBlock),
 }
 
 impl GpuMemory {
@@ -78,6 +83,8 @@ impl GpuMemory {
             GpuMemory::Vmm(m) => m.device(),
             GpuMemory::Foreign { block, .. } => block.device(),
             GpuMemory::Torch(block) => block.device(),
+            GpuMemory::Pooled(block) => block.segment().device(),
+            GpuMemory::ImportedBlock(block) => block.segment().device(),
         }
     }
 
@@ -92,6 +99,8 @@ impl GpuMemory {
             GpuMemory::Vmm(m) => m.range().sub(0, len),
             GpuMemory::Foreign { block, .. } => block.range().sub(block.offset(), len),
             GpuMemory::Torch(block) => block.range().sub(block.offset(), len),
+            GpuMemory::Pooled(block) => block.range(len),
+            GpuMemory::ImportedBlock(block) => block.range(len),
         }
     }
 
@@ -103,6 +112,8 @@ impl GpuMemory {
             GpuMemory::Vmm(m) => m.ptr(),
             GpuMemory::Foreign { block, .. } => block.ptr(),
             GpuMemory::Torch(block) => block.ptr(),
+            GpuMemory::Pooled(block) => block.segment().device_ptr() + block.offset() as u64,
+            GpuMemory::ImportedBlock(block) => block.segment().device_ptr() + block.offset() as u64,
         }
     }
 
@@ -115,7 +126,7 @@ impl GpuMemory {
 }
 
 /// A GPU storage's own part of its record.
-#[derive(Clone, Serialize, Deserialize)]
+#[derive(Serialize, Deserialize)]
 pub(crate) struct GpuWire {
     /// The GPU holding the memory.
     device_uuid: [u8; 16],
@@ -125,12 +136,72 @@ pub(crate) struct GpuWire {
     event_handle: Option<Vec<u8>>,
 }
 
-#[derive(Clone, Serialize, Deserialize)]
+#[derive(Serialize, Deserialize)]
 enum WireMemory {
     /// The 64-byte IPC handle of the base allocation, and the storage's offset in it.
     Legacy { mem_handle: Vec<u8>, alloc_offset: u64 },
     /// The allocation's file descriptor (in the message), and its (rounded) size.
     Vmm(VmmWire),
+    /// A block of a caching allocator's segment: the segment's own record (a storage of its
+    /// own, on the same GPU; `None` once imported), and the block's offset in it.
+    Block { segment: Option<Box<Record<SegmentWire>>>, offset: u64 },
+}
+
+/// A segment's part of its record: always legacy memory, whole (so that a record cannot nest).
+#[derive(Serialize, Deserialize)]
+struct SegmentWire {
+    mem_handle: Vec<u8>,
+}
+
+impl Record<SegmentWire> {
+    /// The segment's record as a GPU storage's, on the GPU `device_uuid` of its block.
+    fn into_storage(self, device_uuid: [u8; 16]) -> Record<GpuWire> {
+        let memory = WireMemory::Legacy { mem_handle: self.kind.mem_handle, alloc_offset: 0 };
+        Record {
+            id: self.id,
+            bytes: self.bytes,
+            lease: self.lease,
+            ticket: self.ticket,
+            kind: GpuWire { device_uuid, memory, event_handle: None },
+        }
+    }
+}
+
+/// The record of a block of `segment` at `offset`: the segment is exported (or forwarded)
+/// like a storage for the same message, and the event its export recorded serves the block.
+fn block_wire(segment: &Arc<GpuStorage>, offset: usize) -> Result<GpuWire> {
+    // The block's own export checked the scope already.
+    let record = storage::export(segment, true)?;
+    let Record { id, bytes, lease, ticket, kind } = record;
+    let GpuWire { device_uuid, memory: WireMemory::Legacy { mem_handle, alloc_offset: 0 }, event_handle } = kind else {
+        return Err(Error::Unsupported("a caching allocator's segment is whole legacy memory".into()));
+    };
+    let segment = Record { id, bytes, lease, ticket, kind: SegmentWire { mem_handle } };
+    Ok(GpuWire {
+        device_uuid,
+        memory: WireMemory::Block { segment: Some(Box::new(segment)), offset: offset as u64 },
+        event_handle,
+    })
+}
+
+/// Maps the segment of a block record (once per process: later blocks find it in use or
+/// cached) and checks that `bytes` at `offset` lie inside it.
+fn open_block(
+    segment: Option<Box<Record<SegmentWire>>>,
+    device_uuid: [u8; 16],
+    offset: u64,
+    bytes: usize,
+    place: &GpuPlace,
+) -> Result<ImportedBlock> {
+    let record = segment.ok_or_else(|| Error::Malformed("gpu block without its segment".into()))?;
+    let segment = storage::import::<GpuStorage>(record.into_storage(device_uuid), Some(place))?;
+    let size = segment.byte_len() as u64;
+    if offset.checked_add(bytes as u64).is_none_or(|end| end > size) {
+        return Err(Error::Malformed(format!(
+            "gpu block of {bytes} bytes at offset {offset} exceeds its {size}-byte segment"
+        )));
+    }
+    Ok(ImportedBlock::new(segment, offset as usize))
 }
 
 /// Where a GPU storage is mapped: the GPU holding it, and the GPU that maps it (the same one,
@@ -185,6 +256,8 @@ impl StorageKind for GpuKind {
                 let alloc_offset = block.offset() as u64;
                 (block.device(), WireMemory::Legacy { mem_handle: block.handle().to_vec(), alloc_offset })
             }
+            // The segment's export records the event.
+            GpuMemory::Pooled(block) => return block_wire(block.segment(), block.offset()),
             _ => return Self::forward(memory),
         };
         let event = profile::timed(Phase::EventRecord, || events::record(device))?;
@@ -205,6 +278,8 @@ impl StorageKind for GpuKind {
                 // after its producer exited.
                 (m.owner_uuid(), WireMemory::Vmm(m.wire()?))
             }
+            // Forwarding the segment synchronizes; it has no event of ours.
+            GpuMemory::ImportedBlock(block) => return block_wire(block.segment(), block.offset()),
             _ => return Self::export(memory),
         };
         Ok(GpuWire { device_uuid, memory: wire_memory, event_handle: None })
@@ -233,7 +308,7 @@ impl StorageKind for GpuKind {
     }
 
     fn open(wire: &mut GpuWire, bytes: usize, place: &GpuPlace) -> Result<GpuMemory> {
-        match &wire.memory {
+        match &mut wire.memory {
             WireMemory::Legacy { mem_handle, alloc_offset } => {
                 let handle = handle_from(mem_handle, "memory handle")?;
                 let mapping = SharedMapping::open(&place.access, &handle)?;
@@ -248,10 +323,19 @@ impl StorageKind for GpuKind {
                 Ok(GpuMemory::Imported { mapping, handle, alloc_offset: *alloc_offset, owner_uuid: place.owner.uuid() })
             }
             WireMemory::Vmm(v) => Ok(GpuMemory::Vmm(VmmMemory::open(v, bytes, &place.owner, &place.access)?)),
+            WireMemory::Block { segment, offset } => {
+                Ok(GpuMemory::ImportedBlock(open_block(segment.take(), wire.device_uuid, *offset, bytes, place)?))
+            }
         }
     }
 
-    fn arrived(memory: &Memory<Self>, wire: &GpuWire, place: &GpuPlace) -> Result<()> {
+    fn arrived(memory: &Memory<Self>, wire: &mut GpuWire, place: &GpuPlace) -> Result<()> {
+        if let WireMemory::Block { segment: segment @ Some(_), .. } = &mut wire.memory {
+            // The block was mapped here already: the segment's claim joins the cover of the
+            // segment's mapping, which its blocks keep.
+            let record = segment.take().expect("matched as present");
+            drop(storage::import::<GpuStorage>(record.into_storage(wire.device_uuid), Some(place))?);
+        }
         match &wire.event_handle {
             Some(event) => {
                 let event = handle_from(event, "event handle")?;
@@ -382,6 +466,9 @@ impl GpuStorage {
             }
             _ => bytes >= VMM_MIN_BYTES && device.vmm_supported()?,
         };
+        if !vmm && device.allocator().enabled() {
+            return device.allocator().alloc(device, bytes);
+        }
         let memory = if vmm {
             GpuMemory::Vmm(VmmMemory::alloc(device, bytes)?)
         } else {
@@ -629,7 +716,8 @@ impl IpcPayload {
     pub fn mem_handle(&self) -> &[u8] {
         match &self.wire.storage.kind.memory {
             WireMemory::Legacy { mem_handle, .. } => mem_handle,
-            WireMemory::Vmm(_) => &[],
+            WireMemory::Block { segment: Some(segment), .. } => &segment.kind.mem_handle,
+            WireMemory::Vmm(_) | WireMemory::Block { .. } => &[],
         }
     }
     /// Byte offset of the storage inside the base allocation.
@@ -646,6 +734,7 @@ impl IpcPayload {
     pub fn alloc_offset(&self) -> u64 {
         match &self.wire.storage.kind.memory {
             WireMemory::Legacy { alloc_offset, .. } => *alloc_offset,
+            WireMemory::Block { offset, .. } => *offset,
             WireMemory::Vmm(_) => 0,
         }
     }
@@ -659,7 +748,7 @@ impl IpcPayload {
     /// ```
     pub fn memory_kind(&self) -> GpuMemoryKind {
         match &self.wire.storage.kind.memory {
-            WireMemory::Legacy { .. } => GpuMemoryKind::Legacy,
+            WireMemory::Legacy { .. } | WireMemory::Block { .. } => GpuMemoryKind::Legacy,
             WireMemory::Vmm(_) => GpuMemoryKind::Vmm,
         }
     }

@@ -329,7 +329,13 @@ impl GpuStorage {
             GpuMemory::Foreign { block, handle } => {
                 (block.device(), *handle.get_or_try_init(|| block.ipc_handle())?, block.offset() as u64)
             }
-            GpuMemory::Imported { .. } | GpuMemory::Torch(_) => {
+            GpuMemory::Pooled(block) => match block.segment().handle().memory().raw() {
+                GpuMemory::Local { allocation, handle } => {
+                    (allocation.device(), *handle.get_or_try_init(|| allocation.ipc_handle())?, block.offset() as u64)
+                }
+                _ => return Err(Error::Unsupported("a caching allocator's segment is legacy memory".into())),
+            },
+            GpuMemory::Imported { .. } | GpuMemory::Torch(_) | GpuMemory::ImportedBlock(_) => {
                 return Err(Error::Unsupported(
                     "memory mapped from another process cannot be handed to pytorch (pytorch refuses to share \
                      received memory too): copy it into memory of this process first"

@@ -106,7 +106,7 @@ impl StorageKind for HostKind {
         Ok(shm)
     }
 
-    fn arrived(_: &Memory<Self>, _: &HostWire, _: &()) -> Result<()> {
+    fn arrived(_: &Memory<Self>, _: &mut HostWire, _: &()) -> Result<()> {
         Ok(())
     }
 }

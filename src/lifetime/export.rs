@@ -33,12 +33,16 @@ pub(super) struct Exported {
 #[derive(Debug)]
 pub(crate) struct LiveStorage {
     generation: u64,
+    /// False for a caching allocator's segment, which is not one of the user's storages.
+    counted: bool,
 }
 
 impl LiveStorage {
-    pub(crate) fn new() -> LiveStorage {
-        state().stats.live_storages += 1;
-        LiveStorage { generation: crate::fork::generation() }
+    pub(crate) fn new(counted: bool) -> LiveStorage {
+        if counted {
+            state().stats.live_storages += 1;
+        }
+        LiveStorage { generation: crate::fork::generation(), counted }
     }
 
     /// False in a forked child for a storage its parent allocated before the fork.
@@ -49,8 +53,8 @@ impl LiveStorage {
 
 impl Drop for LiveStorage {
     fn drop(&mut self) {
-        if !self.is_this_process() {
-            // The parent's storage, counted in the parent.
+        if !self.is_this_process() || !self.counted {
+            // The parent's storage, counted in the parent; or an allocator's segment.
             return;
         }
         {
@@ -100,7 +104,12 @@ pub(crate) fn grant(
                 }
             }
             let lease = reaper.new_lease()?;
-            opened_lease(&mut s);
+            if id.is_internal() {
+                // A caching allocator's segment: not one of the user's storages.
+                s.uncounted_leases.insert(lease.key());
+            } else {
+                opened_lease(&mut s);
+            }
             s.shared_leases.insert(lease.key());
             let entry = claim(&mut s, id, lease.key(), keep_alive, handle);
             entry.shared_lease = Some(lease.clone());
@@ -324,8 +333,10 @@ pub(super) fn lease_message(lease: u64, index: u64, change: Change) {
 /// Lease channel `lease` closed: every claim still on it is released.
 pub(super) fn lease_closed(lease: u64) {
     let mut s = state();
-    s.stats.outstanding_leases -= 1;
-    s.stats.leases_released += 1;
+    if !s.uncounted_leases.remove(&lease) {
+        s.stats.outstanding_leases -= 1;
+        s.stats.leases_released += 1;
+    }
     s.shared_leases.remove(&lease);
     let claims: Vec<(u64, usize)> = s.covers.remove(&lease).map(|c| c.into_iter().collect()).unwrap_or_default();
     release(s, &claims);

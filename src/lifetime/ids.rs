@@ -25,6 +25,19 @@ impl StorageId {
         StorageId { owner: process_token(), index: NEXT.fetch_add(1, Ordering::Relaxed) }
     }
 
+    /// A fresh id for memory that this process's caching allocator carves storages out of:
+    /// shared like a storage, but not one of the user's, so not counted as one (the top bit of
+    /// its index says so, in every process).
+    pub(crate) fn new_internal() -> StorageId {
+        let id = StorageId::new_local();
+        StorageId { index: id.index | INTERNAL, ..id }
+    }
+
+    /// True for memory of a caching allocator (see [`StorageId::new_internal`]).
+    pub(crate) fn is_internal(&self) -> bool {
+        self.index & INTERNAL != 0
+    }
+
     /// The id of storage `index` of this process.
     pub(crate) fn local(index: u64) -> StorageId {
         StorageId { owner: process_token(), index }
@@ -55,6 +68,9 @@ impl StorageId {
         StorageId { owner, index }
     }
 }
+
+/// The bit of a storage index that marks a caching allocator's segment.
+const INTERNAL: u64 = 1 << 63;
 
 /// A random 128-bit identity of this process, fixed at first use (pids can be reused; these
 /// are not). A forked child gets its own: storages it allocates are its own, not its parent's.

@@ -54,7 +54,11 @@ pub(crate) fn import<H: Any + Send + Sync>(
     if let Ok(handle) = &opened {
         let any: AnyStorage = handle.clone();
         s.imported.insert(key, Arc::downgrade(&any));
-        s.stats.opened_mappings += 1;
+        if id.is_internal() {
+            s.stats.opened_segments += 1;
+        } else {
+            s.stats.opened_mappings += 1;
+        }
     }
     drop(s);
     drop(mark);

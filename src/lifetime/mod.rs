@@ -81,6 +81,13 @@ pub struct LifetimeStats {
     /// storage allocated here (exported at allocation) or mapped here, while it lives. Each
     /// message that carries the storage parks a copy of it, which lives while the message does.
     pub offered_descriptors: usize,
+    /// Segments of other processes' caching allocators mapped here (by the blocks in use here,
+    /// or cached): what fresh tensors from those processes are cut from. Not counted in the
+    /// mapping counters above.
+    pub mapped_segments: usize,
+    /// Segments of other processes' caching allocators opened since the process started (the
+    /// only driver opens that fresh pooled tensors cost).
+    pub opened_segments: u64,
 }
 
 /// Everything the lifetime machinery tracks in this process, under one lock (see README.md
@@ -97,6 +104,8 @@ struct State {
     /// Open lease channels of this process that are per-storage: every holder has a copy, so
     /// the channel's close is the only release, and `Release`/`Retain` on them are ignored.
     shared_leases: HashSet<u64>,
+    /// Those of them that lease a caching allocator's segment, counted in no statistics.
+    uncounted_leases: HashSet<u64>,
     /// Exported storages whose last claim is gone and whose memory is being freed right now
     /// (outside the lock); still counted as exported until done.
     freeing: usize,
@@ -218,10 +227,15 @@ impl State {
 
 fn stats_of(s: &State) -> LifetimeStats {
     let mut stats = s.stats;
-    stats.exported_storages = s.exported.len() - s.relays.len() + s.freeing;
+    // A caching allocator's segments are not the user's storages: only their blocks count.
+    let internal = s.exported.keys().filter(|id| id.is_internal()).count();
+    stats.exported_storages = s.exported.len() - internal - s.relays.len() + s.freeing;
     stats.relayed_storages = s.relays.len();
-    stats.imported_storages = s.imported.values().filter(|w| w.strong_count() > 0).count();
-    stats.cached_mappings = s.idle.len() + s.evicting;
+    stats.imported_storages =
+        s.imported.iter().filter(|((id, _), w)| !id.is_internal() && w.strong_count() > 0).count();
+    stats.cached_mappings = s.idle.keys().filter(|(id, _)| !id.is_internal()).count() + s.evicting;
+    stats.mapped_segments = s.imported.iter().filter(|((id, _), w)| id.is_internal() && w.strong_count() > 0).count()
+        + s.idle.keys().filter(|(id, _)| id.is_internal()).count();
     stats.offered_descriptors = DESCRIPTORS.get().load(Ordering::Relaxed);
     stats
 }

@@ -55,8 +55,9 @@ pub(crate) trait StorageKind: Sized + Send + Sync + 'static {
     /// Runs outside every lock: imports of other storages, sends and releases go on meanwhile.
     fn open(wire: &mut Self::Wire, bytes: usize, place: &Self::Place) -> Result<Self::Raw>;
     /// Runs once the storage is resolved (newly opened, cached, or already in use here) and
-    /// before its tensor is handed out: for example, wait for the sender's queued work.
-    fn arrived(memory: &Memory<Self>, wire: &Self::Wire, place: &Self::Place) -> Result<()>;
+    /// before its tensor is handed out: for example, wait for the sender's queued work. It
+    /// gets what `open` left of the record (all of it when nothing was opened).
+    fn arrived(memory: &Memory<Self>, wire: &mut Self::Wire, place: &Self::Place) -> Result<()>;
 }
 
 /// Where memory came from.
@@ -81,13 +82,12 @@ pub(crate) struct Memory<K: StorageKind> {
 impl<K: StorageKind> Memory<K> {
     /// Memory allocated by this process.
     pub(crate) fn local(len: usize, raw: K::Raw) -> Arc<Memory<K>> {
-        Arc::new(Memory {
-            id: StorageId::new_local(),
-            len,
-            key: "",
-            origin: Origin::Local(LiveStorage::new()),
-            raw: Some(raw),
-        })
+        Memory::local_as(StorageId::new_local(), len, raw)
+    }
+
+    fn local_as(id: StorageId, len: usize, raw: K::Raw) -> Arc<Memory<K>> {
+        let counted = !id.is_internal();
+        Arc::new(Memory { id, len, key: "", origin: Origin::Local(LiveStorage::new(counted)), raw: Some(raw) })
     }
 
     /// The raw memory.
@@ -132,6 +132,12 @@ impl<K: StorageKind> Handle<K> {
     /// A handle on new memory of this process.
     pub(crate) fn new_local(len: usize, raw: K::Raw) -> Handle<K> {
         Handle { memory: Memory::local(len, raw) }
+    }
+
+    /// A handle on new memory that a caching allocator carves storages out of: shared like
+    /// any storage, counted in no storage statistics.
+    pub(crate) fn new_internal(len: usize, raw: K::Raw) -> Handle<K> {
+        Handle { memory: Memory::local_as(StorageId::new_internal(), len, raw) }
     }
 
     /// The memory.
@@ -274,7 +280,7 @@ pub(crate) fn import<S: Shared>(
         if let (Some(new), Origin::Imported { cover: held, .. }) = (cover.take(), &storage.handle().memory.origin) {
             cover = held.absorb(new);
         }
-        profile::timed(Phase::EventWait, || S::Kind::arrived(&storage.handle().memory, &kind, &place))?;
+        profile::timed(Phase::EventWait, || S::Kind::arrived(&storage.handle().memory, &mut kind, &place))?;
         storage
     };
     drop(cover);
