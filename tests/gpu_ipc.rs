@@ -191,8 +191,17 @@ fn eight_consumers_outlive_the_producer_and_memory_returns_to_baseline() {
     for c in children {
         c.join().unwrap();
     }
-    let after = free_memory(&dev);
-    assert!(after + (2 << 20) >= baseline, "device memory not back to baseline: {baseline} before, {after} after");
+    // The caching allocator keeps the 64 MiB segment for the next tensor until told otherwise.
+    assert!(dev.empty_cache() >= 64 << 20);
+    let deadline = std::time::Instant::now() + WAIT;
+    while free_memory(&dev) + (2 << 20) < baseline {
+        let after = free_memory(&dev);
+        assert!(
+            std::time::Instant::now() < deadline,
+            "device memory not back to baseline: {baseline} before, {after} after"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 fn first_element((rx, reply): (Receiver<GpuTensor<f32>>, Sender<f32>)) {

@@ -47,10 +47,12 @@ impl Kind for Host {
     }
 }
 
-/// GPU memory of one kind (legacy IPC or VMM), whatever the size.
-fn gpu_tensor(len: usize, kind: GpuMemoryKind) -> GpuTensor<f32> {
+/// GPU memory of one kind (legacy IPC or VMM), whatever the size; legacy memory a block of
+/// the caching allocator's or an allocation of its own.
+fn gpu_tensor(len: usize, kind: GpuMemoryKind, caching: bool) -> GpuTensor<f32> {
     let dev = Device::get(0).expect("this test needs a CUDA GPU");
     dev.set_memory_kind(kind);
+    dev.set_caching(caching);
     let t = GpuTensor::zeros(&dev, &[len]).unwrap();
     assert_eq!(t.storage().memory_kind(), kind);
     t
@@ -60,7 +62,15 @@ struct GpuLegacy;
 impl Kind for GpuLegacy {
     type S = cuda_mp::GpuStorage;
     fn make(len: usize) -> GpuTensor<f32> {
-        gpu_tensor(len, GpuMemoryKind::Legacy)
+        gpu_tensor(len, GpuMemoryKind::Legacy, false)
+    }
+}
+
+struct GpuPooled;
+impl Kind for GpuPooled {
+    type S = cuda_mp::GpuStorage;
+    fn make(len: usize) -> GpuTensor<f32> {
+        gpu_tensor(len, GpuMemoryKind::Legacy, true)
     }
 }
 
@@ -68,7 +78,7 @@ struct GpuVmm;
 impl Kind for GpuVmm {
     type S = cuda_mp::GpuStorage;
     fn make(len: usize) -> GpuTensor<f32> {
-        gpu_tensor(len, GpuMemoryKind::Vmm)
+        gpu_tensor(len, GpuMemoryKind::Vmm, true)
     }
 }
 
@@ -566,6 +576,7 @@ macro_rules! suite {
 suite!(fake, Fake, 1_000);
 suite!(host, Host, 10_000);
 suite!(gpu_legacy, GpuLegacy, 1_000, #[ignore = "needs a CUDA GPU"]);
+suite!(gpu_pooled, GpuPooled, 1_000, #[ignore = "needs a CUDA GPU"]);
 suite!(gpu_vmm, GpuVmm, 1_000, #[ignore = "needs a CUDA GPU"]);
 
 /// Sends one fake storage whose mapping takes `delay_ms`, then waits to be killed.

@@ -1,0 +1,290 @@
+//! The caching allocator across real processes: fresh tensors cut from segments that a
+//! receiver maps once, blocks reused only once every process dropped them, a killed consumer's
+//! blocks reclaimed, and device memory, descriptors and /dev/shm back at the start. These need
+//! a CUDA GPU: they are ignored by a plain `cargo test` and fail with a clear message when run
+//! where no GPU is usable.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use cuda_mp::{channel, lifetime_stats, spawn, wait_for_lifetime, Device, Error, GpuTensor, Receiver, Sender};
+
+mod common;
+
+cuda_mp::enable_test_support!();
+
+static SERIAL: Mutex<()> = Mutex::new(());
+const WAIT: Duration = Duration::from_secs(60);
+
+/// One test at a time, each starting from an allocator that holds nothing, caching on.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    let g = common::serial(&SERIAL, WAIT);
+    let dev = common::gpu();
+    dev.set_caching(true);
+    dev.set_cache_limit(None);
+    dev.empty_cache();
+    g
+}
+
+fn free_memory(dev: &Device) -> usize {
+    dev.memory_info().unwrap().0
+}
+
+fn open_descriptors() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+fn shm_entries() -> Vec<String> {
+    let mut v: Vec<String> =
+        std::fs::read_dir("/dev/shm").unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    v.sort();
+    v
+}
+
+/// Waits until `f` holds, or fails with `what`.
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !f() {
+        assert!(Instant::now() < deadline, "{what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Checks each tensor's first and last element against its number, replies with the number,
+/// and at the end the segments and mappings this process opened.
+fn check_each((rx, reply, done): (Receiver<(u32, GpuTensor<f32>)>, Sender<u32>, Sender<(u64, u64)>)) {
+    while let Ok((i, t)) = rx.recv() {
+        let v = t.to_vec().unwrap();
+        assert!(v[0] == i as f32 && v[v.len() - 1] == i as f32, "tensor {i} holds {} .. {}", v[0], v[v.len() - 1]);
+        drop(t);
+        reply.send(i).unwrap();
+    }
+    let s = lifetime_stats();
+    done.send((s.opened_segments, s.opened_mappings)).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fresh_tensors_are_cut_from_one_segment_that_the_receiver_opens_once() {
+    let _g = serial();
+    let dev = common::gpu();
+    let before = dev.allocator_stats();
+    let (tx, rx) = channel().unwrap();
+    let (reply_tx, reply_rx) = channel().unwrap();
+    let (done_tx, done_rx) = channel().unwrap();
+    let child = spawn((rx, reply_tx, done_tx), check_each);
+    for i in 0..500u32 {
+        // 64 KiB each, fresh every time; a window of 8 in flight.
+        let t = GpuTensor::<f32>::full(&dev, &[16 << 10], i as f32).unwrap();
+        tx.send((i, t)).unwrap();
+        if i >= 8 {
+            assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), i - 8);
+        }
+    }
+    for i in 492..500 {
+        assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), i);
+    }
+    drop(tx);
+    let (segments, mappings) = done_rx.recv_timeout(WAIT).unwrap();
+    child.join().unwrap();
+    let after = dev.allocator_stats();
+    assert_eq!(after.segments_allocated - before.segments_allocated, 1, "500 fresh 64 KiB tensors fit one segment");
+    assert_eq!(segments, 1, "the receiver opened the one segment once");
+    assert_eq!(mappings, 500, "and each fresh tensor is a storage of its own");
+    eventually("every block back once the receiver dropped it", || dev.allocator_stats().blocks == 0);
+    assert_eq!(after.allocations - before.allocations, 500);
+}
+
+/// Receives tensors of a pattern, copies each into its own tensor many times (queued work
+/// that still reads the block while the producer reallocates), drops the received tensor, and
+/// checks the copy.
+fn copy_then_check((rx, reply): (Receiver<(f32, GpuTensor<f32>)>, Sender<Result<(), String>>)) {
+    let dev = common::gpu();
+    while let Ok((v, t)) = rx.recv() {
+        let mine = GpuTensor::<f32>::zeros(&dev, t.shape()).unwrap();
+        for _ in 0..400 {
+            mine.copy_from(&t).unwrap();
+        }
+        // Released only after the copies are done (the drop synchronizes first).
+        drop(t);
+        reply.send(Ok(())).unwrap();
+        let got = mine.to_vec().unwrap();
+        let bad = got.iter().filter(|&&x| x != v).count();
+        reply.send(if bad == 0 { Ok(()) } else { Err(format!("{bad} elements changed under the copy")) }).unwrap();
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_block_is_reused_only_after_the_consumer_has_finished_reading_it() {
+    let _g = serial();
+    let dev = common::gpu();
+    let (tx, rx) = channel().unwrap();
+    let (reply_tx, reply_rx) = channel().unwrap();
+    let child = spawn((rx, reply_tx), copy_then_check);
+    let reused_before = dev.allocator_stats().allocations;
+    for round in 0..20 {
+        let v = round as f32 + 0.5;
+        let t = GpuTensor::<f32>::full(&dev, &[1 << 18], v).unwrap(); // 1 MiB
+        let ptr = t.device_ptr();
+        tx.send((v, t)).unwrap();
+        // The consumer released it: the next tensor of the size takes the same block, and is
+        // written at once, while the consumer's copies would still run had it not waited.
+        reply_rx.recv_timeout(WAIT).unwrap().unwrap();
+        let mut reused = false;
+        let mut kept = Vec::new();
+        for _ in 0..4 {
+            let over = GpuTensor::<f32>::full(&dev, &[1 << 18], -1.0).unwrap();
+            reused |= over.device_ptr() == ptr;
+            kept.push(over);
+        }
+        let verdict = reply_rx.recv_timeout(WAIT).unwrap();
+        assert_eq!(verdict, Ok(()), "round {round}: the block was handed out while the consumer read it");
+        if !reused {
+            // Its release may land just after the reply: the block is back soon after.
+            eventually("the block comes back", || {
+                let t = GpuTensor::<f32>::zeros(&dev, &[1 << 18]).unwrap();
+                t.device_ptr() == ptr
+            });
+        }
+    }
+    assert!(dev.allocator_stats().allocations > reused_before);
+    drop(tx);
+    child.join().unwrap();
+}
+
+/// Receives tensors until the channel closes, checking each against its number and
+/// acknowledging it.
+fn ack_each((rx, ack): (Receiver<(u32, GpuTensor<i32>)>, Sender<u32>)) {
+    while let Ok((i, t)) = rx.recv() {
+        assert_eq!(t.to_vec().unwrap()[0], i as i32);
+        ack.send(i).unwrap();
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_hundred_thousand_fresh_tensors_to_four_consumers_one_killed_leave_nothing_behind() {
+    let _g = serial();
+    let dev = common::gpu();
+    let warm = GpuTensor::<i32>::zeros(&dev, &[1]).unwrap();
+    drop(warm);
+    dev.empty_cache();
+    let baseline = free_memory(&dev);
+    let fds = open_descriptors();
+    let shm = shm_entries();
+    let before = lifetime_stats();
+    let mut consumers = Vec::new();
+    for _ in 0..4 {
+        let (tx, rx) = channel().unwrap();
+        let (ack_tx, ack_rx) = channel().unwrap();
+        consumers.push((tx, ack_rx, spawn((rx, ack_tx), ack_each), 0u32));
+    }
+    const N: u32 = 100_000;
+    const WINDOW: u32 = 32;
+    let mut alive = 4;
+    for i in 0..N {
+        if i == N / 2 {
+            // One consumer killed midway, with up to a window of tensors unacknowledged.
+            let (_, _, child, _) = &mut consumers[3];
+            child.kill().unwrap();
+            alive = 3;
+        }
+        let c = &mut consumers[(i % alive) as usize];
+        let t = GpuTensor::<i32>::full(&dev, &[1024], i as i32).unwrap(); // 4 KiB, fresh
+        c.0.send((i, t)).unwrap();
+        c.3 += 1;
+        if c.3 > WINDOW {
+            c.1.recv_timeout(WAIT).unwrap();
+            c.3 -= 1;
+        }
+    }
+    let killed = consumers.pop().unwrap();
+    for (tx, ack, child, outstanding) in consumers {
+        for _ in 0..outstanding {
+            ack.recv_timeout(WAIT).unwrap();
+        }
+        drop(tx);
+        child.join().unwrap();
+    }
+    drop(killed);
+    eventually("every block back, the killed consumer's included", || dev.allocator_stats().blocks == 0);
+    wait_for_lifetime(WAIT, |s| {
+        s.live_storages == before.live_storages && s.outstanding_leases == before.outstanding_leases
+    })
+    .expect("every storage freed and every lease closed");
+    assert!(dev.allocator_stats().segments_allocated < 10, "blocks were reused");
+    dev.empty_cache();
+    eventually("device memory back to where it started", || free_memory(&dev) + (2 << 20) >= baseline);
+    assert_eq!(open_descriptors(), fds, "descriptors back to where they started");
+    assert_eq!(shm_entries(), shm, "files left in /dev/shm");
+}
+
+/// Holds what it receives until told to drop it; reports what it maps.
+fn hold_until_told((rx, cmd, reply): (Receiver<GpuTensor<u8>>, Receiver<()>, Sender<usize>)) {
+    let t = rx.recv().unwrap();
+    reply.send(lifetime_stats().mapped_segments).unwrap();
+    cmd.recv().unwrap();
+    drop(t);
+    reply.send(lifetime_stats().mapped_segments).unwrap();
+    // Cached until the owner gives the segment up.
+    cmd.recv().unwrap();
+    let deadline = Instant::now() + WAIT;
+    while lifetime_stats().mapped_segments > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    reply.send(lifetime_stats().mapped_segments).unwrap();
+    let _ = cmd.recv();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn empty_cache_frees_a_segment_once_its_receiver_unmapped_it() {
+    let _g = serial();
+    let dev = common::gpu();
+    let baseline = free_memory(&dev);
+    let (tx, rx) = channel().unwrap();
+    let (cmd_tx, cmd_rx) = channel().unwrap();
+    let (reply_tx, reply_rx) = channel().unwrap();
+    let child = spawn((rx, cmd_rx, reply_tx), hold_until_told);
+    let t = GpuTensor::<u8>::full(&dev, &[256 << 20], 7).unwrap(); // a segment of its own
+    tx.send(t).unwrap();
+    assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), 1);
+    cmd_tx.send(()).unwrap();
+    assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), 1, "the receiver keeps the segment mapped after the drop");
+    eventually("the block back", || dev.allocator_stats().blocks == 0);
+    assert_eq!(dev.empty_cache(), 256 << 20);
+    assert_eq!(dev.allocator_stats().reserved_bytes, 0);
+    cmd_tx.send(()).unwrap();
+    assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), 0, "the receiver unmapped the segment given up");
+    eventually("the 256 MiB freed", || free_memory(&dev) + (8 << 20) >= baseline);
+    drop(cmd_tx);
+    child.join().unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_cache_limit_refuses_a_segment_past_it_and_caching_can_be_turned_off() {
+    let _g = serial();
+    let dev = common::gpu();
+    dev.set_cache_limit(Some(48 << 20));
+    let a = GpuTensor::<u8>::zeros(&dev, &[20 << 20]).unwrap();
+    let b = GpuTensor::<u8>::zeros(&dev, &[20 << 20]).unwrap();
+    let err = GpuTensor::<u8>::zeros(&dev, &[20 << 20]).unwrap_err();
+    assert!(matches!(err, Error::CacheLimit { limit, .. } if limit == 48 << 20), "{err}");
+    assert!(err.is_out_of_memory());
+    drop(a);
+    // The freed block is reused: no new segment needed.
+    let c = GpuTensor::<u8>::zeros(&dev, &[20 << 20]).unwrap();
+    assert_eq!(dev.allocator_stats().segments, 2);
+    drop((b, c));
+    dev.set_cache_limit(None);
+
+    dev.set_caching(false);
+    let own = GpuTensor::<f32>::full(&dev, &[1024], 2.0).unwrap();
+    assert_eq!(dev.allocator_stats().blocks, 0, "one allocation per tensor");
+    assert_eq!(dev.allocator_stats().reserved_bytes, 0, "unused segments given up when turned off");
+    assert_eq!(own.ipc_payload().unwrap().alloc_offset(), 0);
+    assert_eq!(own.to_vec().unwrap(), vec![2.0; 1024]);
+    dev.set_caching(true);
+}
