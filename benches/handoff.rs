@@ -14,6 +14,8 @@
 //!      then re-publish after an in-place update; the consumer keeps the latest weights and
 //!      reads the step counter published with them
 //!   e  fan-out: one 1 MiB tensor to 8 consumers, until all acknowledged
+//!   s  fresh 1 MiB tensors per second to one consumer that drops each and acknowledges it, 64
+//!      in flight; with the caching allocator (the default) and without it
 
 use std::collections::HashMap;
 use std::process::Command;
@@ -238,6 +240,46 @@ fn count_then_ack((rx, ack, n): (Receiver<GpuTensor<u8>>, Sender<(u64, f64, f64,
     let per = |d: Duration| d.as_secs_f64() * 1e6 / seen.saturating_sub(C_WARM).max(1) as f64;
     let decode = PhaseTimes::now().since(&phases, Phase::Decode);
     let _ = ack.send((seen, per(start.elapsed()), per(decode), per(dropping)));
+}
+
+/// Row s's consumer: drops each tensor and acknowledges it.
+fn drop_each((rx, ack): (Receiver<GpuTensor<u8>>, Sender<()>)) {
+    while let Ok(t) = rx.recv() {
+        drop(t);
+        if ack.send(()).is_err() {
+            break;
+        }
+    }
+}
+
+/// Row s: `n` fresh 1 MiB tensors, at most `window` unacknowledged; tensors per second.
+fn fresh_rate(dev: &std::sync::Arc<Device>, n: usize, window: usize) -> f64 {
+    let (tx, rx) = channel().unwrap();
+    let (ack_tx, ack) = channel().unwrap();
+    let child = spawn((rx, ack_tx), drop_each);
+    let send = |k: usize| {
+        for _ in 0..k {
+            tx.send(GpuTensor::<u8>::zeros(dev, &[1 << 20]).unwrap()).unwrap();
+        }
+    };
+    // Warm-up: the consumer sets up CUDA (and, with the caching allocator, maps the segments).
+    send(window);
+    for _ in 0..window {
+        ack.recv_timeout(WAIT).unwrap();
+    }
+    let start = Instant::now();
+    send(window);
+    for _ in window..n {
+        ack.recv_timeout(WAIT).unwrap();
+        send(1);
+    }
+    for _ in 0..window {
+        ack.recv_timeout(WAIT).unwrap();
+    }
+    let rate = n as f64 / start.elapsed().as_secs_f64();
+    drop(tx);
+    child.join().unwrap();
+    rate
 }
 
 fn hold_latest((rx, ack): (Receiver<Bundle>, Sender<i64>)) {
@@ -643,6 +685,15 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, only: Option<&str>, r: &m
         }
         r.ours.insert("e_fanout8".into(), summarize(us));
     }
+    // s: fresh tensors, with and without the caching allocator.
+    if want("s") {
+        let n = if quick { 5_000 } else { 20_000 };
+        let caching = dev.caching();
+        r.ours.insert("s_fresh1M".into(), (fresh_rate(dev, n, 64), 0.0));
+        dev.set_caching(false);
+        r.ours.insert("s_nocache".into(), (fresh_rate(dev, n, 64), 0.0));
+        dev.set_caching(caching);
+    }
 }
 
 fn run_torch(quick: bool, r: &mut Results) {
@@ -682,6 +733,7 @@ fn print_table(r: &Results) {
         .chain([("c", "rate".to_string())])
         .chain([("d", "first".to_string()), ("d", "republish".to_string())])
         .chain([("e", "fanout8".to_string())])
+        .chain([("s", "fresh1M".to_string())])
         .collect();
     println!();
     println!("| row | workload | cuda-mp median | cuda-mp p99 | torch median | torch p99 | torch / cuda-mp |");
@@ -690,14 +742,15 @@ fn print_table(r: &Results) {
         let key = format!("{row}_{name}");
         let ours = r.ours.get(&key);
         let torch = r.torch.get(&key);
+        let rate = row == "c" || row == "s";
         let fmt = |v: Option<&(f64, f64)>, i: usize| match v {
-            Some(v) if row == "c" && i == 0 => format!("{:.0}/s", v.0),
-            Some(_) if row == "c" => "-".into(),
+            Some(v) if rate && i == 0 => format!("{:.0}/s", v.0),
+            Some(_) if rate => "-".into(),
             Some(v) => format!("{:.1} us", if i == 0 { v.0 } else { v.1 }),
             None => "n/a".into(),
         };
         let ratio = match (ours, torch) {
-            (Some(o), Some(t)) if row == "c" => format!("{:.1}x", o.0 / t.0),
+            (Some(o), Some(t)) if rate => format!("{:.1}x", o.0 / t.0),
             (Some(o), Some(t)) => format!("{:.1}x", t.0 / o.0),
             _ => "n/a".into(),
         };
@@ -706,6 +759,7 @@ fn print_table(r: &Results) {
             "b" => format!("round trip, fresh allocation, {name}"),
             "c" => "one-way, 4 KiB tensors per second".into(),
             "d" => format!("7B weights (291 bf16 tensors), {name}"),
+            "s" => "fresh 1 MiB tensors per second, 64 in flight".into(),
             _ => "1 MiB to 8 consumers, all acknowledged".into(),
         };
         println!(
@@ -715,6 +769,9 @@ fn print_table(r: &Results) {
             fmt(torch, 0),
             fmt(torch, 1)
         );
+    }
+    if let Some(s) = r.ours.get("s_nocache") {
+        println!("\ncuda-mp row s without the caching allocator (one allocation per tensor): {:.0}/s", s.0);
     }
     if let Some(d1) = r.ours.get("d1_first") {
         println!("\ncuda-mp first publish of the same weights in 1 GiB allocations: {:.1} us", d1.0);

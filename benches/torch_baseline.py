@@ -42,6 +42,42 @@ def count_then_ack(q, ack, n, warm):
     ack.put(n)
 
 
+def drop_each(q, ack):
+    torch.cuda.init()
+    while True:
+        t = q.get()
+        if t is None:
+            break
+        del t
+        ack.put(1)
+
+
+def fresh_rate(ctx, dev, n, window):
+    """Row s: n fresh 1 MiB tensors, at most `window` unacknowledged; tensors per second."""
+    q, ack = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=drop_each, args=(q, ack))
+    p.start()
+
+    def send(k):
+        for _ in range(k):
+            q.put(torch.zeros(1 << 20, dtype=torch.uint8, device=dev))
+
+    send(window)  # warm-up, as ours
+    for _ in range(window):
+        ack.get()
+    start = time.perf_counter()
+    send(window)
+    for _ in range(window, n):
+        ack.get()
+        send(1)
+    for _ in range(window):
+        ack.get()
+    secs = time.perf_counter() - start
+    q.put(None)
+    p.join()
+    return n / secs
+
+
 def hold_latest(q, ack):
     torch.cuda.init()
     latest = None
@@ -254,6 +290,8 @@ def main():
     for c in cs:
         c.finish()
     row("e_fanout8", *summarize(us))
+
+    row("s_fresh1M", fresh_rate(ctx, dev, 5000 if quick else 20000, 64), 0)  # s: fresh tensors
 
 
 if __name__ == "__main__":
