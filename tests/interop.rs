@@ -104,7 +104,11 @@ fn memory_of_another_allocator_is_sent_from_its_allocation_and_kept_until_releas
     let before = lifetime_stats();
     // One allocation cut into pieces, as PyTorch's caching allocator does: two storages of one
     // allocation, sent together, map the allocation once in the receiver.
-    let block = GpuTensor::<f32>::from_vec(&dev, &[1024], (0..1024).map(|i| i as f32).collect()).unwrap();
+    // `block` stands in for another library's allocation: one `cuMemAlloc` of its own.
+    dev.set_caching(false);
+    let block = GpuTensor::<f32>::from_vec(&dev, &[1024], (0..1024).map(|i| i as f32).collect());
+    dev.set_caching(true);
+    let block = block.unwrap();
     let keeper_alive = Arc::new(());
     let wrap = |offset_elems: usize, elems: usize| {
         let keep = (block.clone(), keeper_alive.clone());

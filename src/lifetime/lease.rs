@@ -375,6 +375,12 @@ impl Cover {
         Claim::Lease { lease: self.lease.clone(), counted }
     }
 
+    /// True when the claim came through a forwarder: counted on its relay, or holding copies
+    /// of the leases up the chain.
+    pub(crate) fn is_relayed(&self) -> bool {
+        self.index != self.id.index() || !self.anchors.is_empty()
+    }
+
     /// True for claims counted on their lease (which a forwarder relays on a channel).
     pub(crate) fn is_counted(&self) -> bool {
         self.mode == LeaseMode::Counted
