@@ -28,6 +28,12 @@ fn check_dtype<T: Element + PartialEq>(dev: &Arc<Device>, from: impl Fn(i32) -> 
     assert_eq!(dst.to_ndarray().unwrap(), tt.to_ndarray().unwrap(), "{name}: copy_from a transpose");
     let full = GpuTensor::<T>::full(dev, &[5], from(2)).unwrap();
     assert_eq!(full.to_vec().unwrap(), vec![from(2); 5], "{name}: full");
+    // count differing elements on the device: `t` is now rows [0, 4, 2, 3], [7; 4], [7; 4], so
+    // 4 elements are not 7, and 2 of its column 0 ([0, 7, 7]) are not 0
+    let counter = GpuTensor::<i64>::zeros(dev, &[2]).unwrap();
+    t.count_not_equal(from(7), &counter.narrow(0, 1, 1).unwrap()).unwrap();
+    t.transpose(0, 1).unwrap().narrow(0, 0, 1).unwrap().count_not_equal(from(0), &counter).unwrap();
+    assert_eq!(counter.to_vec().unwrap(), vec![2, 4], "{name}: count_not_equal on views");
 }
 
 #[test]

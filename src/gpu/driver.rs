@@ -813,6 +813,8 @@ pub(crate) enum KernelOp {
     Add,
     /// `copy_T(T* dst, Layout ld, const T* src, Layout ls)`.
     Copy,
+    /// `count_ne_T(const T* base, Layout l, unsigned long long bits, unsigned long long* count)`.
+    CountNe,
 }
 
 impl KernelOp {
@@ -822,6 +824,7 @@ impl KernelOp {
             KernelOp::Fill => "fill",
             KernelOp::Add => "add",
             KernelOp::Copy => "copy",
+            KernelOp::CountNe => "count_ne",
         }
     }
 }
@@ -850,6 +853,16 @@ pub(crate) enum KernelArgs {
         /// The view read.
         src: KernelView,
     },
+    /// Adds to the 8-byte counter at `count` the number of elements of `view` whose bits
+    /// differ from `bits`.
+    CountNe {
+        /// The view read.
+        view: KernelView,
+        /// The value's bits.
+        bits: u64,
+        /// The counter (checked to be 8 bytes of device memory).
+        count: DeviceRange,
+    },
 }
 
 impl KernelArgs {
@@ -859,6 +872,10 @@ impl KernelArgs {
         match self {
             KernelArgs::Fill { view, .. } => Ok((KernelOp::Fill, view.dtype, view.numel)),
             KernelArgs::Add { view, .. } => Ok((KernelOp::Add, view.dtype, view.numel)),
+            KernelArgs::CountNe { count, .. } if count.len != 8 => {
+                Err(Error::Layout(format!("a counter of {} bytes, not 8", count.len)))
+            }
+            KernelArgs::CountNe { view, .. } => Ok((KernelOp::CountNe, view.dtype, view.numel)),
             KernelArgs::Copy { dst, src } => {
                 if dst.dtype != src.dtype || dst.numel != src.numel {
                     return Err(Error::Layout(format!(
@@ -919,6 +936,10 @@ pub(crate) unsafe fn launch_kernel(
         KernelArgs::Add { view, value } => {
             let (mut base, mut layout, mut value) = (view.base, view.layout, value);
             launch(&mut [param(&mut base), param(&mut layout), param(&mut value)])
+        }
+        KernelArgs::CountNe { view, bits, count } => {
+            let (mut base, mut layout, mut bits, mut count) = (view.base, view.layout, bits, count.ptr);
+            launch(&mut [param(&mut base), param(&mut layout), param(&mut bits), param(&mut count)])
         }
         KernelArgs::Copy { dst, src } => {
             let (mut dst_base, mut dst_layout, mut src_base, mut src_layout) =

@@ -64,12 +64,29 @@ template <typename T> __device__ void copy_impl(T* dst, Layout ld, const T* src,
     GRID_STRIDE_LOOP(i, ld.numel) { dst[element_offset(ld, i)] = src[element_offset(ls, i)]; }
 }
 
+// Counts the elements whose bits differ from `bits` (atomically added to `*count`): a check
+// of a tensor's contents on the device, one 8-byte read back for any number of checks.
+template <typename T> __device__ void count_ne_impl(const T* base, Layout l, unsigned long long bits,
+                                                    unsigned long long* count) {
+    unsigned long long differing = 0;
+    GRID_STRIDE_LOOP(i, l.numel) {
+        unsigned long long b = 0;
+        memcpy(&b, &base[element_offset(l, i)], sizeof(T));
+        differing += (b != bits);
+    }
+    if (differing) atomicAdd(count, differing);
+}
+
 #define MOVE_KERNELS(name, T)                                                                          \
     extern "C" __global__ void fill_##name(T* base, Layout l, unsigned long long bits) {               \
         fill_impl<T>(base, l, bits);                                                                   \
     }                                                                                                  \
     extern "C" __global__ void copy_##name(T* dst, Layout ld, const T* src, Layout ls) {               \
         copy_impl<T>(dst, ld, src, ls);                                                                \
+    }                                                                                                  \
+    extern "C" __global__ void count_ne_##name(const T* base, Layout l, unsigned long long bits,       \
+                                               unsigned long long* count) {                            \
+        count_ne_impl<T>(base, l, bits, count);                                                        \
     }
 
 #define ARITH_KERNELS(name, T)                                                                         \

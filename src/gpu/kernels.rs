@@ -1,5 +1,5 @@
 //! The elementwise kernels shipped with cuda-mp (`kernels.cu`, compiled to `kernels.ptx`:
-//! strided fill, add-scalar and copy for every dtype) and their launches on a device's stream.
+//! strided fill, add-scalar, copy and count-not-equal for every dtype) and their launches on a device's stream.
 //! Each launch checks its views against the memory they lie in before anything is queued.
 
 use std::collections::HashMap;
@@ -74,6 +74,19 @@ pub(crate) fn add_scalar(device: &Device, alloc: DeviceRange, layout: &Layout, d
     launch(device, KernelArgs::Add { view: KernelView::new(alloc, layout, dtype)?, value })
 }
 
+/// Adds to the counter `count` (8 bytes) the number of elements of the view `layout` over
+/// `alloc` whose bits differ from `bits`.
+pub(crate) fn count_ne(
+    device: &Device,
+    alloc: DeviceRange,
+    layout: &Layout,
+    dtype: DType,
+    bits: u64,
+    count: DeviceRange,
+) -> Result<()> {
+    launch(device, KernelArgs::CountNe { view: KernelView::new(alloc, layout, dtype)?, bits, count })
+}
+
 /// Copies the view `src_layout` over `src` into the view `dst_layout` over `dst`, element by
 /// element in row-major order (the same number of elements), on `device`'s stream.
 pub(crate) fn copy(
@@ -104,7 +117,7 @@ mod tests {
     #[test]
     fn every_dtype_has_its_kernels_in_the_ptx() {
         for dtype in DType::ALL {
-            for op in [KernelOp::Fill, KernelOp::Add, KernelOp::Copy] {
+            for op in [KernelOp::Fill, KernelOp::Add, KernelOp::Copy, KernelOp::CountNe] {
                 let entry = format!(".entry {}_{}(", op.name(), dtype.name());
                 let shipped = PTX.contains(&entry);
                 assert_eq!(shipped, !(op == KernelOp::Add && dtype == DType::Bool), "{entry}");

@@ -178,6 +178,30 @@ impl<T: Element> Tensor<T, GpuStorage> {
         kernels::add_scalar(self.device(), self.storage.range()?, &self.layout, T::DTYPE, value)
     }
 
+    /// Adds to `counter`'s first element the number of elements of this view that are not
+    /// `value` (bit for bit: `-0.0` is not `0.0`, a NaN equals the same NaN), queued on the
+    /// device's stream: a check of a tensor's contents on the GPU, read back once for any
+    /// number of checks. `counter` must be on the same GPU.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::from_vec(&dev, &[4], vec![1.0f32, 2.0, 1.0, 1.0]).unwrap();
+    /// let counter = cuda_mp::GpuTensor::<i64>::zeros(&dev, &[1]).unwrap();
+    /// t.count_not_equal(1.0, &counter).unwrap();
+    /// t.narrow(0, 2, 2).unwrap().count_not_equal(1.0, &counter).unwrap();
+    /// assert_eq!(counter.to_vec().unwrap(), vec![1]);
+    /// ```
+    pub fn count_not_equal(&self, value: T, counter: &GpuTensor<i64>) -> Result<()> {
+        if !Arc::ptr_eq(counter.device(), self.device()) {
+            return Err(Error::Unsupported("a counter on another gpu".into()));
+        }
+        if counter.numel() == 0 {
+            return Err(Error::Layout("an empty counter".into()));
+        }
+        let count = counter.storage.range()?.sub(counter.offset() * 8, 8)?;
+        kernels::count_ne(self.device(), self.storage.range()?, &self.layout, T::DTYPE, value.to_bits(), count)
+    }
+
     /// Copies `src` (same shape) into this view, element by element. Between two GPUs both
     /// views must be contiguous: the copy is a peer copy by the copy engines, after `src`'s
     /// queued work, and it returns once the copy is done (nothing on `src`'s device orders
