@@ -1,0 +1,211 @@
+//! 16: a paged KV cache shared across processes. A prefill process (this one) writes the key
+//! and value blocks of each request (16 tokens a block, 32 layers x K and V x 8 heads x 128
+//! dims in bf16: 2 MiB) and sends the request's block table to one of two decode processes.
+//! A decode process checks every value of every block on its GPU, appends tokens in blocks of
+//! its own, and drops a request once it is finished. Blocks are fresh tensors of the caching
+//! allocator: a block comes back to the prefill process as soon as no process holds it, and a
+//! decode process maps each segment of blocks once.
+//!
+//! It prints requests and blocks per second, then runs `benches/kv_cache_torch.py` (the same
+//! blocks sent as tensors through `torch.multiprocessing`) where torch is installed.
+//!
+//!     cargo run --release --example 16_kv_cache [-- --requests 400 --no-torch]
+
+mod common;
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use common::{Outcome, PythonPeer, TIMEOUT};
+use cuda_mp::{bf16, channel, spawn, Device, GpuTensor, Receiver, Sender};
+use serde::{Deserialize, Serialize};
+
+/// One block: layers, K and V, tokens, KV heads, head dimension.
+const BLOCK: [usize; 5] = [32, 2, 16, 8, 128];
+const TOKENS_PER_BLOCK: usize = 16;
+/// Requests a decode process works on at once; the oldest finishes when another arrives.
+const RUNNING: usize = 4;
+/// Requests in flight per decode process (sent and not yet finished).
+const WINDOW: usize = 16;
+
+/// What a prefill hands to a decode process: the request and its block table.
+#[derive(Serialize, Deserialize)]
+struct Request {
+    id: u32,
+    prompt_tokens: u32,
+    blocks: Vec<GpuTensor<bf16>>,
+}
+
+/// The value every element of block `b` of request `id` holds (an integer below 256: exact in
+/// bf16).
+fn block_value(id: u32, b: usize) -> bf16 {
+    bf16::from_f32(((id as usize * 7 + b * 3) % 251 + 1) as f32)
+}
+
+/// Blocks of request `id`'s prompt: 1 to 8.
+fn prompt_blocks(id: u32) -> usize {
+    (id as usize * 5 + 3) % 8 + 1
+}
+
+/// What a decode process reports at the end: requests, blocks checked, values that differed,
+/// blocks it appended, segments it opened.
+#[derive(Serialize, Deserialize, Debug, Default)]
+struct DecodeReport {
+    requests: u32,
+    blocks_checked: u64,
+    wrong_values: i64,
+    appended_blocks: u64,
+    opened_segments: u64,
+}
+
+/// A decode process: checks each request's blocks, appends one block of generated tokens,
+/// keeps `RUNNING` requests, and says which request finished.
+fn decode(channels: (Receiver<Request>, Sender<u32>, Sender<DecodeReport>)) -> Result<(), String> {
+    decode_requests(channels).map_err(|e| e.to_string())
+}
+
+fn decode_requests((requests, finished, report): (Receiver<Request>, Sender<u32>, Sender<DecodeReport>)) -> Outcome {
+    let dev = Device::get(0)?;
+    let wrong = GpuTensor::<i64>::zeros(&dev, &[1])?;
+    let mut running: VecDeque<(u32, Vec<GpuTensor<bf16>>)> = VecDeque::new();
+    let mut out = DecodeReport::default();
+    let appended = bf16::from_f32(512.0);
+    while let Ok(request) = requests.recv() {
+        for (b, block) in request.blocks.iter().enumerate() {
+            block.count_not_equal(block_value(request.id, b), &wrong)?;
+        }
+        out.blocks_checked += request.blocks.len() as u64;
+        // The next tokens go into a block of this process's own.
+        let mut blocks = request.blocks;
+        blocks.push(GpuTensor::full(&dev, &BLOCK, appended)?);
+        out.appended_blocks += 1;
+        out.requests += 1;
+        running.push_back((request.id, blocks));
+        if running.len() > RUNNING {
+            let (id, done) = running.pop_front().expect("more than RUNNING requests run");
+            done[done.len() - 1].count_not_equal(appended, &wrong)?;
+            drop(done); // the prefill's blocks go back to it, once no one else holds them
+            finished.send(id)?;
+        }
+    }
+    for (id, done) in running {
+        drop(done);
+        finished.send(id)?;
+    }
+    out.wrong_values = wrong.to_vec()?[0];
+    out.opened_segments = cuda_mp::lifetime_stats().opened_segments;
+    report.send(out)?;
+    Ok(())
+}
+
+/// One decode process as the prefill sees it.
+struct Decoder {
+    requests: Sender<Request>,
+    finished: Receiver<u32>,
+    report: Receiver<DecodeReport>,
+    child: cuda_mp::JoinHandle<Result<(), String>>,
+    in_flight: usize,
+}
+
+fn start_decoder() -> Outcome<Decoder> {
+    let (requests, rx) = channel()?;
+    let (finished_tx, finished) = channel()?;
+    let (report_tx, report) = channel()?;
+    let child = spawn((rx, finished_tx, report_tx), decode);
+    Ok(Decoder { requests, finished, report, child, in_flight: 0 })
+}
+
+fn run() -> Outcome {
+    common::require_gpu()?;
+    let n: u32 = common::arg("--requests", 400)?;
+    let dev = Device::get(0)?;
+    println!(
+        "{n} requests of 1-8 blocks; a block holds {TOKENS_PER_BLOCK} tokens: {:?} bf16, {} KiB",
+        BLOCK,
+        (BLOCK.iter().product::<usize>() * 2) >> 10
+    );
+    let mut decoders = vec![start_decoder()?, start_decoder()?];
+    // Warm-up: each decode process sets up CUDA on a request that is not timed.
+    for (i, d) in decoders.iter_mut().enumerate() {
+        let blocks = vec![GpuTensor::full(&dev, &BLOCK, block_value(u32::MAX - i as u32, 0))?];
+        d.requests.send(Request { id: u32::MAX - i as u32, prompt_tokens: TOKENS_PER_BLOCK as u32, blocks })?;
+    }
+    let before = dev.allocator_stats();
+    let start = Instant::now();
+    let mut blocks_sent = 0;
+    for id in 0..n {
+        let d = &mut decoders[id as usize % 2];
+        if d.in_flight == WINDOW {
+            d.finished.recv_timeout(TIMEOUT)?;
+            d.in_flight -= 1;
+        }
+        let count = prompt_blocks(id);
+        let blocks =
+            (0..count).map(|b| GpuTensor::full(&dev, &BLOCK, block_value(id, b))).collect::<Result<Vec<_>, _>>()?;
+        blocks_sent += count;
+        d.requests.send(Request { id, prompt_tokens: (count * TOKENS_PER_BLOCK) as u32, blocks })?;
+        d.in_flight += 1;
+    }
+    let mut reports = Vec::new();
+    for mut d in decoders {
+        drop(d.requests);
+        // The warm-up request and every one still in flight finish now.
+        for _ in 0..d.in_flight + 1 {
+            d.finished.recv_timeout(TIMEOUT)?;
+        }
+        reports.push(d.report.recv_timeout(TIMEOUT)?);
+        d.child.join_timeout(TIMEOUT)??;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let after = dev.allocator_stats();
+    let checked: u64 = reports.iter().map(|r| r.blocks_checked).sum();
+    let wrong: i64 = reports.iter().map(|r| r.wrong_values).sum();
+    println!(
+        "cuda-mp: {:.0} requests/s, {:.0} blocks/s ({blocks_sent} blocks of 2 MiB in {:.1} ms)",
+        n as f64 / secs,
+        blocks_sent as f64 / secs,
+        secs * 1e3
+    );
+    println!(
+        "prefill: {} blocks from {} segments allocated for them; decode processes opened {:?} segments",
+        after.allocations - before.allocations,
+        after.segments_allocated - before.segments_allocated,
+        reports.iter().map(|r| r.opened_segments).collect::<Vec<_>>()
+    );
+    common::ensure(wrong == 0, &format!("{wrong} values of the blocks differed from what the prefill wrote"))?;
+    common::ensure(checked == blocks_sent as u64 + 2, "a decode process missed blocks")?;
+    common::ensure(
+        (after.segments_allocated - before.segments_allocated) * 10 < blocks_sent as u64,
+        "blocks were not reused once the decode processes dropped them",
+    )?;
+    if !std::env::args().any(|a| a == "--no-torch") {
+        compare_with_torch(n, blocks_sent as f64 / secs)?;
+    }
+    Ok(())
+}
+
+/// Runs the torch.multiprocessing version of the same workload and prints both rates.
+fn compare_with_torch(n: u32, ours: f64) -> Outcome {
+    let mut torch = match PythonPeer::start("benches/kv_cache_torch.py", &["--requests", &n.to_string()]) {
+        Ok(p) => p,
+        Err(e) => {
+            println!("torch comparison not run: {e}");
+            return Ok(());
+        }
+    };
+    let theirs: f64 = match torch.line_after("torch.mp blocks/s:") {
+        Ok(line) => line.parse()?,
+        Err(e) => {
+            println!("torch comparison not run: {e}");
+            return Ok(());
+        }
+    };
+    torch.finish()?;
+    println!("blocks/s: cuda-mp {ours:.0}, torch.mp {theirs:.0}: {:.1}x", ours / theirs);
+    Ok(())
+}
+
+#[cuda_mp::main]
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    common::verdict(run(), "every value of every block checked on the gpu, blocks reused once no process held them")
+}
