@@ -15,7 +15,8 @@
 //!      reads the step counter published with them
 //!   e  fan-out: one 1 MiB tensor to 8 consumers, until all acknowledged
 //!   s  fresh 1 MiB tensors per second to one consumer that drops each and acknowledges it, 64
-//!      in flight; with the caching allocator (the default) and without it
+//!      in flight: zeroed (a kernel per tensor) and empty (torch.empty), with the caching
+//!      allocator (the default), and zeroed without it
 
 use std::collections::HashMap;
 use std::process::Command;
@@ -252,14 +253,17 @@ fn drop_each((rx, ack): (Receiver<GpuTensor<u8>>, Sender<()>)) {
     }
 }
 
-/// Row s: `n` fresh 1 MiB tensors, at most `window` unacknowledged; tensors per second.
-fn fresh_rate(dev: &std::sync::Arc<Device>, n: usize, window: usize) -> f64 {
+/// Row s: `n` fresh 1 MiB tensors (zeroed by a kernel, or left as allocated), at most `window`
+/// unacknowledged; tensors per second.
+fn fresh_rate(dev: &std::sync::Arc<Device>, n: usize, window: usize, zeroed: bool) -> f64 {
     let (tx, rx) = channel().unwrap();
     let (ack_tx, ack) = channel().unwrap();
     let child = spawn((rx, ack_tx), drop_each);
     let send = |k: usize| {
         for _ in 0..k {
-            tx.send(GpuTensor::<u8>::zeros(dev, &[1 << 20]).unwrap()).unwrap();
+            let t =
+                if zeroed { GpuTensor::<u8>::zeros(dev, &[1 << 20]) } else { GpuTensor::<u8>::empty(dev, &[1 << 20]) };
+            tx.send(t.unwrap()).unwrap();
         }
     };
     // Warm-up: the consumer sets up CUDA (and, with the caching allocator, maps the segments).
@@ -689,9 +693,10 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, only: Option<&str>, r: &m
     if want("s") {
         let n = if quick { 5_000 } else { 20_000 };
         let caching = dev.caching();
-        r.ours.insert("s_fresh1M".into(), (fresh_rate(dev, n, 64), 0.0));
+        r.ours.insert("s_fresh1M".into(), (fresh_rate(dev, n, 64, true), 0.0));
+        r.ours.insert("s_empty1M".into(), (fresh_rate(dev, n, 64, false), 0.0));
         dev.set_caching(false);
-        r.ours.insert("s_nocache".into(), (fresh_rate(dev, n, 64), 0.0));
+        r.ours.insert("s_nocache".into(), (fresh_rate(dev, n, 64, true), 0.0));
         dev.set_caching(caching);
     }
 }
@@ -733,7 +738,7 @@ fn print_table(r: &Results) {
         .chain([("c", "rate".to_string())])
         .chain([("d", "first".to_string()), ("d", "republish".to_string())])
         .chain([("e", "fanout8".to_string())])
-        .chain([("s", "fresh1M".to_string())])
+        .chain([("s", "fresh1M".to_string()), ("s", "empty1M".to_string())])
         .collect();
     println!();
     println!("| row | workload | cuda-mp median | cuda-mp p99 | torch median | torch p99 | torch / cuda-mp |");
@@ -759,7 +764,8 @@ fn print_table(r: &Results) {
             "b" => format!("round trip, fresh allocation, {name}"),
             "c" => "one-way, 4 KiB tensors per second".into(),
             "d" => format!("7B weights (291 bf16 tensors), {name}"),
-            "s" => "fresh 1 MiB tensors per second, 64 in flight".into(),
+            "s" if name == "fresh1M" => "fresh 1 MiB tensors per second (zeros), 64 in flight".into(),
+            "s" => "fresh 1 MiB tensors per second (empty: no kernel), 64 in flight".into(),
             _ => "1 MiB to 8 consumers, all acknowledged".into(),
         };
         println!(

@@ -52,15 +52,16 @@ def drop_each(q, ack):
         ack.put(1)
 
 
-def fresh_rate(ctx, dev, n, window):
+def fresh_rate(ctx, dev, n, window, zeroed):
     """Row s: n fresh 1 MiB tensors, at most `window` unacknowledged; tensors per second."""
+    make = torch.zeros if zeroed else torch.empty
     q, ack = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=drop_each, args=(q, ack))
     p.start()
 
     def send(k):
         for _ in range(k):
-            q.put(torch.zeros(1 << 20, dtype=torch.uint8, device=dev))
+            q.put(make(1 << 20, dtype=torch.uint8, device=dev))
 
     send(window)  # warm-up, as ours
     for _ in range(window):
@@ -291,7 +292,9 @@ def main():
         c.finish()
     row("e_fanout8", *summarize(us))
 
-    row("s_fresh1M", fresh_rate(ctx, dev, 5000 if quick else 20000, 64), 0)  # s: fresh tensors
+    n = 5000 if quick else 20000  # s: fresh tensors
+    row("s_fresh1M", fresh_rate(ctx, dev, n, 64, True), 0)
+    row("s_empty1M", fresh_rate(ctx, dev, n, 64, False), 0)
 
 
 if __name__ == "__main__":

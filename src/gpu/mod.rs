@@ -56,6 +56,21 @@ impl<T: Element> Tensor<T, GpuStorage> {
         Ok(t)
     }
 
+    /// A contiguous tensor whose contents are whatever its memory held (as `torch.empty`): no
+    /// kernel is queued, so sending it right away costs no event. Memory from the caching
+    /// allocator may hold an earlier tensor's values of this process; `bool` elements read
+    /// back as 0 or 1 whatever the bytes.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::empty(&dev, &[2, 3]).unwrap();
+    /// t.fill(1.0).unwrap();
+    /// assert_eq!(t.to_vec().unwrap(), vec![1.0; 6]);
+    /// ```
+    pub fn empty(device: &Arc<Device>, shape: &[usize]) -> Result<Self> {
+        Self::uninit(device, shape)
+    }
+
     fn uninit(device: &Arc<Device>, shape: &[usize]) -> Result<Self> {
         let layout = Layout::contiguous(shape)?;
         let bytes =
