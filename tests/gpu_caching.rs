@@ -228,7 +228,9 @@ fn a_hundred_thousand_fresh_tensors_to_four_consumers_one_killed_leave_nothing_b
     assert!(dev.allocator_stats().segments_allocated < 10, "blocks were reused");
     dev.empty_cache();
     eventually("device memory back to where it started", || free_memory(&dev) + (2 << 20) >= baseline);
-    assert_eq!(open_descriptors(), fds, "descriptors back to where they started");
+    // An owner forgets a subscriber that exited at its next revocation (the segments given up
+    // just now send some), which closes its socket: at most the count of the start is left.
+    eventually("descriptors back to where they started", || open_descriptors() <= fds);
     assert_eq!(shm_entries(), shm, "files left in /dev/shm");
 }
 
