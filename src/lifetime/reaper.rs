@@ -29,6 +29,9 @@ enum Watched {
     Spare,
     /// Revocations from the owner with this token.
     Revocations(u128),
+    /// This process's end of subscriber `n`'s revocation socket, which nothing is sent to:
+    /// its end means the subscriber is gone.
+    Subscriber(u64),
 }
 
 /// The reading end of what the reaper watches: a lease pipe, or a revocation socket.
@@ -200,10 +203,13 @@ fn reap() {
                 reaper.wake_pending.store(false, Ordering::SeqCst);
                 continue;
             }
-            let Some(source) = lock(&reaper.watched).get(&id).map(|e| e.source.clone()) else { continue };
-            let open = match &source {
-                Source::Pipe(pipe) => drain_lease(reaper, id, pipe),
-                Source::Socket(socket) => drain_revocations(reaper, id, socket),
+            let Some((what, source)) = lock(&reaper.watched).get(&id).map(|e| (e.what, e.source.clone())) else {
+                continue;
+            };
+            let open = match (&source, what) {
+                (Source::Socket(socket), Watched::Subscriber(_)) => subscriber_open(socket),
+                (Source::Pipe(pipe), _) => drain_lease(reaper, id, pipe),
+                (Source::Socket(socket), _) => drain_revocations(reaper, id, socket),
             };
             if !open {
                 closed(reaper, id);
@@ -283,6 +289,27 @@ fn drain_revocations(reaper: &Reaper, id: u64, socket: &Socket) -> bool {
     }
 }
 
+/// Discards whatever a subscriber wrote on its revocation socket (nothing, from cuda-mp);
+/// false at the socket's end.
+fn subscriber_open(socket: &Socket) -> bool {
+    loop {
+        match socket.recv(lease::MESSAGE_BYTES, Wait::Not) {
+            Ok(Some(_)) => continue,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => continue,
+            Ok(None) | Err(_) => return false,
+        }
+    }
+}
+
+/// Watches this process's end of subscriber `n`'s revocation socket, so that a subscriber
+/// that exits is forgotten (and its socket closed) at once, not at the next revocation.
+pub(super) fn watch_subscriber(n: u64, socket: Arc<Socket>) {
+    if let Ok(reaper) = reaper() {
+        let _ = reaper.watch(Watched::Subscriber(n), Source::Socket(socket));
+    }
+}
+
 /// Watched reading end `id` is at its end: stops watching it, and releases what it stood for.
 fn closed(reaper: &Reaper, id: u64) {
     let removed = lock(&reaper.watched).remove(&id);
@@ -291,6 +318,7 @@ fn closed(reaper: &Reaper, id: u64) {
         match entry.what {
             Watched::Lease(key) => lease_closed(key),
             Watched::Revocations(owner) => owner_gone(owner),
+            Watched::Subscriber(n) => owner().subscribers.retain(|(k, _)| *k != n),
             Watched::Spare => {}
         }
     }

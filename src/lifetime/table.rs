@@ -96,7 +96,8 @@ impl Owner {
             if lease::send(&revocations, &Revocation::Table, &[&*memory], Wait::Not).is_ok() {
                 let revocations = Arc::new(revocations);
                 self.next_subscriber += 1;
-                self.subscribers.push((self.next_subscriber, revocations));
+                self.subscribers.push((self.next_subscriber, revocations.clone()));
+                super::reaper::watch_subscriber(self.next_subscriber, revocations);
             }
         }
     }
