@@ -42,21 +42,11 @@ def count_then_ack(q, ack, n, warm):
     ack.put(n)
 
 
-def drop_each(q, ack):
-    torch.cuda.init()
-    while True:
-        t = q.get()
-        if t is None:
-            break
-        del t
-        ack.put(1)
-
-
 def fresh_rate(ctx, dev, n, window, zeroed):
     """Row s: n fresh 1 MiB tensors, at most `window` unacknowledged; tensors per second."""
     make = torch.zeros if zeroed else torch.empty
     q, ack = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=drop_each, args=(q, ack))
+    p = ctx.Process(target=drop_and_ack, args=(q, ack))
     p.start()
 
     def send(k):

@@ -938,20 +938,6 @@ pub enum JoinError {
     /// The child could not be started or its result not decoded.
     #[error("child process failed: {0}")]
     Failed(String),
-    /// A new segment of the caching allocator would take the device's reserved memory past the
-    /// limit set with [`Device::set_cache_limit`](crate::Device::set_cache_limit), even after
-    /// every unused segment was released.
-    #[error(
-        "gpu allocation of {requested} bytes refused: the caching allocator holds {reserved} bytes and its limit is {limit}"
-    )]
-    CacheLimit {
-        /// Bytes of the segment that was needed.
-        requested: usize,
-        /// Bytes the allocator's segments held.
-        reserved: usize,
-        /// The limit.
-        limit: usize,
-    },
     /// `spawn` was called before `cuda_mp::init()`.
     #[error("process spawning is not initialized: call cuda_mp::init() first in main or use #[cuda_mp::main]")]
     NotInitialized,

@@ -7,9 +7,11 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use cuda_mp::{channel, lifetime_stats, spawn, wait_for_lifetime, Device, Error, GpuTensor, Receiver, Sender};
+use cuda_mp::{channel, lifetime_stats, spawn, wait_for_lifetime, Error, GpuTensor, Receiver, Sender};
 
 mod common;
+
+use common::{free_memory, shm_entries};
 
 cuda_mp::enable_test_support!();
 
@@ -26,28 +28,13 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     g
 }
 
-fn free_memory(dev: &Device) -> usize {
-    dev.memory_info().unwrap().0
+/// Waits until `f` holds, or fails with `what`.
+fn eventually(what: &str, f: impl FnMut() -> bool) {
+    common::eventually(WAIT, what, f)
 }
 
 fn open_descriptors() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
-}
-
-fn shm_entries() -> Vec<String> {
-    let mut v: Vec<String> =
-        std::fs::read_dir("/dev/shm").unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
-    v.sort();
-    v
-}
-
-/// Waits until `f` holds, or fails with `what`.
-fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + WAIT;
-    while !f() {
-        assert!(Instant::now() < deadline, "{what}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 /// Checks each tensor's first and last element against its number, replies with the number,

@@ -20,12 +20,8 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     common::serial(&SERIAL, WAIT)
 }
 
-use common::gpu;
+use common::{free_memory, gpu, shm_entries};
 use cuda_mp::testing::CarriedFile;
-
-fn free_memory(dev: &Device) -> usize {
-    dev.memory_info().unwrap().0
-}
 
 #[derive(Serialize, Deserialize, Debug)]
 enum Cmd {
@@ -193,15 +189,8 @@ fn eight_consumers_outlive_the_producer_and_memory_returns_to_baseline() {
     }
     // The caching allocator keeps the 64 MiB segment for the next tensor until told otherwise.
     assert!(dev.empty_cache() >= 64 << 20);
-    let deadline = std::time::Instant::now() + WAIT;
-    while free_memory(&dev) + (2 << 20) < baseline {
-        let after = free_memory(&dev);
-        assert!(
-            std::time::Instant::now() < deadline,
-            "device memory not back to baseline: {baseline} before, {after} after"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let what = format!("device memory not back to baseline ({baseline} bytes free before)");
+    common::eventually(WAIT, &what, || free_memory(&dev) + (2 << 20) >= baseline);
 }
 
 fn first_element((rx, reply): (Receiver<GpuTensor<f32>>, Sender<f32>)) {
@@ -209,13 +198,6 @@ fn first_element((rx, reply): (Receiver<GpuTensor<f32>>, Sender<f32>)) {
         let v = t.narrow(0, 0, 1).unwrap().to_vec().unwrap()[0];
         reply.send(v).unwrap();
     }
-}
-
-fn shm_entries() -> Vec<String> {
-    let mut v: Vec<String> =
-        std::fs::read_dir("/dev/shm").unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
-    v.sort();
-    v
 }
 
 #[test]

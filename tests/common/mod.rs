@@ -114,3 +114,28 @@ pub struct ForgedTensor<Shm, Lease> {
     pub ticket: Option<u32>,
     pub shm: Option<Shm>,
 }
+
+/// Free memory of `dev`, in bytes.
+#[allow(dead_code)] // GPU test binaries only
+pub fn free_memory(dev: &Device) -> usize {
+    dev.memory_info().unwrap().0
+}
+
+/// The names in /dev/shm, sorted.
+#[allow(dead_code)] // not every test binary checks /dev/shm
+pub fn shm_entries() -> Vec<String> {
+    let mut v: Vec<String> =
+        std::fs::read_dir("/dev/shm").unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    v.sort();
+    v
+}
+
+/// Waits up to `wait` until `f` holds, or fails with `what`.
+#[allow(dead_code)] // not every test binary waits for a condition
+pub fn eventually(wait: Duration, what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + wait;
+    while !f() {
+        assert!(std::time::Instant::now() < deadline, "{what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
