@@ -302,19 +302,26 @@ impl Allocator {
         self.lock().enabled
     }
 
-    /// A new storage of `bytes` bytes cut from a segment (uninitialized).
-    pub(crate) fn alloc(self: &Arc<Self>, device: &Arc<Device>, bytes: usize) -> Result<Arc<GpuStorage>> {
+    /// A new storage of `bytes` bytes cut from a segment (uninitialized); `None` when the
+    /// allocator is turned off.
+    pub(crate) fn alloc(self: &Arc<Self>, device: &Arc<Device>, bytes: usize) -> Result<Option<Arc<GpuStorage>>> {
         let size = block_size(bytes).ok_or_else(|| Error::Layout("tensor size overflows".into()))?;
         let pool = Pool::of(size);
         let mut retried = false;
+        let mut first = true;
         loop {
             let mut s = self.lock();
+            if first && !s.enabled {
+                return Ok(None);
+            }
+            first = false;
             if let Some((seg, offset, used)) = s.arena(pool).take(size) {
                 s.stats.allocations += 1;
                 let segment = s.segments.get(&seg).expect("a block's segment is held").0.clone();
                 drop(s);
                 let block = PoolBlock { allocator: self.clone(), segment, seg, pool, offset, size: used };
-                return Ok(Arc::new(GpuStorage::from_handle(Handle::new_local(bytes, GpuMemory::Pooled(block)))));
+                let memory = GpuMemory::Pooled(block);
+                return Ok(Some(Arc::new(GpuStorage::from_handle(Handle::new_local(bytes, memory)))));
             }
             let wanted = segment_size(size).ok_or_else(|| Error::Layout("tensor size overflows".into()))?;
             let mut released = Vec::new();

@@ -466,8 +466,10 @@ impl GpuStorage {
             }
             _ => bytes >= VMM_MIN_BYTES && device.vmm_supported()?,
         };
-        if !vmm && device.allocator().enabled() {
-            return device.allocator().alloc(device, bytes);
+        if !vmm {
+            if let Some(block) = device.allocator().alloc(device, bytes)? {
+                return Ok(block);
+            }
         }
         let memory = if vmm {
             GpuMemory::Vmm(VmmMemory::alloc(device, bytes)?)
