@@ -92,11 +92,12 @@ pub enum Error {
     /// A blocking operation gave up after its timeout.
     #[error("timed out after {0:?}")]
     Timeout(Duration),
-    /// A new segment of the caching allocator would take the device's reserved memory past the
-    /// limit set with [`Device::set_cache_limit`](crate::Device::set_cache_limit), even after
-    /// every unused segment was released.
+    /// A new segment of a caching allocator would take its reserved memory past the limit set
+    /// with [`Device::set_cache_limit`](crate::Device::set_cache_limit) or
+    /// [`set_host_cache_limit`](crate::set_host_cache_limit), even after every unused segment
+    /// was released.
     #[error(
-        "gpu allocation of {requested} bytes refused: the caching allocator holds {reserved} bytes and its limit is {limit}"
+        "allocation of {requested} bytes refused: the caching allocator holds {reserved} bytes and its limit is {limit}"
     )]
     CacheLimit {
         /// Bytes of the segment that was needed.
@@ -112,8 +113,8 @@ pub enum Error {
 }
 
 impl Error {
-    /// True when the CUDA driver ran out of device memory, or the caching allocator's limit
-    /// refused more.
+    /// True when the CUDA driver ran out of device memory, the host out of memory for shared
+    /// memory, or a caching allocator's limit refused more.
     ///
     /// ```no_run
     /// let dev = cuda_mp::Device::get(0).unwrap();
@@ -125,7 +126,7 @@ impl Error {
             self,
             Error::Driver { code: cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY, .. }
                 | Error::CacheLimit { .. }
-        )
+        ) || matches!(self, Error::Io(e) if e.kind() == std::io::ErrorKind::OutOfMemory)
     }
 
     /// True when a blocking operation gave up after its timeout.

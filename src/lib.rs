@@ -89,12 +89,14 @@ pub use error::{
     SendError, SendFailure, SendTimeoutError, TryRecvError, TrySendError,
 };
 pub use gpu::{
-    cuda_available, nccl_library, torch_ipc_stats, AllocatorStats, Bundle, BundleBuilder, BundleEntry, Device,
-    GpuMemoryKind, GpuStorage, GpuTensor, IpcPayload, TorchIpcHandle, TorchIpcStats, DEFAULT_CHUNK_BYTES,
-    VMM_MIN_BYTES,
+    cuda_available, nccl_library, torch_ipc_stats, Bundle, BundleBuilder, BundleEntry, Device, GpuMemoryKind,
+    GpuStorage, GpuTensor, IpcPayload, TorchIpcHandle, TorchIpcStats, DEFAULT_CHUNK_BYTES, VMM_MIN_BYTES,
 };
 pub use half::{bf16, f16};
-pub use host::{HostStorage, HostTensor};
+pub use host::{
+    empty_host_cache, host_allocator_stats, host_caching, set_host_cache_limit, set_host_caching, HostStorage,
+    HostTensor,
+};
 pub use layout::{Layout, MAX_DIMS};
 pub use lifetime::{lifetime_stats, wait_for_lifetime, LifetimeStats, StorageId};
 pub use ndarray;
@@ -102,6 +104,7 @@ pub use net::{RemoteListener, RemoteOptions, RemoteReceiver, RemoteSender, Route
 pub use pool::{AsyncResult, Imap, ImapUnordered, Pool, PoolBuilder};
 pub use process::{init, spawn, spawn_n, Builder, JoinHandle};
 pub use queue::{GetError, GetTimeoutError, Queue, QueueConsumer, QueueStats, TryGetError, QUEUE_PREFETCH};
+pub use storage::AllocatorStats;
 pub use sync::{
     Barrier, BarrierError, BarrierWaitResult, Event, Lock, LockError, LockGuard, Semaphore, SemaphoreGuard,
 };

@@ -1,5 +1,6 @@
 //! Running out of file descriptors is an error that says so, never a panic or a "malformed
-//! message": every shared storage and lease is a descriptor.
+//! message": every shared storage of its own (a host tensor made with the caching allocator
+//! off, say) and every lease is a descriptor.
 
 use std::time::Duration;
 
@@ -27,10 +28,11 @@ fn leave_headroom(headroom: u64) -> u64 {
     limit
 }
 
-fn allocate_until_it_fails(_: ()) -> String {
+fn allocate_until_it_fails(caching: bool) -> String {
+    cuda_mp::set_host_caching(caching);
     let limit = leave_headroom(8);
     let mut held = Vec::new();
-    for _ in 0..100 {
+    for _ in 0..1000 {
         match HostTensor::<u8>::zeros(&[64]) {
             Ok(t) => held.push(t),
             Err(Error::OutOfDescriptors { limit: said }) => {
@@ -45,8 +47,14 @@ fn allocate_until_it_fails(_: ()) -> String {
 
 #[test]
 fn allocating_past_the_descriptor_limit_is_an_error_that_says_so() {
-    let said = spawn((), allocate_until_it_fails).join().unwrap();
+    let said = spawn(false, allocate_until_it_fails).join().unwrap();
     assert!(said.starts_with("out of descriptors after"), "{said}");
+}
+
+#[test]
+fn fresh_host_tensors_of_the_caching_allocator_cost_no_descriptor_each() {
+    let said = spawn(true, allocate_until_it_fails).join().unwrap();
+    assert_eq!(said, "never failed", "1,000 tensors in one segment, with 8 descriptors to spare");
 }
 
 /// Lowers its limit, then receives one message of many items: says what became of it.
@@ -79,10 +87,30 @@ fn sent_to_a_receiver_with_little_room<T: Serialize + DeserializeOwned>(
 #[test]
 fn receiving_past_the_descriptor_limit_is_an_error_that_says_so() {
     let (said, joined) = sent_to_a_receiver_with_little_room(|| {
+        // A memory file per tensor (this process's other tests do not depend on the allocator).
+        cuda_mp::set_host_caching(false);
         (0..20).map(|_| HostTensor::<u8>::zeros(&[8]).unwrap()).collect::<Vec<_>>()
     });
     assert_eq!(said.as_deref().ok(), Some("out of descriptors"), "{said:?} {joined:?}");
     joined.unwrap();
+}
+
+/// Allocates `n` tensors with the caching allocator on, in a process of its own.
+fn pooled_tensors((n, tx): (usize, Sender<Vec<HostTensor<u8>>>)) {
+    cuda_mp::set_host_caching(true);
+    tx.send((0..n).map(|_| HostTensor::<u8>::zeros(&[8]).unwrap()).collect()).unwrap();
+}
+
+#[test]
+fn a_message_of_blocks_of_one_segment_carries_its_descriptor_once() {
+    let (tx, rx) = channel().unwrap();
+    let (ready_tx, ready_rx) = channel().unwrap();
+    let (reply_tx, reply_rx) = channel().unwrap();
+    let receiver = spawn((rx, ready_tx, reply_tx), receive_with_little_room::<HostTensor<u8>>);
+    ready_rx.recv_timeout(WAIT).unwrap();
+    spawn((20, tx), pooled_tensors).join().unwrap();
+    assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), "received 20 items");
+    receiver.join().unwrap();
 }
 
 /// Files made before the limit is lowered, then sent: each parks its descriptor in a socket

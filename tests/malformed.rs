@@ -7,7 +7,7 @@ use serde::ser::SerializeTuple;
 use serde::{Deserialize, Serialize, Serializer};
 
 mod common;
-use common::{connect, sealed_memory, slot, socket_pair, Claim, ForgedTensor, Slot};
+use common::{connect, sealed_memory, slot, socket_pair, Claim, ForgedHost, ForgedSegment, ForgedTensor, Slot};
 use cuda_mp::testing::CarriedFile;
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -39,7 +39,7 @@ fn forged(dtype: u8, shape: Vec<usize>, bytes: usize) -> ForgedTensor<CarriedFil
         bytes: bytes as u64,
         lease: Claim::Lease(CarriedFile(lease), true),
         ticket: None,
-        shm: Some(CarriedFile(sealed_memory(16, 0))),
+        memory: ForgedHost::File(Some(CarriedFile(sealed_memory(16, 0)))),
     }
 }
 
@@ -92,7 +92,7 @@ fn descriptor_slots_out_of_range_are_rejected() {
         bytes: 8,
         lease: Claim::Lease(slot(9), true),
         ticket: None,
-        shm: Some(slot(5)),
+        memory: ForgedHost::File(Some(slot(5))),
     };
     tx.send(f).unwrap();
     let m = malformed(rx.recv());
@@ -110,7 +110,7 @@ fn descriptor_slots_out_of_range_are_rejected() {
         bytes: 8,
         lease: Claim::Lease(slot(7), true),
         ticket: None,
-        shm: Some(CarriedFile(sealed_memory(8, 1))),
+        memory: ForgedHost::File(Some(CarriedFile(sealed_memory(8, 1)))),
     };
     tx.send(f).unwrap();
     let m = malformed(rx.recv());
@@ -142,10 +142,72 @@ fn host_memory_sealed_against_writes_is_rejected() {
     let mut f = forged(0, vec![4], 16);
     let frozen = sealed_memory(16, 0);
     rustix::fs::fcntl_add_seals(&frozen, rustix::fs::SealFlags::WRITE).unwrap();
-    f.shm = Some(CarriedFile(frozen));
+    f.memory = ForgedHost::File(Some(CarriedFile(frozen)));
     tx.send(f).unwrap();
     let m = malformed(rx.recv());
     assert!(m.contains("sealed against writes"), "{m}");
+}
+
+/// A block of `bytes` bytes at `offset` of a forged segment of `segment_len` bytes whose
+/// memory is `fd`.
+fn forged_block(
+    offset: u64,
+    bytes: usize,
+    segment_len: u64,
+    fd: Option<std::fs::File>,
+) -> ForgedTensor<CarriedFile, CarriedFile> {
+    let (lease, _) = socket_pair();
+    let segment = ForgedSegment {
+        owner: 0xdead_beef,
+        index: 1 << 63 | 1,
+        bytes: segment_len,
+        lease: Claim::Lease(CarriedFile(lease), true),
+        ticket: None,
+        fd: fd.map(CarriedFile),
+    };
+    let mut f = forged(0, vec![bytes / 4], bytes);
+    f.index = 2;
+    f.memory = ForgedHost::Block(Some(Box::new(segment)), offset);
+    f
+}
+
+#[test]
+fn a_forged_host_block_is_rejected_and_maps_nothing() {
+    let (tx, rx) = connect::<ForgedTensor<CarriedFile, CarriedFile>, HostTensor<f32>>();
+    let before = lifetime_stats();
+    // Past its segment's end.
+    tx.send(forged_block(4000, 256, 4096, Some(sealed_memory(4096, 0)))).unwrap();
+    let m = malformed(rx.recv());
+    assert!(m.contains("host block of 256 bytes at offset 4000 exceeds its 4096-byte segment"), "{m}");
+    // An offset that would make its words unaligned.
+    tx.send(forged_block(4, 16, 4096, Some(sealed_memory(4096, 0)))).unwrap();
+    let m = malformed(rx.recv());
+    assert!(m.contains("not a multiple of 8"), "{m}");
+    // No segment at all.
+    let mut f = forged_block(0, 16, 4096, None);
+    f.memory = ForgedHost::Block(None, 0);
+    tx.send(f).unwrap();
+    let m = malformed(rx.recv());
+    assert!(m.contains("host block without its segment"), "{m}");
+    // A segment without its memory, smaller than it claims, or sealed against writes.
+    tx.send(forged_block(0, 16, 4096, None)).unwrap();
+    let m = malformed(rx.recv());
+    assert!(m.contains("host segment without its memory"), "{m}");
+    tx.send(forged_block(0, 16, 1 << 20, Some(sealed_memory(4096, 0)))).unwrap();
+    let m = malformed(rx.recv());
+    assert!(m.contains("where 1048576 were promised"), "{m}");
+    let frozen = sealed_memory(4096, 0);
+    rustix::fs::fcntl_add_seals(&frozen, rustix::fs::SealFlags::WRITE).unwrap();
+    tx.send(forged_block(0, 16, 4096, Some(frozen))).unwrap();
+    let m = malformed(rx.recv());
+    assert!(m.contains("sealed against writes"), "{m}");
+    // A segment's memory that is not a sealed memory file.
+    tx.send(forged_block(0, 16, 4096, Some(std::fs::File::open("/dev/zero").unwrap()))).unwrap();
+    let m = malformed(rx.recv());
+    assert!(m.contains("not a sealed memory file"), "{m}");
+    let after = lifetime_stats();
+    assert_eq!(after.mapped_segments, before.mapped_segments, "nothing stays mapped");
+    assert_eq!(after.imported_storages, before.imported_storages);
 }
 
 #[test]
@@ -293,6 +355,6 @@ fn record_copy(r: &ForgedTensor<CarriedFile, CarriedFile>) -> ForgedTensor<Carri
         bytes: r.bytes,
         lease: r.lease.clone(),
         ticket: r.ticket,
-        shm: r.shm.clone(),
+        memory: r.memory.clone(),
     }
 }

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use cuda_mp::{HostTensor, RecvError};
 
 mod common;
-use common::{slot, Claim, ForgedTensor, Slot};
+use common::{slot, Claim, ForgedHost, ForgedTensor, Slot};
 
 /// Set by the panic hook this test installs; cuda-mp's quiet catch sits in front of it.
 static PRINTED: AtomicBool = AtomicBool::new(false);
@@ -27,7 +27,7 @@ fn a_forged_descriptor_index_prints_no_panic() {
         bytes: 8,
         lease: Claim::Lease(slot(9), true),
         ticket: None,
-        shm: Some(slot(5)),
+        memory: ForgedHost::File(Some(slot(5))),
     };
     tx.send(forged).unwrap();
     let r = rx.recv();

@@ -1,6 +1,7 @@
 //! One suite of lifetime tests run over every storage kind, across real processes: fake
 //! storage (the GPU protocol: a lease per storage, idle cache, revocation; no GPU needed), host
-//! shared memory, and GPU memory (ignored without a GPU).
+//! shared memory (a memory file per tensor, or blocks of the caching allocator's segments), and
+//! GPU memory (ignored without a GPU).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -39,11 +40,27 @@ impl Kind for Fake {
     }
 }
 
+/// Host memory, a memory file per tensor or a block of the caching allocator's.
+fn host_tensor(len: usize, caching: bool) -> HostTensor<f32> {
+    cuda_mp::set_host_caching(caching);
+    let t = HostTensor::zeros(&[len]).unwrap();
+    assert!(!caching || cuda_mp::host_allocator_stats().blocks > 0, "a block of the allocator's");
+    t
+}
+
 struct Host;
 impl Kind for Host {
     type S = cuda_mp::HostStorage;
     fn make(len: usize) -> HostTensor<f32> {
-        HostTensor::zeros(&[len]).unwrap()
+        host_tensor(len, false)
+    }
+}
+
+struct HostPooled;
+impl Kind for HostPooled {
+    type S = cuda_mp::HostStorage;
+    fn make(len: usize) -> HostTensor<f32> {
+        host_tensor(len, true)
     }
 }
 
@@ -575,6 +592,7 @@ macro_rules! suite {
 
 suite!(fake, Fake, 1_000);
 suite!(host, Host, 10_000);
+suite!(host_pooled, HostPooled, 10_000);
 suite!(gpu_legacy, GpuLegacy, 1_000, #[ignore = "needs a CUDA GPU"]);
 suite!(gpu_pooled, GpuPooled, 1_000, #[ignore = "needs a CUDA GPU"]);
 suite!(gpu_vmm, GpuVmm, 1_000, #[ignore = "needs a CUDA GPU"]);

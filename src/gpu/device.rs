@@ -158,7 +158,7 @@ impl Device {
             vmm_supported: OnceCell::new(),
             vmm_granularity: OnceCell::new(),
             peers: Mutex::new(HashMap::new()),
-            allocator: Arc::default(),
+            allocator: Arc::new(Allocator::new(true)),
         });
         devices.insert(ordinal, device.clone());
         Ok(device)

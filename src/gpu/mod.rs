@@ -20,7 +20,6 @@ use cudarc::driver::CudaStream;
 use ndarray::{ArrayBase, ArrayD, Data, Dimension, IxDyn};
 
 pub use bundle::{Bundle, BundleBuilder, BundleEntry, DEFAULT_CHUNK_BYTES};
-pub use caching::AllocatorStats;
 pub use device::{cuda_available, Device};
 pub use storage::{GpuMemoryKind, GpuStorage, IpcPayload, VMM_MIN_BYTES};
 pub use torch::{torch_ipc_stats, TorchIpcHandle, TorchIpcStats};

@@ -9,7 +9,7 @@ use cudarc::driver::sys;
 use once_cell::sync::{Lazy, OnceCell};
 use serde::{Deserialize, Serialize};
 
-use super::caching::{ImportedBlock, PoolBlock};
+use super::caching::{self, ImportedBlock, PoolBlock};
 use super::device::{format_uuid, Device};
 use super::driver::{DeviceRange, IpcHandle, IPC_HANDLE_BYTES};
 use super::events;
@@ -99,7 +99,7 @@ impl GpuMemory {
             GpuMemory::Vmm(m) => m.range().sub(0, len),
             GpuMemory::Foreign { block, .. } => block.range().sub(block.offset(), len),
             GpuMemory::Torch(block) => block.range().sub(block.offset(), len),
-            GpuMemory::Pooled(block) => block.range(len),
+            GpuMemory::Pooled(block) => caching::block_range(block, len),
             GpuMemory::ImportedBlock(block) => block.range(len),
         }
     }
@@ -467,7 +467,7 @@ impl GpuStorage {
             _ => bytes >= VMM_MIN_BYTES && device.vmm_supported()?,
         };
         if !vmm {
-            if let Some(block) = device.allocator().alloc(device, bytes)? {
+            if let Some(block) = caching::alloc(device, bytes)? {
                 return Ok(block);
             }
         }

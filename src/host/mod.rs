@@ -2,8 +2,10 @@
 //! is [`HostKind`]: claims on it are counted per storage on a lease (the channel's, or one per
 //! message outside channels).
 
+mod caching;
 mod tensor;
 
+pub use caching::{empty_host_cache, host_allocator_stats, host_caching, set_host_cache_limit, set_host_caching};
 pub(crate) use tensor::gather_bytes;
 
 use std::sync::Arc;
@@ -12,8 +14,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::lifetime::{LeaseMode, StorageId};
-use crate::storage::{Handle, Memory, Shared, StorageKind};
-use crate::sys::MemoryFile;
+use crate::storage::pools::Block;
+use crate::storage::{Handle, Memory, Record, Shared, StorageKind};
+use crate::sys::{Mapping, MemoryFile};
 use crate::tensor::Tensor;
 use crate::wire;
 
@@ -27,8 +30,10 @@ use crate::wire;
 /// ```
 pub type HostTensor<T> = Tensor<T, HostStorage>;
 
-/// Shared host memory behind [`HostTensor`]s: an anonymous memory file mapped into each process
-/// that holds it; the kernel frees it when the last mapping is gone.
+/// Shared host memory behind [`HostTensor`]s: a block of a memory file of the host caching
+/// allocator (see [`set_host_caching`]), or a memory file of its own, mapped into each process
+/// that holds it. The block goes back to the allocator, or the kernel frees the file, when the
+/// last holder in every process has dropped it.
 ///
 /// ```
 /// let t = cuda_mp::HostTensor::<u8>::zeros(&[10]).unwrap();
@@ -41,14 +46,40 @@ pub struct HostStorage(Handle<HostKind>);
 #[derive(Debug)]
 pub(crate) struct HostKind;
 
-/// A host storage's own part of its record: the memory file.
+/// A host storage's memory: a memory file of its own, or a block of a segment of the caching
+/// allocator (`caching.rs`).
+pub(crate) enum HostMemory {
+    /// A memory file of its own (made here, or mapped from another process).
+    File(Arc<MemoryFile>),
+    /// A block of one of this process's segments.
+    Pooled(Block<caching::HostSegment>),
+    /// A block of another process's segment, mapped here with the whole segment.
+    Imported { segment: Arc<caching::HostSegment>, offset: usize },
+}
+
+impl HostMemory {
+    /// The memory file the storage lies in, and where in it.
+    fn file(&self) -> (&MemoryFile, usize) {
+        match self {
+            HostMemory::File(file) => (file, 0),
+            HostMemory::Pooled(block) => (block.segment().file(), block.offset()),
+            HostMemory::Imported { segment, offset } => (segment.file(), *offset),
+        }
+    }
+}
+
+/// A host storage's own part of its record.
 #[derive(Serialize, Deserialize)]
-pub(crate) struct HostWire {
-    shm: Option<SharedMemory>,
+pub(crate) enum HostWire {
+    /// A memory file of its own (`None` once mapped).
+    File { shm: Option<SharedMemory> },
+    /// A block of a caching allocator's segment: the segment's own record (`None` once
+    /// imported), and the block's offset in it.
+    Block { segment: Option<Box<Record<caching::SegmentWire>>>, offset: u64 },
 }
 
 /// Shared memory as it travels: through the message's descriptors.
-struct SharedMemory(Arc<MemoryFile>);
+pub(crate) struct SharedMemory(Arc<MemoryFile>);
 
 impl Serialize for SharedMemory {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
@@ -71,12 +102,16 @@ impl StorageKind for HostKind {
     const LEASE: LeaseMode = LeaseMode::Counted;
     // Mapping a memory file costs microseconds; nothing worth caching.
     const CACHE_IDLE: bool = false;
-    type Raw = Arc<MemoryFile>;
+    type Raw = HostMemory;
     type Wire = HostWire;
     type Place = ();
 
     fn export(memory: &Memory<Self>) -> Result<HostWire> {
-        Ok(HostWire { shm: Some(SharedMemory(memory.raw().clone())) })
+        match memory.raw() {
+            HostMemory::File(file) => Ok(HostWire::File { shm: Some(SharedMemory(file.clone())) }),
+            HostMemory::Pooled(block) => caching::block_wire(block.segment(), block.offset()),
+            HostMemory::Imported { segment, offset } => caching::block_wire(segment, *offset),
+        }
     }
 
     fn forward(memory: &Memory<Self>) -> Result<HostWire> {
@@ -91,8 +126,12 @@ impl StorageKind for HostKind {
         Ok(())
     }
 
-    fn open(wire: &mut HostWire, bytes: usize, _: &()) -> Result<Arc<MemoryFile>> {
-        let shm = wire.shm.take().ok_or_else(|| Error::Malformed("host storage without its memory".into()))?.0;
+    fn open(wire: &mut HostWire, bytes: usize, _: &()) -> Result<HostMemory> {
+        let shm = match wire {
+            HostWire::File { shm } => shm,
+            HostWire::Block { segment, offset } => return caching::open_block(segment.take(), *offset, bytes),
+        };
+        let shm = shm.take().ok_or_else(|| Error::Malformed("host storage without its memory".into()))?.0;
         if shm.frozen_bytes().is_some() {
             // Mapped read-only here: the tensor's first write would fault.
             return Err(Error::Malformed("a host tensor's shared memory is sealed against writes".into()));
@@ -103,11 +142,19 @@ impl StorageKind for HostKind {
                 shm.len()
             )));
         }
-        Ok(shm)
+        Ok(HostMemory::File(shm))
     }
 
-    fn arrived(_: &Memory<Self>, _: &mut HostWire, _: &()) -> Result<()> {
-        Ok(())
+    fn arrived(_: &Memory<Self>, wire: &mut HostWire, _: &()) -> Result<()> {
+        match wire {
+            HostWire::Block { segment: Some(_), .. } => {
+                let HostWire::Block { segment, .. } = std::mem::replace(wire, HostWire::File { shm: None }) else {
+                    unreachable!("matched as a block")
+                };
+                caching::segment_arrived(*segment.expect("matched as present"))
+            }
+            _ => Ok(()),
+        }
     }
 }
 
@@ -122,6 +169,11 @@ impl Shared for HostStorage {
         HostStorage(handle)
     }
 }
+
+/// Host tensors up to this size are blocks of the caching allocator when it is on; larger ones
+/// get a memory file of their own (whose pages the kernel zeroes as they are first touched,
+/// where a reused block would be zeroed word by word).
+const POOLED_MAX: usize = 10 << 20;
 
 /// `bytes` zeroed bytes of fresh shared memory, sealed against resizing.
 fn fresh_memory(bytes: usize) -> Result<MemoryFile> {
@@ -158,8 +210,13 @@ impl HostStorage {
     /// ```
     pub fn from_bytes(bytes: &[u8]) -> Result<Arc<HostStorage>> {
         Self::check_size(bytes.len())?;
+        if bytes.len() <= POOLED_MAX {
+            if let Some(storage) = caching::alloc_holding(bytes)? {
+                return Ok(storage);
+            }
+        }
         let memory = MemoryFile::holding(bytes).map_err(|e| allocation_error(bytes.len(), e))?;
-        Ok(Arc::new(HostStorage(Handle::new_local(bytes.len(), Arc::new(memory)))))
+        Ok(Arc::new(HostStorage(Handle::new_local(bytes.len(), HostMemory::File(Arc::new(memory))))))
     }
 
     fn check_size(bytes: usize) -> Result<()> {
@@ -182,7 +239,12 @@ impl HostStorage {
     /// `bytes` zeroed bytes of fresh shared memory.
     pub(crate) fn try_new_zeroed(bytes: usize) -> Result<Arc<HostStorage>> {
         Self::check_size(bytes)?;
-        Ok(Arc::new(HostStorage(Handle::new_local(bytes, Arc::new(fresh_memory(bytes)?)))))
+        if bytes <= POOLED_MAX {
+            if let Some(storage) = caching::alloc_zeroed(bytes)? {
+                return Ok(storage);
+            }
+        }
+        Ok(Arc::new(HostStorage(Handle::new_local(bytes, HostMemory::File(Arc::new(fresh_memory(bytes)?))))))
     }
 
     /// `bytes` zeroed bytes of fresh shared memory, for tests.
@@ -191,15 +253,18 @@ impl HostStorage {
         HostStorage::try_new_zeroed(bytes).expect("shared memory")
     }
 
-    /// The memory file, for the socket calls that read or write it in place.
-    pub(crate) fn memory_file(&self) -> &MemoryFile {
-        self.0.memory().raw()
+    /// The mapping the storage lies in, and where in it.
+    pub(crate) fn mapping(&self) -> (&Mapping, usize) {
+        let (file, offset) = self.0.memory().raw().file();
+        (file.mapping(), offset)
     }
 
-    /// First byte of the mapping; valid for [`byte_len`](Self::byte_len) bytes while the
+    /// First byte of the storage; valid for [`byte_len`](Self::byte_len) bytes while the
     /// storage lives.
     pub(crate) fn base_ptr(&self) -> *mut u8 {
-        self.0.memory().raw().ptr()
+        let (file, offset) = self.0.memory().raw().file();
+        // Inside the mapping: a block's offset and size were checked against its segment.
+        file.ptr().wrapping_add(offset)
     }
 
     /// Address of the first byte, for handing the memory to another library (NumPy, PyTorch,

@@ -791,14 +791,11 @@ impl NetSender {
             tcp::write_all(&self.stream, &message, deadline)?;
             for out in outgoing {
                 match out {
-                    Outgoing::Host { storage, offset, len } => tcp::write_mapped(
-                        &self.stream,
-                        storage.memory_file().mapping(),
-                        storage.byte_len(),
-                        *offset,
-                        *len,
-                        deadline,
-                    )?,
+                    Outgoing::Host { storage, offset, len } => {
+                        let (mapping, base) = storage.mapping();
+                        let limit = base + storage.byte_len();
+                        tcp::write_mapped(&self.stream, mapping, limit, base + *offset, *len, deadline)?
+                    }
                     Outgoing::Packed(bytes) => tcp::write_all(&self.stream, bytes, deadline)?,
                     Outgoing::Gpu { .. } => {}
                 }
@@ -1063,14 +1060,16 @@ impl NetReceiver {
         let deadline = Instant::now() + timeout;
         for arrival in &incoming {
             if let Incoming::Host(storage, len) = arrival {
-                tcp::read_mapped(&self.stream, storage.memory_file().mapping(), storage.byte_len(), *len, deadline)
-                    .map_err(|e| match e.kind() {
+                let (mapping, base) = storage.mapping();
+                tcp::read_mapped(&self.stream, mapping, base + storage.byte_len(), base, *len, deadline).map_err(
+                    |e| match e.kind() {
                         io::ErrorKind::TimedOut => RecvTimeoutError::Io(IoFailure::other(format!(
                             "a host tensor did not arrive within {timeout:?}"
                         ))),
                         io::ErrorKind::UnexpectedEof => RecvTimeoutError::Malformed(e.to_string()),
                         _ => RecvTimeoutError::Io(IoFailure::from(e)),
-                    })?;
+                    },
+                )?;
             }
         }
         let ranges = incoming

@@ -9,7 +9,10 @@
 //! unpublishes it (receivers may no longer cache it); of imported memory, parks it in the idle
 //! cache or closes it. See docs/architecture.md, "Adding a storage kind".
 
+pub(crate) mod pools;
 pub(crate) mod remote;
+
+pub use pools::AllocatorStats;
 
 use std::fmt;
 use std::sync::Arc;

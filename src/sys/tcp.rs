@@ -106,26 +106,28 @@ pub(crate) fn write_mapped(
     Ok(())
 }
 
-/// Fills the first `len` bytes of a writable `mapping`, inside its first `limit`, from the
-/// stream, waiting until `deadline`.
+/// Fills `len` bytes of a writable `mapping` from byte `offset`, inside its first `limit`, from
+/// the stream, waiting until `deadline`.
 pub(crate) fn read_mapped(
     socket: &(impl AsFd + AsRawFd),
     mapping: &Mapping,
     limit: usize,
+    offset: usize,
     len: usize,
     deadline: Instant,
 ) -> io::Result<()> {
     if !mapping.is_writable() {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "shared memory sealed against writes"));
     }
-    check_range(mapping, limit, 0, len)?;
+    check_range(mapping, limit, offset, len)?;
     let mut done = 0;
     while done < len {
         stream_wait(socket, PollFlags::IN, Some(deadline))?;
-        // SAFETY: `done..len` lies inside the mapping (checked above), which lives while it is
-        // borrowed; the kernel writes it, no Rust reference to it is made.
-        let n =
-            unsafe { libc::recv(socket.as_raw_fd(), mapping.ptr().add(done).cast(), len - done, libc::MSG_DONTWAIT) };
+        // SAFETY: `offset + done .. offset + len` lies inside the mapping (checked above), which
+        // lives while it is borrowed; the kernel writes it, no Rust reference to it is made.
+        let n = unsafe {
+            libc::recv(socket.as_raw_fd(), mapping.ptr().add(offset + done).cast(), len - done, libc::MSG_DONTWAIT)
+        };
         match n {
             0 => {
                 return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the connection mid-message"))

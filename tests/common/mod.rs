@@ -112,7 +112,29 @@ pub struct ForgedTensor<Shm, Lease> {
     pub bytes: u64,
     pub lease: Claim<Lease>,
     pub ticket: Option<u32>,
-    pub shm: Option<Shm>,
+    pub memory: ForgedHost<Shm, Lease>,
+}
+
+/// A host storage's own part of its record.
+#[derive(Serialize, Deserialize, Clone)]
+#[allow(dead_code)] // not every test binary forges messages
+pub enum ForgedHost<Shm, Lease> {
+    /// A memory file of its own.
+    File(Option<Shm>),
+    /// A block of a caching allocator's segment: the segment's record, the block's offset.
+    Block(Option<Box<ForgedSegment<Shm, Lease>>>, u64),
+}
+
+/// The record of a caching allocator's host segment.
+#[derive(Serialize, Deserialize, Clone)]
+#[allow(dead_code)] // not every test binary forges messages
+pub struct ForgedSegment<Shm, Lease> {
+    pub owner: u128,
+    pub index: u64,
+    pub bytes: u64,
+    pub lease: Claim<Lease>,
+    pub ticket: Option<u32>,
+    pub fd: Option<Shm>,
 }
 
 /// Free memory of `dev`, in bytes.

@@ -1,0 +1,575 @@
+//! The caching allocators' common part: blocks carved out of large segments (best fit,
+//! splitting, merging free neighbours), the pools of one allocator, and the block that gives
+//! itself back when dropped. It knows nothing of what a segment is: the GPU allocator's are
+//! device memory, the host allocator's memory files (`src/gpu/caching.rs`, `src/host/caching.rs`).
+//!
+//! Fragmentation is bounded by the pools' rules: a small block (up to 1 MiB) wastes less than
+//! 512 bytes (sizes are rounded to 512 and split to the byte), a medium one (up to 10 MiB) less
+//! than 1 MiB (a free block is split only when the rest is at least 1 MiB), and a larger one
+//! has a segment of its own rounded to 2 MiB. Free neighbours always merge, so a segment whose
+//! blocks are all back is one free block again, which `empty_cache` (or a limit) gives up.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::error::{Error, Result};
+
+/// Block sizes are multiples of this.
+const ROUND: usize = 512;
+/// Requests up to this size come from the small pool.
+const SMALL_MAX: usize = 1 << 20;
+/// Segments of the small pool.
+const SMALL_SEGMENT: usize = 2 << 20;
+/// Requests up to this size (and above `SMALL_MAX`) get segments of `LARGE_SEGMENT`.
+const MEDIUM_MAX: usize = 10 << 20;
+/// Segments for medium requests.
+const LARGE_SEGMENT: usize = 20 << 20;
+/// Larger requests get a segment of their own size, rounded up to this.
+const HUGE_ROUND: usize = 2 << 20;
+
+/// The size a request of `bytes` takes in a pool.
+fn block_size(bytes: usize) -> Option<usize> {
+    bytes.max(1).checked_next_multiple_of(ROUND)
+}
+
+/// The size of a new segment for a block of `size` bytes.
+fn segment_size(size: usize) -> Option<usize> {
+    if size <= SMALL_MAX {
+        Some(SMALL_SEGMENT)
+    } else if size <= MEDIUM_MAX {
+        Some(LARGE_SEGMENT)
+    } else {
+        size.checked_next_multiple_of(HUGE_ROUND)
+    }
+}
+
+/// The two pools: small blocks are split to the byte (in `ROUND`s), large ones only when the
+/// rest is at least `SMALL_MAX` (a large block is at most that much bigger than asked).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Pool {
+    Small,
+    Large,
+}
+
+impl Pool {
+    fn of(size: usize) -> Pool {
+        if size <= SMALL_MAX {
+            Pool::Small
+        } else {
+            Pool::Large
+        }
+    }
+
+    fn min_split(self) -> usize {
+        match self {
+            Pool::Small => ROUND,
+            Pool::Large => SMALL_MAX,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Span {
+    size: usize,
+    free: bool,
+}
+
+#[derive(Debug)]
+struct Segment {
+    size: usize,
+    /// Every block of the segment by offset; they tile it, and no two free ones touch.
+    blocks: BTreeMap<usize, Span>,
+    in_use: usize,
+}
+
+/// The blocks of one pool's segments: best fit, splitting, merging free neighbours. No GPU in
+/// it, so that all of it is tested without one.
+#[derive(Debug)]
+struct Arena {
+    min_split: usize,
+    segments: HashMap<u64, Segment>,
+    /// Free blocks as (size, segment, offset): the first at or above a size is its best fit.
+    free: BTreeSet<(usize, u64, usize)>,
+}
+
+impl Arena {
+    fn new(min_split: usize) -> Arena {
+        Arena { min_split, segments: HashMap::new(), free: BTreeSet::new() }
+    }
+
+    /// Adds segment `seg` of `size` bytes, wholly free.
+    fn add_segment(&mut self, seg: u64, size: usize) {
+        let blocks = BTreeMap::from([(0, Span { size, free: true })]);
+        self.segments.insert(seg, Segment { size, blocks, in_use: 0 });
+        self.free.insert((size, seg, 0));
+    }
+
+    /// The smallest free block of at least `size` bytes, split when the rest is worth keeping:
+    /// `(segment, offset, the block's size)`.
+    fn take(&mut self, size: usize) -> Option<(u64, usize, usize)> {
+        let (found, seg, offset) = self.free.range((size, 0, 0)..).next().copied()?;
+        self.free.remove(&(found, seg, offset));
+        let segment = self.segments.get_mut(&seg).expect("a free block's segment is known");
+        let rest = found - size;
+        let used = if rest >= self.min_split {
+            segment.blocks.insert(offset + size, Span { size: rest, free: true });
+            self.free.insert((rest, seg, offset + size));
+            size
+        } else {
+            found
+        };
+        segment.blocks.insert(offset, Span { size: used, free: false });
+        segment.in_use += used;
+        Some((seg, offset, used))
+    }
+
+    /// Frees the block at `offset` of segment `seg`, merging it with free neighbours. True
+    /// when the segment is now wholly free.
+    fn give_back(&mut self, seg: u64, offset: usize) -> bool {
+        let Some(segment) = self.segments.get_mut(&seg) else { return false };
+        let Some(block) = segment.blocks.get(&offset).copied().filter(|b| !b.free) else { return false };
+        segment.in_use -= block.size;
+        let (mut start, mut size) = (offset, block.size);
+        if let Some(next) = segment.blocks.get(&(offset + size)).copied().filter(|b| b.free) {
+            segment.blocks.remove(&(offset + size));
+            self.free.remove(&(next.size, seg, offset + size));
+            size += next.size;
+        }
+        if let Some((&before, &prev)) = segment.blocks.range(..offset).next_back() {
+            if prev.free {
+                segment.blocks.remove(&offset);
+                self.free.remove(&(prev.size, seg, before));
+                start = before;
+                size += prev.size;
+            }
+        }
+        segment.blocks.insert(start, Span { size, free: true });
+        self.free.insert((size, seg, start));
+        segment.in_use == 0
+    }
+
+    /// Removes segment `seg` if wholly free; its size.
+    fn remove_if_free(&mut self, seg: u64) -> Option<usize> {
+        let size = self.segments.get(&seg).filter(|s| s.in_use == 0)?.size;
+        self.segments.remove(&seg);
+        self.free.remove(&(size, seg, 0));
+        Some(size)
+    }
+
+    /// The segments that are wholly free.
+    fn free_segments(&self) -> Vec<u64> {
+        self.segments.iter().filter(|(_, s)| s.in_use == 0).map(|(&seg, _)| seg).collect()
+    }
+
+    /// Bytes in blocks handed out.
+    fn in_use(&self) -> usize {
+        self.segments.values().map(|s| s.in_use).sum()
+    }
+
+    /// Blocks handed out.
+    fn blocks_in_use(&self) -> usize {
+        self.segments.values().map(|s| s.blocks.values().filter(|b| !b.free).count()).sum()
+    }
+
+    /// The largest free block.
+    fn largest_free(&self) -> usize {
+        self.free.iter().next_back().map_or(0, |&(size, _, _)| size)
+    }
+}
+
+/// What a caching allocator holds, in this process: a GPU's ([`Device::allocator_stats`](crate::Device::allocator_stats))
+/// or the host's ([`host_allocator_stats`](crate::host_allocator_stats)).
+///
+/// ```
+/// let t = cuda_mp::HostTensor::<f32>::zeros(&[1024]).unwrap();
+/// let s = cuda_mp::host_allocator_stats();
+/// assert!(s.allocated_bytes >= 4096 && s.reserved_bytes >= s.allocated_bytes);
+/// drop(t);
+/// assert_eq!(cuda_mp::host_allocator_stats().allocated_bytes + 4096, s.allocated_bytes);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AllocatorStats {
+    /// Segments the allocator holds (each allocated once, exported once per message that
+    /// carries one of its blocks, mapped once per process).
+    pub segments: usize,
+    /// Bytes of those segments.
+    pub reserved_bytes: usize,
+    /// Bytes of blocks handed out and not yet back: held by a tensor here, or dropped here and
+    /// still held by another process.
+    pub allocated_bytes: usize,
+    /// Blocks handed out and not yet back.
+    pub blocks: usize,
+    /// Bytes of free blocks, ready for new tensors (`reserved_bytes - allocated_bytes`).
+    pub cached_bytes: usize,
+    /// The largest free block: the largest tensor that needs no new segment.
+    pub largest_free_block: usize,
+    /// Segments allocated since the process started.
+    pub segments_allocated: u64,
+    /// Segments given up since the process started (by `empty_cache`, under the limit, or
+    /// when the allocator was turned off). A segment given up is freed once no other process
+    /// maps it any more.
+    pub segments_released: u64,
+    /// Tensors allocated from the pools since the process started.
+    pub allocations: u64,
+    /// The limit on `reserved_bytes`, if one is set.
+    pub limit: Option<usize>,
+}
+
+struct State<S> {
+    enabled: bool,
+    limit: Option<usize>,
+    small: Arena,
+    large: Arena,
+    /// The segments, with their pool.
+    segments: HashMap<u64, (Arc<S>, Pool)>,
+    next_segment: u64,
+    reserved: usize,
+    stats: AllocatorStats,
+}
+
+impl<S> State<S> {
+    fn arena(&mut self, pool: Pool) -> &mut Arena {
+        match pool {
+            Pool::Small => &mut self.small,
+            Pool::Large => &mut self.large,
+        }
+    }
+
+    /// Takes every wholly free segment out (to be dropped outside the lock).
+    fn release_free(&mut self) -> Vec<Arc<S>> {
+        let mut released = Vec::new();
+        for pool in [Pool::Small, Pool::Large] {
+            for seg in self.arena(pool).free_segments() {
+                released.extend(self.release(seg));
+            }
+        }
+        released
+    }
+
+    fn release(&mut self, seg: u64) -> Option<Arc<S>> {
+        let pool = self.segments.get(&seg)?.1;
+        let size = self.arena(pool).remove_if_free(seg)?;
+        self.reserved -= size;
+        self.stats.segments_released += 1;
+        self.segments.remove(&seg).map(|(segment, _)| segment)
+    }
+}
+
+/// One caching allocator: the pools of segments of type `S`. Segments are dropped outside its
+/// lock (dropping one may free memory, or tell other processes to unmap it).
+pub(crate) struct Pools<S> {
+    state: Mutex<State<S>>,
+    /// The process generation that made it: a forked child's copy gives nothing back.
+    generation: u64,
+}
+
+impl<S> Pools<S> {
+    /// Empty pools, on unless `enabled` is false.
+    pub(crate) fn new(enabled: bool) -> Pools<S> {
+        Pools {
+            state: Mutex::new(State {
+                enabled,
+                limit: None,
+                small: Arena::new(Pool::Small.min_split()),
+                large: Arena::new(Pool::Large.min_split()),
+                segments: HashMap::new(),
+                next_segment: 1,
+                reserved: 0,
+                stats: AllocatorStats::default(),
+            }),
+            generation: crate::fork::generation(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State<S>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// True when new tensors come from the pools.
+    pub(crate) fn enabled(&self) -> bool {
+        self.lock().enabled
+    }
+
+    /// A block of at least `bytes` bytes (its contents as the last holder left them); `None`
+    /// when the allocator is turned off. A new segment, when one is needed, is made by
+    /// `new_segment` (given its size) outside the lock; one that fails out of memory makes
+    /// the allocator give its free segments up and try once more.
+    pub(crate) fn alloc(
+        self: &Arc<Self>,
+        bytes: usize,
+        mut new_segment: impl FnMut(usize) -> Result<Arc<S>>,
+    ) -> Result<Option<Block<S>>> {
+        let size = block_size(bytes).ok_or_else(|| Error::Layout("tensor size overflows".into()))?;
+        let pool = Pool::of(size);
+        let mut retried = false;
+        let mut first = true;
+        loop {
+            let mut s = self.lock();
+            if first && !s.enabled {
+                return Ok(None);
+            }
+            first = false;
+            if let Some((seg, offset, used)) = s.arena(pool).take(size) {
+                s.stats.allocations += 1;
+                let segment = s.segments.get(&seg).expect("a block's segment is held").0.clone();
+                drop(s);
+                return Ok(Some(Block { pools: self.clone(), segment, seg, pool, offset, size: used }));
+            }
+            let wanted = segment_size(size).ok_or_else(|| Error::Layout("tensor size overflows".into()))?;
+            let mut released = Vec::new();
+            if let Some(limit) = s.limit {
+                if s.reserved + wanted > limit {
+                    released = s.release_free();
+                }
+                if s.reserved + wanted > limit {
+                    return Err(Error::CacheLimit { requested: wanted, reserved: s.reserved, limit });
+                }
+            }
+            drop(s);
+            drop(released);
+            let segment = match new_segment(wanted) {
+                Ok(segment) => segment,
+                Err(e) if e.is_out_of_memory() && !retried => {
+                    // Unused segments are given up, and the allocation is tried once more
+                    // (segments other processes still map are freed only once they let go).
+                    retried = true;
+                    drop(self.lock().release_free());
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            let mut s = self.lock();
+            let seg = s.next_segment;
+            s.next_segment += 1;
+            s.arena(pool).add_segment(seg, wanted);
+            s.segments.insert(seg, (segment, pool));
+            s.reserved += wanted;
+            s.stats.segments_allocated += 1;
+        }
+    }
+
+    /// A block is back: every holder in every process has dropped it.
+    fn give_back(&self, pool: Pool, seg: u64, offset: usize) {
+        let mut s = self.lock();
+        let free = s.arena(pool).give_back(seg, offset);
+        let over = s.limit.is_some_and(|limit| s.reserved > limit);
+        let released = if free && (!s.enabled || over) { s.release(seg) } else { None };
+        drop(s);
+        drop(released);
+    }
+
+    /// Gives every wholly free segment up; the bytes given up.
+    pub(crate) fn empty_cache(&self) -> usize {
+        let mut s = self.lock();
+        let before = s.reserved;
+        let released = s.release_free();
+        let bytes = before - s.reserved;
+        drop(s);
+        drop(released);
+        bytes
+    }
+
+    /// Turns the allocator on or off; off, its free segments are given up, and each other one
+    /// when its last block comes back.
+    pub(crate) fn set_enabled(&self, enabled: bool) {
+        let mut s = self.lock();
+        s.enabled = enabled;
+        let released = if enabled { Vec::new() } else { s.release_free() };
+        drop(s);
+        drop(released);
+    }
+
+    /// Sets the limit on reserved bytes (free segments over it are given up at once).
+    pub(crate) fn set_limit(&self, limit: Option<usize>) {
+        let mut s = self.lock();
+        s.limit = limit;
+        let released = if limit.is_some_and(|l| s.reserved > l) { s.release_free() } else { Vec::new() };
+        drop(s);
+        drop(released);
+    }
+
+    pub(crate) fn stats(&self) -> AllocatorStats {
+        let s = self.lock();
+        let allocated = s.small.in_use() + s.large.in_use();
+        AllocatorStats {
+            segments: s.segments.len(),
+            reserved_bytes: s.reserved,
+            allocated_bytes: allocated,
+            blocks: s.small.blocks_in_use() + s.large.blocks_in_use(),
+            cached_bytes: s.reserved - allocated,
+            largest_free_block: s.small.largest_free().max(s.large.largest_free()),
+            limit: s.limit,
+            ..s.stats
+        }
+    }
+}
+
+impl<S> fmt::Debug for Pools<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Pools").field("stats", &self.stats()).finish()
+    }
+}
+
+/// A block of one of this process's segments: the memory of a pooled storage. Dropped when the
+/// storage's last claim is gone, which gives the block back.
+pub(crate) struct Block<S> {
+    pools: Arc<Pools<S>>,
+    segment: Arc<S>,
+    seg: u64,
+    pool: Pool,
+    offset: usize,
+    size: usize,
+}
+
+impl<S> Block<S> {
+    /// The segment the block lies in.
+    pub(crate) fn segment(&self) -> &Arc<S> {
+        &self.segment
+    }
+
+    /// Where in the segment the block starts.
+    pub(crate) fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// The block's size (at least the bytes asked for).
+    pub(crate) fn size(&self) -> usize {
+        self.size
+    }
+}
+
+impl<S> Drop for Block<S> {
+    fn drop(&mut self) {
+        // In a forked child, a block of the parent's pools is the parent's to give back.
+        if self.pools.generation == crate::fork::generation() {
+            self.pools.give_back(self.pool, self.seg, self.offset);
+        }
+    }
+}
+
+impl<S> fmt::Debug for Block<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Block")
+            .field("segment", &self.seg)
+            .field("offset", &self.offset)
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn best_fit_splits_and_merging_restores_the_whole_segment() {
+        let mut a = Arena::new(ROUND);
+        a.add_segment(1, SMALL_SEGMENT);
+        let blocks: Vec<_> = (0..8).map(|_| a.take(4096).unwrap()).collect();
+        assert_eq!(blocks.iter().map(|b| b.1).collect::<Vec<_>>(), (0..8).map(|i| i * 4096).collect::<Vec<_>>());
+        // Every other block back: 4 holes of 4 KiB and the tail.
+        for b in blocks.iter().step_by(2) {
+            assert!(!a.give_back(1, b.1));
+        }
+        // A 4 KiB request fills the first hole, not the tail.
+        assert_eq!(a.take(4096), Some((1, 0, 4096)));
+        assert!(!a.give_back(1, 0));
+        for b in blocks.iter().skip(1).step_by(2) {
+            a.give_back(1, b.1);
+        }
+        assert_eq!(a.in_use(), 0);
+        assert_eq!(a.largest_free(), SMALL_SEGMENT, "free neighbours merged into one block");
+        assert_eq!(a.take(SMALL_SEGMENT), Some((1, 0, SMALL_SEGMENT)));
+    }
+
+    #[test]
+    fn a_large_block_is_split_only_when_the_rest_is_worth_it() {
+        let mut a = Arena::new(SMALL_MAX);
+        a.add_segment(1, LARGE_SEGMENT);
+        // 19.5 MiB of 20: the rest (0.5 MiB) stays with the block.
+        assert_eq!(a.take(LARGE_SEGMENT - (SMALL_MAX / 2)), Some((1, 0, LARGE_SEGMENT)));
+        assert!(a.give_back(1, 0));
+        assert_eq!(a.take(4 << 20), Some((1, 0, 4 << 20)));
+        assert_eq!(a.largest_free(), 16 << 20);
+    }
+
+    #[test]
+    fn a_forged_or_repeated_give_back_changes_nothing() {
+        let mut a = Arena::new(ROUND);
+        a.add_segment(1, SMALL_SEGMENT);
+        let (_, off, _) = a.take(1024).unwrap();
+        assert!(a.give_back(1, off));
+        assert!(!a.give_back(1, off), "already free");
+        assert!(!a.give_back(1, 512), "not a block");
+        assert!(!a.give_back(9, 0), "no such segment");
+        assert_eq!(a.largest_free(), SMALL_SEGMENT);
+    }
+
+    #[test]
+    fn sizes_and_segments() {
+        assert_eq!(block_size(0), Some(512));
+        assert_eq!(block_size(513), Some(1024));
+        assert_eq!(segment_size(SMALL_MAX), Some(SMALL_SEGMENT));
+        assert_eq!(segment_size(SMALL_MAX + 512), Some(LARGE_SEGMENT));
+        assert_eq!(segment_size(MEDIUM_MAX + 512), Some(12 << 20));
+        assert_eq!(block_size(usize::MAX), None);
+    }
+
+    proptest! {
+        /// Any sequence of takes and gives back keeps the blocks tiling their segments, never
+        /// hands out overlapping blocks, wastes at most the pool's split threshold per block,
+        /// and ends with every segment wholly free and whole again.
+        #[test]
+        fn blocks_tile_segments_and_never_overlap(
+            ops in proptest::collection::vec((any::<bool>(), 1usize..(3 << 20), any::<prop::sample::Index>()), 1..200),
+            large in any::<bool>(),
+        ) {
+            let pool = if large { Pool::Large } else { Pool::Small };
+            let mut a = Arena::new(pool.min_split());
+            let mut held: Vec<(u64, usize, usize)> = Vec::new();
+            let mut next = 1;
+            for (take, bytes, pick) in ops {
+                if take || held.is_empty() {
+                    let size = block_size(bytes).unwrap();
+                    let got = match a.take(size) {
+                        Some(b) => b,
+                        None => {
+                            a.add_segment(next, segment_size(size).unwrap().max(size));
+                            next += 1;
+                            a.take(size).unwrap()
+                        }
+                    };
+                    prop_assert!(got.2 >= size && got.2 - size < pool.min_split().max(ROUND));
+                    for h in &held {
+                        prop_assert!(h.0 != got.0 || h.1 + h.2 <= got.1 || got.1 + got.2 <= h.1, "overlap");
+                    }
+                    held.push(got);
+                } else {
+                    let (seg, off, _) = held.swap_remove(pick.index(held.len()));
+                    a.give_back(seg, off);
+                }
+                prop_assert_eq!(a.in_use(), held.iter().map(|h| h.2).sum::<usize>());
+                for s in a.segments.values() {
+                    let mut end = 0;
+                    for (&off, b) in &s.blocks {
+                        prop_assert_eq!(off, end);
+                        end += b.size;
+                    }
+                    prop_assert_eq!(end, s.size);
+                }
+            }
+            for (seg, off, _) in held.drain(..) {
+                a.give_back(seg, off);
+            }
+            for seg in a.free_segments() {
+                let size = a.segments[&seg].size;
+                prop_assert_eq!(a.segments[&seg].blocks.len(), 1);
+                prop_assert_eq!(a.remove_if_free(seg), Some(size));
+            }
+            prop_assert!(a.segments.is_empty() && a.free.is_empty());
+        }
+    }
+}
