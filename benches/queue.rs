@@ -7,18 +7,20 @@
 //!
 //! Each row: one producer (this process, which also runs the queue's dispatcher) puts 4 KiB
 //! uint8 host tensors on one queue drained by 1 or 4 consumer processes that get and drop
-//! them; either *fresh* (a new tensor allocated for every put, allocation timed) or *resent*
-//! (the same 8 tensors put again and again). Tensors per second from the first put until every
+//! them; either *fresh* (a new tensor allocated for every put, allocation timed: a block of
+//! the host caching allocator) or *resent* (the same 8 tensors put again and again). Tensors per second from the first put until every
 //! consumer has got every tensor; the median of the rounds. The producer stays at most 1,024
 //! tensors ahead of the consumers (each returns a credit per 256 tensors it dropped): the queue
-//! is unbounded, and every live host tensor, queued or not, is a descriptor in the producer's
-//! process. It also pauses (timed) while its process holds more than 4,096 storages and lease
+//! is unbounded (and with the host caching allocator off every live host tensor, queued or
+//! not, is a descriptor in the producer's process). It also pauses (timed) while its process holds more than 4,096 storages and lease
 //! channels, which a loaded machine's reaper may free later than the consumers drop them, and
 //! each round starts once the previous one's are freed. torch runs the same workloads, with the
 //! same credits, with
 //! `torch.multiprocessing.Queue` (spawn context, a `None` per consumer to stop); the ratio is
 //! ours / torch, higher is better for us. For scale, the same workloads over a plain channel
-//! to one consumer (no queue: no dispatcher, no acknowledgement) are printed after the table.
+//! to one consumer (no queue: no dispatcher, no acknowledgement) are printed after the table,
+//! and the producer's own cost of allocating and freeing a fresh tensor, with the host caching
+//! allocator on and off.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -254,6 +256,15 @@ fn main() {
     let (alloc, free) = alloc_round(n);
     println!(
         "for scale, this process alone allocating fresh tensors: {:.2} us each, freeing them: {:.2} us each",
+        alloc * 1e6,
+        free * 1e6
+    );
+    // The same with a memory file per tensor.
+    cuda_mp::set_host_caching(false);
+    let (alloc, free) = alloc_round(n);
+    cuda_mp::set_host_caching(true);
+    println!(
+        "for scale, the same with the host caching allocator off: {:.2} us each, freeing them: {:.2} us each",
         alloc * 1e6,
         free * 1e6
     );

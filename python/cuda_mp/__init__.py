@@ -38,11 +38,15 @@ __all__ = [
     "Receiver",
     "Sender",
     "Timeout",
+    "allocator_stats",
     "channel",
     "connect",
+    "empty_cache",
     "empty_host",
     "flush_sends",
     "pack_state_dict",
+    "set_cache_limit",
+    "set_caching",
 ]
 
 
@@ -411,6 +415,34 @@ def empty_host(shape, dtype="float32"):
 def cuda_available() -> bool:
     """Whether a CUDA GPU is usable in this process."""
     return _native.cuda_available()
+
+
+def allocator_stats(device: Optional[int] = None) -> Dict[str, Any]:
+    """What cuda-mp's caching allocator holds in this process: GPU ``device``'s, or (``None``)
+    the host's, whose segments ``empty_host`` arrays are cut from. Keys: ``segments``,
+    ``reserved_bytes``, ``allocated_bytes`` (blocks handed out, here or still held by another
+    process), ``blocks``, ``cached_bytes``, ``largest_free_block``, ``segments_allocated``,
+    ``segments_released``, ``allocations``, ``limit``. PyTorch's own allocator is not counted:
+    ``torch.cuda.memory_stats`` is."""
+    return _native.allocator_stats(device)
+
+
+def empty_cache(device: Optional[int] = None) -> int:
+    """Gives the caching allocator's wholly free segments up (GPU ``device``'s, or the host's);
+    returns their bytes. Each is freed once no other process maps it any more."""
+    return _native.empty_cache(device)
+
+
+def set_caching(enabled: bool, device: Optional[int] = None) -> None:
+    """Turns the caching allocator of GPU ``device`` (or of host memory) on, the default, or off
+    (one allocation per tensor) in this process."""
+    _native.set_caching(enabled, device)
+
+
+def set_cache_limit(limit: Optional[int], device: Optional[int] = None) -> None:
+    """Limits the bytes the caching allocator's segments hold (``None``: no limit); an
+    allocation past it raises ``cuda_mp.Error``."""
+    _native.set_cache_limit(limit, device)
 
 
 def flush_sends(timeout: Optional[float] = None) -> None:

@@ -19,7 +19,7 @@ use cuda_mp::{
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 mod dlpack;
 mod torch_ipc;
@@ -680,6 +680,70 @@ fn lifetime_stats(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
     PyTuple::new(py, [s.live_storages as u64, s.exported_storages as u64, s.outstanding_leases as u64])
 }
 
+/// A caching allocator's statistics as a dict (the fields of `cuda_mp::AllocatorStats`).
+fn stats_dict(py: Python<'_>, s: cuda_mp::AllocatorStats) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("segments", s.segments)?;
+    d.set_item("reserved_bytes", s.reserved_bytes)?;
+    d.set_item("allocated_bytes", s.allocated_bytes)?;
+    d.set_item("blocks", s.blocks)?;
+    d.set_item("cached_bytes", s.cached_bytes)?;
+    d.set_item("largest_free_block", s.largest_free_block)?;
+    d.set_item("segments_allocated", s.segments_allocated)?;
+    d.set_item("segments_released", s.segments_released)?;
+    d.set_item("allocations", s.allocations)?;
+    d.set_item("limit", s.limit)?;
+    Ok(d)
+}
+
+/// The caching allocator of GPU `device` (`None`) or of host memory.
+fn allocator_device(device: Option<usize>) -> PyResult<Option<Arc<Device>>> {
+    device.map(|d| Device::get(d).map_err(error)).transpose()
+}
+
+/// What a caching allocator holds in this process: GPU `device`'s, or the host's (`None`).
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn allocator_stats(py: Python<'_>, device: Option<usize>) -> PyResult<Bound<'_, PyDict>> {
+    let stats = match allocator_device(device)? {
+        Some(dev) => dev.allocator_stats(),
+        None => cuda_mp::host_allocator_stats(),
+    };
+    stats_dict(py, stats)
+}
+
+/// Gives a caching allocator's wholly free segments up; the bytes given up.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn empty_cache(device: Option<usize>) -> PyResult<usize> {
+    Ok(match allocator_device(device)? {
+        Some(dev) => dev.empty_cache(),
+        None => cuda_mp::empty_host_cache(),
+    })
+}
+
+/// Turns a caching allocator on or off in this process.
+#[pyfunction]
+#[pyo3(signature = (enabled, device=None))]
+fn set_caching(enabled: bool, device: Option<usize>) -> PyResult<()> {
+    match allocator_device(device)? {
+        Some(dev) => dev.set_caching(enabled),
+        None => cuda_mp::set_host_caching(enabled),
+    }
+    Ok(())
+}
+
+/// Limits the bytes a caching allocator's segments hold (`None`: no limit).
+#[pyfunction]
+#[pyo3(signature = (limit, device=None))]
+fn set_cache_limit(limit: Option<usize>, device: Option<usize>) -> PyResult<()> {
+    match allocator_device(device)? {
+        Some(dev) => dev.set_cache_limit(limit),
+        None => cuda_mp::set_host_cache_limit(limit),
+    }
+    Ok(())
+}
+
 /// The names of the element types cuda-mp knows.
 #[pyfunction]
 fn dtypes(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
@@ -728,6 +792,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(flush_sends, m)?)?;
+    m.add_function(wrap_pyfunction!(allocator_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(empty_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(set_caching, m)?)?;
+    m.add_function(wrap_pyfunction!(set_cache_limit, m)?)?;
     torch_ipc::register(m)?;
     Ok(())
 }

@@ -103,3 +103,26 @@ def test_a_rust_process_adds_one_in_place_and_sends_the_same_memory_back():
         assert "PASS" in out and "served 4 host tensors" in out, out
     finally:
         peer.kill()
+
+
+def test_host_arrays_come_from_the_caching_allocator_which_can_be_emptied_and_turned_off():
+    cuda_mp.set_caching(True)
+    before = cuda_mp.allocator_stats()
+    a = cuda_mp.empty_host((1024,), "float32")
+    during = cuda_mp.allocator_stats()
+    assert during["blocks"] == before["blocks"] + 1
+    assert during["allocated_bytes"] >= before["allocated_bytes"] + 4096
+    del a
+    assert cuda_mp.allocator_stats()["blocks"] == before["blocks"]
+    assert cuda_mp.empty_cache() > 0
+    assert cuda_mp.allocator_stats()["reserved_bytes"] == 0
+    cuda_mp.set_cache_limit(1 << 20)
+    with pytest.raises(cuda_mp.Error):
+        cuda_mp.empty_host((1 << 20,), "float32")  # a 4 MiB block needs a 20 MiB segment
+    cuda_mp.set_cache_limit(None)
+    cuda_mp.set_caching(False)
+    b = cuda_mp.empty_host((16,), "int64")
+    assert cuda_mp.allocator_stats()["blocks"] == 0
+    b[:] = 3
+    assert b.sum() == 48
+    cuda_mp.set_caching(True)

@@ -43,8 +43,12 @@ fn grow_descriptor_table(slots: u64) {
 
 /// Bytes of physical memory of this machine (0 when unknown).
 pub(crate) fn physical_memory() -> u64 {
-    let info = rustix::system::sysinfo();
-    (info.totalram as u64).saturating_mul(info.mem_unit.max(1) as u64)
+    // Asked once: every host allocation checks against it.
+    static TOTAL: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *TOTAL.get_or_init(|| {
+        let info = rustix::system::sysinfo();
+        (info.totalram as u64).saturating_mul(info.mem_unit.max(1) as u64)
+    })
 }
 
 /// True when this process is at, or within 64 descriptors of, its limit on open descriptors: a
