@@ -8,8 +8,9 @@
 //!     cargo run --release --example 15_cross_host_weights -- --nccl-network --steps 3
 //!
 //! On two real hosts the rollout binds `0.0.0.0:PORT`, the trainer connects to
-//! `rollout-host:PORT`, and `network_only` is left out: two hosts are always on the network
-//! route, and one host's processes share memory instead.
+//! `rollout-host:PORT`, both ends hold the same secret (`CUDA_MP_REMOTE_SECRET`, or
+//! `RemoteOptions::secret` as here), and `network_only` is left out: two hosts are always on
+//! the network route, and one host's processes share memory instead.
 
 mod common;
 
@@ -40,8 +41,9 @@ fn expected(i: usize, j: usize, step: u32) -> f32 {
 }
 
 fn options() -> RemoteOptions {
-    // Two processes of one machine standing in for two hosts: take the network route.
-    RemoteOptions::default().network_only(true)
+    // Two processes of one machine standing in for two hosts: take the network route. Both
+    // prove the secret (here a fixed one; on real hosts, one generated and handed out once).
+    RemoteOptions::default().network_only(true).secret(b"example 15: a secret both hosts hold")
 }
 
 /// The rollout engine, on GPU 1: receives each step's weights and checks every element.

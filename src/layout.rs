@@ -296,6 +296,35 @@ impl Layout {
     }
 }
 
+/// Deserializes a shape or strides of at most [`MAX_DIMS`] entries: a forged message cannot
+/// make the decoder collect more (a frame of 256 MiB would otherwise decode to 2 GiB of them).
+pub(crate) fn bounded_dims<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> std::result::Result<Vec<usize>, D::Error> {
+    struct Dims;
+    impl<'de> serde::de::Visitor<'de> for Dims {
+        type Value = Vec<usize>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "at most {MAX_DIMS} dimensions")
+        }
+
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<Vec<usize>, A::Error> {
+            let mut dims = Vec::with_capacity(MAX_DIMS);
+            while let Some(d) = seq.next_element()? {
+                if dims.len() == MAX_DIMS {
+                    return Err(crate::wire::decode_error(crate::error::Error::Malformed(format!(
+                        "more than {MAX_DIMS} dimensions, at most {MAX_DIMS} are supported"
+                    ))));
+                }
+                dims.push(d);
+            }
+            Ok(dims)
+        }
+    }
+    deserializer.deserialize_seq(Dims)
+}
+
 /// Row-major strides for `shape`.
 pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
     let mut strides = vec![0; shape.len()];
@@ -310,6 +339,18 @@ pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_shape_of_more_than_max_dims_is_refused_while_it_is_decoded() {
+        #[derive(serde::Serialize, serde::Deserialize)]
+        struct Shape(#[serde(deserialize_with = "bounded_dims")] Vec<usize>);
+        let ok = postcard::to_allocvec(&Shape(vec![1; MAX_DIMS])).unwrap();
+        assert_eq!(postcard::from_bytes::<Shape>(&ok).unwrap().0, vec![1; MAX_DIMS]);
+        // A length of 2^40 entries announced in a handful of bytes: refused at the ninth.
+        let mut forged = postcard::to_allocvec(&(1u64 << 40)).unwrap();
+        forged.extend([1; 64]);
+        assert!(postcard::from_bytes::<Shape>(&forged).is_err());
+    }
 
     #[test]
     fn views_compute_offsets_and_contiguity() {

@@ -100,7 +100,9 @@ pub use host::{
 pub use layout::{Layout, MAX_DIMS};
 pub use lifetime::{lifetime_stats, wait_for_lifetime, LifetimeStats, StorageId};
 pub use ndarray;
-pub use net::{RemoteListener, RemoteOptions, RemoteReceiver, RemoteSender, Route, REMOTE_PROTOCOL_VERSION};
+pub use net::{
+    RemoteListener, RemoteOptions, RemoteReceiver, RemoteSender, Route, REMOTE_PROTOCOL_VERSION, REMOTE_SECRET_ENV,
+};
 pub use pool::{AsyncResult, Imap, ImapUnordered, Pool, PoolBuilder};
 pub use process::{init, spawn, spawn_n, Builder, JoinHandle};
 pub use queue::{GetError, GetTimeoutError, Queue, QueueConsumer, QueueStats, TryGetError, QUEUE_PREFETCH};

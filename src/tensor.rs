@@ -215,7 +215,9 @@ impl<T: Element, S> Tensor<T, S> {
 #[derive(Clone, Serialize, Deserialize)]
 pub(crate) struct TensorWire<W> {
     pub dtype: u8,
+    #[serde(deserialize_with = "crate::layout::bounded_dims")]
     pub shape: Vec<usize>,
+    #[serde(deserialize_with = "crate::layout::bounded_dims")]
     pub strides: Vec<usize>,
     pub offset: usize,
     pub storage: W,

@@ -363,3 +363,38 @@ fn a_message_over_the_receivers_limits_fails_at_the_sender_and_the_connection_st
     let got = rx.recv().unwrap();
     assert_eq!((got.len(), got[1].to_vec()), (2, vec![7; 10]));
 }
+
+const SECRET: &[u8] = b"the secret both ends of this test hold";
+
+/// What connecting with `options` to a listener that holds `SECRET` gives each end.
+fn connect_to_a_secret_listener(options: RemoteOptions) -> (Result<(), String>, Result<(), String>) {
+    let listener = RemoteListener::<HostTensor<u8>>::bind_with("127.0.0.1:0", network().secret(SECRET)).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let tx = thread::spawn(move || -> Result<(), String> {
+        let tx = RemoteSender::<HostTensor<u8>>::connect_with(addr, options).map_err(|e| e.to_string())?;
+        tx.send(HostTensor::full(&[4], 9).unwrap()).map_err(|e| e.to_string())
+    });
+    let rx = listener.accept_timeout(Duration::from_secs(10)).map_err(|e| e.to_string()).and_then(|rx| {
+        let t = rx.recv_timeout(Duration::from_secs(10)).map_err(|e| e.to_string())?;
+        assert_eq!(t.to_vec(), vec![9; 4]);
+        Ok(())
+    });
+    (tx.join().unwrap(), rx)
+}
+
+#[test]
+fn only_a_sender_that_proves_the_secret_is_accepted() {
+    let (tx, rx) = connect_to_a_secret_listener(network().secret(SECRET));
+    assert_eq!((tx, rx), (Ok(()), Ok(())));
+    for options in [network(), network().secret(b"a secret that is not the one")] {
+        // A sender of the environment's secret (if the run sets one) is not a sender without one.
+        if std::env::var_os(cuda_mp::REMOTE_SECRET_ENV).is_some() && !options.has_secret() {
+            continue;
+        }
+        let (tx, rx) = connect_to_a_secret_listener(options);
+        let tx = tx.unwrap_err();
+        assert!(tx.contains("authentication failed") || tx.contains("did not prove"), "{tx}");
+        // Refused, or left by the sender that found the listener unproven: nothing accepted.
+        assert!(rx.is_err());
+    }
+}

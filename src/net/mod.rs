@@ -2,13 +2,17 @@
 //! to it. On one host the pair is an ordinary cuda-mp channel (tensors shared, not copied); across
 //! hosts messages travel on the TCP connection and GPU bytes by NCCL. See `README.md` here.
 
+mod auth;
+
 use std::collections::VecDeque;
 use std::fmt;
 use std::io;
-use std::marker::PhantomData;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+use auth::{Role, Secret, NONCE, PROOF};
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -26,12 +30,23 @@ use crate::wire;
 /// The version of the protocol, local and remote; both ends must speak the same.
 ///
 /// ```
-/// assert_eq!(cuda_mp::REMOTE_PROTOCOL_VERSION, 5);
+/// assert_eq!(cuda_mp::REMOTE_PROTOCOL_VERSION, 6);
 /// ```
 pub const REMOTE_PROTOCOL_VERSION: u32 = protocol::VERSION;
 
 /// The largest handshake message either end reads.
 const HANDSHAKE_BYTES: usize = 64 << 10;
+
+/// Handshakes a listener runs at once, each on a thread of its own; a connection past them is
+/// closed at once.
+const MAX_PENDING_HANDSHAKES: usize = 64;
+
+/// The environment variable a remote channel's secret is read from when its options set none.
+///
+/// ```
+/// assert_eq!(cuda_mp::REMOTE_SECRET_ENV, "CUDA_MP_REMOTE_SECRET");
+/// ```
+pub const REMOTE_SECRET_ENV: &str = "CUDA_MP_REMOTE_SECRET";
 
 /// A frame's header after its length: kind (1), transfers (4), host bytes (8).
 const HEADER: usize = 13;
@@ -80,9 +95,12 @@ pub struct RemoteOptions {
     transfer_timeout: Duration,
     max_frame_bytes: usize,
     max_host_bytes: u64,
+    max_gpu_bytes: u64,
     max_tensors: u32,
     network_only: bool,
     reuse_memory: bool,
+    secret: Option<Secret>,
+    allow_unauthenticated: bool,
 }
 
 impl Default for RemoteOptions {
@@ -94,9 +112,14 @@ impl Default for RemoteOptions {
             transfer_timeout: Duration::from_secs(120),
             max_frame_bytes: 256 << 20,
             max_host_bytes: 64 << 30,
+            max_gpu_bytes: 64 << 30,
             max_tensors: 16 << 10,
             network_only: false,
             reuse_memory: true,
+            secret: std::env::var_os(REMOTE_SECRET_ENV)
+                .filter(|v| !v.is_empty())
+                .map(|v| Secret::new(std::os::unix::ffi::OsStrExt::as_bytes(v.as_os_str()))),
+            allow_unauthenticated: false,
         }
     }
 }
@@ -161,6 +184,53 @@ impl RemoteOptions {
     /// default).
     pub fn max_host_bytes(mut self, bytes: u64) -> Self {
         self.max_host_bytes = bytes;
+        self
+    }
+
+    /// The most GPU-tensor bytes one received message may make this end allocate (64 GiB by
+    /// default): checked tensor by tensor before each allocation.
+    ///
+    /// ```
+    /// let options = cuda_mp::RemoteOptions::default().max_gpu_bytes(1 << 30);
+    /// # drop(options);
+    /// ```
+    pub fn max_gpu_bytes(mut self, bytes: u64) -> Self {
+        self.max_gpu_bytes = bytes;
+        self
+    }
+
+    /// The secret both ends must prove before anything else of the handshake is read (at least
+    /// 16 bytes; 32 random bytes are a good one). Without this, the secret is read from the
+    /// environment variable [`REMOTE_SECRET_ENV`] when it is set. Each end proves it with an
+    /// HMAC-SHA256 of fresh nonces: a peer without it is refused before its hello is parsed,
+    /// and a sender with a secret sends nothing to a listener that cannot prove it. The secret
+    /// authenticates the peers when they connect; it neither encrypts nor authenticates the
+    /// bytes that follow (see `src/net/README.md`, "Threat model").
+    ///
+    /// ```
+    /// let options = cuda_mp::RemoteOptions::default().secret(b"0123456789abcdef0123456789abcdef");
+    /// assert!(options.has_secret());
+    /// ```
+    pub fn secret(mut self, secret: impl AsRef<[u8]>) -> Self {
+        self.secret = Some(Secret::new(secret.as_ref()));
+        self
+    }
+
+    /// Whether a secret is set (here or by [`REMOTE_SECRET_ENV`]).
+    pub fn has_secret(&self) -> bool {
+        self.secret.is_some()
+    }
+
+    /// Lets a listener without a secret bind addresses other than loopback (off by default):
+    /// any host that reaches the port may then connect. For a network where every host is
+    /// trusted.
+    ///
+    /// ```
+    /// let options = cuda_mp::RemoteOptions::default().allow_unauthenticated(true);
+    /// # drop(options);
+    /// ```
+    pub fn allow_unauthenticated(mut self, yes: bool) -> Self {
+        self.allow_unauthenticated = yes;
         self
     }
 
@@ -257,6 +327,7 @@ enum Welcome {
 struct Limits {
     frame_bytes: u64,
     host_bytes: u64,
+    gpu_bytes: u64,
     tensors: u32,
 }
 
@@ -265,9 +336,52 @@ impl Limits {
         Limits {
             frame_bytes: options.max_frame_bytes as u64,
             host_bytes: options.max_host_bytes,
+            gpu_bytes: options.max_gpu_bytes,
             tensors: options.max_tensors,
         }
     }
+}
+
+/// The connector's first message: the magic and version (read first, as in every version),
+/// and its nonce.
+#[derive(Serialize, Deserialize)]
+struct Greeting {
+    magic: [u8; 8],
+    version: u32,
+    nonce: [u8; NONCE],
+}
+
+impl Greeting {
+    fn new(nonce: [u8; NONCE]) -> Greeting {
+        Greeting { magic: protocol::MAGIC, version: protocol::VERSION, nonce }
+    }
+
+    /// A greeting that arrived: the magic and version checked before the nonce is read.
+    fn decode(bytes: &[u8]) -> std::result::Result<[u8; NONCE], protocol::Refusal> {
+        let ((magic, version), rest) =
+            postcard::take_from_bytes::<([u8; 8], u32)>(bytes).map_err(|_| protocol::Refusal::Foreign)?;
+        if magic != protocol::MAGIC {
+            return Err(protocol::Refusal::Foreign);
+        }
+        if version != protocol::VERSION {
+            return Err(protocol::Refusal::Version(version));
+        }
+        postcard::from_bytes::<[u8; NONCE]>(rest).map_err(|_| protocol::Refusal::Foreign)
+    }
+}
+
+/// The listener's answer to a greeting: a refusal, or its nonce and, if it holds a secret, its
+/// proof of it.
+#[derive(Serialize, Deserialize)]
+enum Challenge {
+    Refused(String),
+    Prove { nonce: [u8; NONCE], proof: Option<[u8; PROOF]> },
+}
+
+/// The connector's proof of the secret, if it holds one.
+#[derive(Serialize, Deserialize)]
+struct Response {
+    proof: Option<[u8; PROOF]>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -429,7 +543,11 @@ fn resolve(addr: impl ToSocketAddrs) -> Result<Vec<SocketAddr>> {
 pub struct RemoteListener<T> {
     listener: TcpListener,
     options: RemoteOptions,
-    _message: PhantomData<fn() -> T>,
+    /// Handshakes that ended, for `accept` to hand out in order.
+    done: Mutex<mpsc::Receiver<Result<RemoteReceiver<T>>>>,
+    done_tx: mpsc::Sender<Result<RemoteReceiver<T>>>,
+    /// Handshakes running.
+    pending: Arc<AtomicUsize>,
 }
 
 impl<T> fmt::Debug for RemoteListener<T> {
@@ -438,17 +556,47 @@ impl<T> fmt::Debug for RemoteListener<T> {
     }
 }
 
-impl<T: Serialize + DeserializeOwned> RemoteListener<T> {
+impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
     /// Listens on `addr` (port 0 picks a free port) with the default options.
     pub fn bind(addr: impl ToSocketAddrs) -> Result<RemoteListener<T>> {
         Self::bind_with(addr, RemoteOptions::default())
     }
 
-    /// Listens on `addr` with `options` (the receiving GPU, timeouts, limits).
+    /// Listens on `addr` with `options` (the receiving GPU, timeouts, limits, the secret).
+    ///
+    /// Without a secret (neither [`RemoteOptions::secret`] nor [`REMOTE_SECRET_ENV`]) only a
+    /// loopback address may be bound, unless [`RemoteOptions::allow_unauthenticated`] says
+    /// otherwise: any host that reaches the port could connect.
+    ///
+    /// ```
+    /// let err = cuda_mp::RemoteListener::<u8>::bind_with("0.0.0.0:0", cuda_mp::RemoteOptions::default());
+    /// # if std::env::var_os(cuda_mp::REMOTE_SECRET_ENV).is_none() {
+    /// assert!(err.unwrap_err().to_string().contains("without a secret"));
+    /// # }
+    /// ```
     pub fn bind_with(addr: impl ToSocketAddrs, options: RemoteOptions) -> Result<RemoteListener<T>> {
-        let listener = TcpListener::bind(&resolve(addr)?[..])?;
+        let addrs = resolve(addr)?;
+        if let Some(secret) = &options.secret {
+            secret.check()?;
+        } else if !options.allow_unauthenticated {
+            if let Some(open) = addrs.iter().find(|a| !a.ip().is_loopback()) {
+                return Err(Error::Unsupported(format!(
+                    "a remote listener without a secret binds only loopback addresses, not {open}: set \
+                     RemoteOptions::secret (or {REMOTE_SECRET_ENV}) on both ends, or \
+                     RemoteOptions::allow_unauthenticated(true) where every host that can reach the port is trusted"
+                )));
+            }
+        }
+        let listener = TcpListener::bind(&addrs[..])?;
         listener.set_nonblocking(true)?;
-        Ok(RemoteListener { listener, options, _message: PhantomData })
+        let (done_tx, done) = mpsc::channel();
+        Ok(RemoteListener {
+            listener,
+            options,
+            done: Mutex::new(done),
+            done_tx,
+            pending: Arc::new(AtomicUsize::new(0)),
+        })
     }
 
     /// The address it listens on.
@@ -458,9 +606,11 @@ impl<T: Serialize + DeserializeOwned> RemoteListener<T> {
 
     /// Waits for a sender and completes the handshake with it.
     ///
-    /// A peer that is not a cuda-mp sender of `T` of this protocol version gets a refusal and
-    /// this returns [`Error::Malformed`] or [`Error::Unsupported`]; the listener goes on
-    /// listening.
+    /// Each connection's handshake runs on a thread of its own (at most 64 at once), so a peer
+    /// that is slow or says nothing holds up no other; `accept` returns the first handshake
+    /// that ends. A peer that does not prove the secret, is not a cuda-mp sender of `T` or of
+    /// this protocol version gets a refusal and this returns [`Error::Unsupported`] or
+    /// [`Error::Malformed`]; the listener goes on listening.
     pub fn accept(&self) -> Result<RemoteReceiver<T>> {
         self.accept_until(None)
     }
@@ -477,72 +627,130 @@ impl<T: Serialize + DeserializeOwned> RemoteListener<T> {
     }
 
     fn accept_until(&self, deadline: Option<(Instant, Duration)>) -> Result<RemoteReceiver<T>> {
-        let stream = loop {
-            match self.listener.accept() {
-                Ok((stream, _)) => break stream,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    match tcp::stream_wait(&self.listener, rustix::event::PollFlags::IN, deadline.map(|d| d.0)) {
-                        Ok(_) => {}
-                        Err(e) if e.kind() == io::ErrorKind::TimedOut => {
-                            return Err(Error::Timeout(deadline.map_or(Duration::MAX, |d| d.1)))
-                        }
-                        Err(e) => return Err(Error::Io(e)),
-                    }
+        // While handshakes run, the listener is watched in slices so that one that ends is seen.
+        const SLICE: Duration = Duration::from_millis(2);
+        let done = lock(&self.done);
+        loop {
+            // Read before the results: a handshake counts itself out only after it sent its result.
+            let running = self.pending.load(Ordering::Acquire);
+            if let Ok(result) = done.try_recv() {
+                return result;
+            }
+            loop {
+                match self.listener.accept() {
+                    Ok((stream, _)) => self.start_handshake(stream),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(Error::Io(e)),
                 }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            }
+            let now = Instant::now();
+            if let Some((at, timeout)) = deadline {
+                if now >= at {
+                    return Err(Error::Timeout(timeout));
+                }
+            }
+            let started = self.pending.load(Ordering::Acquire) > running;
+            let wait_until = match (running > 0 || started, deadline) {
+                (true, Some((at, _))) => Some(at.min(now + SLICE)),
+                (true, None) => Some(now + SLICE),
+                (false, d) => d.map(|d| d.0),
+            };
+            match tcp::stream_wait(&self.listener, rustix::event::PollFlags::IN, wait_until) {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::TimedOut => {}
                 Err(e) => return Err(Error::Io(e)),
             }
-        };
-        stream.set_nonblocking(false)?;
-        stream.set_nodelay(true)?;
-        self.handshake(stream)
+        }
     }
 
-    fn handshake(&self, stream: TcpStream) -> Result<RemoteReceiver<T>> {
-        let timeout = self.options.handshake_timeout;
-        let refuse = |why: String, error: Error| {
-            let _ = write_handshake(&stream, &Welcome::Refused(why), timeout);
-            Err(error)
-        };
-        let hello = match Hello::decode(&read_handshake_bytes(&stream, timeout)?) {
-            Ok(hello) => hello,
-            Err(refusal) => return refuse(refusal.reason(), refusal.error()),
-        };
-        let here = std::any::type_name::<T>();
-        if !hello.sends::<T>() {
-            let why = format!("the listener receives {here}, the sender sends {}", hello.message);
-            return refuse(why.clone(), Error::Unsupported(why));
+    /// Runs the handshake of a new connection on a thread of its own.
+    fn start_handshake(&self, stream: TcpStream) {
+        if self.pending.fetch_add(1, Ordering::AcqRel) >= MAX_PENDING_HANDSHAKES {
+            // Closed unanswered: a flood of idle connections keeps no real sender out for long.
+            self.pending.fetch_sub(1, Ordering::AcqRel);
+            return;
         }
-        let identity = host_identity();
-        let same_host = !hello.extra.network_only
-            && !self.options.network_only
-            && identity.is_known()
-            && hello.extra.host == identity;
-        if same_host {
-            let local = Listener::<T>::bind()?;
-            write_handshake(&stream, &Welcome::SameHost(local.name().to_string()), timeout)?;
-            match read_handshake::<Joined>(&stream, timeout)? {
-                Joined::Yes => {
-                    let rx = local.accept_timeout(timeout)?;
-                    return Ok(RemoteReceiver { inner: ReceiverInner::Local(rx) });
-                }
-                // The sender could not reach the local listener (another mount namespace, say):
-                // the network route serves instead.
-                Joined::No(_) => write_handshake(&stream, &Welcome::Network(Limits::of(&self.options)), timeout)?,
-            }
-        } else {
-            write_handshake(&stream, &Welcome::Network(Limits::of(&self.options)), timeout)?;
+        let (options, done, pending) = (self.options.clone(), self.done_tx.clone(), self.pending.clone());
+        let started = std::thread::Builder::new().name("cuda-mp-handshake".into()).spawn(move || {
+            let result = handshake::<T>(stream, &options);
+            let _ = done.send(result);
+            pending.fetch_sub(1, Ordering::AcqRel);
+        });
+        if started.is_err() {
+            self.pending.fetch_sub(1, Ordering::AcqRel);
         }
-        let net = NetReceiver {
-            reader: FrameReader::new(self.options.max_frame_bytes.saturating_add(HEADER)),
-            stream,
-            comm: None,
-            spare: VecDeque::new(),
-            options: self.options.clone(),
-            broken: false,
-        };
-        Ok(RemoteReceiver { inner: ReceiverInner::Net(Mutex::new(net)) })
     }
+}
+
+/// The listener's side of one connection's handshake.
+fn handshake<T: Serialize + DeserializeOwned>(stream: TcpStream, options: &RemoteOptions) -> Result<RemoteReceiver<T>> {
+    stream.set_nonblocking(false)?;
+    stream.set_nodelay(true)?;
+    let timeout = options.handshake_timeout;
+    // The secret first: nothing else of a peer is read before it has proven it.
+    let theirs = match Greeting::decode(&read_handshake_bytes(&stream, timeout)?) {
+        Ok(nonce) => nonce,
+        Err(refusal) => {
+            let _ = write_handshake(&stream, &Challenge::Refused(refusal.reason()), timeout);
+            return Err(refusal.error());
+        }
+    };
+    let ours = auth::nonce()?;
+    let secret = options.secret.as_ref();
+    let proof = secret.map(|s| s.prove(Role::Listener, &theirs, &ours));
+    write_handshake(&stream, &Challenge::Prove { nonce: ours, proof }, timeout)?;
+    let response = read_handshake::<Response>(&stream, timeout)?;
+    let refuse = |told: String, error: Error| {
+        let _ = write_handshake(&stream, &Welcome::Refused(told), timeout);
+        Err(error)
+    };
+    if let Some(secret) = secret {
+        if !response.proof.is_some_and(|p| secret.verify(Role::Connector, &ours, &theirs, &p)) {
+            return refuse(
+                "authentication failed".into(),
+                Error::Unsupported("refused a peer that did not prove the shared secret".into()),
+            );
+        }
+    }
+    let hello = match Hello::decode(&read_handshake_bytes(&stream, timeout)?) {
+        Ok(hello) => hello,
+        Err(refusal) => return refuse(refusal.reason(), refusal.error()),
+    };
+    let here = std::any::type_name::<T>();
+    if !hello.sends::<T>() {
+        let why = format!("the listener receives {here}, the sender sends {}", hello.message);
+        // Type names are for a peer that proved the secret.
+        let told = if secret.is_some() { why.clone() } else { "the listener receives another message type".into() };
+        return refuse(told, Error::Unsupported(why));
+    }
+    let identity = host_identity();
+    let same_host =
+        !hello.extra.network_only && !options.network_only && identity.is_known() && hello.extra.host == identity;
+    if same_host {
+        let local = Listener::<T>::bind()?;
+        write_handshake(&stream, &Welcome::SameHost(local.name().to_string()), timeout)?;
+        match read_handshake::<Joined>(&stream, timeout)? {
+            Joined::Yes => {
+                let rx = local.accept_timeout(timeout)?;
+                return Ok(RemoteReceiver { inner: ReceiverInner::Local(rx) });
+            }
+            // The sender could not reach the local listener (another mount namespace, say):
+            // the network route serves instead.
+            Joined::No(_) => write_handshake(&stream, &Welcome::Network(Limits::of(options)), timeout)?,
+        }
+    } else {
+        write_handshake(&stream, &Welcome::Network(Limits::of(options)), timeout)?;
+    }
+    let net = NetReceiver {
+        reader: FrameReader::new(options.max_frame_bytes.saturating_add(HEADER)),
+        stream,
+        comm: None,
+        spare: VecDeque::new(),
+        options: options.clone(),
+        broken: false,
+    };
+    Ok(RemoteReceiver { inner: ReceiverInner::Net(Mutex::new(net)) })
 }
 
 /// The sending end of a remote channel.
@@ -600,9 +808,13 @@ impl<T: Serialize + DeserializeOwned> RemoteSender<T> {
     /// Connects with `options`.
     ///
     /// Errors: [`Error::Timeout`] when the listener cannot be reached or does not answer in
-    /// time; [`Error::Unsupported`] when it refuses (another protocol version, another message
-    /// type).
+    /// time; [`Error::Unsupported`] when it refuses (the secret, another protocol version,
+    /// another message type), or when this end holds a secret that the listener does not
+    /// prove.
     pub fn connect_with(addr: impl ToSocketAddrs, options: RemoteOptions) -> Result<RemoteSender<T>> {
+        if let Some(secret) = &options.secret {
+            secret.check()?;
+        }
         // Retried until the connect timeout: the listener may not be up yet (a peer process
         // still starting), as torch.distributed's rendezvous retries.
         let addrs = resolve(addr)?;
@@ -625,10 +837,30 @@ impl<T: Serialize + DeserializeOwned> RemoteSender<T> {
         };
         stream.set_nodelay(true)?;
         let timeout = options.handshake_timeout;
+        // The secret first, both ways: this end proves it only to a listener that proved it.
+        let ours = auth::nonce()?;
+        write_handshake(&stream, &Greeting::new(ours), timeout)?;
+        let (theirs, proof) = match read_handshake::<Challenge>(&stream, timeout)? {
+            Challenge::Refused(why) => return Err(Error::Unsupported(format!("the listener refused: {why}"))),
+            Challenge::Prove { nonce, proof } => (nonce, proof),
+        };
+        if let Some(secret) = &options.secret {
+            if !proof.is_some_and(|p| secret.verify(Role::Listener, &ours, &theirs, &p)) {
+                return Err(Error::Unsupported(
+                    "the listener did not prove the shared secret: nothing is sent to it".into(),
+                ));
+            }
+        }
+        let proof = options.secret.as_ref().map(|s| s.prove(Role::Connector, &theirs, &ours));
+        write_handshake(&stream, &Response { proof }, timeout)?;
         let hello = Hello::of::<T>(Remote { host: host_identity(), network_only: options.network_only });
         write_handshake_bytes(&stream, hello.encode(), timeout)?;
         match read_handshake::<Welcome>(&stream, timeout)? {
             Welcome::Refused(why) => Err(Error::Unsupported(format!("the listener refused: {why}"))),
+            // Asked for the network: a same-host answer may come from anyone who took the port.
+            Welcome::SameHost(_) if options.network_only => Err(Error::Unsupported(
+                "the listener offered a same-host channel to a sender that asked for the network only".into(),
+            )),
             Welcome::SameHost(name) => match Sender::<T>::connect(&name) {
                 Ok(tx) => {
                     write_handshake(&stream, &Joined::Yes, timeout)?;
@@ -724,6 +956,11 @@ impl NetSender {
         }
         if host_bytes > self.peer.host_bytes {
             return over("bytes of host tensors", host_bytes, self.peer.host_bytes);
+        }
+        let gpu_bytes: u64 =
+            outgoing.iter().filter(|o| matches!(o, Outgoing::Gpu { .. })).map(|o| o.len() as u64).sum();
+        if gpu_bytes > self.peer.gpu_bytes {
+            return over("bytes of GPU tensors", gpu_bytes, self.peer.gpu_bytes);
         }
         let message = frame(bytes, kind::MESSAGE, outgoing.len() as u32, host_bytes);
         // The communicator's identity, made before anything is written: without NCCL the send
@@ -1024,6 +1261,7 @@ impl NetReceiver {
             device: self.options.device,
             gpu_ready: self.comm.is_some(),
             host_bytes,
+            gpu_bytes: self.options.max_gpu_bytes,
             transfers,
             spare: if self.options.reuse_memory { std::mem::take(&mut self.spare) } else { VecDeque::new() },
         };
@@ -1148,15 +1386,32 @@ mod tests {
         forged_peer_of::<Msg>(options)
     }
 
+    const T5: Duration = Duration::from_secs(5);
+
+    /// Does a connector's part of the handshake by hand, up to the hello: proves `secret` if
+    /// given; the listener's challenge.
+    fn prove_by_hand(s: &TcpStream, secret: Option<&[u8]>) -> Challenge {
+        let ours = auth::nonce().unwrap();
+        write_handshake(s, &Greeting::new(ours), T5).unwrap();
+        let challenge = read_handshake::<Challenge>(s, T5).unwrap();
+        let Challenge::Prove { nonce, .. } = &challenge else { return challenge };
+        let proof = secret.map(|k| Secret::new(k).prove(Role::Connector, nonce, &ours));
+        write_handshake(s, &Response { proof }, T5).unwrap();
+        challenge
+    }
+
     /// The same, for messages of type `T`.
-    fn forged_peer_of<T: Serialize + DeserializeOwned>(options: RemoteOptions) -> (TcpStream, RemoteReceiver<T>) {
+    fn forged_peer_of<T: Serialize + DeserializeOwned + 'static>(
+        options: RemoteOptions,
+    ) -> (TcpStream, RemoteReceiver<T>) {
         let listener = RemoteListener::<T>::bind_with("127.0.0.1:0", options.network_only(true)).unwrap();
         let addr = listener.local_addr().unwrap();
         let hello = hello::<T>(REMOTE_PROTOCOL_VERSION);
         let peer = std::thread::spawn(move || {
             let s = TcpStream::connect(addr).unwrap();
-            write_handshake_bytes(&s, hello, Duration::from_secs(5)).unwrap();
-            assert!(matches!(read_handshake::<Welcome>(&s, Duration::from_secs(5)).unwrap(), Welcome::Network(_)));
+            prove_by_hand(&s, None);
+            write_handshake_bytes(&s, hello, T5).unwrap();
+            assert!(matches!(read_handshake::<Welcome>(&s, T5).unwrap(), Welcome::Network(_)));
             s
         });
         let rx = listener.accept().unwrap();
@@ -1288,15 +1543,188 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let peer = std::thread::spawn(move || {
             let s = TcpStream::connect(addr).unwrap();
-            write_handshake_bytes(&s, hello::<u8>(REMOTE_PROTOCOL_VERSION + 1), Duration::from_secs(5)).unwrap();
-            match read_handshake::<Welcome>(&s, Duration::from_secs(5)).unwrap() {
-                Welcome::Refused(why) => why,
+            let greeting = (crate::protocol::MAGIC, REMOTE_PROTOCOL_VERSION + 1, [0u8; NONCE]);
+            write_handshake(&s, &greeting, T5).unwrap();
+            match read_handshake::<Challenge>(&s, T5).unwrap() {
+                Challenge::Refused(why) => why,
                 _ => panic!("not refused"),
             }
         });
         let err = listener.accept().unwrap_err().to_string();
-        assert!(err.contains("protocol version 5 here, 6 at the peer"), "{err}");
+        assert!(err.contains("protocol version 6 here, 7 at the peer"), "{err}");
         assert!(peer.join().unwrap().contains("protocol version"));
+    }
+
+    const SECRET: &[u8] = b"a secret of thirty-two bytes ok!";
+
+    /// What a listener with `SECRET` says to a peer that proves `secret` (or none), and what
+    /// its `accept` returns.
+    fn with_secret(secret: Option<&'static [u8]>) -> (String, String) {
+        let options = RemoteOptions::default().secret(SECRET).network_only(true);
+        let listener = RemoteListener::<u8>::bind_with("127.0.0.1:0", options).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let peer = std::thread::spawn(move || {
+            let s = TcpStream::connect(addr).unwrap();
+            prove_by_hand(&s, secret);
+            // The hello of another message type: told apart only after the secret.
+            write_handshake_bytes(&s, hello::<String>(REMOTE_PROTOCOL_VERSION), T5).unwrap();
+            match read_handshake::<Welcome>(&s, T5).unwrap() {
+                Welcome::Refused(why) => why,
+                _ => "welcomed".into(),
+            }
+        });
+        let accepted = listener.accept().map(|_| ()).unwrap_err().to_string();
+        (peer.join().unwrap(), accepted)
+    }
+
+    #[test]
+    fn a_peer_without_the_secret_is_refused_before_its_hello_is_read() {
+        for secret in [None, Some(&b"another secret, thirty-two bytes"[..])] {
+            let (told, error) = with_secret(secret);
+            assert_eq!(told, "authentication failed", "told no more");
+            assert!(error.contains("did not prove the shared secret"), "{error}");
+        }
+        // With the secret, the hello is read: another message type, named to a proven peer.
+        let (told, error) = with_secret(Some(SECRET));
+        assert!(told.contains("the sender sends alloc::string::String"), "{told}");
+        assert!(error.contains("the listener receives u8"), "{error}");
+    }
+
+    #[test]
+    fn an_unauthenticated_peer_is_not_told_the_message_type() {
+        let listener = RemoteListener::<u8>::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let peer = std::thread::spawn(move || {
+            let s = TcpStream::connect(addr).unwrap();
+            prove_by_hand(&s, None);
+            write_handshake_bytes(&s, hello::<String>(REMOTE_PROTOCOL_VERSION), T5).unwrap();
+            match read_handshake::<Welcome>(&s, T5).unwrap() {
+                Welcome::Refused(why) => why,
+                _ => panic!("not refused"),
+            }
+        });
+        assert!(listener.accept().is_err());
+        assert_eq!(peer.join().unwrap(), "the listener receives another message type");
+    }
+
+    #[test]
+    fn a_sender_with_a_secret_refuses_a_listener_that_cannot_prove_it() {
+        // A listener that knows no secret: it answers with a nonce and no proof.
+        let rogue = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = rogue.local_addr().unwrap();
+        let answer = std::thread::spawn(move || {
+            let (s, _) = rogue.accept().unwrap();
+            let _ = read_handshake_bytes(&s, T5).unwrap();
+            write_handshake(&s, &Challenge::Prove { nonce: [7; NONCE], proof: Some([0; PROOF]) }, T5).unwrap();
+            // The sender closes without a proof of its own.
+            read_handshake_bytes(&s, T5).is_err()
+        });
+        let options = RemoteOptions::default().secret(SECRET);
+        let err = RemoteSender::<u8>::connect_with(addr, options).unwrap_err().to_string();
+        assert!(err.contains("did not prove the shared secret"), "{err}");
+        assert!(answer.join().unwrap(), "the sender sent nothing more");
+    }
+
+    #[test]
+    fn a_network_only_sender_refuses_a_same_host_answer() {
+        // Whoever took the port answers "same host": a network-only sender does not follow it.
+        let rogue = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = rogue.local_addr().unwrap();
+        std::thread::spawn(move || {
+            let (s, _) = rogue.accept().unwrap();
+            let _ = read_handshake_bytes(&s, T5).unwrap();
+            write_handshake(&s, &Challenge::Prove { nonce: [7; NONCE], proof: None }, T5).unwrap();
+            let _ = read_handshake_bytes(&s, T5).unwrap();
+            let _ = read_handshake_bytes(&s, T5).unwrap();
+            write_handshake(&s, &Welcome::SameHost("a-socket-of-someone-else".into()), T5).unwrap();
+            std::thread::sleep(Duration::from_secs(1));
+        });
+        let options = RemoteOptions::default().network_only(true);
+        let err = RemoteSender::<u8>::connect_with(addr, options).unwrap_err().to_string();
+        assert!(err.contains("asked for the network only"), "{err}");
+    }
+
+    #[test]
+    fn a_listener_without_a_secret_binds_only_loopback_unless_told() {
+        let open = RemoteOptions { secret: None, ..RemoteOptions::default() };
+        let err = RemoteListener::<u8>::bind_with("0.0.0.0:0", open.clone()).unwrap_err().to_string();
+        assert!(err.contains("without a secret binds only loopback"), "{err}");
+        assert!(RemoteListener::<u8>::bind_with("0.0.0.0:0", open.clone().allow_unauthenticated(true)).is_ok());
+        assert!(RemoteListener::<u8>::bind_with("0.0.0.0:0", open.clone().secret(SECRET)).is_ok());
+        let short = RemoteListener::<u8>::bind_with("127.0.0.1:0", open.secret(b"short")).unwrap_err().to_string();
+        assert!(short.contains("at least 16 bytes"), "{short}");
+    }
+
+    #[test]
+    fn an_idle_peer_does_not_hold_up_a_real_sender() {
+        let options = RemoteOptions::default().secret(SECRET).handshake_timeout(Duration::from_secs(30));
+        let listener = RemoteListener::<u8>::bind_with("127.0.0.1:0", options.clone()).unwrap();
+        let addr = listener.local_addr().unwrap();
+        // Connected first, then silent; and a few more that send half a greeting.
+        let idle: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        for s in &idle[1..] {
+            std::io::Write::write_all(&mut &*s, &[40, 0, 0, 0, b'c']).unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        let start = Instant::now();
+        let sender = std::thread::spawn(move || {
+            let tx = RemoteSender::<u8>::connect_with(addr, options.network_only(true)).unwrap();
+            tx.send(7).unwrap();
+            tx
+        });
+        let rx = listener.accept_timeout(Duration::from_secs(10)).unwrap();
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)).unwrap(), 7);
+        assert!(start.elapsed() < Duration::from_secs(1), "took {:?}", start.elapsed());
+        drop((sender.join().unwrap(), idle));
+    }
+
+    #[test]
+    fn a_message_over_the_gpu_byte_limit_is_refused_before_any_allocation() {
+        let (mut peer, rx) = forged_peer_of::<crate::GpuTensor<f32>>(RemoteOptions::default().max_gpu_bytes(1 << 20));
+        let tensor = RemoteTensorForTest { dtype: crate::DType::F32.tag(), shape: vec![1 << 20] }; // 4 MiB
+        let bytes = frame(postcard::to_extend(&tensor, vec![0u8; HEAD]).unwrap(), kind::MESSAGE, 1, 0);
+        std::io::Write::write_all(&mut peer, &bytes).unwrap();
+        let err = rx.recv_timeout(Duration::from_secs(10)).unwrap_err().to_string();
+        assert!(err.contains("max_gpu_bytes"), "{err}");
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 48, ..Default::default() })]
+
+        /// Whatever bytes follow a valid handshake, the receiver answers with values or errors:
+        /// never a panic, never a hang past the transfer timeout.
+        #[test]
+        fn random_bytes_after_the_handshake_give_errors_only(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512),
+            header in proptest::prelude::any::<bool>(),
+        ) {
+            let options = RemoteOptions::default()
+                .max_frame_bytes(1 << 12)
+                .max_host_bytes(1 << 16)
+                .transfer_timeout(Duration::from_millis(200));
+            let (mut peer, rx) = forged_peer(options);
+            // Half the cases give a plausible frame header, so that the payload's decoder runs.
+            let bytes = if header { frame([&[0; HEAD][..], &bytes].concat(), kind::MESSAGE, 1, 4) } else { bytes };
+            std::io::Write::write_all(&mut peer, &bytes).unwrap();
+            peer.shutdown(std::net::Shutdown::Write).unwrap();
+            for _ in 0..3 {
+                if rx.recv_timeout(Duration::from_secs(5)).is_err() {
+                    break;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_shape_of_too_many_dimensions_is_refused_while_it_is_decoded() {
+        let (mut peer, rx) = forged_peer_of::<HostTensor<u8>>(RemoteOptions::default());
+        // A shape that announces 2^40 dimensions in a handful of bytes.
+        let mut payload = postcard::to_extend(&crate::DType::U8.tag(), vec![0u8; HEAD]).unwrap();
+        payload = postcard::to_extend(&(1u64 << 40), payload).unwrap();
+        payload.extend([1; 64]);
+        std::io::Write::write_all(&mut peer, &frame(payload, kind::MESSAGE, 1, 0)).unwrap();
+        let err = rx.recv_timeout(Duration::from_secs(10)).unwrap_err().to_string();
+        assert!(err.contains("more than 8 dimensions"), "{err}");
     }
 
     #[test]

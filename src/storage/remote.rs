@@ -62,6 +62,8 @@ pub(crate) struct Budget {
     pub(crate) gpu_ready: bool,
     /// Host bytes the message may still claim.
     pub(crate) host_bytes: u64,
+    /// GPU bytes the message may still claim.
+    pub(crate) gpu_bytes: u64,
     /// Tensors the frame announced and not yet decoded.
     pub(crate) transfers: u32,
     /// GPU storages of earlier messages to receive into instead of allocating, where one of
@@ -171,6 +173,14 @@ fn decoding<R>(f: impl FnOnce(&mut Decoding) -> Result<R>) -> Result<R> {
 pub(crate) fn receive_gpu(bytes: usize) -> Result<Arc<GpuStorage>> {
     decoding(|d| {
         d.budget.take_transfer()?;
+        if bytes as u64 > d.budget.gpu_bytes {
+            return Err(Error::Malformed(format!(
+                "a GPU tensor of {bytes} bytes is more than the message may still claim ({} bytes; \
+                 RemoteOptions::max_gpu_bytes)",
+                d.budget.gpu_bytes
+            )));
+        }
+        d.budget.gpu_bytes -= bytes as u64;
         if bytes > 0 && !d.budget.gpu_ready {
             return Err(Error::Malformed("GPU tensors arrived before the NCCL set-up".into()));
         }
@@ -223,6 +233,7 @@ fn receive_host(bytes: usize) -> Result<Arc<HostStorage>> {
 #[derive(Serialize, Deserialize)]
 struct RemoteTensor {
     dtype: u8,
+    #[serde(deserialize_with = "crate::layout::bounded_dims")]
     shape: Vec<usize>,
 }
 

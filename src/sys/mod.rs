@@ -52,6 +52,20 @@ pub(crate) fn random_u128() -> u128 {
     u128::from_le_bytes(bytes)
 }
 
+/// Fills `out` with random bytes from the kernel (`getrandom`), or fails: for nonces of an
+/// authentication, which no weaker source may stand in for.
+pub(crate) fn random_bytes(out: &mut [u8]) -> std::io::Result<()> {
+    let mut filled = 0;
+    while filled < out.len() {
+        match rustix::rand::getrandom(&mut out[filled..], rustix::rand::GetRandomFlags::empty()) {
+            Ok(n) => filled += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
 /// A descriptor held by a message being built, until it is sent.
 pub(crate) type Held = std::sync::Arc<dyn std::os::fd::AsFd + Send + Sync>;
 
