@@ -85,6 +85,11 @@ impl Device {
     /// nothing. Off, each tensor is an allocation of its own (freed when every holder dropped
     /// it), and the segments no block uses are given up.
     ///
+    /// A receiver of a block maps its whole segment: the processes a program sends GPU tensors
+    /// to can read and write the other tensors of the same segments (as with PyTorch's
+    /// allocator, whose blocks travel as their whole segment's handle). Turn it off where the
+    /// receivers must be kept apart.
+    ///
     /// ```no_run
     /// let dev = cuda_mp::Device::get(0).unwrap();
     /// dev.set_caching(false); // one cuMemAlloc per tensor

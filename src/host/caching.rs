@@ -198,8 +198,9 @@ pub(super) fn segment_arrived(segment: Record<SegmentWire>) -> Result<()> {
 /// that maps its segment maps nothing there. Off, each tensor is a memory file of its own
 /// (freed when every holder dropped it), and the segments no block uses are given up.
 ///
-/// A receiver of a block maps its whole segment: the processes a program sends host tensors
-/// to can read the other tensors of the same segments. Turn it off where that matters.
+/// A receiver of a block maps its whole segment, writable: the processes a program sends host
+/// tensors to can read and write the other tensors of the same segments. Turn it off where the
+/// receivers must be kept apart.
 ///
 /// ```
 /// cuda_mp::set_host_caching(false); // one memory file per tensor
