@@ -75,8 +75,12 @@ fn fresh_tensors_are_cut_from_one_segment_that_the_receiver_opens_once() {
     let (segments, mappings) = done_rx.recv_timeout(WAIT).unwrap();
     child.join().unwrap();
     let after = dev.allocator_stats();
-    assert_eq!(after.segments_allocated - before.segments_allocated, 1, "500 fresh 64 KiB tensors fit one segment");
-    assert_eq!(segments, 1, "the receiver opened the one segment once");
+    // 500 fresh 64 KiB tensors, 8 in flight, fit one 2 MiB segment when every release has
+    // landed by the next allocation; releases travel on their own, so a loaded machine may
+    // need a few more (without reuse, 16).
+    let allocated = after.segments_allocated - before.segments_allocated;
+    assert!((1..=4).contains(&allocated), "{allocated} segments for 500 fresh 64 KiB tensors");
+    assert_eq!(segments, allocated, "the receiver opened each segment once");
     assert_eq!(mappings, 500, "and each fresh tensor is a storage of its own");
     eventually("every block back once the receiver dropped it", || dev.allocator_stats().blocks == 0);
     assert_eq!(after.allocations - before.allocations, 500);

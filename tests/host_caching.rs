@@ -74,8 +74,12 @@ fn fresh_tensors_are_cut_from_one_segment_that_the_receiver_maps_once() {
     let (segments, mappings) = done_rx.recv_timeout(WAIT).unwrap();
     child.join().unwrap();
     let after = host_allocator_stats();
-    assert_eq!(after.segments_allocated - before.segments_allocated, 1, "500 fresh 16 KiB tensors fit one segment");
-    assert_eq!(segments, 1, "the receiver mapped the one segment once");
+    // 500 fresh 16 KiB tensors, 8 in flight, fit one 2 MiB segment when every release has
+    // landed by the next allocation; releases travel on their own, so a loaded machine may
+    // need one more (without reuse, 4).
+    let allocated = after.segments_allocated - before.segments_allocated;
+    assert!((1..=2).contains(&allocated), "{allocated} segments for 500 fresh 16 KiB tensors");
+    assert_eq!(segments, allocated, "the receiver mapped each segment once");
     assert_eq!(mappings, 500, "and each fresh tensor is a storage of its own");
     assert_eq!(after.allocations - before.allocations, 500);
     eventually("every block back once the receiver dropped it", || host_allocator_stats().blocks == 0);
