@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::{HostMemory, HostStorage, HostWire};
+use super::{refuse_frozen, HostMemory, HostStorage, HostWire};
 use crate::error::{Error, Result};
 use crate::fork::ForkLocal;
 use crate::lifetime::LeaseMode;
@@ -25,6 +25,11 @@ use crate::storage::pools::{AllocatorStats, Pools};
 use crate::storage::{self, Handle, Memory, Record, Shared, StorageKind};
 use crate::sys::MemoryFile;
 use crate::wire;
+
+/// Host tensors up to this size are blocks of the caching allocator when it is on; larger ones
+/// get a memory file of their own (whose pages the kernel zeroes as they are first touched,
+/// where a reused block would be zeroed word by word).
+const POOLED_MAX: usize = 10 << 20;
 
 /// This process's host pools (a forked child builds its own).
 static POOLS: ForkLocal<Arc<Pools<HostSegment>>> = ForkLocal::new(|| Arc::new(Pools::new(true)));
@@ -120,9 +125,7 @@ impl StorageKind for SegmentKind {
         let fd = fd.0.as_fd().try_clone_to_owned().map_err(|e| wire::descriptor_error(e.into()))?;
         let file = MemoryFile::open(fd, bytes)
             .map_err(|e| Error::Malformed(format!("a host segment's shared memory: {e}")))?;
-        if file.frozen_bytes().is_some() {
-            return Err(Error::Malformed("a host segment's shared memory is sealed against writes".into()));
-        }
+        refuse_frozen(&file, "a host segment")?;
         Ok(Arc::new(file))
     }
 
@@ -132,25 +135,32 @@ impl StorageKind for SegmentKind {
 }
 
 /// A new host storage of `bytes` bytes cut from a segment, its first `bytes` zeroed; `None`
-/// when the allocator is turned off.
+/// when the allocator is turned off or the tensor is larger than `POOLED_MAX`.
 pub(super) fn alloc_zeroed(bytes: usize) -> Result<Option<Arc<HostStorage>>> {
-    let Some(block) = pools().alloc(bytes, new_segment)? else { return Ok(None) };
     // Whole words up to the tensor's end, inside the block (sizes are multiples of 512).
-    let zeroed = bytes.next_multiple_of(8).min(block.size());
-    if !block.segment().file().zero(block.offset(), zeroed) {
+    alloc_filled(bytes, |file, offset, size| file.zero(offset, bytes.next_multiple_of(8).min(size)))
+}
+
+/// A new host storage holding a copy of `bytes`, cut from a segment; `None` as for
+/// [`alloc_zeroed`].
+pub(super) fn alloc_holding(bytes: &[u8]) -> Result<Option<Arc<HostStorage>>> {
+    alloc_filled(bytes.len(), |file, offset, _| file.copy_in(offset, bytes))
+}
+
+/// A block of `bytes` bytes that `fill` writes (given the segment's file, the block's offset
+/// and size; false when it lies outside), as a new host storage.
+fn alloc_filled(
+    bytes: usize,
+    fill: impl FnOnce(&MemoryFile, usize, usize) -> bool,
+) -> Result<Option<Arc<HostStorage>>> {
+    if bytes > POOLED_MAX {
+        return Ok(None);
+    }
+    let Some(block) = pools().alloc(bytes, new_segment)? else { return Ok(None) };
+    if !fill(block.segment().file(), block.offset(), block.size()) {
         return Err(Error::Layout(format!("a block of {bytes} bytes lies outside its segment")));
     }
     Ok(Some(Arc::new(HostStorage(Handle::new_local(bytes, HostMemory::Pooled(block))))))
-}
-
-/// A new host storage holding a copy of `bytes`, cut from a segment; `None` when the allocator
-/// is turned off.
-pub(super) fn alloc_holding(bytes: &[u8]) -> Result<Option<Arc<HostStorage>>> {
-    let Some(block) = pools().alloc(bytes.len(), new_segment)? else { return Ok(None) };
-    if !block.segment().file().copy_in(block.offset(), bytes) {
-        return Err(Error::Layout(format!("a block of {} bytes lies outside its segment", bytes.len())));
-    }
-    Ok(Some(Arc::new(HostStorage(Handle::new_local(bytes.len(), HostMemory::Pooled(block))))))
 }
 
 fn new_segment(size: usize) -> Result<Arc<HostSegment>> {

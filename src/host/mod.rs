@@ -132,10 +132,7 @@ impl StorageKind for HostKind {
             HostWire::Block { segment, offset } => return caching::open_block(segment.take(), *offset, bytes),
         };
         let shm = shm.take().ok_or_else(|| Error::Malformed("host storage without its memory".into()))?.0;
-        if shm.frozen_bytes().is_some() {
-            // Mapped read-only here: the tensor's first write would fault.
-            return Err(Error::Malformed("a host tensor's shared memory is sealed against writes".into()));
-        }
+        refuse_frozen(&shm, "a host tensor")?;
         if shm.len() < bytes {
             return Err(Error::Malformed(format!(
                 "shared memory holds {} bytes but the message claims {bytes}",
@@ -147,13 +144,8 @@ impl StorageKind for HostKind {
 
     fn arrived(_: &Memory<Self>, wire: &mut HostWire, _: &()) -> Result<()> {
         match wire {
-            HostWire::Block { segment: Some(_), .. } => {
-                let HostWire::Block { segment, .. } = std::mem::replace(wire, HostWire::File { shm: None }) else {
-                    unreachable!("matched as a block")
-                };
-                caching::segment_arrived(*segment.expect("matched as present"))
-            }
-            _ => Ok(()),
+            HostWire::Block { segment, .. } => segment.take().map_or(Ok(()), |s| caching::segment_arrived(*s)),
+            HostWire::File { .. } => Ok(()),
         }
     }
 }
@@ -170,10 +162,14 @@ impl Shared for HostStorage {
     }
 }
 
-/// Host tensors up to this size are blocks of the caching allocator when it is on; larger ones
-/// get a memory file of their own (whose pages the kernel zeroes as they are first touched,
-/// where a reused block would be zeroed word by word).
-const POOLED_MAX: usize = 10 << 20;
+/// Refuses shared memory sealed against writes: mapped read-only here, the first write to
+/// `what` would fault.
+fn refuse_frozen(file: &MemoryFile, what: &str) -> Result<()> {
+    match file.frozen_bytes() {
+        Some(_) => Err(Error::Malformed(format!("{what}'s shared memory is sealed against writes"))),
+        None => Ok(()),
+    }
+}
 
 /// `bytes` zeroed bytes of fresh shared memory, sealed against resizing.
 fn fresh_memory(bytes: usize) -> Result<MemoryFile> {
@@ -210,10 +206,8 @@ impl HostStorage {
     /// ```
     pub fn from_bytes(bytes: &[u8]) -> Result<Arc<HostStorage>> {
         Self::check_size(bytes.len())?;
-        if bytes.len() <= POOLED_MAX {
-            if let Some(storage) = caching::alloc_holding(bytes)? {
-                return Ok(storage);
-            }
+        if let Some(storage) = caching::alloc_holding(bytes)? {
+            return Ok(storage);
         }
         let memory = MemoryFile::holding(bytes).map_err(|e| allocation_error(bytes.len(), e))?;
         Ok(Arc::new(HostStorage(Handle::new_local(bytes.len(), HostMemory::File(Arc::new(memory))))))
@@ -239,10 +233,8 @@ impl HostStorage {
     /// `bytes` zeroed bytes of fresh shared memory.
     pub(crate) fn try_new_zeroed(bytes: usize) -> Result<Arc<HostStorage>> {
         Self::check_size(bytes)?;
-        if bytes <= POOLED_MAX {
-            if let Some(storage) = caching::alloc_zeroed(bytes)? {
-                return Ok(storage);
-            }
+        if let Some(storage) = caching::alloc_zeroed(bytes)? {
+            return Ok(storage);
         }
         Ok(Arc::new(HostStorage(Handle::new_local(bytes, HostMemory::File(Arc::new(fresh_memory(bytes)?))))))
     }
