@@ -76,6 +76,19 @@ impl Refusal {
     }
 }
 
+/// Reads the magic and version that a connection's first message starts with (a hello, or a
+/// remote greeting), refusing another magic or version; the bytes after them.
+pub(crate) fn check_version(bytes: &[u8]) -> Result<&[u8], Refusal> {
+    let ((magic, version), rest) = postcard::take_from_bytes::<([u8; 8], u32)>(bytes).map_err(|_| Refusal::Foreign)?;
+    if magic != MAGIC {
+        return Err(Refusal::Foreign);
+    }
+    if version != VERSION {
+        return Err(Refusal::Version(version));
+    }
+    Ok(rest)
+}
+
 impl<E: Serialize + DeserializeOwned> Hello<E> {
     /// The hello of a sender of `T` on this version.
     pub(crate) fn of<T: ?Sized>(extra: E) -> Hello<E> {
@@ -90,16 +103,9 @@ impl<E: Serialize + DeserializeOwned> Hello<E> {
 
     /// A hello that arrived: the magic and version checked before the rest is parsed.
     pub(crate) fn decode(bytes: &[u8]) -> Result<Hello<E>, Refusal> {
-        let ((magic, version), rest) =
-            postcard::take_from_bytes::<([u8; 8], u32)>(bytes).map_err(|_| Refusal::Foreign)?;
-        if magic != MAGIC {
-            return Err(Refusal::Foreign);
-        }
-        if version != VERSION {
-            return Err(Refusal::Version(version));
-        }
+        let rest = check_version(bytes)?;
         let (message, extra) = postcard::from_bytes::<(String, E)>(rest).map_err(|_| Refusal::Foreign)?;
-        Ok(Hello { magic, version, message, extra })
+        Ok(Hello { magic: MAGIC, version: VERSION, message, extra })
     }
 
     /// Whether the sender sends `T`.

@@ -358,14 +358,7 @@ impl Greeting {
 
     /// A greeting that arrived: the magic and version checked before the nonce is read.
     fn decode(bytes: &[u8]) -> std::result::Result<[u8; NONCE], protocol::Refusal> {
-        let ((magic, version), rest) =
-            postcard::take_from_bytes::<([u8; 8], u32)>(bytes).map_err(|_| protocol::Refusal::Foreign)?;
-        if magic != protocol::MAGIC {
-            return Err(protocol::Refusal::Foreign);
-        }
-        if version != protocol::VERSION {
-            return Err(protocol::Refusal::Version(version));
-        }
+        let rest = protocol::check_version(bytes)?;
         postcard::from_bytes::<[u8; NONCE]>(rest).map_err(|_| protocol::Refusal::Foreign)
     }
 }
@@ -1557,11 +1550,12 @@ mod tests {
 
     const SECRET: &[u8] = b"a secret of thirty-two bytes ok!";
 
-    /// What a listener with `SECRET` says to a peer that proves `secret` (or none), and what
-    /// its `accept` returns.
-    fn with_secret(secret: Option<&'static [u8]>) -> (String, String) {
-        let options = RemoteOptions::default().secret(SECRET).network_only(true);
-        let listener = RemoteListener::<u8>::bind_with("127.0.0.1:0", options).unwrap();
+    /// What a listener of `u8` holding `listener` (a secret, or none) says to a peer that
+    /// proves `secret` (or none) and then sends the hello of a sender of `String`, and what its
+    /// `accept` returns.
+    fn refusal(listener: Option<&[u8]>, secret: Option<&'static [u8]>) -> (String, String) {
+        let options = RemoteOptions { secret: listener.map(Secret::new), ..RemoteOptions::default() };
+        let listener = RemoteListener::<u8>::bind_with("127.0.0.1:0", options.network_only(true)).unwrap();
         let addr = listener.local_addr().unwrap();
         let peer = std::thread::spawn(move || {
             let s = TcpStream::connect(addr).unwrap();
@@ -1575,6 +1569,11 @@ mod tests {
         });
         let accepted = listener.accept().map(|_| ()).unwrap_err().to_string();
         (peer.join().unwrap(), accepted)
+    }
+
+    /// What a listener holding `SECRET` says to a peer that proves `secret` (or none).
+    fn with_secret(secret: Option<&'static [u8]>) -> (String, String) {
+        refusal(Some(SECRET), secret)
     }
 
     #[test]
@@ -1592,19 +1591,9 @@ mod tests {
 
     #[test]
     fn an_unauthenticated_peer_is_not_told_the_message_type() {
-        let listener = RemoteListener::<u8>::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let peer = std::thread::spawn(move || {
-            let s = TcpStream::connect(addr).unwrap();
-            prove_by_hand(&s, None);
-            write_handshake_bytes(&s, hello::<String>(REMOTE_PROTOCOL_VERSION), T5).unwrap();
-            match read_handshake::<Welcome>(&s, T5).unwrap() {
-                Welcome::Refused(why) => why,
-                _ => panic!("not refused"),
-            }
-        });
-        assert!(listener.accept().is_err());
-        assert_eq!(peer.join().unwrap(), "the listener receives another message type");
+        let (told, error) = refusal(None, None);
+        assert_eq!(told, "the listener receives another message type");
+        assert!(error.contains("the listener receives u8"), "{error}");
     }
 
     #[test]
