@@ -57,9 +57,18 @@ fn fresh_host_tensors_of_the_caching_allocator_cost_no_descriptor_each() {
     assert_eq!(said, "never failed", "1,000 tensors in one segment, with 8 descriptors to spare");
 }
 
+/// Items in one message to a receiver with [`RECEIVER_HEADROOM`] descriptors to spare: more
+/// than it can take if each carried a descriptor.
+const ITEMS: usize = 40;
+
+/// What a receiver has to spare: room for what its first message from a new sender opens once
+/// (the sender's ring, the wake-ups, the segment: 7 descriptors on Linux 6.x), with a few over,
+/// and far fewer than [`ITEMS`].
+const RECEIVER_HEADROOM: u64 = 12;
+
 /// Lowers its limit, then receives one message of many items: says what became of it.
 fn receive_with_little_room<T: DeserializeOwned>((rx, ready, reply): (Receiver<Vec<T>>, Sender<()>, Sender<String>)) {
-    leave_headroom(6);
+    leave_headroom(RECEIVER_HEADROOM);
     ready.send(()).unwrap();
     let said = match rx.recv_timeout(WAIT) {
         Err(RecvTimeoutError::OutOfDescriptors { .. }) => "out of descriptors".to_string(),
@@ -89,7 +98,7 @@ fn receiving_past_the_descriptor_limit_is_an_error_that_says_so() {
     let (said, joined) = sent_to_a_receiver_with_little_room(|| {
         // A memory file per tensor (this process's other tests do not depend on the allocator).
         cuda_mp::set_host_caching(false);
-        (0..20).map(|_| HostTensor::<u8>::zeros(&[8]).unwrap()).collect::<Vec<_>>()
+        (0..ITEMS).map(|_| HostTensor::<u8>::zeros(&[8]).unwrap()).collect::<Vec<_>>()
     });
     assert_eq!(said.as_deref().ok(), Some("out of descriptors"), "{said:?} {joined:?}");
     joined.unwrap();
@@ -108,8 +117,8 @@ fn a_message_of_blocks_of_one_segment_carries_its_descriptor_once() {
     let (reply_tx, reply_rx) = channel().unwrap();
     let receiver = spawn((rx, ready_tx, reply_tx), receive_with_little_room::<HostTensor<u8>>);
     ready_rx.recv_timeout(WAIT).unwrap();
-    spawn((20, tx), pooled_tensors).join().unwrap();
-    assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), "received 20 items");
+    spawn((ITEMS, tx), pooled_tensors).join().unwrap();
+    assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), format!("received {ITEMS} items"));
     receiver.join().unwrap();
 }
 
@@ -142,7 +151,7 @@ fn parking_descriptors_past_the_limit_is_an_error_that_says_so() {
 #[test]
 fn receiving_parked_descriptors_past_the_limit_is_an_error_that_says_so() {
     let (said, joined) = sent_to_a_receiver_with_little_room(|| {
-        (0..20).map(|_| cuda_mp::testing::CarriedFile(std::fs::File::open("/dev/null").unwrap())).collect::<Vec<_>>()
+        (0..ITEMS).map(|_| cuda_mp::testing::CarriedFile(std::fs::File::open("/dev/null").unwrap())).collect::<Vec<_>>()
     });
     assert_eq!(said.as_deref().ok(), Some("out of descriptors"), "{said:?} {joined:?}");
     joined.unwrap();
