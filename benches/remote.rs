@@ -8,7 +8,7 @@
 //!     cargo bench --bench remote -- --no-torch            # ours only
 //!     cargo bench --bench remote -- --python python3.12   # the interpreter that has torch
 //!
-//! Needs GPUs 0 and 1. Ours: a process sends from GPU 0 through a `RemoteSender` with
+//! Needs GPUs 0 and 1. Ours: a process sends from GPU 0 through a remote `Sender` with
 //! `network_only(true)`; the process it spawns receives on GPU 1 and drops each message, so
 //! the next one is received into its memory (`RemoteOptions::reuse_memory`, on by default;
 //! the first message of each size allocates). Torch: rank 0 on cuda:0 sends, rank 1 on cuda:1
@@ -49,8 +49,7 @@ use std::time::{Duration, Instant};
 
 use cuda_mp::__private::{Phase, PhaseTimes};
 use cuda_mp::{
-    bf16, channel, spawn, Bundle, BundleBuilder, Device, GpuTensor, RemoteListener, RemoteOptions, RemoteSender, Route,
-    Sender,
+    bf16, channel, spawn, Bundle, BundleBuilder, Device, GpuTensor, RemoteListener, RemoteOptions, Route, Sender,
 };
 
 #[path = "../examples/common/llama.rs"]
@@ -189,7 +188,7 @@ fn run_ours(quick: bool) -> Result<(), String> {
     let mut child = spawn((addr_tx, quick), receive);
     let addr = addr_rx.recv_timeout(TIMEOUT).map_err(|e| format!("the receiver's address: {e}"))?;
     let options = RemoteOptions::default().network_only(true).transfer_timeout(TIMEOUT);
-    let tx = RemoteSender::<Payload>::connect_with(addr.as_str(), options).map_err(|e| e.to_string())?;
+    let tx = Sender::<Payload>::connect_remote_with(addr.as_str(), options).map_err(|e| e.to_string())?;
     // The sends run on a thread that names the payload after each one returns; a send that
     // never returns cannot hold up this one.
     let (progress, watch) = mpsc::channel::<&'static str>();

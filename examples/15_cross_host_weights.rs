@@ -19,7 +19,7 @@ use std::net::SocketAddr;
 use std::time::Instant;
 
 use common::{Outcome, TIMEOUT};
-use cuda_mp::{bf16, spawn, Bundle, BundleBuilder, Device, GpuTensor, RemoteListener, RemoteOptions, RemoteSender};
+use cuda_mp::{bf16, spawn, Bundle, BundleBuilder, Device, GpuTensor, RemoteListener, RemoteOptions, Sender};
 use serde::{Deserialize, Serialize};
 
 /// What the rollout tells the trainer, on a remote channel of its own.
@@ -48,14 +48,14 @@ fn options() -> RemoteOptions {
 
 /// The rollout engine, on GPU 1: receives each step's weights and checks every element.
 fn rollout(trainer: SocketAddr) {
-    let reports = RemoteSender::<Report>::connect_with(trainer, options()).expect("reach the trainer");
+    let reports = Sender::<Report>::connect_remote_with(trainer, options()).expect("reach the trainer");
     let run = || -> cuda_mp::Result<()> {
         let listener = RemoteListener::<(u32, Bundle)>::bind_with("127.0.0.1:0", options().device(1))?;
         reports
             .send(Report::Listening(listener.local_addr()?))
             .map_err(|e| cuda_mp::Error::Send(e.failure().clone()))?;
         let weights = listener.accept_timeout(TIMEOUT)?;
-        for received in weights.iter() {
+        for received in weights.iter_results() {
             let (step, bundle) = received?;
             let mismatches = check(&bundle, step)?;
             let _ = reports.send(Report::Checked { step, mismatches });
@@ -130,7 +130,7 @@ fn run() -> Outcome {
     );
 
     // 3. Each step: update in place, publish, and wait for the rollout's check.
-    let tx = RemoteSender::<(u32, Bundle)>::connect_with(addr, options())?;
+    let tx = Sender::<(u32, Bundle)>::connect_remote_with(addr, options())?;
     println!("route: {:?} (NCCL {:?})", tx.route(), cuda_mp::nccl_library()?);
     let mut ok = true;
     for step in 1..=steps {

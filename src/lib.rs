@@ -80,7 +80,7 @@ mod wire;
 
 pub use channel::{
     bounded, channel, flush_sends, pipe, Duplex, IntoIter, Iter, IterResults, Listener, Receiver, RecvFuture,
-    RecvStream, Select, Sender, TryIter,
+    RecvStream, Route, Select, Sender, TryIter,
 };
 pub use cuda_mp_macros::main;
 pub use dtype::{DType, Element};
@@ -100,9 +100,7 @@ pub use host::{
 pub use layout::{Layout, MAX_DIMS};
 pub use lifetime::{lifetime_stats, wait_for_lifetime, LifetimeStats, StorageId};
 pub use ndarray;
-pub use net::{
-    RemoteListener, RemoteOptions, RemoteReceiver, RemoteSender, Route, REMOTE_PROTOCOL_VERSION, REMOTE_SECRET_ENV,
-};
+pub use net::{RemoteListener, RemoteOptions, REMOTE_PROTOCOL_VERSION, REMOTE_SECRET_ENV};
 pub use pool::{AsyncResult, Imap, ImapUnordered, Pool, PoolBuilder};
 pub use process::{init, spawn, spawn_n, Builder, JoinHandle};
 pub use queue::{GetError, GetTimeoutError, Queue, QueueConsumer, QueueStats, TryGetError, QUEUE_PREFETCH};

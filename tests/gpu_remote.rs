@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use cuda_mp::{
     bf16, channel, nccl_library, spawn, Builder, BundleBuilder, Device, GpuTensor, Receiver, RemoteListener,
-    RemoteOptions, RemoteReceiver, RemoteSender, Route, Sender,
+    RemoteOptions, Route, Sender,
 };
 use serde::{Deserialize, Serialize};
 
@@ -85,7 +85,7 @@ fn receive((addr_tx, steps, report): (Sender<String>, u32, Sender<Report>)) {
         let options = RemoteOptions::default().device(1).network_only(true).transfer_timeout(Duration::from_secs(60));
         let listener = RemoteListener::<Weights>::bind_with("127.0.0.1:0", options).map_err(|e| e.to_string())?;
         addr_tx.send(listener.local_addr().map_err(|e| e.to_string())?.to_string()).map_err(|e| e.to_string())?;
-        let rx: RemoteReceiver<Weights> = listener.accept().map_err(|e| e.to_string())?;
+        let rx: Receiver<Weights> = listener.accept().map_err(|e| e.to_string())?;
         if rx.route() != Route::Network {
             return Err("the receiver did not take the network route".into());
         }
@@ -98,7 +98,7 @@ fn receive((addr_tx, steps, report): (Sender<String>, u32, Sender<Report>)) {
 fn send((addr, steps): (String, u32)) -> Result<(), String> {
     let dev = Device::get(0).map_err(|e| e.to_string())?;
     let options = RemoteOptions::default().network_only(true);
-    let tx = RemoteSender::<Weights>::connect_with(addr.as_str(), options).map_err(|e| e.to_string())?;
+    let tx = Sender::<Weights>::connect_remote_with(addr.as_str(), options).map_err(|e| e.to_string())?;
     if tx.route() != Route::Network {
         return Err("the sender did not take the network route".into());
     }
@@ -122,7 +122,8 @@ fn gpu_tensors_cross_by_nccl_onto_the_receivers_gpu() {
     let (gpu0, _) = two_gpus();
     let steps = 4;
     let (addr, report, child) = start_receiver(&[], steps);
-    let tx = RemoteSender::<Weights>::connect_with(addr.as_str(), RemoteOptions::default().network_only(true)).unwrap();
+    let tx =
+        Sender::<Weights>::connect_remote_with(addr.as_str(), RemoteOptions::default().network_only(true)).unwrap();
     for step in 0..steps {
         let w = weights(&gpu0, step);
         tx.send(w).unwrap();
@@ -184,7 +185,7 @@ fn a_bundle_crosses_whole_with_its_table() {
     for (i, name) in ["a", "b", "c"].iter().enumerate() {
         bundle.get::<f32>(name).unwrap().fill(i as f32 + 0.5).unwrap();
     }
-    let tx = RemoteSender::<cuda_mp::Bundle>::connect_with(addr.as_str(), RemoteOptions::default().network_only(true))
+    let tx = Sender::<cuda_mp::Bundle>::connect_remote_with(addr.as_str(), RemoteOptions::default().network_only(true))
         .unwrap();
     tx.send(bundle).unwrap();
     let got = report_rx.recv_timeout(Duration::from_secs(120)).unwrap().unwrap();
@@ -214,7 +215,7 @@ fn same_host_peers_share_gpu_memory_through_cuda_ipc() {
     let (done_tx, done_rx) = channel().unwrap();
     let child = spawn((addr_tx, done_tx), add_one_same_host);
     let addr = addr_rx.recv_timeout(Duration::from_secs(60)).unwrap();
-    let tx = RemoteSender::<GpuTensor<f32>>::connect(addr.as_str()).unwrap();
+    let tx = Sender::<GpuTensor<f32>>::connect_remote(addr.as_str()).unwrap();
     assert_eq!(tx.route(), Route::SameHost);
     let t = GpuTensor::<f32>::zeros(&gpu0, &[1024]).unwrap();
     tx.send(t.clone()).unwrap();
@@ -227,7 +228,7 @@ fn same_host_peers_share_gpu_memory_through_cuda_ipc() {
 fn send_forever(addr: String) {
     let dev = Device::get(0).unwrap();
     let t = GpuTensor::<u8>::zeros(&dev, &[4 << 30]).unwrap();
-    let tx = RemoteSender::<GpuTensor<u8>>::connect_with(addr.as_str(), RemoteOptions::default().network_only(true))
+    let tx = Sender::<GpuTensor<u8>>::connect_remote_with(addr.as_str(), RemoteOptions::default().network_only(true))
         .unwrap();
     loop {
         tx.send(t.clone()).unwrap();
@@ -334,7 +335,7 @@ fn a_dropped_messages_memory_is_received_into_and_a_held_ones_is_not() {
     let (report_tx, report_rx) = channel().unwrap();
     let child = spawn((addr_tx, report_tx), receive_four);
     let addr = addr_rx.recv_timeout(Duration::from_secs(60)).unwrap();
-    let tx = RemoteSender::<GpuTensor<i32>>::connect_with(addr.as_str(), RemoteOptions::default().network_only(true))
+    let tx = Sender::<GpuTensor<i32>>::connect_remote_with(addr.as_str(), RemoteOptions::default().network_only(true))
         .unwrap();
     for step in 0..4i32 {
         tx.send(GpuTensor::<i32>::full(&gpu0, &[1 << 18], step).unwrap()).unwrap();

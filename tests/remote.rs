@@ -7,20 +7,20 @@ use std::net::{TcpListener, TcpStream};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use cuda_mp::{bf16, HostTensor, RemoteListener, RemoteOptions, RemoteReceiver, RemoteSender, Route};
+use cuda_mp::{bf16, HostTensor, Receiver, RemoteListener, RemoteOptions, Route, Sender};
 
 fn network() -> RemoteOptions {
     RemoteOptions::default().network_only(true)
 }
 
 /// A connected pair; the listener's options decide the route.
-fn pair<T>(options: RemoteOptions) -> (RemoteSender<T>, RemoteReceiver<T>)
+fn pair<T>(options: RemoteOptions) -> (Sender<T>, Receiver<T>)
 where
     T: serde::Serialize + serde::de::DeserializeOwned + 'static,
 {
     let listener = RemoteListener::<T>::bind_with("127.0.0.1:0", options).unwrap();
     let addr = listener.local_addr().unwrap();
-    let tx = thread::spawn(move || RemoteSender::<T>::connect(addr).unwrap());
+    let tx = thread::spawn(move || Sender::<T>::connect_remote(addr).unwrap());
     let rx = listener.accept().unwrap();
     (tx.join().unwrap(), rx)
 }
@@ -113,7 +113,7 @@ fn a_dropped_sender_disconnects_after_the_last_message() {
     tx.send(1).unwrap();
     tx.send(2).unwrap();
     drop(tx);
-    let got: Vec<u32> = rx.iter().map(|r| r.unwrap()).collect();
+    let got: Vec<u32> = rx.iter().collect();
     assert_eq!(got, vec![1, 2]);
     assert!(rx.recv().unwrap_err().is_disconnected());
 }
@@ -156,7 +156,7 @@ fn a_listener_without_peers_and_a_silent_listener_time_out() {
     let silent = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = silent.local_addr().unwrap();
     let options = RemoteOptions::default().handshake_timeout(Duration::from_millis(100));
-    let err = RemoteSender::<u8>::connect_with(addr, options).unwrap_err();
+    let err = Sender::<u8>::connect_remote_with(addr, options).unwrap_err();
     assert!(err.is_timeout(), "{err}");
     drop(silent);
 
@@ -164,7 +164,7 @@ fn a_listener_without_peers_and_a_silent_listener_time_out() {
     let free = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
     let start = Instant::now();
     let options = RemoteOptions::default().connect_timeout(Duration::from_millis(300));
-    assert!(RemoteSender::<u8>::connect_with(free, options).is_err());
+    assert!(Sender::<u8>::connect_remote_with(free, options).is_err());
     assert!(start.elapsed() >= Duration::from_millis(250) && start.elapsed() < Duration::from_secs(5));
 }
 
@@ -176,7 +176,7 @@ fn connect_waits_for_a_listener_that_is_not_up_yet() {
         let listener = RemoteListener::<u8>::bind(addr).unwrap();
         listener.accept().unwrap().recv().unwrap()
     });
-    let tx = RemoteSender::<u8>::connect(addr).unwrap();
+    let tx = Sender::<u8>::connect_remote(addr).unwrap();
     tx.send(9).unwrap();
     assert_eq!(late.join().unwrap(), 9);
 }
@@ -239,12 +239,12 @@ fn a_failed_send_does_not_report_an_earlier_failure() {
 fn the_listener_refuses_other_message_types_and_goes_on() {
     let listener = RemoteListener::<u32>::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
-    let wrong = thread::spawn(move || RemoteSender::<String>::connect(addr).unwrap_err().to_string());
+    let wrong = thread::spawn(move || Sender::<String>::connect_remote(addr).unwrap_err().to_string());
     let err = listener.accept().unwrap_err().to_string();
     assert!(err.contains("u32") && err.contains("String"), "{err}");
     let sent = wrong.join().unwrap();
     assert!(sent.contains("refused"), "{sent}");
-    let right = thread::spawn(move || RemoteSender::<u32>::connect(addr).unwrap());
+    let right = thread::spawn(move || Sender::<u32>::connect_remote(addr).unwrap());
     let rx = listener.accept().unwrap();
     right.join().unwrap().send(5).unwrap();
     assert_eq!(rx.recv().unwrap(), 5);
@@ -294,7 +294,7 @@ fn a_missing_nccl_is_an_error_naming_the_file_looked_for() {
 /// Sends 256 MiB host tensors to `addr` on the network route until killed.
 fn send_host_forever(addr: String) {
     let t = HostTensor::<u8>::zeros(&[256 << 20]).unwrap();
-    let tx = RemoteSender::<HostTensor<u8>>::connect_with(addr.as_str(), network()).unwrap();
+    let tx = Sender::<HostTensor<u8>>::connect_remote_with(addr.as_str(), network()).unwrap();
     loop {
         tx.send(t.clone()).unwrap();
     }
@@ -371,7 +371,7 @@ fn connect_to_a_secret_listener(options: RemoteOptions) -> (Result<(), String>, 
     let listener = RemoteListener::<HostTensor<u8>>::bind_with("127.0.0.1:0", network().secret(SECRET)).unwrap();
     let addr = listener.local_addr().unwrap();
     let tx = thread::spawn(move || -> Result<(), String> {
-        let tx = RemoteSender::<HostTensor<u8>>::connect_with(addr, options).map_err(|e| e.to_string())?;
+        let tx = Sender::<HostTensor<u8>>::connect_remote_with(addr, options).map_err(|e| e.to_string())?;
         tx.send(HostTensor::full(&[4], 9).unwrap()).map_err(|e| e.to_string())
     });
     let rx = listener.accept_timeout(Duration::from_secs(10)).map_err(|e| e.to_string()).and_then(|rx| {
@@ -397,4 +397,111 @@ fn only_a_sender_that_proves_the_secret_is_accepted() {
         // Refused, or left by the sender that found the listener unproven: nothing accepted.
         assert!(rx.is_err());
     }
+}
+
+/// One `Select` waits on a remote receiver beside a local one: a remote connection is a
+/// `Receiver` like any other.
+#[test]
+fn select_waits_on_remote_and_local_receivers_alike() {
+    let (tx, rx) = pair::<u32>(network());
+    let (local_tx, local_rx) = cuda_mp::channel::<String>().unwrap();
+    let mut sel = cuda_mp::Select::new();
+    let local = sel.add(&local_rx);
+    let remote = sel.add(&rx);
+    assert!(sel.select_timeout(Duration::from_millis(50)).unwrap_err().is_timeout(), "nothing sent yet");
+    let sending = thread::spawn(move || {
+        thread::sleep(Duration::from_millis(50));
+        tx.send(7).unwrap();
+        tx
+    });
+    // Readiness may be spurious (part of a frame): select again until the receive has it.
+    let got = loop {
+        assert_eq!(sel.select_timeout(Duration::from_secs(10)), Ok(remote));
+        match rx.try_recv() {
+            Ok(v) => break v,
+            Err(e) if e.is_empty() => continue,
+            Err(e) => panic!("{e}"),
+        }
+    };
+    assert_eq!(got, 7);
+    local_tx.send("local".into()).unwrap();
+    assert_eq!(sel.select_timeout(Duration::from_secs(10)), Ok(local));
+    assert_eq!(local_rx.try_recv().unwrap(), "local");
+    assert!(sel.select_timeout(Duration::from_millis(50)).unwrap_err().is_timeout(), "both drained");
+    drop(sending.join().unwrap());
+    // Its sender gone, the remote receiver is ready, and its receive says why.
+    assert_eq!(sel.select_timeout(Duration::from_secs(10)), Ok(remote));
+    assert!(rx.recv_timeout(Duration::from_secs(5)).unwrap_err().is_disconnected());
+}
+
+/// `recv_async` and `stream()` on a remote receiver, in a tokio runtime, while the messages
+/// come one by one.
+#[test]
+fn async_receives_and_streams_work_on_a_remote_receiver() {
+    use futures_core::Stream;
+    use std::future::poll_fn;
+    use std::pin::Pin;
+
+    let (tx, rx) = pair::<HostTensor<u8>>(network());
+    let sending = thread::spawn(move || {
+        for i in 0..5u8 {
+            thread::sleep(Duration::from_millis(10));
+            tx.send(HostTensor::from_vec(&[3], vec![i; 3]).unwrap()).unwrap();
+        }
+    });
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+    let (first, rest) = runtime.block_on(async {
+        let first = rx.recv_async().await.unwrap().to_vec();
+        let mut rest = Vec::new();
+        let mut stream = rx.stream();
+        while let Some(item) = poll_fn(|cx| Pin::new(&mut stream).poll_next(cx)).await {
+            rest.push(item.unwrap().to_vec());
+        }
+        (first, rest)
+    });
+    sending.join().unwrap();
+    assert_eq!(first, vec![0; 3]);
+    assert_eq!(rest, (1..5u8).map(|i| vec![i; 3]).collect::<Vec<_>>(), "the stream ends when the sender is gone");
+}
+
+/// Over the network `try_send` and `send_timeout` wait (not at all, or until the timeout) for
+/// another thread's send: a send that cannot start in time gives the value back.
+#[test]
+fn try_send_and_send_timeout_give_the_value_back_while_the_connection_is_busy() {
+    let (tx, rx) = pair::<HostTensor<u8>>(network());
+    tx.try_send(HostTensor::from_vec(&[1], vec![1]).unwrap()).unwrap();
+    tx.send_timeout(HostTensor::from_vec(&[1], vec![2]).unwrap(), Duration::from_secs(5)).unwrap();
+    assert_eq!(rx.recv_timeout(Duration::from_secs(5)).unwrap().to_vec(), vec![1]);
+    assert_eq!(rx.recv_timeout(Duration::from_secs(5)).unwrap().to_vec(), vec![2]);
+    // 64 MiB to a receiver that does not read yet: that send holds the connection.
+    let busy = tx.clone();
+    let big = thread::spawn(move || busy.send(HostTensor::<u8>::zeros(&[64 << 20]).unwrap()).unwrap());
+    thread::sleep(Duration::from_millis(200));
+    let err = tx.try_send(HostTensor::from_vec(&[1], vec![3]).unwrap()).unwrap_err();
+    assert!(err.is_full(), "{err:?}");
+    assert_eq!(err.into_inner().to_vec(), vec![3]);
+    let err = tx.send_timeout(HostTensor::from_vec(&[1], vec![4]).unwrap(), Duration::from_millis(50)).unwrap_err();
+    assert!(err.is_timeout(), "{err:?}");
+    assert_eq!(rx.recv_timeout(Duration::from_secs(30)).unwrap().numel(), 64 << 20);
+    big.join().unwrap();
+    tx.send(err.into_inner()).unwrap();
+    assert_eq!(rx.recv_timeout(Duration::from_secs(5)).unwrap().to_vec(), vec![4]);
+    assert_eq!(tx.capacity(), None);
+}
+
+/// A remote end belongs to the process that made it: sending it on fails with the end back.
+#[test]
+fn a_remote_end_cannot_be_sent_to_another_process() {
+    let (tx, rx) = pair::<u32>(network());
+    let (carrier, _keep) = cuda_mp::channel::<Sender<u32>>().unwrap();
+    let err = carrier.send(tx).unwrap_err();
+    assert!(err.to_string().contains("stays in the process that made it"), "{err}");
+    let tx = err.into_inner();
+    let (carrier, _keep) = cuda_mp::channel::<Receiver<u32>>().unwrap();
+    let err = carrier.send(rx).unwrap_err();
+    assert!(err.to_string().contains("stays in the process that made it"), "{err}");
+    let rx = err.into_inner();
+    tx.send(5).unwrap();
+    assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(5), "both ends still work");
+    assert!(format!("{tx:?}").contains("Network"), "{tx:?}");
 }

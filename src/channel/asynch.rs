@@ -19,12 +19,12 @@ use std::task::{Context, Poll, Waker};
 
 use serde::de::DeserializeOwned;
 
+use super::flavor::Watched;
 use super::gauge::Asleep;
 use super::inbox::{Missing, Readiness, Wait};
-use super::Receiver;
-use crate::error::{IoFailure, RecvError};
+use super::{Receiver, ReceiverFlavor};
+use crate::error::{IoFailure, RecvError, RecvTimeoutError};
 use crate::fork::ForkLocal;
-use crate::sys::Socket;
 
 /// Sockets that tasks wait on, by registration.
 struct Poller {
@@ -37,7 +37,7 @@ struct Poller {
 #[derive(Default)]
 struct Waiting {
     next: u64,
-    by_id: HashMap<u64, (Arc<Socket>, Waker)>,
+    by_id: HashMap<u64, (Watched, Waker)>,
 }
 
 /// The poller of this process (a forked child starts its own: its parent's thread is not there).
@@ -70,7 +70,7 @@ impl Poller {
     /// (each registration serves one wait).
     fn run(&self) {
         loop {
-            let (ids, fds): (Vec<u64>, Vec<Arc<Socket>>) =
+            let (ids, fds): (Vec<u64>, Vec<Watched>) =
                 self.lock().by_id.iter().map(|(&id, (fd, _))| (id, fd.clone())).unzip();
             let mut raw: Vec<_> = fds.iter().map(|fd| fd.as_fd()).collect();
             raw.push(self.bell.as_fd());
@@ -101,7 +101,7 @@ impl Poller {
     }
 
     /// Wakes `waker` once `fd` is readable: a new registration, or `id`'s renewed.
-    fn register(&self, id: &mut Option<u64>, fd: Arc<Socket>, waker: &Waker) {
+    fn register(&self, id: &mut Option<u64>, fd: Watched, waker: &Waker) {
         {
             let mut waiting = self.lock();
             let key = match *id {
@@ -155,8 +155,35 @@ fn poll_recv<T: DeserializeOwned>(
             ))))
         }
     };
-    let fd = match rx.try_lock() {
-        Some(mut inbox) => match inbox.receive(&rx.gauge, Wait::Not) {
+    let local = match &rx.flavor {
+        ReceiverFlavor::Local(local) => local,
+        ReceiverFlavor::Remote(remote) => {
+            return match remote.recv(Some(std::time::Instant::now())) {
+                Ok(v) => {
+                    poller.deregister(registration);
+                    Poll::Ready(Ok(v))
+                }
+                Err(RecvTimeoutError::Timeout) => match remote.readiness() {
+                    Some(fd) => {
+                        poller.register(registration, fd, cx.waker());
+                        Poll::Pending
+                    }
+                    None => {
+                        cx.waker().wake_by_ref();
+                        Poll::Pending
+                    }
+                },
+                Err(e) => {
+                    poller.deregister(registration);
+                    Poll::Ready(Err(e
+                        .failure()
+                        .unwrap_or_else(|| RecvError::Io(IoFailure::other("a receive that only looks timed out")))))
+                }
+            };
+        }
+    };
+    let fd = match local.try_lock() {
+        Some(mut inbox) => match inbox.receive(&local.gauge, Wait::Not) {
             Ok(v) => {
                 poller.deregister(registration);
                 return Poll::Ready(Ok(v));
@@ -165,7 +192,7 @@ fn poll_recv<T: DeserializeOwned>(
                 poller.deregister(registration);
                 return Poll::Ready(Err(e));
             }
-            Err(Missing::Empty) => match inbox.readiness(&rx.gauge) {
+            Err(Missing::Empty) => match inbox.readiness(&local.gauge) {
                 Some(Readiness::Wait(fd, announced)) => {
                     *asleep = announced;
                     Some(fd)
@@ -179,7 +206,7 @@ fn poll_recv<T: DeserializeOwned>(
             },
         },
         // Another thread is receiving: wait for the socket with it.
-        None => Some(rx.main.clone()),
+        None => Some(local.main.clone() as Watched),
     };
     match fd {
         Some(fd) => {

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 
+use super::flavor::Watched;
 use super::frame::{self, Incoming, Order};
 use super::gauge::{Asleep, Gauge};
 use super::ring::{self, RingReader};
@@ -89,7 +90,7 @@ pub(super) enum Readiness {
     Ready,
     /// Wait for this socket to become readable, with the receiver's sleep announced while the
     /// guard lives (so that a message written to a ring meanwhile wakes the socket).
-    Wait(Arc<Socket>, Option<Asleep>),
+    Wait(Watched, Option<Asleep>),
 }
 
 /// A malformed message, named as descriptor exhaustion when that is why it failed (the kernel

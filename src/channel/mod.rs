@@ -3,6 +3,7 @@
 //! reader, and the frames on the wire: `src/channel/README.md`.
 
 mod asynch;
+mod flavor;
 mod frame;
 mod gauge;
 mod inbox;
@@ -11,6 +12,8 @@ mod ring;
 mod select;
 
 pub use asynch::{RecvFuture, RecvStream};
+pub use flavor::Route;
+pub(crate) use flavor::{RecvFlavor, Refused, SendFlavor, Watched};
 pub use select::Select;
 
 use std::fmt;
@@ -129,7 +132,7 @@ fn make<T: Serialize + DeserializeOwned>(capacity: u32) -> Result<(Sender<T>, Re
     let (tx, rx) = Socket::pair().map_err(wire::io_error)?;
     let gauge = Gauge::new(capacity, tx.send_buffer())?;
     let outbox = Outbox::attach(Arc::new(tx), gauge.clone());
-    Ok((Sender { outbox, _message: PhantomData }, Receiver::from_parts(Arc::new(rx), None, gauge, Default::default())))
+    Ok((Sender::local(outbox), Receiver::from_parts(Arc::new(rx), None, gauge, Default::default(), |_| {})))
 }
 
 /// The sending end of a channel. Clone it for several producers, in this process or others.
@@ -149,36 +152,75 @@ fn make<T: Serialize + DeserializeOwned>(capacity: u32) -> Result<(Sender<T>, Re
 /// assert_eq!(rx.recv().unwrap(), "from a clone");
 /// ```
 pub struct Sender<T> {
-    outbox: Arc<Outbox>,
-    _message: PhantomData<fn(T)>,
+    flavor: SenderFlavor<T>,
+}
+
+enum SenderFlavor<T> {
+    /// A channel of this host.
+    Local(Arc<Outbox>, PhantomData<fn(T)>),
+    /// A connection to another host (`src/net`).
+    Remote(Arc<dyn SendFlavor<T>>),
+}
+
+impl<T> Sender<T> {
+    fn local(outbox: Arc<Outbox>) -> Sender<T> {
+        Sender { flavor: SenderFlavor::Local(outbox, PhantomData) }
+    }
+
+    /// A sender over another transport.
+    pub(crate) fn remote(flavor: Arc<dyn SendFlavor<T>>) -> Sender<T> {
+        Sender { flavor: SenderFlavor::Remote(flavor) }
+    }
+
+    /// Which way its messages travel: [`Route::SameHost`] for a channel of this host (made by
+    /// [`channel`], say, or [`connect_remote`](Self::connect_remote) to a listener on this
+    /// host), [`Route::Network`] for a connection to another host.
+    ///
+    /// ```
+    /// assert_eq!(cuda_mp::channel::<u8>().unwrap().0.route(), cuda_mp::Route::SameHost);
+    /// ```
+    pub fn route(&self) -> Route {
+        match &self.flavor {
+            SenderFlavor::Local(..) => Route::SameHost,
+            SenderFlavor::Remote(remote) => remote.route(),
+        }
+    }
+
+    #[cfg(test)]
+    fn outbox(&self) -> &Outbox {
+        match &self.flavor {
+            SenderFlavor::Local(outbox, _) => outbox,
+            SenderFlavor::Remote(_) => panic!("a remote sender has no outbox"),
+        }
+    }
 }
 
 impl<T> Clone for Sender<T> {
     fn clone(&self) -> Self {
-        Sender { outbox: self.outbox.add_handle(), _message: PhantomData }
+        match &self.flavor {
+            SenderFlavor::Local(outbox, _) => Sender::local(outbox.add_handle()),
+            SenderFlavor::Remote(remote) => Sender::remote(remote.clone()),
+        }
     }
 }
 
 impl<T> Drop for Sender<T> {
     fn drop(&mut self) {
-        self.outbox.drop_handle();
+        if let SenderFlavor::Local(outbox, _) = &self.flavor {
+            outbox.drop_handle();
+        }
     }
 }
 
 impl<T> fmt::Debug for Sender<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Sender")
-            .field("message", &std::any::type_name::<T>())
-            .field("outbox", &self.outbox)
-            .finish_non_exhaustive()
+        let mut d = f.debug_struct("Sender");
+        d.field("message", &std::any::type_name::<T>()).field("route", &self.route());
+        if let SenderFlavor::Local(outbox, _) = &self.flavor {
+            d.field("outbox", outbox);
+        }
+        d.finish_non_exhaustive()
     }
-}
-
-/// Why a send did not happen.
-enum Refused {
-    Full,
-    Timeout,
-    Failed(SendFailure),
 }
 
 impl<T: Serialize> Sender<T> {
@@ -243,20 +285,24 @@ impl<T: Serialize> Sender<T> {
     /// Takes a place in a bounded channel (`wait`: `None` without limit, `Some(None)` not at
     /// all, `Some(Some(deadline))` until then), then encodes and writes the message.
     fn submit(&self, value: T, wait: Option<Option<Instant>>) -> std::result::Result<(), (T, Refused)> {
-        if self.outbox.disconnected() {
+        let outbox = match &self.flavor {
+            SenderFlavor::Local(outbox, _) => outbox,
+            SenderFlavor::Remote(remote) => return remote.send(&value, wait).map_err(|refused| (value, refused)),
+        };
+        if outbox.disconnected() {
             return Err((value, Refused::Failed(SendFailure::Disconnected)));
         }
-        let gauge = self.outbox.gauge();
+        let gauge = outbox.gauge();
         let bounded = gauge.capacity().is_some();
         if bounded {
-            match gauge.take_place(wait, || self.outbox.receiver_gone()) {
+            match gauge.take_place(wait, || outbox.receiver_gone()) {
                 Ok(()) => {}
                 Err(NoPlace::Full) => return Err((value, Refused::Full)),
                 Err(NoPlace::Timeout) => return Err((value, Refused::Timeout)),
                 Err(NoPlace::Gone) => return Err((value, Refused::Failed(SendFailure::Disconnected))),
             }
         }
-        match self.write(&value) {
+        match Self::write(outbox, &value) {
             Ok(()) => Ok(()),
             Err(failure) => {
                 if bounded {
@@ -268,15 +314,15 @@ impl<T: Serialize> Sender<T> {
     }
 
     /// Encodes `value` (collecting its descriptors) and writes its frame.
-    fn write(&self, value: &T) -> std::result::Result<(), SendFailure> {
-        let encoded = wire::encode_on(value, self.outbox.connection()).map_err(SendFailure::Serialize)?;
-        if encoded.fds.is_empty() && encoded.introduce.is_empty() && self.outbox.try_ring(&encoded.bytes)? {
+    fn write(outbox: &Arc<Outbox>, value: &T) -> std::result::Result<(), SendFailure> {
+        let encoded = wire::encode_on(value, outbox.connection()).map_err(SendFailure::Serialize)?;
+        if encoded.fds.is_empty() && encoded.introduce.is_empty() && outbox.try_ring(&encoded.bytes)? {
             encoded.sent();
             return Ok(());
         }
-        let frame = FrameOut::message(&encoded.bytes, self.outbox.gauge().limit(), &encoded.introduce)
-            .map_err(outbox::failure)?;
-        self.outbox.write(frame, &encoded.fds)?;
+        let frame =
+            FrameOut::message(&encoded.bytes, outbox.gauge().limit(), &encoded.introduce).map_err(outbox::failure)?;
+        outbox.write(frame, &encoded.fds)?;
         // Not sent (an error above): `encoded` takes its claims back as it drops.
         encoded.sent();
         Ok(())
@@ -289,7 +335,10 @@ impl<T: Serialize> Sender<T> {
     /// assert_eq!(cuda_mp::channel::<u8>().unwrap().0.capacity(), None);
     /// ```
     pub fn capacity(&self) -> Option<usize> {
-        self.outbox.gauge().capacity().map(|c| c as usize)
+        match &self.flavor {
+            SenderFlavor::Local(outbox, _) => outbox.gauge().capacity().map(|c| c as usize),
+            SenderFlavor::Remote(_) => None,
+        }
     }
 
     /// Connects to a [`Listener`] by the name it published. The connection is an unbounded
@@ -316,7 +365,7 @@ impl<T: Serialize> Sender<T> {
         socket
             .send(&[&Hello::of::<T>(()).encode()], &[memory.as_fd()], crate::sys::Wait::Forever)
             .map_err(wire::io_error)?;
-        Ok(Sender { outbox: Outbox::attach(Arc::new(socket), gauge), _message: PhantomData })
+        Ok(Sender::local(Outbox::attach(Arc::new(socket), gauge)))
     }
 
     /// Connects to a [`Listener`] whose name was written to `path` with
@@ -378,10 +427,19 @@ fn take_socket<E: serde::de::Error>(carried: Carried) -> std::result::Result<Arc
     wire::take_socket(carried).map_err(wire::decode_error)
 }
 
+/// Why a remote end cannot be sent: its connection (and NCCL communicator) belong to this
+/// process.
+fn stays_here<E: serde::ser::Error>(end: &str) -> E {
+    wire::encode_error(Error::Unsupported(format!(
+        "a remote channel's {end} stays in the process that made it; send its messages on, or connect \
+         from the other process"
+    )))
+}
+
 impl<T> Serialize for Sender<T> {
     fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
-        SenderWire { main: carry_socket(self.outbox.main())?, gauge: carry_gauge(self.outbox.gauge())? }
-            .serialize(serializer)
+        let SenderFlavor::Local(outbox, _) = &self.flavor else { return Err(stays_here("sender")) };
+        SenderWire { main: carry_socket(outbox.main())?, gauge: carry_gauge(outbox.gauge())? }.serialize(serializer)
     }
 }
 
@@ -390,7 +448,7 @@ impl<'de, T> Deserialize<'de> for Sender<T> {
         let wire = SenderWire::deserialize(deserializer)?;
         let main = take_socket(wire.main)?;
         let gauge = take_gauge(wire.gauge)?;
-        Ok(Sender { outbox: Outbox::attach(main, gauge), _message: PhantomData })
+        Ok(Sender::local(Outbox::attach(main, gauge)))
     }
 }
 
@@ -416,6 +474,20 @@ impl<'de, T> Deserialize<'de> for Sender<T> {
 /// assert_eq!(rx.recv().unwrap(), -1);
 /// ```
 pub struct Receiver<T> {
+    flavor: ReceiverFlavor<T>,
+}
+
+// The local end is the common one, inline; the remote one is a box.
+#[allow(clippy::large_enum_variant)]
+enum ReceiverFlavor<T> {
+    /// A channel of this host.
+    Local(LocalReceiver<T>),
+    /// A connection from another host (`src/net`).
+    Remote(Box<dyn RecvFlavor<T>>),
+}
+
+/// The receiving end of a channel of this host.
+struct LocalReceiver<T> {
     inbox: Mutex<Inbox<T>>,
     /// The channel's socket, to wait on without holding the inbox.
     main: Arc<Socket>,
@@ -426,23 +498,53 @@ impl<T> fmt::Debug for Receiver<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Receiver")
             .field("message", &std::any::type_name::<T>())
-            .field("capacity", &self.gauge.capacity())
+            .field("route", &self.route())
+            .field("capacity", &self.capacity())
             .finish_non_exhaustive()
     }
 }
 
-impl<T: DeserializeOwned> Receiver<T> {
-    fn from_parts(
-        main: Arc<Socket>,
-        spill: Option<Arc<Socket>>,
-        gauge: Gauge,
-        leases: Arc<ConnectionLeases>,
-    ) -> Receiver<T> {
-        let mut inbox = Inbox::new(main.clone(), leases);
-        inbox.spill = spill;
-        Receiver { inbox: Mutex::new(inbox), main, gauge }
+impl<T> Receiver<T> {
+    /// A receiver over another transport.
+    pub(crate) fn remote(flavor: Box<dyn RecvFlavor<T>>) -> Receiver<T> {
+        Receiver { flavor: ReceiverFlavor::Remote(flavor) }
     }
 
+    /// Which way its messages travel (see [`Sender::route`]).
+    ///
+    /// ```
+    /// assert_eq!(cuda_mp::channel::<u8>().unwrap().1.route(), cuda_mp::Route::SameHost);
+    /// ```
+    pub fn route(&self) -> Route {
+        match &self.flavor {
+            ReceiverFlavor::Local(_) => Route::SameHost,
+            ReceiverFlavor::Remote(remote) => remote.route(),
+        }
+    }
+
+    /// The most messages the channel holds; `None` for an unbounded channel (and a remote
+    /// one, which the connection bounds).
+    ///
+    /// ```
+    /// assert_eq!(cuda_mp::bounded::<u8>(3).unwrap().1.capacity(), Some(3));
+    /// ```
+    pub fn capacity(&self) -> Option<usize> {
+        match &self.flavor {
+            ReceiverFlavor::Local(local) => local.gauge.capacity().map(|c| c as usize),
+            ReceiverFlavor::Remote(_) => None,
+        }
+    }
+
+    #[cfg(test)]
+    fn lock(&self) -> MutexGuard<'_, Inbox<T>> {
+        match &self.flavor {
+            ReceiverFlavor::Local(local) => local.lock(),
+            ReceiverFlavor::Remote(_) => panic!("a remote receiver has no inbox"),
+        }
+    }
+}
+
+impl<T> LocalReceiver<T> {
     fn lock(&self) -> MutexGuard<'_, Inbox<T>> {
         self.inbox.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -455,25 +557,10 @@ impl<T: DeserializeOwned> Receiver<T> {
             Err(TryLockError::WouldBlock) => None,
         }
     }
+}
 
-    /// Whether a receive would return at once, or what to wait on for one (`None`: this
-    /// channel's descriptor cannot be watched).
-    fn readiness(&self) -> Option<Readiness> {
-        match self.try_lock() {
-            Some(mut inbox) => inbox.readiness(&self.gauge),
-            // Another thread is receiving: wait for the socket with it.
-            None => Some(Readiness::Wait(self.main.clone(), None)),
-        }
-    }
-
-    /// Blocks until a message arrives or every sender is gone.
-    ///
-    /// ```
-    /// let (tx, rx) = cuda_mp::channel::<u8>().unwrap();
-    /// drop(tx);
-    /// assert!(rx.recv().unwrap_err().is_disconnected());
-    /// ```
-    pub fn recv(&self) -> std::result::Result<T, RecvError> {
+impl<T: DeserializeOwned> LocalReceiver<T> {
+    fn recv(&self) -> std::result::Result<T, RecvError> {
         match self.lock().receive(&self.gauge, Wait::Forever) {
             Ok(v) => Ok(v),
             Err(Missing::Failed(e)) => Err(e),
@@ -481,13 +568,7 @@ impl<T: DeserializeOwned> Receiver<T> {
         }
     }
 
-    /// Returns a waiting message, if any, without blocking.
-    ///
-    /// ```
-    /// let (_tx, rx) = cuda_mp::channel::<u8>().unwrap();
-    /// assert!(rx.try_recv().unwrap_err().is_empty());
-    /// ```
-    pub fn try_recv(&self) -> std::result::Result<T, TryRecvError> {
+    fn try_recv(&self) -> std::result::Result<T, TryRecvError> {
         let Some(mut inbox) = self.try_lock() else {
             // Another thread is receiving: whatever waits is its.
             return Err(TryRecvError::Empty);
@@ -499,17 +580,7 @@ impl<T: DeserializeOwned> Receiver<T> {
         }
     }
 
-    /// Blocks until a message arrives, every sender is gone, or `timeout` passes.
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// let (_tx, rx) = cuda_mp::channel::<u8>().unwrap();
-    /// assert!(rx.recv_timeout(Duration::from_millis(10)).unwrap_err().is_timeout());
-    /// ```
-    pub fn recv_timeout(&self, timeout: Duration) -> std::result::Result<T, RecvTimeoutError> {
-        let Some(deadline) = Instant::now().checked_add(timeout) else {
-            return self.recv().map_err(RecvTimeoutError::from);
-        };
+    fn recv_until(&self, deadline: Instant) -> std::result::Result<T, RecvTimeoutError> {
         loop {
             if let Some(mut inbox) = self.try_lock() {
                 return match inbox.receive(&self.gauge, Wait::Until(deadline)) {
@@ -524,6 +595,89 @@ impl<T: DeserializeOwned> Receiver<T> {
                 return Err(RecvTimeoutError::Timeout);
             }
             std::thread::sleep(left.min(Duration::from_millis(1)));
+        }
+    }
+
+    fn readiness(&self) -> Option<Readiness> {
+        match self.try_lock() {
+            Some(mut inbox) => inbox.readiness(&self.gauge),
+            // Another thread is receiving: wait for the socket with it.
+            None => Some(Readiness::Wait(self.main.clone(), None)),
+        }
+    }
+}
+
+impl<T: DeserializeOwned> Receiver<T> {
+    fn from_parts(
+        main: Arc<Socket>,
+        spill: Option<Arc<Socket>>,
+        gauge: Gauge,
+        leases: Arc<ConnectionLeases>,
+        set_up: impl FnOnce(&mut Inbox<T>),
+    ) -> Receiver<T> {
+        let mut inbox = Inbox::new(main.clone(), leases);
+        inbox.spill = spill;
+        set_up(&mut inbox);
+        Receiver { flavor: ReceiverFlavor::Local(LocalReceiver { inbox: Mutex::new(inbox), main, gauge }) }
+    }
+
+    /// Whether a receive would return at once, or what to wait on for one (`None`: this
+    /// channel's descriptor cannot be watched).
+    fn readiness(&self) -> Option<Readiness> {
+        match &self.flavor {
+            ReceiverFlavor::Local(local) => local.readiness(),
+            ReceiverFlavor::Remote(remote) => Some(match remote.readiness() {
+                Some(fd) => Readiness::Wait(fd, None),
+                None => Readiness::Ready,
+            }),
+        }
+    }
+
+    /// Blocks until a message arrives or every sender is gone.
+    ///
+    /// ```
+    /// let (tx, rx) = cuda_mp::channel::<u8>().unwrap();
+    /// drop(tx);
+    /// assert!(rx.recv().unwrap_err().is_disconnected());
+    /// ```
+    pub fn recv(&self) -> std::result::Result<T, RecvError> {
+        match &self.flavor {
+            ReceiverFlavor::Local(local) => local.recv(),
+            ReceiverFlavor::Remote(remote) => remote.recv(None).map_err(|e| {
+                e.failure().unwrap_or_else(|| RecvError::Io(IoFailure::other("a receive without limit timed out")))
+            }),
+        }
+    }
+
+    /// Returns a waiting message, if any, without blocking.
+    ///
+    /// ```
+    /// let (_tx, rx) = cuda_mp::channel::<u8>().unwrap();
+    /// assert!(rx.try_recv().unwrap_err().is_empty());
+    /// ```
+    pub fn try_recv(&self) -> std::result::Result<T, TryRecvError> {
+        match &self.flavor {
+            ReceiverFlavor::Local(local) => local.try_recv(),
+            ReceiverFlavor::Remote(remote) => remote
+                .recv(Some(Instant::now()))
+                .map_err(|e| e.failure().map_or(TryRecvError::Empty, TryRecvError::from)),
+        }
+    }
+
+    /// Blocks until a message arrives, every sender is gone, or `timeout` passes.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let (_tx, rx) = cuda_mp::channel::<u8>().unwrap();
+    /// assert!(rx.recv_timeout(Duration::from_millis(10)).unwrap_err().is_timeout());
+    /// ```
+    pub fn recv_timeout(&self, timeout: Duration) -> std::result::Result<T, RecvTimeoutError> {
+        let Some(deadline) = Instant::now().checked_add(timeout) else {
+            return self.recv().map_err(RecvTimeoutError::from);
+        };
+        match &self.flavor {
+            ReceiverFlavor::Local(local) => local.recv_until(deadline),
+            ReceiverFlavor::Remote(remote) => remote.recv(Some(deadline)),
         }
     }
 
@@ -571,15 +725,6 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// ```
     pub fn try_iter(&self) -> TryIter<'_, T> {
         TryIter { rx: self }
-    }
-
-    /// The most messages the channel holds; `None` for an unbounded channel.
-    ///
-    /// ```
-    /// assert_eq!(cuda_mp::bounded::<u8>(3).unwrap().1.capacity(), Some(3));
-    /// ```
-    pub fn capacity(&self) -> Option<usize> {
-        self.gauge.capacity().map(|c| c as usize)
     }
 }
 
@@ -765,8 +910,9 @@ struct ReceiverWire {
 
 impl<T> Serialize for Receiver<T> {
     fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
-        let mut inbox = self.inbox.lock().unwrap_or_else(|p| p.into_inner());
-        inbox.settle_all(&self.gauge);
+        let ReceiverFlavor::Local(local) = &self.flavor else { return Err(stays_here("receiver")) };
+        let mut inbox = local.lock();
+        inbox.settle_all(&local.gauge);
         let spill = inbox.spill.as_ref().map(carry_socket).transpose()?;
         let leases = inbox.leases.all();
         let rings = inbox
@@ -792,8 +938,15 @@ impl<T> Serialize for Receiver<T> {
             }
             None => None,
         };
-        ReceiverWire { main: carry_socket(&self.main)?, spill, gauge: carry_gauge(&self.gauge)?, leases, rings, stash }
-            .serialize(serializer)
+        ReceiverWire {
+            main: carry_socket(&local.main)?,
+            spill,
+            gauge: carry_gauge(&local.gauge)?,
+            leases,
+            rings,
+            stash,
+        }
+        .serialize(serializer)
     }
 }
 
@@ -822,15 +975,12 @@ impl<'de, T: DeserializeOwned> Deserialize<'de> for Receiver<T> {
             )),
             None => None,
         };
-        let rx = Receiver::from_parts(main, spill, gauge, ConnectionLeases::from_leases(wire.leases));
-        {
-            let mut inbox = rx.lock();
+        Ok(Receiver::from_parts(main, spill, gauge, ConnectionLeases::from_leases(wire.leases), |inbox| {
             inbox.rings = rings;
             if let Some((bytes, fds, main)) = stash {
                 inbox.restash(&bytes, fds, main);
             }
-        }
-        Ok(rx)
+        }))
     }
 }
 
@@ -1044,9 +1194,7 @@ impl<T: Serialize + DeserializeOwned> Listener<T> {
             Err(e) => return Err(wire::io_error(e)),
         };
         let (gauge, sends) = accept_hello::<T>(&socket)?;
-        let rx = Receiver::from_parts(Arc::new(socket), None, gauge, Default::default());
-        rx.lock().sender_sends = sends;
-        Ok(rx)
+        Ok(Receiver::from_parts(Arc::new(socket), None, gauge, Default::default(), |inbox| inbox.sender_sends = sends))
     }
 }
 
@@ -1082,14 +1230,14 @@ mod tests {
         let (tx, rx) = channel::<u32>().unwrap();
         tx.send(1).unwrap();
         assert_eq!(rx.recv().unwrap(), 1);
-        tx.outbox.write_raw(&[4], &[]);
+        tx.outbox().write_raw(&[4], &[]);
         let mut select = Select::new();
         select.add(&rx);
         assert!(select.select_timeout(Duration::from_millis(50)).unwrap_err().is_timeout(), "a stale wake");
         assert_eq!(rx.try_recv(), Err(TryRecvError::Empty));
         // The same bytes with a descriptor attached: not a wake frame.
         let fd = crate::sys::bell().unwrap();
-        tx.outbox.write_raw(&[4], &[fd.as_fd()]);
+        tx.outbox().write_raw(&[4], &[fd.as_fd()]);
         assert_eq!(select.select_timeout(Duration::from_secs(5)), Ok(0));
         assert!(matches!(rx.try_recv(), Err(TryRecvError::Malformed(_))));
         tx.send(2).unwrap();
@@ -1105,7 +1253,7 @@ mod tests {
         for _ in 0..ring::MAX_RINGS + 3 {
             let (mut writer, introduction) = ring::RingWriter::new().unwrap();
             assert!(!writer.push(&7u32.to_le_bytes()), "nothing written before the ring is adopted");
-            tx.outbox.write_frame(&FrameOut::Ring(&introduction));
+            tx.outbox().write_frame(&FrameOut::Ring(&introduction));
             writers.push(writer);
         }
         assert_eq!(rx.try_recv(), Err(TryRecvError::Empty));

@@ -2,16 +2,15 @@
 
 use std::fmt;
 use std::os::fd::AsFd;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 
+use super::flavor::Watched;
 use super::gauge::Asleep;
 use super::inbox::{Readiness, Wait};
 use super::Receiver;
 use crate::error::{IoFailure, SelectError, SelectTimeoutError};
-use crate::sys::Socket;
 
 /// What `Select` asks of a receiver of any message type.
 trait Watch {
@@ -186,7 +185,7 @@ impl<'a> Select<'a> {
         }
         loop {
             // Each with its receiver's sleep announced until the wait ends.
-            let mut waits: Vec<(usize, Arc<Socket>, Option<Asleep>)> = Vec::new();
+            let mut waits: Vec<(usize, Watched, Option<Asleep>)> = Vec::new();
             for k in 0..n {
                 let i = (self.next + k) % n;
                 let Some(entry) = self.entries[i] else { continue };

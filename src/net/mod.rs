@@ -1,6 +1,8 @@
-//! Typed channels between hosts: a [`RemoteListener`] on a TCP address, [`RemoteSender::connect`]
-//! to it. On one host the pair is an ordinary cuda-mp channel (tensors shared, not copied); across
-//! hosts messages travel on the TCP connection and GPU bytes by NCCL. See `README.md` here.
+//! Typed channels between hosts: a [`RemoteListener`] on a TCP address,
+//! [`Sender::connect_remote`] to it. On one host the pair is an ordinary cuda-mp channel
+//! (tensors shared, not copied); across hosts messages travel on the TCP connection and GPU
+//! bytes by NCCL, behind the same [`Sender`] and [`Receiver`] (a flavor of them, as
+//! crossbeam-channel has). See `README.md` here.
 
 mod auth;
 
@@ -17,8 +19,8 @@ use auth::{Role, Secret, NONCE, PROOF};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::channel::{Listener, Receiver, Sender};
-use crate::error::{Error, IoFailure, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError};
+use crate::channel::{Listener, Receiver, RecvFlavor, Refused, Route, SendFlavor, Sender, Watched};
+use crate::error::{Error, IoFailure, RecvError, RecvTimeoutError, Result, SendFailure};
 use crate::gpu::{Communicator, Device, GpuStorage, UniqueId};
 use crate::os::catch_quietly;
 use crate::profile::{self, Phase};
@@ -58,27 +60,6 @@ const HEAD: usize = 4 + HEADER;
 /// returns only then, so a sender that exits right after cannot take bytes still on their way
 /// (NCCL's send completes when its buffer may be reused, not when the peer has the bytes).
 const ACK: u8 = 0x06;
-
-/// How a remote channel's messages travel.
-///
-/// ```no_run
-/// let listener = cuda_mp::RemoteListener::<u32>::bind("127.0.0.1:0").unwrap();
-/// let addr = listener.local_addr().unwrap();
-/// let rx = std::thread::spawn(move || listener.accept().unwrap());
-/// let tx = cuda_mp::RemoteSender::<u32>::connect(addr).unwrap();
-/// assert_eq!(tx.route(), cuda_mp::Route::SameHost); // both ends on this machine
-/// assert_eq!(rx.join().unwrap().route(), cuda_mp::Route::SameHost);
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Route {
-    /// Both ends are on one host: an ordinary cuda-mp channel. Tensors are shared (CUDA IPC,
-    /// shared memory), never copied.
-    SameHost,
-    /// The ends are on different hosts (or asked for the network): messages travel on the TCP
-    /// connection, GPU tensors' bytes by NCCL, host tensors' bytes on the TCP connection. A
-    /// tensor arrives as a new tensor: copied, not shared.
-    Network,
-}
 
 /// Settings of a remote channel's end.
 ///
@@ -152,7 +133,7 @@ impl RemoteOptions {
         self.device
     }
 
-    /// How long [`RemoteSender::connect_with`] tries to reach the listener, retrying while
+    /// How long [`Sender::connect_with`] tries to reach the listener, retrying while
     /// nobody listens yet (10 s by default).
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
@@ -520,15 +501,15 @@ fn resolve(addr: impl ToSocketAddrs) -> Result<Vec<SocketAddr>> {
     Ok(addrs)
 }
 
-/// Listens on a TCP address for [`RemoteSender`]s of `T`: each accepted connection is one
-/// [`RemoteReceiver`].
+/// Listens on a TCP address for senders of `T` ([`Sender::connect_remote`]): each accepted
+/// connection is one [`Receiver`].
 ///
 /// ```
 /// let listener = cuda_mp::RemoteListener::<String>::bind("127.0.0.1:0").unwrap();
 /// let addr = listener.local_addr().unwrap();
 /// // The handshake needs both ends: accept on one thread, connect on another.
 /// let accepting = std::thread::spawn(move || listener.accept().unwrap());
-/// let tx = cuda_mp::RemoteSender::<String>::connect(addr).unwrap();
+/// let tx = cuda_mp::Sender::<String>::connect_remote(addr).unwrap();
 /// let rx = accepting.join().unwrap();
 /// tx.send("hello".into()).unwrap();
 /// assert_eq!(rx.recv().unwrap(), "hello");
@@ -537,8 +518,8 @@ pub struct RemoteListener<T> {
     listener: TcpListener,
     options: RemoteOptions,
     /// Handshakes that ended, for `accept` to hand out in order.
-    done: Mutex<mpsc::Receiver<Result<RemoteReceiver<T>>>>,
-    done_tx: mpsc::Sender<Result<RemoteReceiver<T>>>,
+    done: Mutex<mpsc::Receiver<Result<Receiver<T>>>>,
+    done_tx: mpsc::Sender<Result<Receiver<T>>>,
     /// Handshakes running.
     pending: Arc<AtomicUsize>,
 }
@@ -604,7 +585,7 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
     /// that ends. A peer that does not prove the secret, is not a cuda-mp sender of `T` or of
     /// this protocol version gets a refusal and this returns [`Error::Unsupported`] or
     /// [`Error::Malformed`]; the listener goes on listening.
-    pub fn accept(&self) -> Result<RemoteReceiver<T>> {
+    pub fn accept(&self) -> Result<Receiver<T>> {
         self.accept_until(None)
     }
 
@@ -615,11 +596,11 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
     /// let listener = cuda_mp::RemoteListener::<u8>::bind("127.0.0.1:0").unwrap();
     /// assert!(listener.accept_timeout(Duration::from_millis(20)).unwrap_err().is_timeout());
     /// ```
-    pub fn accept_timeout(&self, timeout: Duration) -> Result<RemoteReceiver<T>> {
+    pub fn accept_timeout(&self, timeout: Duration) -> Result<Receiver<T>> {
         self.accept_until(Some((Instant::now() + timeout, timeout)))
     }
 
-    fn accept_until(&self, deadline: Option<(Instant, Duration)>) -> Result<RemoteReceiver<T>> {
+    fn accept_until(&self, deadline: Option<(Instant, Duration)>) -> Result<Receiver<T>> {
         // While handshakes run, the listener is watched in slices so that one that ends is seen.
         const SLICE: Duration = Duration::from_millis(2);
         let done = lock(&self.done);
@@ -677,7 +658,7 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
 }
 
 /// The listener's side of one connection's handshake.
-fn handshake<T: Serialize + DeserializeOwned>(stream: TcpStream, options: &RemoteOptions) -> Result<RemoteReceiver<T>> {
+fn handshake<T: Serialize + DeserializeOwned>(stream: TcpStream, options: &RemoteOptions) -> Result<Receiver<T>> {
     stream.set_nonblocking(false)?;
     stream.set_nodelay(true)?;
     let timeout = options.handshake_timeout;
@@ -726,7 +707,7 @@ fn handshake<T: Serialize + DeserializeOwned>(stream: TcpStream, options: &Remot
         match read_handshake::<Joined>(&stream, timeout)? {
             Joined::Yes => {
                 let rx = local.accept_timeout(timeout)?;
-                return Ok(RemoteReceiver { inner: ReceiverInner::Local(rx) });
+                return Ok(rx);
             }
             // The sender could not reach the local listener (another mount namespace, say):
             // the network route serves instead.
@@ -735,31 +716,27 @@ fn handshake<T: Serialize + DeserializeOwned>(stream: TcpStream, options: &Remot
     } else {
         write_handshake(&stream, &Welcome::Network(Limits::of(options)), timeout)?;
     }
+    let stream = Arc::new(stream);
     let net = NetReceiver {
         reader: FrameReader::new(options.max_frame_bytes.saturating_add(HEADER)),
-        stream,
+        stream: stream.clone(),
         comm: None,
         spare: VecDeque::new(),
         options: options.clone(),
         broken: false,
     };
-    Ok(RemoteReceiver { inner: ReceiverInner::Net(Mutex::new(net)) })
+    Ok(Receiver::remote(Box::new(NetReceiverEnd { net: Mutex::new(net), stream })))
 }
 
-/// The sending end of a remote channel.
+/// How a [`Sender`] of a connection to another host sends.
 ///
 /// `send` returns once the message has left: over the network, once its tensors' bytes have
 /// moved (host bytes written to the connection; GPU bytes received and acknowledged by the
 /// receiver), so the sender may overwrite or drop its tensors at once. A GPU send is a
-/// rendezvous: it waits for the receiver's `recv`. Share one sender between threads in an
-/// `Arc`: their sends take turns, each message whole.
-pub struct RemoteSender<T> {
-    inner: SenderInner<T>,
-}
-
-enum SenderInner<T> {
-    Local(Sender<T>),
-    Net(Mutex<NetSender>),
+/// rendezvous: it waits for the receiver's `recv`. Clones share the connection: their sends
+/// take turns, each message whole.
+struct NetSenderEnd {
+    net: Mutex<NetSender>,
 }
 
 struct NetSender {
@@ -771,31 +748,73 @@ struct NetSender {
     broken: bool,
 }
 
-impl<T> fmt::Debug for RemoteSender<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RemoteSender").field("route", &self.route()).finish_non_exhaustive()
-    }
-}
-
-impl<T> RemoteSender<T> {
-    /// Which way this channel's messages travel.
-    pub fn route(&self) -> Route {
-        match self.inner {
-            SenderInner::Local(_) => Route::SameHost,
-            SenderInner::Net(_) => Route::Network,
-        }
-    }
-}
-
 fn lock<S>(m: &Mutex<S>) -> MutexGuard<'_, S> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-impl<T: Serialize + DeserializeOwned> RemoteSender<T> {
+/// `m` locked, waiting as a send may (`None`: without limit, `Some(None)`: not at all, else
+/// until the deadline); `None` when it could not be had in time.
+fn lock_within<S>(m: &Mutex<S>, wait: Option<Option<Instant>>) -> Option<MutexGuard<'_, S>> {
+    loop {
+        match m.try_lock() {
+            Ok(guard) => return Some(guard),
+            Err(std::sync::TryLockError::Poisoned(p)) => return Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => match wait {
+                None => return Some(lock(m)),
+                Some(Some(d)) if Instant::now() < d => std::thread::sleep(Duration::from_micros(200)),
+                Some(_) => return None,
+            },
+        }
+    }
+}
+
+impl<T: Serialize> SendFlavor<T> for NetSenderEnd {
+    fn send(&self, value: &T, wait: Option<Option<Instant>>) -> std::result::Result<(), Refused> {
+        let no_room = || if matches!(wait, Some(None)) { Refused::Full } else { Refused::Timeout };
+        // Another thread's send holds the connection; then the kernel's buffer must take bytes.
+        let mut net = lock_within(&self.net, wait).ok_or_else(no_room)?;
+        if let Some(deadline) = wait {
+            if !net.broken {
+                let writable = tcp::stream_wait(
+                    &net.stream,
+                    rustix::event::PollFlags::OUT,
+                    Some(deadline.unwrap_or_else(Instant::now)),
+                );
+                if matches!(&writable, Err(e) if e.kind() == io::ErrorKind::TimedOut) {
+                    return Err(no_room());
+                }
+            }
+        }
+        net.send(value).map_err(Refused::Failed)
+    }
+
+    fn route(&self) -> Route {
+        Route::Network
+    }
+}
+
+fn net_sender<T: Serialize + 'static>(stream: TcpStream, options: RemoteOptions, peer: Limits) -> Sender<T> {
+    let net = NetSender { stream, comm: None, options, peer, broken: false };
+    Sender::remote(Arc::new(NetSenderEnd { net: Mutex::new(net) }))
+}
+
+impl<T: Serialize + DeserializeOwned + 'static> Sender<T> {
     /// Connects to a [`RemoteListener`] of `T` at `addr` with the default options. Returns
     /// once the listener has accepted: the handshake needs both ends.
-    pub fn connect(addr: impl ToSocketAddrs) -> Result<RemoteSender<T>> {
-        Self::connect_with(addr, RemoteOptions::default())
+    ///
+    /// On one host the channel is an ordinary one ([`Route::SameHost`]); to another host its
+    /// messages travel on the connection ([`Route::Network`]): `send` returns once the message
+    /// has left (host bytes written to the connection; GPU bytes received and acknowledged by
+    /// the receiver), so the tensors may be overwritten or dropped at once, and a GPU send
+    /// waits for the receiver's `recv`. Clones share the connection: their sends take turns,
+    /// each message whole. Over the network, [`try_send`](Self::try_send) and
+    /// [`send_timeout`](Self::send_timeout) wait (not at all, or until the timeout) for another
+    /// thread's send and for room in the connection's buffer, then send the whole message; a
+    /// failure after the message started to move (the peer died, a transfer timeout) closes
+    /// the connection, and later sends fail as disconnected. A remote sender or receiver
+    /// cannot itself be sent to another process.
+    pub fn connect_remote(addr: impl ToSocketAddrs) -> Result<Sender<T>> {
+        Self::connect_remote_with(addr, RemoteOptions::default())
     }
 
     /// Connects with `options`.
@@ -804,7 +823,7 @@ impl<T: Serialize + DeserializeOwned> RemoteSender<T> {
     /// time; [`Error::Unsupported`] when it refuses (the secret, another protocol version,
     /// another message type), or when this end holds a secret that the listener does not
     /// prove.
-    pub fn connect_with(addr: impl ToSocketAddrs, options: RemoteOptions) -> Result<RemoteSender<T>> {
+    pub fn connect_remote_with(addr: impl ToSocketAddrs, options: RemoteOptions) -> Result<Sender<T>> {
         if let Some(secret) = &options.secret {
             secret.check()?;
         }
@@ -857,39 +876,17 @@ impl<T: Serialize + DeserializeOwned> RemoteSender<T> {
             Welcome::SameHost(name) => match Sender::<T>::connect(&name) {
                 Ok(tx) => {
                     write_handshake(&stream, &Joined::Yes, timeout)?;
-                    Ok(RemoteSender { inner: SenderInner::Local(tx) })
+                    Ok(tx)
                 }
                 Err(e) => {
                     write_handshake(&stream, &Joined::No(e.to_string()), timeout)?;
                     match read_handshake::<Welcome>(&stream, timeout)? {
-                        Welcome::Network(limits) => Ok(Self::net(stream, options, limits)),
+                        Welcome::Network(limits) => Ok(net_sender(stream, options, limits)),
                         _ => Err(Error::Malformed("the listener answered out of turn".into())),
                     }
                 }
             },
-            Welcome::Network(limits) => Ok(Self::net(stream, options, limits)),
-        }
-    }
-
-    fn net(stream: TcpStream, options: RemoteOptions, peer: Limits) -> RemoteSender<T> {
-        let net = NetSender { stream, comm: None, options, peer, broken: false };
-        RemoteSender { inner: SenderInner::Net(Mutex::new(net)) }
-    }
-
-    /// Sends `value`; on failure it comes back in the error.
-    ///
-    /// Over the network, a failure after the message started to move (the peer died, a
-    /// timeout) closes the connection: later sends fail as disconnected.
-    pub fn send(&self, value: T) -> std::result::Result<(), SendError<T>> {
-        match &self.inner {
-            SenderInner::Local(tx) => tx.send(value),
-            SenderInner::Net(net) => {
-                let mut net = lock(net);
-                match net.send(&value) {
-                    Ok(()) => Ok(()),
-                    Err(failure) => Err(SendError::new(value, failure)),
-                }
-            }
+            Welcome::Network(limits) => Ok(net_sender(stream, options, limits)),
         }
     }
 }
@@ -1069,18 +1066,20 @@ fn send_failure(e: Error) -> SendFailure {
     }
 }
 
-/// The receiving end of a remote channel.
-pub struct RemoteReceiver<T> {
-    inner: ReceiverInner<T>,
-}
-
-enum ReceiverInner<T> {
-    Local(Receiver<T>),
-    Net(Mutex<NetReceiver>),
+/// How a [`Receiver`] of a connection from another host receives.
+///
+/// A malformed message, a transfer that fails or times out, or a peer that dies mid-message
+/// closes the connection: the receive returns the reason, and later ones
+/// [`RecvError::Disconnected`]. A message whose frame is partly read when a timeout ends stays
+/// where it was: the next receive goes on with it.
+struct NetReceiverEnd {
+    net: Mutex<NetReceiver>,
+    /// The connection, to wait on without holding the receiver.
+    stream: Arc<TcpStream>,
 }
 
 struct NetReceiver {
-    stream: TcpStream,
+    stream: Arc<TcpStream>,
     reader: FrameReader,
     /// Dropped before `spare` (fields drop in order): aborted before memory is freed.
     comm: Option<Communicator>,
@@ -1090,100 +1089,30 @@ struct NetReceiver {
     broken: bool,
 }
 
-impl<T> fmt::Debug for RemoteReceiver<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RemoteReceiver").field("route", &self.route()).finish_non_exhaustive()
-    }
-}
-
-impl<T> RemoteReceiver<T> {
-    /// Which way this channel's messages travel.
-    pub fn route(&self) -> Route {
-        match self.inner {
-            ReceiverInner::Local(_) => Route::SameHost,
-            ReceiverInner::Net(_) => Route::Network,
+impl<T: DeserializeOwned> RecvFlavor<T> for NetReceiverEnd {
+    fn recv(&self, deadline: Option<Instant>) -> std::result::Result<T, RecvTimeoutError> {
+        // Another thread receiving holds the connection: wait for it only until the deadline.
+        let mut net = lock_within(&self.net, deadline.map(Some)).ok_or(RecvTimeoutError::Timeout)?;
+        if net.broken {
+            return Err(RecvTimeoutError::Disconnected);
         }
-    }
-}
-
-impl<T: Serialize + DeserializeOwned> RemoteReceiver<T> {
-    /// Waits for the next message.
-    ///
-    /// Over the network, a malformed message, a transfer that fails or times out, or a peer
-    /// that dies mid-message closes the connection: this returns the reason, and later calls
-    /// return [`RecvError::Disconnected`].
-    pub fn recv(&self) -> std::result::Result<T, RecvError> {
-        self.recv_until(None)
-            .map_err(|e| e.failure().unwrap_or_else(|| RecvError::Io(IoFailure::other("timed out without a deadline"))))
+        let result = net.recv::<T>(deadline);
+        if matches!(result, Err(ref e) if !matches!(e, RecvTimeoutError::Timeout)) {
+            net.close();
+        }
+        result
     }
 
-    /// Waits for the next message until `timeout` has passed. A message whose frame is
-    /// partly read when the time is up stays where it was: the next call goes on with it.
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// let listener = cuda_mp::RemoteListener::<u8>::bind_with(
-    ///     "127.0.0.1:0",
-    ///     cuda_mp::RemoteOptions::default().network_only(true),
-    /// ).unwrap();
-    /// let addr = listener.local_addr().unwrap();
-    /// let accepting = std::thread::spawn(move || listener.accept().unwrap());
-    /// let _tx = cuda_mp::RemoteSender::<u8>::connect(addr).unwrap();
-    /// let rx = accepting.join().unwrap();
-    /// assert!(rx.recv_timeout(Duration::from_millis(20)).unwrap_err().is_timeout());
-    /// ```
-    pub fn recv_timeout(&self, timeout: Duration) -> std::result::Result<T, RecvTimeoutError> {
-        self.recv_until(Some(Instant::now() + timeout))
-    }
-
-    /// The next message if one is there.
-    pub fn try_recv(&self) -> std::result::Result<T, TryRecvError> {
-        match &self.inner {
-            ReceiverInner::Local(rx) => rx.try_recv(),
-            ReceiverInner::Net(_) => self
-                .recv_until(Some(Instant::now()))
-                .map_err(|e| e.failure().map_or(TryRecvError::Empty, TryRecvError::from)),
+    fn readiness(&self) -> Option<Watched> {
+        match self.net.try_lock() {
+            // Closed: a receive says so at once.
+            Ok(net) if net.broken => None,
+            _ => Some(self.stream.clone()),
         }
     }
 
-    /// The messages as they come, each a `Result`; ends once the sender is gone.
-    pub fn iter(&self) -> impl Iterator<Item = std::result::Result<T, RecvError>> + '_ {
-        std::iter::from_fn(move || match self.recv() {
-            Err(RecvError::Disconnected) => None,
-            other => Some(other),
-        })
-    }
-
-    fn recv_until(&self, deadline: Option<Instant>) -> std::result::Result<T, RecvTimeoutError> {
-        match &self.inner {
-            ReceiverInner::Local(rx) => match deadline {
-                Some(d) => rx.recv_timeout(d.saturating_duration_since(Instant::now())),
-                None => rx.recv().map_err(RecvTimeoutError::from),
-            },
-            ReceiverInner::Net(net) => {
-                // Another thread receiving holds the connection: wait for it only until the
-                // deadline (a `try_recv` not at all).
-                let mut net = loop {
-                    match net.try_lock() {
-                        Ok(guard) => break guard,
-                        Err(std::sync::TryLockError::Poisoned(p)) => break p.into_inner(),
-                        Err(std::sync::TryLockError::WouldBlock) => match deadline {
-                            None => break lock(net),
-                            Some(d) if Instant::now() >= d => return Err(RecvTimeoutError::Timeout),
-                            Some(_) => std::thread::sleep(Duration::from_micros(200)),
-                        },
-                    }
-                };
-                if net.broken {
-                    return Err(RecvTimeoutError::Disconnected);
-                }
-                let result = net.recv::<T>(deadline);
-                if matches!(result, Err(ref e) if !matches!(e, RecvTimeoutError::Timeout)) {
-                    net.close();
-                }
-                result
-            }
-        }
+    fn route(&self) -> Route {
+        Route::Network
     }
 }
 
@@ -1375,7 +1304,7 @@ mod tests {
     }
 
     /// A receiver whose peer is a raw socket that did the handshake by hand.
-    fn forged_peer(options: RemoteOptions) -> (TcpStream, RemoteReceiver<Msg>) {
+    fn forged_peer(options: RemoteOptions) -> (TcpStream, Receiver<Msg>) {
         forged_peer_of::<Msg>(options)
     }
 
@@ -1394,9 +1323,7 @@ mod tests {
     }
 
     /// The same, for messages of type `T`.
-    fn forged_peer_of<T: Serialize + DeserializeOwned + 'static>(
-        options: RemoteOptions,
-    ) -> (TcpStream, RemoteReceiver<T>) {
+    fn forged_peer_of<T: Serialize + DeserializeOwned + 'static>(options: RemoteOptions) -> (TcpStream, Receiver<T>) {
         let listener = RemoteListener::<T>::bind_with("127.0.0.1:0", options.network_only(true)).unwrap();
         let addr = listener.local_addr().unwrap();
         let hello = hello::<T>(REMOTE_PROTOCOL_VERSION);
@@ -1409,6 +1336,25 @@ mod tests {
         });
         let rx = listener.accept().unwrap();
         (peer.join().unwrap(), rx)
+    }
+
+    /// How many descriptors of this process refer to the TCP socket whose local port is
+    /// `local` and whose peer's is `remote` (0 once the socket is gone from the kernel's table,
+    /// or lingers there in TIME_WAIT with no owner).
+    fn descriptors_of_connection((local, remote): (u16, u16)) -> usize {
+        let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+        let (local, remote) = (format!(":{local:04X}"), format!(":{remote:04X}"));
+        let inode = table.lines().skip(1).find_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            (f.len() > 9 && f[1].ends_with(&local) && f[2].ends_with(&remote)).then(|| f[9].to_string())
+        });
+        let Some(inode) = inode.filter(|i| i != "0") else { return 0 };
+        let link = format!("socket:[{inode}]");
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter(|target| target.to_str() == Some(link.as_str()))
+            .count()
     }
 
     fn payload(value: &Msg) -> Vec<u8> {
@@ -1609,7 +1555,7 @@ mod tests {
             read_handshake_bytes(&s, T5).is_err()
         });
         let options = RemoteOptions::default().secret(SECRET);
-        let err = RemoteSender::<u8>::connect_with(addr, options).unwrap_err().to_string();
+        let err = Sender::<u8>::connect_remote_with(addr, options).unwrap_err().to_string();
         assert!(err.contains("did not prove the shared secret"), "{err}");
         assert!(answer.join().unwrap(), "the sender sent nothing more");
     }
@@ -1629,7 +1575,7 @@ mod tests {
             std::thread::sleep(Duration::from_secs(1));
         });
         let options = RemoteOptions::default().network_only(true);
-        let err = RemoteSender::<u8>::connect_with(addr, options).unwrap_err().to_string();
+        let err = Sender::<u8>::connect_remote_with(addr, options).unwrap_err().to_string();
         assert!(err.contains("asked for the network only"), "{err}");
     }
 
@@ -1657,7 +1603,7 @@ mod tests {
         std::thread::sleep(Duration::from_millis(50));
         let start = Instant::now();
         let sender = std::thread::spawn(move || {
-            let tx = RemoteSender::<u8>::connect_with(addr, options.network_only(true)).unwrap();
+            let tx = Sender::<u8>::connect_remote_with(addr, options.network_only(true)).unwrap();
             tx.send(7).unwrap();
             tx
         });
@@ -1681,7 +1627,8 @@ mod tests {
         #![proptest_config(proptest::prelude::ProptestConfig { cases: 48, ..Default::default() })]
 
         /// Whatever bytes follow a valid handshake, the receiver answers with values or errors:
-        /// never a panic, never a hang past the transfer timeout.
+        /// never a panic, never a hang past the transfer timeout, and once it is dropped no
+        /// descriptor of the connection is left.
         #[test]
         fn random_bytes_after_the_handshake_give_errors_only(
             bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512),
@@ -1692,6 +1639,8 @@ mod tests {
                 .max_host_bytes(1 << 16)
                 .transfer_timeout(Duration::from_millis(200));
             let (mut peer, rx) = forged_peer(options);
+            let ports = (peer.peer_addr().unwrap().port(), peer.local_addr().unwrap().port());
+            proptest::prop_assert_eq!(descriptors_of_connection(ports), 1, "the receiver holds its connection");
             // Half the cases give a plausible frame header, so that the payload's decoder runs.
             let bytes = if header { frame([&[0; HEAD][..], &bytes].concat(), kind::MESSAGE, 1, 4) } else { bytes };
             std::io::Write::write_all(&mut peer, &bytes).unwrap();
@@ -1701,6 +1650,8 @@ mod tests {
                     break;
                 }
             }
+            drop(rx);
+            proptest::prop_assert_eq!(descriptors_of_connection(ports), 0, "no descriptor of the connection is left");
         }
     }
 
