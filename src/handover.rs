@@ -113,6 +113,16 @@ pub(crate) fn append(ticket: &SpawnTicket, fd: Held, arguments: bool) -> Result<
     Ok(deposit.fds.len() as u32 - 1)
 }
 
+/// How many deposits wait for a fetch that may never come (those that expire).
+pub(crate) fn expiring_deposits() -> usize {
+    home().map_or(0, |home| {
+        let now = Instant::now();
+        let mut deposits = lock(home);
+        deposits.retain(|_, d| d.expires.is_none_or(|e| e > now));
+        deposits.values().filter(|d| d.expires.is_some()).count()
+    })
+}
+
 fn serve(listening: Listening) {
     loop {
         let Ok(socket) = listening.accept(Wait::Forever) else {

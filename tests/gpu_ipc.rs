@@ -366,7 +366,7 @@ fn forged(uuid: [u8; 16], mem_handle: Vec<u8>) -> ForgedGpu<LegacyRecord> {
         owner: 77,
         index: 1,
         bytes: 16,
-        lease: common::Claim::Lease(CarriedFile(common::socket_pair().0), false),
+        lease: common::Claim::Lease(CarriedFile(common::lease_pipe().0), false),
         cache_ticket: None,
         device_uuid: uuid,
         memory_variant: 0,
@@ -748,7 +748,7 @@ fn forged_vmm_records_give_errors() {
     let as_foreign = |index: u64, g: ForgedGpu<VmmRecord>| ForgedGpu {
         owner: 0x1234,
         index,
-        lease: common::Claim::Lease(CarriedFile(common::socket_pair().0), false),
+        lease: common::Claim::Lease(CarriedFile(common::lease_pipe().0), false),
         ..g
     };
     let refused = |r: ForgedGpu<VmmRecord>| -> String {

@@ -7,7 +7,9 @@ use serde::ser::SerializeTuple;
 use serde::{Deserialize, Serialize, Serializer};
 
 mod common;
-use common::{connect, sealed_memory, slot, socket_pair, Claim, ForgedHost, ForgedSegment, ForgedTensor, Slot};
+use common::{
+    connect, lease_pipe, sealed_memory, slot, socket_pair, Claim, ForgedHost, ForgedSegment, ForgedTensor, Slot,
+};
 use cuda_mp::testing::CarriedFile;
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -27,7 +29,7 @@ impl Serialize for Raw {
 }
 
 fn forged(dtype: u8, shape: Vec<usize>, bytes: usize) -> ForgedTensor<CarriedFile, CarriedFile> {
-    let (lease, _) = socket_pair();
+    let (lease, _) = lease_pipe();
     let strides = vec![1; shape.len()];
     ForgedTensor {
         dtype,
@@ -156,7 +158,7 @@ fn forged_block(
     segment_len: u64,
     fd: Option<std::fs::File>,
 ) -> ForgedTensor<CarriedFile, CarriedFile> {
-    let (lease, _) = socket_pair();
+    let (lease, _) = lease_pipe();
     let segment = ForgedSegment {
         owner: 0xdead_beef,
         index: 1 << 63 | 1,
@@ -357,4 +359,23 @@ fn record_copy(r: &ForgedTensor<CarriedFile, CarriedFile>) -> ForgedTensor<Carri
         ticket: r.ticket,
         memory: r.memory.clone(),
     }
+}
+
+/// A lease must be a pipe's writing end: a socket, a memory file or `/dev/null` in its place is
+/// refused before the storage is looked at (a holder would write its records, and subscribe to
+/// revocations, through it).
+#[test]
+fn a_lease_that_is_not_a_pipes_writing_end_is_refused() {
+    let (tx, rx) = connect::<ForgedTensor<CarriedFile, CarriedFile>, HostTensor<f32>>();
+    let (_, pipe_reader) = lease_pipe();
+    let not_leases = [socket_pair().0, sealed_memory(16, 0), std::fs::File::open("/dev/null").unwrap(), pipe_reader];
+    for not_a_lease in not_leases {
+        let mut f = forged(0, vec![4], 16);
+        f.lease = Claim::Lease(CarriedFile(not_a_lease), true);
+        tx.send(f).unwrap();
+        let m = malformed(rx.recv());
+        assert!(m.contains("lease that is not a pipe's writing end"), "{m}");
+    }
+    tx.send(forged(0, vec![4], 16)).unwrap();
+    assert_eq!(rx.recv().unwrap().to_vec(), vec![0.0; 4], "the channel goes on; a real pipe is a lease");
 }

@@ -209,6 +209,9 @@ fn introduce<'b>(rest: &'b [u8], fds: &mut Vec<OwnedFd>, known: Option<&Connecti
         return Err("a frame whose leases do not add up".into());
     }
     let (names, rest) = rest.split_at(n * NAME_BYTES);
+    if fds[..n].iter().any(|fd| !crate::sys::is_pipe_writer(fd.as_fd())) {
+        return Err(crate::lifetime::NOT_A_LEASE.into());
+    }
     for (name, fd) in names.chunks_exact(NAME_BYTES).zip(fds.drain(..n)) {
         let owner = u128::from_le_bytes(name[..16].try_into().expect("16 bytes"));
         let key = u64::from_le_bytes(name[16..].try_into().expect("8 bytes"));

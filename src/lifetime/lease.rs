@@ -42,6 +42,9 @@ pub(crate) enum Control {
     Retain(u64),
 }
 
+/// Why a message whose lease is not a pipe's writing end is malformed.
+pub(crate) const NOT_A_LEASE: &str = "message carries a lease that is not a pipe's writing end";
+
 const RELEASE: u8 = 1;
 const RETAIN: u8 = 2;
 const LINK: u8 = 3;
@@ -176,11 +179,16 @@ impl Lease {
         Lease::new(Arc::new(fd))
     }
 
-    /// Takes a lease out of the message being decoded. Any descriptor will do: a holder only
-    /// keeps it and writes records to it, which fail harmlessly on anything but a pipe (or
-    /// socket) to its owner.
+    /// Takes a lease out of the message being decoded: a pipe's writing end, or the message is
+    /// malformed (a holder writes records to its lease, and subscribes to the owner's
+    /// revocations through it: on anything else they would wait for an answer that never
+    /// comes).
     fn take(carried: Carried) -> Result<Lease> {
-        Ok(Lease::new(wire::take_shared_fd(carried)?))
+        let fd = wire::take_shared_fd(carried)?;
+        if !crate::sys::is_pipe_writer(fd.as_fd()) {
+            return Err(Error::Malformed(NOT_A_LEASE.into()));
+        }
+        Ok(Lease::new(fd))
     }
 }
 

@@ -175,13 +175,32 @@ pub(super) fn close_inherited_spares() {
 /// (a pipe carries no descriptor), and the lease says where.
 pub(super) fn subscribe(owner: u128, lease: &Lease) -> bool {
     let Ok(reaper) = reaper() else { return false };
-    let Ok((tx, rx)) = Socket::pair() else { return false };
-    let Ok(ticket) = crate::handover::ticket() else { return false };
-    if crate::handover::append(&ticket, Arc::new(tx), true).is_err() || Control::Link(ticket).send(&lease.tx).is_err() {
+    // Each waits for its owner's fetch until it expires: a peer that names ever new owners
+    // (or owners that never fetch) gets no more than this many, and no mappings cached.
+    if crate::handover::expiring_deposits() >= MAX_PENDING_SUBSCRIPTIONS {
         return false;
     }
-    reaper.watch(Watched::Revocations(owner), Source::Socket(Arc::new(rx))).is_ok()
+    let Ok((tx, rx)) = Socket::pair() else { return false };
+    let Ok(ticket) = crate::handover::ticket() else { return false };
+    if crate::handover::append(&ticket, Arc::new(tx), true).is_err() {
+        return false;
+    }
+    // A lease that takes no record (its owner gone, or not a lease's writing end) is no way to
+    // the owner: its socket is not left waiting for a fetch that cannot come.
+    if Control::Link(ticket.clone()).send(&lease.tx).is_err() {
+        crate::handover::withdraw(&ticket);
+        return false;
+    }
+    if reaper.watch(Watched::Revocations(owner), Source::Socket(Arc::new(rx))).is_err() {
+        crate::handover::withdraw(&ticket);
+        return false;
+    }
+    true
 }
+
+/// Subscriptions (and spawn arguments) waiting for a fetch at most, before a receiver stops
+/// subscribing to new owners' revocations.
+const MAX_PENDING_SUBSCRIPTIONS: usize = 256;
 
 fn reap() {
     super::courier::this_is_the_reaper();

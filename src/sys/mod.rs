@@ -25,7 +25,9 @@ pub(crate) use limits::{
 pub(crate) use mapping::Mapping;
 pub(crate) use memory::MemoryFile;
 pub(crate) use named::NamedMemory;
-pub(crate) use pipe::{lease_pipe, read_available, reader_gone, write_record, writers_gone, RECORD_MAX};
+pub(crate) use pipe::{
+    is_pipe_writer, lease_pipe, read_available, reader_gone, write_record, writers_gone, RECORD_MAX,
+};
 #[cfg(test)]
 pub(crate) use process::fork_and_run;
 pub(crate) use process::{
@@ -33,8 +35,8 @@ pub(crate) use process::{
 };
 pub(crate) use shm::{shm_unlink, ShmFile, ShmOpen};
 pub(crate) use socket::{
-    bell, connect_abstract, connect_to, private_dir, ring, silence, wait_for, wait_readable, Listening, Socket, Wait,
-    MESSAGE_FDS,
+    bell, connect_abstract, connect_to, private_dir, ring, silence, wait_for, wait_readable, Listening, Message,
+    Socket, Wait, MESSAGE_FDS,
 };
 
 /// 128 random bits from the kernel (`getrandom`): names and secrets no other process can guess.

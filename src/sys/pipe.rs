@@ -23,6 +23,14 @@ pub(crate) fn lease_pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     Ok((read, write))
 }
 
+/// Whether `fd` is the writing end of a pipe: what a lease that arrives must be (anything else
+/// would take a holder's records, or none, and never tell an owner of them).
+pub(crate) fn is_pipe_writer(fd: BorrowedFd<'_>) -> bool {
+    let fifo = rustix::fs::fstat(fd)
+        .is_ok_and(|st| rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Fifo);
+    fifo && fcntl_getfl(fd).is_ok_and(|flags| flags.contains(OFlags::WRONLY) && !flags.contains(OFlags::RDWR))
+}
+
 /// Writes one record (at most [`RECORD_MAX`] bytes) to a pipe's writing end, whole, waiting
 /// while the pipe is full.
 pub(crate) fn write_record(pipe: BorrowedFd<'_>, record: &[u8]) -> io::Result<()> {

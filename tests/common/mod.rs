@@ -88,6 +88,14 @@ pub fn socket_pair() -> (std::fs::File, std::fs::File) {
     (std::fs::File::from(a), std::fs::File::from(b))
 }
 
+/// A lease as a holder keeps one: the writing end of a pipe (with its reading end, which an
+/// owner would watch), as files to carry in forged messages.
+#[allow(dead_code)]
+pub fn lease_pipe() -> (std::fs::File, std::fs::File) {
+    let (reader, writer) = std::io::pipe().unwrap();
+    (std::fs::File::from(std::os::fd::OwnedFd::from(writer)), std::fs::File::from(std::os::fd::OwnedFd::from(reader)))
+}
+
 /// A claim as a storage's record carries it: a lease carried in the message, or a claim
 /// counted on the channel's lease (its owner and key, and the storage's index), which the
 /// message's list of claims must hold.
