@@ -18,6 +18,29 @@ use crate::fork::ForkLocal;
 
 use dispatch::{Ctl, Event, Failure, Join, Reply, Slot};
 
+/// A decoder of one frame of the queue's protocol (for fuzzing): what became of it.
+#[cfg(any(test, feature = "testing"))]
+type FrameDecoder = fn(&[u8], Vec<std::os::fd::OwnedFd>) -> String;
+
+/// The queue's frames as the dispatcher and the consumers read them: a request, an answer
+/// (of the fuzzers' message type), a consumer joining.
+#[cfg(any(test, feature = "testing"))]
+pub(crate) const FRAME_DECODERS: [FrameDecoder; 3] = {
+    use crate::testing::fuzz::Message;
+    fn said<T>(decoded: std::result::Result<Option<T>, String>, what: &str) -> String {
+        match decoded {
+            Ok(Some(_)) => format!("a {what}"),
+            Ok(None) => "a frame that is not a message".into(),
+            Err(e) => e,
+        }
+    }
+    [
+        |bytes, fds| said(crate::channel::decode_frame::<Ctl>(bytes, fds), "request"),
+        |bytes, fds| said(crate::channel::decode_frame::<Reply<Message>>(bytes, fds), "reply"),
+        |bytes, fds| said(crate::channel::decode_frame::<Join<Message>>(bytes, fds), "join"),
+    ]
+};
+
 /// How long a consumer that gave up waiting ([`Queue::get_timeout`]) waits for the dispatcher
 /// to confirm; it answers at once unless its process is stuck.
 const CANCEL_WAIT: Duration = Duration::from_secs(10);

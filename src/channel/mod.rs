@@ -984,6 +984,33 @@ impl<'de, T: DeserializeOwned> Deserialize<'de> for Receiver<T> {
     }
 }
 
+/// Decodes one frame's bytes and descriptors as a receiver does (for fuzzing): the message as
+/// `T` (`None` for a frame of another kind, read and dropped), or why it does not decode.
+#[cfg(any(test, feature = "testing"))]
+pub(crate) fn decode_frame<T: DeserializeOwned>(
+    bytes: &[u8],
+    fds: Vec<OwnedFd>,
+) -> std::result::Result<Option<T>, String> {
+    let leases: Arc<ConnectionLeases> = Default::default();
+    match frame::read::<T>(bytes, fds, Some(&leases))? {
+        frame::Incoming::Message { value, .. } => value.map(Some),
+        _ => Ok(None),
+    }
+}
+
+#[cfg(any(test, feature = "testing"))]
+impl<T> Receiver<T> {
+    /// The next frame on this receiver's socket as it arrived, not decoded (`None` when none
+    /// came within `timeout`, or for a remote receiver).
+    pub(crate) fn read_raw_frame(&self, timeout: Duration) -> io::Result<Option<crate::sys::Message>> {
+        let ReceiverFlavor::Local(local) = &self.flavor else { return Ok(None) };
+        match local.main.recv(frame::BUFFER, Wait::Until(Instant::now() + timeout)) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+            other => other,
+        }
+    }
+}
+
 /// One end of a two-way connection made by [`pipe`]: it sends `S` and receives `R`.
 ///
 /// ```

@@ -423,6 +423,8 @@ pub(crate) fn pack(storage: &Arc<GpuStorage>, layout: &Layout, dtype: DType) -> 
 
 pub(crate) use driver::DeviceRange;
 pub(crate) use nccl::{Communicator, UniqueId};
+#[cfg(any(test, feature = "testing"))]
+pub(crate) use torch::torch_mem_handle;
 
 /// The NCCL library this process loads (its file name and version, `22809` for 2.28.9), or
 /// why it cannot: the error names every file looked for.

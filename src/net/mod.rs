@@ -1167,55 +1167,11 @@ impl NetReceiver {
         transfers: u32,
         host_bytes: u64,
     ) -> std::result::Result<T, RecvTimeoutError> {
-        if host_bytes > self.options.max_host_bytes {
-            return Err(RecvTimeoutError::Malformed(format!(
-                "a message with {host_bytes} bytes of host tensors; the limit is {} (RemoteOptions::max_host_bytes)",
-                self.options.max_host_bytes
-            )));
-        }
-        if transfers > self.options.max_tensors {
-            return Err(RecvTimeoutError::Malformed(format!(
-                "a message with {transfers} tensors; the limit is {} (RemoteOptions::max_tensors)",
-                self.options.max_tensors
-            )));
-        }
-        let budget = Budget {
-            device: self.options.device,
-            gpu_ready: self.comm.is_some(),
-            host_bytes,
-            gpu_bytes: self.options.max_gpu_bytes,
-            transfers,
-            spare: if self.options.reuse_memory { std::mem::take(&mut self.spare) } else { VecDeque::new() },
-        };
-        let (decoded, incoming, unused) =
-            codec::decode(budget, || catch_quietly(|| postcard::take_from_bytes::<T>(payload)));
+        let spare = if self.options.reuse_memory { std::mem::take(&mut self.spare) } else { VecDeque::new() };
+        let decoded = decode_message::<T>(payload, transfers, host_bytes, &self.options, self.comm.is_some(), spare);
+        let (value, incoming, unused) = decoded?;
         // A message without GPU tensors leaves the spares for the next one.
         self.spare = unused;
-        let value = match decoded {
-            Ok(Ok((value, []))) => value,
-            Ok(Ok((_, rest))) => {
-                return Err(RecvTimeoutError::Malformed(format!("{} bytes after the message's end", rest.len())))
-            }
-            Ok(Err(e)) => {
-                return Err(RecvTimeoutError::Malformed(
-                    wire::take_failure().unwrap_or_else(|| format!("undecodable message ({e})")),
-                ))
-            }
-            Err(panic) => return Err(RecvTimeoutError::Malformed(format!("decoding panicked: {panic}"))),
-        };
-        if incoming.len() != transfers as usize {
-            return Err(RecvTimeoutError::Malformed(format!(
-                "the frame announces {transfers} tensors, the message holds {}",
-                incoming.len()
-            )));
-        }
-        let announced: u64 =
-            incoming.iter().map(|i| if let Incoming::Host(_, len) = i { *len as u64 } else { 0 }).sum();
-        if announced != host_bytes {
-            return Err(RecvTimeoutError::Malformed(format!(
-                "the frame announces {host_bytes} host bytes, the message's tensors hold {announced}"
-            )));
-        }
         let timeout = self.options.transfer_timeout;
         let deadline = Instant::now() + timeout;
         for arrival in &incoming {
@@ -1276,6 +1232,105 @@ impl NetReceiver {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
         self.comm = None;
         self.spare.clear();
+    }
+}
+
+/// What a receiver makes of a message frame's payload before any of its tensors' bytes are
+/// read: the limits checked, the message decoded (its tensors given memory here, GPU memory
+/// from `spare` where it fits), and the frame's counts checked against it. Returns the value,
+/// the tensors whose bytes come next, and the spares not used.
+fn decode_message<T: DeserializeOwned>(
+    payload: &[u8],
+    transfers: u32,
+    host_bytes: u64,
+    options: &RemoteOptions,
+    gpu_ready: bool,
+    spare: VecDeque<Arc<GpuStorage>>,
+) -> std::result::Result<(T, Vec<Incoming>, VecDeque<Arc<GpuStorage>>), RecvTimeoutError> {
+    if host_bytes > options.max_host_bytes {
+        return Err(RecvTimeoutError::Malformed(format!(
+            "a message with {host_bytes} bytes of host tensors; the limit is {} (RemoteOptions::max_host_bytes)",
+            options.max_host_bytes
+        )));
+    }
+    if transfers > options.max_tensors {
+        return Err(RecvTimeoutError::Malformed(format!(
+            "a message with {transfers} tensors; the limit is {} (RemoteOptions::max_tensors)",
+            options.max_tensors
+        )));
+    }
+    let budget =
+        Budget { device: options.device, gpu_ready, host_bytes, gpu_bytes: options.max_gpu_bytes, transfers, spare };
+    let (decoded, incoming, unused) =
+        codec::decode(budget, || catch_quietly(|| postcard::take_from_bytes::<T>(payload)));
+    let value = match decoded {
+        Ok(Ok((value, []))) => value,
+        Ok(Ok((_, rest))) => {
+            return Err(RecvTimeoutError::Malformed(format!("{} bytes after the message's end", rest.len())))
+        }
+        Ok(Err(e)) => {
+            return Err(RecvTimeoutError::Malformed(
+                wire::take_failure().unwrap_or_else(|| format!("undecodable message ({e})")),
+            ))
+        }
+        Err(panic) => return Err(RecvTimeoutError::Malformed(format!("decoding panicked: {panic}"))),
+    };
+    if incoming.len() != transfers as usize {
+        return Err(RecvTimeoutError::Malformed(format!(
+            "the frame announces {transfers} tensors, the message holds {}",
+            incoming.len()
+        )));
+    }
+    let announced: u64 = incoming.iter().map(|i| if let Incoming::Host(_, len) = i { *len as u64 } else { 0 }).sum();
+    if announced != host_bytes {
+        return Err(RecvTimeoutError::Malformed(format!(
+            "the frame announces {host_bytes} host bytes, the message's tensors hold {announced}"
+        )));
+    }
+    Ok((value, incoming, unused))
+}
+
+/// The decoders of what a peer sends, for fuzzing (`cuda_mp::testing::fuzz`).
+#[cfg(any(test, feature = "testing"))]
+pub(crate) mod fuzzing {
+    use super::*;
+
+    /// Decodes `bytes` as every handshake message either end reads; how many decoded.
+    pub(crate) fn handshake(bytes: &[u8]) -> usize {
+        [
+            Greeting::decode(bytes).is_ok(),
+            postcard::from_bytes::<Challenge>(bytes).is_ok(),
+            postcard::from_bytes::<Response>(bytes).is_ok(),
+            Hello::decode(bytes).is_ok(),
+            postcard::from_bytes::<Welcome>(bytes).is_ok(),
+            postcard::from_bytes::<Joined>(bytes).is_ok(),
+        ]
+        .into_iter()
+        .filter(|&ok| ok)
+        .count()
+    }
+
+    /// The body (after its length) of the frame a sender writes for `value`, without the host
+    /// tensors' bytes that follow it.
+    pub(crate) fn frame_of<T: Serialize>(value: &T) -> std::result::Result<Vec<u8>, String> {
+        let (encoded, outgoing) = codec::encode(|| postcard::to_extend(value, vec![0u8; HEAD]));
+        let bytes = encoded.map_err(|e| e.to_string())?;
+        let host_bytes = outgoing.iter().map(|o| o.len() as u64).sum();
+        let mut framed = super::frame(bytes, kind::MESSAGE, outgoing.len() as u32, host_bytes);
+        Ok(framed.split_off(4))
+    }
+
+    /// A frame's body (after its length) as a receiver without a GPU reads it once the
+    /// handshake is done: its header, then its message as `T` up to the tensors' bytes.
+    pub(crate) fn read_frame<T: DeserializeOwned>(body: &[u8]) -> std::result::Result<T, String> {
+        let options = RemoteOptions::default().max_host_bytes(1 << 20).max_tensors(64).max_gpu_bytes(1 << 20);
+        let (payload, kind, transfers, host_bytes) = parse_frame(body).map_err(|e| e.to_string())?;
+        match kind {
+            kind::MESSAGE => decode_message::<T>(payload, transfers, host_bytes, &options, false, VecDeque::new())
+                .map(|(value, _, _)| value)
+                .map_err(|e| e.to_string()),
+            other => Err(format!("frame kind {other}")),
+        }
     }
 }
 

@@ -3,6 +3,8 @@
 //! revocation), but its "memory" is a size, and "mapping" it in another process only waits a
 //! delay chosen by the sender (a stand-in for a slow driver open). Not part of the API.
 
+pub mod fuzz;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,0 +1,243 @@
+//! Every decoder of bytes from another process or host (`cuda_mp::testing::fuzz`, the same
+//! functions the cargo-fuzz targets of `fuzz/` call) under property tests: random bytes, and
+//! real frames captured with their descriptors then mutated (bytes changed, cut short,
+//! descriptors dropped, added or swapped for others). Each input gives a value or an error,
+//! never a panic, and leaves this process with the descriptors it had.
+
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use cuda_mp::testing::fuzz::{self, Descriptor};
+use proptest::prelude::*;
+
+cuda_mp::enable_test_support!();
+
+/// One test at a time: each counts this process's descriptors.
+fn one_at_a_time() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn open_descriptors() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+/// Real frames (captured once) as fuzzer inputs.
+fn seeds() -> &'static [Vec<u8>] {
+    static SEEDS: OnceLock<Vec<Vec<u8>>> = OnceLock::new();
+    SEEDS.get_or_init(|| {
+        let seeds = fuzz::capture_frames().expect("real frames captured");
+        assert!(seeds.len() >= 5, "{} frames captured", seeds.len());
+        seeds
+    })
+}
+
+/// A mutation of a seed: bytes changed, then cut at `cut`, then descriptors changed.
+#[derive(Debug, Clone)]
+struct Mutation {
+    seed: usize,
+    edits: Vec<(usize, u8)>,
+    cut: Option<usize>,
+    descriptors: DescriptorChange,
+}
+
+#[derive(Debug, Clone)]
+enum DescriptorChange {
+    Keep,
+    Drop(usize),
+    Add(u8, u16),
+    Swap(usize, u8, u16),
+    None,
+}
+
+fn descriptor(kind: u8, len: u16) -> Descriptor {
+    let data = [1, kind, len.to_le_bytes()[0], len.to_le_bytes()[1]];
+    fuzz::split_frame_input(&data).0[0]
+}
+
+impl Mutation {
+    fn apply(&self) -> Vec<u8> {
+        let seeds = seeds();
+        let (mut descriptors, bytes) = fuzz::split_frame_input(&seeds[self.seed % seeds.len()]);
+        let mut bytes = bytes.to_vec();
+        for &(at, byte) in &self.edits {
+            if !bytes.is_empty() {
+                let at = at % bytes.len();
+                bytes[at] = byte;
+            }
+        }
+        if let Some(cut) = self.cut {
+            bytes.truncate(cut % (bytes.len() + 1));
+        }
+        match self.descriptors {
+            DescriptorChange::Keep => {}
+            DescriptorChange::Drop(i) if !descriptors.is_empty() => {
+                let n = descriptors.len();
+                descriptors.remove(i % n);
+            }
+            DescriptorChange::Drop(_) => {}
+            DescriptorChange::Add(kind, len) => descriptors.push(descriptor(kind, len)),
+            DescriptorChange::Swap(i, kind, len) if !descriptors.is_empty() => {
+                let n = descriptors.len();
+                descriptors[i % n] = descriptor(kind, len);
+            }
+            DescriptorChange::Swap(..) => {}
+            DescriptorChange::None => descriptors.clear(),
+        }
+        fuzz::join_frame_input(&descriptors, &bytes)
+    }
+}
+
+fn mutation() -> impl Strategy<Value = Mutation> {
+    let change = prop_oneof![
+        3 => Just(DescriptorChange::Keep),
+        1 => any::<usize>().prop_map(DescriptorChange::Drop),
+        1 => (any::<u8>(), any::<u16>()).prop_map(|(k, l)| DescriptorChange::Add(k, l)),
+        1 => (any::<usize>(), any::<u8>(), any::<u16>()).prop_map(|(i, k, l)| DescriptorChange::Swap(i, k, l)),
+        1 => Just(DescriptorChange::None),
+    ];
+    (
+        any::<usize>(),
+        proptest::collection::vec((any::<usize>(), any::<u8>()), 0..6),
+        proptest::option::weighted(0.2, any::<usize>()),
+        change,
+    )
+        .prop_map(|(seed, edits, cut, descriptors)| Mutation { seed, edits, cut, descriptors })
+}
+
+/// Runs `decode` on `input` and checks that no descriptor is left over.
+fn decodes_without_leaking(decode: fn(&[Descriptor], &[u8]) -> String, input: &[u8]) -> String {
+    let (descriptors, bytes) = fuzz::split_frame_input(input);
+    let before = open_descriptors();
+    let said = decode(&descriptors, bytes);
+    // Claims are released, and their descriptors closed, by this process's lease threads:
+    // soon after, not always before the decode returns.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while open_descriptors() > before && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    let after = open_descriptors();
+    assert!(
+        after <= before,
+        "{after} descriptors where {before} were, 5 s after {said:?} from {descriptors:?} and {} bytes",
+        bytes.len()
+    );
+    said
+}
+
+/// The first pass over the seeds opens what a process opens once (its lease machinery, say).
+fn warmed_up() -> MutexGuard<'static, ()> {
+    let guard = one_at_a_time();
+    for seed in seeds() {
+        let (descriptors, bytes) = fuzz::split_frame_input(seed);
+        fuzz::channel_frame(&descriptors, bytes);
+        fuzz::queue_frame(&descriptors, bytes);
+    }
+    guard
+}
+
+/// The captured frames decode as the messages they were, with fresh descriptors of the kinds
+/// they carried: all but the one with channel ends, whose counters (a fresh memory file in
+/// place of the channel's) are refused as not a channel's.
+#[test]
+fn captured_frames_decode_as_the_messages_they_were() {
+    let _one = warmed_up();
+    let mut values = 0;
+    for seed in seeds() {
+        let said = decodes_without_leaking(fuzz::channel_frame, seed);
+        if said.starts_with("a message of") {
+            values += 1;
+        } else {
+            assert_eq!(said, "a channel's shared counters are not ours");
+        }
+    }
+    assert_eq!(values, seeds().len() - 1);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn mutated_channel_frames_give_values_or_errors(m in mutation()) {
+        let _one = warmed_up();
+        decodes_without_leaking(fuzz::channel_frame, &m.apply());
+    }
+
+    #[test]
+    fn mutated_queue_frames_give_values_or_errors(m in mutation()) {
+        let _one = warmed_up();
+        decodes_without_leaking(fuzz::queue_frame, &m.apply());
+    }
+
+    #[test]
+    fn random_channel_frames_give_values_or_errors(input in proptest::collection::vec(any::<u8>(), 0..256)) {
+        let _one = warmed_up();
+        decodes_without_leaking(fuzz::channel_frame, &input);
+        decodes_without_leaking(fuzz::queue_frame, &input);
+    }
+
+    #[test]
+    fn random_remote_and_python_facing_bytes_give_values_or_errors(
+        input in proptest::collection::vec(any::<u8>(), 0..256),
+    ) {
+        let _one = one_at_a_time();
+        // The caching allocator's first segment stays: memory kept for the next tensor.
+        fuzz::host_bytes(&[1; 64]);
+        let decode: fn(&[Descriptor], &[u8]) -> String = |_, bytes| {
+            [
+                fuzz::remote_handshake(bytes),
+                fuzz::remote_frame(bytes),
+                fuzz::hello(bytes),
+                fuzz::torch_handle(bytes),
+                fuzz::host_bytes(bytes),
+            ]
+            .join("; ")
+        };
+        decodes_without_leaking(decode, &fuzz::join_frame_input(&[], &input));
+    }
+}
+
+/// A storage whose lease takes no record (its owner gone: the pipe's reading end closed) is not
+/// subscribed to: nothing waits at this process's home for a fetch that cannot come. Each such
+/// message used to leave a socket there for two minutes.
+#[test]
+fn a_lease_that_takes_no_record_leaves_nothing_waiting() {
+    let _one = warmed_up();
+    let seed = seeds().iter().find(|s| fuzz::split_frame_input(s).0.first() == Some(&Descriptor::PipeWrite));
+    let (descriptors, bytes) = fuzz::split_frame_input(seed.expect("a frame that introduces a lease"));
+    let before = open_descriptors();
+    for _ in 0..50 {
+        assert!(fuzz::channel_frame(&descriptors, bytes).starts_with("a message of"));
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while open_descriptors() > before && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(open_descriptors() <= before, "50 messages of a storage whose owner cannot be reached");
+}
+
+/// Writes the captured frames as the fuzz targets' seeds: `CUDA_MP_FUZZ_SEEDS=fuzz/seeds cargo
+/// test --test fuzz -- --ignored write_fuzz_seeds` (see `fuzz/README.md`).
+#[test]
+#[ignore = "writes the fuzz targets' seeds to the folder CUDA_MP_FUZZ_SEEDS names"]
+fn write_fuzz_seeds() {
+    let dir = std::path::PathBuf::from(std::env::var("CUDA_MP_FUZZ_SEEDS").expect("CUDA_MP_FUZZ_SEEDS names a folder"));
+    let write = |target: &str, inputs: &[Vec<u8>]| {
+        let folder = dir.join(target);
+        std::fs::create_dir_all(&folder).unwrap();
+        for (i, input) in inputs.iter().enumerate() {
+            std::fs::write(folder.join(format!("captured-{i}")), input).unwrap();
+        }
+    };
+    write("channel_frame", seeds());
+    write("queue_frame", seeds());
+    write("remote_frame", &fuzz::remote_frame_seeds().unwrap());
+}
+
+/// The remote frame bodies a sender writes decode as their messages.
+#[test]
+fn real_remote_frames_decode_as_their_messages() {
+    let _one = one_at_a_time();
+    let said: Vec<String> = fuzz::remote_frame_seeds().unwrap().iter().map(|f| fuzz::remote_frame(f)).collect();
+    assert_eq!(said, ["a message of 2 host tensors", "a message of 1 host tensors", "a message of 0 host tensors"]);
+}
