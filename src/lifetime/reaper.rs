@@ -32,6 +32,10 @@ enum Watched {
     /// This process's end of subscriber `n`'s revocation socket, which nothing is sent to:
     /// its end means the subscriber is gone.
     Subscriber(u64),
+    /// A copy of a lease on the storages of the owner with this token, watched from a
+    /// subscription until the owner's table arrives: its reading end closing means the owner
+    /// died before it fetched the subscription, which is then taken back.
+    Subscribing(u128),
 }
 
 /// The reading end of what the reaper watches: a lease pipe, or a revocation socket.
@@ -70,6 +74,9 @@ pub(super) struct Reaper {
     watched: Mutex<HashMap<u64, Entry>>,
     next_id: Mutex<u64>,
     spares: Mutex<Vec<(u64, Arc<OwnedFd>)>>,
+    /// Subscriptions whose owner has not answered yet: their deposit, and the watch of the
+    /// owner's lease.
+    subscribing: Mutex<HashMap<u128, (crate::handover::SpawnTicket, u64)>>,
     /// Set once this process grants a lease: only then are spare lease channels kept.
     granting: AtomicBool,
 }
@@ -103,6 +110,7 @@ pub(super) fn reaper() -> Result<&'static Reaper> {
             watched: Mutex::new(HashMap::new()),
             next_id: Mutex::new(BELL + 1),
             spares: Mutex::new(Vec::new()),
+            subscribing: Mutex::new(HashMap::new()),
             granting: AtomicBool::new(false),
         })
     })
@@ -195,7 +203,25 @@ pub(super) fn subscribe(owner: u128, lease: &Lease) -> bool {
         crate::handover::withdraw(&ticket);
         return false;
     }
+    // Until the owner answers, a copy of its lease tells whether it is still there (the copy
+    // holds the lease open only that long).
+    if let Ok(copy) = lease.tx.try_clone() {
+        if let Ok(id) = reaper.watch(Watched::Subscribing(owner), Source::Pipe(Arc::new(copy))) {
+            lock(&reaper.subscribing).insert(owner, (ticket, id));
+        }
+    }
     true
+}
+
+/// The owner's answer came, or the owner is gone: its lease is no longer watched for the
+/// subscription.
+fn subscribed(reaper: &Reaper, owner: u128) {
+    let pending = lock(&reaper.subscribing).remove(&owner);
+    if let Some((_, id)) = pending {
+        if let Some(entry) = lock(&reaper.watched).remove(&id) {
+            let _ = epoll::delete(&reaper.epoll, entry.source.fd());
+        }
+    }
 }
 
 /// Subscriptions (and spawn arguments) waiting for a fetch at most, before a receiver stops
@@ -227,6 +253,8 @@ fn reap() {
             };
             let open = match (&source, what) {
                 (Source::Socket(socket), Watched::Subscriber(_)) => subscriber_open(socket),
+                // A writing end is only ever reported when its reading end is gone.
+                (Source::Pipe(_), Watched::Subscribing(_)) => false,
                 (Source::Pipe(pipe), _) => drain_lease(reaper, id, pipe),
                 (Source::Socket(socket), _) => drain_revocations(reaper, id, socket),
             };
@@ -298,6 +326,7 @@ fn drain_revocations(reaper: &Reaper, id: u64, socket: &Socket) -> bool {
         let Some(Watched::Revocations(owner)) = what else { continue };
         match postcard::from_bytes::<Revocation>(&message.bytes) {
             Ok(Revocation::Table) => {
+                subscribed(reaper, owner);
                 if let Some(memory) = lease::table_memory(message.fds) {
                     table_arrived(owner, Table::from_memory(memory));
                 }
@@ -336,8 +365,19 @@ fn closed(reaper: &Reaper, id: u64) {
         let _ = epoll::delete(&reaper.epoll, entry.source.fd());
         match entry.what {
             Watched::Lease(key) => lease_closed(key),
-            Watched::Revocations(owner) => owner_gone(owner),
+            Watched::Revocations(owner) => {
+                subscribed(reaper, owner);
+                owner_gone(owner)
+            }
             Watched::Subscriber(n) => owner().subscribers.retain(|(k, _)| *k != n),
+            // The owner died before it fetched the subscription: taking it back closes the
+            // revocation socket's other end, which ends the subscription as an owner's death does.
+            Watched::Subscribing(owner) => {
+                let pending = lock(&reaper.subscribing).remove(&owner);
+                if let Some((ticket, _)) = pending {
+                    crate::handover::withdraw(&ticket);
+                }
+            }
             Watched::Spare => {}
         }
     }
