@@ -610,6 +610,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Endpoint<T> {
     fn deliver(&mut self, reply: Reply<T>, ahead: usize) -> std::result::Result<T, Fault> {
         match reply {
             Reply::Item(Slot::Owned(value)) => {
+                crate::sys::kill_point("queue-delivered");
                 let more = ahead.saturating_sub(self.asked + self.early.len());
                 // At most MAX_PREFETCH.
                 match self.requests.send(Ctl::Got(more as u32)) {

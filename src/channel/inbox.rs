@@ -111,7 +111,10 @@ type Raw = (Range<usize>, Vec<OwnedFd>);
 fn receive_raw(socket: &Socket, buf: &mut [u8], wait: Wait) -> Result<Raw, Missing> {
     let failed = |e: RecvError| Missing::Failed(checked(e));
     match socket.recv_in(buf, wait) {
-        Ok(Some(raw)) => Ok(raw),
+        Ok(Some(raw)) => {
+            crate::sys::kill_point("received");
+            Ok(raw)
+        }
         Ok(None) => Err(Missing::Failed(RecvError::Disconnected)),
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => Err(Missing::Empty),
         Err(e) if e.kind() == io::ErrorKind::InvalidData => Err(failed(RecvError::Malformed(e.to_string()))),

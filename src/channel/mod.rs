@@ -323,6 +323,7 @@ impl<T: Serialize> Sender<T> {
         let frame =
             FrameOut::message(&encoded.bytes, outbox.gauge().limit(), &encoded.introduce).map_err(outbox::failure)?;
         outbox.write(frame, &encoded.fds)?;
+        crate::sys::kill_point("sent");
         // Not sent (an error above): `encoded` takes its claims back as it drops.
         encoded.sent();
         Ok(())

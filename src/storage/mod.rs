@@ -231,9 +231,14 @@ fn export_now<S: Shared>(storage: &Arc<S>, explicit: bool) -> Result<Record<<S::
             let user: AnyStorage = storage.clone();
             let grant =
                 lifetime::grant(m.id, S::Kind::LEASE, S::Kind::CACHE_IDLE, move || keep, Some(Arc::downgrade(&user)))?;
+            crate::sys::kill_point("export");
             (grant.claim, grant.ticket, kind)
         }
-        Origin::Imported { cover, ticket } => (lifetime::forward(cover)?, *ticket, S::Kind::forward(m)?),
+        Origin::Imported { cover, ticket } => {
+            let claim = lifetime::forward(cover)?;
+            crate::sys::kill_point("forward");
+            (claim, *ticket, S::Kind::forward(m)?)
+        }
     };
     Ok(Record { id: m.id, bytes: m.len as u64, lease, ticket, kind })
 }
@@ -276,6 +281,7 @@ pub(crate) fn import<S: Shared>(
                         Error::OwnerExited(e.to_string())
                     }
                 })?;
+                crate::sys::kill_point("import");
                 let origin = Origin::Imported { cover, ticket };
                 let memory = Arc::new(Memory { id, len: bytes, key, origin, raw: Some(raw) });
                 Ok(Arc::new(S::from_handle(Handle { memory })))

@@ -7,6 +7,7 @@
 
 mod child;
 mod futex;
+pub(crate) mod kill;
 mod limits;
 mod mapping;
 mod memory;
@@ -19,6 +20,7 @@ pub(crate) mod tcp;
 
 pub(crate) use child::{ChildWatch, Exit};
 pub(crate) use futex::{futex_wait, futex_wake, futex_wake_all};
+pub(crate) use kill::point as kill_point;
 pub(crate) use limits::{
     descriptor_limit, near_descriptor_limit, out_of_descriptors, physical_memory, raise_descriptor_limit,
 };
@@ -34,9 +36,11 @@ pub(crate) use process::{
     at_exit, at_fork_child, own_pid, own_start, pid_namespace, process_gone, signal_name, SIGKILL,
 };
 pub(crate) use shm::{shm_unlink, ShmFile, ShmOpen};
+#[cfg(any(test, feature = "testing"))]
+pub(crate) use socket::Message;
 pub(crate) use socket::{
-    bell, connect_abstract, connect_to, private_dir, ring, silence, wait_for, wait_readable, Listening, Message,
-    Socket, Wait, MESSAGE_FDS,
+    bell, connect_abstract, connect_to, private_dir, ring, silence, wait_for, wait_readable, Listening, Socket, Wait,
+    MESSAGE_FDS,
 };
 
 /// 128 random bits from the kernel (`getrandom`): names and secrets no other process can guess.

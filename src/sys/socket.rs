@@ -247,7 +247,10 @@ impl From<Socket> for OwnedFd {
 /// returned (the writing end is closed, so the reader sees where they end).
 fn overflow(fds: &[BorrowedFd<'_>]) -> io::Result<Socket> {
     let (tx, rx) = Socket::pair()?;
-    for chunk in fds.chunks(PACKET_FDS) {
+    for (i, chunk) in fds.chunks(PACKET_FDS).enumerate() {
+        if i > 0 {
+            super::kill_point("descriptor-batch");
+        }
         send_packet(tx.0.as_fd(), &[IoSlice::new(&[0])], chunk, Wait::Not).map_err(|e| {
             if e.kind() == io::ErrorKind::WouldBlock {
                 io::Error::other("too many descriptors for one message (the overflow socket is full)")

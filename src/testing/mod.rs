@@ -5,6 +5,8 @@
 
 pub mod fuzz;
 
+pub use crate::sys::kill::{KILL_AT_ENV, POINTS as KILL_POINTS};
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,0 +1,250 @@
+//! Kill points (`cuda_mp::testing::KILL_POINTS`): a process is killed with SIGKILL at each
+//! named point of a send, a receive, an import, a forward and a queue delivery, run after run;
+//! each run then checks that this process's descriptors and /dev/shm are back where they were,
+//! that everything it exported is freed (its lifetime counters at zero), that every message
+//! that arrived is whole, and that none arrived twice. `CUDA_MP_KILL_RUNS` sets the runs per
+//! point (default 100).
+
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use cuda_mp::testing::{KILL_AT_ENV, KILL_POINTS};
+use cuda_mp::{channel, wait_for_lifetime, Builder, HostTensor, Queue, QueueConsumer, Receiver, Sender};
+
+cuda_mp::enable_test_support!();
+
+mod common;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+const WAIT: Duration = Duration::from_secs(20);
+
+fn runs() -> usize {
+    std::env::var("CUDA_MP_KILL_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(100)
+}
+
+/// This process's open descriptors and the files in /dev/shm, and what the descriptors are.
+#[derive(Debug)]
+struct Resources {
+    descriptors: Vec<String>,
+    shm: usize,
+}
+
+fn resources() -> Resources {
+    let fds = std::fs::read_dir("/proc/self/fd").unwrap();
+    let descriptors = fds.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok()).map(|p| p.display().to_string());
+    Resources { descriptors: descriptors.collect(), shm: std::fs::read_dir("/dev/shm").map_or(0, |d| d.count()) }
+}
+
+impl Resources {
+    /// What `self` holds beyond `baseline`.
+    fn beyond(&self, baseline: &Resources) -> Option<String> {
+        let mut extra = self.descriptors.clone();
+        for d in &baseline.descriptors {
+            if let Some(i) = extra.iter().position(|e| e == d) {
+                extra.remove(i);
+            }
+        }
+        // The listing itself is one descriptor; a pipe with both ends here is a spare lease,
+        // which the lease machinery keeps a varying number of.
+        let both_ends = |d: &String| d.starts_with("pipe:") && self.descriptors.iter().filter(|e| *e == d).count() == 2;
+        extra.retain(|d| !d.starts_with("/proc/") && !both_ends(d));
+        (!extra.is_empty() || self.shm > baseline.shm)
+            .then(|| format!("descriptors {extra:?}, /dev/shm {} (was {})", self.shm, baseline.shm))
+    }
+}
+
+/// Waits until everything this process exported is freed and its descriptors and /dev/shm are
+/// at `baseline` (releases land on lease threads, soon after the death); says what is not.
+fn back_at(baseline: Resources, what: &str) {
+    wait_for_lifetime(WAIT, |s| s.exported_storages == 0 && s.outstanding_leases == 0 && s.relayed_storages == 0)
+        .unwrap_or_else(|e| panic!("{what}: this process's storages are still claimed: {e}"));
+    let deadline = Instant::now() + WAIT;
+    // Memory that the caching allocator keeps for the next tensors is not left behind: it
+    // gives up what no block uses.
+    while let Some(beyond) = (cuda_mp::empty_host_cache(), resources()).1.beyond(&baseline) {
+        assert!(Instant::now() < deadline, "{what}: left behind: {beyond}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// A message: its number, and tensors that hold it in every element.
+type Numbered = (u32, Vec<HostTensor<i32>>);
+
+fn numbered(i: u32, tensors: usize) -> Numbered {
+    (i, (0..tensors).map(|k| HostTensor::full(&[4 + k], i as i32).unwrap()).collect())
+}
+
+fn check(message: &Numbered, seen: &mut BTreeSet<u32>, what: &str) {
+    assert!(seen.insert(message.0), "{what}: message {} arrived twice", message.0);
+    for t in &message.1 {
+        assert!(t.to_vec().iter().all(|&x| x == message.0 as i32), "{what}: message {} is not whole", message.0);
+    }
+}
+
+/// Message 3 carries more descriptors than two packets take (every tensor a memory file of
+/// its own), so that its send writes the rest in batches.
+const MESSAGES: u32 = 6;
+fn tensors_of(i: u32) -> usize {
+    if i == 3 {
+        600
+    } else {
+        2
+    }
+}
+
+/// The victim of the sending points: sends numbered messages of host tensors.
+fn produce((tx, caching): (Sender<Numbered>, bool)) {
+    cuda_mp::set_host_caching(caching);
+    for i in 0..MESSAGES {
+        tx.send(numbered(i, tensors_of(i))).unwrap();
+    }
+}
+
+/// A process to be killed at `point`: the first, second or third time it passes it (the
+/// first for a point that the runs pass once).
+fn victim(point: &str, run: usize) -> Builder {
+    let nth = if point == "descriptor-batch" { 1 } else { 1 + run % 3 };
+    Builder::new().env(KILL_AT_ENV, format!("{point}:{nth}"))
+}
+
+/// A run of `scenario` with nobody killed: it opens what this process opens once (the lease
+/// machinery's threads and spare pipes, the home for descriptors in flight).
+fn warm_up(scenario: impl Fn(Builder, bool)) {
+    for caching in [true, false] {
+        scenario(Builder::new(), caching);
+    }
+    cuda_mp::empty_host_cache();
+    back_at(resources(), "the first runs");
+}
+
+#[test]
+fn a_sender_killed_at_each_point_of_a_send_leaves_nothing_behind() {
+    let _one = common::serial(&SERIAL, WAIT);
+    warm_up(|b, caching| {
+        let (tx, rx) = channel::<Numbered>().unwrap();
+        let child = b.spawn((tx, caching), produce);
+        assert_eq!(rx.iter().count(), MESSAGES as usize);
+        child.join().unwrap();
+    });
+    for point in ["export", "sent", "descriptor-batch"] {
+        assert!(KILL_POINTS.contains(&point));
+        for run in 0..runs() {
+            let what = format!("{point}, run {run}");
+            let baseline = resources();
+            let (tx, rx) = channel::<Numbered>().unwrap();
+            // Every other run with the caching allocator on; a batch of descriptors needs a
+            // memory file per tensor.
+            let caching = run % 2 == 0 && point != "descriptor-batch";
+            let child = victim(point, run).spawn((tx, caching), produce);
+            let mut seen = BTreeSet::new();
+            let mut received = Vec::new();
+            while let Ok(message) = rx.recv_timeout(WAIT) {
+                check(&message, &mut seen, &what);
+                received.push(message);
+            }
+            assert!(child.join().is_err(), "{what}: the sender was not killed");
+            assert!(seen.iter().copied().eq(0..seen.len() as u32), "{what}: a gap in {seen:?}");
+            drop((received, rx));
+            back_at(baseline, &what);
+        }
+    }
+}
+
+/// The victim of the receiving points: receives numbered messages and sends each back (a
+/// forward of storages it holds through this process's claims).
+fn echo((rx, back): (Receiver<Numbered>, Sender<Numbered>)) {
+    for message in rx.iter() {
+        back.send(message).unwrap();
+    }
+}
+
+#[test]
+fn a_receiver_killed_at_each_point_of_a_receive_or_forward_leaves_nothing_behind() {
+    let _one = common::serial(&SERIAL, WAIT);
+    warm_up(|b, caching| {
+        cuda_mp::set_host_caching(caching);
+        let (tx, rx) = channel::<Numbered>().unwrap();
+        let (back_tx, back) = channel::<Numbered>().unwrap();
+        let child = b.spawn((rx, back_tx), echo);
+        for i in 0..MESSAGES {
+            tx.send(numbered(i, 2)).unwrap();
+        }
+        drop(tx);
+        assert_eq!(back.iter().count(), MESSAGES as usize);
+        child.join().unwrap();
+    });
+    for point in ["received", "import", "forward"] {
+        assert!(KILL_POINTS.contains(&point));
+        for run in 0..runs() {
+            let what = format!("{point}, run {run}");
+            // Every other run with the caching allocator on (a segment is mapped once: the
+            // import point needs a memory file per tensor).
+            cuda_mp::set_host_caching(run % 2 == 0 && point != "import");
+            let baseline = resources();
+            let (tx, rx) = channel::<Numbered>().unwrap();
+            let (back_tx, back) = channel::<Numbered>().unwrap();
+            let child = victim(point, run).spawn((rx, back_tx), echo);
+            for i in 0..MESSAGES {
+                // The victim may be dead already: a send to it fails or is never read.
+                let _ = tx.send(numbered(i, 2));
+            }
+            let mut seen = BTreeSet::new();
+            let mut returned = Vec::new();
+            while let Ok(message) = back.recv_timeout(WAIT) {
+                check(&message, &mut seen, &what);
+                returned.push(message);
+            }
+            assert!(child.join().is_err(), "{what}: the receiver was not killed");
+            assert!(seen.len() < MESSAGES as usize, "{what}: every message came back from a killed process");
+            drop((returned, back, tx));
+            back_at(baseline, &what);
+        }
+    }
+    cuda_mp::set_host_caching(true);
+}
+
+/// A consumer of the queue: reports each message it gets, by number.
+fn consume((queue, report): (QueueConsumer<Numbered>, Sender<u32>)) {
+    while let Ok(message) = queue.get() {
+        assert!(message.1.iter().all(|t| t.to_vec().iter().all(|&x| x == message.0 as i32)));
+        report.send(message.0).unwrap();
+    }
+}
+
+#[test]
+fn a_queue_consumer_killed_before_its_acknowledgement_loses_and_repeats_nothing() {
+    let _one = common::serial(&SERIAL, WAIT);
+    const PUT: u32 = 40;
+    warm_up(|b, caching| {
+        cuda_mp::set_host_caching(caching);
+        let queue = Queue::<Numbered>::new().unwrap();
+        let (report_tx, reports) = channel::<u32>().unwrap();
+        let child = b.spawn((queue.consumer(), report_tx), consume);
+        queue.put(numbered(0, 1)).unwrap();
+        drop(queue);
+        assert_eq!(reports.iter().count(), 1);
+        child.join().unwrap();
+    });
+    for run in 0..runs() {
+        let what = format!("queue-delivered, run {run}");
+        let baseline = resources();
+        let queue = Queue::<Numbered>::new().unwrap();
+        let (report_tx, reports) = channel::<u32>().unwrap();
+        let killed = victim("queue-delivered", run).spawn((queue.consumer(), report_tx.clone()), consume);
+        let survivor = Builder::new().spawn((queue.consumer(), report_tx), consume);
+        for i in 0..PUT {
+            queue.put(numbered(i, 1)).unwrap();
+        }
+        drop(queue);
+        let mut seen = BTreeSet::new();
+        while let Ok(i) = reports.recv_timeout(WAIT) {
+            assert!(seen.insert(i), "{what}: message {i} was delivered twice");
+        }
+        assert!(killed.join().is_err(), "{what}: the consumer was not killed");
+        survivor.join().unwrap();
+        assert_eq!(seen, (0..PUT).collect::<BTreeSet<_>>(), "{what}: messages lost");
+        drop(reports);
+        back_at(baseline, &what);
+    }
+}
