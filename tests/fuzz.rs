@@ -241,3 +241,22 @@ fn real_remote_frames_decode_as_their_messages() {
     let said: Vec<String> = fuzz::remote_frame_seeds().unwrap().iter().map(|f| fuzz::remote_frame(f)).collect();
     assert_eq!(said, ["a message of 2 host tensors", "a message of 1 host tensors", "a message of 0 host tensors"]);
 }
+
+/// Decodes a frame whose lease's owner is gone, in a process where `SIGPIPE` has its default
+/// action (as in a C host, or a fuzzer's `main`).
+fn decode_with_default_sigpipe(frame: Vec<u8>) -> String {
+    // SAFETY: gives SIGPIPE its default action in this process; no handler of ours.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    let (descriptors, bytes) = fuzz::split_frame_input(&frame);
+    fuzz::channel_frame(&descriptors, bytes)
+}
+
+/// Writing to a lease whose owner is gone is an error, not a `SIGPIPE` that kills the process
+/// (found by the fuzzer: its `main` keeps the default action).
+#[test]
+fn a_lease_whose_owner_is_gone_kills_no_process_that_keeps_sigpipe() {
+    let seed = seeds().iter().find(|s| fuzz::split_frame_input(s).0.first() == Some(&Descriptor::PipeWrite));
+    let child = cuda_mp::spawn(seed.expect("a frame that introduces a lease").clone(), decode_with_default_sigpipe);
+    let said = child.join().expect("the decoding process lives on");
+    assert!(said.starts_with("a message of"), "{said}");
+}

@@ -101,52 +101,59 @@ fn produce((tx, caching): (Sender<Numbered>, bool)) {
     }
 }
 
-/// A process to be killed at `point`: the first, second or third time it passes it (the
-/// first for a point that the runs pass once).
-fn victim(point: &str, run: usize) -> Builder {
-    let nth = if point == "descriptor-batch" { 1 } else { 1 + run % 3 };
-    Builder::new().env(KILL_AT_ENV, format!("{point}:{nth}"))
+/// A process to be killed at `point` (`None`: a process nobody kills): the first, second or
+/// third time it passes it (the first for a point that the runs pass once).
+fn victim(point: Option<&str>, run: usize) -> Builder {
+    match point {
+        None => Builder::new(),
+        Some(point) => {
+            let nth = if point == "descriptor-batch" { 1 } else { 1 + run % 3 };
+            Builder::new().env(KILL_AT_ENV, format!("{point}:{nth}"))
+        }
+    }
 }
 
-/// A run of `scenario` with nobody killed: it opens what this process opens once (the lease
-/// machinery's threads and spare pipes, the home for descriptors in flight).
-fn warm_up(scenario: impl Fn(Builder, bool)) {
-    for caching in [true, false] {
-        scenario(Builder::new(), caching);
+/// Runs of each scenario with nobody killed: they open what this process opens once (the
+/// lease machinery's threads and spare pipes, the home for descriptors in flight).
+fn warm_up() {
+    for run in 0..2 {
+        sender_round(None, run);
+        receiver_round(None, run);
+        queue_round(None, run);
     }
-    cuda_mp::empty_host_cache();
     back_at(resources(), "the first runs");
+}
+
+/// A process sends numbered messages, killed at `point` of its sends: every message that
+/// arrives is whole, none twice, in order. Returns how many arrived.
+fn sender_round(point: Option<&str>, run: usize) -> usize {
+    let what = format!("{point:?}, run {run}");
+    let (tx, rx) = channel::<Numbered>().unwrap();
+    // Every other run with the caching allocator on; a batch of descriptors needs a memory
+    // file per tensor.
+    let caching = run.is_multiple_of(2) && point != Some("descriptor-batch");
+    let child = victim(point, run).spawn((tx, caching), produce);
+    let mut seen = BTreeSet::new();
+    let mut received = Vec::new();
+    while let Ok(message) = rx.recv_timeout(WAIT) {
+        check(&message, &mut seen, &what);
+        received.push(message);
+    }
+    assert_eq!(child.join().is_err(), point.is_some(), "{what}: killed or not");
+    assert!(seen.iter().copied().eq(0..seen.len() as u32), "{what}: a gap in {seen:?}");
+    seen.len()
 }
 
 #[test]
 fn a_sender_killed_at_each_point_of_a_send_leaves_nothing_behind() {
     let _one = common::serial(&SERIAL, WAIT);
-    warm_up(|b, caching| {
-        let (tx, rx) = channel::<Numbered>().unwrap();
-        let child = b.spawn((tx, caching), produce);
-        assert_eq!(rx.iter().count(), MESSAGES as usize);
-        child.join().unwrap();
-    });
+    warm_up();
     for point in ["export", "sent", "descriptor-batch"] {
         assert!(KILL_POINTS.contains(&point));
         for run in 0..runs() {
-            let what = format!("{point}, run {run}");
             let baseline = resources();
-            let (tx, rx) = channel::<Numbered>().unwrap();
-            // Every other run with the caching allocator on; a batch of descriptors needs a
-            // memory file per tensor.
-            let caching = run % 2 == 0 && point != "descriptor-batch";
-            let child = victim(point, run).spawn((tx, caching), produce);
-            let mut seen = BTreeSet::new();
-            let mut received = Vec::new();
-            while let Ok(message) = rx.recv_timeout(WAIT) {
-                check(&message, &mut seen, &what);
-                received.push(message);
-            }
-            assert!(child.join().is_err(), "{what}: the sender was not killed");
-            assert!(seen.iter().copied().eq(0..seen.len() as u32), "{what}: a gap in {seen:?}");
-            drop((received, rx));
-            back_at(baseline, &what);
+            sender_round(Some(point), run);
+            back_at(baseline, &format!("{point}, run {run}"));
         }
     }
 }
@@ -159,49 +166,49 @@ fn echo((rx, back): (Receiver<Numbered>, Sender<Numbered>)) {
     }
 }
 
+/// A process receives numbered messages of this process's tensors and sends them back,
+/// killed at `point`: what comes back is whole, none twice. Returns how many came back.
+fn receiver_round(point: Option<&str>, run: usize) -> usize {
+    let what = format!("{point:?}, run {run}");
+    // Every other run with the caching allocator on (a segment is mapped once: the import
+    // point needs a memory file per tensor).
+    cuda_mp::set_host_caching(run.is_multiple_of(2) && point != Some("import"));
+    let (tx, rx) = channel::<Numbered>().unwrap();
+    let (back_tx, back) = channel::<Numbered>().unwrap();
+    let child = victim(point, run).spawn((rx, back_tx), echo);
+    for i in 0..MESSAGES {
+        // The victim may be dead already: a send to it fails or is never read.
+        let _ = tx.send(numbered(i, 2));
+    }
+    drop(tx);
+    let mut seen = BTreeSet::new();
+    let mut returned = Vec::new();
+    while let Ok(message) = back.recv_timeout(WAIT) {
+        check(&message, &mut seen, &what);
+        returned.push(message);
+    }
+    assert_eq!(child.join().is_err(), point.is_some(), "{what}: killed or not");
+    if point.is_some() {
+        assert!(seen.len() < MESSAGES as usize, "{what}: every message came back from a killed process");
+    } else {
+        assert_eq!(seen.len(), MESSAGES as usize, "{what}: messages lost");
+    }
+    cuda_mp::set_host_caching(true);
+    seen.len()
+}
+
 #[test]
 fn a_receiver_killed_at_each_point_of_a_receive_or_forward_leaves_nothing_behind() {
     let _one = common::serial(&SERIAL, WAIT);
-    warm_up(|b, caching| {
-        cuda_mp::set_host_caching(caching);
-        let (tx, rx) = channel::<Numbered>().unwrap();
-        let (back_tx, back) = channel::<Numbered>().unwrap();
-        let child = b.spawn((rx, back_tx), echo);
-        for i in 0..MESSAGES {
-            tx.send(numbered(i, 2)).unwrap();
-        }
-        drop(tx);
-        assert_eq!(back.iter().count(), MESSAGES as usize);
-        child.join().unwrap();
-    });
+    warm_up();
     for point in ["received", "import", "forward"] {
         assert!(KILL_POINTS.contains(&point));
         for run in 0..runs() {
-            let what = format!("{point}, run {run}");
-            // Every other run with the caching allocator on (a segment is mapped once: the
-            // import point needs a memory file per tensor).
-            cuda_mp::set_host_caching(run % 2 == 0 && point != "import");
             let baseline = resources();
-            let (tx, rx) = channel::<Numbered>().unwrap();
-            let (back_tx, back) = channel::<Numbered>().unwrap();
-            let child = victim(point, run).spawn((rx, back_tx), echo);
-            for i in 0..MESSAGES {
-                // The victim may be dead already: a send to it fails or is never read.
-                let _ = tx.send(numbered(i, 2));
-            }
-            let mut seen = BTreeSet::new();
-            let mut returned = Vec::new();
-            while let Ok(message) = back.recv_timeout(WAIT) {
-                check(&message, &mut seen, &what);
-                returned.push(message);
-            }
-            assert!(child.join().is_err(), "{what}: the receiver was not killed");
-            assert!(seen.len() < MESSAGES as usize, "{what}: every message came back from a killed process");
-            drop((returned, back, tx));
-            back_at(baseline, &what);
+            receiver_round(Some(point), run);
+            back_at(baseline, &format!("{point}, run {run}"));
         }
     }
-    cuda_mp::set_host_caching(true);
 }
 
 /// A consumer of the queue: reports each message it gets, by number.
@@ -212,39 +219,92 @@ fn consume((queue, report): (QueueConsumer<Numbered>, Sender<u32>)) {
     }
 }
 
+/// Two consumers drain a queue, one of them killed at `point` (a message handed to it and not
+/// yet acknowledged): every message is delivered once. Returns how many.
+fn queue_round(point: Option<&str>, run: usize) -> usize {
+    const PUT: u32 = 40;
+    let what = format!("{point:?}, run {run}");
+    cuda_mp::set_host_caching(run.is_multiple_of(2));
+    let queue = Queue::<Numbered>::new().unwrap();
+    let (report_tx, reports) = channel::<u32>().unwrap();
+    let killed = victim(point, run).spawn((queue.consumer(), report_tx.clone()), consume);
+    let survivor = Builder::new().spawn((queue.consumer(), report_tx), consume);
+    for i in 0..PUT {
+        queue.put(numbered(i, 1)).unwrap();
+    }
+    drop(queue);
+    let mut seen = BTreeSet::new();
+    while let Ok(i) = reports.recv_timeout(WAIT) {
+        assert!(seen.insert(i), "{what}: message {i} was delivered twice");
+    }
+    assert_eq!(killed.join().is_err(), point.is_some(), "{what}: killed or not");
+    survivor.join().unwrap();
+    assert_eq!(seen, (0..PUT).collect::<BTreeSet<_>>(), "{what}: messages lost");
+    cuda_mp::set_host_caching(true);
+    seen.len()
+}
+
 #[test]
 fn a_queue_consumer_killed_before_its_acknowledgement_loses_and_repeats_nothing() {
     let _one = common::serial(&SERIAL, WAIT);
-    const PUT: u32 = 40;
-    warm_up(|b, caching| {
-        cuda_mp::set_host_caching(caching);
-        let queue = Queue::<Numbered>::new().unwrap();
-        let (report_tx, reports) = channel::<u32>().unwrap();
-        let child = b.spawn((queue.consumer(), report_tx), consume);
-        queue.put(numbered(0, 1)).unwrap();
-        drop(queue);
-        assert_eq!(reports.iter().count(), 1);
-        child.join().unwrap();
-    });
+    warm_up();
     for run in 0..runs() {
-        let what = format!("queue-delivered, run {run}");
         let baseline = resources();
-        let queue = Queue::<Numbered>::new().unwrap();
-        let (report_tx, reports) = channel::<u32>().unwrap();
-        let killed = victim("queue-delivered", run).spawn((queue.consumer(), report_tx.clone()), consume);
-        let survivor = Builder::new().spawn((queue.consumer(), report_tx), consume);
-        for i in 0..PUT {
-            queue.put(numbered(i, 1)).unwrap();
-        }
-        drop(queue);
-        let mut seen = BTreeSet::new();
-        while let Ok(i) = reports.recv_timeout(WAIT) {
-            assert!(seen.insert(i), "{what}: message {i} was delivered twice");
-        }
-        assert!(killed.join().is_err(), "{what}: the consumer was not killed");
-        survivor.join().unwrap();
-        assert_eq!(seen, (0..PUT).collect::<BTreeSet<_>>(), "{what}: messages lost");
-        drop(reports);
-        back_at(baseline, &what);
+        queue_round(Some("queue-delivered"), run);
+        back_at(baseline, &format!("queue-delivered, run {run}"));
     }
+}
+
+/// Rounds of the three scenarios in a random order, each with a random kill point (or none),
+/// for `CUDA_MP_SOAK_SECS` seconds (120; 3,600 for the hour-long soak); every round ends with
+/// this process back at its baseline. Prints one summary line.
+#[test]
+#[ignore = "a soak of CUDA_MP_SOAK_SECS seconds (120): cargo test --release --test kill_points -- --ignored"]
+fn soak_of_random_rounds_and_kills() {
+    let _one = common::serial(&SERIAL, WAIT);
+    let secs: u64 = std::env::var("CUDA_MP_SOAK_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(120);
+    warm_up();
+    let start = resources();
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let mut state = seed | 1;
+    let mut random = |n: usize| {
+        // xorshift64: enough to pick rounds.
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n as u64) as usize
+    };
+    let (mut rounds, mut kills, mut messages) = (0usize, 0usize, 0usize);
+    let began = Instant::now();
+    while began.elapsed() < Duration::from_secs(secs) {
+        let scenario = random(3);
+        let points: &[&str] = match scenario {
+            0 => &["export", "sent", "descriptor-batch"],
+            1 => &["received", "import", "forward"],
+            _ => &["queue-delivered"],
+        };
+        // About two rounds in five without a kill.
+        let pick = random(points.len() * 4 / 3 + 1);
+        let point = points.get(pick).copied();
+        let run = random(6);
+        let baseline = resources();
+        messages += match scenario {
+            0 => sender_round(point, run),
+            1 => receiver_round(point, run),
+            _ => queue_round(point, run),
+        };
+        back_at(baseline, &format!("soak round {rounds} (seed {seed}): {point:?}, run {run}"));
+        rounds += 1;
+        kills += usize::from(point.is_some());
+    }
+    let end = resources();
+    println!(
+        "soak: {} s, {rounds} rounds ({kills} with a kill), {messages} messages checked, descriptors {} -> {}, \
+         /dev/shm {} -> {}, this process's storages all freed (seed {seed})",
+        began.elapsed().as_secs(),
+        start.descriptors.len(),
+        end.descriptors.len(),
+        start.shm,
+        end.shm
+    );
 }

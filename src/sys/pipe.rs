@@ -16,6 +16,25 @@ use rustix::pipe::{pipe_with, PipeFlags, PIPE_BUF};
 /// writers never interleave.
 pub(crate) const RECORD_MAX: usize = PIPE_BUF;
 
+/// Makes a write to a pipe whose reading end is gone (a lease whose owner died) fail with
+/// `EPIPE` instead of raising `SIGPIPE`, whose default action kills the process. Rust's own
+/// `main` and Python ignore the signal already; a C or C++ host, a fuzzer's `main`, or a
+/// program built to die on broken pipes may not. Only the default action is replaced: a
+/// handler the program installed is kept.
+fn ignore_broken_pipes() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: `sigaction` with no new action only reads the current one into `old`, a
+        // valid, writable struct; `signal` with `SIG_IGN` installs no function of ours.
+        unsafe {
+            let mut old: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(libc::SIGPIPE, std::ptr::null(), &mut old) == 0 && old.sa_sigaction == libc::SIG_DFL {
+                libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+            }
+        }
+    });
+}
+
 /// A new pipe: its reading end (non-blocking: only the owner reads it) and its writing end.
 pub(crate) fn lease_pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     let (read, write) = pipe_with(PipeFlags::CLOEXEC)?;
@@ -34,6 +53,7 @@ pub(crate) fn is_pipe_writer(fd: BorrowedFd<'_>) -> bool {
 /// Writes one record (at most [`RECORD_MAX`] bytes) to a pipe's writing end, whole, waiting
 /// while the pipe is full.
 pub(crate) fn write_record(pipe: BorrowedFd<'_>, record: &[u8]) -> io::Result<()> {
+    ignore_broken_pipes();
     if record.is_empty() || record.len() > RECORD_MAX {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "a record of no bytes, or too many"));
     }
