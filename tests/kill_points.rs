@@ -219,26 +219,36 @@ fn consume((queue, report): (QueueConsumer<Numbered>, Sender<u32>)) {
     }
 }
 
-/// Two consumers drain a queue, one of them killed at `point` (a message handed to it and not
-/// yet acknowledged): every message is delivered once. Returns how many.
+/// Two consumers drain a queue, the first killed at `point` (its first, second or third
+/// message handed to it and not yet acknowledged) before the second starts: every message is
+/// delivered once. Returns how many.
 fn queue_round(point: Option<&str>, run: usize) -> usize {
     const PUT: u32 = 40;
     let what = format!("{point:?}, run {run}");
     cuda_mp::set_host_caching(run.is_multiple_of(2));
     let queue = Queue::<Numbered>::new().unwrap();
     let (report_tx, reports) = channel::<u32>().unwrap();
-    let killed = victim(point, run).spawn((queue.consumer(), report_tx.clone()), consume);
-    let survivor = Builder::new().spawn((queue.consumer(), report_tx), consume);
+    let first = victim(point, run).spawn((queue.consumer(), report_tx.clone()), consume);
     for i in 0..PUT {
         queue.put(numbered(i, 1)).unwrap();
     }
+    // With every message waiting, the first consumer reaches its kill point for sure; what it
+    // had been handed, and had not acknowledged, goes to the second.
+    let (killed, first) = match point {
+        Some(_) => (Some(first.join().is_err()), None),
+        None => (None, Some(first)),
+    };
+    let second = Builder::new().spawn((queue.consumer(), report_tx), consume);
     drop(queue);
     let mut seen = BTreeSet::new();
     while let Ok(i) = reports.recv_timeout(WAIT) {
         assert!(seen.insert(i), "{what}: message {i} was delivered twice");
     }
-    assert_eq!(killed.join().is_err(), point.is_some(), "{what}: killed or not");
-    survivor.join().unwrap();
+    second.join().unwrap();
+    if let Some(first) = first {
+        first.join().unwrap();
+    }
+    assert!(killed.is_none_or(|killed| killed), "{what}: the consumer was not killed");
     assert_eq!(seen, (0..PUT).collect::<BTreeSet<_>>(), "{what}: messages lost");
     cuda_mp::set_host_caching(true);
     seen.len()
