@@ -32,6 +32,11 @@ use serde::{Deserialize, Serialize};
 /// How long a deposit of spawn arguments waits for its child.
 const ARGUMENT_TTL: Duration = Duration::from_secs(120);
 
+/// How long a revocation subscription waits at its subscriber's home for the owner's fetch:
+/// an owner that is there fetches it within milliseconds; one that died first never will,
+/// and its subscriber learns so when the deposit is dropped.
+pub(crate) const SUBSCRIPTION_TTL: Duration = Duration::from_secs(2);
+
 /// How long a fetch waits for the home's answer.
 const FETCH_WAIT: Duration = Duration::from_secs(30);
 
@@ -103,11 +108,34 @@ pub(crate) fn ticket() -> Result<SpawnTicket> {
 /// is fetched, and returns its index there; `arguments`: the deposit expires after
 /// [`ARGUMENT_TTL`].
 pub(crate) fn append(ticket: &SpawnTicket, fd: Held, arguments: bool) -> Result<u32> {
+    deposit(ticket, fd, arguments.then_some(ARGUMENT_TTL))
+}
+
+/// Like [`append`], for a deposit that expires after `ttl`.
+pub(crate) fn append_expiring(ticket: &SpawnTicket, fd: Held, ttl: Duration) -> Result<u32> {
+    deposit(ticket, fd, Some(ttl))
+}
+
+/// Drops every deposit whose time is up: their descriptors close now, not at the next deposit.
+pub(crate) fn expire() {
+    let Ok(home) = home() else { return };
+    let now = Instant::now();
+    let expired: Vec<Deposit> = {
+        let mut deposits = lock(home);
+        let keys: Vec<u128> =
+            deposits.iter().filter(|(_, d)| d.expires.is_some_and(|e| e <= now)).map(|(k, _)| *k).collect();
+        keys.iter().filter_map(|k| deposits.remove(k)).collect()
+    };
+    // Closed outside the lock.
+    drop(expired);
+}
+
+fn deposit(ticket: &SpawnTicket, fd: Held, ttl: Option<Duration>) -> Result<u32> {
     let home = home()?;
     let mut deposits = lock(home);
     let now = Instant::now();
     deposits.retain(|_, d| d.expires.is_none_or(|e| e > now));
-    let expires = arguments.then(|| now + ARGUMENT_TTL);
+    let expires = ttl.map(|ttl| now + ttl);
     let deposit = deposits.entry(ticket.token).or_insert_with(|| Deposit { fds: Vec::new(), expires });
     deposit.fds.push(fd);
     Ok(deposit.fds.len() as u32 - 1)

@@ -207,6 +207,20 @@ fn many_handoffs_leave_nothing_behind() {
         .expect("every storage freed");
     assert_eq!(after.freed_storages, before.freed_storages + 500);
     assert_eq!(after.leases_granted - before.leases_granted, 1, "one lease for the connection, none per message");
-    let fds_after = std::fs::read_dir("/proc/self/fd").unwrap().count();
-    assert!(fds_after <= fds_before + 4, "descriptors leak: {fds_before} before, {fds_after} after");
+    // The child's descriptors of this process's (its subscription, its connection) close on
+    // the lease threads, soon after it exits: not always before the join returns. A segment
+    // the caching allocator made while blocks were on their way back is memory kept for the
+    // next tensors, not a leak: it is given up first.
+    let open = || std::fs::read_dir("/proc/self/fd").unwrap().count();
+    let deadline = std::time::Instant::now() + WAIT;
+    while (cuda_mp::empty_host_cache(), open()).1 > fds_before + 4 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let fds_after = open();
+    let what: Vec<_> = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .map(|p| p.display().to_string())
+        .collect();
+    assert!(fds_after <= fds_before + 4, "descriptors leak: {fds_before} before, {fds_after} after: {what:?}");
 }

@@ -32,10 +32,6 @@ enum Watched {
     /// This process's end of subscriber `n`'s revocation socket, which nothing is sent to:
     /// its end means the subscriber is gone.
     Subscriber(u64),
-    /// A copy of a lease on the storages of the owner with this token, watched from a
-    /// subscription until the owner's table arrives: its reading end closing means the owner
-    /// died before it fetched the subscription, which is then taken back.
-    Subscribing(u128),
 }
 
 /// The reading end of what the reaper watches: a lease pipe, or a revocation socket.
@@ -74,9 +70,9 @@ pub(super) struct Reaper {
     watched: Mutex<HashMap<u64, Entry>>,
     next_id: Mutex<u64>,
     spares: Mutex<Vec<(u64, Arc<OwnedFd>)>>,
-    /// Subscriptions whose owner has not answered yet: their deposit, and the watch of the
-    /// owner's lease.
-    subscribing: Mutex<HashMap<u128, (crate::handover::SpawnTicket, u64)>>,
+    /// Subscriptions whose owner has not answered yet, by owner, with when their deposit
+    /// expires: while there are any, the reaper wakes to drop the expired ones.
+    subscribing: Mutex<HashMap<u128, std::time::Instant>>,
     /// Set once this process grants a lease: only then are spare lease channels kept.
     granting: AtomicBool,
 }
@@ -190,7 +186,10 @@ pub(super) fn subscribe(owner: u128, lease: &Lease) -> bool {
     }
     let Ok((tx, rx)) = Socket::pair() else { return false };
     let Ok(ticket) = crate::handover::ticket() else { return false };
-    if crate::handover::append(&ticket, Arc::new(tx), true).is_err() {
+    // An owner that died before it fetched the subscription never will: when the deposit
+    // expires its socket closes, which ends the subscription as the owner's death does.
+    let expires = std::time::Instant::now() + crate::handover::SUBSCRIPTION_TTL;
+    if crate::handover::append_expiring(&ticket, Arc::new(tx), crate::handover::SUBSCRIPTION_TTL).is_err() {
         return false;
     }
     // A lease that takes no record (its owner gone, or not a lease's writing end) is no way to
@@ -203,25 +202,24 @@ pub(super) fn subscribe(owner: u128, lease: &Lease) -> bool {
         crate::handover::withdraw(&ticket);
         return false;
     }
-    // Until the owner answers, a copy of its lease tells whether it is still there (the copy
-    // holds the lease open only that long).
-    if let Ok(copy) = lease.tx.try_clone() {
-        if let Ok(id) = reaper.watch(Watched::Subscribing(owner), Source::Pipe(Arc::new(copy))) {
-            lock(&reaper.subscribing).insert(owner, (ticket, id));
-        }
-    }
+    lock(&reaper.subscribing).insert(owner, expires);
+    // The reaper may be waiting without a deadline.
+    crate::sys::ring(&reaper.bell);
     true
 }
 
-/// The owner's answer came, or the owner is gone: its lease is no longer watched for the
-/// subscription.
-fn subscribed(reaper: &Reaper, owner: u128) {
-    let pending = lock(&reaper.subscribing).remove(&owner);
-    if let Some((_, id)) = pending {
-        if let Some(entry) = lock(&reaper.watched).remove(&id) {
-            let _ = epoll::delete(&reaper.epoll, entry.source.fd());
-        }
+/// How long the reaper may wait: until the next subscription's deposit expires, if any.
+fn next_expiry(reaper: &Reaper) -> Option<std::time::Duration> {
+    let now = std::time::Instant::now();
+    let mut subscribing = lock(&reaper.subscribing);
+    if subscribing.values().any(|&e| e <= now) {
+        subscribing.retain(|_, e| *e > now);
+        drop(subscribing);
+        crate::handover::expire();
+        subscribing = lock(&reaper.subscribing);
     }
+    // A millisecond past the deadline, so that the deposit has expired when the wait ends.
+    subscribing.values().min().map(|e| e.saturating_duration_since(now) + std::time::Duration::from_millis(1))
 }
 
 /// Subscriptions (and spawn arguments) waiting for a fetch at most, before a receiver stops
@@ -234,7 +232,9 @@ fn reap() {
     let mut events = Vec::with_capacity(256);
     loop {
         events.clear();
-        if let Err(e) = epoll::wait(&reaper.epoll, rustix::buffer::spare_capacity(&mut events), None) {
+        let timeout = next_expiry(reaper)
+            .map(|d| rustix::time::Timespec { tv_sec: d.as_secs() as _, tv_nsec: d.subsec_nanos() as _ });
+        if let Err(e) = epoll::wait(&reaper.epoll, rustix::buffer::spare_capacity(&mut events), timeout.as_ref()) {
             if e == rustix::io::Errno::INTR {
                 continue;
             }
@@ -253,8 +253,6 @@ fn reap() {
             };
             let open = match (&source, what) {
                 (Source::Socket(socket), Watched::Subscriber(_)) => subscriber_open(socket),
-                // A writing end is only ever reported when its reading end is gone.
-                (Source::Pipe(_), Watched::Subscribing(_)) => false,
                 (Source::Pipe(pipe), _) => drain_lease(reaper, id, pipe),
                 (Source::Socket(socket), _) => drain_revocations(reaper, id, socket),
             };
@@ -326,7 +324,8 @@ fn drain_revocations(reaper: &Reaper, id: u64, socket: &Socket) -> bool {
         let Some(Watched::Revocations(owner)) = what else { continue };
         match postcard::from_bytes::<Revocation>(&message.bytes) {
             Ok(Revocation::Table) => {
-                subscribed(reaper, owner);
+                // The owner fetched the subscription: nothing of it is left to expire.
+                lock(&reaper.subscribing).remove(&owner);
                 if let Some(memory) = lease::table_memory(message.fds) {
                     table_arrived(owner, Table::from_memory(memory));
                 }
@@ -365,19 +364,8 @@ fn closed(reaper: &Reaper, id: u64) {
         let _ = epoll::delete(&reaper.epoll, entry.source.fd());
         match entry.what {
             Watched::Lease(key) => lease_closed(key),
-            Watched::Revocations(owner) => {
-                subscribed(reaper, owner);
-                owner_gone(owner)
-            }
+            Watched::Revocations(owner) => owner_gone(owner),
             Watched::Subscriber(n) => owner().subscribers.retain(|(k, _)| *k != n),
-            // The owner died before it fetched the subscription: taking it back closes the
-            // revocation socket's other end, which ends the subscription as an owner's death does.
-            Watched::Subscribing(owner) => {
-                let pending = lock(&reaper.subscribing).remove(&owner);
-                if let Some((ticket, _)) = pending {
-                    crate::handover::withdraw(&ticket);
-                }
-            }
             Watched::Spare => {}
         }
     }
