@@ -35,7 +35,7 @@ const ARGUMENT_TTL: Duration = Duration::from_secs(120);
 /// How long a revocation subscription waits at its subscriber's home for the owner's fetch:
 /// an owner that is there fetches it within milliseconds; one that died first never will,
 /// and its subscriber learns so when the deposit is dropped.
-pub(crate) const SUBSCRIPTION_TTL: Duration = Duration::from_secs(2);
+pub(crate) const SUBSCRIPTION_TTL: Duration = Duration::from_secs(1);
 
 /// How long a fetch waits for the home's answer.
 const FETCH_WAIT: Duration = Duration::from_secs(30);

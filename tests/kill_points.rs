@@ -265,7 +265,49 @@ fn a_queue_consumer_killed_before_its_acknowledgement_loses_and_repeats_nothing(
     }
 }
 
-/// Rounds of the three scenarios in a random order, each with a random kill point (or none),
+/// The victim of the dispatcher's point: makes a queue, hands its consumer end to the test,
+/// puts numbered messages, and waits to be killed (its dispatcher hands the messages out as
+/// the test's consumer asks for them).
+fn dispatch((consumers, caching): (Sender<QueueConsumer<Numbered>>, bool)) {
+    cuda_mp::set_host_caching(caching);
+    let queue = Queue::<Numbered>::new().unwrap();
+    consumers.send(queue.consumer()).unwrap();
+    for i in 0..MESSAGES {
+        queue.put(numbered(i, 2)).unwrap();
+    }
+    std::thread::sleep(WAIT);
+}
+
+/// A queue's own process, killed in its dispatcher after handing a message out: what the
+/// consumer got is whole and not twice, and the consumer sees the queue end. Returns how many.
+fn dispatcher_round(point: &str, run: usize) -> usize {
+    let what = format!("{point}, run {run}");
+    let (tx, rx) = channel::<QueueConsumer<Numbered>>().unwrap();
+    let child = victim(Some(point), run).spawn((tx, run.is_multiple_of(2)), dispatch);
+    let consumer = rx.recv_timeout(WAIT).unwrap();
+    let mut seen = BTreeSet::new();
+    let mut got = Vec::new();
+    while let Ok(message) = consumer.get_timeout(WAIT) {
+        check(&message, &mut seen, &what);
+        got.push(message);
+    }
+    assert!(child.join().is_err(), "{what}: the dispatcher was not killed");
+    assert!(seen.len() < MESSAGES as usize, "{what}: every message came from a killed dispatcher");
+    seen.len()
+}
+
+#[test]
+fn a_queue_killed_in_its_dispatcher_after_a_hand_out_leaves_nothing_behind() {
+    let _one = common::serial(&SERIAL, WAIT);
+    warm_up();
+    for run in 0..runs() {
+        let baseline = resources();
+        dispatcher_round("queue-handed", run);
+        back_at(baseline, &format!("queue-handed, run {run}"));
+    }
+}
+
+/// Rounds of the four scenarios in a random order, each with a random kill point (or none),
 /// for `CUDA_MP_SOAK_SECS` seconds (120; 3,600 for the hour-long soak); every round ends with
 /// this process back at its baseline. Prints one summary line.
 #[test]
@@ -287,21 +329,25 @@ fn soak_of_random_rounds_and_kills() {
     let (mut rounds, mut kills, mut messages) = (0usize, 0usize, 0usize);
     let began = Instant::now();
     while began.elapsed() < Duration::from_secs(secs) {
-        let scenario = random(3);
+        let scenario = random(4);
         let points: &[&str] = match scenario {
             0 => &["export", "sent", "descriptor-batch"],
             1 => &["received", "import", "forward"],
-            _ => &["queue-delivered"],
+            2 => &["queue-delivered"],
+            _ => &["queue-handed"],
         };
         // About two rounds in five without a kill.
         let pick = random(points.len() * 4 / 3 + 1);
         let point = points.get(pick).copied();
         let run = random(6);
         let baseline = resources();
-        messages += match scenario {
-            0 => sender_round(point, run),
-            1 => receiver_round(point, run),
-            _ => queue_round(point, run),
+        messages += match (scenario, point) {
+            (0, _) => sender_round(point, run),
+            (1, _) => receiver_round(point, run),
+            (2, _) => queue_round(point, run),
+            // Without a kill, a queue's own process is the queue round's.
+            (_, Some(point)) => dispatcher_round(point, run),
+            (_, None) => queue_round(None, run),
         };
         back_at(baseline, &format!("soak round {rounds} (seed {seed}): {point:?}, run {run}"));
         rounds += 1;

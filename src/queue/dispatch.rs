@@ -419,6 +419,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
         };
         match replies.send(Reply::Item(Slot::Shared(item.clone()))) {
             Ok(()) => {
+                crate::sys::kill_point("queue-handed");
                 if let Some(c) = self.consumers.get_mut(&id) {
                     c.in_flight.push_back(item);
                 }

@@ -8,7 +8,7 @@
 
 /// The points, in the order an operation passes them.
 #[cfg(any(test, feature = "testing"))]
-pub const POINTS: [&str; 7] = [
+pub const POINTS: [&str; 8] = [
     // A storage's claim is made for a message being encoded; nothing is sent yet.
     "export",
     // A message's frame has been written to the channel's socket.
@@ -21,6 +21,8 @@ pub const POINTS: [&str; 7] = [
     "import",
     // A received storage is being sent on: its relay's claim is made.
     "forward",
+    // A queue's dispatcher has handed a message to a consumer, not yet acknowledged.
+    "queue-handed",
     // A queue's consumer holds a message the dispatcher handed it, not yet acknowledged.
     "queue-delivered",
 ];
