@@ -75,6 +75,32 @@ fn numbered(i: u32, tensors: usize) -> Numbered {
     (i, (0..tensors).map(|k| HostTensor::full(&[4 + k], i as i32).unwrap()).collect())
 }
 
+/// Takes messages from `next` until it has none, each checked: their numbers, and the
+/// messages (held until the caller drops them).
+fn arrivals(mut next: impl FnMut() -> Option<Numbered>, what: &str) -> (BTreeSet<u32>, Vec<Numbered>) {
+    let (mut seen, mut kept) = (BTreeSet::new(), Vec::new());
+    while let Some(message) = next() {
+        check(&message, &mut seen, what);
+        kept.push(message);
+    }
+    (seen, kept)
+}
+
+/// Runs `round` (with its kill point and run number) `runs()` times at each of `points`, one
+/// test at a time, after a warm-up; each run ends with this process back at its baseline.
+fn every_run_at(points: &[&str], round: impl Fn(&str, usize)) {
+    let _one = common::serial(&SERIAL, WAIT);
+    warm_up();
+    for &point in points {
+        assert!(KILL_POINTS.contains(&point));
+        for run in 0..runs() {
+            let baseline = resources();
+            round(point, run);
+            back_at(baseline, &format!("{point}, run {run}"));
+        }
+    }
+}
+
 fn check(message: &Numbered, seen: &mut BTreeSet<u32>, what: &str) {
     assert!(seen.insert(message.0), "{what}: message {} arrived twice", message.0);
     for t in &message.1 {
@@ -133,12 +159,7 @@ fn sender_round(point: Option<&str>, run: usize) -> usize {
     // file per tensor.
     let caching = run.is_multiple_of(2) && point != Some("descriptor-batch");
     let child = victim(point, run).spawn((tx, caching), produce);
-    let mut seen = BTreeSet::new();
-    let mut received = Vec::new();
-    while let Ok(message) = rx.recv_timeout(WAIT) {
-        check(&message, &mut seen, &what);
-        received.push(message);
-    }
+    let (seen, _received) = arrivals(|| rx.recv_timeout(WAIT).ok(), &what);
     assert_eq!(child.join().is_err(), point.is_some(), "{what}: killed or not");
     assert!(seen.iter().copied().eq(0..seen.len() as u32), "{what}: a gap in {seen:?}");
     seen.len()
@@ -146,16 +167,9 @@ fn sender_round(point: Option<&str>, run: usize) -> usize {
 
 #[test]
 fn a_sender_killed_at_each_point_of_a_send_leaves_nothing_behind() {
-    let _one = common::serial(&SERIAL, WAIT);
-    warm_up();
-    for point in ["export", "sent", "descriptor-batch"] {
-        assert!(KILL_POINTS.contains(&point));
-        for run in 0..runs() {
-            let baseline = resources();
-            sender_round(Some(point), run);
-            back_at(baseline, &format!("{point}, run {run}"));
-        }
-    }
+    every_run_at(&["export", "sent", "descriptor-batch"], |point, run| {
+        sender_round(Some(point), run);
+    });
 }
 
 /// The victim of the receiving points: receives numbered messages and sends each back (a
@@ -181,12 +195,7 @@ fn receiver_round(point: Option<&str>, run: usize) -> usize {
         let _ = tx.send(numbered(i, 2));
     }
     drop(tx);
-    let mut seen = BTreeSet::new();
-    let mut returned = Vec::new();
-    while let Ok(message) = back.recv_timeout(WAIT) {
-        check(&message, &mut seen, &what);
-        returned.push(message);
-    }
+    let (seen, _returned) = arrivals(|| back.recv_timeout(WAIT).ok(), &what);
     assert_eq!(child.join().is_err(), point.is_some(), "{what}: killed or not");
     if point.is_some() {
         assert!(seen.len() < MESSAGES as usize, "{what}: every message came back from a killed process");
@@ -199,16 +208,9 @@ fn receiver_round(point: Option<&str>, run: usize) -> usize {
 
 #[test]
 fn a_receiver_killed_at_each_point_of_a_receive_or_forward_leaves_nothing_behind() {
-    let _one = common::serial(&SERIAL, WAIT);
-    warm_up();
-    for point in ["received", "import", "forward"] {
-        assert!(KILL_POINTS.contains(&point));
-        for run in 0..runs() {
-            let baseline = resources();
-            receiver_round(Some(point), run);
-            back_at(baseline, &format!("{point}, run {run}"));
-        }
-    }
+    every_run_at(&["received", "import", "forward"], |point, run| {
+        receiver_round(Some(point), run);
+    });
 }
 
 /// A consumer of the queue: reports each message it gets, by number.
@@ -256,13 +258,9 @@ fn queue_round(point: Option<&str>, run: usize) -> usize {
 
 #[test]
 fn a_queue_consumer_killed_before_its_acknowledgement_loses_and_repeats_nothing() {
-    let _one = common::serial(&SERIAL, WAIT);
-    warm_up();
-    for run in 0..runs() {
-        let baseline = resources();
-        queue_round(Some("queue-delivered"), run);
-        back_at(baseline, &format!("queue-delivered, run {run}"));
-    }
+    every_run_at(&["queue-delivered"], |point, run| {
+        queue_round(Some(point), run);
+    });
 }
 
 /// The victim of the dispatcher's point: makes a queue, hands its consumer end to the test,
@@ -285,12 +283,7 @@ fn dispatcher_round(point: &str, run: usize) -> usize {
     let (tx, rx) = channel::<QueueConsumer<Numbered>>().unwrap();
     let child = victim(Some(point), run).spawn((tx, run.is_multiple_of(2)), dispatch);
     let consumer = rx.recv_timeout(WAIT).unwrap();
-    let mut seen = BTreeSet::new();
-    let mut got = Vec::new();
-    while let Ok(message) = consumer.get_timeout(WAIT) {
-        check(&message, &mut seen, &what);
-        got.push(message);
-    }
+    let (seen, _got) = arrivals(|| consumer.get_timeout(WAIT).ok(), &what);
     assert!(child.join().is_err(), "{what}: the dispatcher was not killed");
     assert!(seen.len() < MESSAGES as usize, "{what}: every message came from a killed dispatcher");
     seen.len()
@@ -298,13 +291,9 @@ fn dispatcher_round(point: &str, run: usize) -> usize {
 
 #[test]
 fn a_queue_killed_in_its_dispatcher_after_a_hand_out_leaves_nothing_behind() {
-    let _one = common::serial(&SERIAL, WAIT);
-    warm_up();
-    for run in 0..runs() {
-        let baseline = resources();
-        dispatcher_round("queue-handed", run);
-        back_at(baseline, &format!("queue-handed, run {run}"));
-    }
+    every_run_at(&["queue-handed"], |point, run| {
+        dispatcher_round(point, run);
+    });
 }
 
 /// Rounds of the four scenarios in a random order, each with a random kill point (or none),
