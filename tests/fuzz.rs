@@ -105,18 +105,23 @@ fn mutation() -> impl Strategy<Value = Mutation> {
         .prop_map(|(seed, edits, cut, descriptors)| Mutation { seed, edits, cut, descriptors })
 }
 
+/// This process's descriptors once they are down to `before`, or after 5 s: claims are
+/// released, and their descriptors closed, by this process's lease threads, soon after a
+/// decode, not always before it returns.
+fn settled_descriptors(before: usize) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while open_descriptors() > before && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    open_descriptors()
+}
+
 /// Runs `decode` on `input` and checks that no descriptor is left over.
 fn decodes_without_leaking(decode: fn(&[Descriptor], &[u8]) -> String, input: &[u8]) -> String {
     let (descriptors, bytes) = fuzz::split_frame_input(input);
     let before = open_descriptors();
     let said = decode(&descriptors, bytes);
-    // Claims are released, and their descriptors closed, by this process's lease threads:
-    // soon after, not always before the decode returns.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while open_descriptors() > before && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_micros(200));
-    }
-    let after = open_descriptors();
+    let after = settled_descriptors(before);
     assert!(
         after <= before,
         "{after} descriptors where {before} were, 5 s after {said:?} from {descriptors:?} and {} bytes",
@@ -209,11 +214,7 @@ fn a_lease_that_takes_no_record_leaves_nothing_waiting() {
     for _ in 0..50 {
         assert!(fuzz::channel_frame(&descriptors, bytes).starts_with("a message of"));
     }
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while open_descriptors() > before && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    assert!(open_descriptors() <= before, "50 messages of a storage whose owner cannot be reached");
+    assert!(settled_descriptors(before) <= before, "50 messages of a storage whose owner cannot be reached");
 }
 
 /// Writes the captured frames as the fuzz targets' seeds: `CUDA_MP_FUZZ_SEEDS=fuzz/seeds cargo
