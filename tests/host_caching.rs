@@ -71,7 +71,10 @@ fn fresh_tensors_are_cut_from_one_segment_that_the_receiver_maps_once() {
         assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), i);
     }
     drop(tx);
-    let (segments, mappings) = done_rx.recv_timeout(WAIT).unwrap();
+    let (segments, mappings) = match done_rx.recv_timeout(WAIT) {
+        Ok(counts) => counts,
+        Err(e) => panic!("no counts from the receiver ({e}); it ended with {:?}", child.join()),
+    };
     child.join().unwrap();
     let after = host_allocator_stats();
     // 500 fresh 16 KiB tensors, 8 in flight, fit one 2 MiB segment when every release has
