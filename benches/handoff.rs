@@ -253,12 +253,25 @@ fn drop_each((rx, ack): (Receiver<GpuTensor<u8>>, Sender<()>)) {
     }
 }
 
+/// Row s's consumer that uses each tensor: it reads one byte back (a copy after the sender's
+/// zeroing) before dropping it.
+fn read_each((rx, ack): (Receiver<GpuTensor<u8>>, Sender<()>)) {
+    while let Ok(t) = rx.recv() {
+        let byte = t.narrow(0, 0, 1).and_then(|b| b.to_vec());
+        drop(t);
+        if byte.is_err() || ack.send(()).is_err() {
+            break;
+        }
+    }
+}
+
 /// Row s: `n` fresh 1 MiB tensors (zeroed by a kernel, or left as allocated), at most `window`
-/// unacknowledged; tensors per second.
-fn fresh_rate(dev: &std::sync::Arc<Device>, n: usize, window: usize, zeroed: bool) -> f64 {
+/// unacknowledged, to a consumer that drops each (or reads a byte of each first); tensors per
+/// second.
+fn fresh_rate(dev: &std::sync::Arc<Device>, n: usize, window: usize, zeroed: bool, read: bool) -> f64 {
     let (tx, rx) = channel().unwrap();
     let (ack_tx, ack) = channel().unwrap();
-    let child = spawn((rx, ack_tx), drop_each);
+    let child = if read { spawn((rx, ack_tx), read_each) } else { spawn((rx, ack_tx), drop_each) };
     let send = |k: usize| {
         for _ in 0..k {
             let t =
@@ -693,10 +706,11 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, only: Option<&str>, r: &m
     if want("s") {
         let n = if quick { 5_000 } else { 20_000 };
         let caching = dev.caching();
-        r.ours.insert("s_fresh1M".into(), (fresh_rate(dev, n, 64, true), 0.0));
-        r.ours.insert("s_empty1M".into(), (fresh_rate(dev, n, 64, false), 0.0));
+        r.ours.insert("s_fresh1M".into(), (fresh_rate(dev, n, 64, true, false), 0.0));
+        r.ours.insert("s_empty1M".into(), (fresh_rate(dev, n, 64, false, false), 0.0));
+        r.ours.insert("s_read".into(), (fresh_rate(dev, n, 64, true, true), 0.0));
         dev.set_caching(false);
-        r.ours.insert("s_nocache".into(), (fresh_rate(dev, n, 64, true), 0.0));
+        r.ours.insert("s_nocache".into(), (fresh_rate(dev, n, 64, true, false), 0.0));
         dev.set_caching(caching);
     }
 }
@@ -775,6 +789,9 @@ fn print_table(r: &Results) {
             fmt(torch, 0),
             fmt(torch, 1)
         );
+    }
+    if let Some(s) = r.ours.get("s_read") {
+        println!("\ncuda-mp row s (zeros) to a consumer that reads a byte of each before dropping it: {:.0}/s", s.0);
     }
     if let Some(s) = r.ours.get("s_nocache") {
         println!("\ncuda-mp row s without the caching allocator (one allocation per tensor): {:.0}/s", s.0);

@@ -863,3 +863,102 @@ fn vmm_memory_sent_by_a_producer_that_exits_at_once_is_received_after_its_exit()
     }
     assert!(free_memory(&dev) + (64 << 20) >= baseline, "device memory back to where it started");
 }
+
+/// Holds `dev`'s stream (the one cuda-mp queues on) until [`release`] sets the flag to at
+/// least `value`: the sender's work stays unfinished for as long as the test needs. Dropping
+/// the hold releases the stream for good, so that a failing test does not hang in its drops.
+struct HeldStream<'a> {
+    dev: &'a Device,
+    flag: &'a GpuTensor<i32>,
+}
+
+impl<'a> HeldStream<'a> {
+    fn new(dev: &'a Device, flag: &'a GpuTensor<i32>) -> Self {
+        HeldStream { dev, flag }
+    }
+
+    fn hold_until(&self, value: u32) {
+        use cudarc::driver::sys;
+        self.dev.context().bind_to_thread().unwrap();
+        let geq = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
+        // SAFETY: the stream is live (the device's) and the flag is 4 bytes of device memory
+        // that outlive the hold (released in drop at the latest).
+        unsafe { sys::cuStreamWaitValue32_v2(self.dev.stream().cu_stream(), self.flag.device_ptr(), value, geq) }
+            .result()
+            .expect("cuStreamWaitValue32");
+    }
+
+    fn release(&self, value: u32) {
+        use cudarc::driver::sys;
+        let side = self.dev.context().new_stream().unwrap();
+        // SAFETY: as in `hold_until`; the side stream is live until it is dropped below.
+        unsafe { sys::cuStreamWriteValue32_v2(side.cu_stream(), self.flag.device_ptr(), value, 0) }
+            .result()
+            .expect("cuStreamWriteValue32");
+        side.synchronize().unwrap();
+    }
+}
+
+impl Drop for HeldStream<'_> {
+    fn drop(&mut self) {
+        self.release(u32::MAX);
+    }
+}
+
+/// Receives a tensor to drop unused and one to read while the sender's stream is held, then
+/// the second one's storage again while it is in use here. Reports the waits this process's
+/// stream owes at each step, and what it read.
+fn owe_then_use((rx, reply): (Receiver<GpuTensor<f32>>, Sender<(usize, Vec<f32>)>)) {
+    let unused = rx.recv().unwrap();
+    let dev = unused.device().clone();
+    let owed = cuda_mp::testing::owed_waits(&dev);
+    drop(unused); // must not wait for the sender's work
+    let t = rx.recv().unwrap();
+    reply.send((owed, vec![])).unwrap();
+    let values = t.to_vec().unwrap(); // the first use waits for the sender's fill
+    reply.send((cuda_mp::testing::owed_waits(&dev), values)).unwrap();
+    let again = rx.recv().unwrap();
+    reply.send((cuda_mp::testing::owed_waits(&dev), vec![])).unwrap();
+    reply.send((0, again.to_vec().unwrap())).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_fresh_tensor_waits_for_its_sender_at_its_first_use_and_one_in_use_at_its_receive() {
+    let _g = serial();
+    let dev = gpu();
+    let flag = GpuTensor::<i32>::zeros(&dev, &[1]).unwrap();
+    dev.synchronize().unwrap();
+    let (tx, rx) = channel().unwrap();
+    let (reply_tx, reply) = channel().unwrap();
+    let child = spawn((rx, reply_tx), owe_then_use);
+    let held = HeldStream::new(&dev, &flag);
+    held.hold_until(1);
+    // Both fills wait behind the hold, so the child receives tensors whose sender is not done.
+    let unused = GpuTensor::full(&dev, &[1024], 3.0f32).unwrap();
+    let t = GpuTensor::full(&dev, &[1024], 7.0f32).unwrap();
+    tx.send(unused.clone()).unwrap();
+    tx.send(t.clone()).unwrap();
+    let (owed, _) = reply
+        .recv_timeout(WAIT)
+        .expect("the receiver answers while the sender's stream is held (dropping an unused tensor waits for nothing)");
+    assert_eq!(owed, 1, "a fresh tensor owes its wait for the sender's event until it is used");
+    // A receiver that did not wait would read the memory before the fill in this time.
+    std::thread::sleep(Duration::from_millis(300));
+    held.release(1);
+    let (owed, values) = reply.recv_timeout(WAIT).unwrap();
+    assert_eq!(values, vec![7.0; 1024], "the first use waited for the sender's fill");
+    assert_eq!(owed, 0, "the first use queued the wait it owed");
+
+    held.hold_until(2);
+    t.add_scalar(1.0).unwrap();
+    tx.send(t.clone()).unwrap();
+    let (owed, _) = reply.recv_timeout(WAIT).unwrap();
+    assert_eq!(owed, 0, "a storage in use here is waited on at its receive (its address may be held)");
+    std::thread::sleep(Duration::from_millis(300));
+    held.release(2);
+    let (_, values) = reply.recv_timeout(WAIT).unwrap();
+    assert_eq!(values, vec![8.0; 1024], "the receiver's stream waited for the sender's update");
+    child.join().unwrap();
+    drop(held);
+}

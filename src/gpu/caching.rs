@@ -73,7 +73,7 @@ impl Drop for ImportedBlock {
     fn drop(&mut self) {
         // The owner hands the block out again once this process's claim is released, which
         // follows this drop: work queued here on it must be done first.
-        let _ = self.segment.device().synchronize();
+        let _ = self.segment.device().finish_own_work();
     }
 }
 

@@ -234,7 +234,9 @@ impl Device {
     }
 
     /// The stream all of cuda-mp's work on this device is ordered on. Launch your own kernels
-    /// on it, or make your stream wait for it, to stay ordered with received tensors.
+    /// on it, or make your stream wait for it, to stay ordered with received tensors: when this
+    /// returns it has waited for the senders of every tensor received so far (waits for memory
+    /// not used yet are queued here, at its first use, rather than at the receive).
     ///
     /// ```no_run
     /// let dev = cuda_mp::Device::get(0).unwrap();
@@ -242,7 +244,22 @@ impl Device {
     /// assert!(std::sync::Arc::ptr_eq(t.stream(), dev.stream()));
     /// ```
     pub fn stream(&self) -> &Arc<CudaStream> {
+        // A wait that cannot be queued stays owed: the next fallible use reports it.
+        let _ = super::events::settle(self);
         &self.stream
+    }
+
+    /// The stream, without first queuing the waits it owes for received memory (see
+    /// `events.rs`): for the event records and waits themselves, and for drops.
+    pub(crate) fn unsettled_stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Blocks until the work this process queued on the stream is done, the waits it owes not
+    /// queued: what a drop needs before memory is freed, unmapped or handed back (an owed wait
+    /// puts no work of ours on the memory, and queuing it would wait for the sender).
+    pub(crate) fn finish_own_work(&self) -> Result<()> {
+        self.stream.synchronize().map_err(driver_err("cuStreamSynchronize"))
     }
 
     /// Blocks until the stream's queued work is done.
@@ -255,7 +272,8 @@ impl Device {
     /// assert_eq!(t.to_vec().unwrap()[0], 1.0);
     /// ```
     pub fn synchronize(&self) -> Result<()> {
-        self.stream.synchronize().map_err(driver_err("cuStreamSynchronize"))
+        super::events::settle(self)?;
+        self.finish_own_work()
     }
 
     /// True when the stream has no queued work left (`cuStreamQuery`): another library that
@@ -267,6 +285,7 @@ impl Device {
     /// assert!(dev.is_idle().unwrap());
     /// ```
     pub fn is_idle(&self) -> Result<bool> {
+        super::events::settle(self)?;
         driver::stream_is_idle(&self.stream)
     }
 

@@ -8,8 +8,17 @@
 //! process. When the sender's stream is idle nothing is recorded, and when the event has
 //! already completed nothing is waited on: neither process then puts a command on the GPU for
 //! the handoff (event records and waits force GPU context switches between processes).
+//!
+//! A wait for a storage newly mapped here is owed rather than queued: nothing in this process
+//! can use that memory before it goes through this library again (a launch, a copy, a device
+//! address, the stream, a synchronize), and each of those first queues what the stream owes
+//! (`settle`). A tensor dropped unused then costs no command on the GPU, and the consumer's
+//! context is not switched in for it. A storage already in use here (a pointer to it may be
+//! baked into a CUDA graph) is waited on at once, as is one that is forwarded. Waiting later
+//! waits on the event's latest record, which covers the one that came with the message.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use once_cell::sync::Lazy;
@@ -28,34 +37,101 @@ pub(crate) fn record(device: &Device) -> Result<Option<IpcHandle>> {
 /// The device's interprocess event recorded after the work queued on its stream, or None when
 /// the stream is idle.
 fn recorded(device: &Device) -> Result<Option<&InterprocessEvent>> {
-    if driver::stream_is_idle(device.stream())? {
+    // Owed waits are not this process's work: a send records after what it queued itself.
+    let stream = device.unsettled_stream();
+    if driver::stream_is_idle(stream)? {
         return Ok(None);
     }
     let event = device.ipc_event_cell().get_or_try_init(|| InterprocessEvent::create(device))?;
-    event.record(device.stream())?;
+    event.record(stream)?;
     Ok(Some(event))
 }
 
-/// Opened events of other processes, keyed by (owner token, owner device ordinal, handle).
-type OpenedEvents = HashMap<(u128, usize, IpcHandle), OpenedEvent>;
-static OPENED_EVENTS: Lazy<Mutex<OpenedEvents>> = Lazy::new(|| Mutex::new(HashMap::new()));
+/// An opened event of another process: (owner token, owner device ordinal, handle).
+type EventKey = (u128, usize, IpcHandle);
+/// Opened events of other processes, kept for the life of this process.
+static OPENED_EVENTS: Lazy<Mutex<HashMap<EventKey, OpenedEvent>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+/// Per device ordinal: the events its stream owes a wait on. Lock order: `OWED`, then
+/// `OPENED_EVENTS`; `settle` holds `OWED` until the waits are queued, so that no work queued
+/// on another thread meanwhile can pass them.
+static OWED: Lazy<Mutex<HashMap<usize, Vec<EventKey>>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+/// True while any device owes a wait (spares `settle` the lock on every use of a stream).
+static ANY_OWED: AtomicBool = AtomicBool::new(false);
 
-/// Makes `wait_on`'s stream wait for another process's event (opened once per (owner token,
-/// owner device ordinal, handle) and kept for the life of this process; skip when already
-/// complete). The event is opened on `owner_device`, the GPU it was recorded on; a stream may
-/// wait on an event of another device.
-pub(crate) fn wait(owner_device: &Device, wait_on: &Device, owner: u128, handle: &IpcHandle) -> Result<()> {
-    let mut events = OPENED_EVENTS.lock().unwrap_or_else(|p| p.into_inner());
+/// How a receiver orders its stream after the sender's event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WaitWhen {
+    /// Queue the wait now.
+    Now,
+    /// Owe it: queued when the stream is next used through this library.
+    NextUse,
+}
+
+/// Makes `wait_on`'s stream wait for another process's event, now or when it is next used
+/// (`when`); nothing when the event has already completed. The event is opened (once per
+/// key, here, so that a bad handle fails the receive) on `owner_device`, the GPU it was
+/// recorded on; a stream may wait on an event of another device.
+pub(crate) fn wait(
+    owner_device: &Device,
+    wait_on: &Device,
+    owner: u128,
+    handle: &IpcHandle,
+    when: WaitWhen,
+) -> Result<()> {
     let key = (owner, owner_device.ordinal(), *handle);
-    let event = match events.entry(key) {
-        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-        std::collections::hash_map::Entry::Vacant(v) => v.insert(OpenedEvent::open(owner_device, handle)?),
-    };
-    // Already complete: nothing to wait for, no command for the GPU.
-    if event.is_complete()? {
+    {
+        let mut events = OPENED_EVENTS.lock().unwrap_or_else(|p| p.into_inner());
+        let event = match events.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => v.insert(OpenedEvent::open(owner_device, handle)?),
+        };
+        // Already complete: nothing to wait for, no command for the GPU.
+        if event.is_complete()? {
+            return Ok(());
+        }
+        if when == WaitWhen::Now {
+            return event.wait_on(wait_on.unsettled_stream());
+        }
+    }
+    let mut owed = OWED.lock().unwrap_or_else(|p| p.into_inner());
+    let keys = owed.entry(wait_on.ordinal()).or_default();
+    if !keys.contains(&key) {
+        keys.push(key);
+    }
+    ANY_OWED.store(true, Ordering::Release);
+    Ok(())
+}
+
+/// Queues on `device`'s stream the waits it owes (those not complete yet). Runs before any
+/// use of the stream through this library. A wait that fails stays owed, with the rest.
+pub(crate) fn settle(device: &Device) -> Result<()> {
+    if !ANY_OWED.load(Ordering::Acquire) {
         return Ok(());
     }
-    event.wait_on(wait_on.stream())
+    let mut owed = OWED.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(keys) = owed.get_mut(&device.ordinal()).filter(|k| !k.is_empty()) else {
+        return Ok(());
+    };
+    let events = OPENED_EVENTS.lock().unwrap_or_else(|p| p.into_inner());
+    while let Some(key) = keys.last() {
+        if let Some(event) = events.get(key) {
+            if !event.is_complete()? {
+                event.wait_on(device.unsettled_stream())?;
+            }
+        }
+        keys.pop();
+    }
+    drop(events);
+    if owed.values().all(Vec::is_empty) {
+        ANY_OWED.store(false, Ordering::Release);
+    }
+    Ok(())
+}
+
+/// How many waits `device`'s stream owes.
+#[cfg(any(test, feature = "testing"))]
+pub(crate) fn owed(device: &Device) -> usize {
+    OWED.lock().unwrap_or_else(|p| p.into_inner()).get(&device.ordinal()).map_or(0, Vec::len)
 }
 
 /// Makes `device`'s stream wait for another library's event (PyTorch's, recorded for one
@@ -67,7 +143,7 @@ pub(crate) fn wait_once(device: &Device, handle: &IpcHandle) -> Result<()> {
     if event.is_complete()? {
         return Ok(());
     }
-    event.wait_on(device.stream())
+    event.wait_on(device.unsettled_stream())
 }
 
 /// Makes `stream`, another library's stream of `device`'s context, wait for the work queued on
@@ -76,6 +152,8 @@ pub(crate) fn wait_once(device: &Device, handle: &IpcHandle) -> Result<()> {
 /// # Safety
 /// As [`InterprocessEvent::make_wait`].
 pub(crate) unsafe fn order_after(device: &Device, stream: cudarc::driver::sys::CUstream) -> Result<()> {
+    // What was received must be ready for the other stream too.
+    settle(device)?;
     match recorded(device)? {
         // SAFETY: upheld by the caller.
         Some(event) => unsafe { event.make_wait(stream) },

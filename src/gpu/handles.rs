@@ -80,7 +80,7 @@ impl Drop for DeviceAllocation {
             return;
         }
         // Work queued on the memory must finish before it is freed.
-        let _ = self.device.synchronize();
+        let _ = self.device.finish_own_work();
         // SAFETY: `ptr` came from cuMemAlloc in this (current) context, the device's stream has
         // no work left on it, and nothing refers to it any more.
         let _ = unsafe { driver::mem_free(self.ptr) };
@@ -246,7 +246,7 @@ impl Drop for ForeignBlock {
         // Our work on the memory must finish before the owner may reuse it (the keeper goes
         // right after this).
         if self.device.bind().is_ok() {
-            let _ = self.device.synchronize();
+            let _ = self.device.finish_own_work();
         }
     }
 }
@@ -318,7 +318,7 @@ impl Drop for IpcMapping {
             return;
         }
         // Our work on the memory must finish before the owner may free it.
-        let _ = self.device.synchronize();
+        let _ = self.device.finish_own_work();
         // SAFETY: `ptr` came from cuIpcOpenMemHandle in this (current) context, our stream has
         // no work left on it, and nothing uses it any more.
         let _ = unsafe { driver::ipc_close_mem_handle(self.ptr) };
@@ -458,9 +458,9 @@ impl Drop for VmmRegion {
             // Work queued on the memory must finish before it is unmapped, on every device
             // with access.
             for peer in self.peers.get_mut().unwrap_or_else(|p| p.into_inner()).iter() {
-                let _ = peer.synchronize();
+                let _ = peer.finish_own_work();
             }
-            let _ = self.device.synchronize();
+            let _ = self.device.finish_own_work();
             // SAFETY: `ptr`/`size` is the mapping this value made, the streams of the devices
             // with access have no work left on it, and nothing uses it any more.
             let _ = unsafe { driver::mem_unmap(self.ptr, self.size) };

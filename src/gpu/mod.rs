@@ -24,6 +24,12 @@ pub use device::{cuda_available, Device};
 pub use storage::{GpuMemoryKind, GpuStorage, IpcPayload, VMM_MIN_BYTES};
 pub use torch::{torch_ipc_stats, TorchIpcHandle, TorchIpcStats};
 
+/// How many senders' events `device`'s stream owes a wait on (received memory not used yet).
+#[cfg(any(test, feature = "testing"))]
+pub(crate) fn owed_waits(device: &Device) -> usize {
+    events::owed(device)
+}
+
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::layout::Layout;

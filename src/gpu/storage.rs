@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use super::caching::{self, ImportedBlock, PoolBlock};
 use super::device::{format_uuid, Device};
 use super::driver::{DeviceRange, IpcHandle, IPC_HANDLE_BYTES};
-use super::events;
+use super::events::{self, WaitWhen};
 use super::handles::{DeviceAllocation, ForeignBlock, SharedMapping};
 use super::torch::TorchBlock;
 use super::vmm::{VmmMemory, VmmWire};
@@ -20,7 +20,7 @@ use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::lifetime::{LeaseMode, StorageId};
 use crate::profile::{self, Phase};
-use crate::storage::{self, Handle, Memory, Record, Shared, StorageKind};
+use crate::storage::{self, Arrival, Handle, Memory, Record, Shared, StorageKind};
 use crate::tensor::{Tensor, TensorWire};
 
 /// Device memory behind [`GpuTensor`](crate::GpuTensor)s: a `cuMemAlloc` allocation made by
@@ -329,7 +329,7 @@ impl StorageKind for GpuKind {
         }
     }
 
-    fn arrived(memory: &Memory<Self>, wire: &mut GpuWire, place: &GpuPlace) -> Result<()> {
+    fn arrived(memory: &Memory<Self>, wire: &mut GpuWire, place: &GpuPlace, arrival: Arrival) -> Result<()> {
         if let WireMemory::Block { segment: segment @ Some(_), .. } = &mut wire.memory {
             // The block was mapped here already: the segment's claim joins the cover of the
             // segment's mapping, which its blocks keep.
@@ -339,7 +339,12 @@ impl StorageKind for GpuKind {
         match &wire.event_handle {
             Some(event) => {
                 let event = handle_from(event, "event handle")?;
-                events::wait(&place.owner, &place.access, memory.id().owner(), &event)
+                // Memory no one here has seen yet needs the wait only once it is used.
+                let when = match arrival {
+                    Arrival::Mapped => WaitWhen::NextUse,
+                    Arrival::Known => WaitWhen::Now,
+                };
+                events::wait(&place.owner, &place.access, memory.id().owner(), &event, when)
             }
             None => Ok(()),
         }
@@ -594,6 +599,9 @@ impl GpuStorage {
     /// assert_ne!(t.storage().device_ptr(), 0);
     /// ```
     pub fn device_ptr(&self) -> sys::CUdeviceptr {
+        // Work on the address may be queued on the stream without this library: the stream
+        // waits for the senders first (a wait that cannot be queued stays owed, see events.rs).
+        let _ = events::settle(self.device());
         self.memory().raw().ptr()
     }
 }

@@ -217,7 +217,7 @@ impl Drop for TorchBlock {
     fn drop(&mut self) {
         // Our work on the memory must finish before its producer may reuse it. Errors cannot be
         // returned from drop; the slot is released regardless, as PyTorch does.
-        let _ = self.mapping.device().synchronize();
+        let _ = self.mapping.device().finish_own_work();
     }
 }
 

@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::fork::ForkLocal;
 use crate::lifetime::LeaseMode;
 use crate::storage::pools::{AllocatorStats, Pools};
-use crate::storage::{self, Handle, Memory, Record, Shared, StorageKind};
+use crate::storage::{self, Arrival, Handle, Memory, Record, Shared, StorageKind};
 use crate::sys::MemoryFile;
 use crate::wire;
 
@@ -129,7 +129,7 @@ impl StorageKind for SegmentKind {
         Ok(Arc::new(file))
     }
 
-    fn arrived(_: &Memory<Self>, _: &mut SegmentWire, _: &()) -> Result<()> {
+    fn arrived(_: &Memory<Self>, _: &mut SegmentWire, _: &(), _: Arrival) -> Result<()> {
         Ok(())
     }
 }

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::lifetime::{LeaseMode, StorageId};
 use crate::storage::pools::Block;
-use crate::storage::{Handle, Memory, Record, Shared, StorageKind};
+use crate::storage::{Arrival, Handle, Memory, Record, Shared, StorageKind};
 use crate::sys::{Mapping, MemoryFile};
 use crate::tensor::Tensor;
 use crate::wire;
@@ -142,7 +142,7 @@ impl StorageKind for HostKind {
         Ok(HostMemory::File(shm))
     }
 
-    fn arrived(_: &Memory<Self>, wire: &mut HostWire, _: &()) -> Result<()> {
+    fn arrived(_: &Memory<Self>, wire: &mut HostWire, _: &(), _: Arrival) -> Result<()> {
         match wire {
             HostWire::Block { segment, .. } => segment.take().map_or(Ok(()), |s| caching::segment_arrived(*s)),
             HostWire::File { .. } => Ok(()),

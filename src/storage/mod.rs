@@ -60,7 +60,17 @@ pub(crate) trait StorageKind: Sized + Send + Sync + 'static {
     /// Runs once the storage is resolved (newly opened, cached, or already in use here) and
     /// before its tensor is handed out: for example, wait for the sender's queued work. It
     /// gets what `open` left of the record (all of it when nothing was opened).
-    fn arrived(memory: &Memory<Self>, wire: &mut Self::Wire, place: &Self::Place) -> Result<()>;
+    fn arrived(memory: &Memory<Self>, wire: &mut Self::Wire, place: &Self::Place, arrival: Arrival) -> Result<()>;
+}
+
+/// Whether an arriving storage's memory was mapped by this import or was known here already.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Arrival {
+    /// Mapped by this import: nothing in this process has its address yet.
+    Mapped,
+    /// In use here, cached, or this process's own: its address may be held (in a CUDA graph,
+    /// say).
+    Known,
 }
 
 /// Where memory came from.
@@ -287,12 +297,14 @@ pub(crate) fn import<S: Shared>(
                 Ok(Arc::new(S::from_handle(Handle { memory })))
             },
         )?;
+        // The mapping took the message's claim when this import made it.
+        let arrival = if cover.is_none() { Arrival::Mapped } else { Arrival::Known };
         // Mapped already: the mapping's cover holds this message's claim from now on when it
         // can (the same counted lease), so that re-sending a storage costs no release.
         if let (Some(new), Origin::Imported { cover: held, .. }) = (cover.take(), &storage.handle().memory.origin) {
             cover = held.absorb(new);
         }
-        profile::timed(Phase::EventWait, || S::Kind::arrived(&storage.handle().memory, &mut kind, &place))?;
+        profile::timed(Phase::EventWait, || S::Kind::arrived(&storage.handle().memory, &mut kind, &place, arrival))?;
         storage
     };
     drop(cover);

@@ -17,7 +17,7 @@ use crate::dtype::Element;
 use crate::error::Result;
 use crate::layout::Layout;
 use crate::lifetime::{LeaseMode, StorageId};
-use crate::storage::{Handle, Memory, Shared, StorageKind};
+use crate::storage::{Arrival, Handle, Memory, Shared, StorageKind};
 use crate::tensor::Tensor;
 
 /// A tensor on fake storage.
@@ -87,7 +87,7 @@ impl StorageKind for FakeKind {
         Ok(FakeMemory { open_delay, free_delay: Duration::ZERO, imported: true })
     }
 
-    fn arrived(_: &Memory<Self>, _: &mut FakeWire, _: &()) -> Result<()> {
+    fn arrived(_: &Memory<Self>, _: &mut FakeWire, _: &(), _: Arrival) -> Result<()> {
         Ok(())
     }
 }
@@ -165,6 +165,13 @@ impl<'de> Deserialize<'de> for CarriedFile {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
         Ok(CarriedFile(std::fs::File::from(crate::wire::deserialize_fd(deserializer)?)))
     }
+}
+
+/// How many senders' interprocess events `device`'s stream owes a wait on: GPU memory received
+/// with its sender's work unfinished, newly mapped and not used yet (the wait is queued at the
+/// next use of the stream through cuda-mp).
+pub fn owed_waits(device: &crate::Device) -> usize {
+    crate::gpu::owed_waits(device)
 }
 
 /// Messages this process received through a sender's ring (shared memory, no system call)
