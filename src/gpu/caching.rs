@@ -9,7 +9,7 @@
 //! segment mapped while it holds any of its blocks, and afterwards in its idle cache for as
 //! long as this process keeps the segment; a fresh tensor cut from a mapped segment opens
 //! nothing. A block comes back to the free lists when its last claim is released: every
-//! receiver dropped it (after synchronizing its stream, so a block is never handed out while
+//! receiver dropped it (after finishing the work it queued, so a block is never handed out while
 //! another process's queued work still reads it) or died. See README.md here.
 
 use std::sync::Arc;
