@@ -244,7 +244,8 @@ impl Device {
     /// assert!(std::sync::Arc::ptr_eq(t.stream(), dev.stream()));
     /// ```
     pub fn stream(&self) -> &Arc<CudaStream> {
-        // A wait that cannot be queued stays owed: the next fallible use reports it.
+        // A wait that fails here is not queued and its error is lost (this accessor cannot fail);
+        // a broken context fails the next driver call anyway.
         let _ = super::events::settle(self);
         &self.stream
     }

@@ -103,7 +103,8 @@ pub(crate) fn wait(
 }
 
 /// Queues on `device`'s stream the waits it owes (those not complete yet). Runs before any
-/// use of the stream through this library. A wait that fails stays owed, with the rest.
+/// use of the stream through this library. A wait that fails (its sender's context gone, say)
+/// is reported once, by this call, and not owed any more: the stream is not kept failing.
 pub(crate) fn settle(device: &Device) -> Result<()> {
     if !ANY_OWED.load(Ordering::Acquire) {
         return Ok(());
@@ -113,19 +114,23 @@ pub(crate) fn settle(device: &Device) -> Result<()> {
         return Ok(());
     };
     let events = OPENED_EVENTS.lock().unwrap_or_else(|p| p.into_inner());
-    while let Some(key) = keys.last() {
-        if let Some(event) = events.get(key) {
-            if !event.is_complete()? {
-                event.wait_on(device.unsettled_stream())?;
+    let mut first_error = None;
+    for key in keys.drain(..) {
+        if let Some(event) = events.get(&key) {
+            let queued =
+                event
+                    .is_complete()
+                    .and_then(|done| if done { Ok(()) } else { event.wait_on(device.unsettled_stream()) });
+            if let Err(e) = queued {
+                first_error.get_or_insert(e);
             }
         }
-        keys.pop();
     }
     drop(events);
     if owed.values().all(Vec::is_empty) {
         ANY_OWED.store(false, Ordering::Release);
     }
-    Ok(())
+    first_error.map_or(Ok(()), Err)
 }
 
 /// How many waits `device`'s stream owes.

@@ -600,7 +600,7 @@ impl GpuStorage {
     /// ```
     pub fn device_ptr(&self) -> sys::CUdeviceptr {
         // Work on the address may be queued on the stream without this library: the stream
-        // waits for the senders first (a wait that cannot be queued stays owed, see events.rs).
+        // waits for the senders first (see events.rs).
         let _ = events::settle(self.device());
         self.memory().raw().ptr()
     }
