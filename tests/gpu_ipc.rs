@@ -905,6 +905,46 @@ impl Drop for HeldStream<'_> {
     }
 }
 
+/// What the held producer is told to do next.
+#[derive(Serialize, Deserialize, Debug)]
+enum Step {
+    Release(u32),
+    Update,
+    Exit,
+}
+
+/// Sends two fresh tensors whose fills wait behind a hold of its own stream, then follows
+/// orders: release the hold, update the second tensor in place behind a new hold and send it
+/// again. A process of its own, so that nothing else in it touches the GPU while it is held.
+fn held_producer((tx, steps, done): (Sender<GpuTensor<f32>>, Receiver<Step>, Sender<()>)) {
+    let dev = Device::get(0).unwrap();
+    let flag = GpuTensor::<i32>::zeros(&dev, &[1]).unwrap();
+    // Allocated before the hold: nothing but queued work while the stream is held.
+    let unused = GpuTensor::<f32>::zeros(&dev, &[1024]).unwrap();
+    let t = GpuTensor::<f32>::zeros(&dev, &[1024]).unwrap();
+    dev.synchronize().unwrap();
+    let held = HeldStream::new(&dev, &flag);
+    held.hold_until(1);
+    unused.fill(3.0).unwrap();
+    t.fill(7.0).unwrap();
+    tx.send(unused.clone()).unwrap();
+    tx.send(t.clone()).unwrap();
+    done.send(()).unwrap();
+    while let Ok(step) = steps.recv() {
+        match step {
+            Step::Release(value) => held.release(value),
+            Step::Update => {
+                held.hold_until(2);
+                t.add_scalar(1.0).unwrap();
+                tx.send(t.clone()).unwrap();
+            }
+            Step::Exit => break,
+        }
+        done.send(()).unwrap();
+    }
+    held.release(u32::MAX);
+}
+
 /// Receives a tensor to drop unused and one to read while the sender's stream is held, then
 /// the second one's storage again while it is in use here. Reports the waits this process's
 /// stream owes at each step, and what it read.
@@ -926,39 +966,37 @@ fn owe_then_use((rx, reply): (Receiver<GpuTensor<f32>>, Sender<(usize, Vec<f32>)
 #[ignore = "needs a CUDA GPU"]
 fn a_fresh_tensor_waits_for_its_sender_at_its_first_use_and_one_in_use_at_its_receive() {
     let _g = serial();
-    let dev = gpu();
-    let flag = GpuTensor::<i32>::zeros(&dev, &[1]).unwrap();
-    dev.synchronize().unwrap();
+    gpu();
     let (tx, rx) = channel().unwrap();
     let (reply_tx, reply) = channel().unwrap();
-    let child = spawn((rx, reply_tx), owe_then_use);
-    let held = HeldStream::new(&dev, &flag);
-    held.hold_until(1);
-    // Both fills wait behind the hold, so the child receives tensors whose sender is not done.
-    let unused = GpuTensor::full(&dev, &[1024], 3.0f32).unwrap();
-    let t = GpuTensor::full(&dev, &[1024], 7.0f32).unwrap();
-    tx.send(unused.clone()).unwrap();
-    tx.send(t.clone()).unwrap();
+    let (steps, steps_rx) = channel().unwrap();
+    let (done_tx, done) = channel().unwrap();
+    let consumer = spawn((rx, reply_tx), owe_then_use);
+    let producer = spawn((tx, steps_rx, done_tx), held_producer);
+    let step = |s: Step| {
+        steps.send(s).unwrap();
+        done.recv_timeout(WAIT).expect("the producer follows its steps");
+    };
+    done.recv_timeout(WAIT).expect("the producer sends two tensors while its stream is held");
     let (owed, _) = reply
         .recv_timeout(WAIT)
         .expect("the receiver answers while the sender's stream is held (dropping an unused tensor waits for nothing)");
     assert_eq!(owed, 1, "a fresh tensor owes its wait for the sender's event until it is used");
     // A receiver that did not wait would read the memory before the fill in this time.
     std::thread::sleep(Duration::from_millis(300));
-    held.release(1);
+    step(Step::Release(1));
     let (owed, values) = reply.recv_timeout(WAIT).unwrap();
     assert_eq!(values, vec![7.0; 1024], "the first use waited for the sender's fill");
     assert_eq!(owed, 0, "the first use queued the wait it owed");
 
-    held.hold_until(2);
-    t.add_scalar(1.0).unwrap();
-    tx.send(t.clone()).unwrap();
+    step(Step::Update);
     let (owed, _) = reply.recv_timeout(WAIT).unwrap();
     assert_eq!(owed, 0, "a storage in use here is waited on at its receive (its address may be held)");
     std::thread::sleep(Duration::from_millis(300));
-    held.release(2);
+    step(Step::Release(2));
     let (_, values) = reply.recv_timeout(WAIT).unwrap();
     assert_eq!(values, vec![8.0; 1024], "the receiver's stream waited for the sender's update");
-    child.join().unwrap();
-    drop(held);
+    consumer.join().unwrap();
+    steps.send(Step::Exit).unwrap();
+    producer.join().unwrap();
 }
