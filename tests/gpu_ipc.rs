@@ -870,11 +870,14 @@ fn vmm_memory_sent_by_a_producer_that_exits_at_once_is_received_after_its_exit()
 struct HeldStream<'a> {
     dev: &'a Device,
     flag: &'a GpuTensor<i32>,
+    /// Made before any hold, so that a release makes nothing new while the stream is held.
+    side: std::sync::Arc<cudarc::driver::CudaStream>,
 }
 
 impl<'a> HeldStream<'a> {
     fn new(dev: &'a Device, flag: &'a GpuTensor<i32>) -> Self {
-        HeldStream { dev, flag }
+        let side = dev.context().new_stream().unwrap();
+        HeldStream { dev, flag, side }
     }
 
     fn hold_until(&self, value: u32) {
@@ -890,12 +893,12 @@ impl<'a> HeldStream<'a> {
 
     fn release(&self, value: u32) {
         use cudarc::driver::sys;
-        let side = self.dev.context().new_stream().unwrap();
-        // SAFETY: as in `hold_until`; the side stream is live until it is dropped below.
-        unsafe { sys::cuStreamWriteValue32_v2(side.cu_stream(), self.flag.device_ptr(), value, 0) }
+        self.dev.context().bind_to_thread().unwrap();
+        // SAFETY: as in `hold_until`; the side stream lives as long as `self`.
+        unsafe { sys::cuStreamWriteValue32_v2(self.side.cu_stream(), self.flag.device_ptr(), value, 0) }
             .result()
             .expect("cuStreamWriteValue32");
-        side.synchronize().unwrap();
+        self.side.synchronize().unwrap();
     }
 }
 
@@ -922,7 +925,15 @@ fn held_producer((tx, steps, done): (Sender<GpuTensor<f32>>, Receiver<Step>, Sen
     // Allocated before the hold: nothing but queued work while the stream is held.
     let unused = GpuTensor::<f32>::zeros(&dev, &[1024]).unwrap();
     let t = GpuTensor::<f32>::zeros(&dev, &[1024]).unwrap();
+    // Before the hold, every first that may wait for the device's queued work: each kernel's
+    // first launch (its code is loaded then) and the first export (the segment's IPC handle,
+    // this process's interprocess event). Without a fill before the hold, the sends under it
+    // never came.
+    unused.fill(0.0).unwrap();
+    unused.add_scalar(0.0).unwrap();
+    let warm_up = unused.ipc_payload().unwrap();
     dev.synchronize().unwrap();
+    drop(warm_up);
     let held = HeldStream::new(&dev, &flag);
     held.hold_until(1);
     unused.fill(3.0).unwrap();
