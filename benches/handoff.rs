@@ -16,7 +16,8 @@
 //!   e  fan-out: one 1 MiB tensor to 8 consumers, until all acknowledged
 //!   s  fresh 1 MiB tensors per second to one consumer that drops each and acknowledges it, 64
 //!      in flight: zeroed (a kernel per tensor) and empty (torch.empty), with the caching
-//!      allocator (the default), and zeroed without it
+//!      allocator (the default), and zeroed without it; zeroed to a consumer that adds 1 to
+//!      each (a kernel) before dropping it, and (ours only) to one that reads a byte of each
 
 use std::collections::HashMap;
 use std::process::Command;
@@ -253,8 +254,8 @@ fn drop_each((rx, ack): (Receiver<GpuTensor<u8>>, Sender<()>)) {
     }
 }
 
-/// Row s's consumer that uses each tensor: it reads one byte back (a copy after the sender's
-/// zeroing) before dropping it.
+/// Row s's consumer that reads one byte of each tensor back (a copy after the sender's
+/// zeroing, and a wait for it) before dropping it.
 fn read_each((rx, ack): (Receiver<GpuTensor<u8>>, Sender<()>)) {
     while let Ok(t) = rx.recv() {
         let byte = t.narrow(0, 0, 1).and_then(|b| b.to_vec());
@@ -265,13 +266,37 @@ fn read_each((rx, ack): (Receiver<GpuTensor<u8>>, Sender<()>)) {
     }
 }
 
+/// Row s's consumer that uses each tensor on the GPU: it adds 1 to it (a kernel queued after
+/// the sender's zeroing, no host wait) before dropping it.
+fn add_to_each((rx, ack): (Receiver<GpuTensor<u8>>, Sender<()>)) {
+    while let Ok(t) = rx.recv() {
+        let added = t.add_scalar(1.0);
+        drop(t);
+        if added.is_err() || ack.send(()).is_err() {
+            break;
+        }
+    }
+}
+
+/// What row s's consumer does with each tensor before it drops it and acknowledges it.
+#[derive(Clone, Copy, PartialEq)]
+enum Use {
+    Nothing,
+    ReadByte,
+    Kernel,
+}
+
 /// Row s: `n` fresh 1 MiB tensors (zeroed by a kernel, or left as allocated), at most `window`
-/// unacknowledged, to a consumer that drops each (or reads a byte of each first); tensors per
+/// unacknowledged, to a consumer that uses each as `using` says and drops it; tensors per
 /// second.
-fn fresh_rate(dev: &std::sync::Arc<Device>, n: usize, window: usize, zeroed: bool, read: bool) -> f64 {
+fn fresh_rate(dev: &std::sync::Arc<Device>, n: usize, window: usize, zeroed: bool, using: Use) -> f64 {
     let (tx, rx) = channel().unwrap();
     let (ack_tx, ack) = channel().unwrap();
-    let child = if read { spawn((rx, ack_tx), read_each) } else { spawn((rx, ack_tx), drop_each) };
+    let child = match using {
+        Use::Nothing => spawn((rx, ack_tx), drop_each),
+        Use::ReadByte => spawn((rx, ack_tx), read_each),
+        Use::Kernel => spawn((rx, ack_tx), add_to_each),
+    };
     let send = |k: usize| {
         for _ in 0..k {
             let t =
@@ -706,11 +731,12 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, only: Option<&str>, r: &m
     if want("s") {
         let n = if quick { 5_000 } else { 20_000 };
         let caching = dev.caching();
-        r.ours.insert("s_fresh1M".into(), (fresh_rate(dev, n, 64, true, false), 0.0));
-        r.ours.insert("s_empty1M".into(), (fresh_rate(dev, n, 64, false, false), 0.0));
-        r.ours.insert("s_read".into(), (fresh_rate(dev, n, 64, true, true), 0.0));
+        r.ours.insert("s_fresh1M".into(), (fresh_rate(dev, n, 64, true, Use::Nothing), 0.0));
+        r.ours.insert("s_empty1M".into(), (fresh_rate(dev, n, 64, false, Use::Nothing), 0.0));
+        r.ours.insert("s_use".into(), (fresh_rate(dev, n, 64, true, Use::Kernel), 0.0));
+        r.ours.insert("s_read".into(), (fresh_rate(dev, n, 64, true, Use::ReadByte), 0.0));
         dev.set_caching(false);
-        r.ours.insert("s_nocache".into(), (fresh_rate(dev, n, 64, true, false), 0.0));
+        r.ours.insert("s_nocache".into(), (fresh_rate(dev, n, 64, true, Use::Nothing), 0.0));
         dev.set_caching(caching);
     }
 }
@@ -752,7 +778,7 @@ fn print_table(r: &Results) {
         .chain([("c", "rate".to_string())])
         .chain([("d", "first".to_string()), ("d", "republish".to_string())])
         .chain([("e", "fanout8".to_string())])
-        .chain([("s", "fresh1M".to_string()), ("s", "empty1M".to_string())])
+        .chain([("s", "fresh1M".to_string()), ("s", "empty1M".to_string()), ("s", "use".to_string())])
         .collect();
     println!();
     println!("| row | workload | cuda-mp median | cuda-mp p99 | torch median | torch p99 | torch / cuda-mp |");
@@ -779,6 +805,7 @@ fn print_table(r: &Results) {
             "c" => "one-way, 4 KiB tensors per second".into(),
             "d" => format!("7B weights (291 bf16 tensors), {name}"),
             "s" if name == "fresh1M" => "fresh 1 MiB tensors per second (zeros), 64 in flight".into(),
+            "s" if name == "use" => "fresh 1 MiB (zeros), the consumer adds 1 to each (a kernel)".into(),
             "s" => "fresh 1 MiB tensors per second (empty: no kernel), 64 in flight".into(),
             _ => "1 MiB to 8 consumers, all acknowledged".into(),
         };

@@ -32,6 +32,19 @@ def drop_and_ack(q, ack):
         ack.put(1)
 
 
+def add_and_ack(q, ack):
+    """Row s's consumer that uses each tensor: adds 1 to it (a kernel, no host wait), then
+    drops it and acknowledges."""
+    torch.cuda.init()
+    while True:
+        t = q.get()
+        if t is None:
+            break
+        t.add_(1)
+        del t
+        ack.put(1)
+
+
 def count_then_ack(q, ack, n, warm):
     torch.cuda.init()
     for i in range(n):
@@ -42,11 +55,12 @@ def count_then_ack(q, ack, n, warm):
     ack.put(n)
 
 
-def fresh_rate(ctx, dev, n, window, zeroed):
-    """Row s: n fresh 1 MiB tensors, at most `window` unacknowledged; tensors per second."""
+def fresh_rate(ctx, dev, n, window, zeroed, use=False):
+    """Row s: n fresh 1 MiB tensors, at most `window` unacknowledged, to a consumer that drops
+    each (or adds 1 to each first); tensors per second."""
     make = torch.zeros if zeroed else torch.empty
     q, ack = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=drop_and_ack, args=(q, ack))
+    p = ctx.Process(target=add_and_ack if use else drop_and_ack, args=(q, ack))
     p.start()
 
     def send(k):
@@ -285,6 +299,7 @@ def main():
     n = 5000 if quick else 20000  # s: fresh tensors
     row("s_fresh1M", fresh_rate(ctx, dev, n, 64, True), 0)
     row("s_empty1M", fresh_rate(ctx, dev, n, 64, False), 0)
+    row("s_use", fresh_rate(ctx, dev, n, 64, True, use=True), 0)
 
 
 if __name__ == "__main__":

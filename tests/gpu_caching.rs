@@ -96,7 +96,7 @@ fn copy_then_check((rx, reply): (Receiver<(f32, GpuTensor<f32>)>, Sender<Result<
         for _ in 0..400 {
             mine.copy_from(&t).unwrap();
         }
-        // Released only after the copies are done (the drop synchronizes first).
+        // Released only after the copies are done (the release waits for them; the drop does not).
         drop(t);
         reply.send(Ok(())).unwrap();
         let got = mine.to_vec().unwrap();
@@ -141,6 +141,61 @@ fn a_block_is_reused_only_after_the_consumer_has_finished_reading_it() {
     }
     assert!(dev.allocator_stats().allocations > reused_before);
     drop(tx);
+    child.join().unwrap();
+}
+
+/// Holds its own stream, queues a kernel on a received block behind the hold, drops the block
+/// and says how long the drop took; releases the hold when told, then reads what it wrote
+/// into a block of its own.
+fn drop_under_hold((rx, go, reply): (Receiver<GpuTensor<f32>>, Receiver<()>, Sender<Duration>)) {
+    let dev = common::gpu();
+    let flag = GpuTensor::<i32>::zeros(&dev, &[1]).unwrap();
+    let mine = GpuTensor::<f32>::zeros(&dev, &[1 << 18]).unwrap();
+    // Before the hold: each kernel's first launch (loading it may wait for queued work).
+    let scratch = GpuTensor::<f32>::zeros(&dev, &[1 << 18]).unwrap();
+    mine.add_scalar(0.0).unwrap();
+    mine.copy_from(&scratch).unwrap();
+    let held = common::HeldStream::new(&dev, &flag);
+    dev.synchronize().unwrap();
+    let t = rx.recv().unwrap();
+    held.hold_until(1);
+    t.add_scalar(1.0).unwrap();
+    mine.copy_from(&t).unwrap();
+    let start = Instant::now();
+    drop(t);
+    reply.send(start.elapsed()).unwrap();
+    go.recv().unwrap();
+    held.release(1);
+    let got = mine.to_vec().unwrap();
+    reply.send(Duration::from_secs(got.iter().filter(|&&x| x != 3.0).count() as u64)).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn dropping_a_received_block_waits_for_nothing_and_its_release_waits_for_the_work_queued_on_it() {
+    let _g = serial();
+    let dev = common::gpu();
+    let (tx, rx) = channel().unwrap();
+    let (go_tx, go) = channel().unwrap();
+    let (reply_tx, reply) = channel().unwrap();
+    let child = spawn((rx, go, reply_tx), drop_under_hold);
+    let t = GpuTensor::<f32>::full(&dev, &[1 << 18], 2.0).unwrap(); // 1 MiB
+    let ptr = t.device_ptr();
+    tx.send(t).unwrap(); // this process's handle goes: the consumer's claim holds the block
+    let blocks = dev.allocator_stats().blocks;
+    let took = reply.recv_timeout(WAIT).expect("the consumer's drop returns while its stream is held");
+    assert!(took < Duration::from_secs(5), "the drop returned after {took:?}");
+    // Were the release sent at the drop, the block would be free by now.
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(dev.allocator_stats().blocks, blocks, "the block came back while the consumer's kernel still waited");
+    let other = GpuTensor::<f32>::zeros(&dev, &[1 << 18]).unwrap();
+    assert_ne!(other.device_ptr(), ptr, "the block was handed out again while the consumer's work on it waited");
+    go_tx.send(()).unwrap();
+    let wrong = reply.recv_timeout(WAIT).unwrap();
+    assert_eq!(wrong, Duration::ZERO, "elements of the consumer's copy that are not the sender's 2 + its 1");
+    // `other` is one block more; the consumer's block goes once its work is done.
+    eventually("the block comes back once the consumer's work is done", || dev.allocator_stats().blocks == blocks);
+    drop(other);
     child.join().unwrap();
 }
 

@@ -864,50 +864,6 @@ fn vmm_memory_sent_by_a_producer_that_exits_at_once_is_received_after_its_exit()
     assert!(free_memory(&dev) + (64 << 20) >= baseline, "device memory back to where it started");
 }
 
-/// Holds `dev`'s stream (the one cuda-mp queues on) until [`release`] sets the flag to at
-/// least `value`: the sender's work stays unfinished for as long as the test needs. Dropping
-/// the hold releases the stream for good, so that a failing test does not hang in its drops.
-struct HeldStream<'a> {
-    dev: &'a Device,
-    flag: &'a GpuTensor<i32>,
-    /// Made before any hold, so that a release makes nothing new while the stream is held.
-    side: std::sync::Arc<cudarc::driver::CudaStream>,
-}
-
-impl<'a> HeldStream<'a> {
-    fn new(dev: &'a Device, flag: &'a GpuTensor<i32>) -> Self {
-        let side = dev.context().new_stream().unwrap();
-        HeldStream { dev, flag, side }
-    }
-
-    fn hold_until(&self, value: u32) {
-        use cudarc::driver::sys;
-        self.dev.context().bind_to_thread().unwrap();
-        let geq = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
-        // SAFETY: the stream is live (the device's) and the flag is 4 bytes of device memory
-        // that outlive the hold (released in drop at the latest).
-        unsafe { sys::cuStreamWaitValue32_v2(self.dev.stream().cu_stream(), self.flag.device_ptr(), value, geq) }
-            .result()
-            .expect("cuStreamWaitValue32");
-    }
-
-    fn release(&self, value: u32) {
-        use cudarc::driver::sys;
-        self.dev.context().bind_to_thread().unwrap();
-        // SAFETY: as in `hold_until`; the side stream lives as long as `self`.
-        unsafe { sys::cuStreamWriteValue32_v2(self.side.cu_stream(), self.flag.device_ptr(), value, 0) }
-            .result()
-            .expect("cuStreamWriteValue32");
-        self.side.synchronize().unwrap();
-    }
-}
-
-impl Drop for HeldStream<'_> {
-    fn drop(&mut self) {
-        self.release(u32::MAX);
-    }
-}
-
 /// What the held producer is told to do next.
 #[derive(Serialize, Deserialize, Debug)]
 enum Step {
@@ -934,7 +890,7 @@ fn held_producer((tx, steps, done): (Sender<GpuTensor<f32>>, Receiver<Step>, Sen
     let warm_up = unused.ipc_payload().unwrap();
     dev.synchronize().unwrap();
     drop(warm_up);
-    let held = HeldStream::new(&dev, &flag);
+    let held = common::HeldStream::new(&dev, &flag);
     held.hold_until(1);
     unused.fill(3.0).unwrap();
     t.fill(7.0).unwrap();

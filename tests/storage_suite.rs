@@ -686,6 +686,42 @@ fn a_resent_storage_is_mapped_once_and_unmapped_when_its_owner_drops_it() {
     child.join().unwrap();
 }
 
+/// Receives a fake tensor, "queues work" on it that runs 800 ms, drops it and says how long
+/// the drop took; exits when told (an exit would close its lease, releasing everything).
+fn drop_while_busy((rx, reply, go): (Receiver<FakeTensor<f32>>, Sender<Duration>, Receiver<()>)) {
+    let t = rx.recv().unwrap();
+    t.queue_work(Duration::from_millis(800));
+    let start = Instant::now();
+    drop(t);
+    reply.send(start.elapsed()).unwrap();
+    let _ = go.recv();
+}
+
+#[test]
+fn a_mappings_release_waits_for_the_work_queued_on_it_and_its_drop_does_not() {
+    let _g = serial();
+    let before = lifetime_stats();
+    let (tx, rx) = channel().unwrap();
+    let (reply_tx, reply) = channel().unwrap();
+    let (go, go_rx) = channel().unwrap();
+    let child = spawn((rx, reply_tx, go_rx), drop_while_busy);
+    tx.send(FakeTensor::<f32>::fake(&[4], Duration::ZERO).unwrap()).unwrap(); // our handle goes with it
+    let took = reply.recv_timeout(WAIT).unwrap();
+    let replied = Instant::now();
+    assert!(took < Duration::from_millis(300), "the drop waited for the work: {took:?}");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        lifetime_stats().exported_storages,
+        before.exported_storages + 1,
+        "the claim was released before the work queued on the mapping was done"
+    );
+    wait_for_lifetime(WAIT, |s| s.exported_storages == before.exported_storages).expect("released after the work");
+    assert!(replied.elapsed() >= Duration::from_millis(400), "released {:?} after the drop", replied.elapsed());
+    go.send(()).unwrap();
+    child.join().unwrap();
+    settled(before);
+}
+
 /// A state dict as torch sends it: many GPU tensors by name in one message.
 fn count_state_dict((rx, reply): (Receiver<HashMap<String, GpuTensor<f32>>>, Sender<usize>)) {
     let dict = rx.recv().unwrap();

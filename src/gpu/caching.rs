@@ -9,14 +9,16 @@
 //! segment mapped while it holds any of its blocks, and afterwards in its idle cache for as
 //! long as this process keeps the segment; a fresh tensor cut from a mapped segment opens
 //! nothing. A block comes back to the free lists when its last claim is released: every
-//! receiver dropped it (after finishing the work it queued, so a block is never handed out while
-//! another process's queued work still reads it) or died. See README.md here.
+//! receiver dropped it (and its release waited for the work it queued on it, `retire.rs`, so a
+//! block is never handed out while another process's queued work still uses it) or died. See
+//! README.md here.
 
 use std::sync::Arc;
 
 use super::device::Device;
 use super::driver::DeviceRange;
 use super::handles::DeviceAllocation;
+use super::retire::OwnWork;
 use super::storage::{GpuMemory, GpuStorage};
 use crate::error::Result;
 use crate::storage::pools::{AllocatorStats, Block, Pools};
@@ -49,11 +51,13 @@ pub(crate) fn block_range(block: &PoolBlock, len: usize) -> Result<DeviceRange> 
 pub(crate) struct ImportedBlock {
     segment: Arc<GpuStorage>,
     offset: usize,
+    /// True once its close waits behind a fence (`retire.rs`): its drop then need not wait.
+    fenced: bool,
 }
 
 impl ImportedBlock {
     pub(crate) fn new(segment: Arc<GpuStorage>, offset: usize) -> ImportedBlock {
-        ImportedBlock { segment, offset }
+        ImportedBlock { segment, offset, fenced: false }
     }
 
     pub(crate) fn segment(&self) -> &Arc<GpuStorage> {
@@ -67,13 +71,23 @@ impl ImportedBlock {
     pub(crate) fn range(&self, len: usize) -> Result<DeviceRange> {
         self.segment.range()?.sub(self.offset, len)
     }
+
+    /// A fence after the work queued here so far, behind which the block's close (and the
+    /// release of its claim) waits instead of this process's thread.
+    pub(crate) fn fence(&mut self) -> Option<OwnWork> {
+        let fence = self.segment.device().own_work().ok()?;
+        self.fenced = true;
+        Some(fence)
+    }
 }
 
 impl Drop for ImportedBlock {
     fn drop(&mut self) {
         // The owner hands the block out again once this process's claim is released, which
         // follows this drop: work queued here on it must be done first.
-        let _ = self.segment.device().finish_own_work();
+        if !self.fenced {
+            let _ = self.segment.device().finish_own_work();
+        }
     }
 }
 

@@ -14,6 +14,7 @@ use super::caching::Allocator;
 use super::driver;
 use super::handles::InterprocessEvent;
 use super::kernels::Kernels;
+use super::retire::Retirer;
 use crate::error::{Error, Result};
 
 pub(crate) use super::driver::driver_err;
@@ -77,6 +78,8 @@ pub struct Device {
     peers: Mutex<HashMap<usize, bool>>,
     /// The caching allocator of this process's tensors on the device.
     allocator: Arc<Allocator>,
+    /// Closes of received memory waiting for the work queued on it (see `retire.rs`).
+    retirer: Retirer,
 }
 
 impl fmt::Debug for Device {
@@ -159,6 +162,7 @@ impl Device {
             vmm_granularity: OnceCell::new(),
             peers: Mutex::new(HashMap::new()),
             allocator: Arc::new(Allocator::new(true)),
+            retirer: Retirer::default(),
         });
         devices.insert(ordinal, device.clone());
         Ok(device)
@@ -427,6 +431,11 @@ impl Device {
     /// The shipped kernels, loaded in the device's context on first use.
     pub(crate) fn kernels(&self) -> Result<&Kernels> {
         self.kernels.get_or_try_init(|| Kernels::load(&self.ctx))
+    }
+
+    /// The queue of closes that wait for the work queued on the stream.
+    pub(crate) fn retirer(&self) -> &Retirer {
+        &self.retirer
     }
 
     /// The cell of this process's interprocess event on the device (created by `events.rs` on

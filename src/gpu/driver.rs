@@ -404,6 +404,32 @@ pub(crate) unsafe fn event_create_interprocess() -> DriverResult<sys::CUevent> {
     }
 }
 
+/// `cuEventCreate` with `CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING`: an event of this
+/// process that a thread waits on asleep, not spinning.
+///
+/// # Safety
+/// A context must be current on this thread. The event must be destroyed once, with
+/// [`event_destroy`].
+pub(crate) unsafe fn event_create_blocking() -> DriverResult<sys::CUevent> {
+    let flags =
+        sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as c_uint | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
+    let mut event = MaybeUninit::uninit();
+    // SAFETY: the caller made a context current; `event` is writable.
+    unsafe {
+        sys::cuEventCreate(event.as_mut_ptr(), flags).result()?;
+        Ok(event.assume_init())
+    }
+}
+
+/// `cuEventSynchronize`: blocks until the work before the event's latest record is done.
+///
+/// # Safety
+/// A context must be current and `event` live.
+pub(crate) unsafe fn event_synchronize(event: sys::CUevent) -> DriverResult<()> {
+    // SAFETY: upheld by the caller.
+    unsafe { sys::cuEventSynchronize(event).result() }
+}
+
 /// `cuIpcGetEventHandle` of an event created with the interprocess flag.
 ///
 /// # Safety

@@ -706,6 +706,63 @@ impl Drop for InterprocessEvent {
     }
 }
 
+/// An event of this process that a thread waits on asleep (`CU_EVENT_BLOCKING_SYNC`): how a
+/// drop learns, off its own thread, that the work queued before it is done.
+pub(crate) struct BlockingEvent {
+    ctx: Arc<CudaContext>,
+    raw: sys::CUevent,
+}
+
+// SAFETY: a CUevent is a driver handle, usable from any thread once its context is current,
+// which every method (and drop) makes sure of; the driver synchronizes concurrent use.
+unsafe impl Send for BlockingEvent {}
+// SAFETY: as above; nothing in the value is mutated after construction.
+unsafe impl Sync for BlockingEvent {}
+
+impl BlockingEvent {
+    /// Creates an event on `device`.
+    pub(crate) fn create(device: &Device) -> Result<BlockingEvent> {
+        let ctx = device.context().clone();
+        bind(&ctx)?;
+        // SAFETY: the context is current; the event is destroyed once, by the value built here.
+        let raw = unsafe { driver::event_create_blocking() }.map_err(driver_err("cuEventCreate"))?;
+        Ok(BlockingEvent { ctx, raw })
+    }
+
+    /// Records the event after the work queued on `stream` so far (a stream of the event's
+    /// device).
+    pub(crate) fn record(&self, stream: &CudaStream) -> Result<()> {
+        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
+            return Err(Error::Unsupported("recording an event on another device's stream".into()));
+        }
+        bind(&self.ctx)?;
+        // SAFETY: the context is current; the event and the stream are live and of it.
+        unsafe { driver::event_record(self.raw, stream.cu_stream()) }.map_err(driver_err("cuEventRecord"))
+    }
+
+    /// Blocks, asleep, until the work before the latest record is done.
+    pub(crate) fn wait(&self) -> Result<()> {
+        bind(&self.ctx)?;
+        // SAFETY: the context is current and the event live.
+        unsafe { driver::event_synchronize(self.raw) }.map_err(driver_err("cuEventSynchronize"))
+    }
+}
+
+impl fmt::Debug for BlockingEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BlockingEvent").field("event", &self.raw).finish_non_exhaustive()
+    }
+}
+
+impl Drop for BlockingEvent {
+    fn drop(&mut self) {
+        if bind(&self.ctx).is_ok() {
+            // SAFETY: created in this (current) context; nothing uses it after.
+            let _ = unsafe { driver::event_destroy(self.raw) };
+        }
+    }
+}
+
 /// Another process's interprocess event, opened with `cuIpcOpenEventHandle`. Dropping it
 /// destroys this process's reference; waits already queued are not affected.
 pub(crate) struct OpenedEvent {

@@ -8,6 +8,7 @@ mod events;
 mod handles;
 mod kernels;
 mod nccl;
+mod retire;
 mod storage;
 mod torch;
 mod torch_refs;

@@ -20,7 +20,7 @@ use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::lifetime::{LeaseMode, StorageId};
 use crate::profile::{self, Phase};
-use crate::storage::{self, Arrival, Handle, Memory, Record, Shared, StorageKind};
+use crate::storage::{self, Arrival, Fence, Handle, Memory, Record, Shared, StorageKind};
 use crate::tensor::{Tensor, TensorWire};
 
 /// Device memory behind [`GpuTensor`](crate::GpuTensor)s: a `cuMemAlloc` allocation made by
@@ -347,6 +347,16 @@ impl StorageKind for GpuKind {
                 events::wait(&place.owner, &place.access, memory.id().owner(), &event, when)
             }
             None => Ok(()),
+        }
+    }
+
+    fn fence(raw: &mut GpuMemory) -> Option<Box<dyn Fence>> {
+        // Blocks: the owner hands a released block out again, so the release waits behind a
+        // fence, not the dropping thread. Whole mappings still close on the dropping thread
+        // (their mapping may be shared by other storages here).
+        match raw {
+            GpuMemory::ImportedBlock(block) => Some(Box::new(block.fence()?)),
+            _ => None,
         }
     }
 }

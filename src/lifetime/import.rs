@@ -122,16 +122,26 @@ pub(crate) fn park_idle(
 /// Runs `close` for a mapping of another process's storage that is being dropped. Other
 /// imports go on meanwhile; only a new import of the same storage waits for it.
 pub(crate) fn close_import(id: StorageId, kind: &'static str, close: impl FnOnce()) {
-    let key = (id, kind);
-    {
-        let mut s = state();
-        if s.imported.get(&key).is_some_and(|w| w.strong_count() == 0) {
-            s.imported.remove(&key);
-        }
-        s.mark_closing(key);
-    }
+    begin_close(id, kind);
     close();
-    state().unmark_closing(&key);
+    end_close(id, kind);
+}
+
+/// A mapping of another process's storage is being dropped, and will be closed later (by
+/// [`end_close`], once work queued on it is done): a new import of the same storage waits
+/// until then, and so does [`wait_for_releases`](super::wait_for_releases).
+pub(crate) fn begin_close(id: StorageId, kind: &'static str) {
+    let key = (id, kind);
+    let mut s = state();
+    if s.imported.get(&key).is_some_and(|w| w.strong_count() == 0) {
+        s.imported.remove(&key);
+    }
+    s.mark_closing(key);
+}
+
+/// The mapping that [`begin_close`] named is closed.
+pub(crate) fn end_close(id: StorageId, kind: &'static str) {
+    state().unmark_closing(&(id, kind));
     notify();
 }
 

@@ -425,6 +425,23 @@ impl Cover {
     }
 }
 
+impl Cover {
+    /// Moves the claims out into a cover of their own, to be released when that one drops;
+    /// this one then releases nothing. (A close that waits for the device keeps them until it
+    /// is done.)
+    pub(crate) fn take(&mut self) -> Cover {
+        Cover {
+            lease: self.lease.clone(),
+            id: self.id,
+            index: self.index,
+            mode: self.mode,
+            claims: AtomicU64::new(std::mem::take(self.claims.get_mut())),
+            generation: self.generation,
+            anchors: std::mem::take(&mut self.anchors),
+        }
+    }
+}
+
 impl Drop for Cover {
     fn drop(&mut self) {
         let claims = *self.claims.get_mut();

@@ -29,7 +29,7 @@ pub(crate) use export::{
 };
 pub(crate) use ids::process_token;
 pub use ids::StorageId;
-pub(crate) use import::{close_import, import, park_idle, subscribe};
+pub(crate) use import::{begin_close, close_import, end_close, import, park_idle, subscribe};
 pub(crate) use lease::{CacheTicket, Claim, Cover, Lease, LeaseMode, NOT_A_LEASE};
 
 /// A storage as the lifetime machinery sees it: anything shareable, kept alive by `Arc`.

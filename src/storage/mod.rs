@@ -61,6 +61,24 @@ pub(crate) trait StorageKind: Sized + Send + Sync + 'static {
     /// before its tensor is handed out: for example, wait for the sender's queued work. It
     /// gets what `open` left of the record (all of it when nothing was opened).
     fn arrived(memory: &Memory<Self>, wire: &mut Self::Wire, place: &Self::Place, arrival: Arrival) -> Result<()>;
+    /// Imported memory whose last handle is gone: a fence after the work this process queued
+    /// on it, if the kind can close it (and release its claim) once that work is done, off the
+    /// dropping thread. `None` (the default): closed now, on the dropping thread, whose drop
+    /// of the raw memory waits for whatever it must.
+    fn fence(raw: &mut Self::Raw) -> Option<Box<dyn Fence>> {
+        let _ = raw;
+        None
+    }
+}
+
+/// A close of imported memory, run once the work queued on it is done.
+pub(crate) type Close = Box<dyn FnOnce() + Send>;
+
+/// A point in the work a process queued on some memory ([`StorageKind::fence`]).
+pub(crate) trait Fence: Send {
+    /// Runs `close` once the work before the fence is done (on another thread, in order with
+    /// the other closes behind fences of the same queue).
+    fn then(self: Box<Self>, close: Close);
 }
 
 /// Whether an arriving storage's memory was mapped by this import or was known here already.
@@ -126,14 +144,45 @@ impl<K: StorageKind> Memory<K> {
 
 impl<K: StorageKind> Drop for Memory<K> {
     fn drop(&mut self) {
-        let raw = self.raw.take();
-        match self.origin {
+        let mut raw = self.raw.take();
+        let (id, key) = (self.id, self.key);
+        match &mut self.origin {
             // Freed before the live count drops, so that a counter that says "freed" is true.
             Origin::Local(_) => drop(raw),
-            // A new import of the same storage waits until the mapping is closed.
-            Origin::Imported { .. } => lifetime::close_import(self.id, self.key, || drop(raw)),
+            // A new import of the same storage waits until the mapping is closed; the claim
+            // is released after the close.
+            Origin::Imported { cover, .. } => match raw.as_mut().and_then(K::fence) {
+                Some(fence) => {
+                    let cover = cover.take();
+                    finish_closes_at_exit();
+                    lifetime::begin_close(id, key);
+                    fence.then(Box::new(move || {
+                        drop(raw);
+                        lifetime::end_close(id, key);
+                        drop(cover);
+                    }));
+                }
+                None => lifetime::close_import(id, key, || drop(raw)),
+            },
         }
     }
+}
+
+/// Makes this process, when it exits, first wait (up to [`CLOSES_AT_EXIT`]) for the closes
+/// that wait behind fences, and for the releases they post: a process that drops a received
+/// tensor and returns from `main` releases it after its work, as one whose drop waited did.
+fn finish_closes_at_exit() {
+    static INSTALLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    INSTALLED.get_or_init(|| crate::sys::at_exit(finish_closes));
+}
+
+/// How long an exiting process waits for the work behind its fences. Past it, it exits
+/// anyway (a stream that never finishes would otherwise hold the exit for ever); the kernel
+/// then closes its leases, as at a kill.
+const CLOSES_AT_EXIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+extern "C" fn finish_closes() {
+    let _ = crate::os::catch_quietly(|| lifetime::wait_for_releases(Some(std::time::Instant::now() + CLOSES_AT_EXIT)));
 }
 
 /// A user handle on a storage's memory; the public storage types wrap one.

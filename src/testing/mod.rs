@@ -8,8 +8,8 @@ pub mod fuzz;
 pub use crate::sys::kill::{KILL_AT_ENV, POINTS as KILL_POINTS};
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -17,7 +17,7 @@ use crate::dtype::Element;
 use crate::error::Result;
 use crate::layout::Layout;
 use crate::lifetime::{LeaseMode, StorageId};
-use crate::storage::{Arrival, Handle, Memory, Shared, StorageKind};
+use crate::storage::{Arrival, Close, Fence, Handle, Memory, Shared, StorageKind};
 use crate::tensor::Tensor;
 
 /// A tensor on fake storage.
@@ -38,6 +38,22 @@ pub(crate) struct FakeMemory {
     /// for the device).
     free_delay: Duration,
     imported: bool,
+    /// Until when "work queued" on a mapping runs (a stand-in for kernels queued on received
+    /// GPU memory): its close, and the release of its claim, wait behind a fence until then.
+    busy_until: Mutex<Option<Instant>>,
+}
+
+/// A fence of the fake kind: a thread that runs the close at the end of the "work".
+struct FakeWork(Instant);
+
+impl Fence for FakeWork {
+    fn then(self: Box<Self>, close: Close) {
+        let until = self.0;
+        std::thread::spawn(move || {
+            std::thread::sleep(until.saturating_duration_since(Instant::now()));
+            close();
+        });
+    }
 }
 
 static CLOSED: AtomicU64 = AtomicU64::new(0);
@@ -84,11 +100,16 @@ impl StorageKind for FakeKind {
     fn open(wire: &mut FakeWire, _: usize, _: &()) -> Result<FakeMemory> {
         let open_delay = Duration::from_millis(wire.open_delay_ms.min(60_000));
         std::thread::sleep(open_delay);
-        Ok(FakeMemory { open_delay, free_delay: Duration::ZERO, imported: true })
+        Ok(FakeMemory { open_delay, free_delay: Duration::ZERO, imported: true, busy_until: Mutex::new(None) })
     }
 
     fn arrived(_: &Memory<Self>, _: &mut FakeWire, _: &(), _: Arrival) -> Result<()> {
         Ok(())
+    }
+
+    fn fence(raw: &mut FakeMemory) -> Option<Box<dyn Fence>> {
+        let until = raw.busy_until.get_mut().unwrap_or_else(|p| p.into_inner()).take()?;
+        (raw.imported && until > Instant::now()).then(|| Box::new(FakeWork(until)) as Box<dyn Fence>)
     }
 }
 
@@ -122,13 +143,23 @@ impl<T: Element> Tensor<T, FakeStorage> {
     pub fn fake_freed_slowly(shape: &[usize], open_delay: Duration, free_delay: Duration) -> Result<Self> {
         let layout = Layout::contiguous(shape)?;
         let bytes = layout.numel() * T::DTYPE.size();
-        let memory = FakeMemory { open_delay, free_delay, imported: false };
+        let memory = FakeMemory { open_delay, free_delay, imported: false, busy_until: Mutex::new(None) };
         Ok(Tensor::from_parts(Arc::new(FakeStorage(Handle::new_local(bytes, memory))), layout))
     }
 
     /// The identity of the underlying storage across processes.
     pub fn storage_id(&self) -> StorageId {
         self.storage.id()
+    }
+
+    /// "Queues work" on a received tensor's storage that runs for `duration` from now: once
+    /// its last handle here is gone, its mapping closes, and its claim is released, only when
+    /// that work is done (as a received GPU block's do after the kernels queued on it), while
+    /// the drop itself returns at once.
+    pub fn queue_work(&self, duration: Duration) {
+        let until = Instant::now() + duration;
+        let mut busy = self.storage.0.memory().raw().busy_until.lock().unwrap_or_else(|p| p.into_inner());
+        *busy = Some(busy.map_or(until, |b| b.max(until)));
     }
 }
 

@@ -169,3 +169,49 @@ pub fn eventually(wait: Duration, what: &str, mut f: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+/// Holds `dev`'s stream (the one cuda-mp queues on) until [`release`] sets the flag to at
+/// least `value`: work queued on it stays unfinished for as long as the test needs. Dropping
+/// the hold releases the stream for good, so that a failing test does not hang in its drops.
+#[allow(dead_code)] // only the GPU test binaries use it
+pub struct HeldStream<'a> {
+    dev: &'a Device,
+    flag: &'a cuda_mp::GpuTensor<i32>,
+    /// Made before any hold, so that a release makes nothing new while the stream is held.
+    side: std::sync::Arc<cudarc::driver::CudaStream>,
+}
+
+#[allow(dead_code)]
+impl<'a> HeldStream<'a> {
+    pub fn new(dev: &'a Device, flag: &'a cuda_mp::GpuTensor<i32>) -> Self {
+        let side = dev.context().new_stream().unwrap();
+        HeldStream { dev, flag, side }
+    }
+
+    pub fn hold_until(&self, value: u32) {
+        use cudarc::driver::sys;
+        self.dev.context().bind_to_thread().unwrap();
+        let geq = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
+        // SAFETY: the stream is live (the device's) and the flag is 4 bytes of device memory
+        // that outlive the hold (released in drop at the latest).
+        unsafe { sys::cuStreamWaitValue32_v2(self.dev.stream().cu_stream(), self.flag.device_ptr(), value, geq) }
+            .result()
+            .expect("cuStreamWaitValue32");
+    }
+
+    pub fn release(&self, value: u32) {
+        use cudarc::driver::sys;
+        self.dev.context().bind_to_thread().unwrap();
+        // SAFETY: as in `hold_until`; the side stream lives as long as `self`.
+        unsafe { sys::cuStreamWriteValue32_v2(self.side.cu_stream(), self.flag.device_ptr(), value, 0) }
+            .result()
+            .expect("cuStreamWriteValue32");
+        self.side.synchronize().unwrap();
+    }
+}
+
+impl Drop for HeldStream<'_> {
+    fn drop(&mut self) {
+        self.release(u32::MAX);
+    }
+}

@@ -1,0 +1,120 @@
+//! Closing received memory after the work this process queued on it, off the dropping thread.
+//!
+//! A received block goes back to its owner's free lists once this process releases its
+//! claim, so the release must come after every kernel and copy this process queued on it.
+//! Instead of waiting for the stream in the drop (a host synchronization on the user's thread,
+//! the sender's event waits included), a drop records an event on the stream
+//! ([`Device::own_work`]) and hands the close (unmapping, then the release) to the device's
+//! retiring thread, which waits for the events asleep, in the order they were recorded (the
+//! order the stream finishes them), and runs each close after its event. A drop then costs
+//! one event record; the owner gets the block back when the work is done, not before.
+//!
+//! A release waits for the work queued on the stream before the drop, as the synchronizing drop
+//! did; work queued after it is not waited for. If the thread cannot be started, or the event
+//! cannot be recorded, the drop waits for the stream itself, as before.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+
+use super::device::Device;
+use super::handles::BlockingEvent;
+use crate::error::Result;
+use crate::storage::{Close, Fence};
+
+/// Events kept for reuse per device, at most (the rest are destroyed after use).
+const SPARE_EVENTS: usize = 64;
+
+/// One device's retiring queue (in `Device`).
+#[derive(Default)]
+pub(crate) struct Retirer {
+    queue: Mutex<VecDeque<(BlockingEvent, Close)>>,
+    posted: Condvar,
+    spare: Mutex<Vec<BlockingEvent>>,
+    started: OnceLock<bool>,
+}
+
+impl std::fmt::Debug for Retirer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Retirer").field("waiting", &lock(&self.queue).len()).finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Retirer {
+    fn recycle(&self, event: BlockingEvent) {
+        let mut spare = lock(&self.spare);
+        if spare.len() < SPARE_EVENTS {
+            spare.push(event);
+        }
+    }
+}
+
+/// The work this process queued on a device's stream up to a point: a [`Fence`].
+#[derive(Debug)]
+pub(crate) struct OwnWork {
+    device: Arc<Device>,
+    event: BlockingEvent,
+}
+
+impl Device {
+    /// A fence after the work this process queued on the stream so far (not the waits it owes
+    /// for received memory: they put no work of ours on it).
+    pub(crate) fn own_work(self: &Arc<Self>) -> Result<OwnWork> {
+        let spare = lock(&self.retirer().spare).pop();
+        let event = match spare {
+            Some(event) => event,
+            None => BlockingEvent::create(self)?,
+        };
+        event.record(self.unsettled_stream())?;
+        Ok(OwnWork { device: self.clone(), event })
+    }
+
+    /// The retiring thread of this device, started on first use; false if it cannot start.
+    fn retiring_thread(self: &Arc<Self>) -> bool {
+        let device = self.clone();
+        *self.retirer().started.get_or_init(move || {
+            std::thread::Builder::new()
+                .name(format!("cuda-mp-retire-{}", device.ordinal()))
+                .spawn(move || retire(device))
+                .is_ok()
+        })
+    }
+}
+
+impl Fence for OwnWork {
+    fn then(self: Box<Self>, close: Close) {
+        let OwnWork { device, event } = *self;
+        if !device.retiring_thread() {
+            let _ = event.wait();
+            close();
+            return;
+        }
+        let retirer = device.retirer();
+        lock(&retirer.queue).push_back((event, close));
+        retirer.posted.notify_one();
+    }
+}
+
+/// The retiring thread: each close after its event, in order.
+fn retire(device: Arc<Device>) {
+    let retirer = device.retirer();
+    loop {
+        let (event, close) = {
+            let mut queue = lock(&retirer.queue);
+            loop {
+                if let Some(next) = queue.pop_front() {
+                    break next;
+                }
+                queue = retirer.posted.wait(queue).unwrap_or_else(|p| p.into_inner());
+            }
+        };
+        // An error leaves the stream unusable (the context's error is sticky): nothing queued
+        // on it runs any more, so the close may go ahead, as a synchronizing drop's would.
+        let _ = event.wait();
+        close();
+        retirer.recycle(event);
+    }
+}
