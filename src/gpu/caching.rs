@@ -51,7 +51,7 @@ pub(crate) fn block_range(block: &PoolBlock, len: usize) -> Result<DeviceRange> 
 pub(crate) struct ImportedBlock {
     segment: Arc<GpuStorage>,
     offset: usize,
-    /// True once its close waits behind a fence (`retire.rs`): its drop then need not wait.
+    /// True once its release waits behind a fence (`retire.rs`): its drop then need not wait.
     fenced: bool,
 }
 
@@ -72,8 +72,8 @@ impl ImportedBlock {
         self.segment.range()?.sub(self.offset, len)
     }
 
-    /// A fence after the work queued here so far, behind which the block's close (and the
-    /// release of its claim) waits instead of this process's thread.
+    /// A fence after the work queued here so far, behind which the release of the block's
+    /// claim waits instead of this process's thread.
     pub(crate) fn fence(&mut self) -> Option<OwnWork> {
         let fence = self.segment.device().own_work().ok()?;
         self.fenced = true;

@@ -1,13 +1,15 @@
-//! Closing received memory after the work this process queued on it, off the dropping thread.
+//! Releasing received memory after the work this process queued on it, off the dropping thread.
 //!
 //! A received block goes back to its owner's free lists once this process releases its
 //! claim, so the release must come after every kernel and copy this process queued on it.
 //! Instead of waiting for the stream in the drop (a host synchronization on the user's thread,
 //! the sender's event waits included), a drop records an event on the stream
-//! ([`Device::own_work`]) and hands the close (unmapping, then the release) to the device's
-//! retiring thread, which waits for the events asleep, in the order they were recorded (the
-//! order the stream finishes them), and runs each close after its event. A drop then costs
-//! one event record; the owner gets the block back when the work is done, not before.
+//! ([`Device::own_work`]), lets go of the block at once (nothing is unmapped: the segment
+//! stays mapped while cached, and a segment that closes synchronizes first) and hands the
+//! release of its claim to the device's retiring thread, which waits for the events asleep,
+//! in the order they were recorded (the order the stream finishes them), and posts each
+//! release after its event. A drop then costs one event record; the owner gets the block back
+//! when the work is done, not before.
 //!
 //! A release waits for the work queued on the stream before the drop, as the synchronizing drop
 //! did; work queued after it is not waited for. If the thread cannot be started, or the event
@@ -98,7 +100,7 @@ impl Fence for OwnWork {
     }
 }
 
-/// The retiring thread: each close after its event, in order.
+/// The retiring thread: each release after its event, in order.
 fn retire(device: Arc<Device>) {
     let retirer = device.retirer();
     loop {

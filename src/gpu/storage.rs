@@ -351,9 +351,9 @@ impl StorageKind for GpuKind {
     }
 
     fn fence(raw: &mut GpuMemory) -> Option<Box<dyn Fence>> {
-        // Blocks: the owner hands a released block out again, so the release waits behind a
-        // fence, not the dropping thread. Whole mappings still close on the dropping thread
-        // (their mapping may be shared by other storages here).
+        // Blocks: nothing is unmapped at their drop, and the owner hands a released block out
+        // again, so the release waits behind a fence, not the dropping thread. Whole mappings
+        // still synchronize before they unmap, on the dropping thread.
         match raw {
             GpuMemory::ImportedBlock(block) => Some(Box::new(block.fence()?)),
             _ => None,

@@ -61,14 +61,13 @@ static COURIER: ForkLocal<Courier> = ForkLocal::new(|| Courier {
     started: OnceLock::new(),
 });
 
-/// Waits until every mapping being closed is closed and every release posted so far has been
-/// sent, until `deadline` at most; false when it passed first. (A mapping closes after the work
-/// queued on it, and its close posts its release. Revocations to a subscriber that does not
-/// read may wait for ever: they only let it close cached mappings sooner, so nothing waits for
-/// them.)
+/// Waits until every release that waits behind a fence is posted and every release posted so
+/// far has been sent, until `deadline` at most; false when it passed first. (Revocations to a
+/// subscriber that does not read may wait for ever: they only let it close cached mappings
+/// sooner, so nothing waits for them.)
 pub(crate) fn wait_for_releases(deadline: Option<std::time::Instant>) -> bool {
     let mut s = super::state();
-    while !s.closing.is_empty() {
+    while s.deferred_releases > 0 {
         let Some(wait) = crate::os::wait_slice(deadline, RETRY) else { return false };
         s = super::wait_timeout(s, wait);
     }

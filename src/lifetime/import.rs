@@ -5,7 +5,7 @@ use std::any::Any;
 use std::collections::HashSet;
 use std::sync::{Arc, Weak};
 
-use super::lease::{CacheTicket, Lease};
+use super::lease::{CacheTicket, Cover, Lease};
 use super::table::{Table, NO_SLOT};
 use super::{notify, reaper, state, wait, AnyStorage, ImportKey, State, StorageId};
 use crate::error::Result;
@@ -108,13 +108,15 @@ pub(crate) fn park_idle(
         Some(None) => slot != NO_SLOT,
         None => false,
     };
-    let result = if keep {
-        s.idle.insert(key, (memory, slot));
-        None
+    let (result, replaced) = if keep {
+        // A second mapping of the storage parked while one is cached: the older one is
+        // closed, outside the lock (closing takes it).
+        (None, s.idle.insert(key, (memory, slot)))
     } else {
-        Some(memory)
+        (Some(memory), None)
     };
     drop(s);
+    drop(replaced);
     notify();
     result
 }
@@ -122,27 +124,38 @@ pub(crate) fn park_idle(
 /// Runs `close` for a mapping of another process's storage that is being dropped. Other
 /// imports go on meanwhile; only a new import of the same storage waits for it.
 pub(crate) fn close_import(id: StorageId, kind: &'static str, close: impl FnOnce()) {
-    begin_close(id, kind);
-    close();
-    end_close(id, kind);
-}
-
-/// A mapping of another process's storage is being dropped, and will be closed later (by
-/// [`end_close`], once work queued on it is done): a new import of the same storage waits
-/// until then, and so does [`wait_for_releases`](super::wait_for_releases).
-pub(crate) fn begin_close(id: StorageId, kind: &'static str) {
     let key = (id, kind);
-    let mut s = state();
-    if s.imported.get(&key).is_some_and(|w| w.strong_count() == 0) {
-        s.imported.remove(&key);
+    {
+        let mut s = state();
+        if s.imported.get(&key).is_some_and(|w| w.strong_count() == 0) {
+            s.imported.remove(&key);
+        }
+        s.mark_closing(key);
     }
-    s.mark_closing(key);
+    close();
+    state().unmark_closing(&key);
+    notify();
 }
 
-/// The mapping that [`begin_close`] named is closed.
-pub(crate) fn end_close(id: StorageId, kind: &'static str) {
-    state().unmark_closing(&(id, kind));
-    notify();
+/// A claim whose release waits behind a fence (work queued on its memory, `Memory`'s drop):
+/// counted until it is released, so that [`wait_for_releases`](super::wait_for_releases)
+/// waits for it too.
+pub(crate) struct DeferredRelease(Option<Cover>);
+
+impl DeferredRelease {
+    pub(crate) fn new(cover: Cover) -> DeferredRelease {
+        state().deferred_releases += 1;
+        DeferredRelease(Some(cover))
+    }
+}
+
+impl Drop for DeferredRelease {
+    fn drop(&mut self) {
+        // The release is posted before the count goes down.
+        drop(self.0.take());
+        state().deferred_releases -= 1;
+        notify();
+    }
 }
 
 /// An owner's liveness table arrived: keep it, and evict the mappings cached while it was on

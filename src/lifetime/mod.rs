@@ -29,7 +29,7 @@ pub(crate) use export::{
 };
 pub(crate) use ids::process_token;
 pub use ids::StorageId;
-pub(crate) use import::{begin_close, close_import, end_close, import, park_idle, subscribe};
+pub(crate) use import::{close_import, import, park_idle, subscribe, DeferredRelease};
 pub(crate) use lease::{CacheTicket, Claim, Cover, Lease, LeaseMode, NOT_A_LEASE};
 
 /// A storage as the lifetime machinery sees it: anything shareable, kept alive by `Arc`.
@@ -122,6 +122,8 @@ struct State {
     /// Mappings being closed right now (outside the lock): not to be opened again until done.
     /// (Counted: an eviction and the close it leads to each hold a mark.)
     closing: HashMap<ImportKey, usize>,
+    /// Claims whose release waits behind a fence (`DeferredRelease`).
+    deferred_releases: usize,
     /// Liveness tables of owners this process subscribed to (`None` until the table arrives).
     owner_tables: HashMap<u128, Option<table::Table>>,
     stats: LifetimeStats,

@@ -62,22 +62,22 @@ pub(crate) trait StorageKind: Sized + Send + Sync + 'static {
     /// gets what `open` left of the record (all of it when nothing was opened).
     fn arrived(memory: &Memory<Self>, wire: &mut Self::Wire, place: &Self::Place, arrival: Arrival) -> Result<()>;
     /// Imported memory whose last handle is gone: a fence after the work this process queued
-    /// on it, if the kind can close it (and release its claim) once that work is done, off the
-    /// dropping thread. `None` (the default): closed now, on the dropping thread, whose drop
-    /// of the raw memory waits for whatever it must.
+    /// on it, if the kind may let go of the memory now (nothing unmapped) and release its
+    /// claim once that work is done, off the dropping thread. `None` (the default): the drop
+    /// of the raw memory waits for whatever it must, and the claim is released after it.
     fn fence(raw: &mut Self::Raw) -> Option<Box<dyn Fence>> {
         let _ = raw;
         None
     }
 }
 
-/// A close of imported memory, run once the work queued on it is done.
+/// What waits behind a fence (the release of a claim).
 pub(crate) type Close = Box<dyn FnOnce() + Send>;
 
 /// A point in the work a process queued on some memory ([`StorageKind::fence`]).
 pub(crate) trait Fence: Send {
     /// Runs `close` once the work before the fence is done (on another thread, in order with
-    /// the other closes behind fences of the same queue).
+    /// what waits behind the other fences of the same queue).
     fn then(self: Box<Self>, close: Close);
 }
 
@@ -152,15 +152,13 @@ impl<K: StorageKind> Drop for Memory<K> {
             // A new import of the same storage waits until the mapping is closed; the claim
             // is released after the close.
             Origin::Imported { cover, .. } => match raw.as_mut().and_then(K::fence) {
+                // The kind waits for the work behind the fence, not this thread: the mapping
+                // closes now, its claim is released once the work is done.
                 Some(fence) => {
-                    let cover = cover.take();
+                    let release = lifetime::DeferredRelease::new(cover.take());
                     finish_closes_at_exit();
-                    lifetime::begin_close(id, key);
-                    fence.then(Box::new(move || {
-                        drop(raw);
-                        lifetime::end_close(id, key);
-                        drop(cover);
-                    }));
+                    lifetime::close_import(id, key, || drop(raw));
+                    fence.then(Box::new(move || drop(release)));
                 }
                 None => lifetime::close_import(id, key, || drop(raw)),
             },
@@ -168,9 +166,9 @@ impl<K: StorageKind> Drop for Memory<K> {
     }
 }
 
-/// Makes this process, when it exits, first wait (up to [`CLOSES_AT_EXIT`]) for the closes
-/// that wait behind fences, and for the releases they post: a process that drops a received
-/// tensor and returns from `main` releases it after its work, as one whose drop waited did.
+/// Makes this process, when it exits, first wait (up to [`CLOSES_AT_EXIT`]) for the releases
+/// that wait behind fences: a process that drops a received tensor and returns from `main`
+/// releases it after its work, as one whose drop waited did.
 fn finish_closes_at_exit() {
     static INSTALLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     INSTALLED.get_or_init(|| crate::sys::at_exit(finish_closes));

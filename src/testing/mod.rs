@@ -153,9 +153,9 @@ impl<T: Element> Tensor<T, FakeStorage> {
     }
 
     /// "Queues work" on a received tensor's storage that runs for `duration` from now: once
-    /// its last handle here is gone, its mapping closes, and its claim is released, only when
-    /// that work is done (as a received GPU block's do after the kernels queued on it), while
-    /// the drop itself returns at once.
+    /// its last handle here is gone, its mapping closes at once but its claim is released only
+    /// when that work is done (as a received GPU block's is after the kernels queued on it),
+    /// and the drop itself returns at once.
     pub fn queue_work(&self, duration: Duration) {
         let until = Instant::now() + duration;
         let mut busy = self.storage.0.memory().raw().busy_until.lock().unwrap_or_else(|p| p.into_inner());
