@@ -722,6 +722,32 @@ fn a_mappings_release_waits_for_the_work_queued_on_it_and_its_drop_does_not() {
     settled(before);
 }
 
+/// Receives a fake tensor to keep (by then its owner's liveness table is here), then one to
+/// "queue work" on that runs 800 ms; drops it and returns at once.
+fn drop_busy_and_exit(rx: Receiver<FakeTensor<f32>>) {
+    let _kept = rx.recv().unwrap();
+    let t = rx.recv().unwrap();
+    t.queue_work(Duration::from_millis(800));
+}
+
+#[test]
+fn a_process_that_exits_right_after_its_drop_releases_after_the_work_queued_on_it() {
+    let _g = serial();
+    let before = lifetime_stats();
+    let (tx, rx) = channel().unwrap();
+    let child = spawn(rx, drop_busy_and_exit);
+    let kept = FakeTensor::<f32>::fake(&[4], Duration::ZERO).unwrap();
+    tx.send(kept.clone()).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let sent = Instant::now();
+    tx.send(FakeTensor::<f32>::fake(&[4], Duration::ZERO).unwrap()).unwrap(); // our handle goes with it
+    wait_for_lifetime(WAIT, |s| s.exported_storages == before.exported_storages + 1).expect("released");
+    assert!(sent.elapsed() >= Duration::from_millis(700), "released {:?} after the send", sent.elapsed());
+    child.join().unwrap();
+    drop(kept);
+    settled(before);
+}
+
 /// A state dict as torch sends it: many GPU tensors by name in one message.
 fn count_state_dict((rx, reply): (Receiver<HashMap<String, GpuTensor<f32>>>, Sender<usize>)) {
     let dict = rx.recv().unwrap();
