@@ -78,7 +78,7 @@ pub struct Device {
     peers: Mutex<HashMap<usize, bool>>,
     /// The caching allocator of this process's tensors on the device.
     allocator: Arc<Allocator>,
-    /// Closes of received memory waiting for the work queued on it (see `retire.rs`).
+    /// Releases of received memory waiting for the work queued on it (see `retire.rs`).
     retirer: Retirer,
 }
 
@@ -433,7 +433,7 @@ impl Device {
         self.kernels.get_or_try_init(|| Kernels::load(&self.ctx))
     }
 
-    /// The queue of closes that wait for the work queued on the stream.
+    /// The queue of releases that wait for the work queued on the stream.
     pub(crate) fn retirer(&self) -> &Retirer {
         &self.retirer
     }

@@ -427,8 +427,8 @@ impl Cover {
 
 impl Cover {
     /// Moves the claims out into a cover of their own, to be released when that one drops;
-    /// this one then releases nothing. (A close that waits for the device keeps them until it
-    /// is done.)
+    /// this one then releases nothing. (A release that waits behind a fence keeps them until
+    /// the fence's work is done.)
     pub(crate) fn take(&mut self) -> Cover {
         Cover {
             lease: self.lease.clone(),

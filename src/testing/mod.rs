@@ -39,11 +39,11 @@ pub(crate) struct FakeMemory {
     free_delay: Duration,
     imported: bool,
     /// Until when "work queued" on a mapping runs (a stand-in for kernels queued on received
-    /// GPU memory): its close, and the release of its claim, wait behind a fence until then.
+    /// GPU memory): the release of its claim waits behind a fence until then.
     busy_until: Mutex<Option<Instant>>,
 }
 
-/// A fence of the fake kind: a thread that runs the close at the end of the "work".
+/// A fence of the fake kind: a thread that runs what waits behind it at the end of the "work".
 struct FakeWork(Instant);
 
 impl Fence for FakeWork {
