@@ -227,11 +227,11 @@ fn a_hundred_thousand_fresh_tensors_to_four_consumers_one_killed_leave_nothing_b
         child.join().unwrap();
     }
     eventually("the warm-up's blocks back", || dev.allocator_stats().blocks == 0);
+    let before = common::settled_lifetime(WAIT);
     dev.empty_cache();
     let baseline = free_memory(&dev);
     let fds = open_descriptors();
     let shm = shm_entries();
-    let before = lifetime_stats();
     let mut consumers = Vec::new();
     for _ in 0..4 {
         let (tx, rx) = channel().unwrap();

@@ -175,10 +175,10 @@ fn a_hundred_thousand_fresh_tensors_to_four_consumers_one_killed_leave_nothing_b
         child.join().unwrap();
     }
     eventually("the warm-up's blocks back", || host_allocator_stats().blocks == 0);
+    let before = common::settled_lifetime(WAIT);
     empty_host_cache();
     let fds = open_descriptors();
     let shm = shm_entries();
-    let before = lifetime_stats();
     let mut consumers = Vec::new();
     for _ in 0..4 {
         let (tx, rx) = channel().unwrap();
@@ -214,10 +214,11 @@ fn a_hundred_thousand_fresh_tensors_to_four_consumers_one_killed_leave_nothing_b
     }
     drop(killed);
     eventually("every block back, the killed consumer's included", || host_allocator_stats().blocks == 0);
-    wait_for_lifetime(WAIT, |s| {
+    if let Err(e) = wait_for_lifetime(WAIT, |s| {
         s.live_storages == before.live_storages && s.outstanding_leases == before.outstanding_leases
-    })
-    .expect("every storage freed and every lease closed");
+    }) {
+        panic!("every storage freed and every lease closed: {e}; before {before:?}, now {:?}", lifetime_stats());
+    }
     assert!(host_allocator_stats().segments_allocated < 20, "blocks were reused");
     assert!(empty_host_cache() > 0);
     assert_eq!(host_allocator_stats().reserved_bytes, 0);

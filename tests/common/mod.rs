@@ -170,6 +170,13 @@ pub fn eventually(wait: Duration, what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// The counters once every lease this process granted is back: a consumer that exited
+/// releases its leases a moment after its exit, so counters read at once may still hold them.
+#[allow(dead_code)] // not every test binary reads the counters after a warm-up
+pub fn settled_lifetime(wait: Duration) -> cuda_mp::LifetimeStats {
+    wait_for_lifetime(wait, |s| s.outstanding_leases == 0).expect("every lease of the warm-up released")
+}
+
 /// Holds `dev`'s stream (the one cuda-mp queues on) until [`release`] sets the flag to at
 /// least `value`: work queued on it stays unfinished for as long as the test needs. Dropping
 /// the hold releases the stream for good, so that a failing test does not hang in its drops.
