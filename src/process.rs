@@ -73,12 +73,25 @@ pub(crate) fn not_initialized() -> bool {
 ///     assert_eq!(cuda_mp::spawn(7, square).join().unwrap(), 49);
 /// }
 /// ```
+///
+/// A process that could not be started reports why at [`JoinHandle::join`];
+/// [`Builder::spawn`] reports it at once instead.
+///
+/// # Panics
+///
+/// If this process did not call [`init`] (or `main` lacks `#[cuda_mp::main]`), with
+/// [`JoinError::NotInitialized`]'s message: a program that forgot it fails at its first spawn,
+/// not later in a wait for workers that never started.
 pub fn spawn<A, R>(args: A, f: fn(A) -> R) -> JoinHandle<R>
 where
     A: Serialize + DeserializeOwned,
     R: Serialize + DeserializeOwned,
 {
-    Builder::new().spawn(args, f)
+    match Builder::new().spawn(args, f) {
+        Ok(handle) => handle,
+        Err(JoinError::NotInitialized) => panic!("{}", JoinError::NotInitialized),
+        Err(error) => JoinHandle::failed(error),
+    }
 }
 
 /// Options for a spawned process: environment variables (for example `CUDA_VISIBLE_DEVICES`).
@@ -88,7 +101,8 @@ where
 /// fn main() {
 ///     let child = cuda_mp::Builder::new()
 ///         .env("CUDA_VISIBLE_DEVICES", "1")
-///         .spawn((), |()| std::env::var("CUDA_VISIBLE_DEVICES").unwrap());
+///         .spawn((), |()| std::env::var("CUDA_VISIBLE_DEVICES").unwrap())
+///         .unwrap();
 ///     assert_eq!(child.join().unwrap(), "1");
 /// }
 /// ```
@@ -128,22 +142,26 @@ impl Builder {
         self
     }
 
-    /// Runs `f(args)` in a new process with these options; see [`spawn`].
+    /// Runs `f(args)` in a new process with these options; see [`spawn`]. Fails at once,
+    /// where [`spawn`] would hand back a handle whose join fails, when the process cannot be
+    /// started, and with [`JoinError::NotInitialized`] when this process did not call
+    /// [`init`].
     ///
     /// ```no_run
     /// #[cuda_mp::main]
-    /// fn main() {
-    ///     let child = cuda_mp::Builder::new().env("MODE", "fast").spawn((), |()| std::env::var("MODE").unwrap());
-    ///     assert_eq!(child.join().unwrap(), "fast");
+    /// fn main() -> Result<(), cuda_mp::JoinError> {
+    ///     let child = cuda_mp::Builder::new().env("MODE", "fast").spawn((), |()| std::env::var("MODE").unwrap())?;
+    ///     assert_eq!(child.join()?, "fast");
+    ///     Ok(())
     /// }
     /// ```
-    pub fn spawn<A, R>(self, args: A, f: fn(A) -> R) -> JoinHandle<R>
+    pub fn spawn<A, R>(self, args: A, f: fn(A) -> R) -> Result<JoinHandle<R>, JoinError>
     where
         A: Serialize + DeserializeOwned,
         R: Serialize + DeserializeOwned,
     {
         if not_initialized() {
-            return JoinHandle::failed(JoinError::NotInitialized);
+            return Err(JoinError::NotInitialized);
         }
         let mut builder = procspawn::Builder::new();
         for (key, value) in self.env {
@@ -156,12 +174,12 @@ impl Builder {
         // their descriptors wait at this process's home for the child to fetch.
         let (handle, arguments) = wire::encode_spawn_scope(|| catch_quietly(|| builder.spawn(args, f)));
         match handle {
-            Ok(handle) => JoinHandle::started(handle, arguments),
+            Ok(handle) => Ok(JoinHandle::started(handle, arguments)),
             Err(panic) => {
                 if let Some(ticket) = arguments {
                     crate::handover::withdraw(&ticket);
                 }
-                JoinHandle::failed(JoinError::Failed(panic))
+                Err(JoinError::Failed(panic))
             }
         }
     }

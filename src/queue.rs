@@ -59,6 +59,10 @@ const MAX_PREFETCH: usize = 64;
 /// A queue that many processes put to and get from, like `torch.multiprocessing.Queue`: each
 /// message goes to exactly one consumer.
 ///
+/// **Give workers [`queue.consumer()`](Queue::consumer), not `queue.clone()`**, when they
+/// should stop once the producers are done: every `Queue` handle keeps the queue open, so a
+/// worker holding one never sees it close and its `for t in queue.iter()` never ends.
+///
 /// ```no_run
 /// use cuda_mp::{spawn, HostTensor, Queue, QueueConsumer};
 ///
@@ -450,6 +454,22 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Queue<T> {
     /// ```
     pub fn try_get(&self) -> std::result::Result<T, TryGetError> {
         self.consumer.try_get()
+    }
+
+    /// An iterator of gets that ends at the first error; see [`QueueConsumer::iter`]. This
+    /// handle keeps the queue open, so the iterator does not end when the producers are done
+    /// (only when the queue's process is gone or a get fails): to drain a queue and stop,
+    /// iterate a [`QueueConsumer`].
+    ///
+    /// ```
+    /// let queue = cuda_mp::Queue::new().unwrap();
+    /// for i in 0..3u8 {
+    ///     queue.put(i).unwrap();
+    /// }
+    /// assert_eq!(queue.iter().take(3).collect::<Vec<_>>(), vec![0, 1, 2]);
+    /// ```
+    pub fn iter(&self) -> impl Iterator<Item = T> + '_ {
+        self.consumer.iter()
     }
 
     /// The queue's counters; see [`QueueConsumer::stats`].

@@ -213,8 +213,7 @@ fn ten_thousand_fresh_handoffs_leave_no_memory_behind() {
     // with a file in /dev/shm that it creates at the first and keeps for the process's life.
     tx.send(GpuTensor::<f32>::full(&dev, &[1024], -1.0).unwrap()).unwrap();
     assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), -1.0);
-    let before =
-        wait_for_lifetime(WAIT, |s| s.live_storages == initial.live_storages).expect("the first tensor freed");
+    let before = wait_for_lifetime(WAIT, |s| s.live_storages == initial.live_storages).expect("the first tensor freed");
     let baseline = free_memory(&dev);
     let shm_before = shm_entries();
     for i in 0..10_000 {
@@ -449,8 +448,10 @@ fn processes_with_different_visible_devices_map_the_same_gpu() {
     for visible in [uuid.clone(), "0".to_string()] {
         let (tx, rx) = channel().unwrap();
         let (reply_tx, reply_rx) = channel().unwrap();
-        let child =
-            Builder::new().env("CUDA_VISIBLE_DEVICES", visible.clone()).spawn((rx, reply_tx), add_one_report_uuid);
+        let child = Builder::new()
+            .env("CUDA_VISIBLE_DEVICES", visible.clone())
+            .spawn((rx, reply_tx), add_one_report_uuid)
+            .unwrap();
         tx.send(t.clone()).unwrap();
         let seen = reply_rx.recv_timeout(WAIT).unwrap();
         assert_eq!(seen.visible.as_deref(), Some(visible.as_str()));
@@ -462,7 +463,7 @@ fn processes_with_different_visible_devices_map_the_same_gpu() {
     // A process that sees no GPU gets a clear error, not a crash.
     let (tx, rx) = channel().unwrap();
     let (reply_tx, reply_rx) = channel().unwrap();
-    let child = Builder::new().env("CUDA_VISIBLE_DEVICES", "").spawn((rx, reply_tx), add_one_report_uuid);
+    let child = Builder::new().env("CUDA_VISIBLE_DEVICES", "").spawn((rx, reply_tx), add_one_report_uuid).unwrap();
     tx.send(t.clone()).unwrap();
     let seen = reply_rx.recv_timeout(WAIT).unwrap();
     let err = seen.uuid.unwrap_err();

@@ -112,7 +112,7 @@ fn start_receiver(env: &[(&str, &str)], steps: u32) -> (String, Receiver<Report>
     let (addr_tx, addr_rx) = channel::<String>().unwrap();
     let (report_tx, report_rx) = channel::<Report>().unwrap();
     let builder = env.iter().fold(Builder::new(), |b, (k, v)| b.env(*k, *v));
-    let child = builder.spawn((addr_tx, steps, report_tx), receive);
+    let child = builder.spawn((addr_tx, steps, report_tx), receive).unwrap();
     (addr_rx.recv_timeout(Duration::from_secs(60)).unwrap(), report_rx, child)
 }
 
@@ -140,7 +140,7 @@ fn gpu_tensors_cross_on_nccls_network_transport() {
     let steps = 3;
     let (addr, report, receiver) = start_receiver(&NETWORK_TRANSPORT, steps);
     let builder = NETWORK_TRANSPORT.iter().fold(Builder::new(), |b, (k, v)| b.env(*k, *v));
-    let sender = builder.spawn((addr, steps), send);
+    let sender = builder.spawn((addr, steps), send).unwrap();
     sender.join().unwrap().unwrap();
     let seen = report.recv_timeout(Duration::from_secs(120)).unwrap().unwrap();
     assert_eq!(seen, (0..steps).map(|s| format!("step {s} ok")).collect::<Vec<_>>());
@@ -281,9 +281,9 @@ fn a_sender_killed_mid_transfer_leaves_no_hang() {
     let (addr_tx, addr_rx) = channel::<String>().unwrap();
     let (first_tx, first_rx) = channel::<()>().unwrap();
     let (report_tx, report_rx) = channel::<Outcome>().unwrap();
-    let receiver = env().spawn((addr_tx, first_tx, report_tx), receive_until_gone);
+    let receiver = env().spawn((addr_tx, first_tx, report_tx), receive_until_gone).unwrap();
     let addr = addr_rx.recv_timeout(Duration::from_secs(60)).unwrap();
-    let mut sender = env().spawn(addr, send_forever);
+    let mut sender = env().spawn(addr, send_forever).unwrap();
     first_rx.recv_timeout(Duration::from_secs(120)).unwrap();
     std::thread::sleep(Duration::from_millis(300));
     sender.kill().unwrap();

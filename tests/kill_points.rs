@@ -158,7 +158,7 @@ fn sender_round(point: Option<&str>, run: usize) -> usize {
     // Every other run with the caching allocator on; a batch of descriptors needs a memory
     // file per tensor.
     let caching = run.is_multiple_of(2) && point != Some("descriptor-batch");
-    let child = victim(point, run).spawn((tx, caching), produce);
+    let child = victim(point, run).spawn((tx, caching), produce).unwrap();
     let (seen, _received) = arrivals(|| rx.recv_timeout(WAIT).ok(), &what);
     assert_eq!(child.join().is_err(), point.is_some(), "{what}: killed or not");
     assert!(seen.iter().copied().eq(0..seen.len() as u32), "{what}: a gap in {seen:?}");
@@ -189,7 +189,7 @@ fn receiver_round(point: Option<&str>, run: usize) -> usize {
     cuda_mp::set_host_caching(run.is_multiple_of(2) && point != Some("import"));
     let (tx, rx) = channel::<Numbered>().unwrap();
     let (back_tx, back) = channel::<Numbered>().unwrap();
-    let child = victim(point, run).spawn((rx, back_tx), echo);
+    let child = victim(point, run).spawn((rx, back_tx), echo).unwrap();
     for i in 0..MESSAGES {
         // The victim may be dead already: a send to it fails or is never read.
         let _ = tx.send(numbered(i, 2));
@@ -230,7 +230,7 @@ fn queue_round(point: Option<&str>, run: usize) -> usize {
     cuda_mp::set_host_caching(run.is_multiple_of(2));
     let queue = Queue::<Numbered>::new().unwrap();
     let (report_tx, reports) = channel::<u32>().unwrap();
-    let first = victim(point, run).spawn((queue.consumer(), report_tx.clone()), consume);
+    let first = victim(point, run).spawn((queue.consumer(), report_tx.clone()), consume).unwrap();
     for i in 0..PUT {
         queue.put(numbered(i, 1)).unwrap();
     }
@@ -240,7 +240,7 @@ fn queue_round(point: Option<&str>, run: usize) -> usize {
         Some(_) => (Some(first.join().is_err()), None),
         None => (None, Some(first)),
     };
-    let second = Builder::new().spawn((queue.consumer(), report_tx), consume);
+    let second = Builder::new().spawn((queue.consumer(), report_tx), consume).unwrap();
     drop(queue);
     let mut seen = BTreeSet::new();
     while let Ok(i) = reports.recv_timeout(WAIT) {
@@ -281,7 +281,7 @@ fn dispatch((consumers, caching): (Sender<QueueConsumer<Numbered>>, bool)) {
 fn dispatcher_round(point: &str, run: usize) -> usize {
     let what = format!("{point}, run {run}");
     let (tx, rx) = channel::<QueueConsumer<Numbered>>().unwrap();
-    let child = victim(Some(point), run).spawn((tx, run.is_multiple_of(2)), dispatch);
+    let child = victim(Some(point), run).spawn((tx, run.is_multiple_of(2)), dispatch).unwrap();
     let consumer = rx.recv_timeout(WAIT).unwrap();
     let (seen, _got) = arrivals(|| consumer.get_timeout(WAIT).ok(), &what);
     assert!(child.join().is_err(), "{what}: the dispatcher was not killed");

@@ -286,7 +286,8 @@ fn load_nccl(_: ()) -> Result<(String, i32), String> {
 
 #[test]
 fn a_missing_nccl_is_an_error_naming_the_file_looked_for() {
-    let child = cuda_mp::Builder::new().env("CUDA_MP_NCCL_LIBRARY", "/nonexistent/libnccl.so.2").spawn((), load_nccl);
+    let child =
+        cuda_mp::Builder::new().env("CUDA_MP_NCCL_LIBRARY", "/nonexistent/libnccl.so.2").spawn((), load_nccl).unwrap();
     let err = child.join().unwrap().unwrap_err();
     assert!(err.contains("/nonexistent/libnccl.so.2") && err.contains("CUDA_MP_NCCL_LIBRARY"), "{err}");
 }
