@@ -53,6 +53,11 @@
 //! ```
 #![deny(unsafe_op_in_unsafe_fn, missing_docs, missing_debug_implementations)]
 
+/// The README's Rust snippets, run as doctests: the first one runs on any machine.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeSnippets;
+
 mod channel;
 mod dtype;
 mod error;

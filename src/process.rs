@@ -27,6 +27,28 @@ static INITIALIZED: AtomicBool = AtomicBool::new(false);
 /// let child = cuda_mp::spawn(2u32, |x| x * 10);
 /// assert_eq!(child.join().unwrap(), 20);
 /// ```
+///
+/// `#[cuda_mp::main]` goes with an async runtime's attribute in either order; `init()` then
+/// runs before the runtime starts, so a worker runs its function without one:
+///
+/// ```
+/// #[cuda_mp::main]
+/// #[tokio::main(flavor = "current_thread")]
+/// async fn main() {
+///     let child = cuda_mp::spawn((), |()| tokio::runtime::Handle::try_current().is_err());
+///     assert!(child.join().unwrap());
+/// }
+/// ```
+///
+/// ```
+/// #[tokio::main(flavor = "current_thread")]
+/// #[cuda_mp::main]
+/// async fn main() -> Result<(), cuda_mp::JoinError> {
+///     let child = cuda_mp::spawn((), |()| tokio::runtime::Handle::try_current().is_err());
+///     assert!(child.join()?);
+///     Ok(())
+/// }
+/// ```
 pub fn init() {
     procspawn::init();
     // Every shared storage and lease is a descriptor: lift the soft limit in every process.

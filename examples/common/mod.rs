@@ -17,28 +17,25 @@ mod llama;
 #[allow(unused_imports)] // only the weight-publishing examples use it
 pub use llama::llama7b_shapes;
 
-/// What `run` functions return: `?` turns any error into the reason of the `FAIL:` line.
+/// What `run` functions return: `?` turns any error into the reason the example fails with.
 pub type Outcome<T = ()> = Result<T, Box<dyn Error>>;
 
 /// How long an example waits for another process before it fails instead of hanging.
 pub const TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Prints the example's one-line verdict, `PASS: <pass>` or `FAIL: <reason>`, and gives `main`
-/// its result: an error makes the program exit with status 1.
+/// Prints `PASS: <pass>` when the example worked, and gives `main` its result: an error makes
+/// the program print `Error: <reason>` to stderr, once, and exit with status 1.
 pub fn verdict(outcome: Outcome, pass: &str) -> Outcome {
     match outcome {
         Ok(()) => {
             println!("PASS: {pass}");
             Ok(())
         }
-        Err(e) => {
-            println!("FAIL: {e}");
-            Err(Box::new(Failed(e.to_string())))
-        }
+        Err(e) => Err(Box::new(Failed(e.to_string()))),
     }
 }
 
-/// A failure's reason; `main` returning it prints `Error: <reason>` (Debug) to stderr.
+/// A failure's reason; `main` returning it prints `Error: <reason>` (its Debug) to stderr.
 struct Failed(String);
 
 impl fmt::Debug for Failed {
@@ -88,8 +85,8 @@ pub fn require_gpu() -> Outcome<usize> {
         Err(e) => e.to_string(),
     };
     Err(format!(
-        "this example needs a CUDA GPU ({why}); without one, run 01_queue_handoff, 11_host_pipe, \
-         12_host_listener or 13_host_pool"
+        "this example needs a CUDA GPU ({why}); without one, run 01_queue_handoff, 10_async_server, \
+         11_host_pipe, 12_host_listener or 13_host_pool"
     )
     .into())
 }

@@ -14,6 +14,17 @@ use syn::{parse_macro_input, ItemFn};
 ///     // spawn workers, create channels ...
 /// }
 /// ```
+///
+/// With an async runtime's attribute, in either order, `init()` runs before the runtime
+/// starts (a worker then runs its function without one):
+///
+/// ```ignore
+/// #[cuda_mp::main]
+/// #[tokio::main]
+/// async fn main() {
+///     // ...
+/// }
+/// ```
 #[proc_macro_attribute]
 pub fn main(attr: TokenStream, item: TokenStream) -> TokenStream {
     if !attr.is_empty() {
@@ -22,14 +33,38 @@ pub fn main(attr: TokenStream, item: TokenStream) -> TokenStream {
             .into();
     }
     let ItemFn { attrs, vis, sig, block } = parse_macro_input!(item as ItemFn);
-    if sig.ident != "main" || sig.asyncness.is_some() || !sig.inputs.is_empty() {
+    if sig.ident != "main" || !sig.inputs.is_empty() || !sig.generics.params.is_empty() {
         return syn::Error::new_spanned(&sig, "#[cuda_mp::main] goes on a plain `fn main()`").to_compile_error().into();
     }
+    if sig.asyncness.is_none() {
+        // A sync `main`, or one that a runtime's attribute above this one has already turned
+        // into a sync function that starts the runtime: init() goes first in it.
+        return quote! {
+            #(#attrs)*
+            #vis #sig {
+                ::cuda_mp::init();
+                #block
+            }
+        }
+        .into();
+    }
+    // An async `main` whose runtime attribute (still among `attrs`) has yet to run: that
+    // attribute goes on an inner function, and init() runs before it starts the runtime.
+    if attrs.is_empty() {
+        return syn::Error::new_spanned(
+            &sig,
+            "an async `main` needs its runtime's attribute (such as #[tokio::main]) beside #[cuda_mp::main]",
+        )
+        .to_compile_error()
+        .into();
+    }
+    let output = &sig.output;
     quote! {
-        #(#attrs)*
-        #vis #sig {
+        #vis fn main() #output {
             ::cuda_mp::init();
-            #block
+            #(#attrs)*
+            async fn __cuda_mp_main() #output #block
+            __cuda_mp_main()
         }
     }
     .into()
