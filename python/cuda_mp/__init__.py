@@ -41,6 +41,7 @@ __all__ = [
     "allocator_stats",
     "channel",
     "connect",
+    "cuda_available",
     "empty_cache",
     "empty_host",
     "flush_sends",
@@ -48,6 +49,11 @@ __all__ = [
     "set_cache_limit",
     "set_caching",
 ]
+
+
+def __dir__():
+    # The package's API, not the names it imports for its own use (typing, threading).
+    return sorted(__all__)
 
 
 class GpuTensor:

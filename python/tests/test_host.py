@@ -126,3 +126,10 @@ def test_host_arrays_come_from_the_caching_allocator_which_can_be_emptied_and_tu
     b[:] = 3
     assert b.sum() == 48
     cuda_mp.set_caching(True)
+
+
+def test_dir_lists_the_api_and_every_name_in_it_exists():
+    assert dir(cuda_mp) == sorted(cuda_mp.__all__)
+    for name in cuda_mp.__all__:
+        assert getattr(cuda_mp, name) is not None, name
+    assert "Optional" not in dir(cuda_mp) and "threading" not in dir(cuda_mp)
