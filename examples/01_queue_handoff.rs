@@ -5,13 +5,27 @@
 //! says so and does the same handoff with a host tensor in shared memory.
 //!
 //!     cargo run --release --example 01_queue_handoff
+//!
+//! cuda-mp reports what it does as `tracing` events, silent unless a subscriber is installed;
+//! this example installs one that reads `RUST_LOG`:
+//!
+//!     RUST_LOG=cuda_mp=debug cargo run --release --example 01_queue_handoff
 
 mod common;
 
 use common::{Outcome, TIMEOUT};
 use cuda_mp::{channel, cuda_available, spawn, Device, GpuTensor, HostTensor, Receiver};
+use tracing_subscriber::EnvFilter;
+
+/// Prints cuda-mp's events to stderr as `RUST_LOG` asks (nothing when it is unset). A worker is
+/// a fresh run of this program that does not run `main`, so each worker calls this too.
+fn log_from_env() {
+    let filter = EnvFilter::from_default_env();
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
 
 fn gpu_worker(rx: Receiver<GpuTensor<f32>>) {
+    log_from_env();
     let t = rx.recv().expect("receive the tensor");
     t.add_scalar(1.0).expect("add 1 on the gpu");
     // The parent reads after this process ends, so the kernel must be done by then.
@@ -19,6 +33,7 @@ fn gpu_worker(rx: Receiver<GpuTensor<f32>>) {
 }
 
 fn host_worker(rx: Receiver<HostTensor<f32>>) {
+    log_from_env();
     let t = rx.recv().expect("receive the tensor");
     t.map_inplace(|x| x + 1.0);
 }
@@ -65,5 +80,6 @@ fn run() -> Outcome {
 
 #[cuda_mp::main]
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    log_from_env();
     common::verdict(run(), "the worker's in-place add is visible here, every element exactly +1")
 }

@@ -496,7 +496,9 @@ pub(crate) fn deserialize_fd<'de, D: serde::Deserializer<'de>>(
 /// An I/O error, named as descriptor exhaustion when that is what it is.
 pub(crate) fn descriptor_error(e: Error) -> Error {
     if crate::sys::out_of_descriptors() {
-        Error::OutOfDescriptors { limit: crate::sys::descriptor_limit() }
+        let limit = crate::sys::descriptor_limit();
+        tracing::warn!(limit, "this process is out of file descriptors");
+        Error::OutOfDescriptors { limit }
     } else {
         e
     }

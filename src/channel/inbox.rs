@@ -98,7 +98,9 @@ pub(super) enum Readiness {
 fn checked(e: RecvError) -> RecvError {
     match e {
         RecvError::Malformed(_) | RecvError::Io(_) if near_descriptor_limit() => {
-            RecvError::OutOfDescriptors { limit: descriptor_limit() }
+            let limit = descriptor_limit();
+            tracing::warn!(limit, "a message was cut short: this process is at its limit of file descriptors");
+            RecvError::OutOfDescriptors { limit }
         }
         other => other,
     }

@@ -366,6 +366,7 @@ impl<T: Serialize> Sender<T> {
         socket
             .send(&[&Hello::of::<T>(()).encode()], &[memory.as_fd()], crate::sys::Wait::Forever)
             .map_err(wire::io_error)?;
+        tracing::debug!(listener = name, "connected to a listener");
         Ok(Sender::local(Outbox::attach(Arc::new(socket), gauge)))
     }
 
@@ -1222,6 +1223,7 @@ impl<T: Serialize + DeserializeOwned> Listener<T> {
             Err(e) => return Err(wire::io_error(e)),
         };
         let (gauge, sends) = accept_hello::<T>(&socket)?;
+        tracing::debug!(listener = self.name(), "accepted a sender");
         Ok(Receiver::from_parts(Arc::new(socket), None, gauge, Default::default(), |inbox| inbox.sender_sends = sends))
     }
 }

@@ -162,7 +162,9 @@ fn is_disconnect(e: &io::Error) -> bool {
 /// A failed system call of a send, as the send's failure.
 pub(super) fn failure(e: io::Error) -> SendFailure {
     if out_of_descriptors() || e.raw_os_error() == Some(rustix::io::Errno::MFILE.raw_os_error()) {
-        return SendFailure::OutOfDescriptors { limit: descriptor_limit() };
+        let limit = descriptor_limit();
+        tracing::warn!(limit, "a send failed: this process is out of file descriptors");
+        return SendFailure::OutOfDescriptors { limit };
     }
     if is_disconnect(&e) {
         SendFailure::Disconnected

@@ -90,6 +90,7 @@ pub(crate) fn grant(
     keep_alive: impl FnOnce() -> AnyStorage,
     handle: Option<WeakStorage>,
 ) -> Result<Grant> {
+    tracing::trace!(storage = %id, "exporting a storage");
     let reaper = reaper::reaper()?;
     if let Some(connection) = wire::connection() {
         return grant_on_connection(reaper, &connection, id, cache, keep_alive, handle);
@@ -339,6 +340,11 @@ pub(super) fn lease_closed(lease: u64) {
     }
     s.shared_leases.remove(&lease);
     let claims: Vec<(u64, usize)> = s.covers.remove(&lease).map(|c| c.into_iter().collect()).unwrap_or_default();
+    if !claims.is_empty() {
+        // Its holders' copies all closed with claims on it: they exited (or were killed)
+        // holding what it covers.
+        tracing::debug!(lease, storages = claims.len(), "reclaimed the storages of a lease whose holders are gone");
+    }
     release(s, &claims);
 }
 

@@ -18,6 +18,24 @@ pub struct StorageId {
     index: u64,
 }
 
+/// The owner's token in hex and the number there (`segment` for a caching allocator's memory),
+/// as logs show it.
+///
+/// ```
+/// let t = cuda_mp::HostTensor::<f32>::zeros(&[2]).unwrap();
+/// let shown = t.storage_id().to_string();
+/// assert_eq!(shown.split_once('/').unwrap().0.len(), 32);
+/// ```
+impl std::fmt::Display for StorageId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.is_internal() {
+            write!(f, "{:032x}/segment {}", self.owner, self.index & !INTERNAL)
+        } else {
+            write!(f, "{:032x}/{}", self.owner, self.index)
+        }
+    }
+}
+
 impl StorageId {
     /// A fresh id for a storage allocated by this process.
     pub(crate) fn new_local() -> StorageId {

@@ -49,7 +49,16 @@ pub(crate) fn import<H: Any + Send + Sync>(
     // Unmarks the key however `open` ends: a panic in it must not leave every later import of
     // the storage waiting for ever.
     let mark = Opening(key);
+    let started = std::time::Instant::now();
     let opened = open();
+    let took = started.elapsed();
+    match &opened {
+        Ok(_) if took >= SLOW_OPEN => {
+            tracing::warn!(storage = %id, kind, took_ms = took.as_millis() as u64, "opening a mapping was slow")
+        }
+        Ok(_) => tracing::debug!(storage = %id, kind, took_us = took.as_micros() as u64, "opened a mapping"),
+        Err(e) => tracing::warn!(storage = %id, kind, error = %e, "could not open a mapping"),
+    }
     let mut s = state();
     if let Ok(handle) = &opened {
         let any: AnyStorage = handle.clone();
@@ -64,6 +73,10 @@ pub(crate) fn import<H: Any + Send + Sync>(
     drop(mark);
     opened
 }
+
+/// An open of a mapping that takes this long is reported (`warn`): mappings open in
+/// microseconds to a few milliseconds, so this is a device or process in trouble.
+const SLOW_OPEN: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// A storage being opened by this thread: the `opening` mark, removed (and waiters woken) when
 /// dropped, after the import table was updated.
@@ -221,11 +234,19 @@ pub(super) fn revoke(owner: u128, indices: Option<&[u64]>) {
             .collect();
         evict(&mut s, &keys)
     };
+    if !evicted.is_empty() {
+        tracing::debug!(
+            owner = format_args!("{owner:032x}"),
+            mappings = evicted.len(),
+            "revoked: cached mappings closed"
+        );
+    }
     dispose_evicted(evicted);
 }
 
 /// The owner's revocation channel closed: it is gone, and its storages with it.
 pub(super) fn owner_gone(owner: u128) {
+    tracing::debug!(owner = format_args!("{owner:032x}"), "an owner of mapped storages is gone");
     state().owner_tables.remove(&owner);
     revoke(owner, None);
 }

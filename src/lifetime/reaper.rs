@@ -238,7 +238,7 @@ fn reap() {
             if e == rustix::io::Errno::INTR {
                 continue;
             }
-            eprintln!("cuda-mp: lease watcher failed, leases are no longer released: {e}");
+            tracing::error!(error = %e, "the lease watcher failed: leases are no longer released");
             return;
         }
         for event in &events {

@@ -647,7 +647,12 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
         }
         let (options, done, pending) = (self.options.clone(), self.done_tx.clone(), self.pending.clone());
         let started = std::thread::Builder::new().name("cuda-mp-handshake".into()).spawn(move || {
+            let peer = stream.peer_addr().ok();
             let result = handshake::<T>(stream, &options);
+            match &result {
+                Ok(_) => tracing::debug!(peer = ?peer, "accepted a remote sender"),
+                Err(e) => tracing::warn!(peer = ?peer, error = %e, "refused a remote peer"),
+            }
             let _ = done.send(result);
             pending.fetch_sub(1, Ordering::AcqRel);
         });
@@ -847,6 +852,7 @@ impl<T: Serialize + DeserializeOwned + 'static> Sender<T> {
             }
             std::thread::sleep(Duration::from_millis(50).min(deadline.saturating_duration_since(Instant::now())));
         };
+        tracing::debug!(listener = ?stream.peer_addr().ok(), "connected to a remote listener");
         stream.set_nodelay(true)?;
         let timeout = options.handshake_timeout;
         // The secret first, both ways: this end proves it only to a listener that proved it.

@@ -382,6 +382,11 @@ fn check_peer_is_this_user(socket: BorrowedFd<'_>) -> io::Result<()> {
     let peer = sockopt::socket_peercred(socket)?;
     let me = rustix::process::geteuid();
     if peer.uid != me {
+        tracing::warn!(
+            pid = peer.pid.as_raw_nonzero().get(),
+            uid = peer.uid.as_raw(),
+            "refused a connection from a process of another user"
+        );
         return Err(io::Error::new(
             io::ErrorKind::PermissionDenied,
             format!(
