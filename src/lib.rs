@@ -26,6 +26,60 @@
 //! }
 //! ```
 //!
+//! # Where to start
+//!
+//! 1. A program that starts workers marks its `main` with [`#[cuda_mp::main]`](macro@main);
+//!    [`spawn`] runs a function in a new process and [`JoinHandle::join`] waits for its result.
+//! 2. [`channel`] gives a [`Sender`] and a [`Receiver`] of any serde type; pass one end to a
+//!    worker as its argument. Tensors inside a message are shared, not copied.
+//! 3. [`HostTensor`] lives in shared memory and works on any machine; [`GpuTensor`] lives on a
+//!    [`Device`]. Both stay alive until the last process drops them.
+//!
+//! `use cuda_mp::prelude::*;` brings the types of those three steps. The examples are a
+//! numbered tutorial (`examples/` in the repository, `01_queue_handoff` first); the README
+//! compares each call with torch.multiprocessing's.
+//!
+//! # Which type for which job
+//!
+//! | the job | the types |
+//! |---|---|
+//! | start worker processes | [`spawn`], [`spawn_n`] (ranks, like `torch.multiprocessing.spawn`), [`Builder`] (environment), [`JoinHandle`] |
+//! | a pool of workers for many jobs | [`Pool`], [`PoolBuilder`], [`AsyncResult`], [`Imap`], [`ImapUnordered`] |
+//! | one producer to one consumer | [`channel`], [`bounded`], [`Sender`], [`Receiver`]; [`pipe`] and [`Duplex`] both ways; [`Select`] over several receivers; [`Receiver::recv_async`] and [`RecvStream`] for async code |
+//! | unrelated processes that meet by name | [`Listener`] and [`Sender::connect`] |
+//! | many producers and consumers | [`Queue`] and [`QueueConsumer`]: each message to exactly one consumer, a dead consumer's messages handed to another |
+//! | synchronisation between processes | [`Barrier`], [`Event`], [`Lock`], [`Semaphore`] |
+//! | CPU tensors | [`HostTensor`], [`HostStorage`], [`Layout`]; ndarray interop ([`ndarray`] is re-exported) |
+//! | GPU tensors | [`Device`], [`GpuTensor`], [`GpuStorage`], [`GpuMemoryKind`] (legacy IPC or VMM) |
+//! | whole models (many tensors, one allocation) | [`Bundle`], [`BundleBuilder`] |
+//! | tensors whose element type is known only at run time | [`DynTensor`], [`DType`] |
+//! | PyTorch's own CUDA IPC handles | [`TorchIpcHandle`], [`GpuStorage::from_torch_ipc`], [`GpuStorage::to_torch_ipc`] |
+//! | other hosts | [`RemoteListener`], [`Sender::connect_remote`], [`RemoteOptions`]: a tensor arrives copied onto the receiver's GPU |
+//! | the caching allocators | [`Device::allocator_stats`], [`Device::empty_cache`], [`host_allocator_stats`], [`empty_host_cache`], [`AllocatorStats`] |
+//! | what is alive, and waiting for it to be freed | [`lifetime_stats`], [`wait_for_lifetime`], [`LifetimeStats`], [`StorageId`] |
+//!
+//! # Errors
+//!
+//! Each operation has its error type, as crossbeam's do: [`SendError`] hands the value back,
+//! [`RecvError`], [`RecvTimeoutError`] and [`TryRecvError`] say why a receive failed, with
+//! helpers such as [`RecvTimeoutError::is_timeout`]; [`JoinError`] says how a process ended;
+//! [`GetError`] and its kin belong to the queue; [`Error`] is everything else (CUDA, I/O, a
+//! malformed message, a wrong dtype). Bad input from another process is an error, never a panic.
+//!
+//! # Logging
+//!
+//! cuda-mp emits [`tracing`](https://docs.rs/tracing) events (connections, mappings opened,
+//! revocations, a dead process's storages reclaimed, descriptor exhaustion) and prints nothing
+//! itself; the README lists them by level.
+//!
+//! # How it works
+//!
+//! In the repository: `docs/architecture.md` (the design: leases, the idle cache, the
+//! caching allocators, the wire format, PyTorch's handles), `docs/performance.md` (what was
+//! measured, against torch.multiprocessing), and a README beside each subsystem with its states
+//! and why it is correct: `src/lifetime/`, `src/channel/`, `src/queue/`, `src/sync/`, `src/gpu/`,
+//! `src/net/`.
+//!
 //! The element type is part of the tensor type, so a channel of `f32` tensors cannot hand out
 //! `f16` data:
 //!
@@ -114,6 +168,21 @@ pub use sync::{
     Barrier, BarrierError, BarrierWaitResult, Event, Lock, LockError, LockGuard, Semaphore, SemaphoreGuard,
 };
 pub use tensor::{DynTensor, Tensor, TensorStorage};
+
+/// The types most programs use: `use cuda_mp::prelude::*;`.
+///
+/// ```
+/// use cuda_mp::prelude::*;
+///
+/// let (tx, rx) = channel::<HostTensor<f32>>().unwrap();
+/// tx.send(HostTensor::full(&[2], 1.5).unwrap()).unwrap();
+/// assert_eq!(rx.recv().unwrap().to_vec(), vec![1.5, 1.5]);
+/// ```
+pub mod prelude {
+    pub use crate::{
+        channel, spawn, Device, Error, GpuTensor, HostTensor, JoinHandle, Pool, Queue, QueueConsumer, Receiver, Sender,
+    };
+}
 
 #[doc(hidden)]
 pub mod __private {

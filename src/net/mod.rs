@@ -133,7 +133,7 @@ impl RemoteOptions {
         self.device
     }
 
-    /// How long [`Sender::connect_with`] tries to reach the listener, retrying while
+    /// How long [`Sender::connect_remote_with`] tries to reach the listener, retrying while
     /// nobody listens yet (10 s by default).
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
