@@ -121,6 +121,7 @@ mod handover;
 mod host;
 mod layout;
 mod lifetime;
+#[cfg(feature = "remote")]
 mod net;
 mod os;
 mod pool;
@@ -147,9 +148,11 @@ pub use error::{
     Error, IoFailure, JoinError, PanicReport, RecvError, RecvTimeoutError, Result, SelectError, SelectTimeoutError,
     SendError, SendFailure, SendTimeoutError, TryRecvError, TrySendError,
 };
+#[cfg(feature = "remote")]
+pub use gpu::nccl_library;
 pub use gpu::{
-    cuda_available, nccl_library, torch_ipc_stats, Bundle, BundleBuilder, BundleEntry, Device, GpuMemoryKind,
-    GpuStorage, GpuTensor, IpcPayload, TorchIpcHandle, TorchIpcStats, DEFAULT_CHUNK_BYTES, VMM_MIN_BYTES,
+    cuda_available, torch_ipc_stats, Bundle, BundleBuilder, BundleEntry, Device, GpuMemoryKind, GpuStorage, GpuTensor,
+    IpcPayload, TorchIpcHandle, TorchIpcStats, DEFAULT_CHUNK_BYTES, VMM_MIN_BYTES,
 };
 pub use half::{bf16, f16};
 pub use host::{
@@ -159,6 +162,7 @@ pub use host::{
 pub use layout::{Layout, MAX_DIMS};
 pub use lifetime::{lifetime_stats, wait_for_lifetime, LifetimeStats, StorageId};
 pub use ndarray;
+#[cfg(feature = "remote")]
 pub use net::{RemoteListener, RemoteOptions, REMOTE_PROTOCOL_VERSION, REMOTE_SECRET_ENV};
 pub use pool::{AsyncResult, Imap, ImapUnordered, Pool, PoolBuilder};
 pub use process::{init, spawn, spawn_n, Builder, JoinHandle};

@@ -33,6 +33,7 @@ pub(crate) mod kind {
     /// Local: "look at the rings".
     pub(crate) const WAKE: u8 = 4;
     /// Remote: the NCCL set-up that precedes the first GPU transfer.
+    #[cfg(feature = "remote")]
     pub(crate) const NCCL_SETUP: u8 = 5;
 }
 

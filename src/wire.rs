@@ -97,6 +97,7 @@ struct Decoding {
     /// decoding ends.
     claims: HashMap<(ConnectionKey, u64), Vec<Cover>>,
     /// For a message from another host: what its decoding keeps (`src/storage/remote.rs`).
+    #[cfg_attr(not(feature = "remote"), allow(dead_code))]
     remote: Option<Remote>,
 }
 
@@ -253,6 +254,7 @@ fn scope<R>(context: Encoding, encode: impl FnOnce() -> R) -> (R, Encoding) {
 /// Runs `encode` (the serialization of one message for another host) in a context of its own
 /// that keeps `remote`; gives `encode`'s result and `remote` back. A message encoded inside it
 /// (a local send in a value's `Serialize`) gets its own context, and is local.
+#[cfg(feature = "remote")]
 pub(crate) fn encode_remote<R>(remote: Remote, encode: impl FnOnce() -> R) -> (R, Remote) {
     let mut context = Encoding::new(None, None);
     context.remote = Some(remote);
@@ -261,6 +263,7 @@ pub(crate) fn encode_remote<R>(remote: Remote, encode: impl FnOnce() -> R) -> (R
 }
 
 /// Like [`encode_remote`], for the deserialization of one message from another host.
+#[cfg(feature = "remote")]
 pub(crate) fn decode_remote<R>(remote: Remote, decode: impl FnOnce() -> R) -> (R, Remote) {
     struct Pop;
     impl Drop for Pop {
@@ -279,21 +282,25 @@ pub(crate) fn decode_remote<R>(remote: Remote, decode: impl FnOnce() -> R) -> (R
 }
 
 /// Runs `f` on what the message being encoded keeps for another host, if it goes to one.
+#[cfg(feature = "remote")]
 pub(crate) fn with_remote_encoding<R>(f: impl FnOnce(&mut Remote) -> R) -> Option<R> {
     ENCODING.with(|e| e.borrow_mut().last_mut().and_then(|e| e.remote.as_mut()).map(f))
 }
 
 /// Runs `f` on what the message being decoded keeps for another host, if it came from one.
+#[cfg(feature = "remote")]
 pub(crate) fn with_remote_decoding<R>(f: impl FnOnce(&mut Remote) -> R) -> Option<R> {
     DECODING.with(|d| d.borrow_mut().last_mut().and_then(|d| d.remote.as_mut()).map(f))
 }
 
 /// True while the message being encoded on this thread goes to another host.
+#[cfg(feature = "remote")]
 pub(crate) fn is_remote_encoding() -> bool {
     ENCODING.with(|e| e.borrow().last().is_some_and(|e| e.remote.is_some()))
 }
 
 /// True while the message being decoded on this thread came from another host.
+#[cfg(feature = "remote")]
 pub(crate) fn is_remote_decoding() -> bool {
     DECODING.with(|d| d.borrow().last().is_some_and(|d| d.remote.is_some()))
 }
@@ -658,6 +665,7 @@ mod tests {
         Arc::new(Socket::pair().unwrap().0)
     }
 
+    #[cfg(feature = "remote")]
     #[test]
     fn a_message_for_another_host_carries_no_descriptor_and_one_encoded_inside_it_is_local() {
         let ((refused, inner), remote) = encode_remote(Box::new(7u32), || {

@@ -13,7 +13,9 @@ mod select;
 
 pub use asynch::{RecvFuture, RecvStream};
 pub use flavor::Route;
-pub(crate) use flavor::{RecvFlavor, Refused, SendFlavor, Watched};
+#[cfg(feature = "remote")]
+pub(crate) use flavor::Watched;
+pub(crate) use flavor::{RecvFlavor, Refused, SendFlavor};
 pub use select::Select;
 
 use std::fmt;
@@ -485,6 +487,7 @@ enum ReceiverFlavor<T> {
     /// A channel of this host.
     Local(LocalReceiver<T>),
     /// A connection from another host (`src/net`).
+    #[cfg_attr(not(feature = "remote"), allow(dead_code))]
     Remote(Box<dyn RecvFlavor<T>>),
 }
 
@@ -508,6 +511,7 @@ impl<T> fmt::Debug for Receiver<T> {
 
 impl<T> Receiver<T> {
     /// A receiver over another transport.
+    #[cfg_attr(not(feature = "remote"), allow(dead_code))]
     pub(crate) fn remote(flavor: Box<dyn RecvFlavor<T>>) -> Receiver<T> {
         Receiver { flavor: ReceiverFlavor::Remote(flavor) }
     }

@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::lifetime::StorageId;
 use crate::profile::{self, Phase};
+#[cfg(feature = "remote")]
 use crate::storage::remote;
 use crate::tensor::{DynTensor, Tensor};
 use crate::wire::{decode_error, encode_error};
@@ -433,6 +434,7 @@ impl Serialize for Bundle {
             .table
             .get_or_try_init(|| postcard::to_allocvec(&*self.entries))
             .map_err(|e| encode_error(Error::Malformed(format!("bundle table: {e}"))))?;
+        #[cfg(feature = "remote")]
         if remote::is_encoding() {
             // To another host: the table, and each allocation's bytes by NCCL.
             let mut chunks = Vec::with_capacity(self.chunks.len());
@@ -449,6 +451,7 @@ impl Serialize for Bundle {
 
 /// A bundle as it travels to another host: the allocations' sizes (their bytes follow by
 /// NCCL, in order) and the table.
+#[cfg(feature = "remote")]
 #[derive(Serialize)]
 struct RemoteBundleRef<'a> {
     chunks: Vec<u64>,
@@ -457,6 +460,7 @@ struct RemoteBundleRef<'a> {
 }
 
 /// The owned form of [`RemoteBundleRef`].
+#[cfg(feature = "remote")]
 #[derive(Deserialize)]
 struct RemoteBundle {
     chunks: Vec<u64>,
@@ -466,6 +470,7 @@ struct RemoteBundle {
 
 /// A bundle from another host: fresh allocations on the connection's GPU (filled after the
 /// decode), the table parsed and checked against them.
+#[cfg(feature = "remote")]
 fn decode_remote(wire: RemoteBundle) -> Result<Bundle> {
     if wire.chunks.is_empty() {
         return Err(Error::Malformed("bundle without an allocation".into()));
@@ -483,6 +488,7 @@ fn decode_remote(wire: RemoteBundle) -> Result<Bundle> {
 
 impl<'de> Deserialize<'de> for Bundle {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        #[cfg(feature = "remote")]
         if remote::is_decoding() {
             return decode_remote(RemoteBundle::deserialize(deserializer)?).map_err(decode_error);
         }

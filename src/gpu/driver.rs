@@ -556,11 +556,13 @@ impl DeviceRange {
     }
 
     /// Its length in bytes.
+    #[cfg(feature = "remote")]
     pub(crate) fn len(&self) -> usize {
         self.len
     }
 
     /// Its first byte's device address, for the NCCL calls (`nccl.rs`).
+    #[cfg(feature = "remote")]
     pub(super) fn ptr(&self) -> sys::CUdeviceptr {
         self.ptr
     }

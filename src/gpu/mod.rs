@@ -7,6 +7,7 @@ mod driver;
 mod events;
 mod handles;
 mod kernels;
+#[cfg(feature = "remote")]
 mod nccl;
 mod retire;
 mod storage;
@@ -421,6 +422,7 @@ impl crate::DynTensor<GpuStorage> {
 
 /// A packed (contiguous) copy of the view `layout` of `dtype` elements over `storage`, queued
 /// on its device's stream: how a strided GPU view leaves for another host.
+#[cfg(feature = "remote")]
 pub(crate) fn pack(storage: &Arc<GpuStorage>, layout: &Layout, dtype: DType) -> Result<Arc<GpuStorage>> {
     let device = storage.device();
     let packed = GpuStorage::alloc(device, (layout.numel() * dtype.size()).max(1))?;
@@ -428,11 +430,14 @@ pub(crate) fn pack(storage: &Arc<GpuStorage>, layout: &Layout, dtype: DType) -> 
     Ok(packed)
 }
 
+#[cfg(feature = "remote")]
 pub(crate) use driver::DeviceRange;
+#[cfg(feature = "remote")]
 pub(crate) use nccl::{Communicator, UniqueId};
 #[cfg(any(test, feature = "testing"))]
 pub(crate) use torch::torch_mem_handle;
 
+#[cfg(feature = "remote")]
 /// The NCCL library this process loads (its file name and version, `22809` for 2.28.9), or
 /// why it cannot: the error names every file looked for.
 ///

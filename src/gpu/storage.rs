@@ -586,6 +586,7 @@ impl GpuStorage {
     /// True when `storage` is the only reference to this storage and its memory anywhere (no
     /// tensor, no other process, no cache), so that its memory may be refilled: what a remote
     /// receiver checks before it receives a new message into a dropped one's memory.
+    #[cfg(feature = "remote")]
     pub(crate) fn is_unshared(storage: &mut Arc<GpuStorage>) -> bool {
         Arc::get_mut(storage).is_some_and(|s| s.0.holds_alone())
     }

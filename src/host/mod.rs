@@ -6,6 +6,7 @@ mod caching;
 mod tensor;
 
 pub use caching::{empty_host_cache, host_allocator_stats, host_caching, set_host_cache_limit, set_host_caching};
+#[cfg(feature = "remote")]
 pub(crate) use tensor::gather_bytes;
 
 use std::sync::Arc;
@@ -16,7 +17,9 @@ use crate::error::{Error, Result};
 use crate::lifetime::{LeaseMode, StorageId};
 use crate::storage::pools::Block;
 use crate::storage::{Arrival, Handle, Memory, Record, Shared, StorageKind};
-use crate::sys::{Mapping, MemoryFile};
+#[cfg(feature = "remote")]
+use crate::sys::Mapping;
+use crate::sys::MemoryFile;
 use crate::tensor::Tensor;
 use crate::wire;
 
@@ -246,6 +249,7 @@ impl HostStorage {
     }
 
     /// The mapping the storage lies in, and where in it.
+    #[cfg(feature = "remote")]
     pub(crate) fn mapping(&self) -> (&Mapping, usize) {
         let (file, offset) = self.0.memory().raw().file();
         (file.mapping(), offset)

@@ -358,6 +358,7 @@ impl<T: Element> Tensor<T, HostStorage> {
 
 /// The bytes of the view `layout` (of `dtype` elements) over `storage`, packed in row-major
 /// order: how a strided host view leaves for another host.
+#[cfg(feature = "remote")]
 pub(crate) fn gather_bytes(
     storage: &HostStorage,
     layout: &crate::layout::Layout,

@@ -10,6 +10,7 @@
 //! cache or closes it. See docs/architecture.md, "Adding a storage kind".
 
 pub(crate) mod pools;
+#[cfg(feature = "remote")]
 pub(crate) mod remote;
 
 pub use pools::AllocatorStats;
@@ -207,6 +208,7 @@ impl<K: StorageKind> Handle<K> {
 
     /// True when this handle is all that holds the memory: no claim, no registry entry, no
     /// cached mapping elsewhere keeps it, so it may be refilled for a new storage.
+    #[cfg(feature = "remote")]
     pub(crate) fn holds_alone(&mut self) -> bool {
         !self.memory.is_imported() && Arc::get_mut(&mut self.memory).is_some()
     }
@@ -380,6 +382,7 @@ fn local<S: Shared>(id: StorageId) -> Result<Arc<S>> {
 
 impl<T: Element, S: Shared> Serialize for Tensor<T, S> {
     fn serialize<Se: Serializer>(&self, serializer: Se) -> std::result::Result<Se::Ok, Se::Error> {
+        #[cfg(feature = "remote")]
         if remote::is_encoding() {
             return remote::encode_tensor(&self.storage, T::DTYPE, &self.layout, serializer);
         }
@@ -390,6 +393,7 @@ impl<T: Element, S: Shared> Serialize for Tensor<T, S> {
 
 impl<'de, T: Element, S: Shared> Deserialize<'de> for Tensor<T, S> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        #[cfg(feature = "remote")]
         if remote::is_decoding() {
             let t = remote::decode_tensor::<S, D>(deserializer, Some(T::DTYPE))?;
             return Ok(Tensor::from_parts(t.storage, t.layout));
@@ -401,6 +405,7 @@ impl<'de, T: Element, S: Shared> Deserialize<'de> for Tensor<T, S> {
 
 impl<S: Shared> Serialize for DynTensor<S> {
     fn serialize<Se: Serializer>(&self, serializer: Se) -> std::result::Result<Se::Ok, Se::Error> {
+        #[cfg(feature = "remote")]
         if remote::is_encoding() {
             return remote::encode_tensor(&self.storage, self.dtype, &self.layout, serializer);
         }
@@ -411,6 +416,7 @@ impl<S: Shared> Serialize for DynTensor<S> {
 
 impl<'de, S: Shared> Deserialize<'de> for DynTensor<S> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        #[cfg(feature = "remote")]
         if remote::is_decoding() {
             return remote::decode_tensor::<S, D>(deserializer, None);
         }

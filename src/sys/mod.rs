@@ -16,6 +16,7 @@ mod pipe;
 mod process;
 mod shm;
 mod socket;
+#[cfg(feature = "remote")]
 pub(crate) mod tcp;
 
 pub(crate) use child::{ChildWatch, Exit};
@@ -36,11 +37,12 @@ pub(crate) use process::{
     at_exit, at_fork_child, own_pid, own_start, pid_namespace, process_gone, signal_name, SIGKILL,
 };
 pub(crate) use shm::{shm_unlink, ShmFile, ShmOpen};
+#[cfg(feature = "remote")]
+pub(crate) use socket::wait_for;
 #[cfg(any(test, feature = "testing"))]
 pub(crate) use socket::Message;
 pub(crate) use socket::{
-    bell, connect_abstract, connect_to, private_dir, ring, silence, wait_for, wait_readable, Listening, Socket, Wait,
-    MESSAGE_FDS,
+    bell, connect_abstract, connect_to, private_dir, ring, silence, wait_readable, Listening, Socket, Wait, MESSAGE_FDS,
 };
 
 /// 128 random bits from the kernel (`getrandom`): names and secrets no other process can guess.
@@ -60,6 +62,7 @@ pub(crate) fn random_u128() -> u128 {
 
 /// Fills `out` with random bytes from the kernel (`getrandom`), or fails: for nonces of an
 /// authentication, which no weaker source may stand in for.
+#[cfg(feature = "remote")]
 pub(crate) fn random_bytes(out: &mut [u8]) -> std::io::Result<()> {
     let mut filled = 0;
     while filled < out.len() {

@@ -165,11 +165,13 @@ pub fn queue_frame(descriptors: &[Descriptor], bytes: &[u8]) -> String {
     said.join("; ")
 }
 
+#[cfg(feature = "remote")]
 /// A remote peer's handshake message, decoded as each message of the handshake.
 pub fn remote_handshake(bytes: &[u8]) -> String {
     format!("{} of the handshake's messages", crate::net::fuzzing::handshake(bytes))
 }
 
+#[cfg(feature = "remote")]
 /// A remote frame's body (after its length) as a receiver without a GPU reads it after the
 /// handshake: its header, the limits, then its message up to the tensors' bytes.
 pub fn remote_frame(body: &[u8]) -> String {
@@ -179,6 +181,7 @@ pub fn remote_frame(body: &[u8]) -> String {
     }
 }
 
+#[cfg(feature = "remote")]
 /// Real remote frame bodies, as inputs for [`remote_frame`]: messages of host tensors (whole,
 /// views, empty) and of none.
 pub fn remote_frame_seeds() -> Result<Vec<Vec<u8>>> {
