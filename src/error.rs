@@ -33,6 +33,7 @@ pub enum Error {
     #[error("cuda is not available: {0}")]
     CudaUnavailable(String),
     /// A CUDA driver call failed; [`Error::is_out_of_memory`] tells out-of-memory apart.
+    #[cfg(feature = "cuda")]
     #[error("cuda driver call {call} failed: {message}")]
     Driver {
         /// The driver entry point that failed.
@@ -122,11 +123,12 @@ impl Error {
     /// assert!(err.is_out_of_memory());
     /// ```
     pub fn is_out_of_memory(&self) -> bool {
-        matches!(
-            self,
-            Error::Driver { code: cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY, .. }
-                | Error::CacheLimit { .. }
-        ) || matches!(self, Error::Io(e) if e.kind() == std::io::ErrorKind::OutOfMemory)
+        #[cfg(feature = "cuda")]
+        if matches!(self, Error::Driver { code: cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY, .. }) {
+            return true;
+        }
+        matches!(self, Error::CacheLimit { .. })
+            || matches!(self, Error::Io(e) if e.kind() == std::io::ErrorKind::OutOfMemory)
     }
 
     /// True when a blocking operation gave up after its timeout.

@@ -116,6 +116,7 @@ mod channel;
 mod dtype;
 mod error;
 mod fork;
+#[cfg(feature = "cuda")]
 mod gpu;
 mod handover;
 mod host;
@@ -150,6 +151,7 @@ pub use error::{
 };
 #[cfg(feature = "remote")]
 pub use gpu::nccl_library;
+#[cfg(feature = "cuda")]
 pub use gpu::{
     cuda_available, torch_ipc_stats, Bundle, BundleBuilder, BundleEntry, Device, GpuMemoryKind, GpuStorage, GpuTensor,
     IpcPayload, TorchIpcHandle, TorchIpcStats, DEFAULT_CHUNK_BYTES, VMM_MIN_BYTES,
@@ -183,9 +185,20 @@ pub use tensor::{DynTensor, Tensor, TensorStorage};
 /// assert_eq!(rx.recv().unwrap().to_vec(), vec![1.5, 1.5]);
 /// ```
 pub mod prelude {
-    pub use crate::{
-        channel, spawn, Device, Error, GpuTensor, HostTensor, JoinHandle, Pool, Queue, QueueConsumer, Receiver, Sender,
-    };
+    pub use crate::{channel, spawn, Error, HostTensor, JoinHandle, Pool, Queue, QueueConsumer, Receiver, Sender};
+    #[cfg(feature = "cuda")]
+    pub use crate::{Device, GpuTensor};
+}
+
+/// False: this build has no GPU support (the `cuda` feature is off), so no GPU is usable.
+///
+/// ```
+/// # #[cfg(not(feature = "cuda"))]
+/// assert!(!cuda_mp::cuda_available());
+/// ```
+#[cfg(not(feature = "cuda"))]
+pub fn cuda_available() -> bool {
+    false
 }
 
 #[doc(hidden)]

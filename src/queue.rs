@@ -19,12 +19,12 @@ use crate::fork::ForkLocal;
 use dispatch::{Ctl, Event, Failure, Join, Reply, Slot};
 
 /// A decoder of one frame of the queue's protocol (for fuzzing): what became of it.
-#[cfg(any(test, feature = "testing"))]
+#[cfg(all(feature = "cuda", any(test, feature = "testing")))]
 type FrameDecoder = fn(&[u8], Vec<std::os::fd::OwnedFd>) -> String;
 
 /// The queue's frames as the dispatcher and the consumers read them: a request, an answer
 /// (of the fuzzers' message type), a consumer joining.
-#[cfg(any(test, feature = "testing"))]
+#[cfg(all(feature = "cuda", any(test, feature = "testing")))]
 pub(crate) const FRAME_DECODERS: [FrameDecoder; 3] = {
     use crate::testing::fuzz::Message;
     fn said<T>(decoded: std::result::Result<Option<T>, String>, what: &str) -> String {

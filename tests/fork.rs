@@ -6,7 +6,9 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use cuda_mp::testing::FakeTensor;
-use cuda_mp::{channel, lifetime_stats, wait_for_lifetime, Error, HostTensor, Queue, Receiver, Sender};
+#[cfg(feature = "cuda")]
+use cuda_mp::Error;
+use cuda_mp::{channel, lifetime_stats, wait_for_lifetime, HostTensor, Queue, Receiver, Sender};
 
 /// One fork at a time: the child of a test process has only the forking thread, and forking
 /// while another test forks gains nothing.
@@ -120,6 +122,7 @@ fn a_forked_child_puts_on_its_parents_queue() {
     assert_eq!(got, vec![10, 11, 12]);
 }
 
+#[cfg(feature = "cuda")]
 #[test]
 fn a_forked_child_that_never_used_cuda_gets_a_clear_error_only_when_its_parent_did() {
     let _one = FORKING.lock().unwrap_or_else(|p| p.into_inner());
@@ -137,6 +140,7 @@ fn a_forked_child_that_never_used_cuda_gets_a_clear_error_only_when_its_parent_d
     .unwrap();
 }
 
+#[cfg(feature = "cuda")]
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_child_forked_after_cuda_was_used_is_refused_cuda_and_drops_what_it_inherited() {

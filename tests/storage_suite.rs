@@ -739,11 +739,11 @@ fn a_process_that_exits_right_after_its_drop_releases_after_the_work_queued_on_i
     let kept = FakeTensor::<f32>::fake(&[4], Duration::ZERO).unwrap();
     tx.send(kept.clone()).unwrap();
     std::thread::sleep(Duration::from_millis(300));
+    // The exit that follows the release closes the child's lease, which releases the kept
+    // tensor too, maybe before the wait below looks: so the second tensor counts as released
+    // once at most one of the two is still exported.
     let sent = Instant::now();
     tx.send(FakeTensor::<f32>::fake(&[4], Duration::ZERO).unwrap()).unwrap(); // our handle goes with it
-    // The exit that follows the release closes the child's lease, which releases the kept
-    // tensor too, maybe before this wait looks: so the second tensor counts as released once
-    // at most one of the two is still exported.
     wait_for_lifetime(WAIT, |s| s.exported_storages <= before.exported_storages + 1).expect("released");
     assert!(sent.elapsed() >= Duration::from_millis(700), "released {:?} after the send", sent.elapsed());
     child.join().unwrap();

@@ -11,6 +11,7 @@ use std::process::Command;
 use std::str::FromStr;
 use std::time::Duration;
 
+#[cfg(feature = "cuda")]
 use cuda_mp::Device;
 
 mod llama;
@@ -79,11 +80,14 @@ where
 
 /// Fails at once, saying why, where no CUDA GPU is usable; otherwise returns how many are visible.
 pub fn require_gpu() -> Outcome<usize> {
+    #[cfg(feature = "cuda")]
     let why = match Device::count() {
         Ok(n) if n > 0 => return Ok(n),
         Ok(_) => "no GPU is visible".to_string(),
         Err(e) => e.to_string(),
     };
+    #[cfg(not(feature = "cuda"))]
+    let why = "cuda-mp was built without its cuda feature".to_string();
     Err(format!(
         "this example needs a CUDA GPU ({why}); without one, run 01_queue_handoff, 10_async_server, \
          11_host_pipe, 12_host_listener or 13_host_pool"

@@ -992,7 +992,7 @@ impl<'de, T: DeserializeOwned> Deserialize<'de> for Receiver<T> {
 
 /// Decodes one frame's bytes and descriptors as a receiver does (for fuzzing): the message as
 /// `T` (`None` for a frame of another kind, read and dropped), or why it does not decode.
-#[cfg(any(test, feature = "testing"))]
+#[cfg(all(feature = "cuda", any(test, feature = "testing")))]
 pub(crate) fn decode_frame<T: DeserializeOwned>(
     bytes: &[u8],
     fds: Vec<OwnedFd>,
@@ -1004,7 +1004,7 @@ pub(crate) fn decode_frame<T: DeserializeOwned>(
     }
 }
 
-#[cfg(any(test, feature = "testing"))]
+#[cfg(all(feature = "cuda", any(test, feature = "testing")))]
 impl<T> Receiver<T> {
     /// The next frame on this receiver's socket as it arrived, not decoded (`None` when none
     /// came within `timeout`, or for a remote receiver).

@@ -200,6 +200,7 @@ pub(crate) fn close_inherited_leases() {
 static DESCRIPTORS: ForkLocal<AtomicUsize> = ForkLocal::new(|| AtomicUsize::new(0));
 
 /// One more (`1`) or one fewer (`-1`) VMM descriptor held by this process.
+#[cfg(feature = "cuda")]
 pub(crate) fn descriptors_held(delta: isize) {
     let counter = DESCRIPTORS.get();
     if delta >= 0 {

@@ -8,7 +8,9 @@
 use std::io;
 use std::os::fd::AsFd;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64, AtomicU8, Ordering};
+#[cfg(any(feature = "cuda", test))]
+use std::sync::atomic::{AtomicI32, AtomicI64};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 
 use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
 
@@ -81,12 +83,14 @@ impl Mapping {
     }
 
     /// The signed 32-bit word at byte `offset`, as [`u32_at`](Self::u32_at).
+    #[cfg(any(feature = "cuda", test))]
     pub(crate) fn i32_at(&self, offset: usize) -> Option<&AtomicI32> {
         // SAFETY: as in `u32_at`.
         self.word_at(offset, 4).map(|p| unsafe { AtomicI32::from_ptr(p.cast()) })
     }
 
     /// The signed 64-bit word at byte `offset`, as [`u64_at`](Self::u64_at).
+    #[cfg(any(feature = "cuda", test))]
     pub(crate) fn i64_at(&self, offset: usize) -> Option<&AtomicI64> {
         // SAFETY: as in `u32_at`.
         self.word_at(offset, 8).map(|p| unsafe { AtomicI64::from_ptr(p.cast()) })

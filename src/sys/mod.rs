@@ -14,6 +14,7 @@ mod memory;
 mod named;
 mod pipe;
 mod process;
+#[cfg(feature = "cuda")]
 mod shm;
 mod socket;
 #[cfg(feature = "remote")]
@@ -36,10 +37,11 @@ pub(crate) use process::fork_and_run;
 pub(crate) use process::{
     at_exit, at_fork_child, own_pid, own_start, pid_namespace, process_gone, signal_name, SIGKILL,
 };
+#[cfg(feature = "cuda")]
 pub(crate) use shm::{shm_unlink, ShmFile, ShmOpen};
 #[cfg(feature = "remote")]
 pub(crate) use socket::wait_for;
-#[cfg(any(test, feature = "testing"))]
+#[cfg(all(feature = "cuda", any(test, feature = "testing")))]
 pub(crate) use socket::Message;
 pub(crate) use socket::{
     bell, connect_abstract, connect_to, private_dir, ring, silence, wait_readable, Listening, Socket, Wait, MESSAGE_FDS,

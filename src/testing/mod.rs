@@ -3,6 +3,8 @@
 //! revocation), but its "memory" is a size, and "mapping" it in another process only waits a
 //! delay chosen by the sender (a stand-in for a slow driver open). Not part of the API.
 
+// Its message type holds a field of every kind of record, GPU ones included.
+#[cfg(feature = "cuda")]
 pub mod fuzz;
 
 pub use crate::sys::kill::{KILL_AT_ENV, POINTS as KILL_POINTS};
@@ -201,6 +203,7 @@ impl<'de> Deserialize<'de> for CarriedFile {
 /// How many senders' interprocess events `device`'s stream owes a wait on: GPU memory received
 /// with its sender's work unfinished, newly mapped and not used yet (the wait is queued at the
 /// next use of the stream through cuda-mp).
+#[cfg(feature = "cuda")]
 pub fn owed_waits(device: &crate::Device) -> usize {
     crate::gpu::owed_waits(device)
 }

@@ -1,9 +1,13 @@
 //! Helpers shared by the integration tests.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+#[cfg(feature = "cuda")]
+use std::sync::Arc;
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use cuda_mp::{wait_for_lifetime, Device, Listener, Receiver, Sender};
+#[cfg(feature = "cuda")]
+use cuda_mp::Device;
+use cuda_mp::{wait_for_lifetime, Listener, Receiver, Sender};
 use serde::{Deserialize, Serialize};
 
 /// The lifetime counters are per process: tests that read them run one at a time, each
@@ -19,12 +23,14 @@ pub fn serial(lock: &'static Mutex<()>, wait: Duration) -> MutexGuard<'static, (
 
 /// GPU 0; fails the test, saying why, where no GPU is usable (GPU tests never pass by
 /// skipping their body).
+#[cfg(feature = "cuda")]
 #[allow(dead_code)] // only the GPU test binaries use it
 pub fn gpu() -> Arc<Device> {
     Device::get(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU, and none is usable: {e}"))
 }
 
 /// GPUs 0 to `n - 1`; fails the test, saying why, where fewer are usable.
+#[cfg(feature = "cuda")]
 #[allow(dead_code)] // only the multi-GPU test binaries use it
 pub fn gpus(n: usize) -> Vec<Arc<Device>> {
     let visible = Device::count().unwrap_or_else(|e| panic!("this test needs {n} CUDA GPUs, and none is usable: {e}"));
@@ -146,6 +152,7 @@ pub struct ForgedSegment<Shm, Lease> {
 }
 
 /// Free memory of `dev`, in bytes.
+#[cfg(feature = "cuda")]
 #[allow(dead_code)] // GPU test binaries only
 pub fn free_memory(dev: &Device) -> usize {
     dev.memory_info().unwrap().0
@@ -180,6 +187,7 @@ pub fn settled_lifetime(wait: Duration) -> cuda_mp::LifetimeStats {
 /// Holds `dev`'s stream (the one cuda-mp queues on) until [`release`] sets the flag to at
 /// least `value`: work queued on it stays unfinished for as long as the test needs. Dropping
 /// the hold releases the stream for good, so that a failing test does not hang in its drops.
+#[cfg(feature = "cuda")]
 #[allow(dead_code)] // only the GPU test binaries use it
 pub struct HeldStream<'a> {
     dev: &'a Device,
@@ -188,6 +196,7 @@ pub struct HeldStream<'a> {
     side: std::sync::Arc<cudarc::driver::CudaStream>,
 }
 
+#[cfg(feature = "cuda")]
 #[allow(dead_code)]
 impl<'a> HeldStream<'a> {
     pub fn new(dev: &'a Device, flag: &'a cuda_mp::GpuTensor<i32>) -> Self {
@@ -217,6 +226,7 @@ impl<'a> HeldStream<'a> {
     }
 }
 
+#[cfg(feature = "cuda")]
 impl Drop for HeldStream<'_> {
     fn drop(&mut self) {
         self.release(u32::MAX);
