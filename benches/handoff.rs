@@ -903,6 +903,12 @@ fn main() {
     let mut r = Results::default();
     let only = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1));
     run_ours(&dev, quick, only.map(String::as_str), &mut r);
+    // Ours as measured, before the baseline runs: a baseline that does not finish leaves them.
+    let mut ours: Vec<(&String, &(f64, f64))> = r.ours.iter().collect();
+    ours.sort_by(|a, b| a.0.cmp(b.0));
+    for (key, (value, p99)) in ours {
+        println!("  ours: {key} {value:.1} {p99:.1}");
+    }
     if !no_torch {
         run_torch(quick, &mut r);
     }
