@@ -28,6 +28,19 @@ static INITIALIZED: AtomicBool = AtomicBool::new(false);
 /// assert_eq!(child.join().unwrap(), 20);
 /// ```
 ///
+/// A worker may start workers of its own:
+///
+/// ```
+/// fn outer(x: u32) -> u32 {
+///     cuda_mp::spawn(x, |y| y + 1).join().unwrap() * 10
+/// }
+///
+/// #[cuda_mp::main]
+/// fn main() {
+///     assert_eq!(cuda_mp::spawn(1u32, outer).join().unwrap(), 20);
+/// }
+/// ```
+///
 /// `#[cuda_mp::main]` goes with an async runtime's attribute in either order; `init()` then
 /// runs before the runtime starts, so a worker runs its function without one:
 ///
@@ -50,10 +63,12 @@ static INITIALIZED: AtomicBool = AtomicBool::new(false);
 /// }
 /// ```
 pub fn init() {
-    procspawn::init();
-    // Every shared storage and lease is a descriptor: lift the soft limit in every process.
+    // Both before procspawn's init, which in a worker runs the worker's function and exits:
+    // every shared storage and lease is a descriptor, so the soft limit is lifted in every
+    // process, and a worker may spawn workers of its own.
     crate::sys::raise_descriptor_limit();
     INITIALIZED.store(true, Ordering::SeqCst);
+    procspawn::init();
 }
 
 #[cfg(feature = "testing")]
@@ -104,6 +119,7 @@ pub(crate) fn not_initialized() -> bool {
 /// If this process did not call [`init`] (or `main` lacks `#[cuda_mp::main]`), with
 /// [`JoinError::NotInitialized`]'s message: a program that forgot it fails at its first spawn,
 /// not later in a wait for workers that never started.
+#[track_caller]
 pub fn spawn<A, R>(args: A, f: fn(A) -> R) -> JoinHandle<R>
 where
     A: Serialize + DeserializeOwned,
@@ -195,12 +211,24 @@ impl Builder {
         // The arguments are encoded like a channel message: tensors inside may be exported, and
         // their descriptors wait at this process's home for the child to fetch.
         let (handle, arguments) = wire::encode_spawn_scope(|| catch_quietly(|| builder.spawn(args, f)));
+        let withdraw = || {
+            if let Some(ticket) = &arguments {
+                crate::handover::withdraw(ticket);
+            }
+        };
         match handle {
+            // A process that could not be started (its executable, procspawn's IPC server, the
+            // arguments) is a handle without a process, whose join says why.
+            Ok(handle) if handle.pid().is_none() => {
+                withdraw();
+                Err(match handle.join() {
+                    Err(e) => join_error(e),
+                    Ok(_) => JoinError::Failed("the process was not started".into()),
+                })
+            }
             Ok(handle) => Ok(JoinHandle::started(handle, arguments)),
             Err(panic) => {
-                if let Some(ticket) = arguments {
-                    crate::handover::withdraw(&ticket);
-                }
+                withdraw();
                 Err(JoinError::Failed(panic))
             }
         }
@@ -568,7 +596,19 @@ where
     A: Serialize + DeserializeOwned + Clone,
     R: Serialize + DeserializeOwned,
 {
-    let mut handles: Vec<Option<JoinHandle<R>>> = (0..n).map(|rank| Some(spawn((rank, args.clone()), f))).collect();
+    let mut handles: Vec<Option<JoinHandle<R>>> = Vec::with_capacity(n);
+    for rank in 0..n {
+        match Builder::new().spawn((rank, args.clone()), f) {
+            Ok(handle) => handles.push(Some(handle)),
+            Err(JoinError::NotInitialized) => return Err(JoinError::NotInitialized),
+            Err(error) => {
+                for other in handles.iter_mut().flatten() {
+                    let _ = other.terminate(Duration::from_secs(5));
+                }
+                return Err(JoinError::Rank { rank, error: Box::new(error) });
+            }
+        }
+    }
     let mut results: Vec<Option<R>> = (0..n).map(|_| None).collect();
     let mut left = n;
     while left > 0 {

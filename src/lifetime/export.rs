@@ -340,12 +340,12 @@ pub(super) fn lease_closed(lease: u64) {
     }
     s.shared_leases.remove(&lease);
     let claims: Vec<(u64, usize)> = s.covers.remove(&lease).map(|c| c.into_iter().collect()).unwrap_or_default();
+    release(s, &claims);
     if !claims.is_empty() {
         // Its holders' copies all closed with claims on it: they exited (or were killed)
-        // holding what it covers.
+        // holding what it covers. Logged outside the lock.
         tracing::debug!(lease, storages = claims.len(), "reclaimed the storages of a lease whose holders are gone");
     }
-    release(s, &claims);
 }
 
 /// Releases claims; frees storages whose last claim went, outside the lock.
