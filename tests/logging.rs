@@ -75,6 +75,11 @@ fn connections_and_the_reclaim_of_a_killed_holder_are_reported() {
     got.recv_timeout(WAIT).unwrap();
     child.kill().unwrap();
     wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages).expect("the killed holder's tensor freed");
+    // Logged just after the release, outside the lock the counters are read under.
+    let deadline = std::time::Instant::now() + WAIT;
+    while !captured.text().contains("reclaimed the storages") && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let text = captured.text();
     assert!(text.contains("reclaimed the storages of a lease whose holders are gone"), "{text}");
     assert!(!text.contains("WARN") && !text.contains("ERROR"), "{text}");
