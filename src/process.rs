@@ -602,9 +602,7 @@ where
             Ok(handle) => handles.push(Some(handle)),
             Err(JoinError::NotInitialized) => return Err(JoinError::NotInitialized),
             Err(error) => {
-                for other in handles.iter_mut().flatten() {
-                    let _ = other.terminate(Duration::from_secs(5));
-                }
+                terminate_all(&mut handles);
                 return Err(JoinError::Rank { rank, error: Box::new(error) });
             }
         }
@@ -622,9 +620,7 @@ where
                 }
                 Err(JoinError::Timeout) => {}
                 Err(error) => {
-                    for other in handles.iter_mut().flatten() {
-                        let _ = other.terminate(Duration::from_secs(5));
-                    }
+                    terminate_all(&mut handles);
                     return Err(JoinError::Rank { rank, error: Box::new(error) });
                 }
             }
@@ -637,4 +633,11 @@ where
         }
     }
     Ok(results.into_iter().flatten().collect())
+}
+
+/// Ends the ranks still running once one failed (or could not start), as torch's spawn does.
+fn terminate_all<R: Serialize + DeserializeOwned>(handles: &mut [Option<JoinHandle<R>>]) {
+    for other in handles.iter_mut().flatten() {
+        let _ = other.terminate(Duration::from_secs(5));
+    }
 }

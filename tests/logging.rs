@@ -9,6 +9,8 @@ use cuda_mp::{channel, spawn, wait_for_lifetime, HostTensor, Listener, Receiver,
 use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::EnvFilter;
 
+mod common;
+
 cuda_mp::enable_test_support!();
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -76,10 +78,7 @@ fn connections_and_the_reclaim_of_a_killed_holder_are_reported() {
     child.kill().unwrap();
     wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages).expect("the killed holder's tensor freed");
     // Logged just after the release, outside the lock the counters are read under.
-    let deadline = std::time::Instant::now() + WAIT;
-    while !captured.text().contains("reclaimed the storages") && std::time::Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    common::eventually(WAIT, "the reclaim logged", || captured.text().contains("reclaimed the storages"));
     let text = captured.text();
     assert!(text.contains("reclaimed the storages of a lease whose holders are gone"), "{text}");
     assert!(!text.contains("WARN") && !text.contains("ERROR"), "{text}");
