@@ -15,7 +15,7 @@
 use std::time::{Duration, Instant};
 
 use cuda_mp::testing::FakeTensor;
-use cuda_mp::{channel, pipe, spawn, Duplex, HostTensor, Receiver, Sender};
+use cuda_mp::{Duplex, HostTensor, Receiver, Sender, channel, pipe, spawn};
 
 const WAIT: Duration = Duration::from_secs(120);
 

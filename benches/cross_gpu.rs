@@ -11,7 +11,7 @@
 
 use std::time::{Duration, Instant};
 
-use cuda_mp::{channel, spawn, Device, GpuTensor, IpcPayload, Receiver, Sender};
+use cuda_mp::{Device, GpuTensor, IpcPayload, Receiver, Sender, channel, spawn};
 
 const BYTES: usize = 1 << 30;
 const REPEAT: usize = 10;

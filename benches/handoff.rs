@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 
 use cuda_mp::__private::{Phase, PhaseTimes};
 use cuda_mp::{
-    bf16, channel, cuda_available, spawn, Bundle, BundleBuilder, Device, GpuTensor, HostTensor, IpcPayload, JoinHandle,
-    Receiver, Sender,
+    Bundle, BundleBuilder, Device, GpuTensor, HostTensor, IpcPayload, JoinHandle, Receiver, Sender, bf16, channel,
+    cuda_available, spawn,
 };
 
 #[path = "../examples/common/llama.rs"]
@@ -858,7 +858,10 @@ fn print_table(r: &Results) {
     }
     for name in ["4K", "1M", "64M", "1G", "13.5G"] {
         if let Some(o) = r.torch.get(&format!("p_rawopen_{name}")) {
-            println!("driver baseline, cudaIpcOpenMemHandle of a fresh {name} cudaMalloc allocation (cupy): {:.1} us (median)", o.0);
+            println!(
+                "driver baseline, cudaIpcOpenMemHandle of a fresh {name} cudaMalloc allocation (cupy): {:.1} us (median)",
+                o.0
+            );
         }
         if let (Some(e), Some(i), Some(rd)) = (
             r.ours.get(&format!("p_export_{name}")),

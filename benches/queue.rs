@@ -25,7 +25,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use cuda_mp::{channel, spawn, wait_for_lifetime, HostTensor, Queue, QueueConsumer, Receiver, Sender, QUEUE_PREFETCH};
+use cuda_mp::{HostTensor, QUEUE_PREFETCH, Queue, QueueConsumer, Receiver, Sender, channel, spawn, wait_for_lifetime};
 
 const BYTES: usize = 4096;
 const POOL: usize = 8;

@@ -49,7 +49,7 @@ use std::time::{Duration, Instant};
 
 use cuda_mp::__private::{Phase, PhaseTimes};
 use cuda_mp::{
-    bf16, channel, spawn, Bundle, BundleBuilder, Device, GpuTensor, RemoteListener, RemoteOptions, Route, Sender,
+    Bundle, BundleBuilder, Device, GpuTensor, RemoteListener, RemoteOptions, Route, Sender, bf16, channel, spawn,
 };
 
 #[path = "../examples/common/llama.rs"]
@@ -85,11 +85,7 @@ const PAYLOADS: [(&str, Shape, usize, usize); 5] = [
 ];
 
 fn counted(n: usize, quick: bool) -> usize {
-    if quick {
-        (n / 5).max(1)
-    } else {
-        n
-    }
+    if quick { (n / 5).max(1) } else { n }
 }
 
 /// The channel's message: one type for every payload, so that one connection (and one NCCL
@@ -248,11 +244,7 @@ fn run_ours(quick: bool) -> Result<(), String> {
 /// The torch script, found from the repository root (or this crate's directory when built here).
 fn script() -> String {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/torch_nccl.py");
-    if Path::new(path).exists() {
-        path.into()
-    } else {
-        "benches/torch_nccl.py".into()
-    }
+    if Path::new(path).exists() { path.into() } else { "benches/torch_nccl.py".into() }
 }
 
 /// What one side printed.

@@ -14,7 +14,7 @@
 mod common;
 
 use common::{Outcome, TIMEOUT};
-use cuda_mp::{channel, cuda_available, spawn, Device, GpuTensor, HostTensor, Receiver};
+use cuda_mp::{Device, GpuTensor, HostTensor, Receiver, channel, cuda_available, spawn};
 use tracing_subscriber::EnvFilter;
 
 /// Prints cuda-mp's events to stderr as `RUST_LOG` asks (nothing when it is unset). A worker is

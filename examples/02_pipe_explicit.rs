@@ -7,7 +7,7 @@
 mod common;
 
 use common::{Outcome, TIMEOUT};
-use cuda_mp::{pipe, spawn, Device, Duplex, GpuTensor, IpcPayload};
+use cuda_mp::{Device, Duplex, GpuTensor, IpcPayload, pipe, spawn};
 
 fn worker(end: Duplex<f64, IpcPayload>) {
     let payload = end.recv().expect("receive the payload");

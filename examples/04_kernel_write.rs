@@ -7,7 +7,7 @@
 mod common;
 
 use common::{Outcome, TIMEOUT};
-use cuda_mp::{channel, spawn, Device, GpuTensor, Receiver, Sender};
+use cuda_mp::{Device, GpuTensor, Receiver, Sender, channel, spawn};
 
 const N: usize = 1 << 20;
 

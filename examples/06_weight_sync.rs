@@ -10,7 +10,7 @@ mod common;
 use std::time::Instant;
 
 use common::{Outcome, TIMEOUT};
-use cuda_mp::{bf16, channel, lifetime_stats, spawn, Bundle, BundleBuilder, Device, Receiver, Sender};
+use cuda_mp::{Bundle, BundleBuilder, Device, Receiver, Sender, bf16, channel, lifetime_stats, spawn};
 
 const STEPS: i64 = 5;
 const LAYERS: usize = 8;

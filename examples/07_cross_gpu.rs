@@ -12,7 +12,7 @@
 mod common;
 
 use common::{Outcome, TIMEOUT};
-use cuda_mp::{channel, spawn, Device, GpuMemoryKind, GpuTensor, IpcPayload, Receiver, Sender};
+use cuda_mp::{Device, GpuMemoryKind, GpuTensor, IpcPayload, Receiver, Sender, channel, spawn};
 
 const N: usize = 1 << 20;
 

@@ -11,7 +11,7 @@
 mod common;
 
 use common::{Outcome, PythonPeer, TIMEOUT};
-use cuda_mp::{bf16, Bundle, HostTensor, Listener, Sender};
+use cuda_mp::{Bundle, HostTensor, Listener, Sender, bf16};
 
 /// The value the trainer gives element `j` of tensor number `i` at `step`.
 fn expected(i: usize, j: usize, step: i64) -> f32 {

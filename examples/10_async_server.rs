@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use common::{Outcome, TIMEOUT};
-use cuda_mp::{channel, spawn, HostTensor, JoinHandle, Receiver, Sender};
+use cuda_mp::{HostTensor, JoinHandle, Receiver, Sender, channel, spawn};
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 

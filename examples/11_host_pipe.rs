@@ -9,7 +9,7 @@ mod common;
 use std::time::Instant;
 
 use common::{Outcome, TIMEOUT};
-use cuda_mp::{pipe, spawn, Duplex, HostTensor};
+use cuda_mp::{Duplex, HostTensor, pipe, spawn};
 
 const ROUNDS: usize = 3;
 

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use common::{Outcome, TIMEOUT};
 use cuda_mp::ndarray::Axis;
-use cuda_mp::{channel, HostTensor, Listener, Sender};
+use cuda_mp::{HostTensor, Listener, Sender, channel};
 
 /// A matrix to work on and where to send the answer.
 type Message = (HostTensor<f32>, Sender<HostTensor<f32>>);

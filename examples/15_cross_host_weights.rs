@@ -19,7 +19,7 @@ use std::net::SocketAddr;
 use std::time::Instant;
 
 use common::{Outcome, TIMEOUT};
-use cuda_mp::{bf16, spawn, Bundle, BundleBuilder, Device, GpuTensor, RemoteListener, RemoteOptions, Sender};
+use cuda_mp::{Bundle, BundleBuilder, Device, GpuTensor, RemoteListener, RemoteOptions, Sender, bf16, spawn};
 use serde::{Deserialize, Serialize};
 
 /// What the rollout tells the trainer, on a remote channel of its own.
@@ -169,8 +169,11 @@ fn run() -> Outcome {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     if std::env::args().any(|a| a == "--nccl-network") {
         // NCCL's network transport (sockets), as between two hosts; the rollout inherits it.
-        std::env::set_var("NCCL_P2P_DISABLE", "1");
-        std::env::set_var("NCCL_SHM_DISABLE", "1");
+        // SAFETY: no other thread exists yet to read the environment (`init` starts none).
+        unsafe {
+            std::env::set_var("NCCL_P2P_DISABLE", "1");
+            std::env::set_var("NCCL_SHM_DISABLE", "1");
+        }
     }
     common::verdict(run(), "the rollout read every element of every step's 7B weights, moved by NCCL")
 }

@@ -17,7 +17,7 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use common::{Outcome, PythonPeer, TIMEOUT};
-use cuda_mp::{bf16, channel, spawn, Device, GpuTensor, Receiver, Sender};
+use cuda_mp::{Device, GpuTensor, Receiver, Sender, bf16, channel, spawn};
 use serde::{Deserialize, Serialize};
 
 /// One block: layers, K and V, tokens, KV heads, head dimension.

@@ -17,8 +17,8 @@
 //! [`on_fork_child`]): open, they would keep the parent's storages claimed for the child's
 //! whole life.
 
-use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 
 /// Bumped in every forked child, before `fork` returns there.
 static GENERATION: AtomicU64 = AtomicU64::new(0);
@@ -89,10 +89,10 @@ impl<T> ForkLocal<T> {
         // SAFETY: a non-null pointer was published by the compare-exchange below from
         // `Box::into_raw`, and no published slot is freed before `self` is dropped (slots of
         // earlier generations are left behind on purpose: see the module's comment).
-        if let Some(slot) = unsafe { seen.as_ref() } {
-            if slot.generation == generation {
-                return &slot.value;
-            }
+        if let Some(slot) = unsafe { seen.as_ref() }
+            && slot.generation == generation
+        {
+            return &slot.value;
         }
         let fresh = Box::into_raw(Box::new(Slot { generation, value: (self.init)() }));
         match self.current.compare_exchange(seen, fresh, Ordering::AcqRel, Ordering::Acquire) {

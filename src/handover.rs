@@ -26,7 +26,7 @@ use crate::error::{Error, Result};
 use crate::fork::ForkLocal;
 use crate::sys::{Listening, Wait};
 
-use crate::sys::{borrow_all, Held};
+use crate::sys::{Held, borrow_all};
 use serde::{Deserialize, Serialize};
 
 /// How long a deposit of spawn arguments waits for its child.

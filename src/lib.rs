@@ -140,8 +140,8 @@ pub mod testing;
 mod wire;
 
 pub use channel::{
-    bounded, channel, flush_sends, pipe, Duplex, IntoIter, Iter, IterResults, Listener, Receiver, RecvFuture,
-    RecvStream, Route, Select, Sender, TryIter,
+    Duplex, IntoIter, Iter, IterResults, Listener, Receiver, RecvFuture, RecvStream, Route, Select, Sender, TryIter,
+    bounded, channel, flush_sends, pipe,
 };
 pub use cuda_mp_macros::main;
 pub use dtype::{DType, Element};
@@ -153,22 +153,22 @@ pub use error::{
 pub use gpu::nccl_library;
 #[cfg(feature = "cuda")]
 pub use gpu::{
-    cuda_available, torch_ipc_stats, Bundle, BundleBuilder, BundleEntry, Device, GpuMemoryKind, GpuStorage, GpuTensor,
-    IpcPayload, TorchIpcHandle, TorchIpcStats, DEFAULT_CHUNK_BYTES, VMM_MIN_BYTES,
+    Bundle, BundleBuilder, BundleEntry, DEFAULT_CHUNK_BYTES, Device, GpuMemoryKind, GpuStorage, GpuTensor, IpcPayload,
+    TorchIpcHandle, TorchIpcStats, VMM_MIN_BYTES, cuda_available, torch_ipc_stats,
 };
 pub use half::{bf16, f16};
 pub use host::{
-    empty_host_cache, host_allocator_stats, host_caching, set_host_cache_limit, set_host_caching, HostStorage,
-    HostTensor,
+    HostStorage, HostTensor, empty_host_cache, host_allocator_stats, host_caching, set_host_cache_limit,
+    set_host_caching,
 };
 pub use layout::{Layout, MAX_DIMS};
-pub use lifetime::{lifetime_stats, wait_for_lifetime, LifetimeStats, StorageId};
+pub use lifetime::{LifetimeStats, StorageId, lifetime_stats, wait_for_lifetime};
 pub use ndarray;
 #[cfg(feature = "remote")]
-pub use net::{RemoteListener, RemoteOptions, REMOTE_PROTOCOL_VERSION, REMOTE_SECRET_ENV};
+pub use net::{REMOTE_PROTOCOL_VERSION, REMOTE_SECRET_ENV, RemoteListener, RemoteOptions};
 pub use pool::{AsyncResult, Imap, ImapUnordered, Pool, PoolBuilder};
-pub use process::{init, spawn, spawn_n, Builder, JoinHandle};
-pub use queue::{GetError, GetTimeoutError, Queue, QueueConsumer, QueueStats, TryGetError, QUEUE_PREFETCH};
+pub use process::{Builder, JoinHandle, init, spawn, spawn_n};
+pub use queue::{GetError, GetTimeoutError, QUEUE_PREFETCH, Queue, QueueConsumer, QueueStats, TryGetError};
 pub use storage::AllocatorStats;
 pub use sync::{
     Barrier, BarrierError, BarrierWaitResult, Event, Lock, LockError, LockGuard, Semaphore, SemaphoreGuard,
@@ -185,9 +185,9 @@ pub use tensor::{DynTensor, Tensor, TensorStorage};
 /// assert_eq!(rx.recv().unwrap().to_vec(), vec![1.5, 1.5]);
 /// ```
 pub mod prelude {
-    pub use crate::{channel, spawn, Error, HostTensor, JoinHandle, Pool, Queue, QueueConsumer, Receiver, Sender};
     #[cfg(feature = "cuda")]
     pub use crate::{Device, GpuTensor};
+    pub use crate::{Error, HostTensor, JoinHandle, Pool, Queue, QueueConsumer, Receiver, Sender, channel, spawn};
 }
 
 /// False: this build has no GPU support (the `cuda` feature is off), so no GPU is usable.

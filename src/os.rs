@@ -5,7 +5,7 @@
 use std::cell::Cell;
 use std::sync::atomic::AtomicU64;
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Once, OnceLock, RwLock};
 
 use crate::error::PanicReport;
@@ -82,13 +82,13 @@ fn install_hook() {
             if QUIET.with(Cell::get) {
                 return;
             }
-            if let Some(reporter) = REPORTER.get() {
-                if reporter.thread == std::thread::current().id() {
-                    (reporter.report)(PanicReport {
-                        message: panic_message(info.payload()),
-                        location: info.location().map(|l| format!("{}:{}:{}", l.file(), l.line(), l.column())),
-                    });
-                }
+            if let Some(reporter) = REPORTER.get()
+                && reporter.thread == std::thread::current().id()
+            {
+                (reporter.report)(PanicReport {
+                    message: panic_message(info.payload()),
+                    location: info.location().map(|l| format!("{}:{}:{}", l.file(), l.line(), l.column())),
+                });
             }
             if let Some(previous) = PREVIOUS.read().unwrap_or_else(|p| p.into_inner()).as_ref() {
                 previous(info)

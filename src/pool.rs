@@ -9,7 +9,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{JoinError, PanicReport};
 use crate::os::{catch_quietly, report_panics};
-use crate::process::{exit_error, join_error, not_initialized, JoinHandle};
+use crate::process::{JoinHandle, exit_error, join_error, not_initialized};
 use crate::sys::ChildWatch;
 use crate::wire;
 

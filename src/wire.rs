@@ -316,10 +316,10 @@ pub(crate) fn connection_claim(key: u64, index: u64, introduce: Option<Introduct
     ENCODING.with(|e| {
         if let Some(e) = e.borrow_mut().last_mut() {
             e.claims.push(OwnClaim { lease: key, name, index });
-            if let Some(i) = introduce {
-                if !e.introduce.iter().any(|known| known.name == i.name) {
-                    e.introduce.push(i);
-                }
+            if let Some(i) = introduce
+                && !e.introduce.iter().any(|known| known.name == i.name)
+            {
+                e.introduce.push(i);
             }
         }
     });

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use cuda_mp::{channel, pipe, spawn, Duplex, HostTensor, Listener, RecvError, RecvTimeoutError, Sender, TryRecvError};
+use cuda_mp::{Duplex, HostTensor, Listener, RecvError, RecvTimeoutError, Sender, TryRecvError, channel, pipe, spawn};
 
 cuda_mp::enable_test_support!();
 

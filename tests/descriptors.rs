@@ -6,7 +6,7 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::time::Duration;
 
 use cuda_mp::testing::CarriedFile;
-use cuda_mp::{channel, spawn, Receiver, RecvTimeoutError, Sender};
+use cuda_mp::{Receiver, RecvTimeoutError, Sender, channel, spawn};
 
 mod common;
 

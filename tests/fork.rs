@@ -5,10 +5,10 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use cuda_mp::testing::FakeTensor;
 #[cfg(feature = "cuda")]
 use cuda_mp::Error;
-use cuda_mp::{channel, lifetime_stats, wait_for_lifetime, HostTensor, Queue, Receiver, Sender};
+use cuda_mp::testing::FakeTensor;
+use cuda_mp::{HostTensor, Queue, Receiver, Sender, channel, lifetime_stats, wait_for_lifetime};
 
 /// One fork at a time: the child of a test process has only the forking thread, and forking
 /// while another test forks gains nothing.

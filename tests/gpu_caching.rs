@@ -7,7 +7,7 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use cuda_mp::{channel, lifetime_stats, spawn, wait_for_lifetime, Error, GpuTensor, Receiver, Sender};
+use cuda_mp::{Error, GpuTensor, Receiver, Sender, channel, lifetime_stats, spawn, wait_for_lifetime};
 
 mod common;
 

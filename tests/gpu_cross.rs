@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::gpus;
-use cuda_mp::{channel, spawn, Device, GpuTensor, IpcPayload, Receiver, Sender};
+use cuda_mp::{Device, GpuTensor, IpcPayload, Receiver, Sender, channel, spawn};
 
 mod common;
 

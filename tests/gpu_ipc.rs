@@ -5,7 +5,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use cuda_mp::{
-    bf16, channel, lifetime_stats, spawn, wait_for_lifetime, Builder, Device, GpuTensor, Receiver, RecvError, Sender,
+    Builder, Device, GpuTensor, Receiver, RecvError, Sender, bf16, channel, lifetime_stats, spawn, wait_for_lifetime,
 };
 use serde::{Deserialize, Serialize};
 

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use cuda_mp::{bf16, f16, Device, Element, GpuTensor};
+use cuda_mp::{Device, Element, GpuTensor, bf16, f16};
 
 mod common;
 

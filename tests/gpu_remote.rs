@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cuda_mp::{
-    bf16, channel, nccl_library, spawn, Builder, BundleBuilder, Device, GpuTensor, Receiver, RemoteListener,
-    RemoteOptions, Route, Sender,
+    Builder, BundleBuilder, Device, GpuTensor, Receiver, RemoteListener, RemoteOptions, Route, Sender, bf16, channel,
+    nccl_library, spawn,
 };
 use serde::{Deserialize, Serialize};
 

@@ -6,8 +6,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use cuda_mp::{
-    channel, empty_host_cache, host_allocator_stats, lifetime_stats, set_host_cache_limit, set_host_caching, spawn,
-    wait_for_lifetime, Error, HostTensor, Receiver, Sender,
+    Error, HostTensor, Receiver, Sender, channel, empty_host_cache, host_allocator_stats, lifetime_stats,
+    set_host_cache_limit, set_host_caching, spawn, wait_for_lifetime,
 };
 
 mod common;

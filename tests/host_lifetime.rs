@@ -3,7 +3,7 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use cuda_mp::{channel, lifetime_stats, spawn, wait_for_lifetime, HostTensor, Receiver, Sender};
+use cuda_mp::{HostTensor, Receiver, Sender, channel, lifetime_stats, spawn, wait_for_lifetime};
 
 mod common;
 

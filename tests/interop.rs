@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cuda_mp::{
-    channel, lifetime_stats, spawn, wait_for_lifetime, Bundle, DType, DynTensor, GpuStorage, GpuTensor, HostStorage,
-    HostTensor, Layout, Receiver, Sender,
+    Bundle, DType, DynTensor, GpuStorage, GpuTensor, HostStorage, HostTensor, Layout, Receiver, Sender, channel,
+    lifetime_stats, spawn, wait_for_lifetime,
 };
 
 mod common;

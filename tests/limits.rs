@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use cuda_mp::{channel, spawn, Error, HostTensor, Receiver, RecvTimeoutError, Sender};
-use serde::de::DeserializeOwned;
+use cuda_mp::{Error, HostTensor, Receiver, RecvTimeoutError, Sender, channel, spawn};
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 
 cuda_mp::enable_test_support!();
 

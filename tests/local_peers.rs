@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use cuda_mp::{channel, spawn, Error, Listener, Sender};
+use cuda_mp::{Error, Listener, Sender, channel, spawn};
 
 mod common;
 
@@ -29,7 +29,7 @@ fn become_nobody() {
 /// descriptor), the magic and version, and 64 bytes of sealed shared memory for the counters.
 /// True once it connected.
 fn connect_as_nobody(name: String) -> bool {
-    use rustix::net::{connect, sendmsg, socket_with, AddressFamily, SendAncillaryBuffer, SendAncillaryMessage};
+    use rustix::net::{AddressFamily, SendAncillaryBuffer, SendAncillaryMessage, connect, sendmsg, socket_with};
     use rustix::net::{SendFlags, SocketAddrUnix, SocketFlags, SocketType};
     use std::os::fd::AsFd;
     let gauge = common::sealed_memory(64, 0);

@@ -5,9 +5,9 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cuda_mp::{channel, spawn, wait_for_lifetime, HostTensor, Listener, Receiver, Sender};
-use tracing_subscriber::fmt::MakeWriter;
+use cuda_mp::{HostTensor, Listener, Receiver, Sender, channel, spawn, wait_for_lifetime};
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::fmt::MakeWriter;
 
 mod common;
 

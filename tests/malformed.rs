@@ -2,13 +2,13 @@
 
 use std::time::Duration;
 
-use cuda_mp::{lifetime_stats, wait_for_lifetime, HostTensor, Listener, RecvError};
+use cuda_mp::{HostTensor, Listener, RecvError, lifetime_stats, wait_for_lifetime};
 use serde::ser::SerializeTuple;
 use serde::{Deserialize, Serialize, Serializer};
 
 mod common;
 use common::{
-    connect, lease_pipe, sealed_memory, slot, socket_pair, Claim, ForgedHost, ForgedSegment, ForgedTensor, Slot,
+    Claim, ForgedHost, ForgedSegment, ForgedTensor, Slot, connect, lease_pipe, sealed_memory, slot, socket_pair,
 };
 use cuda_mp::testing::CarriedFile;
 
@@ -238,7 +238,7 @@ fn a_dtype_mismatch_is_an_error_and_releases_the_claim() {
 
 /// A socket connected to the listener `name`, to write by hand what a peer says.
 fn raw_peer(name: &str) -> std::os::fd::OwnedFd {
-    use rustix::net::{connect, socket_with, AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType, connect, socket_with};
     let fd = socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None).unwrap();
     connect(&fd, &SocketAddrUnix::new(name).unwrap()).unwrap();
     fd

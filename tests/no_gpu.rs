@@ -1,6 +1,6 @@
 //! What a machine without a usable GPU gets: errors, never panics.
 
-use cuda_mp::{cuda_available, Device, Error};
+use cuda_mp::{Device, Error, cuda_available};
 
 #[test]
 fn device_lookup_reports_errors_instead_of_panicking() {

@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use cuda_mp::{channel, HostTensor, JoinError, Pool, Sender};
+use cuda_mp::{HostTensor, JoinError, Pool, Sender, channel};
 
 cuda_mp::enable_test_support!();
 

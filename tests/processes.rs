@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use cuda_mp::{spawn, JoinError, Pool};
+use cuda_mp::{JoinError, Pool, spawn};
 
 cuda_mp::enable_test_support!();
 

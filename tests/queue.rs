@@ -9,8 +9,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use cuda_mp::{
-    channel, lifetime_stats, spawn, wait_for_lifetime, GetError, GetTimeoutError, HostTensor, Queue, QueueConsumer,
-    Receiver, Sender, TryGetError,
+    GetError, GetTimeoutError, HostTensor, Queue, QueueConsumer, Receiver, Sender, TryGetError, channel,
+    lifetime_stats, spawn, wait_for_lifetime,
 };
 
 mod common;

@@ -7,8 +7,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use cuda_mp::{
-    bounded, channel, lifetime_stats, spawn, wait_for_lifetime, HostTensor, Receiver, RecvError, Select, Sender,
-    TrySendError,
+    HostTensor, Receiver, RecvError, Select, Sender, TrySendError, bounded, channel, lifetime_stats, spawn,
+    wait_for_lifetime,
 };
 
 mod common;

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use cuda_mp::{HostTensor, RecvError};
 
 mod common;
-use common::{slot, Claim, ForgedHost, ForgedTensor, Slot};
+use common::{Claim, ForgedHost, ForgedTensor, Slot, slot};
 
 /// Set by the panic hook this test installs; cuda-mp's quiet catch sits in front of it.
 static PRINTED: AtomicBool = AtomicBool::new(false);

@@ -7,7 +7,7 @@ use std::net::{TcpListener, TcpStream};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use cuda_mp::{bf16, HostTensor, Receiver, RemoteListener, RemoteOptions, Route, Sender};
+use cuda_mp::{HostTensor, Receiver, RemoteListener, RemoteOptions, Route, Sender, bf16};
 
 fn network() -> RemoteOptions {
     RemoteOptions::default().network_only(true)

@@ -7,10 +7,10 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use cuda_mp::testing::{fake_mappings_closed, FakeTensor};
+use cuda_mp::testing::{FakeTensor, fake_mappings_closed};
 use cuda_mp::{
-    channel, lifetime_stats, spawn, wait_for_lifetime, Device, GpuMemoryKind, GpuTensor, HostTensor, Receiver, Sender,
-    Tensor,
+    Device, GpuMemoryKind, GpuTensor, HostTensor, Receiver, Sender, Tensor, channel, lifetime_stats, spawn,
+    wait_for_lifetime,
 };
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};

@@ -8,12 +8,12 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cuda_mp::{
-    channel, spawn, spawn_n, Barrier, Error, Event, HostTensor, Lock, LockError, Receiver, RecvError, Semaphore, Sender,
+    Barrier, Error, Event, HostTensor, Lock, LockError, Receiver, RecvError, Semaphore, Sender, channel, spawn, spawn_n,
 };
 use serde::{Deserialize, Serialize};
 
 mod common;
-use common::{connect, sealed_bytes, slot, socket_pair, Slot};
+use common::{Slot, connect, sealed_bytes, slot, socket_pair};
 use cuda_mp::testing::CarriedFile;
 
 cuda_mp::enable_test_support!();

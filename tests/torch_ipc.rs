@@ -9,8 +9,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use cuda_mp::{
-    channel, spawn, torch_ipc_stats, wait_for_lifetime, DType, Device, DynTensor, Error, GpuStorage, GpuTensor, Layout,
-    Receiver, Sender, TorchIpcHandle,
+    DType, Device, DynTensor, Error, GpuStorage, GpuTensor, Layout, Receiver, Sender, TorchIpcHandle, channel, spawn,
+    torch_ipc_stats, wait_for_lifetime,
 };
 
 mod common;

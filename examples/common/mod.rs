@@ -55,11 +55,7 @@ impl Error for Failed {}
 
 /// Fails with `reason` unless `ok`.
 pub fn ensure(ok: bool, reason: &str) -> Outcome {
-    if ok {
-        Ok(())
-    } else {
-        Err(reason.into())
-    }
+    if ok { Ok(()) } else { Err(reason.into()) }
 }
 
 /// The value after `--name` on the command line, or `default` when it is not given.

@@ -3,7 +3,7 @@
 
 use proc_macro::TokenStream;
 use quote::quote;
-use syn::{parse_macro_input, ItemFn};
+use syn::{ItemFn, parse_macro_input};
 
 /// Marks the program's `main`: runs `cuda_mp::init()` before its body, so that spawned worker
 /// processes run their function instead of `main`.

@@ -7,12 +7,12 @@ use std::ffi::c_void;
 use cuda_mp::DType;
 use dlpark::ffi::{DLDataType, DLDataTypeCode, DLDevice, DLManagedTensor, DLManagedTensorVersioned};
 use dlpark::metadata::Dynamic;
-use dlpark::python::{export_dlpack, CudaStreamRequest, DlpackExporter, ExportRequest};
+use dlpark::python::{CudaStreamRequest, DlpackExporter, ExportRequest, export_dlpack};
 use dlpark::{DlpackFlags, Managed};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::{error, Any, Tensor};
+use crate::{Any, Tensor, error};
 
 /// (device type, device id) of DLPack, as `__dlpack_device__` gives them: CPU 1, CUDA 2.
 pub(crate) fn device(t: &Any) -> (i32, i32) {

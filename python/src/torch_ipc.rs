@@ -8,7 +8,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyTuple};
 
-use crate::{dtype_named, error, Any, Tensor};
+use crate::{Any, Tensor, dtype_named, error};
 
 /// `bytes` as a vector; None as an empty one (what PyTorch gives for an empty storage).
 fn bytes_or_empty(value: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u8>> {

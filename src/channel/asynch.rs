@@ -89,7 +89,7 @@ impl Poller {
                 let mut waiting = self.lock();
                 ids.iter()
                     .zip(&ready)
-                    .filter(|(_, &r)| r)
+                    .filter(|&(_, &r)| r)
                     .filter_map(|(id, _)| waiting.by_id.remove(id))
                     .map(|(_, w)| w)
                     .collect()
@@ -129,11 +129,11 @@ impl Poller {
     }
 
     fn deregister(&self, id: &mut Option<u64>) {
-        if let Some(key) = id.take() {
-            if self.lock().by_id.remove(&key).is_some() {
-                // The poller lets go of its copy of the socket.
-                crate::sys::ring(&self.bell);
-            }
+        if let Some(key) = id.take()
+            && self.lock().by_id.remove(&key).is_some()
+        {
+            // The poller lets go of its copy of the socket.
+            crate::sys::ring(&self.bell);
         }
     }
 }
@@ -152,7 +152,7 @@ fn poll_recv<T: DeserializeOwned>(
         None => {
             return Poll::Ready(Err(RecvError::Io(IoFailure::other(
                 "cannot start the thread that waits for async receives",
-            ))))
+            ))));
         }
     };
     let local = match &rx.flavor {

@@ -23,8 +23,8 @@
 //! behaviour. Every word is only ever accessed atomically.
 
 use std::fmt;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -371,7 +371,7 @@ mod tests {
         assert!(g.try_reserve(g.limit()));
         g.release(g.limit());
         g.wait_until_drained(Duration::from_secs(5)); // drained now: returns at once
-                                                      // A feeder asleep is woken when a release drains the socket.
+        // A feeder asleep is woken when a release drains the socket.
         assert!(g.try_reserve(g.limit()));
         let other = g.clone();
         let start = Instant::now();

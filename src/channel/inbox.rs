@@ -282,11 +282,9 @@ impl<T: DeserializeOwned> Inbox<T> {
         }
         // Reading the socket first is safe at any time: each frame waits for its turn.
         let socket_turn = self.ring_streak >= RING_STREAK && self.spill.is_none() && !gauge.socket_read_up();
-        if !socket_turn {
-            if let Some(got) = self.next_of_rings(gauge) {
-                self.ring_streak += 1;
-                return Look::Got(got);
-            }
+        if !socket_turn && let Some(got) = self.next_of_rings(gauge) {
+            self.ring_streak += 1;
+            return Look::Got(got);
         }
         self.ring_streak = 0;
         let (raw, main) = match self.spill.clone() {
@@ -317,15 +315,15 @@ impl<T: DeserializeOwned> Inbox<T> {
                 }
             }
         };
-        if let Some(order) = frame::order_of(&self.buf[raw.0.clone()]) {
-            if let Some(ring) = self.rings.iter_mut().find(|r| r.id() == order.ring) {
-                if order.number > ring.next() {
-                    self.stash = Some(Stashed { raw, main, order: Some(order) });
-                    return Look::Again;
-                }
-                if order.number == ring.next() {
-                    ring.set_next(order.number + 1);
-                }
+        if let Some(order) = frame::order_of(&self.buf[raw.0.clone()])
+            && let Some(ring) = self.rings.iter_mut().find(|r| r.id() == order.ring)
+        {
+            if order.number > ring.next() {
+                self.stash = Some(Stashed { raw, main, order: Some(order) });
+                return Look::Again;
+            }
+            if order.number == ring.next() {
+                ring.set_next(order.number + 1);
             }
         }
         self.deliver(gauge, raw, main)
@@ -362,10 +360,8 @@ impl<T: DeserializeOwned> Inbox<T> {
     /// A frame in its turn: its message, or what a frame of another kind does.
     fn deliver(&mut self, gauge: &Gauge, raw: Raw, main: bool) -> Look<T> {
         let incoming = parse(&self.buf, raw, &self.leases);
-        if main {
-            if let Ok(i) = &incoming {
-                self.settle(gauge, i.cost());
-            }
+        if main && let Ok(i) = &incoming {
+            self.settle(gauge, i.cost());
         }
         match incoming {
             Ok(Incoming::Message { value, .. }) => {

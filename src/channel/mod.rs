@@ -30,7 +30,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use self::frame::FrameOut;
-use self::gauge::{Gauge, NoPlace, MAX_CAPACITY};
+use self::gauge::{Gauge, MAX_CAPACITY, NoPlace};
 use self::inbox::{Inbox, Missing, Readiness, Wait};
 use self::outbox::Outbox;
 use self::ring::RingReader;
@@ -117,11 +117,7 @@ pub fn bounded<T: Serialize + DeserializeOwned>(capacity: usize) -> Result<(Send
 /// assert_eq!(reader.join().unwrap(), 10_000);
 /// ```
 pub fn flush_sends(timeout: Duration) -> Result<()> {
-    if outbox::flush_all(Some(timeout)) {
-        Ok(())
-    } else {
-        Err(Error::Timeout(timeout))
-    }
+    if outbox::flush_all(Some(timeout)) { Ok(()) } else { Err(Error::Timeout(timeout)) }
 }
 
 /// Messages this process received through a sender's ring.
@@ -1239,7 +1235,7 @@ fn accept_hello<T>(socket: &Socket) -> Result<(Gauge, Option<String>)> {
         Ok(Some(hello)) => hello,
         Ok(None) => return Err(Error::Malformed("the peer closed the connection before its hello".into())),
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-            return Err(Error::Malformed(format!("the peer said no hello within {HELLO_WAIT:?}")))
+            return Err(Error::Malformed(format!("the peer said no hello within {HELLO_WAIT:?}")));
         }
         Err(e) if e.kind() == io::ErrorKind::InvalidData => return Err(Refusal::Foreign.error()),
         Err(e) => return Err(wire::io_error(e)),

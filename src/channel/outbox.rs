@@ -16,8 +16,8 @@ use crate::error::{IoFailure, SendFailure};
 use crate::fork::ForkLocal;
 use crate::lifetime::Connection;
 use crate::os::{catch_quietly, wait_slice};
-use crate::sys::{descriptor_limit, out_of_descriptors};
 use crate::sys::{Socket, Wait};
+use crate::sys::{descriptor_limit, out_of_descriptors};
 use crate::wire::Held;
 
 /// How long an idle feeder waits for more work before its thread ends.
@@ -166,11 +166,7 @@ pub(super) fn failure(e: io::Error) -> SendFailure {
         tracing::warn!(limit, "a send failed: this process is out of file descriptors");
         return SendFailure::OutOfDescriptors { limit };
     }
-    if is_disconnect(&e) {
-        SendFailure::Disconnected
-    } else {
-        SendFailure::Io(IoFailure::from(e))
-    }
+    if is_disconnect(&e) { SendFailure::Disconnected } else { SendFailure::Io(IoFailure::from(e)) }
 }
 
 impl Outbox {
@@ -392,11 +388,11 @@ impl Outbox {
         cost: u64,
         order: Option<Order>,
     ) -> Result<(), SendFailure> {
-        if backlog.open.as_ref().is_some_and(|b| b.cost + cost > b.limit) {
-            if let Some(mut full) = backlog.open.take() {
-                full.tx = None;
-                backlog.closed.push_back(full);
-            }
+        if backlog.open.as_ref().is_some_and(|b| b.cost + cost > b.limit)
+            && let Some(mut full) = backlog.open.take()
+        {
+            full.tx = None;
+            backlog.closed.push_back(full);
         }
         if backlog.open.is_none() {
             // A new batch is where a receiver that is gone would be noticed last: look now.

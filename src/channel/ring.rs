@@ -31,11 +31,11 @@
 use std::fmt;
 use std::io;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering, fence};
 
 use super::frame::Order;
-use crate::sys::{lease_pipe, writers_gone, MemoryFile};
+use crate::sys::{MemoryFile, lease_pipe, writers_gone};
 use crate::wire::Held;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"CMRING03");

@@ -6,10 +6,10 @@ use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 
+use super::Receiver;
 use super::flavor::Watched;
 use super::gauge::Asleep;
 use super::inbox::{Readiness, Wait};
-use super::Receiver;
 use crate::error::{IoFailure, SelectError, SelectTimeoutError};
 
 /// What `Select` asks of a receiver of any message type.
@@ -195,7 +195,7 @@ impl<'a> Select<'a> {
                     None => {
                         return Err(SelectTimeoutError::Io(IoFailure::other(format!(
                             "receiver {i} has no descriptor this process can wait on"
-                        ))))
+                        ))));
                     }
                 }
             }
@@ -206,7 +206,7 @@ impl<'a> Select<'a> {
             // A readable socket is looked at again, unless another thread is receiving from it
             // (it could not be looked at): what made it readable may be a wake for a message
             // already received, which the next look takes away.
-            let unlooked = waits.iter().zip(&ready).find(|((_, _, asleep), &r)| r && asleep.is_none());
+            let unlooked = waits.iter().zip(&ready).find(|&((_, _, asleep), &r)| r && asleep.is_none());
             if let Some(((i, _, _), _)) = unlooked {
                 return Ok(self.chosen(*i));
             }

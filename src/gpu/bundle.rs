@@ -14,7 +14,7 @@ use once_cell::sync::OnceCell;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::storage::{decode_storage, encode_storage, GpuStorageWire};
+use super::storage::{GpuStorageWire, decode_storage, encode_storage};
 use super::{Device, GpuStorage, GpuTensor};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};

@@ -17,7 +17,7 @@
 //! crate's error directly.
 
 use std::any::TypeId;
-use std::ffi::{c_int, c_uint, c_void, CStr};
+use std::ffi::{CStr, c_int, c_uint, c_void};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};

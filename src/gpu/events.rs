@@ -18,8 +18,8 @@
 //! waits on the event's latest record, which covers the one that came with the message.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use once_cell::sync::Lazy;
 
@@ -117,10 +117,9 @@ pub(crate) fn settle(device: &Device) -> Result<()> {
     let mut first_error = None;
     for key in keys.drain(..) {
         if let Some(event) = events.get(&key) {
-            let queued =
-                event
-                    .is_complete()
-                    .and_then(|done| if done { Ok(()) } else { event.wait_on(device.unsettled_stream()) });
+            let queued = event
+                .is_complete()
+                .and_then(|done| if done { Ok(()) } else { event.wait_on(device.unsettled_stream()) });
             if let Err(e) = queued {
                 first_error.get_or_insert(e);
             }

@@ -15,7 +15,7 @@ use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaStream};
 
 use super::device::Device;
-use super::driver::{self, bind, driver_err, AllocationHandle, DeviceRange, IpcHandle, KernelArgs, KernelOp};
+use super::driver::{self, AllocationHandle, DeviceRange, IpcHandle, KernelArgs, KernelOp, bind, driver_err};
 use super::kernels;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -348,11 +348,7 @@ fn check_mapping_size(size: usize, granularity: usize) -> Result<()> {
 /// The alignment to reserve addresses with: the granularity when it is a power of two (mappings
 /// start on a granule), else the driver's default.
 fn reserve_alignment(granularity: usize) -> usize {
-    if granularity.is_power_of_two() {
-        granularity
-    } else {
-        0
-    }
+    if granularity.is_power_of_two() { granularity } else { 0 }
 }
 
 /// Physical VMM memory mapped at one range of this process's addresses, readable and writable

@@ -17,14 +17,14 @@ mod vmm;
 
 use std::sync::Arc;
 
-use cudarc::driver::sys;
 use cudarc::driver::CudaStream;
+use cudarc::driver::sys;
 use ndarray::{ArrayBase, ArrayD, Data, Dimension, IxDyn};
 
 pub use bundle::{Bundle, BundleBuilder, BundleEntry, DEFAULT_CHUNK_BYTES};
-pub use device::{cuda_available, Device};
+pub use device::{Device, cuda_available};
 pub use storage::{GpuMemoryKind, GpuStorage, IpcPayload, VMM_MIN_BYTES};
-pub use torch::{torch_ipc_stats, TorchIpcHandle, TorchIpcStats};
+pub use torch::{TorchIpcHandle, TorchIpcStats, torch_ipc_stats};
 
 /// How many senders' events `device`'s stream owes a wait on (received memory not used yet).
 #[cfg(any(test, feature = "testing"))]

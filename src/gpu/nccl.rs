@@ -16,7 +16,7 @@
 //! each wait here polls with a deadline, asks whether the peer is still there, and aborts the
 //! communicator on failure (`ncclCommAbort` also stops its kernels).
 
-use std::ffi::{c_char, c_int, c_void, CStr};
+use std::ffi::{CStr, c_char, c_int, c_void};
 use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -10,8 +10,8 @@ use once_cell::sync::{Lazy, OnceCell};
 use serde::{Deserialize, Serialize};
 
 use super::caching::{self, ImportedBlock, PoolBlock};
-use super::device::{format_uuid, Device};
-use super::driver::{DeviceRange, IpcHandle, IPC_HANDLE_BYTES};
+use super::device::{Device, format_uuid};
+use super::driver::{DeviceRange, IPC_HANDLE_BYTES, IpcHandle};
 use super::events::{self, WaitWhen};
 use super::handles::{DeviceAllocation, ForeignBlock, SharedMapping};
 use super::torch::TorchBlock;
@@ -481,10 +481,8 @@ impl GpuStorage {
             }
             _ => bytes >= VMM_MIN_BYTES && device.vmm_supported()?,
         };
-        if !vmm {
-            if let Some(block) = caching::alloc(device, bytes)? {
-                return Ok(block);
-            }
+        if !vmm && let Some(block) = caching::alloc(device, bytes)? {
+            return Ok(block);
         }
         let memory = if vmm {
             GpuMemory::Vmm(VmmMemory::alloc(device, bytes)?)

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use once_cell::sync::OnceCell;
 
 use super::device::Device;
-use super::driver::{DeviceRange, IpcHandle, IPC_HANDLE_BYTES};
+use super::driver::{DeviceRange, IPC_HANDLE_BYTES, IpcHandle};
 use super::events;
 use super::handles::{DeviceAllocation, SharedMapping};
 use super::storage::{GpuMemory, GpuStorage};
@@ -126,10 +126,10 @@ pub(crate) fn torch_mem_handle(bytes: &[u8]) -> Result<IpcHandle> {
     if let Ok(handle) = IpcHandle::try_from(bytes) {
         return Ok(handle);
     }
-    if let Some(rest) = bytes.strip_prefix(CUDA_MALLOC) {
-        if let Ok(handle) = IpcHandle::try_from(rest) {
-            return Ok(handle);
-        }
+    if let Some(rest) = bytes.strip_prefix(CUDA_MALLOC)
+        && let Ok(handle) = IpcHandle::try_from(rest)
+    {
+        return Ok(handle);
     }
     if bytes.starts_with(EXPANDABLE) {
         return Err(Error::Unsupported(
@@ -340,14 +340,14 @@ impl GpuStorage {
                     "memory mapped from another process cannot be handed to pytorch (pytorch refuses to share \
                      received memory too): copy it into memory of this process first"
                         .into(),
-                ))
+                ));
             }
             GpuMemory::Vmm(_) => {
                 return Err(Error::Unsupported(
                     "vmm memory cannot be handed to pytorch, which opens legacy cuda ipc handles only: allocate \
                      with GpuMemoryKind::Legacy (Device::set_memory_kind) or copy the tensor"
                         .into(),
-                ))
+                ));
             }
         };
         let storage_bytes = self.byte_len() as u64;

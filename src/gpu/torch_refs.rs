@@ -19,8 +19,8 @@
 //! takes a count to 0 and then fails to unlink the file.
 
 use std::any::Any;
-use std::collections::hash_map::RandomState;
 use std::collections::HashSet;
+use std::collections::hash_map::RandomState;
 use std::ffi::{CStr, CString};
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::Ordering;
@@ -144,12 +144,12 @@ impl TorchRefSlot {
             Ok(Some(size)) => {
                 return Err(Error::Malformed(format!(
                     "reference counter file {shown} holds {size} bytes, not the {FILE_BYTES} of pytorch's files"
-                )))
+                )));
             }
             Ok(None) => {
                 return Err(Error::Malformed(format!(
                     "reference counter file {shown} does not exist (its producer has exited, or the handle is not pytorch's)"
-                )))
+                )));
             }
             Err(e) => return Err(Error::Malformed(format!("reference counter file {shown} cannot be opened: {e}"))),
         }
@@ -314,10 +314,8 @@ impl RefRegistry {
         if !self.closed {
             self.files.retain(|f| {
                 let keep = f.in_use > 0;
-                if !keep {
-                    if let Some(count) = f.shm.i32_at(0) {
-                        close_count(count, &f.name);
-                    }
+                if !keep && let Some(count) = f.shm.i32_at(0) {
+                    close_count(count, &f.name);
                 }
                 keep
             });
@@ -449,8 +447,8 @@ pub(crate) fn stats() -> (usize, usize, u64) {
 mod tests {
     use super::*;
     use std::io::{Read, Seek, SeekFrom, Write};
-    use std::sync::atomic::{AtomicBool, AtomicU32};
     use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU32};
 
     /// Sets its flag when dropped.
     struct Flag(Arc<AtomicBool>);

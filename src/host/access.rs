@@ -37,7 +37,7 @@
 //! views are checked against their storage when the view is made (see `crate::layout`), so the
 //! checks never fire.
 
-use std::mem::{size_of, size_of_val, MaybeUninit};
+use std::mem::{MaybeUninit, size_of, size_of_val};
 use std::ops::Range;
 use std::slice;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -105,11 +105,7 @@ fn shift(offset: usize, size: usize) -> u32 {
 /// The low `size` bytes set.
 #[inline]
 fn lane_mask(size: usize) -> u64 {
-    if size >= 8 {
-        u64::MAX
-    } else {
-        (1u64 << (8 * size)) - 1
-    }
+    if size >= 8 { u64::MAX } else { (1u64 << (8 * size)) - 1 }
 }
 
 #[inline]
@@ -253,11 +249,7 @@ impl<'a> Shared<'a> {
     fn read_bytes(&self, src: Range<usize>, dst: &mut [MaybeUninit<u8>], bools: bool) {
         let read = |w: &AtomicU64| {
             let v = w.load(Relaxed);
-            if bools {
-                normalize_bools(v)
-            } else {
-                v
-            }
+            if bools { normalize_bools(v) } else { v }
         };
         let mut out = 0;
         for seg in segments(src) {

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::{refuse_frozen, HostMemory, HostStorage, HostWire};
+use super::{HostMemory, HostStorage, HostWire, refuse_frozen};
 use crate::error::{Error, Result};
 use crate::fork::ForkLocal;
 use crate::lifetime::LeaseMode;

@@ -372,7 +372,7 @@ pub(crate) fn gather_bytes(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{bf16, f16, HostTensor};
+    use crate::{HostTensor, bf16, f16};
 
     #[test]
     fn views_read_and_write_the_shared_elements() {

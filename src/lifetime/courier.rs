@@ -133,11 +133,11 @@ fn send_releases(releases: Vec<(Arc<OwnedFd>, u64, u64)>) {
     let mut batch: Vec<u8> = Vec::new();
     let mut on: Option<Arc<OwnedFd>> = None;
     let flush = |on: &Option<Arc<OwnedFd>>, batch: &mut Vec<u8>| {
-        if let Some(tx) = on {
-            if !batch.is_empty() {
-                // An owner that died owes nothing: its lease is gone with it.
-                let _ = crate::sys::write_record(tx.as_fd(), batch);
-            }
+        if let Some(tx) = on
+            && !batch.is_empty()
+        {
+            // An owner that died owes nothing: its lease is gone with it.
+            let _ = crate::sys::write_record(tx.as_fd(), batch);
         }
         batch.clear();
     };

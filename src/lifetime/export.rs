@@ -5,8 +5,8 @@ use std::sync::{Arc, Weak};
 
 use super::connection::{Connection, ConnectionKey, Introduction, Slot};
 use super::lease::{CacheTicket, Claim, Cover, Lease, LeaseMode};
-use super::table::{notify_revoked, owner, NO_SLOT};
-use super::{notify, reaper, state, AnyStorage, State, StorageId, WeakStorage};
+use super::table::{NO_SLOT, notify_revoked, owner};
+use super::{AnyStorage, State, StorageId, WeakStorage, notify, reaper, state};
 use crate::error::Result;
 use crate::wire;
 
@@ -98,11 +98,11 @@ pub(crate) fn grant(
     let grant = match mode {
         LeaseMode::Shared => {
             let mut s = state();
-            if let Some(e) = s.exported.get(&id) {
-                if let Some(lease) = &e.shared_lease {
-                    let ticket = cache.then_some(CacheTicket { slot: e.slot });
-                    return Ok(Grant { claim: Claim::Lease { lease: lease.clone(), counted: false }, ticket });
-                }
+            if let Some(e) = s.exported.get(&id)
+                && let Some(lease) = &e.shared_lease
+            {
+                let ticket = cache.then_some(CacheTicket { slot: e.slot });
+                return Ok(Grant { claim: Claim::Lease { lease: lease.clone(), counted: false }, ticket });
             }
             let lease = reaper.new_lease()?;
             if id.is_internal() {
@@ -323,10 +323,10 @@ pub(super) fn lease_message(lease: u64, index: u64, change: Change) {
         Change::Release(n) => n.min(*count as u64) as usize,
     };
     *count -= n;
-    if *count == 0 {
-        if let Some(c) = s.covers.get_mut(&lease) {
-            c.remove(&index);
-        }
+    if *count == 0
+        && let Some(c) = s.covers.get_mut(&lease)
+    {
+        c.remove(&index);
     }
     release(s, &[(index, n)]);
 }

@@ -6,8 +6,8 @@ use std::collections::HashSet;
 use std::sync::{Arc, Weak};
 
 use super::lease::{CacheTicket, Cover, Lease};
-use super::table::{Table, NO_SLOT};
-use super::{notify, reaper, state, wait, AnyStorage, ImportKey, State, StorageId};
+use super::table::{NO_SLOT, Table};
+use super::{AnyStorage, ImportKey, State, StorageId, notify, reaper, state, wait};
 use crate::error::Result;
 
 /// The storage `id` of another process as mapped here, under import key `kind`: the handle in
@@ -32,10 +32,10 @@ pub(crate) fn import<H: Any + Send + Sync>(
     {
         s = wait(s);
     }
-    if let Some(existing) = s.imported.get(&key).and_then(Weak::upgrade) {
-        if let Ok(handle) = existing.downcast::<H>() {
-            return Ok(handle);
-        }
+    if let Some(existing) = s.imported.get(&key).and_then(Weak::upgrade)
+        && let Ok(handle) = existing.downcast::<H>()
+    {
+        return Ok(handle);
     }
     if let Some(handle) = s.idle.remove(&key).and_then(|(memory, _)| revive(memory)) {
         let any: AnyStorage = handle.clone();

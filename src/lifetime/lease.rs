@@ -3,13 +3,13 @@
 
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
-use super::connection::ConnectionKey;
 use super::StorageId;
+use super::connection::ConnectionKey;
 use crate::error::{Error, Result};
 use crate::handover::SpawnTicket;
 use crate::sys::{MemoryFile, Socket, Wait};
@@ -254,7 +254,7 @@ impl Serialize for Claim {
                 ClaimWire::ConnectionRelayed(*name, *index, carry_all(anchors).map_err(wire::encode_error)?)
             }
             Claim::Counted(_) => {
-                return Err(wire::encode_error(Error::Unsupported("a decoded claim is not sent again".into())))
+                return Err(wire::encode_error(Error::Unsupported("a decoded claim is not sent again".into())));
             }
         }
         .serialize(serializer)

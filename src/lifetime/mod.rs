@@ -22,14 +22,14 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::fork::ForkLocal;
 
-pub(crate) use connection::{connection_open, Connection, ConnectionKey, ConnectionLeases, Introduction};
+pub(crate) use connection::{Connection, ConnectionKey, ConnectionLeases, Introduction, connection_open};
 pub(crate) use courier::wait_for_releases;
 pub(crate) use export::{
-    forward, grant, handles_dropped, local_storage, revive_local, withdraw, LiveStorage, LocalStorage,
+    LiveStorage, LocalStorage, forward, grant, handles_dropped, local_storage, revive_local, withdraw,
 };
-pub(crate) use ids::process_token;
 pub use ids::StorageId;
-pub(crate) use import::{close_import, import, park_idle, subscribe, DeferredRelease};
+pub(crate) use ids::process_token;
+pub(crate) use import::{DeferredRelease, close_import, import, park_idle, subscribe};
 pub(crate) use lease::{CacheTicket, Claim, Cover, Lease, LeaseMode, NOT_A_LEASE};
 
 /// A storage as the lifetime machinery sees it: anything shareable, kept alive by `Arc`.

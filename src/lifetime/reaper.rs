@@ -11,10 +11,10 @@ use std::sync::{Arc, Mutex};
 use once_cell::sync::OnceCell;
 use rustix::event::epoll;
 
-use super::export::{lease_closed, lease_message, Change};
+use super::export::{Change, lease_closed, lease_message};
 use super::import::{owner_gone, revoke, table_arrived};
 use super::lease::{self, Control, Lease, Revocation};
-use super::table::{owner, Table};
+use super::table::{Table, owner};
 use crate::error::Result;
 use crate::fork::ForkLocal;
 use crate::sys::{Socket, Wait};

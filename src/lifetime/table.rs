@@ -6,8 +6,8 @@ use std::sync::{Mutex, MutexGuard};
 
 use std::sync::Arc;
 
-use super::lease::{self, Revocation};
 use super::StorageId;
+use super::lease::{self, Revocation};
 use crate::fork::ForkLocal;
 use crate::os::SharedCells;
 use crate::sys::{MemoryFile, Socket, Wait};

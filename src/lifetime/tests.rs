@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use super::export::{lease_message, Change, Grant};
+use super::export::{Change, Grant, lease_message};
 use super::import::{owner_gone, revoke, table_arrived};
 use super::lease::CacheTicket;
 use super::table::Table;

@@ -11,10 +11,10 @@ use std::fmt;
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, mpsc};
 use std::time::{Duration, Instant};
 
-use auth::{Role, Secret, NONCE, PROOF};
+use auth::{NONCE, PROOF, Role, Secret};
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -552,14 +552,14 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
         let addrs = resolve(addr)?;
         if let Some(secret) = &options.secret {
             secret.check()?;
-        } else if !options.allow_unauthenticated {
-            if let Some(open) = addrs.iter().find(|a| !a.ip().is_loopback()) {
-                return Err(Error::Unsupported(format!(
-                    "a remote listener without a secret binds only loopback addresses, not {open}: set \
+        } else if !options.allow_unauthenticated
+            && let Some(open) = addrs.iter().find(|a| !a.ip().is_loopback())
+        {
+            return Err(Error::Unsupported(format!(
+                "a remote listener without a secret binds only loopback addresses, not {open}: set \
                      RemoteOptions::secret (or {REMOTE_SECRET_ENV}) on both ends, or \
                      RemoteOptions::allow_unauthenticated(true) where every host that can reach the port is trusted"
-                )));
-            }
+            )));
         }
         let listener = TcpListener::bind(&addrs[..])?;
         listener.set_nonblocking(true)?;
@@ -619,10 +619,10 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
                 }
             }
             let now = Instant::now();
-            if let Some((at, timeout)) = deadline {
-                if now >= at {
-                    return Err(Error::Timeout(timeout));
-                }
+            if let Some((at, timeout)) = deadline
+                && now >= at
+            {
+                return Err(Error::Timeout(timeout));
             }
             let started = self.pending.load(Ordering::Acquire) > running;
             let wait_until = match (running > 0 || started, deadline) {
@@ -684,13 +684,13 @@ fn handshake<T: Serialize + DeserializeOwned>(stream: TcpStream, options: &Remot
         let _ = write_handshake(&stream, &Welcome::Refused(told), timeout);
         Err(error)
     };
-    if let Some(secret) = secret {
-        if !response.proof.is_some_and(|p| secret.verify(Role::Connector, &ours, &theirs, &p)) {
-            return refuse(
-                "authentication failed".into(),
-                Error::Unsupported("refused a peer that did not prove the shared secret".into()),
-            );
-        }
+    if let Some(secret) = secret
+        && !response.proof.is_some_and(|p| secret.verify(Role::Connector, &ours, &theirs, &p))
+    {
+        return refuse(
+            "authentication failed".into(),
+            Error::Unsupported("refused a peer that did not prove the shared secret".into()),
+        );
     }
     let hello = match Hello::decode(&read_handshake_bytes(&stream, timeout)?) {
         Ok(hello) => hello,
@@ -778,16 +778,16 @@ impl<T: Serialize> SendFlavor<T> for NetSenderEnd {
         let no_room = || if matches!(wait, Some(None)) { Refused::Full } else { Refused::Timeout };
         // Another thread's send holds the connection; then the kernel's buffer must take bytes.
         let mut net = lock_within(&self.net, wait).ok_or_else(no_room)?;
-        if let Some(deadline) = wait {
-            if !net.broken {
-                let writable = tcp::stream_wait(
-                    &net.stream,
-                    rustix::event::PollFlags::OUT,
-                    Some(deadline.unwrap_or_else(Instant::now)),
-                );
-                if matches!(&writable, Err(e) if e.kind() == io::ErrorKind::TimedOut) {
-                    return Err(no_room());
-                }
+        if let Some(deadline) = wait
+            && !net.broken
+        {
+            let writable = tcp::stream_wait(
+                &net.stream,
+                rustix::event::PollFlags::OUT,
+                Some(deadline.unwrap_or_else(Instant::now)),
+            );
+            if matches!(&writable, Err(e) if e.kind() == io::ErrorKind::TimedOut) {
+                return Err(no_room());
             }
         }
         net.send(value).map_err(Refused::Failed)
@@ -862,12 +862,12 @@ impl<T: Serialize + DeserializeOwned + 'static> Sender<T> {
             Challenge::Refused(why) => return Err(Error::Unsupported(format!("the listener refused: {why}"))),
             Challenge::Prove { nonce, proof } => (nonce, proof),
         };
-        if let Some(secret) = &options.secret {
-            if !proof.is_some_and(|p| secret.verify(Role::Listener, &ours, &theirs, &p)) {
-                return Err(Error::Unsupported(
-                    "the listener did not prove the shared secret: nothing is sent to it".into(),
-                ));
-            }
+        if let Some(secret) = &options.secret
+            && !proof.is_some_and(|p| secret.verify(Role::Listener, &ours, &theirs, &p))
+        {
+            return Err(Error::Unsupported(
+                "the listener did not prove the shared secret: nothing is sent to it".into(),
+            ));
         }
         let proof = options.secret.as_ref().map(|s| s.prove(Role::Connector, &theirs, &ours));
         write_handshake(&stream, &Response { proof }, timeout)?;
@@ -909,7 +909,7 @@ impl NetSender {
             Ok(Err(e)) => {
                 return Err(SendFailure::Serialize(
                     wire::take_failure().unwrap_or_else(|| format!("the message's Serialize failed ({e})")),
-                ))
+                ));
             }
             Err(panic) => return Err(SendFailure::Serialize(format!("serialization panicked: {panic}"))),
         };
@@ -930,7 +930,7 @@ impl NetSender {
                             "this connection moves GPU tensors of gpu {}; the message has one on gpu {}",
                             d.ordinal(),
                             storage.device().ordinal()
-                        )))
+                        )));
                     }
                     Some(_) => {}
                     None => device = Some(storage.device().clone()),
@@ -1049,7 +1049,7 @@ impl NetSender {
                     return Err(SendFailure::Io(IoFailure::other(format!(
                         "the receiver answered {:#x}, not an acknowledgement",
                         ack[0]
-                    ))))
+                    ))));
                 }
                 Err(e) => return Err(failed(e)),
             }
@@ -1136,7 +1136,7 @@ impl NetReceiver {
                         }
                         io::ErrorKind::ConnectionReset => RecvTimeoutError::Disconnected,
                         _ => RecvTimeoutError::Io(IoFailure::from(e)),
-                    })
+                    });
                 }
             };
             let (payload, kind, transfers, host_bytes) = parse_frame(&body).map_err(recv_error)?;
@@ -1272,12 +1272,12 @@ fn decode_message<T: DeserializeOwned>(
     let value = match decoded {
         Ok(Ok((value, []))) => value,
         Ok(Ok((_, rest))) => {
-            return Err(RecvTimeoutError::Malformed(format!("{} bytes after the message's end", rest.len())))
+            return Err(RecvTimeoutError::Malformed(format!("{} bytes after the message's end", rest.len())));
         }
         Ok(Err(e)) => {
             return Err(RecvTimeoutError::Malformed(
                 wire::take_failure().unwrap_or_else(|| format!("undecodable message ({e})")),
-            ))
+            ));
         }
         Err(panic) => return Err(RecvTimeoutError::Malformed(format!("decoding panicked: {panic}"))),
     };

@@ -10,7 +10,7 @@ use std::thread;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::channel::{channel, Receiver, Sender};
+use crate::channel::{Receiver, Sender, channel};
 use crate::error::{RecvError, Result, SendFailure};
 
 use super::QueueStats;
@@ -216,18 +216,20 @@ fn read_joins<T: Serialize + DeserializeOwned + Send + 'static>(
         }
         let requests = join.requests;
         let tx = events.clone();
-        let started = thread::Builder::new().name("cuda-mp-queue-consumer".into()).spawn(move || loop {
-            match requests.recv() {
-                Ok(ctl) => {
-                    if tx.send(Event::Request(id, ctl)).is_err() {
+        let started = thread::Builder::new().name("cuda-mp-queue-consumer".into()).spawn(move || {
+            loop {
+                match requests.recv() {
+                    Ok(ctl) => {
+                        if tx.send(Event::Request(id, ctl)).is_err() {
+                            return;
+                        }
+                    }
+                    // Closed (left or died), or something that is not a request: either way this
+                    // consumer is done with.
+                    Err(_) => {
+                        let _ = tx.send(Event::Left(id));
                         return;
                     }
-                }
-                // Closed (left or died), or something that is not a request: either way this
-                // consumer is done with.
-                Err(_) => {
-                    let _ = tx.send(Event::Left(id));
-                    return;
                 }
             }
         });
@@ -293,11 +295,11 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
         let Some(c) = self.consumers.get_mut(&id) else { return };
         if c.replies.is_none() {
             // Cut off: only its acknowledgements still count, for messages it did return.
-            if let Ctl::Got(_) = ctl {
-                if c.in_flight.pop_front().is_some() {
-                    self.delivered += 1;
-                    self.serve();
-                }
+            if let Ctl::Got(_) = ctl
+                && c.in_flight.pop_front().is_some()
+            {
+                self.delivered += 1;
+                self.serve();
             }
             return;
         }

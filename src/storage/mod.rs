@@ -282,7 +282,7 @@ fn export_now<S: Shared>(storage: &Arc<S>, explicit: bool) -> Result<Record<<S::
                  it (receive it through a channel instead, allocate it after the fork, or start processes with \
                  spawn or forkserver)"
                     .into(),
-            ))
+            ));
         }
         Origin::Local(_) => {
             let kind = S::Kind::export(m)?;
@@ -320,10 +320,11 @@ pub(crate) fn import<S: Shared>(
         storage
     } else {
         let (place, key) = S::Kind::place(&kind, requested)?;
-        if ticket.is_some() && S::Kind::CACHE_IDLE {
-            if let Some(cover) = &cover {
-                lifetime::subscribe(id, cover.owner_lease());
-            }
+        if ticket.is_some()
+            && S::Kind::CACHE_IDLE
+            && let Some(cover) = &cover
+        {
+            lifetime::subscribe(id, cover.owner_lease());
         }
         let storage = lifetime::import(
             id,
@@ -333,13 +334,8 @@ pub(crate) fn import<S: Shared>(
             },
             || {
                 let cover = cover.take().expect("opened once");
-                let raw = profile::timed(Phase::Open, || S::Kind::open(&mut kind, bytes, &place)).map_err(|e| {
-                    if cover.owner_alive() {
-                        e
-                    } else {
-                        Error::OwnerExited(e.to_string())
-                    }
-                })?;
+                let raw = profile::timed(Phase::Open, || S::Kind::open(&mut kind, bytes, &place))
+                    .map_err(|e| if cover.owner_alive() { e } else { Error::OwnerExited(e.to_string()) })?;
                 crate::sys::kill_point("import");
                 let origin = Origin::Imported { cover, ticket };
                 let memory = Arc::new(Memory { id, len: bytes, key, origin, raw: Some(raw) });

@@ -54,11 +54,7 @@ enum Pool {
 
 impl Pool {
     fn of(size: usize) -> Pool {
-        if size <= SMALL_MAX {
-            Pool::Small
-        } else {
-            Pool::Large
-        }
+        if size <= SMALL_MAX { Pool::Small } else { Pool::Large }
     }
 
     fn min_split(self) -> usize {
@@ -136,13 +132,13 @@ impl Arena {
             self.free.remove(&(next.size, seg, offset + size));
             size += next.size;
         }
-        if let Some((&before, &prev)) = segment.blocks.range(..offset).next_back() {
-            if prev.free {
-                segment.blocks.remove(&offset);
-                self.free.remove(&(prev.size, seg, before));
-                start = before;
-                size += prev.size;
-            }
+        if let Some((&before, &prev)) = segment.blocks.range(..offset).next_back()
+            && prev.free
+        {
+            segment.blocks.remove(&offset);
+            self.free.remove(&(prev.size, seg, before));
+            start = before;
+            size += prev.size;
         }
         segment.blocks.insert(start, Span { size, free: true });
         self.free.insert((size, seg, start));

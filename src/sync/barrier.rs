@@ -2,14 +2,14 @@
 //! generation.
 
 use std::fmt;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::region::{Region, W32};
-use super::{deadline, invalid, slice, time_left, Kind, Object, Open, BODY};
+use super::{BODY, Kind, Object, Open, deadline, invalid, slice, time_left};
 use crate::error::{Error, Result};
 use crate::sys;
 
@@ -157,11 +157,7 @@ impl Barrier {
     /// ```
     pub fn n_waiting(&self) -> usize {
         let state = self.state().load(Ordering::Relaxed);
-        if state & BROKEN != 0 {
-            0
-        } else {
-            (state & COUNT) as usize
-        }
+        if state & BROKEN != 0 { 0 } else { (state & COUNT) as usize }
     }
 
     /// True while the barrier is broken (by a timeout or [`abort`](Self::abort)).

@@ -1,14 +1,14 @@
 //! [`Event`]: a flag that processes set, clear and wait for.
 
 use std::fmt;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::region::W32;
-use super::{deadline, slice, time_left, Kind, Object, Open, BODY};
+use super::{BODY, Kind, Object, Open, deadline, slice, time_left};
 use crate::error::Result;
 use crate::sys;
 

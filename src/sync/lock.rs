@@ -1,14 +1,14 @@
 //! [`Lock`]: mutual exclusion between processes, which notices a holder that died.
 
 use std::fmt;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::region::{Region, W32, W64};
-use super::{deadline, slice, time_left, Kind, Object, Open, BODY};
+use super::{BODY, Kind, Object, Open, deadline, slice, time_left};
 use crate::error::{Error, Result};
 use crate::sys;
 

@@ -218,7 +218,7 @@ impl Object {
                 },
             },
             (None, None) => {
-                return Err(wire::encode_error(Error::Unsupported("a sync object without memory or name".into())))
+                return Err(wire::encode_error(Error::Unsupported("a sync object without memory or name".into())));
             }
         };
         wire.serialize(serializer)

@@ -4,8 +4,8 @@
 
 use std::io;
 use std::path::Path;
-use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64};
 
 use crate::error::{Error, Result};
 use crate::sys::{Mapping, MemoryFile, NamedMemory};

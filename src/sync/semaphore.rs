@@ -1,14 +1,14 @@
 //! [`Semaphore`]: a counter of permits shared between processes.
 
 use std::fmt;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::region::{Region, W32};
-use super::{deadline, invalid, slice, time_left, Kind, Object, Open, BODY};
+use super::{BODY, Kind, Object, Open, deadline, invalid, slice, time_left};
 use crate::error::Result;
 use crate::sys;
 

@@ -6,7 +6,7 @@ use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 use rustix::event::{PollFd, PollFlags};
-use rustix::process::{kill_process, pidfd_open, waitid, Pid, PidfdFlags, Signal, WaitId, WaitIdOptions};
+use rustix::process::{Pid, PidfdFlags, Signal, WaitId, WaitIdOptions, kill_process, pidfd_open, waitid};
 
 /// How a child process ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -33,8 +33,8 @@ pub const KILL_AT_ENV: &str = "CUDA_MP_KILL_AT";
 
 #[cfg(feature = "testing")]
 pub(crate) fn point(name: &'static str) {
-    use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU64, Ordering};
 
     static TARGET: OnceLock<Option<(String, u64)>> = OnceLock::new();
     static PASSED: AtomicU64 = AtomicU64::new(0);
@@ -43,12 +43,13 @@ pub(crate) fn point(name: &'static str) {
         let (point, n) = value.split_once(':').unwrap_or((&value, "1"));
         Some((point.to_string(), n.parse().unwrap_or(1)))
     });
-    if let Some((point, n)) = target {
-        if point == name && PASSED.fetch_add(1, Ordering::Relaxed) + 1 == *n {
-            // As `kill -9`: no exit hook, no unwinding.
-            let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
-            std::process::abort();
-        }
+    if let Some((point, n)) = target
+        && point == name
+        && PASSED.fetch_add(1, Ordering::Relaxed) + 1 == *n
+    {
+        // As `kill -9`: no exit hook, no unwinding.
+        let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
+        std::process::abort();
     }
 }
 

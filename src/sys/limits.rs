@@ -2,7 +2,7 @@
 
 use std::sync::Once;
 
-use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
 
 /// The soft limit on open descriptors of this process (0 when unknown).
 pub(crate) fn descriptor_limit() -> u64 {

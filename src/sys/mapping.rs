@@ -10,9 +10,9 @@ use std::os::fd::AsFd;
 use std::ptr::NonNull;
 #[cfg(any(feature = "cuda", test))]
 use std::sync::atomic::{AtomicI32, AtomicI64};
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
 
-use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
+use rustix::mm::{MapFlags, ProtFlags, mmap, munmap};
 
 /// The first `len` bytes of a file, mapped shared in this process. Other processes that map
 /// the file may write it at any time: its bytes are handed out only as atomic words, copies

@@ -30,21 +30,21 @@ pub(crate) use mapping::Mapping;
 pub(crate) use memory::MemoryFile;
 pub(crate) use named::NamedMemory;
 pub(crate) use pipe::{
-    is_pipe_writer, lease_pipe, read_available, reader_gone, write_record, writers_gone, RECORD_MAX,
+    RECORD_MAX, is_pipe_writer, lease_pipe, read_available, reader_gone, write_record, writers_gone,
 };
 #[cfg(test)]
 pub(crate) use process::fork_and_run;
 pub(crate) use process::{
-    at_exit, at_fork_child, own_pid, own_start, pid_namespace, process_gone, signal_name, SIGKILL,
+    SIGKILL, at_exit, at_fork_child, own_pid, own_start, pid_namespace, process_gone, signal_name,
 };
 #[cfg(feature = "cuda")]
-pub(crate) use shm::{shm_unlink, ShmFile, ShmOpen};
-#[cfg(feature = "remote")]
-pub(crate) use socket::wait_for;
+pub(crate) use shm::{ShmFile, ShmOpen, shm_unlink};
 #[cfg(all(feature = "cuda", any(test, feature = "testing")))]
 pub(crate) use socket::Message;
+#[cfg(feature = "remote")]
+pub(crate) use socket::wait_for;
 pub(crate) use socket::{
-    bell, connect_abstract, connect_to, private_dir, ring, silence, wait_readable, Listening, Socket, Wait, MESSAGE_FDS,
+    Listening, MESSAGE_FDS, Socket, Wait, bell, connect_abstract, connect_to, private_dir, ring, silence, wait_readable,
 };
 
 /// 128 random bits from the kernel (`getrandom`): names and secrets no other process can guess.

@@ -50,7 +50,7 @@ impl NamedMemory {
 
     /// Gives the file its name, which it owns from then on; false when the name is taken.
     pub(crate) fn publish(&mut self) -> io::Result<bool> {
-        use rustix::fs::{linkat, AtFlags, CWD};
+        use rustix::fs::{AtFlags, CWD, linkat};
         let from = format!("/proc/self/fd/{}", self.file.as_raw_fd());
         match linkat(CWD, from.as_str(), CWD, &self.path, AtFlags::SYMLINK_FOLLOW) {
             Ok(()) => {

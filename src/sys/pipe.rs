@@ -9,8 +9,8 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::time::Duration;
 
 use rustix::event::{PollFd, PollFlags};
-use rustix::fs::{fcntl_getfl, fcntl_setfl, OFlags};
-use rustix::pipe::{pipe_with, PipeFlags, PIPE_BUF};
+use rustix::fs::{OFlags, fcntl_getfl, fcntl_setfl};
+use rustix::pipe::{PIPE_BUF, PipeFlags, pipe_with};
 
 /// The most bytes one record may hold: up to this a write is atomic, so records of many
 /// writers never interleave.

@@ -79,7 +79,7 @@ pub(crate) unsafe fn at_fork_child(f: extern "C" fn()) -> bool {
 /// forks would make one. The parent waits for the child and gets the answer.
 #[cfg(test)]
 pub(crate) fn fork_and_run(f: impl FnOnce() -> bool) -> std::io::Result<bool> {
-    use std::panic::{catch_unwind, AssertUnwindSafe};
+    use std::panic::{AssertUnwindSafe, catch_unwind};
     // SAFETY: the child only runs `f` and `_exit`s; the parent only waits for it. (`f` may
     // allocate: the tests that use this hold no allocator lock across the fork in practice; a
     // child that deadlocked would hang its test, not corrupt memory.)

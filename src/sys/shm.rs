@@ -5,7 +5,7 @@ use std::io;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicI32, AtomicI64};
 
-use rustix::fs::{fstat, ftruncate, Mode};
+use rustix::fs::{Mode, fstat, ftruncate};
 use rustix::shm;
 
 use super::Mapping;

@@ -17,11 +17,11 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use rustix::event::{poll, PollFd, PollFlags, Timespec};
+use rustix::event::{PollFd, PollFlags, Timespec, poll};
 use rustix::net::{
-    accept_with, bind, connect, listen, recvmsg, sendmsg, socket_with, socketpair, sockopt, AddressFamily,
-    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer, SendAncillaryMessage,
-    SendFlags, SocketAddrUnix, SocketFlags, SocketType,
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags, SocketAddrUnix, SocketFlags, SocketType, accept_with, bind, connect, listen,
+    recvmsg, sendmsg, socket_with, socketpair, sockopt,
 };
 
 /// The kernel's limit on descriptors attached to one packet (`SCM_MAX_FD`).
@@ -291,10 +291,10 @@ fn send_packet(socket: BorrowedFd<'_>, slices: &[IoSlice<'_>], fds: &[BorrowedFd
 fn recv_packet(socket: BorrowedFd<'_>, buf: &mut [u8], wait: Wait) -> io::Result<Option<(usize, Vec<OwnedFd>)>> {
     let mut space = [MaybeUninit::uninit(); CONTROL_SPACE];
     loop {
-        if let Wait::Until(deadline) = wait {
-            if !wait_readable(&[socket], Wait::Until(deadline))?[0] {
-                return Err(io::ErrorKind::WouldBlock.into());
-            }
+        if let Wait::Until(deadline) = wait
+            && !wait_readable(&[socket], Wait::Until(deadline))?[0]
+        {
+            return Err(io::ErrorKind::WouldBlock.into());
         }
         let flags = match wait {
             Wait::Forever => RecvFlags::CMSG_CLOEXEC,
@@ -490,7 +490,7 @@ pub(crate) fn private_dir() -> io::Result<std::path::PathBuf> {
 
 /// A non-blocking `eventfd`, written to interrupt a thread that polls it.
 pub(crate) fn bell() -> io::Result<OwnedFd> {
-    use rustix::event::{eventfd, EventfdFlags};
+    use rustix::event::{EventfdFlags, eventfd};
     Ok(eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?)
 }
 

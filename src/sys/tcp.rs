@@ -9,7 +9,7 @@ use std::time::Instant;
 use rustix::event::PollFlags;
 use rustix::net::{RecvFlags, SendFlags};
 
-use super::{wait_for, Mapping, Wait};
+use super::{Mapping, Wait, wait_for};
 
 /// Waits until `fd` is ready for `events` or `deadline` passes (then `TimedOut`; `None`: no
 /// limit).
@@ -130,7 +130,7 @@ pub(crate) fn read_mapped(
         };
         match n {
             0 => {
-                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the connection mid-message"))
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the connection mid-message"));
             }
             n if n > 0 => done += n as usize,
             _ => {

@@ -11,11 +11,11 @@ use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::Duration;
 
-use crate::channel::{channel, decode_frame, Receiver, Sender};
+use crate::channel::{Receiver, Sender, channel, decode_frame};
 use crate::error::Result;
 use crate::gpu::{Bundle, GpuTensor};
 use crate::host::{HostStorage, HostTensor};
-use crate::sys::{lease_pipe, MemoryFile, Socket};
+use crate::sys::{MemoryFile, Socket, lease_pipe};
 use crate::testing::FakeTensor;
 
 /// The message type the channel decoders decode: a field of each kind of record that crosses

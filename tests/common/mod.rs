@@ -7,7 +7,7 @@ use std::time::Duration;
 
 #[cfg(feature = "cuda")]
 use cuda_mp::Device;
-use cuda_mp::{wait_for_lifetime, Listener, Receiver, Sender};
+use cuda_mp::{Listener, Receiver, Sender, wait_for_lifetime};
 use serde::{Deserialize, Serialize};
 
 /// The lifetime counters are per process: tests that read them run one at a time, each
@@ -76,7 +76,7 @@ pub fn sealed_memory(len: usize, byte: u8) -> std::fs::File {
 /// A memory file holding `bytes`, sealed as cuda-mp's shared memory is.
 #[allow(dead_code)]
 pub fn sealed_bytes(bytes: &[u8]) -> std::fs::File {
-    use rustix::fs::{fcntl_add_seals, memfd_create, MemfdFlags, SealFlags};
+    use rustix::fs::{MemfdFlags, SealFlags, fcntl_add_seals, memfd_create};
     use std::io::Write;
     let fd = memfd_create("forged", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
     let mut file = std::fs::File::from(fd);
@@ -89,7 +89,7 @@ pub fn sealed_bytes(bytes: &[u8]) -> std::fs::File {
 /// are, as files to carry in forged messages.
 #[allow(dead_code)]
 pub fn socket_pair() -> (std::fs::File, std::fs::File) {
-    use rustix::net::{socketpair, AddressFamily, SocketFlags, SocketType};
+    use rustix::net::{AddressFamily, SocketFlags, SocketType, socketpair};
     let (a, b) = socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None).unwrap();
     (std::fs::File::from(a), std::fs::File::from(b))
 }
