@@ -3,14 +3,15 @@
 //! each run then checks that this process's descriptors and /dev/shm are back where they were,
 //! that everything it exported is freed (its lifetime counters at zero), that every message
 //! that arrived is whole, and that none arrived twice. `CUDA_MP_KILL_RUNS` sets the runs per
-//! point (default 100).
+//! point: 25 by default, so that `cargo test` stays short; the full count is
+//! `CUDA_MP_KILL_RUNS=100 cargo test --test kill_points`.
 
 use std::collections::BTreeSet;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use cuda_mp::testing::{KILL_AT_ENV, KILL_POINTS};
-use cuda_mp::{channel, wait_for_lifetime, Builder, HostTensor, Queue, QueueConsumer, Receiver, Sender};
+use cuda_mp::{Builder, HostTensor, Queue, QueueConsumer, Receiver, Sender, channel, wait_for_lifetime};
 
 cuda_mp::enable_test_support!();
 
@@ -20,7 +21,7 @@ static SERIAL: Mutex<()> = Mutex::new(());
 const WAIT: Duration = Duration::from_secs(20);
 
 fn runs() -> usize {
-    std::env::var("CUDA_MP_KILL_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(100)
+    std::env::var("CUDA_MP_KILL_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(25)
 }
 
 /// This process's open descriptors and the files in /dev/shm, and what the descriptors are.
@@ -112,11 +113,7 @@ fn check(message: &Numbered, seen: &mut BTreeSet<u32>, what: &str) {
 /// its own), so that its send writes the rest in batches.
 const MESSAGES: u32 = 6;
 fn tensors_of(i: u32) -> usize {
-    if i == 3 {
-        600
-    } else {
-        2
-    }
+    if i == 3 { 600 } else { 2 }
 }
 
 /// The victim of the sending points: sends numbered messages of host tensors.
