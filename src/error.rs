@@ -108,6 +108,9 @@ pub enum Error {
         /// The limit.
         limit: usize,
     },
+    /// A value could not be encoded (a tensor whose memory could not be exported, say).
+    #[error("cannot encode: {0}")]
+    Encode(String),
     /// `spawn` was called before `cuda_mp::init()`.
     #[error("process spawning is not initialized: call cuda_mp::init() first in main or use #[cuda_mp::main]")]
     NotInitialized,

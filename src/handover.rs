@@ -13,8 +13,13 @@
 //!   fetches it when it decodes the result (at `join`). A process that exits first waits for
 //!   its results to be fetched, for as long as its parent lives.
 //!
+//! - Values as bytes ([`crate::to_bytes`]): deposited like arguments, for the one process that
+//!   decodes the bytes, and dropped once nobody fetched them within the encoder's time.
+//!
 //! Each side checks the other's credentials (`SO_PEERCRED`: a process of another user gets
-//! nothing); the secret says which deposit.
+//! nothing); the secret says which deposit. Expiring deposits go when their time is up: the
+//! serving thread wakes for the first of them (a new deposit that expires earlier wakes it),
+//! and one that expired is never handed out. Lock order: the deposits, then the wake time.
 
 use std::collections::HashMap;
 use std::io;
@@ -30,7 +35,7 @@ use crate::sys::{Held, borrow_all};
 use serde::{Deserialize, Serialize};
 
 /// How long a deposit of spawn arguments waits for its child.
-const ARGUMENT_TTL: Duration = Duration::from_secs(120);
+pub(crate) const ARGUMENT_TTL: Duration = Duration::from_secs(120);
 
 /// How long a revocation subscription waits at its subscriber's home for the owner's fetch:
 /// an owner that is there fetches it within milliseconds; one that died first never will,
@@ -62,6 +67,8 @@ struct Home {
     name: String,
     deposits: Mutex<HashMap<u128, Deposit>>,
     fetched: Condvar,
+    /// When the serving thread wakes next to drop expired deposits (`None`: only for a fetch).
+    wakes: Mutex<Option<Instant>>,
 }
 
 /// This process's home (a forked child makes its own).
@@ -78,7 +85,7 @@ fn start() -> io::Result<Home> {
     let listening = Listening::bind_abstract(&name)?;
     std::thread::Builder::new().name("cuda-mp-handover".into()).spawn(move || serve(listening))?;
     crate::sys::at_exit(wait_at_exit_hook);
-    Ok(Home { name, deposits: Mutex::new(HashMap::new()), fetched: Condvar::new() })
+    Ok(Home { name, deposits: Mutex::new(HashMap::new()), fetched: Condvar::new(), wakes: Mutex::new(None) })
 }
 
 fn lock(home: &Home) -> MutexGuard<'_, HashMap<u128, Deposit>> {
@@ -138,7 +145,17 @@ fn deposit(ticket: &SpawnTicket, fd: Held, ttl: Option<Duration>) -> Result<u32>
     let expires = ttl.map(|ttl| now + ttl);
     let deposit = deposits.entry(ticket.token).or_insert_with(|| Deposit { fds: Vec::new(), expires });
     deposit.fds.push(fd);
-    Ok(deposit.fds.len() as u32 - 1)
+    let index = deposit.fds.len() as u32 - 1;
+    // A deposit that expires before the serving thread next wakes wakes it (a connection that
+    // says nothing), so that its claims go when its time is up, not at the next deposit. Read
+    // under the deposits' lock, under which the thread sets its wake.
+    let earlier = |e: Instant| home.wakes.lock().unwrap_or_else(|p| p.into_inner()).is_none_or(|w| e < w);
+    let wake = expires.is_some_and(earlier);
+    drop(deposits);
+    if wake {
+        let _ = crate::sys::connect_abstract(&home.name);
+    }
+    Ok(index)
 }
 
 /// How many deposits wait for a fetch that may never come (those that expire).
@@ -153,15 +170,32 @@ pub(crate) fn expiring_deposits() -> usize {
 
 fn serve(listening: Listening) {
     loop {
-        let Ok(socket) = listening.accept(Wait::Forever) else {
-            std::thread::sleep(Duration::from_millis(10));
-            continue;
+        let Ok(home) = home() else { return };
+        // Until a fetch, or until the first deposit expires (a millisecond after, so that it has).
+        let next = {
+            let deposits = lock(home);
+            let next = deposits.values().filter_map(|d| d.expires).min();
+            *home.wakes.lock().unwrap_or_else(|p| p.into_inner()) = next;
+            next
+        };
+        let wait = next.map_or(Wait::Forever, |e| Wait::Until(e + Duration::from_millis(1)));
+        let socket = match listening.accept(wait) {
+            Ok(socket) => socket,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                expire();
+                continue;
+            }
+            Err(_) => {
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
         };
         // One short exchange per connection: a peer that says nothing is dropped after a while.
         let Ok(Some(request)) = socket.recv(16, Wait::Until(Instant::now() + Duration::from_secs(5))) else { continue };
-        let Ok(home) = home() else { continue };
         let token = <[u8; 16]>::try_from(&request.bytes[..]).ok().map(u128::from_le_bytes);
-        let deposit = token.and_then(|t| lock(home).remove(&t));
+        let now = Instant::now();
+        // An expired deposit is not handed out, even before it is dropped.
+        let deposit = token.and_then(|t| lock(home).remove(&t)).filter(|d| d.expires.is_none_or(|e| e > now));
         let _ = match &deposit {
             Some(d) => socket.send(&[b"ok"], &borrow_all(&d.fds), Wait::Until(Instant::now() + FETCH_WAIT)),
             None => socket.send(&[b"no"], &[], Wait::Not),
@@ -174,7 +208,7 @@ fn serve(listening: Listening) {
 
 /// Fetches the descriptors deposited under `ticket`, from the home it names.
 pub(crate) fn fetch(ticket: &SpawnTicket) -> Result<Vec<OwnedFd>> {
-    let refused = |why: String| Error::Malformed(format!("the descriptors of a spawn's values: {why}"));
+    let refused = |why: String| Error::Malformed(format!("the descriptors of a value from another process: {why}"));
     let socket = crate::sys::connect_abstract(&ticket.home).map_err(|e| refused(e.to_string()))?;
     socket.send(&[&ticket.token.to_le_bytes()], &[], Wait::Forever).map_err(|e| refused(e.to_string()))?;
     match socket.recv(16, Wait::Until(Instant::now() + FETCH_WAIT)) {

@@ -22,6 +22,7 @@ use std::collections::HashMap;
 use std::io;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
+use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -51,6 +52,8 @@ struct Encoding {
     /// For spawn arguments: whether this is their encoding, and the ticket their descriptors
     /// wait under at this process's home (made at the first one).
     spawn: Option<Option<SpawnTicket>>,
+    /// How long descriptors deposited at this process's home wait for their fetch.
+    spawn_ttl: Duration,
     /// For a message on a channel: this process's side of the connection, whose lease counts
     /// the message's claims.
     connection: Option<Arc<Connection>>,
@@ -74,6 +77,7 @@ impl Encoding {
             numbered: HashMap::new(),
             shared: Vec::new(),
             spawn,
+            spawn_ttl: crate::handover::ARGUMENT_TTL,
             connection,
             claims: Vec::new(),
             introduce: Vec::new(),
@@ -229,6 +233,51 @@ pub(crate) fn encode_scope_on<R>(
 pub(crate) fn encode_spawn_scope<R>(encode: impl FnOnce() -> R) -> (R, Option<SpawnTicket>) {
     let (result, e) = scope(Encoding::new(Some(None), None), encode);
     (result, e.spawn.flatten())
+}
+
+/// Encodes `value` (postcard) as bytes that any transport may carry: its descriptors wait at
+/// this process's home for `ttl`, under a ticket the bytes name, for the one process that
+/// decodes them ([`decode_handoff`]). The claims of a value never decoded go when its deposit
+/// expires. The error says why it does not encode.
+pub(crate) fn encode_handoff<T: Serialize + ?Sized>(value: &T, ttl: Duration) -> std::result::Result<Vec<u8>, String> {
+    let mut context = Encoding::new(Some(None), None);
+    context.spawn_ttl = ttl;
+    let (bytes, e) = scope(context, || postcard::to_allocvec(value));
+    match bytes {
+        Ok(bytes) => Ok(bytes),
+        Err(error) => {
+            // Nothing of a value that did not encode is left waiting.
+            if let Some(Some(ticket)) = &e.spawn {
+                crate::handover::withdraw(ticket);
+            }
+            Err(take_failure().unwrap_or_else(|| format!("{error:?}")))
+        }
+    }
+}
+
+/// Decodes bytes made by [`encode_handoff`], fetching their descriptors from the home of the
+/// process that encoded them (once: a second decode of the same bytes finds nothing there).
+/// Runs apart from any decode this thread is in; descriptors it fetched and did not take are
+/// closed before it returns.
+pub(crate) fn decode_handoff<T: DeserializeOwned>(bytes: &[u8]) -> std::result::Result<T, String> {
+    struct Restore(Vec<Decoding>, Option<(SpawnTicket, Decoding)>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let outer = std::mem::take(&mut self.0);
+            let spawned = self.1.take();
+            let inner = DECODING.with(|d| std::mem::replace(&mut *d.borrow_mut(), outer));
+            let fetched = SPAWNED.with(|s| std::mem::replace(&mut *s.borrow_mut(), spawned));
+            // Closed outside the borrows: untaken covers release their claims as they go.
+            drop((inner, fetched));
+        }
+    }
+    let outer = DECODING.with(|d| std::mem::take(&mut *d.borrow_mut()));
+    let spawned = SPAWNED.with(|s| s.borrow_mut().take());
+    let restore = Restore(outer, spawned);
+    FAILURE.with(|f| f.borrow_mut().take());
+    let result = postcard::from_bytes::<T>(bytes);
+    drop(restore);
+    result.map_err(|e| take_failure().unwrap_or_else(|| format!("undecodable bytes ({e:?})")))
 }
 
 /// Runs `encode` with `context` pushed, and gives back what it collected.
@@ -457,7 +506,7 @@ pub(crate) fn carry(fd: Held, dedup: Option<u64>) -> Result<Carried> {
                 Some(ticket) => ticket,
                 None => ticket.insert(crate::handover::ticket()?),
             };
-            let index = crate::handover::append(ticket, fd, true)?;
+            let index = crate::handover::append_expiring(ticket, fd, e.spawn_ttl)?;
             return Ok(Carried { index, spawn: Some(ticket.clone()) });
         }
         if let Some(&index) = dedup.and_then(|k| e.numbered.get(&k)) {

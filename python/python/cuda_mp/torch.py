@@ -1,0 +1,197 @@
+"""torch.multiprocessing programs share CUDA tensors through cuda-mp, unchanged but for one call.
+
+    import torch.multiprocessing as mp
+    import cuda_mp.torch
+
+    cuda_mp.torch.install()        # in the parent, before tensors are put on queues
+    q = mp.get_context("spawn").Queue()
+    q.put(torch.ones(1 << 20, device="cuda"))
+
+``install()`` registers reductions with ``multiprocessing.reduction.ForkingPickler``, the hook that
+``torch.multiprocessing`` itself uses, so that every ``multiprocessing`` / ``torch.multiprocessing``
+Queue, SimpleQueue, Pipe, Pool argument and result, and ``Process`` argument (spawn and forkserver)
+carries:
+
+- CUDA tensors and CUDA storages as cuda-mp records: the receiver maps the same device memory
+  (one open per allocation per process, kept while any tensor of it lives there), ordered after
+  the work that the sending thread queued on its current stream;
+- CPU tensors whose memory cuda-mp made (``cuda_mp.empty_host``, or received from cuda-mp) as
+  that shared memory, without a copy.
+
+Every other object (CPU tensors in ordinary memory, sparse tensors, tensor subclasses other than
+``nn.Parameter``, element types cuda-mp lacks, empty storages) keeps torch's own reduction.
+
+What changes for the program, against torch's own CUDA sharing:
+
+- The sender's memory lives until the last receiver dropped it, counted by cuda-mp: the sender may
+  drop its tensor right after ``put``, and a receiver that is SIGKILLed gives its references back
+  at once (torch keeps such memory until the sender exits).
+- The bytes on the queue name the memory for ``ttl`` seconds (``install(ttl=...)``, 600 by
+  default) and for one receiver: an item still unread after that time, or read twice (a pickle
+  loaded two times), fails to load with ``cuda_mp.Malformed`` and its memory is released. The
+  sender must be alive when the item is read, as with torch.
+- A process started with spawn or forkserver registers the same reductions when it first loads a
+  tensor that came this way (so that what it sends back goes the same way); one that only sends
+  calls ``install()`` itself.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Callable, Dict, Optional
+
+from . import _gpu, _native, _to_torch, _torch_names
+
+__all__ = ["DEFAULT_TTL", "install", "installed", "uninstall"]
+
+DEFAULT_TTL = 600.0
+"""Seconds that a pickled tensor names its memory for, by default."""
+
+_lock = threading.Lock()
+# The reductions in place before install(), by class, to restore and to fall back on.
+_previous: Dict[type, Optional[Callable]] = {}
+_ttl = DEFAULT_TTL
+
+
+def installed() -> bool:
+    """Whether this process's pickles carry CUDA tensors through cuda-mp."""
+    return bool(_previous)
+
+
+def install(ttl: float = DEFAULT_TTL) -> None:
+    """Registers cuda-mp's reductions for torch tensors and storages with ``ForkingPickler``.
+    ``ttl``: seconds that a pickled tensor waits for its receiver. Calling it again changes ``ttl``."""
+    import torch
+    import torch.multiprocessing  # noqa: F401  (torch's reductions first, so that ours replace them)
+
+    if not ttl > 0:
+        raise ValueError("ttl must be a positive number of seconds")
+    global _ttl
+    with _lock:
+        _ttl = float(ttl)
+        if _previous:
+            return
+        ours = {
+            torch.Tensor: _reduce_tensor,
+            torch.nn.Parameter: _reduce_tensor,
+            torch.UntypedStorage: _reduce_untyped_storage,
+            torch.storage.TypedStorage: _reduce_typed_storage,
+        }
+        for cls, reduce in ours.items():
+            _previous[cls] = ForkingPickler._extra_reducers.get(cls)
+            ForkingPickler.register(cls, reduce)
+
+
+def uninstall() -> None:
+    """Gives torch's reductions back (objects pickled before keep working)."""
+    with _lock:
+        for cls, reduce in _previous.items():
+            if reduce is None:
+                ForkingPickler._extra_reducers.pop(cls, None)
+            else:
+                ForkingPickler.register(cls, reduce)
+        _previous.clear()
+
+
+def _torch_reduction(obj, cls: type):
+    """torch's own reduction of ``obj``, registered for ``cls`` before install()."""
+    reduce = _previous.get(cls)
+    return reduce(obj) if reduce is not None else obj.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+
+
+# --- what travels through cuda-mp --------------------------------------------------------------
+
+
+def _ours(t) -> Optional["_native.Tensor"]:
+    """``t`` as a cuda-mp tensor when it travels through cuda-mp, else None (torch's way)."""
+    import torch
+
+    if t.layout != torch.strided or t.dtype not in _torch_names() or t.untyped_storage().nbytes() == 0:
+        return None
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return None
+    if t.is_cuda:
+        return _gpu(t)
+    if t.device.type != "cpu":
+        return None
+    # CPU memory that cuda-mp made travels as itself; any other keeps torch's sharing, which
+    # moves the storage to shared memory in place (what a program that shares a CPU model relies on).
+    span = (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size() if t.numel() else 0
+    return _native.host_tensor(_torch_names()[t.dtype], list(t.shape), list(t.stride()), 0, t.data_ptr(), span)
+
+
+def _reduce_tensor(t):
+    import torch
+
+    cls = torch.nn.Parameter if isinstance(t, torch.nn.Parameter) else torch.Tensor
+    native = _ours(t)
+    if native is None:
+        return _torch_reduction(t, cls)
+    if t.requires_grad and not t.is_leaf:
+        raise RuntimeError(
+            "Cowardly refusing to serialize non-leaf tensor which requires_grad, since autograd does not "
+            "support crossing process boundaries.  If you just want to transfer the data, call detach() on "
+            "the tensor before serializing (e.g., putting it on the queue)."
+        )
+    data = _native.tensor_to_bytes(native, _ttl)
+    return (_rebuild_tensor, (data, cls is torch.nn.Parameter, t.requires_grad, _ttl))
+
+
+def _bytes_view(storage):
+    """A uint8 tensor over the whole of an untyped storage."""
+    import torch
+
+    return torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def _reduce_untyped_storage(storage):
+    import torch
+
+    if storage.device.type != "cuda" or storage.nbytes() == 0:
+        return _torch_reduction(storage, torch.UntypedStorage)
+    data = _native.tensor_to_bytes(_gpu(_bytes_view(storage)), _ttl)
+    return (_rebuild_untyped_storage, (data, _ttl))
+
+
+def _reduce_typed_storage(storage):
+    import torch
+
+    if storage.device.type != "cuda" or storage.nbytes() == 0 or type(storage) is not torch.storage.TypedStorage:
+        return _torch_reduction(storage, torch.storage.TypedStorage)
+    untyped = storage._untyped_storage
+    data = _native.tensor_to_bytes(_gpu(_bytes_view(untyped)), _ttl)
+    return (_rebuild_typed_storage, (data, storage.dtype, _ttl))
+
+
+# --- what the receiver runs ---------------------------------------------------------------------
+
+
+def _joined(ttl: float) -> None:
+    """A receiver sends back the way it received."""
+    if not installed():
+        install(ttl)
+
+
+def _rebuild_tensor(data: bytes, parameter: bool, requires_grad: bool, ttl: float) -> Any:
+    import torch
+
+    _joined(ttl)
+    t = _to_torch(_native.tensor_from_bytes(data))
+    if parameter:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def _rebuild_untyped_storage(data: bytes, ttl: float):
+    _joined(ttl)
+    return _to_torch(_native.tensor_from_bytes(data)).untyped_storage()
+
+
+def _rebuild_typed_storage(data: bytes, dtype, ttl: float):
+    import torch
+
+    _joined(ttl)
+    untyped = _to_torch(_native.tensor_from_bytes(data)).untyped_storage()
+    return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)

@@ -1,0 +1,180 @@
+//! Values as bytes (`cuda_mp::to_bytes` / `from_bytes`) through a transport that is not a
+//! channel (a file here), across real processes: the receiver shares the sender's memory, the
+//! memory lives until the receiver drops it, bytes decode once and not after their time, a
+//! receiver killed after decoding gives its claims back, and mutated bytes are errors.
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use cuda_mp::{Builder, HostTensor, Sender, channel, from_bytes, spawn, to_bytes, wait_for_lifetime};
+
+mod common;
+
+cuda_mp::enable_test_support!();
+
+static SERIAL: Mutex<()> = Mutex::new(());
+const WAIT: Duration = Duration::from_secs(20);
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    common::serial(&SERIAL, WAIT)
+}
+
+/// Writes `bytes` to a fresh file of this process, and gives its path: the transport.
+fn through_a_file(bytes: &[u8]) -> PathBuf {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let name = format!("cuda-mp-handoff-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+    let path = std::env::temp_dir().join(name);
+    std::fs::write(&path, bytes).unwrap();
+    path
+}
+
+/// The counters with nothing of this test's alive: none exported, no lease out.
+fn settled() -> cuda_mp::LifetimeStats {
+    common::settled_lifetime(WAIT)
+}
+
+fn back_to(before: &cuda_mp::LifetimeStats, what: &str) {
+    wait_for_lifetime(WAIT, |s| {
+        s.live_storages == before.live_storages
+            && s.exported_storages == before.exported_storages
+            && s.outstanding_leases == before.outstanding_leases
+    })
+    .unwrap_or_else(|s| panic!("{what}: {s:?}, started at {before:?}"));
+}
+
+fn add_100_and_decode_twice(path: PathBuf) -> (f32, String) {
+    let bytes = std::fs::read(&path).unwrap();
+    let t: HostTensor<f32> = from_bytes(&bytes).unwrap();
+    t.map_inplace(|x| x + 100.0);
+    let again = from_bytes::<HostTensor<f32>>(&bytes).unwrap_err().to_string();
+    (t.to_vec().iter().sum(), again)
+}
+
+#[test]
+fn a_host_tensor_crosses_a_file_as_bytes_and_shares_memory_with_its_sender() {
+    let _g = serial();
+    let before = settled();
+    let t = HostTensor::<f32>::from_vec(&[2, 2], vec![1.0, 2.0, 3.0, 4.0]).unwrap();
+    let path = through_a_file(&to_bytes(&t, WAIT).unwrap());
+    let (sum, again) = spawn(path.clone(), add_100_and_decode_twice).join().unwrap();
+    std::fs::remove_file(path).unwrap();
+    assert_eq!(sum, 410.0, "the child read the sender's values");
+    assert_eq!(t.to_vec(), vec![101.0, 102.0, 103.0, 104.0], "the child's writes are seen here: one memory");
+    assert!(again.contains("holds none"), "bytes decode once: {again}");
+    drop(t);
+    back_to(&before, "the storage is freed once the child and the sender dropped it");
+}
+
+fn decode_report_and_hold((path, ready): (PathBuf, Sender<i64>)) {
+    let t: HostTensor<i64> = from_bytes(&std::fs::read(path).unwrap()).unwrap();
+    ready.send(t.to_vec().iter().sum()).unwrap();
+    std::thread::sleep(Duration::from_secs(600));
+}
+
+#[test]
+fn the_memory_lives_while_the_receiver_holds_it_and_comes_back_when_it_is_killed() {
+    let _g = serial();
+    let before = settled();
+    let t = HostTensor::<i64>::from_vec(&[1000], (0..1000).collect()).unwrap();
+    let path = through_a_file(&to_bytes(&t, WAIT).unwrap());
+    drop(t);
+    let (ready_tx, ready_rx) = channel().unwrap();
+    let mut child = Builder::new().spawn((path.clone(), ready_tx), decode_report_and_hold).unwrap();
+    assert_eq!(
+        ready_rx.recv_timeout(WAIT).unwrap(),
+        499_500,
+        "the child read the values after the sender dropped them"
+    );
+    std::fs::remove_file(path).unwrap();
+    let held = cuda_mp::lifetime_stats();
+    assert_eq!(held.live_storages, before.live_storages + 1, "the child's claim keeps the storage: {held:?}");
+    child.kill().unwrap();
+    back_to(&before, "the killed child's claim is reclaimed");
+}
+
+#[test]
+fn bytes_nobody_decodes_give_their_claims_back_when_their_time_is_up() {
+    let _g = serial();
+    let before = settled();
+    let t = HostTensor::<u8>::from_vec(&[64], vec![7; 64]).unwrap();
+    let ttl = Duration::from_millis(300);
+    let bytes = to_bytes(&t, ttl).unwrap();
+    let sent = Instant::now();
+    drop(t);
+    assert_eq!(cuda_mp::lifetime_stats().live_storages, before.live_storages + 1, "the deposit holds the storage");
+    back_to(&before, "the deposit is dropped when its time is up");
+    assert!(sent.elapsed() >= ttl, "not before its time: {:?}", sent.elapsed());
+    let late = from_bytes::<HostTensor<u8>>(&bytes).unwrap_err().to_string();
+    assert!(late.contains("holds none"), "{late}");
+}
+
+#[test]
+fn a_decode_as_the_wrong_type_is_an_error_and_gives_the_claims_back() {
+    let _g = serial();
+    let before = settled();
+    let t = HostTensor::<f32>::from_vec(&[3], vec![1.0, 2.0, 3.0]).unwrap();
+    let bytes = to_bytes(&t, WAIT).unwrap();
+    drop(t);
+    let wrong = from_bytes::<HostTensor<i32>>(&bytes).unwrap_err().to_string();
+    assert!(wrong.contains("dtype mismatch"), "{wrong}");
+    back_to(&before, "what the failed decode fetched is closed");
+}
+
+#[test]
+fn mutated_bytes_are_errors_or_values_and_leave_nothing_behind() {
+    let _g = serial();
+    let before = settled();
+    let descriptors = std::fs::read_dir("/proc/self/fd").unwrap().count();
+    let t = HostTensor::<i16>::from_vec(&[8], (0..8).collect()).unwrap();
+    let bytes = to_bytes(&t, WAIT).unwrap();
+    let mut decoded = 0;
+    // Every byte, each with its bits flipped, then every truncation: an error or a value,
+    // never a panic; the first decode that reaches the deposit takes it.
+    for i in 0..bytes.len() {
+        let mut forged = bytes.clone();
+        forged[i] ^= 0xff;
+        if let Ok(v) = from_bytes::<HostTensor<i16>>(&forged) {
+            assert_eq!(v.to_vec().len(), 8);
+            decoded += 1;
+        }
+    }
+    for n in 0..bytes.len() {
+        assert!(from_bytes::<HostTensor<i16>>(&bytes[..n]).is_err(), "a truncation to {n} bytes decoded");
+    }
+    assert!(decoded <= 1, "the deposit was taken {decoded} times");
+    drop(t);
+    // The deposit is taken by a decode or dropped at its time: nothing of it stays.
+    back_to(&before, "every claim is back");
+    common::eventually(WAIT, "this process's descriptors are back", || {
+        std::fs::read_dir("/proc/self/fd").unwrap().count() <= descriptors
+    });
+}
+
+#[cfg(feature = "cuda")]
+fn add_one_on_the_gpu(path: PathBuf) -> Vec<f32> {
+    let t: cuda_mp::GpuTensor<f32> = from_bytes(&std::fs::read(path).unwrap()).unwrap();
+    t.add_scalar(1.0).unwrap();
+    t.synchronize().unwrap();
+    t.to_vec().unwrap()
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_gpu_tensor_crosses_a_file_as_bytes_and_shares_device_memory() {
+    let _g = serial();
+    let dev = common::gpu();
+    let before = settled();
+    let data: Vec<f32> = (0..1024).map(|x| x as f32).collect();
+    let t = cuda_mp::GpuTensor::from_vec(&dev, &[32, 32], data.clone()).unwrap();
+    let path = through_a_file(&to_bytes(&t, WAIT).unwrap());
+    let seen = spawn(path.clone(), add_one_on_the_gpu).join().unwrap();
+    std::fs::remove_file(path).unwrap();
+    let plus_one: Vec<f32> = data.iter().map(|x| x + 1.0).collect();
+    assert_eq!(seen, plus_one, "the child read the sender's device memory and wrote to it");
+    assert_eq!(t.to_vec().unwrap(), plus_one, "the child's write is seen here");
+    drop(t);
+    back_to(&before, "the device memory is freed once both dropped it");
+}
