@@ -1,6 +1,6 @@
 //! The native half of the `cuda_mp` Python package: channels of cuda-mp tensors, tensors that
 //! wrap PyTorch's and NumPy's memory for sending, and received tensors handed to PyTorch and
-//! NumPy through DLPack. The Python half (`cuda_mp/__init__.py`) converts between these and
+//! NumPy through DLPack. The Python half (`python/cuda_mp/__init__.py`) converts between these and
 //! `torch.Tensor` / `numpy.ndarray`.
 //!
 //! What crosses is exactly what the Rust crate sends: a `Tensor` of this module travels as a
@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak, mpsc};
 use std::time::{Duration, Instant};
 
 use cuda_mp::{
@@ -311,12 +311,39 @@ fn gpu_tensor(
             // SAFETY: `keeper` is the PyTorch tensor whose storage this is; PyTorch keeps the
             // memory allocated while the tensor lives, and the keeper lives as long as the
             // storage made here.
-            let storage = unsafe { GpuStorage::from_foreign(&dev, ptr, nbytes, Box::new(keeper)) }.map_err(error)?;
+            let keeper = Box::new(Keeper(Some(keeper)));
+            let storage = unsafe { GpuStorage::from_foreign(&dev, ptr, nbytes, keeper) }.map_err(error)?;
             (storage, 0)
         }
     };
     let t = view_of(storage, byte_offset, dtype, shape, strides, offset)?;
     Ok(Tensor { inner: Any::Gpu(t) })
+}
+
+/// The PyTorch tensor that keeps foreign memory allocated. Let go of with the GIL held, on a
+/// thread of its own: pyo3 defers a drop without the GIL to the next call into this module, and
+/// the memory with it (a SIGKILLed receiver's memory would come back only then); the thread
+/// holds none of cuda-mp's locks, which the thread that drops the storage (cuda-mp's reaper)
+/// may hold while a thread with the GIL waits on them.
+struct Keeper(Option<Py<PyAny>>);
+
+impl Drop for Keeper {
+    fn drop(&mut self) {
+        static RELEASES: OnceLock<Mutex<mpsc::Sender<Py<PyAny>>>> = OnceLock::new();
+        let Some(object) = self.0.take() else { return };
+        let releases = RELEASES.get_or_init(|| {
+            let (tx, rx) = mpsc::channel::<Py<PyAny>>();
+            // Where the thread cannot start (or the interpreter is shutting down), objects
+            // sent here go to pyo3's deferred drop instead.
+            let _ = std::thread::Builder::new().name("cuda-mp-py-release".into()).spawn(move || {
+                for object in rx {
+                    let _ = Python::try_attach(move |_| drop(object));
+                }
+            });
+            Mutex::new(tx)
+        });
+        let _ = releases.lock().unwrap_or_else(|p| p.into_inner()).send(object);
+    }
 }
 
 /// A host tensor for sending: memory that cuda-mp handed to Python (`ptr`, `nbytes`) travels
@@ -673,6 +700,43 @@ impl Sender {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Tensors as bytes, for transports that are not cuda-mp channels (pickles: `cuda_mp.torch`).
+
+const AS_GPU: u8 = 0;
+const AS_HOST: u8 = 1;
+
+/// `tensor` as bytes that one process of this user on this host turns back into it with
+/// `tensor_from_bytes`, while this process lives and within `ttl` seconds (what
+/// `cuda_mp.torch.install()`'s reductions pickle). The memory is shared, not copied, and lives
+/// until the receiver's last array made from it is gone.
+#[pyfunction]
+fn tensor_to_bytes<'py>(py: Python<'py>, tensor: &Bound<'py, Tensor>, ttl: f64) -> PyResult<Bound<'py, PyBytes>> {
+    let ttl = seconds(Some(ttl))?.unwrap_or(Duration::ZERO);
+    let inner = tensor.get().inner.clone();
+    let encoded = py.detach(move || match &inner {
+        Any::Gpu(t) => cuda_mp::to_bytes(t, ttl).map(|b| (AS_GPU, b)),
+        Any::Host(t) => cuda_mp::to_bytes(t, ttl).map(|b| (AS_HOST, b)),
+    });
+    let (tag, bytes) = encoded.map_err(error)?;
+    PyBytes::new_with(py, bytes.len() + 1, |out| {
+        out[0] = tag;
+        out[1..].copy_from_slice(&bytes);
+        Ok(())
+    })
+}
+
+/// The tensor that `tensor_to_bytes` made `data` of, in the process that made it; once.
+#[pyfunction]
+fn tensor_from_bytes(py: Python<'_>, data: &[u8]) -> PyResult<Tensor> {
+    let decoded = py.detach(|| match data.split_first() {
+        Some((&AS_GPU, rest)) => cuda_mp::from_bytes(rest).map(Any::Gpu),
+        Some((&AS_HOST, rest)) => cuda_mp::from_bytes(rest).map(Any::Host),
+        _ => Err(cuda_mp::Error::Malformed("these bytes are not a tensor of cuda-mp".into())),
+    });
+    Ok(Tensor { inner: decoded.map_err(error)? })
+}
+
 /// Lifetime counters of this process (storages alive, exported, leases outstanding), for tests.
 #[pyfunction]
 fn lifetime_stats(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
@@ -789,6 +853,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pack, m)?)?;
     m.add_function(wrap_pyfunction!(bundle_of, m)?)?;
     m.add_function(wrap_pyfunction!(lifetime_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(tensor_to_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(tensor_from_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(flush_sends, m)?)?;

@@ -8,9 +8,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def rust_example(name: str) -> pathlib.Path:
-    """A built example of the Rust crate (CUDA_MP_EXAMPLES names the folder, else target/)."""
+    """A built example of the Rust crate: in $CUDA_MP_EXAMPLES, else in the Cargo target folder
+    ($CARGO_TARGET_DIR, else target/)."""
     folders = [os.environ.get("CUDA_MP_EXAMPLES", "")]
-    folders += [str(ROOT / "target" / p / "examples") for p in ("debug", "release")]
+    target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
+    folders += [str(target / p / "examples") for p in ("debug", "release")]
     folders += [str(ROOT / ".gpu" / "bin")]
     for folder in folders:
         for candidate in (pathlib.Path(folder) / name, pathlib.Path(folder) / f"example-{name}"):

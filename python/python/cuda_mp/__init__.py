@@ -56,6 +56,15 @@ def __dir__():
     return sorted(__all__)
 
 
+def __getattr__(name: str):
+    # ``cuda_mp.torch`` (torch.multiprocessing through cuda-mp) without importing it first.
+    if name == "torch":
+        import importlib
+
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 class GpuTensor:
     """Channel kind: CUDA ``torch.Tensor``s (Rust: ``GpuTensor<T>``)."""
 

@@ -1,0 +1,99 @@
+"""torch.multiprocessing programs with ``cuda_mp.torch.install()``, on a GPU machine: ``pytest -m gpu``."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import cuda_mp
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+if not torch.cuda.is_available():
+    pytest.fail("these tests need a CUDA GPU, and none is usable", pytrace=False)
+
+PROGRAM = pathlib.Path(__file__).with_name("torch_mp_program.py")
+
+
+def run_program(*args):
+    done = subprocess.run([sys.executable, str(PROGRAM), *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(result)
+    return result
+
+
+def test_with_install_a_sigkilled_consumers_memory_is_back_within_a_second():
+    r = run_program("--install")
+    assert r["ok"], "every consumer saw the values it was sent"
+    assert r["held_mib"] == 16, "only what the consumer about to be killed holds is still allocated"
+    assert r["back_s"] is not None and r["back_s"] <= 1.0, r
+    assert r["left_mib"] == 0
+
+
+def test_without_install_the_same_program_runs_on_torchs_own_sharing():
+    # What torch does with the killed consumer's memory is reported, not asserted.
+    r = run_program()
+    assert r["ok"]
+
+
+def check_and_add_one(conn):
+    import torch
+
+    import cuda_mp.torch
+
+    items = conn.recv()
+    view, param, storage = items["view"], items["param"], items["storage"]
+    report = {
+        "installed": cuda_mp.torch.installed(),
+        "view": view.tolist() == [float(8 * 64 + 3 + 64 * k) for k in range(56)],
+        "param": isinstance(param, torch.nn.Parameter) and param.requires_grad and bool((param == 2).all()),
+        "storage": isinstance(storage, torch.UntypedStorage) and storage.nbytes() == 4096,
+    }
+    view.add_(1)
+    torch.tensor([], dtype=torch.uint8, device=storage.device).set_(storage).fill_(7)
+    torch.cuda.synchronize()
+    conn.send(report)
+    conn.send(torch.full((10,), 5.0, device="cuda"))  # sent back the same way
+    conn.recv()
+
+
+def total(t):
+    return float(t.sum().item())
+
+
+@pytest.fixture
+def installed():
+    import cuda_mp.torch
+
+    cuda_mp.torch.install()
+    yield
+    cuda_mp.torch.uninstall()
+
+
+def test_pipes_and_pool_arguments_carry_views_parameters_and_storages_in_place(installed):
+    ctx = torch.multiprocessing.get_context("spawn")
+    big = torch.arange(4096, dtype=torch.float32, device="cuda").reshape(64, 64)
+    param = torch.nn.Parameter(torch.full((8,), 2.0, device="cuda"))
+    storage = torch.zeros(4096, dtype=torch.uint8, device="cuda").untyped_storage()
+    here, there = ctx.Pipe()
+    p = ctx.Process(target=check_and_add_one, args=(there,))
+    p.start()
+    here.send({"view": big[8:, 3], "param": param, "storage": storage})
+    assert here.poll(60), "the child answers"
+    assert here.recv() == {"installed": True, "view": True, "param": True, "storage": True}
+    back = here.recv()
+    assert back.tolist() == [5.0] * 10
+    del back  # the child's memory: it exits once nothing here holds it
+    torch.cuda.synchronize()
+    assert big[8:, 3].tolist() == [float(8 * 64 + 3 + 64 * k + 1) for k in range(56)], "the child's add is seen here"
+    assert torch.tensor([], dtype=torch.uint8, device="cuda").set_(storage).eq(7).all(), "and its fill"
+    here.send(None)
+    p.join(60)
+    assert p.exitcode == 0
+    with ctx.Pool(2) as pool:
+        sums = pool.map(total, [torch.full((1000,), float(i), device="cuda") for i in range(4)])
+    assert sums == [0.0, 1000.0, 2000.0, 3000.0]
