@@ -1,6 +1,7 @@
 """The same torch.multiprocessing programs with and without ``cuda_mp.torch.install()``, in one call:
 
-- rt: round trip of a re-sent 1 MiB CUDA tensor (the consumer puts back what it got), median;
+- rt: round trip of a re-sent 1 MiB CUDA tensor (put, the consumer drops it and acknowledges),
+  median (torch's own numbers for the same round: row a of benches/torch_baseline.py);
 - fresh: fresh 1 MiB CUDA tensors per second to a consumer that drops each;
 - 7B first / republish: a 7B-parameter bf16 state dict (291 tensors) put on the queue until the
   consumer has it all, first time and again.
@@ -19,7 +20,7 @@ import time
 NUMEL = 256 * 1024  # 1 MiB of float32
 
 
-def echo(q_in, q_out):
+def drop_and_ack(q_in, q_out):
     import torch
 
     torch.cuda.init()
@@ -27,8 +28,8 @@ def echo(q_in, q_out):
         item = q_in.get()
         if item is None:
             return
-        q_out.put(item)
         del item
+        q_out.put(1)
 
 
 def drain(q_in, q_out):
@@ -73,7 +74,7 @@ def measure(mode, quick):
     out = {}
 
     q_in, q_out = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=echo, args=(q_in, q_out))
+    p = ctx.Process(target=drop_and_ack, args=(q_in, q_out))
     p.start()
     t = torch.ones(NUMEL, device="cuda")
     torch.cuda.synchronize()
@@ -81,12 +82,12 @@ def measure(mode, quick):
     for k in range(50 + (200 if quick else 1000)):
         start = time.perf_counter()
         q_in.put(t)
-        back = q_out.get()
+        q_out.get(timeout=60)
         rounds.append(time.perf_counter() - start)
-        del back
     q_in.put(None)
     p.join(60)
     out["rt_us"] = statistics.median(rounds[50:]) * 1e6
+    print(f"  {mode}: round trip {out['rt_us']:.1f} us", file=sys.stderr, flush=True)
 
     q_in, q_out = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=drain, args=(q_in, q_out))
@@ -98,9 +99,10 @@ def measure(mode, quick):
     for _ in range(n):
         q_in.put(torch.zeros(NUMEL, device="cuda"))
     q_in.put(None)
-    assert q_out.get(timeout=600) == n + 100
+    assert q_out.get(timeout=120) == n + 100
     out["fresh_per_s"] = n / (time.perf_counter() - start)
     p.join(60)
+    print(f"  {mode}: fresh {out['fresh_per_s']:.0f}/s", file=sys.stderr, flush=True)
 
     weights = {f"w{i}": torch.zeros(s, dtype=torch.bfloat16, device="cuda") for i, s in enumerate(llama_7b_shapes())}
     torch.cuda.synchronize()
@@ -108,13 +110,14 @@ def measure(mode, quick):
     p = ctx.Process(target=take_weights, args=(q_in, q_out))
     p.start()
     q_in.put({"w": torch.zeros(1, device="cuda")})  # the consumer's start and CUDA context, not timed
-    q_out.get(timeout=600)
+    q_out.get(timeout=120)
     times = []
     for _ in range(4):
         start = time.perf_counter()
         q_in.put(weights)
-        assert q_out.get(timeout=600) == len(weights)
+        assert q_out.get(timeout=120) == len(weights)
         times.append(time.perf_counter() - start)
+        print(f"  {mode}: 7B publish {times[-1] * 1e3:.1f} ms", file=sys.stderr, flush=True)
     q_in.put(None)
     p.join(60)
     out["first_ms"] = times[0] * 1e3
@@ -131,13 +134,15 @@ def main():
         return
     results = {}
     for mode in ("torch", "cuda-mp"):
+        # Progress and errors on stderr as they come; the result is the last line of stdout.
         done = subprocess.run(
             [sys.executable, __file__, "--mode", mode] + (["--quick"] if quick else []),
-            capture_output=True,
+            stdout=subprocess.PIPE,
             text=True,
+            timeout=250,
         )
         if done.returncode != 0:
-            sys.exit(f"{mode} failed:\n{done.stderr[-3000:]}")
+            sys.exit(f"{mode} failed (exit status {done.returncode})")
         results[mode] = json.loads(done.stdout.strip().splitlines()[-1])
     t, c = results["torch"], results["cuda-mp"]
     print(f"7B state dict: {c['tensors']} bf16 tensors, {c['gb']:.2f} GB")

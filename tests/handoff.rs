@@ -178,3 +178,31 @@ fn a_gpu_tensor_crosses_a_file_as_bytes_and_shares_device_memory() {
     drop(t);
     back_to(&before, "the device memory is freed once both dropped it");
 }
+
+fn send_back_as_bytes((path, back, done): (PathBuf, Sender<Vec<u8>>, cuda_mp::Receiver<()>)) {
+    let t: HostTensor<f32> = from_bytes(&std::fs::read(path).unwrap()).unwrap();
+    back.send(to_bytes(&t, WAIT).unwrap()).unwrap();
+    drop(t);
+    // Alive until the owner decoded: the bytes name descriptors that wait here.
+    let _ = done.recv_timeout(WAIT);
+}
+
+#[test]
+fn received_memory_goes_back_to_its_owner_as_bytes() {
+    let _g = serial();
+    let before = settled();
+    let t = HostTensor::<f32>::from_vec(&[3], vec![1.0, 2.0, 3.0]).unwrap();
+    let path = through_a_file(&to_bytes(&t, WAIT).unwrap());
+    let (back_tx, back_rx) = channel().unwrap();
+    let (done_tx, done_rx) = channel().unwrap();
+    let child = spawn((path.clone(), back_tx, done_rx), send_back_as_bytes);
+    let back: Vec<u8> = back_rx.recv_timeout(WAIT).unwrap();
+    let mine: HostTensor<f32> = from_bytes(&back).unwrap();
+    done_tx.send(()).unwrap();
+    child.join().unwrap();
+    std::fs::remove_file(path).unwrap();
+    mine.fill(9.0);
+    assert_eq!(t.to_vec(), vec![9.0; 3], "what came back is this process's own memory");
+    drop((t, mine));
+    back_to(&before, "nothing of the round trip stays");
+}
