@@ -2,7 +2,8 @@
 
 - rt: round trip of a re-sent 1 MiB CUDA tensor (put, the consumer drops it and acknowledges),
   median (torch's own numbers for the same round: row a of benches/torch_baseline.py);
-- fresh: fresh 1 MiB CUDA tensors per second to a consumer that drops each;
+- fresh: fresh 1 MiB CUDA tensors per second to a consumer that drops each (all put at once,
+  after a warm-up);
 - 7B first / republish: a 7B-parameter bf16 state dict (291 tensors) put on the queue until the
   consumer has it all, first time and again.
 
@@ -32,7 +33,7 @@ def drop_and_ack(q_in, q_out):
         q_out.put(1)
 
 
-def drain(q_in, q_out):
+def drain(q_in, q_out, warm):
     n = 0
     while True:
         item = q_in.get()
@@ -41,6 +42,8 @@ def drain(q_in, q_out):
             return
         n += 1
         del item
+        if n == warm:
+            q_out.put(n)
 
 
 def take_weights(q_in, q_out):
@@ -90,11 +93,12 @@ def measure(mode, quick):
     print(f"  {mode}: round trip {out['rt_us']:.1f} us", file=sys.stderr, flush=True)
 
     q_in, q_out = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=drain, args=(q_in, q_out))
+    p = ctx.Process(target=drain, args=(q_in, q_out, 100))
     p.start()
     n = 1000 if quick else 5000
-    for _ in range(100):  # warm-up: the consumer's start and the first opens
+    for _ in range(100):  # warm-up, not timed: the consumer's start, CUDA context, first opens
         q_in.put(torch.zeros(NUMEL, device="cuda"))
+    assert q_out.get(timeout=120) == 100
     start = time.perf_counter()
     for _ in range(n):
         q_in.put(torch.zeros(NUMEL, device="cuda"))
