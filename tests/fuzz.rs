@@ -202,6 +202,42 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// Bytes of `to_bytes` (a real host tensor, its descriptors waiting at this process's
+    /// home), mutated: a value or an error, the deposit taken at most once, and once the real
+    /// bytes are decoded too, nothing of either alive (the descriptors of such a round trip are
+    /// counted in `tests/handoff.rs`; here the lease pipes made ahead make a count per case noisy).
+    #[test]
+    fn mutated_handoff_bytes_give_values_or_errors(
+        edits in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..4),
+        cut in proptest::option::of(any::<usize>()),
+    ) {
+        let _one = one_at_a_time();
+        let t = cuda_mp::HostTensor::<f32>::from_vec(&[4], vec![1.0, 2.0, 3.0, 4.0]).unwrap();
+        let real = cuda_mp::to_bytes(&t, Duration::from_secs(30)).unwrap();
+        drop(t);
+        let mut forged = real.clone();
+        for (at, byte) in &edits {
+            let at = at % forged.len();
+            forged[at] = *byte;
+        }
+        if let Some(cut) = cut {
+            forged.truncate(cut % (forged.len() + 1));
+        }
+        let forged_decoded = cuda_mp::from_bytes::<cuda_mp::HostTensor<f32>>(&forged).ok();
+        let real_decoded = cuda_mp::from_bytes::<cuda_mp::HostTensor<f32>>(&real).ok();
+        let taken = forged_decoded.is_some() as u8 + real_decoded.is_some() as u8;
+        prop_assert!(taken <= 1, "the deposit was taken {} times", taken);
+        drop((forged_decoded, real_decoded));
+        let left = cuda_mp::wait_for_lifetime(Duration::from_secs(5), |s| {
+            s.live_storages == 0 && s.exported_storages == 0 && s.outstanding_leases == 0
+        });
+        prop_assert!(left.is_ok(), "left alive: {:?}", left);
+    }
+}
+
 /// A storage whose lease takes no record (its owner gone: the pipe's reading end closed) is not
 /// subscribed to: nothing waits at this process's home for a fetch that cannot come. Each such
 /// message used to leave a socket there for two minutes.
