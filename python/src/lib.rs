@@ -1,6 +1,6 @@
 //! The native half of the `cuda_mp` Python package: channels of cuda-mp tensors, tensors that
 //! wrap PyTorch's and NumPy's memory for sending, and received tensors handed to PyTorch and
-//! NumPy through DLPack. The Python half (`python/cuda_mp/__init__.py`) converts between these and
+//! NumPy through DLPack. The Python half (`python/python/cuda_mp/__init__.py`) converts between these and
 //! `torch.Tensor` / `numpy.ndarray`.
 //!
 //! What crosses is exactly what the Rust crate sends: a `Tensor` of this module travels as a

@@ -1,7 +1,7 @@
 //! PyTorch's own CUDA IPC handles: a tensor rebuilt here from the eight values of PyTorch's
 //! `storage._share_cuda_()` (what `torch.multiprocessing` pickles), and those eight values for
 //! a cuda-mp tensor, for PyTorch's `rebuild_cuda_tensor` in another process.
-//! `python/cuda_mp/torch_handles.py` converts PyTorch's reductions to and from these.
+//! `python/python/cuda_mp/torch_handles.py` converts PyTorch's reductions to and from these.
 
 use cuda_mp::{DynTensor, GpuStorage, Layout, TorchIpcHandle};
 use pyo3::exceptions::{PyTypeError, PyValueError};
