@@ -112,13 +112,7 @@ pub(crate) fn ticket() -> Result<SpawnTicket> {
 }
 
 /// Adds `fd` to what waits at this process's home under `ticket` (made by [`ticket`]) until it
-/// is fetched, and returns its index there; `arguments`: the deposit expires after
-/// [`ARGUMENT_TTL`].
-pub(crate) fn append(ticket: &SpawnTicket, fd: Held, arguments: bool) -> Result<u32> {
-    deposit(ticket, fd, arguments.then_some(ARGUMENT_TTL))
-}
-
-/// Like [`append`], for a deposit that expires after `ttl`.
+/// is fetched or `ttl` is up, and returns its index there.
 pub(crate) fn append_expiring(ticket: &SpawnTicket, fd: Held, ttl: Duration) -> Result<u32> {
     deposit(ticket, fd, Some(ttl))
 }
@@ -243,7 +237,7 @@ fn wait_at_exit() {
 /// context of ours (a spawned function's result), under a ticket of its own.
 pub(crate) fn deposit_one(fd: Held) -> Result<SpawnTicket> {
     let ticket = ticket()?;
-    append(&ticket, fd, false)?;
+    deposit(&ticket, fd, None)?;
     Ok(ticket)
 }
 
@@ -259,7 +253,7 @@ mod tests {
         let (a, b) = Socket::pair().unwrap();
         let t = ticket().unwrap();
         let held: Held = Arc::new(b);
-        assert_eq!(append(&t, held, true).unwrap(), 0);
+        assert_eq!(append_expiring(&t, held, ARGUMENT_TTL).unwrap(), 0);
         let fds = fetch(&t).unwrap();
         assert_eq!(fds.len(), 1);
         let b = Socket::from_fd(fds.into_iter().next().unwrap()).unwrap();
