@@ -21,18 +21,6 @@ import time
 NUMEL = 256 * 1024  # 1 MiB of float32
 
 
-def drop_and_ack(q_in, q_out):
-    import torch
-
-    torch.cuda.init()
-    while True:
-        item = q_in.get()
-        if item is None:
-            return
-        del item
-        q_out.put(1)
-
-
 def drain(q_in, q_out, warm):
     n = 0
     while True:
@@ -68,6 +56,7 @@ def llama_7b_shapes():
 def measure(mode, quick):
     import torch
     import torch.multiprocessing as mp
+    from torch_baseline import drop_and_ack  # row a's consumer: drops each tensor, acknowledges
 
     if mode == "cuda-mp":
         import cuda_mp.torch
