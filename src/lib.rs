@@ -170,7 +170,9 @@ pub use ndarray;
 pub use net::{REMOTE_PROTOCOL_VERSION, REMOTE_SECRET_ENV, RemoteListener, RemoteOptions};
 pub use pool::{AsyncResult, Imap, ImapUnordered, Pool, PoolBuilder};
 pub use process::{Builder, JoinHandle, init, spawn, spawn_n};
-pub use queue::{GetError, GetTimeoutError, QUEUE_PREFETCH, Queue, QueueConsumer, QueueStats, TryGetError};
+pub use queue::{
+    Feed, FeedEnd, GetError, GetTimeoutError, QUEUE_PREFETCH, Queue, QueueConsumer, QueueStats, TryGetError,
+};
 pub use storage::AllocatorStats;
 pub use sync::{
     Barrier, BarrierError, BarrierWaitResult, Event, Lock, LockError, LockGuard, Semaphore, SemaphoreGuard,

@@ -482,6 +482,85 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Queue<T> {
     pub fn stats(&self) -> std::result::Result<QueueStats, GetError> {
         self.consumer.stats()
     }
+
+    /// Puts every message that arrives on `source` until its senders are gone: a channel from
+    /// another host ([`Sender::connect_remote`](crate::Sender::connect_remote) to a
+    /// [`RemoteListener`](crate::RemoteListener)), or any other receiver. A thread of this
+    /// process receives and puts; it holds a handle of the queue, so the queue stays open
+    /// while `source` has a sender. Messages keep their order; each is put as received (a
+    /// tensor from another host is this host's copy, shared from here on).
+    ///
+    /// A message that does not decode (or that this process has no descriptor left for) is
+    /// dropped and counted, as the queue's own inbox does. The feed ends when `source`
+    /// disconnects, when the queue is gone (the message in hand is then lost with it), or at
+    /// a failure of the transport under `source`. Dropping the [`Feed`] leaves its thread
+    /// running.
+    ///
+    /// ```
+    /// let queue = cuda_mp::Queue::new().unwrap();
+    /// let (tx, rx) = cuda_mp::channel::<u32>().unwrap();
+    /// let feed = queue.feed(rx).unwrap();
+    /// tx.send(7).unwrap();
+    /// drop(tx);
+    /// assert_eq!(feed.join().unwrap().fed, 1);
+    /// assert_eq!(queue.get().unwrap(), 7);
+    /// ```
+    pub fn feed(&self, source: Receiver<T>) -> Result<Feed> {
+        let queue = self.clone();
+        let thread = std::thread::Builder::new().name("cuda-mp-queue-feed".into()).spawn(move || {
+            let mut end = FeedEnd { fed: 0, undecodable: 0 };
+            loop {
+                match source.recv() {
+                    Ok(value) => {
+                        queue.put(value).map_err(|e| (end, e.into()))?;
+                        end.fed += 1;
+                    }
+                    Err(RecvError::Disconnected) => return Ok(end),
+                    Err(RecvError::Malformed(_) | RecvError::OutOfDescriptors { .. }) => end.undecodable += 1,
+                    Err(e @ RecvError::Io(_)) => return Err((end, Error::Recv(e))),
+                }
+            }
+        })?;
+        Ok(Feed { thread })
+    }
+}
+
+/// A thread putting what a receiver gets on a [`Queue`] ([`Queue::feed`]).
+pub struct Feed {
+    thread: std::thread::JoinHandle<std::result::Result<FeedEnd, (FeedEnd, Error)>>,
+}
+
+/// What a [`Feed`] did, once its source disconnected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct FeedEnd {
+    /// Messages put on the queue.
+    pub fed: u64,
+    /// Messages that arrived and did not decode, dropped.
+    pub undecodable: u64,
+}
+
+impl Feed {
+    /// Waits until the source disconnects and says what the feed did; an error if it ended
+    /// earlier (the queue gone, or the transport failed).
+    pub fn join(self) -> Result<FeedEnd> {
+        match self.thread.join() {
+            Ok(Ok(end)) => Ok(end),
+            Ok(Err((_, error))) => Err(error),
+            Err(_) => Err(Error::Io(std::io::Error::other("the queue's feed thread panicked"))),
+        }
+    }
+
+    /// True once the feed has ended.
+    pub fn is_finished(&self) -> bool {
+        self.thread.is_finished()
+    }
+}
+
+impl fmt::Debug for Feed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Feed").field("finished", &self.is_finished()).finish()
+    }
 }
 
 /// Why one exchange with the dispatcher failed.

@@ -506,3 +506,67 @@ fn a_remote_end_cannot_be_sent_to_another_process() {
     assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(5), "both ends still work");
     assert!(format!("{tx:?}").contains("Network"), "{tx:?}");
 }
+
+/// Sends `n` host tensors, each full of its index, to `addr` on the network route.
+fn send_numbered((addr, n): (String, u32)) {
+    let tx = Sender::<HostTensor<i32>>::connect_remote_with(addr.as_str(), network()).unwrap();
+    for i in 0..n {
+        tx.send(HostTensor::<i32>::full(&[1024], i as i32).unwrap()).unwrap();
+    }
+}
+
+/// Gets until the queue ends; the index of each tensor, after checking every element.
+fn drain(queue: cuda_mp::QueueConsumer<HostTensor<i32>>) -> Vec<i32> {
+    queue
+        .iter()
+        .map(|t| {
+            let v = t.to_vec();
+            assert!(v.iter().all(|&x| x == v[0]) && v.len() == 1024, "a tensor arrived whole");
+            v[0]
+        })
+        .collect()
+}
+
+#[test]
+fn a_remote_receiver_feeds_a_queue_that_consumer_processes_drain() {
+    const N: u32 = 60;
+    let listener = RemoteListener::<HostTensor<i32>>::bind_with("127.0.0.1:0", network()).unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let sender = cuda_mp::spawn((addr, N), send_numbered);
+    let rx = listener.accept_timeout(Duration::from_secs(30)).unwrap();
+    assert_eq!(rx.route(), Route::Network);
+    let queue = cuda_mp::Queue::new().unwrap();
+    let consumers: Vec<_> = (0..2).map(|_| cuda_mp::spawn(queue.consumer(), drain)).collect();
+    let feed = queue.feed(rx).unwrap();
+    // The feed keeps the queue open until the remote sender is gone.
+    drop(queue);
+    sender.join().unwrap();
+    let end = feed.join().unwrap();
+    assert_eq!((end.fed, end.undecodable), (u64::from(N), 0));
+    let mut got: Vec<i32> = consumers.into_iter().flat_map(|c| c.join().unwrap()).collect();
+    got.sort_unstable();
+    assert_eq!(got, (0..N as i32).collect::<Vec<_>>(), "each message to exactly one consumer");
+}
+
+/// Makes a queue, hands it over, and exits (with its dispatcher) once told to.
+fn queue_until_told((handover, go): (Sender<cuda_mp::Queue<u32>>, Receiver<()>)) {
+    handover.send(cuda_mp::Queue::new().unwrap()).unwrap();
+    let _ = go.recv();
+}
+
+#[test]
+fn a_feed_ends_with_an_error_once_its_queue_is_gone() {
+    let (tx, rx) = pair::<u32>(network());
+    let (handover, queue) = cuda_mp::channel().unwrap();
+    let (go, told) = cuda_mp::channel().unwrap();
+    let owner = cuda_mp::spawn((handover, told), queue_until_told);
+    let queue = queue.recv_timeout(Duration::from_secs(30)).unwrap();
+    let feed = queue.feed(rx).unwrap();
+    tx.send(1).unwrap();
+    assert_eq!(queue.get_timeout(Duration::from_secs(10)).unwrap(), 1);
+    go.send(()).unwrap();
+    owner.join().unwrap();
+    tx.send(2).unwrap();
+    let err = feed.join().unwrap_err();
+    assert!(err.to_string().contains("disconnected"), "{err}");
+}
