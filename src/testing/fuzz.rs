@@ -221,6 +221,41 @@ pub fn host_bytes(bytes: &[u8]) -> String {
     }
 }
 
+/// Bytes of [`to_bytes`](crate::to_bytes), as a process that was handed them decodes them: the
+/// input decoded as a [`Message`] as it is, then a real handoff of a host tensor (its
+/// descriptors waiting at this process's home) edited by the input (each three bytes: a
+/// position, two bytes, and the byte written there) and decoded, then the real one. The
+/// deposit is taken at most once (else this panics: a finding).
+pub fn handoff_bytes(input: &[u8]) -> String {
+    let raw = crate::from_bytes::<Message>(input).map(|_| ());
+    let tensor = match HostTensor::<f32>::from_vec(&[4], vec![1.0, 2.0, 3.0, 4.0]) {
+        Ok(t) => t,
+        Err(e) => return e.to_string(),
+    };
+    let real = match crate::to_bytes(&tensor, Duration::from_secs(30)) {
+        Ok(bytes) => bytes,
+        Err(e) => return e.to_string(),
+    };
+    drop(tensor);
+    let mut forged = real.clone();
+    for edit in input.chunks_exact(3) {
+        let at = usize::from(u16::from_le_bytes([edit[0], edit[1]]));
+        if at < forged.len() {
+            forged[at] = edit[2];
+        } else {
+            forged.truncate(at % (forged.len() + 1));
+        }
+    }
+    let forged = crate::from_bytes::<HostTensor<f32>>(&forged);
+    let real = crate::from_bytes::<HostTensor<f32>>(&real);
+    assert!(!(forged.is_ok() && real.is_ok()), "one handoff's deposit was taken twice");
+    match (raw, forged, real) {
+        (Ok(()), ..) => "a message".into(),
+        (Err(_), Ok(t), _) => format!("an edited handoff of {} elements", t.numel()),
+        (Err(_), Err(e), _) => e.to_string(),
+    }
+}
+
 /// Real frames, as inputs for [`split_frame_input`]: messages of every kind of [`Message`]'s
 /// fields that a host without a GPU makes (host tensors with the caching allocator on and off,
 /// views, channel ends, fake tensors), each sent by a process of its own on a channel of its
