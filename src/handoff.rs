@@ -44,3 +44,75 @@ pub fn to_bytes<T: Serialize + ?Sized>(value: &T, ttl: Duration) -> Result<Vec<u
 pub fn from_bytes<T: DeserializeOwned>(bytes: &[u8]) -> Result<T> {
     crate::wire::decode_handoff(bytes).map_err(Error::Malformed)
 }
+
+/// Values turned into bytes one by one, as [`to_bytes`] does, whose descriptors wait in one
+/// deposit: for many values handed to one process together (the tensors of one pickle, a
+/// model's weights), whose decoder then fetches them once, at the first value it decodes,
+/// instead of once per value.
+///
+/// [`finish`](HandoffBatch::finish) the batch before any of its bytes are decoded (a decode
+/// before fails); a batch dropped unfinished is withdrawn, and none of its bytes decode. The
+/// bytes of one batch go to one process: the first to decode any of them takes the
+/// descriptors of all, and keeps those of the values it has not decoded yet until the
+/// batch's `ttl` is up. Each value's bytes decode once ([`from_bytes`]).
+///
+/// ```
+/// use std::time::Duration;
+/// use cuda_mp::{HandoffBatch, HostTensor};
+///
+/// let weights: Vec<HostTensor<f32>> =
+///     (0..3).map(|i| HostTensor::full(&[4], i as f32)).collect::<cuda_mp::Result<_>>()?;
+/// let mut batch = HandoffBatch::new(Duration::from_secs(60))?;
+/// let bytes: Vec<Vec<u8>> = weights.iter().map(|w| batch.to_bytes(w)).collect::<cuda_mp::Result<_>>()?;
+/// batch.finish()?;
+/// // In the process that received them: one fetch for the three.
+/// let back: HostTensor<f32> = cuda_mp::from_bytes(&bytes[2])?;
+/// assert_eq!(back.to_vec(), vec![2.0; 4]);
+/// assert!(cuda_mp::from_bytes::<HostTensor<f32>>(&bytes[2]).is_err(), "once");
+/// let first: HostTensor<f32> = cuda_mp::from_bytes(&bytes[0])?;
+/// assert!(first.shares_storage_with(&weights[0]));
+/// # Ok::<(), cuda_mp::Error>(())
+/// ```
+pub struct HandoffBatch {
+    encoder: crate::wire::BatchEncoder,
+    ttl: Duration,
+    encoded: usize,
+    finished: bool,
+}
+
+impl HandoffBatch {
+    /// An empty batch whose values wait for their decoder at most `ttl` (counted from now).
+    pub fn new(ttl: Duration) -> Result<HandoffBatch> {
+        let encoder = crate::wire::BatchEncoder::new(ttl).map_err(Error::Encode)?;
+        Ok(HandoffBatch { encoder, ttl, encoded: 0, finished: false })
+    }
+
+    /// The bytes of one more value of the batch. A value that does not encode is an error and
+    /// leaves the batch usable (what it had deposited goes with the batch).
+    pub fn to_bytes<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<Vec<u8>> {
+        let bytes = self.encoder.encode(value).map_err(Error::Encode)?;
+        self.encoded += 1;
+        Ok(bytes)
+    }
+
+    /// Ends the batch: its bytes decode from now on. [`Error::Timeout`] when its time was up
+    /// (nothing of it decodes).
+    pub fn finish(mut self) -> Result<()> {
+        self.finished = true;
+        if self.encoder.seal() { Ok(()) } else { Err(Error::Timeout(self.ttl)) }
+    }
+}
+
+impl Drop for HandoffBatch {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.encoder.withdraw();
+        }
+    }
+}
+
+impl std::fmt::Debug for HandoffBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HandoffBatch").field("values", &self.encoded).field("ttl", &self.ttl).finish()
+    }
+}

@@ -15,13 +15,18 @@
 //!
 //! - Values as bytes ([`crate::to_bytes`]): deposited like arguments, for the one process that
 //!   decodes the bytes, and dropped once nobody fetched them within the encoder's time.
+//! - A batch of such values ([`crate::HandoffBatch`]): one deposit for all of them, filled as
+//!   they encode and handed out only once sealed (a fetch before is answered "no" and leaves
+//!   it); its decoder fetches it once and keeps what the values not yet decoded will take.
 //!
 //! Each side checks the other's credentials (`SO_PEERCRED`: a process of another user gets
 //! nothing); the secret says which deposit. Expiring deposits go when their time is up: the
 //! serving thread wakes for the first of them (a new deposit that expires earlier wakes it),
-//! and one that expired is never handed out. Lock order: the deposits, then the wake time.
+//! and one that expired is never handed out. What a decoder keeps of a batch goes the same way
+//! when the batch's time is up. Lock order: the deposits, then what is kept, then the wake time.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::io;
 use std::os::fd::OwnedFd;
 use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
@@ -54,18 +59,32 @@ const EXIT_SLICE: Duration = Duration::from_millis(50);
 pub(crate) struct SpawnTicket {
     pub(crate) home: String,
     pub(crate) token: u128,
+    /// For a batch of values: the seconds its decoder keeps the descriptors that the values it
+    /// has not decoded yet will take (the encoder's time).
+    pub(crate) batch: Option<u32>,
 }
 
 struct Deposit {
     fds: Vec<Held>,
     /// `Some(deadline)` for arguments; results wait for ever.
     expires: Option<Instant>,
+    /// False while a batch is still being filled: not handed out yet.
+    sealed: bool,
+}
+
+/// What this process fetched of a batch and its values not yet decoded will take (each index
+/// once: `None` once taken), until the batch's time is up.
+struct Kept {
+    fds: Vec<Option<OwnedFd>>,
+    until: Instant,
 }
 
 struct Home {
     /// The home's abstract socket name.
     name: String,
     deposits: Mutex<HashMap<u128, Deposit>>,
+    /// Batches fetched from other homes (or this one), by their home's name and token.
+    kept: Mutex<HashMap<(String, u128), Kept>>,
     fetched: Condvar,
     /// When the serving thread wakes next to drop expired deposits (`None`: only for a fetch).
     wakes: Mutex<Option<Instant>>,
@@ -85,7 +104,13 @@ fn start() -> io::Result<Home> {
     let listening = Listening::bind_abstract(&name)?;
     std::thread::Builder::new().name("cuda-mp-handover".into()).spawn(move || serve(listening))?;
     crate::sys::at_exit(wait_at_exit_hook);
-    Ok(Home { name, deposits: Mutex::new(HashMap::new()), fetched: Condvar::new(), wakes: Mutex::new(None) })
+    Ok(Home {
+        name,
+        deposits: Mutex::new(HashMap::new()),
+        kept: Mutex::new(HashMap::new()),
+        fetched: Condvar::new(),
+        wakes: Mutex::new(None),
+    })
 }
 
 fn lock(home: &Home) -> MutexGuard<'_, HashMap<u128, Deposit>> {
@@ -108,7 +133,32 @@ pub(crate) fn withdraw(ticket: &SpawnTicket) {
 /// A fresh ticket at this process's home.
 pub(crate) fn ticket() -> Result<SpawnTicket> {
     let home = home()?;
-    Ok(SpawnTicket { home: home.name.clone(), token: crate::sys::random_u128() })
+    Ok(SpawnTicket { home: home.name.clone(), token: crate::sys::random_u128(), batch: None })
+}
+
+/// A fresh ticket for a batch of values, whose deposit waits (empty, not handed out) until it
+/// is sealed ([`seal`]) or `ttl` is up.
+pub(crate) fn batch_ticket(ttl: Duration) -> Result<SpawnTicket> {
+    let home = home()?;
+    let seconds = u32::try_from(ttl.as_secs().max(1)).unwrap_or(u32::MAX);
+    let ticket = SpawnTicket { home: home.name.clone(), token: crate::sys::random_u128(), batch: Some(seconds) };
+    let expires =
+        Instant::now().checked_add(ttl).unwrap_or_else(|| Instant::now() + Duration::from_secs(u32::MAX.into()));
+    let mut deposits = lock(home);
+    deposits.insert(ticket.token, Deposit { fds: Vec::new(), expires: Some(expires), sealed: false });
+    let wake = wakes_later(home, expires);
+    drop(deposits);
+    if wake {
+        let _ = crate::sys::connect_abstract(&home.name);
+    }
+    Ok(ticket)
+}
+
+/// Seals the batch deposit of `ticket`: from now on its decoder may fetch it. False when it is
+/// gone (its time was up).
+pub(crate) fn seal(ticket: &SpawnTicket) -> bool {
+    let Ok(home) = home() else { return false };
+    lock(home).get_mut(&ticket.token).map(|d| d.sealed = true).is_some()
 }
 
 /// Adds `fd` to what waits at this process's home under `ticket` (made by [`ticket`]) until it
@@ -117,18 +167,53 @@ pub(crate) fn append_expiring(ticket: &SpawnTicket, fd: Held, ttl: Duration) -> 
     deposit(ticket, fd, Some(ttl))
 }
 
-/// Drops every deposit whose time is up: their descriptors close now, not at the next deposit.
+fn lock_kept(home: &Home) -> MutexGuard<'_, HashMap<(String, u128), Kept>> {
+    home.kept.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Drops every deposit whose time is up, and what was kept of batches whose time is up: their
+/// descriptors close now, not at the next deposit.
 pub(crate) fn expire() {
     let Ok(home) = home() else { return };
     let now = Instant::now();
-    let expired: Vec<Deposit> = {
+    let expired: (Vec<Deposit>, Vec<Kept>) = {
         let mut deposits = lock(home);
         let keys: Vec<u128> =
             deposits.iter().filter(|(_, d)| d.expires.is_some_and(|e| e <= now)).map(|(k, _)| *k).collect();
-        keys.iter().filter_map(|k| deposits.remove(k)).collect()
+        let deposits = keys.iter().filter_map(|k| deposits.remove(k)).collect();
+        let mut kept = lock_kept(home);
+        let keys: Vec<(String, u128)> = kept.iter().filter(|(_, k)| k.until <= now).map(|(k, _)| k.clone()).collect();
+        (deposits, keys.iter().filter_map(|k| kept.remove(k)).collect())
     };
-    // Closed outside the lock.
+    // Closed outside the locks.
     drop(expired);
+}
+
+/// Keeps what this process fetched of the batch of `ticket` and did not take yet (`None`:
+/// taken), for the values of the batch it has not decoded yet, until the batch's time is up.
+pub(crate) fn keep(ticket: &SpawnTicket, fds: Vec<Option<OwnedFd>>) {
+    let Some(seconds) = ticket.batch else { return };
+    if fds.iter().all(Option::is_none) {
+        return;
+    }
+    let Ok(home) = home() else { return };
+    let until = Instant::now() + Duration::from_secs(seconds.into());
+    let deposits = lock(home);
+    let replaced = lock_kept(home).insert((ticket.home.clone(), ticket.token), Kept { fds, until });
+    let wake = wakes_later(home, until);
+    drop(deposits);
+    drop(replaced);
+    if wake {
+        let _ = crate::sys::connect_abstract(&home.name);
+    }
+}
+
+/// What this process keeps of the batch of `ticket` (taken out: [`keep`] puts back what is
+/// left), if it fetched the batch before and its time is not up.
+pub(crate) fn kept(ticket: &SpawnTicket) -> Option<Vec<Option<OwnedFd>>> {
+    let home = home().ok()?;
+    let kept = lock_kept(home).remove(&(ticket.home.clone(), ticket.token))?;
+    (kept.until > Instant::now()).then_some(kept.fds)
 }
 
 fn deposit(ticket: &SpawnTicket, fd: Held, ttl: Option<Duration>) -> Result<u32> {
@@ -137,19 +222,32 @@ fn deposit(ticket: &SpawnTicket, fd: Held, ttl: Option<Duration>) -> Result<u32>
     let now = Instant::now();
     deposits.retain(|_, d| d.expires.is_none_or(|e| e > now));
     let expires = ttl.map(|ttl| now + ttl);
-    let deposit = deposits.entry(ticket.token).or_insert_with(|| Deposit { fds: Vec::new(), expires });
+    let deposit = match deposits.entry(ticket.token) {
+        Entry::Occupied(batch) if ticket.batch.is_some() && batch.get().sealed => {
+            return Err(Error::Unsupported("a value was added to a batch after it was sealed".into()));
+        }
+        Entry::Occupied(deposit) => deposit.into_mut(),
+        Entry::Vacant(_) if ticket.batch.is_some() => {
+            return Err(Error::Unsupported("a value was added to a batch whose time was up".into()));
+        }
+        Entry::Vacant(v) => v.insert(Deposit { fds: Vec::new(), expires, sealed: true }),
+    };
     deposit.fds.push(fd);
     let index = deposit.fds.len() as u32 - 1;
-    // A deposit that expires before the serving thread next wakes wakes it (a connection that
-    // says nothing), so that its claims go when its time is up, not at the next deposit. Read
-    // under the deposits' lock, under which the thread sets its wake.
-    let earlier = |e: Instant| home.wakes.lock().unwrap_or_else(|p| p.into_inner()).is_none_or(|w| e < w);
-    let wake = expires.is_some_and(earlier);
+    let wake = deposit.expires.is_some_and(|e| wakes_later(home, e));
     drop(deposits);
     if wake {
         let _ = crate::sys::connect_abstract(&home.name);
     }
     Ok(index)
+}
+
+/// Whether the serving thread next wakes after `expires` (or only for a fetch): then the
+/// caller wakes it (a connection that says nothing), so that a deposit's claims go when its
+/// time is up, not at the next deposit. Called under the deposits' lock, under which the thread
+/// sets its wake.
+fn wakes_later(home: &Home, expires: Instant) -> bool {
+    home.wakes.lock().unwrap_or_else(|p| p.into_inner()).is_none_or(|w| expires < w)
 }
 
 /// How many deposits wait for a fetch that may never come (those that expire).
@@ -168,7 +266,8 @@ fn serve(listening: Listening) {
         // Until a fetch, or until the first deposit expires (a millisecond after, so that it has).
         let next = {
             let deposits = lock(home);
-            let next = deposits.values().filter_map(|d| d.expires).min();
+            let kept = lock_kept(home).values().map(|k| k.until).min();
+            let next = deposits.values().filter_map(|d| d.expires).chain(kept).min();
             *home.wakes.lock().unwrap_or_else(|p| p.into_inner()) = next;
             next
         };
@@ -188,8 +287,14 @@ fn serve(listening: Listening) {
         let Ok(Some(request)) = socket.recv(16, Wait::Until(Instant::now() + Duration::from_secs(5))) else { continue };
         let token = <[u8; 16]>::try_from(&request.bytes[..]).ok().map(u128::from_le_bytes);
         let now = Instant::now();
-        // An expired deposit is not handed out, even before it is dropped.
-        let deposit = token.and_then(|t| lock(home).remove(&t)).filter(|d| d.expires.is_none_or(|e| e > now));
+        // An expired deposit is not handed out, even before it is dropped; a batch still being
+        // filled is not handed out yet, and stays.
+        let deposit = token
+            .and_then(|t| {
+                let mut deposits = lock(home);
+                deposits.get(&t).is_some_and(|d| d.sealed).then(|| deposits.remove(&t)).flatten()
+            })
+            .filter(|d| d.expires.is_none_or(|e| e > now));
         let _ = match &deposit {
             Some(d) => socket.send(&[b"ok"], &borrow_all(&d.fds), Wait::Until(Instant::now() + FETCH_WAIT)),
             None => socket.send(&[b"no"], &[], Wait::Not),
@@ -207,7 +312,9 @@ pub(crate) fn fetch(ticket: &SpawnTicket) -> Result<Vec<OwnedFd>> {
     socket.send(&[&ticket.token.to_le_bytes()], &[], Wait::Forever).map_err(|e| refused(e.to_string()))?;
     match socket.recv(16, Wait::Until(Instant::now() + FETCH_WAIT)) {
         Ok(Some(answer)) if answer.bytes == b"ok" => Ok(answer.fds),
-        Ok(Some(_)) => Err(refused("the process that sent them holds none under that ticket".into())),
+        Ok(Some(_)) => Err(refused(
+            "the process that sent them holds none under that ticket (taken before, their time up, or their batch not finished)".into(),
+        )),
         Ok(None) => Err(refused("the process that sent them closed the connection".into())),
         Err(e) => Err(refused(e.to_string())),
     }

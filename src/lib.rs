@@ -158,7 +158,7 @@ pub use gpu::{
     TorchIpcHandle, TorchIpcStats, VMM_MIN_BYTES, cuda_available, torch_ipc_stats,
 };
 pub use half::{bf16, f16};
-pub use handoff::{from_bytes, to_bytes};
+pub use handoff::{HandoffBatch, from_bytes, to_bytes};
 pub use host::{
     HostStorage, HostTensor, empty_host_cache, host_allocator_stats, host_caching, set_host_cache_limit,
     set_host_caching,

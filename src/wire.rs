@@ -255,6 +255,44 @@ pub(crate) fn encode_handoff<T: Serialize + ?Sized>(value: &T, ttl: Duration) ->
     }
 }
 
+/// Values encoded one by one as bytes whose descriptors wait at this process's home in one
+/// deposit, for the one process that decodes them all ([`decode_handoff`] each): it fetches
+/// them once, at the first value it decodes.
+///
+/// Each value is a message of its own (a per-message lease included), so that the claims of a
+/// value that is never decoded go with its descriptors, whatever the others do.
+pub(crate) struct BatchEncoder {
+    ticket: SpawnTicket,
+    ttl: Duration,
+}
+
+impl BatchEncoder {
+    /// An empty batch, whose deposit waits for `ttl` (not handed out before [`Self::seal`]).
+    pub(crate) fn new(ttl: Duration) -> std::result::Result<BatchEncoder, String> {
+        let ticket = crate::handover::batch_ticket(ttl).map_err(|e| e.to_string())?;
+        Ok(BatchEncoder { ticket, ttl })
+    }
+
+    /// Encodes one more value of the batch. What a value that fails deposited before its
+    /// failure waits with the batch, and is closed with what its decoder does not take.
+    pub(crate) fn encode<T: Serialize + ?Sized>(&self, value: &T) -> std::result::Result<Vec<u8>, String> {
+        let mut context = Encoding::new(Some(Some(self.ticket.clone())), None);
+        context.spawn_ttl = self.ttl;
+        let (bytes, _) = scope(context, || postcard::to_allocvec(value));
+        bytes.map_err(|error| take_failure().unwrap_or_else(|| format!("{error:?}")))
+    }
+
+    /// Hands the deposit out to its decoder from now on; false when its time was up.
+    pub(crate) fn seal(&self) -> bool {
+        crate::handover::seal(&self.ticket)
+    }
+
+    /// Drops the deposit: no value of the batch decodes, and the claims it held go now.
+    pub(crate) fn withdraw(&self) {
+        crate::handover::withdraw(&self.ticket);
+    }
+}
+
 /// Decodes bytes made by [`encode_handoff`], fetching their descriptors from the home of the
 /// process that encoded them (once: a second decode of the same bytes finds nothing there).
 /// Runs apart from any decode this thread is in; descriptors it fetched and did not take are
@@ -267,8 +305,10 @@ pub(crate) fn decode_handoff<T: DeserializeOwned>(bytes: &[u8]) -> std::result::
             let spawned = self.1.take();
             let inner = DECODING.with(|d| std::mem::replace(&mut *d.borrow_mut(), outer));
             let fetched = SPAWNED.with(|s| std::mem::replace(&mut *s.borrow_mut(), spawned));
-            // Closed outside the borrows: untaken covers release their claims as they go.
-            drop((inner, fetched));
+            // Closed outside the borrows: untaken covers release their claims as they go; what
+            // a batch's values not decoded yet will take is kept for them.
+            drop(inner);
+            put_back(fetched);
         }
     }
     let outer = DECODING.with(|d| std::mem::take(&mut *d.borrow_mut()));
@@ -617,11 +657,13 @@ fn with_slot<R>(carried: &Carried, f: impl FnOnce(&mut Slot) -> Result<R>) -> Re
     SPAWNED.with(|s| {
         let mut s = s.borrow_mut();
         if s.as_ref().is_none_or(|(t, _)| t != ticket) {
-            let fds = crate::handover::fetch(ticket)?;
-            *s = Some((
-                ticket.clone(),
-                Decoding { slots: fds.into_iter().map(Slot::Fd).collect(), claims: Covers::new(), remote: None },
-            ));
+            // A batch this process fetched before keeps what its other values take.
+            let slots = match ticket.batch.and_then(|_| crate::handover::kept(ticket)) {
+                Some(kept) => kept.into_iter().map(|fd| fd.map_or(Slot::Taken, Slot::Fd)).collect(),
+                None => crate::handover::fetch(ticket)?.into_iter().map(Slot::Fd).collect(),
+            };
+            let replaced = s.replace((ticket.clone(), Decoding { slots, claims: Covers::new(), remote: None }));
+            put_back(replaced);
         }
         let (_, decoding) = s.as_mut().expect("just set");
         let result = match decoding.slots.get_mut(index) {
@@ -634,6 +676,23 @@ fn with_slot<R>(carried: &Carried, f: impl FnOnce(&mut Slot) -> Result<R>) -> Re
         }
         result
     })
+}
+
+/// Closes what a decode fetched and did not take, but keeps what the values of a batch that
+/// are not decoded yet will take.
+fn put_back(fetched: Option<(SpawnTicket, Decoding)>) {
+    let Some((ticket, decoding)) = fetched else { return };
+    if ticket.batch.is_some() {
+        let fds = decoding
+            .slots
+            .into_iter()
+            .map(|slot| match slot {
+                Slot::Fd(fd) => Some(fd),
+                Slot::Shared(_) | Slot::Taken => None,
+            })
+            .collect();
+        crate::handover::keep(&ticket, fds);
+    }
 }
 
 /// Takes a descriptor out of the message being decoded (each index once).

@@ -1,14 +1,16 @@
 //! Values as bytes (`cuda_mp::to_bytes` / `from_bytes`) through a transport that is not a
 //! channel (a file here), across real processes: the receiver shares the sender's memory, the
 //! memory lives until the receiver drops it, bytes decode once and not after their time, a
-//! receiver killed after decoding gives its claims back, and mutated bytes are errors.
+//! receiver killed after decoding gives its claims back, and mutated bytes are errors. Batches
+//! (`HandoffBatch`): one deposit for many values, decoded by one process each once, in any
+//! order; not before the batch is finished; what is left undecoded goes at the batch's time.
 
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use cuda_mp::{Builder, HostTensor, Sender, channel, from_bytes, spawn, to_bytes, wait_for_lifetime};
+use cuda_mp::{Builder, HandoffBatch, HostTensor, Sender, channel, from_bytes, spawn, to_bytes, wait_for_lifetime};
 
 mod common;
 
@@ -205,4 +207,90 @@ fn received_memory_goes_back_to_its_owner_as_bytes() {
     assert_eq!(t.to_vec(), vec![9.0; 3], "what came back is this process's own memory");
     drop((t, mine));
     back_to(&before, "nothing of the round trip stays");
+}
+
+/// `n` host tensors, the i-th full of i, as the bytes of one finished batch of time `ttl`.
+fn batch_of(n: usize, ttl: Duration) -> (Vec<HostTensor<i32>>, Vec<Vec<u8>>) {
+    let tensors: Vec<HostTensor<i32>> = (0..n).map(|i| HostTensor::full(&[256], i as i32).unwrap()).collect();
+    let mut batch = HandoffBatch::new(ttl).unwrap();
+    let bytes = tensors.iter().map(|t| batch.to_bytes(t).unwrap()).collect();
+    batch.finish().unwrap();
+    (tensors, bytes)
+}
+
+/// Decodes every value, last first, adds 1000 to each, and tries each again: the first element
+/// of each, and how many second decodes failed.
+fn decode_backwards_and_again(bytes: Vec<Vec<u8>>) -> (Vec<i32>, usize) {
+    let mut firsts = Vec::new();
+    for b in bytes.iter().rev() {
+        let t: HostTensor<i32> = from_bytes(b).unwrap();
+        t.map_inplace(|x| x + 1000);
+        firsts.push(t.to_vec()[0]);
+    }
+    let refused = bytes.iter().filter(|b| from_bytes::<HostTensor<i32>>(b).is_err()).count();
+    firsts.reverse();
+    (firsts, refused)
+}
+
+#[test]
+fn a_batch_crosses_to_one_process_that_decodes_each_value_once_in_any_order() {
+    let _g = serial();
+    let before = settled();
+    let (tensors, bytes) = batch_of(300, WAIT);
+    let (firsts, refused) = spawn(bytes, decode_backwards_and_again).join().unwrap();
+    assert_eq!(firsts, (1000..1300).collect::<Vec<i32>>(), "each value read and written by the child");
+    assert_eq!(refused, 300, "no value decodes twice");
+    for (i, t) in tensors.iter().enumerate() {
+        assert_eq!(t.to_vec(), vec![i as i32 + 1000; 256], "the child's writes are seen here: one memory");
+    }
+    drop(tensors);
+    back_to(&before, "every storage is freed once both sides dropped it");
+}
+
+#[test]
+fn a_batch_decodes_only_once_finished_and_one_dropped_unfinished_gives_its_claims_back() {
+    let _g = serial();
+    let before = settled();
+    let t = HostTensor::<f32>::from_vec(&[2], vec![1.0, 2.0]).unwrap();
+    let mut batch = HandoffBatch::new(WAIT).unwrap();
+    let bytes = batch.to_bytes(&t).unwrap();
+    let early = from_bytes::<HostTensor<f32>>(&bytes).unwrap_err().to_string();
+    assert!(early.contains("not finished"), "{early}");
+    batch.finish().unwrap();
+    assert_eq!(from_bytes::<HostTensor<f32>>(&bytes).unwrap().to_vec(), vec![1.0, 2.0]);
+    let mut unfinished = HandoffBatch::new(WAIT).unwrap();
+    let never = unfinished.to_bytes(&t).unwrap();
+    assert!(format!("{unfinished:?}").contains("values: 1"), "{unfinished:?}");
+    drop((t, unfinished));
+    back_to(&before, "the unfinished batch is withdrawn with its claims");
+    assert!(from_bytes::<HostTensor<f32>>(&never).is_err());
+}
+
+fn decode_first_report_and_hold((bytes, ready): (Vec<Vec<u8>>, Sender<i32>)) {
+    let t: HostTensor<i32> = from_bytes(&bytes[0]).unwrap();
+    ready.send(t.to_vec().iter().sum()).unwrap();
+    std::thread::sleep(Duration::from_secs(600));
+}
+
+#[test]
+fn values_of_a_batch_left_undecoded_give_their_claims_back_at_its_time_and_a_killed_holder_its_own() {
+    let _g = serial();
+    let before = settled();
+    let ttl = Duration::from_secs(2);
+    let (tensors, bytes) = batch_of(3, ttl);
+    let sent = Instant::now();
+    drop(tensors);
+    let (ready_tx, ready_rx) = channel().unwrap();
+    let mut child = Builder::new().spawn((bytes, ready_tx), decode_first_report_and_hold).unwrap();
+    assert_eq!(ready_rx.recv_timeout(WAIT).unwrap(), 0, "the child read the first value");
+    // The two values it did not decode are kept there for it until the batch's time is up.
+    let held = cuda_mp::lifetime_stats();
+    if sent.elapsed() < ttl {
+        assert_eq!(held.live_storages, before.live_storages + 3, "{held:?}");
+    }
+    wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages + 1)
+        .unwrap_or_else(|s| panic!("the undecoded values' claims come back at the batch's time: {s:?}"));
+    assert!(sent.elapsed() >= ttl, "not before: {:?}", sent.elapsed());
+    child.kill().unwrap();
+    back_to(&before, "the killed child's claim is reclaimed");
 }

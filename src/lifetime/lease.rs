@@ -465,7 +465,7 @@ mod record_tests {
 
     #[test]
     fn records_parse_back_whole_and_a_cut_one_waits() {
-        let ticket = SpawnTicket { home: "cuda-mp-home-test".into(), token: 7 };
+        let ticket = SpawnTicket { home: "cuda-mp-home-test".into(), token: 7, batch: None };
         let mut bytes = Vec::new();
         for c in
             [Control::Release(5, 1), Control::Link(ticket.clone()), Control::Retain(u64::MAX), Control::Release(7, 300)]
