@@ -713,17 +713,84 @@ const AS_HOST: u8 = 1;
 #[pyfunction]
 fn tensor_to_bytes<'py>(py: Python<'py>, tensor: &Bound<'py, Tensor>, ttl: f64) -> PyResult<Bound<'py, PyBytes>> {
     let ttl = seconds(Some(ttl))?.unwrap_or(Duration::ZERO);
+    tagged_bytes(py, tensor, |t| match t {
+        Any::Gpu(t) => cuda_mp::to_bytes(t, ttl),
+        Any::Host(t) => cuda_mp::to_bytes(t, ttl),
+    })
+}
+
+/// `tensor` encoded by `encode` without the GIL, its kind's tag in front.
+fn tagged_bytes<'py>(
+    py: Python<'py>,
+    tensor: &Bound<'py, Tensor>,
+    encode: impl FnOnce(&Any) -> cuda_mp::Result<Vec<u8>> + Send,
+) -> PyResult<Bound<'py, PyBytes>> {
     let inner = tensor.get().inner.clone();
-    let encoded = py.detach(move || match &inner {
-        Any::Gpu(t) => cuda_mp::to_bytes(t, ttl).map(|b| (AS_GPU, b)),
-        Any::Host(t) => cuda_mp::to_bytes(t, ttl).map(|b| (AS_HOST, b)),
-    });
-    let (tag, bytes) = encoded.map_err(error)?;
+    let tag = match &inner {
+        Any::Gpu(_) => AS_GPU,
+        Any::Host(_) => AS_HOST,
+    };
+    let bytes = py.detach(move || encode(&inner)).map_err(error)?;
     PyBytes::new_with(py, bytes.len() + 1, |out| {
         out[0] = tag;
         out[1..].copy_from_slice(&bytes);
         Ok(())
     })
+}
+
+/// Tensors as bytes, like `tensor_to_bytes`, whose descriptors wait in one deposit
+/// (`cuda_mp::HandoffBatch`): the tensors of one pickle, which their receiver fetches at once.
+/// `finish()` before any of them is read; one not finished is withdrawn when it goes.
+#[pyclass(frozen, module = "cuda_mp._native")]
+struct HandoffBatch {
+    inner: Mutex<Option<cuda_mp::HandoffBatch>>,
+}
+
+#[pymethods]
+impl HandoffBatch {
+    #[new]
+    fn new(ttl: f64) -> PyResult<Self> {
+        let ttl = seconds(Some(ttl))?.unwrap_or(Duration::ZERO);
+        let batch = cuda_mp::HandoffBatch::new(ttl).map_err(error)?;
+        Ok(HandoffBatch { inner: Mutex::new(Some(batch)) })
+    }
+
+    /// One more tensor of the batch, as bytes for `tensor_from_bytes`.
+    fn tensor_to_bytes<'py>(&self, py: Python<'py>, tensor: &Bound<'py, Tensor>) -> PyResult<Bound<'py, PyBytes>> {
+        tagged_bytes(py, tensor, |t| {
+            let mut batch = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            let batch = batch.as_mut().ok_or_else(|| cuda_mp::Error::Unsupported("this batch has ended".into()))?;
+            match t {
+                Any::Gpu(t) => batch.to_bytes(t),
+                Any::Host(t) => batch.to_bytes(t),
+            }
+        })
+    }
+
+    /// Ends the batch: its tensors may be read from now on.
+    fn finish(&self) -> PyResult<()> {
+        let batch = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+        batch.map_or(Ok(()), |b| b.finish().map_err(error))
+    }
+
+    /// Drops the batch unfinished: none of its tensors will be read, and what they held goes now.
+    fn withdraw(&self) {
+        let batch = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+        drop(batch);
+    }
+
+    fn __repr__(&self) -> String {
+        format!("{:?}", self)
+    }
+}
+
+impl fmt::Debug for HandoffBatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &*self.inner.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(batch) => batch.fmt(f),
+            None => f.write_str("HandoffBatch(ended)"),
+        }
+    }
 }
 
 /// The tensor that `tensor_to_bytes` made `data` of, in the process that made it; once.
@@ -842,6 +909,7 @@ fn flush_sends(py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Tensor>()?;
+    m.add_class::<HandoffBatch>()?;
     m.add_class::<Bundle>()?;
     m.add_class::<Listener>()?;
     m.add_class::<Receiver>()?;

@@ -60,3 +60,57 @@ def test_forged_bytes_raise():
             _native.tensor_from_bytes(forged)
     # The real bytes still decode (nothing of them waits on after the test).
     assert np.from_dlpack(_native.tensor_from_bytes(data)).shape == (4,)
+
+
+def add_index_to_each(q, back):
+    items = q.get(timeout=60)
+    for i, data in reversed(list(enumerate(items))):
+        np.from_dlpack(_native.tensor_from_bytes(data))[:] += i
+    back.put(sum(1 for data in items if _try_decode(data)))
+
+
+def _try_decode(data):
+    try:
+        _native.tensor_from_bytes(data)
+        return True
+    except cuda_mp.Malformed:
+        return False
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_batch_of_tensors_crosses_as_bytes_read_once_in_any_order(method):
+    ctx = mp.get_context(method)
+    arrays = [cuda_mp.empty_host((8,), "int64") for _ in range(50)]
+    for a in arrays:
+        a[:] = 0
+    batch = _native.HandoffBatch(60.0)
+    items = [batch.tensor_to_bytes(cuda_mp._host(a)) for a in arrays]
+    with pytest.raises(cuda_mp.Malformed, match="not finished"):
+        _native.tensor_from_bytes(items[0])
+    batch.finish()
+    q, back = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=add_index_to_each, args=(q, back))
+    p.start()
+    q.put(items)
+    assert back.get(timeout=60) == 0, "no item decodes twice"
+    p.join(60)
+    assert p.exitcode == 0
+    assert [a.tolist() for a in arrays] == [[i] * 8 for i in range(50)], "the child wrote to this process's memory"
+
+
+def test_a_batch_withdrawn_unfinished_releases_its_memory():
+    before = _native.lifetime_stats()
+    a = cuda_mp.empty_host((16,), "int32")
+    batch = _native.HandoffBatch(60.0)
+    data = batch.tensor_to_bytes(cuda_mp._host(a))
+    del a
+    assert "values: 1" in repr(batch)
+    batch.withdraw()
+    deadline = time.time() + 10
+    while _native.lifetime_stats() != before and time.time() < deadline:
+        time.sleep(0.01)
+    assert _native.lifetime_stats() == before, "released at once"
+    with pytest.raises(cuda_mp.Malformed):
+        _native.tensor_from_bytes(data)
+    with pytest.raises(cuda_mp.Error, match="ended"):
+        batch.tensor_to_bytes(cuda_mp._host(cuda_mp.empty_host((4,), "uint8")))

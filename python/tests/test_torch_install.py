@@ -97,3 +97,58 @@ def test_pipes_and_pool_arguments_carry_views_parameters_and_storages_in_place(i
     with ctx.Pool(2) as pool:
         sums = pool.map(total, [torch.full((1000,), float(i), device="cuda") for i in range(4)])
     assert sums == [0.0, 1000.0, 2000.0, 3000.0]
+
+
+def load_twice_and_sum(conn):
+    import pickle
+
+    data = conn.recv_bytes()
+    weights = pickle.loads(data)
+    sums = {name: float(t.sum().item()) for name, t in weights.items()}
+    try:
+        pickle.loads(data)
+        again = "loaded"
+    except cuda_mp.Malformed:
+        again = "Malformed"
+    conn.send((sums, again))
+
+
+def lifetime_settles_at(stats, seconds=10.0):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while cuda_mp._native.lifetime_stats() != stats and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return cuda_mp._native.lifetime_stats()
+
+
+def test_the_tensors_of_one_pickle_travel_as_one_batch_loaded_once(installed):
+    from multiprocessing.reduction import ForkingPickler
+
+    before = cuda_mp._native.lifetime_stats()
+    weights = {f"w{i}": torch.full((256,), float(i), device="cuda") for i in range(300)}
+    data = bytes(ForkingPickler.dumps(weights))
+    ctx = torch.multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe()
+    p = ctx.Process(target=load_twice_and_sum, args=(there,))
+    p.start()
+    here.send_bytes(data)
+    assert here.poll(120), "the child answers"
+    sums, again = here.recv()
+    p.join(60)
+    assert p.exitcode == 0
+    assert sums == {f"w{i}": 256.0 * i for i in range(300)}, "every tensor of the pickle read"
+    assert again == "Malformed", "a pickle's tensors load once"
+    del weights
+    assert lifetime_settles_at(before) == before, "every storage freed once the child is gone"
+
+
+def test_a_pickle_that_fails_midway_withdraws_its_batch(installed):
+    from multiprocessing.reduction import ForkingPickler
+
+    before = cuda_mp._native.lifetime_stats()
+    ts = [torch.ones(1024, device="cuda") for _ in range(3)]
+    with pytest.raises(Exception):
+        ForkingPickler.dumps(ts + [lambda: None])
+    del ts
+    assert lifetime_settles_at(before) == before, "nothing of the failed pickle waits for a reader"

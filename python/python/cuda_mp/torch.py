@@ -30,6 +30,10 @@ What changes for the program, against torch's own CUDA sharing:
   default) and for one receiver: an item still unread after that time, or read twice (a pickle
   loaded two times), fails to load with ``cuda_mp.Malformed`` and its memory is released. The
   sender must be alive when the item is read, as with torch.
+- The tensors of one pickle (one item put on a queue, one message on a pipe, a state dict) go
+  to one receiver together: it fetches what keeps their memory alive once, at the first tensor
+  it loads, and the rest as it loads them. Pickling them into several pickles that go to
+  several processes needs one ``ForkingPickler`` dump each, as ``multiprocessing`` does.
 - A process started with spawn or forkserver registers the same reductions when it first loads a
   tensor that came this way (so that what it sends back goes the same way); one that only sends
   calls ``install()`` itself.
@@ -50,6 +54,9 @@ DEFAULT_TTL = 600.0
 """Seconds that a pickled tensor names its memory for, by default."""
 
 _lock = threading.Lock()
+# The batch that the tensors of the pickle being dumped on this thread share (None until its
+# first tensor), one per nested dump.
+_dumping = threading.local()
 # The reductions in place before install(), by class, to restore and to fall back on.
 _previous: Dict[type, Optional[Callable]] = {}
 _ttl = DEFAULT_TTL
@@ -82,11 +89,14 @@ def install(ttl: float = DEFAULT_TTL) -> None:
         for cls, reduce in ours.items():
             _previous[cls] = ForkingPickler._extra_reducers.get(cls)
             ForkingPickler.register(cls, reduce)
+        ForkingPickler.dump = _dump
 
 
 def uninstall() -> None:
     """Gives torch's reductions back (objects pickled before keep working)."""
     with _lock:
+        if ForkingPickler.__dict__.get("dump") is _dump:
+            del ForkingPickler.dump
         for cls, reduce in _previous.items():
             if reduce is None:
                 ForkingPickler._extra_reducers.pop(cls, None)
@@ -102,6 +112,33 @@ def _torch_reduction(obj, cls: type):
 
 
 # --- what travels through cuda-mp --------------------------------------------------------------
+
+
+def _dump(pickler, obj):
+    """``ForkingPickler.dump`` (which ``ForkingPickler.dumps`` calls too): the CUDA tensors of one
+    pickle share one batch, finished once the pickle is whole (withdrawn if it fails)."""
+    stack = _dumping.__dict__.setdefault("stack", [])
+    stack.append(None)
+    try:
+        pickle.Pickler.dump(pickler, obj)
+    except BaseException:
+        batch = stack.pop()
+        if batch is not None:
+            batch.withdraw()
+        raise
+    batch = stack.pop()
+    if batch is not None:
+        batch.finish()
+
+
+def _to_bytes(native) -> bytes:
+    """``native`` as bytes: in the batch of the pickle being dumped on this thread, if any."""
+    stack = getattr(_dumping, "stack", None)
+    if not stack:
+        return _native.tensor_to_bytes(native, _ttl)
+    if stack[-1] is None:
+        stack[-1] = _native.HandoffBatch(_ttl)
+    return stack[-1].tensor_to_bytes(native)
 
 
 def _ours(t) -> Optional["_native.Tensor"]:
@@ -135,7 +172,7 @@ def _reduce_tensor(t):
             "support crossing process boundaries.  If you just want to transfer the data, call detach() on "
             "the tensor before serializing (e.g., putting it on the queue)."
         )
-    data = _native.tensor_to_bytes(native, _ttl)
+    data = _to_bytes(native)
     return (_rebuild_tensor, (data, cls is torch.nn.Parameter, t.requires_grad, _ttl))
 
 
@@ -151,7 +188,7 @@ def _reduce_untyped_storage(storage):
 
     if storage.device.type != "cuda" or storage.nbytes() == 0:
         return _torch_reduction(storage, torch.UntypedStorage)
-    data = _native.tensor_to_bytes(_gpu(_bytes_view(storage)), _ttl)
+    data = _to_bytes(_gpu(_bytes_view(storage)))
     return (_rebuild_untyped_storage, (data, _ttl))
 
 
@@ -161,7 +198,7 @@ def _reduce_typed_storage(storage):
     if storage.device.type != "cuda" or storage.nbytes() == 0 or type(storage) is not torch.storage.TypedStorage:
         return _torch_reduction(storage, torch.storage.TypedStorage)
     untyped = storage._untyped_storage
-    data = _native.tensor_to_bytes(_gpu(_bytes_view(untyped)), _ttl)
+    data = _to_bytes(_gpu(_bytes_view(untyped)))
     return (_rebuild_typed_storage, (data, storage.dtype, _ttl))
 
 
