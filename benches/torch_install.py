@@ -5,7 +5,10 @@
 - fresh: fresh 1 MiB CUDA tensors per second to a consumer that drops each (all put at once,
   after a warm-up);
 - 7B first / republish: a 7B-parameter bf16 state dict (291 tensors) put on the queue until the
-  consumer has it all, first time and again.
+  consumer has it all, first time and again;
+- 7B split: the same state dict pickled by hand (``ForkingPickler.dumps``, timed in the
+  producer), its bytes sent on a pipe, and loaded (``pickle.loads``, timed in a fresh consumer):
+  where a publish's time goes, first and again.
 
 Each mode runs in an interpreter of its own (spawn consumers, one GPU):
 
@@ -43,6 +46,22 @@ def take_weights(q_in, q_out):
             return
         torch.cuda.synchronize()
         q_out.put(len(d))
+        del d
+
+
+def load_weights(conn):
+    import pickle
+
+    import torch
+
+    while True:
+        data = conn.recv_bytes()
+        if not data:
+            return
+        start = time.perf_counter()
+        d = pickle.loads(data)
+        torch.cuda.synchronize()
+        conn.send((len(d), time.perf_counter() - start))
         del d
 
 
@@ -115,6 +134,28 @@ def measure(mode, quick):
     p.join(60)
     out["first_ms"] = times[0] * 1e3
     out["republish_ms"] = statistics.median(times[1:]) * 1e3
+
+    from multiprocessing.reduction import ForkingPickler
+
+    here, there = ctx.Pipe()
+    p = ctx.Process(target=load_weights, args=(there,))
+    p.start()
+    here.send_bytes(bytes(ForkingPickler.dumps({"w": torch.zeros(1, device="cuda")})))  # start, CUDA context
+    here.recv()
+    split = []
+    for _ in range(4):
+        start = time.perf_counter()
+        data = bytes(ForkingPickler.dumps(weights))
+        dumped = time.perf_counter() - start
+        here.send_bytes(data)
+        n, loaded = here.recv()
+        assert n == len(weights)
+        split.append((dumped * 1e3, loaded * 1e3, (time.perf_counter() - start) * 1e3))
+        print(f"  {mode}: 7B by hand: dumps {split[-1][0]:.1f} ms, loads {split[-1][1]:.1f} ms, in all {split[-1][2]:.1f} ms", file=sys.stderr, flush=True)
+    here.send_bytes(b"")
+    p.join(60)
+    out["split_first"] = split[0]
+    out["split_again"] = [statistics.median(x[i] for x in split[1:]) for i in range(3)]
     out["tensors"] = len(weights)
     out["gb"] = sum(w.numel() * 2 for w in weights.values()) / 1e9
     return out
@@ -145,6 +186,9 @@ def main():
     print(f"| fresh 1 MiB tensors per second | {t['fresh_per_s']:.0f}/s | {c['fresh_per_s']:.0f}/s | {c['fresh_per_s'] / t['fresh_per_s']:.2f}x |")
     print(f"| 7B weights, first publish | {t['first_ms']:.1f} ms | {c['first_ms']:.1f} ms | {t['first_ms'] / c['first_ms']:.2f}x |")
     print(f"| 7B weights, republish | {t['republish_ms']:.1f} ms | {c['republish_ms']:.1f} ms | {t['republish_ms'] / c['republish_ms']:.2f}x |")
+    for key, what in (("split_first", "first"), ("split_again", "again")):
+        for i, part in enumerate(("dumps (producer)", "loads (consumer)", "in all, by hand")):
+            print(f"| 7B {what}: {part} | {t[key][i]:.1f} ms | {c[key][i]:.1f} ms | {t[key][i] / c[key][i]:.2f}x |")
 
 
 if __name__ == "__main__":
