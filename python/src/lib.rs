@@ -313,6 +313,9 @@ fn gpu_tensor(
             // storage made here.
             let keeper = Box::new(Keeper(Some(keeper)));
             let storage = unsafe { GpuStorage::from_foreign(&dev, ptr, nbytes, keeper) }.map_err(error)?;
+            // While it lives, the same PyTorch memory sent again travels as this storage: one
+            // identity, whose receivers keep their mapping of it.
+            HANDED_GPU.remember(device, ptr, &storage, nbytes);
             (storage, 0)
         }
     };
@@ -811,6 +814,13 @@ fn lifetime_stats(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
     PyTuple::new(py, [s.live_storages as u64, s.exported_storages as u64, s.outstanding_leases as u64])
 }
 
+/// How many mappings of other processes' storages this process has opened (a storage mapped
+/// again from the idle cache counts once), for tests.
+#[pyfunction]
+fn opened_mappings() -> u64 {
+    cuda_mp::lifetime_stats().opened_mappings
+}
+
 /// A caching allocator's statistics as a dict (the fields of `cuda_mp::AllocatorStats`).
 fn stats_dict(py: Python<'_>, s: cuda_mp::AllocatorStats) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
@@ -921,6 +931,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pack, m)?)?;
     m.add_function(wrap_pyfunction!(bundle_of, m)?)?;
     m.add_function(wrap_pyfunction!(lifetime_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(opened_mappings, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_to_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_from_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;

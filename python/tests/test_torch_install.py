@@ -114,10 +114,12 @@ def load_twice_and_sum(conn):
 
 
 def lifetime_settles_at(stats, seconds=10.0):
+    import gc
     import time
 
     deadline = time.monotonic() + seconds
     while cuda_mp._native.lifetime_stats() != stats and time.monotonic() < deadline:
+        gc.collect()  # a failed pickle's traceback holds its pickler, and the pickler its tensors
         time.sleep(0.05)
     return cuda_mp._native.lifetime_stats()
 
@@ -152,3 +154,48 @@ def test_a_pickle_that_fails_midway_withdraws_its_batch(installed):
         ForkingPickler.dumps(ts + [lambda: None])
     del ts
     assert lifetime_settles_at(before) == before, "nothing of the failed pickle waits for a reader"
+
+
+def load_and_count_openings(conn):
+    import pickle
+
+    while True:
+        data = conn.recv_bytes()
+        if not data:
+            return
+        before = cuda_mp._native.opened_mappings()
+        weights = pickle.loads(data)
+        sums = [float(t.sum().item()) for t in weights]
+        conn.send((sums, cuda_mp._native.opened_mappings() - before))
+        del weights
+
+
+def test_a_storage_sent_again_keeps_its_identity_and_its_receivers_mapping(installed):
+    import time
+    from multiprocessing.reduction import ForkingPickler
+
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    weights = [torch.full((1 << 18,), float(i), device="cuda") for i in range(20)]
+    ctx = torch.multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe()
+    p = ctx.Process(target=load_and_count_openings, args=(there,))
+    p.start()
+    opened = []
+    for step in range(3):
+        for w in weights:
+            w.add_(1)
+        here.send_bytes(bytes(ForkingPickler.dumps(weights)))
+        assert here.poll(120), "the child answers"
+        sums, n = here.recv()
+        assert sums == [float((1 << 18) * (i + step + 1)) for i in range(20)], "each publish's values"
+        opened.append(n)
+    here.send_bytes(b"")
+    p.join(60)
+    assert p.exitcode == 0
+    assert opened[0] >= 1 and opened[1:] == [0, 0], f"mapped at the first publish, then kept: {opened}"
+    del weights, w
+    deadline = time.monotonic() + 10
+    while torch.cuda.memory_allocated() > baseline and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert torch.cuda.memory_allocated() == baseline, "the program's memory goes back once it holds it no more"

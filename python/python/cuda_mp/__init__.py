@@ -150,7 +150,7 @@ def _order_after_torch(device_index: int) -> None:
     ours.wait_stream(current)
 
 
-def _gpu(t, order: bool = True) -> "_native.Tensor":
+def _gpu(t, order: bool = True, keeper=None) -> "_native.Tensor":
     if isinstance(t, _native.Tensor):
         return t
     if not _is_torch(t) or not t.is_cuda:
@@ -167,7 +167,7 @@ def _gpu(t, order: bool = True) -> "_native.Tensor":
         list(t.shape),
         list(t.stride()),
         t.storage_offset(),
-        t,
+        t if keeper is None else keeper,
     )
 
 

@@ -34,6 +34,10 @@ What changes for the program, against torch's own CUDA sharing:
   to one receiver together: it fetches what keeps their memory alive once, at the first tensor
   it loads, and the rest as it loads them. Pickling them into several pickles that go to
   several processes needs one ``ForkingPickler`` dump each, as ``multiprocessing`` does.
+- A CUDA storage that was sent keeps its cuda-mp identity for as long as the program holds it,
+  so that sending it again (a republish of the same weights) costs its receivers no new
+  mapping: the receivers keep theirs while this process holds the storage. cuda-mp's own
+  reference on it goes within about a second of the program's last one.
 - A process started with spawn or forkserver registers the same reductions when it first loads a
   tensor that came this way (so that what it sends back goes the same way); one that only sends
   calls ``install()`` itself.
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, Optional
 
@@ -57,6 +62,17 @@ _lock = threading.Lock()
 # The batch that the tensors of the pickle being dumped on this thread share (None until its
 # first tensor), one per nested dump.
 _dumping = threading.local()
+# CUDA storages sent, by (device, address, bytes): the cuda-mp tensor that holds the storage's
+# wrapper (so that it is found again, with its identity), and the storage's address in PyTorch
+# (``_cdata``) to read its use count. The wrapper holds the storage through a tensor of its own,
+# so a use count of ``_alone`` (what a storage held by one tensor reads) means the program holds
+# it no more.
+_book: Dict[tuple, tuple] = {}
+_book_lock = threading.Lock()
+_pruner: Optional[threading.Thread] = None
+_alone: Optional[int] = None
+PRUNE_EVERY = 1.0
+"""Seconds between two looks at which sent storages the program still holds."""
 # The reductions in place before install(), by class, to restore and to fall back on.
 _previous: Dict[type, Optional[Callable]] = {}
 _ttl = DEFAULT_TTL
@@ -103,6 +119,10 @@ def uninstall() -> None:
             else:
                 ForkingPickler.register(cls, reduce)
         _previous.clear()
+    with _book_lock:
+        gone = list(_book.values())
+        _book.clear()
+    del gone
 
 
 def _torch_reduction(obj, cls: type):
@@ -150,13 +170,73 @@ def _ours(t) -> Optional["_native.Tensor"]:
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         return None
     if t.is_cuda:
-        return _gpu(t)
+        return _sent(t)
     if t.device.type != "cpu":
         return None
     # CPU memory that cuda-mp made travels as itself; any other keeps torch's sharing, which
     # moves the storage to shared memory in place (what a program that shares a CPU model relies on).
     span = (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size() if t.numel() else 0
     return _native.host_tensor(_torch_names()[t.dtype], list(t.shape), list(t.stride()), 0, t.data_ptr(), span)
+
+
+def _sent(t) -> "_native.Tensor":
+    """A CUDA tensor as a cuda-mp tensor whose storage keeps one identity while the program
+    holds it (see ``_book``)."""
+    import torch
+
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    storage = t.untyped_storage()
+    key = (t.device.index or 0, storage.data_ptr(), storage.nbytes())
+    with _book_lock:
+        known = key in _book
+    if known or use_count is None:
+        return _gpu(t)  # the wrapper is found by its address while the book holds it
+    keeper = torch.empty((0,), dtype=torch.uint8, device=t.device).set_(storage)
+    native = _gpu(t, keeper=keeper)
+    with _book_lock:
+        _book.setdefault(key, (native, storage._cdata))
+        _start_pruner()
+    return native
+
+
+def _start_pruner() -> None:
+    """Starts the thread that lets go of the storages the program holds no more (under the lock)."""
+    global _pruner
+    if _pruner is None:
+        _pruner = threading.Thread(target=_prune_while_any, name="cuda-mp-torch-book", daemon=True)
+        _pruner.start()
+
+
+def _alone_count(use_count) -> int:
+    """The use count of a storage that one tensor alone holds, its Python object made: torch
+    2.11 counts one reference more than the tensor's for a storage whose Python object exists."""
+    import torch
+
+    probe = torch.empty((1,))
+    return use_count(probe.untyped_storage()._cdata)
+
+
+def _prune_while_any() -> None:
+    """Every ``PRUNE_EVERY`` seconds, lets go of the wrappers of storages the program holds no
+    more; ends (and says so under the lock) once none is left."""
+    global _pruner, _alone
+    import torch
+
+    use_count = torch._C._storage_Use_Count
+    if _alone is None:
+        _alone = _alone_count(use_count)
+    while True:
+        time.sleep(PRUNE_EVERY)
+        with _book_lock:
+            # The wrapper's own tensor holds the storage, so the entry's address stays valid.
+            gone = [key for key, (_, cdata) in _book.items() if use_count(cdata) <= _alone]
+            dropped = [_book.pop(key) for key in gone]
+            done = not _book
+            if done:
+                _pruner = None
+        del dropped  # outside the lock: letting go of a wrapper may release its memory
+        if done:
+            return
 
 
 def _reduce_tensor(t):
@@ -188,7 +268,7 @@ def _reduce_untyped_storage(storage):
 
     if storage.device.type != "cuda" or storage.nbytes() == 0:
         return _torch_reduction(storage, torch.UntypedStorage)
-    data = _to_bytes(_gpu(_bytes_view(storage)))
+    data = _to_bytes(_sent(_bytes_view(storage)))
     return (_rebuild_untyped_storage, (data, _ttl))
 
 
@@ -198,7 +278,7 @@ def _reduce_typed_storage(storage):
     if storage.device.type != "cuda" or storage.nbytes() == 0 or type(storage) is not torch.storage.TypedStorage:
         return _torch_reduction(storage, torch.storage.TypedStorage)
     untyped = storage._untyped_storage
-    data = _to_bytes(_gpu(_bytes_view(untyped)))
+    data = _to_bytes(_sent(_bytes_view(untyped)))
     return (_rebuild_typed_storage, (data, storage.dtype, _ttl))
 
 
