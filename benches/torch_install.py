@@ -10,7 +10,9 @@
   producer), its bytes sent on a pipe, and loaded (``pickle.loads``, timed in a fresh consumer):
   where a publish's time goes, first and again.
 
-Each mode runs in an interpreter of its own (spawn consumers, one GPU):
+Three modes: torch.mp alone; with ``install()``; and the same programs with ``cuda_mp.Queue``
+for every ``multiprocessing`` queue (the pipe of the by-hand rows stays). Each mode runs in an
+interpreter of its own (spawn consumers, one GPU):
 
     python3 benches/torch_install.py [--quick]
 """
@@ -77,12 +79,21 @@ def measure(mode, quick):
     import torch.multiprocessing as mp
     from torch_baseline import drop_and_ack  # row a's consumer: drops each tensor, acknowledges
 
-    if mode == "cuda-mp":
+    if mode in ("cuda-mp", "queue"):
         import cuda_mp.torch
 
         cuda_mp.torch.install()
     ctx = mp.get_context("spawn")
     out = {}
+    if mode == "queue":
+        import cuda_mp
+
+        class Queues:  # the context's queues replaced by cuda-mp's
+            Queue = staticmethod(cuda_mp.Queue)
+            Process = ctx.Process
+            Pipe = ctx.Pipe
+
+        ctx = Queues
 
     q_in, q_out = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=drop_and_ack, args=(q_in, q_out))
@@ -167,7 +178,7 @@ def main():
         print(json.dumps(measure(sys.argv[sys.argv.index("--mode") + 1], quick)), flush=True)
         return
     results = {}
-    for mode in ("torch", "cuda-mp"):
+    for mode in ("torch", "cuda-mp", "queue"):
         # Progress and errors on stderr as they come; the result is the last line of stdout.
         done = subprocess.run(
             [sys.executable, __file__, "--mode", mode] + (["--quick"] if quick else []),
@@ -178,7 +189,7 @@ def main():
         if done.returncode != 0:
             sys.exit(f"{mode} failed (exit status {done.returncode})")
         results[mode] = json.loads(done.stdout.strip().splitlines()[-1])
-    t, c = results["torch"], results["cuda-mp"]
+    t, c, q = results["torch"], results["cuda-mp"], results["queue"]
     print(f"7B state dict: {c['tensors']} bf16 tensors, {c['gb']:.2f} GB")
     print("| workload | torch.mp alone | torch.mp + cuda_mp.torch.install() | speed-up |")
     print("|---|---|---|---|")
@@ -189,6 +200,13 @@ def main():
     for key, what in (("split_first", "first"), ("split_again", "again")):
         for i, part in enumerate(("dumps (producer)", "loads (consumer)", "in all, by hand")):
             print(f"| 7B {what}: {part} | {t[key][i]:.1f} ms | {c[key][i]:.1f} ms | {t[key][i] / c[key][i]:.2f}x |")
+    print()
+    print("| workload | torch.mp alone | cuda_mp.Queue (and install()) | speed-up |")
+    print("|---|---|---|---|")
+    print(f"| round trip, re-sent 1 MiB tensor | {t['rt_us']:.1f} us | {q['rt_us']:.1f} us | {t['rt_us'] / q['rt_us']:.2f}x |")
+    print(f"| fresh 1 MiB tensors per second | {t['fresh_per_s']:.0f}/s | {q['fresh_per_s']:.0f}/s | {q['fresh_per_s'] / t['fresh_per_s']:.2f}x |")
+    print(f"| 7B weights, first publish | {t['first_ms']:.1f} ms | {q['first_ms']:.1f} ms | {t['first_ms'] / q['first_ms']:.2f}x |")
+    print(f"| 7B weights, republish | {t['republish_ms']:.1f} ms | {q['republish_ms']:.1f} ms | {t['republish_ms'] / q['republish_ms']:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ use cuda_mp::{
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use serde::{Deserialize, Serialize};
 
 mod dlpack;
 mod torch_ipc;
@@ -704,6 +705,124 @@ impl Sender {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Queues of pickled objects whose tensors travel beside the pickle.
+
+/// A tensor carried beside a queued object's pickle.
+#[derive(Serialize, Deserialize)]
+enum Piece {
+    Gpu(DynTensor<GpuStorage>),
+    Host(DynTensor<HostStorage>),
+}
+
+/// One item of a queue: an object pickled with its tensors left out, and the tensors.
+#[derive(Serialize, Deserialize)]
+struct Item {
+    #[serde(with = "serde_bytes")]
+    pickle: Vec<u8>,
+    tensors: Vec<Piece>,
+}
+
+/// A queue of many producers and consumers in many processes (a `cuda_mp::Queue`) whose items
+/// are pickles and the tensors they name: `cuda_mp.Queue` wraps it.
+#[pyclass(frozen, module = "cuda_mp._native")]
+pub struct Queue {
+    inner: cuda_mp::Queue<Item>,
+}
+
+impl fmt::Debug for Queue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Queue").finish_non_exhaustive()
+    }
+}
+
+/// A get's failure as the matching exception.
+fn get_error(e: cuda_mp::GetTimeoutError) -> PyErr {
+    Python::attach(|py| {
+        let class = match &e {
+            cuda_mp::GetTimeoutError::Timeout => "Timeout",
+            cuda_mp::GetTimeoutError::Disconnected => "Disconnected",
+            cuda_mp::GetTimeoutError::Malformed(_) => "Malformed",
+            _ => "Error",
+        };
+        exception(py, class, e.to_string())
+    })
+}
+
+#[pymethods]
+impl Queue {
+    /// A new queue, served by this process: it must outlive the processes that use it.
+    #[new]
+    fn new(py: Python<'_>) -> PyResult<Queue> {
+        Ok(Queue { inner: py.detach(cuda_mp::Queue::new).map_err(error)? })
+    }
+
+    /// Puts one item: `pickle` and the tensors it names.
+    fn put(&self, py: Python<'_>, pickle: Vec<u8>, tensors: Vec<Bound<'_, Tensor>>) -> PyResult<()> {
+        let tensors = tensors
+            .iter()
+            .map(|t| match &t.get().inner {
+                Any::Gpu(t) => Piece::Gpu(t.clone()),
+                Any::Host(t) => Piece::Host(t.clone()),
+            })
+            .collect();
+        let item = Item { pickle, tensors };
+        py.detach(|| self.inner.put(item)).map_err(|e| {
+            let e = cuda_mp::Error::from(e);
+            let class = if e.to_string().contains("disconnected") { "Disconnected" } else { "Error" };
+            exception(py, class, e.to_string())
+        })
+    }
+
+    /// The next item (its pickle and its tensors), waiting at most `timeout` seconds (None: for
+    /// ever). Raises `Timeout`, `Disconnected` (closed and drained, or its process gone),
+    /// `Malformed`.
+    #[pyo3(signature = (timeout=None))]
+    fn get<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<(Bound<'py, PyBytes>, Vec<Tensor>)> {
+        const SLICE: Duration = Duration::from_millis(100);
+        let deadline = seconds(timeout)?.map(|t| Instant::now() + t);
+        let item = loop {
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            let slice = left.map_or(SLICE, |l| l.min(SLICE));
+            match py.detach(|| self.inner.get_timeout(slice)) {
+                Err(cuda_mp::GetTimeoutError::Timeout) if left.is_none_or(|l| l > slice) => py.check_signals()?,
+                other => break other.map_err(get_error)?,
+            }
+        };
+        let tensors = item
+            .tensors
+            .into_iter()
+            .map(|p| Tensor {
+                inner: match p {
+                    Piece::Gpu(t) => Any::Gpu(t),
+                    Piece::Host(t) => Any::Host(t),
+                },
+            })
+            .collect();
+        Ok((PyBytes::new(py, &item.pickle), tensors))
+    }
+
+    /// This handle as bytes that one process turns into a handle of the same queue with
+    /// `from_bytes`, within `ttl` seconds (what pickling a `cuda_mp.Queue` writes).
+    fn to_bytes<'py>(&self, py: Python<'py>, ttl: f64) -> PyResult<Bound<'py, PyBytes>> {
+        let ttl = seconds(Some(ttl))?.unwrap_or(Duration::ZERO);
+        let bytes = py.detach(|| cuda_mp::to_bytes(&self.inner, ttl)).map_err(error)?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// The handle that `to_bytes` made `data` of; once.
+    #[staticmethod]
+    fn from_bytes(py: Python<'_>, data: &[u8]) -> PyResult<Queue> {
+        Ok(Queue { inner: py.detach(|| cuda_mp::from_bytes(data)).map_err(error)? })
+    }
+
+    /// Messages waiting, in flight and delivered so far: (backlog, in flight, delivered).
+    fn stats(&self, py: Python<'_>) -> PyResult<(usize, usize, u64)> {
+        let s = py.detach(|| self.inner.stats()).map_err(|e| exception(py, "Error", e.to_string()))?;
+        Ok((s.backlog, s.in_flight, s.delivered))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Tensors as bytes, for transports that are not cuda-mp channels (pickles: `cuda_mp.torch`).
 
 const AS_GPU: u8 = 0;
@@ -920,6 +1039,7 @@ fn flush_sends(py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Tensor>()?;
     m.add_class::<HandoffBatch>()?;
+    m.add_class::<Queue>()?;
     m.add_class::<Bundle>()?;
     m.add_class::<Listener>()?;
     m.add_class::<Receiver>()?;

@@ -191,3 +191,40 @@ def test_memory_of_the_expandable_segments_allocator_is_refused_with_what_to_do(
     out = subprocess.run([sys.executable, "-c", EXPANDABLE], env=env, capture_output=True, text=True, timeout=120)
     assert "REFUSED" in out.stdout, out.stdout + out.stderr
     assert "expandable_segments" in out.stdout, out.stdout
+
+
+def add_one_to_each(q, results):
+    import torch
+
+    while True:
+        item = q.get(timeout=60)
+        if item is None:
+            return
+        for t in item["tensors"]:
+            t.add_(1)
+        torch.cuda.synchronize()
+        results.put((item["step"], isinstance(item["param"], torch.nn.Parameter), item["param"].requires_grad))
+
+
+def test_cuda_tensors_in_any_object_cross_a_cuda_mp_queue_in_place():
+    ctx = torch.multiprocessing.get_context("spawn")
+    q, results = cuda_mp.Queue(), cuda_mp.Queue()
+    # One worker: two adding to the same memory at once would race.
+    workers = [ctx.Process(target=add_one_to_each, args=(q, results))]
+    for w in workers:
+        w.start()
+    base = torch.zeros(64, 64, device="cuda")
+    tensors = [torch.zeros(1 << 16, device="cuda") for _ in range(8)]
+    param = torch.nn.Parameter(torch.ones(4, device="cuda"))
+    for step in range(10):
+        q.put({"step": step, "tensors": tensors + [base[:, 3]], "param": param})
+    got = sorted(results.get(timeout=60) for _ in range(10))
+    for _ in workers:
+        q.put(None)
+    for w in workers:
+        w.join(60)
+        assert w.exitcode == 0
+    assert got == [(step, True, True) for step in range(10)]
+    torch.cuda.synchronize()
+    assert all(bool((t == 10).all()) for t in tensors), "every worker's add is seen here"
+    assert base[:, 3].eq(10).all() and base[:, 2].eq(0).all(), "a strided view crossed as a view"

@@ -35,6 +35,7 @@ __all__ = [
     "Listener",
     "Malformed",
     "PackedStateDict",
+    "Queue",
     "Receiver",
     "Sender",
     "Timeout",
@@ -490,3 +491,6 @@ class _ExitFlush:
 
 
 _EXIT_FLUSH = _ExitFlush()
+
+
+from .queue import Queue  # noqa: E402  (it uses the helpers above)

@@ -1,0 +1,151 @@
+"""``cuda_mp.Queue``: a queue of any picklable objects between processes, whose tensors travel as
+shared memory instead of inside the pickle.
+
+    import multiprocessing as mp
+    import cuda_mp
+
+    q = cuda_mp.Queue()                      # served by this process: it outlives the workers
+    p = mp.get_context("spawn").Process(target=work, args=(q,))
+    q.put({"step": 3, "weights": model_weights})   # CUDA tensors: no copy
+    item = q.get(timeout=10)
+
+It is the Rust crate's ``Queue``: many producers and consumers in many processes (handles
+pickle to children of every start method), each item delivered to exactly one consumer, an item
+whose consumer died before taking it delivered to another, no feeder thread. An item is pickled
+with its tensors left out: CUDA ``torch.Tensor`` s (and ``nn.Parameter`` s) and CPU tensors and
+NumPy arrays in cuda-mp memory (``cuda_mp.empty_host``, or received) travel as cuda-mp records
+beside the pickle, so the consumer gets the same memory; any other object, ordinary NumPy arrays
+included, is pickled as ``multiprocessing.Queue`` pickles it (a copy).
+
+What differs from ``multiprocessing.Queue``: the queue lives in the process that created it (its
+exit ends the queue: gets then raise ``cuda_mp.Disconnected``, puts too); a pickled handle waits
+for its one reader at most ``HANDLE_TTL`` seconds; ``get`` raises ``queue.Empty`` when nothing
+came in time, as ``multiprocessing`` does.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import queue as _queue
+from typing import Any, List, Optional
+
+from . import _native, _is_torch, _to_numpy, _to_torch
+from ._errors import Timeout
+
+__all__ = ["HANDLE_TTL", "Queue"]
+
+HANDLE_TTL = 600.0
+"""Seconds that a pickled queue handle waits for the process that unpickles it."""
+
+
+class _TensorsOut(pickle.Pickler):
+    """Pickles an item, leaving the tensors that cuda-mp carries out (``persistent_id``)."""
+
+    def __init__(self, file):
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self.tensors: List[Any] = []
+
+    def persistent_id(self, obj):
+        if _is_torch(obj):
+            return self._torch(obj)
+        if type(obj).__name__ == "ndarray" and type(obj).__module__ == "numpy":
+            return self._numpy(obj)
+        return None
+
+    def _torch(self, t):
+        import torch
+
+        from .torch import _ours
+
+        if not isinstance(t, torch.Tensor) or (t.requires_grad and not t.is_leaf):
+            return None  # pickled by torch (which refuses a non-leaf that requires grad)
+        native = _ours(t)
+        if native is None:
+            return None
+        self.tensors.append(native)
+        return ("torch", len(self.tensors) - 1, isinstance(t, torch.nn.Parameter), t.requires_grad)
+
+    def _numpy(self, a):
+        from . import _NUMPY_TO_NAME
+
+        dtype = _NUMPY_TO_NAME.get(a.dtype.name)
+        itemsize = a.dtype.itemsize
+        if dtype is None or not a.size or not all(s >= 0 and s % itemsize == 0 for s in a.strides):
+            return None
+        span = sum((n - 1) * s for n, s in zip(a.shape, a.strides)) + itemsize
+        ptr = a.__array_interface__["data"][0]
+        native = _native.host_tensor(dtype, list(a.shape), [s // itemsize for s in a.strides], 0, ptr, span)
+        if native is None:
+            return None  # not cuda-mp memory: copied into the pickle
+        self.tensors.append(native)
+        return ("numpy", len(self.tensors) - 1)
+
+
+class _TensorsIn(pickle.Unpickler):
+    """Unpickles an item, putting back the tensors that travelled beside it."""
+
+    def __init__(self, data: bytes, tensors: List[Any]):
+        super().__init__(io.BytesIO(data))
+        self.tensors = tensors
+
+    def persistent_load(self, pid):
+        if pid[0] == "numpy":
+            return _to_numpy(self.tensors[pid[1]])
+        _, index, parameter, requires_grad = pid
+        import torch
+
+        t = _to_torch(self.tensors[index])
+        if parameter:
+            return torch.nn.Parameter(t, requires_grad=requires_grad)
+        return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+class Queue:
+    """A queue of picklable objects for many producers and consumers in many processes; see the
+    module's text. Create it in the process that outlives the others."""
+
+    def __init__(self, _native_queue: Optional["_native.Queue"] = None):
+        self._native = _native_queue if _native_queue is not None else _native.Queue()
+
+    def put(self, obj: Any, block: bool = True, timeout: Optional[float] = None) -> None:
+        """Puts ``obj`` (never waits: the queue has no bound; ``block`` and ``timeout`` are
+        accepted as ``multiprocessing.Queue`` takes them)."""
+        out = io.BytesIO()
+        pickler = _TensorsOut(out)
+        pickler.dump(obj)
+        self._native.put(out.getvalue(), pickler.tensors)
+
+    def put_nowait(self, obj: Any) -> None:
+        self.put(obj)
+
+    def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
+        """The next item; waits at most ``timeout`` seconds (None: for ever; ``block=False``: not
+        at all), then raises ``queue.Empty``. Raises ``cuda_mp.Disconnected`` once the queue's
+        process is gone and nothing is left."""
+        try:
+            data, tensors = self._native.get(timeout if block else 0.0)
+        except Timeout as e:
+            raise _queue.Empty from e
+        return _TensorsIn(data, tensors).load()
+
+    def get_nowait(self) -> Any:
+        return self.get(block=False)
+
+    def qsize(self) -> int:
+        """Items waiting (not counting those handed to a consumer and not yet taken)."""
+        return self._native.stats()[0]
+
+    def empty(self) -> bool:
+        return self.qsize() == 0
+
+    def __reduce__(self):
+        return (_unpickle_queue, (self._native.to_bytes(HANDLE_TTL),))
+
+    def __repr__(self) -> str:
+        backlog, in_flight, delivered = self._native.stats()
+        return f"cuda_mp.Queue(waiting={backlog}, in_flight={in_flight}, delivered={delivered})"
+
+
+def _unpickle_queue(data: bytes) -> Queue:
+    return Queue(_native.Queue.from_bytes(data))

@@ -1,0 +1,111 @@
+"""``cuda_mp.Queue`` between processes of every start method: any picklable object, arrays in
+cuda-mp memory shared rather than copied, each item to exactly one consumer. No GPU needed."""
+
+import multiprocessing as mp
+import pickle
+import queue
+
+import numpy as np
+import pytest
+
+import cuda_mp
+
+
+def double_shared_and_report(q, results):
+    while True:
+        item = q.get(timeout=60)
+        if item is None:
+            return
+        item["shared"] *= 2  # cuda-mp memory: the producer sees it
+        item["copied"] *= 2  # an ordinary array: a copy
+        results.put((item["id"], item["name"], float(item["copied"].sum())))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_objects_cross_to_children_and_cuda_mp_memory_is_shared(method):
+    ctx = mp.get_context(method)
+    q, results = cuda_mp.Queue(), cuda_mp.Queue()
+    workers = [ctx.Process(target=double_shared_and_report, args=(q, results)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    shared = []
+    for i in range(20):
+        a = cuda_mp.empty_host((16,), "float32")
+        a[:] = i
+        shared.append(a)
+        q.put({"id": i, "name": f"item {i}", "shared": a, "copied": np.full(16, float(i))})
+    got = sorted(results.get(timeout=60) for _ in range(20))
+    for _ in workers:
+        q.put(None)
+    for w in workers:
+        w.join(60)
+        assert w.exitcode == 0
+    assert got == [(i, f"item {i}", 32.0 * i) for i in range(20)], "every item to one worker, whole"
+    assert [a.tolist() for a in shared] == [[2.0 * i] * 16 for i in range(20)], "the workers wrote to this memory"
+
+
+def take_all(q, results):
+    taken = []
+    while True:
+        item = q.get(timeout=60)
+        if item is None:
+            break
+        taken.append(item)
+    results.put(taken)
+
+
+def test_each_item_goes_to_exactly_one_of_many_consumers():
+    ctx = mp.get_context("spawn")
+    q, results = cuda_mp.Queue(), cuda_mp.Queue()
+    workers = [ctx.Process(target=take_all, args=(q, results)) for _ in range(3)]
+    for w in workers:
+        w.start()
+    for i in range(300):
+        q.put(i)
+    for _ in workers:
+        q.put(None)
+    taken = sorted(i for _ in workers for i in results.get(timeout=60))
+    for w in workers:
+        w.join(60)
+        assert w.exitcode == 0
+    assert taken == list(range(300))
+
+
+def put_from_child(q, n):
+    for i in range(n):
+        a = cuda_mp.empty_host((4,), "int64")
+        a[:] = i
+        q.put(("from the child", a))
+
+
+def test_a_child_produces_for_its_parent_and_its_memory_outlives_it():
+    ctx = mp.get_context("spawn")
+    q = cuda_mp.Queue()
+    p = ctx.Process(target=put_from_child, args=(q, 5))
+    p.start()
+    items = [q.get(timeout=60) for _ in range(5)]
+    p.join(60)
+    assert p.exitcode == 0
+    assert [(w, a.tolist()) for w, a in items] == [("from the child", [i] * 4) for i in range(5)]
+
+
+def test_gets_time_out_as_multiprocessing_queues_do():
+    q = cuda_mp.Queue()
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.05)
+    with pytest.raises(queue.Empty):
+        q.get_nowait()
+    q.put_nowait([1, "two", 3.0])
+    assert q.qsize() == 1 and not q.empty()
+    assert q.get(block=False) == [1, "two", 3.0]
+    assert "waiting=0" in repr(q)
+
+
+def test_a_pickled_handle_is_read_once():
+    q = cuda_mp.Queue()
+    data = pickle.dumps(q)
+    other = pickle.loads(data)
+    other.put("through the copy")
+    assert q.get(timeout=10) == "through the copy"
+    with pytest.raises(cuda_mp.Malformed):
+        pickle.loads(data)
