@@ -54,7 +54,9 @@ pub fn from_bytes<T: DeserializeOwned>(bytes: &[u8]) -> Result<T> {
 /// before fails); a batch dropped unfinished is withdrawn, and none of its bytes decode. The
 /// bytes of one batch go to one process: the first to decode any of them takes the
 /// descriptors of all, and keeps those of the values it has not decoded yet until the
-/// batch's `ttl` is up. Each value's bytes decode once ([`from_bytes`]).
+/// batch's `ttl` is up. Each value's bytes decode once ([`from_bytes`]), and the values of one
+/// batch are decoded by one thread at a time (a second thread that decodes one while another
+/// holds what was fetched finds nothing to take: an error).
 ///
 /// ```
 /// use std::time::Duration;

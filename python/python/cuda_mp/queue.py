@@ -28,6 +28,7 @@ from __future__ import annotations
 import io
 import pickle
 import queue as _queue
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, List, Optional
 
 from . import _native, _is_torch, _to_numpy, _to_torch
@@ -39,8 +40,9 @@ HANDLE_TTL = 600.0
 """Seconds that a pickled queue handle waits for the process that unpickles it."""
 
 
-class _TensorsOut(pickle.Pickler):
-    """Pickles an item, leaving the tensors that cuda-mp carries out (``persistent_id``)."""
+class _TensorsOut(ForkingPickler):
+    """Pickles an item as ``multiprocessing`` does (its reductions of connections, sockets and
+    the like included), leaving the tensors that cuda-mp carries out (``persistent_id``)."""
 
     def __init__(self, file):
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
