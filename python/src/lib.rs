@@ -486,6 +486,8 @@ enum Rx {
     Gpu(RsReceiver<DynTensor<GpuStorage>>),
     Host(RsReceiver<DynTensor<HostStorage>>),
     Bundle(RsReceiver<RsBundle>),
+    /// Pickled to another process, which receives from now on.
+    Moved,
 }
 
 enum Tx {
@@ -614,12 +616,44 @@ impl Receiver {
                 Rx::Gpu(rx) => rx.recv_timeout(d).map(|t| Received::Tensor(Any::Gpu(t))),
                 Rx::Host(rx) => rx.recv_timeout(d).map(|t| Received::Tensor(Any::Host(t))),
                 Rx::Bundle(rx) => rx.recv_timeout(d).map(Received::Bundle),
+                Rx::Moved => Err(RecvTimeoutError::Disconnected),
             }
         })?;
         Ok(match got {
             Received::Tensor(inner) => Tensor { inner }.into_pyobject(py)?.into_any().unbind(),
             Received::Bundle(inner) => Bundle { inner }.into_pyobject(py)?.into_any().unbind(),
         })
+    }
+
+    /// This end as bytes that one process turns into it with `from_bytes`, within `ttl`
+    /// seconds (what pickling a `cuda_mp.Receiver` writes). This end then receives nothing
+    /// more here (its `recv` raises `Disconnected`): the other process receives.
+    fn to_bytes<'py>(&self, py: Python<'py>, ttl: f64) -> PyResult<Bound<'py, PyBytes>> {
+        let ttl = seconds(Some(ttl))?.unwrap_or(Duration::ZERO);
+        let bytes = py.detach(|| {
+            let mut rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
+            let bytes = match &*rx {
+                Rx::Gpu(rx) => cuda_mp::to_bytes(rx, ttl),
+                Rx::Host(rx) => cuda_mp::to_bytes(rx, ttl),
+                Rx::Bundle(rx) => cuda_mp::to_bytes(rx, ttl),
+                Rx::Moved => Err(cuda_mp::Error::Unsupported("this receiver was pickled already".into())),
+            }?;
+            *rx = Rx::Moved;
+            Ok(bytes)
+        });
+        Ok(PyBytes::new(py, &bytes.map_err(error)?))
+    }
+
+    /// The receiving end that `to_bytes` made `data` of (a channel of `kind_name`); once.
+    #[staticmethod]
+    fn from_bytes(py: Python<'_>, kind_name: &str, data: &[u8]) -> PyResult<Receiver> {
+        let kind = kind(kind_name)?;
+        let rx = py.detach(|| match kind {
+            Kind::Gpu => cuda_mp::from_bytes(data).map(Rx::Gpu),
+            Kind::Host => cuda_mp::from_bytes(data).map(Rx::Host),
+            Kind::Bundle => cuda_mp::from_bytes(data).map(Rx::Bundle),
+        });
+        Ok(Receiver { kind, rx: Mutex::new(rx.map_err(error)?) })
     }
 
     /// "gpu", "host" or "bundle".
@@ -661,6 +695,34 @@ impl Sender {
             Kind::Gpu => RsSender::connect(&name).map(Tx::Gpu),
             Kind::Host => RsSender::connect(&name).map(Tx::Host),
             Kind::Bundle => RsSender::connect(&name).map(Tx::Bundle),
+        });
+        Ok(Sender { kind, tx: Mutex::new(tx.map_err(error)?) })
+    }
+
+    /// A copy of this end as bytes that one process turns into a sender of the same channel
+    /// with `from_bytes`, within `ttl` seconds (what pickling a `cuda_mp.Sender` writes); this
+    /// end stays usable.
+    fn to_bytes<'py>(&self, py: Python<'py>, ttl: f64) -> PyResult<Bound<'py, PyBytes>> {
+        let ttl = seconds(Some(ttl))?.unwrap_or(Duration::ZERO);
+        let bytes = py.detach(|| {
+            let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+            match &*tx {
+                Tx::Gpu(tx) => cuda_mp::to_bytes(tx, ttl),
+                Tx::Host(tx) => cuda_mp::to_bytes(tx, ttl),
+                Tx::Bundle(tx) => cuda_mp::to_bytes(tx, ttl),
+            }
+        });
+        Ok(PyBytes::new(py, &bytes.map_err(error)?))
+    }
+
+    /// The sending end that `to_bytes` made `data` of (a channel of `kind_name`); once.
+    #[staticmethod]
+    fn from_bytes(py: Python<'_>, kind_name: &str, data: &[u8]) -> PyResult<Sender> {
+        let kind = kind(kind_name)?;
+        let tx = py.detach(|| match kind {
+            Kind::Gpu => cuda_mp::from_bytes(data).map(Tx::Gpu),
+            Kind::Host => cuda_mp::from_bytes(data).map(Tx::Host),
+            Kind::Bundle => cuda_mp::from_bytes(data).map(Tx::Bundle),
         });
         Ok(Sender { kind, tx: Mutex::new(tx.map_err(error)?) })
     }

@@ -1,6 +1,7 @@
 """Host arrays across processes, errors, and a Rust peer: no GPU needed."""
 
 import multiprocessing as mp
+import pickle
 
 import numpy as np
 import pytest
@@ -133,3 +134,29 @@ def test_dir_lists_the_api_and_every_name_in_it_exists():
     for name in cuda_mp.__all__:
         assert getattr(cuda_mp, name) is not None, name
     assert "Optional" not in dir(cuda_mp) and "threading" not in dir(cuda_mp)
+
+
+def receive_sum_and_reply(rx, reply):
+    a = rx.recv(timeout=60)
+    reply.send(np.array([a.sum()]))
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_both_ends_of_a_channel_pickle_to_a_child(method):
+    ctx = mp.get_context(method)
+    listener = cuda_mp.Listener(cuda_mp.HostTensor)
+    tx = cuda_mp.connect(listener.name, cuda_mp.HostTensor)
+    rx = listener.accept(timeout=10)
+    back_listener = cuda_mp.Listener(cuda_mp.HostTensor)
+    back = cuda_mp.connect(back_listener.name, cuda_mp.HostTensor)
+    replies = back_listener.accept(timeout=10)
+    p = ctx.Process(target=receive_sum_and_reply, args=(rx, back))
+    p.start()
+    with pytest.raises(cuda_mp.Disconnected):
+        rx.recv(timeout=1)  # moved: the child receives now
+    tx.send(np.arange(10, dtype="float32"))
+    assert replies.recv(timeout=60).tolist() == [45.0]
+    p.join(60)
+    assert p.exitcode == 0
+    with pytest.raises(TypeError, match="stays in the process"):
+        pickle.dumps(cuda_mp.channel(cuda_mp.HostTensor)[1])

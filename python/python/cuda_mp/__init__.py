@@ -325,6 +325,17 @@ class Receiver:
             except Disconnected:
                 return
 
+    def __reduce__(self):
+        # The end moves: the process that unpickles it (once, within HANDLE_TTL) receives from
+        # then on, and this one no more.
+        from .queue import HANDLE_TTL
+
+        return (_unpickle_receiver, (self._native.to_bytes(HANDLE_TTL), self.kind, self.as_torch))
+
+
+def _unpickle_receiver(data: bytes, kind: str, as_torch: bool) -> "Receiver":
+    return Receiver(_native.Receiver.from_bytes(kind, data), kind, as_torch)
+
 
 class Sender:
     """The sending end of a channel."""
@@ -345,6 +356,16 @@ class Sender:
             self._native.send(_host(value))
         else:
             self._native.send(_bundle(value))
+
+    def __reduce__(self):
+        # A copy of the end: both send on the same channel (read once, within HANDLE_TTL).
+        from .queue import HANDLE_TTL
+
+        return (_unpickle_sender, (self._native.to_bytes(HANDLE_TTL), self.kind))
+
+
+def _unpickle_sender(data: bytes, kind: str) -> "Sender":
+    return Sender(_native.Sender.from_bytes(kind, data), kind)
 
 
 class Listener:
@@ -380,11 +401,8 @@ class _LazySender(Sender):
         self._native = None
         self._lock = threading.Lock()
 
-    def __getstate__(self):
-        return (self._name, self.kind)
-
-    def __setstate__(self, state):
-        self.__init__(*state)
+    def __reduce__(self):
+        return (_LazySender, (self._name, self.kind))
 
     def send(self, value) -> None:
         with self._lock:
@@ -405,6 +423,15 @@ class _LazyReceiver(Receiver):
         if self._native is None:
             self._native = self._listener._native.accept(self._accept_timeout if timeout is None else timeout)
         return super().recv(timeout, raw)
+
+    def __reduce__(self):
+        if self._native is None:
+            raise TypeError(
+                "the receiver of channel() stays in the process that made it until its sender has connected "
+                "(its first recv); to hand a receiving end to a child, use a Listener there, cuda_mp.Queue, "
+                "or pickle the receiver after its first recv"
+            )
+        return super().__reduce__()
 
 
 def channel(kind=GpuTensor, as_torch: bool = False, accept_timeout: float = 60.0) -> Tuple[Sender, Receiver]:
