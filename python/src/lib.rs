@@ -820,14 +820,7 @@ impl Queue {
 
     /// Puts one item: `pickle` and the tensors it names.
     fn put(&self, py: Python<'_>, pickle: Vec<u8>, tensors: Vec<Bound<'_, Tensor>>) -> PyResult<()> {
-        let tensors = tensors
-            .iter()
-            .map(|t| match &t.get().inner {
-                Any::Gpu(t) => Piece::Gpu(t.clone()),
-                Any::Host(t) => Piece::Host(t.clone()),
-            })
-            .collect();
-        let item = Item { pickle, tensors };
+        let item = item_of(pickle, &tensors);
         py.detach(|| self.inner.put(item)).map_err(|e| {
             let e = cuda_mp::Error::from(e);
             let class = if e.to_string().contains("disconnected") { "Disconnected" } else { "Error" };
@@ -850,17 +843,7 @@ impl Queue {
                 other => break other.map_err(get_error)?,
             }
         };
-        let tensors = item
-            .tensors
-            .into_iter()
-            .map(|p| Tensor {
-                inner: match p {
-                    Piece::Gpu(t) => Any::Gpu(t),
-                    Piece::Host(t) => Any::Host(t),
-                },
-            })
-            .collect();
-        Ok((PyBytes::new(py, &item.pickle), tensors))
+        Ok((PyBytes::new(py, &item.pickle), item_tensors(item.tensors)))
     }
 
     /// This handle as bytes that one process turns into a handle of the same queue with
@@ -881,6 +864,107 @@ impl Queue {
     fn stats(&self, py: Python<'_>) -> PyResult<(usize, usize, u64)> {
         let s = py.detach(|| self.inner.stats()).map_err(|e| exception(py, "Error", e.to_string()))?;
         Ok((s.backlog, s.in_flight, s.delivered))
+    }
+}
+
+/// The pieces of an item as tensors of this module.
+fn item_tensors(tensors: Vec<Piece>) -> Vec<Tensor> {
+    tensors
+        .into_iter()
+        .map(|p| Tensor {
+            inner: match p {
+                Piece::Gpu(t) => Any::Gpu(t),
+                Piece::Host(t) => Any::Host(t),
+            },
+        })
+        .collect()
+}
+
+/// An item of `pickle` and the tensors it names.
+fn item_of(pickle: Vec<u8>, tensors: &[Bound<'_, Tensor>]) -> Item {
+    let tensors = tensors
+        .iter()
+        .map(|t| match &t.get().inner {
+            Any::Gpu(t) => Piece::Gpu(t.clone()),
+            Any::Host(t) => Piece::Host(t.clone()),
+        })
+        .collect();
+    Item { pickle, tensors }
+}
+
+/// One end of a two-way pipe of items (`cuda_mp.Pipe`): it sends to the other end and
+/// receives what the other end sends.
+#[pyclass(frozen, module = "cuda_mp._native")]
+pub struct Connection {
+    tx: RsSender<Item>,
+    /// `None` once pickled to another process, which receives from then on.
+    rx: Mutex<Option<RsReceiver<Item>>>,
+}
+
+impl fmt::Debug for Connection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Connection").finish_non_exhaustive()
+    }
+}
+
+/// The two ends of a new pipe.
+#[pyfunction]
+fn pipe(py: Python<'_>) -> PyResult<(Connection, Connection)> {
+    let made = py.detach(|| -> cuda_mp::Result<_> {
+        let (tx_a, rx_a) = cuda_mp::channel::<Item>()?;
+        let (tx_b, rx_b) = cuda_mp::channel::<Item>()?;
+        Ok((tx_a, rx_a, tx_b, rx_b))
+    });
+    let (tx_a, rx_a, tx_b, rx_b) = made.map_err(error)?;
+    Ok((Connection { tx: tx_a, rx: Mutex::new(Some(rx_b)) }, Connection { tx: tx_b, rx: Mutex::new(Some(rx_a)) }))
+}
+
+#[pymethods]
+impl Connection {
+    /// Sends one item to the other end. Raises `Disconnected` when it is gone.
+    fn send(&self, py: Python<'_>, pickle: Vec<u8>, tensors: Vec<Bound<'_, Tensor>>) -> PyResult<()> {
+        let item = item_of(pickle, &tensors);
+        py.detach(|| self.tx.send(item)).map_err(|e| {
+            let e = cuda_mp::Error::from(e);
+            let class = if e.to_string().contains("disconnected") { "Disconnected" } else { "Error" };
+            exception(py, class, e.to_string())
+        })
+    }
+
+    /// The next item from the other end, waiting at most `timeout` seconds (None: for ever).
+    /// Raises `Timeout`, `Disconnected` (the other end is gone and nothing is left, or this end
+    /// was pickled to another process), `Malformed`.
+    #[pyo3(signature = (timeout=None))]
+    fn recv<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<(Bound<'py, PyBytes>, Vec<Tensor>)> {
+        let item = wait(py, seconds(timeout)?, |d| match &*self.rx.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(rx) => rx.recv_timeout(d),
+            None => Err(RecvTimeoutError::Disconnected),
+        })?;
+        Ok((PyBytes::new(py, &item.pickle), item_tensors(item.tensors)))
+    }
+
+    /// This end as bytes that one process turns into it with `from_bytes`, within `ttl`
+    /// seconds (what pickling a `cuda_mp.Connection` writes): a copy of its sending half, and
+    /// its receiving half, which receives nothing more here.
+    fn to_bytes<'py>(&self, py: Python<'py>, ttl: f64) -> PyResult<Bound<'py, PyBytes>> {
+        let ttl = seconds(Some(ttl))?.unwrap_or(Duration::ZERO);
+        let bytes = py.detach(|| {
+            let mut rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(receiver) = rx.as_ref() else {
+                return Err(cuda_mp::Error::Unsupported("this connection was pickled already".into()));
+            };
+            let bytes = cuda_mp::to_bytes(&(&self.tx, receiver), ttl)?;
+            *rx = None;
+            Ok(bytes)
+        });
+        Ok(PyBytes::new(py, &bytes.map_err(error)?))
+    }
+
+    /// The end that `to_bytes` made `data` of; once.
+    #[staticmethod]
+    fn from_bytes(py: Python<'_>, data: &[u8]) -> PyResult<Connection> {
+        let (tx, rx): (RsSender<Item>, RsReceiver<Item>) = py.detach(|| cuda_mp::from_bytes(data)).map_err(error)?;
+        Ok(Connection { tx, rx: Mutex::new(Some(rx)) })
     }
 }
 
@@ -1102,6 +1186,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Tensor>()?;
     m.add_class::<HandoffBatch>()?;
     m.add_class::<Queue>()?;
+    m.add_class::<Connection>()?;
+    m.add_function(wrap_pyfunction!(pipe, m)?)?;
     m.add_class::<Bundle>()?;
     m.add_class::<Listener>()?;
     m.add_class::<Receiver>()?;

@@ -109,3 +109,39 @@ def test_a_pickled_handle_is_read_once():
     assert q.get(timeout=10) == "through the copy"
     with pytest.raises(cuda_mp.Malformed):
         pickle.loads(data)
+
+
+def answer_on_the_pipe(conn):
+    while True:
+        item = conn.recv(timeout=60)
+        if item is None:
+            return
+        item["shared"] += 1
+        conn.send(("done", item["n"], item["shared"]))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_a_pipe_carries_objects_both_ways_and_shares_cuda_mp_memory(method):
+    ctx = mp.get_context(method)
+    here, there = cuda_mp.Pipe()
+    p = ctx.Process(target=answer_on_the_pipe, args=(there,))
+    p.start()
+    a = cuda_mp.empty_host((8,), "int32")
+    a[:] = 0
+    for n in range(5):
+        here.send({"n": n, "shared": a})
+        done, m, back = here.recv(timeout=60)
+        assert (done, m) == ("done", n)
+        assert back.tolist() == [n + 1] * 8, "the reply carries the same memory back"
+    here.send(None)
+    p.join(60)
+    assert p.exitcode == 0
+    assert a.tolist() == [5] * 8, "the child wrote to this process's memory"
+    if method != "fork":
+        with pytest.raises(cuda_mp.Disconnected):
+            there.recv(timeout=1)  # pickled to the child: this process receives no more on it
+    there.close()  # this process's copy of the child's sending half
+    with pytest.raises(cuda_mp.Disconnected):
+        here.recv(timeout=5)  # the child is gone
+    with pytest.raises(OSError, match="closed"):
+        there.send(1)

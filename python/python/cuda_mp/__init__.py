@@ -34,7 +34,9 @@ __all__ = [
     "HostTensor",
     "Listener",
     "Malformed",
+    "Connection",
     "PackedStateDict",
+    "Pipe",
     "Queue",
     "Receiver",
     "Sender",
@@ -520,4 +522,4 @@ class _ExitFlush:
 _EXIT_FLUSH = _ExitFlush()
 
 
-from .queue import Queue  # noqa: E402  (it uses the helpers above)
+from .queue import Connection, Pipe, Queue  # noqa: E402  (they use the helpers above)

@@ -1,5 +1,5 @@
-"""``cuda_mp.Queue``: a queue of any picklable objects between processes, whose tensors travel as
-shared memory instead of inside the pickle.
+"""``cuda_mp.Queue`` and ``cuda_mp.Pipe``: a queue and a two-way pipe of any picklable objects
+between processes, whose tensors travel as shared memory instead of inside the pickle.
 
     import multiprocessing as mp
     import cuda_mp
@@ -21,6 +21,10 @@ What differs from ``multiprocessing.Queue``: the queue lives in the process that
 exit ends the queue: gets then raise ``cuda_mp.Disconnected``, puts too); a pickled handle waits
 for its one reader at most ``HANDLE_TTL`` seconds; ``get`` raises ``queue.Empty`` when nothing
 came in time, as ``multiprocessing`` does.
+
+``Pipe()`` gives two ``Connection`` s, each sending to the other, as ``multiprocessing.Pipe()``
+does, with the same pickling of their objects; an end pickled to a child moves there (the
+pickling process receives no more on it, and may still send: its copy of the sending half).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any, List, Optional
 from . import _native, _is_torch, _to_numpy, _to_torch
 from ._errors import Timeout
 
-__all__ = ["HANDLE_TTL", "Queue"]
+__all__ = ["HANDLE_TTL", "Connection", "Pipe", "Queue"]
 
 HANDLE_TTL = 600.0
 """Seconds that a pickled queue handle waits for the process that unpickles it."""
@@ -103,6 +107,14 @@ class _TensorsIn(pickle.Unpickler):
         return t.requires_grad_(requires_grad) if requires_grad else t
 
 
+def _dumps(obj: Any):
+    """``obj`` pickled with its tensors left out, and those tensors."""
+    out = io.BytesIO()
+    pickler = _TensorsOut(out)
+    pickler.dump(obj)
+    return out.getvalue(), pickler.tensors
+
+
 class Queue:
     """A queue of picklable objects for many producers and consumers in many processes; see the
     module's text. Create it in the process that outlives the others."""
@@ -113,10 +125,7 @@ class Queue:
     def put(self, obj: Any, block: bool = True, timeout: Optional[float] = None) -> None:
         """Puts ``obj`` (never waits: the queue has no bound; ``block`` and ``timeout`` are
         accepted as ``multiprocessing.Queue`` takes them)."""
-        out = io.BytesIO()
-        pickler = _TensorsOut(out)
-        pickler.dump(obj)
-        self._native.put(out.getvalue(), pickler.tensors)
+        self._native.put(*_dumps(obj))
 
     def put_nowait(self, obj: Any) -> None:
         self.put(obj)
@@ -151,3 +160,49 @@ class Queue:
 
 def _unpickle_queue(data: bytes) -> Queue:
     return Queue(_native.Queue.from_bytes(data))
+
+
+class Connection:
+    """One end of a ``Pipe``: ``send`` to the other end, ``recv`` what it sent."""
+
+    def __init__(self, native: "_native.Connection"):
+        self._native = native
+
+    def send(self, obj: Any) -> None:
+        """Sends ``obj`` (pickled as a ``Queue`` pickles). Raises ``cuda_mp.Disconnected`` when
+        the other end is gone."""
+        self._open().send(*_dumps(obj))
+
+    def recv(self, timeout: Optional[float] = None) -> Any:
+        """The next object from the other end; waits at most ``timeout`` seconds (None: for
+        ever), then raises ``cuda_mp.Timeout``; ``cuda_mp.Disconnected`` once the other end is
+        gone and nothing is left."""
+        data, tensors = self._open().recv(timeout)
+        return _TensorsIn(data, tensors).load()
+
+    def close(self) -> None:
+        """Lets go of this end here: once every copy of it is closed or gone, the other end's
+        ``recv`` raises ``cuda_mp.Disconnected`` after the last object."""
+        self._native = None
+
+    @property
+    def closed(self) -> bool:
+        return self._native is None
+
+    def _open(self) -> "_native.Connection":
+        if self._native is None:
+            raise OSError("handle is closed")
+        return self._native
+
+    def __reduce__(self):
+        return (_unpickle_connection, (self._open().to_bytes(HANDLE_TTL),))
+
+
+def Pipe():  # noqa: N802  (named as multiprocessing.Pipe)
+    """Two ``Connection`` s, each sending to the other."""
+    a, b = _native.pipe()
+    return Connection(a), Connection(b)
+
+
+def _unpickle_connection(data: bytes) -> Connection:
+    return Connection(_native.Connection.from_bytes(data))
