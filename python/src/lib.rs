@@ -797,6 +797,15 @@ impl fmt::Debug for Queue {
     }
 }
 
+/// A send's failure (or a put's) as the matching exception.
+fn send_error(py: Python<'_>, e: cuda_mp::Error) -> PyErr {
+    let class = match &e {
+        cuda_mp::Error::Send(cuda_mp::SendFailure::Disconnected) => "Disconnected",
+        _ => "Error",
+    };
+    exception(py, class, e.to_string())
+}
+
 /// A get's failure as the matching exception.
 fn get_error(e: cuda_mp::GetTimeoutError) -> PyErr {
     Python::attach(|py| {
@@ -821,11 +830,7 @@ impl Queue {
     /// Puts one item: `pickle` and the tensors it names.
     fn put(&self, py: Python<'_>, pickle: Vec<u8>, tensors: Vec<Bound<'_, Tensor>>) -> PyResult<()> {
         let item = item_of(pickle, &tensors);
-        py.detach(|| self.inner.put(item)).map_err(|e| {
-            let e = cuda_mp::Error::from(e);
-            let class = if e.to_string().contains("disconnected") { "Disconnected" } else { "Error" };
-            exception(py, class, e.to_string())
-        })
+        py.detach(|| self.inner.put(item)).map_err(|e| send_error(py, e.into()))
     }
 
     /// The next item (its pickle and its tensors), waiting at most `timeout` seconds (None: for
@@ -924,11 +929,7 @@ impl Connection {
     /// Sends one item to the other end. Raises `Disconnected` when it is gone.
     fn send(&self, py: Python<'_>, pickle: Vec<u8>, tensors: Vec<Bound<'_, Tensor>>) -> PyResult<()> {
         let item = item_of(pickle, &tensors);
-        py.detach(|| self.tx.send(item)).map_err(|e| {
-            let e = cuda_mp::Error::from(e);
-            let class = if e.to_string().contains("disconnected") { "Disconnected" } else { "Error" };
-            exception(py, class, e.to_string())
-        })
+        py.detach(|| self.tx.send(item)).map_err(|e| send_error(py, e.into()))
     }
 
     /// The next item from the other end, waiting at most `timeout` seconds (None: for ever).

@@ -145,3 +145,5 @@ def test_a_pipe_carries_objects_both_ways_and_shares_cuda_mp_memory(method):
         here.recv(timeout=5)  # the child is gone
     with pytest.raises(OSError, match="closed"):
         there.send(1)
+    with pytest.raises(cuda_mp.Disconnected):
+        here.send("to nobody")  # the child's receiving half is gone with it
