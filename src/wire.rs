@@ -240,19 +240,28 @@ pub(crate) fn encode_spawn_scope<R>(encode: impl FnOnce() -> R) -> (R, Option<Sp
 /// decodes them ([`decode_handoff`]). The claims of a value never decoded go when its deposit
 /// expires. The error says why it does not encode.
 pub(crate) fn encode_handoff<T: Serialize + ?Sized>(value: &T, ttl: Duration) -> std::result::Result<Vec<u8>, String> {
-    let mut context = Encoding::new(Some(None), None);
+    let (bytes, ticket) = encode_deposited(value, None, ttl);
+    // Nothing of a value that did not encode is left waiting.
+    if bytes.is_err()
+        && let Some(ticket) = &ticket
+    {
+        crate::handover::withdraw(ticket);
+    }
+    bytes
+}
+
+/// Encodes `value` (postcard) with its descriptors deposited at this process's home for `ttl`,
+/// under `ticket` (or a fresh one made at the first descriptor): the bytes or why they are
+/// not, and the ticket the descriptors wait under.
+fn encode_deposited<T: Serialize + ?Sized>(
+    value: &T,
+    ticket: Option<SpawnTicket>,
+    ttl: Duration,
+) -> (std::result::Result<Vec<u8>, String>, Option<SpawnTicket>) {
+    let mut context = Encoding::new(Some(ticket), None);
     context.spawn_ttl = ttl;
     let (bytes, e) = scope(context, || postcard::to_allocvec(value));
-    match bytes {
-        Ok(bytes) => Ok(bytes),
-        Err(error) => {
-            // Nothing of a value that did not encode is left waiting.
-            if let Some(Some(ticket)) = &e.spawn {
-                crate::handover::withdraw(ticket);
-            }
-            Err(take_failure().unwrap_or_else(|| format!("{error:?}")))
-        }
-    }
+    (bytes.map_err(|error| take_failure().unwrap_or_else(|| format!("{error:?}"))), e.spawn.flatten())
 }
 
 /// Values encoded one by one as bytes whose descriptors wait at this process's home in one
@@ -276,10 +285,7 @@ impl BatchEncoder {
     /// Encodes one more value of the batch. What a value that fails deposited before its
     /// failure waits with the batch, and is closed with what its decoder does not take.
     pub(crate) fn encode<T: Serialize + ?Sized>(&self, value: &T) -> std::result::Result<Vec<u8>, String> {
-        let mut context = Encoding::new(Some(Some(self.ticket.clone())), None);
-        context.spawn_ttl = self.ttl;
-        let (bytes, _) = scope(context, || postcard::to_allocvec(value));
-        bytes.map_err(|error| take_failure().unwrap_or_else(|| format!("{error:?}")))
+        encode_deposited(value, Some(self.ticket.clone()), self.ttl).0
     }
 
     /// Hands the deposit out to its decoder from now on; false when its time was up.
