@@ -510,23 +510,47 @@ fn seconds(timeout: Option<f64>) -> PyResult<Option<Duration>> {
         .transpose()
 }
 
+/// The failure of one slice of a wait: a time-out (the wait goes on, if time is left) or an
+/// error, raised as its exception.
+trait WaitFailure: Send {
+    fn is_timeout(&self) -> bool;
+    fn raised(self) -> PyErr;
+}
+
+impl WaitFailure for RecvTimeoutError {
+    fn is_timeout(&self) -> bool {
+        RecvTimeoutError::is_timeout(self)
+    }
+
+    fn raised(self) -> PyErr {
+        recv_error(self)
+    }
+}
+
+impl WaitFailure for cuda_mp::GetTimeoutError {
+    fn is_timeout(&self) -> bool {
+        cuda_mp::GetTimeoutError::is_timeout(self)
+    }
+
+    fn raised(self) -> PyErr {
+        get_error(self)
+    }
+}
+
 /// Waits on `step` in slices, without the GIL, checking for KeyboardInterrupt between slices.
-fn wait<R>(
+fn wait<R: Send, E: WaitFailure>(
     py: Python<'_>,
     timeout: Option<Duration>,
-    mut step: impl FnMut(Duration) -> Result<R, RecvTimeoutError> + Send,
-) -> PyResult<R>
-where
-    R: Send,
-{
+    mut step: impl FnMut(Duration) -> Result<R, E> + Send,
+) -> PyResult<R> {
     const SLICE: Duration = Duration::from_millis(100);
     let deadline = timeout.map(|t| Instant::now() + t);
     loop {
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
         let slice = left.map_or(SLICE, |l| l.min(SLICE));
         match py.detach(|| step(slice)) {
-            Err(RecvTimeoutError::Timeout) if left.is_none_or(|l| l > slice) => py.check_signals()?,
-            other => return other.map_err(recv_error),
+            Err(e) if e.is_timeout() && left.is_none_or(|l| l > slice) => py.check_signals()?,
+            other => return other.map_err(E::raised),
         }
     }
 }
@@ -746,17 +770,14 @@ impl Sender {
         let sent = py.detach(|| {
             let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
             match (&*tx, message) {
-                (Tx::Gpu(tx), Received::Tensor(Any::Gpu(t))) => Ok(tx.send(t).map_err(|e| e.to_string())),
-                (Tx::Host(tx), Received::Tensor(Any::Host(t))) => Ok(tx.send(t).map_err(|e| e.to_string())),
-                (Tx::Bundle(tx), Received::Bundle(b)) => Ok(tx.send(b).map_err(|e| e.to_string())),
+                (Tx::Gpu(tx), Received::Tensor(Any::Gpu(t))) => Ok(tx.send(t).map_err(cuda_mp::Error::from)),
+                (Tx::Host(tx), Received::Tensor(Any::Host(t))) => Ok(tx.send(t).map_err(cuda_mp::Error::from)),
+                (Tx::Bundle(tx), Received::Bundle(b)) => Ok(tx.send(b).map_err(cuda_mp::Error::from)),
                 _ => Err(()),
             }
         });
         let sent = sent.map_err(|()| wrong())?;
-        sent.map_err(|m| {
-            let class = if m.contains("disconnected") { "Disconnected" } else { "Error" };
-            exception(py, class, m)
-        })
+        sent.map_err(|e| send_error(py, e))
     }
 
     /// "gpu", "host" or "bundle".
@@ -838,16 +859,7 @@ impl Queue {
     /// `Malformed`.
     #[pyo3(signature = (timeout=None))]
     fn get<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<(Bound<'py, PyBytes>, Vec<Tensor>)> {
-        const SLICE: Duration = Duration::from_millis(100);
-        let deadline = seconds(timeout)?.map(|t| Instant::now() + t);
-        let item = loop {
-            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-            let slice = left.map_or(SLICE, |l| l.min(SLICE));
-            match py.detach(|| self.inner.get_timeout(slice)) {
-                Err(cuda_mp::GetTimeoutError::Timeout) if left.is_none_or(|l| l > slice) => py.check_signals()?,
-                other => break other.map_err(get_error)?,
-            }
-        };
+        let item = wait(py, seconds(timeout)?, |d| self.inner.get_timeout(d))?;
         Ok((PyBytes::new(py, &item.pickle), item_tensors(item.tensors)))
     }
 

@@ -192,17 +192,22 @@ def _host(a) -> "_native.Tensor":
         dtype = _NUMPY_TO_NAME.get(a.dtype.name)
         if dtype is None:
             raise DTypeError(f"cuda-mp cannot send numpy {a.dtype}: its element types are {', '.join(_native.dtypes())}")
-    itemsize = a.dtype.itemsize
-    ptr = a.__array_interface__["data"][0]
-    if all(s >= 0 and s % itemsize == 0 for s in a.strides):
-        strides = [s // itemsize for s in a.strides]
-        span = (sum((n - 1) * s for n, s in zip(a.shape, a.strides)) + itemsize) if a.size else 0
-        # Memory cuda-mp made (received, or from empty_host) travels as itself.
-        shared = _native.host_tensor(dtype, list(a.shape), strides, 0, ptr, span)
-        if shared is not None:
-            return shared
+    shared = _shared_array(a, dtype)
+    if shared is not None:
+        return shared
     data = np.ascontiguousarray(a).tobytes()
     return _native.host_tensor(dtype, list(a.shape), [], 0, 0, 0, data)
+
+
+def _shared_array(a, dtype: str) -> Optional["_native.Tensor"]:
+    """The NumPy array ``a`` (of cuda-mp's element type ``dtype``) as itself when its memory is
+    cuda-mp's (received, or from ``empty_host``), else None."""
+    itemsize = a.dtype.itemsize
+    if not all(s >= 0 and s % itemsize == 0 for s in a.strides):
+        return None
+    span = (sum((n - 1) * s for n, s in zip(a.shape, a.strides)) + itemsize) if a.size else 0
+    strides = [s // itemsize for s in a.strides]
+    return _native.host_tensor(dtype, list(a.shape), strides, 0, a.__array_interface__["data"][0], span)
 
 
 class PackedStateDict(dict):

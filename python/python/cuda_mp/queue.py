@@ -73,15 +73,10 @@ class _TensorsOut(ForkingPickler):
         return ("torch", len(self.tensors) - 1, isinstance(t, torch.nn.Parameter), t.requires_grad)
 
     def _numpy(self, a):
-        from . import _NUMPY_TO_NAME
+        from . import _NUMPY_TO_NAME, _shared_array
 
         dtype = _NUMPY_TO_NAME.get(a.dtype.name)
-        itemsize = a.dtype.itemsize
-        if dtype is None or not a.size or not all(s >= 0 and s % itemsize == 0 for s in a.strides):
-            return None
-        span = sum((n - 1) * s for n, s in zip(a.shape, a.strides)) + itemsize
-        ptr = a.__array_interface__["data"][0]
-        native = _native.host_tensor(dtype, list(a.shape), [s // itemsize for s in a.strides], 0, ptr, span)
+        native = _shared_array(a, dtype) if dtype is not None and a.size else None
         if native is None:
             return None  # not cuda-mp memory: copied into the pickle
         self.tensors.append(native)
