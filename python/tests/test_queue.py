@@ -147,3 +147,28 @@ def test_a_pipe_carries_objects_both_ways_and_shares_cuda_mp_memory(method):
         there.send(1)
     with pytest.raises(cuda_mp.Disconnected):
         here.send("to nobody")  # the child's receiving half is gone with it
+
+
+def test_forged_handle_bytes_raise_and_leave_the_real_ones_readable():
+    q = cuda_mp.Queue()
+    a, _b = cuda_mp.Pipe()
+    tx, rx = cuda_mp.channel(cuda_mp.HostTensor)
+    real = {
+        "queue": (cuda_mp._native.Queue.from_bytes, q._native.to_bytes(60.0)),
+        "pipe": (cuda_mp._native.Connection.from_bytes, a._native.to_bytes(60.0)),
+    }
+    for name, (decode, data) in real.items():
+        for forged in (b"", b"\xff" * 8, data[: len(data) // 2], bytes([data[0] ^ 0xFF]) + data[1:]):
+            with pytest.raises(cuda_mp.Malformed):
+                decode(forged)
+        # A forgery that reached the deposit took it (the first decode that does takes it): the
+        # real bytes then decode or are refused, never twice.
+        try:
+            decode(data)
+        except cuda_mp.Malformed as e:
+            assert "holds none" in str(e), (name, e)
+    for decode in (cuda_mp._native.Sender.from_bytes, cuda_mp._native.Receiver.from_bytes):
+        with pytest.raises(cuda_mp.Malformed):
+            decode("host", b"\x00\x01garbage")
+    with pytest.raises(ValueError, match="unknown channel kind"):
+        cuda_mp._native.Sender.from_bytes("nope", b"")
