@@ -281,3 +281,22 @@ fn a_lease_whose_owner_is_gone_kills_no_process_that_keeps_sigpipe() {
     let said = child.join().expect("the decoding process lives on");
     assert!(said.starts_with("a message of"), "{said}");
 }
+
+/// Found by the `handoff_bytes` target: a real handoff of a host tensor with one byte of its
+/// storage's id and one of its record edited decodes as another process's storage that is
+/// this process's own memory. Nothing of it may stay once both values are dropped (it kept a
+/// cached mapping, a pipe and a socket pair for good).
+#[test]
+fn an_edited_handoff_of_this_process_own_memory_keeps_nothing() {
+    let _one = warmed_up();
+    let input = [107, 0, 236, 10, 0, 247];
+    let _ = fuzz::handoff_bytes(&input);
+    let before = open_descriptors();
+    let said = fuzz::handoff_bytes(&input);
+    let after = settled_descriptors(before);
+    assert!(after <= before, "{after} descriptors where {before} were, 5 s after {said:?}");
+    let left = cuda_mp::wait_for_lifetime(Duration::from_secs(5), |s| {
+        s.live_storages == 0 && s.exported_storages == 0 && s.outstanding_leases == 0 && s.cached_mappings == 0
+    });
+    assert!(left.is_ok(), "left alive after {said:?}: {:?}", cuda_mp::lifetime_stats());
+}

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -56,6 +56,9 @@ struct Entry {
     what: Watched,
     source: Source,
     partial: Vec<u8>,
+    /// A lease pipe's identity (`sys::pipe_identity`), to know a lease of this process when
+    /// one arrives.
+    pipe: Option<(u64, u64)>,
 }
 
 /// The id of the reaper's bell in its epoll set (watched sockets count from 1).
@@ -120,7 +123,11 @@ impl Reaper {
             *next += 1;
             *next
         };
-        lock(&self.watched).insert(id, Entry { what, source: source.clone(), partial: Vec::new() });
+        let pipe = match &source {
+            Source::Pipe(fd) => crate::sys::pipe_identity(fd.as_fd()),
+            Source::Socket(_) => None,
+        };
+        lock(&self.watched).insert(id, Entry { what, source: source.clone(), partial: Vec::new(), pipe });
         if let Err(e) = epoll::add(&self.epoll, source.fd(), epoll::EventData::new_u64(id), epoll::EventFlags::IN) {
             lock(&self.watched).remove(&id);
             return Err(e.into());
@@ -179,6 +186,13 @@ pub(super) fn close_inherited_spares() {
 /// (a pipe carries no descriptor), and the lease says where.
 pub(super) fn subscribe(owner: u128, lease: &Lease) -> bool {
     let Ok(reaper) = reaper() else { return false };
+    // A lease this process reads is no way to another owner: only a record edited to name
+    // another process's storage comes with one (its mapping would be cached on a
+    // subscription to this process itself, whose revocations never name it).
+    let this = crate::sys::pipe_identity(lease.tx.as_fd());
+    if this.is_none() || lock(&reaper.watched).values().any(|e| e.pipe == this) {
+        return false;
+    }
     // Each waits for its owner's fetch until it expires: a peer that names ever new owners
     // (or owners that never fetch) gets no more than this many, and no mappings cached.
     if crate::handover::expiring_deposits() >= MAX_PENDING_SUBSCRIPTIONS {
