@@ -7,6 +7,12 @@
 //! It prints `LISTEN <name>`: the Python side connects a sender of that kind there. `--kind
 //! gpu` serves f32 GPU tensors (needs a GPU); `--kind bundle` answers each bundle with its
 //! `step` tensor's value (a host tensor of one i64), as a weight consumer would.
+//!
+//! `--kind queue --queue <hex> --reply-to <hex>` is a consumer of a Python `cuda_mp.Queue`
+//! (both arguments are the hex of a queue's `to_bytes()`): it takes `{"step": int, "note": str,
+//! "x": float32 array}` items, adds 1 to `x` in place and puts `(step, note, len(x))` on the
+//! second queue; any object only Python reads is answered `("pickled", its tensors)`; `None`
+//! ends it.
 
 mod common;
 
@@ -14,7 +20,7 @@ use common::{Outcome, TIMEOUT};
 use std::time::Instant;
 
 use cuda_mp::__private::{Phase, PhaseTimes};
-use cuda_mp::{Bundle, GpuTensor, HostTensor, Listener, Sender};
+use cuda_mp::{Bundle, GpuTensor, HostTensor, Listener, Queue, Sender, Value};
 
 fn serve_host(reply_to: &str) -> Outcome<usize> {
     let listener = Listener::<HostTensor<f32>>::bind()?;
@@ -41,6 +47,39 @@ fn serve_gpu(reply_to: &str) -> Outcome<usize> {
     while let Ok(t) = rx.recv() {
         t.add_scalar(1.0)?;
         reply.send(t)?;
+        served += 1;
+    }
+    Ok(served)
+}
+
+/// The bytes that `hex` spells.
+fn unhex(hex: &str) -> Outcome<Vec<u8>> {
+    let digits = hex.as_bytes();
+    if digits.len() % 2 != 0 {
+        return Err("hex of an odd length".into());
+    }
+    let pair = |p: &[u8]| u8::from_str_radix(std::str::from_utf8(p).ok()?, 16).ok();
+    digits.chunks(2).map(|p| pair(p).ok_or_else(|| "not hex".into())).collect()
+}
+
+fn serve_queue(queue: &str, reply_to: &str) -> Outcome<usize> {
+    let work: Queue<Value> = cuda_mp::from_bytes(&unhex(queue)?)?;
+    let answers: Queue<Value> = cuda_mp::from_bytes(&unhex(reply_to)?)?;
+    let mut served = 0;
+    loop {
+        let answer = match work.get_timeout(TIMEOUT)? {
+            Value::None => break,
+            Value::Pickled { tensors, .. } => Value::Tuple(vec!["pickled".into(), Value::Int(tensors.len() as i64)]),
+            item => {
+                let step = item.get("step").and_then(Value::as_int).ok_or("an item without an int step")?;
+                let note = item.get("note").and_then(Value::as_str).ok_or("an item without a str note")?;
+                let Some(Value::Host(x)) = item.get("x") else { return Err("an item without a host array x".into()) };
+                let x = x.typed::<f32>()?;
+                x.map_inplace(|v| v + 1.0);
+                Value::Tuple(vec![Value::Int(step), note.into(), Value::Int(x.numel() as i64)])
+            }
+        };
+        answers.put(answer)?;
         served += 1;
     }
     Ok(served)
@@ -95,15 +134,19 @@ fn serve_bundles(reply_to: &str) -> Outcome<usize> {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let kind: String = common::arg("--kind", "host".to_string())?;
     let reply_to: String = common::arg("--reply-to", String::new())?;
+    let queue: String = common::arg("--queue", String::new())?;
     let outcome = match kind.as_str() {
         _ if reply_to.is_empty() => Err("--reply-to <name> is needed".into()),
+        "queue" => serve_queue(&queue, &reply_to).map(|n| println!("answered {n} items of a Python queue")),
         "host" => serve_host(&reply_to).map(|n| println!("served {n} host tensors")),
         "gpu" => serve_gpu(&reply_to).map(|n| println!("served {n} gpu tensors")),
         "bundle" => serve_bundles(&reply_to).map(|n| println!("served {n} bundles")),
-        other => Err(format!("--kind {other}: host, gpu or bundle").into()),
+        other => Err(format!("--kind {other}: host, gpu, bundle or queue").into()),
     };
     let pass = if kind == "bundle" {
         "every bundle from Python was read and answered with its step"
+    } else if kind == "queue" {
+        "every item of the Python queue was read and answered"
     } else {
         "every tensor from Python came back with 1 added in place"
     };

@@ -138,6 +138,7 @@ mod tensor;
 #[cfg(any(test, feature = "testing"))]
 #[doc(hidden)]
 pub mod testing;
+mod value;
 mod wire;
 
 pub use channel::{
@@ -178,6 +179,7 @@ pub use sync::{
     Barrier, BarrierError, BarrierWaitResult, Event, Lock, LockError, LockGuard, Semaphore, SemaphoreGuard,
 };
 pub use tensor::{DynTensor, Tensor, TensorStorage};
+pub use value::Value;
 
 /// The types most programs use: `use cuda_mp::prelude::*;`.
 ///

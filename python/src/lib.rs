@@ -8,19 +8,18 @@
 //! the same element type, and a `Bundle` as `cuda_mp::Bundle`.
 #![deny(missing_docs, missing_debug_implementations)]
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock, Weak, mpsc};
 use std::time::{Duration, Instant};
 
 use cuda_mp::{
     Bundle as RsBundle, BundleBuilder, DType, Device, DynTensor, GpuStorage, HostStorage, Layout,
-    Listener as RsListener, Receiver as RsReceiver, RecvTimeoutError, Sender as RsSender,
+    Listener as RsListener, Receiver as RsReceiver, RecvTimeoutError, Sender as RsSender, Value,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
-use serde::{Deserialize, Serialize};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
 mod dlpack;
 mod torch_ipc;
@@ -541,8 +540,17 @@ impl WaitFailure for cuda_mp::GetTimeoutError {
 fn wait<R: Send, E: WaitFailure>(
     py: Python<'_>,
     timeout: Option<Duration>,
-    mut step: impl FnMut(Duration) -> Result<R, E> + Send,
+    step: impl FnMut(Duration) -> Result<R, E> + Send,
 ) -> PyResult<R> {
+    try_wait(py, timeout, step)?.map_err(E::raised)
+}
+
+/// As `wait`, with the time-out given back (`Ok(Err(_))`) instead of raised.
+fn try_wait<R: Send, E: WaitFailure>(
+    py: Python<'_>,
+    timeout: Option<Duration>,
+    mut step: impl FnMut(Duration) -> Result<R, E> + Send,
+) -> PyResult<Result<R, E>> {
     const SLICE: Duration = Duration::from_millis(100);
     let deadline = timeout.map(|t| Instant::now() + t);
     loop {
@@ -550,7 +558,9 @@ fn wait<R: Send, E: WaitFailure>(
         let slice = left.map_or(SLICE, |l| l.min(SLICE));
         match py.detach(|| step(slice)) {
             Err(e) if e.is_timeout() && left.is_none_or(|l| l > slice) => py.check_signals()?,
-            other => return other.map_err(E::raised),
+            Err(e) if e.is_timeout() => return Ok(Err(e)),
+            Err(e) => return Err(e.raised()),
+            Ok(r) => return Ok(Ok(r)),
         }
     }
 }
@@ -790,26 +800,131 @@ impl Sender {
 // ---------------------------------------------------------------------------------------------
 // Queues of pickled objects whose tensors travel beside the pickle.
 
-/// A tensor carried beside a queued object's pickle.
-#[derive(Serialize, Deserialize)]
-enum Piece {
-    Gpu(DynTensor<GpuStorage>),
-    Host(DynTensor<HostStorage>),
+/// The deepest nesting of lists, tuples and dicts that an object put as a `Value` may have;
+/// a deeper one (or one that holds itself) is pickled.
+const VALUE_DEPTH: usize = 64;
+
+/// `obj` as a `Value`, when it is made only of what a `Value` holds: `None`, `bool`, `int` (64
+/// bits), `float`, `str`, `bytes`, `list`, `tuple`, `dict` (those exact types, not subclasses)
+/// and tensors, which `leaf` turns into tensors of this module (it returns `None` for any
+/// other object). `None` when it is not (the caller pickles it).
+fn to_value(obj: &Bound<'_, PyAny>, leaf: &Bound<'_, PyAny>, depth: usize) -> PyResult<Option<Value>> {
+    if depth > VALUE_DEPTH {
+        return Ok(None);
+    }
+    let all = |items: &mut dyn Iterator<Item = Bound<'_, PyAny>>| -> PyResult<Option<Vec<Value>>> {
+        let mut out = Vec::new();
+        for item in items {
+            match to_value(&item, leaf, depth + 1)? {
+                Some(v) => out.push(v),
+                None => return Ok(None),
+            }
+        }
+        Ok(Some(out))
+    };
+    let value = if obj.is_none() {
+        Some(Value::None)
+    } else if obj.is_exact_instance_of::<PyBool>() {
+        Some(Value::Bool(obj.extract()?))
+    } else if obj.is_exact_instance_of::<PyInt>() {
+        obj.extract::<i64>().ok().map(Value::Int)
+    } else if obj.is_exact_instance_of::<PyFloat>() {
+        Some(Value::Float(obj.extract()?))
+    } else if obj.is_exact_instance_of::<PyString>() {
+        // A string with a lone surrogate has no UTF-8: pickled.
+        obj.extract::<String>().ok().map(Value::Str)
+    } else if let Ok(b) = obj.cast_exact::<PyBytes>() {
+        Some(Value::Bytes(b.as_bytes().to_vec()))
+    } else if let Ok(list) = obj.cast_exact::<PyList>() {
+        all(&mut list.iter())?.map(Value::List)
+    } else if let Ok(tuple) = obj.cast_exact::<PyTuple>() {
+        all(&mut tuple.iter())?.map(Value::Tuple)
+    } else if let Ok(dict) = obj.cast_exact::<PyDict>() {
+        let mut items = Vec::with_capacity(dict.len());
+        for (k, v) in dict.iter() {
+            match (to_value(&k, leaf, depth + 1)?, to_value(&v, leaf, depth + 1)?) {
+                (Some(k), Some(v)) => items.push((k, v)),
+                _ => return Ok(None),
+            }
+        }
+        Some(Value::Dict(items))
+    } else {
+        let tensor = leaf.call1((obj,))?;
+        match tensor.cast::<Tensor>() {
+            Ok(t) => Some(tensor_value(&t.get().inner)),
+            Err(_) => None,
+        }
+    };
+    Ok(value)
 }
 
-/// One item of a queue: an object pickled with its tensors left out, and the tensors.
-#[derive(Serialize, Deserialize)]
-struct Item {
-    #[serde(with = "serde_bytes")]
-    pickle: Vec<u8>,
-    tensors: Vec<Piece>,
+fn tensor_value(t: &Any) -> Value {
+    match t {
+        Any::Gpu(t) => Value::Gpu(t.clone()),
+        Any::Host(t) => Value::Host(t.clone()),
+    }
+}
+
+/// What turns a `Value`'s tensors and pickles back into Python objects: `gpu` and `host` take a
+/// tensor of this module (a CUDA tensor, a NumPy array), `pickled` a pickle and the tensors it
+/// names.
+struct Makers<'a, 'py> {
+    gpu: &'a Bound<'py, PyAny>,
+    host: &'a Bound<'py, PyAny>,
+    pickled: &'a Bound<'py, PyAny>,
+}
+
+/// `value` as a Python object.
+fn from_value<'py>(py: Python<'py>, value: Value, makers: &Makers<'_, 'py>) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match value {
+        Value::None => py.None().into_bound(py),
+        Value::Bool(b) => PyBool::new(py, b).to_owned().into_any(),
+        Value::Int(i) => i.into_pyobject(py)?.into_any(),
+        Value::Float(x) => PyFloat::new(py, x).into_any(),
+        Value::Str(s) => PyString::new(py, &s).into_any(),
+        Value::Bytes(b) => PyBytes::new(py, &b).into_any(),
+        Value::List(items) => {
+            let items: PyResult<Vec<_>> = items.into_iter().map(|v| from_value(py, v, makers)).collect();
+            PyList::new(py, items?)?.into_any()
+        }
+        Value::Tuple(items) => {
+            let items: PyResult<Vec<_>> = items.into_iter().map(|v| from_value(py, v, makers)).collect();
+            PyTuple::new(py, items?)?.into_any()
+        }
+        Value::Dict(items) => {
+            let dict = PyDict::new(py);
+            for (k, v) in items {
+                dict.set_item(from_value(py, k, makers)?, from_value(py, v, makers)?)?;
+            }
+            dict.into_any()
+        }
+        Value::Host(t) => makers.host.call1((Tensor { inner: Any::Host(t) },))?,
+        Value::Gpu(t) => makers.gpu.call1((Tensor { inner: Any::Gpu(t) },))?,
+        Value::Pickled { pickle, tensors } => {
+            let tensors: PyResult<Vec<Tensor>> = tensors
+                .into_iter()
+                .map(|v| match v {
+                    Value::Gpu(t) => Ok(Tensor { inner: Any::Gpu(t) }),
+                    Value::Host(t) => Ok(Tensor { inner: Any::Host(t) }),
+                    _ => Err(exception(py, "Malformed", "a pickle's tensor is not a tensor".into())),
+                })
+                .collect();
+            makers.pickled.call1((PyBytes::new(py, &pickle), tensors?))?
+        }
+        _ => return Err(exception(py, "Malformed", "a value of a kind this package does not know".into())),
+    })
+}
+
+/// A pickle and the tensors it names, as a `Value`.
+fn pickled(pickle: Vec<u8>, tensors: &[Bound<'_, Tensor>]) -> Value {
+    Value::Pickled { pickle, tensors: tensors.iter().map(|t| tensor_value(&t.get().inner)).collect() }
 }
 
 /// A queue of many producers and consumers in many processes (a `cuda_mp::Queue`) whose items
 /// are pickles and the tensors they name: `cuda_mp.Queue` wraps it.
 #[pyclass(frozen, module = "cuda_mp._native")]
 pub struct Queue {
-    inner: cuda_mp::Queue<Item>,
+    inner: cuda_mp::Queue<Value>,
 }
 
 impl fmt::Debug for Queue {
@@ -848,19 +963,34 @@ impl Queue {
         Ok(Queue { inner: py.detach(cuda_mp::Queue::new).map_err(error)? })
     }
 
-    /// Puts one item: `pickle` and the tensors it names.
-    fn put(&self, py: Python<'_>, pickle: Vec<u8>, tensors: Vec<Bound<'_, Tensor>>) -> PyResult<()> {
-        let item = item_of(pickle, &tensors);
-        py.detach(|| self.inner.put(item)).map_err(|e| send_error(py, e.into()))
+    /// Puts `obj` as a `Value` (its tensors: what `leaf` makes of them) and returns True; False,
+    /// putting nothing, when it is not made only of what a `Value` holds.
+    fn put(&self, py: Python<'_>, obj: &Bound<'_, PyAny>, leaf: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let Some(value) = to_value(obj, leaf, 0)? else { return Ok(false) };
+        py.detach(|| self.inner.put(value)).map_err(|e| send_error(py, e.into()))?;
+        Ok(true)
     }
 
-    /// The next item (its pickle and its tensors), waiting at most `timeout` seconds (None: for
-    /// ever). Raises `Timeout`, `Disconnected` (closed and drained, or its process gone),
-    /// `Malformed`.
-    #[pyo3(signature = (timeout=None))]
-    fn get<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<(Bound<'py, PyBytes>, Vec<Tensor>)> {
-        let item = wait(py, seconds(timeout)?, |d| self.inner.get_timeout(d))?;
-        Ok((PyBytes::new(py, &item.pickle), item_tensors(item.tensors)))
+    /// Puts an object that only Python reads: its pickle and the tensors it names.
+    fn put_pickled(&self, py: Python<'_>, pickle: Vec<u8>, tensors: Vec<Bound<'_, Tensor>>) -> PyResult<()> {
+        let value = pickled(pickle, &tensors);
+        py.detach(|| self.inner.put(value)).map_err(|e| send_error(py, e.into()))
+    }
+
+    /// The next item as a Python object (its tensors and pickles made by `gpu`, `host` and
+    /// `pickled`), waiting at most `timeout` seconds (None: for ever). Raises `Timeout`,
+    /// `Disconnected` (closed and drained, or its process gone), `Malformed`.
+    #[pyo3(signature = (timeout, gpu, host, pickled))]
+    fn get<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: Option<f64>,
+        gpu: &Bound<'py, PyAny>,
+        host: &Bound<'py, PyAny>,
+        pickled: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let value = wait(py, seconds(timeout)?, |d| self.inner.get_timeout(d))?;
+        from_value(py, value, &Makers { gpu, host, pickled })
     }
 
     /// This handle as bytes that one process turns into a handle of the same queue with
@@ -884,38 +1014,36 @@ impl Queue {
     }
 }
 
-/// The pieces of an item as tensors of this module.
-fn item_tensors(tensors: Vec<Piece>) -> Vec<Tensor> {
-    tensors
-        .into_iter()
-        .map(|p| Tensor {
-            inner: match p {
-                Piece::Gpu(t) => Any::Gpu(t),
-                Piece::Host(t) => Any::Host(t),
-            },
-        })
-        .collect()
-}
-
-/// An item of `pickle` and the tensors it names.
-fn item_of(pickle: Vec<u8>, tensors: &[Bound<'_, Tensor>]) -> Item {
-    let tensors = tensors
-        .iter()
-        .map(|t| match &t.get().inner {
-            Any::Gpu(t) => Piece::Gpu(t.clone()),
-            Any::Host(t) => Piece::Host(t.clone()),
-        })
-        .collect();
-    Item { pickle, tensors }
-}
-
 /// One end of a two-way pipe of items (`cuda_mp.Pipe`): it sends to the other end and
 /// receives what the other end sends.
 #[pyclass(frozen, module = "cuda_mp._native")]
 pub struct Connection {
-    tx: RsSender<Item>,
+    tx: RsSender<Value>,
     /// `None` once pickled to another process, which receives from then on.
-    rx: Mutex<Option<RsReceiver<Item>>>,
+    rx: Mutex<Option<RsReceiver<Value>>>,
+    /// What `poll` received, for the next `recv`s.
+    polled: Mutex<VecDeque<Value>>,
+}
+
+impl Connection {
+    fn new(tx: RsSender<Value>, rx: RsReceiver<Value>) -> Connection {
+        Connection { tx, rx: Mutex::new(Some(rx)), polled: Mutex::new(VecDeque::new()) }
+    }
+
+    /// The next value: one `poll` received, else one from the channel within `timeout`.
+    fn receive_timeout(&self, timeout: Duration) -> Result<Value, RecvTimeoutError> {
+        if let Some(value) = self.polled.lock().unwrap_or_else(|p| p.into_inner()).pop_front() {
+            return Ok(value);
+        }
+        self.receive_new(timeout)
+    }
+
+    fn receive_new(&self, timeout: Duration) -> Result<Value, RecvTimeoutError> {
+        match &*self.rx.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(rx) => rx.recv_timeout(timeout),
+            None => Err(RecvTimeoutError::Disconnected),
+        }
+    }
 }
 
 impl fmt::Debug for Connection {
@@ -928,32 +1056,66 @@ impl fmt::Debug for Connection {
 #[pyfunction]
 fn pipe(py: Python<'_>) -> PyResult<(Connection, Connection)> {
     let made = py.detach(|| -> cuda_mp::Result<_> {
-        let (tx_a, rx_a) = cuda_mp::channel::<Item>()?;
-        let (tx_b, rx_b) = cuda_mp::channel::<Item>()?;
+        let (tx_a, rx_a) = cuda_mp::channel::<Value>()?;
+        let (tx_b, rx_b) = cuda_mp::channel::<Value>()?;
         Ok((tx_a, rx_a, tx_b, rx_b))
     });
     let (tx_a, rx_a, tx_b, rx_b) = made.map_err(error)?;
-    Ok((Connection { tx: tx_a, rx: Mutex::new(Some(rx_b)) }, Connection { tx: tx_b, rx: Mutex::new(Some(rx_a)) }))
+    Ok((Connection::new(tx_a, rx_b), Connection::new(tx_b, rx_a)))
 }
 
 #[pymethods]
 impl Connection {
-    /// Sends one item to the other end. Raises `Disconnected` when it is gone.
-    fn send(&self, py: Python<'_>, pickle: Vec<u8>, tensors: Vec<Bound<'_, Tensor>>) -> PyResult<()> {
-        let item = item_of(pickle, &tensors);
-        py.detach(|| self.tx.send(item)).map_err(|e| send_error(py, e.into()))
+    /// Sends `obj` as a `Value` to the other end (as `Queue.put` does) and returns True; False,
+    /// sending nothing, when it is not made only of what a `Value` holds. Raises `Disconnected`
+    /// when the other end is gone.
+    fn send(&self, py: Python<'_>, obj: &Bound<'_, PyAny>, leaf: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let Some(value) = to_value(obj, leaf, 0)? else { return Ok(false) };
+        py.detach(|| self.tx.send(value)).map_err(|e| send_error(py, e.into()))?;
+        Ok(true)
     }
 
-    /// The next item from the other end, waiting at most `timeout` seconds (None: for ever).
-    /// Raises `Timeout`, `Disconnected` (the other end is gone and nothing is left, or this end
-    /// was pickled to another process), `Malformed`.
-    #[pyo3(signature = (timeout=None))]
-    fn recv<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<(Bound<'py, PyBytes>, Vec<Tensor>)> {
-        let item = wait(py, seconds(timeout)?, |d| match &*self.rx.lock().unwrap_or_else(|p| p.into_inner()) {
-            Some(rx) => rx.recv_timeout(d),
-            None => Err(RecvTimeoutError::Disconnected),
-        })?;
-        Ok((PyBytes::new(py, &item.pickle), item_tensors(item.tensors)))
+    /// Sends an object that only Python reads: its pickle and the tensors it names.
+    fn send_pickled(&self, py: Python<'_>, pickle: Vec<u8>, tensors: Vec<Bound<'_, Tensor>>) -> PyResult<()> {
+        let value = pickled(pickle, &tensors);
+        py.detach(|| self.tx.send(value)).map_err(|e| send_error(py, e.into()))
+    }
+
+    /// The next object from the other end (as `Queue.get` makes it), waiting at most `timeout`
+    /// seconds (None: for ever). Raises `Timeout`, `Disconnected` (the other end is gone and
+    /// nothing is left, or this end was pickled to another process), `Malformed`.
+    #[pyo3(signature = (timeout, gpu, host, pickled))]
+    fn recv<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: Option<f64>,
+        gpu: &Bound<'py, PyAny>,
+        host: &Bound<'py, PyAny>,
+        pickled: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let value = wait(py, seconds(timeout)?, |d| self.receive_timeout(d))?;
+        from_value(py, value, &Makers { gpu, host, pickled })
+    }
+
+    /// Whether an object is ready to be received, waiting at most `timeout` seconds for one
+    /// (0: not at all; None: for ever). False once this end was pickled to another process.
+    /// What arrived stays for the next `recv`. Raises `Disconnected` when the other end is
+    /// gone and nothing is left.
+    #[pyo3(signature = (timeout=Some(0.0)))]
+    fn poll(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        if !self.polled.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+            return Ok(true);
+        }
+        if self.rx.lock().unwrap_or_else(|p| p.into_inner()).is_none() {
+            return Ok(false);
+        }
+        match try_wait(py, seconds(timeout)?, |d| self.receive_new(d))? {
+            Ok(value) => {
+                self.polled.lock().unwrap_or_else(|p| p.into_inner()).push_back(value);
+                Ok(true)
+            }
+            Err(_) => Ok(false),
+        }
     }
 
     /// This end as bytes that one process turns into it with `from_bytes`, within `ttl`
@@ -966,6 +1128,11 @@ impl Connection {
             let Some(receiver) = rx.as_ref() else {
                 return Err(cuda_mp::Error::Unsupported("this connection was pickled already".into()));
             };
+            if !self.polled.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+                return Err(cuda_mp::Error::Unsupported(
+                    "this connection holds objects that poll received: recv them before pickling it".into(),
+                ));
+            }
             let bytes = cuda_mp::to_bytes(&(&self.tx, receiver), ttl)?;
             *rx = None;
             Ok(bytes)
@@ -976,8 +1143,8 @@ impl Connection {
     /// The end that `to_bytes` made `data` of; once.
     #[staticmethod]
     fn from_bytes(py: Python<'_>, data: &[u8]) -> PyResult<Connection> {
-        let (tx, rx): (RsSender<Item>, RsReceiver<Item>) = py.detach(|| cuda_mp::from_bytes(data)).map_err(error)?;
-        Ok(Connection { tx, rx: Mutex::new(Some(rx)) })
+        let (tx, rx): (RsSender<Value>, RsReceiver<Value>) = py.detach(|| cuda_mp::from_bytes(data)).map_err(error)?;
+        Ok(Connection::new(tx, rx))
     }
 }
 

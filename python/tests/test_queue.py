@@ -1,6 +1,7 @@
 """``cuda_mp.Queue`` between processes of every start method: any picklable object, arrays in
 cuda-mp memory shared rather than copied, each item to exactly one consumer. No GPU needed."""
 
+import collections
 import multiprocessing as mp
 import pickle
 import queue
@@ -172,3 +173,118 @@ def test_forged_handle_bytes_raise_and_leave_the_real_ones_readable():
             decode("host", b"\x00\x01garbage")
     with pytest.raises(ValueError, match="unknown channel kind"):
         cuda_mp._native.Sender.from_bytes("nope", b"")
+
+
+Pair = collections.namedtuple("Pair", "x y")
+
+
+class Point:
+    def __init__(self, x):
+        self.x = x
+
+    def __eq__(self, other):
+        return isinstance(other, Point) and other.x == self.x
+
+
+def test_objects_keep_their_exact_types_as_values_or_pickles():
+    deep = []
+    for _ in range(100):
+        deep = [deep]
+    itself = [1]
+    itself.append(itself)
+    shared = cuda_mp.empty_host((3,), "int32")
+    shared[:] = 7
+    objects = [
+        None,
+        True,
+        -(2**63),
+        2**63,  # past 64 bits: pickled
+        1.5,
+        "text \u00e9",
+        "lone \ud800",  # no UTF-8: pickled
+        b"\x00bytes",
+        [1, [2.0, ("three", None)]],
+        (),
+        {"a": 1, 2: "b", (3, 4): [5]},
+        collections.OrderedDict(a=1),  # a dict's subclass: pickled, its type kept
+        Pair(1, 2),  # a tuple's subclass: pickled
+        {1, 2},
+        Point(3),
+        deep,
+        np.arange(4),  # an ordinary array: copied
+    ]
+    q = cuda_mp.Queue()
+    for obj in objects:
+        q.put(obj)
+    for obj in objects:
+        got = q.get(timeout=10)
+        assert type(got) is type(obj)
+        if isinstance(obj, np.ndarray):
+            assert got.tolist() == obj.tolist()
+        else:
+            assert got == obj
+    q.put(itself)
+    again = q.get(timeout=10)
+    assert again[0] == 1 and again[1] is again, "a list that holds itself is pickled, whole"
+    q.put({"shared": shared, "step": 3})
+    got = q.get(timeout=10)
+    got["shared"][:] = 9
+    assert shared.tolist() == [9, 9, 9], "cuda-mp memory inside a value is shared"
+
+
+def test_a_pipe_polls_as_multiprocessing_pipes_do():
+    a, b = cuda_mp.Pipe()
+    assert not b.poll(), "nothing sent"
+    assert not b.poll(0.05)
+    a.send({"n": 1})
+    assert b.poll(5)
+    assert b.poll(), "what poll saw stays until it is received"
+    with pytest.raises(cuda_mp.Error, match="poll"):
+        pickle.dumps(b)
+    assert b.recv(timeout=5) == {"n": 1}
+    assert not b.poll()
+    a.send(2)
+    a.send(3)
+    assert b.poll(5) and b.recv(timeout=5) == 2 and b.recv(timeout=5) == 3, "in order"
+    a.close()
+    del a
+    with pytest.raises(cuda_mp.Disconnected):
+        b.poll(5)
+
+
+def test_a_rust_process_consumes_a_python_queue_and_answers_on_another():
+    import subprocess
+
+    from conftest import rust_example
+
+    work, answers = cuda_mp.Queue(), cuda_mp.Queue()
+    peer = subprocess.Popen(
+        [
+            str(rust_example("14_python_peer")),
+            "--kind",
+            "queue",
+            "--queue",
+            work.to_bytes().hex(),
+            "--reply-to",
+            answers.to_bytes().hex(),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        arrays = []
+        for step in range(5):
+            a = cuda_mp.empty_host((8,), "float32")
+            a[:] = step
+            arrays.append(a)
+            work.put({"step": step, "x": a, "note": f"step {step}"})
+        work.put(Point(1))  # only Python reads it: the Rust side counts it
+        work.put(None)
+        got = [answers.get(timeout=30) for _ in range(6)]
+        assert got[:5] == [(step, f"step {step}", 8) for step in range(5)]
+        assert got[5] == ("pickled", 0)
+        assert [a.tolist() for a in arrays] == [[step + 1.0] * 8 for step in range(5)], "added to in place"
+        assert peer.wait(30) == 0
+    finally:
+        peer.kill()
+    assert "PASS" in peer.stdout.read()

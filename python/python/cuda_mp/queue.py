@@ -9,13 +9,17 @@ between processes, whose tensors travel as shared memory instead of inside the p
     q.put({"step": 3, "weights": model_weights})   # CUDA tensors: no copy
     item = q.get(timeout=10)
 
-It is the Rust crate's ``Queue``: many producers and consumers in many processes (handles
-pickle to children of every start method), each item delivered to exactly one consumer, an item
-whose consumer died before taking it delivered to another, no feeder thread. An item is pickled
-with its tensors left out: CUDA ``torch.Tensor`` s (and ``nn.Parameter`` s) and CPU tensors and
-NumPy arrays in cuda-mp memory (``cuda_mp.empty_host``, or received) travel as cuda-mp records
-beside the pickle, so the consumer gets the same memory; any other object, ordinary NumPy arrays
-included, is pickled as ``multiprocessing.Queue`` pickles it (a copy).
+It is the Rust crate's ``Queue`` of ``cuda_mp::Value``: many producers and consumers in many
+processes (handles pickle to children of every start method), each item delivered to exactly one
+consumer, an item whose consumer died before taking it delivered to another, no feeder thread.
+Tensors are never copied: CUDA ``torch.Tensor`` s (and ``nn.Parameter`` s) and CPU tensors and
+NumPy arrays in cuda-mp memory (``cuda_mp.empty_host``, or received) travel as cuda-mp records,
+so the consumer gets the same memory. An object made only of ``None``, ``bool``, ``int`` (64
+bits), ``float``, ``str``, ``bytes``, ``list``, ``tuple``, ``dict``, CUDA tensors and cuda-mp
+NumPy arrays travels as a ``Value`` tree that Rust processes read too (a Rust process takes a
+handle from ``Queue.to_bytes()`` with ``cuda_mp::from_bytes``); any other object is pickled as
+``multiprocessing.Queue`` pickles it, its shareable tensors left out of the pickle and carried
+beside it (ordinary NumPy arrays are copied into the pickle).
 
 What differs from ``multiprocessing.Queue``: the queue lives in the process that created it (its
 exit ends the queue: gets then raise ``cuda_mp.Disconnected``, puts too); a pickled handle waits
@@ -110,6 +114,41 @@ def _dumps(obj: Any):
     return out.getvalue(), pickler.tensors
 
 
+def _leaf(obj):
+    """The cuda-mp tensor that ``obj`` travels as inside a value (see ``cuda_mp::Value``): a CUDA
+    ``torch.Tensor`` (not a subclass, no gradient), or a NumPy array in cuda-mp memory; None for
+    anything else (the object is then pickled)."""
+    if _is_torch(obj):
+        import torch
+
+        from .torch import _ours
+
+        if type(obj) is not torch.Tensor or obj.requires_grad or not obj.is_cuda:
+            return None
+        return _ours(obj)
+    if type(obj).__name__ == "ndarray" and type(obj).__module__ == "numpy":
+        from . import _NUMPY_TO_NAME, _shared_array
+
+        dtype = _NUMPY_TO_NAME.get(obj.dtype.name)
+        return _shared_array(obj, dtype) if dtype is not None and obj.size else None
+    return None
+
+
+def _gpu_leaf(t):
+    """A GPU tensor of a value: a CUDA ``torch.Tensor`` where torch is installed."""
+    try:
+        return _to_torch(t)
+    except ImportError:
+        return t
+
+
+def _unpickle(data: bytes, tensors):
+    return _TensorsIn(data, tensors).load()
+
+
+_MAKERS = (_gpu_leaf, _to_numpy, _unpickle)
+
+
 class Queue:
     """A queue of picklable objects for many producers and consumers in many processes; see the
     module's text. Create it in the process that outlives the others."""
@@ -120,7 +159,8 @@ class Queue:
     def put(self, obj: Any, block: bool = True, timeout: Optional[float] = None) -> None:
         """Puts ``obj`` (never waits: the queue has no bound; ``block`` and ``timeout`` are
         accepted as ``multiprocessing.Queue`` takes them)."""
-        self._native.put(*_dumps(obj))
+        if not self._native.put(obj, _leaf):
+            self._native.put_pickled(*_dumps(obj))
 
     def put_nowait(self, obj: Any) -> None:
         self.put(obj)
@@ -130,10 +170,9 @@ class Queue:
         at all), then raises ``queue.Empty``. Raises ``cuda_mp.Disconnected`` once the queue's
         process is gone and nothing is left."""
         try:
-            data, tensors = self._native.get(timeout if block else 0.0)
+            return self._native.get(timeout if block else 0.0, *_MAKERS)
         except Timeout as e:
             raise _queue.Empty from e
-        return _TensorsIn(data, tensors).load()
 
     def get_nowait(self) -> Any:
         return self.get(block=False)
@@ -145,16 +184,23 @@ class Queue:
     def empty(self) -> bool:
         return self.qsize() == 0
 
+    def to_bytes(self, ttl: float = HANDLE_TTL) -> bytes:
+        """This handle as bytes that one process turns into a handle of the same queue within
+        ``ttl`` seconds: a Python one with ``Queue.from_bytes``, a Rust one with
+        ``cuda_mp::from_bytes::<cuda_mp::Queue<cuda_mp::Value>>`` (what pickling writes)."""
+        return self._native.to_bytes(ttl)
+
+    @staticmethod
+    def from_bytes(data: bytes) -> "Queue":
+        """The handle that ``to_bytes`` made ``data`` of (in Python or Rust); once."""
+        return Queue(_native.Queue.from_bytes(data))
+
     def __reduce__(self):
-        return (_unpickle_queue, (self._native.to_bytes(HANDLE_TTL),))
+        return (Queue.from_bytes, (self.to_bytes(),))
 
     def __repr__(self) -> str:
         backlog, in_flight, delivered = self._native.stats()
         return f"cuda_mp.Queue(waiting={backlog}, in_flight={in_flight}, delivered={delivered})"
-
-
-def _unpickle_queue(data: bytes) -> Queue:
-    return Queue(_native.Queue.from_bytes(data))
 
 
 class Connection:
@@ -166,14 +212,20 @@ class Connection:
     def send(self, obj: Any) -> None:
         """Sends ``obj`` (pickled as a ``Queue`` pickles). Raises ``cuda_mp.Disconnected`` when
         the other end is gone."""
-        self._open().send(*_dumps(obj))
+        if not self._open().send(obj, _leaf):
+            self._open().send_pickled(*_dumps(obj))
 
     def recv(self, timeout: Optional[float] = None) -> Any:
         """The next object from the other end; waits at most ``timeout`` seconds (None: for
         ever), then raises ``cuda_mp.Timeout``; ``cuda_mp.Disconnected`` once the other end is
         gone and nothing is left."""
-        data, tensors = self._open().recv(timeout)
-        return _TensorsIn(data, tensors).load()
+        return self._open().recv(timeout, *_MAKERS)
+
+    def poll(self, timeout: Optional[float] = 0.0) -> bool:
+        """Whether an object is ready to ``recv``, waiting at most ``timeout`` seconds for one
+        (0: not at all, as ``multiprocessing``'s default; None: for ever). Raises
+        ``cuda_mp.Disconnected`` once the other end is gone and nothing is left."""
+        return self._open().poll(timeout)
 
     def close(self) -> None:
         """Lets go of this end here: once every copy of it is closed or gone, the other end's
@@ -190,7 +242,19 @@ class Connection:
         return self._native
 
     def __reduce__(self):
-        return (_unpickle_connection, (self._open().to_bytes(HANDLE_TTL),))
+        return (Connection.from_bytes, (self.to_bytes(),))
+
+
+    def to_bytes(self, ttl: float = HANDLE_TTL) -> bytes:
+        """This end as bytes that one process turns into it within ``ttl`` seconds: a Python one
+        with ``Connection.from_bytes``, a Rust one with ``cuda_mp::from_bytes::<(Sender<Value>,
+        Receiver<Value>)>`` (what pickling writes). The end moves: this one receives no more."""
+        return self._open().to_bytes(ttl)
+
+    @staticmethod
+    def from_bytes(data: bytes) -> "Connection":
+        """The end that ``to_bytes`` made ``data`` of (in Python or Rust); once."""
+        return Connection(_native.Connection.from_bytes(data))
 
 
 def Pipe():  # noqa: N802  (named as multiprocessing.Pipe)
@@ -198,6 +262,3 @@ def Pipe():  # noqa: N802  (named as multiprocessing.Pipe)
     a, b = _native.pipe()
     return Connection(a), Connection(b)
 
-
-def _unpickle_connection(data: bytes) -> Connection:
-    return Connection(_native.Connection.from_bytes(data))

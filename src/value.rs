@@ -1,0 +1,147 @@
+//! `Value`: an object that Python and Rust processes both read, what the Python package's
+//! `cuda_mp.Queue` and `cuda_mp.Pipe` carry.
+
+use serde::{Deserialize, Serialize};
+
+#[cfg(feature = "cuda")]
+use crate::gpu::GpuStorage;
+use crate::host::HostStorage;
+use crate::tensor::DynTensor;
+
+/// An object as Python and Rust processes both read it: what the Python package's
+/// `cuda_mp.Queue` and `cuda_mp.Pipe` carry, so that a Rust process can put to or get from a
+/// queue that Python programs use (`Queue<Value>`, its handle's bytes from the Python queue's
+/// `to_bytes`), or be one end of a Python pipe.
+///
+/// Python puts an object as a tree of these when it is made of `None`, `bool`, `int` (64 bits),
+/// `float`, `str`, `bytes`, `list`, `tuple`, `dict`, CUDA `torch.Tensor`s and NumPy arrays in
+/// cuda-mp memory; anything else travels [`Pickled`](Value::Pickled). Tensors are shared, not
+/// copied: a [`Host`](Value::Host) tensor is a NumPy array in Python, a [`Gpu`](Value::Gpu)
+/// tensor a CUDA `torch.Tensor` (where torch is installed).
+///
+/// ```
+/// use cuda_mp::{HostTensor, Queue, Value};
+///
+/// let queue = Queue::<Value>::new()?;
+/// let weights = HostTensor::<f32>::full(&[4], 0.5)?;
+/// queue.put(Value::Dict(vec![("step".into(), Value::Int(3)), ("w".into(), Value::Host(weights.into()))]))?;
+/// let got = queue.consumer().get()?;
+/// assert_eq!(got.get("step").and_then(Value::as_int), Some(3));
+/// let Some(Value::Host(w)) = got.get("w") else { unreachable!() };
+/// assert_eq!(w.typed::<f32>()?.to_vec(), vec![0.5; 4]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum Value {
+    /// Python's `None`.
+    None,
+    /// A `bool`.
+    Bool(bool),
+    /// An `int` that fits in 64 bits.
+    Int(i64),
+    /// A `float`.
+    Float(f64),
+    /// A `str`.
+    Str(String),
+    /// A `bytes`.
+    Bytes(#[serde(with = "serde_bytes")] Vec<u8>),
+    /// A `list`.
+    List(Vec<Value>),
+    /// A `tuple`.
+    Tuple(Vec<Value>),
+    /// A `dict`, its items in order.
+    Dict(Vec<(Value, Value)>),
+    /// A host tensor (a NumPy array in Python).
+    Host(DynTensor<HostStorage>),
+    /// An object only Python reads: its pickle, made with the tensors it holds left out (they
+    /// travel beside it, shared, as [`Host`](Value::Host) and [`Gpu`](Value::Gpu) values, in
+    /// the order the pickle names them).
+    Pickled {
+        /// The pickle (Python's `pickle` protocol, with persistent ids for the tensors).
+        #[serde(with = "serde_bytes")]
+        pickle: Vec<u8>,
+        /// The tensors it names.
+        tensors: Vec<Value>,
+    },
+    /// A GPU tensor (a CUDA `torch.Tensor` in Python).
+    #[cfg(feature = "cuda")]
+    Gpu(DynTensor<GpuStorage>),
+}
+
+impl Value {
+    /// The value under the key `key` of a [`Dict`](Value::Dict) (the first, when several).
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        match self {
+            Value::Dict(items) => items.iter().find(|(k, _)| matches!(k, Value::Str(s) if s == key)).map(|(_, v)| v),
+            _ => None,
+        }
+    }
+
+    /// The integer of an [`Int`](Value::Int).
+    pub fn as_int(&self) -> Option<i64> {
+        match self {
+            Value::Int(i) => Some(*i),
+            _ => None,
+        }
+    }
+
+    /// The text of a [`Str`](Value::Str).
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Value::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// The items of a [`List`](Value::List) or a [`Tuple`](Value::Tuple).
+    pub fn as_slice(&self) -> Option<&[Value]> {
+        match self {
+            Value::List(items) | Value::Tuple(items) => Some(items),
+            _ => None,
+        }
+    }
+}
+
+impl From<&str> for Value {
+    fn from(s: &str) -> Value {
+        Value::Str(s.to_owned())
+    }
+}
+
+impl From<String> for Value {
+    fn from(s: String) -> Value {
+        Value::Str(s)
+    }
+}
+
+impl From<i64> for Value {
+    fn from(i: i64) -> Value {
+        Value::Int(i)
+    }
+}
+
+impl From<f64> for Value {
+    fn from(x: f64) -> Value {
+        Value::Float(x)
+    }
+}
+
+impl From<bool> for Value {
+    fn from(b: bool) -> Value {
+        Value::Bool(b)
+    }
+}
+
+impl From<DynTensor<HostStorage>> for Value {
+    fn from(t: DynTensor<HostStorage>) -> Value {
+        Value::Host(t)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl From<DynTensor<GpuStorage>> for Value {
+    fn from(t: DynTensor<GpuStorage>) -> Value {
+        Value::Gpu(t)
+    }
+}
