@@ -34,7 +34,7 @@ fn runs() -> usize {
 #[derive(Debug)]
 struct Resources {
     descriptors: Vec<String>,
-    shm: usize,
+    shm: Vec<String>,
     device_free: Option<usize>,
 }
 
@@ -43,7 +43,7 @@ fn resources(memory: Memory) -> Resources {
     let descriptors = fds.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok()).map(|p| p.display().to_string());
     Resources {
         descriptors: descriptors.collect(),
-        shm: std::fs::read_dir("/dev/shm").map_or(0, |d| d.count()),
+        shm: common::shm_entries(),
         device_free: memory.device_free(),
     }
 }
@@ -66,10 +66,11 @@ impl Resources {
             (Some(now), Some(was)) => now + (2 << 20) < was,
             _ => false,
         };
-        (!extra.is_empty() || self.shm > baseline.shm || device_short).then(|| {
+        let shm: Vec<&String> = self.shm.iter().filter(|n| !baseline.shm.contains(n)).collect();
+        (!extra.is_empty() || !shm.is_empty() || device_short).then(|| {
             format!(
-                "descriptors {extra:?}, /dev/shm {} (was {}), device free {:?} (was {:?})",
-                self.shm, baseline.shm, self.device_free, baseline.device_free
+                "descriptors {extra:?}, /dev/shm {shm:?}, device free {:?} (was {:?})",
+                self.device_free, baseline.device_free
             )
         })
     }
@@ -471,8 +472,8 @@ fn soak(gpu: bool) {
         began.elapsed().as_secs(),
         start.descriptors.len(),
         end.descriptors.len(),
-        start.shm,
-        end.shm,
+        start.shm.len(),
+        end.shm.len(),
         start.device_free,
         end.device_free,
     );
