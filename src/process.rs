@@ -488,6 +488,12 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
         // result too large to be queued before the child exits.
         loop {
             let exit = watch.exited(Duration::ZERO);
+            // The CUDA driver leaves the /dev/shm files of a killed process's interprocess
+            // events behind. Seen exited here, the child is not reaped yet: its pid is its own.
+            #[cfg(feature = "cuda")]
+            if let (Some(Exit::Signal(_)), Some(pid)) = (exit, watch.pid()) {
+                crate::sys::remove_cuda_event_files(pid);
+            }
             if exit.is_some() || self.last_look.elapsed() >= RESULT_LOOK {
                 self.last_look = Instant::now();
                 match handle.join_timeout(Duration::ZERO) {

@@ -32,6 +32,11 @@ impl ChildWatch {
         ChildWatch { pid, pidfd }
     }
 
+    /// The child's pid.
+    pub(crate) fn pid(&self) -> Option<u32> {
+        self.pid.map(|p| p.as_raw_nonzero().get() as u32)
+    }
+
     /// How the child ended, if it has (waiting up to `wait` for it to end); leaves it to be
     /// reaped by its owner. `None` while it runs, or once someone else reaped it.
     pub(crate) fn exited(&self, wait: Duration) -> Option<Exit> {

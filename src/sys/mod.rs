@@ -39,7 +39,7 @@ pub(crate) use process::{
     SIGKILL, at_exit, at_fork_child, own_pid, own_start, pid_namespace, process_gone, signal_name,
 };
 #[cfg(feature = "cuda")]
-pub(crate) use shm::{ShmFile, ShmOpen, shm_unlink};
+pub(crate) use shm::{ShmFile, ShmOpen, remove_cuda_event_files, shm_unlink};
 #[cfg(all(feature = "cuda", any(test, feature = "testing")))]
 pub(crate) use socket::Message;
 #[cfg(feature = "remote")]

@@ -98,3 +98,54 @@ impl ShmFile {
 pub(crate) fn shm_unlink(name: &CStr) -> io::Result<()> {
     Ok(shm::unlink(name)?)
 }
+
+/// Removes the files that the CUDA driver keeps in `/dev/shm` for process `pid`'s interprocess
+/// events (`cuda.shm.<n>.<pid in hex>.<n>`), owned by this user; returns how many. The driver
+/// removes them when the process ends normally, and never when a signal kills it. Call it only
+/// for a child of this process that has died and is not yet reaped (its pid cannot be anyone
+/// else's then).
+pub(crate) fn remove_cuda_event_files(pid: u32) -> usize {
+    let Ok(entries) = std::fs::read_dir("/dev/shm") else { return 0 };
+    let pid = format!("{pid:x}");
+    let uid = rustix::process::getuid().as_raw();
+    let is_number = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_hexdigit());
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let parts: Vec<&str> = name.split('.').collect();
+        let of_pid = matches!(parts.as_slice(), ["cuda", "shm", a, p, b] if is_number(a) && *p == pid && is_number(b));
+        let ours = entry.metadata().is_ok_and(|m| std::os::unix::fs::MetadataExt::uid(&m) == uid);
+        if of_pid && ours && std::fs::remove_file(entry.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_driver_files_of_that_pid_are_removed() {
+        // A pid above the kernel's largest (2^22): no process has it.
+        let pid = (1u32 << 22) + 77;
+        let names = [
+            format!("cuda.shm.0.{pid:x}.1"),
+            format!("cuda.shm.3.{pid:x}.12"),
+            format!("cuda.shm.0.{:x}.1", pid + 1),
+            format!("cuda.shm.0.{pid:x}.1.other"),
+            format!("cuda-mp-test.{pid:x}"),
+        ];
+        for name in &names {
+            std::fs::write(format!("/dev/shm/{name}"), b"x").unwrap();
+        }
+        assert_eq!(remove_cuda_event_files(pid), 2);
+        let left: Vec<bool> = names.iter().map(|n| std::path::Path::new(&format!("/dev/shm/{n}")).exists()).collect();
+        for name in &names {
+            let _ = std::fs::remove_file(format!("/dev/shm/{name}"));
+        }
+        assert_eq!(left, [false, false, true, true, true]);
+    }
+}
