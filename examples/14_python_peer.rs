@@ -10,7 +10,8 @@
 //!
 //! `--kind queue --queue <hex> --reply-to <hex>` is a consumer of a Python `cuda_mp.Queue`
 //! (both arguments are the hex of a queue's `to_bytes()`): it takes `{"step": int, "note": str,
-//! "x": float32 array}` items, adds 1 to `x` in place and puts `(step, note, len(x))` on the
+//! "x": float32 NumPy array or CUDA tensor}` items, adds 1 to `x` in place and puts
+//! `(step, note, len(x))` on the
 //! second queue; any object only Python reads is answered `("pickled", its tensors)`; `None`
 //! ends it.
 
@@ -73,10 +74,22 @@ fn serve_queue(queue: &str, reply_to: &str) -> Outcome<usize> {
             item => {
                 let step = item.get("step").and_then(Value::as_int).ok_or("an item without an int step")?;
                 let note = item.get("note").and_then(Value::as_str).ok_or("an item without a str note")?;
-                let Some(Value::Host(x)) = item.get("x") else { return Err("an item without a host array x".into()) };
-                let x = x.typed::<f32>()?;
-                x.map_inplace(|v| v + 1.0);
-                Value::Tuple(vec![Value::Int(step), note.into(), Value::Int(x.numel() as i64)])
+                let len = match item.get("x") {
+                    Some(Value::Host(x)) => {
+                        let x = x.typed::<f32>()?;
+                        x.map_inplace(|v| v + 1.0);
+                        x.numel()
+                    }
+                    Some(Value::Gpu(x)) => {
+                        let x = x.typed::<f32>()?;
+                        x.add_scalar(1.0)?;
+                        // The answer does not carry `x`: the write is done before it is sent.
+                        x.synchronize()?;
+                        x.numel()
+                    }
+                    _ => return Err("an item without a float32 tensor x".into()),
+                };
+                Value::Tuple(vec![Value::Int(step), note.into(), Value::Int(len as i64)])
             }
         };
         answers.put(answer)?;

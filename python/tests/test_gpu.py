@@ -228,3 +228,64 @@ def test_cuda_tensors_in_any_object_cross_a_cuda_mp_queue_in_place():
     torch.cuda.synchronize()
     assert all(bool((t == 10).all()) for t in tensors), "every worker's add is seen here"
     assert base[:, 3].eq(10).all() and base[:, 2].eq(0).all(), "a strided view crossed as a view"
+
+
+def add_one_to_values(q, results):
+    import torch
+
+    while True:
+        item = q.get(timeout=60)
+        if item is None:
+            return
+        assert type(item) is dict and type(item["tensors"]) is list
+        for t in item["tensors"]:
+            t.add_(1)
+        torch.cuda.synchronize()
+        results.put(item["step"])
+
+
+def test_cuda_tensors_in_plain_containers_cross_as_values_in_place():
+    ctx = torch.multiprocessing.get_context("spawn")
+    q, results = cuda_mp.Queue(), cuda_mp.Queue()
+    worker = ctx.Process(target=add_one_to_values, args=(q, results))
+    worker.start()
+    tensors = [torch.zeros(1 << 16, device="cuda") for _ in range(4)]
+    base = torch.zeros(64, 64, device="cuda")
+    for step in range(10):
+        q.put({"step": step, "tensors": tensors + [base[:, 3]]})
+    assert sorted(results.get(timeout=60) for _ in range(10)) == list(range(10))
+    q.put(None)
+    worker.join(60)
+    assert worker.exitcode == 0
+    torch.cuda.synchronize()
+    assert all(bool((t == 10).all()) for t in tensors)
+    assert base[:, 3].eq(10).all() and base[:, 2].eq(0).all(), "a strided view crossed as a view"
+
+
+def test_a_rust_process_consumes_cuda_tensors_from_a_python_queue():
+    from conftest import rust_example
+
+    work, answers = cuda_mp.Queue(), cuda_mp.Queue()
+    peer = subprocess.Popen(
+        [
+            str(rust_example("14_python_peer")),
+            "--kind",
+            "queue",
+            "--queue",
+            work.to_bytes().hex(),
+            "--reply-to",
+            answers.to_bytes().hex(),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        xs = [torch.full((1000,), float(step), device="cuda") for step in range(5)]
+        for step, x in enumerate(xs):
+            work.put({"step": step, "x": x, "note": "cuda"})
+        work.put(None)
+        assert [answers.get(timeout=60) for _ in range(5)] == [(step, "cuda", 1000) for step in range(5)]
+        assert all(bool((x == step + 1).all()) for step, x in enumerate(xs)), "the Rust process wrote to this memory"
+        assert peer.wait(60) == 0
+    finally:
+        peer.kill()
