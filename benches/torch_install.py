@@ -1,7 +1,8 @@
 """The same torch.multiprocessing programs with and without ``cuda_mp.torch.install()``, in one call:
 
 - rt: round trip of a re-sent 1 MiB CUDA tensor (put, the consumer drops it and acknowledges),
-  median (torch's own numbers for the same round: row a of benches/torch_baseline.py);
+  median (torch's own numbers for the same round: row a of benches/torch_baseline.py); and the
+  same round trip of an int, the floor of the queue itself;
 - fresh: fresh 1 MiB CUDA tensors per second to a consumer that drops each (all put at once,
   after a warm-up);
 - 7B first / republish: a 7B-parameter bf16 state dict (291 tensors) put on the queue until the
@@ -106,10 +107,18 @@ def measure(mode, quick):
         q_in.put(t)
         q_out.get(timeout=60)
         rounds.append(time.perf_counter() - start)
+    # The queue's own floor: the same round trip of an int, no tensor.
+    ints = []
+    for k in range(50 + (200 if quick else 1000)):
+        start = time.perf_counter()
+        q_in.put(k)
+        q_out.get(timeout=60)
+        ints.append(time.perf_counter() - start)
     q_in.put(None)
     p.join(60)
     out["rt_us"] = statistics.median(rounds[50:]) * 1e6
-    print(f"  {mode}: round trip {out['rt_us']:.1f} us", file=sys.stderr, flush=True)
+    out["rt_int_us"] = statistics.median(ints[50:]) * 1e6
+    print(f"  {mode}: round trip {out['rt_us']:.1f} us (an int: {out['rt_int_us']:.1f} us)", file=sys.stderr, flush=True)
 
     q_in, q_out = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=drain, args=(q_in, q_out, 100))
@@ -194,6 +203,7 @@ def main():
     print("| workload | torch.mp alone | torch.mp + cuda_mp.torch.install() | speed-up |")
     print("|---|---|---|---|")
     print(f"| round trip, re-sent 1 MiB tensor | {t['rt_us']:.1f} us | {c['rt_us']:.1f} us | {t['rt_us'] / c['rt_us']:.2f}x |")
+    print(f"| round trip of an int (the queue's floor) | {t['rt_int_us']:.1f} us | {c['rt_int_us']:.1f} us | {t['rt_int_us'] / c['rt_int_us']:.2f}x |")
     print(f"| fresh 1 MiB tensors per second | {t['fresh_per_s']:.0f}/s | {c['fresh_per_s']:.0f}/s | {c['fresh_per_s'] / t['fresh_per_s']:.2f}x |")
     print(f"| 7B weights, first publish | {t['first_ms']:.1f} ms | {c['first_ms']:.1f} ms | {t['first_ms'] / c['first_ms']:.2f}x |")
     print(f"| 7B weights, republish | {t['republish_ms']:.1f} ms | {c['republish_ms']:.1f} ms | {t['republish_ms'] / c['republish_ms']:.2f}x |")
@@ -204,6 +214,7 @@ def main():
     print("| workload | torch.mp alone | cuda_mp.Queue (and install()) | speed-up |")
     print("|---|---|---|---|")
     print(f"| round trip, re-sent 1 MiB tensor | {t['rt_us']:.1f} us | {q['rt_us']:.1f} us | {t['rt_us'] / q['rt_us']:.2f}x |")
+    print(f"| round trip of an int (the queue's floor) | {t['rt_int_us']:.1f} us | {q['rt_int_us']:.1f} us | {t['rt_int_us'] / q['rt_int_us']:.2f}x |")
     print(f"| fresh 1 MiB tensors per second | {t['fresh_per_s']:.0f}/s | {q['fresh_per_s']:.0f}/s | {q['fresh_per_s'] / t['fresh_per_s']:.2f}x |")
     print(f"| 7B weights, first publish | {t['first_ms']:.1f} ms | {q['first_ms']:.1f} ms | {t['first_ms'] / q['first_ms']:.2f}x |")
     print(f"| 7B weights, republish | {t['republish_ms']:.1f} ms | {q['republish_ms']:.1f} ms | {t['republish_ms'] / q['republish_ms']:.2f}x |")

@@ -56,7 +56,7 @@ fn serve_gpu(reply_to: &str) -> Outcome<usize> {
 /// The bytes that `hex` spells.
 fn unhex(hex: &str) -> Outcome<Vec<u8>> {
     let digits = hex.as_bytes();
-    if digits.len() % 2 != 0 {
+    if !digits.len().is_multiple_of(2) {
         return Err("hex of an odd length".into());
     }
     let pair = |p: &[u8]| u8::from_str_radix(std::str::from_utf8(p).ok()?, 16).ok();

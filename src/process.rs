@@ -469,6 +469,21 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
     }
 
     fn join_until(&mut self, deadline: Option<Instant>) -> Result<R, JoinError> {
+        let joined = self.join_now(deadline);
+        #[cfg(feature = "cuda")]
+        if !matches!(joined, Err(JoinError::Timeout))
+            && let Some(pid) = self.watch.as_ref().and_then(ChildWatch::pid)
+            && crate::sys::process_gone(pid, 0)
+        {
+            // A process killed by a signal leaves the CUDA driver's file of its interprocess
+            // events in /dev/shm (one that exits removes it itself). Ended (unreaped, or reaped
+            // a moment ago: its pid is given out again only after the kernel's pid space wraps).
+            crate::sys::remove_cuda_event_files(pid);
+        }
+        joined
+    }
+
+    fn join_now(&mut self, deadline: Option<Instant>) -> Result<R, JoinError> {
         let handle = match &mut self.inner {
             Inner::Running(h) => h,
             Inner::Pooled(result) => return result.wait(deadline),
@@ -488,12 +503,6 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
         // result too large to be queued before the child exits.
         loop {
             let exit = watch.exited(Duration::ZERO);
-            // The CUDA driver leaves the /dev/shm files of a killed process's interprocess
-            // events behind. Seen exited here, the child is not reaped yet: its pid is its own.
-            #[cfg(feature = "cuda")]
-            if let (Some(Exit::Signal(_)), Some(pid)) = (exit, watch.pid()) {
-                crate::sys::remove_cuda_event_files(pid);
-            }
             if exit.is_some() || self.last_look.elapsed() >= RESULT_LOOK {
                 self.last_look = Instant::now();
                 match handle.join_timeout(Duration::ZERO) {

@@ -41,11 +41,7 @@ struct Resources {
 fn resources(memory: Memory) -> Resources {
     let fds = std::fs::read_dir("/proc/self/fd").unwrap();
     let descriptors = fds.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok()).map(|p| p.display().to_string());
-    Resources {
-        descriptors: descriptors.collect(),
-        shm: common::shm_entries(),
-        device_free: memory.device_free(),
-    }
+    Resources { descriptors: descriptors.collect(), shm: common::shm_entries(), device_free: memory.device_free() }
 }
 
 impl Resources {

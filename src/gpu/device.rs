@@ -90,6 +90,11 @@ impl fmt::Debug for Device {
 
 static DEVICES: Lazy<Mutex<HashMap<usize, Arc<Device>>>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
+/// The devices this process opened; `None` while another thread holds the list (at exit, say).
+pub(crate) fn opened_devices() -> Option<Vec<Arc<Device>>> {
+    DEVICES.try_lock().ok().map(|d| d.values().cloned().collect())
+}
+
 /// Formats a GPU UUID the way `nvidia-smi -L` and `CUDA_VISIBLE_DEVICES` write it.
 pub(crate) fn format_uuid(u: &[u8; 16]) -> String {
     let h: Vec<String> = u.iter().map(|b| format!("{b:02x}")).collect();

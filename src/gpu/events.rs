@@ -42,9 +42,48 @@ fn recorded(device: &Device) -> Result<Option<&InterprocessEvent>> {
     if driver::stream_is_idle(stream)? {
         return Ok(None);
     }
-    let event = device.ipc_event_cell().get_or_try_init(|| InterprocessEvent::create(device))?;
+    let event = device.ipc_event_cell().get_or_try_init(|| {
+        // The driver keeps a file in /dev/shm for a process's interprocess events, and removes
+        // it only when the process's context is destroyed, which no exit does by itself.
+        static AT_EXIT: std::sync::Once = std::sync::Once::new();
+        AT_EXIT.call_once(|| {
+            crate::sys::at_exit(finish_events_at_exit);
+        });
+        InterprocessEvent::create(device)
+    })?;
     event.record(stream)?;
     Ok(Some(event))
+}
+
+/// At a normal exit: waits for the work queued on every stream this process recorded an
+/// interprocess event on (so that no receiver needs the event any more), then removes the
+/// driver's file of this process's events. A receiver that then cannot open the event sees
+/// the process ended ([`sender_ended`]) and waits for nothing.
+extern "C" fn finish_events_at_exit() {
+    let _ = crate::os::catch_quietly(|| {
+        let Some(devices) = super::device::opened_devices() else { return };
+        for device in devices.iter().filter(|d| d.ipc_event_cell().get().is_some()) {
+            let _ = device.stream().synchronize();
+        }
+        crate::sys::remove_cuda_event_files(std::process::id());
+    });
+}
+
+/// Whether the process that sent an event it could not open has ended (`owner_alive` says
+/// whether it lives): at once, or within a moment, for one that removed its events' file at its
+/// exit and has not closed its descriptors yet.
+pub(crate) fn sender_ended(owner_alive: impl Fn() -> bool) -> bool {
+    const EXITING: std::time::Duration = std::time::Duration::from_millis(200);
+    let deadline = std::time::Instant::now() + EXITING;
+    loop {
+        if !owner_alive() {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
 }
 
 /// An opened event of another process: (owner token, owner device ordinal, handle).

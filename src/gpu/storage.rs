@@ -344,7 +344,14 @@ impl StorageKind for GpuKind {
                     Arrival::Mapped => WaitWhen::NextUse,
                     Arrival::Known => WaitWhen::Now,
                 };
-                events::wait(&place.owner, &place.access, memory.id().owner(), &event, when)
+                let waited = events::wait(&place.owner, &place.access, memory.id().owner(), &event, when);
+                // An event that cannot be opened because its process has ended orders nothing:
+                // a process that ends normally finished its streams' work and removed its
+                // events' file first (`events.rs`), and a killed one's work is over.
+                match waited {
+                    Err(_) if events::sender_ended(|| memory.owner_alive()) => Ok(()),
+                    other => other,
+                }
             }
             None => Ok(()),
         }

@@ -141,6 +141,14 @@ impl<K: StorageKind> Memory<K> {
     pub(crate) fn is_imported(&self) -> bool {
         matches!(self.origin, Origin::Imported { .. })
     }
+
+    /// False once the process that owns the storage has ended (never for this process's own).
+    pub(crate) fn owner_alive(&self) -> bool {
+        match &self.origin {
+            Origin::Local(_) => true,
+            Origin::Imported { cover, .. } => cover.owner_alive(),
+        }
+    }
 }
 
 impl<K: StorageKind> Drop for Memory<K> {

@@ -101,9 +101,9 @@ pub(crate) fn shm_unlink(name: &CStr) -> io::Result<()> {
 
 /// Removes the files that the CUDA driver keeps in `/dev/shm` for process `pid`'s interprocess
 /// events (`cuda.shm.<n>.<pid in hex>.<n>`), owned by this user; returns how many. The driver
-/// removes them when the process ends normally, and never when a signal kills it. Call it only
-/// for a child of this process that has died and is not yet reaped (its pid cannot be anyone
-/// else's then).
+/// removes them only when the process's context is destroyed, which neither an exit nor a
+/// signal does. Call it for this process (at its exit), or for a process that has ended (its
+/// pid is then no one else's until the kernel's pid space wraps).
 pub(crate) fn remove_cuda_event_files(pid: u32) -> usize {
     let Ok(entries) = std::fs::read_dir("/dev/shm") else { return 0 };
     let pid = format!("{pid:x}");
