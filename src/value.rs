@@ -1,7 +1,10 @@
 //! `Value`: an object that Python and Rust processes both read, what the Python package's
 //! `cuda_mp.Queue` and `cuda_mp.Pipe` carry.
 
-use serde::{Deserialize, Serialize};
+use std::cell::Cell;
+
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize};
 
 #[cfg(feature = "cuda")]
 use crate::gpu::GpuStorage;
@@ -47,11 +50,11 @@ pub enum Value {
     /// A `bytes`.
     Bytes(#[serde(with = "serde_bytes")] Vec<u8>),
     /// A `list`.
-    List(Vec<Value>),
+    List(#[serde(deserialize_with = "nested")] Vec<Value>),
     /// A `tuple`.
-    Tuple(Vec<Value>),
+    Tuple(#[serde(deserialize_with = "nested")] Vec<Value>),
     /// A `dict`, its items in order.
-    Dict(Vec<(Value, Value)>),
+    Dict(#[serde(deserialize_with = "nested")] Vec<(Value, Value)>),
     /// A host tensor (a NumPy array in Python).
     Host(DynTensor<HostStorage>),
     /// An object only Python reads: its pickle, made with the tensors it holds left out (they
@@ -62,11 +65,33 @@ pub enum Value {
         #[serde(with = "serde_bytes")]
         pickle: Vec<u8>,
         /// The tensors it names.
+        #[serde(deserialize_with = "nested")]
         tensors: Vec<Value>,
     },
     /// A GPU tensor (a CUDA `torch.Tensor` in Python).
     #[cfg(feature = "cuda")]
     Gpu(DynTensor<GpuStorage>),
+}
+
+/// The deepest nesting of containers a received value may have: a message of ever deeper lists
+/// (two bytes a level) would otherwise take the decoding thread's stack.
+const MAX_DEPTH: usize = 128;
+
+thread_local! {
+    /// Containers being decoded on this thread, one inside the other.
+    static DEPTH: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Decodes a container's items one level deeper; refuses past [`MAX_DEPTH`].
+fn nested<'de, D: Deserializer<'de>, T: Deserialize<'de>>(deserializer: D) -> Result<T, D::Error> {
+    let level = DEPTH.with(Cell::get) + 1;
+    if level > MAX_DEPTH {
+        return Err(D::Error::custom(format!("a value nested deeper than {MAX_DEPTH} containers")));
+    }
+    DEPTH.with(|d| d.set(level));
+    let items = T::deserialize(deserializer);
+    DEPTH.with(|d| d.set(level - 1));
+    items
 }
 
 impl Value {
@@ -143,5 +168,27 @@ impl From<DynTensor<HostStorage>> for Value {
 impl From<DynTensor<GpuStorage>> for Value {
     fn from(t: DynTensor<GpuStorage>) -> Value {
         Value::Gpu(t)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nested_lists(depth: usize) -> Vec<u8> {
+        // Postcard: `List` is variant 6, then the length of its items, here one.
+        let mut bytes = [6u8, 1].repeat(depth);
+        bytes.push(0);
+        bytes
+    }
+
+    #[test]
+    fn values_nested_past_the_limit_are_refused_not_a_stack_overflow() {
+        let deep: Value = postcard::from_bytes(&nested_lists(MAX_DEPTH)).unwrap();
+        assert!(matches!(deep, Value::List(_)));
+        assert!(postcard::from_bytes::<Value>(&nested_lists(1_000_000)).is_err());
+        assert!(postcard::from_bytes::<Value>(&nested_lists(MAX_DEPTH + 1)).is_err());
+        // The count is back at zero after a refusal: the next value decodes.
+        assert!(postcard::from_bytes::<Value>(&nested_lists(3)).is_ok());
     }
 }

@@ -181,6 +181,14 @@ proptest! {
         let _one = warmed_up();
         decodes_without_leaking(fuzz::channel_frame, &input);
         decodes_without_leaking(fuzz::queue_frame, &input);
+        decodes_without_leaking(fuzz::value_frame, &input);
+    }
+
+    /// Captured frames (host tensors, channel ends, ...) read as a Python queue's `Value`.
+    #[test]
+    fn mutated_frames_read_as_values_give_values_or_errors(m in mutation()) {
+        let _one = warmed_up();
+        decodes_without_leaking(fuzz::value_frame, &m.apply());
     }
 
     #[test]

@@ -151,6 +151,20 @@ pub fn channel_frame(descriptors: &[Descriptor], bytes: &[u8]) -> String {
     }
 }
 
+/// A channel frame with descriptors whose message is a [`Value`](crate::Value), as a Python
+/// program's queue or pipe gets it (from Python or Rust peers).
+pub fn value_frame(descriptors: &[Descriptor], bytes: &[u8]) -> String {
+    let fds = match open_all(descriptors) {
+        Ok(fds) => fds,
+        Err(e) => return e,
+    };
+    match decode_frame::<crate::Value>(bytes, fds) {
+        Ok(Some(v)) => format!("a value: {}", format!("{v:?}").chars().take(40).collect::<String>()),
+        Ok(None) => "a frame that is not a message".into(),
+        Err(e) => e,
+    }
+}
+
 /// A frame of the queue's protocol as its dispatcher or a consumer reads it: a request, an
 /// answer (with a [`Message`] inside), and a consumer joining.
 pub fn queue_frame(descriptors: &[Descriptor], bytes: &[u8]) -> String {
