@@ -165,7 +165,7 @@ pub use host::{
     set_host_caching,
 };
 pub use layout::{Layout, MAX_DIMS};
-pub use lifetime::{LifetimeStats, StorageId, lifetime_stats, wait_for_lifetime};
+pub use lifetime::{HolderStats, LifetimeStats, StorageId, holder_stats, lifetime_stats, wait_for_lifetime};
 pub use ndarray;
 #[cfg(feature = "remote")]
 pub use net::{REMOTE_PROTOCOL_VERSION, REMOTE_SECRET_ENV, RemoteListener, RemoteOptions};

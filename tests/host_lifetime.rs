@@ -224,3 +224,58 @@ fn many_handoffs_leave_nothing_behind() {
         .collect();
     assert!(fds_after <= fds_before + 4, "descriptors leak: {fds_before} before, {fds_after} after: {what:?}");
 }
+
+/// Receives tensors until told to stop, holding them all; reports how many it holds after each,
+/// and drops them all when `drop` says so.
+fn hold_all((rx, drop_all, report): (Receiver<HostTensor<u8>>, Receiver<()>, Sender<usize>)) {
+    let mut held = Vec::new();
+    while let Ok(t) = rx.recv() {
+        held.push(t);
+        report.send(held.len()).unwrap();
+    }
+    drop_all.recv().unwrap();
+    held.clear();
+    report.send(0).unwrap();
+    // Alive a while after: what ends its claims is the drop, not its exit.
+    std::thread::sleep(Duration::from_secs(2));
+}
+
+#[test]
+fn holder_statistics_say_which_holder_keeps_how_much_of_this_process_memory() {
+    let _g = serial();
+    // One allocation per tensor: each is a storage of its own size.
+    cuda_mp::set_host_caching(false);
+    let before = cuda_mp::holder_stats();
+    assert!(before.is_empty(), "{before:?}");
+    let mut children = Vec::new();
+    let mut holders = Vec::new();
+    for sizes in [vec![4096usize, 4096], vec![1 << 20]] {
+        let (tx, rx) = channel::<HostTensor<u8>>().unwrap();
+        let (drop_tx, drop_rx) = channel().unwrap();
+        let (report_tx, report) = channel().unwrap();
+        children.push(spawn((rx, drop_rx, report_tx), hold_all));
+        for (i, &n) in sizes.iter().enumerate() {
+            let t = HostTensor::<u8>::zeros(&[n]).unwrap();
+            tx.send(t.clone()).unwrap();
+            assert_eq!(report.recv_timeout(WAIT).unwrap(), i + 1);
+        }
+        holders.push((tx, drop_tx, report));
+    }
+    let stats = cuda_mp::holder_stats();
+    let seen: Vec<(usize, usize, u64)> = stats.iter().map(|h| (h.storages, h.claims, h.bytes)).collect();
+    assert_eq!(seen, [(1, 1, 1 << 20), (2, 2, 8192)], "most bytes first: {stats:?}");
+    // The first child drops what it holds: its holder is gone.
+    let (tx, drop_tx, report) = holders.remove(0);
+    drop(tx);
+    drop_tx.send(()).unwrap();
+    assert_eq!(report.recv_timeout(WAIT).unwrap(), 0);
+    common::eventually(WAIT, "the first holder's claims released", || cuda_mp::holder_stats().len() == 1);
+    assert_eq!(cuda_mp::holder_stats()[0].bytes, 1 << 20);
+    // The second is killed: its holder is gone too.
+    let mut second = children.pop().unwrap();
+    second.kill().unwrap();
+    common::eventually(WAIT, "the killed holder's claims released", || cuda_mp::holder_stats().is_empty());
+    drop(holders);
+    children.pop().unwrap().join().unwrap();
+    cuda_mp::set_host_caching(true);
+}

@@ -25,6 +25,8 @@ pub(super) struct Exported {
     /// For a relay (a storage of another process that this one forwarded on a channel): that
     /// storage. `keep_alive` is then this process's own claim on it.
     relay_of: Option<StorageId>,
+    /// The storage's size (for the holders' statistics).
+    bytes: u64,
 }
 
 /// Counts one live storage of this process from construction to drop. Embed one in every
@@ -85,6 +87,7 @@ pub(crate) struct Grant {
 /// carries it.
 pub(crate) fn grant(
     id: StorageId,
+    bytes: usize,
     mode: LeaseMode,
     cache: bool,
     keep_alive: impl FnOnce() -> AnyStorage,
@@ -92,8 +95,9 @@ pub(crate) fn grant(
 ) -> Result<Grant> {
     tracing::trace!(storage = %id, "exporting a storage");
     let reaper = reaper::reaper()?;
+    let bytes = bytes as u64;
     if let Some(connection) = wire::connection() {
-        return grant_on_connection(reaper, &connection, id, cache, keep_alive, handle);
+        return grant_on_connection(reaper, &connection, (id, bytes), cache, keep_alive, handle);
     }
     let grant = match mode {
         LeaseMode::Shared => {
@@ -112,7 +116,7 @@ pub(crate) fn grant(
                 opened_lease(&mut s);
             }
             s.shared_leases.insert(lease.key());
-            let entry = claim(&mut s, id, lease.key(), keep_alive, handle);
+            let entry = claim(&mut s, (id, bytes), lease.key(), keep_alive, handle);
             entry.shared_lease = Some(lease.clone());
             let ticket = cache.then(|| CacheTicket { slot: slot_of(entry, id) });
             Grant { claim: Claim::Lease { lease, counted: false }, ticket }
@@ -124,7 +128,7 @@ pub(crate) fn grant(
                 Ok(lease)
             })?;
             let mut s = state();
-            let entry = claim(&mut s, id, lease.key(), keep_alive, handle);
+            let entry = claim(&mut s, (id, bytes), lease.key(), keep_alive, handle);
             let ticket = cache.then(|| CacheTicket { slot: slot_of(entry, id) });
             Grant { claim: Claim::Lease { lease, counted: true }, ticket }
         }
@@ -137,14 +141,14 @@ pub(crate) fn grant(
 fn grant_on_connection(
     reaper: &'static reaper::Reaper,
     connection: &Connection,
-    id: StorageId,
+    (id, bytes): (StorageId, u64),
     cache: bool,
     keep_alive: impl FnOnce() -> AnyStorage,
     handle: Option<WeakStorage>,
 ) -> Result<Grant> {
     let mut s = state();
     let (key, name, unsent) = connection_lease(&mut s, reaper, connection)?;
-    let entry = claim(&mut s, id, key, keep_alive, handle);
+    let entry = claim(&mut s, (id, bytes), key, keep_alive, handle);
     let ticket = cache.then(|| CacheTicket { slot: slot_of(entry, id) });
     drop(s);
     notify();
@@ -194,14 +198,14 @@ fn connection_claim(key: u64, name: u64, unsent: Option<Lease>, index: u64, anch
 ///
 /// Outside a channel, and for per-storage leases (whose every copy is a claim), the
 /// forwarder's lease travels itself (`Cover::forward`).
-pub(crate) fn forward(cover: &Cover) -> Result<Claim> {
+pub(crate) fn forward(cover: &Cover, bytes: usize) -> Result<Claim> {
     match wire::connection() {
-        Some(connection) if cover.is_counted() => relay(reaper::reaper()?, &connection, cover),
+        Some(connection) if cover.is_counted() => relay(reaper::reaper()?, &connection, cover, bytes as u64),
         _ => Ok(cover.forward()),
     }
 }
 
-fn relay(reaper: &'static reaper::Reaper, connection: &Connection, cover: &Cover) -> Result<Claim> {
+fn relay(reaper: &'static reaper::Reaper, connection: &Connection, cover: &Cover, bytes: u64) -> Result<Claim> {
     let id = cover.id();
     // This process's own claim for a new relay, made outside the lock (`Retain` is a write to
     // the owner's pipe); dropped (released) if another send made the relay meanwhile.
@@ -216,7 +220,8 @@ fn relay(reaper: &'static reaper::Reaper, connection: &Connection, cover: &Cover
         }
         let relay = known.unwrap_or_else(StorageId::new_local);
         let (key, name, unsent) = connection_lease(&mut s, reaper, connection)?;
-        let entry = claim(&mut s, relay, key, || Arc::new(hold.take().expect("a new relay has its claim")), None);
+        let entry =
+            claim(&mut s, (relay, bytes), key, || Arc::new(hold.take().expect("a new relay has its claim")), None);
         if known.is_none() {
             entry.relay_of = Some(id);
             s.relays.insert(id, relay);
@@ -243,7 +248,7 @@ fn opened_lease(s: &mut State) {
 
 fn claim(
     s: &mut State,
-    id: StorageId,
+    (id, bytes): (StorageId, u64),
     lease: u64,
     keep_alive: impl FnOnce() -> AnyStorage,
     handle: Option<WeakStorage>,
@@ -256,6 +261,7 @@ fn claim(
         slot: NO_SLOT,
         shared_lease: None,
         relay_of: None,
+        bytes,
     });
     entry.claims += 1;
     entry
@@ -415,4 +421,51 @@ pub(crate) fn revive_local(id: StorageId, handle: &AnyStorage) {
             owner().mark(e.slot, id.index());
         }
     }
+}
+
+/// What other processes hold of this process's storages through one lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HolderStats {
+    /// The lease, by a number of this process's own: on a channel, one per channel and
+    /// sending process (all the processes that hold its receiving end); outside channels, one
+    /// per message, or one per GPU storage shared by all its holders.
+    pub lease: u64,
+    /// This process's storages held through it (relays of storages it forwarded included).
+    pub storages: usize,
+    /// Claims on them (a storage received twice and not dropped counts twice).
+    pub claims: usize,
+    /// Bytes of those storages.
+    pub bytes: u64,
+}
+
+/// What other processes hold of this process's storages, per lease they hold them through,
+/// most bytes first: who keeps this process's memory alive. A caching allocator's segments
+/// are not counted (their blocks are).
+///
+/// ```
+/// let held: u64 = cuda_mp::holder_stats().iter().map(|h| h.bytes).sum();
+/// assert_eq!(held, 0, "nothing sent yet");
+/// ```
+pub fn holder_stats() -> Vec<HolderStats> {
+    let s = state();
+    let mut holders: Vec<HolderStats> = s
+        .covers
+        .iter()
+        .map(|(&lease, claims)| {
+            let mut holder = HolderStats { lease, storages: 0, claims: 0, bytes: 0 };
+            for (&index, &count) in claims {
+                let id = StorageId::local(index);
+                let Some(entry) = s.exported.get(&id).filter(|_| count > 0 && !id.is_internal()) else { continue };
+                holder.storages += 1;
+                holder.claims += count;
+                holder.bytes += entry.bytes;
+            }
+            holder
+        })
+        .filter(|h| h.storages > 0)
+        .collect();
+    drop(s);
+    holders.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.lease.cmp(&b.lease)));
+    holders
 }

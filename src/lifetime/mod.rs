@@ -24,6 +24,7 @@ use crate::fork::ForkLocal;
 
 pub(crate) use connection::{Connection, ConnectionKey, ConnectionLeases, Introduction, connection_open};
 pub(crate) use courier::wait_for_releases;
+pub use export::{HolderStats, holder_stats};
 pub(crate) use export::{
     LiveStorage, LocalStorage, forward, grant, handles_dropped, local_storage, revive_local, withdraw,
 };

@@ -205,8 +205,8 @@ fn claims_per_lease_are_released_once_and_forged_releases_are_ignored() {
     let keep = |freed: &Arc<AtomicU64>| -> AnyStorage { Arc::new(Mapping { closed: freed.clone() }) };
     // One message carries both storages under one lease.
     let (grants, _fds) = wire::encode_scope(|| {
-        let ga = grant(a, LeaseMode::Counted, false, || keep(&freed), None).unwrap();
-        let gb = grant(b, LeaseMode::Counted, false, || keep(&freed), None).unwrap();
+        let ga = grant(a, 16, LeaseMode::Counted, false, || keep(&freed), None).unwrap();
+        let gb = grant(b, 16, LeaseMode::Counted, false, || keep(&freed), None).unwrap();
         (ga, gb)
     });
     let key = lease_of(&grants.0).key();
@@ -237,7 +237,7 @@ fn a_lease_channel_carries_releases_to_the_reaper() {
     let id = StorageId::new_local();
     let freed = Arc::new(AtomicU64::new(0));
     let keep: AnyStorage = Arc::new(Mapping { closed: freed.clone() });
-    let (g, _fds) = wire::encode_scope(|| grant(id, LeaseMode::Counted, false, move || keep, None).unwrap());
+    let (g, _fds) = wire::encode_scope(|| grant(id, 16, LeaseMode::Counted, false, move || keep, None).unwrap());
     // A holder's claim, ended by dropping its cover: the release travels on the channel.
     let cover = Cover::new(lease_of(&g).clone(), id, LeaseMode::Counted);
     drop(g);
@@ -252,7 +252,7 @@ fn releases_on_a_per_storage_lease_free_nothing_that_other_holders_use() {
     let id = StorageId::new_local();
     let freed = Arc::new(AtomicU64::new(0));
     let keep: AnyStorage = Arc::new(Mapping { closed: freed.clone() });
-    let g = wire::encode_scope(|| grant(id, LeaseMode::Shared, true, move || keep, None).unwrap()).0;
+    let g = wire::encode_scope(|| grant(id, 16, LeaseMode::Shared, true, move || keep, None).unwrap()).0;
     let key = lease_of(&g).key();
     // Two holders of the storage: each has a copy of the lease.
     let (first, second) = (lease_of(&g).clone(), lease_of(&g).clone());
@@ -311,7 +311,7 @@ fn releases_on_one_connection_free_nothing_that_another_connection_holds() {
     let on = |connection: &Arc<Connection>| {
         let keep = keep.clone();
         let (grant, claims, introduce) =
-            wire::encode_scope_on(connection, || grant(id, LeaseMode::Shared, true, move || keep, None).unwrap());
+            wire::encode_scope_on(connection, || grant(id, 16, LeaseMode::Shared, true, move || keep, None).unwrap());
         assert!(matches!(grant.claim, Claim::Connection { .. }), "counted on the connection, whatever the kind");
         assert_eq!(claims.len(), 1);
         (claims[0].0, introduce)

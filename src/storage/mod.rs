@@ -296,13 +296,19 @@ fn export_now<S: Shared>(storage: &Arc<S>, explicit: bool) -> Result<Record<<S::
             let kind = S::Kind::export(m)?;
             let keep = m.clone();
             let user: AnyStorage = storage.clone();
-            let grant =
-                lifetime::grant(m.id, S::Kind::LEASE, S::Kind::CACHE_IDLE, move || keep, Some(Arc::downgrade(&user)))?;
+            let grant = lifetime::grant(
+                m.id,
+                m.len,
+                S::Kind::LEASE,
+                S::Kind::CACHE_IDLE,
+                move || keep,
+                Some(Arc::downgrade(&user)),
+            )?;
             crate::sys::kill_point("export");
             (grant.claim, grant.ticket, kind)
         }
         Origin::Imported { cover, ticket } => {
-            let claim = lifetime::forward(cover)?;
+            let claim = lifetime::forward(cover, m.len)?;
             crate::sys::kill_point("forward");
             (claim, *ticket, S::Kind::forward(m)?)
         }
