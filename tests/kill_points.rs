@@ -417,6 +417,7 @@ fn a_queue_killed_in_its_dispatcher_after_a_hand_out_leaves_nothing_behind() {
 
 /// Every kill point above, with GPU tensors: legacy and VMM memory, the caching allocator on
 /// and off; the device's free memory comes back too.
+#[cfg(feature = "cuda")]
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_tensors_at_every_kill_point_leave_nothing_behind() {
@@ -482,6 +483,7 @@ fn soak_of_random_rounds_and_kills() {
 }
 
 /// The soak with GPU tensors in about half of its rounds.
+#[cfg(feature = "cuda")]
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_soak_of_random_rounds_and_kills() {

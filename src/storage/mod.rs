@@ -143,6 +143,7 @@ impl<K: StorageKind> Memory<K> {
     }
 
     /// False once the process that owns the storage has ended (never for this process's own).
+    #[cfg(feature = "cuda")]
     pub(crate) fn owner_alive(&self) -> bool {
         match &self.origin {
             Origin::Local(_) => true,

@@ -33,6 +33,7 @@ impl ChildWatch {
     }
 
     /// The child's pid.
+    #[cfg(feature = "cuda")]
     pub(crate) fn pid(&self) -> Option<u32> {
         self.pid.map(|p| p.as_raw_nonzero().get() as u32)
     }
