@@ -1259,6 +1259,23 @@ fn lifetime_stats(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
     PyTuple::new(py, [s.live_storages as u64, s.exported_storages as u64, s.outstanding_leases as u64])
 }
 
+/// What other processes hold of this process's storages, per lease (`cuda_mp::holder_stats`):
+/// a list of dicts, most bytes first.
+#[pyfunction]
+fn holder_stats(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
+    cuda_mp::holder_stats()
+        .into_iter()
+        .map(|h| {
+            let d = PyDict::new(py);
+            d.set_item("lease", h.lease)?;
+            d.set_item("storages", h.storages)?;
+            d.set_item("claims", h.claims)?;
+            d.set_item("bytes", h.bytes)?;
+            Ok(d)
+        })
+        .collect()
+}
+
 /// How many mappings of other processes' storages this process has opened (a storage mapped
 /// again from the idle cache counts once), for tests.
 #[pyfunction]
@@ -1380,6 +1397,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(bundle_of, m)?)?;
     m.add_function(wrap_pyfunction!(lifetime_stats, m)?)?;
     m.add_function(wrap_pyfunction!(opened_mappings, m)?)?;
+    m.add_function(wrap_pyfunction!(holder_stats, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_to_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_from_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;

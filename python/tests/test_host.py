@@ -160,3 +160,39 @@ def test_both_ends_of_a_channel_pickle_to_a_child(method):
     assert p.exitcode == 0
     with pytest.raises(TypeError, match="stays in the process"):
         pickle.dumps(cuda_mp.channel(cuda_mp.HostTensor)[1])
+
+
+def hold_until_told(conn):
+    held = conn.recv(timeout=30)
+    conn.send("held")
+    conn.recv(timeout=30)
+    del held
+    conn.send("dropped")
+
+
+def test_holder_stats_show_who_holds_this_process_memory():
+    import multiprocessing as mp
+    import time
+
+    import cuda_mp
+
+    earlier = {h["lease"] for h in cuda_mp.holder_stats()}  # other tests' holders, if any
+    here, there = cuda_mp.Pipe()
+    p = mp.get_context("spawn").Process(target=hold_until_told, args=(there,))
+    p.start()
+    a = cuda_mp.empty_host((1 << 18,), "float32")  # 1 MiB
+    here.send(a)
+    assert here.recv(timeout=30) == "held"
+    (held,) = [h for h in cuda_mp.holder_stats() if h["lease"] not in earlier]
+    assert held["storages"] == 1 and held["claims"] == 1 and held["bytes"] >= 1 << 20, held
+    here.send("drop")
+    assert here.recv(timeout=30) == "dropped"
+    deadline = time.monotonic() + 30
+    def still_held():
+        return [h for h in cuda_mp.holder_stats() if h["lease"] == held["lease"]]
+
+    while still_held() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not still_held(), "released when the holder dropped it"
+    p.join(30)
+    assert p.exitcode == 0

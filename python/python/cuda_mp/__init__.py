@@ -20,7 +20,7 @@ through shared memory. Messages are wire-compatible with the Rust crate ``cuda-m
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from . import _native
 from ._errors import Disconnected, DTypeError, Error, Malformed, Timeout
@@ -48,6 +48,7 @@ __all__ = [
     "empty_cache",
     "empty_host",
     "flush_sends",
+    "holder_stats",
     "pack_state_dict",
     "set_cache_limit",
     "set_caching",
@@ -475,6 +476,14 @@ def allocator_stats(device: Optional[int] = None) -> Dict[str, Any]:
     ``segments_released``, ``allocations``, ``limit``. PyTorch's own allocator is not counted:
     ``torch.cuda.memory_stats`` is."""
     return _native.allocator_stats(device)
+
+
+def holder_stats() -> List[Dict[str, int]]:
+    """What other processes hold of this process's tensors (CUDA and host, sent through
+    cuda-mp), per lease they hold them through (on a channel or queue, one per connection):
+    dicts of ``lease``, ``storages``, ``claims`` and ``bytes``, most bytes first. Who keeps
+    this process's memory alive."""
+    return _native.holder_stats()
 
 
 def empty_cache(device: Optional[int] = None) -> int:
