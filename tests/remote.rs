@@ -4,6 +4,7 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::sync::{Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -13,15 +14,34 @@ fn network() -> RemoteOptions {
     RemoteOptions::default().network_only(true)
 }
 
+/// Held for their whole run by the tests that connect to a port they freed, and by every other
+/// test while it binds: no listener of theirs takes the freed port meanwhile (the kernel hands
+/// a freed port out again), where a retrying connect would find it.
+static PORTS: Mutex<()> = Mutex::new(());
+
+fn ports() -> MutexGuard<'static, ()> {
+    PORTS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A listener on a fresh port of this host.
+fn listen<T>(options: RemoteOptions) -> RemoteListener<T>
+where
+    T: serde::Serialize + serde::de::DeserializeOwned + 'static,
+{
+    let _ports = ports();
+    RemoteListener::<T>::bind_with("127.0.0.1:0", options).unwrap()
+}
+
 /// A connected pair; the listener's options decide the route.
 fn pair<T>(options: RemoteOptions) -> (Sender<T>, Receiver<T>)
 where
     T: serde::Serialize + serde::de::DeserializeOwned + 'static,
 {
-    let listener = RemoteListener::<T>::bind_with("127.0.0.1:0", options).unwrap();
+    let listener = listen::<T>(options);
     let addr = listener.local_addr().unwrap();
     let tx = thread::spawn(move || Sender::<T>::connect_remote(addr).unwrap());
-    let rx = listener.accept().unwrap();
+    // A connect that failed (its thread panics) is a time-out here, not a hang.
+    let rx = listener.accept_timeout(Duration::from_secs(60)).unwrap();
     (tx.join().unwrap(), rx)
 }
 
@@ -147,6 +167,7 @@ fn timeouts_keep_a_partly_read_frame() {
 
 #[test]
 fn a_listener_without_peers_and_a_silent_listener_time_out() {
+    let _ports = ports();
     let listener = RemoteListener::<u8>::bind("127.0.0.1:0").unwrap();
     let start = Instant::now();
     assert!(listener.accept_timeout(Duration::from_millis(50)).unwrap_err().is_timeout());
@@ -170,6 +191,7 @@ fn a_listener_without_peers_and_a_silent_listener_time_out() {
 
 #[test]
 fn connect_waits_for_a_listener_that_is_not_up_yet() {
+    let _ports = ports();
     let addr = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
     let late = thread::spawn(move || {
         thread::sleep(Duration::from_millis(300));
@@ -237,7 +259,7 @@ fn a_failed_send_does_not_report_an_earlier_failure() {
 
 #[test]
 fn the_listener_refuses_other_message_types_and_goes_on() {
-    let listener = RemoteListener::<u32>::bind("127.0.0.1:0").unwrap();
+    let listener = listen::<u32>(RemoteOptions::default());
     let addr = listener.local_addr().unwrap();
     let wrong = thread::spawn(move || Sender::<String>::connect_remote(addr).unwrap_err().to_string());
     let err = listener.accept().unwrap_err().to_string();
@@ -252,11 +274,7 @@ fn the_listener_refuses_other_message_types_and_goes_on() {
 
 /// Writes `bytes` to a fresh connection on `listener` and returns what `accept` says.
 fn accept_after(bytes: &'static [u8]) -> String {
-    let listener = RemoteListener::<u32>::bind_with(
-        "127.0.0.1:0",
-        RemoteOptions::default().handshake_timeout(Duration::from_secs(2)),
-    )
-    .unwrap();
+    let listener = listen::<u32>(RemoteOptions::default().handshake_timeout(Duration::from_secs(2)));
     let addr = listener.local_addr().unwrap();
     let peer = thread::spawn(move || {
         let mut s = TcpStream::connect(addr).unwrap();
@@ -304,7 +322,7 @@ fn send_host_forever(addr: String) {
 #[test]
 fn a_sender_process_killed_mid_message_ends_the_receive_with_an_error() {
     let options = network().transfer_timeout(Duration::from_secs(60));
-    let listener = RemoteListener::<HostTensor<u8>>::bind_with("127.0.0.1:0", options).unwrap();
+    let listener = listen::<HostTensor<u8>>(options);
     let addr = listener.local_addr().unwrap().to_string();
     let mut child = cuda_mp::spawn(addr, send_host_forever);
     let rx = listener.accept_timeout(Duration::from_secs(30)).unwrap();
@@ -369,7 +387,7 @@ const SECRET: &[u8] = b"the secret both ends of this test hold";
 
 /// What connecting with `options` to a listener that holds `SECRET` gives each end.
 fn connect_to_a_secret_listener(options: RemoteOptions) -> (Result<(), String>, Result<(), String>) {
-    let listener = RemoteListener::<HostTensor<u8>>::bind_with("127.0.0.1:0", network().secret(SECRET)).unwrap();
+    let listener = listen::<HostTensor<u8>>(network().secret(SECRET));
     let addr = listener.local_addr().unwrap();
     let tx = thread::spawn(move || -> Result<(), String> {
         let tx = Sender::<HostTensor<u8>>::connect_remote_with(addr, options).map_err(|e| e.to_string())?;
@@ -530,7 +548,7 @@ fn drain(queue: cuda_mp::QueueConsumer<HostTensor<i32>>) -> Vec<i32> {
 #[test]
 fn a_remote_receiver_feeds_a_queue_that_consumer_processes_drain() {
     const N: u32 = 60;
-    let listener = RemoteListener::<HostTensor<i32>>::bind_with("127.0.0.1:0", network()).unwrap();
+    let listener = listen::<HostTensor<i32>>(network());
     let addr = listener.local_addr().unwrap().to_string();
     let sender = cuda_mp::spawn((addr, N), send_numbered);
     let rx = listener.accept_timeout(Duration::from_secs(30)).unwrap();
