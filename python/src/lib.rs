@@ -915,6 +915,28 @@ fn from_value<'py>(py: Python<'py>, value: Value, makers: &Makers<'_, 'py>) -> P
     })
 }
 
+/// Hands `obj` to `deliver` (a queue's put, a channel's send) as a `Value` and returns True;
+/// False, delivering nothing, when it is not made only of what a `Value` holds.
+fn deliver_value<E: Into<cuda_mp::Error> + Send>(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    leaf: &Bound<'_, PyAny>,
+    deliver: impl FnOnce(Value) -> Result<(), E> + Send,
+) -> PyResult<bool> {
+    let Some(value) = to_value(obj, leaf, 0)? else { return Ok(false) };
+    deliver_now(py, value, deliver)?;
+    Ok(true)
+}
+
+/// Hands `value` to `deliver` without the GIL; its failure as the matching exception.
+fn deliver_now<E: Into<cuda_mp::Error> + Send>(
+    py: Python<'_>,
+    value: Value,
+    deliver: impl FnOnce(Value) -> Result<(), E> + Send,
+) -> PyResult<()> {
+    py.detach(|| deliver(value)).map_err(|e| send_error(py, e.into()))
+}
+
 /// A pickle and the tensors it names, as a `Value`.
 fn pickled(pickle: Vec<u8>, tensors: &[Bound<'_, Tensor>]) -> Value {
     Value::Pickled { pickle, tensors: tensors.iter().map(|t| tensor_value(&t.get().inner)).collect() }
@@ -966,15 +988,12 @@ impl Queue {
     /// Puts `obj` as a `Value` (its tensors: what `leaf` makes of them) and returns True; False,
     /// putting nothing, when it is not made only of what a `Value` holds.
     fn put(&self, py: Python<'_>, obj: &Bound<'_, PyAny>, leaf: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let Some(value) = to_value(obj, leaf, 0)? else { return Ok(false) };
-        py.detach(|| self.inner.put(value)).map_err(|e| send_error(py, e.into()))?;
-        Ok(true)
+        deliver_value(py, obj, leaf, |v| self.inner.put(v))
     }
 
     /// Puts an object that only Python reads: its pickle and the tensors it names.
     fn put_pickled(&self, py: Python<'_>, pickle: Vec<u8>, tensors: Vec<Bound<'_, Tensor>>) -> PyResult<()> {
-        let value = pickled(pickle, &tensors);
-        py.detach(|| self.inner.put(value)).map_err(|e| send_error(py, e.into()))
+        deliver_now(py, pickled(pickle, &tensors), |v| self.inner.put(v))
     }
 
     /// The next item as a Python object (its tensors and pickles made by `gpu`, `host` and
@@ -1070,15 +1089,12 @@ impl Connection {
     /// sending nothing, when it is not made only of what a `Value` holds. Raises `Disconnected`
     /// when the other end is gone.
     fn send(&self, py: Python<'_>, obj: &Bound<'_, PyAny>, leaf: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let Some(value) = to_value(obj, leaf, 0)? else { return Ok(false) };
-        py.detach(|| self.tx.send(value)).map_err(|e| send_error(py, e.into()))?;
-        Ok(true)
+        deliver_value(py, obj, leaf, |v| self.tx.send(v))
     }
 
     /// Sends an object that only Python reads: its pickle and the tensors it names.
     fn send_pickled(&self, py: Python<'_>, pickle: Vec<u8>, tensors: Vec<Bound<'_, Tensor>>) -> PyResult<()> {
-        let value = pickled(pickle, &tensors);
-        py.detach(|| self.tx.send(value)).map_err(|e| send_error(py, e.into()))
+        deliver_now(py, pickled(pickle, &tensors), |v| self.tx.send(v))
     }
 
     /// The next object from the other end (as `Queue.get` makes it), waiting at most `timeout`
