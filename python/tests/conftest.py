@@ -39,3 +39,26 @@ def start_rust_peer(kind, timeout):
     except BaseException:
         peer.kill()
         raise
+
+
+def start_rust_queue_consumer():
+    """Starts example 14 as a consumer of a new ``cuda_mp.Queue`` that answers on another:
+    gives the process, the work queue and the answer queue. The caller kills the process when
+    done."""
+    import cuda_mp
+
+    work, answers = cuda_mp.Queue(), cuda_mp.Queue()
+    peer = subprocess.Popen(
+        [
+            str(rust_example("14_python_peer")),
+            "--kind",
+            "queue",
+            "--queue",
+            work.to_bytes().hex(),
+            "--reply-to",
+            answers.to_bytes().hex(),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    return peer, work, answers

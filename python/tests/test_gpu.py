@@ -263,22 +263,9 @@ def test_cuda_tensors_in_plain_containers_cross_as_values_in_place():
 
 
 def test_a_rust_process_consumes_cuda_tensors_from_a_python_queue():
-    from conftest import rust_example
+    from conftest import start_rust_queue_consumer
 
-    work, answers = cuda_mp.Queue(), cuda_mp.Queue()
-    peer = subprocess.Popen(
-        [
-            str(rust_example("14_python_peer")),
-            "--kind",
-            "queue",
-            "--queue",
-            work.to_bytes().hex(),
-            "--reply-to",
-            answers.to_bytes().hex(),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    peer, work, answers = start_rust_queue_consumer()
     try:
         xs = [torch.full((1000,), float(step), device="cuda") for step in range(5)]
         for step, x in enumerate(xs):

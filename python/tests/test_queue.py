@@ -253,24 +253,9 @@ def test_a_pipe_polls_as_multiprocessing_pipes_do():
 
 
 def test_a_rust_process_consumes_a_python_queue_and_answers_on_another():
-    import subprocess
+    from conftest import start_rust_queue_consumer
 
-    from conftest import rust_example
-
-    work, answers = cuda_mp.Queue(), cuda_mp.Queue()
-    peer = subprocess.Popen(
-        [
-            str(rust_example("14_python_peer")),
-            "--kind",
-            "queue",
-            "--queue",
-            work.to_bytes().hex(),
-            "--reply-to",
-            answers.to_bytes().hex(),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    peer, work, answers = start_rust_queue_consumer()
     try:
         arrays = []
         for step in range(5):
