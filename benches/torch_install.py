@@ -75,6 +75,18 @@ def llama_7b_shapes():
     return shapes + [(4096,), (32000, 4096)]
 
 
+def round_trip_us(q_in, q_out, item, rounds):
+    """The median round trip of ``item`` (put, the consumer acknowledges), in microseconds,
+    after 50 rounds not counted."""
+    times = []
+    for _ in range(50 + rounds):
+        start = time.perf_counter()
+        q_in.put(item)
+        q_out.get(timeout=60)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[50:]) * 1e6
+
+
 def measure(mode, quick):
     import torch
     import torch.multiprocessing as mp
@@ -101,23 +113,12 @@ def measure(mode, quick):
     p.start()
     t = torch.ones(NUMEL, device="cuda")
     torch.cuda.synchronize()
-    rounds = []
-    for k in range(50 + (200 if quick else 1000)):
-        start = time.perf_counter()
-        q_in.put(t)
-        q_out.get(timeout=60)
-        rounds.append(time.perf_counter() - start)
+    rounds = 200 if quick else 1000
+    out["rt_us"] = round_trip_us(q_in, q_out, t, rounds)
     # The queue's own floor: the same round trip of an int, no tensor.
-    ints = []
-    for k in range(50 + (200 if quick else 1000)):
-        start = time.perf_counter()
-        q_in.put(k)
-        q_out.get(timeout=60)
-        ints.append(time.perf_counter() - start)
+    out["rt_int_us"] = round_trip_us(q_in, q_out, 1, rounds)
     q_in.put(None)
     p.join(60)
-    out["rt_us"] = statistics.median(rounds[50:]) * 1e6
-    out["rt_int_us"] = statistics.median(ints[50:]) * 1e6
     print(f"  {mode}: round trip {out['rt_us']:.1f} us (an int: {out['rt_int_us']:.1f} us)", file=sys.stderr, flush=True)
 
     q_in, q_out = ctx.Queue(), ctx.Queue()
