@@ -140,12 +140,21 @@ fn open_all(descriptors: &[Descriptor]) -> std::result::Result<Vec<OwnedFd>, Str
 /// A channel frame as a receiver reads it: its kind and prefixes, the leases it introduces, and
 /// its message decoded as [`Message`] with the descriptors at hand.
 pub fn channel_frame(descriptors: &[Descriptor], bytes: &[u8]) -> String {
+    frame_as::<Message>(descriptors, bytes, |m| format!("a message of {} host tensors", m.1.len()))
+}
+
+/// A channel frame with `descriptors` decoded as a message of `T`, said by `describe`.
+fn frame_as<T: serde::de::DeserializeOwned>(
+    descriptors: &[Descriptor],
+    bytes: &[u8],
+    describe: impl FnOnce(T) -> String,
+) -> String {
     let fds = match open_all(descriptors) {
         Ok(fds) => fds,
         Err(e) => return e,
     };
-    match decode_frame::<Message>(bytes, fds) {
-        Ok(Some(m)) => format!("a message of {} host tensors", m.1.len()),
+    match decode_frame::<T>(bytes, fds) {
+        Ok(Some(m)) => describe(m),
         Ok(None) => "a frame that is not a message".into(),
         Err(e) => e,
     }
@@ -154,15 +163,9 @@ pub fn channel_frame(descriptors: &[Descriptor], bytes: &[u8]) -> String {
 /// A channel frame with descriptors whose message is a [`Value`](crate::Value), as a Python
 /// program's queue or pipe gets it (from Python or Rust peers).
 pub fn value_frame(descriptors: &[Descriptor], bytes: &[u8]) -> String {
-    let fds = match open_all(descriptors) {
-        Ok(fds) => fds,
-        Err(e) => return e,
-    };
-    match decode_frame::<crate::Value>(bytes, fds) {
-        Ok(Some(v)) => format!("a value: {}", format!("{v:?}").chars().take(40).collect::<String>()),
-        Ok(None) => "a frame that is not a message".into(),
-        Err(e) => e,
-    }
+    frame_as::<crate::Value>(descriptors, bytes, |v| {
+        format!("a value: {}", format!("{v:?}").chars().take(40).collect::<String>())
+    })
 }
 
 /// A frame of the queue's protocol as its dispatcher or a consumer reads it: a request, an
