@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 use cuda_mp::testing::fuzz::{self, Descriptor};
 use proptest::prelude::*;
 
+mod common;
+
 cuda_mp::enable_test_support!();
 
 /// One test at a time: each counts this process's descriptors.
@@ -116,18 +118,12 @@ fn settled_descriptors(before: usize) -> usize {
     open_descriptors()
 }
 
-/// What this process's descriptors are.
-fn descriptor_names() -> Vec<String> {
-    let fds = std::fs::read_dir("/proc/self/fd").unwrap();
-    fds.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok()).map(|p| p.display().to_string()).collect()
-}
-
 /// Runs `decode` on `input` and checks that no descriptor is left over: at once, or once what
 /// an earlier test left waiting has expired (a handoff's deposit waits 30 s for its reader).
 fn decodes_without_leaking(decode: fn(&[Descriptor], &[u8]) -> String, input: &[u8]) -> String {
     let (descriptors, bytes) = fuzz::split_frame_input(input);
     let before = open_descriptors();
-    let names = descriptor_names();
+    let names = common::descriptor_names();
     let said = decode(&descriptors, bytes);
     let mut after = settled_descriptors(before);
     let deadline = Instant::now() + Duration::from_secs(35);
@@ -135,12 +131,7 @@ fn decodes_without_leaking(decode: fn(&[Descriptor], &[u8]) -> String, input: &[
         after = settled_descriptors(before);
     }
     if after > before {
-        let mut extra = descriptor_names();
-        for n in &names {
-            if let Some(i) = extra.iter().position(|e| e == n) {
-                extra.remove(i);
-            }
-        }
+        let extra = common::descriptors_beyond(&common::descriptor_names(), &names);
         panic!(
             "{after} descriptors where {before} were, 35 s after {said:?} from {descriptors:?} and {} bytes: {extra:?}",
             bytes.len()

@@ -39,20 +39,13 @@ struct Resources {
 }
 
 fn resources(memory: Memory) -> Resources {
-    let fds = std::fs::read_dir("/proc/self/fd").unwrap();
-    let descriptors = fds.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok()).map(|p| p.display().to_string());
-    Resources { descriptors: descriptors.collect(), shm: common::shm_entries(), device_free: memory.device_free() }
+    Resources { descriptors: common::descriptor_names(), shm: common::shm_entries(), device_free: memory.device_free() }
 }
 
 impl Resources {
     /// What `self` holds beyond `baseline`.
     fn beyond(&self, baseline: &Resources) -> Option<String> {
-        let mut extra = self.descriptors.clone();
-        for d in &baseline.descriptors {
-            if let Some(i) = extra.iter().position(|e| e == d) {
-                extra.remove(i);
-            }
-        }
+        let mut extra = common::descriptors_beyond(&self.descriptors, &baseline.descriptors);
         // The listing itself is one descriptor; a pipe with both ends here is a spare lease,
         // which the lease machinery keeps a varying number of.
         let both_ends = |d: &String| d.starts_with("pipe:") && self.descriptors.iter().filter(|e| *e == d).count() == 2;

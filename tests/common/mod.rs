@@ -158,6 +158,25 @@ pub fn free_memory(dev: &Device) -> usize {
     dev.memory_info().unwrap().0
 }
 
+/// What this process's open descriptors are (their links in /proc/self/fd).
+#[allow(dead_code)] // not every test binary lists descriptors
+pub fn descriptor_names() -> Vec<String> {
+    let fds = std::fs::read_dir("/proc/self/fd").unwrap();
+    fds.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok()).map(|p| p.display().to_string()).collect()
+}
+
+/// The descriptors of `now` beyond those of `baseline`, counting repeats (two ends of one pipe).
+#[allow(dead_code)] // not every test binary lists descriptors
+pub fn descriptors_beyond(now: &[String], baseline: &[String]) -> Vec<String> {
+    let mut extra = now.to_vec();
+    for d in baseline {
+        if let Some(i) = extra.iter().position(|e| e == d) {
+            extra.remove(i);
+        }
+    }
+    extra
+}
+
 /// The names in /dev/shm, sorted.
 #[allow(dead_code)] // not every test binary checks /dev/shm
 pub fn shm_entries() -> Vec<String> {
