@@ -58,6 +58,17 @@ impl MemoryFile {
         written(bytes, "cuda-mp-message", true)
     }
 
+    /// A fresh zeroed file of `len` bytes, sealed against every change, mapped read-only
+    /// (what [`frozen`](Self::frozen) makes of `len` zeros, without writing them).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn frozen_zeroed(len: usize) -> io::Result<MemoryFile> {
+        let fd = memfd_create("cuda-mp-message", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+            .map_err(|e| out_of_memory(e.into(), "shared memory"))?;
+        ftruncate(&fd, len as u64).map_err(|e| out_of_memory(e.into(), &format!("{len} bytes of shared memory")))?;
+        fcntl_add_seals(&fd, SIZE_SEALS | SealFlags::WRITE | SealFlags::SEAL)?;
+        map(fd, len, true)
+    }
+
     /// A file that arrived in a message: refused unless it is a memory file sealed against
     /// resizing, of at least `min_len` bytes. Mapped read-only when it is sealed against
     /// writes, else read-write.
@@ -214,6 +225,9 @@ mod tests {
         assert_eq!(b.frozen_bytes(), Some(&b"hello"[..]));
         assert_eq!(MemoryFile::frozen(b"").unwrap().frozen_bytes(), Some(&b""[..]));
         assert_eq!(MemoryFile::zeroed(0).unwrap().len(), 0);
+        let zeros = MemoryFile::frozen_zeroed(4096).unwrap();
+        let seen = MemoryFile::open(zeros.as_fd().try_clone_to_owned().unwrap(), 4096).unwrap();
+        assert_eq!(seen.frozen_bytes(), Some(&[0u8; 4096][..]), "sealed against writes, zeroed");
         let held = MemoryFile::holding(b"held").unwrap();
         let mut out = [0u8; 4];
         assert!(held.frozen_bytes().is_none() && held.copy_out(0, &mut out) && &out == b"held");

@@ -9,6 +9,7 @@ pub mod fuzz;
 
 pub use crate::sys::kill::{KILL_AT_ENV, POINTS as KILL_POINTS};
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -21,6 +22,22 @@ use crate::layout::Layout;
 use crate::lifetime::{LeaseMode, StorageId};
 use crate::storage::{Arrival, Close, Fence, Handle, Memory, Shared, StorageKind};
 use crate::tensor::Tensor;
+
+thread_local! {
+    /// Set while a decoder is fuzzed on this thread: fake storages open at once, whatever
+    /// delay their record asks for (a wait tests nothing of the decoder and would make a
+    /// fuzzer's runs a minute long).
+    static NO_OPEN_DELAYS: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with fake storages opened on this thread at once, whatever their records ask.
+#[cfg(feature = "cuda")]
+pub(crate) fn without_open_delays<R>(f: impl FnOnce() -> R) -> R {
+    let was = NO_OPEN_DELAYS.with(|d| d.replace(true));
+    let result = f();
+    NO_OPEN_DELAYS.with(|d| d.set(was));
+    result
+}
 
 /// A tensor on fake storage.
 pub type FakeTensor<T> = Tensor<T, FakeStorage>;
@@ -101,7 +118,9 @@ impl StorageKind for FakeKind {
 
     fn open(wire: &mut FakeWire, _: usize, _: &()) -> Result<FakeMemory> {
         let open_delay = Duration::from_millis(wire.open_delay_ms.min(60_000));
-        std::thread::sleep(open_delay);
+        if !NO_OPEN_DELAYS.with(Cell::get) {
+            std::thread::sleep(open_delay);
+        }
         Ok(FakeMemory { open_delay, free_delay: Duration::ZERO, imported: true, busy_until: Mutex::new(None) })
     }
 
