@@ -9,7 +9,7 @@
 //! has a segment of its own rounded to 2 MiB. Free neighbours always merge, so a segment whose
 //! blocks are all back is one free block again, which `empty_cache` (or a limit) gives up.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -84,14 +84,14 @@ struct Segment {
 #[derive(Debug)]
 struct Arena {
     min_split: usize,
-    segments: HashMap<u64, Segment>,
+    segments: BTreeMap<u64, Segment>,
     /// Free blocks as (size, segment, offset): the first at or above a size is its best fit.
     free: BTreeSet<(usize, u64, usize)>,
 }
 
 impl Arena {
     fn new(min_split: usize) -> Arena {
-        Arena { min_split, segments: HashMap::new(), free: BTreeSet::new() }
+        Arena { min_split, segments: BTreeMap::new(), free: BTreeSet::new() }
     }
 
     /// Adds segment `seg` of `size` bytes, wholly free.
@@ -219,7 +219,7 @@ struct State<S> {
     small: Arena,
     large: Arena,
     /// The segments, with their pool.
-    segments: HashMap<u64, (Arc<S>, Pool)>,
+    segments: BTreeMap<u64, (Arc<S>, Pool)>,
     next_segment: u64,
     reserved: usize,
     stats: AllocatorStats,
@@ -270,7 +270,7 @@ impl<S> Pools<S> {
                 limit: None,
                 small: Arena::new(Pool::Small.min_split()),
                 large: Arena::new(Pool::Large.min_split()),
-                segments: HashMap::new(),
+                segments: BTreeMap::new(),
                 next_segment: 1,
                 reserved: 0,
                 stats: AllocatorStats::default(),

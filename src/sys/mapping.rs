@@ -104,26 +104,42 @@ impl Mapping {
     /// Copies `bytes` into the mapping at `offset`; false (nothing written) when they do not
     /// fit or the mapping is read-only.
     pub(crate) fn copy_in(&self, offset: usize, bytes: &[u8]) -> bool {
-        if !self.writable || offset.checked_add(bytes.len()).is_none_or(|end| end > self.len) {
+        self.write_with(
+            offset,
+            bytes.len(),
+            |at| u64::from_ne_bytes(bytes[at..at + 8].try_into().expect("8 bytes")),
+            |at| bytes[at],
+        )
+    }
+
+    /// Writes zeros to `len` bytes of the mapping from `offset`; false (nothing written) when
+    /// they do not fit or the mapping is read-only.
+    pub(crate) fn zero(&self, offset: usize, len: usize) -> bool {
+        self.write_with(offset, len, |_| 0, |_| 0)
+    }
+
+    /// Writes `len` bytes from `offset`: the bytes before the first 8-byte boundary and after
+    /// the last one a byte at a time (`byte(i)`), the words between in one tight loop
+    /// (`word(i)`, `i` the index of its first byte), every access atomic.
+    fn write_with(&self, offset: usize, len: usize, word: impl Fn(usize) -> u64, byte: impl Fn(usize) -> u8) -> bool {
+        if !self.writable || offset.checked_add(len).is_none_or(|end| end > self.len) {
             return false;
         }
         let base = self.ptr.as_ptr();
-        let mut done = 0;
-        while done < bytes.len() {
-            let at = offset + done;
-            if at.is_multiple_of(8) && bytes.len() - done >= 8 {
-                let word = u64::from_ne_bytes(bytes[done..done + 8].try_into().expect("8 bytes"));
-                // SAFETY: inside the writable mapping (the whole range was checked above) and
-                // 8-byte aligned (the mapping is page-aligned); written atomically, as every
-                // access to the mapping is.
-                unsafe { AtomicU64::from_ptr(base.add(at).cast()) }.store(word, Ordering::Relaxed);
-                done += 8;
-            } else {
-                // SAFETY: as above, for one byte.
-                unsafe { AtomicU8::from_ptr(base.add(at)) }.store(bytes[done], Ordering::Relaxed);
-                done += 1;
-            }
+        let head = (offset.next_multiple_of(8) - offset).min(len);
+        let words = (len - head) / 8;
+        let store_byte = |i: usize| {
+            // SAFETY: inside the writable mapping (the whole range was checked above); written
+            // atomically, as every access to the mapping is.
+            unsafe { AtomicU8::from_ptr(base.add(offset + i)) }.store(byte(i), Ordering::Relaxed);
+        };
+        (0..head).for_each(store_byte);
+        for w in 0..words {
+            let i = head + w * 8;
+            // SAFETY: as above, and 8-byte aligned (`offset + head` is a multiple of 8).
+            unsafe { AtomicU64::from_ptr(base.add(offset + i).cast()) }.store(word(i), Ordering::Relaxed);
         }
+        (head + words * 8..len).for_each(store_byte);
         true
     }
 
@@ -208,5 +224,16 @@ mod tests {
                 assert_eq!(back, &bytes[..len], "at {at}, {len} bytes");
             }
         }
+        // Zeros of every alignment and length land on those bytes and no others.
+        for at in 0..9 {
+            for len in [0, 1, 7, 8, 9, 17, 23] {
+                assert!(m.copy_in(0, &[0xff; 40]) && m.zero(at, len));
+                let mut back = [0u8; 40];
+                assert!(read_only.copy_out(0, &mut back));
+                let want: Vec<u8> = (0..40).map(|i| if (at..at + len).contains(&i) { 0 } else { 0xff }).collect();
+                assert_eq!(back.to_vec(), want, "zeros at {at}, {len} bytes");
+            }
+        }
+        assert!(!m.zero(60, 5) && !read_only.zero(0, 1) && !m.zero(usize::MAX, 2));
     }
 }

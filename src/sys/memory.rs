@@ -116,19 +116,7 @@ impl MemoryFile {
     /// Zeroes `len` bytes of the mapping from `offset`; false (nothing written) when they do
     /// not fit or the file is frozen.
     pub(crate) fn zero(&self, offset: usize, len: usize) -> bool {
-        const ZEROS: [u8; 4096] = [0; 4096];
-        if offset.checked_add(len).is_none_or(|end| end > self.len()) || !self.mapping.is_writable() {
-            return false;
-        }
-        let mut done = 0;
-        while done < len {
-            let n = (len - done).min(ZEROS.len());
-            if !self.mapping.copy_in(offset + done, &ZEROS[..n]) {
-                return false;
-            }
-            done += n;
-        }
-        true
+        self.mapping.zero(offset, len)
     }
 
     /// Copies `out.len()` bytes of the mapping from `offset` into `out`; false (nothing read)
