@@ -4,6 +4,7 @@
 //!     cargo bench --bench handoff -- --no-torch   # ours only
 //!     cargo bench --bench handoff -- --quick      # fewer rounds
 //!     cargo bench --bench handoff -- --storage vmm  # producer memory: legacy, vmm or auto
+//!     cargo bench --bench handoff -- --segments vmm # the caching allocator's segments: legacy or vmm
 //!     cargo bench --bench handoff -- --only bd   # rows b and d only (p: floor and split)
 //!
 //! Rows (torch runs the same workloads; the ratio is torch / ours, higher is better for us):
@@ -892,17 +893,23 @@ fn main() {
         std::process::exit(2);
     }
     let dev = Device::get(0).unwrap();
-    // `--storage legacy|vmm|auto`: the GPU memory the producer allocates (default auto).
-    let storage = args.iter().position(|a| a == "--storage").and_then(|i| args.get(i + 1));
-    let kind: cuda_mp::GpuMemoryKind = match storage.map_or(Ok(cuda_mp::GpuMemoryKind::Auto), |s| s.parse()) {
-        Ok(kind) => kind,
-        Err(e) => {
-            println!("--storage: {e}");
+    // `--storage legacy|vmm|auto`: the GPU memory the producer allocates (default auto);
+    // `--segments legacy|vmm|auto`: the memory of the caching allocator's segments (default legacy).
+    let kind_of = |flag: &str, default: cuda_mp::GpuMemoryKind| {
+        let given = args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1));
+        given.map_or(Ok(default), |s| s.parse::<cuda_mp::GpuMemoryKind>()).unwrap_or_else(|e| {
+            println!("{flag}: {e}");
             std::process::exit(2);
-        }
+        })
     };
+    let kind = kind_of("--storage", cuda_mp::GpuMemoryKind::Auto);
+    let segments = kind_of("--segments", cuda_mp::GpuMemoryKind::Legacy);
     dev.set_memory_kind(kind);
-    println!("GPU 0: {} (memory: {kind:?})", dev.uuid_string());
+    if let Err(e) = dev.set_segment_kind(segments) {
+        println!("--segments: {e}");
+        std::process::exit(2);
+    }
+    println!("GPU 0: {} (memory: {kind:?}, segments: {segments:?})", dev.uuid_string());
     let mut r = Results::default();
     let only = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1));
     run_ours(&dev, quick, only.map(String::as_str), &mut r);

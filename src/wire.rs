@@ -588,7 +588,7 @@ pub(crate) fn serialize_fd<S: serde::Serializer>(
 }
 
 /// Deserializes a descriptor carried by [`serialize_fd`], and takes it.
-#[cfg(any(feature = "cuda", test, feature = "testing"))]
+#[cfg(any(test, feature = "testing"))]
 pub(crate) fn deserialize_fd<'de, D: serde::Deserializer<'de>>(
     deserializer: D,
 ) -> std::result::Result<OwnedFd, D::Error> {

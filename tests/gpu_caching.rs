@@ -7,7 +7,9 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use cuda_mp::{Error, GpuTensor, Receiver, Sender, channel, lifetime_stats, spawn, wait_for_lifetime};
+use cuda_mp::{
+    Device, Error, GpuMemoryKind, GpuTensor, Receiver, Sender, channel, lifetime_stats, spawn, wait_for_lifetime,
+};
 
 mod common;
 
@@ -18,11 +20,13 @@ cuda_mp::enable_test_support!();
 static SERIAL: Mutex<()> = Mutex::new(());
 const WAIT: Duration = Duration::from_secs(60);
 
-/// One test at a time, each starting from an allocator that holds nothing, caching on.
+/// One test at a time, each starting from an allocator that holds nothing, caching on,
+/// legacy segments.
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     let g = common::serial(&SERIAL, WAIT);
     let dev = common::gpu();
     dev.set_caching(true);
+    dev.set_segment_kind(GpuMemoryKind::Legacy).unwrap();
     dev.set_cache_limit(None);
     dev.empty_cache();
     g
@@ -348,4 +352,75 @@ fn the_cache_limit_refuses_a_segment_past_it_and_caching_can_be_turned_off() {
     assert_eq!(own.ipc_payload().unwrap().alloc_offset(), 0);
     assert_eq!(own.to_vec().unwrap(), vec![2.0; 1024]);
     dev.set_caching(true);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn vmm_segments_keep_their_blocks_apart_from_legacy_ones_and_say_so() {
+    let _g = serial();
+    let dev = common::gpu();
+    assert_eq!(dev.segment_kind(), GpuMemoryKind::Legacy, "legacy segments by default");
+    let legacy = GpuTensor::<f32>::full(&dev, &[1024], 1.0).unwrap();
+    dev.set_segment_kind(GpuMemoryKind::Vmm).unwrap();
+    let vmm = GpuTensor::<f32>::full(&dev, &[1024], 2.0).unwrap();
+    let again = GpuTensor::<f32>::full(&dev, &[1024], 3.0).unwrap();
+    assert_eq!(legacy.storage().memory_kind(), GpuMemoryKind::Legacy);
+    assert_eq!(vmm.storage().memory_kind(), GpuMemoryKind::Vmm, "a block is of its segment's memory");
+    let s = dev.allocator_stats();
+    assert_eq!((s.segments, s.blocks), (2, 3), "a segment of each memory; the second vmm block shares the first's");
+    let payload = vmm.ipc_payload().unwrap();
+    assert_eq!((payload.memory_kind(), payload.mem_handle().len()), (GpuMemoryKind::Vmm, 0));
+    assert_eq!(legacy.ipc_payload().unwrap().mem_handle().len(), 64);
+    drop(payload);
+    let torch = cuda_mp::DynTensor::from(vmm.clone()).storage().to_torch_ipc().unwrap_err().to_string();
+    assert!(torch.contains("vmm segment"), "{torch}");
+    assert_eq!((vmm.to_vec().unwrap()[0], again.to_vec().unwrap()[0], legacy.to_vec().unwrap()[0]), (2.0, 3.0, 1.0));
+    drop((legacy, vmm, again));
+    eventually("every block back", || dev.allocator_stats().blocks == 0);
+    assert_eq!(dev.empty_cache(), 4 << 20, "both segments given up");
+    dev.set_segment_kind(GpuMemoryKind::Legacy).unwrap();
+}
+
+/// Sends fresh tensors cut from VMM segments (50 of 16 KiB, then one of 256 MiB, each full of
+/// its number) and returns at once: its messages are still in flight when it exits. Returns
+/// the segments it allocated, and whether every tensor was VMM memory.
+fn send_vmm_blocks_and_exit(tx: Sender<(u32, GpuTensor<f32>)>) -> (u64, bool) {
+    let dev = Device::get(0).unwrap();
+    dev.set_segment_kind(GpuMemoryKind::Vmm).unwrap();
+    let before = dev.allocator_stats().segments_allocated;
+    let mut all_vmm = true;
+    for i in 0..51u32 {
+        let n = if i < 50 { 4 << 10 } else { 64 << 20 };
+        let t = GpuTensor::<f32>::full(&dev, &[n], i as f32).unwrap();
+        all_vmm &= t.storage().memory_kind() == GpuMemoryKind::Vmm;
+        tx.send((i, t)).unwrap();
+    }
+    (dev.allocator_stats().segments_allocated - before, all_vmm)
+}
+
+/// Blocks of VMM segments travel with their segment's descriptor: a producer that exits right
+/// after its sends loses nothing, and a consumer that starts only after its exit maps each
+/// segment once and reads every value; the memory is freed once the consumer is done.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn blocks_of_vmm_segments_outlive_a_producer_that_exits_at_once() {
+    let _g = serial();
+    let dev = common::gpu();
+    assert!(dev.supports_memory_kind(GpuMemoryKind::Vmm).unwrap(), "this GPU has no VMM");
+    let baseline = free_memory(&dev);
+    let (tx, rx) = channel().unwrap();
+    let (segments, all_vmm) = spawn(tx, send_vmm_blocks_and_exit).join().unwrap();
+    assert!(all_vmm, "every tensor cut from a vmm segment");
+    assert_eq!(segments, 2, "the 50 small tensors share one segment; the large one has its own");
+    // Only now, after the producer's exit, does a consumer start.
+    let (reply_tx, reply_rx) = channel().unwrap();
+    let (done_tx, done_rx) = channel().unwrap();
+    let child = spawn((rx, reply_tx, done_tx), check_each);
+    for i in 0..51u32 {
+        assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), i, "tensor {i} read after its producer's exit");
+    }
+    let (opened, mappings) = done_rx.recv_timeout(WAIT).unwrap();
+    child.join().unwrap();
+    assert_eq!((opened, mappings), (2, 51), "each segment opened once, each tensor a storage of its own");
+    eventually("the producer's 258 MiB freed once its consumer is done", || free_memory(&dev) + (32 << 20) >= baseline);
 }

@@ -2,7 +2,8 @@
 //! mapped once per process, each tensor's block reused once every process has dropped it.
 //!
 //! A segment is a storage of its own (legacy `cuMemAlloc` memory, with its IPC handle taken
-//! once), held by the allocator and counted in no storage statistics. A block is an ordinary
+//! once; or VMM memory, its descriptor exported once, where [`Device::set_segment_kind`] asks
+//! for it), held by the allocator and counted in no storage statistics. A block is an ordinary
 //! storage (its own identity, claims and idle cache) whose memory is a range of a segment:
 //! its record carries the segment's record (a claim on the segment, which a receiver that maps
 //! it already adds to its mapping's cover) and the block's offset. So a receiver keeps a
@@ -13,29 +14,52 @@
 //! block is never handed out while another process's queued work still uses it) or died. See
 //! README.md here.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use once_cell::sync::Lazy;
 
 use super::device::Device;
 use super::driver::DeviceRange;
 use super::handles::DeviceAllocation;
 use super::retire::OwnWork;
-use super::storage::{GpuMemory, GpuStorage};
-use crate::error::Result;
+use super::storage::{GpuMemory, GpuMemoryKind, GpuStorage};
+use super::vmm::VmmMemory;
+use crate::error::{Error, Result};
 use crate::storage::pools::{AllocatorStats, Block, Pools};
 use crate::storage::{Handle, Shared};
 
-/// One device's caching allocator (in `Device`): pools of legacy segments.
+/// One device's caching allocator (in `Device`): pools of legacy and of VMM segments.
 pub(crate) type Allocator = Pools<GpuStorage>;
 
 /// A block of one of this process's segments: the memory of a pooled GPU storage.
 pub(crate) type PoolBlock = Block<GpuStorage>;
 
+/// The memory of each device's new segments, in this process (by device UUID; legacy where
+/// not set).
+static SEGMENT_KINDS: Lazy<Mutex<HashMap<[u8; 16], GpuMemoryKind>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+
+/// The allocator's family of legacy segments, and of VMM ones: a block is cut only from a
+/// segment of the memory asked for.
+const LEGACY: usize = 0;
+const VMM: usize = 1;
+
 /// A new storage of `bytes` bytes cut from a segment of `device`'s allocator (uninitialized);
 /// `None` when the allocator is turned off.
 pub(crate) fn alloc(device: &Arc<Device>, bytes: usize) -> Result<Option<Arc<GpuStorage>>> {
-    let block = device.allocator().alloc(bytes, |size| {
-        let allocation = DeviceAllocation::new(device, size)?;
-        let memory = GpuMemory::Local { allocation, handle: Default::default() };
+    let vmm = match device.segment_kind() {
+        GpuMemoryKind::Vmm => true,
+        GpuMemoryKind::Auto => device.vmm_supported()?,
+        _ => false,
+    };
+    let block = device.allocator().alloc(bytes, if vmm { VMM } else { LEGACY }, |size| {
+        // Segment sizes are multiples of 2 MiB, the VMM granularity of current GPUs (a VMM
+        // allocation rounds up to its device's).
+        let memory = if vmm {
+            GpuMemory::Vmm(VmmMemory::alloc(device, size)?)
+        } else {
+            GpuMemory::Local { allocation: DeviceAllocation::new(device, size)?, handle: Default::default() }
+        };
         Ok(Arc::new(GpuStorage::from_handle(Handle::new_internal(size, memory))))
     })?;
     Ok(block.map(|block| Arc::new(GpuStorage::from_handle(Handle::new_local(bytes, GpuMemory::Pooled(block))))))
@@ -153,6 +177,52 @@ impl Device {
     /// ```
     pub fn set_cache_limit(&self, bytes: Option<usize>) {
         self.allocator().set_limit(bytes);
+    }
+
+    /// Chooses the memory of the caching allocator's new segments on this device, in this
+    /// process: [`GpuMemoryKind::Legacy`] (the default), [`GpuMemoryKind::Vmm`] (an error
+    /// where the device lacks it), or [`GpuMemoryKind::Auto`] (VMM where the device has it).
+    /// Blocks are cut only from segments of the chosen memory; segments made before keep
+    /// serving the blocks cut from them.
+    ///
+    /// A block of a VMM segment lives while any process holds it, the allocating one included
+    /// or not: a producer may send fresh tensors and exit, and a process that receives them
+    /// later maps them. Each message that carries such a block carries its segment's file
+    /// descriptor (once per message, however many of its blocks it holds; a receiver that
+    /// maps the segment already closes it unread), where a legacy segment travels as 64 bytes
+    /// of handle; and PyTorch, which opens legacy handles only, cannot take such a block.
+    ///
+    /// ```no_run
+    /// use cuda_mp::{Device, GpuMemoryKind, GpuTensor};
+    /// let dev = Device::get(0).unwrap();
+    /// dev.set_segment_kind(GpuMemoryKind::Vmm).unwrap();
+    /// let t = GpuTensor::<f32>::zeros(&dev, &[1024]).unwrap();
+    /// assert_eq!(t.storage().memory_kind(), GpuMemoryKind::Vmm);
+    /// ```
+    pub fn set_segment_kind(&self, kind: GpuMemoryKind) -> Result<()> {
+        if kind == GpuMemoryKind::Vmm && !self.vmm_supported()? {
+            return Err(Error::Unsupported(format!(
+                "gpu {} has no virtual memory management with file-descriptor export",
+                self.uuid_string()
+            )));
+        }
+        SEGMENT_KINDS.lock().unwrap_or_else(|p| p.into_inner()).insert(self.uuid(), kind);
+        Ok(())
+    }
+
+    /// The memory of the caching allocator's new segments on this device.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// assert_eq!(dev.segment_kind(), cuda_mp::GpuMemoryKind::Legacy);
+    /// ```
+    pub fn segment_kind(&self) -> GpuMemoryKind {
+        SEGMENT_KINDS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&self.uuid())
+            .copied()
+            .unwrap_or(GpuMemoryKind::Legacy)
     }
 
     /// What this device's caching allocator holds in this process.

@@ -120,6 +120,9 @@ impl GpuMemory {
     fn kind(&self) -> GpuMemoryKind {
         match self {
             GpuMemory::Vmm(_) => GpuMemoryKind::Vmm,
+            // A block is of its segment's memory.
+            GpuMemory::Pooled(block) => block.segment().memory_kind(),
+            GpuMemory::ImportedBlock(block) => block.segment().memory_kind(),
             _ => GpuMemoryKind::Legacy,
         }
     }
@@ -147,16 +150,21 @@ enum WireMemory {
     Block { segment: Option<Box<Record<SegmentWire>>>, offset: u64 },
 }
 
-/// A segment's part of its record: always legacy memory, whole (so that a record cannot nest).
+/// A segment's part of its record: whole legacy or VMM memory, never a block (so that a record
+/// cannot nest).
 #[derive(Serialize, Deserialize)]
-struct SegmentWire {
-    mem_handle: Vec<u8>,
+enum SegmentWire {
+    Legacy { mem_handle: Vec<u8> },
+    Vmm(VmmWire),
 }
 
 impl Record<SegmentWire> {
     /// The segment's record as a GPU storage's, on the GPU `device_uuid` of its block.
     fn into_storage(self, device_uuid: [u8; 16]) -> Record<GpuWire> {
-        let memory = WireMemory::Legacy { mem_handle: self.kind.mem_handle, alloc_offset: 0 };
+        let memory = match self.kind {
+            SegmentWire::Legacy { mem_handle } => WireMemory::Legacy { mem_handle, alloc_offset: 0 },
+            SegmentWire::Vmm(v) => WireMemory::Vmm(v),
+        };
         Record {
             id: self.id,
             bytes: self.bytes,
@@ -172,11 +180,13 @@ impl Record<SegmentWire> {
 fn block_wire(segment: &Arc<GpuStorage>, offset: usize) -> Result<GpuWire> {
     // The block's own export checked the scope already.
     let record = storage::export(segment, true)?;
-    let Record { id, bytes, lease, ticket, kind } = record;
-    let GpuWire { device_uuid, memory: WireMemory::Legacy { mem_handle, alloc_offset: 0 }, event_handle } = kind else {
-        return Err(Error::Unsupported("a caching allocator's segment is whole legacy memory".into()));
+    let Record { id, bytes, lease, ticket, kind: GpuWire { device_uuid, memory, event_handle } } = record;
+    let kind = match memory {
+        WireMemory::Legacy { mem_handle, alloc_offset: 0 } => SegmentWire::Legacy { mem_handle },
+        WireMemory::Vmm(v) => SegmentWire::Vmm(v),
+        _ => return Err(Error::Unsupported("a caching allocator's segment is whole legacy or vmm memory".into())),
     };
-    let segment = Record { id, bytes, lease, ticket, kind: SegmentWire { mem_handle } };
+    let segment = Record { id, bytes, lease, ticket, kind };
     Ok(GpuWire {
         device_uuid,
         memory: WireMemory::Block { segment: Some(Box::new(segment)), offset: offset as u64 },
@@ -742,7 +752,10 @@ impl IpcPayload {
     pub fn mem_handle(&self) -> &[u8] {
         match &self.wire.storage.kind.memory {
             WireMemory::Legacy { mem_handle, .. } => mem_handle,
-            WireMemory::Block { segment: Some(segment), .. } => &segment.kind.mem_handle,
+            WireMemory::Block { segment: Some(segment), .. } => match &segment.kind {
+                SegmentWire::Legacy { mem_handle } => mem_handle,
+                SegmentWire::Vmm(_) => &[],
+            },
             WireMemory::Vmm(_) | WireMemory::Block { .. } => &[],
         }
     }
@@ -774,6 +787,9 @@ impl IpcPayload {
     /// ```
     pub fn memory_kind(&self) -> GpuMemoryKind {
         match &self.wire.storage.kind.memory {
+            WireMemory::Block { segment: Some(segment), .. } if matches!(segment.kind, SegmentWire::Vmm(_)) => {
+                GpuMemoryKind::Vmm
+            }
             WireMemory::Legacy { .. } | WireMemory::Block { .. } => GpuMemoryKind::Legacy,
             WireMemory::Vmm(_) => GpuMemoryKind::Vmm,
         }

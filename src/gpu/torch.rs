@@ -333,7 +333,13 @@ impl GpuStorage {
                 GpuMemory::Local { allocation, handle } => {
                     (allocation.device(), *handle.get_or_try_init(|| allocation.ipc_handle())?, block.offset() as u64)
                 }
-                _ => return Err(Error::Unsupported("a caching allocator's segment is legacy memory".into())),
+                _ => {
+                    return Err(Error::Unsupported(
+                        "a block of a vmm segment cannot be handed to pytorch, which opens legacy cuda ipc handles \
+                         only: use legacy segments (Device::set_segment_kind) or copy the tensor"
+                            .into(),
+                    ));
+                }
             },
             GpuMemory::Imported { .. } | GpuMemory::Torch(_) | GpuMemory::ImportedBlock(_) => {
                 return Err(Error::Unsupported(

@@ -35,23 +35,28 @@ pub(crate) struct VmmWire {
     size: u64,
 }
 
-/// A descriptor of VMM memory as it travels: carried in the message when serialized, taken out
-/// of it when deserialized (so a receiver holds it from decoding on, and drops it unused when
-/// the storage is mapped here already).
+/// A descriptor of VMM memory as it travels: carried in the message when serialized (once per
+/// message, however many records of the memory it holds: the blocks of one segment), taken
+/// out of it when deserialized (so a receiver holds it from decoding on, and drops it unused
+/// when the storage is mapped here already).
 #[derive(Clone, Debug)]
 struct Descriptor(Arc<OwnedFd>);
 
 impl Serialize for Descriptor {
     fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        // The message holds this descriptor until it is sent, so no other one carried in it
+        // has the same address.
+        let key = Arc::as_ptr(&self.0) as usize as u64;
         let held: wire::Held = self.0.clone();
-        wire::carry(held, None).map_err(wire::encode_error)?.serialize(serializer)
+        wire::carry(held, Some(key)).map_err(wire::encode_error)?.serialize(serializer)
     }
 }
 
 impl<'de> Deserialize<'de> for Descriptor {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        let fd = profile::timed(Phase::Fetch, || wire::deserialize_fd(deserializer))?;
-        Ok(Descriptor(Arc::new(fd)))
+        let carried = wire::Carried::deserialize(deserializer)?;
+        let fd = profile::timed(Phase::Fetch, || wire::take_shared_fd(carried)).map_err(wire::decode_error)?;
+        Ok(Descriptor(fd))
     }
 }
 

@@ -156,7 +156,7 @@ fn alloc_filled(
     if bytes > POOLED_MAX {
         return Ok(None);
     }
-    let Some(block) = pools().alloc(bytes, new_segment)? else { return Ok(None) };
+    let Some(block) = pools().alloc(bytes, 0, new_segment)? else { return Ok(None) };
     if !fill(block.segment().file(), block.offset(), block.size()) {
         return Err(Error::Layout(format!("a block of {bytes} bytes lies outside its segment")));
     }

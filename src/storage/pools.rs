@@ -44,24 +44,36 @@ fn segment_size(size: usize) -> Option<usize> {
     }
 }
 
-/// The two pools: small blocks are split to the byte (in `ROUND`s), large ones only when the
-/// rest is at least `SMALL_MAX` (a large block is at most that much bigger than asked).
+/// How many families of segments one allocator keeps apart: blocks are cut only from segments
+/// of the family a request names (the GPU allocator's are legacy and VMM memory; the host's
+/// one family), under one limit and one set of statistics.
+pub(crate) const FAMILIES: usize = 2;
+
+/// Where a block comes from: a family's small pool (blocks split to the byte, in `ROUND`s) or
+/// its large one (split only when the rest is at least `SMALL_MAX`: a large block is at most
+/// that much bigger than asked).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-enum Pool {
-    Small,
-    Large,
+struct Pool {
+    family: usize,
+    large: bool,
 }
 
 impl Pool {
-    fn of(size: usize) -> Pool {
-        if size <= SMALL_MAX { Pool::Small } else { Pool::Large }
+    fn of(size: usize, family: usize) -> Pool {
+        Pool { family: family.min(FAMILIES - 1), large: size > SMALL_MAX }
     }
 
     fn min_split(self) -> usize {
-        match self {
-            Pool::Small => ROUND,
-            Pool::Large => SMALL_MAX,
-        }
+        if self.large { SMALL_MAX } else { ROUND }
+    }
+
+    /// Every pool, in the order of [`State::arenas`].
+    fn all() -> impl Iterator<Item = Pool> {
+        (0..FAMILIES).flat_map(|family| [false, true].map(|large| Pool { family, large }))
+    }
+
+    fn index(self) -> usize {
+        self.family * 2 + usize::from(self.large)
     }
 }
 
@@ -216,8 +228,8 @@ pub struct AllocatorStats {
 struct State<S> {
     enabled: bool,
     limit: Option<usize>,
-    small: Arena,
-    large: Arena,
+    /// One per pool, indexed by [`Pool::index`].
+    arenas: Vec<Arena>,
     /// The segments, with their pool.
     segments: BTreeMap<u64, (Arc<S>, Pool)>,
     next_segment: u64,
@@ -227,16 +239,13 @@ struct State<S> {
 
 impl<S> State<S> {
     fn arena(&mut self, pool: Pool) -> &mut Arena {
-        match pool {
-            Pool::Small => &mut self.small,
-            Pool::Large => &mut self.large,
-        }
+        &mut self.arenas[pool.index()]
     }
 
     /// Takes every wholly free segment out (to be dropped outside the lock).
     fn release_free(&mut self) -> Vec<Arc<S>> {
         let mut released = Vec::new();
-        for pool in [Pool::Small, Pool::Large] {
+        for pool in Pool::all() {
             for seg in self.arena(pool).free_segments() {
                 released.extend(self.release(seg));
             }
@@ -268,8 +277,7 @@ impl<S> Pools<S> {
             state: Mutex::new(State {
                 enabled,
                 limit: None,
-                small: Arena::new(Pool::Small.min_split()),
-                large: Arena::new(Pool::Large.min_split()),
+                arenas: Pool::all().map(|pool| Arena::new(pool.min_split())).collect(),
                 segments: BTreeMap::new(),
                 next_segment: 1,
                 reserved: 0,
@@ -288,17 +296,19 @@ impl<S> Pools<S> {
         self.lock().enabled
     }
 
-    /// A block of at least `bytes` bytes (its contents as the last holder left them); `None`
-    /// when the allocator is turned off. A new segment, when one is needed, is made by
-    /// `new_segment` (given its size) outside the lock; one that fails out of memory makes
-    /// the allocator give its free segments up and try once more.
+    /// A block of at least `bytes` bytes (its contents as the last holder left them) from a
+    /// segment of `family` (below [`FAMILIES`]); `None` when the allocator is turned off. A new
+    /// segment, when one is needed, is made by `new_segment` (given its size) outside the
+    /// lock; one that fails out of memory makes the allocator give its free segments up and
+    /// try once more.
     pub(crate) fn alloc(
         self: &Arc<Self>,
         bytes: usize,
+        family: usize,
         mut new_segment: impl FnMut(usize) -> Result<Arc<S>>,
     ) -> Result<Option<Block<S>>> {
         let size = block_size(bytes).ok_or_else(|| Error::Layout("tensor size overflows".into()))?;
-        let pool = Pool::of(size);
+        let pool = Pool::of(size, family);
         let mut retried = false;
         let mut first = true;
         loop {
@@ -388,14 +398,14 @@ impl<S> Pools<S> {
 
     pub(crate) fn stats(&self) -> AllocatorStats {
         let s = self.lock();
-        let allocated = s.small.in_use() + s.large.in_use();
+        let allocated = s.arenas.iter().map(Arena::in_use).sum();
         AllocatorStats {
             segments: s.segments.len(),
             reserved_bytes: s.reserved,
             allocated_bytes: allocated,
-            blocks: s.small.blocks_in_use() + s.large.blocks_in_use(),
+            blocks: s.arenas.iter().map(Arena::blocks_in_use).sum(),
             cached_bytes: s.reserved - allocated,
-            largest_free_block: s.small.largest_free().max(s.large.largest_free()),
+            largest_free_block: s.arenas.iter().map(Arena::largest_free).max().unwrap_or(0),
             limit: s.limit,
             ..s.stats
         }
@@ -505,6 +515,29 @@ mod tests {
     }
 
     #[test]
+    fn families_cut_blocks_from_their_own_segments_under_one_limit() {
+        let pools = Arc::new(Pools::<usize>::new(true));
+        let made = std::cell::Cell::new(0);
+        let segment = |size| {
+            made.set(made.get() + 1);
+            Ok(Arc::new(size))
+        };
+        let a = pools.alloc(4096, 0, segment).unwrap().unwrap();
+        let b = pools.alloc(4096, 1, segment).unwrap().unwrap();
+        let c = pools.alloc(4096, 1, segment).unwrap().unwrap();
+        assert!(!Arc::ptr_eq(a.segment(), b.segment()), "another family, another segment");
+        assert!(Arc::ptr_eq(b.segment(), c.segment()) && made.get() == 2);
+        let s = pools.stats();
+        assert_eq!((s.segments, s.blocks, s.reserved_bytes), (2, 3, 2 * SMALL_SEGMENT), "one set of statistics");
+        pools.set_limit(Some(2 * SMALL_SEGMENT));
+        let err = pools.alloc(MEDIUM_MAX, 0, segment).unwrap_err();
+        assert!(matches!(err, Error::CacheLimit { .. }), "the limit counts both families: {err}");
+        drop((a, b, c));
+        assert_eq!(pools.empty_cache(), 2 * SMALL_SEGMENT);
+        assert_eq!(pools.stats().segments, 0);
+    }
+
+    #[test]
     fn sizes_and_segments() {
         assert_eq!(block_size(0), Some(512));
         assert_eq!(block_size(513), Some(1024));
@@ -523,7 +556,7 @@ mod tests {
             ops in proptest::collection::vec((any::<bool>(), 1usize..(3 << 20), any::<prop::sample::Index>()), 1..200),
             large in any::<bool>(),
         ) {
-            let pool = if large { Pool::Large } else { Pool::Small };
+            let pool = Pool { family: 0, large };
             let mut a = Arena::new(pool.min_split());
             let mut held: Vec<(u64, usize, usize)> = Vec::new();
             let mut next = 1;

@@ -60,7 +60,7 @@ impl MemoryFile {
 
     /// A fresh zeroed file of `len` bytes, sealed against every change, mapped read-only
     /// (what [`frozen`](Self::frozen) makes of `len` zeros, without writing them).
-    #[cfg(any(test, feature = "testing"))]
+    #[cfg(any(test, all(feature = "testing", feature = "cuda")))]
     pub(crate) fn frozen_zeroed(len: usize) -> io::Result<MemoryFile> {
         let fd = memfd_create("cuda-mp-message", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
             .map_err(|e| out_of_memory(e.into(), "shared memory"))?;
