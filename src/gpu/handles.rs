@@ -15,7 +15,9 @@ use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaStream};
 
 use super::device::Device;
-use super::driver::{self, AllocationHandle, DeviceRange, IpcHandle, KernelArgs, KernelOp, bind, driver_err};
+use super::driver::{
+    self, AllocationHandle, DeviceRange, DriverResult, IpcHandle, KernelArgs, KernelOp, bind, driver_err,
+};
 use super::kernels;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -630,32 +632,80 @@ impl fmt::Debug for VmmMapping {
     }
 }
 
-/// An event created with `CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING`, with the IPC
-/// handle other processes open it by. Dropping it destroys it.
-pub(crate) struct InterprocessEvent {
+/// A driver event of one context, destroyed in that context when dropped: what the three
+/// event types below hold.
+struct Event {
     ctx: Arc<CudaContext>,
     raw: sys::CUevent,
-    handle: IpcHandle,
 }
 
 // SAFETY: a CUevent is a driver handle, usable from any thread once its context is current,
 // which every method (and drop) makes sure of; the driver synchronizes concurrent use.
-unsafe impl Send for InterprocessEvent {}
+unsafe impl Send for Event {}
 // SAFETY: as above; nothing in the value is mutated after construction.
-unsafe impl Sync for InterprocessEvent {}
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// An event that `make` creates or opens, called with `device`'s context current; `call`
+    /// names it in errors.
+    fn new(device: &Device, call: &'static str, make: impl FnOnce() -> DriverResult<sys::CUevent>) -> Result<Event> {
+        let ctx = device.context().clone();
+        bind(&ctx)?;
+        let raw = make().map_err(driver_err(call))?;
+        Ok(Event { ctx, raw })
+    }
+
+    /// Records the event after the work queued on `stream` so far (a stream of the event's
+    /// device).
+    fn record(&self, stream: &CudaStream) -> Result<()> {
+        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
+            return Err(Error::Unsupported("recording an event on another device's stream".into()));
+        }
+        bind(&self.ctx)?;
+        // SAFETY: the context is current; the event and the stream are live and of it.
+        unsafe { driver::event_record(self.raw, stream.cu_stream()) }.map_err(driver_err("cuEventRecord"))
+    }
+}
+
+impl fmt::Debug for Event {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Event").field("raw", &self.raw).finish_non_exhaustive()
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if bind(&self.ctx).is_ok() {
+            // SAFETY: created or opened in this (current) context; nothing uses it after.
+            let _ = unsafe { driver::event_destroy(self.raw) };
+        }
+    }
+}
+
+/// An event created with `CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING`, with the IPC
+/// handle other processes open it by. Dropping it destroys it.
+pub(crate) struct InterprocessEvent {
+    event: Event,
+    handle: IpcHandle,
+}
+
+impl fmt::Debug for InterprocessEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Not the handle: any process of this user may open the event with it.
+        f.debug_struct("InterprocessEvent").field("event", &self.event.raw).finish_non_exhaustive()
+    }
+}
 
 impl InterprocessEvent {
     /// Creates an interprocess event on `device`.
     pub(crate) fn create(device: &Device) -> Result<InterprocessEvent> {
-        let ctx = device.context().clone();
-        bind(&ctx)?;
-        // SAFETY: the context is current; the event is destroyed once, by the value built here.
-        let raw = unsafe { driver::event_create_interprocess() }.map_err(driver_err("cuEventCreate"))?;
-        let mut event = InterprocessEvent { ctx, raw, handle: [0; driver::IPC_HANDLE_BYTES] };
-        // SAFETY: the context is current and `raw` a live interprocess event (on error, `event`
-        // destroys it).
-        event.handle = unsafe { driver::ipc_get_event_handle(raw) }.map_err(driver_err("cuIpcGetEventHandle"))?;
-        Ok(event)
+        // SAFETY: `Event::new` calls this with the context current; the event is destroyed
+        // once, by the value built here.
+        let event = Event::new(device, "cuEventCreate", || unsafe { driver::event_create_interprocess() })?;
+        // SAFETY: the context is current (made so above, on this thread) and `event` a live
+        // interprocess event (on error, `event` destroys it).
+        let handle = unsafe { driver::ipc_get_event_handle(event.raw) }.map_err(driver_err("cuIpcGetEventHandle"))?;
+        Ok(InterprocessEvent { event, handle })
     }
 
     /// The handle another process opens with [`OpenedEvent::open`].
@@ -666,12 +716,7 @@ impl InterprocessEvent {
     /// Records the event after the work queued on `stream` so far (a stream of the event's
     /// device).
     pub(crate) fn record(&self, stream: &CudaStream) -> Result<()> {
-        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
-            return Err(Error::Unsupported("recording an event on another device's stream".into()));
-        }
-        bind(&self.ctx)?;
-        // SAFETY: the context is current; the event and the stream are live and of it.
-        unsafe { driver::event_record(self.raw, stream.cu_stream()) }.map_err(driver_err("cuEventRecord"))
+        self.event.record(stream)
     }
 
     /// Makes `stream`, another library's stream of this event's context, wait for the latest
@@ -681,112 +726,58 @@ impl InterprocessEvent {
     /// `stream` must be a live stream of this event's context (or 0, the legacy default stream,
     /// or 2, the per-thread default stream).
     pub(crate) unsafe fn make_wait(&self, stream: sys::CUstream) -> Result<()> {
-        bind(&self.ctx)?;
+        bind(&self.event.ctx)?;
         // SAFETY: the context is current and the event live; the stream is upheld by the caller.
-        unsafe { driver::stream_wait_event(stream, self.raw) }.map_err(driver_err("cuStreamWaitEvent"))
-    }
-}
-
-impl fmt::Debug for InterprocessEvent {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("InterprocessEvent").field("event", &self.raw).finish_non_exhaustive()
-    }
-}
-
-impl Drop for InterprocessEvent {
-    fn drop(&mut self) {
-        if bind(&self.ctx).is_ok() {
-            // SAFETY: created in this (current) context; nothing uses it after.
-            let _ = unsafe { driver::event_destroy(self.raw) };
-        }
+        unsafe { driver::stream_wait_event(stream, self.event.raw) }.map_err(driver_err("cuStreamWaitEvent"))
     }
 }
 
 /// An event of this process that a thread waits on asleep (`CU_EVENT_BLOCKING_SYNC`): how a
 /// drop learns, off its own thread, that the work queued before it is done.
-pub(crate) struct BlockingEvent {
-    ctx: Arc<CudaContext>,
-    raw: sys::CUevent,
-}
-
-// SAFETY: a CUevent is a driver handle, usable from any thread once its context is current,
-// which every method (and drop) makes sure of; the driver synchronizes concurrent use.
-unsafe impl Send for BlockingEvent {}
-// SAFETY: as above; nothing in the value is mutated after construction.
-unsafe impl Sync for BlockingEvent {}
+#[derive(Debug)]
+pub(crate) struct BlockingEvent(Event);
 
 impl BlockingEvent {
     /// Creates an event on `device`.
     pub(crate) fn create(device: &Device) -> Result<BlockingEvent> {
-        let ctx = device.context().clone();
-        bind(&ctx)?;
-        // SAFETY: the context is current; the event is destroyed once, by the value built here.
-        let raw = unsafe { driver::event_create_blocking() }.map_err(driver_err("cuEventCreate"))?;
-        Ok(BlockingEvent { ctx, raw })
+        // SAFETY: `Event::new` calls this with the context current; the event is destroyed
+        // once, by the value built here.
+        Ok(BlockingEvent(Event::new(device, "cuEventCreate", || unsafe { driver::event_create_blocking() })?))
     }
 
     /// Records the event after the work queued on `stream` so far (a stream of the event's
     /// device).
     pub(crate) fn record(&self, stream: &CudaStream) -> Result<()> {
-        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
-            return Err(Error::Unsupported("recording an event on another device's stream".into()));
-        }
-        bind(&self.ctx)?;
-        // SAFETY: the context is current; the event and the stream are live and of it.
-        unsafe { driver::event_record(self.raw, stream.cu_stream()) }.map_err(driver_err("cuEventRecord"))
+        self.0.record(stream)
     }
 
     /// Blocks, asleep, until the work before the latest record is done.
     pub(crate) fn wait(&self) -> Result<()> {
-        bind(&self.ctx)?;
+        bind(&self.0.ctx)?;
         // SAFETY: the context is current and the event live.
-        unsafe { driver::event_synchronize(self.raw) }.map_err(driver_err("cuEventSynchronize"))
-    }
-}
-
-impl fmt::Debug for BlockingEvent {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("BlockingEvent").field("event", &self.raw).finish_non_exhaustive()
-    }
-}
-
-impl Drop for BlockingEvent {
-    fn drop(&mut self) {
-        if bind(&self.ctx).is_ok() {
-            // SAFETY: created in this (current) context; nothing uses it after.
-            let _ = unsafe { driver::event_destroy(self.raw) };
-        }
+        unsafe { driver::event_synchronize(self.0.raw) }.map_err(driver_err("cuEventSynchronize"))
     }
 }
 
 /// Another process's interprocess event, opened with `cuIpcOpenEventHandle`. Dropping it
 /// destroys this process's reference; waits already queued are not affected.
-pub(crate) struct OpenedEvent {
-    ctx: Arc<CudaContext>,
-    raw: sys::CUevent,
-}
-
-// SAFETY: a CUevent is a driver handle, usable from any thread once its context is current,
-// which every method (and drop) makes sure of; the driver synchronizes concurrent use.
-unsafe impl Send for OpenedEvent {}
-// SAFETY: as above; nothing in the value is mutated after construction.
-unsafe impl Sync for OpenedEvent {}
+#[derive(Debug)]
+pub(crate) struct OpenedEvent(Event);
 
 impl OpenedEvent {
     /// Opens the event of `handle` on `device`, the GPU it was recorded on.
     pub(crate) fn open(device: &Device, handle: &IpcHandle) -> Result<OpenedEvent> {
-        let ctx = device.context().clone();
-        bind(&ctx)?;
-        // SAFETY: the context is current; the event is destroyed once, by the value built here.
-        let raw = unsafe { driver::ipc_open_event_handle(handle) }.map_err(driver_err("cuIpcOpenEventHandle"))?;
-        Ok(OpenedEvent { ctx, raw })
+        // SAFETY: `Event::new` calls this with the context current; the event is destroyed
+        // once, by the value built here.
+        let open = || unsafe { driver::ipc_open_event_handle(handle) };
+        Ok(OpenedEvent(Event::new(device, "cuIpcOpenEventHandle", open)?))
     }
 
     /// True when the work before the event's latest record is done (`cuEventQuery`).
     pub(crate) fn is_complete(&self) -> Result<bool> {
-        bind(&self.ctx)?;
+        bind(&self.0.ctx)?;
         // SAFETY: the context is current and the event live.
-        unsafe { driver::event_is_complete(self.raw) }.map_err(driver_err("cuEventQuery"))
+        unsafe { driver::event_is_complete(self.0.raw) }.map_err(driver_err("cuEventQuery"))
     }
 
     /// Makes work queued later on `stream` (of any device) wait for the event, without
@@ -795,22 +786,7 @@ impl OpenedEvent {
         bind(stream.context())?;
         // SAFETY: the stream's context is current; the stream and the event are live (an event
         // of another context may be waited on).
-        unsafe { driver::stream_wait_event(stream.cu_stream(), self.raw) }.map_err(driver_err("cuStreamWaitEvent"))
-    }
-}
-
-impl fmt::Debug for OpenedEvent {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("OpenedEvent").field("event", &self.raw).finish_non_exhaustive()
-    }
-}
-
-impl Drop for OpenedEvent {
-    fn drop(&mut self) {
-        if bind(&self.ctx).is_ok() {
-            // SAFETY: opened in this (current) context; nothing uses it after.
-            let _ = unsafe { driver::event_destroy(self.raw) };
-        }
+        unsafe { driver::stream_wait_event(stream.cu_stream(), self.0.raw) }.map_err(driver_err("cuStreamWaitEvent"))
     }
 }
 
