@@ -45,6 +45,15 @@ def _wait_for(condition, what, timeout=TIMEOUT):
         time.sleep(0.01)
 
 
+def _live_storages_settled():
+    """This process's live storages, once those of earlier tests have been freed: their
+    releases land a little after the tests end, and a count read meanwhile moves under the
+    test that reads it."""
+    gc.collect()
+    _wait_for(lambda: _native.lifetime_stats()[0] == 0, "the storages of earlier tests to be freed")
+    return _native.lifetime_stats()[0]
+
+
 def _recv(conn, timeout=TIMEOUT):
     if not conn.poll(timeout):
         raise AssertionError("the other process did not answer in time")
@@ -163,7 +172,7 @@ def torch_consumer(conn, args):
 
 
 def test_a_pytorch_producers_tensor_is_used_here_and_given_back():
-    live_before = _native.lifetime_stats()[0]
+    live_before = _live_storages_settled()
     p, conn = _spawn(torch_producer)
     try:
         tag, args = _recv(conn)
@@ -281,7 +290,7 @@ def _consumer_round_trip(t, x):
 
 
 def test_a_cuda_mp_tensor_is_used_by_a_pytorch_consumer_and_released():
-    live_before = _native.lifetime_stats()[0]
+    live_before = _live_storages_settled()
     bundle = _native.pack(0, [("pad", "u8", [300]), ("w", "f32", [16, 16])])
     whole = bundle.get("w")
     x = torch.from_dlpack(whole)
