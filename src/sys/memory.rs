@@ -40,33 +40,25 @@ fn out_of_memory(e: io::Error, what: &str) -> io::Error {
 impl MemoryFile {
     /// A fresh zeroed file of `len` bytes, sealed against resizing, mapped read-write.
     pub(crate) fn zeroed(len: usize) -> io::Result<MemoryFile> {
-        let fd = memfd_create("cuda-mp", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
-            .map_err(|e| out_of_memory(e.into(), "shared memory"))?;
-        ftruncate(&fd, len as u64).map_err(|e| out_of_memory(e.into(), &format!("{len} bytes of shared memory")))?;
-        fcntl_add_seals(&fd, SIZE_SEALS | SealFlags::SEAL)?;
-        map(fd, len, false)
+        made("cuda-mp", len, &[], false)
     }
 
     /// A fresh file holding a copy of `bytes` (written by the kernel before anyone else has
     /// it), sealed against resizing, mapped read-write.
     pub(crate) fn holding(bytes: &[u8]) -> io::Result<MemoryFile> {
-        written(bytes, "cuda-mp", false)
+        made("cuda-mp", bytes.len(), bytes, false)
     }
 
     /// A file holding `bytes`, sealed against every change, mapped read-only.
     pub(crate) fn frozen(bytes: &[u8]) -> io::Result<MemoryFile> {
-        written(bytes, "cuda-mp-message", true)
+        made("cuda-mp-message", bytes.len(), bytes, true)
     }
 
     /// A fresh zeroed file of `len` bytes, sealed against every change, mapped read-only
     /// (what [`frozen`](Self::frozen) makes of `len` zeros, without writing them).
     #[cfg(any(test, all(feature = "testing", feature = "cuda")))]
     pub(crate) fn frozen_zeroed(len: usize) -> io::Result<MemoryFile> {
-        let fd = memfd_create("cuda-mp-message", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
-            .map_err(|e| out_of_memory(e.into(), "shared memory"))?;
-        ftruncate(&fd, len as u64).map_err(|e| out_of_memory(e.into(), &format!("{len} bytes of shared memory")))?;
-        fcntl_add_seals(&fd, SIZE_SEALS | SealFlags::WRITE | SealFlags::SEAL)?;
-        map(fd, len, true)
+        made("cuda-mp-message", len, &[], true)
     }
 
     /// A file that arrived in a message: refused unless it is a memory file sealed against
@@ -134,12 +126,12 @@ impl MemoryFile {
     }
 }
 
-/// A fresh file of `bytes`, sealed against resizing (and against writes when `frozen`), mapped.
-fn written(bytes: &[u8], name: &str, frozen: bool) -> io::Result<MemoryFile> {
+/// A fresh file of `len` bytes starting with `bytes` (the rest zeros), sealed against resizing
+/// (and against writes when `frozen`), mapped.
+fn made(name: &str, len: usize, bytes: &[u8], frozen: bool) -> io::Result<MemoryFile> {
     let fd = memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
         .map_err(|e| out_of_memory(e.into(), "shared memory"))?;
-    ftruncate(&fd, bytes.len() as u64)
-        .map_err(|e| out_of_memory(e.into(), &format!("{} bytes of shared memory", bytes.len())))?;
+    ftruncate(&fd, len as u64).map_err(|e| out_of_memory(e.into(), &format!("{len} bytes of shared memory")))?;
     let mut done = 0;
     while done < bytes.len() {
         match rustix::io::pwrite(&fd, &bytes[done..], done as u64) {
@@ -151,7 +143,7 @@ fn written(bytes: &[u8], name: &str, frozen: bool) -> io::Result<MemoryFile> {
     }
     let seals = if frozen { SIZE_SEALS | SealFlags::WRITE } else { SIZE_SEALS };
     fcntl_add_seals(&fd, seals | SealFlags::SEAL)?;
-    map(fd, bytes.len(), frozen)
+    map(fd, len, frozen)
 }
 
 /// Maps a file sealed against shrinking (so every byte of it stays backed while mapped).
