@@ -1261,6 +1261,10 @@ impl Worker {
                 // procspawn may have handed the call over before failing: the worker is in an
                 // unknown state.
                 self.broken = true;
+                // A pool terminated meanwhile killed the worker the job was handed to.
+                if shared.terminated() {
+                    return Err(JoinError::PoolClosed);
+                }
                 return Err(JoinError::Failed(format!("could not hand the job to its worker: {panic}")));
             }
         };
