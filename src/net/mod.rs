@@ -645,20 +645,36 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
             self.pending.fetch_sub(1, Ordering::AcqRel);
             return;
         }
-        let (options, done, pending) = (self.options.clone(), self.done_tx.clone(), self.pending.clone());
+        let (options, done) = (self.options.clone(), self.done_tx.clone());
+        // Counted out however the thread ends (after its result is sent), or if it never runs.
+        let counted = CountedOut(self.pending.clone());
+        let failed = done.clone();
         let started = std::thread::Builder::new().name("cuda-mp-handshake".into()).spawn(move || {
+            let _counted = counted;
             let peer = stream.peer_addr().ok();
-            let result = handshake::<T>(stream, &options);
+            // A handshake that panicked still gives `accept` an answer, so that it never waits
+            // for a result that no thread will send.
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handshake::<T>(stream, &options)))
+                .unwrap_or_else(|_| Err(Error::Unsupported("the handshake with a remote peer panicked".into())));
             match &result {
                 Ok(_) => tracing::debug!(peer = ?peer, "accepted a remote sender"),
                 Err(e) => tracing::warn!(peer = ?peer, error = %e, "refused a remote peer"),
             }
             let _ = done.send(result);
-            pending.fetch_sub(1, Ordering::AcqRel);
         });
-        if started.is_err() {
-            self.pending.fetch_sub(1, Ordering::AcqRel);
+        if let Err(e) = started {
+            // The closure was dropped unrun, and the count with it.
+            let _ = failed.send(Err(Error::Io(e)));
         }
+    }
+}
+
+/// Takes one running handshake off a listener's count when dropped.
+struct CountedOut(Arc<AtomicUsize>);
+
+impl Drop for CountedOut {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -1370,6 +1386,7 @@ mod tests {
     }
 
     const T5: Duration = Duration::from_secs(5);
+    const T60: Duration = Duration::from_secs(60);
 
     /// Does a connector's part of the handshake by hand, up to the hello: proves `secret` if
     /// given; the listener's challenge.
@@ -1395,7 +1412,7 @@ mod tests {
             assert!(matches!(read_handshake::<Welcome>(&s, T5).unwrap(), Welcome::Network(_)));
             s
         });
-        let rx = listener.accept().unwrap();
+        let rx = listener.accept_timeout(T60).unwrap();
         (peer.join().unwrap(), rx)
     }
 
@@ -1550,7 +1567,7 @@ mod tests {
                 _ => panic!("not refused"),
             }
         });
-        let err = listener.accept().unwrap_err().to_string();
+        let err = listener.accept_timeout(T60).unwrap_err().to_string();
         assert!(err.contains("protocol version 6 here, 7 at the peer"), "{err}");
         assert!(peer.join().unwrap().contains("protocol version"));
     }
@@ -1574,7 +1591,7 @@ mod tests {
                 _ => "welcomed".into(),
             }
         });
-        let accepted = listener.accept().map(|_| ()).unwrap_err().to_string();
+        let accepted = listener.accept_timeout(T60).map(|_| ()).unwrap_err().to_string();
         (peer.join().unwrap(), accepted)
     }
 
