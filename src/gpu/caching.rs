@@ -14,10 +14,7 @@
 //! block is never handed out while another process's queued work still uses it) or died. See
 //! README.md here.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-
-use once_cell::sync::Lazy;
+use std::sync::Arc;
 
 use super::device::Device;
 use super::driver::DeviceRange;
@@ -25,7 +22,7 @@ use super::handles::DeviceAllocation;
 use super::retire::OwnWork;
 use super::storage::{GpuMemory, GpuMemoryKind, GpuStorage};
 use super::vmm::VmmMemory;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::storage::pools::{AllocatorStats, Block, Pools};
 use crate::storage::{Handle, Shared};
 
@@ -34,10 +31,6 @@ pub(crate) type Allocator = Pools<GpuStorage>;
 
 /// A block of one of this process's segments: the memory of a pooled GPU storage.
 pub(crate) type PoolBlock = Block<GpuStorage>;
-
-/// The memory of each device's new segments, in this process (by device UUID; legacy where
-/// not set).
-static SEGMENT_KINDS: Lazy<Mutex<HashMap<[u8; 16], GpuMemoryKind>>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
 /// The allocator's family of legacy segments, and of VMM ones: a block is cut only from a
 /// segment of the memory asked for.
@@ -200,13 +193,10 @@ impl Device {
     /// assert_eq!(t.storage().memory_kind(), GpuMemoryKind::Vmm);
     /// ```
     pub fn set_segment_kind(&self, kind: GpuMemoryKind) -> Result<()> {
-        if kind == GpuMemoryKind::Vmm && !self.vmm_supported()? {
-            return Err(Error::Unsupported(format!(
-                "gpu {} has no virtual memory management with file-descriptor export",
-                self.uuid_string()
-            )));
+        if kind == GpuMemoryKind::Vmm {
+            self.require_vmm()?;
         }
-        SEGMENT_KINDS.lock().unwrap_or_else(|p| p.into_inner()).insert(self.uuid(), kind);
+        self.kinds().segments = kind;
         Ok(())
     }
 
@@ -217,12 +207,7 @@ impl Device {
     /// assert_eq!(dev.segment_kind(), cuda_mp::GpuMemoryKind::Legacy);
     /// ```
     pub fn segment_kind(&self) -> GpuMemoryKind {
-        SEGMENT_KINDS
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&self.uuid())
-            .copied()
-            .unwrap_or(GpuMemoryKind::Legacy)
+        self.kinds().segments
     }
 
     /// What this device's caching allocator holds in this process.

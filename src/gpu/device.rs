@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::result as cu;
 use cudarc::driver::sys;
@@ -15,6 +15,7 @@ use super::driver;
 use super::handles::InterprocessEvent;
 use super::kernels::Kernels;
 use super::retire::Retirer;
+use super::storage::GpuMemoryKind;
 use crate::error::{Error, Result};
 
 pub(crate) use super::driver::driver_err;
@@ -52,6 +53,15 @@ fn init_driver() -> Result<()> {
     .map_err(Error::CudaUnavailable)
 }
 
+/// The memory of new GPU memory on a device, in this process.
+#[derive(Clone, Copy)]
+pub(crate) struct Kinds {
+    /// Of a storage allocated on its own (`Device::set_memory_kind`).
+    pub(crate) storages: GpuMemoryKind,
+    /// Of a new segment of the caching allocator (`Device::set_segment_kind`).
+    pub(crate) segments: GpuMemoryKind,
+}
+
 /// A GPU as this process sees it, with the stream that cuda-mp orders its work on.
 ///
 /// ```no_run
@@ -78,6 +88,8 @@ pub struct Device {
     peers: Mutex<HashMap<usize, bool>>,
     /// The caching allocator of this process's tensors on the device.
     allocator: Arc<Allocator>,
+    /// The memory this process's new storages and new allocator segments use here.
+    kinds: Mutex<Kinds>,
     /// Releases of received memory waiting for the work queued on it (see `retire.rs`).
     retirer: Retirer,
 }
@@ -167,6 +179,7 @@ impl Device {
             vmm_granularity: OnceCell::new(),
             peers: Mutex::new(HashMap::new()),
             allocator: Arc::new(Allocator::new(true)),
+            kinds: Mutex::new(Kinds { storages: GpuMemoryKind::Auto, segments: GpuMemoryKind::Legacy }),
             retirer: Retirer::default(),
         });
         devices.insert(ordinal, device.clone());
@@ -407,6 +420,22 @@ impl Device {
                     && has(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)?)
             })
             .copied()
+    }
+
+    /// An error unless this GPU makes VMM memory shareable as file descriptors.
+    pub(crate) fn require_vmm(&self) -> Result<()> {
+        if self.vmm_supported()? {
+            return Ok(());
+        }
+        Err(Error::Unsupported(format!(
+            "gpu {} has no virtual memory management with file-descriptor export",
+            self.uuid_string()
+        )))
+    }
+
+    /// The memory kinds this process uses for new memory on this GPU.
+    pub(crate) fn kinds(&self) -> MutexGuard<'_, Kinds> {
+        self.kinds.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The minimum allocation granularity of such memory on this GPU

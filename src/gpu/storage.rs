@@ -430,8 +430,6 @@ impl std::str::FromStr for GpuMemoryKind {
 /// granule.
 pub const VMM_MIN_BYTES: usize = 2 << 30;
 
-static MEMORY_KINDS: Lazy<Mutex<HashMap<[u8; 16], GpuMemoryKind>>> = Lazy::new(|| Mutex::new(HashMap::new()));
-
 impl Device {
     /// Chooses the memory that new GPU tensors and bundles on this device use, in this
     /// process (default [`GpuMemoryKind::Auto`]). Received tensors keep the kind their producer
@@ -442,7 +440,7 @@ impl Device {
     /// dev.set_memory_kind(cuda_mp::GpuMemoryKind::Vmm);
     /// ```
     pub fn set_memory_kind(&self, kind: GpuMemoryKind) {
-        MEMORY_KINDS.lock().unwrap_or_else(|p| p.into_inner()).insert(self.uuid(), kind);
+        self.kinds().storages = kind;
     }
 
     /// True when this device can make memory of `kind` (VMM needs virtual memory management
@@ -466,7 +464,7 @@ impl Device {
     /// assert_eq!(dev.memory_kind(), cuda_mp::GpuMemoryKind::Auto);
     /// ```
     pub fn memory_kind(&self) -> GpuMemoryKind {
-        MEMORY_KINDS.lock().unwrap_or_else(|p| p.into_inner()).get(&self.uuid()).copied().unwrap_or(GpuMemoryKind::Auto)
+        self.kinds().storages
     }
 }
 
@@ -488,12 +486,7 @@ impl GpuStorage {
         let vmm = match device.memory_kind() {
             GpuMemoryKind::Legacy => false,
             GpuMemoryKind::Vmm => {
-                if !device.vmm_supported()? {
-                    return Err(Error::Unsupported(format!(
-                        "gpu {} has no virtual memory management with file-descriptor export",
-                        device.uuid_string()
-                    )));
-                }
+                device.require_vmm()?;
                 true
             }
             _ => bytes >= VMM_MIN_BYTES && device.vmm_supported()?,
