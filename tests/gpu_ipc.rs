@@ -811,6 +811,104 @@ fn forged_vmm_records_give_errors() {
     assert_eq!(mapped.to_vec().unwrap(), vec![2.0; 1024]);
 }
 
+/// A block of a caching allocator's segment: the segment's own record (`None` once imported),
+/// and the block's offset in it.
+#[derive(Serialize, Deserialize, Clone)]
+struct BlockRecord<S> {
+    segment: Option<SegmentRecord<S>>,
+    offset: u64,
+}
+
+/// A segment's record: its identity, size and claim; 0: legacy memory, 1: VMM memory.
+#[derive(Serialize, Deserialize, Clone)]
+struct SegmentRecord<S> {
+    owner: u128,
+    index: u64,
+    bytes: u64,
+    lease: common::Claim<CarriedFile>,
+    cache_ticket: Option<u32>,
+    variant: u32,
+    memory: S,
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn forged_blocks_of_vmm_segments_give_errors() {
+    let _g = serial();
+    let dev = gpu();
+    dev.set_segment_kind(cuda_mp::GpuMemoryKind::Vmm).unwrap();
+    let t = GpuTensor::<f32>::full(&dev, &[256], 3.0).unwrap();
+    dev.set_segment_kind(cuda_mp::GpuMemoryKind::Legacy).unwrap();
+    assert_eq!(t.storage().memory_kind(), cuda_mp::GpuMemoryKind::Vmm);
+    type Block = ForgedGpu<BlockRecord<VmmRecord>>;
+    let (genuine_tx, genuine_rx) = common::connect::<GpuTensor<f32>, Block>();
+    let genuine = || {
+        genuine_tx.send(t.clone()).unwrap();
+        let g = genuine_rx.recv_timeout(WAIT).unwrap();
+        assert_eq!(g.memory_variant, 2, "a block of a segment");
+        let segment = g.memory.segment.as_ref().expect("the segment's record travels with its block");
+        assert_eq!(segment.variant, 1, "the segment is vmm memory");
+        g
+    };
+    // Named as another process's block and segment, claimed through leases of the forger's.
+    let foreign = |index: u64, g: Block| {
+        let segment = g.memory.segment.clone().map(|s| SegmentRecord {
+            owner: 0x4321,
+            index: 1000 + index,
+            lease: common::Claim::Lease(CarriedFile(common::lease_pipe().0), false),
+            ..s
+        });
+        ForgedGpu {
+            owner: 0x4321,
+            index,
+            lease: common::Claim::Lease(CarriedFile(common::lease_pipe().0), false),
+            memory: BlockRecord { segment, ..g.memory },
+            ..g
+        }
+    };
+    let (tx, rx) = common::connect::<Block, GpuTensor<f32>>();
+    let refused = |r: Block| -> String {
+        tx.send(r).unwrap();
+        match rx.recv_timeout(WAIT) {
+            Err(cuda_mp::RecvTimeoutError::Malformed(m)) => m,
+            other => panic!("expected a malformed-message error, got {other:?}"),
+        }
+    };
+    // A block past its segment's end.
+    let g = foreign(1, genuine());
+    let size = g.memory.segment.as_ref().unwrap().bytes;
+    let m = refused(Block { memory: BlockRecord { offset: size - 512, ..g.memory.clone() }, ..g });
+    assert!(m.contains("exceeds its"), "{m}");
+    // A block without its segment.
+    let g = foreign(2, genuine());
+    let m = refused(Block { memory: BlockRecord { segment: None, ..g.memory.clone() }, ..g });
+    assert!(m.contains("without its segment"), "{m}");
+    // A segment whose descriptor is a socket, not VMM memory.
+    let g = foreign(3, genuine());
+    let mut segment = g.memory.segment.clone().unwrap();
+    segment.memory.descriptor = CarriedFile(common::socket_pair().0);
+    let m = refused(Block { memory: BlockRecord { segment: Some(segment), ..g.memory.clone() }, ..g });
+    assert!(!m.is_empty());
+    // A segment that claims more memory than its descriptor has.
+    let g = foreign(4, genuine());
+    let mut segment = g.memory.segment.clone().unwrap();
+    segment.memory.size += 2 << 20;
+    segment.bytes += 2 << 20;
+    let m = refused(Block { memory: BlockRecord { segment: Some(segment), ..g.memory.clone() }, ..g });
+    assert!(!m.is_empty());
+    // A segment record of a third kind: a segment is never a block.
+    let g = foreign(5, genuine());
+    let mut segment = g.memory.segment.clone().unwrap();
+    segment.variant = 2;
+    let m = refused(Block { memory: BlockRecord { segment: Some(segment), ..g.memory.clone() }, ..g });
+    assert!(!m.is_empty());
+    // The genuine block, as another process would receive it, maps the same memory; the channel
+    // stayed usable after every refusal.
+    tx.send(foreign(6, genuine())).unwrap();
+    let mapped = rx.recv_timeout(WAIT).unwrap();
+    assert_eq!(mapped.to_vec().unwrap(), vec![3.0; 256]);
+}
+
 /// Allocates 1 GiB of VMM memory filled with 1.0, sends it to every sender and returns at
 /// once: its messages are still in flight when it exits.
 fn send_vmm_and_exit(txs: Vec<Sender<GpuTensor<f32>>>) {
