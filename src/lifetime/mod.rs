@@ -32,6 +32,8 @@ pub use ids::StorageId;
 pub(crate) use ids::process_token;
 pub(crate) use import::{DeferredRelease, close_import, import, park_idle, subscribe};
 pub(crate) use lease::{CacheTicket, Claim, Cover, Lease, LeaseMode, NOT_A_LEASE};
+#[cfg(any(test, feature = "testing"))]
+pub(crate) use reaper::spare_leases;
 
 /// A storage as the lifetime machinery sees it: anything shareable, kept alive by `Arc`.
 pub(crate) type AnyStorage = Arc<dyn Any + Send + Sync>;

@@ -170,6 +170,14 @@ impl Reaper {
     }
 }
 
+/// How many spare lease channels (pipes whose two ends this process holds) the reaper keeps
+/// now; none before it started. The reaper tops them up on its own thread, at any time: a
+/// count of this process's descriptors leaves them out.
+#[cfg(any(test, feature = "testing"))]
+pub(crate) fn spare_leases() -> usize {
+    REAPER.get().get().map_or(0, |reaper| lock(&reaper.spares).len())
+}
+
 /// In a forked child: closes its copies of the parent's spare lease channels (see
 /// `close_inherited_leases`).
 pub(super) fn close_inherited_spares() {

@@ -184,6 +184,13 @@ impl<T: Element> Tensor<T, FakeStorage> {
     }
 }
 
+/// Spare lease channels this process keeps ready (pipes with both ends here, two descriptors
+/// each), which its lease machinery tops up on a thread of its own at any time: a test that
+/// counts descriptors leaves them out.
+pub fn spare_lease_pipes() -> usize {
+    crate::lifetime::spare_leases()
+}
+
 /// Fake mappings closed in this process so far.
 pub fn fake_mappings_closed() -> u64 {
     CLOSED.load(Ordering::SeqCst)
