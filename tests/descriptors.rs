@@ -134,7 +134,7 @@ fn a_message_of_many_storages_that_does_not_decode_is_an_error_and_keeps_nothing
 /// Receives one message that does not decode; says how many descriptors it had open before
 /// and after.
 fn receive_one_undecodable((rx, counts): (Receiver<(CarriedFile, u64, CarriedFile)>, Sender<(usize, usize, String)>)) {
-    let open = || std::fs::read_dir("/proc/self/fd").unwrap().count();
+    let open = common::open_descriptors;
     // The channel's own descriptors are open already; the message is waiting.
     let before = open();
     let said = match rx.recv_timeout(WAIT) {

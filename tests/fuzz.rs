@@ -20,16 +20,8 @@ fn one_at_a_time() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// This process's descriptors, less the spare lease pipes that the lease machinery tops up on
-/// its own thread whenever it wakes (a pipe made then, while a test counts, is no leak).
 fn open_descriptors() -> usize {
-    loop {
-        let spares = cuda_mp::testing::spare_lease_pipes();
-        let open = std::fs::read_dir("/proc/self/fd").unwrap().count();
-        if cuda_mp::testing::spare_lease_pipes() == spares {
-            return open - 2 * spares;
-        }
-    }
+    common::open_descriptors()
 }
 
 /// Real frames (captured once) as fuzzer inputs.

@@ -128,7 +128,7 @@ fn a_decode_as_the_wrong_type_is_an_error_and_gives_the_claims_back() {
 fn mutated_bytes_are_errors_or_values_and_leave_nothing_behind() {
     let _g = serial();
     let before = settled();
-    let descriptors = std::fs::read_dir("/proc/self/fd").unwrap().count();
+    let descriptors = common::open_descriptors();
     let t = HostTensor::<i16>::from_vec(&[8], (0..8).collect()).unwrap();
     let bytes = to_bytes(&t, WAIT).unwrap();
     let mut decoded = 0;
@@ -149,9 +149,7 @@ fn mutated_bytes_are_errors_or_values_and_leave_nothing_behind() {
     drop(t);
     // The deposit is taken by a decode or dropped at its time: nothing of it stays.
     back_to(&before, "every claim is back");
-    common::eventually(WAIT, "this process's descriptors are back", || {
-        std::fs::read_dir("/proc/self/fd").unwrap().count() <= descriptors
-    });
+    common::eventually(WAIT, "this process's descriptors are back", || common::open_descriptors() <= descriptors);
 }
 
 #[cfg(feature = "cuda")]

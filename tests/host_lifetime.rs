@@ -188,7 +188,7 @@ fn a_channel_inside_one_process_hands_back_the_same_storage() {
 fn many_handoffs_leave_nothing_behind() {
     let _g = serial();
     let before = lifetime_stats();
-    let fds_before = std::fs::read_dir("/proc/self/fd").unwrap().count();
+    let fds_before = common::open_descriptors();
     let (tx, rx) = channel().unwrap();
     let (ack_tx, ack_rx) = channel().unwrap();
     let child = spawn((rx, ack_tx), |(rx, ack): (Receiver<HostTensor<f32>>, Sender<f32>)| {
@@ -211,7 +211,7 @@ fn many_handoffs_leave_nothing_behind() {
     // the lease threads, soon after it exits: not always before the join returns. A segment
     // the caching allocator made while blocks were on their way back is memory kept for the
     // next tensors, not a leak: it is given up first.
-    let open = || std::fs::read_dir("/proc/self/fd").unwrap().count();
+    let open = common::open_descriptors;
     let deadline = std::time::Instant::now() + WAIT;
     while (cuda_mp::empty_host_cache(), open()).1 > fds_before + 4 && std::time::Instant::now() < deadline {
         std::thread::sleep(std::time::Duration::from_millis(2));

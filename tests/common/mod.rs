@@ -158,6 +158,20 @@ pub fn free_memory(dev: &Device) -> usize {
     dev.memory_info().unwrap().0
 }
 
+/// How many descriptors this process has open, less the spare lease pipes that the lease
+/// machinery tops up on a thread of its own at any time (one made while a test counts is no
+/// leak).
+#[allow(dead_code)] // not every test binary counts descriptors
+pub fn open_descriptors() -> usize {
+    loop {
+        let spares = cuda_mp::testing::spare_lease_pipes();
+        let open = std::fs::read_dir("/proc/self/fd").unwrap().count();
+        if cuda_mp::testing::spare_lease_pipes() == spares {
+            return open - 2 * spares;
+        }
+    }
+}
+
 /// What this process's open descriptors are (their links in /proc/self/fd).
 #[allow(dead_code)] // not every test binary lists descriptors
 pub fn descriptor_names() -> Vec<String> {
