@@ -1216,6 +1216,9 @@ impl Worker {
         };
         let mut setup = setup.map_err(|panic| {
             withdraw();
+            if shared.terminated() {
+                return JoinError::PoolClosed;
+            }
             JoinError::Failed(format!("could not set up a pool worker: {panic}"))
         })?;
         let waited = wait(&mut setup, deadline, shared);
@@ -1224,6 +1227,8 @@ impl Worker {
         }
         let pid = match waited {
             Waited::Done(pid) => pid,
+            // A pool terminated meanwhile may have ended the process.
+            Waited::Failed(_) if shared.terminated() => return Err(JoinError::PoolClosed),
             Waited::Failed(e) => return Err(join_error(e)),
             Waited::TimedOut => return Err(JoinError::Timeout),
             Waited::Stopped => return Err(JoinError::PoolClosed),
