@@ -610,9 +610,15 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
             if let Ok(result) = done.try_recv() {
                 return result;
             }
+            // A handshake started in this pass may end (or fail to start) before the count
+            // below is read: it is watched for all the same.
+            let mut started = false;
             loop {
                 match self.listener.accept() {
-                    Ok((stream, _)) => self.start_handshake(stream),
+                    Ok((stream, _)) => {
+                        self.start_handshake(stream);
+                        started = true;
+                    }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                     Err(e) => return Err(Error::Io(e)),
@@ -624,7 +630,6 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
             {
                 return Err(Error::Timeout(timeout));
             }
-            let started = self.pending.load(Ordering::Acquire) > running;
             let wait_until = match (running > 0 || started, deadline) {
                 (true, Some((at, _))) => Some(at.min(now + SLICE)),
                 (true, None) => Some(now + SLICE),
@@ -654,8 +659,9 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
             let peer = stream.peer_addr().ok();
             // A handshake that panicked still gives `accept` an answer, so that it never waits
             // for a result that no thread will send.
-            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handshake::<T>(stream, &options)))
-                .unwrap_or_else(|_| Err(Error::Unsupported("the handshake with a remote peer panicked".into())));
+            let result = crate::os::catch_quietly(|| handshake::<T>(stream, &options)).unwrap_or_else(|why| {
+                Err(Error::Io(io::Error::other(format!("the handshake with a remote peer panicked: {why}"))))
+            });
             match &result {
                 Ok(_) => tracing::debug!(peer = ?peer, "accepted a remote sender"),
                 Err(e) => tracing::warn!(peer = ?peer, error = %e, "refused a remote peer"),
@@ -1570,6 +1576,21 @@ mod tests {
         let err = listener.accept_timeout(T60).unwrap_err().to_string();
         assert!(err.contains("protocol version 6 here, 7 at the peer"), "{err}");
         assert!(peer.join().unwrap().contains("protocol version"));
+    }
+
+    /// A peer that connects and closes at once ends its handshake at once: `accept` answers
+    /// with its error then, not when the next peer comes or its time-out passes (the answer can
+    /// arrive before `accept` has looked at the count of running handshakes).
+    #[test]
+    fn accept_answers_at_once_for_a_peer_that_connects_and_closes() {
+        let listener = RemoteListener::<u8>::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        for _ in 0..20 {
+            drop(TcpStream::connect(addr).unwrap());
+            let start = Instant::now();
+            assert!(listener.accept_timeout(T60).is_err());
+            assert!(start.elapsed() < Duration::from_secs(5), "answered after {:?}", start.elapsed());
+        }
     }
 
     const SECRET: &[u8] = b"a secret of thirty-two bytes ok!";
