@@ -191,13 +191,11 @@ pub(crate) fn expire() {
 
 /// Keeps what this process fetched of the batch of `ticket` and did not take yet (`None`:
 /// taken), for the values of the batch it has not decoded yet, until the batch's time is up.
-pub(crate) fn keep(ticket: &SpawnTicket, fds: Vec<Option<OwnedFd>>) {
-    let Some(seconds) = ticket.batch else { return };
-    if fds.iter().all(Option::is_none) {
+pub(crate) fn keep(ticket: &SpawnTicket, fds: Vec<Option<OwnedFd>>, until: Instant) {
+    if ticket.batch.is_none() || fds.iter().all(Option::is_none) || until <= Instant::now() {
         return;
     }
     let Ok(home) = home() else { return };
-    let until = Instant::now() + Duration::from_secs(seconds.into());
     let deposits = lock(home);
     let replaced = lock_kept(home).insert((ticket.home.clone(), ticket.token), Kept { fds, until });
     let wake = wakes_later(home, until);
@@ -208,12 +206,22 @@ pub(crate) fn keep(ticket: &SpawnTicket, fds: Vec<Option<OwnedFd>>) {
     }
 }
 
-/// What this process keeps of the batch of `ticket` (taken out: [`keep`] puts back what is
-/// left), if it fetched the batch before and its time is not up.
-pub(crate) fn kept(ticket: &SpawnTicket) -> Option<Vec<Option<OwnedFd>>> {
+/// What this process keeps of the batch of `ticket` and until when (taken out: [`keep`] puts
+/// back what is left), if it fetched the batch before and its time is not up.
+pub(crate) fn kept(ticket: &SpawnTicket) -> Option<(Vec<Option<OwnedFd>>, Instant)> {
     let home = home().ok()?;
     let kept = lock_kept(home).remove(&(ticket.home.clone(), ticket.token))?;
-    (kept.until > Instant::now()).then_some(kept.fds)
+    (kept.until > Instant::now()).then_some((kept.fds, kept.until))
+}
+
+/// Until when a decoder keeps what it fetched of the batch of `ticket` for the values it has
+/// not decoded yet: the batch's time as the ticket says it, but never past the time the
+/// deposit had left at its home (`left`, from the home's answer), so that bytes whose ticket
+/// was edited to ask for years keep nothing longer than the encoder meant.
+pub(crate) fn keep_until(ticket: &SpawnTicket, left: Option<Duration>) -> Instant {
+    let said = Duration::from_secs(ticket.batch.unwrap_or(0).into());
+    let now = Instant::now();
+    now.checked_add(left.map_or(said, |left| left.min(said))).unwrap_or(now)
 }
 
 fn deposit(ticket: &SpawnTicket, fd: Held, ttl: Option<Duration>) -> Result<u32> {
@@ -296,7 +304,14 @@ fn serve(listening: Listening) {
             })
             .filter(|d| d.expires.is_none_or(|e| e > now));
         let _ = match &deposit {
-            Some(d) => socket.send(&[b"ok"], &borrow_all(&d.fds), Wait::Until(Instant::now() + FETCH_WAIT)),
+            Some(d) => {
+                // With the time the deposit had left (milliseconds; all ones: no limit).
+                let left = d.expires.map_or(u64::MAX, |e| {
+                    u64::try_from(e.saturating_duration_since(now).as_millis()).unwrap_or(u64::MAX)
+                });
+                let answer: [&[u8]; 2] = [b"ok", &left.to_le_bytes()];
+                socket.send(&answer, &borrow_all(&d.fds), Wait::Until(Instant::now() + FETCH_WAIT))
+            }
             None => socket.send(&[b"no"], &[], Wait::Not),
         };
         // Dropped only now: the descriptors are in flight, or the fetcher is gone.
@@ -305,13 +320,17 @@ fn serve(listening: Listening) {
     }
 }
 
-/// Fetches the descriptors deposited under `ticket`, from the home it names.
-pub(crate) fn fetch(ticket: &SpawnTicket) -> Result<Vec<OwnedFd>> {
+/// Fetches the descriptors deposited under `ticket`, from the home it names, with the time the
+/// deposit had left there (`None`: the home did not say).
+pub(crate) fn fetch(ticket: &SpawnTicket) -> Result<(Vec<OwnedFd>, Option<Duration>)> {
     let refused = |why: String| Error::Malformed(format!("the descriptors of a value from another process: {why}"));
     let socket = crate::sys::connect_abstract(&ticket.home).map_err(|e| refused(e.to_string()))?;
     socket.send(&[&ticket.token.to_le_bytes()], &[], Wait::Forever).map_err(|e| refused(e.to_string()))?;
     match socket.recv(16, Wait::Until(Instant::now() + FETCH_WAIT)) {
-        Ok(Some(answer)) if answer.bytes == b"ok" => Ok(answer.fds),
+        Ok(Some(answer)) if answer.bytes.starts_with(b"ok") => {
+            let left = <[u8; 8]>::try_from(&answer.bytes[2..]).ok().map(|ms| Duration::from_millis(u64::from_le_bytes(ms)));
+            Ok((answer.fds, left))
+        }
         Ok(Some(_)) => Err(refused(
             "the process that sent them holds none under that ticket (taken before, their time up, or their batch not finished)".into(),
         )),
@@ -361,8 +380,10 @@ mod tests {
         let t = ticket().unwrap();
         let held: Held = Arc::new(b);
         assert_eq!(append_expiring(&t, held, ARGUMENT_TTL).unwrap(), 0);
-        let fds = fetch(&t).unwrap();
+        let (fds, left) = fetch(&t).unwrap();
         assert_eq!(fds.len(), 1);
+        // The home says how long the deposit had left.
+        assert!(left.is_some_and(|left| left <= ARGUMENT_TTL && left > ARGUMENT_TTL / 2), "{left:?}");
         let b = Socket::from_fd(fds.into_iter().next().unwrap()).unwrap();
         a.send(&[b"x"], &[], Wait::Not).unwrap();
         assert_eq!(b.recv(4, Wait::Not).unwrap().unwrap().bytes, b"x");

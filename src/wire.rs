@@ -109,7 +109,8 @@ thread_local! {
     static ENCODING: RefCell<Vec<Encoding>> = const { RefCell::new(Vec::new()) };
     static DECODING: RefCell<Vec<Decoding>> = const { RefCell::new(Vec::new()) };
     /// The descriptors of this process's spawn arguments, fetched from its parent.
-    static SPAWNED: RefCell<Option<(SpawnTicket, Decoding)>> = const { RefCell::new(None) };
+    /// With until when what its values did not take may be kept (a batch's).
+    static SPAWNED: RefCell<Option<Fetched>> = const { RefCell::new(None) };
     /// Why the current operation's encode or decode failed (serde's error types cannot say).
     static FAILURE: RefCell<Option<String>> = const { RefCell::new(None) };
 }
@@ -304,7 +305,7 @@ impl BatchEncoder {
 /// Runs apart from any decode this thread is in; descriptors it fetched and did not take are
 /// closed before it returns.
 pub(crate) fn decode_handoff<T: DeserializeOwned>(bytes: &[u8]) -> std::result::Result<T, String> {
-    struct Restore(Vec<Decoding>, Option<(SpawnTicket, Decoding)>);
+    struct Restore(Vec<Decoding>, Option<Fetched>);
     impl Drop for Restore {
         fn drop(&mut self) {
             let outer = std::mem::take(&mut self.0);
@@ -662,16 +663,20 @@ fn with_slot<R>(carried: &Carried, f: impl FnOnce(&mut Slot) -> Result<R>) -> Re
     let f = f.take().expect("called once");
     SPAWNED.with(|s| {
         let mut s = s.borrow_mut();
-        if s.as_ref().is_none_or(|(t, _)| t != ticket) {
+        if s.as_ref().is_none_or(|(t, ..)| t != ticket) {
             // A batch this process fetched before keeps what its other values take.
-            let slots = match ticket.batch.and_then(|_| crate::handover::kept(ticket)) {
-                Some(kept) => kept.into_iter().map(|fd| fd.map_or(Slot::Taken, Slot::Fd)).collect(),
-                None => crate::handover::fetch(ticket)?.into_iter().map(Slot::Fd).collect(),
+            let (slots, until) = match ticket.batch.and_then(|_| crate::handover::kept(ticket)) {
+                Some((kept, until)) => (kept.into_iter().map(|fd| fd.map_or(Slot::Taken, Slot::Fd)).collect(), until),
+                None => {
+                    let (fds, left) = crate::handover::fetch(ticket)?;
+                    (fds.into_iter().map(Slot::Fd).collect(), crate::handover::keep_until(ticket, left))
+                }
             };
-            let replaced = s.replace((ticket.clone(), Decoding { slots, claims: Covers::new(), remote: None }));
+            let decoding = Decoding { slots, claims: Covers::new(), remote: None };
+            let replaced = s.replace((ticket.clone(), decoding, until));
             put_back(replaced);
         }
-        let (_, decoding) = s.as_mut().expect("just set");
+        let (_, decoding, _) = s.as_mut().expect("just set");
         let result = match decoding.slots.get_mut(index) {
             Some(slot) => f(slot),
             None => Err(missing()),
@@ -684,10 +689,14 @@ fn with_slot<R>(carried: &Carried, f: impl FnOnce(&mut Slot) -> Result<R>) -> Re
     })
 }
 
+/// Descriptors fetched from another process's home under a ticket, and until when those its
+/// values did not take may be kept for the values of its batch not decoded yet.
+type Fetched = (SpawnTicket, Decoding, std::time::Instant);
+
 /// Closes what a decode fetched and did not take, but keeps what the values of a batch that
 /// are not decoded yet will take.
-fn put_back(fetched: Option<(SpawnTicket, Decoding)>) {
-    let Some((ticket, decoding)) = fetched else { return };
+fn put_back(fetched: Option<Fetched>) {
+    let Some((ticket, decoding, until)) = fetched else { return };
     if ticket.batch.is_some() {
         let fds = decoding
             .slots
@@ -697,7 +706,7 @@ fn put_back(fetched: Option<(SpawnTicket, Decoding)>) {
                 Slot::Shared(_) | Slot::Taken => None,
             })
             .collect();
-        crate::handover::keep(&ticket, fds);
+        crate::handover::keep(&ticket, fds, until);
     }
 }
 

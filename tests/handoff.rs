@@ -124,6 +124,34 @@ fn a_decode_as_the_wrong_type_is_an_error_and_gives_the_claims_back() {
     back_to(&before, "what the failed decode fetched is closed");
 }
 
+/// Found by the `handoff_bytes` fuzz target: bytes whose first descriptor's ticket was edited
+/// from "no batch" to "a batch, kept 136 years" made their decoder keep what that descriptor's
+/// fetch brought and the value did not take (the lease), and with it the sender's storage, for
+/// as long as the edited ticket said. What a decoder keeps of a batch now lasts no longer than
+/// the deposit had left at its home.
+#[test]
+fn an_edited_ticket_keeps_nothing_past_its_deposits_time() {
+    let _g = serial();
+    let before = settled();
+    let t = HostTensor::<f32>::full(&[4], 1.0).unwrap();
+    let bytes = to_bytes(&t, Duration::from_secs(2)).unwrap();
+    drop(t);
+    // The first ticket: its home's name (13 + 32 characters), its token (a varint), its batch.
+    let at = bytes.windows(13).position(|w| w == b"cuda-mp-home-").expect("a ticket in the bytes");
+    let mut batch = at + 45;
+    while bytes[batch] & 0x80 != 0 {
+        batch += 1;
+    }
+    batch += 1;
+    assert_eq!(bytes[batch], 0, "a ticket of no batch");
+    let mut forged = bytes[..batch].to_vec();
+    forged.extend([1, 0xff, 0xff, 0xff, 0xff, 0x0f]);
+    forged.extend(&bytes[batch + 1..]);
+    let decoded = from_bytes::<HostTensor<f32>>(&forged);
+    assert!(decoded.is_err(), "the ticket of its second descriptor is another: {decoded:?}");
+    back_to(&before, "the sender's storage is freed once the deposit's time is up");
+}
+
 #[test]
 fn mutated_bytes_are_errors_or_values_and_leave_nothing_behind() {
     let _g = serial();

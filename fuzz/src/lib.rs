@@ -7,6 +7,7 @@
 //! the host caching allocator's wholly free segments (memory kept for the next tensors, given
 //! up before each count).
 
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -16,6 +17,25 @@ const EVERY: usize = 4096;
 const SLACK: usize = 8;
 /// How long a count above that may take to come down (releases of a loaded machine).
 const SETTLE: Duration = Duration::from_secs(60);
+
+/// The descriptors' names (their links in /proc/self/fd).
+fn names() -> Vec<String> {
+    let Ok(fds) = std::fs::read_dir("/proc/self/fd") else { return Vec::new() };
+    let mut names: Vec<String> =
+        fds.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok()).map(|p| p.display().to_string()).collect();
+    names.sort();
+    names
+}
+
+/// The names of `now` beyond those of `baseline`, counting repeats (two ends of one pipe).
+fn beyond(mut now: Vec<String>, baseline: &[String]) -> Vec<String> {
+    for name in baseline {
+        if let Some(i) = now.iter().position(|n| n == name) {
+            now.remove(i);
+        }
+    }
+    now
+}
 
 fn open_descriptors() -> usize {
     cuda_mp::empty_host_cache();
@@ -28,12 +48,14 @@ fn open_descriptors() -> usize {
 pub fn check_descriptors() {
     static RUNS: AtomicUsize = AtomicUsize::new(0);
     static BASELINE: AtomicUsize = AtomicUsize::new(0);
+    static BASELINE_NAMES: Mutex<Vec<String>> = Mutex::new(Vec::new());
     let runs = RUNS.fetch_add(1, Ordering::Relaxed) + 1;
     if runs % EVERY != 0 {
         return;
     }
     if runs == EVERY {
         BASELINE.store(open_descriptors(), Ordering::Relaxed);
+        *BASELINE_NAMES.lock().unwrap_or_else(|p| p.into_inner()) = names();
         return;
     }
     let baseline = BASELINE.load(Ordering::Relaxed);
@@ -42,8 +64,11 @@ pub fn check_descriptors() {
         assert!(
             Instant::now() < deadline,
             "{} descriptors open after {runs} runs; {baseline} after the first {EVERY} (spare lease pipes and free \
-             host segments left out of both)",
-            open_descriptors()
+             host segments left out of both); beyond the first's: {:?}; {:?}; {:?}",
+            open_descriptors(),
+            beyond(names(), &BASELINE_NAMES.lock().unwrap_or_else(|p| p.into_inner())),
+            cuda_mp::lifetime_stats(),
+            cuda_mp::host_allocator_stats(),
         );
         std::thread::sleep(Duration::from_millis(10));
     }

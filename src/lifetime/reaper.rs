@@ -322,7 +322,7 @@ fn drain_lease(reaper: &Reaper, id: u64, pipe: &OwnedFd) -> bool {
                 // The subscriber's socket is fetched from its home off this thread: a
                 // subscriber that does not answer must not hold up every lease.
                 Control::Link(ticket) => super::courier::dispose(move || {
-                    let socket = crate::handover::fetch(&ticket).ok().and_then(|fds| fds.into_iter().next());
+                    let socket = crate::handover::fetch(&ticket).ok().and_then(|(fds, _)| fds.into_iter().next());
                     if let Some(socket) = socket.and_then(|fd| Socket::from_fd(fd).ok()) {
                         owner().subscribe(socket);
                     }
