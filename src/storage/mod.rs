@@ -70,6 +70,15 @@ pub(crate) trait StorageKind: Sized + Send + Sync + 'static {
         let _ = raw;
         None
     }
+    /// Whether a receiver may keep this mapping cached once its last handle is gone (where
+    /// `CACHE_IDLE` says so). A kind whose queued work would outlive its process says no while
+    /// work is queued: the mapping is then closed and its claim released behind that work,
+    /// also when the process exits right after (a cached mapping's claim goes with the
+    /// process's leases). A GPU's queued work ends with its process's context.
+    fn cacheable(raw: &Self::Raw) -> bool {
+        let _ = raw;
+        true
+    }
 }
 
 /// What waits behind a fence (the release of a claim).
@@ -231,7 +240,9 @@ impl<K: StorageKind> Drop for Handle<K> {
             // A caching allocator's segment that came through a forwarder is not kept once no
             // block of it is held here: its claim holds copies of the leases up the chain, which
             // would keep whatever a dead forwarder held counted for as long as the segment lives.
-            Origin::Imported { ticket, cover } if K::CACHE_IDLE && !(m.id.is_internal() && cover.is_relayed()) => {
+            Origin::Imported { ticket, cover }
+                if K::CACHE_IDLE && K::cacheable(m.raw()) && !(m.id.is_internal() && cover.is_relayed()) =>
+            {
                 let memory: AnyStorage = m.clone();
                 // Kept for reuse while the owner holds it; otherwise closed right here.
                 drop(lifetime::park_idle(m.id, m.key, *ticket, memory));

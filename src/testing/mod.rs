@@ -128,6 +128,11 @@ impl StorageKind for FakeKind {
         Ok(())
     }
 
+    /// Not while "work" is queued on it: that work, unlike a GPU's, would outlive this process.
+    fn cacheable(raw: &FakeMemory) -> bool {
+        raw.busy_until.lock().unwrap_or_else(|p| p.into_inner()).is_none_or(|until| until <= Instant::now())
+    }
+
     fn fence(raw: &mut FakeMemory) -> Option<Box<dyn Fence>> {
         let until = raw.busy_until.get_mut().unwrap_or_else(|p| p.into_inner()).take()?;
         (raw.imported && until > Instant::now()).then(|| Box::new(FakeWork(until)) as Box<dyn Fence>)
