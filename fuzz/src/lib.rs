@@ -39,9 +39,7 @@ fn beyond(mut now: Vec<String>, baseline: &[String]) -> Vec<String> {
 
 fn open_descriptors() -> usize {
     cuda_mp::empty_host_cache();
-    let spares = cuda_mp::testing::spare_lease_pipes();
-    let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
-    open.saturating_sub(2 * spares.min(cuda_mp::testing::spare_lease_pipes()))
+    cuda_mp::testing::open_descriptors()
 }
 
 /// Call after each run: panics (a finding) when descriptors stay above the baseline.

@@ -196,6 +196,22 @@ pub fn spare_lease_pipes() -> usize {
     crate::lifetime::spare_leases()
 }
 
+/// How many descriptors this process has open, less the spare lease pipes (see
+/// [`spare_lease_pipes`]): counted again, a little later, while a refill changes their number
+/// (100 tries at most).
+pub fn open_descriptors() -> usize {
+    let mut tries = 0;
+    loop {
+        let spares = spare_lease_pipes();
+        let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
+        tries += 1;
+        if spare_lease_pipes() == spares || tries == 100 {
+            return open.saturating_sub(2 * spares);
+        }
+        std::thread::sleep(Duration::from_micros(100));
+    }
+}
+
 /// Fake mappings closed in this process so far.
 pub fn fake_mappings_closed() -> u64 {
     CLOSED.load(Ordering::SeqCst)

@@ -158,22 +158,10 @@ pub fn free_memory(dev: &Device) -> usize {
     dev.memory_info().unwrap().0
 }
 
-/// How many descriptors this process has open, less the spare lease pipes that the lease
-/// machinery tops up on a thread of its own at any time (one made while a test counts is no
-/// leak).
+/// How many descriptors this process has open, spare lease pipes left out.
 #[allow(dead_code)] // not every test binary counts descriptors
 pub fn open_descriptors() -> usize {
-    let mut tries = 0;
-    loop {
-        let spares = cuda_mp::testing::spare_lease_pipes();
-        let open = std::fs::read_dir("/proc/self/fd").unwrap().count();
-        // Counted again while the machinery was refilling: once more, a little later.
-        tries += 1;
-        if cuda_mp::testing::spare_lease_pipes() == spares || tries == 100 {
-            return open.saturating_sub(2 * spares);
-        }
-        std::thread::sleep(std::time::Duration::from_micros(100));
-    }
+    cuda_mp::testing::open_descriptors()
 }
 
 /// What this process's open descriptors are (their links in /proc/self/fd).
