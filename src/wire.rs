@@ -29,7 +29,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 pub(crate) use crate::handover::SpawnTicket;
-use crate::lifetime::{Connection, ConnectionKey, ConnectionLeases, Cover, Introduction};
+use crate::lifetime::{
+    AnyStorage, Connection, ConnectionKey, ConnectionLeases, Cover, Introduction, KnownSegments, StorageId,
+};
 use crate::sys::Socket;
 
 pub(crate) use crate::sys::Held;
@@ -61,6 +63,9 @@ struct Encoding {
     claims: Vec<OwnClaim>,
     /// The connection lease the message's frame must introduce (not yet known to be sent).
     introduce: Vec<Introduction>,
+    /// Segments the message introduces on the connection (known to the receiver once it is
+    /// sent).
+    segments: Vec<(StorageId, std::sync::Weak<dyn Any + Send + Sync>)>,
     /// For a message to another host: what its encoding keeps (`src/storage/remote.rs`); its
     /// values then carry no descriptor and export no storage.
     remote: Option<Remote>,
@@ -81,6 +86,7 @@ impl Encoding {
             connection,
             claims: Vec::new(),
             introduce: Vec::new(),
+            segments: Vec::new(),
             remote: None,
         }
     }
@@ -100,6 +106,8 @@ struct Decoding {
     /// lease and storage, for its records to take. What no record took is released when
     /// decoding ends.
     claims: HashMap<(ConnectionKey, u64), Vec<Cover>>,
+    /// For a message from a channel: the segments its end's senders introduced.
+    segments: Option<Arc<KnownSegments>>,
     /// For a message from another host: what its decoding keeps (`src/storage/remote.rs`).
     #[cfg_attr(not(feature = "remote"), allow(dead_code))]
     remote: Option<Remote>,
@@ -123,6 +131,7 @@ pub(crate) struct Encoded {
     pub(crate) fds: Vec<Held>,
     pub(crate) introduce: Vec<Introduction>,
     claims: Vec<OwnClaim>,
+    segments: Vec<(StorageId, std::sync::Weak<dyn Any + Send + Sync>)>,
     connection: Option<Arc<Connection>>,
 }
 
@@ -134,6 +143,9 @@ impl Encoded {
         if let Some(connection) = &self.connection {
             for i in &self.introduce {
                 connection.introduced(i.name.key);
+            }
+            if !self.segments.is_empty() {
+                connection.segments_introduced(&self.segments);
             }
         }
     }
@@ -193,8 +205,14 @@ fn encode_message<T: Serialize + ?Sized>(
     connection: Option<Arc<Connection>>,
 ) -> std::result::Result<Encoded, String> {
     let (bytes, e) = scope(Encoding::new(None, connection), || postcard::to_allocvec(value));
-    let mut encoded =
-        Encoded { bytes: Vec::new(), fds: e.fds, introduce: e.introduce, claims: e.claims, connection: e.connection };
+    let mut encoded = Encoded {
+        bytes: Vec::new(),
+        fds: e.fds,
+        introduce: e.introduce,
+        claims: e.claims,
+        segments: e.segments,
+        connection: e.connection,
+    };
     match bytes {
         Ok(mut bytes) => {
             if encoded.connection.is_some() {
@@ -368,7 +386,9 @@ pub(crate) fn decode_remote<R>(remote: Remote, decode: impl FnOnce() -> R) -> (R
         }
     }
     FAILURE.with(|f| f.borrow_mut().take());
-    DECODING.with(|d| d.borrow_mut().push(Decoding { slots: Vec::new(), claims: Covers::new(), remote: Some(remote) }));
+    DECODING.with(|d| {
+        d.borrow_mut().push(Decoding { slots: Vec::new(), claims: Covers::new(), segments: None, remote: Some(remote) })
+    });
     let pop = Pop;
     let result = decode();
     let remote =
@@ -476,6 +496,51 @@ fn split_claims<'b>(bytes: &'b [u8], leases: &ConnectionLeases) -> std::result::
 
 /// Takes the cover of a claim on storage `index` through connection lease `name` that the
 /// message being decoded lists (each claim once).
+/// How a message being encoded refers to a caching allocator's segment (`id`, held here by
+/// `segment`) whose block it carries: `Known(via)` when this process introduced the segment on
+/// the message's channel before (the receiving end holds it: the block names it by `(via, id)`
+/// and exports nothing of it); `Introduce(via)` on a channel that does not know it yet (the
+/// message carries its record, and the end keeps it once received); `Whole` elsewhere.
+pub(crate) fn segment_reference(id: StorageId, segment: &AnyStorage) -> SegmentReference {
+    ENCODING.with(|e| {
+        let mut e = e.borrow_mut();
+        let Some(encoding) = e.last_mut() else { return SegmentReference::Whole };
+        let Some(connection) = &encoding.connection else { return SegmentReference::Whole };
+        let via = crate::lifetime::process_token();
+        // Introduced by this message already (by a block decoded before this one), or before.
+        if encoding.segments.iter().any(|(s, _)| *s == id) || connection.knows_segment(id) {
+            SegmentReference::Known(via)
+        } else {
+            encoding.segments.push((id, Arc::downgrade(segment)));
+            SegmentReference::Introduce(via)
+        }
+    })
+}
+
+/// See [`segment_reference`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SegmentReference {
+    Whole,
+    Introduce(u128),
+    Known(u128),
+}
+
+/// A segment that a block of the message being decoded names, as the sender of process `via`
+/// introduced it on the channel; `None` outside a channel's message, or if it never did.
+pub(crate) fn known_segment(via: u128, id: StorageId) -> Option<AnyStorage> {
+    DECODING.with(|d| d.borrow().last().and_then(|d| d.segments.as_ref()).and_then(|t| t.get(via, id)))
+}
+
+/// Keeps `segment`, introduced by the message being decoded (sent by process `via`), with the
+/// channel end, for the messages after it that name it (`owner_gone`: its owner has exited
+/// already). Outside a channel's message: nothing.
+pub(crate) fn remember_segment(via: u128, id: StorageId, segment: AnyStorage, owner_gone: bool) {
+    let table = DECODING.with(|d| d.borrow().last().and_then(|d| d.segments.clone()));
+    if let Some(table) = table {
+        table.remember(via, id, segment, owner_gone);
+    }
+}
+
 pub(crate) fn take_connection_cover(name: ConnectionKey, index: u64) -> Option<Cover> {
     DECODING.with(|d| d.borrow_mut().last_mut().and_then(|d| d.claims.get_mut(&(name, index))).and_then(Vec::pop))
 }
@@ -636,7 +701,12 @@ pub(crate) fn decode_on<T: DeserializeOwned>(
     };
     FAILURE.with(|f| f.borrow_mut().take());
     DECODING.with(|d| {
-        d.borrow_mut().push(Decoding { slots: fds.into_iter().map(Slot::Fd).collect(), claims, remote: None })
+        d.borrow_mut().push(Decoding {
+            slots: fds.into_iter().map(Slot::Fd).collect(),
+            claims,
+            segments: leases.map(|l| l.segments().clone()),
+            remote: None,
+        })
     });
     let pop = Pop;
     let result = postcard::from_bytes::<T>(bytes);
@@ -672,7 +742,7 @@ fn with_slot<R>(carried: &Carried, f: impl FnOnce(&mut Slot) -> Result<R>) -> Re
                     (fds.into_iter().map(Slot::Fd).collect(), crate::handover::keep_until(ticket, left))
                 }
             };
-            let decoding = Decoding { slots, claims: Covers::new(), remote: None };
+            let decoding = Decoding { slots, claims: Covers::new(), segments: None, remote: None };
             let replaced = s.replace((ticket.clone(), decoding, until));
             put_back(replaced);
         }

@@ -437,9 +437,9 @@ fn blocks_of_vmm_segments_outlive_a_producer_that_exits_at_once() {
     }
     let (opened, mappings) = done_rx.recv_timeout(WAIT).unwrap();
     child.join().unwrap();
-    // A segment of a producer that has exited is not kept mapped once none of its blocks is
-    // held here (nobody would tell this process to let it go): the consumer, which drops each
-    // tensor before it receives the next, maps the small segment again for each block.
+    // The consumer's channel end keeps each segment the producer introduced (later blocks name
+    // it) until it has read everything; a mapping of a producer that has exited is never
+    // cached, so a segment dropped and introduced again would be mapped again.
     assert!((2..=51).contains(&opened), "{opened} segments opened for 51 tensors of 2 segments");
     assert_eq!(mappings, 51, "each tensor a storage of its own");
     eventually("the producer's 258 MiB freed once its consumer is done", || free_memory(&dev) + (32 << 20) >= baseline);

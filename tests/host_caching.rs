@@ -309,3 +309,106 @@ fn fragmentation_is_bounded_by_the_segments_live_blocks_pin() {
     drop((kept, mid));
     assert_eq!(empty_host_cache(), 8 << 20, "every segment whole again once its blocks are back");
 }
+
+/// Sends `n` fresh 4 KiB host tensors (tensor `i` full of `i`), each after the reply to the one
+/// before; then, when told, `n` more at once; then ends when told.
+fn produce_in_two_halves((tx, replies, go, n): (Sender<(u32, HostTensor<f32>)>, Receiver<u32>, Receiver<()>, u32)) {
+    for i in 0..n {
+        tx.send((i, HostTensor::<f32>::full(&[1024], i as f32).unwrap())).unwrap();
+        assert_eq!(replies.recv_timeout(WAIT).unwrap(), i);
+    }
+    go.recv_timeout(WAIT).unwrap();
+    for i in n..2 * n {
+        tx.send((i, HostTensor::<f32>::full(&[1024], i as f32).unwrap())).unwrap();
+    }
+    go.recv_timeout(WAIT).unwrap();
+}
+
+/// Receives `n` tensors numbered from `first` and checks each one's values.
+fn receive_and_check((rx, first, n): (Receiver<(u32, HostTensor<f32>)>, u32, u32)) -> Result<(), String> {
+    check_messages(&rx, first, n)
+}
+
+fn check_messages(rx: &Receiver<(u32, HostTensor<f32>)>, first: u32, n: u32) -> Result<(), String> {
+    for i in first..first + n {
+        let (k, t) = rx.recv_timeout(WAIT).map_err(|e| format!("message {i}: {e}"))?;
+        if k != i || t.to_vec().iter().any(|&x| x != i as f32) {
+            return Err(format!("message {i} came as {k} holding {:?}", &t.to_vec()[..2]));
+        }
+    }
+    Ok(())
+}
+
+/// A segment's memory file travels once per channel: the later blocks of it name it, carry no
+/// descriptor and so take the ring; a receiving end sent on to another process takes the
+/// segments along, so the blocks that follow still decode there.
+#[test]
+fn a_segment_travels_once_per_channel_and_its_blocks_take_the_ring() {
+    let _g = serial();
+    const N: u32 = 50;
+    let (tx, rx) = channel().unwrap();
+    let (reply_tx, reply_rx) = channel().unwrap();
+    let (go_tx, go_rx) = channel().unwrap();
+    let producer = spawn((tx, reply_rx, go_rx, N), produce_in_two_halves);
+    let before = (cuda_mp::testing::ring_messages_received(), lifetime_stats().opened_segments);
+    let deadline = Instant::now() + WAIT;
+    for i in 0..N {
+        // Never asleep in the kernel, so that a message without descriptors takes the ring.
+        let (k, t) = loop {
+            match rx.try_recv() {
+                Ok(got) => break got,
+                Err(e) if e.is_empty() && Instant::now() < deadline => std::hint::spin_loop(),
+                Err(e) => panic!("message {i}: {e}"),
+            }
+        };
+        assert_eq!(k, i);
+        assert!(t.to_vec().iter().all(|&x| x == i as f32), "message {i} holds another tensor's values");
+        drop(t);
+        reply_tx.send(i).unwrap();
+    }
+    let ring = cuda_mp::testing::ring_messages_received() - before.0;
+    let segments = lifetime_stats().opened_segments - before.1;
+    // The first carries the segment, the ring is introduced after three more (read by then).
+    assert!(ring >= N as u64 - 5, "{ring} of {N} fresh host tensors took the ring");
+    assert_eq!(segments, 1, "one segment mapped for {N} fresh tensors");
+    // The end moves to another process, with the segment it keeps; the producer goes on.
+    let consumer = spawn((rx, N, N), receive_and_check);
+    go_tx.send(()).unwrap();
+    assert_eq!(consumer.join().unwrap(), Ok(()));
+    go_tx.send(()).unwrap();
+    producer.join().unwrap();
+}
+
+/// Sends `n` fresh host tensors and exits at once.
+fn send_and_exit((tx, n): (Sender<(u32, HostTensor<f32>)>, u32)) {
+    for i in 0..n {
+        tx.send((i, HostTensor::<f32>::full(&[1024], i as f32).unwrap())).unwrap();
+    }
+}
+
+/// A producer that exits right after its sends: every message still decodes (the later ones
+/// name a segment only the first one carried), and once the end has read everything, the
+/// segment it kept for that producer is let go: descriptors are back where they were.
+#[test]
+fn a_producer_that_exits_after_its_sends_leaves_its_segment_until_everything_is_read() {
+    let _g = serial();
+    let (tx, rx) = channel().unwrap();
+    let producer = spawn((tx, 20u32), send_and_exit);
+    producer.join().unwrap();
+    // The segment's memory file: 2 MiB (the channel's ring, 128 KiB, is a memory file too).
+    let segment_files = || {
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().contains("memfd")))
+            .filter(|e| std::fs::metadata(e.path()).is_ok_and(|m| m.len() >= 2 << 20))
+            .count()
+    };
+    let baseline = segment_files();
+    assert_eq!(check_messages(&rx, 0, 20), Ok(()));
+    assert_eq!(segment_files(), baseline + 1, "the end keeps the segment while a message may name it");
+    eventually("the exited producer's segment let go once everything was read", || {
+        assert!(rx.try_recv().is_err());
+        segment_files() == baseline
+    });
+}

@@ -53,6 +53,9 @@ pub(super) struct Inbox<T> {
     stash: Option<Stashed>,
     /// The connection leases this channel's senders introduced (`src/lifetime/connection.rs`).
     pub(super) leases: Arc<ConnectionLeases>,
+    /// How many owners the segment table had been told gone when the current receive began
+    /// (`KnownSegments::forget_gone`).
+    told_gone: u64,
     /// What the sender of a named connection said it sends, when that is not `T`: named in
     /// the error of a message that does not decode.
     pub(super) sender_sends: Option<String>,
@@ -205,6 +208,7 @@ impl<T: DeserializeOwned> Inbox<T> {
             failure: None,
             stash: None,
             leases,
+            told_gone: 0,
             sender_sends: None,
             _message: PhantomData,
         }
@@ -221,6 +225,7 @@ impl<T: DeserializeOwned> Inbox<T> {
             (Wait::Until(deadline), spin) => Some(deadline.min(Instant::now() + spin)),
         };
         let mut looks = 0u32;
+        self.told_gone = self.leases.segments().told_gone();
         loop {
             let kernel = looks.is_multiple_of(KERNEL_LOOK_EVERY);
             looks = looks.wrapping_add(1);
@@ -237,6 +242,7 @@ impl<T: DeserializeOwned> Inbox<T> {
                     looks = 0;
                     continue;
                 }
+                self.read_everything();
                 return Err(Missing::Empty);
             }
             // Announced before the last look: a ring written after it wakes the socket.
@@ -244,6 +250,7 @@ impl<T: DeserializeOwned> Inbox<T> {
             if let Some(got) = self.look(gauge, true) {
                 return got;
             }
+            self.read_everything();
             let socket = self.spill.clone().unwrap_or_else(|| self.main.clone());
             let ready = crate::sys::wait_readable(&[socket.as_fd()], wait)
                 .map_err(|e| Missing::Failed(RecvError::Io(IoFailure::from(e))))?;
@@ -252,6 +259,15 @@ impl<T: DeserializeOwned> Inbox<T> {
                 return Err(Missing::Empty);
             }
             looks = 0;
+        }
+    }
+
+    /// A look that asked the kernel found nothing (or the end of the channel): when nothing waits in the stash, a ring or
+    /// a batch either, every message of a sender that is gone has been read, and the segments
+    /// it introduced can go.
+    fn read_everything(&self) {
+        if self.stash.is_none() && self.spill.is_none() && !self.rings.iter().any(|r| r.has_entries()) {
+            self.leases.segments().forget_gone(self.told_gone);
         }
     }
 
@@ -502,6 +518,7 @@ impl<T: DeserializeOwned> Inbox<T> {
                 return self.pop_ring(gauge, i);
             }
         }
+        self.read_everything();
         Err(Missing::Failed(RecvError::Disconnected))
     }
 

@@ -908,6 +908,38 @@ struct ReceiverWire {
     /// A frame read before its turn (`inbox.rs`): its bytes, descriptors, and whether it came
     /// from the socket.
     stash: Option<(Vec<u8>, Vec<Carried>, bool)>,
+    /// The caching allocators' segments the senders introduced (messages still on the socket
+    /// name them), each with the sending process that did.
+    segments: Vec<(u128, CarriedSegment)>,
+}
+
+/// A segment a receiving end keeps, as it travels.
+#[derive(Serialize, Deserialize)]
+enum CarriedSegment {
+    Host(crate::host::CarriedSegment),
+    #[cfg(feature = "cuda")]
+    Gpu(crate::gpu::CarriedSegment),
+}
+
+impl CarriedSegment {
+    fn carry(segment: &crate::lifetime::AnyStorage) -> Result<CarriedSegment> {
+        if let Some(host) = crate::host::CarriedSegment::carry(segment) {
+            return host.map(CarriedSegment::Host);
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = crate::gpu::CarriedSegment::carry(segment) {
+            return gpu.map(CarriedSegment::Gpu);
+        }
+        Err(Error::Unsupported("a receiver keeps a segment of an unknown kind".into()))
+    }
+
+    fn adopt(self) -> Result<(crate::lifetime::StorageId, crate::lifetime::AnyStorage, bool)> {
+        match self {
+            CarriedSegment::Host(host) => host.adopt(),
+            #[cfg(feature = "cuda")]
+            CarriedSegment::Gpu(gpu) => gpu.adopt(),
+        }
+    }
 }
 
 impl<T> Serialize for Receiver<T> {
@@ -940,6 +972,14 @@ impl<T> Serialize for Receiver<T> {
             }
             None => None,
         };
+        let segments = inbox
+            .leases
+            .segments()
+            .all()
+            .into_iter()
+            .map(|((via, _), segment)| Ok((via, CarriedSegment::carry(&segment)?)))
+            .collect::<Result<Vec<_>>>()
+            .map_err(wire::encode_error)?;
         ReceiverWire {
             main: carry_socket(&local.main)?,
             spill,
@@ -947,6 +987,7 @@ impl<T> Serialize for Receiver<T> {
             leases,
             rings,
             stash,
+            segments,
         }
         .serialize(serializer)
     }
@@ -977,7 +1018,17 @@ impl<'de, T: DeserializeOwned> Deserialize<'de> for Receiver<T> {
             )),
             None => None,
         };
-        Ok(Receiver::from_parts(main, spill, gauge, ConnectionLeases::from_leases(wire.leases), |inbox| {
+        let segments = wire
+            .segments
+            .into_iter()
+            .map(|(via, segment)| {
+                let (id, segment, gone) = segment.adopt()?;
+                Ok(((via, id), segment, gone))
+            })
+            .collect::<Result<Vec<_>>>()
+            .map_err(wire::decode_error)?;
+        let leases = ConnectionLeases::from_leases(wire.leases, segments);
+        Ok(Receiver::from_parts(main, spill, gauge, leases, |inbox| {
             inbox.rings = rings;
             if let Some((bytes, fds, main)) = stash {
                 inbox.restash(&bytes, fds, main);

@@ -20,7 +20,7 @@ use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::lifetime::{LeaseMode, StorageId};
 use crate::profile::{self, Phase};
-use crate::storage::{self, Arrival, Fence, Handle, Memory, Record, Shared, StorageKind};
+use crate::storage::{self, Arrival, Fence, Handle, Memory, Record, SegmentRef, Shared, StorageKind};
 use crate::tensor::{Tensor, TensorWire};
 
 /// Device memory behind [`GpuTensor`](crate::GpuTensor)s: a `cuMemAlloc` allocation made by
@@ -117,6 +117,15 @@ impl GpuMemory {
         }
     }
 
+    /// The GPU holding a segment's memory (not the one mapping it, under peer access).
+    fn owner_uuid(&self) -> [u8; 16] {
+        match self {
+            GpuMemory::Imported { owner_uuid, .. } => *owner_uuid,
+            GpuMemory::Vmm(m) if m.is_imported() => m.owner_uuid(),
+            other => other.device().uuid(),
+        }
+    }
+
     fn kind(&self) -> GpuMemoryKind {
         match self {
             GpuMemory::Vmm(_) => GpuMemoryKind::Vmm,
@@ -145,9 +154,10 @@ enum WireMemory {
     Legacy { mem_handle: Vec<u8>, alloc_offset: u64 },
     /// The allocation's file descriptor (in the message), and its (rounded) size.
     Vmm(VmmWire),
-    /// A block of a caching allocator's segment: the segment's own record (a storage of its
-    /// own, on the same GPU; `None` once imported), and the block's offset in it.
-    Block { segment: Option<Box<Record<SegmentWire>>>, offset: u64 },
+    /// A block of a caching allocator's segment: the segment (its own record, a storage of its
+    /// own on the same GPU, or its name on a channel that knows it), and the block's offset in
+    /// it.
+    Block { segment: SegmentRef<Record<SegmentWire>>, offset: u64 },
 }
 
 /// A segment's part of its record: whole legacy or VMM memory, never a block (so that a record
@@ -176,35 +186,53 @@ impl Record<SegmentWire> {
 }
 
 /// The record of a block of `segment` at `offset`: the segment is exported (or forwarded)
-/// like a storage for the same message, and the event its export recorded serves the block.
-fn block_wire(segment: &Arc<GpuStorage>, offset: usize) -> Result<GpuWire> {
-    // The block's own export checked the scope already.
-    let record = storage::export(segment, true)?;
-    let Record { id, bytes, lease, ticket, kind: GpuWire { device_uuid, memory, event_handle } } = record;
-    let kind = match memory {
-        WireMemory::Legacy { mem_handle, alloc_offset: 0 } => SegmentWire::Legacy { mem_handle },
-        WireMemory::Vmm(v) => SegmentWire::Vmm(v),
-        _ => return Err(Error::Unsupported("a caching allocator's segment is whole legacy or vmm memory".into())),
+/// like a storage for the same message, and the event its export recorded serves the block;
+/// on a channel that knows the segment, the block names it and records the event itself
+/// (`own`: a block of this process's segment), or synchronizes (a forwarded one).
+fn block_wire(segment: &Arc<GpuStorage>, offset: usize, own: bool) -> Result<GpuWire> {
+    let mut exported = None;
+    let reference = SegmentRef::of(segment, || {
+        // The block's own export checked the scope already.
+        let record = storage::export(segment, true)?;
+        let Record { id, bytes, lease, ticket, kind: GpuWire { device_uuid, memory, event_handle } } = record;
+        let kind = match memory {
+            WireMemory::Legacy { mem_handle, alloc_offset: 0 } => SegmentWire::Legacy { mem_handle },
+            WireMemory::Vmm(v) => SegmentWire::Vmm(v),
+            _ => return Err(Error::Unsupported("a caching allocator's segment is whole legacy or vmm memory".into())),
+        };
+        exported = Some((device_uuid, event_handle));
+        Ok(Record { id, bytes, lease, ticket, kind })
+    })?;
+    let (device_uuid, event_handle) = match exported {
+        Some(exported) => exported,
+        None => {
+            let memory = segment.0.memory().raw();
+            let device = memory.device();
+            let event = if own {
+                profile::timed(Phase::EventRecord, || events::record(device))?.map(|e| e.to_vec())
+            } else {
+                // Our own writes must be visible to the next process, which has no event of ours.
+                device.synchronize()?;
+                None
+            };
+            (memory.owner_uuid(), event)
+        }
     };
-    let segment = Record { id, bytes, lease, ticket, kind };
-    Ok(GpuWire {
-        device_uuid,
-        memory: WireMemory::Block { segment: Some(Box::new(segment)), offset: offset as u64 },
-        event_handle,
-    })
+    Ok(GpuWire { device_uuid, memory: WireMemory::Block { segment: reference, offset: offset as u64 }, event_handle })
 }
 
-/// Maps the segment of a block record (once per process: later blocks find it in use or
-/// cached) and checks that `bytes` at `offset` lie inside it.
+/// Maps the segment of a block record (once per process: later blocks find it in use, cached
+/// or kept by the channel end) and checks that `bytes` at `offset` lie inside it.
 fn open_block(
-    segment: Option<Box<Record<SegmentWire>>>,
+    segment: &mut SegmentRef<Record<SegmentWire>>,
     device_uuid: [u8; 16],
     offset: u64,
     bytes: usize,
     place: &GpuPlace,
 ) -> Result<ImportedBlock> {
-    let record = segment.ok_or_else(|| Error::Malformed("gpu block without its segment".into()))?;
-    let segment = storage::import::<GpuStorage>(record.into_storage(device_uuid), Some(place))?;
+    let segment = segment
+        .resolve(|record| storage::import::<GpuStorage>(record.into_storage(device_uuid), Some(place)))?
+        .ok_or_else(|| Error::Malformed("gpu block without its segment".into()))?;
     let size = segment.byte_len() as u64;
     if offset.checked_add(bytes as u64).is_none_or(|end| end > size) {
         return Err(Error::Malformed(format!(
@@ -212,6 +240,26 @@ fn open_block(
         )));
     }
     Ok(ImportedBlock::new(segment, offset as usize))
+}
+
+/// A segment a channel end keeps (a sender named it there), as it travels with the end.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct CarriedSegment(Record<GpuWire>);
+
+impl CarriedSegment {
+    /// `segment`'s record, if it is a GPU segment.
+    pub(crate) fn carry(segment: &crate::lifetime::AnyStorage) -> Option<Result<CarriedSegment>> {
+        let segment = segment.clone().downcast::<GpuStorage>().ok()?;
+        Some(storage::export(&segment, true).map(CarriedSegment))
+    }
+
+    /// The segment mapped here, with its id, and whether its owner has exited.
+    pub(crate) fn adopt(self) -> Result<(crate::lifetime::StorageId, crate::lifetime::AnyStorage, bool)> {
+        let id = self.0.id;
+        let segment = storage::import::<GpuStorage>(self.0, None)?;
+        let gone = !segment.handle().memory().owner_alive();
+        Ok((id, segment, gone))
+    }
 }
 
 /// Where a GPU storage is mapped: the GPU holding it, and the GPU that maps it (the same one,
@@ -267,7 +315,7 @@ impl StorageKind for GpuKind {
                 (block.device(), WireMemory::Legacy { mem_handle: block.handle().to_vec(), alloc_offset })
             }
             // The segment's export records the event.
-            GpuMemory::Pooled(block) => return block_wire(block.segment(), block.offset()),
+            GpuMemory::Pooled(block) => return block_wire(block.segment(), block.offset(), true),
             _ => return Self::forward(memory),
         };
         let event = profile::timed(Phase::EventRecord, || events::record(device))?;
@@ -289,7 +337,7 @@ impl StorageKind for GpuKind {
                 (m.owner_uuid(), WireMemory::Vmm(m.wire()?))
             }
             // Forwarding the segment synchronizes; it has no event of ours.
-            GpuMemory::ImportedBlock(block) => return block_wire(block.segment(), block.offset()),
+            GpuMemory::ImportedBlock(block) => return block_wire(block.segment(), block.offset(), false),
             _ => return Self::export(memory),
         };
         Ok(GpuWire { device_uuid, memory: wire_memory, event_handle: None })
@@ -334,17 +382,18 @@ impl StorageKind for GpuKind {
             }
             WireMemory::Vmm(v) => Ok(GpuMemory::Vmm(VmmMemory::open(v, bytes, &place.owner, &place.access)?)),
             WireMemory::Block { segment, offset } => {
-                Ok(GpuMemory::ImportedBlock(open_block(segment.take(), wire.device_uuid, *offset, bytes, place)?))
+                Ok(GpuMemory::ImportedBlock(open_block(segment, wire.device_uuid, *offset, bytes, place)?))
             }
         }
     }
 
     fn arrived(memory: &Memory<Self>, wire: &mut GpuWire, place: &GpuPlace, arrival: Arrival) -> Result<()> {
-        if let WireMemory::Block { segment: segment @ Some(_), .. } = &mut wire.memory {
-            // The block was mapped here already: the segment's claim joins the cover of the
-            // segment's mapping, which its blocks keep.
-            let record = segment.take().expect("matched as present");
-            drop(storage::import::<GpuStorage>(record.into_storage(wire.device_uuid), Some(place))?);
+        if let WireMemory::Block { segment, .. } = &mut wire.memory {
+            // The block was mapped here already: a segment record's claim joins the cover of the
+            // segment's mapping, which its blocks keep (and an introduced one is kept by the
+            // channel end).
+            let uuid = wire.device_uuid;
+            drop(segment.resolve(|record| storage::import::<GpuStorage>(record.into_storage(uuid), Some(place)))?);
         }
         match &wire.event_handle {
             Some(event) => {
@@ -745,11 +794,11 @@ impl IpcPayload {
     pub fn mem_handle(&self) -> &[u8] {
         match &self.wire.storage.kind.memory {
             WireMemory::Legacy { mem_handle, .. } => mem_handle,
-            WireMemory::Block { segment: Some(segment), .. } => match &segment.kind {
-                SegmentWire::Legacy { mem_handle } => mem_handle,
-                SegmentWire::Vmm(_) => &[],
+            WireMemory::Block { segment, .. } => match segment.record().map(|s| &s.kind) {
+                Some(SegmentWire::Legacy { mem_handle }) => mem_handle,
+                Some(SegmentWire::Vmm(_)) | None => &[],
             },
-            WireMemory::Vmm(_) | WireMemory::Block { .. } => &[],
+            WireMemory::Vmm(_) => &[],
         }
     }
     /// Byte offset of the storage inside the base allocation.
@@ -780,7 +829,9 @@ impl IpcPayload {
     /// ```
     pub fn memory_kind(&self) -> GpuMemoryKind {
         match &self.wire.storage.kind.memory {
-            WireMemory::Block { segment: Some(segment), .. } if matches!(segment.kind, SegmentWire::Vmm(_)) => {
+            WireMemory::Block { segment, .. }
+                if segment.record().is_some_and(|s| matches!(s.kind, SegmentWire::Vmm(_))) =>
+            {
                 GpuMemoryKind::Vmm
             }
             WireMemory::Legacy { .. } | WireMemory::Block { .. } => GpuMemoryKind::Legacy,

@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::fork::ForkLocal;
 use crate::lifetime::LeaseMode;
 use crate::storage::pools::{AllocatorStats, Pools};
-use crate::storage::{self, Arrival, Handle, Memory, Record, Shared, StorageKind};
+use crate::storage::{self, Arrival, Handle, Memory, Record, SegmentRef, Shared, StorageKind};
 use crate::sys::MemoryFile;
 use crate::wire;
 
@@ -170,18 +170,23 @@ fn new_segment(size: usize) -> Result<Arc<HostSegment>> {
 }
 
 /// The record of a block of `segment` at `offset`: the segment is exported (or forwarded) like
-/// a storage of the same message.
+/// a storage of the same message, or named where the channel knows it.
 pub(super) fn block_wire(segment: &Arc<HostSegment>, offset: usize) -> Result<HostWire> {
     // The block's own export checked the scope already.
-    let record = storage::export(segment, true)?;
-    Ok(HostWire::Block { segment: Some(Box::new(record)), offset: offset as u64 })
+    let segment = SegmentRef::of(segment, || storage::export(segment, true))?;
+    Ok(HostWire::Block { segment, offset: offset as u64 })
 }
 
-/// Maps the segment of a block record (once per process: later blocks find it in use or
-/// cached) and checks that `bytes` at `offset` lie inside it.
-pub(super) fn open_block(segment: Option<Box<Record<SegmentWire>>>, offset: u64, bytes: usize) -> Result<HostMemory> {
-    let record = segment.ok_or_else(|| Error::Malformed("host block without its segment".into()))?;
-    let segment = storage::import::<HostSegment>(*record, None)?;
+/// Maps the segment of a block record (once per process: later blocks find it in use, cached
+/// or kept by the channel end) and checks that `bytes` at `offset` lie inside it.
+pub(super) fn open_block(
+    segment: &mut SegmentRef<Record<SegmentWire>>,
+    offset: u64,
+    bytes: usize,
+) -> Result<HostMemory> {
+    let segment = segment
+        .resolve(|record| storage::import::<HostSegment>(record, None))?
+        .ok_or_else(|| Error::Malformed("host block without its segment".into()))?;
     let size = segment.byte_len() as u64;
     if offset.checked_add(bytes as u64).is_none_or(|end| end > size) {
         return Err(Error::Malformed(format!(
@@ -195,11 +200,31 @@ pub(super) fn open_block(segment: Option<Box<Record<SegmentWire>>>, offset: u64,
     Ok(HostMemory::Imported { segment, offset: offset as usize })
 }
 
-/// The segment record of a block this process maps already: its claim joins the cover of the
-/// segment's mapping, which its blocks keep.
-pub(super) fn segment_arrived(segment: Record<SegmentWire>) -> Result<()> {
-    drop(storage::import::<HostSegment>(segment, None)?);
+/// The segment of a block this process maps already: a record's claim joins the cover of the
+/// segment's mapping, which its blocks keep (and an introduced one is kept by the channel end).
+pub(super) fn segment_arrived(segment: &mut SegmentRef<Record<SegmentWire>>) -> Result<()> {
+    drop(segment.resolve(|record| storage::import::<HostSegment>(record, None))?);
     Ok(())
+}
+
+/// A segment a channel end keeps (a sender named it there), as it travels with the end.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct CarriedSegment(Record<SegmentWire>);
+
+impl CarriedSegment {
+    /// `segment`'s record, if it is a host segment.
+    pub(crate) fn carry(segment: &crate::lifetime::AnyStorage) -> Option<Result<CarriedSegment>> {
+        let segment = segment.clone().downcast::<HostSegment>().ok()?;
+        Some(storage::export(&segment, true).map(CarriedSegment))
+    }
+
+    /// The segment mapped here, with its id, and whether its owner has exited.
+    pub(crate) fn adopt(self) -> Result<(crate::lifetime::StorageId, crate::lifetime::AnyStorage, bool)> {
+        let id = self.0.id;
+        let segment = storage::import::<HostSegment>(self.0, None)?;
+        let gone = !segment.handle().memory().owner_alive();
+        Ok((id, segment, gone))
+    }
 }
 
 /// Turns the host caching allocator on (the default) or off, in this process. On, new host

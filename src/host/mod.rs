@@ -5,8 +5,9 @@
 mod caching;
 mod tensor;
 
-pub use caching::{empty_host_cache, host_allocator_stats, host_caching, set_host_cache_limit, set_host_caching};
 #[cfg(feature = "remote")]
+pub(crate) use caching::CarriedSegment;
+pub use caching::{empty_host_cache, host_allocator_stats, host_caching, set_host_cache_limit, set_host_caching};
 pub(crate) use tensor::gather_bytes;
 
 use std::sync::Arc;
@@ -16,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::lifetime::{LeaseMode, StorageId};
 use crate::storage::pools::Block;
-use crate::storage::{Arrival, Handle, Memory, Record, Shared, StorageKind};
+use crate::storage::{Arrival, Handle, Memory, Record, SegmentRef, Shared, StorageKind};
 #[cfg(feature = "remote")]
 use crate::sys::Mapping;
 use crate::sys::MemoryFile;
@@ -76,9 +77,9 @@ impl HostMemory {
 pub(crate) enum HostWire {
     /// A memory file of its own (`None` once mapped).
     File { shm: Option<SharedMemory> },
-    /// A block of a caching allocator's segment: the segment's own record (`None` once
-    /// imported), and the block's offset in it.
-    Block { segment: Option<Box<Record<caching::SegmentWire>>>, offset: u64 },
+    /// A block of a caching allocator's segment: the segment (its own record, or its name on
+    /// a channel that knows it), and the block's offset in it.
+    Block { segment: SegmentRef<Record<caching::SegmentWire>>, offset: u64 },
 }
 
 /// Shared memory as it travels: through the message's descriptors.
@@ -132,7 +133,7 @@ impl StorageKind for HostKind {
     fn open(wire: &mut HostWire, bytes: usize, _: &()) -> Result<HostMemory> {
         let shm = match wire {
             HostWire::File { shm } => shm,
-            HostWire::Block { segment, offset } => return caching::open_block(segment.take(), *offset, bytes),
+            HostWire::Block { segment, offset } => return caching::open_block(segment, *offset, bytes),
         };
         let shm = shm.take().ok_or_else(|| Error::Malformed("host storage without its memory".into()))?.0;
         refuse_frozen(&shm, "a host tensor")?;
@@ -147,7 +148,7 @@ impl StorageKind for HostKind {
 
     fn arrived(_: &Memory<Self>, wire: &mut HostWire, _: &(), _: Arrival) -> Result<()> {
         match wire {
-            HostWire::Block { segment, .. } => segment.take().map_or(Ok(()), |s| caching::segment_arrived(*s)),
+            HostWire::Block { segment, .. } => caching::segment_arrived(segment),
             HostWire::File { .. } => Ok(()),
         }
     }

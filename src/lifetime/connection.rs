@@ -6,11 +6,12 @@
 //! can name them; the lease closes (and every claim still on it is released) when the
 //! receiver has dropped the channel and every storage that came through it, or died.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use super::lease::Lease;
+use super::{AnyStorage, StorageId, WeakStorage};
 
 /// A connection lease as a message names it: the owner's process token and the lease's name,
 /// 64 random bits the owner chose for it (another sender on the channel cannot guess it, so it
@@ -26,6 +27,19 @@ pub(crate) struct ConnectionKey {
 #[derive(Default)]
 pub(crate) struct Connection {
     slot: Mutex<Option<Slot>>,
+    /// Caching allocators' segments a message of this process on the channel introduced
+    /// (`KnownSegments`): later messages name them.
+    segments: Mutex<SentSegments>,
+}
+
+/// The segments a connection introduced, each with a weak handle on this process's storage
+/// of it (only to forget those gone: a segment named again after it was forgotten is
+/// introduced again, which changes nothing but the message's size).
+#[derive(Default)]
+struct SentSegments {
+    ids: HashMap<StorageId, WeakStorage>,
+    /// The size after the last sweep for segments gone here.
+    swept: usize,
 }
 
 pub(super) struct Slot {
@@ -67,6 +81,21 @@ impl Connection {
         }
     }
 
+    /// Whether a message of this process on the channel introduced segment `id`.
+    pub(crate) fn knows_segment(&self, id: StorageId) -> bool {
+        self.segments.lock().unwrap_or_else(|p| p.into_inner()).ids.contains_key(&id)
+    }
+
+    /// A message introducing these segments was written: later messages may name them.
+    pub(crate) fn segments_introduced(&self, segments: &[(StorageId, WeakStorage)]) {
+        let mut sent = self.segments.lock().unwrap_or_else(|p| p.into_inner());
+        sent.ids.extend(segments.iter().cloned());
+        if sent.ids.len() >= SWEEP_AT.max(2 * sent.swept) {
+            sent.ids.retain(|_, segment| segment.strong_count() > 0);
+            sent.swept = sent.ids.len();
+        }
+    }
+
     /// A message that was to introduce the lease named `name` was not sent: while no frame has
     /// introduced it, the connection lets it go (the next message makes another), so that this
     /// process's copy does not keep it, and the claims of messages already sent with it, open
@@ -86,10 +115,12 @@ pub(crate) struct Introduction {
     pub(crate) lease: Lease,
 }
 
-/// The receiving side, one per channel end: the leases its senders introduced, by name.
+/// The receiving side, one per channel end: the leases its senders introduced, by name, and
+/// the segments they introduced.
 #[derive(Default)]
 pub(crate) struct ConnectionLeases {
     leases: Mutex<Known>,
+    segments: Arc<KnownSegments>,
 }
 
 #[derive(Default)]
@@ -135,14 +166,145 @@ impl ConnectionLeases {
         self.lock().by_name.iter().map(|(k, l)| (*k, l.clone())).collect()
     }
 
-    /// A table of the leases a channel end brought along from another process.
-    pub(crate) fn from_leases(leases: impl IntoIterator<Item = (ConnectionKey, Lease)>) -> Arc<ConnectionLeases> {
+    /// A table of the leases and segments a channel end brought along from another process.
+    pub(crate) fn from_leases(
+        leases: impl IntoIterator<Item = (ConnectionKey, Lease)>,
+        segments: Vec<((u128, StorageId), AnyStorage, bool)>,
+    ) -> Arc<ConnectionLeases> {
         let table = ConnectionLeases::default();
         {
             let mut known = table.lock();
             known.by_name.extend(leases);
             known.swept = known.by_name.len();
         }
+        for ((via, id), segment, owner_gone) in segments {
+            table.segments.remember(via, id, segment, owner_gone);
+        }
         Arc::new(table)
     }
+
+    /// The segments this end's senders introduced.
+    pub(crate) fn segments(&self) -> &Arc<KnownSegments> {
+        &self.segments
+    }
 }
+
+/// The caching allocators' segments that the senders of one channel end introduced, each
+/// mapped here and held for as long as its sender may name it: by `(sender's process token,
+/// segment)`. An entry goes when the segment's owner gives it up (a revocation: no block of it
+/// is left anywhere, so nothing names it again), when its owner, which introduced it, is gone
+/// and the end has read everything (`forget_gone`), or with the end.
+#[derive(Default)]
+pub(crate) struct KnownSegments {
+    table: Mutex<SegmentTable>,
+}
+
+#[derive(Default)]
+struct SegmentTable {
+    by_id: HashMap<(u128, StorageId), AnyStorage>,
+    /// Owners gone (told by the reaper), each with its number in that order, whose own
+    /// entries wait for the end to have read everything they sent.
+    gone: HashMap<u128, u64>,
+    /// Owners told gone so far.
+    told: u64,
+    /// Registered with the revocations (`super::segment_tables`).
+    registered: bool,
+}
+
+impl fmt::Debug for KnownSegments {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KnownSegments").field("segments", &self.lock().by_id.len()).finish()
+    }
+}
+
+impl KnownSegments {
+    fn lock(&self) -> MutexGuard<'_, SegmentTable> {
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Keeps `segment`, which the sender of process `via` introduced (an entry it replaces is
+    /// dropped after the lock). `owner_gone`: its owner exited already, so that no revocation
+    /// will come (its death may have been seen before this process subscribed).
+    pub(crate) fn remember(self: &Arc<Self>, via: u128, id: StorageId, segment: AnyStorage, owner_gone: bool) {
+        let (replaced, register) = {
+            let mut t = self.lock();
+            if owner_gone {
+                t.mark_gone(id.owner());
+            }
+            let replaced = t.by_id.insert((via, id), segment);
+            (replaced, !std::mem::replace(&mut t.registered, true))
+        };
+        drop(replaced);
+        if register {
+            super::register_segment_table(Arc::downgrade(self));
+        }
+    }
+
+    /// The segment `id` as the sender of process `via` introduced it.
+    pub(crate) fn get(&self, via: u128, id: StorageId) -> Option<AnyStorage> {
+        self.lock().by_id.get(&(via, id)).cloned()
+    }
+
+    /// Every entry, to travel with the channel end.
+    pub(crate) fn all(&self) -> Vec<((u128, StorageId), AnyStorage)> {
+        self.lock().by_id.iter().map(|(k, s)| (*k, s.clone())).collect()
+    }
+
+    /// Takes out the entries of segments their owner gave up (`Some(indices)`), or notes that
+    /// the owner is gone (`None`: its own entries wait for [`KnownSegments::forget_gone`]).
+    pub(super) fn revoke(&self, owner: u128, indices: Option<&HashSet<u64>>) -> Vec<AnyStorage> {
+        let mut t = self.lock();
+        match indices {
+            Some(indices) => {
+                let keys: Vec<(u128, StorageId)> = t
+                    .by_id
+                    .keys()
+                    .filter(|(_, id)| id.owner() == owner && indices.contains(&id.index()))
+                    .copied()
+                    .collect();
+                keys.iter().filter_map(|k| t.by_id.remove(k)).collect()
+            }
+            // Also when no entry of the owner is here yet: one may come in a message still unread.
+            None => {
+                t.mark_gone(owner);
+                Vec::new()
+            }
+        }
+    }
+
+    /// Where the owners told gone stand now: passed to [`KnownSegments::forget_gone`] after
+    /// a look that found nothing.
+    pub(crate) fn told_gone(&self) -> u64 {
+        self.lock().told
+    }
+
+    /// The end has read everything there was, in a look that started after `told` owners were
+    /// told gone: every message those of them sent had arrived before (a process's sends
+    /// arrive before its death is seen), so the segments they introduced are named by no
+    /// message any more. Dropped here.
+    pub(crate) fn forget_gone(&self, told: u64) {
+        let dropped: Vec<AnyStorage> = {
+            let mut t = self.lock();
+            if t.gone.is_empty() {
+                return;
+            }
+            let gone: HashSet<u128> = t.gone.iter().filter(|(_, n)| **n <= told).map(|(o, _)| *o).collect();
+            t.gone.retain(|o, _| !gone.contains(o));
+            let keys: Vec<(u128, StorageId)> =
+                t.by_id.keys().filter(|(via, id)| *via == id.owner() && gone.contains(via)).copied().collect();
+            keys.iter().filter_map(|k| t.by_id.remove(k)).collect()
+        };
+        drop(dropped);
+    }
+}
+
+impl SegmentTable {
+    fn mark_gone(&mut self, owner: u128) {
+        self.told += 1;
+        let told = self.told;
+        self.gone.entry(owner).or_insert(told);
+    }
+}
+
+/// A weak handle on a segment table, for the revocations.
+pub(super) type WeakSegments = Weak<KnownSegments>;

@@ -224,7 +224,7 @@ fn dispose_evicted(evicted: Vec<(ImportKey, AnyStorage)>) {
 /// pass over the idle cache however many storages one revocation names.
 pub(super) fn revoke(owner: u128, indices: Option<&[u64]>) {
     let indices: Option<HashSet<u64>> = indices.map(|i| i.iter().copied().collect());
-    let evicted = {
+    let (evicted, tables) = {
         let mut s = state();
         let keys: Vec<ImportKey> = s
             .idle
@@ -232,8 +232,15 @@ pub(super) fn revoke(owner: u128, indices: Option<&[u64]>) {
             .filter(|(id, _)| id.owner() == owner && indices.as_ref().is_none_or(|i| i.contains(&id.index())))
             .copied()
             .collect();
-        evict(&mut s, &keys)
+        (evict(&mut s, &keys), s.segment_tables.clone())
     };
+    // Channel ends' segments given up: taken out of each table after the state lock (a table's
+    // lock is never held while taking it), and dropped off the reaper's thread.
+    let forgotten: Vec<AnyStorage> =
+        tables.iter().filter_map(|t| t.upgrade()).flat_map(|t| t.revoke(owner, indices.as_ref())).collect();
+    if !forgotten.is_empty() {
+        super::courier::dispose(move || drop(forgotten));
+    }
     if !evicted.is_empty() {
         tracing::debug!(
             owner = format_args!("{owner:032x}"),

@@ -22,7 +22,9 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::fork::ForkLocal;
 
-pub(crate) use connection::{Connection, ConnectionKey, ConnectionLeases, Introduction, connection_open};
+pub(crate) use connection::{
+    Connection, ConnectionKey, ConnectionLeases, Introduction, KnownSegments, connection_open,
+};
 pub(crate) use courier::wait_for_releases;
 pub use export::{HolderStats, holder_stats};
 pub(crate) use export::{
@@ -129,6 +131,8 @@ struct State {
     deferred_releases: usize,
     /// Liveness tables of owners this process subscribed to (`None` until the table arrives).
     owner_tables: HashMap<u128, Option<table::Table>>,
+    /// The segment tables of this process's channel ends, told of revocations.
+    segment_tables: Vec<connection::WeakSegments>,
     stats: LifetimeStats,
 }
 
@@ -197,6 +201,13 @@ pub(crate) fn close_inherited_leases() {
         drop(leases);
     }
     reaper::close_inherited_spares();
+}
+
+/// Tells revocations to `table` from now on (tables already dropped are forgotten here).
+fn register_segment_table(table: connection::WeakSegments) {
+    let mut s = state();
+    s.segment_tables.retain(|t| t.strong_count() > 0);
+    s.segment_tables.push(table);
 }
 
 /// Descriptors of GPU (VMM) memory this process holds to share it (per process generation).

@@ -152,7 +152,6 @@ impl<K: StorageKind> Memory<K> {
     }
 
     /// False once the process that owns the storage has ended (never for this process's own).
-    #[cfg(feature = "cuda")]
     pub(crate) fn owner_alive(&self) -> bool {
         match &self.origin {
             Origin::Local(_) => true,
@@ -281,6 +280,68 @@ pub(crate) struct Record<W> {
     pub(crate) lease: Claim,
     pub(crate) ticket: Option<CacheTicket>,
     pub(crate) kind: W,
+}
+
+/// How a block's record refers to the caching allocator's segment it is cut from (`R`: the
+/// segment's record).
+#[derive(Serialize, Deserialize)]
+pub(crate) enum SegmentRef<R> {
+    /// The segment's record, exported for this message (outside a channel).
+    Whole(Box<R>),
+    /// The segment's record, which the receiving channel end keeps: process `via` names the
+    /// segment without it from now on.
+    Introduced { via: u128, record: Box<R> },
+    /// A segment that process `via` introduced on this channel before.
+    Known { via: u128, id: StorageId },
+    /// Taken by the import.
+    Taken,
+}
+
+impl<R> SegmentRef<R> {
+    /// How a block of `segment` refers to it in the message being encoded; `export` makes the
+    /// segment's record where one travels.
+    pub(crate) fn of<S: Shared>(segment: &Arc<S>, export: impl FnOnce() -> Result<R>) -> Result<SegmentRef<R>> {
+        let any: AnyStorage = segment.clone();
+        Ok(match wire::segment_reference(segment.handle().memory.id, &any) {
+            wire::SegmentReference::Known(via) => SegmentRef::Known { via, id: segment.handle().memory.id },
+            wire::SegmentReference::Introduce(via) => SegmentRef::Introduced { via, record: Box::new(export()?) },
+            wire::SegmentReference::Whole => SegmentRef::Whole(Box::new(export()?)),
+        })
+    }
+
+    /// The segment's record, where one travels.
+    pub(crate) fn record(&self) -> Option<&R> {
+        match self {
+            SegmentRef::Whole(record) | SegmentRef::Introduced { record, .. } => Some(record),
+            SegmentRef::Known { .. } | SegmentRef::Taken => None,
+        }
+    }
+
+    /// The segment: imported from its record by `import` (and kept with the channel end when
+    /// introduced), or the one the channel end keeps. `None` where the record was taken.
+    pub(crate) fn resolve<S: Shared>(&mut self, import: impl FnOnce(R) -> Result<Arc<S>>) -> Result<Option<Arc<S>>> {
+        match std::mem::replace(self, SegmentRef::Taken) {
+            SegmentRef::Whole(record) => import(*record).map(Some),
+            SegmentRef::Introduced { via, record } => {
+                let segment = import(*record)?;
+                let id = segment.handle().memory.id;
+                // This process's own segment (a block that came back) is found by its id.
+                if !id.is_local() {
+                    let owner_gone = !segment.handle().memory.owner_alive();
+                    wire::remember_segment(via, id, segment.clone(), owner_gone);
+                }
+                Ok(Some(segment))
+            }
+            // The sender holds a block of it, which holds the segment here.
+            SegmentRef::Known { id, .. } if id.is_local() => local::<S>(id).map(Some),
+            SegmentRef::Known { via, id } => {
+                wire::known_segment(via, id).and_then(|s| s.downcast::<S>().ok()).map(Some).ok_or_else(|| {
+                    Error::Malformed(format!("a block names segment {id}, which its channel was never given"))
+                })
+            }
+            SegmentRef::Taken => Ok(None),
+        }
+    }
 }
 
 /// Exports a storage for one message: a claim on it (a lease), the kind's record. Refused,
