@@ -262,12 +262,13 @@ impl<T: DeserializeOwned> Inbox<T> {
         }
     }
 
-    /// A look that asked the kernel found nothing (or the end of the channel): when nothing waits in the stash, a ring or
-    /// a batch either, every message of a sender that is gone has been read, and the segments
-    /// it introduced can go.
-    fn read_everything(&self) {
+    /// A look that asked the kernel found nothing (or the end of the channel): when nothing waits
+    /// in the stash, a ring or a batch either, every message of a sender that is gone has been
+    /// read: the segments it introduced can go, and so can the rings of writers gone.
+    fn read_everything(&mut self) {
         if self.stash.is_none() && self.spill.is_none() && !self.rings.iter().any(|r| r.has_entries()) {
             self.leases.segments().forget_gone(self.told_gone);
+            self.rings.retain(|r| !r.writer_gone());
         }
     }
 

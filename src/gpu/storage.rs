@@ -117,15 +117,6 @@ impl GpuMemory {
         }
     }
 
-    /// The GPU holding a segment's memory (not the one mapping it, under peer access).
-    fn owner_uuid(&self) -> [u8; 16] {
-        match self {
-            GpuMemory::Imported { owner_uuid, .. } => *owner_uuid,
-            GpuMemory::Vmm(m) if m.is_imported() => m.owner_uuid(),
-            other => other.device().uuid(),
-        }
-    }
-
     fn kind(&self) -> GpuMemoryKind {
         match self {
             GpuMemory::Vmm(_) => GpuMemoryKind::Vmm,
@@ -187,9 +178,9 @@ impl Record<SegmentWire> {
 
 /// The record of a block of `segment` at `offset`: the segment is exported (or forwarded)
 /// like a storage for the same message, and the event its export recorded serves the block;
-/// on a channel that knows the segment, the block names it and records the event itself
-/// (`own`: a block of this process's segment), or synchronizes (a forwarded one).
-fn block_wire(segment: &Arc<GpuStorage>, offset: usize, own: bool) -> Result<GpuWire> {
+/// on a channel that knows this process's segment, the block names it and records the event
+/// itself.
+fn block_wire(segment: &Arc<GpuStorage>, offset: usize) -> Result<GpuWire> {
     let mut exported = None;
     let reference = SegmentRef::of(segment, || {
         // The block's own export checked the scope already.
@@ -205,17 +196,10 @@ fn block_wire(segment: &Arc<GpuStorage>, offset: usize, own: bool) -> Result<Gpu
     })?;
     let (device_uuid, event_handle) = match exported {
         Some(exported) => exported,
+        // Named: only a segment of this process's own is (`SegmentRef::of`).
         None => {
-            let memory = segment.0.memory().raw();
-            let device = memory.device();
-            let event = if own {
-                profile::timed(Phase::EventRecord, || events::record(device))?.map(|e| e.to_vec())
-            } else {
-                // Our own writes must be visible to the next process, which has no event of ours.
-                device.synchronize()?;
-                None
-            };
-            (memory.owner_uuid(), event)
+            let device = segment.0.memory().raw().device();
+            (device.uuid(), profile::timed(Phase::EventRecord, || events::record(device))?.map(|e| e.to_vec()))
         }
     };
     Ok(GpuWire { device_uuid, memory: WireMemory::Block { segment: reference, offset: offset as u64 }, event_handle })
@@ -315,7 +299,7 @@ impl StorageKind for GpuKind {
                 (block.device(), WireMemory::Legacy { mem_handle: block.handle().to_vec(), alloc_offset })
             }
             // The segment's export records the event.
-            GpuMemory::Pooled(block) => return block_wire(block.segment(), block.offset(), true),
+            GpuMemory::Pooled(block) => return block_wire(block.segment(), block.offset()),
             _ => return Self::forward(memory),
         };
         let event = profile::timed(Phase::EventRecord, || events::record(device))?;
@@ -337,7 +321,7 @@ impl StorageKind for GpuKind {
                 (m.owner_uuid(), WireMemory::Vmm(m.wire()?))
             }
             // Forwarding the segment synchronizes; it has no event of ours.
-            GpuMemory::ImportedBlock(block) => return block_wire(block.segment(), block.offset(), false),
+            GpuMemory::ImportedBlock(block) => return block_wire(block.segment(), block.offset()),
             _ => return Self::export(memory),
         };
         Ok(GpuWire { device_uuid, memory: wire_memory, event_handle: None })

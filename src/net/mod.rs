@@ -32,7 +32,7 @@ use crate::wire;
 /// The version of the protocol, local and remote; both ends must speak the same.
 ///
 /// ```
-/// assert_eq!(cuda_mp::REMOTE_PROTOCOL_VERSION, 6);
+/// assert_eq!(cuda_mp::REMOTE_PROTOCOL_VERSION, 7);
 /// ```
 pub const REMOTE_PROTOCOL_VERSION: u32 = protocol::VERSION;
 
@@ -1574,7 +1574,8 @@ mod tests {
             }
         });
         let err = listener.accept_timeout(T60).unwrap_err().to_string();
-        assert!(err.contains("protocol version 6 here, 7 at the peer"), "{err}");
+        let v = REMOTE_PROTOCOL_VERSION;
+        assert!(err.contains(&format!("protocol version {v} here, {} at the peer", v + 1)), "{err}");
         assert!(peer.join().unwrap().contains("protocol version"));
     }
 

@@ -301,6 +301,12 @@ impl<R> SegmentRef<R> {
     /// How a block of `segment` refers to it in the message being encoded; `export` makes the
     /// segment's record where one travels.
     pub(crate) fn of<S: Shared>(segment: &Arc<S>, export: impl FnOnce() -> Result<R>) -> Result<SegmentRef<R>> {
+        // Only an owner introduces its segments: a receiver that kept a segment forwarded to it
+        // would keep the leases up the chain (its claim's anchors) open, and with them whatever
+        // a forwarder that died held.
+        if segment.handle().memory.is_imported() {
+            return Ok(SegmentRef::Whole(Box::new(export()?)));
+        }
         let any: AnyStorage = segment.clone();
         Ok(match wire::segment_reference(segment.handle().memory.id, &any) {
             wire::SegmentReference::Known(via) => SegmentRef::Known { via, id: segment.handle().memory.id },
@@ -325,8 +331,9 @@ impl<R> SegmentRef<R> {
             SegmentRef::Introduced { via, record } => {
                 let segment = import(*record)?;
                 let id = segment.handle().memory.id;
-                // This process's own segment (a block that came back) is found by its id.
-                if !id.is_local() {
+                // This process's own segment (a block that came back) is found by its id; only
+                // an owner introduces its segments (see `of`).
+                if !id.is_local() && via == id.owner() {
                     let owner_gone = !segment.handle().memory.owner_alive();
                     wire::remember_segment(via, id, segment.clone(), owner_gone);
                 }
