@@ -811,12 +811,22 @@ fn forged_vmm_records_give_errors() {
     assert_eq!(mapped.to_vec().unwrap(), vec![2.0; 1024]);
 }
 
-/// A block of a caching allocator's segment: the segment's own record (`None` once imported),
-/// and the block's offset in it.
+/// A block of a caching allocator's segment: how it names the segment, and the block's offset
+/// in it.
 #[derive(Serialize, Deserialize, Clone)]
 struct BlockRecord<S> {
-    segment: Option<SegmentRecord<S>>,
+    segment: common::ForgedSegmentRef<SegmentRecord<S>>,
     offset: u64,
+}
+
+impl<S> BlockRecord<S> {
+    /// The segment's record, where one travels.
+    fn record(&self) -> Option<&SegmentRecord<S>> {
+        match &self.segment {
+            common::ForgedSegmentRef::Whole(r) | common::ForgedSegmentRef::Introduced { record: r, .. } => Some(r),
+            _ => None,
+        }
+    }
 }
 
 /// A segment's record: its identity, size and claim; 0: legacy memory, 1: VMM memory.
@@ -841,23 +851,26 @@ fn forged_blocks_of_vmm_segments_give_errors() {
     dev.set_segment_kind(cuda_mp::GpuMemoryKind::Legacy).unwrap();
     assert_eq!(t.storage().memory_kind(), cuda_mp::GpuMemoryKind::Vmm);
     type Block = ForgedGpu<BlockRecord<VmmRecord>>;
-    let (genuine_tx, genuine_rx) = common::connect::<GpuTensor<f32>, Block>();
+    // Each on a channel of its own: the first block of a segment on a channel introduces it
+    // (later ones only name it).
     let genuine = || {
+        let (genuine_tx, genuine_rx) = common::connect::<GpuTensor<f32>, Block>();
         genuine_tx.send(t.clone()).unwrap();
         let g = genuine_rx.recv_timeout(WAIT).unwrap();
         assert_eq!(g.memory_variant, 2, "a block of a segment");
-        let segment = g.memory.segment.as_ref().expect("the segment's record travels with its block");
+        assert!(matches!(g.memory.segment, common::ForgedSegmentRef::Introduced { .. }), "introduced");
+        let segment = g.memory.record().expect("the segment's record travels with its first block");
         assert_eq!(segment.variant, 1, "the segment is vmm memory");
         g
     };
     // Named as another process's block and segment, claimed through leases of the forger's.
     let foreign = |index: u64, g: Block| {
-        let segment = g.memory.segment.clone().map(|s| SegmentRecord {
+        let segment = common::ForgedSegmentRef::Whole(Box::new(SegmentRecord {
             owner: 0x4321,
             index: 1000 + index,
             lease: common::Claim::Lease(CarriedFile(common::lease_pipe().0), false),
-            ..s
-        });
+            ..g.memory.record().unwrap().clone()
+        }));
         ForgedGpu {
             owner: 0x4321,
             index,
@@ -876,31 +889,46 @@ fn forged_blocks_of_vmm_segments_give_errors() {
     };
     // A block past its segment's end.
     let g = foreign(1, genuine());
-    let size = g.memory.segment.as_ref().unwrap().bytes;
+    let size = g.memory.record().unwrap().bytes;
     let m = refused(Block { memory: BlockRecord { offset: size - 512, ..g.memory.clone() }, ..g });
     assert!(m.contains("exceeds its"), "{m}");
     // A block without its segment.
     let g = foreign(2, genuine());
-    let m = refused(Block { memory: BlockRecord { segment: None, ..g.memory.clone() }, ..g });
+    let m =
+        refused(Block { memory: BlockRecord { segment: common::ForgedSegmentRef::Taken, ..g.memory.clone() }, ..g });
     assert!(m.contains("without its segment"), "{m}");
+    // A block naming a segment its channel was never given.
+    let g = foreign(7, genuine());
+    let known = common::ForgedSegmentRef::Known { via: 0x4321, owner: 0x4321, index: 1007 };
+    let m = refused(Block { memory: BlockRecord { segment: known, ..g.memory.clone() }, ..g });
+    assert!(m.contains("which its channel was never given"), "{m}");
     // A segment whose descriptor is a socket, not VMM memory.
     let g = foreign(3, genuine());
-    let mut segment = g.memory.segment.clone().unwrap();
+    let mut segment = g.memory.record().unwrap().clone();
     segment.memory.descriptor = CarriedFile(common::socket_pair().0);
-    let m = refused(Block { memory: BlockRecord { segment: Some(segment), ..g.memory.clone() }, ..g });
+    let m = refused(Block {
+        memory: BlockRecord { segment: common::ForgedSegmentRef::Whole(Box::new(segment)), ..g.memory.clone() },
+        ..g
+    });
     assert!(!m.is_empty());
     // A segment that claims more memory than its descriptor has.
     let g = foreign(4, genuine());
-    let mut segment = g.memory.segment.clone().unwrap();
+    let mut segment = g.memory.record().unwrap().clone();
     segment.memory.size += 2 << 20;
     segment.bytes += 2 << 20;
-    let m = refused(Block { memory: BlockRecord { segment: Some(segment), ..g.memory.clone() }, ..g });
+    let m = refused(Block {
+        memory: BlockRecord { segment: common::ForgedSegmentRef::Whole(Box::new(segment)), ..g.memory.clone() },
+        ..g
+    });
     assert!(!m.is_empty());
     // A segment record of a third kind: a segment is never a block.
     let g = foreign(5, genuine());
-    let mut segment = g.memory.segment.clone().unwrap();
+    let mut segment = g.memory.record().unwrap().clone();
     segment.variant = 2;
-    let m = refused(Block { memory: BlockRecord { segment: Some(segment), ..g.memory.clone() }, ..g });
+    let m = refused(Block {
+        memory: BlockRecord { segment: common::ForgedSegmentRef::Whole(Box::new(segment)), ..g.memory.clone() },
+        ..g
+    });
     assert!(!m.is_empty());
     // The genuine block, as another process would receive it, maps the same memory; the channel
     // stayed usable after every refusal.

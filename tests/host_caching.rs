@@ -379,6 +379,17 @@ fn a_segment_travels_once_per_channel_and_its_blocks_take_the_ring() {
     producer.join().unwrap();
 }
 
+/// The memory files of segments this process holds: 2 MiB and more (a channel's ring, 128 KiB,
+/// is a memory file too).
+fn segment_files() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().contains("memfd")))
+        .filter(|e| std::fs::metadata(e.path()).is_ok_and(|m| m.len() >= 2 << 20))
+        .count()
+}
+
 /// Sends `n` fresh host tensors and exits at once.
 fn send_and_exit((tx, n): (Sender<(u32, HostTensor<f32>)>, u32)) {
     for i in 0..n {
@@ -395,15 +406,6 @@ fn a_producer_that_exits_after_its_sends_leaves_its_segment_until_everything_is_
     let (tx, rx) = channel().unwrap();
     let producer = spawn((tx, 20u32), send_and_exit);
     producer.join().unwrap();
-    // The segment's memory file: 2 MiB (the channel's ring, 128 KiB, is a memory file too).
-    let segment_files = || {
-        std::fs::read_dir("/proc/self/fd")
-            .unwrap()
-            .filter_map(|e| e.ok())
-            .filter(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().contains("memfd")))
-            .filter(|e| std::fs::metadata(e.path()).is_ok_and(|m| m.len() >= 2 << 20))
-            .count()
-    };
     let baseline = segment_files();
     assert_eq!(check_messages(&rx, 0, 20), Ok(()));
     assert_eq!(segment_files(), baseline + 1, "the end keeps the segment while a message may name it");
@@ -411,4 +413,29 @@ fn a_producer_that_exits_after_its_sends_leaves_its_segment_until_everything_is_
         assert!(rx.try_recv().is_err());
         segment_files() == baseline
     });
+}
+
+/// Sends `n` fresh host tensors, then exits when told.
+fn send_then_exit_when_told((tx, n, go): (Sender<(u32, HostTensor<f32>)>, u32, Receiver<()>)) {
+    for i in 0..n {
+        tx.send((i, HostTensor::<f32>::full(&[1024], i as f32).unwrap())).unwrap();
+    }
+    go.recv_timeout(WAIT).unwrap();
+}
+
+/// A producer that exits after its consumer has read everything: the consumer's end lets the
+/// producer's segment go without another receive.
+#[test]
+fn a_producer_that_exits_after_everything_was_read_leaves_its_segment_at_once() {
+    let _g = serial();
+    let (tx, rx) = channel().unwrap();
+    let (go_tx, go_rx) = channel().unwrap();
+    let baseline = segment_files();
+    let producer = spawn((tx, 5u32, go_rx), send_then_exit_when_told);
+    assert_eq!(check_messages(&rx, 0, 5), Ok(()));
+    assert_eq!(segment_files(), baseline + 1, "the end keeps the segment while the producer may name it");
+    go_tx.send(()).unwrap();
+    producer.join().unwrap();
+    eventually("the exited producer's segment let go with no receive after its exit", || segment_files() == baseline);
+    drop(rx);
 }

@@ -8,7 +8,8 @@ use serde::{Deserialize, Serialize, Serializer};
 
 mod common;
 use common::{
-    Claim, ForgedHost, ForgedSegment, ForgedTensor, Slot, connect, lease_pipe, sealed_memory, slot, socket_pair,
+    Claim, ForgedHost, ForgedSegment, ForgedSegmentRef, ForgedTensor, Slot, connect, lease_pipe, sealed_memory, slot,
+    socket_pair,
 };
 use cuda_mp::testing::CarriedFile;
 
@@ -169,7 +170,7 @@ fn forged_block(
     };
     let mut f = forged(0, vec![bytes / 4], bytes);
     f.index = 2;
-    f.memory = ForgedHost::Block(Some(Box::new(segment)), offset);
+    f.memory = ForgedHost::Block(ForgedSegmentRef::Whole(Box::new(segment)), offset);
     f
 }
 
@@ -187,10 +188,17 @@ fn a_forged_host_block_is_rejected_and_maps_nothing() {
     assert!(m.contains("not a multiple of 8"), "{m}");
     // No segment at all.
     let mut f = forged_block(0, 16, 4096, None);
-    f.memory = ForgedHost::Block(None, 0);
+    f.memory = ForgedHost::Block(ForgedSegmentRef::Taken, 0);
     tx.send(f).unwrap();
     let m = malformed(rx.recv());
     assert!(m.contains("host block without its segment"), "{m}");
+    // A segment named as one this channel knows, which it was never given.
+    let mut f = forged_block(0, 16, 4096, None);
+    f.memory =
+        ForgedHost::Block(ForgedSegmentRef::Known { via: 0xdead_beef, owner: 0xdead_beef, index: 1 << 63 | 1 }, 0);
+    tx.send(f).unwrap();
+    let m = malformed(rx.recv());
+    assert!(m.contains("which its channel was never given"), "{m}");
     // A segment without its memory, smaller than it claims, or sealed against writes.
     tx.send(forged_block(0, 16, 4096, None)).unwrap();
     let m = malformed(rx.recv());

@@ -2,7 +2,6 @@
 //! reads frames, follows redirects and settles the shared counters.
 
 use std::io;
-use std::marker::PhantomData;
 use std::ops::Range;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -24,7 +23,7 @@ use crate::wire;
 
 /// What a receiver reads from: its socket, the spill batch a redirect pointed it to (read
 /// to its end first), and its senders' rings.
-pub(super) struct Inbox<T> {
+pub(super) struct Inbox {
     pub(super) main: Arc<Socket>,
     pub(super) spill: Option<Arc<Socket>>,
     /// The rings this channel's sending processes introduced (`ring.rs`).
@@ -59,7 +58,6 @@ pub(super) struct Inbox<T> {
     /// What the sender of a named connection said it sends, when that is not `T`: named in
     /// the error of a message that does not decode.
     pub(super) sender_sends: Option<String>,
-    _message: PhantomData<fn() -> T>,
 }
 
 /// A frame read before its turn.
@@ -162,7 +160,7 @@ const RING_STREAK: u32 = 16;
 /// Messages this process received from rings (for the tests).
 pub(super) static RING_MESSAGES: AtomicU64 = AtomicU64::new(0);
 
-impl<T> Inbox<T> {
+impl Inbox {
     /// Counts a frame read from the socket, giving the costs back in eighths of the limit.
     fn settle(&mut self, gauge: &Gauge, cost: u64) {
         self.unsettled += cost;
@@ -194,8 +192,8 @@ impl<T> Inbox<T> {
     }
 }
 
-impl<T: DeserializeOwned> Inbox<T> {
-    pub(super) fn new(main: Arc<Socket>, leases: Arc<ConnectionLeases>) -> Inbox<T> {
+impl Inbox {
+    pub(super) fn new(main: Arc<Socket>, leases: Arc<ConnectionLeases>) -> Inbox {
         Inbox {
             main,
             spill: None,
@@ -210,14 +208,13 @@ impl<T: DeserializeOwned> Inbox<T> {
             leases,
             told_gone: 0,
             sender_sends: None,
-            _message: PhantomData,
         }
     }
 
     /// Receives the next message, in its sender's order across its ring, the socket and
     /// spill batches, following redirects. A receive that may wait looks without waiting
     /// first for up to [`spin`], then announces its sleep and waits for its socket.
-    pub(super) fn receive(&mut self, gauge: &Gauge, wait: Wait) -> Result<T, Missing> {
+    pub(super) fn receive<T: DeserializeOwned>(&mut self, gauge: &Gauge, wait: Wait) -> Result<T, Missing> {
         let spin_until = match (wait, spin()) {
             (_, spin) if spin.is_zero() => None,
             (Wait::Not, _) => None,
@@ -272,10 +269,18 @@ impl<T: DeserializeOwned> Inbox<T> {
         }
     }
 
+    /// Whether nothing waits to be read: in the stash, a ring, a batch or the socket.
+    pub(super) fn everything_read(&mut self) -> bool {
+        self.stash.is_none()
+            && self.spill.is_none()
+            && !self.rings.iter().any(|r| r.has_entries())
+            && self.main.pending_bytes() == 0
+    }
+
     /// Looks without waiting until it finds a message (or a failure) or nothing more.
     /// `kernel` asks the kernel about the socket even when the counters say no frame of ours
     /// is unread (a foreign frame, the last sender's close).
-    fn look(&mut self, gauge: &Gauge, kernel: bool) -> Option<Result<T, Missing>> {
+    fn look<T: DeserializeOwned>(&mut self, gauge: &Gauge, kernel: bool) -> Option<Result<T, Missing>> {
         loop {
             match self.look_once(gauge, kernel) {
                 Look::Got(got) => return Some(got),
@@ -290,7 +295,7 @@ impl<T: DeserializeOwned> Inbox<T> {
     /// waits in the stash while its sender's ring holds messages numbered before it (they
     /// were written before the frame, so they are there). A ring whose next message is still
     /// on its way (on the socket, in a batch not yet handed on) waits for it.
-    fn look_once(&mut self, gauge: &Gauge, kernel: bool) -> Look<T> {
+    fn look_once<T: DeserializeOwned>(&mut self, gauge: &Gauge, kernel: bool) -> Look<T> {
         if let Some(failure) = self.failure.take() {
             return Look::Got(Err(Missing::Failed(failure)));
         }
@@ -347,7 +352,7 @@ impl<T: DeserializeOwned> Inbox<T> {
     }
 
     /// The stashed frame, once its sender's ring has delivered what comes before it.
-    fn release(&mut self, gauge: &Gauge, stashed: Stashed) -> Look<T> {
+    fn release<T: DeserializeOwned>(&mut self, gauge: &Gauge, stashed: Stashed) -> Look<T> {
         let Some(order) = stashed.order else { return self.deliver(gauge, stashed.raw, stashed.main) };
         let number = order.number;
         let Some(i) = self.rings.iter().position(|r| r.id() == order.ring) else {
@@ -375,7 +380,7 @@ impl<T: DeserializeOwned> Inbox<T> {
     }
 
     /// A frame in its turn: its message, or what a frame of another kind does.
-    fn deliver(&mut self, gauge: &Gauge, raw: Raw, main: bool) -> Look<T> {
+    fn deliver<T: DeserializeOwned>(&mut self, gauge: &Gauge, raw: Raw, main: bool) -> Look<T> {
         let incoming = parse(&self.buf, raw, &self.leases);
         if main && let Ok(i) = &incoming {
             self.settle(gauge, i.cost());
@@ -383,7 +388,7 @@ impl<T: DeserializeOwned> Inbox<T> {
         match incoming {
             Ok(Incoming::Message { value, .. }) => {
                 gauge.free_place();
-                Look::Got(value.map_err(|m| self.undecodable(m)))
+                Look::Got(value.map_err(|m| self.undecodable::<T>(m)))
             }
             Ok(Incoming::Redirect(_) | Incoming::Ring(_)) if !main => Look::Got(Err(Missing::Failed(
                 RecvError::Malformed("a spilled batch holds a frame that only a channel's socket may".into()),
@@ -412,7 +417,7 @@ impl<T: DeserializeOwned> Inbox<T> {
     /// The next message of a ring that is next in its sender's order, the rings taking turns.
     /// A ring that does not add up is dropped (its writer's later messages are lost) and
     /// reported as a malformed message.
-    fn next_of_rings(&mut self, gauge: &Gauge) -> Option<Result<T, Missing>> {
+    fn next_of_rings<T: DeserializeOwned>(&mut self, gauge: &Gauge) -> Option<Result<T, Missing>> {
         let n = self.rings.len();
         for k in 0..n {
             let i = (self.next_ring + k) % n;
@@ -446,7 +451,7 @@ impl<T: DeserializeOwned> Inbox<T> {
     }
 
     /// A message that did not decode, with the types of both ends when they differ.
-    fn undecodable(&self, why: String) -> Missing {
+    fn undecodable<T: DeserializeOwned>(&self, why: String) -> Missing {
         let why = match &self.sender_sends {
             Some(sends) => {
                 format!("{why} (the sender sends {sends}, this receiver takes {})", std::any::type_name::<T>())
@@ -486,7 +491,7 @@ impl<T: DeserializeOwned> Inbox<T> {
                 self.stash = Some(Stashed { order: frame::order_of(&self.buf[raw.0.clone()]), raw, main: true });
                 return true;
             }
-            if let Look::Got(Err(Missing::Failed(e))) = self.deliver(gauge, raw, true) {
+            if let Look::Got(Err(Missing::Failed(e))) = self.deliver::<()>(gauge, raw, true) {
                 // A wake frame that is not one (descriptors attached, say).
                 self.failure = Some(e);
                 return true;
@@ -495,12 +500,12 @@ impl<T: DeserializeOwned> Inbox<T> {
     }
 
     /// Takes ring `i`'s first message.
-    fn pop_ring(&mut self, gauge: &Gauge, i: usize) -> Result<T, Missing> {
+    fn pop_ring<T: DeserializeOwned>(&mut self, gauge: &Gauge, i: usize) -> Result<T, Missing> {
         match self.rings[i].pop(&mut self.entry) {
             Ok(Some(_)) => {
                 RING_MESSAGES.fetch_add(1, Ordering::Relaxed);
                 gauge.free_place();
-                wire::decode_on(&self.entry, Vec::new(), Some(&*self.leases)).map_err(|m| self.undecodable(m))
+                wire::decode_on(&self.entry, Vec::new(), Some(&*self.leases)).map_err(|m| self.undecodable::<T>(m))
             }
             Ok(None) => Err(Missing::Empty),
             Err(why) => {
@@ -512,7 +517,7 @@ impl<T: DeserializeOwned> Inbox<T> {
 
     /// Every sender is gone: what the rings still hold comes first, whatever was lost before
     /// it, then the end.
-    fn at_end(&mut self, gauge: &Gauge) -> Result<T, Missing> {
+    fn at_end<T: DeserializeOwned>(&mut self, gauge: &Gauge) -> Result<T, Missing> {
         for i in 0..self.rings.len() {
             if let Ok(Some(number)) = self.rings[i].first() {
                 self.rings[i].set_next(number);

@@ -489,10 +489,13 @@ enum ReceiverFlavor<T> {
 
 /// The receiving end of a channel of this host.
 struct LocalReceiver<T> {
-    inbox: Mutex<Inbox<T>>,
+    /// Shared with the end's segment table, which looks whether everything was read when an
+    /// owner of its segments exits (`Inbox::everything_read`).
+    inbox: Arc<Mutex<Inbox>>,
     /// The channel's socket, to wait on without holding the inbox.
     main: Arc<Socket>,
     gauge: Gauge,
+    _message: PhantomData<fn() -> T>,
 }
 
 impl<T> fmt::Debug for Receiver<T> {
@@ -538,7 +541,7 @@ impl<T> Receiver<T> {
     }
 
     #[cfg(test)]
-    fn lock(&self) -> MutexGuard<'_, Inbox<T>> {
+    fn lock(&self) -> MutexGuard<'_, Inbox> {
         match &self.flavor {
             ReceiverFlavor::Local(local) => local.lock(),
             ReceiverFlavor::Remote(_) => panic!("a remote receiver has no inbox"),
@@ -547,12 +550,12 @@ impl<T> Receiver<T> {
 }
 
 impl<T> LocalReceiver<T> {
-    fn lock(&self) -> MutexGuard<'_, Inbox<T>> {
+    fn lock(&self) -> MutexGuard<'_, Inbox> {
         self.inbox.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The inbox, unless another thread is receiving.
-    fn try_lock(&self) -> Option<MutexGuard<'_, Inbox<T>>> {
+    fn try_lock(&self) -> Option<MutexGuard<'_, Inbox>> {
         match self.inbox.try_lock() {
             Ok(inbox) => Some(inbox),
             Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
@@ -615,12 +618,25 @@ impl<T: DeserializeOwned> Receiver<T> {
         spill: Option<Arc<Socket>>,
         gauge: Gauge,
         leases: Arc<ConnectionLeases>,
-        set_up: impl FnOnce(&mut Inbox<T>),
+        set_up: impl FnOnce(&mut Inbox),
     ) -> Receiver<T> {
+        let segments = leases.segments().clone();
         let mut inbox = Inbox::new(main.clone(), leases);
         inbox.spill = spill;
         set_up(&mut inbox);
-        Receiver { flavor: ReceiverFlavor::Local(LocalReceiver { inbox: Mutex::new(inbox), main, gauge }) }
+        let inbox = Arc::new(Mutex::new(inbox));
+        let weak = Arc::downgrade(&inbox);
+        // Never waits: a receiving thread holds the inbox, and will look itself.
+        segments.watch_reads(Box::new(move || {
+            let inbox = weak.upgrade()?;
+            let mut inbox = match inbox.try_lock() {
+                Ok(inbox) => inbox,
+                Err(TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(TryLockError::WouldBlock) => return None,
+            };
+            Some(inbox.everything_read())
+        }));
+        Receiver { flavor: ReceiverFlavor::Local(LocalReceiver { inbox, main, gauge, _message: PhantomData }) }
     }
 
     /// Whether a receive would return at once, or what to wait on for one (`None`: this

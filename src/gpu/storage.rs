@@ -371,6 +371,14 @@ impl StorageKind for GpuKind {
         }
     }
 
+    fn returned(wire: &mut GpuWire) -> Result<()> {
+        if let WireMemory::Block { segment, .. } = &mut wire.memory {
+            let uuid = wire.device_uuid;
+            drop(segment.resolve(|record| storage::import::<GpuStorage>(record.into_storage(uuid), None))?);
+        }
+        Ok(())
+    }
+
     fn arrived(memory: &Memory<Self>, wire: &mut GpuWire, place: &GpuPlace, arrival: Arrival) -> Result<()> {
         if let WireMemory::Block { segment, .. } = &mut wire.memory {
             // The block was mapped here already: a segment record's claim joins the cover of the

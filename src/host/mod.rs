@@ -146,6 +146,13 @@ impl StorageKind for HostKind {
         Ok(HostMemory::File(shm))
     }
 
+    fn returned(wire: &mut HostWire) -> Result<()> {
+        match wire {
+            HostWire::Block { segment, .. } => caching::segment_arrived(segment),
+            HostWire::File { .. } => Ok(()),
+        }
+    }
+
     fn arrived(_: &Memory<Self>, wire: &mut HostWire, _: &(), _: Arrival) -> Result<()> {
         match wire {
             HostWire::Block { segment, .. } => caching::segment_arrived(segment),

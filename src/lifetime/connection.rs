@@ -190,18 +190,25 @@ impl ConnectionLeases {
 }
 
 /// The caching allocators' segments that the senders of one channel end introduced, each
-/// mapped here and held for as long as its sender may name it: by `(sender's process token,
-/// segment)`. An entry goes when the segment's owner gives it up (a revocation: no block of it
+/// mapped here and held for as long as its sender may name it (this process's own only
+/// weakly, to travel with the end): by `(sender's process token, segment)`. An entry goes when the segment's owner gives it up (a revocation: no block of it
 /// is left anywhere, so nothing names it again), when its owner, which introduced it, is gone
 /// and the end has read everything (`forget_gone`), or with the end.
 #[derive(Default)]
 pub(crate) struct KnownSegments {
     table: Mutex<SegmentTable>,
+    /// Says whether the end has read everything sent to it (`None`: cannot tell now).
+    reads: Mutex<Option<ReadsProbe>>,
 }
+
+/// See [`KnownSegments::watch_reads`].
+pub(crate) type ReadsProbe = Box<dyn Fn() -> Option<bool> + Send + Sync>;
 
 #[derive(Default)]
 struct SegmentTable {
-    by_id: HashMap<(u128, StorageId), AnyStorage>,
+    by_id: HashMap<(u128, StorageId), Kept>,
+    /// The size after the last sweep for this process's own segments gone.
+    swept: usize,
     /// Owners gone (told by the reaper), each with its number in that order, whose own
     /// entries wait for the end to have read everything they sent.
     gone: HashMap<u128, u64>,
@@ -222,8 +229,8 @@ impl KnownSegments {
         self.table.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Keeps `segment`, which the sender of process `via` introduced (an entry it replaces is
-    /// dropped after the lock). `owner_gone`: its owner exited already, so that no revocation
+    /// Keeps `segment`, which the sender of process `via` introduced (weakly, when it is this
+    /// process's own; an entry it replaces is dropped after the lock). `owner_gone`: its owner exited already, so that no revocation
     /// will come (its death may have been seen before this process subscribed).
     pub(crate) fn remember(self: &Arc<Self>, via: u128, id: StorageId, segment: AnyStorage, owner_gone: bool) {
         let (replaced, register) = {
@@ -231,7 +238,12 @@ impl KnownSegments {
             if owner_gone {
                 t.mark_gone(id.owner());
             }
-            let replaced = t.by_id.insert((via, id), segment);
+            let kept = if id.is_local() { Kept::Own(Arc::downgrade(&segment)) } else { Kept::Held(segment) };
+            let replaced = t.by_id.insert((via, id), kept);
+            if t.by_id.len() >= 32.max(2 * t.swept) {
+                t.by_id.retain(|_, kept| !matches!(kept, Kept::Own(segment) if segment.strong_count() == 0));
+                t.swept = t.by_id.len();
+            }
             (replaced, !std::mem::replace(&mut t.registered, true))
         };
         drop(replaced);
@@ -242,17 +254,33 @@ impl KnownSegments {
 
     /// The segment `id` as the sender of process `via` introduced it.
     pub(crate) fn get(&self, via: u128, id: StorageId) -> Option<AnyStorage> {
-        self.lock().by_id.get(&(via, id)).cloned()
+        self.lock().by_id.get(&(via, id)).and_then(Kept::get)
     }
 
     /// Every entry, to travel with the channel end.
     pub(crate) fn all(&self) -> Vec<((u128, StorageId), AnyStorage)> {
-        self.lock().by_id.iter().map(|(k, s)| (*k, s.clone())).collect()
+        self.lock().by_id.iter().filter_map(|(k, kept)| Some((*k, kept.get()?))).collect()
     }
 
-    /// Takes out the entries of segments their owner gave up (`Some(indices)`), or notes that
-    /// the owner is gone (`None`: its own entries wait for [`KnownSegments::forget_gone`]).
+    /// How to tell, without waiting, whether the end has read everything sent to it: an owner
+    /// that exits while it has lets its segments go at once.
+    pub(crate) fn watch_reads(&self, probe: ReadsProbe) {
+        *self.reads.lock().unwrap_or_else(|p| p.into_inner()) = Some(probe);
+    }
+
+    /// Takes out the entries of segments their owner gave up (`Some(indices)`); or, for an
+    /// owner gone (`None`), those it introduced when the end has read everything (else they
+    /// wait for [`KnownSegments::forget_gone`]).
     pub(super) fn revoke(&self, owner: u128, indices: Option<&HashSet<u64>>) -> Vec<AnyStorage> {
+        if indices.is_none() {
+            let told = {
+                let mut t = self.lock();
+                t.mark_gone(owner);
+                t.told
+            };
+            let read = self.reads.lock().unwrap_or_else(|p| p.into_inner()).as_ref().and_then(|probe| probe());
+            return if read == Some(true) { self.take_gone(told) } else { Vec::new() };
+        }
         let mut t = self.lock();
         match indices {
             Some(indices) => {
@@ -262,13 +290,9 @@ impl KnownSegments {
                     .filter(|(_, id)| id.owner() == owner && indices.contains(&id.index()))
                     .copied()
                     .collect();
-                keys.iter().filter_map(|k| t.by_id.remove(k)).collect()
+                keys.iter().filter_map(|k| t.by_id.remove(k)).filter_map(|kept| kept.get()).collect()
             }
-            // Also when no entry of the owner is here yet: one may come in a message still unread.
-            None => {
-                t.mark_gone(owner);
-                Vec::new()
-            }
+            None => Vec::new(),
         }
     }
 
@@ -283,18 +307,38 @@ impl KnownSegments {
     /// arrive before its death is seen), so the segments they introduced are named by no
     /// message any more. Dropped here.
     pub(crate) fn forget_gone(&self, told: u64) {
-        let dropped: Vec<AnyStorage> = {
-            let mut t = self.lock();
-            if t.gone.is_empty() {
-                return;
-            }
-            let gone: HashSet<u128> = t.gone.iter().filter(|(_, n)| **n <= told).map(|(o, _)| *o).collect();
-            t.gone.retain(|o, _| !gone.contains(o));
-            let keys: Vec<(u128, StorageId)> =
-                t.by_id.keys().filter(|(via, id)| *via == id.owner() && gone.contains(via)).copied().collect();
-            keys.iter().filter_map(|k| t.by_id.remove(k)).collect()
-        };
-        drop(dropped);
+        drop(self.take_gone(told));
+    }
+
+    /// Takes out the entries that the first `told` owners told gone introduced.
+    fn take_gone(&self, told: u64) -> Vec<AnyStorage> {
+        let mut t = self.lock();
+        if t.gone.is_empty() {
+            return Vec::new();
+        }
+        let gone: HashSet<u128> = t.gone.iter().filter(|(_, n)| **n <= told).map(|(o, _)| *o).collect();
+        t.gone.retain(|o, _| !gone.contains(o));
+        let keys: Vec<(u128, StorageId)> =
+            t.by_id.keys().filter(|(via, id)| *via == id.owner() && gone.contains(via)).copied().collect();
+        keys.iter().filter_map(|k| t.by_id.remove(k)).filter_map(|kept| kept.get()).collect()
+    }
+}
+
+/// A segment as an end keeps it: another process's, mapped here; or this process's own (a
+/// channel within the process), weakly: it must not keep this process's memory from its
+/// allocator, and while a block of it is named somewhere it lives anyway. Kept only to travel
+/// with the end.
+enum Kept {
+    Held(AnyStorage),
+    Own(WeakStorage),
+}
+
+impl Kept {
+    fn get(&self) -> Option<AnyStorage> {
+        match self {
+            Kept::Held(segment) => Some(segment.clone()),
+            Kept::Own(segment) => segment.upgrade(),
+        }
     }
 }
 

@@ -62,6 +62,13 @@ pub(crate) trait StorageKind: Sized + Send + Sync + 'static {
     /// before its tensor is handed out: for example, wait for the sender's queued work. It
     /// gets what `open` left of the record (all of it when nothing was opened).
     fn arrived(memory: &Memory<Self>, wire: &mut Self::Wire, place: &Self::Place, arrival: Arrival) -> Result<()>;
+    /// A record of this process's own storage came back (a channel within this process, or
+    /// a round trip): the rest of the record is the kind's to use (a block names its segment,
+    /// which the channel end keeps for where it may go next). Default: nothing.
+    fn returned(wire: &mut Self::Wire) -> Result<()> {
+        let _ = wire;
+        Ok(())
+    }
     /// Imported memory whose last handle is gone: a fence after the work this process queued
     /// on it, if the kind may let go of the memory now (nothing unmapped) and release its
     /// claim once that work is done, off the dropping thread. `None` (the default): the drop
@@ -331,21 +338,20 @@ impl<R> SegmentRef<R> {
             SegmentRef::Introduced { via, record } => {
                 let segment = import(*record)?;
                 let id = segment.handle().memory.id;
-                // This process's own segment (a block that came back) is found by its id; only
-                // an owner introduces its segments (see `of`).
-                if !id.is_local() && via == id.owner() {
+                // Only an owner introduces its segments (see `of`); this process's own (a
+                // channel within it) is kept weakly, to travel with the end.
+                if via == id.owner() {
                     let owner_gone = !segment.handle().memory.owner_alive();
                     wire::remember_segment(via, id, segment.clone(), owner_gone);
                 }
                 Ok(Some(segment))
             }
-            // The sender holds a block of it, which holds the segment here.
-            SegmentRef::Known { id, .. } if id.is_local() => local::<S>(id).map(Some),
-            SegmentRef::Known { via, id } => {
-                wire::known_segment(via, id).and_then(|s| s.downcast::<S>().ok()).map(Some).ok_or_else(|| {
-                    Error::Malformed(format!("a block names segment {id}, which its channel was never given"))
-                })
-            }
+            SegmentRef::Known { via, id } => match wire::known_segment(via, id).and_then(|s| s.downcast::<S>().ok()) {
+                Some(segment) => Ok(Some(segment)),
+                // This process's own, introduced where the end was before.
+                None if id.is_local() => local::<S>(id).map(Some),
+                None => Err(Error::Malformed(format!("a block names segment {id}, which its channel was never given"))),
+            },
             SegmentRef::Taken => Ok(None),
         }
     }
@@ -411,6 +417,7 @@ pub(crate) fn import<S: Shared>(
     let storage = if id.is_local() {
         let storage = local::<S>(id)?;
         S::Kind::check_local(&storage.handle().memory, requested)?;
+        S::Kind::returned(&mut kind)?;
         storage
     } else {
         let (place, key) = S::Kind::place(&kind, requested)?;

@@ -135,12 +135,26 @@ pub struct ForgedTensor<Shm, Lease> {
 pub enum ForgedHost<Shm, Lease> {
     /// A memory file of its own.
     File(Option<Shm>),
-    /// A block of a caching allocator's segment: the segment's record, the block's offset.
-    Block(Option<Box<ForgedSegment<Shm, Lease>>>, u64),
+    /// A block of a caching allocator's segment: how it names the segment, the block's offset.
+    Block(ForgedSegmentRef<ForgedSegment<Shm, Lease>>, u64),
+}
+
+/// How a block's record names its segment (`R`: the segment's record).
+#[derive(Serialize, Deserialize, Clone, Debug)]
+#[allow(dead_code)] // not every test binary forges messages
+pub enum ForgedSegmentRef<R> {
+    /// Its record.
+    Whole(Box<R>),
+    /// Its record, for the receiving end to keep: process `via` names it from now on.
+    Introduced { via: u128, record: Box<R> },
+    /// A segment that process `via` introduced on the channel: the segment's owner and index.
+    Known { via: u128, owner: u128, index: u64 },
+    /// None.
+    Taken,
 }
 
 /// The record of a caching allocator's host segment.
-#[derive(Serialize, Deserialize, Clone)]
+#[derive(Serialize, Deserialize, Clone, Debug)]
 #[allow(dead_code)] // not every test binary forges messages
 pub struct ForgedSegment<Shm, Lease> {
     pub owner: u128,
