@@ -496,33 +496,30 @@ fn split_claims<'b>(bytes: &'b [u8], leases: &ConnectionLeases) -> std::result::
 
 /// Takes the cover of a claim on storage `index` through connection lease `name` that the
 /// message being decoded lists (each claim once).
-/// How a message being encoded refers to a caching allocator's segment (`id`, held here by
-/// `segment`) whose block it carries: `Known(via)` when this process introduced the segment on
-/// the message's channel before (the receiving end holds it: the block names it by `(via, id)`
-/// and exports nothing of it); `Introduce(via)` on a channel that does not know it yet (the
-/// message carries its record, and the end keeps it once received); `Whole` elsewhere.
-pub(crate) fn segment_reference(id: StorageId, segment: &AnyStorage) -> SegmentReference {
+/// Whether this process introduced segment `id` on the channel of the message being encoded,
+/// before or earlier in this message: then the block names it, as sent by process `via`
+/// (returned).
+pub(crate) fn segment_known(id: StorageId) -> Option<u128> {
     ENCODING.with(|e| {
-        let mut e = e.borrow_mut();
-        let Some(encoding) = e.last_mut() else { return SegmentReference::Whole };
-        let Some(connection) = &encoding.connection else { return SegmentReference::Whole };
-        let via = crate::lifetime::process_token();
-        // Introduced by this message already (by a block decoded before this one), or before.
-        if encoding.segments.iter().any(|(s, _)| *s == id) || connection.knows_segment(id) {
-            SegmentReference::Known(via)
-        } else {
-            encoding.segments.push((id, Arc::downgrade(segment)));
-            SegmentReference::Introduce(via)
-        }
+        let e = e.borrow();
+        let connection = e.last()?.connection.as_ref()?;
+        let encoding = e.last()?;
+        let known = encoding.segments.iter().any(|(s, _)| *s == id) || connection.knows_segment(id);
+        known.then(crate::lifetime::process_token)
     })
 }
 
-/// See [`segment_reference`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum SegmentReference {
-    Whole,
-    Introduce(u128),
-    Known(u128),
+/// The message being encoded introduces segment `id` (held here by `segment`) on its channel:
+/// the receiving end keeps it once the message is sent and decoded. `None` (nothing noted)
+/// outside a channel's message; else the process token the block names as its sender.
+pub(crate) fn introduce_segment(id: StorageId, segment: &AnyStorage) -> Option<u128> {
+    ENCODING.with(|e| {
+        let mut e = e.borrow_mut();
+        let encoding = e.last_mut()?;
+        encoding.connection.as_ref()?;
+        encoding.segments.push((id, Arc::downgrade(segment)));
+        Some(crate::lifetime::process_token())
+    })
 }
 
 /// A segment that a block of the message being decoded names, as the sender of process `via`
@@ -531,13 +528,19 @@ pub(crate) fn known_segment(via: u128, id: StorageId) -> Option<AnyStorage> {
     DECODING.with(|d| d.borrow().last().and_then(|d| d.segments.as_ref()).and_then(|t| t.get(via, id)))
 }
 
-/// Keeps `segment`, introduced by the message being decoded (sent by process `via`), with the
-/// channel end, for the messages after it that name it (`owner_gone`: its owner has exited
-/// already). Outside a channel's message: nothing.
-pub(crate) fn remember_segment(via: u128, id: StorageId, segment: AnyStorage, owner_gone: bool) {
+/// Keeps `segment`, introduced by the message being decoded (sent by process `via`, its
+/// owner), with the channel end, for the messages after it that name it (see
+/// [`KnownSegments::remember`]). Outside a channel's message: nothing.
+pub(crate) fn remember_segment(
+    via: u128,
+    id: StorageId,
+    segment: AnyStorage,
+    ticket: Option<crate::lifetime::CacheTicket>,
+    alive: crate::lifetime::OwnerAlive,
+) {
     let table = DECODING.with(|d| d.borrow().last().and_then(|d| d.segments.clone()));
     if let Some(table) = table {
-        table.remember(via, id, segment, owner_gone);
+        table.remember(via, id, segment, ticket, alive);
     }
 }
 

@@ -226,6 +226,10 @@ impl Inbox {
         loop {
             let kernel = looks.is_multiple_of(KERNEL_LOOK_EVERY);
             looks = looks.wrapping_add(1);
+            if kernel {
+                // Owners marked gone before this look: all they sent is here by now.
+                self.told_gone = self.leases.segments().told_gone();
+            }
             if let Some(got) = self.look(gauge, kernel) {
                 return got;
             }
@@ -244,6 +248,7 @@ impl Inbox {
             }
             // Announced before the last look: a ring written after it wakes the socket.
             let asleep = gauge.asleep();
+            self.told_gone = self.leases.segments().told_gone();
             if let Some(got) = self.look(gauge, true) {
                 return got;
             }

@@ -949,11 +949,11 @@ impl CarriedSegment {
         Err(Error::Unsupported("a receiver keeps a segment of an unknown kind".into()))
     }
 
-    fn adopt(self) -> Result<(crate::lifetime::StorageId, crate::lifetime::AnyStorage, bool)> {
+    fn adopt(self, via: u128) -> Option<crate::lifetime::TravelledSegment> {
         match self {
-            CarriedSegment::Host(host) => host.adopt(),
+            CarriedSegment::Host(host) => host.adopt(via),
             #[cfg(feature = "cuda")]
-            CarriedSegment::Gpu(gpu) => gpu.adopt(),
+            CarriedSegment::Gpu(gpu) => gpu.adopt(via),
         }
     }
 }
@@ -1034,15 +1034,8 @@ impl<'de, T: DeserializeOwned> Deserialize<'de> for Receiver<T> {
             )),
             None => None,
         };
-        let segments = wire
-            .segments
-            .into_iter()
-            .map(|(via, segment)| {
-                let (id, segment, gone) = segment.adopt()?;
-                Ok(((via, id), segment, gone))
-            })
-            .collect::<Result<Vec<_>>>()
-            .map_err(wire::decode_error)?;
+        // Each mapped here; one that cannot be fails only the blocks that name it.
+        let segments = wire.segments.into_iter().filter_map(|(via, segment)| segment.adopt(via)).collect();
         let leases = ConnectionLeases::from_leases(wire.leases, segments);
         Ok(Receiver::from_parts(main, spill, gauge, leases, |inbox| {
             inbox.rings = rings;

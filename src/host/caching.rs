@@ -218,12 +218,9 @@ impl CarriedSegment {
         Some(storage::export(&segment, true).map(CarriedSegment))
     }
 
-    /// The segment mapped here, with its id, and whether its owner has exited.
-    pub(crate) fn adopt(self) -> Result<(crate::lifetime::StorageId, crate::lifetime::AnyStorage, bool)> {
-        let id = self.0.id;
-        let segment = storage::import::<HostSegment>(self.0, None)?;
-        let gone = !segment.handle().memory().owner_alive();
-        Ok((id, segment, gone))
+    /// The segment mapped here (`None` when it cannot be: see `storage::adopt_segment`).
+    pub(crate) fn adopt(self, via: u128) -> Option<crate::lifetime::TravelledSegment> {
+        storage::adopt_segment::<HostSegment>(via, self.0)
     }
 }
 

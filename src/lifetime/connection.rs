@@ -10,7 +10,8 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use super::lease::Lease;
+use super::lease::{CacheTicket, Lease};
+use super::table::NO_SLOT;
 use super::{AnyStorage, StorageId, WeakStorage};
 
 /// A connection lease as a message names it: the owner's process token and the lease's name,
@@ -115,6 +116,15 @@ pub(crate) struct Introduction {
     pub(crate) lease: Lease,
 }
 
+/// A segment a channel end brought along from another process, mapped here.
+pub(crate) struct TravelledSegment {
+    pub(crate) via: u128,
+    pub(crate) id: StorageId,
+    pub(crate) segment: AnyStorage,
+    pub(crate) ticket: Option<CacheTicket>,
+    pub(crate) alive: OwnerAlive,
+}
+
 /// The receiving side, one per channel end: the leases its senders introduced, by name, and
 /// the segments they introduced.
 #[derive(Default)]
@@ -169,7 +179,7 @@ impl ConnectionLeases {
     /// A table of the leases and segments a channel end brought along from another process.
     pub(crate) fn from_leases(
         leases: impl IntoIterator<Item = (ConnectionKey, Lease)>,
-        segments: Vec<((u128, StorageId), AnyStorage, bool)>,
+        segments: Vec<TravelledSegment>,
     ) -> Arc<ConnectionLeases> {
         let table = ConnectionLeases::default();
         {
@@ -177,8 +187,8 @@ impl ConnectionLeases {
             known.by_name.extend(leases);
             known.swept = known.by_name.len();
         }
-        for ((via, id), segment, owner_gone) in segments {
-            table.segments.remember(via, id, segment, owner_gone);
+        for TravelledSegment { via, id, segment, ticket, alive } in segments {
+            table.segments.remember(via, id, segment, ticket, alive);
         }
         Arc::new(table)
     }
@@ -191,9 +201,10 @@ impl ConnectionLeases {
 
 /// The caching allocators' segments that the senders of one channel end introduced, each
 /// mapped here and held for as long as its sender may name it (this process's own only
-/// weakly, to travel with the end): by `(sender's process token, segment)`. An entry goes when the segment's owner gives it up (a revocation: no block of it
-/// is left anywhere, so nothing names it again), when its owner, which introduced it, is gone
-/// and the end has read everything (`forget_gone`), or with the end.
+/// weakly, to travel with the end): by `(sender's process token, segment)`. An entry goes when
+/// the segment's owner gives it up (a revocation, or the owner's liveness table says so: no
+/// block of it is left anywhere, so nothing names it again), when its owner, which introduced
+/// it, has exited and the end has read everything (`forget_gone`), or with the end.
 #[derive(Default)]
 pub(crate) struct KnownSegments {
     table: Mutex<SegmentTable>,
@@ -204,18 +215,49 @@ pub(crate) struct KnownSegments {
 /// See [`KnownSegments::watch_reads`].
 pub(crate) type ReadsProbe = Box<dyn Fn() -> Option<bool> + Send + Sync>;
 
+/// Whether a segment's owner is still alive (its lease's reading end open).
+pub(crate) type OwnerAlive = Box<dyn Fn() -> bool + Send + Sync>;
+
 #[derive(Default)]
 struct SegmentTable {
     by_id: HashMap<(u128, StorageId), Kept>,
     /// The size after the last sweep for this process's own segments gone.
     swept: usize,
-    /// Owners gone (told by the reaper), each with its number in that order, whose own
-    /// entries wait for the end to have read everything they sent.
+    /// Owners whose exit the reaper reported (or that no revocation would reach: exited
+    /// already, or not subscribed to), each with its number in that order; their entries wait
+    /// for the end to have read everything they sent, and for the owner to be really gone.
     gone: HashMap<u128, u64>,
-    /// Owners told gone so far.
+    /// Owners marked so far.
     told: u64,
-    /// Registered with the revocations (`super::segment_tables`).
+    /// Registered with the revocations (`super::register_segment_table`).
     registered: bool,
+}
+
+/// A segment as an end keeps it: another process's, mapped here (with its slot in the owner's
+/// liveness table, and how to tell whether the owner lives); or this process's own (a
+/// channel within the process), weakly: it must not keep this process's memory from its
+/// allocator, and while a block of it is named somewhere it lives anyway. Kept only to travel
+/// with the end.
+enum Kept {
+    Held { segment: AnyStorage, slot: u32, alive: OwnerAlive },
+    Own(WeakStorage),
+}
+
+impl Kept {
+    fn get(&self) -> Option<AnyStorage> {
+        match self {
+            Kept::Held { segment, .. } => Some(segment.clone()),
+            Kept::Own(segment) => segment.upgrade(),
+        }
+    }
+}
+
+impl SegmentTable {
+    fn mark_gone(&mut self, owner: u128) {
+        self.told += 1;
+        let told = self.told;
+        self.gone.entry(owner).or_insert(told);
+    }
 }
 
 impl fmt::Debug for KnownSegments {
@@ -229,16 +271,45 @@ impl KnownSegments {
         self.table.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Keeps `segment`, which the sender of process `via` introduced (weakly, when it is this
-    /// process's own; an entry it replaces is dropped after the lock). `owner_gone`: its owner exited already, so that no revocation
-    /// will come (its death may have been seen before this process subscribed).
-    pub(crate) fn remember(self: &Arc<Self>, via: u128, id: StorageId, segment: AnyStorage, owner_gone: bool) {
+    /// Keeps `segment`, which its owner (process `via`) introduced: weakly when it is this
+    /// process's own. `ticket`: its slot in the owner's liveness table; `alive`: whether the
+    /// owner lives. A segment its owner no longer holds (its table says so) is not kept; one
+    /// whose owner exited already, or that no revocation would reach (this process is not
+    /// subscribed to the owner), waits for `forget_gone`. An entry it replaces is dropped
+    /// after the lock.
+    pub(crate) fn remember(
+        self: &Arc<Self>,
+        via: u128,
+        id: StorageId,
+        segment: AnyStorage,
+        ticket: Option<CacheTicket>,
+        alive: OwnerAlive,
+    ) {
+        let slot = ticket.map_or(NO_SLOT, |t| t.slot);
+        // Looked up before the table's lock, which is never held while taking the state's.
+        let (subscribed, held) = if id.is_local() {
+            (true, true)
+        } else {
+            let s = super::state();
+            match s.owner_tables.get(&id.owner()) {
+                Some(Some(table)) => (true, table.holds(slot, id)),
+                Some(None) => (true, true),
+                None => (false, true),
+            }
+        };
+        if !held {
+            return;
+        }
         let (replaced, register) = {
             let mut t = self.lock();
-            if owner_gone {
-                t.mark_gone(id.owner());
-            }
-            let kept = if id.is_local() { Kept::Own(Arc::downgrade(&segment)) } else { Kept::Held(segment) };
+            let kept = if id.is_local() {
+                Kept::Own(Arc::downgrade(&segment))
+            } else {
+                if !subscribed || slot == NO_SLOT || !alive() {
+                    t.mark_gone(id.owner());
+                }
+                Kept::Held { segment, slot, alive }
+            };
             let replaced = t.by_id.insert((via, id), kept);
             if t.by_id.len() >= 32.max(2 * t.swept) {
                 t.by_id.retain(|_, kept| !matches!(kept, Kept::Own(segment) if segment.strong_count() == 0));
@@ -257,9 +328,14 @@ impl KnownSegments {
         self.lock().by_id.get(&(via, id)).and_then(Kept::get)
     }
 
-    /// Every entry, to travel with the channel end.
+    /// Every entry whose owner lives, to travel with the channel end.
     pub(crate) fn all(&self) -> Vec<((u128, StorageId), AnyStorage)> {
-        self.lock().by_id.iter().filter_map(|(k, kept)| Some((*k, kept.get()?))).collect()
+        self.lock()
+            .by_id
+            .iter()
+            .filter(|(_, kept)| !matches!(kept, Kept::Held { alive, .. } if !alive()))
+            .filter_map(|(k, kept)| Some((*k, kept.get()?)))
+            .collect()
     }
 
     /// How to tell, without waiting, whether the end has read everything sent to it: an owner
@@ -270,83 +346,80 @@ impl KnownSegments {
 
     /// Takes out the entries of segments their owner gave up (`Some(indices)`); or, for an
     /// owner gone (`None`), those it introduced when the end has read everything (else they
-    /// wait for [`KnownSegments::forget_gone`]).
+    /// wait for [`KnownSegments::forget_gone`]). Runs on the disposer's thread.
     pub(super) fn revoke(&self, owner: u128, indices: Option<&HashSet<u64>>) -> Vec<AnyStorage> {
-        if indices.is_none() {
+        let Some(indices) = indices else {
             let told = {
                 let mut t = self.lock();
+                if !t.by_id.keys().any(|(via, _)| *via == owner) {
+                    // Nothing of the owner's here: one that comes later is marked as it comes.
+                    return Vec::new();
+                }
                 t.mark_gone(owner);
                 t.told
             };
             let read = self.reads.lock().unwrap_or_else(|p| p.into_inner()).as_ref().and_then(|probe| probe());
             return if read == Some(true) { self.take_gone(told) } else { Vec::new() };
-        }
+        };
         let mut t = self.lock();
-        match indices {
-            Some(indices) => {
-                let keys: Vec<(u128, StorageId)> = t
-                    .by_id
-                    .keys()
-                    .filter(|(_, id)| id.owner() == owner && indices.contains(&id.index()))
-                    .copied()
-                    .collect();
-                keys.iter().filter_map(|k| t.by_id.remove(k)).filter_map(|kept| kept.get()).collect()
-            }
-            None => Vec::new(),
-        }
+        let keys: Vec<(u128, StorageId)> =
+            t.by_id.keys().filter(|(_, id)| id.owner() == owner && indices.contains(&id.index())).copied().collect();
+        keys.iter().filter_map(|k| t.by_id.remove(k)).filter_map(|kept| kept.get()).collect()
     }
 
-    /// Where the owners told gone stand now: passed to [`KnownSegments::forget_gone`] after
+    /// The owner's liveness table arrived: takes out the entries of its segments that it no
+    /// longer holds (given up before this process subscribed, or while the end travelled).
+    pub(super) fn table_arrived(&self, owner: u128, table: &super::table::Table) -> Vec<AnyStorage> {
+        let mut t = self.lock();
+        let keys: Vec<(u128, StorageId)> = t
+            .by_id
+            .iter()
+            .filter(|((_, id), kept)| {
+                id.owner() == owner && matches!(kept, Kept::Held { slot, .. } if !table.holds(*slot, *id))
+            })
+            .map(|(k, _)| *k)
+            .collect();
+        keys.iter().filter_map(|k| t.by_id.remove(k)).filter_map(|kept| kept.get()).collect()
+    }
+
+    /// Where the owners marked gone stand now: passed to [`KnownSegments::forget_gone`] after
     /// a look that found nothing.
     pub(crate) fn told_gone(&self) -> u64 {
         self.lock().told
     }
 
     /// The end has read everything there was, in a look that started after `told` owners were
-    /// told gone: every message those of them sent had arrived before (a process's sends
-    /// arrive before its death is seen), so the segments they introduced are named by no
-    /// message any more. Dropped here.
+    /// marked: every message those of them that have exited sent had arrived before (a
+    /// process's sends arrive before its death is seen), so the segments they introduced are
+    /// named by no message any more. Dropped here.
     pub(crate) fn forget_gone(&self, told: u64) {
         drop(self.take_gone(told));
     }
 
-    /// Takes out the entries that the first `told` owners told gone introduced.
+    /// Takes out the entries that the first `told` owners marked introduced, where the owner
+    /// has really exited (a mark for an owner that lives stays: a subscription that ended
+    /// without its death, say).
     fn take_gone(&self, told: u64) -> Vec<AnyStorage> {
         let mut t = self.lock();
         if t.gone.is_empty() {
             return Vec::new();
         }
-        let gone: HashSet<u128> = t.gone.iter().filter(|(_, n)| **n <= told).map(|(o, _)| *o).collect();
-        t.gone.retain(|o, _| !gone.contains(o));
-        let keys: Vec<(u128, StorageId)> =
-            t.by_id.keys().filter(|(via, id)| *via == id.owner() && gone.contains(via)).copied().collect();
-        keys.iter().filter_map(|k| t.by_id.remove(k)).filter_map(|kept| kept.get()).collect()
-    }
-}
-
-/// A segment as an end keeps it: another process's, mapped here; or this process's own (a
-/// channel within the process), weakly: it must not keep this process's memory from its
-/// allocator, and while a block of it is named somewhere it lives anyway. Kept only to travel
-/// with the end.
-enum Kept {
-    Held(AnyStorage),
-    Own(WeakStorage),
-}
-
-impl Kept {
-    fn get(&self) -> Option<AnyStorage> {
-        match self {
-            Kept::Held(segment) => Some(segment.clone()),
-            Kept::Own(segment) => segment.upgrade(),
+        let marked: Vec<u128> = t.gone.iter().filter(|(_, n)| **n <= told).map(|(o, _)| *o).collect();
+        let mut taken = Vec::new();
+        for owner in marked {
+            let keys: Vec<(u128, StorageId)> = t.by_id.keys().filter(|(via, _)| *via == owner).copied().collect();
+            let mut left = false;
+            for k in keys {
+                match t.by_id.get(&k) {
+                    Some(Kept::Held { alive, .. }) if alive() => left = true,
+                    _ => taken.extend(t.by_id.remove(&k).and_then(|kept| kept.get())),
+                }
+            }
+            if !left {
+                t.gone.remove(&owner);
+            }
         }
-    }
-}
-
-impl SegmentTable {
-    fn mark_gone(&mut self, owner: u128) {
-        self.told += 1;
-        let told = self.told;
-        self.gone.entry(owner).or_insert(told);
+        taken
     }
 }
 

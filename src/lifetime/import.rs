@@ -182,8 +182,20 @@ pub(super) fn table_arrived(owner: u128, table: Table) {
             .filter(|((id, _), (_, slot))| id.owner() == owner && !table.holds(*slot, *id))
             .map(|(k, _)| *k)
             .collect();
-        s.owner_tables.insert(owner, Some(table));
-        evict(&mut s, &dead)
+        let tables = s.segment_tables.clone();
+        let evicted = evict(&mut s, &dead);
+        // Channel ends' segments the owner gave up before this process subscribed: after the
+        // state lock, off the reaper's thread.
+        let table = table.clone();
+        s.owner_tables.insert(owner, Some(table.clone()));
+        if tables.iter().any(|t| t.strong_count() > 0) {
+            super::courier::dispose(move || {
+                let forgotten: Vec<AnyStorage> =
+                    tables.iter().filter_map(|t| t.upgrade()).flat_map(|t| t.table_arrived(owner, &table)).collect();
+                drop(forgotten);
+            });
+        }
+        evicted
     };
     // Closing the mappings takes the lock again: outside it, and off the reaper's thread.
     dispose_evicted(evicted);
@@ -234,12 +246,15 @@ pub(super) fn revoke(owner: u128, indices: Option<&[u64]>) {
             .collect();
         (evict(&mut s, &keys), s.segment_tables.clone())
     };
-    // Channel ends' segments given up: taken out of each table after the state lock (a table's
-    // lock is never held while taking it), and dropped off the reaper's thread.
-    let forgotten: Vec<AnyStorage> =
-        tables.iter().filter_map(|t| t.upgrade()).flat_map(|t| t.revoke(owner, indices.as_ref())).collect();
-    if !forgotten.is_empty() {
-        super::courier::dispose(move || drop(forgotten));
+    // Channel ends' segments given up, or of an owner gone: taken out of each table after the
+    // state lock (a table's lock is never held while taking it), off the reaper's thread (a
+    // table, or an end, may be dropped there last, and a GPU segment's unmap waits).
+    if tables.iter().any(|t| t.strong_count() > 0) {
+        super::courier::dispose(move || {
+            let forgotten: Vec<AnyStorage> =
+                tables.iter().filter_map(|t| t.upgrade()).flat_map(|t| t.revoke(owner, indices.as_ref())).collect();
+            drop(forgotten);
+        });
     }
     if !evicted.is_empty() {
         tracing::debug!(

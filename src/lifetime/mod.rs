@@ -23,7 +23,8 @@ use crate::error::{Error, Result};
 use crate::fork::ForkLocal;
 
 pub(crate) use connection::{
-    Connection, ConnectionKey, ConnectionLeases, Introduction, KnownSegments, connection_open,
+    Connection, ConnectionKey, ConnectionLeases, Introduction, KnownSegments, OwnerAlive, TravelledSegment,
+    connection_open,
 };
 pub(crate) use courier::wait_for_releases;
 pub use export::{HolderStats, holder_stats};

@@ -20,11 +20,12 @@ const TABLE_SLOTS: usize = 1 << 16;
 pub(super) const NO_SLOT: u32 = u32::MAX;
 
 /// A liveness table mapped in this process.
-pub(super) struct Table(SharedCells);
+#[derive(Clone)]
+pub(super) struct Table(Arc<SharedCells>);
 
 impl Table {
     pub(super) fn from_memory(memory: Arc<MemoryFile>) -> Table {
-        Table(SharedCells::new(memory))
+        Table(Arc::new(SharedCells::new(memory)))
     }
 
     /// True when the owner still holds storage `id` in `slot`.
@@ -57,7 +58,7 @@ impl Owner {
         if self.table.is_none() {
             // Without shared memory for the table, nothing is cached by receivers.
             let Ok(cells) = SharedCells::zeroed(TABLE_SLOTS) else { return NO_SLOT };
-            self.table = Some(Table(cells));
+            self.table = Some(Table(Arc::new(cells)));
             self.free_slots = (0..TABLE_SLOTS as u32).rev().collect();
         }
         let Some(slot) = self.free_slots.pop() else { return NO_SLOT };

@@ -304,26 +304,33 @@ pub(crate) enum SegmentRef<R> {
     Taken,
 }
 
-impl<R> SegmentRef<R> {
+impl<W> SegmentRef<Record<W>> {
     /// How a block of `segment` refers to it in the message being encoded; `export` makes the
     /// segment's record where one travels.
-    pub(crate) fn of<S: Shared>(segment: &Arc<S>, export: impl FnOnce() -> Result<R>) -> Result<SegmentRef<R>> {
+    pub(crate) fn of<S: Shared>(segment: &Arc<S>, export: impl FnOnce() -> Result<Record<W>>) -> Result<Self> {
+        let m = &segment.handle().memory;
         // Only an owner introduces its segments: a receiver that kept a segment forwarded to it
         // would keep the leases up the chain (its claim's anchors) open, and with them whatever
         // a forwarder that died held.
-        if segment.handle().memory.is_imported() {
-            return Ok(SegmentRef::Whole(Box::new(export()?)));
+        if !m.is_imported()
+            && let Some(via) = wire::segment_known(m.id)
+        {
+            return Ok(SegmentRef::Known { via, id: m.id });
         }
-        let any: AnyStorage = segment.clone();
-        Ok(match wire::segment_reference(segment.handle().memory.id, &any) {
-            wire::SegmentReference::Known(via) => SegmentRef::Known { via, id: segment.handle().memory.id },
-            wire::SegmentReference::Introduce(via) => SegmentRef::Introduced { via, record: Box::new(export()?) },
-            wire::SegmentReference::Whole => SegmentRef::Whole(Box::new(export()?)),
-        })
+        let record = export()?;
+        // A segment without a slot in this process's liveness table could not be revoked
+        // where it is kept: it travels whole.
+        if !m.is_imported() && record.ticket.is_some() {
+            let any: AnyStorage = segment.clone();
+            if let Some(via) = wire::introduce_segment(m.id, &any) {
+                return Ok(SegmentRef::Introduced { via, record: Box::new(record) });
+            }
+        }
+        Ok(SegmentRef::Whole(Box::new(record)))
     }
 
     /// The segment's record, where one travels.
-    pub(crate) fn record(&self) -> Option<&R> {
+    pub(crate) fn record(&self) -> Option<&Record<W>> {
         match self {
             SegmentRef::Whole(record) | SegmentRef::Introduced { record, .. } => Some(record),
             SegmentRef::Known { .. } | SegmentRef::Taken => None,
@@ -332,17 +339,20 @@ impl<R> SegmentRef<R> {
 
     /// The segment: imported from its record by `import` (and kept with the channel end when
     /// introduced), or the one the channel end keeps. `None` where the record was taken.
-    pub(crate) fn resolve<S: Shared>(&mut self, import: impl FnOnce(R) -> Result<Arc<S>>) -> Result<Option<Arc<S>>> {
+    pub(crate) fn resolve<S: Shared>(
+        &mut self,
+        import: impl FnOnce(Record<W>) -> Result<Arc<S>>,
+    ) -> Result<Option<Arc<S>>> {
         match std::mem::replace(self, SegmentRef::Taken) {
             SegmentRef::Whole(record) => import(*record).map(Some),
             SegmentRef::Introduced { via, record } => {
+                let ticket = record.ticket;
                 let segment = import(*record)?;
                 let id = segment.handle().memory.id;
                 // Only an owner introduces its segments (see `of`); this process's own (a
                 // channel within it) is kept weakly, to travel with the end.
                 if via == id.owner() {
-                    let owner_gone = !segment.handle().memory.owner_alive();
-                    wire::remember_segment(via, id, segment.clone(), owner_gone);
+                    wire::remember_segment(via, id, segment.clone(), ticket, owner_alive(&segment));
                 }
                 Ok(Some(segment))
             }
@@ -353,6 +363,32 @@ impl<R> SegmentRef<R> {
                 None => Err(Error::Malformed(format!("a block names segment {id}, which its channel was never given"))),
             },
             SegmentRef::Taken => Ok(None),
+        }
+    }
+}
+
+/// Whether the owner of `storage` (mapped here) still lives.
+pub(crate) fn owner_alive<S: Shared>(storage: &Arc<S>) -> lifetime::OwnerAlive {
+    let storage = Arc::downgrade(storage);
+    Box::new(move || storage.upgrade().is_some_and(|s| s.handle().memory.owner_alive()))
+}
+
+/// A segment a channel end keeps, carried to another process with the end, then mapped
+/// there; `None` (with a warning) when it cannot be mapped there: only the blocks that name it
+/// then fail, not the end.
+pub(crate) fn adopt_segment<S: Shared>(
+    via: u128,
+    record: Record<<S::Kind as StorageKind>::Wire>,
+) -> Option<lifetime::TravelledSegment> {
+    let (id, ticket) = (record.id, record.ticket);
+    match import::<S>(record, None) {
+        Ok(segment) => {
+            let alive = owner_alive(&segment);
+            Some(lifetime::TravelledSegment { via, id, segment, ticket, alive })
+        }
+        Err(e) => {
+            tracing::warn!(segment = %id, error = %e, "a segment a channel end brought along could not be mapped");
+            None
         }
     }
 }
