@@ -359,7 +359,22 @@ impl KnownSegments {
                 t.told
             };
             let read = self.reads.lock().unwrap_or_else(|p| p.into_inner()).as_ref().and_then(|probe| probe());
-            return if read == Some(true) { self.take_gone(told) } else { Vec::new() };
+            if read != Some(true) {
+                return Vec::new();
+            }
+            // The reaper may learn of the death (its revocation socket closed) a moment before
+            // the kernel has closed the rest of the process's descriptors (the lease the entries
+            // look at): a short wait here, on the disposer's thread. An owner that still lives
+            // after it (a subscription that ended without its death) keeps its entries.
+            let mut taken = Vec::new();
+            let until = std::time::Instant::now() + OWNER_EXIT;
+            loop {
+                taken.extend(self.take_gone(told));
+                if !self.lock().gone.contains_key(&owner) || std::time::Instant::now() >= until {
+                    return taken;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
         };
         let mut t = self.lock();
         let keys: Vec<(u128, StorageId)> =
@@ -422,6 +437,9 @@ impl KnownSegments {
         taken
     }
 }
+
+/// How long an owner whose death the reaper reported may take to close its leases.
+const OWNER_EXIT: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// A weak handle on a segment table, for the revocations.
 pub(super) type WeakSegments = Weak<KnownSegments>;
