@@ -5,9 +5,9 @@
 mod caching;
 mod tensor;
 
-#[cfg(feature = "remote")]
 pub(crate) use caching::CarriedSegment;
 pub use caching::{empty_host_cache, host_allocator_stats, host_caching, set_host_cache_limit, set_host_caching};
+#[cfg(feature = "remote")]
 pub(crate) use tensor::gather_bytes;
 
 use std::sync::Arc;

@@ -330,6 +330,7 @@ impl<W> SegmentRef<Record<W>> {
     }
 
     /// The segment's record, where one travels.
+    #[cfg(feature = "cuda")]
     pub(crate) fn record(&self) -> Option<&Record<W>> {
         match self {
             SegmentRef::Whole(record) | SegmentRef::Introduced { record, .. } => Some(record),
