@@ -502,8 +502,8 @@ fn split_claims<'b>(bytes: &'b [u8], leases: &ConnectionLeases) -> std::result::
 pub(crate) fn segment_known(id: StorageId) -> Option<u128> {
     ENCODING.with(|e| {
         let e = e.borrow();
-        let connection = e.last()?.connection.as_ref()?;
         let encoding = e.last()?;
+        let connection = encoding.connection.as_ref()?;
         let known = encoding.segments.iter().any(|(s, _)| *s == id) || connection.knows_segment(id);
         known.then(crate::lifetime::process_token)
     })

@@ -310,17 +310,22 @@ fn fragmentation_is_bounded_by_the_segments_live_blocks_pin() {
     assert_eq!(empty_host_cache(), 8 << 20, "every segment whole again once its blocks are back");
 }
 
+/// Sends a fresh 4 KiB host tensor for each number of `numbers`, full of its number.
+fn send_fresh(tx: &Sender<(u32, HostTensor<f32>)>, numbers: std::ops::Range<u32>) {
+    for i in numbers {
+        tx.send((i, HostTensor::<f32>::full(&[1024], i as f32).unwrap())).unwrap();
+    }
+}
+
 /// Sends `n` fresh 4 KiB host tensors (tensor `i` full of `i`), each after the reply to the one
 /// before; then, when told, `n` more at once; then ends when told.
 fn produce_in_two_halves((tx, replies, go, n): (Sender<(u32, HostTensor<f32>)>, Receiver<u32>, Receiver<()>, u32)) {
     for i in 0..n {
-        tx.send((i, HostTensor::<f32>::full(&[1024], i as f32).unwrap())).unwrap();
+        send_fresh(&tx, i..i + 1);
         assert_eq!(replies.recv_timeout(WAIT).unwrap(), i);
     }
     go.recv_timeout(WAIT).unwrap();
-    for i in n..2 * n {
-        tx.send((i, HostTensor::<f32>::full(&[1024], i as f32).unwrap())).unwrap();
-    }
+    send_fresh(&tx, n..2 * n);
     go.recv_timeout(WAIT).unwrap();
 }
 
@@ -392,9 +397,7 @@ fn segment_files() -> usize {
 
 /// Sends `n` fresh host tensors and exits at once.
 fn send_and_exit((tx, n): (Sender<(u32, HostTensor<f32>)>, u32)) {
-    for i in 0..n {
-        tx.send((i, HostTensor::<f32>::full(&[1024], i as f32).unwrap())).unwrap();
-    }
+    send_fresh(&tx, 0..n);
 }
 
 /// A producer that exits right after its sends: every message still decodes (the later ones
@@ -417,9 +420,7 @@ fn a_producer_that_exits_after_its_sends_leaves_its_segment_until_everything_is_
 
 /// Sends `n` fresh host tensors, then exits when told.
 fn send_then_exit_when_told((tx, n, go): (Sender<(u32, HostTensor<f32>)>, u32, Receiver<()>)) {
-    for i in 0..n {
-        tx.send((i, HostTensor::<f32>::full(&[1024], i as f32).unwrap())).unwrap();
-    }
+    send_fresh(&tx, 0..n);
     go.recv_timeout(WAIT).unwrap();
 }
 

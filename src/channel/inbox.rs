@@ -268,7 +268,7 @@ impl Inbox {
     /// in the stash, a ring or a batch either, every message of a sender that is gone has been
     /// read: the segments it introduced can go, and so can the rings of writers gone.
     fn read_everything(&mut self) {
-        if self.stash.is_none() && self.spill.is_none() && !self.rings.iter().any(|r| r.has_entries()) {
+        if self.nothing_waits_here() {
             self.leases.segments().forget_gone(self.told_gone);
             self.rings.retain(|r| !r.writer_gone());
         }
@@ -276,10 +276,12 @@ impl Inbox {
 
     /// Whether nothing waits to be read: in the stash, a ring, a batch or the socket.
     pub(super) fn everything_read(&mut self) -> bool {
-        self.stash.is_none()
-            && self.spill.is_none()
-            && !self.rings.iter().any(|r| r.has_entries())
-            && self.main.pending_bytes() == 0
+        self.nothing_waits_here() && self.main.pending_bytes() == 0
+    }
+
+    /// Whether nothing waits in the stash, a ring or a batch.
+    fn nothing_waits_here(&self) -> bool {
+        self.stash.is_none() && self.spill.is_none() && !self.rings.iter().any(|r| r.has_entries())
     }
 
     /// Looks without waiting until it finds a message (or a failure) or nothing more.

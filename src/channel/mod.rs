@@ -932,18 +932,18 @@ struct ReceiverWire {
 /// A segment a receiving end keeps, as it travels.
 #[derive(Serialize, Deserialize)]
 enum CarriedSegment {
-    Host(crate::host::CarriedSegment),
+    Host(crate::storage::CarriedSegment<crate::host::HostSegment>),
     #[cfg(feature = "cuda")]
-    Gpu(crate::gpu::CarriedSegment),
+    Gpu(crate::storage::CarriedSegment<crate::GpuStorage>),
 }
 
 impl CarriedSegment {
     fn carry(segment: &crate::lifetime::AnyStorage) -> Result<CarriedSegment> {
-        if let Some(host) = crate::host::CarriedSegment::carry(segment) {
+        if let Some(host) = crate::storage::CarriedSegment::carry(segment) {
             return host.map(CarriedSegment::Host);
         }
         #[cfg(feature = "cuda")]
-        if let Some(gpu) = crate::gpu::CarriedSegment::carry(segment) {
+        if let Some(gpu) = crate::storage::CarriedSegment::carry(segment) {
             return gpu.map(CarriedSegment::Gpu);
         }
         Err(Error::Unsupported("a receiver keeps a segment of an unknown kind".into()))

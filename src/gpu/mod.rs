@@ -434,7 +434,6 @@ pub(crate) fn pack(storage: &Arc<GpuStorage>, layout: &Layout, dtype: DType) -> 
 pub(crate) use driver::DeviceRange;
 #[cfg(feature = "remote")]
 pub(crate) use nccl::{Communicator, UniqueId};
-pub(crate) use storage::CarriedSegment;
 #[cfg(any(test, feature = "testing"))]
 pub(crate) use torch::torch_mem_handle;
 

@@ -226,21 +226,15 @@ fn open_block(
     Ok(ImportedBlock::new(segment, offset as usize))
 }
 
-/// A segment a channel end keeps (a sender named it there), as it travels with the end.
-#[derive(Serialize, Deserialize)]
-pub(crate) struct CarriedSegment(Record<GpuWire>);
-
-impl CarriedSegment {
-    /// `segment`'s record, if it is a GPU segment.
-    pub(crate) fn carry(segment: &crate::lifetime::AnyStorage) -> Option<Result<CarriedSegment>> {
-        let segment = segment.clone().downcast::<GpuStorage>().ok()?;
-        Some(storage::export(&segment, true).map(CarriedSegment))
+/// The segment of a block that this process maps already (or owns): a segment record's claim
+/// joins the cover of the segment's mapping, which its blocks keep (and an introduced one is
+/// kept by the channel end).
+fn segment_arrived(wire: &mut GpuWire, place: Option<&GpuPlace>) -> Result<()> {
+    if let WireMemory::Block { segment, .. } = &mut wire.memory {
+        let uuid = wire.device_uuid;
+        drop(segment.resolve(|record| storage::import::<GpuStorage>(record.into_storage(uuid), place))?);
     }
-
-    /// The segment mapped here (`None` when it cannot be: see `storage::adopt_segment`).
-    pub(crate) fn adopt(self, via: u128) -> Option<crate::lifetime::TravelledSegment> {
-        storage::adopt_segment::<GpuStorage>(via, self.0)
-    }
+    Ok(())
 }
 
 /// Where a GPU storage is mapped: the GPU holding it, and the GPU that maps it (the same one,
@@ -369,21 +363,11 @@ impl StorageKind for GpuKind {
     }
 
     fn returned(wire: &mut GpuWire) -> Result<()> {
-        if let WireMemory::Block { segment, .. } = &mut wire.memory {
-            let uuid = wire.device_uuid;
-            drop(segment.resolve(|record| storage::import::<GpuStorage>(record.into_storage(uuid), None))?);
-        }
-        Ok(())
+        segment_arrived(wire, None)
     }
 
     fn arrived(memory: &Memory<Self>, wire: &mut GpuWire, place: &GpuPlace, arrival: Arrival) -> Result<()> {
-        if let WireMemory::Block { segment, .. } = &mut wire.memory {
-            // The block was mapped here already: a segment record's claim joins the cover of the
-            // segment's mapping, which its blocks keep (and an introduced one is kept by the
-            // channel end).
-            let uuid = wire.device_uuid;
-            drop(segment.resolve(|record| storage::import::<GpuStorage>(record.into_storage(uuid), Some(place)))?);
-        }
+        segment_arrived(wire, Some(place))?;
         match &wire.event_handle {
             Some(event) => {
                 let event = handle_from(event, "event handle")?;

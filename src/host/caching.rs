@@ -207,23 +207,6 @@ pub(super) fn segment_arrived(segment: &mut SegmentRef<Record<SegmentWire>>) -> 
     Ok(())
 }
 
-/// A segment a channel end keeps (a sender named it there), as it travels with the end.
-#[derive(Serialize, Deserialize)]
-pub(crate) struct CarriedSegment(Record<SegmentWire>);
-
-impl CarriedSegment {
-    /// `segment`'s record, if it is a host segment.
-    pub(crate) fn carry(segment: &crate::lifetime::AnyStorage) -> Option<Result<CarriedSegment>> {
-        let segment = segment.clone().downcast::<HostSegment>().ok()?;
-        Some(storage::export(&segment, true).map(CarriedSegment))
-    }
-
-    /// The segment mapped here (`None` when it cannot be: see `storage::adopt_segment`).
-    pub(crate) fn adopt(self, via: u128) -> Option<crate::lifetime::TravelledSegment> {
-        storage::adopt_segment::<HostSegment>(via, self.0)
-    }
-}
-
 /// Turns the host caching allocator on (the default) or off, in this process. On, new host
 /// tensors are blocks of memory files (segments) that receivers map once: a fresh tensor
 /// costs no memory file, no mapping and no descriptor of its own, and one sent to a process

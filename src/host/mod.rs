@@ -5,7 +5,7 @@
 mod caching;
 mod tensor;
 
-pub(crate) use caching::CarriedSegment;
+pub(crate) use caching::HostSegment;
 pub use caching::{empty_host_cache, host_allocator_stats, host_caching, set_host_cache_limit, set_host_caching};
 #[cfg(feature = "remote")]
 pub(crate) use tensor::gather_bytes;
@@ -154,10 +154,7 @@ impl StorageKind for HostKind {
     }
 
     fn arrived(_: &Memory<Self>, wire: &mut HostWire, _: &(), _: Arrival) -> Result<()> {
-        match wire {
-            HostWire::Block { segment, .. } => caching::segment_arrived(segment),
-            HostWire::File { .. } => Ok(()),
-        }
+        Self::returned(wire)
     }
 }
 

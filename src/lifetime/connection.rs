@@ -146,8 +146,9 @@ impl fmt::Debug for ConnectionLeases {
     }
 }
 
-/// Leases of owners that are gone are dropped when the table has doubled since the last sweep
-/// (and has at least this many): a receiver that outlives many senders keeps none of theirs.
+/// Leases of owners that are gone (and entries of segments gone) are dropped when their table
+/// has doubled since the last sweep (and has at least this many): a receiver that outlives many
+/// senders keeps none of theirs.
 const SWEEP_AT: usize = 32;
 
 impl ConnectionLeases {
@@ -311,7 +312,7 @@ impl KnownSegments {
                 Kept::Held { segment, slot, alive }
             };
             let replaced = t.by_id.insert((via, id), kept);
-            if t.by_id.len() >= 32.max(2 * t.swept) {
+            if t.by_id.len() >= SWEEP_AT.max(2 * t.swept) {
                 t.by_id.retain(|_, kept| !matches!(kept, Kept::Own(segment) if segment.strong_count() == 0));
                 t.swept = t.by_id.len();
             }

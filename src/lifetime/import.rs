@@ -174,7 +174,7 @@ impl Drop for DeferredRelease {
 /// An owner's liveness table arrived: keep it, and evict the mappings cached while it was on
 /// its way whose storages the owner no longer holds.
 pub(super) fn table_arrived(owner: u128, table: Table) {
-    let evicted = {
+    let (evicted, tables) = {
         let mut s = state();
         let dead: Vec<ImportKey> = s
             .idle
@@ -182,23 +182,28 @@ pub(super) fn table_arrived(owner: u128, table: Table) {
             .filter(|((id, _), (_, slot))| id.owner() == owner && !table.holds(*slot, *id))
             .map(|(k, _)| *k)
             .collect();
-        let tables = s.segment_tables.clone();
-        let evicted = evict(&mut s, &dead);
-        // Channel ends' segments the owner gave up before this process subscribed: after the
-        // state lock, off the reaper's thread.
-        let table = table.clone();
         s.owner_tables.insert(owner, Some(table.clone()));
-        if tables.iter().any(|t| t.strong_count() > 0) {
-            super::courier::dispose(move || {
-                let forgotten: Vec<AnyStorage> =
-                    tables.iter().filter_map(|t| t.upgrade()).flat_map(|t| t.table_arrived(owner, &table)).collect();
-                drop(forgotten);
-            });
-        }
-        evicted
+        (evict(&mut s, &dead), s.segment_tables.clone())
     };
+    // Channel ends' segments the owner gave up before this process subscribed.
+    in_segment_tables(tables, move |t| t.table_arrived(owner, &table));
     // Closing the mappings takes the lock again: outside it, and off the reaper's thread.
     dispose_evicted(evicted);
+}
+
+/// Runs `take` on every channel end's segment table still alive and drops what it takes out:
+/// after the state lock (a table's lock is never held while taking it), off the reaper's
+/// thread (a table, or an end, may be dropped there last, and a GPU segment's unmap waits).
+fn in_segment_tables(
+    tables: Vec<super::connection::WeakSegments>,
+    take: impl Fn(&super::KnownSegments) -> Vec<AnyStorage> + Send + 'static,
+) {
+    if tables.iter().any(|t| t.strong_count() > 0) {
+        super::courier::dispose(move || {
+            let taken: Vec<AnyStorage> = tables.iter().filter_map(|t| t.upgrade()).flat_map(|t| take(&t)).collect();
+            drop(taken);
+        });
+    }
 }
 
 /// Takes `keys` out of the idle cache, under the lock: each is marked closing (a new import of
@@ -246,16 +251,8 @@ pub(super) fn revoke(owner: u128, indices: Option<&[u64]>) {
             .collect();
         (evict(&mut s, &keys), s.segment_tables.clone())
     };
-    // Channel ends' segments given up, or of an owner gone: taken out of each table after the
-    // state lock (a table's lock is never held while taking it), off the reaper's thread (a
-    // table, or an end, may be dropped there last, and a GPU segment's unmap waits).
-    if tables.iter().any(|t| t.strong_count() > 0) {
-        super::courier::dispose(move || {
-            let forgotten: Vec<AnyStorage> =
-                tables.iter().filter_map(|t| t.upgrade()).flat_map(|t| t.revoke(owner, indices.as_ref())).collect();
-            drop(forgotten);
-        });
-    }
+    // Channel ends' segments given up, or of an owner gone.
+    in_segment_tables(tables, move |t| t.revoke(owner, indices.as_ref()));
     if !evicted.is_empty() {
         tracing::debug!(
             owner = format_args!("{owner:032x}"),

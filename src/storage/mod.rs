@@ -374,22 +374,32 @@ pub(crate) fn owner_alive<S: Shared>(storage: &Arc<S>) -> lifetime::OwnerAlive {
     Box::new(move || storage.upgrade().is_some_and(|s| s.handle().memory.owner_alive()))
 }
 
-/// A segment a channel end keeps, carried to another process with the end, then mapped
-/// there; `None` (with a warning) when it cannot be mapped there: only the blocks that name it
-/// then fail, not the end.
-pub(crate) fn adopt_segment<S: Shared>(
-    via: u128,
-    record: Record<<S::Kind as StorageKind>::Wire>,
-) -> Option<lifetime::TravelledSegment> {
-    let (id, ticket) = (record.id, record.ticket);
-    match import::<S>(record, None) {
-        Ok(segment) => {
-            let alive = owner_alive(&segment);
-            Some(lifetime::TravelledSegment { via, id, segment, ticket, alive })
-        }
-        Err(e) => {
-            tracing::warn!(segment = %id, error = %e, "a segment a channel end brought along could not be mapped");
-            None
+/// A segment a channel end keeps (its owner named it there), as it travels with the end: the
+/// segment forwarded as a storage of kind `S`.
+#[derive(Serialize, Deserialize)]
+#[serde(bound = "")]
+pub(crate) struct CarriedSegment<S: Shared>(Record<<S::Kind as StorageKind>::Wire>);
+
+impl<S: Shared> CarriedSegment<S> {
+    /// `segment`'s record, if it is a storage of type `S`.
+    pub(crate) fn carry(segment: &AnyStorage) -> Option<Result<CarriedSegment<S>>> {
+        let segment = segment.clone().downcast::<S>().ok()?;
+        Some(export(&segment, true).map(CarriedSegment))
+    }
+
+    /// The segment mapped here; `None` (with a warning) when it cannot be mapped here: only
+    /// the blocks that name it then fail, not the end.
+    pub(crate) fn adopt(self, via: u128) -> Option<lifetime::TravelledSegment> {
+        let (id, ticket) = (self.0.id, self.0.ticket);
+        match import::<S>(self.0, None) {
+            Ok(segment) => {
+                let alive = owner_alive(&segment);
+                Some(lifetime::TravelledSegment { via, id, segment, ticket, alive })
+            }
+            Err(e) => {
+                tracing::warn!(segment = %id, error = %e, "a segment a channel end brought along could not be mapped");
+                None
+            }
         }
     }
 }
