@@ -30,6 +30,11 @@ use crate::sys::{Socket, Wait};
 /// How often revocations that a subscriber's full socket refused are tried again.
 const RETRY: Duration = Duration::from_millis(10);
 
+/// How long a release that woke the courier waits for the ones after it: far below what a
+/// block's reuse waits for anyway (the consumer's drop, its fence), far above the gap between
+/// two drops of a consumer that keeps up with a stream.
+const GATHER: Duration = Duration::from_micros(20);
+
 /// Indices in one revocation message at most (a small message, whatever the backlog).
 const BATCH: usize = 512;
 
@@ -123,8 +128,15 @@ pub(super) fn release(tx: Arc<OwnedFd>, index: u64, count: u64) {
         let _ = Control::Release(index, count).send(&*tx);
         return;
     };
-    lock(courier).releases.push((tx, index, count));
-    courier.posted.notify_one();
+    let mut queue = lock(courier);
+    // Only the first release of a batch wakes the thread (a wake is a system call here and a
+    // context switch there); the ones posted before it takes the batch go with it.
+    let wake = queue.releases.is_empty() && !queue.sending;
+    queue.releases.push((tx, index, count));
+    drop(queue);
+    if wake {
+        courier.posted.notify_one();
+    }
 }
 
 /// Writes `releases` in order, the records of consecutive releases on one lease together, in
@@ -170,6 +182,14 @@ fn run(courier: &'static Courier) {
             let mut queue = lock(courier);
             while queue.releases.is_empty() && queue.revocations.is_empty() {
                 queue = courier.posted.wait(queue).unwrap_or_else(|p| p.into_inner());
+            }
+            if queue.releases.len() == 1 && queue.revocations.is_empty() {
+                // A lone release that woke the thread: the next drops of a stream of them
+                // (a consumer dropping each tensor it receives) come within microseconds, and
+                // one write then carries them all, so the owner's reaper also wakes once.
+                drop(queue);
+                std::thread::sleep(GATHER);
+                queue = lock(courier);
             }
             if queue.releases.is_empty() && queue.blocked {
                 // Only revocations that found no room last time: give the reader a moment (a
