@@ -4,7 +4,7 @@
 //!     cargo bench --bench handoff -- --no-torch   # ours only
 //!     cargo bench --bench handoff -- --quick      # fewer rounds
 //!     cargo bench --bench handoff -- --storage vmm  # producer memory: legacy, vmm or auto
-//!     cargo bench --bench handoff -- --segments vmm # the caching allocator's segments: legacy or vmm
+//!     cargo bench --bench handoff -- --segments legacy # the caching allocator's segments: auto (default), legacy or vmm
 //!     cargo bench --bench handoff -- --only bd   # rows b and d only (p: floor and split)
 //!
 //! Rows (torch runs the same workloads; the ratio is torch / ours, higher is better for us):
@@ -894,7 +894,7 @@ fn main() {
     }
     let dev = Device::get(0).unwrap();
     // `--storage legacy|vmm|auto`: the GPU memory the producer allocates (default auto);
-    // `--segments legacy|vmm|auto`: the memory of the caching allocator's segments (default legacy).
+    // `--segments legacy|vmm|auto`: the memory of the caching allocator's segments (default auto).
     let kind_of = |flag: &str, default: cuda_mp::GpuMemoryKind| {
         let given = args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1));
         given.map_or(Ok(default), |s| s.parse::<cuda_mp::GpuMemoryKind>()).unwrap_or_else(|e| {
@@ -903,7 +903,7 @@ fn main() {
         })
     };
     let kind = kind_of("--storage", cuda_mp::GpuMemoryKind::Auto);
-    let segments = kind_of("--segments", cuda_mp::GpuMemoryKind::Legacy);
+    let segments = kind_of("--segments", cuda_mp::GpuMemoryKind::Auto);
     dev.set_memory_kind(kind);
     if let Err(e) = dev.set_segment_kind(segments) {
         println!("--segments: {e}");

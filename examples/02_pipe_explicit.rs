@@ -34,7 +34,13 @@ fn run() -> Outcome {
     println!("  strides        {:?}", payload.strides());
     println!("  offset         {}", payload.offset());
     println!("  device uuid    {}", payload.device_uuid());
-    println!("  memory handle  {}", hex(payload.mem_handle()));
+    println!("  memory         {:?}", payload.memory_kind());
+    // Legacy memory travels as the driver's 64-byte IPC handle; VMM memory (the caching
+    // allocator's segments where the GPU has VMM) as a file descriptor beside the message.
+    println!(
+        "  memory handle  {}",
+        if payload.mem_handle().is_empty() { "(a descriptor)".into() } else { hex(payload.mem_handle()) }
+    );
     println!("  alloc offset   {} bytes", payload.alloc_offset());
     println!("  storage size   {} bytes", payload.storage_bytes());
     println!("  event handle   {}", payload.event_handle().map(hex).unwrap_or_else(|| "none".into()));

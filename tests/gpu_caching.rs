@@ -370,12 +370,20 @@ fn the_cache_limit_refuses_a_segment_past_it_and_caching_can_be_turned_off() {
     dev.set_caching(true);
 }
 
+/// The segment kind of a process that did not choose one, and the memory of its first tensor.
+fn segments_of_a_process_that_did_not_choose(_: ()) -> (String, String) {
+    let dev = Device::get(0).unwrap();
+    let t = GpuTensor::<f32>::zeros(&dev, &[16]).unwrap();
+    (format!("{:?}", dev.segment_kind()), format!("{:?}", t.storage().memory_kind()))
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn vmm_segments_keep_their_blocks_apart_from_legacy_ones_and_say_so() {
     let _g = serial();
     let dev = common::gpu();
-    assert_eq!(dev.segment_kind(), GpuMemoryKind::Legacy, "legacy segments by default");
+    let default = spawn((), segments_of_a_process_that_did_not_choose).join().unwrap();
+    assert_eq!(default, ("Auto".to_string(), "Vmm".to_string()), "vmm segments by default on a gpu with vmm");
     let legacy = GpuTensor::<f32>::full(&dev, &[1024], 1.0).unwrap();
     dev.set_segment_kind(GpuMemoryKind::Vmm).unwrap();
     let vmm = GpuTensor::<f32>::full(&dev, &[1024], 2.0).unwrap();

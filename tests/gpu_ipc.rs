@@ -387,6 +387,9 @@ fn expect_malformed(r: Result<GpuTensor<f32>, RecvError>) -> String {
 
 fn send_and_exit(tx: Sender<GpuTensor<f32>>) {
     let dev = Device::get(0).unwrap();
+    // Legacy memory, which dies with its producer (VMM memory, the default for segments where
+    // the GPU has it, would not).
+    dev.set_memory_kind(cuda_mp::GpuMemoryKind::Legacy);
     let t = GpuTensor::<f32>::full(&dev, &[4], 1.0).unwrap();
     tx.send(t).unwrap();
 }

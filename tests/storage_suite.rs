@@ -64,12 +64,17 @@ impl Kind for HostPooled {
     }
 }
 
-/// GPU memory of one kind (legacy IPC or VMM), whatever the size; legacy memory a block of
-/// the caching allocator's or an allocation of its own.
-fn gpu_tensor(len: usize, kind: GpuMemoryKind, caching: bool) -> GpuTensor<f32> {
+/// GPU memory of one kind (legacy IPC or VMM), whatever the size: an allocation of its own, or
+/// with `segments` a block of the caching allocator's segments of that kind.
+fn gpu_tensor(len: usize, kind: GpuMemoryKind, segments: bool) -> GpuTensor<f32> {
     let dev = Device::get(0).expect("this test needs a CUDA GPU");
-    dev.set_memory_kind(kind);
-    dev.set_caching(caching);
+    dev.set_caching(segments);
+    if segments {
+        dev.set_memory_kind(GpuMemoryKind::Auto);
+        dev.set_segment_kind(kind).unwrap();
+    } else {
+        dev.set_memory_kind(kind);
+    }
     let t = GpuTensor::zeros(&dev, &[len]).unwrap();
     assert_eq!(t.storage().memory_kind(), kind);
     t
@@ -93,6 +98,14 @@ impl Kind for GpuPooled {
 
 struct GpuVmm;
 impl Kind for GpuVmm {
+    type S = cuda_mp::GpuStorage;
+    fn make(len: usize) -> GpuTensor<f32> {
+        gpu_tensor(len, GpuMemoryKind::Vmm, false)
+    }
+}
+
+struct GpuVmmPooled;
+impl Kind for GpuVmmPooled {
     type S = cuda_mp::GpuStorage;
     fn make(len: usize) -> GpuTensor<f32> {
         gpu_tensor(len, GpuMemoryKind::Vmm, true)
@@ -596,6 +609,7 @@ suite!(host_pooled, HostPooled, 10_000);
 suite!(gpu_legacy, GpuLegacy, 1_000, #[ignore = "needs a CUDA GPU"]);
 suite!(gpu_pooled, GpuPooled, 1_000, #[ignore = "needs a CUDA GPU"]);
 suite!(gpu_vmm, GpuVmm, 1_000, #[ignore = "needs a CUDA GPU"]);
+suite!(gpu_vmm_pooled, GpuVmmPooled, 1_000, #[ignore = "needs a CUDA GPU"]);
 
 /// Sends one fake storage whose mapping takes `delay_ms`, then waits to be killed.
 fn send_slow((tx, delay_ms): (Sender<FakeTensor<f32>>, u64)) {

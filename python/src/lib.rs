@@ -1352,6 +1352,14 @@ fn set_caching(enabled: bool, device: Option<usize>) -> PyResult<()> {
     Ok(())
 }
 
+/// Chooses the memory of GPU `device`'s new caching-allocator segments in this process:
+/// "auto" (the default: VMM where the device has it), "vmm" or "legacy".
+#[pyfunction]
+fn set_segment_kind(kind: &str, device: usize) -> PyResult<()> {
+    let kind: cuda_mp::GpuMemoryKind = kind.parse().map_err(error)?;
+    Device::get(device).and_then(|dev| dev.set_segment_kind(kind)).map_err(error)
+}
+
 /// Limits the bytes a caching allocator's segments hold (`None`: no limit).
 #[pyfunction]
 #[pyo3(signature = (limit, device=None))]
@@ -1422,6 +1430,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(allocator_stats, m)?)?;
     m.add_function(wrap_pyfunction!(empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(set_caching, m)?)?;
+    m.add_function(wrap_pyfunction!(set_segment_kind, m)?)?;
     m.add_function(wrap_pyfunction!(set_cache_limit, m)?)?;
     torch_ipc::register(m)?;
     Ok(())

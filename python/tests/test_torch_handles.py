@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor  # noqa: E402
 
+import cuda_mp  # noqa: E402
 from cuda_mp import _errors, _native  # noqa: E402
 from cuda_mp.torch_handles import from_torch_reduction, rebuild, to_torch_args  # noqa: E402
 
@@ -289,7 +290,26 @@ def _consumer_round_trip(t, x):
     return args
 
 
-def test_a_cuda_mp_tensor_is_used_by_a_pytorch_consumer_and_released():
+@pytest.fixture
+def legacy_segments():
+    """PyTorch opens legacy CUDA IPC handles only: this process's fresh tensors are cut from
+    legacy segments for the test (VMM ones are the default where the GPU has VMM)."""
+    cuda_mp.set_segment_kind("legacy", 0)
+    yield
+    cuda_mp.set_segment_kind("auto", 0)
+
+
+def test_a_block_of_a_vmm_segment_says_how_to_share_it_with_pytorch():
+    cuda_mp.set_segment_kind("vmm", 0)
+    try:
+        bundle = _native.pack(0, [("w", "f32", [16, 16])])
+    finally:
+        cuda_mp.set_segment_kind("auto", 0)
+    with pytest.raises(_errors.Error, match="set_segment_kind"):
+        to_torch_args(bundle.get("w"))
+
+
+def test_a_cuda_mp_tensor_is_used_by_a_pytorch_consumer_and_released(legacy_segments):
     live_before = _live_storages_settled()
     bundle = _native.pack(0, [("pad", "u8", [300]), ("w", "f32", [16, 16])])
     whole = bundle.get("w")
@@ -307,7 +327,7 @@ def test_a_cuda_mp_tensor_is_used_by_a_pytorch_consumer_and_released():
     _wait_for(lambda: _native.lifetime_stats()[0] == live_before, "the storage to be freed")
 
 
-def test_a_pytorch_view_of_cuda_mp_memory_is_shared_as_that_memory():
+def test_a_pytorch_view_of_cuda_mp_memory_is_shared_as_that_memory(legacy_segments):
     bundle = _native.pack(0, [("w", "f32", [16, 16])])
     x = torch.from_dlpack(bundle.get("w"))
     x.copy_(torch.arange(256, dtype=torch.float32, device="cuda").reshape(16, 16))

@@ -1,12 +1,13 @@
 //! The caching allocator: GPU tensors carved out of large segments, each segment exported and
 //! mapped once per process, each tensor's block reused once every process has dropped it.
 //!
-//! A segment is a storage of its own (legacy `cuMemAlloc` memory, with its IPC handle taken
-//! once; or VMM memory, its descriptor exported once, where [`Device::set_segment_kind`] asks
-//! for it), held by the allocator and counted in no storage statistics. A block is an ordinary
-//! storage (its own identity, claims and idle cache) whose memory is a range of a segment:
-//! its record carries the segment's record (a claim on the segment, which a receiver that maps
-//! it already adds to its mapping's cover) and the block's offset. So a receiver keeps a
+//! A segment is a storage of its own (VMM memory, its descriptor exported once, where the
+//! device can share it; legacy `cuMemAlloc` memory, its IPC handle taken once, elsewhere or
+//! where [`Device::set_segment_kind`] asks for it), held by the allocator and counted in no
+//! storage statistics. A block is an ordinary storage (its own identity, claims and idle
+//! cache) whose memory is a range of a segment: its record carries the segment's record (a
+//! claim on the segment, which a receiver that maps it already adds to its mapping's cover) or
+//! on a channel names it, and the block's offset. So a receiver keeps a
 //! segment mapped while it holds any of its blocks, and afterwards in its idle cache for as
 //! long as this process keeps the segment; a fresh tensor cut from a mapped segment opens
 //! nothing. A block comes back to the free lists when its last claim is released: every
@@ -42,7 +43,8 @@ const VMM: usize = 1;
 pub(crate) fn alloc(device: &Arc<Device>, bytes: usize) -> Result<Option<Arc<GpuStorage>>> {
     let vmm = match device.segment_kind() {
         GpuMemoryKind::Vmm => true,
-        GpuMemoryKind::Auto => device.vmm_supported()?,
+        // A process that asked for legacy memory (for PyTorch's handles, say) gets it here too.
+        GpuMemoryKind::Auto => device.memory_kind() != GpuMemoryKind::Legacy && device.vmm_supported()?,
         _ => false,
     };
     let block = device.allocator().alloc(bytes, if vmm { VMM } else { LEGACY }, |size| {
@@ -173,24 +175,27 @@ impl Device {
     }
 
     /// Chooses the memory of the caching allocator's new segments on this device, in this
-    /// process: [`GpuMemoryKind::Legacy`] (the default), [`GpuMemoryKind::Vmm`] (an error
-    /// where the device lacks it), or [`GpuMemoryKind::Auto`] (VMM where the device has it).
-    /// Blocks are cut only from segments of the chosen memory; segments made before keep
-    /// serving the blocks cut from them.
+    /// process: [`GpuMemoryKind::Auto`] (the default: VMM where the device can share it as a
+    /// file descriptor, legacy elsewhere and where `Device::set_memory_kind` asked for legacy
+    /// memory), [`GpuMemoryKind::Vmm`] (an error where the device lacks it) or
+    /// [`GpuMemoryKind::Legacy`]. Blocks are cut only from segments of the chosen
+    /// memory; segments made before keep serving the blocks cut from them.
     ///
     /// A block of a VMM segment lives while any process holds it, the allocating one included
     /// or not: a producer may send fresh tensors and exit, and a process that receives them
-    /// later maps them. Each message that carries such a block carries its segment's file
-    /// descriptor (once per message, however many of its blocks it holds; a receiver that
-    /// maps the segment already closes it unread), where a legacy segment travels as 64 bytes
-    /// of handle; and PyTorch, which opens legacy handles only, cannot take such a block.
+    /// later maps them. On a channel the segment's descriptor travels once (with the first of
+    /// its blocks the channel carries), outside channels once per message. A block of a legacy
+    /// segment is lost with its producer if the producer exits before the receiver mapped it
+    /// (the driver frees the memory), but PyTorch, which opens legacy handles only, can take it
+    /// ([`GpuStorage::to_torch_ipc`](crate::GpuStorage::to_torch_ipc)): choose legacy segments
+    /// where this process hands its tensors to PyTorch's own sharing.
     ///
     /// ```no_run
     /// use cuda_mp::{Device, GpuMemoryKind, GpuTensor};
     /// let dev = Device::get(0).unwrap();
-    /// dev.set_segment_kind(GpuMemoryKind::Vmm).unwrap();
+    /// dev.set_segment_kind(GpuMemoryKind::Legacy).unwrap(); // for PyTorch's own handles
     /// let t = GpuTensor::<f32>::zeros(&dev, &[1024]).unwrap();
-    /// assert_eq!(t.storage().memory_kind(), GpuMemoryKind::Vmm);
+    /// assert_eq!(t.storage().memory_kind(), GpuMemoryKind::Legacy);
     /// ```
     pub fn set_segment_kind(&self, kind: GpuMemoryKind) -> Result<()> {
         if kind == GpuMemoryKind::Vmm {
@@ -204,7 +209,7 @@ impl Device {
     ///
     /// ```no_run
     /// let dev = cuda_mp::Device::get(0).unwrap();
-    /// assert_eq!(dev.segment_kind(), cuda_mp::GpuMemoryKind::Legacy);
+    /// assert_eq!(dev.segment_kind(), cuda_mp::GpuMemoryKind::Auto);
     /// ```
     pub fn segment_kind(&self) -> GpuMemoryKind {
         self.kinds().segments

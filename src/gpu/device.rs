@@ -179,7 +179,7 @@ impl Device {
             vmm_granularity: OnceCell::new(),
             peers: Mutex::new(HashMap::new()),
             allocator: Arc::new(Allocator::new(true)),
-            kinds: Mutex::new(Kinds { storages: GpuMemoryKind::Auto, segments: GpuMemoryKind::Legacy }),
+            kinds: Mutex::new(Kinds { storages: GpuMemoryKind::Auto, segments: GpuMemoryKind::Auto }),
             retirer: Retirer::default(),
         });
         devices.insert(ordinal, device.clone());

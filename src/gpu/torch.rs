@@ -307,10 +307,11 @@ impl GpuStorage {
     /// up (a consumer that releases later finds the file gone, or removes it itself).
     ///
     /// Errors: `Error::Unsupported` for memory mapped from another process (PyTorch refuses
-    /// to share received memory too: copy it into memory of this process) and for VMM memory
-    /// (PyTorch opens legacy handles only: allocate with
-    /// [`GpuMemoryKind::Legacy`](crate::GpuMemoryKind::Legacy)); the driver's and the file
-    /// system's errors otherwise.
+    /// to share received memory too: copy it into memory of this process) and for VMM memory,
+    /// which is what the caching allocator's segments are by default where the device has it
+    /// (PyTorch opens legacy handles only: `Device::set_memory_kind` with
+    /// [`GpuMemoryKind::Legacy`](crate::GpuMemoryKind::Legacy) makes every new allocation and
+    /// segment legacy); the driver's and the file system's errors otherwise.
     ///
     /// ```no_run
     /// use cuda_mp::{Device, DynTensor, GpuMemoryKind, GpuTensor};
@@ -335,8 +336,10 @@ impl GpuStorage {
                 }
                 _ => {
                     return Err(Error::Unsupported(
-                        "a block of a vmm segment cannot be handed to pytorch, which opens legacy cuda ipc handles \
-                         only: use legacy segments (Device::set_segment_kind) or copy the tensor"
+                        "a block of a vmm segment (the default where the device has vmm) cannot be handed to \
+                         pytorch, which opens legacy cuda ipc handles only: allocate legacy memory \
+                         (Device::set_memory_kind or set_segment_kind; in python cuda_mp.set_segment_kind) \
+                         or copy the tensor"
                             .into(),
                     ));
                 }

@@ -52,6 +52,7 @@ __all__ = [
     "pack_state_dict",
     "set_cache_limit",
     "set_caching",
+    "set_segment_kind",
 ]
 
 
@@ -490,6 +491,15 @@ def empty_cache(device: Optional[int] = None) -> int:
     """Gives the caching allocator's wholly free segments up (GPU ``device``'s, or the host's);
     returns their bytes. Each is freed once no other process maps it any more."""
     return _native.empty_cache(device)
+
+
+def set_segment_kind(kind: str, device: int = 0) -> None:
+    """Chooses the memory of GPU ``device``'s new caching-allocator segments in this process:
+    ``"auto"`` (the default: VMM memory where the device has it, so a tensor outlives a
+    producer that exits before its receivers mapped it), ``"vmm"`` or ``"legacy"`` (what
+    PyTorch's own CUDA sharing opens: needed for ``cuda_mp.torch_handles.to_torch_args`` of
+    tensors this process allocated)."""
+    _native.set_segment_kind(kind, device)
 
 
 def set_caching(enabled: bool, device: Optional[int] = None) -> None:
