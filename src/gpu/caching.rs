@@ -51,7 +51,7 @@ pub(crate) fn alloc(device: &Arc<Device>, bytes: usize) -> Result<Option<Arc<Gpu
         // Segment sizes are multiples of 2 MiB, the VMM granularity of current GPUs (a VMM
         // allocation rounds up to its device's).
         let memory = if vmm {
-            GpuMemory::Vmm(VmmMemory::alloc(device, size)?)
+            GpuMemory::Vmm(VmmMemory::alloc(device, size, false)?)
         } else {
             GpuMemory::Local { allocation: DeviceAllocation::new(device, size)?, handle: Default::default() }
         };

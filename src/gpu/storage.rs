@@ -217,6 +217,10 @@ fn open_block(
     let segment = segment
         .resolve(|record| storage::import::<GpuStorage>(record.into_storage(device_uuid), Some(place)))?
         .ok_or_else(|| Error::Malformed("gpu block without its segment".into()))?;
+    if let GpuMemory::Vmm(memory) = segment.handle().memory().raw() {
+        // A segment is counted in `mapped_segments`, not as a storage's descriptor.
+        memory.uncount();
+    }
     let size = segment.byte_len() as u64;
     if offset.checked_add(bytes as u64).is_none_or(|end| end > size) {
         return Err(Error::Malformed(format!(
@@ -517,7 +521,7 @@ impl GpuStorage {
             return Ok(block);
         }
         let memory = if vmm {
-            GpuMemory::Vmm(VmmMemory::alloc(device, bytes)?)
+            GpuMemory::Vmm(VmmMemory::alloc(device, bytes, true)?)
         } else {
             GpuMemory::Local { allocation: DeviceAllocation::new(device, bytes)?, handle: OnceCell::new() }
         };

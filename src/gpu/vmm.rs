@@ -10,6 +10,7 @@
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::driver::sys;
 use once_cell::sync::OnceCell;
@@ -61,24 +62,32 @@ impl<'de> Deserialize<'de> for Descriptor {
 }
 
 /// One descriptor held, counted in `lifetime_stats().offered_descriptors` while it lives (in
-/// the process generation that made it: a forked child does not count its parent's).
+/// the process generation that made it: a forked child does not count its parent's), unless it
+/// is a caching allocator's segment's (which `allocator_stats` and `mapped_segments` count).
 struct Held {
     fd: Arc<OwnedFd>,
     generation: u64,
+    counted: AtomicBool,
 }
 
 impl Held {
-    fn new(fd: Arc<OwnedFd>) -> Held {
-        lifetime::descriptors_held(1);
-        Held { fd, generation: crate::fork::generation() }
+    fn new(fd: Arc<OwnedFd>, counted: bool) -> Held {
+        if counted {
+            lifetime::descriptors_held(1);
+        }
+        Held { fd, generation: crate::fork::generation(), counted: AtomicBool::new(counted) }
+    }
+
+    fn uncount(&self) {
+        if self.counted.swap(false, Ordering::Relaxed) && self.generation == crate::fork::generation() {
+            lifetime::descriptors_held(-1);
+        }
     }
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
-        if self.generation == crate::fork::generation() {
-            lifetime::descriptors_held(-1);
-        }
+        self.uncount();
     }
 }
 
@@ -86,6 +95,9 @@ impl Drop for Held {
 pub(crate) struct VmmMemory {
     /// Exported at allocation (or at the first send, should that have failed), or received.
     fd: OnceCell<Held>,
+    /// False for a caching allocator's segment: its descriptor is not counted in the storage
+    /// statistics.
+    counted: bool,
     backing: Backing,
     /// The GPU holding the physical memory.
     owner_uuid: [u8; 16],
@@ -101,9 +113,10 @@ impl VmmMemory {
     /// is exported at once: the export costs 0.2-1 ms, which a first send then does not pay.
     /// Should that fail (out of descriptors, say), the first send tries again and reports the
     /// error.
-    pub(crate) fn alloc(device: &Arc<Device>, bytes: usize) -> Result<VmmMemory> {
+    pub(crate) fn alloc(device: &Arc<Device>, bytes: usize, counted: bool) -> Result<VmmMemory> {
         let memory = VmmMemory {
             fd: OnceCell::new(),
+            counted,
             backing: Backing::Local(VmmAllocation::new(device, bytes)?),
             owner_uuid: device.uuid(),
         };
@@ -122,7 +135,8 @@ impl VmmMemory {
         }
         let mapping = VmmMapping::import(wire.descriptor.0.as_fd(), wire.size as usize, access)?;
         Ok(VmmMemory {
-            fd: OnceCell::with_value(Held::new(wire.descriptor.0.clone())),
+            fd: OnceCell::with_value(Held::new(wire.descriptor.0.clone(), true)),
+            counted: true,
             backing: Backing::Imported(mapping),
             owner_uuid: owner.uuid(),
         })
@@ -130,11 +144,18 @@ impl VmmMemory {
 
     fn descriptor(&self) -> Result<&Arc<OwnedFd>> {
         let held = self.fd.get_or_try_init(|| match &self.backing {
-            Backing::Local(a) => Ok(Held::new(Arc::new(a.export_fd()?))),
+            Backing::Local(a) => Ok(Held::new(Arc::new(a.export_fd()?), self.counted)),
             // Every import keeps its descriptor; the driver cannot export an imported handle.
             Backing::Imported(_) => Err(Error::Unsupported("forwarding vmm memory without its descriptor".into())),
         })?;
         Ok(&held.fd)
+    }
+
+    /// Counts this mapping's descriptor no more: it is a caching allocator's segment's.
+    pub(crate) fn uncount(&self) {
+        if let Some(held) = self.fd.get() {
+            held.uncount();
+        }
     }
 
     /// The record to send: the descriptor, parked in the message when the record is encoded.

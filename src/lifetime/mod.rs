@@ -86,6 +86,8 @@ pub struct LifetimeStats {
     /// File descriptors of GPU (VMM) memory this process holds to share it: one per VMM
     /// storage allocated here (exported at allocation) or mapped here, while it lives. Each
     /// message that carries the storage parks a copy of it, which lives while the message does.
+    /// The caching allocators' segments are not counted here (see `Device::allocator_stats` and
+    /// `mapped_segments`).
     pub offered_descriptors: usize,
     /// Segments of other processes' caching allocators mapped here (by the blocks in use here,
     /// or cached): what fresh tensors from those processes are cut from. Not counted in the
