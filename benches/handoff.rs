@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use cuda_mp::__private::{Phase, PhaseTimes};
+use cuda_mp::__private::{Phase, PhaseTimes, set_phase_times};
 use cuda_mp::{
     Bundle, BundleBuilder, Device, GpuTensor, HostTensor, IpcPayload, JoinHandle, Receiver, Sender, bf16, channel,
     cuda_available, spawn,
@@ -77,6 +77,7 @@ fn phase_us(after: &PhaseTimes, before: &PhaseTimes, phase: Phase) -> f64 {
 }
 
 fn traced_receive<T: serde::Serialize + serde::de::DeserializeOwned>(rx: &Receiver<T>) -> Option<(T, Trace)> {
+    set_phase_times(true);
     let before = PhaseTimes::now();
     let value = rx.recv().ok()?;
     let received_ns = mono_ns();
@@ -219,9 +220,10 @@ const C_WARM: u64 = 8;
 
 /// Receives and drops `n` tensors; says when it has received the first [`C_WARM`] (its CUDA
 /// set up, part of the pool mapped), then, at the end, how many in all and where its time went
-/// per message after the warm-up: the whole loop, the tensors' decode, and the drops
-/// (microseconds).
-fn count_then_ack((rx, ack, n): (Receiver<GpuTensor<u8>>, Sender<(u64, f64, f64, f64)>, u64)) {
+/// per message after the warm-up: the whole loop, the tensors' decode (when `timed`), and the
+/// drops (microseconds).
+fn count_then_ack((rx, ack, n, timed): (Receiver<GpuTensor<u8>>, Sender<(u64, f64, f64, f64)>, u64, bool)) {
+    set_phase_times(timed);
     let mut seen = 0;
     let (mut start, mut phases) = (Instant::now(), PhaseTimes::now());
     let mut dropping = Duration::ZERO;
@@ -339,6 +341,7 @@ fn hold_latest((rx, ack): (Receiver<Bundle>, Sender<i64>)) {
 
 /// Times the import of an exported payload (opening its handle) and the first read through it.
 fn profile_import((rx, ack): (Receiver<IpcPayload>, Sender<(f64, f64, f64)>)) {
+    set_phase_times(true);
     while let Ok(p) = rx.recv() {
         let before = PhaseTimes::now();
         let start = Instant::now();
@@ -556,13 +559,15 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, only: Option<&str>, r: &m
         drop(tx);
         child.join().unwrap();
     }
-    // c: one-way throughput.
-    if want("c") {
-        let n: u64 = if quick { 20_000 } else { 100_000 };
+    // c: one-way throughput, timed without the phase clocks (a pass of its own gives the
+    // split per message, with them).
+    for timed in [false, true].into_iter().filter(|_| want("c")) {
+        let n: u64 = if quick || timed { 20_000 } else { 100_000 };
         let pool: Vec<GpuTensor<u8>> = (0..64).map(|_| GpuTensor::<u8>::zeros(dev, &[4096]).unwrap()).collect();
         let (tx, rx) = channel().unwrap();
         let (ack_tx, ack) = channel().unwrap();
-        let child = spawn((rx, ack_tx, n), count_then_ack);
+        set_phase_times(timed);
+        let child = spawn((rx, ack_tx, n, timed), count_then_ack);
         for t in pool.iter().take(C_WARM as usize) {
             tx.send(t.clone()).unwrap(); // warm-up: the consumer sets up CUDA and maps part of the pool
         }
@@ -580,10 +585,16 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, only: Option<&str>, r: &m
         assert_eq!(seen, n);
         drop(tx);
         child.join().unwrap();
-        r.ours.insert("c_rate".into(), (child_n as f64 / secs, 0.0));
+        set_phase_times(true);
         let per = |d: Duration| d.as_secs_f64() * 1e6 / child_n as f64;
+        if !timed {
+            r.ours.insert("c_rate".into(), (child_n as f64 / secs, 0.0));
+            r.ours.insert("c_split_plain".into(), (per(sending), consumer_loop));
+            continue;
+        }
         let export = PhaseTimes::now().since(&phases, Phase::Export);
         let record = PhaseTimes::now().since(&phases, Phase::EventRecord);
+        r.ours.insert("c_rate_timed".into(), (child_n as f64 / secs, 0.0));
         r.ours.insert("c_split_send".into(), (per(sending), per(export)));
         r.ours.insert("c_split_record".into(), (per(record), 0.0));
         r.ours.insert("c_split_recv".into(), (consumer_loop, consumer_decode));
@@ -840,6 +851,13 @@ fn print_table(r: &Results) {
             "row c per message: producer {:.2} us a send (export {:.2} us, of which event check and record {:.2} us); \
              consumer {:.2} us a receive loop (decode {:.2} us, drop {:.2} us)",
             s.0, s.1, rec.0, v.0, v.1, d.0
+        );
+    }
+    if let (Some(plain), Some(timed)) = (r.ours.get("c_split_plain"), r.ours.get("c_rate_timed")) {
+        println!(
+            "row c without the phase clocks: producer {:.2} us a send, consumer {:.2} us a receive loop; \
+             with them (the pass above): {:.0}/s",
+            plain.0, plain.1, timed.0
         );
     }
     if let Some(f) = r.ours.get("floor") {

@@ -112,6 +112,8 @@ fn serve_bundles(reply_to: &str) -> Outcome<usize> {
     println!("LISTEN {}", listener.name());
     let reply = Sender::<HostTensor<i64>>::connect(reply_to)?;
     let rx = listener.accept_timeout(TIMEOUT)?;
+    // Its replies carry where each receive's time went (for benches/python_publish.py).
+    cuda_mp::__private::set_phase_times(true);
     let mut served = 0;
     // Keeps the latest weights, as a rollout engine does.
     let mut _latest = None;

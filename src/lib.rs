@@ -211,7 +211,7 @@ pub fn cuda_available() -> bool {
 pub mod __private {
     #[cfg(feature = "testing")]
     pub use crate::process::__mark_initialized_for_tests as mark_initialized_for_tests;
-    pub use crate::profile::{Phase, PhaseTimes};
+    pub use crate::profile::{Phase, PhaseTimes, set_enabled as set_phase_times};
     #[cfg(feature = "testing")]
     pub use procspawn;
 }

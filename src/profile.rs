@@ -1,7 +1,8 @@
 //! Time spent in each phase of a handoff, summed per process: what a benchmark reads to split
-//! a round trip between the two processes' steps. Each phase costs two clock reads.
+//! a round trip between the two processes' steps. Each phase costs two clock reads, and only
+//! where timing is on (`CUDA_MP_PHASE_TIMES=1`, or `__private::set_phase_times`).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// A step of sending or receiving a tensor.
@@ -53,8 +54,21 @@ impl Phase {
 static NANOS: [AtomicU64; PHASES] = [const { AtomicU64::new(0) }; PHASES];
 static COUNTS: [AtomicU64; PHASES] = [const { AtomicU64::new(0) }; PHASES];
 
-/// Runs `f`, adding its time to `phase`.
+/// Whether phases are timed in this process: off unless `CUDA_MP_PHASE_TIMES=1` or
+/// [`set_enabled`], so that a handoff pays no clock reads for a benchmark's statistics.
+static ENABLED: std::sync::LazyLock<AtomicBool> =
+    std::sync::LazyLock::new(|| AtomicBool::new(std::env::var_os("CUDA_MP_PHASE_TIMES").is_some_and(|v| v == "1")));
+
+/// Turns the timing of phases on or off in this process.
+pub fn set_enabled(on: bool) {
+    ENABLED.store(on, Ordering::Relaxed);
+}
+
+/// Runs `f`, adding its time to `phase` when phases are timed.
 pub(crate) fn timed<R>(phase: Phase, f: impl FnOnce() -> R) -> R {
+    if !ENABLED.load(Ordering::Relaxed) {
+        return f();
+    }
     let start = Instant::now();
     let result = f();
     let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
@@ -98,6 +112,7 @@ mod tests {
 
     #[test]
     fn a_timed_phase_adds_its_time_and_count() {
+        set_enabled(true);
         let before = PhaseTimes::now();
         timed(Phase::EventWait, || std::thread::sleep(Duration::from_millis(2)));
         let after = PhaseTimes::now();

@@ -48,7 +48,7 @@ pub(crate) struct Carried {
 struct Encoding {
     fds: Vec<Held>,
     /// Descriptors carried so far, by dedup key, with their index.
-    numbered: HashMap<u64, u32>,
+    numbered: rustc_hash::FxHashMap<u64, u32>,
     /// Values shared by every storage of the message, by type.
     shared: Vec<Box<dyn Any>>,
     /// For spawn arguments: whether this is their encoding, and the ticket their descriptors
@@ -79,7 +79,7 @@ impl Encoding {
     fn new(spawn: Option<Option<SpawnTicket>>, connection: Option<Arc<Connection>>) -> Encoding {
         Encoding {
             fds: Vec::new(),
-            numbered: HashMap::new(),
+            numbered: Default::default(),
             shared: Vec::new(),
             spawn,
             spawn_ttl: crate::handover::ARGUMENT_TTL,
@@ -204,7 +204,8 @@ fn encode_message<T: Serialize + ?Sized>(
     value: &T,
     connection: Option<Arc<Connection>>,
 ) -> std::result::Result<Encoded, String> {
-    let (bytes, e) = scope(Encoding::new(None, connection), || postcard::to_allocvec(value));
+    // A message of a tensor or a few is a few hundred bytes: one allocation, not a doubling.
+    let (bytes, e) = scope(Encoding::new(None, connection), || postcard::to_extend(value, Vec::with_capacity(256)));
     let mut encoded = Encoded {
         bytes: Vec::new(),
         fds: e.fds,

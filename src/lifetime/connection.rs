@@ -38,7 +38,7 @@ pub(crate) struct Connection {
 /// introduced again, which changes nothing but the message's size).
 #[derive(Default)]
 struct SentSegments {
-    ids: HashMap<StorageId, WeakStorage>,
+    ids: rustc_hash::FxHashMap<StorageId, WeakStorage>,
     /// The size after the last sweep for segments gone here.
     swept: usize,
 }

@@ -15,6 +15,8 @@ mod tests;
 
 use std::any::Any;
 use std::collections::{HashMap, HashSet};
+
+use rustc_hash::{FxHashMap, FxHashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
@@ -99,21 +101,22 @@ pub struct LifetimeStats {
 }
 
 /// Everything the lifetime machinery tracks in this process, under one lock (see README.md
-/// for the lock order).
+/// for the lock order). The maps keyed by this process's own numbers hash with FxHash (a
+/// handoff looks them up several times); those keyed by what peers send keep SipHash.
 #[derive(Default)]
 struct State {
     /// The owner registry: storages of this process that other processes may hold.
-    exported: HashMap<StorageId, export::Exported>,
+    exported: FxHashMap<StorageId, export::Exported>,
     /// Relays (`export.rs`): a storage of another process this one forwarded on a channel ->
     /// its relay entry in `exported`.
-    relays: HashMap<StorageId, StorageId>,
+    relays: FxHashMap<StorageId, StorageId>,
     /// Claims per open lease channel of this process: storage index -> number of claims.
-    covers: HashMap<u64, HashMap<u64, usize>>,
+    covers: FxHashMap<u64, FxHashMap<u64, usize>>,
     /// Open lease channels of this process that are per-storage: every holder has a copy, so
     /// the channel's close is the only release, and `Release`/`Retain` on them are ignored.
-    shared_leases: HashSet<u64>,
+    shared_leases: FxHashSet<u64>,
     /// Those of them that lease a caching allocator's segment, counted in no statistics.
-    uncounted_leases: HashSet<u64>,
+    uncounted_leases: FxHashSet<u64>,
     /// Exported storages whose last claim is gone and whose memory is being freed right now
     /// (outside the lock); still counted as exported until done.
     freeing: usize,
