@@ -139,8 +139,9 @@ fn parse<T: DeserializeOwned>(
 
 /// How long a receive that may wait looks for a message without waiting first: 50 us where at
 /// least 2 processors run (a spinning receiver then leaves the sender one), none on one;
-/// `CUDA_MP_SPIN_US` (microseconds, 0 for none) sets it.
-fn spin() -> Duration {
+/// `CUDA_MP_SPIN_US` (microseconds, 0 for none) sets it. A sender whose ring is full looks for
+/// room as long (`ring.rs`).
+pub(super) fn spin() -> Duration {
     static SPIN: OnceLock<Duration> = OnceLock::new();
     *SPIN.get_or_init(|| {
         let set = std::env::var("CUDA_MP_SPIN_US").ok().and_then(|v| v.trim().parse::<u64>().ok());

@@ -48,7 +48,9 @@ use crate::wire::{self, Carried, Held};
 /// processes.
 ///
 /// A send never waits for the reader: when the reader falls behind, messages wait in a backlog
-/// of the sending process (memory grows instead), and each process's messages arrive in the
+/// of the sending process (memory grows instead; before that, a send whose shared-memory ring
+/// is full looks for room for at most 50 us, once until the reader catches up, as a receive
+/// spins before it sleeps), and each process's messages arrive in the
 /// order it sent them. Tensors in the backlog keep their memory alive until received. A process
 /// that exits with a backlog first waits until it is handed on (or the receiver is gone), like
 /// torch's queues; see [`bounded`] for a channel whose sends wait for room instead.

@@ -338,7 +338,7 @@ impl Outbox {
             }
             return Ok(false);
         };
-        if !ring.push(bytes) {
+        if !ring.push_patiently(bytes, super::inbox::spin()) {
             return Ok(false);
         }
         if ring.written % RING_CHECK_EVERY == 1 && self.main.peer_closed() {

@@ -33,6 +33,7 @@ use std::io;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering, fence};
+use std::time::{Duration, Instant};
 
 use super::frame::Order;
 use crate::sys::{MemoryFile, lease_pipe, writers_gone};
@@ -91,6 +92,8 @@ pub(super) struct RingWriter {
     pub(super) written: u64,
     /// The reader adopted the ring: entries may be written.
     adopted: bool,
+    /// The last wait for room ran out: no wait until the reader has emptied half the ring.
+    stalled: bool,
 }
 
 impl fmt::Debug for RingWriter {
@@ -113,8 +116,16 @@ impl RingWriter {
         word(&memory, ID_AT).store(id, Ordering::Relaxed);
         word(&memory, MAGIC_AT).store(MAGIC, Ordering::Release);
         let (read, write) = lease_pipe()?;
-        let writer =
-            RingWriter { memory: memory.clone(), _alive: write, tail: 0, id, next: 0, written: 0, adopted: false };
+        let writer = RingWriter {
+            memory: memory.clone(),
+            _alive: write,
+            tail: 0,
+            id,
+            next: 0,
+            written: 0,
+            adopted: false,
+            stalled: false,
+        };
         Ok((writer, Introduction { memory, alive: read }))
     }
 
@@ -127,6 +138,41 @@ impl RingWriter {
     /// A message with the place [`order`](Self::order) gave was sent on the socket.
     pub(super) fn sent(&mut self) {
         self.next += 1;
+    }
+
+    /// [`push`](Self::push), looking for room for up to `patience` where the ring is full: a
+    /// reader that is awake and behind frees an entry within microseconds, and a message that
+    /// took the socket instead would cost it a system call, keeping it behind (a stream then
+    /// stays on the socket). A reader that made no room in that time is not waited for again
+    /// until it has emptied half the ring.
+    pub(super) fn push_patiently(&mut self, bytes: &[u8], patience: Duration) -> bool {
+        if self.push(bytes) {
+            if self.stalled && self.used() <= CAPACITY / 2 {
+                self.stalled = false;
+            }
+            return true;
+        }
+        if self.stalled || !self.adopted || patience.is_zero() || bytes.len() > MAX_MESSAGE {
+            return false;
+        }
+        let deadline = Instant::now() + patience;
+        loop {
+            for _ in 0..64 {
+                std::hint::spin_loop();
+            }
+            if self.push(bytes) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                self.stalled = true;
+                return false;
+            }
+        }
+    }
+
+    /// Bytes of entries written and not yet read.
+    fn used(&self) -> u64 {
+        self.tail.wrapping_sub(word(&self.memory, HEAD_AT).load(Ordering::Acquire))
     }
 
     /// Writes `bytes` as one entry, the process's next message; false, writing nothing, when
@@ -158,7 +204,10 @@ impl RingWriter {
             start = 0;
         }
         let len = bytes.len() as u32;
-        let header = [&len.to_le_bytes()[..], &(!len).to_le_bytes(), &self.next.to_le_bytes()].concat();
+        let mut header = [0u8; HEADER as usize];
+        header[..4].copy_from_slice(&len.to_le_bytes());
+        header[4..8].copy_from_slice(&(!len).to_le_bytes());
+        header[8..].copy_from_slice(&self.next.to_le_bytes());
         let copied = self.memory.copy_in(DATA_AT + start as usize, &header)
             && self.memory.copy_in(DATA_AT + start as usize + HEADER as usize, bytes);
         debug_assert!(copied, "an entry inside the ring");
