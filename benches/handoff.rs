@@ -902,6 +902,8 @@ fn print_table(r: &Results) {
 
 #[cuda_mp::main]
 fn main() {
+    // Phase clocks on for the splits the rows print (row c turns them off for its rate).
+    set_phase_times(true);
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
     let no_torch = args.iter().any(|a| a == "--no-torch");

@@ -100,6 +100,7 @@ enum Payload {
 /// Our receiving process, on GPU 1: sends its address, accepts one sender, receives every
 /// payload's messages and prints `first` and `result` lines as it goes.
 fn receive((addr_tx, quick): (Sender<String>, bool)) -> Result<(), String> {
+    cuda_mp::__private::set_phase_times(true);
     // The GPU's context made before the clock starts, as torch's script makes its own.
     Device::get(1).map_err(|e| e.to_string())?;
     let options = RemoteOptions::default().device(1).network_only(true).transfer_timeout(TIMEOUT);
@@ -155,6 +156,7 @@ fn receive((addr_tx, quick): (Sender<String>, bool)) -> Result<(), String> {
 /// Our side of one transport, in this process (the sender, GPU 0) and a spawned receiver
 /// (GPU 1); the NCCL environment was set by the parent. Whether it went through.
 fn run_ours(quick: bool) -> Result<(), String> {
+    cuda_mp::__private::set_phase_times(true);
     let visible = Device::count().map_err(|e| format!("needs two CUDA GPUs: {e}"))?;
     if visible < 2 {
         return Err(format!("needs GPUs 0 and 1; {visible} visible"));

@@ -123,9 +123,9 @@ fn writer((rx, reply, drop_now): (Receiver<DynTensor<GpuStorage>>, Sender<Vec<f3
 #[ignore = "needs a CUDA GPU"]
 fn a_torch_handle_is_opened_elsewhere_sent_on_and_released_once() {
     let dev = gpu();
+    let _g = serial();
     // PyTorch opens legacy handles only; VMM segments are the default where the GPU has VMM.
     dev.set_segment_kind(cuda_mp::GpuMemoryKind::Legacy).unwrap();
-    let _g = serial();
     let before = torch_ipc_stats();
     let live_before = cuda_mp::lifetime_stats().live_storages;
     let data: Vec<f32> = (0..32).map(|x| x as f32).collect();
@@ -165,6 +165,7 @@ fn a_torch_handle_is_opened_elsewhere_sent_on_and_released_once() {
     quit_tx.send(()).unwrap();
     a.join().unwrap();
     b.join().unwrap();
+    dev.set_segment_kind(cuda_mp::GpuMemoryKind::Auto).unwrap();
 }
 
 /// Sends a tensor of its own, and keeps it until told.

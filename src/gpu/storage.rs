@@ -570,7 +570,10 @@ impl GpuStorage {
     /// ```no_run
     /// let dev = cuda_mp::Device::get(0).unwrap();
     /// let t = cuda_mp::GpuTensor::<u8>::zeros(&dev, &[16]).unwrap();
-    /// assert_eq!(t.storage().memory_kind(), cuda_mp::GpuMemoryKind::Legacy); // small: legacy
+    /// // Small: a block of the caching allocator's segments, VMM where the GPU has it.
+    /// let vmm = dev.supports_memory_kind(cuda_mp::GpuMemoryKind::Vmm).unwrap();
+    /// let expected = if vmm { cuda_mp::GpuMemoryKind::Vmm } else { cuda_mp::GpuMemoryKind::Legacy };
+    /// assert_eq!(t.storage().memory_kind(), expected);
     /// ```
     pub fn memory_kind(&self) -> GpuMemoryKind {
         self.memory().raw().kind()
@@ -585,6 +588,9 @@ impl GpuStorage {
     pub(crate) fn grant_access(&self, peer: &Arc<Device>) -> Result<()> {
         match self.memory().raw() {
             GpuMemory::Vmm(m) => m.grant_access(peer),
+            // A block is memory of its segment, which may be VMM memory.
+            GpuMemory::Pooled(block) => block.segment().grant_access(peer),
+            GpuMemory::ImportedBlock(block) => block.segment().grant_access(peer),
             _ => Ok(()),
         }
     }
@@ -690,6 +696,9 @@ impl IpcPayload {
     ///
     /// ```no_run
     /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// // An allocation of its own of legacy memory: a 64-byte handle, the storage at offset 0.
+    /// dev.set_memory_kind(cuda_mp::GpuMemoryKind::Legacy);
+    /// dev.set_caching(false);
     /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
     /// let p = t.ipc_payload().unwrap();
     /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
@@ -704,6 +713,9 @@ impl IpcPayload {
     ///
     /// ```no_run
     /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// // An allocation of its own of legacy memory: a 64-byte handle, the storage at offset 0.
+    /// dev.set_memory_kind(cuda_mp::GpuMemoryKind::Legacy);
+    /// dev.set_caching(false);
     /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
     /// let p = t.ipc_payload().unwrap();
     /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
@@ -718,6 +730,9 @@ impl IpcPayload {
     ///
     /// ```no_run
     /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// // An allocation of its own of legacy memory: a 64-byte handle, the storage at offset 0.
+    /// dev.set_memory_kind(cuda_mp::GpuMemoryKind::Legacy);
+    /// dev.set_caching(false);
     /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
     /// let p = t.ipc_payload().unwrap();
     /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
@@ -732,6 +747,9 @@ impl IpcPayload {
     ///
     /// ```no_run
     /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// // An allocation of its own of legacy memory: a 64-byte handle, the storage at offset 0.
+    /// dev.set_memory_kind(cuda_mp::GpuMemoryKind::Legacy);
+    /// dev.set_caching(false);
     /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
     /// let p = t.ipc_payload().unwrap();
     /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
@@ -746,6 +764,9 @@ impl IpcPayload {
     ///
     /// ```no_run
     /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// // An allocation of its own of legacy memory: a 64-byte handle, the storage at offset 0.
+    /// dev.set_memory_kind(cuda_mp::GpuMemoryKind::Legacy);
+    /// dev.set_caching(false);
     /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
     /// let p = t.ipc_payload().unwrap();
     /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
@@ -761,6 +782,9 @@ impl IpcPayload {
     ///
     /// ```no_run
     /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// // An allocation of its own of legacy memory: a 64-byte handle, the storage at offset 0.
+    /// dev.set_memory_kind(cuda_mp::GpuMemoryKind::Legacy);
+    /// dev.set_caching(false);
     /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
     /// let p = t.ipc_payload().unwrap();
     /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
@@ -782,6 +806,9 @@ impl IpcPayload {
     ///
     /// ```no_run
     /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// // An allocation of its own of legacy memory: a 64-byte handle, the storage at offset 0.
+    /// dev.set_memory_kind(cuda_mp::GpuMemoryKind::Legacy);
+    /// dev.set_caching(false);
     /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
     /// let p = t.ipc_payload().unwrap();
     /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
@@ -819,6 +846,9 @@ impl IpcPayload {
     ///
     /// ```no_run
     /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// // An allocation of its own of legacy memory: a 64-byte handle, the storage at offset 0.
+    /// dev.set_memory_kind(cuda_mp::GpuMemoryKind::Legacy);
+    /// dev.set_caching(false);
     /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
     /// let p = t.ipc_payload().unwrap();
     /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
@@ -833,6 +863,9 @@ impl IpcPayload {
     ///
     /// ```no_run
     /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// // An allocation of its own of legacy memory: a 64-byte handle, the storage at offset 0.
+    /// dev.set_memory_kind(cuda_mp::GpuMemoryKind::Legacy);
+    /// dev.set_caching(false);
     /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
     /// let p = t.ipc_payload().unwrap();
     /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
@@ -847,6 +880,9 @@ impl IpcPayload {
     ///
     /// ```no_run
     /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// // An allocation of its own of legacy memory: a 64-byte handle, the storage at offset 0.
+    /// dev.set_memory_kind(cuda_mp::GpuMemoryKind::Legacy);
+    /// dev.set_caching(false);
     /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
     /// let p = t.ipc_payload().unwrap();
     /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));

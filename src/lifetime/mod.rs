@@ -109,7 +109,7 @@ struct State {
     exported: FxHashMap<StorageId, export::Exported>,
     /// Relays (`export.rs`): a storage of another process this one forwarded on a channel ->
     /// its relay entry in `exported`.
-    relays: FxHashMap<StorageId, StorageId>,
+    relays: HashMap<StorageId, StorageId>,
     /// Claims per open lease channel of this process: storage index -> number of claims.
     covers: FxHashMap<u64, FxHashMap<u64, usize>>,
     /// Open lease channels of this process that are per-storage: every holder has a copy, so
