@@ -452,3 +452,70 @@ fn blocks_of_vmm_segments_outlive_a_producer_that_exits_at_once() {
     assert_eq!(mappings, 51, "each tensor a storage of its own");
     eventually("the producer's 258 MiB freed once its consumer is done", || free_memory(&dev) + (32 << 20) >= baseline);
 }
+
+/// What the third process of the test below saw: its VMM descriptors counted as storages' and
+/// the segments it mapped, once the moved end arrived and after the block; whether the block
+/// held its value; the segments it opened.
+type Adopted = (usize, usize, usize, bool, u64);
+
+/// Receives one block, then hands its receiving end (which keeps the block's segment) on.
+fn receive_then_move((rx, ends, ack): (Receiver<GpuTensor<f32>>, Sender<Receiver<GpuTensor<f32>>>, Sender<f32>)) {
+    let t = rx.recv_timeout(WAIT).unwrap();
+    ack.send(t.to_vec().unwrap()[0]).unwrap();
+    drop(t);
+    ends.send(rx).unwrap();
+}
+
+/// Takes a moved receiving end, then reads one block through it.
+fn adopt_then_read((ends, report): (Receiver<Receiver<GpuTensor<f32>>>, Sender<Adopted>)) {
+    let rx = ends.recv_timeout(WAIT).unwrap();
+    let arrived = lifetime_stats();
+    let t = rx.recv_timeout(WAIT).unwrap();
+    let held = t.to_vec().unwrap().iter().all(|&v| v == 2.0);
+    let after = lifetime_stats();
+    drop(t);
+    report
+        .send((
+            arrived.offered_descriptors,
+            arrived.mapped_segments,
+            after.offered_descriptors,
+            held,
+            after.opened_segments,
+        ))
+        .unwrap();
+}
+
+/// A receiving end that moves to a third process takes the VMM segments it knows along; that
+/// process maps each once, and counts it as a segment, not as a storage's descriptor (only
+/// storages of their own are in `offered_descriptors`, in the process that made the segment
+/// and in every process that maps it).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_vmm_segment_that_travels_with_a_receiving_end_is_counted_as_a_segment() {
+    let _g = serial();
+    let dev = common::gpu();
+    dev.set_segment_kind(GpuMemoryKind::Vmm).unwrap();
+    let before = lifetime_stats();
+    let first = GpuTensor::<f32>::full(&dev, &[1024], 1.0).unwrap();
+    let second = GpuTensor::<f32>::full(&dev, &[1024], 2.0).unwrap();
+    assert_eq!(second.storage().memory_kind(), GpuMemoryKind::Vmm);
+    assert_eq!(dev.allocator_stats().segments, 1, "both blocks of one segment");
+    let (tx, rx) = channel().unwrap();
+    let (ends_tx, ends_rx) = channel().unwrap();
+    let (ack_tx, ack_rx) = channel().unwrap();
+    let (report_tx, report_rx) = channel().unwrap();
+    let third = spawn((ends_rx, report_tx), adopt_then_read);
+    let second_process = spawn((rx, ends_tx, ack_tx), receive_then_move);
+    tx.send(first).unwrap();
+    assert_eq!(ack_rx.recv_timeout(WAIT).unwrap(), 1.0);
+    second_process.join().unwrap();
+    tx.send(second).unwrap();
+    let (offered, mapped, offered_after, held, opened) = report_rx.recv_timeout(WAIT).unwrap();
+    third.join().unwrap();
+    assert_eq!(mapped, 1, "the moved end brought the segment, mapped on arrival");
+    assert_eq!((offered, offered_after), (0, 0), "the segment's descriptor counted as a storage's");
+    assert!(held, "the block read through the moved end holds its value");
+    assert_eq!(opened, 1, "the segment opened once, on arrival");
+    assert_eq!(lifetime_stats().offered_descriptors, before.offered_descriptors);
+    dev.set_segment_kind(GpuMemoryKind::Legacy).unwrap();
+}

@@ -41,10 +41,11 @@ const VMM: usize = 1;
 /// A new storage of `bytes` bytes cut from a segment of `device`'s allocator (uninitialized);
 /// `None` when the allocator is turned off.
 pub(crate) fn alloc(device: &Arc<Device>, bytes: usize) -> Result<Option<Arc<GpuStorage>>> {
-    let vmm = match device.segment_kind() {
+    let kinds = *device.kinds();
+    let vmm = match kinds.segments {
         GpuMemoryKind::Vmm => true,
         // A process that asked for legacy memory (for PyTorch's handles, say) gets it here too.
-        GpuMemoryKind::Auto => device.memory_kind() != GpuMemoryKind::Legacy && device.vmm_supported()?,
+        GpuMemoryKind::Auto => kinds.storages != GpuMemoryKind::Legacy && device.vmm_supported()?,
         _ => false,
     };
     let block = device.allocator().alloc(bytes, if vmm { VMM } else { LEGACY }, |size| {

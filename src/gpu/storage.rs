@@ -217,10 +217,6 @@ fn open_block(
     let segment = segment
         .resolve(|record| storage::import::<GpuStorage>(record.into_storage(device_uuid), Some(place)))?
         .ok_or_else(|| Error::Malformed("gpu block without its segment".into()))?;
-    if let GpuMemory::Vmm(memory) = segment.handle().memory().raw() {
-        // A segment is counted in `mapped_segments`, not as a storage's descriptor.
-        memory.uncount();
-    }
     let size = segment.byte_len() as u64;
     if offset.checked_add(bytes as u64).is_none_or(|end| end > size) {
         return Err(Error::Malformed(format!(
@@ -390,6 +386,13 @@ impl StorageKind for GpuKind {
                 }
             }
             None => Ok(()),
+        }
+    }
+
+    fn opened_segment(raw: &GpuMemory) {
+        if let GpuMemory::Vmm(memory) = raw {
+            // A segment is counted in `mapped_segments`, not as a storage's descriptor.
+            memory.uncount();
         }
     }
 
@@ -677,10 +680,16 @@ pub(crate) fn decode_storage(wire: GpuStorageWire) -> Result<Arc<GpuStorage>> {
 ///
 /// ```no_run
 /// let dev = cuda_mp::Device::get(0).unwrap();
+/// // An allocation of its own of legacy memory: a 64-byte handle, the storage at offset 0.
+/// dev.set_memory_kind(cuda_mp::GpuMemoryKind::Legacy);
+/// dev.set_caching(false);
 /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
-/// let payload = t.ipc_payload().unwrap();
-/// assert_eq!(payload.shape(), &[2, 3]);
-/// println!("{payload:?}");
+/// let p = t.ipc_payload().unwrap();
+/// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
+/// assert_eq!((p.mem_handle().len(), p.alloc_offset(), p.storage_bytes()), (64, 0, 24));
+/// assert_eq!((p.device_uuid(), p.storage_id()), (dev.uuid_string(), t.storage_id()));
+/// let _maybe_event = p.event_handle();
+/// println!("{p:?}");
 /// ```
 #[derive(Serialize, Deserialize)]
 pub struct IpcPayload {
@@ -693,105 +702,27 @@ fn hex(bytes: &[u8]) -> String {
 
 impl IpcPayload {
     /// Element type tag as sent (checked on import).
-    ///
-    /// ```no_run
-    /// let dev = cuda_mp::Device::get(0).unwrap();
-    /// // An allocation of its own of legacy memory: a 64-byte handle, the storage at offset 0.
-    /// dev.set_memory_kind(cuda_mp::GpuMemoryKind::Legacy);
-    /// dev.set_caching(false);
-    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
-    /// let p = t.ipc_payload().unwrap();
-    /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
-    /// assert_eq!((p.mem_handle().len(), p.alloc_offset(), p.storage_bytes()), (64, 0, 24));
-    /// assert_eq!((p.device_uuid(), p.storage_id()), (dev.uuid_string(), t.storage_id()));
-    /// let _maybe_event = p.event_handle();
-    /// ```
     pub fn dtype(&self) -> Option<DType> {
         DType::from_tag(self.wire.dtype)
     }
     /// Shape of the view.
-    ///
-    /// ```no_run
-    /// let dev = cuda_mp::Device::get(0).unwrap();
-    /// // An allocation of its own of legacy memory: a 64-byte handle, the storage at offset 0.
-    /// dev.set_memory_kind(cuda_mp::GpuMemoryKind::Legacy);
-    /// dev.set_caching(false);
-    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
-    /// let p = t.ipc_payload().unwrap();
-    /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
-    /// assert_eq!((p.mem_handle().len(), p.alloc_offset(), p.storage_bytes()), (64, 0, 24));
-    /// assert_eq!((p.device_uuid(), p.storage_id()), (dev.uuid_string(), t.storage_id()));
-    /// let _maybe_event = p.event_handle();
-    /// ```
     pub fn shape(&self) -> &[usize] {
         &self.wire.shape
     }
     /// Strides of the view, in elements.
-    ///
-    /// ```no_run
-    /// let dev = cuda_mp::Device::get(0).unwrap();
-    /// // An allocation of its own of legacy memory: a 64-byte handle, the storage at offset 0.
-    /// dev.set_memory_kind(cuda_mp::GpuMemoryKind::Legacy);
-    /// dev.set_caching(false);
-    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
-    /// let p = t.ipc_payload().unwrap();
-    /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
-    /// assert_eq!((p.mem_handle().len(), p.alloc_offset(), p.storage_bytes()), (64, 0, 24));
-    /// assert_eq!((p.device_uuid(), p.storage_id()), (dev.uuid_string(), t.storage_id()));
-    /// let _maybe_event = p.event_handle();
-    /// ```
     pub fn strides(&self) -> &[usize] {
         &self.wire.strides
     }
     /// Offset of the view in its storage, in elements.
-    ///
-    /// ```no_run
-    /// let dev = cuda_mp::Device::get(0).unwrap();
-    /// // An allocation of its own of legacy memory: a 64-byte handle, the storage at offset 0.
-    /// dev.set_memory_kind(cuda_mp::GpuMemoryKind::Legacy);
-    /// dev.set_caching(false);
-    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
-    /// let p = t.ipc_payload().unwrap();
-    /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
-    /// assert_eq!((p.mem_handle().len(), p.alloc_offset(), p.storage_bytes()), (64, 0, 24));
-    /// assert_eq!((p.device_uuid(), p.storage_id()), (dev.uuid_string(), t.storage_id()));
-    /// let _maybe_event = p.event_handle();
-    /// ```
     pub fn offset(&self) -> usize {
         self.wire.offset
     }
     /// UUID of the GPU holding the memory.
-    ///
-    /// ```no_run
-    /// let dev = cuda_mp::Device::get(0).unwrap();
-    /// // An allocation of its own of legacy memory: a 64-byte handle, the storage at offset 0.
-    /// dev.set_memory_kind(cuda_mp::GpuMemoryKind::Legacy);
-    /// dev.set_caching(false);
-    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
-    /// let p = t.ipc_payload().unwrap();
-    /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
-    /// assert_eq!((p.mem_handle().len(), p.alloc_offset(), p.storage_bytes()), (64, 0, 24));
-    /// assert_eq!((p.device_uuid(), p.storage_id()), (dev.uuid_string(), t.storage_id()));
-    /// let _maybe_event = p.event_handle();
-    /// ```
     pub fn device_uuid(&self) -> String {
         format_uuid(&self.wire.storage.kind.device_uuid)
     }
     /// The 64-byte IPC handle of the base allocation (empty for VMM memory, which travels as a
     /// file descriptor).
-    ///
-    /// ```no_run
-    /// let dev = cuda_mp::Device::get(0).unwrap();
-    /// // An allocation of its own of legacy memory: a 64-byte handle, the storage at offset 0.
-    /// dev.set_memory_kind(cuda_mp::GpuMemoryKind::Legacy);
-    /// dev.set_caching(false);
-    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
-    /// let p = t.ipc_payload().unwrap();
-    /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
-    /// assert_eq!((p.mem_handle().len(), p.alloc_offset(), p.storage_bytes()), (64, 0, 24));
-    /// assert_eq!((p.device_uuid(), p.storage_id()), (dev.uuid_string(), t.storage_id()));
-    /// let _maybe_event = p.event_handle();
-    /// ```
     pub fn mem_handle(&self) -> &[u8] {
         match &self.wire.storage.kind.memory {
             WireMemory::Legacy { mem_handle, .. } => mem_handle,
@@ -803,19 +734,6 @@ impl IpcPayload {
         }
     }
     /// Byte offset of the storage inside the base allocation.
-    ///
-    /// ```no_run
-    /// let dev = cuda_mp::Device::get(0).unwrap();
-    /// // An allocation of its own of legacy memory: a 64-byte handle, the storage at offset 0.
-    /// dev.set_memory_kind(cuda_mp::GpuMemoryKind::Legacy);
-    /// dev.set_caching(false);
-    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
-    /// let p = t.ipc_payload().unwrap();
-    /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
-    /// assert_eq!((p.mem_handle().len(), p.alloc_offset(), p.storage_bytes()), (64, 0, 24));
-    /// assert_eq!((p.device_uuid(), p.storage_id()), (dev.uuid_string(), t.storage_id()));
-    /// let _maybe_event = p.event_handle();
-    /// ```
     pub fn alloc_offset(&self) -> u64 {
         match &self.wire.storage.kind.memory {
             WireMemory::Legacy { alloc_offset, .. } => *alloc_offset,
@@ -843,53 +761,14 @@ impl IpcPayload {
         }
     }
     /// Size of the storage in bytes.
-    ///
-    /// ```no_run
-    /// let dev = cuda_mp::Device::get(0).unwrap();
-    /// // An allocation of its own of legacy memory: a 64-byte handle, the storage at offset 0.
-    /// dev.set_memory_kind(cuda_mp::GpuMemoryKind::Legacy);
-    /// dev.set_caching(false);
-    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
-    /// let p = t.ipc_payload().unwrap();
-    /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
-    /// assert_eq!((p.mem_handle().len(), p.alloc_offset(), p.storage_bytes()), (64, 0, 24));
-    /// assert_eq!((p.device_uuid(), p.storage_id()), (dev.uuid_string(), t.storage_id()));
-    /// let _maybe_event = p.event_handle();
-    /// ```
     pub fn storage_bytes(&self) -> u64 {
         self.wire.storage.bytes
     }
     /// The 64-byte IPC handle of the event recorded after the producer's queued work, if any.
-    ///
-    /// ```no_run
-    /// let dev = cuda_mp::Device::get(0).unwrap();
-    /// // An allocation of its own of legacy memory: a 64-byte handle, the storage at offset 0.
-    /// dev.set_memory_kind(cuda_mp::GpuMemoryKind::Legacy);
-    /// dev.set_caching(false);
-    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
-    /// let p = t.ipc_payload().unwrap();
-    /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
-    /// assert_eq!((p.mem_handle().len(), p.alloc_offset(), p.storage_bytes()), (64, 0, 24));
-    /// assert_eq!((p.device_uuid(), p.storage_id()), (dev.uuid_string(), t.storage_id()));
-    /// let _maybe_event = p.event_handle();
-    /// ```
     pub fn event_handle(&self) -> Option<&[u8]> {
         self.wire.storage.kind.event_handle.as_deref()
     }
     /// Identity of the storage across processes.
-    ///
-    /// ```no_run
-    /// let dev = cuda_mp::Device::get(0).unwrap();
-    /// // An allocation of its own of legacy memory: a 64-byte handle, the storage at offset 0.
-    /// dev.set_memory_kind(cuda_mp::GpuMemoryKind::Legacy);
-    /// dev.set_caching(false);
-    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[2, 3]).unwrap();
-    /// let p = t.ipc_payload().unwrap();
-    /// assert_eq!((p.dtype(), p.shape(), p.strides(), p.offset()), (Some(cuda_mp::DType::F32), &[2, 3][..], &[3, 1][..], 0));
-    /// assert_eq!((p.mem_handle().len(), p.alloc_offset(), p.storage_bytes()), (64, 0, 24));
-    /// assert_eq!((p.device_uuid(), p.storage_id()), (dev.uuid_string(), t.storage_id()));
-    /// let _maybe_event = p.event_handle();
-    /// ```
     pub fn storage_id(&self) -> StorageId {
         self.wire.storage.id
     }

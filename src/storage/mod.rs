@@ -86,6 +86,12 @@ pub(crate) trait StorageKind: Sized + Send + Sync + 'static {
         let _ = raw;
         true
     }
+    /// Another process's caching-allocator segment, just mapped here (by a block's record, or
+    /// with a receiving end that moved): statistics that count storages leave it out, as the
+    /// owner's do. Default: nothing.
+    fn opened_segment(raw: &Self::Raw) {
+        let _ = raw;
+    }
 }
 
 /// What waits behind a fence (the release of a claim).
@@ -484,6 +490,9 @@ pub(crate) fn import<S: Shared>(
                 let cover = cover.take().expect("opened once");
                 let raw = profile::timed(Phase::Open, || S::Kind::open(&mut kind, bytes, &place))
                     .map_err(|e| if cover.owner_alive() { e } else { Error::OwnerExited(e.to_string()) })?;
+                if id.is_internal() {
+                    S::Kind::opened_segment(&raw);
+                }
                 crate::sys::kill_point("import");
                 let origin = Origin::Imported { cover, ticket };
                 let memory = Arc::new(Memory { id, len: bytes, key, origin, raw: Some(raw) });
