@@ -50,7 +50,7 @@ use crate::wire::{self, Carried, Held};
 /// A send never waits for the reader: when the reader falls behind, messages wait in a backlog
 /// of the sending process (memory grows instead; before that, a send whose shared-memory ring
 /// is full looks for room for at most 50 us, once until the reader catches up, as a receive
-/// spins before it sleeps), and each process's messages arrive in the
+/// spins before it sleeps; `try_send` does not look, `send_timeout` not past its limit), and each process's messages arrive in the
 /// order it sent them. Tensors in the backlog keep their memory alive until received. A process
 /// that exits with a backlog first waits until it is handed on (or the receiver is gone), like
 /// torch's queues; see [`bounded`] for a channel whose sends wait for room instead.
@@ -302,7 +302,14 @@ impl<T: Serialize> Sender<T> {
                 Err(NoPlace::Gone) => return Err((value, Refused::Failed(SendFailure::Disconnected))),
             }
         }
-        match Self::write(outbox, &value) {
+        // How long a full ring may be waited for: a receive's spin, bounded by the caller's
+        // own limit (none for `try_send`); past it the message takes the socket.
+        let patience = match wait {
+            None => inbox::spin(),
+            Some(None) => Duration::ZERO,
+            Some(Some(deadline)) => inbox::spin().min(deadline.saturating_duration_since(Instant::now())),
+        };
+        match Self::write(outbox, &value, patience) {
             Ok(()) => Ok(()),
             Err(failure) => {
                 if bounded {
@@ -313,10 +320,11 @@ impl<T: Serialize> Sender<T> {
         }
     }
 
-    /// Encodes `value` (collecting its descriptors) and writes its frame.
-    fn write(outbox: &Arc<Outbox>, value: &T) -> std::result::Result<(), SendFailure> {
+    /// Encodes `value` (collecting its descriptors) and writes its frame, waiting at most
+    /// `patience` for room in a full ring.
+    fn write(outbox: &Arc<Outbox>, value: &T, patience: Duration) -> std::result::Result<(), SendFailure> {
         let encoded = wire::encode_on(value, outbox.connection()).map_err(SendFailure::Serialize)?;
-        if encoded.fds.is_empty() && encoded.introduce.is_empty() && outbox.try_ring(&encoded.bytes)? {
+        if encoded.fds.is_empty() && encoded.introduce.is_empty() && outbox.try_ring(&encoded.bytes, patience)? {
             encoded.sent();
             return Ok(());
         }

@@ -319,8 +319,9 @@ impl Outbox {
     /// the backlog's handover) and the receiver is not asleep in the kernel (it looks at the
     /// rings before it sleeps). `Ok(false)` when the message must take the socket instead. The
     /// ring is made (and introduced on the socket) once the channel has carried a few messages
-    /// from this process that could have taken it.
-    pub(super) fn try_ring(&self, bytes: &[u8]) -> Result<bool, SendFailure> {
+    /// from this process that could have taken it. A full ring is waited for at most
+    /// `patience`.
+    pub(super) fn try_ring(&self, bytes: &[u8], patience: Duration) -> Result<bool, SendFailure> {
         if bytes.len() > ring::MAX_MESSAGE {
             return Ok(false);
         }
@@ -338,7 +339,7 @@ impl Outbox {
             }
             return Ok(false);
         };
-        if !ring.push_patiently(bytes, super::inbox::spin()) {
+        if !ring.push_patiently(bytes, patience) {
             return Ok(false);
         }
         if ring.written % RING_CHECK_EVERY == 1 && self.main.peer_closed() {
