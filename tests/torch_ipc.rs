@@ -196,7 +196,8 @@ fn received_vmm_and_empty_storages_to_pytorch() {
         let e = v.storage().to_torch_ipc().unwrap_err();
         assert!(matches!(&e, Error::Unsupported(m) if m.contains("vmm")), "{e}");
     }
-    // An empty storage shares nothing and holds nothing.
+    // An empty storage shares nothing and holds nothing, whatever its memory (here a block of
+    // the default segments: VMM where the device has it).
     let before = torch_ipc_stats();
     let empty: DynTensor<GpuStorage> = GpuTensor::<f32>::zeros(&dev, &[0]).unwrap().into();
     let h = empty.storage().to_torch_ipc().unwrap();

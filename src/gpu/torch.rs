@@ -323,6 +323,20 @@ impl GpuStorage {
     /// assert_eq!(cuda_mp::torch_ipc_stats().outstanding, 1); // until PyTorch releases it
     /// ```
     pub fn to_torch_ipc(self: &Arc<Self>) -> Result<TorchIpcHandle> {
+        let storage_bytes = self.byte_len() as u64;
+        if storage_bytes == 0 {
+            // Nothing to share, whatever the memory (a block of a VMM segment, say).
+            return Ok(TorchIpcHandle {
+                device: self.device().ordinal(),
+                handle: Vec::new(),
+                storage_bytes: 0,
+                storage_offset_bytes: 0,
+                ref_counter: Vec::new(),
+                ref_counter_slot: 0,
+                event_handle: vec![0; IPC_HANDLE_BYTES],
+                event_sync_required: false,
+            });
+        }
         let (device, handle, offset) = match self.handle().memory().raw() {
             GpuMemory::Local { allocation, handle } => {
                 (allocation.device(), *handle.get_or_try_init(|| allocation.ipc_handle())?, 0)
@@ -359,19 +373,6 @@ impl GpuStorage {
                 ));
             }
         };
-        let storage_bytes = self.byte_len() as u64;
-        if storage_bytes == 0 {
-            return Ok(TorchIpcHandle {
-                device: device.ordinal(),
-                handle: Vec::new(),
-                storage_bytes: 0,
-                storage_offset_bytes: 0,
-                ref_counter: Vec::new(),
-                ref_counter_slot: 0,
-                event_handle: vec![0; IPC_HANDLE_BYTES],
-                event_sync_required: false,
-            });
-        }
         let event = events::record(device)?;
         let (name, slot) = torch_refs::share(Box::new(self.clone()))?;
         Ok(TorchIpcHandle {
