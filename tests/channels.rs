@@ -330,13 +330,25 @@ fn select_and_async_receives_wake_for_messages_of_a_ring() {
     };
     let (tx, rx) = channel::<u32>().unwrap();
     let sender = bursts(tx);
+    let mut spurious = 0;
     for i in 0..N {
-        let mut select = cuda_mp::Select::new();
-        select.add(&rx);
-        select.select_timeout(WAIT).expect("woken for every message");
-        // Ready means a receive would not wait (this thread alone receives).
-        assert_eq!(rx.try_recv(), Ok(i));
+        loop {
+            let mut select = cuda_mp::Select::new();
+            select.add(&rx);
+            select.select_timeout(WAIT).expect("woken for every message");
+            // Ready means the next receive would not wait, but may rarely be spurious (as
+            // `Select` says: a frame that introduces the sender's ring, say): select again.
+            match rx.try_recv() {
+                Ok(got) => {
+                    assert_eq!(got, i, "in order");
+                    break;
+                }
+                Err(cuda_mp::TryRecvError::Empty) => spurious += 1,
+                Err(e) => panic!("message {i}: {e}"),
+            }
+        }
     }
+    assert!(spurious <= N / 20, "ready for nothing {spurious} times in {N} messages");
     sender.join().unwrap();
 
     let (tx, rx) = channel::<u32>().unwrap();
