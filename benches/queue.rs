@@ -278,11 +278,7 @@ fn main() {
 /// `alloc_round`, which measures the steady state: a producer reuses its blocks).
 fn grow_round() -> f64 {
     cuda_mp::empty_host_cache();
-    let start = Instant::now();
-    let batch: Vec<HostTensor<u8>> = (0..1000).map(|_| HostTensor::zeros(&[BYTES]).expect("a tensor")).collect();
-    let secs = start.elapsed().as_secs_f64() / 1000.0;
-    drop(batch);
-    secs
+    alloc_round(1000).0
 }
 
 /// Seconds per tensor to allocate `n` fresh tensors (in batches of 1,000, under the descriptor
