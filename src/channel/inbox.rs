@@ -155,6 +155,11 @@ pub(super) fn spin() -> Duration {
 /// or the last sender's close soon.
 const KERNEL_LOOK_EVERY: u32 = 64;
 
+/// Looks a spinning receiver makes before it lets other threads run between looks: a
+/// receiver that spins without yielding holds a processor that its sender, or another thread
+/// of the pipeline, may need (a queue's dispatcher runs several threads that each wait).
+const YIELD_AFTER: u32 = 256;
+
 /// Messages from rings in a row before the socket's turn.
 const RING_STREAK: u32 = 16;
 
@@ -235,7 +240,11 @@ impl Inbox {
                 return got;
             }
             if spin_until.is_some_and(|end| Instant::now() < end) {
-                std::hint::spin_loop();
+                if looks > YIELD_AFTER {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
                 continue;
             }
             if matches!(wait, Wait::Not) {

@@ -156,9 +156,16 @@ impl RingWriter {
             return false;
         }
         let deadline = Instant::now() + patience;
+        let mut round = 0u32;
         loop {
-            for _ in 0..64 {
-                std::hint::spin_loop();
+            // After a few rounds, the reader may need this processor to make room.
+            round = round.saturating_add(1);
+            if round <= 4 {
+                for _ in 0..64 {
+                    std::hint::spin_loop();
+                }
+            } else {
+                std::thread::yield_now();
             }
             if self.push(bytes) {
                 return true;
