@@ -6,7 +6,7 @@ mod dispatch;
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::sync::{Mutex, MutexGuard, mpsc};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
@@ -16,7 +16,7 @@ use crate::channel::{Receiver, Sender, channel};
 use crate::error::{Error, IoFailure, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError};
 use crate::fork::ForkLocal;
 
-use dispatch::{Ctl, Event, Failure, Join, Reply, Slot};
+use dispatch::{Ctl, Event, Failure, Hub, Join, Reply, Slot};
 
 /// A decoder of one frame of the queue's protocol (for fuzzing): what became of it.
 #[cfg(all(feature = "cuda", any(test, feature = "testing")))]
@@ -142,8 +142,9 @@ const MAX_PREFETCH: usize = 64;
 /// dispatcher. A put from the creating process hands the value to the dispatcher as it is; a
 /// put from another process is one more hop, and the dispatcher's process then maps each
 /// waiting tensor of it and holds its descriptors (a host tensor: its memory and its
-/// message's lease) until it is delivered. The dispatcher runs three threads, plus one per
-/// consumer.
+/// message's lease) until it is delivered. The queue's process runs two threads, plus one per
+/// consumer, which read and handle each event on the spot; a put in that process may do the
+/// send to a consumer that waits for its message.
 ///
 /// Unbounded means the backlog keeps its tensors alive: every live host tensor is a
 /// descriptor in the process that made it, so a producer of fresh tensors running tens of
@@ -155,10 +156,10 @@ const MAX_PREFETCH: usize = 64;
 pub struct Queue<T> {
     inbox: Sender<T>,
     /// In the process that created the queue (and not in copies sent elsewhere): the
-    /// dispatcher's own event queue, which a put enters without being encoded.
-    local: Option<mpsc::Sender<Event<T>>>,
+    /// dispatcher itself, which a put enters without being encoded.
+    local: Option<Arc<Hub<T>>>,
     /// The process generation (`crate::fork`) `local` belongs to: a forked child's copy of the
-    /// queue puts through the inbox, since the dispatcher thread is its parent's.
+    /// queue puts through the inbox, since the dispatcher and its readers are its parent's.
     generation: u64,
     consumer: QueueConsumer<T>,
 }
@@ -400,14 +401,8 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Queue<T> {
     pub fn put(&self, value: T) -> std::result::Result<(), SendError<T>> {
         let local = self.local.as_ref().filter(|_| self.generation == crate::fork::generation());
         let Some(local) = local else { return self.inbox.send(value) };
-        match local.send(Event::Put(value)) {
-            Ok(()) => Ok(()),
-            // The dispatcher thread is gone (it runs while any event sender exists, this one
-            // included, so it panicked): the inbox reports what became of the queue.
-            Err(mpsc::SendError(Event::Put(value))) => self.inbox.send(value),
-            // What comes back is what was sent.
-            Err(_) => Ok(()),
-        }
+        local.handle(Event::Put(value));
+        Ok(())
     }
 
     /// A handle that only gets and does not keep the queue open.

@@ -1,9 +1,8 @@
-//! The dispatcher of a [`Queue`](super::Queue): the threads in the creating process that own
-//! the backlog, and the messages between them and the consumers. See README.md here for the
-//! protocol and why no message is lost or delivered twice.
+//! The dispatcher of a [`Queue`](super::Queue): the state in the creating process that owns
+//! the backlog, the threads that feed it, and the messages between it and the consumers. See
+//! README.md here for the protocol and why no message is lost or delivered twice.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::mpsc;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread;
 
@@ -101,7 +100,7 @@ pub(super) struct Join<T> {
     pub(super) replies: Sender<Reply<T>>,
 }
 
-/// What the reader threads, and puts made in this process, tell the dispatcher thread.
+/// What the reader threads, and puts made in this process, tell the dispatcher.
 pub(super) enum Event<T> {
     Put(T),
     /// A put arrived that does not decode here (it is discarded; its resources released).
@@ -122,7 +121,7 @@ struct Consumer<T> {
     /// Sent, not yet acknowledged, oldest first (the order of the reply channel).
     in_flight: VecDeque<Item<T>>,
     /// Messages wanted and not yet answered; the consumer is in the waiting line while this is
-    /// not zero. Answers are sent by the dispatcher thread alone, in order, so a `Cancel` finds
+    /// not zero. Answers are sent under the hub's lock alone, in order, so a `Cancel` finds
     /// each wanted message either still wanted or already sent.
     wants: u32,
 }
@@ -138,43 +137,68 @@ struct Dispatcher<T> {
     requeued: u64,
     discarded: u64,
     undecodable: u64,
+    /// Messages done with (delivered, or discarded), to be dropped once the lock is let go:
+    /// a value's `Drop` is the user's code, which may be slow or put on this very queue.
+    done: Vec<Item<T>>,
+}
+
+/// The dispatcher, shared by every thread that has an event for it: a reader handles what it
+/// read, and a put in this process its value, on its own thread under the lock, sends
+/// included. No thread sits between an event and its answers, so a message costs no wake-up
+/// of a thread of the queue's process beyond the one that reads it; and answers to one
+/// consumer still leave in the order they were decided, since they are sent under the lock.
+pub(super) struct Hub<T> {
+    state: Mutex<Dispatcher<T>>,
+}
+
+impl<T: Serialize + DeserializeOwned + Send + 'static> Hub<T> {
+    /// Handles one event; what it was done with is dropped after the lock is let go.
+    pub(super) fn handle(&self, event: Event<T>) {
+        let done = {
+            let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            state.handle(event);
+            std::mem::take(&mut state.done)
+        };
+        drop(done);
+    }
 }
 
 /// The ends of a queue whose dispatcher runs in this process.
 pub(super) struct Ends<T> {
     /// Producers anywhere: the inbox.
     pub(super) inbox: Sender<T>,
-    /// Producers in this process: the dispatcher's event queue itself, which takes the value
-    /// as it is (no encoding, no descriptors, no lease).
-    pub(super) local: mpsc::Sender<Event<T>>,
+    /// Producers in this process: the dispatcher itself, which takes the value as it is (no
+    /// encoding, no descriptors, no lease).
+    pub(super) local: Arc<Hub<T>>,
     /// Consumers anywhere.
     pub(super) join: Sender<Join<T>>,
 }
 
-/// Starts a queue's dispatcher in this process.
+/// Starts a queue's dispatcher in this process: the hub, a reader of the inbox and a reader
+/// of joins. The hub lives as long as a reader or a handle of this process holds it; what is
+/// left in the backlog is dropped with it.
 pub(super) fn start<T>() -> Result<Ends<T>>
 where
     T: Serialize + DeserializeOwned + Send + 'static,
 {
     let (inbox_tx, inbox_rx) = channel::<T>()?;
     let (join_tx, join_rx) = channel::<Join<T>>()?;
-    let (events_tx, events_rx) = mpsc::channel::<Event<T>>();
-    thread::Builder::new().name("cuda-mp-queue".into()).spawn(move || Dispatcher::new().run(events_rx))?;
-    let puts = events_tx.clone();
-    thread::Builder::new().name("cuda-mp-queue-puts".into()).spawn(move || read_puts(inbox_rx, puts))?;
-    let joins = events_tx.clone();
+    let hub = Arc::new(Hub { state: Mutex::new(Dispatcher::new()) });
+    let puts = hub.clone();
+    thread::Builder::new().name("cuda-mp-queue-puts".into()).spawn(move || read_puts(inbox_rx, &puts))?;
+    let joins = hub.clone();
     thread::Builder::new().name("cuda-mp-queue-joins".into()).spawn(move || read_joins(join_rx, joins))?;
-    Ok(Ends { inbox: inbox_tx, local: events_tx, join: join_tx })
+    Ok(Ends { inbox: inbox_tx, local: hub, join: join_tx })
 }
 
-/// Moves every put into the dispatcher's unbounded event queue at once, so that a producer
-/// never waits for a consumer.
-fn read_puts<T: Serialize + DeserializeOwned>(inbox: Receiver<T>, events: mpsc::Sender<Event<T>>) {
+/// Hands every put to the dispatcher as it arrives. The backlog is unbounded, and a send to a
+/// consumer never waits for it to read, so a producer never waits for a consumer.
+fn read_puts<T: Serialize + DeserializeOwned + Send + 'static>(inbox: Receiver<T>, hub: &Hub<T>) {
     loop {
         let event = match inbox.recv() {
             Ok(v) => Event::Put(v),
             Err(RecvError::Disconnected) => {
-                let _ = events.send(Event::InboxClosed);
+                hub.handle(Event::InboxClosed);
                 return;
             }
             Err(RecvError::Io(_)) => {
@@ -184,17 +208,12 @@ fn read_puts<T: Serialize + DeserializeOwned>(inbox: Receiver<T>, events: mpsc::
             }
             Err(_) => Event::Undecodable,
         };
-        if events.send(event).is_err() {
-            return;
-        }
+        hub.handle(event);
     }
 }
 
 /// Registers joining consumers and starts a reader of each one's requests.
-fn read_joins<T: Serialize + DeserializeOwned + Send + 'static>(
-    joins: Receiver<Join<T>>,
-    events: mpsc::Sender<Event<T>>,
-) {
+fn read_joins<T: Serialize + DeserializeOwned + Send + 'static>(joins: Receiver<Join<T>>, hub: Arc<Hub<T>>) {
     let mut next = 0u64;
     loop {
         let join = match joins.recv() {
@@ -209,32 +228,25 @@ fn read_joins<T: Serialize + DeserializeOwned + Send + 'static>(
         };
         next += 1;
         let id = next;
-        // Joined before the first request of this consumer: one thread sends both events in
-        // that order, or this one sends Joined before the reader exists.
-        if events.send(Event::Joined(id, join.replies)).is_err() {
-            return;
-        }
+        // Joined before the first request of this consumer: handled before its reader exists.
+        hub.handle(Event::Joined(id, join.replies));
         let requests = join.requests;
-        let tx = events.clone();
+        let reader = hub.clone();
         let started = thread::Builder::new().name("cuda-mp-queue-consumer".into()).spawn(move || {
             loop {
                 match requests.recv() {
-                    Ok(ctl) => {
-                        if tx.send(Event::Request(id, ctl)).is_err() {
-                            return;
-                        }
-                    }
+                    Ok(ctl) => reader.handle(Event::Request(id, ctl)),
                     // Closed (left or died), or something that is not a request: either way this
                     // consumer is done with.
                     Err(_) => {
-                        let _ = tx.send(Event::Left(id));
+                        reader.handle(Event::Left(id));
                         return;
                     }
                 }
             }
         });
-        if started.is_err() && events.send(Event::Left(id)).is_err() {
-            return;
+        if started.is_err() {
+            hub.handle(Event::Left(id));
         }
     }
 }
@@ -258,14 +270,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
             requeued: 0,
             discarded: 0,
             undecodable: 0,
-        }
-    }
-
-    /// Runs until every reader is gone: every handle of the queue, everywhere, dropped. What is
-    /// left in the backlog is dropped then (its tensors released).
-    fn run(mut self, events: mpsc::Receiver<Event<T>>) {
-        while let Ok(event) = events.recv() {
-            self.handle(event);
+            done: Vec::new(),
         }
     }
 
@@ -296,8 +301,9 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
         if c.replies.is_none() {
             // Cut off: only its acknowledgements still count, for messages it did return.
             if let Ctl::Got(_) = ctl
-                && c.in_flight.pop_front().is_some()
+                && let Some(item) = c.in_flight.pop_front()
             {
+                self.done.push(item);
                 self.delivered += 1;
                 self.serve();
             }
@@ -326,7 +332,8 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
                 self.answer(id, Reply::Cancelled);
             }
             Ctl::Got(n) => {
-                if c.in_flight.pop_front().is_some() {
+                if let Some(item) = c.in_flight.pop_front() {
+                    self.done.push(item);
                     self.delivered += 1;
                 }
                 self.want(id, n);
@@ -435,7 +442,10 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
             Err(e) => {
                 let f = failure(e.failure());
                 match f {
-                    Failure::Discarded(_) => self.discarded += 1,
+                    Failure::Discarded(_) => {
+                        self.done.push(item);
+                        self.discarded += 1;
+                    }
                     _ => self.backlog.push_front(item),
                 }
                 // One failure reported once, to the consumer's next get, rather than once for
