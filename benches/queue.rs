@@ -22,6 +22,12 @@
 //! and the producer's own cost of allocating and freeing a fresh tensor, with the host caching
 //! allocator on (once it holds the segments a batch needs, and for a batch that makes them) and
 //! off.
+//!
+//! Last, the round trip of one message, median in microseconds, torch's in the same run: this
+//! process puts on a queue whose consumer is another process, which drops what it got and puts
+//! an acknowledgement (an integer) on a second queue of this process's, which this process
+//! gets. Rows: an integer, and a resent 4 KiB tensor. It is the latency a worker pool built on
+//! two queues sees, and the floor under every message of a `multiprocessing` program.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -58,6 +64,53 @@ fn consume((queue, (ready, credit, done)): (QueueConsumer<HostTensor<u8>>, Repor
         }
     }
     done.send(n).expect("report the count");
+}
+
+/// Gets until the queue is closed, dropping each message and acknowledging it on `acks`.
+fn acknowledge<T: serde::Serialize + serde::de::DeserializeOwned + Send + 'static>(
+    queue: QueueConsumer<T>,
+    acks: Queue<u64>,
+) {
+    loop {
+        match queue.get() {
+            Ok(message) => drop(message),
+            Err(e) if e.is_disconnected() => return,
+            Err(e) => panic!("get: {e}"),
+        }
+        acks.put(1).expect("acknowledge");
+    }
+}
+
+fn acknowledge_ints((queue, acks): (QueueConsumer<u64>, Queue<u64>)) {
+    acknowledge(queue, acks);
+}
+
+fn acknowledge_tensors((queue, acks): (QueueConsumer<HostTensor<u8>>, Queue<u64>)) {
+    acknowledge(queue, acks);
+}
+
+/// The median round trip, in microseconds, of `make()` put on a queue whose consumer (another
+/// process, running `consumer`) acknowledges each message on a queue of this process's; after
+/// 50 rounds not counted.
+fn round_trip<T: serde::Serialize + serde::de::DeserializeOwned + Send + 'static>(
+    rounds: usize,
+    consumer: fn((QueueConsumer<T>, Queue<u64>)),
+    make: impl Fn() -> T,
+) -> f64 {
+    settle();
+    let (queue, acks) = (Queue::<T>::new().expect("a queue"), Queue::<u64>::new().expect("a queue"));
+    let child = spawn((queue.consumer(), acks.clone()), consumer);
+    let times: Vec<f64> = (0..50 + rounds)
+        .map(|_| {
+            let start = Instant::now();
+            queue.put(make()).expect("put");
+            acks.get_timeout(WAIT).expect("an acknowledgement");
+            start.elapsed().as_secs_f64() * 1e6
+        })
+        .collect();
+    drop(queue);
+    child.join().expect("the consumer");
+    median(times[50..].to_vec())
 }
 
 /// Sends `n` tensors with `send`, at most [`WINDOW`] ahead of the credits returned.
@@ -247,6 +300,23 @@ fn main() {
             None => ("-".into(), "-".into()),
         };
         println!("| {consumers} | {} | {rate:.0} | {t} | {ratio} |", mode.name());
+    }
+    println!();
+    let trips = if quick { 1_000 } else { 5_000 };
+    let tensor = HostTensor::<u8>::zeros(&[BYTES]).expect("a tensor");
+    let ours = [
+        ("rt_int", "an integer", round_trip(trips, acknowledge_ints, || 7u64)),
+        ("rt_tensor", "a resent 4 KiB tensor", round_trip(trips, acknowledge_tensors, || tensor.clone())),
+    ];
+    println!("| round trip, acknowledged on a second queue | cuda-mp | torch | torch / cuda-mp |");
+    println!("|---|---|---|---|");
+    for (key, what, us) in ours {
+        let theirs = torch.as_ref().ok().and_then(|rows| rows.iter().find(|(k, _)| k == key));
+        let (t, ratio) = match theirs {
+            Some((_, t)) => (format!("{t:.1} us"), format!("{:.1}x", t / us)),
+            None => ("-".into(), "-".into()),
+        };
+        println!("| {what} | {us:.1} us | {t} | {ratio} |");
     }
     println!();
     for mode in [Mode::Fresh, Mode::Resent] {

@@ -2,8 +2,10 @@
 by 1 and 4 consumer processes, 4 KiB uint8 CPU tensors, fresh (a new tensor per put) or resent
 (the same 8 tensors again and again), the producer at most 1,024 tensors ahead of the consumers
 (each returns a credit per 256 tensors), as in benches/queue.rs. Prints
-`row <key> <tensors_per_s>` per workload (the median of the rounds), or `skip <why>` when
-torch is not installed.
+`row <key> <tensors_per_s>` per workload (the median of the rounds), then `row rt_int <us>` and
+`row rt_tensor <us>`: the median round trip of an int and of a resent 4 KiB tensor put on a
+queue whose consumer drops it and puts an acknowledgement on a second queue; or `skip <why>`
+when torch is not installed.
 
     python3 benches/torch_queue.py [--quick] [--n N] [--rounds R]
 """
@@ -64,6 +66,30 @@ def one_round(ctx, consumers, mode, n):
     return n / secs
 
 
+def acknowledge(q, acks):
+    while True:
+        x = q.get()
+        if x is None:
+            break
+        del x
+        acks.put(1)
+
+
+def round_trip_us(ctx, item, rounds):
+    q, acks = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=acknowledge, args=(q, acks))
+    p.start()
+    times = []
+    for _ in range(50 + rounds):
+        start = time.perf_counter()
+        q.put(item)
+        acks.get()
+        times.append(time.perf_counter() - start)
+    q.put(None)
+    p.join()
+    return statistics.median(times[50:]) * 1e6
+
+
 def arg(name, default):
     if name in sys.argv:
         return int(sys.argv[sys.argv.index(name) + 1])
@@ -81,6 +107,10 @@ def main():
             one_round(ctx, consumers, mode, max(n // 10, 1))  # warm-up
             rates = [one_round(ctx, consumers, mode, n) for _ in range(rounds)]
             print(f"row c{consumers}_{mode} {statistics.median(rates):.1f}", flush=True)
+    trips = 1000 if quick else 5000
+    print(f"row rt_int {round_trip_us(ctx, 7, trips):.1f}", flush=True)
+    tensor = torch.zeros(BYTES, dtype=torch.uint8)
+    print(f"row rt_tensor {round_trip_us(ctx, tensor, trips):.1f}", flush=True)
 
 
 if __name__ == "__main__":
