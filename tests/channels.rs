@@ -107,6 +107,36 @@ fn a_sender_gets_its_value_back_when_the_receiving_process_is_gone() {
     assert_eq!(err.into_inner(), 2);
 }
 
+/// Receives in step with the sender until `u32::MAX`; gives how many came through its ring.
+fn receive_in_step((rx, acks): (cuda_mp::Receiver<u32>, Sender<()>)) -> u64 {
+    let before = cuda_mp::testing::ring_messages_received();
+    while rx.recv().unwrap() != u32::MAX {
+        acks.send(()).unwrap();
+    }
+    cuda_mp::testing::ring_messages_received() - before
+}
+
+/// A message that would take the ring (where a write cannot fail) after a pause looks first:
+/// the first send to a receiver that died meanwhile fails, with the value back, not some
+/// messages later.
+#[test]
+fn the_first_send_after_a_pause_to_a_receiver_gone_meanwhile_fails() {
+    let (tx, rx) = channel::<u32>().unwrap();
+    let (ack_tx, acks) = channel::<()>().unwrap();
+    let child = spawn((rx, ack_tx), receive_in_step);
+    for i in 0..20 {
+        tx.send(i).unwrap();
+        acks.recv_timeout(WAIT).unwrap();
+    }
+    tx.send(u32::MAX).unwrap();
+    assert!(child.join().unwrap() > 0, "the child received from this process's ring");
+    // Its descriptors are closed once it has exited: a pause longer than the look's interval.
+    std::thread::sleep(Duration::from_millis(20));
+    let err = tx.send(7).unwrap_err();
+    assert!(err.is_disconnected(), "{err}");
+    assert_eq!(err.into_inner(), 7);
+}
+
 fn echo_doubled(end: Duplex<i64, HostTensor<i64>>) {
     while let Ok(t) = end.recv() {
         t.map_inplace(|x| x * 2);
