@@ -7,6 +7,17 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(scope="module")
+def cuda_gpu():
+    """Fails the tests that use it, with a clear message, where PyTorch sees no CUDA GPU. A
+    fixture rather than a check at import, so that ``pytest -m "not gpu"`` collects the GPU
+    modules and deselects their tests on a machine with PyTorch and no GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.fail("these tests need a CUDA GPU, and none is usable", pytrace=False)
+
+
 def rust_example(name: str) -> pathlib.Path:
     """A built example of the Rust crate: in $CUDA_MP_EXAMPLES, else in the Cargo target folder
     ($CARGO_TARGET_DIR, else target/)."""

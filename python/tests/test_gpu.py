@@ -7,11 +7,9 @@ import pytest
 import cuda_mp
 from conftest import start_rust_peer
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_gpu")]
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
-if not torch.cuda.is_available():
-    pytest.fail("these tests need a CUDA GPU, and none is usable", pytrace=False)
 
 
 def pair(kind=cuda_mp.GpuTensor):

@@ -12,11 +12,9 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_gpu")]
 
 torch = pytest.importorskip("torch", reason="the PyTorch interop tests need PyTorch")
-if not torch.cuda.is_available():
-    pytest.skip("the PyTorch interop tests need a CUDA GPU", allow_module_level=True)
 
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor  # noqa: E402
 

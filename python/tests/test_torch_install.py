@@ -9,11 +9,9 @@ import pytest
 
 import cuda_mp
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_gpu")]
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
-if not torch.cuda.is_available():
-    pytest.fail("these tests need a CUDA GPU, and none is usable", pytrace=False)
 
 PROGRAM = pathlib.Path(__file__).with_name("torch_mp_program.py")
 
