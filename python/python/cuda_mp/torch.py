@@ -275,9 +275,12 @@ def _reduce_untyped_storage(storage):
 def _reduce_typed_storage(storage):
     import torch
 
-    if storage.device.type != "cuda" or storage.nbytes() == 0 or type(storage) is not torch.storage.TypedStorage:
-        return _torch_reduction(storage, torch.storage.TypedStorage)
+    # Read through the untyped storage, as torch's own reductions do: a TypedStorage's
+    # ``device`` and ``nbytes()`` warn of its deprecation, which would then seem to come from
+    # the first CPU tensor the program puts on a queue.
     untyped = storage._untyped_storage
+    if untyped.device.type != "cuda" or untyped.nbytes() == 0 or type(storage) is not torch.storage.TypedStorage:
+        return _torch_reduction(storage, torch.storage.TypedStorage)
     data = _to_bytes(_sent(_bytes_view(untyped)))
     return (_rebuild_typed_storage, (data, storage.dtype, _ttl))
 
