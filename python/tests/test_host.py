@@ -26,6 +26,26 @@ def test_every_numpy_dtype_arrives_with_its_values(dtype):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [">f4", ">f8", ">i2", ">i4", ">i8", ">f2"])
+def test_arrays_of_the_other_byte_order_arrive_with_their_values(dtype):
+    a = np.arange(-6, 6).astype(dtype).reshape(3, 4)
+    tx, rx = pair()
+    tx.send(a)
+    np.testing.assert_array_equal(rx.recv(timeout=10), a)
+    q = cuda_mp.Queue()
+    q.put(a)
+    np.testing.assert_array_equal(q.get(timeout=10), a)
+    q.put({"a": a})
+    np.testing.assert_array_equal(q.get(timeout=10)["a"], a)
+    # A view of cuda-mp memory in the other byte order is copied, not shared as this machine's.
+    shared = cuda_mp.empty_host((12,), dtype[1:]).view(dtype)
+    shared[:] = np.arange(-6, 6)
+    tx.send(shared)
+    np.testing.assert_array_equal(rx.recv(timeout=10), shared)
+    q.put([shared])
+    np.testing.assert_array_equal(q.get(timeout=10)[0], shared)
+
+
 def test_views_are_sent_by_value_and_shared_memory_by_reference():
     tx, rx = pair()
     a = np.arange(12, dtype=np.int32).reshape(3, 4)

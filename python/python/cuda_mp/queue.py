@@ -77,9 +77,9 @@ class _TensorsOut(ForkingPickler):
         return ("torch", len(self.tensors) - 1, isinstance(t, torch.nn.Parameter), t.requires_grad)
 
     def _numpy(self, a):
-        from . import _NUMPY_TO_NAME, _shared_array
+        from . import _numpy_name, _shared_array
 
-        dtype = _NUMPY_TO_NAME.get(a.dtype.name)
+        dtype = _numpy_name(a.dtype)
         native = _shared_array(a, dtype) if dtype is not None and a.size else None
         if native is None:
             return None  # not cuda-mp memory: copied into the pickle
@@ -127,9 +127,9 @@ def _leaf(obj):
             return None
         return _ours(obj)
     if type(obj).__name__ == "ndarray" and type(obj).__module__ == "numpy":
-        from . import _NUMPY_TO_NAME, _shared_array
+        from . import _numpy_name, _shared_array
 
-        dtype = _NUMPY_TO_NAME.get(obj.dtype.name)
+        dtype = _numpy_name(obj.dtype)
         return _shared_array(obj, dtype) if dtype is not None and obj.size else None
     return None
 
