@@ -40,12 +40,11 @@ pub(crate) use process::{
 };
 #[cfg(feature = "cuda")]
 pub(crate) use shm::{ShmFile, ShmOpen, remove_cuda_event_files, shm_unlink};
-#[cfg(all(feature = "cuda", any(test, feature = "testing")))]
-pub(crate) use socket::Message;
 #[cfg(feature = "remote")]
 pub(crate) use socket::wait_for;
 pub(crate) use socket::{
-    Listening, MESSAGE_FDS, Socket, Wait, bell, connect_abstract, connect_to, private_dir, ring, silence, wait_readable,
+    Listening, MESSAGE_FDS, Message, Socket, Wait, bell, connect_abstract, connect_to, private_dir, ring, silence,
+    wait_readable,
 };
 
 /// 128 random bits from the kernel (`getrandom`): names and secrets no other process can guess.

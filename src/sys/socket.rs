@@ -404,6 +404,12 @@ fn check_peer_is_this_user(socket: BorrowedFd<'_>) -> io::Result<()> {
 #[derive(Debug)]
 pub(crate) struct Listening(OwnedFd);
 
+impl AsFd for Listening {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
+
 impl Listening {
     /// Listens at `path` (which must not exist).
     pub(crate) fn bind(path: &Path) -> io::Result<Listening> {
