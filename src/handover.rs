@@ -23,8 +23,10 @@
 //! nothing) when they connect; the secret says which deposit. A fetcher keeps its connection
 //! to a home for its next fetch there (a stream of handoffs from one process then costs one
 //! exchange each, not a connection each: on a 2-cpu machine a fetch went from 73 to about
-//! 25 us), until it has gone unused for a second; the home's thread answers every connection
-//! it keeps (at most 256, the oldest closed beyond), polling them with its listener. A fetch
+//! 25 us), until it has gone unused for a second or that home closed it (its own home's thread
+//! watches the connections this process keeps, and closes them then); the home's thread
+//! answers every connection it keeps (at most 256, the oldest closed beyond), polling them
+//! with its listener. A fetch
 //! whose kept connection the home closed asks again on a fresh one: a home answers before it
 //! closes, so a request on a closed connection was not taken. Expiring deposits go when their time is up: the
 //! serving thread wakes for the first of them (a new deposit that expires earlier wakes it, by
@@ -39,7 +41,7 @@ use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -112,6 +114,9 @@ struct Home {
     fetched: Condvar,
     /// When the serving thread wakes next to drop expired deposits (`None`: only for a fetch).
     wakes: Mutex<Option<Instant>>,
+    /// Rung when this process keeps a new connection to another home, so that the serving
+    /// thread watches it too (and closes it as soon as that home is gone).
+    bell: OwnedFd,
 }
 
 /// This process's home (a forked child makes its own).
@@ -126,6 +131,7 @@ fn start() -> io::Result<Home> {
     // An abstract name: nothing is left behind when the process ends, however it ends.
     let name = format!("cuda-mp-home-{:032x}", crate::sys::random_u128());
     let listening = Listening::bind_abstract(&name)?;
+    let bell = crate::sys::bell()?;
     std::thread::Builder::new().name("cuda-mp-handover".into()).spawn(move || serve(listening))?;
     crate::sys::at_exit(wait_at_exit_hook);
     Ok(Home {
@@ -134,6 +140,7 @@ fn start() -> io::Result<Home> {
         kept: Mutex::new(HashMap::new()),
         fetched: Condvar::new(),
         wakes: Mutex::new(None),
+        bell,
     })
 }
 
@@ -314,10 +321,14 @@ fn serve(listening: Listening) {
             next
         };
         let wait = next.map_or(Wait::Forever, |e| Wait::Until(e + Duration::from_millis(1)));
-        let ready = {
+        // This process's kept connections to other homes are watched too, for their home's
+        // close (not for answers: those are read by their fetch).
+        let watched: Vec<Arc<Socket>> = links().values().map(|(link, _)| link.clone()).collect();
+        let (served, closed) = {
             let fds: Vec<BorrowedFd<'_>> =
-                std::iter::once(listening.as_fd()).chain(peers.iter().map(|p| p.as_fd())).collect();
-            match crate::sys::wait_readable(&fds, wait) {
+                [listening.as_fd(), home.bell.as_fd()].into_iter().chain(peers.iter().map(|p| p.as_fd())).collect();
+            let links: Vec<BorrowedFd<'_>> = watched.iter().map(|l| l.as_fd()).collect();
+            match crate::sys::wait_readable_or_closed(&fds, &links, wait) {
                 Ok(ready) => ready,
                 Err(_) => {
                     std::thread::sleep(Duration::from_millis(10));
@@ -325,7 +336,13 @@ fn serve(listening: Listening) {
                 }
             }
         };
-        if !ready.contains(&true) {
+        for (link, _) in watched.iter().zip(&closed).filter(|(_, c)| **c) {
+            close_link(link);
+        }
+        if served[1] {
+            crate::sys::silence(&home.bell);
+        }
+        if !served.contains(&true) && !closed.contains(&true) {
             timed_out = true;
             expire();
             continue;
@@ -333,19 +350,26 @@ fn serve(listening: Listening) {
         timed_out = false;
         // From the last, so that a peer dropped leaves the others' places as `ready` has them.
         for at in (0..peers.len()).rev() {
-            if ready[at + 1] && !answer(home, &peers[at]) {
+            if served[at + 2] && !answer(home, &peers[at]) {
                 peers.remove(at);
             }
         }
-        if ready[0]
-            && let Ok(socket) = listening.accept(Wait::Not)
-        {
-            // Its request is answered at the next turn (a wake's connection is dropped then: it
-            // closes without one).
-            if peers.len() >= MAX_PEERS {
-                peers.pop_front();
+        if served[0] {
+            match listening.accept(Wait::Not) {
+                Ok(socket) => {
+                    // Its request is answered at the next turn (a wake's connection is dropped
+                    // then: it closes without one).
+                    if peers.len() >= MAX_PEERS {
+                        peers.pop_front();
+                    }
+                    peers.push_back(socket);
+                }
+                // Nothing after all, or a peer of another user, refused (and closed) at once.
+                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::PermissionDenied) => {}
+                // Out of descriptors, say: the listener stays readable, so do not poll it
+                // again at once.
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
             }
-            peers.push_back(socket);
         }
         home.fetched.notify_all();
     }
@@ -388,9 +412,19 @@ fn answer(home: &Home, socket: &Socket) -> bool {
 /// the next fetch: a connection costs more than the exchange on it (about 50 against 9 us on a
 /// 2-cpu machine). This process's serving thread closes those unused for [`LINK_IDLE`] (a
 /// home that is gone among them). A forked child starts with none.
-fn links() -> MutexGuard<'static, HashMap<String, (Socket, Instant)>> {
-    static LINKS: ForkLocal<Mutex<HashMap<String, (Socket, Instant)>>> = ForkLocal::new(Default::default);
+fn links() -> MutexGuard<'static, HashMap<String, (Arc<Socket>, Instant)>> {
+    static LINKS: ForkLocal<Mutex<HashMap<String, (Arc<Socket>, Instant)>>> = ForkLocal::new(Default::default);
     LINKS.get().lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Closes the kept connection `link` (if it is still kept): its home closed it.
+fn close_link(link: &Arc<Socket>) {
+    let closed = {
+        let mut links = links();
+        let name = links.iter().find(|(_, (kept, _))| Arc::ptr_eq(kept, link)).map(|(name, _)| name.clone());
+        name.and_then(|name| links.remove(&name))
+    };
+    drop(closed);
 }
 
 /// When the first kept connection falls idle (`None`: none is kept); those idle already are
@@ -407,23 +441,19 @@ fn close_idle_links(now: Instant) -> Option<Instant> {
     next
 }
 
-/// Keeps `socket`, this process's connection to the home `name`, for the next fetch there, and
-/// makes sure this process's serving thread wakes to close it once idle.
-fn keep_link(name: &str, socket: Socket) {
+/// Keeps `socket`, this process's connection to the home `name`, for the next fetch there;
+/// this process's serving thread watches it (a new one: rung for) and closes it once idle or
+/// its home is gone.
+fn keep_link(name: &str, socket: Arc<Socket>, new: bool) {
     let Ok(home) = home() else { return };
-    let now = Instant::now();
     let replaced = {
         let mut links = links();
         let cleared = if links.len() >= MAX_LINKS { std::mem::take(&mut *links) } else { HashMap::new() };
-        (cleared, links.insert(name.to_owned(), (socket, now)))
+        (cleared, links.insert(name.to_owned(), (socket, Instant::now())))
     };
     drop(replaced);
-    let wake = {
-        let _deposits = lock(home);
-        wakes_later(home, now + LINK_IDLE)
-    };
-    if wake {
-        let _ = crate::sys::connect_abstract(&home.name);
+    if new {
+        crate::sys::ring(&home.bell);
     }
 }
 
@@ -457,19 +487,19 @@ pub(crate) fn fetch(ticket: &SpawnTicket) -> Result<(Vec<OwnedFd>, Option<Durati
     if let Some(socket) = kept
         && let Ok(Exchange::Answered(answer)) = exchange(&socket, ticket)
     {
-        answered = Some((answer, socket));
+        answered = Some((answer, socket, false));
     }
-    let (answer, socket) = match answered {
+    let (answer, socket, new) = match answered {
         Some(done) => done,
         None => {
             let socket = crate::sys::connect_abstract(&ticket.home).map_err(|e| refused(e.to_string()))?;
             match exchange(&socket, ticket).map_err(|e| refused(e.to_string()))? {
-                Exchange::Answered(answer) => (answer, socket),
+                Exchange::Answered(answer) => (answer, Arc::new(socket), true),
                 Exchange::Closed => return Err(refused("the process that sent them closed the connection".into())),
             }
         }
     };
-    keep_link(&ticket.home, socket);
+    keep_link(&ticket.home, socket, new);
     if answer.bytes.starts_with(b"ok") {
         let left = <[u8; 8]>::try_from(&answer.bytes[2..]).ok().map(|ms| Duration::from_millis(u64::from_le_bytes(ms)));
         Ok((answer.fds, left))
@@ -539,13 +569,24 @@ mod tests {
         // The home closed it (it keeps at most MAX_PEERS): a socket whose peer is gone.
         let (dead, peer) = Socket::pair().unwrap();
         drop(peer);
-        links().insert(first.home.clone(), (dead, Instant::now()));
+        links().insert(first.home.clone(), (Arc::new(dead), Instant::now()));
         let third = deposit();
         assert_eq!(fetch(&third).unwrap().0.len(), 1, "fetched on a fresh connection");
         assert!(fetch(&third).is_err(), "once");
         assert!(links().contains_key(&first.home));
         assert_eq!(close_idle_links(Instant::now() + LINK_IDLE), None, "closed once idle");
         assert!(!links().contains_key(&first.home));
+        // A kept connection whose home closes it is closed by this process's serving thread.
+        let (dead, peer) = Socket::pair().unwrap();
+        keep_link("a home that goes", Arc::new(dead), true);
+        assert!(links().contains_key("a home that goes"));
+        drop(peer);
+        // Before it would have gone idle.
+        let deadline = Instant::now() + LINK_IDLE / 2;
+        while links().contains_key("a home that goes") {
+            assert!(Instant::now() < deadline, "a connection whose home closed it is still kept");
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     #[test]

@@ -122,3 +122,35 @@ fn a_listener_of_another_user_is_refused_by_the_sender() {
     done.send(()).unwrap();
     peer.join().unwrap();
 }
+
+/// As another user: connects to the home (abstract name) `name`, asks for a deposit with 16
+/// bytes, and gives how many bytes came back before the connection closed (`None`: it could
+/// not connect at all).
+fn ask_home_as_nobody(name: String) -> Option<usize> {
+    use rustix::net::{AddressFamily, RecvFlags, SendFlags, SocketAddrUnix, SocketFlags, SocketType};
+    use rustix::net::{connect, recv, send, socket_with};
+    become_nobody();
+    let fd = socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None).ok()?;
+    connect(&fd, &SocketAddrUnix::new_abstract_name(name.as_bytes()).unwrap()).ok()?;
+    let mut request = 0u32.to_le_bytes().to_vec(); // the transport's header: no descriptor
+    request.extend_from_slice(&[0xab; 16]);
+    let _ = send(&fd, &request, SendFlags::NOSIGNAL);
+    let mut answer = [0u8; 64];
+    Some(recv(&fd, &mut answer, RecvFlags::empty()).map_or(0, |(n, _)| n))
+}
+
+#[test]
+fn a_process_of_another_user_gets_nothing_from_a_home_which_goes_on_serving() {
+    if !is_root() {
+        eprintln!("only root can run a peer as another user: the cross-user half is not run");
+        return;
+    }
+    let t = cuda_mp::HostTensor::<f32>::full(&[16], 3.0).unwrap();
+    let bytes = cuda_mp::to_bytes(&t, WAIT).unwrap();
+    let at = bytes.windows(13).position(|w| w == b"cuda-mp-home-").expect("a ticket in the bytes");
+    let home = String::from_utf8(bytes[at..at + 13 + 32].to_vec()).unwrap();
+    let answered = spawn(home, ask_home_as_nobody).join().unwrap();
+    assert_eq!(answered, Some(0), "connected, and closed without an answer");
+    let back: cuda_mp::HostTensor<f32> = cuda_mp::from_bytes(&bytes).unwrap();
+    assert_eq!(back.to_vec(), vec![3.0; 16], "the home still serves this user");
+}

@@ -334,6 +334,24 @@ pub(crate) fn wait_readable(fds: &[BorrowedFd<'_>], wait: Wait) -> io::Result<Ve
     Ok(polled.iter().map(|p| !p.revents().is_empty()).collect())
 }
 
+/// As [`wait_readable`] for `readable`, waiting also until a socket of `closing` has its peer
+/// gone (data arriving on one does not end the wait): which of each, in order.
+pub(crate) fn wait_readable_or_closed(
+    readable: &[BorrowedFd<'_>],
+    closing: &[BorrowedFd<'_>],
+    wait: Wait,
+) -> io::Result<(Vec<bool>, Vec<bool>)> {
+    let mut polled: Vec<PollFd<'_>> = readable
+        .iter()
+        .map(|fd| PollFd::from_borrowed_fd(*fd, PollFlags::IN))
+        .chain(closing.iter().map(|fd| PollFd::from_borrowed_fd(*fd, PollFlags::RDHUP)))
+        .collect();
+    poll_until(&mut polled, wait)?;
+    let ready: Vec<bool> = polled.iter().map(|p| !p.revents().is_empty()).collect();
+    let (readable, closing) = ready.split_at(readable.len());
+    Ok((readable.to_vec(), closing.to_vec()))
+}
+
 /// Waits until `fd` has one of `events` (or hangs up or fails), or `wait` ends: what it has,
 /// `None` when the wait ended first.
 pub(crate) fn wait_for(fd: BorrowedFd<'_>, events: PollFlags, wait: Wait) -> io::Result<Option<PollFlags>> {
