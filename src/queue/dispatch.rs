@@ -426,7 +426,9 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
             self.backlog.push_front(item);
             return;
         };
-        match replies.send(Reply::Item(Slot::Shared(item.clone()))) {
+        // `try_send` on the unbounded reply channel: never full, and it does not wait for ring
+        // room either, so that a put handled on its producer's thread never waits for a consumer.
+        match replies.try_send(Reply::Item(Slot::Shared(item.clone()))) {
             Ok(()) => {
                 crate::sys::kill_point("queue-handed");
                 if let Some(c) = self.consumers.get_mut(&id) {
@@ -440,7 +442,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
                 self.cut_off(id);
             }
             Err(e) => {
-                let f = failure(e.failure());
+                let f = e.failure().map_or_else(|| Failure::Io("the reply channel is full".into()), failure);
                 match f {
                     Failure::Discarded(_) => {
                         self.done.push(item);
@@ -459,7 +461,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
     /// Sends an answer that is not a message; a consumer that cannot be reached is cut off.
     fn answer(&mut self, id: u64, reply: Reply<T>) {
         let Some(replies) = self.consumers.get(&id).and_then(|c| c.replies.as_ref()) else { return };
-        if replies.send(reply).is_err() {
+        if replies.try_send(reply).is_err() {
             self.cut_off(id);
         }
     }
