@@ -349,7 +349,7 @@ fn serve(listening: Listening) {
             continue;
         }
         timed_out = false;
-        // From the last, so that a peer dropped leaves the others' places as `ready` has them.
+        // From the last, so that a peer dropped leaves the others' places as `served` has them.
         for at in (0..peers.len()).rev() {
             if served[at + 2] && !answer(home, &peers[at]) {
                 peers.remove(at);

@@ -38,15 +38,6 @@ static EXITING: AtomicBool = AtomicBool::new(false);
 /// that sends one message (a reply on a sender that came with its request) makes none.
 const BEFORE_RING: u32 = 3;
 
-/// Every so many messages written to its ring, a sender looks whether the receiver is gone
-/// (a write to a ring cannot tell).
-const RING_CHECK_EVERY: u64 = 64;
-
-/// A sender also looks before a ring write when it has not looked for this long: a send after
-/// a pause (to a worker that may have died meanwhile) fails at once, for one system call that
-/// the pause dwarfs.
-const RING_CHECK_AFTER: Duration = Duration::from_millis(1);
-
 /// Threads waiting in [`flush_all`]: feeders hand on everything at once meanwhile.
 static FLUSHING: AtomicUsize = AtomicUsize::new(0);
 
@@ -94,8 +85,6 @@ struct Backlog {
     ring: Option<RingWriter>,
     /// Messages that could have taken a ring before there was one.
     ring_candidates: u32,
-    /// When this sender last looked whether the receiver is gone, before a ring write.
-    ring_checked: Option<Instant>,
 }
 
 /// A private channel holding spilled frames: written here, read by the receiver after the
@@ -346,17 +335,10 @@ impl Outbox {
             }
             return Ok(false);
         };
-        let now = Instant::now();
-        let look = ring.written.is_multiple_of(RING_CHECK_EVERY)
-            || backlog.ring_checked.is_none_or(|at| now.duration_since(at) >= RING_CHECK_AFTER);
-        if look {
-            backlog.ring_checked = Some(now);
-            if self.main.peer_closed() {
-                self.disconnect(&mut backlog);
-                return Err(SendFailure::Disconnected);
-            }
+        if ring.look_due(Instant::now()) && self.main.peer_closed() {
+            self.disconnect(&mut backlog);
+            return Err(SendFailure::Disconnected);
         }
-        let Some(ring) = backlog.ring.as_mut() else { return Ok(false) };
         if !ring.push_patiently(bytes, patience) {
             return Ok(false);
         }

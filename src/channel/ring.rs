@@ -78,6 +78,14 @@ fn word(memory: &MemoryFile, at: usize) -> &AtomicU64 {
     memory.word(at).expect("a ring's words lie inside its memory, which is never frozen")
 }
 
+/// Every so many entries, a writer looks whether the receiver is gone.
+const LOOK_EVERY: u64 = 64;
+
+/// A writer also looks before an entry when it has not looked for this long: a send after a
+/// pause (to a worker that may have died meanwhile) fails at once, for one system call that
+/// the pause dwarfs.
+const LOOK_AFTER: Duration = Duration::from_millis(1);
+
 /// The writer's side, kept by the sending process's outbox of the channel.
 pub(super) struct RingWriter {
     memory: Arc<MemoryFile>,
@@ -89,7 +97,11 @@ pub(super) struct RingWriter {
     /// The number of this process's next message on the channel (ring or socket).
     next: u64,
     /// Entries written: every so often the writer looks whether the receiver is gone.
-    pub(super) written: u64,
+    written: u64,
+    /// When the writer last looked whether the receiver is gone (see [`look_due`]).
+    ///
+    /// [`look_due`]: Self::look_due
+    looked: Option<Instant>,
     /// The reader adopted the ring: entries may be written.
     adopted: bool,
     /// The last wait for room ran out: no wait until the reader has emptied half the ring.
@@ -123,6 +135,7 @@ impl RingWriter {
             id,
             next: 0,
             written: 0,
+            looked: None,
             adopted: false,
             stalled: false,
         };
@@ -138,6 +151,18 @@ impl RingWriter {
     /// A message with the place [`order`](Self::order) gave was sent on the socket.
     pub(super) fn sent(&mut self) {
         self.next += 1;
+    }
+
+    /// Whether the writer is to look whether the receiver is gone before its next entry (a
+    /// write to a ring cannot tell): before every [`LOOK_EVERY`]th, and before one that comes
+    /// [`LOOK_AFTER`] or more after the last look. The look is counted as made.
+    pub(super) fn look_due(&mut self, now: Instant) -> bool {
+        let due = self.written.is_multiple_of(LOOK_EVERY)
+            || self.looked.is_none_or(|at| now.duration_since(at) >= LOOK_AFTER);
+        if due {
+            self.looked = Some(now);
+        }
+        due
     }
 
     /// [`push`](Self::push), looking for room for up to `patience` where the ring is full: a

@@ -329,9 +329,7 @@ fn recv_packet(socket: BorrowedFd<'_>, buf: &mut [u8], wait: Wait) -> io::Result
 /// Waits until one of `fds` is readable, hung up or in error, or `wait` ends. Returns which are
 /// ready (all false when the wait ended first).
 pub(crate) fn wait_readable(fds: &[BorrowedFd<'_>], wait: Wait) -> io::Result<Vec<bool>> {
-    let mut polled: Vec<PollFd<'_>> = fds.iter().map(|fd| PollFd::from_borrowed_fd(*fd, PollFlags::IN)).collect();
-    poll_until(&mut polled, wait)?;
-    Ok(polled.iter().map(|p| !p.revents().is_empty()).collect())
+    Ok(wait_readable_or_closed(fds, &[], wait)?.0)
 }
 
 /// As [`wait_readable`] for `readable`, waiting also until a socket of `closing` has its peer
@@ -347,9 +345,9 @@ pub(crate) fn wait_readable_or_closed(
         .chain(closing.iter().map(|fd| PollFd::from_borrowed_fd(*fd, PollFlags::RDHUP)))
         .collect();
     poll_until(&mut polled, wait)?;
-    let ready: Vec<bool> = polled.iter().map(|p| !p.revents().is_empty()).collect();
-    let (readable, closing) = ready.split_at(readable.len());
-    Ok((readable.to_vec(), closing.to_vec()))
+    let mut ready: Vec<bool> = polled.iter().map(|p| !p.revents().is_empty()).collect();
+    let closing = ready.split_off(readable.len());
+    Ok((ready, closing))
 }
 
 /// Waits until `fd` has one of `events` (or hangs up or fails), or `wait` ends: what it has,
