@@ -107,11 +107,19 @@ fn a_sender_gets_its_value_back_when_the_receiving_process_is_gone() {
     assert_eq!(err.into_inner(), 2);
 }
 
-/// Receives in step with the sender until `u32::MAX`; gives how many came through its ring.
+/// Receives in step with the sender until `u32::MAX`; gives how many came through its ring. It
+/// polls rather than sleeps in the kernel (a sender writes no ring to a sleeping receiver), so
+/// that the ring is taken however slowly the sender comes back to it.
 fn receive_in_step((rx, acks): (cuda_mp::Receiver<u32>, Sender<()>)) -> u64 {
     let before = cuda_mp::testing::ring_messages_received();
-    while rx.recv().unwrap() != u32::MAX {
-        acks.send(()).unwrap();
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match rx.try_recv() {
+            Ok(u32::MAX) => break,
+            Ok(_) => acks.send(()).unwrap(),
+            Err(TryRecvError::Empty) if Instant::now() < deadline => std::thread::yield_now(),
+            Err(e) => panic!("the child's receive failed: {e}"),
+        }
     }
     cuda_mp::testing::ring_messages_received() - before
 }
