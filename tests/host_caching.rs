@@ -59,7 +59,7 @@ fn fresh_tensors_are_cut_from_one_segment_that_the_receiver_maps_once() {
     let (reply_tx, reply_rx) = channel().unwrap();
     let (done_tx, done_rx) = channel().unwrap();
     let child = spawn((rx, reply_tx, done_tx), check_each);
-    for i in 0..500u32 {
+    for i in 0..1000u32 {
         // 16 KiB each, fresh every time; a window of 8 in flight.
         let t = HostTensor::<f32>::full(&[4 << 10], i as f32).unwrap();
         tx.send((i, t)).unwrap();
@@ -67,7 +67,7 @@ fn fresh_tensors_are_cut_from_one_segment_that_the_receiver_maps_once() {
             assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), i - 8);
         }
     }
-    for i in 492..500 {
+    for i in 992..1000 {
         assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), i);
     }
     drop(tx);
@@ -77,14 +77,14 @@ fn fresh_tensors_are_cut_from_one_segment_that_the_receiver_maps_once() {
     };
     child.join().unwrap();
     let after = host_allocator_stats();
-    // 500 fresh 16 KiB tensors, 8 in flight, fit one 2 MiB segment when every release has
+    // 1,000 fresh 16 KiB tensors, 8 in flight, fit one 2 MiB segment when every release has
     // landed by the next allocation; releases travel on their own, so a loaded machine may
-    // need one more (without reuse, 4).
+    // need one or two more (a full test run saw three); without reuse, eight.
     let allocated = after.segments_allocated - before.segments_allocated;
-    assert!((1..=2).contains(&allocated), "{allocated} segments for 500 fresh 16 KiB tensors");
+    assert!((1..=3).contains(&allocated), "{allocated} segments for 1,000 fresh 16 KiB tensors");
     assert_eq!(segments, allocated, "the receiver mapped each segment once");
-    assert_eq!(mappings, 500, "and each fresh tensor is a storage of its own");
-    assert_eq!(after.allocations - before.allocations, 500);
+    assert_eq!(mappings, 1000, "and each fresh tensor is a storage of its own");
+    assert_eq!(after.allocations - before.allocations, 1000);
     eventually("every block back once the receiver dropped it", || host_allocator_stats().blocks == 0);
 }
 
