@@ -12,13 +12,16 @@
 //! What a forked child inherits and does not use: the parent's values are left as they are in
 //! the child's copy of memory (never dropped there: dropping them would free or unmap what the
 //! parent owns, or send on the parent's behalf). Their descriptors stay open in the child until
-//! it exits, like every descriptor a fork inherits, except the parent's lease channels, which
-//! the child handler closes at once (the hook the lifetime registry registers here,
-//! [`on_fork_child`]): open, they would keep the parent's storages claimed for the child's
-//! whole life.
+//! it exits, like every descriptor a fork inherits, except two kinds that the child handler
+//! closes at once: the parent's lease channels (the hook the lifetime registry registers here,
+//! [`on_fork_child`]), which would keep the parent's storages claimed for the child's whole
+//! life; and the sockets held in [`NotInherited`] (the parent's home and its connections), which
+//! would make a peer of the parent wait on the child instead of seeing the parent gone.
 
+use std::ops::Deref;
+use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicPtr, AtomicU64, Ordering};
 
 /// Bumped in every forked child, before `fork` returns there.
 static GENERATION: AtomicU64 = AtomicU64::new(0);
@@ -34,9 +37,81 @@ pub(crate) fn on_fork_child(hook: fn()) {
     let _ = CHILD_HOOK.set(hook);
 }
 
+/// How many descriptors at most are closed in forked children (beyond, the rest stay open in
+/// them, as any inherited descriptor does): a home's listener and bell, its kept connections
+/// (at most 256) and this process's connections to other homes (at most 64).
+const NOT_INHERITED: usize = 512;
+
+/// The descriptors [`NotInherited`] holds, by number (-1: a free slot).
+static NOT_INHERITED_FDS: [AtomicI32; NOT_INHERITED] = [const { AtomicI32::new(-1) }; NOT_INHERITED];
+
+/// A descriptor (a socket, say) that a forked child closes at once: where the parent's peers
+/// must see it closed when the parent is gone, not when its last forked child is. What it holds
+/// stays this generation's: the child never uses or drops the parent's (as with [`ForkLocal`]).
+pub(crate) struct NotInherited<T: AsFd> {
+    inner: T,
+    /// The slot of `NOT_INHERITED_FDS` that names the descriptor, if one was free.
+    slot: Option<usize>,
+}
+
+impl<T: AsFd> NotInherited<T> {
+    /// Holds `inner`, whose descriptor forked children close.
+    pub(crate) fn new(inner: T) -> NotInherited<T> {
+        generation(); // the child handler is registered before any descriptor is named to it
+        let fd = inner.as_fd().as_raw_fd();
+        let slot = NOT_INHERITED_FDS
+            .iter()
+            .position(|s| s.compare_exchange(-1, fd, Ordering::AcqRel, Ordering::Relaxed).is_ok());
+        NotInherited { inner, slot }
+    }
+}
+
+impl<T: AsFd> Deref for NotInherited<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.inner
+    }
+}
+
+impl<T: AsFd> AsFd for NotInherited<T> {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.inner.as_fd()
+    }
+}
+
+impl<T: AsFd> Drop for NotInherited<T> {
+    fn drop(&mut self) {
+        // Before `inner` closes the descriptor (the fields drop after this): a number let go of
+        // here may be reused at once, and a child forked then must not close the new one.
+        if let Some(slot) = self.slot {
+            NOT_INHERITED_FDS[slot].store(-1, Ordering::Release);
+        }
+    }
+}
+
+impl<T: AsFd + std::fmt::Debug> std::fmt::Debug for NotInherited<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.inner.fmt(f)
+    }
+}
+
+/// Closes, in a forked child, every descriptor a [`NotInherited`] of the parent named.
+fn close_not_inherited() {
+    for slot in &NOT_INHERITED_FDS {
+        let fd: RawFd = slot.swap(-1, Ordering::AcqRel);
+        if fd >= 0 {
+            // SAFETY: the parent's `NotInherited` that owns it is never used or dropped in the
+            // child (it is the parent generation's state, or on the stack of a thread that is
+            // not in the child), and the slot is emptied, so nothing here closes it again.
+            unsafe { crate::sys::close_inherited(fd) };
+        }
+    }
+}
+
 extern "C" fn forked_child() {
     // In the child's only thread, before `fork` returns there.
     GENERATION.fetch_add(1, Ordering::SeqCst);
+    close_not_inherited();
     // The parent's lease channels must not stay open in the child for as long as it lives
     // (its memory would be held that long): the lifetime registry's hook closes this child's
     // copies at once. Nothing may unwind out of this handler.
@@ -54,9 +129,10 @@ pub(crate) fn generation() -> u64 {
     REGISTERED.call_once(|| {
         // Should this fail (only when out of memory), forked children are not told apart:
         // they behave as before this module existed.
-        // SAFETY: `forked_child` waits on no lock (the hook it runs only tries locks) and
-        // allocates only through the C library's malloc, whose locks `fork` resets in the
-        // child (glibc); nothing unwinds out of it.
+        // SAFETY: `forked_child` waits on no lock (the hook it runs only tries locks; the
+        // descriptors it closes are read from atomics) and allocates only through the C
+        // library's malloc, whose locks `fork` resets in the child (glibc); nothing unwinds
+        // out of it.
         let _ = unsafe { crate::sys::at_fork_child(forked_child) };
     });
     GENERATION.load(Ordering::Acquire)
@@ -170,6 +246,19 @@ mod tests {
             }
         });
         assert_eq!(BUILT.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_forked_child_closes_what_not_inherited_holds_and_keeps_the_rest() {
+        use std::os::unix::net::UnixStream;
+        let open = |fd: RawFd| std::path::Path::new(&format!("/proc/self/fd/{fd}")).exists();
+        let (ours, _peer) = UnixStream::pair().unwrap();
+        let ours = NotInherited::new(ours);
+        let (plain, _plain_peer) = UnixStream::pair().unwrap();
+        let (fd, plain_fd) = (ours.as_raw_fd(), plain.as_raw_fd());
+        let child = crate::sys::fork_and_run(|| !open(fd) && open(plain_fd)).expect("fork");
+        assert!(child, "the forked child kept what NotInherited holds, or closed another descriptor");
+        assert!(open(fd) && open(plain_fd), "the fork closed the parent's descriptors");
     }
 
     #[test]

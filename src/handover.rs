@@ -46,7 +46,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::fork::ForkLocal;
+use crate::fork::{ForkLocal, NotInherited};
 use crate::sys::{Listening, Socket, Wait};
 
 use crate::sys::{Held, borrow_all};
@@ -117,7 +117,7 @@ struct Home {
     wakes: Mutex<Option<Instant>>,
     /// Rung when this process keeps a new connection to another home, so that the serving
     /// thread watches it too (and closes it as soon as that home is gone).
-    bell: OwnedFd,
+    bell: NotInherited<OwnedFd>,
 }
 
 /// This process's home (a forked child makes its own).
@@ -131,8 +131,10 @@ fn home() -> Result<&'static Home> {
 fn start() -> io::Result<Home> {
     // An abstract name: nothing is left behind when the process ends, however it ends.
     let name = format!("cuda-mp-home-{:032x}", crate::sys::random_u128());
-    let listening = Listening::bind_abstract(&name)?;
-    let bell = crate::sys::bell()?;
+    // Neither the listener nor the connections it takes stay open in a forked child: they
+    // would keep this process's peers waiting on the child after this process is gone.
+    let listening = NotInherited::new(Listening::bind_abstract(&name)?);
+    let bell = NotInherited::new(crate::sys::bell()?);
     std::thread::Builder::new().name("cuda-mp-handover".into()).spawn(move || serve(listening))?;
     crate::sys::at_exit(wait_at_exit_hook);
     Ok(Home {
@@ -300,9 +302,9 @@ pub(crate) fn expiring_deposits() -> usize {
     })
 }
 
-fn serve(listening: Listening) {
+fn serve(listening: NotInherited<Listening>) {
     // Connections of fetchers, kept for their next requests, oldest first.
-    let mut peers: VecDeque<Socket> = VecDeque::new();
+    let mut peers: VecDeque<NotInherited<Socket>> = VecDeque::new();
     // Whether the last wake was the timer's rather than a connection's.
     let mut timed_out = false;
     loop {
@@ -324,7 +326,7 @@ fn serve(listening: Listening) {
         let wait = next.map_or(Wait::Forever, |e| Wait::Until(e + Duration::from_millis(1)));
         // This process's kept connections to other homes are watched too, for their home's
         // close (not for answers: those are read by their fetch).
-        let watched: Vec<Arc<Socket>> = links().values().map(|(link, _)| link.clone()).collect();
+        let watched: Vec<Arc<Link>> = links().values().map(|(link, _)| link.clone()).collect();
         let (served, closed) = {
             let fds: Vec<BorrowedFd<'_>> =
                 [listening.as_fd(), home.bell.as_fd()].into_iter().chain(peers.iter().map(|p| p.as_fd())).collect();
@@ -363,7 +365,7 @@ fn serve(listening: Listening) {
                     if peers.len() >= MAX_PEERS {
                         peers.pop_front();
                     }
-                    peers.push_back(socket);
+                    peers.push_back(NotInherited::new(socket));
                 }
                 // Nothing after all, or a peer of another user, refused (and closed) at once.
                 Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::PermissionDenied) => {}
@@ -409,17 +411,21 @@ fn answer(home: &Home, socket: &Socket) -> bool {
     sent.is_ok()
 }
 
+/// A connection this process keeps to another home (a forked child does not keep it open:
+/// that home's thread would keep answering the child's copy).
+type Link = NotInherited<Socket>;
+
 /// Connections to the homes this process fetched from, by name, with their last use, kept for
 /// the next fetch: a connection costs more than the exchange on it (about 50 against 9 us on a
 /// 2-cpu machine). This process's serving thread closes those unused for [`LINK_IDLE`] (a
 /// home that is gone among them). A forked child starts with none.
-fn links() -> MutexGuard<'static, HashMap<String, (Arc<Socket>, Instant)>> {
-    static LINKS: ForkLocal<Mutex<HashMap<String, (Arc<Socket>, Instant)>>> = ForkLocal::new(Default::default);
+fn links() -> MutexGuard<'static, HashMap<String, (Arc<Link>, Instant)>> {
+    static LINKS: ForkLocal<Mutex<HashMap<String, (Arc<Link>, Instant)>>> = ForkLocal::new(Default::default);
     LINKS.get().lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Closes the kept connection `link` (if it is still kept): its home closed it.
-fn close_link(link: &Arc<Socket>) {
+fn close_link(link: &Arc<Link>) {
     let closed = {
         let mut links = links();
         let name = links.iter().find(|(_, (kept, _))| Arc::ptr_eq(kept, link)).map(|(name, _)| name.clone());
@@ -445,7 +451,7 @@ fn close_idle_links(now: Instant) -> Option<Instant> {
 /// Keeps `socket`, this process's connection to the home `name`, for the next fetch there;
 /// this process's serving thread watches it (a new one: rung for) and closes it once idle or
 /// its home is gone.
-fn keep_link(name: &str, socket: Arc<Socket>, new: bool) {
+fn keep_link(name: &str, socket: Arc<Link>, new: bool) {
     let Ok(home) = home() else { return };
     let replaced = {
         let mut links = links();
@@ -495,7 +501,7 @@ pub(crate) fn fetch(ticket: &SpawnTicket) -> Result<(Vec<OwnedFd>, Option<Durati
         None => {
             let socket = crate::sys::connect_abstract(&ticket.home).map_err(|e| refused(e.to_string()))?;
             match exchange(&socket, ticket).map_err(|e| refused(e.to_string()))? {
-                Exchange::Answered(answer) => (answer, Arc::new(socket), true),
+                Exchange::Answered(answer) => (answer, Arc::new(NotInherited::new(socket)), true),
                 Exchange::Closed => return Err(refused("the process that sent them closed the connection".into())),
             }
         }
@@ -570,7 +576,7 @@ mod tests {
         // The home closed it (it keeps at most MAX_PEERS): a socket whose peer is gone.
         let (dead, peer) = Socket::pair().unwrap();
         drop(peer);
-        links().insert(first.home.clone(), (Arc::new(dead), Instant::now()));
+        links().insert(first.home.clone(), (Arc::new(NotInherited::new(dead)), Instant::now()));
         let third = deposit();
         assert_eq!(fetch(&third).unwrap().0.len(), 1, "fetched on a fresh connection");
         assert!(fetch(&third).is_err(), "once");
@@ -579,7 +585,7 @@ mod tests {
         assert!(!links().contains_key(&first.home));
         // A kept connection whose home closes it is closed by this process's serving thread.
         let (dead, peer) = Socket::pair().unwrap();
-        keep_link("a home that goes", Arc::new(dead), true);
+        keep_link("a home that goes", Arc::new(NotInherited::new(dead)), true);
         assert!(links().contains_key("a home that goes"));
         drop(peer);
         // Before it would have gone idle.

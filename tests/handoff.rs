@@ -320,3 +320,45 @@ fn values_of_a_batch_left_undecoded_give_their_claims_back_at_its_time_and_a_kil
     child.kill().unwrap();
     back_to(&before, "the killed child's claim is reclaimed");
 }
+
+/// Deposits two values, hands their bytes over, waits until the first was decoded (so that the
+/// decoder keeps a connection to this process's home), then forks a child that only sleeps
+/// (as a forked worker that never uses cuda-mp) and ends; gives the child's pid.
+fn deposit_then_fork((out, go): (Sender<(Vec<u8>, Vec<u8>)>, cuda_mp::Receiver<()>)) -> i32 {
+    let t = HostTensor::<f32>::full(&[64], 3.0).unwrap();
+    let first = to_bytes(&t, WAIT).unwrap();
+    let second = to_bytes(&t, WAIT).unwrap();
+    out.send((first, second)).unwrap();
+    go.recv_timeout(WAIT).unwrap();
+    // SAFETY: the child only sleeps and `_exit`s.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        std::thread::sleep(Duration::from_secs(60));
+        // SAFETY: ends the child at once, without its parent's exit hooks.
+        unsafe { libc::_exit(0) };
+    }
+    pid
+}
+
+/// A process that forked a child and ended: bytes it handed out fail to decode at once, not
+/// after the fetch's wait, although the child lives on with a copy of every descriptor its
+/// parent had (the home's listener, and the connection the decoder keeps to it).
+#[test]
+fn bytes_of_a_process_that_forked_and_ended_fail_at_once() {
+    let _g = serial();
+    let (out, bytes) = channel().unwrap();
+    let (go, go_rx) = channel().unwrap();
+    let child = spawn((out, go_rx), deposit_then_fork);
+    let (first, second) = bytes.recv_timeout(WAIT).unwrap();
+    let t: HostTensor<f32> = from_bytes(&first).unwrap();
+    assert_eq!(t.to_vec(), vec![3.0; 64]);
+    go.send(()).unwrap();
+    let forked = child.join().unwrap();
+    assert!(forked > 0, "fork failed");
+    let start = Instant::now();
+    let err = from_bytes::<HostTensor<f32>>(&second).unwrap_err();
+    let took = start.elapsed();
+    // SAFETY: kills the sleeping child of the process that ended (it is nobody else's).
+    unsafe { libc::kill(forked, libc::SIGKILL) };
+    assert!(took < Duration::from_secs(5), "the decode failed only after {took:?}: {err}");
+}

@@ -74,6 +74,17 @@ pub(crate) unsafe fn at_fork_child(f: extern "C" fn()) -> bool {
     unsafe { libc::pthread_atfork(None, None, Some(f)) == 0 }
 }
 
+/// Closes descriptor number `fd` of this process, in a forked child's handler (`close` is
+/// async-signal-safe); an error (a number not open) is ignored.
+///
+/// # Safety
+/// No object of this process may use or close `fd` after this: the object that owns it was
+/// inherited from the parent and is never used or dropped in the child.
+pub(crate) unsafe fn close_inherited(fd: std::os::fd::RawFd) {
+    // SAFETY: the caller vouches that nothing owns the number any more in this process.
+    unsafe { libc::close(fd) };
+}
+
 /// Forks, runs `f` in the child and ends the child with `f`'s answer (a panic is `false`),
 /// without running exit hooks: the child of a multithreaded test process, as a library that
 /// forks would make one. The parent waits for the child and gets the answer.
