@@ -569,6 +569,14 @@ enum Fault {
     Forward(Failure),
 }
 
+impl Fault {
+    /// Whether the consumer is still in step with the dispatcher after this fault: only when
+    /// the dispatcher could not forward a message meant for it (and did not cut it off).
+    fn leaves_in_step(&self) -> bool {
+        matches!(self, Fault::Forward(f) if !matches!(f, Failure::Unreadable(_)))
+    }
+}
+
 impl From<RecvError> for Fault {
     fn from(e: RecvError) -> Self {
         match e {
@@ -740,7 +748,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
         }
         let endpoint = guard.as_mut().ok_or(Fault::Disconnected)?;
         let result = f(endpoint);
-        if matches!(result, Err(ref fault) if !matches!(fault, Fault::Forward(_))) {
+        if matches!(result, Err(ref fault) if !fault.leaves_in_step()) {
             *guard = None;
         }
         result
@@ -1013,6 +1021,9 @@ fn forward_text(f: Failure) -> Fault {
             Fault::Io(IoFailure::other(format!("the queue could not forward a message (it stays queued): {m}")))
         }
         Failure::OutOfDescriptors(limit) => Fault::OutOfDescriptors(limit),
+        Failure::Unreadable(m) => {
+            Fault::Malformed(format!("the queue could not read a request of this consumer, which joins again: {m}"))
+        }
     }
 }
 

@@ -65,6 +65,11 @@ pub(super) enum Failure {
     Io(String),
     /// The dispatcher's process is out of descriptors; the message stays first in the backlog.
     OutOfDescriptors(u64),
+    /// A request of this consumer could not be read (it did not decode, or the frame that
+    /// carried it could not be taken in): the dispatcher is no longer sure what it wants, and
+    /// sends it nothing more. It leaves (what it holds unreturned goes back to the backlog
+    /// then) and joins again.
+    Unreadable(String),
 }
 
 /// A message as the dispatcher keeps it (shared with the send that forwards it, so that it can
@@ -111,6 +116,8 @@ pub(super) enum Event<T> {
     Request(u64, Ctl),
     /// The consumer's request channel closed: it left, or its process died.
     Left(u64),
+    /// A request of the consumer could not be read (why is given); its channel is still open.
+    Unreadable(u64, String),
 }
 
 type Item<T> = Arc<Mutex<T>>;
@@ -236,12 +243,19 @@ fn read_joins<T: Serialize + DeserializeOwned + Send + 'static>(joins: Receiver<
             loop {
                 match requests.recv() {
                     Ok(ctl) => reader.handle(Event::Request(id, ctl)),
-                    // Closed (left or died), or something that is not a request: either way this
-                    // consumer is done with.
-                    Err(_) => {
+                    // Closed: it left, or its process died.
+                    Err(RecvError::Disconnected) => {
                         reader.handle(Event::Left(id));
                         return;
                     }
+                    // Not a message: the transport failed. Do not spin on a persistent failure.
+                    Err(RecvError::Io(_)) => thread::sleep(std::time::Duration::from_millis(1)),
+                    // Something that is not a request, or a frame this process could not take
+                    // in (out of descriptors): the consumer may still be there, holding what was
+                    // sent to it and returning it. It is cut off, and read on until its channel
+                    // closes, so that what it returned counts as delivered and only the rest
+                    // goes back to the backlog (taken back now, it would be delivered twice).
+                    Err(e) => reader.handle(Event::Unreadable(id, e.to_string())),
                 }
             }
         });
@@ -292,6 +306,10 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
             Event::Left(id) => {
                 self.leave(id);
                 self.serve();
+            }
+            Event::Unreadable(id, why) => {
+                self.answer(id, Reply::Failed(Failure::Unreadable(why)));
+                self.cut_off(id);
             }
         }
     }
@@ -549,5 +567,44 @@ mod tests {
         d.handle(Event::Left(1));
         let s = d.stats();
         assert_eq!((s.delivered, s.requeued, s.backlog, s.in_flight, s.consumers), (2, 1, 2, 0, 0), "{s:?}");
+    }
+
+    /// A consumer sends something that is not a request while it holds a message: it is cut
+    /// off (told so), and the message it holds is not handed to another consumer; the `Got`
+    /// it writes for it still counts, and nothing goes back to the backlog when it leaves.
+    #[test]
+    fn an_unreadable_request_cuts_its_consumer_off_without_taking_back_what_it_holds() {
+        use std::time::Duration;
+        const WAIT: Duration = Duration::from_secs(10);
+        let ends = start::<u32>().unwrap();
+        // Requests written by hand: a `Ctl` is its variant's index, then its number (postcard),
+        // which a pair of bytes encodes alike; index 99 is no request.
+        let listener = crate::Listener::<Ctl>::bind().unwrap();
+        let forger = Sender::<(u8, u8)>::connect(listener.name()).unwrap();
+        let (replies_tx, replies) = channel::<Reply<u32>>().unwrap();
+        ends.join.send(Join { requests: listener.accept_timeout(WAIT).unwrap(), replies: replies_tx }).unwrap();
+        ends.local.handle(Event::Put(7));
+        forger.send((0, 1)).unwrap(); // Want(1)
+        assert!(matches!(replies.recv_timeout(WAIT), Ok(Reply::Item(Slot::Owned(7)))));
+        forger.send((99, 0)).unwrap();
+        assert!(matches!(replies.recv_timeout(WAIT), Ok(Reply::Failed(Failure::Unreadable(_)))));
+        // Another consumer wants a message: the one the first holds is not its.
+        let (requests, requests_rx) = channel::<Ctl>().unwrap();
+        let (replies_tx, other) = channel::<Reply<u32>>().unwrap();
+        ends.join.send(Join { requests: requests_rx, replies: replies_tx }).unwrap();
+        requests.send(Ctl::Want(1)).unwrap();
+        assert!(other.recv_timeout(Duration::from_millis(300)).is_err(), "a message held by a live consumer was handed out again");
+        // The first returns it and leaves: delivered once, nothing taken back.
+        forger.send((3, 0)).unwrap(); // Got(0)
+        drop(forger);
+        let deadline = std::time::Instant::now() + WAIT;
+        let stats = loop {
+            let s = ends.local.state.lock().unwrap().stats();
+            if s.consumers == 1 || std::time::Instant::now() > deadline {
+                break s;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        assert_eq!((stats.delivered, stats.requeued, stats.backlog, stats.in_flight, stats.consumers), (1, 0, 0, 0, 1), "{stats:?}");
     }
 }
