@@ -42,6 +42,7 @@ use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -118,6 +119,9 @@ struct Home {
     /// Rung when this process keeps a new connection to another home, so that the serving
     /// thread watches it too (and closes it as soon as that home is gone).
     bell: NotInherited<OwnedFd>,
+    /// Fetches under way on this process's threads: each has taken its kept connection out of
+    /// the map, and puts it back without ringing, so the serving thread must look again.
+    fetching: AtomicUsize,
 }
 
 /// This process's home (a forked child makes its own).
@@ -144,6 +148,7 @@ fn start() -> io::Result<Home> {
         fetched: Condvar::new(),
         wakes: Mutex::new(None),
         bell,
+        fetching: AtomicUsize::new(0),
     })
 }
 
@@ -314,15 +319,7 @@ fn serve(listening: NotInherited<Listening>) {
         // nothing to expire after a request, until `LINGER` from now all the same: a deposit
         // made meanwhile (the next of a stream of handoffs, each fetched within milliseconds)
         // then finds the thread waking before it expires, and need not wake it.
-        let link = close_idle_links(Instant::now());
-        let next = {
-            let deposits = lock(home);
-            let kept = lock_kept(home).values().map(|k| k.until).min();
-            let next = deposits.values().filter_map(|d| d.expires).chain(kept).chain(link).min();
-            let next = next.or_else(|| (!timed_out).then(|| Instant::now() + LINGER));
-            *home.wakes.lock().unwrap_or_else(|p| p.into_inner()) = next;
-            next
-        };
+        let next = next_wake(home, timed_out);
         let wait = next.map_or(Wait::Forever, |e| Wait::Until(e + Duration::from_millis(1)));
         // This process's kept connections to other homes are watched too, for their home's
         // close (not for answers: those are read by their fetch).
@@ -376,6 +373,22 @@ fn serve(listening: NotInherited<Listening>) {
         }
         home.fetched.notify_all();
     }
+}
+
+/// When the serving thread wakes next (`None`: only for a connection or the bell), and so that
+/// a deposit made meanwhile need not wake it, it says so in `home.wakes`: the first deposit's
+/// or kept batch's expiry, the first kept connection's idleness (those idle are closed now), a
+/// second from now while a fetch has its connection out of the map (it puts it back without
+/// ringing), else `LINGER` from now unless the last wake was this timer's.
+fn next_wake(home: &Home, timed_out: bool) -> Option<Instant> {
+    let link = close_idle_links(Instant::now());
+    let deposits = lock(home);
+    let kept = lock_kept(home).values().map(|k| k.until).min();
+    let fetching = (home.fetching.load(Ordering::SeqCst) > 0).then(|| Instant::now() + LINK_IDLE);
+    let next = deposits.values().filter_map(|d| d.expires).chain(kept).chain(link).chain(fetching).min();
+    let next = next.or_else(|| (!timed_out).then(|| Instant::now() + LINGER));
+    *home.wakes.lock().unwrap_or_else(|p| p.into_inner()) = next;
+    next
 }
 
 /// Answers the request waiting on `socket`, if any; false when the connection is to be dropped
@@ -488,13 +501,32 @@ fn exchange(socket: &Socket, ticket: &SpawnTicket) -> io::Result<Exchange> {
 /// deposit had left there (`None`: the home did not say). On this process's kept connection to
 /// that home when it has one, else (or when the home closed it) on a fresh one, kept after.
 pub(crate) fn fetch(ticket: &SpawnTicket) -> Result<(Vec<OwnedFd>, Option<Duration>)> {
-    let refused = |why: String| Error::Malformed(format!("the descriptors of a value from another process: {why}"));
+    // While the kept connection is out of the map, this process's serving thread keeps a timer,
+    // so that it watches the connection again once it is back (see `serve`).
+    let home = home().ok();
+    if let Some(home) = home {
+        home.fetching.fetch_add(1, Ordering::SeqCst);
+    }
     let kept = links().remove(&ticket.home).map(|(socket, _)| socket);
+    let answered = fetch_on(kept, ticket);
+    if let Some(home) = home {
+        home.fetching.fetch_sub(1, Ordering::SeqCst);
+    }
+    answered
+}
+
+/// [`fetch`] on `kept`, this process's connection to the ticket's home if it has one.
+fn fetch_on(kept: Option<Arc<Link>>, ticket: &SpawnTicket) -> Result<(Vec<OwnedFd>, Option<Duration>)> {
+    let refused = |why: String| Error::Malformed(format!("the descriptors of a value from another process: {why}"));
     let mut answered = None;
-    if let Some(socket) = kept
-        && let Ok(Exchange::Answered(answer)) = exchange(&socket, ticket)
-    {
-        answered = Some((answer, socket, false));
+    if let Some(socket) = kept {
+        // Asked again on a fresh connection only when the home closed this one: a request it
+        // took (answered late, say, or with an answer this process could not take in) is not
+        // asked twice.
+        match exchange(&socket, ticket).map_err(|e| refused(e.to_string()))? {
+            Exchange::Answered(answer) => answered = Some((answer, socket, false)),
+            Exchange::Closed => {}
+        }
     }
     let (answer, socket, new) = match answered {
         Some(done) => done,
@@ -594,6 +626,20 @@ mod tests {
             assert!(Instant::now() < deadline, "a connection whose home closed it is still kept");
             std::thread::sleep(Duration::from_millis(1));
         }
+    }
+
+    /// A fetch takes its kept connection out of the map and puts it back without ringing: the
+    /// serving thread, woken by its timer meanwhile with nothing else to wait for, must not
+    /// then wait for ever, or the connection goes unwatched (neither closed when idle nor when
+    /// its home goes).
+    #[test]
+    fn the_serving_thread_keeps_a_timer_while_a_fetch_has_its_connection_out() {
+        let home = home().unwrap();
+        let _one = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+        home.fetching.fetch_add(1, Ordering::SeqCst);
+        let next = next_wake(home, true);
+        home.fetching.fetch_sub(1, Ordering::SeqCst);
+        assert!(next.is_some_and(|t| t <= Instant::now() + LINK_IDLE), "no timer while a fetch is under way");
     }
 
     #[test]

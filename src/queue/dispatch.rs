@@ -593,7 +593,10 @@ mod tests {
         let (replies_tx, other) = channel::<Reply<u32>>().unwrap();
         ends.join.send(Join { requests: requests_rx, replies: replies_tx }).unwrap();
         requests.send(Ctl::Want(1)).unwrap();
-        assert!(other.recv_timeout(Duration::from_millis(300)).is_err(), "a message held by a live consumer was handed out again");
+        assert!(
+            other.recv_timeout(Duration::from_millis(300)).is_err(),
+            "a message held by a live consumer was handed out again"
+        );
         // The first returns it and leaves: delivered once, nothing taken back.
         forger.send((3, 0)).unwrap(); // Got(0)
         drop(forger);
@@ -605,6 +608,10 @@ mod tests {
             }
             std::thread::sleep(Duration::from_millis(5));
         };
-        assert_eq!((stats.delivered, stats.requeued, stats.backlog, stats.in_flight, stats.consumers), (1, 0, 0, 0, 1), "{stats:?}");
+        assert_eq!(
+            (stats.delivered, stats.requeued, stats.backlog, stats.in_flight, stats.consumers),
+            (1, 0, 0, 0, 1),
+            "{stats:?}"
+        );
     }
 }
