@@ -16,7 +16,7 @@ use crate::channel::{Receiver, Sender, channel};
 use crate::error::{Error, IoFailure, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError};
 use crate::fork::ForkLocal;
 
-use dispatch::{Ctl, Event, Failure, Hub, Join, Reply, Slot};
+use dispatch::{Ctl, Failure, Hub, Join, Reply, Slot};
 
 /// A decoder of one frame of the queue's protocol (for fuzzing): what became of it.
 #[cfg(all(feature = "cuda", any(test, feature = "testing")))]
@@ -401,7 +401,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Queue<T> {
     pub fn put(&self, value: T) -> std::result::Result<(), SendError<T>> {
         let local = self.local.as_ref().filter(|_| self.generation == crate::fork::generation());
         let Some(local) = local else { return self.inbox.send(value) };
-        local.handle(Event::Put(value));
+        local.put(value);
         Ok(())
     }
 

@@ -532,3 +532,51 @@ fn one_consumer_gets_in_put_order_whichever_way_it_gets() {
     let s = consumer.stats().unwrap();
     assert_eq!((s.delivered, s.requeued, s.in_flight, s.waiting), (M as u64, 0, 0, 0), "{s:?}");
 }
+
+/// The program's lock that [`Locked`] messages take as they are encoded.
+static PROGRAM_LOCK: Mutex<()> = Mutex::new(());
+
+/// A message whose `Serialize` takes a lock of the program's (as serde's does for a message
+/// holding an `Arc<Mutex<_>>`).
+#[derive(Debug)]
+struct Locked(u32);
+
+impl serde::Serialize for Locked {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let _held = PROGRAM_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+        s.serialize_u32(self.0)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Locked {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        <u32 as serde::Deserialize>::deserialize(d).map(Locked)
+    }
+}
+
+/// One put is being sent to a waiting consumer, its `Serialize` waiting for a lock that
+/// another thread holds; that thread's own put returns (it does not wait for the first put's
+/// send, which waits for it), and both messages arrive.
+#[test]
+fn a_put_does_not_wait_for_another_puts_send() {
+    let queue = Queue::<Locked>::new().unwrap();
+    let consumer = queue.consumer().with_prefetch(0);
+    let getter =
+        std::thread::spawn(move || (0..2).map(|_| consumer.get_timeout(WAIT).map(|m| m.0)).collect::<Vec<_>>());
+    wait_until("the consumer waits", || queue.stats().is_ok_and(|s| s.waiting == 1));
+    let held = PROGRAM_LOCK.lock().unwrap();
+    let first = queue.clone();
+    let sending = std::thread::spawn(move || first.put(Locked(1)).is_ok());
+    // Let it take the dispatcher and wait in `Serialize`.
+    std::thread::sleep(Duration::from_millis(100));
+    let (done, put_returned) = std::sync::mpsc::channel();
+    let second = queue.clone();
+    std::thread::spawn(move || done.send(second.put(Locked(2)).is_ok()));
+    let returned = put_returned.recv_timeout(Duration::from_secs(5));
+    drop(held);
+    assert_eq!(returned, Ok(true), "a put waited for another put's send, which waited for a lock its thread held");
+    assert!(sending.join().unwrap());
+    let mut got: Vec<u32> = getter.join().unwrap().into_iter().map(|m| m.expect("a message")).collect();
+    got.sort();
+    assert_eq!(got, [1, 2]);
+}

@@ -3,7 +3,7 @@
 //! README.md here for the protocol and why no message is lost or delivered twice.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
 use std::thread;
 
 use serde::de::DeserializeOwned;
@@ -154,19 +154,81 @@ struct Dispatcher<T> {
 /// included. No thread sits between an event and its answers, so a message costs no wake-up
 /// of a thread of the queue's process beyond the one that reads it; and answers to one
 /// consumer still leave in the order they were decided, since they are sent under the lock.
+///
+/// A put never waits for the lock, though: the thread that holds it may be encoding a value
+/// whose `Serialize` waits for a lock that the putting thread holds (or, within a `Serialize`,
+/// be the putting thread itself). A put that finds the lock taken leaves its value in
+/// `pending`, which every holder takes into the backlog before it lets go, and looks at again
+/// after: a value left there after the holder's last look is taken in by the holder's next
+/// turn, or by the putting thread, whichever finds the lock free.
 pub(super) struct Hub<T> {
     state: Mutex<Dispatcher<T>>,
+    /// Puts of this process's threads that found the lock taken, in the order they came.
+    pending: Mutex<Vec<T>>,
 }
 
 impl<T: Serialize + DeserializeOwned + Send + 'static> Hub<T> {
-    /// Handles one event; what it was done with is dropped after the lock is let go.
+    fn new() -> Hub<T> {
+        Hub { state: Mutex::new(Dispatcher::new()), pending: Mutex::new(Vec::new()) }
+    }
+
+    /// Handles one event of a reader, waiting for the lock.
     pub(super) fn handle(&self, event: Event<T>) {
-        let done = {
-            let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-            state.handle(event);
-            std::mem::take(&mut state.done)
-        };
-        drop(done);
+        self.run(self.state.lock().unwrap_or_else(PoisonError::into_inner), Some(event));
+    }
+
+    /// Puts `value`, on the putting thread if the lock is free, else through `pending`.
+    pub(super) fn put(&self, value: T) {
+        match self.state.try_lock() {
+            Ok(state) => self.run(state, Some(Event::Put(value))),
+            Err(TryLockError::Poisoned(p)) => self.run(p.into_inner(), Some(Event::Put(value))),
+            Err(TryLockError::WouldBlock) => {
+                self.pending().push(value);
+                // The holder may have looked at `pending` for the last time already.
+                if let Some(state) = self.try_state() {
+                    self.run(state, None);
+                }
+            }
+        }
+    }
+
+    fn pending(&self) -> MutexGuard<'_, Vec<T>> {
+        self.pending.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn try_state(&self) -> Option<MutexGuard<'_, Dispatcher<T>>> {
+        match self.state.try_lock() {
+            Ok(state) => Some(state),
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// Handles the puts that wait in `pending` (made before `event`, if that is a put) and
+    /// `event` under `state`; drops what was done with after letting go of the lock; and takes
+    /// the turn again while puts came meanwhile and the lock is free.
+    fn run(&self, state: MutexGuard<'_, Dispatcher<T>>, mut event: Option<Event<T>>) {
+        let mut state = Some(state);
+        while let Some(mut held) = state.take() {
+            loop {
+                let waiting = std::mem::take(&mut *self.pending());
+                for value in waiting {
+                    held.handle(Event::Put(value));
+                }
+                if let Some(event) = event.take() {
+                    held.handle(event);
+                }
+                if self.pending().is_empty() {
+                    break;
+                }
+            }
+            let done = std::mem::take(&mut held.done);
+            drop(held);
+            drop(done);
+            if !self.pending().is_empty() {
+                state = self.try_state();
+            }
+        }
     }
 }
 
@@ -190,7 +252,7 @@ where
 {
     let (inbox_tx, inbox_rx) = channel::<T>()?;
     let (join_tx, join_rx) = channel::<Join<T>>()?;
-    let hub = Arc::new(Hub { state: Mutex::new(Dispatcher::new()) });
+    let hub = Arc::new(Hub::new());
     let puts = hub.clone();
     thread::Builder::new().name("cuda-mp-queue-puts".into()).spawn(move || read_puts(inbox_rx, &puts))?;
     let joins = hub.clone();
@@ -583,7 +645,7 @@ mod tests {
         let forger = Sender::<(u8, u8)>::connect(listener.name()).unwrap();
         let (replies_tx, replies) = channel::<Reply<u32>>().unwrap();
         ends.join.send(Join { requests: listener.accept_timeout(WAIT).unwrap(), replies: replies_tx }).unwrap();
-        ends.local.handle(Event::Put(7));
+        ends.local.put(7);
         forger.send((0, 1)).unwrap(); // Want(1)
         assert!(matches!(replies.recv_timeout(WAIT), Ok(Reply::Item(Slot::Owned(7)))));
         forger.send((99, 0)).unwrap();
