@@ -580,3 +580,39 @@ fn a_put_does_not_wait_for_another_puts_send() {
     got.sort();
     assert_eq!(got, [1, 2]);
 }
+
+/// A message whose `Serialize` panics for the value 13.
+#[derive(Debug)]
+struct Unlucky(u32);
+
+impl serde::Serialize for Unlucky {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        assert_ne!(self.0, 13, "unlucky");
+        s.serialize_u32(self.0)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Unlucky {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        <u32 as serde::Deserialize>::deserialize(d).map(Unlucky)
+    }
+}
+
+/// A message whose encoding panics on its way to a consumer is dropped, the consumer's get
+/// says so once, and the queue goes on: the next messages arrive.
+#[test]
+fn a_message_whose_serialize_panics_is_dropped_and_the_queue_goes_on() {
+    let queue = Queue::<Unlucky>::new().unwrap();
+    let consumer = queue.consumer().with_prefetch(0);
+    for i in [12, 13, 14] {
+        queue.put(Unlucky(i)).unwrap();
+    }
+    assert_eq!(consumer.get_timeout(WAIT).unwrap().0, 12);
+    match consumer.get_timeout(WAIT) {
+        Err(GetTimeoutError::Malformed(why)) => assert!(why.contains("panicked"), "{why}"),
+        other => panic!("the get of the message that could not be encoded returned {other:?}"),
+    }
+    assert_eq!(consumer.get_timeout(WAIT).unwrap().0, 14);
+    let stats = queue.stats().unwrap();
+    assert_eq!((stats.discarded, stats.delivered, stats.backlog), (1, 2, 0), "{stats:?}");
+}

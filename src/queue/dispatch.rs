@@ -508,7 +508,18 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
         };
         // `try_send` on the unbounded reply channel: never full, and it does not wait for ring
         // room either, so that a put handled on its producer's thread never waits for a consumer.
-        match replies.try_send(Reply::Item(Slot::Shared(item.clone()))) {
+        // The value's `Serialize` is the user's code, run here under the lock on a thread of
+        // the queue's or a putting one: a panic in it discards the message (the consumer is
+        // told, as for one that cannot be encoded) rather than unwinding through the
+        // dispatcher's state with the message out of the backlog and the consumer's want used.
+        let sent = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            replies.try_send(Reply::Item(Slot::Shared(item.clone())))
+        }))
+        .unwrap_or_else(|_| {
+            let why = SendFailure::Serialize("the message's Serialize panicked".into());
+            Err(crate::error::TrySendError::Failed(Reply::Empty, why))
+        });
+        match sent {
             Ok(()) => {
                 crate::sys::kill_point("queue-handed");
                 if let Some(c) = self.consumers.get_mut(&id) {
