@@ -102,6 +102,8 @@ pub(super) struct RingWriter {
     ///
     /// [`look_due`]: Self::look_due
     looked: Option<Instant>,
+    /// `written` at that look: entries written since count towards the next.
+    looked_written: u64,
     /// The reader adopted the ring: entries may be written.
     adopted: bool,
     /// The last wait for room ran out: no wait until the reader has emptied half the ring.
@@ -136,6 +138,7 @@ impl RingWriter {
             next: 0,
             written: 0,
             looked: None,
+            looked_written: 0,
             adopted: false,
             stalled: false,
         };
@@ -157,10 +160,14 @@ impl RingWriter {
     /// write to a ring cannot tell): before every [`LOOK_EVERY`]th, and before one that comes
     /// [`LOOK_AFTER`] or more after the last look. The look is counted as made.
     pub(super) fn look_due(&mut self, now: Instant) -> bool {
-        let due = self.written.is_multiple_of(LOOK_EVERY)
+        // Counted in entries written since the last look, not in every `written` that is a
+        // multiple: while nothing is written (a ring not adopted yet, or full) sends would
+        // otherwise look every time.
+        let due = self.written >= self.looked_written + LOOK_EVERY
             || self.looked.is_none_or(|at| now.duration_since(at) >= LOOK_AFTER);
         if due {
             self.looked = Some(now);
+            self.looked_written = self.written;
         }
         due
     }
@@ -447,6 +454,26 @@ mod tests {
         w.sent();
         assert_eq!(w.order().number, before + 1);
         assert_eq!(w.order().ring, r.id());
+    }
+
+    #[test]
+    fn a_writer_looks_for_a_gone_reader_every_so_many_entries_or_after_a_pause() {
+        let (mut w, mut r) = pair();
+        let mut out = Vec::new();
+        let now = Instant::now();
+        assert!(w.look_due(now), "the first entry looks");
+        // Nothing written (a full ring, say): no look however many sends try.
+        assert!((0..3 * LOOK_EVERY).all(|_| !w.look_due(now)));
+        let mut looks = 0;
+        for _ in 0..3 * LOOK_EVERY {
+            looks += usize::from(w.look_due(now));
+            assert!(w.push(b"entry"));
+            assert!(r.pop(&mut out).unwrap().is_some());
+        }
+        // Before entries 64 and 128 after the first look (entry 192 would be the third).
+        assert_eq!(looks, 2, "one look every {LOOK_EVERY} entries");
+        assert!(w.look_due(now + LOOK_AFTER), "a look after a pause");
+        assert!(!w.look_due(now + LOOK_AFTER));
     }
 
     #[test]
