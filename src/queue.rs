@@ -695,6 +695,10 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Endpoint<T> {
             let Some(reply) = self.read(timeout)? else {
                 return Err(Fault::Io(IoFailure::other("the queue's dispatcher did not answer")));
             };
+            // Cut off: nothing more comes (the channel closes next), whatever was asked for.
+            if let Reply::Failed(f @ Failure::Unreadable(_)) = reply {
+                return Err(Fault::Forward(f));
+            }
             if self.asked > 0 && matches!(reply, Reply::Item(_) | Reply::Closed | Reply::Failed(_)) {
                 let reply = self.counted(reply)?;
                 self.early.push_back(reply);
@@ -1146,5 +1150,30 @@ impl From<GetTimeoutError> for Error {
             GetTimeoutError::Io(m) => Error::Recv(RecvError::Io(m)),
             GetTimeoutError::OutOfDescriptors { limit } => Error::OutOfDescriptors { limit },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A consumer with messages asked for ahead (the usual state) is cut off, its request
+    /// unreadable: its next exchange (`stats` here) reports that, not an open queue as closed,
+    /// and the one after joins afresh.
+    #[test]
+    fn a_cut_off_consumer_says_why_and_joins_again() {
+        let queue = Queue::<u32>::new().unwrap();
+        let consumer = queue.consumer();
+        queue.put(1).unwrap();
+        assert_eq!(consumer.get().unwrap(), 1);
+        let hub = queue.local.clone().unwrap();
+        hub.handle(dispatch::Event::Unreadable(1, "a forged request".into()));
+        match consumer.stats() {
+            Err(GetError::Malformed(why)) => assert!(why.contains("a forged request"), "{why}"),
+            other => panic!("a cut-off consumer's stats returned {other:?}"),
+        }
+        queue.put(2).unwrap();
+        assert_eq!(consumer.get().unwrap(), 2);
+        assert_eq!(consumer.stats().unwrap().consumers, 1, "the consumer joined again, and the first is gone");
     }
 }

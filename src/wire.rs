@@ -200,20 +200,26 @@ pub(crate) fn encode_on<T: Serialize + ?Sized>(
     encode_message(value, Some(connection.clone()))
 }
 
-fn encode_message<T: Serialize + ?Sized>(
-    value: &T,
-    connection: Option<Arc<Connection>>,
-) -> std::result::Result<Encoded, String> {
-    // A message of a tensor or a few is a few hundred bytes: one allocation, not a doubling.
-    let (bytes, e) = scope(Encoding::new(None, connection), || postcard::to_extend(value, Vec::with_capacity(256)));
-    let mut encoded = Encoded {
+/// What a message's encoding collected, as a message not sent yet (its claims taken back if
+/// it is dropped so).
+fn unsent(e: Encoding) -> Encoded {
+    Encoded {
         bytes: Vec::new(),
         fds: e.fds,
         introduce: e.introduce,
         claims: e.claims,
         segments: e.segments,
         connection: e.connection,
-    };
+    }
+}
+
+fn encode_message<T: Serialize + ?Sized>(
+    value: &T,
+    connection: Option<Arc<Connection>>,
+) -> std::result::Result<Encoded, String> {
+    // A message of a tensor or a few is a few hundred bytes: one allocation, not a doubling.
+    let (bytes, e) = scope(Encoding::new(None, connection), || postcard::to_extend(value, Vec::with_capacity(256)));
+    let mut encoded = unsent(e);
     match bytes {
         Ok(mut bytes) => {
             if encoded.connection.is_some() {
@@ -352,7 +358,14 @@ fn scope<R>(context: Encoding, encode: impl FnOnce() -> R) -> (R, Encoding) {
     impl Drop for Pop {
         fn drop(&mut self) {
             // Also after a panic: a stale context would let the next serializer export.
-            ENCODING.with(|e| e.borrow_mut().pop());
+            let popped = ENCODING.with(|e| e.borrow_mut().pop());
+            // A panic in a value's `Serialize`: the message is never sent, so what it counted on
+            // the connection's lease is taken back, as for one that failed to encode.
+            if std::thread::panicking()
+                && let Some(e) = popped
+            {
+                drop(unsent(e));
+            }
         }
     }
     FAILURE.with(|f| f.borrow_mut().take());

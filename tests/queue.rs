@@ -616,3 +616,43 @@ fn a_message_whose_serialize_panics_is_dropped_and_the_queue_goes_on() {
     let stats = queue.stats().unwrap();
     assert_eq!((stats.discarded, stats.delivered, stats.backlog), (1, 2, 0), "{stats:?}");
 }
+
+/// A message of a tensor whose encoding panics after the tensor's.
+struct TensorThenPanic(HostTensor<f32>);
+
+impl serde::Serialize for TensorThenPanic {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeTuple;
+        let mut t = s.serialize_tuple(2)?;
+        t.serialize_element(&self.0)?;
+        panic!("a Serialize that panics after its tensor");
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for TensorThenPanic {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        <(HostTensor<f32>, u8) as serde::Deserialize>::deserialize(d).map(|(t, _)| TensorThenPanic(t))
+    }
+}
+
+/// Messages whose encoding panicked after their tensor's are discarded, and their tensors
+/// freed while the queue and its consumer live on: what their encoding counted on the
+/// channel's lease is taken back.
+#[test]
+fn tensors_of_messages_whose_serialize_panicked_are_freed() {
+    let _g = serial();
+    let before = lifetime_stats();
+    let queue = Queue::<TensorThenPanic>::new().unwrap();
+    let consumer = queue.consumer().with_prefetch(0);
+    // The first message introduces the channel's lease; the second is counted on it.
+    for v in [1.0, 2.0] {
+        queue.put(TensorThenPanic(HostTensor::full(&[1024], v).unwrap())).unwrap();
+    }
+    assert!(consumer.get_timeout(WAIT).is_err());
+    assert!(consumer.get_timeout(WAIT).is_err());
+    assert_eq!(queue.stats().unwrap().discarded, 2);
+    let freed = wait_for_lifetime(WAIT, |s| {
+        s.live_storages == before.live_storages && s.exported_storages == before.exported_storages
+    });
+    assert!(freed.is_ok(), "the tensors of discarded messages are alive: {:?} (before {before:?})", lifetime_stats());
+}
