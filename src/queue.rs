@@ -389,7 +389,10 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Queue<T> {
 
     /// Puts a message on the queue. It never waits for a consumer (the queue is unbounded);
     /// tensors inside are shared, not copied. Fails, handing the message back, when the
-    /// queue's process is gone or the message cannot be encoded.
+    /// queue's process is gone or the message cannot be encoded. As a channel's send, it may
+    /// encode the message on the calling thread (in the queue's process, when a consumer waits
+    /// for it), so its `Serialize` must not take a lock that the calling thread holds; it
+    /// never encodes another thread's message, nor waits for one's.
     ///
     /// ```
     /// let queue = cuda_mp::Queue::new().unwrap();
@@ -1167,7 +1170,7 @@ mod tests {
         queue.put(1).unwrap();
         assert_eq!(consumer.get().unwrap(), 1);
         let hub = queue.local.clone().unwrap();
-        hub.handle(dispatch::Event::Unreadable(1, "a forged request".into()));
+        hub.handle(Some(dispatch::Event::Unreadable(1, "a forged request".into())));
         match consumer.stats() {
             Err(GetError::Malformed(why)) => assert!(why.contains("a forged request"), "{why}"),
             other => panic!("a cut-off consumer's stats returned {other:?}"),

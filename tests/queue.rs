@@ -656,3 +656,44 @@ fn tensors_of_messages_whose_serialize_panicked_are_freed() {
     });
     assert!(freed.is_ok(), "the tensors of discarded messages are alive: {:?} (before {before:?})", lifetime_stats());
 }
+
+/// Threads of the queue's process put at once, while consumers of the same process get: every
+/// message arrives once, and each consumer gets each thread's messages in the order put (puts
+/// that find the dispatcher busy wait in line, not in a heap of their own).
+#[test]
+fn puts_of_many_threads_arrive_once_and_in_each_threads_order() {
+    const THREADS: u32 = 8;
+    const EACH: u32 = 2_000;
+    let queue = Queue::<(u32, u32)>::new().unwrap();
+    let getters: Vec<_> = (0..2)
+        .map(|_| {
+            let consumer = queue.consumer();
+            std::thread::spawn(move || {
+                let mut got = Vec::new();
+                while let Ok(m) = consumer.get_timeout(WAIT) {
+                    got.push(m);
+                }
+                got
+            })
+        })
+        .collect();
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let queue = queue.clone();
+            s.spawn(move || (0..EACH).for_each(|i| queue.put((t, i)).unwrap()));
+        }
+    });
+    drop(queue);
+    let mut all = BTreeSet::new();
+    for getter in getters {
+        let got = getter.join().unwrap();
+        for t in 0..THREADS {
+            let mine: Vec<u32> = got.iter().filter(|m| m.0 == t).map(|m| m.1).collect();
+            assert!(mine.windows(2).all(|w| w[0] < w[1]), "thread {t}'s messages out of order");
+        }
+        for m in got {
+            assert!(all.insert(m), "{m:?} delivered twice");
+        }
+    }
+    assert_eq!(all.len(), (THREADS * EACH) as usize, "messages lost");
+}

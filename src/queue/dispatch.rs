@@ -3,7 +3,7 @@
 //! README.md here for the protocol and why no message is lost or delivered twice.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, TryLockError, Weak};
 use std::thread;
 
 use serde::de::DeserializeOwned;
@@ -155,40 +155,83 @@ struct Dispatcher<T> {
 /// of a thread of the queue's process beyond the one that reads it; and answers to one
 /// consumer still leave in the order they were decided, since they are sent under the lock.
 ///
-/// A put never waits for the lock, though: the thread that holds it may be encoding a value
-/// whose `Serialize` waits for a lock that the putting thread holds (or, within a `Serialize`,
-/// be the putting thread itself). A put that finds the lock taken leaves its value in
-/// `pending`, which every holder takes into the backlog before it lets go, and looks at again
-/// after: a value left there after the holder's last look is taken in by the holder's next
-/// turn, or by the putting thread, whichever finds the lock free.
+/// A putting thread is the program's, which may hold locks of its own, so it neither waits
+/// for the dispatcher's lock nor encodes any value but its own there: the thread that holds
+/// the lock may be encoding a value whose `Serialize` waits for a lock the putting thread
+/// holds (or, within a `Serialize`, be the putting thread itself), and another thread's value
+/// may take a lock the putting thread holds. A put that finds the lock taken leaves its value
+/// in `pending`; one that finds values there, or the backlog not empty, takes them in (in
+/// order, its own last) without encoding any. Either wakes the **server**, a thread of the
+/// queue's started at the first such put, which takes the lock, takes in what is pending and
+/// sends what is due. A put thus encodes only its own value, and only when it is first in line
+/// and a consumer waits for it, as a channel's send would; readers, which hold no lock of the
+/// program's, take in what is pending when they hold the lock.
 pub(super) struct Hub<T> {
     state: Mutex<Dispatcher<T>>,
     /// Puts of this process's threads that found the lock taken, in the order they came.
     pending: Mutex<Vec<T>>,
+    /// Wakes the server (see above).
+    server: Arc<Server>,
+}
+
+/// The server's wake-up, shared with its thread (which holds the hub only while it works).
+struct Server {
+    /// Whether there is work (`wanted`), and whether the hub is gone (`gone`: the thread ends).
+    state: Mutex<(bool, bool)>,
+    wake: Condvar,
+    /// Whether its thread was started (false: it could not be).
+    started: OnceLock<bool>,
 }
 
 impl<T: Serialize + DeserializeOwned + Send + 'static> Hub<T> {
     fn new() -> Hub<T> {
-        Hub { state: Mutex::new(Dispatcher::new()), pending: Mutex::new(Vec::new()) }
+        let server =
+            Arc::new(Server { state: Mutex::new((false, false)), wake: Condvar::new(), started: OnceLock::new() });
+        Hub { state: Mutex::new(Dispatcher::new()), pending: Mutex::new(Vec::new()), server }
     }
 
-    /// Handles one event of a reader, waiting for the lock.
-    pub(super) fn handle(&self, event: Event<T>) {
-        self.run(self.state.lock().unwrap_or_else(PoisonError::into_inner), Some(event));
+    /// Handles one event of a reader (or the server's turn, with none), waiting for the lock;
+    /// the puts pending are taken in first. What was done with is dropped after the lock.
+    pub(super) fn handle(&self, event: Option<Event<T>>) {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        for value in std::mem::take(&mut *self.pending()) {
+            state.handle(Event::Put(value));
+        }
+        if let Some(event) = event {
+            state.handle(event);
+        }
+        let done = std::mem::take(&mut state.done);
+        drop(state);
+        drop(done);
     }
 
-    /// Puts `value`, on the putting thread if the lock is free, else through `pending`.
-    pub(super) fn put(&self, value: T) {
-        match self.state.try_lock() {
-            Ok(state) => self.run(state, Some(Event::Put(value))),
-            Err(TryLockError::Poisoned(p)) => self.run(p.into_inner(), Some(Event::Put(value))),
-            Err(TryLockError::WouldBlock) => {
-                self.pending().push(value);
-                // The holder may have looked at `pending` for the last time already.
-                if let Some(state) = self.try_state() {
-                    self.run(state, None);
-                }
-            }
+    /// A put of this process's (see the type's comment).
+    pub(super) fn put(self: &Arc<Self>, value: T) {
+        let state = match self.state.try_lock() {
+            Ok(state) => Some(state),
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        };
+        let Some(mut state) = state else {
+            self.pending().push(value);
+            self.nudge();
+            return;
+        };
+        let earlier = std::mem::take(&mut *self.pending());
+        let first_in_line = earlier.is_empty() && state.backlog.is_empty();
+        let nudge = if first_in_line {
+            // Sent at once if a consumer waits: this value alone can be.
+            state.handle(Event::Put(value));
+            false
+        } else {
+            state.backlog.extend(earlier.into_iter().chain([value]).map(|v| Arc::new(Mutex::new(v))));
+            !state.waiting.is_empty()
+        };
+        let done = std::mem::take(&mut state.done);
+        drop(state);
+        drop(done);
+        if nudge {
+            self.nudge();
         }
     }
 
@@ -196,39 +239,46 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Hub<T> {
         self.pending.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn try_state(&self) -> Option<MutexGuard<'_, Dispatcher<T>>> {
-        match self.state.try_lock() {
-            Ok(state) => Some(state),
-            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
-            Err(TryLockError::WouldBlock) => None,
+    /// Wakes the server, starting its thread the first time. Should it not start, this thread
+    /// does its turn, waiting for the lock.
+    fn nudge(self: &Arc<Self>) {
+        self.server.state.lock().unwrap_or_else(PoisonError::into_inner).0 = true;
+        self.server.wake.notify_one();
+        let started = *self.server.started.get_or_init(|| {
+            let (hub, server) = (Arc::downgrade(self), self.server.clone());
+            thread::Builder::new()
+                .name("cuda-mp-queue-server".into())
+                .spawn(move || serve_pending(&hub, &server))
+                .is_ok()
+        });
+        if !started {
+            self.handle(None);
         }
     }
+}
 
-    /// Handles the puts that wait in `pending` (made before `event`, if that is a put) and
-    /// `event` under `state`; drops what was done with after letting go of the lock; and takes
-    /// the turn again while puts came meanwhile and the lock is free.
-    fn run(&self, state: MutexGuard<'_, Dispatcher<T>>, mut event: Option<Event<T>>) {
-        let mut state = Some(state);
-        while let Some(mut held) = state.take() {
-            loop {
-                let waiting = std::mem::take(&mut *self.pending());
-                for value in waiting {
-                    held.handle(Event::Put(value));
-                }
-                if let Some(event) = event.take() {
-                    held.handle(event);
-                }
-                if self.pending().is_empty() {
-                    break;
-                }
+impl<T> Drop for Hub<T> {
+    fn drop(&mut self) {
+        self.server.state.lock().unwrap_or_else(PoisonError::into_inner).1 = true;
+        self.server.wake.notify_one();
+    }
+}
+
+/// The server's thread: a turn at the dispatcher whenever woken, until the hub is gone.
+fn serve_pending<T: Serialize + DeserializeOwned + Send + 'static>(hub: &Weak<Hub<T>>, server: &Server) {
+    loop {
+        {
+            let mut state = server.state.lock().unwrap_or_else(PoisonError::into_inner);
+            while !state.0 && !state.1 {
+                state = server.wake.wait(state).unwrap_or_else(PoisonError::into_inner);
             }
-            let done = std::mem::take(&mut held.done);
-            drop(held);
-            drop(done);
-            if !self.pending().is_empty() {
-                state = self.try_state();
+            if state.1 {
+                return;
             }
+            state.0 = false;
         }
+        let Some(hub) = hub.upgrade() else { return };
+        hub.handle(None);
     }
 }
 
@@ -267,7 +317,7 @@ fn read_puts<T: Serialize + DeserializeOwned + Send + 'static>(inbox: Receiver<T
         let event = match inbox.recv() {
             Ok(v) => Event::Put(v),
             Err(RecvError::Disconnected) => {
-                hub.handle(Event::InboxClosed);
+                hub.handle(Some(Event::InboxClosed));
                 return;
             }
             Err(RecvError::Io(_)) => {
@@ -277,7 +327,7 @@ fn read_puts<T: Serialize + DeserializeOwned + Send + 'static>(inbox: Receiver<T
             }
             Err(_) => Event::Undecodable,
         };
-        hub.handle(event);
+        hub.handle(Some(event));
     }
 }
 
@@ -298,16 +348,16 @@ fn read_joins<T: Serialize + DeserializeOwned + Send + 'static>(joins: Receiver<
         next += 1;
         let id = next;
         // Joined before the first request of this consumer: handled before its reader exists.
-        hub.handle(Event::Joined(id, join.replies));
+        hub.handle(Some(Event::Joined(id, join.replies)));
         let requests = join.requests;
         let reader = hub.clone();
         let started = thread::Builder::new().name("cuda-mp-queue-consumer".into()).spawn(move || {
             loop {
                 match requests.recv() {
-                    Ok(ctl) => reader.handle(Event::Request(id, ctl)),
+                    Ok(ctl) => reader.handle(Some(Event::Request(id, ctl))),
                     // Closed: it left, or its process died.
                     Err(RecvError::Disconnected) => {
-                        reader.handle(Event::Left(id));
+                        reader.handle(Some(Event::Left(id)));
                         return;
                     }
                     // Not a message: the transport failed. Do not spin on a persistent failure.
@@ -317,12 +367,12 @@ fn read_joins<T: Serialize + DeserializeOwned + Send + 'static>(joins: Receiver<
                     // sent to it and returning it. It is cut off, and read on until its channel
                     // closes, so that what it returned counts as delivered and only the rest
                     // goes back to the backlog (taken back now, it would be delivered twice).
-                    Err(e) => reader.handle(Event::Unreadable(id, e.to_string())),
+                    Err(e) => reader.handle(Some(Event::Unreadable(id, e.to_string()))),
                 }
             }
         });
         if started.is_err() {
-            hub.handle(Event::Left(id));
+            hub.handle(Some(Event::Left(id)));
         }
     }
 }
