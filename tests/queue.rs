@@ -697,3 +697,32 @@ fn puts_of_many_threads_arrive_once_and_in_each_threads_order() {
     }
     assert_eq!(all.len(), (THREADS * EACH) as usize, "messages lost");
 }
+
+/// A message whose `Drop` panics (the dispatcher drops its own copy once the message is
+/// delivered).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct PanicsOnDrop(u32);
+
+impl Drop for PanicsOnDrop {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            panic!("a Drop that panics");
+        }
+    }
+}
+
+/// The dispatcher drops what was delivered on the thread that read the acknowledgement: a
+/// `Drop` that panics there does not end that thread, and the consumer's next gets are served.
+#[test]
+fn a_message_whose_drop_panics_does_not_stop_its_consumers_gets() {
+    let queue = Queue::<PanicsOnDrop>::new().unwrap();
+    let consumer = queue.consumer().with_prefetch(0);
+    for i in 0..3 {
+        queue.put(PanicsOnDrop(i)).unwrap();
+    }
+    for i in 0..3 {
+        let got = consumer.get_timeout(WAIT).expect("a get after a delivered message's Drop panicked");
+        assert_eq!(got.0, i);
+        std::mem::forget(got);
+    }
+}

@@ -202,7 +202,9 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Hub<T> {
         }
         let done = std::mem::take(&mut state.done);
         drop(state);
-        drop(done);
+        // A value's `Drop` is the user's code: one that panics must not end a reader (its
+        // consumer's requests would go unread) or the server.
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(done)));
     }
 
     /// A put of this process's (see the type's comment).
@@ -229,10 +231,11 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Hub<T> {
         };
         let done = std::mem::take(&mut state.done);
         drop(state);
-        drop(done);
         if nudge {
             self.nudge();
         }
+        // After the nudge: a value's `Drop` that panics unwinds to this put's caller only.
+        drop(done);
     }
 
     fn pending(&self) -> MutexGuard<'_, Vec<T>> {
