@@ -194,7 +194,10 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Hub<T> {
     /// the puts pending are taken in first. What was done with is dropped after the lock.
     pub(super) fn handle(&self, event: Option<Event<T>>) {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        for value in std::mem::take(&mut *self.pending()) {
+        // Taken out first: the lock of `pending` is not held while the puts are sent (a
+        // temporary in a `for` head would be), or a put would wait for their `Serialize`.
+        let pending = std::mem::take(&mut *self.pending());
+        for value in pending {
             state.handle(Event::Put(value));
         }
         if let Some(event) = event {
