@@ -570,39 +570,36 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
         // dispatcher's state with the message out of the backlog and the consumer's want used.
         let sent = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             replies.try_send(Reply::Item(Slot::Shared(item.clone())))
-        }))
-        .unwrap_or_else(|_| {
-            let why = SendFailure::Serialize("the message's Serialize panicked".into());
-            Err(crate::error::TrySendError::Failed(Reply::Empty, why))
-        });
-        match sent {
-            Ok(()) => {
+        }));
+        let f = match sent {
+            Ok(Ok(())) => {
                 crate::sys::kill_point("queue-handed");
                 if let Some(c) = self.consumers.get_mut(&id) {
                     c.in_flight.push_back(item);
                 }
+                return;
             }
-            Err(e) if e.is_disconnected() => {
+            Ok(Err(e)) if e.is_disconnected() => {
                 // Its process is gone (or it dropped its handle): another consumer gets it.
                 self.backlog.push_front(item);
                 self.requeued += 1;
                 self.cut_off(id);
+                return;
             }
-            Err(e) => {
-                let f = e.failure().map_or_else(|| Failure::Io("the reply channel is full".into()), failure);
-                match f {
-                    Failure::Discarded(_) => {
-                        self.done.push(item);
-                        self.discarded += 1;
-                    }
-                    _ => self.backlog.push_front(item),
-                }
-                // One failure reported once, to the consumer's next get, rather than once for
-                // each message it wants; that get asks again.
-                self.withdraw(id);
-                self.answer(id, Reply::Failed(f));
+            Ok(Err(e)) => e.failure().map_or_else(|| Failure::Io("the reply channel is full".into()), failure),
+            Err(_) => Failure::Discarded("the message's Serialize panicked".into()),
+        };
+        match f {
+            Failure::Discarded(_) => {
+                self.done.push(item);
+                self.discarded += 1;
             }
+            _ => self.backlog.push_front(item),
         }
+        // One failure reported once, to the consumer's next get, rather than once for each
+        // message it wants; that get asks again.
+        self.withdraw(id);
+        self.answer(id, Reply::Failed(f));
     }
 
     /// Sends an answer that is not a message; a consumer that cannot be reached is cut off.
