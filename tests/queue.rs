@@ -321,6 +321,9 @@ fn consumers_join_and_leave_at_any_time() {
     got.sort_unstable();
     assert!(got.iter().copied().eq(0..200));
     assert_eq!(queue.try_get(), Err(TryGetError::Empty));
+    // The `Got`s of the consumers that left are read by their own readers, which a question
+    // on this handle's channel may overtake.
+    wait_until("every acknowledgement read", || queue.stats().is_ok_and(|s| s.delivered == 200));
     let s = queue.stats().unwrap();
     assert_eq!((s.delivered, s.backlog), (200, 0), "{s:?}");
     // Each consumer that left had asked for messages ahead of gets it did not make: those it
@@ -536,21 +539,19 @@ fn one_consumer_gets_in_put_order_whichever_way_it_gets() {
 /// The program's lock that [`Locked`] messages take as they are encoded.
 static PROGRAM_LOCK: Mutex<()> = Mutex::new(());
 
+/// Set once a [`Locked`] message's encoding has begun.
+static ENCODING_LOCKED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// A message whose `Serialize` takes a lock of the program's (as serde's does for a message
 /// holding an `Arc<Mutex<_>>`).
-#[derive(Debug)]
+#[derive(Debug, serde::Deserialize)]
 struct Locked(u32);
 
 impl serde::Serialize for Locked {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        ENCODING_LOCKED.store(true, std::sync::atomic::Ordering::SeqCst);
         let _held = PROGRAM_LOCK.lock().unwrap_or_else(|p| p.into_inner());
         s.serialize_u32(self.0)
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for Locked {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        <u32 as serde::Deserialize>::deserialize(d).map(Locked)
     }
 }
 
@@ -567,8 +568,8 @@ fn a_put_does_not_wait_for_another_puts_send() {
     let held = PROGRAM_LOCK.lock().unwrap();
     let first = queue.clone();
     let sending = std::thread::spawn(move || first.put(Locked(1)).is_ok());
-    // Let it take the dispatcher and wait in `Serialize`.
-    std::thread::sleep(Duration::from_millis(100));
+    // It has taken the dispatcher (on its thread or the server's) and waits in `Serialize`.
+    wait_until("the first put is being encoded", || ENCODING_LOCKED.load(std::sync::atomic::Ordering::SeqCst));
     let (done, put_returned) = std::sync::mpsc::channel();
     let second = queue.clone();
     std::thread::spawn(move || done.send(second.put(Locked(2)).is_ok()));
@@ -582,19 +583,13 @@ fn a_put_does_not_wait_for_another_puts_send() {
 }
 
 /// A message whose `Serialize` panics for the value 13.
-#[derive(Debug)]
+#[derive(Debug, serde::Deserialize)]
 struct Unlucky(u32);
 
 impl serde::Serialize for Unlucky {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         assert_ne!(self.0, 13, "unlucky");
         s.serialize_u32(self.0)
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for Unlucky {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        <u32 as serde::Deserialize>::deserialize(d).map(Unlucky)
     }
 }
 
@@ -613,7 +608,8 @@ fn a_message_whose_serialize_panics_is_dropped_and_the_queue_goes_on() {
         other => panic!("the get of the message that could not be encoded returned {other:?}"),
     }
     assert_eq!(consumer.get_timeout(WAIT).unwrap().0, 14);
-    let stats = queue.stats().unwrap();
+    // Asked on the consumer's own channel, after its acknowledgements.
+    let stats = consumer.stats().unwrap();
     assert_eq!((stats.discarded, stats.delivered, stats.backlog), (1, 2, 0), "{stats:?}");
 }
 
