@@ -11,9 +11,10 @@
   producer), its bytes sent on a pipe, and loaded (``pickle.loads``, timed in a fresh consumer):
   where a publish's time goes, first and again.
 
-Three modes: torch.mp alone; with ``install()``; and the same programs with ``cuda_mp.Queue``
-for every ``multiprocessing`` queue (the pipe of the by-hand rows stays). Each mode runs in an
-interpreter of its own (spawn consumers, one GPU):
+Three modes, the programs unchanged in each: torch.mp alone; with ``install()``; with
+``install(queues=True)``, which makes their ``multiprocessing`` queues cuda-mp queues (the pipe
+of the by-hand rows stays). Each mode runs in an interpreter of its own (spawn consumers, one
+GPU):
 
     python3 benches/torch_install.py [--quick]
 """
@@ -95,19 +96,9 @@ def measure(mode, quick):
     if mode in ("cuda-mp", "queue"):
         import cuda_mp.torch
 
-        cuda_mp.torch.install()
+        cuda_mp.torch.install(queues=mode == "queue")
     ctx = mp.get_context("spawn")
     out = {}
-    if mode == "queue":
-        import cuda_mp
-
-        class Queues:  # the context's queues replaced by cuda-mp's
-            Queue = staticmethod(cuda_mp.Queue)
-            Process = ctx.Process
-            Pipe = ctx.Pipe
-
-        ctx = Queues
-
     q_in, q_out = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=drop_and_ack, args=(q_in, q_out))
     p.start()
@@ -212,7 +203,7 @@ def main():
         for i, part in enumerate(("dumps (producer)", "loads (consumer)", "in all, by hand")):
             print(f"| 7B {what}: {part} | {t[key][i]:.1f} ms | {c[key][i]:.1f} ms | {t[key][i] / c[key][i]:.2f}x |")
     print()
-    print("| workload | torch.mp alone | cuda_mp.Queue (and install()) | speed-up |")
+    print("| workload | torch.mp alone | torch.mp + cuda_mp.torch.install(queues=True) | speed-up |")
     print("|---|---|---|---|")
     print(f"| round trip, re-sent 1 MiB tensor | {t['rt_us']:.1f} us | {q['rt_us']:.1f} us | {t['rt_us'] / q['rt_us']:.2f}x |")
     print(f"| round trip of an int (the queue's floor) | {t['rt_int_us']:.1f} us | {q['rt_int_us']:.1f} us | {t['rt_int_us'] / q['rt_int_us']:.2f}x |")

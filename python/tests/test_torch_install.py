@@ -24,8 +24,9 @@ def run_program(*args):
     return result
 
 
-def test_with_install_a_sigkilled_consumers_memory_is_back_within_a_second():
-    r = run_program("--install")
+@pytest.mark.parametrize("call", ["--install", "--queues"])
+def test_with_install_a_sigkilled_consumers_memory_is_back_within_a_second(call):
+    r = run_program(call)
     assert r["ok"], "every consumer saw the values it was sent"
     assert r["held_mib"] == 16, "only what the consumer about to be killed holds is still allocated"
     assert r["back_s"] is not None and r["back_s"] <= 1.0, r

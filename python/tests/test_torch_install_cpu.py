@@ -75,3 +75,100 @@ def test_a_cpu_typed_storage_pickles_without_a_deprecation_warning(installed):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ForkingPickler.dumps(storage)
+
+
+@pytest.fixture
+def queues_installed():
+    cuda_mp.torch.install(queues=True)
+    yield
+    cuda_mp.torch.uninstall()
+
+
+def test_with_queues_every_contexts_queue_is_a_cuda_mp_queue_until_uninstall(queues_installed):
+    import torch.multiprocessing as tmp
+
+    for method in ("fork", "spawn", "forkserver"):
+        assert type(mp.get_context(method).Queue()) is cuda_mp.MultiprocessingQueue, method
+    assert type(mp.Queue()) is cuda_mp.MultiprocessingQueue
+    assert type(tmp.Queue()) is cuda_mp.MultiprocessingQueue
+    bounded = mp.get_context("spawn").Queue(2)
+    assert type(bounded) is mp.queues.Queue, "a bounded queue stays multiprocessing's own"
+    bounded.put(1)
+    assert bounded.get(timeout=10) == 1
+    joinable = mp.get_context("spawn").JoinableQueue()
+    joinable.put(2)
+    assert joinable.get(timeout=10) == 2
+    joinable.task_done()
+    joinable.join()
+    cuda_mp.torch.uninstall()
+    assert type(mp.Queue()) is mp.queues.Queue
+    assert type(tmp.Queue()) is mp.queues.Queue
+    assert type(mp.get_context("spawn").Queue()) is mp.queues.Queue
+
+
+def echo_and_write(q_in, q_out):
+    """An unchanged torch.mp consumer: answers what it gets, adds 1 to tensors in place, and
+    ends as multiprocessing's queues let a process end."""
+    while True:
+        item = q_in.get(timeout=60)
+        if item is None:
+            break
+        if isinstance(item, torch.Tensor):
+            item += 1
+            item = "written"
+        q_out.put(item)
+    q_in.close()
+    q_out.close()
+    q_out.join_thread()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_with_queues_an_unchanged_program_carries_objects_and_shares_cuda_mp_memory(queues_installed, method):
+    ctx = mp.get_context(method)
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=echo_and_write, args=(q_in, q_out))
+    p.start()
+    try:
+        for item in (1, "two", {"three": [3.0, b"3"]}, (None, True)):
+            q_in.put(item)
+            got = q_out.get(timeout=60)
+            assert type(got) is type(item) and got == item
+        ordinary = torch.zeros(256)
+        q_in.put(ordinary)
+        assert q_out.get(timeout=60) == "written"
+        assert ordinary.is_shared(), "torch's sharing moved it to shared memory, as on its own queues"
+        assert torch.equal(ordinary, torch.ones(256)), "the child wrote this process's memory"
+        ours = torch.from_numpy(cuda_mp.empty_host((256,), "float32")).zero_()
+        q_in.put(ours)
+        assert q_out.get(timeout=60) == "written"
+        assert not ours.is_shared(), "cuda-mp carried it as its own memory"
+        assert torch.equal(ours, torch.ones(256)), "the child wrote this process's memory"
+        q_in.put(None)
+        p.join(60)
+        assert p.exitcode == 0
+        assert q_out.empty() and not q_out.full()
+        q_in.close()
+        with pytest.raises(ValueError, match="closed"):
+            q_in.put(1)
+    finally:
+        p.kill()
+
+
+class Numbers(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.full((4,), float(i)), i
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_with_queues_a_data_loaders_workers_feed_it_through_cuda_mp_queues(queues_installed, method):
+    loader = torch.utils.data.DataLoader(Numbers(), batch_size=8, num_workers=2, multiprocessing_context=method)
+    batches = iter(loader)
+    assert type(batches._worker_result_queue) is cuda_mp.MultiprocessingQueue
+    seen = []
+    for x, i in batches:
+        assert torch.equal(x[:, 0], i.float())
+        seen += i.tolist()
+    assert sorted(seen) == list(range(64))

@@ -1,6 +1,6 @@
 """An unchanged torch.multiprocessing program: a producer, four consumers started with spawn, one
 of them SIGKILLed while it holds what it received. ``--install`` adds the one call
-(``cuda_mp.torch.install()``). Prints one JSON line: whether every consumer saw the right values,
+(``cuda_mp.torch.install()``), ``--queues`` makes it ``install(queues=True)``. Prints one JSON line: whether every consumer saw the right values,
 the producer's allocated CUDA memory still held for the killed consumer, and how long after the
 kill it was back (None: not within 5 s)."""
 
@@ -38,11 +38,12 @@ def victim(q, done):
 
 
 def main():
-    install = "--install" in sys.argv
+    queues = "--queues" in sys.argv
+    install = "--install" in sys.argv or queues
     if install:
         import cuda_mp.torch
 
-        cuda_mp.torch.install()
+        cuda_mp.torch.install(queues=queues)
     ctx = mp.get_context("spawn")
     shared_q, victim_q, done = ctx.Queue(), ctx.Queue(), ctx.Queue()
     consumers = [ctx.Process(target=consumer, args=(shared_q, done)) for _ in range(3)]
@@ -82,7 +83,7 @@ def main():
             torch.cuda.ipc_collect()
         time.sleep(0.002)
     left = torch.cuda.memory_allocated() - base
-    print(json.dumps({"install": install, "ok": ok, "held_mib": held / 2**20, "left_mib": left / 2**20, "back_s": back}))
+    print(json.dumps({"install": install, "queues": queues, "ok": ok, "held_mib": held / 2**20, "left_mib": left / 2**20, "back_s": back}))
 
 
 if __name__ == "__main__":

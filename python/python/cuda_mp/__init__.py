@@ -34,6 +34,7 @@ __all__ = [
     "HostTensor",
     "Listener",
     "Malformed",
+    "MultiprocessingQueue",
     "Connection",
     "PackedStateDict",
     "Pipe",
@@ -564,4 +565,4 @@ class _ExitFlush:
 _EXIT_FLUSH = _ExitFlush()
 
 
-from .queue import Connection, Pipe, Queue  # noqa: E402  (they use the helpers above)
+from .queue import Connection, MultiprocessingQueue, Pipe, Queue  # noqa: E402  (they use the helpers above)

@@ -34,7 +34,9 @@ pickling process receives no more on it, and may still send: its copy of the sen
 from __future__ import annotations
 
 import io
+import multiprocessing.context as _mpc
 import pickle
+import sys
 import queue as _queue
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, List, Optional
@@ -42,7 +44,7 @@ from typing import Any, List, Optional
 from . import _native, _is_torch, _to_numpy, _to_torch
 from ._errors import Timeout
 
-__all__ = ["HANDLE_TTL", "Connection", "Pipe", "Queue"]
+__all__ = ["HANDLE_TTL", "Connection", "MultiprocessingQueue", "Pipe", "Queue"]
 
 HANDLE_TTL = 600.0
 """Seconds that a pickled queue handle waits for the process that unpickles it."""
@@ -201,6 +203,88 @@ class Queue:
     def __repr__(self) -> str:
         backlog, in_flight, delivered = self._native.stats()
         return f"cuda_mp.Queue(waiting={backlog}, in_flight={in_flight}, delivered={delivered})"
+
+
+class MultiprocessingQueue(Queue):
+    """What ``multiprocessing`` makes of ``Queue()`` (of any context, and so of
+    ``torch.multiprocessing.Queue()``) after ``cuda_mp.torch.install(queues=True)``: a ``Queue``
+    that also answers ``multiprocessing.Queue``'s remaining methods (``full``, ``close``,
+    ``join_thread``, ``cancel_join_thread``) and stays one when pickled."""
+
+    def __init__(self):
+        super().__init__()
+        self._closed = False
+
+    @classmethod
+    def _from_bytes(cls, data: bytes) -> "MultiprocessingQueue":
+        q = cls.__new__(cls)
+        Queue.__init__(q, _native.Queue.from_bytes(data))
+        q._closed = False
+        return q
+
+    def put(self, obj: Any, block: bool = True, timeout: Optional[float] = None) -> None:
+        """As ``Queue.put``; raises ``ValueError`` once this handle is closed."""
+        self._check_open()
+        super().put(obj)
+
+    def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
+        """As ``Queue.get``; raises ``ValueError`` once this handle is closed."""
+        self._check_open()
+        return super().get(block, timeout)
+
+    def full(self) -> bool:
+        """False: the queue has no bound."""
+        return False
+
+    def close(self) -> None:
+        """This process puts and gets no more through this handle. What it put is handed on
+        when it exits, as ``multiprocessing``'s feeder thread does."""
+        self._closed = True
+
+    def join_thread(self) -> None:
+        """Waits until everything this process sent has reached its reader (there is no feeder
+        thread; this waits for the process's sends, ``cuda_mp.flush_sends``). Only after
+        ``close``, as in ``multiprocessing``."""
+        if not self._closed:
+            raise AssertionError(f"Queue {self!r} not closed")
+        _native.flush_sends(None)
+
+    def cancel_join_thread(self) -> None:
+        """Nothing to cancel: there is no feeder thread (what this process sent is handed on at
+        exit unless its reader is gone)."""
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+
+    def __reduce__(self):
+        return (MultiprocessingQueue._from_bytes, (self.to_bytes(),))
+
+
+# multiprocessing's own, whatever replaces it later.
+_CONTEXT_QUEUE = _mpc.BaseContext.Queue
+
+
+def _context_queue(ctx, maxsize: int = 0):
+    """``BaseContext.Queue`` while queues are replaced: a bounded queue stays
+    ``multiprocessing``'s own, since a ``Queue`` has no bound."""
+    if maxsize > 0:
+        return _CONTEXT_QUEUE(ctx, maxsize)
+    return MultiprocessingQueue()
+
+
+def _replace_multiprocessing_queues(replace: bool) -> None:
+    """Makes every ``multiprocessing`` context's ``Queue()`` a ``MultiprocessingQueue`` (or
+    ``multiprocessing``'s own again): the contexts' method, and the names that the
+    ``multiprocessing`` and ``torch.multiprocessing`` modules bound to the default context's
+    method at their import. A name bound elsewhere before (``from multiprocessing import
+    Queue``) keeps ``multiprocessing``'s queue."""
+    _mpc.BaseContext.Queue = _context_queue if replace else _CONTEXT_QUEUE
+    method = _mpc._default_context.Queue
+    for name in ("multiprocessing", "torch.multiprocessing"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "Queue", None) is not None:
+            module.Queue = method
 
 
 class Connection:
