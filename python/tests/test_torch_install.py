@@ -198,3 +198,32 @@ def test_a_storage_sent_again_keeps_its_identity_and_its_receivers_mapping(insta
     while torch.cuda.memory_allocated() > baseline and time.monotonic() < deadline:
         time.sleep(0.1)
     assert torch.cuda.memory_allocated() == baseline, "the program's memory goes back once it holds it no more"
+
+
+def drop_each(q_in, q_out):
+    import torch  # noqa: F401
+
+    n = 0
+    while q_in.get(timeout=120) is not None:
+        n += 1
+    q_out.put(n)
+
+
+def test_fresh_tensors_are_let_go_as_they_are_sent_not_a_second_later(installed):
+    import cuda_mp.torch as ct
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=drop_each, args=(q_in, q_out))
+    p.start()
+    kept = []
+    for _ in range(300):
+        q_in.put(torch.zeros(1 << 18, device="cuda"))  # the program drops each at once
+        with ct._book_lock:
+            kept.append(len(ct._book))
+    q_in.put(None)
+    assert q_out.get(timeout=120) == 300
+    p.join(60)
+    # Each new storage sent looks at the two oldest the book holds: those of fresh tensors go
+    # as the next ones are sent, long before the pruner's look a second later.
+    assert max(kept) <= 3, f"storages held for the program after it let go of them: {max(kept)}"

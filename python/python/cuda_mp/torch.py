@@ -221,9 +221,35 @@ def _sent(t) -> "_native.Tensor":
     keeper = torch.empty((0,), dtype=torch.uint8, device=t.device).set_(storage)
     native = _gpu(t, keeper=keeper)
     with _book_lock:
+        let_go = _sweep(use_count)
         _book.setdefault(key, (native, storage._cdata))
         _start_pruner()
+    del let_go  # outside the lock, as the pruner does
     return native
+
+
+SWEEP = 2
+"""Oldest entries of the book that each new entry looks at (see ``_sweep``)."""
+
+
+def _sweep(use_count) -> list:
+    """Takes out of the book (under the lock) those of its ``SWEEP`` oldest entries whose storage
+    the program holds no more, and moves the others to the back: a program that sends fresh
+    tensors lets go of them as fast as it sends them, instead of holding each until the
+    pruner's next look (a second's worth of tensors, which PyTorch's allocator could not reuse
+    meanwhile). Gives what it took out, to let go of outside the lock."""
+    global _alone
+    if _alone is None:
+        _alone = _alone_count(use_count)
+    taken = []
+    for _ in range(min(SWEEP, len(_book))):
+        key = next(iter(_book))
+        entry = _book.pop(key)
+        if use_count(entry[1]) <= _alone:
+            taken.append(entry)
+        else:
+            _book[key] = entry
+    return taken
 
 
 def _start_pruner() -> None:
