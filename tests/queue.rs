@@ -97,11 +97,23 @@ fn consume((rank, queue, report, hold): (usize, QueueConsumer<HostTensor<u8>>, S
     }
 }
 
-/// Receives reports until `total` have come in all.
-fn reports_until(rx: &Receiver<(usize, u32)>, seen: &mut [Vec<u32>], total: usize) {
+/// Receives reports until `total` have come in all; a timeout says what each consumer reported
+/// and what the queue holds.
+fn reports_until(
+    rx: &Receiver<(usize, u32)>,
+    seen: &mut [Vec<u32>],
+    total: usize,
+    queue: &QueueConsumer<HostTensor<u8>>,
+) {
     while seen.iter().map(Vec::len).sum::<usize>() < total {
-        let (rank, i) = rx.recv_timeout(WAIT).expect("a report");
-        seen[rank].push(i);
+        match rx.recv_timeout(WAIT) {
+            Ok((rank, i)) => seen[rank].push(i),
+            Err(e) => panic!(
+                "no report for {WAIT:?} ({e}), waiting for {total}: reports per consumer {:?}, queue {:?}",
+                seen.iter().map(Vec::len).collect::<Vec<_>>(),
+                queue.stats()
+            ),
+        }
     }
 }
 
@@ -122,7 +134,7 @@ fn four_consumers_drain_ten_thousand_tensors_and_a_killed_one_loses_nothing() {
     for i in 0..N / 2 {
         queue.put(HostTensor::from_vec(&[BYTES], pattern(i)).unwrap()).unwrap();
     }
-    reports_until(&report_rx, &mut seen, N as usize / 2);
+    reports_until(&report_rx, &mut seen, N as usize / 2, &watcher);
     // Every consumer waits in a get with nothing left. Stopped there, consumer 0 will not read
     // the next message the dispatcher sends it.
     wait_until("all four consumers wait", || {
@@ -142,13 +154,13 @@ fn four_consumers_drain_ten_thousand_tensors_and_a_killed_one_loses_nothing() {
     for i in N / 2..N {
         queue.put(HostTensor::from_vec(&[BYTES], pattern(i)).unwrap()).unwrap();
     }
-    reports_until(&report_rx, &mut seen, N as usize * 3 / 4);
+    reports_until(&report_rx, &mut seen, N as usize * 3 / 4, &watcher);
     let s = watcher.stats().unwrap();
     assert!(s.in_flight >= 1, "the stopped consumer has a message it has not received: {s:?}");
     // Killed midway, holding the tensors it received and messages it never read.
     consumers[0].kill().unwrap();
     drop(queue); // the last producer: the others drain the queue, then stop
-    reports_until(&report_rx, &mut seen, N as usize);
+    reports_until(&report_rx, &mut seen, N as usize, &watcher);
 
     assert_eq!(seen[0].len(), got_before_stop, "nothing reached the stopped consumer's code");
     for (rank, c) in consumers.into_iter().enumerate().skip(1) {

@@ -190,8 +190,9 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Hub<T> {
         Hub { state: Mutex::new(Dispatcher::new()), pending: Mutex::new(Vec::new()), server }
     }
 
-    /// Handles one event of a reader (or the server's turn, with none), waiting for the lock;
-    /// the puts pending are taken in first. What was done with is dropped after the lock.
+    /// Handles one event of a reader (or the server's turn, with none: sends what is due),
+    /// waiting for the lock; the puts pending are taken in first. What was done with is
+    /// dropped after the lock.
     pub(super) fn handle(&self, event: Option<Event<T>>) {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         // Taken out first: the lock of `pending` is not held while the puts are sent (a
@@ -200,8 +201,11 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Hub<T> {
         for value in pending {
             state.handle(Event::Put(value));
         }
-        if let Some(event) = event {
-            state.handle(event);
+        match event {
+            Some(event) => state.handle(event),
+            // The server's turn: a put may have taken values into the backlog without sending
+            // any (see `put`), and no event may come to send them.
+            None => state.serve(),
         }
         let done = std::mem::take(&mut state.done);
         drop(state);
@@ -693,6 +697,35 @@ mod tests {
         d.handle(Event::Left(1));
         let s = d.stats();
         assert_eq!((s.delivered, s.requeued, s.backlog, s.in_flight, s.consumers), (2, 1, 2, 0, 0), "{s:?}");
+    }
+
+    /// A put that holds the lock and finds puts pending takes them and its own value into the
+    /// backlog without sending any, and wakes the server: the server's turn sends what is due
+    /// to the consumer that waits, with no other event to come.
+    #[test]
+    fn puts_taken_in_without_a_send_reach_a_waiting_consumer_through_the_server() {
+        use std::time::{Duration, Instant};
+        const WAIT: Duration = Duration::from_secs(10);
+        let ends = start::<u32>().unwrap();
+        let (requests, requests_rx) = channel::<Ctl>().unwrap();
+        let (replies_tx, replies) = channel::<Reply<u32>>().unwrap();
+        ends.join.send(Join { requests: requests_rx, replies: replies_tx }).unwrap();
+        requests.send(Ctl::Want(2)).unwrap();
+        let deadline = Instant::now() + WAIT;
+        while ends.local.state.lock().unwrap().stats().waiting == 0 {
+            assert!(Instant::now() < deadline, "the consumer's want was never read");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // A put that found the lock taken left its value pending, and another put comes.
+        ends.local.pending().push(1);
+        ends.local.put(2);
+        for expected in [1, 2] {
+            match replies.recv_timeout(WAIT) {
+                Ok(Reply::Item(Slot::Owned(v))) => assert_eq!(v, expected),
+                Ok(_) => panic!("message {expected}: another answer came"),
+                Err(e) => panic!("message {expected} did not reach the waiting consumer: {e}"),
+            }
+        }
     }
 
     /// A consumer sends something that is not a request while it holds a message: it is cut
