@@ -387,6 +387,21 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Queue<T> {
         })
     }
 
+    /// This handle with its gets keeping `n` messages asked for ahead of them (see
+    /// [`QueueConsumer::with_prefetch`]); `0`: a message goes to this handle only in a get, as
+    /// with `multiprocessing.Queue`.
+    ///
+    /// ```
+    /// let queue = cuda_mp::Queue::new().unwrap().with_prefetch(0);
+    /// queue.put(1u8).unwrap();
+    /// queue.put(2).unwrap();
+    /// assert_eq!(queue.get().unwrap(), 1);
+    /// assert_eq!(queue.stats().unwrap().backlog, 1, "the second waits for any consumer");
+    /// ```
+    pub fn with_prefetch(self, n: usize) -> Self {
+        Queue { consumer: self.consumer.with_prefetch(n), ..self }
+    }
+
     /// Puts a message on the queue. It never waits for a consumer (the queue is unbounded);
     /// tensors inside are shared, not copied. Fails, handing the message back, when the
     /// queue's process is gone or the message cannot be encoded. As a channel's send, it may

@@ -955,6 +955,14 @@ impl fmt::Debug for Queue {
     }
 }
 
+/// `queue` with its gets' prefetch set, where one is given.
+fn with_prefetch(queue: cuda_mp::Queue<Value>, prefetch: Option<usize>) -> cuda_mp::Queue<Value> {
+    match prefetch {
+        Some(n) => queue.with_prefetch(n),
+        None => queue,
+    }
+}
+
 /// A send's failure (or a put's) as the matching exception.
 fn send_error(py: Python<'_>, e: cuda_mp::Error) -> PyErr {
     let class = match &e {
@@ -979,10 +987,13 @@ fn get_error(e: cuda_mp::GetTimeoutError) -> PyErr {
 
 #[pymethods]
 impl Queue {
-    /// A new queue, served by this process: it must outlive the processes that use it.
+    /// A new queue, served by this process: it must outlive the processes that use it. Gets
+    /// through this handle keep `prefetch` items asked for ahead (None: the crate's default).
     #[new]
-    fn new(py: Python<'_>) -> PyResult<Queue> {
-        Ok(Queue { inner: py.detach(cuda_mp::Queue::new).map_err(error)? })
+    #[pyo3(signature = (prefetch=None))]
+    fn new(py: Python<'_>, prefetch: Option<usize>) -> PyResult<Queue> {
+        let inner = py.detach(cuda_mp::Queue::new).map_err(error)?;
+        Ok(Queue { inner: with_prefetch(inner, prefetch) })
     }
 
     /// Puts `obj` as a `Value` (its tensors: what `leaf` makes of them) and returns True; False,
@@ -1020,10 +1031,12 @@ impl Queue {
         Ok(PyBytes::new(py, &bytes))
     }
 
-    /// The handle that `to_bytes` made `data` of; once.
+    /// The handle that `to_bytes` made `data` of; once. `prefetch` as for a new queue.
     #[staticmethod]
-    fn from_bytes(py: Python<'_>, data: &[u8]) -> PyResult<Queue> {
-        Ok(Queue { inner: py.detach(|| cuda_mp::from_bytes(data)).map_err(error)? })
+    #[pyo3(signature = (data, prefetch=None))]
+    fn from_bytes(py: Python<'_>, data: &[u8], prefetch: Option<usize>) -> PyResult<Queue> {
+        let inner = py.detach(|| cuda_mp::from_bytes(data)).map_err(error)?;
+        Ok(Queue { inner: with_prefetch(inner, prefetch) })
     }
 
     /// Messages waiting, in flight and delivered so far: (backlog, in flight, delivered).

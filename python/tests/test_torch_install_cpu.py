@@ -172,3 +172,78 @@ def test_with_queues_a_data_loaders_workers_feed_it_through_cuda_mp_queues(queue
         assert torch.equal(x[:, 0], i.float())
         seen += i.tolist()
     assert sorted(seen) == list(range(64))
+
+
+def take_one_then_wait(q, out, done):
+    out.put(q.get(timeout=60))
+    done.wait(60)  # alive, and getting no more
+
+
+def take_until_none(q, out):
+    while (item := q.get(timeout=60)) is not None:
+        out.put(item)
+
+
+def test_with_queues_a_consumer_that_stops_getting_holds_no_item(queues_installed):
+    ctx = mp.get_context("spawn")
+    q, out, done = ctx.Queue(), ctx.Queue(), ctx.Event()
+    a = ctx.Process(target=take_one_then_wait, args=(q, out, done))
+    a.start()
+    try:
+        q.put(0)
+        assert out.get(timeout=60) == 0
+        for i in range(1, 6):
+            q.put(i)
+        b = ctx.Process(target=take_until_none, args=(q, out))
+        b.start()
+        # As with multiprocessing's queue: the consumer that stopped getting took nothing ahead.
+        assert sorted(out.get(timeout=30) for _ in range(5)) == [1, 2, 3, 4, 5]
+        q.put(None)
+        b.join(60)
+    finally:
+        done.set()
+        a.join(60)
+
+
+def test_with_queues_size_counts_every_item_not_yet_taken_and_timeouts_read_as_multiprocessing(queues_installed):
+    import queue
+
+    q = mp.get_context("spawn").Queue()
+    for i in range(5):
+        q.put(i)
+    assert q.get(timeout=10) == 0
+    assert q.qsize() == 4
+    got = []
+    while not q.empty():
+        got.append(q.get(timeout=10))
+    assert got == [1, 2, 3, 4]
+    with pytest.raises(queue.Empty):
+        q.get(timeout=-1)
+
+
+def make_a_queue(conn):
+    q = mp.get_context("spawn").Queue()
+    conn.send(q)
+    conn.recv()  # until the parent has its handle
+
+
+def test_with_queues_a_closed_handle_says_so_after_the_queues_process_is_gone(queues_installed):
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    # The queue's process is a spawned child, which calls install(queues=True) itself.
+    p = ctx.Process(target=make_a_queue_installed, args=(there,))
+    p.start()
+    q = here.recv()
+    here.send(1)
+    p.join(60)
+    assert type(q) is cuda_mp.MultiprocessingQueue
+    q.close()
+    with pytest.raises(ValueError, match="closed"):
+        q.put(1)
+    with pytest.raises(ValueError, match="closed"):
+        q.get(timeout=1)
+
+
+def make_a_queue_installed(conn):
+    cuda_mp.torch.install(queues=True)
+    make_a_queue(conn)

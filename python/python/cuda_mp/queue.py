@@ -209,16 +209,19 @@ class MultiprocessingQueue(Queue):
     """What ``multiprocessing`` makes of ``Queue()`` (of any context, and so of
     ``torch.multiprocessing.Queue()``) after ``cuda_mp.torch.install(queues=True)``: a ``Queue``
     that also answers ``multiprocessing.Queue``'s remaining methods (``full``, ``close``,
-    ``join_thread``, ``cancel_join_thread``) and stays one when pickled."""
+    ``join_thread``, ``cancel_join_thread``) and stays one when pickled. As with
+    ``multiprocessing``, an item goes to a consumer only in its ``get`` (a ``Queue``'s gets
+    ask for two ahead, which a consumer that stops getting would hold), so ``qsize()`` counts
+    every item not yet taken by a get."""
 
     def __init__(self):
-        super().__init__()
+        super().__init__(_native.Queue(0))
         self._closed = False
 
     @classmethod
     def _from_bytes(cls, data: bytes) -> "MultiprocessingQueue":
         q = cls.__new__(cls)
-        Queue.__init__(q, _native.Queue.from_bytes(data))
+        Queue.__init__(q, _native.Queue.from_bytes(data, 0))
         q._closed = False
         return q
 
@@ -228,8 +231,11 @@ class MultiprocessingQueue(Queue):
         super().put(obj)
 
     def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
-        """As ``Queue.get``; raises ``ValueError`` once this handle is closed."""
+        """As ``Queue.get`` (a negative ``timeout`` as 0, as ``multiprocessing`` takes it);
+        raises ``ValueError`` once this handle is closed."""
         self._check_open()
+        if timeout is not None and timeout < 0:
+            timeout = 0.0
         return super().get(block, timeout)
 
     def full(self) -> bool:
@@ -246,7 +252,7 @@ class MultiprocessingQueue(Queue):
         thread; this waits for the process's sends, ``cuda_mp.flush_sends``). Only after
         ``close``, as in ``multiprocessing``."""
         if not self._closed:
-            raise AssertionError(f"Queue {self!r} not closed")
+            raise AssertionError(f"Queue {object.__repr__(self)} not closed")
         _native.flush_sends(None)
 
     def cancel_join_thread(self) -> None:
@@ -255,7 +261,8 @@ class MultiprocessingQueue(Queue):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError(f"Queue {self!r} is closed")
+            # Not ``repr(self)``, which asks the queue's process for its counts.
+            raise ValueError(f"Queue {object.__repr__(self)} is closed")
 
     def __reduce__(self):
         return (MultiprocessingQueue._from_bytes, (self.to_bytes(),))

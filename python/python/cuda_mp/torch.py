@@ -58,7 +58,9 @@ the rest of ``multiprocessing.Queue``'s methods. What differs then:
   pipes directly). A name bound before ``install`` (``from multiprocessing import Queue``), and a
   child that makes queues of its own without calling ``install(queues=True)``, keep
   ``multiprocessing``'s queue.
-- The queue's handle pickles anywhere, not only to a child being started.
+- The queue's handle pickles anywhere, not only to a child being started. It is not an
+  instance of ``multiprocessing.queues.Queue``, and its ``join_thread`` waits for every send
+  of the process (there is no feeder thread of the queue's own).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
+from collections import OrderedDict
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, Optional
 
@@ -85,7 +88,7 @@ _dumping = threading.local()
 # (``_cdata``) to read its use count. The wrapper holds the storage through a tensor of its own,
 # so a use count of ``_alone`` (what a storage held by one tensor reads) means the program holds
 # it no more.
-_book: Dict[tuple, tuple] = {}
+_book: "OrderedDict[tuple, tuple]" = OrderedDict()  # oldest first (see ``_sweep``)
 _book_lock = threading.Lock()
 _pruner: Optional[threading.Thread] = None
 _alone: Optional[int] = None
@@ -243,8 +246,7 @@ def _sweep(use_count) -> list:
         _alone = _alone_count(use_count)
     taken = []
     for _ in range(min(SWEEP, len(_book))):
-        key = next(iter(_book))
-        entry = _book.pop(key)
+        key, entry = _book.popitem(last=False)  # O(1), where a dict's first key is not
         if use_count(entry[1]) <= _alone:
             taken.append(entry)
         else:
