@@ -285,7 +285,10 @@ def _replace_multiprocessing_queues(replace: bool) -> None:
     ``multiprocessing``'s own again): the contexts' method, and the names that the
     ``multiprocessing`` and ``torch.multiprocessing`` modules bound to the default context's
     method at their import. A name bound elsewhere before (``from multiprocessing import
-    Queue``) keeps ``multiprocessing``'s queue."""
+    Queue``) keeps ``multiprocessing``'s queue. Undoing touches nothing unless ours is in
+    place (another library may have set its own since)."""
+    if not replace and _mpc.BaseContext.__dict__.get("Queue") is not _context_queue:
+        return
     _mpc.BaseContext.Queue = _context_queue if replace else _CONTEXT_QUEUE
     method = _mpc._default_context.Queue
     for name in ("multiprocessing", "torch.multiprocessing"):
