@@ -247,3 +247,24 @@ def test_with_queues_a_closed_handle_says_so_after_the_queues_process_is_gone(qu
 def make_a_queue_installed(conn):
     cuda_mp.torch.install(queues=True)
     make_a_queue(conn)
+
+
+def test_the_sweep_lets_go_of_the_oldest_storages_no_longer_held_and_moves_the_held_back():
+    import cuda_mp.torch as ct
+
+    with ct._book_lock:
+        saved, alone = list(ct._book.items()), ct._alone
+        try:
+            ct._book.clear()
+            ct._alone = 1
+            # Entries as (wrapper, storage address); the use count read here is the address.
+            ct._book.update({"a": ("A", 1), "b": ("B", 5), "c": ("C", 1), "d": ("D", 1)})
+            assert ct._sweep(lambda count: count) == [("A", 1)]
+            assert list(ct._book) == ["c", "d", "b"], "the held one went to the back"
+            assert ct._sweep(lambda count: count) == [("C", 1), ("D", 1)]
+            assert list(ct._book) == ["b"]
+            assert ct._sweep(lambda count: count) == [] and list(ct._book) == ["b"]
+        finally:
+            ct._book.clear()
+            ct._book.update(saved)
+            ct._alone = alone
