@@ -214,16 +214,13 @@ class MultiprocessingQueue(Queue):
     ask for two ahead, which a consumer that stops getting would hold), so ``qsize()`` counts
     every item not yet taken by a get."""
 
-    def __init__(self):
-        super().__init__(_native.Queue(0))
+    def __init__(self, _native_queue: Optional["_native.Queue"] = None):
+        super().__init__(_native_queue if _native_queue is not None else _native.Queue(0))
         self._closed = False
 
     @classmethod
     def _from_bytes(cls, data: bytes) -> "MultiprocessingQueue":
-        q = cls.__new__(cls)
-        Queue.__init__(q, _native.Queue.from_bytes(data, 0))
-        q._closed = False
-        return q
+        return cls(_native.Queue.from_bytes(data, 0))
 
     def put(self, obj: Any, block: bool = True, timeout: Optional[float] = None) -> None:
         """As ``Queue.put``; raises ``ValueError`` once this handle is closed."""

@@ -241,13 +241,10 @@ def _sweep(use_count) -> list:
     tensors lets go of them as fast as it sends them, instead of holding each until the
     pruner's next look (a second's worth of tensors, which PyTorch's allocator could not reuse
     meanwhile). Gives what it took out, to let go of outside the lock."""
-    global _alone
-    if _alone is None:
-        _alone = _alone_count(use_count)
     taken = []
     for _ in range(min(SWEEP, len(_book))):
         key, entry = _book.popitem(last=False)  # O(1), where a dict's first key is not
-        if use_count(entry[1]) <= _alone:
+        if _held_no_more(use_count, entry[1]):
             taken.append(entry)
         else:
             _book[key] = entry
@@ -271,20 +268,27 @@ def _alone_count(use_count) -> int:
     return use_count(probe.untyped_storage()._cdata)
 
 
+def _held_no_more(use_count, cdata) -> bool:
+    """Whether the program holds the booked storage at ``cdata`` no more (under the lock): the
+    wrapper's own tensor holds it, so its address stays valid, and a use count of ``_alone``
+    is that tensor's alone."""
+    global _alone
+    if _alone is None:
+        _alone = _alone_count(use_count)
+    return use_count(cdata) <= _alone
+
+
 def _prune_while_any() -> None:
     """Every ``PRUNE_EVERY`` seconds, lets go of the wrappers of storages the program holds no
     more; ends (and says so under the lock) once none is left."""
-    global _pruner, _alone
+    global _pruner
     import torch
 
     use_count = torch._C._storage_Use_Count
-    if _alone is None:
-        _alone = _alone_count(use_count)
     while True:
         time.sleep(PRUNE_EVERY)
         with _book_lock:
-            # The wrapper's own tensor holds the storage, so the entry's address stays valid.
-            gone = [key for key, (_, cdata) in _book.items() if use_count(cdata) <= _alone]
+            gone = [key for key, (_, cdata) in _book.items() if _held_no_more(use_count, cdata)]
             dropped = [_book.pop(key) for key in gone]
             done = not _book
             if done:
