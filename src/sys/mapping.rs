@@ -116,6 +116,30 @@ impl Mapping {
     /// Writes zeros to `len` bytes of the mapping from `offset`; false (nothing written) when
     /// they do not fit or the mapping is read-only.
     pub(crate) fn zero(&self, offset: usize, len: usize) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if !self.writable || offset.checked_add(len).is_none_or(|end| end > self.len) {
+                return false;
+            }
+            // SAFETY: `offset..offset + len` lies inside the writable mapping (checked above).
+            // `rep stosb` stores each byte of it once, and a byte store is atomic on x86: the
+            // block is what a sequence of relaxed `AtomicU8` stores would do, which is how every
+            // access to the mapping is made (another process may touch these bytes meanwhile).
+            // The instruction writes whole cache lines at a time where it can, a few times
+            // faster than a loop of 8-byte stores. It changes rcx and rdi (given as outputs)
+            // and no flag; the direction flag is clear, as the ABI guarantees.
+            unsafe {
+                std::arch::asm!(
+                    "rep stosb",
+                    inout("rcx") len => _,
+                    inout("rdi") self.ptr.as_ptr().add(offset) => _,
+                    in("al") 0u8,
+                    options(nostack, preserves_flags),
+                );
+            }
+            true
+        }
+        #[cfg(not(target_arch = "x86_64"))]
         self.write_with(offset, len, |_| 0, |_| 0)
     }
 
