@@ -268,3 +268,58 @@ def test_the_sweep_lets_go_of_the_oldest_storages_no_longer_held_and_moves_the_h
             ct._book.clear()
             ct._book.update(saved)
             ct._alone = alone
+
+
+LOADER_PROGRAM = """
+import sys, time
+import torch
+import cuda_mp.torch
+
+class Slow(torch.utils.data.Dataset):
+    def __len__(self):
+        return 100_000
+
+    def __getitem__(self, i):
+        time.sleep(0.01)
+        return torch.full((4,), float(i))
+
+if __name__ == "__main__":
+    if sys.argv[2] == "queues":
+        cuda_mp.torch.install(queues=True)
+    loader = torch.utils.data.DataLoader(Slow(), batch_size=4, num_workers=2, multiprocessing_context=sys.argv[1])
+    batches = iter(loader)
+    next(batches), next(batches)  # one from each worker: both have their queues
+    print("ready", flush=True)
+    time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("queues", ["queues", "torch"])
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_data_loader_workers_whose_parent_is_killed_end_quietly(tmp_path, method, queues):
+    """As with multiprocessing's queues: a worker's put on a queue whose process is gone drops
+    the item, and its get with a timeout waits and raises queue.Empty, so that the worker's
+    watchdog sees the parent gone and the worker ends without a traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    program = tmp_path / "loader.py"
+    program.write_text(LOADER_PROGRAM)
+    p = subprocess.Popen(
+        [sys.executable, str(program), method, queues],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        os.kill(p.pid, signal.SIGKILL)
+        start = time.monotonic()
+        err = p.stderr.read()  # until the workers, which share it, have ended
+        assert time.monotonic() - start < 30
+    finally:
+        p.kill()
+    assert "Traceback" not in err, err

@@ -38,11 +38,12 @@ import multiprocessing.context as _mpc
 import pickle
 import sys
 import queue as _queue
+import time
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, List, Optional
 
 from . import _native, _is_torch, _to_numpy, _to_torch
-from ._errors import Timeout
+from ._errors import Disconnected, Timeout
 
 __all__ = ["HANDLE_TTL", "Connection", "MultiprocessingQueue", "Pipe", "Queue"]
 
@@ -223,17 +224,36 @@ class MultiprocessingQueue(Queue):
         return cls(_native.Queue.from_bytes(data, 0))
 
     def put(self, obj: Any, block: bool = True, timeout: Optional[float] = None) -> None:
-        """As ``Queue.put``; raises ``ValueError`` once this handle is closed."""
+        """As ``Queue.put``; raises ``ValueError`` once this handle is closed. Once the
+        queue's process is gone, ``obj`` is dropped: ``multiprocessing``'s put never fails
+        for want of a reader (its items wait in a pipe that nobody may ever read), and
+        programs written for it, such as a ``DataLoader`` worker whose parent died, find
+        out by other means (a watchdog on the parent) rather than from the put."""
         self._check_open()
-        super().put(obj)
+        try:
+            super().put(obj)
+        except Disconnected:
+            pass
 
     def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
         """As ``Queue.get`` (a negative ``timeout`` as 0, as ``multiprocessing`` takes it);
-        raises ``ValueError`` once this handle is closed."""
+        raises ``ValueError`` once this handle is closed. Once the queue's process is gone
+        (or every handle that could put is), a get that may wait ``timeout`` seconds waits
+        them and raises ``queue.Empty``, as ``multiprocessing``'s queue, which nobody fills
+        any more, does; one without a timeout raises ``cuda_mp.Disconnected`` where
+        ``multiprocessing``'s would wait for ever."""
         self._check_open()
         if timeout is not None and timeout < 0:
             timeout = 0.0
-        return super().get(block, timeout)
+        start = time.monotonic()
+        try:
+            return super().get(block, timeout)
+        except Disconnected:
+            if block and timeout is None:
+                raise
+            if block:
+                time.sleep(max(0.0, timeout - (time.monotonic() - start)))
+            raise _queue.Empty from None
 
     def full(self) -> bool:
         """False: the queue has no bound."""
