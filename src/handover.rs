@@ -531,7 +531,13 @@ fn fetch_on(kept: Option<Arc<Link>>, ticket: &SpawnTicket) -> Result<(Vec<OwnedF
     let (answer, socket, new) = match answered {
         Some(done) => done,
         None => {
-            let socket = crate::sys::connect_abstract(&ticket.home).map_err(|e| refused(e.to_string()))?;
+            // Nobody listens under the home's name: the home's process has ended.
+            let socket = crate::sys::connect_abstract(&ticket.home).map_err(|e| match e.kind() {
+                io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound => {
+                    refused(format!("the process that sent them has exited before this process took them ({e})"))
+                }
+                _ => refused(e.to_string()),
+            })?;
             match exchange(&socket, ticket).map_err(|e| refused(e.to_string()))? {
                 Exchange::Answered(answer) => (answer, Arc::new(NotInherited::new(socket)), true),
                 Exchange::Closed => return Err(refused("the process that sent them closed the connection".into())),

@@ -361,4 +361,5 @@ fn bytes_of_a_process_that_forked_and_ended_fail_at_once() {
     // SAFETY: kills the sleeping child of the process that ended (it is nobody else's).
     unsafe { libc::kill(forked, libc::SIGKILL) };
     assert!(took < Duration::from_secs(5), "the decode failed only after {took:?}: {err}");
+    assert!(err.to_string().contains("has exited before this process took them"), "{err}");
 }
