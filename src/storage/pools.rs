@@ -77,91 +77,180 @@ impl Pool {
     }
 }
 
+/// Where a block's record sits in its arena: handed out with the block, so that giving the
+/// block back finds it (and its neighbours) without a search.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Slot(usize);
+
+/// A block of a segment, free or handed out: a node of its segment's list of blocks in address
+/// order.
 #[derive(Debug, Clone, Copy)]
 struct Span {
+    seg: u64,
+    offset: usize,
     size: usize,
     free: bool,
+    prev: Option<Slot>,
+    next: Option<Slot>,
+}
+
+/// What a take hands out: the block's place and size, and its slot for the give back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Cut {
+    seg: u64,
+    offset: usize,
+    size: usize,
+    slot: Slot,
 }
 
 #[derive(Debug)]
 struct Segment {
     size: usize,
-    /// Every block of the segment by offset; they tile it, and no two free ones touch.
-    blocks: BTreeMap<usize, Span>,
+    /// The block at offset 0: the same slot for the segment's life (a split keeps the slot
+    /// for the block's first part, a merge for the first of the two).
+    first: Slot,
     in_use: usize,
+    blocks_in_use: usize,
 }
 
-/// The blocks of one pool's segments: best fit, splitting, merging free neighbours. No GPU in
-/// it, so that all of it is tested without one.
+/// The blocks of one pool's segments: best fit, splitting, merging free neighbours. Each block
+/// is a node of its segment's list in address order, in a slab, so that a give back reaches
+/// its neighbours directly; only the free blocks are in an ordered set, for the best fit. No
+/// GPU in it, so that all of it is tested without one.
 #[derive(Debug)]
 struct Arena {
     min_split: usize,
     segments: BTreeMap<u64, Segment>,
-    /// Free blocks as (size, segment, offset): the first at or above a size is its best fit.
-    free: BTreeSet<(usize, u64, usize)>,
+    /// Every block of every segment, by slot; `None` for a slot not in use.
+    spans: Vec<Option<Span>>,
+    vacant: Vec<Slot>,
+    /// Free blocks as (size, segment, offset, slot): the first at or above a size is its best
+    /// fit, the lowest segment and offset among equals.
+    free: BTreeSet<(usize, u64, usize, Slot)>,
 }
 
 impl Arena {
     fn new(min_split: usize) -> Arena {
-        Arena { min_split, segments: BTreeMap::new(), free: BTreeSet::new() }
+        Arena { min_split, segments: BTreeMap::new(), spans: Vec::new(), vacant: Vec::new(), free: BTreeSet::new() }
+    }
+
+    fn span(&self, slot: Slot) -> &Span {
+        self.spans[slot.0].as_ref().expect("a linked slot holds a block")
+    }
+
+    fn span_mut(&mut self, slot: Slot) -> &mut Span {
+        self.spans[slot.0].as_mut().expect("a linked slot holds a block")
+    }
+
+    fn occupy(&mut self, span: Span) -> Slot {
+        match self.vacant.pop() {
+            Some(slot) => {
+                self.spans[slot.0] = Some(span);
+                slot
+            }
+            None => {
+                self.spans.push(Some(span));
+                Slot(self.spans.len() - 1)
+            }
+        }
+    }
+
+    fn vacate(&mut self, slot: Slot) {
+        self.spans[slot.0] = None;
+        self.vacant.push(slot);
+    }
+
+    fn free_key(&self, slot: Slot) -> (usize, u64, usize, Slot) {
+        let s = self.span(slot);
+        (s.size, s.seg, s.offset, slot)
     }
 
     /// Adds segment `seg` of `size` bytes, wholly free.
     fn add_segment(&mut self, seg: u64, size: usize) {
-        let blocks = BTreeMap::from([(0, Span { size, free: true })]);
-        self.segments.insert(seg, Segment { size, blocks, in_use: 0 });
-        self.free.insert((size, seg, 0));
+        let first = self.occupy(Span { seg, offset: 0, size, free: true, prev: None, next: None });
+        self.segments.insert(seg, Segment { size, first, in_use: 0, blocks_in_use: 0 });
+        self.free.insert((size, seg, 0, first));
     }
 
-    /// The smallest free block of at least `size` bytes, split when the rest is worth keeping:
-    /// `(segment, offset, the block's size)`.
-    fn take(&mut self, size: usize) -> Option<(u64, usize, usize)> {
-        let (found, seg, offset) = self.free.range((size, 0, 0)..).next().copied()?;
-        self.free.remove(&(found, seg, offset));
-        let segment = self.segments.get_mut(&seg).expect("a free block's segment is known");
+    /// The smallest free block of at least `size` bytes, split when the rest is worth keeping.
+    fn take(&mut self, size: usize) -> Option<Cut> {
+        let key = *self.free.range((size, 0, 0, Slot(0))..).next()?;
+        self.free.remove(&key);
+        let (found, seg, offset, slot) = key;
         let rest = found - size;
         let used = if rest >= self.min_split {
-            segment.blocks.insert(offset + size, Span { size: rest, free: true });
-            self.free.insert((rest, seg, offset + size));
+            let next = self.span(slot).next;
+            let tail = self.occupy(Span { seg, offset: offset + size, size: rest, free: true, prev: Some(slot), next });
+            if let Some(next) = next {
+                self.span_mut(next).prev = Some(tail);
+            }
+            self.span_mut(slot).next = Some(tail);
+            self.free.insert((rest, seg, offset + size, tail));
             size
         } else {
             found
         };
-        segment.blocks.insert(offset, Span { size: used, free: false });
+        let span = self.span_mut(slot);
+        span.size = used;
+        span.free = false;
+        let segment = self.segments.get_mut(&seg).expect("a free block's segment is known");
         segment.in_use += used;
-        Some((seg, offset, used))
+        segment.blocks_in_use += 1;
+        Some(Cut { seg, offset, size: used, slot })
     }
 
-    /// Frees the block at `offset` of segment `seg`, merging it with free neighbours. True
-    /// when the segment is now wholly free.
-    fn give_back(&mut self, seg: u64, offset: usize) -> bool {
-        let Some(segment) = self.segments.get_mut(&seg) else { return false };
-        let Some(block) = segment.blocks.get(&offset).copied().filter(|b| !b.free) else { return false };
-        segment.in_use -= block.size;
-        let (mut start, mut size) = (offset, block.size);
-        if let Some(next) = segment.blocks.get(&(offset + size)).copied().filter(|b| b.free) {
-            segment.blocks.remove(&(offset + size));
-            self.free.remove(&(next.size, seg, offset + size));
-            size += next.size;
+    /// Frees the block that a take handed out as `cut`, merging it with free neighbours;
+    /// nothing unless the slot holds that very block, handed out. True when the segment is
+    /// now wholly free.
+    fn give_back(&mut self, cut: &Cut) -> bool {
+        let slot = cut.slot;
+        let Some(span) = self.spans.get(slot.0).copied().flatten() else { return false };
+        if span.free || span.seg != cut.seg || span.offset != cut.offset {
+            return false;
         }
-        if let Some((&before, &prev)) = segment.blocks.range(..offset).next_back()
-            && prev.free
-        {
-            segment.blocks.remove(&offset);
-            self.free.remove(&(prev.size, seg, before));
-            start = before;
-            size += prev.size;
+        let Some(segment) = self.segments.get_mut(&span.seg) else { return false };
+        segment.in_use -= span.size;
+        segment.blocks_in_use -= 1;
+        let wholly_free = segment.in_use == 0;
+        let mut start = slot;
+        let mut size = span.size;
+        if let Some(next) = span.next.filter(|&n| self.span(n).free) {
+            self.free.remove(&self.free_key(next));
+            let after = self.span(next);
+            size += after.size;
+            let beyond = after.next;
+            self.span_mut(slot).next = beyond;
+            if let Some(beyond) = beyond {
+                self.span_mut(beyond).prev = Some(slot);
+            }
+            self.vacate(next);
         }
-        segment.blocks.insert(start, Span { size, free: true });
-        self.free.insert((size, seg, start));
-        segment.in_use == 0
+        if let Some(prev) = span.prev.filter(|&p| self.span(p).free) {
+            self.free.remove(&self.free_key(prev));
+            size += self.span(prev).size;
+            let beyond = self.span(slot).next;
+            self.span_mut(prev).next = beyond;
+            if let Some(beyond) = beyond {
+                self.span_mut(beyond).prev = Some(prev);
+            }
+            self.vacate(slot);
+            start = prev;
+        }
+        let merged = self.span_mut(start);
+        merged.size = size;
+        merged.free = true;
+        let key = self.free_key(start);
+        self.free.insert(key);
+        wholly_free
     }
 
     /// Removes segment `seg` if wholly free; its size.
     fn remove_if_free(&mut self, seg: u64) -> Option<usize> {
-        let size = self.segments.get(&seg).filter(|s| s.in_use == 0)?.size;
+        let segment = self.segments.get(&seg).filter(|s| s.in_use == 0)?;
+        let (size, first) = (segment.size, segment.first);
+        self.free.remove(&(size, seg, 0, first));
+        self.vacate(first);
         self.segments.remove(&seg);
-        self.free.remove(&(size, seg, 0));
         Some(size)
     }
 
@@ -177,12 +266,12 @@ impl Arena {
 
     /// Blocks handed out.
     fn blocks_in_use(&self) -> usize {
-        self.segments.values().map(|s| s.blocks.values().filter(|b| !b.free).count()).sum()
+        self.segments.values().map(|s| s.blocks_in_use).sum()
     }
 
     /// The largest free block.
     fn largest_free(&self) -> usize {
-        self.free.iter().next_back().map_or(0, |&(size, _, _)| size)
+        self.free.iter().next_back().map_or(0, |&(size, ..)| size)
     }
 }
 
@@ -317,11 +406,11 @@ impl<S> Pools<S> {
                 return Ok(None);
             }
             first = false;
-            if let Some((seg, offset, used)) = s.arena(pool).take(size) {
+            if let Some(cut) = s.arena(pool).take(size) {
                 s.stats.allocations += 1;
-                let segment = s.segments.get(&seg).expect("a block's segment is held").0.clone();
+                let segment = s.segments.get(&cut.seg).expect("a block's segment is held").0.clone();
                 drop(s);
-                return Ok(Some(Block { pools: self.clone(), segment, seg, pool, offset, size: used }));
+                return Ok(Some(Block { pools: self.clone(), segment, pool, cut }));
             }
             let wanted = segment_size(size).ok_or_else(|| Error::Layout("tensor size overflows".into()))?;
             let mut released = Vec::new();
@@ -357,11 +446,11 @@ impl<S> Pools<S> {
     }
 
     /// A block is back: every holder in every process has dropped it.
-    fn give_back(&self, pool: Pool, seg: u64, offset: usize) {
+    fn give_back(&self, pool: Pool, cut: &Cut) {
         let mut s = self.lock();
-        let free = s.arena(pool).give_back(seg, offset);
+        let free = s.arena(pool).give_back(cut);
         let over = s.limit.is_some_and(|limit| s.reserved > limit);
-        let released = if free && (!s.enabled || over) { s.release(seg) } else { None };
+        let released = if free && (!s.enabled || over) { s.release(cut.seg) } else { None };
         drop(s);
         drop(released);
     }
@@ -423,10 +512,8 @@ impl<S> fmt::Debug for Pools<S> {
 pub(crate) struct Block<S> {
     pools: Arc<Pools<S>>,
     segment: Arc<S>,
-    seg: u64,
     pool: Pool,
-    offset: usize,
-    size: usize,
+    cut: Cut,
 }
 
 impl<S> Block<S> {
@@ -437,12 +524,12 @@ impl<S> Block<S> {
 
     /// Where in the segment the block starts.
     pub(crate) fn offset(&self) -> usize {
-        self.offset
+        self.cut.offset
     }
 
     /// The block's size (at least the bytes asked for).
     pub(crate) fn size(&self) -> usize {
-        self.size
+        self.cut.size
     }
 }
 
@@ -450,7 +537,7 @@ impl<S> Drop for Block<S> {
     fn drop(&mut self) {
         // In a forked child, a block of the parent's pools is the parent's to give back.
         if self.pools.generation == crate::fork::generation() {
-            self.pools.give_back(self.pool, self.seg, self.offset);
+            self.pools.give_back(self.pool, &self.cut);
         }
     }
 }
@@ -458,9 +545,9 @@ impl<S> Drop for Block<S> {
 impl<S> fmt::Debug for Block<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Block")
-            .field("segment", &self.seg)
-            .field("offset", &self.offset)
-            .field("size", &self.size)
+            .field("segment", &self.cut.seg)
+            .field("offset", &self.cut.offset)
+            .field("size", &self.cut.size)
             .finish()
     }
 }
@@ -470,25 +557,31 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// Segment, offset and size of a cut.
+    fn place(cut: Option<Cut>) -> Option<(u64, usize, usize)> {
+        cut.map(|c| (c.seg, c.offset, c.size))
+    }
+
     #[test]
     fn best_fit_splits_and_merging_restores_the_whole_segment() {
         let mut a = Arena::new(ROUND);
         a.add_segment(1, SMALL_SEGMENT);
         let blocks: Vec<_> = (0..8).map(|_| a.take(4096).unwrap()).collect();
-        assert_eq!(blocks.iter().map(|b| b.1).collect::<Vec<_>>(), (0..8).map(|i| i * 4096).collect::<Vec<_>>());
+        assert_eq!(blocks.iter().map(|b| b.offset).collect::<Vec<_>>(), (0..8).map(|i| i * 4096).collect::<Vec<_>>());
         // Every other block back: 4 holes of 4 KiB and the tail.
         for b in blocks.iter().step_by(2) {
-            assert!(!a.give_back(1, b.1));
+            assert!(!a.give_back(b));
         }
         // A 4 KiB request fills the first hole, not the tail.
-        assert_eq!(a.take(4096), Some((1, 0, 4096)));
-        assert!(!a.give_back(1, 0));
+        let again = a.take(4096);
+        assert_eq!(place(again), Some((1, 0, 4096)));
+        assert!(!a.give_back(&again.unwrap()));
         for b in blocks.iter().skip(1).step_by(2) {
-            a.give_back(1, b.1);
+            a.give_back(b);
         }
         assert_eq!(a.in_use(), 0);
         assert_eq!(a.largest_free(), SMALL_SEGMENT, "free neighbours merged into one block");
-        assert_eq!(a.take(SMALL_SEGMENT), Some((1, 0, SMALL_SEGMENT)));
+        assert_eq!(place(a.take(SMALL_SEGMENT)), Some((1, 0, SMALL_SEGMENT)));
     }
 
     #[test]
@@ -496,9 +589,10 @@ mod tests {
         let mut a = Arena::new(SMALL_MAX);
         a.add_segment(1, LARGE_SEGMENT);
         // 19.5 MiB of 20: the rest (0.5 MiB) stays with the block.
-        assert_eq!(a.take(LARGE_SEGMENT - (SMALL_MAX / 2)), Some((1, 0, LARGE_SEGMENT)));
-        assert!(a.give_back(1, 0));
-        assert_eq!(a.take(4 << 20), Some((1, 0, 4 << 20)));
+        let whole = a.take(LARGE_SEGMENT - (SMALL_MAX / 2)).unwrap();
+        assert_eq!(place(Some(whole)), Some((1, 0, LARGE_SEGMENT)));
+        assert!(a.give_back(&whole));
+        assert_eq!(place(a.take(4 << 20)), Some((1, 0, 4 << 20)));
         assert_eq!(a.largest_free(), 16 << 20);
     }
 
@@ -506,12 +600,19 @@ mod tests {
     fn a_forged_or_repeated_give_back_changes_nothing() {
         let mut a = Arena::new(ROUND);
         a.add_segment(1, SMALL_SEGMENT);
-        let (_, off, _) = a.take(1024).unwrap();
-        assert!(a.give_back(1, off));
-        assert!(!a.give_back(1, off), "already free");
-        assert!(!a.give_back(1, 512), "not a block");
-        assert!(!a.give_back(9, 0), "no such segment");
+        let first = a.take(1024).unwrap();
+        let second = a.take(1024).unwrap();
+        assert!(!a.give_back(&Cut { offset: 512, ..second }), "not that block's place");
+        assert!(!a.give_back(&Cut { seg: 9, ..second }), "no such segment");
+        assert!(!a.give_back(&Cut { slot: Slot(1 << 40), ..second }), "no such slot");
+        assert!(!a.give_back(&Cut { slot: first.slot, ..second }), "another block's slot");
+        assert!(!a.give_back(&first));
+        assert!(!a.give_back(&first), "already free");
+        assert_eq!((a.in_use(), a.blocks_in_use()), (1024, 1));
+        assert!(a.give_back(&second));
+        assert!(!a.give_back(&second), "already free");
         assert_eq!(a.largest_free(), SMALL_SEGMENT);
+        assert_eq!((a.in_use(), a.blocks_in_use()), (0, 0));
     }
 
     #[test]
@@ -558,7 +659,7 @@ mod tests {
         ) {
             let pool = Pool { family: 0, large };
             let mut a = Arena::new(pool.min_split());
-            let mut held: Vec<(u64, usize, usize)> = Vec::new();
+            let mut held: Vec<Cut> = Vec::new();
             let mut next = 1;
             for (take, bytes, pick) in ops {
                 if take || held.is_empty() {
@@ -571,33 +672,52 @@ mod tests {
                             a.take(size).unwrap()
                         }
                     };
-                    prop_assert!(got.2 >= size && got.2 - size < pool.min_split().max(ROUND));
+                    prop_assert!(got.size >= size && got.size - size < pool.min_split().max(ROUND));
                     for h in &held {
-                        prop_assert!(h.0 != got.0 || h.1 + h.2 <= got.1 || got.1 + got.2 <= h.1, "overlap");
+                        prop_assert!(
+                            h.seg != got.seg || h.offset + h.size <= got.offset || got.offset + got.size <= h.offset,
+                            "overlap"
+                        );
                     }
                     held.push(got);
                 } else {
-                    let (seg, off, _) = held.swap_remove(pick.index(held.len()));
-                    a.give_back(seg, off);
+                    let cut = held.swap_remove(pick.index(held.len()));
+                    prop_assert!(a.give_back(&cut) == held.iter().all(|h| h.seg != cut.seg));
                 }
-                prop_assert_eq!(a.in_use(), held.iter().map(|h| h.2).sum::<usize>());
-                for s in a.segments.values() {
-                    let mut end = 0;
-                    for (&off, b) in &s.blocks {
-                        prop_assert_eq!(off, end);
+                prop_assert_eq!(a.in_use(), held.iter().map(|h| h.size).sum::<usize>());
+                prop_assert_eq!(a.blocks_in_use(), held.len());
+                // Each segment's list tiles it, in order, linked both ways, no two free blocks
+                // side by side, and the free set holds exactly the free blocks.
+                let mut free = 0;
+                for (&seg, s) in &a.segments {
+                    let (mut end, mut at, mut prev) = (0, Some(s.first), None);
+                    let mut was_free = false;
+                    while let Some(slot) = at {
+                        let b = *a.span(slot);
+                        prop_assert_eq!((b.seg, b.offset, b.prev), (seg, end, prev));
+                        prop_assert!(!(was_free && b.free), "free neighbours not merged");
+                        if b.free {
+                            prop_assert!(a.free.contains(&(b.size, seg, b.offset, slot)));
+                            free += 1;
+                        }
+                        was_free = b.free;
                         end += b.size;
+                        prev = Some(slot);
+                        at = b.next;
                     }
                     prop_assert_eq!(end, s.size);
                 }
+                prop_assert_eq!(free, a.free.len());
             }
-            for (seg, off, _) in held.drain(..) {
-                a.give_back(seg, off);
+            for cut in held.drain(..) {
+                a.give_back(&cut);
             }
             for seg in a.free_segments() {
                 let size = a.segments[&seg].size;
-                prop_assert_eq!(a.segments[&seg].blocks.len(), 1);
+                prop_assert_eq!(a.span(a.segments[&seg].first).size, size);
                 prop_assert_eq!(a.remove_if_free(seg), Some(size));
             }
+            prop_assert_eq!(a.spans.iter().flatten().count(), 0, "every slot vacated");
             prop_assert!(a.segments.is_empty() && a.free.is_empty());
         }
     }
