@@ -49,8 +49,11 @@ go. ``install(queues=True)`` also makes ``Queue()`` of every ``multiprocessing``
 worker queues) a ``cuda_mp.MultiprocessingQueue``: cuda-mp's own queue (``cuda_mp.Queue``) with
 the rest of ``multiprocessing.Queue``'s methods. What differs then:
 
-- The queue lives in the process that created it: when that process exits, gets and puts in the
-  others raise ``cuda_mp.Disconnected``. (A ``multiprocessing`` queue lives in a pipe.)
+- The queue lives in the process that created it (a ``multiprocessing`` queue lives in a pipe).
+  When that process is gone, the others' puts drop their items and their gets wait out their
+  timeout and raise ``queue.Empty``, as ``multiprocessing``'s do on a pipe nobody fills or
+  reads any more; a get without a timeout raises ``cuda_mp.Disconnected`` where
+  ``multiprocessing``'s would wait for ever.
 - An item is pickled when ``put`` returns, not later by a feeder thread, and an item handed to a
   consumer that died before taking it goes to another consumer.
 - A bounded queue (``Queue(maxsize)``), ``SimpleQueue`` and ``JoinableQueue`` stay
