@@ -170,7 +170,7 @@ pub use ndarray;
 #[cfg(feature = "remote")]
 pub use net::{REMOTE_PROTOCOL_VERSION, REMOTE_SECRET_ENV, RemoteListener, RemoteOptions};
 pub use pool::{AsyncResult, Imap, ImapUnordered, Pool, PoolBuilder};
-pub use process::{Builder, JoinHandle, init, spawn, spawn_n};
+pub use process::{Builder, JoinHandle, before_exit, init, spawn, spawn_n};
 pub use queue::{
     Feed, FeedEnd, GetError, GetTimeoutError, QUEUE_PREFETCH, Queue, QueueConsumer, QueueStats, TryGetError,
 };

@@ -71,6 +71,26 @@ pub fn init() {
     procspawn::init();
 }
 
+/// Does now what cuda-mp does when this process exits normally, for a process about to leave
+/// without a normal exit: one that ends with `_exit`, as every worker of Python's
+/// `multiprocessing` does after its function returns (the Python package calls this there).
+/// It hands on what the process sent (as [`flush_sends`](crate::flush_sends)), waits (a minute
+/// at most) for the work that releases of received GPU memory wait behind, gives back its
+/// references on PyTorch's shares, and finishes its interprocess events: waits for the work
+/// they order, then removes the file the CUDA driver keeps for them in `/dev/shm`, which no
+/// `_exit` removes. Call it last: a GPU tensor sent afterwards may be read before the work
+/// that wrote it is done. Calling it again, or exiting normally afterwards, does nothing more.
+///
+/// ```
+/// let (tx, rx) = cuda_mp::channel::<u32>().unwrap();
+/// tx.send(7).unwrap();
+/// cuda_mp::before_exit(); // then `_exit`: the message is on its way already
+/// assert_eq!(rx.recv().unwrap(), 7);
+/// ```
+pub fn before_exit() {
+    crate::sys::run_exit_hooks();
+}
+
 #[cfg(feature = "testing")]
 #[doc(hidden)]
 pub fn __mark_initialized_for_tests() {

@@ -1415,6 +1415,13 @@ fn flush_sends(py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
     }
 }
 
+/// Does now what cuda-mp does at a normal exit (`cuda_mp::before_exit`), without the GIL: for
+/// a `multiprocessing` worker, which leaves with `os._exit`.
+#[pyfunction]
+fn before_exit(py: Python<'_>) {
+    py.detach(cuda_mp::before_exit);
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Tensor>()?;
@@ -1440,6 +1447,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(flush_sends, m)?)?;
+    m.add_function(wrap_pyfunction!(before_exit, m)?)?;
     m.add_function(wrap_pyfunction!(allocator_stats, m)?)?;
     m.add_function(wrap_pyfunction!(empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(set_caching, m)?)?;

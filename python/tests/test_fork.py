@@ -86,3 +86,27 @@ def test_a_child_that_returns_with_its_sends_still_queued_loses_none_of_them(met
     child.join(timeout=60)
     assert child.exitcode == 0
     assert got == list(range(n)), "messages of the child were lost or reordered"
+
+
+def _note_before_exit(path):
+    from cuda_mp import _native
+
+    # What the worker's exit runs, observed: the real one finishes cuda-mp's part of the exit.
+    _native.before_exit = lambda: open(path, "a").write("ran\n")
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_a_worker_does_cuda_mps_part_of_an_exit_that_os_exit_skips(method, tmp_path, monkeypatch):
+    if method not in mp.get_all_start_methods():
+        pytest.skip(f"{method} is not available here")
+    path = tmp_path / "ran"
+    child = mp.get_context(method).Process(target=_note_before_exit, args=(str(path),))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert path.read_text() == "ran\n", "once, as the worker ended"
+    # The main process leaves it to its normal exit, whose hooks run after every Python one.
+    called = []
+    monkeypatch.setattr(cuda_mp._native, "before_exit", lambda: called.append(1))
+    cuda_mp._before_exit_of_worker()
+    assert called == []

@@ -274,3 +274,37 @@ def test_a_rust_process_consumes_cuda_tensors_from_a_python_queue():
         assert peer.wait(60) == 0
     finally:
         peer.kill()
+
+
+def put_after_queued_work(q, done):
+    import torch
+
+    t = torch.zeros(1 << 20, device="cuda")
+    torch.cuda._sleep(100_000_000)  # work still queued when the tensor is sent: an event orders it
+    t.add_(1)
+    q.put(t)
+    assert done.wait(60)
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_workers_gpu_event_leaves_no_file_in_dev__shm(method):
+    """A spawn worker ends with a normal exit, whose hooks remove the driver's file; a
+    forkserver worker with os._exit, after which only the package's exit finalizer does."""
+    import glob
+
+    ctx = torch.multiprocessing.get_context(method)
+    q, done = cuda_mp.Queue(), ctx.Event()
+    w = ctx.Process(target=put_after_queued_work, args=(q, done))
+    w.start()
+    try:
+        t = q.get(timeout=60)
+        assert bool((t == 1).all()), "the worker's queued work is seen"
+        files = f"/dev/shm/cuda.shm.*.{w.pid:x}.*"
+        assert glob.glob(files), "the worker's send made an interprocess event (the driver's file)"
+        del t
+        done.set()
+        w.join(60)
+        assert w.exitcode == 0
+        assert glob.glob(files) == [], "the worker's exit left the driver's file behind"
+    finally:
+        w.kill()

@@ -545,11 +545,23 @@ def flush_sends(timeout: Optional[float] = None) -> None:
     _native.flush_sends(timeout)
 
 
+def _before_exit_of_worker() -> None:
+    """In a ``multiprocessing`` worker, which leaves with ``os._exit`` and so skips the exit
+    hooks of the C library: what cuda-mp does at a normal exit (``_native.before_exit``). In
+    the main process, whose normal exit runs those hooks after every Python one, nothing."""
+    import multiprocessing
+
+    if multiprocessing.parent_process() is not None:
+        _native.before_exit()
+
+
 class _ExitFlush:
-    """Registers a ``multiprocessing`` finalizer that hands this process's backlogs on when it
+    """Registers the ``multiprocessing`` finalizers that finish this process's part when it
     ends: ``multiprocessing`` runs its finalizers as a worker ends, also where the worker then
-    leaves with ``os._exit`` and skips every other exit hook. A forked child gets one of its
-    own (a fork clears the finalizers it inherited)."""
+    leaves with ``os._exit`` and skips every other exit hook. First this process's backlogs are
+    handed on; last, after ``multiprocessing``'s queues have flushed their feeders (priority
+    -5), the rest of what cuda-mp does at exit (its GPU events' files in ``/dev/shm`` among
+    it). A forked child gets its own (a fork clears the finalizers it inherited)."""
 
     def __init__(self):
         import multiprocessing.util as util
@@ -560,6 +572,7 @@ class _ExitFlush:
 
     def _register(self):
         self._util.Finalize(None, _native.flush_sends, exitpriority=0)
+        self._util.Finalize(None, _before_exit_of_worker, exitpriority=-10)
 
 
 _EXIT_FLUSH = _ExitFlush()
