@@ -140,7 +140,7 @@ fn start() -> io::Result<Home> {
     let listening = NotInherited::new(Listening::bind_abstract(&name)?);
     let bell = NotInherited::new(crate::sys::bell()?);
     std::thread::Builder::new().name("cuda-mp-handover".into()).spawn(move || serve(listening))?;
-    crate::sys::at_exit(wait_at_exit_hook);
+    crate::process::at_exit(wait_at_exit_hook);
     Ok(Home {
         name,
         deposits: Mutex::new(HashMap::new()),
@@ -531,11 +531,12 @@ fn fetch_on(kept: Option<Arc<Link>>, ticket: &SpawnTicket) -> Result<(Vec<OwnedF
     let (answer, socket, new) = match answered {
         Some(done) => done,
         None => {
-            // Nobody listens under the home's name: the home's process has ended.
+            // Nobody listens under the home's name: the home's process has ended (or lives in
+            // another network namespace, where abstract names do not reach).
             let socket = crate::sys::connect_abstract(&ticket.home).map_err(|e| match e.kind() {
-                io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound => {
-                    refused(format!("the process that sent them has exited before this process took them ({e})"))
-                }
+                io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound => refused(format!(
+                    "the process that sent them has exited before this process took them, or cannot be reached from here ({e})"
+                )),
                 _ => refused(e.to_string()),
             })?;
             match exchange(&socket, ticket).map_err(|e| refused(e.to_string()))? {

@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, PoisonError, TryLockError};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -88,7 +89,49 @@ pub fn init() {
 /// assert_eq!(rx.recv().unwrap(), 7);
 /// ```
 pub fn before_exit() {
-    crate::sys::run_exit_hooks();
+    run_hooks_of(&EXIT_HOOKS, crate::fork::generation());
+}
+
+/// The hooks [`at_exit`] registered, each with the process generation that registered it: a
+/// forked child inherits its parent's, which are not its own to run (they may act on the
+/// parent's state, as the counts on PyTorch's shares that the parent holds).
+static EXIT_HOOKS: Mutex<Vec<(u64, extern "C" fn())>> = Mutex::new(Vec::new());
+
+/// Runs `f` when the process exits normally (`exit`, or returning from `main`), after the
+/// handlers registered later, and in [`before_exit`] (of this generation of the process). `f`
+/// must find nothing left to do when it runs a second time. False when it could not be
+/// registered.
+pub(crate) fn at_exit(f: extern "C" fn()) -> bool {
+    let registered = crate::sys::at_exit(f);
+    if registered {
+        EXIT_HOOKS.lock().unwrap_or_else(PoisonError::into_inner).push((crate::fork::generation(), f));
+    }
+    registered
+}
+
+/// Runs the hooks of `hooks` that generation `generation` registered, last first.
+fn run_hooks_of(hooks: &Mutex<Vec<(u64, extern "C" fn())>>, generation: u64) {
+    let own = |hooks: &[(u64, extern "C" fn())]| -> Vec<extern "C" fn()> {
+        hooks.iter().rev().filter(|(g, _)| *g == generation).map(|&(_, f)| f).collect()
+    };
+    // A forked child may have inherited the lock held by a thread it does not have: after a
+    // moment it gives up rather than wait for ever (hooks are registered rarely and briefly,
+    // so a thread of this process lets go within it).
+    for _ in 0..100 {
+        let hooks = match hooks.try_lock() {
+            Ok(hooks) => own(&hooks),
+            Err(TryLockError::Poisoned(p)) => own(&p.into_inner()),
+            Err(TryLockError::WouldBlock) => {
+                std::thread::sleep(Duration::from_millis(1));
+                continue;
+            }
+        };
+        for hook in hooks {
+            hook();
+        }
+        return;
+    }
+    tracing::warn!("cuda-mp: the exit hooks' list stayed locked (inherited so by a fork?): none run before the exit");
 }
 
 #[cfg(feature = "testing")]
@@ -674,5 +717,40 @@ where
 fn terminate_all<R: Serialize + DeserializeOwned>(handles: &mut [Option<JoinHandle<R>>]) {
     for other in handles.iter_mut().flatten() {
         let _ = other.terminate(Duration::from_secs(5));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use super::*;
+
+    static ORDER: AtomicUsize = AtomicUsize::new(0);
+    static FIRST: AtomicUsize = AtomicUsize::new(0);
+    static SECOND: AtomicUsize = AtomicUsize::new(0);
+
+    extern "C" fn first_hook() {
+        FIRST.store(ORDER.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+    }
+
+    extern "C" fn second_hook() {
+        SECOND.store(ORDER.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+    }
+
+    /// Hooks run early, last registered first, and only those of the generation that
+    /// registered them (a forked child's inherited ones are its parent's); a held lock is
+    /// waited for a moment, then given up.
+    #[test]
+    fn exit_hooks_run_last_first_and_only_the_generations_own() {
+        let hooks = Mutex::new(vec![(7, first_hook as extern "C" fn()), (8, second_hook), (7, second_hook)]);
+        run_hooks_of(&hooks, 7);
+        assert_eq!((SECOND.load(Ordering::SeqCst), FIRST.load(Ordering::SeqCst)), (1, 2));
+        run_hooks_of(&hooks, 9);
+        assert_eq!(ORDER.load(Ordering::SeqCst), 2, "another generation's hooks are not run");
+        let held = hooks.lock().unwrap();
+        run_hooks_of(&hooks, 7);
+        drop(held);
+        assert_eq!(ORDER.load(Ordering::SeqCst), 2, "a lock held for good runs nothing");
     }
 }

@@ -206,6 +206,44 @@ fn a_forked_child_that_ends_with_exit_loses_nothing_it_flushed() {
     assert!(got.iter().enumerate().all(|(i, &m)| m == i as u32), "messages of the child were reordered");
 }
 
+/// `before_exit` in a forked child whose parent's sends had a backlog before the fork (so the
+/// parent registered its exit hook then): the child registers and runs its own, and hands
+/// its backlog on before its `_exit`.
+#[test]
+fn a_forked_child_that_ends_with_exit_after_before_exit_loses_nothing() {
+    let _one = FORKING.lock().unwrap_or_else(|p| p.into_inner());
+    const N: u32 = 3_000;
+    // A backlog in the parent first, read once the parent's feeder holds it.
+    let (early_tx, early_rx) = channel::<u32>().unwrap();
+    for i in 0..N {
+        early_tx.send(i).unwrap();
+    }
+    assert_eq!(early_rx.iter().take(N as usize).count(), N as usize);
+    let (tx, rx) = channel::<u32>().unwrap();
+    let reader = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        let mut got = Vec::new();
+        while got.len() < N as usize {
+            match rx.recv_timeout(Duration::from_secs(10)) {
+                Ok(i) => got.push(i),
+                Err(_) => break,
+            }
+        }
+        got
+    });
+    in_forked_child(|| {
+        for i in 0..N {
+            tx.send(i).map_err(|e| format!("send: {e}"))?;
+        }
+        cuda_mp::before_exit();
+        Ok(())
+    })
+    .unwrap();
+    let got = reader.join().unwrap();
+    assert_eq!(got.len(), N as usize, "messages of the child were lost");
+    assert!(got.iter().enumerate().all(|(i, &m)| m == i as u32), "messages of the child were reordered");
+}
+
 #[test]
 fn a_forked_child_does_not_keep_its_parents_leases_open() {
     let _one = FORKING.lock().unwrap_or_else(|p| p.into_inner());

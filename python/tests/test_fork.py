@@ -95,16 +95,33 @@ def _note_before_exit(path):
     _native.before_exit = lambda: open(path, "a").write("ran\n")
 
 
+def _note_before_exit_after_a_thread(path):
+    import threading
+    import time
+
+    _note_before_exit(path)
+
+    def late():
+        time.sleep(0.3)
+        open(path, "a").write("thread\n")
+
+    threading.Thread(target=late).start()  # not a daemon: the worker joins it as it ends
+
+
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_a_worker_does_cuda_mps_part_of_an_exit_that_os_exit_skips(method, tmp_path, monkeypatch):
     if method not in mp.get_all_start_methods():
         pytest.skip(f"{method} is not available here")
     path = tmp_path / "ran"
-    child = mp.get_context(method).Process(target=_note_before_exit, args=(str(path),))
+    child = mp.get_context(method).Process(target=_note_before_exit_after_a_thread, args=(str(path),))
     child.start()
     child.join(timeout=60)
     assert child.exitcode == 0
-    assert path.read_text() == "ran\n", "once, as the worker ended"
+    if method == "spawn":
+        # A normal exit: the C library runs cuda-mp's hooks after every Python one.
+        assert path.read_text() == "thread\n"
+    else:
+        assert path.read_text() == "thread\nran\n", "once, after the worker's threads ended"
     # The main process leaves it to its normal exit, whose hooks run after every Python one.
     called = []
     monkeypatch.setattr(cuda_mp._native, "before_exit", lambda: called.append(1))

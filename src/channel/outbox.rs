@@ -546,8 +546,9 @@ impl Outbox {
 /// threads: a process that returns from `main` (or a spawned worker that returns) first waits
 /// until every message it sent has been handed on, or its receiver is gone.
 fn install_exit_hook() {
-    static INSTALLED: OnceLock<bool> = OnceLock::new();
-    INSTALLED.get_or_init(|| crate::sys::at_exit(drain_at_exit));
+    // Once per generation: a forked child that sends registers its own, for `before_exit`.
+    static INSTALLED: ForkLocal<OnceLock<bool>> = ForkLocal::new(OnceLock::new);
+    INSTALLED.get().get_or_init(|| crate::process::at_exit(drain_at_exit));
 }
 
 extern "C" fn drain_at_exit() {

@@ -47,7 +47,7 @@ fn recorded(device: &Device) -> Result<Option<&InterprocessEvent>> {
         // it only when the process's context is destroyed, which no exit does by itself.
         static AT_EXIT: std::sync::Once = std::sync::Once::new();
         AT_EXIT.call_once(|| {
-            crate::sys::at_exit(finish_events_at_exit);
+            crate::process::at_exit(finish_events_at_exit);
         });
         InterprocessEvent::create(device)
     })?;

@@ -395,7 +395,7 @@ extern "C" fn close_at_exit() {
 fn start() {
     static START: Once = Once::new();
     START.call_once(|| {
-        crate::sys::at_exit(close_at_exit);
+        crate::process::at_exit(close_at_exit);
         let spawned = std::thread::Builder::new().name("cuda-mp-torch-refs".into()).spawn(watch);
         // Without the thread, shares are still collected at every new share.
         drop(spawned);

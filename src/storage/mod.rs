@@ -201,8 +201,10 @@ impl<K: StorageKind> Drop for Memory<K> {
 /// that wait behind fences: a process that drops a received tensor and returns from `main`
 /// releases it after its work, as one whose drop waited did.
 fn finish_closes_at_exit() {
-    static INSTALLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    INSTALLED.get_or_init(|| crate::sys::at_exit(finish_closes));
+    // Once per generation: a forked child's releases are its own, for `before_exit`.
+    static INSTALLED: crate::fork::ForkLocal<std::sync::OnceLock<bool>> =
+        crate::fork::ForkLocal::new(std::sync::OnceLock::new);
+    INSTALLED.get().get_or_init(|| crate::process::at_exit(finish_closes));
 }
 
 /// How long an exiting process waits for the work behind its fences. Past it, it exits

@@ -2,7 +2,7 @@
 //! namespace), the C library's exit and fork hooks, and signal names.
 
 use std::os::unix::fs::MetadataExt;
-use std::sync::{Mutex, OnceLock, PoisonError, TryLockError};
+use std::sync::OnceLock;
 
 /// This process's id.
 pub(crate) fn own_pid() -> u32 {
@@ -55,52 +55,11 @@ fn process_stat(pid: u32) -> Option<Stat> {
     Some(Stat { state, start })
 }
 
-/// The hooks [`at_exit`] registered, each with the process that registered it: a forked
-/// child inherits its parent's, which are not its own to run before its exit.
-static EXIT_HOOKS: Mutex<Vec<(u32, extern "C" fn())>> = Mutex::new(Vec::new());
-
 /// Runs `f` when the process exits normally (`exit`, or returning from `main`), after the
-/// handlers registered later, and in [`run_exit_hooks`]. `f` must find nothing left to do when
-/// it runs a second time. False when it could not be registered.
+/// handlers registered later. False when it could not be registered.
 pub(crate) fn at_exit(f: extern "C" fn()) -> bool {
     // SAFETY: `f` is a plain function with no arguments, valid for the life of the process.
-    let registered = unsafe { libc::atexit(f) == 0 };
-    if registered {
-        EXIT_HOOKS.lock().unwrap_or_else(PoisonError::into_inner).push((own_pid(), f));
-    }
-    registered
-}
-
-/// Runs the exit hooks this process registered, now, last registered first: for a process
-/// that will leave without a normal exit (`_exit`, as the workers of Python's
-/// `multiprocessing` do). At a normal exit later the C library runs them again, finding
-/// nothing left to do.
-pub(crate) fn run_exit_hooks() {
-    run_hooks_of(&EXIT_HOOKS, own_pid());
-}
-
-/// Runs the hooks of `hooks` that process `pid` registered, last first.
-fn run_hooks_of(hooks: &Mutex<Vec<(u32, extern "C" fn())>>, pid: u32) {
-    let own = |hooks: &[(u32, extern "C" fn())]| -> Vec<extern "C" fn()> {
-        hooks.iter().rev().filter(|(p, _)| *p == pid).map(|&(_, f)| f).collect()
-    };
-    // A forked child may have inherited the lock held by a thread it does not have: after a
-    // moment it runs nothing rather than wait for ever (hooks are registered rarely and
-    // briefly, so a thread of this process lets go within it).
-    for _ in 0..100 {
-        let hooks = match hooks.try_lock() {
-            Ok(hooks) => own(&hooks),
-            Err(TryLockError::Poisoned(p)) => own(&p.into_inner()),
-            Err(TryLockError::WouldBlock) => {
-                std::thread::sleep(std::time::Duration::from_millis(1));
-                continue;
-            }
-        };
-        for hook in hooks {
-            hook();
-        }
-        return;
-    }
+    unsafe { libc::atexit(f) == 0 }
 }
 
 /// Runs `f` in the child of every later `fork(2)`, before `fork` returns there (a
@@ -189,35 +148,6 @@ pub(crate) fn signal_name(signal: i32) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    static ORDER: AtomicUsize = AtomicUsize::new(0);
-    static FIRST: AtomicUsize = AtomicUsize::new(0);
-    static SECOND: AtomicUsize = AtomicUsize::new(0);
-
-    extern "C" fn first_hook() {
-        FIRST.store(ORDER.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
-    }
-
-    extern "C" fn second_hook() {
-        SECOND.store(ORDER.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
-    }
-
-    /// Hooks run early, last registered first, and only those of the process that registered
-    /// them (a forked child's inherited ones are its parent's); a held lock is waited for a
-    /// moment, then given up.
-    #[test]
-    fn exit_hooks_run_last_first_and_only_the_processs_own() {
-        let hooks = Mutex::new(vec![(7, first_hook as extern "C" fn()), (8, second_hook), (7, second_hook)]);
-        run_hooks_of(&hooks, 7);
-        assert_eq!((SECOND.load(Ordering::SeqCst), FIRST.load(Ordering::SeqCst)), (1, 2));
-        run_hooks_of(&hooks, 9);
-        assert_eq!(ORDER.load(Ordering::SeqCst), 2, "another process's hooks are not run");
-        let held = hooks.lock().unwrap();
-        run_hooks_of(&hooks, 7);
-        drop(held);
-        assert_eq!(ORDER.load(Ordering::SeqCst), 2, "a lock held for good runs nothing");
-    }
 
     #[test]
     fn this_process_lives_and_a_made_up_one_does_not() {

@@ -546,13 +546,29 @@ def flush_sends(timeout: Optional[float] = None) -> None:
 
 
 def _before_exit_of_worker() -> None:
-    """In a ``multiprocessing`` worker, which leaves with ``os._exit`` and so skips the exit
-    hooks of the C library: what cuda-mp does at a normal exit (``_native.before_exit``). In
-    the main process, whose normal exit runs those hooks after every Python one, nothing."""
+    """In a ``multiprocessing`` worker of the ``fork`` or ``forkserver`` start method, which
+    leaves with ``os._exit`` and so skips the exit hooks of the C library: what cuda-mp does at
+    a normal exit (``_native.before_exit``), once the worker's other threads have ended (the
+    worker joins them after its finalizers, just before ``os._exit``: the call follows that
+    join). Elsewhere nothing: the main process and ``spawn`` workers end with a normal exit,
+    whose hooks run after every Python one."""
     import multiprocessing
+    import threading
 
-    if multiprocessing.parent_process() is not None:
+    if multiprocessing.parent_process() is None:
+        return
+    if getattr(multiprocessing.current_process(), "_start_method", None) not in ("fork", "forkserver"):
+        return
+    join_threads = getattr(threading, "_shutdown", None)
+    if join_threads is None:
         _native.before_exit()
+        return
+
+    def join_threads_then_finish():
+        join_threads()
+        _native.before_exit()
+
+    threading._shutdown = join_threads_then_finish
 
 
 class _ExitFlush:
@@ -560,8 +576,9 @@ class _ExitFlush:
     ends: ``multiprocessing`` runs its finalizers as a worker ends, also where the worker then
     leaves with ``os._exit`` and skips every other exit hook. First this process's backlogs are
     handed on; last, after ``multiprocessing``'s queues have flushed their feeders (priority
-    -5), the rest of what cuda-mp does at exit (its GPU events' files in ``/dev/shm`` among
-    it). A forked child gets its own (a fork clears the finalizers it inherited)."""
+    -5), what makes the rest of what cuda-mp does at exit (its GPU events' files in
+    ``/dev/shm`` among it) follow the join of the worker's threads. A forked child gets its own
+    (a fork clears the finalizers it inherited)."""
 
     def __init__(self):
         import multiprocessing.util as util

@@ -239,7 +239,7 @@ class MultiprocessingQueue(Queue):
         """As ``Queue.get`` (a negative ``timeout`` as 0, as ``multiprocessing`` takes it);
         raises ``ValueError`` once this handle is closed. Once the queue's process is gone
         (or every handle that could put is), a get that may wait ``timeout`` seconds waits
-        them and raises ``queue.Empty``, as ``multiprocessing``'s queue, which nobody fills
+        them all and raises ``queue.Empty``, as ``multiprocessing``'s queue, which nobody fills
         any more, does; one without a timeout raises ``cuda_mp.Disconnected`` where
         ``multiprocessing``'s would wait for ever."""
         self._check_open()
