@@ -369,10 +369,15 @@ struct Producer {
     registry: Mutex<RefRegistry>,
     /// Wakes the thread when a share is made while none was outstanding.
     shared: Condvar,
+    /// The process generation that made it: a forked child's copy is its parent's.
+    generation: u64,
 }
 
-static PRODUCER: Lazy<Producer> =
-    Lazy::new(|| Producer { registry: Mutex::new(RefRegistry::new(SLOTS)), shared: Condvar::new() });
+static PRODUCER: Lazy<Producer> = Lazy::new(|| Producer {
+    registry: Mutex::new(RefRegistry::new(SLOTS)),
+    shared: Condvar::new(),
+    generation: crate::fork::generation(),
+});
 
 fn registry() -> std::sync::MutexGuard<'static, RefRegistry> {
     PRODUCER.registry.lock().unwrap_or_else(|p| p.into_inner())
@@ -380,6 +385,11 @@ fn registry() -> std::sync::MutexGuard<'static, RefRegistry> {
 
 /// Gives back this process's counts on its files at exit.
 extern "C" fn close_at_exit() {
+    // A forked child that exits normally runs the hook it inherited: the counts on these
+    // files are its parent's, which would lose them (and its consumers their memory).
+    if PRODUCER.generation != crate::fork::generation() {
+        return;
+    }
     // Best effort: a thread that keeps the lock for 10 ms at exit is left alone rather than
     // risk waiting on it for ever.
     for _ in 0..10 {
@@ -658,6 +668,23 @@ mod tests {
         assert!(reg.share(flag().0).is_err());
         assert!(!dropped.load(Ordering::SeqCst), "kept storages are left to the exit");
         assert_eq!(release_slot(&name, slot).unwrap(), Released::Missing);
+    }
+
+    #[test]
+    fn a_forked_child_that_exits_leaves_its_parents_counts() {
+        let (keep, _dropped) = flag();
+        let (name, slot) = share(keep).unwrap();
+        // The child runs the exit hook it inherited, as at a normal exit, then ends.
+        assert!(
+            crate::sys::fork_and_run(|| {
+                close_at_exit();
+                true
+            })
+            .unwrap()
+        );
+        assert!(exists(&name), "the child gave back its parent's count on the file");
+        assert_eq!(read_i64(&name, slot_offset(slot) as u64), 1);
+        release_slot(&name, slot).unwrap();
     }
 
     #[test]
