@@ -79,8 +79,10 @@ pub fn init() {
 /// at most) for the work that releases of received GPU memory wait behind, gives back its
 /// references on PyTorch's shares, and finishes its interprocess events: waits for the work
 /// they order, then removes the file the CUDA driver keeps for them in `/dev/shm`, which no
-/// `_exit` removes. Call it last: a GPU tensor sent afterwards may be read before the work
-/// that wrote it is done. Calling it again, or exiting normally afterwards, does nothing more.
+/// `_exit` removes. Call it last: afterwards each send of a GPU tensor waits for this
+/// process's queued work itself (receivers can no longer open the event that would order
+/// theirs), and sharing memory with PyTorch's own protocol fails. Calling it again, or exiting
+/// normally afterwards, does nothing more.
 ///
 /// ```
 /// let (tx, rx) = cuda_mp::channel::<u32>().unwrap();

@@ -42,6 +42,12 @@ fn recorded(device: &Device) -> Result<Option<&InterprocessEvent>> {
     if driver::stream_is_idle(stream)? {
         return Ok(None);
     }
+    if EVENTS_FINISHED.load(Ordering::SeqCst) {
+        // The driver's file of this process's events is gone (`before_exit` ran): a receiver
+        // could not open the event and would wait for nothing, so the work is waited for here.
+        device.finish_own_work()?;
+        return Ok(None);
+    }
     let event = device.ipc_event_cell().get_or_try_init(|| {
         // The driver keeps a file in /dev/shm for a process's interprocess events, and removes
         // it only when the process's context is destroyed, which no exit does by itself.
@@ -59,8 +65,12 @@ fn recorded(device: &Device) -> Result<Option<&InterprocessEvent>> {
 /// interprocess event on (so that no receiver needs the event any more), then removes the
 /// driver's file of this process's events. A receiver that then cannot open the event sees
 /// the process ended ([`sender_ended`]) and waits for nothing.
+/// Set once the exit hook has removed the driver's file of this process's events.
+static EVENTS_FINISHED: AtomicBool = AtomicBool::new(false);
+
 extern "C" fn finish_events_at_exit() {
     let _ = crate::os::catch_quietly(|| {
+        EVENTS_FINISHED.store(true, Ordering::SeqCst);
         let Some(devices) = super::device::opened_devices() else { return };
         for device in devices.iter().filter(|d| d.ipc_event_cell().get().is_some()) {
             let _ = device.stream().synchronize();
