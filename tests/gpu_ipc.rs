@@ -62,6 +62,46 @@ fn contiguous_handoff_with_writes_in_both_directions() {
     child.join().unwrap();
 }
 
+/// Sends a tensor with work queued on it (which records this process's event and registers
+/// the exit hook that removes the event's file), then runs `before_exit`, then sends another
+/// with 20 kernels still queued on it.
+fn send_around_before_exit((tx, go): (Sender<GpuTensor<f32>>, Receiver<()>)) {
+    let dev = Device::get(0).unwrap();
+    let first = GpuTensor::<f32>::zeros(&dev, &[1 << 20]).unwrap();
+    first.fill(1.0).unwrap();
+    tx.send(first).unwrap();
+    go.recv().unwrap();
+    cuda_mp::before_exit();
+    let t = GpuTensor::<f32>::zeros(&dev, &[1 << 26]).unwrap();
+    for _ in 0..20 {
+        t.add_scalar(1.0).unwrap();
+    }
+    tx.send(t).unwrap();
+    go.recv().unwrap();
+}
+
+/// After `before_exit` (the driver's file of the sender's events removed, so no receiver can
+/// open its event), a sent tensor still arrives with the work queued on it done.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_send_after_before_exit_still_orders_the_senders_work() {
+    let _g = serial();
+    let _dev = gpu();
+    let (tx, rx) = channel().unwrap();
+    let (go_tx, go_rx) = channel().unwrap();
+    let child = spawn((tx, go_rx), send_around_before_exit);
+    let first = rx.recv_timeout(WAIT).unwrap();
+    assert!(first.to_vec().unwrap().iter().all(|&x| x == 1.0));
+    drop(first);
+    go_tx.send(()).unwrap();
+    let t = rx.recv_timeout(WAIT).unwrap();
+    let wrong = t.to_vec().unwrap().iter().filter(|&&x| x != 20.0).count();
+    assert_eq!(wrong, 0, "elements read before the sender's kernels were done");
+    drop(t);
+    go_tx.send(()).unwrap();
+    child.join().unwrap();
+}
+
 #[derive(Serialize, Deserialize, Debug, PartialEq)]
 struct ViewInfo {
     shape: Vec<usize>,
