@@ -61,13 +61,13 @@ fn recorded(device: &Device) -> Result<Option<&InterprocessEvent>> {
     Ok(Some(event))
 }
 
-/// At a normal exit: waits for the work queued on every stream this process recorded an
-/// interprocess event on (so that no receiver needs the event any more), then removes the
-/// driver's file of this process's events. A receiver that then cannot open the event sees
-/// the process ended ([`sender_ended`]) and waits for nothing.
 /// Set once the exit hook has removed the driver's file of this process's events.
 static EVENTS_FINISHED: AtomicBool = AtomicBool::new(false);
 
+/// At a normal exit (or in `before_exit`): waits for the work queued on every stream this
+/// process recorded an interprocess event on (so that no receiver needs the event any more),
+/// then removes the driver's file of this process's events. A receiver that then cannot open
+/// the event sees the process ended ([`sender_ended`]) and waits for nothing.
 extern "C" fn finish_events_at_exit() {
     let _ = crate::os::catch_quietly(|| {
         EVENTS_FINISHED.store(true, Ordering::SeqCst);
