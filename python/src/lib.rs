@@ -1041,7 +1041,14 @@ impl Queue {
 
     /// Messages waiting, in flight and delivered so far: (backlog, in flight, delivered).
     fn stats(&self, py: Python<'_>) -> PyResult<(usize, usize, u64)> {
-        let s = py.detach(|| self.inner.stats()).map_err(|e| exception(py, "Error", e.to_string()))?;
+        let s = py.detach(|| self.inner.stats()).map_err(|e| {
+            let class = match &e {
+                cuda_mp::GetError::Disconnected => "Disconnected",
+                cuda_mp::GetError::Malformed(_) => "Malformed",
+                _ => "Error",
+            };
+            exception(py, class, e.to_string())
+        })?;
         Ok((s.backlog, s.in_flight, s.delivered))
     }
 }

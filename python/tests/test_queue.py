@@ -273,3 +273,40 @@ def test_a_rust_process_consumes_a_python_queue_and_answers_on_another():
     finally:
         peer.kill()
     assert "PASS" in peer.stdout.read()
+
+
+def own_a_multiprocessing_queue(conn, done):
+    q = cuda_mp.MultiprocessingQueue()
+    conn.send(q.to_bytes())
+    done.wait(60)  # then this process, and with it the queue, ends
+
+
+def test_a_multiprocessing_queue_whose_process_is_gone_answers_as_multiprocessings_does():
+    import time
+
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    done = ctx.Event()
+    owner = ctx.Process(target=own_a_multiprocessing_queue, args=(there, done))
+    owner.start()
+    try:
+        q = cuda_mp.MultiprocessingQueue._from_bytes(here.recv())
+        q.put("before")
+        assert q.get(timeout=30) == "before"
+        done.set()
+        owner.join(60)
+        assert owner.exitcode == 0
+        q.put("after")  # dropped, as on a pipe nobody reads
+        start = time.monotonic()
+        with pytest.raises(queue.Empty):
+            q.get(timeout=0.5)
+        assert time.monotonic() - start >= 0.45, "the timeout is waited out, not cut short"
+        with pytest.raises(queue.Empty):
+            q.get(block=False)
+        with pytest.raises(cuda_mp.Disconnected):
+            q.get()  # where multiprocessing's would wait for ever
+        with pytest.raises(cuda_mp.Disconnected):
+            q.qsize()
+        assert repr(q) == "cuda_mp.Queue(disconnected)"
+    finally:
+        owner.kill()

@@ -181,7 +181,8 @@ class Queue:
         return self.get(block=False)
 
     def qsize(self) -> int:
-        """Items waiting (not counting those handed to a consumer and not yet taken)."""
+        """Items waiting (not counting those handed to a consumer and not yet taken). Raises
+        ``cuda_mp.Disconnected`` once the queue's process is gone."""
         return self._native.stats()[0]
 
     def empty(self) -> bool:
@@ -202,7 +203,10 @@ class Queue:
         return (Queue.from_bytes, (self.to_bytes(),))
 
     def __repr__(self) -> str:
-        backlog, in_flight, delivered = self._native.stats()
+        try:
+            backlog, in_flight, delivered = self._native.stats()
+        except Disconnected:
+            return "cuda_mp.Queue(disconnected)"
         return f"cuda_mp.Queue(waiting={backlog}, in_flight={in_flight}, delivered={delivered})"
 
 
