@@ -102,6 +102,16 @@ impl Mapping {
         self.writable
     }
 
+    /// Whether `len` bytes from `offset` lie inside the mapping.
+    fn holds(&self, offset: usize, len: usize) -> bool {
+        offset.checked_add(len).is_some_and(|end| end <= self.len)
+    }
+
+    /// Whether `len` bytes from `offset` lie inside the mapping and it may be written.
+    fn may_write(&self, offset: usize, len: usize) -> bool {
+        self.writable && self.holds(offset, len)
+    }
+
     /// Copies `bytes` into the mapping at `offset`; false (nothing written) when they do not
     /// fit or the mapping is read-only.
     pub(crate) fn copy_in(&self, offset: usize, bytes: &[u8]) -> bool {
@@ -118,7 +128,7 @@ impl Mapping {
     pub(crate) fn zero(&self, offset: usize, len: usize) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
-            if !self.writable || offset.checked_add(len).is_none_or(|end| end > self.len) {
+            if !self.may_write(offset, len) {
                 return false;
             }
             // SAFETY: `offset..offset + len` lies inside the writable mapping (checked above).
@@ -147,7 +157,7 @@ impl Mapping {
     /// the last one a byte at a time (`byte(i)`), the words between in one tight loop
     /// (`word(i)`, `i` the index of its first byte), every access atomic.
     fn write_with(&self, offset: usize, len: usize, word: impl Fn(usize) -> u64, byte: impl Fn(usize) -> u8) -> bool {
-        if !self.writable || offset.checked_add(len).is_none_or(|end| end > self.len) {
+        if !self.may_write(offset, len) {
             return false;
         }
         let base = self.ptr.as_ptr();
@@ -172,7 +182,7 @@ impl Mapping {
     /// when they are not all inside it. Another process may be writing them meanwhile: the
     /// copy then mixes old and new bytes, which the caller checks like any input.
     pub(crate) fn copy_out(&self, offset: usize, out: &mut [u8]) -> bool {
-        if offset.checked_add(out.len()).is_none_or(|end| end > self.len) {
+        if !self.holds(offset, out.len()) {
             return false;
         }
         let base = self.ptr.as_ptr();
