@@ -173,13 +173,13 @@ fn a_child_forked_after_cuda_was_used_is_refused_cuda_and_drops_what_it_inherite
     assert_eq!(fresh.to_vec().unwrap(), vec![5.0; 16]);
 }
 
-#[test]
-fn a_forked_child_that_ends_with_exit_loses_nothing_it_flushed() {
-    let _one = FORKING.lock().unwrap_or_else(|p| p.into_inner());
+/// A forked child sends far more than the socket holds (most of it waits in its backlog),
+/// then runs `finish` and ends with `_exit`, as a forked Python worker does: no exit hook runs
+/// by itself. The parent reads while the child runs, as a consumer would, but late, and must
+/// get every message, in order.
+fn a_forked_childs_backlog_arrives(finish: impl FnOnce() -> Result<(), String>) {
     const N: u32 = 3_000;
     let (tx, rx) = channel::<u32>().unwrap();
-    // The parent reads while the child runs, as a consumer would, but late: the child's
-    // sends fill the socket first.
     let reader = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(300));
         let mut got = Vec::new();
@@ -192,18 +192,23 @@ fn a_forked_child_that_ends_with_exit_loses_nothing_it_flushed() {
         got
     });
     in_forked_child(|| {
-        // Far more than the socket holds: most of it waits in this child's backlog.
         for i in 0..N {
             tx.send(i).map_err(|e| format!("send: {e}"))?;
         }
-        // The child ends with `_exit` (as a forked Python worker does): no exit hook hands the
-        // backlog on, so it does so here.
-        cuda_mp::flush_sends(Duration::from_secs(30)).map_err(|e| format!("flush: {e}"))
+        finish()
     })
     .unwrap();
     let got = reader.join().unwrap();
     assert_eq!(got.len(), N as usize, "messages of the child were lost");
     assert!(got.iter().enumerate().all(|(i, &m)| m == i as u32), "messages of the child were reordered");
+}
+
+#[test]
+fn a_forked_child_that_ends_with_exit_loses_nothing_it_flushed() {
+    let _one = FORKING.lock().unwrap_or_else(|p| p.into_inner());
+    a_forked_childs_backlog_arrives(|| {
+        cuda_mp::flush_sends(Duration::from_secs(30)).map_err(|e| format!("flush: {e}"))
+    });
 }
 
 /// `before_exit` in a forked child whose parent's sends had a backlog before the fork (so the
@@ -212,36 +217,17 @@ fn a_forked_child_that_ends_with_exit_loses_nothing_it_flushed() {
 #[test]
 fn a_forked_child_that_ends_with_exit_after_before_exit_loses_nothing() {
     let _one = FORKING.lock().unwrap_or_else(|p| p.into_inner());
-    const N: u32 = 3_000;
     // A backlog in the parent first, read once the parent's feeder holds it.
+    const N: usize = 3_000;
     let (early_tx, early_rx) = channel::<u32>().unwrap();
-    for i in 0..N {
+    for i in 0..N as u32 {
         early_tx.send(i).unwrap();
     }
-    assert_eq!(early_rx.iter().take(N as usize).count(), N as usize);
-    let (tx, rx) = channel::<u32>().unwrap();
-    let reader = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(300));
-        let mut got = Vec::new();
-        while got.len() < N as usize {
-            match rx.recv_timeout(Duration::from_secs(10)) {
-                Ok(i) => got.push(i),
-                Err(_) => break,
-            }
-        }
-        got
-    });
-    in_forked_child(|| {
-        for i in 0..N {
-            tx.send(i).map_err(|e| format!("send: {e}"))?;
-        }
+    assert_eq!(early_rx.iter().take(N).count(), N);
+    a_forked_childs_backlog_arrives(|| {
         cuda_mp::before_exit();
         Ok(())
-    })
-    .unwrap();
-    let got = reader.join().unwrap();
-    assert_eq!(got.len(), N as usize, "messages of the child were lost");
-    assert!(got.iter().enumerate().all(|(i, &m)| m == i as u32), "messages of the child were reordered");
+    });
 }
 
 #[test]
