@@ -11,6 +11,20 @@ import cuda_mp
 from cuda_mp import _native
 
 
+def settled_lifetime_stats():
+    """This process's lifetime counters once what earlier tests let go of has been released
+    (a child's exit closes its leases a moment later): unchanged for 0.2 s, 10 s at most."""
+    deadline = time.time() + 10
+    stats = _native.lifetime_stats()
+    while time.time() < deadline:
+        time.sleep(0.2)
+        now = _native.lifetime_stats()
+        if now == stats:
+            break
+        stats = now
+    return stats
+
+
 def add_100_and_decode_twice(q, back):
     data = q.get(timeout=60)
     a = np.from_dlpack(_native.tensor_from_bytes(data))
@@ -40,7 +54,7 @@ def test_shared_memory_crosses_a_multiprocessing_queue_as_bytes_once(method):
 
 
 def test_bytes_that_nobody_reads_in_time_release_their_memory():
-    before = _native.lifetime_stats()
+    before = settled_lifetime_stats()
     a = cuda_mp.empty_host((16,), "int32")
     data = _native.tensor_to_bytes(cuda_mp._host(a), 0.2)
     del a
@@ -99,7 +113,7 @@ def test_a_batch_of_tensors_crosses_as_bytes_read_once_in_any_order(method):
 
 
 def test_a_batch_withdrawn_unfinished_releases_its_memory():
-    before = _native.lifetime_stats()
+    before = settled_lifetime_stats()
     a = cuda_mp.empty_host((16,), "int32")
     batch = _native.HandoffBatch(60.0)
     data = batch.tensor_to_bytes(cuda_mp._host(a))
