@@ -1,5 +1,6 @@
 //! Malformed, truncated and forged messages give errors, never panics, and lose nothing.
 
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use cuda_mp::{HostTensor, Listener, RecvError, lifetime_stats, wait_for_lifetime};
@@ -14,6 +15,14 @@ use common::{
 use cuda_mp::testing::CarriedFile;
 
 const WAIT: Duration = Duration::from_secs(10);
+
+/// The lifetime counters are per process, and several tests here read them while others
+/// import and release storages: every test runs alone.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    common::serial(&SERIAL, WAIT)
+}
 
 /// Raw bytes, written as they are (no length prefix).
 #[derive(Deserialize)]
@@ -55,6 +64,7 @@ fn malformed(r: Result<HostTensor<f32>, RecvError>) -> String {
 
 #[test]
 fn random_bytes_are_rejected() {
+    let _g = serial();
     let (tx, rx) = connect::<Raw, HostTensor<f32>>();
     let mut seed = 0x1234_5678_9abc_def0u64;
     for len in [0usize, 1, 3, 17, 64, 300] {
@@ -76,6 +86,7 @@ fn random_bytes_are_rejected() {
 
 #[test]
 fn a_truncated_message_is_rejected() {
+    let _g = serial();
     let (tx, rx) = connect::<Raw, HostTensor<f32>>();
     // dtype f32, a shape claiming 3 dimensions, then the message ends.
     tx.send(Raw(vec![0, 3, 2])).unwrap();
@@ -84,6 +95,7 @@ fn a_truncated_message_is_rejected() {
 
 #[test]
 fn descriptor_slots_out_of_range_are_rejected() {
+    let _g = serial();
     let (tx, rx) = connect::<ForgedTensor<Slot, Slot>, HostTensor<f32>>();
     let f = ForgedTensor {
         dtype: 0,
@@ -122,6 +134,7 @@ fn descriptor_slots_out_of_range_are_rejected() {
 
 #[test]
 fn a_view_beyond_its_storage_is_rejected() {
+    let _g = serial();
     let (tx, rx) = connect::<ForgedTensor<CarriedFile, CarriedFile>, HostTensor<f32>>();
     tx.send(forged(0, vec![100], 16)).unwrap();
     let m = malformed(rx.recv());
@@ -140,6 +153,7 @@ fn a_view_beyond_its_storage_is_rejected() {
 
 #[test]
 fn host_memory_sealed_against_writes_is_rejected() {
+    let _g = serial();
     // Mapped read-only in the receiver, the tensor's first write would fault: refused instead.
     let (tx, rx) = connect::<ForgedTensor<CarriedFile, CarriedFile>, HostTensor<f32>>();
     let mut f = forged(0, vec![4], 16);
@@ -176,6 +190,7 @@ fn forged_block(
 
 #[test]
 fn a_forged_host_block_is_rejected_and_maps_nothing() {
+    let _g = serial();
     let (tx, rx) = connect::<ForgedTensor<CarriedFile, CarriedFile>, HostTensor<f32>>();
     let before = lifetime_stats();
     // Past its segment's end.
@@ -222,6 +237,7 @@ fn a_forged_host_block_is_rejected_and_maps_nothing() {
 
 #[test]
 fn an_unknown_dtype_tag_is_rejected() {
+    let _g = serial();
     let (tx, rx) = connect::<ForgedTensor<CarriedFile, CarriedFile>, HostTensor<f32>>();
     tx.send(forged(42, vec![2], 16)).unwrap();
     let m = malformed(rx.recv());
@@ -230,6 +246,7 @@ fn an_unknown_dtype_tag_is_rejected() {
 
 #[test]
 fn a_dtype_mismatch_is_an_error_and_releases_the_claim() {
+    let _g = serial();
     let before = lifetime_stats();
     let (tx, rx) = connect::<HostTensor<cuda_mp::f16>, HostTensor<f32>>();
     let t = HostTensor::<cuda_mp::f16>::zeros(&[8]).unwrap();
@@ -254,6 +271,7 @@ fn raw_peer(name: &str) -> std::os::fd::OwnedFd {
 
 #[test]
 fn a_peer_that_is_not_cuda_mp_is_refused() {
+    let _g = serial();
     let listener = Listener::<u32>::bind().unwrap();
     // A peer that connects and writes something else than our hello.
     let fd = raw_peer(listener.name());
@@ -264,6 +282,7 @@ fn a_peer_that_is_not_cuda_mp_is_refused() {
 
 #[test]
 fn a_named_connection_of_another_version_is_refused_with_both_versions() {
+    let _g = serial();
     let listener = Listener::<u32>::bind().unwrap();
     let fd = raw_peer(listener.name());
     // The transport's header (no descriptor), then a hello's magic and version 4.
@@ -277,6 +296,7 @@ fn a_named_connection_of_another_version_is_refused_with_both_versions() {
 
 #[test]
 fn a_message_of_another_type_on_a_named_connection_names_both_types() {
+    let _g = serial();
     let listener = Listener::<Vec<String>>::bind().unwrap();
     let tx = cuda_mp::Sender::<u64>::connect(listener.name()).unwrap();
     let rx = listener.accept_timeout(WAIT).unwrap();
@@ -324,6 +344,7 @@ enum Received {
 /// receiver's genuine claim on that storage keeps it alive after its owner drops it.
 #[test]
 fn a_forged_connection_claim_is_refused_and_releases_nothing() {
+    let _g = serial();
     let before = lifetime_stats();
     let (tx, rx) = connect::<Sent, Received>();
     let held = HostTensor::<f32>::full(&[4], 7.0).unwrap();
@@ -374,6 +395,7 @@ fn record_copy(r: &ForgedTensor<CarriedFile, CarriedFile>) -> ForgedTensor<Carri
 /// revocations, through it).
 #[test]
 fn a_lease_that_is_not_a_pipes_writing_end_is_refused() {
+    let _g = serial();
     let (tx, rx) = connect::<ForgedTensor<CarriedFile, CarriedFile>, HostTensor<f32>>();
     let (_, pipe_reader) = lease_pipe();
     let not_leases = [socket_pair().0, sealed_memory(16, 0), std::fs::File::open("/dev/null").unwrap(), pipe_reader];
