@@ -158,6 +158,12 @@ impl Lease {
         Lease { tx, key: next_key() }
     }
 
+    /// Closes a forked child's copy of its parent's lease (in its fork handler; see
+    /// `close_inherited_shared`).
+    pub(super) fn close_inherited(self) {
+        crate::sys::close_inherited_shared(self.tx);
+    }
+
     /// Identity in this process; in the owner, the key its claims are counted under.
     pub(super) fn key(&self) -> u64 {
         self.key

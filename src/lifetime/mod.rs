@@ -204,7 +204,7 @@ pub(crate) fn close_inherited_leases() {
             Err(_) => Vec::new(),
         };
         // Closing this process's copies; the parent's stay open.
-        drop(leases);
+        leases.into_iter().for_each(Lease::close_inherited);
     }
     reaper::close_inherited_spares();
 }

@@ -186,7 +186,7 @@ pub(super) fn close_inherited_spares() {
         Ok(mut spares) => std::mem::take(&mut *spares),
         Err(_) => Vec::new(),
     };
-    drop(spares);
+    spares.into_iter().for_each(|(_, tx)| crate::sys::close_inherited_shared(tx));
 }
 
 /// Subscribes to the revocations of owner `owner` through `lease`, one of its leases: the

@@ -36,7 +36,8 @@ pub(crate) use pipe::{
 #[cfg(test)]
 pub(crate) use process::fork_and_run;
 pub(crate) use process::{
-    SIGKILL, at_exit, at_fork_child, close_inherited, own_pid, own_start, pid_namespace, process_gone, signal_name,
+    SIGKILL, at_exit, at_fork_child, close_inherited, close_inherited_shared, own_pid, own_start, pid_namespace,
+    process_gone, signal_name,
 };
 #[cfg(feature = "cuda")]
 pub(crate) use shm::{ShmFile, ShmOpen, remove_cuda_event_files, shm_unlink};

@@ -85,6 +85,22 @@ pub(crate) unsafe fn close_inherited(fd: std::os::fd::RawFd) {
     unsafe { libc::close(fd) };
 }
 
+/// Closes, in a forked child's handler, a descriptor that the child's copy of its parent's
+/// memory owns, if this is its last owner there (another owner, on the stack of a thread the
+/// child does not have, is never dropped: the descriptor then stays open in the child).
+///
+/// Not by dropping it: `fork` copies the descriptor table before the memory, while the parent's
+/// other threads run, so an object made between the two copies names a number that is not open
+/// in the child (or is open there as the file that number was before). `OwnedFd`'s drop aborts
+/// on a number not open (with debug assertions); this ignores it.
+pub(crate) fn close_inherited_shared(fd: std::sync::Arc<std::os::fd::OwnedFd>) {
+    use std::os::fd::IntoRawFd;
+    if let Ok(fd) = std::sync::Arc::try_unwrap(fd) {
+        // SAFETY: the descriptor was this `OwnedFd`'s alone, and it is consumed here.
+        unsafe { close_inherited(fd.into_raw_fd()) };
+    }
+}
+
 /// Forks, runs `f` in the child and ends the child with `f`'s answer (a panic is `false`),
 /// without running exit hooks: the child of a multithreaded test process, as a library that
 /// forks would make one. The parent waits for the child and gets the answer.
