@@ -261,32 +261,6 @@ mod tests {
         assert!(open(fd) && open(plain_fd), "the fork closed the parent's descriptors");
     }
 
-    /// `fork` copies the descriptor table before the memory while the parent's other threads
-    /// run: a lease channel that another thread makes meanwhile is in the child's memory but
-    /// not open there. The child handler closes its copies of the parent's lease channels all
-    /// the same, without failing (with debug assertions, dropping an `OwnedFd` whose number is
-    /// not open aborts: about one child in ten did, before).
-    #[test]
-    fn a_child_forked_while_another_thread_makes_lease_channels_starts_cleanly() {
-        use std::sync::Arc;
-        use std::sync::atomic::AtomicBool;
-        let stop = Arc::new(AtomicBool::new(false));
-        let churn = std::thread::spawn({
-            let stop = stop.clone();
-            move || {
-                while !stop.load(Ordering::Relaxed) {
-                    let (tx, rx) = crate::channel::<crate::HostTensor<u8>>().unwrap();
-                    tx.send(crate::HostTensor::zeros(&[4096]).unwrap()).unwrap();
-                    drop(rx.recv().unwrap());
-                }
-            }
-        });
-        let failed = (0..1000).filter(|_| !crate::sys::fork_and_run(|| true).expect("fork")).count();
-        stop.store(true, Ordering::Relaxed);
-        churn.join().unwrap();
-        assert_eq!(failed, 0, "forked children that did not start cleanly");
-    }
-
     #[test]
     fn a_forked_child_gets_its_own_value_and_generation() {
         let cell = ForkLocal::new(std::process::id);
