@@ -17,6 +17,11 @@
 //! [`on_fork_child`]), which would keep the parent's storages claimed for the child's whole
 //! life; and the sockets held in [`NotInherited`] (the parent's home and its connections), which
 //! would make a peer of the parent wait on the child instead of seeing the parent gone.
+//!
+//! The handler closes those by number and ignores a number that is not open, never through an
+//! `OwnedFd`'s drop: `fork` copies the descriptor table before the memory while the parent's
+//! other threads run, so a descriptor made in between is named in the child's memory but is not
+//! open there.
 
 use std::ops::Deref;
 use std::os::fd::{AsFd, AsRawFd, RawFd};
