@@ -18,10 +18,15 @@
 //! life; and the sockets held in [`NotInherited`] (the parent's home and its connections), which
 //! would make a peer of the parent wait on the child instead of seeing the parent gone.
 //!
-//! The handler closes those by number and ignores a number that is not open, never through an
-//! `OwnedFd`'s drop: `fork` copies the descriptor table before the memory while the parent's
-//! other threads run, so a descriptor made in between is named in the child's memory but is not
-//! open there.
+//! The handler closes those by number, never through an `OwnedFd`'s drop: `fork` copies the
+//! descriptor table before the memory while the parent's other threads run, so a descriptor made
+//! in between is named in the child's memory but is not open there (the close fails and is
+//! ignored), or is open there as the file that number was before, which nothing in the child's
+//! memory owns any more. The same window is a limit of forking while other threads work, which
+//! no handler can close: what another thread of the parent received in it (a tensor arriving on
+//! a channel, say) and the child drops later closes a number that is not its own in the child,
+//! and what the parent closed in it stays open in the child. Fork while the other threads are
+//! quiet, or use the spawn or forkserver start method.
 
 use std::ops::Deref;
 use std::os::fd::{AsFd, AsRawFd, RawFd};

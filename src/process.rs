@@ -3,13 +3,14 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, PoisonError, TryLockError};
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::error::{JoinError, PanicReport};
+use crate::fork::ForkLocal;
 use crate::os::catch_quietly;
 use crate::pool::AsyncResult;
 use crate::sys::signal_name;
@@ -91,13 +92,14 @@ pub fn init() {
 /// assert_eq!(rx.recv().unwrap(), 7);
 /// ```
 pub fn before_exit() {
-    run_hooks_of(&EXIT_HOOKS, crate::fork::generation());
+    run_hooks(EXIT_HOOKS.get());
 }
 
-/// The hooks [`at_exit`] registered, each with the process generation that registered it: a
-/// forked child inherits its parent's, which are not its own to run (they may act on the
-/// parent's state, as the counts on PyTorch's shares that the parent holds).
-static EXIT_HOOKS: Mutex<Vec<(u64, extern "C" fn())>> = Mutex::new(Vec::new());
+/// The hooks [`at_exit`] registered in this generation of the process. A forked child starts
+/// with none: its parent's act on the parent's state (as the counts on PyTorch's shares that
+/// the parent holds), and the parent's list may have been locked by a thread the child does
+/// not have.
+static EXIT_HOOKS: ForkLocal<Mutex<Vec<extern "C" fn()>>> = ForkLocal::new(Default::default);
 
 /// Runs `f` when the process exits normally (`exit`, or returning from `main`), after the
 /// handlers registered later, and in [`before_exit`] (of this generation of the process). `f`
@@ -106,34 +108,18 @@ static EXIT_HOOKS: Mutex<Vec<(u64, extern "C" fn())>> = Mutex::new(Vec::new());
 pub(crate) fn at_exit(f: extern "C" fn()) -> bool {
     let registered = crate::sys::at_exit(f);
     if registered {
-        EXIT_HOOKS.lock().unwrap_or_else(PoisonError::into_inner).push((crate::fork::generation(), f));
+        EXIT_HOOKS.get().lock().unwrap_or_else(PoisonError::into_inner).push(f);
     }
     registered
 }
 
-/// Runs the hooks of `hooks` that generation `generation` registered, last first.
-fn run_hooks_of(hooks: &Mutex<Vec<(u64, extern "C" fn())>>, generation: u64) {
-    let own = |hooks: &[(u64, extern "C" fn())]| -> Vec<extern "C" fn()> {
-        hooks.iter().rev().filter(|(g, _)| *g == generation).map(|&(_, f)| f).collect()
-    };
-    // A forked child may have inherited the lock held by a thread it does not have: after a
-    // moment it gives up rather than wait for ever (hooks are registered rarely and briefly,
-    // so a thread of this process lets go within it).
-    for _ in 0..100 {
-        let hooks = match hooks.try_lock() {
-            Ok(hooks) => own(&hooks),
-            Err(TryLockError::Poisoned(p)) => own(&p.into_inner()),
-            Err(TryLockError::WouldBlock) => {
-                std::thread::sleep(Duration::from_millis(1));
-                continue;
-            }
-        };
-        for hook in hooks {
-            hook();
-        }
-        return;
+/// Runs the hooks of `hooks`, last first (outside the lock: a hook may register another).
+fn run_hooks(hooks: &Mutex<Vec<extern "C" fn()>>) {
+    let hooks: Vec<extern "C" fn()> =
+        hooks.lock().unwrap_or_else(PoisonError::into_inner).iter().rev().copied().collect();
+    for hook in hooks {
+        hook();
     }
-    tracing::warn!("cuda-mp: the exit hooks' list stayed locked (inherited so by a fork?): none run before the exit");
 }
 
 #[cfg(feature = "testing")]
@@ -740,19 +726,51 @@ mod tests {
         SECOND.store(ORDER.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
     }
 
-    /// Hooks run early, last registered first, and only those of the generation that
-    /// registered them (a forked child's inherited ones are its parent's); a held lock is
-    /// waited for a moment, then given up.
+    /// Hooks run early, last registered first.
     #[test]
-    fn exit_hooks_run_last_first_and_only_the_generations_own() {
-        let hooks = Mutex::new(vec![(7, first_hook as extern "C" fn()), (8, second_hook), (7, second_hook)]);
-        run_hooks_of(&hooks, 7);
+    fn exit_hooks_run_last_first() {
+        let hooks = Mutex::new(vec![first_hook as extern "C" fn(), second_hook]);
+        run_hooks(&hooks);
         assert_eq!((SECOND.load(Ordering::SeqCst), FIRST.load(Ordering::SeqCst)), (1, 2));
-        run_hooks_of(&hooks, 9);
-        assert_eq!(ORDER.load(Ordering::SeqCst), 2, "another generation's hooks are not run");
-        let held = hooks.lock().unwrap();
-        run_hooks_of(&hooks, 7);
-        drop(held);
-        assert_eq!(ORDER.load(Ordering::SeqCst), 2, "a lock held for good runs nothing");
+    }
+
+    static PARENTS: AtomicUsize = AtomicUsize::new(0);
+    static CHILDS: AtomicUsize = AtomicUsize::new(0);
+
+    extern "C" fn parents_hook() {
+        PARENTS.fetch_add(1, Ordering::SeqCst);
+    }
+
+    extern "C" fn childs_hook() {
+        CHILDS.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// A forked child runs only the hooks it registered itself, and registers them even when
+    /// a thread of its parent held the list's lock at the fork (it waited for ever, before).
+    #[test]
+    fn a_forked_child_runs_its_own_exit_hooks_only_and_never_waits_on_its_parents_lock() {
+        assert!(at_exit(parents_hook));
+        let (held_tx, held) = std::sync::mpsc::channel();
+        let (release, release_rx) = std::sync::mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            let _list = EXIT_HOOKS.get().lock().unwrap();
+            held_tx.send(()).unwrap();
+            let _ = release_rx.recv();
+        });
+        held.recv().unwrap();
+        let child = crate::sys::fork_and_run(|| {
+            // SAFETY: `alarm` only schedules a signal, which ends this child if it hangs.
+            unsafe { libc::alarm(10) };
+            let registered = at_exit(childs_hook);
+            before_exit();
+            registered && CHILDS.load(Ordering::SeqCst) == 1 && PARENTS.load(Ordering::SeqCst) == 0
+        });
+        release.send(()).unwrap();
+        holder.join().unwrap();
+        assert!(child.expect("fork"), "the child ran its parent's hook, missed its own, or hung");
+        // The parent's list has its hook (running them here would end this process's other
+        // tests' state), and not the child's.
+        assert!(EXIT_HOOKS.get().lock().unwrap().contains(&(parents_hook as extern "C" fn())));
+        assert!(!EXIT_HOOKS.get().lock().unwrap().contains(&(childs_hook as extern "C" fn())));
     }
 }

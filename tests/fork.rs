@@ -276,6 +276,7 @@ fn children_forked_while_another_thread_sends_tensors_start_cleanly() {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
     let _one = FORKING.lock().unwrap_or_else(|p| p.into_inner());
+    let before = lifetime_stats();
     let stop = Arc::new(AtomicBool::new(false));
     let churn = std::thread::spawn({
         let stop = stop.clone();
@@ -301,5 +302,10 @@ fn children_forked_while_another_thread_sends_tensors_start_cleanly() {
     let failed: Vec<String> = failed.into_iter().chain(used).collect();
     stop.store(true, Ordering::Relaxed);
     churn.join().unwrap();
+    // The churn's last releases land before the next test takes its own figures.
+    wait_for_lifetime(Duration::from_secs(10), |s| {
+        s.exported_storages == 0 && s.outstanding_leases <= before.outstanding_leases
+    })
+    .expect("the churn's storages are released");
     assert!(failed.is_empty(), "{} forked children failed, the first: {:?}", failed.len(), failed.first());
 }

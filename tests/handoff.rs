@@ -102,8 +102,9 @@ fn bytes_nobody_decodes_give_their_claims_back_when_their_time_is_up() {
     let before = settled();
     let t = HostTensor::<u8>::from_vec(&[64], vec![7; 64]).unwrap();
     let ttl = Duration::from_millis(300);
-    let bytes = to_bytes(&t, ttl).unwrap();
+    // Before the deposit, whose time counts from its making inside `to_bytes`.
     let sent = Instant::now();
+    let bytes = to_bytes(&t, ttl).unwrap();
     drop(t);
     assert_eq!(cuda_mp::lifetime_stats().live_storages, before.live_storages + 1, "the deposit holds the storage");
     back_to(&before, "the deposit is dropped when its time is up");
