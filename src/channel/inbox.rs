@@ -280,7 +280,8 @@ impl Inbox {
     fn read_everything(&mut self) {
         if self.nothing_waits_here() {
             self.leases.segments().forget_gone(self.told_gone);
-            self.rings.retain(|r| !r.writer_gone());
+            // Writer gone first, entries after: an entry written as it went is not lost.
+            self.rings.retain(|r| !r.writer_gone() || r.has_entries());
         }
     }
 
@@ -580,5 +581,52 @@ impl Inbox {
             return Some(Readiness::Ready);
         }
         Some(Readiness::Wait(self.main.clone(), Some(asleep)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsFd;
+    use std::sync::{Arc, Barrier};
+
+    use super::*;
+
+    /// A writer that writes its last entry and goes while the receiver looks whether
+    /// everything was read: the ring must not be dropped with that entry in it.
+    #[test]
+    fn a_ring_is_not_dropped_with_an_entry_its_writer_wrote_as_it_went() {
+        let mut lost = 0;
+        let mut hits = 0;
+        for _ in 0..5_000 {
+            let (main, _peer) = Socket::pair().unwrap();
+            let mut inbox = Inbox::new(Arc::new(main), Arc::new(ConnectionLeases::default()));
+            let (mut writer, intro) = ring::RingWriter::new().unwrap();
+            let reader = RingReader::adopt(intro.memory.as_fd().try_clone_to_owned().unwrap(), intro.alive).unwrap();
+            reader.accept();
+            inbox.rings.push(reader);
+            let keep = intro.memory.clone(); // so that the writer's drop only closes its pipe end
+            let go = Arc::new(Barrier::new(2));
+            let w = {
+                let go = go.clone();
+                std::thread::spawn(move || {
+                    go.wait();
+                    assert!(writer.push(b"last"));
+                    drop(writer);
+                })
+            };
+            go.wait();
+            while !w.is_finished() {
+                inbox.read_everything();
+            }
+            w.join().unwrap();
+            inbox.read_everything();
+            if inbox.rings.is_empty() {
+                lost += 1;
+            } else {
+                hits += 1;
+            }
+            drop(keep);
+        }
+        assert_eq!(lost, 0, "rings dropped with an unread entry ({hits} kept)");
     }
 }
