@@ -15,8 +15,9 @@
 //! it exits, like every descriptor a fork inherits, except two kinds that the child handler
 //! closes at once: the parent's lease channels (the hook the lifetime registry registers here,
 //! [`on_fork_child`]), which would keep the parent's storages claimed for the child's whole
-//! life; and the sockets held in [`NotInherited`] (the parent's home and its connections), which
-//! would make a peer of the parent wait on the child instead of seeing the parent gone.
+//! life; and the sockets held in [`NotInherited`] (the parent's home and its connections, the
+//! writing ends of its channels' open backlog batches), which would make a peer of the parent
+//! wait on the child instead of seeing the parent gone or a batch's end.
 //!
 //! The handler closes those by number, never through an `OwnedFd`'s drop: `fork` copies the
 //! descriptor table before the memory while the parent's other threads run, so a descriptor made
@@ -49,8 +50,9 @@ pub(crate) fn on_fork_child(hook: fn()) {
 
 /// How many descriptors at most are closed in forked children (beyond, the rest stay open in
 /// them, as any inherited descriptor does): a home's listener and bell, its kept connections
-/// (at most 256) and this process's connections to other homes (at most 64).
-const NOT_INHERITED: usize = 512;
+/// (at most 256), this process's connections to other homes (at most 64), and the open batch
+/// of each channel's backlog.
+const NOT_INHERITED: usize = 1024;
 
 /// The descriptors [`NotInherited`] holds, by number (-1: a free slot).
 static NOT_INHERITED_FDS: [AtomicI32; NOT_INHERITED] = [const { AtomicI32::new(-1) }; NOT_INHERITED];

@@ -13,7 +13,7 @@ use super::frame::{FrameOut, Order, SMALL_COST};
 use super::gauge::Gauge;
 use super::ring::{self, RingWriter};
 use crate::error::{IoFailure, SendFailure};
-use crate::fork::ForkLocal;
+use crate::fork::{ForkLocal, NotInherited};
 use crate::lifetime::Connection;
 use crate::os::{catch_quietly, wait_slice};
 use crate::sys::{Socket, Wait};
@@ -90,8 +90,10 @@ struct Backlog {
 /// A private channel holding spilled frames: written here, read by the receiver after the
 /// redirect that hands it on.
 struct Batch {
-    /// `None` once the batch is full: nothing more is written to it.
-    tx: Option<Socket>,
+    /// `None` once the batch is full: nothing more is written to it. A forked child closes
+    /// its copy (the child's sends have a backlog of their own), or the receiver, which
+    /// reads a batch to its end, would wait for that child to exit.
+    tx: Option<NotInherited<Socket>>,
     rx: Socket,
     /// What its frames cost its socket, and what they may cost without a write waiting.
     cost: u64,
@@ -405,7 +407,14 @@ impl Outbox {
             })?;
             // Within the limit of the channel's socket at least, whose frames all fit.
             let limit = (tx.send_buffer() as u64 / 4 * 3).max(self.gauge.limit());
-            backlog.open = Some(Batch { tx: Some(tx), rx, cost: 0, limit, messages: 0, opened: Instant::now() });
+            backlog.open = Some(Batch {
+                tx: Some(NotInherited::new(tx)),
+                rx,
+                cost: 0,
+                limit,
+                messages: 0,
+                opened: Instant::now(),
+            });
         }
         if !backlog.feeder {
             self.start_feeder()?;
