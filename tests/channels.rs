@@ -452,3 +452,34 @@ fn a_full_ring_does_not_hold_up_another_senders_frame() {
     drop(rx);
     let _ = flooder.join();
 }
+
+/// A process whose last sender of a channel goes while the receiver has not read what it put in
+/// its ring, and which gets another sender of that channel later (one that comes with a
+/// request, say), keeps its order: the new sender's first messages, which take the socket,
+/// come after the old ones still in the ring (1000 came after 21, before).
+#[test]
+fn a_later_sender_of_the_same_channel_in_one_process_keeps_its_order() {
+    let (tx, rx) = channel::<u32>().unwrap();
+    let (carry_tx, carry_rx) = channel::<Sender<u32>>().unwrap();
+    carry_tx.send(tx.clone()).unwrap();
+    let mut got = Vec::new();
+    // The first messages take the socket, then the ring is made; the receiver adopts it.
+    for i in 0..6 {
+        tx.send(i).unwrap();
+    }
+    for _ in 0..6 {
+        got.push(rx.recv_timeout(Duration::from_secs(10)).unwrap());
+    }
+    for i in 6..60 {
+        tx.send(i).unwrap();
+    }
+    // The last sender here goes with most of those unread in its ring.
+    drop(tx);
+    let later = carry_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    later.send(1000).unwrap();
+    for _ in 6..61 {
+        got.push(rx.recv_timeout(Duration::from_secs(10)).unwrap());
+    }
+    let want: Vec<u32> = (0..60).chain([1000]).collect();
+    assert_eq!(got, want, "one process's messages out of order");
+}

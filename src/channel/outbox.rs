@@ -115,6 +115,21 @@ impl Backlog {
     }
 }
 
+impl Drop for Outbox {
+    fn drop(&mut self) {
+        // Only this generation's ring (a forked child's copy of its parent's outbox has none).
+        if self.pending.is_stale() {
+            return;
+        }
+        let ring = self.lock().ring.take();
+        if let Some(ring) = ring.filter(|ring| ring.used() > 0)
+            && let Some(identity) = self.main.identity()
+        {
+            parked_rings().insert((self.gauge.id(), identity), ring);
+        }
+    }
+}
+
 impl fmt::Debug for Outbox {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let backlog = self.lock();
@@ -153,6 +168,20 @@ fn connection_of(id: u64) -> Arc<Connection> {
     connections.entry(id).or_default().clone()
 }
 
+/// Rings of this process whose outbox went while the receiver had not read all of them, by
+/// channel id and socket: a later sender of the same channel here takes its ring back, and
+/// with it the numbering of this process's messages, so that its first messages (which take
+/// the socket) are not delivered before the older ones still in the ring. A ring the receiver
+/// has emptied is dropped the next time the table is looked at.
+type ParkedRings = HashMap<(u64, (u64, u64)), RingWriter>;
+
+fn parked_rings() -> MutexGuard<'static, ParkedRings> {
+    static PARKED: ForkLocal<Mutex<ParkedRings>> = ForkLocal::new(Default::default);
+    let mut parked = PARKED.get().lock().unwrap_or_else(|p| p.into_inner());
+    parked.retain(|_, ring| ring.used() > 0);
+    parked
+}
+
 fn is_disconnect(e: &io::Error) -> bool {
     matches!(e.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset | io::ErrorKind::NotConnected)
 }
@@ -179,6 +208,7 @@ impl Outbox {
                 return existing;
             }
         }
+        let parked = main.identity().and_then(|identity| parked_rings().remove(&(gauge.id(), identity)));
         let outbox = Arc::new(Outbox {
             main,
             gauge,
@@ -187,6 +217,9 @@ impl Outbox {
             gone: AtomicBool::new(false),
             connection: ForkLocal::new(OnceLock::new),
         });
+        if parked.is_some() {
+            outbox.lock().ring = parked;
+        }
         registry.retain(|_, w| w.strong_count() > 0);
         registry.insert(outbox.gauge.id(), Arc::downgrade(&outbox));
         outbox

@@ -214,7 +214,7 @@ impl RingWriter {
     }
 
     /// Bytes of entries written and not yet read.
-    fn used(&self) -> u64 {
+    pub(super) fn used(&self) -> u64 {
         self.tail.wrapping_sub(word(&self.memory, HEAD_AT).load(Ordering::Acquire))
     }
 
