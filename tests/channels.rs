@@ -483,3 +483,26 @@ fn a_later_sender_of_the_same_channel_in_one_process_keeps_its_order() {
     let want: Vec<u32> = (0..60).chain([1000]).collect();
     assert_eq!(got, want, "one process's messages out of order");
 }
+
+/// The last sender gone with messages unread in its ring (kept aside for a later sender of
+/// this process): the receiver gets them all, then the channel's end at once.
+#[test]
+fn the_end_comes_right_after_what_a_gone_senders_ring_held() {
+    let (tx, rx) = channel::<u32>().unwrap();
+    for i in 0..6 {
+        tx.send(i).unwrap();
+    }
+    for _ in 0..6 {
+        rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    }
+    for i in 6..60 {
+        tx.send(i).unwrap();
+    }
+    drop(tx);
+    for i in 6..60 {
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)).unwrap(), i);
+    }
+    let t = Instant::now();
+    assert_eq!(rx.recv_timeout(Duration::from_secs(10)), Err(RecvTimeoutError::Disconnected));
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+}
