@@ -1361,4 +1361,21 @@ mod tests {
         let writing = writers.iter_mut().map(|w| w.push(&[1])).filter(|&wrote| wrote).count();
         assert_eq!(writing, ring::MAX_RINGS, "the writers of refused rings take the socket");
     }
+
+    /// An empty message written to the channel's socket by a peer that is not cuda-mp's (it
+    /// holds a sender's socket) is malformed, not the channel's end: the receives after it go
+    /// on (it read as `Disconnected`, before).
+    #[test]
+    fn an_empty_message_is_not_the_channels_end() {
+        use std::os::fd::AsRawFd;
+        let (tx, rx) = channel::<u32>().unwrap();
+        tx.send(1).unwrap();
+        // SAFETY: a send of no bytes on a socket this test holds.
+        let sent = unsafe { libc::send(tx.outbox().main().as_fd().as_raw_fd(), std::ptr::null(), 0, 0) };
+        assert_eq!(sent, 0);
+        tx.send(2).unwrap();
+        assert_eq!(rx.recv(), Ok(1));
+        assert!(matches!(rx.recv(), Err(RecvError::Malformed(m)) if m.contains("empty")));
+        assert_eq!(rx.recv(), Ok(2));
+    }
 }

@@ -319,8 +319,12 @@ fn recv_packet(socket: BorrowedFd<'_>, buf: &mut [u8], wait: Wait) -> io::Result
             return Err(invalid("a message longer, or with more descriptors, than this socket takes"));
         }
         if got.bytes == 0 && fds.is_empty() {
-            // Every message of ours has a header: no bytes is the end.
-            return Ok(None);
+            // Every message of ours has a header: no bytes is the end once the peer is gone,
+            // and an empty message of a peer that is not ours while it lives.
+            if peer_gone(socket) {
+                return Ok(None);
+            }
+            return Err(invalid("an empty message"));
         }
         return Ok(Some((got.bytes, fds)));
     }
