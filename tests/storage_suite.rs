@@ -268,6 +268,76 @@ where
     closed(before);
 }
 
+/// B of the test below: drops a first message that comes on `second` (a block of the same
+/// segment, for the caching allocators: the segment is then introduced on `second`), forwards
+/// what comes on `first` to C and drops it; on a word, forwards what comes on `second` to D and
+/// drops it; then waits to be killed.
+#[allow(clippy::type_complexity)]
+fn forward_twice<S>(
+    (first, second, to_c, to_d, go, done): (
+        Receiver<Msg<S>>,
+        Receiver<Msg<S>>,
+        Sender<Msg<S>>,
+        Sender<Msg<S>>,
+        Receiver<()>,
+        Sender<()>,
+    ),
+) where
+    Tensor<f32, S>: Serialize + DeserializeOwned,
+{
+    drop(second.recv().unwrap());
+    to_c.send(first.recv().unwrap()).unwrap();
+    done.send(()).unwrap();
+    go.recv().unwrap();
+    to_d.send(second.recv().unwrap()).unwrap();
+    done.send(()).unwrap();
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+/// Parent -> B -> C on one channel, then the same storage Parent -> B -> D on another, B
+/// having dropped it in between, then B is killed: B's relay of the storage (its own claim,
+/// counted on the lease of the first channel) is used again for D, and D's copies of the
+/// leases up the chain must be the ones that claim stands on. They were those of B's second
+/// mapping: once C let go, B's death freed the storage while D held it (host memory; a block
+/// of the caching allocator was handed out again).
+fn a_relay_used_again_after_its_forwarder_took_the_storage_again_outlives_the_forwarder<K: Kind>()
+where
+    Tensor<f32, K::S>: Serialize + DeserializeOwned,
+{
+    let _g = serial();
+    let before = lifetime_stats();
+    let c = start::<K::S>(None);
+    let d = start::<K::S>(None);
+    let (first_tx, first_rx) = channel().unwrap();
+    let (second_tx, second_rx) = channel().unwrap();
+    let (go_tx, go_rx) = channel().unwrap();
+    let (done_tx, done_rx) = channel().unwrap();
+    let mut b = spawn((first_rx, second_rx, c.0.clone(), d.0.clone(), go_rx, done_tx), forward_twice::<K::S>);
+    let (x, y) = (K::make(64), K::make(64));
+    second_tx.send(vec![y]).unwrap();
+    first_tx.send(vec![x.clone()]).unwrap();
+    done_rx.recv_timeout(WAIT).unwrap();
+    assert_eq!(c.2.recv_timeout(WAIT).unwrap(), 1, "C holds it");
+    // B's first mapping goes (its relay's claim stays), then it takes the storage again.
+    std::thread::sleep(Duration::from_millis(200));
+    second_tx.send(vec![x.clone()]).unwrap();
+    go_tx.send(()).unwrap();
+    done_rx.recv_timeout(WAIT).unwrap();
+    assert_eq!(d.2.recv_timeout(WAIT).unwrap(), 1, "D holds it");
+    assert_eq!(ask(&c, Cmd::Drop), 0);
+    drop(x);
+    wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages + 1).expect("D's alone is left");
+    b.kill().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(lifetime_stats().live_storages, before.live_storages + 1, "freed while D holds it, once B was killed");
+    assert_eq!(ask(&d, Cmd::Drop), 0);
+    settled(before);
+    drop((c.1, d.1, first_tx, second_tx));
+    c.3.join().unwrap();
+    d.3.join().unwrap();
+    closed(before);
+}
+
 /// Parent -> A -> B while A lives on (holding the channel the storages came on, as a queue's
 /// dispatcher does): the storages are freed when B drops them, not when A exits.
 fn a_storage_forwarded_by_a_live_process_is_freed_at_the_last_drop<K: Kind>()
@@ -538,6 +608,12 @@ macro_rules! suite {
             $(#[$attr])?
             fn a_forwarded_storage_lives_until_the_last_holder_drops_it() {
                 super::a_forwarded_storage_lives_until_the_last_holder_drops_it::<$kind>();
+            }
+
+            #[test]
+            $(#[$attr])?
+            fn a_relay_used_again_after_its_forwarder_took_the_storage_again_outlives_the_forwarder() {
+                super::a_relay_used_again_after_its_forwarder_took_the_storage_again_outlives_the_forwarder::<$kind>();
             }
 
             #[test]

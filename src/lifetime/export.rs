@@ -25,6 +25,9 @@ pub(super) struct Exported {
     /// For a relay (a storage of another process that this one forwarded on a channel): that
     /// storage. `keep_alive` is then this process's own claim on it.
     relay_of: Option<StorageId>,
+    /// For a relay: the leases its own claim depends on (the forwarder's cover's anchors and
+    /// lease when the relay was made), given to every holder it relays to.
+    relay_chain: Vec<Lease>,
     /// The storage's size (for the holders' statistics).
     bytes: u64,
 }
@@ -194,7 +197,8 @@ fn connection_claim(key: u64, name: u64, unsent: Option<Lease>, index: u64, anch
 /// relay's last one ends this process's own claim. (Sharing the forwarder's lease instead
 /// would leave a new holder that dies counted for as long as the forwarder holds the channel
 /// the storage came on.) The new holder also keeps copies of the leases up the chain
-/// (`Cover::chain`), so that this process dying frees nothing it still holds.
+/// that the relay's own claim stands on (`Cover::chain` of the cover it was taken through,
+/// kept with the relay), so that this process dying frees nothing they still hold.
 ///
 /// Outside a channel, and for per-storage leases (whose every copy is a claim), the
 /// forwarder's lease travels itself (`Cover::forward`).
@@ -224,12 +228,16 @@ fn relay(reaper: &'static reaper::Reaper, connection: &Connection, cover: &Cover
             claim(&mut s, (relay, bytes), key, || Arc::new(hold.take().expect("a new relay has its claim")), None);
         if known.is_none() {
             entry.relay_of = Some(id);
+            entry.relay_chain = cover.chain();
+        }
+        let chain = entry.relay_chain.clone();
+        if known.is_none() {
             s.relays.insert(id, relay);
         }
         drop(s);
         drop(hold);
         notify();
-        return Ok(connection_claim(key, name, unsent, relay.index(), cover.chain()));
+        return Ok(connection_claim(key, name, unsent, relay.index(), chain));
     }
 }
 
@@ -261,6 +269,7 @@ fn claim(
         slot: NO_SLOT,
         shared_lease: None,
         relay_of: None,
+        relay_chain: Vec::new(),
         bytes,
     });
     entry.claims += 1;
