@@ -485,8 +485,8 @@ enum Exchange {
     Closed,
 }
 
-/// Asks `socket`'s home for the deposit of `ticket`.
-fn exchange(socket: &Socket, ticket: &SpawnTicket) -> io::Result<Exchange> {
+/// Asks `socket`'s home for the deposit of `ticket`, waiting `wait` at most for its answer.
+fn exchange(socket: &Socket, ticket: &SpawnTicket, wait: Duration) -> io::Result<Exchange> {
     match socket.send(&[&ticket.token.to_le_bytes()], &[], Wait::Forever) {
         Ok(()) => {}
         Err(e) if matches!(e.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset) => {
@@ -494,13 +494,18 @@ fn exchange(socket: &Socket, ticket: &SpawnTicket) -> io::Result<Exchange> {
         }
         Err(e) => return Err(e),
     }
-    Ok(socket.recv(16, Wait::Until(Instant::now() + FETCH_WAIT))?.map_or(Exchange::Closed, Exchange::Answered))
+    Ok(socket.recv(16, Wait::Until(Instant::now() + wait))?.map_or(Exchange::Closed, Exchange::Answered))
 }
 
 /// Fetches the descriptors deposited under `ticket`, from the home it names, with the time the
 /// deposit had left there (`None`: the home did not say). On this process's kept connection to
 /// that home when it has one, else (or when the home closed it) on a fresh one, kept after.
 pub(crate) fn fetch(ticket: &SpawnTicket) -> Result<(Vec<OwnedFd>, Option<Duration>)> {
+    fetch_within(ticket, FETCH_WAIT)
+}
+
+/// [`fetch`], waiting `wait` at most for the home's answer.
+pub(crate) fn fetch_within(ticket: &SpawnTicket, wait: Duration) -> Result<(Vec<OwnedFd>, Option<Duration>)> {
     // While the kept connection is out of the map, this process's serving thread keeps a timer,
     // so that it watches the connection again once it is back (see `serve`).
     let home = home().ok();
@@ -508,7 +513,7 @@ pub(crate) fn fetch(ticket: &SpawnTicket) -> Result<(Vec<OwnedFd>, Option<Durati
         home.fetching.fetch_add(1, Ordering::SeqCst);
     }
     let kept = links().remove(&ticket.home).map(|(socket, _)| socket);
-    let answered = fetch_on(kept, ticket);
+    let answered = fetch_on(kept, ticket, wait);
     if let Some(home) = home {
         home.fetching.fetch_sub(1, Ordering::SeqCst);
     }
@@ -516,14 +521,14 @@ pub(crate) fn fetch(ticket: &SpawnTicket) -> Result<(Vec<OwnedFd>, Option<Durati
 }
 
 /// [`fetch`] on `kept`, this process's connection to the ticket's home if it has one.
-fn fetch_on(kept: Option<Arc<Link>>, ticket: &SpawnTicket) -> Result<(Vec<OwnedFd>, Option<Duration>)> {
+fn fetch_on(kept: Option<Arc<Link>>, ticket: &SpawnTicket, wait: Duration) -> Result<(Vec<OwnedFd>, Option<Duration>)> {
     let refused = |why: String| Error::Malformed(format!("the descriptors of a value from another process: {why}"));
     let mut answered = None;
     if let Some(socket) = kept {
         // Asked again on a fresh connection only when the home closed this one: a request it
         // took (answered late, say, or with an answer this process could not take in) is not
         // asked twice.
-        match exchange(&socket, ticket).map_err(|e| refused(e.to_string()))? {
+        match exchange(&socket, ticket, wait).map_err(|e| refused(e.to_string()))? {
             Exchange::Answered(answer) => answered = Some((answer, socket, false)),
             Exchange::Closed => {}
         }
@@ -539,7 +544,7 @@ fn fetch_on(kept: Option<Arc<Link>>, ticket: &SpawnTicket) -> Result<(Vec<OwnedF
                 )),
                 _ => refused(e.to_string()),
             })?;
-            match exchange(&socket, ticket).map_err(|e| refused(e.to_string()))? {
+            match exchange(&socket, ticket, wait).map_err(|e| refused(e.to_string()))? {
                 Exchange::Answered(answer) => (answer, Arc::new(NotInherited::new(socket)), true),
                 Exchange::Closed => return Err(refused("the process that sent them closed the connection".into())),
             }

@@ -320,9 +320,13 @@ fn drain_lease(reaper: &Reaper, id: u64, pipe: &OwnedFd) -> bool {
                 Control::Release(index, count) => lease_message(key, index, Change::Release(count)),
                 Control::Retain(index) => lease_message(key, index, Change::Retain),
                 // The subscriber's socket is fetched from its home off this thread: a
-                // subscriber that does not answer must not hold up every lease.
+                // subscriber that does not answer must not hold up every lease. Nor the frees
+                // on the disposer's thread for longer than its deposit lasts: a stopped
+                // subscriber, or a name no subscriber answers under, is waited for no longer.
                 Control::Link(ticket) => super::courier::dispose(move || {
-                    let socket = crate::handover::fetch(&ticket).ok().and_then(|(fds, _)| fds.into_iter().next());
+                    let socket = crate::handover::fetch_within(&ticket, crate::handover::SUBSCRIPTION_TTL)
+                        .ok()
+                        .and_then(|(fds, _)| fds.into_iter().next());
                     if let Some(socket) = socket.and_then(|fd| Socket::from_fd(fd).ok()) {
                         owner().subscribe(socket);
                     }

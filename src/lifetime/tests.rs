@@ -343,3 +343,30 @@ fn releases_on_one_connection_free_nothing_that_another_connection_holds() {
     assert_eq!(freed.load(Ordering::SeqCst), 1);
     drop((intro_a, intro_b));
 }
+
+/// A holder subscribes to revocations under a home that never answers (a stopped process, or
+/// a name nobody answers under): the fetch of its subscription, on the disposer's thread,
+/// holds up the frees queued behind it no longer than a subscription's deposit lasts (it held
+/// them up for the 30 s of a fetch, before).
+#[test]
+fn a_subscriber_that_never_answers_holds_up_other_frees_no_longer_than_its_deposit_lasts() {
+    use super::lease::Control;
+    let name = format!("cuda-mp-silent-{:032x}", crate::sys::random_u128());
+    let _silent = crate::sys::Listening::bind_abstract(&name).unwrap(); // never accepts
+    let (a, b) = (StorageId::new_local(), StorageId::new_local());
+    let freed = Arc::new(AtomicU64::new(0));
+    let keep_a: AnyStorage = Arc::new(Mapping { closed: Arc::new(AtomicU64::new(0)) });
+    let keep_b: AnyStorage = Arc::new(Mapping { closed: freed.clone() });
+    let ga = wire::encode_scope(|| grant(a, 16, LeaseMode::Counted, false, move || keep_a, None).unwrap()).0;
+    let gb = wire::encode_scope(|| grant(b, 16, LeaseMode::Counted, false, move || keep_b, None).unwrap()).0;
+    let ticket = crate::handover::SpawnTicket { home: name, token: 1, batch: None };
+    Control::Link(ticket).send(&lease_of(&ga).tx).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    // b's only holder goes: its lease closes, and b is freed on the disposer's thread.
+    let start = Instant::now();
+    drop(gb);
+    wait_freed(&freed, 1, "b was never freed");
+    let took = start.elapsed();
+    drop(ga);
+    assert!(took < Duration::from_secs(5), "b's free waited {took:?} behind a subscriber's fetch");
+}
