@@ -122,7 +122,7 @@ impl Drop for Outbox {
             return;
         }
         let ring = self.lock().ring.take();
-        if let Some(ring) = ring.filter(|ring| ring.used() > 0)
+        if let Some(ring) = ring.filter(|ring| ring.used() > 0 && !ring.reader_gone())
             && let Some(identity) = self.main.identity()
         {
             parked_rings().insert((self.gauge.id(), identity), ring);
@@ -172,13 +172,13 @@ fn connection_of(id: u64) -> Arc<Connection> {
 /// channel id and socket: a later sender of the same channel here takes its ring back, and
 /// with it the numbering of this process's messages, so that its first messages (which take
 /// the socket) are not delivered before the older ones still in the ring. A ring the receiver
-/// has emptied is dropped the next time the table is looked at.
+/// has emptied, or whose receiver is gone, is dropped the next time the table is looked at.
 type ParkedRings = HashMap<(u64, (u64, u64)), RingWriter>;
 
 fn parked_rings() -> MutexGuard<'static, ParkedRings> {
     static PARKED: ForkLocal<Mutex<ParkedRings>> = ForkLocal::new(Default::default);
     let mut parked = PARKED.get().lock().unwrap_or_else(|p| p.into_inner());
-    parked.retain(|_, ring| ring.used() > 0);
+    parked.retain(|_, ring| ring.used() > 0 && !ring.reader_gone());
     parked
 }
 

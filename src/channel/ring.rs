@@ -95,7 +95,7 @@ pub(super) struct RingWriter {
     memory: Arc<MemoryFile>,
     /// The writing end of a pipe whose reading end went with the ring: the receiver drops the
     /// ring once this is closed (with the outbox, or the process) and the ring is empty.
-    _alive: OwnedFd,
+    alive: OwnedFd,
     tail: u64,
     id: u64,
     /// The number of this process's next message on the channel (ring or socket).
@@ -136,7 +136,7 @@ impl RingWriter {
         let (read, write) = lease_pipe()?;
         let writer = RingWriter {
             memory: memory.clone(),
-            _alive: write,
+            alive: write,
             tail: 0,
             id,
             next: 0,
@@ -211,6 +211,11 @@ impl RingWriter {
                 return false;
             }
         }
+    }
+
+    /// True once no process holds the ring's reading side any more (the receiver is gone).
+    pub(super) fn reader_gone(&self) -> bool {
+        crate::sys::reader_gone(&self.alive)
     }
 
     /// Bytes of entries written and not yet read.
