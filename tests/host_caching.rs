@@ -440,3 +440,34 @@ fn a_producer_that_exits_after_everything_was_read_leaves_its_segment_at_once() 
     eventually("the exited producer's segment let go with no receive after its exit", || segment_files() == baseline);
     drop(rx);
 }
+
+/// Receives one tensor, forwards it to `to`, and reports what its statistics say it holds for
+/// others; then waits to be killed.
+fn forward_and_report(
+    (rx, to, report): (Receiver<HostTensor<u8>>, Sender<HostTensor<u8>>, Sender<(usize, usize, u64)>),
+) {
+    to.send(rx.recv().unwrap()).unwrap();
+    let held = cuda_mp::holder_stats();
+    let storages = held.iter().map(|h| h.storages).sum();
+    let bytes = held.iter().map(|h| h.bytes).sum();
+    report.send((lifetime_stats().relayed_storages, storages, bytes)).unwrap();
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+/// A process that forwards a block of another process's caching allocator relays the block,
+/// and (internally) the block's segment: its statistics count the block alone, as the
+/// allocator's own do (they counted the 2 MiB segment as a second storage, before).
+#[test]
+fn a_forwarded_block_counts_once_in_the_forwarders_statistics() {
+    let _g = serial();
+    let (to_b, b_rx) = channel().unwrap();
+    let (to_c, c_rx) = channel::<HostTensor<u8>>().unwrap();
+    let (report_tx, report) = channel().unwrap();
+    let mut b = spawn((b_rx, to_c, report_tx), forward_and_report);
+    to_b.send(HostTensor::<u8>::full(&[512], 7).unwrap()).unwrap();
+    let (relayed, storages, bytes) = report.recv_timeout(WAIT).unwrap();
+    let forwarded = c_rx.recv_timeout(WAIT).unwrap();
+    assert_eq!(forwarded.to_vec(), vec![7; 512]);
+    b.kill().unwrap();
+    assert_eq!((relayed, storages, bytes), (1, 1, 512), "relayed storages, holders' storages and bytes");
+}

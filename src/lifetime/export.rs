@@ -465,7 +465,9 @@ pub fn holder_stats() -> Vec<HolderStats> {
             let mut holder = HolderStats { lease, storages: 0, claims: 0, bytes: 0 };
             for (&index, &count) in claims {
                 let id = StorageId::local(index);
-                let Some(entry) = s.exported.get(&id).filter(|_| count > 0 && !id.is_internal()) else { continue };
+                // Neither this process's segments nor its relays of another's count.
+                let counts = |e: &&Exported| !id.is_internal() && !e.relay_of.is_some_and(|of| of.is_internal());
+                let Some(entry) = s.exported.get(&id).filter(|e| count > 0 && counts(e)) else { continue };
                 holder.storages += 1;
                 holder.claims += count;
                 holder.bytes += entry.bytes;

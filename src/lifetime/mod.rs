@@ -253,7 +253,8 @@ fn stats_of(s: &State) -> LifetimeStats {
     // A caching allocator's segments are not the user's storages: only their blocks count.
     let internal = s.exported.keys().filter(|id| id.is_internal()).count();
     stats.exported_storages = s.exported.len() - internal - s.relays.len() + s.freeing;
-    stats.relayed_storages = s.relays.len();
+    // Nor are the relays of another process's segments (a forwarded block's segment).
+    stats.relayed_storages = s.relays.keys().filter(|of| !of.is_internal()).count();
     stats.imported_storages =
         s.imported.iter().filter(|((id, _), w)| !id.is_internal() && w.strong_count() > 0).count();
     stats.cached_mappings = s.idle.keys().filter(|(id, _)| !id.is_internal()).count() + s.evicting;
