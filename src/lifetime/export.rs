@@ -226,14 +226,15 @@ fn relay(reaper: &'static reaper::Reaper, connection: &Connection, cover: &Cover
         let (key, name, unsent) = connection_lease(&mut s, reaper, connection)?;
         let entry =
             claim(&mut s, (relay, bytes), key, || Arc::new(hold.take().expect("a new relay has its claim")), None);
-        if known.is_none() {
+        let chain = if known.is_some() {
+            entry.relay_chain.clone()
+        } else {
             entry.relay_of = Some(id);
             entry.relay_chain = cover.chain();
-        }
-        let chain = entry.relay_chain.clone();
-        if known.is_none() {
+            let chain = entry.relay_chain.clone();
             s.relays.insert(id, relay);
-        }
+            chain
+        };
         drop(s);
         drop(hold);
         notify();
