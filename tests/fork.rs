@@ -42,6 +42,35 @@ fn in_forked_child(f: impl FnOnce() -> Result<(), String>) -> Result<(), String>
     }
 }
 
+/// A forked child that only sleeps and never uses cuda-mp, as a forked worker that only
+/// computes: it holds copies of every descriptor its parent had at the fork until it is
+/// killed (and reaped) when this is dropped.
+struct SleepingChild(libc::pid_t);
+
+impl SleepingChild {
+    fn fork() -> SleepingChild {
+        // SAFETY: the child only sleeps and `_exit`s.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed: {}", std::io::Error::last_os_error());
+        if pid == 0 {
+            std::thread::sleep(Duration::from_secs(30));
+            // SAFETY: ends the child at once.
+            unsafe { libc::_exit(0) };
+        }
+        SleepingChild(pid)
+    }
+}
+
+impl Drop for SleepingChild {
+    fn drop(&mut self) {
+        // SAFETY: our child.
+        unsafe { libc::kill(self.0, libc::SIGKILL) };
+        let mut status = 0;
+        // SAFETY: our child; `status` is writable.
+        unsafe { libc::waitpid(self.0, &mut status, 0) };
+    }
+}
+
 fn check(ok: bool, why: &str) -> Result<(), String> {
     ok.then_some(()).ok_or_else(|| why.to_string())
 }
@@ -241,14 +270,7 @@ fn a_forked_child_does_not_keep_its_parents_leases_open() {
     drop(rx.recv_timeout(Duration::from_secs(10)).unwrap());
     let baseline = lifetime_stats();
     // A child that sleeps and never uses cuda-mp, as a forked worker that only computes.
-    // SAFETY: the child only sleeps and `_exit`s.
-    let pid = unsafe { libc::fork() };
-    assert!(pid >= 0);
-    if pid == 0 {
-        std::thread::sleep(Duration::from_secs(30));
-        // SAFETY: ends the child at once.
-        unsafe { libc::_exit(0) };
-    }
+    let child = SleepingChild::fork();
     // While the child lives: a storage shared before the fork and one shared after it (through
     // a spare lease the child also inherited) are freed once the parent is done with them.
     let after = FakeTensor::<f32>::fake(&[4], Duration::ZERO).unwrap();
@@ -258,11 +280,7 @@ fn a_forked_child_does_not_keep_its_parents_leases_open() {
     let released = wait_for_lifetime(Duration::from_secs(10), |s| {
         s.exported_storages == 0 && s.outstanding_leases <= baseline.outstanding_leases
     });
-    // SAFETY: our child.
-    unsafe { libc::kill(pid, libc::SIGKILL) };
-    let mut status = 0;
-    // SAFETY: our child; `status` is writable.
-    unsafe { libc::waitpid(pid, &mut status, 0) };
+    drop(child);
     released.expect("the forked child kept the parent's leases open");
 }
 
@@ -322,14 +340,7 @@ fn a_child_forked_while_sends_wait_in_a_backlog_does_not_hold_up_the_receiver() 
     for i in 0..3_000 {
         tx.send(i).unwrap();
     }
-    // SAFETY: the child only sleeps and `_exit`s.
-    let pid = unsafe { libc::fork() };
-    assert!(pid >= 0, "fork failed: {}", std::io::Error::last_os_error());
-    if pid == 0 {
-        std::thread::sleep(Duration::from_secs(30));
-        // SAFETY: ends the child at once.
-        unsafe { libc::_exit(0) };
-    }
+    let child = SleepingChild::fork();
     for i in 3_000..6_000 {
         tx.send(i).unwrap();
     }
@@ -338,10 +349,6 @@ fn a_child_forked_while_sends_wait_in_a_backlog_does_not_hold_up_the_receiver() 
         Ok(v) => Err(format!("message {v} where {i} was due")),
         Err(e) => Err(format!("after {i} messages: {e}")),
     });
-    // SAFETY: our child.
-    unsafe { libc::kill(pid, libc::SIGKILL) };
-    let mut status = 0;
-    // SAFETY: our child; `status` is writable.
-    unsafe { libc::waitpid(pid, &mut status, 0) };
+    drop(child);
     received.expect("every message, in order, while the forked child lives");
 }
