@@ -18,7 +18,7 @@ use crate::error::Error;
 pub(crate) const MAGIC: [u8; 8] = *b"cuda-mp\0";
 
 /// The version of both transports' protocol: their hellos, frames and the records inside.
-pub(crate) const VERSION: u32 = 8;
+pub(crate) const VERSION: u32 = 9;
 
 /// The kind byte a frame starts with, on either transport (each uses the kinds it needs).
 pub(crate) mod kind {
@@ -128,7 +128,11 @@ mod tests {
         let mut other = hello.clone();
         other.version = VERSION + 1;
         assert_eq!(Hello::<u16>::decode(&other.encode()), Err(Refusal::Version(VERSION + 1)));
-        assert!(Refusal::Version(9).reason().contains("version 8 here, 9 at the peer"));
+        assert!(
+            Refusal::Version(VERSION + 1)
+                .reason()
+                .contains(&format!("version {VERSION} here, {} at the peer", VERSION + 1))
+        );
         other.magic = *b"cuda-mq\0";
         assert_eq!(Hello::<u16>::decode(&other.encode()), Err(Refusal::Foreign));
         for bytes in [&b""[..], b"cuda-mp", &[0xff; 40]] {

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use cuda_mp::{Error, HostTensor, Receiver, RecvTimeoutError, Sender, channel, spawn};
+use cuda_mp::{Error, HostTensor, Receiver, RecvTimeoutError, Sender, TryRecvError, channel, spawn};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -155,4 +155,196 @@ fn receiving_parked_descriptors_past_the_limit_is_an_error_that_says_so() {
     });
     assert_eq!(said.as_deref().ok(), Some("out of descriptors"), "{said:?} {joined:?}");
     joined.unwrap();
+}
+
+/// A message that carries a descriptor or not.
+#[derive(serde::Serialize, serde::Deserialize)]
+enum Carrying {
+    Number(u32),
+    File(cuda_mp::testing::CarriedFile),
+    Bytes(u32, Vec<u8>),
+}
+
+/// Lowers the soft descriptor limit to the lowest free descriptor number: no new descriptor
+/// can be made (nor received) until [`Room::drop`] puts the limit back.
+struct NoRoom(libc::rlimit);
+
+impl NoRoom {
+    fn now() -> NoRoom {
+        let lowest_free = std::fs::File::open("/dev/null").map(|f| std::os::fd::AsRawFd::as_raw_fd(&f)).unwrap();
+        let mut old = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: valid, writable rlimits; lowering the soft limit is always allowed.
+        unsafe {
+            assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut old), 0);
+            let low = libc::rlimit { rlim_cur: lowest_free as libc::rlim_t, rlim_max: old.rlim_max };
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &low), 0);
+        }
+        NoRoom(old)
+    }
+}
+
+impl Drop for NoRoom {
+    fn drop(&mut self) {
+        // SAFETY: a valid rlimit, the one this process had.
+        unsafe { assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &self.0), 0) };
+    }
+}
+
+fn null_file() -> Carrying {
+    Carrying::File(cuda_mp::testing::CarriedFile(std::fs::File::open("/dev/null").unwrap()))
+}
+
+/// What a receive gave, in a word.
+fn said(got: Result<Carrying, RecvTimeoutError>) -> String {
+    match got {
+        Ok(Carrying::Number(n)) => format!("number {n}"),
+        Ok(Carrying::Bytes(n, _)) => format!("bytes {n}"),
+        Ok(Carrying::File(_)) => "file".into(),
+        Err(RecvTimeoutError::OutOfDescriptors { .. }) => "out of descriptors".into(),
+        Err(e) => format!("error: {e}"),
+    }
+}
+
+/// A message with a descriptor, then one without (which goes to the sender's ring, numbered
+/// after the first), while the receiver can take no descriptor: the first is lost, the
+/// second comes.
+fn a_lost_frame_then_a_ring_message(_: ()) -> Vec<String> {
+    let (tx, rx) = channel::<Carrying>().unwrap();
+    // The first messages introduce the sender's ring; reading them adopts it.
+    for i in 0..6 {
+        tx.send(Carrying::Number(i)).unwrap();
+    }
+    for _ in 0..6 {
+        rx.recv_timeout(WAIT).unwrap();
+    }
+    tx.send(null_file()).unwrap();
+    tx.send(Carrying::Number(100)).unwrap();
+    let first = {
+        let _no_room = NoRoom::now();
+        said(rx.recv_timeout(Duration::from_secs(5)))
+    };
+    vec![first, said(rx.recv_timeout(Duration::from_secs(5)))]
+}
+
+#[test]
+fn a_message_lost_for_want_of_descriptors_does_not_hold_up_its_senders_later_ones() {
+    let said = spawn((), a_lost_frame_then_a_ring_message).join().unwrap();
+    assert_eq!(said, ["out of descriptors", "number 100"]);
+}
+
+/// A bounded channel of one place, full with a message that carries a descriptor, read while
+/// the receiver can take none: the lost message's place is free again.
+fn a_lost_message_on_a_full_bounded_channel(_: ()) -> Vec<String> {
+    let (tx, rx) = cuda_mp::bounded::<Carrying>(1).unwrap();
+    tx.send(null_file()).unwrap();
+    let first = {
+        let _no_room = NoRoom::now();
+        said(rx.recv_timeout(Duration::from_secs(5)))
+    };
+    let sent = match tx.send_timeout(Carrying::Number(1), Duration::from_secs(5)) {
+        Ok(()) => "sent".to_string(),
+        Err(e) => format!("send failed: {e}"),
+    };
+    vec![first, sent, said(rx.recv_timeout(Duration::from_secs(5)))]
+}
+
+#[test]
+fn a_message_lost_for_want_of_descriptors_gives_its_place_back() {
+    let said = spawn((), a_lost_message_on_a_full_bounded_channel).join().unwrap();
+    assert_eq!(said, ["out of descriptors", "sent", "number 1"]);
+}
+
+/// Sends numbers until told to `go` (so that the receiver adopts its ring), then `Bytes`
+/// messages 0..[`MESSAGES`] (1 KiB each: more than its ring and the socket hold, so that most
+/// spill into batches, each handed on with a descriptor), says so, waits for `go` again (the
+/// receiver has read all it could), sends [`LATER`] more, and lives until told to quit.
+fn send_a_backlog((tx, go, sent, quit): (Sender<Carrying>, Receiver<()>, Sender<()>, Receiver<()>)) {
+    while go.try_recv().is_err() {
+        for _ in 0..32 {
+            tx.send(Carrying::Number(0)).unwrap(); // bursts: the ring is for a receiver awake
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    for i in 0..MESSAGES {
+        tx.send(Carrying::Bytes(i, vec![7; 1024])).unwrap();
+    }
+    sent.send(()).unwrap();
+    // Once the batches are handed on, later messages take the ring again, numbered after them.
+    cuda_mp::flush_sends(WAIT).unwrap();
+    go.recv_timeout(WAIT).unwrap();
+    for i in MESSAGES..MESSAGES + LATER {
+        tx.send(Carrying::Bytes(i, vec![7; 16])).unwrap();
+        if i % 16 == 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    let _ = quit.recv_timeout(WAIT);
+}
+
+const MESSAGES: u32 = 4_000;
+/// Messages sent after the backlog was handed on.
+const LATER: u32 = 400;
+
+/// Receives a backlog from a sender process that stays alive, reading while this process can
+/// take no descriptor until nothing more comes (every batch's redirect is cut short, the last
+/// one's messages never come), then with room again the messages sent after it: how many
+/// receives failed, and the numbers that came, in the order they came.
+fn receive_a_backlog_with_no_room(_: ()) -> (usize, Vec<u32>) {
+    let (tx, rx) = channel::<Carrying>().unwrap();
+    let (go_tx, go_rx) = channel().unwrap();
+    let (sent_tx, sent_rx) = channel().unwrap();
+    let (quit_tx, quit_rx) = channel().unwrap();
+    let sender = spawn((tx, go_rx, sent_tx, quit_rx), send_a_backlog);
+    let start = std::time::Instant::now();
+    while cuda_mp::testing::ring_messages_received() == 0 {
+        assert!(start.elapsed() < WAIT, "no message came through the sender's ring");
+        rx.recv_timeout(WAIT).unwrap();
+    }
+    go_tx.send(()).unwrap();
+    sent_rx.recv_timeout(WAIT).unwrap();
+    let rings_before = cuda_mp::testing::ring_messages_received();
+    let (mut lost, mut got) = (0, Vec::<u32>::new());
+    {
+        let _no_room = NoRoom::now();
+        // Every batch's redirect is cut short: until nothing more comes.
+        loop {
+            match rx.recv_timeout(Duration::from_secs(2)) {
+                Ok(Carrying::Bytes(i, _)) => got.push(i),
+                Ok(Carrying::Number(_)) => {}
+                Err(RecvTimeoutError::OutOfDescriptors { .. }) => lost += 1,
+                Err(RecvTimeoutError::Timeout) => break,
+                other => panic!("{}", said(other)),
+            }
+        }
+    }
+    go_tx.send(()).unwrap();
+    // Never asleep in the kernel (`try_recv`), so that the later messages take the sender's ring,
+    // numbered after the lost batches: nothing else comes to say that their turn has come.
+    let start = std::time::Instant::now();
+    while got.last() != Some(&(MESSAGES + LATER - 1)) {
+        match rx.try_recv() {
+            Ok(Carrying::Bytes(i, _)) => got.push(i),
+            Ok(_) => {}
+            Err(TryRecvError::Empty) => {
+                let waited = start.elapsed();
+                assert!(
+                    waited < Duration::from_secs(10),
+                    "no message for {waited:?} after {} ({lost} lost)",
+                    got.len()
+                );
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(cuda_mp::testing::ring_messages_received() > rings_before, "no later message took the ring");
+    quit_tx.send(()).unwrap();
+    sender.join().unwrap();
+    (lost, got)
+}
+
+#[test]
+fn a_batch_lost_for_want_of_descriptors_does_not_hold_up_later_messages() {
+    let (lost, got) = spawn((), receive_a_backlog_with_no_room).join().unwrap();
+    assert!(lost > 0 && got.len() < (MESSAGES + LATER) as usize, "{lost} receives failed, {} messages came", got.len());
+    assert!(got.windows(2).all(|w| w[0] < w[1]), "out of order");
 }

@@ -6,7 +6,7 @@
 //! | --- | --- | --- | --- |
 //! | 0 | the message's bytes | the message's | a message that fits in a frame |
 //! | 1 | the message's length (u64, little-endian) | a frozen memory file holding the bytes, then the message's | a larger message |
-//! | 2 | nothing | the receiving end of a spill batch | "read this batch to its end, then come back" |
+//! | 2 | the number of messages in the batch (u64, little-endian) | the receiving end of a spill batch | "read this batch to its end, then come back" |
 //! | 3 | nothing | a ring's memory, then the reading end of its pipe | "this sender's messages may come in this ring too" (`ring.rs`) |
 //! | 4 | nothing | none | "look at the rings": a message went to a ring while the receiver slept |
 //!
@@ -81,7 +81,8 @@ pub(super) fn inline_max(limit: u64) -> usize {
 pub(super) enum FrameOut<'a> {
     Inline(&'a [u8], &'a [Introduction]),
     Shared(MemoryFile, u64, &'a [Introduction]),
-    Redirect(Socket),
+    /// A spill batch and the number of messages in it.
+    Redirect(Socket, u64),
     Ring(&'a ring::Introduction),
     Wake,
 }
@@ -153,7 +154,7 @@ impl<'a> FrameOut<'a> {
         match self {
             FrameOut::Inline(bytes, leases) => cost(bytes.len() + prefix_len(leases)),
             FrameOut::Shared(_, _, leases) => cost(64 + prefix_len(leases)),
-            FrameOut::Redirect(_) | FrameOut::Ring(_) | FrameOut::Wake => SMALL_COST,
+            FrameOut::Redirect(..) | FrameOut::Ring(_) | FrameOut::Wake => SMALL_COST,
         }
     }
 
@@ -183,7 +184,9 @@ impl<'a> FrameOut<'a> {
                 &all_fds(leases, Some(memory.as_fd()), fds),
                 wait,
             ),
-            FrameOut::Redirect(batch) => socket.send(&[&[REDIRECT]], &[batch.as_fd()], wait),
+            FrameOut::Redirect(batch, messages) => {
+                socket.send(&[&[REDIRECT], &messages.to_le_bytes()], &[batch.as_fd()], wait)
+            }
             FrameOut::Ring(ring) => socket.send(&[&[RING]], &[ring.memory.as_fd(), ring.alive.as_fd()], wait),
             FrameOut::Wake => socket.send(&[&[WAKE]], &[], wait),
         }
@@ -297,8 +300,8 @@ pub(super) fn read<T: DeserializeOwned>(
             Ok(Incoming::Message { cost: cost(bytes.len().saturating_sub(1 + 8) + 64), value })
         }
         REDIRECT => {
-            let batch = match (rest.is_empty(), fds.len()) {
-                (true, 1) => fds.remove(0),
+            let batch = match (rest.len(), fds.len()) {
+                (8, 1) => fds.remove(0),
                 _ => return Err("a redirect frame that is not one".into()),
             };
             Socket::from_fd(batch).map(Incoming::Redirect).map_err(|e| format!("a redirect frame: {e}"))
@@ -315,6 +318,52 @@ pub(super) fn read<T: DeserializeOwned>(
         WAKE => Err("a wake frame that is not one".into()),
         other => Err(format!("unknown frame kind {other}")),
     }
+}
+
+/// What a frame whose descriptors the kernel dropped still tells: the frame itself is lost.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct CutShort {
+    /// What it cost on the socket.
+    pub(super) cost: u64,
+    /// The messages lost with it (a spill batch's, or the frame's own).
+    pub(super) messages: u64,
+    /// It handed on a spill batch.
+    pub(super) batch: bool,
+}
+
+/// Reads what is left of a frame the kernel cut short (its bytes whole, its descriptors the
+/// first `fds` only): the leases it introduces whose descriptors came are kept, since later
+/// messages of their sender name them without introducing them again. `None` for bytes that
+/// are not a frame of ours.
+pub(super) fn cut_short(bytes: &[u8], mut fds: Vec<OwnedFd>, leases: &ConnectionLeases) -> Option<CutShort> {
+    let (&kind, mut rest) = bytes.split_first()?;
+    let base = kind & !(WITH_LEASES | WITH_ORDER);
+    if base > SHARED {
+        let messages = match (kind, rest.len()) {
+            (REDIRECT, 8) => u64::from_le_bytes(rest.try_into().expect("8 bytes")),
+            (RING | WAKE, 0) => 0,
+            _ => return None,
+        };
+        return Some(CutShort { cost: SMALL_COST, messages, batch: kind == REDIRECT });
+    }
+    if kind & WITH_ORDER != 0 {
+        rest = rest.get(ORDER_BYTES..)?;
+    }
+    if kind & WITH_LEASES != 0 {
+        let n = usize::from(*rest.first()?);
+        rest = if fds.len() >= n {
+            introduce(rest, &mut fds, Some(leases)).ok()?
+        } else {
+            rest.get(1 + n * NAME_BYTES..)? // names without their descriptors are of no use
+        };
+    }
+    // As `read` counts them.
+    let cost = match base {
+        INLINE => cost(bytes.len() - 1),
+        _ if rest.len() == 8 => cost(bytes.len().saturating_sub(1 + 8) + 64),
+        _ => return None,
+    };
+    Some(CutShort { cost, messages: 1, batch: false })
 }
 
 #[cfg(test)]
@@ -343,7 +392,8 @@ mod tests {
         let (a, b) = Socket::pair().unwrap();
         let mut buf = vec![0u8; BUFFER];
         let mut next = || {
-            let (range, fds) = b.recv_in(&mut buf, Wait::Not).unwrap().unwrap();
+            let got = b.recv_in(&mut buf, Wait::Not).unwrap().unwrap();
+            let (range, fds) = (got.bytes, got.fds);
             read::<Vec<u8>>(&buf[range], fds, None)
         };
         let small = postcard::to_allocvec(&vec![1u8; 10]).unwrap();
@@ -355,18 +405,20 @@ mod tests {
         frame.write(&a, &[], Wait::Not).unwrap();
         assert!(matches!(next(), Ok(Incoming::Message { cost: SMALL_COST, value: Ok(v) }) if v == vec![2u8; 100_000]));
         let (batch, _) = Socket::pair().unwrap();
-        FrameOut::Redirect(batch).write(&a, &[], Wait::Not).unwrap();
+        FrameOut::Redirect(batch, 1).write(&a, &[], Wait::Not).unwrap();
         assert!(matches!(next(), Ok(Incoming::Redirect(_))));
         // An ordered frame, with and without leases: its place reads back, the message too.
         let order = Order { ring: 7, number: 41 };
         FrameOut::Inline(&small, &[]).write_in_order(&a, &[], Wait::Not, Some(order)).unwrap();
-        let (range, fds) = b.recv_in(&mut buf, Wait::Not).unwrap().unwrap();
+        let got = b.recv_in(&mut buf, Wait::Not).unwrap().unwrap();
+        let (range, fds) = (got.bytes, got.fds);
         assert_eq!(order_of(&buf[range.clone()]), Some(order));
         assert!(
             matches!(read::<Vec<u8>>(&buf[range], fds, None), Ok(Incoming::Message { value: Ok(v), .. }) if v == vec![1u8; 10])
         );
         let mut next = || {
-            let (range, fds) = b.recv_in(&mut buf, Wait::Not).unwrap().unwrap();
+            let got = b.recv_in(&mut buf, Wait::Not).unwrap().unwrap();
+            let (range, fds) = (got.bytes, got.fds);
             read::<Vec<u8>>(&buf[range], fds, None)
         };
         let (_writer, intro) = ring::RingWriter::new().unwrap();

@@ -2,7 +2,6 @@
 //! reads frames, follows redirects and settles the shared counters.
 
 use std::io;
-use std::ops::Range;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -16,8 +15,8 @@ use super::gauge::{Asleep, Gauge};
 use super::ring::{self, RingReader};
 use crate::error::{IoFailure, RecvError};
 use crate::lifetime::ConnectionLeases;
-use crate::sys::Socket;
 pub(super) use crate::sys::Wait;
+use crate::sys::{Received, Socket};
 use crate::sys::{descriptor_limit, near_descriptor_limit};
 use crate::wire;
 
@@ -55,6 +54,9 @@ pub(super) struct Inbox {
     /// How many owners the segment table had been told gone when the current receive began
     /// (`KnownSegments::forget_gone`).
     told_gone: u64,
+    /// A spill batch was lost with its messages (this process was out of descriptors): a
+    /// ring whose next message is missing and nothing else to read steps over it.
+    gaps: bool,
     /// What the sender of a named connection said it sends, when that is not `T`: named in
     /// the error of a message that does not decode.
     pub(super) sender_sends: Option<String>,
@@ -108,7 +110,7 @@ fn checked(e: RecvError) -> RecvError {
 }
 
 /// A frame as it arrived: where its bytes lie in the receive buffer, and its descriptors.
-type Raw = (Range<usize>, Vec<OwnedFd>);
+type Raw = Received;
 
 /// Receives one frame's bytes and descriptors.
 fn receive_raw(socket: &Socket, buf: &mut [u8], wait: Wait) -> Result<Raw, Missing> {
@@ -129,12 +131,8 @@ fn receive_raw(socket: &Socket, buf: &mut [u8], wait: Wait) -> Result<Raw, Missi
 }
 
 /// Reads a frame that arrived: its leases adopted, its message decoded.
-fn parse<T: DeserializeOwned>(
-    buf: &[u8],
-    (range, fds): Raw,
-    leases: &Arc<ConnectionLeases>,
-) -> Result<Incoming<T>, Missing> {
-    frame::read(&buf[range], fds, Some(leases)).map_err(|e| Missing::Failed(checked(RecvError::Malformed(e))))
+fn parse<T: DeserializeOwned>(buf: &[u8], raw: Raw, leases: &Arc<ConnectionLeases>) -> Result<Incoming<T>, Missing> {
+    frame::read(&buf[raw.bytes], raw.fds, Some(leases)).map_err(|e| Missing::Failed(checked(RecvError::Malformed(e))))
 }
 
 /// How long a receive that may wait looks for a message without waiting first: 50 us where at
@@ -180,20 +178,22 @@ impl Inbox {
         gauge.release(std::mem::take(&mut self.unsettled));
     }
 
-    /// The stashed frame's bytes and descriptors and whether it came from the socket, to send
-    /// with the receiving end (the descriptors stay here until the message has been sent).
-    pub(super) fn stashed(&self) -> Option<(Vec<u8>, Vec<std::os::fd::BorrowedFd<'_>>, bool)> {
-        let Stashed { raw: (range, fds), main, .. } = self.stash.as_ref()?;
-        Some((self.buf[range.clone()].to_vec(), fds.iter().map(|fd| fd.as_fd()).collect(), *main))
+    /// The stashed frame's bytes and descriptors, whether it came from the socket and whether
+    /// the kernel dropped some of its descriptors, to send with the receiving end (the
+    /// descriptors stay here until the message has been sent).
+    pub(super) fn stashed(&self) -> Option<(Vec<u8>, Vec<std::os::fd::BorrowedFd<'_>>, bool, bool)> {
+        let Stashed { raw, main, .. } = self.stash.as_ref()?;
+        let fds = raw.fds.iter().map(|fd| fd.as_fd()).collect();
+        Some((self.buf[raw.bytes.clone()].to_vec(), fds, *main, raw.descriptors_dropped))
     }
 
     /// A stashed frame that came with the receiving end.
-    pub(super) fn restash(&mut self, bytes: &[u8], fds: Vec<OwnedFd>, main: bool) {
+    pub(super) fn restash(&mut self, bytes: &[u8], fds: Vec<OwnedFd>, main: bool, descriptors_dropped: bool) {
         let len = bytes.len().min(self.buf.len());
         self.buf[..len].copy_from_slice(&bytes[..len]);
         if len > 0 {
             let order = frame::order_of(&self.buf[..len]);
-            self.stash = Some(Stashed { raw: (0..len, fds), main, order });
+            self.stash = Some(Stashed { raw: Received { bytes: 0..len, fds, descriptors_dropped }, main, order });
         }
     }
 }
@@ -213,6 +213,7 @@ impl Inbox {
             stash: None,
             leases,
             told_gone: 0,
+            gaps: false,
             sender_sends: None,
         }
     }
@@ -355,7 +356,7 @@ impl Inbox {
                 }
             }
         };
-        if let Some(order) = frame::order_of(&self.buf[raw.0.clone()])
+        if let Some(order) = frame::order_of(&self.buf[raw.bytes.clone()])
             && let Some(ring) = self.rings.iter_mut().find(|r| r.id() == order.ring)
         {
             if order.number > ring.next() {
@@ -399,6 +400,9 @@ impl Inbox {
 
     /// A frame in its turn: its message, or what a frame of another kind does.
     fn deliver<T: DeserializeOwned>(&mut self, gauge: &Gauge, raw: Raw, main: bool) -> Look<T> {
+        if raw.descriptors_dropped {
+            return self.deliver_cut_short(gauge, raw, main);
+        }
         let incoming = parse(&self.buf, raw, &self.leases);
         if main && let Ok(i) = &incoming {
             self.settle(gauge, i.cost());
@@ -432,6 +436,30 @@ impl Inbox {
         }
     }
 
+    /// A frame in its turn whose descriptors the kernel dropped (this process is at its limit
+    /// of descriptors): its message (or a spill batch's messages) is lost and reported as
+    /// such, and what it took is given back as if it had been read: its cost on the socket,
+    /// its places on a bounded channel, its place in its sender's order (`look_once` moved the
+    /// ring past it). A batch's messages' places in their order are unknown: the rings may
+    /// then step over what never comes (`gaps`).
+    fn deliver_cut_short<T>(&mut self, gauge: &Gauge, raw: Raw, main: bool) -> Look<T> {
+        let limit = descriptor_limit();
+        tracing::warn!(limit, "a message was lost: this process is at its limit of file descriptors");
+        let Some(cut) = frame::cut_short(&self.buf[raw.bytes], raw.fds, &self.leases) else {
+            return Look::Got(Err(Missing::Failed(RecvError::OutOfDescriptors { limit })));
+        };
+        if main {
+            self.settle(gauge, cut.cost);
+        }
+        if cut.batch {
+            self.gaps = true;
+        }
+        for _ in 0..cut.messages {
+            gauge.free_place();
+        }
+        Look::Got(Err(Missing::Failed(RecvError::OutOfDescriptors { limit })))
+    }
+
     /// The next message of a ring that is next in its sender's order, the rings taking turns.
     /// A ring that does not add up is dropped (its writer's later messages are lost) and
     /// reported as a malformed message.
@@ -449,10 +477,11 @@ impl Inbox {
                         "a channel's ring whose writer numbers a message twice".into(),
                     ))));
                 }
-                // Messages before it are on their way, unless its writer is gone and nothing
-                // is left to read: then they were lost with it.
+                // Messages before it are on their way, unless its writer is gone (or a batch
+                // was lost) and nothing is left to read: then they were lost.
                 Ok(Some(number)) => {
-                    if !(ring.writer_gone() && self.spill.is_none() && self.main.pending_bytes() == 0) {
+                    let lost = ring.writer_gone() || self.gaps;
+                    if !(lost && self.spill.is_none() && self.main.pending_bytes() == 0) {
                         continue;
                     }
                     ring.set_next(number);
@@ -503,10 +532,10 @@ impl Inbox {
                 }
             };
             gauge.frame_read();
-            if !frame::is_wake(&self.buf[raw.0.clone()]) {
+            if !frame::is_wake(&self.buf[raw.bytes.clone()]) {
                 // Not the frame peeked at (another process reads this socket too): it is the
                 // next to deliver.
-                self.stash = Some(Stashed { order: frame::order_of(&self.buf[raw.0.clone()]), raw, main: true });
+                self.stash = Some(Stashed { order: frame::order_of(&self.buf[raw.bytes.clone()]), raw, main: true });
                 return true;
             }
             if let Look::Got(Err(Missing::Failed(e))) = self.deliver::<()>(gauge, raw, true) {

@@ -931,9 +931,9 @@ struct ReceiverWire {
     leases: Vec<(ConnectionKey, Lease)>,
     /// The senders' rings: memory and pipe end of each.
     rings: Vec<(Carried, Carried)>,
-    /// A frame read before its turn (`inbox.rs`): its bytes, descriptors, and whether it came
-    /// from the socket.
-    stash: Option<(Vec<u8>, Vec<Carried>, bool)>,
+    /// A frame read before its turn (`inbox.rs`): its bytes, descriptors, whether it came
+    /// from the socket and whether the kernel dropped some of its descriptors.
+    stash: Option<(Vec<u8>, Vec<Carried>, bool, bool)>,
     /// The caching allocators' segments the senders introduced (messages still on the socket
     /// name them), each with the sending process that did.
     segments: Vec<(u128, CarriedSegment)>,
@@ -985,7 +985,7 @@ impl<T> Serialize for Receiver<T> {
             .collect::<Result<Vec<_>>>()
             .map_err(wire::encode_error)?;
         let stash = match inbox.stashed() {
-            Some((bytes, fds, main)) => {
+            Some((bytes, fds, main, dropped)) => {
                 let fds = fds
                     .into_iter()
                     .map(|fd| {
@@ -994,7 +994,7 @@ impl<T> Serialize for Receiver<T> {
                     })
                     .collect::<Result<Vec<_>>>()
                     .map_err(wire::encode_error)?;
-                Some((bytes, fds, main))
+                Some((bytes, fds, main, dropped))
             }
             None => None,
         };
@@ -1037,10 +1037,11 @@ impl<'de, T: DeserializeOwned> Deserialize<'de> for Receiver<T> {
         // Waits announced where the end was before are over: this process waits now.
         gauge.forget_sleepers();
         let stash = match wire.stash {
-            Some((bytes, fds, main)) => Some((
+            Some((bytes, fds, main, dropped)) => Some((
                 bytes,
                 fds.into_iter().map(wire::take).collect::<Result<Vec<_>>>().map_err(wire::decode_error)?,
                 main,
+                dropped,
             )),
             None => None,
         };
@@ -1049,8 +1050,8 @@ impl<'de, T: DeserializeOwned> Deserialize<'de> for Receiver<T> {
         let leases = ConnectionLeases::from_leases(wire.leases, segments);
         Ok(Receiver::from_parts(main, spill, gauge, leases, |inbox| {
             inbox.rings = rings;
-            if let Some((bytes, fds, main)) = stash {
-                inbox.restash(&bytes, fds, main);
+            if let Some((bytes, fds, main, dropped)) = stash {
+                inbox.restash(&bytes, fds, main, dropped);
             }
         }))
     }

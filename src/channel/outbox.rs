@@ -526,7 +526,8 @@ impl Outbox {
                     // Closing the writing end first: the receiver reads the batch to its end.
                     drop(batch.tx);
                     self.gauge.reserve(SMALL_COST);
-                    let written = self.write_main(&FrameOut::Redirect(batch.rx), &[], Wait::Forever, None);
+                    let written =
+                        self.write_main(&FrameOut::Redirect(batch.rx, messages as u64), &[], Wait::Forever, None);
                     backlog = self.lock();
                     backlog.handing_on = false;
                     match written {

@@ -70,6 +70,23 @@ pub(crate) struct Message {
     pub(crate) fds: Vec<OwnedFd>,
 }
 
+/// One message received into a caller's buffer.
+#[derive(Debug)]
+pub(crate) struct Received {
+    /// Where its bytes lie in the buffer (the transport's header left out).
+    pub(crate) bytes: std::ops::Range<usize>,
+    /// The descriptors that arrived, in the order they were given to [`Socket::send`].
+    pub(crate) fds: Vec<OwnedFd>,
+    /// The kernel dropped some of its descriptors, this process being at its limit of file
+    /// descriptors: `fds` holds the first ones only, and the message is lost but for its bytes.
+    pub(crate) descriptors_dropped: bool,
+}
+
+/// The error of a message whose descriptors this process could not take.
+fn descriptors_dropped() -> io::Error {
+    invalid("a message lost its descriptors: this process is at its limit of file descriptors")
+}
+
 fn invalid(text: &str) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, text.to_owned())
 }
@@ -132,31 +149,41 @@ impl Socket {
     /// `InvalidData` (its descriptors closed) and the socket stays usable.
     pub(crate) fn recv(&self, max: usize, wait: Wait) -> io::Result<Option<Message>> {
         let mut buf = vec![0u8; max + HEADER];
-        let Some((bytes, fds)) = self.recv_in(&mut buf, wait)? else { return Ok(None) };
-        let bytes = buf[bytes].to_vec();
-        Ok(Some(Message { bytes, fds }))
+        let Some(got) = self.recv_in(&mut buf, wait)? else { return Ok(None) };
+        if got.descriptors_dropped {
+            return Err(descriptors_dropped());
+        }
+        Ok(Some(Message { bytes: buf[got.bytes].to_vec(), fds: got.fds }))
     }
 
     /// Like [`recv`](Self::recv), into `buf` (kept by the caller, so that a receive allocates
-    /// nothing): messages of up to `buf.len() - 4` bytes; the message's bytes are `buf[range]`.
-    pub(crate) fn recv_in(
-        &self,
-        buf: &mut [u8],
-        wait: Wait,
-    ) -> io::Result<Option<(std::ops::Range<usize>, Vec<OwnedFd>)>> {
-        let Some((len, mut fds)) = recv_packet(self.0.as_fd(), buf, wait)? else { return Ok(None) };
+    /// nothing): messages of up to `buf.len() - 4` bytes. A message whose descriptors the
+    /// kernel dropped (this process at its limit of descriptors) is returned with its bytes,
+    /// so that the caller can account for it; see [`Received::descriptors_dropped`].
+    pub(crate) fn recv_in(&self, buf: &mut [u8], wait: Wait) -> io::Result<Option<Received>> {
+        let Some(packet) = recv_packet(self.0.as_fd(), buf, wait)? else { return Ok(None) };
+        let (len, mut fds) = (packet.len, packet.fds);
         if len < HEADER {
             return Err(invalid("a message shorter than the transport's header"));
         }
         let claimed = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
-        if claimed > MESSAGE_FDS || claimed < fds.len() || (claimed > fds.len() && fds.len() != PACKET_FDS) {
+        if claimed > MESSAGE_FDS || claimed < fds.len() {
+            return Err(invalid("a message whose descriptors do not match its header"));
+        }
+        let received = |fds, descriptors_dropped| Ok(Some(Received { bytes: HEADER..len, fds, descriptors_dropped }));
+        if packet.fds_dropped {
+            // The overflow socket, attached last, is among those dropped.
+            return received(fds, true);
+        }
+        if claimed > fds.len() && fds.len() != PACKET_FDS {
             return Err(invalid("a message whose descriptors do not match its header"));
         }
         if claimed > fds.len() {
             let rest = fds.pop().map(Socket::from_fd).transpose()?.ok_or_else(|| invalid("no overflow socket"))?;
-            rest.read_overflow(claimed - fds.len(), &mut fds)?;
+            let complete = rest.read_overflow(claimed - fds.len(), &mut fds)?;
+            return received(fds, !complete);
         }
-        Ok(Some((HEADER..len, fds)))
+        received(fds, false)
     }
 
     /// The buffer size [`recv_in`](Self::recv_in) needs for messages of `max` bytes.
@@ -165,17 +192,20 @@ impl Socket {
     }
 
     /// Reads `count` descriptors from an overflow socket (written in full before its message
-    /// was sent, so nothing here waits).
-    fn read_overflow(&self, count: usize, fds: &mut Vec<OwnedFd>) -> io::Result<()> {
+    /// was sent, so nothing here waits). False when the kernel dropped some of them.
+    fn read_overflow(&self, count: usize, fds: &mut Vec<OwnedFd>) -> io::Result<bool> {
         let target = fds.len() + count;
         let mut byte = [0u8; 1];
         while fds.len() < target {
             match recv_packet(self.0.as_fd(), &mut byte, Wait::Not)? {
-                Some((1, got)) if !got.is_empty() && fds.len() + got.len() <= target => fds.extend(got),
+                Some(Packet { fds_dropped: true, .. }) => return Ok(false),
+                Some(Packet { len: 1, fds: got, .. }) if !got.is_empty() && fds.len() + got.len() <= target => {
+                    fds.extend(got)
+                }
                 _ => return Err(invalid("a message's overflow descriptors are missing or too many")),
             }
         }
-        Ok(())
+        Ok(true)
     }
 
     /// True once the other end is closed (every holder of it is gone).
@@ -288,7 +318,17 @@ fn send_packet(socket: BorrowedFd<'_>, slices: &[IoSlice<'_>], fds: &[BorrowedFd
     }
 }
 
-fn recv_packet(socket: BorrowedFd<'_>, buf: &mut [u8], wait: Wait) -> io::Result<Option<(usize, Vec<OwnedFd>)>> {
+/// One packet as received.
+struct Packet {
+    len: usize,
+    /// The descriptors that arrived, in order.
+    fds: Vec<OwnedFd>,
+    /// The kernel dropped the packet's later descriptors (`MSG_CTRUNC`): this process could
+    /// not take more.
+    fds_dropped: bool,
+}
+
+fn recv_packet(socket: BorrowedFd<'_>, buf: &mut [u8], wait: Wait) -> io::Result<Option<Packet>> {
     let mut space = [MaybeUninit::uninit(); CONTROL_SPACE];
     loop {
         if let Wait::Until(deadline) = wait
@@ -315,10 +355,13 @@ fn recv_packet(socket: BorrowedFd<'_>, buf: &mut [u8], wait: Wait) -> io::Result
                 fds.extend(rights);
             }
         }
-        if got.flags.intersects(ReturnFlags::TRUNC | ReturnFlags::CTRUNC) {
-            return Err(invalid("a message longer, or with more descriptors, than this socket takes"));
+        if got.flags.contains(ReturnFlags::TRUNC) {
+            return Err(invalid("a message longer than this socket takes"));
         }
-        if got.bytes == 0 && fds.is_empty() {
+        // Our control buffer holds a whole packet's descriptors: the kernel cuts them short
+        // only when this process is out of descriptors (or on a forged packet with more).
+        let fds_dropped = got.flags.contains(ReturnFlags::CTRUNC);
+        if got.bytes == 0 && fds.is_empty() && !fds_dropped {
             // Every message of ours has a header: no bytes is the end once the peer is gone,
             // and an empty message of a peer that is not ours while it lives.
             if peer_gone(socket) {
@@ -326,7 +369,7 @@ fn recv_packet(socket: BorrowedFd<'_>, buf: &mut [u8], wait: Wait) -> io::Result
             }
             return Err(invalid("an empty message"));
         }
-        return Ok(Some((got.bytes, fds)));
+        return Ok(Some(Packet { len: got.bytes, fds, fds_dropped }));
     }
 }
 
