@@ -676,8 +676,9 @@ pub enum RecvError {
     /// The operating system reported an error.
     #[error("failed to receive: {0}")]
     Io(#[source] IoFailure),
-    /// This process is out of file descriptors (the limit is given); the message is lost and
-    /// its resources released.
+    /// This process is out of file descriptors (the limit is given): the message is lost (or,
+    /// where it was a batch of a sender's backlog, the batch's messages), its resources are
+    /// released, and the channel goes on with the next message.
     #[error("out of file descriptors: this process may open at most {limit}")]
     OutOfDescriptors {
         /// The process's soft limit on open descriptors.
@@ -708,8 +709,9 @@ pub enum TryRecvError {
     /// The operating system reported an error.
     #[error("failed to receive: {0}")]
     Io(#[source] IoFailure),
-    /// This process is out of file descriptors (the limit is given); the message is lost and
-    /// its resources released.
+    /// This process is out of file descriptors (the limit is given): the message is lost (or,
+    /// where it was a batch of a sender's backlog, the batch's messages), its resources are
+    /// released, and the channel goes on with the next message.
     #[error("out of file descriptors: this process may open at most {limit}")]
     OutOfDescriptors {
         /// The process's soft limit on open descriptors.
@@ -740,8 +742,9 @@ pub enum RecvTimeoutError {
     /// The operating system reported an error.
     #[error("failed to receive: {0}")]
     Io(#[source] IoFailure),
-    /// This process is out of file descriptors (the limit is given); the message is lost and
-    /// its resources released.
+    /// This process is out of file descriptors (the limit is given): the message is lost (or,
+    /// where it was a batch of a sender's backlog, the batch's messages), its resources are
+    /// released, and the channel goes on with the next message.
     #[error("out of file descriptors: this process may open at most {limit}")]
     OutOfDescriptors {
         /// The process's soft limit on open descriptors.
