@@ -285,41 +285,64 @@ const MESSAGES: u32 = 4_000;
 /// Messages sent after the backlog was handed on.
 const LATER: u32 = 400;
 
-/// Receives a backlog from a sender process that stays alive, reading while this process can
-/// take no descriptor until nothing more comes (every batch's redirect is cut short, the last
-/// one's messages never come), then with room again the messages sent after it: how many
-/// receives failed, and the numbers that came, in the order they came.
-fn receive_a_backlog_with_no_room(_: ()) -> (usize, Vec<u32>) {
+/// A sender process (`send_a_backlog`) whose backlog this process read while it could take no
+/// descriptor, until nothing more came (every batch's redirect cut short, the last one's
+/// messages never to come); the sender waits to be told to send its later messages.
+struct LostBacklog {
+    rx: Receiver<Carrying>,
+    go: Sender<()>,
+    quit: Sender<()>,
+    sender: cuda_mp::JoinHandle<()>,
+    /// How many receives failed for want of descriptors.
+    lost: usize,
+    /// The numbers that came, in the order they came.
+    got: Vec<u32>,
+}
+
+fn lose_a_backlog() -> LostBacklog {
     let (tx, rx) = channel::<Carrying>().unwrap();
-    let (go_tx, go_rx) = channel().unwrap();
+    let (go, go_rx) = channel().unwrap();
     let (sent_tx, sent_rx) = channel().unwrap();
-    let (quit_tx, quit_rx) = channel().unwrap();
+    let (quit, quit_rx) = channel().unwrap();
     let sender = spawn((tx, go_rx, sent_tx, quit_rx), send_a_backlog);
     let start = std::time::Instant::now();
     while cuda_mp::testing::ring_messages_received() == 0 {
         assert!(start.elapsed() < WAIT, "no message came through the sender's ring");
         rx.recv_timeout(WAIT).unwrap();
     }
-    go_tx.send(()).unwrap();
+    go.send(()).unwrap();
     sent_rx.recv_timeout(WAIT).unwrap();
-    let rings_before = cuda_mp::testing::ring_messages_received();
     let (mut lost, mut got) = (0, Vec::<u32>::new());
-    {
-        let _no_room = NoRoom::now();
-        // Every batch's redirect is cut short: until nothing more comes.
-        loop {
-            match rx.recv_timeout(Duration::from_secs(2)) {
-                Ok(Carrying::Bytes(i, _)) => got.push(i),
-                Ok(Carrying::Number(_)) => {}
-                Err(RecvTimeoutError::OutOfDescriptors { .. }) => lost += 1,
-                Err(RecvTimeoutError::Timeout) => break,
-                other => panic!("{}", said(other)),
-            }
+    let _no_room = NoRoom::now();
+    loop {
+        match rx.recv_timeout(Duration::from_secs(2)) {
+            Ok(Carrying::Bytes(i, _)) => got.push(i),
+            Ok(_) => {}
+            Err(RecvTimeoutError::OutOfDescriptors { .. }) => lost += 1,
+            Err(RecvTimeoutError::Timeout) => break,
+            other => panic!("{}", said(other)),
         }
     }
-    go_tx.send(()).unwrap();
-    // Never asleep in the kernel (`try_recv`), so that the later messages take the sender's ring,
-    // numbered after the lost batches: nothing else comes to say that their turn has come.
+    LostBacklog { rx, go, quit, sender, lost, got }
+}
+
+/// Loses a backlog, then receives the later messages with room again, never asleep in the
+/// kernel (`try_recv`), so that they take the sender's ring, numbered after the lost batches:
+/// nothing else comes to say that their turn has come. How many receives failed, and the
+/// numbers that came, in the order they came.
+fn receive_a_backlog_with_no_room(_: ()) -> (usize, Vec<u32>) {
+    let LostBacklog { rx, go, quit, sender, lost, got } = lose_a_backlog();
+    let got = receive_the_later_messages((rx, go, got));
+    quit.send(()).unwrap();
+    sender.join().unwrap();
+    (lost, got)
+}
+
+/// Tells the sender to `go` on, and receives until its last later message, never asleep in the
+/// kernel: the numbers that came after `got`.
+fn receive_the_later_messages((rx, go, mut got): (Receiver<Carrying>, Sender<()>, Vec<u32>)) -> Vec<u32> {
+    let rings_before = cuda_mp::testing::ring_messages_received();
+    go.send(()).unwrap();
     let start = std::time::Instant::now();
     while got.last() != Some(&(MESSAGES + LATER - 1)) {
         match rx.try_recv() {
@@ -327,19 +350,13 @@ fn receive_a_backlog_with_no_room(_: ()) -> (usize, Vec<u32>) {
             Ok(_) => {}
             Err(TryRecvError::Empty) => {
                 let waited = start.elapsed();
-                assert!(
-                    waited < Duration::from_secs(10),
-                    "no message for {waited:?} after {} ({lost} lost)",
-                    got.len()
-                );
+                assert!(waited < Duration::from_secs(10), "no message for {waited:?} after {}", got.len());
             }
             Err(e) => panic!("{e}"),
         }
     }
     assert!(cuda_mp::testing::ring_messages_received() > rings_before, "no later message took the ring");
-    quit_tx.send(()).unwrap();
-    sender.join().unwrap();
-    (lost, got)
+    got
 }
 
 #[test]
@@ -347,4 +364,42 @@ fn a_batch_lost_for_want_of_descriptors_does_not_hold_up_later_messages() {
     let (lost, got) = spawn((), receive_a_backlog_with_no_room).join().unwrap();
     assert!(lost > 0 && got.len() < (MESSAGES + LATER) as usize, "{lost} receives failed, {} messages came", got.len());
     assert!(got.windows(2).all(|w| w[0] < w[1]), "out of order");
+}
+
+/// Loses a backlog, lets the later messages go to the sender's ring while this process is
+/// awake, then selects: whether the select saw a message ready (the gap is stepped over),
+/// and what a receive then got.
+fn select_after_a_lost_backlog(_: ()) -> (String, String) {
+    let LostBacklog { rx, go, quit, sender, .. } = lose_a_backlog();
+    go.send(()).unwrap();
+    std::thread::sleep(Duration::from_millis(500)); // awake, not in the kernel: the ring
+    let mut select = cuda_mp::Select::new();
+    select.add(&rx);
+    let selected = format!("{:?}", select.select_timeout(Duration::from_secs(3)));
+    let received = said(rx.recv_timeout(Duration::from_secs(3)));
+    quit.send(()).unwrap();
+    sender.join().unwrap();
+    (selected, received)
+}
+
+#[test]
+fn a_select_sees_a_message_after_a_batch_lost_for_want_of_descriptors() {
+    let (selected, received) = spawn((), select_after_a_lost_backlog).join().unwrap();
+    assert_eq!((selected.as_str(), received.as_str()), ("Ok(0)", "bytes 4000"));
+}
+
+/// Loses a backlog, then hands the receiving end to another process, which receives the later
+/// messages: the numbers that came there.
+fn move_the_receiver_after_a_lost_backlog(_: ()) -> Vec<u32> {
+    let LostBacklog { rx, go, quit, sender, .. } = lose_a_backlog();
+    let got = spawn((rx, go, Vec::new()), receive_the_later_messages).join().unwrap();
+    quit.send(()).unwrap();
+    sender.join().unwrap();
+    got
+}
+
+#[test]
+fn a_receiver_moved_after_a_batch_lost_for_want_of_descriptors_is_not_held_up() {
+    let got = spawn((), move_the_receiver_after_a_lost_backlog).join().unwrap();
+    assert_eq!(got, (MESSAGES..MESSAGES + LATER).collect::<Vec<_>>());
 }

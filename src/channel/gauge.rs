@@ -297,16 +297,23 @@ impl Gauge {
 
     /// Gives back a place of a bounded channel: its message was received, or its send failed.
     pub(super) fn free_place(&self) {
-        if self.capacity == 0 {
+        self.free_places(1);
+    }
+
+    /// Gives back `n` places of a bounded channel at once (the messages of a lost batch).
+    pub(super) fn free_places(&self, n: u64) {
+        if self.capacity == 0 || n == 0 {
             return;
         }
         let free = self.region.u32(FREE_AT);
         let capacity = self.capacity;
+        let more = |f: u32| u32::try_from(n).unwrap_or(u32::MAX).min(capacity.saturating_sub(f));
         // Never beyond the capacity, whatever a forged message or a foreign process did.
-        if free.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |f| (f < capacity).then_some(f + 1)).is_ok()
+        if let Ok(before) =
+            free.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |f| (f < capacity).then(|| f + more(f)))
             && self.region.u32(SLEEPERS_AT).load(Ordering::SeqCst) != 0
         {
-            sys::futex_wake(free, 1);
+            sys::futex_wake(free, more(before));
         }
     }
 }

@@ -56,7 +56,7 @@ pub(super) struct Inbox {
     told_gone: u64,
     /// A spill batch was lost with its messages (this process was out of descriptors): a
     /// ring whose next message is missing and nothing else to read steps over it.
-    gaps: bool,
+    pub(super) gaps: bool,
     /// What the sender of a named connection said it sends, when that is not `T`: named in
     /// the error of a message that does not decode.
     pub(super) sender_sends: Option<String>,
@@ -448,15 +448,17 @@ impl Inbox {
         let Some(cut) = frame::cut_short(&self.buf[raw.bytes], raw.fds, &self.leases) else {
             return Look::Got(Err(Missing::Failed(RecvError::OutOfDescriptors { limit })));
         };
+        if cut.batch && !main {
+            // As `deliver` refuses it when its descriptors come.
+            return Look::Got(Err(Missing::Failed(RecvError::Malformed("a redirect inside a batch".into()))));
+        }
         if main {
             self.settle(gauge, cut.cost);
         }
         if cut.batch {
             self.gaps = true;
         }
-        for _ in 0..cut.messages {
-            gauge.free_place();
-        }
+        gauge.free_places(cut.messages);
         Look::Got(Err(Missing::Failed(RecvError::OutOfDescriptors { limit })))
     }
 
@@ -575,10 +577,13 @@ impl Inbox {
         Err(Missing::Failed(RecvError::Disconnected))
     }
 
-    /// True when a ring's first message is next in its sender's order.
+    /// True when a receive would deliver a ring's first message: it is next in its sender's
+    /// order, or the messages before it were lost (`next_of_rings`' condition).
     fn rings_ready(&mut self) -> bool {
+        let (gaps, spill_none, main) = (self.gaps, self.spill.is_none(), &self.main);
+        let nothing_left = || spill_none && main.pending_bytes() == 0;
         self.rings.iter_mut().any(|r| match r.first() {
-            Ok(Some(n)) => n == r.next(),
+            Ok(Some(n)) => n == r.next() || (n > r.next() && (r.writer_gone() || gaps) && nothing_left()),
             Ok(None) => false,
             // A receive reports it at once.
             Err(_) => true,

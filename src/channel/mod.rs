@@ -934,6 +934,8 @@ struct ReceiverWire {
     /// A frame read before its turn (`inbox.rs`): its bytes, descriptors, whether it came
     /// from the socket and whether the kernel dropped some of its descriptors.
     stash: Option<(Vec<u8>, Vec<Carried>, bool, bool)>,
+    /// Whether messages were lost whose places in their senders' order are unknown.
+    gaps: bool,
     /// The caching allocators' segments the senders introduced (messages still on the socket
     /// name them), each with the sending process that did.
     segments: Vec<(u128, CarriedSegment)>,
@@ -1013,6 +1015,7 @@ impl<T> Serialize for Receiver<T> {
             leases,
             rings,
             stash,
+            gaps: inbox.gaps,
             segments,
         }
         .serialize(serializer)
@@ -1050,6 +1053,7 @@ impl<'de, T: DeserializeOwned> Deserialize<'de> for Receiver<T> {
         let leases = ConnectionLeases::from_leases(wire.leases, segments);
         Ok(Receiver::from_parts(main, spill, gauge, leases, |inbox| {
             inbox.rings = rings;
+            inbox.gaps = wire.gaps;
             if let Some((bytes, fds, main, dropped)) = stash {
                 inbox.restash(&bytes, fds, main, dropped);
             }
