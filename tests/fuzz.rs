@@ -234,9 +234,13 @@ proptest! {
     #[test]
     fn mutated_handoff_bytes_give_values_or_errors(input in proptest::collection::vec(any::<u8>(), 0..48)) {
         let _one = one_at_a_time();
+        // What other tests of this process keep (a caching allocator's segment) stays.
+        let before = cuda_mp::lifetime_stats();
         let _ = fuzz::handoff_bytes(&input);
         let left = cuda_mp::wait_for_lifetime(Duration::from_secs(5), |s| {
-            s.live_storages == 0 && s.exported_storages == 0 && s.outstanding_leases == 0
+            s.live_storages <= before.live_storages
+                && s.exported_storages <= before.exported_storages
+                && s.outstanding_leases <= before.outstanding_leases
         });
         prop_assert!(left.is_ok(), "left alive: {:?}", left);
     }
