@@ -280,7 +280,10 @@ def put_after_queued_work(q, done):
     import torch
 
     t = torch.zeros(1 << 20, device="cuda")
-    torch.cuda._sleep(100_000_000)  # work still queued when the tensor is sent: an event orders it
+    # cuda-mp's start in this process (its device and stream, at the first send) comes first:
+    # work that ends before the send needs no event, and a send finds its stream idle.
+    q.put(torch.ones(1, device="cuda"))
+    torch.cuda._sleep(1_000_000_000)  # about 0.5 s: work still queued at the send, which an event orders
     t.add_(1)
     q.put(t)
     assert done.wait(60)
@@ -297,6 +300,7 @@ def test_a_workers_gpu_event_leaves_no_file_in_dev__shm(method):
     w = ctx.Process(target=put_after_queued_work, args=(q, done))
     w.start()
     try:
+        q.get(timeout=60)  # the worker's first send
         t = q.get(timeout=60)
         assert bool((t == 1).all()), "the worker's queued work is seen"
         files = f"/dev/shm/cuda.shm.*.{w.pid:x}.*"
