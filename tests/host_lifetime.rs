@@ -279,3 +279,48 @@ fn holder_statistics_say_which_holder_keeps_how_much_of_this_process_memory() {
     children.pop().unwrap().join().unwrap();
     cuda_mp::set_host_caching(true);
 }
+
+/// Holds a tensor until killed.
+fn hold_until_killed(x: HostTensor<i64>) {
+    let _x = x;
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+/// Receives a tensor on a channel, passes it to a child as its spawn argument, kills the child
+/// once it holds it, drops its own, says so, and keeps the channel the tensor came on (as a
+/// long-lived worker does).
+fn pass_to_a_child_then_kill_it((rx, done): (Receiver<HostTensor<i64>>, Sender<()>)) {
+    let x = rx.recv().unwrap();
+    let mut child = spawn(x.clone(), hold_until_killed);
+    std::thread::sleep(Duration::from_millis(300)); // the child has mapped its argument
+    child.kill().unwrap();
+    drop(x);
+    done.send(()).unwrap();
+    let _keep = rx;
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+#[test]
+fn a_spawn_argument_forwarded_from_a_channel_is_reclaimed_when_its_holder_is_killed() {
+    let _g = serial();
+    // A tensor of its own memory, then a block of the caching allocator's segment.
+    for caching in [false, true] {
+        cuda_mp::set_host_caching(caching);
+        let before = lifetime_stats();
+        let (tx, rx) = channel().unwrap();
+        let (done_tx, done) = channel().unwrap();
+        let mut worker = spawn((rx, done_tx), pass_to_a_child_then_kill_it);
+        tx.send(HostTensor::<i64>::full(&[64], 7).unwrap()).unwrap();
+        done.recv_timeout(WAIT).unwrap();
+        let freed = wait_for_lifetime(Duration::from_secs(3), |s| s.live_storages == before.live_storages).is_ok();
+        let held = lifetime_stats().live_storages;
+        worker.kill().unwrap();
+        let _ = wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages);
+        assert!(
+            freed,
+            "caching {caching}: {held} storages live (before: {}): kept for a killed holder",
+            before.live_storages
+        );
+    }
+    cuda_mp::set_host_caching(true);
+}

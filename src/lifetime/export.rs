@@ -190,26 +190,50 @@ fn connection_claim(key: u64, name: u64, unsent: Option<Lease>, index: u64, anch
 
 /// The claim to send with a storage of another process that this one holds through `cover`.
 ///
-/// On a channel, a counted claim is **relayed**: this process keeps one claim of its own on
-/// the storage (`Retain`, once, in a relay entry of its registry) for as long as the holders it
-/// sent it to hold theirs, which it counts on the connection's lease like its own storages.
-/// Their releases, and the close of the connection's lease when they die, come back here; the
-/// relay's last one ends this process's own claim. (Sharing the forwarder's lease instead
-/// would leave a new holder that dies counted for as long as the forwarder holds the channel
-/// the storage came on.) The new holder also keeps copies of the leases up the chain
-/// that the relay's own claim stands on (`Cover::chain` of the cover it was taken through,
-/// kept with the relay), so that this process dying frees nothing they still hold.
+/// A counted claim is **relayed**: this process keeps one claim of its own on the storage
+/// (`Retain`, once, in a relay entry of its registry) for as long as the holders it sent it to
+/// hold theirs, which it counts like its own storages: on the connection's lease on a channel,
+/// on the message's lease outside one (spawn arguments and results, pool calls). Their
+/// releases, and the close of that lease when they die, come back here; the relay's last one
+/// ends this process's own claim. (Sharing the forwarder's lease instead would leave a new
+/// holder that dies counted for as long as the forwarder holds the channel the storage came
+/// on.) The new holder also keeps copies of the leases up the chain that the relay's own claim
+/// stands on (`Cover::chain` of the cover it was taken through, kept with the relay), so that
+/// this process dying frees nothing they still hold.
 ///
-/// Outside a channel, and for per-storage leases (whose every copy is a claim), the
-/// forwarder's lease travels itself (`Cover::forward`).
+/// Per-storage leases (whose every copy is a claim) travel themselves (`Cover::forward`).
 pub(crate) fn forward(cover: &Cover, bytes: usize) -> Result<Claim> {
-    match wire::connection() {
-        Some(connection) if cover.is_counted() => relay(reaper::reaper()?, &connection, cover, bytes as u64),
-        _ => Ok(cover.forward()),
+    if !cover.is_counted() {
+        return Ok(cover.forward());
     }
+    let reaper = reaper::reaper()?;
+    let counting = match wire::connection() {
+        Some(connection) => Counting::Connection(connection),
+        None => Counting::Message(wire::per_message(|| {
+            let lease = reaper.new_lease()?;
+            opened_lease(&mut state());
+            Ok(lease)
+        })?),
+    };
+    relay(reaper, &counting, cover, bytes as u64)
 }
 
-fn relay(reaper: &'static reaper::Reaper, connection: &Connection, cover: &Cover, bytes: u64) -> Result<Claim> {
+/// Where a relay counts the claims of the holders a message makes.
+enum Counting {
+    /// This process's lease on the channel the message is encoded for.
+    Connection(Arc<Connection>),
+    /// The lease of the message (outside a channel).
+    Message(Lease),
+}
+
+/// A relayed claim's lease as the message gives it: named (a connection's, introduced by the
+/// frame while `unsent`), or carried.
+enum ToSend {
+    Named(u64, Option<Lease>),
+    Lease(Lease),
+}
+
+fn relay(reaper: &'static reaper::Reaper, counting: &Counting, cover: &Cover, bytes: u64) -> Result<Claim> {
     let id = cover.id();
     // This process's own claim for a new relay, made outside the lock (`Retain` is a write to
     // the owner's pipe); dropped (released) if another send made the relay meanwhile.
@@ -223,7 +247,14 @@ fn relay(reaper: &'static reaper::Reaper, connection: &Connection, cover: &Cover
             continue;
         }
         let relay = known.unwrap_or_else(StorageId::new_local);
-        let (key, name, unsent) = connection_lease(&mut s, reaper, connection)?;
+        // The lease key, and the claim to send but for its entry and anchors.
+        let (key, to_send) = match counting {
+            Counting::Connection(connection) => {
+                let (key, name, unsent) = connection_lease(&mut s, reaper, connection)?;
+                (key, ToSend::Named(name, unsent))
+            }
+            Counting::Message(lease) => (lease.key(), ToSend::Lease(lease.clone())),
+        };
         let entry =
             claim(&mut s, (relay, bytes), key, || Arc::new(hold.take().expect("a new relay has its claim")), None);
         let chain = if known.is_some() {
@@ -238,7 +269,10 @@ fn relay(reaper: &'static reaper::Reaper, connection: &Connection, cover: &Cover
         drop(s);
         drop(hold);
         notify();
-        return Ok(connection_claim(key, name, unsent, relay.index(), chain));
+        return Ok(match to_send {
+            ToSend::Named(name, unsent) => connection_claim(key, name, unsent, relay.index(), chain),
+            ToSend::Lease(lease) => Claim::Relayed { lease, index: relay.index(), anchors: chain },
+        });
     }
 }
 

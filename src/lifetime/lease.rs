@@ -373,20 +373,12 @@ impl Cover {
         None
     }
 
-    /// The claim to send with this storage to another process outside a channel: the same
-    /// lease, plus one claim on it for the new holder when claims are counted. (On a channel
-    /// the forwarder relays it instead: `export.rs`.)
+    /// The claim to send with this storage, held through a per-storage lease, to another
+    /// process: the same lease, whose every copy is a claim. (A counted claim is relayed
+    /// instead: `export.rs`.)
     pub(crate) fn forward(&self) -> Claim {
-        let counted = self.mode == LeaseMode::Counted;
-        if counted {
-            // Sent before the message that carries the claim, so the owner reads it before the
-            // new holder's release, which comes later on the same channel.
-            let _ = Control::Retain(self.index).send(&self.lease.tx);
-        }
-        if counted && (self.index != self.id.index() || !self.anchors.is_empty()) {
-            return Claim::Relayed { lease: self.lease.clone(), index: self.index, anchors: self.anchors.clone() };
-        }
-        Claim::Lease { lease: self.lease.clone(), counted }
+        debug_assert!(self.mode != LeaseMode::Counted, "a counted claim is relayed");
+        Claim::Lease { lease: self.lease.clone(), counted: false }
     }
 
     /// True when the claim came through a forwarder: counted on its relay, or holding copies

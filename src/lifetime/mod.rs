@@ -62,8 +62,9 @@ pub struct LifetimeStats {
     pub freed_storages: u64,
     /// Storages of this process held alive for other processes (in limbo or still in use here).
     pub exported_storages: usize,
-    /// Storages of other processes that this process forwarded on channels and keeps a claim
-    /// on for the processes it sent them to, until the last of those drops them or dies.
+    /// Storages of other processes that this process forwarded (on channels, as spawn
+    /// arguments or pool calls) and keeps a claim on for the processes it sent them to, until
+    /// the last of those drops them or dies.
     pub relayed_storages: usize,
     /// Open lease channels on this process's storages: one per channel this process sent
     /// storages on, held by its receiver for as long as it holds the channel or anything that
@@ -107,7 +108,7 @@ pub struct LifetimeStats {
 struct State {
     /// The owner registry: storages of this process that other processes may hold.
     exported: FxHashMap<StorageId, export::Exported>,
-    /// Relays (`export.rs`): a storage of another process this one forwarded on a channel ->
+    /// Relays (`export.rs`): a storage of another process this one forwarded ->
     /// its relay entry in `exported`.
     relays: HashMap<StorageId, StorageId>,
     /// Claims per open lease channel of this process: storage index -> number of claims.
