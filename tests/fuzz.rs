@@ -262,21 +262,29 @@ fn a_lease_that_takes_no_record_leaves_nothing_waiting() {
 }
 
 /// Writes the captured frames as the fuzz targets' seeds: `CUDA_MP_FUZZ_SEEDS=fuzz/seeds cargo
-/// test --test fuzz -- --ignored write_fuzz_seeds` (see `fuzz/README.md`).
+/// test --test fuzz -- --ignored write_fuzz_seeds` (see `fuzz/README.md`). Without
+/// `CUDA_MP_FUZZ_SEEDS` (a run of every ignored test), into a folder of its own under the
+/// system's temporary folder, removed after.
 #[test]
 #[ignore = "writes the fuzz targets' seeds to the folder CUDA_MP_FUZZ_SEEDS names"]
 fn write_fuzz_seeds() {
-    let dir = std::path::PathBuf::from(std::env::var("CUDA_MP_FUZZ_SEEDS").expect("CUDA_MP_FUZZ_SEEDS names a folder"));
+    let named = std::env::var_os("CUDA_MP_FUZZ_SEEDS").map(std::path::PathBuf::from);
+    let dir =
+        named.clone().unwrap_or_else(|| std::env::temp_dir().join(format!("cuda-mp-seeds-{}", std::process::id())));
     let write = |target: &str, inputs: &[Vec<u8>]| {
         let folder = dir.join(target);
         std::fs::create_dir_all(&folder).unwrap();
         for (i, input) in inputs.iter().enumerate() {
             std::fs::write(folder.join(format!("captured-{i}")), input).unwrap();
         }
+        assert!(std::fs::read_dir(&folder).unwrap().count() >= inputs.len(), "{folder:?}");
     };
     write("channel_frame", seeds());
     write("queue_frame", seeds());
     write("remote_frame", &fuzz::remote_frame_seeds().unwrap());
+    if named.is_none() {
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
 
 /// The remote frame bodies a sender writes decode as their messages.
