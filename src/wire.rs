@@ -592,6 +592,12 @@ fn to_another_host() -> Error {
     Error::Unsupported("a message to another host carries no descriptors (channels, files, shared memory)".into())
 }
 
+/// Whether a message is being encoded on this thread (a cuda-mp encode context, or procspawn's
+/// own), rather than a storage exported by hand.
+pub(crate) fn in_message() -> bool {
+    ENCODING.with(|e| !e.borrow().is_empty()) || in_procspawn()
+}
+
 /// The value of type `V` shared by every storage of the message being encoded, made by `make`
 /// on first use.
 pub(crate) fn per_message<V: Clone + 'static>(make: impl FnOnce() -> Result<V>) -> Result<V> {

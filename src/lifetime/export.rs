@@ -22,7 +22,7 @@ pub(super) struct Exported {
     /// Per-storage mode: this process's copy of the storage's lease, cloned into every message
     /// and dropped when its handles are gone.
     shared_lease: Option<Lease>,
-    /// For a relay (a storage of another process that this one forwarded on a channel): that
+    /// For a relay (a storage of another process that this one forwarded: `forward`): that
     /// storage. `keep_alive` is then this process's own claim on it.
     relay_of: Option<StorageId>,
     /// For a relay: the leases its own claim depends on (the forwarder's cover's anchors and
@@ -188,34 +188,40 @@ fn connection_claim(key: u64, name: u64, unsent: Option<Lease>, index: u64, anch
     Claim::Connection { name, index, anchors }
 }
 
-/// The claim to send with a storage of another process that this one holds through `cover`.
+/// The claim to send with a storage of another process that this one holds through `cover`
+/// (`mode`: how its kind's owner leases it outside channels).
 ///
-/// A counted claim is **relayed**: this process keeps one claim of its own on the storage
-/// (`Retain`, once, in a relay entry of its registry) for as long as the holders it sent it to
-/// hold theirs, which it counts like its own storages: on the connection's lease on a channel,
-/// on the message's lease outside one (spawn arguments and results, pool calls). Their
-/// releases, and the close of that lease when they die, come back here; the relay's last one
-/// ends this process's own claim. (Sharing the forwarder's lease instead would leave a new
-/// holder that dies counted for as long as the forwarder holds the channel the storage came
-/// on.) The new holder also keeps copies of the leases up the chain that the relay's own claim
-/// stands on (`Cover::chain` of the cover it was taken through, kept with the relay), so that
-/// this process dying frees nothing they still hold.
+/// A counted claim is **relayed** on a channel, and outside one (spawn arguments and results,
+/// pool calls) for kinds whose leases are counted (host storages): this process keeps one
+/// claim of its own on the storage (`Retain`, once, in a relay entry of its registry) for as
+/// long as the holders it sent it to hold theirs, which it counts like its own storages: on
+/// the connection's lease on a channel, on the message's lease outside one. Their releases,
+/// and the close of that lease when they die, come back here; the relay's last one ends this
+/// process's own claim. (Sharing the forwarder's lease instead would leave a new holder that
+/// dies counted for as long as the forwarder holds the channel the storage came on.) The new
+/// holder also keeps copies of the leases up the chain that the relay's own claim stands on
+/// (`Cover::chain` of the cover it was taken through, kept with the relay), so that this
+/// process dying frees nothing they still hold.
 ///
-/// Per-storage leases (whose every copy is a claim) travel themselves (`Cover::forward`).
-pub(crate) fn forward(cover: &Cover, bytes: usize) -> Result<Claim> {
+/// Otherwise the forwarder's lease travels itself (`Cover::forward`): per-storage leases
+/// (every copy is a claim), GPU storages outside channels, and exports by hand (no message).
+pub(crate) fn forward(cover: &Cover, bytes: usize, mode: LeaseMode) -> Result<Claim> {
     if !cover.is_counted() {
         return Ok(cover.forward());
     }
-    let reaper = reaper::reaper()?;
     let counting = match wire::connection() {
         Some(connection) => Counting::Connection(connection),
-        None => Counting::Message(wire::per_message(|| {
-            let lease = reaper.new_lease()?;
-            opened_lease(&mut state());
-            Ok(lease)
-        })?),
+        None if mode == LeaseMode::Counted && wire::in_message() => {
+            let reaper = reaper::reaper()?;
+            Counting::Message(wire::per_message(|| {
+                let lease = reaper.new_lease()?;
+                opened_lease(&mut state());
+                Ok(lease)
+            })?)
+        }
+        None => return Ok(cover.forward()),
     };
-    relay(reaper, &counting, cover, bytes as u64)
+    relay(reaper::reaper()?, &counting, cover, bytes as u64)
 }
 
 /// Where a relay counts the claims of the holders a message makes.

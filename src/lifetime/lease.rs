@@ -218,7 +218,8 @@ pub(crate) enum Claim {
     /// per-storage lease whose every copy is one claim.
     Lease { lease: Lease, counted: bool },
     /// A counted claim on entry `index` of the lease the message carries, for a storage whose
-    /// forwarder holds it for the new holder (outside a channel: see [`Cover::forward`]);
+    /// forwarder holds it for the new holder (outside a channel: its relay on the message's
+    /// lease, or the forwarder's own lease, [`Cover::forward`]);
     /// `anchors` are the leases the claims behind it are counted on (see [`Cover`]).
     Relayed { lease: Lease, index: u64, anchors: Vec<Lease> },
     /// A claim on entry `index` counted on the connection lease `name`, which the message
@@ -373,12 +374,20 @@ impl Cover {
         None
     }
 
-    /// The claim to send with this storage, held through a per-storage lease, to another
-    /// process: the same lease, whose every copy is a claim. (A counted claim is relayed
-    /// instead: `export.rs`.)
+    /// The claim to send with this storage to another process where it is not relayed
+    /// (`export.rs`): the same lease, plus one claim on it for the new holder when claims are
+    /// counted.
     pub(crate) fn forward(&self) -> Claim {
-        debug_assert!(self.mode != LeaseMode::Counted, "a counted claim is relayed");
-        Claim::Lease { lease: self.lease.clone(), counted: false }
+        let counted = self.mode == LeaseMode::Counted;
+        if counted {
+            // Sent before the message that carries the claim, so the owner reads it before the
+            // new holder's release, which comes later on the same channel.
+            let _ = Control::Retain(self.index).send(&self.lease.tx);
+        }
+        if counted && (self.index != self.id.index() || !self.anchors.is_empty()) {
+            return Claim::Relayed { lease: self.lease.clone(), index: self.index, anchors: self.anchors.clone() };
+        }
+        Claim::Lease { lease: self.lease.clone(), counted }
     }
 
     /// True when the claim came through a forwarder: counted on its relay, or holding copies

@@ -62,9 +62,9 @@ pub struct LifetimeStats {
     pub freed_storages: u64,
     /// Storages of this process held alive for other processes (in limbo or still in use here).
     pub exported_storages: usize,
-    /// Storages of other processes that this process forwarded (on channels, as spawn
-    /// arguments or pool calls) and keeps a claim on for the processes it sent them to, until
-    /// the last of those drops them or dies.
+    /// Storages of other processes that this process forwarded (on channels; host storages
+    /// also as spawn arguments or pool calls) and keeps a claim on for the processes it sent
+    /// them to, until the last of those drops them or dies.
     pub relayed_storages: usize,
     /// Open lease channels on this process's storages: one per channel this process sent
     /// storages on, held by its receiver for as long as it holds the channel or anything that
