@@ -14,6 +14,12 @@ cuda_mp::enable_test_support!();
 
 const WAIT: Duration = Duration::from_secs(30);
 
+/// One test at a time: one of them counts this process's leases and exported storages.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    common::serial(&SERIAL, WAIT)
+}
+
 /// A file of this process holding `text`, not named anywhere.
 fn file_with(text: &str) -> std::fs::File {
     let mut f = tempfile();
@@ -47,6 +53,7 @@ fn send_files_and_exit((tx, n): (Sender<Vec<CarriedFile>>, usize)) {
 
 #[test]
 fn descriptors_in_flight_outlive_their_sender_and_any_number_travel_in_one_message() {
+    let _g = serial();
     let (tx, rx): (Sender<Vec<CarriedFile>>, Receiver<Vec<CarriedFile>>) = channel().unwrap();
     // More than ipc-channel's 64 and the kernel's 253 descriptors per transport message.
     spawn((tx, 300), send_files_and_exit).join().unwrap();
@@ -60,6 +67,7 @@ fn descriptors_in_flight_outlive_their_sender_and_any_number_travel_in_one_messa
 
 #[test]
 fn a_received_descriptor_is_the_senders_file() {
+    let _g = serial();
     let (tx, rx) = channel::<CarriedFile>().unwrap();
     let mine = file_with("before");
     tx.send(CarriedFile(mine.try_clone().unwrap())).unwrap();
@@ -75,6 +83,7 @@ struct ForgedCarried(u32, Option<()>);
 
 #[test]
 fn a_message_naming_a_descriptor_it_does_not_carry_is_malformed_and_the_receiver_goes_on() {
+    let _g = serial();
     let (tx, rx) = common::connect::<ForgedCarried, CarriedFile>();
     for index in [0, 1, 70_000, u32::MAX] {
         tx.send(ForgedCarried(index, None)).unwrap();
@@ -90,6 +99,7 @@ fn a_message_naming_a_descriptor_it_does_not_carry_is_malformed_and_the_receiver
 
 #[test]
 fn a_descriptor_named_twice_in_one_message_is_taken_once() {
+    let _g = serial();
     // The second value of the message names the first one's descriptor again.
     let (tx, rx) = common::connect::<(CarriedFile, ForgedCarried), (CarriedFile, CarriedFile)>();
     tx.send((CarriedFile(file_with("once")), ForgedCarried(0, None))).unwrap();
@@ -106,6 +116,7 @@ fn a_descriptor_named_twice_in_one_message_is_taken_once() {
 
 #[test]
 fn a_message_of_many_storages_that_does_not_decode_is_an_error_and_keeps_nothing_claimed() {
+    let _g = serial();
     use cuda_mp::testing::FakeTensor;
     let before = cuda_mp::lifetime_stats();
     // Three storages to a receiver of another element type: the first tensor is refused, and
@@ -146,6 +157,7 @@ fn receive_one_undecodable((rx, counts): (Receiver<(CarriedFile, u64, CarriedFil
 
 #[test]
 fn a_message_of_many_parked_descriptors_that_does_not_decode_closes_them_all() {
+    let _g = serial();
     // Files sent to a receiver that expects something else where the second one is.
     let (tx, rx) = common::connect::<(CarriedFile, CarriedFile, CarriedFile), (CarriedFile, u64, CarriedFile)>();
     tx.send((CarriedFile(file_with("a")), CarriedFile(file_with("b")), CarriedFile(file_with("c")))).unwrap();
