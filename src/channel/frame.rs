@@ -206,16 +206,27 @@ fn all_fds<'f>(leases: &'f [Introduction], own: Option<BorrowedFd<'f>>, fds: &'f
 /// Takes the leases a frame introduces (its prefix, `rest` after the kind byte, and its first
 /// descriptors) into `known`; gives the rest of the frame's bytes.
 fn introduce<'b>(rest: &'b [u8], fds: &mut Vec<OwnedFd>, known: Option<&ConnectionLeases>) -> Result<&'b [u8], String> {
+    introduce_first(rest, fds, known, usize::MAX)
+}
+
+/// As `introduce`, adopting only the first `came` leases (those whose descriptors came).
+fn introduce_first<'b>(
+    rest: &'b [u8],
+    fds: &mut Vec<OwnedFd>,
+    known: Option<&ConnectionLeases>,
+    came: usize,
+) -> Result<&'b [u8], String> {
     let (&n, rest) = rest.split_first().ok_or("a frame's leases without their number")?;
     let n = n as usize;
-    if n == 0 || n > MAX_INTRODUCED || fds.len() < n || rest.len() < n * NAME_BYTES {
+    let came = came.min(n);
+    if n == 0 || n > MAX_INTRODUCED || fds.len() < came || rest.len() < n * NAME_BYTES {
         return Err("a frame whose leases do not add up".into());
     }
     let (names, rest) = rest.split_at(n * NAME_BYTES);
-    if fds[..n].iter().any(|fd| !crate::sys::is_pipe_writer(fd.as_fd())) {
+    if fds[..came].iter().any(|fd| !crate::sys::is_pipe_writer(fd.as_fd())) {
         return Err(crate::lifetime::NOT_A_LEASE.into());
     }
-    for (name, fd) in names.chunks_exact(NAME_BYTES).zip(fds.drain(..n)) {
+    for (name, fd) in names.chunks_exact(NAME_BYTES).zip(fds.drain(..came)) {
         let owner = u128::from_le_bytes(name[..16].try_into().expect("16 bytes"));
         let key = u64::from_le_bytes(name[16..].try_into().expect("8 bytes"));
         if let Some(known) = known {
@@ -350,12 +361,10 @@ pub(super) fn cut_short(bytes: &[u8], mut fds: Vec<OwnedFd>, leases: &Connection
         rest = rest.get(ORDER_BYTES..)?;
     }
     if kind & WITH_LEASES != 0 {
-        let n = usize::from(*rest.first()?);
-        rest = if fds.len() >= n {
-            introduce(rest, &mut fds, Some(leases)).ok()?
-        } else {
-            rest.get(1 + n * NAME_BYTES..)? // names without their descriptors are of no use
-        };
+        // The kernel installs a packet's descriptors in order and stops at the first it cannot:
+        // those that came are the first leases' (a frame's leases come before its others).
+        let came = fds.len();
+        rest = introduce_first(rest, &mut fds, Some(leases), came).ok()?;
     }
     // As `read` counts them.
     let cost = match base {
@@ -369,6 +378,24 @@ pub(super) fn cut_short(bytes: &[u8], mut fds: Vec<OwnedFd>, leases: &Connection
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_frame_cut_short_adopts_the_leases_whose_descriptors_came() {
+        let leases: Vec<Introduction> = (0..3)
+            .map(|key| Introduction {
+                name: ConnectionKey { owner: 7, key },
+                lease: Lease::from_fd(crate::sys::lease_pipe().unwrap().1),
+            })
+            .collect();
+        let mut frame = head(INLINE, &leases, None);
+        frame.extend(postcard::to_allocvec(&5u8).unwrap());
+        let known = ConnectionLeases::default();
+        let came = leases[..2].iter().map(|i| i.lease.fd().try_clone_to_owned().unwrap()).collect();
+        let cut = cut_short(&frame, came, &known).expect("a cut frame is read");
+        assert_eq!((cut.messages, cut.batch, cut.cost), (1, false, cost(frame.len() - 1)));
+        let adopted: Vec<bool> = leases.iter().map(|i| known.get(&i.name).is_some()).collect();
+        assert_eq!(adopted, [true, true, false]);
+    }
 
     #[test]
     fn the_cost_bounds_what_the_kernel_charges() {
