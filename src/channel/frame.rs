@@ -503,6 +503,25 @@ mod tests {
                 prop_assert!(leases.all().len() <= fds.min(MAX_INTRODUCED));
             }
 
+            /// Any bytes with any few descriptors, as a frame cut short: nothing or what it
+            /// stood for, never a panic; a lease prefix adopts at most what it names and what
+            /// came; a cost and a count only as a frame of its kind has them.
+            #[test]
+            fn any_frame_cut_short_is_read_without_a_panic(
+                bytes in proptest::collection::vec(any::<u8>(), 0..200),
+                kind in prop_oneof![Just(0u8), Just(1), Just(2), Just(3), Just(4), Just(0x40), Just(0xc1), Just(0x80), Just(0x81), any::<u8>()],
+                fds in 0usize..4,
+            ) {
+                let mut frame = vec![kind];
+                frame.extend(&bytes);
+                let leases = ConnectionLeases::default();
+                if let Some(cut) = cut_short(&frame, descriptors(fds), &leases) {
+                    prop_assert!(cut.messages == 1 || cut.batch || (cut.messages == 0 && cut.cost == SMALL_COST));
+                    prop_assert!(cut.cost <= cost(frame.len() + 64));
+                }
+                prop_assert!(leases.all().len() <= fds.min(MAX_INTRODUCED));
+            }
+
             /// A frame that introduces leases reads back their names and keeps their
             /// descriptors, whatever message follows.
             #[test]
