@@ -1141,3 +1141,25 @@ fn a_fresh_tensor_waits_for_its_sender_at_its_first_use_and_one_in_use_at_its_re
     steps.send(Step::Exit).unwrap();
     producer.join().unwrap();
 }
+
+/// Receives a tensor on a channel, exports it by hand (no message: its claim is the forwarder's
+/// lease itself) and imports the payload back here: what it reads, or why it could not.
+fn export_a_received_tensor_by_hand((rx, reply): (Receiver<GpuTensor<f32>>, Sender<Result<Vec<f32>, String>>)) {
+    let t = rx.recv().unwrap();
+    let read = t.ipc_payload().and_then(GpuTensor::<f32>::from_ipc_payload).and_then(|back| back.to_vec());
+    reply.send(read.map_err(|e| e.to_string())).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_tensor_received_on_a_channel_exports_by_hand() {
+    let _g = serial();
+    let dev = gpu();
+    let t = GpuTensor::<f32>::full(&dev, &[8], 2.5).unwrap();
+    let (tx, rx) = channel().unwrap();
+    let (reply_tx, reply) = channel().unwrap();
+    let child = spawn((rx, reply_tx), export_a_received_tensor_by_hand);
+    tx.send(t.clone()).unwrap();
+    assert_eq!(reply.recv_timeout(WAIT).unwrap(), Ok(vec![2.5; 8]));
+    child.join().unwrap();
+}
