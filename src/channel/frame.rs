@@ -271,6 +271,15 @@ impl<T> fmt::Debug for Incoming<T> {
     }
 }
 
+/// What a message's frame of kind `base` (`INLINE` or `SHARED`), `len` bytes long with its
+/// prefixes, cost on the socket: what its writer counted (`FrameOut::cost`).
+fn message_cost(base: u8, len: usize) -> u64 {
+    match base {
+        INLINE => cost(len.saturating_sub(1)),
+        _ => cost(len.saturating_sub(1 + 8) + 64),
+    }
+}
+
 /// Reads a frame: its bytes and descriptors as they arrived. A frame that is not one of ours
 /// (raw bytes from a foreign writer) is an error, its descriptors closed and its cost unknown.
 /// Leases the frame introduces go into `leases` (the receiving end's), and the message is
@@ -295,7 +304,7 @@ pub(super) fn read<T: DeserializeOwned>(
     };
     let decode = |bytes: &[u8], fds| wire::decode_on(bytes, fds, leases.map(|l| &**l));
     match kind {
-        INLINE => Ok(Incoming::Message { cost: cost(bytes.len() - 1), value: decode(rest, fds) }),
+        INLINE => Ok(Incoming::Message { cost: message_cost(INLINE, bytes.len()), value: decode(rest, fds) }),
         SHARED => {
             let len: [u8; 8] = rest.try_into().map_err(|_| "a shared-memory frame without its length")?;
             let len = u64::from_le_bytes(len);
@@ -308,7 +317,7 @@ pub(super) fn read<T: DeserializeOwned>(
                 let bytes = memory.frozen_bytes().ok_or("a frame's shared memory is not sealed against writes")?;
                 decode(&bytes[..len], fds)
             });
-            Ok(Incoming::Message { cost: cost(bytes.len().saturating_sub(1 + 8) + 64), value })
+            Ok(Incoming::Message { cost: message_cost(SHARED, bytes.len()), value })
         }
         REDIRECT => {
             let batch = match (rest.len(), fds.len()) {
@@ -366,13 +375,10 @@ pub(super) fn cut_short(bytes: &[u8], mut fds: Vec<OwnedFd>, leases: &Connection
         let came = fds.len();
         rest = introduce_first(rest, &mut fds, Some(leases), came).ok()?;
     }
-    // As `read` counts them.
-    let cost = match base {
-        INLINE => cost(bytes.len() - 1),
-        _ if rest.len() == 8 => cost(bytes.len().saturating_sub(1 + 8) + 64),
-        _ => return None,
-    };
-    Some(CutShort { cost, messages: 1, batch: false })
+    if base != INLINE && rest.len() != 8 {
+        return None; // a shared-memory frame without its length
+    }
+    Some(CutShort { cost: message_cost(base, bytes.len()), messages: 1, batch: false })
 }
 
 #[cfg(test)]
@@ -475,6 +481,22 @@ mod tests {
 
         use super::*;
 
+        /// A forged frame's first byte: every kind, with and without its flags, or any byte.
+        fn frame_kinds() -> impl Strategy<Value = u8> {
+            prop_oneof![
+                Just(0u8),
+                Just(1),
+                Just(2),
+                Just(3),
+                Just(4),
+                Just(0x40),
+                Just(0xc1),
+                Just(0x80),
+                Just(0x81),
+                any::<u8>()
+            ]
+        }
+
         /// Descriptors for a forged frame: pipes' and memory files' ends, `n` of them.
         fn descriptors(n: usize) -> Vec<OwnedFd> {
             (0..n)
@@ -493,7 +515,7 @@ mod tests {
             #[test]
             fn any_frame_is_read_without_a_panic(
                 bytes in proptest::collection::vec(any::<u8>(), 0..200),
-                kind in prop_oneof![Just(0u8), Just(1), Just(2), Just(3), Just(4), Just(0x40), Just(0xc1), Just(0x80), Just(0x81), any::<u8>()],
+                kind in frame_kinds(),
                 fds in 0usize..4,
             ) {
                 let mut frame = vec![kind];
@@ -509,7 +531,7 @@ mod tests {
             #[test]
             fn any_frame_cut_short_is_read_without_a_panic(
                 bytes in proptest::collection::vec(any::<u8>(), 0..200),
-                kind in prop_oneof![Just(0u8), Just(1), Just(2), Just(3), Just(4), Just(0x40), Just(0xc1), Just(0x80), Just(0x81), any::<u8>()],
+                kind in frame_kinds(),
                 fds in 0usize..4,
             ) {
                 let mut frame = vec![kind];
