@@ -109,6 +109,13 @@ fn checked(e: RecvError) -> RecvError {
     }
 }
 
+/// Whether the messages before `ring`'s first entry (numbered past its next) will never come:
+/// its writer is gone, or a batch was lost (`gaps`), and nothing is left to read that could
+/// hold them.
+fn gap_is_lost(ring: &RingReader, gaps: bool, spill: &Option<Arc<Socket>>, main: &Socket) -> bool {
+    (ring.writer_gone() || gaps) && spill.is_none() && main.pending_bytes() == 0
+}
+
 /// A frame as it arrived: where its bytes lie in the receive buffer, and its descriptors.
 type Raw = Received;
 
@@ -482,8 +489,7 @@ impl Inbox {
                 // Messages before it are on their way, unless its writer is gone (or a batch
                 // was lost) and nothing is left to read: then they were lost.
                 Ok(Some(number)) => {
-                    let lost = ring.writer_gone() || self.gaps;
-                    if !(lost && self.spill.is_none() && self.main.pending_bytes() == 0) {
+                    if !gap_is_lost(ring, self.gaps, &self.spill, &self.main) {
                         continue;
                     }
                     ring.set_next(number);
@@ -580,10 +586,9 @@ impl Inbox {
     /// True when a receive would deliver a ring's first message: it is next in its sender's
     /// order, or the messages before it were lost (`next_of_rings`' condition).
     fn rings_ready(&mut self) -> bool {
-        let (gaps, spill_none, main) = (self.gaps, self.spill.is_none(), &self.main);
-        let nothing_left = || spill_none && main.pending_bytes() == 0;
+        let (gaps, spill, main) = (self.gaps, &self.spill, &self.main);
         self.rings.iter_mut().any(|r| match r.first() {
-            Ok(Some(n)) => n == r.next() || (n > r.next() && (r.writer_gone() || gaps) && nothing_left()),
+            Ok(Some(n)) => n == r.next() || (n > r.next() && gap_is_lost(r, gaps, spill, main)),
             Ok(None) => false,
             // A receive reports it at once.
             Err(_) => true,

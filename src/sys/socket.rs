@@ -167,7 +167,10 @@ impl Socket {
             return Err(invalid("a message shorter than the transport's header"));
         }
         let claimed = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
-        if claimed > MESSAGE_FDS || claimed < fds.len() {
+        // More than came only past a packet's worth (the rest in the overflow socket, attached
+        // last), or where the kernel dropped some.
+        let more = claimed > fds.len();
+        if claimed > MESSAGE_FDS || claimed < fds.len() || (more && fds.len() != PACKET_FDS && !packet.fds_dropped) {
             return Err(invalid("a message whose descriptors do not match its header"));
         }
         let received = |fds, descriptors_dropped| Ok(Some(Received { bytes: HEADER..len, fds, descriptors_dropped }));
@@ -175,10 +178,7 @@ impl Socket {
             // The overflow socket, attached last, is among those dropped.
             return received(fds, true);
         }
-        if claimed > fds.len() && fds.len() != PACKET_FDS {
-            return Err(invalid("a message whose descriptors do not match its header"));
-        }
-        if claimed > fds.len() {
+        if more {
             let rest = fds.pop().map(Socket::from_fd).transpose()?.ok_or_else(|| invalid("no overflow socket"))?;
             let complete = rest.read_overflow(claimed - fds.len(), &mut fds)?;
             return received(fds, !complete);
