@@ -125,11 +125,7 @@ pub(crate) fn grant(
             Grant { claim: Claim::Lease { lease, counted: false }, ticket }
         }
         LeaseMode::Counted => {
-            let lease = wire::per_message(|| {
-                let lease = reaper.new_lease()?;
-                opened_lease(&mut state());
-                Ok(lease)
-            })?;
+            let lease = message_lease(reaper)?;
             let mut s = state();
             let entry = claim(&mut s, (id, bytes), lease.key(), keep_alive, handle);
             let ticket = cache.then(|| CacheTicket { slot: slot_of(entry, id) });
@@ -209,19 +205,25 @@ pub(crate) fn forward(cover: &Cover, bytes: usize, mode: LeaseMode) -> Result<Cl
     if !cover.is_counted() {
         return Ok(cover.forward());
     }
-    let counting = match wire::connection() {
+    let connection = wire::connection();
+    if connection.is_none() && !(mode == LeaseMode::Counted && wire::in_message()) {
+        return Ok(cover.forward());
+    }
+    let reaper = reaper::reaper()?;
+    let counting = match connection {
         Some(connection) => Counting::Connection(connection),
-        None if mode == LeaseMode::Counted && wire::in_message() => {
-            let reaper = reaper::reaper()?;
-            Counting::Message(wire::per_message(|| {
-                let lease = reaper.new_lease()?;
-                opened_lease(&mut state());
-                Ok(lease)
-            })?)
-        }
-        None => return Ok(cover.forward()),
+        None => Counting::Message(message_lease(reaper)?),
     };
-    relay(reaper::reaper()?, &counting, cover, bytes as u64)
+    relay(reaper, &counting, cover, bytes as u64)
+}
+
+/// The lease of the message being encoded, made on its first counted claim (outside channels).
+fn message_lease(reaper: &'static reaper::Reaper) -> Result<Lease> {
+    wire::per_message(|| {
+        let lease = reaper.new_lease()?;
+        opened_lease(&mut state());
+        Ok(lease)
+    })
 }
 
 /// Where a relay counts the claims of the holders a message makes.
