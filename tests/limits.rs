@@ -18,14 +18,22 @@ fn leave_headroom(headroom: u64) -> u64 {
     drop(HostTensor::<u8>::zeros(&[1]).unwrap());
     let open = std::fs::read_dir("/proc/self/fd").unwrap().count() as u64;
     let limit = open + headroom;
+    set_soft_limit(limit);
+    limit
+}
+
+/// Sets this process's soft descriptor limit (at most the hard limit, which stays); gives the
+/// soft limit it had.
+fn set_soft_limit(limit: u64) -> u64 {
     let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: `r` is a valid, writable rlimit; lowering the soft limit is always allowed.
+    // SAFETY: `r` is a valid, writable rlimit; a soft limit up to the hard one is allowed.
     unsafe {
         assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut r), 0);
+        let old = r.rlim_cur;
         r.rlim_cur = limit as libc::rlim_t;
         assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &r), 0);
+        old
     }
-    limit
 }
 
 fn allocate_until_it_fails(caching: bool) -> String {
@@ -166,27 +174,19 @@ enum Carrying {
 }
 
 /// Lowers the soft descriptor limit to the lowest free descriptor number: no new descriptor
-/// can be made (nor received) until [`Room::drop`] puts the limit back.
-struct NoRoom(libc::rlimit);
+/// can be made (nor received) until its drop puts the limit back.
+struct NoRoom(u64);
 
 impl NoRoom {
     fn now() -> NoRoom {
         let lowest_free = std::fs::File::open("/dev/null").map(|f| std::os::fd::AsRawFd::as_raw_fd(&f)).unwrap();
-        let mut old = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-        // SAFETY: valid, writable rlimits; lowering the soft limit is always allowed.
-        unsafe {
-            assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut old), 0);
-            let low = libc::rlimit { rlim_cur: lowest_free as libc::rlim_t, rlim_max: old.rlim_max };
-            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &low), 0);
-        }
-        NoRoom(old)
+        NoRoom(set_soft_limit(lowest_free as u64))
     }
 }
 
 impl Drop for NoRoom {
     fn drop(&mut self) {
-        // SAFETY: a valid rlimit, the one this process had.
-        unsafe { assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &self.0), 0) };
+        set_soft_limit(self.0);
     }
 }
 
