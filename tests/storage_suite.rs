@@ -371,6 +371,54 @@ where
     closed(before);
 }
 
+/// Holds the tensors of its spawn argument, says how many, and waits to be killed.
+fn hold_argument<S>((held, reply): (Msg<S>, Sender<usize>))
+where
+    Tensor<f32, S>: Serialize + DeserializeOwned,
+{
+    reply.send(held.len()).unwrap();
+    std::thread::sleep(WAIT * 2);
+}
+
+/// Receives tensors on a channel, passes them to a child as its spawn argument, kills the child
+/// once it holds them, drops its own, says so, and keeps the channel they came on (as a
+/// long-lived worker does) until told to end.
+#[allow(clippy::type_complexity)]
+fn pass_to_a_child_then_kill_it<S>((rx, reply, end): (Receiver<Msg<S>>, Sender<usize>, Receiver<()>))
+where
+    Tensor<f32, S>: Serialize + DeserializeOwned,
+{
+    let held = rx.recv().unwrap();
+    let (child_reply, child_held) = channel().unwrap();
+    let mut child = spawn((held.clone(), child_reply), hold_argument::<S>);
+    let n = child_held.recv_timeout(WAIT).unwrap();
+    child.kill().unwrap();
+    drop(held);
+    reply.send(n).unwrap();
+    let _ = end.recv_timeout(WAIT * 2);
+}
+
+/// Parent -> A on a channel, A -> B as B's spawn argument, B killed while A lives on holding
+/// the channel: the storages are freed at the kill, not when A ends.
+fn a_spawn_argument_forwarded_from_a_channel_is_freed_when_its_holder_is_killed<K: Kind>()
+where
+    Tensor<f32, K::S>: Serialize + DeserializeOwned,
+{
+    let _g = serial();
+    let before = lifetime_stats();
+    let (tx, rx) = channel().unwrap();
+    let (reply_tx, reply) = channel().unwrap();
+    let (end, end_rx) = channel().unwrap();
+    let a = spawn((rx, reply_tx, end_rx), pass_to_a_child_then_kill_it::<K::S>);
+    tx.send(vec![K::make(8), K::make(8)]).unwrap();
+    assert_eq!(reply.recv_timeout(WAIT).unwrap(), 2, "B held both");
+    settled(before);
+    end.send(()).unwrap();
+    drop(tx);
+    a.join().unwrap();
+    closed(before);
+}
+
 /// A message with more tensors than one transport message can carry descriptors for.
 fn many_tensors_cross_in_one_message<K: Kind>(n: usize)
 where
@@ -632,6 +680,12 @@ macro_rules! suite {
             $(#[$attr])?
             fn a_forwarded_storage_whose_new_holder_is_killed_is_freed_at_once() {
                 super::a_forwarded_storage_whose_new_holder_is_killed_is_freed_at_once::<$kind>();
+            }
+
+            #[test]
+            $(#[$attr])?
+            fn a_spawn_argument_forwarded_from_a_channel_is_freed_when_its_holder_is_killed() {
+                super::a_spawn_argument_forwarded_from_a_channel_is_freed_when_its_holder_is_killed::<$kind>();
             }
 
             #[test]

@@ -184,29 +184,28 @@ fn connection_claim(key: u64, name: u64, unsent: Option<Lease>, index: u64, anch
     Claim::Connection { name, index, anchors }
 }
 
-/// The claim to send with a storage of another process that this one holds through `cover`
-/// (`mode`: how its kind's owner leases it outside channels).
+/// The claim to send with a storage of another process that this one holds through `cover`.
 ///
-/// A counted claim is **relayed** on a channel, and outside one (spawn arguments and results,
-/// pool calls) for kinds whose leases are counted (host storages): this process keeps one
-/// claim of its own on the storage (`Retain`, once, in a relay entry of its registry) for as
-/// long as the holders it sent it to hold theirs, which it counts like its own storages: on
-/// the connection's lease on a channel, on the message's lease outside one. Their releases,
-/// and the close of that lease when they die, come back here; the relay's last one ends this
-/// process's own claim. (Sharing the forwarder's lease instead would leave a new holder that
-/// dies counted for as long as the forwarder holds the channel the storage came on.) The new
-/// holder also keeps copies of the leases up the chain that the relay's own claim stands on
-/// (`Cover::chain` of the cover it was taken through, kept with the relay), so that this
-/// process dying frees nothing they still hold.
+/// A counted claim is **relayed** inside a message, on a channel or outside one (spawn
+/// arguments and results, pool calls): this process keeps one claim of its own on the storage
+/// (`Retain`, once, in a relay entry of its registry) for as long as the holders it sent it to
+/// hold theirs, which it counts like its own storages: on the connection's lease on a channel,
+/// on the message's lease outside one. Their releases, and the close of that lease when they
+/// die, come back here; the relay's last one ends this process's own claim. (Sharing the
+/// forwarder's lease instead would leave a new holder that dies counted for as long as the
+/// forwarder holds the channel the storage came on.) The new holder also keeps copies of the
+/// leases up the chain that the relay's own claim stands on (`Cover::chain` of the cover it was
+/// taken through, kept with the relay), so that this process dying frees nothing they still
+/// hold.
 ///
 /// Otherwise the forwarder's lease travels itself (`Cover::forward`): per-storage leases
-/// (every copy is a claim), GPU storages outside channels, and exports by hand (no message).
-pub(crate) fn forward(cover: &Cover, bytes: usize, mode: LeaseMode) -> Result<Claim> {
+/// (every copy is a claim), and exports by hand (`ipc_payload`: no message to hold a lease).
+pub(crate) fn forward(cover: &Cover, bytes: usize) -> Result<Claim> {
     if !cover.is_counted() {
         return Ok(cover.forward());
     }
     let connection = wire::connection();
-    if connection.is_none() && !(mode == LeaseMode::Counted && wire::in_message()) {
+    if connection.is_none() && !wire::in_message() {
         return Ok(cover.forward());
     }
     let reaper = reaper::reaper()?;

@@ -449,7 +449,7 @@ fn export_now<S: Shared>(storage: &Arc<S>, explicit: bool) -> Result<Record<<S::
             (grant.claim, grant.ticket, kind)
         }
         Origin::Imported { cover, ticket } => {
-            let claim = lifetime::forward(cover, m.len, S::Kind::LEASE)?;
+            let claim = lifetime::forward(cover, m.len)?;
             crate::sys::kill_point("forward");
             (claim, *ticket, S::Kind::forward(m)?)
         }
