@@ -84,6 +84,7 @@ def consumer(mem, event, step_offset, shm_name, conns, kind, rounds, fills, read
 
     rt = cupy.cuda.runtime
     cupy.cuda.Device(0).use()
+    rt.free(rt.malloc(1))  # the context exists before the opens
     stream = cupy.cuda.Stream(non_blocking=True)
     base = rt.ipcOpenMemHandle(mem, 1)  # cudaIpcMemLazyEnablePeerAccess
     ev = rt.ipcOpenEventHandle(event)
@@ -138,7 +139,9 @@ def case(ctx, weights, base, step_offset, stream, work, kind, rounds):
         ),
     )
     p.start()
-    assert ready.wait(120), "the consumer did not start"
+    while not ready.wait(0.5):
+        if not p.is_alive():
+            raise SystemExit(f"the consumer ended before its first round (exit code {p.exitcode})")
     request = Signal(kind, words[0:1], requests_out)
     ack = Signal(kind, words[1:2], acks_in)
     step = cupy.ndarray((1,), dtype=cupy.int64, memptr=cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(base + step_offset, 8, None), 0))
