@@ -24,6 +24,10 @@ and how the two processes signal each other (`signal`):
              sleeps in the kernel while it waits, as a blocking receive does
     spin     a busy loop on a shared-memory word: neither side sleeps
 
+Each row also splits the round (medians, both processes on CLOCK_MONOTONIC): the producer's
+send (event record and signal), until the consumer woke, the consumer's wait enqueued, its
+read of the step, and until the producer had the acknowledgement.
+
 So `pipe` rows are what any library whose processes sleep between messages pays on this machine
 (two wake-ups after an idle period, plus the GPU's switch between the two processes' contexts
 after `update`); `spin` rows take the wake-ups out and leave the driver and the GPU.
@@ -98,12 +102,19 @@ def consumer(mem, event, step_offset, shm_name, conns, kind, rounds, fills, read
     rt.memcpyAsync(host, base + step_offset, 8, D2H, stream.ptr)
     stream.synchronize()
     ready.set()
+    clock = time.perf_counter  # CLOCK_MONOTONIC: one clock for both processes
+    marks = []
     for r in range(1, rounds + 1):
         s = request.recv(r)
+        woken = clock()
         rt.streamWaitEvent(stream.ptr, ev, 0)
+        waited = clock()
         rt.memcpyAsync(host, base + step_offset, 8, D2H, stream.ptr)
         stream.synchronize()
+        read = clock()
         ack.send(s if step.value == (s if fills else 0) else -s)
+        marks.append((woken, waited, read, clock()))
+    conns[1].send(marks)  # after the rounds: the bare pipe is empty
     del words
     shm.close()
     rt.freeHost(host)
@@ -148,7 +159,7 @@ def case(ctx, weights, base, step_offset, stream, work, kind, rounds):
     with stream:
         step.fill(0)
     stream.synchronize()
-    times = []
+    times, starts, sent, acked = [], [], [], []
     with stream:
         for s in range(1, rounds + 1):
             if work == "update":
@@ -159,12 +170,30 @@ def case(ctx, weights, base, step_offset, stream, work, kind, rounds):
                 time.sleep(0.007)
             stream.synchronize()
             start = time.perf_counter()
+            starts.append(start)
             rt.eventRecord(event, stream.ptr)
             request.send(s)
+            sent.append(time.perf_counter())
             got = ack.recv(s)
-            times.append((time.perf_counter() - start) * 1e6)
+            acked.append(time.perf_counter())
+            times.append((acked[-1] - start) * 1e6)
             assert got == s, f"round {s}: the consumer read the step of another round"
+    marks = acks_in.recv()
     p.join(120)
+    # Medians of each part of a round, us: the send (event record and signal), until the
+    # consumer woke, its wait's enqueue, its read of the step, until the producer had the ack.
+    parts = []
+    for i, (woken, waited, read, answered) in enumerate(marks):
+        parts.append(
+            (
+                (sent[i] - starts[i]) * 1e6,
+                (woken - sent[i]) * 1e6,
+                (waited - woken) * 1e6,
+                (read - waited) * 1e6,
+                (acked[i] - read) * 1e6,
+            )
+        )
+    split = [statistics.median(x[j] for x in parts) for j in range(5)]
     for c in (requests_in, requests_out, acks_in, acks_out):
         c.close()
     del words
@@ -172,7 +201,7 @@ def case(ctx, weights, base, step_offset, stream, work, kind, rounds):
     shm.unlink()
     rt.eventDestroy(event)
     times.sort()
-    return statistics.median(times), times[min(len(times) - 1, int(len(times) * 0.99))]
+    return statistics.median(times), times[min(len(times) - 1, int(len(times) * 0.99))], split
 
 
 def main():
@@ -199,11 +228,14 @@ def main():
     stream.synchronize()
     print(f"weights: {len(shapes)} tensors, {total / 1e9:.2f} GB in one allocation; {rounds} rounds a case")
     ctx = mp.get_context("spawn")
-    print(f"{'between rounds':16s} {'signal':6s} {'median us':>10s} {'p99 us':>10s}")
+    print(
+        f"{'between rounds':14s} {'signal':6s} {'median us':>9s} {'p99 us':>9s} | medians, us: "
+        "send, until woken, wait enqueued, step read, until acknowledged"
+    )
     for work in WORKS:
         for kind in SIGNALS:
-            med, p99 = case(ctx, weights, base, offset, stream, work, kind, rounds)
-            print(f"{work:16s} {kind:6s} {med:10.1f} {p99:10.1f}")
+            med, p99, split = case(ctx, weights, base, offset, stream, work, kind, rounds)
+            print(f"{work:14s} {kind:6s} {med:9.1f} {p99:9.1f} | " + " / ".join(f"{x:.1f}" for x in split))
     rt.free(base)
 
 
