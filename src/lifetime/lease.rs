@@ -396,7 +396,7 @@ impl Cover {
         self.index != self.id.index() || !self.anchors.is_empty()
     }
 
-    /// True for claims counted on their lease (which a forwarder relays on a channel).
+    /// True for claims counted on their lease (which a forwarder relays inside a message).
     pub(crate) fn is_counted(&self) -> bool {
         self.mode == LeaseMode::Counted
     }

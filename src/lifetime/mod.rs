@@ -62,14 +62,16 @@ pub struct LifetimeStats {
     pub freed_storages: u64,
     /// Storages of this process held alive for other processes (in limbo or still in use here).
     pub exported_storages: usize,
-    /// Storages of other processes that this process forwarded (on channels; host storages
-    /// also as spawn arguments or pool calls) and keeps a claim on for the processes it sent
-    /// them to, until the last of those drops them or dies.
+    /// Storages of other processes that this process forwarded in messages (on channels, as
+    /// spawn arguments, results or pool calls, as bytes) and keeps a claim on for the processes
+    /// it sent them to, until the last of those drops them or dies.
     pub relayed_storages: usize,
     /// Open lease channels on this process's storages: one per channel this process sent
     /// storages on, held by its receiver for as long as it holds the channel or anything that
     /// came through it; outside channels (spawn arguments, pool calls) one per message of host
-    /// storage, and one per GPU storage while this process holds it and it is shared.
+    /// storages or of storages this process forwards (one per forwarded storage where
+    /// procspawn encodes a result on its own), and one per GPU storage of its own while this
+    /// process holds it and it is shared.
     pub outstanding_leases: usize,
     /// Lease channels made since the process started: one per channel and sending process
     /// (again only after the last one of that channel closed), and outside channels as
