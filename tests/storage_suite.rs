@@ -419,6 +419,42 @@ where
     closed(before);
 }
 
+/// Receives tensors on a channel, encodes them as bytes that nobody will decode (their time to
+/// live is `ttl_ms`), drops its own, says so, and keeps the channel they came on until told to
+/// end.
+#[allow(clippy::type_complexity)]
+fn forward_as_bytes_never_decoded<S>((rx, reply, end, ttl_ms): (Receiver<Msg<S>>, Sender<usize>, Receiver<()>, u64))
+where
+    Tensor<f32, S>: Serialize + DeserializeOwned,
+{
+    let held = rx.recv().unwrap();
+    let bytes = cuda_mp::to_bytes(&held, Duration::from_millis(ttl_ms)).unwrap();
+    drop(held);
+    reply.send(bytes.len()).unwrap();
+    let _ = end.recv_timeout(WAIT * 2);
+}
+
+/// Parent -> A on a channel, A encodes them as bytes nobody decodes, while A lives on holding
+/// the channel: the storages are freed when the bytes' time to live ends, not when A ends.
+fn bytes_forwarded_from_a_channel_and_never_decoded_free_their_storages<K: Kind>()
+where
+    Tensor<f32, K::S>: Serialize + DeserializeOwned,
+{
+    let _g = serial();
+    let before = lifetime_stats();
+    let (tx, rx) = channel().unwrap();
+    let (reply_tx, reply) = channel().unwrap();
+    let (end, end_rx) = channel().unwrap();
+    let a = spawn((rx, reply_tx, end_rx, 500), forward_as_bytes_never_decoded::<K::S>);
+    tx.send(vec![K::make(8), K::make(8)]).unwrap();
+    assert!(reply.recv_timeout(WAIT).unwrap() > 0, "A encoded them");
+    settled(before);
+    end.send(()).unwrap();
+    drop(tx);
+    a.join().unwrap();
+    closed(before);
+}
+
 /// A message with more tensors than one transport message can carry descriptors for.
 fn many_tensors_cross_in_one_message<K: Kind>(n: usize)
 where
@@ -686,6 +722,12 @@ macro_rules! suite {
             $(#[$attr])?
             fn a_spawn_argument_forwarded_from_a_channel_is_freed_when_its_holder_is_killed() {
                 super::a_spawn_argument_forwarded_from_a_channel_is_freed_when_its_holder_is_killed::<$kind>();
+            }
+
+            #[test]
+            $(#[$attr])?
+            fn bytes_forwarded_from_a_channel_and_never_decoded_free_their_storages() {
+                super::bytes_forwarded_from_a_channel_and_never_decoded_free_their_storages::<$kind>();
             }
 
             #[test]
