@@ -419,6 +419,47 @@ where
     closed(before);
 }
 
+/// Receives tensors on a channel, passes them to a pool's worker as its call's argument,
+/// terminates the pool once the worker holds them, drops its own, says so, and keeps the
+/// channel they came on until told to end.
+#[allow(clippy::type_complexity)]
+fn pass_to_a_pool_then_terminate_it<S: Send + Sync + 'static>(
+    (rx, reply, end): (Receiver<Msg<S>>, Sender<usize>, Receiver<()>),
+) where
+    Tensor<f32, S>: Serialize + DeserializeOwned,
+{
+    let held = rx.recv().unwrap();
+    let pool = cuda_mp::Pool::new(1).unwrap();
+    let (worker_reply, worker_held) = channel().unwrap();
+    let _call = pool.apply_async((held.clone(), worker_reply), hold_argument::<S>);
+    let n = worker_held.recv_timeout(WAIT).unwrap();
+    pool.terminate();
+    drop(held);
+    reply.send(n).unwrap();
+    let _ = end.recv_timeout(WAIT * 2);
+}
+
+/// Parent -> A on a channel, A -> a pool worker as a call's argument, the pool terminated
+/// while A lives on holding the channel: the storages are freed then, not when A ends.
+fn a_pool_call_forwarded_from_a_channel_is_freed_when_its_worker_is_terminated<K: Kind>()
+where
+    Tensor<f32, K::S>: Serialize + DeserializeOwned,
+{
+    let _g = serial();
+    let before = lifetime_stats();
+    let (tx, rx) = channel().unwrap();
+    let (reply_tx, reply) = channel().unwrap();
+    let (end, end_rx) = channel().unwrap();
+    let a = spawn((rx, reply_tx, end_rx), pass_to_a_pool_then_terminate_it::<K::S>);
+    tx.send(vec![K::make(8), K::make(8)]).unwrap();
+    assert_eq!(reply.recv_timeout(WAIT).unwrap(), 2, "the worker held both");
+    settled(before);
+    end.send(()).unwrap();
+    drop(tx);
+    a.join().unwrap();
+    closed(before);
+}
+
 /// Receives tensors on a channel, encodes them as bytes that nobody will decode (their time to
 /// live is `ttl_ms`), drops its own, says so, and keeps the channel they came on until told to
 /// end.
@@ -722,6 +763,12 @@ macro_rules! suite {
             $(#[$attr])?
             fn a_spawn_argument_forwarded_from_a_channel_is_freed_when_its_holder_is_killed() {
                 super::a_spawn_argument_forwarded_from_a_channel_is_freed_when_its_holder_is_killed::<$kind>();
+            }
+
+            #[test]
+            $(#[$attr])?
+            fn a_pool_call_forwarded_from_a_channel_is_freed_when_its_worker_is_terminated() {
+                super::a_pool_call_forwarded_from_a_channel_is_freed_when_its_worker_is_terminated::<$kind>();
             }
 
             #[test]
