@@ -380,68 +380,54 @@ where
     std::thread::sleep(WAIT * 2);
 }
 
-/// Receives tensors on a channel, passes them to a child as its spawn argument, kills the child
-/// once it holds them, drops its own, says so, and keeps the channel they came on (as a
-/// long-lived worker does) until told to end.
-#[allow(clippy::type_complexity)]
-fn pass_to_a_child_then_kill_it<S>((rx, reply, end): (Receiver<Msg<S>>, Sender<usize>, Receiver<()>))
-where
-    Tensor<f32, S>: Serialize + DeserializeOwned,
-{
-    let held = rx.recv().unwrap();
-    let (child_reply, child_held) = channel().unwrap();
-    let mut child = spawn((held.clone(), child_reply), hold_argument::<S>);
-    let n = child_held.recv_timeout(WAIT).unwrap();
-    child.kill().unwrap();
-    drop(held);
-    reply.send(n).unwrap();
-    let _ = end.recv_timeout(WAIT * 2);
+/// How a forwarder passes on, outside channels, tensors it received on a channel.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+enum PassOn {
+    /// As a child's spawn argument; the child is killed once it holds them.
+    SpawnArgument,
+    /// As a pool call's argument; the pool is terminated once its worker holds them.
+    PoolCall,
+    /// As bytes (`to_bytes`) that nobody decodes, living 500 ms.
+    BytesNeverDecoded,
 }
 
-/// Parent -> A on a channel, A -> B as B's spawn argument, B killed while A lives on holding
-/// the channel: the storages are freed at the kill, not when A ends.
-fn a_spawn_argument_forwarded_from_a_channel_is_freed_when_its_holder_is_killed<K: Kind>()
-where
-    Tensor<f32, K::S>: Serialize + DeserializeOwned,
-{
-    let _g = serial();
-    let before = lifetime_stats();
-    let (tx, rx) = channel().unwrap();
-    let (reply_tx, reply) = channel().unwrap();
-    let (end, end_rx) = channel().unwrap();
-    let a = spawn((rx, reply_tx, end_rx), pass_to_a_child_then_kill_it::<K::S>);
-    tx.send(vec![K::make(8), K::make(8)]).unwrap();
-    assert_eq!(reply.recv_timeout(WAIT).unwrap(), 2, "B held both");
-    settled(before);
-    end.send(()).unwrap();
-    drop(tx);
-    a.join().unwrap();
-    closed(before);
-}
-
-/// Receives tensors on a channel, passes them to a pool's worker as its call's argument,
-/// terminates the pool once the worker holds them, drops its own, says so, and keeps the
-/// channel they came on until told to end.
+/// Receives tensors on a channel, passes them on as `how` says, drops its own, says so (how
+/// many the new holder held, or how many bytes it encoded), and keeps the channel they came on
+/// (as a long-lived worker does) until told to end.
 #[allow(clippy::type_complexity)]
-fn pass_to_a_pool_then_terminate_it<S: Send + Sync + 'static>(
-    (rx, reply, end): (Receiver<Msg<S>>, Sender<usize>, Receiver<()>),
+fn pass_on_outside_channels<S: Send + Sync + 'static>(
+    (rx, reply, end, how): (Receiver<Msg<S>>, Sender<usize>, Receiver<()>, PassOn),
 ) where
     Tensor<f32, S>: Serialize + DeserializeOwned,
 {
     let held = rx.recv().unwrap();
-    let pool = cuda_mp::Pool::new(1).unwrap();
-    let (worker_reply, worker_held) = channel().unwrap();
-    let _call = pool.apply_async((held.clone(), worker_reply), hold_argument::<S>);
-    let n = worker_held.recv_timeout(WAIT).unwrap();
-    pool.terminate();
+    let n = match how {
+        PassOn::SpawnArgument => {
+            let (child_reply, child_held) = channel().unwrap();
+            let mut child = spawn((held.clone(), child_reply), hold_argument::<S>);
+            let n = child_held.recv_timeout(WAIT).unwrap();
+            child.kill().unwrap();
+            n
+        }
+        PassOn::PoolCall => {
+            let pool = cuda_mp::Pool::new(1).unwrap();
+            let (worker_reply, worker_held) = channel().unwrap();
+            let _call = pool.apply_async((held.clone(), worker_reply), hold_argument::<S>);
+            let n = worker_held.recv_timeout(WAIT).unwrap();
+            pool.terminate();
+            n
+        }
+        PassOn::BytesNeverDecoded => cuda_mp::to_bytes(&held, Duration::from_millis(500)).unwrap().len(),
+    };
     drop(held);
     reply.send(n).unwrap();
     let _ = end.recv_timeout(WAIT * 2);
 }
 
-/// Parent -> A on a channel, A -> a pool worker as a call's argument, the pool terminated
-/// while A lives on holding the channel: the storages are freed then, not when A ends.
-fn a_pool_call_forwarded_from_a_channel_is_freed_when_its_worker_is_terminated<K: Kind>()
+/// Parent -> A on a channel, A passes the storages on outside channels (`how`), and their new
+/// holder goes (killed, its pool terminated, or the bytes' time to live ended) while A lives
+/// on holding the channel: the storages are freed then, not when A ends.
+fn passed_on_outside_channels_is_freed_when_its_holder_goes<K: Kind>(how: PassOn)
 where
     Tensor<f32, K::S>: Serialize + DeserializeOwned,
 {
@@ -450,45 +436,14 @@ where
     let (tx, rx) = channel().unwrap();
     let (reply_tx, reply) = channel().unwrap();
     let (end, end_rx) = channel().unwrap();
-    let a = spawn((rx, reply_tx, end_rx), pass_to_a_pool_then_terminate_it::<K::S>);
+    let a = spawn((rx, reply_tx, end_rx, how), pass_on_outside_channels::<K::S>);
     tx.send(vec![K::make(8), K::make(8)]).unwrap();
-    assert_eq!(reply.recv_timeout(WAIT).unwrap(), 2, "the worker held both");
-    settled(before);
-    end.send(()).unwrap();
-    drop(tx);
-    a.join().unwrap();
-    closed(before);
-}
-
-/// Receives tensors on a channel, encodes them as bytes that nobody will decode (their time to
-/// live is `ttl_ms`), drops its own, says so, and keeps the channel they came on until told to
-/// end.
-#[allow(clippy::type_complexity)]
-fn forward_as_bytes_never_decoded<S>((rx, reply, end, ttl_ms): (Receiver<Msg<S>>, Sender<usize>, Receiver<()>, u64))
-where
-    Tensor<f32, S>: Serialize + DeserializeOwned,
-{
-    let held = rx.recv().unwrap();
-    let bytes = cuda_mp::to_bytes(&held, Duration::from_millis(ttl_ms)).unwrap();
-    drop(held);
-    reply.send(bytes.len()).unwrap();
-    let _ = end.recv_timeout(WAIT * 2);
-}
-
-/// Parent -> A on a channel, A encodes them as bytes nobody decodes, while A lives on holding
-/// the channel: the storages are freed when the bytes' time to live ends, not when A ends.
-fn bytes_forwarded_from_a_channel_and_never_decoded_free_their_storages<K: Kind>()
-where
-    Tensor<f32, K::S>: Serialize + DeserializeOwned,
-{
-    let _g = serial();
-    let before = lifetime_stats();
-    let (tx, rx) = channel().unwrap();
-    let (reply_tx, reply) = channel().unwrap();
-    let (end, end_rx) = channel().unwrap();
-    let a = spawn((rx, reply_tx, end_rx, 500), forward_as_bytes_never_decoded::<K::S>);
-    tx.send(vec![K::make(8), K::make(8)]).unwrap();
-    assert!(reply.recv_timeout(WAIT).unwrap() > 0, "A encoded them");
+    let n = reply.recv_timeout(WAIT).unwrap();
+    match how {
+        PassOn::SpawnArgument => assert_eq!(n, 2, "B held both"),
+        PassOn::PoolCall => assert_eq!(n, 2, "the worker held both"),
+        PassOn::BytesNeverDecoded => assert!(n > 0, "A encoded them"),
+    }
     settled(before);
     end.send(()).unwrap();
     drop(tx);
@@ -762,19 +717,19 @@ macro_rules! suite {
             #[test]
             $(#[$attr])?
             fn a_spawn_argument_forwarded_from_a_channel_is_freed_when_its_holder_is_killed() {
-                super::a_spawn_argument_forwarded_from_a_channel_is_freed_when_its_holder_is_killed::<$kind>();
+                super::passed_on_outside_channels_is_freed_when_its_holder_goes::<$kind>(PassOn::SpawnArgument);
             }
 
             #[test]
             $(#[$attr])?
             fn a_pool_call_forwarded_from_a_channel_is_freed_when_its_worker_is_terminated() {
-                super::a_pool_call_forwarded_from_a_channel_is_freed_when_its_worker_is_terminated::<$kind>();
+                super::passed_on_outside_channels_is_freed_when_its_holder_goes::<$kind>(PassOn::PoolCall);
             }
 
             #[test]
             $(#[$attr])?
             fn bytes_forwarded_from_a_channel_and_never_decoded_free_their_storages() {
-                super::bytes_forwarded_from_a_channel_and_never_decoded_free_their_storages::<$kind>();
+                super::passed_on_outside_channels_is_freed_when_its_holder_goes::<$kind>(PassOn::BytesNeverDecoded);
             }
 
             #[test]
