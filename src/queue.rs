@@ -1171,6 +1171,19 @@ impl From<GetTimeoutError> for Error {
     }
 }
 
+/// Looks with `look` until what it sees is `done` or `wait` has passed; gives the last look
+/// (for the tests of the queue and its dispatcher, whose threads settle in their own time).
+#[cfg(test)]
+fn look_until<T>(wait: Duration, mut look: impl FnMut() -> T, done: impl Fn(&T) -> bool) -> T {
+    let deadline = std::time::Instant::now() + wait;
+    let mut seen = look();
+    while !done(&seen) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+        seen = look();
+    }
+    seen
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1193,12 +1206,7 @@ mod tests {
         queue.put(2).unwrap();
         assert_eq!(consumer.get().unwrap(), 2);
         // The first goes once the hub has read its channel's close, which may come after.
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        let mut consumers = consumer.stats().unwrap().consumers;
-        while consumers != 1 && std::time::Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-            consumers = consumer.stats().unwrap().consumers;
-        }
+        let consumers = look_until(Duration::from_secs(5), || consumer.stats().unwrap().consumers, |&n| n == 1);
         assert_eq!(consumers, 1, "the consumer joined again, and the first is gone");
     }
 }

@@ -657,6 +657,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::queue::look_until;
 
     /// A consumer that returned a message and left: the dispatcher fails to send it the next
     /// one before reading the `Got` it wrote for the one it returned. That message must count
@@ -704,18 +705,15 @@ mod tests {
     /// to the consumer that waits, with no other event to come.
     #[test]
     fn puts_taken_in_without_a_send_reach_a_waiting_consumer_through_the_server() {
-        use std::time::{Duration, Instant};
+        use std::time::Duration;
         const WAIT: Duration = Duration::from_secs(10);
         let ends = start::<u32>().unwrap();
         let (requests, requests_rx) = channel::<Ctl>().unwrap();
         let (replies_tx, replies) = channel::<Reply<u32>>().unwrap();
         ends.join.send(Join { requests: requests_rx, replies: replies_tx }).unwrap();
         requests.send(Ctl::Want(2)).unwrap();
-        let deadline = Instant::now() + WAIT;
-        while ends.local.state.lock().unwrap().stats().waiting == 0 {
-            assert!(Instant::now() < deadline, "the consumer's want was never read");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        let waiting = look_until(WAIT, || ends.local.state.lock().unwrap().stats().waiting, |&n| n != 0);
+        assert!(waiting != 0, "the consumer's want was never read");
         // A put that found the lock taken left its value pending, and another put comes.
         ends.local.pending().push(1);
         ends.local.put(2);
@@ -759,14 +757,7 @@ mod tests {
         // The first returns it and leaves: delivered once, nothing taken back.
         forger.send((3, 0)).unwrap(); // Got(0)
         drop(forger);
-        let deadline = std::time::Instant::now() + WAIT;
-        let stats = loop {
-            let s = ends.local.state.lock().unwrap().stats();
-            if s.consumers == 1 || std::time::Instant::now() > deadline {
-                break s;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        };
+        let stats = look_until(WAIT, || ends.local.state.lock().unwrap().stats(), |s| s.consumers == 1);
         assert_eq!(
             (stats.delivered, stats.requeued, stats.backlog, stats.in_flight, stats.consumers),
             (1, 0, 0, 0, 1),
