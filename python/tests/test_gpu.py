@@ -280,15 +280,18 @@ def put_after_queued_work(q, done):
     import torch
 
     t = torch.zeros(1 << 20, device="cuda")
+    a, b = torch.rand(4096, 4096, device="cuda"), torch.empty(4096, 4096, device="cuda")
+    # The kernels used below, loaded first: the driver loads a kernel at its first launch
+    # (CUDA's lazy loading), and that load waits for all work queued in the context, which
+    # would leave nothing queued at the send.
+    torch.mm(a, a, out=b)
+    t.add_(0)
+    torch.cuda.synchronize()
     # cuda-mp's start in this process (its device and stream, at the first send) comes first:
     # work that ends before the send needs no event, and a send finds its stream idle.
     q.put(torch.ones(1, device="cuda"))
     # Work still queued at the send, which an event orders: products of 4096 x 4096 matrices,
-    # about 0.25 s in all on an H100. (In a worker like this one, whose first put another
-    # process took, PyTorch's stream was found idle right after these launches, and after
-    # ``torch.cuda._sleep`` alike, on an H100 with driver 580; the same launches after a put
-    # in a process of its own leave it busy. Not understood yet: the test says so.)
-    a, b = torch.rand(4096, 4096, device="cuda"), torch.empty(4096, 4096, device="cuda")
+    # about 0.25 s in all on an H100.
     for _ in range(100):
         torch.mm(a, a, out=b)
     t.add_(1)
