@@ -7,7 +7,8 @@ docs/performance.md.
 
 Each worker queues 100 products of 4096 x 4096 float32 matrices (the first one starts cuBLAS),
 then an in-place add (a kernel it has not launched before), then asks whether its stream is
-idle. Needs torch and one GPU; the `put` case needs the cuda_mp package.
+idle. With cuda-mp, the worker then queues the products again and times a put of a fresh
+tensor (its export and event record) while they run. Needs torch and one GPU; the `put` case needs the cuda_mp package.
 """
 
 import os
@@ -34,10 +35,23 @@ def worker(q, report, case):
     synced = time.perf_counter()
     torch.cuda.synchronize()
     end = time.perf_counter()
-    report.put(
+    line = (
         f"{case:6s} first mm {1e3 * (marks[1] - marks[0]):8.1f} ms | other 99 mm {1e3 * (marks[-1] - marks[1]):5.1f} ms"
         f" | add_ {1e3 * (queried - added):6.1f} ms | idle after {str(idle):5s} | synchronize {1e3 * (end - synced):6.1f} ms"
     )
+    if q is not None:
+        # A put while work is queued (every kernel loaded by now): a fresh storage's export
+        # and the interprocess event's first record must not wait for that work.
+        fresh = torch.empty(1 << 20, device="cuda")
+        for _ in range(100):
+            torch.mm(a, a, out=b)
+        fresh.fill_(2)
+        began = time.perf_counter()
+        q.put(fresh)
+        put = time.perf_counter() - began
+        line += f" | then a put with work queued {1e3 * put:.2f} ms, busy after {not torch.cuda.current_stream().query()}"
+        torch.cuda.synchronize()
+    report.put(line)
 
 
 def main():
@@ -59,6 +73,10 @@ def main():
         os.environ.pop("CUDA_MODULE_LOADING", None)
         if q is not None:
             q.get(timeout=60)  # the worker's first put, taken and dropped at once
+        if q is not None:
+            fresh = q.get(timeout=120)
+            assert bool((fresh == 2).all()), "the values of the put with work queued"
+            del fresh
         print(report.get(timeout=120), flush=True)
         p.join(60)
 
