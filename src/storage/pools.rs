@@ -288,8 +288,9 @@ impl Arena {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct AllocatorStats {
-    /// Segments the allocator holds (each allocated once, exported once per message that
-    /// carries one of its blocks, mapped once per process).
+    /// Segments the allocator holds (each allocated once, exported once per channel that
+    /// carries one of its blocks, or once per message outside channels; mapped once per
+    /// process).
     pub segments: usize,
     /// Bytes of those segments.
     pub reserved_bytes: usize,
@@ -300,7 +301,9 @@ pub struct AllocatorStats {
     pub blocks: usize,
     /// Bytes of free blocks, ready for new tensors (`reserved_bytes - allocated_bytes`).
     pub cached_bytes: usize,
-    /// The largest free block: the largest tensor that needs no new segment.
+    /// The largest free block of any pool. A tensor of up to 1 MiB is cut only from small
+    /// segments and a larger one only from large segments, so a tensor of this size may still
+    /// need a new segment where the block is in the other pool.
     pub largest_free_block: usize,
     /// Segments allocated since the process started.
     pub segments_allocated: u64,
@@ -323,6 +326,9 @@ struct State<S> {
     segments: BTreeMap<u64, (Arc<S>, Pool)>,
     next_segment: u64,
     reserved: usize,
+    /// Bytes of segments being made outside the lock, counted against the limit until they
+    /// are added (so that threads making segments at once stay under it together).
+    pending: usize,
     stats: AllocatorStats,
 }
 
@@ -370,6 +376,7 @@ impl<S> Pools<S> {
                 segments: BTreeMap::new(),
                 next_segment: 1,
                 reserved: 0,
+                pending: 0,
                 stats: AllocatorStats::default(),
             }),
             generation: crate::fork::generation(),
@@ -415,27 +422,36 @@ impl<S> Pools<S> {
             let wanted = segment_size(size).ok_or_else(|| Error::Layout("tensor size overflows".into()))?;
             let mut released = Vec::new();
             if let Some(limit) = s.limit {
-                if s.reserved + wanted > limit {
+                if s.reserved + s.pending + wanted > limit {
                     released = s.release_free();
                 }
-                if s.reserved + wanted > limit {
-                    return Err(Error::CacheLimit { requested: wanted, reserved: s.reserved, limit });
+                let committed = s.reserved + s.pending;
+                if committed + wanted > limit {
+                    // Segments given up are dropped outside the lock, even on the way out.
+                    drop(s);
+                    drop(released);
+                    return Err(Error::CacheLimit { requested: wanted, reserved: committed, limit });
                 }
             }
+            s.pending += wanted;
             drop(s);
             drop(released);
-            let segment = match new_segment(wanted) {
+            let made = new_segment(wanted);
+            let mut s = self.lock();
+            s.pending -= wanted;
+            let segment = match made {
                 Ok(segment) => segment,
                 Err(e) if e.is_out_of_memory() && !retried => {
                     // Unused segments are given up, and the allocation is tried once more
                     // (segments other processes still map are freed only once they let go).
                     retried = true;
-                    drop(self.lock().release_free());
+                    let released = s.release_free();
+                    drop(s);
+                    drop(released);
                     continue;
                 }
                 Err(e) => return Err(e),
             };
-            let mut s = self.lock();
             let seg = s.next_segment;
             s.next_segment += 1;
             s.arena(pool).add_segment(seg, wanted);
@@ -556,6 +572,8 @@ impl<S> fmt::Debug for Block<S> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 
     /// Segment, offset and size of a cut.
     fn place(cut: Option<Cut>) -> Option<(u64, usize, usize)> {
@@ -636,6 +654,102 @@ mod tests {
         drop((a, b, c));
         assert_eq!(pools.empty_cache(), 2 * SMALL_SEGMENT);
         assert_eq!(pools.stats().segments, 0);
+    }
+
+    /// A segment that records whether its allocator's lock was held when it was dropped.
+    struct Probe {
+        pools: Arc<OnceLock<std::sync::Weak<Pools<Probe>>>>,
+        dropped_under_lock: Arc<AtomicUsize>,
+    }
+
+    impl Drop for Probe {
+        fn drop(&mut self) {
+            if let Some(pools) = self.pools.get().and_then(std::sync::Weak::upgrade)
+                && pools.state.try_lock().is_err()
+            {
+                self.dropped_under_lock.fetch_add(1, AtomicOrdering::SeqCst);
+            }
+        }
+    }
+
+    /// Pools of probes, a maker of probe segments, and the count of probes dropped under the lock.
+    #[allow(clippy::type_complexity)]
+    fn probed() -> (Arc<Pools<Probe>>, impl Fn(usize) -> Result<Arc<Probe>> + Clone, Arc<AtomicUsize>) {
+        let pools = Arc::new(Pools::<Probe>::new(true));
+        let cell = Arc::new(OnceLock::new());
+        let _ = cell.set(Arc::downgrade(&pools));
+        let under_lock = Arc::new(AtomicUsize::new(0));
+        let counter = under_lock.clone();
+        let make = move |_size| Ok(Arc::new(Probe { pools: cell.clone(), dropped_under_lock: counter.clone() }));
+        (pools, make, under_lock)
+    }
+
+    #[test]
+    fn segments_given_up_for_a_refused_allocation_are_dropped_outside_the_lock() {
+        let (pools, make, under_lock) = probed();
+        // Two small segments: the first keeps a block, the second is wholly free.
+        let held = pools.alloc(4096, 0, make.clone()).unwrap().unwrap();
+        let fill: Vec<_> =
+            (0..SMALL_SEGMENT / 4096).map(|_| pools.alloc(4096, 0, make.clone()).unwrap().unwrap()).collect();
+        assert_eq!(pools.stats().segments, 2);
+        drop(fill);
+        // A large block over the limit: the free segment is given up, and the allocation refused.
+        pools.set_limit(Some(2 * SMALL_SEGMENT));
+        let err = pools.alloc(2 << 20, 0, make.clone()).unwrap_err();
+        assert!(matches!(err, Error::CacheLimit { .. }), "{err}");
+        assert_eq!(pools.stats().segments, 1, "the free segment was given up");
+        drop(held);
+        assert_eq!(under_lock.load(AtomicOrdering::SeqCst), 0, "a segment was dropped under the allocator's lock");
+    }
+
+    #[test]
+    fn segments_given_up_when_memory_runs_out_are_dropped_outside_the_lock() {
+        let (pools, make, under_lock) = probed();
+        drop(pools.alloc(4096, 0, make.clone()).unwrap().unwrap());
+        let mut first = true;
+        let out_of_memory_once = |size| {
+            if std::mem::take(&mut first) {
+                Err(Error::Io(std::io::Error::new(std::io::ErrorKind::OutOfMemory, "no memory")))
+            } else {
+                make(size)
+            }
+        };
+        let large = pools.alloc(2 << 20, 0, out_of_memory_once).unwrap().unwrap();
+        assert_eq!(pools.stats().segments_released, 1, "the free segment was given up for the retry");
+        drop(large);
+        assert_eq!(under_lock.load(AtomicOrdering::SeqCst), 0, "a segment was dropped under the allocator's lock");
+    }
+
+    #[test]
+    fn threads_that_make_segments_at_once_stay_under_the_limit_together() {
+        let pools = Arc::new(Pools::<usize>::new(true));
+        pools.set_limit(Some(SMALL_SEGMENT));
+        let barrier = Arc::new(std::sync::Barrier::new(4));
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let (pools, barrier) = (pools.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    // Slow to make: the others look at the limit meanwhile.
+                    let slow = |size| {
+                        std::thread::sleep(std::time::Duration::from_millis(20));
+                        Ok(Arc::new(size))
+                    };
+                    // Blocks of 768 KiB: two share a 2 MiB segment, no more.
+                    pools.alloc(3 << 18, 0, slow)
+                })
+            })
+            .collect();
+        let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        let s = pools.stats();
+        assert!(
+            s.reserved_bytes <= SMALL_SEGMENT,
+            "{} bytes reserved against a limit of {SMALL_SEGMENT}",
+            s.reserved_bytes
+        );
+        assert_eq!(s.segments, 1);
+        assert!(results.iter().any(|r| matches!(r, Ok(Some(_)))), "one segment's blocks fit under the limit");
+        assert!(results.iter().filter_map(|r| r.as_ref().err()).all(|e| matches!(e, Error::CacheLimit { .. })));
     }
 
     #[test]
