@@ -9,6 +9,10 @@
 //! inherited one. The generation is a counter that a `pthread_atfork` child handler bumps; it
 //! is registered at the first use of any cell, before which there is nothing to inherit.
 //!
+//! The parent's handlers count its forks and keep, per fork, the reading end of a pipe whose
+//! writing end only the child keeps ([`latest_living_fork`]): memory the child maps as its
+//! parent does (host blocks of the caching allocator) is not handed out again while it lives.
+//!
 //! What a forked child inherits and does not use: the parent's values are left as they are in
 //! the child's copy of memory (never dropped there: dropping them would free or unmap what the
 //! parent owns, or send on the parent's behalf). Their descriptors stay open in the child until
@@ -30,9 +34,9 @@
 //! quiet, or use the spawn or forkserver start method.
 
 use std::ops::Deref;
-use std::os::fd::{AsFd, AsRawFd, RawFd};
-use std::sync::OnceLock;
-use std::sync::atomic::{AtomicI32, AtomicPtr, AtomicU64, Ordering};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 /// Bumped in every forked child, before `fork` returns there.
 static GENERATION: AtomicU64 = AtomicU64::new(0);
@@ -120,9 +124,61 @@ fn close_not_inherited() {
     }
 }
 
+/// Forks this process has made (counted in the parent, after each).
+static FORKS_MADE: AtomicU64 = AtomicU64::new(0);
+
+/// Set from the prepare handler to the parent or child handler: one fork's handlers at a time
+/// (two threads that fork at once take turns here).
+static FORKING: AtomicBool = AtomicBool::new(false);
+
+/// The pipe of the fork under way (-1: none): the parent keeps its reading end, the child its
+/// writing end, which closes when the child and every process it forked without `exec` have
+/// exited or exec'd.
+static FORK_PIPE_READ: AtomicI32 = AtomicI32::new(-1);
+static FORK_PIPE_WRITE: AtomicI32 = AtomicI32::new(-1);
+
+/// The forks whose children may still hold this process's memory: (the fork's number, the
+/// reading end of its pipe; `None` where no pipe could be made, a fork counted as living for
+/// good). A forked child starts with none of its own (its parent's are the parent's).
+type Children = Mutex<Vec<(u64, Option<NotInherited<OwnedFd>>)>>;
+static CHILDREN: ForkLocal<Children> = ForkLocal::new(|| Mutex::new(Vec::new()));
+
+extern "C" fn before_fork() {
+    while FORKING.swap(true, Ordering::AcqRel) {
+        std::hint::spin_loop();
+    }
+    if let Ok((read, write)) = crate::sys::fork_pipe() {
+        FORK_PIPE_READ.store(read.into_raw_fd(), Ordering::Release);
+        FORK_PIPE_WRITE.store(write.into_raw_fd(), Ordering::Release);
+    }
+}
+
+extern "C" fn forked_parent() {
+    let (read, write) = (FORK_PIPE_READ.swap(-1, Ordering::AcqRel), FORK_PIPE_WRITE.swap(-1, Ordering::AcqRel));
+    // SAFETY: made by `before_fork` for this fork and owned by nothing else; the child has its
+    // own copies.
+    let [read, write] = [read, write].map(|fd| (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) }));
+    drop(write);
+    let _ = std::panic::catch_unwind(|| {
+        let mut children = CHILDREN.get().lock().unwrap_or_else(|p| p.into_inner());
+        let number = FORKS_MADE.fetch_add(1, Ordering::AcqRel) + 1;
+        children.push((number, read.map(NotInherited::new)));
+    });
+    FORKING.store(false, Ordering::Release);
+}
+
 extern "C" fn forked_child() {
     // In the child's only thread, before `fork` returns there.
     GENERATION.fetch_add(1, Ordering::SeqCst);
+    // The fork's pipe: its writing end stays open here (until this process and all it forks
+    // without `exec` are gone), its reading end is the parent's.
+    let read = FORK_PIPE_READ.swap(-1, Ordering::AcqRel);
+    FORK_PIPE_WRITE.store(-1, Ordering::Release);
+    if read >= 0 {
+        // SAFETY: the parent's copy is owned by the parent handler; nothing here owns this one.
+        unsafe { crate::sys::close_inherited(read) };
+    }
+    FORKING.store(false, Ordering::Release);
     close_not_inherited();
     // The parent's lease channels must not stay open in the child for as long as it lives
     // (its memory would be held that long): the lifetime registry's hook closes this child's
@@ -144,8 +200,8 @@ pub(crate) fn generation() -> u64 {
         // SAFETY: `forked_child` waits on no lock (the hook it runs only tries locks; the
         // descriptors it closes are read from atomics) and allocates only through the C
         // library's malloc, whose locks `fork` resets in the child (glibc); nothing unwinds
-        // out of it.
-        let _ = unsafe { crate::sys::at_fork_child(forked_child) };
+        // out of it. The parent's handlers run in the parent, with its threads.
+        let _ = unsafe { crate::sys::at_fork(before_fork, forked_parent, forked_child) };
     });
     GENERATION.load(Ordering::Acquire)
 }
@@ -154,6 +210,22 @@ pub(crate) fn generation() -> u64 {
 /// in a forked child, which never touches its parent's value. `init` must be cheap and free of
 /// side effects (two threads may race to build the value, and the loser's is dropped): put a
 /// `OnceCell` inside for what starts threads or makes descriptors.
+/// How many times this process has forked (with the C library's `fork`, whose handlers run):
+/// memory in use at a fork is in the children of the forks numbered above the count read
+/// before it.
+pub(crate) fn forks_made() -> u64 {
+    generation();
+    FORKS_MADE.load(Ordering::Acquire)
+}
+
+/// The number of the latest fork whose child, or a process that child forked without `exec`,
+/// still lives and has not exec'd (0: none). Forks seen gone are forgotten.
+pub(crate) fn latest_living_fork() -> u64 {
+    let mut children = CHILDREN.get().lock().unwrap_or_else(|p| p.into_inner());
+    children.retain(|(_, read)| read.as_ref().is_none_or(|read| !crate::sys::writers_gone(&**read)));
+    children.last().map_or(0, |(number, _)| *number)
+}
+
 pub(crate) struct ForkLocal<T> {
     current: AtomicPtr<Slot<T>>,
     init: fn() -> T,

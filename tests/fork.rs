@@ -352,3 +352,57 @@ fn a_child_forked_while_sends_wait_in_a_backlog_does_not_hold_up_the_receiver() 
     drop(child);
     received.expect("every message, in order, while the forked child lives");
 }
+
+/// A pooled host tensor that a forked child inherited: the parent drops it and allocates
+/// again, and its block is not handed out while the child can still read and write it; once
+/// the child is gone, the block comes back to the allocator.
+#[test]
+fn a_block_a_forked_child_inherited_is_not_handed_out_while_the_child_lives() {
+    let _one = FORKING.lock().unwrap_or_else(|p| p.into_inner());
+    let before = cuda_mp::host_allocator_stats().allocated_bytes;
+    // 8 KiB: a block of a segment of the caching allocator (on by default).
+    let inherited = HostTensor::<i64>::full(&[1024], 1).unwrap();
+    let place = inherited.storage().as_ptr();
+    let mut go = [0; 2];
+    // SAFETY: `go` has room for the two descriptors.
+    assert_eq!(unsafe { libc::pipe(go.as_mut_ptr()) }, 0);
+    // SAFETY: the child reads its pipe, reads and writes its copy of the tensor, and `_exit`s.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        let mut byte = [0u8; 1];
+        // SAFETY: a pipe end of this process, a one-byte buffer.
+        unsafe { libc::read(go[0], byte.as_mut_ptr().cast(), 1) };
+        let whole = inherited.to_vec().iter().all(|&x| x == 1);
+        inherited.fill(9);
+        // SAFETY: ends the child at once.
+        unsafe { libc::_exit(if whole { 0 } else { 3 }) };
+    }
+    drop(inherited);
+    let fresh = HostTensor::<i64>::full(&[1024], 7).unwrap();
+    let handed_out_again = fresh.storage().as_ptr() == place;
+    // SAFETY: a pipe end of this process, one byte.
+    unsafe { libc::write(go[1], [1u8].as_ptr().cast(), 1) };
+    let mut status = 0;
+    // SAFETY: our child; `status` is writable.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    for fd in go {
+        // SAFETY: this process's pipe ends, each closed once.
+        unsafe { libc::close(fd) };
+    }
+    assert!(!handed_out_again, "the block the child held was handed out again");
+    assert_eq!(libc::WEXITSTATUS(status), 0, "the child read the parent's new tensor through what it inherited");
+    assert!(fresh.to_vec().iter().all(|&x| x == 7), "the child's writes reached the parent's new tensor");
+    drop(fresh);
+    // The child is gone: the block is given back (at the latest when the cache is emptied).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        cuda_mp::empty_host_cache();
+        let now = cuda_mp::host_allocator_stats().allocated_bytes;
+        if now <= before {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{now} bytes still allocated, {before} before");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}

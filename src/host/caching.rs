@@ -32,7 +32,7 @@ use crate::wire;
 const POOLED_MAX: usize = 10 << 20;
 
 /// This process's host pools (a forked child builds its own).
-static POOLS: ForkLocal<Arc<Pools<HostSegment>>> = ForkLocal::new(|| Arc::new(Pools::new(true)));
+static POOLS: ForkLocal<Arc<Pools<HostSegment>>> = ForkLocal::new(|| Arc::new(Pools::shared_with_forks(true)));
 
 fn pools() -> &'static Arc<Pools<HostSegment>> {
     POOLS.get()

@@ -329,6 +329,10 @@ struct State<S> {
     /// Bytes of segments being made outside the lock, counted against the limit until they
     /// are added (so that threads making segments at once stay under it together).
     pending: usize,
+    /// Blocks given back here while a child forked after their allocation may still map them
+    /// (memory shared with forked children only): kept out of the free lists, with the count
+    /// of forks made before their allocation, until those children are gone.
+    parked: Vec<(Pool, Cut, u64)>,
     stats: AllocatorStats,
 }
 
@@ -348,6 +352,21 @@ impl<S> State<S> {
         released
     }
 
+    /// Gives back the parked blocks that no living forked child was made after (`latest`:
+    /// the latest living fork's number); true if any came back.
+    fn unpark(&mut self, latest: u64) -> bool {
+        let parked = std::mem::take(&mut self.parked);
+        let before = parked.len();
+        for (pool, cut, forks_before) in parked {
+            if latest <= forks_before {
+                self.arena(pool).give_back(&cut);
+            } else {
+                self.parked.push((pool, cut, forks_before));
+            }
+        }
+        self.parked.len() < before
+    }
+
     fn release(&mut self, seg: u64) -> Option<Arc<S>> {
         let pool = self.segments.get(&seg)?.1;
         let size = self.arena(pool).remove_if_free(seg)?;
@@ -363,11 +382,26 @@ pub(crate) struct Pools<S> {
     state: Mutex<State<S>>,
     /// The process generation that made it: a forked child's copy gives nothing back.
     generation: u64,
+    /// Whether a forked child maps the segments as the parent does (host memory does; a GPU
+    /// context does not survive a fork): a block in use at a fork then goes back to the free
+    /// lists only once the children forked since are gone.
+    shared_with_forks: bool,
 }
 
 impl<S> Pools<S> {
     /// Empty pools, on unless `enabled` is false.
+    #[cfg(any(feature = "cuda", test))]
     pub(crate) fn new(enabled: bool) -> Pools<S> {
+        Pools::with_forks(enabled, false)
+    }
+
+    /// Empty pools of memory that forked children map as their parent does (see
+    /// [`Pools::shared_with_forks`]).
+    pub(crate) fn shared_with_forks(enabled: bool) -> Pools<S> {
+        Pools::with_forks(enabled, true)
+    }
+
+    fn with_forks(enabled: bool, shared_with_forks: bool) -> Pools<S> {
         Pools {
             state: Mutex::new(State {
                 enabled,
@@ -377,9 +411,11 @@ impl<S> Pools<S> {
                 next_segment: 1,
                 reserved: 0,
                 pending: 0,
+                parked: Vec::new(),
                 stats: AllocatorStats::default(),
             }),
             generation: crate::fork::generation(),
+            shared_with_forks,
         }
     }
 
@@ -407,6 +443,9 @@ impl<S> Pools<S> {
         let pool = Pool::of(size, family);
         let mut retried = false;
         let mut first = true;
+        let mut unparked = false;
+        // Read before the block is taken: a fork after this read counts as one after it.
+        let forks_before = if self.shared_with_forks { crate::fork::forks_made() } else { 0 };
         loop {
             let mut s = self.lock();
             if first && !s.enabled {
@@ -417,7 +456,18 @@ impl<S> Pools<S> {
                 s.stats.allocations += 1;
                 let segment = s.segments.get(&cut.seg).expect("a block's segment is held").0.clone();
                 drop(s);
-                return Ok(Some(Block { pools: self.clone(), segment, pool, cut }));
+                return Ok(Some(Block { pools: self.clone(), segment, pool, cut, forks_before }));
+            }
+            if !unparked && !s.parked.is_empty() {
+                // Blocks whose forked children are gone since they were parked, once an
+                // allocation would otherwise need a new segment.
+                unparked = true;
+                drop(s);
+                let latest = crate::fork::latest_living_fork();
+                if self.lock().unpark(latest) {
+                    continue;
+                }
+                s = self.lock();
             }
             let wanted = segment_size(size).ok_or_else(|| Error::Layout("tensor size overflows".into()))?;
             let mut released = Vec::new();
@@ -461,9 +511,19 @@ impl<S> Pools<S> {
         }
     }
 
-    /// A block is back: every holder in every process has dropped it.
-    fn give_back(&self, pool: Pool, cut: &Cut) {
+    /// A block is back: every holder in every process has dropped it (`forks_before`: the
+    /// forks this process had made when it was handed out).
+    fn give_back(&self, pool: Pool, cut: &Cut, forks_before: u64) {
+        // A child forked since it was handed out maps it as this process did, and may still
+        // read or write it: it waits until those children are gone.
+        let latest = (self.shared_with_forks && crate::fork::forks_made() > forks_before)
+            .then(crate::fork::latest_living_fork)
+            .unwrap_or(0);
         let mut s = self.lock();
+        if latest > forks_before {
+            s.parked.push((pool, *cut, forks_before));
+            return;
+        }
         let free = s.arena(pool).give_back(cut);
         let over = s.limit.is_some_and(|limit| s.reserved > limit);
         let released = if free && (!s.enabled || over) { s.release(cut.seg) } else { None };
@@ -473,7 +533,11 @@ impl<S> Pools<S> {
 
     /// Gives every wholly free segment up; the bytes given up.
     pub(crate) fn empty_cache(&self) -> usize {
+        let latest = crate::fork::latest_living_fork();
         let mut s = self.lock();
+        if !s.parked.is_empty() {
+            s.unpark(latest);
+        }
         let before = s.reserved;
         let released = s.release_free();
         let bytes = before - s.reserved;
@@ -530,6 +594,8 @@ pub(crate) struct Block<S> {
     segment: Arc<S>,
     pool: Pool,
     cut: Cut,
+    /// The forks this process had made when the block was handed out.
+    forks_before: u64,
 }
 
 impl<S> Block<S> {
@@ -553,7 +619,7 @@ impl<S> Drop for Block<S> {
     fn drop(&mut self) {
         // In a forked child, a block of the parent's pools is the parent's to give back.
         if self.pools.generation == crate::fork::generation() {
-            self.pools.give_back(self.pool, &self.cut);
+            self.pools.give_back(self.pool, &self.cut, self.forks_before);
         }
     }
 }

@@ -30,13 +30,13 @@ pub(crate) use mapping::Mapping;
 pub(crate) use memory::MemoryFile;
 pub(crate) use named::NamedMemory;
 pub(crate) use pipe::{
-    RECORD_MAX, identity as pipe_identity, is_pipe_writer, lease_pipe, read_available, reader_gone, write_record,
-    writers_gone,
+    RECORD_MAX, fork_pipe, identity as pipe_identity, is_pipe_writer, lease_pipe, read_available, reader_gone,
+    write_record, writers_gone,
 };
 #[cfg(test)]
 pub(crate) use process::fork_and_run;
 pub(crate) use process::{
-    SIGKILL, at_exit, at_fork_child, close_inherited, close_inherited_shared, own_pid, own_start, pid_namespace,
+    SIGKILL, at_exit, at_fork, close_inherited, close_inherited_shared, own_pid, own_start, pid_namespace,
     process_gone, signal_name,
 };
 #[cfg(feature = "cuda")]

@@ -62,16 +62,18 @@ pub(crate) fn at_exit(f: extern "C" fn()) -> bool {
     unsafe { libc::atexit(f) == 0 }
 }
 
-/// Runs `f` in the child of every later `fork(2)`, before `fork` returns there (a
-/// `pthread_atfork` child handler). False when it could not be registered.
+/// Runs `prepare` in the parent before every later `fork(2)`, `parent` in the parent after it,
+/// and `child` in the child before `fork` returns there (`pthread_atfork`). False when they
+/// could not be registered.
 ///
 /// # Safety
-/// `f` must be async-signal-safe: it runs in a child that may have inherited locks held by
-/// threads that do not exist there.
-pub(crate) unsafe fn at_fork_child(f: extern "C" fn()) -> bool {
-    // SAFETY: `f` is a plain function with no arguments, valid for the life of the process;
-    // the caller vouches that it is async-signal-safe.
-    unsafe { libc::pthread_atfork(None, None, Some(f)) == 0 }
+/// `child` must be async-signal-safe: it runs in a child that may have inherited locks held by
+/// threads that do not exist there. `prepare` and `parent` run in the forking thread of the
+/// parent, whose other threads run on.
+pub(crate) unsafe fn at_fork(prepare: extern "C" fn(), parent: extern "C" fn(), child: extern "C" fn()) -> bool {
+    // SAFETY: plain functions with no arguments, valid for the life of the process; the caller
+    // vouches that `child` is async-signal-safe.
+    unsafe { libc::pthread_atfork(Some(prepare), Some(parent), Some(child)) == 0 }
 }
 
 /// Closes descriptor number `fd` of this process, in a forked child's handler (`close` is
