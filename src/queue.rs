@@ -670,11 +670,15 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Endpoint<T> {
     }
 
     /// Counts an answer to a want read from the channel: an `Item` answers one message asked
-    /// for, `Closed` or `Failed` all that are left (the dispatcher withdrew them).
+    /// for, `Closed` all that are left, `Failed` the ones the dispatcher withdrew (a `Got` of
+    /// this consumer that crossed it asks for its own again, which the dispatcher read after).
     fn counted(&mut self, reply: Reply<T>) -> std::result::Result<Reply<T>, Fault> {
         match reply {
             Reply::Item(_) if self.asked > 0 => self.asked -= 1,
-            Reply::Closed | Reply::Failed(_) if self.asked > 0 => self.asked = 0,
+            Reply::Closed | Reply::Failed(Failure::Unreadable(_), _) if self.asked > 0 => self.asked = 0,
+            Reply::Failed(_, withdrawn) if self.asked > 0 => {
+                self.asked = self.asked.saturating_sub(withdrawn as usize);
+            }
             _ => return Err(out_of_turn()),
         }
         Ok(reply)
@@ -714,10 +718,10 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Endpoint<T> {
                 return Err(Fault::Io(IoFailure::other("the queue's dispatcher did not answer")));
             };
             // Cut off: nothing more comes (the channel closes next), whatever was asked for.
-            if let Reply::Failed(f @ Failure::Unreadable(_)) = reply {
+            if let Reply::Failed(f @ Failure::Unreadable(_), _) = reply {
                 return Err(Fault::Forward(f));
             }
-            if self.asked > 0 && matches!(reply, Reply::Item(_) | Reply::Closed | Reply::Failed(_)) {
+            if self.asked > 0 && matches!(reply, Reply::Item(_) | Reply::Closed | Reply::Failed(..)) {
                 let reply = self.counted(reply)?;
                 self.early.push_back(reply);
             } else if mine(&reply) {
@@ -750,7 +754,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Endpoint<T> {
                 }
             }
             Reply::Closed => Err(Fault::Disconnected),
-            Reply::Failed(f) => Err(Fault::Forward(f)),
+            Reply::Failed(f, _) => Err(Fault::Forward(f)),
             _ => Err(out_of_turn()),
         }
     }
@@ -886,7 +890,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
             }
             e.ask(Ctl::TryWant)?;
             let wanted =
-                |reply: &Reply<T>| matches!(reply, Reply::Item(_) | Reply::Empty | Reply::Closed | Reply::Failed(_));
+                |reply: &Reply<T>| matches!(reply, Reply::Item(_) | Reply::Empty | Reply::Closed | Reply::Failed(..));
             match e.until(None, wanted)? {
                 Reply::Empty => {}
                 reply => e.early.push_back(reply),

@@ -40,7 +40,7 @@ fn connect_as_nobody(name: String) -> bool {
     if connect(&fd, &SocketAddrUnix::new(name.as_str()).unwrap()).is_err() {
         return false;
     }
-    // The transport's header (one descriptor), then a hello: magic, version 9, message type.
+    // The transport's header (one descriptor), then a hello: magic, version 10, message type.
     let mut hello = 1u32.to_le_bytes().to_vec();
     hello.extend_from_slice(b"cuda-mp\0");
     hello.extend_from_slice(&[9, 2, b'u', b'8']);

@@ -625,6 +625,79 @@ fn a_message_whose_serialize_panics_is_dropped_and_the_queue_goes_on() {
     assert_eq!((stats.discarded, stats.delivered, stats.backlog), (1, 2, 0), "{stats:?}");
 }
 
+/// A message whose `Serialize` panics for 13 and, for 99, waits until [`Gated::open`] (the
+/// queue's dispatcher holds its lock meanwhile, so puts of other threads wait in line).
+#[derive(Debug, serde::Deserialize)]
+struct Gated(u32);
+
+static GATE_OPEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static GATE_REACHED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+impl Gated {
+    fn open() {
+        GATE_OPEN.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl serde::Serialize for Gated {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use std::sync::atomic::Ordering::SeqCst;
+        assert_ne!(self.0, 13, "unlucky");
+        if self.0 == 99 {
+            GATE_REACHED.store(true, SeqCst);
+            while !GATE_OPEN.load(SeqCst) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        s.serialize_u32(self.0)
+    }
+}
+
+/// A consumer's acknowledgement (which asks for one more message) that crosses the
+/// dispatcher's report of a failed send (which withdraws what the consumer wanted): both sides
+/// still count the one more message alike, so the consumer's later gets, tries and statistics
+/// are answered in turn.
+#[test]
+fn an_acknowledgement_that_crosses_a_failed_send_keeps_both_sides_counting_alike() {
+    let _one = serial();
+    let queue = Queue::<Gated>::new().unwrap();
+    let c = queue.consumer(); // two asked for ahead
+    let d = queue.consumer().with_prefetch(0);
+    queue.put(Gated(1)).unwrap();
+    assert_eq!(c.get_timeout(WAIT).unwrap().0, 1);
+    let s = c.stats().unwrap();
+    assert_eq!((s.delivered, s.in_flight), (1, 0), "{s:?}");
+    queue.put(Gated(2)).unwrap(); // sent to c, unread in its channel
+    let d_get = std::thread::spawn(move || d.get_timeout(WAIT).map(|m| m.0));
+    wait_until("d waits", || queue.stats().is_ok_and(|s| s.waiting == 1));
+    // 99 goes to d (fewest in flight); its encoding holds the dispatcher's lock.
+    let q = queue.clone();
+    let slow = std::thread::spawn(move || q.put(Gated(99)).unwrap());
+    wait_until("99 is being encoded", || GATE_REACHED.load(std::sync::atomic::Ordering::SeqCst));
+    // c takes 2: its acknowledgement (asking for one more) waits for the lock.
+    assert_eq!(c.get_timeout(WAIT).unwrap().0, 2);
+    // 13 waits too, and is taken in first: its send to c fails, withdrawing what c wanted,
+    // before the dispatcher reads the acknowledgement.
+    queue.put(Gated(13)).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    Gated::open();
+    slow.join().unwrap();
+    assert_eq!(d_get.join().unwrap().unwrap(), 99);
+    match c.get_timeout(WAIT) {
+        Err(GetTimeoutError::Malformed(why)) => assert!(why.contains("panicked"), "{why}"),
+        other => panic!("expected the discard of 13, got {other:?}"),
+    }
+    // c still wants the one its acknowledgement asked for, and is sent 3 for it.
+    queue.put(Gated(3)).unwrap();
+    wait_until("3 is in flight", || queue.stats().is_ok_and(|s| s.in_flight == 1));
+    let s = c.stats().unwrap_or_else(|e| panic!("the statistics of a consumer that asked for 3: {e}"));
+    assert_eq!(s.in_flight, 1, "{s:?}");
+    assert_eq!(c.try_get().unwrap().0, 3);
+    assert!(c.try_get().unwrap_err().is_empty());
+    queue.put(Gated(4)).unwrap();
+    assert_eq!(c.get_timeout(WAIT).unwrap().0, 4);
+}
+
 /// A message of a tensor whose encoding panics after the tensor's.
 struct TensorThenPanic(HostTensor<f32>);
 

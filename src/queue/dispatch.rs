@@ -52,8 +52,11 @@ pub(super) enum Reply<T> {
     Cancelled,
     /// The counters.
     Stats(QueueStats),
-    /// The dispatcher could not send the message it had for this consumer.
-    Failed(Failure),
+    /// The dispatcher could not send the message it had for this consumer, and withdrew what
+    /// the consumer wanted: how many wants this answers (the failed message's, and every one
+    /// left). A `Got` that crossed it asks for its own messages again, so the consumer counts
+    /// off only these.
+    Failed(Failure, u32),
 }
 
 /// Why the dispatcher could not forward a message.
@@ -430,7 +433,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
                 self.serve();
             }
             Event::Unreadable(id, why) => {
-                self.answer(id, Reply::Failed(Failure::Unreadable(why)));
+                self.answer(id, Reply::Failed(Failure::Unreadable(why), 0));
                 self.cut_off(id);
             }
         }
@@ -461,7 +464,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
                 if c.wants > 0 {
                     self.answer(id, Reply::Empty);
                 } else if let Some(item) = self.backlog.pop_front() {
-                    self.hand(id, item);
+                    self.hand(id, item, false);
                 } else {
                     let reply = if self.drained() { Reply::Closed } else { Reply::Empty };
                     self.answer(id, reply);
@@ -501,12 +504,15 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
     }
 
     /// Withdraws every message a consumer wants, taking it out of the waiting line.
-    fn withdraw(&mut self, id: u64) {
-        let Some(c) = self.consumers.get_mut(&id) else { return };
+    /// Withdraws every message the consumer wants; how many it wanted.
+    fn withdraw(&mut self, id: u64) -> u32 {
+        let Some(c) = self.consumers.get_mut(&id) else { return 0 };
+        let wanted = c.wants;
         if c.wants > 0 {
             c.wants = 0;
             self.waiting.retain(|&w| w != id);
         }
+        wanted
     }
 
     /// Every producer gone, nothing in the backlog, nothing sent and unacknowledged (which
@@ -546,7 +552,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
                 self.waiting.push_back(id);
             }
             let item = self.backlog.pop_front().expect("backlog checked non-empty");
-            self.hand(id, item);
+            self.hand(id, item, true);
         }
         if self.drained() {
             while let Some(id) = self.waiting.pop_front() {
@@ -558,10 +564,11 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
         }
     }
 
-    /// Sends one message to a consumer and keeps it as in flight until acknowledged; a send
-    /// that fails puts it back first in the backlog (or discards it, when it cannot be encoded)
-    /// and withdraws what the consumer wants.
-    fn hand(&mut self, id: u64, item: Item<T>) {
+    /// Sends one message to a consumer and keeps it as in flight until acknowledged (`wanted`:
+    /// it answers one of the messages the consumer wants, already counted off); a send that
+    /// fails puts it back first in the backlog (or discards it, when it cannot be encoded) and
+    /// withdraws what the consumer wants.
+    fn hand(&mut self, id: u64, item: Item<T>, wanted: bool) {
         let Some(replies) = self.consumers.get_mut(&id).and_then(|c| c.replies.as_ref()) else {
             self.backlog.push_front(item);
             return;
@@ -602,8 +609,8 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
         }
         // One failure reported once, to the consumer's next get, rather than once for each
         // message it wants; that get asks again.
-        self.withdraw(id);
-        self.answer(id, Reply::Failed(f));
+        let withdrawn = self.withdraw(id).saturating_add(u32::from(wanted));
+        self.answer(id, Reply::Failed(f, withdrawn));
     }
 
     /// Sends an answer that is not a message; a consumer that cannot be reached is cut off.
@@ -744,7 +751,7 @@ mod tests {
         forger.send((0, 1)).unwrap(); // Want(1)
         assert!(matches!(replies.recv_timeout(WAIT), Ok(Reply::Item(Slot::Owned(7)))));
         forger.send((99, 0)).unwrap();
-        assert!(matches!(replies.recv_timeout(WAIT), Ok(Reply::Failed(Failure::Unreadable(_)))));
+        assert!(matches!(replies.recv_timeout(WAIT), Ok(Reply::Failed(Failure::Unreadable(_), _))));
         // Another consumer wants a message: the one the first holds is not its.
         let (requests, requests_rx) = channel::<Ctl>().unwrap();
         let (replies_tx, other) = channel::<Reply<u32>>().unwrap();
