@@ -20,8 +20,9 @@
 //! closes at once: the parent's lease channels (the hook the lifetime registry registers here,
 //! [`on_fork_child`]), which would keep the parent's storages claimed for the child's whole
 //! life; and the sockets held in [`NotInherited`] (the parent's home and its connections, the
-//! writing ends of its channels' open backlog batches), which would make a peer of the parent
-//! wait on the child instead of seeing the parent gone or a batch's end.
+//! writing ends of its channels' open backlog batches, each queue consumer's request channel),
+//! which would make a peer of the parent wait on the child instead of seeing the parent gone,
+//! a batch's end or a consumer's departure.
 //!
 //! The handler closes those by number, never through an `OwnedFd`'s drop: `fork` copies the
 //! descriptor table before the memory while the parent's other threads run, so a descriptor made
@@ -79,6 +80,23 @@ impl<T: AsFd> NotInherited<T> {
             .iter()
             .position(|s| s.compare_exchange(-1, fd, Ordering::AcqRel, Ordering::Relaxed).is_ok());
         NotInherited { inner, slot }
+    }
+}
+
+/// A descriptor's number, for a [`NotInherited`] beside the descriptor's owner: the owner keeps
+/// it open at least as long as this lives (declare it before the owner's field).
+pub(crate) struct Number(RawFd);
+
+impl Number {
+    pub(crate) fn of(fd: &impl AsFd) -> Number {
+        Number(fd.as_fd().as_raw_fd())
+    }
+}
+
+impl AsFd for Number {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        // SAFETY: the descriptor's owner keeps it open while this lives (see the type).
+        unsafe { std::os::fd::BorrowedFd::borrow_raw(self.0) }
     }
 }
 

@@ -796,6 +796,9 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
 
     fn join(&self) -> std::result::Result<Endpoint<T>, Fault> {
         let (requests, requests_rx) = channel::<Ctl>().map_err(error_fault)?;
+        // The dispatcher sees this consumer leave when the request channel closes: a child
+        // forked without `exec` (which joins afresh if it gets) must not keep it open.
+        requests.not_inherited();
         let (replies_tx, replies) = channel::<Reply<T>>().map_err(error_fault)?;
         self.join.send(Join { requests: requests_rx, replies: replies_tx }).map_err(|e| send_fault(e.failure()))?;
         Ok(Endpoint { requests, replies, asked: 0, early: VecDeque::new() })

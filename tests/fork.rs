@@ -406,3 +406,26 @@ fn a_block_a_forked_child_inherited_is_not_handed_out_while_the_child_lives() {
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+/// A queue consumer with messages asked for ahead, in a process that then forks a child (which
+/// never touches the queue), leaves: what it was sent and did not return goes to another
+/// consumer while the child lives.
+#[test]
+fn a_child_forked_by_a_consumer_does_not_keep_its_messages_from_the_others() {
+    let _one = FORKING.lock().unwrap_or_else(|p| p.into_inner());
+    let queue = Queue::<u32>::new().unwrap();
+    let other = queue.consumer();
+    for i in 0..5 {
+        queue.put(i).unwrap();
+    }
+    let leaving = queue.consumer(); // two asked for ahead
+    assert_eq!(leaving.get_timeout(Duration::from_secs(10)).unwrap(), 0);
+    let child = SleepingChild::fork();
+    drop(leaving); // what it was sent and did not return goes back
+    let mut got: Vec<u32> = (0..4)
+        .map(|_| other.get_timeout(Duration::from_secs(10)).expect("a message the consumer that left held"))
+        .collect();
+    drop(child);
+    got.sort();
+    assert_eq!(got, vec![1, 2, 3, 4]);
+}

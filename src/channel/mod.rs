@@ -186,6 +186,14 @@ impl<T> Sender<T> {
         }
     }
 
+    /// A child forked without `exec` closes this process's sending end of the channel at once
+    /// (see `Outbox::not_inherited`); nothing for a remote sender.
+    pub(crate) fn not_inherited(&self) {
+        if let SenderFlavor::Local(outbox, _) = &self.flavor {
+            outbox.not_inherited();
+        }
+    }
+
     #[cfg(test)]
     fn outbox(&self) -> &Outbox {
         match &self.flavor {

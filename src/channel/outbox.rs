@@ -13,7 +13,7 @@ use super::frame::{FrameOut, Order, SMALL_COST};
 use super::gauge::Gauge;
 use super::ring::{self, RingWriter};
 use crate::error::{IoFailure, SendFailure};
-use crate::fork::{ForkLocal, NotInherited};
+use crate::fork::{ForkLocal, NotInherited, Number};
 use crate::lifetime::Connection;
 use crate::os::{catch_quietly, wait_slice};
 use crate::sys::{Socket, Wait};
@@ -43,6 +43,9 @@ static FLUSHING: AtomicUsize = AtomicUsize::new(0);
 
 /// The senders of one channel in this process, shared by all their handles.
 pub(super) struct Outbox {
+    /// Set where forked children must not keep the channel open ([`Outbox::not_inherited`]);
+    /// before `main`, so that it lets go of the number before the socket closes.
+    not_inherited: OnceLock<NotInherited<Number>>,
     /// The channel's socket (its sending end).
     main: Arc<Socket>,
     gauge: Gauge,
@@ -210,6 +213,7 @@ impl Outbox {
         }
         let parked = main.identity().and_then(|identity| parked_rings().remove(&(gauge.id(), identity)));
         let outbox = Arc::new(Outbox {
+            not_inherited: OnceLock::new(),
             main,
             gauge,
             pending: ForkLocal::new(Pending::default),
@@ -223,6 +227,13 @@ impl Outbox {
         registry.retain(|_, w| w.strong_count() > 0);
         registry.insert(outbox.gauge.id(), Arc::downgrade(&outbox));
         outbox
+    }
+
+    /// From now on a child forked without `exec` closes this process's sending end of the
+    /// channel at once, rather than keeping it open as long as it lives: for a channel whose
+    /// end a receiver watches for this process's departure, and that children never use.
+    pub(super) fn not_inherited(&self) {
+        self.not_inherited.get_or_init(|| NotInherited::new(Number::of(&*self.main)));
     }
 
     /// Another handle of this outbox.
