@@ -195,6 +195,8 @@ struct Endpoint<T> {
     /// Answers to wants read while waiting for the answer to another request, to be returned
     /// by the next gets in this order. Their messages are still in flight (not acknowledged).
     early: VecDeque<Reply<T>>,
+    /// Whether any answer came on this endpoint's reply channel.
+    answered: std::cell::Cell<bool>,
 }
 
 /// Counters of a queue, from its dispatcher ([`Queue::stats`]).
@@ -659,14 +661,16 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Endpoint<T> {
     /// One answer from the channel, waiting up to `timeout` (`None`: for ever); `None` when
     /// the time ran out.
     fn read(&self, timeout: Option<Duration>) -> std::result::Result<Option<Reply<T>>, Fault> {
-        match timeout {
-            None => Ok(Some(self.replies.recv()?)),
+        let reply = match timeout {
+            None => Some(self.replies.recv()?),
             Some(t) => match self.replies.recv_timeout(t) {
-                Ok(reply) => Ok(Some(reply)),
-                Err(RecvTimeoutError::Timeout) => Ok(None),
-                Err(e) => Err(e.into()),
+                Ok(reply) => Some(reply),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(e) => return Err(e.into()),
             },
-        }
+        };
+        self.answered.set(self.answered.get() || reply.is_some());
+        Ok(reply)
     }
 
     /// Counts an answer to a want read from the channel: an `Item` answers one message asked
@@ -773,7 +777,16 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
             *guard = Some(self.join()?);
         }
         let endpoint = guard.as_mut().ok_or(Fault::Disconnected)?;
-        let result = f(endpoint);
+        let mut result = f(endpoint);
+        if matches!(result, Err(Fault::Disconnected)) && !endpoint.answered.get() && !self.join.receiver_gone() {
+            // The endpoint's channels closed before any answer, while the queue's dispatcher
+            // still takes joins: it could not take this consumer's join in (its channels are
+            // descriptors, which a process at its limit cannot receive). The queue is not
+            // closed; the next get joins again.
+            result = Err(Fault::Io(IoFailure::other(
+                "the queue's process could not take this consumer in (it may be out of file descriptors); try again",
+            )));
+        }
         if matches!(result, Err(ref fault) if !fault.leaves_in_step()) {
             *guard = None;
         }
@@ -801,7 +814,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
         requests.not_inherited();
         let (replies_tx, replies) = channel::<Reply<T>>().map_err(error_fault)?;
         self.join.send(Join { requests: requests_rx, replies: replies_tx }).map_err(|e| send_fault(e.failure()))?;
-        Ok(Endpoint { requests, replies, asked: 0, early: VecDeque::new() })
+        Ok(Endpoint { requests, replies, asked: 0, early: VecDeque::new(), answered: std::cell::Cell::new(false) })
     }
 
     /// Blocks until a message is available and returns it. Reports `Disconnected` once the
@@ -884,6 +897,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
             if e.asked > 0 {
                 match e.replies.try_recv() {
                     Ok(reply) => {
+                        e.answered.set(true);
                         let reply = e.counted(reply)?;
                         return e.deliver(reply, ahead).map(Some);
                     }

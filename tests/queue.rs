@@ -807,3 +807,57 @@ fn a_message_whose_drop_panics_does_not_stop_its_consumers_gets() {
         std::mem::forget(got);
     }
 }
+
+/// The queue's creator for the test below: puts three numbers and hands out a consumer, then
+/// sits at its descriptor limit until told (saying so: 1), frees its descriptors (saying so:
+/// 0), and ends when told.
+fn creator_at_its_descriptor_limit((out, at_limit, ctl): (Sender<QueueConsumer<u32>>, Sender<u8>, Receiver<u8>)) {
+    let queue = Queue::<u32>::new().unwrap();
+    for i in 0..3 {
+        queue.put(i).unwrap();
+    }
+    out.send(queue.consumer()).unwrap();
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `limit` is writable.
+    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
+    let open = std::fs::read_dir("/proc/self/fd").unwrap().count() as u64;
+    let low = libc::rlimit { rlim_cur: open + 64, rlim_max: limit.rlim_max };
+    // SAFETY: a valid limit for this process.
+    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &low) };
+    let mut held = Vec::new();
+    while let Ok(f) = std::fs::File::open("/dev/null") {
+        held.push(f);
+    }
+    // A message of no descriptor.
+    at_limit.send(1).unwrap();
+    assert_eq!(ctl.recv().unwrap(), 1);
+    drop(held);
+    // SAFETY: the limit this process had.
+    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) };
+    at_limit.send(0).unwrap();
+    assert_eq!(ctl.recv().unwrap(), 2);
+}
+
+/// A consumer that joins while the queue's process is out of descriptors (its join's channels
+/// cannot be taken in there) is told so, not that the queue is closed; once the queue's process
+/// has descriptors again, its next get joins and gets.
+#[test]
+fn a_consumer_whose_join_is_lost_at_the_descriptor_limit_is_not_told_the_queue_closed() {
+    let (out_tx, out) = channel().unwrap();
+    let (at_limit_tx, at_limit) = channel::<u8>().unwrap();
+    let (ctl, ctl_rx) = channel::<u8>().unwrap();
+    let mut creator = spawn((out_tx, at_limit_tx, ctl_rx), creator_at_its_descriptor_limit);
+    let consumer = out.recv_timeout(WAIT).unwrap();
+    assert_eq!(at_limit.recv_timeout(WAIT).unwrap(), 1);
+    let first = consumer.get_timeout(Duration::from_secs(5));
+    ctl.send(1).unwrap();
+    assert_eq!(at_limit.recv_timeout(WAIT).unwrap(), 0, "the creator has its descriptors again");
+    let second = consumer.get_timeout(WAIT);
+    ctl.send(2).unwrap();
+    creator.join_timeout(WAIT).unwrap();
+    match first {
+        Err(GetTimeoutError::Io(e)) => assert!(e.to_string().contains("could not take this consumer in"), "{e}"),
+        other => panic!("a get while the queue's process was out of descriptors: {other:?}"),
+    }
+    assert_eq!(second.unwrap(), 0);
+}

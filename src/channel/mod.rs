@@ -186,6 +186,15 @@ impl<T> Sender<T> {
         }
     }
 
+    /// True once the channel's receiving end is known to be closed (for a local channel: its
+    /// socket's peer); false for a remote sender.
+    pub(crate) fn receiver_gone(&self) -> bool {
+        match &self.flavor {
+            SenderFlavor::Local(outbox, _) => outbox.receiver_gone(),
+            SenderFlavor::Remote(_) => false,
+        }
+    }
+
     /// A child forked without `exec` closes this process's sending end of the channel at once
     /// (see `Outbox::not_inherited`); nothing for a remote sender.
     pub(crate) fn not_inherited(&self) {
