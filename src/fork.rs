@@ -179,6 +179,9 @@ extern "C" fn forked_parent() {
     drop(write);
     let _ = std::panic::catch_unwind(|| {
         let mut children = CHILDREN.get().lock().unwrap_or_else(|p| p.into_inner());
+        // Forks seen gone are forgotten here too, so that a process that forks and execs
+        // often holds a pipe per living child only.
+        forget_gone(&mut children);
         let number = FORKS_MADE.fetch_add(1, Ordering::AcqRel) + 1;
         children.push((number, read.map(NotInherited::new)));
     });
@@ -240,8 +243,12 @@ pub(crate) fn forks_made() -> u64 {
 /// still lives and has not exec'd (0: none). Forks seen gone are forgotten.
 pub(crate) fn latest_living_fork() -> u64 {
     let mut children = CHILDREN.get().lock().unwrap_or_else(|p| p.into_inner());
-    children.retain(|(_, read)| read.as_ref().is_none_or(|read| !crate::sys::writers_gone(&**read)));
+    forget_gone(&mut children);
     children.last().map_or(0, |(number, _)| *number)
+}
+
+fn forget_gone(children: &mut Vec<(u64, Option<NotInherited<OwnedFd>>)>) {
+    children.retain(|(_, read)| read.as_ref().is_none_or(|read| !crate::sys::writers_gone(&**read)));
 }
 
 pub(crate) struct ForkLocal<T> {

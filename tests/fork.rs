@@ -429,3 +429,28 @@ fn a_child_forked_by_a_consumer_does_not_keep_its_messages_from_the_others() {
     got.sort();
     assert_eq!(got, vec![1, 2, 3, 4]);
 }
+
+/// A process that forks children which end at once keeps no descriptor per fork: what it keeps
+/// to know whether a child may still map its memory goes with the child.
+#[test]
+fn forks_of_children_that_end_leave_no_descriptors_behind() {
+    let _one = FORKING.lock().unwrap_or_else(|p| p.into_inner());
+    // The fork handlers are registered at cuda-mp's first use.
+    drop(HostTensor::<u8>::zeros(&[16]).unwrap());
+    let open = || std::fs::read_dir("/proc/self/fd").unwrap().count();
+    let before = open();
+    for _ in 0..100 {
+        // SAFETY: the child `_exit`s at once.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed: {}", std::io::Error::last_os_error());
+        if pid == 0 {
+            // SAFETY: ends the child at once.
+            unsafe { libc::_exit(0) };
+        }
+        let mut status = 0;
+        // SAFETY: our child; `status` is writable.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    }
+    let after = open();
+    assert!(after <= before + 5, "{before} descriptors open before 100 forks, {after} after");
+}
