@@ -55,8 +55,8 @@ pub(crate) fn on_fork_child(hook: fn()) {
 
 /// How many descriptors at most are closed in forked children (beyond, the rest stay open in
 /// them, as any inherited descriptor does): a home's listener and bell, its kept connections
-/// (at most 256), this process's connections to other homes (at most 64), and the open batch
-/// of each channel's backlog.
+/// (at most 256), this process's connections to other homes (at most 64), the open batch of
+/// each channel's backlog, and each queue consumer's request channel.
 const NOT_INHERITED: usize = 1024;
 
 /// The descriptors [`NotInherited`] holds, by number (-1: a free slot).
@@ -142,11 +142,16 @@ fn close_not_inherited() {
     }
 }
 
-/// Forks this process has made (counted in the parent, after each).
-static FORKS_MADE: AtomicU64 = AtomicU64::new(0);
+/// Forks this process has begun (counted in the prepare handler, before each): a fork under
+/// way is counted before its child's copy of memory is taken. A fork's number is this count.
+static FORKS_BEGUN: AtomicU64 = AtomicU64::new(0);
+
+/// The number of the latest fork this process has finished (set in the parent handler): a
+/// fork numbered above it may yet copy memory in use now.
+static FORKS_DONE: AtomicU64 = AtomicU64::new(0);
 
 /// Set from the prepare handler to the parent or child handler: one fork's handlers at a time
-/// (two threads that fork at once take turns here).
+/// (two threads that fork at once take turns here), and a fork under way.
 static FORKING: AtomicBool = AtomicBool::new(false);
 
 /// The pipe of the fork under way (-1: none): the parent keeps its reading end, the child its
@@ -157,14 +162,16 @@ static FORK_PIPE_WRITE: AtomicI32 = AtomicI32::new(-1);
 
 /// The forks whose children may still hold this process's memory: (the fork's number, the
 /// reading end of its pipe; `None` where no pipe could be made, a fork counted as living for
-/// good). A forked child starts with none of its own (its parent's are the parent's).
-type Children = Mutex<Vec<(u64, Option<NotInherited<OwnedFd>>)>>;
+/// good). A forked child starts with none of its own (its parent's are the parent's, and their
+/// reading ends stay open in it, unused: only writing ends keep a pipe's children counted).
+type Children = Mutex<Vec<(u64, Option<OwnedFd>)>>;
 static CHILDREN: ForkLocal<Children> = ForkLocal::new(|| Mutex::new(Vec::new()));
 
 extern "C" fn before_fork() {
     while FORKING.swap(true, Ordering::AcqRel) {
         std::hint::spin_loop();
     }
+    FORKS_BEGUN.fetch_add(1, Ordering::AcqRel);
     if let Ok((read, write)) = crate::sys::fork_pipe() {
         FORK_PIPE_READ.store(read.into_raw_fd(), Ordering::Release);
         FORK_PIPE_WRITE.store(write.into_raw_fd(), Ordering::Release);
@@ -182,8 +189,9 @@ extern "C" fn forked_parent() {
         // Forks seen gone are forgotten here too, so that a process that forks and execs
         // often holds a pipe per living child only.
         forget_gone(&mut children);
-        let number = FORKS_MADE.fetch_add(1, Ordering::AcqRel) + 1;
-        children.push((number, read.map(NotInherited::new)));
+        let number = FORKS_BEGUN.load(Ordering::Acquire);
+        children.push((number, read));
+        FORKS_DONE.store(number, Ordering::Release);
     });
     FORKING.store(false, Ordering::Release);
 }
@@ -209,6 +217,35 @@ extern "C" fn forked_child() {
     }
 }
 
+/// The number of the latest fork (with the C library's `fork`, whose handlers run) this
+/// process has finished: memory taken into use after this is read is in the children of the
+/// forks numbered above it at most.
+pub(crate) fn forks_done() -> u64 {
+    generation();
+    FORKS_DONE.load(Ordering::Acquire)
+}
+
+/// How many forks this process has begun, the one under way included: none numbered above
+/// it has copied memory yet.
+pub(crate) fn forks_begun() -> u64 {
+    generation();
+    FORKS_BEGUN.load(Ordering::Acquire)
+}
+
+/// The number of the latest fork whose child, or a process that child forked without `exec`,
+/// may still live and has not exec'd (0: none): a fork under way counts. Forks seen gone are
+/// forgotten.
+pub(crate) fn latest_living_fork() -> u64 {
+    let mut children = CHILDREN.get().lock().unwrap_or_else(|p| p.into_inner());
+    forget_gone(&mut children);
+    let recorded = children.last().map_or(0, |(number, _)| *number);
+    if FORKING.load(Ordering::Acquire) { recorded.max(FORKS_BEGUN.load(Ordering::Acquire)) } else { recorded }
+}
+
+fn forget_gone(children: &mut Vec<(u64, Option<OwnedFd>)>) {
+    children.retain(|(_, read)| read.as_ref().is_none_or(|read| !crate::sys::writers_gone(read)));
+}
+
 /// This process's generation: 0 in a process started fresh (or spawned, or exec'd), one more
 /// in each forked child than in its parent.
 pub(crate) fn generation() -> u64 {
@@ -231,26 +268,6 @@ pub(crate) fn generation() -> u64 {
 /// in a forked child, which never touches its parent's value. `init` must be cheap and free of
 /// side effects (two threads may race to build the value, and the loser's is dropped): put a
 /// `OnceCell` inside for what starts threads or makes descriptors.
-/// How many times this process has forked (with the C library's `fork`, whose handlers run):
-/// memory in use at a fork is in the children of the forks numbered above the count read
-/// before it.
-pub(crate) fn forks_made() -> u64 {
-    generation();
-    FORKS_MADE.load(Ordering::Acquire)
-}
-
-/// The number of the latest fork whose child, or a process that child forked without `exec`,
-/// still lives and has not exec'd (0: none). Forks seen gone are forgotten.
-pub(crate) fn latest_living_fork() -> u64 {
-    let mut children = CHILDREN.get().lock().unwrap_or_else(|p| p.into_inner());
-    forget_gone(&mut children);
-    children.last().map_or(0, |(number, _)| *number)
-}
-
-fn forget_gone(children: &mut Vec<(u64, Option<NotInherited<OwnedFd>>)>) {
-    children.retain(|(_, read)| read.as_ref().is_none_or(|read| !crate::sys::writers_gone(&**read)));
-}
-
 pub(crate) struct ForkLocal<T> {
     current: AtomicPtr<Slot<T>>,
     init: fn() -> T,

@@ -7,7 +7,7 @@ mod dispatch;
 use std::collections::VecDeque;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -778,7 +778,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
         }
         let endpoint = guard.as_mut().ok_or(Fault::Disconnected)?;
         let mut result = f(endpoint);
-        if matches!(result, Err(Fault::Disconnected)) && !endpoint.answered.get() && !self.join.receiver_gone() {
+        if matches!(result, Err(Fault::Disconnected)) && !endpoint.answered.get() && self.join_still_open() {
             // The endpoint's channels closed before any answer, while the queue's dispatcher
             // still takes joins: it could not take this consumer's join in (its channels are
             // descriptors, which a process at its limit cannot receive). The queue is not
@@ -805,6 +805,24 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
                 g
             }
         }
+    }
+
+    /// Whether the queue's dispatcher still takes joins on this process's join channel, after
+    /// this consumer's channels closed before any answer: a local channel only (a remote one
+    /// cannot tell), looked at for a moment, since a dying process's descriptors close one
+    /// after another and the join channel may be the last.
+    fn join_still_open(&self) -> bool {
+        if !self.join.is_local() {
+            return false;
+        }
+        let deadline = Instant::now() + Duration::from_millis(100);
+        while Instant::now() < deadline {
+            if self.join.receiver_gone() {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        !self.join.receiver_gone()
     }
 
     fn join(&self) -> std::result::Result<Endpoint<T>, Fault> {

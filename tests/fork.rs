@@ -454,3 +454,22 @@ fn forks_of_children_that_end_leave_no_descriptors_behind() {
     let after = open();
     assert!(after <= before + 5, "{before} descriptors open before 100 forks, {after} after");
 }
+
+/// A block parked for a forked child comes back once the child is gone even with the caching
+/// allocator turned off (which hands out and takes back no block): its segment is given up.
+#[test]
+fn a_block_parked_for_a_child_comes_back_with_caching_off() {
+    let _one = FORKING.lock().unwrap_or_else(|p| p.into_inner());
+    let before = cuda_mp::host_allocator_stats().allocated_bytes;
+    let inherited = HostTensor::<i64>::full(&[1024], 1).unwrap();
+    let child = SleepingChild::fork();
+    cuda_mp::set_host_caching(false);
+    drop(inherited);
+    drop(child);
+    // With caching off a tensor gets a memory file of its own; the allocation looks at what
+    // is parked.
+    drop(HostTensor::<i64>::full(&[1024], 2).unwrap());
+    let after = cuda_mp::host_allocator_stats();
+    cuda_mp::set_host_caching(true);
+    assert!(after.allocated_bytes <= before, "{after:?}: the parked block is still counted ({before} bytes before)");
+}

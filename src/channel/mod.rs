@@ -186,6 +186,11 @@ impl<T> Sender<T> {
         }
     }
 
+    /// Whether the channel is one of this host's.
+    pub(crate) fn is_local(&self) -> bool {
+        matches!(self.flavor, SenderFlavor::Local(..))
+    }
+
     /// True once the channel's receiving end is known to be closed (for a local channel: its
     /// socket's peer); false for a remote sender.
     pub(crate) fn receiver_gone(&self) -> bool {

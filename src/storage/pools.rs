@@ -11,7 +11,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
 
@@ -295,7 +295,8 @@ pub struct AllocatorStats {
     /// Bytes of those segments.
     pub reserved_bytes: usize,
     /// Bytes of blocks handed out and not yet back: held by a tensor here, or dropped here and
-    /// still held by another process.
+    /// still held by another process (or by a child this process forked since, which maps
+    /// host memory as its parent does).
     pub allocated_bytes: usize,
     /// Blocks handed out and not yet back.
     pub blocks: usize,
@@ -352,19 +353,30 @@ impl<S> State<S> {
         released
     }
 
-    /// Gives back the parked blocks that no living forked child was made after (`latest`:
-    /// the latest living fork's number); true if any came back.
-    fn unpark(&mut self, latest: u64) -> bool {
+    /// Gives back the parked blocks that no child forked after their allocation may still map
+    /// (asks the fork module, under this lock, so that no fork can slip between the answer and
+    /// the give back): whether any came back, and the segments that then fell free and are
+    /// given up (the allocator off, or over its limit), to drop outside the lock.
+    fn unpark(&mut self) -> (bool, Vec<Arc<S>>) {
+        if self.parked.is_empty() {
+            return (false, Vec::new());
+        }
+        let latest = crate::fork::latest_living_fork();
         let parked = std::mem::take(&mut self.parked);
         let before = parked.len();
+        let mut released = Vec::new();
         for (pool, cut, forks_before) in parked {
-            if latest <= forks_before {
-                self.arena(pool).give_back(&cut);
-            } else {
+            if latest > forks_before {
                 self.parked.push((pool, cut, forks_before));
+                continue;
+            }
+            let free = self.arena(pool).give_back(&cut);
+            let over = self.limit.is_some_and(|limit| self.reserved > limit);
+            if free && (!self.enabled || over) {
+                released.extend(self.release(cut.seg));
             }
         }
-        self.parked.len() < before
+        (self.parked.len() < before, released)
     }
 
     fn release(&mut self, seg: u64) -> Option<Arc<S>> {
@@ -380,6 +392,9 @@ impl<S> State<S> {
 /// lock (dropping one may free memory, or tell other processes to unmap it).
 pub(crate) struct Pools<S> {
     state: Mutex<State<S>>,
+    /// Notified when a segment being made outside the lock is made (or not): allocations
+    /// that the limit refuses while one is being made wait for it instead.
+    made: Condvar,
     /// The process generation that made it: a forked child's copy gives nothing back.
     generation: u64,
     /// Whether a forked child maps the segments as the parent does (host memory does; a GPU
@@ -403,6 +418,7 @@ impl<S> Pools<S> {
 
     fn with_forks(enabled: bool, shared_with_forks: bool) -> Pools<S> {
         Pools {
+            made: Condvar::new(),
             state: Mutex::new(State {
                 enabled,
                 limit: None,
@@ -444,11 +460,16 @@ impl<S> Pools<S> {
         let mut retried = false;
         let mut first = true;
         let mut unparked = false;
-        // Read before the block is taken: a fork after this read counts as one after it.
-        let forks_before = if self.shared_with_forks { crate::fork::forks_made() } else { 0 };
+        // Read before the block is taken: a fork not finished by then counts as one after it.
+        let forks_before = if self.shared_with_forks { crate::fork::forks_done() } else { 0 };
         loop {
             let mut s = self.lock();
             if first && !s.enabled {
+                // Off, no block is handed out or given back: blocks parked for forked children
+                // that are gone come back (and their segments are given up) here.
+                let (_, released) = s.unpark();
+                drop(s);
+                drop(released);
                 return Ok(None);
             }
             first = false;
@@ -462,12 +483,12 @@ impl<S> Pools<S> {
                 // Blocks whose forked children are gone since they were parked, once an
                 // allocation would otherwise need a new segment.
                 unparked = true;
-                drop(s);
-                let latest = crate::fork::latest_living_fork();
-                if self.lock().unpark(latest) {
+                let (back, released) = s.unpark();
+                if back {
+                    drop(s);
+                    drop(released);
                     continue;
                 }
-                s = self.lock();
             }
             let wanted = segment_size(size).ok_or_else(|| Error::Layout("tensor size overflows".into()))?;
             let mut released = Vec::new();
@@ -477,6 +498,14 @@ impl<S> Pools<S> {
                 }
                 let committed = s.reserved + s.pending;
                 if committed + wanted > limit {
+                    if s.pending > 0 {
+                        // Another thread is making a segment, which may have room for this
+                        // block: look again once it is made.
+                        let s = self.made.wait(s).unwrap_or_else(|p| p.into_inner());
+                        drop(s);
+                        drop(released);
+                        continue;
+                    }
                     // Segments given up are dropped outside the lock, even on the way out.
                     drop(s);
                     drop(released);
@@ -486,9 +515,18 @@ impl<S> Pools<S> {
             s.pending += wanted;
             drop(s);
             drop(released);
-            let made = new_segment(wanted);
+            // A panic in `new_segment` still takes its bytes off `pending`.
+            let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| new_segment(wanted)));
             let mut s = self.lock();
             s.pending -= wanted;
+            self.made.notify_all();
+            let made = match made {
+                Ok(made) => made,
+                Err(panic) => {
+                    drop(s);
+                    std::panic::resume_unwind(panic)
+                }
+            };
             let segment = match made {
                 Ok(segment) => segment,
                 Err(e) if e.is_out_of_memory() && !retried => {
@@ -514,32 +552,31 @@ impl<S> Pools<S> {
     /// A block is back: every holder in every process has dropped it (`forks_before`: the
     /// forks this process had made when it was handed out).
     fn give_back(&self, pool: Pool, cut: &Cut, forks_before: u64) {
-        // A child forked since it was handed out maps it as this process did, and may still
-        // read or write it: it waits until those children are gone.
-        let latest = (self.shared_with_forks && crate::fork::forks_made() > forks_before)
-            .then(crate::fork::latest_living_fork)
-            .unwrap_or(0);
+        let exposed = self.shared_with_forks && crate::fork::forks_begun() > forks_before;
         let mut s = self.lock();
-        if latest > forks_before {
+        // A child forked since it was handed out maps it as this process did, and may still
+        // read or write it: it waits until those children are gone (asked under this lock,
+        // as `unpark` asks).
+        if exposed && crate::fork::latest_living_fork() > forks_before {
             s.parked.push((pool, *cut, forks_before));
             return;
         }
         let free = s.arena(pool).give_back(cut);
         let over = s.limit.is_some_and(|limit| s.reserved > limit);
-        let released = if free && (!s.enabled || over) { s.release(cut.seg) } else { None };
+        let mut released: Vec<Arc<S>> =
+            if free && (!s.enabled || over) { s.release(cut.seg).into_iter().collect() } else { Vec::new() };
+        // Blocks parked for children that have gone since come back with it.
+        released.extend(s.unpark().1);
         drop(s);
         drop(released);
     }
 
     /// Gives every wholly free segment up; the bytes given up.
     pub(crate) fn empty_cache(&self) -> usize {
-        let latest = crate::fork::latest_living_fork();
         let mut s = self.lock();
-        if !s.parked.is_empty() {
-            s.unpark(latest);
-        }
         let before = s.reserved;
-        let released = s.release_free();
+        let (_, mut released) = s.unpark();
+        released.extend(s.release_free());
         let bytes = before - s.reserved;
         drop(s);
         drop(released);
@@ -551,7 +588,10 @@ impl<S> Pools<S> {
     pub(crate) fn set_enabled(&self, enabled: bool) {
         let mut s = self.lock();
         s.enabled = enabled;
-        let released = if enabled { Vec::new() } else { s.release_free() };
+        let (_, mut released) = s.unpark();
+        if !enabled {
+            released.extend(s.release_free());
+        }
         drop(s);
         drop(released);
     }
@@ -814,7 +854,9 @@ mod tests {
             s.reserved_bytes
         );
         assert_eq!(s.segments, 1);
-        assert!(results.iter().any(|r| matches!(r, Ok(Some(_)))), "one segment's blocks fit under the limit");
+        // The two that fit the one segment get their blocks (the second waited for the segment
+        // being made rather than being refused); the others are refused.
+        assert_eq!(results.iter().filter(|r| matches!(r, Ok(Some(_)))).count(), 2, "two blocks fit one segment");
         assert!(results.iter().filter_map(|r| r.as_ref().err()).all(|e| matches!(e, Error::CacheLimit { .. })));
     }
 
