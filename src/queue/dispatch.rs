@@ -459,9 +459,10 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
             }
             Ctl::TryWant => {
                 // While it wants messages the consumer tells this answer from theirs only if it
-                // is not an `Item`. Nothing is lost: a consumer that wants messages has been
-                // sent the backlog's, if any (see `serve`).
+                // is not an `Item`. Nothing is lost: a consumer that wants messages is sent the
+                // backlog's first, those a put took in without sending included (see `put`).
                 if c.wants > 0 {
+                    self.serve();
                     self.answer(id, Reply::Empty);
                 } else if let Some(item) = self.backlog.pop_front() {
                     self.hand(id, item, false);
@@ -705,6 +706,22 @@ mod tests {
         d.handle(Event::Left(1));
         let s = d.stats();
         assert_eq!((s.delivered, s.requeued, s.backlog, s.in_flight, s.consumers), (2, 1, 2, 0, 0), "{s:?}");
+    }
+
+    /// A try of a consumer that wants messages while the backlog holds values a put took in
+    /// without sending them (it found others pending): they are sent first, then `Empty`, so
+    /// a put made earlier in the queue's process is seen by the try.
+    #[test]
+    fn a_try_sees_what_a_put_took_in_without_sending() {
+        let mut d = Dispatcher::<u32>::new();
+        let (replies, consumer) = channel::<Reply<u32>>().unwrap();
+        d.handle(Event::Joined(1, replies));
+        d.handle(Event::Request(1, Ctl::Want(1)));
+        // As `put` leaves it when it finds values pending: in the backlog, not sent.
+        d.backlog.push_back(Arc::new(Mutex::new(5)));
+        d.handle(Event::Request(1, Ctl::TryWant));
+        assert!(matches!(consumer.recv(), Ok(Reply::Item(Slot::Owned(5)))));
+        assert!(matches!(consumer.recv(), Ok(Reply::Empty)));
     }
 
     /// A put that holds the lock and finds puts pending takes them and its own value into the
