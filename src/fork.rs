@@ -172,7 +172,10 @@ extern "C" fn before_fork() {
         std::hint::spin_loop();
     }
     FORKS_BEGUN.fetch_add(1, Ordering::AcqRel);
-    if let Ok((read, write)) = crate::sys::fork_pipe() {
+    // A pipe closed at `exec`, as a lease is: the parent keeps the reading end, the child the
+    // writing end, which tells the parent when the child (and all it forks without `exec`) is
+    // gone or has exec'd.
+    if let Ok((read, write)) = crate::sys::lease_pipe() {
         FORK_PIPE_READ.store(read.into_raw_fd(), Ordering::Release);
         FORK_PIPE_WRITE.store(write.into_raw_fd(), Ordering::Release);
     }

@@ -196,7 +196,7 @@ struct Endpoint<T> {
     /// by the next gets in this order. Their messages are still in flight (not acknowledged).
     early: VecDeque<Reply<T>>,
     /// Whether any answer came on this endpoint's reply channel.
-    answered: std::cell::Cell<bool>,
+    answered: bool,
 }
 
 /// Counters of a queue, from its dispatcher ([`Queue::stats`]).
@@ -660,7 +660,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Endpoint<T> {
 
     /// One answer from the channel, waiting up to `timeout` (`None`: for ever); `None` when
     /// the time ran out.
-    fn read(&self, timeout: Option<Duration>) -> std::result::Result<Option<Reply<T>>, Fault> {
+    fn read(&mut self, timeout: Option<Duration>) -> std::result::Result<Option<Reply<T>>, Fault> {
         let reply = match timeout {
             None => Some(self.replies.recv()?),
             Some(t) => match self.replies.recv_timeout(t) {
@@ -669,7 +669,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Endpoint<T> {
                 Err(e) => return Err(e.into()),
             },
         };
-        self.answered.set(self.answered.get() || reply.is_some());
+        self.answered |= reply.is_some();
         Ok(reply)
     }
 
@@ -778,7 +778,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
         }
         let endpoint = guard.as_mut().ok_or(Fault::Disconnected)?;
         let mut result = f(endpoint);
-        if matches!(result, Err(Fault::Disconnected)) && !endpoint.answered.get() && self.join_still_open() {
+        if matches!(result, Err(Fault::Disconnected)) && !endpoint.answered && self.join_still_open() {
             // The endpoint's channels closed before any answer, while the queue's dispatcher
             // still takes joins: it could not take this consumer's join in (its channels are
             // descriptors, which a process at its limit cannot receive). The queue is not
@@ -816,13 +816,15 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
             return false;
         }
         let deadline = Instant::now() + Duration::from_millis(100);
-        while Instant::now() < deadline {
+        loop {
             if self.join.receiver_gone() {
                 return false;
             }
+            if Instant::now() >= deadline {
+                return true;
+            }
             std::thread::sleep(Duration::from_millis(5));
         }
-        !self.join.receiver_gone()
     }
 
     fn join(&self) -> std::result::Result<Endpoint<T>, Fault> {
@@ -832,7 +834,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
         requests.not_inherited();
         let (replies_tx, replies) = channel::<Reply<T>>().map_err(error_fault)?;
         self.join.send(Join { requests: requests_rx, replies: replies_tx }).map_err(|e| send_fault(e.failure()))?;
-        Ok(Endpoint { requests, replies, asked: 0, early: VecDeque::new(), answered: std::cell::Cell::new(false) })
+        Ok(Endpoint { requests, replies, asked: 0, early: VecDeque::new(), answered: false })
     }
 
     /// Blocks until a message is available and returns it. Reports `Disconnected` once the
@@ -915,7 +917,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
             if e.asked > 0 {
                 match e.replies.try_recv() {
                     Ok(reply) => {
-                        e.answered.set(true);
+                        e.answered = true;
                         let reply = e.counted(reply)?;
                         return e.deliver(reply, ahead).map(Some);
                     }

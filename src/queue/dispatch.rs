@@ -504,8 +504,8 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
         c.wants = c.wants.saturating_add(n);
     }
 
-    /// Withdraws every message a consumer wants, taking it out of the waiting line.
-    /// Withdraws every message the consumer wants; how many it wanted.
+    /// Withdraws every message a consumer wants, taking it out of the waiting line; how many
+    /// it wanted.
     fn withdraw(&mut self, id: u64) -> u32 {
         let Some(c) = self.consumers.get_mut(&id) else { return 0 };
         let wanted = c.wants;

@@ -370,13 +370,17 @@ impl<S> State<S> {
                 self.parked.push((pool, cut, forks_before));
                 continue;
             }
-            let free = self.arena(pool).give_back(&cut);
-            let over = self.limit.is_some_and(|limit| self.reserved > limit);
-            if free && (!self.enabled || over) {
-                released.extend(self.release(cut.seg));
-            }
+            released.extend(self.put_back(pool, &cut));
         }
         (self.parked.len() < before, released)
+    }
+
+    /// Puts a block back on its pool's free lists; its segment when that left it wholly free
+    /// and it is given up (the allocator off, or over its limit), to drop outside the lock.
+    fn put_back(&mut self, pool: Pool, cut: &Cut) -> Option<Arc<S>> {
+        let free = self.arena(pool).give_back(cut);
+        let over = self.limit.is_some_and(|limit| self.reserved > limit);
+        if free && (!self.enabled || over) { self.release(cut.seg) } else { None }
     }
 
     fn release(&mut self, seg: u64) -> Option<Arc<S>> {
@@ -561,10 +565,7 @@ impl<S> Pools<S> {
             s.parked.push((pool, *cut, forks_before));
             return;
         }
-        let free = s.arena(pool).give_back(cut);
-        let over = s.limit.is_some_and(|limit| s.reserved > limit);
-        let mut released: Vec<Arc<S>> =
-            if free && (!s.enabled || over) { s.release(cut.seg).into_iter().collect() } else { Vec::new() };
+        let mut released: Vec<Arc<S>> = s.put_back(pool, cut).into_iter().collect();
         // Blocks parked for children that have gone since come back with it.
         released.extend(s.unpark().1);
         drop(s);

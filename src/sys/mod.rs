@@ -30,8 +30,8 @@ pub(crate) use mapping::Mapping;
 pub(crate) use memory::MemoryFile;
 pub(crate) use named::NamedMemory;
 pub(crate) use pipe::{
-    RECORD_MAX, fork_pipe, identity as pipe_identity, is_pipe_writer, lease_pipe, read_available, reader_gone,
-    write_record, writers_gone,
+    RECORD_MAX, identity as pipe_identity, is_pipe_writer, lease_pipe, read_available, reader_gone, write_record,
+    writers_gone,
 };
 #[cfg(test)]
 pub(crate) use process::fork_and_run;

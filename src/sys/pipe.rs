@@ -42,13 +42,6 @@ pub(crate) fn lease_pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     Ok((read, write))
 }
 
-/// A pipe whose ends close at `exec`: what a parent and the child it forks share (the parent
-/// the reading end, the child the writing end) to tell the parent when the child, and every
-/// process it forked without `exec`, is gone or has exec'd.
-pub(crate) fn fork_pipe() -> io::Result<(OwnedFd, OwnedFd)> {
-    Ok(pipe_with(PipeFlags::CLOEXEC)?)
-}
-
 /// Whether `fd` is the writing end of a pipe: what a lease that arrives must be (anything else
 /// would take a holder's records, or none, and never tell an owner of them).
 pub(crate) fn is_pipe_writer(fd: BorrowedFd<'_>) -> bool {
