@@ -440,16 +440,7 @@ fn forks_of_children_that_end_leave_no_descriptors_behind() {
     let open = || std::fs::read_dir("/proc/self/fd").unwrap().count();
     let before = open();
     for _ in 0..100 {
-        // SAFETY: the child `_exit`s at once.
-        let pid = unsafe { libc::fork() };
-        assert!(pid >= 0, "fork failed: {}", std::io::Error::last_os_error());
-        if pid == 0 {
-            // SAFETY: ends the child at once.
-            unsafe { libc::_exit(0) };
-        }
-        let mut status = 0;
-        // SAFETY: our child; `status` is writable.
-        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        in_forked_child(|| Ok(())).unwrap();
     }
     let after = open();
     assert!(after <= before + 5, "{before} descriptors open before 100 forks, {after} after");

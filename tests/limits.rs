@@ -8,6 +8,8 @@ use cuda_mp::{Error, HostTensor, Receiver, RecvTimeoutError, Sender, TryRecvErro
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+mod common;
+
 cuda_mp::enable_test_support!();
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -18,22 +20,8 @@ fn leave_headroom(headroom: u64) -> u64 {
     drop(HostTensor::<u8>::zeros(&[1]).unwrap());
     let open = std::fs::read_dir("/proc/self/fd").unwrap().count() as u64;
     let limit = open + headroom;
-    set_soft_limit(limit);
+    common::set_soft_limit(limit);
     limit
-}
-
-/// Sets this process's soft descriptor limit (at most the hard limit, which stays); gives the
-/// soft limit it had.
-fn set_soft_limit(limit: u64) -> u64 {
-    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: `r` is a valid, writable rlimit; a soft limit up to the hard one is allowed.
-    unsafe {
-        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut r), 0);
-        let old = r.rlim_cur;
-        r.rlim_cur = limit as libc::rlim_t;
-        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &r), 0);
-        old
-    }
 }
 
 fn allocate_until_it_fails(caching: bool) -> String {
@@ -180,13 +168,13 @@ struct NoRoom(u64);
 impl NoRoom {
     fn now() -> NoRoom {
         let lowest_free = std::fs::File::open("/dev/null").map(|f| std::os::fd::AsRawFd::as_raw_fd(&f)).unwrap();
-        NoRoom(set_soft_limit(lowest_free as u64))
+        NoRoom(common::set_soft_limit(lowest_free as u64))
     }
 }
 
 impl Drop for NoRoom {
     fn drop(&mut self) {
-        set_soft_limit(self.0);
+        common::set_soft_limit(self.0);
     }
 }
 

@@ -817,13 +817,8 @@ fn creator_at_its_descriptor_limit((out, at_limit, ctl): (Sender<QueueConsumer<u
         queue.put(i).unwrap();
     }
     out.send(queue.consumer()).unwrap();
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: `limit` is writable.
-    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
     let open = std::fs::read_dir("/proc/self/fd").unwrap().count() as u64;
-    let low = libc::rlimit { rlim_cur: open + 64, rlim_max: limit.rlim_max };
-    // SAFETY: a valid limit for this process.
-    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &low) };
+    let had = common::set_soft_limit(open + 64);
     let mut held = Vec::new();
     while let Ok(f) = std::fs::File::open("/dev/null") {
         held.push(f);
@@ -832,8 +827,7 @@ fn creator_at_its_descriptor_limit((out, at_limit, ctl): (Sender<QueueConsumer<u
     at_limit.send(1).unwrap();
     assert_eq!(ctl.recv().unwrap(), 1);
     drop(held);
-    // SAFETY: the limit this process had.
-    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) };
+    common::set_soft_limit(had);
     at_limit.send(0).unwrap();
     assert_eq!(ctl.recv().unwrap(), 2);
 }

@@ -172,6 +172,21 @@ pub fn free_memory(dev: &Device) -> usize {
     dev.memory_info().unwrap().0
 }
 
+/// Sets this process's soft descriptor limit (at most the hard limit, which stays); gives the
+/// soft limit it had.
+#[allow(dead_code)] // not every test binary limits descriptors
+pub fn set_soft_limit(limit: u64) -> u64 {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `r` is a valid, writable rlimit; a soft limit up to the hard one is allowed.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut r), 0);
+        let old = r.rlim_cur;
+        r.rlim_cur = limit as libc::rlim_t;
+        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &r), 0);
+        old
+    }
+}
+
 /// How many descriptors this process has open, spare lease pipes left out.
 #[allow(dead_code)] // not every test binary counts descriptors
 pub fn open_descriptors() -> usize {
