@@ -66,6 +66,8 @@ struct Encoding {
     /// Segments the message introduces on the connection (known to the receiver once it is
     /// sent).
     segments: Vec<(StorageId, std::sync::Weak<dyn Any + Send + Sync>)>,
+    /// Their records, each with its kind's tag: they travel ahead of the message's value.
+    intros: Vec<(u8, Vec<u8>)>,
     /// For a message to another host: what its encoding keeps (`src/storage/remote.rs`); its
     /// values then carry no descriptor and export no storage.
     remote: Option<Remote>,
@@ -87,6 +89,7 @@ impl Encoding {
             claims: Vec::new(),
             introduce: Vec::new(),
             segments: Vec::new(),
+            intros: Vec::new(),
             remote: None,
         }
     }
@@ -218,12 +221,13 @@ fn encode_message<T: Serialize + ?Sized>(
     connection: Option<Arc<Connection>>,
 ) -> std::result::Result<Encoded, String> {
     // A message of a tensor or a few is a few hundred bytes: one allocation, not a doubling.
-    let (bytes, e) = scope(Encoding::new(None, connection), || postcard::to_extend(value, Vec::with_capacity(256)));
+    let (bytes, mut e) = scope(Encoding::new(None, connection), || postcard::to_extend(value, Vec::with_capacity(256)));
+    let intros = std::mem::take(&mut e.intros);
     let mut encoded = unsent(e);
     match bytes {
         Ok(mut bytes) => {
             if encoded.connection.is_some() {
-                append_claims(&mut bytes, &encoded.claims);
+                append_trailer(&mut bytes, &intros, &encoded.claims);
             }
             encoded.bytes = bytes;
             Ok(encoded)
@@ -458,54 +462,113 @@ pub(crate) fn connection_claim(key: u64, index: u64, introduce: Option<Introduct
 /// The bytes of one claim in a message's list: the lease's key and the storage's index.
 const CLAIM_BYTES: usize = 16;
 
-/// Appends the list of claims a message on a channel counts on its sender's connection
-/// leases: a last byte of 0 when there are none; else the claims (lease name, index: u64 each), the
-/// sender's process token (u128), their number (u32), all little-endian, and a last byte of 1.
-/// The receiver makes a cover for each before it decodes the message, so that a claim whose
-/// record is never reached (a message that does not decode) is released all the same.
-fn append_claims(bytes: &mut Vec<u8>, claims: &[OwnClaim]) {
-    if claims.is_empty() {
-        bytes.push(0);
-        return;
+/// A message's last byte when it lists claims.
+const WITH_CLAIMS: u8 = 1;
+/// A message's last byte when it introduces segments.
+const WITH_SEGMENTS: u8 = 2;
+
+/// Appends what a message on a channel carries beside its value: the segments it introduces
+/// (their records, read by the receiver before the value: a value that fails to decode does
+/// not take them along, and later messages name them) and the claims it counts on its
+/// sender's connection leases. Then a last byte: [`WITH_SEGMENTS`] and [`WITH_CLAIMS`], or 0.
+///
+/// Segments: each its kind's tag (u8), its record's length (u32) and record, then the length
+/// of them all (u32). Claims: each its lease's name and storage index (u64 each), the sender's
+/// process token (u128), their number (u32). All little-endian. The receiver makes a cover for
+/// each claim before it decodes the message, so that a claim whose record is never reached (a
+/// message that does not decode) is released all the same.
+fn append_trailer(bytes: &mut Vec<u8>, intros: &[(u8, Vec<u8>)], claims: &[OwnClaim]) {
+    let mut last = 0;
+    if !intros.is_empty() {
+        let start = bytes.len();
+        for (kind, record) in intros {
+            bytes.push(*kind);
+            bytes.extend((record.len() as u32).to_le_bytes());
+            bytes.extend(record);
+        }
+        let len = (bytes.len() - start) as u32;
+        bytes.extend(len.to_le_bytes());
+        last |= WITH_SEGMENTS;
     }
-    bytes.reserve(claims.len() * CLAIM_BYTES + 21);
-    for OwnClaim { name: key, index, .. } in claims {
-        bytes.extend(key.to_le_bytes());
-        bytes.extend(index.to_le_bytes());
+    if !claims.is_empty() {
+        bytes.reserve(claims.len() * CLAIM_BYTES + 21);
+        for OwnClaim { name: key, index, .. } in claims {
+            bytes.extend(key.to_le_bytes());
+            bytes.extend(index.to_le_bytes());
+        }
+        bytes.extend(crate::lifetime::process_token().to_le_bytes());
+        bytes.extend((claims.len() as u32).to_le_bytes());
+        last |= WITH_CLAIMS;
     }
-    bytes.extend(crate::lifetime::process_token().to_le_bytes());
-    bytes.extend((claims.len() as u32).to_le_bytes());
-    bytes.push(1);
+    bytes.push(last);
 }
 
 /// Covers of the claims a message lists, by connection lease and storage.
 type Covers = HashMap<(ConnectionKey, u64), Vec<Cover>>;
 
-/// Splits a channel message into its value's bytes and a cover for each claim it lists (see
-/// [`append_claims`]). A claim on a lease the channel does not know gets no cover: a record
-/// that names it is refused.
-fn split_claims<'b>(bytes: &'b [u8], leases: &ConnectionLeases) -> std::result::Result<(&'b [u8], Covers), String> {
-    let not_ours = || "a message whose list of claims does not add up".to_string();
-    let (&flag, body) = bytes.split_last().ok_or_else(not_ours)?;
+/// A channel message taken apart (see [`append_trailer`]): its value's bytes, the segments it
+/// introduces (tag and record each) and a cover for each claim it lists. A claim on a lease
+/// the channel does not know gets no cover: a record that names it is refused.
+struct Parts<'b> {
+    value: &'b [u8],
+    intros: Vec<(u8, &'b [u8])>,
+    covers: Covers,
+}
+
+fn split_trailer<'b>(bytes: &'b [u8], leases: &ConnectionLeases) -> std::result::Result<Parts<'b>, String> {
+    let not_ours = || "a message whose trailer (claims, segments) does not add up".to_string();
+    let (&last, mut body) = bytes.split_last().ok_or_else(not_ours)?;
+    if last & !(WITH_CLAIMS | WITH_SEGMENTS) != 0 {
+        return Err(not_ours());
+    }
     let mut covers = Covers::new();
-    match flag {
-        0 => return Ok((body, covers)),
-        1 => {}
-        _ => return Err(not_ours()),
-    }
-    let tail = body.len().checked_sub(20).ok_or_else(not_ours)?;
-    let owner = u128::from_le_bytes(body[tail..tail + 16].try_into().expect("16 bytes"));
-    let n = u32::from_le_bytes(body[tail + 16..].try_into().expect("4 bytes")) as usize;
-    let start = n.checked_mul(CLAIM_BYTES).and_then(|len| tail.checked_sub(len)).ok_or_else(not_ours)?;
-    for claim in body[start..tail].chunks_exact(CLAIM_BYTES) {
-        let key = u64::from_le_bytes(claim[..8].try_into().expect("8 bytes"));
-        let index = u64::from_le_bytes(claim[8..].try_into().expect("8 bytes"));
-        let name = ConnectionKey { owner, key };
-        if let Some(lease) = leases.get(&name) {
-            covers.entry((name, index)).or_default().push(Cover::counted(lease, owner, index));
+    if last & WITH_CLAIMS != 0 {
+        let tail = body.len().checked_sub(20).ok_or_else(not_ours)?;
+        let owner = u128::from_le_bytes(body[tail..tail + 16].try_into().expect("16 bytes"));
+        let n = u32::from_le_bytes(body[tail + 16..].try_into().expect("4 bytes")) as usize;
+        let start = n.checked_mul(CLAIM_BYTES).and_then(|len| tail.checked_sub(len)).ok_or_else(not_ours)?;
+        for claim in body[start..tail].chunks_exact(CLAIM_BYTES) {
+            let key = u64::from_le_bytes(claim[..8].try_into().expect("8 bytes"));
+            let index = u64::from_le_bytes(claim[8..].try_into().expect("8 bytes"));
+            let name = ConnectionKey { owner, key };
+            if let Some(lease) = leases.get(&name) {
+                covers.entry((name, index)).or_default().push(Cover::counted(lease, owner, index));
+            }
         }
+        body = &body[..start];
     }
-    Ok((&body[..start], covers))
+    let mut intros = Vec::new();
+    if last & WITH_SEGMENTS != 0 {
+        let tail = body.len().checked_sub(4).ok_or_else(not_ours)?;
+        let len = u32::from_le_bytes(body[tail..].try_into().expect("4 bytes")) as usize;
+        let start = tail.checked_sub(len).ok_or_else(not_ours)?;
+        let mut section = &body[start..tail];
+        while let Some((&kind, rest)) = section.split_first() {
+            let (len, rest) = rest.split_first_chunk::<4>().ok_or_else(not_ours)?;
+            let len = u32::from_le_bytes(*len) as usize;
+            if rest.len() < len {
+                return Err(not_ours());
+            }
+            let (record, rest) = rest.split_at(len);
+            intros.push((kind, record));
+            section = rest;
+        }
+        body = &body[..start];
+    }
+    Ok(Parts { value: body, intros, covers })
+}
+
+/// Adopts a segment that a channel message introduces, from its kind's tag and its record:
+/// the channel end keeps it for the messages that name it ([`remember_segment`]). Runs in the
+/// message's decoding context, before its value is decoded.
+pub(crate) type AdoptSegment = fn(u8, &[u8]) -> Result<()>;
+
+/// Decodes `bytes` (postcard), a part of the message being decoded (a segment's record): its
+/// descriptors and claims are the message's.
+pub(crate) fn decode_part<X: DeserializeOwned>(bytes: &[u8]) -> Result<X> {
+    postcard::from_bytes(bytes).map_err(|e| {
+        Error::Malformed(take_failure().unwrap_or_else(|| format!("an undecodable segment record ({e:?})")))
+    })
 }
 
 /// Takes the cover of a claim on storage `index` through connection lease `name` that the
@@ -523,17 +586,25 @@ pub(crate) fn segment_known(id: StorageId) -> Option<u128> {
     })
 }
 
-/// The message being encoded introduces segment `id` (held here by `segment`) on its channel:
-/// the receiving end keeps it once the message is sent and decoded. `None` (nothing noted)
-/// outside a channel's message; else the process token the block names as its sender.
-pub(crate) fn introduce_segment(id: StorageId, segment: &AnyStorage) -> Option<u128> {
+/// The message being encoded introduces segment `id` (held here by `segment`) on its channel,
+/// with its kind's tag and `record`, which travel ahead of the message's value: the receiving
+/// end keeps it from then on. Outside a channel's message: nothing.
+pub(crate) fn introduce_segment(id: StorageId, segment: &AnyStorage, kind: u8, record: Vec<u8>) {
     ENCODING.with(|e| {
-        let mut e = e.borrow_mut();
-        let encoding = e.last_mut()?;
-        encoding.connection.as_ref()?;
-        encoding.segments.push((id, Arc::downgrade(segment)));
-        Some(crate::lifetime::process_token())
+        if let Some(encoding) = e.borrow_mut().last_mut()
+            && encoding.connection.is_some()
+        {
+            encoding.segments.push((id, Arc::downgrade(segment)));
+            encoding.intros.push((kind, record));
+        }
     })
+}
+
+/// For a message being encoded on a channel: the process token its blocks name as the
+/// sender of the segments it introduces. `None` outside a channel's message (no segment is
+/// introduced there).
+pub(crate) fn introducing_as() -> Option<u128> {
+    ENCODING.with(|e| e.borrow().last().and_then(|e| e.connection.as_ref()).map(|_| crate::lifetime::process_token()))
 }
 
 /// A segment that a block of the message being decoded names, as the sender of process `via`
@@ -700,15 +771,17 @@ pub(crate) fn descriptor_error(e: Error) -> Error {
 /// take is closed before this returns. The error says why it does not decode.
 #[cfg(test)]
 pub(crate) fn decode<T: DeserializeOwned>(bytes: &[u8], fds: Vec<OwnedFd>) -> std::result::Result<T, String> {
-    decode_on(bytes, fds, None)
+    decode_on(bytes, fds, None, |_, _| Err(Error::Malformed("no segment is introduced outside a channel".into())))
 }
 
 /// Like [`decode`], for a message from a channel whose senders introduced `leases` (the
-/// message ends with its list of claims on them).
+/// message ends with the segments it introduces, adopted by `adopt` first, and its list of
+/// claims on them).
 pub(crate) fn decode_on<T: DeserializeOwned>(
     bytes: &[u8],
     fds: Vec<OwnedFd>,
     leases: Option<&ConnectionLeases>,
+    adopt: AdoptSegment,
 ) -> std::result::Result<T, String> {
     struct Pop;
     impl Drop for Pop {
@@ -718,9 +791,9 @@ pub(crate) fn decode_on<T: DeserializeOwned>(
             drop(popped);
         }
     }
-    let (bytes, claims) = match leases {
-        Some(leases) => split_claims(bytes, leases)?,
-        None => (bytes, Covers::new()),
+    let Parts { value, intros, covers: claims } = match leases {
+        Some(leases) => split_trailer(bytes, leases)?,
+        None => Parts { value: bytes, intros: Vec::new(), covers: Covers::new() },
     };
     FAILURE.with(|f| f.borrow_mut().take());
     DECODING.with(|d| {
@@ -732,9 +805,14 @@ pub(crate) fn decode_on<T: DeserializeOwned>(
         })
     });
     let pop = Pop;
-    let result = postcard::from_bytes::<T>(bytes);
+    // The segments first: they stay with the channel end whatever the value does.
+    let result = match intros.iter().try_for_each(|&(kind, record)| adopt(kind, record)) {
+        Ok(()) => postcard::from_bytes::<T>(value)
+            .map_err(|e| take_failure().unwrap_or_else(|| format!("undecodable message ({e:?})"))),
+        Err(e) => Err(format!("a segment the message introduces: {e}")),
+    };
     drop(pop);
-    result.map_err(|e| take_failure().unwrap_or_else(|| format!("undecodable message ({e:?})")))
+    result
 }
 
 fn with_slot<R>(carried: &Carried, f: impl FnOnce(&mut Slot) -> Result<R>) -> Result<R> {
@@ -978,22 +1056,25 @@ mod tests {
         proptest! {
             #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
 
-            /// Any bytes as a channel message: its list of claims is refused or read, never a
-            /// panic, and what is left of the message is a prefix of it.
+            /// Any bytes as a channel message: its trailer is refused or read, never a panic,
+            /// and what is left of the message is a prefix of it.
             #[test]
-            fn any_list_of_claims_is_read_without_a_panic(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
+            fn any_trailer_is_read_without_a_panic(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
                 let leases = ConnectionLeases::default();
-                if let Ok((body, covers)) = split_claims(&bytes, &leases) {
-                    prop_assert!(bytes.starts_with(body));
+                if let Ok(Parts { value, intros, covers }) = split_trailer(&bytes, &leases) {
+                    prop_assert!(bytes.starts_with(value));
+                    prop_assert!(intros.iter().all(|(_, r)| r.len() < bytes.len()));
                     prop_assert!(covers.is_empty(), "no lease is known: no cover");
                 }
             }
 
-            /// A list of claims appended to a message reads back: the message's bytes whole, and
-            /// a cover for each claim on a lease the channel knows.
+            /// Segments and claims appended to a message read back: the message's bytes whole,
+            /// each segment's tag and record, and a cover for each claim on a lease the channel
+            /// knows.
             #[test]
-            fn claims_read_back(
+            fn trailer_reads_back(
                 message in proptest::collection::vec(any::<u8>(), 0..64),
+                intros in proptest::collection::vec((any::<u8>(), proptest::collection::vec(any::<u8>(), 0..40)), 0..4),
                 claims in proptest::collection::vec((0u64..3, any::<u64>()), 0..20),
             ) {
                 let owner = crate::lifetime::process_token();
@@ -1005,9 +1086,11 @@ mod tests {
                 let mut bytes = message.clone();
                 let own: Vec<OwnClaim> =
                     claims.iter().map(|&(name, index)| OwnClaim { lease: name, name, index }).collect();
-                append_claims(&mut bytes, &own);
-                let (body, covers) = split_claims(&bytes, &leases).unwrap();
-                prop_assert_eq!(body, &message[..]);
+                append_trailer(&mut bytes, &intros, &own);
+                let Parts { value, intros: read, covers } = split_trailer(&bytes, &leases).unwrap();
+                prop_assert_eq!(value, &message[..]);
+                let read: Vec<(u8, Vec<u8>)> = read.into_iter().map(|(k, r)| (k, r.to_vec())).collect();
+                prop_assert_eq!(read, intros);
                 let known = claims.iter().filter(|(key, _)| *key < 2).count();
                 prop_assert_eq!(covers.values().map(Vec::len).sum::<usize>(), known);
                 // The covers are dropped here: their releases go to leases nobody reads.

@@ -522,3 +522,42 @@ fn a_vmm_segment_that_travels_with_a_receiving_end_is_counted_as_a_segment() {
     assert_eq!(lifetime_stats().offered_descriptors, before.offered_descriptors);
     dev.set_segment_kind(GpuMemoryKind::Legacy).unwrap();
 }
+
+/// Sends a message that does not decode (the first block of a fresh segment behind an odd
+/// number), then one whose block names the same segment; exits when told (its legacy memory
+/// goes with it).
+fn send_one_that_fails_then_one_that_names_its_segment(
+    (tx, done): (Sender<(common::Even, GpuTensor<f32>)>, Receiver<()>),
+) {
+    let dev = common::gpu();
+    let first = GpuTensor::<f32>::full(&dev, &[1024], 1.0).unwrap();
+    let second = GpuTensor::<f32>::full(&dev, &[1024], 2.0).unwrap();
+    tx.send((common::Even(1), first)).unwrap();
+    tx.send((common::Even(2), second)).unwrap();
+    let _ = done.recv();
+}
+
+/// A message whose value fails to decode does not take the segment it introduced along: the
+/// next message, whose block only names that segment, decodes and reads its own values.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_message_that_fails_to_decode_leaves_the_segment_it_introduced_to_the_next() {
+    let _g = serial();
+    let (tx, rx) = channel::<(common::Even, GpuTensor<f32>)>().unwrap();
+    let (done_tx, done_rx) = channel().unwrap();
+    let producer = spawn((tx, done_rx), send_one_that_fails_then_one_that_names_its_segment);
+    match rx.recv_timeout(WAIT) {
+        Err(e) => assert!(matches!(e, cuda_mp::RecvTimeoutError::Malformed(_)), "{e}"),
+        Ok((n, _)) => panic!("a message with the odd number {} decoded", n.0),
+    }
+    let (n, t) = rx.recv_timeout(WAIT).expect("the block names the segment the failed message introduced");
+    assert_eq!(n.0, 2);
+    assert!(t.to_vec().unwrap().iter().all(|&x| x == 2.0), "the second block holds its own values");
+    drop((t, rx));
+    done_tx.send(()).unwrap();
+    producer.join().unwrap();
+    eventually("nothing of the producer's left mapped", || {
+        let s = lifetime_stats();
+        s.imported_storages == 0 && s.cached_mappings == 0
+    });
+}

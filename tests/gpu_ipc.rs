@@ -866,7 +866,7 @@ impl<S> BlockRecord<S> {
     /// The segment's record, where one travels.
     fn record(&self) -> Option<&SegmentRecord<S>> {
         match &self.segment {
-            common::ForgedSegmentRef::Whole(r) | common::ForgedSegmentRef::Introduced { record: r, .. } => Some(r),
+            common::ForgedSegmentRef::Whole(r) => Some(r),
             _ => None,
         }
     }
@@ -894,15 +894,18 @@ fn forged_blocks_of_vmm_segments_give_errors() {
     dev.set_segment_kind(cuda_mp::GpuMemoryKind::Legacy).unwrap();
     assert_eq!(t.storage().memory_kind(), cuda_mp::GpuMemoryKind::Vmm);
     type Block = ForgedGpu<BlockRecord<VmmRecord>>;
-    // Each on a channel of its own: the first block of a segment on a channel introduces it
-    // (later ones only name it).
+    // On a channel even the first block of a segment only names it: the segment's record
+    // travels ahead of the message's value, for the receiving end to keep.
+    let (genuine_tx, genuine_rx) = common::connect::<GpuTensor<f32>, Block>();
+    genuine_tx.send(t.clone()).unwrap();
+    let g = genuine_rx.recv_timeout(WAIT).unwrap();
+    assert!(matches!(g.memory.segment, common::ForgedSegmentRef::Known { .. }), "named");
+    drop((g, genuine_tx, genuine_rx));
+    // Handed over as bytes (outside a channel), a block carries its segment's record.
     let genuine = || {
-        let (genuine_tx, genuine_rx) = common::connect::<GpuTensor<f32>, Block>();
-        genuine_tx.send(t.clone()).unwrap();
-        let g = genuine_rx.recv_timeout(WAIT).unwrap();
+        let g: Block = cuda_mp::from_bytes(&cuda_mp::to_bytes(&t, WAIT).unwrap()).unwrap();
         assert_eq!(g.memory_variant, 2, "a block of a segment");
-        assert!(matches!(g.memory.segment, common::ForgedSegmentRef::Introduced { .. }), "introduced");
-        let segment = g.memory.record().expect("the segment's record travels with its first block");
+        let segment = g.memory.record().expect("the segment's record travels whole outside a channel");
         assert_eq!(segment.variant, 1, "the segment is vmm memory");
         g
     };

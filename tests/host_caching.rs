@@ -474,3 +474,35 @@ fn a_forwarded_block_counts_once_in_the_forwarders_statistics() {
     b.kill().unwrap();
     assert_eq!((relayed, storages, bytes), (1, 1, 512), "relayed storages, holders' storages and bytes");
 }
+
+/// Sends a message that does not decode (the first block of a fresh segment behind an odd
+/// number), then one whose block names the same segment, and exits.
+fn send_one_that_fails_then_one_that_names_its_segment(tx: Sender<(common::Even, HostTensor<f32>)>) {
+    let first = HostTensor::<f32>::full(&[1024], 1.0).unwrap();
+    let second = HostTensor::<f32>::full(&[1024], 2.0).unwrap();
+    tx.send((common::Even(1), first)).unwrap();
+    tx.send((common::Even(2), second)).unwrap();
+}
+
+/// A message whose value fails to decode does not take the segment it introduced along: the
+/// next message, whose block only names that segment, decodes; and the failed one's block is
+/// let go.
+#[test]
+fn a_message_that_fails_to_decode_leaves_the_segment_it_introduced_to_the_next() {
+    let _g = serial();
+    let (tx, rx) = channel::<(common::Even, HostTensor<f32>)>().unwrap();
+    let producer = spawn(tx, send_one_that_fails_then_one_that_names_its_segment);
+    producer.join().unwrap();
+    match rx.recv_timeout(WAIT) {
+        Err(e) => assert!(matches!(e, cuda_mp::RecvTimeoutError::Malformed(_)), "{e}"),
+        Ok(got) => panic!("a message with an odd number decoded: {got:?}"),
+    }
+    let (n, t) = rx.recv_timeout(WAIT).expect("the block names the segment the failed message introduced");
+    assert_eq!(n.0, 2);
+    assert!(t.to_vec().iter().all(|&x| x == 2.0), "the second block holds its own values");
+    drop((t, rx));
+    eventually("nothing of the producer's left mapped", || {
+        let s = lifetime_stats();
+        s.imported_storages == 0 && s.cached_mappings == 0
+    });
+}

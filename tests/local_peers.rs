@@ -40,10 +40,10 @@ fn connect_as_nobody(name: String) -> bool {
     if connect(&fd, &SocketAddrUnix::new(name.as_str()).unwrap()).is_err() {
         return false;
     }
-    // The transport's header (one descriptor), then a hello: magic, version 10, message type.
+    // The transport's header (one descriptor), then a hello: magic, version 11, message type.
     let mut hello = 1u32.to_le_bytes().to_vec();
     hello.extend_from_slice(b"cuda-mp\0");
-    hello.extend_from_slice(&[10, 2, b'u', b'8']);
+    hello.extend_from_slice(&[11, 2, b'u', b'8']);
     let fds = [gauge.as_fd()];
     let mut space = vec![std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut control = SendAncillaryBuffer::new(&mut space);

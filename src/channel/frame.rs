@@ -302,7 +302,7 @@ pub(super) fn read<T: DeserializeOwned>(
     } else {
         kind
     };
-    let decode = |bytes: &[u8], fds| wire::decode_on(bytes, fds, leases.map(|l| &**l));
+    let decode = |bytes: &[u8], fds| wire::decode_on(bytes, fds, leases.map(|l| &**l), super::adopt_segment);
     match kind {
         INLINE => Ok(Incoming::Message { cost: message_cost(INLINE, bytes.len()), value: decode(rest, fds) }),
         SHARED => {

@@ -560,7 +560,8 @@ impl Inbox {
             Ok(Some(_)) => {
                 RING_MESSAGES.fetch_add(1, Ordering::Relaxed);
                 gauge.free_place();
-                wire::decode_on(&self.entry, Vec::new(), Some(&*self.leases)).map_err(|m| self.undecodable::<T>(m))
+                wire::decode_on(&self.entry, Vec::new(), Some(&*self.leases), super::adopt_segment)
+                    .map_err(|m| self.undecodable::<T>(m))
             }
             Ok(None) => Err(Missing::Empty),
             Err(why) => {

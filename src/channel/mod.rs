@@ -971,6 +971,23 @@ enum CarriedSegment {
     Gpu(crate::storage::CarriedSegment<crate::GpuStorage>),
 }
 
+/// Adopts a segment that a message on a channel introduces (`wire::decode_on`): its kind's
+/// tag and record.
+pub(super) fn adopt_segment(tag: u8, record: &[u8]) -> Result<()> {
+    match crate::storage::SegmentTag::from_tag(tag) {
+        Some(crate::storage::SegmentTag::Host) => {
+            crate::storage::CarriedSegment::<crate::host::HostSegment>::introduced(record)
+        }
+        #[cfg(feature = "cuda")]
+        Some(crate::storage::SegmentTag::Gpu) => {
+            crate::storage::CarriedSegment::<crate::GpuStorage>::introduced(record)
+        }
+        _ => Err(Error::Malformed(format!(
+            "a message introduces a segment of kind {tag}, which this build does not know"
+        ))),
+    }
+}
+
 impl CarriedSegment {
     fn carry(segment: &crate::lifetime::AnyStorage) -> Result<CarriedSegment> {
         if let Some(host) = crate::storage::CarriedSegment::carry(segment) {

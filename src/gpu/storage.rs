@@ -20,7 +20,7 @@ use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::lifetime::{LeaseMode, StorageId};
 use crate::profile::{self, Phase};
-use crate::storage::{self, Arrival, Fence, Handle, Memory, Record, SegmentRef, Shared, StorageKind};
+use crate::storage::{self, Arrival, Fence, Handle, Memory, Record, SegmentRef, SegmentTag, Shared, StorageKind};
 use crate::tensor::{Tensor, TensorWire};
 
 /// Device memory behind [`GpuTensor`](crate::GpuTensor)s: a `cuMemAlloc` allocation made by
@@ -182,18 +182,29 @@ impl Record<SegmentWire> {
 /// itself.
 fn block_wire(segment: &Arc<GpuStorage>, offset: usize) -> Result<GpuWire> {
     let mut exported = None;
-    let reference = SegmentRef::of(segment, || {
-        // The block's own export checked the scope already.
-        let record = storage::export(segment, true)?;
-        let Record { id, bytes, lease, ticket, kind: GpuWire { device_uuid, memory, event_handle } } = record;
-        let kind = match memory {
-            WireMemory::Legacy { mem_handle, alloc_offset: 0 } => SegmentWire::Legacy { mem_handle },
-            WireMemory::Vmm(v) => SegmentWire::Vmm(v),
-            _ => return Err(Error::Unsupported("a caching allocator's segment is whole legacy or vmm memory".into())),
-        };
-        exported = Some((device_uuid, event_handle));
-        Ok(Record { id, bytes, lease, ticket, kind })
-    })?;
+    let device_uuid = segment.0.memory().raw().device().uuid();
+    let carried = move |record: Record<SegmentWire>| record.into_storage(device_uuid);
+    let reference = SegmentRef::of(
+        segment,
+        SegmentTag::Gpu,
+        || {
+            // The block's own export checked the scope already.
+            let record = storage::export(segment, true)?;
+            let Record { id, bytes, lease, ticket, kind: GpuWire { device_uuid, memory, event_handle } } = record;
+            let kind = match memory {
+                WireMemory::Legacy { mem_handle, alloc_offset: 0 } => SegmentWire::Legacy { mem_handle },
+                WireMemory::Vmm(v) => SegmentWire::Vmm(v),
+                _ => {
+                    return Err(Error::Unsupported(
+                        "a caching allocator's segment is whole legacy or vmm memory".into(),
+                    ));
+                }
+            };
+            exported = Some((device_uuid, event_handle));
+            Ok(Record { id, bytes, lease, ticket, kind })
+        },
+        carried,
+    )?;
     let (device_uuid, event_handle) = match exported {
         Some(exported) => exported,
         // Named: only a segment of this process's own is (`SegmentRef::of`).

@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::fork::ForkLocal;
 use crate::lifetime::LeaseMode;
 use crate::storage::pools::{AllocatorStats, Pools};
-use crate::storage::{self, Arrival, Handle, Memory, Record, SegmentRef, Shared, StorageKind};
+use crate::storage::{self, Arrival, Handle, Memory, Record, SegmentRef, SegmentTag, Shared, StorageKind};
 use crate::sys::MemoryFile;
 use crate::wire;
 
@@ -173,7 +173,7 @@ fn new_segment(size: usize) -> Result<Arc<HostSegment>> {
 /// a storage of the same message, or named where the channel knows it.
 pub(super) fn block_wire(segment: &Arc<HostSegment>, offset: usize) -> Result<HostWire> {
     // The block's own export checked the scope already.
-    let segment = SegmentRef::of(segment, || storage::export(segment, true))?;
+    let segment = SegmentRef::of(segment, SegmentTag::Host, || storage::export(segment, true), |record| record)?;
     Ok(HostWire::Block { segment, offset: offset as u64 })
 }
 

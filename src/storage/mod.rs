@@ -297,16 +297,32 @@ pub(crate) struct Record<W> {
     pub(crate) kind: W,
 }
 
+/// The kinds of caching allocators' segments a channel message introduces: the tag the
+/// receiving end adopts one by (its record is a [`CarriedSegment`] of that kind).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum SegmentTag {
+    /// A host segment (`CarriedSegment<HostSegment>`).
+    Host = 0,
+    /// A GPU segment (`CarriedSegment<GpuStorage>`).
+    Gpu = 1,
+}
+
+impl SegmentTag {
+    /// The kind a tag names.
+    pub(crate) fn from_tag(tag: u8) -> Option<SegmentTag> {
+        [SegmentTag::Host, SegmentTag::Gpu].into_iter().find(|k| *k as u8 == tag)
+    }
+}
+
 /// How a block's record refers to the caching allocator's segment it is cut from (`R`: the
 /// segment's record).
 #[derive(Serialize, Deserialize)]
 pub(crate) enum SegmentRef<R> {
     /// The segment's record, exported for this message (outside a channel).
     Whole(Box<R>),
-    /// The segment's record, which the receiving channel end keeps: process `via` names the
-    /// segment without it from now on.
-    Introduced { via: u128, record: Box<R> },
-    /// A segment that process `via` introduced on this channel before.
+    /// A segment that process `via` introduced on this channel: in this message (its record
+    /// travels ahead of the message's value, `wire.rs`) or before.
     Known { via: u128, id: StorageId },
     /// Taken by the import.
     Taken,
@@ -314,8 +330,14 @@ pub(crate) enum SegmentRef<R> {
 
 impl<W> SegmentRef<Record<W>> {
     /// How a block of `segment` refers to it in the message being encoded; `export` makes the
-    /// segment's record where one travels.
-    pub(crate) fn of<S: Shared>(segment: &Arc<S>, export: impl FnOnce() -> Result<Record<W>>) -> Result<Self> {
+    /// segment's record where one travels, and `carried` turns it into the record that
+    /// introduces a segment of tag `tag` on a channel.
+    pub(crate) fn of<S: Shared, C: Serialize>(
+        segment: &Arc<S>,
+        tag: SegmentTag,
+        export: impl FnOnce() -> Result<Record<W>>,
+        carried: impl FnOnce(Record<W>) -> C,
+    ) -> Result<Self> {
         let m = &segment.handle().memory;
         // Only an owner introduces its segments: a receiver that kept a segment forwarded to it
         // would keep the leases up the chain (its claim's anchors) open, and with them whatever
@@ -328,11 +350,18 @@ impl<W> SegmentRef<Record<W>> {
         let record = export()?;
         // A segment without a slot in this process's liveness table could not be revoked
         // where it is kept: it travels whole.
-        if !m.is_imported() && record.ticket.is_some() {
+        if !m.is_imported()
+            && record.ticket.is_some()
+            && let Some(via) = wire::introducing_as()
+        {
+            // Serialized here, in the message's context: its descriptors and claim are the
+            // message's.
+            let record = postcard::to_allocvec(&carried(record)).map_err(|e| {
+                Error::Encode(wire::take_failure().unwrap_or_else(|| format!("a segment's record ({e})")))
+            })?;
             let any: AnyStorage = segment.clone();
-            if let Some(via) = wire::introduce_segment(m.id, &any) {
-                return Ok(SegmentRef::Introduced { via, record: Box::new(record) });
-            }
+            wire::introduce_segment(m.id, &any, tag as u8, record);
+            return Ok(SegmentRef::Known { via, id: m.id });
         }
         Ok(SegmentRef::Whole(Box::new(record)))
     }
@@ -341,30 +370,19 @@ impl<W> SegmentRef<Record<W>> {
     #[cfg(feature = "cuda")]
     pub(crate) fn record(&self) -> Option<&Record<W>> {
         match self {
-            SegmentRef::Whole(record) | SegmentRef::Introduced { record, .. } => Some(record),
+            SegmentRef::Whole(record) => Some(record),
             SegmentRef::Known { .. } | SegmentRef::Taken => None,
         }
     }
 
-    /// The segment: imported from its record by `import` (and kept with the channel end when
-    /// introduced), or the one the channel end keeps. `None` where the record was taken.
+    /// The segment: imported from its record by `import`, or the one the channel end keeps.
+    /// `None` where the record was taken.
     pub(crate) fn resolve<S: Shared>(
         &mut self,
         import: impl FnOnce(Record<W>) -> Result<Arc<S>>,
     ) -> Result<Option<Arc<S>>> {
         match std::mem::replace(self, SegmentRef::Taken) {
             SegmentRef::Whole(record) => import(*record).map(Some),
-            SegmentRef::Introduced { via, record } => {
-                let ticket = record.ticket;
-                let segment = import(*record)?;
-                let id = segment.handle().memory.id;
-                // Only an owner introduces its segments (see `of`); this process's own (a
-                // channel within it) is kept weakly, to travel with the end.
-                if via == id.owner() {
-                    wire::remember_segment(via, id, segment.clone(), ticket, owner_alive(&segment));
-                }
-                Ok(Some(segment))
-            }
             SegmentRef::Known { via, id } => match wire::known_segment(via, id).and_then(|s| s.downcast::<S>().ok()) {
                 Some(segment) => Ok(Some(segment)),
                 // This process's own, introduced where the end was before.
@@ -398,17 +416,34 @@ impl<S: Shared> CarriedSegment<S> {
     /// The segment mapped here; `None` (with a warning) when it cannot be mapped here: only
     /// the blocks that name it then fail, not the end.
     pub(crate) fn adopt(self, via: u128) -> Option<lifetime::TravelledSegment> {
+        let id = self.0.id;
+        self.map(via)
+            .inspect_err(|e| {
+                tracing::warn!(segment = %id, error = %e, "a segment a channel end brought along could not be mapped")
+            })
+            .ok()
+    }
+
+    /// A segment that the message being decoded introduces (its record `bytes`), mapped here
+    /// and kept by the channel end for the blocks that name it, in this message and later
+    /// ones.
+    pub(crate) fn introduced(bytes: &[u8]) -> Result<()> {
+        let carried: CarriedSegment<S> = wire::decode_part(bytes)?;
+        // Only an owner introduces its segments (`SegmentRef::of`): its blocks name it as
+        // sent by the owner. This process's own (a channel within it) is kept weakly.
+        let lifetime::TravelledSegment { via, id, segment, ticket, alive } = {
+            let owner = carried.0.id.owner();
+            carried.map(owner)?
+        };
+        wire::remember_segment(via, id, segment, ticket, alive);
+        Ok(())
+    }
+
+    fn map(self, via: u128) -> Result<lifetime::TravelledSegment> {
         let (id, ticket) = (self.0.id, self.0.ticket);
-        match import::<S>(self.0, None) {
-            Ok(segment) => {
-                let alive = owner_alive(&segment);
-                Some(lifetime::TravelledSegment { via, id, segment, ticket, alive })
-            }
-            Err(e) => {
-                tracing::warn!(segment = %id, error = %e, "a segment a channel end brought along could not be mapped");
-                None
-            }
-        }
+        let segment = import::<S>(self.0, None)?;
+        let alive = owner_alive(&segment);
+        Ok(lifetime::TravelledSegment { via, id, segment, ticket, alive })
     }
 }
 

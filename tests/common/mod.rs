@@ -145,9 +145,8 @@ pub enum ForgedHost<Shm, Lease> {
 pub enum ForgedSegmentRef<R> {
     /// Its record.
     Whole(Box<R>),
-    /// Its record, for the receiving end to keep: process `via` names it from now on.
-    Introduced { via: u128, record: Box<R> },
-    /// A segment that process `via` introduced on the channel: the segment's owner and index.
+    /// A segment that process `via` introduced on the channel (its record travels ahead of
+    /// the message's value): the segment's owner and index.
     Known { via: u128, owner: u128, index: u64 },
     /// None.
     Taken,
@@ -284,5 +283,21 @@ impl<'a> HeldStream<'a> {
 impl Drop for HeldStream<'_> {
     fn drop(&mut self) {
         self.release(u32::MAX);
+    }
+}
+
+/// A number that refuses to decode when it is odd: a message whose value fails to decode
+/// after its sender made it.
+#[derive(Debug, serde::Serialize)]
+#[allow(dead_code)] // not every test binary sends one
+pub struct Even(pub u32);
+
+impl<'de> serde::Deserialize<'de> for Even {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let n = u32::deserialize(deserializer)?;
+        if n % 2 == 1 {
+            return Err(serde::de::Error::custom(format!("{n} is odd")));
+        }
+        Ok(Even(n))
     }
 }
