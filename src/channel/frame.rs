@@ -271,12 +271,16 @@ impl<T> fmt::Debug for Incoming<T> {
     }
 }
 
-/// What a message's frame of kind `base` (`INLINE` or `SHARED`), `len` bytes long with its
-/// prefixes, cost on the socket: what its writer counted (`FrameOut::cost`).
-fn message_cost(base: u8, len: usize) -> u64 {
-    match base {
-        INLINE => cost(len.saturating_sub(1)),
-        _ => cost(len.saturating_sub(1 + 8) + 64),
+/// What a message's `frame` (kind `INLINE` or `SHARED`, with its prefixes) cost on the
+/// socket: what its writer counted (`FrameOut::cost`, which counts a place in an order
+/// whether the frame has one or not).
+fn message_cost(frame: &[u8]) -> u64 {
+    let kind = frame.first().copied().unwrap_or(INLINE);
+    let unordered = if kind & WITH_ORDER == 0 { ORDER_BYTES } else { 0 };
+    let counted = frame.len().saturating_sub(1) + unordered;
+    match kind & !(WITH_LEASES | WITH_ORDER) {
+        INLINE => cost(counted),
+        _ => cost(counted.saturating_sub(8) + 64),
     }
 }
 
@@ -304,7 +308,7 @@ pub(super) fn read<T: DeserializeOwned>(
     };
     let decode = |bytes: &[u8], fds| wire::decode_on(bytes, fds, leases.map(|l| &**l), super::adopt_segment);
     match kind {
-        INLINE => Ok(Incoming::Message { cost: message_cost(INLINE, bytes.len()), value: decode(rest, fds) }),
+        INLINE => Ok(Incoming::Message { cost: message_cost(bytes), value: decode(rest, fds) }),
         SHARED => {
             let len: [u8; 8] = rest.try_into().map_err(|_| "a shared-memory frame without its length")?;
             let len = u64::from_le_bytes(len);
@@ -317,7 +321,7 @@ pub(super) fn read<T: DeserializeOwned>(
                 let bytes = memory.frozen_bytes().ok_or("a frame's shared memory is not sealed against writes")?;
                 decode(&bytes[..len], fds)
             });
-            Ok(Incoming::Message { cost: message_cost(SHARED, bytes.len()), value })
+            Ok(Incoming::Message { cost: message_cost(bytes), value })
         }
         REDIRECT => {
             let batch = match (rest.len(), fds.len()) {
@@ -378,7 +382,7 @@ pub(super) fn cut_short(bytes: &[u8], mut fds: Vec<OwnedFd>, leases: &Connection
     if base != INLINE && rest.len() != 8 {
         return None; // a shared-memory frame without its length
     }
-    Some(CutShort { cost: message_cost(base, bytes.len()), messages: 1, batch: false })
+    Some(CutShort { cost: message_cost(bytes), messages: 1, batch: false })
 }
 
 #[cfg(test)]
@@ -393,12 +397,14 @@ mod tests {
                 lease: Lease::from_fd(crate::sys::lease_pipe().unwrap().1),
             })
             .collect();
+        let message = postcard::to_allocvec(&5u8).unwrap();
         let mut frame = head(INLINE, &leases, None);
-        frame.extend(postcard::to_allocvec(&5u8).unwrap());
+        frame.extend(&message);
         let known = ConnectionLeases::default();
         let came = leases[..2].iter().map(|i| i.lease.fd().try_clone_to_owned().unwrap()).collect();
         let cut = cut_short(&frame, came, &known).expect("a cut frame is read");
-        assert_eq!((cut.messages, cut.batch, cut.cost), (1, false, cost(frame.len() - 1)));
+        let counted = FrameOut::message(&message, 1 << 20, &leases).unwrap().cost();
+        assert_eq!((cut.messages, cut.batch, cut.cost), (1, false, counted));
         let adopted: Vec<bool> = leases.iter().map(|i| known.get(&i.name).is_some()).collect();
         assert_eq!(adopted, [true, true, false]);
     }
@@ -420,6 +426,40 @@ mod tests {
         assert_eq!(inline_max(1 << 30), 64 << 10);
     }
 
+    /// What a reader gives back for a message frame is what its writer counted, for frames
+    /// small and large, with and without a place in an order and introduced leases: else the
+    /// channel's count of what is on the socket drifts up for good.
+    #[test]
+    fn a_message_frame_read_gives_back_what_its_writer_counted() {
+        let (a, b) = Socket::pair().unwrap();
+        let mut buf = vec![0u8; BUFFER];
+        let leases: Vec<Introduction> = (0..2)
+            .map(|key| Introduction {
+                name: ConnectionKey { owner: 7, key },
+                lease: Lease::from_fd(crate::sys::lease_pipe().unwrap().1),
+            })
+            .collect();
+        let small = postcard::to_allocvec(&vec![1u8; 10]).unwrap();
+        let large = postcard::to_allocvec(&vec![2u8; 100_000]).unwrap();
+        for bytes in [&small, &large] {
+            for introduced in [&leases[..0], &leases[..]] {
+                for order in [None, Some(Order { ring: 3, number: 9 })] {
+                    let frame = FrameOut::message(bytes, 1 << 20, introduced).unwrap();
+                    frame.write_in_order(&a, &[], Wait::Not, order).unwrap();
+                    let got = b.recv_in(&mut buf, Wait::Not).unwrap().unwrap();
+                    let known = ConnectionLeases::default();
+                    let Ok(Incoming::Message { cost, .. }) =
+                        read::<Vec<u8>>(&buf[got.bytes], got.fds, Some(&Arc::new(known)))
+                    else {
+                        panic!("a message frame");
+                    };
+                    let shape = (bytes.len(), introduced.len(), order.is_some());
+                    assert_eq!(cost, frame.cost(), "{shape:?}: read back and counted");
+                }
+            }
+        }
+    }
+
     #[test]
     fn frames_round_trip_and_foreign_ones_are_refused() {
         let (a, b) = Socket::pair().unwrap();
@@ -436,7 +476,7 @@ mod tests {
         let frame = FrameOut::message(&large, 1 << 20, &[]).unwrap();
         assert!(matches!(frame, FrameOut::Shared(..)));
         frame.write(&a, &[], Wait::Not).unwrap();
-        assert!(matches!(next(), Ok(Incoming::Message { cost: SMALL_COST, value: Ok(v) }) if v == vec![2u8; 100_000]));
+        assert!(matches!(next(), Ok(Incoming::Message { value: Ok(v), .. }) if v == vec![2u8; 100_000]));
         let (batch, _) = Socket::pair().unwrap();
         FrameOut::Redirect(batch, 1).write(&a, &[], Wait::Not).unwrap();
         assert!(matches!(next(), Ok(Incoming::Redirect(_))));
@@ -539,7 +579,7 @@ mod tests {
                 let leases = ConnectionLeases::default();
                 if let Some(cut) = cut_short(&frame, descriptors(fds), &leases) {
                     prop_assert!(cut.messages == 1 || cut.batch || (cut.messages == 0 && cut.cost == SMALL_COST));
-                    prop_assert!(cut.cost <= cost(frame.len() + 64));
+                    prop_assert!(cut.cost <= cost(frame.len() + ORDER_BYTES + 64));
                 }
                 prop_assert!(leases.all().len() <= fds.min(MAX_INTRODUCED));
             }

@@ -170,6 +170,12 @@ impl Gauge {
         self.region.u64(QUEUED_AT).fetch_add(cost, Ordering::AcqRel);
     }
 
+    /// What the frames on the socket are counted to cost now.
+    #[cfg(test)]
+    pub(super) fn queued(&self) -> u64 {
+        self.region.u64(QUEUED_AT).load(Ordering::SeqCst)
+    }
+
     /// Whether the socket is nearly drained: the reader is about to run out of frames.
     pub(super) fn nearly_drained(&self) -> bool {
         self.region.u64(QUEUED_AT).load(Ordering::SeqCst) <= self.limit / 4
