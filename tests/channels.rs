@@ -401,6 +401,91 @@ fn select_and_async_receives_wake_for_messages_of_a_ring() {
     sender.join().unwrap();
 }
 
+/// Enough messages, each received before the next is sent, for the sender's ring to be made
+/// and adopted: later small messages take the ring while the receiver is awake.
+fn warm_up_ring(tx: &Sender<u64>, rx: &cuda_mp::Receiver<u64>) {
+    for i in 0..20 {
+        tx.send(i).unwrap();
+        assert_eq!(rx.recv().unwrap(), i);
+    }
+}
+
+/// A task counting its wakes.
+struct CountWakes(std::sync::atomic::AtomicUsize);
+
+impl std::task::Wake for CountWakes {
+    fn wake(self: std::sync::Arc<Self>) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// An async receive that starts while another thread receives with a limit is woken once that
+/// thread gives up and a message then goes to the sender's ring (the receiver was awake, so
+/// the ring wakes nobody): it waits for the other thread to let go of the receiver, then
+/// looks itself.
+#[test]
+fn an_async_receive_beside_a_timed_receive_is_woken_for_a_ring_message() {
+    use std::future::Future;
+    let (tx, rx) = channel::<u64>().unwrap();
+    warm_up_ring(&tx, &rx);
+    let wakes = std::sync::Arc::new(CountWakes(std::sync::atomic::AtomicUsize::new(0)));
+    let waker = std::task::Waker::from(wakes.clone());
+    let mut cx = std::task::Context::from_waker(&waker);
+    std::thread::scope(|s| {
+        let other = s.spawn(|| rx.recv_timeout(Duration::from_millis(400)));
+        std::thread::sleep(Duration::from_millis(100));
+        let mut future = std::pin::pin!(rx.recv_async());
+        assert!(future.as_mut().poll(&mut cx).is_pending(), "nothing sent yet");
+        assert!(other.join().unwrap().is_err(), "the other receive timed out");
+        tx.send(99).unwrap();
+        // Polled only when woken, as an executor does.
+        let deadline = Instant::now() + WAIT;
+        let mut seen = 0;
+        let got = loop {
+            while wakes.0.load(std::sync::atomic::Ordering::SeqCst) == seen {
+                assert!(Instant::now() < deadline, "the task was never woken for the message");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            seen = wakes.0.load(std::sync::atomic::Ordering::SeqCst);
+            if let std::task::Poll::Ready(got) = future.as_mut().poll(&mut cx) {
+                break got;
+            }
+        };
+        assert_eq!(got, Ok(99));
+    });
+}
+
+/// The same for `Select`: it reports the receiver once the other thread gave up and the
+/// message came.
+#[test]
+fn a_select_beside_a_timed_receive_sees_a_ring_message() {
+    let (tx, rx) = channel::<u64>().unwrap();
+    warm_up_ring(&tx, &rx);
+    std::thread::scope(|s| {
+        let other = s.spawn(|| rx.recv_timeout(Duration::from_millis(400)));
+        let tx = &tx;
+        let sender = s.spawn(move || {
+            assert!(other.join().unwrap().is_err(), "the other receive timed out");
+            tx.send(99).unwrap();
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        let mut select = cuda_mp::Select::new();
+        select.add(&rx);
+        let deadline = Instant::now() + WAIT;
+        let got = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            select.select_timeout(left).expect("the message is seen");
+            match rx.try_recv() {
+                Ok(got) => break got,
+                Err(TryRecvError::Empty) => continue,
+                Err(e) => panic!("{e}"),
+            }
+        };
+        assert_eq!(got, 99);
+        sender.join().unwrap();
+    });
+}
+
 /// Sends five small messages, then, when told, many more, saying when 20,000 are sent.
 fn flood((tx, go, said): (Sender<Mixed>, cuda_mp::Receiver<()>, Sender<()>)) {
     for k in 0..5 {

@@ -20,8 +20,7 @@ use std::task::{Context, Poll, Waker};
 use serde::de::DeserializeOwned;
 
 use super::flavor::Watched;
-use super::gauge::Asleep;
-use super::inbox::{Missing, Readiness, Wait};
+use super::inbox::{Announced, Missing, Readiness, Wait};
 use super::{Receiver, ReceiverFlavor};
 use crate::error::{IoFailure, RecvError, RecvTimeoutError};
 use crate::fork::ForkLocal;
@@ -142,7 +141,7 @@ impl Poller {
 fn poll_recv<T: DeserializeOwned>(
     rx: &Receiver<T>,
     registration: &mut Option<u64>,
-    asleep: &mut Option<Asleep>,
+    asleep: &mut Option<Announced>,
     cx: &mut Context<'_>,
 ) -> Poll<Result<T, RecvError>> {
     // A wait announced for the last poll ends: this one looks again.
@@ -205,8 +204,17 @@ fn poll_recv<T: DeserializeOwned>(
                 None => None,
             },
         },
-        // Another thread is receiving: wait for the socket with it.
-        None => Some(local.main.clone() as Watched),
+        // Another thread is receiving: wait until it is done, then look.
+        None => match local.wait_for_holder() {
+            Readiness::Wait(fd, announced) => {
+                *asleep = announced;
+                Some(fd)
+            }
+            Readiness::Ready => {
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+        },
     };
     match fd {
         Some(fd) => {
@@ -302,8 +310,9 @@ impl<T: DeserializeOwned> Receiver<T> {
 pub struct RecvFuture<'a, T> {
     rx: &'a Receiver<T>,
     registration: Option<u64>,
-    /// The receiver's sleep, announced while the task waits (see `ring.rs`).
-    asleep: Option<Asleep>,
+    /// The receiver's sleep announced, or the wait for another thread's receive to end,
+    /// while the task waits.
+    asleep: Option<Announced>,
 }
 
 impl<T> fmt::Debug for RecvFuture<'_, T> {
@@ -357,7 +366,7 @@ impl<T> Holder<'_, T> {
 pub struct RecvStream<'a, T> {
     rx: Holder<'a, T>,
     registration: Option<u64>,
-    asleep: Option<Asleep>,
+    asleep: Option<Announced>,
     done: bool,
 }
 

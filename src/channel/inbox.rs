@@ -2,9 +2,10 @@
 //! reads frames, follows redirects and settles the shared counters.
 
 use std::io;
+use std::ops::{Deref, DerefMut};
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError};
 use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
@@ -91,9 +92,118 @@ pub(super) enum Missing {
 pub(super) enum Readiness {
     /// A receive would not wait.
     Ready,
-    /// Wait for this socket to become readable, with the receiver's sleep announced while the
-    /// guard lives (so that a message written to a ring meanwhile wakes the socket).
-    Wait(Watched, Option<Asleep>),
+    /// Wait for this descriptor to become readable. Without a guard, readable means a receive
+    /// would not wait; with one, only that it is time to look again.
+    Wait(Watched, Option<Announced>),
+}
+
+/// What a wait without the inbox keeps while it lasts.
+pub(super) enum Announced {
+    /// The receiver's sleep, announced (so that a message written to a ring meanwhile wakes
+    /// the socket, which is what the wait watches).
+    Asleep(#[allow(dead_code)] Asleep),
+    /// A wait for the thread that holds the inbox to let it go (the wait watches the bell it
+    /// rings then).
+    Holder(#[allow(dead_code)] HolderWait),
+}
+
+/// The inbox of a receiving end, held by the thread that receives. A thread that finds it held
+/// and waits without it (an async receive, a `Select`) waits for the holder to let go, then
+/// looks itself: a holder that leaves with a message behind (written to a ring while it was
+/// awake, which wakes nobody; or one that came as its limit ran out) rings it then.
+pub(super) struct InboxLock {
+    inbox: Mutex<Inbox>,
+    /// Bells of the threads waiting for the holder to let go, rung and forgotten when it does.
+    bells: Mutex<Vec<Arc<OwnedFd>>>,
+    /// How many there are, read without the lock by every holder that lets go.
+    waiting: AtomicUsize,
+}
+
+impl InboxLock {
+    pub(super) fn new(inbox: Inbox) -> InboxLock {
+        InboxLock { inbox: Mutex::new(inbox), bells: Mutex::new(Vec::new()), waiting: AtomicUsize::new(0) }
+    }
+
+    pub(super) fn lock(&self) -> InboxGuard<'_> {
+        InboxGuard { guard: Some(self.inbox.lock().unwrap_or_else(|p| p.into_inner())), lock: self }
+    }
+
+    /// The inbox, unless another thread holds it.
+    pub(super) fn try_lock(&self) -> Option<InboxGuard<'_>> {
+        let guard = match self.inbox.try_lock() {
+            Ok(inbox) => inbox,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return None,
+        };
+        Some(InboxGuard { guard: Some(guard), lock: self })
+    }
+
+    /// For a thread that found the inbox held: a bell the holder rings when it lets go (at
+    /// once if it let go meanwhile), and the registration that keeps it, to watch instead of
+    /// the socket. `None` where no bell can be made (no descriptor left).
+    pub(super) fn wait_for_holder(self: &Arc<Self>) -> Option<(Watched, Announced)> {
+        let bell = Arc::new(crate::sys::bell().ok()?);
+        self.bells.lock().unwrap_or_else(|p| p.into_inner()).push(bell.clone());
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        // Against a holder that let go before the count went up (it fences between letting go
+        // and reading the count): the inbox is free now, so look at once.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.inbox.try_lock().is_ok() {
+            crate::sys::ring(&bell);
+        }
+        let wait = HolderWait { lock: self.clone(), bell: bell.clone() };
+        Some((bell as Watched, Announced::Holder(wait)))
+    }
+
+    fn holder_let_go(&self) {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.waiting.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        let bells = std::mem::take(&mut *self.bells.lock().unwrap_or_else(|p| p.into_inner()));
+        for bell in bells {
+            crate::sys::ring(&bell);
+        }
+    }
+}
+
+/// The inbox held; letting it go rings the threads waiting for it.
+pub(super) struct InboxGuard<'a> {
+    guard: Option<MutexGuard<'a, Inbox>>,
+    lock: &'a InboxLock,
+}
+
+impl Deref for InboxGuard<'_> {
+    type Target = Inbox;
+    fn deref(&self) -> &Inbox {
+        self.guard.as_ref().expect("held until dropped")
+    }
+}
+
+impl DerefMut for InboxGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Inbox {
+        self.guard.as_mut().expect("held until dropped")
+    }
+}
+
+impl Drop for InboxGuard<'_> {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        self.lock.holder_let_go();
+    }
+}
+
+/// A thread's wait for the holder of an inbox to let go, registered while it lives.
+pub(super) struct HolderWait {
+    lock: Arc<InboxLock>,
+    bell: Arc<OwnedFd>,
+}
+
+impl Drop for HolderWait {
+    fn drop(&mut self) {
+        self.lock.bells.lock().unwrap_or_else(|p| p.into_inner()).retain(|b| !Arc::ptr_eq(b, &self.bell));
+        self.lock.waiting.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// A malformed message, named as descriptor exhaustion when that is why it failed (the kernel
@@ -620,7 +730,7 @@ impl Inbox {
         if self.rings_ready() {
             return Some(Readiness::Ready);
         }
-        Some(Readiness::Wait(self.main.clone(), Some(asleep)))
+        Some(Readiness::Wait(self.main.clone(), Some(Announced::Asleep(asleep))))
     }
 }
 

@@ -23,7 +23,7 @@ use std::io;
 use std::marker::PhantomData;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
@@ -31,7 +31,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use self::frame::FrameOut;
 use self::gauge::{Gauge, MAX_CAPACITY, NoPlace};
-use self::inbox::{Inbox, Missing, Readiness, Wait};
+use self::inbox::{Inbox, InboxGuard, InboxLock, Missing, Readiness, Wait};
 use self::outbox::Outbox;
 use self::ring::RingReader;
 use crate::error::{
@@ -523,7 +523,7 @@ enum ReceiverFlavor<T> {
 struct LocalReceiver<T> {
     /// Shared with the end's segment table, which looks whether everything was read when an
     /// owner of its segments exits (`Inbox::everything_read`).
-    inbox: Arc<Mutex<Inbox>>,
+    inbox: Arc<InboxLock>,
     /// The channel's socket, to wait on without holding the inbox.
     main: Arc<Socket>,
     gauge: Gauge,
@@ -573,7 +573,7 @@ impl<T> Receiver<T> {
     }
 
     #[cfg(test)]
-    fn lock(&self) -> MutexGuard<'_, Inbox> {
+    fn lock(&self) -> InboxGuard<'_> {
         match &self.flavor {
             ReceiverFlavor::Local(local) => local.lock(),
             ReceiverFlavor::Remote(_) => panic!("a remote receiver has no inbox"),
@@ -582,16 +582,21 @@ impl<T> Receiver<T> {
 }
 
 impl<T> LocalReceiver<T> {
-    fn lock(&self) -> MutexGuard<'_, Inbox> {
-        self.inbox.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> InboxGuard<'_> {
+        self.inbox.lock()
     }
 
     /// The inbox, unless another thread is receiving.
-    fn try_lock(&self) -> Option<MutexGuard<'_, Inbox>> {
-        match self.inbox.try_lock() {
-            Ok(inbox) => Some(inbox),
-            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
-            Err(TryLockError::WouldBlock) => None,
+    fn try_lock(&self) -> Option<InboxGuard<'_>> {
+        self.inbox.try_lock()
+    }
+
+    /// For a wait that found another thread receiving: the bell that thread rings when it lets
+    /// go of the inbox (or, where no bell can be made, the socket, looked at when readable).
+    fn wait_for_holder(&self) -> Readiness {
+        match self.inbox.wait_for_holder() {
+            Some((bell, wait)) => Readiness::Wait(bell, Some(wait)),
+            None => Readiness::Wait(self.main.clone(), None),
         }
     }
 }
@@ -638,8 +643,8 @@ impl<T: DeserializeOwned> LocalReceiver<T> {
     fn readiness(&self) -> Option<Readiness> {
         match self.try_lock() {
             Some(mut inbox) => inbox.readiness(&self.gauge),
-            // Another thread is receiving: wait for the socket with it.
-            None => Some(Readiness::Wait(self.main.clone(), None)),
+            // Another thread is receiving: wait until it is done, then look.
+            None => Some(self.wait_for_holder()),
         }
     }
 }
@@ -656,16 +661,12 @@ impl<T: DeserializeOwned> Receiver<T> {
         let mut inbox = Inbox::new(main.clone(), leases);
         inbox.spill = spill;
         set_up(&mut inbox);
-        let inbox = Arc::new(Mutex::new(inbox));
+        let inbox = Arc::new(InboxLock::new(inbox));
         let weak = Arc::downgrade(&inbox);
         // Never waits: a receiving thread holds the inbox, and will look itself.
         segments.watch_reads(Box::new(move || {
             let inbox = weak.upgrade()?;
-            let mut inbox = match inbox.try_lock() {
-                Ok(inbox) => inbox,
-                Err(TryLockError::Poisoned(p)) => p.into_inner(),
-                Err(TryLockError::WouldBlock) => return None,
-            };
+            let mut inbox = inbox.try_lock()?;
             Some(inbox.everything_read())
         }));
         Receiver { flavor: ReceiverFlavor::Local(LocalReceiver { inbox, main, gauge, _message: PhantomData }) }

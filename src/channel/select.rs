@@ -8,8 +8,7 @@ use serde::de::DeserializeOwned;
 
 use super::Receiver;
 use super::flavor::Watched;
-use super::gauge::Asleep;
-use super::inbox::{Readiness, Wait};
+use super::inbox::{Announced, Readiness, Wait};
 use crate::error::{IoFailure, SelectError, SelectTimeoutError};
 
 /// What `Select` asks of a receiver of any message type.
@@ -31,8 +30,8 @@ impl<T: DeserializeOwned> Watch for Receiver<T> {
 /// alone, and may be selected again.
 ///
 /// Readiness is a promise about the next receive only as long as nobody else receives from the
-/// same receiver meanwhile (a receiver that another thread is receiving from is reported ready
-/// when its socket is readable, which may be for that thread's message), and may rarely be
+/// same receiver meanwhile (a receiver that another thread is receiving from is looked at once
+/// that thread is done with it), and may rarely be
 /// spurious (a frame that announces a sender's ring makes a receiver ready, and the receive
 /// finds the ring still empty): receive with [`try_recv`](Receiver::try_recv) and select again
 /// on [`TryRecvError::Empty`]. A receiver
@@ -185,7 +184,7 @@ impl<'a> Select<'a> {
         }
         loop {
             // Each with its receiver's sleep announced until the wait ends.
-            let mut waits: Vec<(usize, Watched, Option<Asleep>)> = Vec::new();
+            let mut waits: Vec<(usize, Watched, Option<Announced>)> = Vec::new();
             for k in 0..n {
                 let i = (self.next + k) % n;
                 let Some(entry) = self.entries[i] else { continue };
@@ -203,9 +202,10 @@ impl<'a> Select<'a> {
             let wait = deadline.map_or(Wait::Forever, Wait::Until);
             let ready =
                 crate::sys::wait_readable(&fds, wait).map_err(|e| SelectTimeoutError::Io(IoFailure::from(e)))?;
-            // A readable socket is looked at again, unless another thread is receiving from it
-            // (it could not be looked at): what made it readable may be a wake for a message
-            // already received, which the next look takes away.
+            // A readable socket is looked at again (what made it readable may be a wake for a
+            // message already received, which the next look takes away), as is a receiver whose
+            // receiving thread let go of it; one that could not be looked at (another thread
+            // receiving, and no bell to wait for it) is reported.
             let unlooked = waits.iter().zip(&ready).find(|&((_, _, asleep), &r)| r && asleep.is_none());
             if let Some(((i, _, _), _)) = unlooked {
                 return Ok(self.chosen(*i));
