@@ -66,7 +66,8 @@ struct Encoding {
     /// Segments the message introduces on the connection (known to the receiver once it is
     /// sent).
     segments: Vec<(StorageId, std::sync::Weak<dyn Any + Send + Sync>)>,
-    /// Their records, each with its kind's tag: they travel ahead of the message's value.
+    /// Their records, each with its kind's tag: in the message's trailer, adopted by the receiver
+    /// before it decodes the value.
     intros: Vec<(u8, Vec<u8>)>,
     /// For a message to another host: what its encoding keeps (`src/storage/remote.rs`); its
     /// values then carry no descriptor and export no storage.
@@ -566,13 +567,15 @@ pub(crate) type AdoptSegment = fn(u8, &[u8]) -> Result<()>;
 /// Decodes `bytes` (postcard), a part of the message being decoded (a segment's record): its
 /// descriptors and claims are the message's.
 pub(crate) fn decode_part<X: DeserializeOwned>(bytes: &[u8]) -> Result<X> {
-    postcard::from_bytes(bytes).map_err(|e| {
+    let (part, rest) = postcard::take_from_bytes(bytes).map_err(|e| {
         Error::Malformed(take_failure().unwrap_or_else(|| format!("an undecodable segment record ({e:?})")))
-    })
+    })?;
+    if !rest.is_empty() {
+        return Err(Error::Malformed(format!("a segment record with {} bytes past its end", rest.len())));
+    }
+    Ok(part)
 }
 
-/// Takes the cover of a claim on storage `index` through connection lease `name` that the
-/// message being decoded lists (each claim once).
 /// Whether this process introduced segment `id` on the channel of the message being encoded,
 /// before or earlier in this message: then the block names it, as sent by process `via`
 /// (returned).
@@ -587,8 +590,8 @@ pub(crate) fn segment_known(id: StorageId) -> Option<u128> {
 }
 
 /// The message being encoded introduces segment `id` (held here by `segment`) on its channel,
-/// with its kind's tag and `record`, which travel ahead of the message's value: the receiving
-/// end keeps it from then on. Outside a channel's message: nothing.
+/// with its kind's tag and `record`, which travel in the message's trailer: the receiving end
+/// adopts it before it decodes the value, and keeps it. Outside a channel's message: nothing.
 pub(crate) fn introduce_segment(id: StorageId, segment: &AnyStorage, kind: u8, record: Vec<u8>) {
     ENCODING.with(|e| {
         if let Some(encoding) = e.borrow_mut().last_mut()
@@ -629,6 +632,8 @@ pub(crate) fn remember_segment(
     }
 }
 
+/// Takes the cover of a claim on storage `index` through connection lease `name` that the
+/// message being decoded lists (each claim once).
 pub(crate) fn take_connection_cover(name: ConnectionKey, index: u64) -> Option<Cover> {
     DECODING.with(|d| d.borrow_mut().last_mut().and_then(|d| d.claims.get_mut(&(name, index))).and_then(Vec::pop))
 }

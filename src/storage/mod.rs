@@ -322,7 +322,7 @@ pub(crate) enum SegmentRef<R> {
     /// The segment's record, exported for this message (outside a channel).
     Whole(Box<R>),
     /// A segment that process `via` introduced on this channel: in this message (its record
-    /// travels ahead of the message's value, `wire.rs`) or before.
+    /// travels in its trailer, adopted before its value is decoded: `wire.rs`) or before.
     Known { via: u128, id: StorageId },
     /// Taken by the import.
     Taken,

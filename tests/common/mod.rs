@@ -145,8 +145,8 @@ pub enum ForgedHost<Shm, Lease> {
 pub enum ForgedSegmentRef<R> {
     /// Its record.
     Whole(Box<R>),
-    /// A segment that process `via` introduced on the channel (its record travels ahead of
-    /// the message's value): the segment's owner and index.
+    /// A segment that process `via` introduced on the channel (its record travels in the
+    /// message's trailer, adopted before the value): the segment's owner and index.
     Known { via: u128, owner: u128, index: u64 },
     /// None.
     Taken,
