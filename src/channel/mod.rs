@@ -1368,6 +1368,34 @@ mod tests {
 
     use super::*;
 
+    /// A sender of a channel that arrives here while this process's last one is being dropped
+    /// on another thread (its ring still holding messages) takes the ring back: its messages
+    /// come after those, not before.
+    #[test]
+    fn a_sender_that_arrives_while_the_last_one_goes_keeps_the_order() {
+        let (tx, rx) = channel::<u64>().unwrap();
+        for i in 0..20 {
+            tx.send(i).unwrap();
+            assert_eq!(rx.recv().unwrap(), i);
+        }
+        // Three to the ring, unread.
+        for i in 20..23 {
+            tx.send(i).unwrap();
+        }
+        let (carrier_tx, carrier_rx) = channel::<Sender<u64>>().unwrap();
+        carrier_tx.send(tx.clone()).unwrap();
+        outbox::DROP_PAUSE_MS.store(200, std::sync::atomic::Ordering::SeqCst);
+        let dropping = std::thread::spawn(move || drop(tx));
+        std::thread::sleep(Duration::from_millis(50));
+        // Arrives while the last handle's drop waits before it parks the ring.
+        let heir = carrier_rx.recv().unwrap();
+        outbox::DROP_PAUSE_MS.store(0, std::sync::atomic::Ordering::SeqCst);
+        heir.send(23).unwrap();
+        dropping.join().unwrap();
+        let got: Vec<u64> = (0..4).map(|_| rx.recv_timeout(Duration::from_secs(10)).unwrap()).collect();
+        assert_eq!(got, [20, 21, 22, 23]);
+    }
+
     /// Frames without a place in an order (a process that never made a ring on the channel:
     /// its messages carry descriptors, or are too large for a ring) give back what their
     /// sender counted: with everything read, the count of what is on the socket is back at 0

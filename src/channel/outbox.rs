@@ -118,17 +118,29 @@ impl Backlog {
     }
 }
 
+/// For a test: how long an outbox's drop waits before it parks its ring (ms).
+#[cfg(test)]
+pub(super) static DROP_PAUSE_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 impl Drop for Outbox {
     fn drop(&mut self) {
+        #[cfg(test)]
+        std::thread::sleep(Duration::from_millis(DROP_PAUSE_MS.load(Ordering::SeqCst)));
         // Only this generation's ring (a forked child's copy of its parent's outbox has none).
-        if self.pending.is_stale() {
-            return;
+        if !self.pending.is_stale() {
+            let ring = self.lock().ring.take();
+            if let Some(ring) = ring.filter(|ring| ring.used() > 0 && !ring.reader_gone())
+                && let Some(identity) = self.main.identity()
+            {
+                parked_rings().insert((self.gauge.id(), identity), ring);
+            }
         }
-        let ring = self.lock().ring.take();
-        if let Some(ring) = ring.filter(|ring| ring.used() > 0 && !ring.reader_gone())
-            && let Some(identity) = self.main.identity()
-        {
-            parked_rings().insert((self.gauge.id(), identity), ring);
+        // Last, after the ring is parked: an `attach` of this channel that found this outbox
+        // going waits until its entry is gone, and then takes the ring back.
+        let me: *const Outbox = self;
+        let mut registry = registry();
+        if registry.get(&self.gauge.id()).is_some_and(|w| std::ptr::eq(w.as_ptr(), me)) {
+            registry.remove(&self.gauge.id());
         }
     }
 }
@@ -147,7 +159,7 @@ impl fmt::Debug for Outbox {
 
 /// Every outbox of this process, by the id of its channel: the handles of one channel in one
 /// process share one backlog, so that one thread's messages stay in order whichever handle it
-/// uses.
+/// uses. An outbox takes its entry out as the last step of its drop.
 fn registry() -> MutexGuard<'static, HashMap<u64, Weak<Outbox>>> {
     static REGISTRY: ForkLocal<Mutex<HashMap<u64, Weak<Outbox>>>> = ForkLocal::new(Default::default);
     REGISTRY.get().lock().unwrap_or_else(|p| p.into_inner())
@@ -203,13 +215,29 @@ impl Outbox {
     /// The outbox of this process for the channel `main` writes to, whose counters are
     /// `gauge`: the existing one when this process already holds a sender of the channel.
     pub(super) fn attach(main: Arc<Socket>, gauge: Gauge) -> Arc<Outbox> {
-        let mut registry = registry();
+        // Another outbox of the channel (another socket) is let go after the registry: its
+        // drop, if it is the last handle, takes the registry's lock.
+        let mut replaced = None;
+        let mut registry = loop {
+            let registry = registry();
+            match registry.get(&gauge.id()) {
+                // The channel's outbox here is being dropped (its last handle went on another
+                // thread): wait for its drop to park its ring, which this one takes back, so
+                // that this process's messages keep their order.
+                Some(going) if going.strong_count() == 0 => {
+                    drop(registry);
+                    std::thread::yield_now();
+                }
+                _ => break registry,
+            }
+        };
         if let Some(existing) = registry.get(&gauge.id()).and_then(Weak::upgrade) {
             let identity = existing.main.identity();
             if identity.is_some() && identity == main.identity() {
                 existing.handles.fetch_add(1, Ordering::SeqCst);
                 return existing;
             }
+            replaced = Some(existing);
         }
         let parked = main.identity().and_then(|identity| parked_rings().remove(&(gauge.id(), identity)));
         let outbox = Arc::new(Outbox {
@@ -224,8 +252,9 @@ impl Outbox {
         if parked.is_some() {
             outbox.lock().ring = parked;
         }
-        registry.retain(|_, w| w.strong_count() > 0);
         registry.insert(outbox.gauge.id(), Arc::downgrade(&outbox));
+        drop(registry);
+        drop(replaced);
         outbox
     }
 
