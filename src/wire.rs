@@ -112,6 +112,8 @@ struct Decoding {
     claims: HashMap<(ConnectionKey, u64), Vec<Cover>>,
     /// For a message from a channel: the segments its end's senders introduced.
     segments: Option<Arc<KnownSegments>>,
+    /// Segments its blocks name that the end does not keep, by the process that sent them.
+    missing: Vec<(u128, StorageId)>,
     /// For a message from another host: what its decoding keeps (`src/storage/remote.rs`).
     #[cfg_attr(not(feature = "remote"), allow(dead_code))]
     remote: Option<Remote>,
@@ -406,7 +408,13 @@ pub(crate) fn decode_remote<R>(remote: Remote, decode: impl FnOnce() -> R) -> (R
     }
     FAILURE.with(|f| f.borrow_mut().take());
     DECODING.with(|d| {
-        d.borrow_mut().push(Decoding { slots: Vec::new(), claims: Covers::new(), segments: None, remote: Some(remote) })
+        d.borrow_mut().push(Decoding {
+            slots: Vec::new(),
+            claims: Covers::new(),
+            segments: None,
+            missing: Vec::new(),
+            remote: Some(remote),
+        })
     });
     let pop = Pop;
     let result = decode();
@@ -611,9 +619,19 @@ pub(crate) fn introducing_as() -> Option<u128> {
 }
 
 /// A segment that a block of the message being decoded names, as the sender of process `via`
-/// introduced it on the channel; `None` outside a channel's message, or if it never did.
+/// introduced it on the channel; `None` outside a channel's message, or if it never did (or
+/// the end let it go): the sender is then asked to introduce it again once the message is
+/// decoded.
 pub(crate) fn known_segment(via: u128, id: StorageId) -> Option<AnyStorage> {
-    DECODING.with(|d| d.borrow().last().and_then(|d| d.segments.as_ref()).and_then(|t| t.get(via, id)))
+    DECODING.with(|d| {
+        let mut d = d.borrow_mut();
+        let d = d.last_mut()?;
+        let found = d.segments.as_ref()?.get(via, id);
+        if found.is_none() && !id.is_local() && !d.missing.contains(&(via, id)) {
+            d.missing.push((via, id));
+        }
+        found
+    })
 }
 
 /// Keeps `segment`, introduced by the message being decoded (sent by process `via`, its
@@ -806,6 +824,7 @@ pub(crate) fn decode_on<T: DeserializeOwned>(
             slots: fds.into_iter().map(Slot::Fd).collect(),
             claims,
             segments: leases.map(|l| l.segments().clone()),
+            missing: Vec::new(),
             remote: None,
         })
     });
@@ -816,7 +835,16 @@ pub(crate) fn decode_on<T: DeserializeOwned>(
             .map_err(|e| take_failure().unwrap_or_else(|| format!("undecodable message ({e:?})"))),
         Err(e) => Err(format!("a segment the message introduces: {e}")),
     };
+    let missing = DECODING.with(|d| d.borrow_mut().last_mut().map(|d| std::mem::take(&mut d.missing)));
     drop(pop);
+    // Each sender of a segment this end does not keep introduces it again with its next block
+    // of it (its introduction was lost: a frame whose descriptors the kernel dropped, or one
+    // that could not be mapped here), so that only the messages already on their way fail.
+    if let Some(leases) = leases {
+        for (via, id) in missing.into_iter().flatten() {
+            leases.ask_to_introduce(via, id.index());
+        }
+    }
     result
 }
 
@@ -848,7 +876,7 @@ fn with_slot<R>(carried: &Carried, f: impl FnOnce(&mut Slot) -> Result<R>) -> Re
                     (fds.into_iter().map(Slot::Fd).collect(), crate::handover::keep_until(ticket, left))
                 }
             };
-            let decoding = Decoding { slots, claims: Covers::new(), segments: None, remote: None };
+            let decoding = Decoding { slots, claims: Covers::new(), segments: None, missing: Vec::new(), remote: None };
             let replaced = s.replace((ticket.clone(), decoding, until));
             put_back(replaced);
         }

@@ -391,3 +391,63 @@ fn a_receiver_moved_after_a_batch_lost_for_want_of_descriptors_is_not_held_up() 
     let got = spawn((), move_the_receiver_after_a_lost_backlog).join().unwrap();
     assert_eq!(got, (MESSAGES..MESSAGES + LATER).collect::<Vec<_>>());
 }
+
+/// Sends a tensor of its own (the connection's lease, introduced while the receiver has room),
+/// then, each when told, the first block of a fresh segment (whose introduction the receiver,
+/// out of descriptors, loses) and more blocks of that segment until told to stop.
+fn send_a_lease_then_blocks_of_one_segment((tx, go): (Sender<HostTensor<f32>>, Receiver<bool>)) {
+    cuda_mp::set_host_caching(false);
+    tx.send(HostTensor::<f32>::full(&[4], 0.0).unwrap()).unwrap();
+    go.recv().unwrap();
+    cuda_mp::set_host_caching(true);
+    let mut held = vec![HostTensor::<f32>::full(&[1024], 1.0).unwrap()];
+    tx.send(held[0].clone()).unwrap();
+    let mut k = 2.0;
+    while go.recv().unwrap() {
+        let t = HostTensor::<f32>::full(&[1024], k).unwrap();
+        tx.send(t.clone()).unwrap();
+        held.push(t);
+        k += 1.0;
+    }
+}
+
+/// A segment whose introduction a receiver lost (out of descriptors, the kernel dropped the
+/// frame's descriptors) is introduced again: the block already on its way that names it fails
+/// as malformed, and the receiver asks the owner (on its connection lease) to introduce it
+/// again, so a later block of the same segment decodes.
+#[test]
+fn a_segment_whose_introduction_was_lost_is_introduced_again() {
+    let (tx, rx) = channel::<HostTensor<f32>>().unwrap();
+    let (go_tx, go_rx) = channel::<bool>().unwrap();
+    let producer = spawn((tx, go_rx), send_a_lease_then_blocks_of_one_segment);
+    let first = rx.recv_timeout(WAIT).unwrap();
+    let lost = {
+        let _room = NoRoom::now();
+        go_tx.send(true).unwrap();
+        rx.recv_timeout(WAIT).map(|t| t.to_vec()[0])
+    };
+    assert!(matches!(lost, Err(RecvTimeoutError::OutOfDescriptors { .. })), "{lost:?}");
+    // The next block only names the segment: it fails, and has the owner introduce it again.
+    go_tx.send(true).unwrap();
+    let named = rx.recv_timeout(WAIT).map(|t| t.to_vec()[0]);
+    match &named {
+        Err(RecvTimeoutError::Malformed(m)) => assert!(m.contains("never given"), "{m}"),
+        other => panic!("a block naming a segment this end never got: {other:?}"),
+    }
+    // The owner's reaper reads the request on its own time: a few blocks may still only name it.
+    let mut tries = 0;
+    let value = loop {
+        tries += 1;
+        assert!(tries <= 50, "the segment was never introduced again");
+        go_tx.send(true).unwrap();
+        match rx.recv_timeout(WAIT) {
+            Ok(t) => break t.to_vec()[0],
+            Err(RecvTimeoutError::Malformed(_)) => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => panic!("{e}"),
+        }
+    };
+    assert_eq!(value, (tries + 2) as f32, "the block holds its own values");
+    go_tx.send(false).unwrap();
+    producer.join().unwrap();
+    drop(first);
+}

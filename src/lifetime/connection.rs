@@ -8,6 +8,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use super::lease::{CacheTicket, Lease};
@@ -63,6 +64,30 @@ impl fmt::Debug for Connection {
     }
 }
 
+/// Segments that receivers said they do not keep (`Control::Forget`), by the key of the lease
+/// of the connection that introduced them, until that connection looks.
+static FORGOTTEN: Mutex<Vec<(u64, u64)>> = Mutex::new(Vec::new());
+/// Whether `FORGOTTEN` holds any (looked at without its lock on every block sent).
+static ANY_FORGOTTEN: AtomicBool = AtomicBool::new(false);
+
+/// A receiver says it does not keep segment `index`, introduced on the connection of the
+/// lease `key` (its reaper read the record): the next block of it there introduces it again.
+/// Entries of leases closed since are dropped as the list grows.
+pub(super) fn forgotten(key: u64, index: u64) {
+    let mut forgotten = FORGOTTEN.lock().unwrap_or_else(|p| p.into_inner());
+    if forgotten.len() >= 1024 {
+        let open: std::collections::HashSet<u64> = {
+            let s = super::state();
+            forgotten.iter().map(|(k, _)| *k).filter(|k| s.covers.contains_key(k)).collect()
+        };
+        forgotten.retain(|(k, _)| open.contains(k));
+    }
+    if forgotten.len() < 1024 && !forgotten.contains(&(key, index)) {
+        forgotten.push((key, index));
+    }
+    ANY_FORGOTTEN.store(!forgotten.is_empty(), Ordering::SeqCst);
+}
+
 /// True while `connection`'s lease is open (the owner still counts claims on it).
 pub(crate) fn connection_open(connection: &Connection) -> bool {
     let key = connection.lock().as_ref().map(|s| s.key);
@@ -84,7 +109,31 @@ impl Connection {
 
     /// Whether a message of this process on the channel introduced segment `id`.
     pub(crate) fn knows_segment(&self, id: StorageId) -> bool {
+        if ANY_FORGOTTEN.load(Ordering::Acquire) {
+            self.take_forgotten();
+        }
         self.segments.lock().unwrap_or_else(|p| p.into_inner()).ids.contains_key(&id)
+    }
+
+    /// Takes out the segments that the receiver said it does not keep (`forgotten`), so that
+    /// the next block of each introduces it again.
+    fn take_forgotten(&self) {
+        let Some(key) = self.lock().as_ref().map(|s| s.key) else { return };
+        let indices: Vec<u64> = {
+            let mut forgotten = FORGOTTEN.lock().unwrap_or_else(|p| p.into_inner());
+            let mine = forgotten.iter().filter(|(k, _)| *k == key).map(|(_, i)| *i).collect();
+            forgotten.retain(|(k, _)| *k != key);
+            if forgotten.is_empty() {
+                ANY_FORGOTTEN.store(false, Ordering::SeqCst);
+            }
+            mine
+        };
+        if !indices.is_empty() {
+            let mut sent = self.segments.lock().unwrap_or_else(|p| p.into_inner());
+            for index in indices {
+                sent.ids.remove(&StorageId::local(index));
+            }
+        }
     }
 
     /// A message introducing these segments was written: later messages may name them.
@@ -170,6 +219,17 @@ impl ConnectionLeases {
     /// The lease named `name`, if a frame of this channel introduced it.
     pub(crate) fn get(&self, name: &ConnectionKey) -> Option<Lease> {
         self.lock().by_name.get(name).cloned()
+    }
+
+    /// Asks the sending process `owner` to introduce its segment `index` again, which a block
+    /// it sent names and this end does not keep: on each of its leases here (the one of its
+    /// connection now takes it; `Control::Forget`).
+    pub(crate) fn ask_to_introduce(&self, owner: u128, index: u64) {
+        let leases: Vec<Lease> =
+            self.lock().by_name.iter().filter(|(name, _)| name.owner == owner).map(|(_, l)| l.clone()).collect();
+        for lease in leases {
+            super::courier::forget_segment(lease.tx.clone(), index);
+        }
     }
 
     /// Every lease known, to travel with the channel end to another process.

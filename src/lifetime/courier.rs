@@ -9,7 +9,8 @@
 //! - **Releases** of counted claims (every claim a channel carries), records on lease pipes.
 //!   Every holder shares a lease's pipe, so its writes wait for room (a `Retain` must never be
 //!   dropped): a release waits on this thread, not on the thread that dropped the tensor.
-//!   Consecutive releases on one lease go in one write.
+//!   Consecutive releases on one lease go in one write. A receiver's request that the owner
+//!   introduce a segment again (`Forget`) goes the same way.
 //!
 //! Order: a holder's releases keep their order (one thread, first in, first out); a release
 //! cannot overtake the message that brought its claim (it is posted after that message was
@@ -51,8 +52,9 @@ struct Queue {
     /// Per subscriber (by its number in the owner's list): its socket and the indices it has
     /// not been told of yet, oldest first.
     revocations: BTreeMap<u64, (Arc<Socket>, Vec<u64>)>,
-    /// Releases to send, in order: the lease, the storage's index and how many claims.
-    releases: Vec<(Arc<OwnedFd>, u64, u64)>,
+    /// Records to send, in order, each with its lease: releases (the storage's index and how
+    /// many claims), and requests to introduce a segment again.
+    releases: Vec<(Arc<OwnedFd>, Control)>,
     /// True when some revocations wait for room in a subscriber's socket.
     blocked: bool,
     /// True while the thread sends what it took from the queue.
@@ -124,15 +126,24 @@ pub(super) fn revoke(subscribers: Vec<(u64, Arc<Socket>)>, index: u64) {
 
 /// Sends `Release(index, count)` on a counted lease, without waiting for its owner.
 pub(super) fn release(tx: Arc<OwnedFd>, index: u64, count: u64) {
+    post(tx, Control::Release(index, count));
+}
+
+/// Sends `Forget(index)` on a connection lease, without waiting for its owner.
+pub(super) fn forget_segment(tx: Arc<OwnedFd>, index: u64) {
+    post(tx, Control::Forget(index));
+}
+
+fn post(tx: Arc<OwnedFd>, record: Control) {
     let Some(courier) = courier() else {
-        let _ = Control::Release(index, count).send(&*tx);
+        let _ = record.send(&*tx);
         return;
     };
     let mut queue = lock(courier);
     // Only the first release of a batch wakes the thread (a wake is a system call here and a
     // context switch there); the ones posted before it takes the batch go with it.
     let wake = queue.releases.is_empty() && !queue.sending;
-    queue.releases.push((tx, index, count));
+    queue.releases.push((tx, record));
     drop(queue);
     if wake {
         courier.posted.notify_one();
@@ -141,7 +152,7 @@ pub(super) fn release(tx: Arc<OwnedFd>, index: u64, count: u64) {
 
 /// Writes `releases` in order, the records of consecutive releases on one lease together, in
 /// writes of at most `PIPE_BUF` bytes (each whole, so records of other holders never cut in).
-fn send_releases(releases: Vec<(Arc<OwnedFd>, u64, u64)>) {
+fn send_releases(releases: Vec<(Arc<OwnedFd>, Control)>) {
     let mut batch: Vec<u8> = Vec::new();
     let mut on: Option<Arc<OwnedFd>> = None;
     let flush = |on: &Option<Arc<OwnedFd>>, batch: &mut Vec<u8>| {
@@ -153,8 +164,8 @@ fn send_releases(releases: Vec<(Arc<OwnedFd>, u64, u64)>) {
         }
         batch.clear();
     };
-    for (tx, index, count) in releases {
-        let Ok(record) = Control::Release(index, count).record() else { continue };
+    for (tx, control) in releases {
+        let Ok(record) = control.record() else { continue };
         let same = on.as_ref().is_some_and(|o| Arc::ptr_eq(o, &tx));
         if !same || batch.len() + record.len() > crate::sys::RECORD_MAX {
             flush(&on, &mut batch);

@@ -40,6 +40,10 @@ pub(crate) enum Control {
     /// The holder passes a claim on storage `index` on to another process: one more claim
     /// through this lease (counted leases).
     Retain(u64),
+    /// The holder's channel end does not keep segment `index`, which a block the owner sent
+    /// on the connection of this lease names (its introduction was lost, or could not be
+    /// mapped there): the owner introduces it again with its next block there.
+    Forget(u64),
 }
 
 /// Why a message whose lease is not a pipe's writing end is malformed.
@@ -49,6 +53,7 @@ const RELEASE: u8 = 1;
 const RETAIN: u8 = 2;
 const LINK: u8 = 3;
 const RELEASE_MANY: u8 = 4;
+const FORGET: u8 = 5;
 
 impl Control {
     /// The record: a tag, then 8 bytes of index (and 8 of count for more than one release),
@@ -58,6 +63,7 @@ impl Control {
             Control::Release(index, 1) => (RELEASE, index.to_le_bytes().to_vec()),
             Control::Release(index, count) => (RELEASE_MANY, [index.to_le_bytes(), count.to_le_bytes()].concat()),
             Control::Retain(index) => (RETAIN, index.to_le_bytes().to_vec()),
+            Control::Forget(index) => (FORGET, index.to_le_bytes().to_vec()),
             Control::Link(ticket) => {
                 let ticket = postcard::to_allocvec(ticket).map_err(|e| io::Error::other(e.to_string()))?;
                 let mut body = (ticket.len() as u16).to_le_bytes().to_vec();
@@ -81,9 +87,13 @@ impl Control {
             let word =
                 |b: &[u8], at: usize| b.get(at..at + 8).map(|i| u64::from_le_bytes(i.try_into().expect("8 bytes")));
             match rest[0] {
-                RELEASE | RETAIN => {
+                RELEASE | RETAIN | FORGET => {
                     let Some(i) = word(rest, 1) else { break };
-                    out.push(if rest[0] == RELEASE { Control::Release(i, 1) } else { Control::Retain(i) });
+                    out.push(match rest[0] {
+                        RELEASE => Control::Release(i, 1),
+                        RETAIN => Control::Retain(i),
+                        _ => Control::Forget(i),
+                    });
                     at += 9;
                 }
                 RELEASE_MANY => {
@@ -474,19 +484,29 @@ mod record_tests {
     fn records_parse_back_whole_and_a_cut_one_waits() {
         let ticket = SpawnTicket { home: "cuda-mp-home-test".into(), token: 7, batch: None };
         let mut bytes = Vec::new();
-        for c in
-            [Control::Release(5, 1), Control::Link(ticket.clone()), Control::Retain(u64::MAX), Control::Release(7, 300)]
-        {
+        for c in [
+            Control::Release(5, 1),
+            Control::Link(ticket.clone()),
+            Control::Retain(u64::MAX),
+            Control::Release(7, 300),
+            Control::Forget(9),
+        ] {
             bytes.extend(c.record().unwrap());
         }
         let (parsed, used) = Control::parse(&bytes).unwrap();
         assert_eq!(
             parsed,
-            vec![Control::Release(5, 1), Control::Link(ticket), Control::Retain(u64::MAX), Control::Release(7, 300)]
+            vec![
+                Control::Release(5, 1),
+                Control::Link(ticket),
+                Control::Retain(u64::MAX),
+                Control::Release(7, 300),
+                Control::Forget(9)
+            ]
         );
         assert_eq!(used, bytes.len());
         let (parsed, used) = Control::parse(&bytes[..bytes.len() - 3]).unwrap();
-        assert_eq!((parsed.len(), used), (3, bytes.len() - 17), "the cut record waits");
+        assert_eq!((parsed.len(), used), (4, bytes.len() - 9), "the cut record waits");
         assert!(Control::parse(&[9, 1, 2]).is_none(), "not ours");
     }
 

@@ -319,6 +319,7 @@ fn drain_lease(reaper: &Reaper, id: u64, pipe: &OwnedFd) -> bool {
             match record {
                 Control::Release(index, count) => lease_message(key, index, Change::Release(count)),
                 Control::Retain(index) => lease_message(key, index, Change::Retain),
+                Control::Forget(index) => super::connection::forgotten(key, index),
                 // The subscriber's socket is fetched from its home off this thread: a
                 // subscriber that does not answer must not hold up every lease. Nor the frees
                 // on the disposer's thread for longer than its deposit lasts: a stopped
