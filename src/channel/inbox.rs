@@ -146,11 +146,11 @@ impl InboxLock {
         self.bells.lock().unwrap_or_else(|p| p.into_inner()).push(bell.clone());
         self.waiting.fetch_add(1, Ordering::SeqCst);
         // Against a holder that let go before the count went up (it fences between letting go
-        // and reading the count): the inbox is free now, so look at once.
+        // and reading the count): the inbox is free now, so look at once. Taken as a holder
+        // (whose letting go rings every bell, this one's too), so that a thread that found it
+        // held just now is not left waiting.
         std::sync::atomic::fence(Ordering::SeqCst);
-        if self.inbox.try_lock().is_ok() {
-            crate::sys::ring(&bell);
-        }
+        drop(self.try_lock());
         let wait = HolderWait { lock: self.clone(), bell: bell.clone() };
         Some((bell as Watched, Announced::Holder(wait)))
     }
