@@ -73,3 +73,25 @@ def start_rust_queue_consumer():
         text=True,
     )
     return peer, work, answers
+
+
+def settled_lifetime_stats():
+    """This process's lifetime counters once what earlier tests let go of has been released
+    (a child's exit closes its leases a moment later, a pool's workers' too): unchanged for
+    0.2 s, 10 s at most."""
+    import gc
+    import time
+
+    from cuda_mp import _native
+
+    deadline = time.time() + 10
+    gc.collect()
+    stats = _native.lifetime_stats()
+    while time.time() < deadline:
+        time.sleep(0.2)
+        gc.collect()
+        now = _native.lifetime_stats()
+        if now == stats:
+            break
+        stats = now
+    return stats

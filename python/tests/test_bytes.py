@@ -8,21 +8,8 @@ import numpy as np
 import pytest
 
 import cuda_mp
+from conftest import settled_lifetime_stats
 from cuda_mp import _native
-
-
-def settled_lifetime_stats():
-    """This process's lifetime counters once what earlier tests let go of has been released
-    (a child's exit closes its leases a moment later): unchanged for 0.2 s, 10 s at most."""
-    deadline = time.time() + 10
-    stats = _native.lifetime_stats()
-    while time.time() < deadline:
-        time.sleep(0.2)
-        now = _native.lifetime_stats()
-        if now == stats:
-            break
-        stats = now
-    return stats
 
 
 def add_100_and_decode_twice(q, back):

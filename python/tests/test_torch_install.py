@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import cuda_mp
+from conftest import settled_lifetime_stats
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_gpu")]
 
@@ -126,7 +127,8 @@ def lifetime_settles_at(stats, seconds=10.0):
 def test_the_tensors_of_one_pickle_travel_as_one_batch_loaded_once(installed):
     from multiprocessing.reduction import ForkingPickler
 
-    before = cuda_mp._native.lifetime_stats()
+    # What the tests before let go of (a pool's workers exit after them) is released first.
+    before = settled_lifetime_stats()
     weights = {f"w{i}": torch.full((256,), float(i), device="cuda") for i in range(300)}
     data = bytes(ForkingPickler.dumps(weights))
     ctx = torch.multiprocessing.get_context("spawn")
@@ -147,7 +149,7 @@ def test_the_tensors_of_one_pickle_travel_as_one_batch_loaded_once(installed):
 def test_a_pickle_that_fails_midway_withdraws_its_batch(installed):
     from multiprocessing.reduction import ForkingPickler
 
-    before = cuda_mp._native.lifetime_stats()
+    before = settled_lifetime_stats()
     ts = [torch.ones(1024, device="cuda") for _ in range(3)]
     with pytest.raises(Exception):
         ForkingPickler.dumps(ts + [lambda: None])
