@@ -341,7 +341,7 @@ pub(crate) fn handles_dropped(id: StorageId) {
     // This process's copy of the shared lease goes: the claim ends when the holders' copies do.
     drop(shared_lease);
     if slot != NO_SLOT {
-        let subscribers = owner().revoke(slot);
+        let subscribers = owner().revoke(slot, id.index());
         notify_revoked(subscribers, id.index());
     }
 }

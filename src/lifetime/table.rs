@@ -82,9 +82,13 @@ impl Owner {
     }
 
     /// The owner dropped its handles on `index`: clears its slot and returns the subscribers
-    /// to tell, after the owner lock is released (see [`notify_revoked`]).
-    pub(super) fn revoke(&mut self, slot: u32) -> Vec<(u64, Arc<Socket>)> {
-        self.mark(slot, 0);
+    /// to tell, after the owner lock is released (see [`notify_revoked`]). The slot is cleared
+    /// only while it still holds `index`: read before this lock, it may have been freed with
+    /// the storage's last claim since and taken by another storage.
+    pub(super) fn revoke(&mut self, slot: u32, index: u64) -> Vec<(u64, Arc<Socket>)> {
+        if let Some(cell) = self.table.as_ref().and_then(|t| t.0.cell(slot)) {
+            let _ = cell.compare_exchange(index, 0, Ordering::SeqCst, Ordering::SeqCst);
+        }
         self.subscribers.clone()
     }
 
@@ -110,4 +114,25 @@ impl Owner {
 /// without the owner lock.
 pub(super) fn notify_revoked(subscribers: Vec<(u64, Arc<Socket>)>, index: u64) {
     super::courier::revoke(subscribers, index);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A revocation whose slot was read before the storage's last claim went (and the slot
+    /// was taken by another storage since) leaves the other storage's mark alone.
+    #[test]
+    fn a_late_revocation_does_not_clear_a_slot_taken_since() {
+        let mut owner = Owner { table: None, free_slots: Vec::new(), subscribers: Vec::new(), next_subscriber: 0 };
+        let (a, b) = (StorageId::new_local(), StorageId::new_local());
+        let slot = owner.take_slot(a);
+        owner.free_slot(slot);
+        assert_eq!(owner.take_slot(b), slot, "the freed slot is taken again");
+        owner.revoke(slot, a.index());
+        let table = owner.table.clone().unwrap();
+        assert!(table.holds(slot, b), "b's mark survives a's late revocation");
+        owner.revoke(slot, b.index());
+        assert!(!table.holds(slot, b), "b's own revocation clears it");
+    }
 }
