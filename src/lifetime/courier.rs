@@ -267,6 +267,14 @@ type Job = Box<dyn FnOnce() + Send>;
 static DISPOSER: ForkLocal<Disposer> =
     ForkLocal::new(|| Disposer { jobs: Mutex::new(Vec::new()), posted: Condvar::new(), started: OnceLock::new() });
 
+/// The fetches of subscriptions holders ask for (`Link`): a thread of their own, so that a
+/// home that does not answer holds up no free.
+static LINKER: ForkLocal<Disposer> =
+    ForkLocal::new(|| Disposer { jobs: Mutex::new(Vec::new()), posted: Condvar::new(), started: OnceLock::new() });
+
+/// The leases whose `Link` waits for the linker: one at a time per lease.
+static LINKING: ForkLocal<Mutex<std::collections::HashSet<u64>>> = ForkLocal::new(Default::default);
+
 std::thread_local! {
     /// True on the reaper's thread.
     static ON_REAPER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
@@ -282,15 +290,40 @@ pub(super) fn dispose(job: impl FnOnce() + Send + 'static) {
     if !ON_REAPER.with(|r| r.get()) {
         return job();
     }
-    let disposer = DISPOSER.get();
-    let started = *disposer.started.get_or_init(|| {
-        std::thread::Builder::new().name("cuda-mp-disposer".into()).spawn(move || run_jobs(disposer)).is_ok()
-    });
-    if !started {
-        return job();
+    if let Err(job) = queue_job(DISPOSER.get(), "cuda-mp-disposer", Box::new(job)) {
+        job();
     }
-    disposer.jobs.lock().unwrap_or_else(|p| p.into_inner()).push(Box::new(job));
-    disposer.posted.notify_one();
+}
+
+/// Runs `fetch`, the fetch of a subscription that a holder asked for on lease `key` (a
+/// `Link`), on the linker's thread (on the disposer's if it cannot start). While one of a
+/// lease's waits there, what the lease asks more is dropped: a holder that floods its lease
+/// with `Link`s queues one fetch, not one for each.
+pub(super) fn link(key: u64, fetch: impl FnOnce() + Send + 'static) {
+    let linking = || LINKING.get().lock().unwrap_or_else(|p| p.into_inner());
+    if !linking().insert(key) {
+        return;
+    }
+    let job: Job = Box::new(move || {
+        fetch();
+        linking().remove(&key);
+    });
+    if let Err(job) = queue_job(LINKER.get(), "cuda-mp-linker", job) {
+        dispose(job);
+    }
+}
+
+/// Queues `job` for `worker`'s thread (started on first use); the job back if it cannot start.
+fn queue_job(worker: &'static Disposer, name: &str, job: Job) -> Result<(), Job> {
+    let started = *worker
+        .started
+        .get_or_init(|| std::thread::Builder::new().name(name.into()).spawn(move || run_jobs(worker)).is_ok());
+    if !started {
+        return Err(job);
+    }
+    worker.jobs.lock().unwrap_or_else(|p| p.into_inner()).push(job);
+    worker.posted.notify_one();
+    Ok(())
 }
 
 fn run_jobs(disposer: &'static Disposer) {

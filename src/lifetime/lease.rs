@@ -77,9 +77,10 @@ impl Control {
     }
 
     /// The records at the start of `bytes`, and how many bytes they took (a record cut off at
-    /// the end waits for the rest). `None` when the bytes are not records of ours: the rest of
-    /// what this lease says is then ignored (a holder can only lose its own claims' releases).
-    pub(super) fn parse(bytes: &[u8]) -> Option<(Vec<Control>, usize)> {
+    /// the end waits for the rest); with `true` when a byte that starts no record of ours came
+    /// after them, where the reader drops the rest of what it read (the records before it,
+    /// other holders' among them, still count).
+    pub(super) fn parse(bytes: &[u8]) -> (Vec<Control>, usize, bool) {
         let mut at = 0;
         let mut out = Vec::new();
         while at < bytes.len() {
@@ -104,13 +105,14 @@ impl Control {
                 LINK => {
                     let Some(len) = rest.get(1..3).map(|l| u16::from_le_bytes([l[0], l[1]]) as usize) else { break };
                     let Some(ticket) = rest.get(3..3 + len) else { break };
-                    out.push(Control::Link(postcard::from_bytes(ticket).ok()?));
+                    let Ok(ticket) = postcard::from_bytes(ticket) else { return (out, at, true) };
+                    out.push(Control::Link(ticket));
                     at += 3 + len;
                 }
-                _ => return None,
+                _ => return (out, at, true),
             }
         }
-        Some((out, at))
+        (out, at, false)
     }
 
     /// Writes the record to the lease `tx`, whole, waiting while the pipe is full.
@@ -493,7 +495,8 @@ mod record_tests {
         ] {
             bytes.extend(c.record().unwrap());
         }
-        let (parsed, used) = Control::parse(&bytes).unwrap();
+        let (parsed, used, stray) = Control::parse(&bytes);
+        assert!(!stray);
         assert_eq!(
             parsed,
             vec![
@@ -505,9 +508,15 @@ mod record_tests {
             ]
         );
         assert_eq!(used, bytes.len());
-        let (parsed, used) = Control::parse(&bytes[..bytes.len() - 3]).unwrap();
+        let (parsed, used, _) = Control::parse(&bytes[..bytes.len() - 3]);
         assert_eq!((parsed.len(), used), (4, bytes.len() - 9), "the cut record waits");
-        assert!(Control::parse(&[9, 1, 2]).is_none(), "not ours");
+        assert_eq!(Control::parse(&[9, 1, 2]), (vec![], 0, true), "not ours");
+        // Records before a stray byte count (another holder's among them); what follows it
+        // does not.
+        let mut stray = Control::Retain(3).record().unwrap();
+        stray.push(0xff);
+        stray.extend(Control::Release(3, 1).record().unwrap());
+        assert_eq!(Control::parse(&stray), (vec![Control::Retain(3)], 9, true));
     }
 
     mod fuzz {
@@ -518,17 +527,16 @@ mod record_tests {
         proptest! {
             #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
 
-            /// Any bytes on a lease pipe: records or "not ours", never a panic; the records read
-            /// are what their bytes say.
+            /// Any bytes on a lease pipe: records, up to a byte that is not ours, never a panic;
+            /// the records read are what their bytes say.
             #[test]
             fn any_bytes_on_a_lease_parse_without_a_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
-                if let Some((records, used)) = Control::parse(&bytes) {
-                    prop_assert!(used <= bytes.len());
-                    for r in records {
-                        let record = r.record().unwrap();
-                        let (again, n) = Control::parse(&record).unwrap();
-                        prop_assert_eq!((again, n), (vec![r], record.len()));
-                    }
+                let (records, used, _) = Control::parse(&bytes);
+                prop_assert!(used <= bytes.len());
+                for r in records {
+                    let record = r.record().unwrap();
+                    let (again, n, stray) = Control::parse(&record);
+                    prop_assert_eq!((again, n, stray), (vec![r], record.len(), false));
                 }
             }
         }

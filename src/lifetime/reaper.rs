@@ -301,17 +301,15 @@ fn drain_lease(reaper: &Reaper, id: u64, pipe: &OwnedFd) -> bool {
             let mut watched = lock(&reaper.watched);
             let Some(entry) = watched.get_mut(&id) else { return true };
             entry.partial.extend_from_slice(&buf[..n]);
-            let records = match Control::parse(&entry.partial) {
-                Some((records, used)) => {
-                    entry.partial.drain(..used);
-                    records
-                }
-                // Not records of ours: what this lease says is ignored from here on.
-                None => {
-                    entry.partial.clear();
-                    Vec::new()
-                }
-            };
+            let (records, used, stray) = Control::parse(&entry.partial);
+            if stray {
+                // A byte that starts no record of ours: the records before it count (other
+                // holders' among them: a lost `Retain` would free what a holder maps), what
+                // follows it in this read does not.
+                entry.partial.clear();
+            } else {
+                entry.partial.drain(..used);
+            }
             (entry.what, records)
         };
         let Watched::Lease(key) = what else { continue };
@@ -320,11 +318,12 @@ fn drain_lease(reaper: &Reaper, id: u64, pipe: &OwnedFd) -> bool {
                 Control::Release(index, count) => lease_message(key, index, Change::Release(count)),
                 Control::Retain(index) => lease_message(key, index, Change::Retain),
                 Control::Forget(index) => super::connection::forgotten(key, index),
-                // The subscriber's socket is fetched from its home off this thread: a
-                // subscriber that does not answer must not hold up every lease. Nor the frees
-                // on the disposer's thread for longer than its deposit lasts: a stopped
-                // subscriber, or a name no subscriber answers under, is waited for no longer.
-                Control::Link(ticket) => super::courier::dispose(move || {
+                // The subscriber's socket is fetched from its home off this thread (a
+                // subscriber that does not answer must not hold up every lease) and off the
+                // disposer's (nor any free), for no longer than its deposit lasts (a stopped
+                // subscriber, or a name no subscriber answers under); one fetch at a time per
+                // lease.
+                Control::Link(ticket) => super::courier::link(key, move || {
                     let socket = crate::handover::fetch_within(&ticket, crate::handover::SUBSCRIPTION_TTL)
                         .ok()
                         .and_then(|(fds, _)| fds.into_iter().next());

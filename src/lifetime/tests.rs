@@ -370,3 +370,59 @@ fn a_subscriber_that_never_answers_holds_up_other_frees_no_longer_than_its_depos
     drop(ga);
     assert!(took < Duration::from_secs(5), "b's free waited {took:?} behind a subscriber's fetch");
 }
+
+/// A holder that floods its lease with `Link` records naming a home that never answers holds
+/// up no free: the fetches run on a thread of their own, one at a time per lease (eight
+/// records held up every free queued behind them for eight seconds, before).
+#[test]
+fn links_flooding_a_lease_hold_up_no_free() {
+    use super::lease::Control;
+    let name = format!("cuda-mp-silent-{:032x}", crate::sys::random_u128());
+    let _silent = crate::sys::Listening::bind_abstract(&name).unwrap(); // never accepts
+    let (a, b) = (StorageId::new_local(), StorageId::new_local());
+    let freed = Arc::new(AtomicU64::new(0));
+    let keep_a: AnyStorage = Arc::new(Mapping { closed: Arc::new(AtomicU64::new(0)) });
+    let keep_b: AnyStorage = Arc::new(Mapping { closed: freed.clone() });
+    let ga = wire::encode_scope(|| grant(a, 16, LeaseMode::Counted, false, move || keep_a, None).unwrap()).0;
+    let gb = wire::encode_scope(|| grant(b, 16, LeaseMode::Counted, false, move || keep_b, None).unwrap()).0;
+    let mut records = Vec::new();
+    for token in 0..8 {
+        let ticket = crate::handover::SpawnTicket { home: name.clone(), token, batch: None };
+        records.extend(Control::Link(ticket).record().unwrap());
+    }
+    crate::sys::write_record(std::os::fd::AsFd::as_fd(&*lease_of(&ga).tx), &records).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let start = Instant::now();
+    drop(gb);
+    wait_freed(&freed, 1, "b was never freed");
+    let took = start.elapsed();
+    drop(ga);
+    assert!(took < Duration::from_millis(900), "b's free waited {took:?} behind forged Link records");
+}
+
+/// A byte that starts no record, after another holder's `Retain` in the same read, loses the
+/// stray bytes only: the `Retain` counts, so the storage outlives the first `Release` (the
+/// whole read was dropped, before, and the storage freed while the other holder held it).
+#[test]
+fn a_stray_byte_loses_no_record_read_before_it() {
+    use super::lease::Control;
+    let id = StorageId::new_local();
+    let freed = Arc::new(AtomicU64::new(0));
+    let keep: AnyStorage = Arc::new(Mapping { closed: freed.clone() });
+    let (g, _fds) = wire::encode_scope(|| grant(id, 16, LeaseMode::Counted, false, move || keep, None).unwrap());
+    let lease = lease_of(&g).clone();
+    let key = lease.key();
+    let mut bytes = Control::Retain(id.index()).record().unwrap();
+    bytes.push(0xff);
+    crate::sys::write_record(std::os::fd::AsFd::as_fd(&*lease.tx), &bytes).unwrap();
+    let counted = || state().covers.get(&key).and_then(|c| c.get(&id.index())).copied();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while counted() != Some(2) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(counted(), Some(2), "the Retain before the stray byte counts");
+    Control::Release(id.index(), 1).send(&lease.tx).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(freed.load(Ordering::SeqCst), 0, "freed while the other holder's claim stands");
+    drop((g, lease));
+}
