@@ -1337,7 +1337,10 @@ where
         }
         worker.tasks += 1;
         let result = worker.call(args, f, shared, None);
-        state.end();
+        if state.end() {
+            // Killed as its call ended: the worker is dying, and takes no other caller's job.
+            worker.broken = true;
+        }
         reply(result);
     }
 
@@ -1385,11 +1388,15 @@ impl JobState {
         }
     }
 
-    fn end(&self) {
+    /// Marks the job done; true if its worker was killed for it (decided under the lock a
+    /// kill is sent under, so a kill either comes before this or not at all).
+    fn end(&self) -> bool {
         let mut phase = self.phase();
+        let killed = matches!(*phase, Phase::Running { killed: true, .. });
         if !matches!(*phase, Phase::Cancelled) {
             *phase = Phase::Done;
         }
+        killed
     }
 
     /// Cancels the job if it has not started.

@@ -320,3 +320,27 @@ fn shutdown_waits_terminate_fails_pending_jobs_and_bad_settings_are_refused() {
     assert!(matches!(Pool::new(0), Err(JoinError::InvalidPool(_))));
     assert!(matches!(Pool::builder().size(1).max_tasks_per_child(0).build(), Err(JoinError::InvalidPool(_))));
 }
+
+fn set_then_answer(event: cuda_mp::Event) -> u32 {
+    event.set();
+    1
+}
+
+/// Killing a pooled call as its result comes back kills its worker (or nothing): the next
+/// caller's job runs on a worker that lives (it was handed to the dying one, and failed with
+/// its SIGKILL, 3 rounds in 4).
+#[test]
+fn killing_a_call_as_it_finishes_does_not_fail_the_next_callers_job() {
+    let pool = Pool::new(1).unwrap();
+    for round in 0..40 {
+        let event = cuda_mp::Event::new().unwrap();
+        let mut a = pool.spawn(event.clone(), set_then_answer);
+        let b = pool.apply_async(7u64, square);
+        assert!(event.wait_timeout(WAIT));
+        a.kill().unwrap();
+        let _ = a.join();
+        let got = b.get();
+        assert!(matches!(got, Ok(49)), "round {round}: the next caller's job failed: {got:?}");
+    }
+    pool.terminate();
+}
