@@ -464,3 +464,36 @@ fn a_block_parked_for_a_child_comes_back_with_caching_off() {
     cuda_mp::set_host_caching(true);
     assert!(after.allocated_bytes <= before, "{after:?}: the parked block is still counted ({before} bytes before)");
 }
+
+/// A child forked after its parent used a lock, that then holds the lock, is not taken for a
+/// dead holder whose pid was reused: it wrote its parent's start time as its own, and another
+/// process took the lock from it while it lived.
+#[test]
+fn a_forked_child_holding_a_lock_is_not_taken_for_dead() {
+    let _one = FORKING.lock().unwrap_or_else(|p| p.into_inner());
+    let lock = cuda_mp::Lock::new().unwrap();
+    drop(lock.acquire().unwrap()); // the parent's start time is read
+    // SAFETY: the child takes the lock, holds it, and `_exit`s.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        let guard = lock.acquire();
+        std::thread::sleep(Duration::from_secs(2));
+        drop(guard);
+        // SAFETY: ends the child at once.
+        unsafe { libc::_exit(0) };
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while lock.holder() != Some(pid as u32) {
+        assert!(std::time::Instant::now() < deadline, "the child never took the lock");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let taken = lock.try_acquire();
+    let said = format!("{taken:?}");
+    let stolen = taken.is_ok() || taken.as_ref().is_err_and(|e| e.is_owner_died());
+    drop(taken);
+    let mut status = 0;
+    // SAFETY: `pid` is our child and `status` is writable.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(!stolen, "the lock was taken from the living child {pid}: {said}");
+}

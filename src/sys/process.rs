@@ -2,17 +2,27 @@
 //! namespace), the C library's exit and fork hooks, and signal names.
 
 use std::os::unix::fs::MetadataExt;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 /// This process's id.
 pub(crate) fn own_pid() -> u32 {
     std::process::id()
 }
 
-/// When this process started (in clock ticks since boot; 0 when unknown).
+/// When this process started (in clock ticks since boot; 0 when unknown). Cached with the
+/// process id it was read for: a child forked without `exec` reads its own. (Atomics, not a
+/// lock: a fork while another thread held a lock would leave it held in the child.)
 pub(crate) fn own_start() -> u64 {
-    static START: OnceLock<u64> = OnceLock::new();
-    *START.get_or_init(|| process_stat(own_pid()).map_or(0, |s| s.start))
+    static START: AtomicU64 = AtomicU64::new(0);
+    static FOR_PID: AtomicU32 = AtomicU32::new(0);
+    let pid = own_pid();
+    if FOR_PID.load(Ordering::Acquire) == pid {
+        return START.load(Ordering::Relaxed);
+    }
+    let start = process_stat(pid).map_or(0, |s| s.start);
+    START.store(start, Ordering::Relaxed);
+    FOR_PID.store(pid, Ordering::Release);
+    start
 }
 
 /// The identity of this process's pid namespace (0 when unknown): pids of processes in other
