@@ -268,7 +268,7 @@ fn deposit(ticket: &SpawnTicket, fd: Held, ttl: Option<Duration>) -> Result<u32>
     let mut deposits = lock(home);
     let now = Instant::now();
     deposits.retain(|_, d| d.expires.is_none_or(|e| e > now));
-    let expires = ttl.map(|ttl| now + ttl);
+    let expires = ttl.map(|ttl| now.checked_add(ttl).unwrap_or_else(|| crate::os::instant_after(ttl)));
     let deposit = match deposits.entry(ticket.token) {
         Entry::Occupied(batch) if ticket.batch.is_some() && batch.get().sealed => {
             return Err(Error::Unsupported("a value was added to a batch after it was sealed".into()));
@@ -494,7 +494,7 @@ fn exchange(socket: &Socket, ticket: &SpawnTicket, wait: Duration) -> io::Result
         }
         Err(e) => return Err(e),
     }
-    Ok(socket.recv(16, Wait::Until(Instant::now() + wait))?.map_or(Exchange::Closed, Exchange::Answered))
+    Ok(socket.recv(16, Wait::Until(crate::os::instant_after(wait)))?.map_or(Exchange::Closed, Exchange::Answered))
 }
 
 /// Fetches the descriptors deposited under `ticket`, from the home it names, with the time the

@@ -10,6 +10,19 @@ use std::sync::{Once, OnceLock, RwLock};
 
 use crate::error::PanicReport;
 
+/// `timeout` from now; `None` (no limit) for one past what the clock holds (`Duration::MAX`).
+pub(crate) fn deadline_after(timeout: std::time::Duration) -> Option<std::time::Instant> {
+    std::time::Instant::now().checked_add(timeout)
+}
+
+/// `timeout` from now, or about 136 years from now for one past what the clock holds.
+pub(crate) fn instant_after(timeout: std::time::Duration) -> std::time::Instant {
+    deadline_after(timeout).unwrap_or_else(|| {
+        let far = std::time::Duration::from_secs(u32::MAX.into());
+        std::time::Instant::now().checked_add(far).unwrap_or_else(std::time::Instant::now)
+    })
+}
+
 /// How long to wait next, at most `most`, before `deadline` (none: no limit); `None` once it
 /// has passed.
 pub(crate) fn wait_slice(

@@ -269,7 +269,7 @@ impl Pool {
         R: Serialize + DeserializeOwned + Send + 'static,
         I: IntoIterator<Item = A>,
     {
-        self.map_until(f, items, Some(Instant::now() + timeout))
+        self.map_until(f, items, crate::os::deadline_after(timeout))
     }
 
     fn map_until<A, R, I>(&self, f: fn(A) -> R, items: I, deadline: Option<Instant>) -> Result<Vec<R>, JoinError>
@@ -412,7 +412,7 @@ impl Pool {
     /// }
     /// ```
     pub fn shutdown_timeout(self, timeout: Duration) -> Result<(), JoinError> {
-        self.shutdown_until(Some(Instant::now() + timeout))
+        self.shutdown_until(crate::os::deadline_after(timeout))
     }
 
     fn shutdown_until(mut self, deadline: Option<Instant>) -> Result<(), JoinError> {
@@ -636,7 +636,7 @@ impl PoolBuilder {
     /// }
     /// ```
     pub fn build_timeout(self, timeout: Duration) -> Result<Pool, JoinError> {
-        self.build_until(Some(Instant::now() + timeout))
+        self.build_until(crate::os::deadline_after(timeout))
     }
 
     fn build_until(self, deadline: Option<Instant>) -> Result<Pool, JoinError> {
@@ -770,7 +770,7 @@ impl<R> AsyncResult<R> {
     /// }
     /// ```
     pub fn get_timeout(&mut self, timeout: Duration) -> Result<R, JoinError> {
-        self.wait(Some(Instant::now() + timeout))
+        self.wait(crate::os::deadline_after(timeout))
     }
 
     /// True once the job has finished (or failed, or was cancelled): [`get`](Self::get) then

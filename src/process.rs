@@ -516,7 +516,7 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
     /// }
     /// ```
     pub fn join_timeout(&mut self, timeout: Duration) -> Result<R, JoinError> {
-        self.join_until(Some(Instant::now() + timeout))
+        self.join_until(crate::os::deadline_after(timeout))
     }
 
     fn join_until(&mut self, deadline: Option<Instant>) -> Result<R, JoinError> {
@@ -630,7 +630,7 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
     pub fn terminate(&mut self, grace: Duration) -> Result<(), JoinError> {
         let Some(watch) = &self.watch else { return self.kill() };
         if watch.signal(rustix::process::Signal::TERM) {
-            let deadline = Instant::now() + grace;
+            let deadline = crate::os::instant_after(grace);
             while watch.exited(Duration::ZERO).is_none() && Instant::now() < deadline {
                 watch.exited(JOIN_POLL.min(deadline.saturating_duration_since(Instant::now())));
             }

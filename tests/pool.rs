@@ -344,3 +344,19 @@ fn killing_a_call_as_it_finishes_does_not_fail_the_next_callers_job() {
     }
     pool.terminate();
 }
+
+/// `Duration::MAX` as a limit is no limit: no call panics on it (adding it to the clock
+/// overflowed).
+#[test]
+fn a_limit_past_what_the_clock_holds_is_no_limit() {
+    let pool = Pool::new(1).unwrap();
+    assert_eq!(pool.apply_async(3u64, square).get_timeout(Duration::MAX).unwrap(), 9);
+    assert_eq!(pool.map_timeout(square, [1u64, 2], Duration::MAX).unwrap(), vec![1, 4]);
+    assert_eq!(pool.imap(square, [2u64]).next_timeout(Duration::MAX).unwrap().unwrap(), 4);
+    assert_eq!(cuda_mp::spawn(4u64, square).join_timeout(Duration::MAX).unwrap(), 16);
+    Pool::builder().size(1).build_timeout(Duration::MAX).unwrap().terminate();
+    pool.shutdown_timeout(Duration::MAX).unwrap();
+    cuda_mp::wait_for_lifetime(Duration::MAX, |_| true).unwrap();
+    let bytes = cuda_mp::to_bytes(&HostTensor::<f32>::zeros(&[4]).unwrap(), Duration::MAX).unwrap();
+    assert_eq!(cuda_mp::from_bytes::<HostTensor<f32>>(&bytes).unwrap().to_vec(), vec![0.0; 4]);
+}

@@ -342,8 +342,8 @@ impl Inbox {
         let spin_until = match (wait, spin()) {
             (_, spin) if spin.is_zero() => None,
             (Wait::Not, _) => None,
-            (Wait::Forever, spin) => Some(Instant::now() + spin),
-            (Wait::Until(deadline), spin) => Some(deadline.min(Instant::now() + spin)),
+            (Wait::Forever, spin) => Some(crate::os::instant_after(spin)),
+            (Wait::Until(deadline), spin) => Some(deadline.min(crate::os::instant_after(spin))),
         };
         let mut looks = 0u32;
         self.told_gone = self.leases.segments().told_gone();

@@ -414,7 +414,7 @@ impl<T: Serialize> Sender<T> {
     /// assert_eq!(rx.recv().unwrap(), 2);
     /// ```
     pub fn connect_file(path: impl AsRef<Path>, timeout: Duration) -> Result<Sender<T>> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::os::instant_after(timeout);
         loop {
             match std::fs::read_to_string(path.as_ref()) {
                 Ok(name) => return Sender::connect(name.trim()),
@@ -1121,7 +1121,7 @@ impl<T> Receiver<T> {
     /// came within `timeout`, or for a remote receiver).
     pub(crate) fn read_raw_frame(&self, timeout: Duration) -> io::Result<Option<crate::sys::Message>> {
         let ReceiverFlavor::Local(local) = &self.flavor else { return Ok(None) };
-        match local.main.recv(frame::BUFFER, Wait::Until(Instant::now() + timeout)) {
+        match local.main.recv(frame::BUFFER, Wait::Until(crate::os::instant_after(timeout))) {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
             other => other,
         }

@@ -644,7 +644,7 @@ extern "C" fn drain_at_exit() {
 /// Waits until every backlog of this process was handed on (or its receiver is gone), until
 /// `timeout` at most; false when it passed first. Feeders hand on at once meanwhile.
 pub(super) fn flush_all(timeout: Option<Duration>) -> bool {
-    let deadline = timeout.map(|t| Instant::now() + t);
+    let deadline = timeout.map(crate::os::instant_after);
     FLUSHING.fetch_add(1, Ordering::SeqCst);
     let outboxes: Vec<Arc<Outbox>> = registry().values().filter_map(Weak::upgrade).collect();
     for outbox in &outboxes {

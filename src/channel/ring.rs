@@ -191,7 +191,7 @@ impl RingWriter {
         if self.stalled || !self.adopted || patience.is_zero() || bytes.len() > MAX_MESSAGE {
             return false;
         }
-        let deadline = Instant::now() + patience;
+        let deadline = crate::os::instant_after(patience);
         let mut round = 0u32;
         loop {
             // After a few rounds, the reader may need this processor to make room.

@@ -288,7 +288,7 @@ pub fn lifetime_stats() -> LifetimeStats {
 /// assert_eq!(stats.cached_mappings, 0);
 /// ```
 pub fn wait_for_lifetime(timeout: Duration, condition: impl Fn(&LifetimeStats) -> bool) -> Result<LifetimeStats> {
-    let deadline = Instant::now() + timeout;
+    let deadline = crate::os::instant_after(timeout);
     let mut stats = lifetime_stats();
     loop {
         // The caller's condition runs without the lock: it may take time, or call cuda-mp.

@@ -386,7 +386,7 @@ fn write_handshake<M: Serialize>(stream: &TcpStream, message: &M, timeout: Durat
 fn write_handshake_bytes(stream: &TcpStream, body: Vec<u8>, timeout: Duration) -> Result<()> {
     let mut frame = (body.len() as u32).to_le_bytes().to_vec();
     frame.extend_from_slice(&body);
-    tcp::write_all(stream, &frame, Instant::now() + timeout).map_err(|e| io_error(e, "the handshake", timeout))
+    tcp::write_all(stream, &frame, crate::os::instant_after(timeout)).map_err(|e| io_error(e, "the handshake", timeout))
 }
 
 fn read_handshake<M: DeserializeOwned>(stream: &TcpStream, timeout: Duration) -> Result<M> {
@@ -395,7 +395,7 @@ fn read_handshake<M: DeserializeOwned>(stream: &TcpStream, timeout: Duration) ->
 
 /// The next handshake message's bytes.
 fn read_handshake_bytes(stream: &TcpStream, timeout: Duration) -> Result<Vec<u8>> {
-    let deadline = Instant::now() + timeout;
+    let deadline = crate::os::instant_after(timeout);
     let mut reader = FrameReader::new(HANDSHAKE_BYTES);
     match reader.read(stream, Some(deadline)) {
         Ok(Some(body)) => Ok(body),
@@ -597,7 +597,7 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
     /// assert!(listener.accept_timeout(Duration::from_millis(20)).unwrap_err().is_timeout());
     /// ```
     pub fn accept_timeout(&self, timeout: Duration) -> Result<Receiver<T>> {
-        self.accept_until(Some((Instant::now() + timeout, timeout)))
+        self.accept_until(Some((crate::os::instant_after(timeout), timeout)))
     }
 
     fn accept_until(&self, deadline: Option<(Instant, Duration)>) -> Result<Receiver<T>> {
@@ -857,7 +857,7 @@ impl<T: Serialize + DeserializeOwned + 'static> Sender<T> {
         // Retried until the connect timeout: the listener may not be up yet (a peer process
         // still starting), as torch.distributed's rendezvous retries.
         let addrs = resolve(addr)?;
-        let deadline = Instant::now() + options.connect_timeout;
+        let deadline = crate::os::instant_after(options.connect_timeout);
         let stream = 'connected: loop {
             let mut last = None;
             for addr in &addrs {
@@ -1024,7 +1024,7 @@ impl NetSender {
         setup: Option<(UniqueId, std::sync::Arc<Device>)>,
     ) -> std::result::Result<(), SendFailure> {
         let timeout = self.options.transfer_timeout;
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::os::instant_after(timeout);
         let failed = |e: io::Error| match e.kind() {
             io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => SendFailure::Disconnected,
             io::ErrorKind::TimedOut => {
@@ -1183,7 +1183,7 @@ impl NetReceiver {
             .device
             .ok_or_else(|| Error::Unsupported("GPU tensors are coming, and this end has no GPU set".into()))?;
         let device = Device::get(ordinal)?;
-        let deadline = Instant::now() + self.options.transfer_timeout;
+        let deadline = crate::os::instant_after(self.options.transfer_timeout);
         let stream = &self.stream;
         self.comm = Some(Communicator::join(&device, &UniqueId(id), 1, deadline, &mut || !tcp::peer_closed(stream))?);
         Ok(())
@@ -1201,7 +1201,7 @@ impl NetReceiver {
         // A message without GPU tensors leaves the spares for the next one.
         self.spare = unused;
         let timeout = self.options.transfer_timeout;
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::os::instant_after(timeout);
         for arrival in &incoming {
             if let Incoming::Host(storage, len) = arrival {
                 let (mapping, base) = storage.mapping();
