@@ -497,3 +497,26 @@ fn a_forked_child_holding_a_lock_is_not_taken_for_dead() {
     assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
     assert!(!stolen, "the lock was taken from the living child {pid}: {said}");
 }
+
+/// A child forked without `exec` that drops its copy of a named object leaves the name to its
+/// creator (the child removed it, and nobody could open the object by its name after).
+#[test]
+fn a_forked_child_dropping_a_named_object_leaves_the_creators_name() {
+    let _one = FORKING.lock().unwrap_or_else(|p| p.into_inner());
+    let name = format!("fork-drop-{}", std::process::id());
+    let event = cuda_mp::Event::create(&name).unwrap();
+    // SAFETY: the child drops its copy of the event and `_exit`s.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        drop(event);
+        // SAFETY: ends the child at once.
+        unsafe { libc::_exit(0) };
+    }
+    let mut status = 0;
+    // SAFETY: `pid` is our child and `status` is writable.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    let opened = cuda_mp::Event::open(&name);
+    assert!(opened.is_ok(), "the creator still holds {name:?}, yet: {:?}", opened.err());
+    drop((opened, event));
+}

@@ -16,8 +16,9 @@ pub(crate) struct NamedMemory {
     /// Open while this value lives; the creator holds a shared lock on it.
     file: File,
     path: PathBuf,
-    /// Whether this value published the name (and removes it when dropped).
-    creator: bool,
+    /// The process that published the name (and removes it when it drops this): not a child
+    /// forked from it, whose copy of this value is not the name's.
+    creator: Option<u32>,
     mapping: Mapping,
 }
 
@@ -45,7 +46,7 @@ impl NamedMemory {
         // lives. The kernel drops it when the process ends, however it ends.
         file.lock_shared()?;
         let mapping = Mapping::new(&file, len, true)?;
-        Ok(NamedMemory { file, path: path.to_owned(), creator: false, mapping })
+        Ok(NamedMemory { file, path: path.to_owned(), creator: None, mapping })
     }
 
     /// Gives the file its name, which it owns from then on; false when the name is taken.
@@ -54,7 +55,7 @@ impl NamedMemory {
         let from = format!("/proc/self/fd/{}", self.file.as_raw_fd());
         match linkat(CWD, from.as_str(), CWD, &self.path, AtFlags::SYMLINK_FOLLOW) {
             Ok(()) => {
-                self.creator = true;
+                self.creator = Some(super::own_pid());
                 Ok(true)
             }
             Err(rustix::io::Errno::EXIST) => Ok(false),
@@ -109,7 +110,7 @@ impl NamedMemory {
                 ));
             }
             let mapping = Mapping::new(&file, min_len, true)?;
-            return Ok(Some(NamedMemory { file, path: path.to_owned(), creator: false, mapping }));
+            return Ok(Some(NamedMemory { file, path: path.to_owned(), creator: None, mapping }));
         }
         Err(io::Error::other(format!("{} keeps being replaced; giving up opening it", path.display())))
     }
@@ -117,7 +118,7 @@ impl NamedMemory {
 
 impl Drop for NamedMemory {
     fn drop(&mut self) {
-        if self.creator {
+        if self.creator == Some(super::own_pid()) {
             // The creator owns the name: remove it, unless it was replaced meanwhile (a process
             // that took this object for a leftover removed it and made another).
             let _ = self.file.lock();
