@@ -1057,6 +1057,13 @@ impl Shared {
         }
     }
 
+    /// True once the pool is closing with no job queued or running: a worker being started
+    /// now (a replacement, whose initializer may never end) would never get a job.
+    fn closed_and_drained(&self) -> bool {
+        let state = self.lock();
+        state.closing && state.queue.is_empty() && state.running == 0
+    }
+
     fn job_done(&self) {
         let mut state = self.lock();
         state.running -= 1;
@@ -1172,12 +1179,13 @@ enum Waited<R> {
     Done(R),
     Failed(procspawn::SpawnError),
     TimedOut,
-    /// The pool was terminated.
+    /// The pool was terminated, or closed with nothing left to run.
     Stopped,
 }
 
 /// Waits for a call's result until `deadline`, looking now and then whether the pool is being
-/// terminated.
+/// terminated, or is closing with no job left (then only a worker's start or initializer can
+/// be waiting, for a worker that would never get a job: a shutdown does not wait for it).
 fn wait<R>(handle: &mut procspawn::JoinHandle<R>, deadline: Option<Instant>, shared: &Shared) -> Waited<R>
 where
     R: Serialize + DeserializeOwned,
@@ -1189,7 +1197,7 @@ where
             Err(e) if e.is_timeout() => {}
             Err(e) => return Waited::Failed(e),
         }
-        if shared.terminated() {
+        if shared.terminated() || shared.closed_and_drained() {
             return Waited::Stopped;
         }
         if deadline.is_some_and(|d| Instant::now() >= d) {

@@ -360,3 +360,30 @@ fn a_limit_past_what_the_clock_holds_is_no_limit() {
     let bytes = cuda_mp::to_bytes(&HostTensor::<f32>::zeros(&[4]).unwrap(), Duration::MAX).unwrap();
     assert_eq!(cuda_mp::from_bytes::<HostTensor<f32>>(&bytes).unwrap().to_vec(), vec![0.0; 4]);
 }
+
+fn hang_if_marked(path: String) {
+    if std::path::Path::new(&path).exists() {
+        std::thread::sleep(Duration::from_secs(60));
+    }
+}
+
+/// A shutdown does not wait for a replacement worker whose initializer hangs once every job
+/// is done (it would never get a job): `shutdown_timeout` returned neither in time nor at all.
+#[test]
+fn a_shutdown_does_not_wait_for_a_replacement_that_would_never_run_a_job() {
+    let path = std::env::temp_dir().join(format!("cuda-mp-hang-{}", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let pool =
+        Pool::builder().size(2).initializer(path.to_string_lossy().into_owned(), hang_if_marked).build().unwrap();
+    std::fs::write(&path, b"").unwrap();
+    // One worker leaves: its replacement's initializer hangs from now on.
+    assert!(pool.apply_async(3, leave).get().is_err());
+    assert_eq!(pool.map(square, 0..4).unwrap(), vec![0, 1, 4, 9]);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(pool.shutdown_timeout(Duration::from_secs(5)).map_err(|e| e.to_string()));
+    });
+    let done = rx.recv_timeout(Duration::from_secs(20));
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(done, Ok(Ok(())), "the shutdown of a pool with nothing left to run");
+}
