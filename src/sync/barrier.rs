@@ -37,6 +37,10 @@ const MAX_PARTIES: usize = COUNT as usize;
 /// A wait that times out breaks the barrier, as in Python: the parties waiting, and every wait
 /// after, fail with [`BarrierError::Broken`] until [`reset`](Self::reset).
 ///
+/// Exactly `parties` users take part in each round. Unlike Python's, more users than parties
+/// (say three threads at a barrier of two) may fill the next round before a released waiter
+/// has looked, and that waiter then reads [`BarrierError::Broken`] although nothing broke.
+///
 /// ```no_run
 /// use cuda_mp::Barrier;
 ///
