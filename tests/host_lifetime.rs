@@ -279,3 +279,57 @@ fn holder_statistics_say_which_holder_keeps_how_much_of_this_process_memory() {
     children.pop().unwrap().join().unwrap();
     cuda_mp::set_host_caching(true);
 }
+
+/// Receives `x` and `y` from the owner, sends `x` on to the receiver, says so, and holds `y`
+/// until it is killed.
+fn forward_x_hold_y(
+    (rx, to_r, ready): (
+        Receiver<Vec<cuda_mp::testing::FakeTensor<f32>>>,
+        Sender<cuda_mp::testing::FakeTensor<f32>>,
+        Sender<()>,
+    ),
+) {
+    let mut got = rx.recv_timeout(WAIT).unwrap();
+    let y = got.pop().unwrap();
+    let x = got.pop().unwrap();
+    to_r.send(x).unwrap();
+    ready.send(()).unwrap();
+    std::thread::sleep(Duration::from_secs(600));
+    drop(y);
+}
+
+/// Receives `x` through the forwarder, drops it, says what it keeps cached, and waits.
+fn receive_and_drop((rx, ready, go): (Receiver<cuda_mp::testing::FakeTensor<f32>>, Sender<usize>, Receiver<()>)) {
+    drop(rx.recv_timeout(WAIT).unwrap());
+    let stats = wait_for_lifetime(WAIT, |s| s.imported_storages == 0).unwrap();
+    ready.send(stats.cached_mappings).unwrap();
+    let _ = go.recv_timeout(Duration::from_secs(60));
+}
+
+/// A mapping that came through a forwarder is not kept cached once dropped: its claim holds
+/// the leases up the chain, and a cached one kept whatever the forwarder held when it was
+/// killed (`y`, which nobody else held) alive for as long as the owner kept `x`.
+#[test]
+fn a_dropped_mapping_that_came_through_a_forwarder_keeps_nothing_of_a_dead_forwarder() {
+    let _g = serial();
+    let before = lifetime_stats();
+    let (to_f, f_rx) = channel().unwrap();
+    let (to_r, r_rx) = channel().unwrap();
+    let (f_ready_tx, f_ready) = channel().unwrap();
+    let (r_ready_tx, r_ready) = channel().unwrap();
+    let (go, go_rx) = channel().unwrap();
+    let mut forwarder = spawn((f_rx, to_r, f_ready_tx), forward_x_hold_y);
+    let receiver = spawn((r_rx, r_ready_tx, go_rx), receive_and_drop);
+    let x = cuda_mp::testing::FakeTensor::<f32>::fake(&[4], Duration::ZERO).unwrap();
+    let y = cuda_mp::testing::FakeTensor::<f32>::fake(&[4], Duration::ZERO).unwrap();
+    to_f.send(vec![x.clone(), y.clone()]).unwrap();
+    f_ready.recv_timeout(WAIT).unwrap();
+    assert_eq!(r_ready.recv_timeout(WAIT).unwrap(), 0, "nothing kept cached of what came through a forwarder");
+    forwarder.kill().unwrap();
+    drop(y);
+    let freed = wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages + 1);
+    go.send(()).unwrap();
+    receiver.join().unwrap();
+    drop(x);
+    assert!(freed.is_ok(), "y, held by nobody but the killed forwarder, still lives: {:?}", lifetime_stats());
+}

@@ -251,12 +251,11 @@ impl<K: StorageKind> Drop for Handle<K> {
         let m = &self.memory;
         match &m.origin {
             Origin::Local(_) => lifetime::handles_dropped(m.id),
-            // A caching allocator's segment that came through a forwarder is not kept once no
-            // block of it is held here: its claim holds copies of the leases up the chain, which
-            // would keep whatever a dead forwarder held counted for as long as the segment lives.
-            Origin::Imported { ticket, cover }
-                if K::CACHE_IDLE && K::cacheable(m.raw()) && !(m.id.is_internal() && cover.is_relayed()) =>
-            {
+            // A storage (or a caching allocator's segment) that came through a forwarder is not
+            // kept once no handle of it (no block) is held here: its claim holds copies of the
+            // leases up the chain, which would keep whatever a forwarder that died held counted
+            // for as long as the mapping stayed cached.
+            Origin::Imported { ticket, cover } if K::CACHE_IDLE && K::cacheable(m.raw()) && !cover.is_relayed() => {
                 let memory: AnyStorage = m.clone();
                 // Kept for reuse while the owner holds it; otherwise closed right here.
                 drop(lifetime::park_idle(m.id, m.key, *ticket, memory));
