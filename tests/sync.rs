@@ -468,3 +468,31 @@ fn a_named_object_open_to_others_or_owned_by_another_user_is_refused() {
     opened.set();
     assert!(event.is_set());
 }
+
+/// More users than parties (three threads at a barrier of two): a round may open and the next
+/// fill before a released waiter looks, and that waiter is released all the same (it read a
+/// break, thousands of times in 60,000 waits).
+#[test]
+fn more_users_than_parties_see_no_break_that_did_not_happen() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let barrier = cuda_mp::Barrier::new(2).unwrap();
+    let spurious = AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..3 {
+            s.spawn(|| {
+                for _ in 0..5_000 {
+                    match barrier.wait_timeout(Duration::from_secs(10)) {
+                        Ok(_) => {}
+                        // The last round's one left over, once the others are done.
+                        Err(_) if barrier.is_broken() => break,
+                        Err(_) => {
+                            spurious.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+                barrier.abort();
+            });
+        }
+    });
+    assert_eq!(spurious.load(Ordering::Relaxed), 0, "waits that read a break while nothing broke");
+}

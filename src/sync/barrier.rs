@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::region::{Region, W32};
+use super::region::{Region, W32, W64};
 use super::{BODY, Kind, Object, Open, deadline, invalid, slice, time_left};
 use crate::error::{Error, Result};
 use crate::sys;
@@ -17,6 +17,10 @@ use crate::sys;
 const PARTIES: W32 = W32::at(BODY);
 /// The barrier's word: [`COUNT`], [`BROKEN`], [`RESET`] and the generation.
 const STATE: W32 = W32::at(BODY + 4);
+/// Which of the last 64 generations began with a reset (bit `generation % 64`), set or cleared
+/// by whoever starts a generation before it starts it: a waiter whose generation moved on by
+/// any number of rounds (more users than parties) tells its release from a reset there.
+const STARTED_BY_RESET: W64 = W64::at(BODY + 8);
 
 /// Parties arrived in this generation (bits 0 to 15).
 const COUNT: u32 = 0xffff;
@@ -37,9 +41,9 @@ const MAX_PARTIES: usize = COUNT as usize;
 /// A wait that times out breaks the barrier, as in Python: the parties waiting, and every wait
 /// after, fail with [`BarrierError::Broken`] until [`reset`](Self::reset).
 ///
-/// Exactly `parties` users take part in each round. Unlike Python's, more users than parties
-/// (say three threads at a barrier of two) may fill the next round before a released waiter
-/// has looked, and that waiter then reads [`BarrierError::Broken`] although nothing broke.
+/// More users than parties (say three threads at a barrier of two) take part in rounds as
+/// they come: a waiter released from a round is released even when later rounds opened before
+/// it looked (up to 64 of them).
 ///
 /// ```no_run
 /// use cuda_mp::Barrier;
@@ -145,6 +149,23 @@ impl Barrier {
         self.object.region.u32(STATE)
     }
 
+    /// Notes, before the generation of `state` begins, whether a reset begins it.
+    fn mark_start(&self, state: u32, by_reset: bool) {
+        let bit = 1u64 << ((state >> GENERATION_SHIFT) % 64);
+        let ring = self.object.region.u64(STARTED_BY_RESET);
+        if by_reset {
+            ring.fetch_or(bit, Ordering::SeqCst);
+        } else {
+            ring.fetch_and(!bit, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether the generation of `state` began with a reset.
+    fn started_by_reset(&self, state: u32) -> bool {
+        let bit = 1u64 << ((state >> GENERATION_SHIFT) % 64);
+        self.object.region.u64(STARTED_BY_RESET).load(Ordering::SeqCst) & bit != 0
+    }
+
     /// The number of parties that must arrive for the barrier to open.
     ///
     /// ```
@@ -216,6 +237,7 @@ impl Barrier {
             let count = current & COUNT;
             if count + 1 >= self.parties {
                 let next = next_generation(current);
+                self.mark_start(next, false);
                 match state.compare_exchange_weak(current, next, Ordering::AcqRel, Ordering::Acquire) {
                     Ok(_) => {
                         sys::futex_wake_all(state);
@@ -235,10 +257,12 @@ impl Barrier {
             let now = state.load(Ordering::Acquire);
             let now_generation = now >> GENERATION_SHIFT;
             if now_generation != generation {
-                // Opened by the last party, unless a reset ended our generation (a reset of
-                // the next one before we looked reads the same: see the README).
-                let released = now_generation == next_generation(generation << GENERATION_SHIFT) >> GENERATION_SHIFT
-                    && now & RESET == 0;
+                // Opened by the last party, unless a reset ended our generation: the next one
+                // then began with a reset. (Past 64 rounds, which no waiter sleeps through
+                // unless more users than parties keep the barrier busy, it reads as opened.)
+                let next = next_generation(generation << GENERATION_SHIFT);
+                let moved = now_generation.wrapping_sub(generation) & GENERATION_MASK;
+                let released = moved > 64 || !self.started_by_reset(next);
                 return if released {
                     Ok(BarrierWaitResult { index, leader: false })
                 } else {
@@ -280,9 +304,8 @@ impl Barrier {
     }
 
     /// Returns the barrier to its first state, empty and not broken; parties waiting now fail
-    /// with [`BarrierError::Broken`]. As with Python's `reset`, call it when the parties are
-    /// known to be out of their waits (a party still waking from the round just opened may
-    /// take the reset for a break); a new barrier is often simpler.
+    /// with [`BarrierError::Broken`] (a party still waking from a round that opened before is
+    /// released). A new barrier is often simpler.
     ///
     /// ```
     /// let barrier = cuda_mp::Barrier::new(1).unwrap();
@@ -294,6 +317,7 @@ impl Barrier {
         let state = self.state();
         let mut current = state.load(Ordering::Relaxed);
         loop {
+            self.mark_start(next_generation(current), true);
             match state.compare_exchange_weak(
                 current,
                 next_generation(current) | RESET,
@@ -307,6 +331,9 @@ impl Barrier {
         sys::futex_wake_all(state);
     }
 }
+
+/// The generation bits of a state, shifted down.
+const GENERATION_MASK: u32 = u32::MAX >> GENERATION_SHIFT;
 
 /// The state of the generation after `state`'s: nobody arrived, not broken.
 fn next_generation(state: u32) -> u32 {
