@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use super::lease::{CacheTicket, Lease};
 use super::table::NO_SLOT;
 use super::{AnyStorage, StorageId, WeakStorage};
+use crate::fork::ForkLocal;
 
 /// A connection lease as a message names it: the owner's process token and the lease's name,
 /// 64 random bits the owner chose for it (another sender on the channel cannot guess it, so it
@@ -65,8 +66,10 @@ impl fmt::Debug for Connection {
 }
 
 /// Segments that receivers said they do not keep (`Control::Forget`), by the key of the lease
-/// of the connection that introduced them, until that connection looks.
-static FORGOTTEN: Mutex<Vec<(u64, u64)>> = Mutex::new(Vec::new());
+/// of the connection that introduced them, until that connection looks. Per process: a forked
+/// child's connections are its own (and a lock its parent's reaper held at the fork would stay
+/// held in the child).
+static FORGOTTEN: ForkLocal<Mutex<Vec<(u64, u64)>>> = ForkLocal::new(Default::default);
 /// Whether `FORGOTTEN` holds any (looked at without its lock on every block sent).
 static ANY_FORGOTTEN: AtomicBool = AtomicBool::new(false);
 
@@ -74,7 +77,7 @@ static ANY_FORGOTTEN: AtomicBool = AtomicBool::new(false);
 /// lease `key` (its reaper read the record): the next block of it there introduces it again.
 /// Entries of leases closed since are dropped as the list grows.
 pub(super) fn forgotten(key: u64, index: u64) {
-    let mut forgotten = FORGOTTEN.lock().unwrap_or_else(|p| p.into_inner());
+    let mut forgotten = FORGOTTEN.get().lock().unwrap_or_else(|p| p.into_inner());
     if forgotten.len() >= 1024 {
         let open: std::collections::HashSet<u64> = {
             let s = super::state();
@@ -120,7 +123,7 @@ impl Connection {
     fn take_forgotten(&self) {
         let Some(key) = self.lock().as_ref().map(|s| s.key) else { return };
         let indices: Vec<u64> = {
-            let mut forgotten = FORGOTTEN.lock().unwrap_or_else(|p| p.into_inner());
+            let mut forgotten = FORGOTTEN.get().lock().unwrap_or_else(|p| p.into_inner());
             let mine = forgotten.iter().filter(|(k, _)| *k == key).map(|(_, i)| *i).collect();
             forgotten.retain(|(k, _)| *k != key);
             if forgotten.is_empty() {
