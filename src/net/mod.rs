@@ -396,7 +396,7 @@ fn read_handshake<M: DeserializeOwned>(stream: &TcpStream, timeout: Duration) ->
 /// The next handshake message's bytes.
 fn read_handshake_bytes(stream: &TcpStream, timeout: Duration) -> Result<Vec<u8>> {
     let deadline = crate::os::instant_after(timeout);
-    let mut reader = FrameReader::new(HANDSHAKE_BYTES);
+    let mut reader = FrameReader::new(HANDSHAKE_BYTES, None);
     match reader.read(stream, Some(deadline)) {
         Ok(Some(body)) => Ok(body),
         Ok(None) => Err(Error::Malformed("the peer closed the connection during the handshake".into())),
@@ -412,11 +412,29 @@ struct FrameReader {
     prefix_filled: usize,
     body: Vec<u8>,
     body_len: Option<usize>,
+    /// How long a frame that has begun may stall (no byte coming) before the peer is taken
+    /// for stopped, whatever the caller's own limit: `None` for none.
+    stall: Option<Duration>,
 }
 
 impl FrameReader {
-    fn new(max: usize) -> FrameReader {
-        FrameReader { max, prefix: [0; 4], prefix_filled: 0, body: Vec::new(), body_len: None }
+    fn new(max: usize, stall: Option<Duration>) -> FrameReader {
+        FrameReader { max, prefix: [0; 4], prefix_filled: 0, body: Vec::new(), body_len: None, stall }
+    }
+
+    /// Reads some bytes into `into`: until the caller's `deadline`, and once a frame has begun
+    /// no longer than its stall allows, then an error that is not a timeout (the connection
+    /// goes).
+    fn read_some(&self, socket: &TcpStream, into: &mut [u8], deadline: Option<Instant>) -> io::Result<usize> {
+        let begun = self.prefix_filled > 0 || self.body_len.is_some();
+        let Some(stall) = self.stall.filter(|_| begun) else { return tcp::read_some(socket, into, deadline) };
+        let stalled_at = crate::os::instant_after(stall);
+        match tcp::read_some(socket, into, Some(deadline.map_or(stalled_at, |d| d.min(stalled_at)))) {
+            Err(e) if e.kind() == io::ErrorKind::TimedOut && deadline.is_none_or(|d| stalled_at < d) => {
+                Err(io::Error::other(format!("the peer stopped inside a frame for {stall:?}")))
+            }
+            other => other,
+        }
     }
 
     /// The next frame's body; `None` when the stream ended between frames. `TimedOut` keeps
@@ -424,7 +442,10 @@ impl FrameReader {
     /// frame over the limit.
     fn read(&mut self, socket: &TcpStream, deadline: Option<Instant>) -> io::Result<Option<Vec<u8>>> {
         while self.body_len.is_none() {
-            let n = tcp::read_some(socket, &mut self.prefix[self.prefix_filled..], deadline)?;
+            let filled = self.prefix_filled;
+            let mut prefix = self.prefix;
+            let n = self.read_some(socket, &mut prefix[filled..], deadline)?;
+            self.prefix = prefix;
             if n == 0 {
                 if self.prefix_filled == 0 {
                     return Ok(None);
@@ -449,7 +470,9 @@ impl FrameReader {
             let start = self.body.len();
             let want = (len - start).min(1 << 20);
             self.body.resize(start + want, 0);
-            let n = tcp::read_some(socket, &mut self.body[start..], deadline);
+            let mut body = std::mem::take(&mut self.body);
+            let n = self.read_some(socket, &mut body[start..], deadline);
+            self.body = body;
             let n = match n {
                 Ok(n) => n,
                 Err(e) => {
@@ -603,7 +626,12 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
     fn accept_until(&self, deadline: Option<(Instant, Duration)>) -> Result<Receiver<T>> {
         // While handshakes run, the listener is watched in slices so that one that ends is seen.
         const SLICE: Duration = Duration::from_millis(2);
-        let done = lock(&self.done);
+        // Another thread accepting holds this for its wait: a limited accept waits for it no
+        // longer than its limit.
+        let done = match lock_within(&self.done, deadline.map(|d| Some(d.0))) {
+            Some(done) => done,
+            None => return Err(Error::Timeout(deadline.map_or(Duration::ZERO, |d| d.1))),
+        };
         loop {
             // Read before the results: a handshake counts itself out only after it sent its result.
             let running = self.pending.load(Ordering::Acquire);
@@ -745,7 +773,7 @@ fn handshake<T: Serialize + DeserializeOwned>(stream: TcpStream, options: &Remot
     }
     let stream = Arc::new(stream);
     let net = NetReceiver {
-        reader: FrameReader::new(options.max_frame_bytes.saturating_add(HEADER)),
+        reader: FrameReader::new(options.max_frame_bytes.saturating_add(HEADER), Some(options.transfer_timeout)),
         stream: stream.clone(),
         comm: None,
         spare: VecDeque::new(),
@@ -1753,6 +1781,61 @@ mod tests {
             drop(rx);
             proptest::prop_assert_eq!(descriptors_of_connection(ports), 0, "no descriptor of the connection is left");
         }
+    }
+
+    /// A peer that stops inside a frame (its length said 100 bytes, 10 came) ends a receive
+    /// without a limit after the transfer timeout, as an error; it waited for ever.
+    #[test]
+    fn a_peer_that_stops_inside_a_frame_ends_a_receive_after_the_transfer_timeout() {
+        let (mut peer, rx) = forged_peer(RemoteOptions::default().transfer_timeout(Duration::from_millis(300)));
+        std::io::Write::write_all(&mut peer, &[100, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]).unwrap();
+        let (tx, done) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(rx.recv().map(|_| ()).map_err(|e| e.to_string()));
+        });
+        let answered = done.recv_timeout(T5).expect("the receive ended");
+        assert!(answered.unwrap_err().contains("stopped inside a frame"));
+        drop(peer);
+    }
+
+    /// A limited accept waits no longer than its limit while another thread accepts.
+    #[test]
+    fn a_limited_accept_beside_another_threads_accept_keeps_its_limit() {
+        let listener = Arc::new(RemoteListener::<u8>::bind("127.0.0.1:0").unwrap());
+        let first = listener.clone();
+        std::thread::spawn(move || {
+            let _ = first.accept_timeout(Duration::from_secs(30));
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        let start = Instant::now();
+        assert!(listener.accept_timeout(Duration::from_millis(100)).unwrap_err().is_timeout());
+        assert!(start.elapsed() < Duration::from_secs(5), "waited {:?}", start.elapsed());
+    }
+
+    /// A sync object (named or not) sent to another host fails at the sender with the value
+    /// back, and the connection goes on; a named one went out, and the receiver closed the
+    /// connection when the name meant nothing on its host.
+    #[test]
+    fn a_sync_object_sent_to_another_host_is_refused_at_the_sender() {
+        let listener = RemoteListener::<(u32, Option<crate::Lock>)>::bind_with(
+            "127.0.0.1:0",
+            RemoteOptions::default().network_only(true),
+        )
+        .unwrap();
+        let addr = listener.local_addr().unwrap();
+        let tx = std::thread::spawn(move || {
+            Sender::<(u32, Option<crate::Lock>)>::connect_remote_with(addr, RemoteOptions::default().network_only(true))
+                .unwrap()
+        });
+        let rx = listener.accept_timeout(T60).unwrap();
+        let tx = tx.join().unwrap();
+        let name = format!("net-lock-{}", std::process::id());
+        let lock = crate::Lock::create(&name).unwrap();
+        let refused = tx.send((1, Some(lock.clone()))).unwrap_err();
+        assert!(refused.to_string().contains("another host"), "{refused}");
+        assert!(tx.send((1, Some(crate::Lock::new().unwrap()))).is_err(), "an anonymous one too");
+        tx.send((2, None)).unwrap();
+        assert_eq!(rx.recv_timeout(T5).unwrap().0, 2, "the connection goes on");
     }
 
     #[test]

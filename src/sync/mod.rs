@@ -208,6 +208,13 @@ impl Object {
     /// Writes the object in a message: anonymous memory as a descriptor of the message, a
     /// named object as its name.
     fn encode<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        // Its memory is this host's: another host would look for the name in its own.
+        #[cfg(feature = "remote")]
+        if wire::is_remote_encoding() {
+            return Err(wire::encode_error(Error::Unsupported(
+                "a sync object lives in this host's shared memory: it cannot go to another host".into(),
+            )));
+        }
         let wire = match (&self.name, self.region.memory()) {
             (Some(name), _) => Wire::Named { kind: self.kind as u32, name: name.clone(), id: self.id() },
             (None, Some(memory)) => Wire::Memory {
