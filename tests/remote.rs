@@ -588,3 +588,31 @@ fn a_feed_ends_with_an_error_once_its_queue_is_gone() {
     let err = feed.join().unwrap_err();
     assert!(err.to_string().contains("disconnected"), "{err}");
 }
+
+/// A TCP connection to `to` from `from` (another loopback address), left silent.
+fn silent_connection(from: std::net::Ipv4Addr, to: std::net::SocketAddr) -> std::os::fd::OwnedFd {
+    use rustix::net::{AddressFamily, SocketType, bind, connect, socket};
+    let fd = socket(AddressFamily::INET, SocketType::STREAM, None).unwrap();
+    bind(&fd, &std::net::SocketAddr::new(from.into(), 0)).unwrap();
+    connect(&fd, &to).unwrap();
+    fd
+}
+
+/// Many silent connections from one address (a peer without the secret that opens them and
+/// says nothing) keep no sender of another address out: its handshakes at once are capped, and
+/// the rest are closed (before, 64 of them filled every handshake slot, and a real sender with
+/// the secret was reset at once).
+#[test]
+fn silent_connections_from_one_address_keep_no_other_sender_out() {
+    let listener = listen::<u8>(network().secret(SECRET));
+    let addr = listener.local_addr().unwrap();
+    let server =
+        thread::spawn(move || listener.accept_timeout(Duration::from_secs(20)).map(|_| ()).map_err(|e| e.to_string()));
+    let silent: Vec<_> = (0..64).map(|_| silent_connection(std::net::Ipv4Addr::new(127, 0, 0, 2), addr)).collect();
+    thread::sleep(Duration::from_millis(300));
+    let real =
+        Sender::<u8>::connect_remote_with(addr, network().secret(SECRET).connect_timeout(Duration::from_secs(10)));
+    assert!(real.is_ok(), "a sender with the secret, from another address: {:?}", real.err());
+    assert_eq!(server.join().unwrap(), Ok(()));
+    drop(silent);
+}

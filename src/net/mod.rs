@@ -6,10 +6,10 @@
 
 mod auth;
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::io;
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, mpsc};
 use std::time::{Duration, Instant};
@@ -42,6 +42,9 @@ const HANDSHAKE_BYTES: usize = 64 << 10;
 /// Handshakes a listener runs at once, each on a thread of its own; a connection past them is
 /// closed at once.
 const MAX_PENDING_HANDSHAKES: usize = 64;
+/// Handshakes at once from one address: a peer that opens connections and says nothing (it
+/// cannot prove the secret) holds no more of them, and others' go on.
+const MAX_HANDSHAKES_PER_SOURCE: usize = 8;
 
 /// The environment variable a remote channel's secret is read from when its options set none.
 ///
@@ -545,6 +548,8 @@ pub struct RemoteListener<T> {
     done_tx: mpsc::Sender<Result<Receiver<T>>>,
     /// Handshakes running.
     pending: Arc<AtomicUsize>,
+    /// Handshakes running, by the address they come from.
+    by_source: Arc<Mutex<HashMap<IpAddr, usize>>>,
 }
 
 impl<T> fmt::Debug for RemoteListener<T> {
@@ -593,6 +598,7 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
             done: Mutex::new(done),
             done_tx,
             pending: Arc::new(AtomicUsize::new(0)),
+            by_source: Arc::default(),
         })
     }
 
@@ -642,6 +648,11 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
             // below is read: it is watched for all the same.
             let mut started = false;
             loop {
+                // At the most handshakes at once, later connections wait in the kernel's
+                // backlog (accepted as running ones end) rather than being closed unanswered.
+                if self.pending.load(Ordering::Acquire) >= MAX_PENDING_HANDSHAKES {
+                    break;
+                }
                 match self.listener.accept() {
                     Ok((stream, _)) => {
                         self.start_handshake(stream);
@@ -663,6 +674,13 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
                 (true, None) => Some(now + SLICE),
                 (false, d) => d.map(|d| d.0),
             };
+            if self.pending.load(Ordering::Acquire) >= MAX_PENDING_HANDSHAKES {
+                // The backlog is not taken now: the listener would read as ready at once.
+                if let Some(until) = wait_until {
+                    std::thread::sleep(until.saturating_duration_since(Instant::now()));
+                }
+                continue;
+            }
             match tcp::stream_wait(&self.listener, rustix::event::PollFlags::IN, wait_until) {
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::TimedOut => {}
@@ -673,14 +691,20 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
 
     /// Runs the handshake of a new connection on a thread of its own.
     fn start_handshake(&self, stream: TcpStream) {
-        if self.pending.fetch_add(1, Ordering::AcqRel) >= MAX_PENDING_HANDSHAKES {
-            // Closed unanswered: a flood of idle connections keeps no real sender out for long.
-            self.pending.fetch_sub(1, Ordering::AcqRel);
-            return;
+        let source = stream.peer_addr().map(|a| a.ip()).ok();
+        if let Some(ip) = source {
+            let mut by_source = lock(&self.by_source);
+            let running = by_source.entry(ip).or_default();
+            if *running >= MAX_HANDSHAKES_PER_SOURCE {
+                // Closed unanswered: one address's idle connections keep no other sender out.
+                return;
+            }
+            *running += 1;
         }
+        self.pending.fetch_add(1, Ordering::AcqRel);
         let (options, done) = (self.options.clone(), self.done_tx.clone());
         // Counted out however the thread ends (after its result is sent), or if it never runs.
-        let counted = CountedOut(self.pending.clone());
+        let counted = CountedOut(self.pending.clone(), source.map(|ip| (self.by_source.clone(), ip)));
         let failed = done.clone();
         let started = std::thread::Builder::new().name("cuda-mp-handshake".into()).spawn(move || {
             let _counted = counted;
@@ -703,11 +727,20 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
     }
 }
 
-/// Takes one running handshake off a listener's count when dropped.
-struct CountedOut(Arc<AtomicUsize>);
+/// Takes one running handshake off a listener's counts (all, and its address's) when dropped.
+struct CountedOut(Arc<AtomicUsize>, Option<(Arc<Mutex<HashMap<IpAddr, usize>>>, IpAddr)>);
 
 impl Drop for CountedOut {
     fn drop(&mut self) {
+        if let Some((by_source, ip)) = &self.1 {
+            let mut by_source = lock(by_source);
+            if let Some(running) = by_source.get_mut(ip) {
+                *running -= 1;
+                if *running == 0 {
+                    by_source.remove(ip);
+                }
+            }
+        }
         self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
@@ -717,8 +750,12 @@ fn handshake<T: Serialize + DeserializeOwned>(stream: TcpStream, options: &Remot
     stream.set_nonblocking(false)?;
     stream.set_nodelay(true)?;
     let timeout = options.handshake_timeout;
+    // One limit for all a peer says before it has proven the secret (the greeting and the
+    // response): a silent peer holds a handshake for no longer than that.
+    let proven_by = crate::os::instant_after(timeout);
+    let left = || proven_by.saturating_duration_since(Instant::now());
     // The secret first: nothing else of a peer is read before it has proven it.
-    let theirs = match Greeting::decode(&read_handshake_bytes(&stream, timeout)?) {
+    let theirs = match Greeting::decode(&read_handshake_bytes(&stream, left())?) {
         Ok(nonce) => nonce,
         Err(refusal) => {
             let _ = write_handshake(&stream, &Challenge::Refused(refusal.reason()), timeout);
@@ -728,8 +765,8 @@ fn handshake<T: Serialize + DeserializeOwned>(stream: TcpStream, options: &Remot
     let ours = auth::nonce()?;
     let secret = options.secret.as_ref();
     let proof = secret.map(|s| s.prove(Role::Listener, &theirs, &ours));
-    write_handshake(&stream, &Challenge::Prove { nonce: ours, proof }, timeout)?;
-    let response = read_handshake::<Response>(&stream, timeout)?;
+    write_handshake(&stream, &Challenge::Prove { nonce: ours, proof }, left())?;
+    let response = read_handshake::<Response>(&stream, left())?;
     let refuse = |told: String, error: Error| {
         let _ = write_handshake(&stream, &Welcome::Refused(told), timeout);
         Err(error)
