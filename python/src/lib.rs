@@ -501,12 +501,20 @@ enum Bound_ {
     Bundle(RsListener<RsBundle>),
 }
 
+/// A timeout in seconds: a negative one is no wait (as `multiprocessing` takes it); NaN and
+/// infinity are errors.
 fn seconds(timeout: Option<f64>) -> PyResult<Option<Duration>> {
     timeout
         .map(|t| {
-            Duration::try_from_secs_f64(t).map_err(|_| PyValueError::new_err("timeout must be a non-negative number"))
+            Duration::try_from_secs_f64(t.max(0.0))
+                .map_err(|_| PyValueError::new_err("timeout must be a finite number of seconds"))
         })
         .transpose()
+}
+
+/// When a wait of `timeout` ends: `None` for none, or for one past what the clock holds.
+fn deadline(timeout: Option<Duration>) -> Option<Instant> {
+    timeout.and_then(|t| Instant::now().checked_add(t))
 }
 
 /// The failure of one slice of a wait: a time-out (the wait goes on, if time is left) or an
@@ -552,7 +560,7 @@ fn try_wait<R: Send, E: WaitFailure>(
     mut step: impl FnMut(Duration) -> Result<R, E> + Send,
 ) -> PyResult<Result<R, E>> {
     const SLICE: Duration = Duration::from_millis(100);
-    let deadline = timeout.map(|t| Instant::now() + t);
+    let deadline = deadline(timeout);
     loop {
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
         let slice = left.map_or(SLICE, |l| l.min(SLICE));
@@ -608,19 +616,43 @@ impl Listener {
     /// Waits (at most `timeout` seconds) for the sender to connect; once only.
     #[pyo3(signature = (timeout=None))]
     fn accept(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Receiver> {
-        let timeout = seconds(timeout)?.unwrap_or(Duration::from_secs(365 * 24 * 3600));
-        let bound = self
-            .bound
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-            .ok_or_else(|| PyValueError::new_err("this listener has already accepted its sender"))?;
-        let rx = py.detach(move || match bound {
-            Bound_::Gpu(l) => l.accept_timeout(timeout).map(Rx::Gpu),
-            Bound_::Host(l) => l.accept_timeout(timeout).map(Rx::Host),
-            Bound_::Bundle(l) => l.accept_timeout(timeout).map(Rx::Bundle),
-        });
-        Ok(Receiver { kind: self.kind, rx: Mutex::new(rx.map_err(error)?) })
+        const SLICE: Duration = Duration::from_millis(100);
+        let timeout = seconds(timeout)?;
+        let deadline = deadline(timeout);
+        // Taken out while this waits (another thread's accept meanwhile is told so), and put
+        // back when no sender came in time: a later accept waits again.
+        let bound =
+            self.bound.lock().unwrap_or_else(|p| p.into_inner()).take().ok_or_else(|| {
+                PyValueError::new_err("this listener has already accepted its sender, or is accepting")
+            })?;
+        let put_back = |bound| *self.bound.lock().unwrap_or_else(|p| p.into_inner()) = Some(bound);
+        loop {
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            let slice = left.map_or(SLICE, |l| l.min(SLICE));
+            // A slice at a time, without the GIL, looking for KeyboardInterrupt between them.
+            let got = py.detach(|| match &bound {
+                Bound_::Gpu(l) => l.try_accept_for(slice).map(|r| r.map(Rx::Gpu)),
+                Bound_::Host(l) => l.try_accept_for(slice).map(|r| r.map(Rx::Host)),
+                Bound_::Bundle(l) => l.try_accept_for(slice).map(|r| r.map(Rx::Bundle)),
+            });
+            match got {
+                Ok(Some(rx)) => return Ok(Receiver { kind: self.kind, rx: Mutex::new(rx) }),
+                Ok(None) if left.is_none_or(|l| l > slice) => {
+                    if let Err(interrupted) = py.check_signals() {
+                        put_back(bound);
+                        return Err(interrupted);
+                    }
+                }
+                Ok(None) => {
+                    put_back(bound);
+                    return Err(error(cuda_mp::Error::Timeout(timeout.unwrap_or(Duration::MAX))));
+                }
+                Err(e) => {
+                    put_back(bound);
+                    return Err(error(e));
+                }
+            }
+        }
     }
 }
 
@@ -808,14 +840,30 @@ const VALUE_DEPTH: usize = 64;
 /// bits), `float`, `str`, `bytes`, `list`, `tuple`, `dict` (those exact types, not subclasses)
 /// and tensors, which `leaf` turns into tensors of this module (it returns `None` for any
 /// other object). `None` when it is not (the caller pickles it).
-fn to_value(obj: &Bound<'_, PyAny>, leaf: &Bound<'_, PyAny>, depth: usize) -> PyResult<Option<Value>> {
+///
+/// An object met twice (a list in two places, the same bytes many times) makes it `None`: pickle
+/// keeps one copy and the references to it, which a value would not (and a value of shared
+/// parts, walked once per reference, can grow exponentially with its depth).
+fn to_value(
+    obj: &Bound<'_, PyAny>,
+    leaf: &Bound<'_, PyAny>,
+    depth: usize,
+    seen: &mut std::collections::HashSet<usize>,
+) -> PyResult<Option<Value>> {
     if depth > VALUE_DEPTH {
         return Ok(None);
     }
-    let all = |items: &mut dyn Iterator<Item = Bound<'_, PyAny>>| -> PyResult<Option<Vec<Value>>> {
+    let shared_part = obj.is_exact_instance_of::<PyList>()
+        || obj.is_exact_instance_of::<PyTuple>()
+        || obj.is_exact_instance_of::<PyDict>()
+        || obj.is_exact_instance_of::<PyBytes>();
+    if shared_part && !seen.insert(obj.as_ptr() as usize) {
+        return Ok(None);
+    }
+    let mut all = |items: &mut dyn Iterator<Item = Bound<'_, PyAny>>| -> PyResult<Option<Vec<Value>>> {
         let mut out = Vec::new();
         for item in items {
-            match to_value(&item, leaf, depth + 1)? {
+            match to_value(&item, leaf, depth + 1, seen)? {
                 Some(v) => out.push(v),
                 None => return Ok(None),
             }
@@ -842,7 +890,7 @@ fn to_value(obj: &Bound<'_, PyAny>, leaf: &Bound<'_, PyAny>, depth: usize) -> Py
     } else if let Ok(dict) = obj.cast_exact::<PyDict>() {
         let mut items = Vec::with_capacity(dict.len());
         for (k, v) in dict.iter() {
-            match (to_value(&k, leaf, depth + 1)?, to_value(&v, leaf, depth + 1)?) {
+            match (to_value(&k, leaf, depth + 1, seen)?, to_value(&v, leaf, depth + 1, seen)?) {
                 (Some(k), Some(v)) => items.push((k, v)),
                 _ => return Ok(None),
             }
@@ -923,7 +971,7 @@ fn deliver_value<E: Into<cuda_mp::Error> + Send>(
     leaf: &Bound<'_, PyAny>,
     deliver: impl FnOnce(Value) -> Result<(), E> + Send,
 ) -> PyResult<bool> {
-    let Some(value) = to_value(obj, leaf, 0)? else { return Ok(false) };
+    let Some(value) = to_value(obj, leaf, 0, &mut Default::default())? else { return Ok(false) };
     deliver_now(py, value, deliver)?;
     Ok(true)
 }
@@ -1060,18 +1108,28 @@ pub struct Connection {
     tx: RsSender<Value>,
     /// `None` once pickled to another process, which receives from then on.
     rx: Mutex<Option<RsReceiver<Value>>>,
-    /// What `poll` received, for the next `recv`s.
-    polled: Mutex<VecDeque<Value>>,
+    /// What `poll` received, for the next `recv`s, and the process that received it.
+    polled: Mutex<(u32, VecDeque<Value>)>,
 }
 
 impl Connection {
     fn new(tx: RsSender<Value>, rx: RsReceiver<Value>) -> Connection {
-        Connection { tx, rx: Mutex::new(Some(rx)), polled: Mutex::new(VecDeque::new()) }
+        Connection { tx, rx: Mutex::new(Some(rx)), polled: Mutex::new((std::process::id(), VecDeque::new())) }
+    }
+
+    /// What `poll` received in this process: a child forked after its parent polled does not
+    /// receive the parent's objects a second time.
+    fn polled(&self) -> std::sync::MutexGuard<'_, (u32, VecDeque<Value>)> {
+        let mut polled = self.polled.lock().unwrap_or_else(|p| p.into_inner());
+        if polled.0 != std::process::id() {
+            *polled = (std::process::id(), VecDeque::new());
+        }
+        polled
     }
 
     /// The next value: one `poll` received, else one from the channel within `timeout`.
     fn receive_timeout(&self, timeout: Duration) -> Result<Value, RecvTimeoutError> {
-        if let Some(value) = self.polled.lock().unwrap_or_else(|p| p.into_inner()).pop_front() {
+        if let Some(value) = self.polled().1.pop_front() {
             return Ok(value);
         }
         self.receive_new(timeout)
@@ -1139,15 +1197,17 @@ impl Connection {
     /// gone and nothing is left.
     #[pyo3(signature = (timeout=Some(0.0)))]
     fn poll(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
-        if !self.polled.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+        if !self.polled().1.is_empty() {
             return Ok(true);
         }
-        if self.rx.lock().unwrap_or_else(|p| p.into_inner()).is_none() {
+        // Not waited for with the GIL held: a `recv` of another thread holds the receiver
+        // (which is there, then) for a slice of its wait at a time.
+        if self.rx.try_lock().is_ok_and(|rx| rx.is_none()) {
             return Ok(false);
         }
         match try_wait(py, seconds(timeout)?, |d| self.receive_new(d))? {
             Ok(value) => {
-                self.polled.lock().unwrap_or_else(|p| p.into_inner()).push_back(value);
+                self.polled().1.push_back(value);
                 Ok(true)
             }
             Err(_) => Ok(false),
@@ -1164,7 +1224,7 @@ impl Connection {
             let Some(receiver) = rx.as_ref() else {
                 return Err(cuda_mp::Error::Unsupported("this connection was pickled already".into()));
             };
-            if !self.polled.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+            if !self.polled().1.is_empty() {
                 return Err(cuda_mp::Error::Unsupported(
                     "this connection holds objects that poll received: recv them before pickling it".into(),
                 ));
@@ -1410,7 +1470,7 @@ fn cuda_available() -> bool {
 #[pyo3(signature = (timeout=None))]
 fn flush_sends(py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
     const SLICE: Duration = Duration::from_millis(100);
-    let deadline = seconds(timeout)?.map(|t| Instant::now() + t);
+    let deadline = deadline(seconds(timeout)?);
     loop {
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
         let slice = left.map_or(SLICE, |l| l.min(SLICE));

@@ -1330,7 +1330,28 @@ impl<T: Serialize + DeserializeOwned> Listener<T> {
         }
     }
 
-    fn accept_until(self, wait: Wait, timeout: Duration) -> Result<Receiver<T>> {
+    /// Like [`accept_timeout`](Self::accept_timeout), keeping the listener: `Ok(None)` when no
+    /// peer came in time, and the listener waits again at the next call (a caller that waits in
+    /// slices, to look at something else between them).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let listener = cuda_mp::Listener::<u8>::bind().unwrap();
+    /// assert!(listener.try_accept_for(Duration::from_millis(20)).unwrap().is_none());
+    /// let tx = cuda_mp::Sender::<u8>::connect(listener.name()).unwrap();
+    /// let rx = listener.try_accept_for(Duration::from_secs(10)).unwrap().expect("a peer came");
+    /// tx.send(3).unwrap();
+    /// assert_eq!(rx.recv().unwrap(), 3);
+    /// ```
+    pub fn try_accept_for(&self, timeout: Duration) -> Result<Option<Receiver<T>>> {
+        let wait = Instant::now().checked_add(timeout).map_or(Wait::Forever, Wait::Until);
+        match self.accept_until(wait, timeout) {
+            Err(Error::Timeout(_)) => Ok(None),
+            other => other.map(Some),
+        }
+    }
+
+    fn accept_until(&self, wait: Wait, timeout: Duration) -> Result<Receiver<T>> {
         // A peer of another user is refused here, before anything of it is read.
         let socket = match self.listening.accept(wait) {
             Ok(socket) => socket,

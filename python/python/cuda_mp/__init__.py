@@ -226,6 +226,9 @@ def _shared_array(a, dtype: str) -> Optional["_native.Tensor"]:
     itemsize = a.dtype.itemsize
     if not all(s >= 0 and s % itemsize == 0 for s in a.strides):
         return None
+    # A view that does not start on an element's boundary of its memory is copied.
+    if a.__array_interface__["data"][0] % itemsize != 0:
+        return None
     span = (sum((n - 1) * s for n, s in zip(a.shape, a.strides)) + itemsize) if a.size else 0
     strides = [s // itemsize for s in a.strides]
     return _native.host_tensor(dtype, list(a.shape), strides, 0, a.__array_interface__["data"][0], span)
@@ -557,7 +560,15 @@ def _before_exit_of_worker() -> None:
 
     if multiprocessing.parent_process() is None:
         return
-    if getattr(multiprocessing.current_process(), "_start_method", None) not in ("fork", "forkserver"):
+    # A `multiprocessing.Process` of the default context (`torch.multiprocessing.Process`, as
+    # DataLoader workers are) records no start method of its own: the context's then, and where
+    # none was ever set the child was forked (a spawned child is told its parent's).
+    method = (
+        getattr(multiprocessing.current_process(), "_start_method", None)
+        or multiprocessing.get_start_method(allow_none=True)
+        or "fork"
+    )
+    if method not in ("fork", "forkserver"):
         return
     join_threads = getattr(threading, "_shutdown", None)
     if join_threads is None:

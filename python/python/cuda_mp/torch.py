@@ -68,6 +68,7 @@ the rest of ``multiprocessing.Queue``'s methods. What differs then:
 
 from __future__ import annotations
 
+import math
 import pickle
 import threading
 import time
@@ -117,8 +118,8 @@ def install(ttl: float = DEFAULT_TTL, queues: bool = False) -> None:
 
     from .queue import _replace_multiprocessing_queues
 
-    if not ttl > 0:
-        raise ValueError("ttl must be a positive number of seconds")
+    if not (ttl > 0 and math.isfinite(ttl)):
+        raise ValueError("ttl must be a positive, finite number of seconds")
     global _ttl
     with _lock:
         _ttl = float(ttl)

@@ -1,0 +1,93 @@
+"""Edges of the Python API: limits of every size, a first receive that times out, objects a
+`poll` took in before a fork, shared parts of a value, unaligned views. No GPU needed."""
+
+import multiprocessing as mp
+import queue
+import time
+
+import numpy as np
+
+import cuda_mp
+
+
+def test_a_limit_of_any_size_is_a_limit_and_a_negative_one_no_wait():
+    a, b = cuda_mp.Pipe()
+    a.send("there")
+    # Past what the clock holds: no limit (it panicked into Python).
+    assert b.recv(timeout=1e19) == "there"
+    cuda_mp.flush_sends(1e19)
+    # Negative: no wait, as multiprocessing takes it (it raised ValueError).
+    assert b.poll(-1) is False
+    q = cuda_mp.Queue()
+    try:
+        q.get(timeout=-1)
+        raise AssertionError("an empty queue gave an item")
+    except queue.Empty:
+        pass
+
+
+def send_late(tx):
+    time.sleep(1.0)
+    tx.send(np.arange(3, dtype=np.int32))
+
+
+def test_the_first_receive_of_a_channel_may_time_out_and_be_tried_again():
+    tx, rx = cuda_mp.channel(cuda_mp.HostTensor)
+    p = mp.get_context("spawn").Process(target=send_late, args=(tx,))
+    p.start()
+    timeouts = 0
+    while True:
+        try:
+            got = rx.recv(timeout=0.2)
+            break
+        except cuda_mp.Timeout:
+            timeouts += 1
+            assert timeouts < 100, "the sender never came"
+    p.join(30)
+    assert p.exitcode == 0
+    assert timeouts >= 1, "the first receive waited for the late sender"
+    assert np.asarray(got).tolist() == [0, 1, 2]
+
+
+def receive_one(conn, out):
+    out.put(("child", conn.recv(timeout=2) if conn.poll(2) else None))
+
+
+def test_what_poll_took_in_is_received_once_after_a_fork():
+    a, b = cuda_mp.Pipe()
+    a.send("only one copy of me")
+    assert b.poll(2)
+    out = cuda_mp.Queue()
+    p = mp.get_context("fork").Process(target=receive_one, args=(b, out))
+    p.start()
+    p.join(30)
+    got = [out.get(timeout=5)[1]]
+    if b.poll(0.5):
+        got.append(b.recv(timeout=1))
+    assert got.count("only one copy of me") == 1, got
+
+
+def test_parts_of_a_value_met_twice_stay_one_object():
+    q = cuda_mp.Queue()
+    inner = []
+    q.put([inner, inner])
+    got = q.get(timeout=5)
+    got[0].append(1)
+    assert got == [[1], [1]], "the two references name one list, as with pickle"
+    x = 0
+    for _ in range(40):
+        x = [x, x]
+    start = time.monotonic()
+    q.put(x)
+    q.get(timeout=30)
+    assert time.monotonic() - start < 10, "a value of shared parts is not walked once per path"
+
+
+def test_a_view_of_cuda_mp_memory_off_its_elements_boundary_is_copied():
+    tx, rx = cuda_mp.Pipe()
+    raw = cuda_mp.empty_host((64,), "uint8")
+    raw[1:9] = np.arange(8, dtype=np.uint8)
+    view = raw[1:9].view(np.float32)
+    tx.send(view)
+    got = rx.recv(timeout=5)
+    assert got.tobytes() == view.tobytes()
