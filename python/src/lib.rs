@@ -613,7 +613,8 @@ impl Listener {
         &self.name
     }
 
-    /// Waits (at most `timeout` seconds) for the sender to connect; once only.
+    /// Waits (at most `timeout` seconds) for the sender to connect; once only (one that timed
+    /// out may be called again). Ctrl-C interrupts the wait.
     #[pyo3(signature = (timeout=None))]
     fn accept(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Receiver> {
         const SLICE: Duration = Duration::from_millis(100);
