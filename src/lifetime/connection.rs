@@ -73,6 +73,9 @@ static FORGOTTEN: ForkLocal<Mutex<Vec<(u64, u64)>>> = ForkLocal::new(Default::de
 /// Whether `FORGOTTEN` holds any (looked at without its lock on every block sent).
 static ANY_FORGOTTEN: AtomicBool = AtomicBool::new(false);
 
+/// Requests to introduce a segment again that one lease's connection keeps until it looks.
+const FORGOTTEN_PER_LEASE: usize = 64;
+
 /// A receiver says it does not keep segment `index`, introduced on the connection of the
 /// lease `key` (its reaper read the record): the next block of it there introduces it again.
 /// Entries of leases closed since are dropped as the list grows.
@@ -85,7 +88,10 @@ pub(super) fn forgotten(key: u64, index: u64) {
         };
         forgotten.retain(|(k, _)| open.contains(k));
     }
-    if forgotten.len() < 1024 && !forgotten.contains(&(key, index)) {
+    // A lease's own share is bounded too: a holder that floods its lease with requests crowds
+    // out no other connection's.
+    let of_this_lease = forgotten.iter().filter(|(k, _)| *k == key).count();
+    if forgotten.len() < 1024 && of_this_lease < FORGOTTEN_PER_LEASE && !forgotten.contains(&(key, index)) {
         forgotten.push((key, index));
     }
     ANY_FORGOTTEN.store(!forgotten.is_empty(), Ordering::SeqCst);
