@@ -24,10 +24,32 @@ pub const MAX_DIMS: usize = 8;
 /// assert_eq!((column.strides(), column.offset()), (&[4][..], 2));
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "RawLayout")]
 pub struct Layout {
     shape: Vec<usize>,
     strides: Vec<usize>,
     offset: usize,
+}
+
+/// A layout as it arrives, checked before it is one (rank, lengths, sizes; not against a
+/// storage, which the receiver checks it against).
+#[derive(Deserialize)]
+struct RawLayout {
+    #[serde(deserialize_with = "bounded_dims")]
+    shape: Vec<usize>,
+    #[serde(deserialize_with = "bounded_dims")]
+    strides: Vec<usize>,
+    offset: usize,
+}
+
+impl TryFrom<RawLayout> for Layout {
+    type Error = Error;
+
+    fn try_from(raw: RawLayout) -> Result<Layout> {
+        let layout = Layout { shape: raw.shape, strides: raw.strides, offset: raw.offset };
+        layout.check_parts()?;
+        Ok(layout)
+    }
 }
 
 fn layout_err(msg: impl Into<String>) -> Error {
@@ -65,6 +87,18 @@ impl Layout {
 
     /// Checks rank, arithmetic overflow and that every element lies inside `storage_elems`.
     pub(crate) fn check_fits(&self, storage_elems: usize) -> Result<()> {
+        self.check_parts()?;
+        let extent = self.extent()?;
+        if extent > storage_elems {
+            return Err(layout_err(format!("view reaches element {extent} but the storage holds {storage_elems}")));
+        }
+        Ok(())
+    }
+
+    /// Rank, shape and strides of the same length, and sizes that every view of the layout
+    /// can compute with (and ndarray can hold): the product of the non-zero extents, and each
+    /// stride, at most `isize::MAX`.
+    fn check_parts(&self) -> Result<()> {
         self.check_dims()?;
         if self.shape.len() != self.strides.len() {
             return Err(layout_err(format!(
@@ -73,9 +107,8 @@ impl Layout {
                 self.strides.len()
             )));
         }
-        let extent = self.extent()?;
-        if extent > storage_elems {
-            return Err(layout_err(format!("view reaches element {extent} but the storage holds {storage_elems}")));
+        if self.strides.iter().any(|&s| s > isize::MAX as usize) {
+            return Err(layout_err("a stride over isize::MAX elements"));
         }
         Ok(())
     }
@@ -84,14 +117,17 @@ impl Layout {
         if self.shape.len() > MAX_DIMS {
             return Err(layout_err(format!("{} dimensions, at most {MAX_DIMS} are supported", self.shape.len())));
         }
+        // Whatever the order of the extents, and with an extent 0 among them too.
+        let sized = self.shape.iter().filter(|&&d| d != 0).try_fold(1usize, |acc, &d| acc.checked_mul(d));
+        if sized.is_none_or(|n| n > isize::MAX as usize) {
+            return Err(layout_err("element count overflows"));
+        }
         Ok(())
     }
 
     fn numel_checked(&self) -> Result<usize> {
-        self.shape
-            .iter()
-            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-            .ok_or_else(|| layout_err("element count overflows"))
+        self.check_dims()?;
+        Ok(self.numel())
     }
 
     /// One past the highest storage element the view touches (0 for an empty view).
@@ -146,7 +182,7 @@ impl Layout {
     /// assert_eq!(Layout::contiguous(&[]).unwrap().numel(), 1); // a scalar
     /// ```
     pub fn numel(&self) -> usize {
-        self.shape.iter().product()
+        if self.shape.contains(&0) { 0 } else { self.shape.iter().product() }
     }
 
     /// True when the view is row-major with no gaps (dimensions of extent 1 are ignored).
@@ -198,7 +234,11 @@ impl Layout {
         let mut out = self.clone();
         out.shape[dim] = len;
         if len > 0 {
-            out.offset += start * self.strides[dim];
+            // Inside the storage for a view with elements; an empty one may name any offset.
+            out.offset = start
+                .checked_mul(self.strides[dim])
+                .and_then(|step| self.offset.checked_add(step))
+                .ok_or_else(|| layout_err("narrow offset overflows"))?;
         }
         Ok(out)
     }

@@ -86,6 +86,67 @@ fn dyn_tensor_views_are_checked_against_their_storage() {
     assert!(matches!(t.typed::<i32>(), Err(cuda_mp::Error::DTypeMismatch { .. })));
 }
 
+/// Sizes every view can compute with: a stride or a product of non-zero extents past
+/// `isize::MAX` is refused (whatever the order of the extents, with an extent 0 too), and the
+/// layouts that are accepted give ndarray views and copies without a panic: empty ones (an
+/// aligned, non-null pointer), extent-1 dimensions of huge strides (stride 0 for ndarray).
+#[test]
+fn layouts_are_sized_for_every_view_and_ndarray_takes_them() {
+    let _g = serial();
+    assert!(HostTensor::<f32>::zeros(&[0, 1 << 63]).is_err());
+    assert!(HostTensor::<u8>::zeros(&[1 << 40, 1 << 40, 0]).is_err());
+    assert!(Layout::new(vec![1, 2], vec![usize::MAX, 1], 0, 2).is_err());
+    // Empty, of extents whose product fits: permuted, reshaped, copied, viewed.
+    let t = HostTensor::<u8>::zeros(&[0, 1 << 30, 1 << 30]).unwrap();
+    let p = t.permute(&[1, 2, 0]).unwrap();
+    assert_eq!(p.numel(), 0);
+    let l = p.layout().clone();
+    assert!(Layout::new(l.shape().to_vec(), l.strides().to_vec(), l.offset(), 0).is_ok());
+    assert_eq!(t.reshape(&[0]).unwrap().numel(), 0);
+    assert_eq!(HostTensor::<f32>::zeros(&[0, 1 << 40]).unwrap().to_ndarray().len(), 0);
+    // An empty f64 view of a 0-byte storage (its base pointer is 1): aligned for ndarray.
+    cuda_mp::set_host_caching(false);
+    let empty = HostTensor::<f64>::zeros(&[0]).unwrap();
+    cuda_mp::set_host_caching(true);
+    // SAFETY: nothing writes the (no) elements.
+    assert_eq!(unsafe { empty.as_array_view() }.as_slice(), Some(&[][..]));
+    // An empty view whose offset would make its first element's address null.
+    let s = HostStorage::zeroed(8).unwrap();
+    let null_at = 0usize.wrapping_sub(s.as_ptr() as usize);
+    let l = Layout::new(vec![0], vec![1], null_at, 8).unwrap();
+    let e = DynTensor::new(s, l, DType::U8).unwrap().typed::<u8>().unwrap();
+    // SAFETY: nothing writes the (no) elements.
+    assert!(!unsafe { e.as_array_view() }.as_ptr().is_null());
+    // An extent-1 dimension of the largest stride, and one element after it.
+    let s = HostStorage::zeroed(16).unwrap();
+    let l = Layout::new(vec![1, 2], vec![isize::MAX as usize, 1], 1, 4).unwrap();
+    let t = DynTensor::new(s, l, DType::F32).unwrap().typed::<f32>().unwrap();
+    assert_eq!(t.to_vec(), vec![0.0, 0.0]);
+    // SAFETY: nothing writes the elements.
+    assert!(unsafe { t.as_array_view() }.strides().iter().all(|&s| s >= 0));
+    // A forged layout that does not hold together does not decode.
+    #[derive(serde::Serialize)]
+    struct Forged {
+        shape: Vec<usize>,
+        strides: Vec<usize>,
+        offset: usize,
+    }
+    let forged = serde_json::to_string(&Forged { shape: vec![2, 3], strides: vec![1], offset: 0 }).unwrap();
+    assert!(serde_json::from_str::<Layout>(&forged).is_err());
+}
+
+/// A mutable ndarray view that reaches one element by two indices panics rather than hand out
+/// two `&mut` to it (strides `[1, 1]` on shape `[2, 2]`, which no stride 0 betrays).
+#[test]
+#[should_panic(expected = "reaches one element by two indices")]
+fn a_mutable_view_that_overlaps_itself_panics() {
+    let s = HostStorage::zeroed(12).unwrap();
+    let l = Layout::new(vec![2, 2], vec![1, 1], 0, 3).unwrap();
+    let t = DynTensor::new(s, l, DType::F32).unwrap().typed::<f32>().unwrap();
+    // SAFETY: nothing else uses the elements; the overlap is what is tested.
+    let _ = unsafe { t.as_array_view_mut() };
+}
+
 /// Receives a bundle and answers with the sum of "a" and the values of "b".
 fn read_bundle((rx, reply): (Receiver<Bundle>, Sender<(Vec<f32>, Vec<i64>)>)) {
     while let Ok(b) = rx.recv() {

@@ -143,9 +143,14 @@ fn a_view_beyond_its_storage_is_rejected() {
     tx.send(forged(0, vec![2], 4096)).unwrap();
     let m = malformed(rx.recv());
     assert!(m.contains("shared memory holds 16 bytes but the message claims 4096"), "{m}");
-    // Strides that overflow.
+    // Strides past isize::MAX, and strides that overflow.
     let mut f = forged(0, vec![2, 2], 16);
     f.strides = vec![usize::MAX, 1];
+    tx.send(f).unwrap();
+    let m = malformed(rx.recv());
+    assert!(m.contains("a stride over isize::MAX"), "{m}");
+    let mut f = forged(0, vec![4, 2], 16);
+    f.strides = vec![isize::MAX as usize, 1];
     tx.send(f).unwrap();
     let m = malformed(rx.recv());
     assert!(m.contains("overflows"), "{m}");

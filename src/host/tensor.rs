@@ -286,6 +286,37 @@ impl<T: Element> Tensor<T, HostStorage> {
         (self.storage.base_ptr() as *mut T).wrapping_add(index)
     }
 
+    /// The view's shape, strides and first element as ndarray takes them: an empty view gets
+    /// a dangling (aligned, non-null) pointer, and a dimension of extent 1 or less stride 0
+    /// (its stride addresses nothing, and ndarray takes strides as signed).
+    fn ndarray_parts(&self) -> (ndarray::StrideShape<IxDyn>, *mut T) {
+        let strides: Vec<usize> =
+            self.shape().iter().zip(self.strides()).map(|(&n, &s)| if n <= 1 { 0 } else { s }).collect();
+        let ptr = if self.numel() == 0 {
+            std::ptr::NonNull::<T>::dangling().as_ptr()
+        } else {
+            self.element_ptr(self.offset())
+        };
+        (IxDyn(self.shape()).strides(IxDyn(&strides)), ptr)
+    }
+
+    /// True when no two indices of the view reach the same element: with the dimensions of
+    /// extent over 1 taken by growing stride, each stride is past everything the smaller ones
+    /// reach.
+    fn overlaps_itself(&self) -> bool {
+        let mut dims: Vec<(usize, usize)> =
+            self.shape().iter().zip(self.strides()).filter(|(n, _)| **n > 1).map(|(&n, &s)| (s, n)).collect();
+        dims.sort_unstable();
+        let mut reach = 0usize;
+        for (stride, n) in dims {
+            if stride <= reach {
+                return true;
+            }
+            reach = reach.saturating_add(stride.saturating_mul(n - 1));
+        }
+        false
+    }
+
     /// Borrows the view as an ndarray view with its shape and strides, for ndarray's own
     /// algorithms without a copy.
     ///
@@ -307,10 +338,12 @@ impl<T: Element> Tensor<T, HostStorage> {
     /// assert_eq!(view.sum(), 10.0);
     /// ```
     pub unsafe fn as_array_view(&self) -> ArrayViewD<'_, T> {
-        let shape = IxDyn(self.shape()).strides(IxDyn(self.strides()));
-        // SAFETY: the layout lies inside the storage, which lives as long as `self`; the
-        // caller rules out concurrent writes and invalid `bool` bytes.
-        unsafe { ArrayViewD::from_shape_ptr(shape, self.element_ptr(self.offset()) as *const T) }
+        let (shape, ptr) = self.ndarray_parts();
+        // SAFETY: a non-empty layout lies inside the storage, which lives as long as `self`
+        // (an empty one addresses nothing from an aligned, non-null pointer); strides fit
+        // `isize` (`Layout`) and those of extent-1 dimensions are 0; the caller rules out
+        // concurrent writes and invalid `bool` bytes.
+        unsafe { ArrayViewD::from_shape_ptr(shape, ptr as *const T) }
     }
 
     /// Borrows the view as a mutable ndarray view with its shape and strides, for ndarray's
@@ -325,8 +358,9 @@ impl<T: Element> Tensor<T, HostStorage> {
     ///
     /// # Safety
     /// No other thread, process or tensor may read or write the viewed elements while the
-    /// view lives, the view must not overlap itself (no stride 0 on a dimension longer than 1),
-    /// and for `bool` every viewed byte must be 0 or 1.
+    /// view lives, and for `bool` every viewed byte must be 0 or 1. A view that reaches one
+    /// element by two indices (a stride 0 on a dimension longer than 1, or strides like `[1, 1]`
+    /// on shape `[2, 2]`) panics.
     ///
     /// ```
     /// let t = cuda_mp::HostTensor::<f64>::zeros(&[2, 2]).unwrap();
@@ -338,10 +372,11 @@ impl<T: Element> Tensor<T, HostStorage> {
     /// ```
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn as_array_view_mut(&self) -> ArrayViewMutD<'_, T> {
-        let shape = IxDyn(self.shape()).strides(IxDyn(self.strides()));
-        // SAFETY: the layout lies inside the storage, which lives as long as `self`; the
-        // caller guarantees exclusive access, no self-overlap and valid `bool` bytes.
-        unsafe { ArrayViewMutD::from_shape_ptr(shape, self.element_ptr(self.offset())) }
+        assert!(!self.overlaps_itself(), "a mutable view that reaches one element by two indices");
+        let (shape, ptr) = self.ndarray_parts();
+        // SAFETY: as for `as_array_view`, and no two indices reach one element (checked
+        // above); the caller guarantees exclusive access and valid `bool` bytes.
+        unsafe { ArrayViewMutD::from_shape_ptr(shape, ptr) }
     }
 
     /// The identity of the underlying storage across processes.
