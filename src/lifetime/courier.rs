@@ -272,8 +272,13 @@ static DISPOSER: ForkLocal<Disposer> =
 static LINKER: ForkLocal<Disposer> =
     ForkLocal::new(|| Disposer { jobs: Mutex::new(Vec::new()), posted: Condvar::new(), started: OnceLock::new() });
 
-/// The leases whose `Link` waits for the linker: one at a time per lease.
-static LINKING: ForkLocal<Mutex<std::collections::HashSet<u64>>> = ForkLocal::new(Default::default);
+/// The `Link`s waiting for the linker, by lease: a lease's holders (a storage shared with many
+/// processes shares its lease) subscribe at once, but one lease queues at most
+/// [`LINKS_PER_LEASE`].
+static LINKING: ForkLocal<Mutex<std::collections::HashMap<u64, usize>>> = ForkLocal::new(Default::default);
+
+/// `Link`s of one lease waiting for the linker at most; past them, a lease's `Link`s are dropped.
+const LINKS_PER_LEASE: usize = 64;
 
 std::thread_local! {
     /// True on the reaper's thread.
@@ -296,17 +301,36 @@ pub(super) fn dispose(job: impl FnOnce() + Send + 'static) {
 }
 
 /// Runs `fetch`, the fetch of a subscription that a holder asked for on lease `key` (a
-/// `Link`), on the linker's thread (on the disposer's if it cannot start). While one of a
-/// lease's waits there, what the lease asks more is dropped: a holder that floods its lease
-/// with `Link`s queues one fetch, not one for each.
+/// `Link`), on the linker's thread (on the disposer's if it cannot start). A lease queues at
+/// most [`LINKS_PER_LEASE`] at once: a holder that floods its lease with `Link`s queues that
+/// many fetches, not one for each.
 pub(super) fn link(key: u64, fetch: impl FnOnce() + Send + 'static) {
     let linking = || LINKING.get().lock().unwrap_or_else(|p| p.into_inner());
-    if !linking().insert(key) {
-        return;
+    {
+        let mut waiting = linking();
+        let queued = waiting.entry(key).or_default();
+        if *queued >= LINKS_PER_LEASE {
+            return;
+        }
+        *queued += 1;
     }
+    /// Counts the fetch out however it ends (a panic in it included).
+    struct Linked(u64);
+    impl Drop for Linked {
+        fn drop(&mut self) {
+            let mut waiting = LINKING.get().lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(queued) = waiting.get_mut(&self.0) {
+                *queued -= 1;
+                if *queued == 0 {
+                    waiting.remove(&self.0);
+                }
+            }
+        }
+    }
+    let linked = Linked(key);
     let job: Job = Box::new(move || {
+        let _linked = linked;
         fetch();
-        linking().remove(&key);
     });
     if let Err(job) = queue_job(LINKER.get(), "cuda-mp-linker", job) {
         dispose(job);

@@ -321,8 +321,8 @@ fn drain_lease(reaper: &Reaper, id: u64, pipe: &OwnedFd) -> bool {
                 // The subscriber's socket is fetched from its home off this thread (a
                 // subscriber that does not answer must not hold up every lease) and off the
                 // disposer's (nor any free), for no longer than its deposit lasts (a stopped
-                // subscriber, or a name no subscriber answers under); one fetch at a time per
-                // lease.
+                // subscriber, or a name no subscriber answers under); at most 64 waiting
+                // per lease (its holders subscribe at once).
                 Control::Link(ticket) => super::courier::link(key, move || {
                     let socket = crate::handover::fetch_within(&ticket, crate::handover::SUBSCRIPTION_TTL)
                         .ok()

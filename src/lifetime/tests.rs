@@ -372,7 +372,7 @@ fn a_subscriber_that_never_answers_holds_up_other_frees_no_longer_than_its_depos
 }
 
 /// A holder that floods its lease with `Link` records naming a home that never answers holds
-/// up no free: the fetches run on a thread of their own, one at a time per lease (eight
+/// up no free: the fetches run on a thread of their own, at most 64 waiting per lease (eight
 /// records held up every free queued behind them for eight seconds, before).
 #[test]
 fn links_flooding_a_lease_hold_up_no_free() {
@@ -425,4 +425,35 @@ fn a_stray_byte_loses_no_record_read_before_it() {
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(freed.load(Ordering::SeqCst), 0, "freed while the other holder's claim stands");
     drop((g, lease));
+}
+
+/// Two holders of one storage (they share its lease's pipe) subscribe at once, both `Link`s in
+/// one read of the lease: each is fetched and sent the owner's table (a cap of one waiting
+/// `Link` per lease dropped the second).
+#[test]
+fn two_holders_linking_on_one_lease_at_once_are_both_subscribed() {
+    use super::lease::Control;
+    let id = StorageId::new_local();
+    let keep: AnyStorage = Arc::new(Mapping { closed: Arc::new(AtomicU64::new(0)) });
+    // Cached: the owner keeps a liveness table, which a subscriber is sent.
+    let g = wire::encode_scope(|| grant(id, 16, LeaseMode::Counted, true, move || keep, None).unwrap()).0;
+    let mut records = Vec::new();
+    let mut subscribers = Vec::new();
+    for _ in 0..2 {
+        let (tx, rx) = crate::sys::Socket::pair().unwrap();
+        let ticket = crate::handover::ticket().unwrap();
+        crate::handover::append_expiring(&ticket, Arc::new(tx), crate::handover::SUBSCRIPTION_TTL).unwrap();
+        records.extend(Control::Link(ticket).record().unwrap());
+        subscribers.push(rx);
+    }
+    crate::sys::write_record(std::os::fd::AsFd::as_fd(&*lease_of(&g).tx), &records).unwrap();
+    let told: Vec<bool> = subscribers
+        .iter()
+        .map(|rx| {
+            let until = Instant::now() + Duration::from_secs(3);
+            matches!(rx.recv(super::lease::MESSAGE_BYTES, crate::sys::Wait::Until(until)), Ok(Some(_)))
+        })
+        .collect();
+    drop(g);
+    assert_eq!(told, [true, true], "each holder that linked was sent the owner's table");
 }
