@@ -43,8 +43,9 @@ const HANDSHAKE_BYTES: usize = 64 << 10;
 /// closed at once.
 const MAX_PENDING_HANDSHAKES: usize = 64;
 /// Handshakes at once from one address: a peer that opens connections and says nothing (it
-/// cannot prove the secret) holds no more of them, and others' go on.
-const MAX_HANDSHAKES_PER_SOURCE: usize = 8;
+/// cannot prove the secret) holds no more of them, and others' go on; half the total, so that
+/// the ranks of one host (or of hosts behind one address) connect at once.
+const MAX_HANDSHAKES_PER_SOURCE: usize = MAX_PENDING_HANDSHAKES / 2;
 
 /// The environment variable a remote channel's secret is read from when its options set none.
 ///
@@ -1833,6 +1834,35 @@ mod tests {
         let answered = done.recv_timeout(T5).expect("the receive ended");
         assert!(answered.unwrap_err().contains("stopped inside a frame"));
         drop(peer);
+    }
+
+    /// Sixteen senders of one host that connect at the same moment all get a channel (a cap
+    /// of 8 handshakes per address reset half of them).
+    #[test]
+    fn sixteen_senders_of_one_host_connecting_at_once_all_get_a_channel() {
+        let listener =
+            RemoteListener::<u8>::bind_with("127.0.0.1:0", RemoteOptions::default().network_only(true)).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let senders: Vec<_> = (0..16)
+            .map(|_| {
+                std::thread::spawn(move || {
+                    Sender::<u8>::connect_remote_with(addr, RemoteOptions::default().network_only(true)).map(|_| ())
+                })
+            })
+            .collect();
+        // Their connections complete in the kernel's backlog meanwhile.
+        std::thread::sleep(Duration::from_millis(300));
+        let accepter = std::thread::spawn(move || {
+            let mut got = 0;
+            while listener.accept_timeout(Duration::from_secs(3)).is_ok() {
+                got += 1;
+            }
+            got
+        });
+        let failed: Vec<String> =
+            senders.into_iter().filter_map(|s| s.join().unwrap().err()).map(|e| e.to_string()).collect();
+        let accepted = accepter.join().unwrap();
+        assert!(failed.is_empty(), "{} of 16 senders failed ({accepted} accepted): {:?}", failed.len(), failed.first());
     }
 
     /// A limited accept waits no longer than its limit while another thread accepts.
