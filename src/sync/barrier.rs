@@ -160,6 +160,15 @@ impl Barrier {
         }
     }
 
+    /// After losing the race to begin the generation of `intended` (a release against a reset):
+    /// the mark this side made before it may have landed after the winner's, so it is set to
+    /// what the word says began that generation.
+    fn mark_as_begun(&self, now: u32, intended: u32) {
+        if now >> GENERATION_SHIFT == intended >> GENERATION_SHIFT {
+            self.mark_start(now, now & RESET != 0);
+        }
+    }
+
     /// Whether the generation of `state` began with a reset.
     fn started_by_reset(&self, state: u32) -> bool {
         let bit = 1u64 << ((state >> GENERATION_SHIFT) % 64);
@@ -240,11 +249,16 @@ impl Barrier {
                 self.mark_start(next, false);
                 match state.compare_exchange_weak(current, next, Ordering::AcqRel, Ordering::Acquire) {
                     Ok(_) => {
+                        // Again, after a reset that lost the race for this generation marked it.
+                        self.mark_start(next, false);
                         sys::futex_wake_all(state);
                         let index = count.min(self.parties - 1) as usize;
                         return Ok(BarrierWaitResult { index, leader: true });
                     }
-                    Err(now) => current = now,
+                    Err(now) => {
+                        self.mark_as_begun(now, next);
+                        current = now;
+                    }
                 }
                 continue;
             }
@@ -260,9 +274,14 @@ impl Barrier {
                 // Opened by the last party, unless a reset ended our generation: the next one
                 // then began with a reset. (Past 64 rounds, which no waiter sleeps through
                 // unless more users than parties keep the barrier busy, it reads as opened.)
+                // One round on, the word itself says how the round began.
                 let next = next_generation(generation << GENERATION_SHIFT);
                 let moved = now_generation.wrapping_sub(generation) & GENERATION_MASK;
-                let released = moved > 64 || !self.started_by_reset(next);
+                let released = match moved {
+                    1 => now & RESET == 0,
+                    2..64 => !self.started_by_reset(next),
+                    _ => true,
+                };
                 return if released {
                     Ok(BarrierWaitResult { index, leader: false })
                 } else {
@@ -317,15 +336,18 @@ impl Barrier {
         let state = self.state();
         let mut current = state.load(Ordering::Relaxed);
         loop {
-            self.mark_start(next_generation(current), true);
-            match state.compare_exchange_weak(
-                current,
-                next_generation(current) | RESET,
-                Ordering::AcqRel,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => break,
-                Err(now) => current = now,
+            let next = next_generation(current);
+            self.mark_start(next, true);
+            match state.compare_exchange_weak(current, next | RESET, Ordering::AcqRel, Ordering::Relaxed) {
+                Ok(_) => {
+                    // Again, after a release that lost the race for this generation marked it.
+                    self.mark_start(next, true);
+                    break;
+                }
+                Err(now) => {
+                    self.mark_as_begun(now, next);
+                    current = now;
+                }
             }
         }
         sys::futex_wake_all(state);
