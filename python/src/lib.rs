@@ -506,8 +506,11 @@ enum Bound_ {
 fn seconds(timeout: Option<f64>) -> PyResult<Option<Duration>> {
     timeout
         .map(|t| {
-            Duration::try_from_secs_f64(t.max(0.0))
-                .map_err(|_| PyValueError::new_err("timeout must be a finite number of seconds"))
+            if !t.is_finite() {
+                return Err(PyValueError::new_err("timeout must be a finite number of seconds"));
+            }
+            // Past what a `Duration` holds: no limit in practice.
+            Ok(Duration::try_from_secs_f64(t.max(0.0)).unwrap_or(Duration::MAX))
         })
         .transpose()
 }

@@ -16,8 +16,16 @@ def test_a_limit_of_any_size_is_a_limit_and_a_negative_one_no_wait():
     # Past what the clock holds: no limit (it panicked into Python).
     assert b.recv(timeout=1e19) == "there"
     cuda_mp.flush_sends(1e19)
+    a.send("again")
+    assert b.recv(timeout=1e300) == "again"
     # Negative: no wait, as multiprocessing takes it (it raised ValueError).
     assert b.poll(-1) is False
+    for bad in (float("nan"), float("inf")):
+        try:
+            b.poll(bad)
+            raise AssertionError(f"a timeout of {bad} was taken")
+        except ValueError:
+            pass
     q = cuda_mp.Queue()
     try:
         q.get(timeout=-1)

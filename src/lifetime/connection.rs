@@ -88,8 +88,8 @@ pub(super) fn forgotten(key: u64, index: u64) {
         };
         forgotten.retain(|(k, _)| open.contains(k));
     }
-    // A lease's own share is bounded too: a holder that floods its lease with requests crowds
-    // out no other connection's.
+    // A lease's own share is bounded too (64 of the 1,024): one holder that floods its lease
+    // with requests leaves room for the others' (sixteen that do fill the list).
     let of_this_lease = forgotten.iter().filter(|(k, _)| *k == key).count();
     if forgotten.len() < 1024 && of_this_lease < FORGOTTEN_PER_LEASE && !forgotten.contains(&(key, index)) {
         forgotten.push((key, index));
