@@ -104,6 +104,7 @@ enum Slot {
     Taken,
 }
 
+#[derive(Default)]
 struct Decoding {
     slots: Vec<Slot>,
     /// For a message from a channel: a cover for each claim the message lists, by connection
@@ -407,15 +408,7 @@ pub(crate) fn decode_remote<R>(remote: Remote, decode: impl FnOnce() -> R) -> (R
         }
     }
     FAILURE.with(|f| f.borrow_mut().take());
-    DECODING.with(|d| {
-        d.borrow_mut().push(Decoding {
-            slots: Vec::new(),
-            claims: Covers::new(),
-            segments: None,
-            missing: Vec::new(),
-            remote: Some(remote),
-        })
-    });
+    DECODING.with(|d| d.borrow_mut().push(Decoding { remote: Some(remote), ..Default::default() }));
     let pop = Pop;
     let result = decode();
     let remote =
@@ -824,8 +817,7 @@ pub(crate) fn decode_on<T: DeserializeOwned>(
             slots: fds.into_iter().map(Slot::Fd).collect(),
             claims,
             segments: leases.map(|l| l.segments().clone()),
-            missing: Vec::new(),
-            remote: None,
+            ..Default::default()
         })
     });
     let pop = Pop;
@@ -876,7 +868,7 @@ fn with_slot<R>(carried: &Carried, f: impl FnOnce(&mut Slot) -> Result<R>) -> Re
                     (fds.into_iter().map(Slot::Fd).collect(), crate::handover::keep_until(ticket, left))
                 }
             };
-            let decoding = Decoding { slots, claims: Covers::new(), segments: None, missing: Vec::new(), remote: None };
+            let decoding = Decoding { slots, ..Default::default() };
             let replaced = s.replace((ticket.clone(), decoding, until));
             put_back(replaced);
         }

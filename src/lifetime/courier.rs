@@ -256,6 +256,7 @@ fn run(courier: &'static Courier) {
 /// Work that must not run on the reaper thread: frees and unmaps (a GPU free first waits for
 /// the device's stream). One more thread, so that a free waits neither for the reaper nor for
 /// a send of the courier's, and the reaper keeps reading leases meanwhile.
+#[derive(Default)]
 struct Disposer {
     jobs: Mutex<Vec<Job>>,
     posted: Condvar,
@@ -264,13 +265,11 @@ struct Disposer {
 
 type Job = Box<dyn FnOnce() + Send>;
 
-static DISPOSER: ForkLocal<Disposer> =
-    ForkLocal::new(|| Disposer { jobs: Mutex::new(Vec::new()), posted: Condvar::new(), started: OnceLock::new() });
+static DISPOSER: ForkLocal<Disposer> = ForkLocal::new(Default::default);
 
 /// The fetches of subscriptions holders ask for (`Link`): a thread of their own, so that a
 /// home that does not answer holds up no free.
-static LINKER: ForkLocal<Disposer> =
-    ForkLocal::new(|| Disposer { jobs: Mutex::new(Vec::new()), posted: Condvar::new(), started: OnceLock::new() });
+static LINKER: ForkLocal<Disposer> = ForkLocal::new(Default::default);
 
 /// The `Link`s waiting for the linker, by lease: a lease's holders (a storage shared with many
 /// processes shares its lease) subscribe at once, but one lease queues at most
