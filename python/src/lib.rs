@@ -537,6 +537,16 @@ impl WaitFailure for RecvTimeoutError {
     }
 }
 
+impl WaitFailure for cuda_mp::Error {
+    fn is_timeout(&self) -> bool {
+        cuda_mp::Error::is_timeout(self)
+    }
+
+    fn raised(self) -> PyErr {
+        error(self)
+    }
+}
+
 impl WaitFailure for cuda_mp::GetTimeoutError {
     fn is_timeout(&self) -> bool {
         cuda_mp::GetTimeoutError::is_timeout(self)
@@ -620,43 +630,29 @@ impl Listener {
     /// out may be called again). Ctrl-C interrupts the wait.
     #[pyo3(signature = (timeout=None))]
     fn accept(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Receiver> {
-        const SLICE: Duration = Duration::from_millis(100);
         let timeout = seconds(timeout)?;
-        let deadline = deadline(timeout);
         // Taken out while this waits (another thread's accept meanwhile is told so), and put
         // back when no sender came in time: a later accept waits again.
         let bound =
             self.bound.lock().unwrap_or_else(|p| p.into_inner()).take().ok_or_else(|| {
                 PyValueError::new_err("this listener has already accepted its sender, or is accepting")
             })?;
-        let put_back = |bound| *self.bound.lock().unwrap_or_else(|p| p.into_inner()) = Some(bound);
-        loop {
-            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-            let slice = left.map_or(SLICE, |l| l.min(SLICE));
-            // A slice at a time, without the GIL, looking for KeyboardInterrupt between them.
-            let got = py.detach(|| match &bound {
+        // A slice at a time, without the GIL, looking for KeyboardInterrupt between them.
+        let got = try_wait(py, timeout, |slice| {
+            let accepted = match &bound {
                 Bound_::Gpu(l) => l.try_accept_for(slice).map(|r| r.map(Rx::Gpu)),
                 Bound_::Host(l) => l.try_accept_for(slice).map(|r| r.map(Rx::Host)),
                 Bound_::Bundle(l) => l.try_accept_for(slice).map(|r| r.map(Rx::Bundle)),
-            });
-            match got {
-                Ok(Some(rx)) => return Ok(Receiver { kind: self.kind, rx: Mutex::new(rx) }),
-                Ok(None) if left.is_none_or(|l| l > slice) => {
-                    if let Err(interrupted) = py.check_signals() {
-                        put_back(bound);
-                        return Err(interrupted);
-                    }
-                }
-                Ok(None) => {
-                    put_back(bound);
-                    return Err(error(cuda_mp::Error::Timeout(timeout.unwrap_or(Duration::MAX))));
-                }
-                Err(e) => {
-                    put_back(bound);
-                    return Err(error(e));
-                }
-            }
-        }
+            };
+            accepted.and_then(|rx| rx.ok_or(cuda_mp::Error::Timeout(slice)))
+        });
+        let failed = match got {
+            Ok(Ok(rx)) => return Ok(Receiver { kind: self.kind, rx: Mutex::new(rx) }),
+            Ok(Err(_)) => error(cuda_mp::Error::Timeout(timeout.unwrap_or(Duration::MAX))),
+            Err(interrupted_or_failed) => interrupted_or_failed,
+        };
+        *self.bound.lock().unwrap_or_else(|p| p.into_inner()) = Some(bound);
+        Err(failed)
     }
 }
 
