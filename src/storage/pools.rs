@@ -6,8 +6,12 @@
 //! Fragmentation is bounded by the pools' rules: a small block (up to 1 MiB) wastes less than
 //! 512 bytes (sizes are rounded to 512 and split to the byte), a medium one (up to 10 MiB) less
 //! than 1 MiB (a free block is split only when the rest is at least 1 MiB), and a larger one
-//! has a segment of its own rounded to 2 MiB. Free neighbours always merge, so a segment whose
-//! blocks are all back is one free block again, which `empty_cache` (or a limit) gives up.
+//! has a segment of its own rounded to 2 MiB, or, once its pool holds more, a segment of half
+//! what the pool holds (at most 1 GiB), whose rest later large blocks take: the pool's free
+//! memory is then at most about a third of it, and a segment that cannot be had (the
+//! device's memory, or the limit) gives way to the block's own. Free neighbours always merge,
+//! so a segment whose blocks are all back is one free block again, which `empty_cache` (or a
+//! limit) gives up.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -25,8 +29,12 @@ const SMALL_SEGMENT: usize = 2 << 20;
 const MEDIUM_MAX: usize = 10 << 20;
 /// Segments for medium requests.
 const LARGE_SEGMENT: usize = 20 << 20;
-/// Larger requests get a segment of their own size, rounded up to this.
+/// Larger requests get a segment of their own size, rounded up to this...
 const HUGE_ROUND: usize = 2 << 20;
+/// ...or, once their pool holds more, a segment of half what it holds, up to this size, which
+/// later large requests share: a program that allocates many large tensors (a model's
+/// weights) makes few segments, each exported and mapped once per receiver.
+const HUGE_GROWTH_MAX: usize = 1 << 30;
 
 /// The size a request of `bytes` takes in a pool.
 fn block_size(bytes: usize) -> Option<usize> {
@@ -42,6 +50,18 @@ fn segment_size(size: usize) -> Option<usize> {
     } else {
         size.checked_next_multiple_of(HUGE_ROUND)
     }
+}
+
+/// The size of a new segment for a block of `size` bytes past `MEDIUM_MAX`, in a pool that
+/// holds `held` bytes of segments: half of `held` (rounded to `HUGE_ROUND`, at most
+/// `HUGE_GROWTH_MAX`) where that is more than the block's own segment.
+fn grown_segment_size(size: usize, held: usize) -> Option<usize> {
+    let own = segment_size(size)?;
+    if size <= MEDIUM_MAX || own >= HUGE_GROWTH_MAX {
+        return Some(own);
+    }
+    let grown = (held / 2).min(HUGE_GROWTH_MAX).checked_next_multiple_of(HUGE_ROUND)?;
+    Some(own.max(grown))
 }
 
 /// How many families of segments one allocator keeps apart: blocks are cut only from segments
@@ -254,6 +274,11 @@ impl Arena {
         Some(size)
     }
 
+    /// Bytes of the segments.
+    fn reserved(&self) -> usize {
+        self.segments.values().map(|s| s.size).sum()
+    }
+
     /// The segments that are wholly free.
     fn free_segments(&self) -> Vec<u64> {
         self.segments.iter().filter(|(_, s)| s.in_use == 0).map(|(&seg, _)| seg).collect()
@@ -462,6 +487,9 @@ impl<S> Pools<S> {
         let size = block_size(bytes).ok_or_else(|| Error::Layout("tensor size overflows".into()))?;
         let pool = Pool::of(size, family);
         let mut retried = false;
+        // A grown segment (see `grown_segment_size`) that does not fit under the limit or in
+        // the device's memory gives way to the block's own.
+        let mut grow = true;
         let mut first = true;
         let mut unparked = false;
         // Read before the block is taken: a fork not finished by then counts as one after it.
@@ -494,14 +522,19 @@ impl<S> Pools<S> {
                     continue;
                 }
             }
-            let wanted = segment_size(size).ok_or_else(|| Error::Layout("tensor size overflows".into()))?;
+            let own = segment_size(size).ok_or_else(|| Error::Layout("tensor size overflows".into()))?;
+            let grown = if grow { grown_segment_size(size, s.arena(pool).reserved()).unwrap_or(own) } else { own };
+            // Sums saturate: a request near `usize::MAX` is over any limit, not a wrap past it.
+            let fits =
+                |s: &State<S>| s.limit.is_none_or(|limit| (s.reserved + s.pending).saturating_add(grown) <= limit);
+            let wanted = if fits(&s) { grown } else { own };
             let mut released = Vec::new();
             if let Some(limit) = s.limit {
-                if s.reserved + s.pending + wanted > limit {
+                if (s.reserved + s.pending).saturating_add(wanted) > limit {
                     released = s.release_free();
                 }
                 let committed = s.reserved + s.pending;
-                if committed + wanted > limit {
+                if committed.saturating_add(wanted) > limit {
                     if s.pending > 0 {
                         // Another thread is making a segment, which may have room for this
                         // block: look again once it is made.
@@ -516,7 +549,12 @@ impl<S> Pools<S> {
                     return Err(Error::CacheLimit { requested: wanted, reserved: committed, limit });
                 }
             }
-            s.pending += wanted;
+            let Some(pending) = s.pending.checked_add(wanted) else {
+                drop(s);
+                drop(released);
+                return Err(Error::Io(std::io::Error::new(std::io::ErrorKind::OutOfMemory, "segment size overflows")));
+            };
+            s.pending = pending;
             drop(s);
             drop(released);
             // A panic in `new_segment` still takes its bytes off `pending`.
@@ -533,6 +571,11 @@ impl<S> Pools<S> {
             };
             let segment = match made {
                 Ok(segment) => segment,
+                Err(e) if e.is_out_of_memory() && wanted > own => {
+                    grow = false;
+                    drop(s);
+                    continue;
+                }
                 Err(e) if e.is_out_of_memory() && !retried => {
                     // Unused segments are given up, and the allocation is tried once more
                     // (segments other processes still map are freed only once they let go).
@@ -859,6 +902,72 @@ mod tests {
         // being made rather than being refused); the others are refused.
         assert_eq!(results.iter().filter(|r| matches!(r, Ok(Some(_)))).count(), 2, "two blocks fit one segment");
         assert!(results.iter().filter_map(|r| r.as_ref().err()).all(|e| matches!(e, Error::CacheLimit { .. })));
+    }
+
+    #[test]
+    fn segments_of_large_blocks_grow_with_their_pool() {
+        const MIB: usize = 1 << 20;
+        assert_eq!(grown_segment_size(12 * MIB, 0), Some(12 * MIB), "the first is the block's own");
+        assert_eq!(grown_segment_size(32 * MIB, 300 * MIB), Some(150 * MIB));
+        assert_eq!(grown_segment_size(32 * MIB, 301 * MIB), Some(152 * MIB), "rounded to 2 MiB");
+        assert_eq!(grown_segment_size(32 * MIB, 10 << 30), Some(HUGE_GROWTH_MAX));
+        assert_eq!(grown_segment_size(MEDIUM_MAX, 10 << 30), Some(LARGE_SEGMENT), "medium blocks never grow");
+        assert_eq!(grown_segment_size(3 << 30, 10 << 30), Some(3 << 30), "past the cap: the block's own");
+
+        // A 7B model's weights (bf16, 4096 wide, 32 layers): 291 tensors, about 13.5 GB, in few
+        // segments, none larger than the cap unless one tensor is.
+        let pools = Arc::new(Pools::<usize>::new(true));
+        let make = |size| Ok(Arc::new(size));
+        let (vocab, width, inner) = (32000, 4096, 11008);
+        let mut sizes = vec![vocab * width * 2];
+        for _ in 0..32 {
+            sizes.extend([width * width * 2; 4]);
+            sizes.extend([width * inner * 2; 3]);
+            sizes.extend([width * 2; 2]);
+        }
+        sizes.extend([width * 2, vocab * width * 2]);
+        let blocks: Vec<_> = sizes.iter().map(|&n| pools.alloc(n, 0, make).unwrap().unwrap()).collect();
+        let s = pools.stats();
+        assert_eq!(s.segments, 18, "segments for the weights");
+        assert!(s.reserved_bytes - s.allocated_bytes < HUGE_GROWTH_MAX, "{s:?}");
+        drop(blocks);
+        assert_eq!(pools.stats().allocated_bytes, 0);
+    }
+
+    #[test]
+    fn a_grown_segment_that_does_not_fit_gives_way_to_the_blocks_own() {
+        const MIB: usize = 1 << 20;
+        let pools = Arc::new(Pools::<usize>::new(true));
+        let make = |size| Ok(Arc::new(size));
+        // Two segments of their blocks' own size, wholly used.
+        let held: Vec<_> = (0..2).map(|_| pools.alloc(256 * MIB, 0, make).unwrap().unwrap()).collect();
+        assert_eq!(pools.stats().cached_bytes, 0);
+        // Out of device memory for anything larger than asked.
+        let asked = std::sync::Mutex::new(Vec::new());
+        let tight = |size| {
+            asked.lock().unwrap().push(size);
+            if size > 64 * MIB { Err(Error::Io(std::io::ErrorKind::OutOfMemory.into())) } else { Ok(Arc::new(size)) }
+        };
+        let block = pools.alloc(64 * MIB, 0, tight).unwrap().unwrap();
+        assert_eq!(block.segment().as_ref(), &(64 * MIB));
+        assert_eq!(asked.into_inner().unwrap(), [256 * MIB, 64 * MIB]);
+        // Under a limit, likewise.
+        pools.set_limit(Some(pools.stats().reserved_bytes + 64 * MIB));
+        let under_limit = pools.alloc(64 * MIB, 0, make).unwrap().unwrap();
+        assert_eq!(under_limit.segment().as_ref(), &(64 * MIB));
+        drop((held, block, under_limit));
+    }
+
+    #[test]
+    fn a_request_near_the_largest_size_is_refused_not_wrapped() {
+        let pools = Arc::new(Pools::<usize>::new(true));
+        let segment = |size| Ok(Arc::new(size));
+        let held = pools.alloc(4096, 0, segment).unwrap().unwrap();
+        pools.set_limit(Some(64 << 20));
+        let err = pools.alloc(usize::MAX - HUGE_ROUND + 1, 0, segment).unwrap_err();
+        assert!(matches!(err, Error::CacheLimit { .. }), "{err}");
+        assert_eq!(pools.stats().segments, 1, "the cache was kept");
+        drop(held);
     }
 
     #[test]
