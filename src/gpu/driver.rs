@@ -499,6 +499,15 @@ pub(crate) unsafe fn event_destroy(event: sys::CUevent) -> DriverResult<()> {
     unsafe { sys::cuEventDestroy_v2(event).result() }
 }
 
+/// `cuStreamSynchronize` on another library's stream: blocks until its queued work is done.
+///
+/// # Safety
+/// The stream's context must be current and `stream` live (or 0 or 2, the default streams).
+pub(crate) unsafe fn stream_synchronize_raw(stream: sys::CUstream) -> DriverResult<()> {
+    // SAFETY: upheld by the caller.
+    unsafe { sys::cuStreamSynchronize(stream).result() }
+}
+
 /// `cuStreamQuery`: true when every piece of work queued on `stream` is done.
 pub(crate) fn stream_is_idle(stream: &CudaStream) -> Result<bool> {
     bind(stream.context())?;

@@ -732,6 +732,17 @@ impl InterprocessEvent {
     }
 }
 
+/// Blocks until the work queued on another library's `stream` of `device` is done.
+///
+/// # Safety
+/// `stream` must be a live stream of `device`'s primary context (or 0 or 2, the default
+/// streams).
+pub(crate) unsafe fn synchronize_stream(device: &Device, stream: sys::CUstream) -> Result<()> {
+    bind(device.context())?;
+    // SAFETY: the context is current; the stream is upheld by the caller.
+    unsafe { driver::stream_synchronize_raw(stream) }.map_err(driver_err("cuStreamSynchronize"))
+}
+
 /// An event of this process that a thread waits on asleep (`CU_EVENT_BLOCKING_SYNC`): how a
 /// drop learns, off its own thread, that the work queued before it is done.
 #[derive(Debug)]
@@ -749,6 +760,17 @@ impl BlockingEvent {
     /// device).
     pub(crate) fn record(&self, stream: &CudaStream) -> Result<()> {
         self.0.record(stream)
+    }
+
+    /// Records the event after the work queued on another library's `stream`.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this event's context (or 0, the legacy default stream,
+    /// or 2, the per-thread default stream).
+    pub(crate) unsafe fn record_raw(&self, stream: sys::CUstream) -> Result<()> {
+        bind(&self.0.ctx)?;
+        // SAFETY: the context is current and the event live; the stream is upheld by the caller.
+        unsafe { driver::event_record(self.0.raw, stream) }.map_err(driver_err("cuEventRecord"))
     }
 
     /// Blocks, asleep, until the work before the latest record is done.

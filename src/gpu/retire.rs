@@ -19,6 +19,8 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 
 use super::device::Device;
+use cudarc::driver::sys;
+
 use super::handles::BlockingEvent;
 use crate::error::Result;
 use crate::storage::{Close, Fence};
@@ -33,6 +35,9 @@ pub(crate) struct Retirer {
     posted: Condvar,
     spare: Mutex<Vec<BlockingEvent>>,
     started: OnceLock<bool>,
+    /// Closes queued and not yet run.
+    unfinished: Mutex<usize>,
+    finished: Condvar,
 }
 
 impl std::fmt::Debug for Retirer {
@@ -74,6 +79,62 @@ impl Device {
         Ok(OwnWork { device: self.clone(), event })
     }
 
+    /// Drops `value` once the work queued on `stream` so far is done, on the device's retiring
+    /// thread (in order with the releases waiting there), without blocking this thread: how an
+    /// allocator that another library's streams use gives memory back after the work that
+    /// still reads it. If no event can be recorded, waits for the stream here; if the thread
+    /// cannot start, waits for the event here.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this device's primary context, or the legacy (0) or
+    /// per-thread (2) default stream.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let t = cuda_mp::GpuTensor::<f32>::zeros(&dev, &[4]).unwrap();
+    /// // SAFETY: 0 is the legacy default stream.
+    /// unsafe { dev.drop_after_stream(std::ptr::null_mut(), t) };
+    /// ```
+    pub unsafe fn drop_after_stream<T: Send + 'static>(self: &Arc<Self>, stream: sys::CUstream, value: T) {
+        let spare = lock(&self.retirer().spare).pop();
+        let event = spare.map(Ok).unwrap_or_else(|| BlockingEvent::create(self));
+        // SAFETY: upheld by the caller.
+        let recorded = event.and_then(|event| unsafe { event.record_raw(stream) }.map(|()| event));
+        match recorded {
+            Ok(event) => Box::new(OwnWork { device: self.clone(), event }).then(Box::new(move || drop(value))),
+            Err(_) => {
+                // SAFETY: upheld by the caller. An error leaves the context unusable: nothing
+                // queued runs any more, so the value may go.
+                let _ = unsafe { super::handles::synchronize_stream(self, stream) };
+                drop(value);
+            }
+        }
+    }
+
+    /// Waits until every release and drop queued behind this device's work so far has run
+    /// (received blocks given back, values of [`drop_after_stream`](Self::drop_after_stream)
+    /// dropped), at most `timeout`; true if none is left. An allocator that ran out of memory
+    /// waits so before it tries again.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// assert!(dev.finish_retiring(std::time::Duration::from_secs(1)));
+    /// ```
+    pub fn finish_retiring(&self, timeout: std::time::Duration) -> bool {
+        let retirer = self.retirer();
+        let deadline = crate::os::deadline_after(timeout);
+        let mut unfinished = lock(&retirer.unfinished);
+        while *unfinished > 0 {
+            let left =
+                deadline.map_or(std::time::Duration::MAX, |d| d.saturating_duration_since(std::time::Instant::now()));
+            if left.is_zero() {
+                return false;
+            }
+            unfinished = retirer.finished.wait_timeout(unfinished, left).unwrap_or_else(|p| p.into_inner()).0;
+        }
+        true
+    }
+
     /// The retiring thread of this device, started on first use; false if it cannot start.
     fn retiring_thread(self: &Arc<Self>) -> bool {
         let device = self.clone();
@@ -95,6 +156,7 @@ impl Fence for OwnWork {
             return;
         }
         let retirer = device.retirer();
+        *lock(&retirer.unfinished) += 1;
         lock(&retirer.queue).push_back((event, close));
         retirer.posted.notify_one();
     }
@@ -118,5 +180,10 @@ fn retire(device: Arc<Device>) {
         let _ = event.wait();
         close();
         retirer.recycle(event);
+        let mut unfinished = lock(&retirer.unfinished);
+        *unfinished -= 1;
+        if *unfinished == 0 {
+            retirer.finished.notify_all();
+        }
     }
 }

@@ -521,6 +521,20 @@ impl Shared for GpuStorage {
 }
 
 impl GpuStorage {
+    /// A new storage of `bytes` bytes (uninitialized) on `device`, of the memory the device is
+    /// set to use: a block of the caching allocator below [`VMM_MIN_BYTES`](crate::VMM_MIN_BYTES)
+    /// while caching is on, else an allocation of its own. What another library's allocator
+    /// built on cuda-mp hands out (the Python package's allocator for PyTorch does).
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let s = cuda_mp::GpuStorage::empty(&dev, 1 << 20).unwrap();
+    /// assert_eq!(s.byte_len(), 1 << 20);
+    /// ```
+    pub fn empty(device: &Arc<Device>, bytes: usize) -> Result<Arc<GpuStorage>> {
+        Self::alloc(device, bytes)
+    }
+
     /// Allocates `bytes` bytes (uninitialized) of the kind the device is set to use.
     pub(crate) fn alloc(device: &Arc<Device>, bytes: usize) -> Result<Arc<GpuStorage>> {
         let vmm = match device.memory_kind() {
