@@ -11,12 +11,13 @@
   producer), its bytes sent on a pipe, and loaded (``pickle.loads``, timed in a fresh consumer):
   where a publish's time goes, first and again.
 
-Three modes, the programs unchanged in each: torch.mp alone; with ``install()``; with
+Five modes, the programs unchanged in each: torch.mp alone; with ``install()``; with
 ``install(queues=True)``, which makes their ``multiprocessing`` queues cuda-mp queues (the pipe
-of the by-hand rows stays). Each mode runs in an interpreter of its own (spawn consumers, one
-GPU):
+of the by-hand rows stays); and both with ``allocator=True``, which makes cuda-mp's caching
+allocator PyTorch's in the producer. Each mode runs in an interpreter of its own (spawn
+consumers, one GPU); torch.mp alone always runs, ``--modes`` picks the others:
 
-    python3 benches/torch_install.py [--quick]
+    python3 benches/torch_install.py [--quick] [--modes allocator,allocator-queue]
 """
 
 import json
@@ -93,10 +94,10 @@ def measure(mode, quick):
     import torch.multiprocessing as mp
     from torch_baseline import drop_and_ack  # row a's consumer: drops each tensor, acknowledges
 
-    if mode in ("cuda-mp", "queue"):
+    if mode != "torch":
         import cuda_mp.torch
 
-        cuda_mp.torch.install(queues=mode == "queue")
+        cuda_mp.torch.install(queues=mode.endswith("queue"), allocator=mode.startswith("allocator"))
     ctx = mp.get_context("spawn")
     out = {}
     q_in, q_out = ctx.Queue(), ctx.Queue()
@@ -173,13 +174,22 @@ def measure(mode, quick):
     return out
 
 
+CALLS = {
+    "cuda-mp": "install()",
+    "queue": "install(queues=True)",
+    "allocator": "install(allocator=True)",
+    "allocator-queue": "install(allocator=True, queues=True)",
+}
+
+
 def main():
     quick = "--quick" in sys.argv
     if "--mode" in sys.argv:
         print(json.dumps(measure(sys.argv[sys.argv.index("--mode") + 1], quick)), flush=True)
         return
+    modes = sys.argv[sys.argv.index("--modes") + 1].split(",") if "--modes" in sys.argv else list(CALLS)
     results = {}
-    for mode in ("torch", "cuda-mp", "queue"):
+    for mode in ["torch"] + modes:
         # Progress and errors on stderr as they come; the result is the last line of stdout.
         done = subprocess.run(
             [sys.executable, __file__, "--mode", mode] + (["--quick"] if quick else []),
@@ -190,26 +200,21 @@ def main():
         if done.returncode != 0:
             sys.exit(f"{mode} failed (exit status {done.returncode})")
         results[mode] = json.loads(done.stdout.strip().splitlines()[-1])
-    t, c, q = results["torch"], results["cuda-mp"], results["queue"]
-    print(f"7B state dict: {c['tensors']} bf16 tensors, {c['gb']:.2f} GB")
-    print("| workload | torch.mp alone | torch.mp + cuda_mp.torch.install() | speed-up |")
-    print("|---|---|---|---|")
-    print(f"| round trip, re-sent 1 MiB tensor | {t['rt_us']:.1f} us | {c['rt_us']:.1f} us | {t['rt_us'] / c['rt_us']:.2f}x |")
-    print(f"| round trip of an int (the queue's floor) | {t['rt_int_us']:.1f} us | {c['rt_int_us']:.1f} us | {t['rt_int_us'] / c['rt_int_us']:.2f}x |")
-    print(f"| fresh 1 MiB tensors per second | {t['fresh_per_s']:.0f}/s | {c['fresh_per_s']:.0f}/s | {c['fresh_per_s'] / t['fresh_per_s']:.2f}x |")
-    print(f"| 7B weights, first publish | {t['first_ms']:.1f} ms | {c['first_ms']:.1f} ms | {t['first_ms'] / c['first_ms']:.2f}x |")
-    print(f"| 7B weights, republish | {t['republish_ms']:.1f} ms | {c['republish_ms']:.1f} ms | {t['republish_ms'] / c['republish_ms']:.2f}x |")
-    for key, what in (("split_first", "first"), ("split_again", "again")):
-        for i, part in enumerate(("dumps (producer)", "loads (consumer)", "in all, by hand")):
-            print(f"| 7B {what}: {part} | {t[key][i]:.1f} ms | {c[key][i]:.1f} ms | {t[key][i] / c[key][i]:.2f}x |")
-    print()
-    print("| workload | torch.mp alone | torch.mp + cuda_mp.torch.install(queues=True) | speed-up |")
-    print("|---|---|---|---|")
-    print(f"| round trip, re-sent 1 MiB tensor | {t['rt_us']:.1f} us | {q['rt_us']:.1f} us | {t['rt_us'] / q['rt_us']:.2f}x |")
-    print(f"| round trip of an int (the queue's floor) | {t['rt_int_us']:.1f} us | {q['rt_int_us']:.1f} us | {t['rt_int_us'] / q['rt_int_us']:.2f}x |")
-    print(f"| fresh 1 MiB tensors per second | {t['fresh_per_s']:.0f}/s | {q['fresh_per_s']:.0f}/s | {q['fresh_per_s'] / t['fresh_per_s']:.2f}x |")
-    print(f"| 7B weights, first publish | {t['first_ms']:.1f} ms | {q['first_ms']:.1f} ms | {t['first_ms'] / q['first_ms']:.2f}x |")
-    print(f"| 7B weights, republish | {t['republish_ms']:.1f} ms | {q['republish_ms']:.1f} ms | {t['republish_ms'] / q['republish_ms']:.2f}x |")
+    t = results["torch"]
+    print(f"7B state dict: {t['tensors']} bf16 tensors, {t['gb']:.2f} GB")
+    for mode in modes:
+        c = results[mode]
+        print()
+        print(f"| workload | torch.mp alone | torch.mp + cuda_mp.torch.{CALLS[mode]} | speed-up |")
+        print("|---|---|---|---|")
+        print(f"| round trip, re-sent 1 MiB tensor | {t['rt_us']:.1f} us | {c['rt_us']:.1f} us | {t['rt_us'] / c['rt_us']:.2f}x |")
+        print(f"| round trip of an int (the queue's floor) | {t['rt_int_us']:.1f} us | {c['rt_int_us']:.1f} us | {t['rt_int_us'] / c['rt_int_us']:.2f}x |")
+        print(f"| fresh 1 MiB tensors per second | {t['fresh_per_s']:.0f}/s | {c['fresh_per_s']:.0f}/s | {c['fresh_per_s'] / t['fresh_per_s']:.2f}x |")
+        print(f"| 7B weights, first publish | {t['first_ms']:.1f} ms | {c['first_ms']:.1f} ms | {t['first_ms'] / c['first_ms']:.2f}x |")
+        print(f"| 7B weights, republish | {t['republish_ms']:.1f} ms | {c['republish_ms']:.1f} ms | {t['republish_ms'] / c['republish_ms']:.2f}x |")
+        for key, what in (("split_first", "first"), ("split_again", "again")):
+            for i, part in enumerate(("dumps (producer)", "loads (consumer)", "in all, by hand")):
+                print(f"| 7B {what}: {part} | {t[key][i]:.1f} ms | {c[key][i]:.1f} ms | {t[key][i] / c[key][i]:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
+mod allocator;
 mod dlpack;
 mod torch_ipc;
 
@@ -305,7 +306,8 @@ fn gpu_tensor(
 ) -> PyResult<Tensor> {
     let dtype = dtype_named(dtype)?;
     let dev = Device::get(device).map_err(error)?;
-    let (storage, byte_offset) = match HANDED_GPU.find(device, ptr, nbytes) {
+    let known = allocator::find(device, ptr, nbytes).or_else(|| HANDED_GPU.find(device, ptr, nbytes));
+    let (storage, byte_offset) = match known {
         Some(found) => found,
         None => {
             // SAFETY: `keeper` is the PyTorch tensor whose storage this is; PyTorch keeps the
@@ -1379,6 +1381,13 @@ fn opened_mappings() -> u64 {
     cuda_mp::lifetime_stats().opened_mappings
 }
 
+/// How many segments of other processes' caching allocators this process has mapped (each
+/// once, for all the blocks cut from it), for tests.
+#[pyfunction]
+fn opened_segments() -> u64 {
+    cuda_mp::lifetime_stats().opened_segments
+}
+
 /// A caching allocator's statistics as a dict (the fields of `cuda_mp::AllocatorStats`).
 fn stats_dict(py: Python<'_>, s: cuda_mp::AllocatorStats) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
@@ -1409,6 +1418,13 @@ fn allocator_stats(py: Python<'_>, device: Option<usize>) -> PyResult<Bound<'_, 
         None => cuda_mp::host_allocator_stats(),
     };
     stats_dict(py, stats)
+}
+
+/// The bytes and the number of allocations that PyTorch holds on GPU `device` through
+/// cuda-mp's allocator (`cuda_mp.torch.install(allocator=True)`).
+#[pyfunction]
+fn torch_allocations(device: usize) -> (usize, usize) {
+    allocator::held(device)
 }
 
 /// Gives a caching allocator's wholly free segments up; the bytes given up.
@@ -1517,6 +1533,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(before_exit, m)?)?;
     m.add_function(wrap_pyfunction!(allocator_stats, m)?)?;
     m.add_function(wrap_pyfunction!(empty_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_allocations, m)?)?;
+    m.add_function(wrap_pyfunction!(opened_segments, m)?)?;
     m.add_function(wrap_pyfunction!(set_caching, m)?)?;
     m.add_function(wrap_pyfunction!(set_segment_kind, m)?)?;
     m.add_function(wrap_pyfunction!(set_cache_limit, m)?)?;

@@ -78,7 +78,7 @@ from typing import Any, Callable, Dict, Optional
 
 from . import _gpu, _native, _to_torch, _torch_names
 
-__all__ = ["DEFAULT_TTL", "install", "installed", "uninstall"]
+__all__ = ["DEFAULT_TTL", "allocator_in_use", "install", "installed", "uninstall"]
 
 DEFAULT_TTL = 600.0
 """Seconds that a pickled tensor names its memory for, by default."""
@@ -108,11 +108,13 @@ def installed() -> bool:
     return bool(_previous)
 
 
-def install(ttl: float = DEFAULT_TTL, queues: bool = False) -> None:
+def install(ttl: float = DEFAULT_TTL, queues: bool = False, allocator: bool = False) -> None:
     """Registers cuda-mp's reductions for torch tensors and storages with ``ForkingPickler``.
     ``ttl``: seconds that a pickled tensor waits for its receiver. ``queues``: also make every
     ``multiprocessing`` context's ``Queue()`` a ``cuda_mp.MultiprocessingQueue`` (see the module's
-    text). Calling it again changes ``ttl`` and ``queues``."""
+    text). ``allocator``: also make cuda-mp's caching allocator PyTorch's CUDA allocator in this
+    process (see the module's text); only before this process's first CUDA tensor. Calling it
+    again changes ``ttl`` and ``queues``."""
     import torch
     import torch.multiprocessing  # noqa: F401  (torch's reductions first, so that ours replace them)
 
@@ -122,6 +124,8 @@ def install(ttl: float = DEFAULT_TTL, queues: bool = False) -> None:
         raise ValueError("ttl must be a positive, finite number of seconds")
     global _ttl
     with _lock:
+        if allocator:
+            _use_allocator(torch)
         _ttl = float(ttl)
         _replace_multiprocessing_queues(bool(queues))
         if _previous:
@@ -136,6 +140,32 @@ def install(ttl: float = DEFAULT_TTL, queues: bool = False) -> None:
             _previous[cls] = ForkingPickler._extra_reducers.get(cls)
             ForkingPickler.register(cls, reduce)
         ForkingPickler.dump = _dump
+
+
+_allocator_in_use = False
+
+
+def _use_allocator(torch) -> None:
+    """Makes cuda-mp's caching allocator PyTorch's CUDA allocator in this process (under the lock)."""
+    global _allocator_in_use
+    if _allocator_in_use:
+        return
+    if not _native.cuda_available():
+        raise RuntimeError("install(allocator=True) needs a CUDA GPU and its driver")
+    pluggable = torch.cuda.memory.CUDAPluggableAllocator(_native.__file__, "cuda_mp_torch_malloc", "cuda_mp_torch_free")
+    try:
+        torch.cuda.memory.change_current_allocator(pluggable)
+    except RuntimeError as e:
+        raise RuntimeError(
+            "install(allocator=True) must come before this process's first CUDA tensor: "
+            f"PyTorch's own allocator is in use already ({e})"
+        ) from None
+    _allocator_in_use = True
+
+
+def allocator_in_use() -> bool:
+    """Whether PyTorch's CUDA tensors in this process come from cuda-mp's allocator."""
+    return _allocator_in_use
 
 
 def uninstall() -> None:
@@ -220,6 +250,9 @@ def _sent(t) -> "_native.Tensor":
 
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     storage = t.untyped_storage()
+    if _allocator_in_use:
+        # Memory of cuda-mp's allocator is a cuda-mp storage already, found by its address.
+        return _gpu(t)
     key = (t.device.index or 0, storage.data_ptr(), storage.nbytes())
     with _book_lock:
         known = key in _book

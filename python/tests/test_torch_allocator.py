@@ -1,0 +1,46 @@
+"""``cuda_mp.torch.install(allocator=True)``: PyTorch's CUDA memory from cuda-mp's caching
+allocator, on a GPU machine (``pytest -m gpu``). Each case runs in an interpreter of its own: the
+allocator is chosen before a process's first CUDA tensor."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_gpu")]
+
+pytest.importorskip("torch", reason="PyTorch is not installed")
+
+PROGRAM = pathlib.Path(__file__).with_name("torch_allocator_program.py")
+
+
+def run_program(*args):
+    done = subprocess.run([sys.executable, str(PROGRAM), *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(result)
+    return result
+
+
+def test_tensors_of_the_allocator_travel_as_blocks_of_segments_mapped_once():
+    r = run_program()
+    assert r["in_use"] and r["matmul"]
+    assert r["weights_ok"], "the consumer read every weight's value"
+    assert r["consumer_write_seen"], "the consumer wrote the producer's memory, not a copy"
+    mappings, segments = r["consumer_mappings_for_weights"]
+    assert mappings == 0, "48 weights arrived as blocks, no allocation of their own"
+    assert 0 < segments <= r["segments"] < 48, r
+    assert r["fresh_ok"], "fresh tensors dropped by the producer right after their put read right"
+    mappings_after, segments_after = r["consumer_mappings_after_fresh"]
+    assert mappings_after == 0 and segments_after <= segments + 2, "300 fresh tensors opened (almost) nothing"
+    assert r["consumer_exit"] == 0
+    assert r["torch_holds"] == [0, 0]
+    assert r["allocated_bytes_at_end"] == 0, "every block came back once the consumer was gone"
+
+
+def test_the_allocator_cannot_be_chosen_after_the_first_cuda_tensor():
+    r = run_program("--too-late")
+    assert r["error"] and "before this process's first CUDA tensor" in r["error"], r
+    assert r["in_use"] is False
