@@ -457,6 +457,7 @@ pub(crate) fn stats() -> (usize, usize, u64) {
 mod tests {
     use super::*;
     use std::io::{Read, Seek, SeekFrom, Write};
+    use std::os::unix::fs::OpenOptionsExt;
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, AtomicU32};
 
@@ -504,7 +505,8 @@ mod tests {
         static N: AtomicU32 = AtomicU32::new(0);
         let n = N.fetch_add(1, Ordering::SeqCst);
         let name = CString::new(format!("/cuda_mp_test_{}_{n}", std::process::id())).unwrap();
-        let mut f = std::fs::File::create(path_of(&name)).unwrap();
+        // Mode 600, as PyTorch makes them (`MapAllocator`'s `shm_open`).
+        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path_of(&name)).unwrap();
         f.set_len(len).unwrap();
         f.write_all(&count.to_ne_bytes()).unwrap();
         for &(slot, value) in slots {

@@ -38,6 +38,26 @@ fn size_of_fd(fd: &OwnedFd) -> io::Result<u64> {
     Ok(fstat(fd)?.st_size.max(0) as u64)
 }
 
+/// Refuses an object that another user owns or that others may open: its owner could shrink
+/// it under the mapping (a SIGBUS in this process). The objects opened here are made mode 0600
+/// by their creators (this crate, and PyTorch's reference-counter files).
+fn check_private(fd: &OwnedFd, name: &CStr) -> io::Result<()> {
+    let stat = fstat(fd)?;
+    let me = rustix::process::geteuid().as_raw();
+    if stat.st_uid != me || stat.st_mode & 0o077 != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "{}: refused, it is owned by user {} with mode {:o} (a shared-memory object of this user's alone, mode 600, is expected)",
+                name.to_string_lossy(),
+                stat.st_uid,
+                stat.st_mode & 0o7777
+            ),
+        ));
+    }
+    Ok(())
+}
+
 impl ShmFile {
     /// Creates the object `name` (which must not exist yet; mode 0600) with `len` zeroed bytes,
     /// and maps it. `ErrorKind::AlreadyExists` when the name is taken.
@@ -60,6 +80,7 @@ impl ShmFile {
             Err(rustix::io::Errno::NOENT) => return Ok(ShmOpen::Missing),
             Err(e) => return Err(e.into()),
         };
+        check_private(&fd, name)?;
         if size_of_fd(&fd)? < len as u64 {
             return Ok(ShmOpen::TooSmall);
         }
@@ -69,7 +90,7 @@ impl ShmFile {
     /// Size in bytes of the existing object `name`, or None when there is none.
     pub(crate) fn size_of(name: &CStr) -> io::Result<Option<u64>> {
         match shm::open(name, shm::OFlags::RDONLY, Mode::empty()) {
-            Ok(fd) => size_of_fd(&fd).map(Some),
+            Ok(fd) => check_private(&fd, name).and_then(|()| size_of_fd(&fd)).map(Some),
             Err(rustix::io::Errno::NOENT) => Ok(None),
             Err(e) => Err(e.into()),
         }
@@ -147,5 +168,23 @@ mod tests {
             let _ = std::fs::remove_file(format!("/dev/shm/{name}"));
         }
         assert_eq!(left, [false, false, true, true, true]);
+    }
+
+    #[test]
+    fn an_object_others_may_open_is_refused() {
+        let name = std::ffi::CString::new(format!("/cuda-mp-test-open-{}", std::process::id())).unwrap();
+        let _ = shm_unlink(&name);
+        let fd = shm::open(&name, shm::OFlags::CREATE | shm::OFlags::EXCL | shm::OFlags::RDWR, Mode::RUSR | Mode::WUSR)
+            .unwrap();
+        ftruncate(&fd, 4096).unwrap();
+        assert!(matches!(ShmFile::open(&name, 4096).unwrap(), ShmOpen::Mapped(_)), "mode 600: mapped");
+        // Mode 666 (as a file planted by another user would be): its owner could shrink it.
+        rustix::fs::fchmod(&fd, Mode::from_raw_mode(0o666)).unwrap();
+        let refused = ShmFile::open(&name, 4096).map(|_| ()).unwrap_err();
+        let sized = ShmFile::size_of(&name).unwrap_err();
+        let _ = shm_unlink(&name);
+        assert_eq!(refused.kind(), io::ErrorKind::PermissionDenied, "{refused}");
+        assert!(refused.to_string().contains("mode 666"), "{refused}");
+        assert_eq!(sized.kind(), io::ErrorKind::PermissionDenied);
     }
 }
