@@ -197,7 +197,13 @@ impl Socket {
         let target = fds.len() + count;
         let mut byte = [0u8; 1];
         while fds.len() < target {
-            match recv_packet(self.0.as_fd(), &mut byte, Wait::Not)? {
+            // Nothing there (a forged message's socket whose writer is still open) is as
+            // malformed as too few: never a "try again" that drops the message silently.
+            let packet = match recv_packet(self.0.as_fd(), &mut byte, Wait::Not) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
+                other => other?,
+            };
+            match packet {
                 Some(Packet { fds_dropped: true, .. }) => return Ok(false),
                 Some(Packet { len: 1, fds: got, .. }) if !got.is_empty() && fds.len() + got.len() <= target => {
                     fds.extend(got)
@@ -581,6 +587,23 @@ mod tests {
     fn send(s: &Socket, bytes: &[u8], fds: &[&OwnedFd]) -> io::Result<()> {
         let fds: Vec<BorrowedFd<'_>> = fds.iter().map(|f| f.as_fd()).collect();
         s.send(&[bytes], &fds, Wait::Forever)
+    }
+
+    #[test]
+    fn a_message_whose_overflow_socket_is_empty_is_malformed_even_to_a_blocking_receive() {
+        crate::sys::raise_descriptor_limit();
+        let (a, b) = Socket::pair().unwrap();
+        // A forged message: a full packet of descriptors whose last is an overflow socket with
+        // nothing in it and its writer still open.
+        let (over_tx, over_rx) = Socket::pair().unwrap();
+        let fillers: Vec<OwnedFd> =
+            (0..PACKET_FDS - 1).map(|_| std::fs::File::open("/dev/null").unwrap().into()).collect();
+        let mut fds: Vec<BorrowedFd<'_>> = fillers.iter().map(|f| f.as_fd()).collect();
+        fds.push(over_rx.0.as_fd());
+        send_packet(a.0.as_fd(), &[IoSlice::new(&300u32.to_le_bytes())], &fds, Wait::Not).unwrap();
+        let err = b.recv(16, Wait::Forever).unwrap_err();
+        drop(over_tx);
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err:?}");
     }
 
     #[test]
