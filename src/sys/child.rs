@@ -6,7 +6,9 @@ use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 use rustix::event::{PollFd, PollFlags};
-use rustix::process::{Pid, PidfdFlags, Signal, WaitId, WaitIdOptions, kill_process, pidfd_open, waitid};
+use rustix::process::{
+    Pid, PidfdFlags, Signal, WaitId, WaitIdOptions, kill_process, pidfd_open, pidfd_send_signal, waitid,
+};
 
 /// How a child process ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,11 +60,17 @@ impl ChildWatch {
     }
 
     /// Sends `signal` to the child unless it has exited (then its pid may belong to someone
-    /// else once reaped; an exited child not yet reaped is left alone too).
+    /// else once reaped; an exited child not yet reaped is left alone too). Through the pidfd
+    /// where there is one: it names this child alone, even if the child is reaped between the
+    /// look and the signal and its pid taken by another process.
     pub(crate) fn signal(&self, signal: Signal) -> bool {
-        match self.pid {
-            Some(pid) if self.peek().is_none() => kill_process(pid, signal).is_ok(),
-            _ => false,
+        if self.peek().is_some() {
+            return false;
+        }
+        match (&self.pidfd, self.pid) {
+            (Some(pidfd), _) => pidfd_send_signal(pidfd, signal).is_ok(),
+            (None, Some(pid)) => kill_process(pid, signal).is_ok(),
+            (None, None) => false,
         }
     }
 
