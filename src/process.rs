@@ -3,7 +3,7 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -435,25 +435,6 @@ impl<R> JoinHandle<R> {
         }
     }
 
-    /// Lets the child run on after this handle is gone: dropping a `JoinHandle` otherwise kills
-    /// the child (SIGKILL). Nothing in this process waits for it any more; its exit is
-    /// collected only when this process exits.
-    ///
-    /// ```no_run
-    /// #[cuda_mp::main]
-    /// fn main() {
-    ///     cuda_mp::spawn((), |()| std::thread::sleep(std::time::Duration::from_secs(5))).detach();
-    /// }
-    /// ```
-    pub fn detach(mut self) {
-        // The child runs on, and fetches its arguments itself.
-        self.arguments = None;
-        if let Inner::Running(handle) = std::mem::replace(&mut self.inner, Inner::Failed(None)) {
-            // procspawn's handle kills the child when dropped: never drop it.
-            std::mem::forget(handle);
-        }
-    }
-
     /// The child's process id, once it runs.
     ///
     /// ```no_run
@@ -487,6 +468,42 @@ impl<R> JoinHandle<R> {
 }
 
 impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
+    /// Lets the child run on after this handle is gone: dropping a `JoinHandle` otherwise kills
+    /// the child (SIGKILL). A thread of this process waits for the child's result and drops
+    /// it, so that a child whose result carries descriptors (a channel end, a host tensor),
+    /// which waits at its exit until they are fetched, can exit, and its exit is collected.
+    ///
+    /// ```no_run
+    /// #[cuda_mp::main]
+    /// fn main() {
+    ///     cuda_mp::spawn((), |()| std::thread::sleep(std::time::Duration::from_secs(5))).detach();
+    /// }
+    /// ```
+    pub fn detach(mut self)
+    where
+        R: Send + 'static,
+    {
+        // The child runs on, and fetches its arguments itself.
+        self.arguments = None;
+        let Inner::Running(handle) = std::mem::replace(&mut self.inner, Inner::Failed(None)) else { return };
+        // procspawn's handle kills the child when dropped, which its `join` does only once the
+        // child has exited: never drop it otherwise.
+        let slot = Arc::new(Mutex::new(Some(handle)));
+        let taken = slot.clone();
+        let collect = move || {
+            let handle = taken.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(handle) = handle {
+                let _ = handle.join();
+            }
+        };
+        if std::thread::Builder::new().name("cuda-mp-detached".into()).spawn(collect).is_err() {
+            // No thread: the child runs on, uncollected until this process exits.
+            if let Some(handle) = slot.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                std::mem::forget(handle);
+            }
+        }
+    }
+
     /// Waits for the child's result. A panic in the child comes back as
     /// [`JoinError::Panicked`] with its message and location; a child killed by a signal or
     /// exiting early as [`JoinError::Signaled`] or [`JoinError::Exited`].

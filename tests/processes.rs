@@ -153,6 +153,31 @@ fn touch_later(path: String) {
     std::fs::write(path, b"done").unwrap();
 }
 
+fn returns_a_channel_end(_: ()) -> cuda_mp::Sender<u8> {
+    cuda_mp::channel::<u8>().unwrap().0
+}
+
+/// Alive and not a zombie.
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|stat| stat.rsplit(')').next().is_some_and(|rest| !rest.trim_start().starts_with('Z')))
+}
+
+#[test]
+fn a_detached_child_whose_result_carries_a_descriptor_exits() {
+    let child = spawn((), returns_a_channel_end);
+    let pid = child.pid().expect("the child runs");
+    child.detach();
+    let t = std::time::Instant::now();
+    while running(pid) {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the detached child is still there 10 s after its function returned"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[test]
 fn a_detached_child_runs_on() {
     let path = std::env::temp_dir().join(format!("cuda-mp-detached-{}", std::process::id()));
