@@ -232,8 +232,8 @@ pub struct QueueStats {
     /// Messages put back at the front because their consumer left or died before
     /// acknowledging them (prefetched ones included).
     pub requeued: u64,
-    /// Messages the dispatcher could not encode again, dropped (each reported to the get that
-    /// would have received it).
+    /// Messages dropped: the dispatcher could not encode one again, or a consumer could not
+    /// decode one it was sent (each reported to the get that would have received it).
     pub discarded: u64,
     /// Puts the dispatcher could not decode (for example out of descriptors in its process),
     /// dropped with their resources released.
@@ -587,13 +587,17 @@ enum Fault {
     /// The dispatcher could not send the message meant for this request (the consumer is
     /// still in step with it).
     Forward(Failure),
+    /// The message meant for this request arrived and does not decode here: the dispatcher is
+    /// told to drop it (the consumer is still in step with it).
+    Rejected(String),
 }
 
 impl Fault {
-    /// Whether the consumer is still in step with the dispatcher after this fault: only when
-    /// the dispatcher could not forward a message meant for it (and did not cut it off).
+    /// Whether the consumer is still in step with the dispatcher after this fault: when the
+    /// dispatcher could not forward a message meant for it (and did not cut it off), or knows
+    /// that the consumer dropped one that does not decode.
     fn leaves_in_step(&self) -> bool {
-        matches!(self, Fault::Forward(f) if !matches!(f, Failure::Unreadable(_)))
+        matches!(self, Fault::Forward(f) if !matches!(f, Failure::Unreadable(_))) || matches!(self, Fault::Rejected(_))
     }
 }
 
@@ -702,9 +706,22 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Endpoint<T> {
             self.ask(Ctl::Want(n as u32))?;
             self.asked = n;
         }
-        match self.read(timeout)? {
-            Some(reply) => self.counted(reply).map(Some),
-            None => Ok(None),
+        match self.read(timeout) {
+            Ok(Some(reply)) => self.counted(reply).map(Some),
+            Ok(None) => Ok(None),
+            Err(Fault::Malformed(why)) if self.asked > 0 => Err(self.reject(why)),
+            Err(fault) => Err(fault),
+        }
+    }
+
+    /// A message this consumer asked for arrived and does not decode here (only an `Item`
+    /// carries a value that can fail to): the dispatcher drops it, where leaving would put it
+    /// back first for the next consumer, which would fail on it too, for ever.
+    fn reject(&mut self, why: String) -> Fault {
+        self.asked -= 1;
+        match self.ask(Ctl::Reject(0)) {
+            Ok(()) => Fault::Rejected(why),
+            Err(fault) => fault,
         }
     }
 
@@ -1095,6 +1112,7 @@ impl From<Fault> for GetError {
         match f {
             Fault::Disconnected => GetError::Disconnected,
             Fault::Malformed(m) => GetError::Malformed(m),
+            Fault::Rejected(m) => GetError::Malformed(format!("{m} (the message was dropped from the queue)")),
             Fault::Io(m) => GetError::Io(m),
             Fault::OutOfDescriptors(limit) => GetError::OutOfDescriptors { limit },
             Fault::Forward(f) => forward_text(f).into(),

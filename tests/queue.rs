@@ -855,3 +855,42 @@ fn a_consumer_whose_join_is_lost_at_the_descriptor_limit_is_not_told_the_queue_c
     }
     assert_eq!(second.unwrap(), 0);
 }
+
+/// A value that encodes and does not decode (13 never does).
+#[derive(Debug, PartialEq)]
+struct Picky(u32);
+
+impl serde::Serialize for Picky {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u32(self.0)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Picky {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Picky, D::Error> {
+        match u32::deserialize(d)? {
+            13 => Err(serde::de::Error::custom("13 does not decode")),
+            n => Ok(Picky(n)),
+        }
+    }
+}
+
+#[test]
+fn a_message_that_decodes_nowhere_is_dropped_once_and_the_order_kept() {
+    for prefetch in [0, 2] {
+        let queue = Queue::<Picky>::new().unwrap();
+        let consumer = queue.consumer().with_prefetch(prefetch);
+        for n in [1, 13, 2, 3] {
+            queue.put(Picky(n)).unwrap();
+        }
+        assert_eq!(consumer.get().unwrap(), Picky(1));
+        let err = consumer.get().unwrap_err();
+        assert!(matches!(&err, GetError::Malformed(why) if why.contains("dropped from the queue")), "{err}");
+        // Not handed out again, and nothing overtook it.
+        assert_eq!(consumer.get().unwrap(), Picky(2));
+        assert_eq!(consumer.get_timeout(WAIT).unwrap(), Picky(3));
+        drop(consumer);
+        let stats = queue.stats().unwrap();
+        assert_eq!((stats.discarded, stats.requeued, stats.backlog), (1, 0, 0), "prefetch {prefetch}: {stats:?}");
+    }
+}

@@ -36,6 +36,10 @@ pub(super) enum Ctl {
     Got(u32),
     /// The queue's counters (answered `Stats`).
     Stats,
+    /// The oldest `Item` in flight to this consumer arrived and does not decode there: it is
+    /// dropped (counted as discarded), not handed out again. Then this many more messages are
+    /// wanted, as by `Got`.
+    Reject(u32),
 }
 
 /// The dispatcher's answer to one request.
@@ -443,11 +447,15 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
         let Some(c) = self.consumers.get_mut(&id) else { return };
         if c.replies.is_none() {
             // Cut off: only its acknowledgements still count, for messages it did return.
-            if let Ctl::Got(_) = ctl
+            if let Ctl::Got(_) | Ctl::Reject(_) = ctl
                 && let Some(item) = c.in_flight.pop_front()
             {
                 self.done.push(item);
-                self.delivered += 1;
+                if let Ctl::Got(_) = ctl {
+                    self.delivered += 1;
+                } else {
+                    self.discarded += 1;
+                }
                 self.serve();
             }
             return;
@@ -475,10 +483,14 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
                 self.withdraw(id);
                 self.answer(id, Reply::Cancelled);
             }
-            Ctl::Got(n) => {
+            Ctl::Got(n) | Ctl::Reject(n) => {
                 if let Some(item) = c.in_flight.pop_front() {
                     self.done.push(item);
-                    self.delivered += 1;
+                    if let Ctl::Got(_) = ctl {
+                        self.delivered += 1;
+                    } else {
+                        self.discarded += 1;
+                    }
                 }
                 self.want(id, n);
                 // Serves what it wants now; and the last delivery may be what the waiting
