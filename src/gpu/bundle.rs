@@ -520,6 +520,9 @@ struct ReceivedTables {
 
 struct ParsedTable {
     ids: Vec<StorageId>,
+    /// The storages' sizes the entries were checked against: a record may name a storage id
+    /// with another size (forged, the mapping since evicted), which must be checked again.
+    lens: Vec<usize>,
     bytes: Vec<u8>,
     entries: Arc<[BundleEntry]>,
 }
@@ -535,7 +538,7 @@ impl ReceivedTables {
     /// earlier message, or parsed and checked against the storages.
     fn entries(&self, ids: &[StorageId], lens: &[usize], table: &[u8]) -> Result<Arc<[BundleEntry]>> {
         let mut recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(i) = recent.iter().position(|t| t.ids == ids && t.bytes == table) {
+        if let Some(i) = recent.iter().position(|t| t.ids == ids && t.lens == lens && t.bytes == table) {
             let hit = recent.remove(i).expect("position is in range");
             let entries = hit.entries.clone();
             recent.push_front(hit);
@@ -544,7 +547,9 @@ impl ReceivedTables {
         drop(recent);
         let entries = parse_table(table, lens)?;
         let mut recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
-        recent.push_front(ParsedTable { ids: ids.to_vec(), bytes: table.to_vec(), entries: entries.clone() });
+        let parsed =
+            ParsedTable { ids: ids.to_vec(), lens: lens.to_vec(), bytes: table.to_vec(), entries: entries.clone() };
+        recent.push_front(parsed);
         recent.truncate(KEPT_TABLES);
         Ok(entries)
     }

@@ -282,6 +282,8 @@ impl Device {
     /// queued: what a drop needs before memory is freed, unmapped or handed back (an owed wait
     /// puts no work of ours on the memory, and queuing it would wait for the sender).
     pub(crate) fn finish_own_work(&self) -> Result<()> {
+        // A forked child makes no driver call: what it inherited is dropped without one.
+        super::driver::check_not_forked()?;
         self.stream.synchronize().map_err(driver_err("cuStreamSynchronize"))
     }
 

@@ -409,10 +409,13 @@ impl StorageKind for GpuKind {
 
     fn fence(raw: &mut GpuMemory) -> Option<Box<dyn Fence>> {
         // Blocks: nothing is unmapped at their drop, and the owner hands a released block out
-        // again, so the release waits behind a fence, not the dropping thread. Whole mappings
-        // still synchronize before they unmap, on the dropping thread.
+        // again, so the release waits behind a fence, not the dropping thread. So does a
+        // storage of an allocation whose mapping other storages here still hold (nothing is
+        // unmapped then either, yet the owner may free the storage's memory once released);
+        // a mapping's last holder also synchronizes before it unmaps, on the dropping thread.
         match raw {
             GpuMemory::ImportedBlock(block) => Some(Box::new(block.fence()?)),
+            GpuMemory::Imported { mapping, .. } => Some(Box::new(mapping.device().own_work().ok()?)),
             _ => None,
         }
     }
