@@ -67,7 +67,7 @@ fn allocate(size: usize, device: c_int) -> Result<*mut c_void, String> {
         }
         Err(e) => return Err(e.to_string()),
     };
-    let ptr = storage.device_ptr() as u64;
+    let ptr = storage.device_ptr();
     live().insert((ordinal, ptr), storage);
     Ok(ptr as *mut c_void)
 }
