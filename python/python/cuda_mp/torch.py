@@ -42,6 +42,29 @@ What changes for the program, against torch's own CUDA sharing:
   tensor that came this way (so that what it sends back goes the same way); one that only sends
   calls ``install()`` itself.
 
+``install(allocator=True)`` (in the producer, before its first CUDA tensor) also makes
+cuda-mp's caching allocator PyTorch's CUDA allocator in that process
+(``torch.cuda.memory.change_current_allocator`` with a ``CUDAPluggableAllocator`` whose two
+functions are in cuda-mp's extension). Every CUDA tensor the process makes is then a block of
+a segment that cuda-mp exports once (VMM memory where the GPU has it), so that:
+
+- a receiver maps each segment once, for all its blocks: a fresh tensor cut from a segment it
+  maps already opens nothing, and a model's weights arrive in a few segments (segments of large
+  tensors grow with the pool, up to 1 GiB) instead of one driver open per tensor;
+- a tensor's memory stays the sender's until every receiver dropped it, without the book of
+  sent storages and the keeper tensors described above: PyTorch's free gives the block back once
+  the work queued on its stream is done and no receiver holds it.
+
+What it costs: PyTorch's own caching allocator is not used in that process, so
+``torch.cuda.memory_allocated``, ``memory_stats``, ``memory_snapshot`` and the other statistics
+of PyTorch's allocator raise (``cuda_mp.allocator_stats(device)`` has cuda-mp's), CUDA graphs
+cannot capture allocations, and ``torch.cuda.empty_cache()`` does nothing
+(``cuda_mp.empty_cache(device)`` gives the free segments back). A pluggable allocator cannot
+raise: an allocation the device cannot hold, even after the frees waiting for the GPU have run
+and the free segments were given back, ends the process with a message on stderr, where
+PyTorch's allocator would raise ``torch.cuda.OutOfMemoryError``. Processes started from it keep
+PyTorch's allocator unless they call ``install(allocator=True)`` themselves.
+
 The program's queues stay ``multiprocessing``'s own: a feeder thread and a pipe each way, whose
 round trip (about 70 us for an int on an H200 host) bounds how much faster a re-sent tensor can
 go. ``install(queues=True)`` also makes ``Queue()`` of every ``multiprocessing`` context (so
