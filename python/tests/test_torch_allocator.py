@@ -29,12 +29,12 @@ def test_tensors_of_the_allocator_travel_as_blocks_of_segments_mapped_once():
     assert r["in_use"] and r["matmul"]
     assert r["weights_ok"], "the consumer read every weight's value"
     assert r["consumer_write_seen"], "the consumer wrote the producer's memory, not a copy"
-    mappings, segments = r["consumer_mappings_for_weights"]
-    assert mappings == 0, "48 weights arrived as blocks, no allocation of their own"
-    assert 0 < segments <= r["segments"] < 48, r
+    # Storages opened (each block counts) and segments mapped (what costs a driver call).
+    storages, segments = r["consumer_mappings_for_weights"]
+    assert storages == 48 and 0 < segments <= r["segments"] < 48, r
     assert r["fresh_ok"], "fresh tensors dropped by the producer right after their put read right"
-    mappings_after, segments_after = r["consumer_mappings_after_fresh"]
-    assert mappings_after == 0 and segments_after <= segments + 2, "300 fresh tensors opened (almost) nothing"
+    storages_after, segments_after = r["consumer_mappings_after_fresh"]
+    assert storages_after == 48 + 300 and segments_after <= segments + 2, "300 fresh tensors mapped (almost) no segment"
     assert r["consumer_exit"] == 0
     assert r["torch_holds"] == [0, 0]
     assert r["allocated_bytes_at_end"] == 0, "every block came back once the consumer was gone"
