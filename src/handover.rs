@@ -30,7 +30,7 @@
 //! before it closes, so a request on a closed connection was not taken.
 //!
 //! Expiring deposits go when their time is up: the serving thread wakes for the first of them
-//! (a new deposit that expires earlier wakes it, by a connection that says nothing), and one
+//! (a new deposit that expires earlier wakes it, by its bell), and one
 //! that expired is never handed out. After serving a connection it keeps a timer for a second
 //! even with nothing to expire, so that a stream of handoffs (each fetched within
 //! milliseconds, its deposit made while the timer runs) costs no wake per deposit: that
@@ -77,6 +77,8 @@ const LINK_IDLE: Duration = Duration::from_secs(1);
 
 /// How long a fetch waits for the home's answer.
 const FETCH_WAIT: Duration = Duration::from_secs(30);
+/// Connections the serving thread takes in at most per turn (the listener's backlog).
+const ACCEPTS_PER_TURN: usize = 64;
 
 /// How often a process at exit looks whether its results were fetched (or its parent died).
 const EXIT_SLICE: Duration = Duration::from_millis(50);
@@ -188,7 +190,7 @@ pub(crate) fn batch_ticket(ttl: Duration) -> Result<SpawnTicket> {
     let wake = wakes_later(home, expires);
     drop(deposits);
     if wake {
-        let _ = crate::sys::connect_abstract(&home.name);
+        crate::sys::ring(&home.bell);
     }
     Ok(ticket)
 }
@@ -241,7 +243,7 @@ pub(crate) fn keep(ticket: &SpawnTicket, fds: Vec<Option<OwnedFd>>, until: Insta
     drop(deposits);
     drop(replaced);
     if wake {
-        let _ = crate::sys::connect_abstract(&home.name);
+        crate::sys::ring(&home.bell);
     }
 }
 
@@ -284,13 +286,13 @@ fn deposit(ticket: &SpawnTicket, fd: Held, ttl: Option<Duration>) -> Result<u32>
     let wake = deposit.expires.is_some_and(|e| wakes_later(home, e));
     drop(deposits);
     if wake {
-        let _ = crate::sys::connect_abstract(&home.name);
+        crate::sys::ring(&home.bell);
     }
     Ok(index)
 }
 
 /// Whether the serving thread next wakes after `expires` (or only for a fetch): then the
-/// caller wakes it (a connection that says nothing), so that a deposit's claims go when its
+/// caller wakes it (its bell), so that a deposit's claims go when its
 /// time is up, not at the next deposit. Called under the deposits' lock, under which the thread
 /// sets its wake.
 fn wakes_later(home: &Home, expires: Instant) -> bool {
@@ -354,21 +356,30 @@ fn serve(listening: NotInherited<Listening>) {
                 peers.remove(at);
             }
         }
-        if served[0] {
+        // Every connection waiting, up to a turn's worth: peers of another user that fill the
+        // backlog are refused all at once, not one a turn while this user's fetches wait.
+        for _ in 0..ACCEPTS_PER_TURN {
+            if !served[0] {
+                break;
+            }
             match listening.accept(Wait::Not) {
                 Ok(socket) => {
-                    // Its request is answered at the next turn (a wake's connection is dropped
-                    // then: it closes without one).
+                    // Its request is answered at the next turn.
                     if peers.len() >= MAX_PEERS {
                         peers.pop_front();
                     }
                     peers.push_back(NotInherited::new(socket));
                 }
-                // Nothing after all, or a peer of another user, refused (and closed) at once.
-                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::PermissionDenied) => {}
+                // A peer of another user, refused (and closed) at once.
+                Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {}
+                // Nothing more.
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 // Out of descriptors, say: the listener stays readable, so do not poll it
                 // again at once.
-                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                Err(_) => {
+                    std::thread::sleep(Duration::from_millis(10));
+                    break;
+                }
             }
         }
         home.fetched.notify_all();
@@ -538,7 +549,8 @@ fn fetch_on(kept: Option<Arc<Link>>, ticket: &SpawnTicket, wait: Duration) -> Re
         None => {
             // Nobody listens under the home's name: the home's process has ended (or lives in
             // another network namespace, where abstract names do not reach).
-            let socket = crate::sys::connect_abstract(&ticket.home).map_err(|e| match e.kind() {
+            let deadline = crate::os::instant_after(wait);
+            let socket = crate::sys::connect_abstract_within(&ticket.home, deadline).map_err(|e| match e.kind() {
                 io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound => refused(format!(
                     "the process that sent them has exited before this process took them, or cannot be reached from here ({e})"
                 )),

@@ -44,8 +44,8 @@ pub(crate) use shm::{ShmFile, ShmOpen, remove_cuda_event_files, shm_unlink};
 #[cfg(feature = "remote")]
 pub(crate) use socket::wait_for;
 pub(crate) use socket::{
-    Listening, MESSAGE_FDS, Message, Received, Socket, Wait, bell, connect_abstract, connect_to, private_dir, ring,
-    silence, wait_readable, wait_readable_or_closed,
+    Listening, MESSAGE_FDS, Message, Received, Socket, Wait, bell, connect_abstract_within, connect_to, private_dir,
+    ring, silence, wait_readable, wait_readable_or_closed,
 };
 
 /// 128 random bits from the kernel (`getrandom`): names and secrets no other process can guess.

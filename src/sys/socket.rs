@@ -520,9 +520,28 @@ pub(crate) fn connect_to(path: &Path) -> io::Result<Socket> {
     connect_addr(&SocketAddrUnix::new(path)?)
 }
 
-/// Connects to a listener at the abstract name `name`; refuses a listener of another user.
-pub(crate) fn connect_abstract(name: &str) -> io::Result<Socket> {
-    connect_addr(&SocketAddrUnix::new_abstract_name(name.as_bytes())?)
+/// Connects to the listener of the abstract name `name` (refusing a listener of another
+/// user), waiting no later than `deadline` while its backlog is full (a blocking connect would wait for as long as others keep it
+/// full: peers of another user, whom the listener refuses only once it accepts them).
+pub(crate) fn connect_abstract_within(name: &str, deadline: Instant) -> io::Result<Socket> {
+    let addr = SocketAddrUnix::new_abstract_name(name.as_bytes())?;
+    let fd =
+        socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC | SocketFlags::NONBLOCK, None)?;
+    loop {
+        match connect(&fd, &addr) {
+            Ok(()) => break,
+            Err(rustix::io::Errno::INTR) => continue,
+            // A Unix socket's connect does not wait without blocking: the backlog is full.
+            Err(rustix::io::Errno::AGAIN) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(1)),
+            Err(rustix::io::Errno::AGAIN) => {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "the listener's backlog stayed full"));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    // Blocking again, as every socket here is (each call says whether it waits).
+    rustix::io::ioctl_fionbio(&fd, false)?;
+    Socket::connected(fd)
 }
 
 fn connect_addr(addr: &SocketAddrUnix) -> io::Result<Socket> {
@@ -604,6 +623,30 @@ mod tests {
         let err = b.recv(16, Wait::Forever).unwrap_err();
         drop(over_tx);
         assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err:?}");
+    }
+
+    #[test]
+    fn a_connect_to_a_full_backlog_gives_up_at_its_deadline() {
+        let name = format!("cuda-mp-test-backlog-{}", std::process::id());
+        let listening = Listening::bind_abstract(&name).unwrap();
+        // Nobody accepts: fill the backlog (64, and the kernel takes one more).
+        let mut held = Vec::new();
+        let full = loop {
+            match connect_abstract_within(&name, Instant::now()) {
+                Ok(socket) => held.push(socket),
+                Err(e) => break e,
+            }
+            assert!(held.len() <= 1024, "the backlog never filled");
+        };
+        assert_eq!(full.kind(), io::ErrorKind::TimedOut, "{full}");
+        let start = Instant::now();
+        let err = connect_abstract_within(&name, Instant::now() + Duration::from_millis(50)).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert!(start.elapsed() < Duration::from_secs(5), "waited {:?}", start.elapsed());
+        // Room again: the next connect goes through, and the socket blocks as every socket here.
+        drop(listening.accept(Wait::Not).unwrap());
+        let socket = connect_abstract_within(&name, Instant::now() + Duration::from_secs(5)).unwrap();
+        assert!(!rustix::fs::fcntl_getfl(&socket.0).unwrap().contains(rustix::fs::OFlags::NONBLOCK));
     }
 
     #[test]
