@@ -709,7 +709,10 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Endpoint<T> {
         match self.read(timeout) {
             Ok(Some(reply)) => self.counted(reply).map(Some),
             Ok(None) => Ok(None),
-            Err(Fault::Malformed(why)) if self.asked > 0 => Err(self.reject(why)),
+            Err(Fault::Malformed(why)) if self.asked > 0 => {
+                self.reject()?;
+                Err(Fault::Rejected(why))
+            }
             Err(fault) => Err(fault),
         }
     }
@@ -717,12 +720,9 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Endpoint<T> {
     /// A message this consumer asked for arrived and does not decode here (only an `Item`
     /// carries a value that can fail to): the dispatcher drops it, where leaving would put it
     /// back first for the next consumer, which would fail on it too, for ever.
-    fn reject(&mut self, why: String) -> Fault {
+    fn reject(&mut self) -> std::result::Result<(), Fault> {
         self.asked -= 1;
-        match self.ask(Ctl::Reject(0)) {
-            Ok(()) => Fault::Rejected(why),
-            Err(fault) => fault,
-        }
+        self.ask(Ctl::Reject(0))
     }
 
     /// Reads answers until `mine` takes one, the answer to a request other than a want.
@@ -735,8 +735,21 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Endpoint<T> {
         mine: impl Fn(&Reply<T>) -> bool,
     ) -> std::result::Result<Reply<T>, Fault> {
         loop {
-            let Some(reply) = self.read(timeout)? else {
-                return Err(Fault::Io(IoFailure::other("the queue's dispatcher did not answer")));
+            let reply = match self.read(timeout) {
+                Ok(Some(reply)) => reply,
+                Ok(None) => return Err(Fault::Io(IoFailure::other("the queue's dispatcher did not answer"))),
+                Err(Fault::Malformed(why)) if self.asked > 0 => {
+                    // An `Item` asked for before, in its place for the gets.
+                    self.reject()?;
+                    self.early.push_back(Reply::Undecodable(why));
+                    continue;
+                }
+                Err(Fault::Malformed(why)) if mine(&Reply::Undecodable(String::new())) => {
+                    // Nothing asked for ahead: the `Item` answering a `TryWant`.
+                    self.ask(Ctl::Reject(0))?;
+                    return Ok(Reply::Undecodable(why));
+                }
+                Err(fault) => return Err(fault),
             };
             // Cut off: nothing more comes (the channel closes next), whatever was asked for.
             if let Reply::Failed(f @ Failure::Unreadable(_), _) = reply {
@@ -776,6 +789,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Endpoint<T> {
             }
             Reply::Closed => Err(Fault::Disconnected),
             Reply::Failed(f, _) => Err(Fault::Forward(f)),
+            Reply::Undecodable(why) => Err(Fault::Rejected(why)),
             _ => Err(out_of_turn()),
         }
     }
@@ -939,13 +953,23 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
                         return e.deliver(reply, ahead).map(Some);
                     }
                     Err(TryRecvError::Empty) => {}
+                    Err(TryRecvError::Malformed(why)) => {
+                        e.reject()?;
+                        return Err(Fault::Rejected(why));
+                    }
                     Err(other) => return Err(other.into()),
                 }
             }
             e.ask(Ctl::TryWant)?;
-            let wanted =
-                |reply: &Reply<T>| matches!(reply, Reply::Item(_) | Reply::Empty | Reply::Closed | Reply::Failed(..));
-            match e.until(None, wanted)? {
+            let wanted = |reply: &Reply<T>| {
+                matches!(
+                    reply,
+                    Reply::Item(_) | Reply::Empty | Reply::Closed | Reply::Failed(..) | Reply::Undecodable(_)
+                )
+            };
+            // Bounded: a dispatcher that does not answer (its process stopped, say) fails the
+            // call instead of holding it.
+            match e.until(Some(CANCEL_WAIT), wanted)? {
                 Reply::Empty => {}
                 reply => e.early.push_back(reply),
             }
@@ -990,7 +1014,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
     pub fn stats(&self) -> std::result::Result<QueueStats, GetError> {
         self.exchange(|e| {
             e.ask(Ctl::Stats)?;
-            match e.until(None, |reply| matches!(reply, Reply::Stats(_)))? {
+            match e.until(Some(CANCEL_WAIT), |reply| matches!(reply, Reply::Stats(_)))? {
                 Reply::Stats(s) => Ok(s),
                 _ => Err(out_of_turn()),
             }

@@ -893,4 +893,22 @@ fn a_message_that_decodes_nowhere_is_dropped_once_and_the_order_kept() {
         let stats = queue.stats().unwrap();
         assert_eq!((stats.discarded, stats.requeued, stats.backlog), (1, 0, 0), "prefetch {prefetch}: {stats:?}");
     }
+    // The same through `try_get`, whose answer is the undecodable message itself.
+    let queue = Queue::<Picky>::new().unwrap();
+    let consumer = queue.consumer().with_prefetch(0);
+    for n in [13, 4] {
+        queue.put(Picky(n)).unwrap();
+    }
+    let t = Instant::now();
+    let err = loop {
+        match consumer.try_get() {
+            Err(TryGetError::Empty) if t.elapsed() < WAIT => std::thread::sleep(Duration::from_millis(1)),
+            other => break other.unwrap_err(),
+        }
+    };
+    assert!(matches!(&err, TryGetError::Malformed(why) if why.contains("dropped from the queue")), "{err}");
+    assert_eq!(consumer.get_timeout(WAIT).unwrap(), Picky(4));
+    drop(consumer);
+    let stats = queue.stats().unwrap();
+    assert_eq!((stats.discarded, stats.requeued, stats.backlog), (1, 0, 0), "{stats:?}");
 }

@@ -61,6 +61,10 @@ pub(super) enum Reply<T> {
     /// left). A `Got` that crossed it asks for its own messages again, so the consumer counts
     /// off only these.
     Failed(Failure, u32),
+    /// Never sent: what a consumer keeps, in its place among the answers read, of an `Item`
+    /// that arrived and did not decode (and that it told the dispatcher to drop, `Reject`).
+    #[serde(skip)]
+    Undecodable(String),
 }
 
 /// Why the dispatcher could not forward a message.
