@@ -323,3 +323,11 @@ def test_data_loader_workers_whose_parent_is_killed_end_quietly(tmp_path, method
     finally:
         p.kill()
     assert "Traceback" not in err, err
+
+
+@pytest.mark.skipif(cuda_mp.cuda_available(), reason="this machine has a GPU")
+def test_the_allocator_needs_a_gpu_and_installs_nothing_without_one():
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        cuda_mp.torch.install(allocator=True)
+    assert not cuda_mp.torch.allocator_in_use()
+    assert not cuda_mp.torch.installed()
