@@ -520,7 +520,10 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
     }
 
     /// Like [`join`](Self::join), giving up after `timeout` with [`JoinError::Timeout`]; the
-    /// child keeps running and the handle stays usable.
+    /// child keeps running and the handle stays usable. Once the child's result has arrived it
+    /// waits for the child's exit whatever the timeout, and a child waits at its exit until
+    /// what it sent on channels is handed on: read those before joining, or on another thread
+    /// (see "Closing" in `src/channel/README.md`), not between calls of this.
     ///
     /// ```no_run
     /// use std::time::Duration;
