@@ -82,14 +82,34 @@ thread_local! {
     static DEPTH: Cell<usize> = const { Cell::new(0) };
 }
 
-/// Decodes a container's items one level deeper; refuses past [`MAX_DEPTH`].
-fn nested<'de, D: Deserializer<'de>, T: Deserialize<'de>>(deserializer: D) -> Result<T, D::Error> {
+/// Decodes a container's items one level deeper; refuses past [`MAX_DEPTH`]. Room is made as
+/// items arrive, not as the count in the message says: serde's own `Vec` reserves up to 1 MiB
+/// on that word alone, so a few hundred bytes of nested headers would reserve a hundred MiB.
+fn nested<'de, D: Deserializer<'de>, T: Deserialize<'de>>(deserializer: D) -> Result<Vec<T>, D::Error> {
+    struct Items<T>(std::marker::PhantomData<T>);
+
+    impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for Items<T> {
+        type Value = Vec<T>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a sequence")
+        }
+
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+            let mut items = Vec::new();
+            while let Some(item) = seq.next_element()? {
+                items.push(item);
+            }
+            Ok(items)
+        }
+    }
+
     let level = DEPTH.with(Cell::get) + 1;
     if level > MAX_DEPTH {
         return Err(D::Error::custom(format!("a value nested deeper than {MAX_DEPTH} containers")));
     }
     DEPTH.with(|d| d.set(level));
-    let items = T::deserialize(deserializer);
+    let items = deserializer.deserialize_seq(Items(std::marker::PhantomData));
     DEPTH.with(|d| d.set(level - 1));
     items
 }

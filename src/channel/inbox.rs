@@ -481,7 +481,8 @@ impl Inbox {
                 return Look::Again;
             }
             if order.number == ring.next() {
-                ring.set_next(order.number + 1);
+                // Numbers come from the sender: wrapping, as the ring's own do.
+                ring.set_next(order.number.wrapping_add(1));
             }
         }
         self.deliver(gauge, raw, main)
@@ -510,7 +511,7 @@ impl Inbox {
             }
         }
         if self.rings[i].next() == number {
-            self.rings[i].set_next(number + 1);
+            self.rings[i].set_next(number.wrapping_add(1));
         }
         self.deliver(gauge, stashed.raw, stashed.main)
     }

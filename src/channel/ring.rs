@@ -561,3 +561,37 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod numbers_from_the_sender {
+    use std::os::fd::AsFd;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::channel::gauge::Gauge;
+    use crate::channel::inbox::{Inbox, Wait};
+    use crate::lifetime::ConnectionLeases;
+    use crate::sys::Socket;
+
+    /// A ring whose writer put `u64::MAX` in its next number, then an ordered frame numbered
+    /// `u64::MAX`: the receiver takes it in its turn (the next number wraps), no overflow.
+    #[test]
+    fn an_ordered_frame_numbered_u64_max_is_taken_in_its_turn() {
+        let (main, peer) = Socket::pair().unwrap();
+        let mut inbox = Inbox::new(Arc::new(main), Arc::new(ConnectionLeases::default()));
+        let (_writer, intro) = RingWriter::new().unwrap();
+        word(&intro.memory, NEXT_AT).store(u64::MAX, Ordering::Relaxed);
+        let reader = RingReader::adopt(intro.memory.as_fd().try_clone_to_owned().unwrap(), intro.alive).unwrap();
+        reader.accept();
+        let id = reader.id();
+        inbox.rings.push(reader);
+        let mut frame = vec![0x40u8];
+        frame.extend(id.to_le_bytes());
+        frame.extend(u64::MAX.to_le_bytes());
+        frame.extend(postcard::to_allocvec(&7u8).unwrap());
+        frame.push(0); // no trailer
+        peer.send(&[&frame], &[], Wait::Forever).unwrap();
+        let gauge = Gauge::new(0, 1 << 20).unwrap();
+        assert!(matches!(inbox.receive::<u8>(&gauge, Wait::Not), Ok(7)));
+    }
+}
