@@ -156,7 +156,7 @@ pub use gpu::nccl_library;
 #[cfg(feature = "cuda")]
 pub use gpu::{
     Bundle, BundleBuilder, BundleEntry, DEFAULT_CHUNK_BYTES, Device, GpuMemoryKind, GpuStorage, GpuTensor, IpcPayload,
-    TorchIpcHandle, TorchIpcStats, VMM_MIN_BYTES, cuda_available, torch_ipc_stats,
+    TorchIpcHandle, TorchIpcStats, VMM_MIN_BYTES, cuda_available, keeping_current_context, torch_ipc_stats,
 };
 pub use half::{bf16, f16};
 pub use handoff::{HandoffBatch, from_bytes, to_bytes};

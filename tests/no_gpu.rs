@@ -16,3 +16,8 @@ fn device_lookup_reports_errors_instead_of_panicking() {
     assert!(matches!(err, Error::CudaUnavailable(_)), "{err}");
     assert!(Device::by_uuid(&[0xee; 16]).is_err());
 }
+
+#[test]
+fn keeping_the_current_context_without_a_driver_only_runs_the_closure() {
+    assert_eq!(cuda_mp::keeping_current_context(|| 7), 7);
+}

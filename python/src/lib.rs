@@ -1427,6 +1427,13 @@ fn torch_allocations(device: usize) -> (usize, usize) {
     allocator::held(device)
 }
 
+/// `Tensor.record_stream` for PyTorch memory of cuda-mp's allocator at `ptr` on GPU `device`:
+/// its free waits for the work queued on `stream` (a `cudaStream_t`) too. False for other memory.
+#[pyfunction]
+fn allocator_record_stream(device: usize, ptr: u64, stream: usize) -> bool {
+    allocator::record_stream(device, ptr, stream)
+}
+
 /// Gives a caching allocator's wholly free segments up; the bytes given up.
 #[pyfunction]
 #[pyo3(signature = (device=None))]
@@ -1534,6 +1541,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(allocator_stats, m)?)?;
     m.add_function(wrap_pyfunction!(empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(torch_allocations, m)?)?;
+    m.add_function(wrap_pyfunction!(allocator_record_stream, m)?)?;
     m.add_function(wrap_pyfunction!(opened_segments, m)?)?;
     m.add_function(wrap_pyfunction!(set_caching, m)?)?;
     m.add_function(wrap_pyfunction!(set_segment_kind, m)?)?;

@@ -26,7 +26,8 @@ def run_program(*args):
 
 def test_tensors_of_the_allocator_travel_as_blocks_of_segments_mapped_once():
     r = run_program()
-    assert r["in_use"] and r["matmul"]
+    assert r["in_use"] and r["matmul"] and r["record_stream"] and r["empty_is_null"]
+    assert r["complex_refused"], "a tensor cuda-mp cannot carry is refused, not shared wrongly by torch"
     assert r["weights_ok"], "the consumer read every weight's value"
     assert r["consumer_write_seen"], "the consumer wrote the producer's memory, not a copy"
     # Storages opened (each block counts) and segments mapped (what costs a driver call).

@@ -50,6 +50,25 @@ def main():
     a = torch.randn(512, 512, device="cuda")
     report["matmul"] = bool(torch.allclose(a @ torch.eye(512, device="cuda"), a))
     del a
+    # A tensor made on a side stream and used on the default one: record_stream reaches the
+    # allocator (its free waits for both streams).
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x = torch.ones(1 << 20, device="cuda")
+    torch.cuda.current_stream().wait_stream(side)
+    x.record_stream(torch.cuda.current_stream())
+    report["record_stream"] = float((x * 2).sum().item()) == 2.0 * (1 << 20)
+    del x
+    # Empty tensors have no memory (a null pointer, as with PyTorch's allocator).
+    report["empty_is_null"] = torch.empty(0, device="cuda").data_ptr() == 0
+    # What cuda-mp cannot carry cannot go through PyTorch's own sharing here either.
+    from multiprocessing.reduction import ForkingPickler
+
+    try:
+        ForkingPickler.dumps(torch.zeros(2, dtype=torch.complex64, device="cuda"))
+        report["complex_refused"] = False
+    except RuntimeError as e:
+        report["complex_refused"] = "cuda-mp's allocator" in str(e)
     torch.cuda.synchronize()
     report["segments"] = cuda_mp.allocator_stats(0)["segments"]
 

@@ -31,6 +31,21 @@ pub fn cuda_available() -> bool {
     Device::count().map(|n| n > 0).unwrap_or(false)
 }
 
+/// Runs `f`, then makes the thread's current CUDA context the one that was current before.
+/// cuda-mp makes a device's context current for the driver calls it makes, and the CUDA
+/// runtime (PyTorch's, say) takes the current context for its current device: code that
+/// another library calls on its own threads (an allocator's hooks) wraps itself in this so
+/// that the library's current device stays what it was.
+///
+/// ```no_run
+/// let dev = cuda_mp::Device::get(1).unwrap();
+/// cuda_mp::keeping_current_context(|| dev.synchronize()).unwrap();
+/// ```
+pub fn keeping_current_context<R>(f: impl FnOnce() -> R) -> R {
+    let _saved = super::handles::SavedContext::save();
+    f()
+}
+
 fn init_driver() -> Result<()> {
     driver::check_not_forked()?;
     static INIT: OnceCell<std::result::Result<(), String>> = OnceCell::new();

@@ -64,6 +64,11 @@ pub(crate) fn mark_initialized() {
     CUDA_GENERATION.store(crate::fork::generation(), Ordering::SeqCst);
 }
 
+/// True once this process (or the parent it was forked from) initialized the driver.
+pub(crate) fn initialized() -> bool {
+    CUDA_GENERATION.load(Ordering::SeqCst) != u64::MAX
+}
+
 /// Refuses every CUDA call in a child forked after its parent initialized the driver: CUDA's
 /// state does not survive `fork`, and its objects (contexts, memory, events) are the
 /// parent's. Such a child drops what it inherited without calling the driver.
@@ -497,6 +502,26 @@ pub(crate) unsafe fn stream_wait_event(stream: sys::CUstream, event: sys::CUeven
 pub(crate) unsafe fn event_destroy(event: sys::CUevent) -> DriverResult<()> {
     // SAFETY: upheld by the caller.
     unsafe { sys::cuEventDestroy_v2(event).result() }
+}
+
+/// `cuCtxGetCurrent`: the calling thread's current context (null when none).
+///
+/// # Safety
+/// The driver must be initialized.
+pub(crate) unsafe fn ctx_get_current() -> DriverResult<sys::CUcontext> {
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: upheld by the caller; the driver writes one handle into `ctx`.
+    unsafe { sys::cuCtxGetCurrent(&mut ctx).result()? };
+    Ok(ctx)
+}
+
+/// `cuCtxSetCurrent`: makes `ctx` (or none, for null) the calling thread's current context.
+///
+/// # Safety
+/// The driver must be initialized; `ctx` must be null or a live context.
+pub(crate) unsafe fn ctx_set_current(ctx: sys::CUcontext) -> DriverResult<()> {
+    // SAFETY: upheld by the caller.
+    unsafe { sys::cuCtxSetCurrent(ctx).result() }
 }
 
 /// `cuStreamSynchronize` on another library's stream: blocks until its queued work is done.

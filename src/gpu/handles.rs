@@ -732,6 +732,34 @@ impl InterprocessEvent {
     }
 }
 
+/// The calling thread's current context as it was when saved, made current again when dropped:
+/// cuda-mp makes a device's context current for its calls, which would change another
+/// library's current device (the CUDA runtime's) on that thread.
+pub(crate) struct SavedContext(Option<sys::CUcontext>);
+
+impl SavedContext {
+    /// Saves the current context; nothing is saved (or put back) in a forked child or where
+    /// the driver was never initialized in this process.
+    pub(crate) fn save() -> SavedContext {
+        if driver::check_not_forked().is_err() || !driver::initialized() {
+            return SavedContext(None);
+        }
+        // SAFETY: the driver is initialized (checked above).
+        SavedContext(unsafe { driver::ctx_get_current() }.ok())
+    }
+}
+
+impl Drop for SavedContext {
+    fn drop(&mut self) {
+        if let Some(ctx) = self.0 {
+            // SAFETY: the driver is initialized (it was when saved); `ctx` was current on this
+            // thread when saved, and is null or a context that lives on: primary contexts (what
+            // cuda-mp and the CUDA runtime use) stay while retained, for the life of the process.
+            let _ = unsafe { driver::ctx_set_current(ctx) };
+        }
+    }
+}
+
 /// Blocks until the work queued on another library's `stream` of `device` is done.
 ///
 /// # Safety

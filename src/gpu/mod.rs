@@ -22,7 +22,7 @@ use cudarc::driver::sys;
 use ndarray::{ArrayBase, ArrayD, Data, Dimension, IxDyn};
 
 pub use bundle::{Bundle, BundleBuilder, BundleEntry, DEFAULT_CHUNK_BYTES};
-pub use device::{Device, cuda_available};
+pub use device::{Device, cuda_available, keeping_current_context};
 pub use storage::{GpuMemoryKind, GpuStorage, IpcPayload, VMM_MIN_BYTES};
 pub use torch::{TorchIpcHandle, TorchIpcStats, torch_ipc_stats};
 

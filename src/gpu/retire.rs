@@ -35,9 +35,16 @@ pub(crate) struct Retirer {
     posted: Condvar,
     spare: Mutex<Vec<BlockingEvent>>,
     started: OnceLock<bool>,
-    /// Closes queued and not yet run.
-    unfinished: Mutex<usize>,
+    /// Closes queued and run since the process started (`finish_retiring` waits for those
+    /// queued before it was called, not for ones queued meanwhile).
+    counts: Mutex<Counts>,
     finished: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct Counts {
+    queued: u64,
+    run: u64,
 }
 
 impl std::fmt::Debug for Retirer {
@@ -111,7 +118,8 @@ impl Device {
         }
     }
 
-    /// Waits until every release and drop queued behind this device's work so far has run
+    /// Waits until every release and drop queued behind this device's work before this call
+    /// has run (not those queued meanwhile)
     /// (received blocks given back, values of [`drop_after_stream`](Self::drop_after_stream)
     /// dropped), at most `timeout`; true if none is left. An allocator that ran out of memory
     /// waits so before it tries again.
@@ -123,14 +131,15 @@ impl Device {
     pub fn finish_retiring(&self, timeout: std::time::Duration) -> bool {
         let retirer = self.retirer();
         let deadline = crate::os::deadline_after(timeout);
-        let mut unfinished = lock(&retirer.unfinished);
-        while *unfinished > 0 {
+        let mut counts = lock(&retirer.counts);
+        let target = counts.queued;
+        while counts.run < target {
             let left =
                 deadline.map_or(std::time::Duration::MAX, |d| d.saturating_duration_since(std::time::Instant::now()));
             if left.is_zero() {
                 return false;
             }
-            unfinished = retirer.finished.wait_timeout(unfinished, left).unwrap_or_else(|p| p.into_inner()).0;
+            counts = retirer.finished.wait_timeout(counts, left).unwrap_or_else(|p| p.into_inner()).0;
         }
         true
     }
@@ -156,7 +165,7 @@ impl Fence for OwnWork {
             return;
         }
         let retirer = device.retirer();
-        *lock(&retirer.unfinished) += 1;
+        lock(&retirer.counts).queued += 1;
         lock(&retirer.queue).push_back((event, close));
         retirer.posted.notify_one();
     }
@@ -178,12 +187,11 @@ fn retire(device: Arc<Device>) {
         // An error leaves the stream unusable (the context's error is sticky): nothing queued
         // on it runs any more, so the close may go ahead, as a synchronizing drop's would.
         let _ = event.wait();
-        close();
+        // A close that panics (a value of `drop_after_stream` whose drop does) must not end
+        // the thread: every later release of the device would wait for ever.
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(close));
         retirer.recycle(event);
-        let mut unfinished = lock(&retirer.unfinished);
-        *unfinished -= 1;
-        if *unfinished == 0 {
-            retirer.finished.notify_all();
-        }
+        lock(&retirer.counts).run += 1;
+        retirer.finished.notify_all();
     }
 }

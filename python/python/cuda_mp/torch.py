@@ -62,8 +62,14 @@ cannot capture allocations, and ``torch.cuda.empty_cache()`` does nothing
 (``cuda_mp.empty_cache(device)`` gives the free segments back). A pluggable allocator cannot
 raise: an allocation the device cannot hold, even after the frees waiting for the GPU have run
 and the free segments were given back, ends the process with a message on stderr, where
-PyTorch's allocator would raise ``torch.cuda.OutOfMemoryError``. Processes started from it keep
-PyTorch's allocator unless they call ``install(allocator=True)`` themselves.
+PyTorch's allocator would raise ``torch.cuda.OutOfMemoryError`` (and where PyTorch itself
+catches it, as cuDNN's choice of an algorithm by workspace does). Processes started from it with
+spawn or forkserver keep PyTorch's allocator unless they call ``install(allocator=True)``
+themselves. ``Tensor.record_stream`` is honoured for calls from Python (the allocator frees
+the memory after the named streams' work too); PyTorch's C++ callers of it (NCCL process
+groups) are not seen, so a tensor used on another stream from there must be kept until that
+work is done. A CUDA tensor that cuda-mp cannot carry (an element type it lacks, a tensor
+subclass) cannot go through PyTorch's own sharing either in that process: pickling it raises.
 
 The program's queues stay ``multiprocessing``'s own: a feeder thread and a pipe each way, whose
 round trip (about 70 us for an int on an H200 host) bounds how much faster a re-sent tensor can
@@ -183,6 +189,19 @@ def _use_allocator(torch) -> None:
             "install(allocator=True) must come before this process's first CUDA tensor: "
             f"PyTorch's own allocator is in use already ({e})"
         ) from None
+    # PyTorch's pluggable allocator drops `record_stream` (its hook cannot be set from Python):
+    # the allocator is told here, so that a tensor used on another stream is freed after that
+    # stream's work too. C++ callers of recordStream (NCCL process groups) are not seen.
+    original = torch.Tensor.record_stream
+
+    def record_stream(self, stream):
+        pointer = getattr(stream, "cuda_stream", None)
+        if self.is_cuda and pointer is not None and self.layout == torch.strided:
+            _native.allocator_record_stream(self.device.index or 0, self.untyped_storage().data_ptr(), pointer)
+        return original(self, stream)
+
+    record_stream.__doc__ = original.__doc__
+    torch.Tensor.record_stream = record_stream
     _allocator_in_use = True
 
 
@@ -364,6 +383,8 @@ def _reduce_tensor(t):
     cls = torch.nn.Parameter if isinstance(t, torch.nn.Parameter) else torch.Tensor
     native = _ours(t)
     if native is None:
+        if t.is_cuda and t.layout == torch.strided and t.untyped_storage().nbytes() > 0:
+            _refuse_torch_sharing(f"a CUDA tensor of {t.dtype} ({type(t).__name__})")
         return _torch_reduction(t, cls)
     if t.requires_grad and not t.is_leaf:
         raise RuntimeError(
@@ -373,6 +394,18 @@ def _reduce_tensor(t):
         )
     data = _to_bytes(native)
     return (_rebuild_tensor, (data, cls is torch.nn.Parameter, t.requires_grad, _ttl))
+
+
+def _refuse_torch_sharing(what: str) -> None:
+    """Raises where PyTorch's own CUDA sharing would be used on cuda-mp's allocator's memory,
+    which it cannot share (it would take the handle of the whole segment)."""
+    if _allocator_in_use:
+        raise RuntimeError(
+            f"{what} cannot be shared by PyTorch's own CUDA sharing in a process whose CUDA memory "
+            "comes from cuda-mp's allocator (install(allocator=True)); send a tensor of one of "
+            "cuda-mp's element types (a plain torch.Tensor or nn.Parameter), or view its bytes "
+            "(tensor.view(torch.uint8))"
+        )
 
 
 def _bytes_view(storage):
@@ -399,6 +432,8 @@ def _reduce_typed_storage(storage):
     # the first CPU tensor the program puts on a queue.
     untyped = storage._untyped_storage
     if untyped.device.type != "cuda" or untyped.nbytes() == 0 or type(storage) is not torch.storage.TypedStorage:
+        if untyped.device.type == "cuda" and untyped.nbytes() > 0:
+            _refuse_torch_sharing(f"a CUDA storage of class {type(storage).__name__}")
         return _torch_reduction(storage, torch.storage.TypedStorage)
     data = _to_bytes(_sent(_bytes_view(untyped)))
     return (_rebuild_typed_storage, (data, storage.dtype, _ttl))
