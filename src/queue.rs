@@ -1136,7 +1136,9 @@ impl From<Fault> for GetError {
         match f {
             Fault::Disconnected => GetError::Disconnected,
             Fault::Malformed(m) => GetError::Malformed(m),
-            Fault::Rejected(m) => GetError::Malformed(format!("{m} (the message was dropped from the queue)")),
+            Fault::Rejected(m) => GetError::Malformed(format!(
+                "{m} (the queue hands the message to another consumer, or drops it once three could not decode it)"
+            )),
             Fault::Io(m) => GetError::Io(m),
             Fault::OutOfDescriptors(limit) => GetError::OutOfDescriptors { limit },
             Fault::Forward(f) => forward_text(f).into(),

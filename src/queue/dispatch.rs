@@ -36,11 +36,16 @@ pub(super) enum Ctl {
     Got(u32),
     /// The queue's counters (answered `Stats`).
     Stats,
-    /// The oldest `Item` in flight to this consumer arrived and does not decode there: it is
-    /// dropped (counted as discarded), not handed out again. Then this many more messages are
-    /// wanted, as by `Got`.
+    /// The oldest `Item` in flight to this consumer arrived and does not decode there: it goes
+    /// back first in the backlog, and once `MAX_REJECTS` consumers could not decode it, it is
+    /// dropped (counted as discarded). Then this many more messages are wanted, as by `Got`.
     Reject(u32),
 }
+
+/// How many times a message may fail to decode at a consumer before it is dropped: a message
+/// broken in itself fails everywhere, and would otherwise go to every consumer in turn for ever;
+/// one that fails for a reason of one consumer's (a GPU it does not see) goes to the others.
+const MAX_REJECTS: u32 = 3;
 
 /// The dispatcher's answer to one request.
 #[derive(Serialize, Deserialize)]
@@ -158,6 +163,8 @@ struct Dispatcher<T> {
     /// Messages done with (delivered, or discarded), to be dropped once the lock is let go:
     /// a value's `Drop` is the user's code, which may be slow or put on this very queue.
     done: Vec<Item<T>>,
+    /// How many consumers could not decode a message (by its address), while it is queued.
+    rejects: HashMap<usize, u32>,
 }
 
 /// The dispatcher, shared by every thread that has an event for it: a reader handles what it
@@ -418,6 +425,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
             discarded: 0,
             undecodable: 0,
             done: Vec::new(),
+            rejects: HashMap::new(),
         }
     }
 
@@ -454,12 +462,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
             if let Ctl::Got(_) | Ctl::Reject(_) = ctl
                 && let Some(item) = c.in_flight.pop_front()
             {
-                self.done.push(item);
-                if let Ctl::Got(_) = ctl {
-                    self.delivered += 1;
-                } else {
-                    self.discarded += 1;
-                }
+                self.acknowledged(item, matches!(ctl, Ctl::Got(_)));
                 self.serve();
             }
             return;
@@ -489,12 +492,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
             }
             Ctl::Got(n) | Ctl::Reject(n) => {
                 if let Some(item) = c.in_flight.pop_front() {
-                    self.done.push(item);
-                    if let Ctl::Got(_) = ctl {
-                        self.delivered += 1;
-                    } else {
-                        self.discarded += 1;
-                    }
+                    self.acknowledged(item, matches!(ctl, Ctl::Got(_)));
                 }
                 self.want(id, n);
                 // Serves what it wants now; and the last delivery may be what the waiting
@@ -505,6 +503,31 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
                 let stats = self.stats();
                 self.answer(id, Reply::Stats(stats));
             }
+        }
+    }
+
+    /// A message a consumer took (`got`), or could not decode: that goes back first in the
+    /// backlog, for another consumer (one that sees the message's GPU, say), until
+    /// `MAX_REJECTS` consumers could not decode it; then it is dropped.
+    fn acknowledged(&mut self, item: Item<T>, got: bool) {
+        let key = Arc::as_ptr(&item) as usize;
+        if got {
+            if !self.rejects.is_empty() {
+                self.rejects.remove(&key);
+            }
+            self.delivered += 1;
+            self.done.push(item);
+            return;
+        }
+        let rejects = self.rejects.entry(key).or_insert(0);
+        *rejects += 1;
+        if *rejects >= MAX_REJECTS {
+            self.rejects.remove(&key);
+            self.discarded += 1;
+            self.done.push(item);
+        } else {
+            self.requeued += 1;
+            self.backlog.push_front(item);
         }
     }
 
@@ -619,6 +642,9 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
         };
         match f {
             Failure::Discarded(_) => {
+                if !self.rejects.is_empty() {
+                    self.rejects.remove(&(Arc::as_ptr(&item) as usize));
+                }
                 self.done.push(item);
                 self.discarded += 1;
             }
