@@ -801,6 +801,13 @@ impl BlockingEvent {
         unsafe { driver::event_record(self.0.raw, stream) }.map_err(driver_err("cuEventRecord"))
     }
 
+    /// True when the work before the latest record is done (`cuEventQuery`).
+    pub(crate) fn is_complete(&self) -> Result<bool> {
+        bind(&self.0.ctx)?;
+        // SAFETY: the context is current and the event live.
+        unsafe { driver::event_is_complete(self.0.raw) }.map_err(driver_err("cuEventQuery"))
+    }
+
     /// Blocks, asleep, until the work before the latest record is done.
     pub(crate) fn wait(&self) -> Result<()> {
         bind(&self.0.ctx)?;

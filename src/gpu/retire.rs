@@ -7,8 +7,9 @@
 //! ([`Device::own_work`]), lets go of the block at once (nothing is unmapped: the segment
 //! stays mapped while cached, and a segment that closes synchronizes first) and hands the
 //! release of its claim to the device's retiring thread, which waits for the events asleep,
-//! in the order they were recorded (the order the stream finishes them), and posts each
-//! release after its event. A drop then costs one event record; the owner gets the block back
+//! in the order they were recorded (the order the stream finishes them; with fences on other
+//! libraries' streams too, `drop_after_stream`, it first takes any of the next few already
+//! passed), and posts each release after its event. A drop then costs one event record; the owner gets the block back
 //! when the work is done, not before.
 //!
 //! A release waits for the work queued on the stream before the drop, as the synchronizing drop
@@ -171,15 +172,21 @@ impl Fence for OwnWork {
     }
 }
 
-/// The retiring thread: each release after its event, in order.
+/// How far into its queue the retiring thread looks for a fence already passed before it
+/// waits for the first: fences of one stream pass in order, but those of several streams
+/// (`drop_after_stream` on another library's streams) need not.
+const LOOK_AHEAD: usize = 32;
+
+/// The retiring thread: each release after its event, the first passed of the oldest first.
 fn retire(device: Arc<Device>) {
     let retirer = device.retirer();
     loop {
         let (event, close) = {
             let mut queue = lock(&retirer.queue);
             loop {
-                if let Some(next) = queue.pop_front() {
-                    break next;
+                if !queue.is_empty() {
+                    let passed = queue.iter().take(LOOK_AHEAD).position(|(e, _)| e.is_complete().unwrap_or(true));
+                    break queue.remove(passed.unwrap_or(0)).expect("an entry at a position found");
                 }
                 queue = retirer.posted.wait(queue).unwrap_or_else(|p| p.into_inner());
             }
