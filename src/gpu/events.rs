@@ -98,7 +98,11 @@ pub(crate) fn sender_ended(owner_alive: impl Fn() -> bool) -> bool {
 
 /// An opened event of another process: (owner token, owner device ordinal, handle).
 type EventKey = (u128, usize, IpcHandle);
-/// Opened events of other processes, kept for the life of this process.
+/// Opened events of other processes, kept for reuse: past this many, those complete are closed
+/// when no wait is owed (a long-lived receiver of many short-lived senders would otherwise keep
+/// an event, and the driver's file behind it, of every sender it ever had).
+const KEPT_EVENTS: usize = 256;
+/// Opened events of other processes (see `KEPT_EVENTS`).
 static OPENED_EVENTS: Lazy<Mutex<HashMap<EventKey, OpenedEvent>>> = Lazy::new(|| Mutex::new(HashMap::new()));
 /// Per device ordinal: the events its stream owes a wait on. Lock order: `OWED`, then
 /// `OPENED_EVENTS`; `settle` holds `OWED` until the waits are queued, so that no work queued
@@ -130,6 +134,10 @@ pub(crate) fn wait(
     let key = (owner, owner_device.ordinal(), *handle);
     {
         let mut events = OPENED_EVENTS.lock().unwrap_or_else(|p| p.into_inner());
+        if events.len() >= KEPT_EVENTS && !events.contains_key(&key) && !ANY_OWED.load(Ordering::Acquire) {
+            // An owed wait names its event by key: only while none is owed may events go.
+            events.retain(|_, event| !event.is_complete().unwrap_or(true));
+        }
         let event = match events.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => v.insert(OpenedEvent::open(owner_device, handle)?),
