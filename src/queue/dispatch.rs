@@ -338,9 +338,22 @@ where
     Ok(Ends { inbox: inbox_tx, local: hub, join: join_tx })
 }
 
+/// Waits after a receive that failed in the transport (not a message): 1 ms after the first,
+/// twice as long after each next one in a row, at most 100 ms, so that a failure that lasts
+/// costs no processor; says so once.
+fn pause_after_failure(failures: &mut u32, what: &str, error: &crate::IoFailure) {
+    if *failures == 0 {
+        tracing::warn!(%error, "{what}: a receive failed; trying again");
+    }
+    let wait = std::time::Duration::from_millis(1u64 << (*failures).min(7)).min(std::time::Duration::from_millis(100));
+    *failures = failures.saturating_add(1);
+    thread::sleep(wait);
+}
+
 /// Hands every put to the dispatcher as it arrives. The backlog is unbounded, and a send to a
 /// consumer never waits for it to read, so a producer never waits for a consumer.
 fn read_puts<T: Serialize + DeserializeOwned + Send + 'static>(inbox: Receiver<T>, hub: &Hub<T>) {
+    let mut failures = 0;
     loop {
         let event = match inbox.recv() {
             Ok(v) => Event::Put(v),
@@ -348,13 +361,14 @@ fn read_puts<T: Serialize + DeserializeOwned + Send + 'static>(inbox: Receiver<T
                 hub.handle(Some(Event::InboxClosed));
                 return;
             }
-            Err(RecvError::Io(_)) => {
+            Err(RecvError::Io(e)) => {
                 // Not a message: the transport failed. Do not spin on a persistent failure.
-                thread::sleep(std::time::Duration::from_millis(1));
+                pause_after_failure(&mut failures, "a queue's puts", &e);
                 continue;
             }
             Err(_) => Event::Undecodable,
         };
+        failures = 0;
         hub.handle(Some(event));
     }
 }
@@ -362,17 +376,19 @@ fn read_puts<T: Serialize + DeserializeOwned + Send + 'static>(inbox: Receiver<T
 /// Registers joining consumers and starts a reader of each one's requests.
 fn read_joins<T: Serialize + DeserializeOwned + Send + 'static>(joins: Receiver<Join<T>>, hub: Arc<Hub<T>>) {
     let mut next = 0u64;
+    let mut failures = 0;
     loop {
         let join = match joins.recv() {
             Ok(join) => join,
             Err(RecvError::Disconnected) => return,
-            Err(RecvError::Io(_)) => {
-                thread::sleep(std::time::Duration::from_millis(1));
+            Err(RecvError::Io(e)) => {
+                pause_after_failure(&mut failures, "a queue's joins", &e);
                 continue;
             }
             // A forged or undecodable join: nobody to answer.
             Err(_) => continue,
         };
+        failures = 0;
         next += 1;
         let id = next;
         // Joined before the first request of this consumer: handled before its reader exists.
@@ -380,16 +396,22 @@ fn read_joins<T: Serialize + DeserializeOwned + Send + 'static>(joins: Receiver<
         let requests = join.requests;
         let reader = hub.clone();
         let started = thread::Builder::new().name("cuda-mp-queue-consumer".into()).spawn(move || {
+            let mut failures = 0;
             loop {
                 match requests.recv() {
-                    Ok(ctl) => reader.handle(Some(Event::Request(id, ctl))),
+                    Ok(ctl) => {
+                        failures = 0;
+                        reader.handle(Some(Event::Request(id, ctl)))
+                    }
                     // Closed: it left, or its process died.
                     Err(RecvError::Disconnected) => {
                         reader.handle(Some(Event::Left(id)));
                         return;
                     }
                     // Not a message: the transport failed. Do not spin on a persistent failure.
-                    Err(RecvError::Io(_)) => thread::sleep(std::time::Duration::from_millis(1)),
+                    Err(RecvError::Io(e)) => {
+                        pause_after_failure(&mut failures, "a queue consumer's requests", &e.into())
+                    }
                     // Something that is not a request, or a frame this process could not take
                     // in (out of descriptors): the consumer may still be there, holding what was
                     // sent to it and returning it. It is cut off, and read on until its channel
