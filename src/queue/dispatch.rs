@@ -409,9 +409,7 @@ fn read_joins<T: Serialize + DeserializeOwned + Send + 'static>(joins: Receiver<
                         return;
                     }
                     // Not a message: the transport failed. Do not spin on a persistent failure.
-                    Err(RecvError::Io(e)) => {
-                        pause_after_failure(&mut failures, "a queue consumer's requests", &e.into())
-                    }
+                    Err(RecvError::Io(e)) => pause_after_failure(&mut failures, "a queue consumer's requests", &e),
                     // Something that is not a request, or a frame this process could not take
                     // in (out of descriptors): the consumer may still be there, holding what was
                     // sent to it and returning it. It is cut off, and read on until its channel
