@@ -778,6 +778,10 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Endpoint<T> {
                 match self.requests.send(Ctl::Got(more as u32)) {
                     Ok(()) => {
                         self.asked += more;
+                        // The acknowledgement must outlive this process: one still spilled here
+                        // (the dispatcher behind in its reading) dies with it, and the message
+                        // the get returned would go to another consumer too.
+                        self.requests.handed_on(crate::os::instant_after(CANCEL_WAIT));
                         Ok(value)
                     }
                     // The dispatcher is gone: nobody can hand it out again, so it is ours.

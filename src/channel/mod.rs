@@ -163,6 +163,17 @@ enum SenderFlavor<T> {
 }
 
 impl<T> Sender<T> {
+    /// Waits until what this sender's process spilled on the channel (messages a full socket
+    /// could not take, kept in this process) was handed on, or the receiver is gone, until
+    /// `deadline` at most: then the messages outlive this process. False when the deadline
+    /// passed first.
+    pub(crate) fn handed_on(&self, deadline: Instant) -> bool {
+        match &self.flavor {
+            SenderFlavor::Local(outbox, _) => outbox.drain(Some(deadline)),
+            SenderFlavor::Remote(_) => true,
+        }
+    }
+
     fn local(outbox: Arc<Outbox>) -> Sender<T> {
         Sender { flavor: SenderFlavor::Local(outbox, PhantomData) }
     }

@@ -611,7 +611,7 @@ impl Outbox {
 
     /// Waits until everything spilled here was handed on, or the receiver is gone.
     /// False when `deadline` passed first.
-    fn drain(&self, deadline: Option<Instant>) -> bool {
+    pub(super) fn drain(&self, deadline: Option<Instant>) -> bool {
         let mut backlog = self.lock();
         while !(backlog.is_empty() || backlog.disconnected) {
             if !backlog.feeder {
