@@ -591,3 +591,52 @@ fn the_end_comes_right_after_what_a_gone_senders_ring_held() {
     assert_eq!(rx.recv_timeout(Duration::from_secs(10)), Err(RecvTimeoutError::Disconnected));
     assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
 }
+
+#[test]
+fn a_send_with_no_time_left_to_a_full_channel_whose_receiver_is_gone_says_disconnected() {
+    let (tx, rx) = cuda_mp::bounded::<u8>(1).unwrap();
+    tx.send(1).unwrap();
+    drop(rx);
+    assert!(tx.send_timeout(2, Duration::ZERO).unwrap_err().is_disconnected());
+    assert!(tx.try_send(3).unwrap_err().is_disconnected());
+}
+
+#[test]
+fn a_connect_to_a_listener_that_does_not_accept_gives_up_at_its_timeout() {
+    let listener = Listener::<u8>::bind().unwrap();
+    let path = std::env::temp_dir().join(format!("cuda-mp-full-backlog-{}.name", std::process::id()));
+    listener.publish_to(&path).unwrap();
+    // Nobody accepts: connects fill the backlog, then one times out.
+    let mut held = Vec::new();
+    let start = Instant::now();
+    let err = loop {
+        match Sender::<u8>::connect_file(&path, Duration::from_millis(100)) {
+            Ok(tx) => held.push(tx),
+            Err(e) => break e,
+        }
+        assert!(held.len() < 4096, "the backlog never filled");
+    };
+    let _ = std::fs::remove_file(&path);
+    assert!(err.is_timeout(), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(20), "took {:?}", start.elapsed());
+}
+
+#[test]
+fn listeners_publishing_at_once_each_write_their_own_name() {
+    let dir = std::env::temp_dir().join(format!("cuda-mp-publish-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (a, b) = (Listener::<u8>::bind().unwrap(), Listener::<u8>::bind().unwrap());
+    let (pa, pb) = (dir.join("srv.a"), dir.join("srv.b"));
+    for _ in 0..300 {
+        std::thread::scope(|s| {
+            let other = s.spawn(|| b.publish_to(&pb));
+            a.publish_to(&pa).unwrap();
+            other.join().unwrap().unwrap();
+        });
+        assert_eq!(std::fs::read_to_string(&pa).unwrap(), a.name());
+        assert_eq!(std::fs::read_to_string(&pb).unwrap(), b.name());
+    }
+    let left: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(left.len(), 2, "no temporary file left: {left:?}");
+}

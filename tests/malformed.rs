@@ -415,3 +415,19 @@ fn a_lease_that_is_not_a_pipes_writing_end_is_refused() {
     tx.send(forged(0, vec![4], 16)).unwrap();
     assert_eq!(rx.recv().unwrap().to_vec(), vec![0.0; 4], "the channel goes on; a real pipe is a lease");
 }
+
+#[test]
+fn a_peer_that_connects_and_says_nothing_holds_no_accept_past_its_time() {
+    let _g = serial();
+    let listener = Listener::<u32>::bind().unwrap();
+    let _silent = raw_peer(listener.name());
+    let start = std::time::Instant::now();
+    let got = listener.try_accept_for(Duration::from_millis(20)).unwrap();
+    assert!(got.is_none(), "no peer said hello");
+    assert!(start.elapsed() < Duration::from_secs(2), "waited {:?} for the silent peer", start.elapsed());
+    // The listener is kept, and the next sender is taken in.
+    let tx = cuda_mp::Sender::<u32>::connect(listener.name()).unwrap();
+    let rx = listener.try_accept_for(WAIT).unwrap().expect("the sender");
+    tx.send(8).unwrap();
+    assert_eq!(rx.recv().unwrap(), 8);
+}

@@ -282,7 +282,8 @@ impl Gauge {
                 Some(Some(d)) => {
                     let left = d.saturating_duration_since(Instant::now());
                     if left.is_zero() {
-                        return Err(NoPlace::Timeout);
+                        // A receiver that is gone says so whatever the time left, as a try does.
+                        return Err(if gone() { NoPlace::Gone } else { NoPlace::Timeout });
                     }
                     left.min(SLICE)
                 }

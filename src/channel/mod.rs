@@ -384,7 +384,8 @@ impl<T: Serialize> Sender<T> {
     }
 
     /// Connects to a [`Listener`] by the name it published. The connection is an unbounded
-    /// channel.
+    /// channel. A listener whose backlog stays full (it does not accept) fails the connect
+    /// after 10 s with [`Error::Timeout`]; [`connect_file`](Self::connect_file) takes a timeout.
     ///
     /// ```
     /// let listener = cuda_mp::Listener::<u8>::bind().unwrap();
@@ -394,6 +395,10 @@ impl<T: Serialize> Sender<T> {
     /// assert_eq!(rx.recv().unwrap(), 1);
     /// ```
     pub fn connect(name: &str) -> Result<Sender<T>> {
+        Self::connect_until(name, CONNECT_WAIT)
+    }
+
+    fn connect_until(name: &str, timeout: Duration) -> Result<Sender<T>> {
         if name.is_empty() || name.len() >= 108 || name.contains('\0') {
             return Err(Error::Io(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -401,7 +406,11 @@ impl<T: Serialize> Sender<T> {
             )));
         }
         // A listener of another user (a socket planted under the name) is refused here.
-        let socket = crate::sys::connect_to(Path::new(name)).map_err(wire::io_error)?;
+        let socket = match crate::sys::connect_to(Path::new(name), crate::os::instant_after(timeout)) {
+            Ok(socket) => socket,
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => return Err(Error::Timeout(timeout)),
+            Err(e) => return Err(wire::io_error(e)),
+        };
         let gauge = Gauge::new(0, socket.send_buffer())?;
         let memory = gauge.memory()?;
         socket
@@ -412,7 +421,8 @@ impl<T: Serialize> Sender<T> {
     }
 
     /// Connects to a [`Listener`] whose name was written to `path` with
-    /// [`Listener::publish_to`], waiting up to `timeout` for the file to appear.
+    /// [`Listener::publish_to`], waiting up to `timeout` for the file to appear and for room in
+    /// the listener's backlog.
     ///
     /// ```
     /// use std::time::Duration;
@@ -428,7 +438,13 @@ impl<T: Serialize> Sender<T> {
         let deadline = crate::os::instant_after(timeout);
         loop {
             match std::fs::read_to_string(path.as_ref()) {
-                Ok(name) => return Sender::connect(name.trim()),
+                Ok(name) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    return Sender::connect_until(name.trim(), left).map_err(|e| match e {
+                        Error::Timeout(_) => Error::Timeout(timeout),
+                        other => other,
+                    });
+                }
                 Err(e) if e.kind() == io::ErrorKind::NotFound && Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_millis(10))
                 }
@@ -1244,6 +1260,11 @@ const HELLO_BYTES: usize = 64 << 10;
 
 /// How long an accepted peer has to say hello.
 const HELLO_WAIT: Duration = Duration::from_secs(10);
+/// How long a connect by name waits for room in the listener's backlog.
+const CONNECT_WAIT: Duration = Duration::from_secs(10);
+/// How long an accept waits for a peer's hello at least, past the caller's own deadline (a
+/// cuda-mp sender says hello as it connects).
+const HELLO_GRACE: Duration = Duration::from_millis(100);
 
 /// Waits for one unrelated process to connect by name (see [`Sender::connect`]).
 ///
@@ -1307,10 +1328,16 @@ impl<T: Serialize + DeserializeOwned> Listener<T> {
     /// ```
     pub fn publish_to(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
-        let tmp = path.with_extension("partial");
-        std::fs::write(&tmp, &self.name)?;
-        std::fs::rename(&tmp, path)?;
-        Ok(())
+        // A file of this call's own beside it (another process or thread may publish to the
+        // same path, or to one differing only in its extension), renamed over it.
+        let file = path.file_name().map_or_else(|| "name".into(), |n| n.to_string_lossy().into_owned());
+        let tmp =
+            path.with_file_name(format!(".{file}.{}.{:x}.partial", std::process::id(), crate::sys::random_u128()));
+        let written = std::fs::write(&tmp, &self.name).and_then(|()| std::fs::rename(&tmp, path));
+        if written.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        Ok(written?)
     }
 
     /// Blocks until a peer connects; returns the receiving end of the connection.
@@ -1369,7 +1396,23 @@ impl<T: Serialize + DeserializeOwned> Listener<T> {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Err(Error::Timeout(timeout)),
             Err(e) => return Err(wire::io_error(e)),
         };
-        let (gauge, sends) = accept_hello::<T>(&socket)?;
+        // The hello is waited for within the caller's time (a moment past it at least), and at
+        // most `HELLO_WAIT`: a peer that connects and says nothing holds no caller past its
+        // timeout (a slice of `try_accept_for` then finds no peer).
+        let now = Instant::now();
+        let by = match wait {
+            Wait::Until(deadline) => deadline.max(now + HELLO_GRACE).min(now + HELLO_WAIT),
+            _ => now + HELLO_WAIT,
+        };
+        let (gauge, sends) = match accept_hello::<T>(&socket, by) {
+            Err(Error::Timeout(_)) if matches!(wait, Wait::Until(_)) && by < now + HELLO_WAIT => {
+                return Err(Error::Timeout(timeout));
+            }
+            Err(Error::Timeout(_)) => {
+                return Err(Error::Malformed(format!("the peer said no hello within {HELLO_WAIT:?}")));
+            }
+            other => other?,
+        };
         tracing::debug!(listener = self.name(), "accepted a sender");
         Ok(Receiver::from_parts(Arc::new(socket), None, gauge, Default::default(), |inbox| inbox.sender_sends = sends))
     }
@@ -1377,13 +1420,12 @@ impl<T: Serialize + DeserializeOwned> Listener<T> {
 
 /// The connection's shared counters, once the peer said hello, and what the peer sends when
 /// that is not `T` (see [`Listener::accept`]).
-fn accept_hello<T>(socket: &Socket) -> Result<(Gauge, Option<String>)> {
-    let hello = match socket.recv(HELLO_BYTES, Wait::Until(Instant::now() + HELLO_WAIT)) {
+/// `Error::Timeout` when no hello came by `by`.
+fn accept_hello<T>(socket: &Socket, by: Instant) -> Result<(Gauge, Option<String>)> {
+    let hello = match socket.recv(HELLO_BYTES, Wait::Until(by)) {
         Ok(Some(hello)) => hello,
         Ok(None) => return Err(Error::Malformed("the peer closed the connection before its hello".into())),
-        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-            return Err(Error::Malformed(format!("the peer said no hello within {HELLO_WAIT:?}")));
-        }
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Err(Error::Timeout(Duration::ZERO)),
         Err(e) if e.kind() == io::ErrorKind::InvalidData => return Err(Refusal::Foreign.error()),
         Err(e) => return Err(wire::io_error(e)),
     };

@@ -515,20 +515,26 @@ impl Listening {
     }
 }
 
-/// Connects to a listener at `path`; refuses a listener of another user.
-pub(crate) fn connect_to(path: &Path) -> io::Result<Socket> {
-    connect_addr(&SocketAddrUnix::new(path)?)
+/// Connects to a listener at `path` (refusing a listener of another user), waiting no later
+/// than `deadline` while its backlog is full.
+pub(crate) fn connect_to(path: &Path, deadline: Instant) -> io::Result<Socket> {
+    connect_within(&SocketAddrUnix::new(path)?, deadline)
 }
 
 /// Connects to the listener of the abstract name `name` (refusing a listener of another
-/// user), waiting no later than `deadline` while its backlog is full (a blocking connect would wait for as long as others keep it
-/// full: peers of another user, whom the listener refuses only once it accepts them).
+/// user), waiting no later than `deadline` while its backlog is full.
 pub(crate) fn connect_abstract_within(name: &str, deadline: Instant) -> io::Result<Socket> {
-    let addr = SocketAddrUnix::new_abstract_name(name.as_bytes())?;
+    connect_within(&SocketAddrUnix::new_abstract_name(name.as_bytes())?, deadline)
+}
+
+/// Connects to `addr`, waiting no later than `deadline` while the listener's backlog is full:
+/// a blocking connect would wait for as long as others keep it full (a listener that does not
+/// accept, or peers of another user, whom it refuses only once it accepts them).
+fn connect_within(addr: &SocketAddrUnix, deadline: Instant) -> io::Result<Socket> {
     let fd =
         socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC | SocketFlags::NONBLOCK, None)?;
     loop {
-        match connect(&fd, &addr) {
+        match connect(&fd, addr) {
             Ok(()) => break,
             Err(rustix::io::Errno::INTR) => continue,
             // A Unix socket's connect does not wait without blocking: the backlog is full.
@@ -541,18 +547,6 @@ pub(crate) fn connect_abstract_within(name: &str, deadline: Instant) -> io::Resu
     }
     // Blocking again, as every socket here is (each call says whether it waits).
     rustix::io::ioctl_fionbio(&fd, false)?;
-    Socket::connected(fd)
-}
-
-fn connect_addr(addr: &SocketAddrUnix) -> io::Result<Socket> {
-    let fd = socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
-    loop {
-        match connect(&fd, addr) {
-            Ok(()) => break,
-            Err(rustix::io::Errno::INTR) => continue,
-            Err(e) => return Err(e.into()),
-        }
-    }
     Socket::connected(fd)
 }
 
@@ -730,7 +724,7 @@ mod tests {
         let _ = std::fs::remove_file(&path);
         let listening = Listening::bind(&path).unwrap();
         assert_eq!(listening.accept(Wait::Not).unwrap_err().kind(), io::ErrorKind::WouldBlock);
-        let client = connect_to(&path).unwrap();
+        let client = connect_to(&path, Instant::now() + Duration::from_secs(5)).unwrap();
         let server = listening.accept(Wait::Forever).unwrap();
         send(&client, b"hi", &[]).unwrap();
         assert_eq!(server.recv(8, Wait::Forever).unwrap().unwrap().bytes, b"hi");
