@@ -4,7 +4,7 @@
 //! a CUDA GPU: they are ignored by a plain `cargo test` and fail with a clear message when run
 //! where no GPU is usable.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cuda_mp::{
@@ -560,4 +560,47 @@ fn a_message_that_fails_to_decode_leaves_the_segment_it_introduced_to_the_next()
         let s = lifetime_stats();
         s.imported_storages == 0 && s.cached_mappings == 0
     });
+}
+
+/// What an allocator of another library (PyTorch's hooks in the Python package) relies on:
+/// `drop_after_stream` drops its value only once the stream is past the work queued before,
+/// `finish_retiring` waits for that, a drop that panics on the retiring thread stops no later
+/// one, and `keeping_current_context` runs what it is given.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn values_dropped_after_a_stream_go_once_it_is_past_their_work() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    struct Flag(Arc<AtomicBool>, bool);
+    impl Drop for Flag {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+            if self.1 {
+                panic!("a drop that panics (on purpose)");
+            }
+        }
+    }
+    let _g = serial();
+    let dev = common::gpu();
+    let t = GpuTensor::<f32>::zeros(&dev, &[16 << 20]).unwrap();
+    for _ in 0..20 {
+        t.add_scalar(1.0).unwrap();
+    }
+    let (first, second) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+    let stream = dev.stream().cu_stream();
+    // SAFETY: the device's own stream, live while `dev` is.
+    unsafe {
+        dev.drop_after_stream(stream, Flag(first.clone(), true));
+        dev.drop_after_stream(stream, Flag(second.clone(), false));
+    }
+    assert!(dev.finish_retiring(Duration::from_secs(60)), "the drops ran");
+    assert!(first.load(Ordering::SeqCst) && second.load(Ordering::SeqCst));
+    // The stream was past the 20 additions when the values went.
+    assert!(dev.is_idle().unwrap());
+    assert_eq!(cuda_mp::keeping_current_context(|| t.to_vec().unwrap()[0]), 20.0);
+    // The thread lives on after the panic: a later value goes too.
+    let third = Arc::new(AtomicBool::new(false));
+    // SAFETY: as above.
+    unsafe { dev.drop_after_stream(stream, Flag(third.clone(), false)) };
+    assert!(dev.finish_retiring(Duration::from_secs(60)));
+    assert!(third.load(Ordering::SeqCst));
 }
