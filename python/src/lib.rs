@@ -678,6 +678,9 @@ impl Receiver {
     #[pyo3(signature = (timeout=None))]
     fn recv(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
         let timeout = seconds(timeout)?;
+        if matches!(*self.rx.lock().unwrap_or_else(|p| p.into_inner()), Rx::Moved) {
+            return Err(pickled_away("receiver"));
+        }
         let got = wait(py, timeout, |d| {
             let rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
             match &*rx {
@@ -1145,6 +1148,17 @@ impl Connection {
     }
 }
 
+/// `Disconnected`, saying why: an end that was pickled receives nothing here, its messages go
+/// to the process that loads the pickle (the plain message would point at the senders).
+fn pickled_away(what: &str) -> PyErr {
+    Python::attach(|py| {
+        let why = format!(
+            "this {what} was pickled, to go to another process: its messages are received where the pickle is loaded"
+        );
+        exception(py, "Disconnected", why)
+    })
+}
+
 impl fmt::Debug for Connection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Connection").finish_non_exhaustive()
@@ -1189,7 +1203,11 @@ impl Connection {
         host: &Bound<'py, PyAny>,
         pickled: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let value = wait(py, seconds(timeout)?, |d| self.receive_timeout(d))?;
+        let timeout = seconds(timeout)?;
+        if self.polled().1.is_empty() && self.rx.lock().unwrap_or_else(|p| p.into_inner()).is_none() {
+            return Err(pickled_away("connection"));
+        }
+        let value = wait(py, timeout, |d| self.receive_timeout(d))?;
         from_value(py, value, &Makers { gpu, host, pickled })
     }
 

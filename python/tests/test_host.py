@@ -172,7 +172,7 @@ def test_both_ends_of_a_channel_pickle_to_a_child(method):
     replies = back_listener.accept(timeout=10)
     p = ctx.Process(target=receive_sum_and_reply, args=(rx, back))
     p.start()
-    with pytest.raises(cuda_mp.Disconnected):
+    with pytest.raises(cuda_mp.Disconnected, match="was pickled"):
         rx.recv(timeout=1)  # moved: the child receives now
     tx.send(np.arange(10, dtype="float32"))
     assert replies.recv(timeout=60).tolist() == [45.0]

@@ -139,7 +139,7 @@ def test_a_pipe_carries_objects_both_ways_and_shares_cuda_mp_memory(method):
     assert p.exitcode == 0
     assert a.tolist() == [5] * 8, "the child wrote to this process's memory"
     if method != "fork":
-        with pytest.raises(cuda_mp.Disconnected):
+        with pytest.raises(cuda_mp.Disconnected, match="was pickled"):
             there.recv(timeout=1)  # pickled to the child: this process receives no more on it
     there.close()  # this process's copy of the child's sending half
     with pytest.raises(cuda_mp.Disconnected):

@@ -85,6 +85,10 @@ the rest of ``multiprocessing.Queue``'s methods. What differs then:
   ``multiprocessing``'s would wait for ever.
 - An item is pickled when ``put`` returns, not later by a feeder thread, and an item handed to a
   consumer that died before taking it goes to another consumer.
+- Puts of different processes are not ordered with respect to each other: an item put by a
+  producer that has since been joined may come after an item the queue's own process puts
+  later (``multiprocessing``'s one pipe keeps that order). A program that joins its producers
+  and then puts a sentinel per consumer should have each producer put its own sentinel.
 - A bounded queue (``Queue(maxsize)``), ``SimpleQueue`` and ``JoinableQueue`` stay
   ``multiprocessing``'s own (``multiprocessing.Pool`` and ``concurrent.futures`` read their
   pipes directly). A name bound before ``install`` (``from multiprocessing import Queue``), and a
