@@ -640,3 +640,26 @@ fn listeners_publishing_at_once_each_write_their_own_name() {
     std::fs::remove_dir_all(&dir).unwrap();
     assert_eq!(left.len(), 2, "no temporary file left: {left:?}");
 }
+
+#[test]
+fn a_connect_file_that_finds_a_gone_listeners_name_waits_for_the_next_one() {
+    let path = std::env::temp_dir().join(format!("cuda-mp-restarted-{}.name", std::process::id()));
+    drop({
+        let old = Listener::<u8>::bind().unwrap();
+        old.publish_to(&path).unwrap();
+        old
+    });
+    let restarted = std::thread::spawn({
+        let path = path.clone();
+        move || {
+            std::thread::sleep(Duration::from_millis(300));
+            let new = Listener::<u8>::bind().unwrap();
+            new.publish_to(&path).unwrap();
+            new.accept_timeout(Duration::from_secs(10)).unwrap().recv().unwrap()
+        }
+    });
+    let tx = Sender::<u8>::connect_file(&path, Duration::from_secs(10)).unwrap();
+    tx.send(6).unwrap();
+    assert_eq!(restarted.join().unwrap(), 6);
+    let _ = std::fs::remove_file(&path);
+}

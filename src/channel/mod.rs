@@ -421,7 +421,8 @@ impl<T: Serialize> Sender<T> {
     }
 
     /// Connects to a [`Listener`] whose name was written to `path` with
-    /// [`Listener::publish_to`], waiting up to `timeout` for the file to appear and for room in
+    /// [`Listener::publish_to`], waiting up to `timeout` for the file to appear (or to name a
+    /// listener that is there: a file left by one that is gone is read again) and for room in
     /// the listener's backlog.
     ///
     /// ```
@@ -437,20 +438,24 @@ impl<T: Serialize> Sender<T> {
     pub fn connect_file(path: impl AsRef<Path>, timeout: Duration) -> Result<Sender<T>> {
         let deadline = crate::os::instant_after(timeout);
         loop {
-            match std::fs::read_to_string(path.as_ref()) {
+            let waited = match std::fs::read_to_string(path.as_ref()) {
                 Ok(name) => {
                     let left = deadline.saturating_duration_since(Instant::now());
-                    return Sender::connect_until(name.trim(), left).map_err(|e| match e {
-                        Error::Timeout(_) => Error::Timeout(timeout),
-                        other => other,
-                    });
+                    match Sender::connect_until(name.trim(), left) {
+                        Err(Error::Timeout(_)) => return Err(Error::Timeout(timeout)),
+                        // A name left by a listener that is gone (a server being restarted):
+                        // its next listener writes the file again.
+                        Err(Error::Io(e)) if gone_listener(&e) => Error::Io(e),
+                        other => return other,
+                    }
                 }
-                Err(e) if e.kind() == io::ErrorKind::NotFound && Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(10))
-                }
-                Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(Error::Timeout(timeout)),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Error::Timeout(timeout),
                 Err(e) => return Err(e.into()),
+            };
+            if Instant::now() >= deadline {
+                return Err(waited);
             }
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 }
@@ -1420,6 +1425,12 @@ impl<T: Serialize + DeserializeOwned> Listener<T> {
 
 /// The connection's shared counters, once the peer said hello, and what the peer sends when
 /// that is not `T` (see [`Listener::accept`]).
+/// Whether a connect failed because no listener is there any more (its socket file removed,
+/// or nobody accepting on it).
+fn gone_listener(e: &io::Error) -> bool {
+    matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused)
+}
+
 /// `Error::Timeout` when no hello came by `by`.
 fn accept_hello<T>(socket: &Socket, by: Instant) -> Result<(Gauge, Option<String>)> {
     let hello = match socket.recv(HELLO_BYTES, Wait::Until(by)) {
