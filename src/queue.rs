@@ -710,19 +710,12 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Endpoint<T> {
             Ok(Some(reply)) => self.counted(reply).map(Some),
             Ok(None) => Ok(None),
             Err(Fault::Malformed(why)) if self.asked > 0 => {
-                self.reject()?;
-                Err(Fault::Rejected(why))
+                // Nothing read ahead is waiting (`early` is empty): its turn is now.
+                self.asked -= 1;
+                Ok(Some(Reply::Undecodable(why)))
             }
             Err(fault) => Err(fault),
         }
-    }
-
-    /// A message this consumer asked for arrived and does not decode here (only an `Item`
-    /// carries a value that can fail to): the dispatcher drops it, where leaving would put it
-    /// back first for the next consumer, which would fail on it too, for ever.
-    fn reject(&mut self) -> std::result::Result<(), Fault> {
-        self.asked -= 1;
-        self.ask(Ctl::Reject(0))
     }
 
     /// Reads answers until `mine` takes one, the answer to a request other than a want.
@@ -739,14 +732,15 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Endpoint<T> {
                 Ok(Some(reply)) => reply,
                 Ok(None) => return Err(Fault::Io(IoFailure::other("the queue's dispatcher did not answer"))),
                 Err(Fault::Malformed(why)) if self.asked > 0 => {
-                    // An `Item` asked for before, in its place for the gets.
-                    self.reject()?;
+                    // An `Item` asked for before, in its place for the gets: its `Reject` goes
+                    // when its get comes, after the `Got`s of those before it (the dispatcher
+                    // takes both for the oldest in flight).
+                    self.asked -= 1;
                     self.early.push_back(Reply::Undecodable(why));
                     continue;
                 }
                 Err(Fault::Malformed(why)) if mine(&Reply::Undecodable(String::new())) => {
                     // Nothing asked for ahead: the `Item` answering a `TryWant`.
-                    self.ask(Ctl::Reject(0))?;
                     return Ok(Reply::Undecodable(why));
                 }
                 Err(fault) => return Err(fault),
@@ -793,7 +787,20 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Endpoint<T> {
             }
             Reply::Closed => Err(Fault::Disconnected),
             Reply::Failed(f, _) => Err(Fault::Forward(f)),
-            Reply::Undecodable(why) => Err(Fault::Rejected(why)),
+            Reply::Undecodable(why) => {
+                // A message that does not decode here, in its turn: the dispatcher hands it to
+                // another consumer (or drops it), where leaving would put it back first for
+                // every consumer in turn, for ever. Asks for more as a `Got` does.
+                let more = ahead.saturating_sub(self.asked + self.early.len());
+                match self.requests.send(Ctl::Reject(more as u32)) {
+                    Ok(()) => {
+                        self.asked += more;
+                        Err(Fault::Rejected(why))
+                    }
+                    Err(e) if e.is_disconnected() => Err(Fault::Rejected(why)),
+                    Err(e) => Err(send_fault(e.failure())),
+                }
+            }
             _ => Err(out_of_turn()),
         }
     }
@@ -958,8 +965,9 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
                     }
                     Err(TryRecvError::Empty) => {}
                     Err(TryRecvError::Malformed(why)) => {
-                        e.reject()?;
-                        return Err(Fault::Rejected(why));
+                        e.answered = true;
+                        e.asked -= 1;
+                        return e.deliver(Reply::Undecodable(why), ahead).map(Some);
                     }
                     Err(other) => return Err(other.into()),
                 }
@@ -1141,7 +1149,7 @@ impl From<Fault> for GetError {
             Fault::Disconnected => GetError::Disconnected,
             Fault::Malformed(m) => GetError::Malformed(m),
             Fault::Rejected(m) => GetError::Malformed(format!(
-                "{m} (the queue hands the message to another consumer, or drops it once three could not decode it)"
+                "{m} (the queue hands the message to other consumers; it is dropped once three could not decode it, or no producer is left and none there can)"
             )),
             Fault::Io(m) => GetError::Io(m),
             Fault::OutOfDescriptors(limit) => GetError::OutOfDescriptors { limit },

@@ -856,7 +856,13 @@ fn a_consumer_whose_join_is_lost_at_the_descriptor_limit_is_not_told_the_queue_c
     assert_eq!(second.unwrap(), 0);
 }
 
-/// A value that encodes and does not decode (13 never does).
+thread_local! {
+    /// Whether this thread's gets refuse every 13 (see `Picky`), as a consumer that does not see
+    /// a message's GPU would.
+    static REFUSE_ALL_13: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// A value that encodes and does not decode: 13 never does, 14 not on a thread that refuses it.
 #[derive(Debug, PartialEq)]
 struct Picky(u32);
 
@@ -870,13 +876,14 @@ impl<'de> serde::Deserialize<'de> for Picky {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Picky, D::Error> {
         match u32::deserialize(d)? {
             13 => Err(serde::de::Error::custom("13 does not decode")),
+            14 if REFUSE_ALL_13.get() => Err(serde::de::Error::custom("14 does not decode here")),
             n => Ok(Picky(n)),
         }
     }
 }
 
 /// Gets until one returns a message, counting the errors before it (each must say the message
-/// that did not decode was handed back or dropped).
+/// that did not decode was handed on or dropped).
 fn get_past_errors(get: impl Fn() -> Result<Picky, String>) -> (Picky, usize) {
     let t = Instant::now();
     let mut errors = 0;
@@ -885,7 +892,7 @@ fn get_past_errors(get: impl Fn() -> Result<Picky, String>) -> (Picky, usize) {
             Ok(value) => return (value, errors),
             Err(e) if e == "empty" && t.elapsed() < WAIT => std::thread::sleep(Duration::from_millis(1)),
             Err(e) => {
-                assert!(e.contains("the queue") && t.elapsed() < WAIT, "{e}");
+                assert!(e.contains("could not decode it") && t.elapsed() < WAIT, "{e}");
                 errors += 1;
             }
         }
@@ -893,34 +900,26 @@ fn get_past_errors(get: impl Fn() -> Result<Picky, String>) -> (Picky, usize) {
 }
 
 #[test]
-fn a_message_that_decodes_nowhere_is_dropped_after_three_tries_and_the_order_kept() {
+fn a_message_no_consumer_can_decode_is_dropped_and_the_order_kept() {
     for prefetch in [0, 2] {
         let queue = Queue::<Picky>::new().unwrap();
         let consumer = queue.consumer().with_prefetch(prefetch);
         for n in [1, 13, 2, 3] {
             queue.put(Picky(n)).unwrap();
         }
-        // Three consumers' worth of failures (here the same one's), then it is dropped. Without
-        // prefetch nothing overtakes it; with it, what was sent ahead comes first.
-        let mut got = Vec::new();
-        let mut errors = 0;
-        while got.len() < 3 || errors < 3 {
-            match consumer.get_timeout(WAIT) {
-                Ok(Picky(n)) => got.push(n),
-                Err(e) => {
-                    assert!(e.to_string().contains("three could not decode"), "{e}");
-                    errors += 1;
-                    if prefetch == 0 {
-                        assert_eq!(got, [1], "an error in the message's place");
-                    }
-                }
-            }
-        }
-        assert_eq!((got, errors), (vec![1, 2, 3], 3), "prefetch {prefetch}");
+        // The only consumer could not decode it: it is not handed that one again, and nothing
+        // overtook it.
+        assert_eq!(consumer.get().unwrap(), Picky(1));
+        assert_eq!(get_past_errors(|| consumer.get().map_err(|e| e.to_string())), (Picky(2), 1), "prefetch {prefetch}");
+        assert_eq!(consumer.get_timeout(WAIT).unwrap(), Picky(3));
         assert!(consumer.get_timeout(Duration::from_millis(100)).unwrap_err().is_timeout());
-        drop(consumer);
+        // It waits for a consumer that joins later, while a producer is left...
         let stats = queue.stats().unwrap();
-        assert_eq!((stats.discarded, stats.requeued, stats.backlog), (1, 2, 0), "prefetch {prefetch}: {stats:?}");
+        assert_eq!((stats.discarded, stats.requeued, stats.backlog), (0, 1, 1), "prefetch {prefetch}: {stats:?}");
+        // ...and is dropped once none is: the consumer there is told the queue is closed.
+        drop(queue);
+        let end = consumer.get_timeout(WAIT).unwrap_err();
+        assert!(end.is_disconnected(), "prefetch {prefetch}: {end}");
     }
     // The same through `try_get`, whose answer is the undecodable message itself.
     let queue = Queue::<Picky>::new().unwrap();
@@ -932,8 +931,51 @@ fn a_message_that_decodes_nowhere_is_dropped_after_three_tries_and_the_order_kep
         Err(TryGetError::Empty) => Err("empty".to_string()),
         other => other.map_err(|e| e.to_string()),
     };
-    assert_eq!(get_past_errors(try_get), (Picky(4), 3));
-    drop(consumer);
+    assert_eq!(get_past_errors(try_get), (Picky(4), 1));
     let stats = queue.stats().unwrap();
-    assert_eq!((stats.discarded, stats.requeued, stats.backlog), (1, 2, 0), "{stats:?}");
+    assert_eq!((stats.discarded, stats.requeued, stats.backlog), (0, 1, 1), "{stats:?}");
+}
+
+#[test]
+fn a_message_one_consumer_cannot_decode_goes_to_another_and_each_once() {
+    let queue = Queue::<Picky>::new().unwrap();
+    for n in [1, 2, 14, 4] {
+        queue.put(Picky(n)).unwrap();
+    }
+    // A consumer that reads ahead, then asks for the counters: 2 and 14 are read ahead of their
+    // gets; 14's refusal must not take 2 for it.
+    let refusing = queue.consumer().with_prefetch(2);
+    let taking = queue.consumer().with_prefetch(0);
+    let got = std::thread::scope(|s| {
+        s.spawn(|| {
+            REFUSE_ALL_13.set(true);
+            let mut got = vec![refusing.get().unwrap().0];
+            let _ = refusing.stats().unwrap();
+            let mut errors = 0;
+            loop {
+                match refusing.get_timeout(Duration::from_millis(500)) {
+                    Ok(Picky(n)) => got.push(n),
+                    Err(e) if e.is_timeout() => break,
+                    Err(e) => {
+                        assert!(e.to_string().contains("could not decode it"), "{e}");
+                        errors += 1;
+                    }
+                }
+            }
+            (got, errors)
+        })
+        .join()
+        .unwrap()
+    });
+    // The other consumer gets 14 (if the first did not take 4 before); each message once.
+    let mut all = got.0.clone();
+    while let Ok(Picky(n)) = taking.get_timeout(Duration::from_millis(500)) {
+        all.push(n);
+    }
+    all.sort_unstable();
+    assert_eq!(all, [1, 2, 4, 14], "each message once: {got:?}");
+    assert_eq!(got.1, 1, "one refusal");
+    drop((refusing, taking));
+    let stats = queue.stats().unwrap();
+    assert_eq!((stats.discarded, stats.requeued, stats.delivered), (0, 1, 4), "{stats:?}");
 }

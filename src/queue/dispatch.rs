@@ -42,10 +42,13 @@ pub(super) enum Ctl {
     Reject(u32),
 }
 
-/// How many times a message may fail to decode at a consumer before it is dropped: a message
-/// broken in itself fails everywhere, and would otherwise go to every consumer in turn for ever;
-/// one that fails for a reason of one consumer's (a GPU it does not see) goes to the others.
-const MAX_REJECTS: u32 = 3;
+/// How many consumers may fail to decode a message before it is dropped (or all there are, if
+/// fewer): a message broken in itself fails everywhere, and would otherwise go to every
+/// consumer in turn for ever; one that fails for a reason of one consumer's (a GPU it does not
+/// see) goes to the others.
+const MAX_REJECTS: usize = 3;
+/// How far into the backlog a consumer is handed a message past ones it could not decode.
+const PASSED_OVER: usize = 64;
 
 /// The dispatcher's answer to one request.
 #[derive(Serialize, Deserialize)]
@@ -163,8 +166,8 @@ struct Dispatcher<T> {
     /// Messages done with (delivered, or discarded), to be dropped once the lock is let go:
     /// a value's `Drop` is the user's code, which may be slow or put on this very queue.
     done: Vec<Item<T>>,
-    /// How many consumers could not decode a message (by its address), while it is queued.
-    rejects: HashMap<usize, u32>,
+    /// The consumers that could not decode a message (by its address), while it is queued.
+    rejects: HashMap<usize, Vec<u64>>,
 }
 
 /// The dispatcher, shared by every thread that has an event for it: a reader handles what it
@@ -482,7 +485,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
             if let Ctl::Got(_) | Ctl::Reject(_) = ctl
                 && let Some(item) = c.in_flight.pop_front()
             {
-                self.acknowledged(item, matches!(ctl, Ctl::Got(_)));
+                self.acknowledged(item, matches!(ctl, Ctl::Got(_)), id);
                 self.serve();
             }
             return;
@@ -499,7 +502,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
                 if c.wants > 0 {
                     self.serve();
                     self.answer(id, Reply::Empty);
-                } else if let Some(item) = self.backlog.pop_front() {
+                } else if let Some(item) = self.first_for(id).and_then(|from| self.backlog.remove(from)) {
                     self.hand(id, item, false);
                 } else {
                     let reply = if self.drained() { Reply::Closed } else { Reply::Empty };
@@ -512,7 +515,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
             }
             Ctl::Got(n) | Ctl::Reject(n) => {
                 if let Some(item) = c.in_flight.pop_front() {
-                    self.acknowledged(item, matches!(ctl, Ctl::Got(_)));
+                    self.acknowledged(item, matches!(ctl, Ctl::Got(_)), id);
                 }
                 self.want(id, n);
                 // Serves what it wants now; and the last delivery may be what the waiting
@@ -526,10 +529,11 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
         }
     }
 
-    /// A message a consumer took (`got`), or could not decode: that goes back first in the
-    /// backlog, for another consumer (one that sees the message's GPU, say), until
-    /// `MAX_REJECTS` consumers could not decode it; then it is dropped.
-    fn acknowledged(&mut self, item: Item<T>, got: bool) {
+    /// A message consumer `id` took (`got`), or could not decode: that goes back first in the
+    /// backlog for the other consumers (one that sees the message's GPU, say; the ones that
+    /// could not decode it are not handed it again), and is dropped once `MAX_REJECTS`
+    /// consumers, or every consumer there is, could not decode it.
+    fn acknowledged(&mut self, item: Item<T>, got: bool, id: u64) {
         let key = Arc::as_ptr(&item) as usize;
         if got {
             if !self.rejects.is_empty() {
@@ -539,9 +543,11 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
             self.done.push(item);
             return;
         }
-        let rejects = self.rejects.entry(key).or_insert(0);
-        *rejects += 1;
-        if *rejects >= MAX_REJECTS {
+        let rejecters = self.rejects.entry(key).or_default();
+        if !rejecters.contains(&id) {
+            rejecters.push(id);
+        }
+        if rejecters.len() >= MAX_REJECTS {
             self.rejects.remove(&key);
             self.discarded += 1;
             self.done.push(item);
@@ -549,6 +555,17 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
             self.requeued += 1;
             self.backlog.push_front(item);
         }
+    }
+
+    /// Where in the backlog the first message for consumer `id` is: the first, unless it could
+    /// not decode that one before (then the first of the next few it has not refused).
+    fn first_for(&self, id: u64) -> Option<usize> {
+        if self.rejects.is_empty() {
+            return (!self.backlog.is_empty()).then_some(0);
+        }
+        self.backlog.iter().take(PASSED_OVER).position(|item| {
+            self.rejects.get(&(Arc::as_ptr(item) as usize)).is_none_or(|rejecters| !rejecters.contains(&id))
+        })
     }
 
     /// Adds `n` messages to what a consumer wants, putting it in the waiting line.
@@ -603,16 +620,31 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
     /// still wants more goes to the back of the line. Once drained, tells every waiting
     /// consumer the queue is closed. Afterwards the backlog is empty or nobody wants a message.
     fn serve(&mut self) {
-        while !self.backlog.is_empty() {
-            let Some(at) = self.next_in_line() else { return };
-            let Some(id) = self.waiting.remove(at) else { return };
-            let Some(c) = self.consumers.get_mut(&id) else { continue };
-            c.wants -= 1;
-            if c.wants > 0 {
-                self.waiting.push_back(id);
+        loop {
+            while !self.backlog.is_empty() {
+                let (at, from) = if self.rejects.is_empty() {
+                    let Some(at) = self.next_in_line() else { break };
+                    (at, 0)
+                } else {
+                    // A message that consumers could not decode waits for another: the first in
+                    // line with a message it has not refused takes that one.
+                    let found =
+                        self.waiting.iter().enumerate().find_map(|(at, &id)| self.first_for(id).map(|from| (at, from)));
+                    let Some(found) = found else { break };
+                    found
+                };
+                let Some(id) = self.waiting.remove(at) else { break };
+                let Some(c) = self.consumers.get_mut(&id) else { continue };
+                c.wants -= 1;
+                if c.wants > 0 {
+                    self.waiting.push_back(id);
+                }
+                let item = self.backlog.remove(from).expect("a position in the backlog");
+                self.hand(id, item, true);
             }
-            let item = self.backlog.pop_front().expect("backlog checked non-empty");
-            self.hand(id, item, true);
+            if !self.drop_refused_by_all() {
+                break;
+            }
         }
         if self.drained() {
             while let Some(id) = self.waiting.pop_front() {
@@ -707,6 +739,36 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
         for item in c.in_flight.into_iter().rev() {
             self.backlog.push_front(item);
         }
+    }
+
+    /// Drops the messages that every consumer there is could not decode, when nothing else
+    /// can take them: no producer is left (they would keep the queue from closing), or they
+    /// fill the part of the backlog a consumer looks past (`PASSED_OVER`). Otherwise they wait
+    /// for a consumer that joins later.
+    fn drop_refused_by_all(&mut self) -> bool {
+        if self.rejects.is_empty() || self.consumers.is_empty() {
+            return false;
+        }
+        let consumers = &self.consumers;
+        let rejects = &self.rejects;
+        let refused = |item: &Item<T>| {
+            rejects
+                .get(&(Arc::as_ptr(item) as usize))
+                .is_some_and(|rejecters| consumers.keys().all(|c| rejecters.contains(c)))
+        };
+        let stuck = self.backlog.len() >= PASSED_OVER && self.backlog.iter().take(PASSED_OVER).all(refused);
+        if !(self.inbox_closed || stuck) {
+            return false;
+        }
+        let (dropped, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.backlog).into_iter().partition(refused);
+        self.backlog = kept.into();
+        let any = !dropped.is_empty();
+        for item in dropped {
+            self.rejects.remove(&(Arc::as_ptr(&item) as usize));
+            self.discarded += 1;
+            self.done.push(item);
+        }
+        any
     }
 
     fn stats(&self) -> QueueStats {
