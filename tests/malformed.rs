@@ -424,7 +424,7 @@ fn a_peer_that_connects_and_says_nothing_holds_no_accept_past_its_time() {
     let start = std::time::Instant::now();
     let got = listener.try_accept_for(Duration::from_millis(20)).unwrap();
     assert!(got.is_none(), "no peer said hello");
-    assert!(start.elapsed() < Duration::from_secs(2), "waited {:?} for the silent peer", start.elapsed());
+    assert!(start.elapsed() < Duration::from_secs(5), "waited {:?} for the silent peer", start.elapsed());
     // The listener is kept, and the next sender is taken in.
     let tx = cuda_mp::Sender::<u32>::connect(listener.name()).unwrap();
     let rx = listener.try_accept_for(WAIT).unwrap().expect("the sender");

@@ -136,8 +136,10 @@ pub unsafe extern "C" fn cuda_mp_torch_malloc(size: usize, device: c_int, stream
 }
 
 /// A storage dropped once every stream it still waits for is past its work: one stream at a
-/// time, each fence recorded when the one before it is passed (later than the free, so
-/// covering at least what was queued by then).
+/// time, from the end, each fence recorded when the one before it is passed (later than the
+/// free, so covering at least what was queued by then). The allocation's stream is recorded
+/// at the free itself; a per-thread default stream (handle 2) named by `record_stream` would be
+/// recorded on the retiring thread, and name that thread's: not covered.
 struct AfterStreams {
     storage: Arc<GpuStorage>,
     streams: Vec<usize>,
@@ -171,8 +173,9 @@ pub unsafe extern "C" fn cuda_mp_torch_free(ptr: *mut c_void, _size: usize, devi
         };
         let mut streams = allocation.streams;
         streams.retain(|&s| s != stream as usize);
-        // The allocation stream's fence is recorded now, the others' after it.
-        streams.insert(0, stream as usize);
+        // The allocation stream's fence is recorded now (taken first, from the end), the
+        // others' after it.
+        streams.push(stream as usize);
         drop(AfterStreams { storage: allocation.storage, streams });
     });
 }

@@ -678,7 +678,9 @@ impl Receiver {
     #[pyo3(signature = (timeout=None))]
     fn recv(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
         let timeout = seconds(timeout)?;
-        if matches!(*self.rx.lock().unwrap_or_else(|p| p.into_inner()), Rx::Moved) {
+        // Not waited for with the GIL held: a receive of another thread holds the end (which is
+        // there, then) for a slice of its wait at a time.
+        if self.rx.try_lock().is_ok_and(|rx| matches!(*rx, Rx::Moved)) {
             return Err(pickled_away("receiver"));
         }
         let got = wait(py, timeout, |d| {
@@ -1204,7 +1206,8 @@ impl Connection {
         pickled: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let timeout = seconds(timeout)?;
-        if self.polled().1.is_empty() && self.rx.lock().unwrap_or_else(|p| p.into_inner()).is_none() {
+        // As in `Receiver.recv`: a locked end is being received from, so it is there.
+        if self.polled().1.is_empty() && self.rx.try_lock().is_ok_and(|rx| rx.is_none()) {
             return Err(pickled_away("connection"));
         }
         let value = wait(py, timeout, |d| self.receive_timeout(d))?;

@@ -1268,8 +1268,8 @@ const HELLO_WAIT: Duration = Duration::from_secs(10);
 /// How long a connect by name waits for room in the listener's backlog.
 const CONNECT_WAIT: Duration = Duration::from_secs(10);
 /// How long an accept waits for a peer's hello at least, past the caller's own deadline (a
-/// cuda-mp sender says hello as it connects).
-const HELLO_GRACE: Duration = Duration::from_millis(100);
+/// cuda-mp sender says hello as it connects; a loaded host may take a while).
+const HELLO_GRACE: Duration = Duration::from_secs(1);
 
 /// Waits for one unrelated process to connect by name (see [`Sender::connect`]).
 ///

@@ -42,6 +42,9 @@ pub fn cuda_available() -> bool {
 /// cuda_mp::keeping_current_context(|| dev.synchronize()).unwrap();
 /// ```
 pub fn keeping_current_context<R>(f: impl FnOnce() -> R) -> R {
+    // The driver first (once per process): the context current before this library's first
+    // call is saved too. Where it cannot start, `f` makes no driver call either.
+    let _ = init_driver();
     let _saved = super::handles::SavedContext::save();
     f()
 }

@@ -98,10 +98,27 @@ pub(crate) fn sender_ended(owner_alive: impl Fn() -> bool) -> bool {
 
 /// An opened event of another process: (owner token, owner device ordinal, handle).
 type EventKey = (u128, usize, IpcHandle);
-/// Opened events of other processes, kept for reuse: past this many, those complete are closed
-/// when no wait is owed (a long-lived receiver of many short-lived senders would otherwise keep
+/// Opened events of other processes, kept for reuse: past this many, those complete and owed
+/// no wait are closed (a long-lived receiver of many short-lived senders would otherwise keep
 /// an event, and the driver's file behind it, of every sender it ever had).
 const KEPT_EVENTS: usize = 256;
+/// How many events `OPENED_EVENTS` holds (read without its lock).
+static OPENED_COUNT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Closes the opened events that are complete and that no stream owes a wait on (their keys
+/// name them in `OWED`), in the lock order `OWED`, then `OPENED_EVENTS`.
+fn close_completed() {
+    let owed = OWED.lock().unwrap_or_else(|p| p.into_inner());
+    let mut events = OPENED_EVENTS.lock().unwrap_or_else(|p| p.into_inner());
+    events.retain(|key, event| owed.values().any(|keys| keys.contains(key)) || !event.is_complete().unwrap_or(true));
+    OPENED_COUNT.store(events.len(), Ordering::Relaxed);
+    // Not again before the table has doubled: events still in use are looked at that often.
+    PRUNE_AT.store((events.len() * 2).max(KEPT_EVENTS), Ordering::Relaxed);
+}
+
+/// The size of `OPENED_EVENTS` at which `close_completed` runs next.
+static PRUNE_AT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(KEPT_EVENTS);
+
 /// Opened events of other processes (see `KEPT_EVENTS`).
 static OPENED_EVENTS: Lazy<Mutex<HashMap<EventKey, OpenedEvent>>> = Lazy::new(|| Mutex::new(HashMap::new()));
 /// Per device ordinal: the events its stream owes a wait on. Lock order: `OWED`, then
@@ -133,14 +150,16 @@ pub(crate) fn wait(
 ) -> Result<()> {
     let key = (owner, owner_device.ordinal(), *handle);
     {
-        let mut events = OPENED_EVENTS.lock().unwrap_or_else(|p| p.into_inner());
-        if events.len() >= KEPT_EVENTS && !events.contains_key(&key) && !ANY_OWED.load(Ordering::Acquire) {
-            // An owed wait names its event by key: only while none is owed may events go.
-            events.retain(|_, event| !event.is_complete().unwrap_or(true));
+        if OPENED_COUNT.load(Ordering::Relaxed) >= PRUNE_AT.load(Ordering::Relaxed) {
+            close_completed();
         }
+        let mut events = OPENED_EVENTS.lock().unwrap_or_else(|p| p.into_inner());
         let event = match events.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(v) => v.insert(OpenedEvent::open(owner_device, handle)?),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                OPENED_COUNT.fetch_add(1, Ordering::Relaxed);
+                v.insert(OpenedEvent::open(owner_device, handle)?)
+            }
         };
         // Already complete: nothing to wait for, no command for the GPU.
         if event.is_complete()? {

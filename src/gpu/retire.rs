@@ -32,20 +32,22 @@ const SPARE_EVENTS: usize = 64;
 /// One device's retiring queue (in `Device`).
 #[derive(Default)]
 pub(crate) struct Retirer {
-    queue: Mutex<VecDeque<(BlockingEvent, Close)>>,
+    queue: Mutex<VecDeque<(BlockingEvent, Close, u64)>>,
     posted: Condvar,
     spare: Mutex<Vec<BlockingEvent>>,
     started: OnceLock<bool>,
-    /// Closes queued and run since the process started (`finish_retiring` waits for those
-    /// queued before it was called, not for ones queued meanwhile).
+    /// The closes queued and not yet run (`finish_retiring` waits for those queued before it
+    /// was called, not for ones queued meanwhile).
     counts: Mutex<Counts>,
     finished: Condvar,
 }
 
 #[derive(Debug, Default)]
 struct Counts {
-    queued: u64,
-    run: u64,
+    /// The number the next close queued gets.
+    next: u64,
+    /// Closes queued and not yet run, by number (they run out of order, see `LOOK_AHEAD`).
+    waiting: std::collections::BTreeSet<u64>,
 }
 
 impl std::fmt::Debug for Retirer {
@@ -133,8 +135,8 @@ impl Device {
         let retirer = self.retirer();
         let deadline = crate::os::deadline_after(timeout);
         let mut counts = lock(&retirer.counts);
-        let target = counts.queued;
-        while counts.run < target {
+        let target = counts.next;
+        while counts.waiting.first().is_some_and(|&first| first < target) {
             let left =
                 deadline.map_or(std::time::Duration::MAX, |d| d.saturating_duration_since(std::time::Instant::now()));
             if left.is_zero() {
@@ -166,8 +168,14 @@ impl Fence for OwnWork {
             return;
         }
         let retirer = device.retirer();
-        lock(&retirer.counts).queued += 1;
-        lock(&retirer.queue).push_back((event, close));
+        let number = {
+            let mut counts = lock(&retirer.counts);
+            let number = counts.next;
+            counts.next += 1;
+            counts.waiting.insert(number);
+            number
+        };
+        lock(&retirer.queue).push_back((event, close, number));
         retirer.posted.notify_one();
     }
 }
@@ -181,11 +189,11 @@ const LOOK_AHEAD: usize = 32;
 fn retire(device: Arc<Device>) {
     let retirer = device.retirer();
     loop {
-        let (event, close) = {
+        let (event, close, number) = {
             let mut queue = lock(&retirer.queue);
             loop {
                 if !queue.is_empty() {
-                    let passed = queue.iter().take(LOOK_AHEAD).position(|(e, _)| e.is_complete().unwrap_or(true));
+                    let passed = queue.iter().take(LOOK_AHEAD).position(|(e, _, _)| e.is_complete().unwrap_or(true));
                     break queue.remove(passed.unwrap_or(0)).expect("an entry at a position found");
                 }
                 queue = retirer.posted.wait(queue).unwrap_or_else(|p| p.into_inner());
@@ -198,7 +206,7 @@ fn retire(device: Arc<Device>) {
         // the thread: every later release of the device would wait for ever.
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(close));
         retirer.recycle(event);
-        lock(&retirer.counts).run += 1;
+        lock(&retirer.counts).waiting.remove(&number);
         retirer.finished.notify_all();
     }
 }
