@@ -80,12 +80,12 @@ const FORGOTTEN_PER_LEASE: usize = 64;
 /// lease `key` (its reaper read the record): the next block of it there introduces it again.
 /// Entries of leases closed since are dropped as the list grows.
 pub(super) fn forgotten(key: u64, index: u64) {
+    // `FORGOTTEN` is taken last: which of its leases are still open is looked up first, under
+    // the state lock alone.
+    let full = FORGOTTEN.get().lock().unwrap_or_else(|p| p.into_inner()).len() >= 1024;
+    let open: Option<std::collections::HashSet<u64>> = full.then(|| super::state().covers.keys().copied().collect());
     let mut forgotten = FORGOTTEN.get().lock().unwrap_or_else(|p| p.into_inner());
-    if forgotten.len() >= 1024 {
-        let open: std::collections::HashSet<u64> = {
-            let s = super::state();
-            forgotten.iter().map(|(k, _)| *k).filter(|k| s.covers.contains_key(k)).collect()
-        };
+    if let Some(open) = open {
         forgotten.retain(|(k, _)| open.contains(k));
     }
     // A lease's own share is bounded too (64 of the 1,024): one holder that floods its lease

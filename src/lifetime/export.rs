@@ -335,6 +335,9 @@ pub(super) fn take_shared_lease(e: &mut Exported) -> Option<Lease> {
 /// idle mappings of it. The memory itself stays until the last claim is released.
 pub(crate) fn handles_dropped(id: StorageId) {
     let (slot, shared_lease) = match state().exported.get_mut(&id) {
+        // A message that came back made a new handle (`revive_local`) before this drop got
+        // here: that one holds the storage now, and its slot stays marked.
+        Some(e) if e.handle.as_ref().is_some_and(|h| h.strong_count() > 0) => return,
         Some(e) => (e.slot, e.shared_lease.take()),
         None => return,
     };
