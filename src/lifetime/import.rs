@@ -92,11 +92,27 @@ impl Drop for Opening {
 /// Subscribes to revocations from the owner of `id` (once per owner), through a lease on one of
 /// its storages, so that mappings of its storages can be cached after use.
 pub(crate) fn subscribe(id: StorageId, lease: &Lease) {
-    if id.is_local() || state().owner_tables.contains_key(&id.owner()) {
-        return;
+    {
+        // Marked (its table on its way) before the subscription is made, in one look: two
+        // imports of a new owner's storages at once subscribe once.
+        let mut s = state();
+        if id.is_local() || s.owner_tables.contains_key(&id.owner()) {
+            return;
+        }
+        s.owner_tables.insert(id.owner(), None);
     }
-    if reaper::subscribe(id.owner(), lease) {
-        state().owner_tables.entry(id.owner()).or_insert(None);
+    if !reaper::subscribe(id.owner(), lease) {
+        // No revocations will come: the mark goes, and so does what was cached meanwhile.
+        let owner = id.owner();
+        let evicted = {
+            let mut s = state();
+            if matches!(s.owner_tables.get(&owner), Some(None)) {
+                s.owner_tables.remove(&owner);
+            }
+            let keys: Vec<ImportKey> = s.idle.keys().filter(|(id, _)| id.owner() == owner).copied().collect();
+            evict(&mut s, &keys)
+        };
+        dispose_evicted(evicted);
     }
 }
 
