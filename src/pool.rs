@@ -53,7 +53,9 @@ const POLL: Duration = Duration::from_millis(50);
 /// Failures come back per job and the pool keeps working: a job's panic as
 /// [`JoinError::Panicked`] with its message and location; a worker killed by a signal or
 /// exiting during a job as [`JoinError::Signaled`] or [`JoinError::Exited`] (on Linux 6.15 and
-/// later, see below); the worker is
+/// later, see below; a result that does not decode in the calling process comes back as the
+/// worker killed by SIGKILL too: the process layer kills a worker whose result it cannot take
+/// in, and reports only that); the worker is
 /// replaced by a fresh process (which runs the initializer again) and the jobs queued behind it
 /// still run. [`map`] reports the first job to fail as [`JoinError::Job`] with its index.
 ///
@@ -533,7 +535,8 @@ impl fmt::Debug for PoolBuilder {
 }
 
 impl PoolBuilder {
-    /// The number of worker processes (by default, the number of CPUs this process may use).
+    /// The number of worker processes (by default, the number of CPUs this process may use;
+    /// at most 4,096: a larger number fails the build with [`JoinError::InvalidPool`]).
     ///
     /// ```no_run
     /// #[cuda_mp::main]
@@ -646,6 +649,9 @@ impl PoolBuilder {
         let size = self.size.unwrap_or_else(|| thread::available_parallelism().map_or(1, |n| n.get()));
         if size == 0 {
             return Err(JoinError::InvalidPool("a pool needs at least one worker".into()));
+        }
+        if size > MAX_WORKERS {
+            return Err(JoinError::InvalidPool(format!("a pool of {size} workers: at most {MAX_WORKERS}")));
         }
         if self.max_tasks == Some(0) {
             return Err(JoinError::InvalidPool("max_tasks_per_child must be at least 1".into()));
@@ -1110,7 +1116,9 @@ fn dispatch(
         if worker.is_none() && start_error.is_none() && !shared.terminated() && !shared.lock().closing {
             match start(None) {
                 Ok(w) => worker = Some(w),
-                Err(error) => start_error = Some(error),
+                // Started for no job: the next job starts another, and fails only with that
+                // attempt's error (what failed here may not fail then).
+                Err(error) => tracing::debug!(%error, "a replacement pool worker could not start"),
             }
         }
         let Some(job) = shared.next_job() else { break };
@@ -1316,6 +1324,9 @@ impl Worker {
         }
     }
 }
+
+/// The most workers a pool takes (each a process and a thread of this one).
+const MAX_WORKERS: usize = 4096;
 
 /// A queued job, whatever its argument and result types.
 trait Job: Send {

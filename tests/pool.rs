@@ -319,6 +319,10 @@ fn shutdown_waits_terminate_fails_pending_jobs_and_bad_settings_are_refused() {
 
     assert!(matches!(Pool::new(0), Err(JoinError::InvalidPool(_))));
     assert!(matches!(Pool::builder().size(1).max_tasks_per_child(0).build(), Err(JoinError::InvalidPool(_))));
+    assert!(
+        matches!(Pool::builder().size(usize::MAX / 4).build(), Err(JoinError::InvalidPool(_))),
+        "no panic, no huge allocation"
+    );
 }
 
 fn set_then_answer(event: cuda_mp::Event) -> u32 {
@@ -386,4 +390,36 @@ fn a_shutdown_does_not_wait_for_a_replacement_that_would_never_run_a_job() {
     let done = rx.recv_timeout(Duration::from_secs(20));
     let _ = std::fs::remove_file(&path);
     assert_eq!(done, Ok(Ok(())), "the shutdown of a pool with nothing left to run");
+}
+
+/// Fails while the file named exists.
+fn fail_while_marked(marker: String) {
+    assert!(!std::path::Path::new(&marker).exists(), "marked: initializer fails");
+}
+
+fn end_worker(_: ()) {
+    std::process::exit(3);
+}
+
+fn twice(x: u64) -> u64 {
+    2 * x
+}
+
+/// A replacement that could not start for no job in particular fails no later job: the job
+/// that comes starts a worker of its own.
+#[test]
+fn a_replacement_that_failed_to_start_fails_no_later_job() {
+    let marker = std::env::temp_dir().join(format!("cuda-mp-pool-marker-{}", std::process::id()));
+    let _ = std::fs::remove_file(&marker);
+    let path = marker.to_string_lossy().into_owned();
+    let pool = Pool::builder().size(1).initializer(path, fail_while_marked).build().unwrap();
+    std::fs::write(&marker, b"").unwrap();
+    // The worker ends; its replacement's initializer fails (the file is there).
+    assert!(pool.apply_async((), end_worker).get_timeout(Duration::from_secs(20)).is_err());
+    std::thread::sleep(Duration::from_millis(500));
+    std::fs::remove_file(&marker).unwrap();
+    // Fixed: the next job starts a worker that initializes.
+    let got = pool.apply_async(4u64, twice).get_timeout(Duration::from_secs(20));
+    assert_eq!(got.ok(), Some(8), "the job after the fix ran");
+    pool.shutdown();
 }

@@ -214,9 +214,12 @@ impl Lock {
                 }
                 continue;
             }
-            if self.holder_gone(current) {
-                // Take it over from the dead holder; of several waiters, one succeeds.
-                self.holder_start().store(0, Ordering::Release);
+            if let Some(dead_start) = self.holder_gone(current) {
+                // Take it over from the dead holder; of several waiters, one succeeds. The dead
+                // holder's start time goes first (a waiter that looks between the take-over
+                // and the new start time must not judge the new holder by it), unless the
+                // winner's is already there.
+                let _ = self.holder_start().compare_exchange(dead_start, 0, Ordering::AcqRel, Ordering::Relaxed);
                 if word
                     .compare_exchange(current, me | (current & WAITERS), Ordering::Acquire, Ordering::Relaxed)
                     .is_ok()
@@ -245,20 +248,24 @@ impl Lock {
     }
 
     /// True when the holder named in `current` (the lock word just read) has ended.
-    fn holder_gone(&self, current: u32) -> bool {
+    /// The start time of the holder in `current` if it has died (0 when it had not written
+    /// one), `None` while it lives.
+    fn holder_gone(&self, current: u32) -> Option<u64> {
         let start = self.holder_start().load(Ordering::Acquire);
         // The start time belongs to this holder only if the word is unchanged meanwhile (it is
         // 0 while a holder is between taking the word and writing its start time).
         if self.word().load(Ordering::Acquire) != current {
-            return false;
+            return None;
         }
         let pid = current & PID;
-        if pid == sys::own_pid() & PID {
+        let gone = if pid == sys::own_pid() & PID {
             // This process (another thread, or this one again), unless an earlier process
             // with our pid died holding it.
-            return start != 0 && start != sys::own_start();
-        }
-        sys::process_gone(pid, start)
+            start != 0 && start != sys::own_start()
+        } else {
+            sys::process_gone(pid, start)
+        };
+        gone.then_some(start)
     }
 
     fn release(&self) {
@@ -439,17 +446,35 @@ mod tests {
     }
 
     #[test]
+    fn a_waiter_that_lost_the_take_over_leaves_the_winners_start_time() {
+        let lock = Lock::new().unwrap();
+        lock.word().store(0x3fff_fff0, Ordering::Release);
+        lock.holder_start().store(123, Ordering::Release);
+        // Two waiters see the dead holder; one takes over first.
+        let current = lock.word().load(Ordering::Acquire);
+        let seen_by_loser = lock.holder_gone(current);
+        assert_eq!(seen_by_loser, Some(123));
+        let winner = lock.try_acquire().unwrap_err();
+        assert!(matches!(winner, LockError::OwnerDied { .. }));
+        // The loser goes on with what it saw: the winner's start time stays.
+        let _ = lock.holder_start().compare_exchange(123, 0, Ordering::AcqRel, Ordering::Relaxed);
+        assert_eq!(lock.holder_start().load(Ordering::Acquire), sys::own_start());
+        assert!(lock.word().compare_exchange(current, 1, Ordering::Acquire, Ordering::Relaxed).is_err());
+        drop(winner);
+    }
+
+    #[test]
     fn a_live_holder_with_a_stale_start_time_reads_as_gone_only_when_consistent() {
         let lock = Lock::new().unwrap();
         let guard = lock.acquire().unwrap();
         let current = lock.word().load(Ordering::Relaxed);
-        assert!(!lock.holder_gone(current));
+        assert!(lock.holder_gone(current).is_none());
         // The start time of another process with our pid: the pid was reused.
         lock.holder_start().store(sys::own_start() + 1, Ordering::Relaxed);
-        assert!(lock.holder_gone(current));
+        assert!(lock.holder_gone(current).is_some());
         // Unknown start time: the pid alone decides.
         lock.holder_start().store(0, Ordering::Relaxed);
-        assert!(!lock.holder_gone(current));
+        assert!(lock.holder_gone(current).is_none());
         drop(guard);
     }
 
