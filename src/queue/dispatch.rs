@@ -47,8 +47,9 @@ pub(super) enum Ctl {
 /// consumer in turn for ever; one that fails for a reason of one consumer's (a GPU it does not
 /// see) goes to the others.
 const MAX_REJECTS: usize = 3;
-/// How far into the backlog a consumer is handed a message past ones it could not decode.
-const PASSED_OVER: usize = 64;
+/// How many messages that some consumer could not decode are held back for the others at
+/// most (a consumer looks past those it refused for its next one).
+const MAX_REFUSED: usize = 256;
 
 /// The dispatcher's answer to one request.
 #[derive(Serialize, Deserialize)]
@@ -502,8 +503,10 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
                 if c.wants > 0 {
                     self.serve();
                     self.answer(id, Reply::Empty);
-                } else if let Some(item) = self.first_for(id).and_then(|from| self.backlog.remove(from)) {
-                    self.hand(id, item, false);
+                } else if let Some((from, item)) =
+                    self.first_for(id).and_then(|from| self.backlog.remove(from).map(|item| (from, item)))
+                {
+                    self.hand(id, item, false, from);
                 } else {
                     let reply = if self.drained() { Reply::Closed } else { Reply::Empty };
                     self.answer(id, reply);
@@ -547,7 +550,8 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
         if !rejecters.contains(&id) {
             rejecters.push(id);
         }
-        if rejecters.len() >= MAX_REJECTS {
+        // Past `MAX_REFUSED` messages held back for other consumers, a new one is not held.
+        if rejecters.len() >= MAX_REJECTS || self.rejects.len() > MAX_REFUSED {
             self.rejects.remove(&key);
             self.discarded += 1;
             self.done.push(item);
@@ -557,15 +561,21 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
         }
     }
 
-    /// Where in the backlog the first message for consumer `id` is: the first, unless it could
-    /// not decode that one before (then the first of the next few it has not refused).
+    /// Where in the backlog the first message for consumer `id` is: the first it has not
+    /// refused (at most `MAX_REFUSED` refused ones are kept, so the look is short).
     fn first_for(&self, id: u64) -> Option<usize> {
         if self.rejects.is_empty() {
             return (!self.backlog.is_empty()).then_some(0);
         }
-        self.backlog.iter().take(PASSED_OVER).position(|item| {
+        self.backlog.iter().position(|item| {
             self.rejects.get(&(Arc::as_ptr(item) as usize)).is_none_or(|rejecters| !rejecters.contains(&id))
         })
+    }
+
+    /// A message taken from `from` in the backlog that could not be sent goes back there.
+    fn put_back(&mut self, item: Item<T>, from: usize) {
+        let at = from.min(self.backlog.len());
+        self.backlog.insert(at, item);
     }
 
     /// Adds `n` messages to what a consumer wants, putting it in the waiting line.
@@ -640,7 +650,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
                     self.waiting.push_back(id);
                 }
                 let item = self.backlog.remove(from).expect("a position in the backlog");
-                self.hand(id, item, true);
+                self.hand(id, item, true, from);
             }
             if !self.drop_refused_by_all() {
                 break;
@@ -660,9 +670,9 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
     /// it answers one of the messages the consumer wants, already counted off); a send that
     /// fails puts it back first in the backlog (or discards it, when it cannot be encoded) and
     /// withdraws what the consumer wants.
-    fn hand(&mut self, id: u64, item: Item<T>, wanted: bool) {
+    fn hand(&mut self, id: u64, item: Item<T>, wanted: bool, from: usize) {
         let Some(replies) = self.consumers.get_mut(&id).and_then(|c| c.replies.as_ref()) else {
-            self.backlog.push_front(item);
+            self.put_back(item, from);
             return;
         };
         // `try_send` on the unbounded reply channel: never full, and it does not wait for ring
@@ -684,7 +694,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
             }
             Ok(Err(e)) if e.is_disconnected() => {
                 // Its process is gone (or it dropped its handle): another consumer gets it.
-                self.backlog.push_front(item);
+                self.put_back(item, from);
                 self.requeued += 1;
                 self.cut_off(id);
                 return;
@@ -700,7 +710,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
                 self.done.push(item);
                 self.discarded += 1;
             }
-            _ => self.backlog.push_front(item),
+            _ => self.put_back(item, from),
         }
         // One failure reported once, to the consumer's next get, rather than once for each
         // message it wants; that get asks again.
@@ -741,10 +751,9 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
         }
     }
 
-    /// Drops the messages that every consumer there is could not decode, when nothing else
-    /// can take them: no producer is left (they would keep the queue from closing), or they
-    /// fill the part of the backlog a consumer looks past (`PASSED_OVER`). Otherwise they wait
-    /// for a consumer that joins later.
+    /// Drops the messages that every consumer there is could not decode once no producer is
+    /// left (they would keep the queue from closing); until then they wait for a consumer that
+    /// joins later.
     fn drop_refused_by_all(&mut self) -> bool {
         if self.rejects.is_empty() || self.consumers.is_empty() {
             return false;
@@ -756,8 +765,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
                 .get(&(Arc::as_ptr(item) as usize))
                 .is_some_and(|rejecters| consumers.keys().all(|c| rejecters.contains(c)))
         };
-        let stuck = self.backlog.len() >= PASSED_OVER && self.backlog.iter().take(PASSED_OVER).all(refused);
-        if !(self.inbox_closed || stuck) {
+        if !self.inbox_closed {
             return false;
         }
         let (dropped, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.backlog).into_iter().partition(refused);
@@ -790,6 +798,29 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
 mod tests {
     use super::*;
     use crate::queue::look_until;
+
+    /// A consumer that refused many messages another consumer may decode still gets the next
+    /// one it can take, however far back in the backlog.
+    #[test]
+    fn a_consumer_looks_past_every_message_it_refused() {
+        let mut d = Dispatcher::<u32>::new();
+        let (r1, c1) = channel::<Reply<u32>>().unwrap();
+        let (r2, _c2) = channel::<Reply<u32>>().unwrap();
+        d.handle(Event::Joined(1, r1));
+        d.handle(Event::Joined(2, r2));
+        for i in 0..100 {
+            d.handle(Event::Put(i));
+        }
+        for _ in 0..99 {
+            d.handle(Event::Request(1, Ctl::TryWant));
+            assert!(matches!(c1.recv(), Ok(Reply::Item(_))));
+            d.handle(Event::Request(1, Ctl::Reject(0)));
+        }
+        d.handle(Event::Request(1, Ctl::Want(1)));
+        let got = c1.recv_timeout(std::time::Duration::from_secs(5));
+        assert!(matches!(got, Ok(Reply::Item(Slot::Owned(99)))), "the one message it did not refuse");
+        assert_eq!((d.stats().backlog, d.stats().discarded), (99, 0), "the refused ones wait for consumer 2");
+    }
 
     /// A consumer that returned a message and left: the dispatcher fails to send it the next
     /// one before reading the `Got` it wrote for the one it returned. That message must count

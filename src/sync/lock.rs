@@ -220,12 +220,20 @@ impl Lock {
                 // and the new start time must not judge the new holder by it), unless the
                 // winner's is already there.
                 let _ = self.holder_start().compare_exchange(dead_start, 0, Ordering::AcqRel, Ordering::Relaxed);
-                if word
-                    .compare_exchange(current, me | (current & WAITERS), Ordering::Acquire, Ordering::Relaxed)
-                    .is_ok()
-                {
-                    self.holder_start().store(sys::own_start(), Ordering::Release);
-                    return Err(LockError::OwnerDied { pid: holder, guard: LockGuard { lock: self } });
+                // Tried again while the word still names the dead holder (another waiter set
+                // its flag meanwhile): given up, the start time cleared above would make every
+                // waiter judge the dead holder by its pid alone, which another process may
+                // have taken since.
+                let mut seen = current;
+                loop {
+                    match word.compare_exchange(seen, me | (seen & WAITERS), Ordering::Acquire, Ordering::Relaxed) {
+                        Ok(_) => {
+                            self.holder_start().store(sys::own_start(), Ordering::Release);
+                            return Err(LockError::OwnerDied { pid: holder, guard: LockGuard { lock: self } });
+                        }
+                        Err(now) if now & PID == holder => seen = now,
+                        Err(_) => break,
+                    }
                 }
                 continue;
             }
