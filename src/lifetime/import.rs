@@ -102,9 +102,18 @@ pub(crate) fn subscribe(id: StorageId, lease: &Lease) {
         s.owner_tables.insert(id.owner(), None);
     }
     if !reaper::subscribe(id.owner(), lease) {
-        // No revocations will come: whatever was kept for this owner meanwhile (cached
-        // mappings, channel ends' segments taken as subscribed) goes as for an owner gone.
-        owner_gone(id.owner());
+        // No revocations will come: the mark goes (unless another subscription made it
+        // since), and so do the mappings cached meanwhile.
+        let owner = id.owner();
+        let evicted = {
+            let mut s = state();
+            if matches!(s.owner_tables.get(&owner), Some(None)) {
+                s.owner_tables.remove(&owner);
+            }
+            let keys: Vec<ImportKey> = s.idle.keys().filter(|(id, _)| id.owner() == owner).copied().collect();
+            evict(&mut s, &keys)
+        };
+        dispose_evicted(evicted);
     }
 }
 

@@ -37,8 +37,10 @@ pub(super) enum Ctl {
     /// The queue's counters (answered `Stats`).
     Stats,
     /// The oldest `Item` in flight to this consumer arrived and does not decode there: it goes
-    /// back first in the backlog, and once `MAX_REJECTS` consumers could not decode it, it is
-    /// dropped (counted as discarded). Then this many more messages are wanted, as by `Got`.
+    /// back first in the backlog for the other consumers, and is dropped (counted as
+    /// discarded) once `MAX_REJECTS` consumers could not decode it, or every consumer there
+    /// could not and no producer is left (or to make room past `MAX_REFUSED` held back). Then
+    /// this many more messages are wanted, as by `Got`.
     Reject(u32),
 }
 
@@ -81,9 +83,10 @@ pub(super) enum Reply<T> {
 pub(super) enum Failure {
     /// The message cannot be encoded again; it is discarded.
     Discarded(String),
-    /// The operating system refused the send; the message stays first in the backlog.
+    /// The operating system refused the send; the message stays in the backlog, where it was.
     Io(String),
-    /// The dispatcher's process is out of descriptors; the message stays first in the backlog.
+    /// The dispatcher's process is out of descriptors; the message stays in the backlog, where
+    /// it was.
     OutOfDescriptors(u64),
     /// A request of this consumer could not be read (it did not decode, or the frame that
     /// carried it could not be taken in): the dispatcher is no longer sure what it wants, and
@@ -550,8 +553,11 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
         if !rejecters.contains(&id) {
             rejecters.push(id);
         }
-        // Past `MAX_REFUSED` messages held back for other consumers, a new one is not held.
-        if rejecters.len() >= MAX_REJECTS || self.rejects.len() > MAX_REFUSED {
+        let drop_it =
+            rejecters.len() >= MAX_REJECTS || (self.rejects.len() > MAX_REFUSED && !self.drop_oldest_refused_by_all());
+        // Past `MAX_REFUSED` messages held back for other consumers, the oldest that every
+        // consumer refused goes to make room; if there is none, the new one is not held.
+        if drop_it {
             self.rejects.remove(&key);
             self.discarded += 1;
             self.done.push(item);
@@ -570,6 +576,22 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
         self.backlog.iter().position(|item| {
             self.rejects.get(&(Arc::as_ptr(item) as usize)).is_none_or(|rejecters| !rejecters.contains(&id))
         })
+    }
+
+    /// Drops the first message in the backlog that every consumer refused; false if none did.
+    fn drop_oldest_refused_by_all(&mut self) -> bool {
+        let consumers = &self.consumers;
+        let rejects = &self.rejects;
+        let at = self.backlog.iter().position(|item| {
+            rejects
+                .get(&(Arc::as_ptr(item) as usize))
+                .is_some_and(|rejecters| consumers.keys().all(|c| rejecters.contains(c)))
+        });
+        let Some(item) = at.and_then(|at| self.backlog.remove(at)) else { return false };
+        self.rejects.remove(&(Arc::as_ptr(&item) as usize));
+        self.discarded += 1;
+        self.done.push(item);
+        true
     }
 
     /// A message taken from `from` in the backlog that could not be sent goes back there.
@@ -668,7 +690,8 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
 
     /// Sends one message to a consumer and keeps it as in flight until acknowledged (`wanted`:
     /// it answers one of the messages the consumer wants, already counted off); a send that
-    /// fails puts it back first in the backlog (or discards it, when it cannot be encoded) and
+    /// fails puts it back in the backlog where it was taken (or discards it, when it cannot be
+    /// encoded) and
     /// withdraws what the consumer wants.
     fn hand(&mut self, id: u64, item: Item<T>, wanted: bool, from: usize) {
         let Some(replies) = self.consumers.get_mut(&id).and_then(|c| c.replies.as_ref()) else {
@@ -768,6 +791,12 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
         if !self.inbox_closed {
             return false;
         }
+        // The backlog is gone through only when some held message was refused by everyone:
+        // this runs at every turn while one waits for another consumer.
+        let every = |rejecters: &Vec<u64>| consumers.keys().all(|c| rejecters.contains(c));
+        if !rejects.values().any(every) {
+            return false;
+        }
         let (dropped, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.backlog).into_iter().partition(refused);
         self.backlog = kept.into();
         let any = !dropped.is_empty();
@@ -798,6 +827,38 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
 mod tests {
     use super::*;
     use crate::queue::look_until;
+
+    /// Held back past the bound, a message every consumer refused makes room for one that
+    /// another consumer may still decode.
+    #[test]
+    fn messages_refused_by_everyone_make_room_for_one_refused_by_some() {
+        let mut d = Dispatcher::<u32>::new();
+        let (r1, c1) = channel::<Reply<u32>>().unwrap();
+        let (r2, c2) = channel::<Reply<u32>>().unwrap();
+        d.handle(Event::Joined(1, r1));
+        d.handle(Event::Joined(2, r2));
+        for i in 0..MAX_REFUSED as u32 {
+            d.handle(Event::Put(i));
+        }
+        // Broken messages: both consumers refuse each.
+        for _ in 0..MAX_REFUSED {
+            d.handle(Event::Request(1, Ctl::TryWant));
+            assert!(matches!(c1.recv(), Ok(Reply::Item(_))));
+            d.handle(Event::Request(1, Ctl::Reject(0)));
+            d.handle(Event::Request(2, Ctl::TryWant));
+            assert!(matches!(c2.recv(), Ok(Reply::Item(_))));
+            d.handle(Event::Request(2, Ctl::Reject(0)));
+        }
+        assert_eq!((d.stats().backlog, d.stats().discarded), (MAX_REFUSED, 0));
+        // One for consumer 2's GPU, which consumer 1 takes first.
+        d.handle(Event::Put(1000));
+        d.handle(Event::Request(1, Ctl::TryWant));
+        assert!(matches!(c1.recv(), Ok(Reply::Item(Slot::Owned(1000)))));
+        d.handle(Event::Request(1, Ctl::Reject(0)));
+        assert_eq!((d.stats().backlog, d.stats().discarded), (MAX_REFUSED, 1), "the oldest broken one made room");
+        d.handle(Event::Request(2, Ctl::Want(1)));
+        assert!(matches!(c2.recv(), Ok(Reply::Item(Slot::Owned(1000)))), "consumer 2 gets it");
+    }
 
     /// A consumer that refused many messages another consumer may decode still gets the next
     /// one it can take, however far back in the backlog.

@@ -215,6 +215,19 @@ impl Lock {
                 continue;
             }
             if let Some(dead_start) = self.holder_gone(current) {
+                if holder == me {
+                    // An earlier process with this pid died holding it: the word names us
+                    // already, so the start time decides which of this process's threads takes
+                    // it over (a swap of the word from our pid to our pid would let several).
+                    if self
+                        .holder_start()
+                        .compare_exchange(dead_start, sys::own_start(), Ordering::AcqRel, Ordering::Relaxed)
+                        .is_ok()
+                    {
+                        return Err(LockError::OwnerDied { pid: holder, guard: LockGuard { lock: self } });
+                    }
+                    continue;
+                }
                 // Take it over from the dead holder; of several waiters, one succeeds. The dead
                 // holder's start time goes first (a waiter that looks between the take-over
                 // and the new start time must not judge the new holder by it), unless the
@@ -451,6 +464,31 @@ mod tests {
         drop(err);
         assert!(!lock.is_locked());
         assert!(lock.try_acquire().is_ok());
+    }
+
+    #[test]
+    fn of_this_processs_threads_one_takes_over_from_a_dead_holder_with_our_pid() {
+        let lock = Lock::new().unwrap();
+        // An earlier process with our pid died holding it (another start time).
+        lock.word().store(sys::own_pid() & PID, Ordering::Release);
+        lock.holder_start().store(sys::own_start() + 1, Ordering::Release);
+        let taken = std::sync::atomic::AtomicUsize::new(0);
+        let barrier = std::sync::Barrier::new(4);
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    barrier.wait();
+                    if let Err(LockError::OwnerDied { guard, .. }) = lock.try_acquire() {
+                        taken.fetch_add(1, Ordering::SeqCst);
+                        // Held until every thread has looked.
+                        std::thread::sleep(std::time::Duration::from_millis(200));
+                        drop(guard);
+                    }
+                });
+            }
+        });
+        assert_eq!(taken.load(Ordering::SeqCst), 1, "exactly one thread took it over");
+        assert!(!lock.is_locked());
     }
 
     #[test]
