@@ -767,11 +767,8 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Endpoint<T> {
         match reply {
             Reply::Item(Slot::Owned(value)) => {
                 crate::sys::kill_point("queue-delivered");
-                let more = ahead.saturating_sub(self.asked + self.early.len());
-                // At most MAX_PREFETCH.
-                match self.requests.send(Ctl::Got(more as u32)) {
+                match self.acknowledge(Ctl::Got, ahead) {
                     Ok(()) => {
-                        self.asked += more;
                         // The acknowledgement must outlive this process: one still spilled here
                         // (the dispatcher behind in its reading) dies with it, and the message
                         // the get returned would go to another consumer too.
@@ -779,29 +776,37 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Endpoint<T> {
                         Ok(value)
                     }
                     // The dispatcher is gone: nobody can hand it out again, so it is ours.
-                    Err(e) if e.is_disconnected() => Ok(value),
+                    Err(None) => Ok(value),
                     // The dispatcher does not know it arrived: dropped here, it goes to another
                     // consumer when this one leaves (the caller drops it on this error).
-                    Err(e) => Err(send_fault(e.failure())),
+                    Err(Some(fault)) => Err(fault),
                 }
             }
             Reply::Closed => Err(Fault::Disconnected),
             Reply::Failed(f, _) => Err(Fault::Forward(f)),
-            Reply::Undecodable(why) => {
-                // A message that does not decode here, in its turn: the dispatcher hands it to
-                // another consumer (or drops it), where leaving would put it back first for
-                // every consumer in turn, for ever. Asks for more as a `Got` does.
-                let more = ahead.saturating_sub(self.asked + self.early.len());
-                match self.requests.send(Ctl::Reject(more as u32)) {
-                    Ok(()) => {
-                        self.asked += more;
-                        Err(Fault::Rejected(why))
-                    }
-                    Err(e) if e.is_disconnected() => Err(Fault::Rejected(why)),
-                    Err(e) => Err(send_fault(e.failure())),
-                }
-            }
+            // A message that does not decode here, in its turn: the dispatcher hands it to
+            // another consumer (or drops it), where leaving would put it back first for every
+            // consumer in turn, for ever.
+            Reply::Undecodable(why) => match self.acknowledge(Ctl::Reject, ahead) {
+                Ok(()) | Err(None) => Err(Fault::Rejected(why)),
+                Err(Some(fault)) => Err(fault),
+            },
             _ => Err(out_of_turn()),
+        }
+    }
+
+    /// Acknowledges the oldest message in flight (`Got` or `Reject`), asking for as many more as
+    /// keep `ahead` asked for ahead of the gets (at most MAX_PREFETCH). `Err(None)` when the
+    /// dispatcher is gone.
+    fn acknowledge(&mut self, ctl: fn(u32) -> Ctl, ahead: usize) -> std::result::Result<(), Option<Fault>> {
+        let more = ahead.saturating_sub(self.asked + self.early.len());
+        match self.requests.send(ctl(more as u32)) {
+            Ok(()) => {
+                self.asked += more;
+                Ok(())
+            }
+            Err(e) if e.is_disconnected() => Err(None),
+            Err(e) => Err(Some(send_fault(e.failure()))),
         }
     }
 }

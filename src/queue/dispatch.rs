@@ -44,6 +44,11 @@ pub(super) enum Ctl {
     Reject(u32),
 }
 
+/// A queued message's name in the record of refusals: its address, while it is queued.
+fn key<T>(item: &Item<T>) -> usize {
+    Arc::as_ptr(item) as usize
+}
+
 /// How many consumers may fail to decode a message before it is dropped (or all there are, if
 /// fewer): a message broken in itself fails everywhere, and would otherwise go to every
 /// consumer in turn for ever; one that fails for a reason of one consumer's (a GPU it does not
@@ -540,16 +545,15 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
     /// could not decode it are not handed it again), and is dropped once `MAX_REJECTS`
     /// consumers, or every consumer there is, could not decode it.
     fn acknowledged(&mut self, item: Item<T>, got: bool, id: u64) {
-        let key = Arc::as_ptr(&item) as usize;
         if got {
             if !self.rejects.is_empty() {
-                self.rejects.remove(&key);
+                self.rejects.remove(&key(&item));
             }
             self.delivered += 1;
             self.done.push(item);
             return;
         }
-        let rejecters = self.rejects.entry(key).or_default();
+        let rejecters = self.rejects.entry(key(&item)).or_default();
         if !rejecters.contains(&id) {
             rejecters.push(id);
         }
@@ -558,9 +562,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
         // Past `MAX_REFUSED` messages held back for other consumers, the oldest that every
         // consumer refused goes to make room; if there is none, the new one is not held.
         if drop_it {
-            self.rejects.remove(&key);
-            self.discarded += 1;
-            self.done.push(item);
+            self.discard(item);
         } else {
             self.requeued += 1;
             self.backlog.push_front(item);
@@ -573,24 +575,35 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
         if self.rejects.is_empty() {
             return (!self.backlog.is_empty()).then_some(0);
         }
-        self.backlog.iter().position(|item| {
-            self.rejects.get(&(Arc::as_ptr(item) as usize)).is_none_or(|rejecters| !rejecters.contains(&id))
-        })
+        self.backlog
+            .iter()
+            .position(|item| self.rejects.get(&key(item)).is_none_or(|rejecters| !rejecters.contains(&id)))
+    }
+
+    /// True when every consumer there is could not decode `item`.
+    fn refused_by_all(&self, item: &Item<T>) -> bool {
+        self.rejects.get(&key(item)).is_some_and(|rejecters| self.refused_by_everyone(rejecters))
+    }
+
+    /// True when `rejecters` are every consumer there is.
+    fn refused_by_everyone(&self, rejecters: &[u64]) -> bool {
+        self.consumers.keys().all(|c| rejecters.contains(c))
+    }
+
+    /// Drops a message (counted as discarded), with its record of refusals.
+    fn discard(&mut self, item: Item<T>) {
+        if !self.rejects.is_empty() {
+            self.rejects.remove(&key(&item));
+        }
+        self.discarded += 1;
+        self.done.push(item);
     }
 
     /// Drops the first message in the backlog that every consumer refused; false if none did.
     fn drop_oldest_refused_by_all(&mut self) -> bool {
-        let consumers = &self.consumers;
-        let rejects = &self.rejects;
-        let at = self.backlog.iter().position(|item| {
-            rejects
-                .get(&(Arc::as_ptr(item) as usize))
-                .is_some_and(|rejecters| consumers.keys().all(|c| rejecters.contains(c)))
-        });
+        let at = self.backlog.iter().position(|item| self.refused_by_all(item));
         let Some(item) = at.and_then(|at| self.backlog.remove(at)) else { return false };
-        self.rejects.remove(&(Arc::as_ptr(&item) as usize));
-        self.discarded += 1;
-        self.done.push(item);
+        self.discard(item);
         true
     }
 
@@ -726,13 +739,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
             Err(_) => Failure::Discarded("the message's Serialize panicked".into()),
         };
         match f {
-            Failure::Discarded(_) => {
-                if !self.rejects.is_empty() {
-                    self.rejects.remove(&(Arc::as_ptr(&item) as usize));
-                }
-                self.done.push(item);
-                self.discarded += 1;
-            }
+            Failure::Discarded(_) => self.discard(item),
             _ => self.put_back(item, from),
         }
         // One failure reported once, to the consumer's next get, rather than once for each
@@ -778,32 +785,20 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
     /// left (they would keep the queue from closing); until then they wait for a consumer that
     /// joins later.
     fn drop_refused_by_all(&mut self) -> bool {
-        if self.rejects.is_empty() || self.consumers.is_empty() {
-            return false;
-        }
-        let consumers = &self.consumers;
-        let rejects = &self.rejects;
-        let refused = |item: &Item<T>| {
-            rejects
-                .get(&(Arc::as_ptr(item) as usize))
-                .is_some_and(|rejecters| consumers.keys().all(|c| rejecters.contains(c)))
-        };
-        if !self.inbox_closed {
+        if self.rejects.is_empty() || self.consumers.is_empty() || !self.inbox_closed {
             return false;
         }
         // The backlog is gone through only when some held message was refused by everyone:
         // this runs at every turn while one waits for another consumer.
-        let every = |rejecters: &Vec<u64>| consumers.keys().all(|c| rejecters.contains(c));
-        if !rejects.values().any(every) {
+        if !self.rejects.values().any(|rejecters| self.refused_by_everyone(rejecters)) {
             return false;
         }
-        let (dropped, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.backlog).into_iter().partition(refused);
+        let backlog = std::mem::take(&mut self.backlog);
+        let (dropped, kept): (Vec<_>, Vec<_>) = backlog.into_iter().partition(|item| self.refused_by_all(item));
         self.backlog = kept.into();
         let any = !dropped.is_empty();
         for item in dropped {
-            self.rejects.remove(&(Arc::as_ptr(&item) as usize));
-            self.discarded += 1;
-            self.done.push(item);
+            self.discard(item);
         }
         any
     }
@@ -828,26 +823,35 @@ mod tests {
     use super::*;
     use crate::queue::look_until;
 
-    /// Held back past the bound, a message every consumer refused makes room for one that
-    /// another consumer may still decode.
-    #[test]
-    fn messages_refused_by_everyone_make_room_for_one_refused_by_some() {
+    /// A dispatcher with consumers 1 and 2 and `n` messages put, and the consumers' replies.
+    fn two_consumers(n: u32) -> (Dispatcher<u32>, Receiver<Reply<u32>>, Receiver<Reply<u32>>) {
         let mut d = Dispatcher::<u32>::new();
         let (r1, c1) = channel::<Reply<u32>>().unwrap();
         let (r2, c2) = channel::<Reply<u32>>().unwrap();
         d.handle(Event::Joined(1, r1));
         d.handle(Event::Joined(2, r2));
-        for i in 0..MAX_REFUSED as u32 {
+        for i in 0..n {
             d.handle(Event::Put(i));
         }
+        (d, c1, c2)
+    }
+
+    /// Consumer `id` takes the message the dispatcher hands it and refuses it.
+    fn take_and_refuse(d: &mut Dispatcher<u32>, id: u64, replies: &Receiver<Reply<u32>>) {
+        d.handle(Event::Request(id, Ctl::TryWant));
+        assert!(matches!(replies.recv(), Ok(Reply::Item(_))));
+        d.handle(Event::Request(id, Ctl::Reject(0)));
+    }
+
+    /// Held back past the bound, a message every consumer refused makes room for one that
+    /// another consumer may still decode.
+    #[test]
+    fn messages_refused_by_everyone_make_room_for_one_refused_by_some() {
+        let (mut d, c1, c2) = two_consumers(MAX_REFUSED as u32);
         // Broken messages: both consumers refuse each.
         for _ in 0..MAX_REFUSED {
-            d.handle(Event::Request(1, Ctl::TryWant));
-            assert!(matches!(c1.recv(), Ok(Reply::Item(_))));
-            d.handle(Event::Request(1, Ctl::Reject(0)));
-            d.handle(Event::Request(2, Ctl::TryWant));
-            assert!(matches!(c2.recv(), Ok(Reply::Item(_))));
-            d.handle(Event::Request(2, Ctl::Reject(0)));
+            take_and_refuse(&mut d, 1, &c1);
+            take_and_refuse(&mut d, 2, &c2);
         }
         assert_eq!((d.stats().backlog, d.stats().discarded), (MAX_REFUSED, 0));
         // One for consumer 2's GPU, which consumer 1 takes first.
@@ -864,18 +868,9 @@ mod tests {
     /// one it can take, however far back in the backlog.
     #[test]
     fn a_consumer_looks_past_every_message_it_refused() {
-        let mut d = Dispatcher::<u32>::new();
-        let (r1, c1) = channel::<Reply<u32>>().unwrap();
-        let (r2, _c2) = channel::<Reply<u32>>().unwrap();
-        d.handle(Event::Joined(1, r1));
-        d.handle(Event::Joined(2, r2));
-        for i in 0..100 {
-            d.handle(Event::Put(i));
-        }
+        let (mut d, c1, _c2) = two_consumers(100);
         for _ in 0..99 {
-            d.handle(Event::Request(1, Ctl::TryWant));
-            assert!(matches!(c1.recv(), Ok(Reply::Item(_))));
-            d.handle(Event::Request(1, Ctl::Reject(0)));
+            take_and_refuse(&mut d, 1, &c1);
         }
         d.handle(Event::Request(1, Ctl::Want(1)));
         let got = c1.recv_timeout(std::time::Duration::from_secs(5));
