@@ -157,8 +157,9 @@ pub(crate) fn wait(
         let event = match events.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
+                let opened = v.insert(OpenedEvent::open(owner_device, handle)?);
                 OPENED_COUNT.fetch_add(1, Ordering::Relaxed);
-                v.insert(OpenedEvent::open(owner_device, handle)?)
+                opened
             }
         };
         // Already complete: nothing to wait for, no command for the GPU.

@@ -80,13 +80,15 @@ impl Device {
     /// A fence after the work this process queued on the stream so far (not the waits it owes
     /// for received memory: they put no work of ours on it).
     pub(crate) fn own_work(self: &Arc<Self>) -> Result<OwnWork> {
-        let spare = lock(&self.retirer().spare).pop();
-        let event = match spare {
-            Some(event) => event,
-            None => BlockingEvent::create(self)?,
-        };
+        let event = self.spare_event()?;
         event.record(self.unsettled_stream())?;
         Ok(OwnWork { device: self.clone(), event })
+    }
+
+    /// An event kept from an earlier fence, or a new one.
+    fn spare_event(&self) -> Result<BlockingEvent> {
+        let spare = lock(&self.retirer().spare).pop();
+        spare.map_or_else(|| BlockingEvent::create(self), Ok)
     }
 
     /// Drops `value` once the work queued on `stream` so far is done, on the device's retiring
@@ -106,10 +108,8 @@ impl Device {
     /// unsafe { dev.drop_after_stream(std::ptr::null_mut(), t) };
     /// ```
     pub unsafe fn drop_after_stream<T: Send + 'static>(self: &Arc<Self>, stream: sys::CUstream, value: T) {
-        let spare = lock(&self.retirer().spare).pop();
-        let event = spare.map(Ok).unwrap_or_else(|| BlockingEvent::create(self));
         // SAFETY: upheld by the caller.
-        let recorded = event.and_then(|event| unsafe { event.record_raw(stream) }.map(|()| event));
+        let recorded = self.spare_event().and_then(|event| unsafe { event.record_raw(stream) }.map(|()| event));
         match recorded {
             Ok(event) => Box::new(OwnWork { device: self.clone(), event }).then(Box::new(move || drop(value))),
             Err(_) => {
