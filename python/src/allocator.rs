@@ -63,9 +63,8 @@ pub(crate) fn held(device: usize) -> (usize, usize) {
 /// The allocation holding `[ptr, ptr + bytes)` on `device`, in place.
 fn containing(live: &mut Live, device: usize, ptr: u64, bytes: usize) -> Option<(&mut Allocation, usize)> {
     let (&(d, base), allocation) = live.allocations.range_mut(..=(device, ptr)).next_back()?;
-    let offset = usize::try_from(ptr.checked_sub(base)?).ok()?;
-    let within = d == device && offset.checked_add(bytes).is_some_and(|end| end <= allocation.storage.byte_len());
-    within.then_some((allocation, offset))
+    let offset = crate::offset_within(d == device, base, allocation.storage.byte_len(), ptr, bytes)?;
+    Some((allocation, offset))
 }
 
 /// The storage this allocator gave PyTorch that holds `[ptr, ptr + bytes)` on `device`, with
@@ -154,7 +153,7 @@ impl Drop for AfterStreams {
         // as tensors recorded on it live: PyTorch's own streams are kept for the life of the
         // process; a `torch.cuda.ExternalStream` must outlive the tensors used on it, as with
         // PyTorch's own allocator.
-        keeping_current_context(|| unsafe { dev.drop_after_stream(stream as *mut c_void as _, rest) });
+        unsafe { dev.drop_after_stream(stream as *mut c_void as _, rest) };
     }
 }
 
@@ -176,6 +175,8 @@ pub unsafe extern "C" fn cuda_mp_torch_free(ptr: *mut c_void, _size: usize, devi
         // The allocation stream's fence is recorded now (taken first, from the end), the
         // others' after it.
         streams.push(stream as usize);
-        drop(AfterStreams { storage: allocation.storage, streams });
+        // The thread's current context as PyTorch left it (the later links of the chain run
+        // on cuda-mp's retiring thread, whose context matters to nobody).
+        keeping_current_context(|| drop(AfterStreams { storage: allocation.storage, streams }));
     });
 }

@@ -248,13 +248,17 @@ impl<S> Handed<S> {
     fn find(&self, device: usize, ptr: u64, bytes: usize) -> Option<(Arc<S>, usize)> {
         let book = self.book();
         let (&(d, base), (len, weak)) = book.entries.range(..=(device, ptr)).next_back()?;
-        if d != device {
-            return None;
-        }
-        let offset = usize::try_from(ptr.checked_sub(base)?).ok()?;
-        let within = offset.checked_add(bytes).is_some_and(|end| end <= *len);
-        within.then(|| weak.upgrade().map(|s| (s, offset))).flatten()
+        let offset = offset_within(d == device, base, *len, ptr, bytes)?;
+        weak.upgrade().map(|s| (s, offset))
     }
+}
+
+/// The offset of `[ptr, ptr + bytes)` in the memory of `len` bytes at `base`, when it lies
+/// there (and `same_device`): how a storage is found by an address another library hands over.
+fn offset_within(same_device: bool, base: u64, len: usize, ptr: u64, bytes: usize) -> Option<usize> {
+    let offset = usize::try_from(ptr.checked_sub(base)?).ok()?;
+    let within = same_device && offset.checked_add(bytes).is_some_and(|end| end <= len);
+    within.then_some(offset)
 }
 
 fn remember(t: &Any) {
