@@ -1,6 +1,8 @@
+import json
 import os
 import pathlib
 import subprocess
+import sys
 
 import pytest
 
@@ -16,6 +18,17 @@ def cuda_gpu():
 
     if not torch.cuda.is_available():
         pytest.fail("these tests need a CUDA GPU, and none is usable", pytrace=False)
+
+
+def run_json_program(program: str, *args) -> dict:
+    """Runs the test program ``program`` (beside this file) in an interpreter of its own and
+    returns what it printed last, as JSON; fails with its stderr when it fails."""
+    path = pathlib.Path(__file__).with_name(program)
+    done = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(result)
+    return result
 
 
 def rust_example(name: str) -> pathlib.Path:

@@ -2,26 +2,16 @@
 allocator, on a GPU machine (``pytest -m gpu``). Each case runs in an interpreter of its own: the
 allocator is chosen before a process's first CUDA tensor."""
 
-import json
-import pathlib
-import subprocess
-import sys
-
 import pytest
+from conftest import run_json_program
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_gpu")]
 
 pytest.importorskip("torch", reason="PyTorch is not installed")
 
-PROGRAM = pathlib.Path(__file__).with_name("torch_allocator_program.py")
-
 
 def run_program(*args):
-    done = subprocess.run([sys.executable, str(PROGRAM), *args], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    print(result)
-    return result
+    return run_json_program("torch_allocator_program.py", *args)
 
 
 def test_tensors_of_the_allocator_travel_as_blocks_of_segments_mapped_once():

@@ -1,28 +1,17 @@
 """torch.multiprocessing programs with ``cuda_mp.torch.install()``, on a GPU machine: ``pytest -m gpu``."""
 
-import json
-import pathlib
-import subprocess
-import sys
-
 import pytest
 
 import cuda_mp
-from conftest import settled_lifetime_stats
+from conftest import run_json_program, settled_lifetime_stats
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_gpu")]
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 
-PROGRAM = pathlib.Path(__file__).with_name("torch_mp_program.py")
-
 
 def run_program(*args):
-    done = subprocess.run([sys.executable, str(PROGRAM), *args], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    print(result)
-    return result
+    return run_json_program("torch_mp_program.py", *args)
 
 
 @pytest.mark.parametrize("call", ["--install", "--queues"])
