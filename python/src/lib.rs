@@ -953,7 +953,7 @@ fn from_value<'py>(py: Python<'py>, value: Value, makers: &Makers<'_, 'py>) -> P
         Value::Dict(items) => {
             let dict = PyDict::new(py);
             for (k, v) in items {
-                dict.set_item(from_value(py, k, makers)?, from_value(py, v, makers)?)?;
+                dict.set_item(from_key(py, k, makers)?, from_value(py, v, makers)?)?;
             }
             dict.into_any()
         }
@@ -971,6 +971,26 @@ fn from_value<'py>(py: Python<'py>, value: Value, makers: &Makers<'_, 'py>) -> P
             makers.pickled.call1((PyBytes::new(py, &pickle), tensors?))?
         }
         _ => return Err(exception(py, "Malformed", "a value of a kind this package does not know".into())),
+    })
+}
+
+/// A dict's key `key` as a Python object that can be one: a list (Rust's `Vec`) as a tuple, a
+/// dict as a tuple of its pairs, each all the way down, so that a key Python cannot hash does
+/// not fail the whole message after it was taken.
+fn from_key<'py>(py: Python<'py>, key: Value, makers: &Makers<'_, 'py>) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match key {
+        Value::List(items) | Value::Tuple(items) => {
+            let items: PyResult<Vec<_>> = items.into_iter().map(|v| from_key(py, v, makers)).collect();
+            PyTuple::new(py, items?)?.into_any()
+        }
+        Value::Dict(pairs) => {
+            let pairs: PyResult<Vec<_>> = pairs
+                .into_iter()
+                .map(|(k, v)| PyTuple::new(py, [from_key(py, k, makers)?, from_key(py, v, makers)?]))
+                .collect();
+            PyTuple::new(py, pairs?)?.into_any()
+        }
+        other => from_value(py, other, makers)?,
     })
 }
 

@@ -216,3 +216,15 @@ def test_holder_stats_show_who_holds_this_process_memory():
     assert not still_held(), "released when the holder dropped it"
     p.join(30)
     assert p.exitcode == 0
+
+
+def test_a_bf16_message_that_numpy_cannot_hold_is_not_lost():
+    bf16 = cuda_mp._native.host_tensor("bf16", [4], [], 0, 0, 0, bytes(range(8)))
+    tx, rx = pair()
+    tx.send(bf16)
+    with pytest.raises(cuda_mp.DTypeError) as e:
+        rx.recv(timeout=10)  # a NumPy receiver: no bfloat16
+    got = e.value.received  # the message goes with the error
+    assert (got.dtype, got.shape) == ("bf16", [4])
+    tx.send(np.arange(3, dtype=np.float32))
+    assert rx.recv(timeout=10).tolist() == [0.0, 1.0, 2.0], "the channel goes on"

@@ -310,3 +310,19 @@ def test_a_multiprocessing_queue_whose_process_is_gone_answers_as_multiprocessin
         assert repr(q) == "cuda_mp.Queue(disconnected)"
     finally:
         owner.kill()
+
+
+def test_a_bf16_host_tensor_in_an_item_arrives_as_a_tensor_numpy_cannot_hold():
+    q = cuda_mp.Queue()
+    bf16 = cuda_mp._native.host_tensor("bf16", [2, 2], [], 0, 0, 0, bytes(range(8)))
+    q.put({"w": bf16, "step": 3})
+    got = q.get(timeout=10)
+    assert got["step"] == 3
+    try:
+        import torch
+    except ImportError:  # cuda-mp's own tensor, which a queue carries on as it is
+        assert (got["w"].dtype, got["w"].shape) == ("bf16", [2, 2])
+        q.put(got["w"])
+        assert q.get(timeout=10).dtype == "bf16"
+    else:
+        assert got["w"].dtype == torch.bfloat16 and got["w"].shape == (2, 2)

@@ -318,8 +318,22 @@ def _to_numpy(t: "_native.Tensor"):
     import numpy as np
 
     if t.dtype == "bf16":
-        raise DTypeError("numpy has no bfloat16: receive with as_torch=True")
+        error = DTypeError("numpy has no bfloat16: receive with as_torch=True (the tensor is the error's `received`)")
+        # The message is off the channel already: it goes with the error, not lost.
+        error.received = t
+        raise error
     return np.from_dlpack(t)
+
+
+def _host_leaf(t: "_native.Tensor"):
+    """A host tensor in a queue's item: a NumPy array; bf16, which NumPy lacks, as a
+    ``torch.Tensor`` (or cuda-mp's own tensor where torch is missing)."""
+    if t.dtype != "bf16":
+        return _to_numpy(t)
+    try:
+        return _host_bf16(t)
+    except ImportError:
+        return t
 
 
 # --- channels ---------------------------------------------------------------------------------

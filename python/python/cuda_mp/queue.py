@@ -42,7 +42,7 @@ import time
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, List, Optional
 
-from . import _native, _is_torch, _to_numpy, _to_torch
+from . import _native, _host_leaf, _is_torch, _to_numpy, _to_torch
 from ._errors import Disconnected, Timeout
 
 __all__ = ["HANDLE_TTL", "Connection", "MultiprocessingQueue", "Pipe", "Queue"]
@@ -119,8 +119,11 @@ def _dumps(obj: Any):
 
 def _leaf(obj):
     """The cuda-mp tensor that ``obj`` travels as inside a value (see ``cuda_mp::Value``): a CUDA
-    ``torch.Tensor`` (not a subclass, no gradient), or a NumPy array in cuda-mp memory; None for
-    anything else (the object is then pickled)."""
+    ``torch.Tensor`` (not a subclass, no gradient), a NumPy array in cuda-mp memory, or cuda-mp's
+    own tensor (as a bf16 host tensor arrives where torch is missing); None for anything else
+    (the object is then pickled)."""
+    if isinstance(obj, _native.Tensor):
+        return obj
     if _is_torch(obj):
         import torch
 
@@ -149,7 +152,7 @@ def _unpickle(data: bytes, tensors):
     return _TensorsIn(data, tensors).load()
 
 
-_MAKERS = (_gpu_leaf, _to_numpy, _unpickle)
+_MAKERS = (_gpu_leaf, _host_leaf, _unpickle)
 
 
 class Queue:
