@@ -351,7 +351,8 @@ class Receiver:
 
     def recv(self, timeout: Optional[float] = None, raw: bool = False):
         """The next message; waits at most ``timeout`` seconds (None: for ever). Raises
-        ``Timeout``, ``Disconnected`` (the sender is gone and nothing is left), ``Malformed``.
+        ``Timeout``, ``Disconnected`` (the sender is gone and nothing is left), ``Malformed``,
+        ``DTypeError`` (a bf16 host tensor, which NumPy lacks: the tensor is its ``received``).
         ``raw=True`` gives cuda-mp's own objects (``_native.Tensor`` / ``_native.Bundle``)."""
         got = self._native.recv(timeout)
         if raw:
