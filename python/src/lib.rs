@@ -241,6 +241,24 @@ impl<S> Handed<S> {
         if book.entries.len() > 4096 {
             book.entries.retain(|_, (_, w)| w.strong_count() > 0);
         }
+        // A freed storage's entry inside this one's memory (reused by it) would hide it from
+        // `find`, which looks at the nearest entry below an address: such entries go. Entries
+        // do not overlap (live storages do not, and this keeps it so), so those overlapping
+        // this one are the run below its end that starts at or after it, and the one before.
+        let end = address.saturating_add(len as u64);
+        let mut stale = Vec::new();
+        for (&(d, base), (l, weak)) in book.entries.range(..(device, end)).rev() {
+            let overlaps = d == device && base.saturating_add(*l as u64) > address;
+            if overlaps && weak.strong_count() == 0 {
+                stale.push((d, base));
+            }
+            if d != device || base < address {
+                break;
+            }
+        }
+        for key in stale {
+            book.entries.remove(&key);
+        }
         book.entries.insert((device, address), (len, Arc::downgrade(storage)));
     }
 

@@ -228,3 +228,21 @@ def test_a_bf16_message_that_numpy_cannot_hold_is_not_lost():
     assert (got.dtype, got.shape) == ("bf16", [4])
     tx.send(np.arange(3, dtype=np.float32))
     assert rx.recv(timeout=10).tolist() == [0.0, 1.0, 2.0], "the channel goes on"
+
+
+def test_a_view_of_shared_memory_that_reuses_freed_blocks_travels_without_a_copy():
+    import gc
+
+    tx, rx = pair()
+    a, b = cuda_mp.empty_host((256,), "float32"), cuda_mp.empty_host(256, "float32")
+    for x in (a, b):
+        tx.send(x)  # both are remembered as this process's storages
+        rx.recv(timeout=10)
+    del a, b, x
+    gc.collect()
+    c = cuda_mp.empty_host((1024,), "float32")  # may reuse their memory
+    for view in (c[:10], c[300:310], c[-10:]):
+        tx.send(view)
+        got = rx.recv(timeout=10)
+        got[:] = 7
+        assert (view == 7).all(), "the receiver wrote the sender's memory, not a copy"

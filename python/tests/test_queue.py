@@ -248,8 +248,9 @@ def test_a_pipe_polls_as_multiprocessing_pipes_do():
     assert b.poll(5) and b.recv(timeout=5) == 2 and b.recv(timeout=5) == 3, "in order"
     a.close()
     del a
-    with pytest.raises(cuda_mp.Disconnected):
-        b.poll(5)
+    assert b.poll(5), "at the end poll says a recv returns at once"
+    with pytest.raises(EOFError):  # as multiprocessing's recv at the end
+        b.recv(timeout=5)
 
 
 def test_a_rust_process_consumes_a_python_queue_and_answers_on_another():
@@ -326,3 +327,47 @@ def test_a_bf16_host_tensor_in_an_item_arrives_as_a_tensor_numpy_cannot_hold():
         assert q.get(timeout=10).dtype == "bf16"
     else:
         assert got["w"].dtype == torch.bfloat16 and got["w"].shape == (2, 2)
+
+
+def test_a_pipe_has_the_rest_of_multiprocessings_connection():
+    reader, writer = cuda_mp.Pipe(duplex=False)
+    with pytest.raises(OSError, match="read-only"):
+        reader.send(1)
+    with pytest.raises(OSError, match="write-only"):
+        writer.recv(timeout=1)
+    writer.send_bytes(b"abcdef", 1, 3)
+    assert reader.recv_bytes() == b"bcd"
+    writer.send({"not": "bytes"})
+    with pytest.raises(TypeError) as e:
+        reader.recv_bytes()
+    assert e.value.received == {"not": "bytes"}, "what came goes with the error"
+    writer.send_bytes(bytearray(10))
+    with pytest.raises(OSError) as e:
+        reader.recv_bytes(maxlength=4)
+    assert e.value.received == bytes(10)
+    with writer:
+        writer.send("last")
+    assert writer.closed
+    assert reader.recv(timeout=5) == "last"
+    with pytest.raises(EOFError):
+        reader.recv(timeout=5)
+
+
+def test_an_item_goes_to_a_consumer_only_in_its_get_unless_it_asks_ahead():
+    q = cuda_mp.Queue()
+    q.put("first")
+    assert q.get(timeout=5) == "first"
+    for i in range(10):
+        q.put(i)
+    assert q.qsize() == 10 and not q.empty()
+    drained = []
+    while not q.empty():
+        drained.append(q.get(timeout=5))
+    assert drained == list(range(10)), "empty() counts nothing this process's gets hold ahead"
+    ahead = cuda_mp.Queue(prefetch=2)
+    for i in range(5):
+        ahead.put(i)
+    assert ahead.get(timeout=5) == 0
+    # What this handle asked for ahead is counted: not yet taken by a get.
+    assert ahead.qsize() == 4
+    assert [ahead.get(timeout=5) for _ in range(4)] == [1, 2, 3, 4]

@@ -494,6 +494,8 @@ def empty_host(shape, dtype="float32"):
     import numpy as np
 
     dtype = np.dtype(dtype)
+    if isinstance(shape, int):
+        shape = (shape,)
     count = 1
     for n in shape:
         count *= n

@@ -9,8 +9,9 @@ class Timeout(Error, TimeoutError):
     """Nothing arrived (or nobody connected) within the timeout."""
 
 
-class Disconnected(Error, ConnectionError):
-    """The other end of the channel is gone."""
+class Disconnected(Error, ConnectionError, EOFError):
+    """The other end of the channel is gone (an ``EOFError`` too, as ``multiprocessing``'s
+    connections raise at their end)."""
 
 
 class Malformed(Error, ValueError):

@@ -157,10 +157,15 @@ _MAKERS = (_gpu_leaf, _host_leaf, _unpickle)
 
 class Queue:
     """A queue of picklable objects for many producers and consumers in many processes; see the
-    module's text. Create it in the process that outlives the others."""
+    module's text. Create it in the process that outlives the others.
 
-    def __init__(self, _native_queue: Optional["_native.Queue"] = None):
-        self._native = _native_queue if _native_queue is not None else _native.Queue()
+    As with ``multiprocessing``, an item goes to a consumer only in its ``get``. ``prefetch=n``
+    lets each consumer's gets keep ``n`` items asked for ahead (fewer round trips to the
+    queue's process, for many small items): those go to that consumer even if it stops
+    getting, so leave it 0 where a consumer may stop or be slow. A pickled handle keeps it."""
+
+    def __init__(self, prefetch: int = 0, _native_queue: Optional["_native.Queue"] = None):
+        self._native = _native_queue if _native_queue is not None else _native.Queue(prefetch)
 
     def put(self, obj: Any, block: bool = True, timeout: Optional[float] = None) -> None:
         """Puts ``obj`` (never waits: the queue has no bound; ``block`` and ``timeout`` are
@@ -184,9 +189,11 @@ class Queue:
         return self.get(block=False)
 
     def qsize(self) -> int:
-        """Items waiting (not counting those handed to a consumer and not yet taken). Raises
-        ``cuda_mp.Disconnected`` once the queue's process is gone."""
-        return self._native.stats()[0]
+        """Items not yet taken by a get: waiting, or on their way to a consumer that asked
+        for them (ahead of its gets, with ``prefetch``). Raises ``cuda_mp.Disconnected`` once
+        the queue's process is gone."""
+        backlog, in_flight, _ = self._native.stats()
+        return backlog + in_flight
 
     def empty(self) -> bool:
         return self.qsize() == 0
@@ -200,7 +207,7 @@ class Queue:
     @staticmethod
     def from_bytes(data: bytes) -> "Queue":
         """The handle that ``to_bytes`` made ``data`` of (in Python or Rust); once."""
-        return Queue(_native.Queue.from_bytes(data))
+        return Queue(_native_queue=_native.Queue.from_bytes(data))
 
     def __reduce__(self):
         return (Queue.from_bytes, (self.to_bytes(),))
@@ -217,13 +224,11 @@ class MultiprocessingQueue(Queue):
     """What ``multiprocessing`` makes of ``Queue()`` (of any context, and so of
     ``torch.multiprocessing.Queue()``) after ``cuda_mp.torch.install(queues=True)``: a ``Queue``
     that also answers ``multiprocessing.Queue``'s remaining methods (``full``, ``close``,
-    ``join_thread``, ``cancel_join_thread``) and stays one when pickled. As with
-    ``multiprocessing``, an item goes to a consumer only in its ``get`` (a ``Queue``'s gets
-    ask for two ahead, which a consumer that stops getting would hold), so ``qsize()`` counts
-    every item not yet taken by a get."""
+    ``join_thread``, ``cancel_join_thread``) and stays one when pickled (never with
+    ``prefetch``)."""
 
     def __init__(self, _native_queue: Optional["_native.Queue"] = None):
-        super().__init__(_native_queue if _native_queue is not None else _native.Queue(0))
+        super().__init__(0, _native_queue)
         self._closed = False
 
     @classmethod
@@ -322,28 +327,69 @@ def _replace_multiprocessing_queues(replace: bool) -> None:
 
 
 class Connection:
-    """One end of a ``Pipe``: ``send`` to the other end, ``recv`` what it sent."""
+    """One end of a ``Pipe``: ``send`` to the other end, ``recv`` what it sent. As
+    ``multiprocessing``'s, but for ``fileno`` (it has no one descriptor to wait on)."""
 
-    def __init__(self, native: "_native.Connection"):
+    def __init__(self, native: "_native.Connection", readable: bool = True, writable: bool = True):
         self._native = native
+        self.readable = readable
+        self.writable = writable
 
     def send(self, obj: Any) -> None:
         """Sends ``obj`` (pickled as a ``Queue`` pickles). Raises ``cuda_mp.Disconnected`` when
         the other end is gone."""
-        if not self._open().send(obj, _leaf):
-            self._open().send_pickled(*_dumps(obj))
+        native = self._open(writing=True)
+        if not native.send(obj, _leaf):
+            native.send_pickled(*_dumps(obj))
 
     def recv(self, timeout: Optional[float] = None) -> Any:
         """The next object from the other end; waits at most ``timeout`` seconds (None: for
-        ever), then raises ``cuda_mp.Timeout``; ``cuda_mp.Disconnected`` once the other end is
-        gone and nothing is left."""
-        return self._open().recv(timeout, *_MAKERS)
+        ever), then raises ``cuda_mp.Timeout``; ``cuda_mp.Disconnected`` (an ``EOFError``)
+        once the other end is gone and nothing is left."""
+        return self._open(reading=True).recv(timeout, *_MAKERS)
+
+    def send_bytes(self, buf, offset: int = 0, size: Optional[int] = None) -> None:
+        """Sends ``size`` bytes of the bytes-like ``buf`` from ``offset`` (all the rest: None)
+        as one ``bytes`` object."""
+        view = memoryview(buf).cast("B")
+        if offset < 0 or offset > len(view):
+            raise ValueError("offset is out of bounds")
+        end = len(view) if size is None else offset + size
+        if size is not None and (size < 0 or end > len(view)):
+            raise ValueError("size is out of bounds" if size >= 0 else "size is negative")
+        self.send(bytes(view[offset:end]))
+
+    def recv_bytes(self, maxlength: Optional[int] = None) -> bytes:
+        """The next object, which ``send_bytes`` (or ``send`` of ``bytes``) sent. Raises
+        ``OSError`` for a longer message than ``maxlength``, and ``TypeError`` for one of another
+        type; either carries what came as its ``received``: nothing is lost."""
+        got = self.recv()
+        error = None
+        if not isinstance(got, bytes):
+            error = TypeError(f"recv_bytes got a {type(got).__name__}, not bytes (the object is the error's `received`)")
+        elif maxlength is not None and len(got) > maxlength:
+            error = OSError(f"a message of {len(got)} bytes is longer than maxlength (it is the error's `received`)")
+        if error is not None:
+            error.received = got
+            raise error
+        return got
 
     def poll(self, timeout: Optional[float] = 0.0) -> bool:
-        """Whether an object is ready to ``recv``, waiting at most ``timeout`` seconds for one
-        (0: not at all, as ``multiprocessing``'s default; None: for ever). Raises
-        ``cuda_mp.Disconnected`` once the other end is gone and nothing is left."""
-        return self._open().poll(timeout)
+        """Whether a ``recv`` would return at once, waiting at most ``timeout`` seconds for an
+        object (0: not at all, as ``multiprocessing``'s default; None: for ever). True at the
+        end too (the other end gone and nothing left), where ``recv`` raises at once, as
+        ``multiprocessing``'s ``poll`` says of its ``EOFError``."""
+        native = self._open(reading=True)
+        try:
+            return native.poll(timeout)
+        except Disconnected:
+            return True
+
+    def __enter__(self) -> "Connection":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         """Lets go of this end here: once every copy of it is closed or gone, the other end's
@@ -354,13 +400,17 @@ class Connection:
     def closed(self) -> bool:
         return self._native is None
 
-    def _open(self) -> "_native.Connection":
+    def _open(self, reading: bool = False, writing: bool = False) -> "_native.Connection":
         if self._native is None:
             raise OSError("handle is closed")
+        if reading and not self.readable:
+            raise OSError("connection is write-only")
+        if writing and not self.writable:
+            raise OSError("connection is read-only")
         return self._native
 
     def __reduce__(self):
-        return (Connection.from_bytes, (self.to_bytes(),))
+        return (Connection.from_bytes, (self.to_bytes(), self.readable, self.writable))
 
 
     def to_bytes(self, ttl: float = HANDLE_TTL) -> bytes:
@@ -370,13 +420,15 @@ class Connection:
         return self._open().to_bytes(ttl)
 
     @staticmethod
-    def from_bytes(data: bytes) -> "Connection":
+    def from_bytes(data: bytes, readable: bool = True, writable: bool = True) -> "Connection":
         """The end that ``to_bytes`` made ``data`` of (in Python or Rust); once."""
-        return Connection(_native.Connection.from_bytes(data))
+        return Connection(_native.Connection.from_bytes(data), readable, writable)
 
 
-def Pipe():  # noqa: N802  (named as multiprocessing.Pipe)
-    """Two ``Connection`` s, each sending to the other."""
+def Pipe(duplex: bool = True):  # noqa: N802  (named as multiprocessing.Pipe)
+    """Two ``Connection`` s, each sending to the other; with ``duplex=False``, as
+    ``multiprocessing.Pipe(False)``, ``(reader, writer)``: the first only receives, the
+    second only sends."""
     a, b = _native.pipe()
-    return Connection(a), Connection(b)
+    return Connection(a, writable=duplex), Connection(b, readable=duplex)
 
