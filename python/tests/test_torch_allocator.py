@@ -25,7 +25,8 @@ def test_tensors_of_the_allocator_travel_as_blocks_of_segments_mapped_once():
     assert storages == 48 and 0 < segments <= r["segments"] < 48, r
     assert r["fresh_ok"], "fresh tensors dropped by the producer right after their put read right"
     storages_after, segments_after = r["consumer_mappings_after_fresh"]
-    assert storages_after == 48 + 300 and segments_after <= segments + 2, "300 fresh tensors mapped (almost) no segment"
+    # A window of 8 MiB in flight needs a few segments of its own, then its blocks are reused.
+    assert storages_after == 48 + 300 and segments_after <= segments + 8, "300 fresh tensors mapped a few segments"
     assert r["consumer_exit"] == 0
     assert r["torch_holds"] == [0, 0]
     assert r["allocated_bytes_at_end"] == 0, "every block came back once the consumer was gone"

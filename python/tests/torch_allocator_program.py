@@ -28,6 +28,7 @@ def consume(q_in, q_out):
         value, t = item
         fresh_ok &= bool((t == value).all())
         del t
+        q_out.put("dropped")
     torch.cuda.synchronize()
     q_out.put((fresh_ok, (cuda_mp._native.opened_mappings(), cuda_mp._native.opened_segments())))
 
@@ -83,10 +84,16 @@ def main():
     report["consumer_write_seen"] = bool((weights["w0"] == 1.0).all())
 
     # Fresh 1 MiB tensors, each dropped here right after its put: the consumer reads them after.
+    # A window of 8 in flight (the consumer says when it has dropped each): blocks come back
+    # and are reused, in segments the consumer has mapped.
     for k in range(300):
         t = torch.full((256 * 1024,), float(k % 7), device="cuda")
         q_in.put((float(k % 7), t))
         del t
+        if k >= 8:
+            assert q_out.get(timeout=120) == "dropped"
+    for _ in range(8):
+        assert q_out.get(timeout=120) == "dropped"
     q_in.put(None)
     fresh_ok, mapped_after = q_out.get(timeout=120)
     report["fresh_ok"] = fresh_ok
@@ -98,6 +105,7 @@ def main():
     # behind the GPU's work have run, no block of the allocator is in use.
     del weights
     torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()  # cuBLAS keeps its workspace (an allocation) until this
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and cuda_mp.allocator_stats(0)["allocated_bytes"] > 0:
         time.sleep(0.05)
