@@ -59,7 +59,8 @@ What it costs: PyTorch's own caching allocator is not used in that process, so
 ``torch.cuda.memory_allocated``, ``memory_stats``, ``memory_snapshot`` and the other statistics
 of PyTorch's allocator raise (``cuda_mp.allocator_stats(device)`` has cuda-mp's), CUDA graphs
 cannot capture allocations, and ``torch.cuda.empty_cache()`` does nothing
-(``cuda_mp.empty_cache(device)`` gives the free segments back). A pluggable allocator cannot
+(``cuda_mp.empty_cache(device)`` gives the free segments back; cuBLAS keeps its workspace, an
+allocation like any other, until ``torch._C._cuda_clearCublasWorkspaces()``). A pluggable allocator cannot
 raise: an allocation the device cannot hold, even after the frees waiting for the GPU have run
 and the free segments were given back, ends the process with a message on stderr, where
 PyTorch's allocator would raise ``torch.cuda.OutOfMemoryError`` (and where PyTorch itself
