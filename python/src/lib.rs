@@ -1008,6 +1008,8 @@ fn from_key<'py>(py: Python<'py>, key: Value, makers: &Makers<'_, 'py>) -> PyRes
                 .collect();
             PyTuple::new(py, pairs?)?.into_any()
         }
+        // cuda-mp's own tensor, which can be a key where a NumPy array cannot.
+        Value::Host(t) => Tensor { inner: Any::Host(t) }.into_pyobject(py)?.into_any(),
         other => from_value(py, other, makers)?,
     })
 }
@@ -1257,9 +1259,9 @@ impl Connection {
     }
 
     /// Whether an object is ready to be received, waiting at most `timeout` seconds for one
-    /// (0: not at all; None: for ever). False once this end was pickled to another process.
-    /// What arrived stays for the next `recv`. Raises `Disconnected` when the other end is
-    /// gone and nothing is left.
+    /// (0: not at all; None: for ever). What arrived stays for the next `recv`. Raises
+    /// `Disconnected` when the other end is gone and nothing is left, or this end was pickled
+    /// to another process (where `recv` raises at once too).
     #[pyo3(signature = (timeout=Some(0.0)))]
     fn poll(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
         if !self.polled().1.is_empty() {
@@ -1268,7 +1270,7 @@ impl Connection {
         // Not waited for with the GIL held: a `recv` of another thread holds the receiver
         // (which is there, then) for a slice of its wait at a time.
         if self.rx.try_lock().is_ok_and(|rx| rx.is_none()) {
-            return Ok(false);
+            return Err(pickled_away("connection"));
         }
         match try_wait(py, seconds(timeout)?, |d| self.receive_new(d))? {
             Ok(value) => {

@@ -139,6 +139,7 @@ def test_a_pipe_carries_objects_both_ways_and_shares_cuda_mp_memory(method):
     assert p.exitcode == 0
     assert a.tolist() == [5] * 8, "the child wrote to this process's memory"
     if method != "fork":
+        assert there.poll(), "pickled away: a recv raises at once"
         with pytest.raises(cuda_mp.Disconnected, match="was pickled"):
             there.recv(timeout=1)  # pickled to the child: this process receives no more on it
     there.close()  # this process's copy of the child's sending half
@@ -371,3 +372,13 @@ def test_an_item_goes_to_a_consumer_only_in_its_get_unless_it_asks_ahead():
     # What this handle asked for ahead is counted: not yet taken by a get.
     assert ahead.qsize() == 4
     assert [ahead.get(timeout=5) for _ in range(4)] == [1, 2, 3, 4]
+
+
+def test_cuda_mp_tensors_as_dict_keys_arrive_as_keys():
+    q = cuda_mp.Queue()
+    key = cuda_mp._native.host_tensor("f32", [2], [], 0, 0, 0, bytes(8))
+    q.put({key: 1, "x": 2})
+    got = q.get(timeout=5)  # a NumPy array cannot be a key: cuda-mp's own tensor is
+    assert got["x"] == 2
+    (tensor_key,) = [k for k in got if k != "x"]
+    assert (tensor_key.dtype, tensor_key.shape, got[tensor_key]) == ("f32", [2], 1)

@@ -377,8 +377,8 @@ class Connection:
     def poll(self, timeout: Optional[float] = 0.0) -> bool:
         """Whether a ``recv`` would return at once, waiting at most ``timeout`` seconds for an
         object (0: not at all, as ``multiprocessing``'s default; None: for ever). True at the
-        end too (the other end gone and nothing left), where ``recv`` raises at once, as
-        ``multiprocessing``'s ``poll`` says of its ``EOFError``."""
+        end too (the other end gone and nothing left, or this end pickled away), where
+        ``recv`` raises at once, as ``multiprocessing``'s ``poll`` says of its ``EOFError``."""
         native = self._open(reading=True)
         try:
             return native.poll(timeout)
