@@ -304,8 +304,9 @@ pub struct JoinHandle<R> {
     inner: Inner<R>,
     /// Watches the child's end, so that a join can say how it died.
     watch: Option<ChildWatch>,
-    /// Set by [`kill`](Self::kill).
-    killed: bool,
+    /// How the child ended, as seen by [`kill`](Self::kill) (which reaps it, after which the
+    /// watch may no longer tell).
+    ended: Option<Exit>,
     /// When a join last looked for the result of the running child.
     last_look: Instant,
     /// Where the descriptors of the child's arguments wait until it fetches them: withdrawn
@@ -367,14 +368,14 @@ const RESULT_LOOK: Duration = Duration::from_millis(200);
 impl<R> JoinHandle<R> {
     fn started(handle: procspawn::JoinHandle<R>, arguments: Option<crate::handover::SpawnTicket>) -> Self {
         let watch = handle.pid().map(ChildWatch::new);
-        JoinHandle { inner: Inner::Running(handle), watch, killed: false, last_look: Instant::now(), arguments }
+        JoinHandle { inner: Inner::Running(handle), watch, ended: None, last_look: Instant::now(), arguments }
     }
 
     fn failed(error: JoinError) -> Self {
         JoinHandle {
             inner: Inner::Failed(Some(error)),
             watch: None,
-            killed: false,
+            ended: None,
             last_look: Instant::now(),
             arguments: None,
         }
@@ -392,7 +393,7 @@ impl<R> JoinHandle<R> {
         JoinHandle {
             inner: Inner::Pooled(result),
             watch: None,
-            killed: false,
+            ended: None,
             last_look: Instant::now(),
             arguments: None,
         }
@@ -409,8 +410,13 @@ impl<R> JoinHandle<R> {
     /// }
     /// ```
     pub fn is_alive(&self) -> bool {
-        matches!(self.inner, Inner::Running(_))
-            && self.watch.as_ref().is_some_and(|w| w.exited(Duration::ZERO).is_none())
+        matches!(self.inner, Inner::Running(_)) && self.watch.is_some() && self.end().is_none()
+    }
+
+    /// How the child ended, if it has: as the watch sees it, or as [`kill`](Self::kill) saw
+    /// it before and after reaping it.
+    fn end(&self) -> Option<Exit> {
+        self.ended.or_else(|| self.watch.as_ref()?.exited(Duration::ZERO))
     }
 
     /// The child's exit status once it has exited normally (`None` while it runs, when a
@@ -429,7 +435,7 @@ impl<R> JoinHandle<R> {
     /// }
     /// ```
     pub fn exit_code(&self) -> Option<i32> {
-        match self.watch.as_ref()?.exited(Duration::ZERO)? {
+        match self.end()? {
             Exit::Code(code) => Some(code),
             Exit::Signal(_) => None,
         }
@@ -459,9 +465,8 @@ impl<R> JoinHandle<R> {
         if !matches!(error, JoinError::Terminated(_)) {
             return error;
         }
-        match exit {
+        match exit.or(self.ended) {
             Some(exit) => exit_error(exit),
-            None if self.killed => JoinError::Signaled { signal: crate::sys::SIGKILL, name: "SIGKILL" },
             None => error,
         }
     }
@@ -573,7 +578,7 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
         // its result, if it sent one, is still queued), or now and then while it runs, for a
         // result too large to be queued before the child exits.
         loop {
-            let exit = watch.exited(Duration::ZERO);
+            let exit = watch.exited(Duration::ZERO).or(self.ended);
             if exit.is_some() || self.last_look.elapsed() >= RESULT_LOOK {
                 self.last_look = Instant::now();
                 match handle.join_timeout(Duration::ZERO) {
@@ -620,8 +625,13 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
     pub fn kill(&mut self) -> Result<(), JoinError> {
         match &mut self.inner {
             Inner::Running(h) => {
-                self.killed = true;
+                // The kill reaps the child: how it ended is taken before (it may have exited
+                // by itself) and after (the kernel keeps the status for the pidfd, where it
+                // is new enough; else the SIGKILL sent).
+                let before = self.watch.as_ref().and_then(|w| w.exited(Duration::ZERO));
                 let killed = h.kill().map_err(join_error);
+                let after = || self.watch.as_ref().and_then(ChildWatch::exit_status);
+                self.ended = self.ended.or(before).or_else(after).or(Some(Exit::Signal(crate::sys::SIGKILL)));
                 self.forget_arguments();
                 killed
             }
@@ -648,14 +658,25 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
     /// }
     /// ```
     pub fn terminate(&mut self, grace: Duration) -> Result<(), JoinError> {
+        let asked = self.ask_to_stop();
+        self.stop_by(asked.then(|| crate::os::instant_after(grace)))
+    }
+
+    /// Sends SIGTERM unless the child has ended; whether it was sent.
+    fn ask_to_stop(&self) -> bool {
+        self.end().is_none() && self.watch.as_ref().is_some_and(|w| w.signal(rustix::process::Signal::TERM))
+    }
+
+    /// Waits until `deadline` (none: not at all) for the child to end, then kills it if it
+    /// has not.
+    fn stop_by(&mut self, deadline: Option<Instant>) -> Result<(), JoinError> {
         let Some(watch) = &self.watch else { return self.kill() };
-        if watch.signal(rustix::process::Signal::TERM) {
-            let deadline = crate::os::instant_after(grace);
-            while watch.exited(Duration::ZERO).is_none() && Instant::now() < deadline {
+        if let Some(deadline) = deadline {
+            while self.end().is_none() && Instant::now() < deadline {
                 watch.exited(JOIN_POLL.min(deadline.saturating_duration_since(Instant::now())));
             }
         }
-        if watch.exited(Duration::ZERO).is_some() {
+        if self.end().is_some() {
             return Ok(());
         }
         self.kill()
@@ -723,8 +744,13 @@ where
 
 /// Ends the ranks still running once one failed (or could not start), as torch's spawn does.
 fn terminate_all<R: Serialize + DeserializeOwned>(handles: &mut [Option<JoinHandle<R>>]) {
-    for other in handles.iter_mut().flatten() {
-        let _ = other.terminate(Duration::from_secs(5));
+    // All are asked first and given one grace together, not one after another.
+    let deadline = crate::os::instant_after(Duration::from_secs(5));
+    let asked: Vec<bool> = handles.iter().map(|h| h.as_ref().is_some_and(JoinHandle::ask_to_stop)).collect();
+    for (other, asked) in handles.iter_mut().zip(asked) {
+        if let Some(other) = other {
+            let _ = other.stop_by(asked.then_some(deadline));
+        }
     }
 }
 

@@ -133,7 +133,48 @@ fn terminate_asks_first_then_kills_after_the_grace_period() {
     let t = std::time::Instant::now();
     stubborn.terminate(Duration::from_millis(300)).unwrap();
     assert!(t.elapsed() >= Duration::from_millis(300), "it waited out the grace period");
+    assert!(!stubborn.is_alive(), "killed (and reaped) after the grace period");
     assert!(matches!(stubborn.join(), Err(JoinError::Signaled { name: "SIGKILL", .. })));
+}
+
+#[test]
+fn a_killed_child_is_not_alive_and_one_that_exited_first_keeps_its_exit_status() {
+    let mut child = spawn((), sleep_long);
+    std::thread::sleep(Duration::from_millis(200));
+    child.kill().unwrap();
+    assert!(!child.is_alive(), "the kill reaped it: no process is left");
+    assert!(matches!(child.join(), Err(JoinError::Signaled { name: "SIGKILL", .. })));
+
+    let mut exited = spawn(4, exit_early);
+    let t = std::time::Instant::now();
+    while exited.exit_code().is_none() {
+        assert!(t.elapsed() < Duration::from_secs(10), "the child never exited");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    exited.kill().unwrap(); // nothing left to kill, but the kill reaps it
+    assert_eq!(exited.exit_code(), Some(4));
+    assert!(!exited.is_alive());
+    assert!(matches!(exited.join(), Err(JoinError::Exited { code: 4 })));
+}
+
+fn rank_zero_fails_the_others_ignore_sigterm((rank, _): (usize, ())) -> usize {
+    if rank == 0 {
+        std::thread::sleep(Duration::from_millis(500));
+        panic!("rank zero gives up");
+    }
+    // SAFETY: sets this process's SIGTERM disposition to ignore; no handler code runs.
+    unsafe { libc::signal(libc::SIGTERM, libc::SIG_IGN) };
+    std::thread::sleep(Duration::from_secs(60));
+    rank
+}
+
+#[test]
+fn spawn_n_gives_the_other_ranks_one_grace_period_together() {
+    let t = std::time::Instant::now();
+    let err = cuda_mp::spawn_n(4, (), rank_zero_fails_the_others_ignore_sigterm).unwrap_err();
+    assert!(matches!(err, JoinError::Rank { rank: 0, .. }), "{err:?}");
+    // 0.5 s, then one grace of 5 s for the three that ignore SIGTERM (one after another: 15 s).
+    assert!(t.elapsed() < Duration::from_secs(11), "took {:?}", t.elapsed());
 }
 
 #[test]
