@@ -1361,6 +1361,7 @@ where
             worker.broken = true;
         }
         reply(result);
+        state.replied.store(true, Ordering::Release);
     }
 
     fn fail(self: Box<Self>, error: JoinError) {
@@ -1368,6 +1369,7 @@ where
         let error = if state.is_cancelled() { JoinError::Cancelled } else { error };
         state.end();
         reply(Err(error));
+        state.replied.store(true, Ordering::Release);
     }
 }
 
@@ -1375,6 +1377,9 @@ where
 #[derive(Default)]
 struct JobState {
     phase: Mutex<Phase>,
+    /// The job's result (or failure) was handed to its waiter: a ready job's `get` returns at
+    /// once.
+    replied: AtomicBool,
 }
 
 #[derive(Default)]
@@ -1444,7 +1449,11 @@ impl JobState {
     }
 
     fn is_ready(&self) -> bool {
-        matches!(*self.phase(), Phase::Done | Phase::Cancelled)
+        match *self.phase() {
+            Phase::Done => self.replied.load(Ordering::Acquire),
+            Phase::Cancelled => true,
+            _ => false,
+        }
     }
 
     fn pid(&self) -> Option<u32> {

@@ -92,6 +92,21 @@ fn apply_async_get_and_get_timeout() {
 }
 
 #[test]
+fn a_ready_result_is_there_to_take_at_once() {
+    let pool = Pool::new(2).unwrap();
+    for x in 0..200u64 {
+        let mut pending = pool.apply_async(x, square);
+        let start = std::time::Instant::now();
+        while !pending.is_ready() {
+            assert!(start.elapsed() < WAIT, "job {x} never became ready");
+            std::hint::spin_loop();
+        }
+        assert_eq!(pending.get_timeout(Duration::ZERO).unwrap(), x * x, "ready, yet not there");
+    }
+    pool.shutdown();
+}
+
+#[test]
 fn a_panicking_job_reports_its_message_and_location() {
     let pool = Pool::new(2).unwrap();
     let err = pool.apply_async("bad input".to_string(), explode).get().unwrap_err();
