@@ -627,11 +627,12 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
             Inner::Running(h) => {
                 // The kill reaps the child: how it ended is taken before (it may have exited
                 // by itself) and after (the kernel keeps the status for the pidfd, where it
-                // is new enough; else the SIGKILL sent).
+                // is new enough; else the SIGKILL sent, if it was).
                 let before = self.watch.as_ref().and_then(|w| w.exited(Duration::ZERO));
                 let killed = h.kill().map_err(join_error);
                 let after = || self.watch.as_ref().and_then(ChildWatch::exit_status);
-                self.ended = self.ended.or(before).or_else(after).or(Some(Exit::Signal(crate::sys::SIGKILL)));
+                let sent = killed.is_ok().then_some(Exit::Signal(crate::sys::SIGKILL));
+                self.ended = self.ended.or(before).or_else(after).or(sent);
                 self.forget_arguments();
                 killed
             }
