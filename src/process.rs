@@ -465,7 +465,7 @@ impl<R> JoinHandle<R> {
         if !matches!(error, JoinError::Terminated(_)) {
             return error;
         }
-        match exit.or(self.ended) {
+        match exit {
             Some(exit) => exit_error(exit),
             None => error,
         }

@@ -1423,15 +1423,14 @@ impl<T: Serialize + DeserializeOwned> Listener<T> {
     }
 }
 
-/// The connection's shared counters, once the peer said hello, and what the peer sends when
-/// that is not `T` (see [`Listener::accept`]).
 /// Whether a connect failed because no listener is there any more (its socket file removed,
 /// or nobody accepting on it).
 fn gone_listener(e: &io::Error) -> bool {
     matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused)
 }
 
-/// `Error::Timeout` when no hello came by `by`.
+/// The connection's shared counters, once the peer said hello, and what the peer sends when
+/// that is not `T` (see [`Listener::accept`]); `Error::Timeout` when no hello came by `by`.
 fn accept_hello<T>(socket: &Socket, by: Instant) -> Result<(Gauge, Option<String>)> {
     let hello = match socket.recv(HELLO_BYTES, Wait::Until(by)) {
         Ok(Some(hello)) => hello,
