@@ -106,6 +106,8 @@ struct Deposit {
 /// once: `None` once taken), until the batch's time is up.
 struct Kept {
     fds: Vec<Option<OwnedFd>>,
+    /// How many of `fds` are not taken yet.
+    left: usize,
     until: Instant,
 }
 
@@ -232,13 +234,13 @@ pub(crate) fn expire() {
 
 /// Keeps what this process fetched of the batch of `ticket` and did not take yet (`None`:
 /// taken), for the values of the batch it has not decoded yet, until the batch's time is up.
-pub(crate) fn keep(ticket: &SpawnTicket, fds: Vec<Option<OwnedFd>>, until: Instant) {
-    if ticket.batch.is_none() || fds.iter().all(Option::is_none) || until <= Instant::now() {
+pub(crate) fn keep(ticket: &SpawnTicket, fds: Vec<Option<OwnedFd>>, left: usize, until: Instant) {
+    if ticket.batch.is_none() || left == 0 || until <= Instant::now() {
         return;
     }
     let Ok(home) = home() else { return };
     let deposits = lock(home);
-    let replaced = lock_kept(home).insert((ticket.home.clone(), ticket.token), Kept { fds, until });
+    let replaced = lock_kept(home).insert((ticket.home.clone(), ticket.token), Kept { fds, left, until });
     let wake = wakes_later(home, until);
     drop(deposits);
     drop(replaced);
@@ -249,10 +251,10 @@ pub(crate) fn keep(ticket: &SpawnTicket, fds: Vec<Option<OwnedFd>>, until: Insta
 
 /// What this process keeps of the batch of `ticket` and until when (taken out: [`keep`] puts
 /// back what is left), if it fetched the batch before and its time is not up.
-pub(crate) fn kept(ticket: &SpawnTicket) -> Option<(Vec<Option<OwnedFd>>, Instant)> {
+pub(crate) fn kept(ticket: &SpawnTicket) -> Option<(Vec<Option<OwnedFd>>, usize, Instant)> {
     let home = home().ok()?;
     let kept = lock_kept(home).remove(&(ticket.home.clone(), ticket.token))?;
-    (kept.until > Instant::now()).then_some((kept.fds, kept.until))
+    (kept.until > Instant::now()).then_some((kept.fds, kept.left, kept.until))
 }
 
 /// Until when a decoder keeps what it fetched of the batch of `ticket` for the values it has

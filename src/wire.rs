@@ -859,50 +859,62 @@ fn with_slot<R>(carried: &Carried, f: impl FnOnce(&mut Slot) -> Result<R>) -> Re
     let f = f.take().expect("called once");
     SPAWNED.with(|s| {
         let mut s = s.borrow_mut();
-        if s.as_ref().is_none_or(|(t, ..)| t != ticket) {
+        if s.as_ref().is_none_or(|fetched| fetched.ticket != *ticket) {
             // A batch this process fetched before keeps what its other values take.
-            let (slots, until) = match ticket.batch.and_then(|_| crate::handover::kept(ticket)) {
-                Some((kept, until)) => (kept.into_iter().map(|fd| fd.map_or(Slot::Taken, Slot::Fd)).collect(), until),
+            let (fds, left, until) = match ticket.batch.and_then(|_| crate::handover::kept(ticket)) {
+                Some(kept) => kept,
                 None => {
-                    let (fds, left) = crate::handover::fetch(ticket)?;
-                    (fds.into_iter().map(Slot::Fd).collect(), crate::handover::keep_until(ticket, left))
+                    let (fds, time_left) = crate::handover::fetch(ticket)?;
+                    let count = fds.len();
+                    (fds.into_iter().map(Some).collect(), count, crate::handover::keep_until(ticket, time_left))
                 }
             };
-            let decoding = Decoding { slots, ..Default::default() };
-            let replaced = s.replace((ticket.clone(), decoding, until));
+            let fetched = Fetched { ticket: ticket.clone(), fds, left, shared: HashMap::new(), until };
+            let replaced = s.replace(fetched);
             put_back(replaced);
         }
-        let (_, decoding, _) = s.as_mut().expect("just set");
-        let result = match decoding.slots.get_mut(index) {
-            Some(slot) => f(slot),
-            None => Err(missing()),
+        let fetched = s.as_mut().expect("just set");
+        // The slot is lent to `f` and put back: O(1) a value, not a pass over the whole batch.
+        let mut slot = match (fetched.shared.get(&index), fetched.fds.get_mut(index)) {
+            (Some(fd), _) => Slot::Shared(fd.clone()),
+            (None, Some(fd)) => fd.take().map_or(Slot::Taken, Slot::Fd),
+            (None, None) => return Err(missing()),
         };
+        let was_fd = matches!(slot, Slot::Fd(_));
+        let result = f(&mut slot);
+        if was_fd && !matches!(slot, Slot::Fd(_)) {
+            fetched.left -= 1;
+        }
+        match slot {
+            Slot::Fd(fd) => fetched.fds[index] = Some(fd),
+            Slot::Shared(fd) => drop(fetched.shared.insert(index, fd)),
+            Slot::Taken => {}
+        }
         // Every descriptor taken (spawn arguments share none): nothing is kept here.
-        if decoding.slots.iter().all(|s| !matches!(s, Slot::Fd(_))) {
+        if fetched.left == 0 {
             *s = None;
         }
         result
     })
 }
 
-/// Descriptors fetched from another process's home under a ticket, and until when those its
-/// values did not take may be kept for the values of its batch not decoded yet.
-type Fetched = (SpawnTicket, Decoding, std::time::Instant);
+/// Descriptors fetched from another process's home under a ticket (`None` once taken), how
+/// many are left, those taken as shared by the value being decoded (dropped with it), and
+/// until when those its batch's other values will take may be kept.
+struct Fetched {
+    ticket: SpawnTicket,
+    fds: Vec<Option<OwnedFd>>,
+    left: usize,
+    shared: HashMap<usize, Arc<OwnedFd>>,
+    until: std::time::Instant,
+}
 
 /// Closes what a decode fetched and did not take, but keeps what the values of a batch that
 /// are not decoded yet will take.
 fn put_back(fetched: Option<Fetched>) {
-    let Some((ticket, decoding, until)) = fetched else { return };
+    let Some(Fetched { ticket, fds, left, until, .. }) = fetched else { return };
     if ticket.batch.is_some() {
-        let fds = decoding
-            .slots
-            .into_iter()
-            .map(|slot| match slot {
-                Slot::Fd(fd) => Some(fd),
-                Slot::Shared(_) | Slot::Taken => None,
-            })
-            .collect();
-        crate::handover::keep(&ticket, fds, until);
+        crate::handover::keep(&ticket, fds, left, until);
     }
 }
 
