@@ -415,6 +415,19 @@ fn stream_ptr(device: usize) -> PyResult<usize> {
     Ok(Device::get(device).map_err(error)?.stream().cu_stream() as usize)
 }
 
+/// Makes cuda-mp's stream on GPU `device` wait for the work queued so far on `stream`, a
+/// `cudaStream_t` (as an integer) of that GPU's primary context, or 0 or 2 (the default
+/// streams); nothing when it is idle. What a sender of another library's memory calls before
+/// sending (as the consumer side of DLPack passes its stream to `__dlpack__`, the caller
+/// vouches for the stream).
+#[pyfunction]
+fn wait_for_stream(py: Python<'_>, device: usize, stream: usize) -> PyResult<()> {
+    let device = Device::get(device).map_err(error)?;
+    // SAFETY: the caller passes a live stream of this device's primary context or a default
+    // stream, as for `__dlpack__(stream=...)`.
+    py.detach(|| unsafe { device.wait_for_stream(stream as _) }).map_err(error)
+}
+
 // ---------------------------------------------------------------------------------------------
 // Bundles.
 
@@ -1592,6 +1605,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(host_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(empty_host, m)?)?;
     m.add_function(wrap_pyfunction!(stream_ptr, m)?)?;
+    m.add_function(wrap_pyfunction!(wait_for_stream, m)?)?;
     m.add_function(wrap_pyfunction!(pack, m)?)?;
     m.add_function(wrap_pyfunction!(bundle_of, m)?)?;
     m.add_function(wrap_pyfunction!(lifetime_stats, m)?)?;

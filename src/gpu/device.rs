@@ -351,6 +351,25 @@ impl Device {
         unsafe { super::events::order_after(self, stream) }
     }
 
+    /// Makes this device's stream wait for the work queued so far on `stream`, a stream of
+    /// another library in this device's context (a PyTorch stream, say), without blocking the
+    /// host; nothing when that is idle. This is how another library's memory is handed to
+    /// cuda-mp: a send is ordered after what the device's stream waits for.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this device's primary context, or the legacy (0) or
+    /// per-thread (2) default stream.
+    ///
+    /// ```no_run
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// // SAFETY: 0 is the legacy default stream.
+    /// unsafe { dev.wait_for_stream(std::ptr::null_mut()) }.unwrap();
+    /// ```
+    pub unsafe fn wait_for_stream(&self, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: upheld by the caller.
+        unsafe { super::events::wait_for(self, stream) }
+    }
+
     /// Free and total device memory in bytes (`cuMemGetInfo`).
     ///
     /// ```no_run

@@ -533,6 +533,20 @@ pub(crate) unsafe fn stream_synchronize_raw(stream: sys::CUstream) -> DriverResu
     unsafe { sys::cuStreamSynchronize(stream).result() }
 }
 
+/// `cuStreamQuery` on another library's stream: true when every piece of work queued on it is
+/// done.
+///
+/// # Safety
+/// The stream's context must be current and `stream` live (or 0 or 2, the default streams).
+pub(crate) unsafe fn stream_is_idle_raw(stream: sys::CUstream) -> DriverResult<bool> {
+    // SAFETY: upheld by the caller.
+    match unsafe { sys::cuStreamQuery(stream) } {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        e => Err(DriverError(e)),
+    }
+}
+
 /// `cuStreamQuery`: true when every piece of work queued on `stream` is done.
 pub(crate) fn stream_is_idle(stream: &CudaStream) -> Result<bool> {
     bind(stream.context())?;

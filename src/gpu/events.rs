@@ -25,7 +25,7 @@ use once_cell::sync::Lazy;
 
 use super::device::Device;
 use super::driver::{self, IpcHandle};
-use super::handles::{InterprocessEvent, OpenedEvent};
+use super::handles::{BlockingEvent, InterprocessEvent, OpenedEvent};
 use crate::error::Result;
 
 /// Records this process's one interprocess event of `device` after the work queued on its
@@ -240,4 +240,33 @@ pub(crate) unsafe fn order_after(device: &Device, stream: cudarc::driver::sys::C
         Some(event) => unsafe { event.make_wait(stream) },
         None => Ok(()),
     }
+}
+
+/// Per device ordinal: the event that [`wait_for`] records on other libraries' streams. One
+/// serves every call: a queued wait keeps the record it was queued after, whatever is recorded
+/// later.
+static FOREIGN: Lazy<Mutex<HashMap<usize, BlockingEvent>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+
+/// Makes the device's stream wait for the work queued so far on `stream`, another library's
+/// stream of its context (nothing when that is idle): what a send of that library's memory
+/// is ordered after.
+///
+/// # Safety
+/// `stream` must be a live stream of `device`'s primary context, or 0 or 2 (the default streams).
+pub(crate) unsafe fn wait_for(device: &Device, stream: cudarc::driver::sys::CUstream) -> Result<()> {
+    driver::bind(device.context())?;
+    // SAFETY: the context is current; the stream is upheld by the caller.
+    if unsafe { driver::stream_is_idle_raw(stream) }.map_err(driver::driver_err("cuStreamQuery"))? {
+        return Ok(());
+    }
+    let mut events = FOREIGN.lock().unwrap_or_else(|p| p.into_inner());
+    let event = match events.entry(device.ordinal()) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(v) => v.insert(BlockingEvent::create(device)?),
+    };
+    // SAFETY: upheld by the caller.
+    unsafe { event.record_raw(stream) }?;
+    // Under the lock: a record by another thread between these two would make this wait for
+    // that thread's stream instead.
+    event.wait_on(device.unsettled_stream())
 }

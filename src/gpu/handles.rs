@@ -801,6 +801,14 @@ impl BlockingEvent {
         unsafe { driver::event_record(self.0.raw, stream) }.map_err(driver_err("cuEventRecord"))
     }
 
+    /// Makes work queued later on `stream` (of any device) wait for the latest record, without
+    /// blocking the host (`cuStreamWaitEvent`).
+    pub(crate) fn wait_on(&self, stream: &CudaStream) -> Result<()> {
+        bind(stream.context())?;
+        // SAFETY: the stream's context is current; the stream and the event are live.
+        unsafe { driver::stream_wait_event(stream.cu_stream(), self.0.raw) }.map_err(driver_err("cuStreamWaitEvent"))
+    }
+
     /// True when the work before the latest record is done (`cuEventQuery`).
     pub(crate) fn is_complete(&self) -> Result<bool> {
         bind(&self.0.ctx)?;
