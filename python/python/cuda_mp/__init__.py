@@ -128,10 +128,17 @@ def _numpy_name(dtype) -> Optional[str]:
     return _numpy_names_cache.get(dtype)
 
 
+_TORCH_NAMES = None
+
+
 def _torch_names():
+    """cuda-mp's name of each torch element type it carries (made once: it is looked up per tensor)."""
+    global _TORCH_NAMES
+    if _TORCH_NAMES is not None:
+        return _TORCH_NAMES
     import torch
 
-    return {
+    _TORCH_NAMES = {
         torch.float32: "f32",
         torch.float64: "f64",
         torch.float16: "f16",
@@ -143,6 +150,7 @@ def _torch_names():
         torch.int64: "i64",
         torch.bool: "bool",
     }
+    return _TORCH_NAMES
 
 
 def _torch_dtype_name(dtype) -> str:
@@ -164,6 +172,11 @@ def _order_after_torch(device_index: int) -> None:
     """Makes cuda-mp's stream wait for PyTorch's current stream (what the sender queued)."""
     import torch
 
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        # The stream's pointer and one query in cuda-mp: no Stream object per tensor.
+        _native.wait_for_stream(device_index, raw(device_index))
+        return
     current = torch.cuda.current_stream(device_index)
     if current.query():
         return
@@ -302,10 +315,19 @@ def _bundle(d) -> "_native.Bundle":
 def _to_torch(t: "_native.Tensor"):
     import torch
 
-    if t.device is None:
+    device = t.device
+    if device is None:
         return torch.from_numpy(_to_numpy(t)) if t.dtype != "bf16" else _host_bf16(t)
-    with torch.cuda.device(t.device):
-        return torch.from_dlpack(t)
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    take = getattr(torch._C, "_from_dlpack", None)
+    if raw is None or take is None:
+        with torch.cuda.device(device):
+            return torch.from_dlpack(t)
+    # What torch.from_dlpack does, without its Stream object per tensor: the capsule orders
+    # PyTorch's current stream after cuda-mp's (1 names the legacy default stream).
+    torch.cuda._lazy_init()
+    stream = raw(device)
+    return take(t.__dlpack__(stream=stream or 1))
 
 
 def _host_bf16(t):

@@ -295,11 +295,11 @@ def _sent(t) -> "_native.Tensor":
     holds it (see ``_book``)."""
     import torch
 
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    storage = t.untyped_storage()
     if _allocator_in_use:
         # Memory of cuda-mp's allocator is a cuda-mp storage already, found by its address.
         return _gpu(t)
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    storage = t.untyped_storage()
     key = (t.device.index or 0, storage.data_ptr(), storage.nbytes())
     with _book_lock:
         known = key in _book
