@@ -218,3 +218,41 @@ def test_fresh_tensors_are_let_go_as_they_are_sent_not_a_second_later(installed)
     # Each new storage sent looks at the two oldest the book holds: those of fresh tensors go
     # as the next ones are sent, long before the pruner's look a second later.
     assert max(kept) <= 3, f"storages held for the program after it let go of them: {max(kept)}"
+
+
+def sum_on_a_side_stream(conn):
+    import pickle
+
+    import torch
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        # Loaded while `side` is current: its work must come after the sender's.
+        x = pickle.loads(conn.recv_bytes())
+        total = x.double().sum().item()
+    conn.send(total)
+
+
+def test_a_tensor_pickled_on_a_side_stream_is_read_after_that_streams_work(installed):
+    from multiprocessing.reduction import ForkingPickler
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe()
+    p = ctx.Process(target=sum_on_a_side_stream, args=(there,))
+    p.start()
+    x = torch.zeros(1 << 24, device="cuda")
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        # About a tenth of a second of GPU time before the fill: a receiver that did not wait
+        # for this stream would read zeros.
+        torch.cuda._sleep(200_000_000)
+        x.fill_(7.0)
+        data = bytes(ForkingPickler.dumps(x))
+        assert not side.query(), "the send came while the side stream still worked"
+    here.send_bytes(data)
+    assert here.poll(120), "the child answers"
+    total = here.recv()
+    p.join(60)
+    assert p.exitcode == 0
+    assert total == 7.0 * x.numel()
