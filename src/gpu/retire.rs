@@ -189,16 +189,24 @@ const LOOK_AHEAD: usize = 32;
 fn retire(device: Arc<Device>) {
     let retirer = device.retirer();
     loop {
-        let (event, close, number) = {
+        // The first few taken out, to query their events outside the lock (a drop that posts
+        // a release takes it), and put back in front, in order, but for the one that goes.
+        let mut ahead: VecDeque<_> = {
             let mut queue = lock(&retirer.queue);
-            loop {
-                if !queue.is_empty() {
-                    let passed = queue.iter().take(LOOK_AHEAD).position(|(e, _, _)| e.is_complete().unwrap_or(true));
-                    break queue.remove(passed.unwrap_or(0)).expect("an entry at a position found");
-                }
+            while queue.is_empty() {
                 queue = retirer.posted.wait(queue).unwrap_or_else(|p| p.into_inner());
             }
+            let n = queue.len().min(LOOK_AHEAD);
+            queue.drain(..n).collect()
         };
+        let passed = ahead.iter().position(|(e, _, _)| e.is_complete().unwrap_or(true));
+        let (event, close, number) = ahead.remove(passed.unwrap_or(0)).expect("an entry at a position found");
+        if !ahead.is_empty() {
+            let mut queue = lock(&retirer.queue);
+            while let Some(entry) = ahead.pop_back() {
+                queue.push_front(entry);
+            }
+        }
         // An error leaves the stream unusable (the context's error is sticky): nothing queued
         // on it runs any more, so the close may go ahead, as a synchronizing drop's would.
         let _ = event.wait();
