@@ -240,11 +240,12 @@ def _shared_array(a, dtype: str) -> Optional["_native.Tensor"]:
     if not all(s >= 0 and s % itemsize == 0 for s in a.strides):
         return None
     # A view that does not start on an element's boundary of its memory is copied.
-    if a.__array_interface__["data"][0] % itemsize != 0:
+    address = a.__array_interface__["data"][0]  # (a dict made per access: read once)
+    if address % itemsize != 0:
         return None
     span = (sum((n - 1) * s for n, s in zip(a.shape, a.strides)) + itemsize) if a.size else 0
     strides = [s // itemsize for s in a.strides]
-    return _native.host_tensor(dtype, list(a.shape), strides, 0, a.__array_interface__["data"][0], span)
+    return _native.host_tensor(dtype, list(a.shape), strides, 0, address, span)
 
 
 class PackedStateDict(dict):
