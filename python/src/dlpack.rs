@@ -99,7 +99,9 @@ impl DlpackExporter for Exporter<'_> {
         let device = t.device().clone();
         // SAFETY: by the DLPack protocol the consumer passes a stream of the device this tensor
         // reported in `__dlpack_device__`, or a default-stream sentinel.
-        py.detach(|| unsafe { device.order_stream_after(stream as _) }).map_err(error)
+        // The consumer's current device stays as it was.
+        py.detach(|| cuda_mp::keeping_current_context(|| unsafe { device.order_stream_after(stream as _) }))
+            .map_err(error)
     }
 
     fn export_legacy(&self, _py: Python<'_>) -> PyResult<Managed<DLManagedTensor>> {

@@ -425,7 +425,8 @@ fn wait_for_stream(py: Python<'_>, device: usize, stream: usize) -> PyResult<()>
     let device = Device::get(device).map_err(error)?;
     // SAFETY: the caller passes a live stream of this device's primary context or a default
     // stream, as for `__dlpack__(stream=...)`.
-    py.detach(|| unsafe { device.wait_for_stream(stream as _) }).map_err(error)
+    // The calling thread's current device stays PyTorch's.
+    py.detach(|| cuda_mp::keeping_current_context(|| unsafe { device.wait_for_stream(stream as _) })).map_err(error)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1354,7 +1355,13 @@ fn tagged_bytes<'py>(
         Any::Gpu(_) => AS_GPU,
         Any::Host(_) => AS_HOST,
     };
-    let bytes = py.detach(move || encode(&inner)).map_err(error)?;
+    // The calling thread's current device stays the caller's (PyTorch's).
+    let bytes = py
+        .detach(move || match tag {
+            AS_GPU => cuda_mp::keeping_current_context(|| encode(&inner)),
+            _ => encode(&inner),
+        })
+        .map_err(error)?;
     PyBytes::new_with(py, bytes.len() + 1, |out| {
         out[0] = tag;
         out[1..].copy_from_slice(&bytes);
@@ -1421,7 +1428,8 @@ impl fmt::Debug for HandoffBatch {
 #[pyfunction]
 fn tensor_from_bytes(py: Python<'_>, data: &[u8]) -> PyResult<Tensor> {
     let decoded = py.detach(|| match data.split_first() {
-        Some((&AS_GPU, rest)) => cuda_mp::from_bytes(rest).map(Any::Gpu),
+        // The calling thread's current device stays the caller's (PyTorch's).
+        Some((&AS_GPU, rest)) => cuda_mp::keeping_current_context(|| cuda_mp::from_bytes(rest).map(Any::Gpu)),
         Some((&AS_HOST, rest)) => cuda_mp::from_bytes(rest).map(Any::Host),
         _ => Err(cuda_mp::Error::Malformed("these bytes are not a tensor of cuda-mp".into())),
     });
