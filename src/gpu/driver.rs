@@ -551,11 +551,7 @@ pub(crate) unsafe fn stream_is_idle_raw(stream: sys::CUstream) -> DriverResult<b
 pub(crate) fn stream_is_idle(stream: &CudaStream) -> Result<bool> {
     bind(stream.context())?;
     // SAFETY: the stream is live (cudarc owns it) and its context is current.
-    match unsafe { sys::cuStreamQuery(stream.cu_stream()) } {
-        sys::CUresult::CUDA_SUCCESS => Ok(true),
-        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-        e => Err(driver_err("cuStreamQuery")(DriverError(e))),
-    }
+    unsafe { stream_is_idle_raw(stream.cu_stream()) }.map_err(driver_err("cuStreamQuery"))
 }
 
 /// `cuDeviceCanAccessPeer`.

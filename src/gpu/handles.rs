@@ -665,6 +665,22 @@ impl Event {
         // SAFETY: the context is current; the event and the stream are live and of it.
         unsafe { driver::event_record(self.raw, stream.cu_stream()) }.map_err(driver_err("cuEventRecord"))
     }
+
+    /// Makes work queued later on `stream` (of any device) wait for the latest record, without
+    /// blocking the host (`cuStreamWaitEvent`).
+    fn wait_on(&self, stream: &CudaStream) -> Result<()> {
+        bind(stream.context())?;
+        // SAFETY: the stream's context is current; the stream and the event are live (an event
+        // of another context may be waited on).
+        unsafe { driver::stream_wait_event(stream.cu_stream(), self.raw) }.map_err(driver_err("cuStreamWaitEvent"))
+    }
+
+    /// True when the work before the latest record is done (`cuEventQuery`).
+    fn is_complete(&self) -> Result<bool> {
+        bind(&self.ctx)?;
+        // SAFETY: the context is current and the event live.
+        unsafe { driver::event_is_complete(self.raw) }.map_err(driver_err("cuEventQuery"))
+    }
 }
 
 impl fmt::Debug for Event {
@@ -804,16 +820,12 @@ impl BlockingEvent {
     /// Makes work queued later on `stream` (of any device) wait for the latest record, without
     /// blocking the host (`cuStreamWaitEvent`).
     pub(crate) fn wait_on(&self, stream: &CudaStream) -> Result<()> {
-        bind(stream.context())?;
-        // SAFETY: the stream's context is current; the stream and the event are live.
-        unsafe { driver::stream_wait_event(stream.cu_stream(), self.0.raw) }.map_err(driver_err("cuStreamWaitEvent"))
+        self.0.wait_on(stream)
     }
 
     /// True when the work before the latest record is done (`cuEventQuery`).
     pub(crate) fn is_complete(&self) -> Result<bool> {
-        bind(&self.0.ctx)?;
-        // SAFETY: the context is current and the event live.
-        unsafe { driver::event_is_complete(self.0.raw) }.map_err(driver_err("cuEventQuery"))
+        self.0.is_complete()
     }
 
     /// Blocks, asleep, until the work before the latest record is done.
@@ -840,18 +852,13 @@ impl OpenedEvent {
 
     /// True when the work before the event's latest record is done (`cuEventQuery`).
     pub(crate) fn is_complete(&self) -> Result<bool> {
-        bind(&self.0.ctx)?;
-        // SAFETY: the context is current and the event live.
-        unsafe { driver::event_is_complete(self.0.raw) }.map_err(driver_err("cuEventQuery"))
+        self.0.is_complete()
     }
 
     /// Makes work queued later on `stream` (of any device) wait for the event, without
     /// blocking the host (`cuStreamWaitEvent`).
     pub(crate) fn wait_on(&self, stream: &CudaStream) -> Result<()> {
-        bind(stream.context())?;
-        // SAFETY: the stream's context is current; the stream and the event are live (an event
-        // of another context may be waited on).
-        unsafe { driver::stream_wait_event(stream.cu_stream(), self.0.raw) }.map_err(driver_err("cuStreamWaitEvent"))
+        self.0.wait_on(stream)
     }
 }
 
