@@ -77,7 +77,9 @@ impl Exporter<'_> {
     }
 }
 
-struct Exporter<'a>(&'a Any);
+/// A tensor to export, and whether its consumer's stream was ordered after it already (then the
+/// request's stream is not looked at).
+struct Exporter<'a>(&'a Any, bool);
 
 impl DlpackExporter for Exporter<'_> {
     fn device(&self) -> DLDevice {
@@ -90,6 +92,9 @@ impl DlpackExporter for Exporter<'_> {
 
     fn prepare_export(&self, py: Python<'_>, request: &ExportRequest<'_>) -> PyResult<()> {
         let Any::Gpu(t) = self.0 else { return Ok(()) };
+        if self.1 {
+            return Ok(());
+        }
         let stream: usize = match request.cuda_stream()? {
             CudaStreamRequest::NoSync => return Ok(()),
             CudaStreamRequest::Omitted | CudaStreamRequest::LegacyDefault => 0,
@@ -123,5 +128,22 @@ pub(crate) fn export<'py>(
     copy: Option<bool>,
 ) -> PyResult<Py<PyAny>> {
     let request = ExportRequest::parse(stream.as_ref(), max_version, dl_device, copy)?;
-    export_dlpack(&Exporter(&t.inner), py, request)
+    export_dlpack(&Exporter(&t.inner, false), py, request)
+}
+
+/// A GPU tensor's capsule (a legacy `DLManagedTensor`) for PyTorch: `stream`, PyTorch's current
+/// stream of the tensor's device (0: the legacy default stream), ordered after the tensor's
+/// arrival first, as `__dlpack__(stream=...)` orders it.
+///
+/// # Safety
+/// `stream` must be a live stream of the tensor's device's primary context, or 0 or 2 (the
+/// default streams).
+pub(crate) unsafe fn export_for_stream(py: Python<'_>, t: &Any, stream: usize) -> PyResult<Py<PyAny>> {
+    if let Any::Gpu(gpu) = t {
+        let device = gpu.device().clone();
+        // SAFETY: upheld by the caller. The consumer's current device stays as it was.
+        py.detach(|| cuda_mp::keeping_current_context(|| unsafe { device.order_stream_after(stream as _) }))
+            .map_err(error)?;
+    }
+    export_dlpack(&Exporter(t, true), py, ExportRequest::parse(None, None, None, None)?)
 }

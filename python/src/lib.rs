@@ -19,6 +19,7 @@ use cuda_mp::{
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
 mod allocator;
@@ -313,10 +314,14 @@ fn view_of<S: cuda_mp::TensorStorage>(
 /// `device` (a PyTorch storage: `data_ptr()`, `nbytes()`), viewed with `shape`, `strides` and
 /// `offset` in elements of `dtype`. Memory that cuda-mp handed to Python travels as itself;
 /// other memory (PyTorch's caching allocator) as its allocation's IPC handle plus offset, and
-/// `keeper` (the PyTorch tensor) is held until every receiver has released it.
+/// `keeper` (the PyTorch tensor) is held until every receiver has released it. With `stream`,
+/// cuda-mp's stream is also ordered after that stream as `wait_for_stream` orders it (one call
+/// for both, where a tensor is sent).
 #[pyfunction]
+#[pyo3(signature = (device, ptr, nbytes, dtype, shape, strides, offset, keeper, stream=None))]
 #[allow(clippy::too_many_arguments)]
 fn gpu_tensor(
+    py: Python<'_>,
     device: usize,
     ptr: u64,
     nbytes: usize,
@@ -325,6 +330,7 @@ fn gpu_tensor(
     strides: Vec<isize>,
     offset: usize,
     keeper: Py<PyAny>,
+    stream: Option<usize>,
 ) -> PyResult<Tensor> {
     let dtype = dtype_named(dtype)?;
     let dev = Device::get(device).map_err(error)?;
@@ -336,7 +342,10 @@ fn gpu_tensor(
             // memory allocated while the tensor lives, and the keeper lives as long as the
             // storage made here.
             let keeper = Box::new(Keeper(Some(keeper)));
-            let storage = unsafe { GpuStorage::from_foreign(&dev, ptr, nbytes, keeper) }.map_err(error)?;
+            // The calling thread's current device stays PyTorch's.
+            let storage =
+                cuda_mp::keeping_current_context(|| unsafe { GpuStorage::from_foreign(&dev, ptr, nbytes, keeper) })
+                    .map_err(error)?;
             // While it lives, the same PyTorch memory sent again travels as this storage: one
             // identity, whose receivers keep their mapping of it.
             HANDED_GPU.remember(device, ptr, &storage, nbytes);
@@ -344,6 +353,13 @@ fn gpu_tensor(
         }
     };
     let t = view_of(storage, byte_offset, dtype, shape, strides, offset)?;
+    if let Some(stream) = stream {
+        // SAFETY: the caller passes a live stream of this device's primary context or a
+        // default stream, as for `wait_for_stream`. The calling thread's current device stays
+        // PyTorch's.
+        py.detach(|| cuda_mp::keeping_current_context(|| unsafe { dev.wait_for_stream(stream as _) }))
+            .map_err(error)?;
+    }
     Ok(Tensor { inner: Any::Gpu(t) })
 }
 
@@ -1362,9 +1378,14 @@ fn tagged_bytes<'py>(
             _ => encode(&inner),
         })
         .map_err(error)?;
+    tagged(py, tag, &bytes)
+}
+
+/// `bytes` behind the tag of their kind, as Python bytes.
+fn tagged<'py>(py: Python<'py>, tag: u8, bytes: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
     PyBytes::new_with(py, bytes.len() + 1, |out| {
         out[0] = tag;
-        out[1..].copy_from_slice(&bytes);
+        out[1..].copy_from_slice(bytes);
         Ok(())
     })
 }
@@ -1388,13 +1409,9 @@ impl HandoffBatch {
 
     /// One more tensor of the batch, as bytes for `tensor_from_bytes`.
     fn tensor_to_bytes<'py>(&self, py: Python<'py>, tensor: &Bound<'py, Tensor>) -> PyResult<Bound<'py, PyBytes>> {
-        tagged_bytes(py, tensor, |t| {
-            let mut batch = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-            let batch = batch.as_mut().ok_or_else(|| cuda_mp::Error::Unsupported("this batch has ended".into()))?;
-            match t {
-                Any::Gpu(t) => batch.to_bytes(t),
-                Any::Host(t) => batch.to_bytes(t),
-            }
+        tagged_bytes(py, tensor, |t| match t {
+            Any::Gpu(t) => self.with_batch(|b| b.to_bytes(t)),
+            Any::Host(t) => self.with_batch(|b| b.to_bytes(t)),
         })
     }
 
@@ -1412,6 +1429,17 @@ impl HandoffBatch {
 
     fn __repr__(&self) -> String {
         format!("{:?}", self)
+    }
+}
+
+impl HandoffBatch {
+    /// Runs `encode` on the batch, unless it has ended.
+    fn with_batch(
+        &self,
+        encode: impl FnOnce(&mut cuda_mp::HandoffBatch) -> cuda_mp::Result<Vec<u8>>,
+    ) -> cuda_mp::Result<Vec<u8>> {
+        let mut batch = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        encode(batch.as_mut().ok_or_else(|| cuda_mp::Error::Unsupported("this batch has ended".into()))?)
     }
 }
 
@@ -1434,6 +1462,26 @@ fn tensor_from_bytes(py: Python<'_>, data: &[u8]) -> PyResult<Tensor> {
         _ => Err(cuda_mp::Error::Malformed("these bytes are not a tensor of cuda-mp".into())),
     });
     Ok(Tensor { inner: decoded.map_err(error)? })
+}
+
+/// A received GPU tensor as the DLPack capsule that `__dlpack__(stream=...)` gives for PyTorch's
+/// current stream of the tensor's device, in one call: that stream is read here
+/// (`torch._C._cuda_getCurrentRawStream`, so no stream from the caller is trusted) and ordered
+/// after the tensor's arrival. PyTorch's CUDA state must be initialized.
+#[pyfunction]
+fn torch_capsule(py: Python<'_>, tensor: &Bound<'_, Tensor>) -> PyResult<Py<PyAny>> {
+    static CURRENT_STREAM: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let tensor = tensor.get();
+    let Any::Gpu(t) = &tensor.inner else {
+        return Err(PyTypeError::new_err("torch_capsule takes a GPU tensor"));
+    };
+    let current_stream = CURRENT_STREAM
+        .get_or_try_init(py, || PyResult::Ok(py.import("torch._C")?.getattr("_cuda_getCurrentRawStream")?.unbind()))?;
+    remember(&tensor.inner);
+    let stream: usize = current_stream.call1(py, (t.device().ordinal(),))?.extract(py)?;
+    // SAFETY: PyTorch's current stream of that device is a live stream of the device's primary
+    // context (which PyTorch and cuda-mp share), or 0, the legacy default stream.
+    unsafe { dlpack::export_for_stream(py, &tensor.inner, stream) }
 }
 
 /// Lifetime counters of this process (storages alive, exported, leases outstanding), for tests.
@@ -1621,6 +1669,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(holder_stats, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_to_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_from_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_capsule, m)?)?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(flush_sends, m)?)?;
