@@ -168,15 +168,31 @@ def _is_torch(obj) -> bool:
 # --- conversions to cuda-mp tensors -----------------------------------------------------------
 
 
+_RAW_STREAM: Any = None  # PyTorch's raw current stream function, or False where it lacks it
+_FROM_DLPACK: Any = None  # PyTorch's DLPack import of a capsule, or False where it lacks it
+_CUDA_READY = False  # PyTorch's CUDA state initialized in this process
+
+
+def _raw_stream():
+    """``torch._C._cuda_getCurrentRawStream`` (the current stream's pointer, no ``Stream``
+    object made), or None where this PyTorch lacks it."""
+    global _RAW_STREAM
+    if _RAW_STREAM is None:
+        import torch
+
+        _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None) or False
+    return _RAW_STREAM or None
+
+
 def _order_after_torch(device_index: int) -> None:
     """Makes cuda-mp's stream wait for PyTorch's current stream (what the sender queued)."""
-    import torch
-
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    raw = _raw_stream()
     if raw is not None:
         # The stream's pointer and one query in cuda-mp: no Stream object per tensor.
         _native.wait_for_stream(device_index, raw(device_index))
         return
+    import torch
+
     current = torch.cuda.current_stream(device_index)
     if current.query():
         return
@@ -189,19 +205,25 @@ def _gpu(t, order: bool = True, keeper=None) -> "_native.Tensor":
         return t
     if not _is_torch(t) or not t.is_cuda:
         raise TypeError(f"a gpu channel sends CUDA torch.Tensors, not {type(t).__name__}")
-    device = t.device.index if t.device.index is not None else 0
+    device = t.get_device()
+    stream = None
     if order:
-        _order_after_torch(device)
+        raw = _raw_stream()
+        if raw is None:
+            _order_after_torch(device)
+        else:
+            stream = raw(device)  # ordered after by the call below
     storage = t.untyped_storage()
     return _native.gpu_tensor(
         device,
         storage.data_ptr(),
         storage.nbytes(),
         _torch_dtype_name(t.dtype),
-        list(t.shape),
-        list(t.stride()),
+        t.shape,
+        t.stride(),
         t.storage_offset(),
         t if keeper is None else keeper,
+        stream,
     )
 
 
@@ -319,16 +341,18 @@ def _to_torch(t: "_native.Tensor"):
     device = t.device
     if device is None:
         return torch.from_numpy(_to_numpy(t)) if t.dtype != "bf16" else _host_bf16(t)
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    take = getattr(torch._C, "_from_dlpack", None)
-    if raw is None or take is None:
+    global _FROM_DLPACK, _CUDA_READY
+    if _FROM_DLPACK is None:
+        _FROM_DLPACK = getattr(torch._C, "_from_dlpack", None) or False
+    if not _FROM_DLPACK or _raw_stream() is None:
         with torch.cuda.device(device):
             return torch.from_dlpack(t)
-    # What torch.from_dlpack does, without its Stream object per tensor: the capsule orders
-    # PyTorch's current stream after cuda-mp's (1 names the legacy default stream).
-    torch.cuda._lazy_init()
-    stream = raw(device)
-    return take(t.__dlpack__(stream=stream or 1))
+    if not _CUDA_READY:
+        torch.cuda._lazy_init()  # (PyTorch's current stream is read in the call below)
+        _CUDA_READY = True
+    # What torch.from_dlpack does, in one call and without its Stream object per tensor: the
+    # capsule orders PyTorch's current stream after cuda-mp's.
+    return _FROM_DLPACK(_native.torch_capsule(t))
 
 
 def _host_bf16(t):

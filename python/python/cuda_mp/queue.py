@@ -117,11 +117,12 @@ def _dumps(obj: Any):
     return out.getvalue(), pickler.tensors
 
 
-def _leaf(obj):
+def _leaf(obj, ordered: Optional[set] = None):
     """The cuda-mp tensor that ``obj`` travels as inside a value (see ``cuda_mp::Value``): a CUDA
     ``torch.Tensor`` (not a subclass, no gradient), a NumPy array in cuda-mp memory, or cuda-mp's
     own tensor (as a bf16 host tensor arrives where torch is missing); None for anything else
-    (the object is then pickled)."""
+    (the object is then pickled). ``ordered``: the devices whose current PyTorch stream
+    cuda-mp's stream was ordered after for this value (see ``_Leaves``)."""
     if isinstance(obj, _native.Tensor):
         return obj
     if _is_torch(obj):
@@ -131,13 +132,35 @@ def _leaf(obj):
 
         if type(obj) is not torch.Tensor or obj.requires_grad or not obj.is_cuda:
             return None
-        return _ours(obj)
+        if ordered is None:
+            return _ours(obj)
+        device = obj.get_device()
+        first = device not in ordered
+        native = _ours(obj, order=first)
+        if native is not None and first:
+            ordered.add(device)
+        return native
     if type(obj).__name__ == "ndarray" and type(obj).__module__ == "numpy":
         from . import _numpy_name, _shared_array
 
         dtype = _numpy_name(obj.dtype)
         return _shared_array(obj, dtype) if dtype is not None and obj.size else None
     return None
+
+
+class _Leaves:
+    """``_leaf`` for the leaves of one value: its CUDA tensors order cuda-mp's stream after
+    PyTorch's current stream once per device, at the first. Nothing else runs between them:
+    the walk of a value (exact lists, tuples, dicts and plain types) calls no code of the
+    program, so no work can be queued in between."""
+
+    __slots__ = ("ordered",)
+
+    def __init__(self):
+        self.ordered: set = set()
+
+    def __call__(self, obj):
+        return _leaf(obj, self.ordered)
 
 
 def _gpu_leaf(t):
@@ -170,7 +193,7 @@ class Queue:
     def put(self, obj: Any, block: bool = True, timeout: Optional[float] = None) -> None:
         """Puts ``obj`` (never waits: the queue has no bound; ``block`` and ``timeout`` are
         accepted as ``multiprocessing.Queue`` takes them)."""
-        if not self._native.put(obj, _leaf):
+        if not self._native.put(obj, _Leaves()):
             self._native.put_pickled(*_dumps(obj))
 
     def put_nowait(self, obj: Any) -> None:
@@ -339,7 +362,7 @@ class Connection:
         """Sends ``obj`` (pickled as a ``Queue`` pickles). Raises ``cuda_mp.Disconnected`` when
         the other end is gone."""
         native = self._open(writing=True)
-        if not native.send(obj, _leaf):
+        if not native.send(obj, _Leaves()):
             native.send_pickled(*_dumps(obj))
 
     def recv(self, timeout: Optional[float] = None) -> Any:

@@ -272,8 +272,9 @@ def _to_bytes(native) -> bytes:
     return stack[-1].tensor_to_bytes(native)
 
 
-def _ours(t) -> Optional["_native.Tensor"]:
-    """``t`` as a cuda-mp tensor when it travels through cuda-mp, else None (torch's way)."""
+def _ours(t, order: bool = True) -> Optional["_native.Tensor"]:
+    """``t`` as a cuda-mp tensor when it travels through cuda-mp, else None (torch's way).
+    ``order``: a CUDA tensor orders cuda-mp's stream after PyTorch's current stream."""
     import torch
 
     if t.layout != torch.strided or t.dtype not in _torch_names() or t.untyped_storage().nbytes() == 0:
@@ -281,7 +282,7 @@ def _ours(t) -> Optional["_native.Tensor"]:
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         return None
     if t.is_cuda:
-        return _sent(t)
+        return _sent(t, order)
     if t.device.type != "cpu":
         return None
     # CPU memory that cuda-mp made travels as itself; any other keeps torch's sharing, which
@@ -290,23 +291,23 @@ def _ours(t) -> Optional["_native.Tensor"]:
     return _native.host_tensor(_torch_names()[t.dtype], list(t.shape), list(t.stride()), 0, t.data_ptr(), span)
 
 
-def _sent(t) -> "_native.Tensor":
+def _sent(t, order: bool = True) -> "_native.Tensor":
     """A CUDA tensor as a cuda-mp tensor whose storage keeps one identity while the program
-    holds it (see ``_book``)."""
+    holds it (see ``_book``); ``order`` as for ``_ours``."""
     import torch
 
     if _allocator_in_use:
         # Memory of cuda-mp's allocator is a cuda-mp storage already, found by its address.
-        return _gpu(t)
+        return _gpu(t, order)
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     storage = t.untyped_storage()
     key = (t.device.index or 0, storage.data_ptr(), storage.nbytes())
     with _book_lock:
         known = key in _book
     if known or use_count is None:
-        return _gpu(t)  # the wrapper is found by its address while the book holds it
+        return _gpu(t, order)  # the wrapper is found by its address while the book holds it
     keeper = torch.empty((0,), dtype=torch.uint8, device=t.device).set_(storage)
-    native = _gpu(t, keeper=keeper)
+    native = _gpu(t, order, keeper=keeper)
     with _book_lock:
         let_go = _sweep(use_count)
         _book.setdefault(key, (native, storage._cdata))
