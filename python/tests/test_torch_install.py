@@ -256,3 +256,39 @@ def test_a_tensor_pickled_on_a_side_stream_is_read_after_that_streams_work(insta
     p.join(60)
     assert p.exitcode == 0
     assert total == 7.0 * x.numel()
+
+
+def sum_values_on_a_side_stream(q, results):
+    import torch
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        # Taken while `side` is current: its work must come after the sender's.
+        d = q.get(timeout=120)
+        results.put([d[k].double().sum().item() for k in ("a", "b")])
+
+
+def test_the_tensors_of_a_value_on_a_side_stream_are_read_after_that_streams_work():
+    # A value (a dict of tensors) on cuda-mp's queue orders cuda-mp's stream after PyTorch's
+    # current stream once per device, at its first tensor: the work queued before the put,
+    # for every tensor of the value, is what the receiver waits for.
+    ctx = torch.multiprocessing.get_context("spawn")
+    q, results = cuda_mp.Queue(), cuda_mp.Queue()
+    p = ctx.Process(target=sum_values_on_a_side_stream, args=(q, results))
+    p.start()
+    a = torch.zeros(1 << 24, device="cuda")
+    b = torch.zeros(1 << 22, device="cuda")
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        # About a tenth of a second of GPU time before the fills: a receiver that did not wait
+        # for this stream would read zeros.
+        torch.cuda._sleep(200_000_000)
+        a.fill_(3.0)
+        b.fill_(5.0)
+        q.put({"a": a, "b": b})
+        assert not side.query(), "the put came while the side stream still worked"
+    sums = results.get(timeout=120)
+    p.join(60)
+    assert p.exitcode == 0
+    assert sums == [3.0 * a.numel(), 5.0 * b.numel()]
