@@ -205,11 +205,6 @@ def _gpu(t, order: bool = True, keeper=None) -> "_native.Tensor":
         return t
     if not _is_torch(t) or not t.is_cuda:
         raise TypeError(f"a gpu channel sends CUDA torch.Tensors, not {type(t).__name__}")
-    return _cuda_tensor(t, t.untyped_storage(), order, keeper)
-
-
-def _cuda_tensor(t, storage, order: bool = True, keeper=None) -> "_native.Tensor":
-    """``_gpu`` of a CUDA ``torch.Tensor`` ``t`` whose untyped storage is ``storage``."""
     device = t.get_device()
     stream = None
     if order:
@@ -218,6 +213,7 @@ def _cuda_tensor(t, storage, order: bool = True, keeper=None) -> "_native.Tensor
             _order_after_torch(device)
         else:
             stream = raw(device)  # ordered after by the call below
+    storage = t.untyped_storage()
     return _native.gpu_tensor(
         device,
         storage.data_ptr(),

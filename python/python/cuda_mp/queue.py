@@ -126,8 +126,11 @@ def _leaf(obj, ordered: Optional[set] = None):
     if isinstance(obj, _native.Tensor):
         return obj
     if _is_torch(obj):
-        tensor, _ours = _torch_parts()
-        if type(obj) is not tensor or obj.requires_grad or not obj.is_cuda:
+        import torch
+
+        from .torch import _ours
+
+        if type(obj) is not torch.Tensor or obj.requires_grad or not obj.is_cuda:
             return None
         if ordered is None:
             return _ours(obj)
@@ -143,21 +146,6 @@ def _leaf(obj, ordered: Optional[set] = None):
         dtype = _numpy_name(obj.dtype)
         return _shared_array(obj, dtype) if dtype is not None and obj.size else None
     return None
-
-
-_TORCH_PARTS = None
-
-
-def _torch_parts():
-    """``torch.Tensor`` and ``cuda_mp.torch._ours``, imported once (``_leaf`` runs per tensor)."""
-    global _TORCH_PARTS
-    if _TORCH_PARTS is None:
-        import torch
-
-        from .torch import _ours
-
-        _TORCH_PARTS = (torch.Tensor, _ours)
-    return _TORCH_PARTS
 
 
 class _Leaves:

@@ -110,7 +110,7 @@ from collections import OrderedDict
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, Optional
 
-from . import _cuda_tensor, _gpu, _native, _to_torch, _torch_names
+from . import _gpu, _native, _to_torch, _torch_names
 
 __all__ = ["DEFAULT_TTL", "allocator_in_use", "install", "installed", "uninstall"]
 
@@ -277,13 +277,12 @@ def _ours(t, order: bool = True) -> Optional["_native.Tensor"]:
     ``order``: a CUDA tensor orders cuda-mp's stream after PyTorch's current stream."""
     import torch
 
-    storage = t.untyped_storage()
-    if t.layout != torch.strided or t.dtype not in _torch_names() or storage.nbytes() == 0:
+    if t.layout != torch.strided or t.dtype not in _torch_names() or t.untyped_storage().nbytes() == 0:
         return None
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         return None
     if t.is_cuda:
-        return _sent(t, order, storage)
+        return _sent(t, order)
     if t.device.type != "cpu":
         return None
     # CPU memory that cuda-mp made travels as itself; any other keeps torch's sharing, which
@@ -292,26 +291,23 @@ def _ours(t, order: bool = True) -> Optional["_native.Tensor"]:
     return _native.host_tensor(_torch_names()[t.dtype], list(t.shape), list(t.stride()), 0, t.data_ptr(), span)
 
 
-def _sent(t, order: bool = True, storage=None) -> "_native.Tensor":
+def _sent(t, order: bool = True) -> "_native.Tensor":
     """A CUDA tensor as a cuda-mp tensor whose storage keeps one identity while the program
-    holds it (see ``_book``); ``order`` as for ``_ours``; ``storage``: its untyped storage, if
-    at hand."""
-    if storage is None:
-        storage = t.untyped_storage()
-    if _allocator_in_use:
-        # Memory of cuda-mp's allocator is a cuda-mp storage already, found by its address.
-        return _cuda_tensor(t, storage, order)
+    holds it (see ``_book``); ``order`` as for ``_ours``."""
     import torch
 
+    if _allocator_in_use:
+        # Memory of cuda-mp's allocator is a cuda-mp storage already, found by its address.
+        return _gpu(t, order)
     use_count = getattr(torch._C, "_storage_Use_Count", None)
+    storage = t.untyped_storage()
     key = (t.device.index or 0, storage.data_ptr(), storage.nbytes())
     with _book_lock:
         known = key in _book
     if known or use_count is None:
-        # The wrapper is found by its address while the book holds it.
-        return _cuda_tensor(t, storage, order)
+        return _gpu(t, order)  # the wrapper is found by its address while the book holds it
     keeper = torch.empty((0,), dtype=torch.uint8, device=t.device).set_(storage)
-    native = _cuda_tensor(t, storage, order, keeper=keeper)
+    native = _gpu(t, order, keeper=keeper)
     with _book_lock:
         let_go = _sweep(use_count)
         _book.setdefault(key, (native, storage._cdata))
