@@ -1378,14 +1378,9 @@ fn tagged_bytes<'py>(
             _ => encode(&inner),
         })
         .map_err(error)?;
-    tagged(py, tag, &bytes)
-}
-
-/// `bytes` behind the tag of their kind, as Python bytes.
-fn tagged<'py>(py: Python<'py>, tag: u8, bytes: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
     PyBytes::new_with(py, bytes.len() + 1, |out| {
         out[0] = tag;
-        out[1..].copy_from_slice(bytes);
+        out[1..].copy_from_slice(&bytes);
         Ok(())
     })
 }
@@ -1409,9 +1404,13 @@ impl HandoffBatch {
 
     /// One more tensor of the batch, as bytes for `tensor_from_bytes`.
     fn tensor_to_bytes<'py>(&self, py: Python<'py>, tensor: &Bound<'py, Tensor>) -> PyResult<Bound<'py, PyBytes>> {
-        tagged_bytes(py, tensor, |t| match t {
-            Any::Gpu(t) => self.with_batch(|b| b.to_bytes(t)),
-            Any::Host(t) => self.with_batch(|b| b.to_bytes(t)),
+        tagged_bytes(py, tensor, |t| {
+            let mut batch = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            let batch = batch.as_mut().ok_or_else(|| cuda_mp::Error::Unsupported("this batch has ended".into()))?;
+            match t {
+                Any::Gpu(t) => batch.to_bytes(t),
+                Any::Host(t) => batch.to_bytes(t),
+            }
         })
     }
 
@@ -1429,17 +1428,6 @@ impl HandoffBatch {
 
     fn __repr__(&self) -> String {
         format!("{:?}", self)
-    }
-}
-
-impl HandoffBatch {
-    /// Runs `encode` on the batch, unless it has ended.
-    fn with_batch(
-        &self,
-        encode: impl FnOnce(&mut cuda_mp::HandoffBatch) -> cuda_mp::Result<Vec<u8>>,
-    ) -> cuda_mp::Result<Vec<u8>> {
-        let mut batch = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        encode(batch.as_mut().ok_or_else(|| cuda_mp::Error::Unsupported("this batch has ended".into()))?)
     }
 }
 
