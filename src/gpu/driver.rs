@@ -820,6 +820,11 @@ pub(crate) struct KernelLayout {
 
 impl KernelLayout {
     /// The kernel form of `layout`; an error when a number does not fit the kernel's `long long`.
+    ///
+    /// Dimensions of one element are dropped and neighbours that the view walks in one stride
+    /// are merged (a contiguous view becomes one dimension): the kernels find an element's
+    /// offset by a division per dimension, and by none for one dimension. The offset of every
+    /// element in row-major order is unchanged.
     pub(crate) fn of(layout: &Layout) -> Result<KernelLayout> {
         let (shape, strides) = (layout.shape(), layout.strides());
         if shape.len() > MAX_DIMS || shape.len() != strides.len() {
@@ -840,10 +845,24 @@ impl KernelLayout {
             shape: [1; MAX_DIMS],
             strides: [0; MAX_DIMS],
         };
-        for (d, (&n, &s)) in shape.iter().zip(strides).enumerate() {
-            k.shape[d] = int(n)?;
-            k.strides[d] = int(s)?;
+        let mut ndim = 0;
+        for (&n, &s) in shape.iter().zip(strides) {
+            let (n, s) = (int(n)?, int(s)?);
+            if n == 1 && k.numel != 0 {
+                continue;
+            }
+            // Outer (n0, s0) then inner (n, s) walk as one dimension of n0 * n in steps of s
+            // when s0 = n * s (both fit: their product is at most the extent).
+            if ndim > 0 && k.numel != 0 && Some(k.strides[ndim - 1]) == n.checked_mul(s) {
+                k.shape[ndim - 1] *= n;
+                k.strides[ndim - 1] = s;
+                continue;
+            }
+            k.shape[ndim] = n;
+            k.strides[ndim] = s;
+            ndim += 1;
         }
+        k.ndim = ndim as i64;
         Ok(k)
     }
 }
@@ -1096,6 +1115,64 @@ mod tests {
         assert_eq!(&k.strides[..3], &[1, 3, 0]);
         // A stride past i64 is refused before any kernel sees it.
         assert!(Layout::new(vec![2], vec![1 << 63], 0, usize::MAX).is_err());
+    }
+
+    /// `element_offset` of kernels.cu, both of its paths, in Rust.
+    fn kernel_offset(k: &KernelLayout, linear: i64) -> i64 {
+        if k.ndim <= 1 {
+            return k.offset + linear * k.strides[0];
+        }
+        let (mut off, mut rest) = (k.offset, linear);
+        for d in (0..k.ndim as usize).rev() {
+            off += rest % k.shape[d] * k.strides[d];
+            rest /= k.shape[d];
+        }
+        off
+    }
+
+    #[test]
+    fn kernel_layouts_merge_what_walks_in_one_stride() {
+        let of = |shape: &[usize], strides: &[usize]| {
+            let l = Layout::new(shape.to_vec(), strides.to_vec(), 3, usize::MAX).unwrap();
+            let k = KernelLayout::of(&l).unwrap();
+            (k.ndim, k.shape[..k.ndim as usize].to_vec(), k.strides[..k.ndim as usize].to_vec())
+        };
+        // A contiguous block of the KV example: one dimension.
+        assert_eq!(of(&[32, 2, 16, 8, 128], &[32768, 16384, 1024, 128, 1]), (1, vec![1 << 20], vec![1]));
+        // A transpose stays two; a column slice keeps its row stride; ones go.
+        assert_eq!(of(&[3, 4], &[1, 3]), (2, vec![3, 4], vec![1, 3]));
+        assert_eq!(of(&[4, 1, 2], &[10, 7, 1]), (2, vec![4, 2], vec![10, 1]));
+        assert_eq!(of(&[1, 1], &[5, 9]), (0, vec![], vec![]));
+        // Broadcast dimensions merge with each other, not with a real one.
+        assert_eq!(of(&[2, 3, 4], &[0, 0, 1]), (2, vec![6, 4], vec![0, 1]));
+        // An empty view is left as it is (no kernel runs for it).
+        assert_eq!(of(&[0, 1, 5], &[5, 5, 1]).0, 3);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 2000, ..Default::default() })]
+        #[test]
+        fn merged_kernel_layouts_reach_every_element_where_the_view_does(
+            dims in proptest::collection::vec((1usize..5, 0usize..4), 0..6),
+            contiguous_from in 0usize..7,
+            offset in 0usize..9,
+        ) {
+            // Strides either arbitrary or, from some dimension in, those of a contiguous tail
+            // (the case merging is for).
+            let shape: Vec<usize> = dims.iter().map(|d| d.0).collect();
+            let mut strides: Vec<usize> = dims.iter().map(|d| d.1).collect();
+            let mut run = 1;
+            for d in (contiguous_from.min(shape.len())..shape.len()).rev() {
+                strides[d] = run;
+                run *= shape[d];
+            }
+            let l = Layout::new(shape, strides, offset, usize::MAX).unwrap();
+            let k = KernelLayout::of(&l).unwrap();
+            proptest::prop_assert!(k.ndim as usize <= l.shape().len());
+            proptest::prop_assert_eq!(k.numel as usize, l.numel());
+            let merged: Vec<usize> = (0..k.numel).map(|i| kernel_offset(&k, i) as usize).collect();
+            proptest::prop_assert_eq!(merged, l.indices().collect::<Vec<_>>());
+        }
     }
 
     #[test]
