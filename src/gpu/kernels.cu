@@ -20,10 +20,24 @@ struct Layout {
     long long strides[MAX_DIMS];
 };
 
+// The host merges the dimensions a view walks in one stride (`KernelLayout::of`), so a
+// contiguous tensor arrives with one dimension and costs no division per element. Every
+// thread of a launch takes the same branch (they depend on the layout alone); 32-bit
+// divisions, where the element count allows them, cost a fraction of 64-bit ones.
 __device__ __forceinline__ long long element_offset(const Layout& l, long long linear) {
+    if (l.ndim <= 1) return l.offset + linear * l.strides[0];
     long long off = l.offset;
+    if (l.numel <= 0xffffffffLL) {
+        unsigned int rest = (unsigned int)linear;
+        for (int d = (int)l.ndim - 1; d >= 0; --d) {
+            const unsigned int extent = (unsigned int)l.shape[d];
+            off += (long long)(rest % extent) * l.strides[d];
+            rest /= extent;
+        }
+        return off;
+    }
     for (int d = (int)l.ndim - 1; d >= 0; --d) {
-        long long extent = l.shape[d];
+        const long long extent = l.shape[d];
         off += (linear % extent) * l.strides[d];
         linear /= extent;
     }
