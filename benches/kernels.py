@@ -1,0 +1,118 @@
+"""What cuda-mp's shipped elementwise kernels cost on the GPU alone, against PyTorch's.
+
+Loads `src/gpu/kernels.ptx` (the image cuda-mp ships) with cupy and times, on one block of the
+KV-cache example (32 x 2 x 16 x 8 x 128 bf16, 2 MiB), `fill_bf16` and `count_ne_bf16` with the
+view's layout given as five dimensions (as cuda-mp passed it before it merged dimensions) and as
+one (what `KernelLayout::of` now passes for a contiguous view), then PyTorch's `fill_` and the
+check the torch baseline of the example runs (`wrong += (block != v).sum()`), in the same
+process. Each figure is GPU time per call, back to back, from CUDA events around 2,000 calls.
+
+    python3 benches/kernels.py [--reps 2000]
+"""
+
+import ctypes
+import os
+import sys
+
+import cupy
+import torch
+
+MAX_DIMS = 8
+SHAPE = (32, 2, 16, 8, 128)
+THREADS = 256
+BF16_ONE = 0x3F80
+
+
+class Layout(ctypes.Structure):
+    """`struct Layout` of kernels.cu."""
+
+    _fields_ = [
+        ("numel", ctypes.c_longlong),
+        ("ndim", ctypes.c_longlong),
+        ("offset", ctypes.c_longlong),
+        ("shape", ctypes.c_longlong * MAX_DIMS),
+        ("strides", ctypes.c_longlong * MAX_DIMS),
+    ]
+
+
+def layout(shape):
+    numel = 1
+    for n in shape:
+        numel *= n
+    l = Layout(numel=numel, ndim=len(shape), offset=0)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        l.shape[d], l.strides[d] = shape[d], stride
+        stride *= shape[d]
+    for d in range(len(shape), MAX_DIMS):
+        l.shape[d], l.strides[d] = 1, 0
+    return l
+
+
+def gpu_time_us(launch, reps):
+    for _ in range(20):
+        launch()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(reps):
+        launch()
+    end.record()
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) * 1000 / reps
+
+
+def main():
+    reps = int(sys.argv[sys.argv.index("--reps") + 1]) if "--reps" in sys.argv else 2000
+    torch.cuda.init()  # one primary context, shared by cupy and torch
+    ptx = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src", "gpu", "kernels.ptx")
+    module = cupy.RawModule(path=ptx)
+    fill, count_ne = module.get_function("fill_bf16"), module.get_function("count_ne_bf16")
+    block = cupy.empty(SHAPE, dtype=cupy.uint16)
+    counter = cupy.zeros(1, dtype=cupy.uint64)
+    numel = block.size
+    grid = (min((numel + THREADS - 1) // THREADS, 1 << 16),)
+    stream = ctypes.c_void_p(cupy.cuda.get_current_stream().ptr)
+    cuda = ctypes.CDLL("libcuda.so.1")
+    cuda.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+
+    def launcher(function, args):
+        # cuLaunchKernel's parameter array: a pointer to each argument's bytes.
+        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+
+        def launch():
+            err = cuda.cuLaunchKernel(function.ptr, grid[0], 1, 1, THREADS, 1, 1, 0, stream, ctypes.cast(params, ctypes.c_void_p), None)
+            assert err == 0, f"cuLaunchKernel: CUresult {err}"
+
+        launch.keep = (args, params)
+        return launch
+
+    base = ctypes.c_uint64(block.data.ptr)
+    bits = ctypes.c_uint64(BF16_ONE)
+    count = ctypes.c_uint64(counter.data.ptr)
+    rows = []
+    for name, dims in (("five dimensions", SHAPE), ("merged to one", (numel,))):
+        l = layout(dims)
+        rows.append((f"fill_bf16, {name}", gpu_time_us(launcher(fill, [base, l, bits]), reps)))
+        rows.append((f"count_ne_bf16, {name}", gpu_time_us(launcher(count_ne, [base, l, bits, count]), reps)))
+    cupy.cuda.Device().synchronize()
+    wrong = int(counter.get()[0])
+    assert wrong == 0, f"count_ne counted {wrong} elements that differ from the fill"
+
+    x = torch.empty(SHAPE, dtype=torch.bfloat16, device="cuda")
+    w = torch.zeros(1, dtype=torch.int64, device="cuda")
+    torch_fill = gpu_time_us(lambda: x.fill_(1.0), reps)
+    torch_check = gpu_time_us(lambda: w.add_((x != 1.0).sum()), reps)
+    torch.cuda.synchronize()
+
+    print(f"GPU: {torch.cuda.get_device_name()}; one block of {SHAPE} bf16 ({numel * 2 >> 10} KiB), {reps} calls each")
+    print("| kernel | GPU time per call | against PyTorch's |")
+    print("|---|---|---|")
+    for name, us in rows:
+        theirs = torch_fill if name.startswith("fill") else torch_check
+        print(f"| cuda-mp {name} | {us:.2f} us | {theirs / us:.2f}x |")
+    print(f"| torch fill_ | {torch_fill:.2f} us | |")
+    print(f"| torch wrong += (x != v).sum() | {torch_check:.2f} us | |")
+
+
+if __name__ == "__main__":
+    main()
