@@ -216,8 +216,8 @@ pub(crate) fn settle(device: &Device) -> Result<()> {
     let mut first_error = None;
     for key in keys.drain(..) {
         if let Some(event) = events.get(&key) {
-            let queued = completes_soon(event)
-                .and_then(|done| if done { Ok(()) } else { event.wait_on(device.unsettled_stream()) });
+            let queued =
+                completes_soon(event).and_then(|done| if done { Ok(()) } else { event.wait_on(device.unsettled_stream()) });
             if let Err(e) = queued {
                 first_error.get_or_insert(e);
             }
