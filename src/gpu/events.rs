@@ -128,28 +128,6 @@ static OWED: Lazy<Mutex<HashMap<usize, Vec<EventKey>>>> = Lazy::new(|| Mutex::ne
 /// True while any device owes a wait (spares `settle` the lock on every use of a stream).
 static ANY_OWED: AtomicBool = AtomicBool::new(false);
 
-/// How long a receiver polls a sender's event that has not completed before it queues a wait
-/// on its stream (`CUDA_MP_EVENT_SPIN_US`, microseconds; none by default).
-static EVENT_SPIN: Lazy<std::time::Duration> = Lazy::new(|| {
-    let us = std::env::var("CUDA_MP_EVENT_SPIN_US").ok().and_then(|v| v.trim().parse::<u64>().ok());
-    std::time::Duration::from_micros(us.unwrap_or(0))
-});
-
-/// Whether `event` has completed, or does within `EVENT_SPIN`.
-fn completes_soon(event: &OpenedEvent) -> Result<bool> {
-    if event.is_complete()? {
-        return Ok(true);
-    }
-    let deadline = std::time::Instant::now() + *EVENT_SPIN;
-    while std::time::Instant::now() < deadline {
-        std::hint::spin_loop();
-        if event.is_complete()? {
-            return Ok(true);
-        }
-    }
-    Ok(false)
-}
-
 /// How a receiver orders its stream after the sender's event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum WaitWhen {
@@ -185,7 +163,7 @@ pub(crate) fn wait(
             }
         };
         // Already complete: nothing to wait for, no command for the GPU.
-        if completes_soon(event)? {
+        if event.is_complete()? {
             return Ok(());
         }
         if when == WaitWhen::Now {
@@ -216,8 +194,9 @@ pub(crate) fn settle(device: &Device) -> Result<()> {
     let mut first_error = None;
     for key in keys.drain(..) {
         if let Some(event) = events.get(&key) {
-            let queued =
-                completes_soon(event).and_then(|done| if done { Ok(()) } else { event.wait_on(device.unsettled_stream()) });
+            let queued = event
+                .is_complete()
+                .and_then(|done| if done { Ok(()) } else { event.wait_on(device.unsettled_stream()) });
             if let Err(e) = queued {
                 first_error.get_or_insert(e);
             }
