@@ -1,6 +1,6 @@
 """What cuda-mp's shipped elementwise kernels cost on the GPU alone, against PyTorch's.
 
-Loads `src/gpu/kernels.ptx` (the image cuda-mp ships) with cupy and times, on one block of the
+Loads `src/gpu/kernels.ptx` (the image cuda-mp ships) with the driver API and times, on one block of the
 KV-cache example (32 x 2 x 16 x 8 x 128 bf16, 2 MiB), `fill_bf16` and `count_ne_bf16` with the
 view's layout given as five dimensions (as cuda-mp passed it before it merged dimensions) and as
 one (what `KernelLayout::of` now passes for a contiguous view), then PyTorch's `fill_` and the
@@ -65,23 +65,37 @@ def main():
     reps = int(sys.argv[sys.argv.index("--reps") + 1]) if "--reps" in sys.argv else 2000
     torch.cuda.init()  # one primary context, shared by cupy and torch
     ptx = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src", "gpu", "kernels.ptx")
-    module = cupy.RawModule(path=ptx)
-    fill, count_ne = module.get_function("fill_bf16"), module.get_function("count_ne_bf16")
+    cupy.cuda.Device(0).use()
+    cupy.empty(1)  # the primary context, current on this thread
+    cuda = ctypes.CDLL("libcuda.so.1")
+    cuda.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+
+    def check(err, call):
+        assert err == 0, f"{call}: CUresult {err}"
+
+    module = ctypes.c_void_p()
+    with open(ptx, "rb") as f:
+        check(cuda.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(f.read() + b"\0")), "cuModuleLoadData")
+
+    def function(name):
+        f = ctypes.c_void_p()
+        check(cuda.cuModuleGetFunction(ctypes.byref(f), module, name.encode()), "cuModuleGetFunction")
+        return f
+
+    fill, count_ne = function("fill_bf16"), function("count_ne_bf16")
     block = cupy.empty(SHAPE, dtype=cupy.uint16)
     counter = cupy.zeros(1, dtype=cupy.uint64)
     numel = block.size
     grid = (min((numel + THREADS - 1) // THREADS, 1 << 16),)
     stream = ctypes.c_void_p(cupy.cuda.get_current_stream().ptr)
-    cuda = ctypes.CDLL("libcuda.so.1")
-    cuda.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
 
     def launcher(function, args):
         # cuLaunchKernel's parameter array: a pointer to each argument's bytes.
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
 
         def launch():
-            err = cuda.cuLaunchKernel(function.ptr, grid[0], 1, 1, THREADS, 1, 1, 0, stream, ctypes.cast(params, ctypes.c_void_p), None)
-            assert err == 0, f"cuLaunchKernel: CUresult {err}"
+            params_ptr = ctypes.cast(params, ctypes.c_void_p)
+            check(cuda.cuLaunchKernel(function, grid[0], 1, 1, THREADS, 1, 1, 0, stream, params_ptr, None), "cuLaunchKernel")
 
         launch.keep = (args, params)
         return launch
