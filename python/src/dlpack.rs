@@ -101,12 +101,9 @@ impl DlpackExporter for Exporter<'_> {
             CudaStreamRequest::PerThreadDefault => 2,
             CudaStreamRequest::Pointer(p) => p,
         };
-        let device = t.device().clone();
         // SAFETY: by the DLPack protocol the consumer passes a stream of the device this tensor
         // reported in `__dlpack_device__`, or a default-stream sentinel.
-        // The consumer's current device stays as it was.
-        py.detach(|| cuda_mp::keeping_current_context(|| unsafe { device.order_stream_after(stream as _) }))
-            .map_err(error)
+        unsafe { order_after(py, t.device(), stream) }
     }
 
     fn export_legacy(&self, _py: Python<'_>) -> PyResult<Managed<DLManagedTensor>> {
@@ -140,10 +137,19 @@ pub(crate) fn export<'py>(
 /// default streams).
 pub(crate) unsafe fn export_for_stream(py: Python<'_>, t: &Any, stream: usize) -> PyResult<Py<PyAny>> {
     if let Any::Gpu(gpu) = t {
-        let device = gpu.device().clone();
-        // SAFETY: upheld by the caller. The consumer's current device stays as it was.
-        py.detach(|| cuda_mp::keeping_current_context(|| unsafe { device.order_stream_after(stream as _) }))
-            .map_err(error)?;
+        // SAFETY: upheld by the caller.
+        unsafe { order_after(py, gpu.device(), stream) }?;
     }
     export_dlpack(&Exporter(t, true), py, ExportRequest::parse(None, None, None, None)?)
+}
+
+/// Makes `stream` (the consumer's) wait for the work queued on `device`'s stream, with the GIL
+/// released; the calling thread's current device stays as it was.
+///
+/// # Safety
+/// `stream` must be a live stream of `device`'s primary context, or 0 or 2 (the default
+/// streams).
+unsafe fn order_after(py: Python<'_>, device: &cuda_mp::Device, stream: usize) -> PyResult<()> {
+    // SAFETY: upheld by the caller.
+    py.detach(|| cuda_mp::keeping_current_context(|| unsafe { device.order_stream_after(stream as _) })).map_err(error)
 }

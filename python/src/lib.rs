@@ -355,10 +355,8 @@ fn gpu_tensor(
     let t = view_of(storage, byte_offset, dtype, shape, strides, offset)?;
     if let Some(stream) = stream {
         // SAFETY: the caller passes a live stream of this device's primary context or a
-        // default stream, as for `wait_for_stream`. The calling thread's current device stays
-        // PyTorch's.
-        py.detach(|| cuda_mp::keeping_current_context(|| unsafe { dev.wait_for_stream(stream as _) }))
-            .map_err(error)?;
+        // default stream, as for `wait_for_stream`.
+        unsafe { wait_for(py, &dev, stream) }?;
     }
     Ok(Tensor { inner: Any::Gpu(t) })
 }
@@ -441,7 +439,17 @@ fn wait_for_stream(py: Python<'_>, device: usize, stream: usize) -> PyResult<()>
     let device = Device::get(device).map_err(error)?;
     // SAFETY: the caller passes a live stream of this device's primary context or a default
     // stream, as for `__dlpack__(stream=...)`.
-    // The calling thread's current device stays PyTorch's.
+    unsafe { wait_for(py, &device, stream) }
+}
+
+/// Makes cuda-mp's stream of `device` wait for the work queued so far on `stream` (another
+/// library's), with the GIL released; the calling thread's current device stays PyTorch's.
+///
+/// # Safety
+/// `stream` must be a live stream of `device`'s primary context, or 0 or 2 (the default
+/// streams).
+unsafe fn wait_for(py: Python<'_>, device: &Device, stream: usize) -> PyResult<()> {
+    // SAFETY: upheld by the caller.
     py.detach(|| cuda_mp::keeping_current_context(|| unsafe { device.wait_for_stream(stream as _) })).map_err(error)
 }
 
