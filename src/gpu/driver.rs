@@ -852,7 +852,7 @@ impl KernelLayout {
                 continue;
             }
             // Outer (n0, s0) then inner (n, s) walk as one dimension of n0 * n in steps of s
-            // when s0 = n * s (both fit: their product is at most the extent).
+            // when s0 = n * s (n0 * n fits: it is at most the element count).
             if ndim > 0 && k.numel != 0 && Some(k.strides[ndim - 1]) == n.checked_mul(s) {
                 k.shape[ndim - 1] *= n;
                 k.strides[ndim - 1] = s;

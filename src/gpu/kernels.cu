@@ -23,7 +23,7 @@ struct Layout {
 // The host merges the dimensions a view walks in one stride (`KernelLayout::of`), so a
 // contiguous tensor arrives with one dimension and costs no division per element. Every
 // thread of a launch takes the same branch (they depend on the layout alone); 32-bit
-// divisions, where the element count allows them, cost a fraction of 64-bit ones.
+// divisions, where the element count allows them, are cheaper than 64-bit ones.
 __device__ __forceinline__ long long element_offset(const Layout& l, long long linear) {
     if (l.ndim <= 1) return l.offset + linear * l.strides[0];
     long long off = l.offset;
