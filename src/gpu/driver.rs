@@ -1117,7 +1117,8 @@ mod tests {
         assert!(Layout::new(vec![2], vec![1 << 63], 0, usize::MAX).is_err());
     }
 
-    /// `element_offset` of kernels.cu, both of its paths, in Rust.
+    /// `element_offset` of kernels.cu in Rust: its path for one dimension, and its division
+    /// loop in 64 bits (the 32-bit loop computes the same where the element count fits).
     fn kernel_offset(k: &KernelLayout, linear: i64) -> i64 {
         if k.ndim <= 1 {
             return k.offset + linear * k.strides[0];
