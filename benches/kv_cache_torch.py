@@ -3,11 +3,16 @@ each request's KV blocks (2 MiB bf16 tensors, fresh from PyTorch's caching alloc
 two decode processes through a Queue; each decode process checks every value of every block on
 the GPU, appends a block of its own, keeps 4 requests running and reports each finished one.
 
-    python3 benches/kv_cache_torch.py [--requests 400]
+As in the example, both sides work in steps: a prefill step writes the blocks of `--batch`
+requests, then puts each on its decode process's queue; a decode step takes every request that
+has arrived. The clock starts once both decode processes have set up CUDA on a first request.
+
+    python3 benches/kv_cache_torch.py [--requests 400] [--batch 4]
 
 Prints `torch.mp blocks/s: <rate>` (what the example reads) and the requests per second.
 """
 
+import queue
 import sys
 import time
 
@@ -17,6 +22,7 @@ import torch.multiprocessing as mp
 BLOCK = (32, 2, 16, 8, 128)
 RUNNING = 4
 WINDOW = 16
+MAX_BATCH = 2 * (WINDOW - RUNNING - 1)
 
 
 def block_value(rid, b):
@@ -27,26 +33,50 @@ def prompt_blocks(rid):
     return (rid * 5 + 3) % 8 + 1
 
 
+def arg(name, default):
+    return int(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
+
+
 def decode(requests, finished, report):
     dev = torch.device("cuda", 0)
     wrong = torch.zeros(1, dtype=torch.int64, device=dev)
-    running = []
     checked = 0
-    while True:
-        item = requests.get()
-        if item is None:
-            break
-        rid, blocks = item
+
+    def check(rid, blocks):
+        nonlocal wrong, checked
         for b, block in enumerate(blocks):
             wrong += (block != block_value(rid, b)).sum()
         checked += len(blocks)
-        blocks.append(torch.full(BLOCK, 512.0, dtype=torch.bfloat16, device=dev))
-        running.append((rid, blocks))
-        if len(running) > RUNNING:
-            rid, done = running.pop(0)
-            wrong += (done[-1] != 512.0).sum()
-            del done
-            finished.put(rid)
+
+    # The first request warms the process up and finishes at once.
+    rid, blocks = requests.get()
+    check(rid, blocks)
+    torch.cuda.synchronize(dev)
+    del blocks
+    finished.put(rid)
+    running = []
+    stop = False
+    while not stop:
+        # A decode step: every request that has arrived.
+        step = [requests.get()]
+        while True:
+            try:
+                step.append(requests.get_nowait())
+            except queue.Empty:
+                break
+        for item in step:
+            if item is None:
+                stop = True
+                break
+            rid, blocks = item
+            check(rid, blocks)
+            blocks.append(torch.full(BLOCK, 512.0, dtype=torch.bfloat16, device=dev))
+            running.append((rid, blocks))
+            if len(running) > RUNNING:
+                rid, done = running.pop(0)
+                wrong += (done[-1] != 512.0).sum()
+                del done
+                finished.put(rid)
     for rid, done in running:
         del done
         finished.put(rid)
@@ -55,7 +85,9 @@ def decode(requests, finished, report):
 
 
 def main():
-    n = int(sys.argv[sys.argv.index("--requests") + 1]) if "--requests" in sys.argv else 400
+    n = arg("--requests", 400)
+    batch = arg("--batch", 4)
+    assert 1 <= batch <= MAX_BATCH, f"--batch must be 1 to {MAX_BATCH}"
     ctx = mp.get_context("spawn")
     dev = torch.device("cuda", 0)
     decoders = []
@@ -64,11 +96,14 @@ def main():
         p = ctx.Process(target=decode, args=(q, fin, rep))
         p.start()
         decoders.append([q, fin, rep, p, 0])
-    for i, d in enumerate(decoders):  # warm-up, as the example's
+    for i, d in enumerate(decoders):  # warm-up, as the example's, before the clock starts
         rid = 1000000 + i
         d[0].put((rid, [torch.full(BLOCK, block_value(rid, 0), dtype=torch.bfloat16, device=dev)]))
+    for d in decoders:
+        d[1].get()
     start = time.perf_counter()
     sent = 0
+    step = []
     for rid in range(n):
         d = decoders[rid % 2]
         if d[4] == WINDOW:
@@ -77,13 +112,18 @@ def main():
         count = prompt_blocks(rid)
         blocks = [torch.full(BLOCK, block_value(rid, b), dtype=torch.bfloat16, device=dev) for b in range(count)]
         sent += count
-        d[0].put((rid, blocks))
-        del blocks
         d[4] += 1
+        step.append((d, (rid, blocks)))
+        del blocks
+        # The step's prompts are written: each request goes to its decode process.
+        if len(step) == batch or rid + 1 == n:
+            for d, item in step:
+                d[0].put(item)
+            step.clear()
     checked, wrong = 0, 0
     for d in decoders:
         d[0].put(None)
-        for _ in range(d[4] + 1):
+        for _ in range(d[4]):
             d[1].get()
         c, w = d[2].get()
         checked, wrong = checked + c, wrong + w

@@ -6,10 +6,19 @@
 //! allocator: a block comes back to the prefill process as soon as no process holds it, and a
 //! decode process maps each segment of blocks once.
 //!
-//! It prints requests and blocks per second, then runs `benches/kv_cache_torch.py` (the same
-//! blocks sent as tensors through `torch.multiprocessing`) where torch is installed.
+//! Both sides work in steps, as serving engines do: a prefill step writes the blocks of
+//! `--batch` requests, then hands each to its decode process; a decode step takes every
+//! request that has arrived. Each process then gives the GPU its work in fewer, longer bursts:
+//! without MPS the GPU runs one process's context at a time and switches between them, so
+//! many short bursts from three processes cost more in switches than in kernels.
+//! `--batch 1` sends each request as soon as its blocks are written.
 //!
-//!     cargo run --release --example 16_kv_cache [-- --requests 400 --no-torch]
+//! It prints requests and blocks per second from the moment both decode processes have set up
+//! CUDA (their start is not timed), then runs `benches/kv_cache_torch.py` (the same blocks
+//! sent as tensors through `torch.multiprocessing`, timed the same way) where torch is
+//! installed.
+//!
+//!     cargo run --release --example 16_kv_cache [-- --requests 400 --batch 4 --no-torch]
 
 mod common;
 
@@ -25,8 +34,12 @@ const BLOCK: [usize; 5] = [32, 2, 16, 8, 128];
 const TOKENS_PER_BLOCK: usize = 16;
 /// Requests a decode process works on at once; the oldest finishes when another arrives.
 const RUNNING: usize = 4;
-/// Requests in flight per decode process (sent and not yet finished).
+/// Requests in flight per decode process (written or sent, and not yet finished).
 const WINDOW: usize = 16;
+/// The most requests one prefill step may write: a decode process finishes a request only
+/// while it holds more than `RUNNING`, so the prefill must have sent it more than that of
+/// the `WINDOW` it waits on.
+const MAX_BATCH: usize = 2 * (WINDOW - RUNNING - 1);
 
 /// What a prefill hands to a decode process: the request and its block table.
 #[derive(Serialize, Deserialize)]
@@ -59,7 +72,8 @@ struct DecodeReport {
 }
 
 /// A decode process: checks each request's blocks, appends one block of generated tokens,
-/// keeps `RUNNING` requests, and says which request finished.
+/// keeps `RUNNING` requests, and says which request finished. Its first request warms it up
+/// (CUDA, the kernels, a first segment) and finishes at once.
 fn decode(channels: (Receiver<Request>, Sender<u32>, Sender<DecodeReport>)) -> Result<(), String> {
     decode_requests(channels).map_err(|e| e.to_string())
 }
@@ -70,22 +84,35 @@ fn decode_requests((requests, finished, report): (Receiver<Request>, Sender<u32>
     let mut running: VecDeque<(u32, Vec<GpuTensor<bf16>>)> = VecDeque::new();
     let mut out = DecodeReport::default();
     let appended = bf16::from_f32(512.0);
-    while let Ok(request) = requests.recv() {
+    let check = |request: &Request, out: &mut DecodeReport| -> Outcome {
         for (b, block) in request.blocks.iter().enumerate() {
             block.count_not_equal(block_value(request.id, b), &wrong)?;
         }
         out.blocks_checked += request.blocks.len() as u64;
-        // The next tokens go into a block of this process's own.
-        let mut blocks = request.blocks;
-        blocks.push(GpuTensor::full(&dev, &BLOCK, appended)?);
-        out.appended_blocks += 1;
         out.requests += 1;
-        running.push_back((request.id, blocks));
-        if running.len() > RUNNING {
-            let (id, done) = running.pop_front().expect("more than RUNNING requests run");
-            done[done.len() - 1].count_not_equal(appended, &wrong)?;
-            drop(done); // the prefill's blocks go back to it, once no one else holds them
-            finished.send(id)?;
+        Ok(())
+    };
+    let warm_up = requests.recv()?;
+    check(&warm_up, &mut out)?;
+    dev.synchronize()?;
+    finished.send(warm_up.id)?;
+    drop(warm_up);
+    while let Ok(first) = requests.recv() {
+        // A decode step: every request that has arrived.
+        let step = std::iter::once(first).chain(std::iter::from_fn(|| requests.try_recv().ok()));
+        for request in step {
+            check(&request, &mut out)?;
+            // The next tokens go into a block of this process's own.
+            let mut blocks = request.blocks;
+            blocks.push(GpuTensor::full(&dev, &BLOCK, appended)?);
+            out.appended_blocks += 1;
+            running.push_back((request.id, blocks));
+            if running.len() > RUNNING {
+                let (id, done) = running.pop_front().expect("more than RUNNING requests run");
+                done[done.len() - 1].count_not_equal(appended, &wrong)?;
+                drop(done); // the prefill's blocks go back to it, once no one else holds them
+                finished.send(id)?;
+            }
         }
     }
     for (id, done) in running {
@@ -118,23 +145,30 @@ fn start_decoder() -> Outcome<Decoder> {
 fn run() -> Outcome {
     common::require_gpu()?;
     let n: u32 = common::arg("--requests", 400)?;
+    let batch: usize = common::arg("--batch", 4)?;
+    common::ensure((1..=MAX_BATCH).contains(&batch), &format!("--batch must be 1 to {MAX_BATCH}"))?;
     let dev = Device::get(0)?;
     println!(
-        "{n} requests of 1-8 blocks; a block holds {TOKENS_PER_BLOCK} tokens: {:?} bf16, {} KiB",
+        "{n} requests of 1-8 blocks, {batch} a prefill step; a block holds {TOKENS_PER_BLOCK} tokens: {:?} bf16, {} KiB",
         BLOCK,
         (BLOCK.iter().product::<usize>() * 2) >> 10
     );
     let mut decoders = vec![start_decoder()?, start_decoder()?];
-    // Warm-up: each decode process sets up CUDA on a request that is not timed.
+    // Warm-up: each decode process sets up CUDA on a request, before the clock starts.
     for (i, d) in decoders.iter_mut().enumerate() {
         let blocks = vec![GpuTensor::full(&dev, &BLOCK, block_value(u32::MAX - i as u32, 0))?];
         d.requests.send(Request { id: u32::MAX - i as u32, prompt_tokens: TOKENS_PER_BLOCK as u32, blocks })?;
     }
+    for d in &decoders {
+        d.finished.recv_timeout(TIMEOUT)?;
+    }
     let before = dev.allocator_stats();
     let start = Instant::now();
     let mut blocks_sent = 0;
+    let mut step = Vec::with_capacity(batch);
     for id in 0..n {
-        let d = &mut decoders[id as usize % 2];
+        let which = id as usize % 2;
+        let d = &mut decoders[which];
         if d.in_flight == WINDOW {
             d.finished.recv_timeout(TIMEOUT)?;
             d.in_flight -= 1;
@@ -143,15 +177,21 @@ fn run() -> Outcome {
         let blocks =
             (0..count).map(|b| GpuTensor::full(&dev, &BLOCK, block_value(id, b))).collect::<Result<Vec<_>, _>>()?;
         blocks_sent += count;
-        d.requests.send(Request { id, prompt_tokens: (count * TOKENS_PER_BLOCK) as u32, blocks })?;
         d.in_flight += 1;
+        step.push((which, Request { id, prompt_tokens: (count * TOKENS_PER_BLOCK) as u32, blocks }));
+        // The step's prompts are written: each request goes to its decode process.
+        if step.len() == batch || id + 1 == n {
+            for (which, request) in step.drain(..) {
+                decoders[which].requests.send(request)?;
+            }
+        }
     }
     let mut reports = Vec::new();
     let mut children = Vec::new();
     for Decoder { requests, finished, report, child, in_flight } in decoders {
         drop(requests);
-        // The warm-up request and every one still in flight finish now.
-        for _ in 0..in_flight + 1 {
+        // Every request still in flight finishes now.
+        for _ in 0..in_flight {
             finished.recv_timeout(TIMEOUT)?;
         }
         reports.push(report.recv_timeout(TIMEOUT)?);
@@ -184,14 +224,15 @@ fn run() -> Outcome {
         "blocks were not reused once the decode processes dropped them",
     )?;
     if !std::env::args().any(|a| a == "--no-torch") {
-        compare_with_torch(n, blocks_sent as f64 / secs)?;
+        compare_with_torch(n, batch, blocks_sent as f64 / secs)?;
     }
     Ok(())
 }
 
 /// Runs the torch.multiprocessing version of the same workload and prints both rates.
-fn compare_with_torch(n: u32, ours: f64) -> Outcome {
-    let mut torch = match PythonPeer::start("benches/kv_cache_torch.py", &["--requests", &n.to_string()]) {
+fn compare_with_torch(n: u32, batch: usize, ours: f64) -> Outcome {
+    let args = ["--requests", &n.to_string(), "--batch", &batch.to_string()];
+    let mut torch = match PythonPeer::start("benches/kv_cache_torch.py", &args) {
         Ok(p) => p,
         Err(e) => {
             println!("torch comparison not run: {e}");
