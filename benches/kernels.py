@@ -2,10 +2,13 @@
 
 Loads `src/gpu/kernels.ptx` (the image cuda-mp ships) with the driver API and times, on one block of the
 KV-cache example (32 x 2 x 16 x 8 x 128 bf16, 2 MiB), `fill_bf16` and `count_ne_bf16` with the
-view's layout given as five dimensions (as cuda-mp passed it before it merged dimensions) and as
-one (what `KernelLayout::of` now passes for a contiguous view), then PyTorch's `fill_` and the
-check the torch baseline of the example runs (`wrong += (block != v).sum()`), in the same
-process. Each figure is GPU time per call, back to back, from CUDA events around 2,000 calls.
+view's layout given as five dimensions (a thread per element, as for any strided view) and as
+one (what `KernelLayout::of` passes for a contiguous view, walked 16 bytes a thread), launched
+as cuda-mp launches them, then PyTorch's `fill_` and the check the torch baseline of the
+example runs (`wrong += (block != v).sum()`), in the same process. Each figure is GPU time per
+call from CUDA events around 2,000 calls: launched one by one from Python (where a kernel is
+shorter than a launch, the launches bound it), and captured in a CUDA graph (the kernels
+alone, back to back).
 
     python3 benches/kernels.py [--reps 2000]
 """
@@ -14,7 +17,6 @@ import ctypes
 import os
 import sys
 
-import cupy
 import torch
 
 MAX_DIMS = 8
@@ -50,23 +52,33 @@ def layout(shape):
 
 
 def gpu_time_us(launch, reps):
+    """GPU time per call: (launched one by one, in a CUDA graph)."""
     for _ in range(20):
         launch()
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
         launch()
     end.record()
     end.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end) * 1000 / reps
+    one_by_one = start.elapsed_time(end) * 1000 / reps
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            launch()
+    graph.replay()
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return one_by_one, start.elapsed_time(end) * 1000 / reps
 
 
 def main():
     reps = int(sys.argv[sys.argv.index("--reps") + 1]) if "--reps" in sys.argv else 2000
-    torch.cuda.init()  # one primary context, shared by cupy and torch
+    torch.cuda.init()
+    torch.empty(1, device="cuda")  # the primary context, current on this thread
     ptx = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src", "gpu", "kernels.ptx")
-    cupy.cuda.Device(0).use()
-    cupy.empty(1)  # the primary context, current on this thread
     cuda = ctypes.CDLL("libcuda.so.1")
     cuda.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
 
@@ -83,33 +95,34 @@ def main():
         return f
 
     fill, count_ne = function("fill_bf16"), function("count_ne_bf16")
-    block = cupy.empty(SHAPE, dtype=cupy.uint16)
-    counter = cupy.zeros(1, dtype=cupy.uint64)
-    numel = block.size
-    grid = (min((numel + THREADS - 1) // THREADS, 1 << 16),)
-    stream = ctypes.c_void_p(cupy.cuda.get_current_stream().ptr)
+    block = torch.empty(SHAPE, dtype=torch.bfloat16, device="cuda")
+    counter = torch.zeros(1, dtype=torch.int64, device="cuda")
+    numel = block.numel()
 
-    def launcher(function, args):
+    def launcher(function, args, per_thread):
         # cuLaunchKernel's parameter array: a pointer to each argument's bytes.
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+        # As cuda-mp's launch: a thread per element, or per 16 bytes of a contiguous view.
+        grid = min((numel + per_thread * THREADS - 1) // (per_thread * THREADS), 1 << 16)
 
         def launch():
             params_ptr = ctypes.cast(params, ctypes.c_void_p)
-            check(cuda.cuLaunchKernel(function, grid[0], 1, 1, THREADS, 1, 1, 0, stream, params_ptr, None), "cuLaunchKernel")
+            stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+            check(cuda.cuLaunchKernel(function, grid, 1, 1, THREADS, 1, 1, 0, stream, params_ptr, None), "cuLaunchKernel")
 
         launch.keep = (args, params)
         return launch
 
-    base = ctypes.c_uint64(block.data.ptr)
+    base = ctypes.c_uint64(block.data_ptr())
     bits = ctypes.c_uint64(BF16_ONE)
-    count = ctypes.c_uint64(counter.data.ptr)
+    count = ctypes.c_uint64(counter.data_ptr())
     rows = []
-    for name, dims in (("five dimensions", SHAPE), ("merged to one", (numel,))):
+    for name, dims, per_thread in (("five dimensions", SHAPE, 1), ("merged to one", (numel,), 8)):
         l = layout(dims)
-        rows.append((f"fill_bf16, {name}", gpu_time_us(launcher(fill, [base, l, bits]), reps)))
-        rows.append((f"count_ne_bf16, {name}", gpu_time_us(launcher(count_ne, [base, l, bits, count]), reps)))
-    cupy.cuda.Device().synchronize()
-    wrong = int(counter.get()[0])
+        rows.append((f"fill_bf16, {name}", gpu_time_us(launcher(fill, [base, l, bits], per_thread), reps)))
+        rows.append((f"count_ne_bf16, {name}", gpu_time_us(launcher(count_ne, [base, l, bits, count], per_thread), reps)))
+    torch.cuda.synchronize()
+    wrong = int(counter.item())
     assert wrong == 0, f"count_ne counted {wrong} elements that differ from the fill"
 
     x = torch.empty(SHAPE, dtype=torch.bfloat16, device="cuda")
@@ -119,13 +132,13 @@ def main():
     torch.cuda.synchronize()
 
     print(f"GPU: {torch.cuda.get_device_name()}; one block of {SHAPE} bf16 ({numel * 2 >> 10} KiB), {reps} calls each")
-    print("| kernel | GPU time per call | against PyTorch's |")
-    print("|---|---|---|")
-    for name, us in rows:
+    print("| kernel | one by one | against PyTorch's | in a graph | against PyTorch's |")
+    print("|---|---|---|---|---|")
+    for name, (alone, graphed) in rows:
         theirs = torch_fill if name.startswith("fill") else torch_check
-        print(f"| cuda-mp {name} | {us:.2f} us | {theirs / us:.2f}x |")
-    print(f"| torch fill_ | {torch_fill:.2f} us | |")
-    print(f"| torch wrong += (x != v).sum() | {torch_check:.2f} us | |")
+        print(f"| cuda-mp {name} | {alone:.2f} us | {theirs[0] / alone:.2f}x | {graphed:.2f} us | {theirs[1] / graphed:.2f}x |")
+    print(f"| torch fill_ | {torch_fill[0]:.2f} us | | {torch_fill[1]:.2f} us | |")
+    print(f"| torch wrong += (x != v).sum() | {torch_check[0]:.2f} us | | {torch_check[1]:.2f} us | |")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,54 @@ fn check_dtype<T: Element + PartialEq>(dev: &Arc<Device>, from: impl Fn(i32) -> 
     assert_eq!(counter.to_vec().unwrap(), vec![2, 4], "{name}: count_not_equal on views");
 }
 
+/// Contiguous views are walked 16 bytes at a time, with what lies before the first 16-byte
+/// boundary and after the last whole vector done element by element: slices at every offset
+/// across a vector's width, of lengths around it, fill, add and count exactly their elements.
+fn check_contiguous_slices<T: Element + PartialEq>(dev: &Arc<Device>, from: impl Fn(i32) -> T, add: bool) {
+    let name = T::DTYPE;
+    const LEN: usize = 5000;
+    let start: Vec<T> = (0..LEN as i32).map(|i| from(i % 50)).collect();
+    let t = GpuTensor::<T>::from_vec(dev, &[LEN], start.clone()).unwrap();
+    let counter = GpuTensor::<i64>::zeros(dev, &[1]).unwrap();
+    for offset in 0..=17 {
+        for len in [1, 2, 7, 8, 9, 15, 16, 17, 33, 1000, 4099] {
+            let slice = t.narrow(0, offset, len).unwrap();
+            let inside = |i: usize| (offset..offset + len).contains(&i);
+            slice.fill(from(60)).unwrap();
+            let expect: Vec<T> = (0..LEN).map(|i| if inside(i) { from(60) } else { start[i] }).collect();
+            assert_eq!(t.to_vec().unwrap(), expect, "{name}: fill of {len} from {offset}");
+            // The slice and one element either side.
+            let (lo, hi) = (offset.max(1) - 1, offset + len + 1);
+            counter.fill(0).unwrap();
+            t.narrow(0, lo, hi - lo).unwrap().count_not_equal(from(60), &counter).unwrap();
+            let differing = expect[lo..hi].iter().filter(|&v| *v != from(60)).count() as i64;
+            assert_eq!(counter.to_vec().unwrap(), vec![differing], "{name}: count of {len} from {offset}");
+            if add {
+                slice.add_scalar(3.0).unwrap();
+                let expect: Vec<T> = (0..LEN).map(|i| if inside(i) { from(63) } else { start[i] }).collect();
+                assert_eq!(t.to_vec().unwrap(), expect, "{name}: add of {len} from {offset}");
+            }
+            slice.copy_from(&GpuTensor::from_vec(dev, &[len], start[offset..offset + len].to_vec()).unwrap()).unwrap();
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn contiguous_slices_at_every_alignment() {
+    let dev = gpu();
+    check_contiguous_slices(&dev, |i| i as f32, true);
+    check_contiguous_slices(&dev, |i| i as f64, true);
+    check_contiguous_slices(&dev, |i| f16::from_f32(i as f32), true);
+    check_contiguous_slices(&dev, |i| bf16::from_f32(i as f32), true);
+    check_contiguous_slices(&dev, |i| i as i8, true);
+    check_contiguous_slices(&dev, |i| i as u8, true);
+    check_contiguous_slices(&dev, |i| i as i16, true);
+    check_contiguous_slices(&dev, |i| i, true);
+    check_contiguous_slices(&dev, |i| i as i64, true);
+    check_contiguous_slices(&dev, |i| i % 2 == 1, false);
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn kernels_work_on_every_dtype_and_strided_views() {

@@ -865,6 +865,12 @@ impl KernelLayout {
         k.ndim = ndim as i64;
         Ok(k)
     }
+
+    /// Whether the kernels walk this view 16 bytes at a time (`split_contiguous` in
+    /// kernels.cu): at most one dimension, of stride 1.
+    fn is_contiguous(&self) -> bool {
+        self.ndim == 0 || (self.ndim == 1 && self.strides[0] == 1)
+    }
 }
 
 /// A strided view as a shipped kernel takes it: the base of its allocation and its layout,
@@ -957,6 +963,21 @@ pub(crate) enum KernelArgs {
 }
 
 impl KernelArgs {
+    /// How many elements a thread of the launch takes: fills, adds and counts walk a
+    /// contiguous view a vector of 16 bytes at a time, anything else an element at a time.
+    /// Only the launch's size depends on it: every kernel loops over what its grid does not
+    /// cover.
+    pub(crate) fn elements_per_thread(&self) -> usize {
+        match self {
+            KernelArgs::Fill { view, .. } | KernelArgs::Add { view, .. } | KernelArgs::CountNe { view, .. }
+                if view.layout.is_contiguous() =>
+            {
+                16 / view.dtype.size()
+            }
+            _ => 1,
+        }
+    }
+
     /// The operation, element type and element count these arguments are for; an error when a
     /// copy's two views differ in element type or count.
     pub(crate) fn signature(&self) -> Result<(KernelOp, DType, usize)> {
@@ -1103,6 +1124,31 @@ mod tests {
         let mut bytes = [0u8, 1, 2, 255];
         normalize_bools(&mut bytes);
         assert_eq!(bytes, [0, 1, 1, 1]);
+    }
+
+    #[test]
+    fn contiguous_fills_adds_and_counts_take_a_vector_a_thread() {
+        let mem = DeviceRange::new(0x1000, 16 << 20);
+        let view = |l: &Layout, dtype| KernelView::new(mem, l, dtype).unwrap();
+        let block = Layout::contiguous(&[32, 2, 16, 8, 128]).unwrap();
+        let fill = |l: &Layout, dtype| KernelArgs::Fill { view: view(l, dtype), bits: 0 }.elements_per_thread();
+        assert_eq!(fill(&block, DType::BF16), 8);
+        assert_eq!(fill(&block, DType::U8), 16);
+        assert_eq!(fill(&block, DType::F64), 2);
+        let add = KernelArgs::Add { view: view(&block, DType::F32), value: 1.0 };
+        assert_eq!(add.elements_per_thread(), 4);
+        let count = KernelArgs::CountNe { view: view(&block, DType::I16), bits: 0, count: mem };
+        assert_eq!(count.elements_per_thread(), 8);
+        // A contiguous slice at any offset (the kernel splits off what lies before the first
+        // 16-byte boundary), and a single element.
+        let slice = Layout::new(vec![5, 7], vec![7, 1], 3, 100).unwrap();
+        assert_eq!(fill(&slice, DType::F16), 8);
+        assert_eq!(fill(&Layout::contiguous(&[1]).unwrap(), DType::F16), 8);
+        // Strided views, and copies, an element a thread.
+        assert_eq!(fill(&block.transpose(0, 4).unwrap(), DType::BF16), 1);
+        assert_eq!(fill(&Layout::new(vec![4], vec![2], 0, 8).unwrap(), DType::BF16), 1);
+        let copy = KernelArgs::Copy { dst: view(&block, DType::BF16), src: view(&block, DType::BF16) };
+        assert_eq!(copy.elements_per_thread(), 1);
     }
 
     #[test]

@@ -3,6 +3,7 @@
 // Every kernel walks an arbitrary strided view: a `Layout` carries the
 // view's shape, strides (in elements) and storage offset, so the same
 // kernel serves contiguous tensors, slices, transposes and permutations.
+// Fill, add and count walk a contiguous view 16 bytes at a time.
 //
 // Regenerate the PTX (nvcc 12 or 13) with:
 //   nvcc -ptx -arch=compute_80 -O3 -o kernels.ptx kernels.cu
@@ -44,6 +45,37 @@ __device__ __forceinline__ long long element_offset(const Layout& l, long long l
     return off;
 }
 
+// A contiguous view (at most one dimension, of stride 1: what `KernelLayout::of` makes of
+// every contiguous tensor) split at 16-byte boundaries: `head` elements before the first
+// boundary, `vectors` whole 16-byte vectors, and the elements from `tail` to `numel` after
+// them. One load or store of 16 bytes per thread instead of one per element (a launch has a
+// thread per vector then, `kernels.rs`); a 2-byte fill of 2 MiB took 4096 blocks of single
+// stores. False where the view is strided or its first element is not aligned to its size;
+// the element-wise loop runs then.
+struct Split {
+    long long head;
+    long long vectors;
+    long long tail;
+};
+
+template <typename T> __device__ __forceinline__ bool split_contiguous(const T* base, const Layout& l, Split& s) {
+    if (l.ndim > 1 || (l.ndim == 1 && l.strides[0] != 1)) return false;
+    const unsigned long long addr = (unsigned long long)(base + l.offset);
+    if (addr % sizeof(T) != 0) return false;
+    constexpr long long N = 16 / sizeof(T);
+    long long head = (long long)(((16 - (addr & 15)) & 15) / sizeof(T));
+    if (head > l.numel) head = l.numel;
+    s.head = head;
+    s.vectors = (l.numel - head) / N;
+    s.tail = head + s.vectors * N;
+    return true;
+}
+
+// The index of the `i`-th element outside the vectors of `s` (head first, then the tail).
+__device__ __forceinline__ long long outside_vectors(const Split& s, long long i) {
+    return i < s.head ? i : s.tail + (i - s.head);
+}
+
 template <typename T> __device__ __forceinline__ T from_bits(unsigned long long bits) {
     T value;
     memcpy(&value, &bits, sizeof(T));
@@ -64,10 +96,42 @@ template <> __device__ __forceinline__ __nv_bfloat16 add_scalar<__nv_bfloat16>(_
 
 template <typename T> __device__ void fill_impl(T* base, Layout l, unsigned long long bits) {
     const T value = from_bits<T>(bits);
+    Split s;
+    if (split_contiguous(base, l, s)) {
+        constexpr int N = 16 / sizeof(T);
+        T lanes[N];
+        for (int k = 0; k < N; ++k) lanes[k] = value;
+        uint4 vector;
+        memcpy(&vector, lanes, 16);
+        T* p = base + l.offset;
+        uint4* vectors = reinterpret_cast<uint4*>(p + s.head);
+        GRID_STRIDE_LOOP(i, s.vectors) { vectors[i] = vector; }
+        GRID_STRIDE_LOOP(i, s.head + l.numel - s.tail) { p[outside_vectors(s, i)] = value; }
+        return;
+    }
     GRID_STRIDE_LOOP(i, l.numel) { base[element_offset(l, i)] = value; }
 }
 
 template <typename T> __device__ void add_impl(T* base, Layout l, double v) {
+    Split s;
+    if (split_contiguous(base, l, s)) {
+        constexpr int N = 16 / sizeof(T);
+        T* p = base + l.offset;
+        uint4* vectors = reinterpret_cast<uint4*>(p + s.head);
+        GRID_STRIDE_LOOP(i, s.vectors) {
+            uint4 vector = vectors[i];
+            T lanes[N];
+            memcpy(lanes, &vector, 16);
+            for (int k = 0; k < N; ++k) lanes[k] = add_scalar<T>(lanes[k], v);
+            memcpy(&vector, lanes, 16);
+            vectors[i] = vector;
+        }
+        GRID_STRIDE_LOOP(i, s.head + l.numel - s.tail) {
+            const long long o = outside_vectors(s, i);
+            p[o] = add_scalar<T>(p[o], v);
+        }
+        return;
+    }
     GRID_STRIDE_LOOP(i, l.numel) {
         const long long o = element_offset(l, i);
         base[o] = add_scalar<T>(base[o], v);
@@ -83,6 +147,29 @@ template <typename T> __device__ void copy_impl(T* dst, Layout ld, const T* src,
 template <typename T> __device__ void count_ne_impl(const T* base, Layout l, unsigned long long bits,
                                                     unsigned long long* count) {
     unsigned long long differing = 0;
+    Split s;
+    if (split_contiguous(base, l, s)) {
+        constexpr int N = 16 / sizeof(T);
+        const T* p = base + l.offset;
+        const uint4* vectors = reinterpret_cast<const uint4*>(p + s.head);
+        GRID_STRIDE_LOOP(i, s.vectors) {
+            const uint4 vector = vectors[i];
+            T lanes[N];
+            memcpy(lanes, &vector, 16);
+            for (int k = 0; k < N; ++k) {
+                unsigned long long b = 0;
+                memcpy(&b, &lanes[k], sizeof(T));
+                differing += (b != bits);
+            }
+        }
+        GRID_STRIDE_LOOP(i, s.head + l.numel - s.tail) {
+            unsigned long long b = 0;
+            memcpy(&b, &p[outside_vectors(s, i)], sizeof(T));
+            differing += (b != bits);
+        }
+        if (differing) atomicAdd(count, differing);
+        return;
+    }
     GRID_STRIDE_LOOP(i, l.numel) {
         unsigned long long b = 0;
         memcpy(&b, &base[element_offset(l, i)], sizeof(T));

@@ -24,9 +24,9 @@ const THREADS: u32 = 256;
 /// The most blocks of a launch: the kernels loop over the elements a grid does not cover.
 const MAX_BLOCKS: usize = 1 << 16;
 
-/// Blocks for `numel` elements (at least one).
-fn blocks(numel: usize) -> u32 {
-    numel.div_ceil(THREADS as usize).clamp(1, MAX_BLOCKS) as u32
+/// Blocks for `threads` threads (at least one).
+fn blocks(threads: usize) -> u32 {
+    threads.div_ceil(THREADS as usize).clamp(1, MAX_BLOCKS) as u32
 }
 
 /// The shipped module of one device and the kernels looked up in it so far.
@@ -60,7 +60,7 @@ fn launch(device: &Device, args: KernelArgs) -> Result<()> {
         return Ok(());
     }
     let function = device.kernels()?.function(op, dtype)?;
-    function.launch(device.stream(), blocks(numel), THREADS, &args)
+    function.launch(device.stream(), blocks(numel.div_ceil(args.elements_per_thread())), THREADS, &args)
 }
 
 /// Sets every element of the view `layout` over `alloc` (the storage its offsets count from) to
