@@ -1,5 +1,7 @@
 """torch.multiprocessing programs with ``cuda_mp.torch.install()``, on a GPU machine: ``pytest -m gpu``."""
 
+import contextlib
+
 import pytest
 
 import cuda_mp
@@ -220,6 +222,19 @@ def test_fresh_tensors_are_let_go_as_they_are_sent_not_a_second_later(installed)
     assert max(kept) <= 3, f"storages held for the program after it let go of them: {max(kept)}"
 
 
+@contextlib.contextmanager
+def a_busy_side_stream():
+    """A side stream made current, with about a tenth of a second of GPU time queued on it
+    before what the block queues: a receiver that did not wait for this stream would read the
+    memory as it was before. Checks at the end that the stream was still working."""
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        yield
+        assert not side.query(), "the send came while the side stream still worked"
+
+
 def sum_on_a_side_stream(conn):
     import pickle
 
@@ -241,15 +256,9 @@ def test_a_tensor_pickled_on_a_side_stream_is_read_after_that_streams_work(insta
     p = ctx.Process(target=sum_on_a_side_stream, args=(there,))
     p.start()
     x = torch.zeros(1 << 24, device="cuda")
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        # About a tenth of a second of GPU time before the fill: a receiver that did not wait
-        # for this stream would read zeros.
-        torch.cuda._sleep(200_000_000)
+    with a_busy_side_stream():
         x.fill_(7.0)
         data = bytes(ForkingPickler.dumps(x))
-        assert not side.query(), "the send came while the side stream still worked"
     here.send_bytes(data)
     assert here.poll(120), "the child answers"
     total = here.recv()
@@ -278,16 +287,10 @@ def test_the_tensors_of_a_value_on_a_side_stream_are_read_after_that_streams_wor
     p.start()
     a = torch.zeros(1 << 24, device="cuda")
     b = torch.zeros(1 << 22, device="cuda")
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        # About a tenth of a second of GPU time before the fills: a receiver that did not wait
-        # for this stream would read zeros.
-        torch.cuda._sleep(200_000_000)
+    with a_busy_side_stream():
         a.fill_(3.0)
         b.fill_(5.0)
         q.put({"a": a, "b": b})
-        assert not side.query(), "the put came while the side stream still worked"
     sums = results.get(timeout=120)
     p.join(60)
     assert p.exitcode == 0
