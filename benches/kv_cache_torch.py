@@ -78,6 +78,7 @@ def decode(requests, finished, report):
                 del done
                 finished.put(rid)
     for rid, done in running:
+        wrong += (done[-1] != 512.0).sum()
         del done
         finished.put(rid)
     running.clear()

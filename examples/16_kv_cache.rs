@@ -97,9 +97,20 @@ fn decode_requests((requests, finished, report): (Receiver<Request>, Sender<u32>
     dev.synchronize()?;
     finished.send(warm_up.id)?;
     drop(warm_up);
-    while let Ok(first) = requests.recv() {
-        // A decode step: every request that has arrived.
-        let step = std::iter::once(first).chain(std::iter::from_fn(|| requests.try_recv().ok()));
+    loop {
+        // A decode step: every request that has arrived (none left and no sender: done).
+        let mut step = match requests.recv() {
+            Ok(first) => vec![first],
+            Err(e) if e.is_disconnected() => break,
+            Err(e) => return Err(e.into()),
+        };
+        loop {
+            match requests.try_recv() {
+                Ok(request) => step.push(request),
+                Err(e) if e.is_empty() || e.is_disconnected() => break,
+                Err(e) => return Err(e.into()),
+            }
+        }
         for request in step {
             check(&request, &mut out)?;
             // The next tokens go into a block of this process's own.
@@ -116,6 +127,7 @@ fn decode_requests((requests, finished, report): (Receiver<Request>, Sender<u32>
         }
     }
     for (id, done) in running {
+        done[done.len() - 1].count_not_equal(appended, &wrong)?;
         drop(done);
         finished.send(id)?;
     }

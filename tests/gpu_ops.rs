@@ -49,6 +49,11 @@ fn check_contiguous_slices<T: Element + PartialEq>(dev: &Arc<Device>, from: impl
         for len in [1, 2, 7, 8, 9, 15, 16, 17, 33, 1000, 4099] {
             let slice = t.narrow(0, offset, len).unwrap();
             let inside = |i: usize| (offset..offset + len).contains(&i);
+            // A count over the varied values first: every lane of a vector is looked at.
+            counter.fill(0).unwrap();
+            slice.count_not_equal(from(7), &counter).unwrap();
+            let differing = start[offset..offset + len].iter().filter(|&v| *v != from(7)).count() as i64;
+            assert_eq!(counter.to_vec().unwrap(), vec![differing], "{name}: count of {len} values from {offset}");
             slice.fill(from(60)).unwrap();
             let expect: Vec<T> = (0..LEN).map(|i| if inside(i) { from(60) } else { start[i] }).collect();
             assert_eq!(t.to_vec().unwrap(), expect, "{name}: fill of {len} from {offset}");
