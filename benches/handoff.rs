@@ -180,6 +180,63 @@ impl Timeline {
     }
 }
 
+/// Row e again, traced on one clock: where a round of sends to 8 consumers and their 8
+/// acknowledgements goes (medians over rounds; a consumer's parts are medians over all 8).
+fn trace_fanout(t: &GpuTensor<u8>, rounds: usize, warm: usize) {
+    let cs: Vec<(Sender<GpuTensor<u8>>, Receiver<Trace>, JoinHandle<()>)> = (0..8)
+        .map(|_| {
+            let (tx, rx) = channel().unwrap();
+            let (ack_tx, ack) = channel().unwrap();
+            (tx, ack, spawn((rx, ack_tx), traced_drop_and_ack))
+        })
+        .collect();
+    let us = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1e3;
+    let (mut total, mut sends, mut one_send, mut woken, mut decode, mut work, mut last_ack) =
+        (vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
+    for i in 0..rounds + warm {
+        let start = mono_ns();
+        let mut sent = Vec::with_capacity(8);
+        for (tx, _, _) in &cs {
+            tx.send(t.clone()).unwrap();
+            sent.push(mono_ns());
+        }
+        let traces: Vec<Trace> = cs.iter().map(|(_, ack, _)| ack.recv_timeout(WAIT).unwrap()).collect();
+        let end = mono_ns();
+        if i < warm {
+            continue;
+        }
+        total.push(us(start, end));
+        sends.push(us(start, sent[7]));
+        let mut before = start;
+        for (s, tr) in sent.iter().zip(&traces) {
+            one_send.push(us(before, *s));
+            before = *s;
+            woken.push(us(*s, tr.received_ns));
+            decode.push(tr.decode_us);
+            work.push(us(tr.received_ns, tr.done_ns));
+        }
+        let last_done = traces.iter().map(|tr| tr.done_ns).max().unwrap();
+        last_ack.push(us(last_done, end));
+    }
+    for (tx, _, child) in cs {
+        drop(tx);
+        child.join().unwrap();
+    }
+    let m = |v: Vec<f64>| summarize(v).0;
+    println!(
+        "timeline, e fan-out to 8 (medians, us): total {:.1}; the 8 sends {:.1} (one {:.2}); a consumer: \
+         received {:.1} after its send (decode {:.1}), drop and ack {:.1}; the producer has every ack {:.1} \
+         after the last consumer's",
+        m(total),
+        m(sends),
+        m(one_send),
+        m(woken),
+        m(decode),
+        m(work),
+        m(last_ack)
+    );
+}
+
 /// Sends `value`, waits for the consumer's answer and, when `timeline` is given, lays both
 /// sides of the round on it (one clock); gives the answer.
 fn traced_round<T, A>(
@@ -738,6 +795,7 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, only: Option<&str>, r: &m
             c.finish();
         }
         r.ours.insert("e_fanout8".into(), summarize(us));
+        trace_fanout(&t, rounds, warm);
     }
     // s: fresh tensors, with and without the caching allocator.
     if want("s") {

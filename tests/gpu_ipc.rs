@@ -1166,3 +1166,71 @@ fn a_tensor_received_on_a_channel_exports_by_hand() {
     assert_eq!(reply.recv_timeout(WAIT).unwrap(), Ok(vec![2.5; 8]));
     child.join().unwrap();
 }
+
+/// Fills a 256 MiB tensor 200 times (tens of milliseconds of GPU work) and sends it at once,
+/// then again after a synchronize, then once more after handing its stream out. Reports what
+/// it knew of its stream at each step: idle after the first synchronize, busy after the fills,
+/// idle after the second synchronize, and never known once the stream was handed out.
+fn counted_producer((tx, go, report): (Sender<(GpuTensor<f32>, f32)>, Receiver<()>, Sender<Vec<bool>>)) {
+    let dev = Device::get(0).unwrap();
+    let t = GpuTensor::<f32>::zeros(&dev, &[64 << 20]).unwrap();
+    let mut known = Vec::new();
+    dev.synchronize().unwrap();
+    known.push(cuda_mp::testing::stream_known_idle(&dev));
+    // The receiver has set up CUDA: it receives while the fills run.
+    go.recv().unwrap();
+    for v in 1..=200 {
+        t.fill(v as f32).unwrap();
+    }
+    known.push(cuda_mp::testing::stream_known_idle(&dev));
+    tx.send((t.clone(), 200.0)).unwrap();
+    dev.synchronize().unwrap();
+    known.push(cuda_mp::testing::stream_known_idle(&dev));
+    tx.send((t.clone(), 200.0)).unwrap();
+    let _ = dev.stream();
+    dev.synchronize().unwrap();
+    known.push(cuda_mp::testing::stream_known_idle(&dev));
+    t.fill(7.0).unwrap();
+    tx.send((t.clone(), 7.0)).unwrap();
+    report.send(known).unwrap();
+}
+
+/// For each tensor received: the waits its stream owes right after the receive (1 for fresh
+/// memory whose sender's work was still running), and how many elements differ from the value
+/// sent with it.
+fn owed_then_count((rx, reply): (Receiver<(GpuTensor<f32>, f32)>, Sender<(usize, i64)>)) {
+    let dev = Device::get(0).unwrap();
+    reply.send((0, -1)).unwrap();
+    while let Ok((t, value)) = rx.recv() {
+        let owed = cuda_mp::testing::owed_waits(&dev);
+        let counter = GpuTensor::<i64>::zeros(&dev, &[1]).unwrap();
+        t.count_not_equal(value, &counter).unwrap();
+        reply.send((owed, counter.to_vec().unwrap()[0])).unwrap();
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_send_knows_its_stream_idle_from_its_own_count_until_the_stream_is_handed_out() {
+    let _g = serial();
+    gpu();
+    let (tx, rx) = channel().unwrap();
+    let (reply_tx, reply) = channel().unwrap();
+    let (report_tx, report) = channel().unwrap();
+    let (go, go_rx) = channel().unwrap();
+    let consumer = spawn((rx, reply_tx), owed_then_count);
+    let producer = spawn((tx, go_rx, report_tx), counted_producer);
+    assert_eq!(reply.recv_timeout(WAIT).unwrap(), (0, -1), "the receiver is ready");
+    go.send(()).unwrap();
+    let (owed, wrong) = reply.recv_timeout(WAIT).unwrap();
+    assert_eq!(owed, 1, "the fills were counted: the send carried an event the receiver owes a wait on");
+    assert_eq!(wrong, 0, "the receiver's count ran after the sender's last fill");
+    let (owed, wrong) = reply.recv_timeout(WAIT).unwrap();
+    assert_eq!((owed, wrong), (0, 0), "after a synchronize the send needs no event");
+    let (_, wrong) = reply.recv_timeout(WAIT).unwrap();
+    assert_eq!(wrong, 0, "a send on a stream handed out asks the driver and waits for the fill");
+    let known = report.recv_timeout(WAIT).unwrap();
+    assert_eq!(known, vec![true, false, true, false], "what the producer knew of its stream at each step");
+    producer.join().unwrap();
+    consumer.join().unwrap();
+}

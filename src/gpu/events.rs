@@ -38,8 +38,7 @@ pub(crate) fn record(device: &Device) -> Result<Option<IpcHandle>> {
 /// the stream is idle.
 fn recorded(device: &Device) -> Result<Option<&InterprocessEvent>> {
     // Owed waits are not this process's work: a send records after what it queued itself.
-    let stream = device.unsettled_stream();
-    if driver::stream_is_idle(stream)? {
+    if device.own_work_done()? {
         return Ok(None);
     }
     if EVENTS_FINISHED.load(Ordering::SeqCst) {
@@ -57,7 +56,7 @@ fn recorded(device: &Device) -> Result<Option<&InterprocessEvent>> {
         });
         InterprocessEvent::create(device)
     })?;
-    event.record(stream)?;
+    event.record(device.unsettled_stream())?;
     Ok(Some(event))
 }
 
@@ -73,7 +72,7 @@ extern "C" fn finish_events_at_exit() {
         EVENTS_FINISHED.store(true, Ordering::SeqCst);
         let Some(devices) = super::device::opened_devices() else { return };
         for device in devices.iter().filter(|d| d.ipc_event_cell().get().is_some()) {
-            let _ = device.stream().synchronize();
+            let _ = device.unsettled_stream().synchronize();
         }
         crate::sys::remove_cuda_event_files(std::process::id());
     });
@@ -167,7 +166,7 @@ pub(crate) fn wait(
             return Ok(());
         }
         if when == WaitWhen::Now {
-            return event.wait_on(wait_on.unsettled_stream());
+            return wait_on.enqueue_unsettled(|s| event.wait_on(s));
         }
     }
     let mut owed = OWED.lock().unwrap_or_else(|p| p.into_inner());
@@ -196,7 +195,7 @@ pub(crate) fn settle(device: &Device) -> Result<()> {
         if let Some(event) = events.get(&key) {
             let queued = event
                 .is_complete()
-                .and_then(|done| if done { Ok(()) } else { event.wait_on(device.unsettled_stream()) });
+                .and_then(|done| if done { Ok(()) } else { device.enqueue_unsettled(|s| event.wait_on(s)) });
             if let Err(e) = queued {
                 first_error.get_or_insert(e);
             }
@@ -224,7 +223,7 @@ pub(crate) fn wait_once(device: &Device, handle: &IpcHandle) -> Result<()> {
     if event.is_complete()? {
         return Ok(());
     }
-    event.wait_on(device.unsettled_stream())
+    device.enqueue_unsettled(|s| event.wait_on(s))
 }
 
 /// Makes `stream`, another library's stream of `device`'s context, wait for the work queued on
@@ -268,5 +267,5 @@ pub(crate) unsafe fn wait_for(device: &Device, stream: cudarc::driver::sys::CUst
     unsafe { event.record_raw(stream) }?;
     // Under the lock: a record by another thread between these two would make this wait for
     // that thread's stream instead.
-    event.wait_on(device.unsettled_stream())
+    device.enqueue_unsettled(|s| event.wait_on(s))
 }

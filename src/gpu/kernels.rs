@@ -60,7 +60,7 @@ fn launch(device: &Device, args: KernelArgs) -> Result<()> {
         return Ok(());
     }
     let function = device.kernels()?.function(op, dtype)?;
-    function.launch(device.stream(), blocks(numel.div_ceil(args.elements_per_thread())), THREADS, &args)
+    device.enqueue(|s| function.launch(s, blocks(numel.div_ceil(args.elements_per_thread())), THREADS, &args))
 }
 
 /// Sets every element of the view `layout` over `alloc` (the storage its offsets count from) to

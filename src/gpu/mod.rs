@@ -32,6 +32,13 @@ pub(crate) fn owed_waits(device: &Device) -> usize {
     events::owed(device)
 }
 
+/// Whether this process knows, without asking the driver, that the work on `device`'s stream
+/// is done (nothing counted queued since it was last seen idle, and the stream never handed out).
+#[cfg(any(test, feature = "testing"))]
+pub(crate) fn stream_known_idle(device: &Device) -> bool {
+    device.stream_known_idle()
+}
+
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::layout::Layout;
@@ -59,7 +66,8 @@ impl<T: Element> Tensor<T, GpuStorage> {
     /// ```
     pub fn zeros(device: &Arc<Device>, shape: &[usize]) -> Result<Self> {
         let t = Self::uninit(device, shape)?;
-        driver::memset_d8(device.stream(), t.storage.range()?, 0)?;
+        let range = t.storage.range()?;
+        device.enqueue(|s| driver::memset_d8(s, range, 0))?;
         Ok(t)
     }
 
@@ -113,7 +121,8 @@ impl<T: Element> Tensor<T, GpuStorage> {
         let t = Self::uninit(device, array.shape())?;
         let host: Vec<T> = array.iter().copied().collect();
         // Waits for the copy: `host` is dropped right after.
-        driver::copy_htod(device.stream(), &host, t.storage.range()?)?;
+        let range = t.storage.range()?;
+        device.enqueue(|s| driver::copy_htod(s, &host, range))?;
         Ok(t)
     }
 
@@ -160,7 +169,7 @@ impl<T: Element> Tensor<T, GpuStorage> {
             return Ok(Vec::new());
         }
         let range = self.storage.range()?.sub(first * size, covered * size)?;
-        let covering: Vec<T> = driver::copy_dtoh(self.stream(), range)?;
+        let covering: Vec<T> = self.device().enqueue(|s| driver::copy_dtoh(s, range))?;
         Ok(if self.is_contiguous() {
             // The covering range is the view, in order.
             covering
@@ -269,7 +278,7 @@ impl<T: Element> Tensor<T, GpuStorage> {
             let bytes = self.numel() * size;
             let dst_range = self.storage.range()?.sub(self.offset() * size, bytes)?;
             let src_range = src.storage.range()?.sub(src.offset() * size, bytes)?;
-            driver::copy_peer(self.stream(), dst_range, src.device().context(), src_range)?;
+            self.device().enqueue(|s| driver::copy_peer(s, dst_range, src.device().context(), src_range))?;
             return self.synchronize();
         }
         kernels::copy(self.device(), self.storage.range()?, &self.layout, src.storage.range()?, &src.layout, T::DTYPE)

@@ -328,7 +328,8 @@ impl Communicator {
         }
         let n = nccl()?;
         self.device.bind()?;
-        let stream = self.device.stream().cu_stream() as *mut c_void;
+        // The device's stream, raw for NCCL: each call below is counted as work queued on it.
+        let stream = self.device.unsettled_stream().cu_stream() as *mut c_void;
         let peer = 1 - self.rank;
         let (op, name) = if send { (n.send, "ncclSend") } else { (n.recv, "ncclRecv") };
         for range in ranges.iter().filter(|r| !r.is_empty()) {
@@ -337,6 +338,7 @@ impl Communicator {
             // function waits for it, and on failure the caller aborts before freeing), and the
             // stream is the device's own.
             let code = unsafe { op(range.ptr() as *mut c_void, range.len(), NCCL_UINT8, peer, self.comm, stream) };
+            self.device.queued_work();
             if let Err(e) = n.check(name, code) {
                 self.healthy = false;
                 return Err(e);

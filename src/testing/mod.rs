@@ -255,6 +255,14 @@ pub fn owed_waits(device: &crate::Device) -> usize {
     crate::gpu::owed_waits(device)
 }
 
+/// Whether a send on `device` knows the stream idle without asking the driver: nothing that
+/// cuda-mp queued since the stream was last seen idle, and the stream never handed out
+/// (`Device::stream`), after which only the driver can tell.
+#[cfg(feature = "cuda")]
+pub fn stream_known_idle(device: &crate::Device) -> bool {
+    crate::gpu::stream_known_idle(device)
+}
+
 /// Messages this process received through a sender's ring (shared memory, no system call)
 /// rather than the channel's socket.
 pub fn ring_messages_received() -> u64 {
