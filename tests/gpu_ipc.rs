@@ -1167,26 +1167,47 @@ fn a_tensor_received_on_a_channel_exports_by_hand() {
     child.join().unwrap();
 }
 
-/// Fills a 256 MiB tensor 200 times (tens of milliseconds of GPU work) and sends it at once,
-/// then again after a synchronize, then once more after handing its stream out. Reports what
-/// it knew of its stream at each step: idle after the first synchronize, busy after the fills,
-/// idle after the second synchronize, and never known once the stream was handed out.
-fn counted_producer((tx, go, report): (Sender<(GpuTensor<f32>, f32)>, Receiver<()>, Sender<Vec<bool>>)) {
+/// Holds cuda-mp's stream through work it counts (a wait for a side stream held on a flag),
+/// fills a tensor behind the hold and sends it; releases the hold when told; sends it again
+/// after a synchronize; when told, fills it again and sends it after handing the stream out. Reports what it knew of
+/// its stream at each step: idle after the first synchronize, busy after the fill, idle after
+/// the second synchronize, and never known once the stream was handed out.
+fn counted_producer((tx, release, report): (Sender<(GpuTensor<f32>, f32)>, Receiver<()>, Sender<Vec<bool>>)) {
+    use cudarc::driver::sys;
     let dev = Device::get(0).unwrap();
-    let t = GpuTensor::<f32>::zeros(&dev, &[64 << 20]).unwrap();
+    let t = GpuTensor::<f32>::zeros(&dev, &[1 << 20]).unwrap();
+    let flag = GpuTensor::<i32>::zeros(&dev, &[1]).unwrap();
+    let held = dev.context().new_stream().unwrap();
+    let releaser = dev.context().new_stream().unwrap();
+    // Before the hold, every first that may wait for the device's queued work: the fill
+    // kernel's first launch (its code is loaded then) and the first export with work queued
+    // (this process's interprocess event).
+    t.fill(0.0).unwrap();
+    let warm_up = t.ipc_payload().unwrap();
     let mut known = Vec::new();
     dev.synchronize().unwrap();
+    drop(warm_up);
     known.push(cuda_mp::testing::stream_known_idle(&dev));
-    // The receiver has set up CUDA: it receives while the fills run.
-    go.recv().unwrap();
-    for v in 1..=200 {
-        t.fill(v as f32).unwrap();
+    dev.context().bind_to_thread().unwrap();
+    let geq = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
+    // SAFETY: both streams are live streams of the device's context; the flag is 4 bytes of
+    // device memory that outlive the hold (released below, before the flag is dropped).
+    unsafe {
+        sys::cuStreamWaitValue32_v2(held.cu_stream(), flag.device_ptr(), 1, geq).result().unwrap();
+        dev.wait_for_stream(held.cu_stream()).unwrap();
     }
+    t.fill(5.0).unwrap();
     known.push(cuda_mp::testing::stream_known_idle(&dev));
-    tx.send((t.clone(), 200.0)).unwrap();
+    tx.send((t.clone(), 5.0)).unwrap();
+    release.recv().unwrap();
+    // SAFETY: as above.
+    unsafe { sys::cuStreamWriteValue32_v2(releaser.cu_stream(), flag.device_ptr(), 1, 0).result().unwrap() };
+    releaser.synchronize().unwrap();
     dev.synchronize().unwrap();
     known.push(cuda_mp::testing::stream_known_idle(&dev));
-    tx.send((t.clone(), 200.0)).unwrap();
+    tx.send((t.clone(), 5.0)).unwrap();
+    // The receiver has checked both sends: the tensor may change.
+    release.recv().unwrap();
     let _ = dev.stream();
     dev.synchronize().unwrap();
     known.push(cuda_mp::testing::stream_known_idle(&dev));
@@ -1196,16 +1217,15 @@ fn counted_producer((tx, go, report): (Sender<(GpuTensor<f32>, f32)>, Receiver<(
 }
 
 /// For each tensor received: the waits its stream owes right after the receive (1 for fresh
-/// memory whose sender's work was still running), and how many elements differ from the value
+/// memory whose sender's work was still queued), then how many elements differ from the value
 /// sent with it.
-fn owed_then_count((rx, reply): (Receiver<(GpuTensor<f32>, f32)>, Sender<(usize, i64)>)) {
+fn owed_then_count((rx, reply): (Receiver<(GpuTensor<f32>, f32)>, Sender<i64>)) {
     let dev = Device::get(0).unwrap();
-    reply.send((0, -1)).unwrap();
     while let Ok((t, value)) = rx.recv() {
-        let owed = cuda_mp::testing::owed_waits(&dev);
+        reply.send(cuda_mp::testing::owed_waits(&dev) as i64).unwrap();
         let counter = GpuTensor::<i64>::zeros(&dev, &[1]).unwrap();
         t.count_not_equal(value, &counter).unwrap();
-        reply.send((owed, counter.to_vec().unwrap()[0])).unwrap();
+        reply.send(counter.to_vec().unwrap()[0]).unwrap();
     }
 }
 
@@ -1217,18 +1237,24 @@ fn a_send_knows_its_stream_idle_from_its_own_count_until_the_stream_is_handed_ou
     let (tx, rx) = channel().unwrap();
     let (reply_tx, reply) = channel().unwrap();
     let (report_tx, report) = channel().unwrap();
-    let (go, go_rx) = channel().unwrap();
+    let (release, release_rx) = channel().unwrap();
     let consumer = spawn((rx, reply_tx), owed_then_count);
-    let producer = spawn((tx, go_rx, report_tx), counted_producer);
-    assert_eq!(reply.recv_timeout(WAIT).unwrap(), (0, -1), "the receiver is ready");
-    go.send(()).unwrap();
-    let (owed, wrong) = reply.recv_timeout(WAIT).unwrap();
-    assert_eq!(owed, 1, "the fills were counted: the send carried an event the receiver owes a wait on");
-    assert_eq!(wrong, 0, "the receiver's count ran after the sender's last fill");
-    let (owed, wrong) = reply.recv_timeout(WAIT).unwrap();
-    assert_eq!((owed, wrong), (0, 0), "after a synchronize the send needs no event");
-    let (_, wrong) = reply.recv_timeout(WAIT).unwrap();
-    assert_eq!(wrong, 0, "a send on a stream handed out asks the driver and waits for the fill");
+    let producer = spawn((tx, release_rx, report_tx), counted_producer);
+    let owed = reply.recv_timeout(WAIT).unwrap();
+    assert_eq!(owed, 1, "the held work was counted: the send carried an event the receiver owes a wait on");
+    // A receiver that did not wait would count the tensor's zeros in this time.
+    std::thread::sleep(Duration::from_millis(300));
+    release.send(()).unwrap();
+    assert_eq!(reply.recv_timeout(WAIT).unwrap(), 0, "the receiver's count ran after the sender's fill");
+    assert_eq!(reply.recv_timeout(WAIT).unwrap(), 0, "after a synchronize the send carries no event");
+    assert_eq!(reply.recv_timeout(WAIT).unwrap(), 0);
+    release.send(()).unwrap();
+    reply.recv_timeout(WAIT).unwrap();
+    assert_eq!(
+        reply.recv_timeout(WAIT).unwrap(),
+        0,
+        "a send on a stream handed out asks the driver and orders the receiver after the fill"
+    );
     let known = report.recv_timeout(WAIT).unwrap();
     assert_eq!(known, vec![true, false, true, false], "what the producer knew of its stream at each step");
     producer.join().unwrap();

@@ -5,7 +5,8 @@
 //! to the latest record, which includes everything queued before its own message (never less,
 //! sometimes a little more). It lives as long as the process (its device is never dropped), so
 //! receivers may keep it open; they do, once per (owner, device, handle), for the life of this
-//! process. When the sender's stream is idle nothing is recorded, and when the event has
+//! process. When the sender's stream is idle nothing is recorded (known from the device's own
+//! count of queued work where it can be, `device.rs`), and when the event has
 //! already completed nothing is waited on: neither process then puts a command on the GPU for
 //! the handoff (event records and waits force GPU context switches between processes).
 //!
