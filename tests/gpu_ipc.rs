@@ -1260,3 +1260,87 @@ fn a_send_knows_its_stream_idle_from_its_own_count_until_the_stream_is_handed_ou
     producer.join().unwrap();
     consumer.join().unwrap();
 }
+
+/// Two tensors in one message; serializing it fills the second between the two exports, as a
+/// program's own `Serialize` may queue work: the second must not ride on the first's record.
+struct FilledWhileSent(GpuTensor<f32>, GpuTensor<f32>);
+
+impl Serialize for FilledWhileSent {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::{Error, SerializeTuple};
+        let mut tuple = serializer.serialize_tuple(2)?;
+        tuple.serialize_element(&self.0)?;
+        self.1.fill(6.0).map_err(S::Error::custom)?;
+        tuple.serialize_element(&self.1)?;
+        tuple.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for FilledWhileSent {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let (a, b) = <(GpuTensor<f32>, GpuTensor<f32>)>::deserialize(deserializer)?;
+        Ok(FilledWhileSent(a, b))
+    }
+}
+
+/// Holds its stream through counted work, fills `a` with 5 and sends both tensors (the second
+/// filled with 6 during the send), then releases the hold when told.
+fn fill_while_sending((tx, release): (Sender<FilledWhileSent>, Receiver<()>)) {
+    use cudarc::driver::sys;
+    let dev = Device::get(0).unwrap();
+    let a = GpuTensor::<f32>::zeros(&dev, &[1 << 20]).unwrap();
+    let b = GpuTensor::<f32>::zeros(&dev, &[1 << 20]).unwrap();
+    let flag = GpuTensor::<i32>::zeros(&dev, &[1]).unwrap();
+    let held = dev.context().new_stream().unwrap();
+    let releaser = dev.context().new_stream().unwrap();
+    a.fill(0.0).unwrap();
+    let warm_up = a.ipc_payload().unwrap();
+    dev.synchronize().unwrap();
+    drop(warm_up);
+    dev.context().bind_to_thread().unwrap();
+    let geq = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
+    // SAFETY: as in `counted_producer`.
+    unsafe {
+        sys::cuStreamWaitValue32_v2(held.cu_stream(), flag.device_ptr(), 1, geq).result().unwrap();
+        dev.wait_for_stream(held.cu_stream()).unwrap();
+    }
+    a.fill(5.0).unwrap();
+    tx.send(FilledWhileSent(a.clone(), b.clone())).unwrap();
+    release.recv().unwrap();
+    // SAFETY: as in `counted_producer`.
+    unsafe { sys::cuStreamWriteValue32_v2(releaser.cu_stream(), flag.device_ptr(), 1, 0).result().unwrap() };
+    releaser.synchronize().unwrap();
+    dev.synchronize().unwrap();
+    release.recv().unwrap();
+}
+
+/// Receives the two tensors; answers the waits owed, then how many elements of the first
+/// differ from 5 and of the second from 6.
+fn count_both((rx, reply): (Receiver<FilledWhileSent>, Sender<i64>)) {
+    let dev = Device::get(0).unwrap();
+    let FilledWhileSent(a, b) = rx.recv().unwrap();
+    reply.send(cuda_mp::testing::owed_waits(&dev) as i64).unwrap();
+    let counter = GpuTensor::<i64>::zeros(&dev, &[1]).unwrap();
+    a.count_not_equal(5.0, &counter).unwrap();
+    b.count_not_equal(6.0, &counter).unwrap();
+    reply.send(counter.to_vec().unwrap()[0]).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn work_queued_between_the_tensors_of_one_message_is_waited_for() {
+    let _g = serial();
+    gpu();
+    let (tx, rx) = channel().unwrap();
+    let (reply_tx, reply) = channel().unwrap();
+    let (release, release_rx) = channel().unwrap();
+    let consumer = spawn((rx, reply_tx), count_both);
+    let producer = spawn((tx, release_rx), fill_while_sending);
+    assert_eq!(reply.recv_timeout(WAIT).unwrap(), 1, "the message carried the event, not complete");
+    std::thread::sleep(Duration::from_millis(300));
+    release.send(()).unwrap();
+    assert_eq!(reply.recv_timeout(WAIT).unwrap(), 0, "both fills were done before the receiver's count");
+    release.send(()).unwrap();
+    producer.join().unwrap();
+    consumer.join().unwrap();
+}

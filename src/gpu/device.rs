@@ -131,10 +131,16 @@ impl fmt::Debug for Device {
 /// done: `done` keeps the highest such count. Equal counts mean nothing counted is pending.
 /// Once the stream has been handed out (`Device::stream`), code outside this library may
 /// queue work on it that nobody counts, and only the driver can tell.
+///
+/// `recorded` is one more than the count read before the latest record of the process's
+/// interprocess event: while it is one more than `queued`, that record covers every piece
+/// counted, and the next tensor of a message (or the next send) carries the same record
+/// without asking or recording again.
 #[derive(Default)]
 struct StreamWork {
     queued: AtomicU64,
     done: AtomicU64,
+    recorded: AtomicU64,
     lent: AtomicBool,
 }
 
@@ -142,6 +148,21 @@ impl StreamWork {
     /// True when everything queued on the stream is known to be done.
     fn known_idle(&self) -> bool {
         !self.lent.load(Ordering::SeqCst) && self.done.load(Ordering::SeqCst) == self.queued.load(Ordering::SeqCst)
+    }
+
+    /// True when the event's latest record is known to follow every piece of work counted.
+    fn known_recorded(&self) -> bool {
+        !self.lent.load(Ordering::SeqCst)
+            && self.recorded.load(Ordering::SeqCst) == self.queued.load(Ordering::SeqCst).wrapping_add(1)
+    }
+
+    /// Runs `record` (a record of the event after the stream's work) and remembers what it
+    /// covers: at least every piece counted before it.
+    fn record(&self, record: impl FnOnce() -> Result<()>) -> Result<()> {
+        let counted = self.queued.load(Ordering::SeqCst);
+        record()?;
+        self.recorded.fetch_max(counted.wrapping_add(1), Ordering::SeqCst);
+        Ok(())
     }
 
     /// Asks `is_idle` (the driver) unless the answer is known; remembers an idle answer.
@@ -365,9 +386,22 @@ impl Device {
         self.work.known_idle()
     }
 
+    /// True when the latest record of this process's interprocess event is known to follow
+    /// all the work queued on the stream (nothing counted since, the stream never handed out).
+    pub(crate) fn event_covers_work(&self) -> bool {
+        self.work.known_recorded()
+    }
+
+    /// Records the interprocess event by `record`, remembering the work it covers.
+    pub(crate) fn record_after_work(&self, record: impl FnOnce() -> Result<()>) -> Result<()> {
+        self.work.record(record)
+    }
+
     /// True when the work queued on the stream is done, the owed waits not counted: known
     /// when nothing counted was queued since the stream was last seen idle, else asked.
     pub(crate) fn own_work_done(&self) -> Result<bool> {
+        // A forked child makes no driver call, and gets the same error whether known or asked.
+        driver::check_not_forked()?;
         self.work.idle(|| driver::stream_is_idle(&self.stream))
     }
 
@@ -406,8 +440,10 @@ impl Device {
         self.finish_own_work()
     }
 
-    /// True when the stream has no queued work left (`cuStreamQuery`): another library that
-    /// shares the memory need not wait for this one.
+    /// True when the stream has no queued work left: another library that shares the memory
+    /// need not wait for this one. Known without a driver call while nothing was queued
+    /// through cuda-mp since the stream was last seen idle (and it was never handed out by
+    /// [`stream`](Self::stream)); asked of the driver (`cuStreamQuery`) otherwise.
     ///
     /// ```no_run
     /// let dev = cuda_mp::Device::get(0).unwrap();
@@ -675,6 +711,30 @@ mod tests {
         assert!(ask(&work, true, &mut asked));
         assert!(ask(&work, true, &mut asked));
         assert_eq!(asked, 3);
+    }
+
+    #[test]
+    fn a_record_covers_the_sends_that_follow_until_more_work_is_counted() {
+        let work = StreamWork::default();
+        assert!(!work.known_recorded(), "never recorded");
+        work.queued.fetch_add(1, Ordering::SeqCst);
+        work.record(|| Ok(())).unwrap();
+        assert!(work.known_recorded(), "the record follows the one piece counted");
+        work.queued.fetch_add(1, Ordering::SeqCst);
+        assert!(!work.known_recorded(), "work counted after the record");
+        // Work counted while the record is made: the record may precede it.
+        work.record(|| {
+            work.queued.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        })
+        .unwrap();
+        assert!(!work.known_recorded());
+        assert!(work.record(|| Err(Error::CudaUnavailable("gone".into()))).is_err());
+        assert!(!work.known_recorded(), "a failed record covers nothing");
+        work.record(|| Ok(())).unwrap();
+        assert!(work.known_recorded());
+        work.lent.store(true, Ordering::SeqCst);
+        assert!(!work.known_recorded(), "others' work on a lent stream is not counted");
     }
 
     #[test]

@@ -38,6 +38,15 @@ pub(crate) fn record(device: &Device) -> Result<Option<IpcHandle>> {
 /// The device's interprocess event recorded after the work queued on its stream, or None when
 /// the stream is idle.
 fn recorded(device: &Device) -> Result<Option<&InterprocessEvent>> {
+    // Nothing queued since the latest record (another tensor of the same message, say): that
+    // record covers this send too, unless the work is known done.
+    if !device.stream_known_idle()
+        && device.event_covers_work()
+        && !EVENTS_FINISHED.load(Ordering::SeqCst)
+        && let Some(event) = device.ipc_event_cell().get()
+    {
+        return Ok(Some(event));
+    }
     // Owed waits are not this process's work: a send records after what it queued itself.
     if device.own_work_done()? {
         return Ok(None);
@@ -57,7 +66,7 @@ fn recorded(device: &Device) -> Result<Option<&InterprocessEvent>> {
         });
         InterprocessEvent::create(device)
     })?;
-    event.record(device.unsettled_stream())?;
+    device.record_after_work(|| event.record(device.unsettled_stream()))?;
     Ok(Some(event))
 }
 

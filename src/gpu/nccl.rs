@@ -327,6 +327,9 @@ impl Communicator {
             return Err(Error::Io(std::io::Error::other("the NCCL communicator was aborted after an earlier failure")));
         }
         let n = nccl()?;
+        // Received memory among the ranges must be ready first: the waits the stream owes go
+        // before the transfers (as every use of the stream through cuda-mp).
+        super::events::settle(&self.device)?;
         self.device.bind()?;
         // The device's stream, raw for NCCL: each call below is counted as work queued on it.
         let stream = self.device.unsettled_stream().cu_stream() as *mut c_void;
@@ -343,7 +346,12 @@ impl Communicator {
                 self.healthy = false;
                 return Err(e);
             }
-            self.settle(Waiting::Transfer, deadline, peer_alive)?;
+            // A non-blocking communicator may queue its kernel only while it is settled (a
+            // first connection to the peer, say): counted again once it is, so that no idle
+            // answer from before the kernel is taken for after it.
+            let settled = self.settle(Waiting::Transfer, deadline, peer_alive);
+            self.device.queued_work();
+            settled?;
         }
         let mut spins = 0u32;
         loop {
