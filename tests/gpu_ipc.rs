@@ -1179,9 +1179,9 @@ fn counted_producer((tx, release, report): (Sender<(GpuTensor<f32>, f32)>, Recei
     let flag = GpuTensor::<i32>::zeros(&dev, &[1]).unwrap();
     let held = dev.context().new_stream().unwrap();
     let releaser = dev.context().new_stream().unwrap();
-    // Before the hold, every first that may wait for the device's queued work: the fill
-    // kernel's first launch (its code is loaded then) and the first export with work queued
-    // (this process's interprocess event).
+    // Before the hold, the firsts that may wait for the device's queued work: the fill
+    // kernel's first launch (its code is loaded then) and the first export (the segment's IPC
+    // handle; this process's interprocess event too when the fill is still running).
     t.fill(0.0).unwrap();
     let warm_up = t.ipc_payload().unwrap();
     let mut known = Vec::new();
