@@ -1,7 +1,7 @@
 //! GPU tensors over CUDA IPC, across real processes. These need a CUDA GPU: they are ignored by
 //! a plain `cargo test` and fail with a clear message when run where no GPU is usable.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cuda_mp::{
@@ -1261,15 +1261,21 @@ fn a_send_knows_its_stream_idle_from_its_own_count_until_the_stream_is_handed_ou
     consumer.join().unwrap();
 }
 
-/// Two tensors in one message; serializing it fills the second between the two exports, as a
-/// program's own `Serialize` may queue work: the second must not ride on the first's record.
-struct FilledWhileSent(GpuTensor<f32>, GpuTensor<f32>);
+/// Two tensors in one message; serializing it holds the stream again (behind a second flag)
+/// and fills the second tensor between the two exports, as a program's own `Serialize` may
+/// queue work: the second must not ride on the first's record. The hold travels only on the
+/// sending side.
+struct FilledWhileSent(GpuTensor<f32>, GpuTensor<f32>, Option<Arc<cudarc::driver::CudaStream>>);
 
 impl Serialize for FilledWhileSent {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         use serde::ser::{Error, SerializeTuple};
         let mut tuple = serializer.serialize_tuple(2)?;
         tuple.serialize_element(&self.0)?;
+        if let Some(held) = &self.2 {
+            // SAFETY: a live stream of the device's context.
+            unsafe { self.1.device().wait_for_stream(held.cu_stream()) }.map_err(S::Error::custom)?;
+        }
         self.1.fill(6.0).map_err(S::Error::custom)?;
         tuple.serialize_element(&self.1)?;
         tuple.end()
@@ -1279,19 +1285,21 @@ impl Serialize for FilledWhileSent {
 impl<'de> Deserialize<'de> for FilledWhileSent {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let (a, b) = <(GpuTensor<f32>, GpuTensor<f32>)>::deserialize(deserializer)?;
-        Ok(FilledWhileSent(a, b))
+        Ok(FilledWhileSent(a, b, None))
     }
 }
 
-/// Holds its stream through counted work, fills `a` with 5 and sends both tensors (the second
-/// filled with 6 during the send), then releases the hold when told.
+/// Holds its stream through counted work (a wait for a side stream held until the flag is 1),
+/// fills `a` with 5 and sends both tensors: the send holds the stream again (until the flag is
+/// 2) and fills `b` with 6 between them. Sets the flag to 1, then 2, when told; ends at the
+/// third word.
 fn fill_while_sending((tx, release): (Sender<FilledWhileSent>, Receiver<()>)) {
     use cudarc::driver::sys;
     let dev = Device::get(0).unwrap();
     let a = GpuTensor::<f32>::zeros(&dev, &[1 << 20]).unwrap();
     let b = GpuTensor::<f32>::zeros(&dev, &[1 << 20]).unwrap();
     let flag = GpuTensor::<i32>::zeros(&dev, &[1]).unwrap();
-    let held = dev.context().new_stream().unwrap();
+    let (first, second) = (dev.context().new_stream().unwrap(), dev.context().new_stream().unwrap());
     let releaser = dev.context().new_stream().unwrap();
     a.fill(0.0).unwrap();
     let warm_up = a.ipc_payload().unwrap();
@@ -1299,17 +1307,21 @@ fn fill_while_sending((tx, release): (Sender<FilledWhileSent>, Receiver<()>)) {
     drop(warm_up);
     dev.context().bind_to_thread().unwrap();
     let geq = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
-    // SAFETY: as in `counted_producer`.
+    // SAFETY: as in `counted_producer`; the flag outlives both holds (released below).
     unsafe {
-        sys::cuStreamWaitValue32_v2(held.cu_stream(), flag.device_ptr(), 1, geq).result().unwrap();
-        dev.wait_for_stream(held.cu_stream()).unwrap();
+        sys::cuStreamWaitValue32_v2(first.cu_stream(), flag.device_ptr(), 1, geq).result().unwrap();
+        sys::cuStreamWaitValue32_v2(second.cu_stream(), flag.device_ptr(), 2, geq).result().unwrap();
+        dev.wait_for_stream(first.cu_stream()).unwrap();
     }
     a.fill(5.0).unwrap();
-    tx.send(FilledWhileSent(a.clone(), b.clone())).unwrap();
-    release.recv().unwrap();
-    // SAFETY: as in `counted_producer`.
-    unsafe { sys::cuStreamWriteValue32_v2(releaser.cu_stream(), flag.device_ptr(), 1, 0).result().unwrap() };
-    releaser.synchronize().unwrap();
+    tx.send(FilledWhileSent(a.clone(), b.clone(), Some(second.clone()))).unwrap();
+    for value in [1, 2] {
+        release.recv().unwrap();
+        dev.context().bind_to_thread().unwrap();
+        // SAFETY: as above.
+        unsafe { sys::cuStreamWriteValue32_v2(releaser.cu_stream(), flag.device_ptr(), value, 0).result().unwrap() };
+        releaser.synchronize().unwrap();
+    }
     dev.synchronize().unwrap();
     release.recv().unwrap();
 }
@@ -1318,7 +1330,7 @@ fn fill_while_sending((tx, release): (Sender<FilledWhileSent>, Receiver<()>)) {
 /// differ from 5 and of the second from 6.
 fn count_both((rx, reply): (Receiver<FilledWhileSent>, Sender<i64>)) {
     let dev = Device::get(0).unwrap();
-    let FilledWhileSent(a, b) = rx.recv().unwrap();
+    let FilledWhileSent(a, b, _) = rx.recv().unwrap();
     reply.send(cuda_mp::testing::owed_waits(&dev) as i64).unwrap();
     let counter = GpuTensor::<i64>::zeros(&dev, &[1]).unwrap();
     a.count_not_equal(5.0, &counter).unwrap();
@@ -1337,6 +1349,10 @@ fn work_queued_between_the_tensors_of_one_message_is_waited_for() {
     let consumer = spawn((rx, reply_tx), count_both);
     let producer = spawn((tx, release_rx), fill_while_sending);
     assert_eq!(reply.recv_timeout(WAIT).unwrap(), 1, "the message carried the event, not complete");
+    std::thread::sleep(Duration::from_millis(300));
+    // The first hold ends: `a` is filled, `b` still held. A receiver waiting on a record
+    // before `b`'s fill would count `b`'s zeros in this time.
+    release.send(()).unwrap();
     std::thread::sleep(Duration::from_millis(300));
     release.send(()).unwrap();
     assert_eq!(reply.recv_timeout(WAIT).unwrap(), 0, "both fills were done before the receiver's count");

@@ -38,6 +38,8 @@ pub(crate) fn record(device: &Device) -> Result<Option<IpcHandle>> {
 /// The device's interprocess event recorded after the work queued on its stream, or None when
 /// the stream is idle.
 fn recorded(device: &Device) -> Result<Option<&InterprocessEvent>> {
+    // A forked child inherits the counts too: it is refused here, whatever they say.
+    driver::check_not_forked()?;
     // Nothing queued since the latest record (another tensor of the same message, say): that
     // record covers this send too, unless the work is known done.
     if !device.stream_known_idle()

@@ -328,7 +328,9 @@ impl Communicator {
         }
         let n = nccl()?;
         // Received memory among the ranges must be ready first: the waits the stream owes go
-        // before the transfers (as every use of the stream through cuda-mp).
+        // before the transfers (as every use of the stream through cuda-mp). A wait that
+        // cannot be queued (its sender's context gone) fails this message rather than send
+        // memory that may not be ready.
         super::events::settle(&self.device)?;
         self.device.bind()?;
         // The device's stream, raw for NCCL: each call below is counted as work queued on it.
