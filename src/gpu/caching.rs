@@ -96,11 +96,7 @@ impl ImportedBlock {
     /// claim waits instead of this process's thread.
     /// None when nothing is queued: the drop then waits for nothing either.
     pub(crate) fn fence(&mut self) -> Option<OwnWork> {
-        let device = self.segment.device();
-        if device.stream_known_idle() {
-            return None;
-        }
-        let fence = device.own_work().ok()?;
+        let fence = self.segment.device().own_work().ok()??;
         self.fenced = true;
         Some(fence)
     }

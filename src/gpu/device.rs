@@ -363,9 +363,7 @@ impl Device {
     pub(crate) fn enqueue<R>(&self, queue: impl FnOnce(&CudaStream) -> R) -> R {
         // As `stream()`: a wait that fails is reported by the next driver call.
         let _ = super::events::settle(self);
-        let result = queue(&self.stream);
-        self.queued_work();
-        result
+        self.enqueue_unsettled(queue)
     }
 
     /// As [`enqueue`](Self::enqueue), without first queuing the owed waits: for those waits.
@@ -417,13 +415,8 @@ impl Device {
     pub(crate) fn finish_own_work(&self) -> Result<()> {
         // A forked child makes no driver call: what it inherited is dropped without one.
         super::driver::check_not_forked()?;
-        if self.work.known_idle() {
-            return Ok(());
-        }
-        let counted = self.work.queued.load(Ordering::SeqCst);
-        self.stream.synchronize().map_err(driver_err("cuStreamSynchronize"))?;
-        self.work.done.fetch_max(counted, Ordering::SeqCst);
-        Ok(())
+        // A synchronize that returns is an idle answer: known idle, it is not needed.
+        self.work.idle(|| self.stream.synchronize().map(|()| true).map_err(driver_err("cuStreamSynchronize"))).map(drop)
     }
 
     /// Blocks until the stream's queued work is done.

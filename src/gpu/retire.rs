@@ -78,11 +78,15 @@ pub(crate) struct OwnWork {
 
 impl Device {
     /// A fence after the work this process queued on the stream so far (not the waits it owes
-    /// for received memory: they put no work of ours on it).
-    pub(crate) fn own_work(self: &Arc<Self>) -> Result<OwnWork> {
+    /// for received memory: they put no work of ours on it), or None when that work is known
+    /// done (nothing counted since the stream was last seen idle): nothing to wait behind.
+    pub(crate) fn own_work(self: &Arc<Self>) -> Result<Option<OwnWork>> {
+        if self.stream_known_idle() {
+            return Ok(None);
+        }
         let event = self.spare_event()?;
         event.record(self.unsettled_stream())?;
-        Ok(OwnWork { device: self.clone(), event })
+        Ok(Some(OwnWork { device: self.clone(), event }))
     }
 
     /// An event kept from an earlier fence, or a new one.

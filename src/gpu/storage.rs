@@ -414,11 +414,10 @@ impl StorageKind for GpuKind {
         // unmapped then either, yet the owner may free the storage's memory once released);
         // a mapping's last holder also synchronizes before it unmaps, on the dropping thread.
         match raw {
+            // None where nothing is queued since the stream was last seen idle: released on
+            // this thread at once (the drop's `finish_own_work` then asks nothing either).
             GpuMemory::ImportedBlock(block) => Some(Box::new(block.fence()?)),
-            // Nothing queued since the stream was last seen idle: released on this thread at
-            // once (the drop's `finish_own_work` then asks nothing either).
-            GpuMemory::Imported { mapping, .. } if mapping.device().stream_known_idle() => None,
-            GpuMemory::Imported { mapping, .. } => Some(Box::new(mapping.device().own_work().ok()?)),
+            GpuMemory::Imported { mapping, .. } => Some(Box::new(mapping.device().own_work().ok()??)),
             _ => None,
         }
     }
