@@ -219,6 +219,62 @@ fn dropping_a_received_block_waits_for_nothing_and_its_release_waits_for_the_wor
     child.join().unwrap();
 }
 
+/// Holds its stream through work cuda-mp counts (not handing the stream out), adds 1 to each
+/// of three received blocks and copies it into a tensor of its own, drops two blocks at once,
+/// adds 1 to the third again and drops it; reports the fences its drops recorded; releases the
+/// hold when told, then reports the elements of its copies that are not the sender's 2 + 1.
+fn drop_blocks_under_hold((rx, go, reply): (Receiver<Vec<GpuTensor<f32>>>, Receiver<()>, Sender<u64>)) {
+    let dev = common::gpu();
+    let flag = GpuTensor::<i32>::zeros(&dev, &[1]).unwrap();
+    let mine: Vec<_> = (0..3).map(|_| GpuTensor::<f32>::zeros(&dev, &[1 << 18]).unwrap()).collect();
+    // Each kernel's first launch before the hold (loading it may wait for queued work).
+    mine[0].add_scalar(0.0).unwrap();
+    mine[0].copy_from(&mine[1]).unwrap();
+    let held = common::HeldStream::new(&dev, &flag);
+    let mut blocks = rx.recv().unwrap();
+    dev.synchronize().unwrap();
+    let before = cuda_mp::testing::fences_recorded(&dev);
+    held.hold_counted_until(1);
+    for (block, mine) in blocks.iter().zip(&mine) {
+        block.add_scalar(1.0).unwrap();
+        mine.copy_from(block).unwrap();
+    }
+    let last = blocks.pop().unwrap();
+    drop(blocks); // nothing queued between the two drops: one fence serves both
+    last.add_scalar(1.0).unwrap();
+    drop(last); // work queued since: a fence of its own
+    reply.send(cuda_mp::testing::fences_recorded(&dev) - before).unwrap();
+    go.recv().unwrap();
+    held.release(1);
+    let wrong = mine.iter().map(|t| t.to_vec().unwrap().iter().filter(|&&x| x != 3.0).count() as u64).sum();
+    reply.send(wrong).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn received_blocks_dropped_with_nothing_queued_between_share_one_fence_and_come_back_after_the_work() {
+    let _g = serial();
+    let dev = common::gpu();
+    let (tx, rx) = channel().unwrap();
+    let (go_tx, go) = channel().unwrap();
+    let (reply_tx, reply) = channel().unwrap();
+    let child = spawn((rx, go, reply_tx), drop_blocks_under_hold);
+    let sent: Vec<_> = (0..3).map(|_| GpuTensor::<f32>::full(&dev, &[1 << 18], 2.0).unwrap()).collect();
+    tx.send(sent).unwrap(); // the consumer's claims hold the three blocks
+    let blocks = dev.allocator_stats().blocks;
+    let fences = reply.recv_timeout(WAIT).expect("the consumer's drops return while its stream is held");
+    assert_eq!(fences, 2, "fences recorded by three drops, two of them with nothing queued between");
+    // Were a release sent before the work it follows, its block would be free by now.
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(dev.allocator_stats().blocks, blocks, "a block came back while the consumer's kernels still waited");
+    go_tx.send(()).unwrap();
+    assert_eq!(reply.recv_timeout(WAIT).unwrap(), 0, "elements of the consumer's copies that are not 2 + 1");
+    eventually("the three blocks come back once the consumer's work is done", || {
+        dev.allocator_stats().blocks + 3 == blocks
+    });
+    child.join().unwrap();
+}
+
 /// Receives tensors until the channel closes, checking each against its number and
 /// acknowledging it.
 fn ack_each((rx, ack): (Receiver<(u32, GpuTensor<i32>)>, Sender<u32>)) {

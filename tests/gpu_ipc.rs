@@ -1173,12 +1173,10 @@ fn a_tensor_received_on_a_channel_exports_by_hand() {
 /// its stream at each step: idle after the first synchronize, busy after the fill, idle after
 /// the second synchronize, and never known once the stream was handed out.
 fn counted_producer((tx, release, report): (Sender<(GpuTensor<f32>, f32)>, Receiver<()>, Sender<Vec<bool>>)) {
-    use cudarc::driver::sys;
     let dev = Device::get(0).unwrap();
     let t = GpuTensor::<f32>::zeros(&dev, &[1 << 20]).unwrap();
     let flag = GpuTensor::<i32>::zeros(&dev, &[1]).unwrap();
-    let held = dev.context().new_stream().unwrap();
-    let releaser = dev.context().new_stream().unwrap();
+    let held = common::HeldStream::new(&dev, &flag);
     // Before the hold, the firsts that may wait for the device's queued work: the fill
     // kernel's first launch (its code is loaded then) and the first export (the segment's IPC
     // handle; this process's interprocess event too when the fill is still running).
@@ -1188,21 +1186,12 @@ fn counted_producer((tx, release, report): (Sender<(GpuTensor<f32>, f32)>, Recei
     dev.synchronize().unwrap();
     drop(warm_up);
     known.push(cuda_mp::testing::stream_known_idle(&dev));
-    dev.context().bind_to_thread().unwrap();
-    let geq = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
-    // SAFETY: both streams are live streams of the device's context; the flag is 4 bytes of
-    // device memory that outlive the hold (released below, before the flag is dropped).
-    unsafe {
-        sys::cuStreamWaitValue32_v2(held.cu_stream(), flag.device_ptr(), 1, geq).result().unwrap();
-        dev.wait_for_stream(held.cu_stream()).unwrap();
-    }
+    held.hold_counted_until(1);
     t.fill(5.0).unwrap();
     known.push(cuda_mp::testing::stream_known_idle(&dev));
     tx.send((t.clone(), 5.0)).unwrap();
     release.recv().unwrap();
-    // SAFETY: as above.
-    unsafe { sys::cuStreamWriteValue32_v2(releaser.cu_stream(), flag.device_ptr(), 1, 0).result().unwrap() };
-    releaser.synchronize().unwrap();
+    held.release(1);
     dev.synchronize().unwrap();
     known.push(cuda_mp::testing::stream_known_idle(&dev));
     tx.send((t.clone(), 5.0)).unwrap();
@@ -1294,33 +1283,22 @@ impl<'de> Deserialize<'de> for FilledWhileSent {
 /// 2) and fills `b` with 6 between them. Sets the flag to 1, then 2, when told; ends at the
 /// third word.
 fn fill_while_sending((tx, release): (Sender<FilledWhileSent>, Receiver<()>)) {
-    use cudarc::driver::sys;
     let dev = Device::get(0).unwrap();
     let a = GpuTensor::<f32>::zeros(&dev, &[1 << 20]).unwrap();
     let b = GpuTensor::<f32>::zeros(&dev, &[1 << 20]).unwrap();
     let flag = GpuTensor::<i32>::zeros(&dev, &[1]).unwrap();
-    let (first, second) = (dev.context().new_stream().unwrap(), dev.context().new_stream().unwrap());
-    let releaser = dev.context().new_stream().unwrap();
+    let held = common::HeldStream::new(&dev, &flag);
     a.fill(0.0).unwrap();
     let warm_up = a.ipc_payload().unwrap();
     dev.synchronize().unwrap();
     drop(warm_up);
-    dev.context().bind_to_thread().unwrap();
-    let geq = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
-    // SAFETY: as in `counted_producer`; the flag outlives both holds (released below).
-    unsafe {
-        sys::cuStreamWaitValue32_v2(first.cu_stream(), flag.device_ptr(), 1, geq).result().unwrap();
-        sys::cuStreamWaitValue32_v2(second.cu_stream(), flag.device_ptr(), 2, geq).result().unwrap();
-        dev.wait_for_stream(first.cu_stream()).unwrap();
-    }
+    let second = held.side_held_until(2);
+    held.hold_counted_until(1);
     a.fill(5.0).unwrap();
-    tx.send(FilledWhileSent(a.clone(), b.clone(), Some(second.clone()))).unwrap();
+    tx.send(FilledWhileSent(a.clone(), b.clone(), Some(second))).unwrap();
     for value in [1, 2] {
         release.recv().unwrap();
-        dev.context().bind_to_thread().unwrap();
-        // SAFETY: as above.
-        unsafe { sys::cuStreamWriteValue32_v2(releaser.cu_stream(), flag.device_ptr(), value, 0).result().unwrap() };
-        releaser.synchronize().unwrap();
+        held.release(value);
     }
     dev.synchronize().unwrap();
     release.recv().unwrap();

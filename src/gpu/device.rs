@@ -379,6 +379,13 @@ impl Device {
         self.work.queued.fetch_add(1, Ordering::SeqCst);
     }
 
+    /// The count of work queued on the stream so far, or None once the stream was handed out
+    /// (work queued outside this library is not counted): a record after reading it follows
+    /// every piece of work counted up to it.
+    pub(crate) fn counted_work(&self) -> Option<u64> {
+        (!self.work.lent.load(Ordering::SeqCst)).then(|| self.work.queued.load(Ordering::SeqCst))
+    }
+
     /// True when the stream's work is known done without asking the driver.
     pub(crate) fn stream_known_idle(&self) -> bool {
         self.work.known_idle()

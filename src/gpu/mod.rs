@@ -39,6 +39,12 @@ pub(crate) fn stream_known_idle(device: &Device) -> bool {
     device.stream_known_idle()
 }
 
+/// Fences the drops of received memory recorded on `device` (`testing::fences_recorded`).
+#[cfg(any(test, feature = "testing"))]
+pub(crate) fn fences_recorded(device: &Device) -> u64 {
+    device.fences_recorded()
+}
+
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::layout::Layout;

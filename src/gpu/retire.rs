@@ -10,7 +10,8 @@
 //! in the order they were recorded (the order the stream finishes them; with fences on other
 //! libraries' streams too, `drop_after_stream`, it first takes any of the next few already
 //! passed), and posts each release after its event. A drop then costs one event record; the owner gets the block back
-//! when the work is done, not before.
+//! when the work is done, not before. Drops with nothing counted on the stream between them
+//! (the blocks of one request, say) share one record: it follows the work of each.
 //!
 //! A release waits for the work queued on the stream before the drop, as the synchronizing drop
 //! did; work queued after it is not waited for. If the thread cannot be started, or the event
@@ -32,9 +33,14 @@ const SPARE_EVENTS: usize = 64;
 /// One device's retiring queue (in `Device`).
 #[derive(Default)]
 pub(crate) struct Retirer {
-    queue: Mutex<VecDeque<(BlockingEvent, Close, u64)>>,
+    queue: Mutex<VecDeque<(Arc<BlockingEvent>, Close, u64)>>,
     posted: Condvar,
     spare: Mutex<Vec<BlockingEvent>>,
+    /// The latest fence of `own_work` and the count of work queued (`Device::counted_work`)
+    /// read before its record: while the count is unchanged, it follows all the work counted.
+    latest: Mutex<Option<(u64, Arc<BlockingEvent>)>>,
+    /// Fences `own_work` recorded (a shared one counts once).
+    fences_recorded: std::sync::atomic::AtomicU64,
     started: OnceLock<bool>,
     /// The closes queued and not yet run (`finish_retiring` waits for those queued before it
     /// was called, not for ones queued meanwhile).
@@ -61,7 +67,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Retirer {
-    fn recycle(&self, event: BlockingEvent) {
+    /// Keeps `event` for reuse if this was its last holder (a fence shared by several drops
+    /// is recycled by the last: re-recording it earlier would move the others' fence).
+    fn recycle(&self, event: Arc<BlockingEvent>) {
+        let Some(event) = Arc::into_inner(event) else { return };
         let mut spare = lock(&self.spare);
         if spare.len() < SPARE_EVENTS {
             spare.push(event);
@@ -73,20 +82,48 @@ impl Retirer {
 #[derive(Debug)]
 pub(crate) struct OwnWork {
     device: Arc<Device>,
-    event: BlockingEvent,
+    event: Arc<BlockingEvent>,
 }
 
 impl Device {
     /// A fence after the work this process queued on the stream so far (not the waits it owes
     /// for received memory: they put no work of ours on it), or None when that work is known
     /// done (nothing counted since the stream was last seen idle): nothing to wait behind.
+    /// The latest fence serves again while nothing was counted since its record.
     pub(crate) fn own_work(self: &Arc<Self>) -> Result<Option<OwnWork>> {
+        // A forked child inherits the latest fence, but no retiring thread to wait on it.
+        super::driver::check_not_forked()?;
         if self.stream_known_idle() {
             return Ok(None);
         }
+        let retirer = self.retirer();
+        let mut latest = lock(&retirer.latest);
+        // Read before the record: the work counted by now was queued before it.
+        let counted = self.counted_work();
+        if let (Some(counted), Some((at, event))) = (counted, latest.as_ref())
+            && *at == counted
+        {
+            return Ok(Some(OwnWork { device: self.clone(), event: event.clone() }));
+        }
         let event = self.spare_event()?;
         event.record(self.unsettled_stream())?;
+        retirer.fences_recorded.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let event = Arc::new(event);
+        let previous = match counted {
+            Some(counted) => latest.replace((counted, event.clone())),
+            None => latest.take(),
+        };
+        drop(latest);
+        if let Some((_, previous)) = previous {
+            retirer.recycle(previous);
+        }
         Ok(Some(OwnWork { device: self.clone(), event }))
+    }
+
+    /// Fences [`own_work`](Self::own_work) recorded on this device so far.
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn fences_recorded(&self) -> u64 {
+        self.retirer().fences_recorded.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// An event kept from an earlier fence, or a new one.
@@ -115,7 +152,9 @@ impl Device {
         // SAFETY: upheld by the caller.
         let recorded = self.spare_event().and_then(|event| unsafe { event.record_raw(stream) }.map(|()| event));
         match recorded {
-            Ok(event) => Box::new(OwnWork { device: self.clone(), event }).then(Box::new(move || drop(value))),
+            Ok(event) => {
+                Box::new(OwnWork { device: self.clone(), event: Arc::new(event) }).then(Box::new(move || drop(value)))
+            }
             Err(_) => {
                 // SAFETY: upheld by the caller. An error leaves the context unusable: nothing
                 // queued runs any more, so the value may go.

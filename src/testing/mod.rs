@@ -263,6 +263,14 @@ pub fn stream_known_idle(device: &crate::Device) -> bool {
     crate::gpu::stream_known_idle(device)
 }
 
+/// How many fences the drops of received GPU memory on `device` recorded (after which the
+/// release of each waits on the device's retiring thread); drops with no work counted on the
+/// stream between them share one.
+#[cfg(feature = "cuda")]
+pub fn fences_recorded(device: &crate::Device) -> u64 {
+    crate::gpu::fences_recorded(device)
+}
+
 /// Messages this process received through a sender's ring (shared memory, no system call)
 /// rather than the channel's socket.
 pub fn ring_messages_received() -> u64 {

@@ -240,6 +240,8 @@ pub fn settled_lifetime(wait: Duration) -> cuda_mp::LifetimeStats {
 /// Holds `dev`'s stream (the one cuda-mp queues on) until [`release`] sets the flag to at
 /// least `value`: work queued on it stays unfinished for as long as the test needs. Dropping
 /// the hold releases the stream for good, so that a failing test does not hang in its drops.
+/// `hold_until` queues the wait on the stream handed out by `Device::stream`;
+/// `hold_counted_until` through cuda-mp's own counted work, the stream not handed out.
 #[cfg(feature = "cuda")]
 #[allow(dead_code)] // only the GPU test binaries use it
 pub struct HeldStream<'a> {
@@ -266,6 +268,27 @@ impl<'a> HeldStream<'a> {
         unsafe { sys::cuStreamWaitValue32_v2(self.dev.stream().cu_stream(), self.flag.device_ptr(), value, geq) }
             .result()
             .expect("cuStreamWaitValue32");
+    }
+
+    /// A new stream of the device's context that waits until the flag is at least `value`.
+    pub fn side_held_until(&self, value: u32) -> std::sync::Arc<cudarc::driver::CudaStream> {
+        use cudarc::driver::sys;
+        let side = self.dev.context().new_stream().unwrap();
+        let geq = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
+        // SAFETY: as in `hold_until`; the stream is live (returned to the caller).
+        unsafe { sys::cuStreamWaitValue32_v2(side.cu_stream(), self.flag.device_ptr(), value, geq) }
+            .result()
+            .expect("cuStreamWaitValue32");
+        side
+    }
+
+    /// Holds the device's stream until the flag is at least `value` through work cuda-mp
+    /// counts (a wait for a side stream held so), without handing the stream out as
+    /// `hold_until` does: the device still knows its stream's work from its own count.
+    pub fn hold_counted_until(&self, value: u32) {
+        let side = self.side_held_until(value);
+        // SAFETY: the side stream is a live stream of the device's context.
+        unsafe { self.dev.wait_for_stream(side.cu_stream()) }.unwrap();
     }
 
     pub fn release(&self, value: u32) {
