@@ -1250,6 +1250,34 @@ fn a_send_knows_its_stream_idle_from_its_own_count_until_the_stream_is_handed_ou
     consumer.join().unwrap();
 }
 
+/// What a fresh process knows of its stream after each step: a fill, a copy from the host
+/// (which waits for the stream), a fill, a copy to the host (which waits too).
+fn known_after_copies(_: ()) -> Vec<bool> {
+    let dev = Device::get(0).unwrap();
+    let t = GpuTensor::<f32>::zeros(&dev, &[1 << 20]).unwrap();
+    let mut known = Vec::new();
+    t.fill(1.0).unwrap();
+    known.push(cuda_mp::testing::stream_known_idle(&dev));
+    let small = GpuTensor::from_vec(&dev, &[4], vec![3f32; 4]).unwrap();
+    known.push(cuda_mp::testing::stream_known_idle(&dev));
+    t.fill(2.0).unwrap();
+    known.push(cuda_mp::testing::stream_known_idle(&dev));
+    let values = t.to_vec().unwrap();
+    known.push(cuda_mp::testing::stream_known_idle(&dev));
+    assert!(values.iter().all(|&x| x == 2.0), "the copy to the host came after the fill");
+    assert_eq!(small.to_vec().unwrap(), vec![3.0; 4]);
+    known
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_copy_to_or_from_the_host_leaves_the_stream_known_idle() {
+    let _g = serial();
+    gpu();
+    let known = spawn((), known_after_copies).join().unwrap();
+    assert_eq!(known, vec![false, true, false, true], "known idle after each step: fill, copy in, fill, copy out");
+}
+
 /// Two tensors in one message; serializing it holds the stream again (behind a second flag)
 /// and fills the second tensor between the two exports, as a program's own `Serialize` may
 /// queue work: the second must not ride on the first's record. The hold travels only on the

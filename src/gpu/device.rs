@@ -165,6 +165,17 @@ impl StreamWork {
         Ok(())
     }
 
+    /// Runs `queue_and_wait` (work queued on the stream, then waited for) and counts it; once
+    /// it succeeded, that work and every piece counted before it (queued before it) are done.
+    fn synchronized<R>(&self, queue_and_wait: impl FnOnce() -> Result<R>) -> Result<R> {
+        let counted = self.queued.load(Ordering::SeqCst);
+        let result = queue_and_wait();
+        self.queued.fetch_add(1, Ordering::SeqCst);
+        let result = result?;
+        self.done.fetch_max(counted.wrapping_add(1), Ordering::SeqCst);
+        Ok(result)
+    }
+
     /// Asks `is_idle` (the driver) unless the answer is known; remembers an idle answer.
     fn idle(&self, is_idle: impl FnOnce() -> Result<bool>) -> Result<bool> {
         if self.known_idle() {
@@ -364,6 +375,15 @@ impl Device {
         // As `stream()`: a wait that fails is reported by the next driver call.
         let _ = super::events::settle(self);
         self.enqueue_unsettled(queue)
+    }
+
+    /// As [`enqueue`](Self::enqueue) for `queue` that also waits for the stream (a synchronous
+    /// copy): once it succeeds, its work and the work counted before it are known done, so
+    /// that the next send need not ask the driver.
+    pub(crate) fn enqueue_synchronized<R>(&self, queue: impl FnOnce(&CudaStream) -> Result<R>) -> Result<R> {
+        // As `enqueue`: a wait that fails is reported by the next driver call.
+        let _ = super::events::settle(self);
+        self.work.synchronized(|| queue(&self.stream))
     }
 
     /// As [`enqueue`](Self::enqueue), without first queuing the owed waits: for those waits.
@@ -700,6 +720,27 @@ mod tests {
         assert!(idle);
         assert!(!work.known_idle(), "the work counted during the question may still run");
         assert_eq!(work.done.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_synchronous_copy_leaves_the_stream_known_idle_unless_more_work_was_counted_meanwhile() {
+        let work = StreamWork::default();
+        work.queued.fetch_add(2, Ordering::SeqCst);
+        work.synchronized(|| Ok(())).unwrap();
+        assert!(work.known_idle(), "the copy waited for the two pieces before it, and for itself");
+        work.queued.fetch_add(1, Ordering::SeqCst);
+        let failed = work.synchronized(|| Err::<(), _>(Error::Unsupported("a failed copy".into())));
+        assert!(failed.is_err());
+        assert!(!work.known_idle(), "a failed copy proves nothing done");
+        // Another thread counts work while the copy runs: the copy need not have waited for it.
+        work.synchronized(|| {
+            work.queued.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        })
+        .unwrap();
+        assert!(!work.known_idle(), "work counted during the copy may still run");
+        assert_eq!(work.done.load(Ordering::SeqCst), 6, "the five pieces before the copy, and the copy");
+        assert_eq!(work.queued.load(Ordering::SeqCst), 7);
     }
 
     #[test]

@@ -128,7 +128,7 @@ impl<T: Element> Tensor<T, GpuStorage> {
         let host: Vec<T> = array.iter().copied().collect();
         // Waits for the copy: `host` is dropped right after.
         let range = t.storage.range()?;
-        device.enqueue(|s| driver::copy_htod(s, &host, range))?;
+        device.enqueue_synchronized(|s| driver::copy_htod(s, &host, range))?;
         Ok(t)
     }
 
@@ -175,7 +175,7 @@ impl<T: Element> Tensor<T, GpuStorage> {
             return Ok(Vec::new());
         }
         let range = self.storage.range()?.sub(first * size, covered * size)?;
-        let covering: Vec<T> = self.device().enqueue(|s| driver::copy_dtoh(s, range))?;
+        let covering: Vec<T> = self.device().enqueue_synchronized(|s| driver::copy_dtoh(s, range))?;
         Ok(if self.is_contiguous() {
             // The covering range is the view, in order.
             covering
