@@ -1251,7 +1251,8 @@ fn a_send_knows_its_stream_idle_from_its_own_count_until_the_stream_is_handed_ou
 }
 
 /// What a fresh process knows of its stream after each step: a fill, a copy from the host
-/// (which waits for the stream), a fill, a copy to the host (which waits too).
+/// (which waits for the stream), a fill, a copy to the host (which waits too), a fill, an
+/// empty copy from the host (which waits all the same).
 fn known_after_copies(_: ()) -> Vec<bool> {
     let dev = Device::get(0).unwrap();
     let t = GpuTensor::<f32>::zeros(&dev, &[1 << 20]).unwrap();
@@ -1266,6 +1267,18 @@ fn known_after_copies(_: ()) -> Vec<bool> {
     known.push(cuda_mp::testing::stream_known_idle(&dev));
     assert!(values.iter().all(|&x| x == 2.0), "the copy to the host came after the fill");
     assert_eq!(small.to_vec().unwrap(), vec![3.0; 4]);
+    // An empty copy waits for the stream too: what it marks done is done.
+    t.fill(4.0).unwrap();
+    known.push(cuda_mp::testing::stream_known_idle(&dev));
+    let empty = GpuTensor::<f32>::from_vec(&dev, &[0], Vec::new()).unwrap();
+    known.push(cuda_mp::testing::stream_known_idle(&dev));
+    // The driver agrees (asked last: handing the stream out ends the count's use).
+    use cudarc::driver::sys;
+    dev.context().bind_to_thread().unwrap();
+    // SAFETY: the device's live stream, its context current.
+    let query = unsafe { sys::cuStreamQuery(dev.stream().cu_stream()) };
+    assert_eq!(query, sys::CUresult::CUDA_SUCCESS, "the stream known idle after the empty copy is idle");
+    drop(empty);
     known
 }
 
@@ -1275,7 +1288,11 @@ fn a_copy_to_or_from_the_host_leaves_the_stream_known_idle() {
     let _g = serial();
     gpu();
     let known = spawn((), known_after_copies).join().unwrap();
-    assert_eq!(known, vec![false, true, false, true], "known idle after each step: fill, copy in, fill, copy out");
+    assert_eq!(
+        known,
+        vec![false, true, false, true, false, true],
+        "known idle after each step: fill, copy in, fill, copy out, fill, empty copy in"
+    );
 }
 
 /// Two tensors in one message; serializing it holds the stream again (behind a second flag)

@@ -128,7 +128,9 @@ impl fmt::Debug for Device {
 /// Every piece of work this library queues on the stream is counted right after it is queued
 /// (`Device::enqueue`, `Device::queued_work`), before anything asks whether the stream is
 /// idle. When the driver says the stream is idle, every piece counted before the question is
-/// done: `done` keeps the highest such count. Equal counts mean nothing counted is pending.
+/// done: `done` keeps the highest such count; a synchronous copy that returned marks the
+/// pieces counted before it and itself (`Device::enqueue_synchronized`). Equal counts mean
+/// nothing counted is pending.
 /// Once the stream has been handed out (`Device::stream`), code outside this library may
 /// queue work on it that nobody counts, and only the driver can tell.
 ///
@@ -379,7 +381,8 @@ impl Device {
 
     /// As [`enqueue`](Self::enqueue) for `queue` that also waits for the stream (a synchronous
     /// copy): once it succeeds, its work and the work counted before it are known done, so
-    /// that the next send need not ask the driver.
+    /// that the next send need not ask the driver. Every `Ok` of `queue` must follow a wait for
+    /// the stream, an empty copy's too.
     pub(crate) fn enqueue_synchronized<R>(&self, queue: impl FnOnce(&CudaStream) -> Result<R>) -> Result<R> {
         // As `enqueue`: a wait that fails is reported by the next driver call.
         let _ = super::events::settle(self);

@@ -644,14 +644,15 @@ pub(crate) fn memset_d8(stream: &CudaStream, dst: DeviceRange, value: u8) -> Res
 }
 
 /// Copies `src` into `dst` (exactly its length) after the work queued on `stream`, and waits
-/// for the copy.
+/// for the copy: for the stream, even when there is nothing to copy (a caller takes a return
+/// as the stream's work done, `Device::enqueue_synchronized`).
 pub(crate) fn copy_htod<T: Element>(stream: &CudaStream, src: &[T], dst: DeviceRange) -> Result<()> {
     let bytes = std::mem::size_of_val(src);
     check_same_len("a copy", bytes, &dst)?;
-    if bytes == 0 {
-        return Ok(());
-    }
     bind(stream.context())?;
+    if bytes == 0 {
+        return stream.synchronize().map_err(driver_err("cuStreamSynchronize"));
+    }
     // SAFETY: the context is current and the stream live; `src` is `bytes` readable bytes (every
     // element type is plain data without padding) and stays borrowed until the stream is
     // synchronized below; `dst` is memory the caller holds, exactly `bytes` long.
@@ -710,16 +711,18 @@ fn element_count<T>(bytes: usize) -> Result<usize> {
 }
 
 /// Copies `src` to a new host vector after the work queued on `stream`, straight into the
-/// vector's memory (one copy), and waits for it. `bool` bytes are normalized to 0 or 1.
+/// vector's memory (one copy), and waits for it (for the stream, even when there is nothing
+/// to copy, as `copy_htod`). `bool` bytes are normalized to 0 or 1.
 pub(crate) fn copy_dtoh<T: Element>(stream: &CudaStream, src: DeviceRange) -> Result<Vec<T>> {
     let repr =
         host_repr::<T>().ok_or_else(|| Error::Unsupported(format!("copying {} elements to the host", T::DTYPE)))?;
     let n = element_count::<T>(src.len)?;
     let mut out: Vec<T> = Vec::with_capacity(n);
+    bind(stream.context())?;
     if n == 0 {
+        stream.synchronize().map_err(driver_err("cuStreamSynchronize"))?;
         return Ok(out);
     }
-    bind(stream.context())?;
     let dst = out.as_mut_ptr() as *mut c_void;
     // SAFETY: the context is current and the stream live; `dst` is the vector's buffer, with
     // room for `n` elements = `src.len` bytes, and it is not freed or moved before the copy

@@ -9,7 +9,7 @@
 //! release of its claim to the device's retiring thread, which waits for the events asleep,
 //! in the order they were recorded (the order the stream finishes them; with fences on other
 //! libraries' streams too, `drop_after_stream`, it first takes any of the next few already
-//! passed), and posts each release after its event. A drop then costs one event record; the owner gets the block back
+//! passed), and posts each release after its event. A drop then costs one event record at most; the owner gets the block back
 //! when the work is done, not before. Drops with nothing counted on the stream between them
 //! (the blocks of one request, say) share one record: it follows the work of each.
 //!
@@ -97,6 +97,8 @@ impl Device {
             return Ok(None);
         }
         let retirer = self.retirer();
+        // Held across the record: a count read and the fence recorded after it are stored
+        // together, whatever other threads drop meanwhile (they wait one record at most).
         let mut latest = lock(&retirer.latest);
         // Read before the record: the work counted by now was queued before it.
         let counted = self.counted_work();
