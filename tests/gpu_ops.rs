@@ -129,3 +129,51 @@ fn shape_mismatch_and_empty_tensors() {
     e.add_scalar(1.0).unwrap();
     assert!(e.to_vec().unwrap().is_empty());
 }
+
+/// A launch has at most 65,536 blocks of 256 threads (16.7 M threads): a larger view makes each
+/// thread loop over the grid. A 384 MiB f32 tensor (1.5 grids at four elements a thread, the
+/// 16-byte path), the view of it from its second element (its head element by element, the
+/// rest 16 bytes at a time), every other element of it (strided: one a thread, 2.9 grids), and
+/// 300 MiB of u8 (16 a thread, 1.2 grids) are filled, added to, counted and copied to the last
+/// element; each result is read back through the copy engine, not the kernels.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn kernels_cover_views_larger_than_one_grid() {
+    let dev = gpu();
+    const N: usize = 96 << 20;
+    let t = GpuTensor::<f32>::zeros(&dev, &[N]).unwrap();
+    let counter = GpuTensor::<i64>::zeros(&dev, &[1]).unwrap();
+    let first_not = |host: &[f32], from: usize, value: f32| host[from..].iter().position(|&x| x != value);
+    t.fill(1.0).unwrap();
+    t.add_scalar(2.0).unwrap();
+    assert_eq!(first_not(&t.to_vec().unwrap(), 0, 3.0), None, "fill and add over the whole tensor");
+    t.count_not_equal(3.0, &counter).unwrap();
+    assert_eq!(counter.to_vec().unwrap(), vec![0]);
+    let unaligned = t.narrow(0, 1, N - 1).unwrap();
+    unaligned.fill(5.0).unwrap();
+    let host = t.to_vec().unwrap();
+    assert_eq!((host[0], first_not(&host, 1, 5.0)), (3.0, None), "a fill from the second element");
+    counter.fill(0).unwrap();
+    t.count_not_equal(5.0, &counter).unwrap();
+    unaligned.count_not_equal(5.0, &counter).unwrap();
+    assert_eq!(counter.to_vec().unwrap(), vec![1], "counts over the whole tensor and from its second element");
+    let odd = t.reshape(&[N / 2, 2]).unwrap().narrow(1, 1, 1).unwrap();
+    odd.add_scalar(1.0).unwrap();
+    let host = t.to_vec().unwrap();
+    let wrong = (1..N).find(|&i| host[i] != if i % 2 == 1 { 6.0 } else { 5.0 });
+    assert_eq!((host[0], wrong), (3.0, None), "an add over every other element");
+    counter.fill(0).unwrap();
+    odd.count_not_equal(6.0, &counter).unwrap();
+    assert_eq!(counter.to_vec().unwrap(), vec![0], "a count over every other element");
+    let copy = GpuTensor::<f32>::zeros(&dev, &[N / 2, 1]).unwrap();
+    copy.copy_from(&odd).unwrap();
+    assert_eq!(first_not(&copy.to_vec().unwrap(), 0, 6.0), None, "a copy of every other element");
+    drop((t, copy));
+    let bytes = GpuTensor::<u8>::zeros(&dev, &[300 << 20]).unwrap();
+    bytes.fill(7).unwrap();
+    bytes.add_scalar(1.0).unwrap();
+    assert_eq!(bytes.to_vec().unwrap().iter().position(|&x| x != 8), None, "fill and add over 300 MiB of u8");
+    counter.fill(0).unwrap();
+    bytes.count_not_equal(8, &counter).unwrap();
+    assert_eq!(counter.to_vec().unwrap(), vec![0]);
+}
