@@ -221,9 +221,12 @@ fn a_message_lost_for_want_of_descriptors_does_not_hold_up_its_senders_later_one
 }
 
 /// A bounded channel of one place, full with a message that carries a descriptor, read while
-/// the receiver can take none: the lost message's place is free again.
+/// the receiver can take none: the lost message's place is free again. (A first message
+/// introduces the sender's ring, whose frame carries descriptors of its own.)
 fn a_lost_message_on_a_full_bounded_channel(_: ()) -> Vec<String> {
     let (tx, rx) = cuda_mp::bounded::<Carrying>(1).unwrap();
+    tx.send(Carrying::Number(0)).unwrap();
+    rx.recv_timeout(WAIT).unwrap();
     tx.send(null_file()).unwrap();
     let first = {
         let _no_room = NoRoom::now();

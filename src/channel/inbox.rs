@@ -371,7 +371,7 @@ impl Inbox {
                     looks = 0;
                     continue;
                 }
-                self.read_everything();
+                self.read_everything(gauge);
                 return Err(Missing::Empty);
             }
             // Announced before the last look: a ring written after it wakes the socket.
@@ -380,7 +380,7 @@ impl Inbox {
             if let Some(got) = self.look(gauge, true) {
                 return got;
             }
-            self.read_everything();
+            self.read_everything(gauge);
             let socket = self.spill.clone().unwrap_or_else(|| self.main.clone());
             let ready = crate::sys::wait_readable(&[socket.as_fd()], wait)
                 .map_err(|e| Missing::Failed(RecvError::Io(IoFailure::from(e))))?;
@@ -394,12 +394,22 @@ impl Inbox {
 
     /// A look that asked the kernel found nothing (or the end of the channel): when nothing waits
     /// in the stash, a ring or a batch either, every message of a sender that is gone has been
-    /// read: the segments it introduced can go, and so can the rings of writers gone.
-    fn read_everything(&mut self) {
+    /// read: the segments it introduced can go, and so can the rings of writers gone. Such a
+    /// writer's messages that never came (its backlog, lost with it) give their places on a
+    /// bounded channel back, unless a batch was lost for want of descriptors (`gaps`): its
+    /// places were given back already, and its messages' numbers are unknown.
+    fn read_everything(&mut self, gauge: &Gauge) {
         if self.nothing_waits_here() {
             self.leases.segments().forget_gone(self.told_gone);
-            // Writer gone first, entries after: an entry written as it went is not lost.
-            self.rings.retain(|r| !r.writer_gone() || r.has_entries());
+            let gaps = self.gaps;
+            self.rings.retain(|r| {
+                // Writer gone first, entries after: an entry written as it went is not lost.
+                let gone = r.writer_gone() && !r.has_entries();
+                if gone && !gaps {
+                    gauge.free_places(r.never_delivered());
+                }
+                !gone
+            });
         }
     }
 
@@ -538,8 +548,9 @@ impl Inbox {
                 Look::Again
             }
             Ok(Incoming::Ring(ring)) => {
-                // Rings whose writers are gone, read to their end, go first.
-                self.rings.retain(|r| !r.writer_gone() || r.has_entries());
+                // Rings whose writers are gone, read to their end, go first (those whose lost
+                // messages' places are still to give back stay until nothing is left to read).
+                self.rings.retain(|r| !r.writer_gone() || r.has_entries() || r.never_delivered() > 0);
                 if self.rings.len() < ring::MAX_RINGS {
                     ring.accept();
                     self.rings.push(ring);
@@ -691,7 +702,7 @@ impl Inbox {
                 return self.pop_ring(gauge, i);
             }
         }
-        self.read_everything();
+        self.read_everything(gauge);
         Err(Missing::Failed(RecvError::Disconnected))
     }
 
@@ -748,6 +759,7 @@ mod tests {
     fn a_ring_is_not_dropped_with_an_entry_its_writer_wrote_as_it_went() {
         let mut lost = 0;
         let mut hits = 0;
+        let gauge = Gauge::new(0, 1 << 20).unwrap();
         for _ in 0..5_000 {
             let (main, _peer) = Socket::pair().unwrap();
             let mut inbox = Inbox::new(Arc::new(main), Arc::new(ConnectionLeases::default()));
@@ -767,10 +779,10 @@ mod tests {
             };
             go.wait();
             while !w.is_finished() {
-                inbox.read_everything();
+                inbox.read_everything(&gauge);
             }
             w.join().unwrap();
-            inbox.read_everything();
+            inbox.read_everything(&gauge);
             if inbox.rings.is_empty() {
                 lost += 1;
             } else {
@@ -779,5 +791,42 @@ mod tests {
             drop(keep);
         }
         assert_eq!(lost, 0, "rings dropped with an unread entry ({hits} kept)");
+    }
+
+    /// A writer numbers five messages on a bounded channel of capacity 8 (taking a place each)
+    /// and dies: the receiver got the first two (from the ring), the other three (its backlog)
+    /// never come. Once nothing is left to read, their places come back, and only theirs; not
+    /// while the writer lives, and not where a batch was lost for want of descriptors (its
+    /// places came back then).
+    #[test]
+    fn a_dead_writers_messages_that_never_came_give_their_places_back() {
+        for gaps in [false, true] {
+            let gauge = Gauge::new(8, 1 << 20).unwrap();
+            let (main, _peer) = Socket::pair().unwrap();
+            let mut inbox = Inbox::new(Arc::new(main), Arc::new(ConnectionLeases::default()));
+            inbox.gaps = gaps;
+            let (mut writer, intro) = ring::RingWriter::new().unwrap();
+            let reader = RingReader::adopt(intro.memory.as_fd().try_clone_to_owned().unwrap(), intro.alive).unwrap();
+            reader.accept();
+            inbox.rings.push(reader);
+            for _ in 0..5 {
+                gauge.take_place(Some(None), || false).unwrap();
+            }
+            assert!(writer.push(b"one") && writer.push(b"two"));
+            for _ in 0..3 {
+                writer.sent(); // spilled to a backlog the receiver never sees
+            }
+            for _ in 0..2 {
+                // Taken from the ring (bytes that are not a message: malformed, but taken).
+                let _ = inbox.next_of_rings::<u32>(&gauge).expect("a ring entry");
+            }
+            assert_eq!(gauge.free(), 3 + 2, "the two received gave theirs back");
+            inbox.read_everything(&gauge);
+            assert_eq!(gauge.free(), 5, "the writer lives: its messages may still come");
+            drop(writer);
+            inbox.read_everything(&gauge);
+            assert!(inbox.rings.is_empty(), "the gone writer's empty ring is dropped");
+            assert_eq!(gauge.free(), if gaps { 5 } else { 8 }, "the three lost messages' places (gaps: {gaps})");
+        }
     }
 }

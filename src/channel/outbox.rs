@@ -341,6 +341,12 @@ impl Outbox {
         if backlog.disconnected {
             return Err(SendFailure::Disconnected);
         }
+        // On a bounded channel this process numbers its messages from its first one (its ring
+        // made at once, not after a few small messages): were it to die with messages in its
+        // backlog, the receiver gives their places back by the numbers it never got.
+        if backlog.ring.is_none() && backlog.is_empty() && self.gauge.capacity().is_some() {
+            backlog.ring = self.open_ring();
+        }
         // Once this process has a ring on the channel, its frames carry their place among its
         // messages, so that the receiver puts them in order with the ring's.
         let order = backlog.ring.as_ref().map(RingWriter::order);

@@ -8,6 +8,7 @@
 //! | 0..8 | magic `"CMRING03"` |
 //! | 8..16 | the ring's id (random): ordered frames of its writer name it |
 //! | 64..72 | `tail`: bytes of entries the writer has written (wrapping), written by the writer |
+//! | 72..80 | `numbered`: the number of the writer's next message (ring or socket), written by the writer |
 //! | 128..136 | `head`: bytes of entries the reader has read, written by the reader |
 //! | 136..144 | `next`: the number of the writer's next message to deliver, written by the reader |
 //! | 144..152 | `state`: 0 introduced, 1 adopted, 2 refused; written by the reader |
@@ -43,6 +44,7 @@ const MAGIC: u64 = u64::from_le_bytes(*b"CMRING03");
 const MAGIC_AT: usize = 0;
 const ID_AT: usize = 8;
 const TAIL_AT: usize = 64;
+const NUMBERED_AT: usize = 72;
 const HEAD_AT: usize = 128;
 const NEXT_AT: usize = 136;
 const STATE_AT: usize = 144;
@@ -155,9 +157,17 @@ impl RingWriter {
         Order { ring: self.id, number: self.next }
     }
 
-    /// A message with the place [`order`](Self::order) gave was sent on the socket.
+    /// A message with the place [`order`](Self::order) gave was sent on the socket (or
+    /// spilled to the backlog).
     pub(super) fn sent(&mut self) {
         self.next += 1;
+        self.publish_numbered();
+    }
+
+    /// Says in the ring how many messages this process numbered: if it dies, the receiver
+    /// gives back the places on a bounded channel of those it never got (its backlog).
+    fn publish_numbered(&self) {
+        word(&self.memory, NUMBERED_AT).store(self.next, Ordering::Release);
     }
 
     /// Whether the writer is to look whether the receiver is gone before its next entry (a
@@ -266,6 +276,7 @@ impl RingWriter {
         fence(Ordering::SeqCst);
         self.written += 1;
         self.next += 1;
+        self.publish_numbered();
         true
     }
 }
@@ -320,6 +331,14 @@ impl RingReader {
     /// The number of the writer's next message to deliver.
     pub(super) fn next(&self) -> u64 {
         self.next
+    }
+
+    /// The messages the writer numbered that were neither delivered nor passed over: once the
+    /// writer is gone and nothing of it is left to read, those it lost (a killed process's
+    /// backlog). 0 for what no writer could have numbered (a forged or stale word).
+    pub(super) fn never_delivered(&self) -> u64 {
+        let numbered = word(&self.memory, NUMBERED_AT).load(Ordering::Acquire);
+        Some(numbered.wrapping_sub(self.next)).filter(|&n| n <= u64::from(u32::MAX)).unwrap_or(0)
     }
 
     /// The writer's messages before number `next` were delivered (or are lost).
