@@ -168,16 +168,14 @@ fn a_bounded_channel_waits_at_capacity_times_out_and_reports_full() {
     child.join().unwrap();
 }
 
-/// Sends `count` messages of 32 KiB (more than a ring's entry: each takes the socket or,
-/// once the socket is full, the backlog), says so, and waits to be killed.
-fn send_then_wait((tx, count, sent): (Sender<Vec<u8>>, usize, Sender<()>)) {
-    for i in 0..count {
+/// Sends messages of 32 KiB (more than a ring's entry: each takes the socket or, once the
+/// socket is full, the backlog) until it is killed: it runs with the kill point "sent" set to
+/// its `count`th message, written to its backlog's open batch, which dies with it.
+fn send_until_killed((tx, count): (Sender<Vec<u8>>, usize)) {
+    for i in 0..=count {
         tx.send(vec![i as u8; 32 << 10]).unwrap();
     }
-    sent.send(()).unwrap();
-    loop {
-        std::thread::park();
-    }
+    unreachable!("killed at its message {count}");
 }
 
 #[test]
@@ -185,22 +183,23 @@ fn a_sender_killed_with_messages_in_its_backlog_gives_their_places_back() {
     let _g = serial();
     const CAPACITY: usize = 64;
     let (tx, rx) = bounded::<Vec<u8>>(CAPACITY).unwrap();
-    let (sent_tx, sent) = channel().unwrap();
-    let mut child = spawn((tx.clone(), CAPACITY, sent_tx), send_then_wait);
-    sent.recv_timeout(WAIT).unwrap();
-    assert!(matches!(tx.try_send(Vec::new()), Err(TrySendError::Full(_))), "the child holds every place");
-    child.kill().unwrap();
+    let mut child = cuda_mp::Builder::new()
+        .env(cuda_mp::testing::KILL_AT_ENV, format!("sent:{CAPACITY}"))
+        .spawn((tx.clone(), CAPACITY), send_until_killed)
+        .unwrap();
+    assert!(child.join_timeout(WAIT).is_err(), "the sender is killed at its last message");
+    assert!(matches!(tx.try_send(Vec::new()), Err(TrySendError::Full(_))), "the dead sender holds every place");
     // What reached the socket (and the batches handed on) before the kill comes; the rest of
-    // the backlog died with the child.
+    // the backlog died with the sender.
     let mut received = 0;
     while let Ok(message) = rx.recv_timeout(Duration::from_millis(300)) {
         assert_eq!(message, vec![received as u8; 32 << 10], "message {received} as sent");
         received += 1;
     }
-    assert!(received < CAPACITY, "the child's backlog was lost with it ({received} received)");
+    assert!(received < CAPACITY, "the sender's last messages were lost with its backlog ({received} received)");
     // Every place is free again: a whole capacity fits, and not one more.
     for i in 0..CAPACITY {
-        assert!(tx.try_send(vec![1]).is_ok(), "place {i} of {CAPACITY} ({received} received from the child)");
+        assert!(tx.try_send(vec![1]).is_ok(), "place {i} of {CAPACITY} ({received} received from the sender)");
     }
     assert!(matches!(tx.try_send(vec![2]), Err(TrySendError::Full(_))), "the bound holds");
     for _ in 0..CAPACITY {

@@ -1126,6 +1126,10 @@ impl<'de, T: DeserializeOwned> Deserialize<'de> for Receiver<T> {
         Ok(Receiver::from_parts(main, spill, gauge, leases, |inbox| {
             inbox.rings = rings;
             inbox.gaps = wire.gaps;
+            if wire.gaps {
+                // Which rings a lost batch may have held messages of did not travel: all.
+                inbox.rings.iter_mut().for_each(RingReader::batch_lost);
+            }
             if let Some((bytes, fds, main, dropped)) = stash {
                 inbox.restash(&bytes, fds, main, dropped);
             }

@@ -433,18 +433,19 @@ impl Outbox {
     /// Makes this process's ring and introduces it on the socket (its first message comes
     /// after that frame is read). `None` when either fails: the ring is then tried again later.
     fn open_ring(&self) -> Option<RingWriter> {
-        let (writer, introduction) = RingWriter::new().ok()?;
-        let frame = FrameOut::Ring(&introduction);
-        if !self.gauge.try_reserve(frame.cost()) {
+        // Room for the introduction first: a ring made for nothing costs a memory file and a pipe.
+        if !self.gauge.try_reserve(SMALL_COST) {
             return None;
         }
-        match self.write_main(&frame, &[], Wait::Not, None) {
-            Ok(()) => Some(writer),
-            Err(_) => {
-                self.gauge.release(frame.cost());
-                None
-            }
+        let introduced = RingWriter::new().ok().and_then(|(writer, introduction)| {
+            let frame = FrameOut::Ring(&introduction);
+            debug_assert_eq!(frame.cost(), SMALL_COST);
+            self.write_main(&frame, &[], Wait::Not, None).ok().map(|()| writer)
+        });
+        if introduced.is_none() {
+            self.gauge.release(SMALL_COST);
         }
+        introduced
     }
 
     /// A wake frame on the socket, unless the socket is full (its frames wake the receiver).

@@ -290,6 +290,11 @@ pub(super) struct RingReader {
     /// The number of the writer's next message to deliver (kept in the ring too, for a
     /// receiving end that moves).
     next: u64,
+    /// A batch was lost for want of descriptors while this ring was read: its places were given
+    /// back then, and its messages may be this writer's, so [`never_delivered`] is not known.
+    ///
+    /// [`never_delivered`]: Self::never_delivered
+    batch_lost: bool,
 }
 
 impl fmt::Debug for RingReader {
@@ -309,7 +314,7 @@ impl RingReader {
         let head = word(&memory, HEAD_AT).load(Ordering::Acquire);
         let id = word(&memory, ID_AT).load(Ordering::Relaxed);
         let next = word(&memory, NEXT_AT).load(Ordering::Relaxed);
-        Ok(RingReader { memory: Arc::new(memory), alive: Arc::new(alive), head, id, next })
+        Ok(RingReader { memory: Arc::new(memory), alive: Arc::new(alive), head, id, next, batch_lost: false })
     }
 
     /// Tells the writer that its entries will be read (also again, by a receiving end that
@@ -335,10 +340,22 @@ impl RingReader {
 
     /// The messages the writer numbered that were neither delivered nor passed over: once the
     /// writer is gone and nothing of it is left to read, those it lost (a killed process's
-    /// backlog). 0 for what no writer could have numbered (a forged or stale word).
+    /// backlog). 0 for what no writer could have numbered (a forged or stale word), and once a
+    /// batch that may hold some of them was lost for want of descriptors ([`batch_lost`]).
+    ///
+    /// [`batch_lost`]: Self::batch_lost
     pub(super) fn never_delivered(&self) -> u64 {
+        if self.batch_lost {
+            return 0;
+        }
         let numbered = word(&self.memory, NUMBERED_AT).load(Ordering::Acquire);
         Some(numbered.wrapping_sub(self.next)).filter(|&n| n <= u64::from(u32::MAX)).unwrap_or(0)
+    }
+
+    /// A batch whose messages' numbers are unknown was lost (and its places given back) while
+    /// this ring was read.
+    pub(super) fn batch_lost(&mut self) {
+        self.batch_lost = true;
     }
 
     /// The writer's messages before number `next` were delivered (or are lost).
