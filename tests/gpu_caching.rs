@@ -220,11 +220,19 @@ fn dropping_a_received_block_waits_for_nothing_and_its_release_waits_for_the_wor
 }
 
 /// Holds its stream through work cuda-mp counts (not handing the stream out), adds 1 to each
-/// of three received blocks and copies it into a tensor of its own, drops two blocks at once,
-/// adds 1 to the third again and drops it; reports the fences its drops recorded; releases the
-/// hold when told, then reports the elements of its copies that are not the sender's 2 + 1.
+/// of three received blocks and copies it into a tensor of its own; when told (the sender has
+/// let go of the blocks: a block its owner still holds would be kept mapped here, not
+/// released), drops two blocks at once, adds 1 to the third again and drops it; reports the
+/// fences its drops recorded; releases the hold when told again, then reports the elements of
+/// its copies that are not the sender's 2 + 1. A warm-up block first: this process learns to
+/// read its sender's table of the storages it holds (until then a dropped block is kept
+/// mapped, as one its owner may still hold, and released when the owner says it let go).
 fn drop_blocks_under_hold((rx, go, reply): (Receiver<Vec<GpuTensor<f32>>>, Receiver<()>, Sender<u64>)) {
     let dev = common::gpu();
+    let warm_up = rx.recv().unwrap();
+    go.recv().unwrap();
+    drop(warm_up);
+    eventually("the warm-up block is released, not kept mapped", || cuda_mp::lifetime_stats().cached_mappings == 0);
     let flag = GpuTensor::<i32>::zeros(&dev, &[1]).unwrap();
     let mine: Vec<_> = (0..3).map(|_| GpuTensor::<f32>::zeros(&dev, &[1 << 18]).unwrap()).collect();
     // Each kernel's first launch before the hold (loading it may wait for queued work).
@@ -239,6 +247,7 @@ fn drop_blocks_under_hold((rx, go, reply): (Receiver<Vec<GpuTensor<f32>>>, Recei
         block.add_scalar(1.0).unwrap();
         mine.copy_from(block).unwrap();
     }
+    go.recv().unwrap();
     let last = blocks.pop().unwrap();
     drop(blocks); // nothing queued between the two drops: one fence serves both
     last.add_scalar(1.0).unwrap();
@@ -259,9 +268,14 @@ fn received_blocks_dropped_with_nothing_queued_between_share_one_fence_and_come_
     let (go_tx, go) = channel().unwrap();
     let (reply_tx, reply) = channel().unwrap();
     let child = spawn((rx, go, reply_tx), drop_blocks_under_hold);
+    let base = dev.allocator_stats().blocks;
+    tx.send(vec![GpuTensor::<f32>::full(&dev, &[1 << 18], 2.0).unwrap()]).unwrap();
+    go_tx.send(()).unwrap();
+    eventually("the warm-up block comes back", || dev.allocator_stats().blocks == base);
     let sent: Vec<_> = (0..3).map(|_| GpuTensor::<f32>::full(&dev, &[1 << 18], 2.0).unwrap()).collect();
     tx.send(sent).unwrap(); // the consumer's claims hold the three blocks
     let blocks = dev.allocator_stats().blocks;
+    go_tx.send(()).unwrap(); // this process's handles are gone: the consumer drops its blocks
     let fences = reply.recv_timeout(WAIT).expect("the consumer's drops return while its stream is held");
     assert_eq!(fences, 2, "fences recorded by three drops, two of them with nothing queued between");
     // Were a release sent before the work it follows, its block would be free by now.
