@@ -302,12 +302,6 @@ impl Gauge {
         }
     }
 
-    /// The free places of a bounded channel now.
-    #[cfg(test)]
-    pub(super) fn free(&self) -> u32 {
-        self.region.u32(FREE_AT).load(Ordering::SeqCst)
-    }
-
     /// Gives back a place of a bounded channel: its message was received, or its send failed.
     pub(super) fn free_place(&self) {
         self.free_places(1);
