@@ -177,3 +177,74 @@ fn kernels_cover_views_larger_than_one_grid() {
     bytes.count_not_equal(8, &counter).unwrap();
     assert_eq!(counter.to_vec().unwrap(), vec![0]);
 }
+
+/// `fill_each` and `count_not_equal_each` over more tensors than one launch takes (64), of
+/// every element type: contiguous tensors of lengths around a vector's width, slices at odd
+/// offsets and strided views (which get launches of their own) in between. Each tensor holds
+/// exactly its value afterwards, with its neighbours in memory untouched, and the count is the
+/// sum of the differing elements of each, read back through the copy engine.
+fn check_each<T: Element + PartialEq>(dev: &Arc<Device>, from: impl Fn(i32) -> T) {
+    let name = T::DTYPE;
+    let base = GpuTensor::<T>::from_vec(dev, &[64, 40], (0..64 * 40).map(|i| from(i % 50)).collect()).unwrap();
+    let mut views = Vec::new();
+    for i in 0..150usize {
+        let row = base.select(0, i % 64).unwrap();
+        let view = match i % 5 {
+            0 => GpuTensor::<T>::full(dev, &[1 + i % 17], from(3)).unwrap(),
+            1 => row.narrow(0, i % 7, 1 + i % 20).unwrap(),
+            2 => base.narrow(1, i % 40, 1).unwrap(), // a column: strided
+            _ => GpuTensor::<T>::full(dev, &[i * 13 % 300 + 1], from(4)).unwrap(),
+        };
+        views.push(view);
+    }
+    // The views of `base` overlap: give them one value, so that the result is known.
+    let value = |i: usize| if i % 5 == 1 || i % 5 == 2 { from(9) } else { from((i % 40) as i32) };
+    let before: Vec<Vec<T>> = views.iter().map(|v| v.to_vec().unwrap()).collect();
+    let counter = GpuTensor::<i64>::zeros(dev, &[1]).unwrap();
+    let items: Vec<_> = views.iter().enumerate().map(|(i, v)| (v, value(i))).collect();
+    GpuTensor::count_not_equal_each(&items, &counter).unwrap();
+    let differing: i64 =
+        before.iter().enumerate().map(|(i, b)| b.iter().filter(|x| **x != value(i)).count() as i64).sum();
+    assert_eq!(counter.to_vec().unwrap(), vec![differing], "{name}: count over 150 views");
+    GpuTensor::fill_each(&items).unwrap();
+    for (i, v) in views.iter().enumerate() {
+        assert_eq!(v.to_vec().unwrap(), vec![value(i); v.numel()], "{name}: view {i} after fill_each");
+    }
+    // Rows of `base` that no view covered keep their values; the others hold 9 where covered.
+    let column_covered = |c: usize| (0..150).any(|i| i % 5 == 2 && i % 40 == c);
+    let got = base.to_vec().unwrap();
+    for r in 0..64 {
+        for c in 0..40 {
+            let covered = column_covered(c)
+                || (0..150).any(|i| i % 5 == 1 && i % 64 == r && (i % 7..i % 7 + 1 + i % 20).contains(&c));
+            let expect = if covered { from(9) } else { from(((r * 40 + c) % 50) as i32) };
+            assert!(got[r * 40 + c] == expect, "{name}: base[{r}][{c}] after fill_each");
+        }
+    }
+    counter.fill(0).unwrap();
+    GpuTensor::count_not_equal_each(&items, &counter).unwrap();
+    assert_eq!(counter.to_vec().unwrap(), vec![0], "{name}: nothing differs after fill_each");
+    GpuTensor::<T>::fill_each(&[]).unwrap();
+    GpuTensor::<T>::count_not_equal_each(&[], &counter).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fill_each_and_count_not_equal_each_cover_every_view_given() {
+    let dev = gpu();
+    check_each(&dev, |i| i as f32);
+    check_each(&dev, |i| i as f64);
+    check_each(&dev, |i| f16::from_f32(i as f32));
+    check_each(&dev, |i| bf16::from_f32(i as f32));
+    check_each(&dev, |i| i as i8);
+    check_each(&dev, |i| i as u8);
+    check_each(&dev, |i| i as i16);
+    check_each(&dev, |i| i);
+    check_each(&dev, |i| i as i64);
+    check_each(&dev, |i| i % 2 == 1);
+    // An empty counter: an error, and nothing queued.
+    let a = GpuTensor::<f32>::zeros(&dev, &[4]).unwrap();
+    let empty = GpuTensor::<i64>::zeros(&dev, &[0]).unwrap();
+    assert!(GpuTensor::count_not_equal_each(&[(&a, 1.0)], &empty).is_err());
+    assert_eq!(a.to_vec().unwrap(), vec![0.0; 4]);
+}

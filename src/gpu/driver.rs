@@ -18,6 +18,7 @@
 
 use std::any::TypeId;
 use std::ffi::{CStr, c_int, c_uint, c_void};
+use std::fmt;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -903,6 +904,79 @@ impl KernelView {
     }
 }
 
+/// The most views one launch of a `_many` kernel takes (`MANY` in kernels.cu).
+pub(crate) const MANY: usize = 64;
+
+/// Contiguous views of one element type, each with a value, as a `_many` kernel takes them:
+/// `struct Many` in kernels.cu, field for field.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct KernelMany {
+    count: i64,
+    base: [u64; MANY],
+    numel: [i64; MANY],
+    bits: [u64; MANY],
+}
+
+// `struct Many` of kernels.cu: a count and three arrays of `MANY` 8-byte values, no padding.
+const _: () = assert!(std::mem::size_of::<KernelMany>() == 8 + 3 * 8 * MANY);
+
+impl fmt::Debug for KernelMany {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "KernelMany({} views)", self.count)
+    }
+}
+
+/// Views for one launch of a `_many` kernel: at most [`MANY`], of one element type, each
+/// contiguous and checked to lie inside its memory.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ManyViews {
+    many: KernelMany,
+    dtype: DType,
+    /// The largest view's element count: the launch's size.
+    largest: usize,
+}
+
+impl ManyViews {
+    /// No views yet, of `dtype` elements.
+    pub(crate) fn new(dtype: DType) -> ManyViews {
+        let many = KernelMany { count: 0, base: [0; MANY], numel: [0; MANY], bits: [0; MANY] };
+        ManyViews { many, dtype, largest: 0 }
+    }
+
+    /// Whether [`MANY`] views are in.
+    pub(crate) fn is_full(&self) -> bool {
+        self.many.count as usize == MANY
+    }
+
+    /// Whether no view is in.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.many.count == 0
+    }
+
+    /// Whether `view` can go into a `_many` launch: contiguous, of this element type.
+    pub(crate) fn takes(&self, view: &KernelView) -> bool {
+        view.dtype == self.dtype && view.layout.is_contiguous()
+    }
+
+    /// Adds `view` with the value whose bits are `bits`; false (nothing added) where it does
+    /// not fit a `_many` launch ([`takes`](Self::takes)) or no room is left.
+    pub(crate) fn push(&mut self, view: &KernelView, bits: u64) -> bool {
+        if self.is_full() || !self.takes(view) {
+            return false;
+        }
+        let offset = view.layout.offset as u64 * view.dtype.size() as u64;
+        let i = self.many.count as usize;
+        // Inside the allocation (checked by `KernelView::new`), so no overflow.
+        self.many.base[i] = view.base + offset;
+        self.many.numel[i] = view.numel as i64;
+        self.many.bits[i] = bits;
+        self.many.count += 1;
+        self.largest = self.largest.max(view.numel);
+        true
+    }
+}
+
 /// The shipped kernels' operations (kernels.cu): the kernel of `op` for `dtype` is named
 /// `{op}_{dtype}` and takes the parameters of the matching [`KernelArgs`] variant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -915,6 +989,11 @@ pub(crate) enum KernelOp {
     Copy,
     /// `count_ne_T(const T* base, Layout l, unsigned long long bits, unsigned long long* count)`.
     CountNe,
+    /// `fill_many_T(Many m)`: a fill of each of up to [`MANY`] contiguous views.
+    FillMany,
+    /// `count_ne_many_T(Many m, unsigned long long* count)`: a count of each of up to [`MANY`]
+    /// contiguous views.
+    CountNeMany,
 }
 
 impl KernelOp {
@@ -925,6 +1004,8 @@ impl KernelOp {
             KernelOp::Add => "add",
             KernelOp::Copy => "copy",
             KernelOp::CountNe => "count_ne",
+            KernelOp::FillMany => "fill_many",
+            KernelOp::CountNeMany => "count_ne_many",
         }
     }
 }
@@ -963,6 +1044,19 @@ pub(crate) enum KernelArgs {
         /// The counter (checked to be 8 bytes of device memory).
         count: DeviceRange,
     },
+    /// Sets every element of each view to its value.
+    FillMany {
+        /// The views written, with their values' bits.
+        views: ManyViews,
+    },
+    /// Adds to the 8-byte counter at `count` the number of elements of each view whose bits
+    /// differ from its value's.
+    CountNeMany {
+        /// The views read, with their values' bits.
+        views: ManyViews,
+        /// The counter (checked to be 8 bytes of device memory).
+        count: DeviceRange,
+    },
 }
 
 impl KernelArgs {
@@ -977,6 +1071,15 @@ impl KernelArgs {
             {
                 16 / view.dtype.size()
             }
+            KernelArgs::FillMany { views } | KernelArgs::CountNeMany { views, .. } => 16 / views.dtype.size(),
+            _ => 1,
+        }
+    }
+
+    /// Rows of the launch's grid: one a view for the `_many` kernels, else one.
+    fn rows(&self) -> u32 {
+        match self {
+            KernelArgs::FillMany { views } | KernelArgs::CountNeMany { views, .. } => views.many.count.max(1) as u32,
             _ => 1,
         }
     }
@@ -991,6 +1094,11 @@ impl KernelArgs {
                 Err(Error::Layout(format!("a counter of {} bytes, not 8", count.len)))
             }
             KernelArgs::CountNe { view, .. } => Ok((KernelOp::CountNe, view.dtype, view.numel)),
+            KernelArgs::FillMany { views } => Ok((KernelOp::FillMany, views.dtype, views.largest)),
+            KernelArgs::CountNeMany { count, .. } if count.len != 8 => {
+                Err(Error::Layout(format!("a counter of {} bytes, not 8", count.len)))
+            }
+            KernelArgs::CountNeMany { views, .. } => Ok((KernelOp::CountNeMany, views.dtype, views.largest)),
             KernelArgs::Copy { dst, src } => {
                 if dst.dtype != src.dtype || dst.numel != src.numel {
                     return Err(Error::Layout(format!(
@@ -1024,13 +1132,14 @@ pub(crate) unsafe fn launch_kernel(
     args: &KernelArgs,
 ) -> DriverResult<()> {
     // The driver copies the parameter values at launch: locals are enough.
+    let rows = args.rows();
     let launch = |params: &mut [*mut c_void]| {
         // SAFETY: upheld by the caller; `params` points at one value per kernel parameter.
         unsafe {
             sys::cuLaunchKernel(
                 function,
                 blocks,
-                1,
+                rows,
                 1,
                 threads,
                 1,
@@ -1060,6 +1169,14 @@ pub(crate) unsafe fn launch_kernel(
             let (mut dst_base, mut dst_layout, mut src_base, mut src_layout) =
                 (dst.base, dst.layout, src.base, src.layout);
             launch(&mut [param(&mut dst_base), param(&mut dst_layout), param(&mut src_base), param(&mut src_layout)])
+        }
+        KernelArgs::FillMany { views } => {
+            let mut many = views.many;
+            launch(&mut [param(&mut many)])
+        }
+        KernelArgs::CountNeMany { views, count } => {
+            let (mut many, mut count) = (views.many, count.ptr);
+            launch(&mut [param(&mut many), param(&mut count)])
         }
     }
 }

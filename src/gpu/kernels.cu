@@ -7,7 +7,7 @@
 //
 // Regenerate the PTX (nvcc 12 or 13) with:
 //   nvcc -ptx -arch=compute_80 -O3 -o kernels.ptx kernels.cu
-// then set the `.version` line to 7.8 so that drivers from CUDA 11.8 on load it.
+// (or NVRTC with `-arch=compute_80` and the CUDA headers on its include path), then set the `.version` line to 7.8 so that drivers from CUDA 11.8 on load it.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
@@ -178,6 +178,42 @@ template <typename T> __device__ void count_ne_impl(const T* base, Layout l, uns
     if (differing) atomicAdd(count, differing);
 }
 
+// Up to MANY contiguous tensors of one element type in one launch (`fill_many`,
+// `count_ne_many`): row y of the grid walks tensor y as `fill` or `count_ne` walks a
+// contiguous view. A process that writes or checks many small tensors (the blocks of a paged
+// KV cache) then gives the GPU one command where it gave one a tensor: without MPS the GPU
+// runs one process's context at a time, and every time a process's queue runs dry between
+// two launches the GPU may switch to another process's context.
+#define MANY 64
+
+struct Many {
+    long long count;
+    unsigned long long base[MANY];
+    long long numel[MANY];
+    unsigned long long bits[MANY];
+};
+
+__device__ __forceinline__ Layout contiguous_layout(long long numel) {
+    Layout l;
+    l.numel = numel;
+    l.ndim = 1;
+    l.offset = 0;
+    l.shape[0] = numel;
+    l.strides[0] = 1;
+    return l;
+}
+
+#define MANY_KERNELS(name, T)                                                                          \
+    extern "C" __global__ void fill_many_##name(Many m) {                                              \
+        const int y = blockIdx.y;                                                                      \
+        if (y < m.count) fill_impl<T>((T*)m.base[y], contiguous_layout(m.numel[y]), m.bits[y]);        \
+    }                                                                                                  \
+    extern "C" __global__ void count_ne_many_##name(Many m, unsigned long long* count) {               \
+        const int y = blockIdx.y;                                                                      \
+        if (y < m.count)                                                                               \
+            count_ne_impl<T>((const T*)m.base[y], contiguous_layout(m.numel[y]), m.bits[y], count);    \
+    }
+
 #define MOVE_KERNELS(name, T)                                                                          \
     extern "C" __global__ void fill_##name(T* base, Layout l, unsigned long long bits) {               \
         fill_impl<T>(base, l, bits);                                                                   \
@@ -188,7 +224,8 @@ template <typename T> __device__ void count_ne_impl(const T* base, Layout l, uns
     extern "C" __global__ void count_ne_##name(const T* base, Layout l, unsigned long long bits,       \
                                                unsigned long long* count) {                            \
         count_ne_impl<T>(base, l, bits, count);                                                        \
-    }
+    }                                                                                                  \
+    MANY_KERNELS(name, T)
 
 #define ARITH_KERNELS(name, T)                                                                         \
     MOVE_KERNELS(name, T)                                                                              \

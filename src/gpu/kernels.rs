@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::CudaContext;
 
 use super::device::Device;
-use super::driver::{DeviceRange, KernelArgs, KernelOp, KernelView};
+use super::driver::{DeviceRange, KernelArgs, KernelOp, KernelView, ManyViews};
 use super::handles::{KernelFunction, Module};
 use crate::dtype::DType;
 use crate::error::Result;
@@ -87,6 +87,76 @@ pub(crate) fn count_ne(
     launch(device, KernelArgs::CountNe { view: KernelView::new(alloc, layout, dtype)?, bits, count })
 }
 
+/// One view of many for [`fill_many`] and [`count_ne_many`]: the memory it lies in, its
+/// layout, and the bits of its value.
+pub(crate) type ViewAndValue<'a> = (DeviceRange, &'a Layout, u64);
+
+/// Launches `many` (a `_many` kernel's arguments, built from the views gathered) for every
+/// [`MANY`](super::driver::MANY) contiguous views of `views`, and `single` for each other view,
+/// in the order of the views.
+fn launch_many(
+    device: &Device,
+    dtype: DType,
+    views: &[ViewAndValue<'_>],
+    many: impl Fn(ManyViews) -> KernelArgs,
+    single: impl Fn(KernelView, u64) -> KernelArgs,
+) -> Result<()> {
+    // Checked before anything is queued: a bad view launches nothing.
+    let checked = views
+        .iter()
+        .map(|&(alloc, layout, bits)| Ok((KernelView::new(alloc, layout, dtype)?, bits)))
+        .collect::<Result<Vec<_>>>()?;
+    let mut gathered = ManyViews::new(dtype);
+    for (view, bits) in checked {
+        if gathered.push(&view, bits) {
+            continue;
+        }
+        // Full, or a view that is not contiguous (its own launch): what is gathered goes
+        // first, in the views' order.
+        if !gathered.is_empty() {
+            launch(device, many(gathered))?;
+            gathered = ManyViews::new(dtype);
+        }
+        if !gathered.push(&view, bits) {
+            launch(device, single(view, bits))?;
+        }
+    }
+    if !gathered.is_empty() {
+        launch(device, many(gathered))?;
+    }
+    Ok(())
+}
+
+/// Sets every element of each view to its value: one launch for up to
+/// [`MANY`](super::driver::MANY) contiguous views, one of its own for each other view.
+pub(crate) fn fill_many(device: &Device, dtype: DType, views: &[ViewAndValue<'_>]) -> Result<()> {
+    launch_many(
+        device,
+        dtype,
+        views,
+        |views| KernelArgs::FillMany { views },
+        |view, bits| KernelArgs::Fill { view, bits },
+    )
+}
+
+/// Adds to the counter `count` (8 bytes) the number of elements of each view whose bits differ
+/// from its value's: one launch for up to [`MANY`](super::driver::MANY) contiguous views, one
+/// of its own for each other view.
+pub(crate) fn count_ne_many(
+    device: &Device,
+    dtype: DType,
+    views: &[ViewAndValue<'_>],
+    count: DeviceRange,
+) -> Result<()> {
+    launch_many(
+        device,
+        dtype,
+        views,
+        |views| KernelArgs::CountNeMany { views, count },
+        |view, bits| KernelArgs::CountNe { view, bits, count },
+    )
+}
+
 /// Copies the view `src_layout` over `src` into the view `dst_layout` over `dst`, element by
 /// element in row-major order (the same number of elements), on `device`'s stream.
 pub(crate) fn copy(
@@ -117,7 +187,14 @@ mod tests {
     #[test]
     fn every_dtype_has_its_kernels_in_the_ptx() {
         for dtype in DType::ALL {
-            for op in [KernelOp::Fill, KernelOp::Add, KernelOp::Copy, KernelOp::CountNe] {
+            for op in [
+                KernelOp::Fill,
+                KernelOp::Add,
+                KernelOp::Copy,
+                KernelOp::CountNe,
+                KernelOp::FillMany,
+                KernelOp::CountNeMany,
+            ] {
                 let entry = format!(".entry {}_{}(", op.name(), dtype.name());
                 let shipped = PTX.contains(&entry);
                 assert_eq!(shipped, !(op == KernelOp::Add && dtype == DType::Bool), "{entry}");

@@ -197,6 +197,60 @@ impl<T: Element> Tensor<T, GpuStorage> {
         kernels::fill(self.device(), self.storage.range()?, &self.layout, T::DTYPE, value.to_bits())
     }
 
+    /// Sets every element of each tensor to the value beside it, as [`fill`](Self::fill) on
+    /// each would, with one kernel launch for every 64 contiguous tensors (a tensor that is not
+    /// contiguous gets a launch of its own). A process that writes many small tensors (the
+    /// blocks of a paged KV cache) gives the GPU one command instead of one a tensor; without
+    /// MPS the GPU runs one process at a time and may switch to another process whenever this
+    /// one's queue runs dry between two launches. All tensors must be on one GPU; where two
+    /// views overlap, which of their values an element ends with is not given.
+    ///
+    /// ```no_run
+    /// use cuda_mp::GpuTensor;
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let (a, b) = (GpuTensor::<f32>::zeros(&dev, &[4]).unwrap(), GpuTensor::<f32>::zeros(&dev, &[2]).unwrap());
+    /// GpuTensor::fill_each(&[(&a, 1.0), (&b, 2.0)]).unwrap();
+    /// assert_eq!((a.to_vec().unwrap(), b.to_vec().unwrap()), (vec![1.0; 4], vec![2.0; 2]));
+    /// ```
+    pub fn fill_each(items: &[(&GpuTensor<T>, T)]) -> Result<()> {
+        let Some(device) = Self::one_device(items)? else { return Ok(()) };
+        let ranges = items.iter().map(|(t, _)| t.storage.range()).collect::<Result<Vec<_>>>()?;
+        let views: Vec<_> = items.iter().zip(ranges).map(|((t, v), r)| (r, &t.layout, v.to_bits())).collect();
+        kernels::fill_many(device, T::DTYPE, &views)
+    }
+
+    /// Adds to `counter`'s first element the number of elements of each tensor that are not
+    /// the value beside it, as [`count_not_equal`](Self::count_not_equal) on each would, with
+    /// one kernel launch for every 64 contiguous tensors (see [`fill_each`](Self::fill_each)).
+    /// All tensors and `counter` must be on one GPU.
+    ///
+    /// ```no_run
+    /// use cuda_mp::GpuTensor;
+    /// let dev = cuda_mp::Device::get(0).unwrap();
+    /// let a = GpuTensor::from_vec(&dev, &[3], vec![1.0f32, 2.0, 1.0]).unwrap();
+    /// let b = GpuTensor::<f32>::full(&dev, &[2], 5.0).unwrap();
+    /// let counter = GpuTensor::<i64>::zeros(&dev, &[1]).unwrap();
+    /// GpuTensor::count_not_equal_each(&[(&a, 1.0), (&b, 5.0)], &counter).unwrap();
+    /// assert_eq!(counter.to_vec().unwrap(), vec![1]);
+    /// ```
+    pub fn count_not_equal_each(items: &[(&GpuTensor<T>, T)], counter: &GpuTensor<i64>) -> Result<()> {
+        let Some(device) = Self::one_device(items)? else { return Ok(()) };
+        let count = counter.counter_range(device)?;
+        let ranges = items.iter().map(|(t, _)| t.storage.range()).collect::<Result<Vec<_>>>()?;
+        let views: Vec<_> = items.iter().zip(ranges).map(|((t, v), r)| (r, &t.layout, v.to_bits())).collect();
+        kernels::count_ne_many(device, T::DTYPE, &views, count)
+    }
+
+    /// The GPU of every tensor of `items` (`None` for none); an error when they are on more
+    /// than one.
+    fn one_device<'a>(items: &[(&'a GpuTensor<T>, T)]) -> Result<Option<&'a Arc<Device>>> {
+        let Some((first, _)) = items.first() else { return Ok(None) };
+        if items.iter().any(|(t, _)| !Arc::ptr_eq(t.device(), first.device())) {
+            return Err(Error::Unsupported("tensors on more than one gpu in one call".into()));
+        }
+        Ok(Some(first.device()))
+    }
+
     /// Adds `value` to every element of the view, in place (queued on the device's stream).
     /// Integer results wrap as in C; not for `bool`.
     ///
@@ -229,13 +283,7 @@ impl<T: Element> Tensor<T, GpuStorage> {
     /// assert_eq!(counter.to_vec().unwrap(), vec![1]);
     /// ```
     pub fn count_not_equal(&self, value: T, counter: &GpuTensor<i64>) -> Result<()> {
-        if !Arc::ptr_eq(counter.device(), self.device()) {
-            return Err(Error::Unsupported("a counter on another gpu".into()));
-        }
-        if counter.numel() == 0 {
-            return Err(Error::Layout("an empty counter".into()));
-        }
-        let count = counter.storage.range()?.sub(counter.offset() * 8, 8)?;
+        let count = counter.counter_range(self.device())?;
         kernels::count_ne(self.device(), self.storage.range()?, &self.layout, T::DTYPE, value.to_bits(), count)
     }
 
@@ -405,6 +453,20 @@ impl<T: Element> Tensor<T, GpuStorage> {
     /// ```
     pub fn from_ipc_payload_on(payload: IpcPayload, access: &Arc<Device>) -> Result<Self> {
         storage::decode(payload, Some(access))
+    }
+}
+
+impl Tensor<i64, GpuStorage> {
+    /// The 8 bytes of this counter's first element, for a count queued on `device`; an error
+    /// when the counter is empty or on another GPU.
+    fn counter_range(&self, device: &Arc<Device>) -> Result<driver::DeviceRange> {
+        if !Arc::ptr_eq(self.device(), device) {
+            return Err(Error::Unsupported("a counter on another gpu".into()));
+        }
+        if self.numel() == 0 {
+            return Err(Error::Layout("an empty counter".into()));
+        }
+        self.storage.range()?.sub(self.offset() * 8, 8)
     }
 }
 
