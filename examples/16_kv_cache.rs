@@ -11,14 +11,18 @@
 //! request that has arrived. Each process then gives the GPU its work in fewer, longer bursts:
 //! without MPS the GPU runs one process's context at a time and switches between them, so
 //! many short bursts from three processes cost more in switches than in kernels.
-//! `--batch 1` sends each request as soon as its blocks are written.
+//! `--batch 1` sends each request as soon as its blocks are written. A step's fills (and a
+//! decode step's checks) go to the GPU as one kernel launch for up to 64 blocks
+//! (`GpuTensor::fill_each`, `count_not_equal_each`): the GPU switches to another process
+//! whenever this one's queue runs dry between launches. `--kernel-per-block` launches one a
+//! block instead, to compare.
 //!
 //! It prints requests and blocks per second from the moment both decode processes have set up
 //! CUDA (their start is not timed), then runs `benches/kv_cache_torch.py` (the same blocks
 //! sent as tensors through `torch.multiprocessing`, timed the same way) where torch is
 //! installed.
 //!
-//!     cargo run --release --example 16_kv_cache [-- --requests 400 --batch 4 --no-torch]
+//!     cargo run --release --example 16_kv_cache [-- --requests 400 --batch 4 --kernel-per-block --no-torch]
 
 mod common;
 
@@ -60,6 +64,48 @@ fn prompt_blocks(id: u32) -> usize {
     (id as usize * 5 + 3) % 8 + 1
 }
 
+/// How a process gives the GPU its fills and checks of many blocks.
+#[derive(Serialize, Deserialize, Clone, Copy)]
+enum Launches {
+    /// One kernel launch for every 64 blocks.
+    Batched,
+    /// One launch a block.
+    PerBlock,
+}
+
+impl Launches {
+    /// Sets every element of each block to the value beside it.
+    fn fill(self, blocks: &[(&GpuTensor<bf16>, bf16)]) -> Outcome {
+        match self {
+            Launches::Batched => GpuTensor::fill_each(blocks)?,
+            Launches::PerBlock => {
+                for (block, value) in blocks {
+                    block.fill(*value)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds to `wrong` the elements of each block that are not the value beside it.
+    fn check(self, blocks: &[(&GpuTensor<bf16>, bf16)], wrong: &GpuTensor<i64>) -> Outcome {
+        match self {
+            Launches::Batched => GpuTensor::count_not_equal_each(blocks, wrong)?,
+            Launches::PerBlock => {
+                for (block, value) in blocks {
+                    block.count_not_equal(*value, wrong)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A request's blocks, each with the value the prefill wrote in it.
+fn expected(request: &Request) -> impl Iterator<Item = (&GpuTensor<bf16>, bf16)> {
+    request.blocks.iter().enumerate().map(|(b, block)| (block, block_value(request.id, b)))
+}
+
 /// What a decode process reports at the end: requests, blocks checked, values that differed,
 /// blocks it appended, segments it opened.
 #[derive(Serialize, Deserialize, Debug, Default)]
@@ -74,26 +120,22 @@ struct DecodeReport {
 /// A decode process: checks each request's blocks, appends one block of generated tokens,
 /// keeps `RUNNING` requests, and says which request finished. Its first request warms it up
 /// (CUDA, the kernels, a first segment) and finishes at once.
-fn decode(channels: (Receiver<Request>, Sender<u32>, Sender<DecodeReport>)) -> Result<(), String> {
+fn decode(channels: (Receiver<Request>, Sender<u32>, Sender<DecodeReport>, Launches)) -> Result<(), String> {
     decode_requests(channels).map_err(|e| e.to_string())
 }
 
-fn decode_requests((requests, finished, report): (Receiver<Request>, Sender<u32>, Sender<DecodeReport>)) -> Outcome {
+fn decode_requests(
+    (requests, finished, report, launches): (Receiver<Request>, Sender<u32>, Sender<DecodeReport>, Launches),
+) -> Outcome {
     let dev = Device::get(0)?;
     let wrong = GpuTensor::<i64>::zeros(&dev, &[1])?;
     let mut running: VecDeque<(u32, Vec<GpuTensor<bf16>>)> = VecDeque::new();
     let mut out = DecodeReport::default();
     let appended = bf16::from_f32(512.0);
-    let check = |request: &Request, out: &mut DecodeReport| -> Outcome {
-        for (b, block) in request.blocks.iter().enumerate() {
-            block.count_not_equal(block_value(request.id, b), &wrong)?;
-        }
-        out.blocks_checked += request.blocks.len() as u64;
-        out.requests += 1;
-        Ok(())
-    };
     let warm_up = requests.recv()?;
-    check(&warm_up, &mut out)?;
+    launches.check(&expected(&warm_up).collect::<Vec<_>>(), &wrong)?;
+    out.blocks_checked += warm_up.blocks.len() as u64;
+    out.requests += 1;
     dev.synchronize()?;
     finished.send(warm_up.id)?;
     drop(warm_up);
@@ -111,29 +153,44 @@ fn decode_requests((requests, finished, report): (Receiver<Request>, Sender<u32>
                 Err(e) => return Err(e.into()),
             }
         }
-        for request in step {
-            check(&request, &mut out)?;
-            // The next tokens go into a block of this process's own.
+        launches.check(&step.iter().flat_map(expected).collect::<Vec<_>>(), &wrong)?;
+        out.blocks_checked += step.iter().map(|r| r.blocks.len() as u64).sum::<u64>();
+        out.requests += step.len() as u32;
+        // The next tokens of each request go into a block of this process's own.
+        let mine = step.iter().map(|_| GpuTensor::empty(&dev, &BLOCK)).collect::<Result<Vec<_>, _>>()?;
+        launches.fill(&mine.iter().map(|b| (b, appended)).collect::<Vec<_>>())?;
+        out.appended_blocks += mine.len() as u64;
+        for (request, block) in step.into_iter().zip(mine) {
             let mut blocks = request.blocks;
-            blocks.push(GpuTensor::full(&dev, &BLOCK, appended)?);
-            out.appended_blocks += 1;
+            blocks.push(block);
             running.push_back((request.id, blocks));
-            if running.len() > RUNNING {
-                let (id, done) = running.pop_front().expect("more than RUNNING requests run");
-                done[done.len() - 1].count_not_equal(appended, &wrong)?;
-                drop(done); // the prefill's blocks go back to it, once no one else holds them
-                finished.send(id)?;
-            }
         }
+        let finishing = running.len().saturating_sub(RUNNING);
+        finish(running.drain(..finishing).collect(), launches, appended, &wrong, &finished)?;
     }
-    for (id, done) in running {
-        done[done.len() - 1].count_not_equal(appended, &wrong)?;
-        drop(done);
-        finished.send(id)?;
-    }
+    finish(running.into_iter().collect(), launches, appended, &wrong, &finished)?;
     out.wrong_values = wrong.to_vec()?[0];
     out.opened_segments = cuda_mp::lifetime_stats().opened_segments;
     report.send(out)?;
+    Ok(())
+}
+
+/// Checks the block each finished request had appended, drops the requests (the prefill's
+/// blocks go back to it, once no one else holds them) and says they are finished.
+fn finish(
+    done: Vec<(u32, Vec<GpuTensor<bf16>>)>,
+    launches: Launches,
+    appended: bf16,
+    wrong: &GpuTensor<i64>,
+    finished: &Sender<u32>,
+) -> Outcome {
+    let last: Vec<_> = done.iter().filter_map(|(_, blocks)| blocks.last().map(|b| (b, appended))).collect();
+    launches.check(&last, wrong)?;
+    drop(last);
+    for (id, blocks) in done {
+        drop(blocks);
+        finished.send(id)?;
+    }
     Ok(())
 }
 
@@ -146,11 +203,11 @@ struct Decoder {
     in_flight: usize,
 }
 
-fn start_decoder() -> Outcome<Decoder> {
+fn start_decoder(launches: Launches) -> Outcome<Decoder> {
     let (requests, rx) = channel()?;
     let (finished_tx, finished) = channel()?;
     let (report_tx, report) = channel()?;
-    let child = spawn((rx, finished_tx, report_tx), decode);
+    let child = spawn((rx, finished_tx, report_tx, launches), decode);
     Ok(Decoder { requests, finished, report, child, in_flight: 0 })
 }
 
@@ -159,13 +216,19 @@ fn run() -> Outcome {
     let n: u32 = common::arg("--requests", 400)?;
     let batch: usize = common::arg("--batch", 4)?;
     common::ensure((1..=MAX_BATCH).contains(&batch), &format!("--batch must be 1 to {MAX_BATCH}"))?;
+    let launches =
+        if std::env::args().any(|a| a == "--kernel-per-block") { Launches::PerBlock } else { Launches::Batched };
     let dev = Device::get(0)?;
     println!(
-        "{n} requests of 1-8 blocks, {batch} a prefill step; a block holds {TOKENS_PER_BLOCK} tokens: {:?} bf16, {} KiB",
+        "{n} requests of 1-8 blocks, {batch} a prefill step; a block holds {TOKENS_PER_BLOCK} tokens: {:?} bf16, {} KiB; {}",
         BLOCK,
-        (BLOCK.iter().product::<usize>() * 2) >> 10
+        (BLOCK.iter().product::<usize>() * 2) >> 10,
+        match launches {
+            Launches::Batched => "a kernel launch for up to 64 blocks",
+            Launches::PerBlock => "a kernel launch a block",
+        }
     );
-    let mut decoders = vec![start_decoder()?, start_decoder()?];
+    let mut decoders = vec![start_decoder(launches)?, start_decoder(launches)?];
     // Warm-up: each decode process sets up CUDA on a request, before the clock starts.
     for (i, d) in decoders.iter_mut().enumerate() {
         let blocks = vec![GpuTensor::full(&dev, &BLOCK, block_value(u32::MAX - i as u32, 0))?];
@@ -186,13 +249,13 @@ fn run() -> Outcome {
             d.in_flight -= 1;
         }
         let count = prompt_blocks(id);
-        let blocks =
-            (0..count).map(|b| GpuTensor::full(&dev, &BLOCK, block_value(id, b))).collect::<Result<Vec<_>, _>>()?;
+        let blocks = (0..count).map(|_| GpuTensor::empty(&dev, &BLOCK)).collect::<Result<Vec<_>, _>>()?;
         blocks_sent += count;
         d.in_flight += 1;
         step.push((which, Request { id, prompt_tokens: (count * TOKENS_PER_BLOCK) as u32, blocks }));
-        // The step's prompts are written: each request goes to its decode process.
+        // The step's prompts are written, then each request goes to its decode process.
         if step.len() == batch || id + 1 == n {
+            launches.fill(&step.iter().flat_map(|(_, request)| expected(request)).collect::<Vec<_>>())?;
             for (which, request) in step.drain(..) {
                 decoders[which].requests.send(request)?;
             }
