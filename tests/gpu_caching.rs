@@ -171,12 +171,7 @@ fn drop_under_hold((rx, go, reply): (Receiver<GpuTensor<f32>>, Receiver<()>, Sen
     let dev = common::gpu();
     let flag = GpuTensor::<i32>::zeros(&dev, &[1]).unwrap();
     let mine = GpuTensor::<f32>::zeros(&dev, &[1 << 18]).unwrap();
-    // Before the hold: each kernel's first launch (loading it may wait for queued work).
-    let scratch = GpuTensor::<f32>::zeros(&dev, &[1 << 18]).unwrap();
-    mine.add_scalar(0.0).unwrap();
-    mine.copy_from(&scratch).unwrap();
     let held = common::HeldStream::new(&dev, &flag);
-    dev.synchronize().unwrap();
     let t = rx.recv().unwrap();
     held.hold_until(1);
     t.add_scalar(1.0).unwrap();
@@ -235,9 +230,6 @@ fn drop_blocks_under_hold((rx, go, reply): (Receiver<Vec<GpuTensor<f32>>>, Recei
     eventually("the warm-up block is released, not kept mapped", || cuda_mp::lifetime_stats().cached_mappings == 0);
     let flag = GpuTensor::<i32>::zeros(&dev, &[1]).unwrap();
     let mine: Vec<_> = (0..3).map(|_| GpuTensor::<f32>::zeros(&dev, &[1 << 18]).unwrap()).collect();
-    // Each kernel's first launch before the hold (loading it may wait for queued work).
-    mine[0].add_scalar(0.0).unwrap();
-    mine[0].copy_from(&mine[1]).unwrap();
     let held = common::HeldStream::new(&dev, &flag);
     let mut blocks = rx.recv().unwrap();
     dev.synchronize().unwrap();

@@ -1208,13 +1208,21 @@ fn counted_producer((tx, release, report): (Sender<(GpuTensor<f32>, f32)>, Recei
 /// For each tensor received: the waits its stream owes right after the receive (1 for fresh
 /// memory whose sender's work was still queued), then how many elements differ from the value
 /// sent with it.
-fn owed_then_count((rx, reply): (Receiver<(GpuTensor<f32>, f32)>, Sender<i64>)) {
+/// Replies the waits owed on the tensors just received, then how many of their elements differ
+/// from the values given beside them (counted on the GPU, behind those waits).
+fn reply_owed_then_differing(reply: &Sender<i64>, checks: &[(&GpuTensor<f32>, f32)]) {
     let dev = Device::get(0).unwrap();
+    reply.send(cuda_mp::testing::owed_waits(&dev) as i64).unwrap();
+    let counter = GpuTensor::<i64>::zeros(&dev, &[1]).unwrap();
+    for (t, value) in checks {
+        t.count_not_equal(*value, &counter).unwrap();
+    }
+    reply.send(counter.to_vec().unwrap()[0]).unwrap();
+}
+
+fn owed_then_count((rx, reply): (Receiver<(GpuTensor<f32>, f32)>, Sender<i64>)) {
     while let Ok((t, value)) = rx.recv() {
-        reply.send(cuda_mp::testing::owed_waits(&dev) as i64).unwrap();
-        let counter = GpuTensor::<i64>::zeros(&dev, &[1]).unwrap();
-        t.count_not_equal(value, &counter).unwrap();
-        reply.send(counter.to_vec().unwrap()[0]).unwrap();
+        reply_owed_then_differing(&reply, &[(&t, value)]);
     }
 }
 
@@ -1352,13 +1360,8 @@ fn fill_while_sending((tx, release): (Sender<FilledWhileSent>, Receiver<()>)) {
 /// Receives the two tensors; answers the waits owed, then how many elements of the first
 /// differ from 5 and of the second from 6.
 fn count_both((rx, reply): (Receiver<FilledWhileSent>, Sender<i64>)) {
-    let dev = Device::get(0).unwrap();
     let FilledWhileSent(a, b, _) = rx.recv().unwrap();
-    reply.send(cuda_mp::testing::owed_waits(&dev) as i64).unwrap();
-    let counter = GpuTensor::<i64>::zeros(&dev, &[1]).unwrap();
-    a.count_not_equal(5.0, &counter).unwrap();
-    b.count_not_equal(6.0, &counter).unwrap();
-    reply.send(counter.to_vec().unwrap()[0]).unwrap();
+    reply_owed_then_differing(&reply, &[(&a, 5.0), (&b, 6.0)]);
 }
 
 #[test]

@@ -254,8 +254,19 @@ pub struct HeldStream<'a> {
 #[cfg(feature = "cuda")]
 #[allow(dead_code)]
 impl<'a> HeldStream<'a> {
+    /// Also launches the f32 fill, add and copy kernels once, then synchronizes: a kernel's first
+    /// launch loads its code, which may wait for work already queued, a hold too.
     pub fn new(dev: &'a Device, flag: &'a cuda_mp::GpuTensor<i32>) -> Self {
         let side = dev.context().new_stream().unwrap();
+        let dev_arc = flag.device();
+        let (a, b) = (
+            cuda_mp::GpuTensor::<f32>::zeros(dev_arc, &[1]).unwrap(),
+            cuda_mp::GpuTensor::zeros(dev_arc, &[1]).unwrap(),
+        );
+        a.fill(0.0).unwrap();
+        a.add_scalar(0.0).unwrap();
+        a.copy_from(&b).unwrap();
+        dev.synchronize().unwrap();
         HeldStream { dev, flag, side }
     }
 
