@@ -8,6 +8,22 @@ mod common;
 
 use common::gpu;
 
+/// Runs `check(dev, from, extra...)` for every element type with arithmetic, `from` making a
+/// value of that type from an `i32`.
+macro_rules! each_numeric_dtype {
+    ($check:ident($dev:expr $(, $extra:expr)*)) => {
+        $check($dev, |i| i as f32 $(, $extra)*);
+        $check($dev, |i| i as f64 $(, $extra)*);
+        $check($dev, |i| f16::from_f32(i as f32) $(, $extra)*);
+        $check($dev, |i| bf16::from_f32(i as f32) $(, $extra)*);
+        $check($dev, |i| i as i8 $(, $extra)*);
+        $check($dev, |i| i as u8 $(, $extra)*);
+        $check($dev, |i| i as i16 $(, $extra)*);
+        $check($dev, |i| i $(, $extra)*);
+        $check($dev, |i| i as i64 $(, $extra)*);
+    };
+}
+
 fn check_dtype<T: Element + PartialEq>(dev: &Arc<Device>, from: impl Fn(i32) -> T) {
     let name = T::DTYPE;
     let t = GpuTensor::<T>::from_vec(dev, &[3, 4], (0..12).map(&from).collect()).unwrap();
@@ -77,15 +93,7 @@ fn check_contiguous_slices<T: Element + PartialEq>(dev: &Arc<Device>, from: impl
 #[ignore = "needs a CUDA GPU"]
 fn contiguous_slices_at_every_alignment() {
     let dev = gpu();
-    check_contiguous_slices(&dev, |i| i as f32, true);
-    check_contiguous_slices(&dev, |i| i as f64, true);
-    check_contiguous_slices(&dev, |i| f16::from_f32(i as f32), true);
-    check_contiguous_slices(&dev, |i| bf16::from_f32(i as f32), true);
-    check_contiguous_slices(&dev, |i| i as i8, true);
-    check_contiguous_slices(&dev, |i| i as u8, true);
-    check_contiguous_slices(&dev, |i| i as i16, true);
-    check_contiguous_slices(&dev, |i| i, true);
-    check_contiguous_slices(&dev, |i| i as i64, true);
+    each_numeric_dtype!(check_contiguous_slices(&dev, true));
     check_contiguous_slices(&dev, |i| i % 2 == 1, false);
 }
 
@@ -93,15 +101,7 @@ fn contiguous_slices_at_every_alignment() {
 #[ignore = "needs a CUDA GPU"]
 fn kernels_work_on_every_dtype_and_strided_views() {
     let dev = gpu();
-    check_dtype(&dev, |i| i as f32);
-    check_dtype(&dev, |i| i as f64);
-    check_dtype(&dev, |i| f16::from_f32(i as f32));
-    check_dtype(&dev, |i| bf16::from_f32(i as f32));
-    check_dtype(&dev, |i| i as i8);
-    check_dtype(&dev, |i| i as u8);
-    check_dtype(&dev, |i| i as i16);
-    check_dtype(&dev, |i| i);
-    check_dtype(&dev, |i| i as i64);
+    each_numeric_dtype!(check_dtype(&dev));
 }
 
 #[test]
@@ -232,15 +232,7 @@ fn check_each<T: Element + PartialEq>(dev: &Arc<Device>, from: impl Fn(i32) -> T
 #[ignore = "needs a CUDA GPU"]
 fn fill_each_and_count_not_equal_each_cover_every_view_given() {
     let dev = gpu();
-    check_each(&dev, |i| i as f32);
-    check_each(&dev, |i| i as f64);
-    check_each(&dev, |i| f16::from_f32(i as f32));
-    check_each(&dev, |i| bf16::from_f32(i as f32));
-    check_each(&dev, |i| i as i8);
-    check_each(&dev, |i| i as u8);
-    check_each(&dev, |i| i as i16);
-    check_each(&dev, |i| i);
-    check_each(&dev, |i| i as i64);
+    each_numeric_dtype!(check_each(&dev));
     check_each(&dev, |i| i % 2 == 1);
     // An empty counter: an error, and nothing queued.
     let a = GpuTensor::<f32>::zeros(&dev, &[4]).unwrap();

@@ -954,6 +954,12 @@ impl ManyViews {
         self.many.count == 0
     }
 
+    /// How many views are in.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.many.count as usize
+    }
+
     /// Whether `view` can go into a `_many` launch: contiguous, of this element type.
     pub(crate) fn takes(&self, view: &KernelView) -> bool {
         view.dtype == self.dtype && view.layout.is_contiguous()

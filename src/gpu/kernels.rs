@@ -101,30 +101,41 @@ fn launch_many(
     many: impl Fn(ManyViews) -> KernelArgs,
     single: impl Fn(KernelView, u64) -> KernelArgs,
 ) -> Result<()> {
-    // Checked before anything is queued: a bad view launches nothing.
-    let checked = views
-        .iter()
-        .map(|&(alloc, layout, bits)| Ok((KernelView::new(alloc, layout, dtype)?, bits)))
-        .collect::<Result<Vec<_>>>()?;
+    for args in plan_many(dtype, views, many, single)? {
+        launch(device, args)?;
+    }
+    Ok(())
+}
+
+/// The launches of [`launch_many`], in order; an error, before any launch, for a view that
+/// does not lie inside its memory.
+fn plan_many(
+    dtype: DType,
+    views: &[ViewAndValue<'_>],
+    many: impl Fn(ManyViews) -> KernelArgs,
+    single: impl Fn(KernelView, u64) -> KernelArgs,
+) -> Result<Vec<KernelArgs>> {
+    let mut launches = Vec::new();
     let mut gathered = ManyViews::new(dtype);
-    for (view, bits) in checked {
+    for &(alloc, layout, bits) in views {
+        let view = KernelView::new(alloc, layout, dtype)?;
         if gathered.push(&view, bits) {
             continue;
         }
-        // Full, or a view that is not contiguous (its own launch): what is gathered goes
+        // Full, or a view that is not contiguous (a launch of its own): what is gathered goes
         // first, in the views' order.
         if !gathered.is_empty() {
-            launch(device, many(gathered))?;
+            launches.push(many(gathered));
             gathered = ManyViews::new(dtype);
         }
         if !gathered.push(&view, bits) {
-            launch(device, single(view, bits))?;
+            launches.push(single(view, bits));
         }
     }
     if !gathered.is_empty() {
-        launch(device, many(gathered))?;
+        launches.push(many(gathered));
     }
-    Ok(())
+    Ok(launches)
 }
 
 /// Sets every element of each view to its value: one launch for up to
@@ -175,6 +186,64 @@ pub(crate) fn copy(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn many_views_go_in_launches_of_at_most_64_in_order_and_strided_ones_alone() {
+        use crate::dtype::DType;
+        let contiguous = Layout::contiguous(&[1000]).unwrap();
+        let column = Layout::contiguous(&[100, 10]).unwrap().transpose(0, 1).unwrap().narrow(0, 3, 1).unwrap();
+        let memory = DeviceRange::new(0x10000, 4000);
+        // 150 views, every fifth a column of a matrix (strided): 120 contiguous ones in runs
+        // of four between the strided ones.
+        let views: Vec<ViewAndValue<'_>> =
+            (0..150).map(|i| (memory, if i % 5 == 4 { &column } else { &contiguous }, i as u64)).collect();
+        let plan = plan_many(
+            DType::F32,
+            &views,
+            |views| KernelArgs::FillMany { views },
+            |view, bits| KernelArgs::Fill { view, bits },
+        )
+        .unwrap();
+        let shape: Vec<String> = plan
+            .iter()
+            .map(|args| match args {
+                KernelArgs::FillMany { views } => format!("many{}", views.len()),
+                KernelArgs::Fill { .. } => "one".into(),
+                _ => unreachable!(),
+            })
+            .collect();
+        assert_eq!(shape.len(), 60, "30 launches of four contiguous views, 30 of one strided view");
+        assert!(shape.chunks(2).all(|pair| pair == ["many4", "one"]));
+        // Contiguous views alone: launches of 64, 64 and 22.
+        let views: Vec<ViewAndValue<'_>> = (0..150).map(|i| (memory, &contiguous, i as u64)).collect();
+        let plan = plan_many(
+            DType::F32,
+            &views,
+            |views| KernelArgs::FillMany { views },
+            |view, bits| KernelArgs::Fill { view, bits },
+        )
+        .unwrap();
+        let sizes: Vec<usize> = plan
+            .iter()
+            .map(|args| match args {
+                KernelArgs::FillMany { views } => views.len(),
+                _ => unreachable!(),
+            })
+            .collect();
+        assert_eq!(sizes, vec![64, 64, 22]);
+        // A view past its memory: an error, and no launch planned.
+        let big = Layout::contiguous(&[1001]).unwrap();
+        let views: Vec<ViewAndValue<'_>> = vec![(memory, &contiguous, 1), (memory, &big, 2)];
+        assert!(
+            plan_many(
+                DType::F32,
+                &views,
+                |views| KernelArgs::FillMany { views },
+                |view, bits| KernelArgs::Fill { view, bits }
+            )
+            .is_err()
+        );
+    }
 
     #[test]
     fn grids_cover_the_elements_up_to_a_cap() {
