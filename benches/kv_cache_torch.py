@@ -10,8 +10,9 @@ has arrived. The clock starts once both decode processes have set up CUDA on a f
     python3 benches/kv_cache_torch.py [--requests 400] [--batch 4] [--no-kernels]
 
 Prints `torch.mp blocks/s: <rate>` (what the example reads) and the requests per second.
-`--no-kernels` leaves every kernel out (blocks from `torch.empty`, nothing checked): what
-torch.mp's transport of the blocks alone allows, the most this workload could reach with it.
+`--no-kernels` leaves every kernel out of the timed part (blocks from `torch.empty`, nothing
+checked; the warm-up requests before the clock still run theirs): what torch.mp's transport of
+the blocks alone allows, the most this workload could reach with it.
 """
 
 import queue

@@ -134,6 +134,10 @@ fn decode_requests(
     let appended = bf16::from_f32(512.0);
     let warm_up = requests.recv()?;
     launches.check(&expected(&warm_up).collect::<Vec<_>>(), &wrong)?;
+    // Each kernel's first launch loads it: the appended blocks' fill too, before the clock.
+    let scratch = GpuTensor::empty(&dev, &BLOCK)?;
+    launches.fill(&[(&scratch, appended)])?;
+    launches.check(&[(&scratch, appended)], &wrong)?;
     out.blocks_checked += warm_up.blocks.len() as u64;
     out.requests += 1;
     dev.synchronize()?;
@@ -231,7 +235,8 @@ fn run() -> Outcome {
     let mut decoders = vec![start_decoder(launches)?, start_decoder(launches)?];
     // Warm-up: each decode process sets up CUDA on a request, before the clock starts.
     for (i, d) in decoders.iter_mut().enumerate() {
-        let blocks = vec![GpuTensor::full(&dev, &BLOCK, block_value(u32::MAX - i as u32, 0))?];
+        let blocks = vec![GpuTensor::empty(&dev, &BLOCK)?];
+        launches.fill(&[(&blocks[0], block_value(u32::MAX - i as u32, 0))])?;
         d.requests.send(Request { id: u32::MAX - i as u32, prompt_tokens: TOKENS_PER_BLOCK as u32, blocks })?;
     }
     for d in &decoders {

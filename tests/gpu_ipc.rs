@@ -1205,9 +1205,6 @@ fn counted_producer((tx, release, report): (Sender<(GpuTensor<f32>, f32)>, Recei
     report.send(known).unwrap();
 }
 
-/// For each tensor received: the waits its stream owes right after the receive (1 for fresh
-/// memory whose sender's work was still queued), then how many elements differ from the value
-/// sent with it.
 /// Replies the waits owed on the tensors just received, then how many of their elements differ
 /// from the values given beside them (counted on the GPU, behind those waits).
 fn reply_owed_then_differing(reply: &Sender<i64>, checks: &[(&GpuTensor<f32>, f32)]) {
@@ -1220,6 +1217,9 @@ fn reply_owed_then_differing(reply: &Sender<i64>, checks: &[(&GpuTensor<f32>, f3
     reply.send(counter.to_vec().unwrap()[0]).unwrap();
 }
 
+/// For each tensor received: the waits its stream owes right after the receive (1 for fresh
+/// memory whose sender's work was still queued), then how many elements differ from the value
+/// sent with it.
 fn owed_then_count((rx, reply): (Receiver<(GpuTensor<f32>, f32)>, Sender<i64>)) {
     while let Ok((t, value)) = rx.recv() {
         reply_owed_then_differing(&reply, &[(&t, value)]);

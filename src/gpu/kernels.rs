@@ -101,7 +101,16 @@ fn launch_many(
     many: impl Fn(ManyViews) -> KernelArgs,
     single: impl Fn(KernelView, u64) -> KernelArgs,
 ) -> Result<()> {
-    for args in plan_many(dtype, views, many, single)? {
+    let plan = plan_many(dtype, views, many, single)?;
+    // Each kernel of the plan looked up (the module loaded) before the first launch: a kernel
+    // missing from the module queues nothing. A launch the driver refuses still leaves the
+    // launches before it queued, as separate calls would.
+    let kernels = device.kernels()?;
+    for args in &plan {
+        let (op, dtype, _) = args.signature()?;
+        kernels.function(op, dtype)?;
+    }
+    for args in plan {
         launch(device, args)?;
     }
     Ok(())

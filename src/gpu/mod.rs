@@ -198,8 +198,8 @@ impl<T: Element> Tensor<T, GpuStorage> {
     }
 
     /// Sets every element of each tensor to the value beside it, as [`fill`](Self::fill) on
-    /// each would, with one kernel launch for every 64 contiguous tensors (a tensor that is not
-    /// contiguous gets a launch of its own). A process that writes many small tensors (the
+    /// each would, with one kernel launch for each run of up to 64 contiguous tensors in a row
+    /// (a tensor that is not contiguous gets a launch of its own, and ends the run). A process that writes many small tensors (the
     /// blocks of a paged KV cache) gives the GPU one command instead of one a tensor; without
     /// MPS the GPU runs one process at a time and may switch to another process whenever this
     /// one's queue runs dry between two launches. All tensors must be on one GPU; where two
@@ -221,8 +221,8 @@ impl<T: Element> Tensor<T, GpuStorage> {
 
     /// Adds to `counter`'s first element the number of elements of each tensor that are not
     /// the value beside it, as [`count_not_equal`](Self::count_not_equal) on each would, with
-    /// one kernel launch for every 64 contiguous tensors (see [`fill_each`](Self::fill_each)).
-    /// All tensors and `counter` must be on one GPU.
+    /// one kernel launch for each run of up to 64 contiguous tensors in a row (see
+    /// [`fill_each`](Self::fill_each)). All tensors and `counter` must be on one GPU.
     ///
     /// ```no_run
     /// use cuda_mp::GpuTensor;
@@ -234,7 +234,7 @@ impl<T: Element> Tensor<T, GpuStorage> {
     /// assert_eq!(counter.to_vec().unwrap(), vec![1]);
     /// ```
     pub fn count_not_equal_each(items: &[(&GpuTensor<T>, T)], counter: &GpuTensor<i64>) -> Result<()> {
-        let Some(device) = Self::one_device(items)? else { return Ok(()) };
+        let device = Self::one_device(items)?.unwrap_or(counter.device());
         let count = counter.counter_range(device)?;
         let ranges = items.iter().map(|(t, _)| t.storage.range()).collect::<Result<Vec<_>>>()?;
         let views: Vec<_> = items.iter().zip(ranges).map(|((t, v), r)| (r, &t.layout, v.to_bits())).collect();

@@ -259,6 +259,7 @@ impl<'a> HeldStream<'a> {
     pub fn new(dev: &'a Device, flag: &'a cuda_mp::GpuTensor<i32>) -> Self {
         let side = dev.context().new_stream().unwrap();
         let dev_arc = flag.device();
+        assert_eq!(dev_arc.ordinal(), dev.ordinal(), "the flag is on the held device");
         let (a, b) = (
             cuda_mp::GpuTensor::<f32>::zeros(dev_arc, &[1]).unwrap(),
             cuda_mp::GpuTensor::zeros(dev_arc, &[1]).unwrap(),
