@@ -945,7 +945,7 @@ impl ManyViews {
     }
 
     /// Whether [`MANY`] views are in.
-    pub(crate) fn is_full(&self) -> bool {
+    fn is_full(&self) -> bool {
         self.many.count as usize == MANY
     }
 
@@ -961,7 +961,7 @@ impl ManyViews {
     }
 
     /// Whether `view` can go into a `_many` launch: contiguous, of this element type.
-    pub(crate) fn takes(&self, view: &KernelView) -> bool {
+    fn takes(&self, view: &KernelView) -> bool {
         view.dtype == self.dtype && view.layout.is_contiguous()
     }
 

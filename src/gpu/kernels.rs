@@ -196,9 +196,18 @@ pub(crate) fn copy(
 mod tests {
     use super::*;
 
+    /// The launches of `fill_many` over `views` of f32.
+    fn fill_plan(views: &[ViewAndValue<'_>]) -> Result<Vec<KernelArgs>> {
+        plan_many(
+            DType::F32,
+            views,
+            |views| KernelArgs::FillMany { views },
+            |view, bits| KernelArgs::Fill { view, bits },
+        )
+    }
+
     #[test]
     fn many_views_go_in_launches_of_at_most_64_in_order_and_strided_ones_alone() {
-        use crate::dtype::DType;
         let contiguous = Layout::contiguous(&[1000]).unwrap();
         let column = Layout::contiguous(&[100, 10]).unwrap().transpose(0, 1).unwrap().narrow(0, 3, 1).unwrap();
         let memory = DeviceRange::new(0x10000, 4000);
@@ -206,13 +215,7 @@ mod tests {
         // of four between the strided ones.
         let views: Vec<ViewAndValue<'_>> =
             (0..150).map(|i| (memory, if i % 5 == 4 { &column } else { &contiguous }, i as u64)).collect();
-        let plan = plan_many(
-            DType::F32,
-            &views,
-            |views| KernelArgs::FillMany { views },
-            |view, bits| KernelArgs::Fill { view, bits },
-        )
-        .unwrap();
+        let plan = fill_plan(&views).unwrap();
         let shape: Vec<String> = plan
             .iter()
             .map(|args| match args {
@@ -225,13 +228,7 @@ mod tests {
         assert!(shape.chunks(2).all(|pair| pair == ["many4", "one"]));
         // Contiguous views alone: launches of 64, 64 and 22.
         let views: Vec<ViewAndValue<'_>> = (0..150).map(|i| (memory, &contiguous, i as u64)).collect();
-        let plan = plan_many(
-            DType::F32,
-            &views,
-            |views| KernelArgs::FillMany { views },
-            |view, bits| KernelArgs::Fill { view, bits },
-        )
-        .unwrap();
+        let plan = fill_plan(&views).unwrap();
         let sizes: Vec<usize> = plan
             .iter()
             .map(|args| match args {
@@ -243,15 +240,7 @@ mod tests {
         // A view past its memory: an error, and no launch planned.
         let big = Layout::contiguous(&[1001]).unwrap();
         let views: Vec<ViewAndValue<'_>> = vec![(memory, &contiguous, 1), (memory, &big, 2)];
-        assert!(
-            plan_many(
-                DType::F32,
-                &views,
-                |views| KernelArgs::FillMany { views },
-                |view, bits| KernelArgs::Fill { view, bits }
-            )
-            .is_err()
-        );
+        assert!(fill_plan(&views).is_err());
     }
 
     #[test]

@@ -199,11 +199,12 @@ impl<T: Element> Tensor<T, GpuStorage> {
 
     /// Sets every element of each tensor to the value beside it, as [`fill`](Self::fill) on
     /// each would, with one kernel launch for each run of up to 64 contiguous tensors in a row
-    /// (a tensor that is not contiguous gets a launch of its own, and ends the run). A process that writes many small tensors (the
-    /// blocks of a paged KV cache) gives the GPU one command instead of one a tensor; without
-    /// MPS the GPU runs one process at a time and may switch to another process whenever this
-    /// one's queue runs dry between two launches. All tensors must be on one GPU; where two
-    /// views overlap, which of their values an element ends with is not given.
+    /// (a tensor that is not contiguous gets a launch of its own, and ends the run). A process
+    /// that writes many small tensors (the blocks of a paged KV cache) gives the GPU one
+    /// command instead of one a tensor; without MPS the GPU runs one process at a time and may
+    /// switch to another process whenever this one's queue runs dry between two launches. All
+    /// tensors must be on one GPU; where two views overlap, which of their values an element
+    /// ends with is not given.
     ///
     /// ```no_run
     /// use cuda_mp::GpuTensor;
@@ -214,9 +215,7 @@ impl<T: Element> Tensor<T, GpuStorage> {
     /// ```
     pub fn fill_each(items: &[(&GpuTensor<T>, T)]) -> Result<()> {
         let Some(device) = Self::one_device(items)? else { return Ok(()) };
-        let ranges = items.iter().map(|(t, _)| t.storage.range()).collect::<Result<Vec<_>>>()?;
-        let views: Vec<_> = items.iter().zip(ranges).map(|((t, v), r)| (r, &t.layout, v.to_bits())).collect();
-        kernels::fill_many(device, T::DTYPE, &views)
+        kernels::fill_many(device, T::DTYPE, &Self::kernel_views(items)?)
     }
 
     /// Adds to `counter`'s first element the number of elements of each tensor that are not
@@ -236,9 +235,12 @@ impl<T: Element> Tensor<T, GpuStorage> {
     pub fn count_not_equal_each(items: &[(&GpuTensor<T>, T)], counter: &GpuTensor<i64>) -> Result<()> {
         let device = Self::one_device(items)?.unwrap_or(counter.device());
         let count = counter.counter_range(device)?;
-        let ranges = items.iter().map(|(t, _)| t.storage.range()).collect::<Result<Vec<_>>>()?;
-        let views: Vec<_> = items.iter().zip(ranges).map(|((t, v), r)| (r, &t.layout, v.to_bits())).collect();
-        kernels::count_ne_many(device, T::DTYPE, &views, count)
+        kernels::count_ne_many(device, T::DTYPE, &Self::kernel_views(items)?, count)
+    }
+
+    /// Each tensor of `items` as the kernels take it: its memory, its layout and its value's bits.
+    fn kernel_views<'a>(items: &[(&'a GpuTensor<T>, T)]) -> Result<Vec<kernels::ViewAndValue<'a>>> {
+        items.iter().map(|(t, v)| Ok((t.storage.range()?, &t.layout, v.to_bits()))).collect()
     }
 
     /// The GPU of every tensor of `items` (`None` for none); an error when they are on more
