@@ -33,7 +33,14 @@ use crate::error::{Error, Result};
 /// # Ok::<(), cuda_mp::Error>(())
 /// ```
 pub fn to_bytes<T: Serialize + ?Sized>(value: &T, ttl: Duration) -> Result<Vec<u8>> {
-    crate::wire::encode_handoff(value, ttl).map_err(Error::Encode)
+    let (bytes, ticket) = crate::wire::encode_deposited(value, None, ttl);
+    // Nothing of a value that did not encode is left waiting.
+    if bytes.is_err()
+        && let Some(ticket) = &ticket
+    {
+        crate::handover::withdraw(ticket);
+    }
+    bytes.map_err(Error::Encode)
 }
 
 /// Decodes bytes made by [`to_bytes`] in any process of the same user on this host, while the
@@ -76,7 +83,7 @@ pub fn from_bytes<T: DeserializeOwned>(bytes: &[u8]) -> Result<T> {
 /// # Ok::<(), cuda_mp::Error>(())
 /// ```
 pub struct HandoffBatch {
-    encoder: crate::wire::BatchEncoder,
+    ticket: crate::handover::SpawnTicket,
     ttl: Duration,
     encoded: usize,
     finished: bool,
@@ -85,14 +92,17 @@ pub struct HandoffBatch {
 impl HandoffBatch {
     /// An empty batch whose values wait for their decoder at most `ttl` (counted from now).
     pub fn new(ttl: Duration) -> Result<HandoffBatch> {
-        let encoder = crate::wire::BatchEncoder::new(ttl).map_err(Error::Encode)?;
-        Ok(HandoffBatch { encoder, ttl, encoded: 0, finished: false })
+        let ticket = crate::handover::batch_ticket(ttl).map_err(|e| Error::Encode(e.to_string()))?;
+        Ok(HandoffBatch { ticket, ttl, encoded: 0, finished: false })
     }
 
     /// The bytes of one more value of the batch. A value that does not encode is an error and
     /// leaves the batch usable (what it had deposited goes with the batch).
     pub fn to_bytes<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<Vec<u8>> {
-        let bytes = self.encoder.encode(value).map_err(Error::Encode)?;
+        // Each value a message of its own (its own per-message lease): the claims of one never
+        // decoded go with its descriptors, whatever the others do.
+        let bytes =
+            crate::wire::encode_deposited(value, Some(self.ticket.clone()), self.ttl).0.map_err(Error::Encode)?;
         self.encoded += 1;
         Ok(bytes)
     }
@@ -101,14 +111,14 @@ impl HandoffBatch {
     /// (nothing of it decodes).
     pub fn finish(mut self) -> Result<()> {
         self.finished = true;
-        if self.encoder.seal() { Ok(()) } else { Err(Error::Timeout(self.ttl)) }
+        if crate::handover::seal(&self.ticket) { Ok(()) } else { Err(Error::Timeout(self.ttl)) }
     }
 }
 
 impl Drop for HandoffBatch {
     fn drop(&mut self) {
         if !self.finished {
-            self.encoder.withdraw();
+            crate::handover::withdraw(&self.ticket);
         }
     }
 }

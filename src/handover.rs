@@ -1,42 +1,27 @@
-//! How the descriptors of spawn arguments and results cross: procspawn carries only bytes (its
-//! own ipc-channel transport cannot carry descriptors of ours), so the process that encodes
-//! them deposits them here, under a fresh 128-bit secret, and the process that decodes them
-//! fetches them from this process's **home**: a listener socket with an abstract name (no
-//! file; it goes with the process), served by one thread, started on first use. The place of each descriptor in the
-//! bytes says where it waits ([`SpawnTicket`]: the home's name and the secret).
-//!
-//! - Arguments: the parent deposits them before procspawn sends the call; the child fetches them
-//!   as it decodes. A deposit whose child ended first is withdrawn as soon as the parent knows
-//!   (it killed the child, or a join saw it end: [`withdraw`]), else dropped once nobody fetched
-//!   it within [`ARGUMENT_TTL`]; the claims it held go with it.
-//! - Results: the child deposits each descriptor as procspawn encodes the result; the parent
-//!   fetches it when it decodes the result (at `join`). A process that exits first waits for
-//!   its results to be fetched, for as long as its parent lives.
-//!
-//! - Values as bytes ([`crate::to_bytes`]): deposited like arguments, for the one process that
-//!   decodes the bytes, and dropped once nobody fetched them within the encoder's time.
-//! - A batch of such values ([`crate::HandoffBatch`]): one deposit for all of them, filled as
-//!   they encode and handed out only once sealed (a fetch before is answered "no" and leaves
-//!   it); its decoder fetches it once and keeps what the values not yet decoded will take.
+//! How the descriptors of spawn arguments and results, and of values as bytes
+//! ([`crate::to_bytes`], [`crate::HandoffBatch`]), cross: procspawn and the caller's own byte
+//! pipes carry only bytes, so the process that encodes them deposits them here, under a fresh
+//! 128-bit secret, and the process that decodes them fetches them from this process's **home**:
+//! a listener socket with an abstract name (no file; it goes with the process), served by one
+//! thread, started on first use. The place of each descriptor in the bytes says where it waits
+//! ([`SpawnTicket`]: the home's name and the secret). Who deposits what and when it goes
+//! (arguments at [`withdraw`] or after [`ARGUMENT_TTL`], results waited for at exit while the
+//! parent lives, batches handed out once sealed): `docs/architecture.md`.
 //!
 //! Each side checks the other's credentials (`SO_PEERCRED`: a process of another user gets
-//! nothing) when they connect; the secret says which deposit. A fetcher keeps its connection
-//! to a home for its next fetch there (a stream of handoffs from one process then costs one
-//! exchange each, not a connection each: about 9 against 50 us on a 2-cpu machine), until it
-//! has gone unused for a second or that home closed it (its own home's thread watches the
-//! connections this process keeps, and closes them then); the home's thread answers every
-//! connection it keeps (at most 256, the oldest closed beyond), polling them with its listener.
-//! A fetch whose kept connection the home closed asks again on a fresh one: a home answers
-//! before it closes, so a request on a closed connection was not taken.
+//! nothing) when they connect. A fetcher keeps its connection to a home for its next fetch
+//! there (one exchange, about 9 us on a 2-cpu machine, against 50 for a connection) until it
+//! has gone unused for a second or that home closed it (its own home's thread watches those
+//! connections and closes them then); a home answers at most 256 kept connections, the oldest
+//! closed beyond. A fetch whose kept connection the home closed asks again on a fresh one: a
+//! home answers before it closes, so a request on a closed connection was not taken.
 //!
-//! Expiring deposits go when their time is up: the serving thread wakes for the first of them
-//! (a new deposit that expires earlier wakes it, by its bell), and one
-//! that expired is never handed out. After serving a connection it keeps a timer for a second
-//! even with nothing to expire, so that a stream of handoffs (each fetched within
-//! milliseconds, its deposit made while the timer runs) costs no wake per deposit: that
-//! connection was most of an encode's time (26 us of 28 on a 2-cpu machine). What a decoder
-//! keeps of a batch goes the same way when the batch's time is up. Lock order: the deposits,
-//! then what is kept, then the wake time; the kept connections' lock is taken alone.
+//! The serving thread wakes for the first deposit (or kept batch) to expire (one that expires
+//! earlier wakes it, by its bell), and one that expired is never handed out. After serving a
+//! connection it keeps a timer for a second even with nothing to expire, so that a stream of
+//! handoffs costs no wake per deposit (that was 26 us of an encode's 28 on a 2-cpu machine).
+//! Lock order: the deposits, then what is kept, then the wake time; the kept connections' lock
+//! is taken alone.
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
@@ -219,14 +204,10 @@ fn lock_kept(home: &Home) -> MutexGuard<'_, HashMap<(String, u128), Kept>> {
 pub(crate) fn expire() {
     let Ok(home) = home() else { return };
     let now = Instant::now();
-    let expired: (Vec<Deposit>, Vec<Kept>) = {
+    let expired: (Vec<_>, Vec<_>) = {
         let mut deposits = lock(home);
-        let keys: Vec<u128> =
-            deposits.iter().filter(|(_, d)| d.expires.is_some_and(|e| e <= now)).map(|(k, _)| *k).collect();
-        let deposits = keys.iter().filter_map(|k| deposits.remove(k)).collect();
-        let mut kept = lock_kept(home);
-        let keys: Vec<(String, u128)> = kept.iter().filter(|(_, k)| k.until <= now).map(|(k, _)| k.clone()).collect();
-        (deposits, keys.iter().filter_map(|k| kept.remove(k)).collect())
+        let kept = lock_kept(home).extract_if(|_, k| k.until <= now).collect();
+        (deposits.extract_if(|_, d| d.expires.is_some_and(|e| e <= now)).collect(), kept)
     };
     // Closed outside the locks.
     drop(expired);
@@ -318,11 +299,7 @@ fn serve(listening: NotInherited<Listening>) {
     let mut timed_out = false;
     loop {
         let Ok(home) = home() else { return };
-        // Until a request, or until the first deposit expires (a millisecond after, so that it
-        // has), or this process's first kept connection to another home falls idle. With
-        // nothing to expire after a request, until `LINGER` from now all the same: a deposit
-        // made meanwhile (the next of a stream of handoffs, each fetched within milliseconds)
-        // then finds the thread waking before it expires, and need not wake it.
+        // Until a request or `next_wake` (a millisecond after, so that what expires has).
         let next = next_wake(home, timed_out);
         let wait = next.map_or(Wait::Forever, |e| Wait::Until(e + Duration::from_millis(1)));
         // This process's kept connections to other homes are watched too, for their home's
@@ -452,11 +429,7 @@ fn links() -> MutexGuard<'static, HashMap<String, (Arc<Link>, Instant)>> {
 
 /// Closes the kept connection `link` (if it is still kept): its home closed it.
 fn close_link(link: &Arc<Link>) {
-    let closed = {
-        let mut links = links();
-        let name = links.iter().find(|(_, (kept, _))| Arc::ptr_eq(kept, link)).map(|(name, _)| name.clone());
-        name.and_then(|name| links.remove(&name))
-    };
+    let closed: Vec<_> = links().extract_if(|_, (kept, _)| Arc::ptr_eq(kept, link)).collect();
     drop(closed);
 }
 
@@ -465,9 +438,7 @@ fn close_link(link: &Arc<Link>) {
 fn close_idle_links(now: Instant) -> Option<Instant> {
     let (idle, next) = {
         let mut links = links();
-        let idle: Vec<String> =
-            links.iter().filter(|(_, (_, used))| *used + LINK_IDLE <= now).map(|(k, _)| k.clone()).collect();
-        let idle: Vec<_> = idle.iter().filter_map(|k| links.remove(k)).collect();
+        let idle: Vec<_> = links.extract_if(|_, (_, used)| *used + LINK_IDLE <= now).collect();
         (idle, links.values().map(|(_, used)| *used + LINK_IDLE).min())
     };
     drop(idle);
@@ -490,24 +461,15 @@ fn keep_link(name: &str, socket: Arc<Link>, new: bool) {
     }
 }
 
-/// What a fetch's exchange came to.
-enum Exchange {
-    Answered(crate::sys::Message),
-    /// The connection was closed before an answer: the request was not taken (a home answers
-    /// before it closes), so it may be asked again on a fresh one.
-    Closed,
-}
-
 /// Asks `socket`'s home for the deposit of `ticket`, waiting `wait` at most for its answer.
-fn exchange(socket: &Socket, ticket: &SpawnTicket, wait: Duration) -> io::Result<Exchange> {
+/// `None` when the connection was closed before an answer: the request was not taken (a home
+/// answers before it closes), so it may be asked again on a fresh one.
+fn exchange(socket: &Socket, ticket: &SpawnTicket, wait: Duration) -> io::Result<Option<crate::sys::Message>> {
     match socket.send(&[&ticket.token.to_le_bytes()], &[], Wait::Forever) {
-        Ok(()) => {}
-        Err(e) if matches!(e.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset) => {
-            return Ok(Exchange::Closed);
-        }
-        Err(e) => return Err(e),
+        Ok(()) => socket.recv(16, Wait::Until(crate::os::instant_after(wait))),
+        Err(e) if matches!(e.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset) => Ok(None),
+        Err(e) => Err(e),
     }
-    Ok(socket.recv(16, Wait::Until(crate::os::instant_after(wait)))?.map_or(Exchange::Closed, Exchange::Answered))
 }
 
 /// Fetches the descriptors deposited under `ticket`, from the home it names, with the time the
@@ -536,16 +498,13 @@ pub(crate) fn fetch_within(ticket: &SpawnTicket, wait: Duration) -> Result<(Vec<
 /// [`fetch`] on `kept`, this process's connection to the ticket's home if it has one.
 fn fetch_on(kept: Option<Arc<Link>>, ticket: &SpawnTicket, wait: Duration) -> Result<(Vec<OwnedFd>, Option<Duration>)> {
     let refused = |why: String| Error::Malformed(format!("the descriptors of a value from another process: {why}"));
-    let mut answered = None;
-    if let Some(socket) = kept {
-        // Asked again on a fresh connection only when the home closed this one: a request it
-        // took (answered late, say, or with an answer this process could not take in) is not
-        // asked twice.
-        match exchange(&socket, ticket, wait).map_err(|e| refused(e.to_string()))? {
-            Exchange::Answered(answer) => answered = Some((answer, socket, false)),
-            Exchange::Closed => {}
-        }
-    }
+    let exchange = |socket: &Socket| exchange(socket, ticket, wait).map_err(|e| refused(e.to_string()));
+    // Asked again on a fresh connection only when the home closed this one: a request it took
+    // (answered late, say, or with an answer this process could not take in) is not asked twice.
+    let answered = match kept {
+        Some(socket) => exchange(&socket)?.map(|answer| (answer, socket, false)),
+        None => None,
+    };
     let (answer, socket, new) = match answered {
         Some(done) => done,
         None => {
@@ -558,10 +517,9 @@ fn fetch_on(kept: Option<Arc<Link>>, ticket: &SpawnTicket, wait: Duration) -> Re
                 )),
                 _ => refused(e.to_string()),
             })?;
-            match exchange(&socket, ticket, wait).map_err(|e| refused(e.to_string()))? {
-                Exchange::Answered(answer) => (answer, Arc::new(NotInherited::new(socket)), true),
-                Exchange::Closed => return Err(refused("the process that sent them closed the connection".into())),
-            }
+            let answer =
+                exchange(&socket)?.ok_or_else(|| refused("the process that sent them closed the connection".into()))?;
+            (answer, Arc::new(NotInherited::new(socket)), true)
         }
     };
     keep_link(&ticket.home, socket, new);

@@ -154,42 +154,19 @@ impl From<&str> for Value {
     }
 }
 
-impl From<String> for Value {
-    fn from(s: String) -> Value {
-        Value::Str(s)
-    }
+macro_rules! from {
+    ($($t:ty => $variant:ident),*) => {$(
+        impl From<$t> for Value {
+            fn from(x: $t) -> Value {
+                Value::$variant(x)
+            }
+        }
+    )*};
 }
 
-impl From<i64> for Value {
-    fn from(i: i64) -> Value {
-        Value::Int(i)
-    }
-}
-
-impl From<f64> for Value {
-    fn from(x: f64) -> Value {
-        Value::Float(x)
-    }
-}
-
-impl From<bool> for Value {
-    fn from(b: bool) -> Value {
-        Value::Bool(b)
-    }
-}
-
-impl From<DynTensor<HostStorage>> for Value {
-    fn from(t: DynTensor<HostStorage>) -> Value {
-        Value::Host(t)
-    }
-}
-
+from!(String => Str, i64 => Int, f64 => Float, bool => Bool, DynTensor<HostStorage> => Host);
 #[cfg(feature = "cuda")]
-impl From<DynTensor<GpuStorage>> for Value {
-    fn from(t: DynTensor<GpuStorage>) -> Value {
-        Value::Gpu(t)
-    }
-}
+from!(DynTensor<GpuStorage> => Gpu);
 
 #[cfg(test)]
 mod tests {

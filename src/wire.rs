@@ -184,19 +184,6 @@ struct OwnClaim {
     index: u64,
 }
 
-impl std::fmt::Debug for Encoded {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Encoded")
-            .field("bytes", &self.bytes.len())
-            .field("fds", &self.fds.len())
-            .field("introduce", &self.introduce.len())
-            .field("claims", &self.claims.len())
-            .finish()
-    }
-}
-
-pub(crate) use crate::sys::borrow_all;
-
 /// Encodes `value` as one message (postcard) on a channel whose sending side in this process
 /// is `connection`, collecting its descriptors; claims on this process's storages are counted
 /// on the connection's lease. The error says why (a tensor that cannot be exported, say).
@@ -204,7 +191,16 @@ pub(crate) fn encode_on<T: Serialize + ?Sized>(
     value: &T,
     connection: &Arc<Connection>,
 ) -> std::result::Result<Encoded, String> {
-    encode_message(value, Some(connection.clone()))
+    // A message of a tensor or a few is a few hundred bytes: one allocation, not a doubling.
+    let (bytes, mut e) =
+        scope(Encoding::new(None, Some(connection.clone())), || postcard::to_extend(value, Vec::with_capacity(256)));
+    let intros = std::mem::take(&mut e.intros);
+    let mut encoded = unsent(e);
+    // On failure `encoded` drops: the claims made before it are taken back.
+    let mut bytes = bytes.map_err(|e| take_failure().unwrap_or_else(|| format!("{e:?}")))?;
+    append_trailer(&mut bytes, &intros, &encoded.claims);
+    encoded.bytes = bytes;
+    Ok(encoded)
 }
 
 /// What a message's encoding collected, as a message not sent yet (its claims taken back if
@@ -217,27 +213,6 @@ fn unsent(e: Encoding) -> Encoded {
         claims: e.claims,
         segments: e.segments,
         connection: e.connection,
-    }
-}
-
-fn encode_message<T: Serialize + ?Sized>(
-    value: &T,
-    connection: Option<Arc<Connection>>,
-) -> std::result::Result<Encoded, String> {
-    // A message of a tensor or a few is a few hundred bytes: one allocation, not a doubling.
-    let (bytes, mut e) = scope(Encoding::new(None, connection), || postcard::to_extend(value, Vec::with_capacity(256)));
-    let intros = std::mem::take(&mut e.intros);
-    let mut encoded = unsent(e);
-    match bytes {
-        Ok(mut bytes) => {
-            if encoded.connection.is_some() {
-                append_trailer(&mut bytes, &intros, &encoded.claims);
-            }
-            encoded.bytes = bytes;
-            Ok(encoded)
-        }
-        // `encoded` drops here: the claims made before the failure are taken back.
-        Err(e) => Err(take_failure().unwrap_or_else(|| format!("{e:?}"))),
     }
 }
 
@@ -269,25 +244,11 @@ pub(crate) fn encode_spawn_scope<R>(encode: impl FnOnce() -> R) -> (R, Option<Sp
     (result, e.spawn.flatten())
 }
 
-/// Encodes `value` (postcard) as bytes that any transport may carry: its descriptors wait at
-/// this process's home for `ttl`, under a ticket the bytes name, for the one process that
-/// decodes them ([`decode_handoff`]). The claims of a value never decoded go when its deposit
-/// expires. The error says why it does not encode.
-pub(crate) fn encode_handoff<T: Serialize + ?Sized>(value: &T, ttl: Duration) -> std::result::Result<Vec<u8>, String> {
-    let (bytes, ticket) = encode_deposited(value, None, ttl);
-    // Nothing of a value that did not encode is left waiting.
-    if bytes.is_err()
-        && let Some(ticket) = &ticket
-    {
-        crate::handover::withdraw(ticket);
-    }
-    bytes
-}
-
-/// Encodes `value` (postcard) with its descriptors deposited at this process's home for `ttl`,
-/// under `ticket` (or a fresh one made at the first descriptor): the bytes or why they are
-/// not, and the ticket the descriptors wait under.
-fn encode_deposited<T: Serialize + ?Sized>(
+/// Encodes `value` (postcard) with its descriptors deposited at this process's home for `ttl`
+/// (for the one process that decodes them: [`decode_handoff`]), under `ticket` (or a fresh one
+/// made at the first descriptor): the bytes or why they are not, and the ticket the
+/// descriptors wait under.
+pub(crate) fn encode_deposited<T: Serialize + ?Sized>(
     value: &T,
     ticket: Option<SpawnTicket>,
     ttl: Duration,
@@ -298,42 +259,7 @@ fn encode_deposited<T: Serialize + ?Sized>(
     (bytes.map_err(|error| take_failure().unwrap_or_else(|| format!("{error:?}"))), e.spawn.flatten())
 }
 
-/// Values encoded one by one as bytes whose descriptors wait at this process's home in one
-/// deposit, for the one process that decodes them all ([`decode_handoff`] each): it fetches
-/// them once, at the first value it decodes.
-///
-/// Each value is a message of its own (a per-message lease included), so that the claims of a
-/// value that is never decoded go with its descriptors, whatever the others do.
-pub(crate) struct BatchEncoder {
-    ticket: SpawnTicket,
-    ttl: Duration,
-}
-
-impl BatchEncoder {
-    /// An empty batch, whose deposit waits for `ttl` (not handed out before [`Self::seal`]).
-    pub(crate) fn new(ttl: Duration) -> std::result::Result<BatchEncoder, String> {
-        let ticket = crate::handover::batch_ticket(ttl).map_err(|e| e.to_string())?;
-        Ok(BatchEncoder { ticket, ttl })
-    }
-
-    /// Encodes one more value of the batch. What a value that fails deposited before its
-    /// failure waits with the batch, and is closed with what its decoder does not take.
-    pub(crate) fn encode<T: Serialize + ?Sized>(&self, value: &T) -> std::result::Result<Vec<u8>, String> {
-        encode_deposited(value, Some(self.ticket.clone()), self.ttl).0
-    }
-
-    /// Hands the deposit out to its decoder from now on; false when its time was up.
-    pub(crate) fn seal(&self) -> bool {
-        crate::handover::seal(&self.ticket)
-    }
-
-    /// Drops the deposit: no value of the batch decodes, and the claims it held go now.
-    pub(crate) fn withdraw(&self) {
-        crate::handover::withdraw(&self.ticket);
-    }
-}
-
-/// Decodes bytes made by [`encode_handoff`], fetching their descriptors from the home of the
+/// Decodes bytes made by [`encode_deposited`], fetching their descriptors from the home of the
 /// process that encoded them (once: a second decode of the same bytes finds nothing there).
 /// Runs apart from any decode this thread is in; descriptors it fetched and did not take are
 /// closed before it returns.
@@ -401,15 +327,7 @@ pub(crate) fn encode_remote<R>(remote: Remote, encode: impl FnOnce() -> R) -> (R
 /// Like [`encode_remote`], for the deserialization of one message from another host.
 #[cfg(feature = "remote")]
 pub(crate) fn decode_remote<R>(remote: Remote, decode: impl FnOnce() -> R) -> (R, Remote) {
-    struct Pop;
-    impl Drop for Pop {
-        fn drop(&mut self) {
-            DECODING.with(|d| d.borrow_mut().pop());
-        }
-    }
-    FAILURE.with(|f| f.borrow_mut().take());
-    DECODING.with(|d| d.borrow_mut().push(Decoding { remote: Some(remote), ..Default::default() }));
-    let pop = Pop;
+    let pop = push_decoding(Decoding { remote: Some(remote), ..Default::default() });
     let result = decode();
     let remote =
         DECODING.with(|d| d.borrow_mut().last_mut().and_then(|d| d.remote.take())).expect("kept by the context");
@@ -559,11 +477,6 @@ fn split_trailer<'b>(bytes: &'b [u8], leases: &ConnectionLeases) -> std::result:
     }
     Ok(Parts { value: body, intros, covers })
 }
-
-/// Adopts a segment that a channel message introduces, from its kind's tag and its record:
-/// the channel end keeps it for the messages that name it ([`remember_segment`]). Runs in the
-/// message's decoding context, before its value is decoded.
-pub(crate) type AdoptSegment = fn(u8, &[u8]) -> Result<()>;
 
 /// Decodes `bytes` (postcard), a part of the message being decoded (a segment's record): its
 /// descriptors and claims are the message's.
@@ -746,13 +659,6 @@ pub(crate) fn carry(fd: Held, dedup: Option<u64>) -> Result<Carried> {
     })
 }
 
-/// Carries a copy of `fd` in the message being encoded.
-#[cfg(any(test, feature = "testing"))]
-fn carry_copy(fd: std::os::fd::BorrowedFd<'_>) -> Result<Carried> {
-    let copy = fd.try_clone_to_owned().map_err(|e| descriptor_error(e.into()))?;
-    carry(Arc::new(copy), None)
-}
-
 /// Serializes a copy of `fd` carried in the message being encoded: the serde side of a type
 /// that carries a descriptor of its own (the test helpers' files).
 #[cfg(any(test, feature = "testing"))]
@@ -760,7 +666,8 @@ pub(crate) fn serialize_fd<S: serde::Serializer>(
     fd: std::os::fd::BorrowedFd<'_>,
     serializer: S,
 ) -> std::result::Result<S::Ok, S::Error> {
-    carry_copy(fd).map_err(encode_error)?.serialize(serializer)
+    let copy = fd.try_clone_to_owned().map_err(|e| encode_error(descriptor_error(e.into())))?;
+    carry(Arc::new(copy), None).map_err(encode_error)?.serialize(serializer)
 }
 
 /// Deserializes a descriptor carried by [`serialize_fd`], and takes it.
@@ -791,36 +698,25 @@ pub(crate) fn decode<T: DeserializeOwned>(bytes: &[u8], fds: Vec<OwnedFd>) -> st
 }
 
 /// Like [`decode`], for a message from a channel whose senders introduced `leases` (the
-/// message ends with the segments it introduces, adopted by `adopt` first, and its list of
-/// claims on them).
+/// message ends with the segments it introduces, and its list of claims on them). `adopt`
+/// adopts each segment from its kind's tag and record, in the message's decoding context and
+/// before its value is decoded: the channel end keeps it ([`remember_segment`]).
 pub(crate) fn decode_on<T: DeserializeOwned>(
     bytes: &[u8],
     fds: Vec<OwnedFd>,
     leases: Option<&ConnectionLeases>,
-    adopt: AdoptSegment,
+    adopt: fn(u8, &[u8]) -> Result<()>,
 ) -> std::result::Result<T, String> {
-    struct Pop;
-    impl Drop for Pop {
-        fn drop(&mut self) {
-            // Dropped outside the borrow: untaken covers release their claims as they go.
-            let popped = DECODING.with(|d| d.borrow_mut().pop());
-            drop(popped);
-        }
-    }
     let Parts { value, intros, covers: claims } = match leases {
         Some(leases) => split_trailer(bytes, leases)?,
         None => Parts { value: bytes, intros: Vec::new(), covers: Covers::new() },
     };
-    FAILURE.with(|f| f.borrow_mut().take());
-    DECODING.with(|d| {
-        d.borrow_mut().push(Decoding {
-            slots: fds.into_iter().map(Slot::Fd).collect(),
-            claims,
-            segments: leases.map(|l| l.segments().clone()),
-            ..Default::default()
-        })
+    let pop = push_decoding(Decoding {
+        slots: fds.into_iter().map(Slot::Fd).collect(),
+        claims,
+        segments: leases.map(|l| l.segments().clone()),
+        ..Default::default()
     });
-    let pop = Pop;
     // The segments first: they stay with the channel end whatever the value does.
     let result = match intros.iter().try_for_each(|&(kind, record)| adopt(kind, record)) {
         Ok(()) => postcard::from_bytes::<T>(value)
@@ -838,6 +734,24 @@ pub(crate) fn decode_on<T: DeserializeOwned>(
         }
     }
     result
+}
+
+/// Pops this thread's innermost decoding context as it drops (also after a panic).
+struct PopDecoding;
+
+impl Drop for PopDecoding {
+    fn drop(&mut self) {
+        // Dropped outside the borrow: untaken covers release their claims as they go.
+        let popped = DECODING.with(|d| d.borrow_mut().pop());
+        drop(popped);
+    }
+}
+
+/// Pushes `context` as this thread's innermost decoding, a failure recorded before forgotten.
+fn push_decoding(context: Decoding) -> PopDecoding {
+    FAILURE.with(|f| f.borrow_mut().take());
+    DECODING.with(|d| d.borrow_mut().push(context));
+    PopDecoding
 }
 
 fn with_slot<R>(carried: &Carried, f: impl FnOnce(&mut Slot) -> Result<R>) -> Result<R> {
@@ -941,20 +855,14 @@ pub(crate) fn take_socket(carried: Carried) -> Result<Arc<Socket>> {
 /// Takes a descriptor out of the message being decoded that several values of the message may
 /// share (a lease): one descriptor for all of them.
 pub(crate) fn take_shared_fd(carried: Carried) -> Result<Arc<OwnedFd>> {
-    with_slot(&carried, |slot| match std::mem::replace(slot, Slot::Taken) {
-        Slot::Fd(fd) => {
-            let fd = Arc::new(fd);
-            *slot = Slot::Shared(fd.clone());
-            Ok(fd)
-        }
-        Slot::Shared(fd) => {
-            *slot = Slot::Shared(fd.clone());
-            Ok(fd)
-        }
-        other => {
-            *slot = other;
-            Err(Error::Malformed("message refers to a descriptor taken already".into()))
-        }
+    with_slot(&carried, |slot| {
+        let fd = match std::mem::replace(slot, Slot::Taken) {
+            Slot::Fd(fd) => Arc::new(fd),
+            Slot::Shared(fd) => fd,
+            Slot::Taken => return Err(Error::Malformed("message refers to a descriptor taken already".into())),
+        };
+        *slot = Slot::Shared(fd.clone());
+        Ok(fd)
     })
 }
 

@@ -146,84 +146,53 @@ fn poll_recv<T: DeserializeOwned>(
 ) -> Poll<Result<T, RecvError>> {
     // A wait announced for the last poll ends: this one looks again.
     *asleep = None;
-    let poller = match poller() {
-        Some(p) => p,
-        None => {
-            return Poll::Ready(Err(RecvError::Io(IoFailure::other(
-                "cannot start the thread that waits for async receives",
-            ))));
-        }
+    let Some(poller) = poller() else {
+        return Poll::Ready(Err(RecvError::Io(IoFailure::other(
+            "cannot start the thread that waits for async receives",
+        ))));
     };
-    let local = match &rx.flavor {
-        ReceiverFlavor::Local(local) => local,
-        ReceiverFlavor::Remote(remote) => {
-            return match remote.recv(Some(std::time::Instant::now())) {
-                Ok(v) => {
-                    poller.deregister(registration);
-                    Poll::Ready(Ok(v))
-                }
-                Err(RecvTimeoutError::Timeout) => match remote.readiness() {
-                    Some(fd) => {
-                        poller.register(registration, fd, cx.waker());
-                        Poll::Pending
-                    }
-                    None => {
-                        cx.waker().wake_by_ref();
-                        Poll::Pending
-                    }
+    // What to wait on (`None`: poll again at once), or what the receive got.
+    let waiting: Result<Option<Watched>, Result<T, RecvError>> = match &rx.flavor {
+        ReceiverFlavor::Remote(remote) => match remote.recv(Some(std::time::Instant::now())) {
+            Err(RecvTimeoutError::Timeout) => Ok(remote.readiness()),
+            got => Err(got.map_err(|e| {
+                e.failure().unwrap_or_else(|| RecvError::Io(IoFailure::other("a receive that only looks timed out")))
+            })),
+        },
+        ReceiverFlavor::Local(local) => {
+            let readiness = match local.inbox.try_lock() {
+                Some(mut inbox) => match inbox.receive(&local.gauge, Wait::Not) {
+                    Ok(v) => Err(Ok(v)),
+                    Err(Missing::Failed(e)) => Err(Err(e)),
+                    Err(Missing::Empty) => inbox.readiness(&local.gauge).ok_or_else(|| {
+                        Err(RecvError::Io(IoFailure::other("this channel has no descriptor this process can wait on")))
+                    }),
                 },
-                Err(e) => {
-                    poller.deregister(registration);
-                    Poll::Ready(Err(e
-                        .failure()
-                        .unwrap_or_else(|| RecvError::Io(IoFailure::other("a receive that only looks timed out")))))
-                }
+                // Another thread is receiving: wait until it is done, then look.
+                None => Ok(local.wait_for_holder()),
             };
-        }
-    };
-    let fd = match local.try_lock() {
-        Some(mut inbox) => match inbox.receive(&local.gauge, Wait::Not) {
-            Ok(v) => {
-                poller.deregister(registration);
-                return Poll::Ready(Ok(v));
-            }
-            Err(Missing::Failed(e)) => {
-                poller.deregister(registration);
-                return Poll::Ready(Err(e));
-            }
-            Err(Missing::Empty) => match inbox.readiness(&local.gauge) {
-                Some(Readiness::Wait(fd, announced)) => {
+            readiness.map(|readiness| match readiness {
+                Readiness::Wait(fd, announced) => {
                     *asleep = announced;
                     Some(fd)
                 }
-                // A spill batch with messages left: poll again at once.
-                Some(Readiness::Ready) => {
-                    cx.waker().wake_by_ref();
-                    return Poll::Pending;
-                }
-                None => None,
-            },
-        },
-        // Another thread is receiving: wait until it is done, then look.
-        None => match local.wait_for_holder() {
-            Readiness::Wait(fd, announced) => {
-                *asleep = announced;
-                Some(fd)
-            }
-            Readiness::Ready => {
-                cx.waker().wake_by_ref();
-                return Poll::Pending;
-            }
-        },
+                // A spill batch with messages left.
+                Readiness::Ready => None,
+            })
+        }
     };
-    match fd {
-        Some(fd) => {
+    match waiting {
+        Ok(Some(fd)) => {
             poller.register(registration, fd, cx.waker());
             Poll::Pending
         }
-        None => {
+        Ok(None) => {
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+        Err(got) => {
             poller.deregister(registration);
-            Poll::Ready(Err(RecvError::Io(IoFailure::other("this channel has no descriptor this process can wait on"))))
+            Poll::Ready(got)
         }
     }
 }

@@ -1,32 +1,9 @@
-//! What travels on a channel's socket: frames. A message is encoded (postcard, with its
-//! descriptors collected by its encode context) before anything is written, and its bytes go in
-//! a frame, one transport message:
-//!
-//! | kind (first byte) | rest of the bytes | descriptors | |
-//! | --- | --- | --- | --- |
-//! | 0 | the message's bytes | the message's | a message that fits in a frame |
-//! | 1 | the message's length (u64, little-endian) | a frozen memory file holding the bytes, then the message's | a larger message |
-//! | 2 | the number of messages in the batch (u64, little-endian) | the receiving end of a spill batch | "read this batch to its end, then come back" |
-//! | 3 | nothing | a ring's memory, then the reading end of its pipe | "this sender's messages may come in this ring too" (`ring.rs`) |
-//! | 4 | nothing | none | "look at the rings": a message went to a ring while the receiver slept |
-//!
-//! A message frame from a process with a ring on the channel is **ordered**: its kind has bit
-//! 0x40 set and the kind byte is followed by the ring's id and the message's number among that
-//! ring's sender's messages (u64 each, little-endian), so that the receiver puts it in order
-//! with the ring's messages (`inbox.rs`).
-//!
-//! A message frame (kinds 0 and 1) may also introduce connection leases
-//! (`src/lifetime/connection.rs`): its kind then has the high bit set, and the kind byte is
-//! followed by their number (one byte) and their names (owner, 16 bytes, and key, 8 bytes,
-//! little-endian), and their descriptors come before all others. The receiver keeps them
-//! before it decodes the message, so that a message that does not decode still leaves them
-//! known to every later one.
-//!
-//! The receiver decodes the message with its descriptors at hand (`wire::decode`). A frame that
-//! holds a message says how many bytes it has, so that its cost on the socket is known to both
-//! sides even when the message itself does not decode.
+//! What travels on a channel's socket: frames, one transport message each (their kinds and
+//! layout: "Frames" in README.md here). A message is encoded (postcard, with its descriptors
+//! collected by its encode context) before anything is written. A frame that holds a message
+//! says how many bytes it has, so that its cost on the socket is known to both sides even when
+//! the message itself does not decode.
 
-use std::fmt;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
@@ -158,13 +135,8 @@ impl<'a> FrameOut<'a> {
         }
     }
 
-    /// Writes the frame to `socket`, with the message's descriptors `fds`.
-    #[cfg(test)]
-    pub(super) fn write(&self, socket: &Socket, fds: &[Held], wait: Wait) -> io::Result<()> {
-        self.write_in_order(socket, fds, wait, None)
-    }
-
-    /// Writes the frame, a message frame with its place in its sender's `order`.
+    /// Writes the frame to `socket` with the message's descriptors `fds`, a message frame with
+    /// its place in its sender's `order`.
     pub(super) fn write_in_order(
         &self,
         socket: &Socket,
@@ -174,7 +146,7 @@ impl<'a> FrameOut<'a> {
     ) -> io::Result<()> {
         match self {
             FrameOut::Inline(bytes, []) if order.is_none() => {
-                socket.send(&[&[INLINE], bytes], &wire::borrow_all(fds), wait)
+                socket.send(&[&[INLINE], bytes], &crate::sys::borrow_all(fds), wait)
             }
             FrameOut::Inline(bytes, leases) => {
                 socket.send(&[&head(INLINE, leases, order), bytes], &all_fds(leases, None, fds), wait)
@@ -204,13 +176,9 @@ fn all_fds<'f>(leases: &'f [Introduction], own: Option<BorrowedFd<'f>>, fds: &'f
 }
 
 /// Takes the leases a frame introduces (its prefix, `rest` after the kind byte, and its first
-/// descriptors) into `known`; gives the rest of the frame's bytes.
-fn introduce<'b>(rest: &'b [u8], fds: &mut Vec<OwnedFd>, known: Option<&ConnectionLeases>) -> Result<&'b [u8], String> {
-    introduce_first(rest, fds, known, usize::MAX)
-}
-
-/// As `introduce`, adopting only the first `came` leases (those whose descriptors came).
-fn introduce_first<'b>(
+/// descriptors) into `known`, only the first `came` of them (those whose descriptors came);
+/// gives the rest of the frame's bytes.
+fn introduce<'b>(
     rest: &'b [u8],
     fds: &mut Vec<OwnedFd>,
     known: Option<&ConnectionLeases>,
@@ -258,19 +226,6 @@ impl<T> Incoming<T> {
     }
 }
 
-impl<T> fmt::Debug for Incoming<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Incoming::Message { cost, value } => {
-                f.debug_struct("Message").field("cost", cost).field("decoded", &value.is_ok()).finish()
-            }
-            Incoming::Redirect(_) => f.write_str("Redirect"),
-            Incoming::Ring(_) => f.write_str("Ring"),
-            Incoming::Wake => f.write_str("Wake"),
-        }
-    }
-}
-
 /// What a message's `frame` (kind `INLINE` or `SHARED`, with its prefixes) cost on the
 /// socket: what its writer counted (`FrameOut::cost`, which counts a place in an order
 /// whether the frame has one or not).
@@ -298,14 +253,10 @@ pub(super) fn read<T: DeserializeOwned>(
     if message && kind & WITH_ORDER != 0 {
         rest = rest.get(ORDER_BYTES..).ok_or("a frame whose place in its order is cut short")?;
     }
-    let kind = if message && kind & WITH_LEASES != 0 {
-        rest = introduce(rest, &mut fds, leases.map(|l| &**l))?;
-        kind & !(WITH_LEASES | WITH_ORDER)
-    } else if message {
-        kind & !WITH_ORDER
-    } else {
-        kind
-    };
+    if message && kind & WITH_LEASES != 0 {
+        rest = introduce(rest, &mut fds, leases.map(|l| &**l), usize::MAX)?;
+    }
+    let kind = if message { kind & !(WITH_LEASES | WITH_ORDER) } else { kind };
     let decode = |bytes: &[u8], fds| wire::decode_on(bytes, fds, leases.map(|l| &**l), super::adopt_segment);
     match kind {
         INLINE => Ok(Incoming::Message { cost: message_cost(bytes), value: decode(rest, fds) }),
@@ -345,7 +296,6 @@ pub(super) fn read<T: DeserializeOwned>(
 }
 
 /// What a frame whose descriptors the kernel dropped still tells: the frame itself is lost.
-#[derive(Debug, PartialEq, Eq)]
 pub(super) struct CutShort {
     /// What it cost on the socket.
     pub(super) cost: u64,
@@ -377,7 +327,7 @@ pub(super) fn cut_short(bytes: &[u8], mut fds: Vec<OwnedFd>, leases: &Connection
         // The kernel installs a packet's descriptors in order and stops at the first it cannot:
         // those that came are the first leases' (a frame's leases come before its others).
         let came = fds.len();
-        rest = introduce_first(rest, &mut fds, Some(leases), came).ok()?;
+        rest = introduce(rest, &mut fds, Some(leases), came).ok()?;
     }
     if base != INLINE && rest.len() != 8 {
         return None; // a shared-memory frame without its length
@@ -417,7 +367,7 @@ mod tests {
         {
             let (a, _b) = Socket::pair().unwrap();
             let data = vec![7u8; len];
-            FrameOut::Inline(&data, &[]).write(&a, &[], Wait::Not).unwrap();
+            FrameOut::Inline(&data, &[]).write_in_order(&a, &[], Wait::Not, None).unwrap();
             let charged = a.queued_bytes();
             assert!(charged <= cost(len), "a frame of {len} bytes costs the kernel {charged}, more than {}", cost(len));
         }
@@ -470,15 +420,15 @@ mod tests {
             read::<Vec<u8>>(&buf[range], fds, None)
         };
         let small = postcard::to_allocvec(&vec![1u8; 10]).unwrap();
-        FrameOut::message(&small, 1 << 20, &[]).unwrap().write(&a, &[], Wait::Not).unwrap();
+        FrameOut::message(&small, 1 << 20, &[]).unwrap().write_in_order(&a, &[], Wait::Not, None).unwrap();
         assert!(matches!(next(), Ok(Incoming::Message { value: Ok(v), .. }) if v == vec![1u8; 10]));
         let large = postcard::to_allocvec(&vec![2u8; 100_000]).unwrap();
         let frame = FrameOut::message(&large, 1 << 20, &[]).unwrap();
         assert!(matches!(frame, FrameOut::Shared(..)));
-        frame.write(&a, &[], Wait::Not).unwrap();
+        frame.write_in_order(&a, &[], Wait::Not, None).unwrap();
         assert!(matches!(next(), Ok(Incoming::Message { value: Ok(v), .. }) if v == vec![2u8; 100_000]));
         let (batch, _) = Socket::pair().unwrap();
-        FrameOut::Redirect(batch, 1).write(&a, &[], Wait::Not).unwrap();
+        FrameOut::Redirect(batch, 1).write_in_order(&a, &[], Wait::Not, None).unwrap();
         assert!(matches!(next(), Ok(Incoming::Redirect(_))));
         // An ordered frame, with and without leases: its place reads back, the message too.
         let order = Order { ring: 7, number: 41 };
@@ -495,9 +445,9 @@ mod tests {
             read::<Vec<u8>>(&buf[range], fds, None)
         };
         let (_writer, intro) = ring::RingWriter::new().unwrap();
-        FrameOut::Ring(&intro).write(&a, &[], Wait::Not).unwrap();
+        FrameOut::Ring(&intro).write_in_order(&a, &[], Wait::Not, None).unwrap();
         assert!(matches!(next(), Ok(Incoming::Ring(_))));
-        FrameOut::Wake.write(&a, &[], Wait::Not).unwrap();
+        FrameOut::Wake.write_in_order(&a, &[], Wait::Not, None).unwrap();
         assert!(matches!(next(), Ok(Incoming::Wake)));
         // A ring frame whose memory is not a ring's, a wake frame with a descriptor.
         let (_, pipe) = crate::sys::lease_pipe().unwrap();

@@ -22,12 +22,12 @@
 //! spills to its backlog when it need not, or one that waits in the kernel), never undefined
 //! behaviour. Every word is only ever accessed atomically.
 
-use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
+use super::flavor::Refused;
+use crate::error::{Error, Result, SendFailure};
 use crate::sync::region::{self, Region, W32, W64};
 use crate::sys;
 use crate::sys::MemoryFile;
@@ -66,30 +66,10 @@ pub(super) const SLICE: Duration = Duration::from_millis(100);
 #[derive(Clone)]
 pub(crate) struct Gauge {
     region: Arc<Region>,
-    /// Read once: the words may change under us, these must not.
-    limit: u64,
+    /// Read once: the words may change under us, these must not. `limit`: the most that frames
+    /// on the socket may cost when a sender writes one directly.
+    pub(super) limit: u64,
     capacity: u32,
-}
-
-impl fmt::Debug for Gauge {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Gauge")
-            .field("queued", &self.region.u64(QUEUED_AT).load(Ordering::Relaxed))
-            .field("limit", &self.limit)
-            .field("capacity", &self.capacity)
-            .finish()
-    }
-}
-
-/// How a wait for a free place of a bounded channel ended without one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum NoPlace {
-    /// None was free and the caller would not wait.
-    Full,
-    /// None came free in time.
-    Timeout,
-    /// The receiver is gone.
-    Gone,
 }
 
 impl Gauge {
@@ -137,11 +117,6 @@ impl Gauge {
     /// Tells channels apart: ends of one channel agree.
     pub(super) fn id(&self) -> u64 {
         self.region.u64(ID_AT).load(Ordering::Relaxed)
-    }
-
-    /// The most that frames on the socket may cost when a sender writes one directly.
-    pub(super) fn limit(&self) -> u64 {
-        self.limit
     }
 
     /// The capacity of a bounded channel; `None` when unbounded.
@@ -260,12 +235,14 @@ impl Gauge {
 
     /// Takes a free place of a bounded channel: at once or not at all (`deadline` `Some(None)`),
     /// waiting until `deadline` (`Some(Some(_))`), or for as long as it takes (`None`). `gone`
-    /// says whether the receiver has gone; it is asked whenever no place is free.
+    /// says whether the receiver has gone; it is asked whenever no place is free. Fails with
+    /// [`Refused::Full`], [`Refused::Timeout`] or a disconnection.
     pub(super) fn take_place(
         &self,
         deadline: Option<Option<Instant>>,
         gone: impl Fn() -> bool,
-    ) -> std::result::Result<(), NoPlace> {
+    ) -> std::result::Result<(), Refused> {
+        let gone_or = |other| if gone() { Refused::Failed(SendFailure::Disconnected) } else { other };
         let free = self.region.u32(FREE_AT);
         let sleepers = self.region.u32(SLEEPERS_AT);
         loop {
@@ -277,20 +254,19 @@ impl Gauge {
                 }
             }
             let limit = match deadline {
-                Some(None) if gone() => return Err(NoPlace::Gone),
-                Some(None) => return Err(NoPlace::Full),
+                Some(None) => return Err(gone_or(Refused::Full)),
                 Some(Some(d)) => {
                     let left = d.saturating_duration_since(Instant::now());
                     if left.is_zero() {
                         // A receiver that is gone says so whatever the time left, as a try does.
-                        return Err(if gone() { NoPlace::Gone } else { NoPlace::Timeout });
+                        return Err(gone_or(Refused::Timeout));
                     }
                     left.min(SLICE)
                 }
                 None => SLICE,
             };
             if gone() {
-                return Err(NoPlace::Gone);
+                return Err(Refused::Failed(SendFailure::Disconnected));
             }
             // Announce, look again, sleep only on 0: a receiver that frees a place after our
             // look sees us and wakes us (the Semaphore's protocol, src/sync/README.md).
@@ -302,12 +278,8 @@ impl Gauge {
         }
     }
 
-    /// Gives back a place of a bounded channel: its message was received, or its send failed.
-    pub(super) fn free_place(&self) {
-        self.free_places(1);
-    }
-
-    /// Gives back `n` places of a bounded channel at once (the messages of a lost batch).
+    /// Gives back `n` places of a bounded channel: their messages were received (or lost with
+    /// a batch), or a send failed.
     pub(super) fn free_places(&self, n: u64) {
         if self.capacity == 0 || n == 0 {
             return;
@@ -331,12 +303,6 @@ pub(super) struct Asleep(Arc<Region>);
 impl Drop for Asleep {
     fn drop(&mut self) {
         let _ = self.0.u32(ASLEEP_AT).fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
-    }
-}
-
-impl fmt::Debug for Asleep {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Asleep")
     }
 }
 
@@ -373,7 +339,7 @@ mod tests {
     #[test]
     fn reservations_stay_within_the_limit_and_a_drained_socket_wakes_the_feeder() {
         let g = Gauge::new(0, 64 << 10).unwrap();
-        assert_eq!(g.limit(), 48 << 10);
+        assert_eq!(g.limit, 48 << 10);
         assert!(g.try_reserve(40 << 10));
         assert!(!g.try_reserve(10 << 10));
         assert!(!g.nearly_drained());
@@ -382,16 +348,16 @@ mod tests {
         assert!(g.nearly_drained());
         assert!(g.try_reserve(48 << 10));
         g.release(u64::MAX); // never below zero
-        assert!(g.try_reserve(g.limit()));
-        g.release(g.limit());
+        assert!(g.try_reserve(g.limit));
+        g.release(g.limit);
         g.wait_until_drained(Duration::from_secs(5)); // drained now: returns at once
         // A feeder asleep is woken when a release drains the socket.
-        assert!(g.try_reserve(g.limit()));
+        assert!(g.try_reserve(g.limit));
         let other = g.clone();
         let start = Instant::now();
         let waiter = std::thread::spawn(move || other.wait_until_drained(Duration::from_secs(5)));
         std::thread::sleep(Duration::from_millis(20));
-        g.release(g.limit());
+        g.release(g.limit);
         waiter.join().unwrap();
         assert!(start.elapsed() < Duration::from_secs(4), "woken, not timed out");
     }
@@ -403,20 +369,20 @@ mod tests {
         assert!(g.take_place(Some(None), || false).is_ok());
         assert!(g.take_place(None, || false).is_ok());
         assert_eq!(g.queued_messages(), 2);
-        assert_eq!(g.take_place(Some(None), || false), Err(NoPlace::Full));
+        assert!(matches!(g.take_place(Some(None), || false), Err(Refused::Full)));
         let start = Instant::now();
-        assert_eq!(g.take_place(Some(Some(start + Duration::from_millis(30))), || false), Err(NoPlace::Timeout));
+        assert!(matches!(g.take_place(Some(Some(start + Duration::from_millis(30))), || false), Err(Refused::Timeout)));
         assert!(start.elapsed() >= Duration::from_millis(30));
-        assert_eq!(g.take_place(None, || true), Err(NoPlace::Gone));
+        assert!(matches!(g.take_place(None, || true), Err(Refused::Failed(SendFailure::Disconnected))));
         let other = Gauge::from_memory(g.memory().unwrap()).unwrap();
         assert_eq!(other.id(), g.id());
         let waiter = std::thread::spawn(move || other.take_place(None, || false));
         std::thread::sleep(Duration::from_millis(20));
-        g.free_place();
+        g.free_places(1);
         assert!(waiter.join().unwrap().is_ok());
-        g.free_place();
-        g.free_place();
-        g.free_place(); // one too many: ignored
+        g.free_places(1);
+        g.free_places(1);
+        g.free_places(1); // one too many: ignored
         assert_eq!(g.queued_messages(), 0);
         assert_eq!(Gauge::new(0, 1 << 20).unwrap().capacity(), None);
     }

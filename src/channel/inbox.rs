@@ -65,7 +65,7 @@ pub(super) struct Inbox {
 
 /// A frame read before its turn.
 struct Stashed {
-    raw: Raw,
+    raw: Received,
     /// Read from the channel's socket (not a batch): its cost is settled when delivered.
     main: bool,
     /// Its place in its sender's order (`None`: delivered next, whatever the rings hold).
@@ -86,6 +86,13 @@ pub(super) enum Missing {
     Empty,
     /// The receive failed.
     Failed(RecvError),
+}
+
+impl Missing {
+    /// As a receive's error, `empty` when nothing arrived.
+    pub(super) fn or<E: From<RecvError>>(self, empty: E) -> E {
+        if let Missing::Failed(e) = self { e.into() } else { empty }
+    }
 }
 
 /// Where a receiver waits for its next frame.
@@ -226,11 +233,8 @@ fn gap_is_lost(ring: &RingReader, gaps: bool, spill: &Option<Arc<Socket>>, main:
     (ring.writer_gone() || gaps) && spill.is_none() && main.pending_bytes() == 0
 }
 
-/// A frame as it arrived: where its bytes lie in the receive buffer, and its descriptors.
-type Raw = Received;
-
 /// Receives one frame's bytes and descriptors.
-fn receive_raw(socket: &Socket, buf: &mut [u8], wait: Wait) -> Result<Raw, Missing> {
+fn receive_raw(socket: &Socket, buf: &mut [u8], wait: Wait) -> Result<Received, Missing> {
     let failed = |e: RecvError| Missing::Failed(checked(e));
     match socket.recv_in(buf, wait) {
         Ok(Some(raw)) => {
@@ -245,11 +249,6 @@ fn receive_raw(socket: &Socket, buf: &mut [u8], wait: Wait) -> Result<Raw, Missi
         }
         Err(e) => Err(failed(RecvError::Io(IoFailure::from(e)))),
     }
-}
-
-/// Reads a frame that arrived: its leases adopted, its message decoded.
-fn parse<T: DeserializeOwned>(buf: &[u8], raw: Raw, leases: &Arc<ConnectionLeases>) -> Result<Incoming<T>, Missing> {
-    frame::read(&buf[raw.bytes], raw.fds, Some(leases)).map_err(|e| Missing::Failed(checked(RecvError::Malformed(e))))
 }
 
 /// How long a receive that may wait looks for a message without waiting first: 50 us where at
@@ -285,7 +284,7 @@ impl Inbox {
     /// Counts a frame read from the socket, giving the costs back in eighths of the limit.
     fn settle(&mut self, gauge: &Gauge, cost: u64) {
         self.unsettled += cost;
-        if self.unsettled >= gauge.limit() / 8 {
+        if self.unsettled >= gauge.limit / 8 {
             self.settle_all(gauge);
         }
     }
@@ -313,9 +312,7 @@ impl Inbox {
             self.stash = Some(Stashed { raw: Received { bytes: 0..len, fds, descriptors_dropped }, main, order });
         }
     }
-}
 
-impl Inbox {
     pub(super) fn new(main: Arc<Socket>, leases: Arc<ConnectionLeases>) -> Inbox {
         Inbox {
             main,
@@ -485,7 +482,7 @@ impl Inbox {
             }
         };
         if let Some(order) = frame::order_of(&self.buf[raw.bytes.clone()])
-            && let Some(ring) = self.rings.iter_mut().find(|r| r.id() == order.ring)
+            && let Some(ring) = self.rings.iter_mut().find(|r| r.id == order.ring)
         {
             if order.number > ring.next() {
                 self.stash = Some(Stashed { raw, main, order: Some(order) });
@@ -503,7 +500,7 @@ impl Inbox {
     fn release<T: DeserializeOwned>(&mut self, gauge: &Gauge, stashed: Stashed) -> Look<T> {
         let Some(order) = stashed.order else { return self.deliver(gauge, stashed.raw, stashed.main) };
         let number = order.number;
-        let Some(i) = self.rings.iter().position(|r| r.id() == order.ring) else {
+        let Some(i) = self.rings.iter().position(|r| r.id == order.ring) else {
             return self.deliver(gauge, stashed.raw, stashed.main);
         };
         if self.rings[i].next() < number {
@@ -528,17 +525,19 @@ impl Inbox {
     }
 
     /// A frame in its turn: its message, or what a frame of another kind does.
-    fn deliver<T: DeserializeOwned>(&mut self, gauge: &Gauge, raw: Raw, main: bool) -> Look<T> {
+    fn deliver<T: DeserializeOwned>(&mut self, gauge: &Gauge, raw: Received, main: bool) -> Look<T> {
         if raw.descriptors_dropped {
             return self.deliver_cut_short(gauge, raw, main);
         }
-        let incoming = parse(&self.buf, raw, &self.leases);
+        // Its leases adopted, its message decoded.
+        let incoming = frame::read(&self.buf[raw.bytes], raw.fds, Some(&self.leases))
+            .map_err(|e| Missing::Failed(checked(RecvError::Malformed(e))));
         if main && let Ok(i) = &incoming {
             self.settle(gauge, i.cost());
         }
         match incoming {
             Ok(Incoming::Message { value, .. }) => {
-                gauge.free_place();
+                gauge.free_places(1);
                 Look::Got(value.map_err(|m| self.undecodable::<T>(m)))
             }
             Ok(Incoming::Redirect(_) | Incoming::Ring(_)) if !main => Look::Got(Err(Missing::Failed(
@@ -572,7 +571,7 @@ impl Inbox {
     /// its places on a bounded channel, its place in its sender's order (`look_once` moved the
     /// ring past it). A batch's messages' places in their order are unknown: the rings may
     /// then step over what never comes (`gaps`).
-    fn deliver_cut_short<T>(&mut self, gauge: &Gauge, raw: Raw, main: bool) -> Look<T> {
+    fn deliver_cut_short<T>(&mut self, gauge: &Gauge, raw: Received, main: bool) -> Look<T> {
         let limit = descriptor_limit();
         tracing::warn!(limit, "a message was lost: this process is at its limit of file descriptors");
         let Some(cut) = frame::cut_short(&self.buf[raw.bytes], raw.fds, &self.leases) else {
@@ -587,9 +586,7 @@ impl Inbox {
         }
         if cut.batch {
             self.gaps = true;
-            for ring in &mut self.rings {
-                ring.batch_lost();
-            }
+            self.rings.iter_mut().for_each(RingReader::batch_lost);
         }
         gauge.free_places(cut.messages);
         Look::Got(Err(Missing::Failed(RecvError::OutOfDescriptors { limit })))
@@ -685,7 +682,7 @@ impl Inbox {
         match self.rings[i].pop(&mut self.entry) {
             Ok(Some(_)) => {
                 RING_MESSAGES.fetch_add(1, Ordering::Relaxed);
-                gauge.free_place();
+                gauge.free_places(1);
                 wire::decode_on(&self.entry, Vec::new(), Some(&*self.leases), super::adopt_segment)
                     .map_err(|m| self.undecodable::<T>(m))
             }
@@ -817,7 +814,7 @@ mod tests {
             }
             inbox.rings.push(reader);
             for _ in 0..5 {
-                gauge.take_place(Some(None), || false).unwrap();
+                assert!(gauge.take_place(Some(None), || false).is_ok());
             }
             assert!(writer.push(b"one") && writer.push(b"two"));
             for _ in 0..3 {

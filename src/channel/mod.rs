@@ -30,8 +30,8 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use self::frame::FrameOut;
-use self::gauge::{Gauge, MAX_CAPACITY, NoPlace};
-use self::inbox::{Inbox, InboxGuard, InboxLock, Missing, Readiness, Wait};
+use self::gauge::{Gauge, MAX_CAPACITY};
+use self::inbox::{Inbox, InboxLock, Readiness, Wait};
 use self::outbox::Outbox;
 use self::ring::RingReader;
 use crate::error::{
@@ -41,7 +41,7 @@ use crate::error::{
 use crate::lifetime::{ConnectionKey, ConnectionLeases, Lease};
 use crate::protocol::{Hello, Refusal};
 use crate::sys::{Listening, MemoryFile, Socket};
-use crate::wire::{self, Carried, Held};
+use crate::wire::{self, Carried};
 
 /// Creates an unbounded channel between processes. Either end can be sent to another process
 /// (as a spawn argument or inside a message); the sender can be cloned and sent to many
@@ -325,15 +325,11 @@ impl<T: Serialize> Sender<T> {
         if outbox.disconnected() {
             return Err((value, Refused::Failed(SendFailure::Disconnected)));
         }
-        let gauge = outbox.gauge();
-        let bounded = gauge.capacity().is_some();
-        if bounded {
-            match gauge.take_place(wait, || outbox.receiver_gone()) {
-                Ok(()) => {}
-                Err(NoPlace::Full) => return Err((value, Refused::Full)),
-                Err(NoPlace::Timeout) => return Err((value, Refused::Timeout)),
-                Err(NoPlace::Gone) => return Err((value, Refused::Failed(SendFailure::Disconnected))),
-            }
+        let gauge = &outbox.gauge;
+        if gauge.capacity().is_some()
+            && let Err(refused) = gauge.take_place(wait, || outbox.receiver_gone())
+        {
+            return Err((value, refused));
         }
         // How long a full ring may be waited for: a receive's spin, bounded by the caller's
         // own limit (none for `try_send`); past it the message takes the socket.
@@ -342,15 +338,10 @@ impl<T: Serialize> Sender<T> {
             Some(None) => Duration::ZERO,
             Some(Some(deadline)) => inbox::spin().min(deadline.saturating_duration_since(Instant::now())),
         };
-        match Self::write(outbox, &value, patience) {
-            Ok(()) => Ok(()),
-            Err(failure) => {
-                if bounded {
-                    gauge.free_place();
-                }
-                Err((value, Refused::Failed(failure)))
-            }
-        }
+        Self::write(outbox, &value, patience).map_err(|failure| {
+            gauge.free_places(1); // on a bounded channel
+            (value, Refused::Failed(failure))
+        })
     }
 
     /// Encodes `value` (collecting its descriptors) and writes its frame, waiting at most
@@ -362,7 +353,7 @@ impl<T: Serialize> Sender<T> {
             return Ok(());
         }
         let frame =
-            FrameOut::message(&encoded.bytes, outbox.gauge().limit(), &encoded.introduce).map_err(outbox::failure)?;
+            FrameOut::message(&encoded.bytes, outbox.gauge.limit, &encoded.introduce).map_err(outbox::failure)?;
         outbox.write(frame, &encoded.fds)?;
         crate::sys::kill_point("sent");
         // Not sent (an error above): `encoded` takes its claims back as it drops.
@@ -378,7 +369,7 @@ impl<T: Serialize> Sender<T> {
     /// ```
     pub fn capacity(&self) -> Option<usize> {
         match &self.flavor {
-            SenderFlavor::Local(outbox, _) => outbox.gauge().capacity().map(|c| c as usize),
+            SenderFlavor::Local(outbox, _) => outbox.gauge.capacity().map(|c| c as usize),
             SenderFlavor::Remote(_) => None,
         }
     }
@@ -445,7 +436,11 @@ impl<T: Serialize> Sender<T> {
                         Err(Error::Timeout(_)) => return Err(Error::Timeout(timeout)),
                         // A name left by a listener that is gone (a server being restarted):
                         // its next listener writes the file again.
-                        Err(Error::Io(e)) if gone_listener(&e) => Error::Io(e),
+                        Err(Error::Io(e))
+                            if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused) =>
+                        {
+                            Error::Io(e)
+                        }
                         other => return other,
                     }
                 }
@@ -469,8 +464,7 @@ struct SenderWire {
 
 /// The channel's shared counters, placed in the message being encoded.
 fn carry_gauge<E: serde::ser::Error>(gauge: &Gauge) -> std::result::Result<Carried, E> {
-    let memory: Held = gauge.memory().map_err(wire::encode_error)?;
-    wire::carry(memory, None).map_err(wire::encode_error)
+    wire::carry(gauge.memory().map_err(wire::encode_error)?, None).map_err(wire::encode_error)
 }
 
 /// The channel's shared counters, taken out of the message being decoded.
@@ -483,8 +477,7 @@ fn take_gauge<E: serde::de::Error>(carried: Carried) -> std::result::Result<Gaug
 
 /// A socket of a channel, placed in the message being encoded.
 fn carry_socket<E: serde::ser::Error>(socket: &Arc<Socket>) -> std::result::Result<Carried, E> {
-    let held: Held = socket.clone();
-    wire::carry(held, None).map_err(wire::encode_error)
+    wire::carry(socket.clone(), None).map_err(wire::encode_error)
 }
 
 fn take_socket<E: serde::de::Error>(carried: Carried) -> std::result::Result<Arc<Socket>, E> {
@@ -503,16 +496,14 @@ fn stays_here<E: serde::ser::Error>(end: &str) -> E {
 impl<T> Serialize for Sender<T> {
     fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
         let SenderFlavor::Local(outbox, _) = &self.flavor else { return Err(stays_here("sender")) };
-        SenderWire { main: carry_socket(outbox.main())?, gauge: carry_gauge(outbox.gauge())? }.serialize(serializer)
+        SenderWire { main: carry_socket(&outbox.main)?, gauge: carry_gauge(&outbox.gauge)? }.serialize(serializer)
     }
 }
 
 impl<'de, T> Deserialize<'de> for Sender<T> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
         let wire = SenderWire::deserialize(deserializer)?;
-        let main = take_socket(wire.main)?;
-        let gauge = take_gauge(wire.gauge)?;
-        Ok(Sender::local(Outbox::attach(main, gauge)))
+        Ok(Sender::local(Outbox::attach(take_socket(wire.main)?, take_gauge(wire.gauge)?)))
     }
 }
 
@@ -605,24 +596,15 @@ impl<T> Receiver<T> {
     }
 
     #[cfg(test)]
-    fn lock(&self) -> InboxGuard<'_> {
+    fn lock(&self) -> inbox::InboxGuard<'_> {
         match &self.flavor {
-            ReceiverFlavor::Local(local) => local.lock(),
+            ReceiverFlavor::Local(local) => local.inbox.lock(),
             ReceiverFlavor::Remote(_) => panic!("a remote receiver has no inbox"),
         }
     }
 }
 
-impl<T> LocalReceiver<T> {
-    fn lock(&self) -> InboxGuard<'_> {
-        self.inbox.lock()
-    }
-
-    /// The inbox, unless another thread is receiving.
-    fn try_lock(&self) -> Option<InboxGuard<'_>> {
-        self.inbox.try_lock()
-    }
-
+impl<T: DeserializeOwned> LocalReceiver<T> {
     /// For a wait that found another thread receiving: the bell that thread rings when it lets
     /// go of the inbox (or, where no bell can be made, the socket, looked at when readable).
     fn wait_for_holder(&self) -> Readiness {
@@ -631,37 +613,11 @@ impl<T> LocalReceiver<T> {
             None => Readiness::Wait(self.main.clone(), None),
         }
     }
-}
-
-impl<T: DeserializeOwned> LocalReceiver<T> {
-    fn recv(&self) -> std::result::Result<T, RecvError> {
-        match self.lock().receive(&self.gauge, Wait::Forever) {
-            Ok(v) => Ok(v),
-            Err(Missing::Failed(e)) => Err(e),
-            Err(Missing::Empty) => Err(RecvError::Io(IoFailure::other("a receive without limit returned nothing"))),
-        }
-    }
-
-    fn try_recv(&self) -> std::result::Result<T, TryRecvError> {
-        let Some(mut inbox) = self.try_lock() else {
-            // Another thread is receiving: whatever waits is its.
-            return Err(TryRecvError::Empty);
-        };
-        match inbox.receive(&self.gauge, Wait::Not) {
-            Ok(v) => Ok(v),
-            Err(Missing::Empty) => Err(TryRecvError::Empty),
-            Err(Missing::Failed(e)) => Err(e.into()),
-        }
-    }
 
     fn recv_until(&self, deadline: Instant) -> std::result::Result<T, RecvTimeoutError> {
         loop {
-            if let Some(mut inbox) = self.try_lock() {
-                return match inbox.receive(&self.gauge, Wait::Until(deadline)) {
-                    Ok(v) => Ok(v),
-                    Err(Missing::Empty) => Err(RecvTimeoutError::Timeout),
-                    Err(Missing::Failed(e)) => Err(e.into()),
-                };
+            if let Some(mut inbox) = self.inbox.try_lock() {
+                return inbox.receive(&self.gauge, Wait::Until(deadline)).map_err(|m| m.or(RecvTimeoutError::Timeout));
             }
             // Another thread is receiving: look again shortly.
             let left = deadline.saturating_duration_since(Instant::now());
@@ -673,7 +629,7 @@ impl<T: DeserializeOwned> LocalReceiver<T> {
     }
 
     fn readiness(&self) -> Option<Readiness> {
-        match self.try_lock() {
+        match self.inbox.try_lock() {
             Some(mut inbox) => inbox.readiness(&self.gauge),
             // Another thread is receiving: wait until it is done, then look.
             None => Some(self.wait_for_holder()),
@@ -704,18 +660,6 @@ impl<T: DeserializeOwned> Receiver<T> {
         Receiver { flavor: ReceiverFlavor::Local(LocalReceiver { inbox, main, gauge, _message: PhantomData }) }
     }
 
-    /// Whether a receive would return at once, or what to wait on for one (`None`: this
-    /// channel's descriptor cannot be watched).
-    fn readiness(&self) -> Option<Readiness> {
-        match &self.flavor {
-            ReceiverFlavor::Local(local) => local.readiness(),
-            ReceiverFlavor::Remote(remote) => Some(match remote.readiness() {
-                Some(fd) => Readiness::Wait(fd, None),
-                None => Readiness::Ready,
-            }),
-        }
-    }
-
     /// Blocks until a message arrives or every sender is gone.
     ///
     /// ```
@@ -725,7 +669,11 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// ```
     pub fn recv(&self) -> std::result::Result<T, RecvError> {
         match &self.flavor {
-            ReceiverFlavor::Local(local) => local.recv(),
+            ReceiverFlavor::Local(local) => local
+                .inbox
+                .lock()
+                .receive(&local.gauge, Wait::Forever)
+                .map_err(|m| m.or(RecvError::Io(IoFailure::other("a receive without limit returned nothing")))),
             ReceiverFlavor::Remote(remote) => remote.recv(None).map_err(|e| {
                 e.failure().unwrap_or_else(|| RecvError::Io(IoFailure::other("a receive without limit timed out")))
             }),
@@ -740,7 +688,10 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// ```
     pub fn try_recv(&self) -> std::result::Result<T, TryRecvError> {
         match &self.flavor {
-            ReceiverFlavor::Local(local) => local.try_recv(),
+            // Another thread receiving: whatever waits is its.
+            ReceiverFlavor::Local(local) => local.inbox.try_lock().map_or(Err(TryRecvError::Empty), |mut inbox| {
+                inbox.receive(&local.gauge, Wait::Not).map_err(|m| m.or(TryRecvError::Empty))
+            }),
             ReceiverFlavor::Remote(remote) => remote
                 .recv(Some(Instant::now()))
                 .map_err(|e| e.failure().map_or(TryRecvError::Empty, TryRecvError::from)),
@@ -1045,7 +996,7 @@ impl CarriedSegment {
 impl<T> Serialize for Receiver<T> {
     fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
         let ReceiverFlavor::Local(local) = &self.flavor else { return Err(stays_here("receiver")) };
-        let mut inbox = local.lock();
+        let mut inbox = local.inbox.lock();
         inbox.settle_all(&local.gauge);
         let spill = inbox.spill.as_ref().map(carry_socket).transpose()?;
         let leases = inbox.leases.all();
@@ -1058,20 +1009,16 @@ impl<T> Serialize for Receiver<T> {
             })
             .collect::<Result<Vec<_>>>()
             .map_err(wire::encode_error)?;
-        let stash = match inbox.stashed() {
-            Some((bytes, fds, main, dropped)) => {
-                let fds = fds
-                    .into_iter()
-                    .map(|fd| {
-                        let held: Held = Arc::new(fd.try_clone_to_owned().map_err(wire::io_error)?);
-                        wire::carry(held, None)
-                    })
-                    .collect::<Result<Vec<_>>>()
-                    .map_err(wire::encode_error)?;
-                Some((bytes, fds, main, dropped))
-            }
-            None => None,
-        };
+        let stash = inbox
+            .stashed()
+            .map(|(bytes, fds, main, dropped)| {
+                let carry = |fd: std::os::fd::BorrowedFd<'_>| {
+                    wire::carry(Arc::new(fd.try_clone_to_owned().map_err(wire::io_error)?), None)
+                };
+                Ok((bytes, fds.into_iter().map(carry).collect::<Result<Vec<_>>>()?, main, dropped))
+            })
+            .transpose()
+            .map_err(wire::encode_error)?;
         let segments = inbox
             .leases
             .segments()
@@ -1111,15 +1058,13 @@ impl<'de, T: DeserializeOwned> Deserialize<'de> for Receiver<T> {
             .map_err(wire::decode_error)?;
         // Waits announced where the end was before are over: this process waits now.
         gauge.forget_sleepers();
-        let stash = match wire.stash {
-            Some((bytes, fds, main, dropped)) => Some((
-                bytes,
-                fds.into_iter().map(wire::take).collect::<Result<Vec<_>>>().map_err(wire::decode_error)?,
-                main,
-                dropped,
-            )),
-            None => None,
-        };
+        let stash = wire
+            .stash
+            .map(|(bytes, fds, main, dropped)| {
+                Ok((bytes, fds.into_iter().map(wire::take).collect::<Result<Vec<_>>>()?, main, dropped))
+            })
+            .transpose()
+            .map_err(wire::decode_error)?;
         // Each mapped here; one that cannot be fails only the blocks that name it.
         let segments = wire.segments.into_iter().filter_map(|(via, segment)| segment.adopt(via)).collect();
         let leases = ConnectionLeases::from_leases(wire.leases, segments);
@@ -1371,10 +1316,7 @@ impl<T: Serialize + DeserializeOwned> Listener<T> {
     /// assert!(err.is_timeout());
     /// ```
     pub fn accept_timeout(self, timeout: Duration) -> Result<Receiver<T>> {
-        match Instant::now().checked_add(timeout) {
-            Some(deadline) => self.accept_until(Wait::Until(deadline), timeout),
-            None => self.accept(),
-        }
+        self.accept_until(Instant::now().checked_add(timeout).map_or(Wait::Forever, Wait::Until), timeout)
     }
 
     /// Like [`accept_timeout`](Self::accept_timeout), keeping the listener: `Ok(None)` when no
@@ -1425,12 +1367,6 @@ impl<T: Serialize + DeserializeOwned> Listener<T> {
         tracing::debug!(listener = self.name(), "accepted a sender");
         Ok(Receiver::from_parts(Arc::new(socket), None, gauge, Default::default(), |inbox| inbox.sender_sends = sends))
     }
-}
-
-/// Whether a connect failed because no listener is there any more (its socket file removed,
-/// or nobody accepting on it).
-fn gone_listener(e: &io::Error) -> bool {
-    matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused)
 }
 
 /// The connection's shared counters, once the peer said hello, and what the peer sends when
@@ -1501,7 +1437,7 @@ mod tests {
             large_tx.send(vec![3u8; 100_000]).unwrap();
             assert_eq!(large_rx.recv().unwrap().len(), 100_000);
         }
-        for (rx, gauge) in [(rx.lock(), tx.outbox().gauge()), (large_rx.lock(), large_tx.outbox().gauge())] {
+        for (rx, gauge) in [(rx.lock(), &tx.outbox().gauge), (large_rx.lock(), &large_tx.outbox().gauge)] {
             let mut rx = rx;
             rx.settle_all(gauge);
             assert_eq!(gauge.queued(), 0, "100 frames, all read and settled");
@@ -1556,7 +1492,7 @@ mod tests {
         let (tx, rx) = channel::<u32>().unwrap();
         tx.send(1).unwrap();
         // SAFETY: a send of no bytes on a socket this test holds.
-        let sent = unsafe { libc::send(tx.outbox().main().as_fd().as_raw_fd(), std::ptr::null(), 0, 0) };
+        let sent = unsafe { libc::send(tx.outbox().main.as_fd().as_raw_fd(), std::ptr::null(), 0, 0) };
         assert_eq!(sent, 0);
         tx.send(2).unwrap();
         assert_eq!(rx.recv(), Ok(1));

@@ -47,8 +47,8 @@ pub(super) struct Outbox {
     /// before `main`, so that it lets go of the number before the socket closes.
     not_inherited: OnceLock<NotInherited<Number>>,
     /// The channel's socket (its sending end).
-    main: Arc<Socket>,
-    gauge: Gauge,
+    pub(super) main: Arc<Socket>,
+    pub(super) gauge: Gauge,
     /// The backlog of this process: a forked child's copy of a sender starts with none (its
     /// parent's is the parent's to hand on, by the parent's feeder).
     pending: ForkLocal<Pending>,
@@ -108,13 +108,6 @@ struct Batch {
 impl Backlog {
     fn is_empty(&self) -> bool {
         self.closed.is_empty() && self.open.is_none() && !self.handing_on
-    }
-
-    fn disconnect(&mut self) {
-        self.disconnected = true;
-        self.closed.clear();
-        self.open = None;
-        self.messages = 0;
     }
 }
 
@@ -293,18 +286,10 @@ impl Outbox {
         self.write_main(frame, &[], Wait::Forever, None).expect("a frame written");
     }
 
-    pub(super) fn gauge(&self) -> &Gauge {
-        &self.gauge
-    }
-
     /// This process's side of the channel's connection lease: one per channel and process,
     /// whichever of its senders (now or later: a sender that arrives with every request) sends.
     pub(super) fn connection(&self) -> &Arc<Connection> {
         self.connection.get().get_or_init(|| connection_of(self.gauge.id()))
-    }
-
-    pub(super) fn main(&self) -> &Arc<Socket> {
-        &self.main
     }
 
     fn lock(&self) -> MutexGuard<'_, Backlog> {
@@ -322,7 +307,8 @@ impl Outbox {
 
     /// The receiver is gone: what was spilled is dropped, and every later send fails.
     fn disconnect(&self, backlog: &mut Backlog) {
-        backlog.disconnect();
+        (backlog.disconnected, backlog.open, backlog.messages) = (true, None, 0);
+        backlog.closed.clear();
         self.gone.store(true, Ordering::Release);
         self.changed().notify_all();
     }
@@ -351,23 +337,16 @@ impl Outbox {
         // messages, so that the receiver puts them in order with the ring's.
         let order = backlog.ring.as_ref().map(RingWriter::order);
         if backlog.is_empty() && self.gauge.try_reserve(cost) {
-            return match self.write_main(&frame, fds, Wait::Forever, order) {
-                Ok(()) => {
-                    if let Some(ring) = backlog.ring.as_mut() {
-                        ring.sent();
-                    }
-                    Ok(())
+            if let Err(failure) = self.write_main(&frame, fds, Wait::Forever, order) {
+                self.gauge.release(cost);
+                if failure == SendFailure::Disconnected {
+                    self.disconnect(&mut backlog);
                 }
-                Err(failure) => {
-                    self.gauge.release(cost);
-                    if failure == SendFailure::Disconnected {
-                        self.disconnect(&mut backlog);
-                    }
-                    Err(failure)
-                }
-            };
+                return Err(failure);
+            }
+        } else {
+            self.spill(&mut backlog, frame, fds, cost, order)?;
         }
-        self.spill(&mut backlog, frame, fds, cost, order)?;
         if let Some(ring) = backlog.ring.as_mut() {
             ring.sent();
         }
@@ -486,7 +465,7 @@ impl Outbox {
                 other => other,
             })?;
             // Within the limit of the channel's socket at least, whose frames all fit.
-            let limit = (tx.send_buffer() as u64 / 4 * 3).max(self.gauge.limit());
+            let limit = (tx.send_buffer() as u64 / 4 * 3).max(self.gauge.limit);
             backlog.open = Some(Batch {
                 tx: Some(NotInherited::new(tx)),
                 rx,

@@ -14,22 +14,13 @@
 //! | 144..152 | `state`: 0 introduced, 1 adopted, 2 refused; written by the reader |
 //! | 192.. | [`CAPACITY`] bytes of entries |
 //!
-//! Every message of the writer's process on the channel, from the ring's making on, has a
-//! number, whether it goes to the ring or to the socket (an ordered frame, `frame.rs`).
-//!
-//! The writer writes no entry before the reader has adopted the ring: until then (and for
-//! ever, if the reader refuses it: a receiver keeps at most [`MAX_RINGS`] rings) its messages
-//! take the socket, so a ring the reader refuses holds nothing to lose.
-//!
 //! An entry is its length (u32), the length's complement (u32) and the message's number (u64),
-//! then its bytes, padded to 8;
-//! an entry never wraps: where one does not fit before the end, a skip entry (length `u32::MAX`)
-//! fills the rest. The writer publishes an entry by storing `tail` after writing it, the reader
-//! frees its place by storing `head` after copying it out. The reader checks everything the
-//! writer wrote (it may be forged, or change while read) and copies an entry out before it
-//! decodes it; a ring that does not add up is dropped, losing only its writer's messages.
+//! then its bytes, padded to 8; an entry never wraps: where one does not fit before the end, a
+//! skip entry (length `u32::MAX`) fills the rest. The writer publishes an entry by storing
+//! `tail` after writing it (and none before the reader adopted the ring), the reader frees its
+//! place by storing `head` after copying it out (before decoding it: the writer may change or
+//! forge anything).
 
-use std::fmt;
 use std::io;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
@@ -114,12 +105,6 @@ pub(super) struct RingWriter {
     adopted: bool,
     /// The last wait for room ran out: no wait until the reader has emptied half the ring.
     stalled: bool,
-}
-
-impl fmt::Debug for RingWriter {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RingWriter").field("tail", &self.tail).field("written", &self.written).finish()
-    }
 }
 
 /// What introduces a ring to the receiver: its memory and the reading end of its pipe.
@@ -286,7 +271,8 @@ pub(super) struct RingReader {
     memory: Arc<MemoryFile>,
     alive: Arc<OwnedFd>,
     head: u64,
-    id: u64,
+    /// The ring's id, which its writer's ordered frames name.
+    pub(super) id: u64,
     /// The number of the writer's next message to deliver (kept in the ring too, for a
     /// receiving end that moves).
     next: u64,
@@ -295,12 +281,6 @@ pub(super) struct RingReader {
     ///
     /// [`never_delivered`]: Self::never_delivered
     batch_lost: bool,
-}
-
-impl fmt::Debug for RingReader {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RingReader").field("head", &self.head).finish()
-    }
 }
 
 impl RingReader {
@@ -326,11 +306,6 @@ impl RingReader {
     /// Tells the writer that the ring will not be read: its messages take the socket.
     pub(super) fn refuse(self) {
         word(&self.memory, STATE_AT).store(REFUSED, Ordering::Release);
-    }
-
-    /// The ring's id, which its writer's ordered frames name.
-    pub(super) fn id(&self) -> u64 {
-        self.id
     }
 
     /// The number of the writer's next message to deliver.
@@ -498,7 +473,7 @@ mod tests {
         let before = w.order().number;
         w.sent();
         assert_eq!(w.order().number, before + 1);
-        assert_eq!(w.order().ring, r.id());
+        assert_eq!(w.order().ring, r.id);
     }
 
     #[test]
@@ -619,7 +594,7 @@ mod numbers_from_the_sender {
         word(&intro.memory, NEXT_AT).store(u64::MAX, Ordering::Relaxed);
         let reader = RingReader::adopt(intro.memory.as_fd().try_clone_to_owned().unwrap(), intro.alive).unwrap();
         reader.accept();
-        let id = reader.id();
+        let id = reader.id;
         inbox.rings.push(reader);
         let mut frame = vec![0x40u8];
         frame.extend(id.to_le_bytes());

@@ -6,9 +6,9 @@ use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 
-use super::Receiver;
 use super::flavor::Watched;
 use super::inbox::{Announced, Readiness, Wait};
+use super::{Receiver, ReceiverFlavor};
 use crate::error::{IoFailure, SelectError, SelectTimeoutError};
 
 /// What `Select` asks of a receiver of any message type.
@@ -19,7 +19,12 @@ trait Watch {
 
 impl<T: DeserializeOwned> Watch for Receiver<T> {
     fn readiness(&self) -> Option<Readiness> {
-        Receiver::readiness(self)
+        match &self.flavor {
+            ReceiverFlavor::Local(local) => local.readiness(),
+            ReceiverFlavor::Remote(remote) => {
+                Some(remote.readiness().map_or(Readiness::Ready, |fd| Readiness::Wait(fd, None)))
+            }
+        }
     }
 }
 
@@ -171,10 +176,7 @@ impl<'a> Select<'a> {
     /// assert_eq!(sel.select_timeout(Duration::from_secs(1)), Ok(i));
     /// ```
     pub fn select_timeout(&mut self, timeout: Duration) -> Result<usize, SelectTimeoutError> {
-        match Instant::now().checked_add(timeout) {
-            Some(deadline) => self.wait(Some(deadline)),
-            None => self.wait(None),
-        }
+        self.wait(Instant::now().checked_add(timeout))
     }
 
     fn wait(&mut self, deadline: Option<Instant>) -> Result<usize, SelectTimeoutError> {
