@@ -1,28 +1,10 @@
-//! Processes made by `fork(2)` without `exec`: Python's `multiprocessing` default start method on
-//! Linux before 3.14, and any library that forks. A forked child is a copy of its parent's memory
-//! with one thread, the one that forked: every other thread (the reaper, feeders, the poller)
-//! is gone, any lock one of them held stays locked forever, and every identity (the process
-//! token that names storages) is the parent's. None of that may be used by the child.
-//!
-//! So process-wide state lives in [`ForkLocal`] cells: each belongs to one *generation* of the
-//! process, and the first use in a forked child builds a fresh value instead of touching the
-//! inherited one. The generation is a counter that a `pthread_atfork` child handler bumps; it
-//! is registered at the first use of any cell, before which there is nothing to inherit.
-//!
-//! The parent's handlers count its forks and keep, per fork, the reading end of a pipe whose
-//! writing end only the child keeps ([`latest_living_fork`]): memory the child maps as its
-//! parent does (host blocks of the caching allocator) is not handed out again while it lives.
-//!
-//! What a forked child inherits and does not use: the parent's values are left as they are in
-//! the child's copy of memory (never dropped there: dropping them would free or unmap what the
-//! parent owns, or send on the parent's behalf). Their descriptors stay open in the child until
-//! it exits, like every descriptor a fork inherits, except two kinds that the child handler
-//! closes at once: the parent's lease channels (the hook the lifetime registry registers here,
-//! [`on_fork_child`]), which would keep the parent's storages claimed for the child's whole
-//! life; and the sockets held in [`NotInherited`] (the parent's home and its connections, the
-//! writing ends of its channels' open backlog batches, each queue consumer's request channel),
-//! which would make a peer of the parent wait on the child instead of seeing the parent gone,
-//! a batch's end or a consumer's departure.
+//! Processes made by `fork(2)` without `exec` (a copy of the parent's memory with one thread:
+//! the parent's other threads, the locks they held and its identities must not be used): the
+//! *generation* a `pthread_atfork` child handler bumps, [`ForkLocal`] cells built afresh in
+//! each generation (the parent's values are never used or dropped in the child), the count of
+//! forks whose children may still map this process's memory ([`latest_living_fork`]), and the
+//! descriptors a child closes at once: the parent's lease channels ([`on_fork_child`]) and what
+//! [`NotInherited`] holds. See "Processes made by `fork`" in `docs/architecture.md`.
 //!
 //! The handler closes those by number, never through an `OwnedFd`'s drop: `fork` copies the
 //! descriptor table before the memory while the parent's other threads run, so a descriptor made

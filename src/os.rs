@@ -3,33 +3,30 @@
 //! them, and the panics of a pool worker's job thread reported as they happen.
 
 use std::cell::Cell;
-use std::sync::atomic::AtomicU64;
-
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::{Once, OnceLock, RwLock};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Once, OnceLock, RwLock};
+use std::time::{Duration, Instant};
+
+use crate::sys::MemoryFile;
 
 use crate::error::PanicReport;
 
 /// `timeout` from now; `None` (no limit) for one past what the clock holds (`Duration::MAX`).
-pub(crate) fn deadline_after(timeout: std::time::Duration) -> Option<std::time::Instant> {
-    std::time::Instant::now().checked_add(timeout)
+pub(crate) fn deadline_after(timeout: Duration) -> Option<Instant> {
+    Instant::now().checked_add(timeout)
 }
 
 /// `timeout` from now, or about 136 years from now for one past what the clock holds.
-pub(crate) fn instant_after(timeout: std::time::Duration) -> std::time::Instant {
-    deadline_after(timeout).unwrap_or_else(|| {
-        let far = std::time::Duration::from_secs(u32::MAX.into());
-        std::time::Instant::now().checked_add(far).unwrap_or_else(std::time::Instant::now)
-    })
+pub(crate) fn instant_after(timeout: Duration) -> Instant {
+    let far = || Instant::now().checked_add(Duration::from_secs(u32::MAX.into())).unwrap_or_else(Instant::now);
+    deadline_after(timeout).unwrap_or_else(far)
 }
 
 /// How long to wait next, at most `most`, before `deadline` (none: no limit); `None` once it
 /// has passed.
-pub(crate) fn wait_slice(
-    deadline: Option<std::time::Instant>,
-    most: std::time::Duration,
-) -> Option<std::time::Duration> {
-    match deadline.map(|d| d.saturating_duration_since(std::time::Instant::now())) {
+pub(crate) fn wait_slice(deadline: Option<Instant>, most: Duration) -> Option<Duration> {
+    match deadline.map(|d| d.saturating_duration_since(Instant::now())) {
         Some(left) if left.is_zero() => None,
         Some(left) => Some(left.min(most)),
         None => Some(most),
@@ -39,18 +36,18 @@ pub(crate) fn wait_slice(
 /// Shared memory seen as an array of `AtomicU64` cells: other processes may write it at any
 /// time, so it is only ever accessed atomically.
 pub(crate) struct SharedCells {
-    memory: std::sync::Arc<crate::sys::MemoryFile>,
+    memory: Arc<MemoryFile>,
 }
 
 impl SharedCells {
     /// Cells over `memory` (its length rounded down to whole cells).
-    pub(crate) fn new(memory: std::sync::Arc<crate::sys::MemoryFile>) -> SharedCells {
+    pub(crate) fn new(memory: Arc<MemoryFile>) -> SharedCells {
         SharedCells { memory }
     }
 
     /// `len` zeroed cells in fresh shared memory.
     pub(crate) fn zeroed(len: usize) -> std::io::Result<SharedCells> {
-        Ok(SharedCells::new(std::sync::Arc::new(crate::sys::MemoryFile::zeroed(len * 8)?)))
+        Ok(SharedCells::new(Arc::new(MemoryFile::zeroed(len * 8)?)))
     }
 
     /// Cell `i`, if in range.
@@ -59,7 +56,7 @@ impl SharedCells {
     }
 
     /// The shared memory, to send to another process.
-    pub(crate) fn memory(&self) -> &std::sync::Arc<crate::sys::MemoryFile> {
+    pub(crate) fn memory(&self) -> &Arc<MemoryFile> {
         &self.memory
     }
 }

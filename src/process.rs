@@ -179,7 +179,7 @@ where
     match Builder::new().spawn(args, f) {
         Ok(handle) => handle,
         Err(JoinError::NotInitialized) => panic!("{}", JoinError::NotInitialized),
-        Err(error) => JoinHandle::failed(error),
+        Err(error) => JoinHandle::new(Inner::Failed(Some(error)), None, None),
     }
 }
 
@@ -277,7 +277,10 @@ impl Builder {
                     Ok(_) => JoinError::Failed("the process was not started".into()),
                 })
             }
-            Ok(handle) => Ok(JoinHandle::started(handle, arguments)),
+            Ok(handle) => {
+                let watch = handle.pid().map(ChildWatch::new);
+                Ok(JoinHandle::new(Inner::Running(handle), watch, arguments))
+            }
             Err(panic) => {
                 withdraw();
                 Err(JoinError::Failed(panic))
@@ -366,19 +369,8 @@ const JOIN_POLL: Duration = Duration::from_millis(20);
 const RESULT_LOOK: Duration = Duration::from_millis(200);
 
 impl<R> JoinHandle<R> {
-    fn started(handle: procspawn::JoinHandle<R>, arguments: Option<crate::handover::SpawnTicket>) -> Self {
-        let watch = handle.pid().map(ChildWatch::new);
-        JoinHandle { inner: Inner::Running(handle), watch, ended: None, last_look: Instant::now(), arguments }
-    }
-
-    fn failed(error: JoinError) -> Self {
-        JoinHandle {
-            inner: Inner::Failed(Some(error)),
-            watch: None,
-            ended: None,
-            last_look: Instant::now(),
-            arguments: None,
-        }
+    fn new(inner: Inner<R>, watch: Option<ChildWatch>, arguments: Option<crate::handover::SpawnTicket>) -> Self {
+        JoinHandle { inner, watch, ended: None, last_look: Instant::now(), arguments }
     }
 
     /// The child has ended (or is being killed): what its arguments claim and it did not fetch
@@ -390,13 +382,7 @@ impl<R> JoinHandle<R> {
     }
 
     pub(crate) fn pooled(result: AsyncResult<R>) -> Self {
-        JoinHandle {
-            inner: Inner::Pooled(result),
-            watch: None,
-            ended: None,
-            last_look: Instant::now(),
-            arguments: None,
-        }
+        JoinHandle::new(Inner::Pooled(result), None, None)
     }
 
     /// True while the child process runs (false once it has exited, was killed or never
@@ -435,10 +421,7 @@ impl<R> JoinHandle<R> {
     /// }
     /// ```
     pub fn exit_code(&self) -> Option<i32> {
-        match self.end()? {
-            Exit::Code(code) => Some(code),
-            Exit::Signal(_) => None,
-        }
+        if let Exit::Code(code) = self.end()? { Some(code) } else { None }
     }
 
     /// The child's process id, once it runs.
@@ -456,18 +439,6 @@ impl<R> JoinHandle<R> {
             Inner::Running(h) => h.pid(),
             Inner::Pooled(result) => result.pid(),
             Inner::Failed(_) => None,
-        }
-    }
-
-    /// A join failure, naming the signal or exit status when the child died without a result.
-    fn died(&self, e: procspawn::SpawnError, exit: Option<Exit>) -> JoinError {
-        let error = join_error(e);
-        if !matches!(error, JoinError::Terminated(_)) {
-            return error;
-        }
-        match exit {
-            Some(exit) => exit_error(exit),
-            None => error,
         }
     }
 }
@@ -571,8 +542,6 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
                 deadline.map_or(Duration::from_secs(u32::MAX as u64), |d| d.saturating_duration_since(Instant::now()));
             return handle.join_timeout(wait).map_err(join_error);
         };
-        // Look at the child's end before each look at its result: the transport reaps a child
-        // whose channel closed, and its exit status with it.
         // The transport reaps a child whose channel closed, and its exit status with it, so
         // its result is looked at only once the child has exited (the pidfd wakes us then;
         // its result, if it sent one, is still queued), or now and then while it runs, for a
@@ -583,17 +552,17 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
                 self.last_look = Instant::now();
                 match handle.join_timeout(Duration::ZERO) {
                     Ok(v) => return Ok(v),
-                    Err(e) if e.is_timeout() => {
-                        if let Some(exit) = exit {
+                    Err(e) if e.is_timeout() && exit.is_none() => {}
+                    Err(e) => {
+                        if e.is_timeout() {
                             // Ended without a result.
                             let _ = handle.kill();
-                            self.inner = Inner::Failed(None);
-                            self.forget_arguments();
-                            return Err(exit_error(exit));
                         }
-                    }
-                    Err(e) => {
-                        let error = self.died(e, exit);
+                        // A child that died without a result: the signal or exit status says how.
+                        let error = match (join_error(e), exit) {
+                            (JoinError::Timeout | JoinError::Terminated(_), Some(exit)) => exit_error(exit),
+                            (error, _) => error,
+                        };
                         self.inner = Inner::Failed(None);
                         self.forget_arguments();
                         return Err(error);
@@ -677,10 +646,7 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
                 watch.exited(JOIN_POLL.min(deadline.saturating_duration_since(Instant::now())));
             }
         }
-        if self.end().is_some() {
-            return Ok(());
-        }
-        self.kill()
+        if self.end().is_some() { Ok(()) } else { self.kill() }
     }
 }
 

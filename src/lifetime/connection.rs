@@ -1,10 +1,5 @@
-//! Connection leases: one lease per channel and sending process, not one per message. The
-//! owner counts its claims per storage; a message that carries storages names the lease by
-//! `(owner, key)` and carries no descriptor for it, except the first message of the
-//! connection, whose frame introduces the lease (`src/channel/frame.rs`). The receiver keeps
-//! the connection's leases for as long as it holds the channel, so that every later message
-//! can name them; the lease closes (and every claim still on it is released) when the
-//! receiver has dropped the channel and every storage that came through it, or died.
+//! Connection leases: one lease per channel and sending process, introduced by the first
+//! frame that carries storages and named by later messages (README.md, "Leases and claims").
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -237,7 +232,7 @@ impl ConnectionLeases {
         let leases: Vec<Lease> =
             self.lock().by_name.iter().filter(|(name, _)| name.owner == owner).map(|(_, l)| l.clone()).collect();
         for lease in leases {
-            super::courier::forget_segment(lease.tx.clone(), index);
+            super::courier::post(lease.tx.clone(), super::lease::Control::Forget(index));
         }
     }
 

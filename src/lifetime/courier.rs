@@ -1,21 +1,9 @@
-//! The courier: one thread per process that sends what drop paths owe other processes, so that
-//! no `drop` waits for a peer. Two things travel this way:
-//!
-//! - **Revocations** to subscribers (the owner dropped its handles on a storage). Their
-//!   sends never wait (`MSG_DONTWAIT`): a subscriber
-//!   that does not read keeps its revocations here, coalesced into one message of many
-//!   indices, tried again every [`RETRY`] and at every new post, while every other subscriber
-//!   is served.
-//! - **Releases** of counted claims (every claim a channel carries), records on lease pipes.
-//!   Every holder shares a lease's pipe, so its writes wait for room (a `Retain` must never be
-//!   dropped): a release waits on this thread, not on the thread that dropped the tensor.
-//!   Consecutive releases on one lease go in one write. A receiver's request that the owner
-//!   introduce a segment again (`Forget`) goes the same way.
-//!
-//! Order: a holder's releases keep their order (one thread, first in, first out); a release
-//! cannot overtake the message that brought its claim (it is posted after that message was
-//! received). If the thread cannot be started, posts are sent on the caller's thread, as
-//! before.
+//! The courier: one thread per process that sends what drop paths owe other processes
+//! (revocations to subscribers, never waiting; `Release` and `Forget` records on lease pipes,
+//! waiting for room), so that no `drop` waits for a peer (README.md, "Drops never wait for a
+//! peer"). A holder's releases keep their order (one thread, first in, first out), and none
+//! overtakes the message that brought its claim (posted after it was received). If the thread
+//! cannot be started, posts are sent on the caller's thread.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -76,7 +64,7 @@ pub(crate) fn wait_for_releases(deadline: Option<std::time::Instant>) -> bool {
     let mut s = super::state();
     while s.deferred_releases > 0 {
         let Some(wait) = crate::os::wait_slice(deadline, RETRY) else { return false };
-        s = super::wait_timeout(s, wait);
+        s = super::wait(s, Some(wait));
     }
     drop(s);
     let courier = COURIER.get();
@@ -124,17 +112,9 @@ pub(super) fn revoke(subscribers: Vec<(u64, Arc<Socket>)>, index: u64) {
     courier.posted.notify_one();
 }
 
-/// Sends `Release(index, count)` on a counted lease, without waiting for its owner.
-pub(super) fn release(tx: Arc<OwnedFd>, index: u64, count: u64) {
-    post(tx, Control::Release(index, count));
-}
-
-/// Sends `Forget(index)` on a connection lease, without waiting for its owner.
-pub(super) fn forget_segment(tx: Arc<OwnedFd>, index: u64) {
-    post(tx, Control::Forget(index));
-}
-
-fn post(tx: Arc<OwnedFd>, record: Control) {
+/// Sends `record` (a `Release`, or a `Forget` on a connection lease) on the lease `tx`, without
+/// waiting for its owner.
+pub(super) fn post(tx: Arc<OwnedFd>, record: Control) {
     let Some(courier) = courier() else {
         let _ = record.send(&*tx);
         return;
@@ -183,10 +163,6 @@ fn forget(gone: &[u64]) {
     }
 }
 
-fn would_block(e: &io::Error) -> bool {
-    e.kind() == io::ErrorKind::WouldBlock
-}
-
 fn run(courier: &'static Courier) {
     loop {
         let (releases, revocations) = {
@@ -221,7 +197,7 @@ fn run(courier: &'static Courier) {
                 let end = indices.len().min(sent + BATCH);
                 match lease::send(&tx, &Revocation::Storages(indices[sent..end].to_vec()), &[], Wait::Not) {
                     Ok(()) => sent = end,
-                    Err(e) if would_block(&e) => {
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                         full = true;
                         break;
                     }

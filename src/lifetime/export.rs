@@ -5,7 +5,7 @@ use std::sync::{Arc, Weak};
 
 use super::connection::{Connection, ConnectionKey, Introduction, Slot};
 use super::lease::{CacheTicket, Claim, Cover, Lease, LeaseMode};
-use super::table::{NO_SLOT, notify_revoked, owner};
+use super::table::{NO_SLOT, owner};
 use super::{AnyStorage, State, StorageId, WeakStorage, notify, reaper, state};
 use crate::error::Result;
 use crate::wire;
@@ -20,8 +20,9 @@ pub(super) struct Exported {
     /// Slot in this process's liveness table, or [`NO_SLOT`].
     slot: u32,
     /// Per-storage mode: this process's copy of the storage's lease, cloned into every message
-    /// and dropped when its handles are gone.
-    shared_lease: Option<Lease>,
+    /// and dropped when its handles are gone (or, in a forked child, closed: see
+    /// `close_inherited_leases`).
+    pub(super) shared_lease: Option<Lease>,
     /// For a relay (a storage of another process that this one forwarded: `forward`): that
     /// storage. `keep_alive` is then this process's own claim on it.
     relay_of: Option<StorageId>,
@@ -184,22 +185,11 @@ fn connection_claim(key: u64, name: u64, unsent: Option<Lease>, index: u64, anch
     Claim::Connection { name, index, anchors }
 }
 
-/// The claim to send with a storage of another process that this one holds through `cover`.
-///
-/// A counted claim is **relayed** inside a message, on a channel or outside one (spawn
-/// arguments and results, pool calls): this process keeps one claim of its own on the storage
-/// (`Retain`, once, in a relay entry of its registry) for as long as the holders it sent it to
-/// hold theirs, which it counts like its own storages: on the connection's lease on a channel,
-/// on the message's lease outside one. Their releases, and the close of that lease when they
-/// die, come back here; the relay's last one ends this process's own claim. (Sharing the
-/// forwarder's lease instead would leave a new holder that dies counted for as long as the
-/// forwarder holds the channel the storage came on.) The new holder also keeps copies of the
-/// leases up the chain that the relay's own claim stands on (`Cover::chain` of the cover it was
-/// taken through, kept with the relay), so that this process dying frees nothing they still
-/// hold.
-///
-/// Otherwise the forwarder's lease travels itself (`Cover::forward`): per-storage leases
-/// (every copy is a claim), and exports by hand (`ipc_payload`: no message to hold a lease).
+/// The claim to send with a storage of another process that this one holds through `cover`: a
+/// counted claim inside a message is **relayed** (this process keeps one claim of its own, in a
+/// relay entry, while the holders it sends it to hold theirs, counted on the connection's or
+/// the message's lease, with copies of the leases up the chain: `Cover::chain`); otherwise the
+/// forwarder's lease travels itself (`Cover::forward`). README.md, "Leases and claims".
 pub(crate) fn forward(cover: &Cover, bytes: usize) -> Result<Claim> {
     if !cover.is_counted() {
         return Ok(cover.forward());
@@ -264,15 +254,12 @@ fn relay(reaper: &'static reaper::Reaper, counting: &Counting, cover: &Cover, by
         };
         let entry =
             claim(&mut s, (relay, bytes), key, || Arc::new(hold.take().expect("a new relay has its claim")), None);
-        let chain = if known.is_some() {
-            entry.relay_chain.clone()
-        } else {
+        if known.is_none() {
             entry.relay_of = Some(id);
             entry.relay_chain = cover.chain();
-            let chain = entry.relay_chain.clone();
-            s.relays.insert(id, relay);
-            chain
-        };
+        }
+        let chain = entry.relay_chain.clone();
+        s.relays.insert(id, relay);
         drop(s);
         drop(hold);
         notify();
@@ -325,12 +312,6 @@ fn slot_of(entry: &mut Exported, id: StorageId) -> u32 {
     entry.slot
 }
 
-/// Takes an exported storage's shared lease out (a forked child closing its copy of its
-/// parent's: see `close_inherited_leases`).
-pub(super) fn take_shared_lease(e: &mut Exported) -> Option<Lease> {
-    e.shared_lease.take()
-}
-
 /// This process dropped its last handle on local storage `id`: receivers may no longer keep
 /// idle mappings of it. The memory itself stays until the last claim is released.
 pub(crate) fn handles_dropped(id: StorageId) {
@@ -344,8 +325,10 @@ pub(crate) fn handles_dropped(id: StorageId) {
     // This process's copy of the shared lease goes: the claim ends when the holders' copies do.
     drop(shared_lease);
     if slot != NO_SLOT {
+        // Told after the owner lock, through the courier (which never makes this wait): a
+        // receiver that checks the cleared slot after missing it sees the storage dead.
         let subscribers = owner().revoke(slot, id.index());
-        notify_revoked(subscribers, id.index());
+        super::courier::revoke(subscribers, id.index());
     }
 }
 

@@ -30,7 +30,7 @@ pub(crate) fn import<H: Any + Send + Sync>(
         || s.closing.contains_key(&key)
         || s.imported.get(&key).is_some_and(|w| w.strong_count() == 0)
     {
-        s = wait(s);
+        s = wait(s, None);
     }
     if let Some(existing) = s.imported.get(&key).and_then(Weak::upgrade)
         && let Ok(handle) = existing.downcast::<H>()

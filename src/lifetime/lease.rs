@@ -307,17 +307,11 @@ impl<'de> Deserialize<'de> for Claim {
     }
 }
 
-/// One claim on one storage through a lease. Dropping it ends the claim: for a counted lease
-/// it says so on the lease; for a per-storage lease the dropped copy of the channel is
-/// the claim. A counted cover may hold several claims through its lease (messages that
-/// brought a storage already mapped here add theirs to the mapping's cover): its drop
-/// releases them all in one record.
-///
-/// A storage that came through a forwarder is claimed from the forwarder, which holds a claim
-/// of its own on it for as long as its new holders hold theirs (`export.rs`, relays). Its
-/// cover then also keeps copies of the leases every claim up the chain is counted on
-/// (`anchors`, the owner's first): were a forwarder to die, the claims it holds stay counted
-/// while any of those copies is open.
+/// Claims on one storage through a lease (messages that brought a storage already mapped here
+/// add theirs to the mapping's cover). Dropping it ends them: on a counted lease in one
+/// `Release` record; on a per-storage lease the dropped copy is the claim. A storage that came
+/// through a forwarder also keeps copies of the leases up the chain (`anchors`, the owner's
+/// first: README.md, "Forwarding: relays").
 #[derive(Debug)]
 pub(crate) struct Cover {
     lease: Lease,
@@ -396,7 +390,7 @@ impl Cover {
             // new holder's release, which comes later on the same channel.
             let _ = Control::Retain(self.index).send(&self.lease.tx);
         }
-        if counted && (self.index != self.id.index() || !self.anchors.is_empty()) {
+        if counted && self.is_relayed() {
             return Claim::Relayed { lease: self.lease.clone(), index: self.index, anchors: self.anchors.clone() };
         }
         Claim::Lease { lease: self.lease.clone(), counted }
@@ -442,9 +436,7 @@ impl Cover {
     pub(crate) fn owner_alive(&self) -> bool {
         self.id.is_local() || !crate::sys::reader_gone(&*self.owner_lease().tx)
     }
-}
 
-impl Cover {
     /// Moves the claims out into a cover of their own, to be released when that one drops;
     /// this one then releases nothing. (A release that waits behind a fence keeps them until
     /// the fence's work is done.)
@@ -466,7 +458,7 @@ impl Drop for Cover {
         let claims = *self.claims.get_mut();
         if self.mode == LeaseMode::Counted && claims > 0 && self.generation == crate::fork::generation() {
             // Sent by the courier: a drop never waits for the owner to read.
-            super::courier::release(self.lease.tx.clone(), self.index, claims);
+            super::courier::post(self.lease.tx.clone(), Control::Release(self.index, claims));
         }
     }
 }

@@ -169,18 +169,14 @@ fn state() -> MutexGuard<'static, State> {
     SHARED.get().state.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn wait(guard: MutexGuard<'static, State>) -> MutexGuard<'static, State> {
+/// Waits for a change (for `timeout` at most; `None`: no limit), counted among the waiters.
+fn wait(guard: MutexGuard<'static, State>, timeout: Option<Duration>) -> MutexGuard<'static, State> {
     let shared = SHARED.get();
     shared.waiters.fetch_add(1, Ordering::SeqCst);
-    let guard = shared.changed.wait(guard).unwrap_or_else(|p| p.into_inner());
-    shared.waiters.fetch_sub(1, Ordering::SeqCst);
-    guard
-}
-
-fn wait_timeout(guard: MutexGuard<'static, State>, timeout: Duration) -> MutexGuard<'static, State> {
-    let shared = SHARED.get();
-    shared.waiters.fetch_add(1, Ordering::SeqCst);
-    let guard = shared.changed.wait_timeout(guard, timeout).unwrap_or_else(|p| p.into_inner()).0;
+    let guard = match timeout {
+        Some(timeout) => shared.changed.wait_timeout(guard, timeout).unwrap_or_else(|p| p.into_inner()).0,
+        None => shared.changed.wait(guard).unwrap_or_else(|p| p.into_inner()),
+    };
     shared.waiters.fetch_sub(1, Ordering::SeqCst);
     guard
 }
@@ -203,7 +199,7 @@ fn notify() {
 pub(crate) fn close_inherited_leases() {
     if let Some(shared) = SHARED.inherited() {
         let leases: Vec<Lease> = match shared.state.try_lock() {
-            Ok(mut s) => s.exported.values_mut().filter_map(export::take_shared_lease).collect(),
+            Ok(mut s) => s.exported.values_mut().filter_map(|e| e.shared_lease.take()).collect(),
             Err(_) => Vec::new(),
         };
         // Closing this process's copies; the parent's stay open.
@@ -308,6 +304,6 @@ pub fn wait_for_lifetime(timeout: Duration, condition: impl Fn(&LifetimeStats) -
         }
         // Every change is made under the lock and notified after it: none is missed between
         // the comparison above and this wait (the waiter is counted under the lock).
-        stats = stats_of(&wait_timeout(guard, left));
+        stats = stats_of(&wait(guard, Some(left)));
     }
 }

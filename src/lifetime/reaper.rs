@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use once_cell::sync::OnceCell;
@@ -43,7 +43,6 @@ enum Source {
 
 impl Source {
     fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        use std::os::fd::AsFd;
         match self {
             Source::Pipe(fd) => fd.as_fd(),
             Source::Socket(s) => s.as_fd(),
@@ -71,7 +70,7 @@ pub(super) struct Reaper {
     wake_pending: AtomicBool,
     /// Every watched reading end, by its id in the epoll set.
     watched: Mutex<HashMap<u64, Entry>>,
-    next_id: Mutex<u64>,
+    next_id: AtomicU64,
     spares: Mutex<Vec<(u64, Arc<OwnedFd>)>>,
     /// Subscriptions whose owner has not answered yet, by owner, with when their deposit
     /// expires: while there are any, the reaper wakes to drop the expired ones.
@@ -107,7 +106,7 @@ pub(super) fn reaper() -> Result<&'static Reaper> {
             bell,
             wake_pending: AtomicBool::new(false),
             watched: Mutex::new(HashMap::new()),
-            next_id: Mutex::new(BELL + 1),
+            next_id: AtomicU64::new(BELL + 1),
             spares: Mutex::new(Vec::new()),
             subscribing: Mutex::new(HashMap::new()),
             granting: AtomicBool::new(false),
@@ -118,11 +117,7 @@ pub(super) fn reaper() -> Result<&'static Reaper> {
 impl Reaper {
     /// Watches `source` from now on (any thread may add to the set while the reaper waits).
     fn watch(&self, what: Watched, source: Source) -> io::Result<u64> {
-        let id = {
-            let mut next = lock(&self.next_id);
-            *next += 1;
-            *next
-        };
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
         let pipe = match &source {
             Source::Pipe(fd) => crate::sys::pipe_identity(fd.as_fd()),
             Source::Socket(_) => None,
@@ -216,11 +211,9 @@ pub(super) fn subscribe(owner: u128, lease: &Lease) -> bool {
     }
     // A lease that takes no record (its owner gone, or not a lease's writing end) is no way to
     // the owner: its socket is not left waiting for a fetch that cannot come.
-    if Control::Link(ticket.clone()).send(&lease.tx).is_err() {
-        crate::handover::withdraw(&ticket);
-        return false;
-    }
-    if reaper.watch(Watched::Revocations(owner), Source::Socket(Arc::new(rx))).is_err() {
+    if Control::Link(ticket.clone()).send(&lease.tx).is_err()
+        || reaper.watch(Watched::Revocations(owner), Source::Socket(Arc::new(rx))).is_err()
+    {
         crate::handover::withdraw(&ticket);
         return false;
     }
@@ -270,13 +263,10 @@ fn reap() {
                 reaper.wake_pending.store(false, Ordering::SeqCst);
                 continue;
             }
-            let Some((what, source)) = lock(&reaper.watched).get(&id).map(|e| (e.what, e.source.clone())) else {
-                continue;
-            };
-            let open = match (&source, what) {
-                (Source::Socket(socket), Watched::Subscriber(_)) => subscriber_open(socket),
-                (Source::Pipe(pipe), _) => drain_lease(reaper, id, pipe),
-                (Source::Socket(socket), _) => drain_revocations(reaper, id, socket),
+            let Some(source) = lock(&reaper.watched).get(&id).map(|e| e.source.clone()) else { continue };
+            let open = match &source {
+                Source::Pipe(pipe) => drain_lease(reaper, id, pipe),
+                Source::Socket(socket) => drain_revocations(reaper, id, socket),
             };
             if !open {
                 closed(reaper, id);
@@ -336,7 +326,9 @@ fn drain_lease(reaper: &Reaper, id: u64, pipe: &OwnedFd) -> bool {
     }
 }
 
-/// Reads every message waiting on revocation socket `id`; false at its end (the owner is gone).
+/// Reads every message waiting on revocation socket `id`; false at its end (the owner is gone,
+/// or, for a subscriber's socket, whose messages are discarded (cuda-mp sends none), the
+/// subscriber).
 fn drain_revocations(reaper: &Reaper, id: u64, socket: &Socket) -> bool {
     loop {
         let message = match socket.recv(lease::MESSAGE_BYTES, Wait::Not) {
@@ -358,19 +350,6 @@ fn drain_revocations(reaper: &Reaper, id: u64, socket: &Socket) -> bool {
             }
             Ok(Revocation::Storages(indices)) => revoke(owner, Some(&indices)),
             Err(_) => {}
-        }
-    }
-}
-
-/// Discards whatever a subscriber wrote on its revocation socket (nothing, from cuda-mp);
-/// false at the socket's end.
-fn subscriber_open(socket: &Socket) -> bool {
-    loop {
-        match socket.recv(lease::MESSAGE_BYTES, Wait::Not) {
-            Ok(Some(_)) => continue,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
-            Err(e) if e.kind() == io::ErrorKind::InvalidData => continue,
-            Ok(None) | Err(_) => return false,
         }
     }
 }

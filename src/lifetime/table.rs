@@ -35,6 +35,7 @@ impl Table {
 }
 
 /// This process as an owner: its table, free slots and subscribers.
+#[derive(Default)]
 pub(super) struct Owner {
     table: Option<Table>,
     free_slots: Vec<u32>,
@@ -45,9 +46,7 @@ pub(super) struct Owner {
 /// The owner lock; taken after the state lock, never before it.
 pub(super) fn owner() -> MutexGuard<'static, Owner> {
     // Per process: a forked child publishes a table of its own.
-    static OWNER: ForkLocal<Mutex<Owner>> = ForkLocal::new(|| {
-        Mutex::new(Owner { table: None, free_slots: Vec::new(), subscribers: Vec::new(), next_subscriber: 0 })
-    });
+    static OWNER: ForkLocal<Mutex<Owner>> = ForkLocal::new(Default::default);
     OWNER.get().lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -82,7 +81,7 @@ impl Owner {
     }
 
     /// The owner dropped its handles on `index`: clears its slot and returns the subscribers
-    /// to tell, after the owner lock is released (see [`notify_revoked`]). The slot is cleared
+    /// to tell, after the owner lock is released. The slot is cleared
     /// only while it still holds `index`: read before this lock, it may have been freed with
     /// the storage's last claim since and taken by another storage.
     pub(super) fn revoke(&mut self, slot: u32, index: u64) -> Vec<(u64, Arc<Socket>)> {
@@ -108,14 +107,6 @@ impl Owner {
     }
 }
 
-/// Tells `subscribers` that the owner dropped storage `index` (the table slot is already
-/// cleared: a receiver that checks it after missing this sees the storage dead), through the
-/// courier, which never makes the caller wait; subscribers that are gone are forgotten. Call
-/// without the owner lock.
-pub(super) fn notify_revoked(subscribers: Vec<(u64, Arc<Socket>)>, index: u64) {
-    super::courier::revoke(subscribers, index);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -124,7 +115,7 @@ mod tests {
     /// was taken by another storage since) leaves the other storage's mark alone.
     #[test]
     fn a_late_revocation_does_not_clear_a_slot_taken_since() {
-        let mut owner = Owner { table: None, free_slots: Vec::new(), subscribers: Vec::new(), next_subscriber: 0 };
+        let mut owner = Owner::default();
         let (a, b) = (StorageId::new_local(), StorageId::new_local());
         let slot = owner.take_slot(a);
         owner.free_slot(slot);

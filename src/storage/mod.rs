@@ -65,16 +65,14 @@ pub(crate) trait StorageKind: Sized + Send + Sync + 'static {
     /// A record of this process's own storage came back (a channel within this process, or
     /// a round trip): the rest of the record is the kind's to use (a block names its segment,
     /// which the channel end keeps for where it may go next). Default: nothing.
-    fn returned(wire: &mut Self::Wire) -> Result<()> {
-        let _ = wire;
+    fn returned(_wire: &mut Self::Wire) -> Result<()> {
         Ok(())
     }
     /// Imported memory whose last handle is gone: a fence after the work this process queued
     /// on it, if the kind may let go of the memory now (nothing unmapped) and release its
     /// claim once that work is done, off the dropping thread. `None` (the default): the drop
     /// of the raw memory waits for whatever it must, and the claim is released after it.
-    fn fence(raw: &mut Self::Raw) -> Option<Box<dyn Fence>> {
-        let _ = raw;
+    fn fence(_raw: &mut Self::Raw) -> Option<Box<dyn Fence>> {
         None
     }
     /// Whether a receiver may keep this mapping cached once its last handle is gone (where
@@ -82,16 +80,13 @@ pub(crate) trait StorageKind: Sized + Send + Sync + 'static {
     /// work is queued: the mapping is then closed and its claim released behind that work,
     /// also when the process exits right after (a cached mapping's claim goes with the
     /// process's leases). A GPU's queued work ends with its process's context.
-    fn cacheable(raw: &Self::Raw) -> bool {
-        let _ = raw;
+    fn cacheable(_raw: &Self::Raw) -> bool {
         true
     }
     /// Another process's caching-allocator segment, just mapped here (by a block's record, or
     /// with a receiving end that moved): statistics that count storages leave it out, as the
     /// owner's do. Default: nothing.
-    fn opened_segment(raw: &Self::Raw) {
-        let _ = raw;
-    }
+    fn opened_segment(_raw: &Self::Raw) {}
 }
 
 /// What waits behind a fence (the release of a claim).
@@ -134,11 +129,7 @@ pub(crate) struct Memory<K: StorageKind> {
 }
 
 impl<K: StorageKind> Memory<K> {
-    /// Memory allocated by this process.
-    pub(crate) fn local(len: usize, raw: K::Raw) -> Arc<Memory<K>> {
-        Memory::local_as(StorageId::new_local(), len, raw)
-    }
-
+    /// Memory allocated by this process, as storage `id`.
     fn local_as(id: StorageId, len: usize, raw: K::Raw) -> Arc<Memory<K>> {
         let counted = !id.is_internal();
         Arc::new(Memory { id, len, key: "", origin: Origin::Local(LiveStorage::new(counted)), raw: Some(raw) })
@@ -224,7 +215,7 @@ pub(crate) struct Handle<K: StorageKind> {
 impl<K: StorageKind> Handle<K> {
     /// A handle on new memory of this process.
     pub(crate) fn new_local(len: usize, raw: K::Raw) -> Handle<K> {
-        Handle { memory: Memory::local(len, raw) }
+        Handle { memory: Memory::local_as(StorageId::new_local(), len, raw) }
     }
 
     /// A handle on new memory that a caching allocator carves storages out of: shared like
@@ -430,10 +421,8 @@ impl<S: Shared> CarriedSegment<S> {
         let carried: CarriedSegment<S> = wire::decode_part(bytes)?;
         // Only an owner introduces its segments (`SegmentRef::of`): its blocks name it as
         // sent by the owner. This process's own (a channel within it) is kept weakly.
-        let lifetime::TravelledSegment { via, id, segment, ticket, alive } = {
-            let owner = carried.0.id.owner();
-            carried.map(owner)?
-        };
+        let owner = carried.0.id.owner();
+        let lifetime::TravelledSegment { via, id, segment, ticket, alive } = carried.map(owner)?;
         wire::remember_segment(via, id, segment, ticket, alive);
         Ok(())
     }

@@ -495,30 +495,29 @@ impl<S> Pools<S> {
         // Read before the block is taken: a fork not finished by then counts as one after it.
         let forks_before = if self.shared_with_forks { crate::fork::forks_done() } else { 0 };
         loop {
+            // Declared before the lock, so dropped after it on every way out of this pass:
+            // segments given up are dropped outside the lock.
+            let mut released = Vec::new();
             let mut s = self.lock();
             if first && !s.enabled {
                 // Off, no block is handed out or given back: blocks parked for forked children
                 // that are gone come back (and their segments are given up) here.
-                let (_, released) = s.unpark();
-                drop(s);
-                drop(released);
+                released.extend(s.unpark().1);
                 return Ok(None);
             }
             first = false;
             if let Some(cut) = s.arena(pool).take(size) {
                 s.stats.allocations += 1;
                 let segment = s.segments.get(&cut.seg).expect("a block's segment is held").0.clone();
-                drop(s);
                 return Ok(Some(Block { pools: self.clone(), segment, pool, cut, forks_before }));
             }
             if !unparked && !s.parked.is_empty() {
                 // Blocks whose forked children are gone since they were parked, once an
                 // allocation would otherwise need a new segment.
                 unparked = true;
-                let (back, released) = s.unpark();
+                let (back, more) = s.unpark();
+                released.extend(more);
                 if back {
-                    drop(s);
-                    drop(released);
                     continue;
                 }
             }
@@ -528,30 +527,22 @@ impl<S> Pools<S> {
             let fits =
                 |s: &State<S>| s.limit.is_none_or(|limit| (s.reserved + s.pending).saturating_add(grown) <= limit);
             let wanted = if fits(&s) { grown } else { own };
-            let mut released = Vec::new();
             if let Some(limit) = s.limit {
                 if (s.reserved + s.pending).saturating_add(wanted) > limit {
-                    released = s.release_free();
+                    released.extend(s.release_free());
                 }
                 let committed = s.reserved + s.pending;
                 if committed.saturating_add(wanted) > limit {
                     if s.pending > 0 {
                         // Another thread is making a segment, which may have room for this
                         // block: look again once it is made.
-                        let s = self.made.wait(s).unwrap_or_else(|p| p.into_inner());
-                        drop(s);
-                        drop(released);
+                        drop(self.made.wait(s).unwrap_or_else(|p| p.into_inner()));
                         continue;
                     }
-                    // Segments given up are dropped outside the lock, even on the way out.
-                    drop(s);
-                    drop(released);
                     return Err(Error::CacheLimit { requested: wanted, reserved: committed, limit });
                 }
             }
             let Some(pending) = s.pending.checked_add(wanted) else {
-                drop(s);
-                drop(released);
                 return Err(Error::Io(std::io::Error::new(std::io::ErrorKind::OutOfMemory, "segment size overflows")));
             };
             s.pending = pending;
@@ -573,7 +564,6 @@ impl<S> Pools<S> {
                 Ok(segment) => segment,
                 Err(e) if e.is_out_of_memory() && wanted > own => {
                     grow = false;
-                    drop(s);
                     continue;
                 }
                 Err(e) if e.is_out_of_memory() && !retried => {

@@ -279,17 +279,16 @@ pub(crate) fn decode_tensor<'de, S: Shared, D: Deserializer<'de>>(
     deserializer: D,
     expected: Option<DType>,
 ) -> std::result::Result<DynTensor<S>, D::Error> {
-    let wire = RemoteTensor::deserialize(deserializer)?;
-    decode_remote::<S>(wire, expected).map_err(wire::decode_error)
+    let RemoteTensor { dtype, shape } = RemoteTensor::deserialize(deserializer)?;
+    decode_remote::<S>(dtype, &shape, expected).map_err(wire::decode_error)
 }
 
-fn decode_remote<S: Shared>(wire: RemoteTensor, expected: Option<DType>) -> Result<DynTensor<S>> {
-    let dtype =
-        DType::from_tag(wire.dtype).ok_or_else(|| Error::Malformed(format!("unknown dtype tag {}", wire.dtype)))?;
+fn decode_remote<S: Shared>(tag: u8, shape: &[usize], expected: Option<DType>) -> Result<DynTensor<S>> {
+    let dtype = DType::from_tag(tag).ok_or_else(|| Error::Malformed(format!("unknown dtype tag {tag}")))?;
     if let Some(expected) = expected.filter(|&e| e != dtype) {
         return Err(Error::DTypeMismatch { expected, found: dtype });
     }
-    let layout = Layout::contiguous(&wire.shape)?;
+    let layout = Layout::contiguous(shape)?;
     let bytes =
         layout.numel().checked_mul(dtype.size()).ok_or_else(|| Error::Malformed("tensor size overflows".into()))?;
     let storage: Arc<S> = if std::any::TypeId::of::<S>() == std::any::TypeId::of::<HostStorage>() {

@@ -19,7 +19,8 @@ const TABLE_SLOTS: u64 = 4096;
 /// for an RCU grace period (measured: 5-23 ms on the H200 machines, during which every thread
 /// that opens or receives a descriptor waits too), so a few growths while the first weights
 /// arrive cost tens of milliseconds. Grown here, early (in `init`, before other threads), it
-/// costs one allocation; the table never shrinks.
+/// costs one allocation (a descriptor duplicated to the number `TABLE_SLOTS - 1`, and closed at
+/// once, makes the kernel grow it in one step); the table never shrinks.
 pub(crate) fn raise_descriptor_limit() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
@@ -28,17 +29,13 @@ pub(crate) fn raise_descriptor_limit() {
             // Raising the soft limit up to the hard one is always allowed.
             let _ = setrlimit(Resource::Nofile, Rlimit { current: limit.maximum, maximum: limit.maximum });
         }
-        grow_descriptor_table(TABLE_SLOTS.min(descriptor_limit()));
+        let slots = TABLE_SLOTS.min(descriptor_limit());
+        if let Some(top) = slots.checked_sub(1).and_then(|t| i32::try_from(t).ok())
+            && let Ok(probe) = crate::sys::bell()
+        {
+            let _ = rustix::io::fcntl_dupfd_cloexec(&probe, top);
+        }
     });
-}
-
-/// Makes the descriptor table hold at least `slots` descriptors: a descriptor duplicated to
-/// the number `slots - 1` (and closed at once) makes the kernel grow it in one step.
-fn grow_descriptor_table(slots: u64) {
-    let Some(top) = slots.checked_sub(1).and_then(|t| i32::try_from(t).ok()) else { return };
-    if let Ok(probe) = crate::sys::bell() {
-        let _ = rustix::io::fcntl_dupfd_cloexec(&probe, top);
-    }
 }
 
 /// Bytes of physical memory of this machine (0 when unknown).

@@ -1,9 +1,7 @@
-//! One mapping of shared memory: every file this crate maps (memory files, named POSIX shared
-//! memory, named sync objects) is mapped here, and every access to mapped bytes goes through
-//! this type's bounds-checked atomic words and copies. The copies are made of relaxed atomic
-//! accesses too (a word at a time where aligned): another thread or process writing the same
-//! bytes meanwhile garbles what is copied, which the caller checks like any input, but makes
-//! nothing undefined.
+//! One mapping of shared memory: every file this crate maps is mapped here. Copies are made of
+//! relaxed atomic accesses too (a word at a time where aligned): another thread or process
+//! writing the same bytes meanwhile garbles what is copied, which the caller checks like any
+//! input, but makes nothing undefined.
 
 use std::io;
 use std::os::fd::AsFd;

@@ -1,14 +1,8 @@
-//! Shared memory: anonymous memory files (`memfd`), sealed so that no holder can shrink or grow
-//! them, mapped whole into each process that holds one. The one kind of shared memory that
-//! travels between processes (host tensors, the channels' counters, sync objects, liveness
-//! tables, large messages).
-//!
-//! A holder that could shrink the file would make every other holder's accesses past the new
-//! end fault (`SIGBUS`); so every file is sealed against shrinking and growing before it leaves
-//! the process that made it, and a file that arrives without those seals, or smaller than its
-//! message says, is refused before it is mapped. A file made for a message's bytes is sealed
-//! against writes too ([`MemoryFile::frozen`]): only then may the receiver read it as plain
-//! bytes.
+//! Shared memory: anonymous memory files (`memfd`), mapped whole into each process that holds
+//! one; the one kind that travels between processes. Sealed against shrinking and growing before
+//! they leave their maker (another holder's accesses past a new end would fault, `SIGBUS`), and
+//! refused on receipt without those seals or smaller than promised; read as plain bytes only
+//! when sealed against writes too ([`MemoryFile::frozen`]).
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -78,16 +72,6 @@ impl MemoryFile {
         map(fd, len, seals.contains(SealFlags::WRITE))
     }
 
-    /// First byte of the mapping.
-    pub(crate) fn ptr(&self) -> *mut u8 {
-        self.mapping.ptr()
-    }
-
-    /// Bytes mapped.
-    pub(crate) fn len(&self) -> usize {
-        self.mapping.len()
-    }
-
     /// The mapping, for the socket calls that read or write it in place.
     pub(crate) fn mapping(&self) -> &Mapping {
         &self.mapping
@@ -97,25 +81,6 @@ impl MemoryFile {
     /// frozen, for atomic access only.
     pub(crate) fn word(&self, offset: usize) -> Option<&AtomicU64> {
         self.mapping.u64_at(offset)
-    }
-
-    /// Copies `bytes` into the mapping at `offset`; false (nothing written) when they do not
-    /// fit or the file is frozen.
-    pub(crate) fn copy_in(&self, offset: usize, bytes: &[u8]) -> bool {
-        self.mapping.copy_in(offset, bytes)
-    }
-
-    /// Zeroes `len` bytes of the mapping from `offset`; false (nothing written) when they do
-    /// not fit or the file is frozen.
-    pub(crate) fn zero(&self, offset: usize, len: usize) -> bool {
-        self.mapping.zero(offset, len)
-    }
-
-    /// Copies `out.len()` bytes of the mapping from `offset` into `out`; false (nothing read)
-    /// when they are not all inside it. Another process may be writing them meanwhile: the
-    /// copy then mixes old and new bytes, which the caller must check like any input.
-    pub(crate) fn copy_out(&self, offset: usize, out: &mut [u8]) -> bool {
-        self.mapping.copy_out(offset, out)
     }
 
     /// The bytes of a frozen file (`None` otherwise: other processes may be writing them).
@@ -151,6 +116,15 @@ fn map(fd: OwnedFd, len: usize, frozen: bool) -> io::Result<MemoryFile> {
     let mapping = Mapping::new(&fd, len, !frozen)
         .map_err(|e| out_of_memory(e, &format!("a mapping of {len} bytes of shared memory")))?;
     Ok(MemoryFile { fd, mapping, frozen })
+}
+
+/// The mapping's pointer, length and bounds-checked copies (`copy_in`, `zero`: refused on a
+/// frozen file, which is mapped read-only; `copy_out`).
+impl std::ops::Deref for MemoryFile {
+    type Target = Mapping;
+    fn deref(&self) -> &Mapping {
+        &self.mapping
+    }
 }
 
 impl AsFd for MemoryFile {

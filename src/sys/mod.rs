@@ -1,9 +1,5 @@
-//! Every system call of the crate, made through `rustix` (safe wrappers, descriptors as
-//! `OwnedFd` / `BorrowedFd`; `libc` only where rustix has none): the one local transport
-//! (`socket.rs`), the remote transport's stream calls (`tcp.rs`), one mapping of shared memory
-//! (`mapping.rs`) under memory files, named sync objects and PyTorch's reference-counter files
-//! (`memory.rs`, `named.rs`, `shm.rs`), futexes, process liveness and hooks, limits and a
-//! child's end. See `README.md`.
+//! Every system call of the crate, made through `rustix` (`libc` only where rustix has none);
+//! what each file holds: `README.md`.
 
 mod child;
 mod futex;
@@ -30,8 +26,7 @@ pub(crate) use mapping::Mapping;
 pub(crate) use memory::MemoryFile;
 pub(crate) use named::NamedMemory;
 pub(crate) use pipe::{
-    RECORD_MAX, identity as pipe_identity, is_pipe_writer, lease_pipe, read_available, reader_gone, write_record,
-    writers_gone,
+    RECORD_MAX, identity as pipe_identity, is_pipe_writer, lease_pipe, read_available, write_record,
 };
 #[cfg(test)]
 pub(crate) use process::fork_and_run;
@@ -44,28 +39,29 @@ pub(crate) use shm::{ShmFile, ShmOpen, remove_cuda_event_files, shm_unlink};
 #[cfg(feature = "remote")]
 pub(crate) use socket::wait_for;
 pub(crate) use socket::{
-    Listening, MESSAGE_FDS, Message, Received, Socket, Wait, bell, connect_abstract_within, connect_to, private_dir,
-    ring, silence, wait_readable, wait_readable_or_closed,
+    Listening, MESSAGE_FDS, Message, Received, Socket, Wait, bell, connect_abstract_within, connect_to,
+    peer_gone as reader_gone, peer_gone as writers_gone, private_dir, ring, silence, wait_readable,
+    wait_readable_or_closed,
 };
 
 /// 128 random bits from the kernel (`getrandom`): names and secrets no other process can guess.
 pub(crate) fn random_u128() -> u128 {
     let mut bytes = [0u8; 16];
-    let mut filled = 0;
-    while filled < bytes.len() {
-        match rustix::rand::getrandom(&mut bytes[filled..], rustix::rand::GetRandomFlags::empty()) {
-            Ok(n) => filled += n,
-            Err(rustix::io::Errno::INTR) => {}
-            // Not expected on any kernel cuda-mp runs on; a weaker source beats failing.
-            Err(_) => return weak_random(),
-        }
+    if random_bytes(&mut bytes).is_ok() {
+        return u128::from_le_bytes(bytes);
     }
-    u128::from_le_bytes(bytes)
+    // Not expected on any kernel cuda-mp runs on; a weaker source beats failing: the standard
+    // library's per-process random hash keys and the clock.
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    let hi = h.finish();
+    h.write_u64(hi);
+    ((hi as u128) << 64) | h.finish() as u128
 }
 
 /// Fills `out` with random bytes from the kernel (`getrandom`), or fails: for nonces of an
 /// authentication, which no weaker source may stand in for.
-#[cfg(feature = "remote")]
 pub(crate) fn random_bytes(out: &mut [u8]) -> std::io::Result<()> {
     let mut filled = 0;
     while filled < out.len() {
@@ -84,15 +80,4 @@ pub(crate) type Held = std::sync::Arc<dyn std::os::fd::AsFd + Send + Sync>;
 /// The descriptors of `fds`, borrowed for a send.
 pub(crate) fn borrow_all(fds: &[Held]) -> Vec<std::os::fd::BorrowedFd<'_>> {
     fds.iter().map(|fd| fd.as_fd()).collect()
-}
-
-/// Bits from the standard library's per-process random hash keys and the clock: only where
-/// `getrandom` fails.
-fn weak_random() -> u128 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
-    let hi = h.finish();
-    h.write_u64(hi);
-    ((hi as u128) << 64) | h.finish() as u128
 }

@@ -81,7 +81,9 @@ impl NamedMemory {
             };
             // Before anything else, a leftover's removal included: another user's file, or one
             // that others may open, is not ours to map (it could be changed under us).
-            check_private(&file, path)?;
+            let meta = file.metadata()?;
+            let why = "a named object is this user's alone, mode 600";
+            check_private(meta.uid(), meta.mode(), &path.display(), why)?;
             match file.try_lock() {
                 Ok(()) => {
                     // Nobody holds the creator's shared lock: the creator is gone. Removers
@@ -137,21 +139,14 @@ fn same_file(file: &File, path: &Path) -> bool {
     }
 }
 
-/// Refuses a file that another user owns or that others may open: only files this user made
-/// with mode 0600 are mapped.
-fn check_private(file: &File, path: &Path) -> io::Result<()> {
-    let meta = file.metadata()?;
-    let me = rustix::process::geteuid().as_raw();
-    if meta.uid() != me || meta.mode() & 0o077 != 0 {
-        return Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            format!(
-                "{}: refused, it is owned by user {} with mode {:o} (a named object is this user's alone, mode 600)",
-                path.display(),
-                meta.uid(),
-                meta.mode() & 0o7777
-            ),
-        ));
+/// Refuses an object `name` (a file, a shared-memory object) that another user owns or that
+/// others may open (`uid` and `mode` as its metadata says; `why` ends the error): only objects
+/// this user made with mode 0600 are mapped, as another's could be changed or shrunk under us.
+pub(super) fn check_private(uid: u32, mode: u32, name: &dyn std::fmt::Display, why: &str) -> io::Result<()> {
+    if uid != rustix::process::geteuid().as_raw() || mode & 0o077 != 0 {
+        let mode = mode & 0o7777;
+        let text = format!("{name}: refused, it is owned by user {uid} with mode {mode:o} ({why})");
+        return Err(io::Error::new(io::ErrorKind::PermissionDenied, text));
     }
     Ok(())
 }

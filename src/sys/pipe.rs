@@ -5,7 +5,7 @@
 //! tracks sockets in flight for its garbage collector, not pipes).
 
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::time::Duration;
 
 use rustix::event::{PollFd, PollFlags};
@@ -91,19 +91,11 @@ pub(crate) fn read_available(pipe: &OwnedFd, buf: &mut [u8]) -> io::Result<Optio
     }
 }
 
-/// True once every writing end of a pipe is closed (seen from its reading end).
-pub(crate) fn writers_gone(pipe: &impl AsFd) -> bool {
-    crate::sys::socket::peer_gone(pipe.as_fd())
-}
-
-/// True once a pipe's reading end is closed (seen from a writing end).
-pub(crate) fn reader_gone(pipe: &impl AsFd) -> bool {
-    crate::sys::socket::peer_gone(pipe.as_fd())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sys::reader_gone;
+    use std::os::fd::AsFd;
 
     #[test]
     fn records_arrive_whole_and_the_last_writer_closing_ends_the_pipe() {

@@ -43,19 +43,8 @@ fn size_of_fd(fd: &OwnedFd) -> io::Result<u64> {
 /// by their creators (this crate, and PyTorch's reference-counter files).
 fn check_private(fd: &OwnedFd, name: &CStr) -> io::Result<()> {
     let stat = fstat(fd)?;
-    let me = rustix::process::geteuid().as_raw();
-    if stat.st_uid != me || stat.st_mode & 0o077 != 0 {
-        return Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            format!(
-                "{}: refused, it is owned by user {} with mode {:o} (a shared-memory object of this user's alone, mode 600, is expected)",
-                name.to_string_lossy(),
-                stat.st_uid,
-                stat.st_mode & 0o7777
-            ),
-        ));
-    }
-    Ok(())
+    let why = "a shared-memory object of this user's alone, mode 600, is expected";
+    super::named::check_private(stat.st_uid, stat.st_mode, &name.to_string_lossy(), why)
 }
 
 impl ShmFile {

@@ -1,15 +1,7 @@
 //! The one local transport: Unix `SOCK_SEQPACKET` sockets carrying ordered messages of bytes
-//! and any number of descriptors of any kind (`SCM_RIGHTS`).
-//!
-//! A message is one packet: a 4-byte header (the number of descriptors it carries in all), then
-//! its bytes, with up to [`PACKET_FDS`] descriptors attached. A message with more descriptors
-//! than that sends the rest first, in packets of [`PACKET_FDS`], into a fresh socket pair made
-//! for it, and attaches that pair's reading end as its last descriptor: the receiver reads the
-//! rest from there. The message stays one packet on the socket, so several writers (threads or
-//! processes) never interleave parts of their messages, and callers never see the limit.
-//!
-//! Sockets are shared by processes, so the file's own non-blocking flag is never set (it would
-//! change every holder's socket): whether a call waits is chosen per call (`MSG_DONTWAIT`).
+//! and any number of descriptors of any kind (`SCM_RIGHTS`). The message layout (one packet,
+//! the rest of the descriptors in an overflow socket past [`PACKET_FDS`]) and why a socket's
+//! own non-blocking flag is never set (`MSG_DONTWAIT` per call): `README.md` here.
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
@@ -82,11 +74,6 @@ pub(crate) struct Received {
     pub(crate) descriptors_dropped: bool,
 }
 
-/// The error of a message whose descriptors this process could not take.
-fn descriptors_dropped() -> io::Error {
-    invalid("a message lost its descriptors: this process is at its limit of file descriptors")
-}
-
 fn invalid(text: &str) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, text.to_owned())
 }
@@ -103,10 +90,9 @@ impl Socket {
     /// One end of a connection made through a listener: refused unless the process at the other
     /// end runs as this user; given the send buffer every socket of ours asks for.
     fn connected(fd: OwnedFd) -> io::Result<Socket> {
-        let socket = Socket(fd);
-        socket.check_peer_is_this_user()?;
-        let _ = sockopt::set_socket_send_buffer_size(&socket.0, SEND_BUFFER);
-        Ok(socket)
+        check_peer_is_this_user(fd.as_fd())?;
+        let _ = sockopt::set_socket_send_buffer_size(&fd, SEND_BUFFER);
+        Ok(Socket(fd))
     }
 
     /// A descriptor that arrived in a message, checked to be a Unix `SOCK_SEQPACKET` socket.
@@ -151,7 +137,7 @@ impl Socket {
         let mut buf = vec![0u8; max + HEADER];
         let Some(got) = self.recv_in(&mut buf, wait)? else { return Ok(None) };
         if got.descriptors_dropped {
-            return Err(descriptors_dropped());
+            return Err(invalid("a message lost its descriptors: this process is at its limit of file descriptors"));
         }
         Ok(Some(Message { bytes: buf[got.bytes].to_vec(), fds: got.fds }))
     }
@@ -216,7 +202,7 @@ impl Socket {
 
     /// True once the other end is closed (every holder of it is gone).
     pub(crate) fn peer_closed(&self) -> bool {
-        peer_gone(self.0.as_fd())
+        peer_gone(&self.0)
     }
 
     /// Bytes waiting to be read (0 when none or unknown).
@@ -258,12 +244,6 @@ impl Socket {
     /// The socket's identity (device and inode): two descriptors of one socket share it.
     pub(crate) fn identity(&self) -> Option<(u64, u64)> {
         rustix::fs::fstat(&self.0).ok().map(|st| (st.st_dev, st.st_ino))
-    }
-
-    /// Refuses a connected socket whose other end is a process of another user (its
-    /// credentials as the kernel recorded them at `connect` or `listen`, `SO_PEERCRED`).
-    pub(crate) fn check_peer_is_this_user(&self) -> io::Result<()> {
-        check_peer_is_this_user(self.0.as_fd())
     }
 }
 
@@ -370,7 +350,7 @@ fn recv_packet(socket: BorrowedFd<'_>, buf: &mut [u8], wait: Wait) -> io::Result
         if got.bytes == 0 && fds.is_empty() && !fds_dropped {
             // Every message of ours has a header: no bytes is the end once the peer is gone,
             // and an empty message of a peer that is not ours while it lives.
-            if peer_gone(socket) {
+            if peer_gone(&socket) {
                 return Ok(None);
             }
             return Err(invalid("an empty message"));
@@ -429,10 +409,10 @@ fn poll_until(polled: &mut [PollFd<'_>], wait: Wait) -> io::Result<bool> {
     }
 }
 
-/// True once the other end of `fd` is closed: a socket's peer, or a pipe's reader, seen from
-/// a writing end.
-pub(crate) fn peer_gone(fd: BorrowedFd<'_>) -> bool {
-    matches!(wait_for(fd, PollFlags::OUT, Wait::Not), Ok(Some(r)) if r.intersects(PollFlags::HUP | PollFlags::ERR))
+/// True once the other end of `fd` is closed: a socket's peer; a pipe's reader, seen from a
+/// writing end, or every writer, seen from its reading end.
+pub(crate) fn peer_gone(fd: &impl AsFd) -> bool {
+    matches!(wait_for(fd.as_fd(), PollFlags::OUT, Wait::Not), Ok(Some(r)) if r.intersects(PollFlags::HUP | PollFlags::ERR))
 }
 
 /// One `poll(2)`, `timeout` at most (`None`: no limit); an interrupted poll returns 0.
@@ -446,7 +426,8 @@ pub(crate) fn poll_once(fds: &mut [PollFd<'_>], timeout: Option<Duration>) -> io
     }
 }
 
-/// Refuses a connected Unix socket whose other end is a process of another user.
+/// Refuses a connected Unix socket whose other end is a process of another user (its
+/// credentials as the kernel recorded them at `connect` or `listen`, `SO_PEERCRED`).
 fn check_peer_is_this_user(socket: BorrowedFd<'_>) -> io::Result<()> {
     let peer = sockopt::socket_peercred(socket)?;
     let me = rustix::process::geteuid();

@@ -60,13 +60,40 @@ pub(crate) fn write_all(socket: &impl AsFd, mut bytes: &[u8], deadline: Instant)
     Ok(())
 }
 
-/// Refuses a range that is not inside the first `limit` bytes of `mapping` (the storage's size,
-/// which its mapping may exceed).
-fn check_range(mapping: &Mapping, limit: usize, offset: usize, len: usize) -> io::Result<()> {
-    match offset.checked_add(len) {
-        Some(end) if end <= limit.min(mapping.len()) => Ok(()),
-        _ => Err(io::Error::new(io::ErrorKind::InvalidInput, "bytes outside the shared memory")),
+/// Moves `len` bytes of `mapping` from byte `offset`, inside its first `limit` (the storage's
+/// size, which its mapping may exceed), over the stream, waiting until `deadline` for `events`:
+/// `call(at, n)` sends or receives up to `n` bytes at `at`, as `send(2)` / `recv(2)` (without
+/// waiting), and is only given a pointer to bytes inside the mapping.
+fn in_place(
+    socket: &impl AsFd,
+    mapping: &Mapping,
+    (limit, offset, len): (usize, usize, usize),
+    deadline: Instant,
+    events: PollFlags,
+    call: impl Fn(*mut u8, usize) -> isize,
+) -> io::Result<()> {
+    if offset.checked_add(len).is_none_or(|end| end > limit.min(mapping.len())) {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "bytes outside the shared memory"));
     }
+    let mut done = 0;
+    while done < len {
+        stream_wait(socket, events, Some(deadline))?;
+        // SAFETY: `offset + done .. offset + len` lies inside the mapping (checked above), which
+        // lives while it is borrowed.
+        match call(unsafe { mapping.ptr().add(offset + done) }, len - done) {
+            0 if events == PollFlags::IN => {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the connection mid-message"));
+            }
+            n if n >= 0 => done += n as usize,
+            _ => {
+                let e = io::Error::last_os_error();
+                if !matches!(e.kind(), io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock) {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Writes `len` bytes of `mapping` from byte `offset`, inside its first `limit`, waiting until
@@ -79,31 +106,11 @@ pub(crate) fn write_mapped(
     len: usize,
     deadline: Instant,
 ) -> io::Result<()> {
-    check_range(mapping, limit, offset, len)?;
-    let mut done = 0;
-    while done < len {
-        stream_wait(socket, PollFlags::OUT, Some(deadline))?;
-        // SAFETY: `offset + done .. offset + len` lies inside the mapping (checked above),
-        // which lives while it is borrowed; the kernel reads it, no Rust reference to it is
-        // made. NOSIGNAL turns a closed peer into EPIPE instead of SIGPIPE.
-        let n = unsafe {
-            libc::send(
-                socket.as_raw_fd(),
-                mapping.ptr().add(offset + done).cast(),
-                len - done,
-                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
-            )
-        };
-        if n >= 0 {
-            done += n as usize;
-            continue;
-        }
-        let e = io::Error::last_os_error();
-        if !matches!(e.kind(), io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock) {
-            return Err(e);
-        }
-    }
-    Ok(())
+    in_place(socket, mapping, (limit, offset, len), deadline, PollFlags::OUT, |at, n| {
+        // SAFETY: `at .. at + n` lies inside the mapping (`in_place`); the kernel reads it, no
+        // Rust reference to it is made. NOSIGNAL turns a closed peer into EPIPE, not SIGPIPE.
+        unsafe { libc::send(socket.as_raw_fd(), at.cast(), n, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) }
+    })
 }
 
 /// Fills `len` bytes of a writable `mapping` from byte `offset`, inside its first `limit`, from
@@ -119,27 +126,9 @@ pub(crate) fn read_mapped(
     if !mapping.is_writable() {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "shared memory sealed against writes"));
     }
-    check_range(mapping, limit, offset, len)?;
-    let mut done = 0;
-    while done < len {
-        stream_wait(socket, PollFlags::IN, Some(deadline))?;
-        // SAFETY: `offset + done .. offset + len` lies inside the mapping (checked above), which
-        // lives while it is borrowed; the kernel writes it, no Rust reference to it is made.
-        let n = unsafe {
-            libc::recv(socket.as_raw_fd(), mapping.ptr().add(offset + done).cast(), len - done, libc::MSG_DONTWAIT)
-        };
-        match n {
-            0 => {
-                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the connection mid-message"));
-            }
-            n if n > 0 => done += n as usize,
-            _ => {
-                let e = io::Error::last_os_error();
-                if !matches!(e.kind(), io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock) {
-                    return Err(e);
-                }
-            }
-        }
-    }
-    Ok(())
+    in_place(socket, mapping, (limit, offset, len), deadline, PollFlags::IN, |at, n| {
+        // SAFETY: `at .. at + n` lies inside the mapping (`in_place`); the kernel writes it, no
+        // Rust reference to it is made.
+        unsafe { libc::recv(socket.as_raw_fd(), at.cast(), n, libc::MSG_DONTWAIT) }
+    })
 }
