@@ -14,13 +14,14 @@ use once_cell::sync::OnceCell;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::storage::{GpuStorageWire, decode_storage, encode_storage};
+use super::storage::GpuStorageWire;
 use super::{Device, GpuStorage, GpuTensor};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::lifetime::StorageId;
 use crate::profile::{self, Phase};
+use crate::storage;
 #[cfg(feature = "remote")]
 use crate::storage::remote;
 use crate::tensor::{DynTensor, Tensor};
@@ -244,11 +245,7 @@ impl Bundle {
     /// assert!(matches!(bundle.get::<i32>("w"), Err(cuda_mp::Error::DTypeMismatch { .. })));
     /// ```
     pub fn get<T: Element>(&self, name: &str) -> Result<GpuTensor<T>> {
-        let entry = self
-            .entries
-            .iter()
-            .find(|e| e.name == name)
-            .ok_or_else(|| Error::NoSuchTensor { name: name.to_owned() })?;
+        let entry = self.entry(name)?;
         if entry.dtype != T::DTYPE {
             return Err(Error::DTypeMismatch { expected: T::DTYPE, found: entry.dtype });
         }
@@ -263,16 +260,16 @@ impl Bundle {
     /// assert_eq!(bundle.get_dyn("step").unwrap().dtype(), cuda_mp::DType::I64);
     /// ```
     pub fn get_dyn(&self, name: &str) -> Result<DynTensor<GpuStorage>> {
-        let entry = self
-            .entries
-            .iter()
-            .find(|e| e.name == name)
-            .ok_or_else(|| Error::NoSuchTensor { name: name.to_owned() })?;
+        let entry = self.entry(name)?;
         Ok(DynTensor {
             storage: self.chunks[entry.chunk as usize].clone(),
             layout: entry.layout.clone(),
             dtype: entry.dtype,
         })
+    }
+
+    fn entry(&self, name: &str) -> Result<&BundleEntry> {
+        self.entries.iter().find(|e| e.name == name).ok_or_else(|| Error::NoSuchTensor { name: name.to_owned() })
     }
 
     /// A bundle of tensors that already exist, named: one allocation per distinct storage
@@ -444,7 +441,8 @@ impl Serialize for Bundle {
             }
             return RemoteBundleRef { chunks, table }.serialize(serializer);
         }
-        let chunks = self.chunks.iter().map(encode_storage).collect::<Result<_>>().map_err(encode_error)?;
+        let chunks =
+            self.chunks.iter().map(|c| storage::export(c, false)).collect::<Result<_>>().map_err(encode_error)?;
         BundleWireRef { chunks, table }.serialize(serializer)
     }
 }
@@ -503,7 +501,8 @@ fn decode(wire: BundleWire) -> Result<Bundle> {
     if wire.chunks.is_empty() {
         return Err(Error::Malformed("bundle without an allocation".into()));
     }
-    let chunks: Vec<Arc<GpuStorage>> = wire.chunks.into_iter().map(decode_storage).collect::<Result<_>>()?;
+    let chunks: Vec<Arc<GpuStorage>> =
+        wire.chunks.into_iter().map(|w| storage::import(w, None)).collect::<Result<_>>()?;
     let ids: Vec<StorageId> = chunks.iter().map(|c| c.id()).collect();
     let lens: Vec<usize> = chunks.iter().map(|c| c.byte_len()).collect();
     let entries = RECEIVED_TABLES.entries(&ids, &lens, &wire.table)?;

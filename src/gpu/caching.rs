@@ -1,19 +1,6 @@
 //! The caching allocator: GPU tensors carved out of large segments, each segment exported and
-//! mapped once per process, each tensor's block reused once every process has dropped it.
-//!
-//! A segment is a storage of its own (VMM memory, its descriptor exported once, where the
-//! device can share it; legacy `cuMemAlloc` memory, its IPC handle taken once, elsewhere or
-//! where [`Device::set_segment_kind`] asks for it), held by the allocator and counted in no
-//! storage statistics. A block is an ordinary storage (its own identity, claims and idle
-//! cache) whose memory is a range of a segment: its record carries the segment's record (a
-//! claim on the segment, which a receiver that maps it already adds to its mapping's cover) or
-//! on a channel names it, and the block's offset. So a receiver keeps a
-//! segment mapped while it holds any of its blocks, and afterwards in its idle cache for as
-//! long as this process keeps the segment; a fresh tensor cut from a mapped segment opens
-//! nothing. A block comes back to the free lists when its last claim is released: every
-//! receiver dropped it (and its release waited for the work it queued on it, `retire.rs`, so a
-//! block is never handed out while another process's queued work still uses it) or died. See
-//! README.md here.
+//! mapped once per process, each tensor's block reused once every process has dropped it. See
+//! "The caching allocator" in README.md here.
 
 use std::sync::Arc;
 

@@ -122,22 +122,11 @@ impl fmt::Debug for Device {
 }
 
 /// What this process knows of the work on a device's stream, so that a send can tell the
-/// stream idle without asking the driver: `cuStreamQuery` costs about 1.5 us on an H100 host
-/// even on an idle stream, more than the rest of a tensor's export.
-///
-/// Every piece of work this library queues on the stream is counted right after it is queued
-/// (`Device::enqueue`, `Device::queued_work`), before anything asks whether the stream is
-/// idle. When the driver says the stream is idle, every piece counted before the question is
-/// done: `done` keeps the highest such count; a synchronous copy that returned marks the
-/// pieces counted before it and itself (`Device::enqueue_synchronized`). Equal counts mean
-/// nothing counted is pending.
-/// Once the stream has been handed out (`Device::stream`), code outside this library may
-/// queue work on it that nobody counts, and only the driver can tell.
-///
-/// `recorded` is one more than the count read before the latest record of the process's
-/// interprocess event: while it is one more than `queued`, that record covers every piece
-/// counted, and the next tensor of a message (or the next send) carries the same record
-/// without asking or recording again.
+/// stream idle without asking the driver (`cuStreamQuery` costs about 1.5 us). `queued` counts
+/// each piece of work this library queues, right after it is queued; `done` is the highest
+/// count known done (an idle answer covers what was counted before the question); `recorded`
+/// is one more than the count read before the event's latest record. Once the stream is `lent`
+/// out, only the driver can tell. See README.md here.
 #[derive(Default)]
 struct StreamWork {
     queued: AtomicU64,
@@ -202,15 +191,8 @@ pub(crate) fn opened_devices() -> Option<Vec<Arc<Device>>> {
 
 /// Formats a GPU UUID the way `nvidia-smi -L` and `CUDA_VISIBLE_DEVICES` write it.
 pub(crate) fn format_uuid(u: &[u8; 16]) -> String {
-    let h: Vec<String> = u.iter().map(|b| format!("{b:02x}")).collect();
-    format!(
-        "GPU-{}-{}-{}-{}-{}",
-        h[..4].concat(),
-        h[4..6].concat(),
-        h[6..8].concat(),
-        h[8..10].concat(),
-        h[10..].concat()
-    )
+    let h = |r: std::ops::Range<usize>| super::storage::hex(&u[r]);
+    format!("GPU-{}-{}-{}-{}-{}", h(0..4), h(4..6), h(6..8), h(8..10), h(10..16))
 }
 
 /// The error for a GPU (`access`) that cannot reach memory on another (`owner`).
@@ -625,21 +607,10 @@ impl Device {
 
     /// The minimum allocation granularity of such memory on this GPU
     /// (`cuMemGetAllocationGranularity`, `CU_MEM_ALLOC_GRANULARITY_MINIMUM`): VMM sizes are
-    /// multiples of it. Asked once.
+    /// multiples of it. Asked once (a granularity of 0 is refused where sizes are rounded).
     pub(crate) fn vmm_granularity(&self) -> Result<usize> {
-        self.vmm_granularity
-            .get_or_try_init(|| {
-                let g =
-                    driver::vmm_granularity(self.cu_device()).map_err(driver_err("cuMemGetAllocationGranularity"))?;
-                if g == 0 {
-                    return Err(Error::Unsupported(format!(
-                        "gpu {} reports a virtual memory granularity of 0 bytes",
-                        self.ordinal
-                    )));
-                }
-                Ok(g)
-            })
-            .copied()
+        let ask = || driver::vmm_granularity(self.cu_device()).map_err(driver_err("cuMemGetAllocationGranularity"));
+        self.vmm_granularity.get_or_try_init(ask).copied()
     }
 
     /// Makes the device's context current on the calling thread.

@@ -1,24 +1,12 @@
-//! The one layer that calls CUDA driver entry points Rust cannot check: everything in
-//! `cudarc::driver::sys`, and the `unsafe` functions of `cudarc::driver::result`. Each entry
-//! point is wrapped once, here, with the reason the call is sound.
-//!
-//! Two kinds of wrapper:
-//! - `unsafe fn`s over driver objects (allocations, mappings, events, modules, functions). Their
-//!   preconditions (a current context, a live handle) are upheld by the owners in `handles.rs`,
-//!   the only other file of `src/gpu/` with `unsafe`.
-//! - safe functions that check their own preconditions: the memset and copies take the range of
-//!   the memory they may touch ([`DeviceRange`]) and check bounds, take cudarc's safe
-//!   [`CudaStream`] and make its context current; the host copies wait for their stream before
-//!   returning, so the host buffer outlives the copy. Kernel arguments ([`KernelArgs`]) are built
-//!   from views that are checked against their allocation ([`KernelView::new`]).
-//!
-//! Raw wrappers return cudarc's `DriverError`; their callers name the call with
-//! [`driver_err`], which keeps the `CUresult` in [`Error::Driver`]. Safe wrappers return the
-//! crate's error directly.
+//! The one layer that calls CUDA driver entry points Rust cannot check (all of
+//! `cudarc::driver::sys`, and the `unsafe` functions of `cudarc::driver::result`), each wrapped
+//! once here with the reason the call is sound. The `unsafe fn`s over driver objects leave their
+//! preconditions to the owners in `handles.rs`; the memset, the copies and the kernel arguments
+//! check theirs ([`DeviceRange`], [`KernelView::new`]). Raw wrappers return cudarc's
+//! `DriverError`, named by the caller with [`driver_err`]. See README.md here.
 
 use std::any::TypeId;
 use std::ffi::{CStr, c_int, c_uint, c_void};
-use std::fmt;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -179,7 +167,7 @@ pub(crate) unsafe fn mem_address_range(ptr: sys::CUdeviceptr) -> DriverResult<(s
 }
 
 // ---------------------------------------------------------------------------------------------
-// Virtual memory management (owned by `handles::VmmAllocation` and `handles::VmmMapping`).
+// Virtual memory management (owned by `handles::VmmRegion`).
 
 /// The shareable handle type of cuda-mp's VMM memory: a POSIX file descriptor (an `int`).
 const POSIX_FD: sys::CUmemAllocationHandleType =
@@ -391,34 +379,17 @@ pub(crate) unsafe fn mem_unmap(ptr: sys::CUdeviceptr, size: usize) -> DriverResu
 }
 
 // ---------------------------------------------------------------------------------------------
-// Events (owned by `handles::InterprocessEvent` and `handles::OpenedEvent`).
+// Events (owned by `handles::Event`).
 
-/// `cuEventCreate` with `CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING`: an event whose
-/// handle another process can open.
-///
-/// # Safety
-/// A context must be current on this thread. The event must be destroyed once, with
-/// [`event_destroy`].
-pub(crate) unsafe fn event_create_interprocess() -> DriverResult<sys::CUevent> {
-    let flags =
-        sys::CUevent_flags::CU_EVENT_INTERPROCESS as c_uint | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
-    let mut event = MaybeUninit::uninit();
-    // SAFETY: the caller made a context current; `event` is writable.
-    unsafe {
-        sys::cuEventCreate(event.as_mut_ptr(), flags).result()?;
-        Ok(event.assume_init())
-    }
-}
-
-/// `cuEventCreate` with `CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING`: an event of this
+/// `cuEventCreate` with `flag | CU_EVENT_DISABLE_TIMING`: with `CU_EVENT_INTERPROCESS`, an
+/// event whose handle another process can open; with `CU_EVENT_BLOCKING_SYNC`, one of this
 /// process that a thread waits on asleep, not spinning.
 ///
 /// # Safety
 /// A context must be current on this thread. The event must be destroyed once, with
 /// [`event_destroy`].
-pub(crate) unsafe fn event_create_blocking() -> DriverResult<sys::CUevent> {
-    let flags =
-        sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as c_uint | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
+pub(crate) unsafe fn event_create(flag: sys::CUevent_flags) -> DriverResult<sys::CUevent> {
+    let flags = flag as c_uint | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
     let mut event = MaybeUninit::uninit();
     // SAFETY: the caller made a context current; `event` is writable.
     unsafe {
@@ -879,7 +850,7 @@ impl KernelLayout {
 
 /// A strided view as a shipped kernel takes it: the base of its allocation and its layout,
 /// checked to lie inside the allocation.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub(crate) struct KernelView {
     base: sys::CUdeviceptr,
     layout: KernelLayout,
@@ -921,15 +892,9 @@ pub(crate) struct KernelMany {
 // `struct Many` of kernels.cu: a count and three arrays of `MANY` 8-byte values, no padding.
 const _: () = assert!(std::mem::size_of::<KernelMany>() == 8 + 3 * 8 * MANY);
 
-impl fmt::Debug for KernelMany {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "KernelMany({} views)", self.count)
-    }
-}
-
 /// Views for one launch of a `_many` kernel: at most [`MANY`], of one element type, each
 /// contiguous and checked to lie inside its memory.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub(crate) struct ManyViews {
     many: KernelMany,
     dtype: DType,
@@ -944,11 +909,6 @@ impl ManyViews {
         ManyViews { many, dtype, largest: 0 }
     }
 
-    /// Whether [`MANY`] views are in.
-    fn is_full(&self) -> bool {
-        self.many.count as usize == MANY
-    }
-
     /// Whether no view is in.
     pub(crate) fn is_empty(&self) -> bool {
         self.many.count == 0
@@ -960,15 +920,10 @@ impl ManyViews {
         self.many.count as usize
     }
 
-    /// Whether `view` can go into a `_many` launch: contiguous, of this element type.
-    fn takes(&self, view: &KernelView) -> bool {
-        view.dtype == self.dtype && view.layout.is_contiguous()
-    }
-
     /// Adds `view` with the value whose bits are `bits`; false (nothing added) where it does
-    /// not fit a `_many` launch ([`takes`](Self::takes)) or no room is left.
+    /// not fit a `_many` launch (contiguous, of this element type) or no room is left.
     pub(crate) fn push(&mut self, view: &KernelView, bits: u64) -> bool {
-        if self.is_full() || !self.takes(view) {
+        if self.many.count as usize == MANY || view.dtype != self.dtype || !view.layout.is_contiguous() {
             return false;
         }
         let offset = view.layout.offset as u64 * view.dtype.size() as u64;
@@ -1017,52 +972,22 @@ impl KernelOp {
 }
 
 /// The arguments of one launch of a shipped kernel.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub(crate) enum KernelArgs {
     /// Sets every element of `view` to the element whose bits are `bits` (zero-extended).
-    Fill {
-        /// The view written.
-        view: KernelView,
-        /// The value's bits.
-        bits: u64,
-    },
+    Fill { view: KernelView, bits: u64 },
     /// Adds `value` to every element of `view`.
-    Add {
-        /// The view updated.
-        view: KernelView,
-        /// The addend.
-        value: f64,
-    },
-    /// Copies `src` into `dst`, element by element.
-    Copy {
-        /// The view written.
-        dst: KernelView,
-        /// The view read.
-        src: KernelView,
-    },
-    /// Adds to the 8-byte counter at `count` the number of elements of `view` whose bits
-    /// differ from `bits`.
-    CountNe {
-        /// The view read.
-        view: KernelView,
-        /// The value's bits.
-        bits: u64,
-        /// The counter (checked to be 8 bytes of device memory).
-        count: DeviceRange,
-    },
-    /// Sets every element of each view to its value.
-    FillMany {
-        /// The views written, with their values' bits.
-        views: ManyViews,
-    },
-    /// Adds to the 8-byte counter at `count` the number of elements of each view whose bits
-    /// differ from its value's.
-    CountNeMany {
-        /// The views read, with their values' bits.
-        views: ManyViews,
-        /// The counter (checked to be 8 bytes of device memory).
-        count: DeviceRange,
-    },
+    Add { view: KernelView, value: f64 },
+    /// Copies the view `src` into the view `dst`, element by element.
+    Copy { dst: KernelView, src: KernelView },
+    /// Adds to the 8-byte counter at `count` (checked to be 8 bytes of device memory) the
+    /// number of elements of `view` whose bits differ from `bits`.
+    CountNe { view: KernelView, bits: u64, count: DeviceRange },
+    /// Sets every element of each view to its value's bits.
+    FillMany { views: ManyViews },
+    /// Adds to the 8-byte counter at `count` (checked as for `CountNe`) the number of elements
+    /// of each view whose bits differ from its value's.
+    CountNeMany { views: ManyViews, count: DeviceRange },
 }
 
 impl KernelArgs {
@@ -1094,16 +1019,13 @@ impl KernelArgs {
     /// copy's two views differ in element type or count.
     pub(crate) fn signature(&self) -> Result<(KernelOp, DType, usize)> {
         match self {
+            KernelArgs::CountNe { count, .. } | KernelArgs::CountNeMany { count, .. } if count.len != 8 => {
+                Err(Error::Layout(format!("a counter of {} bytes, not 8", count.len)))
+            }
             KernelArgs::Fill { view, .. } => Ok((KernelOp::Fill, view.dtype, view.numel)),
             KernelArgs::Add { view, .. } => Ok((KernelOp::Add, view.dtype, view.numel)),
-            KernelArgs::CountNe { count, .. } if count.len != 8 => {
-                Err(Error::Layout(format!("a counter of {} bytes, not 8", count.len)))
-            }
             KernelArgs::CountNe { view, .. } => Ok((KernelOp::CountNe, view.dtype, view.numel)),
             KernelArgs::FillMany { views } => Ok((KernelOp::FillMany, views.dtype, views.largest)),
-            KernelArgs::CountNeMany { count, .. } if count.len != 8 => {
-                Err(Error::Layout(format!("a counter of {} bytes, not 8", count.len)))
-            }
             KernelArgs::CountNeMany { views, .. } => Ok((KernelOp::CountNeMany, views.dtype, views.largest)),
             KernelArgs::Copy { dst, src } => {
                 if dst.dtype != src.dtype || dst.numel != src.numel {

@@ -1,22 +1,10 @@
-//! Ordering across processes: recording this process's interprocess event at a send, and
-//! opening and waiting on a sender's event at a receive.
-//!
-//! One event per process and device serves every send: a receiver waits for the work queued up
-//! to the latest record, which includes everything queued before its own message (never less,
-//! sometimes a little more). It lives as long as the process (its device is never dropped), so
-//! receivers may keep it open; they do, once per (owner, device, handle), for the life of this
-//! process. When the sender's stream is idle nothing is recorded (known from the device's own
-//! count of queued work where it can be, `device.rs`), and when the event has
-//! already completed nothing is waited on: neither process then puts a command on the GPU for
-//! the handoff (event records and waits force GPU context switches between processes).
-//!
-//! A wait for a storage newly mapped here is owed rather than queued: nothing in this process
-//! can use that memory before it goes through this library again (a launch, a copy, a device
-//! address, the stream, a synchronize), and each of those first queues what the stream owes
-//! (`settle`). A tensor dropped unused then costs no command on the GPU, and the consumer's
-//! context is not switched in for it. A storage already in use here (a pointer to it may be
-//! baked into a CUDA graph) is waited on at once, as is one that is forwarded. Waiting later
-//! waits on the event's latest record, which covers the one that came with the message.
+//! Ordering across processes: this process's one interprocess event per device, recorded at a
+//! send (not when the stream is idle), and a sender's event, opened and waited on at a receive
+//! (not once it has completed), so that a handoff puts no command on the GPU where none is
+//! needed (event records and waits force GPU context switches between processes). A wait for
+//! memory newly mapped here is owed rather than queued, and queued by the stream's next use
+//! through this library (`settle`): a tensor dropped unused costs no GPU command. See README.md
+//! here ("Export is serialization", "Import is deserialization").
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -26,7 +14,7 @@ use once_cell::sync::Lazy;
 
 use super::device::Device;
 use super::driver::{self, IpcHandle};
-use super::handles::{BlockingEvent, InterprocessEvent, OpenedEvent};
+use super::handles::{Event, InterprocessEvent};
 use crate::error::Result;
 
 /// Records this process's one interprocess event of `device` after the work queued on its
@@ -131,7 +119,7 @@ fn close_completed() {
 static PRUNE_AT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(KEPT_EVENTS);
 
 /// Opened events of other processes (see `KEPT_EVENTS`).
-static OPENED_EVENTS: Lazy<Mutex<HashMap<EventKey, OpenedEvent>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+static OPENED_EVENTS: Lazy<Mutex<HashMap<EventKey, Event>>> = Lazy::new(|| Mutex::new(HashMap::new()));
 /// Per device ordinal: the events its stream owes a wait on. Lock order: `OWED`, then
 /// `OPENED_EVENTS`; `settle` holds `OWED` until the waits are queued, so that no work queued
 /// on another thread meanwhile can pass them.
@@ -168,7 +156,7 @@ pub(crate) fn wait(
         let event = match events.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
-                let opened = v.insert(OpenedEvent::open(owner_device, handle)?);
+                let opened = v.insert(Event::open(owner_device, handle)?);
                 OPENED_COUNT.fetch_add(1, Ordering::Relaxed);
                 opened
             }
@@ -231,7 +219,7 @@ pub(crate) fn owed(device: &Device) -> usize {
 /// (a queued wait is not affected by the close): PyTorch records a new event per share, so
 /// keeping them open would grow without bound.
 pub(crate) fn wait_once(device: &Device, handle: &IpcHandle) -> Result<()> {
-    let event = OpenedEvent::open(device, handle)?;
+    let event = Event::open(device, handle)?;
     if event.is_complete()? {
         return Ok(());
     }
@@ -256,7 +244,7 @@ pub(crate) unsafe fn order_after(device: &Device, stream: cudarc::driver::sys::C
 /// Per device ordinal: the event that [`wait_for`] records on other libraries' streams. One
 /// serves every call: a queued wait keeps the record it was queued after, whatever is recorded
 /// later.
-static FOREIGN: Lazy<Mutex<HashMap<usize, BlockingEvent>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+static FOREIGN: Lazy<Mutex<HashMap<usize, Event>>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
 /// Makes the device's stream wait for the work queued so far on `stream`, another library's
 /// stream of its context (nothing when that is idle): what a send of that library's memory
@@ -273,7 +261,7 @@ pub(crate) unsafe fn wait_for(device: &Device, stream: cudarc::driver::sys::CUst
     let mut events = FOREIGN.lock().unwrap_or_else(|p| p.into_inner());
     let event = match events.entry(device.ordinal()) {
         std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-        std::collections::hash_map::Entry::Vacant(v) => v.insert(BlockingEvent::create(device)?),
+        std::collections::hash_map::Entry::Vacant(v) => v.insert(Event::blocking(device)?),
     };
     // SAFETY: upheld by the caller.
     unsafe { event.record_raw(stream) }?;

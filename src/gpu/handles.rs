@@ -1,12 +1,8 @@
-//! Owners of driver objects, one type each, holding their typed driver handle: a device
-//! allocation, a mapping of another process's allocation, this process's interprocess event,
-//! an opened event of another process, the shipped kernel module and its functions. Each is
-//! released once, by its `Drop`; each method makes the owner's context current itself. With
-//! `driver.rs`, the only file of `src/gpu/` with `unsafe`: the `Send`/`Sync` impls of types
-//! holding raw handles are here too.
+//! Owners of driver objects, one type each, holding its typed driver handle; each is released
+//! once, by its `Drop`, and each method makes the owner's context current itself. With
+//! `driver.rs`, the only file of `src/gpu/` with `unsafe` (see README.md here).
 
 use std::ffi::CString;
-use std::fmt;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
@@ -62,16 +58,6 @@ impl DeviceAllocation {
         self.device.bind()?;
         // SAFETY: the context is current and `ptr` is this live allocation.
         unsafe { driver::ipc_get_mem_handle(self.ptr) }.map_err(driver_err("cuIpcGetMemHandle"))
-    }
-}
-
-impl fmt::Debug for DeviceAllocation {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DeviceAllocation")
-            .field("device", &self.device.ordinal())
-            .field("ptr", &format_args!("{:#x}", self.ptr))
-            .field("len", &self.len)
-            .finish()
     }
 }
 
@@ -133,35 +119,13 @@ impl SharedMapping {
         slot.get_or_try_init(|| IpcMapping::open(device, handle))?;
         Ok(SharedMapping(slot))
     }
-
-    fn mapping(&self) -> &IpcMapping {
-        self.0.get().expect("a shared mapping is made only once opened")
-    }
-
-    /// The device the memory is mapped on.
-    pub(crate) fn device(&self) -> &Arc<Device> {
-        self.mapping().device()
-    }
-
-    /// Base of the mapping.
-    pub(crate) fn ptr(&self) -> sys::CUdeviceptr {
-        self.mapping().ptr()
-    }
-
-    /// Size of the mapped allocation.
-    pub(crate) fn size(&self) -> usize {
-        self.mapping().size()
-    }
-
-    /// The mapping's memory.
-    pub(crate) fn range(&self) -> DeviceRange {
-        self.mapping().range()
-    }
 }
 
-impl fmt::Debug for SharedMapping {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.mapping().fmt(f)
+impl std::ops::Deref for SharedMapping {
+    type Target = IpcMapping;
+
+    fn deref(&self) -> &IpcMapping {
+        self.0.get().expect("a shared mapping is made only once opened")
     }
 }
 
@@ -253,17 +217,6 @@ impl Drop for ForeignBlock {
     }
 }
 
-impl fmt::Debug for ForeignBlock {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ForeignBlock")
-            .field("device", &self.device.ordinal())
-            .field("base", &format_args!("{:#x}", self.base))
-            .field("size", &self.size)
-            .field("offset", &self.offset)
-            .finish()
-    }
-}
-
 impl IpcMapping {
     /// Maps the allocation of `handle` on `device`.
     pub(crate) fn open(device: &Arc<Device>, handle: &IpcHandle) -> Result<IpcMapping> {
@@ -300,16 +253,6 @@ impl IpcMapping {
     /// The mapping's memory, for checked copies and launches.
     pub(crate) fn range(&self) -> DeviceRange {
         DeviceRange::new(self.ptr, self.size)
-    }
-}
-
-impl fmt::Debug for IpcMapping {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("IpcMapping")
-            .field("device", &self.device.ordinal())
-            .field("ptr", &format_args!("{:#x}", self.ptr))
-            .field("size", &self.size)
-            .finish()
     }
 }
 
@@ -354,17 +297,19 @@ fn reserve_alignment(granularity: usize) -> usize {
 }
 
 /// Physical VMM memory mapped at one range of this process's addresses, readable and writable
-/// by one device (and by the peers it was granted to): the common part of [`VmmAllocation`]
-/// and [`VmmMapping`]. Built step by step; dropping it undoes the steps done: after
-/// synchronizing the streams of the devices with access it unmaps, gives the addresses back and
-/// releases the handle (errors ignored).
-struct VmmRegion {
+/// by one device (and by the peers it was granted to): memory made here with `cuMemCreate`
+/// ([`alloc`](Self::alloc)), or another process's imported from a POSIX file descriptor
+/// ([`import`](Self::import)). Unlike `cuMemAlloc` memory, it outlives its allocating process
+/// while another process holds a descriptor or a mapping of it. Built step by step; dropping it
+/// undoes the steps done: after synchronizing the streams of the devices with access it unmaps,
+/// gives the addresses back and releases the handle (errors ignored).
+pub(crate) struct VmmRegion {
     /// The device with access: bound for every step, its stream synchronized before unmapping.
     device: Arc<Device>,
     /// The GPU holding the physical memory.
     owner: sys::CUdevice,
-    /// Other devices granted access ([`VmmRegion::grant`]): their streams are synchronized
-    /// before unmapping too.
+    /// Other devices granted access ([`VmmRegion::grant_access`]): their streams are
+    /// synchronized before unmapping too.
     peers: Mutex<Vec<Arc<Device>>>,
     /// Taken by the drop, to release it.
     handle: Option<AllocationHandle>,
@@ -376,6 +321,59 @@ struct VmmRegion {
 }
 
 impl VmmRegion {
+    /// Allocates `bytes` bytes (uninitialized; rounded up to the granularity, a zero-byte
+    /// request gets one granule) of pinned memory on `device`, exportable as a POSIX file
+    /// descriptor, and maps it for `device`.
+    pub(crate) fn alloc(device: &Arc<Device>, bytes: usize) -> Result<VmmRegion> {
+        device.require_vmm()?;
+        let granularity = device.vmm_granularity()?;
+        let size = round_to_granularity(bytes, granularity)?;
+        device.bind()?;
+        let handle = driver::mem_create(device.cu_device(), size).map_err(driver_err("cuMemCreate"))?;
+        let mut region = VmmRegion::hold(device, device.cu_device(), handle);
+        region.map(size, granularity, driver_err("cuMemMap"))?;
+        Ok(region)
+    }
+
+    /// Imports the memory of `fd` (closed as soon as the import holds the memory) and maps
+    /// `size` bytes of it (the sender's rounded size) for `access` (the GPU holding it, or a
+    /// peer: VMM needs no peer context). The memory must be pinned GPU memory shareable as a
+    /// descriptor; a size it does not have is `Error::Malformed`; a GPU `access` cannot reach
+    /// is `Error::NoPeerAccess`. This process's handle keeps the memory alive even after its
+    /// owner exits.
+    pub(crate) fn import(fd: BorrowedFd<'_>, size: usize, access: &Arc<Device>) -> Result<VmmRegion> {
+        access.bind()?;
+        // The handle holds the memory from here on, whatever becomes of the descriptor.
+        let handle = driver::mem_import_fd(fd).map_err(driver_err("cuMemImportFromShareableHandle"))?;
+        let props = match driver::mem_allocation_props(&handle) {
+            Ok(props) => props,
+            Err(e) => {
+                let _ = driver::mem_release(handle);
+                return Err(driver_err("cuMemGetAllocationPropertiesFromHandle")(e));
+            }
+        };
+        let owner = match props.fd_shareable_device() {
+            Ok(owner) => owner,
+            Err(why) => {
+                let _ = driver::mem_release(handle);
+                return Err(Error::Malformed(why));
+            }
+        };
+        // Released on every error path below.
+        let mut region = VmmRegion::hold(access, owner, handle);
+        access.require_access_to(owner)?;
+        let granularity = driver::vmm_granularity(owner).map_err(driver_err("cuMemGetAllocationGranularity"))?;
+        check_mapping_size(size, granularity)?;
+        region.map(size, granularity, |e| {
+            let e = driver_err("cuMemMap")(e);
+            if e.is_out_of_memory() {
+                return e;
+            }
+            Error::Malformed(format!("the imported memory cannot be mapped at {size} bytes ({e})"))
+        })?;
+        Ok(region)
+    }
+
     /// Holds `handle` (released on drop), memory on GPU `owner`; maps nothing yet.
     fn hold(device: &Arc<Device>, owner: sys::CUdevice, handle: AllocationHandle) -> VmmRegion {
         VmmRegion {
@@ -409,10 +407,10 @@ impl VmmRegion {
     }
 
     /// Makes the mapping readable and writable by `peer` too (`cuMemSetAccess`, once per
-    /// device). Other GPUs reach VMM memory only through access granted to them: context peer
-    /// access (`cuCtxEnablePeerAccess`) does not cover it. An error naming both GPUs when `peer`
-    /// cannot reach the GPU holding the memory.
-    fn grant(&self, peer: &Arc<Device>) -> Result<()> {
+    /// device; dropping waits for `peer`'s stream too). Other GPUs reach VMM memory only through
+    /// access granted to them: context peer access (`cuCtxEnablePeerAccess`) does not cover it.
+    /// `Error::NoPeerAccess`, naming both GPUs, when `peer` cannot reach the GPU holding it.
+    pub(crate) fn grant_access(&self, peer: &Arc<Device>) -> Result<()> {
         if !self.mapped {
             return Err(Error::Unsupported("granting access to unmapped memory".into()));
         }
@@ -433,14 +431,31 @@ impl VmmRegion {
         Ok(())
     }
 
-    /// A new POSIX file descriptor for the memory (`cuMemExportToShareableHandle`).
-    fn export_fd(&self) -> Result<OwnedFd> {
+    /// `cuMemExportToShareableHandle`: a new file descriptor for the physical memory, which
+    /// another process imports with [`VmmRegion::import`]. A new one per call: callers cache it.
+    pub(crate) fn export_fd(&self) -> Result<OwnedFd> {
         let handle = self.handle.as_ref().ok_or_else(|| Error::Unsupported("exporting released memory".into()))?;
         self.device.bind()?;
         driver::mem_export_fd(handle).map_err(driver_err("cuMemExportToShareableHandle"))
     }
 
-    fn range(&self) -> DeviceRange {
+    /// The device the memory is mapped for (where work on it runs).
+    pub(crate) fn device(&self) -> &Arc<Device> {
+        &self.device
+    }
+
+    /// Base of the mapping.
+    pub(crate) fn ptr(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+
+    /// The rounded size: what is mapped here, and what a receiver maps.
+    pub(crate) fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The whole mapping, for checked copies and launches.
+    pub(crate) fn range(&self) -> DeviceRange {
         DeviceRange::new(self.ptr, self.size)
     }
 }
@@ -474,167 +489,12 @@ impl Drop for VmmRegion {
     }
 }
 
-/// Physical memory made with `cuMemCreate` (virtual memory management): pinned, on `device`,
-/// exportable as a POSIX file descriptor, its size rounded up to the allocation granularity;
-/// mapped at a range of addresses reserved for it and readable and writable by `device`.
-/// Unlike `cuMemAlloc` memory, it outlives this process while another process holds a
-/// descriptor or a mapping of it. Dropping it waits for the work queued on the device's
-/// stream, then unmaps it, frees the addresses and releases this process's handle.
-pub(crate) struct VmmAllocation {
-    region: VmmRegion,
-}
-
-impl VmmAllocation {
-    /// Allocates `bytes` bytes (uninitialized; rounded up to the granularity, a zero-byte
-    /// request gets one granule) on `device`.
-    pub(crate) fn new(device: &Arc<Device>, bytes: usize) -> Result<VmmAllocation> {
-        if !device.vmm_supported()? {
-            return Err(Error::Unsupported(format!(
-                "gpu {} does not support virtual memory management with file-descriptor sharing",
-                device.ordinal()
-            )));
-        }
-        let granularity = device.vmm_granularity()?;
-        let size = round_to_granularity(bytes, granularity)?;
-        device.bind()?;
-        let handle = driver::mem_create(device.cu_device(), size).map_err(driver_err("cuMemCreate"))?;
-        let mut region = VmmRegion::hold(device, device.cu_device(), handle);
-        region.map(size, granularity, driver_err("cuMemMap"))?;
-        Ok(VmmAllocation { region })
-    }
-
-    /// The device holding the memory.
-    pub(crate) fn device(&self) -> &Arc<Device> {
-        &self.region.device
-    }
-
-    /// Device address of the first byte.
-    pub(crate) fn ptr(&self) -> sys::CUdeviceptr {
-        self.region.ptr
-    }
-
-    /// The rounded size: what is mapped here, and what a receiver maps.
-    pub(crate) fn size(&self) -> usize {
-        self.region.size
-    }
-
-    /// The whole rounded mapping, for checked copies and launches.
-    pub(crate) fn range(&self) -> DeviceRange {
-        self.region.range()
-    }
-
-    /// `cuMemExportToShareableHandle`: a new file descriptor for the physical memory, which
-    /// another process imports with [`VmmMapping::import`]. A new one per call: callers cache it.
-    pub(crate) fn export_fd(&self) -> Result<OwnedFd> {
-        self.region.export_fd()
-    }
-
-    /// Makes the memory readable and writable by `peer` too, once per device (for peer copies
-    /// and kernels there: context peer access does not cover VMM memory). `Error::NoPeerAccess`
-    /// when `peer` cannot reach this GPU. Dropping waits for `peer`'s stream too.
-    pub(crate) fn grant_access(&self, peer: &Arc<Device>) -> Result<()> {
-        self.region.grant(peer)
-    }
-}
-
-impl fmt::Debug for VmmAllocation {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("VmmAllocation")
-            .field("device", &self.region.device.ordinal())
-            .field("ptr", &format_args!("{:#x}", self.region.ptr))
-            .field("size", &self.region.size)
-            .finish()
-    }
-}
-
-/// Another process's VMM memory, imported from a POSIX file descriptor and mapped here,
-/// readable and writable by `access` (the GPU holding the memory, or a peer of it: VMM needs
-/// no peer context, only access granted for that GPU). This process's handle keeps the memory
-/// alive even after its owner exits. Dropping it waits for the work queued on `access`'s
-/// stream, then unmaps it, frees the addresses and releases the handle.
-pub(crate) struct VmmMapping {
-    region: VmmRegion,
-}
-
-impl VmmMapping {
-    /// Imports the memory of `fd` (closed as soon as the import holds the memory) and maps
-    /// `size` bytes of it (the sender's rounded size) for `access`. The memory must be pinned
-    /// GPU memory shareable as a descriptor; a size it does not have is `Error::Malformed`; a
-    /// GPU `access` cannot reach is `Error::NoPeerAccess`.
-    pub(crate) fn import(fd: BorrowedFd<'_>, size: usize, access: &Arc<Device>) -> Result<VmmMapping> {
-        access.bind()?;
-        // The handle holds the memory from here on, whatever becomes of the descriptor.
-        let handle = driver::mem_import_fd(fd).map_err(driver_err("cuMemImportFromShareableHandle"))?;
-        let props = match driver::mem_allocation_props(&handle) {
-            Ok(props) => props,
-            Err(e) => {
-                let _ = driver::mem_release(handle);
-                return Err(driver_err("cuMemGetAllocationPropertiesFromHandle")(e));
-            }
-        };
-        let owner = match props.fd_shareable_device() {
-            Ok(owner) => owner,
-            Err(why) => {
-                let _ = driver::mem_release(handle);
-                return Err(Error::Malformed(why));
-            }
-        };
-        // Released on every error path below.
-        let mut region = VmmRegion::hold(access, owner, handle);
-        access.require_access_to(owner)?;
-        let granularity = driver::vmm_granularity(owner).map_err(driver_err("cuMemGetAllocationGranularity"))?;
-        check_mapping_size(size, granularity)?;
-        region.map(size, granularity, |e| {
-            let e = driver_err("cuMemMap")(e);
-            if e.is_out_of_memory() {
-                return e;
-            }
-            Error::Malformed(format!("the imported memory cannot be mapped at {size} bytes ({e})"))
-        })?;
-        Ok(VmmMapping { region })
-    }
-
-    /// The device the memory is mapped for (where work on it runs).
-    pub(crate) fn device(&self) -> &Arc<Device> {
-        &self.region.device
-    }
-
-    /// Base of the mapping.
-    pub(crate) fn ptr(&self) -> sys::CUdeviceptr {
-        self.region.ptr
-    }
-
-    /// Size of the mapping (the sender's rounded size).
-    pub(crate) fn size(&self) -> usize {
-        self.region.size
-    }
-
-    /// The whole mapping, for checked copies and launches.
-    pub(crate) fn range(&self) -> DeviceRange {
-        self.region.range()
-    }
-
-    /// Makes the mapping readable and writable by `peer` too, once per device (for peer copies
-    /// and kernels there). `Error::NoPeerAccess` when `peer` cannot reach the GPU holding the
-    /// memory. Dropping waits for `peer`'s stream too.
-    pub(crate) fn grant_access(&self, peer: &Arc<Device>) -> Result<()> {
-        self.region.grant(peer)
-    }
-}
-
-impl fmt::Debug for VmmMapping {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("VmmMapping")
-            .field("device", &self.region.device.ordinal())
-            .field("ptr", &format_args!("{:#x}", self.region.ptr))
-            .field("size", &self.region.size)
-            .finish()
-    }
-}
-
-/// A driver event of one context, destroyed in that context when dropped: what the three
-/// event types below hold.
-struct Event {
+/// A driver event of one context, destroyed in that context when dropped: one of this process
+/// that a thread waits on asleep ([`Event::blocking`]: how a drop learns, off its own thread,
+/// that the work queued before it is done), another process's interprocess event
+/// ([`Event::open`]: dropping it destroys this process's reference, and waits already queued
+/// are not affected), or the one an [`InterprocessEvent`] holds.
+pub(crate) struct Event {
     ctx: Arc<CudaContext>,
     raw: sys::CUevent,
 }
@@ -655,9 +515,26 @@ impl Event {
         Ok(Event { ctx, raw })
     }
 
+    /// Creates an event on `device` that a thread waits on asleep (`CU_EVENT_BLOCKING_SYNC`).
+    pub(crate) fn blocking(device: &Device) -> Result<Event> {
+        // SAFETY: `Event::new` calls this with the context current; the event is destroyed
+        // once, by the value built here.
+        Event::new(device, "cuEventCreate", || unsafe {
+            driver::event_create(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)
+        })
+    }
+
+    /// Opens another process's interprocess event of `handle` on `device`, the GPU it was
+    /// recorded on (`cuIpcOpenEventHandle`).
+    pub(crate) fn open(device: &Device, handle: &IpcHandle) -> Result<Event> {
+        // SAFETY: `Event::new` calls this with the context current; the event is destroyed
+        // once, by the value built here.
+        Event::new(device, "cuIpcOpenEventHandle", || unsafe { driver::ipc_open_event_handle(handle) })
+    }
+
     /// Records the event after the work queued on `stream` so far (a stream of the event's
     /// device).
-    fn record(&self, stream: &CudaStream) -> Result<()> {
+    pub(crate) fn record(&self, stream: &CudaStream) -> Result<()> {
         if stream.context().cu_ctx() != self.ctx.cu_ctx() {
             return Err(Error::Unsupported("recording an event on another device's stream".into()));
         }
@@ -666,9 +543,20 @@ impl Event {
         unsafe { driver::event_record(self.raw, stream.cu_stream()) }.map_err(driver_err("cuEventRecord"))
     }
 
+    /// Records the event after the work queued on another library's `stream`.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this event's context (or 0, the legacy default stream,
+    /// or 2, the per-thread default stream).
+    pub(crate) unsafe fn record_raw(&self, stream: sys::CUstream) -> Result<()> {
+        bind(&self.ctx)?;
+        // SAFETY: the context is current and the event live; the stream is upheld by the caller.
+        unsafe { driver::event_record(self.raw, stream) }.map_err(driver_err("cuEventRecord"))
+    }
+
     /// Makes work queued later on `stream` (of any device) wait for the latest record, without
     /// blocking the host (`cuStreamWaitEvent`).
-    fn wait_on(&self, stream: &CudaStream) -> Result<()> {
+    pub(crate) fn wait_on(&self, stream: &CudaStream) -> Result<()> {
         bind(stream.context())?;
         // SAFETY: the stream's context is current; the stream and the event are live (an event
         // of another context may be waited on).
@@ -676,16 +564,17 @@ impl Event {
     }
 
     /// True when the work before the latest record is done (`cuEventQuery`).
-    fn is_complete(&self) -> Result<bool> {
+    pub(crate) fn is_complete(&self) -> Result<bool> {
         bind(&self.ctx)?;
         // SAFETY: the context is current and the event live.
         unsafe { driver::event_is_complete(self.raw) }.map_err(driver_err("cuEventQuery"))
     }
-}
 
-impl fmt::Debug for Event {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Event").field("raw", &self.raw).finish_non_exhaustive()
+    /// Blocks, asleep for a blocking event, until the work before the latest record is done.
+    pub(crate) fn wait(&self) -> Result<()> {
+        bind(&self.ctx)?;
+        // SAFETY: the context is current and the event live.
+        unsafe { driver::event_synchronize(self.raw) }.map_err(driver_err("cuEventSynchronize"))
     }
 }
 
@@ -705,26 +594,21 @@ pub(crate) struct InterprocessEvent {
     handle: IpcHandle,
 }
 
-impl fmt::Debug for InterprocessEvent {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // Not the handle: any process of this user may open the event with it.
-        f.debug_struct("InterprocessEvent").field("event", &self.event.raw).finish_non_exhaustive()
-    }
-}
-
 impl InterprocessEvent {
     /// Creates an interprocess event on `device`.
     pub(crate) fn create(device: &Device) -> Result<InterprocessEvent> {
         // SAFETY: `Event::new` calls this with the context current; the event is destroyed
         // once, by the value built here.
-        let event = Event::new(device, "cuEventCreate", || unsafe { driver::event_create_interprocess() })?;
+        let event = Event::new(device, "cuEventCreate", || unsafe {
+            driver::event_create(sys::CUevent_flags::CU_EVENT_INTERPROCESS)
+        })?;
         // SAFETY: the context is current (made so above, on this thread) and `event` a live
         // interprocess event (on error, `event` destroys it).
         let handle = unsafe { driver::ipc_get_event_handle(event.raw) }.map_err(driver_err("cuIpcGetEventHandle"))?;
         Ok(InterprocessEvent { event, handle })
     }
 
-    /// The handle another process opens with [`OpenedEvent::open`].
+    /// The handle another process opens with [`Event::open`].
     pub(crate) fn handle(&self) -> &IpcHandle {
         &self.handle
     }
@@ -787,81 +671,6 @@ pub(crate) unsafe fn synchronize_stream(device: &Device, stream: sys::CUstream) 
     unsafe { driver::stream_synchronize_raw(stream) }.map_err(driver_err("cuStreamSynchronize"))
 }
 
-/// An event of this process that a thread waits on asleep (`CU_EVENT_BLOCKING_SYNC`): how a
-/// drop learns, off its own thread, that the work queued before it is done.
-#[derive(Debug)]
-pub(crate) struct BlockingEvent(Event);
-
-impl BlockingEvent {
-    /// Creates an event on `device`.
-    pub(crate) fn create(device: &Device) -> Result<BlockingEvent> {
-        // SAFETY: `Event::new` calls this with the context current; the event is destroyed
-        // once, by the value built here.
-        Ok(BlockingEvent(Event::new(device, "cuEventCreate", || unsafe { driver::event_create_blocking() })?))
-    }
-
-    /// Records the event after the work queued on `stream` so far (a stream of the event's
-    /// device).
-    pub(crate) fn record(&self, stream: &CudaStream) -> Result<()> {
-        self.0.record(stream)
-    }
-
-    /// Records the event after the work queued on another library's `stream`.
-    ///
-    /// # Safety
-    /// `stream` must be a live stream of this event's context (or 0, the legacy default stream,
-    /// or 2, the per-thread default stream).
-    pub(crate) unsafe fn record_raw(&self, stream: sys::CUstream) -> Result<()> {
-        bind(&self.0.ctx)?;
-        // SAFETY: the context is current and the event live; the stream is upheld by the caller.
-        unsafe { driver::event_record(self.0.raw, stream) }.map_err(driver_err("cuEventRecord"))
-    }
-
-    /// Makes work queued later on `stream` (of any device) wait for the latest record, without
-    /// blocking the host (`cuStreamWaitEvent`).
-    pub(crate) fn wait_on(&self, stream: &CudaStream) -> Result<()> {
-        self.0.wait_on(stream)
-    }
-
-    /// True when the work before the latest record is done (`cuEventQuery`).
-    pub(crate) fn is_complete(&self) -> Result<bool> {
-        self.0.is_complete()
-    }
-
-    /// Blocks, asleep, until the work before the latest record is done.
-    pub(crate) fn wait(&self) -> Result<()> {
-        bind(&self.0.ctx)?;
-        // SAFETY: the context is current and the event live.
-        unsafe { driver::event_synchronize(self.0.raw) }.map_err(driver_err("cuEventSynchronize"))
-    }
-}
-
-/// Another process's interprocess event, opened with `cuIpcOpenEventHandle`. Dropping it
-/// destroys this process's reference; waits already queued are not affected.
-#[derive(Debug)]
-pub(crate) struct OpenedEvent(Event);
-
-impl OpenedEvent {
-    /// Opens the event of `handle` on `device`, the GPU it was recorded on.
-    pub(crate) fn open(device: &Device, handle: &IpcHandle) -> Result<OpenedEvent> {
-        // SAFETY: `Event::new` calls this with the context current; the event is destroyed
-        // once, by the value built here.
-        let open = || unsafe { driver::ipc_open_event_handle(handle) };
-        Ok(OpenedEvent(Event::new(device, "cuIpcOpenEventHandle", open)?))
-    }
-
-    /// True when the work before the event's latest record is done (`cuEventQuery`).
-    pub(crate) fn is_complete(&self) -> Result<bool> {
-        self.0.is_complete()
-    }
-
-    /// Makes work queued later on `stream` (of any device) wait for the event, without
-    /// blocking the host (`cuStreamWaitEvent`).
-    pub(crate) fn wait_on(&self, stream: &CudaStream) -> Result<()> {
-        self.0.wait_on(stream)
-    }
-}
-
 /// The shipped kernel module ([`kernels::PTX`]) loaded in one context. Only that image is ever
 /// loaded, so its kernels take the parameters kernels.cu gives them. Unloaded when the last
 /// of its functions is dropped.
@@ -897,12 +706,6 @@ impl Module {
         let raw = unsafe { driver::module_get_function(self.raw, &cname) }
             .map_err(|_| Error::Unsupported(format!("no shipped kernel {name}")))?;
         Ok(KernelFunction { module: self.clone(), raw, op, dtype })
-    }
-}
-
-impl fmt::Debug for Module {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Module").field("module", &self.raw).finish_non_exhaustive()
     }
 }
 
@@ -963,12 +766,6 @@ impl KernelFunction {
     }
 }
 
-impl fmt::Debug for KernelFunction {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "KernelFunction({}_{})", self.op.name(), self.dtype.name())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -980,12 +777,11 @@ mod tests {
         send_sync::<DeviceAllocation>();
         send_sync::<IpcMapping>();
         send_sync::<InterprocessEvent>();
-        send_sync::<OpenedEvent>();
+        send_sync::<Event>();
         send_sync::<Module>();
         send_sync::<KernelFunction>();
         send_sync::<Device>();
-        send_sync::<VmmAllocation>();
-        send_sync::<VmmMapping>();
+        send_sync::<VmmRegion>();
     }
 
     #[test]

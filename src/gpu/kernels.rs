@@ -54,37 +54,13 @@ impl Kernels {
 
 /// Queues the kernel for `args` on `device`'s stream; nothing (not even the module load) for
 /// zero elements.
-fn launch(device: &Device, args: KernelArgs) -> Result<()> {
+pub(crate) fn launch(device: &Device, args: KernelArgs) -> Result<()> {
     let (op, dtype, numel) = args.signature()?;
     if numel == 0 {
         return Ok(());
     }
     let function = device.kernels()?.function(op, dtype)?;
     device.enqueue(|s| function.launch(s, blocks(numel.div_ceil(args.elements_per_thread())), THREADS, &args))
-}
-
-/// Sets every element of the view `layout` over `alloc` (the storage its offsets count from) to
-/// the `dtype` value whose bits are `bits`.
-pub(crate) fn fill(device: &Device, alloc: DeviceRange, layout: &Layout, dtype: DType, bits: u64) -> Result<()> {
-    launch(device, KernelArgs::Fill { view: KernelView::new(alloc, layout, dtype)?, bits })
-}
-
-/// Adds `value` to every element of the view `layout` over `alloc`, in place.
-pub(crate) fn add_scalar(device: &Device, alloc: DeviceRange, layout: &Layout, dtype: DType, value: f64) -> Result<()> {
-    launch(device, KernelArgs::Add { view: KernelView::new(alloc, layout, dtype)?, value })
-}
-
-/// Adds to the counter `count` (8 bytes) the number of elements of the view `layout` over
-/// `alloc` whose bits differ from `bits`.
-pub(crate) fn count_ne(
-    device: &Device,
-    alloc: DeviceRange,
-    layout: &Layout,
-    dtype: DType,
-    bits: u64,
-    count: DeviceRange,
-) -> Result<()> {
-    launch(device, KernelArgs::CountNe { view: KernelView::new(alloc, layout, dtype)?, bits, count })
 }
 
 /// One view of many for [`fill_many`] and [`count_ne_many`]: the memory it lies in, its
@@ -175,21 +151,6 @@ pub(crate) fn count_ne_many(
         |views| KernelArgs::CountNeMany { views, count },
         |view, bits| KernelArgs::CountNe { view, bits, count },
     )
-}
-
-/// Copies the view `src_layout` over `src` into the view `dst_layout` over `dst`, element by
-/// element in row-major order (the same number of elements), on `device`'s stream.
-pub(crate) fn copy(
-    device: &Device,
-    dst: DeviceRange,
-    dst_layout: &Layout,
-    src: DeviceRange,
-    src_layout: &Layout,
-    dtype: DType,
-) -> Result<()> {
-    let dst = KernelView::new(dst, dst_layout, dtype)?;
-    let src = KernelView::new(src, src_layout, dtype)?;
-    launch(device, KernelArgs::Copy { dst, src })
 }
 
 #[cfg(test)]

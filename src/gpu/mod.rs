@@ -21,6 +21,8 @@ use cudarc::driver::CudaStream;
 use cudarc::driver::sys;
 use ndarray::{ArrayBase, ArrayD, Data, Dimension, IxDyn};
 
+use driver::{KernelArgs, KernelView};
+
 pub use bundle::{Bundle, BundleBuilder, BundleEntry, DEFAULT_CHUNK_BYTES};
 pub use device::{Device, cuda_available, keeping_current_context};
 pub use storage::{GpuMemoryKind, GpuStorage, IpcPayload, VMM_MIN_BYTES};
@@ -194,7 +196,7 @@ impl<T: Element> Tensor<T, GpuStorage> {
     /// assert_eq!(t.to_vec().unwrap(), vec![9.0, 0.0, 0.0, 9.0, 0.0, 0.0]);
     /// ```
     pub fn fill(&self, value: T) -> Result<()> {
-        kernels::fill(self.device(), self.storage.range()?, &self.layout, T::DTYPE, value.to_bits())
+        kernels::launch(self.device(), KernelArgs::Fill { view: self.kernel_view()?, bits: value.to_bits() })
     }
 
     /// Sets every element of each tensor to the value beside it, as [`fill`](Self::fill) on
@@ -238,6 +240,11 @@ impl<T: Element> Tensor<T, GpuStorage> {
         kernels::count_ne_many(device, T::DTYPE, &Self::kernel_views(items)?, count)
     }
 
+    /// The view as the kernels take it, checked against its storage.
+    fn kernel_view(&self) -> Result<KernelView> {
+        KernelView::new(self.storage.range()?, &self.layout, T::DTYPE)
+    }
+
     /// Each tensor of `items` as the kernels take it: its memory, its layout and its value's bits.
     fn kernel_views<'a>(items: &[(&'a GpuTensor<T>, T)]) -> Result<Vec<kernels::ViewAndValue<'a>>> {
         items.iter().map(|(t, v)| Ok((t.storage.range()?, &t.layout, v.to_bits()))).collect()
@@ -268,7 +275,7 @@ impl<T: Element> Tensor<T, GpuStorage> {
         if T::DTYPE == DType::Bool {
             return Err(Error::Unsupported("add_scalar on a bool tensor".into()));
         }
-        kernels::add_scalar(self.device(), self.storage.range()?, &self.layout, T::DTYPE, value)
+        kernels::launch(self.device(), KernelArgs::Add { view: self.kernel_view()?, value })
     }
 
     /// Adds to `counter`'s first element the number of elements of this view that are not
@@ -286,7 +293,7 @@ impl<T: Element> Tensor<T, GpuStorage> {
     /// ```
     pub fn count_not_equal(&self, value: T, counter: &GpuTensor<i64>) -> Result<()> {
         let count = counter.counter_range(self.device())?;
-        kernels::count_ne(self.device(), self.storage.range()?, &self.layout, T::DTYPE, value.to_bits(), count)
+        kernels::launch(self.device(), KernelArgs::CountNe { view: self.kernel_view()?, bits: value.to_bits(), count })
     }
 
     /// Copies `src` (same shape) into this view, element by element. Between two GPUs both
@@ -337,7 +344,7 @@ impl<T: Element> Tensor<T, GpuStorage> {
             self.device().enqueue(|s| driver::copy_peer(s, dst_range, src.device().context(), src_range))?;
             return self.synchronize();
         }
-        kernels::copy(self.device(), self.storage.range()?, &self.layout, src.storage.range()?, &src.layout, T::DTYPE)
+        kernels::launch(self.device(), KernelArgs::Copy { dst: self.kernel_view()?, src: src.kernel_view()? })
     }
 
     /// The device holding the tensor.
@@ -505,7 +512,8 @@ impl crate::DynTensor<GpuStorage> {
 pub(crate) fn pack(storage: &Arc<GpuStorage>, layout: &Layout, dtype: DType) -> Result<Arc<GpuStorage>> {
     let device = storage.device();
     let packed = GpuStorage::alloc(device, (layout.numel() * dtype.size()).max(1))?;
-    kernels::copy(device, packed.range()?, &Layout::contiguous(layout.shape())?, storage.range()?, layout, dtype)?;
+    let dst = KernelView::new(packed.range()?, &Layout::contiguous(layout.shape())?, dtype)?;
+    kernels::launch(device, KernelArgs::Copy { dst, src: KernelView::new(storage.range()?, layout, dtype)? })?;
     Ok(packed)
 }
 

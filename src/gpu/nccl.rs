@@ -17,7 +17,6 @@
 //! communicator on failure (`ncclCommAbort` also stops its kernels).
 
 use std::ffi::{CStr, c_char, c_int, c_void};
-use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -141,12 +140,6 @@ pub(crate) fn library() -> Result<(String, i32)> {
 #[derive(Clone)]
 pub(crate) struct UniqueId(pub(crate) [u8; 128]);
 
-impl fmt::Debug for UniqueId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("UniqueId(..)")
-    }
-}
-
 impl UniqueId {
     /// A new identity (`ncclGetUniqueId`): this process serves the rendezvous of the
     /// communicator made from it.
@@ -183,14 +176,9 @@ fn nonblocking_config() -> ncclConfig_t {
     }
 }
 
-/// What a wait is for, to name in a timeout.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Waiting {
-    /// The peer joining the communicator.
-    Join,
-    /// The transfer.
-    Transfer,
-}
+/// What a wait is for, named in a timeout.
+const JOIN: &str = "the peer to join the NCCL communicator";
+const TRANSFER: &str = "an NCCL transfer";
 
 /// One two-rank NCCL communicator on one device, non-blocking; aborted when dropped. After a
 /// failed call it refuses further transfers.
@@ -204,12 +192,6 @@ pub(crate) struct Communicator {
 // SAFETY: an NCCL communicator may be used from any thread, one call at a time; `Communicator`
 // is used through `&mut self` or under its connection's lock.
 unsafe impl Send for Communicator {}
-
-impl fmt::Debug for Communicator {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Communicator").field("device", &self.device.ordinal()).field("rank", &self.rank).finish()
-    }
-}
 
 impl Communicator {
     /// Joins the two-rank communicator `id` as `rank` (0 or 1) on `device`, waiting for the
@@ -238,7 +220,7 @@ impl Communicator {
             made.healthy = false;
             return Err(e);
         }
-        made.settle(Waiting::Join, deadline, peer_alive)?;
+        made.settle(JOIN, deadline, peer_alive)?;
         Ok(made)
     }
 
@@ -250,7 +232,7 @@ impl Communicator {
     /// Waits until the communicator has no call in progress (`ncclCommGetAsyncError`); on an
     /// error, a dead peer or the deadline the communicator is marked broken (it is aborted
     /// when dropped).
-    fn settle(&mut self, waiting: Waiting, deadline: Instant, peer_alive: &mut dyn FnMut() -> bool) -> Result<()> {
+    fn settle(&mut self, waiting: &str, deadline: Instant, peer_alive: &mut dyn FnMut() -> bool) -> Result<()> {
         let n = nccl()?;
         let mut spins = 0u32;
         loop {
@@ -258,8 +240,7 @@ impl Communicator {
             // SAFETY: the communicator is live and `state` writable.
             let code = unsafe { (n.comm_get_async_error)(self.comm, &mut state) };
             let failed = n.check("ncclCommGetAsyncError", code).err().or_else(|| match state {
-                NCCL_SUCCESS => None,
-                NCCL_IN_PROGRESS => None,
+                NCCL_SUCCESS | NCCL_IN_PROGRESS => None,
                 state => Some(n.describe("the communicator", state)),
             });
             if let Some(e) = failed {
@@ -275,7 +256,7 @@ impl Communicator {
 
     fn pause(
         &mut self,
-        waiting: Waiting,
+        waiting: &str,
         deadline: Instant,
         peer_alive: &mut dyn FnMut() -> bool,
         spins: &mut u32,
@@ -289,13 +270,9 @@ impl Communicator {
         let now = Instant::now();
         if now >= deadline {
             self.healthy = false;
-            let what = match waiting {
-                Waiting::Join => "the peer to join the NCCL communicator",
-                Waiting::Transfer => "an NCCL transfer",
-            };
             return Err(Error::Io(std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
-                format!("timed out waiting for {what}; the communicator was aborted"),
+                format!("timed out waiting for {waiting}; the communicator was aborted"),
             )));
         }
         // Spin briefly (a small transfer ends within microseconds), then sleep in short slices.
@@ -351,7 +328,7 @@ impl Communicator {
             // A non-blocking communicator may queue its kernel only while it is settled (a
             // first connection to the peer, say): counted again once it is, so that no idle
             // answer from before the kernel is taken for after it.
-            let settled = self.settle(Waiting::Transfer, deadline, peer_alive);
+            let settled = self.settle(TRANSFER, deadline, peer_alive);
             self.device.queued_work();
             settled?;
         }
@@ -365,8 +342,8 @@ impl Communicator {
                     return Err(e);
                 }
             }
-            self.settle(Waiting::Transfer, deadline, peer_alive)?;
-            self.pause(Waiting::Transfer, deadline, peer_alive, &mut spins)?;
+            self.settle(TRANSFER, deadline, peer_alive)?;
+            self.pause(TRANSFER, deadline, peer_alive, &mut spins)?;
         }
     }
 }

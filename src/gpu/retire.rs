@@ -1,21 +1,8 @@
-//! Releasing received memory after the work this process queued on it, off the dropping thread.
-//!
-//! A received block goes back to its owner's free lists once this process releases its
-//! claim, so the release must come after every kernel and copy this process queued on it.
-//! Instead of waiting for the stream in the drop (a host synchronization on the user's thread,
-//! the sender's event waits included), a drop records an event on the stream
-//! ([`Device::own_work`]), lets go of the block at once (nothing is unmapped: the segment
-//! stays mapped while cached, and a segment that closes synchronizes first) and hands the
-//! release of its claim to the device's retiring thread, which waits for the events asleep,
-//! in the order they were recorded (the order the stream finishes them; with fences on other
-//! libraries' streams too, `drop_after_stream`, it first takes any of the next few already
-//! passed), and posts each release after its event. A drop then costs one event record at most; the owner gets the block back
-//! when the work is done, not before. Drops with nothing counted on the stream between them
-//! (the blocks of one request, say) share one record: it follows the work of each.
-//!
-//! A release waits for the work queued on the stream before the drop, as the synchronizing drop
-//! did; work queued after it is not waited for. If the thread cannot be started, or the event
-//! cannot be recorded, the drop waits for the stream itself, as before.
+//! Releasing received memory after the work this process queued on it, off the dropping
+//! thread: a drop records a fence ([`Device::own_work`]), lets go of the block at once and hands
+//! the release of its claim to the device's retiring thread, which waits for the fences asleep
+//! and posts each release after its event. If the thread cannot start or no event can be
+//! recorded, the drop waits itself. See "Dropping" in README.md here.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
@@ -23,7 +10,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use super::device::Device;
 use cudarc::driver::sys;
 
-use super::handles::BlockingEvent;
+use super::handles::Event;
 use crate::error::Result;
 use crate::storage::{Close, Fence};
 
@@ -33,12 +20,12 @@ const SPARE_EVENTS: usize = 64;
 /// One device's retiring queue (in `Device`).
 #[derive(Default)]
 pub(crate) struct Retirer {
-    queue: Mutex<VecDeque<(Arc<BlockingEvent>, Close, u64)>>,
+    queue: Mutex<VecDeque<(Arc<Event>, Close, u64)>>,
     posted: Condvar,
-    spare: Mutex<Vec<BlockingEvent>>,
+    spare: Mutex<Vec<Event>>,
     /// The latest fence of `own_work` and the count of work queued (`Device::counted_work`)
     /// read before its record: while the count is unchanged, it follows all the work counted.
-    latest: Mutex<Option<(u64, Arc<BlockingEvent>)>>,
+    latest: Mutex<Option<(u64, Arc<Event>)>>,
     /// Fences `own_work` recorded (a shared one counts once).
     fences_recorded: std::sync::atomic::AtomicU64,
     started: OnceLock<bool>,
@@ -48,18 +35,12 @@ pub(crate) struct Retirer {
     finished: Condvar,
 }
 
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct Counts {
     /// The number the next close queued gets.
     next: u64,
     /// Closes queued and not yet run, by number (they run out of order, see `LOOK_AHEAD`).
     waiting: std::collections::BTreeSet<u64>,
-}
-
-impl std::fmt::Debug for Retirer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Retirer").field("waiting", &lock(&self.queue).len()).finish_non_exhaustive()
-    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -69,7 +50,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Retirer {
     /// Keeps `event` for reuse if this was its last holder (a fence shared by several drops
     /// is recycled by the last: re-recording it earlier would move the others' fence).
-    fn recycle(&self, event: Arc<BlockingEvent>) {
+    fn recycle(&self, event: Arc<Event>) {
         let Some(event) = Arc::into_inner(event) else { return };
         let mut spare = lock(&self.spare);
         if spare.len() < SPARE_EVENTS {
@@ -79,10 +60,9 @@ impl Retirer {
 }
 
 /// The work this process queued on a device's stream up to a point: a [`Fence`].
-#[derive(Debug)]
 pub(crate) struct OwnWork {
     device: Arc<Device>,
-    event: Arc<BlockingEvent>,
+    event: Arc<Event>,
 }
 
 impl Device {
@@ -129,9 +109,9 @@ impl Device {
     }
 
     /// An event kept from an earlier fence, or a new one.
-    fn spare_event(&self) -> Result<BlockingEvent> {
+    fn spare_event(&self) -> Result<Event> {
         let spare = lock(&self.retirer().spare).pop();
-        spare.map_or_else(|| BlockingEvent::create(self), Ok)
+        spare.map_or_else(|| Event::blocking(self), Ok)
     }
 
     /// Drops `value` once the work queued on `stream` so far is done, on the device's retiring

@@ -693,16 +693,6 @@ impl GpuStorage {
 /// A GPU storage as it travels.
 pub(crate) type GpuStorageWire = Record<GpuWire>;
 
-/// Exports a storage for a message being encoded.
-pub(crate) fn encode_storage(storage: &Arc<GpuStorage>) -> Result<GpuStorageWire> {
-    storage::export(storage, false)
-}
-
-/// Imports a storage from a message being decoded.
-pub(crate) fn decode_storage(wire: GpuStorageWire) -> Result<Arc<GpuStorage>> {
-    storage::import(wire, None)
-}
-
 /// Everything a GPU tensor message carries, for the explicit export path: print it, send it any
 /// way you like, and rebuild the tensor in another process with
 /// [`GpuTensor::from_ipc_payload`](crate::GpuTensor::from_ipc_payload). Holding it keeps the
@@ -726,7 +716,7 @@ pub struct IpcPayload {
     wire: TensorWire<GpuStorageWire>,
 }
 
-fn hex(bytes: &[u8]) -> String {
+pub(super) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 

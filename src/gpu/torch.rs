@@ -12,7 +12,7 @@ use super::device::Device;
 use super::driver::{DeviceRange, IPC_HANDLE_BYTES, IpcHandle};
 use super::events;
 use super::handles::{DeviceAllocation, SharedMapping};
-use super::storage::{GpuMemory, GpuStorage};
+use super::storage::{GpuMemory, GpuStorage, hex};
 use super::torch_refs::{self, TorchRefSlot};
 use crate::error::{Error, Result};
 use crate::storage::{Handle, Shared};
@@ -66,10 +66,6 @@ pub struct TorchIpcHandle {
     pub event_handle: Vec<u8>,
     /// True when the consumer must wait for `event_handle` before using the memory.
     pub event_sync_required: bool,
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 impl fmt::Debug for TorchIpcHandle {
@@ -183,7 +179,7 @@ pub(crate) struct TorchBlock {
     mapping: SharedMapping,
     handle: IpcHandle,
     offset: usize,
-    slot: TorchRefSlot,
+    _slot: TorchRefSlot,
 }
 
 impl TorchBlock {
@@ -218,16 +214,6 @@ impl Drop for TorchBlock {
         // Our work on the memory must finish before its producer may reuse it. Errors cannot be
         // returned from drop; the slot is released regardless, as PyTorch does.
         let _ = self.mapping.device().finish_own_work();
-    }
-}
-
-impl fmt::Debug for TorchBlock {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TorchBlock")
-            .field("mapping", &self.mapping)
-            .field("offset", &self.offset)
-            .field("slot", &self.slot)
-            .finish()
     }
 }
 
@@ -286,7 +272,7 @@ impl GpuStorage {
             events::wait_once(&device, &event)?;
         }
         slot.arm();
-        let memory = GpuMemory::Torch(TorchBlock { mapping, handle, offset, slot });
+        let memory = GpuMemory::Torch(TorchBlock { mapping, handle, offset, _slot: slot });
         Ok(Arc::new(GpuStorage::from_handle(Handle::new_local(bytes, memory))))
     }
 

@@ -354,16 +354,6 @@ impl RefRegistry {
     }
 }
 
-impl std::fmt::Debug for RefRegistry {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RefRegistry")
-            .field("files", &self.files.len())
-            .field("outstanding", &self.shares.len())
-            .field("released", &self.released)
-            .finish()
-    }
-}
-
 /// This process's registry and the thread that watches it.
 struct Producer {
     registry: Mutex<RefRegistry>,

@@ -1,24 +1,17 @@
 //! GPU memory made with virtual memory management (`cuMemCreate` with a POSIX file-descriptor
-//! handle type), shared by file descriptor. The descriptor travels inline in the message
-//! ([`crate::wire::park`]): the kernel keeps it while the message is in flight, also after the
-//! sender exited, so nothing has to be fetched from the sender later. The receiver imports and
-//! maps the memory where it needs it. The physical memory lives while any process holds it
-//! (an imported handle, a descriptor, or a message in flight): a consumer keeps using it after
-//! the producer exited, and forwards it by parking the descriptor it received (the driver
-//! refuses to export an imported handle again, so a receiver keeps that one descriptor while it
-//! maps the memory).
+//! handle type), shared by file descriptor: the descriptor travels in the message, so the
+//! memory lives while any process holds it, its producer exited or not. The driver refuses to
+//! export an imported handle again, so a receiver keeps the descriptor it received, to forward.
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use cudarc::driver::sys;
 use once_cell::sync::OnceCell;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::device::Device;
-use super::driver::DeviceRange;
-use super::handles::{VmmAllocation, VmmMapping};
+use super::handles::VmmRegion;
 use crate::error::{Error, Result};
 use crate::lifetime;
 use crate::profile::{self, Phase};
@@ -98,14 +91,11 @@ pub(crate) struct VmmMemory {
     /// False for a caching allocator's segment: its descriptor is not counted in the storage
     /// statistics.
     counted: bool,
-    backing: Backing,
+    region: VmmRegion,
+    /// True when mapped from another process.
+    imported: bool,
     /// The GPU holding the physical memory.
     owner_uuid: [u8; 16],
-}
-
-enum Backing {
-    Local(VmmAllocation),
-    Imported(VmmMapping),
 }
 
 impl VmmMemory {
@@ -114,12 +104,8 @@ impl VmmMemory {
     /// Should that fail (out of descriptors, say), the first send tries again and reports the
     /// error.
     pub(crate) fn alloc(device: &Arc<Device>, bytes: usize, counted: bool) -> Result<VmmMemory> {
-        let memory = VmmMemory {
-            fd: OnceCell::new(),
-            counted,
-            backing: Backing::Local(VmmAllocation::new(device, bytes)?),
-            owner_uuid: device.uuid(),
-        };
+        let region = VmmRegion::alloc(device, bytes)?;
+        let memory = VmmMemory { fd: OnceCell::new(), counted, region, imported: false, owner_uuid: device.uuid() };
         let _ = memory.descriptor();
         Ok(memory)
     }
@@ -133,20 +119,23 @@ impl VmmMemory {
                 wire.size
             )));
         }
-        let mapping = VmmMapping::import(wire.descriptor.0.as_fd(), wire.size as usize, access)?;
+        let region = VmmRegion::import(wire.descriptor.0.as_fd(), wire.size as usize, access)?;
         Ok(VmmMemory {
             fd: OnceCell::with_value(Held::new(wire.descriptor.0.clone(), true)),
             counted: true,
-            backing: Backing::Imported(mapping),
+            region,
+            imported: true,
             owner_uuid: owner.uuid(),
         })
     }
 
     fn descriptor(&self) -> Result<&Arc<OwnedFd>> {
-        let held = self.fd.get_or_try_init(|| match &self.backing {
-            Backing::Local(a) => Ok(Held::new(Arc::new(a.export_fd()?), self.counted)),
+        let held = self.fd.get_or_try_init(|| {
             // Every import keeps its descriptor; the driver cannot export an imported handle.
-            Backing::Imported(_) => Err(Error::Unsupported("forwarding vmm memory without its descriptor".into())),
+            if self.imported {
+                return Err(Error::Unsupported("forwarding vmm memory without its descriptor".into()));
+            }
+            Ok(Held::new(Arc::new(self.region.export_fd()?), self.counted))
         })?;
         Ok(&held.fd)
     }
@@ -160,57 +149,26 @@ impl VmmMemory {
 
     /// The record to send: the descriptor, parked in the message when the record is encoded.
     pub(crate) fn wire(&self) -> Result<VmmWire> {
-        Ok(VmmWire { descriptor: Descriptor(self.descriptor()?.clone()), size: self.size() as u64 })
-    }
-
-    /// Makes the memory readable and writable by `peer` too (context peer access does not
-    /// cover VMM memory).
-    pub(crate) fn grant_access(&self, peer: &Arc<Device>) -> Result<()> {
-        match &self.backing {
-            Backing::Local(a) => a.grant_access(peer),
-            Backing::Imported(m) => m.grant_access(peer),
-        }
+        Ok(VmmWire { descriptor: Descriptor(self.descriptor()?.clone()), size: self.region.size() as u64 })
     }
 
     /// True when mapped from another process.
     pub(crate) fn is_imported(&self) -> bool {
-        matches!(self.backing, Backing::Imported(_))
+        self.imported
     }
 
     /// The GPU holding the physical memory.
     pub(crate) fn owner_uuid(&self) -> [u8; 16] {
         self.owner_uuid
     }
+}
 
-    /// The device the memory is used from.
-    pub(crate) fn device(&self) -> &Arc<Device> {
-        match &self.backing {
-            Backing::Local(a) => a.device(),
-            Backing::Imported(m) => m.device(),
-        }
-    }
+/// The memory itself: its device, address and range, and access granted to peers (context peer
+/// access does not cover VMM memory).
+impl std::ops::Deref for VmmMemory {
+    type Target = VmmRegion;
 
-    /// Device address of the first byte.
-    pub(crate) fn ptr(&self) -> sys::CUdeviceptr {
-        match &self.backing {
-            Backing::Local(a) => a.ptr(),
-            Backing::Imported(m) => m.ptr(),
-        }
-    }
-
-    /// The whole mapping.
-    pub(crate) fn range(&self) -> DeviceRange {
-        match &self.backing {
-            Backing::Local(a) => a.range(),
-            Backing::Imported(m) => m.range(),
-        }
-    }
-
-    /// The allocation's size, rounded to the granularity.
-    fn size(&self) -> usize {
-        match &self.backing {
-            Backing::Local(a) => a.size(),
-            Backing::Imported(m) => m.size(),
-        }
+    fn deref(&self) -> &VmmRegion {
+        &self.region
     }
 }

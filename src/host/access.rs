@@ -24,7 +24,7 @@
 //! their size from the 8-aligned base), so each element is read and written whole.
 //!
 //! # Why the words are valid
-//! [`HostStorage::base_ptr`] is valid for reads and writes of [`HostStorage::byte_len`] bytes
+//! [`HostStorage::as_ptr`] is valid for reads and writes of [`HostStorage::byte_len`] bytes
 //! while the storage lives, and [`Shared`] borrows the storage, so it lives. The storage is an
 //! `mmap` of a memory file: its base is page-aligned (checked to be 8-aligned in
 //! [`Shared::new`]) and the mapping covers whole pages, so the aligned word that holds any byte
@@ -165,7 +165,7 @@ impl<'a> Shared<'a> {
         if len == 0 {
             return Shared { words: &[], len };
         }
-        let base = storage.base_ptr();
+        let base = storage.as_ptr();
         assert!((base as usize).is_multiple_of(8), "host storage at {base:p} is not 8-byte aligned");
         // SAFETY: `base` is 8-aligned (checked) and non-null (a mapping of `len > 0` bytes).
         // The `len.div_ceil(8)` words lie in the live mapping: the storage guarantees `len`
@@ -371,7 +371,7 @@ mod tests {
 
     #[test]
     fn bools_read_any_nonzero_byte_as_true() {
-        let storage = HostStorage::new_zeroed(19);
+        let storage = HostStorage::try_new_zeroed(19).unwrap();
         let s = Shared::new(&storage);
         let bytes: Vec<u8> = (0..19).map(|i| [0u8, 1, 2, 255, 0x80, 0x10][i % 6]).collect();
         s.write::<u8>(0, &bytes);
@@ -392,7 +392,7 @@ mod tests {
 
     #[test]
     fn partial_words_keep_their_neighbours() {
-        let storage = HostStorage::new_zeroed(40);
+        let storage = HostStorage::try_new_zeroed(40).unwrap();
         let s = Shared::new(&storage);
         s.fill::<u8>(0, 40, 0xaa);
         // 13 bytes at offset 3: a partial head word, one whole word, a partial tail word.
@@ -422,13 +422,13 @@ mod tests {
     #[test]
     #[should_panic(expected = "outside a storage")]
     fn accesses_outside_the_storage_panic() {
-        let storage = HostStorage::new_zeroed(13);
+        let storage = HostStorage::try_new_zeroed(13).unwrap();
         Shared::new(&storage).load::<i32>(3);
     }
 
     #[test]
     fn empty_storage_has_no_words() {
-        let storage = HostStorage::new_zeroed(0);
+        let storage = HostStorage::try_new_zeroed(0).unwrap();
         let s = Shared::new(&storage);
         assert!(s.read_runs::<f64>([0], 0, 0).is_empty());
         s.write::<f64>(0, &[]);

@@ -1,16 +1,6 @@
 //! The host caching allocator: host tensors carved out of large memory files (segments), so
-//! that a fresh tensor costs no memory file, no mapping and no descriptor of its own.
-//!
-//! A segment is a storage of a kind of its own ([`SegmentKind`]: a sealed memory file, its
-//! mappings kept idle by receivers while this process keeps it), held by the allocator and
-//! counted in no storage statistics. A block is an ordinary host storage (its own identity and
-//! claims) whose memory is a range of a segment: its record carries the segment's record (a
-//! claim on the segment, and the segment's descriptor, once per message however many of its
-//! blocks the message holds) and the block's offset. A receiver maps a segment once, keeps it
-//! while it holds any of its blocks and afterwards in its idle cache, for as long as this
-//! process keeps the segment; a fresh tensor cut from a segment it maps opens and maps
-//! nothing. A block comes back to the free lists when its last claim is released: every
-//! receiver dropped it, or died. The pools themselves are `src/storage/pools.rs`.
+//! that a fresh tensor costs no memory file, no mapping and no descriptor of its own. See "The
+//! host caching allocator" in `src/gpu/README.md`; the pools are `src/storage/pools.rs`.
 
 use std::os::fd::AsFd;
 use std::sync::Arc;

@@ -179,11 +179,6 @@ fn refuse_frozen(file: &MemoryFile, what: &str) -> Result<()> {
     }
 }
 
-/// `bytes` zeroed bytes of fresh shared memory, sealed against resizing.
-fn fresh_memory(bytes: usize) -> Result<MemoryFile> {
-    MemoryFile::zeroed(bytes).map_err(|e| allocation_error(bytes, e))
-}
-
 /// Why `bytes` of fresh shared memory could not be had (out of descriptors, named as such).
 fn allocation_error(bytes: usize, e: std::io::Error) -> Error {
     wire::descriptor_error(Error::Io(std::io::Error::new(
@@ -244,13 +239,9 @@ impl HostStorage {
         if let Some(storage) = caching::alloc_zeroed(bytes)? {
             return Ok(storage);
         }
-        Ok(Arc::new(HostStorage(Handle::new_local(bytes, HostMemory::File(Arc::new(fresh_memory(bytes)?))))))
-    }
-
-    /// `bytes` zeroed bytes of fresh shared memory, for tests.
-    #[cfg(test)]
-    pub(crate) fn new_zeroed(bytes: usize) -> Arc<HostStorage> {
-        HostStorage::try_new_zeroed(bytes).expect("shared memory")
+        // Fresh memory, sealed against resizing.
+        let memory = MemoryFile::zeroed(bytes).map_err(|e| allocation_error(bytes, e))?;
+        Ok(Arc::new(HostStorage(Handle::new_local(bytes, HostMemory::File(Arc::new(memory))))))
     }
 
     /// The mapping the storage lies in, and where in it.
@@ -258,14 +249,6 @@ impl HostStorage {
     pub(crate) fn mapping(&self) -> (&Mapping, usize) {
         let (file, offset) = self.0.memory().raw().file();
         (file.mapping(), offset)
-    }
-
-    /// First byte of the storage; valid for [`byte_len`](Self::byte_len) bytes while the
-    /// storage lives.
-    pub(crate) fn base_ptr(&self) -> *mut u8 {
-        let (file, offset) = self.0.memory().raw().file();
-        // Inside the mapping: a block's offset and size were checked against its segment.
-        file.ptr().wrapping_add(offset)
     }
 
     /// Address of the first byte, for handing the memory to another library (NumPy, PyTorch,
@@ -278,7 +261,9 @@ impl HostStorage {
     /// assert!(!t.storage().as_ptr().is_null());
     /// ```
     pub fn as_ptr(&self) -> *mut u8 {
-        self.base_ptr()
+        let (file, offset) = self.0.memory().raw().file();
+        // Inside the mapping: a block's offset and size were checked against its segment.
+        file.ptr().wrapping_add(offset)
     }
 
     /// Size in bytes.

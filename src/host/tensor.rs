@@ -1,35 +1,12 @@
 //! Element access of host tensors: construction, copies in and out, in-place updates and
-//! ndarray views.
-//!
-//! # Concurrent access
-//!
-//! The elements of a host tensor live in shared memory: every clone and view of the tensor in
-//! this process, and every process the tensor was sent to, reads and writes the same bytes, and
-//! nothing orders those accesses for you. The rule:
-//!
-//! - **Safe methods are always sound.** [`to_vec`](crate::Tensor::to_vec),
-//!   [`fill`](crate::Tensor::fill), [`map_inplace`](crate::Tensor::map_inplace),
-//!   [`copy_from_ndarray`](crate::Tensor::copy_from_ndarray) and the rest never cause undefined
-//!   behaviour, whatever other threads and processes do to the same memory at the same time:
-//!   every access they make is a relaxed atomic access (of the aligned 8-byte word that holds
-//!   the element), never a plain load or store.
-//! - **Concurrent writers race logically.** When two writers update the same elements at the
-//!   same time, for each element the last write wins; a read that overlaps a write may return
-//!   some elements before the write and some after it. Each element is read and written whole
-//!   (no element mixes bytes of two writes by this library), and a `bool` read from a byte that
-//!   someone set to neither 0 nor 1 is `true`. This is what torch's shared-memory tensors do:
-//!   when you need a consistent snapshot, order the accesses yourself, e.g. write, then send a
-//!   message; receive it, then read.
-//! - **The unsafe views need exclusive use.** [`as_array_view`](crate::Tensor::as_array_view)
-//!   and [`as_array_view_mut`](crate::Tensor::as_array_view_mut) hand out plain Rust
-//!   references into the shared memory, for ndarray's own algorithms at full speed. While such
-//!   a view lives, nobody (no thread, no process) may write the viewed elements, and for the
-//!   mutable view nobody may read them either; otherwise it is a data race: undefined behaviour.
-//!
-//! Contiguous copies (`to_vec` of a contiguous view, `from_vec`, `fill`, `copy_from_ndarray` of
-//! a standard-layout array into a contiguous view) run word by word, at the speed of a
-//! `memcpy`; strided views go row by row where their innermost elements are adjacent, and
-//! element by element otherwise.
+//! ndarray views. The elements live in shared memory that every view, here and in every process
+//! the tensor was sent to, reads and writes with nothing ordering the accesses. The safe methods
+//! make only relaxed atomic word accesses (`access.rs`), so they are sound whatever others do;
+//! racing writers race logically (for each element the last write wins, each element read and
+//! written whole), as torch's shared-memory tensors do. The unsafe ndarray views need exclusive
+//! use. Contiguous copies run word by word, at the speed of a `memcpy`; strided views go row by
+//! row where their innermost elements are adjacent, and element by element otherwise. See "Host
+//! tensors and concurrent writers" in the README.
 
 #[path = "access.rs"]
 mod access;
@@ -283,7 +260,7 @@ impl<T: Element> Tensor<T, HostStorage> {
     fn element_ptr(&self, index: usize) -> *mut T {
         // For the escape hatches below: every index of the layout lies inside the storage,
         // which the layout was checked against when the view was made.
-        (self.storage.base_ptr() as *mut T).wrapping_add(index)
+        (self.storage.as_ptr() as *mut T).wrapping_add(index)
     }
 
     /// The view's shape, strides and first element as ndarray takes them: an empty view gets
