@@ -154,12 +154,10 @@ impl<T> From<SendError<T>> for Error {
 
 impl From<RecvTimeoutError> for Error {
     fn from(e: RecvTimeoutError) -> Self {
-        match e {
-            RecvTimeoutError::Timeout => Error::Timeout(Duration::ZERO),
-            RecvTimeoutError::Disconnected => Error::Recv(RecvError::Disconnected),
-            RecvTimeoutError::Malformed(m) => Error::Recv(RecvError::Malformed(m)),
-            RecvTimeoutError::Io(m) => Error::Recv(RecvError::Io(m)),
-            RecvTimeoutError::OutOfDescriptors { limit } => Error::OutOfDescriptors { limit },
+        match e.failure() {
+            None => Error::Timeout(Duration::ZERO),
+            Some(RecvError::OutOfDescriptors { limit }) => Error::OutOfDescriptors { limit },
+            Some(e) => Error::Recv(e),
         }
     }
 }
@@ -383,6 +381,62 @@ impl<T> std::error::Error for SendError<T> {
     }
 }
 
+/// The methods and impls that [`TrySendError`] and [`SendTimeoutError`] share: `$first` is the
+/// variant of a send that found no room, which converts to [`Error::Timeout`] (a try is a wait
+/// of no time).
+macro_rules! send_error {
+    ($name:ident, $first:ident, $text:literal, $(#[$into:meta])* into_inner, $(#[$why:meta])* failure) => {
+        impl<T> $name<T> {
+            $(#[$into])*
+            pub fn into_inner(self) -> T {
+                match self {
+                    $name::$first(v) | $name::Disconnected(v) | $name::Failed(v, _) => v,
+                }
+            }
+
+            $(#[$why])*
+            pub fn failure(&self) -> Option<&SendFailure> {
+                match self {
+                    $name::Failed(_, f) => Some(f),
+                    _ => None,
+                }
+            }
+        }
+
+        impl<T> fmt::Debug for $name<T> {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                match self {
+                    $name::$first(_) => f.write_str(concat!(stringify!($first), "(..)")),
+                    $name::Disconnected(_) => f.write_str("Disconnected(..)"),
+                    $name::Failed(_, failure) => f.debug_tuple("Failed").field(&"..").field(failure).finish(),
+                }
+            }
+        }
+
+        impl<T> fmt::Display for $name<T> {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                match self {
+                    $name::$first(_) => f.write_str($text),
+                    $name::Disconnected(_) => SendFailure::Disconnected.fmt(f),
+                    $name::Failed(_, failure) => failure.fmt(f),
+                }
+            }
+        }
+
+        impl<T> std::error::Error for $name<T> {}
+
+        impl<T> From<$name<T>> for Error {
+            fn from(e: $name<T>) -> Self {
+                match e {
+                    $name::$first(_) => Error::Timeout(Duration::ZERO),
+                    $name::Disconnected(_) => Error::Send(SendFailure::Disconnected),
+                    $name::Failed(_, failure) => Error::Send(failure),
+                }
+            }
+        }
+    };
+}
+
 /// A failed [`try_send`](crate::Sender::try_send); the value comes back with
 /// [`into_inner`](Self::into_inner).
 ///
@@ -405,7 +459,8 @@ pub enum TrySendError<T> {
     Failed(T, SendFailure),
 }
 
-impl<T> TrySendError<T> {
+send_error! {
+    TrySendError, Full, "sending on a full channel",
     /// Takes back the value that was not sent.
     ///
     /// ```
@@ -413,12 +468,18 @@ impl<T> TrySendError<T> {
     /// drop(rx);
     /// assert_eq!(tx.try_send("back".into()).unwrap_err().into_inner(), "back");
     /// ```
-    pub fn into_inner(self) -> T {
-        match self {
-            TrySendError::Full(v) | TrySendError::Disconnected(v) | TrySendError::Failed(v, _) => v,
-        }
-    }
+    into_inner,
+    /// Why the send failed, for [`TrySendError::Failed`].
+    ///
+    /// ```
+    /// let (tx, _rx) = cuda_mp::bounded::<u8>(1).unwrap();
+    /// tx.send(0).unwrap();
+    /// assert!(tx.try_send(1).unwrap_err().failure().is_none()); // full, not failed
+    /// ```
+    failure
+}
 
+impl<T> TrySendError<T> {
     /// True when the channel was full.
     ///
     /// ```
@@ -439,53 +500,6 @@ impl<T> TrySendError<T> {
     /// ```
     pub fn is_disconnected(&self) -> bool {
         matches!(self, TrySendError::Disconnected(_))
-    }
-
-    /// Why the send failed, for [`TrySendError::Failed`].
-    ///
-    /// ```
-    /// let (tx, _rx) = cuda_mp::bounded::<u8>(1).unwrap();
-    /// tx.send(0).unwrap();
-    /// assert!(tx.try_send(1).unwrap_err().failure().is_none()); // full, not failed
-    /// ```
-    pub fn failure(&self) -> Option<&SendFailure> {
-        match self {
-            TrySendError::Failed(_, f) => Some(f),
-            _ => None,
-        }
-    }
-}
-
-impl<T> fmt::Debug for TrySendError<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            TrySendError::Full(_) => f.write_str("Full(..)"),
-            TrySendError::Disconnected(_) => f.write_str("Disconnected(..)"),
-            TrySendError::Failed(_, failure) => f.debug_tuple("Failed").field(&"..").field(failure).finish(),
-        }
-    }
-}
-
-impl<T> fmt::Display for TrySendError<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            TrySendError::Full(_) => f.write_str("sending on a full channel"),
-            TrySendError::Disconnected(_) => SendFailure::Disconnected.fmt(f),
-            TrySendError::Failed(_, failure) => failure.fmt(f),
-        }
-    }
-}
-
-impl<T> std::error::Error for TrySendError<T> {}
-
-impl<T> From<TrySendError<T>> for Error {
-    fn from(e: TrySendError<T>) -> Self {
-        match e {
-            // A try is a wait of no time.
-            TrySendError::Full(_) => Error::Timeout(Duration::ZERO),
-            TrySendError::Disconnected(_) => Error::Send(SendFailure::Disconnected),
-            TrySendError::Failed(_, failure) => Error::Send(failure),
-        }
     }
 }
 
@@ -511,7 +525,8 @@ pub enum SendTimeoutError<T> {
     Failed(T, SendFailure),
 }
 
-impl<T> SendTimeoutError<T> {
+send_error! {
+    SendTimeoutError, Timeout, "timed out waiting for room in the channel",
     /// Takes back the value that was not sent.
     ///
     /// ```
@@ -521,12 +536,19 @@ impl<T> SendTimeoutError<T> {
     /// let err = tx.send_timeout("back".into(), Duration::from_secs(1)).unwrap_err();
     /// assert_eq!(err.into_inner(), "back");
     /// ```
-    pub fn into_inner(self) -> T {
-        match self {
-            SendTimeoutError::Timeout(v) | SendTimeoutError::Disconnected(v) | SendTimeoutError::Failed(v, _) => v,
-        }
-    }
+    into_inner,
+    /// Why the send failed, for [`SendTimeoutError::Failed`].
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let (tx, _rx) = cuda_mp::bounded::<u8>(1).unwrap();
+    /// tx.send(0).unwrap();
+    /// assert!(tx.send_timeout(1, Duration::ZERO).unwrap_err().failure().is_none());
+    /// ```
+    failure
+}
 
+impl<T> SendTimeoutError<T> {
     /// True when the channel stayed full for the whole timeout.
     ///
     /// ```
@@ -549,53 +571,6 @@ impl<T> SendTimeoutError<T> {
     /// ```
     pub fn is_disconnected(&self) -> bool {
         matches!(self, SendTimeoutError::Disconnected(_))
-    }
-
-    /// Why the send failed, for [`SendTimeoutError::Failed`].
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// let (tx, _rx) = cuda_mp::bounded::<u8>(1).unwrap();
-    /// tx.send(0).unwrap();
-    /// assert!(tx.send_timeout(1, Duration::ZERO).unwrap_err().failure().is_none());
-    /// ```
-    pub fn failure(&self) -> Option<&SendFailure> {
-        match self {
-            SendTimeoutError::Failed(_, f) => Some(f),
-            _ => None,
-        }
-    }
-}
-
-impl<T> fmt::Debug for SendTimeoutError<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            SendTimeoutError::Timeout(_) => f.write_str("Timeout(..)"),
-            SendTimeoutError::Disconnected(_) => f.write_str("Disconnected(..)"),
-            SendTimeoutError::Failed(_, failure) => f.debug_tuple("Failed").field(&"..").field(failure).finish(),
-        }
-    }
-}
-
-impl<T> fmt::Display for SendTimeoutError<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            SendTimeoutError::Timeout(_) => f.write_str("timed out waiting for room in the channel"),
-            SendTimeoutError::Disconnected(_) => SendFailure::Disconnected.fmt(f),
-            SendTimeoutError::Failed(_, failure) => failure.fmt(f),
-        }
-    }
-}
-
-impl<T> std::error::Error for SendTimeoutError<T> {}
-
-impl<T> From<SendTimeoutError<T>> for Error {
-    fn from(e: SendTimeoutError<T>) -> Self {
-        match e {
-            SendTimeoutError::Timeout(_) => Error::Timeout(Duration::ZERO),
-            SendTimeoutError::Disconnected(_) => Error::Send(SendFailure::Disconnected),
-            SendTimeoutError::Failed(_, failure) => Error::Send(failure),
-        }
     }
 }
 
@@ -829,25 +804,31 @@ impl RecvTimeoutError {
     }
 }
 
+/// `$e`, of an error type with the four failures of a receive (`Disconnected`, `Malformed`,
+/// `Io`, `OutOfDescriptors { limit }`), as the same failure of `$to`; `$other` arms map the
+/// rest of `$from`.
+macro_rules! same_failure {
+    ($e:expr, $from:ident => $to:ident $(, $other:pat => $value:expr)*) => {
+        match $e {
+            $from::Disconnected => $to::Disconnected,
+            $from::Malformed(m) => $to::Malformed(m),
+            $from::Io(m) => $to::Io(m),
+            $from::OutOfDescriptors { limit } => $to::OutOfDescriptors { limit },
+            $($other => $value,)*
+        }
+    };
+}
+pub(crate) use same_failure;
+
 impl From<RecvError> for TryRecvError {
     fn from(e: RecvError) -> Self {
-        match e {
-            RecvError::Disconnected => TryRecvError::Disconnected,
-            RecvError::Malformed(m) => TryRecvError::Malformed(m),
-            RecvError::Io(m) => TryRecvError::Io(m),
-            RecvError::OutOfDescriptors { limit } => TryRecvError::OutOfDescriptors { limit },
-        }
+        same_failure!(e, RecvError => TryRecvError)
     }
 }
 
 impl From<RecvError> for RecvTimeoutError {
     fn from(e: RecvError) -> Self {
-        match e {
-            RecvError::Disconnected => RecvTimeoutError::Disconnected,
-            RecvError::Malformed(m) => RecvTimeoutError::Malformed(m),
-            RecvError::Io(m) => RecvTimeoutError::Io(m),
-            RecvError::OutOfDescriptors { limit } => RecvTimeoutError::OutOfDescriptors { limit },
-        }
+        same_failure!(e, RecvError => RecvTimeoutError)
     }
 }
 

@@ -32,24 +32,8 @@ pub enum Phase {
     RemoteAck,
 }
 
-const PHASES: usize = 11;
-
-impl Phase {
-    /// Every phase, in the order of `PhaseTimes::totals`.
-    pub const ALL: [Phase; PHASES] = [
-        Phase::Export,
-        Phase::ExportRecord,
-        Phase::EventRecord,
-        Phase::Decode,
-        Phase::Open,
-        Phase::Fetch,
-        Phase::EventWait,
-        Phase::RemoteWrite,
-        Phase::RemoteAlloc,
-        Phase::RemoteNccl,
-        Phase::RemoteAck,
-    ];
-}
+/// How many phases there are (the last is `RemoteAck`).
+const PHASES: usize = Phase::RemoteAck as usize + 1;
 
 static NANOS: [AtomicU64; PHASES] = [const { AtomicU64::new(0) }; PHASES];
 static COUNTS: [AtomicU64; PHASES] = [const { AtomicU64::new(0) }; PHASES];

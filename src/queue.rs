@@ -13,7 +13,9 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::channel::{Receiver, Sender, channel};
-use crate::error::{Error, IoFailure, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError};
+use crate::error::{
+    Error, IoFailure, RecvError, RecvTimeoutError, Result, SendError, SendFailure, TryRecvError, same_failure,
+};
 use crate::fork::ForkLocal;
 
 use dispatch::{Ctl, Failure, Hub, Join, Reply, Slot};
@@ -583,7 +585,9 @@ enum Fault {
     Disconnected,
     Malformed(String),
     Io(IoFailure),
-    OutOfDescriptors(u64),
+    OutOfDescriptors {
+        limit: u64,
+    },
     /// The dispatcher could not send the message meant for this request (the consumer is
     /// still in step with it).
     Forward(Failure),
@@ -603,43 +607,26 @@ impl Fault {
 
 impl From<RecvError> for Fault {
     fn from(e: RecvError) -> Self {
-        match e {
-            RecvError::Disconnected => Fault::Disconnected,
-            RecvError::Malformed(m) => Fault::Malformed(m),
-            RecvError::OutOfDescriptors { limit } => Fault::OutOfDescriptors(limit),
-            RecvError::Io(e) => Fault::Io(e),
-        }
+        same_failure!(e, RecvError => Fault)
     }
 }
 
 impl From<TryRecvError> for Fault {
     fn from(e: TryRecvError) -> Self {
-        match e {
-            TryRecvError::Disconnected => Fault::Disconnected,
-            TryRecvError::Malformed(m) => Fault::Malformed(m),
-            TryRecvError::OutOfDescriptors { limit } => Fault::OutOfDescriptors(limit),
-            TryRecvError::Io(e) => Fault::Io(e),
-            other => Fault::Io(IoFailure::other(other.to_string())),
-        }
+        same_failure!(e, TryRecvError => Fault, other => Fault::Io(IoFailure::other(other.to_string())))
     }
 }
 
 impl From<RecvTimeoutError> for Fault {
     fn from(e: RecvTimeoutError) -> Self {
-        match e {
-            RecvTimeoutError::Disconnected => Fault::Disconnected,
-            RecvTimeoutError::Malformed(m) => Fault::Malformed(m),
-            RecvTimeoutError::OutOfDescriptors { limit } => Fault::OutOfDescriptors(limit),
-            RecvTimeoutError::Io(e) => Fault::Io(e),
-            other => Fault::Io(IoFailure::other(other.to_string())),
-        }
+        same_failure!(e, RecvTimeoutError => Fault, other => Fault::Io(IoFailure::other(other.to_string())))
     }
 }
 
 fn send_fault(f: &SendFailure) -> Fault {
     match f {
         SendFailure::Disconnected => Fault::Disconnected,
-        SendFailure::OutOfDescriptors { limit } => Fault::OutOfDescriptors(*limit),
+        SendFailure::OutOfDescriptors { limit } => Fault::OutOfDescriptors { limit: *limit },
         SendFailure::Io(e) => Fault::Io(e.clone()),
         other => Fault::Io(IoFailure::other(other.to_string())),
     }
@@ -647,7 +634,7 @@ fn send_fault(f: &SendFailure) -> Fault {
 
 fn error_fault(e: Error) -> Fault {
     match e {
-        Error::OutOfDescriptors { limit } => Fault::OutOfDescriptors(limit),
+        Error::OutOfDescriptors { limit } => Fault::OutOfDescriptors { limit },
         Error::Io(e) => Fault::Io(e.into()),
         other => Fault::Io(IoFailure::other(other.to_string())),
     }
@@ -1141,7 +1128,7 @@ fn forward_text(f: Failure) -> Fault {
         Failure::Io(m) => {
             Fault::Io(IoFailure::other(format!("the queue could not forward a message (it stays queued): {m}")))
         }
-        Failure::OutOfDescriptors(limit) => Fault::OutOfDescriptors(limit),
+        Failure::OutOfDescriptors(limit) => Fault::OutOfDescriptors { limit },
         Failure::Unreadable(m) => {
             Fault::Malformed(format!("the queue could not read a request of this consumer, which joins again: {m}"))
         }
@@ -1150,38 +1137,24 @@ fn forward_text(f: Failure) -> Fault {
 
 impl From<Fault> for GetError {
     fn from(f: Fault) -> Self {
-        match f {
-            Fault::Disconnected => GetError::Disconnected,
-            Fault::Malformed(m) => GetError::Malformed(m),
+        same_failure!(f, Fault => GetError,
             Fault::Rejected(m) => GetError::Malformed(format!(
                 "{m} (the queue hands the message to other consumers; it is dropped once three could not decode it, or no producer is left and none there can)"
             )),
-            Fault::Io(m) => GetError::Io(m),
-            Fault::OutOfDescriptors(limit) => GetError::OutOfDescriptors { limit },
-            Fault::Forward(f) => forward_text(f).into(),
-        }
+            Fault::Forward(f) => forward_text(f).into()
+        )
     }
 }
 
 impl From<Fault> for TryGetError {
     fn from(f: Fault) -> Self {
-        match GetError::from(f) {
-            GetError::Disconnected => TryGetError::Disconnected,
-            GetError::Malformed(m) => TryGetError::Malformed(m),
-            GetError::Io(m) => TryGetError::Io(m),
-            GetError::OutOfDescriptors { limit } => TryGetError::OutOfDescriptors { limit },
-        }
+        same_failure!(GetError::from(f), GetError => TryGetError)
     }
 }
 
 impl From<Fault> for GetTimeoutError {
     fn from(f: Fault) -> Self {
-        match GetError::from(f) {
-            GetError::Disconnected => GetTimeoutError::Disconnected,
-            GetError::Malformed(m) => GetTimeoutError::Malformed(m),
-            GetError::Io(m) => GetTimeoutError::Io(m),
-            GetError::OutOfDescriptors { limit } => GetTimeoutError::OutOfDescriptors { limit },
-        }
+        same_failure!(GetError::from(f), GetError => GetTimeoutError)
     }
 }
 
@@ -1250,26 +1223,18 @@ impl GetTimeoutError {
     }
 }
 
+// As the receive errors they stand for: out of descriptors is `Error::OutOfDescriptors`.
 impl From<GetError> for Error {
     fn from(e: GetError) -> Self {
-        match e {
-            GetError::Disconnected => Error::Recv(RecvError::Disconnected),
-            GetError::Malformed(m) => Error::Recv(RecvError::Malformed(m)),
-            GetError::Io(m) => Error::Recv(RecvError::Io(m)),
-            GetError::OutOfDescriptors { limit } => Error::OutOfDescriptors { limit },
-        }
+        Error::from(same_failure!(e, GetError => RecvTimeoutError))
     }
 }
 
 impl From<GetTimeoutError> for Error {
     fn from(e: GetTimeoutError) -> Self {
-        match e {
-            GetTimeoutError::Timeout => Error::Timeout(Duration::ZERO),
-            GetTimeoutError::Disconnected => Error::Recv(RecvError::Disconnected),
-            GetTimeoutError::Malformed(m) => Error::Recv(RecvError::Malformed(m)),
-            GetTimeoutError::Io(m) => Error::Recv(RecvError::Io(m)),
-            GetTimeoutError::OutOfDescriptors { limit } => Error::OutOfDescriptors { limit },
-        }
+        Error::from(
+            same_failure!(e, GetTimeoutError => RecvTimeoutError, GetTimeoutError::Timeout => RecvTimeoutError::Timeout),
+        )
     }
 }
 

@@ -797,18 +797,13 @@ fn handshake<T: Serialize + DeserializeOwned>(stream: TcpStream, options: &Remot
     if same_host {
         let local = Listener::<T>::bind()?;
         write_handshake(&stream, &Welcome::SameHost(local.name().to_string()), timeout)?;
-        match read_handshake::<Joined>(&stream, timeout)? {
-            Joined::Yes => {
-                let rx = local.accept_timeout(timeout)?;
-                return Ok(rx);
-            }
-            // The sender could not reach the local listener (another mount namespace, say):
-            // the network route serves instead.
-            Joined::No(_) => write_handshake(&stream, &Welcome::Network(Limits::of(options)), timeout)?,
+        // `No`: the sender could not reach the local listener (another mount namespace, say):
+        // the network route serves instead.
+        if let Joined::Yes = read_handshake::<Joined>(&stream, timeout)? {
+            return local.accept_timeout(timeout);
         }
-    } else {
-        write_handshake(&stream, &Welcome::Network(Limits::of(options)), timeout)?;
     }
+    write_handshake(&stream, &Welcome::Network(Limits::of(options)), timeout)?;
     let stream = Arc::new(stream);
     let net = NetReceiver {
         reader: FrameReader::new(options.max_frame_bytes.saturating_add(HEADER), Some(options.transfer_timeout)),

@@ -179,23 +179,10 @@ struct Dispatcher<T> {
     rejects: HashMap<usize, Vec<u64>>,
 }
 
-/// The dispatcher, shared by every thread that has an event for it: a reader handles what it
-/// read, and a put in this process its value, on its own thread under the lock, sends
-/// included. No thread sits between an event and its answers, so a message costs no wake-up
-/// of a thread of the queue's process beyond the one that reads it; and answers to one
-/// consumer still leave in the order they were decided, since they are sent under the lock.
-///
-/// A putting thread is the program's, which may hold locks of its own, so it neither waits
-/// for the dispatcher's lock nor encodes any value but its own there: the thread that holds
-/// the lock may be encoding a value whose `Serialize` waits for a lock the putting thread
-/// holds (or, within a `Serialize`, be the putting thread itself), and another thread's value
-/// may take a lock the putting thread holds. A put that finds the lock taken leaves its value
-/// in `pending`; one that finds values there, or the backlog not empty, takes them in (in
-/// order, its own last) without encoding any. Either wakes the **server**, a thread of the
-/// queue's started at the first such put, which takes the lock, takes in what is pending and
-/// sends what is due. A put thus encodes only its own value, and only when it is first in line
-/// and a consumer waits for it, as a channel's send would; readers, which hold no lock of the
-/// program's, take in what is pending when they hold the lock.
+/// The dispatcher, shared by every thread that has an event for it: each handles its event on
+/// its own thread under the lock, sends included, so answers to one consumer leave in the order
+/// decided. A put never waits for the lock nor encodes another's value (it leaves its value in
+/// `pending` for the **server** thread): README.md, "Threads", says why.
 pub(super) struct Hub<T> {
     state: Mutex<Dispatcher<T>>,
     /// Puts of this process's threads that found the lock taken, in the order they came.

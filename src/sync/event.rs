@@ -5,10 +5,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
-
 use super::region::W32;
-use super::{BODY, Kind, Object, Open, deadline, slice, time_left};
+use super::{BODY, Kind, Object, Open, deadline, object_serde, slice, time_left};
 use crate::error::Result;
 use crate::sys;
 
@@ -235,14 +233,4 @@ impl fmt::Debug for Event {
     }
 }
 
-impl Serialize for Event {
-    fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
-        self.object.encode(serializer)
-    }
-}
-
-impl<'de> Deserialize<'de> for Event {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        Ok(Event { object: Arc::new(Object::decode(deserializer, Kind::Event, |_| Ok(()))?) })
-    }
-}
+object_serde!(Event, |_| Ok(()));

@@ -5,10 +5,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
-
 use super::region::{Region, W32, W64};
-use super::{BODY, Kind, Object, Open, deadline, slice, time_left};
+use super::{BODY, Kind, Object, Open, deadline, object_serde, slice, time_left};
 use crate::error::{Error, Result};
 use crate::sys;
 
@@ -318,17 +316,7 @@ impl fmt::Debug for Lock {
     }
 }
 
-impl Serialize for Lock {
-    fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
-        self.object.encode(serializer)
-    }
-}
-
-impl<'de> Deserialize<'de> for Lock {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        Ok(Lock { object: Arc::new(Object::decode(deserializer, Kind::Lock, check)?) })
-    }
-}
+object_serde!(Lock, check);
 
 /// Holds a [`Lock`]; dropping it releases the lock and wakes one waiter.
 ///

@@ -54,7 +54,7 @@ const BODY: usize = 16;
 /// right after it was woken.
 const SLICE: Duration = Duration::from_millis(100);
 
-/// What a region holds.
+/// What a region holds; its `Debug` is its name in messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
     Event = 1,
@@ -65,41 +65,12 @@ enum Kind {
 
 impl Kind {
     fn from_u32(v: u32) -> Option<Kind> {
-        Some(match v {
-            1 => Kind::Event,
-            2 => Kind::Barrier,
-            3 => Kind::Lock,
-            4 => Kind::Semaphore,
-            _ => return None,
-        })
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Kind::Event => "Event",
-            Kind::Barrier => "Barrier",
-            Kind::Lock => "Lock",
-            Kind::Semaphore => "Semaphore",
-        }
+        [Kind::Event, Kind::Barrier, Kind::Lock, Kind::Semaphore].into_iter().find(|&k| k as u32 == v)
     }
 
     /// The kind's name with its article, for messages.
-    fn a(self) -> &'static str {
-        match self {
-            Kind::Event => "an Event",
-            Kind::Barrier => "a Barrier",
-            Kind::Lock => "a Lock",
-            Kind::Semaphore => "a Semaphore",
-        }
-    }
-
-    fn tag(self) -> &'static str {
-        match self {
-            Kind::Event => "event",
-            Kind::Barrier => "barrier",
-            Kind::Lock => "lock",
-            Kind::Semaphore => "semaphore",
-        }
+    fn a(self) -> String {
+        format!("{} {self:?}", if self == Kind::Event { "an" } else { "a" })
     }
 }
 
@@ -149,7 +120,7 @@ impl Object {
                 if matches!(open, Open::Existing) {
                     return Err(Error::Io(io::Error::new(
                         io::ErrorKind::NotFound,
-                        format!("no {} named {name:?} exists", kind.name()),
+                        format!("no {kind:?} named {name:?} exists"),
                     )));
                 }
             }
@@ -172,8 +143,7 @@ impl Object {
             }
         }
         Err(Error::Io(io::Error::other(format!(
-            "the {} named {name:?} keeps appearing and vanishing; giving up",
-            kind.name()
+            "the {kind:?} named {name:?} keeps appearing and vanishing; giving up"
         ))))
     }
 
@@ -192,11 +162,7 @@ impl Object {
         if word >> 16 != VERSION {
             return Err(Error::Malformed(format!("a sync object of layout version {}, not {VERSION}", word >> 16)));
         }
-        match Kind::from_u32(word & 0xffff) {
-            Some(found) if found == kind => {}
-            Some(found) => return Err(Error::Malformed(format!("expected {}, found {}", kind.a(), found.a()))),
-            None => return Err(Error::Malformed(format!("a sync object of unknown kind {}", word & 0xffff))),
-        }
+        check_kind(word & 0xffff, kind, "found")?;
         check(&region)?;
         Ok(Object { region, kind, name })
     }
@@ -242,25 +208,23 @@ impl Object {
             Wire::Memory { kind: sent, memory } => {
                 // Take the descriptor first, whatever the rest says: it must not stay behind.
                 let descriptor = wire::take(memory).map_err(wire::decode_error)?;
-                check_sent_kind(sent, kind).and_then(|()| {
+                check_kind(sent, kind, "the message carries").and_then(|()| {
                     let memory = crate::sys::MemoryFile::open(descriptor, 0)
                         .map_err(|e| Error::Malformed(format!("a sync object's memory: {e}")))?;
                     Region::from_memory(std::sync::Arc::new(memory))
                         .and_then(|region| Object::attach(region, kind, None, &check))
                 })
             }
-            Wire::Named { kind: sent, name, id } => check_sent_kind(sent, kind).and_then(|()| {
+            Wire::Named { kind: sent, name, id } => check_kind(sent, kind, "the message carries").and_then(|()| {
                 let object = Object::named(kind, &name, Open::Existing, |_| {}, &check).map_err(|e| match e {
                     Error::Io(e) if e.kind() == io::ErrorKind::NotFound => Error::Malformed(format!(
-                        "the {} named {name:?} no longer exists: the process that created it dropped it",
-                        kind.name()
+                        "the {kind:?} named {name:?} no longer exists: the process that created it dropped it"
                     )),
                     other => other,
                 })?;
                 if object.id() != id {
                     return Err(Error::Malformed(format!(
-                        "the {} named {name:?} was replaced by another since this message was sent",
-                        kind.name()
+                        "the {kind:?} named {name:?} was replaced by another since this message was sent"
                     )));
                 }
                 Ok(object)
@@ -270,11 +234,12 @@ impl Object {
     }
 }
 
-fn check_sent_kind(sent: u32, expected: Kind) -> Result<()> {
-    match Kind::from_u32(sent) {
+/// That the kind word `found` (of a region, or a message) is `expected`.
+fn check_kind(found: u32, expected: Kind, verb: &str) -> Result<()> {
+    match Kind::from_u32(found) {
         Some(k) if k == expected => Ok(()),
-        Some(k) => Err(Error::Malformed(format!("expected {}, the message carries {}", expected.a(), k.a()))),
-        None => Err(Error::Malformed(format!("a sync object of unknown kind {sent}"))),
+        Some(k) => Err(Error::Malformed(format!("expected {}, {verb} {}", expected.a(), k.a()))),
+        None => Err(Error::Malformed(format!("a sync object of unknown kind {found}"))),
     }
 }
 
@@ -313,7 +278,7 @@ fn name_path(kind: Kind, name: &str) -> Result<PathBuf> {
             format!("{name:?} is not a sync object name: use 1 to {MAX_NAME} of A-Z a-z 0-9 . _ -"),
         )));
     }
-    Ok(PathBuf::from(format!("{NAME_DIR}/{NAME_PREFIX}.{}.{name}", kind.tag())))
+    Ok(PathBuf::from(format!("{NAME_DIR}/{NAME_PREFIX}.{}.{name}", format!("{kind:?}").to_lowercase())))
 }
 
 /// When a wait of `timeout` that starts now ends (`None`: never, for a timeout too long to
@@ -331,6 +296,25 @@ fn time_left(deadline: Option<Instant>) -> Option<Duration> {
 fn slice(left: Option<Duration>) -> Duration {
     left.map_or(SLICE, |l| l.min(SLICE))
 }
+
+/// `Serialize` and `Deserialize` of a sync type that is its object alone; `$check` looks at a
+/// received object before it is used.
+macro_rules! object_serde {
+    ($ty:ident, $check:expr) => {
+        impl serde::Serialize for $ty {
+            fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+                self.object.encode(serializer)
+            }
+        }
+
+        impl<'de> serde::Deserialize<'de> for $ty {
+            fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+                Ok($ty { object: Arc::new(Object::decode(deserializer, Kind::$ty, $check)?) })
+            }
+        }
+    };
+}
+use object_serde;
 
 /// An argument error.
 fn invalid(message: String) -> Error {

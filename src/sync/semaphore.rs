@@ -5,10 +5,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
-
 use super::region::{Region, W32};
-use super::{BODY, Kind, Object, Open, deadline, invalid, slice, time_left};
+use super::{BODY, Kind, Object, Open, deadline, invalid, object_serde, slice, time_left};
 use crate::error::Result;
 use crate::sys;
 
@@ -238,17 +236,7 @@ impl fmt::Debug for Semaphore {
     }
 }
 
-impl Serialize for Semaphore {
-    fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
-        self.object.encode(serializer)
-    }
-}
-
-impl<'de> Deserialize<'de> for Semaphore {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        Ok(Semaphore { object: Arc::new(Object::decode(deserializer, Kind::Semaphore, |_| Ok(()))?) })
-    }
-}
+object_serde!(Semaphore, |_| Ok(()));
 
 /// A permit of a [`Semaphore`]; dropping it gives the permit back.
 ///

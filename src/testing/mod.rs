@@ -79,11 +79,10 @@ static CLOSED: AtomicU64 = AtomicU64::new(0);
 
 impl Drop for FakeMemory {
     fn drop(&mut self) {
-        if !self.imported {
-            std::thread::sleep(self.free_delay);
-        }
         if self.imported {
             CLOSED.fetch_add(1, Ordering::SeqCst);
+        } else {
+            std::thread::sleep(self.free_delay);
         }
     }
 }
