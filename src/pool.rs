@@ -83,8 +83,8 @@ const POLL: Duration = Duration::from_millis(50);
 ///   when their job starts.
 /// - **One job per item**: there is no chunking; each job is one round trip to a worker
 ///   process, so jobs should be worth a few hundred microseconds at least. Results travel in
-///   procspawn's own message, with the limits of a [`spawn`](crate::spawn) result (the
-///   transport carries at most 64 descriptors in one message).
+///   procspawn's own message, as a [`spawn`](crate::spawn) result does (their descriptors
+///   wait at the worker's end until the pool decodes them: any number of tensors).
 ///
 /// Dropping the pool terminates it (as [`terminate`] does); [`shutdown`] waits for the queued
 /// jobs first.

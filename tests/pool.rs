@@ -289,6 +289,25 @@ fn double_block(block: HostTensor<f32>) -> (f32, HostTensor<f32>) {
     (sum, HostTensor::full(&[2], sum).unwrap())
 }
 
+/// Makes `n` host tensors in the worker, each its own memory file (the caching allocator off
+/// there), so that the result carries `n` descriptors.
+fn fresh_files(n: usize) -> Vec<HostTensor<i32>> {
+    cuda_mp::set_host_caching(false);
+    (0..n).map(|i| HostTensor::full(&[16], i as i32).unwrap()).collect()
+}
+
+#[test]
+fn a_result_with_more_descriptors_than_one_socket_message_takes_arrives_whole() {
+    let pool = Pool::new(1).unwrap();
+    // 300 memory files: more than the 253 descriptors one socket message carries.
+    let tensors = pool.apply_async(300, fresh_files).get_timeout(WAIT).unwrap();
+    assert_eq!(tensors.len(), 300);
+    for (i, t) in tensors.iter().enumerate() {
+        assert_eq!(t.to_vec(), vec![i as i32; 16]);
+    }
+    pool.shutdown();
+}
+
 #[test]
 fn host_tensors_travel_as_job_arguments_and_results() {
     let pool = Pool::new(2).unwrap();
