@@ -419,12 +419,12 @@ fn gpu_tensors_at_every_kill_point_leave_nothing_behind() {
 }
 
 /// Rounds of the four scenarios in a random order, each with a random kill point (or none)
-/// and, with `gpu`, host or GPU tensors at random, for `CUDA_MP_SOAK_SECS` seconds (120; 3,600
+/// and, with `gpu`, host or GPU tensors at random, for `CUDA_MP_SOAK_SECS` seconds (30; 3,600
 /// for the hour-long soak); every round ends with this process back at its baseline. Prints
 /// one summary line.
 fn soak(gpu: bool) {
     let _one = common::serial(&SERIAL, WAIT);
-    let secs: u64 = std::env::var("CUDA_MP_SOAK_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(120);
+    let secs: u64 = std::env::var("CUDA_MP_SOAK_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(30);
     warm_up(false);
     if gpu {
         warm_up(true);
@@ -470,7 +470,7 @@ fn soak(gpu: bool) {
 }
 
 #[test]
-#[ignore = "a soak of CUDA_MP_SOAK_SECS seconds (120): cargo test --release --test kill_points -- --ignored soak_of_random"]
+#[ignore = "a soak of CUDA_MP_SOAK_SECS seconds (30): cargo test --release --test kill_points -- --ignored soak_of_random"]
 fn soak_of_random_rounds_and_kills() {
     soak(false);
 }
