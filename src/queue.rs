@@ -122,17 +122,10 @@ const MAX_PREFETCH: usize = 64;
 ///
 /// # Design: a dispatcher, not a shared receiver
 ///
-/// [`Receiver`](crate::Receiver) is not `Clone`, and a clone would not give these
-/// guarantees: with several processes reading one socket, a message read by a process that
-/// dies before decoding it is lost, and no one could tell. Instead the process that calls
-/// [`Queue::new`] runs a dispatcher (a few threads) that owns the backlog. A consumer joins
-/// once by sending it a request channel and a reply channel; it asks for messages (by default
-/// two ahead of its gets, so that a get usually finds its message already there), the
-/// dispatcher sends them, and each get acknowledges the one it returns. The dispatcher holds
-/// every sent message until acknowledged, and the consumer's request channel closing (the
-/// kernel closes it when its process dies) tells it to put unacknowledged messages back.
-/// Messages are forwarded as decoded values: a tensor's memory is never copied, its lease
-/// travels on to the consumer.
+/// The process that calls [`Queue::new`] runs a dispatcher that owns the backlog and holds
+/// each message until a get acknowledges it (a shared [`Receiver`](crate::Receiver) could
+/// lose one unseen); tensors are forwarded, never copied. The protocol and why it is exactly
+/// once: `src/queue/README.md` in the repository.
 ///
 /// **The queue lives in the process that created it.** When that process exits, the backlog
 /// is gone with it and the queue ends: gets report `Disconnected` and puts fail with a
@@ -813,10 +806,8 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
         let endpoint = guard.as_mut().ok_or(Fault::Disconnected)?;
         let mut result = f(endpoint);
         if matches!(result, Err(Fault::Disconnected)) && !endpoint.answered && self.join_still_open() {
-            // The endpoint's channels closed before any answer, while the queue's dispatcher
-            // still takes joins: it could not take this consumer's join in (its channels are
-            // descriptors, which a process at its limit cannot receive). The queue is not
-            // closed; the next get joins again.
+            // Closed before any answer while joins are still taken: the join was not taken in
+            // (out of descriptors), not a closed queue (README.md here, "States of a message").
             result = Err(Fault::Io(IoFailure::other(
                 "the queue's process could not take this consumer in (it may be out of file descriptors); try again",
             )));

@@ -2,19 +2,10 @@
 //! memory, lease and channel sockets, VMM memory), values shared by every storage of the
 //! message (its lease), and what a failed encode or decode was about.
 //!
-//! A message is encoded by [`encode`] (or inside [`encode_scope`]): the context is pushed for
-//! that one encoding and popped after it, so a value's `Serialize` adds its descriptors to the
-//! message being built and to no other (an encode nested inside, of another message, gets a
-//! context of its own). The transport then sends the message's bytes with exactly those
-//! descriptors, in order, any number of them (`src/sys/socket.rs`). A descriptor travels as its
-//! index in the message; one that several values of a message share (a lease) travels once.
-//!
-//! The receiver decodes inside [`decode`], with the message's descriptors at hand: each value
-//! takes its own by index; what no value took is closed when decoding ends, whether it
-//! succeeded or not (a forged or mistyped message leaves nothing open).
-//!
-//! Tensors are encoded only inside a context opened by a cuda-mp channel or spawn; any other
-//! serializer gets an error and no state changes.
+//! [`encode`] (or [`encode_scope`]) and [`decode`] push a context for that one message (an
+//! encode nested inside, of another message, gets its own); tensors refuse any other
+//! serializer, changing nothing. How descriptors travel (by index, once each) and what no
+//! value took is closed: docs/architecture.md, "Message format".
 
 use std::any::Any;
 use std::cell::RefCell;
@@ -391,12 +382,8 @@ const WITH_SEGMENTS: u8 = 2;
 /// (their records, read by the receiver before the value: a value that fails to decode does
 /// not take them along, and later messages name them) and the claims it counts on its
 /// sender's connection leases. Then a last byte: [`WITH_SEGMENTS`] and [`WITH_CLAIMS`], or 0.
-///
-/// Segments: each its kind's tag (u8), its record's length (u32) and record, then the length
-/// of them all (u32). Claims: each its lease's name and storage index (u64 each), the sender's
-/// process token (u128), their number (u32). All little-endian. The receiver makes a cover for
-/// each claim before it decodes the message, so that a claim whose record is never reached (a
-/// message that does not decode) is released all the same.
+/// Layout (little-endian; a claim names its lease by its name): docs/architecture.md,
+/// "Message format", Connection leases and the claims list.
 fn append_trailer(bytes: &mut Vec<u8>, intros: &[(u8, Vec<u8>)], claims: &[OwnClaim]) {
     let mut last = 0;
     if !intros.is_empty() {

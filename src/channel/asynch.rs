@@ -1,13 +1,7 @@
-//! Receives for async code: [`RecvFuture`] and [`RecvStream`], for any executor (tokio, smol,
-//! a hand-written one), without a blocking thread per receive.
-//!
-//! A poll tries a receive that does not wait, on the polling task's thread. When nothing is
-//! there, the receiver's socket (our copy of its descriptor) is handed to this process's
-//! **poller**, one thread named `cuda-mp-poller` that waits in `poll(2)` on every socket a task
-//! waits for, and wakes the task when its socket becomes readable (a message, or the last
-//! sender gone); the task then receives itself. The poller is woken through an `eventfd` when
-//! a task starts or stops waiting. A socket is watched once per wait: no message passes
-//! through the poller, and an idle receiver costs nothing.
+//! Receives for async code: [`RecvFuture`] and [`RecvStream`], for any executor, without a
+//! blocking thread per receive: a poll that finds nothing hands the socket to this process's
+//! poller thread, `cuda-mp-poller`, woken through an `eventfd` when a task starts or stops
+//! waiting; an idle receiver costs nothing (README.md, "Select and async receives").
 
 use std::collections::HashMap;
 use std::fmt;

@@ -203,9 +203,8 @@ impl Gauge {
         self.region.u32(READ_AT).fetch_add(1, Ordering::SeqCst);
     }
 
-    /// True when every frame our senders wrote to the socket has been read. (A frame counted
-    /// but never written, by a process killed between the two, keeps this false: a spinning
-    /// receiver then asks the kernel at every look.)
+    /// True when every frame our senders wrote to the socket has been read (a killed writer can
+    /// keep it false: README.md, "Rings", Trust).
     pub(super) fn socket_read_up(&self) -> bool {
         self.region.u32(WRITTEN_AT).load(Ordering::SeqCst) == self.region.u32(READ_AT).load(Ordering::SeqCst)
     }
@@ -216,10 +215,8 @@ impl Gauge {
         self.region.u32(ASLEEP_AT).load(Ordering::SeqCst) != 0
     }
 
-    /// Announces a wait of the receiver in the kernel, until the guard drops. The caller looks
-    /// at the rings once more after this and before it waits: a sender that wrote to a ring
-    /// before the announcement is seen then, one that wrote after it sees the announcement and
-    /// wakes the socket.
+    /// Announces a wait of the receiver in the kernel, until the guard drops; the caller looks at
+    /// the rings once more after this and before it waits (README.md, "Rings", Sleep).
     pub(super) fn asleep(&self) -> Asleep {
         self.region.u32(ASLEEP_AT).fetch_add(1, Ordering::SeqCst);
         // Before the caller's look at the rings (a sender fences between its write and its

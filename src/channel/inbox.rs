@@ -31,14 +31,11 @@ pub(super) struct Inbox {
     /// The ring to look at first (they take turns).
     next_ring: usize,
     /// Messages taken from rings since the socket was last read: past [`RING_STREAK`], the
-    /// socket's turn comes first, so that a sender that keeps its ring full does not hold up
-    /// the others' frames.
+    /// socket's turn comes first (README.md, "Rings", Order).
     ring_streak: u32,
-    /// What frames read from the socket cost, not yet given back to the shared counters: given
-    /// back an eighth of the limit at a time, so that the receiver does not touch memory the
-    /// senders write on every frame. The counters then show at most that much more than is
-    /// on the socket; when the socket is empty they show less than a quarter of the limit,
-    /// which is all a waiting feeder asks (`Gauge::nearly_drained`).
+    /// What frames read from the socket cost, not yet given back to the shared counters (an
+    /// eighth of the limit at a time: README.md, "Why a send used to wait"); below the quarter
+    /// that a waiting feeder asks of an empty socket (`Gauge::nearly_drained`).
     unsettled: u64,
     /// Where frames are read into (made once: a receive allocates nothing for its frame).
     buf: Vec<u8>,
@@ -114,10 +111,8 @@ pub(super) enum Announced {
     Holder(#[allow(dead_code)] HolderWait),
 }
 
-/// The inbox of a receiving end, held by the thread that receives. A thread that finds it held
-/// and waits without it (an async receive, a `Select`) waits for the holder to let go, then
-/// looks itself: a holder that leaves with a message behind (written to a ring while it was
-/// awake, which wakes nobody; or one that came as its limit ran out) rings it then.
+/// The inbox of a receiving end, held by the thread that receives; a waiter that finds it held
+/// is rung when the holder lets go (README.md, "Select and async receives").
 pub(super) struct InboxLock {
     inbox: Mutex<Inbox>,
     /// Bells of the threads waiting for the holder to let go, rung and forgotten when it does.
@@ -251,10 +246,9 @@ fn receive_raw(socket: &Socket, buf: &mut [u8], wait: Wait) -> Result<Received, 
     }
 }
 
-/// How long a receive that may wait looks for a message without waiting first: 50 us where at
-/// least 2 processors run (a spinning receiver then leaves the sender one), none on one;
-/// `CUDA_MP_SPIN_US` (microseconds, 0 for none) sets it. A sender whose ring is full looks for
-/// room as long (`ring.rs`).
+/// How long a receive that may wait looks without waiting first, and a sender at a full ring
+/// for room: 50 us, none on one processor; `CUDA_MP_SPIN_US` (microseconds, 0 for none) sets
+/// it (README.md, "Why a send used to wait").
 pub(super) fn spin() -> Duration {
     static SPIN: OnceLock<Duration> = OnceLock::new();
     *SPIN.get_or_init(|| {
@@ -434,11 +428,7 @@ impl Inbox {
         }
     }
 
-    /// One step. Each sending process numbers its messages once it has a ring (`ring.rs`), on
-    /// the ring and in its frames alike: a ring's messages are delivered in turn, and a frame
-    /// waits in the stash while its sender's ring holds messages numbered before it (they
-    /// were written before the frame, so they are there). A ring whose next message is still
-    /// on its way (on the socket, in a batch not yet handed on) waits for it.
+    /// One step, in each sending process's order (README.md, "Rings", Order).
     fn look_once<T: DeserializeOwned>(&mut self, gauge: &Gauge, kernel: bool) -> Look<T> {
         if let Some(failure) = self.failure.take() {
             return Look::Got(Err(Missing::Failed(failure)));
@@ -565,12 +555,9 @@ impl Inbox {
         }
     }
 
-    /// A frame in its turn whose descriptors the kernel dropped (this process is at its limit
-    /// of descriptors): its message (or a spill batch's messages) is lost and reported as
-    /// such, and what it took is given back as if it had been read: its cost on the socket,
-    /// its places on a bounded channel, its place in its sender's order (`look_once` moved the
-    /// ring past it). A batch's messages' places in their order are unknown: the rings may
-    /// then step over what never comes (`gaps`).
+    /// A frame in its turn whose descriptors the kernel dropped: its message (or a spill batch's)
+    /// is lost, reported, and what it took given back as if read (README.md, "Rings", Out of
+    /// descriptors); `look_once` moved the ring past it, `gaps` steps over a batch's.
     fn deliver_cut_short<T>(&mut self, gauge: &Gauge, raw: Received, main: bool) -> Look<T> {
         let limit = descriptor_limit();
         tracing::warn!(limit, "a message was lost: this process is at its limit of file descriptors");
@@ -640,9 +627,7 @@ impl Inbox {
     }
 
     /// Takes the wake frames at the head of the socket; true when another frame (or the end)
-    /// is there to read. A wake for a message that was taken from its ring before the wake was
-    /// read leaves the socket readable with nothing to receive: a waiter would be told
-    /// "ready" for nothing.
+    /// is there to read (why: README.md, "Select and async receives").
     fn take_wakes(&mut self, gauge: &Gauge) -> bool {
         let mut head = [0u8; 2];
         loop {

@@ -177,10 +177,7 @@ fn connection_of(id: u64) -> Arc<Connection> {
 }
 
 /// Rings of this process whose outbox went while the receiver had not read all of them, by
-/// channel id and socket: a later sender of the same channel here takes its ring back, and
-/// with it the numbering of this process's messages, so that its first messages (which take
-/// the socket) are not delivered before the older ones still in the ring. A ring the receiver
-/// has emptied, or whose receiver is gone, is dropped the next time the table is looked at.
+/// channel id and socket, for the channel's next sender here (README.md, "Rings", Order).
 type ParkedRings = HashMap<(u64, (u64, u64)), RingWriter>;
 
 fn parked_rings() -> MutexGuard<'static, ParkedRings> {
@@ -371,12 +368,8 @@ impl Outbox {
     }
 
     /// Writes the bytes of a message that carries no descriptor to this process's ring of the
-    /// channel, when nothing of this process waits in a backlog (so the ring does not wait for
-    /// the backlog's handover) and the receiver is not asleep in the kernel (it looks at the
-    /// rings before it sleeps). `Ok(false)` when the message must take the socket instead. The
-    /// ring is made (and introduced on the socket) once the channel has carried a few messages
-    /// from this process that could have taken it. A full ring is waited for at most
-    /// `patience`.
+    /// channel where it may (README.md, "Rings"); `Ok(false)` when the message must take the
+    /// socket instead. A full ring is waited for at most `patience`.
     pub(super) fn try_ring(&self, bytes: &[u8], patience: Duration) -> Result<bool, SendFailure> {
         if bytes.len() > ring::MAX_MESSAGE {
             return Ok(false);
@@ -525,10 +518,8 @@ impl Outbox {
             })
     }
 
-    /// The feeder: hands the backlog's batches on to the receiver, oldest first, each by a
-    /// redirect frame on the socket (a write that may wait, on this thread only). The open
-    /// batch is handed on once the socket is nearly drained (the reader is about to run out) or
-    /// after [`HANDOVER_DELAY`], at once when no handle is left or the process exits.
+    /// The feeder: hands the backlog's batches on to the receiver, oldest first, by redirect
+    /// frames; when (at the latest [`HANDOVER_DELAY`]): README.md, "Why a send used to wait".
     fn feed(self: &Arc<Self>) {
         let mut backlog = self.lock();
         loop {

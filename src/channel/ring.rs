@@ -78,9 +78,8 @@ fn word(memory: &MemoryFile, at: usize) -> &AtomicU64 {
 /// Every so many entries, a writer looks whether the receiver is gone.
 const LOOK_EVERY: u64 = 64;
 
-/// A writer also looks before an entry when it has not looked for this long: a send after a
-/// pause (to a worker that may have died meanwhile) fails at once, for one system call that
-/// the pause dwarfs.
+/// A writer also looks before an entry when it has not looked for this long (README.md, "Rings",
+/// The receiver gone).
 const LOOK_AFTER: Duration = Duration::from_millis(1);
 
 /// The writer's side, kept by the sending process's outbox of the channel.
@@ -171,11 +170,8 @@ impl RingWriter {
         due
     }
 
-    /// [`push`](Self::push), looking for room for up to `patience` where the ring is full: a
-    /// reader that is awake and behind frees an entry within microseconds, and a message that
-    /// took the socket instead would cost it a system call, keeping it behind (a stream then
-    /// stays on the socket). A reader that made no room in that time is not waited for again
-    /// until it has emptied half the ring.
+    /// [`push`](Self::push), looking for room for up to `patience` where the ring is full, then
+    /// not again until the reader has emptied half the ring (why: README.md, "Rings").
     pub(super) fn push_patiently(&mut self, bytes: &[u8], patience: Duration) -> bool {
         if self.push(bytes) {
             if self.stalled && self.used() <= CAPACITY / 2 {

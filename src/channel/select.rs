@@ -204,10 +204,8 @@ impl<'a> Select<'a> {
             let wait = deadline.map_or(Wait::Forever, Wait::Until);
             let ready =
                 crate::sys::wait_readable(&fds, wait).map_err(|e| SelectTimeoutError::Io(IoFailure::from(e)))?;
-            // A readable socket is looked at again (what made it readable may be a wake for a
-            // message already received, which the next look takes away), as is a receiver whose
-            // receiving thread let go of it; one that could not be looked at (another thread
-            // receiving, and no bell to wait for it) is reported.
+            // Readable sockets and receivers let go of are looked at again (README.md, "Select and
+            // async receives"); one that could not be looked at (no bell to wait on) is reported.
             let unlooked = waits.iter().zip(&ready).find(|&((_, _, asleep), &r)| r && asleep.is_none());
             if let Some(((i, _, _), _)) = unlooked {
                 return Ok(self.chosen(*i));

@@ -1,10 +1,7 @@
 //! Ordering across processes: this process's one interprocess event per device, recorded at a
-//! send (not when the stream is idle), and a sender's event, opened and waited on at a receive
-//! (not once it has completed), so that a handoff puts no command on the GPU where none is
-//! needed (event records and waits force GPU context switches between processes). A wait for
-//! memory newly mapped here is owed rather than queued, and queued by the stream's next use
-//! through this library (`settle`): a tensor dropped unused costs no GPU command. See README.md
-//! here ("Export is serialization", "Import is deserialization").
+//! send, and a sender's event, waited on at a receive or owed until the stream's next use
+//! (`settle`). When each is skipped, so that a handoff puts no command on the GPU where none is
+//! needed: README.md here ("Export is serialization", "Import is deserialization").
 
 use std::collections::HashMap;
 use std::sync::Mutex;

@@ -1,8 +1,6 @@
 //! Releasing received memory after the work this process queued on it, off the dropping
-//! thread: a drop records a fence ([`Device::own_work`]), lets go of the block at once and hands
-//! the release of its claim to the device's retiring thread, which waits for the fences asleep
-//! and posts each release after its event. If the thread cannot start or no event can be
-//! recorded, the drop waits itself. See "Dropping" in README.md here.
+//! thread: behind a fence ([`Device::own_work`]), on the device's retiring thread (README.md
+//! here, "Dropping"). If the thread cannot start or no event can be recorded, the drop waits.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};

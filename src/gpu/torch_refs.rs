@@ -1,22 +1,8 @@
 //! PyTorch's reference-counter files for CUDA IPC, both ways, with no GPU involved (so all of
-//! it is tested without one).
-//!
-//! A file is a POSIX shared-memory object of [`FILE_BYTES`] bytes: a 32-bit count of the
-//! processes that have it open at byte 0 (its creator starts it at 1; whoever takes it to 0
-//! unlinks the file), then [`SLOTS`] 64-bit slots from byte [`HEADER_BYTES`]. A producer sets
-//! one fresh slot to 1 per share; the consumer, once done with the memory, opens the file by
-//! name, takes 1 from the slot and closes the file again; the producer frees the memory once
-//! the slot is back at 0.
-//!
-//! - Consuming ([`TorchRefSlot`]): a storage made from PyTorch's handle holds the slot and
-//!   releases it, exactly once, when freed.
-//! - Producing ([`share`]): this process's files, one slot per share, and the storages kept
-//!   for them until their slot is back at 0 (checked by a background thread every
-//!   [`POLL_INTERVAL`], and at every share). A file is unlinked once none of its slots is in
-//!   use, and at exit.
-//!
-//! A file is unlinked only by whoever takes its count to 0: PyTorch aborts its process when it
-//! takes a count to 0 and then fails to unlink the file.
+//! it is tested without one): a consumer's slot ([`TorchRefSlot`], released once) and this
+//! process's own files as producer ([`share`]). A file is unlinked only by whoever takes its
+//! count to 0 (PyTorch aborts otherwise). File format, slots and the producer's polling:
+//! `docs/architecture.md`, "PyTorch's own IPC handles" ("Reference counter", "Producing").
 
 use std::any::Any;
 use std::collections::HashSet;

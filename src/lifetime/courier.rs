@@ -275,10 +275,9 @@ pub(super) fn dispose(job: impl FnOnce() + Send + 'static) {
     }
 }
 
-/// Runs `fetch`, the fetch of a subscription that a holder asked for on lease `key` (a
-/// `Link`), on the linker's thread (on the disposer's if it cannot start). A lease queues at
-/// most [`LINKS_PER_LEASE`] at once: a holder that floods its lease with `Link`s queues that
-/// many fetches, not one for each.
+/// Runs `fetch`, the fetch of a subscription that a holder asked for on lease `key` (a `Link`),
+/// on the linker's thread (on the disposer's if it cannot start); a lease queues at most
+/// [`LINKS_PER_LEASE`] (README.md, "States of a storage").
 pub(super) fn link(key: u64, fetch: impl FnOnce() + Send + 'static) {
     let linking = || LINKING.get().lock().unwrap_or_else(|p| p.into_inner());
     {

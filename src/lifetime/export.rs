@@ -85,10 +85,8 @@ pub(crate) struct Grant {
 /// handles (limbo). `handle` is the user handle that a message coming back resolves to.
 /// `cache` asks for a slot in the liveness table, so that receivers may keep their mapping
 /// after use while this process holds the storage.
-///
-/// On a channel the claim is counted on the connection's lease (see `connection.rs`), whatever
-/// the kind's `mode`; elsewhere (spawn arguments, pool calls) `mode` says how the message
-/// carries it.
+/// On a channel the claim is counted on the connection's lease, whatever `mode` (README.md,
+/// "Leases and claims").
 pub(crate) fn grant(
     id: StorageId,
     bytes: usize,
@@ -186,10 +184,8 @@ fn connection_claim(key: u64, name: u64, unsent: Option<Lease>, index: u64, anch
 }
 
 /// The claim to send with a storage of another process that this one holds through `cover`: a
-/// counted claim inside a message is **relayed** (this process keeps one claim of its own, in a
-/// relay entry, while the holders it sends it to hold theirs, counted on the connection's or
-/// the message's lease, with copies of the leases up the chain: `Cover::chain`); otherwise the
-/// forwarder's lease travels itself (`Cover::forward`). README.md, "Leases and claims".
+/// counted claim inside a message is relayed (`Cover::chain`), otherwise the forwarder's lease
+/// travels itself (`Cover::forward`). README.md, "Leases and claims".
 pub(crate) fn forward(cover: &Cover, bytes: usize) -> Result<Claim> {
     if !cover.is_counted() {
         return Ok(cover.forward());
@@ -341,11 +337,8 @@ pub(super) enum Change {
     Retain,
 }
 
-/// A record on lease `lease` of this process about storage `index`. Claims the lease does not
-/// hold are ignored, so a forged or repeated release cannot free what others still use (a
-/// release of more than the lease holds releases what it holds); so is every such record on a
-/// per-storage lease, whose one claim all its holders share (it ends when the channel closes,
-/// and only then).
+/// A record on lease `lease` of this process about storage `index`: what the lease does not
+/// hold, and any record on a per-storage lease, is ignored (README.md, "Leases and claims").
 pub(super) fn lease_message(lease: u64, index: u64, change: Change) {
     let mut s = state();
     if s.shared_leases.contains(&lease) {

@@ -13,9 +13,8 @@ use crate::error::Result;
 /// The storage `id` of another process as mapped here, under import key `kind`: the handle in
 /// use, else a cached idle mapping passed to `revive`, else the one `open` makes.
 ///
-/// `open` runs outside the lock, so imports of other storages, sends and releases go on
-/// meanwhile; a second import of the same storage waits for it (a handle opens once per
-/// process), as does one whose mapping is being closed.
+/// `open` runs outside the lock; only an import of the same storage waits for it, or for its
+/// close (README.md, "States of a storage").
 pub(crate) fn import<H: Any + Send + Sync>(
     id: StorageId,
     kind: &'static str,

@@ -307,11 +307,8 @@ impl<'de> Deserialize<'de> for Claim {
     }
 }
 
-/// Claims on one storage through a lease (messages that brought a storage already mapped here
-/// add theirs to the mapping's cover). Dropping it ends them: on a counted lease in one
-/// `Release` record; on a per-storage lease the dropped copy is the claim. A storage that came
-/// through a forwarder also keeps copies of the leases up the chain (`anchors`, the owner's
-/// first: README.md, "Forwarding: relays").
+/// Claims on one storage through a lease, ended when it drops, and for a storage that came
+/// through a forwarder the leases up the chain (`anchors`). README.md, "Leases and claims".
 #[derive(Debug)]
 pub(crate) struct Cover {
     lease: Lease,

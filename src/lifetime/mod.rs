@@ -115,8 +115,7 @@ struct State {
     relays: HashMap<StorageId, StorageId>,
     /// Claims per open lease channel of this process: storage index -> number of claims.
     covers: FxHashMap<u64, FxHashMap<u64, usize>>,
-    /// Open lease channels of this process that are per-storage: every holder has a copy, so
-    /// the channel's close is the only release, and `Release`/`Retain` on them are ignored.
+    /// Open lease channels of this process that are per-storage (README.md, "Leases and claims").
     shared_leases: FxHashSet<u64>,
     /// Those of them that lease a caching allocator's segment, counted in no statistics.
     uncounted_leases: FxHashSet<u64>,
@@ -190,12 +189,8 @@ fn notify() {
 }
 
 /// In a forked child, before anything else runs there (the `fork` module's child handler):
-/// closes the child's copies of its parent's lease channels, which would keep the parent's
-/// storages claimed for as long as the child lives: the spare leases ready for the parent's
-/// next grants, and the per-storage leases of the parent's exported storages. Only what can be
-/// reached without waiting is closed (a lock that a thread of the parent held at the fork
-/// stays held: what it guards is left alone). Leases inside storages the child inherited
-/// (the parent's imports, in use or cached) stay open until the child drops them or exits.
+/// closes what it can reach without waiting of the parent's spare and per-storage leases
+/// (docs/architecture.md, "Processes made by `fork`").
 pub(crate) fn close_inherited_leases() {
     if let Some(shared) = SHARED.inherited() {
         let leases: Vec<Lease> = match shared.state.try_lock() {

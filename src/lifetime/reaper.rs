@@ -308,11 +308,8 @@ fn drain_lease(reaper: &Reaper, id: u64, pipe: &OwnedFd) -> bool {
                 Control::Release(index, count) => lease_message(key, index, Change::Release(count)),
                 Control::Retain(index) => lease_message(key, index, Change::Retain),
                 Control::Forget(index) => super::connection::forgotten(key, index),
-                // The subscriber's socket is fetched from its home off this thread (a
-                // subscriber that does not answer must not hold up every lease) and off the
-                // disposer's (nor any free), for no longer than its deposit lasts (a stopped
-                // subscriber, or a name no subscriber answers under); at most 64 waiting
-                // per lease (its holders subscribe at once).
+                // Fetched on the linker's thread, for no longer than the deposit lasts: why, and
+                // the 64 per lease, in README.md, "States of a storage".
                 Control::Link(ticket) => super::courier::link(key, move || {
                     let socket = crate::handover::fetch_within(&ticket, crate::handover::SUBSCRIPTION_TTL)
                         .ok()

@@ -816,13 +816,8 @@ fn handshake<T: Serialize + DeserializeOwned>(stream: TcpStream, options: &Remot
     Ok(Receiver::remote(Box::new(NetReceiverEnd { net: Mutex::new(net), stream })))
 }
 
-/// How a [`Sender`] of a connection to another host sends.
-///
-/// `send` returns once the message has left: over the network, once its tensors' bytes have
-/// moved (host bytes written to the connection; GPU bytes received and acknowledged by the
-/// receiver), so the sender may overwrite or drop its tensors at once. A GPU send is a
-/// rendezvous: it waits for the receiver's `recv`. Clones share the connection: their sends
-/// take turns, each message whole.
+/// How a [`Sender`] of a connection to another host sends: when `send` returns, and how clones
+/// share the connection: README.md here ("Frames and transfers": Completion, Acknowledgement).
 struct NetSenderEnd {
     net: Mutex<NetSender>,
 }
@@ -1155,12 +1150,8 @@ fn send_failure(e: Error) -> SendFailure {
     }
 }
 
-/// How a [`Receiver`] of a connection from another host receives.
-///
-/// A malformed message, a transfer that fails or times out, or a peer that dies mid-message
-/// closes the connection: the receive returns the reason, and later ones
-/// [`RecvError::Disconnected`]. A message whose frame is partly read when a timeout ends stays
-/// where it was: the next receive goes on with it.
+/// How a [`Receiver`] of a connection from another host receives. What closes the connection,
+/// and the partial frame a timeout keeps: README.md here, "States and failure".
 struct NetReceiverEnd {
     net: Mutex<NetReceiver>,
     /// The connection, to wait on without holding the receiver.

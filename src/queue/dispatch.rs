@@ -14,10 +14,8 @@ use crate::error::{RecvError, Result, SendFailure};
 
 use super::QueueStats;
 
-/// A consumer's request, on the consumer's own channel to the dispatcher. Each message wanted
-/// is answered by one `Item`, until an answer that is not an `Item` (`Closed`, `Failed`,
-/// `Cancelled`) withdraws every message still wanted; every other request but `Got` gets one
-/// answer. Answers to one consumer leave in the order the dispatcher decided them.
+/// A consumer's request, on the consumer's own channel to the dispatcher; what answers each:
+/// README.md here, "Protocol".
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub(super) enum Ctl {
     /// This many more messages, each whenever there is one (answered `Item` each, or `Closed`
@@ -29,18 +27,13 @@ pub(super) enum Ctl {
     TryWant,
     /// Withdraws every message wanted (answered `Cancelled`, after the `Item`s already sent).
     Cancel,
-    /// The oldest `Item` in flight to this consumer arrived, decoded and is being returned: it
-    /// is delivered. Then this many more messages are wanted, as by `Want`. No answer of its
-    /// own. Oldest is right without a sequence number: the reply channel keeps the order in
-    /// which the dispatcher sent, and a consumer returns its messages in the order received.
+    /// The oldest `Item` in flight to this consumer is delivered (no sequence number needed:
+    /// README.md, "Which message `Got` acknowledges"); then this many more are wanted. No answer.
     Got(u32),
     /// The queue's counters (answered `Stats`).
     Stats,
-    /// The oldest `Item` in flight to this consumer arrived and does not decode there: it goes
-    /// back first in the backlog for the other consumers, and is dropped (counted as
-    /// discarded) once `MAX_REJECTS` consumers could not decode it, or every consumer there
-    /// could not and no producer is left (or to make room past `MAX_REFUSED` held back). Then
-    /// this many more messages are wanted, as by `Got`.
+    /// The oldest `Item` in flight to this consumer does not decode there: requeued for the
+    /// others, or dropped (`MAX_REJECTS`, `MAX_REFUSED`; README.md, "Protocol"); then as `Got`.
     Reject(u32),
 }
 
@@ -50,9 +43,7 @@ fn key<T>(item: &Item<T>) -> usize {
 }
 
 /// How many consumers may fail to decode a message before it is dropped (or all there are, if
-/// fewer): a message broken in itself fails everywhere, and would otherwise go to every
-/// consumer in turn for ever; one that fails for a reason of one consumer's (a GPU it does not
-/// see) goes to the others.
+/// fewer): a broken message would otherwise go round for ever (README.md, "Protocol").
 const MAX_REJECTS: usize = 3;
 /// How many messages that some consumer could not decode are held back for the others at
 /// most (a consumer looks past those it refused for its next one).
@@ -122,10 +113,8 @@ impl<'de, T: DeserializeOwned> Deserialize<'de> for Slot<T> {
     }
 }
 
-/// A consumer joining: the receiving end of its request channel (it keeps the sending end; the
-/// channel closes when the consumer leaves or its process dies) and the sending end of its
-/// reply channel (the dispatcher holds the only one, so the consumer sees the queue end when
-/// the dispatcher's process does).
+/// A consumer joining: the receiving end of its request channel and the sending end of its
+/// reply channel, of which each side holds the only other end (README.md, "Parts").
 #[derive(Serialize, Deserialize)]
 #[serde(bound = "")]
 pub(super) struct Join<T> {
@@ -409,11 +398,8 @@ fn read_joins<T: Serialize + DeserializeOwned + Send + 'static>(joins: Receiver<
                     }
                     // Not a message: the transport failed. Do not spin on a persistent failure.
                     Err(RecvError::Io(e)) => pause_after_failure(&mut failures, "a queue consumer's requests", &e),
-                    // Something that is not a request, or a frame this process could not take
-                    // in (out of descriptors): the consumer may still be there, holding what was
-                    // sent to it and returning it. It is cut off, and read on until its channel
-                    // closes, so that what it returned counts as delivered and only the rest
-                    // goes back to the backlog (taken back now, it would be delivered twice).
+                    // Not a request, or a frame not taken in: cut off, but read on until the
+                    // channel closes, so its later `Got`s count (README.md, "States of a message").
                     Err(e) => reader.handle(Some(Event::Unreadable(id, e.to_string()))),
                 }
             }
@@ -528,9 +514,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
     }
 
     /// A message consumer `id` took (`got`), or could not decode: that goes back first in the
-    /// backlog for the other consumers (one that sees the message's GPU, say; the ones that
-    /// could not decode it are not handed it again), and is dropped once `MAX_REJECTS`
-    /// consumers, or every consumer there is, could not decode it.
+    /// backlog, or is dropped, as `Ctl::Reject` says.
     fn acknowledged(&mut self, item: Item<T>, got: bool, id: u64) {
         if got {
             if !self.rejects.is_empty() {
@@ -631,9 +615,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
     }
 
     /// The next consumer to serve: of those waiting, the ones with the fewest messages in
-    /// flight, and of them the first in line. A consumer that has nothing gets a message
-    /// before any other gets one more ahead of its gets, so prefetching takes nothing from a
-    /// consumer that waits.
+    /// flight, and of them the first in line (README.md, "Serving order and fairness").
     fn next_in_line(&self) -> Option<usize> {
         let mut best: Option<(usize, usize)> = None;
         for (at, id) in self.waiting.iter().enumerate() {
@@ -698,8 +680,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
             self.put_back(item, from);
             return;
         };
-        // `try_send` on the unbounded reply channel: never full, and it does not wait for ring
-        // room either, so that a put handled on its producer's thread never waits for a consumer.
+        // `try_send`: a put never waits for a consumer (README.md, "Threads").
         // The value's `Serialize` is the user's code, run here under the lock on a thread of
         // the queue's or a putting one: a panic in it discards the message (the consumer is
         // told, as for one that cannot be encoded) rather than unwinding through the
@@ -743,11 +724,9 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Dispatcher<T> {
         }
     }
 
-    /// After a failed send: sends the consumer nothing more, and drops the reply channel's
-    /// sending end, so that a consumer still there sees it closed and leaves. What is in flight
-    /// to it stays until its request channel closes (`leave`): requests it wrote before it went
-    /// may still be unread, among them `Got`s for messages it did return, which taken back now
-    /// would be delivered twice.
+    /// After a failed send: sends the consumer nothing more and drops the reply channel's
+    /// sending end. What is in flight to it stays until its request channel closes (`leave`):
+    /// unread `Got`s may still come (README.md, "States of a message").
     fn cut_off(&mut self, id: u64) {
         self.withdraw(id);
         if let Some(c) = self.consumers.get_mut(&id) {

@@ -2,12 +2,9 @@
 //! one path every storage takes across a process boundary ([`export`], [`import`], and the
 //! serde implementation of `Tensor<T, S>` for every storage).
 //!
-//! A storage is three objects: the kind's raw memory (an allocation here, or a mapping of
-//! another process's), [`Memory`] around it (identity, size, where it came from: what leases
-//! keep alive and what the idle cache holds), and the user handle ([`Handle`], inside the
-//! public storage type) that tensors share. Dropping the last user handle of local memory
-//! unpublishes it (receivers may no longer cache it); of imported memory, parks it in the idle
-//! cache or closes it. See docs/architecture.md, "Adding a storage kind".
+//! A storage's three objects (raw memory, [`Memory`], [`Handle`]): docs/architecture.md, "The
+//! storage seam", and "Adding a storage kind"; what its last handle's drop does:
+//! src/lifetime/README.md, "States of a storage".
 
 pub(crate) mod pools;
 #[cfg(feature = "remote")]
@@ -76,10 +73,8 @@ pub(crate) trait StorageKind: Sized + Send + Sync + 'static {
         None
     }
     /// Whether a receiver may keep this mapping cached once its last handle is gone (where
-    /// `CACHE_IDLE` says so). A kind whose queued work would outlive its process says no while
-    /// work is queued: the mapping is then closed and its claim released behind that work,
-    /// also when the process exits right after (a cached mapping's claim goes with the
-    /// process's leases). A GPU's queued work ends with its process's context.
+    /// `CACHE_IDLE` says so): not while work that would outlive the process is queued on it
+    /// (src/lifetime/README.md, after "Why it is correct"); a GPU's ends with its context.
     fn cacheable(_raw: &Self::Raw) -> bool {
         true
     }
@@ -242,10 +237,8 @@ impl<K: StorageKind> Drop for Handle<K> {
         let m = &self.memory;
         match &m.origin {
             Origin::Local(_) => lifetime::handles_dropped(m.id),
-            // A storage (or a caching allocator's segment) that came through a forwarder is not
-            // kept once no handle of it (no block) is held here: its claim holds copies of the
-            // leases up the chain, which would keep whatever a forwarder that died held counted
-            // for as long as the mapping stayed cached.
+            // Not kept when it came through a forwarder: its anchors would keep a dead forwarder's
+            // claims counted (src/lifetime/README.md, after "Why it is correct").
             Origin::Imported { ticket, cover } if K::CACHE_IDLE && K::cacheable(m.raw()) && !cover.is_relayed() => {
                 let memory: AnyStorage = m.clone();
                 // Kept for reuse while the owner holds it; otherwise closed right here.

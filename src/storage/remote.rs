@@ -1,14 +1,10 @@
 //! How tensors are written for a peer on another host: the serde side of the remote transport
 //! (`src/net/`), beside the storage seam whose serde implementations ask it first.
 //!
-//! A remote send serializes its message inside [`encode`]; there, a tensor writes only its
-//! dtype and shape ([`RemoteTensor`]) and leaves its bytes in this thread's list of transfers
-//! (a contiguous range of its storage, or a packed copy of a strided view). A remote receive
-//! deserializes inside [`decode`]; there, a tensor allocates fresh memory of the size its
-//! shape says (on the connection's GPU, or shared host memory) and leaves it in the list of
-//! arrivals. The transport then moves the bytes, in the lists' order: host bytes on the TCP
-//! stream after the frame, GPU bytes by NCCL. Nothing here touches a descriptor or a lease:
-//! across hosts a tensor is copied, never shared.
+//! Inside [`encode`] a tensor writes only its dtype and shape ([`RemoteTensor`]) and leaves its
+//! bytes in this thread's list of transfers; inside [`decode`] it allocates fresh memory (on
+//! the connection's GPU, or shared host memory) into the list of arrivals, which the transport
+//! fills in order. No descriptor, no lease: docs/architecture.md, "Across hosts (`src/net/`)".
 
 use std::any::Any;
 use std::collections::VecDeque;

@@ -1,8 +1,6 @@
 //! Shared memory: anonymous memory files (`memfd`), mapped whole into each process that holds
-//! one; the one kind that travels between processes. Sealed against shrinking and growing before
-//! they leave their maker (another holder's accesses past a new end would fault, `SIGBUS`), and
-//! refused on receipt without those seals or smaller than promised; read as plain bytes only
-//! when sealed against writes too ([`MemoryFile::frozen`]).
+//! one; the one kind that travels between processes. Their seals and the checks on receipt
+//! ([`MemoryFile::frozen`] for plain bytes): README.md here, "Why this is correct".
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};

@@ -1,8 +1,5 @@
 //! Pipes as leases: the reading end stays with the storage's owner, the writing end travels to
-//! every holder. When every copy of the writing end is closed (each holder dropped it, or
-//! died), the owner reads the end of the pipe; until then holders write small records to it.
-//! A pipe passes between processes and closes more cheaply than a socket pair (the kernel
-//! tracks sockets in flight for its garbage collector, not pipes).
+//! every holder (how they are used, and why a pipe: src/lifetime/README.md, "Leases and claims").
 
 use std::io;
 use std::os::fd::{BorrowedFd, OwnedFd};
