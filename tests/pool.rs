@@ -299,9 +299,12 @@ fn fresh_files(n: usize) -> Vec<HostTensor<i32>> {
 #[test]
 fn a_result_with_more_descriptors_than_one_socket_message_takes_arrives_whole() {
     let pool = Pool::new(1).unwrap();
+    let mapped_files = || std::fs::read_to_string("/proc/self/maps").unwrap().matches("memfd:").count();
+    let before = mapped_files();
     // 300 memory files: more than the 253 descriptors one socket message carries.
     let tensors = pool.apply_async(300, fresh_files).get_timeout(WAIT).unwrap();
     assert_eq!(tensors.len(), 300);
+    assert!(mapped_files() >= before + 300, "each tensor maps a memory file of its own");
     for (i, t) in tensors.iter().enumerate() {
         assert_eq!(t.to_vec(), vec![i as i32; 16]);
     }
