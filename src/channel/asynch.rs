@@ -145,48 +145,64 @@ fn poll_recv<T: DeserializeOwned>(
             "cannot start the thread that waits for async receives",
         ))));
     };
-    // What to wait on (`None`: poll again at once), or what the receive got.
-    let waiting: Result<Option<Watched>, Result<T, RecvError>> = match &rx.flavor {
+    let next = match &rx.flavor {
         ReceiverFlavor::Remote(remote) => match remote.recv(Some(std::time::Instant::now())) {
-            Err(RecvTimeoutError::Timeout) => Ok(remote.readiness()),
-            got => Err(got.map_err(|e| {
+            Err(RecvTimeoutError::Timeout) => remote.readiness().map_or(Next::Again, Next::WaitOn),
+            got => Next::Got(got.map_err(|e| {
                 e.failure().unwrap_or_else(|| RecvError::Io(IoFailure::other("a receive that only looks timed out")))
             })),
         },
-        ReceiverFlavor::Local(local) => {
-            let readiness = match local.inbox.try_lock() {
-                Some(mut inbox) => match inbox.receive(&local.gauge, Wait::Not) {
-                    Ok(v) => Err(Ok(v)),
-                    Err(Missing::Failed(e)) => Err(Err(e)),
-                    Err(Missing::Empty) => inbox.readiness(&local.gauge).ok_or_else(|| {
-                        Err(RecvError::Io(IoFailure::other("this channel has no descriptor this process can wait on")))
-                    }),
+        ReceiverFlavor::Local(local) => match local.inbox.try_lock() {
+            Some(mut inbox) => match inbox.receive(&local.gauge, Wait::Not) {
+                Ok(v) => Next::Got(Ok(v)),
+                Err(Missing::Failed(e)) => Next::Got(Err(e)),
+                Err(Missing::Empty) => match inbox.readiness(&local.gauge) {
+                    Some(readiness) => Next::after(readiness, asleep),
+                    None => Next::Got(Err(RecvError::Io(IoFailure::other(
+                        "this channel has no descriptor this process can wait on",
+                    )))),
                 },
-                // Another thread is receiving: wait until it is done, then look.
-                None => Ok(local.wait_for_holder()),
-            };
-            readiness.map(|readiness| match readiness {
-                Readiness::Wait(fd, announced) => {
-                    *asleep = announced;
-                    Some(fd)
-                }
-                // A spill batch with messages left.
-                Readiness::Ready => None,
-            })
-        }
+            },
+            // Another thread is receiving: wait until it is done, then look.
+            None => Next::after(local.wait_for_holder(), asleep),
+        },
     };
-    match waiting {
-        Ok(Some(fd)) => {
+    match next {
+        Next::WaitOn(fd) => {
             poller.register(registration, fd, cx.waker());
             Poll::Pending
         }
-        Ok(None) => {
+        Next::Again => {
             cx.waker().wake_by_ref();
             Poll::Pending
         }
-        Err(got) => {
+        Next::Got(got) => {
             poller.deregister(registration);
             Poll::Ready(got)
+        }
+    }
+}
+
+/// What one poll of a receive found.
+enum Next<T> {
+    /// A message or a failure: the receive is over.
+    Got(Result<T, RecvError>),
+    /// Nothing yet: wake the task when this becomes readable.
+    WaitOn(Watched),
+    /// Nothing yet, but more may be read at once: poll again.
+    Again,
+}
+
+impl<T> Next<T> {
+    /// What to do for a local receiver's `readiness`, keeping the wait it announced.
+    fn after(readiness: Readiness, asleep: &mut Option<Announced>) -> Next<T> {
+        match readiness {
+            Readiness::Wait(fd, announced) => {
+                *asleep = announced;
+                Next::WaitOn(fd)
+            }
+            // A spill batch with messages left.
+            Readiness::Ready => Next::Again,
         }
     }
 }
