@@ -72,6 +72,17 @@ impl Kind {
     fn a(self) -> String {
         format!("{} {self:?}", if self == Kind::Event { "an" } else { "a" })
     }
+
+    /// The kind's part of a named object's file name: every process that opens the name
+    /// builds the same path, so it is spelled out here, not taken from `Debug`.
+    fn tag(self) -> &'static str {
+        match self {
+            Kind::Event => "event",
+            Kind::Barrier => "barrier",
+            Kind::Lock => "lock",
+            Kind::Semaphore => "semaphore",
+        }
+    }
 }
 
 /// How to get a named object.
@@ -278,7 +289,7 @@ fn name_path(kind: Kind, name: &str) -> Result<PathBuf> {
             format!("{name:?} is not a sync object name: use 1 to {MAX_NAME} of A-Z a-z 0-9 . _ -"),
         )));
     }
-    Ok(PathBuf::from(format!("{NAME_DIR}/{NAME_PREFIX}.{}.{name}", format!("{kind:?}").to_lowercase())))
+    Ok(PathBuf::from(format!("{NAME_DIR}/{NAME_PREFIX}.{}.{name}", kind.tag())))
 }
 
 /// When a wait of `timeout` that starts now ends (`None`: never, for a timeout too long to
