@@ -197,8 +197,10 @@ fn introduce<'b>(
     for (name, fd) in names.chunks_exact(NAME_BYTES).zip(fds.drain(..came)) {
         let owner = u128::from_le_bytes(name[..16].try_into().expect("16 bytes"));
         let key = u64::from_le_bytes(name[16..].try_into().expect("8 bytes"));
-        if let Some(known) = known {
-            known.adopt(ConnectionKey { owner, key }, Lease::from_fd(fd));
+        if let Some(known) = known
+            && !known.adopt(ConnectionKey { owner, key }, Lease::from_fd(fd))
+        {
+            return Err("a frame introduces a lease that this end knows under another name".into());
         }
     }
     Ok(rest)

@@ -49,6 +49,8 @@ pub(super) struct Inbox {
     stash: Option<Stashed>,
     /// The connection leases this channel's senders introduced (`src/lifetime/connection.rs`).
     pub(super) leases: Arc<ConnectionLeases>,
+    /// Leases of senders found gone, to forget once everything was read (`read_everything`).
+    leases_gone: Vec<crate::lifetime::ConnectionKey>,
     /// How many owners the segment table had been told gone when the current receive began
     /// (`KnownSegments::forget_gone`).
     told_gone: u64,
@@ -320,6 +322,7 @@ impl Inbox {
             failure: None,
             stash: None,
             leases,
+            leases_gone: Vec::new(),
             told_gone: 0,
             gaps: false,
             sender_sends: None,
@@ -372,8 +375,8 @@ impl Inbox {
                 return got;
             }
             self.read_everything(gauge);
-            let socket = self.spill.clone().unwrap_or_else(|| self.main.clone());
-            let ready = crate::sys::wait_readable(&[socket.as_fd()], wait)
+            // A look reads a spill batch to its end: only the socket is left to wait on.
+            let ready = crate::sys::wait_readable(&[self.main.as_fd()], wait)
                 .map_err(|e| Missing::Failed(RecvError::Io(IoFailure::from(e))))?;
             drop(asleep);
             if !ready[0] {
@@ -390,6 +393,14 @@ impl Inbox {
     /// bounded channel back, unless a batch was lost for want of descriptors while its ring
     /// was read (`RingReader::never_delivered`).
     fn read_everything(&mut self, gauge: &Gauge) {
+        // Leases of senders gone before the looks below: once nothing waits, every message
+        // that names them was read.
+        if self.leases_gone.is_empty() {
+            self.leases_gone = self.leases.gone_if_due();
+        }
+        if !self.leases_gone.is_empty() && self.everything_read() {
+            self.leases.forget(&std::mem::take(&mut self.leases_gone));
+        }
         if self.nothing_waits_here() {
             self.leases.segments().forget_gone(self.told_gone);
             let main = &self.main;
@@ -444,14 +455,15 @@ impl Inbox {
         }
         self.ring_streak = 0;
         let (raw, main) = match self.spill.clone() {
-            // A batch is complete when it is handed on: a read finds a frame or its end.
+            // A batch is complete when it is handed on: a read finds a frame or its end. One
+            // found empty with its writing end still open (kept by a forger) ends there too:
+            // waiting for that end would stall the channel behind it.
             Some(spill) => match receive_raw(&spill, &mut self.buf, Wait::Not) {
                 Ok(raw) => (raw, false),
-                Err(Missing::Failed(RecvError::Disconnected)) => {
+                Err(Missing::Failed(RecvError::Disconnected) | Missing::Empty) => {
                     self.spill = None;
                     return Look::Again;
                 }
-                Err(Missing::Empty) => return Look::Nothing,
                 Err(missing) => return Look::Got(Err(missing)),
             },
             None => {
@@ -711,10 +723,7 @@ impl Inbox {
             if spill.pending_bytes() > 0 {
                 return Some(Readiness::Ready);
             }
-            if !spill.peer_closed() {
-                return Some(Readiness::Wait(spill.clone(), None));
-            }
-            // Read to its end and closed.
+            // Read to its end (complete when handed on, closed or not).
             self.spill = None;
         }
         if self.stash.is_some() || self.failure.is_some() || self.rings_ready() {
@@ -831,5 +840,63 @@ mod tests {
                 "the three lost messages' places (gaps: {gaps})"
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod forged_frames {
+    use std::os::fd::AsFd;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    fn message_frame(v: u8) -> Vec<u8> {
+        let mut f = vec![0u8];
+        f.extend(postcard::to_allocvec(&v).unwrap());
+        f.push(0);
+        f
+    }
+
+    /// A redirect whose batch's writing end the forger keeps open does not stall the frames
+    /// behind it (a batch is complete when it is handed on).
+    #[test]
+    fn a_redirect_to_a_batch_kept_open_does_not_stall_the_channel() {
+        let (main, peer) = Socket::pair().unwrap();
+        let mut inbox = Inbox::new(Arc::new(main), Arc::new(ConnectionLeases::default()));
+        let gauge = Gauge::new(0, 1 << 20).unwrap();
+        let (batch_tx, batch_rx) = Socket::pair().unwrap();
+        let mut redirect = vec![2u8];
+        redirect.extend(1u64.to_le_bytes());
+        peer.send(&[&redirect], &[batch_rx.as_fd()], Wait::Forever).unwrap();
+        drop(batch_rx);
+        peer.send(&[&message_frame(7)], &[], Wait::Forever).unwrap();
+        let got = inbox.receive::<u8>(&gauge, Wait::Until(Instant::now() + Duration::from_secs(5)));
+        assert!(matches!(got, Ok(7)), "the message behind the redirect");
+        drop(batch_tx);
+    }
+
+    /// One pipe's writing end introduced again and again under fresh names is kept once: else
+    /// each frame would take the receiver descriptors without bound.
+    #[test]
+    fn a_lease_introduced_under_many_names_is_kept_once() {
+        let (main, peer) = Socket::pair().unwrap();
+        let mut inbox = Inbox::new(Arc::new(main), Arc::new(ConnectionLeases::default()));
+        let gauge = Gauge::new(0, 1 << 20).unwrap();
+        let (_read, write) = crate::sys::lease_pipe().unwrap();
+        let mut key = 1u64;
+        for _ in 0..20 {
+            let mut f = vec![0x80u8, 16];
+            for _ in 0..16 {
+                f.extend(7u128.to_le_bytes());
+                f.extend(key.to_le_bytes());
+                key += 1;
+            }
+            f.push(0xff); // garbage message
+            let fds: Vec<std::os::fd::BorrowedFd<'_>> = (0..16).map(|_| write.as_fd()).collect();
+            peer.send(&[&f], &fds, Wait::Forever).unwrap();
+            let _ = inbox.receive::<u8>(&gauge, Wait::Not);
+        }
+        assert_eq!(inbox.leases.all().len(), 1);
     }
 }

@@ -1500,3 +1500,33 @@ mod tests {
         assert_eq!(rx.recv(), Ok(2));
     }
 }
+
+#[cfg(test)]
+mod forged_counters {
+    use std::os::fd::AsFd;
+
+    use super::*;
+    use crate::HostTensor;
+
+    /// A channel whose counters carry another channel's id does not share that channel's
+    /// connection lease in the sending process (introduced on one, it would be named
+    /// unintroduced on the other).
+    #[test]
+    fn a_forged_channel_id_does_not_share_a_connection_lease() {
+        let (tx_a, rx_a) = channel::<HostTensor<u8>>().unwrap();
+        let (tx_b, rx_b) = channel::<HostTensor<u8>>().unwrap();
+        let a_id = tx_a.outbox().gauge.id();
+        tx_b.outbox().gauge.memory().unwrap().word(8).unwrap().store(a_id, std::sync::atomic::Ordering::SeqCst);
+        let (bytes, held) = wire::encode_scope(|| postcard::to_allocvec(&tx_b));
+        let fds = held.iter().map(|h| h.as_fd().try_clone_to_owned().unwrap()).collect();
+        let forged_b: Sender<HostTensor<u8>> = wire::decode(&bytes.unwrap(), fds).unwrap();
+        drop(tx_b);
+        let t = HostTensor::<u8>::from_vec(&[4], vec![1, 2, 3, 4]).unwrap();
+        forged_b.send(t.clone()).unwrap();
+        tx_a.send(t.clone()).unwrap();
+        let got_b = rx_b.recv_timeout(std::time::Duration::from_secs(5)).map(|t| t.to_vec());
+        let got_a = rx_a.recv_timeout(std::time::Duration::from_secs(5)).map(|t| t.to_vec());
+        assert_eq!(got_b, Ok(vec![1, 2, 3, 4]));
+        assert_eq!(got_a, Ok(vec![1, 2, 3, 4]));
+    }
+}

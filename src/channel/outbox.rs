@@ -158,22 +158,27 @@ fn registry() -> MutexGuard<'static, HashMap<u64, Weak<Outbox>>> {
     REGISTRY.get().lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// This process's side of the connection of channel `id` (a forked child has its own). Kept
+/// A channel as this process tells it apart: the id in its counters and its socket. The id
+/// alone would do for channels of ours, but any holder of a channel's counters can write it.
+type ChannelKey = (u64, Option<(u64, u64)>);
+
+/// This process's side of the connection of channel `key` (a forked child has its own). Kept
 /// after the channel's senders here are gone, so that a later one (a sender that comes with
 /// every request) goes on with the same lease; the table drops connections that hold no open
 /// lease as it grows.
-fn connection_of(id: u64) -> Arc<Connection> {
-    static CONNECTIONS: ForkLocal<Mutex<(HashMap<u64, Arc<Connection>>, usize)>> = ForkLocal::new(Default::default);
+fn connection_of(key: ChannelKey) -> Arc<Connection> {
+    type Table = (HashMap<ChannelKey, Arc<Connection>>, usize);
+    static CONNECTIONS: ForkLocal<Mutex<Table>> = ForkLocal::new(Default::default);
     let mut table = CONNECTIONS.get().lock().unwrap_or_else(|p| p.into_inner());
     let (connections, swept) = &mut *table;
-    if let Some(c) = connections.get(&id) {
+    if let Some(c) = connections.get(&key) {
         return c.clone();
     }
     if connections.len() >= 64.max(2 * *swept) {
         connections.retain(|_, c| Arc::strong_count(c) > 1 || crate::lifetime::connection_open(c));
         *swept = connections.len();
     }
-    connections.entry(id).or_default().clone()
+    connections.entry(key).or_default().clone()
 }
 
 /// Rings of this process whose outbox went while the receiver had not read all of them, by
@@ -286,7 +291,7 @@ impl Outbox {
     /// This process's side of the channel's connection lease: one per channel and process,
     /// whichever of its senders (now or later: a sender that arrives with every request) sends.
     pub(super) fn connection(&self) -> &Arc<Connection> {
-        self.connection.get().get_or_init(|| connection_of(self.gauge.id()))
+        self.connection.get().get_or_init(|| connection_of((self.gauge.id(), self.main.identity())))
     }
 
     fn lock(&self) -> MutexGuard<'_, Backlog> {

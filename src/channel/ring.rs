@@ -602,3 +602,22 @@ mod numbers_from_the_sender {
         assert!(matches!(inbox.receive::<u8>(&gauge, Wait::Not), Ok(7)));
     }
 }
+
+#[cfg(test)]
+mod oversized_ring {
+    use super::*;
+
+    /// A ring whose memory file is far larger than a ring has only a ring's bytes mapped.
+    #[test]
+    fn only_a_rings_bytes_of_a_larger_file_are_mapped() {
+        use rustix::fs::{MemfdFlags, SealFlags, fcntl_add_seals, ftruncate, memfd_create};
+        let fd = memfd_create("forged", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+        let size: u64 = 16 << 40; // 16 TiB, sparse
+        ftruncate(&fd, size).unwrap();
+        rustix::io::pwrite(&fd, &MAGIC.to_le_bytes(), 0).unwrap();
+        fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL).unwrap();
+        let (read, _write) = lease_pipe().unwrap();
+        let reader = RingReader::adopt(fd, read).expect("adopted");
+        assert_eq!(reader.memory.len(), BYTES);
+    }
+}

@@ -400,6 +400,19 @@ impl StorageKind for GpuKind {
         }
     }
 
+    fn same_memory(memory: &Memory<Self>, wire: &GpuWire) -> bool {
+        match (&wire.memory, memory.raw()) {
+            (WireMemory::Legacy { mem_handle, alloc_offset }, GpuMemory::Imported { handle, alloc_offset: at, .. }) => {
+                mem_handle[..] == handle[..] && alloc_offset == at
+            }
+            (WireMemory::Vmm(v), GpuMemory::Vmm(m)) => m.carried_by(v),
+            (WireMemory::Block { segment, offset }, GpuMemory::ImportedBlock(block)) => {
+                segment.id() == Some(block.segment().handle().memory().id()) && *offset == block.offset() as u64
+            }
+            _ => false,
+        }
+    }
+
     fn opened_segment(raw: &GpuMemory) {
         if let GpuMemory::Vmm(memory) = raw {
             // A segment is counted in `mapped_segments`, not as a storage's descriptor.

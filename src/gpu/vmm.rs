@@ -152,6 +152,15 @@ impl VmmMemory {
         Ok(VmmWire { descriptor: Descriptor(self.descriptor()?.clone()), size: self.region.size() as u64 })
     }
 
+    /// Whether `wire` carries this memory: its descriptor is a copy of the one this mapping
+    /// holds (an allocation is exported once, and forwarders pass on what they received).
+    pub(crate) fn carried_by(&self, wire: &VmmWire) -> bool {
+        let held = self.fd.get().and_then(|held| crate::sys::file_identity(held.fd.as_fd()));
+        held.is_some()
+            && held == crate::sys::file_identity(wire.descriptor.0.as_fd())
+            && wire.size == self.region.size() as u64
+    }
+
     /// True when mapped from another process.
     pub(crate) fn is_imported(&self) -> bool {
         self.imported

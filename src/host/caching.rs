@@ -122,6 +122,11 @@ impl StorageKind for SegmentKind {
     fn arrived(_: &Memory<Self>, _: &mut SegmentWire, _: &(), _: Arrival) -> Result<()> {
         Ok(())
     }
+
+    fn same_memory(memory: &Memory<Self>, wire: &SegmentWire) -> bool {
+        let mapped = crate::sys::file_identity(memory.raw().as_fd());
+        mapped.is_some() && wire.fd.as_ref().is_some_and(|fd| crate::sys::file_identity(fd.0.as_fd()) == mapped)
+    }
 }
 
 /// A new host storage of `bytes` bytes cut from a segment, its first `bytes` zeroed; `None`

@@ -10,6 +10,7 @@ pub use caching::{empty_host_cache, host_allocator_stats, host_caching, set_host
 #[cfg(feature = "remote")]
 pub(crate) use tensor::gather_bytes;
 
+use std::os::fd::AsFd;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -82,23 +83,20 @@ pub(crate) enum HostWire {
     Block { segment: SegmentRef<Record<caching::SegmentWire>>, offset: u64 },
 }
 
-/// Shared memory as it travels: through the message's descriptors.
-pub(crate) struct SharedMemory(Arc<MemoryFile>);
+/// Shared memory as it travels: through the message's descriptors. On arrival it stays a
+/// descriptor until `open` maps it, once the record says how many bytes it must hold.
+pub(crate) struct SharedMemory(wire::Held);
 
 impl Serialize for SharedMemory {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
-        let held: wire::Held = self.0.clone();
-        wire::carry(held, None).map_err(wire::encode_error)?.serialize(serializer)
+        wire::carry(self.0.clone(), None).map_err(wire::encode_error)?.serialize(serializer)
     }
 }
 
 impl<'de> Deserialize<'de> for SharedMemory {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        // Mapped later, by `open`, once the record says how many bytes it must hold.
         let fd = wire::take(wire::Carried::deserialize(deserializer)?).map_err(wire::decode_error)?;
-        let memory = MemoryFile::open(fd, 0)
-            .map_err(|e| wire::decode_error(Error::Malformed(format!("a host tensor's memory: {e}"))))?;
-        Ok(SharedMemory(Arc::new(memory)))
+        Ok(SharedMemory(Arc::new(fd)))
     }
 }
 
@@ -135,15 +133,25 @@ impl StorageKind for HostKind {
             HostWire::File { shm } => shm,
             HostWire::Block { segment, offset } => return caching::open_block(segment, *offset, bytes),
         };
-        let shm = shm.take().ok_or_else(|| Error::Malformed("host storage without its memory".into()))?.0;
+        let fd = shm.take().ok_or_else(|| Error::Malformed("host storage without its memory".into()))?.0;
+        let fd = fd.as_fd().try_clone_to_owned().map_err(|e| wire::descriptor_error(e.into()))?;
+        let shm =
+            MemoryFile::open(fd, bytes).map_err(|e| Error::Malformed(format!("a host tensor's shared memory: {e}")))?;
         refuse_frozen(&shm, "a host tensor")?;
-        if shm.len() < bytes {
-            return Err(Error::Malformed(format!(
-                "shared memory holds {} bytes but the message claims {bytes}",
-                shm.len()
-            )));
+        Ok(HostMemory::File(Arc::new(shm)))
+    }
+
+    fn same_memory(memory: &Memory<Self>, wire: &HostWire) -> bool {
+        match (wire, memory.raw()) {
+            (HostWire::File { shm: Some(shm) }, HostMemory::File(file)) => {
+                let mapped = crate::sys::file_identity(file.as_fd());
+                mapped.is_some() && mapped == crate::sys::file_identity(shm.0.as_fd())
+            }
+            (HostWire::Block { segment, offset }, HostMemory::Imported { segment: mapped, offset: at }) => {
+                segment.id() == Some(mapped.handle().memory().id()) && *offset == *at as u64
+            }
+            _ => false,
         }
-        Ok(HostMemory::File(shm))
     }
 
     fn returned(wire: &mut HostWire) -> Result<()> {
@@ -284,5 +292,96 @@ impl HostStorage {
     /// ```
     pub fn id(&self) -> StorageId {
         self.0.memory().id()
+    }
+}
+
+#[cfg(test)]
+mod forged_records {
+    use std::os::fd::{AsFd, OwnedFd};
+
+    use serde::Serialize;
+
+    use super::*;
+
+    #[derive(Serialize)]
+    struct C {
+        index: u32,
+        spawn: Option<()>,
+    }
+    #[derive(Serialize)]
+    enum ClaimM {
+        Lease(C, bool),
+    }
+    #[derive(Serialize)]
+    struct Sid {
+        owner: u128,
+        index: u64,
+    }
+    #[derive(Serialize)]
+    enum HostWireM {
+        File { shm: Option<C> },
+    }
+    #[derive(Serialize)]
+    struct RecordM {
+        id: Sid,
+        bytes: u64,
+        lease: ClaimM,
+        ticket: Option<u32>,
+        kind: HostWireM,
+    }
+    #[derive(Serialize)]
+    struct TensorWireM {
+        dtype: u8,
+        shape: Vec<usize>,
+        strides: Vec<usize>,
+        offset: usize,
+        storage: RecordM,
+    }
+
+    /// A host tensor's message as a sender forges it: storage `id` of owner `owner`, its bytes
+    /// in a memory file of its own.
+    fn forged(owner: u128, index: u64, content: &[u8]) -> (Vec<u8>, Vec<OwnedFd>, OwnedFd) {
+        let wire = TensorWireM {
+            dtype: 5,
+            shape: vec![content.len()],
+            strides: vec![1],
+            offset: 0,
+            storage: RecordM {
+                id: Sid { owner, index },
+                bytes: content.len() as u64,
+                lease: ClaimM::Lease(C { index: 1, spawn: None }, true),
+                ticket: None,
+                kind: HostWireM::File { shm: Some(C { index: 0, spawn: None }) },
+            },
+        };
+        let bytes = postcard::to_allocvec(&wire).unwrap();
+        let memory = MemoryFile::holding(content).unwrap();
+        let (read, write) = crate::sys::lease_pipe().unwrap();
+        (bytes, vec![memory.as_fd().try_clone_to_owned().unwrap(), write], read)
+    }
+
+    /// A storage id is whatever a record says: a second record naming a storage mapped here
+    /// with other memory is refused, and the mapping keeps its own memory.
+    #[test]
+    fn a_record_naming_a_mapped_storage_with_other_memory_is_refused() {
+        let owner = 0x5eed_0000_0000_0000_0000_0000_0000_0001u128;
+        let (bytes, fds, _keep1) = forged(owner, 5, b"FIRST!");
+        let first: HostTensor<u8> = crate::wire::decode(&bytes, fds).expect("the first one decodes");
+        let (bytes, fds, _keep2) = forged(owner, 5, b"OTHER!");
+        let second = crate::wire::decode::<HostTensor<u8>>(&bytes, fds);
+        match second {
+            Err(m) => assert!(m.contains("with other memory"), "{m}"),
+            other => panic!("expected a refusal, got {:?}", other.map(|t| t.to_vec())),
+        }
+        assert_eq!(first.to_vec(), b"FIRST!");
+        // The same memory again is the mapped storage.
+        let again: HostTensor<u8> = {
+            let file = first.storage().0.memory().raw().file().0.as_fd().try_clone_to_owned().unwrap();
+            let (bytes, mut fds, keep) = forged(owner, 5, b"xxxxxx");
+            fds[0] = file;
+            let _keep = keep;
+            crate::wire::decode(&bytes, fds).expect("the same memory decodes")
+        };
+        assert_eq!(again.to_vec(), b"FIRST!");
     }
 }

@@ -3,6 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
@@ -189,8 +190,27 @@ pub(crate) struct ConnectionLeases {
 #[derive(Default)]
 struct Known {
     by_name: HashMap<ConnectionKey, Lease>,
+    /// The pipes of `by_name`'s leases (device, inode): one pipe is known under one name.
+    pipes: HashSet<(u64, u64)>,
     /// The size after the last sweep for leases of owners that are gone.
     swept: usize,
+}
+
+impl Known {
+    /// Keeps `lease` under `name` unless its pipe is known already (under this name or
+    /// another); false when it is under another, or its pipe cannot be told.
+    fn keep(&mut self, name: ConnectionKey, lease: Lease) -> bool {
+        if self.by_name.contains_key(&name) {
+            return true;
+        }
+        match crate::sys::file_identity(lease.tx.as_fd()) {
+            Some(pipe) if self.pipes.insert(pipe) => {
+                self.by_name.insert(name, lease);
+                true
+            }
+            _ => false,
+        }
+    }
 }
 
 impl fmt::Debug for ConnectionLeases {
@@ -200,8 +220,8 @@ impl fmt::Debug for ConnectionLeases {
 }
 
 /// Leases of owners that are gone (and entries of segments gone) are dropped when their table
-/// has doubled since the last sweep (and has at least this many): a receiver that outlives many
-/// senders keeps none of theirs.
+/// has doubled since the last sweep (and has at least this many), once everything their owners
+/// sent was read: a receiver that outlives many senders keeps none of theirs.
 const SWEEP_AT: usize = 32;
 
 impl ConnectionLeases {
@@ -210,14 +230,35 @@ impl ConnectionLeases {
     }
 
     /// Keeps a lease a frame introduced (a second introduction of one already known changes
-    /// nothing: its copy is closed).
-    pub(crate) fn adopt(&self, name: ConnectionKey, lease: Lease) {
+    /// nothing: its copy is closed). False, and nothing kept, for a pipe known under another
+    /// name: a sender introduces each of its leases under one name, so such a frame is forged
+    /// (else one pipe introduced again and again would take a descriptor here each time).
+    pub(crate) fn adopt(&self, name: ConnectionKey, lease: Lease) -> bool {
+        self.lock().keep(name, lease)
+    }
+
+    /// The leases whose owners are gone, once the table has doubled since the last sweep (and
+    /// holds at least [`SWEEP_AT`]); none otherwise. Their owners' messages may still wait to
+    /// be read: the receiver [`forget`](Self::forget)s them once it has read everything that
+    /// came before this look.
+    pub(crate) fn gone_if_due(&self) -> Vec<ConnectionKey> {
         let mut known = self.lock();
-        known.by_name.entry(name).or_insert(lease);
-        if known.by_name.len() >= SWEEP_AT.max(2 * known.swept) {
-            known.by_name.retain(|_, lease| !crate::sys::reader_gone(&*lease.tx));
-            known.swept = known.by_name.len();
+        if known.by_name.len() < SWEEP_AT.max(2 * known.swept) {
+            return Vec::new();
         }
+        known.swept = known.by_name.len();
+        known.by_name.iter().filter(|(_, lease)| crate::sys::reader_gone(&*lease.tx)).map(|(name, _)| *name).collect()
+    }
+
+    /// Drops the leases `names` (of owners gone, all of whose messages were read).
+    pub(crate) fn forget(&self, names: &[ConnectionKey]) {
+        let mut known = self.lock();
+        for name in names {
+            known.by_name.remove(name);
+        }
+        let pipes = known.by_name.values().filter_map(|l| crate::sys::file_identity(l.tx.as_fd())).collect();
+        known.pipes = pipes;
+        known.swept = known.by_name.len();
     }
 
     /// The lease named `name`, if a frame of this channel introduced it.
@@ -249,7 +290,9 @@ impl ConnectionLeases {
         let table = ConnectionLeases::default();
         {
             let mut known = table.lock();
-            known.by_name.extend(leases);
+            for (name, lease) in leases {
+                known.keep(name, lease);
+            }
             known.swept = known.by_name.len();
         }
         for TravelledSegment { via, id, segment, ticket, alive } in segments {

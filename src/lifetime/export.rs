@@ -107,7 +107,7 @@ pub(crate) fn grant(
             if let Some(e) = s.exported.get(&id)
                 && let Some(lease) = &e.shared_lease
             {
-                let ticket = cache.then_some(CacheTicket { slot: e.slot });
+                let ticket = ticket(cache, || e.slot);
                 return Ok(Grant { claim: Claim::Lease { lease: lease.clone(), counted: false }, ticket });
             }
             let lease = reaper.new_lease()?;
@@ -120,14 +120,14 @@ pub(crate) fn grant(
             s.shared_leases.insert(lease.key());
             let entry = claim(&mut s, (id, bytes), lease.key(), keep_alive, handle);
             entry.shared_lease = Some(lease.clone());
-            let ticket = cache.then(|| CacheTicket { slot: slot_of(entry, id) });
+            let ticket = ticket(cache, || slot_of(entry, id));
             Grant { claim: Claim::Lease { lease, counted: false }, ticket }
         }
         LeaseMode::Counted => {
             let lease = message_lease(reaper)?;
             let mut s = state();
             let entry = claim(&mut s, (id, bytes), lease.key(), keep_alive, handle);
-            let ticket = cache.then(|| CacheTicket { slot: slot_of(entry, id) });
+            let ticket = ticket(cache, || slot_of(entry, id));
             Grant { claim: Claim::Lease { lease, counted: true }, ticket }
         }
     };
@@ -147,7 +147,7 @@ fn grant_on_connection(
     let mut s = state();
     let (key, name, unsent) = connection_lease(&mut s, reaper, connection)?;
     let entry = claim(&mut s, (id, bytes), key, keep_alive, handle);
-    let ticket = cache.then(|| CacheTicket { slot: slot_of(entry, id) });
+    let ticket = ticket(cache, || slot_of(entry, id));
     drop(s);
     notify();
     Ok(Grant { claim: connection_claim(key, name, unsent, id.index(), Vec::new()), ticket })
@@ -299,6 +299,13 @@ fn claim(
     });
     entry.claims += 1;
     entry
+}
+
+/// The ticket of a grant that receivers may cache: none without a slot in this process's
+/// liveness table (a full table), since receivers could not tell when the storage is gone
+/// (and a segment without one travels whole rather than being kept by the channel end).
+fn ticket(cache: bool, slot: impl FnOnce() -> u32) -> Option<CacheTicket> {
+    cache.then(slot).filter(|&slot| slot != NO_SLOT).map(|slot| CacheTicket { slot })
 }
 
 fn slot_of(entry: &mut Exported, id: StorageId) -> u32 {
@@ -500,4 +507,18 @@ pub fn holder_stats() -> Vec<HolderStats> {
     drop(s);
     holders.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.lease.cmp(&b.lease)));
     holders
+}
+
+#[cfg(test)]
+mod tickets {
+    use super::*;
+
+    /// A full liveness table gives no slot: such a grant carries no ticket, so that receivers
+    /// do not cache it and a segment travels whole instead of being introduced to be kept.
+    #[test]
+    fn a_grant_without_a_slot_has_no_ticket() {
+        assert_eq!(ticket(true, || NO_SLOT).map(|t| t.slot), None);
+        assert_eq!(ticket(true, || 7).map(|t| t.slot), Some(7));
+        assert_eq!(ticket(false, || unreachable!("no slot taken for what is not cached")).map(|t| t.slot), None);
+    }
 }

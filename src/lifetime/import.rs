@@ -8,7 +8,7 @@ use std::sync::{Arc, Weak};
 use super::lease::{CacheTicket, Cover, Lease};
 use super::table::{NO_SLOT, Table};
 use super::{AnyStorage, ImportKey, State, StorageId, notify, reaper, state, wait};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// The storage `id` of another process as mapped here, under import key `kind`: the handle in
 /// use, else a cached idle mapping passed to `revive`, else the one `open` makes.
@@ -23,9 +23,14 @@ pub(crate) fn import<H: Any + Send + Sync>(
 ) -> Result<Arc<H>> {
     let key: ImportKey = (id, kind);
     let mut s = state();
+    // This thread's own open of the same storage (a forged block record that names itself as
+    // its segment) would wait for itself for ever.
+    if s.opening.get(&key) == Some(&std::thread::current().id()) {
+        return Err(Error::Malformed(format!("a record of storage {id} needs that storage to open it")));
+    }
     // Wait while the storage is being opened or closed, or while its last handle is being
     // dropped (it is about to be cached or closed).
-    while s.opening.contains(&key)
+    while s.opening.contains_key(&key)
         || s.closing.contains_key(&key)
         || s.imported.get(&key).is_some_and(|w| w.strong_count() == 0)
     {
@@ -43,7 +48,7 @@ pub(crate) fn import<H: Any + Send + Sync>(
         notify();
         return Ok(handle);
     }
-    s.opening.insert(key);
+    s.opening.insert(key, std::thread::current().id());
     drop(s);
     // Unmarks the key however `open` ends: a panic in it must not leave every later import of
     // the storage waiting for ever.

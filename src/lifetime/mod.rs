@@ -14,7 +14,7 @@ mod table;
 mod tests;
 
 use std::any::Any;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -129,9 +129,9 @@ struct State {
     /// Mappings evicted from `idle` and being closed right now (off the reaper's thread);
     /// still counted as cached until done.
     evicting: usize,
-    /// Mappings being opened right now (outside the lock): a second import of the same
-    /// storage waits for the first.
-    opening: HashSet<ImportKey>,
+    /// Mappings being opened right now (outside the lock), by the thread opening each: a
+    /// second import of the same storage waits for the first.
+    opening: HashMap<ImportKey, std::thread::ThreadId>,
     /// Mappings being closed right now (outside the lock): not to be opened again until done.
     /// (Counted: an eviction and the close it leads to each hold a mark.)
     closing: HashMap<ImportKey, usize>,

@@ -119,7 +119,7 @@ impl Reaper {
     fn watch(&self, what: Watched, source: Source) -> io::Result<u64> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
         let pipe = match &source {
-            Source::Pipe(fd) => crate::sys::pipe_identity(fd.as_fd()),
+            Source::Pipe(fd) => crate::sys::file_identity(fd.as_fd()),
             Source::Socket(_) => None,
         };
         lock(&self.watched).insert(id, Entry { what, source: source.clone(), partial: Vec::new(), pipe });
@@ -192,7 +192,7 @@ pub(super) fn subscribe(owner: u128, lease: &Lease) -> bool {
     // A lease this process reads is no way to another owner: only a record edited to name
     // another process's storage comes with one (its mapping would be cached on a
     // subscription to this process itself, whose revocations never name it).
-    let this = crate::sys::pipe_identity(lease.tx.as_fd());
+    let this = crate::sys::file_identity(lease.tx.as_fd());
     if this.is_none() || lock(&reaper.watched).values().any(|e| e.pipe == this) {
         return false;
     }

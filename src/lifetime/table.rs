@@ -16,6 +16,9 @@ use crate::sys::{MemoryFile, Socket, Wait};
 /// (correct, just slower).
 const TABLE_SLOTS: usize = 1 << 16;
 
+/// Bytes of a table's shared memory: a 64-bit cell a slot.
+pub(super) const TABLE_BYTES: usize = TABLE_SLOTS * 8;
+
 /// No slot: the receiver never caches the mapping.
 pub(super) const NO_SLOT: u32 = u32::MAX;
 

@@ -193,7 +193,7 @@ fn a_failed_open_leaves_nothing_behind() {
     let r = import(id, "fake", |_| None, || -> Result<Arc<u8>> { Err(Error::Malformed("no".into())) });
     assert!(r.is_err());
     let s = state();
-    assert!(!s.opening.contains(&(id, "fake")) && !s.imported.contains_key(&(id, "fake")));
+    assert!(!s.opening.contains_key(&(id, "fake")) && !s.imported.contains_key(&(id, "fake")));
 }
 
 /// Claims per message lease, as the owner counts them, through the reaper's entry points.
@@ -282,7 +282,7 @@ fn a_panic_inside_an_open_leaves_the_storage_openable() {
         let _ = import(id, "fake", |_| None, || -> Result<Arc<Mapping>> { panic!("the driver's open panicked") });
     });
     assert!(panicked.is_err());
-    assert!(!state().opening.contains(&(id, "fake")), "the storage is left marked as opening");
+    assert!(!state().opening.contains_key(&(id, "fake")), "the storage is left marked as opening");
     let closed = Arc::new(AtomicU64::new(0));
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -447,4 +447,59 @@ fn two_holders_linking_on_one_lease_at_once_are_both_subscribed() {
         .collect();
     drop(g);
     assert_eq!(told, [true, true], "each holder that linked was sent the owner's table");
+}
+
+/// A sender that exits right after its sends: its lease stays known (later messages of it,
+/// still unread, name it) until the receiver has read everything, and then goes.
+#[test]
+fn a_gone_senders_lease_is_kept_until_the_receiver_forgets_it() {
+    let leases = ConnectionLeases::default();
+    let (rx, tx) = crate::sys::lease_pipe().unwrap();
+    let gone = ConnectionKey { owner: foreign_owner(), key: 1 };
+    assert!(leases.adopt(gone, Lease::from_fd(tx)));
+    drop(rx);
+    let mut alive = Vec::new();
+    for key in 0..40u64 {
+        let (rx, tx) = crate::sys::lease_pipe().unwrap();
+        alive.push(rx);
+        assert!(leases.adopt(ConnectionKey { owner: foreign_owner(), key }, Lease::from_fd(tx)));
+    }
+    assert!(leases.get(&gone).is_some(), "adopting sweeps nothing");
+    let due = leases.gone_if_due();
+    assert_eq!(due, [gone], "only the gone sender's");
+    assert!(leases.get(&gone).is_some(), "kept until forgotten");
+    leases.forget(&due);
+    assert!(leases.get(&gone).is_none());
+    assert_eq!(leases.all().len(), 40);
+}
+
+/// A lease introduced again under its own name is kept once; under another name, refused.
+#[test]
+fn a_lease_is_known_under_one_name() {
+    let leases = ConnectionLeases::default();
+    let (_rx, tx) = crate::sys::lease_pipe().unwrap();
+    let name = ConnectionKey { owner: foreign_owner(), key: 1 };
+    let lease = Lease::from_fd(tx);
+    assert!(leases.adopt(name, lease.clone()));
+    assert!(leases.adopt(name, lease.clone()), "the same introduction again");
+    assert!(!leases.adopt(ConnectionKey { owner: name.owner, key: 2 }, lease));
+    assert_eq!(leases.all().len(), 1);
+}
+
+/// A forged record that names itself as its own segment is refused, not waited on for ever.
+#[test]
+fn an_import_that_needs_itself_to_open_is_refused() {
+    let id = StorageId::foreign(foreign_owner(), 3);
+    let got = import::<Mapping>(
+        id,
+        "fake",
+        |_| None,
+        || {
+            let inner = import::<Mapping>(id, "fake", |_| None, || unreachable!("not opened twice"));
+            assert!(matches!(&inner, Err(crate::Error::Malformed(_))), "refused");
+            inner
+        },
+    );
+    assert!(got.is_err());
+    assert!(!state().opening.contains_key(&(id, "fake")), "and unmarked");
 }

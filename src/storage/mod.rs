@@ -59,6 +59,10 @@ pub(crate) trait StorageKind: Sized + Send + Sync + 'static {
     /// before its tensor is handed out: for example, wait for the sender's queued work. It
     /// gets what `open` left of the record (all of it when nothing was opened).
     fn arrived(memory: &Memory<Self>, wire: &mut Self::Wire, place: &Self::Place, arrival: Arrival) -> Result<()>;
+    /// Whether `wire` names the memory of `memory`, which this process maps already under the
+    /// record's storage id. Any sender can write any id: a record that names a mapped storage
+    /// with other memory is forged, and must not decode to the mapped memory (nor poison it).
+    fn same_memory(memory: &Memory<Self>, wire: &Self::Wire) -> bool;
     /// A record of this process's own storage came back (a channel within this process, or
     /// a round trip): the rest of the record is the kind's to use (a block names its segment,
     /// which the channel end keeps for where it may go next). Default: nothing.
@@ -312,6 +316,15 @@ pub(crate) enum SegmentRef<R> {
 }
 
 impl<W> SegmentRef<Record<W>> {
+    /// The segment's storage id (`None` once taken).
+    pub(crate) fn id(&self) -> Option<StorageId> {
+        match self {
+            SegmentRef::Whole(record) => Some(record.id),
+            SegmentRef::Known { id, .. } => Some(*id),
+            SegmentRef::Taken => None,
+        }
+    }
+
     /// How a block of `segment` refers to it in the message being encoded; `export` makes the
     /// segment's record where one travels, and `carried` turns it into the record that
     /// introduces a segment of tag `tag` on a channel.
@@ -519,6 +532,11 @@ pub(crate) fn import<S: Shared>(
         )?;
         // The mapping took the message's claim when this import made it.
         let arrival = if cover.is_none() { Arrival::Mapped } else { Arrival::Known };
+        if arrival == Arrival::Known && !S::Kind::same_memory(&storage.handle().memory, &kind) {
+            return Err(Error::Malformed(format!(
+                "a message names storage {id}, which this process maps, with other memory"
+            )));
+        }
         // Mapped already: the mapping's cover holds this message's claim from now on when it
         // can (the same counted lease), so that re-sending a storage costs no release.
         if let (Some(new), Origin::Imported { cover: held, .. }) = (cover.take(), &storage.handle().memory.origin) {

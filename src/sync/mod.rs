@@ -220,7 +220,7 @@ impl Object {
                 // Take the descriptor first, whatever the rest says: it must not stay behind.
                 let descriptor = wire::take(memory).map_err(wire::decode_error)?;
                 check_kind(sent, kind, "the message carries").and_then(|()| {
-                    let memory = crate::sys::MemoryFile::open(descriptor, 0)
+                    let memory = crate::sys::MemoryFile::open(descriptor, region::BYTES)
                         .map_err(|e| Error::Malformed(format!("a sync object's memory: {e}")))?;
                     Region::from_memory(std::sync::Arc::new(memory))
                         .and_then(|region| Object::attach(region, kind, None, &check))

@@ -54,18 +54,19 @@ impl MemoryFile {
     }
 
     /// A file that arrived in a message: refused unless it is a memory file sealed against
-    /// resizing, of at least `min_len` bytes. Mapped read-only when it is sealed against
-    /// writes, else read-write.
-    pub(crate) fn open(fd: OwnedFd, min_len: usize) -> io::Result<MemoryFile> {
+    /// resizing, of at least `len` bytes. Only its first `len` bytes are mapped (the sender
+    /// picks the file's size: a huge sparse file must not take this process's address space),
+    /// read-only when it is sealed against writes, else read-write.
+    pub(crate) fn open(fd: OwnedFd, len: usize) -> io::Result<MemoryFile> {
         let refused = |why: String| io::Error::new(io::ErrorKind::InvalidData, why);
         let seals =
             fcntl_get_seals(&fd).map_err(|_| refused("shared memory that is not a sealed memory file".into()))?;
         if !seals.contains(SIZE_SEALS) {
             return Err(refused("shared memory that another process could shrink (not sealed)".into()));
         }
-        let len = usize::try_from(fstat(&fd)?.st_size).map_err(|_| refused("shared memory of no size".into()))?;
-        if len < min_len {
-            return Err(refused(format!("shared memory of {len} bytes where {min_len} were promised")));
+        let size = u64::try_from(fstat(&fd)?.st_size).map_err(|_| refused("shared memory of no size".into()))?;
+        if size < len as u64 {
+            return Err(refused(format!("shared memory of {size} bytes where {len} were promised")));
         }
         map(fd, len, seals.contains(SealFlags::WRITE))
     }
@@ -153,6 +154,17 @@ mod tests {
         assert!(MemoryFile::open(loose, 0).is_err());
         let not_memory = crate::sys::bell().unwrap();
         assert!(MemoryFile::open(not_memory, 0).is_err());
+    }
+
+    #[test]
+    fn only_the_bytes_asked_for_are_mapped_of_a_larger_file() {
+        // 16 TiB, sparse: mapped whole, a few such files would take the address space.
+        let huge = memfd_create("huge", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+        ftruncate(&huge, 16 << 40).unwrap();
+        fcntl_add_seals(&huge, SIZE_SEALS | SealFlags::SEAL).unwrap();
+        let b = MemoryFile::open(huge, 4096).unwrap();
+        assert_eq!(b.len(), 4096);
+        assert!(b.word(4088).is_some() && b.word(4096).is_none());
     }
 
     #[test]

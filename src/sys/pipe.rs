@@ -47,7 +47,8 @@ pub(crate) fn is_pipe_writer(fd: BorrowedFd<'_>) -> bool {
     fifo && fcntl_getfl(fd).is_ok_and(|flags| flags.contains(OFlags::WRONLY) && !flags.contains(OFlags::RDWR))
 }
 
-/// A pipe's identity (device and inode): both ends of one pipe, and every copy of them, share it.
+/// A file's identity (device and inode): both ends of one pipe, and every copy of a descriptor
+/// (received or duplicated), share it.
 pub(crate) fn identity(fd: BorrowedFd<'_>) -> Option<(u64, u64)> {
     rustix::fs::fstat(fd).ok().map(|st| (st.st_dev, st.st_ino))
 }

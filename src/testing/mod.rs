@@ -127,6 +127,11 @@ impl StorageKind for FakeKind {
         Ok(())
     }
 
+    /// Fake memory has nothing to tell one allocation from another by.
+    fn same_memory(_: &Memory<Self>, _: &FakeWire) -> bool {
+        true
+    }
+
     /// Not while "work" is queued on it: that work, unlike a GPU's, would outlive this process.
     fn cacheable(raw: &FakeMemory) -> bool {
         raw.busy_until.lock().unwrap_or_else(|p| p.into_inner()).is_none_or(|until| until <= Instant::now())
