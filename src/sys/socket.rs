@@ -348,14 +348,33 @@ fn recv_packet(socket: BorrowedFd<'_>, buf: &mut [u8], wait: Wait) -> io::Result
         // only when this process is out of descriptors (or on a forged packet with more).
         let fds_dropped = got.flags.contains(ReturnFlags::CTRUNC);
         if got.bytes == 0 && fds.is_empty() && !fds_dropped {
-            // Every message of ours has a header: no bytes is the end once the peer is gone,
-            // and an empty message of a peer that is not ours while it lives.
-            if peer_gone(&socket) {
+            // Every message of ours has a header: no bytes is the end once the peer is gone
+            // (unless a message follows: the end reads as no bytes too), and an empty message
+            // of a peer that is not ours while it lives.
+            if peer_gone(&socket) && !message_follows(socket) {
                 return Ok(None);
             }
             return Err(invalid("an empty message"));
         }
         return Ok(Some(Packet { len: got.bytes, fds, fds_dropped }));
+    }
+}
+
+/// Whether a message with bytes or descriptors waits next on `socket` (looked at, not taken).
+/// One look: behind two empty messages in a row, it is taken for the end.
+fn message_follows(socket: BorrowedFd<'_>) -> bool {
+    let mut byte = [0u8; 1];
+    let mut space = [MaybeUninit::uninit(); CONTROL_SPACE];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let flags = RecvFlags::PEEK | RecvFlags::DONTWAIT | RecvFlags::CMSG_CLOEXEC;
+    match recvmsg(socket, &mut [IoSliceMut::new(&mut byte)], &mut control, flags) {
+        // Descriptors a look copies here are closed with `control`.
+        Ok(got) => {
+            got.bytes > 0
+                || got.flags.intersects(ReturnFlags::TRUNC | ReturnFlags::CTRUNC)
+                || control.drain().next().is_some()
+        }
+        Err(_) => false,
     }
 }
 
@@ -711,5 +730,23 @@ mod tests {
         assert_eq!(server.recv(8, Wait::Forever).unwrap().unwrap().bytes, b"hi");
         assert_ne!(client.identity(), server.identity());
         std::fs::remove_file(&path).unwrap();
+    }
+}
+
+#[cfg(test)]
+mod empty_messages {
+    use super::*;
+
+    /// An empty message read once the peer is gone is not taken for the end while a message
+    /// follows it.
+    #[test]
+    fn an_empty_message_does_not_hide_the_messages_behind_it() {
+        let (a, b) = Socket::pair().unwrap();
+        rustix::net::send(&a.0, &[], SendFlags::empty()).unwrap();
+        a.send(&[b"after"], &[], Wait::Forever).unwrap();
+        drop(a);
+        assert!(b.recv(16, Wait::Not).is_err(), "the empty message is reported");
+        assert_eq!(b.recv(16, Wait::Not).unwrap().map(|m| m.bytes), Some(b"after".to_vec()));
+        assert!(b.recv(16, Wait::Not).unwrap().is_none(), "then the end");
     }
 }
