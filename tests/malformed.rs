@@ -142,7 +142,7 @@ fn a_view_beyond_its_storage_is_rejected() {
     // The claimed size exceeds the memory that came with the message.
     tx.send(forged(0, vec![2], 4096)).unwrap();
     let m = malformed(rx.recv());
-    assert!(m.contains("shared memory holds 16 bytes but the message claims 4096"), "{m}");
+    assert!(m.contains("shared memory of 16 bytes where 4096 were promised"), "{m}");
     // Strides past isize::MAX, and strides that overflow.
     let mut f = forged(0, vec![2, 2], 16);
     f.strides = vec![usize::MAX, 1];

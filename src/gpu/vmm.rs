@@ -153,12 +153,15 @@ impl VmmMemory {
     }
 
     /// Whether `wire` carries this memory: its descriptor is a copy of the one this mapping
-    /// holds (an allocation is exported once, and forwarders pass on what they received).
+    /// holds, one open file (an allocation is exported once, and forwarders pass on what they
+    /// received). The driver's descriptors are opens of its control device, all one inode:
+    /// where the kernel will not compare open files, only the size is checked.
     pub(crate) fn carried_by(&self, wire: &VmmWire) -> bool {
-        let held = self.fd.get().and_then(|held| crate::sys::file_identity(held.fd.as_fd()));
-        held.is_some()
-            && held == crate::sys::file_identity(wire.descriptor.0.as_fd())
-            && wire.size == self.region.size() as u64
+        let Some(held) = self.fd.get() else { return false };
+        let (ours, theirs) = (held.fd.as_fd(), wire.descriptor.0.as_fd());
+        let same_file = crate::sys::same_open_file(ours, theirs)
+            .unwrap_or_else(|| crate::sys::file_identity(ours) == crate::sys::file_identity(theirs));
+        same_file && wire.size == self.region.size() as u64
     }
 
     /// True when mapped from another process.

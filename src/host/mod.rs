@@ -10,7 +10,7 @@ pub use caching::{empty_host_cache, host_allocator_stats, host_caching, set_host
 #[cfg(feature = "remote")]
 pub(crate) use tensor::gather_bytes;
 
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -85,18 +85,38 @@ pub(crate) enum HostWire {
 
 /// Shared memory as it travels: through the message's descriptors. On arrival it stays a
 /// descriptor until `open` maps it, once the record says how many bytes it must hold.
-pub(crate) struct SharedMemory(wire::Held);
+pub(crate) enum SharedMemory {
+    /// This process's memory file, to send.
+    Sent(Arc<MemoryFile>),
+    /// A descriptor that arrived, not mapped yet.
+    Arrived(OwnedFd),
+}
+
+impl SharedMemory {
+    fn fd(&self) -> BorrowedFd<'_> {
+        match self {
+            SharedMemory::Sent(file) => file.as_fd(),
+            SharedMemory::Arrived(fd) => fd.as_fd(),
+        }
+    }
+}
 
 impl Serialize for SharedMemory {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
-        wire::carry(self.0.clone(), None).map_err(wire::encode_error)?.serialize(serializer)
+        let held: wire::Held = match self {
+            SharedMemory::Sent(file) => file.clone(),
+            SharedMemory::Arrived(_) => {
+                return Err(wire::encode_error(Error::Unsupported("sending memory that was never mapped".into())));
+            }
+        };
+        wire::carry(held, None).map_err(wire::encode_error)?.serialize(serializer)
     }
 }
 
 impl<'de> Deserialize<'de> for SharedMemory {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
         let fd = wire::take(wire::Carried::deserialize(deserializer)?).map_err(wire::decode_error)?;
-        Ok(SharedMemory(Arc::new(fd)))
+        Ok(SharedMemory::Arrived(fd))
     }
 }
 
@@ -110,7 +130,7 @@ impl StorageKind for HostKind {
 
     fn export(memory: &Memory<Self>) -> Result<HostWire> {
         match memory.raw() {
-            HostMemory::File(file) => Ok(HostWire::File { shm: Some(SharedMemory(file.clone())) }),
+            HostMemory::File(file) => Ok(HostWire::File { shm: Some(SharedMemory::Sent(file.clone())) }),
             HostMemory::Pooled(block) => caching::block_wire(block.segment(), block.offset()),
             HostMemory::Imported { segment, offset } => caching::block_wire(segment, *offset),
         }
@@ -133,8 +153,10 @@ impl StorageKind for HostKind {
             HostWire::File { shm } => shm,
             HostWire::Block { segment, offset } => return caching::open_block(segment, *offset, bytes),
         };
-        let fd = shm.take().ok_or_else(|| Error::Malformed("host storage without its memory".into()))?.0;
-        let fd = fd.as_fd().try_clone_to_owned().map_err(|e| wire::descriptor_error(e.into()))?;
+        let fd = match shm.take() {
+            Some(SharedMemory::Arrived(fd)) => fd,
+            _ => return Err(Error::Malformed("host storage without its memory".into())),
+        };
         let shm =
             MemoryFile::open(fd, bytes).map_err(|e| Error::Malformed(format!("a host tensor's shared memory: {e}")))?;
         refuse_frozen(&shm, "a host tensor")?;
@@ -145,7 +167,7 @@ impl StorageKind for HostKind {
         match (wire, memory.raw()) {
             (HostWire::File { shm: Some(shm) }, HostMemory::File(file)) => {
                 let mapped = crate::sys::file_identity(file.as_fd());
-                mapped.is_some() && mapped == crate::sys::file_identity(shm.0.as_fd())
+                mapped.is_some() && mapped == crate::sys::file_identity(shm.fd())
             }
             (HostWire::Block { segment, offset }, HostMemory::Imported { segment: mapped, offset: at }) => {
                 segment.id() == Some(mapped.handle().memory().id()) && *offset == *at as u64

@@ -26,7 +26,7 @@ pub(crate) use mapping::Mapping;
 pub(crate) use memory::MemoryFile;
 pub(crate) use named::NamedMemory;
 pub(crate) use pipe::{
-    RECORD_MAX, identity as file_identity, is_pipe_writer, lease_pipe, read_available, write_record,
+    RECORD_MAX, identity as file_identity, is_pipe_writer, lease_pipe, read_available, same_open_file, write_record,
 };
 #[cfg(test)]
 pub(crate) use process::fork_and_run;

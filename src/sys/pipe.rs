@@ -2,7 +2,7 @@
 //! every holder (how they are used, and why a pipe: src/lifetime/README.md, "Leases and claims").
 
 use std::io;
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::time::Duration;
 
 use rustix::event::{PollFd, PollFlags};
@@ -53,6 +53,28 @@ pub(crate) fn identity(fd: BorrowedFd<'_>) -> Option<(u64, u64)> {
     rustix::fs::fstat(fd).ok().map(|st| (st.st_dev, st.st_ino))
 }
 
+/// Whether `a` and `b` are one open file (`kcmp(KCMP_FILE)`: copies made by `dup` or passed
+/// in messages are; two opens of one file are not). `None` where the kernel will not say (a
+/// container's seccomp profile may refuse `kcmp`).
+pub(crate) fn same_open_file(a: BorrowedFd<'_>, b: BorrowedFd<'_>) -> Option<bool> {
+    /// `KCMP_FILE` of `linux/kcmp.h`.
+    const KCMP_FILE: libc::c_long = 0;
+    let pid = libc::c_long::from(rustix::process::getpid().as_raw_nonzero().get());
+    // SAFETY: kcmp only compares kernel objects of this process named by number: both
+    // descriptors are borrowed, so open for the call; no memory is passed.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_kcmp,
+            pid,
+            pid,
+            KCMP_FILE,
+            libc::c_long::from(a.as_raw_fd()),
+            libc::c_long::from(b.as_raw_fd()),
+        )
+    };
+    (r >= 0).then_some(r == 0)
+}
+
 /// Writes one record (at most [`RECORD_MAX`] bytes) to a pipe's writing end, whole, waiting
 /// while the pipe is full.
 pub(crate) fn write_record(pipe: BorrowedFd<'_>, record: &[u8]) -> io::Result<()> {
@@ -94,6 +116,25 @@ mod tests {
     use super::*;
     use crate::sys::reader_gone;
     use std::os::fd::AsFd;
+
+    /// A copy of a descriptor is the same open file; a second open of the same file is not.
+    #[test]
+    fn copies_of_a_descriptor_are_one_open_file() {
+        let (read, write) = lease_pipe().unwrap();
+        let copy = write.try_clone().unwrap();
+        let other = rustix::fs::open("/dev/null", OFlags::RDONLY, rustix::fs::Mode::empty()).unwrap();
+        let again = rustix::fs::open("/dev/null", OFlags::RDONLY, rustix::fs::Mode::empty()).unwrap();
+        match same_open_file(write.as_fd(), copy.as_fd()) {
+            Some(same) => {
+                assert!(same);
+                assert_eq!(same_open_file(write.as_fd(), read.as_fd()), Some(false));
+                assert_eq!(same_open_file(other.as_fd(), again.as_fd()), Some(false), "one inode, two opens");
+            }
+            // The kernel will not compare (seccomp): it says so for every pair alike.
+            None => assert_eq!(same_open_file(other.as_fd(), again.as_fd()), None),
+        }
+        assert_eq!(identity(other.as_fd()), identity(again.as_fd()));
+    }
 
     #[test]
     fn records_arrive_whole_and_the_last_writer_closing_ends_the_pipe() {
