@@ -2,7 +2,7 @@
 //! every holder (how they are used, and why a pipe: src/lifetime/README.md, "Leases and claims").
 
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::time::Duration;
 
 use rustix::event::{PollFd, PollFlags};
@@ -56,7 +56,9 @@ pub(crate) fn identity(fd: BorrowedFd<'_>) -> Option<(u64, u64)> {
 /// Whether `a` and `b` are one open file (`kcmp(KCMP_FILE)`: copies made by `dup` or passed
 /// in messages are; two opens of one file are not). `None` where the kernel will not say (a
 /// container's seccomp profile may refuse `kcmp`).
+#[cfg(any(test, feature = "cuda"))]
 pub(crate) fn same_open_file(a: BorrowedFd<'_>, b: BorrowedFd<'_>) -> Option<bool> {
+    use std::os::fd::AsRawFd;
     /// `KCMP_FILE` of `linux/kcmp.h`.
     const KCMP_FILE: libc::c_long = 0;
     let pid = libc::c_long::from(rustix::process::getpid().as_raw_nonzero().get());
