@@ -26,7 +26,7 @@ pub(crate) mod kind {
     pub(crate) const MESSAGE: u8 = 0;
     /// Local: a message whose bytes lie in a frozen memory file.
     pub(crate) const SHARED: u8 = 1;
-    /// Local: "read this batch to its end, then come back".
+    /// Local: "read this batch until it is empty, then come back".
     pub(crate) const REDIRECT: u8 = 2;
     /// Local: a sending process's ring.
     pub(crate) const RING: u8 = 3;

@@ -94,8 +94,7 @@ struct Backlog {
 /// redirect that hands it on.
 struct Batch {
     /// `None` once the batch is full: nothing more is written to it. A forked child closes
-    /// its copy (the child's sends have a backlog of their own), or the receiver, which
-    /// reads a batch to its end, would wait for that child to exit.
+    /// its copy (the child's sends have a backlog of their own, and must not write here).
     tx: Option<NotInherited<Socket>>,
     rx: Socket,
     /// What its frames cost its socket, and what they may cost without a write waiting.
