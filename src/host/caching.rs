@@ -124,8 +124,7 @@ impl StorageKind for SegmentKind {
     }
 
     fn same_memory(memory: &Memory<Self>, wire: &SegmentWire) -> bool {
-        let mapped = crate::sys::file_identity(memory.raw().as_fd());
-        mapped.is_some() && wire.fd.as_ref().is_some_and(|fd| crate::sys::file_identity(fd.0.as_fd()) == mapped)
+        wire.fd.as_ref().is_some_and(|fd| crate::sys::same_file(memory.raw().as_fd(), fd.0.as_fd()))
     }
 }
 

@@ -166,8 +166,7 @@ impl StorageKind for HostKind {
     fn same_memory(memory: &Memory<Self>, wire: &HostWire) -> bool {
         match (wire, memory.raw()) {
             (HostWire::File { shm: Some(shm) }, HostMemory::File(file)) => {
-                let mapped = crate::sys::file_identity(file.as_fd());
-                mapped.is_some() && mapped == crate::sys::file_identity(shm.fd())
+                crate::sys::same_file(file.as_fd(), shm.fd())
             }
             (HostWire::Block { segment, offset }, HostMemory::Imported { segment: mapped, offset: at }) => {
                 segment.id() == Some(mapped.handle().memory().id()) && *offset == *at as u64

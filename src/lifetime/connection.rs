@@ -254,10 +254,10 @@ impl ConnectionLeases {
     pub(crate) fn forget(&self, names: &[ConnectionKey]) {
         let mut known = self.lock();
         for name in names {
-            known.by_name.remove(name);
+            if let Some(pipe) = known.by_name.remove(name).and_then(|l| crate::sys::file_identity(l.tx.as_fd())) {
+                known.pipes.remove(&pipe);
+            }
         }
-        let pipes = known.by_name.values().filter_map(|l| crate::sys::file_identity(l.tx.as_fd())).collect();
-        known.pipes = pipes;
         known.swept = known.by_name.len();
     }
 

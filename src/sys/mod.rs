@@ -28,7 +28,7 @@ pub(crate) use named::NamedMemory;
 #[cfg(feature = "cuda")]
 pub(crate) use pipe::same_open_file;
 pub(crate) use pipe::{
-    RECORD_MAX, identity as file_identity, is_pipe_writer, lease_pipe, read_available, write_record,
+    RECORD_MAX, identity as file_identity, is_pipe_writer, lease_pipe, read_available, same_file, write_record,
 };
 #[cfg(test)]
 pub(crate) use process::fork_and_run;

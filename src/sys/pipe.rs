@@ -53,6 +53,12 @@ pub(crate) fn identity(fd: BorrowedFd<'_>) -> Option<(u64, u64)> {
     rustix::fs::fstat(fd).ok().map(|st| (st.st_dev, st.st_ino))
 }
 
+/// Whether `a` and `b` are one file (both identities known, and equal).
+pub(crate) fn same_file(a: BorrowedFd<'_>, b: BorrowedFd<'_>) -> bool {
+    let a = identity(a);
+    a.is_some() && a == identity(b)
+}
+
 /// Whether `a` and `b` are one open file (`kcmp(KCMP_FILE)`: copies made by `dup` or passed
 /// in messages are; two opens of one file are not). `None` where the kernel will not say (a
 /// container's seccomp profile may refuse `kcmp`).
