@@ -159,8 +159,7 @@ impl VmmMemory {
     pub(crate) fn carried_by(&self, wire: &VmmWire) -> bool {
         let Some(held) = self.fd.get() else { return false };
         let (ours, theirs) = (held.fd.as_fd(), wire.descriptor.0.as_fd());
-        let same_file = crate::sys::same_open_file(ours, theirs)
-            .unwrap_or_else(|| crate::sys::file_identity(ours) == crate::sys::file_identity(theirs));
+        let same_file = crate::sys::same_open_file(ours, theirs).unwrap_or_else(|| crate::sys::same_file(ours, theirs));
         same_file && wire.size == self.region.size() as u64
     }
 

@@ -4,6 +4,7 @@
 use std::any::Any;
 use std::collections::HashSet;
 use std::sync::{Arc, Weak};
+use std::thread::ThreadId;
 
 use super::lease::{CacheTicket, Cover, Lease};
 use super::table::{NO_SLOT, Table};
@@ -22,20 +23,25 @@ pub(crate) fn import<H: Any + Send + Sync>(
     open: impl FnOnce() -> Result<Arc<H>>,
 ) -> Result<Arc<H>> {
     let key: ImportKey = (id, kind);
+    let me = std::thread::current().id();
     let mut s = state();
-    // This thread's own open of the same storage (a forged block record that names itself as
-    // its segment) would wait for itself for ever.
-    if s.opening.get(&key) == Some(&std::thread::current().id()) {
-        return Err(Error::Malformed(format!("a record of storage {id} needs that storage to open it")));
-    }
     // Wait while the storage is being opened or closed, or while its last handle is being
     // dropped (it is about to be cached or closed).
-    while s.opening.contains_key(&key)
-        || s.closing.contains_key(&key)
-        || s.imported.get(&key).is_some_and(|w| w.strong_count() == 0)
-    {
+    loop {
+        if let Some(&opener) = s.opening.get(&key) {
+            // An open that (through the opens it waits for) waits for this thread would wait
+            // for ever: forged block records naming themselves, or each other, as segments.
+            if waits_for(&s, opener, me) {
+                s.waiting.remove(&me);
+                return Err(Error::Malformed(format!("a record of storage {id} needs that storage to open it")));
+            }
+        } else if !(s.closing.contains_key(&key) || s.imported.get(&key).is_some_and(|w| w.strong_count() == 0)) {
+            break;
+        }
+        s.waiting.insert(me, key);
         s = wait(s, None);
     }
+    s.waiting.remove(&me);
     if let Some(existing) = s.imported.get(&key).and_then(Weak::upgrade)
         && let Ok(handle) = existing.downcast::<H>()
     {
@@ -48,7 +54,7 @@ pub(crate) fn import<H: Any + Send + Sync>(
         notify();
         return Ok(handle);
     }
-    s.opening.insert(key, std::thread::current().id());
+    s.opening.insert(key, me);
     drop(s);
     // Unmarks the key however `open` ends: a panic in it must not leave every later import of
     // the storage waiting for ever.
@@ -76,6 +82,23 @@ pub(crate) fn import<H: Any + Send + Sync>(
     drop(s);
     drop(mark);
     opened
+}
+
+/// Whether `opener` (the thread opening a storage) waits, through the chain of opens each
+/// thread waits for, for thread `me`.
+fn waits_for(s: &State, opener: ThreadId, me: ThreadId) -> bool {
+    let mut thread = opener;
+    // A chain is at most as long as the threads waiting; the bound keeps a bug from looping.
+    for _ in 0..=s.waiting.len() {
+        if thread == me {
+            return true;
+        }
+        match s.waiting.get(&thread).and_then(|key| s.opening.get(key)) {
+            Some(&next) => thread = next,
+            None => return false,
+        }
+    }
+    false
 }
 
 /// An open of a mapping that takes this long is reported (`warn`): mappings open in

@@ -132,6 +132,9 @@ struct State {
     /// Mappings being opened right now (outside the lock), by the thread opening each: a
     /// second import of the same storage waits for the first.
     opening: HashMap<ImportKey, std::thread::ThreadId>,
+    /// The storage each thread waits in `import` to see opened (to refuse a wait that would
+    /// close a cycle of opens).
+    waiting: HashMap<std::thread::ThreadId, ImportKey>,
     /// Mappings being closed right now (outside the lock): not to be opened again until done.
     /// (Counted: an eviction and the close it leads to each hold a mark.)
     closing: HashMap<ImportKey, usize>,

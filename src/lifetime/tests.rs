@@ -503,3 +503,38 @@ fn an_import_that_needs_itself_to_open_is_refused() {
     assert!(got.is_err());
     assert!(!state().opening.contains_key(&(id, "fake")), "and unmarked");
 }
+
+/// Two forged records that name each other as their segments, decoded on two threads at once:
+/// the import that would close the cycle of waits is refused, so neither waits for ever.
+#[test]
+fn imports_that_need_each_other_to_open_are_refused() {
+    let (a, b) = (StorageId::foreign(foreign_owner(), 4), StorageId::foreign(foreign_owner(), 5));
+    let both_opening = Arc::new(Barrier::new(2));
+    // Opens `this`, which needs `other`, which (opened here) needs `this` again.
+    let open = |this: StorageId, other: StorageId, both_opening: Arc<Barrier>| {
+        move || {
+            import::<Mapping>(
+                this,
+                "fake",
+                |_| None,
+                || {
+                    both_opening.wait();
+                    import::<Mapping>(
+                        other,
+                        "fake",
+                        |_| None,
+                        || import::<Mapping>(this, "fake", |_| None, || unreachable!()),
+                    )
+                },
+            )
+        }
+    };
+    let first = std::thread::spawn(open(a, b, both_opening.clone()));
+    let second = std::thread::spawn(open(b, a, both_opening));
+    let (first, second) = (first.join().unwrap(), second.join().unwrap());
+    let refused = |r: &crate::Result<Arc<Mapping>>| matches!(r, Err(crate::Error::Malformed(_)));
+    assert!(refused(&first) && refused(&second), "{:?} {:?}", first.err(), second.err());
+    let s = state();
+    assert!(!s.opening.contains_key(&(a, "fake")) && !s.opening.contains_key(&(b, "fake")));
+    assert!(s.waiting.is_empty(), "no thread is left marked as waiting");
+}
