@@ -203,6 +203,19 @@ impl Gauge {
         self.region.u32(READ_AT).fetch_add(1, Ordering::SeqCst);
     }
 
+    /// The frames our senders have counted as written to the socket (wrapping).
+    pub(super) fn frames_written(&self) -> u32 {
+        self.region.u32(WRITTEN_AT).load(Ordering::SeqCst)
+    }
+
+    /// Whether the receiver has read `written` frames from the socket (wrapping): then every
+    /// frame written before [`frames_written`](Self::frames_written) said `written` has been
+    /// read, as the socket keeps their order and every frame written to it is counted before
+    /// its write.
+    pub(super) fn frames_read_past(&self, written: u32) -> bool {
+        self.region.u32(READ_AT).load(Ordering::SeqCst).wrapping_sub(written) as i32 >= 0
+    }
+
     /// True when every frame our senders wrote to the socket has been read (a killed writer can
     /// keep it false: README.md, "Rings", Trust).
     pub(super) fn socket_read_up(&self) -> bool {

@@ -54,12 +54,35 @@ pub(super) struct Inbox {
     /// How many owners the segment table had been told gone when the current receive began
     /// (`KnownSegments::forget_gone`).
     told_gone: u64,
+    /// What a receiver that never finds its channel empty found gone, waiting for the socket to
+    /// be read past it (`sweep_busy`).
+    busy_sweep: Option<BusySweep>,
+    /// Messages delivered since `busy_sweep` was last looked at.
+    delivered: u32,
     /// A spill batch was lost with its messages (this process was out of descriptors): a
     /// ring whose next message is missing and nothing else to read steps over it.
     pub(super) gaps: bool,
     /// What the sender of a named connection said it sends, when that is not `T`: named in
     /// the error of a message that does not decode.
     pub(super) sender_sends: Option<String>,
+}
+
+/// What a sweep of a receiver that is never idle found gone, and where the socket stood then
+/// (README.md, "Rings", Order).
+struct BusySweep {
+    /// When it began: what it found is let go a second later at the earliest, so that a gone
+    /// process whose lease was seen closed has closed its ring's pipe too (its descriptors
+    /// close one by one as it exits).
+    began: Instant,
+    /// The frames our senders had counted as written to the socket after it looked: once the
+    /// receiver has read as many, every frame written before it has been read.
+    written: u32,
+    /// Connection leases whose owners were gone.
+    leases: Vec<crate::lifetime::ConnectionKey>,
+    /// How many owners the segment table had been told gone.
+    told_gone: u64,
+    /// The rings whose writers were gone.
+    rings: Vec<u64>,
 }
 
 /// A frame read before its turn.
@@ -273,6 +296,13 @@ const YIELD_AFTER: u32 = 256;
 /// Messages from rings in a row before the socket's turn.
 const RING_STREAK: u32 = 16;
 
+/// How often (in messages delivered) a receiver looks for senders gone without waiting for
+/// its channel to be empty (`Inbox::sweep_busy`).
+const BUSY_SWEEP_EVERY: u32 = 256;
+
+/// How long after a busy sweep what it found gone is let go at the earliest.
+const BUSY_SWEEP_SETTLE: Duration = Duration::from_secs(1);
+
 /// Messages this process received from rings (for the tests).
 pub(super) static RING_MESSAGES: AtomicU64 = AtomicU64::new(0);
 
@@ -324,6 +354,8 @@ impl Inbox {
             leases,
             leases_gone: Vec::new(),
             told_gone: 0,
+            busy_sweep: None,
+            delivered: 0,
             gaps: false,
             sender_sends: None,
         }
@@ -416,6 +448,56 @@ impl Inbox {
         }
     }
 
+    /// What `read_everything` does for a receiver that may never find its channel empty (a
+    /// saturated channel fed by workers that come and go), every [`BUSY_SWEEP_EVERY`]
+    /// messages: it notes which senders are gone and how many frames had been written to the
+    /// socket then; once that many were read (and no batch or stashed frame is left), every
+    /// frame those senders wrote has been delivered, so what their rings still lack was lost,
+    /// and once their rings are empty too, nothing names their leases and segments any more.
+    fn sweep_busy(&mut self, gauge: &Gauge) {
+        let Some(sweep) = &self.busy_sweep else {
+            let leases = self.leases.gone_if_due();
+            let told_gone = self.leases.segments().told_gone();
+            let rings = self.rings.iter().filter(|r| r.writer_gone()).map(|r| r.id).collect();
+            // Counted after the looks above: the frames of senders found gone were all counted.
+            let written = gauge.frames_written();
+            self.busy_sweep = Some(BusySweep { began: Instant::now(), written, leases, told_gone, rings });
+            return;
+        };
+        let settled = sweep.began.elapsed() >= BUSY_SWEEP_SETTLE
+            && gauge.frames_read_past(sweep.written)
+            && self.spill.is_none()
+            && self.stash.is_none();
+        if !settled {
+            return;
+        }
+        let sweep = self.busy_sweep.take().expect("looked at above");
+        for ring in self.rings.iter_mut().filter(|r| sweep.rings.contains(&r.id)) {
+            // Nothing numbered before its first entry is still coming.
+            if let Ok(Some(first)) = ring.first()
+                && first > ring.next()
+            {
+                ring.set_next(first);
+            }
+        }
+        self.rings.retain(|r| {
+            let gone = sweep.rings.contains(&r.id) && !r.has_entries();
+            if gone {
+                gauge.free_places(r.never_delivered());
+            }
+            !gone
+        });
+        if self.rings.iter().any(|r| r.has_entries() && r.writer_gone()) {
+            // A gone sender's messages still wait in its ring: let go at a later sweep.
+            self.busy_sweep = Some(BusySweep { rings: Vec::new(), ..sweep });
+            return;
+        }
+        if !sweep.leases.is_empty() {
+            self.leases.forget(&sweep.leases);
+        }
+        self.leases.segments().forget_gone(sweep.told_gone);
+    }
+
     /// Whether nothing waits to be read: in the stash, a ring, a batch or the socket.
     pub(super) fn everything_read(&mut self) -> bool {
         self.nothing_waits_here() && self.main.pending_bytes() == 0
@@ -432,7 +514,14 @@ impl Inbox {
     fn look<T: DeserializeOwned>(&mut self, gauge: &Gauge, kernel: bool) -> Option<Result<T, Missing>> {
         loop {
             match self.look_once(gauge, kernel) {
-                Look::Got(got) => return Some(got),
+                Look::Got(got) => {
+                    self.delivered += 1;
+                    if self.delivered >= BUSY_SWEEP_EVERY {
+                        self.delivered = 0;
+                        self.sweep_busy(gauge);
+                    }
+                    return Some(got);
+                }
                 Look::Again => {}
                 Look::Nothing => return None,
             }

@@ -1483,6 +1483,57 @@ mod tests {
         assert_eq!(writing, ring::MAX_RINGS, "the writers of refused rings take the socket");
     }
 
+    /// A receiver that never finds its channel empty (every receive finds a message waiting on
+    /// the socket) still lets go of what senders gone left: their connection leases and their
+    /// rings, and it passes over a gap in a gone sender's order (its lost backlog), once it has
+    /// read past everything they wrote. Only an idle receiver did, before.
+    #[test]
+    fn a_receiver_that_is_never_idle_lets_go_of_senders_gone() {
+        use crate::lifetime::{ConnectionKey, Introduction, Lease};
+        let (tx, rx) = channel::<Vec<u8>>().unwrap();
+        let message = |v: Vec<u8>| [postcard::to_allocvec(&v).unwrap(), vec![0]].concat();
+        // Past a ring entry's size: these take the socket.
+        let big = || vec![1u8; 9 << 10];
+        tx.send(big()).unwrap();
+        // A sender gone whose ring holds a message numbered after one it lost.
+        let (writer, ring_intro) = ring::RingWriter::new().unwrap();
+        tx.outbox().write_frame(&FrameOut::Ring(&ring_intro));
+        // Senders gone, each having introduced its connection lease.
+        for key in 0..40 {
+            let (owner_end, lease) = crate::sys::lease_pipe().unwrap();
+            drop(owner_end);
+            let intro = [Introduction { name: ConnectionKey { owner: 7, key }, lease: Lease::from_fd(lease) }];
+            let bytes = message(vec![2]);
+            tx.outbox().write_frame(&FrameOut::message(&bytes, 1 << 20, &intro).unwrap());
+        }
+        let (mut gap_passed, mut writer) = (false, Some(writer));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            tx.send(big()).unwrap();
+            let got = rx.recv_timeout(Duration::from_secs(5)).expect("a message");
+            gap_passed |= got == [9];
+            let kept = || {
+                let inbox = rx.lock();
+                (inbox.leases.all().len(), inbox.rings.len())
+            };
+            let (leases, rings) = kept();
+            if rings > 0
+                && let Some(mut w) = writer.take()
+            {
+                w.sent();
+                assert!(w.push(&message(vec![9])), "the ring was adopted");
+            }
+            if gap_passed && writer.is_none() && leases == 0 && rings == 0 {
+                return;
+            }
+        }
+        let inbox = rx.lock();
+        let (leases, rings) = (inbox.leases.all().len(), inbox.rings.len());
+        panic!(
+            "after 20 s of receives: gap passed {gap_passed}, {leases} leases and {rings} rings of senders gone kept"
+        );
+    }
+
     /// An empty message written to the channel's socket by a peer that is not cuda-mp's (it
     /// holds a sender's socket) is malformed, not the channel's end: the receives after it go
     /// on (it read as `Disconnected`, before).
