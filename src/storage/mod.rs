@@ -520,7 +520,13 @@ pub(crate) fn import<S: Shared>(
             || {
                 let cover = cover.take().expect("opened once");
                 let raw = profile::timed(Phase::Open, || S::Kind::open(&mut kind, bytes, &place))
-                    .map_err(|e| if cover.owner_alive() { e } else { Error::OwnerExited(e.to_string()) })?;
+                    // A record refused for what it says is refused whoever holds its memory
+                    // (and a segment's open already says when its owner had exited).
+                    .map_err(|e| match e {
+                        Error::Malformed(_) | Error::OwnerExited(_) => e,
+                        e if cover.owner_alive() => e,
+                        e => Error::OwnerExited(e.to_string()),
+                    })?;
                 if id.is_internal() {
                     S::Kind::opened_segment(&raw);
                 }
