@@ -155,9 +155,6 @@ pub(crate) fn park_idle(
     let key = (id, kind);
     let slot = ticket.map_or(NO_SLOT, |t| t.slot);
     let mut s = state();
-    if s.imported.get(&key).is_some_and(|w| w.strong_count() == 0) {
-        s.imported.remove(&key);
-    }
     // Cache while the owner holds the storage; also while the owner's table is still on its
     // way (the mapping is checked when it arrives, or evicted if the owner goes away first).
     let keep = match s.owner_tables.get(&id.owner()) {
@@ -165,6 +162,12 @@ pub(crate) fn park_idle(
         Some(None) => slot != NO_SLOT,
         None => false,
     };
+    // A mapping handed back to be closed stays in the import table (its handle dead) until
+    // `close_import` marks it closing: a new import waits for the close meanwhile, rather than
+    // opening a second mapping beside the one about to close.
+    if keep && s.imported.get(&key).is_some_and(|w| w.strong_count() == 0) {
+        s.imported.remove(&key);
+    }
     let (result, replaced) = if keep {
         // A second mapping of the storage parked while one is cached: the older one is
         // closed, outside the lock (closing takes it).

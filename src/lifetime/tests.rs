@@ -536,5 +536,40 @@ fn imports_that_need_each_other_to_open_are_refused() {
     assert!(refused(&first) && refused(&second), "{:?} {:?}", first.err(), second.err());
     let s = state();
     assert!(!s.opening.contains_key(&(a, "fake")) && !s.opening.contains_key(&(b, "fake")));
-    assert!(s.waiting.is_empty(), "no thread is left marked as waiting");
+    assert!(!s.waiting.values().any(|(id, _)| *id == a || *id == b), "no thread is left marked as waiting");
+}
+
+/// The last handle of a mapping whose owner no longer holds the storage is handed back to be
+/// closed: until it is closed, a new import of the storage waits, rather than opening a
+/// second mapping beside it.
+#[test]
+fn an_import_waits_for_a_mapping_handed_back_to_be_closed() {
+    let id = StorageId::foreign(foreign_owner(), 1);
+    let mapping = || Ok(Arc::new(Mapping { closed: Arc::default() }));
+    let handle = import::<Mapping>(id, "fake", |_| None, mapping).unwrap();
+    // The mapping's memory, apart from the user's handle (which is being dropped).
+    let memory: AnyStorage = Arc::new(1u8);
+    drop(handle);
+    let back = park_idle(id, "fake", None, memory);
+    assert!(back.is_some(), "not kept: the owner's table is unknown");
+    let opened = Arc::new(AtomicU64::new(0));
+    let again = {
+        let opened = opened.clone();
+        std::thread::spawn(move || {
+            import::<Mapping>(
+                id,
+                "fake",
+                |_| None,
+                || {
+                    opened.fetch_add(1, Ordering::SeqCst);
+                    mapping()
+                },
+            )
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(opened.load(Ordering::SeqCst), 0, "a second mapping was opened before the first was closed");
+    close_import(id, "fake", || drop(back));
+    assert!(again.join().unwrap().is_ok());
+    assert_eq!(opened.load(Ordering::SeqCst), 1, "opened again once closed");
 }
