@@ -208,6 +208,11 @@ impl Gauge {
         self.region.u32(WRITTEN_AT).load(Ordering::SeqCst)
     }
 
+    /// The frames the receiver has read from the socket (wrapping).
+    pub(super) fn frames_read(&self) -> u32 {
+        self.region.u32(READ_AT).load(Ordering::SeqCst)
+    }
+
     /// Whether the receiver has read `written` frames from the socket (wrapping): then every
     /// frame written before [`frames_written`](Self::frames_written) said `written` has been
     /// read, as the socket keeps their order and every frame written to it is counted before

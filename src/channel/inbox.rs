@@ -54,11 +54,14 @@ pub(super) struct Inbox {
     /// How many owners the segment table had been told gone when the current receive began
     /// (`KnownSegments::forget_gone`).
     told_gone: u64,
-    /// What a receiver that never finds its channel empty found gone, waiting for the socket to
-    /// be read past it (`sweep_busy`).
+    /// What a receiver that never finds its channel empty found gone, waiting for the socket
+    /// and the rings to be read past it (`sweep_busy`).
     busy_sweep: Option<BusySweep>,
     /// Messages delivered since `busy_sweep` was last looked at.
     delivered: u32,
+    /// The shared counters' `read` once the redirect of the batch being read (`spill`) was
+    /// read: a batch handed on after a sweep looked holds no frame written before it.
+    spill_read_at: u32,
     /// A spill batch was lost with its messages (this process was out of descriptors): a
     /// ring whose next message is missing and nothing else to read steps over it.
     pub(super) gaps: bool,
@@ -67,22 +70,23 @@ pub(super) struct Inbox {
     pub(super) sender_sends: Option<String>,
 }
 
-/// What a sweep of a receiver that is never idle found gone, and where the socket stood then
-/// (README.md, "Rings", Order).
+/// What a sweep of a receiver that is never idle found gone, and where the socket and the
+/// rings stood then (README.md, "Rings", Order).
 struct BusySweep {
-    /// When it began: what it found is let go a second later at the earliest, so that a gone
-    /// process whose lease was seen closed has closed its ring's pipe too (its descriptors
-    /// close one by one as it exits).
-    began: Instant,
     /// The frames our senders had counted as written to the socket after it looked: once the
     /// receiver has read as many, every frame written before it has been read.
     written: u32,
+    /// The socket (and the batches its frames handed on) has been read past `written`.
+    socket_read: bool,
     /// Connection leases whose owners were gone.
     leases: Vec<crate::lifetime::ConnectionKey>,
     /// How many owners the segment table had been told gone.
     told_gone: u64,
     /// The rings whose writers were gone.
-    rings: Vec<u64>,
+    rings_gone: Vec<u64>,
+    /// Every ring's id and how far its writer had written: a gone sender's entries were all
+    /// written by then, whether or not its ring's pipe was seen closed.
+    tails: Vec<(u64, u64)>,
 }
 
 /// A frame read before its turn.
@@ -298,10 +302,7 @@ const RING_STREAK: u32 = 16;
 
 /// How often (in messages delivered) a receiver looks for senders gone without waiting for
 /// its channel to be empty (`Inbox::sweep_busy`).
-const BUSY_SWEEP_EVERY: u32 = 256;
-
-/// How long after a busy sweep what it found gone is let go at the earliest.
-const BUSY_SWEEP_SETTLE: Duration = Duration::from_secs(1);
+pub(super) const BUSY_SWEEP_EVERY: u32 = 256;
 
 /// Messages this process received from rings (for the tests).
 pub(super) static RING_MESSAGES: AtomicU64 = AtomicU64::new(0);
@@ -356,6 +357,7 @@ impl Inbox {
             told_gone: 0,
             busy_sweep: None,
             delivered: 0,
+            spill_read_at: 0,
             gaps: false,
             sender_sends: None,
         }
@@ -450,30 +452,29 @@ impl Inbox {
 
     /// What `read_everything` does for a receiver that may never find its channel empty (a
     /// saturated channel fed by workers that come and go), every [`BUSY_SWEEP_EVERY`]
-    /// messages: it notes which senders are gone and how many frames had been written to the
-    /// socket then; once that many were read (and no batch or stashed frame is left), every
-    /// frame those senders wrote has been delivered, so what their rings still lack was lost,
-    /// and once their rings are empty too, nothing names their leases and segments any more.
+    /// messages (README.md, "Rings", Order): it notes which senders are gone, how far every
+    /// ring was written, and then how many frames had been written to the socket. Once that
+    /// many were read (with no batch handed on before left to read, and no frame stashed),
+    /// every frame those senders wrote has been delivered: what their rings lack was lost, and
+    /// their rings go once empty. Once every ring has been read past where it was written,
+    /// no message names their leases and segments any more.
     fn sweep_busy(&mut self, gauge: &Gauge) {
-        let Some(sweep) = &self.busy_sweep else {
-            let leases = self.leases.gone_if_due();
-            let told_gone = self.leases.segments().told_gone();
-            let rings = self.rings.iter().filter(|r| r.writer_gone()).map(|r| r.id).collect();
-            // Counted after the looks above: the frames of senders found gone were all counted.
-            let written = gauge.frames_written();
-            self.busy_sweep = Some(BusySweep { began: Instant::now(), written, leases, told_gone, rings });
+        let Some(sweep) = &mut self.busy_sweep else {
+            self.start_busy_sweep(gauge, Vec::new());
             return;
         };
-        let settled = sweep.began.elapsed() >= BUSY_SWEEP_SETTLE
-            && gauge.frames_read_past(sweep.written)
-            && self.spill.is_none()
-            && self.stash.is_none();
-        if !settled {
-            return;
+        if !sweep.socket_read {
+            let batch_after = |read_at: u32| read_at.wrapping_sub(sweep.written) as i32 > 0;
+            sweep.socket_read = gauge.frames_read_past(sweep.written)
+                && (self.spill.is_none() || batch_after(self.spill_read_at))
+                && self.stash.is_none();
+            if !sweep.socket_read {
+                return;
+            }
         }
-        let sweep = self.busy_sweep.take().expect("looked at above");
-        for ring in self.rings.iter_mut().filter(|r| sweep.rings.contains(&r.id)) {
-            // Nothing numbered before its first entry is still coming.
+        // Nothing more comes from the writers gone then: nothing numbered before a ring's first
+        // entry, and nothing at all once it is empty.
+        for ring in self.rings.iter_mut().filter(|r| sweep.rings_gone.contains(&r.id)) {
             if let Ok(Some(first)) = ring.first()
                 && first > ring.next()
             {
@@ -481,21 +482,41 @@ impl Inbox {
             }
         }
         self.rings.retain(|r| {
-            let gone = sweep.rings.contains(&r.id) && !r.has_entries();
+            let gone = sweep.rings_gone.contains(&r.id) && !r.has_entries();
             if gone {
                 gauge.free_places(r.never_delivered());
             }
             !gone
         });
-        if self.rings.iter().any(|r| r.has_entries() && r.writer_gone()) {
-            // A gone sender's messages still wait in its ring: let go at a later sweep.
-            self.busy_sweep = Some(BusySweep { rings: Vec::new(), ..sweep });
+        let rings = &self.rings;
+        let read_past = |&(id, tail): &(u64, u64)| rings.iter().find(|r| r.id == id).is_none_or(|r| r.read_past(tail));
+        let sweep = self.busy_sweep.take().expect("looked at above");
+        if !sweep.tails.iter().all(read_past) {
+            // A ring waits for a message before its first entry (its writer lived when the
+            // sweep looked): looked at again from here, with what this sweep found gone.
+            self.start_busy_sweep(gauge, sweep.leases);
             return;
         }
         if !sweep.leases.is_empty() {
             self.leases.forget(&sweep.leases);
         }
         self.leases.segments().forget_gone(sweep.told_gone);
+    }
+
+    /// Notes what is gone now (and `leases` found gone before), how far every ring was
+    /// written, and then the frames written to the socket.
+    fn start_busy_sweep(&mut self, gauge: &Gauge, mut leases: Vec<crate::lifetime::ConnectionKey>) {
+        leases.extend(self.leases.gone_if_due());
+        // Those the idle path found and has not forgotten yet: forgetting twice is harmless.
+        leases.extend(self.leases_gone.iter().copied());
+        leases.sort_unstable_by_key(|k| (k.owner, k.key));
+        leases.dedup();
+        let told_gone = self.leases.segments().told_gone();
+        let rings_gone = self.rings.iter().filter(|r| r.writer_gone()).map(|r| r.id).collect();
+        let tails = self.rings.iter().map(|r| (r.id, r.tail())).collect();
+        // Counted after the looks above: the frames of senders found gone were all counted.
+        let written = gauge.frames_written();
+        self.busy_sweep = Some(BusySweep { written, socket_read: false, leases, told_gone, rings_gone, tails });
     }
 
     /// Whether nothing waits to be read: in the stash, a ring, a batch or the socket.
@@ -636,6 +657,7 @@ impl Inbox {
             ))),
             Ok(Incoming::Redirect(batch)) => {
                 self.spill = Some(Arc::new(batch));
+                self.spill_read_at = gauge.frames_read();
                 Look::Again
             }
             Ok(Incoming::Ring(ring)) => {

@@ -355,7 +355,8 @@ impl Outbox {
     }
 
     /// Writes a frame to the channel's socket, counted in the shared counters' `written`
-    /// before the write (and taken back if it fails): a hint for the receiver's spin.
+    /// before the write (and taken back if it fails): a hint for the receiver's spin, and how
+    /// a receiver that is never idle knows it has read past a point (README.md, "Rings").
     fn write_main(
         &self,
         frame: &FrameOut<'_>,

@@ -335,6 +335,16 @@ impl RingReader {
         word(&self.memory, NEXT_AT).store(next, Ordering::Relaxed);
     }
 
+    /// How far the writer has written (a position to pass to [`read_past`](Self::read_past)).
+    pub(super) fn tail(&self) -> u64 {
+        word(&self.memory, TAIL_AT).load(Ordering::Acquire)
+    }
+
+    /// Whether every entry written up to `tail` has been read.
+    pub(super) fn read_past(&self, tail: u64) -> bool {
+        self.head.wrapping_sub(tail) as i64 >= 0
+    }
+
     /// True when the writer has written an entry not yet read.
     pub(super) fn has_entries(&self) -> bool {
         word(&self.memory, TAIL_AT).load(Ordering::Acquire) != self.head

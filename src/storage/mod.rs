@@ -383,7 +383,10 @@ impl<W> SegmentRef<Record<W>> {
                 Some(segment) => Ok(Some(segment)),
                 // This process's own, introduced where the end was before.
                 None if id.is_local() => local::<S>(id).map(Some),
-                None => Err(Error::Malformed(format!("a block names segment {id}, which its channel was never given"))),
+                None => Err(Error::Malformed(format!(
+                    "a block names segment {id}, which its channel was never given (or let go of, its owner having \
+                     exited)"
+                ))),
             },
             SegmentRef::Taken => Ok(None),
         }
