@@ -96,6 +96,9 @@ struct Stashed {
     main: bool,
     /// Its place in its sender's order (`None`: delivered next, whatever the rings hold).
     order: Option<Order>,
+    /// The shared counters' `read` once it was read (for a batch's frame, once the batch's
+    /// redirect was): a frame read after a busy sweep looked is none it waits for.
+    read_at: u32,
 }
 
 /// What one look found.
@@ -336,7 +339,10 @@ impl Inbox {
         self.buf[..len].copy_from_slice(&bytes[..len]);
         if len > 0 {
             let order = frame::order_of(&self.buf[..len]);
-            self.stash = Some(Stashed { raw: Received { bytes: 0..len, fds, descriptors_dropped }, main, order });
+            // Read before any sweep here looks (`came_with_end`).
+            let read_at = 0;
+            self.stash =
+                Some(Stashed { raw: Received { bytes: 0..len, fds, descriptors_dropped }, main, order, read_at });
         }
     }
 
@@ -467,7 +473,7 @@ impl Inbox {
             let batch_after = |read_at: u32| read_at.wrapping_sub(sweep.written) as i32 > 0;
             sweep.socket_read = gauge.frames_read_past(sweep.written)
                 && (self.spill.is_none() || batch_after(self.spill_read_at))
-                && self.stash.is_none();
+                && self.stash.as_ref().is_none_or(|stashed| batch_after(stashed.read_at));
             if !sweep.socket_read {
                 return;
             }
@@ -501,6 +507,16 @@ impl Inbox {
             self.leases.forget(&sweep.leases);
         }
         self.leases.segments().forget_gone(sweep.told_gone);
+    }
+
+    /// The batch and stashed frame this end came with (from another process) were read before
+    /// any sweep here looks: as old as anything a sweep waits for.
+    pub(super) fn came_with_end(&mut self, gauge: &Gauge) {
+        let now = gauge.frames_read();
+        self.spill_read_at = now;
+        if let Some(stashed) = &mut self.stash {
+            stashed.read_at = now;
+        }
     }
 
     /// Notes what is gone now (and `leases` found gone before), how far every ring was
@@ -597,7 +613,8 @@ impl Inbox {
             && let Some(ring) = self.rings.iter_mut().find(|r| r.id == order.ring)
         {
             if order.number > ring.next() {
-                self.stash = Some(Stashed { raw, main, order: Some(order) });
+                let read_at = if main { gauge.frames_read() } else { self.spill_read_at };
+                self.stash = Some(Stashed { raw, main, order: Some(order), read_at });
                 return Look::Again;
             }
             if order.number == ring.next() {
@@ -774,7 +791,8 @@ impl Inbox {
             if !frame::is_wake(&self.buf[raw.bytes.clone()]) {
                 // Not the frame peeked at (another process reads this socket too): it is the
                 // next to deliver.
-                self.stash = Some(Stashed { order: frame::order_of(&self.buf[raw.bytes.clone()]), raw, main: true });
+                let order = frame::order_of(&self.buf[raw.bytes.clone()]);
+                self.stash = Some(Stashed { order, raw, main: true, read_at: gauge.frames_read() });
                 return true;
             }
             if let Look::Got(Err(Missing::Failed(e))) = self.deliver::<()>(gauge, raw, true) {

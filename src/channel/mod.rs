@@ -649,6 +649,7 @@ impl<T: DeserializeOwned> Receiver<T> {
         let mut inbox = Inbox::new(main.clone(), leases);
         inbox.spill = spill;
         set_up(&mut inbox);
+        inbox.came_with_end(&gauge);
         let inbox = Arc::new(InboxLock::new(inbox));
         let weak = Arc::downgrade(&inbox);
         // Never waits: a receiving thread holds the inbox, and will look itself.
@@ -1518,7 +1519,10 @@ mod tests {
             let inbox = rx.lock();
             (inbox.leases.all().len(), inbox.rings.len())
         };
-        while receive() != (40, 1) {}
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while receive() != (40, 1) {
+            assert!(Instant::now() < deadline, "the leases and the ring were not all adopted");
+        }
         let w = writer.as_mut().expect("not dropped yet");
         w.sent();
         assert!(w.push(&message(vec![9])), "the ring was adopted");
