@@ -227,6 +227,52 @@ pub(crate) fn latest_living_fork() -> u64 {
     if FORKING.load(Ordering::Acquire) { recorded.max(FORKS_BEGUN.load(Ordering::Acquire)) } else { recorded }
 }
 
+/// Runs `run` once no child of a fork numbered above `after` lives (at once where none does):
+/// on a thread that looks every [`FORKS_LOOK_EVERY`] while something waits. What still waits
+/// when the process exits never runs, nor in a forked child.
+pub(crate) fn when_forks_gone(after: u64, run: Box<dyn FnOnce() + Send>) {
+    if latest_living_fork() <= after {
+        return run();
+    }
+    let waiting = WAITING.get();
+    let mut w = waiting.lock().unwrap_or_else(|p| p.into_inner());
+    w.runs.push((after, run));
+    if !w.watching {
+        w.watching =
+            std::thread::Builder::new().name("cuda-mp-forks".into()).spawn(move || watch_forks(waiting)).is_ok();
+    }
+}
+
+/// How often what waits for forked children to end looks whether they have.
+const FORKS_LOOK_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// What waits for forked children to end, and whether a thread watches them.
+#[derive(Default)]
+struct Waiting {
+    runs: Vec<(u64, Box<dyn FnOnce() + Send>)>,
+    watching: bool,
+}
+
+static WAITING: ForkLocal<Mutex<Waiting>> = ForkLocal::new(|| Mutex::new(Waiting::default()));
+
+fn watch_forks(waiting: &Mutex<Waiting>) {
+    loop {
+        std::thread::sleep(FORKS_LOOK_EVERY);
+        let due: Vec<Box<dyn FnOnce() + Send>> = {
+            let mut w = waiting.lock().unwrap_or_else(|p| p.into_inner());
+            let latest = latest_living_fork();
+            w.runs.extract_if(.., |(after, _)| *after >= latest).map(|(_, run)| run).collect()
+        };
+        // Outside the lock: a run may wait for a fork to be recorded.
+        due.into_iter().for_each(|run| run());
+        let mut w = waiting.lock().unwrap_or_else(|p| p.into_inner());
+        if w.runs.is_empty() {
+            w.watching = false;
+            return;
+        }
+    }
+}
+
 fn forget_gone(children: &mut Vec<(u64, Option<OwnedFd>)>) {
     children.retain(|(_, read)| read.as_ref().is_none_or(|read| !crate::sys::writers_gone(read)));
 }

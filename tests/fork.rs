@@ -17,7 +17,14 @@ static FORKING: Mutex<()> = Mutex::new(());
 /// Forks; the child runs `f`, says why it failed on standard error, and ends without running
 /// exit hooks (as a forked Python worker ends, with `os._exit`). The parent waits for it.
 fn in_forked_child(f: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
-    // SAFETY: the child runs `f` and `_exit`s; the parent only waits for it.
+    in_forked_child_async(f).join()
+}
+
+/// A forked child running `f` (as [`in_forked_child`]), which the parent waits for with `join`.
+struct ForkedChild(libc::pid_t);
+
+fn in_forked_child_async(f: impl FnOnce() -> Result<(), String>) -> ForkedChild {
+    // SAFETY: the child runs `f` and `_exit`s.
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0, "fork failed: {}", std::io::Error::last_os_error());
     if pid == 0 {
@@ -32,13 +39,19 @@ fn in_forked_child(f: impl FnOnce() -> Result<(), String>) -> Result<(), String>
         // SAFETY: ends the child at once, without the parent's exit hooks.
         unsafe { libc::_exit(code) };
     }
-    let mut status = 0;
-    // SAFETY: `pid` is our child and `status` is writable.
-    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-    match (libc::WIFEXITED(status), libc::WEXITSTATUS(status)) {
-        (true, 0) => Ok(()),
-        (true, 2) => Err("the forked child panicked".into()),
-        _ => Err(format!("the forked child failed (wait status {status:#x}; its reason is on standard error)")),
+    ForkedChild(pid)
+}
+
+impl ForkedChild {
+    fn join(self) -> Result<(), String> {
+        let mut status = 0;
+        // SAFETY: `self.0` is our child and `status` is writable.
+        assert_eq!(unsafe { libc::waitpid(self.0, &mut status, 0) }, self.0);
+        match (libc::WIFEXITED(status), libc::WEXITSTATUS(status)) {
+            (true, 0) => Ok(()),
+            (true, 2) => Err("the forked child panicked".into()),
+            _ => Err(format!("the forked child failed (wait status {status:#x}; its reason is on standard error)")),
+        }
     }
 }
 
@@ -405,6 +418,72 @@ fn a_block_a_forked_child_inherited_is_not_handed_out_while_the_child_lives() {
         assert!(std::time::Instant::now() < deadline, "{now} bytes still allocated, {before} before");
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+/// A pooled host tensor received from another process and inherited by a child the receiver
+/// forks: the receiver drops it, and the owner does not hand the block out again while that
+/// child can still read and write it; once the child is gone, the block is released.
+#[test]
+fn a_received_block_a_forked_child_inherited_is_not_released_while_the_child_lives() {
+    let _one = FORKING.lock().unwrap_or_else(|p| p.into_inner());
+    let (to_b, b_rx) = channel::<HostTensor<i64>>().unwrap();
+    let (b_tx, from_b) = channel::<u32>().unwrap();
+    let pipe = || {
+        let mut p = [0; 2];
+        // SAFETY: `p` has room for the two descriptors.
+        assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
+        p
+    };
+    let (go, seen) = (pipe(), pipe());
+    // B receives the tensor, forks C (which keeps its copy), and drops it.
+    let b = in_forked_child_async(move || {
+        let t = b_rx.recv_timeout(Duration::from_secs(10)).map_err(|e| e.to_string())?;
+        // SAFETY: the grandchild reads its pipe, reads and writes its copy, and `_exit`s.
+        let c = unsafe { libc::fork() };
+        if c == 0 {
+            let mut byte = [0u8; 1];
+            // SAFETY: a pipe end of this process, a one-byte buffer.
+            unsafe { libc::read(go[0], byte.as_mut_ptr().cast(), 1) };
+            let first = t.to_vec()[0];
+            t.fill(9);
+            // SAFETY: a pipe end of this process, eight bytes.
+            unsafe { libc::write(seen[1], (&first as *const i64).cast(), 8) };
+            // SAFETY: ends the grandchild at once.
+            unsafe { libc::_exit(0) };
+        }
+        drop(t);
+        b_tx.send(1).map_err(|e| e.to_string())?;
+        let mut status = 0;
+        // SAFETY: B's child; `status` is writable.
+        unsafe { libc::waitpid(c, &mut status, 0) };
+        Ok(())
+    });
+    let baseline = lifetime_stats();
+    // Allocated after B was forked (B's own fork is not why it is kept).
+    let t = HostTensor::<i64>::full(&[1024], 1).unwrap();
+    let place = t.storage().as_ptr();
+    to_b.send(t).unwrap();
+    assert_eq!(from_b.recv_timeout(Duration::from_secs(10)), Ok(1), "B dropped its copy");
+    let released_early =
+        wait_for_lifetime(Duration::from_millis(300), |s| s.exported_storages == baseline.exported_storages).is_ok();
+    let fresh = HostTensor::<i64>::full(&[1024], 7).unwrap();
+    let handed_out_again = fresh.storage().as_ptr() == place;
+    // SAFETY: a pipe end of this process, one byte.
+    unsafe { libc::write(go[1], [1u8].as_ptr().cast(), 1) };
+    let mut first = 0i64;
+    // SAFETY: a pipe end of this process, eight bytes.
+    unsafe { libc::read(seen[0], (&mut first as *mut i64).cast(), 8) };
+    b.join().expect("B");
+    for fd in go.into_iter().chain(seen) {
+        // SAFETY: this process's pipe ends, each closed once.
+        unsafe { libc::close(fd) };
+    }
+    assert!(!released_early, "released while B's forked child holds the block");
+    assert!(!handed_out_again, "the block B's child held was handed out again");
+    assert_eq!(first, 1, "B's child read another tensor through what it inherited");
+    assert!(fresh.to_vec().iter().all(|&x| x == 7), "B's child's writes reached a new tensor");
+    wait_for_lifetime(Duration::from_secs(10), |s| s.exported_storages == baseline.exported_storages)
+        .expect("released once B's child is gone");
 }
 
 /// A queue consumer with messages asked for ahead, in a process that then forks a child (which

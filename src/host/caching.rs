@@ -191,7 +191,7 @@ pub(super) fn open_block(
         // Elements are read and written a word at a time.
         return Err(Error::Malformed(format!("host block at offset {offset}, not a multiple of 8")));
     }
-    Ok(HostMemory::Imported { segment, offset: offset as usize })
+    Ok(HostMemory::Imported { segment, offset: offset as usize, forks: crate::fork::forks_done() })
 }
 
 /// The segment of a block this process maps already: a record's claim joins the cover of the

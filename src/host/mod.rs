@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::lifetime::{LeaseMode, StorageId};
 use crate::storage::pools::Block;
-use crate::storage::{Arrival, Handle, Memory, Record, SegmentRef, Shared, StorageKind};
+use crate::storage::{Arrival, Close, Fence, Handle, Memory, Record, SegmentRef, Shared, StorageKind};
 #[cfg(feature = "remote")]
 use crate::sys::Mapping;
 use crate::sys::MemoryFile;
@@ -47,6 +47,20 @@ pub type HostTensor<T> = Tensor<T, HostStorage>;
 #[derive(Debug)]
 pub struct HostStorage(Handle<HostKind>);
 
+/// The children of this process's forks numbered above this one, which a release waits for.
+struct ForkedChildren(u64);
+
+impl Fence for ForkedChildren {
+    fn then(self: Box<Self>, close: Close) {
+        crate::fork::when_forks_gone(self.0, close);
+    }
+
+    fn waited_at_exit(&self) -> bool {
+        // An exiting process does not wait for its children: its lease then closes with it.
+        false
+    }
+}
+
 /// Host shared memory as a storage kind.
 #[derive(Debug)]
 pub(crate) struct HostKind;
@@ -58,8 +72,9 @@ pub(crate) enum HostMemory {
     File(Arc<MemoryFile>),
     /// A block of one of this process's segments.
     Pooled(Block<caching::HostSegment>),
-    /// A block of another process's segment, mapped here with the whole segment.
-    Imported { segment: Arc<caching::HostSegment>, offset: usize },
+    /// A block of another process's segment, mapped here with the whole segment (`forks`:
+    /// the forks this process had made then; children of later ones map the block too).
+    Imported { segment: Arc<caching::HostSegment>, offset: usize, forks: u64 },
 }
 
 impl HostMemory {
@@ -68,7 +83,7 @@ impl HostMemory {
         match self {
             HostMemory::File(file) => (file, 0),
             HostMemory::Pooled(block) => (block.segment().file(), block.offset()),
-            HostMemory::Imported { segment, offset } => (segment.file(), *offset),
+            HostMemory::Imported { segment, offset, .. } => (segment.file(), *offset),
         }
     }
 }
@@ -132,7 +147,7 @@ impl StorageKind for HostKind {
         match memory.raw() {
             HostMemory::File(file) => Ok(HostWire::File { shm: Some(SharedMemory::Sent(file.clone())) }),
             HostMemory::Pooled(block) => caching::block_wire(block.segment(), block.offset()),
-            HostMemory::Imported { segment, offset } => caching::block_wire(segment, *offset),
+            HostMemory::Imported { segment, offset, .. } => caching::block_wire(segment, *offset),
         }
     }
 
@@ -163,12 +178,25 @@ impl StorageKind for HostKind {
         Ok(HostMemory::File(Arc::new(shm)))
     }
 
+    fn fence(raw: &mut HostMemory) -> Option<Box<dyn Fence>> {
+        // A received block goes back to its owner's allocator at its release, to be handed out
+        // again: while a child this process forked after it arrived lives, that child maps it
+        // as this process did and may still read and write it, so the release waits for them.
+        // (A memory file of its own is not reused: the kernel keeps its pages while mapped.)
+        match raw {
+            HostMemory::Imported { forks, .. } if crate::fork::latest_living_fork() > *forks => {
+                Some(Box::new(ForkedChildren(*forks)))
+            }
+            _ => None,
+        }
+    }
+
     fn same_memory(memory: &Memory<Self>, wire: &HostWire) -> bool {
         match (wire, memory.raw()) {
             (HostWire::File { shm: Some(shm) }, HostMemory::File(file)) => {
                 crate::sys::same_file(file.as_fd(), shm.fd())
             }
-            (HostWire::Block { segment, offset }, HostMemory::Imported { segment: mapped, offset: at }) => {
+            (HostWire::Block { segment, offset }, HostMemory::Imported { segment: mapped, offset: at, .. }) => {
                 segment.id() == Some(mapped.handle().memory().id()) && *offset == *at as u64
             }
             _ => false,

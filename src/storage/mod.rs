@@ -96,6 +96,11 @@ pub(crate) trait Fence: Send {
     /// Runs `close` once the work before the fence is done (on another thread, in order with
     /// what waits behind the other fences of the same queue).
     fn then(self: Box<Self>, close: Close);
+
+    /// Whether an exiting process waits (a while) for what waits behind this fence.
+    fn waited_at_exit(&self) -> bool {
+        true
+    }
 }
 
 /// Whether an arriving storage's memory was mapped by this import or was known here already.
@@ -175,9 +180,14 @@ impl<K: StorageKind> Drop for Memory<K> {
             Origin::Imported { cover, .. } => match raw.as_mut().and_then(K::fence) {
                 // The kind waits for the work behind the fence, not this thread: the mapping
                 // closes now, its claim is released once the work is done.
-                Some(fence) => {
+                Some(fence) if fence.waited_at_exit() => {
                     let release = lifetime::DeferredRelease::new(cover.take());
                     finish_closes_at_exit();
+                    lifetime::close_import(id, key, || drop(raw));
+                    fence.then(Box::new(move || drop(release)));
+                }
+                Some(fence) => {
+                    let release = cover.take();
                     lifetime::close_import(id, key, || drop(raw));
                     fence.then(Box::new(move || drop(release)));
                 }
