@@ -1267,4 +1267,41 @@ mod tests {
         let consumers = look_until(Duration::from_secs(5), || consumer.stats().unwrap().consumers, |&n| n == 1);
         assert_eq!(consumers, 1, "the consumer joined again, and the first is gone");
     }
+
+    /// A value whose `Deserialize` panics for 13.
+    #[derive(Debug, PartialEq)]
+    struct Touchy(u32);
+
+    impl Serialize for Touchy {
+        fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+            self.0.serialize(s)
+        }
+    }
+
+    impl<'de> Deserialize<'de> for Touchy {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+            let v = u32::deserialize(d)?;
+            assert!(v != 13, "refuses 13");
+            Ok(Touchy(v))
+        }
+    }
+
+    /// A put whose `Deserialize` panics in the queue's process is lost and counted as one that
+    /// did not decode; the puts after it go on, and the queue still ends when its handles go.
+    #[test]
+    fn a_put_whose_deserialize_panics_loses_only_that_put() {
+        let queue = Queue::<Touchy>::new().unwrap();
+        let consumer = queue.consumer();
+        // A handle that came through a channel puts through the queue's inbox.
+        let (tx, rx) = crate::channel::<Queue<Touchy>>().unwrap();
+        tx.send(queue.clone()).unwrap();
+        let remote = rx.recv().unwrap();
+        remote.put(Touchy(13)).unwrap();
+        remote.put(Touchy(2)).unwrap();
+        assert_eq!(consumer.get_timeout(Duration::from_secs(5)), Ok(Touchy(2)));
+        let undecodable = look_until(Duration::from_secs(5), || queue.stats().unwrap().undecodable, |&n| n == 1);
+        assert_eq!(undecodable, 1);
+        drop((queue, remote, tx, rx));
+        assert_eq!(consumer.get_timeout(Duration::from_secs(5)), Err(GetTimeoutError::Disconnected));
+    }
 }

@@ -91,6 +91,52 @@ fn apply_async_get_and_get_timeout() {
     pool.terminate();
 }
 
+/// A value whose `Serialize` panics for 13 (in the process that sends it) and whose
+/// `Deserialize` panics for 14 (in the process that receives it).
+#[derive(Debug)]
+struct Touchy(u64);
+
+impl serde::Serialize for Touchy {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        assert!(self.0 != 13, "refuses to encode 13");
+        self.0.serialize(s)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Touchy {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let v = u64::deserialize(d)?;
+        assert!(v != 14, "refuses to decode 14");
+        Ok(Touchy(v))
+    }
+}
+
+fn touchy(x: u64) -> Touchy {
+    Touchy(x)
+}
+
+fn untouchy(x: Touchy) -> u64 {
+    x.0
+}
+
+/// A call whose arguments panic as they are encoded (on the pool's thread), or whose result
+/// panics as it is decoded, fails; the pool goes on, and shuts down.
+#[test]
+fn a_call_whose_values_panic_as_they_are_encoded_or_decoded_fails_alone() {
+    let pool = Pool::new(1).unwrap();
+    let err = pool.apply_async(Touchy(13), untouchy).get_timeout(WAIT).unwrap_err();
+    assert!(matches!(&err, JoinError::Failed(m) if m.contains("refuses to encode 13")), "{err:?}");
+    assert!(pool.apply_async(14, touchy).get_timeout(WAIT).is_err());
+    assert_eq!(pool.apply_async(12, touchy).get_timeout(WAIT).unwrap().0, 12);
+    assert_eq!(pool.apply_async(Touchy(11), untouchy).get_timeout(WAIT).unwrap(), 11);
+    let (done_tx, done) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        pool.shutdown();
+        let _ = done_tx.send(());
+    });
+    done.recv_timeout(WAIT).expect("the pool shut down");
+}
+
 #[test]
 fn a_ready_result_is_there_to_take_at_once() {
     let pool = Pool::new(2).unwrap();

@@ -343,18 +343,24 @@ fn pause_after_failure(failures: &mut u32, what: &str, error: &crate::IoFailure)
 fn read_puts<T: Serialize + DeserializeOwned + Send + 'static>(inbox: Receiver<T>, hub: &Hub<T>) {
     let mut failures = 0;
     loop {
-        let event = match inbox.recv() {
-            Ok(v) => Event::Put(v),
-            Err(RecvError::Disconnected) => {
+        // The value's `Deserialize` is the user's code: a panic in it loses that put (counted
+        // as one that did not decode), not this thread and every put after it.
+        let event = match crate::os::catch_quietly(|| inbox.recv()) {
+            Err(panic) => {
+                tracing::warn!(panic, "a put's value panicked as it was decoded: it is lost");
+                Event::Undecodable
+            }
+            Ok(Ok(v)) => Event::Put(v),
+            Ok(Err(RecvError::Disconnected)) => {
                 hub.handle(Some(Event::InboxClosed));
                 return;
             }
-            Err(RecvError::Io(e)) => {
+            Ok(Err(RecvError::Io(e))) => {
                 // Not a message: the transport failed. Do not spin on a persistent failure.
                 pause_after_failure(&mut failures, "a queue's puts", &e);
                 continue;
             }
-            Err(_) => Event::Undecodable,
+            Ok(Err(_)) => Event::Undecodable,
         };
         failures = 0;
         hub.handle(Some(event));
