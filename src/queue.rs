@@ -103,6 +103,8 @@ const MAX_PREFETCH: usize = 64;
 /// A handle becomes a consumer on its first get (or [`stats`](Queue::stats)); each clone, and
 /// each copy received by another process, is a consumer of its own. Gets on one handle from
 /// several threads take turns: clone the handle for threads that should wait side by side.
+/// A turn's wait counts in a `get_timeout`'s limit, and a `try_get` takes nothing while
+/// another thread's get holds the handle; a `stats` waits for its turn.
 ///
 /// # Guarantees
 ///
@@ -799,7 +801,17 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
         &self,
         f: impl FnOnce(&mut Endpoint<T>) -> std::result::Result<R, Fault>,
     ) -> std::result::Result<R, Fault> {
-        let mut guard = self.lock();
+        self.exchange_until(None, f).map(|r| r.expect("waited for the handle without limit"))
+    }
+
+    /// Like [`exchange`](Self::exchange), waiting for the handle (held by a get of another
+    /// thread) until `deadline` at most: `Ok(None)` when it was still held then.
+    fn exchange_until<R>(
+        &self,
+        deadline: Option<Instant>,
+        f: impl FnOnce(&mut Endpoint<T>) -> std::result::Result<R, Fault>,
+    ) -> std::result::Result<Option<R>, Fault> {
+        let Some(mut guard) = self.lock_until(deadline) else { return Ok(None) };
         if guard.is_none() {
             *guard = Some(self.join()?);
         }
@@ -815,21 +827,31 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
         if matches!(result, Err(ref fault) if !fault.leaves_in_step()) {
             *guard = None;
         }
-        result
+        result.map(Some)
     }
 
-    fn lock(&self) -> MutexGuard<'_, Option<Endpoint<T>>> {
+    /// The handle's endpoint, waiting for another thread's exchange until `deadline` at most
+    /// (looking every millisecond; `None` when it is still held then).
+    fn lock_until(&self, deadline: Option<Instant>) -> Option<MutexGuard<'_, Option<Endpoint<T>>>> {
         let endpoint = self.endpoint.get();
-        match endpoint.lock() {
-            Ok(g) => g,
-            Err(poisoned) => {
-                // A panic in the middle of an exchange: its state is unknown, start afresh.
-                let mut g = poisoned.into_inner();
-                *g = None;
-                endpoint.clear_poison();
-                g
-            }
-        }
+        let locked = match deadline {
+            None => endpoint.lock(),
+            Some(deadline) => loop {
+                match endpoint.try_lock() {
+                    Ok(g) => break Ok(g),
+                    Err(std::sync::TryLockError::Poisoned(p)) => break Err(p),
+                    Err(std::sync::TryLockError::WouldBlock) if Instant::now() >= deadline => return None,
+                    Err(std::sync::TryLockError::WouldBlock) => std::thread::sleep(Duration::from_millis(1)),
+                }
+            },
+        };
+        Some(locked.unwrap_or_else(|poisoned| {
+            // A panic in the middle of an exchange: its state is unknown, start afresh.
+            let mut g = poisoned.into_inner();
+            *g = None;
+            endpoint.clear_poison();
+            g
+        }))
     }
 
     /// Whether the queue's dispatcher still takes joins on this process's join channel, after
@@ -897,8 +919,9 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
     /// ```
     pub fn get_timeout(&self, timeout: Duration) -> std::result::Result<T, GetTimeoutError> {
         let ahead = self.prefetch;
-        let got = self.exchange(|e| {
-            if let Some(reply) = e.next(ahead, Some(timeout))? {
+        let deadline = crate::os::instant_after(timeout);
+        let got = self.exchange_until(Some(deadline), |e| {
+            if let Some(reply) = e.next(ahead, Some(deadline.saturating_duration_since(Instant::now())))? {
                 return e.deliver(reply, ahead).map(Some);
             }
             // Withdraw what is asked for, so that a consumer that stopped waiting is sent
@@ -913,8 +936,8 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
             }
         });
         match got {
-            Ok(Some(v)) => Ok(v),
-            Ok(None) => Err(GetTimeoutError::Timeout),
+            Ok(Some(Some(v))) => Ok(v),
+            Ok(_) => Err(GetTimeoutError::Timeout),
             Err(f) => Err(f.into()),
         }
     }
@@ -935,7 +958,8 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
     /// ```
     pub fn try_get(&self) -> std::result::Result<T, TryGetError> {
         let ahead = self.prefetch;
-        let got = self.exchange(|e| {
+        // A get of another thread on this handle holds it: nothing is taken now.
+        let got = self.exchange_until(Some(Instant::now()), |e| {
             if let Some(reply) = e.early.pop_front() {
                 return e.deliver(reply, ahead).map(Some);
             }
@@ -974,8 +998,8 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
             }
         });
         match got {
-            Ok(Some(v)) => Ok(v),
-            Ok(None) => Err(TryGetError::Empty),
+            Ok(Some(Some(v))) => Ok(v),
+            Ok(_) => Err(TryGetError::Empty),
             Err(f) => Err(f.into()),
         }
     }
@@ -1303,5 +1327,23 @@ mod tests {
         assert_eq!(undecodable, 1);
         drop((queue, remote, tx, rx));
         assert_eq!(consumer.get_timeout(Duration::from_secs(5)), Err(GetTimeoutError::Disconnected));
+    }
+
+    /// A get without limit on one thread holds the handle: a bounded get on another thread
+    /// still ends in time, and a try returns at once.
+    #[test]
+    fn bounded_gets_end_in_time_while_another_thread_waits_on_the_handle() {
+        let queue = Arc::new(Queue::<u32>::new().unwrap());
+        let blocked = {
+            let queue = queue.clone();
+            std::thread::spawn(move || queue.get())
+        };
+        std::thread::sleep(Duration::from_millis(100));
+        let start = Instant::now();
+        assert_eq!(queue.get_timeout(Duration::from_millis(50)), Err(GetTimeoutError::Timeout));
+        assert_eq!(queue.try_get(), Err(TryGetError::Empty));
+        assert!(start.elapsed() < Duration::from_secs(2), "waited {:?} for the other thread's get", start.elapsed());
+        queue.put(1).unwrap();
+        assert_eq!(blocked.join().unwrap(), Ok(1));
     }
 }
