@@ -208,8 +208,8 @@ fn introduce<'b>(
 
 /// A frame as read.
 pub(super) enum Incoming<T> {
-    /// A message (or why it does not decode), and what its frame cost.
-    Message { cost: u64, value: Result<T, String> },
+    /// A message (or why it does not decode).
+    Message { value: Result<T, String> },
     /// The receiving end of a spill batch.
     Redirect(Socket),
     /// A sender's ring.
@@ -218,19 +218,21 @@ pub(super) enum Incoming<T> {
     Wake,
 }
 
-impl<T> Incoming<T> {
-    /// What the frame cost on the socket.
-    pub(super) fn cost(&self) -> u64 {
-        match self {
-            Incoming::Message { cost, .. } => *cost,
-            Incoming::Redirect(_) | Incoming::Ring(_) | Incoming::Wake => SMALL_COST,
-        }
-    }
-}
-
 /// What a message's `frame` (kind `INLINE` or `SHARED`, with its prefixes) cost on the
 /// socket: what its writer counted (`FrameOut::cost`, which counts a place in an order
 /// whether the frame has one or not).
+/// What a frame read from the socket cost, known before it is decoded (a decode may unwind:
+/// a user's `Deserialize` that panics): a message's as its writer counted it, a redirect's,
+/// ring's or wake's the small cost; `None` for a kind that is none of ours.
+pub(super) fn read_cost(frame: &[u8]) -> Option<u64> {
+    let kind = *frame.first()?;
+    match kind & !(WITH_LEASES | WITH_ORDER) {
+        INLINE | SHARED => Some(message_cost(frame)),
+        REDIRECT | RING | WAKE if kind & (WITH_LEASES | WITH_ORDER) == 0 => Some(SMALL_COST),
+        _ => None,
+    }
+}
+
 fn message_cost(frame: &[u8]) -> u64 {
     let kind = frame.first().copied().unwrap_or(INLINE);
     let unordered = if kind & WITH_ORDER == 0 { ORDER_BYTES } else { 0 };
@@ -261,7 +263,7 @@ pub(super) fn read<T: DeserializeOwned>(
     let kind = if message { kind & !(WITH_LEASES | WITH_ORDER) } else { kind };
     let decode = |bytes: &[u8], fds| wire::decode_on(bytes, fds, leases.map(|l| &**l), super::adopt_segment);
     match kind {
-        INLINE => Ok(Incoming::Message { cost: message_cost(bytes), value: decode(rest, fds) }),
+        INLINE => Ok(Incoming::Message { value: decode(rest, fds) }),
         SHARED => {
             let len: [u8; 8] = rest.try_into().map_err(|_| "a shared-memory frame without its length")?;
             let len = u64::from_le_bytes(len);
@@ -274,7 +276,7 @@ pub(super) fn read<T: DeserializeOwned>(
                 let bytes = memory.frozen_bytes().ok_or("a frame's shared memory is not sealed against writes")?;
                 decode(&bytes[..len], fds)
             });
-            Ok(Incoming::Message { cost: message_cost(bytes), value })
+            Ok(Incoming::Message { value })
         }
         REDIRECT => {
             let batch = match (rest.len(), fds.len()) {
@@ -400,7 +402,8 @@ mod tests {
                     frame.write_in_order(&a, &[], Wait::Not, order).unwrap();
                     let got = b.recv_in(&mut buf, Wait::Not).unwrap().unwrap();
                     let known = ConnectionLeases::default();
-                    let Ok(Incoming::Message { cost, .. }) =
+                    let cost = read_cost(&buf[got.bytes.clone()]).expect("a frame of ours");
+                    let Ok(Incoming::Message { .. }) =
                         read::<Vec<u8>>(&buf[got.bytes], got.fds, Some(&Arc::new(known)))
                     else {
                         panic!("a message frame");

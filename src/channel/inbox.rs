@@ -658,12 +658,13 @@ impl Inbox {
         if raw.descriptors_dropped {
             return self.deliver_cut_short(gauge, raw, main);
         }
+        // Settled before the decode, which runs the user's `Deserialize` and may unwind.
+        if main && let Some(cost) = frame::read_cost(&self.buf[raw.bytes.clone()]) {
+            self.settle(gauge, cost);
+        }
         // Its leases adopted, its message decoded.
         let incoming = frame::read(&self.buf[raw.bytes], raw.fds, Some(&self.leases))
             .map_err(|e| Missing::Failed(checked(RecvError::Malformed(e))));
-        if main && let Ok(i) = &incoming {
-            self.settle(gauge, i.cost());
-        }
         match incoming {
             Ok(Incoming::Message { value, .. }) => {
                 gauge.free_places(1);
