@@ -132,7 +132,8 @@ impl Barrier {
             }
         };
         let object = Object::named(Kind::Barrier, name, open, init, agree)?;
-        let parties = object.region.u32(PARTIES).load(Ordering::Relaxed);
+        // Checked again as it is kept: another process may have written the word since.
+        let parties = check(&object.region)?;
         Ok(Barrier { object: Arc::new(object), parties })
     }
 

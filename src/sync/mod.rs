@@ -357,4 +357,34 @@ mod tests {
         let region = Region::from_memory(std::sync::Arc::new(garbage)).unwrap();
         assert!(matches!(Object::attach(region, Kind::Event, None, &|_| Ok(())), Err(Error::Malformed(_))));
     }
+
+    /// The creator of a named object forks a child (which shares its open file, and so its
+    /// lock) and drops the object: an open that found the file just before its name went is
+    /// not held up for the child's life.
+    #[test]
+    fn a_dropped_named_object_holds_up_no_open_while_a_forked_child_lives() {
+        use std::fs::{OpenOptions, TryLockError};
+        let name = format!("fork-drop-{}", std::process::id());
+        let event = crate::Event::create(&name).unwrap();
+        let path = name_path(Kind::Event, &name).unwrap();
+        // What an open does first: it has the file, not yet its lock.
+        let opener = OpenOptions::new().read(true).write(true).open(&path).unwrap();
+        // SAFETY: the child only sleeps and `_exit`s.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            std::thread::sleep(std::time::Duration::from_secs(3));
+            // SAFETY: ends the child at once.
+            unsafe { libc::_exit(0) };
+        }
+        drop(event);
+        assert!(std::fs::metadata(&path).is_err(), "the name is gone");
+        let locked = opener.try_lock_shared();
+        // SAFETY: our child, killed and reaped.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+            libc::waitpid(pid, std::ptr::null_mut(), 0);
+        }
+        assert!(!matches!(locked, Err(TryLockError::WouldBlock)), "the dropped object's lock is still held");
+    }
 }

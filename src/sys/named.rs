@@ -127,6 +127,10 @@ impl Drop for NamedMemory {
             if same_file(&self.file, &self.path) {
                 let _ = std::fs::remove_file(&self.path);
             }
+            // The lock belongs to the open file, which a child forked since shares: left held,
+            // it would hold up, for that child's whole life, an open that found the file just
+            // before its name went (a shared lock then finds it gone).
+            let _ = self.file.unlock();
         }
     }
 }
