@@ -616,3 +616,43 @@ fn silent_connections_from_one_address_keep_no_other_sender_out() {
     assert_eq!(server.join().unwrap(), Ok(()));
     drop(silent);
 }
+
+/// A TCP connection to `to` from source address `from` (any 127.x is this host's).
+fn connect_from(from: [u8; 4], to: std::net::SocketAddr) -> TcpStream {
+    use rustix::net::{AddressFamily, SocketType, bind, connect, socket};
+    let fd = socket(AddressFamily::INET, SocketType::STREAM, None).unwrap();
+    bind(&fd, &std::net::SocketAddr::from((from, 0))).unwrap();
+    connect(&fd, &to).unwrap();
+    TcpStream::from(fd)
+}
+
+/// Peers of two sources that open every handshake slot they may (32 each: all 64) and never
+/// prove the secret keep no sender that proves it out: once they have had their grace, one of
+/// theirs is ended to make room for it (it waited for a slot as long as they held one).
+#[test]
+fn silent_peers_of_two_sources_keep_no_sender_with_the_secret_out() {
+    let listener = listen::<u8>(network().secret(SECRET));
+    let addr = listener.local_addr().unwrap();
+    let silent: Vec<TcpStream> =
+        [[127, 0, 0, 2], [127, 0, 0, 3]].iter().flat_map(|&s| (0..32).map(move |_| connect_from(s, addr))).collect();
+    let accepting = thread::spawn(move || {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            // The silent peers' ended handshakes come back as refusals.
+            if let Ok(rx) = listener.accept_timeout(Duration::from_millis(500)) {
+                return Some(rx);
+            }
+        }
+        None
+    });
+    thread::sleep(Duration::from_millis(300));
+    let start = Instant::now();
+    let tx =
+        Sender::<u8>::connect_remote_with(addr, network().secret(SECRET).handshake_timeout(Duration::from_secs(5)));
+    let took = start.elapsed();
+    let tx = tx.unwrap_or_else(|e| panic!("{e} after {took:?}"));
+    tx.send(7).unwrap();
+    let rx = accepting.join().unwrap().expect("accepted");
+    assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(7));
+    drop(silent);
+}

@@ -10,7 +10,7 @@ use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::io;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, mpsc};
 use std::time::{Duration, Instant};
 
@@ -39,13 +39,18 @@ pub const REMOTE_PROTOCOL_VERSION: u32 = protocol::VERSION;
 /// The largest handshake message either end reads.
 const HANDSHAKE_BYTES: usize = 64 << 10;
 
-/// Handshakes a listener runs at once, each on a thread of its own; a connection past them is
-/// closed at once.
+/// Handshakes a listener runs at once, each on a thread of its own; past them a connection
+/// waits in the kernel's backlog, unless room is made for it (`RemoteListener::make_room`).
 const MAX_PENDING_HANDSHAKES: usize = 64;
-/// Handshakes at once from one address: a peer that opens connections and says nothing (it
-/// cannot prove the secret) holds no more of them, and others' go on; half the total, so that
-/// the ranks of one host (or of hosts behind one address) connect at once.
+/// Handshakes at once from one source (an IPv4 address, an IPv6 /64): a peer that opens
+/// connections and says nothing (it cannot prove the secret) holds no more of them, and
+/// others' go on; half the total, so that the ranks of one host (or of hosts behind one
+/// address) connect at once.
 const MAX_HANDSHAKES_PER_SOURCE: usize = MAX_PENDING_HANDSHAKES / 2;
+/// How long a peer has to prove the secret before its handshake may be ended to make room for
+/// a connection from a source that runs fewer (a real connector proves it within a round
+/// trip or two).
+const PROVE_GRACE: Duration = Duration::from_secs(1);
 
 /// The environment variable a remote channel's secret is read from when its options set none.
 ///
@@ -549,8 +554,41 @@ pub struct RemoteListener<T> {
     done_tx: mpsc::Sender<Result<Receiver<T>>>,
     /// Handshakes running.
     pending: Arc<AtomicUsize>,
-    /// Handshakes running, by the address they come from.
-    by_source: Arc<Mutex<HashMap<IpAddr, usize>>>,
+    /// Handshakes running, by the source they come from.
+    by_source: Arc<Mutex<BySource>>,
+}
+
+/// Running handshakes by source (`source_of`), each with what making room for another needs.
+type BySource = HashMap<IpAddr, Vec<Running>>;
+
+/// A running handshake, as its listener keeps it.
+struct Running {
+    id: u64,
+    started: Instant,
+    /// Set once the peer has proven the secret (or, without one, answered the challenge).
+    proven: Arc<AtomicBool>,
+    /// A copy of its connection, to shut down when it is ended to make room (`None` once it
+    /// was).
+    stream: Option<TcpStream>,
+}
+
+impl Running {
+    /// Whether it may be ended to make room: it has had its grace and proven nothing.
+    fn evictable(&self, now: Instant) -> bool {
+        self.stream.is_some() && !self.proven.load(Ordering::Acquire) && now >= self.started + PROVE_GRACE
+    }
+}
+
+/// The source a connection is counted under: its IPv4 address, or its IPv6 /64 (a host is
+/// given a whole /64, so counting its addresses one by one would count nothing).
+fn source_of(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(std::net::Ipv6Addr::from(u128::from(v6) & !((1u128 << 64) - 1))),
+        },
+        v4 => v4,
+    }
 }
 
 impl<T> fmt::Debug for RemoteListener<T> {
@@ -650,8 +688,9 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
             let mut started = false;
             loop {
                 // At the most handshakes at once, later connections wait in the kernel's
-                // backlog (accepted as running ones end) rather than being closed unanswered.
-                if self.pending.load(Ordering::Acquire) >= MAX_PENDING_HANDSHAKES {
+                // backlog (accepted as running ones end) rather than being closed unanswered,
+                // unless a handshake may be ended to make room.
+                if self.pending.load(Ordering::Acquire) >= MAX_PENDING_HANDSHAKES && !self.may_make_room() {
                     break;
                 }
                 match self.listener.accept() {
@@ -675,7 +714,7 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
                 (true, None) => Some(now + SLICE),
                 (false, d) => d.map(|d| d.0),
             };
-            if self.pending.load(Ordering::Acquire) >= MAX_PENDING_HANDSHAKES {
+            if self.pending.load(Ordering::Acquire) >= MAX_PENDING_HANDSHAKES && !self.may_make_room() {
                 // The backlog is not taken now: the listener would read as ready at once.
                 if let Some(until) = wait_until {
                     std::thread::sleep(until.saturating_duration_since(Instant::now()));
@@ -690,29 +729,49 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
         }
     }
 
-    /// Runs the handshake of a new connection on a thread of its own.
+    /// Whether a running handshake may be ended to make room for a new connection.
+    fn may_make_room(&self) -> bool {
+        let now = Instant::now();
+        lock(&self.by_source).values().flatten().any(|r| r.evictable(now))
+    }
+
+    /// Runs the handshake of a new connection on a thread of its own. At the most handshakes
+    /// at once, it makes room by ending the oldest handshake that may be ended (no proof
+    /// within [`PROVE_GRACE`]) of the source that runs the most, when that is more than the
+    /// new connection's source runs; else the new connection is closed unanswered. So
+    /// connections that never prove the secret, from however few sources, keep no sender
+    /// that proves it in time out: each new one from a flooding source ends another of its
+    /// own kind, or is closed.
     fn start_handshake(&self, stream: TcpStream) {
-        let source = stream.peer_addr().map(|a| a.ip()).ok();
-        if let Some(ip) = source {
+        let source = stream.peer_addr().map(|a| source_of(a.ip())).ok();
+        let proven = Arc::new(AtomicBool::new(false));
+        static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        if let Some(source) = source {
             let mut by_source = lock(&self.by_source);
-            let running = by_source.entry(ip).or_default();
-            if *running >= MAX_HANDSHAKES_PER_SOURCE {
-                // Closed unanswered: one address's idle connections keep no other sender out.
+            let running = by_source.get(&source).map_or(0, Vec::len);
+            if running >= MAX_HANDSHAKES_PER_SOURCE {
+                // Closed unanswered: one source's idle connections keep no other sender out.
                 return;
             }
-            *running += 1;
+            if self.pending.load(Ordering::Acquire) >= MAX_PENDING_HANDSHAKES && !make_room(&mut by_source, running) {
+                return;
+            }
+            let copy = stream.try_clone().ok();
+            let started = Instant::now();
+            by_source.entry(source).or_default().push(Running { id, started, proven: proven.clone(), stream: copy });
         }
         self.pending.fetch_add(1, Ordering::AcqRel);
         let (options, done) = (self.options.clone(), self.done_tx.clone());
         // Counted out however the thread ends (after its result is sent), or if it never runs.
-        let counted = CountedOut(self.pending.clone(), source.map(|ip| (self.by_source.clone(), ip)));
+        let counted = CountedOut(self.pending.clone(), source.map(|source| (self.by_source.clone(), source, id)));
         let failed = done.clone();
         let started = std::thread::Builder::new().name("cuda-mp-handshake".into()).spawn(move || {
             let _counted = counted;
             let peer = stream.peer_addr().ok();
             // A handshake that panicked still gives `accept` an answer, so that it never waits
             // for a result that no thread will send.
-            let result = crate::os::catch_quietly(|| handshake::<T>(stream, &options)).unwrap_or_else(|why| {
+            let result = crate::os::catch_quietly(|| handshake::<T>(stream, &options, &proven)).unwrap_or_else(|why| {
                 Err(Error::Io(io::Error::other(format!("the handshake with a remote peer panicked: {why}"))))
             });
             match &result {
@@ -728,17 +787,35 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
     }
 }
 
-/// Takes one running handshake off a listener's counts (all, and its address's) when dropped.
-struct CountedOut(Arc<AtomicUsize>, Option<(Arc<Mutex<HashMap<IpAddr, usize>>>, IpAddr)>);
+/// Ends the oldest handshake that may be ended of the source that runs the most, if it runs
+/// more than `running` (what the new connection's source runs); false when none may be.
+fn make_room(by_source: &mut BySource, running: usize) -> bool {
+    let now = Instant::now();
+    let victim = by_source
+        .values_mut()
+        .filter(|hs| hs.len() > running && hs.iter().any(|r| r.evictable(now)))
+        .max_by_key(|hs| hs.len())
+        .and_then(|hs| hs.iter_mut().filter(|r| r.evictable(now)).min_by_key(|r| r.started));
+    let Some(victim) = victim else { return false };
+    // Its thread's next read fails, and it counts itself out.
+    if let Some(stream) = victim.stream.take() {
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+    }
+    tracing::debug!("ended a handshake that proved nothing, to make room for another source's");
+    true
+}
+
+/// Takes one running handshake off a listener's counts (all, and its source's) when dropped.
+struct CountedOut(Arc<AtomicUsize>, Option<(Arc<Mutex<BySource>>, IpAddr, u64)>);
 
 impl Drop for CountedOut {
     fn drop(&mut self) {
-        if let Some((by_source, ip)) = &self.1 {
+        if let Some((by_source, source, id)) = &self.1 {
             let mut by_source = lock(by_source);
-            if let Some(running) = by_source.get_mut(ip) {
-                *running -= 1;
-                if *running == 0 {
-                    by_source.remove(ip);
+            if let Some(running) = by_source.get_mut(source) {
+                running.retain(|r| r.id != *id);
+                if running.is_empty() {
+                    by_source.remove(source);
                 }
             }
         }
@@ -747,7 +824,11 @@ impl Drop for CountedOut {
 }
 
 /// The listener's side of one connection's handshake.
-fn handshake<T: Serialize + DeserializeOwned>(stream: TcpStream, options: &RemoteOptions) -> Result<Receiver<T>> {
+fn handshake<T: Serialize + DeserializeOwned>(
+    stream: TcpStream,
+    options: &RemoteOptions,
+    proven: &AtomicBool,
+) -> Result<Receiver<T>> {
     stream.set_nonblocking(false)?;
     stream.set_nodelay(true)?;
     let timeout = options.handshake_timeout;
@@ -780,6 +861,7 @@ fn handshake<T: Serialize + DeserializeOwned>(stream: TcpStream, options: &Remot
             Error::Unsupported("refused a peer that did not prove the shared secret".into()),
         );
     }
+    proven.store(true, Ordering::Release);
     let hello = match Hello::decode(&read_handshake_bytes(&stream, timeout)?) {
         Ok(hello) => hello,
         Err(refusal) => return refuse(refusal.reason(), refusal.error()),
