@@ -778,6 +778,9 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
                 Ok(_) => tracing::debug!(peer = ?peer, "accepted a remote sender"),
                 Err(e) => tracing::warn!(peer = ?peer, error = %e, "refused a remote peer"),
             }
+            // The listener's copy of the connection goes before the receiver is handed out:
+            // the receiver then holds the connection's only descriptor.
+            _counted.forget_copy();
             let _ = done.send(result);
         });
         if let Err(e) = started {
@@ -807,6 +810,17 @@ fn make_room(by_source: &mut BySource, running: usize) -> bool {
 
 /// Takes one running handshake off a listener's counts (all, and its source's) when dropped.
 struct CountedOut(Arc<AtomicUsize>, Option<(Arc<Mutex<BySource>>, IpAddr, u64)>);
+
+impl CountedOut {
+    /// Closes the listener's copy of the connection (kept to end the handshake to make room).
+    fn forget_copy(&self) {
+        if let Some((by_source, source, id)) = &self.1
+            && let Some(running) = lock(by_source).get_mut(source)
+        {
+            running.iter_mut().filter(|r| r.id == *id).for_each(|r| r.stream = None);
+        }
+    }
+}
 
 impl Drop for CountedOut {
     fn drop(&mut self) {
