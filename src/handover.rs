@@ -537,11 +537,24 @@ extern "C" fn wait_at_exit_hook() {
     let _ = crate::os::catch_quietly(wait_at_exit);
 }
 
+/// This process and its parent, as this process started (`cuda_mp::init`).
+static STARTED_UNDER: OnceLock<(rustix::process::Pid, Option<rustix::process::Pid>)> = OnceLock::new();
+
+/// Notes this process's parent as it starts: at exit, a parent gone meanwhile is seen as gone
+/// (asked only then, the parent would be whoever adopted this process).
+pub(crate) fn note_parent() {
+    let _ = STARTED_UNDER.set((rustix::process::getpid(), rustix::process::getppid()));
+}
+
 /// At exit: waits until every result this process deposited has been fetched, for as long as
 /// its parent lives (arguments it deposited are its children's to fetch, not waited for).
 fn wait_at_exit() {
     let Some(Ok(home)) = HOME.get().get() else { return };
-    let parent = rustix::process::getppid();
+    let parent = match STARTED_UNDER.get() {
+        Some(&(this, parent)) if this == rustix::process::getpid() => parent,
+        // A forked child: its parent is the process that forked it.
+        _ => rustix::process::getppid(),
+    };
     let mut deposits = lock(home);
     loop {
         let now = Instant::now();

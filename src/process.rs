@@ -69,6 +69,7 @@ pub fn init() {
     // every shared storage and lease is a descriptor, so the soft limit is lifted in every
     // process, and a worker may spawn workers of its own.
     crate::sys::raise_descriptor_limit();
+    crate::handover::note_parent();
     INITIALIZED.store(true, Ordering::SeqCst);
     procspawn::init();
 }
@@ -125,6 +126,7 @@ fn run_hooks(hooks: &Mutex<Vec<extern "C" fn()>>) {
 #[cfg(feature = "testing")]
 #[doc(hidden)]
 pub fn __mark_initialized_for_tests() {
+    crate::handover::note_parent();
     INITIALIZED.store(true, Ordering::SeqCst);
 }
 

@@ -231,3 +231,39 @@ fn a_detached_child_runs_on() {
     }
     let _ = std::fs::remove_file(&path);
 }
+
+fn return_a_channel_end_later(_: ()) -> cuda_mp::Sender<u8> {
+    std::thread::sleep(Duration::from_secs(2));
+    cuda_mp::channel::<u8>().unwrap().0
+}
+
+fn spawn_then_wait(tx: cuda_mp::Sender<u32>) {
+    let grandchild = cuda_mp::spawn((), return_a_channel_end_later);
+    tx.send(grandchild.pid().unwrap()).unwrap();
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+/// A child whose parent was killed while it ran, and whose result carries a descriptor (which
+/// waits at its home for the parent to fetch), exits all the same: it waited for ever, taking
+/// the process that adopted it for its parent.
+#[test]
+fn an_orphan_whose_result_carries_a_descriptor_exits() {
+    let (tx, rx) = cuda_mp::channel::<u32>().unwrap();
+    let mut parent = cuda_mp::spawn(tx, spawn_then_wait);
+    let grandchild = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    parent.kill().unwrap();
+    let running = || {
+        std::fs::read_to_string(format!("/proc/{grandchild}/stat"))
+            .is_ok_and(|stat| stat.rsplit(')').next().is_some_and(|rest| !rest.trim_start().starts_with('Z')))
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while running() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let still = running();
+    if still {
+        // SAFETY: a signal to the process this test made.
+        unsafe { libc::kill(grandchild as i32, libc::SIGKILL) };
+    }
+    assert!(!still, "the orphan was still running 20 s after its parent was killed");
+}
