@@ -218,7 +218,7 @@ impl Gauge {
     /// read, as the socket keeps their order and every frame written to it is counted before
     /// its write.
     pub(super) fn frames_read_past(&self, written: u32) -> bool {
-        self.region.u32(READ_AT).load(Ordering::SeqCst).wrapping_sub(written) as i32 >= 0
+        self.frames_read().wrapping_sub(written) as i32 >= 0
     }
 
     /// True when every frame our senders wrote to the socket has been read (a killed writer can

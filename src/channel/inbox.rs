@@ -260,6 +260,18 @@ fn gap_is_lost(ring: &RingReader, gaps: bool, spill: &Option<Arc<Socket>>, main:
     (ring.writer_gone() || gaps) && spill.is_none() && main.pending_bytes() == 0
 }
 
+/// Drops the rings of writers gone that `read_out` says were read to their end, giving back
+/// the places of the messages their writers numbered and never sent.
+fn drop_rings(rings: &mut Vec<RingReader>, gauge: &Gauge, read_out: impl Fn(&RingReader) -> bool) {
+    rings.retain(|r| {
+        let gone = read_out(r);
+        if gone {
+            gauge.free_places(r.never_delivered());
+        }
+        !gone
+    });
+}
+
 /// Receives one frame's bytes and descriptors.
 fn receive_raw(socket: &Socket, buf: &mut [u8], wait: Wait) -> Result<Received, Missing> {
     let failed = |e: RecvError| Missing::Failed(checked(e));
@@ -444,15 +456,9 @@ impl Inbox {
         if self.nothing_waits_here() {
             self.leases.segments().forget_gone(self.told_gone);
             let main = &self.main;
-            self.rings.retain(|r| {
-                // Writer gone first, then its entries, then the socket: a frame or an entry
-                // written as it went is not lost (the look that called this may predate it).
-                let gone = r.writer_gone() && !r.has_entries() && main.pending_bytes() == 0;
-                if gone {
-                    gauge.free_places(r.never_delivered());
-                }
-                !gone
-            });
+            // Writer gone first, then its entries, then the socket: a frame or an entry written
+            // as it went is not lost (the look that called this may predate it).
+            drop_rings(&mut self.rings, gauge, |r| r.writer_gone() && !r.has_entries() && main.pending_bytes() == 0);
         }
     }
 
@@ -487,13 +493,7 @@ impl Inbox {
                 ring.set_next(first);
             }
         }
-        self.rings.retain(|r| {
-            let gone = sweep.rings_gone.contains(&r.id) && !r.has_entries();
-            if gone {
-                gauge.free_places(r.never_delivered());
-            }
-            !gone
-        });
+        drop_rings(&mut self.rings, gauge, |r| sweep.rings_gone.contains(&r.id) && !r.has_entries());
         let rings = &self.rings;
         let read_past = |&(id, tail): &(u64, u64)| rings.iter().find(|r| r.id == id).is_none_or(|r| r.read_past(tail));
         let sweep = self.busy_sweep.take().expect("looked at above");

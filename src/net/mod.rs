@@ -40,7 +40,7 @@ pub const REMOTE_PROTOCOL_VERSION: u32 = protocol::VERSION;
 const HANDSHAKE_BYTES: usize = 64 << 10;
 
 /// Handshakes a listener runs at once, each on a thread of its own; past them a connection
-/// waits in the kernel's backlog, unless room is made for it (`RemoteListener::make_room`).
+/// waits in the kernel's backlog, unless room is made for it ([`make_room`]).
 const MAX_PENDING_HANDSHAKES: usize = 64;
 /// Handshakes at once from one source (an IPv4 address, an IPv6 /64): a peer that opens
 /// connections and says nothing (it cannot prove the secret) holds no more of them, and
