@@ -14,7 +14,7 @@ use crate::fork::ForkLocal;
 use crate::os::catch_quietly;
 use crate::pool::AsyncResult;
 use crate::sys::signal_name;
-use crate::sys::{ChildWatch, Exit};
+use crate::sys::{ChildWatch, Exit, StartWatch};
 use crate::wire;
 
 static INITIALIZED: AtomicBool = AtomicBool::new(false);
@@ -236,7 +236,9 @@ impl Builder {
     /// Runs `f(args)` in a new process with these options; see [`spawn`]. Fails at once,
     /// where [`spawn`] would hand back a handle whose join fails, when the process cannot be
     /// started, and with [`JoinError::NotInitialized`] when this process did not call
-    /// [`init`].
+    /// [`init`]. A child that ends before it starts (a library it loads kills it, say) fails
+    /// the spawn with how it ended ([`JoinError::Signaled`], [`JoinError::Exited`]); a failed
+    /// spawn leaves no child behind.
     ///
     /// ```no_run
     /// #[cuda_mp::main]
@@ -261,6 +263,9 @@ impl Builder {
                 None => builder.env_remove(key),
             };
         }
+        // procspawn waits for the child to connect back without a limit: the watch ends that
+        // wait if the child ends first, and reaps the child of a spawn that fails.
+        let start = StartWatch::begin();
         // The arguments are encoded like a channel message: tensors inside may be exported, and
         // their descriptors wait at this process's home for the child to fetch.
         let (handle, arguments) = wire::encode_spawn_scope(|| catch_quietly(|| builder.spawn(args, f)));
@@ -269,15 +274,20 @@ impl Builder {
                 crate::handover::withdraw(ticket);
             }
         };
+        let failed = |why: JoinError| match start.and_then(StartWatch::failed) {
+            Some(exit) => exit_error(exit),
+            None => why,
+        };
         match handle {
             // A process that could not be started (its executable, procspawn's IPC server, the
-            // arguments) is a handle without a process, whose join says why.
+            // arguments, a child that ended before it connected back) is a handle without a
+            // process, whose join says why.
             Ok(handle) if handle.pid().is_none() => {
                 withdraw();
-                Err(match handle.join() {
+                Err(failed(match handle.join() {
                     Err(e) => join_error(e),
                     Ok(_) => JoinError::Failed("the process was not started".into()),
-                })
+                }))
             }
             Ok(handle) => {
                 let watch = handle.pid().map(ChildWatch::new);
@@ -285,7 +295,7 @@ impl Builder {
             }
             Err(panic) => {
                 withdraw();
-                Err(JoinError::Failed(panic))
+                Err(failed(JoinError::Failed(panic)))
             }
         }
     }

@@ -267,3 +267,105 @@ fn an_orphan_whose_result_carries_a_descriptor_exits() {
     }
     assert!(!still, "the orphan was still running 20 s after its parent was killed");
 }
+
+/// The pids of this process's children, zombies included.
+fn children() -> Vec<u32> {
+    let me = std::process::id();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|entry| {
+            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+            let ppid: u32 = stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()?;
+            (ppid == me).then_some(pid)
+        })
+        .collect()
+}
+
+/// A shared library whose constructor kills the process that loads it, before its `main`.
+fn library_that_kills_at_load() -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("cuda-mp-kill-at-load-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let source = dir.join("kill.c");
+    std::fs::write(
+        &source,
+        "#include <signal.h>\n#include <unistd.h>\n\
+         __attribute__((constructor)) static void die(void) { kill(getpid(), SIGKILL); }\n",
+    )
+    .unwrap();
+    let library = dir.join("libkill.so");
+    let built = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&library)
+        .arg(&source)
+        .status()
+        .expect("this test builds a small library with the C compiler `cc`");
+    assert!(built.success(), "cc could not build {}", source.display());
+    library
+}
+
+fn one(_: ()) -> u8 {
+    1
+}
+
+/// Spawns a child that the preloaded library kills before it connects back: what the spawn
+/// said, and the children left behind.
+fn spawn_one_that_dies_at_load(library: String) -> (String, bool, Vec<u32>) {
+    let result = cuda_mp::Builder::new().env("LD_PRELOAD", library).spawn((), one);
+    let err = result.map(|_| ()).unwrap_err();
+    let killed = matches!(err, JoinError::Signaled { signal: 9, .. });
+    (err.to_string(), killed, children())
+}
+
+/// A child that ends before it connects back (here a preloaded library kills it as it loads)
+/// fails the spawn with how it ended, and leaves no zombie: the spawn waited for it for ever.
+#[test]
+fn a_child_that_dies_before_it_starts_fails_its_spawn() {
+    let library = library_that_kills_at_load();
+    let mut worker = spawn(library.to_string_lossy().into_owned(), spawn_one_that_dies_at_load);
+    let joined = worker.join_timeout(Duration::from_secs(60));
+    if joined.is_err() {
+        let _ = worker.kill();
+    }
+    let (said, killed, left) = joined.expect("the spawn returned within 60 s");
+    assert!(killed, "the spawn said: {said}");
+    assert_eq!(said, "child process was killed by signal 9 (SIGKILL)");
+    assert!(left.is_empty(), "children left behind (zombies): {left:?}");
+    let _ = std::fs::remove_dir_all(library.parent().unwrap());
+}
+
+/// A value whose encoding fails.
+#[derive(serde::Deserialize)]
+struct Unencodable;
+
+impl serde::Serialize for Unencodable {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        Err(serde::ser::Error::custom("this value cannot be encoded"))
+    }
+}
+
+fn never_runs(_: Unencodable) {}
+
+/// Five spawns whose arguments fail to encode: what the last said, and the children left.
+fn spawn_unencodable_arguments(_: ()) -> (String, Vec<u32>) {
+    let mut said = String::new();
+    for _ in 0..5 {
+        said = cuda_mp::Builder::new().spawn(Unencodable, never_runs).map(|_| ()).unwrap_err().to_string();
+    }
+    (said, children())
+}
+
+/// A spawn whose arguments fail to encode (after its child started) fails, and leaves no
+/// zombie child behind.
+#[test]
+fn a_spawn_whose_arguments_fail_to_encode_leaves_no_child() {
+    let mut worker = spawn((), spawn_unencodable_arguments);
+    let joined = worker.join_timeout(Duration::from_secs(60));
+    if joined.is_err() {
+        let _ = worker.kill();
+    }
+    let (said, left) = joined.expect("the spawns returned within 60 s");
+    assert!(said.contains("serialization error"), "{said}");
+    assert!(left.is_empty(), "children left behind (zombies): {left:?}");
+}
