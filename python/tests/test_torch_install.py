@@ -222,6 +222,25 @@ def test_fresh_tensors_are_let_go_as_they_are_sent_not_a_second_later(installed)
     assert max(kept) <= 3, f"storages held for the program after it let go of them: {max(kept)}"
 
 
+def test_a_booked_storage_is_held_by_its_entry_also_where_cuda_mp_knew_its_memory(installed):
+    import cuda_mp.torch as ct
+
+    tx, rx = cuda_mp.channel(cuda_mp.GpuTensor, as_torch=True)
+    tx.send(torch.full((1024,), 3.0, device="cuda"))
+    got = rx.recv(timeout=30)  # PyTorch's tensor over memory that cuda-mp handed to PyTorch
+    ct._sent(got)  # as a pickle of it (forwarding what was received) does
+    storage = got.untyped_storage()
+    with ct._book_lock:
+        entries = [entry for key, entry in ct._book.items() if key[1] == storage.data_ptr()]
+    assert len(entries) == 1
+    _, cdata, keeper = entries[0]
+    # The book reads the use count at this address until the program lets go of the storage:
+    # something the entry holds must keep the storage there (the wrapper holds cuda-mp's
+    # storage of this memory, not PyTorch's).
+    assert keeper.untyped_storage()._cdata == cdata == storage._cdata
+    assert float(got.sum()) == 3.0 * 1024
+
+
 @contextlib.contextmanager
 def a_busy_side_stream():
     """A side stream made current, with about a tenth of a second of GPU time queued on it

@@ -257,11 +257,11 @@ def test_the_sweep_lets_go_of_the_oldest_storages_no_longer_held_and_moves_the_h
         try:
             ct._book.clear()
             ct._alone = 1
-            # Entries as (wrapper, storage address); the use count read here is the address.
-            ct._book.update({"a": ("A", 1), "b": ("B", 5), "c": ("C", 1), "d": ("D", 1)})
-            assert ct._sweep(lambda count: count) == [("A", 1)]
+            # Entries as (wrapper, storage address, keeper); the use count read here is the address.
+            ct._book.update({"a": ("A", 1, "a"), "b": ("B", 5, "b"), "c": ("C", 1, "c"), "d": ("D", 1, "d")})
+            assert ct._sweep(lambda count: count) == [("A", 1, "a")]
             assert list(ct._book) == ["c", "d", "b"], "the held one went to the back"
-            assert ct._sweep(lambda count: count) == [("C", 1), ("D", 1)]
+            assert ct._sweep(lambda count: count) == [("C", 1, "c"), ("D", 1, "d")]
             assert list(ct._book) == ["b"]
             assert ct._sweep(lambda count: count) == [] and list(ct._book) == ["b"]
         finally:

@@ -122,10 +122,12 @@ _lock = threading.Lock()
 # first tensor), one per nested dump.
 _dumping = threading.local()
 # CUDA storages sent, by (device, address, bytes): the cuda-mp tensor that holds the storage's
-# wrapper (so that it is found again, with its identity), and the storage's address in PyTorch
-# (``_cdata``) to read its use count. The wrapper holds the storage through a tensor of its own,
-# so a use count of ``_alone`` (what a storage held by one tensor reads) means the program holds
-# it no more.
+# wrapper (so that it is found again, with its identity), the storage's address in PyTorch
+# (``_cdata``) to read its use count, and a tensor of the entry's own over the storage, which
+# keeps that address valid while the entry lives (the wrapper holds the same tensor, unless
+# cuda-mp knew the memory already: memory it handed to PyTorch, which the wrapper holds
+# instead). A use count of ``_alone`` (what a storage held by one tensor reads) means the
+# program holds it no more.
 _book: "OrderedDict[tuple, tuple]" = OrderedDict()  # oldest first (see ``_sweep``)
 _book_lock = threading.Lock()
 _pruner: Optional[threading.Thread] = None
@@ -310,7 +312,7 @@ def _sent(t, order: bool = True) -> "_native.Tensor":
     native = _gpu(t, order, keeper=keeper)
     with _book_lock:
         let_go = _sweep(use_count)
-        _book.setdefault(key, (native, storage._cdata))
+        _book.setdefault(key, (native, storage._cdata, keeper))
         _start_pruner()
     del let_go  # outside the lock, as the pruner does
     return native
@@ -355,7 +357,7 @@ def _alone_count(use_count) -> int:
 
 def _held_no_more(use_count, cdata) -> bool:
     """Whether the program holds the booked storage at ``cdata`` no more (under the lock): the
-    wrapper's own tensor holds it, so its address stays valid, and a use count of ``_alone``
+    entry's own tensor holds it, so its address stays valid, and a use count of ``_alone``
     is that tensor's alone."""
     global _alone
     if _alone is None:
@@ -373,7 +375,7 @@ def _prune_while_any() -> None:
     while True:
         time.sleep(PRUNE_EVERY)
         with _book_lock:
-            gone = [key for key, (_, cdata) in _book.items() if _held_no_more(use_count, cdata)]
+            gone = [key for key, entry in _book.items() if _held_no_more(use_count, entry[1])]
             dropped = [_book.pop(key) for key in gone]
             done = not _book
             if done:
