@@ -306,7 +306,10 @@ fn view_of<S: cuda_mp::TensorStorage>(
     if !byte_offset.is_multiple_of(dtype.size()) {
         return Err(PyValueError::new_err("the view is not aligned to its element size in its storage"));
     }
-    let layout = layout(shape, strides, offset + byte_offset / dtype.size())?;
+    let offset = offset
+        .checked_add(byte_offset / dtype.size())
+        .ok_or_else(|| PyValueError::new_err("the view's offset is past what an address holds"))?;
+    let layout = layout(shape, strides, offset)?;
     DynTensor::new(storage, layout, dtype).map_err(error)
 }
 
@@ -337,6 +340,8 @@ fn gpu_tensor(
     let known = allocator::find(device, ptr, nbytes).or_else(|| HANDED_GPU.find(device, ptr, nbytes));
     let (storage, byte_offset) = match known {
         Some(found) => found,
+        // An empty tensor's storage has no memory (PyTorch's address is 0): a new empty one.
+        None if nbytes == 0 => (GpuStorage::empty(&dev, 0).map_err(error)?, 0),
         None => {
             // SAFETY: `keeper` is the PyTorch tensor whose storage this is; PyTorch keeps the
             // memory allocated while the tensor lives, and the keeper lives as long as the
@@ -908,9 +913,10 @@ const VALUE_DEPTH: usize = 64;
 /// and tensors, which `leaf` turns into tensors of this module (it returns `None` for any
 /// other object). `None` when it is not (the caller pickles it).
 ///
-/// An object met twice (a list in two places, the same bytes many times) makes it `None`: pickle
-/// keeps one copy and the references to it, which a value would not (and a value of shared
-/// parts, walked once per reference, can grow exponentially with its depth).
+/// An object met twice (a list in two places, the same bytes many times, a tensor: tied
+/// weights) makes it `None`: pickle keeps one copy and the references to it, which a value
+/// would not (and a value of shared parts, walked once per reference, can grow exponentially
+/// with its depth).
 fn to_value(
     obj: &Bound<'_, PyAny>,
     leaf: &Bound<'_, PyAny>,
@@ -966,8 +972,8 @@ fn to_value(
     } else {
         let tensor = leaf.call1((obj,))?;
         match tensor.cast::<Tensor>() {
-            Ok(t) => Some(tensor_value(&t.get().inner)),
-            Err(_) => None,
+            Ok(t) if seen.insert(obj.as_ptr() as usize) => Some(tensor_value(&t.get().inner)),
+            _ => None,
         }
     };
     Ok(value)

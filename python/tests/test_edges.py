@@ -3,6 +3,7 @@
 
 import multiprocessing as mp
 import queue
+import threading
 import time
 
 import numpy as np
@@ -55,6 +56,50 @@ def test_the_first_receive_of_a_channel_may_time_out_and_be_tried_again():
     assert p.exitcode == 0
     assert timeouts >= 1, "the first receive waited for the late sender"
     assert np.asarray(got).tolist() == [0, 1, 2]
+
+
+def test_the_first_receive_of_a_channel_waits_at_most_its_timeout_in_all():
+    # The sender connects after 0.6 s and sends 0.6 s later: a first receive of 1 s times out
+    # at 1 s (it waited 1 s for the connection, then 1 s more for the message).
+    tx, rx = cuda_mp.channel(cuda_mp.HostTensor)
+
+    def connect_then_send_late():
+        time.sleep(0.6)
+        with tx._lock:
+            tx._native = cuda_mp._native.Sender.connect(tx._name, tx.kind)
+        time.sleep(0.6)
+        tx.send(np.arange(3))
+
+    threading.Thread(target=connect_then_send_late, daemon=True).start()
+    start = time.monotonic()
+    try:
+        rx.recv(timeout=1.0)
+        raise AssertionError("the first receive outlasted its timeout")
+    except cuda_mp.Timeout:
+        pass
+    assert time.monotonic() - start < 1.15
+    assert np.asarray(rx.recv(timeout=10)).tolist() == [0, 1, 2]
+
+
+def test_threads_that_make_the_first_receive_together_share_one_accept():
+    tx, rx = cuda_mp.channel(cuda_mp.HostTensor)
+    got, errors = [], []
+
+    def receive():
+        try:
+            got.append(np.asarray(rx.recv(timeout=20)).tolist())
+        except Exception as e:  # noqa: BLE001 (the test reports what any thread met)
+            errors.append(e)
+
+    threads = [threading.Thread(target=receive) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    for i in range(4):
+        tx.send(np.array([i]))
+    for t in threads:
+        t.join(30)
+    assert errors == [] and sorted(got) == [[0], [1], [2], [3]]
 
 
 def receive_one(conn, out):

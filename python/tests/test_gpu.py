@@ -128,6 +128,12 @@ def test_a_state_dict_is_sent_as_one_allocation_and_republished_in_place():
         got = rx.recv(timeout=10)
         assert int(got["step"].item()) == step
         assert torch.equal(got["w"], packed["w"])
+    # Replacing an entry would send the packed memory all the same: refused, nothing sent.
+    packed["b"] = torch.zeros(256, device="cuda")
+    with pytest.raises(ValueError, match="copy into the packed tensor"):
+        tx.send(packed)
+    with pytest.raises(cuda_mp.Timeout):
+        rx.recv(timeout=0.2)
     # A plain dict of torch tensors goes too (one allocation per storage).
     tx.send(sd)
     got = rx.recv(timeout=10)
@@ -151,6 +157,18 @@ def test_a_rust_process_adds_one_to_torch_memory_and_sends_it_back():
         peer.kill()
 
 
+def test_an_empty_cuda_tensor_crosses_a_gpu_channel_and_a_bundle():
+    # PyTorch gives an empty tensor no memory (address 0): it arrives empty, in its shape.
+    tx, rx = pair()
+    tx.send(torch.empty((0, 4), device="cuda"))
+    got = rx.recv(timeout=10)
+    assert got.is_cuda and tuple(got.shape) == (0, 4) and got.dtype == torch.float32
+    tx, rx = pair(cuda_mp.Bundle)
+    tx.send({"empty": torch.empty(0, device="cuda"), "w": torch.ones(8, device="cuda")})
+    got = rx.recv(timeout=10)
+    assert got["empty"].numel() == 0 and torch.equal(got["w"], torch.ones(8, device="cuda"))
+
+
 def test_wrong_values_raise():
     tx, _rx = pair()
     with pytest.raises(TypeError):
@@ -168,6 +186,9 @@ def test_cpu_torch_tensors_cross_a_host_channel_bf16_included():
         tx.send(t.T)  # not contiguous: copied in C order
         got = rx.recv(timeout=10)
         assert got.dtype == dtype and torch.equal(got, t.T)
+    # A parameter (it requires grad, which numpy() refuses) goes as its values.
+    tx.send(torch.nn.Parameter(torch.full((4,), 2.5)))
+    assert torch.equal(rx.recv(timeout=10), torch.full((4,), 2.5))
 
 
 EXPANDABLE = """

@@ -82,6 +82,16 @@ def test_timeouts_disconnects_and_wrong_values_raise_their_exceptions():
         cuda_mp.connect("no-such-listener-anywhere", cuda_mp.HostTensor)
 
 
+def test_a_view_whose_offset_is_past_what_an_address_holds_is_refused():
+    memory = cuda_mp.empty_host(8, "float32")
+    address = memory.__array_interface__["data"][0]
+    try:
+        cuda_mp._native.host_tensor("f32", [1], [1], 2**64 - 1, address + 4, 4)
+        raise AssertionError("the view was made")
+    except ValueError:  # no panic, no wrap to a view at the start
+        pass
+
+
 def child_writes(tx, n):
     import numpy as np
 

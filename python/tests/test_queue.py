@@ -233,6 +233,35 @@ def test_objects_keep_their_exact_types_as_values_or_pickles():
     assert shared.tolist() == [9, 9, 9], "cuda-mp memory inside a value is shared"
 
 
+class Tied:
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+
+def test_a_tensor_met_twice_in_an_item_arrives_as_one_object():
+    # As pickle keeps one object for two references to it: tied weights stay tied.
+    shared = cuda_mp.empty_host((4,), "float32")
+    q = cuda_mp.Queue()
+    a, b = cuda_mp.Pipe()
+    for item in (Tied(shared, shared), [shared, shared], {"x": shared, "y": [shared]}):
+        q.put(item)
+        a.send(item)
+        for got in (q.get(timeout=10), b.recv(timeout=10)):
+            if isinstance(got, Tied):
+                assert got.a is got.b
+            elif isinstance(got, list):
+                assert got[0] is got[1]
+            else:
+                assert got["x"] is got["y"][0]
+    other = cuda_mp.empty_host((4,), "float32")
+    q.put([shared, other])
+    got = q.get(timeout=10)
+    assert got[0] is not got[1], "two tensors stay two"
+    got[0][:] = 1
+    got[1][:] = 2
+    assert shared.tolist() == [1.0] * 4 and other.tolist() == [2.0] * 4
+
+
 def test_a_pipe_polls_as_multiprocessing_pipes_do():
     a, b = cuda_mp.Pipe()
     assert not b.poll(), "nothing sent"

@@ -20,6 +20,7 @@ through shared memory. Messages are wire-compatible with the Rust crate ``cuda-m
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from . import _native
@@ -236,7 +237,7 @@ def _host(a) -> "_native.Tensor":
         if a.is_cuda:
             raise TypeError("a host channel sends numpy arrays or CPU tensors; this tensor is on a GPU")
         dtype = _torch_dtype_name(a.dtype)
-        c = a.contiguous()
+        c = a.detach().contiguous()  # (numpy() refuses a tensor that requires grad)
         if dtype == "bf16":
             c = c.view(__import__("torch").int16)
         a = c.numpy()
@@ -273,15 +274,48 @@ def _shared_array(a, dtype: str) -> Optional["_native.Tensor"]:
 class PackedStateDict(dict):
     """A state dict whose tensors are views of one cuda-mp allocation (see ``pack_state_dict``):
     sent on a ``Bundle`` channel as that allocation, one handle for all of it; update the
-    tensors in place and send again to re-publish."""
+    tensors in place and send again to re-publish (a send refuses a dict whose entries were
+    replaced, added or taken out: it would send the packed memory all the same)."""
 
     def __init__(self, native_bundle: "_native.Bundle", tensors: Dict[str, Any]):
         super().__init__(tensors)
         self._bundle = native_bundle
+        self._views = dict(tensors)
 
     @property
     def allocations(self) -> int:
         return self._bundle.allocations()
+
+    def _check_unchanged(self) -> None:
+        """Raises where an entry was replaced, added or taken out: what is sent is the packed
+        allocation, whatever the dict now holds."""
+        views = self.__dict__.get("_views")
+        if views is None:
+            return  # (made by unpickling, without its views)
+        if self.keys() != views.keys():
+            raise ValueError(
+                "entries were added to or taken out of this packed state dict: it sends the memory it "
+                "packed; pack the new state dict (pack_state_dict) to send other entries"
+            )
+        for name, view in views.items():
+            t = dict.__getitem__(self, name)
+            if t is not view and not _same_view(t, view):
+                raise ValueError(
+                    f"entry {name!r} of this packed state dict was replaced: it sends the memory it packed; "
+                    f"copy into the packed tensor instead (packed[{name!r}].copy_(new))"
+                )
+
+
+def _same_view(t, view) -> bool:
+    """Whether the tensor ``t`` is a view of the same memory as ``view``, in the same layout."""
+    return (
+        _is_torch(t)
+        and t.device == view.device
+        and t.dtype == view.dtype
+        and t.data_ptr() == view.data_ptr()
+        and t.shape == view.shape
+        and t.stride() == view.stride()
+    )
 
 
 def pack_state_dict(state_dict: Dict[str, Any], device=None, chunk_bytes: Optional[int] = None) -> PackedStateDict:
@@ -315,6 +349,7 @@ def _bundle(d) -> "_native.Bundle":
     if isinstance(d, _native.Bundle):
         return d
     if isinstance(d, PackedStateDict):
+        d._check_unchanged()
         index = next(iter(d.values())).device.index or 0
         _order_after_torch(index)
         return d._bundle
@@ -511,10 +546,23 @@ class _LazyReceiver(Receiver):
         self.kind = listener.kind
         self.as_torch = listener._as_torch
         self._native = None
+        self._accepting = threading.Lock()
 
     def recv(self, timeout: Optional[float] = None, raw: bool = False):
         if self._native is None:
-            self._native = self._listener._native.accept(self._accept_timeout if timeout is None else timeout)
+            # The sender's connection and its first message share the one limit; a thread that
+            # comes while another accepts waits for that accept.
+            deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+            if not self._accepting.acquire(timeout=-1 if deadline is None else max(timeout, 0.0)):
+                raise Timeout("timed out waiting for the channel's sender to connect")
+            try:
+                if self._native is None:
+                    left = self._accept_timeout if deadline is None else max(0.0, deadline - time.monotonic())
+                    self._native = self._listener._native.accept(left)
+            finally:
+                self._accepting.release()
+            if deadline is not None:
+                timeout = max(0.0, deadline - time.monotonic())
         return super().recv(timeout, raw)
 
     def __reduce__(self):

@@ -53,18 +53,30 @@ HANDLE_TTL = 600.0
 
 class _TensorsOut(ForkingPickler):
     """Pickles an item as ``multiprocessing`` does (its reductions of connections, sockets and
-    the like included), leaving the tensors that cuda-mp carries out (``persistent_id``)."""
+    the like included), leaving the tensors that cuda-mp carries out (``persistent_id``). A
+    tensor met twice travels once and arrives as one object (pickle asks ``persistent_id``
+    before its memo): tied weights stay tied."""
 
     def __init__(self, file):
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self.tensors: List[Any] = []
+        # By id(): the name given to each object left out, and the object (alive, so that its
+        # id is not another's while the item is pickled).
+        self._left_out = {}
 
     def persistent_id(self, obj):
+        known = self._left_out.get(id(obj))
+        if known is not None:
+            return known[0]
         if _is_torch(obj):
-            return self._torch(obj)
-        if type(obj).__name__ == "ndarray" and type(obj).__module__ == "numpy":
-            return self._numpy(obj)
-        return None
+            pid = self._torch(obj)
+        elif type(obj).__name__ == "ndarray" and type(obj).__module__ == "numpy":
+            pid = self._numpy(obj)
+        else:
+            return None
+        if pid is not None:
+            self._left_out[id(obj)] = (pid, obj)
+        return pid
 
     def _torch(self, t):
         import torch
@@ -96,8 +108,15 @@ class _TensorsIn(pickle.Unpickler):
     def __init__(self, data: bytes, tensors: List[Any]):
         super().__init__(io.BytesIO(data))
         self.tensors = tensors
+        self._made = {}
 
     def persistent_load(self, pid):
+        made = self._made.get(pid)
+        if made is None:
+            made = self._made[pid] = self._make(pid)
+        return made
+
+    def _make(self, pid):
         if pid[0] == "numpy":
             return _to_numpy(self.tensors[pid[1]])
         _, index, parameter, requires_grad = pid
