@@ -274,10 +274,7 @@ impl Builder {
                 crate::handover::withdraw(ticket);
             }
         };
-        let failed = |why: JoinError| match start.and_then(StartWatch::failed) {
-            Some(exit) => exit_error(exit),
-            None => why,
-        };
+        let failed = |why: JoinError| start_failed(start, why);
         match handle {
             // A process that could not be started (its executable, procspawn's IPC server, the
             // arguments, a child that ended before it connected back) is a handle without a
@@ -363,6 +360,15 @@ pub(crate) fn join_error(e: procspawn::SpawnError) -> JoinError {
         JoinError::Terminated(e.to_string())
     } else {
         JoinError::Failed(e.to_string())
+    }
+}
+
+/// The error of a spawn that failed (`why`, as procspawn said it), watched by `start`: how the
+/// child ended where it ended before it connected back; the child is reaped.
+pub(crate) fn start_failed(start: Option<StartWatch>, why: JoinError) -> JoinError {
+    match start.and_then(StartWatch::failed) {
+        Some(exit) => exit_error(exit),
+        None => why,
     }
 }
 

@@ -283,15 +283,24 @@ fn children() -> Vec<u32> {
         .collect()
 }
 
-/// A shared library whose constructor kills the process that loads it, before its `main`.
+/// Whose children a library built by [`library_that_kills_at_load`] spares.
+const SPARE_CHILDREN_OF: &str = "CUDA_MP_TEST_SPARE_CHILDREN_OF";
+
+/// A shared library whose constructor kills the process that loads it, before its `main`,
+/// unless its parent's pid is in [`SPARE_CHILDREN_OF`].
 fn library_that_kills_at_load() -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("cuda-mp-kill-at-load-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let source = dir.join("kill.c");
     std::fs::write(
         &source,
-        "#include <signal.h>\n#include <unistd.h>\n\
-         __attribute__((constructor)) static void die(void) { kill(getpid(), SIGKILL); }\n",
+        format!(
+            "#include <signal.h>\n#include <stdlib.h>\n#include <unistd.h>\n\
+             __attribute__((constructor)) static void die(void) {{\n\
+             const char *spare = getenv(\"{SPARE_CHILDREN_OF}\");\n\
+             if (spare && atoi(spare) == (int)getppid()) return;\n\
+             kill(getpid(), SIGKILL);\n}}\n"
+        ),
     )
     .unwrap();
     let library = dir.join("libkill.so");
@@ -309,28 +318,34 @@ fn one(_: ()) -> u8 {
     1
 }
 
-/// Spawns a child that the preloaded library kills before it connects back: what the spawn
-/// said, and the children left behind.
-fn spawn_one_that_dies_at_load(library: String) -> (String, bool, Vec<u32>) {
-    let result = cuda_mp::Builder::new().env("LD_PRELOAD", library).spawn((), one);
-    let err = result.map(|_| ()).unwrap_err();
-    let killed = matches!(err, JoinError::Signaled { signal: 9, .. });
-    (err.to_string(), killed, children())
+/// In a process whose children the preloaded library kills as they load: what a spawn and a
+/// pool's build said (and whether the signal was SIGKILL), and the children left behind.
+fn start_children_that_die_at_load(_: ()) -> (String, bool, String, bool, Vec<u32>) {
+    let killed = |e: &JoinError| matches!(e, JoinError::Signaled { signal: 9, .. });
+    let spawned = cuda_mp::Builder::new().spawn((), one).map(|_| ()).unwrap_err();
+    let built = Pool::builder().size(1).build_timeout(Duration::from_secs(20)).map(|_| ()).unwrap_err();
+    (spawned.to_string(), killed(&spawned), built.to_string(), killed(&built), children())
 }
 
 /// A child that ends before it connects back (here a preloaded library kills it as it loads)
-/// fails the spawn with how it ended, and leaves no zombie: the spawn waited for it for ever.
+/// fails its spawn, or its pool's build, with how it ended, and leaves no zombie: the spawn
+/// (and a build without a limit) waited for it for ever.
 #[test]
-fn a_child_that_dies_before_it_starts_fails_its_spawn() {
+fn a_child_that_dies_before_it_starts_fails_its_spawn_and_its_pools_build() {
     let library = library_that_kills_at_load();
-    let mut worker = spawn(library.to_string_lossy().into_owned(), spawn_one_that_dies_at_load);
+    let mut worker = cuda_mp::Builder::new()
+        .env("LD_PRELOAD", library.to_string_lossy())
+        .env(SPARE_CHILDREN_OF, std::process::id().to_string())
+        .spawn((), start_children_that_die_at_load)
+        .unwrap();
     let joined = worker.join_timeout(Duration::from_secs(60));
     if joined.is_err() {
         let _ = worker.kill();
     }
-    let (said, killed, left) = joined.expect("the spawn returned within 60 s");
-    assert!(killed, "the spawn said: {said}");
-    assert_eq!(said, "child process was killed by signal 9 (SIGKILL)");
+    let (spawned, spawn_killed, built, build_killed, left) = joined.expect("the worker returned within 60 s");
+    assert!(spawn_killed, "the spawn said: {spawned}");
+    assert_eq!(spawned, "child process was killed by signal 9 (SIGKILL)");
+    assert!(build_killed, "the pool's build said: {built}");
     assert!(left.is_empty(), "children left behind (zombies): {left:?}");
     let _ = std::fs::remove_dir_all(library.parent().unwrap());
 }

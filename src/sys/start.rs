@@ -70,7 +70,8 @@ impl Drop for GateTicket {
 struct Seen {
     /// The watch has ended.
     settled: bool,
-    pid: Option<Pid>,
+    /// A pidfd of the child: it names the child alone, also once someone else reaped it.
+    pidfd: Option<OwnedFd>,
     /// It ended before the spawn returned.
     ended: Option<Exit>,
 }
@@ -112,24 +113,30 @@ impl StartWatch {
         Some(StartWatch { seen, done: Some(done) })
     }
 
+    /// How the child ended, where it ended before it connected back (read once the spawn
+    /// returned: the watch records the end before it makes the spawn fail).
+    pub(crate) fn ended_first(&self) -> Option<Exit> {
+        self.seen.0.lock().unwrap_or_else(PoisonError::into_inner).ended
+    }
+
     /// After a spawn that failed: how its child ended if it ended before the spawn returned;
-    /// a child still running is killed. Either is reaped (procspawn drops a failed spawn's
-    /// child without waiting for it). `None` when no child was found, or it was still running.
+    /// a child still running is killed. Either is reaped unless its owner did (procspawn drops
+    /// a failed spawn's child without waiting for it). `None` when no child was found, or it
+    /// was still running.
     pub(crate) fn failed(mut self) -> Option<Exit> {
         self.done = None;
         let (lock, changed) = &*self.seen;
         let seen = lock.lock().unwrap_or_else(PoisonError::into_inner);
-        let (seen, _) =
+        let (mut seen, _) =
             changed.wait_timeout_while(seen, SETTLE_WAIT, |s| !s.settled).unwrap_or_else(PoisonError::into_inner);
-        let (pid, ended) = (seen.pid?, seen.ended);
+        let (pidfd, ended) = (seen.pidfd.take()?, seen.ended);
         drop(seen);
-        if ended.is_none()
-            && let Ok(pidfd) = pidfd_open(pid, PidfdFlags::empty())
-        {
+        if ended.is_none() {
             let _ = pidfd_send_signal(&pidfd, Signal::KILL);
         }
-        // The child is this process's, and nobody else waits for it.
-        let _ = waitid(WaitId::Pid(pid), WaitIdOptions::EXITED);
+        // Through the pidfd: a child its owner reaped already is not mistaken for another
+        // process that took its pid since.
+        let _ = waitid(WaitId::PidFd(pidfd.as_fd()), WaitIdOptions::EXITED);
         ended
     }
 }
@@ -155,8 +162,9 @@ fn watch(until: &OwnedFd, before: Before, gate: GateTicket, seen: &Shared) -> Op
         let now = children(before.thread)?;
         now.into_iter().find(|pid| !before.children.contains(pid))
     })?;
-    seen.0.lock().unwrap_or_else(PoisonError::into_inner).pid = Some(pid);
+    // Opened before the spawn returns: until then nobody reaps the child.
     let pidfd = pidfd_open(pid, PidfdFlags::empty()).ok()?;
+    seen.0.lock().unwrap_or_else(PoisonError::into_inner).pidfd = pidfd.try_clone().ok();
     if !readable_before(&pidfd, until, None) {
         return None;
     }
