@@ -19,7 +19,7 @@ use std::net::SocketAddr;
 use std::time::Instant;
 
 use common::{Outcome, TIMEOUT};
-use cuda_mp::{Bundle, BundleBuilder, Device, GpuTensor, RemoteListener, RemoteOptions, Sender, bf16, spawn};
+use cuda_mp::{Bundle, BundleBuilder, Device, GpuTensor, Receiver, RemoteListener, RemoteOptions, Sender, bf16, spawn};
 use serde::{Deserialize, Serialize};
 
 /// What the rollout tells the trainer, on a remote channel of its own.
@@ -46,6 +46,23 @@ fn options() -> RemoteOptions {
     RemoteOptions::default().network_only(true).secret(b"example 15: a secret both hosts hold")
 }
 
+/// The first sender that proves the secret. A peer that does not (a port scanner, a host
+/// without the secret, a sender of another message type) is refused and reported, and the
+/// listener goes on listening: an open port must not let a stranger end the run.
+fn accept_proven<T: Serialize + serde::de::DeserializeOwned + 'static>(
+    listener: &RemoteListener<T>,
+) -> cuda_mp::Result<Receiver<T>> {
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        match listener.accept_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Err(refused @ (cuda_mp::Error::Unsupported(_) | cuda_mp::Error::Malformed(_))) => {
+                eprintln!("refused a peer: {refused}");
+            }
+            accepted => return accepted,
+        }
+    }
+}
+
 /// The rollout engine, on GPU 1: receives each step's weights and checks every element.
 fn rollout(trainer: SocketAddr) {
     let reports = Sender::<Report>::connect_remote_with(trainer, options()).expect("reach the trainer");
@@ -54,7 +71,7 @@ fn rollout(trainer: SocketAddr) {
         reports
             .send(Report::Listening(listener.local_addr()?))
             .map_err(|e| cuda_mp::Error::Send(e.failure().clone()))?;
-        let weights = listener.accept_timeout(TIMEOUT)?;
+        let weights = accept_proven(&listener)?;
         for received in weights.iter_results() {
             let (step, bundle) = received?;
             let mismatches = check(&bundle, step)?;
@@ -107,7 +124,7 @@ fn run() -> Outcome {
     // 1. The trainer listens for the rollout's reports and starts the rollout "on another host".
     let reports = RemoteListener::<Report>::bind_with("127.0.0.1:0", options())?;
     let child = spawn(reports.local_addr()?, rollout);
-    let reports = reports.accept_timeout(TIMEOUT)?;
+    let reports = accept_proven(&reports)?;
     let Report::Listening(addr) = reports.recv_timeout(TIMEOUT)? else {
         return Err("the rollout did not say where it listens".into());
     };
