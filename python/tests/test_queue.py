@@ -253,6 +253,14 @@ def test_a_tensor_met_twice_in_an_item_arrives_as_one_object():
                 assert got[0] is got[1]
             else:
                 assert got["x"] is got["y"][0]
+    # cuda-mp's own tensors (as a bf16 host tensor arrives where torch is missing) too.
+    native = cuda_mp._shared_array(shared, "f32")
+    for item in ([native, native], {"a": native, "b": (native, 1)}):
+        q.put(item)
+        a.send(item)
+        for got in (q.get(timeout=10), b.recv(timeout=10)):
+            first, second = (got[0], got[1]) if isinstance(got, list) else (got["a"], got["b"][0])
+            assert first is second and first.tolist() == shared.tolist()
     other = cuda_mp.empty_host((4,), "float32")
     q.put([shared, other])
     got = q.get(timeout=10)

@@ -299,7 +299,7 @@ class PackedStateDict(dict):
             )
         for name, view in views.items():
             t = dict.__getitem__(self, name)
-            if t is not view and not _same_view(t, view):
+            if not _same_view(t, view):  # (the same object too: its storage may have been set anew)
                 raise ValueError(
                     f"entry {name!r} of this packed state dict was replaced: it sends the memory it packed; "
                     f"copy into the packed tensor instead (packed[{name!r}].copy_(new))"

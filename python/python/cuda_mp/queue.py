@@ -70,6 +70,9 @@ class _TensorsOut(ForkingPickler):
             return known[0]
         if _is_torch(obj):
             pid = self._torch(obj)
+        elif isinstance(obj, _native.Tensor):  # (as a bf16 host tensor arrives where torch is missing)
+            self.tensors.append(obj)
+            pid = ("native", len(self.tensors) - 1)
         elif type(obj).__name__ == "ndarray" and type(obj).__module__ == "numpy":
             pid = self._numpy(obj)
         else:
@@ -117,6 +120,9 @@ class _TensorsIn(pickle.Unpickler):
         return made
 
     def _make(self, pid):
+        if pid[0] == "native":
+            t = self.tensors[pid[1]]
+            return _host_leaf(t) if t.device is None else _gpu_leaf(t)
         if pid[0] == "numpy":
             return _to_numpy(self.tensors[pid[1]])
         _, index, parameter, requires_grad = pid
