@@ -18,8 +18,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{JoinError, PanicReport};
 use crate::os::{catch_quietly, report_panics};
-use crate::process::{JoinHandle, exit_error, join_error, not_initialized, start_failed};
-use crate::sys::{ChildWatch, StartWatch};
+use crate::process::{JoinHandle, exit_error, join_error, not_initialized};
+use crate::sys::ChildWatch;
 use crate::wire;
 
 /// How often a dispatcher waiting on its worker looks whether the pool is being terminated or
@@ -1217,23 +1217,11 @@ where
 impl Worker {
     /// Starts a worker process, sets it up and runs the pool's initializer on it.
     fn start(shared: &Shared, deadline: Option<Instant>) -> Result<Worker, JoinError> {
-        // procspawn's pool starts its process as a spawn does: watched the same way
-        // (`process.rs`, `Builder::spawn`).
-        let start = StartWatch::begin();
         let pool = match catch_quietly(|| procspawn::Pool::new(1)) {
             Ok(Ok(pool)) => pool,
-            Ok(Err(e)) => return Err(start_failed(start, join_error(e))),
-            Err(panic) => {
-                return Err(start_failed(start, JoinError::Failed(format!("could not start a pool worker: {panic}"))));
-            }
+            Ok(Err(e)) => return Err(join_error(e)),
+            Err(panic) => return Err(JoinError::Failed(format!("could not start a pool worker: {panic}"))),
         };
-        // A process that ended before it connected back leaves the pool without one (procspawn
-        // would start another, unwatched, at the first call): its end is the start's error.
-        if let Some(exit) = start.as_ref().and_then(StartWatch::ended_first) {
-            drop(pool);
-            return Err(start_failed(start, exit_error(exit)));
-        }
-        drop(start);
         let (tx, panics) = crate::channel::<Report>()
             .map_err(|e| JoinError::Failed(format!("could not open a pool worker's panic channel: {e}")))?;
         let (setup, arguments) = wire::encode_spawn_scope(|| catch_quietly(|| pool.spawn(tx, setup_worker)));

@@ -14,7 +14,7 @@ use crate::fork::ForkLocal;
 use crate::os::catch_quietly;
 use crate::pool::AsyncResult;
 use crate::sys::signal_name;
-use crate::sys::{ChildWatch, Exit, StartWatch};
+use crate::sys::{ChildWatch, Exit};
 use crate::wire;
 
 static INITIALIZED: AtomicBool = AtomicBool::new(false);
@@ -237,8 +237,7 @@ impl Builder {
     /// where [`spawn`] would hand back a handle whose join fails, when the process cannot be
     /// started, and with [`JoinError::NotInitialized`] when this process did not call
     /// [`init`]. A child that ends before it starts (a library it loads kills it, say) fails
-    /// the spawn with how it ended ([`JoinError::Signaled`], [`JoinError::Exited`]); a failed
-    /// spawn leaves no child behind.
+    /// the spawn with how it ended; a failed spawn leaves no child behind.
     ///
     /// ```no_run
     /// #[cuda_mp::main]
@@ -263,9 +262,6 @@ impl Builder {
                 None => builder.env_remove(key),
             };
         }
-        // procspawn waits for the child to connect back without a limit: the watch ends that
-        // wait if the child ends first, and reaps the child of a spawn that fails.
-        let start = StartWatch::begin();
         // The arguments are encoded like a channel message: tensors inside may be exported, and
         // their descriptors wait at this process's home for the child to fetch.
         let (handle, arguments) = wire::encode_spawn_scope(|| catch_quietly(|| builder.spawn(args, f)));
@@ -274,17 +270,16 @@ impl Builder {
                 crate::handover::withdraw(ticket);
             }
         };
-        let failed = |why: JoinError| start_failed(start, why);
         match handle {
             // A process that could not be started (its executable, procspawn's IPC server, the
             // arguments, a child that ended before it connected back) is a handle without a
             // process, whose join says why.
             Ok(handle) if handle.pid().is_none() => {
                 withdraw();
-                Err(failed(match handle.join() {
+                Err(match handle.join() {
                     Err(e) => join_error(e),
                     Ok(_) => JoinError::Failed("the process was not started".into()),
-                }))
+                })
             }
             Ok(handle) => {
                 let watch = handle.pid().map(ChildWatch::new);
@@ -292,7 +287,7 @@ impl Builder {
             }
             Err(panic) => {
                 withdraw();
-                Err(failed(JoinError::Failed(panic)))
+                Err(JoinError::Failed(panic))
             }
         }
     }
@@ -354,21 +349,17 @@ pub(crate) fn join_error(e: procspawn::SpawnError) -> JoinError {
             location: info.location().map(|l| format!("{}:{}:{}", l.file(), l.line(), l.column())),
         });
     }
+    // procspawn's message names the kind of failure; its source says what failed.
+    let said = match std::error::Error::source(&e) {
+        Some(source) => format!("{e}: {source}"),
+        None => e.to_string(),
+    };
     if e.is_timeout() {
         JoinError::Timeout
     } else if e.is_remote_close() || e.is_cancellation() {
-        JoinError::Terminated(e.to_string())
+        JoinError::Terminated(said)
     } else {
-        JoinError::Failed(e.to_string())
-    }
-}
-
-/// The error of a spawn that failed (`why`, as procspawn said it), watched by `start`: how the
-/// child ended where it ended before it connected back; the child is reaped.
-pub(crate) fn start_failed(start: Option<StartWatch>, why: JoinError) -> JoinError {
-    match start.and_then(StartWatch::failed) {
-        Some(exit) => exit_error(exit),
-        None => why,
+        JoinError::Failed(said)
     }
 }
 

@@ -319,12 +319,11 @@ fn one(_: ()) -> u8 {
 }
 
 /// In a process whose children the preloaded library kills as they load: what a spawn and a
-/// pool's build said (and whether the signal was SIGKILL), and the children left behind.
-fn start_children_that_die_at_load(_: ()) -> (String, bool, String, bool, Vec<u32>) {
-    let killed = |e: &JoinError| matches!(e, JoinError::Signaled { signal: 9, .. });
+/// pool's build said, and the children left behind.
+fn start_children_that_die_at_load(_: ()) -> (String, String, Vec<u32>) {
     let spawned = cuda_mp::Builder::new().spawn((), one).map(|_| ()).unwrap_err();
     let built = Pool::builder().size(1).build_timeout(Duration::from_secs(20)).map(|_| ()).unwrap_err();
-    (spawned.to_string(), killed(&spawned), built.to_string(), killed(&built), children())
+    (spawned.to_string(), built.to_string(), children())
 }
 
 /// A child that ends before it connects back (here a preloaded library kills it as it loads)
@@ -342,10 +341,10 @@ fn a_child_that_dies_before_it_starts_fails_its_spawn_and_its_pools_build() {
     if joined.is_err() {
         let _ = worker.kill();
     }
-    let (spawned, spawn_killed, built, build_killed, left) = joined.expect("the worker returned within 60 s");
-    assert!(spawn_killed, "the spawn said: {spawned}");
-    assert_eq!(spawned, "child process was killed by signal 9 (SIGKILL)");
-    assert!(build_killed, "the pool's build said: {built}");
+    let (spawned, built, left) = joined.expect("the worker returned within 60 s");
+    for said in [&spawned, &built] {
+        assert!(said.contains("ended before it started") && said.contains("SIGKILL"), "{said}");
+    }
     assert!(left.is_empty(), "children left behind (zombies): {left:?}");
     let _ = std::fs::remove_dir_all(library.parent().unwrap());
 }

@@ -13,7 +13,6 @@ mod process;
 #[cfg(feature = "cuda")]
 mod shm;
 mod socket;
-mod start;
 #[cfg(feature = "remote")]
 pub(crate) mod tcp;
 
@@ -46,7 +45,6 @@ pub(crate) use socket::{
     peer_gone as reader_gone, peer_gone as writers_gone, private_dir, ring, silence, wait_readable,
     wait_readable_or_closed,
 };
-pub(crate) use start::StartWatch;
 
 /// 128 random bits from the kernel (`getrandom`): names and secrets no other process can guess.
 pub(crate) fn random_u128() -> u128 {
