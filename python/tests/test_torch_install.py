@@ -225,7 +225,9 @@ def test_fresh_tensors_are_let_go_as_they_are_sent_not_a_second_later(installed)
 def test_a_booked_storage_is_held_by_its_entry_also_where_cuda_mp_knew_its_memory(installed):
     import cuda_mp.torch as ct
 
-    tx, rx = cuda_mp.channel(cuda_mp.GpuTensor, as_torch=True)
+    listener = cuda_mp.Listener(cuda_mp.GpuTensor, as_torch=True)
+    tx = cuda_mp.connect(listener.name, cuda_mp.GpuTensor)
+    rx = listener.accept(timeout=10)
     tx.send(torch.full((1024,), 3.0, device="cuda"))
     got = rx.recv(timeout=30)  # PyTorch's tensor over memory that cuda-mp handed to PyTorch
     ct._sent(got)  # as a pickle of it (forwarding what was received) does
