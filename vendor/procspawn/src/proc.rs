@@ -381,11 +381,14 @@ fn reap_failed(process: &mut process::Child, err: SpawnError) -> SpawnError {
             io::ErrorKind::BrokenPipe,
             format!("the child process ended before it started ({status})"),
         )),
-        _ => {
+        Ok(None) => {
             let _ = process.kill();
             let _ = process.wait();
             err
         }
+        // Reaped by someone else (`SIGCHLD` ignored, a `waitpid(-1)`): its pid may be another
+        // process's by now, which must not be killed.
+        Err(_) => err,
     }
 }
 
