@@ -566,6 +566,11 @@ impl DeviceRange {
         DeviceRange { ptr, len }
     }
 
+    /// Whether the range starts at a multiple of `bytes`.
+    pub(crate) fn is_aligned_to(&self, bytes: usize) -> bool {
+        self.ptr.is_multiple_of(bytes as u64)
+    }
+
     /// True when the range holds no byte.
     pub(crate) fn is_empty(&self) -> bool {
         self.len == 0
@@ -860,8 +865,17 @@ pub(crate) struct KernelView {
 
 impl KernelView {
     /// The view `layout` of `dtype` elements over `alloc` (the storage the layout's offsets
-    /// count from); an error when any element would lie outside `alloc`.
+    /// count from); an error when any element would lie outside `alloc`, or when `alloc`
+    /// does not start at a multiple of the element's size (a kernel's load of a misaligned
+    /// element faults the whole context; an imported storage may start anywhere).
     pub(crate) fn new(alloc: DeviceRange, layout: &Layout, dtype: DType) -> Result<KernelView> {
+        if !alloc.is_aligned_to(dtype.size()) {
+            return Err(Error::Layout(format!(
+                "a kernel on {dtype} elements needs memory that starts at a multiple of {} bytes; this starts at {:#x}",
+                dtype.size(),
+                alloc.ptr
+            )));
+        }
         let kernel_layout = KernelLayout::of(layout)?;
         let extent = layout.extent()?;
         let fits = extent.checked_mul(dtype.size()).is_some_and(|end| end <= alloc.len);
@@ -1283,6 +1297,12 @@ mod tests {
         assert_eq!(KernelArgs::Fill { view: v, bits: 0 }.signature().unwrap().2, 0);
         let big = Layout::new(vec![usize::MAX / 4], vec![1], 0, usize::MAX).unwrap();
         assert!(KernelView::new(DeviceRange::new(0x1000, usize::MAX), &big, DType::F64).is_err());
+        // Memory that starts off its elements' alignment (an imported storage may): refused,
+        // where a kernel's loads would fault the context.
+        assert!(KernelView::new(DeviceRange::new(0x1002, 56), &l, DType::F32).is_err());
+        assert!(KernelView::new(DeviceRange::new(0x1004, 56), &l, DType::F32).is_ok());
+        assert!(KernelView::new(DeviceRange::new(0x1004, 112), &l, DType::F64).is_err());
+        assert!(KernelView::new(DeviceRange::new(0x1001, 14), &l, DType::U8).is_ok());
     }
 
     #[test]

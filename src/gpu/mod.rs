@@ -260,8 +260,11 @@ impl<T: Element> Tensor<T, GpuStorage> {
         Ok(Some(first.device()))
     }
 
-    /// Adds `value` to every element of the view, in place (queued on the device's stream).
-    /// Integer results wrap as in C; not for `bool`.
+    /// Adds `value` to every element of the view, in place (queued on the device's stream);
+    /// not for `bool`. Integer elements are added in double precision and converted back
+    /// toward zero: exact while the operands and the result are within 2^53 and the result
+    /// fits the element type (past it, a 32- or 64-bit result saturates; an 8- or 16-bit one
+    /// is unspecified).
     ///
     /// ```no_run
     /// let dev = cuda_mp::Device::get(0).unwrap();
@@ -475,7 +478,12 @@ impl Tensor<i64, GpuStorage> {
         if self.numel() == 0 {
             return Err(Error::Layout("an empty counter".into()));
         }
-        self.storage.range()?.sub(self.offset() * 8, 8)
+        let range = self.storage.range()?.sub(self.offset() * 8, 8)?;
+        // A 64-bit atomic add at a misaligned address faults the whole context.
+        if !range.is_aligned_to(8) {
+            return Err(Error::Layout("a counter needs memory that starts at a multiple of 8 bytes".into()));
+        }
+        Ok(range)
     }
 }
 

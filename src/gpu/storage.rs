@@ -430,7 +430,15 @@ impl StorageKind for GpuKind {
             // None where nothing is queued since the stream was last seen idle: released on
             // this thread at once (the drop's `finish_own_work` then asks nothing either).
             GpuMemory::ImportedBlock(block) => Some(Box::new(block.fence()?)),
-            GpuMemory::Imported { mapping, .. } => Some(Box::new(mapping.device().own_work().ok()??)),
+            GpuMemory::Imported { mapping, .. } => match mapping.device().own_work() {
+                Ok(work) => Some(Box::new(work?)),
+                // No fence could be recorded: the dropping thread waits for the work itself
+                // before the release (as a block's drop does), not the owner's memory.
+                Err(_) => {
+                    let _ = mapping.device().finish_own_work();
+                    None
+                }
+            },
             _ => None,
         }
     }
