@@ -180,18 +180,16 @@ impl<K: StorageKind> Drop for Memory<K> {
             Origin::Imported { cover, .. } => match raw.as_mut().and_then(K::fence) {
                 // The kind waits for the work behind the fence, not this thread: the mapping
                 // closes now, its claim is released once the work is done.
-                Some(fence) => {
-                    // Counted for the exit's wait where the fence is waited for at exit.
-                    let release: Close = if fence.waited_at_exit() {
-                        let release = lifetime::DeferredRelease::new(cover.take());
-                        finish_closes_at_exit();
-                        Box::new(move || drop(release))
-                    } else {
-                        let release = cover.take();
-                        Box::new(move || drop(release))
-                    };
+                Some(fence) if fence.waited_at_exit() => {
+                    let release = lifetime::DeferredRelease::new(cover.take());
+                    finish_closes_at_exit();
                     lifetime::close_import(id, key, || drop(raw));
-                    fence.then(release);
+                    fence.then(Box::new(move || drop(release)));
+                }
+                Some(fence) => {
+                    let release = cover.take();
+                    lifetime::close_import(id, key, || drop(raw));
+                    fence.then(Box::new(move || drop(release)));
                 }
                 None => lifetime::close_import(id, key, || drop(raw)),
             },
