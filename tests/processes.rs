@@ -252,15 +252,11 @@ fn an_orphan_whose_result_carries_a_descriptor_exits() {
     let mut parent = cuda_mp::spawn(tx, spawn_then_wait);
     let grandchild = rx.recv_timeout(Duration::from_secs(30)).unwrap();
     parent.kill().unwrap();
-    let running = || {
-        std::fs::read_to_string(format!("/proc/{grandchild}/stat"))
-            .is_ok_and(|stat| stat.rsplit(')').next().is_some_and(|rest| !rest.trim_start().starts_with('Z')))
-    };
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while running() && std::time::Instant::now() < deadline {
+    while running(grandchild) && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(50));
     }
-    let still = running();
+    let still = running(grandchild);
     if still {
         // SAFETY: a signal to the process this test made.
         unsafe { libc::kill(grandchild as i32, libc::SIGKILL) };
