@@ -622,8 +622,9 @@ impl PoolBuilder {
         self.build_until(None)
     }
 
-    /// Like [`build`](Self::build), giving up after `timeout` (for example on an initializer
-    /// that hangs) with [`JoinError::Timeout`]; the workers started are killed.
+    /// Like [`build`](Self::build), giving up after `timeout` (for example on a worker stuck
+    /// before its `main`, or an initializer that hangs) with [`JoinError::Timeout`]; the
+    /// workers started are killed.
     ///
     /// ```no_run
     /// use std::time::Duration;
@@ -1217,7 +1218,12 @@ where
 impl Worker {
     /// Starts a worker process, sets it up and runs the pool's initializer on it.
     fn start(shared: &Shared, deadline: Option<Instant>) -> Result<Worker, JoinError> {
-        let pool = match catch_quietly(|| procspawn::Pool::new(1)) {
+        // A worker that does not start by the deadline (stuck before its `main`) fails the build.
+        let mut builder = procspawn::Pool::builder(1);
+        if let Some(deadline) = deadline {
+            builder.start_timeout(deadline.saturating_duration_since(Instant::now()));
+        }
+        let pool = match catch_quietly(|| builder.build()) {
             Ok(Ok(pool)) => pool,
             Ok(Err(e)) => return Err(join_error(e)),
             Err(panic) => return Err(JoinError::Failed(format!("could not start a pool worker: {panic}"))),

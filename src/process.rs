@@ -200,6 +200,7 @@ where
 #[derive(Debug, Default)]
 pub struct Builder {
     env: Vec<(String, Option<String>)>,
+    start_timeout: Option<Duration>,
 }
 
 impl Builder {
@@ -233,11 +234,33 @@ impl Builder {
         self
     }
 
+    /// Fails the spawn with [`JoinError::Timeout`], and kills the child, when the child has
+    /// not started within `timeout`: started means it ran up to its `main` and reported back
+    /// (before `f` runs, so `f` itself may take as long as it likes). Without it, a child stuck
+    /// before its `main` (in a static constructor of a library it loads, say) holds the spawn
+    /// for as long as it is stuck.
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// #[cuda_mp::main]
+    /// fn main() -> Result<(), cuda_mp::JoinError> {
+    ///     let child = cuda_mp::Builder::new().start_timeout(Duration::from_secs(30)).spawn((), |()| 7)?;
+    ///     assert_eq!(child.join()?, 7);
+    ///     Ok(())
+    /// }
+    /// ```
+    pub fn start_timeout(mut self, timeout: Duration) -> Builder {
+        self.start_timeout = Some(timeout);
+        self
+    }
+
     /// Runs `f(args)` in a new process with these options; see [`spawn`]. Fails at once,
     /// where [`spawn`] would hand back a handle whose join fails, when the process cannot be
     /// started, and with [`JoinError::NotInitialized`] when this process did not call
     /// [`init`]. A child that ends before it starts (a library it loads kills it, say) fails
-    /// the spawn with how it ended; a failed spawn leaves no child behind.
+    /// the spawn with how it ended, one that does not start within
+    /// [`start_timeout`](Self::start_timeout) fails it with [`JoinError::Timeout`]; a failed
+    /// spawn leaves no child behind.
     ///
     /// ```no_run
     /// #[cuda_mp::main]
@@ -261,6 +284,9 @@ impl Builder {
                 Some(v) => builder.env(key, v),
                 None => builder.env_remove(key),
             };
+        }
+        if let Some(timeout) = self.start_timeout {
+            builder.start_timeout(timeout);
         }
         // The arguments are encoded like a channel message: tensors inside may be exported, and
         // their descriptors wait at this process's home for the child to fetch.

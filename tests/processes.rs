@@ -279,27 +279,27 @@ fn children() -> Vec<u32> {
         .collect()
 }
 
-/// Whose children a library built by [`library_that_kills_at_load`] spares.
+/// Whose children a library built by [`library_that_stops_children`] spares.
 const SPARE_CHILDREN_OF: &str = "CUDA_MP_TEST_SPARE_CHILDREN_OF";
 
-/// A shared library whose constructor kills the process that loads it, before its `main`,
-/// unless its parent's pid is in [`SPARE_CHILDREN_OF`].
-fn library_that_kills_at_load() -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("cuda-mp-kill-at-load-{}", std::process::id()));
+/// A shared library whose constructor runs `stop` (C statements) in the process that loads
+/// it, before its `main`, unless its parent's pid is in [`SPARE_CHILDREN_OF`].
+fn library_that_stops_children(name: &str, stop: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("cuda-mp-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let source = dir.join("kill.c");
+    let source = dir.join("stop.c");
     std::fs::write(
         &source,
         format!(
-            "#include <signal.h>\n#include <stdlib.h>\n#include <unistd.h>\n\
-             __attribute__((constructor)) static void die(void) {{\n\
+            "#include <signal.h>\n#include <stdlib.h>\n#include <sys/prctl.h>\n#include <unistd.h>\n\
+             __attribute__((constructor)) static void stop(void) {{\n\
              const char *spare = getenv(\"{SPARE_CHILDREN_OF}\");\n\
              if (spare && atoi(spare) == (int)getppid()) return;\n\
-             kill(getpid(), SIGKILL);\n}}\n"
+             {stop}\n}}\n"
         ),
     )
     .unwrap();
-    let library = dir.join("libkill.so");
+    let library = dir.join("libstop.so");
     let built = std::process::Command::new("cc")
         .args(["-shared", "-fPIC", "-o"])
         .arg(&library)
@@ -327,7 +327,7 @@ fn start_children_that_die_at_load(_: ()) -> (String, String, Vec<u32>) {
 /// (and a build without a limit) waited for it for ever.
 #[test]
 fn a_child_that_dies_before_it_starts_fails_its_spawn_and_its_pools_build() {
-    let library = library_that_kills_at_load();
+    let library = library_that_stops_children("kill-at-load", "kill(getpid(), SIGKILL);");
     let mut worker = cuda_mp::Builder::new()
         .env("LD_PRELOAD", library.to_string_lossy())
         .env(SPARE_CHILDREN_OF, std::process::id().to_string())
@@ -342,6 +342,48 @@ fn a_child_that_dies_before_it_starts_fails_its_spawn_and_its_pools_build() {
         assert!(said.contains("ended before it started") && said.contains("SIGKILL"), "{said}");
     }
     assert!(left.is_empty(), "children left behind (zombies): {left:?}");
+    let _ = std::fs::remove_dir_all(library.parent().unwrap());
+}
+
+/// In a process whose children the preloaded library holds before their `main`: what a spawn
+/// with a start timeout and a pool's build with a timeout said, how long each took, and the
+/// children left behind.
+fn start_children_that_hang_at_load(_: ()) -> (String, Duration, String, Duration, Vec<u32>) {
+    let started = std::time::Instant::now();
+    let spawned = cuda_mp::Builder::new().start_timeout(Duration::from_secs(2)).spawn((), one).map(|_| ()).unwrap_err();
+    let spawn_took = started.elapsed();
+    let started = std::time::Instant::now();
+    let built = Pool::builder().size(1).build_timeout(Duration::from_secs(2)).map(|_| ()).unwrap_err();
+    let build_took = started.elapsed();
+    (format!("{spawned:?}"), spawn_took, format!("{built:?}"), build_took, children())
+}
+
+/// A child that lives but never starts (stuck in a static constructor) fails a spawn that
+/// has a start timeout, and a pool's build that has a timeout, when the time is up; it is
+/// killed and reaped. Both waited for ever.
+#[test]
+fn a_child_that_never_starts_fails_a_spawn_or_build_with_a_timeout() {
+    let library = library_that_stops_children(
+        "hang-at-load",
+        // Killed with its parent: should the spawn wait for ever, the test's kill ends it.
+        "prctl(PR_SET_PDEATHSIG, SIGKILL); for (;;) pause();",
+    );
+    let mut worker = cuda_mp::Builder::new()
+        .env("LD_PRELOAD", library.to_string_lossy())
+        .env(SPARE_CHILDREN_OF, std::process::id().to_string())
+        .spawn((), start_children_that_hang_at_load)
+        .unwrap();
+    let joined = worker.join_timeout(Duration::from_secs(60));
+    if joined.is_err() {
+        let _ = worker.kill();
+    }
+    let (spawned, spawn_took, built, build_took, left) = joined.expect("the worker returned within 60 s");
+    assert_eq!(spawned, "Timeout");
+    assert_eq!(built, "Timeout");
+    for took in [spawn_took, build_took] {
+        assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(20), "gave up after {took:?}");
+    }
+    assert!(left.is_empty(), "children left behind: {left:?}");
     let _ = std::fs::remove_dir_all(library.parent().unwrap());
 }
 

@@ -31,6 +31,8 @@ pub struct ProcCommon {
     pub gid: Option<u32>,
     #[cfg(unix)]
     pub pre_exec: Option<Arc<std::sync::Mutex<Box<PreExecFunc>>>>,
+    /// Patched: how long a child may take to connect back before its spawn fails.
+    pub start_timeout: Option<Duration>,
 }
 
 impl fmt::Debug for ProcCommon {
@@ -142,6 +144,14 @@ macro_rules! define_common_methods {
             F: FnMut() -> io::Result<()> + Send + Sync + 'static,
         {
             self.common.pre_exec = Some(Arc::new(std::sync::Mutex::new(Box::new(f))));
+            self
+        }
+
+        /// Patched: fails the spawn with a timeout (and kills the child) when the child has
+        /// not connected back within `timeout`: a child stuck before its `main` (in a static
+        /// constructor, say) held the spawn for ever.
+        pub fn start_timeout(&mut self, timeout: Duration) -> &mut Self {
+            self.common.start_timeout = Some(timeout);
             self
         }
     };
@@ -289,8 +299,9 @@ impl Builder {
 
         // Patched: a child that ends before it connects back is reported, not waited for
         // for ever, and the child of a spawn that fails is reaped.
+        let start_timeout = self.common.start_timeout;
         let started = (|| -> Result<_, SpawnError> {
-            let (_rx, tx) = accept_unless_ended(server, &token, process.id())?;
+            let (_rx, tx) = accept_unless_ended(server, &token, process.id(), start_timeout)?;
 
             let (args_tx, args_rx) = ipc::channel()?;
             let (return_tx, return_rx) = ipc::channel()?;
@@ -319,21 +330,27 @@ impl Builder {
 const CHILD_LOOK: Duration = Duration::from_millis(10);
 
 /// `server.accept()`, which has no limit of its own: should the child `pid` end before it
-/// connects, a thread connects in its place and closes at once, which fails the accept.
+/// connects, or `timeout` pass, a thread connects in its place and closes at once, which fails
+/// the accept.
 #[allow(clippy::type_complexity)]
 fn accept_unless_ended(
     server: IpcOneShotServer<IpcSender<MarshalledCall>>,
     token: &str,
     pid: u32,
+    timeout: Option<Duration>,
 ) -> Result<(IpcReceiver<IpcSender<MarshalledCall>>, IpcSender<MarshalledCall>), SpawnError> {
     let accepted = Arc::new(AtomicBool::new(false));
+    let timed_out = Arc::new(AtomicBool::new(false));
+    let deadline = timeout.map(|t| Instant::now() + t);
     let watch = {
-        let (accepted, token) = (accepted.clone(), token.to_owned());
+        let (accepted, timed_out, token) = (accepted.clone(), timed_out.clone(), token.to_owned());
         move || {
             while !accepted.load(Ordering::SeqCst) {
-                if ended(pid) {
-                    // A child that connected just before it ended was accepted first (the
-                    // connections queue in order); past the accept this connects to nothing.
+                let late = deadline.is_some_and(|d| Instant::now() >= d);
+                if late || ended(pid) {
+                    timed_out.store(late, Ordering::SeqCst);
+                    // A child that connected just before was accepted first (the connections
+                    // queue in order); past the accept this connects to nothing.
                     let _ = IpcSender::<()>::connect(token);
                     return;
                 }
@@ -345,7 +362,10 @@ fn accept_unless_ended(
     let _ = thread::Builder::new().name("procspawn-start".into()).spawn(watch);
     let result = server.accept();
     accepted.store(true, Ordering::SeqCst);
-    Ok(result?)
+    match result {
+        Err(_) if timed_out.load(Ordering::SeqCst) => Err(SpawnError::new_timeout()),
+        result => Ok(result?),
+    }
 }
 
 /// Whether the child `pid` has ended, leaving it to be reaped.
