@@ -666,7 +666,7 @@ impl PoolBuilder {
             }),
             work: Condvar::new(),
             idle: Condvar::new(),
-            terminated: AtomicBool::new(false),
+            terminated: Arc::new(AtomicBool::new(false)),
             initializer: self.initializer,
             max_tasks: self.max_tasks,
         });
@@ -989,8 +989,9 @@ struct Shared {
     work: Condvar,
     /// Wakes a shutdown: no job is queued or running.
     idle: Condvar,
-    /// Set when the pool is terminated: no new work, workers killed.
-    terminated: AtomicBool,
+    /// Set when the pool is terminated: no new work, workers killed, and a worker still
+    /// starting given up on.
+    terminated: Arc<AtomicBool>,
     initializer: Option<Initializer>,
     max_tasks: Option<usize>,
 }
@@ -1105,9 +1106,10 @@ fn dispatch(
             Some(worker)
         }
         Err(error) => {
-            // The build stops the pool.
+            // The build stops the pool: no replacement, which would start without a limit
+            // (and, stuck before its `main`, hold the build's stop for ever).
             let _ = started.send(Err(error));
-            None
+            return;
         }
     };
     drop(started);
@@ -1218,13 +1220,16 @@ where
 impl Worker {
     /// Starts a worker process, sets it up and runs the pool's initializer on it.
     fn start(shared: &Shared, deadline: Option<Instant>) -> Result<Worker, JoinError> {
-        // A worker that does not start by the deadline (stuck before its `main`) fails the build.
+        // A worker that does not start by the deadline (stuck before its `main`) fails the build,
+        // and one still starting when the pool is terminated is given up on.
         let mut builder = procspawn::Pool::builder(1);
+        builder.start_cancel(shared.terminated.clone());
         if let Some(deadline) = deadline {
             builder.start_timeout(deadline.saturating_duration_since(Instant::now()));
         }
         let pool = match catch_quietly(|| builder.build()) {
             Ok(Ok(pool)) => pool,
+            Ok(Err(e)) if e.is_cancellation() => return Err(JoinError::PoolClosed),
             Ok(Err(e)) => return Err(join_error(e)),
             Err(panic) => return Err(JoinError::Failed(format!("could not start a pool worker: {panic}"))),
         };

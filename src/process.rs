@@ -235,10 +235,11 @@ impl Builder {
     }
 
     /// Fails the spawn with [`JoinError::Timeout`], and kills the child, when the child has
-    /// not started within `timeout`: started means it ran up to its `main` and reported back
-    /// (before `f` runs, so `f` itself may take as long as it likes). Without it, a child stuck
-    /// before its `main` (in a static constructor of a library it loads, say) holds the spawn
-    /// for as long as it is stuck.
+    /// not started within `timeout`: started means it ran up to [`init`] (the first thing
+    /// `#[cuda_mp::main]` does) and reported back, before `f` runs, so `f` itself may take as
+    /// long as it likes. Without it, a child stuck before that (in a static constructor of a
+    /// library it loads, say) holds the spawn for as long as it is stuck. A limit too long for
+    /// the clock to hold is no limit.
     ///
     /// ```no_run
     /// # use std::time::Duration;

@@ -345,6 +345,25 @@ fn a_child_that_dies_before_it_starts_fails_its_spawn_and_its_pools_build() {
     let _ = std::fs::remove_dir_all(library.parent().unwrap());
 }
 
+/// Where a library built by [`library_that_hangs_children`] holds a child only once this file
+/// exists (without the variable, always).
+const HANG_ONCE_EXISTS: &str = "CUDA_MP_TEST_HANG_ONCE_EXISTS";
+
+/// A shared library that holds the children it loads in before their `main` for ever (see
+/// [`HANG_ONCE_EXISTS`]); each is killed with its parent, so that a spawn that waits for ever
+/// leaves nothing behind once the test kills it.
+fn library_that_hangs_children(name: &str) -> std::path::PathBuf {
+    library_that_stops_children(
+        name,
+        &format!(
+            "const char *f = getenv(\"{HANG_ONCE_EXISTS}\");\n\
+             if (f && access(f, F_OK) != 0) return;\n\
+             prctl(PR_SET_PDEATHSIG, SIGKILL);\n\
+             for (;;) pause();"
+        ),
+    )
+}
+
 /// In a process whose children the preloaded library holds before their `main`: what a spawn
 /// with a start timeout and a pool's build with a timeout said, how long each took, and the
 /// children left behind.
@@ -363,11 +382,7 @@ fn start_children_that_hang_at_load(_: ()) -> (String, Duration, String, Duratio
 /// killed and reaped. Both waited for ever.
 #[test]
 fn a_child_that_never_starts_fails_a_spawn_or_build_with_a_timeout() {
-    let library = library_that_stops_children(
-        "hang-at-load",
-        // Killed with its parent: should the spawn wait for ever, the test's kill ends it.
-        "prctl(PR_SET_PDEATHSIG, SIGKILL); for (;;) pause();",
-    );
+    let library = library_that_hangs_children("hang-at-load");
     let mut worker = cuda_mp::Builder::new()
         .env("LD_PRELOAD", library.to_string_lossy())
         .env(SPARE_CHILDREN_OF, std::process::id().to_string())
@@ -383,6 +398,51 @@ fn a_child_that_never_starts_fails_a_spawn_or_build_with_a_timeout() {
     for took in [spawn_took, build_took] {
         assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(20), "gave up after {took:?}");
     }
+    assert!(left.is_empty(), "children left behind: {left:?}");
+    let _ = std::fs::remove_dir_all(library.parent().unwrap());
+}
+
+/// A start timeout too long for a clock to hold is no limit: the spawn ran, where it failed
+/// (an overflow) and left its child a zombie.
+#[test]
+fn a_start_timeout_past_any_clock_is_no_limit() {
+    let child = cuda_mp::Builder::new().start_timeout(Duration::MAX).spawn((), one).unwrap();
+    assert_eq!(child.join().unwrap(), 1);
+}
+
+/// In a process whose children start until `hang_once` exists: a pool's worker that dies, the
+/// replacement that never starts, and the pool terminated meanwhile. What the dead worker's
+/// call said, how long the termination took, and the children left.
+fn terminate_while_a_replacement_never_starts(hang_once: String) -> (String, Duration, Vec<u32>) {
+    let pool = Pool::new(1).unwrap();
+    std::fs::write(&hang_once, b"").unwrap();
+    let died = pool.spawn(3, exit_early).join();
+    // The dispatcher starts the replacement as soon as it sees the worker gone.
+    std::thread::sleep(Duration::from_millis(500));
+    let started = std::time::Instant::now();
+    pool.terminate();
+    (format!("{died:?}"), started.elapsed(), children())
+}
+
+/// A pool terminated while it replaces a dead worker with one that never starts (stuck in a
+/// static constructor) stops at once and leaves no child: it waited for that start for ever.
+#[test]
+fn a_pool_terminated_while_its_replacement_worker_never_starts_stops() {
+    let library = library_that_hangs_children("hang-replacement");
+    let hang_once = library.parent().unwrap().join("hang-now");
+    let mut worker = cuda_mp::Builder::new()
+        .env("LD_PRELOAD", library.to_string_lossy())
+        .env(SPARE_CHILDREN_OF, std::process::id().to_string())
+        .env(HANG_ONCE_EXISTS, hang_once.to_string_lossy())
+        .spawn(hang_once.to_string_lossy().into_owned(), terminate_while_a_replacement_never_starts)
+        .unwrap();
+    let joined = worker.join_timeout(Duration::from_secs(60));
+    if joined.is_err() {
+        let _ = worker.kill();
+    }
+    let (died, took, left) = joined.expect("the worker returned within 60 s");
+    assert_eq!(died, "Err(Exited { code: 3 })");
+    assert!(took < Duration::from_secs(10), "the termination took {took:?}");
     assert!(left.is_empty(), "children left behind: {left:?}");
     let _ = std::fs::remove_dir_all(library.parent().unwrap());
 }

@@ -4,7 +4,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::process::{ChildStderr, ChildStdin, ChildStdout};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use std::{env, mem, process};
@@ -33,12 +33,16 @@ pub struct ProcCommon {
     pub pre_exec: Option<Arc<std::sync::Mutex<Box<PreExecFunc>>>>,
     /// Patched: how long a child may take to connect back before its spawn fails.
     pub start_timeout: Option<Duration>,
+    /// Patched: once set, a child that has not connected back fails its spawn (cancelled).
+    pub start_cancel: Option<Arc<AtomicBool>>,
 }
 
 impl fmt::Debug for ProcCommon {
     fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.debug_struct("ProcCommon")
             .field("vars", &self.vars)
+            .field("start_timeout", &self.start_timeout)
+            .field("start_cancel", &self.start_cancel)
             .finish()
     }
 }
@@ -152,6 +156,14 @@ macro_rules! define_common_methods {
         /// constructor, say) held the spawn for ever.
         pub fn start_timeout(&mut self, timeout: Duration) -> &mut Self {
             self.common.start_timeout = Some(timeout);
+            self
+        }
+
+        /// Patched: fails the spawn as cancelled (and kills the child) when `cancel` is set
+        /// before the child has connected back, so that whoever stops waiting for it (a pool
+        /// being terminated) is not held by a child that never starts.
+        pub fn start_cancel(&mut self, cancel: Arc<AtomicBool>) -> &mut Self {
+            self.common.start_cancel = Some(cancel);
             self
         }
     };
@@ -299,9 +311,9 @@ impl Builder {
 
         // Patched: a child that ends before it connects back is reported, not waited for
         // for ever, and the child of a spawn that fails is reaped.
-        let start_timeout = self.common.start_timeout;
+        let limits = (self.common.start_timeout, self.common.start_cancel.clone());
         let started = (|| -> Result<_, SpawnError> {
-            let (_rx, tx) = accept_unless_ended(server, &token, process.id(), start_timeout)?;
+            let (_rx, tx) = accept_unless_ended(server, &token, process.id(), limits)?;
 
             let (args_tx, args_rx) = ipc::channel()?;
             let (return_tx, return_rx) = ipc::channel()?;
@@ -329,42 +341,61 @@ impl Builder {
 /// How often `accept_unless_ended` looks whether the child has ended.
 const CHILD_LOOK: Duration = Duration::from_millis(10);
 
+/// Why `accept_unless_ended`'s thread connected in the child's place.
+const ENDED: u8 = 1;
+const TIMED_OUT: u8 = 2;
+const CANCELLED: u8 = 3;
+
 /// `server.accept()`, which has no limit of its own: should the child `pid` end before it
-/// connects, or `timeout` pass, a thread connects in its place and closes at once, which fails
-/// the accept.
+/// connects, the timeout pass or the cancel flag be set (`limits`), a thread connects in its
+/// place and closes at once, which fails the accept.
 #[allow(clippy::type_complexity)]
 fn accept_unless_ended(
     server: IpcOneShotServer<IpcSender<MarshalledCall>>,
     token: &str,
     pid: u32,
-    timeout: Option<Duration>,
+    limits: (Option<Duration>, Option<Arc<AtomicBool>>),
 ) -> Result<(IpcReceiver<IpcSender<MarshalledCall>>, IpcSender<MarshalledCall>), SpawnError> {
+    let (timeout, cancel) = limits;
+    let limited = timeout.is_some() || cancel.is_some();
+    // A limit past what an `Instant` can hold is no limit.
+    let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
     let accepted = Arc::new(AtomicBool::new(false));
-    let timed_out = Arc::new(AtomicBool::new(false));
-    let deadline = timeout.map(|t| Instant::now() + t);
+    let why = Arc::new(AtomicU8::new(0));
     let watch = {
-        let (accepted, timed_out, token) = (accepted.clone(), timed_out.clone(), token.to_owned());
+        let (accepted, why, token) = (accepted.clone(), why.clone(), token.to_owned());
         move || {
             while !accepted.load(Ordering::SeqCst) {
-                let late = deadline.is_some_and(|d| Instant::now() >= d);
-                if late || ended(pid) {
-                    timed_out.store(late, Ordering::SeqCst);
-                    // A child that connected just before was accepted first (the connections
-                    // queue in order); past the accept this connects to nothing.
-                    let _ = IpcSender::<()>::connect(token);
-                    return;
-                }
-                thread::sleep(CHILD_LOOK);
+                let reason = if cancel.as_ref().is_some_and(|c| c.load(Ordering::SeqCst)) {
+                    CANCELLED
+                } else if deadline.is_some_and(|d| Instant::now() >= d) {
+                    TIMED_OUT
+                } else if ended(pid) {
+                    ENDED
+                } else {
+                    thread::sleep(CHILD_LOOK);
+                    continue;
+                };
+                why.store(reason, Ordering::SeqCst);
+                // A child that connected just before was accepted first (the connections
+                // queue in order); past the accept this connects to nothing.
+                let _ = IpcSender::<()>::connect(token);
+                return;
             }
         }
     };
-    // Without a thread, the accept waits as it did before the patch.
-    let _ = thread::Builder::new().name("procspawn-start".into()).spawn(watch);
+    // Without a thread, the accept waits as it did before the patch, unless it has a limit.
+    if let Err(err) = thread::Builder::new().name("procspawn-start".into()).spawn(watch) {
+        if limited {
+            return Err(err.into());
+        }
+    }
     let result = server.accept();
     accepted.store(true, Ordering::SeqCst);
-    match result {
-        Err(_) if timed_out.load(Ordering::SeqCst) => Err(SpawnError::new_timeout()),
-        result => Ok(result?),
+    match (result, why.load(Ordering::SeqCst)) {
+        (Err(_), TIMED_OUT) => Err(SpawnError::new_timeout()),
+        (Err(_), CANCELLED) => Err(SpawnError::new_cancelled()),
+        (result, _) => Ok(result?),
     }
 }
 
@@ -397,6 +428,9 @@ fn ended(_pid: u32) -> bool {
 /// error tells how it ended where it ended by itself.
 fn reap_failed(process: &mut process::Child, err: SpawnError) -> SpawnError {
     match process.try_wait() {
+        // A child that connected just too late finds the listener gone and ends: it timed out
+        // (or was cancelled) all the same.
+        Ok(Some(_)) if err.is_timeout() || err.is_cancellation() => err,
         Ok(Some(status)) => SpawnError::from(io::Error::new(
             io::ErrorKind::BrokenPipe,
             format!("the child process ended before it started ({status})"),
