@@ -343,6 +343,9 @@ pub struct JoinHandle<R> {
     ended: Option<Exit>,
     /// When a join last looked for the result of the running child.
     last_look: Instant,
+    /// The child's result (or panic), taken by a join before the child exited: returned once
+    /// it has.
+    outcome: Option<Result<R, procspawn::SpawnError>>,
     /// Where the descriptors of the child's arguments wait until it fetches them: withdrawn
     /// once the child is known to have ended (a child killed before it fetched them would
     /// otherwise keep what they claim until they expire).
@@ -390,6 +393,15 @@ pub(crate) fn join_error(e: procspawn::SpawnError) -> JoinError {
     }
 }
 
+/// The error `e` of a join, for a child that ended as `exit` says: how it ended, where it ended
+/// without a result.
+fn ended_error(e: procspawn::SpawnError, exit: Option<Exit>) -> JoinError {
+    match (join_error(e), exit) {
+        (JoinError::Timeout | JoinError::Terminated(_), Some(exit)) => exit_error(exit),
+        (error, _) => error,
+    }
+}
+
 /// The error for a child that ended this way without a result.
 pub(crate) fn exit_error(exit: Exit) -> JoinError {
     match exit {
@@ -406,7 +418,7 @@ const RESULT_LOOK: Duration = Duration::from_millis(200);
 
 impl<R> JoinHandle<R> {
     fn new(inner: Inner<R>, watch: Option<ChildWatch>, arguments: Option<crate::handover::SpawnTicket>) -> Self {
-        JoinHandle { inner, watch, ended: None, last_look: Instant::now(), arguments }
+        JoinHandle { inner, watch, ended: None, last_look: Instant::now(), outcome: None, arguments }
     }
 
     /// The child has ended (or is being killed): what its arguments claim and it did not fetch
@@ -532,10 +544,10 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
     }
 
     /// Like [`join`](Self::join), giving up after `timeout` with [`JoinError::Timeout`]; the
-    /// child keeps running and the handle stays usable. Once the child's result has arrived it
-    /// waits for the child's exit whatever the timeout, and a child waits at its exit until
-    /// what it sent on channels is handed on: read those before joining, or on another thread
-    /// (see "Closing" in `src/channel/README.md`), not between calls of this.
+    /// child keeps running and the handle stays usable. A child waits at its exit until what
+    /// it sent on channels is handed on (see "Closing" in `src/channel/README.md`): a loop of
+    /// this and reads of those channels ends, and a result that arrived before the child
+    /// exited is kept for the next call.
     ///
     /// ```no_run
     /// use std::time::Duration;
@@ -578,32 +590,36 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
                 deadline.map_or(Duration::from_secs(u32::MAX as u64), |d| d.saturating_duration_since(Instant::now()));
             return handle.join_timeout(wait).map_err(join_error);
         };
-        // The transport reaps a child whose channel closed, and its exit status with it, so
-        // its result is looked at only once the child has exited (the pidfd wakes us then;
-        // its result, if it sent one, is still queued), or now and then while it runs, for a
-        // result too large to be queued before the child exits.
+        // The child's result is looked at once it has exited (the pidfd wakes us then; its
+        // result, if it sent one, is still queued), or now and then while it runs, for a result
+        // too large to be queued before the child exits. A result (or panic) taken while the
+        // child runs is kept until the child has exited, which may wait on this process (for
+        // what it sent on channels to be read): within the deadline, so that the caller can
+        // read and join again.
         loop {
             let exit = watch.exited(Duration::ZERO).or(self.ended);
-            if exit.is_some() || self.last_look.elapsed() >= RESULT_LOOK {
+            if self.outcome.is_none() && (exit.is_some() || self.last_look.elapsed() >= RESULT_LOOK) {
                 self.last_look = Instant::now();
-                match handle.join_timeout(Duration::ZERO) {
-                    Ok(v) => return Ok(v),
+                match handle.result_timeout(Duration::ZERO) {
                     Err(e) if e.is_timeout() && exit.is_none() => {}
-                    Err(e) => {
-                        if e.is_timeout() {
-                            // Ended without a result.
-                            let _ = handle.kill();
-                        }
-                        // A child that died without a result: the signal or exit status says how.
-                        let error = match (join_error(e), exit) {
-                            (JoinError::Timeout | JoinError::Terminated(_), Some(exit)) => exit_error(exit),
-                            (error, _) => error,
-                        };
+                    Err(e) if !e.is_panic() => {
+                        // Ended without a result (a timeout once it exited), or the transport
+                        // failed (procspawn killed the child then).
+                        let _ = handle.kill();
                         self.inner = Inner::Failed(None);
                         self.forget_arguments();
-                        return Err(error);
+                        return Err(ended_error(e, exit));
                     }
+                    outcome => self.outcome = Some(outcome),
                 }
+            }
+            if exit.is_some()
+                && let Some(outcome) = self.outcome.take()
+            {
+                // procspawn's kill reaps a child that has exited.
+                let _ = handle.kill();
+                self.inner = Inner::Failed(None);
+                return outcome.map_err(|e| ended_error(e, exit));
             }
             let now = Instant::now();
             let wait = match deadline {

@@ -481,3 +481,47 @@ fn a_spawn_whose_arguments_fail_to_encode_leaves_no_child() {
     assert!(said.contains("serialization error"), "{said}");
     assert!(left.is_empty(), "children left behind (zombies): {left:?}");
 }
+
+extern "C" fn stop_self() {
+    // SAFETY: raising a signal in this process.
+    unsafe { libc::raise(libc::SIGSTOP) };
+}
+
+/// Returns 7, and stops (SIGSTOP) at its exit, after its result was sent.
+fn stop_at_exit(_: ()) -> u8 {
+    // SAFETY: registers a handler that only raises a signal.
+    unsafe { libc::atexit(stop_self) };
+    7
+}
+
+/// Joins a child that stops at its exit: whether a join with a limit gave up in time (and
+/// how long it took), then the result once the child is let go on.
+fn join_a_child_stopped_at_exit(_: ()) -> (String, Duration, u8) {
+    let mut child = spawn((), stop_at_exit);
+    // Time for the child to return, send its result and stop.
+    std::thread::sleep(Duration::from_secs(1));
+    let started = std::time::Instant::now();
+    let first = child.join_timeout(Duration::from_millis(500));
+    let took = started.elapsed();
+    // SAFETY: a signal to the child this function made (stopped, not reaped).
+    unsafe { libc::kill(child.pid().unwrap() as i32, libc::SIGCONT) };
+    let result = child.join_timeout(Duration::from_secs(30)).unwrap();
+    (format!("{:?}", first.map(|_| ())), took, result)
+}
+
+/// A join with a limit gives up in time on a child that sent its result but has not exited
+/// (stopped here; or waiting at its exit for this process to read what it sent), and the next
+/// join returns the result: the join waited for the exit without limit once the result had
+/// arrived.
+#[test]
+fn a_join_with_a_limit_gives_up_on_a_child_that_returned_but_has_not_exited() {
+    let mut worker = spawn((), join_a_child_stopped_at_exit);
+    let joined = worker.join_timeout(Duration::from_secs(60));
+    if joined.is_err() {
+        let _ = worker.kill();
+    }
+    let (first, took, result) = joined.expect("the joins returned within 60 s");
+    assert_eq!(first, "Err(Timeout)");
+    assert!(took < Duration::from_secs(5), "the join gave up after {took:?}");
+    assert_eq!(result, 7);
+}

@@ -548,6 +548,13 @@ impl<T: Serialize + DeserializeOwned> ProcessHandle<T> {
     }
 
     pub fn join_timeout(&mut self, timeout: Duration) -> Result<T, SpawnError> {
+        let rv = self.receive_timeout(timeout)?;
+        self.wait();
+        rv
+    }
+
+    /// Patched: the result (the outer error: none came), leaving the process to exit.
+    fn receive_timeout(&mut self, timeout: Duration) -> Result<Result<T, SpawnError>, SpawnError> {
         // Keep polling with `try_recv` rather than using ipc-channel's native timeout. The
         // latter can lose a message when a timeout races with a receive on Windows in 0.22:
         // https://github.com/servo/ipc-channel/issues/450
@@ -556,9 +563,9 @@ impl<T: Serialize + DeserializeOwned> ProcessHandle<T> {
             None => return Err(io::Error::other("timeout out of bounds").into()),
         };
         let mut to_sleep = Duration::from_millis(1);
-        let rv = loop {
+        loop {
             match with_ipc_mode(|| self.recv.try_recv()) {
-                Ok(rv) => break rv.map_err(Into::into),
+                Ok(rv) => return Ok(rv.map_err(Into::into)),
                 Err(err) if is_ipc_timeout(&err) => {
                     if let Some(remaining) = deadline.checked_duration_since(Instant::now()) {
                         thread::sleep(remaining.min(to_sleep));
@@ -569,10 +576,7 @@ impl<T: Serialize + DeserializeOwned> ProcessHandle<T> {
                 }
                 Err(err) => return Err(err.into()),
             }
-        };
-
-        self.wait();
-        rv
+        }
     }
 }
 
@@ -670,6 +674,27 @@ impl<T: Serialize + DeserializeOwned> JoinHandle<T> {
                 let mut rv_err = SpawnError::new_consumed();
                 mem::swap(&mut rv_err, err);
                 Err(rv_err)
+            }
+        }
+    }
+
+    /// Patched: like `join_timeout`, but a process that sent its result (or its panic) is left
+    /// to exit, unreaped, instead of waited for: its exit may wait on the caller. The caller
+    /// reaps it with `kill` once it has exited. Any other error kills the process, as
+    /// `join_timeout` does; a pooled call is joined as by `join_timeout`.
+    pub fn result_timeout(&mut self, timeout: Duration) -> Result<T, SpawnError> {
+        let handle = match self.inner {
+            Ok(JoinHandleInner::Process(ref mut handle)) => handle,
+            _ => return self.join_timeout(timeout),
+        };
+        match handle.receive_timeout(timeout) {
+            Ok(rv) => rv,
+            Err(err) => {
+                if !err.is_timeout() {
+                    handle.kill().ok();
+                    self.inner = Err(SpawnError::new_consumed());
+                }
+                Err(err)
             }
         }
     }
