@@ -435,6 +435,8 @@ impl Pool {
             };
         }
         drop(state);
+        // No job is left to run (and none can be queued): a worker still starting is not needed.
+        self.shared.give_up_starts.store(true, Ordering::SeqCst);
         self.stop(false);
         Ok(())
     }
@@ -666,7 +668,8 @@ impl PoolBuilder {
             }),
             work: Condvar::new(),
             idle: Condvar::new(),
-            terminated: Arc::new(AtomicBool::new(false)),
+            terminated: AtomicBool::new(false),
+            give_up_starts: Arc::new(AtomicBool::new(false)),
             initializer: self.initializer,
             max_tasks: self.max_tasks,
         });
@@ -989,9 +992,11 @@ struct Shared {
     work: Condvar,
     /// Wakes a shutdown: no job is queued or running.
     idle: Condvar,
-    /// Set when the pool is terminated: no new work, workers killed, and a worker still
-    /// starting given up on.
-    terminated: Arc<AtomicBool>,
+    /// Set when the pool is terminated: no new work, workers killed.
+    terminated: AtomicBool,
+    /// Set when the pool is terminated, or shut down with no job left: a worker still starting
+    /// (stuck before its `main`, say) is given up on, as none will need it.
+    give_up_starts: Arc<AtomicBool>,
     initializer: Option<Initializer>,
     max_tasks: Option<usize>,
 }
@@ -1030,6 +1035,7 @@ impl Shared {
     /// Fails the queued jobs and kills the workers.
     fn terminate(&self) {
         self.terminated.store(true, Ordering::SeqCst);
+        self.give_up_starts.store(true, Ordering::SeqCst);
         let (queued, workers) = {
             let mut state = self.lock();
             state.closing = true;
@@ -1221,9 +1227,10 @@ impl Worker {
     /// Starts a worker process, sets it up and runs the pool's initializer on it.
     fn start(shared: &Shared, deadline: Option<Instant>) -> Result<Worker, JoinError> {
         // A worker that does not start by the deadline (stuck before its `main`) fails the build,
-        // and one still starting when the pool is terminated is given up on.
+        // and one still starting when the pool stops is given up on.
+        // A worker whose call failed is replaced by a new `Worker`, not by procspawn.
         let mut builder = procspawn::Pool::builder(1);
-        builder.start_cancel(shared.terminated.clone());
+        builder.no_restart().start_cancel(shared.give_up_starts.clone());
         if let Some(deadline) = deadline {
             builder.start_timeout(deadline.saturating_duration_since(Instant::now()));
         }

@@ -410,41 +410,53 @@ fn a_start_timeout_past_any_clock_is_no_limit() {
     assert_eq!(child.join().unwrap(), 1);
 }
 
-/// In a process whose children start until `hang_once` exists: a pool's worker that dies, the
-/// replacement that never starts, and the pool terminated meanwhile. What the dead worker's
-/// call said, how long the termination took, and the children left.
-fn terminate_while_a_replacement_never_starts(hang_once: String) -> (String, Duration, Vec<u32>) {
-    let pool = Pool::new(1).unwrap();
+/// In a process whose children start until `hang_once` exists: a pool whose worker is
+/// replaced by one that never starts (its first worker died, or retired after its one task),
+/// then stopped (terminated, or shut down with a limit). What the first call returned, what
+/// the stop said and how long it took, and the children left.
+fn stop_while_a_replacement_never_starts(
+    (hang_once, shut_down): (String, bool),
+) -> (String, String, Duration, Vec<u32>) {
+    let pool = Pool::builder().size(1).max_tasks_per_child(1).build().unwrap();
     std::fs::write(&hang_once, b"").unwrap();
-    let died = pool.spawn(3, exit_early).join();
-    // The dispatcher starts the replacement as soon as it sees the worker gone.
+    let first = if shut_down { pool.spawn(3, square).join() } else { pool.spawn(3, exit_early).join().map(|()| 0) };
+    // The dispatcher starts the replacement as soon as the worker is gone or retired.
     std::thread::sleep(Duration::from_millis(500));
     let started = std::time::Instant::now();
-    pool.terminate();
-    (format!("{died:?}"), started.elapsed(), children())
+    let stopped = if shut_down {
+        pool.shutdown_timeout(Duration::from_secs(30))
+    } else {
+        pool.terminate();
+        Ok(())
+    };
+    (format!("{first:?}"), format!("{stopped:?}"), started.elapsed(), children())
 }
 
-/// A pool terminated while it replaces a dead worker with one that never starts (stuck in a
-/// static constructor) stops at once and leaves no child: it waited for that start for ever.
+/// A pool stopped while it replaces a worker with one that never starts (stuck in a static
+/// constructor) stops at once, and leaves no child: it waited for that start for ever (a
+/// shutdown with a limit too, past its limit).
 #[test]
-fn a_pool_terminated_while_its_replacement_worker_never_starts_stops() {
-    let library = library_that_hangs_children("hang-replacement");
-    let hang_once = library.parent().unwrap().join("hang-now");
-    let mut worker = cuda_mp::Builder::new()
-        .env("LD_PRELOAD", library.to_string_lossy())
-        .env(SPARE_CHILDREN_OF, std::process::id().to_string())
-        .env(HANG_ONCE_EXISTS, hang_once.to_string_lossy())
-        .spawn(hang_once.to_string_lossy().into_owned(), terminate_while_a_replacement_never_starts)
-        .unwrap();
-    let joined = worker.join_timeout(Duration::from_secs(60));
-    if joined.is_err() {
-        let _ = worker.kill();
+fn a_pool_stopped_while_its_replacement_worker_never_starts_stops() {
+    for shut_down in [false, true] {
+        let library = library_that_hangs_children(&format!("hang-replacement-{shut_down}"));
+        let hang_once = library.parent().unwrap().join("hang-now");
+        let mut worker = cuda_mp::Builder::new()
+            .env("LD_PRELOAD", library.to_string_lossy())
+            .env(SPARE_CHILDREN_OF, std::process::id().to_string())
+            .env(HANG_ONCE_EXISTS, hang_once.to_string_lossy())
+            .spawn((hang_once.to_string_lossy().into_owned(), shut_down), stop_while_a_replacement_never_starts)
+            .unwrap();
+        let joined = worker.join_timeout(Duration::from_secs(60));
+        if joined.is_err() {
+            let _ = worker.kill();
+        }
+        let (first, stopped, took, left) = joined.expect("the worker returned within 60 s");
+        assert_eq!(first, if shut_down { "Ok(9)" } else { "Err(Exited { code: 3 })" });
+        assert_eq!(stopped, "Ok(())");
+        assert!(took < Duration::from_secs(10), "the stop took {took:?} (shut down: {shut_down})");
+        assert!(left.is_empty(), "children left behind: {left:?}");
+        let _ = std::fs::remove_dir_all(library.parent().unwrap());
     }
-    let (died, took, left) = joined.expect("the worker returned within 60 s");
-    assert_eq!(died, "Err(Exited { code: 3 })");
-    assert!(took < Duration::from_secs(10), "the termination took {took:?}");
-    assert!(left.is_empty(), "children left behind: {left:?}");
-    let _ = std::fs::remove_dir_all(library.parent().unwrap());
 }
 
 /// A value whose encoding fails.

@@ -268,6 +268,8 @@ pub struct PoolBuilder {
     disable_stdout: bool,
     disable_stderr: bool,
     common: ProcCommon,
+    /// Patched: whether a worker whose call failed is replaced.
+    restart: bool,
 }
 
 impl PoolBuilder {
@@ -283,7 +285,15 @@ impl PoolBuilder {
             disable_stdout: false,
             disable_stderr: false,
             common: ProcCommon::default(),
+            restart: true,
         }
+    }
+
+    /// Patched: no worker whose call failed is replaced (where the caller replaces the whole
+    /// pool instead): the pool keeps no process then, and spawns none in the background.
+    pub fn no_restart(&mut self) -> &mut Self {
+        self.restart = false;
+        self
     }
 
     define_common_methods!();
@@ -416,6 +426,7 @@ fn spawn_worker(
         }
     }));
 
+    let restart = builder.restart;
     let check_for_restart = {
         let spawn = spawn.clone();
         let join_handle = join_handle.clone();
@@ -434,7 +445,7 @@ fn spawn_worker(
             }
 
             // next step is respawning the client.
-            if !shared.dead.load(Ordering::SeqCst) {
+            if restart && !shared.dead.load(Ordering::SeqCst) {
                 (*spawn.lock().unwrap())();
             }
         }
