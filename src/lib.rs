@@ -43,7 +43,7 @@
 //!
 //! | the job | the types |
 //! |---|---|
-//! | start worker processes | [`spawn`], [`spawn_n`] (ranks, like `torch.multiprocessing.spawn`), [`Builder`] (environment), [`JoinHandle`] |
+//! | start worker processes | [`spawn`], [`spawn_n`] (ranks, like `torch.multiprocessing.spawn`; [`spawn_n_timeout`]), [`Builder`] (environment), [`JoinHandle`] |
 //! | a pool of workers for many jobs | [`Pool`], [`PoolBuilder`], [`AsyncResult`], [`Imap`], [`ImapUnordered`] |
 //! | one producer to one consumer | [`channel`], [`bounded`], [`Sender`], [`Receiver`]; [`pipe`] and [`Duplex`] both ways; [`Select`] over several receivers; [`Receiver::recv_async`] and [`RecvStream`] for async code |
 //! | unrelated processes that meet by name | [`Listener`] and [`Sender::connect`] |
@@ -170,7 +170,7 @@ pub use ndarray;
 #[cfg(feature = "remote")]
 pub use net::{REMOTE_PROTOCOL_VERSION, REMOTE_SECRET_ENV, RemoteListener, RemoteOptions};
 pub use pool::{AsyncResult, Imap, ImapUnordered, Pool, PoolBuilder};
-pub use process::{Builder, JoinHandle, before_exit, init, spawn, spawn_n};
+pub use process::{Builder, JoinHandle, before_exit, init, spawn, spawn_n, spawn_n_timeout};
 pub use queue::{
     Feed, FeedEnd, GetError, GetTimeoutError, QUEUE_PREFETCH, Queue, QueueConsumer, QueueStats, TryGetError,
 };

@@ -722,9 +722,57 @@ where
     A: Serialize + DeserializeOwned + Clone,
     R: Serialize + DeserializeOwned,
 {
+    spawn_n_until(n, args, f, None)
+}
+
+/// Like [`spawn_n`], giving up after `timeout` (a rank stuck in a collective, say): the ranks
+/// still running are then terminated as after a failure (SIGTERM, then SIGKILL after 5 s), and
+/// the result is [`JoinError::Timeout`]. The ranks' starts count in the limit.
+///
+/// ```no_run
+/// use std::time::Duration;
+///
+/// fn work((rank, ()): (usize, ())) {
+///     if rank == 1 {
+///         std::thread::sleep(Duration::from_secs(60));
+///     }
+/// }
+///
+/// #[cuda_mp::main]
+/// fn main() {
+///     let err = cuda_mp::spawn_n_timeout(2, (), work, Duration::from_secs(1)).unwrap_err();
+///     assert!(matches!(err, cuda_mp::JoinError::Timeout));
+/// }
+/// ```
+pub fn spawn_n_timeout<A, R>(n: usize, args: A, f: fn((usize, A)) -> R, timeout: Duration) -> Result<Vec<R>, JoinError>
+where
+    A: Serialize + DeserializeOwned + Clone,
+    R: Serialize + DeserializeOwned,
+{
+    spawn_n_until(n, args, f, crate::os::deadline_after(timeout))
+}
+
+fn spawn_n_until<A, R>(
+    n: usize,
+    args: A,
+    f: fn((usize, A)) -> R,
+    deadline: Option<Instant>,
+) -> Result<Vec<R>, JoinError>
+where
+    A: Serialize + DeserializeOwned + Clone,
+    R: Serialize + DeserializeOwned,
+{
     let mut handles: Vec<Option<JoinHandle<R>>> = Vec::with_capacity(n);
     for rank in 0..n {
-        match Builder::new().spawn((rank, args.clone()), f) {
+        let mut builder = Builder::new();
+        if let Some(deadline) = deadline {
+            builder = builder.start_timeout(deadline.saturating_duration_since(Instant::now()));
+        }
+        match builder.spawn((rank, args.clone()), f) {
+            Err(JoinError::Timeout) => {
+                terminate_all(&mut handles);
+                return Err(JoinError::Timeout);
+            }
             Ok(handle) => handles.push(Some(handle)),
             Err(JoinError::NotInitialized) => return Err(JoinError::NotInitialized),
             Err(error) => {
@@ -752,9 +800,17 @@ where
             }
         }
         if left > 0 {
+            let wait = match deadline {
+                Some(d) if Instant::now() >= d => {
+                    terminate_all(&mut handles);
+                    return Err(JoinError::Timeout);
+                }
+                Some(d) => JOIN_POLL.min(d.saturating_duration_since(Instant::now())),
+                None => JOIN_POLL,
+            };
             // Wakes early when the first still-running child exits.
             if let Some(watch) = handles.iter().flatten().find_map(|h| h.watch.as_ref()) {
-                watch.exited(JOIN_POLL);
+                watch.exited(wait);
             }
         }
     }

@@ -537,3 +537,38 @@ fn a_join_with_a_limit_gives_up_on_a_child_that_returned_but_has_not_exited() {
     assert!(took < Duration::from_secs(5), "the join gave up after {took:?}");
     assert_eq!(result, 7);
 }
+
+/// Rank 1 sleeps for a minute; rank 0 returns at once.
+fn rank_one_sleeps((rank, _): (usize, ())) -> usize {
+    if rank == 1 {
+        std::thread::sleep(Duration::from_secs(60));
+    }
+    rank
+}
+
+/// What `spawn_n_timeout` said of a rank that outlives its limit, how long it took, and the
+/// children left.
+fn spawn_n_past_its_limit(_: ()) -> (String, Duration, Vec<u32>) {
+    let started = std::time::Instant::now();
+    let said = cuda_mp::spawn_n_timeout(2, (), rank_one_sleeps, Duration::from_secs(1));
+    (format!("{said:?}"), started.elapsed(), children())
+}
+
+/// `spawn_n_timeout` gives up on a rank that runs past its limit, terminates it and leaves no
+/// child.
+#[test]
+fn spawn_n_timeout_gives_up_and_terminates_the_ranks_left() {
+    let mut worker = spawn((), spawn_n_past_its_limit);
+    let joined = worker.join_timeout(Duration::from_secs(60));
+    if joined.is_err() {
+        let _ = worker.kill();
+    }
+    let (said, took, left) = joined.expect("the worker returned within 60 s");
+    assert_eq!(said, "Err(Timeout)");
+    assert!(took >= Duration::from_secs(1) && took < Duration::from_secs(10), "gave up after {took:?}");
+    assert!(left.is_empty(), "children left behind: {left:?}");
+    assert_eq!(
+        cuda_mp::spawn_n_timeout(2, (), |(rank, ()): (usize, ())| rank * 2, Duration::from_secs(30)).unwrap(),
+        vec![0, 2]
+    );
+}
