@@ -129,11 +129,20 @@ def test_a_state_dict_is_sent_as_one_allocation_and_republished_in_place():
         assert int(got["step"].item()) == step
         assert torch.equal(got["w"], packed["w"])
     # Replacing an entry would send the packed memory all the same: refused, nothing sent.
+    b = packed["b"]
     packed["b"] = torch.zeros(256, device="cuda")
     with pytest.raises(ValueError, match="copy into the packed tensor"):
         tx.send(packed)
     with pytest.raises(cuda_mp.Timeout):
         rx.recv(timeout=0.2)
+    # So is a dict with an entry taken out; the packed views put back, in any order, go.
+    del packed["b"]
+    with pytest.raises(ValueError, match="added to or taken out"):
+        tx.send(packed)
+    packed["b"] = b
+    packed["step"] = packed.pop("step")
+    tx.send(packed)
+    assert int(rx.recv(timeout=10)["step"].item()) == 3
     # A plain dict of torch tensors goes too (one allocation per storage).
     tx.send(sd)
     got = rx.recv(timeout=10)
