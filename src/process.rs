@@ -598,28 +598,37 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
         // read and join again.
         loop {
             let exit = watch.exited(Duration::ZERO).or(self.ended);
-            if self.outcome.is_none() && (exit.is_some() || self.last_look.elapsed() >= RESULT_LOOK) {
+            // Seen unreaped, or reaped by someone else (`SIGCHLD` ignored): then only the pidfd
+            // tells, and the child must not be signalled (its pid may be another's).
+            let ended = exit.is_some() || watch.gone();
+            if self.outcome.is_none() && (ended || self.last_look.elapsed() >= RESULT_LOOK) {
                 self.last_look = Instant::now();
                 match handle.result_timeout(Duration::ZERO) {
-                    Err(e) if e.is_timeout() && exit.is_none() => {}
+                    Err(e) if e.is_timeout() && !ended => {}
                     Err(e) if !e.is_panic() => {
-                        // Ended without a result (a timeout once it exited), or the transport
-                        // failed (procspawn killed the child then).
-                        let _ = handle.kill();
+                        // Ended without a result (a timeout once it ended), or the transport
+                        // failed: a child still running is killed.
+                        if ended {
+                            handle.reap();
+                        } else {
+                            let _ = handle.kill();
+                        }
+                        let error = match ended_error(e, exit.or_else(|| watch.exit_status())) {
+                            // Reaped by someone else, on a kernel that keeps no status for us.
+                            JoinError::Timeout => JoinError::Failed("the process ended without a result".into()),
+                            error => error,
+                        };
                         self.inner = Inner::Failed(None);
                         self.forget_arguments();
-                        return Err(ended_error(e, exit));
+                        return Err(error);
                     }
                     outcome => self.outcome = Some(outcome),
                 }
             }
-            if exit.is_some()
-                && let Some(outcome) = self.outcome.take()
-            {
-                // procspawn's kill reaps a child that has exited.
-                let _ = handle.kill();
+            if ended && let Some(outcome) = self.outcome.take() {
+                handle.reap();
                 self.inner = Inner::Failed(None);
-                return outcome.map_err(|e| ended_error(e, exit));
+                return outcome.map_err(|e| ended_error(e, exit.or_else(|| watch.exit_status())));
             }
             let now = Instant::now();
             let wait = match deadline {

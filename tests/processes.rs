@@ -510,8 +510,17 @@ fn stop_at_exit(_: ()) -> u8 {
 /// how long it took), then the result once the child is let go on.
 fn join_a_child_stopped_at_exit(_: ()) -> (String, Duration, u8) {
     let mut child = spawn((), stop_at_exit);
-    // Time for the child to return, send its result and stop.
-    std::thread::sleep(Duration::from_secs(1));
+    // The child returns, sends its result and stops.
+    let stat = format!("/proc/{}/stat", child.pid().unwrap());
+    let stopped = || {
+        std::fs::read_to_string(&stat)
+            .is_ok_and(|s| s.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('T')))
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !stopped() {
+        assert!(std::time::Instant::now() < deadline, "the child did not stop at its exit");
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let started = std::time::Instant::now();
     let first = child.join_timeout(Duration::from_millis(500));
     let took = started.elapsed();
@@ -571,4 +580,29 @@ fn spawn_n_timeout_gives_up_and_terminates_the_ranks_left() {
         cuda_mp::spawn_n_timeout(2, (), |(rank, ()): (usize, ())| rank * 2, Duration::from_secs(30)).unwrap(),
         vec![0, 2]
     );
+}
+
+/// In a process that ignores `SIGCHLD` (its children are reaped by the kernel as they exit):
+/// what a join with a limit returned, and how long it took.
+fn join_with_sigchld_ignored(_: ()) -> (String, Duration) {
+    // SAFETY: sets the disposition of one signal, in this process of the test alone.
+    unsafe { libc::signal(libc::SIGCHLD, libc::SIG_IGN) };
+    let mut child = spawn(6, square);
+    let started = std::time::Instant::now();
+    let joined = child.join_timeout(Duration::from_secs(20));
+    (format!("{joined:?}"), started.elapsed())
+}
+
+/// A child reaped by someone else (here the kernel, `SIGCHLD` ignored) is joined all the same:
+/// the join waited for an exit it could no longer see.
+#[test]
+fn a_child_reaped_by_someone_else_is_joined() {
+    let mut worker = spawn((), join_with_sigchld_ignored);
+    let joined = worker.join_timeout(Duration::from_secs(60));
+    if joined.is_err() {
+        let _ = worker.kill();
+    }
+    let (joined, took) = joined.expect("the join returned within 60 s");
+    assert_eq!(joined, "Ok(36)");
+    assert!(took < Duration::from_secs(10), "the join took {took:?}");
 }

@@ -140,7 +140,11 @@ def test_a_state_dict_is_sent_as_one_allocation_and_republished_in_place():
     with pytest.raises(ValueError, match="added to or taken out"):
         tx.send(packed)
     packed["b"] = b
-    packed["step"] = packed.pop("step")
+    # A view under another name would reach the receiver under its packed name: refused.
+    packed["steps"] = packed.pop("step")
+    with pytest.raises(ValueError, match="added to or taken out"):
+        tx.send(packed)
+    packed["step"] = packed.pop("steps")
     tx.send(packed)
     assert int(rx.recv(timeout=10)["step"].item()) == 3
     # A plain dict of torch tensors goes too (one allocation per storage).

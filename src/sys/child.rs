@@ -59,6 +59,26 @@ impl ChildWatch {
         self.peek()
     }
 
+    /// Whether the child has ended, also where someone else reaped it (`SIGCHLD` ignored, a
+    /// `waitpid(-1)`), which [`exited`](Self::exited) cannot tell from running: its pidfd is
+    /// readable then, and without a pidfd `waitid` finds no such child.
+    pub(crate) fn gone(&self) -> bool {
+        if self.peek().is_some() {
+            return true;
+        }
+        match (&self.pidfd, self.pid) {
+            (Some(fd), _) => {
+                let mut fds = [PollFd::new(fd, PollFlags::IN)];
+                crate::sys::socket::poll_once(&mut fds, Some(Duration::ZERO)).is_ok_and(|n| n > 0)
+            }
+            (None, Some(pid)) => {
+                let options = WaitIdOptions::EXITED | WaitIdOptions::NOHANG | WaitIdOptions::NOWAIT;
+                waitid(WaitId::Pid(pid), options).is_err()
+            }
+            (None, None) => true,
+        }
+    }
+
     /// Sends `signal` to the child unless it has exited (then its pid may belong to someone
     /// else once reaped; an exited child not yet reaped is left alone too). Through the pidfd
     /// where there is one: it names this child alone, even if the child is reaped between the

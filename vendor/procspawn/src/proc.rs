@@ -678,25 +678,25 @@ impl<T: Serialize + DeserializeOwned> JoinHandle<T> {
         }
     }
 
-    /// Patched: like `join_timeout`, but a process that sent its result (or its panic) is left
-    /// to exit, unreaped, instead of waited for: its exit may wait on the caller. The caller
-    /// reaps it with `kill` once it has exited. Any other error kills the process, as
-    /// `join_timeout` does; a pooled call is joined as by `join_timeout`.
+    /// Patched: like `join_timeout`, but the process is left as it is, unreaped, whatever
+    /// comes (its result, its panic, or an error): its exit may wait on the caller. The
+    /// caller ends it with `kill` or, once it has exited, `reap`. A pooled call is joined as
+    /// by `join_timeout`.
     pub fn result_timeout(&mut self, timeout: Duration) -> Result<T, SpawnError> {
-        let handle = match self.inner {
-            Ok(JoinHandleInner::Process(ref mut handle)) => handle,
-            _ => return self.join_timeout(timeout),
-        };
-        match handle.receive_timeout(timeout) {
-            Ok(rv) => rv,
-            Err(err) => {
-                if !err.is_timeout() {
-                    handle.kill().ok();
-                    self.inner = Err(SpawnError::new_consumed());
-                }
-                Err(err)
-            }
+        match self.inner {
+            Ok(JoinHandleInner::Process(ref mut handle)) => handle.receive_timeout(timeout)?,
+            _ => self.join_timeout(timeout),
         }
+    }
+
+    /// Patched: reaps a process that has exited (it blocks until then), without a signal: a
+    /// process reaped by someone else already (`SIGCHLD` ignored, a `waitpid(-1)`) may have
+    /// left its pid to another, which `kill` would signal. The handle is used up.
+    pub fn reap(&mut self) {
+        if let Ok(JoinHandleInner::Process(ref mut handle)) = self.inner {
+            handle.wait();
+        }
+        self.inner = Err(SpawnError::new_consumed());
     }
 
     /// Like `join` but with a timeout.
