@@ -354,7 +354,13 @@ pub struct JoinHandle<R> {
 
 impl<R> Drop for JoinHandle<R> {
     fn drop(&mut self) {
-        // procspawn's handle kills the child as it drops.
+        // procspawn's handle kills the child as it drops: by pid, which a child that someone
+        // else reaped may have left to another process. Such a child is only reaped.
+        if let (Inner::Running(h), Some(watch)) = (&mut self.inner, &self.watch)
+            && watch.gone()
+        {
+            h.reap();
+        }
         self.forget_arguments();
     }
 }
@@ -444,13 +450,15 @@ impl<R> JoinHandle<R> {
     /// }
     /// ```
     pub fn is_alive(&self) -> bool {
-        matches!(self.inner, Inner::Running(_)) && self.watch.is_some() && self.end().is_none()
+        matches!(self.inner, Inner::Running(_))
+            && self.watch.as_ref().is_some_and(|w| !w.gone())
+            && self.end().is_none()
     }
 
     /// How the child ended, if it has: as the watch sees it, or as [`kill`](Self::kill) saw
     /// it before and after reaping it.
     fn end(&self) -> Option<Exit> {
-        self.ended.or_else(|| self.watch.as_ref()?.exited(Duration::ZERO))
+        self.ended.or_else(|| self.watch.as_ref()?.exit_status())
     }
 
     /// The child's exit status once it has exited normally (`None` while it runs, when a
@@ -615,7 +623,7 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
                         }
                         let error = match ended_error(e, exit.or_else(|| watch.exit_status())) {
                             // Reaped by someone else, on a kernel that keeps no status for us.
-                            JoinError::Timeout => JoinError::Failed("the process ended without a result".into()),
+                            JoinError::Timeout => JoinError::Terminated("the process ended without a result".into()),
                             error => error,
                         };
                         self.inner = Inner::Failed(None);
@@ -659,9 +667,16 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
                 // by itself) and after (the kernel keeps the status for the pidfd, where it
                 // is new enough; else the SIGKILL sent, if it was).
                 let before = self.watch.as_ref().and_then(|w| w.exited(Duration::ZERO));
-                let killed = h.kill().map_err(join_error);
+                // A child reaped by someone else is not signalled: its pid may be another's.
+                let gone = self.watch.as_ref().is_some_and(ChildWatch::gone);
+                let killed = if gone {
+                    h.reap();
+                    Ok(())
+                } else {
+                    h.kill().map_err(join_error)
+                };
                 let after = || self.watch.as_ref().and_then(ChildWatch::exit_status);
-                let sent = killed.is_ok().then_some(Exit::Signal(crate::sys::SIGKILL));
+                let sent = (killed.is_ok() && !gone).then_some(Exit::Signal(crate::sys::SIGKILL));
                 self.ended = self.ended.or(before).or_else(after).or(sent);
                 self.forget_arguments();
                 killed
@@ -703,7 +718,7 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
     fn stop_by(&mut self, deadline: Option<Instant>) -> Result<(), JoinError> {
         let Some(watch) = &self.watch else { return self.kill() };
         if let Some(deadline) = deadline {
-            while self.end().is_none() && Instant::now() < deadline {
+            while self.end().is_none() && !watch.gone() && Instant::now() < deadline {
                 watch.exited(JOIN_POLL.min(deadline.saturating_duration_since(Instant::now())));
             }
         }

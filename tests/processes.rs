@@ -583,26 +583,36 @@ fn spawn_n_timeout_gives_up_and_terminates_the_ranks_left() {
 }
 
 /// In a process that ignores `SIGCHLD` (its children are reaped by the kernel as they exit):
-/// what a join with a limit returned, and how long it took.
-fn join_with_sigchld_ignored(_: ()) -> (String, Duration) {
+/// what a join with a limit returned and how long it took; then, of another child that
+/// returned, whether it still looked alive 10 s on and what a kill said.
+fn join_with_sigchld_ignored(_: ()) -> (String, Duration, bool, String) {
     // SAFETY: sets the disposition of one signal, in this process of the test alone.
     unsafe { libc::signal(libc::SIGCHLD, libc::SIG_IGN) };
     let mut child = spawn(6, square);
     let started = std::time::Instant::now();
     let joined = child.join_timeout(Duration::from_secs(20));
-    (format!("{joined:?}"), started.elapsed())
+    let took = started.elapsed();
+    let mut other = spawn(1, square);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while other.is_alive() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    (format!("{joined:?}"), took, other.is_alive(), format!("{:?}", other.kill()))
 }
 
-/// A child reaped by someone else (here the kernel, `SIGCHLD` ignored) is joined all the same:
-/// the join waited for an exit it could no longer see.
+/// A child reaped by someone else (here the kernel, `SIGCHLD` ignored) is joined all the
+/// same, is seen ended, and a kill of it signals nothing (its pid may be another process's by
+/// then): the join waited for an exit it could no longer see, and the kill signalled the pid.
 #[test]
-fn a_child_reaped_by_someone_else_is_joined() {
+fn a_child_reaped_by_someone_else_is_joined_and_not_signalled() {
     let mut worker = spawn((), join_with_sigchld_ignored);
     let joined = worker.join_timeout(Duration::from_secs(60));
     if joined.is_err() {
         let _ = worker.kill();
     }
-    let (joined, took) = joined.expect("the join returned within 60 s");
+    let (joined, took, alive, killed) = joined.expect("the joins returned within 60 s");
     assert_eq!(joined, "Ok(36)");
     assert!(took < Duration::from_secs(10), "the join took {took:?}");
+    assert!(!alive, "a child reaped by the kernel still looked alive");
+    assert_eq!(killed, "Ok(())");
 }

@@ -618,6 +618,16 @@ impl<T> JoinHandle<T> {
         self.process_handle_state().and_then(|x| x.pid())
     }
 
+    /// Patched: reaps a process that has exited (it blocks until then), without a signal: a
+    /// process reaped by someone else already (`SIGCHLD` ignored, a `waitpid(-1)`) may have
+    /// left its pid to another, which `kill` would signal. Later kills (and the drop) send
+    /// nothing.
+    pub fn reap(&mut self) {
+        if let Ok(JoinHandleInner::Process(ref mut handle)) = self.inner {
+            handle.wait();
+        }
+    }
+
     /// Kill the child process.
     ///
     /// If the join handle was created from a pool this call will do one of
@@ -689,15 +699,6 @@ impl<T: Serialize + DeserializeOwned> JoinHandle<T> {
         }
     }
 
-    /// Patched: reaps a process that has exited (it blocks until then), without a signal: a
-    /// process reaped by someone else already (`SIGCHLD` ignored, a `waitpid(-1)`) may have
-    /// left its pid to another, which `kill` would signal. The handle is used up.
-    pub fn reap(&mut self) {
-        if let Ok(JoinHandleInner::Process(ref mut handle)) = self.inner {
-            handle.wait();
-        }
-        self.inner = Err(SpawnError::new_consumed());
-    }
 
     /// Like `join` but with a timeout.
     ///
