@@ -264,6 +264,19 @@ fn an_orphan_whose_result_carries_a_descriptor_exits() {
     assert!(!still, "the orphan was still running 20 s after its parent was killed");
 }
 
+/// What `worker` returned, waiting a minute at most: past it the worker is killed and the test
+/// fails with `expected` (a worker's hang fails its test rather than hold the run).
+fn returned_within_a_minute<R: serde::Serialize + serde::de::DeserializeOwned>(
+    mut worker: cuda_mp::JoinHandle<R>,
+    expected: &str,
+) -> R {
+    let joined = worker.join_timeout(Duration::from_secs(60));
+    if joined.is_err() {
+        let _ = worker.kill();
+    }
+    joined.expect(expected)
+}
+
 /// The pids of this process's children, zombies included.
 fn children() -> Vec<u32> {
     let me = std::process::id();
@@ -281,6 +294,14 @@ fn children() -> Vec<u32> {
 
 /// Whose children a library built by [`library_that_stops_children`] spares.
 const SPARE_CHILDREN_OF: &str = "CUDA_MP_TEST_SPARE_CHILDREN_OF";
+
+/// Options for a worker whose children load `library` (built by
+/// [`library_that_stops_children`]), the worker itself spared.
+fn preloading(library: &std::path::Path) -> cuda_mp::Builder {
+    cuda_mp::Builder::new()
+        .env("LD_PRELOAD", library.to_string_lossy())
+        .env(SPARE_CHILDREN_OF, std::process::id().to_string())
+}
 
 /// A shared library whose constructor runs `stop` (C statements) in the process that loads
 /// it, before its `main`, unless its parent's pid is in [`SPARE_CHILDREN_OF`].
@@ -328,16 +349,8 @@ fn start_children_that_die_at_load(_: ()) -> (String, String, Vec<u32>) {
 #[test]
 fn a_child_that_dies_before_it_starts_fails_its_spawn_and_its_pools_build() {
     let library = library_that_stops_children("kill-at-load", "kill(getpid(), SIGKILL);");
-    let mut worker = cuda_mp::Builder::new()
-        .env("LD_PRELOAD", library.to_string_lossy())
-        .env(SPARE_CHILDREN_OF, std::process::id().to_string())
-        .spawn((), start_children_that_die_at_load)
-        .unwrap();
-    let joined = worker.join_timeout(Duration::from_secs(60));
-    if joined.is_err() {
-        let _ = worker.kill();
-    }
-    let (spawned, built, left) = joined.expect("the worker returned within 60 s");
+    let worker = preloading(&library).spawn((), start_children_that_die_at_load).unwrap();
+    let (spawned, built, left) = returned_within_a_minute(worker, "the worker returned within 60 s");
     for said in [&spawned, &built] {
         assert!(said.contains("ended before it started") && said.contains("SIGKILL"), "{said}");
     }
@@ -383,16 +396,9 @@ fn start_children_that_hang_at_load(_: ()) -> (String, Duration, String, Duratio
 #[test]
 fn a_child_that_never_starts_fails_a_spawn_or_build_with_a_timeout() {
     let library = library_that_hangs_children("hang-at-load");
-    let mut worker = cuda_mp::Builder::new()
-        .env("LD_PRELOAD", library.to_string_lossy())
-        .env(SPARE_CHILDREN_OF, std::process::id().to_string())
-        .spawn((), start_children_that_hang_at_load)
-        .unwrap();
-    let joined = worker.join_timeout(Duration::from_secs(60));
-    if joined.is_err() {
-        let _ = worker.kill();
-    }
-    let (spawned, spawn_took, built, build_took, left) = joined.expect("the worker returned within 60 s");
+    let worker = preloading(&library).spawn((), start_children_that_hang_at_load).unwrap();
+    let (spawned, spawn_took, built, build_took, left) =
+        returned_within_a_minute(worker, "the worker returned within 60 s");
     assert_eq!(spawned, "Timeout");
     assert_eq!(built, "Timeout");
     for took in [spawn_took, build_took] {
@@ -440,17 +446,11 @@ fn a_pool_stopped_while_its_replacement_worker_never_starts_stops() {
     for shut_down in [false, true] {
         let library = library_that_hangs_children(&format!("hang-replacement-{shut_down}"));
         let hang_once = library.parent().unwrap().join("hang-now");
-        let mut worker = cuda_mp::Builder::new()
-            .env("LD_PRELOAD", library.to_string_lossy())
-            .env(SPARE_CHILDREN_OF, std::process::id().to_string())
+        let worker = preloading(&library)
             .env(HANG_ONCE_EXISTS, hang_once.to_string_lossy())
             .spawn((hang_once.to_string_lossy().into_owned(), shut_down), stop_while_a_replacement_never_starts)
             .unwrap();
-        let joined = worker.join_timeout(Duration::from_secs(60));
-        if joined.is_err() {
-            let _ = worker.kill();
-        }
-        let (first, stopped, took, left) = joined.expect("the worker returned within 60 s");
+        let (first, stopped, took, left) = returned_within_a_minute(worker, "the worker returned within 60 s");
         assert_eq!(first, if shut_down { "Ok(9)" } else { "Err(Exited { code: 3 })" });
         assert_eq!(stopped, "Ok(())");
         assert!(took < Duration::from_secs(10), "the stop took {took:?} (shut down: {shut_down})");
@@ -484,12 +484,8 @@ fn spawn_unencodable_arguments(_: ()) -> (String, Vec<u32>) {
 /// zombie child behind.
 #[test]
 fn a_spawn_whose_arguments_fail_to_encode_leaves_no_child() {
-    let mut worker = spawn((), spawn_unencodable_arguments);
-    let joined = worker.join_timeout(Duration::from_secs(60));
-    if joined.is_err() {
-        let _ = worker.kill();
-    }
-    let (said, left) = joined.expect("the spawns returned within 60 s");
+    let worker = spawn((), spawn_unencodable_arguments);
+    let (said, left) = returned_within_a_minute(worker, "the spawns returned within 60 s");
     assert!(said.contains("serialization error"), "{said}");
     assert!(left.is_empty(), "children left behind (zombies): {left:?}");
 }
@@ -536,12 +532,8 @@ fn join_a_child_stopped_at_exit(_: ()) -> (String, Duration, u8) {
 /// arrived.
 #[test]
 fn a_join_with_a_limit_gives_up_on_a_child_that_returned_but_has_not_exited() {
-    let mut worker = spawn((), join_a_child_stopped_at_exit);
-    let joined = worker.join_timeout(Duration::from_secs(60));
-    if joined.is_err() {
-        let _ = worker.kill();
-    }
-    let (first, took, result) = joined.expect("the joins returned within 60 s");
+    let worker = spawn((), join_a_child_stopped_at_exit);
+    let (first, took, result) = returned_within_a_minute(worker, "the joins returned within 60 s");
     assert_eq!(first, "Err(Timeout)");
     assert!(took < Duration::from_secs(5), "the join gave up after {took:?}");
     assert_eq!(result, 7);
@@ -567,12 +559,8 @@ fn spawn_n_past_its_limit(_: ()) -> (String, Duration, Vec<u32>) {
 /// child.
 #[test]
 fn spawn_n_timeout_gives_up_and_terminates_the_ranks_left() {
-    let mut worker = spawn((), spawn_n_past_its_limit);
-    let joined = worker.join_timeout(Duration::from_secs(60));
-    if joined.is_err() {
-        let _ = worker.kill();
-    }
-    let (said, took, left) = joined.expect("the worker returned within 60 s");
+    let worker = spawn((), spawn_n_past_its_limit);
+    let (said, took, left) = returned_within_a_minute(worker, "the worker returned within 60 s");
     assert_eq!(said, "Err(Timeout)");
     assert!(took >= Duration::from_secs(1) && took < Duration::from_secs(10), "gave up after {took:?}");
     assert!(left.is_empty(), "children left behind: {left:?}");
@@ -605,12 +593,8 @@ fn join_with_sigchld_ignored(_: ()) -> (String, Duration, bool, String) {
 /// then): the join waited for an exit it could no longer see, and the kill signalled the pid.
 #[test]
 fn a_child_reaped_by_someone_else_is_joined_and_not_signalled() {
-    let mut worker = spawn((), join_with_sigchld_ignored);
-    let joined = worker.join_timeout(Duration::from_secs(60));
-    if joined.is_err() {
-        let _ = worker.kill();
-    }
-    let (joined, took, alive, killed) = joined.expect("the joins returned within 60 s");
+    let worker = spawn((), join_with_sigchld_ignored);
+    let (joined, took, alive, killed) = returned_within_a_minute(worker, "the joins returned within 60 s");
     assert_eq!(joined, "Ok(36)");
     assert!(took < Duration::from_secs(10), "the join took {took:?}");
     assert!(!alive, "a child reaped by the kernel still looked alive");
