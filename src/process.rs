@@ -450,9 +450,10 @@ impl<R> JoinHandle<R> {
     /// }
     /// ```
     pub fn is_alive(&self) -> bool {
+        // `gone` covers every end the watch can see (exited, or reaped by anyone).
         matches!(self.inner, Inner::Running(_))
+            && self.ended.is_none()
             && self.watch.as_ref().is_some_and(|w| !w.gone())
-            && self.end().is_none()
     }
 
     /// How the child ended, if it has: as the watch sees it, or as [`kill`](Self::kill) saw
@@ -718,7 +719,7 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
     fn stop_by(&mut self, deadline: Option<Instant>) -> Result<(), JoinError> {
         let Some(watch) = &self.watch else { return self.kill() };
         if let Some(deadline) = deadline {
-            while self.end().is_none() && !watch.gone() && Instant::now() < deadline {
+            while self.ended.is_none() && !watch.gone() && Instant::now() < deadline {
                 watch.exited(JOIN_POLL.min(deadline.saturating_duration_since(Instant::now())));
             }
         }
