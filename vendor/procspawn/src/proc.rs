@@ -699,7 +699,6 @@ impl<T: Serialize + DeserializeOwned> JoinHandle<T> {
         }
     }
 
-
     /// Like `join` but with a timeout.
     ///
     /// Can be called multiple times. If anything other than a timeout error is returned, the
