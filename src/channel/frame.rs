@@ -191,7 +191,7 @@ fn introduce<'b>(
         return Err("a frame whose leases do not add up".into());
     }
     let (names, rest) = rest.split_at(n * NAME_BYTES);
-    if fds[..came].iter().any(|fd| !crate::sys::is_pipe_writer(fd.as_fd())) {
+    if fds[..came].iter().any(|fd| !crate::sys::accept_pipe_writer(fd.as_fd())) {
         return Err(crate::lifetime::NOT_A_LEASE.into());
     }
     for (name, fd) in names.chunks_exact(NAME_BYTES).zip(fds.drain(..came)) {

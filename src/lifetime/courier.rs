@@ -1,7 +1,7 @@
 //! The courier: one thread per process that sends what drop paths owe other processes
-//! (revocations to subscribers, never waiting; `Release` and `Forget` records on lease pipes,
-//! waiting for room), so that no `drop` waits for a peer (README.md, "Drops never wait for a
-//! peer"). A holder's releases keep their order (one thread, first in, first out), and none
+//! (revocations to subscribers; `Release` and `Forget` records on lease pipes), never waiting
+//! for a peer, so that no `drop` does (README.md, "Drops never wait for a peer"). What a peer
+//! has no room for waits here, coalesced, while every other peer is served. No release
 //! overtakes the message that brought its claim (posted after it was received). If the thread
 //! cannot be started, posts are sent on the caller's thread.
 
@@ -43,7 +43,9 @@ struct Queue {
     /// Records to send, in order, each with its lease: releases (the storage's index and how
     /// many claims), and requests to introduce a segment again.
     releases: Vec<(Arc<OwnedFd>, Control)>,
-    /// True when some revocations wait for room in a subscriber's socket.
+    /// Records that found their lease's pipe full, by lease (its owner stopped, or behind).
+    parked: Vec<Parked>,
+    /// True when some revocations or records wait for room in a peer's socket or pipe.
     blocked: bool,
     /// True while the thread sends what it took from the queue.
     sending: bool,
@@ -69,7 +71,7 @@ pub(crate) fn wait_for_releases(deadline: Option<std::time::Instant>) -> bool {
     drop(s);
     let courier = COURIER.get();
     let mut queue = lock(courier);
-    while !queue.releases.is_empty() || queue.sending {
+    while !queue.releases.is_empty() || !queue.parked.is_empty() || queue.sending {
         let Some(wait) = crate::os::wait_slice(deadline, RETRY) else { return false };
         queue = courier.sent.wait_timeout(queue, wait).unwrap_or_else(|p| p.into_inner()).0;
     }
@@ -130,30 +132,105 @@ pub(super) fn post(tx: Arc<OwnedFd>, record: Control) {
     }
 }
 
-/// Writes `releases` in order, the records of consecutive releases on one lease together, in
-/// writes of at most `PIPE_BUF` bytes (each whole, so records of other holders never cut in).
-fn send_releases(releases: Vec<(Arc<OwnedFd>, Control)>) {
-    let mut batch: Vec<u8> = Vec::new();
-    let mut on: Option<Arc<OwnedFd>> = None;
-    let flush = |on: &Option<Arc<OwnedFd>>, batch: &mut Vec<u8>| {
-        if let Some(tx) = on
-            && !batch.is_empty()
-        {
-            // An owner that died owes nothing: its lease is gone with it.
-            let _ = crate::sys::write_record(tx.as_fd(), batch);
+/// What waits for room in one lease's pipe: the claims released per storage, summed (a
+/// holder that drops on while its owner does not read owes one record per storage, however
+/// many drops), and the segments to introduce again. Order within a lease does not matter
+/// here: every claim these release was counted before it was posted (the owner counts a
+/// message's claims before it sends it, a forwarder writes `Retain` itself), so writing a
+/// release later, or beside others of its lease, frees nothing early.
+struct Parked {
+    tx: Arc<OwnedFd>,
+    releases: BTreeMap<u64, u64>,
+    others: Vec<Control>,
+}
+
+impl Parked {
+    fn new(tx: Arc<OwnedFd>) -> Parked {
+        Parked { tx, releases: BTreeMap::new(), others: Vec::new() }
+    }
+
+    fn add(&mut self, control: Control) {
+        match control {
+            Control::Release(index, claims) => {
+                let owed = self.releases.entry(index).or_default();
+                *owed = owed.saturating_add(claims);
+            }
+            // A `Forget` asked again is asked once.
+            other if self.others.contains(&other) => {}
+            other => self.others.push(other),
         }
-        batch.clear();
-    };
+    }
+
+    /// Writes what the pipe has room for; true when nothing is left (or the owner is gone,
+    /// and owes nothing: its lease went with it).
+    fn send(&mut self) -> bool {
+        let releases = std::mem::take(&mut self.releases).into_iter().map(|(i, n)| Control::Release(i, n));
+        let mut records = releases.chain(std::mem::take(&mut self.others)).peekable();
+        while records.peek().is_some() {
+            let mut batch = Vec::new();
+            let mut in_batch = Vec::new();
+            while let Some(next) =
+                records.next_if(|c| c.record().is_ok_and(|r| batch.len() + r.len() <= crate::sys::RECORD_MAX))
+            {
+                batch.extend(next.record().unwrap_or_default());
+                in_batch.push(next);
+            }
+            if in_batch.is_empty() {
+                // A record that cannot be written at all (none of ours is): dropped.
+                records.next();
+                continue;
+            }
+            match crate::sys::try_write_record(self.tx.as_fd(), &batch) {
+                Ok(true) => {}
+                Ok(false) => {
+                    in_batch.into_iter().chain(records).for_each(|c| self.add(c));
+                    return false;
+                }
+                Err(_) => return true,
+            }
+        }
+        true
+    }
+}
+
+/// Writes `releases` in order, the records of consecutive releases on one lease together, in
+/// writes of at most `PIPE_BUF` bytes (each whole, so records of other holders never cut in);
+/// first what waits in `parked`. A lease whose pipe is full keeps its records, and those
+/// after them, in `parked`.
+fn send_releases(parked: &mut Vec<Parked>, releases: Vec<(Arc<OwnedFd>, Control)>) {
+    parked.retain_mut(|p| !p.send());
+    let mut batch: Vec<u8> = Vec::new();
+    let mut in_batch: Vec<Control> = Vec::new();
+    let mut on: Option<Arc<OwnedFd>> = None;
+    let flush =
+        |on: &Option<Arc<OwnedFd>>, batch: &mut Vec<u8>, in_batch: &mut Vec<Control>, parked: &mut Vec<Parked>| {
+            let records = std::mem::take(in_batch);
+            let bytes = std::mem::take(batch);
+            let Some(tx) = on else { return };
+            let waiting = parked.iter_mut().position(|p| Arc::ptr_eq(&p.tx, tx));
+            if waiting.is_none()
+                && (records.is_empty() || !matches!(crate::sys::try_write_record(tx.as_fd(), &bytes), Ok(false)))
+            {
+                // Written, or its owner died (it owes nothing: its lease is gone with it).
+                return;
+            }
+            let at = waiting.unwrap_or_else(|| {
+                parked.push(Parked::new(tx.clone()));
+                parked.len() - 1
+            });
+            records.into_iter().for_each(|c| parked[at].add(c));
+        };
     for (tx, control) in releases {
         let Ok(record) = control.record() else { continue };
         let same = on.as_ref().is_some_and(|o| Arc::ptr_eq(o, &tx));
         if !same || batch.len() + record.len() > crate::sys::RECORD_MAX {
-            flush(&on, &mut batch);
+            flush(&on, &mut batch, &mut in_batch, parked);
             on = Some(tx);
         }
         batch.extend(record);
+        in_batch.push(control);
     }
-    flush(&on, &mut batch);
+    flush(&on, &mut batch, &mut in_batch, parked);
 }
 
 /// Subscribers that are gone leave the owner's list.
@@ -165,9 +242,9 @@ fn forget(gone: &[u64]) {
 
 fn run(courier: &'static Courier) {
     loop {
-        let (releases, revocations) = {
+        let taken = {
             let mut queue = lock(courier);
-            while queue.releases.is_empty() && queue.revocations.is_empty() {
+            while queue.releases.is_empty() && queue.revocations.is_empty() && queue.parked.is_empty() {
                 queue = courier.posted.wait(queue).unwrap_or_else(|p| p.into_inner());
             }
             if queue.releases.len() == 1 && queue.revocations.is_empty() {
@@ -179,15 +256,20 @@ fn run(courier: &'static Courier) {
                 queue = lock(courier);
             }
             if queue.releases.is_empty() && queue.blocked {
-                // Only revocations that found no room last time: give the reader a moment (a
-                // new post ends the wait early).
+                // Only what found no room last time: give the readers a moment (a new post
+                // ends the wait early).
                 queue = courier.posted.wait_timeout(queue, RETRY).unwrap_or_else(|p| p.into_inner()).0;
             }
             queue.blocked = false;
             queue.sending = true;
-            (std::mem::take(&mut queue.releases), std::mem::take(&mut queue.revocations))
+            (
+                std::mem::take(&mut queue.parked),
+                std::mem::take(&mut queue.releases),
+                std::mem::take(&mut queue.revocations),
+            )
         };
-        send_releases(releases);
+        let (mut parked, releases, revocations) = taken;
+        send_releases(&mut parked, releases);
         let mut gone = Vec::new();
         let mut waiting = Vec::new();
         for (n, (tx, mut indices)) in revocations {
@@ -214,6 +296,8 @@ fn run(courier: &'static Courier) {
         }
         forget(&gone);
         let mut queue = lock(courier);
+        queue.blocked = !parked.is_empty();
+        queue.parked = parked;
         if !waiting.is_empty() {
             for (n, tx, mut older) in waiting {
                 // Older indices first; posts that came meanwhile after them.
@@ -338,5 +422,73 @@ fn run_jobs(disposer: &'static Disposer) {
             // every later one.
             let _ = crate::os::catch_quietly(job);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sys::{lease_pipe, read_available, try_write_record};
+    use std::time::Instant;
+
+    /// Reads `rx` until `want` records of claims on storages below `u64::MAX` (the filler's
+    /// index) have come, or 10 s have passed.
+    fn read_releases(rx: &OwnedFd, want: usize) -> Vec<Control> {
+        let (mut got, mut pending, mut buf) = (Vec::new(), Vec::new(), vec![0u8; 1 << 16]);
+        let until = Instant::now() + Duration::from_secs(10);
+        while got.len() < want && Instant::now() < until {
+            match read_available(rx, &mut buf).unwrap() {
+                Some(0) => std::thread::sleep(Duration::from_millis(1)),
+                Some(n) => {
+                    pending.extend_from_slice(&buf[..n]);
+                    let (records, used, stray) = Control::parse(&pending);
+                    assert!(!stray);
+                    pending.drain(..used);
+                    got.extend(records.into_iter().filter(|c| !matches!(c, Control::Release(u64::MAX, _))));
+                }
+                None => break,
+            }
+        }
+        got
+    }
+
+    /// An owner that does not read (stopped) has a full lease pipe: the releases it is owed
+    /// wait in the courier, one record per storage however many drops, while another owner's
+    /// go out at once; once it reads again, it gets them all.
+    #[test]
+    fn releases_to_an_owner_that_does_not_read_wait_without_holding_up_the_others() {
+        let (stopped_rx, stopped_tx) = lease_pipe().unwrap();
+        let stopped_tx = Arc::new(stopped_tx);
+        // What other holders wrote and the owner has not read yet.
+        let filler = Control::Release(u64::MAX, 1).record().unwrap();
+        while try_write_record(stopped_tx.as_fd(), &filler).unwrap() {}
+        let (other_rx, other_tx) = lease_pipe().unwrap();
+        let other_tx = Arc::new(other_tx);
+        for _ in 0..3 {
+            for index in 1..=1000 {
+                post(stopped_tx.clone(), Control::Release(index, 1));
+            }
+        }
+        post(stopped_tx.clone(), Control::Forget(5));
+        let posted = Instant::now();
+        post(other_tx.clone(), Control::Release(7, 2));
+        assert_eq!(read_releases(&other_rx, 1), [Control::Release(7, 2)]);
+        assert!(posted.elapsed() < Duration::from_secs(5), "the other owner waited {:?}", posted.elapsed());
+        assert!(!wait_for_releases(Some(Instant::now() + Duration::from_millis(100))), "the stopped owner's are owed");
+        // The owner reads again.
+        let got = read_releases(&stopped_rx, 1001);
+        let mut want: Vec<Control> = (1..=1000).map(|i| Control::Release(i, 3)).collect();
+        want.push(Control::Forget(5));
+        assert_eq!(got, want, "each storage's three releases in one record, then the forget");
+        assert!(wait_for_releases(Some(Instant::now() + Duration::from_secs(10))));
+    }
+
+    /// A lease whose owner is gone takes nothing, and holds up nothing.
+    #[test]
+    fn releases_to_an_owner_that_is_gone_are_dropped() {
+        let (rx, tx) = lease_pipe().unwrap();
+        drop(rx);
+        post(Arc::new(tx), Control::Release(1, 1));
+        assert!(wait_for_releases(Some(Instant::now() + Duration::from_secs(10))));
     }
 }

@@ -119,6 +119,12 @@ impl Control {
     pub(super) fn send(&self, tx: &impl AsFd) -> io::Result<()> {
         crate::sys::write_record(tx.as_fd(), &self.record()?)
     }
+
+    /// Writes the record to the lease `tx`, whole, if the pipe has room now (`Ok(false)`:
+    /// nothing written).
+    pub(super) fn try_send(&self, tx: &impl AsFd) -> io::Result<bool> {
+        crate::sys::try_write_record(tx.as_fd(), &self.record()?)
+    }
 }
 
 /// Owner to holder, on a revocation socket.
@@ -203,7 +209,7 @@ impl Lease {
     /// comes).
     fn take(carried: Carried) -> Result<Lease> {
         let fd = wire::take_shared_fd(carried)?;
-        if !crate::sys::is_pipe_writer(fd.as_fd()) {
+        if !crate::sys::accept_pipe_writer(fd.as_fd()) {
             return Err(Error::Malformed(NOT_A_LEASE.into()));
         }
         Ok(Lease::new(fd))

@@ -210,8 +210,9 @@ pub(super) fn subscribe(owner: u128, lease: &Lease) -> bool {
         return false;
     }
     // A lease that takes no record (its owner gone, or not a lease's writing end) is no way to
-    // the owner: its socket is not left waiting for a fetch that cannot come.
-    if Control::Link(ticket.clone()).send(&lease.tx).is_err()
+    // the owner: its socket is not left waiting for a fetch that cannot come. Nor does the
+    // reaper wait for an owner whose pipe is full: the subscription is only asked later.
+    if !matches!(Control::Link(ticket.clone()).try_send(&lease.tx), Ok(true))
         || reaper.watch(Watched::Revocations(owner), Source::Socket(Arc::new(rx))).is_err()
     {
         crate::handover::withdraw(&ticket);

@@ -25,10 +25,13 @@ pub(crate) use limits::{
 pub(crate) use mapping::Mapping;
 pub(crate) use memory::MemoryFile;
 pub(crate) use named::NamedMemory;
+#[cfg(any(test, feature = "testing"))]
+pub(crate) use pipe::is_pipe_writer;
 #[cfg(feature = "cuda")]
 pub(crate) use pipe::same_open_file;
 pub(crate) use pipe::{
-    RECORD_MAX, identity as file_identity, is_pipe_writer, lease_pipe, read_available, same_file, write_record,
+    RECORD_MAX, accept_pipe_writer, identity as file_identity, lease_pipe, read_available, same_file, try_write_record,
+    write_record,
 };
 #[cfg(test)]
 pub(crate) use process::fork_and_run;

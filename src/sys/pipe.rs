@@ -32,10 +32,12 @@ fn ignore_broken_pipes() {
     });
 }
 
-/// A new pipe: its reading end (non-blocking: only the owner reads it) and its writing end.
+/// A new pipe: its reading end and its writing end, both non-blocking. Only the owner reads;
+/// every holder's copy of the writing end shares its flag, so a writer that must not wait for
+/// an owner that does not read (the courier) tries, and one that must (a `Retain`) waits for
+/// room itself ([`write_record`]).
 pub(crate) fn lease_pipe() -> io::Result<(OwnedFd, OwnedFd)> {
-    let (read, write) = pipe_with(PipeFlags::CLOEXEC)?;
-    fcntl_setfl(&read, fcntl_getfl(&read)? | OFlags::NONBLOCK)?;
+    let (read, write) = pipe_with(PipeFlags::CLOEXEC | PipeFlags::NONBLOCK)?;
     Ok((read, write))
 }
 
@@ -45,6 +47,20 @@ pub(crate) fn is_pipe_writer(fd: BorrowedFd<'_>) -> bool {
     let fifo = rustix::fs::fstat(fd)
         .is_ok_and(|st| rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Fifo);
     fifo && fcntl_getfl(fd).is_ok_and(|flags| flags.contains(OFlags::WRONLY) && !flags.contains(OFlags::RDWR))
+}
+
+/// Whether `fd` is the writing end of a pipe, as [`is_pipe_writer`]; made non-blocking if it
+/// was not (a lease from a peer that cleared the flag), so that no writer here that must not
+/// wait can be made to.
+pub(crate) fn accept_pipe_writer(fd: BorrowedFd<'_>) -> bool {
+    is_pipe_writer(fd)
+        && fcntl_getfl(fd)
+            .and_then(
+                |flags| {
+                    if flags.contains(OFlags::NONBLOCK) { Ok(()) } else { fcntl_setfl(fd, flags | OFlags::NONBLOCK) }
+                },
+            )
+            .is_ok()
 }
 
 /// A file's identity (device and inode): both ends of one pipe, and every copy of a descriptor
@@ -86,20 +102,27 @@ pub(crate) fn same_open_file(a: BorrowedFd<'_>, b: BorrowedFd<'_>) -> Option<boo
 /// Writes one record (at most [`RECORD_MAX`] bytes) to a pipe's writing end, whole, waiting
 /// while the pipe is full.
 pub(crate) fn write_record(pipe: BorrowedFd<'_>, record: &[u8]) -> io::Result<()> {
+    while !try_write_record(pipe, record)? {
+        let mut fds = [PollFd::from_borrowed_fd(pipe, PollFlags::OUT)];
+        let _ = crate::sys::socket::poll_once(&mut fds, Some(Duration::from_millis(100)));
+    }
+    Ok(())
+}
+
+/// Writes one record (at most [`RECORD_MAX`] bytes) to a pipe's (non-blocking) writing end,
+/// whole: `Ok(false)`, and nothing written, while the pipe has no room for it.
+pub(crate) fn try_write_record(pipe: BorrowedFd<'_>, record: &[u8]) -> io::Result<bool> {
     ignore_broken_pipes();
     if record.is_empty() || record.len() > RECORD_MAX {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "a record of no bytes, or too many"));
     }
     loop {
         match rustix::io::write(pipe, record) {
-            Ok(n) if n == record.len() => return Ok(()),
+            Ok(n) if n == record.len() => return Ok(true),
             Ok(_) => return Err(io::Error::new(io::ErrorKind::WriteZero, "a record was cut short")),
             Err(rustix::io::Errno::INTR) => {}
-            Err(rustix::io::Errno::AGAIN) => {
-                // A writing end some holder made non-blocking: wait for room.
-                let mut fds = [PollFd::from_borrowed_fd(pipe, PollFlags::OUT)];
-                let _ = crate::sys::socket::poll_once(&mut fds, Some(Duration::from_millis(100)));
-            }
+            // Up to `PIPE_BUF` bytes go in whole or not at all.
+            Err(rustix::io::Errno::AGAIN) => return Ok(false),
             Err(e) => return Err(e.into()),
         }
     }
