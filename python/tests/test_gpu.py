@@ -147,6 +147,23 @@ def test_a_state_dict_is_sent_as_one_allocation_and_republished_in_place():
     packed["step"] = packed.pop("steps")
     tx.send(packed)
     assert int(rx.recv(timeout=10)["step"].item()) == 3
+    # A view pointed at other memory in place (`.data =`, `set_`) is still the same object, and
+    # the send would carry the packed memory all the same: refused, and sent once put back.
+    w = packed["w"].data
+    packed["w"].data = torch.ones_like(w)
+    with pytest.raises(ValueError, match="no longer views the packed memory"):
+        tx.send(packed)
+    packed["w"].data = w
+    packed_b = b.data
+    b.set_(torch.zeros(256, device="cuda"))
+    with pytest.raises(ValueError, match="no longer views the packed memory"):
+        tx.send(packed)
+    with pytest.raises(cuda_mp.Timeout):
+        rx.recv(timeout=0.2)
+    b.set_(packed_b)
+    packed["w"].add_(1)
+    tx.send(packed)
+    assert torch.equal(rx.recv(timeout=10)["w"], packed["w"])
     # A plain dict of torch tensors goes too (one allocation per storage).
     tx.send(sd)
     got = rx.recv(timeout=10)
