@@ -506,7 +506,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Queue<T> {
     /// dropped and counted, as the queue's own inbox does. The feed ends when `source`
     /// disconnects, when the queue is gone (the message in hand is then lost with it), or at
     /// a failure of the transport under `source`. Dropping the [`Feed`] leaves its thread
-    /// running.
+    /// running; [`Feed::join_timeout`] waits for its end within a limit.
     ///
     /// ```
     /// let queue = cuda_mp::Queue::new().unwrap();
@@ -519,7 +519,10 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Queue<T> {
     /// ```
     pub fn feed(&self, source: Receiver<T>) -> Result<Feed> {
         let queue = self.clone();
+        let (running, ended) = std::sync::mpsc::channel::<std::convert::Infallible>();
         let thread = std::thread::Builder::new().name("cuda-mp-queue-feed".into()).spawn(move || {
+            // Dropped when the thread ends, however it ends: what `join_timeout` waits for.
+            let _running = running;
             let mut end = FeedEnd { fed: 0, undecodable: 0 };
             loop {
                 match source.recv() {
@@ -533,13 +536,16 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Queue<T> {
                 }
             }
         })?;
-        Ok(Feed { thread })
+        Ok(Feed { thread: Some(thread), ended })
     }
 }
 
 /// A thread putting what a receiver gets on a [`Queue`] ([`Queue::feed`]).
 pub struct Feed {
-    thread: std::thread::JoinHandle<std::result::Result<FeedEnd, (FeedEnd, Error)>>,
+    /// `None` once joined.
+    thread: Option<std::thread::JoinHandle<std::result::Result<FeedEnd, (FeedEnd, Error)>>>,
+    /// Disconnected when the thread ends.
+    ended: std::sync::mpsc::Receiver<std::convert::Infallible>,
 }
 
 /// What a [`Feed`] did, once its source disconnected.
@@ -555,17 +561,42 @@ pub struct FeedEnd {
 impl Feed {
     /// Waits until the source disconnects and says what the feed did; an error if it ended
     /// earlier (the queue gone, or the transport failed).
-    pub fn join(self) -> Result<FeedEnd> {
-        match self.thread.join() {
-            Ok(Ok(end)) => Ok(end),
-            Ok(Err((_, error))) => Err(error),
-            Err(_) => Err(Error::Io(std::io::Error::other("the queue's feed thread panicked"))),
+    pub fn join(mut self) -> Result<FeedEnd> {
+        self.end()
+    }
+
+    /// As [`join`](Self::join), for `timeout` at most: [`Error::Timeout`] while the feed
+    /// runs (it runs on, and can be joined again). Once it has said how the feed ended, a
+    /// later call is an error.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// let queue = cuda_mp::Queue::<u32>::new().unwrap();
+    /// let (tx, rx) = cuda_mp::channel::<u32>().unwrap();
+    /// let mut feed = queue.feed(rx).unwrap();
+    /// assert!(feed.join_timeout(Duration::from_millis(10)).unwrap_err().is_timeout());
+    /// drop(tx);
+    /// assert_eq!(feed.join_timeout(Duration::from_secs(60)).unwrap().fed, 0);
+    /// ```
+    pub fn join_timeout(&mut self, timeout: Duration) -> Result<FeedEnd> {
+        match self.ended.recv_timeout(timeout) {
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) if self.thread.is_some() => Err(Error::Timeout(timeout)),
+            _ => self.end(),
+        }
+    }
+
+    fn end(&mut self) -> Result<FeedEnd> {
+        match self.thread.take().map(|thread| thread.join()) {
+            Some(Ok(Ok(end))) => Ok(end),
+            Some(Ok(Err((_, error)))) => Err(error),
+            Some(Err(_)) => Err(Error::Io(std::io::Error::other("the queue's feed thread panicked"))),
+            None => Err(Error::Unsupported("this feed was joined already".into())),
         }
     }
 
     /// True once the feed has ended.
     pub fn is_finished(&self) -> bool {
-        self.thread.is_finished()
+        self.thread.as_ref().is_none_or(|thread| thread.is_finished())
     }
 }
 
