@@ -211,7 +211,7 @@ pub(super) fn subscribe(owner: u128, lease: &Lease) -> bool {
     }
     // A lease that takes no record (its owner gone, or not a lease's writing end) is no way to
     // the owner: its socket is not left waiting for a fetch that cannot come. Nor does the
-    // reaper wait for an owner whose pipe is full: the subscription is only asked later.
+    // import wait for an owner whose pipe is full: a later import asks again.
     if !matches!(Control::Link(ticket.clone()).try_send(&lease.tx), Ok(true))
         || reaper.watch(Watched::Revocations(owner), Source::Socket(Arc::new(rx))).is_err()
     {

@@ -50,8 +50,9 @@ pub(crate) fn is_pipe_writer(fd: BorrowedFd<'_>) -> bool {
 }
 
 /// Whether `fd` is the writing end of a pipe, as [`is_pipe_writer`]; made non-blocking if it
-/// was not (a lease from a peer that cleared the flag), so that no writer here that must not
-/// wait can be made to.
+/// was not (a lease from a peer that cleared the flag). (A peer can clear it again later:
+/// [`try_write_record`] looks for room first, so that only a write racing another writer for
+/// the last room could then wait.)
 pub(crate) fn accept_pipe_writer(fd: BorrowedFd<'_>) -> bool {
     is_pipe_writer(fd)
         && fcntl_getfl(fd)
@@ -115,6 +116,12 @@ pub(crate) fn try_write_record(pipe: BorrowedFd<'_>, record: &[u8]) -> io::Resul
     ignore_broken_pipes();
     if record.is_empty() || record.len() > RECORD_MAX {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "a record of no bytes, or too many"));
+    }
+    // A pipe with room for a page takes a record whole; one without would make a write on a
+    // writing end that a peer made blocking again wait.
+    let mut fds = [PollFd::from_borrowed_fd(pipe, PollFlags::OUT)];
+    if crate::sys::socket::poll_once(&mut fds, Some(Duration::ZERO))? == 0 {
+        return Ok(false);
     }
     loop {
         match rustix::io::write(pipe, record) {
