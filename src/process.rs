@@ -78,7 +78,8 @@ pub fn init() {
 /// without a normal exit: one that ends with `_exit`, as every worker of Python's
 /// `multiprocessing` does after its function returns (the Python package calls this there).
 /// It hands on what the process sent (as [`flush_sends`](crate::flush_sends)), waits (a minute
-/// at most) for the work that releases of received GPU memory wait behind, gives back its
+/// at most) for the releases of what it received to be sent (those of GPU memory wait behind
+/// its work; an owner that does not read, stopped, takes none), gives back its
 /// references on PyTorch's shares, and finishes its interprocess events: waits for the work
 /// they order, then removes the file the CUDA driver keeps for them in `/dev/shm`, which no
 /// `_exit` removes. Call it last: afterwards each send of a GPU tensor waits for this

@@ -619,7 +619,11 @@ fn install_exit_hook() {
 extern "C" fn drain_at_exit() {
     let _ = catch_quietly(|| {
         EXITING.store(true, Ordering::SeqCst);
-        flush_all(None)
+        // Backlogs for as long as they take; releases for a minute at most: an owner that
+        // does not read them (stopped) would hold the exit for ever, and the kernel closes
+        // this process's leases when it exits, as at a kill.
+        flush_backlogs(None);
+        crate::lifetime::wait_for_releases(Some(crate::os::instant_after(crate::lifetime::RELEASES_AT_EXIT)))
     });
 }
 
@@ -627,6 +631,13 @@ extern "C" fn drain_at_exit() {
 /// `timeout` at most; false when it passed first. Feeders hand on at once meanwhile.
 pub(super) fn flush_all(timeout: Option<Duration>) -> bool {
     let deadline = timeout.map(crate::os::instant_after);
+    // Releases of claims this process dropped are messages too.
+    flush_backlogs(deadline) && crate::lifetime::wait_for_releases(deadline)
+}
+
+/// Waits until every backlog of this process was handed on (or its receiver is gone), until
+/// `deadline` at most; false when it passed first.
+fn flush_backlogs(deadline: Option<std::time::Instant>) -> bool {
     FLUSHING.fetch_add(1, Ordering::SeqCst);
     let outboxes: Vec<Arc<Outbox>> = registry().values().filter_map(Weak::upgrade).collect();
     for outbox in &outboxes {
@@ -635,6 +646,5 @@ pub(super) fn flush_all(timeout: Option<Duration>) -> bool {
     }
     let done = outboxes.iter().all(|outbox| outbox.drain(deadline));
     FLUSHING.fetch_sub(1, Ordering::SeqCst);
-    // Releases of claims this process dropped are messages too.
-    done && crate::lifetime::wait_for_releases(deadline)
+    done
 }

@@ -58,6 +58,11 @@ static COURIER: ForkLocal<Courier> = ForkLocal::new(|| Courier {
     started: OnceLock::new(),
 });
 
+/// How long an exiting process waits for its releases: those behind fences (a stream that
+/// never finishes) and those an owner does not read (stopped). Past it, it exits anyway; the
+/// kernel then closes its leases, as at a kill.
+pub(crate) const RELEASES_AT_EXIT: Duration = Duration::from_secs(60);
+
 /// Waits until every release that waits behind a fence is posted and every release posted so
 /// far has been sent, until `deadline` at most; false when it passed first. (Revocations to a
 /// subscriber that does not read may wait for ever: they only let it close cached mappings

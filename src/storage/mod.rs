@@ -197,9 +197,9 @@ impl<K: StorageKind> Drop for Memory<K> {
     }
 }
 
-/// Makes this process, when it exits, first wait (up to [`CLOSES_AT_EXIT`]) for the releases
-/// that wait behind fences: a process that drops a received tensor and returns from `main`
-/// releases it after its work, as one whose drop waited did.
+/// Makes this process, when it exits, first wait (up to [`lifetime::RELEASES_AT_EXIT`]) for
+/// the releases that wait behind fences: a process that drops a received tensor and returns
+/// from `main` releases it after its work, as one whose drop waited did.
 fn finish_closes_at_exit() {
     // Once per generation: a forked child's releases are its own, for `before_exit`.
     static INSTALLED: crate::fork::ForkLocal<std::sync::OnceLock<bool>> =
@@ -207,13 +207,10 @@ fn finish_closes_at_exit() {
     INSTALLED.get().get_or_init(|| crate::process::at_exit(finish_closes));
 }
 
-/// How long an exiting process waits for the work behind its fences. Past it, it exits
-/// anyway (a stream that never finishes would otherwise hold the exit for ever); the kernel
-/// then closes its leases, as at a kill.
-const CLOSES_AT_EXIT: std::time::Duration = std::time::Duration::from_secs(60);
-
 extern "C" fn finish_closes() {
-    let _ = crate::os::catch_quietly(|| lifetime::wait_for_releases(Some(std::time::Instant::now() + CLOSES_AT_EXIT)));
+    let _ = crate::os::catch_quietly(|| {
+        lifetime::wait_for_releases(Some(std::time::Instant::now() + lifetime::RELEASES_AT_EXIT))
+    });
 }
 
 /// A user handle on a storage's memory; the public storage types wrap one.
