@@ -333,3 +333,43 @@ fn a_dropped_mapping_that_came_through_a_forwarder_keeps_nothing_of_a_dead_forwa
     drop(x);
     assert!(freed.is_ok(), "y, held by nobody but the killed forwarder, still lives: {:?}", lifetime_stats());
 }
+
+/// Sends `n` fresh host tensors, keeping none, then waits up to `limit` until every one came
+/// back (released by the receiver); true if they all did.
+fn send_fresh_and_wait_for_releases((n, tx, limit): (usize, Sender<HostTensor<u8>>, Duration)) -> bool {
+    for i in 0..n {
+        tx.send(HostTensor::<u8>::full(&[8], i as u8).unwrap()).unwrap();
+    }
+    wait_for_lifetime(limit, |s| s.exported_storages == 0).is_ok()
+}
+
+/// An owner that stops reading (SIGSTOP) while a receiver drops 20,000 of its tensors: the
+/// releases it is owed fill its lease pipe and wait in the receiver, and another owner's
+/// release still goes out at once; the stopped owner gets every release once it goes on.
+#[test]
+fn releases_owed_to_a_stopped_owner_hold_up_no_other_owner() {
+    let _g = serial();
+    const N: usize = 20_000;
+    let (tx, rx) = channel().unwrap();
+    let stopped = spawn((N, tx, Duration::from_secs(60)), send_fresh_and_wait_for_releases);
+    let from_stopped: Vec<HostTensor<u8>> = (0..N).map(|_| rx.recv_timeout(WAIT).unwrap()).collect();
+    let (tx, rx) = channel().unwrap();
+    let mut other = spawn((1, tx, Duration::from_secs(10)), send_fresh_and_wait_for_releases);
+    let from_other = rx.recv_timeout(WAIT).unwrap();
+    let pid = stopped.pid().expect("the child runs") as i32;
+    // SAFETY: signals a child of this test's, which it joins below.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let stat = format!("/proc/{pid}/stat");
+    let deadline = std::time::Instant::now() + WAIT;
+    while !std::fs::read_to_string(&stat).is_ok_and(|s| s.rsplit(") ").next().is_some_and(|s| s.starts_with('T'))) {
+        assert!(std::time::Instant::now() < deadline, "the child did not stop");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    drop(from_stopped);
+    drop(from_other);
+    let other_released = other.join_timeout(Duration::from_secs(30));
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    assert!(matches!(other_released, Ok(true)), "the other owner's release waited: {other_released:?}");
+    assert!(stopped.join().unwrap(), "the stopped owner got every release once it went on");
+}
