@@ -25,7 +25,7 @@ pub(crate) use limits::{
 pub(crate) use mapping::Mapping;
 pub(crate) use memory::MemoryFile;
 pub(crate) use named::NamedMemory;
-#[cfg(any(test, feature = "testing"))]
+#[cfg(all(feature = "cuda", any(test, feature = "testing")))]
 pub(crate) use pipe::is_pipe_writer;
 #[cfg(feature = "cuda")]
 pub(crate) use pipe::same_open_file;
