@@ -143,7 +143,7 @@ mod wire;
 
 pub use channel::{
     Duplex, IntoIter, Iter, IterResults, Listener, Receiver, RecvFuture, RecvStream, Route, Select, Sender, TryIter,
-    bounded, channel, flush_sends, pipe,
+    bounded, channel, flush_backlogs, flush_sends, pipe,
 };
 pub use cuda_mp_macros::main;
 pub use dtype::{DType, Element};

@@ -536,7 +536,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Queue<T> {
                 }
             }
         })?;
-        Ok(Feed { thread: Some(thread), ended })
+        Ok(Feed { thread: Some(thread), ended: std::sync::Mutex::new(ended) })
     }
 }
 
@@ -544,8 +544,9 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Queue<T> {
 pub struct Feed {
     /// `None` once joined.
     thread: Option<std::thread::JoinHandle<std::result::Result<FeedEnd, (FeedEnd, Error)>>>,
-    /// Disconnected when the thread ends.
-    ended: std::sync::mpsc::Receiver<std::convert::Infallible>,
+    /// Disconnected when the thread ends (in a lock only so that a `Feed` is `Sync`: every
+    /// use has `&mut self`).
+    ended: std::sync::Mutex<std::sync::mpsc::Receiver<std::convert::Infallible>>,
 }
 
 /// What a [`Feed`] did, once its source disconnected.
@@ -579,7 +580,8 @@ impl Feed {
     /// assert_eq!(feed.join_timeout(Duration::from_secs(60)).unwrap().fed, 0);
     /// ```
     pub fn join_timeout(&mut self, timeout: Duration) -> Result<FeedEnd> {
-        match self.ended.recv_timeout(timeout) {
+        let ended = self.ended.get_mut().unwrap_or_else(|p| p.into_inner());
+        match ended.recv_timeout(timeout) {
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) if self.thread.is_some() => Err(Error::Timeout(timeout)),
             _ => self.end(),
         }

@@ -368,8 +368,14 @@ fn releases_owed_to_a_stopped_owner_hold_up_no_other_owner() {
     drop(from_stopped);
     drop(from_other);
     let other_released = other.join_timeout(Duration::from_secs(30));
+    // What an exit waits for without limit (the messages) is done; the releases it waits a
+    // minute for at most are not.
+    let backlogs = cuda_mp::flush_backlogs(Duration::from_secs(10));
+    let sends = cuda_mp::flush_sends(Duration::from_millis(200));
     // SAFETY: as above.
     unsafe { libc::kill(pid, libc::SIGCONT) };
     assert!(matches!(other_released, Ok(true)), "the other owner's release waited: {other_released:?}");
+    assert!(backlogs.is_ok(), "{backlogs:?}");
+    assert!(sends.as_ref().is_err_and(|e| e.is_timeout()), "releases to a stopped owner were sent: {sends:?}");
     assert!(stopped.join().unwrap(), "the stopped owner got every release once it went on");
 }

@@ -349,6 +349,7 @@ fn handles_are_send_and_sync() {
     fn check<T: Send + Sync>() {}
     check::<Queue<HostTensor<u8>>>();
     check::<QueueConsumer<HostTensor<u8>>>();
+    check::<cuda_mp::Feed>();
 }
 
 fn create_and_exit(tx: Sender<(Queue<u32>, QueueConsumer<u32>)>) {

@@ -1623,17 +1623,34 @@ fn cuda_available() -> bool {
 }
 
 /// Waits until every message this process sent has been handed to its receiver's socket (or
-/// the receiver is gone), at most `timeout` seconds (None: as long as it takes), without the
-/// GIL, checking for KeyboardInterrupt between slices.
+/// the receiver is gone), and the releases of what it received have been sent, at most
+/// `timeout` seconds (None: as long as it takes), without the GIL, checking for
+/// KeyboardInterrupt between slices.
 #[pyfunction]
 #[pyo3(signature = (timeout=None))]
 fn flush_sends(py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+    flush_in_slices(py, timeout, cuda_mp::flush_sends)
+}
+
+/// As `flush_sends`, for the messages alone (not the releases): what an exit waits for
+/// without limit.
+#[pyfunction]
+#[pyo3(signature = (timeout=None))]
+fn flush_backlogs(py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+    flush_in_slices(py, timeout, cuda_mp::flush_backlogs)
+}
+
+fn flush_in_slices(
+    py: Python<'_>,
+    timeout: Option<f64>,
+    flush: impl Fn(Duration) -> cuda_mp::Result<()> + Send + Sync,
+) -> PyResult<()> {
     const SLICE: Duration = Duration::from_millis(100);
     let deadline = deadline(seconds(timeout)?);
     loop {
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
         let slice = left.map_or(SLICE, |l| l.min(SLICE));
-        match py.detach(|| cuda_mp::flush_sends(slice)) {
+        match py.detach(|| flush(slice)) {
             Ok(()) => return Ok(()),
             Err(cuda_mp::Error::Timeout(_)) if left.is_none_or(|l| l > slice) => py.check_signals()?,
             Err(e) => return Err(error(e)),
@@ -1675,6 +1692,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(flush_sends, m)?)?;
+    m.add_function(wrap_pyfunction!(flush_backlogs, m)?)?;
     m.add_function(wrap_pyfunction!(before_exit, m)?)?;
     m.add_function(wrap_pyfunction!(allocator_stats, m)?)?;
     m.add_function(wrap_pyfunction!(empty_cache, m)?)?;

@@ -105,8 +105,11 @@ pub fn bounded<T: Serialize + DeserializeOwned>(capacity: usize) -> Result<(Send
 /// the reader, so a process whose reader is behind holds a backlog: returning from `main` (or
 /// from a spawned worker) waits for it by itself, but a process that ends with `_exit` does not
 /// (a child of Python's `multiprocessing` with the `fork` start method; the Python package
-/// calls this for it), nor one that is killed. [`Error::Timeout`] when the backlog is not
-/// handed on in time (the reader does not read).
+/// calls this for it), nor one that is killed. It then waits, within the same limit, until
+/// the releases of what this process received and dropped have been sent to their owners.
+/// [`Error::Timeout`] when the backlog is not handed on in time (the reader does not read),
+/// or a release is not sent (its owner does not read: stopped); [`flush_backlogs`] waits for
+/// the messages alone.
 ///
 /// ```
 /// let (tx, rx) = cuda_mp::channel::<u32>().unwrap();
@@ -120,6 +123,21 @@ pub fn bounded<T: Serialize + DeserializeOwned>(capacity: usize) -> Result<(Send
 /// ```
 pub fn flush_sends(timeout: Duration) -> Result<()> {
     if outbox::flush_all(Some(timeout)) { Ok(()) } else { Err(Error::Timeout(timeout)) }
+}
+
+/// As [`flush_sends`], for the messages alone: waits until every message this process sent
+/// has been handed to the socket its receiver reads (or its receiver is gone), for at most
+/// `timeout`, and not for releases. What a process's exit waits for without limit (its
+/// releases it waits for a minute at most).
+///
+/// ```
+/// let (tx, rx) = cuda_mp::channel::<u32>().unwrap();
+/// tx.send(7).unwrap();
+/// cuda_mp::flush_backlogs(std::time::Duration::from_secs(30)).unwrap();
+/// assert_eq!(rx.recv().unwrap(), 7);
+/// ```
+pub fn flush_backlogs(timeout: Duration) -> Result<()> {
+    if outbox::flush_backlogs(Some(crate::os::instant_after(timeout))) { Ok(()) } else { Err(Error::Timeout(timeout)) }
 }
 
 /// Messages this process received through a sender's ring.

@@ -623,7 +623,7 @@ extern "C" fn drain_at_exit() {
         // does not read them (stopped) would hold the exit for ever, and the kernel closes
         // this process's leases when it exits, as at a kill.
         flush_backlogs(None);
-        crate::lifetime::wait_for_releases(Some(crate::os::instant_after(crate::lifetime::RELEASES_AT_EXIT)))
+        crate::lifetime::wait_for_releases_at_exit()
     });
 }
 
@@ -637,7 +637,7 @@ pub(super) fn flush_all(timeout: Option<Duration>) -> bool {
 
 /// Waits until every backlog of this process was handed on (or its receiver is gone), until
 /// `deadline` at most; false when it passed first.
-fn flush_backlogs(deadline: Option<std::time::Instant>) -> bool {
+pub(super) fn flush_backlogs(deadline: Option<std::time::Instant>) -> bool {
     FLUSHING.fetch_add(1, Ordering::SeqCst);
     let outboxes: Vec<Arc<Outbox>> = registry().values().filter_map(Weak::upgrade).collect();
     for outbox in &outboxes {

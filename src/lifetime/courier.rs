@@ -61,7 +61,15 @@ static COURIER: ForkLocal<Courier> = ForkLocal::new(|| Courier {
 /// How long an exiting process waits for its releases: those behind fences (a stream that
 /// never finishes) and those an owner does not read (stopped). Past it, it exits anyway; the
 /// kernel then closes its leases, as at a kill.
-pub(crate) const RELEASES_AT_EXIT: Duration = Duration::from_secs(60);
+const RELEASES_AT_EXIT: Duration = Duration::from_secs(60);
+
+/// Waits for the releases at exit ([`RELEASES_AT_EXIT`] at most, counted from the first exit
+/// hook that waits: every hook of an exit, and a `before_exit` followed by a normal exit,
+/// share the one minute).
+pub(crate) fn wait_for_releases_at_exit() -> bool {
+    static DEADLINE: ForkLocal<OnceLock<std::time::Instant>> = ForkLocal::new(OnceLock::new);
+    wait_for_releases(Some(*DEADLINE.get().get_or_init(|| crate::os::instant_after(RELEASES_AT_EXIT))))
+}
 
 /// Waits until every release that waits behind a fence is posted and every release posted so
 /// far has been sent, until `deadline` at most; false when it passed first. (Revocations to a

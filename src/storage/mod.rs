@@ -197,8 +197,8 @@ impl<K: StorageKind> Drop for Memory<K> {
     }
 }
 
-/// Makes this process, when it exits, first wait (up to [`lifetime::RELEASES_AT_EXIT`]) for
-/// the releases that wait behind fences: a process that drops a received tensor and returns
+/// Makes this process, when it exits, first wait (a minute at most) for the releases that
+/// wait behind fences: a process that drops a received tensor and returns
 /// from `main` releases it after its work, as one whose drop waited did.
 fn finish_closes_at_exit() {
     // Once per generation: a forked child's releases are its own, for `before_exit`.
@@ -208,9 +208,7 @@ fn finish_closes_at_exit() {
 }
 
 extern "C" fn finish_closes() {
-    let _ = crate::os::catch_quietly(|| {
-        lifetime::wait_for_releases(Some(std::time::Instant::now() + lifetime::RELEASES_AT_EXIT))
-    });
+    let _ = crate::os::catch_quietly(lifetime::wait_for_releases_at_exit);
 }
 
 /// A user handle on a storage's memory; the public storage types wrap one.

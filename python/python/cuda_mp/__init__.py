@@ -276,7 +276,9 @@ class PackedStateDict(dict):
     """A state dict whose tensors are views of one cuda-mp allocation (see ``pack_state_dict``):
     sent on a ``Bundle`` channel as that allocation, one handle for all of it; update the
     tensors in place and send again to re-publish (a send refuses a dict whose entries were
-    replaced, added or taken out: it would send the packed memory all the same)."""
+    replaced, added or taken out, or pointed at other memory with ``.data =`` or ``set_``: it
+    would send the packed memory all the same; a view reshaped in place, ``t_()`` or
+    ``resize_``, is not caught, and arrives as packed)."""
 
     def __init__(self, native_bundle: "_native.Bundle", tensors: Dict[str, Any]):
         super().__init__(tensors)
@@ -684,7 +686,9 @@ def flush_sends(timeout: Optional[float] = None) -> None:
     ``multiprocessing`` child (a child of the ``fork`` start method ends with ``os._exit``,
     which skips that), through the exit finalizer this package registers. As with
     ``torch.multiprocessing`` queues, a parent that joins such a child before reading what it
-    sent waits for ever once the child's backlog is more than the socket holds: read first."""
+    sent waits for ever once the child's backlog is more than the socket holds: read first.
+    Then it waits, within the same limit, until the releases of what this process received and
+    dropped have been sent (``Timeout`` while their owner does not read them: stopped)."""
     _native.flush_sends(timeout)
 
 
@@ -739,7 +743,9 @@ class _ExitFlush:
         util.register_after_fork(self, _ExitFlush._register)
 
     def _register(self):
-        self._util.Finalize(None, _native.flush_sends, exitpriority=0)
+        # The messages alone: the releases wait (a minute at most) in `before_exit` or the
+        # exit hooks, so that an owner that does not read them (stopped) holds no exit for ever.
+        self._util.Finalize(None, _native.flush_backlogs, exitpriority=0)
         self._util.Finalize(None, _before_exit_of_worker, exitpriority=-10)
 
 

@@ -326,11 +326,11 @@ class MultiprocessingQueue(Queue):
 
     def join_thread(self) -> None:
         """Waits until everything this process sent has reached its reader (there is no feeder
-        thread; this waits for the process's sends, ``cuda_mp.flush_sends``). Only after
-        ``close``, as in ``multiprocessing``."""
+        thread; this waits for the process's messages, as ``cuda_mp.flush_sends`` does, but
+        not for its releases). Only after ``close``, as in ``multiprocessing``."""
         if not self._closed:
             raise AssertionError(f"Queue {object.__repr__(self)} not closed")
-        _native.flush_sends(None)
+        _native.flush_backlogs(None)
 
     def cancel_join_thread(self) -> None:
         """Nothing to cancel: there is no feeder thread (what this process sent is handed on at
