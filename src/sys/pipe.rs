@@ -41,27 +41,28 @@ pub(crate) fn lease_pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     Ok((read, write))
 }
 
-/// Whether `fd` is the writing end of a pipe: what a lease that arrives must be (anything else
-/// would take a holder's records, or none, and never tell an owner of them).
-pub(crate) fn is_pipe_writer(fd: BorrowedFd<'_>) -> bool {
+/// The flags of `fd` if it is the writing end of a pipe: what a lease that arrives must be
+/// (anything else would take a holder's records, or none, and never tell an owner of them).
+fn pipe_writer_flags(fd: BorrowedFd<'_>) -> Option<OFlags> {
     let fifo = rustix::fs::fstat(fd)
         .is_ok_and(|st| rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Fifo);
-    fifo && fcntl_getfl(fd).is_ok_and(|flags| flags.contains(OFlags::WRONLY) && !flags.contains(OFlags::RDWR))
+    let flags = fcntl_getfl(fd).ok()?;
+    (fifo && flags.contains(OFlags::WRONLY) && !flags.contains(OFlags::RDWR)).then_some(flags)
 }
 
-/// Whether `fd` is the writing end of a pipe, as [`is_pipe_writer`]; made non-blocking if it
-/// was not (a lease from a peer that cleared the flag). (A peer can clear it again later:
-/// [`try_write_record`] looks for room first, so that only a write racing another writer for
-/// the last room could then wait.)
+/// Whether `fd` is the writing end of a pipe.
+#[cfg(all(feature = "cuda", any(test, feature = "testing")))]
+pub(crate) fn is_pipe_writer(fd: BorrowedFd<'_>) -> bool {
+    pipe_writer_flags(fd).is_some()
+}
+
+/// Whether `fd` is the writing end of a pipe, made non-blocking if it was not (a lease from a
+/// peer that cleared the flag). (A peer can clear it again later: [`try_write_record`] looks
+/// for room first, so that only a write racing another writer for the last room could then
+/// wait.)
 pub(crate) fn accept_pipe_writer(fd: BorrowedFd<'_>) -> bool {
-    is_pipe_writer(fd)
-        && fcntl_getfl(fd)
-            .and_then(
-                |flags| {
-                    if flags.contains(OFlags::NONBLOCK) { Ok(()) } else { fcntl_setfl(fd, flags | OFlags::NONBLOCK) }
-                },
-            )
-            .is_ok()
+    pipe_writer_flags(fd)
+        .is_some_and(|flags| flags.contains(OFlags::NONBLOCK) || fcntl_setfl(fd, flags | OFlags::NONBLOCK).is_ok())
 }
 
 /// A file's identity (device and inode): both ends of one pipe, and every copy of a descriptor
