@@ -44,7 +44,7 @@ struct Queue {
     /// many claims), and requests to introduce a segment again.
     releases: Vec<(Arc<OwnedFd>, Control)>,
     /// Records that found their lease's pipe full, by lease (its owner stopped, or behind).
-    parked: Vec<Parked>,
+    parked: Vec<Owed>,
     /// True when some revocations or records wait for room in a peer's socket or pipe.
     blocked: bool,
     /// True while the thread sends what it took from the queue.
@@ -145,21 +145,21 @@ pub(super) fn post(tx: Arc<OwnedFd>, record: Control) {
     }
 }
 
-/// What waits for room in one lease's pipe: the claims released per storage, summed (a
-/// holder that drops on while its owner does not read owes one record per storage, however
-/// many drops), and the segments to introduce again. Order within a lease does not matter
-/// here: every claim these release was counted before it was posted (the owner counts a
-/// message's claims before it sends it, a forwarder writes `Retain` itself), so writing a
-/// release later, or beside others of its lease, frees nothing early.
-struct Parked {
+/// What this process owes one lease: the claims released per storage, summed (a holder that
+/// drops on while its owner does not read owes one record per storage, however many drops),
+/// and the segments to introduce again. Order within a lease does not matter here: every
+/// claim these release was counted before it was posted (the owner counts a message's claims
+/// before it sends it, a forwarder writes `Retain` itself), so writing a release later, or
+/// beside others of its lease, frees nothing early.
+struct Owed {
     tx: Arc<OwnedFd>,
     releases: BTreeMap<u64, u64>,
     others: Vec<Control>,
 }
 
-impl Parked {
-    fn new(tx: Arc<OwnedFd>) -> Parked {
-        Parked { tx, releases: BTreeMap::new(), others: Vec::new() }
+impl Owed {
+    fn new(tx: Arc<OwnedFd>) -> Owed {
+        Owed { tx, releases: BTreeMap::new(), others: Vec::new() }
     }
 
     fn add(&mut self, control: Control) {
@@ -174,9 +174,10 @@ impl Parked {
         }
     }
 
-    /// Writes what the pipe has room for, a batch at a time (a try costs one batch, however
-    /// many storages wait); true when nothing is left (or the owner is gone, and owes nothing:
-    /// its lease went with it).
+    /// Writes what the pipe has room for, in writes of at most `PIPE_BUF` bytes (each whole,
+    /// so records of other holders never cut in); true when nothing is left (or the owner is
+    /// gone, and owes nothing: its lease went with it). A try that finds no room costs one
+    /// batch, however many storages wait.
     fn send(&mut self) -> bool {
         loop {
             let (mut batch, mut taken) = (Vec::new(), Vec::new());
@@ -212,46 +213,27 @@ impl Parked {
     }
 }
 
-/// Writes `releases` in order, the records of consecutive releases on one lease together, in
-/// writes of at most `PIPE_BUF` bytes (each whole, so records of other holders never cut in);
-/// first what waits in `parked`, when `retry`. A lease whose pipe is full keeps its records,
-/// and those after them, in `parked`.
-fn send_releases(parked: &mut Vec<Parked>, releases: Vec<(Arc<OwnedFd>, Control)>, retry: bool) {
-    if retry {
-        parked.retain_mut(|p| !p.send());
-    }
-    let mut batch: Vec<u8> = Vec::new();
-    let mut in_batch: Vec<Control> = Vec::new();
-    let mut on: Option<Arc<OwnedFd>> = None;
-    let flush =
-        |on: &Option<Arc<OwnedFd>>, batch: &mut Vec<u8>, in_batch: &mut Vec<Control>, parked: &mut Vec<Parked>| {
-            let records = std::mem::take(in_batch);
-            let bytes = std::mem::take(batch);
-            let Some(tx) = on else { return };
-            let waiting = parked.iter_mut().position(|p| Arc::ptr_eq(&p.tx, tx));
-            if waiting.is_none()
-                && (records.is_empty() || !matches!(crate::sys::try_write_record(tx.as_fd(), &bytes), Ok(false)))
-            {
-                // Written, or its owner died (it owes nothing: its lease is gone with it).
-                return;
-            }
-            let at = waiting.unwrap_or_else(|| {
-                parked.push(Parked::new(tx.clone()));
-                parked.len() - 1
-            });
-            records.into_iter().for_each(|c| parked[at].add(c));
-        };
+/// Writes `releases`, gathered by lease, and, when `retry`, what waits in `parked`. A lease
+/// whose pipe is full keeps what it is owed in `parked`; later records of a parked lease join
+/// it without a try of their own.
+fn send_releases(parked: &mut Vec<Owed>, releases: Vec<(Arc<OwnedFd>, Control)>, retry: bool) {
+    let waiting = parked.len();
     for (tx, control) in releases {
-        let Ok(record) = control.record() else { continue };
-        let same = on.as_ref().is_some_and(|o| Arc::ptr_eq(o, &tx));
-        if !same || batch.len() + record.len() > crate::sys::RECORD_MAX {
-            flush(&on, &mut batch, &mut in_batch, parked);
-            on = Some(tx);
+        match parked.iter_mut().find(|owed| Arc::ptr_eq(&owed.tx, &tx)) {
+            Some(owed) => owed.add(control),
+            None => {
+                let mut owed = Owed::new(tx);
+                owed.add(control);
+                parked.push(owed);
+            }
         }
-        batch.extend(record);
-        in_batch.push(control);
     }
-    flush(&on, &mut batch, &mut in_batch, parked);
+    let mut at = 0;
+    parked.retain_mut(|owed| {
+        let due = retry || at >= waiting;
+        at += 1;
+        !(due && owed.send())
+    });
 }
 
 /// Subscribers that are gone leave the owner's list.
