@@ -78,9 +78,9 @@ pub fn init() {
 /// without a normal exit: one that ends with `_exit`, as every worker of Python's
 /// `multiprocessing` does after its function returns (the Python package calls this there).
 /// It hands on what the process sent (as [`flush_backlogs`](crate::flush_backlogs)), waits (a
-/// minute at most in all) for the releases of received GPU memory that wait behind its work
-/// and, where it handed on a backlog, for every release to be sent (an owner that does not
-/// read, stopped, takes none; it gets them when the exit closes the leases), gives back its
+/// minute at most) for the releases of what it received to be sent, those that wait behind
+/// its GPU work among them (an owner that does not read, stopped, takes none; it gets them
+/// when the exit closes the leases), gives back its
 /// references on PyTorch's shares, and finishes its interprocess events: waits for the work
 /// they order, then removes the file the CUDA driver keeps for them in `/dev/shm`, which no
 /// `_exit` removes. Call it last: afterwards each send of a GPU tensor waits for this

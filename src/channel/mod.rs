@@ -127,8 +127,8 @@ pub fn flush_sends(timeout: Duration) -> Result<()> {
 
 /// As [`flush_sends`], for the messages alone: waits until every message this process sent
 /// has been handed to the socket its receiver reads (or its receiver is gone), for at most
-/// `timeout`, and not for releases. What a process's exit waits for without limit (its
-/// releases it waits for a minute at most).
+/// `timeout`, and not for releases. What a process's exit waits for without limit (it waits
+/// for its releases a minute at most).
 ///
 /// ```
 /// let (tx, rx) = cuda_mp::channel::<u32>().unwrap();

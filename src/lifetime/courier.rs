@@ -63,12 +63,16 @@ static COURIER: ForkLocal<Courier> = ForkLocal::new(|| Courier {
 /// kernel then closes its leases, as at a kill.
 const RELEASES_AT_EXIT: Duration = Duration::from_secs(60);
 
-/// Waits for the releases at exit ([`RELEASES_AT_EXIT`] at most, counted from the first exit
-/// hook that waits: every hook of an exit, and a `before_exit` followed by a normal exit,
-/// share the one minute).
-pub(crate) fn wait_for_releases_at_exit() -> bool {
-    static DEADLINE: ForkLocal<OnceLock<std::time::Instant>> = ForkLocal::new(OnceLock::new);
-    wait_for_releases(Some(*DEADLINE.get().get_or_init(|| crate::os::instant_after(RELEASES_AT_EXIT))))
+/// Makes this process, when it exits (and in `before_exit`), first wait for its releases,
+/// [`RELEASES_AT_EXIT`] at most: registered once per generation, by the courier's start and by
+/// the first release that waits behind a fence, so that no release in flight is left out.
+pub(crate) fn wait_for_releases_when_exiting() {
+    static INSTALLED: ForkLocal<OnceLock<bool>> = ForkLocal::new(OnceLock::new);
+    INSTALLED.get().get_or_init(|| crate::process::at_exit(releases_at_exit));
+}
+
+extern "C" fn releases_at_exit() {
+    let _ = crate::os::catch_quietly(|| wait_for_releases(Some(crate::os::instant_after(RELEASES_AT_EXIT))));
 }
 
 /// Waits until every release that waits behind a fence is posted and every release posted so
@@ -98,9 +102,13 @@ fn lock(courier: &Courier) -> MutexGuard<'_, Queue> {
 /// The courier of this process, its thread started on first use; `None` if it cannot start.
 fn courier() -> Option<&'static Courier> {
     let courier = COURIER.get();
-    let started = *courier
-        .started
-        .get_or_init(|| std::thread::Builder::new().name("cuda-mp-courier".into()).spawn(move || run(courier)).is_ok());
+    let started = *courier.started.get_or_init(|| {
+        let started = std::thread::Builder::new().name("cuda-mp-courier".into()).spawn(move || run(courier)).is_ok();
+        if started {
+            wait_for_releases_when_exiting();
+        }
+        started
+    });
     started.then_some(courier)
 }
 
@@ -176,7 +184,7 @@ impl Owed {
 
     /// Writes what the pipe has room for, in writes of at most `PIPE_BUF` bytes (each whole,
     /// so records of other holders never cut in); true when nothing is left (or the owner is
-    /// gone, and owes nothing: its lease went with it). A try that finds no room costs one
+    /// gone, and is owed nothing: its lease went with it). A try that finds no room costs one
     /// batch, however many storages wait.
     fn send(&mut self) -> bool {
         loop {
@@ -203,6 +211,14 @@ impl Owed {
                     taken.into_iter().for_each(|c| self.add(c));
                     return false;
                 }
+                // The owner is gone, and its lease with it.
+                Err(e) if e.kind() == io::ErrorKind::BrokenPipe => return true,
+                // Short of kernel memory for now: tried again, as a full pipe is.
+                Err(e) if e.kind() == io::ErrorKind::OutOfMemory => {
+                    taken.into_iter().for_each(|c| self.add(c));
+                    return false;
+                }
+                // A lease no write can reach (none of ours is): what it is owed goes with it.
                 Err(_) => return true,
             }
         }
@@ -493,6 +509,32 @@ mod tests {
         want.push(Control::Forget(5));
         assert!(got == want, "each storage's releases in one record, then the forget: {} records", got.len());
         assert!(wait_for_releases(Some(Instant::now() + Duration::from_secs(10))));
+    }
+
+    /// A process that only received and dropped (no backlog of its own, no release behind a
+    /// fence: a Python worker that leaves with `os._exit` after its finalizers) still sends
+    /// what it owes a slow owner in `before_exit`, before it leaves.
+    #[test]
+    fn before_exit_waits_for_releases_an_owner_reads_late() {
+        let sent = crate::sys::fork_and_run(|| {
+            let (rx, tx) = lease_pipe().unwrap();
+            let tx = Arc::new(tx);
+            let filler = Control::Release(u64::MAX, 1).record().unwrap();
+            while try_write_record(tx.as_fd(), &filler).unwrap() {}
+            post(tx.clone(), Control::Release(1, 1));
+            // The owner reads from 300 ms on.
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(300));
+                let mut buf = vec![0u8; 1 << 16];
+                while read_available(&rx, &mut buf).is_ok() {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            });
+            crate::process::before_exit();
+            wait_for_releases(Some(Instant::now()))
+        })
+        .unwrap();
+        assert!(sent, "before_exit returned with the release still owed");
     }
 
     /// A lease whose owner is gone takes nothing, and holds up nothing.

@@ -743,8 +743,9 @@ class _ExitFlush:
         util.register_after_fork(self, _ExitFlush._register)
 
     def _register(self):
-        # The messages alone: the releases wait (a minute at most) in `before_exit` or the
-        # exit hooks, so that an owner that does not read them (stopped) holds no exit for ever.
+        # The messages alone: the releases wait (a minute at most) in their exit hook, which
+        # `before_exit` runs too, so that an owner that does not read them (stopped) holds no
+        # exit for ever.
         self._util.Finalize(None, _native.flush_backlogs, exitpriority=0)
         self._util.Finalize(None, _before_exit_of_worker, exitpriority=-10)
 
