@@ -521,8 +521,10 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Queue<T> {
         let queue = self.clone();
         let (running, ended) = std::sync::mpsc::channel::<std::convert::Infallible>();
         let thread = std::thread::Builder::new().name("cuda-mp-queue-feed".into()).spawn(move || {
-            // Dropped when the thread ends, however it ends: what `join_timeout` waits for.
+            // Dropped when the thread ends, however it ends: what `join_timeout` waits for
+            // (after the source and the queue handle, locals declared after it).
             let _running = running;
+            let (source, queue) = (source, queue);
             let mut end = FeedEnd { fed: 0, undecodable: 0 };
             loop {
                 match source.recv() {
