@@ -27,13 +27,6 @@ const GATHER: Duration = Duration::from_micros(20);
 /// Indices in one revocation message at most (a small message, whatever the backlog).
 const BATCH: usize = 512;
 
-/// Revocations kept for one subscriber at most (512 KiB) beyond what its socket holds. One
-/// that falls this far behind (stopped) is dropped instead: its socket is shut, so that once
-/// it reads again it closes every mapping of ours it caches, as if this owner were gone, and
-/// subscribes anew on a later import. Correctness never waits for a revocation (the liveness
-/// table is checked), so none is lost that matters; the memory it would take is.
-const MAX_OWED_REVOCATIONS: usize = 1 << 16;
-
 struct Courier {
     queue: Mutex<Queue>,
     posted: Condvar,
@@ -333,12 +326,6 @@ fn run(courier: &'static Courier) {
                 // Older indices first; posts that came meanwhile after them.
                 let entry = queue.revocations.entry(n).or_insert_with(|| (tx, Vec::new()));
                 older.append(&mut entry.1);
-                if older.len() > MAX_OWED_REVOCATIONS {
-                    entry.0.shut_down();
-                    queue.revocations.remove(&n);
-                    gone.push(n);
-                    continue;
-                }
                 entry.1 = older;
             }
             queue.blocked = true;
@@ -547,43 +534,6 @@ mod tests {
         })
         .unwrap();
         assert!(sent, "before_exit returned with the release still owed");
-    }
-
-    /// A subscriber that stays behind (stopped) is not owed revocations without end: past
-    /// `MAX_OWED_REVOCATIONS`, its socket is shut and it leaves the owner's list; once it reads
-    /// again it finds what its socket held, then the end.
-    #[test]
-    fn a_subscriber_far_behind_is_dropped_not_owed_for_ever() {
-        let (ours, theirs) = Socket::pair().unwrap();
-        let ours = Arc::new(ours);
-        // A number no subscriber of this process has (they count from 1).
-        let n = u64::MAX - 7;
-        owner().subscribers.push((n, ours.clone()));
-        let listed = || owner().subscribers.iter().any(|(k, _)| *k == n);
-        // Its socket takes some (how many depends on its buffer), then they are kept.
-        let mut posted = 0;
-        let until = Instant::now() + Duration::from_secs(20);
-        while listed() && posted < 64 * MAX_OWED_REVOCATIONS as u64 && Instant::now() < until {
-            for _ in 0..1000 {
-                posted += 1;
-                revoke(vec![(n, ours.clone())], posted);
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        assert!(!listed(), "the subscriber is still on the list after {posted} revocations");
-        assert!(!lock(COURIER.get()).revocations.contains_key(&n), "revocations are still kept for it");
-        let mut read = 0;
-        loop {
-            match theirs.recv(lease::MESSAGE_BYTES, Wait::Until(until)).unwrap() {
-                Some(message) if message.bytes.is_empty() => break,
-                Some(message) => match postcard::from_bytes::<Revocation>(&message.bytes).unwrap() {
-                    Revocation::Storages(indices) => read += indices.len() as u64,
-                    Revocation::Table => panic!("no table was sent"),
-                },
-                None => break,
-            }
-        }
-        assert!(0 < read && read < posted, "{read} of {posted} revocations read before the end");
     }
 
     /// A lease whose owner is gone takes nothing, and holds up nothing.

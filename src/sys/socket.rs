@@ -200,12 +200,6 @@ impl Socket {
         Ok(true)
     }
 
-    /// Ends the connection both ways for every holder of this end: the peer reads what was
-    /// sent, then its end; sends on it fail.
-    pub(crate) fn shut_down(&self) {
-        let _ = rustix::net::shutdown(&self.0, rustix::net::Shutdown::Both);
-    }
-
     /// True once the other end is closed (every holder of it is gone).
     pub(crate) fn peer_closed(&self) -> bool {
         peer_gone(&self.0)
