@@ -116,12 +116,22 @@ pub(crate) fn at_exit(f: extern "C" fn()) -> bool {
     registered
 }
 
-/// Runs the hooks of `hooks`, last first (outside the lock: a hook may register another).
+/// Runs the hooks of `hooks`, last first (outside the lock: a hook may register another),
+/// then those registered while they ran (as the C library runs a hook registered during its
+/// exit), until none is new.
 fn run_hooks(hooks: &Mutex<Vec<extern "C" fn()>>) {
-    let hooks: Vec<extern "C" fn()> =
-        hooks.lock().unwrap_or_else(PoisonError::into_inner).iter().rev().copied().collect();
-    for hook in hooks {
-        hook();
+    let mut ran = 0;
+    loop {
+        let due: Vec<extern "C" fn()> = {
+            let list = hooks.lock().unwrap_or_else(PoisonError::into_inner);
+            let due = list.get(ran..).unwrap_or_default().iter().rev().copied().collect();
+            ran = list.len();
+            due
+        };
+        if due.is_empty() {
+            return;
+        }
+        due.into_iter().for_each(|hook| hook());
     }
 }
 
@@ -880,6 +890,26 @@ mod tests {
         let hooks = Mutex::new(vec![first_hook as extern "C" fn(), second_hook]);
         run_hooks(&hooks);
         assert_eq!((SECOND.load(Ordering::SeqCst), FIRST.load(Ordering::SeqCst)), (1, 2));
+    }
+
+    static LATE_LIST: Mutex<Vec<extern "C" fn()>> = Mutex::new(Vec::new());
+    static LATE: AtomicUsize = AtomicUsize::new(0);
+
+    extern "C" fn registers_another() {
+        LATE_LIST.lock().unwrap().push(late_hook);
+    }
+
+    extern "C" fn late_hook() {
+        LATE.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// A hook registered while the hooks run (a release's first post starting the courier,
+    /// whose hook waits for it) runs in the same `before_exit`.
+    #[test]
+    fn a_hook_registered_while_hooks_run_runs_too() {
+        LATE_LIST.lock().unwrap().push(registers_another);
+        run_hooks(&LATE_LIST);
+        assert_eq!(LATE.load(Ordering::SeqCst), 1);
     }
 
     static PARENTS: AtomicUsize = AtomicUsize::new(0);

@@ -619,9 +619,11 @@ fn install_exit_hook() {
 extern "C" fn drain_at_exit() {
     let _ = catch_quietly(|| {
         EXITING.store(true, Ordering::SeqCst);
-        // For as long as they take (the releases wait in a hook of their own, a minute at
-        // most: `lifetime::wait_for_releases_when_exiting`).
+        // Backlogs for as long as they take; releases for a minute at most: an owner that
+        // does not read them (stopped) would hold the exit for ever, and the kernel closes
+        // this process's leases when it exits, as at a kill.
         flush_backlogs(None);
+        crate::lifetime::wait_for_releases_at_exit()
     });
 }
 

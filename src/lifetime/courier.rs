@@ -61,18 +61,34 @@ static COURIER: ForkLocal<Courier> = ForkLocal::new(|| Courier {
 /// How long an exiting process waits for its releases: those behind fences (a stream that
 /// never finishes) and those an owner does not read (stopped). Past it, it exits anyway; the
 /// kernel then closes its leases, as at a kill.
-const RELEASES_AT_EXIT: Duration = Duration::from_secs(60);
+const RELEASES_AT_EXIT: Duration = Duration::from_secs(if cfg!(test) { 1 } else { 60 });
 
-/// Makes this process, when it exits (and in `before_exit`), first wait for its releases,
-/// [`RELEASES_AT_EXIT`] at most: registered once per generation, by the courier's start and by
-/// the first release that waits behind a fence, so that no release in flight is left out.
-pub(crate) fn wait_for_releases_when_exiting() {
+/// Makes this process, when it exits (and in `before_exit`), wait for its releases: registered
+/// once per generation when the courier starts, so that no process with a release in flight
+/// leaves without it. (The exit hooks registered later, which run first, wait for them too
+/// where they must: after a backlog's flush, and before the CUDA driver's own exit handlers
+/// for releases behind fences.)
+fn wait_for_releases_when_exiting() {
     static INSTALLED: ForkLocal<OnceLock<bool>> = ForkLocal::new(OnceLock::new);
     INSTALLED.get().get_or_init(|| crate::process::at_exit(releases_at_exit));
 }
 
 extern "C" fn releases_at_exit() {
-    let _ = crate::os::catch_quietly(|| wait_for_releases(Some(crate::os::instant_after(RELEASES_AT_EXIT))));
+    let _ = crate::os::catch_quietly(wait_for_releases_at_exit);
+}
+
+/// Waits for the releases at exit, [`RELEASES_AT_EXIT`] at most; once such a wait of this
+/// generation ran out, the later ones (the other exit hooks, a normal exit after
+/// `before_exit`, a forked child's copy of its parent's hook) do not wait again.
+pub(crate) fn wait_for_releases_at_exit() -> bool {
+    static RAN_OUT: ForkLocal<std::sync::atomic::AtomicBool> = ForkLocal::new(Default::default);
+    let ran_out = RAN_OUT.get();
+    let limit = if ran_out.load(std::sync::atomic::Ordering::SeqCst) { Duration::ZERO } else { RELEASES_AT_EXIT };
+    let sent = wait_for_releases(Some(crate::os::instant_after(limit)));
+    if !sent {
+        ran_out.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+    sent
 }
 
 /// Waits until every release that waits behind a fence is posted and every release posted so
@@ -534,6 +550,27 @@ mod tests {
         })
         .unwrap();
         assert!(sent, "before_exit returned with the release still owed");
+    }
+
+    /// The waits of one exit share their limit: once one ran out (an owner that never reads),
+    /// the other exit hooks, and a normal exit after `before_exit`, do not wait again.
+    #[test]
+    fn once_a_wait_at_exit_ran_out_the_next_ones_do_not_wait() {
+        let ok = crate::sys::fork_and_run(|| {
+            let (_unread, tx) = lease_pipe().unwrap();
+            let tx = Arc::new(tx);
+            let filler = Control::Release(u64::MAX, 1).record().unwrap();
+            while try_write_record(tx.as_fd(), &filler).unwrap() {}
+            post(tx, Control::Release(1, 1));
+            let started = Instant::now();
+            let first = wait_for_releases_at_exit();
+            let first_took = started.elapsed();
+            let started = Instant::now();
+            crate::process::before_exit();
+            !first && first_took >= RELEASES_AT_EXIT && started.elapsed() < Duration::from_millis(300)
+        })
+        .unwrap();
+        assert!(ok, "a wait at exit waited again after one ran out, or the first did not wait");
     }
 
     /// A lease whose owner is gone takes nothing, and holds up nothing.

@@ -28,7 +28,7 @@ pub(crate) use connection::{
     Connection, ConnectionKey, ConnectionLeases, Introduction, KnownSegments, OwnerAlive, TravelledSegment,
     connection_open,
 };
-pub(crate) use courier::{wait_for_releases, wait_for_releases_when_exiting};
+pub(crate) use courier::{wait_for_releases, wait_for_releases_at_exit};
 pub use export::{HolderStats, holder_stats};
 pub(crate) use export::{
     LiveStorage, LocalStorage, forward, grant, handles_dropped, local_storage, revive_local, withdraw,

@@ -182,7 +182,7 @@ impl<K: StorageKind> Drop for Memory<K> {
                 // closes now, its claim is released once the work is done.
                 Some(fence) if fence.waited_at_exit() => {
                     let release = lifetime::DeferredRelease::new(cover.take());
-                    lifetime::wait_for_releases_when_exiting();
+                    finish_closes_at_exit();
                     lifetime::close_import(id, key, || drop(raw));
                     fence.then(Box::new(move || drop(release)));
                 }
@@ -195,6 +195,21 @@ impl<K: StorageKind> Drop for Memory<K> {
             },
         }
     }
+}
+
+/// Makes this process, when it exits, first wait (a minute at most) for the releases that
+/// wait behind fences: a process that drops a received tensor and returns from `main`
+/// releases it after its work, as one whose drop waited did. (Registered here, after the CUDA
+/// driver was loaded, so that it runs before the driver's own exit handlers.)
+fn finish_closes_at_exit() {
+    // Once per generation: a forked child's releases are its own, for `before_exit`.
+    static INSTALLED: crate::fork::ForkLocal<std::sync::OnceLock<bool>> =
+        crate::fork::ForkLocal::new(std::sync::OnceLock::new);
+    INSTALLED.get().get_or_init(|| crate::process::at_exit(finish_closes));
+}
+
+extern "C" fn finish_closes() {
+    let _ = crate::os::catch_quietly(lifetime::wait_for_releases_at_exit);
 }
 
 /// A user handle on a storage's memory; the public storage types wrap one.

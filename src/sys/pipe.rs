@@ -104,11 +104,18 @@ pub(crate) fn same_open_file(a: BorrowedFd<'_>, b: BorrowedFd<'_>) -> Option<boo
 /// Writes one record (at most [`RECORD_MAX`] bytes) to a pipe's writing end, whole, waiting
 /// while the pipe is full.
 pub(crate) fn write_record(pipe: BorrowedFd<'_>, record: &[u8]) -> io::Result<()> {
-    while !try_write_record(pipe, record)? {
+    loop {
+        match try_write_record(pipe, record) {
+            Ok(true) => return Ok(()),
+            // No room, or no kernel memory for now: tried again (a `Retain` that went missing
+            // would let its owner free what a holder maps).
+            Ok(false) => {}
+            Err(e) if e.kind() == io::ErrorKind::OutOfMemory => {}
+            Err(e) => return Err(e),
+        }
         let mut fds = [PollFd::from_borrowed_fd(pipe, PollFlags::OUT)];
         let _ = crate::sys::socket::poll_once(&mut fds, Some(Duration::from_millis(100)));
     }
-    Ok(())
 }
 
 /// Writes one record (at most [`RECORD_MAX`] bytes) to a pipe's (non-blocking) writing end,

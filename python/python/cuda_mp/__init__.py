@@ -743,7 +743,7 @@ class _ExitFlush:
         util.register_after_fork(self, _ExitFlush._register)
 
     def _register(self):
-        # The messages alone: the releases wait (a minute at most) in their exit hook, which
+        # The messages alone: the releases wait (a minute at most) in the exit hooks, which
         # `before_exit` runs too, so that an owner that does not read them (stopped) holds no
         # exit for ever.
         self._util.Finalize(None, _native.flush_backlogs, exitpriority=0)
