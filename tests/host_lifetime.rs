@@ -343,6 +343,20 @@ fn send_fresh_and_wait_for_releases((n, tx, limit): (usize, Sender<HostTensor<u8
     wait_for_lifetime(limit, |s| s.exported_storages == 0).is_ok()
 }
 
+/// Stops `child` (SIGSTOP) and waits until it is stopped; its pid, for the `SIGCONT`.
+fn stop<T>(child: &cuda_mp::JoinHandle<T>) -> i32 {
+    let pid = child.pid().expect("the child runs") as i32;
+    // SAFETY: signals a child of this test's, which the test joins.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let stat = format!("/proc/{pid}/stat");
+    let deadline = std::time::Instant::now() + WAIT;
+    while !std::fs::read_to_string(&stat).is_ok_and(|s| s.rsplit(") ").next().is_some_and(|s| s.starts_with('T'))) {
+        assert!(std::time::Instant::now() < deadline, "the child did not stop");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    pid
+}
+
 /// An owner that stops reading (SIGSTOP) while a receiver drops 20,000 of its tensors: the
 /// releases it is owed fill its lease pipe and wait in the receiver, and another owner's
 /// release still goes out at once; the stopped owner gets every release once it goes on.
@@ -356,15 +370,7 @@ fn releases_owed_to_a_stopped_owner_hold_up_no_other_owner() {
     let (tx, rx) = channel().unwrap();
     let mut other = spawn((1, tx, Duration::from_secs(10)), send_fresh_and_wait_for_releases);
     let from_other = rx.recv_timeout(WAIT).unwrap();
-    let pid = stopped.pid().expect("the child runs") as i32;
-    // SAFETY: signals a child of this test's, which it joins below.
-    unsafe { libc::kill(pid, libc::SIGSTOP) };
-    let stat = format!("/proc/{pid}/stat");
-    let deadline = std::time::Instant::now() + WAIT;
-    while !std::fs::read_to_string(&stat).is_ok_and(|s| s.rsplit(") ").next().is_some_and(|s| s.starts_with('T'))) {
-        assert!(std::time::Instant::now() < deadline, "the child did not stop");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let pid = stop(&stopped);
     drop(from_stopped);
     drop(from_other);
     let other_released = other.join_timeout(Duration::from_secs(30));
@@ -378,4 +384,46 @@ fn releases_owed_to_a_stopped_owner_hold_up_no_other_owner() {
     assert!(backlogs.is_ok(), "{backlogs:?}");
     assert!(sends.as_ref().is_err_and(|e| e.is_timeout()), "releases to a stopped owner were sent: {sends:?}");
     assert!(stopped.join().unwrap(), "the stopped owner got every release once it went on");
+}
+
+fn receive_one((rx, reply): (Receiver<HostTensor<u8>>, Sender<u8>)) {
+    let t = rx.recv_timeout(WAIT).unwrap();
+    reply.send(t.to_vec()[0]).unwrap();
+}
+
+/// A forward of a stopped owner's tensor, with that owner's lease pipe full of releases it
+/// has not read, does not wait for the owner (the forwarder's claim for its relay waits in
+/// its courier like a release), reaches the next holder, and the owner is still released of
+/// everything, the forwarded tensor included, once it goes on.
+#[test]
+fn forwarding_a_stopped_owners_tensor_does_not_wait_for_the_owner() {
+    let _g = serial();
+    const N: usize = 20_000;
+    let (tx, rx) = channel().unwrap();
+    let owner = spawn((N, tx, Duration::from_secs(60)), send_fresh_and_wait_for_releases);
+    let mut from_owner: Vec<HostTensor<u8>> = (0..N).map(|_| rx.recv_timeout(WAIT).unwrap()).collect();
+    let kept = from_owner.pop().unwrap();
+    let pid = stop(&owner);
+    drop(from_owner);
+    let full = cuda_mp::flush_sends(Duration::from_millis(200));
+    let (to_next, next_rx) = channel().unwrap();
+    let (reply_tx, reply) = channel().unwrap();
+    let next = spawn((next_rx, reply_tx), receive_one);
+    let (sent_tx, sent) = std::sync::mpsc::channel();
+    let sender = std::thread::spawn(move || {
+        let started = std::time::Instant::now();
+        let ok = to_next.send(kept).is_ok();
+        let _ = sent_tx.send(started.elapsed());
+        ok
+    });
+    let took = sent.recv_timeout(Duration::from_secs(5));
+    let got = reply.recv_timeout(WAIT);
+    // SAFETY: as in `stop`.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    assert!(full.is_err_and(|e| e.is_timeout()), "the owner's pipe was not full: the test proves nothing");
+    assert!(took.is_ok(), "the forward waited for the stopped owner");
+    assert!(sender.join().unwrap());
+    assert_eq!(got.unwrap(), (N - 1) as u8, "the next holder read the forwarded tensor");
+    next.join().unwrap();
+    assert!(owner.join().unwrap(), "the owner got every release once it went on");
 }

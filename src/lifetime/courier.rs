@@ -151,8 +151,8 @@ pub(super) fn revoke(subscribers: Vec<(u64, Arc<Socket>)>, index: u64) {
     courier.posted.notify_one();
 }
 
-/// Sends `record` (a `Release`, or a `Forget` on a connection lease) on the lease `tx`, without
-/// waiting for its owner.
+/// Sends `record` (a `Release`, a forwarder's `Retain` for its relay, or a `Forget` on a
+/// connection lease) on the lease `tx`, without waiting for its owner.
 pub(super) fn post(tx: Arc<OwnedFd>, record: Control) {
     let Some(courier) = courier() else {
         let _ = record.send(&*tx);
@@ -169,29 +169,30 @@ pub(super) fn post(tx: Arc<OwnedFd>, record: Control) {
     }
 }
 
-/// What this process owes one lease: the claims released per storage, summed (a holder that
-/// drops on while its owner does not read owes one record per storage, however many drops),
-/// and the segments to introduce again. Order within a lease does not matter here: every
-/// claim these release was counted before it was posted (the owner counts a message's claims
-/// before it sends it, a forwarder writes `Retain` itself), so writing a release later, or
-/// beside others of its lease, frees nothing early.
+/// What this process owes one lease: per storage, the claims it released less those it
+/// retained, summed (a holder that drops on while its owner does not read owes one record
+/// per storage, however many drops), and the segments to introduce again. Order within a
+/// lease does not matter here: every claim these release was counted before it was posted
+/// (the owner counts a message's claims before it sends it), and a `Retain` (a forwarder's
+/// claim for its relay) is posted while the claim it was made from is held, whose release
+/// comes later through the same `Owed`: it is written first, or the two cancel out. So
+/// writing a record later, or beside others of its lease, frees nothing early.
 struct Owed {
     tx: Arc<OwnedFd>,
-    releases: BTreeMap<u64, u64>,
+    /// Per storage, claims retained less claims released.
+    claims: BTreeMap<u64, i128>,
     others: Vec<Control>,
 }
 
 impl Owed {
     fn new(tx: Arc<OwnedFd>) -> Owed {
-        Owed { tx, releases: BTreeMap::new(), others: Vec::new() }
+        Owed { tx, claims: BTreeMap::new(), others: Vec::new() }
     }
 
     fn add(&mut self, control: Control) {
         match control {
-            Control::Release(index, claims) => {
-                let owed = self.releases.entry(index).or_default();
-                *owed = owed.saturating_add(claims);
-            }
+            Control::Release(index, claims) => *self.claims.entry(index).or_default() -= i128::from(claims),
+            Control::Retain(index) => *self.claims.entry(index).or_default() += 1,
             // A `Forget` asked again is asked once.
             other if self.others.contains(&other) => {}
             other => self.others.push(other),
@@ -241,7 +242,20 @@ impl Owed {
     }
 
     fn pop(&mut self) -> Option<Control> {
-        self.releases.pop_first().map(|(index, claims)| Control::Release(index, claims)).or_else(|| self.others.pop())
+        while let Some((index, change)) = self.claims.pop_first() {
+            match change {
+                0 => continue,
+                // One `Retain` a record: the rest wait for the next pop.
+                1.. => {
+                    if change > 1 {
+                        self.claims.insert(index, change - 1);
+                    }
+                    return Some(Control::Retain(index));
+                }
+                _ => return Some(Control::Release(index, u64::try_from(-change).unwrap_or(u64::MAX))),
+            }
+        }
+        self.others.pop()
     }
 }
 
@@ -571,6 +585,31 @@ mod tests {
         })
         .unwrap();
         assert!(ok, "a wait at exit waited again after one ran out, or the first did not wait");
+    }
+
+    /// A forwarder's `Retain` waits like a release when its owner does not read, and cancels
+    /// against a release of the same storage owed meanwhile: the owner gets the difference.
+    #[test]
+    fn retains_and_releases_owed_on_one_lease_are_written_as_their_difference() {
+        let (rx, tx) = lease_pipe().unwrap();
+        let tx = Arc::new(tx);
+        let filler = Control::Release(u64::MAX, 1).record().unwrap();
+        while try_write_record(tx.as_fd(), &filler).unwrap() {}
+        for record in [
+            Control::Retain(5),
+            Control::Release(5, 1),
+            Control::Retain(6),
+            Control::Retain(6),
+            Control::Release(7, 1),
+            Control::Retain(7),
+            Control::Release(7, 3),
+        ] {
+            post(tx.clone(), record);
+        }
+        assert!(!wait_for_releases(Some(Instant::now() + Duration::from_millis(50))), "the pipe is full");
+        let got = read_releases(&rx, 3);
+        assert_eq!(got, [Control::Retain(6), Control::Retain(6), Control::Release(7, 3)]);
+        assert!(wait_for_releases(Some(Instant::now() + Duration::from_secs(10))));
     }
 
     /// A lease whose owner is gone takes nothing, and holds up nothing.

@@ -228,8 +228,8 @@ enum ToSend {
 
 fn relay(reaper: &'static reaper::Reaper, counting: &Counting, cover: &Cover, bytes: u64) -> Result<Claim> {
     let id = cover.id();
-    // This process's own claim for a new relay, made outside the lock (`Retain` is a write to
-    // the owner's pipe); dropped (released) if another send made the relay meanwhile.
+    // This process's own claim for a new relay, made outside the lock (its `Retain` is posted
+    // to the courier); dropped (released) if another send made the relay meanwhile.
     let mut hold = None;
     loop {
         let mut s = state();

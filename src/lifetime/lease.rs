@@ -416,9 +416,12 @@ impl Cover {
     }
 
     /// One more claim through the same lease entry, in a cover of its own (a forwarder's claim
-    /// for the holders it relays to): `Retain` is written before this returns.
+    /// for the holders it relays to). Its `Retain` goes by the courier, as this cover's release
+    /// will, so that the send that makes the relay never waits for an owner that does not
+    /// read: the claim is only this process's, and this cover's claim, held meanwhile, is
+    /// released through the same queue after it (`courier.rs`, `Owed`).
     pub(crate) fn retain(&self) -> Cover {
-        let _ = Control::Retain(self.index).send(&self.lease.tx);
+        super::courier::post(self.lease.tx.clone(), Control::Retain(self.index));
         Cover::at(self.lease.clone(), self.id, self.index, LeaseMode::Counted, Vec::new())
     }
 
