@@ -599,3 +599,78 @@ fn a_forked_child_dropping_a_named_object_leaves_the_creators_name() {
     assert!(opened.is_ok(), "the creator still holds {name:?}, yet: {:?}", opened.err());
     drop((opened, event));
 }
+
+/// A child forked by a receiver forwards a pooled host block the receiver got (its claim for
+/// the relay is its own; the claim it was made from is its parent's) and ends with `_exit` at
+/// once; the receiver then drops the block. The owner keeps the block while the next holder
+/// has it (it was freed and handed out again when the forwarder's claim waited in a courier
+/// that ended with its process).
+#[test]
+fn a_block_a_forked_child_forwards_stays_with_the_next_holder() {
+    let _one = FORKING.lock().unwrap_or_else(|p| p.into_inner());
+    let pipe = || {
+        let mut p = [0; 2];
+        // SAFETY: `p` has room for the two descriptors.
+        assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
+        p
+    };
+    let wait_byte = |fd: libc::c_int| {
+        let mut byte = [0u8; 1];
+        // SAFETY: a pipe end of this process, a one-byte buffer.
+        unsafe { libc::read(fd, byte.as_mut_ptr().cast(), 1) };
+    };
+    let send_byte = |fd: libc::c_int| {
+        // SAFETY: a pipe end of this process, one byte.
+        unsafe { libc::write(fd, [1u8].as_ptr().cast(), 1) };
+    };
+    for round in 0..10 {
+        let (to_here, from_owner) = channel::<HostTensor<i64>>().unwrap();
+        let (owner_tx, from_owner_report) = channel::<(bool, bool)>().unwrap();
+        let (to_next, next_rx) = channel::<HostTensor<i64>>().unwrap();
+        let (next_tx, from_next) = channel::<i64>().unwrap();
+        let (go_owner, go_next) = (pipe(), pipe());
+        // The owner: sends the block, and once told says whether it was freed and its place
+        // handed out again.
+        let owner = in_forked_child_async(move || {
+            let t = HostTensor::<i64>::full(&[1024], 1).map_err(|e| e.to_string())?;
+            let place = t.storage().as_ptr() as usize;
+            to_here.send(t).map_err(|e| e.to_string())?;
+            wait_byte(go_owner[0]);
+            let freed = wait_for_lifetime(Duration::from_millis(500), |s| s.exported_storages == 0).is_ok();
+            let fresh = HostTensor::<i64>::full(&[1024], 7).map_err(|e| e.to_string())?;
+            owner_tx.send((freed, fresh.storage().as_ptr() as usize == place)).map_err(|e| e.to_string())?;
+            wait_byte(go_owner[0]);
+            Ok(())
+        });
+        // The next holder: reads the block, holds it until told, reads it again.
+        let next = in_forked_child_async(move || {
+            let t = next_rx.recv_timeout(Duration::from_secs(10)).map_err(|e| e.to_string())?;
+            next_tx.send(t.to_vec()[0]).map_err(|e| e.to_string())?;
+            wait_byte(go_next[0]);
+            next_tx.send(t.to_vec()[0]).map_err(|e| e.to_string())
+        });
+        let t = from_owner.recv_timeout(Duration::from_secs(10)).unwrap();
+        let forwarded = t.clone();
+        in_forked_child(move || to_next.send(forwarded).map_err(|e| e.to_string())).expect("the forwarder");
+        assert_eq!(from_next.recv_timeout(Duration::from_secs(10)), Ok(1), "round {round}: the next holder read it");
+        drop(t);
+        std::thread::sleep(Duration::from_millis(100));
+        send_byte(go_owner[1]);
+        let report = from_owner_report.recv_timeout(Duration::from_secs(10));
+        send_byte(go_next[1]);
+        let later = from_next.recv_timeout(Duration::from_secs(10));
+        send_byte(go_owner[1]);
+        next.join().expect("the next holder");
+        owner.join().expect("the owner");
+        for fd in go_owner.into_iter().chain(go_next) {
+            // SAFETY: this process's pipe ends, each closed once.
+            unsafe { libc::close(fd) };
+        }
+        assert_eq!(
+            report,
+            Ok((false, false)),
+            "round {round}: freed (and handed out again) while the next holder had it"
+        );
+        assert_eq!(later, Ok(1), "round {round}: the next holder read another tensor through the block");
+    }
+}

@@ -386,21 +386,39 @@ fn releases_owed_to_a_stopped_owner_hold_up_no_other_owner() {
     assert!(stopped.join().unwrap(), "the stopped owner got every release once it went on");
 }
 
-fn receive_one((rx, reply): (Receiver<HostTensor<u8>>, Sender<u8>)) {
+/// Receives one tensor, says what it holds, and drops it when told.
+fn receive_one_and_hold((rx, reply, go): (Receiver<HostTensor<u8>>, Sender<u8>, Receiver<()>)) {
     let t = rx.recv_timeout(WAIT).unwrap();
     reply.send(t.to_vec()[0]).unwrap();
+    go.recv_timeout(Duration::from_secs(60)).unwrap();
+}
+
+/// Sends `n` fresh host tensors, keeping none; once all but one were released, says whether
+/// that one stays exported for another 0.5 s (its holder is told to drop it only after), then
+/// waits up to `limit` for its release too; true if it came.
+fn send_fresh_and_watch_the_last(
+    (n, tx, said, limit): (usize, Sender<HostTensor<u8>>, Sender<bool>, Duration),
+) -> bool {
+    for i in 0..n {
+        tx.send(HostTensor::<u8>::full(&[8], i as u8).unwrap()).unwrap();
+    }
+    let all_but_one = wait_for_lifetime(limit, |s| s.exported_storages <= 1).is_ok();
+    let still_held = wait_for_lifetime(Duration::from_millis(500), |s| s.exported_storages == 0).is_err();
+    said.send(all_but_one && still_held).unwrap();
+    wait_for_lifetime(limit, |s| s.exported_storages == 0).is_ok()
 }
 
 /// A forward of a stopped owner's tensor, with that owner's lease pipe full of releases it
 /// has not read, does not wait for the owner (the forwarder's claim for its relay waits in
-/// its courier like a release), reaches the next holder, and the owner is still released of
-/// everything, the forwarded tensor included, once it goes on.
+/// its courier, summed with the forwarder's own release), reaches the next holder, and the
+/// owner keeps the tensor while that holder does, then gets its release.
 #[test]
 fn forwarding_a_stopped_owners_tensor_does_not_wait_for_the_owner() {
     let _g = serial();
     const N: usize = 20_000;
     let (tx, rx) = channel().unwrap();
-    let owner = spawn((N, tx, Duration::from_secs(60)), send_fresh_and_wait_for_releases);
+    let (said_tx, said) = channel().unwrap();
+    let owner = spawn((N, tx, said_tx, Duration::from_secs(60)), send_fresh_and_watch_the_last);
     let mut from_owner: Vec<HostTensor<u8>> = (0..N).map(|_| rx.recv_timeout(WAIT).unwrap()).collect();
     let kept = from_owner.pop().unwrap();
     let pid = stop(&owner);
@@ -408,7 +426,8 @@ fn forwarding_a_stopped_owners_tensor_does_not_wait_for_the_owner() {
     let full = cuda_mp::flush_sends(Duration::from_millis(200));
     let (to_next, next_rx) = channel().unwrap();
     let (reply_tx, reply) = channel().unwrap();
-    let next = spawn((next_rx, reply_tx), receive_one);
+    let (go, go_rx) = channel().unwrap();
+    let next = spawn((next_rx, reply_tx, go_rx), receive_one_and_hold);
     let (sent_tx, sent) = std::sync::mpsc::channel();
     let sender = std::thread::spawn(move || {
         let started = std::time::Instant::now();
@@ -424,6 +443,9 @@ fn forwarding_a_stopped_owners_tensor_does_not_wait_for_the_owner() {
     assert!(took.is_ok(), "the forward waited for the stopped owner");
     assert!(sender.join().unwrap());
     assert_eq!(got.unwrap(), (N - 1) as u8, "the next holder read the forwarded tensor");
+    let held = said.recv_timeout(Duration::from_secs(60));
+    go.send(()).unwrap();
     next.join().unwrap();
+    assert!(held.unwrap(), "the owner released the forwarded tensor while the next holder had it");
     assert!(owner.join().unwrap(), "the owner got every release once it went on");
 }

@@ -1,5 +1,6 @@
 //! The courier: one thread per process that sends what drop paths owe other processes
-//! (revocations to subscribers; `Release` and `Forget` records on lease pipes), never waiting
+//! (revocations to subscribers; `Release`, `Forget` and relays' `Retain` records on lease
+//! pipes), never waiting
 //! for a peer, so that no `drop` does (README.md, "Drops never wait for a peer"). What a peer
 //! has no room for waits here, coalesced, while every other peer is served. No release
 //! overtakes the message that brought its claim (posted after it was received). If the thread
@@ -41,7 +42,7 @@ struct Queue {
     /// not been told of yet, oldest first.
     revocations: BTreeMap<u64, (Arc<Socket>, Vec<u64>)>,
     /// Records to send, in order, each with its lease: releases (the storage's index and how
-    /// many claims), and requests to introduce a segment again.
+    /// many claims), relays' retains, and requests to introduce a segment again.
     releases: Vec<(Arc<OwnedFd>, Control)>,
     /// Records that found their lease's pipe full, by lease (its owner stopped, or behind).
     parked: Vec<Owed>,

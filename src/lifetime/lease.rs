@@ -419,9 +419,16 @@ impl Cover {
     /// for the holders it relays to). Its `Retain` goes by the courier, as this cover's release
     /// will, so that the send that makes the relay never waits for an owner that does not
     /// read: the claim is only this process's, and this cover's claim, held meanwhile, is
-    /// released through the same queue after it (`courier.rs`, `Owed`).
+    /// released through the same queue after it (`courier.rs`, `Owed`). A forked child's
+    /// cover of its parent's claim is released by the parent's courier, which knows nothing of
+    /// the child's: the child writes its `Retain` itself, waiting for room, before the
+    /// message (the parent releases only after its forked children are gone).
     pub(crate) fn retain(&self) -> Cover {
-        super::courier::post(self.lease.tx.clone(), Control::Retain(self.index));
+        if self.generation == crate::fork::generation() {
+            super::courier::post(self.lease.tx.clone(), Control::Retain(self.index));
+        } else {
+            let _ = Control::Retain(self.index).send(&self.lease.tx);
+        }
         Cover::at(self.lease.clone(), self.id, self.index, LeaseMode::Counted, Vec::new())
     }
 

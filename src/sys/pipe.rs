@@ -34,8 +34,8 @@ fn ignore_broken_pipes() {
 
 /// A new pipe: its reading end and its writing end, both non-blocking. Only the owner reads;
 /// every holder's copy of the writing end shares its flag, so a writer that must not wait for
-/// an owner that does not read (the courier) tries, and one that must (a `Retain`) waits for
-/// room itself ([`write_record`]).
+/// an owner that does not read (the courier) tries, and one that must (the `Retain` of a
+/// forwarder that passes the lease itself on) waits for room itself ([`write_record`]).
 pub(crate) fn lease_pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     let (read, write) = pipe_with(PipeFlags::CLOEXEC | PipeFlags::NONBLOCK)?;
     Ok((read, write))
@@ -107,10 +107,13 @@ pub(crate) fn write_record(pipe: BorrowedFd<'_>, record: &[u8]) -> io::Result<()
     loop {
         match try_write_record(pipe, record) {
             Ok(true) => return Ok(()),
-            // No room, or no kernel memory for now: tried again (a `Retain` that went missing
-            // would let its owner free what a holder maps).
             Ok(false) => {}
-            Err(e) if e.kind() == io::ErrorKind::OutOfMemory => {}
+            // No kernel memory for now: tried again (a `Retain` that went missing would let its
+            // owner free what a holder maps), after a pause, since the pipe may have room.
+            Err(e) if e.kind() == io::ErrorKind::OutOfMemory => {
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
             Err(e) => return Err(e),
         }
         let mut fds = [PollFd::from_borrowed_fd(pipe, PollFlags::OUT)];
