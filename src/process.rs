@@ -78,7 +78,8 @@ pub fn init() {
 /// without a normal exit: one that ends with `_exit`, as every worker of Python's
 /// `multiprocessing` does after its function returns (the Python package calls this there).
 /// It hands on what the process sent (as [`flush_backlogs`](crate::flush_backlogs)), waits (a
-/// minute at most) for the releases of what it received to be sent, those that wait behind
+/// minute at most a hook, none once one ran out) for the releases of what it received to be
+/// sent, those that wait behind
 /// its GPU work among them (an owner that does not read, stopped, takes none; it gets them
 /// when the exit closes the leases), gives back its
 /// references on PyTorch's shares, and finishes its interprocess events: waits for the work
@@ -86,7 +87,8 @@ pub fn init() {
 /// `_exit` removes. Call it last: afterwards each send of a GPU tensor waits for this
 /// process's queued work itself (receivers can no longer open the event that would order
 /// theirs), and sharing memory with PyTorch's own protocol fails. Calling it again, or exiting
-/// normally afterwards, does nothing more.
+/// normally afterwards, does nothing more but send what was sent or dropped since (a call from
+/// inside an exit hook returns at once).
 ///
 /// ```
 /// let (tx, rx) = cuda_mp::channel::<u32>().unwrap();
@@ -95,6 +97,18 @@ pub fn init() {
 /// assert_eq!(rx.recv().unwrap(), 7);
 /// ```
 pub fn before_exit() {
+    // Per generation: a forked child's own hooks run even if its parent was running its own.
+    static RUNNING: ForkLocal<AtomicBool> = ForkLocal::new(|| AtomicBool::new(false));
+    struct Running(&'static AtomicBool);
+    impl Drop for Running {
+        fn drop(&mut self) {
+            self.0.store(false, Ordering::SeqCst);
+        }
+    }
+    if RUNNING.get().swap(true, Ordering::SeqCst) {
+        return;
+    }
+    let _running = Running(RUNNING.get());
     run_hooks(EXIT_HOOKS.get());
 }
 
@@ -910,6 +924,28 @@ mod tests {
         LATE_LIST.lock().unwrap().push(registers_another);
         run_hooks(&LATE_LIST);
         assert_eq!(LATE.load(Ordering::SeqCst), 1);
+    }
+
+    static NESTED: AtomicUsize = AtomicUsize::new(0);
+
+    extern "C" fn calls_before_exit() {
+        NESTED.fetch_add(1, Ordering::SeqCst);
+        before_exit();
+    }
+
+    /// A hook that calls `before_exit` (a library's cleanup that calls it too) returns: the
+    /// nested call runs nothing.
+    #[test]
+    fn before_exit_inside_an_exit_hook_returns_at_once() {
+        let child = crate::sys::fork_and_run(|| {
+            // SAFETY: `alarm` only schedules a signal, which ends this child if it loops.
+            unsafe { libc::alarm(10) };
+            at_exit(calls_before_exit) && {
+                before_exit();
+                NESTED.load(Ordering::SeqCst) == 1
+            }
+        });
+        assert!(child.expect("fork"), "the hook ran more than once, or the nested call did not return");
     }
 
     static PARENTS: AtomicUsize = AtomicUsize::new(0);

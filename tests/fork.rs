@@ -614,10 +614,16 @@ fn a_block_a_forked_child_forwards_stays_with_the_next_holder() {
         assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
         p
     };
+    // Waits 30 s at most: a child of a round that failed ends by itself (it holds the
+    // writing end of its own pipe, so it would never see the pipe's end).
     let wait_byte = |fd: libc::c_int| {
-        let mut byte = [0u8; 1];
-        // SAFETY: a pipe end of this process, a one-byte buffer.
-        unsafe { libc::read(fd, byte.as_mut_ptr().cast(), 1) };
+        let mut poll = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one pollfd of this process's pipe end, for 30 s.
+        if unsafe { libc::poll(&mut poll, 1, 30_000) } == 1 {
+            let mut byte = [0u8; 1];
+            // SAFETY: a pipe end of this process, a one-byte buffer.
+            unsafe { libc::read(fd, byte.as_mut_ptr().cast(), 1) };
+        }
     };
     let send_byte = |fd: libc::c_int| {
         // SAFETY: a pipe end of this process, one byte.

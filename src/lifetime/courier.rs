@@ -62,7 +62,7 @@ static COURIER: ForkLocal<Courier> = ForkLocal::new(|| Courier {
 /// How long an exiting process waits for its releases: those behind fences (a stream that
 /// never finishes) and those an owner does not read (stopped). Past it, it exits anyway; the
 /// kernel then closes its leases, as at a kill.
-const RELEASES_AT_EXIT: Duration = Duration::from_secs(if cfg!(test) { 1 } else { 60 });
+const RELEASES_AT_EXIT: Duration = Duration::from_secs(if cfg!(test) { 3 } else { 60 });
 
 /// Makes this process, when it exits (and in `before_exit`), wait for its releases: registered
 /// once per generation when the courier starts, so that no process with a release in flight
@@ -552,9 +552,9 @@ mod tests {
             let filler = Control::Release(u64::MAX, 1).record().unwrap();
             while try_write_record(tx.as_fd(), &filler).unwrap() {}
             post(tx.clone(), Control::Release(1, 1));
-            // The owner reads from 300 ms on.
+            // The owner reads from 100 ms on.
             std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_millis(300));
+                std::thread::sleep(Duration::from_millis(100));
                 let mut buf = vec![0u8; 1 << 16];
                 while read_available(&rx, &mut buf).is_ok() {
                     std::thread::sleep(Duration::from_millis(1));

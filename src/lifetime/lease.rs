@@ -422,7 +422,9 @@ impl Cover {
     /// released through the same queue after it (`courier.rs`, `Owed`). A forked child's
     /// cover of its parent's claim is released by the parent's courier, which knows nothing of
     /// the child's: the child writes its `Retain` itself, waiting for room, before the
-    /// message (the parent releases only after its forked children are gone).
+    /// message. (The parent releases a pooled block only after its forked children are gone;
+    /// other host memory may be released sooner, and then a late `Retain` is ignored, but its
+    /// pages live as long as any mapping of them and are never handed out again.)
     pub(crate) fn retain(&self) -> Cover {
         if self.generation == crate::fork::generation() {
             super::courier::post(self.lease.tx.clone(), Control::Retain(self.index));

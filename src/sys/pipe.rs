@@ -35,7 +35,8 @@ fn ignore_broken_pipes() {
 /// A new pipe: its reading end and its writing end, both non-blocking. Only the owner reads;
 /// every holder's copy of the writing end shares its flag, so a writer that must not wait for
 /// an owner that does not read (the courier) tries, and one that must (the `Retain` of a
-/// forwarder that passes the lease itself on) waits for room itself ([`write_record`]).
+/// forwarder that passes the lease itself on, or of a forked child's relay) waits for room
+/// itself ([`write_record`]).
 pub(crate) fn lease_pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     let (read, write) = pipe_with(PipeFlags::CLOEXEC | PipeFlags::NONBLOCK)?;
     Ok((read, write))
