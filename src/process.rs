@@ -78,7 +78,7 @@ pub fn init() {
 /// without a normal exit: one that ends with `_exit`, as every worker of Python's
 /// `multiprocessing` does after its function returns (the Python package calls this there).
 /// It hands on what the process sent (as [`flush_backlogs`](crate::flush_backlogs)), waits (a
-/// minute at most a hook, none once one ran out) for the releases of what it received to be
+/// minute at most in all, with the exit after it) for the releases of what it received to be
 /// sent, those that wait behind
 /// its GPU work among them (an owner that does not read, stopped, takes none; it gets them
 /// when the exit closes the leases), gives back its

@@ -78,17 +78,15 @@ extern "C" fn releases_at_exit() {
     let _ = crate::os::catch_quietly(wait_for_releases_at_exit);
 }
 
-/// Waits for the releases at exit, [`RELEASES_AT_EXIT`] at most; once such a wait of this
-/// generation ran out, the later ones (the other exit hooks, a normal exit after
-/// `before_exit`, a forked child's copy of its parent's hook) do not wait again.
+/// Waits for the releases at exit, for what is left of [`RELEASES_AT_EXIT`]: the waits of one
+/// generation (every exit hook, a normal exit after `before_exit`, a forked child's copy of
+/// its parent's hook) share the one minute, counted as they wait.
 pub(crate) fn wait_for_releases_at_exit() -> bool {
-    static RAN_OUT: ForkLocal<std::sync::atomic::AtomicBool> = ForkLocal::new(Default::default);
-    let ran_out = RAN_OUT.get();
-    let limit = if ran_out.load(std::sync::atomic::Ordering::SeqCst) { Duration::ZERO } else { RELEASES_AT_EXIT };
-    let sent = wait_for_releases(Some(crate::os::instant_after(limit)));
-    if !sent {
-        ran_out.store(true, std::sync::atomic::Ordering::SeqCst);
-    }
+    static WAITED: ForkLocal<Mutex<Duration>> = ForkLocal::new(Default::default);
+    let waited = *WAITED.get().lock().unwrap_or_else(|p| p.into_inner());
+    let started = std::time::Instant::now();
+    let sent = wait_for_releases(Some(started + RELEASES_AT_EXIT.saturating_sub(waited)));
+    *WAITED.get().lock().unwrap_or_else(|p| p.into_inner()) += started.elapsed();
     sent
 }
 
@@ -567,7 +565,7 @@ mod tests {
         assert!(sent, "before_exit returned with the release still owed");
     }
 
-    /// The waits of one exit share their limit: once one ran out (an owner that never reads),
+    /// The waits of one exit share their minute: once one ran out (an owner that never reads),
     /// the other exit hooks, and a normal exit after `before_exit`, do not wait again.
     #[test]
     fn once_a_wait_at_exit_ran_out_the_next_ones_do_not_wait() {
