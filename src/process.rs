@@ -79,9 +79,8 @@ pub fn init() {
 /// `multiprocessing` does after its function returns (the Python package calls this there).
 /// It hands on what the process sent (as [`flush_backlogs`](crate::flush_backlogs)), waits (a
 /// minute at most in all, with the exit after it) for the releases of what it received to be
-/// sent, those that wait behind
-/// its GPU work among them (an owner that does not read, stopped, takes none; it gets them
-/// when the exit closes the leases), gives back its
+/// sent, those that wait behind its GPU work among them (an owner that does not read,
+/// stopped, takes none; it gets them when the exit closes the leases), gives back its
 /// references on PyTorch's shares, and finishes its interprocess events: waits for the work
 /// they order, then removes the file the CUDA driver keeps for them in `/dev/shm`, which no
 /// `_exit` removes. Call it last: afterwards each send of a GPU tensor waits for this

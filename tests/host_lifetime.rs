@@ -345,16 +345,9 @@ fn send_fresh_and_wait_for_releases((n, tx, limit): (usize, Sender<HostTensor<u8
 
 /// Stops `child` (SIGSTOP) and waits until it is stopped; its pid, for the `SIGCONT`.
 fn stop<T>(child: &cuda_mp::JoinHandle<T>) -> i32 {
-    let pid = child.pid().expect("the child runs") as i32;
-    // SAFETY: signals a child of this test's, which the test joins.
-    unsafe { libc::kill(pid, libc::SIGSTOP) };
-    let stat = format!("/proc/{pid}/stat");
-    let deadline = std::time::Instant::now() + WAIT;
-    while !std::fs::read_to_string(&stat).is_ok_and(|s| s.rsplit(") ").next().is_some_and(|s| s.starts_with('T'))) {
-        assert!(std::time::Instant::now() < deadline, "the child did not stop");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    pid
+    let pid = child.pid().expect("the child runs");
+    common::stop_process(pid);
+    pid as i32
 }
 
 /// An owner that stops reading (SIGSTOP) while a receiver drops 20,000 of its tensors: the

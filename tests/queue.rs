@@ -65,19 +65,6 @@ fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
-/// Waits until every thread of process `pid` is stopped: a stop signal is taken by one thread,
-/// which stops the others, and until then they run on.
-fn wait_stopped(pid: u32) {
-    wait_until("the process is stopped", || {
-        std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().all(|task| {
-            let stat = task.map(|t| std::fs::read_to_string(t.path().join("stat"))).ok().and_then(|r| r.ok());
-            // The state follows the command name, which is in parentheses.
-            stat.and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with(['T', 't'])))
-                .unwrap_or(false)
-        })
-    });
-}
-
 /// Gets until the queue is closed, reporting each index; the holder keeps every tensor it got.
 fn consume((rank, queue, report, hold): (usize, QueueConsumer<HostTensor<u8>>, Sender<(usize, u32)>, bool)) -> usize {
     let mut held = Vec::new();
@@ -145,9 +132,8 @@ fn four_consumers_drain_ten_thousand_tensors_and_a_killed_one_loses_nothing() {
     // stopped one will be sent that many.
     let ahead = watcher.prefetch().max(1) as u64;
     let victim = consumers[0].pid().unwrap();
-    // SAFETY: sends a signal to our own child, which is alive (it is waiting in a get).
-    assert_eq!(unsafe { libc::kill(victim as libc::pid_t, libc::SIGSTOP) }, 0);
-    wait_stopped(victim);
+    // Our own child, alive (it is waiting in a get).
+    common::stop_process(victim);
     let got_before_stop = seen[0].len();
     assert!(got_before_stop > 0, "consumer 0 took part");
 

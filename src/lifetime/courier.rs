@@ -1,8 +1,8 @@
 //! The courier: one thread per process that sends what drop paths owe other processes
 //! (revocations to subscribers; `Release`, `Forget` and relays' `Retain` records on lease
-//! pipes), never waiting
-//! for a peer, so that no `drop` does (README.md, "Drops never wait for a peer"). What a peer
-//! has no room for waits here, coalesced, while every other peer is served. No release
+//! pipes), never waiting for a peer, so that no `drop` does (README.md, "Drops never wait for
+//! a peer"). What a peer has no room for waits here, coalesced, while every other peer is
+//! served. No release
 //! overtakes the message that brought its claim (posted after it was received). If the thread
 //! cannot be started, posts are sent on the caller's thread.
 
@@ -505,16 +505,21 @@ mod tests {
         got
     }
 
+    /// A lease pipe whose owner has not read what other holders wrote: full (the filler's
+    /// records name storage `u64::MAX`, which `read_releases` skips).
+    fn full_lease_pipe() -> (OwnedFd, Arc<OwnedFd>) {
+        let (rx, tx) = lease_pipe().unwrap();
+        let filler = Control::Release(u64::MAX, 1).record().unwrap();
+        while try_write_record(tx.as_fd(), &filler).unwrap() {}
+        (rx, Arc::new(tx))
+    }
+
     /// An owner that does not read (stopped) has a full lease pipe: the releases it is owed
     /// (20,000 storages) wait in the courier, one record per storage however many drops, while
     /// another owner's go out at once; once it reads again, it gets them all.
     #[test]
     fn releases_to_an_owner_that_does_not_read_wait_without_holding_up_the_others() {
-        let (stopped_rx, stopped_tx) = lease_pipe().unwrap();
-        let stopped_tx = Arc::new(stopped_tx);
-        // What other holders wrote and the owner has not read yet.
-        let filler = Control::Release(u64::MAX, 1).record().unwrap();
-        while try_write_record(stopped_tx.as_fd(), &filler).unwrap() {}
+        let (stopped_rx, stopped_tx) = full_lease_pipe();
         let (other_rx, other_tx) = lease_pipe().unwrap();
         let other_tx = Arc::new(other_tx);
         for _ in 0..3 {
@@ -545,10 +550,7 @@ mod tests {
     #[test]
     fn before_exit_waits_for_releases_an_owner_reads_late() {
         let sent = crate::sys::fork_and_run(|| {
-            let (rx, tx) = lease_pipe().unwrap();
-            let tx = Arc::new(tx);
-            let filler = Control::Release(u64::MAX, 1).record().unwrap();
-            while try_write_record(tx.as_fd(), &filler).unwrap() {}
+            let (rx, tx) = full_lease_pipe();
             post(tx.clone(), Control::Release(1, 1));
             // The owner reads from 100 ms on.
             std::thread::spawn(move || {
@@ -570,10 +572,7 @@ mod tests {
     #[test]
     fn once_a_wait_at_exit_ran_out_the_next_ones_do_not_wait() {
         let ok = crate::sys::fork_and_run(|| {
-            let (_unread, tx) = lease_pipe().unwrap();
-            let tx = Arc::new(tx);
-            let filler = Control::Release(u64::MAX, 1).record().unwrap();
-            while try_write_record(tx.as_fd(), &filler).unwrap() {}
+            let (_unread, tx) = full_lease_pipe();
             post(tx, Control::Release(1, 1));
             let started = Instant::now();
             let first = wait_for_releases_at_exit();
@@ -590,10 +589,7 @@ mod tests {
     /// against a release of the same storage owed meanwhile: the owner gets the difference.
     #[test]
     fn retains_and_releases_owed_on_one_lease_are_written_as_their_difference() {
-        let (rx, tx) = lease_pipe().unwrap();
-        let tx = Arc::new(tx);
-        let filler = Control::Release(u64::MAX, 1).record().unwrap();
-        while try_write_record(tx.as_fd(), &filler).unwrap() {}
+        let (rx, tx) = full_lease_pipe();
         for record in [
             Control::Retain(5),
             Control::Release(5, 1),

@@ -230,6 +230,24 @@ pub fn eventually(wait: Duration, what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// Stops process `pid` (SIGSTOP) and waits until every thread of it is stopped: a stop signal
+/// is taken by one thread, which stops the others, and until then they run on.
+#[allow(dead_code)] // not every test binary stops a process
+pub fn stop_process(pid: u32) {
+    // SAFETY: a signal to a process the calling test started, and joins or kills.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGSTOP) }, 0, "the stop signal was refused");
+    eventually(Duration::from_secs(10), "the process did not stop", || {
+        std::fs::read_dir(format!("/proc/{pid}/task")).is_ok_and(|mut tasks| {
+            tasks.all(|task| {
+                let stat = task.map(|t| std::fs::read_to_string(t.path().join("stat"))).ok().and_then(|r| r.ok());
+                // The state follows the command name, which is in parentheses.
+                stat.and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with(['T', 't'])))
+                    .unwrap_or(false)
+            })
+        })
+    });
+}
+
 /// The counters once every lease this process granted is back: a consumer that exited
 /// releases its leases a moment after its exit, so counters read at once may still hold them.
 #[allow(dead_code)] // not every test binary reads the counters after a warm-up
