@@ -191,14 +191,13 @@ fn introduce<'b>(
         return Err("a frame whose leases do not add up".into());
     }
     let (names, rest) = rest.split_at(n * NAME_BYTES);
-    if fds[..came].iter().any(|fd| !crate::sys::accept_pipe_writer(fd.as_fd())) {
-        return Err(crate::lifetime::NOT_A_LEASE.into());
-    }
-    for (name, fd) in names.chunks_exact(NAME_BYTES).zip(fds.drain(..came)) {
+    let leases = fds.drain(..came).map(|fd| Lease::accept(Arc::new(fd))).collect::<Option<Vec<_>>>();
+    let leases = leases.ok_or(crate::lifetime::NOT_A_LEASE)?;
+    for (name, lease) in names.chunks_exact(NAME_BYTES).zip(leases) {
         let owner = u128::from_le_bytes(name[..16].try_into().expect("16 bytes"));
         let key = u64::from_le_bytes(name[16..].try_into().expect("8 bytes"));
         if let Some(known) = known
-            && !known.adopt(ConnectionKey { owner, key }, Lease::from_fd(fd))
+            && !known.adopt(ConnectionKey { owner, key }, lease)
         {
             return Err("a frame introduces a lease that this end knows under another name".into());
         }
@@ -348,7 +347,7 @@ mod tests {
         let leases: Vec<Introduction> = (0..3)
             .map(|key| Introduction {
                 name: ConnectionKey { owner: 7, key },
-                lease: Lease::from_fd(crate::sys::lease_pipe().unwrap().1),
+                lease: Lease::accept(Arc::new(crate::sys::lease_pipe().unwrap().1)).unwrap(),
             })
             .collect();
         let message = postcard::to_allocvec(&5u8).unwrap();
@@ -390,7 +389,7 @@ mod tests {
         let leases: Vec<Introduction> = (0..2)
             .map(|key| Introduction {
                 name: ConnectionKey { owner: 7, key },
-                lease: Lease::from_fd(crate::sys::lease_pipe().unwrap().1),
+                lease: Lease::accept(Arc::new(crate::sys::lease_pipe().unwrap().1)).unwrap(),
             })
             .collect();
         let small = postcard::to_allocvec(&vec![1u8; 10]).unwrap();
@@ -550,7 +549,7 @@ mod tests {
                     .iter()
                     .map(|&(owner, key)| Introduction {
                         name: ConnectionKey { owner, key },
-                        lease: Lease::from_fd(crate::sys::lease_pipe().unwrap().1),
+                        lease: Lease::accept(Arc::new(crate::sys::lease_pipe().unwrap().1)).unwrap(),
                     })
                     .collect();
                 let mut frame = head(INLINE, &leases, None);

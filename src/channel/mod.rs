@@ -1523,7 +1523,10 @@ mod tests {
         for key in 0..40 {
             let (owner_end, lease) = crate::sys::lease_pipe().unwrap();
             drop(owner_end);
-            let intro = [Introduction { name: ConnectionKey { owner: 7, key }, lease: Lease::from_fd(lease) }];
+            let intro = [Introduction {
+                name: ConnectionKey { owner: 7, key },
+                lease: Lease::accept(Arc::new(lease)).unwrap(),
+            }];
             let bytes = message(vec![2]);
             tx.outbox().write_frame(&FrameOut::message(&bytes, 1 << 20, &intro).unwrap());
         }

@@ -198,21 +198,18 @@ impl Lease {
         self.tx.as_fd()
     }
 
-    /// A lease whose sending end arrived outside a message's values (a frame's introduction).
-    pub(crate) fn from_fd(fd: OwnedFd) -> Lease {
-        Lease::new(Arc::new(fd))
+    /// A lease from a sending end that arrived (in a message's values, or a frame's
+    /// introduction): a pipe's writing end, or `None` (a holder writes records to its lease,
+    /// and learns of the owner's revocations through it: on anything else they would wait for
+    /// an answer that never comes).
+    pub(crate) fn accept(fd: Arc<OwnedFd>) -> Option<Lease> {
+        crate::sys::accept_pipe_writer(fd).map(Lease::new)
     }
 
-    /// Takes a lease out of the message being decoded: a pipe's writing end, or the message is
-    /// malformed (a holder writes records to its lease, and subscribes to the owner's
-    /// revocations through it: on anything else they would wait for an answer that never
-    /// comes).
+    /// Takes a lease out of the message being decoded: anything [`Lease::accept`] refuses
+    /// makes the message malformed.
     fn take(carried: Carried) -> Result<Lease> {
-        let fd = wire::take_shared_fd(carried)?;
-        if !crate::sys::accept_pipe_writer(fd.as_fd()) {
-            return Err(Error::Malformed(NOT_A_LEASE.into()));
-        }
-        Ok(Lease::new(fd))
+        Lease::accept(wire::take_shared_fd(carried)?).ok_or_else(|| Error::Malformed(NOT_A_LEASE.into()))
     }
 }
 

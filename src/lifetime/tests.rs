@@ -456,13 +456,13 @@ fn a_gone_senders_lease_is_kept_until_the_receiver_forgets_it() {
     let leases = ConnectionLeases::default();
     let (rx, tx) = crate::sys::lease_pipe().unwrap();
     let gone = ConnectionKey { owner: foreign_owner(), key: 1 };
-    assert!(leases.adopt(gone, Lease::from_fd(tx)));
+    assert!(leases.adopt(gone, Lease::accept(Arc::new(tx)).unwrap()));
     drop(rx);
     let mut alive = Vec::new();
     for key in 0..40u64 {
         let (rx, tx) = crate::sys::lease_pipe().unwrap();
         alive.push(rx);
-        assert!(leases.adopt(ConnectionKey { owner: foreign_owner(), key }, Lease::from_fd(tx)));
+        assert!(leases.adopt(ConnectionKey { owner: foreign_owner(), key }, Lease::accept(Arc::new(tx)).unwrap()));
     }
     assert!(leases.get(&gone).is_some(), "adopting sweeps nothing");
     let due = leases.gone_if_due();
@@ -479,7 +479,7 @@ fn a_lease_is_known_under_one_name() {
     let leases = ConnectionLeases::default();
     let (_rx, tx) = crate::sys::lease_pipe().unwrap();
     let name = ConnectionKey { owner: foreign_owner(), key: 1 };
-    let lease = Lease::from_fd(tx);
+    let lease = Lease::accept(Arc::new(tx)).unwrap();
     assert!(leases.adopt(name, lease.clone()));
     assert!(leases.adopt(name, lease.clone()), "the same introduction again");
     assert!(!leases.adopt(ConnectionKey { owner: name.owner, key: 2 }, lease));

@@ -2,11 +2,12 @@
 //! every holder (how they are used, and why a pipe: src/lifetime/README.md, "Leases and claims").
 
 use std::io;
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
 use std::time::Duration;
 
 use rustix::event::{PollFd, PollFlags};
-use rustix::fs::{OFlags, fcntl_getfl, fcntl_setfl};
+use rustix::fs::{Mode, OFlags, fcntl_getfl, fcntl_setfl};
 use rustix::pipe::{PIPE_BUF, PipeFlags, pipe_with};
 
 /// The most bytes one record may hold: up to this a write is atomic, so records of many
@@ -57,13 +58,27 @@ pub(crate) fn is_pipe_writer(fd: BorrowedFd<'_>) -> bool {
     pipe_writer_flags(fd).is_some()
 }
 
-/// Whether `fd` is the writing end of a pipe, made non-blocking if it was not (a lease from a
-/// peer that cleared the flag). (A peer can clear it again later: [`try_write_record`] looks
-/// for room first, so that only a write racing another writer for the last room could then
-/// wait.)
-pub(crate) fn accept_pipe_writer(fd: BorrowedFd<'_>) -> bool {
-    pipe_writer_flags(fd)
-        .is_some_and(|flags| flags.contains(OFlags::NONBLOCK) || fcntl_setfl(fd, flags | OFlags::NONBLOCK).is_ok())
+/// `fd` if it is the writing end of a pipe and non-blocking. A blocking one (from a peer that
+/// cleared the flag) is opened again, through `/proc`, as a non-blocking open file of this
+/// process's own: the flag belongs to the open file, which every process holding a copy shares,
+/// so setting it on the one received would change a file that is not ours (a peer's stdout, if
+/// that was what it sent). (An anonymous pipe opens so whether or not it has a reader left.)
+/// Where that open fails (no `/proc`, or a named FIFO with no reader) the flag is set on the
+/// file received; a peer can clear it again later: [`try_write_record`] looks for room first,
+/// so that only a write racing another writer for the last room could then wait.
+pub(crate) fn accept_pipe_writer(fd: Arc<OwnedFd>) -> Option<Arc<OwnedFd>> {
+    let flags = pipe_writer_flags(fd.as_fd())?;
+    if flags.contains(OFlags::NONBLOCK) {
+        return Some(fd);
+    }
+    let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    if let Ok(own) = rustix::fs::open(path, OFlags::WRONLY | OFlags::NONBLOCK | OFlags::CLOEXEC, Mode::empty())
+        && pipe_writer_flags(own.as_fd()).is_some()
+        && same_file(own.as_fd(), fd.as_fd())
+    {
+        return Some(Arc::new(own));
+    }
+    fcntl_setfl(fd.as_fd(), flags | OFlags::NONBLOCK).ok().map(|()| fd)
 }
 
 /// A file's identity (device and inode): both ends of one pipe, and every copy of a descriptor
@@ -83,7 +98,6 @@ pub(crate) fn same_file(a: BorrowedFd<'_>, b: BorrowedFd<'_>) -> bool {
 /// container's seccomp profile may refuse `kcmp`).
 #[cfg(any(test, feature = "cuda"))]
 pub(crate) fn same_open_file(a: BorrowedFd<'_>, b: BorrowedFd<'_>) -> Option<bool> {
-    use std::os::fd::AsRawFd;
     /// `KCMP_FILE` of `linux/kcmp.h`.
     const KCMP_FILE: libc::c_long = 0;
     let pid = libc::c_long::from(rustix::process::getpid().as_raw_nonzero().get());
@@ -165,7 +179,6 @@ pub(crate) fn read_available(pipe: &OwnedFd, buf: &mut [u8]) -> io::Result<Optio
 mod tests {
     use super::*;
     use crate::sys::reader_gone;
-    use std::os::fd::AsFd;
 
     /// A copy of a descriptor is the same open file; a second open of the same file is not.
     #[test]
@@ -184,6 +197,38 @@ mod tests {
             None => assert_eq!(same_open_file(other.as_fd(), again.as_fd()), None),
         }
         assert_eq!(identity(other.as_fd()), identity(again.as_fd()));
+    }
+
+    /// A blocking writing end that arrives is taken as a non-blocking open file of this
+    /// process's own, and the file received keeps its flags; a non-blocking one is taken as it
+    /// is, a reading end not at all.
+    #[test]
+    fn a_blocking_writing_end_is_opened_again_not_changed() {
+        let (read, write) = pipe_with(PipeFlags::CLOEXEC).unwrap();
+        let write = Arc::new(write);
+        let accepted = accept_pipe_writer(write.clone()).expect("a pipe's writing end");
+        assert!(!Arc::ptr_eq(&accepted, &write));
+        assert!(fcntl_getfl(accepted.as_fd()).unwrap().contains(OFlags::NONBLOCK));
+        assert!(!fcntl_getfl(write.as_fd()).unwrap().contains(OFlags::NONBLOCK), "the file received changed");
+        write_record(accepted.as_fd(), b"rec").unwrap();
+        let mut buf = [0u8; 8];
+        assert_eq!(rustix::io::read(&read, &mut buf).unwrap(), 3, "the same pipe");
+        let (_read, own) = lease_pipe().unwrap();
+        let own = Arc::new(own);
+        assert!(Arc::ptr_eq(&accept_pipe_writer(own.clone()).unwrap(), &own));
+        assert!(accept_pipe_writer(Arc::new(read)).is_none());
+    }
+
+    /// With no reader left (the owner is gone) a blocking writing end is opened again all the
+    /// same, and writes to it fail at once.
+    #[test]
+    fn a_blocking_writing_end_with_no_reader_is_taken_and_fails_at_once() {
+        let (read, write) = pipe_with(PipeFlags::CLOEXEC).unwrap();
+        drop(read);
+        let write = Arc::new(write);
+        let accepted = accept_pipe_writer(write.clone()).unwrap();
+        assert!(!fcntl_getfl(write.as_fd()).unwrap().contains(OFlags::NONBLOCK), "the file received changed");
+        assert!(try_write_record(accepted.as_fd(), b"rec").is_err());
     }
 
     #[test]
