@@ -1013,7 +1013,7 @@ mod tests {
                 let leases = ConnectionLeases::default();
                 // Keys 0 and 1 are known here, key 2 is not.
                 for key in 0..2 {
-                    leases.adopt(ConnectionKey { owner, key }, Lease::from_fd(crate::sys::lease_pipe().unwrap().1));
+                    leases.adopt(ConnectionKey { owner, key }, Lease::accept(Arc::new(crate::sys::lease_pipe().unwrap().1)).unwrap());
                 }
                 let mut bytes = message.clone();
                 let own: Vec<OwnClaim> =

@@ -192,8 +192,8 @@ fn notify() {
 }
 
 /// In a forked child, before anything else runs there (the `fork` module's child handler):
-/// closes what it can reach without waiting of the parent's spare and per-storage leases
-/// (docs/architecture.md, "Processes made by `fork`").
+/// closes what it can reach without waiting of the parent's spare and per-storage leases, and
+/// of the reading ends its reaper watches (docs/architecture.md, "Processes made by `fork`").
 pub(crate) fn close_inherited_leases() {
     if let Some(shared) = SHARED.inherited() {
         let leases: Vec<Lease> = match shared.state.try_lock() {
@@ -203,7 +203,7 @@ pub(crate) fn close_inherited_leases() {
         // Closing this process's copies; the parent's stay open.
         leases.into_iter().for_each(Lease::close_inherited);
     }
-    reaper::close_inherited_spares();
+    reaper::close_inherited();
 }
 
 /// Tells revocations to `table` from now on (tables already dropped are forgotten here).

@@ -173,15 +173,36 @@ pub(crate) fn spare_leases() -> usize {
     REAPER.get().get().map_or(0, |reaper| lock(&reaper.spares).len())
 }
 
-/// In a forked child: closes its copies of the parent's spare lease channels (see
-/// `close_inherited_leases`).
-pub(super) fn close_inherited_spares() {
+/// In a forked child: closes its copies of the parent's spare lease channels and of the
+/// reading ends the parent's reaper watches (see `close_inherited_leases`). Open in a child
+/// that outlives the parent, a lease's reading end would hide the parent's end from its
+/// holders (their records pile up unread, and their exits wait for them), and a revocation
+/// socket would hide it from the owners it subscribed to.
+pub(super) fn close_inherited() {
     let Some(reaper) = REAPER.inherited().and_then(OnceCell::get) else { return };
     let spares = match reaper.spares.try_lock() {
         Ok(mut spares) => std::mem::take(&mut *spares),
         Err(_) => Vec::new(),
     };
     spares.into_iter().for_each(|(_, tx)| crate::sys::close_inherited_shared(tx));
+    let watched = match reaper.watched.try_lock() {
+        Ok(mut watched) => std::mem::take(&mut *watched),
+        Err(_) => HashMap::new(),
+    };
+    for entry in watched.into_values() {
+        match entry.source {
+            Source::Pipe(fd) => crate::sys::close_inherited_shared(fd),
+            Source::Socket(socket) => crate::sys::close_inherited_shared(socket),
+        }
+    }
+}
+
+/// The reading ends this process's reaper watches (lease pipes and revocation sockets), by
+/// number.
+#[cfg(test)]
+pub(super) fn watched_descriptors() -> Vec<std::os::fd::RawFd> {
+    use std::os::fd::AsRawFd;
+    reaper().map_or_else(|_| Vec::new(), |r| lock(&r.watched).values().map(|e| e.source.fd().as_raw_fd()).collect())
 }
 
 /// Subscribes to the revocations of owner `owner` through `lease`, one of its leases: the

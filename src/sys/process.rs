@@ -105,11 +105,11 @@ pub(crate) unsafe fn close_inherited(fd: std::os::fd::RawFd) {
 /// other threads run, so an object made between the two copies names a number that is not open
 /// in the child (or is open there as the file that number was before). `OwnedFd`'s drop aborts
 /// on a number not open (with debug assertions); this ignores it.
-pub(crate) fn close_inherited_shared(fd: std::sync::Arc<std::os::fd::OwnedFd>) {
+pub(crate) fn close_inherited_shared<T: Into<std::os::fd::OwnedFd>>(fd: std::sync::Arc<T>) {
     use std::os::fd::IntoRawFd;
     if let Ok(fd) = std::sync::Arc::try_unwrap(fd) {
-        // SAFETY: the descriptor was this `OwnedFd`'s alone, and it is consumed here.
-        unsafe { close_inherited(fd.into_raw_fd()) };
+        // SAFETY: the descriptor was this owner's alone, and it is consumed here.
+        unsafe { close_inherited(fd.into().into_raw_fd()) };
     }
 }
 
