@@ -842,14 +842,25 @@ pub(crate) fn take_socket(carried: Carried) -> Result<Arc<Socket>> {
 /// Takes a descriptor out of the message being decoded that several values of the message may
 /// share (a lease): one descriptor for all of them.
 pub(crate) fn take_shared_fd(carried: Carried) -> Result<Arc<OwnedFd>> {
+    take_shared_fd_as(carried, Some).map(|fd| fd.expect("taken as it is"))
+}
+
+/// As [`take_shared_fd`], through `accept` (which may refuse it, or give another descriptor
+/// for it): what it gives stays in the message for its other values that share the
+/// descriptor, so that what it opens is opened once.
+pub(crate) fn take_shared_fd_as(
+    carried: Carried,
+    accept: impl FnOnce(Arc<OwnedFd>) -> Option<Arc<OwnedFd>>,
+) -> Result<Option<Arc<OwnedFd>>> {
     with_slot(&carried, |slot| {
         let fd = match std::mem::replace(slot, Slot::Taken) {
             Slot::Fd(fd) => Arc::new(fd),
             Slot::Shared(fd) => fd,
             Slot::Taken => return Err(Error::Malformed("message refers to a descriptor taken already".into())),
         };
-        *slot = Slot::Shared(fd.clone());
-        Ok(fd)
+        let accepted = accept(fd.clone());
+        *slot = Slot::Shared(accepted.clone().unwrap_or(fd));
+        Ok(accepted)
     })
 }
 

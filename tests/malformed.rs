@@ -416,6 +416,25 @@ fn a_lease_that_is_not_a_pipes_writing_end_is_refused() {
     assert_eq!(rx.recv().unwrap().to_vec(), vec![0.0; 4], "the channel goes on; a real pipe is a lease");
 }
 
+/// A lease a peer left blocking is taken as an open file of the receiver's own (made
+/// non-blocking there): the file the peer sent, shared with every process that holds it, keeps
+/// its flags.
+#[test]
+fn a_lease_left_blocking_is_taken_without_changing_the_senders_file() {
+    use std::os::fd::AsRawFd;
+    let _g = serial();
+    let (tx, rx) = connect::<ForgedTensor<CarriedFile, CarriedFile>, HostTensor<f32>>();
+    let f = forged(0, vec![4], 16);
+    let Claim::Lease(CarriedFile(lease), _) = &f.lease else { unreachable!("forged with a lease") };
+    let senders = lease.try_clone().unwrap();
+    // SAFETY: reads the flags of a descriptor this test owns.
+    let flags = || unsafe { libc::fcntl(senders.as_raw_fd(), libc::F_GETFL) };
+    assert_eq!(flags() & libc::O_NONBLOCK, 0, "the test's lease is blocking");
+    tx.send(f).unwrap();
+    assert_eq!(rx.recv().unwrap().to_vec(), vec![0.0; 4]);
+    assert_eq!(flags() & libc::O_NONBLOCK, 0, "the receiver changed the sender's open file");
+}
+
 #[test]
 fn a_peer_that_connects_and_says_nothing_holds_no_accept_past_its_time() {
     let _g = serial();

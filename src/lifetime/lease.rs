@@ -209,7 +209,8 @@ impl Lease {
     /// Takes a lease out of the message being decoded: anything [`Lease::accept`] refuses
     /// makes the message malformed.
     fn take(carried: Carried) -> Result<Lease> {
-        Lease::accept(wire::take_shared_fd(carried)?).ok_or_else(|| Error::Malformed(NOT_A_LEASE.into()))
+        let fd = wire::take_shared_fd_as(carried, crate::sys::accept_pipe_writer)?;
+        fd.map(Lease::new).ok_or_else(|| Error::Malformed(NOT_A_LEASE.into()))
     }
 }
 

@@ -34,8 +34,9 @@ fn ignore_broken_pipes() {
 }
 
 /// A new pipe: its reading end and its writing end, both non-blocking. Only the owner reads;
-/// every holder's copy of the writing end shares its flag, so a writer that must not wait for
-/// an owner that does not read (the courier) tries, and one that must (the `Retain` of a
+/// every holder's writing end is non-blocking (copies share the flag; a holder given a blocking
+/// one opens its own, [`accept_pipe_writer`]), so a writer that must not wait for an owner
+/// that does not read (the courier) tries, and one that must (the `Retain` of a
 /// forwarder that passes the lease itself on, or of a forked child's relay) waits for room
 /// itself ([`write_record`]).
 pub(crate) fn lease_pipe() -> io::Result<(OwnedFd, OwnedFd)> {
@@ -67,18 +68,19 @@ pub(crate) fn is_pipe_writer(fd: BorrowedFd<'_>) -> bool {
 /// file received; a peer can clear it again later: [`try_write_record`] looks for room first,
 /// so that only a write racing another writer for the last room could then wait.
 pub(crate) fn accept_pipe_writer(fd: Arc<OwnedFd>) -> Option<Arc<OwnedFd>> {
-    let flags = pipe_writer_flags(fd.as_fd())?;
-    if flags.contains(OFlags::NONBLOCK) {
+    let received = pipe_writer_flags(fd.as_fd())?;
+    if received.contains(OFlags::NONBLOCK) {
         return Some(fd);
     }
-    let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
-    if let Ok(own) = rustix::fs::open(path, OFlags::WRONLY | OFlags::NONBLOCK | OFlags::CLOEXEC, Mode::empty())
+    let path = format!("/proc/thread-self/fd/{}", fd.as_raw_fd());
+    let flags = OFlags::WRONLY | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY;
+    if let Ok(own) = rustix::fs::open(path, flags, Mode::empty())
         && pipe_writer_flags(own.as_fd()).is_some()
         && same_file(own.as_fd(), fd.as_fd())
     {
         return Some(Arc::new(own));
     }
-    fcntl_setfl(fd.as_fd(), flags | OFlags::NONBLOCK).ok().map(|()| fd)
+    fcntl_setfl(fd.as_fd(), received | OFlags::NONBLOCK).ok().map(|()| fd)
 }
 
 /// A file's identity (device and inode): both ends of one pipe, and every copy of a descriptor
