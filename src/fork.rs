@@ -38,7 +38,8 @@ pub(crate) fn on_fork_child(hook: fn()) {
 /// How many descriptors at most are closed in forked children (beyond, the rest stay open in
 /// them, as any inherited descriptor does): a home's listener and bell, its kept connections
 /// (at most 256), this process's connections to other homes (at most 64), the open batch of
-/// each channel's backlog, and each queue consumer's request channel.
+/// each channel's backlog, each queue consumer's request channel, and this process's end of
+/// each subscriber's revocation socket.
 const NOT_INHERITED: usize = 1024;
 
 /// The descriptors [`NotInherited`] holds, by number (-1: a free slot).

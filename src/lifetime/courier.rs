@@ -13,9 +13,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use super::lease::{self, Control, Revocation};
-use super::table::owner;
+use super::table::{SubscriberEnd, owner};
 use crate::fork::ForkLocal;
-use crate::sys::{Socket, Wait};
+use crate::sys::Wait;
 
 /// How often revocations that a subscriber's full socket refused are tried again.
 const RETRY: Duration = Duration::from_millis(10);
@@ -40,7 +40,7 @@ struct Courier {
 struct Queue {
     /// Per subscriber (by its number in the owner's list): its socket and the indices it has
     /// not been told of yet, oldest first.
-    revocations: BTreeMap<u64, (Arc<Socket>, Vec<u64>)>,
+    revocations: BTreeMap<u64, (SubscriberEnd, Vec<u64>)>,
     /// Records to send, in order, each with its lease: releases (the storage's index and how
     /// many claims), relays' retains, and requests to introduce a segment again.
     releases: Vec<(Arc<OwnedFd>, Control)>,
@@ -128,7 +128,7 @@ fn courier() -> Option<&'static Courier> {
 }
 
 /// Tells `subscribers` that the owner dropped storage `index`, without waiting for any of them.
-pub(super) fn revoke(subscribers: Vec<(u64, Arc<Socket>)>, index: u64) {
+pub(super) fn revoke(subscribers: Vec<(u64, SubscriberEnd)>, index: u64) {
     if subscribers.is_empty() {
         return;
     }

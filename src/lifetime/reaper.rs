@@ -14,7 +14,7 @@ use rustix::event::epoll;
 use super::export::{Change, lease_closed, lease_message};
 use super::import::{owner_gone, revoke, table_arrived};
 use super::lease::{self, Control, Lease, Revocation};
-use super::table::{Table, owner};
+use super::table::{SubscriberEnd, Table, owner};
 use crate::error::Result;
 use crate::fork::ForkLocal;
 use crate::sys::{Socket, Wait};
@@ -39,6 +39,8 @@ enum Watched {
 enum Source {
     Pipe(Arc<OwnedFd>),
     Socket(Arc<Socket>),
+    /// A subscriber's revocation socket (which forked children close by themselves).
+    Subscriber(SubscriberEnd),
 }
 
 impl Source {
@@ -46,6 +48,7 @@ impl Source {
         match self {
             Source::Pipe(fd) => fd.as_fd(),
             Source::Socket(s) => s.as_fd(),
+            Source::Subscriber(s) => s.as_fd(),
         }
     }
 }
@@ -120,7 +123,7 @@ impl Reaper {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
         let pipe = match &source {
             Source::Pipe(fd) => crate::sys::file_identity(fd.as_fd()),
-            Source::Socket(_) => None,
+            Source::Socket(_) | Source::Subscriber(_) => None,
         };
         lock(&self.watched).insert(id, Entry { what, source: source.clone(), partial: Vec::new(), pipe });
         if let Err(e) = epoll::add(&self.epoll, source.fd(), epoll::EventData::new_u64(id), epoll::EventFlags::IN) {
@@ -177,7 +180,8 @@ pub(crate) fn spare_leases() -> usize {
 /// reading ends the parent's reaper watches (see `close_inherited_leases`). Open in a child
 /// that outlives the parent, a lease's reading end would hide the parent's end from its
 /// holders (their records pile up unread, and their exits wait for them), and a revocation
-/// socket would hide it from the owners it subscribed to.
+/// socket would hide it from the owners it subscribed to. (Its ends of its subscribers'
+/// sockets, shared with the owner's list and the courier, are closed as `NotInherited`.)
 pub(super) fn close_inherited() {
     let Some(reaper) = REAPER.inherited().and_then(OnceCell::get) else { return };
     let spares = match reaper.spares.try_lock() {
@@ -193,6 +197,7 @@ pub(super) fn close_inherited() {
         match entry.source {
             Source::Pipe(fd) => crate::sys::close_inherited_shared(fd),
             Source::Socket(socket) => crate::sys::close_inherited_shared(socket),
+            Source::Subscriber(_) => {}
         }
     }
 }
@@ -289,6 +294,7 @@ fn reap() {
             let open = match &source {
                 Source::Pipe(pipe) => drain_lease(reaper, id, pipe),
                 Source::Socket(socket) => drain_revocations(reaper, id, socket),
+                Source::Subscriber(socket) => drain_revocations(reaper, id, socket),
             };
             if !open {
                 closed(reaper, id);
@@ -375,9 +381,9 @@ fn drain_revocations(reaper: &Reaper, id: u64, socket: &Socket) -> bool {
 
 /// Watches this process's end of subscriber `n`'s revocation socket, so that a subscriber
 /// that exits is forgotten (and its socket closed) at once, not at the next revocation.
-pub(super) fn watch_subscriber(n: u64, socket: Arc<Socket>) {
+pub(super) fn watch_subscriber(n: u64, socket: SubscriberEnd) {
     if let Ok(reaper) = reaper() {
-        let _ = reaper.watch(Watched::Subscriber(n), Source::Socket(socket));
+        let _ = reaper.watch(Watched::Subscriber(n), Source::Subscriber(socket));
     }
 }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use super::StorageId;
 use super::lease::{self, Revocation};
-use crate::fork::ForkLocal;
+use crate::fork::{ForkLocal, NotInherited};
 use crate::os::SharedCells;
 use crate::sys::{MemoryFile, Socket, Wait};
 
@@ -37,12 +37,17 @@ impl Table {
     }
 }
 
+/// This process's end of a subscriber's revocation socket: closed at once in a child forked
+/// from this process, so that the subscriber sees this process end when it does, not when the
+/// child does (the child never uses the parent's list of subscribers, nor the courier's).
+pub(super) type SubscriberEnd = Arc<NotInherited<Socket>>;
+
 /// This process as an owner: its table, free slots and subscribers.
 #[derive(Default)]
 pub(super) struct Owner {
     table: Option<Table>,
     free_slots: Vec<u32>,
-    pub(super) subscribers: Vec<(u64, Arc<Socket>)>,
+    pub(super) subscribers: Vec<(u64, SubscriberEnd)>,
     next_subscriber: u64,
 }
 
@@ -87,7 +92,7 @@ impl Owner {
     /// to tell, after the owner lock is released. The slot is cleared
     /// only while it still holds `index`: read before this lock, it may have been freed with
     /// the storage's last claim since and taken by another storage.
-    pub(super) fn revoke(&mut self, slot: u32, index: u64) -> Vec<(u64, Arc<Socket>)> {
+    pub(super) fn revoke(&mut self, slot: u32, index: u64) -> Vec<(u64, SubscriberEnd)> {
         if let Some(cell) = self.table.as_ref().and_then(|t| t.0.cell(slot)) {
             let _ = cell.compare_exchange(index, 0, Ordering::SeqCst, Ordering::SeqCst);
         }
@@ -101,7 +106,7 @@ impl Owner {
         if let Some(table) = &self.table {
             let memory = table.0.memory().clone();
             if lease::send(&revocations, &Revocation::Table, &[&*memory], Wait::Not).is_ok() {
-                let revocations = Arc::new(revocations);
+                let revocations = Arc::new(NotInherited::new(revocations));
                 self.next_subscriber += 1;
                 self.subscribers.push((self.next_subscriber, revocations.clone()));
                 super::reaper::watch_subscriber(self.next_subscriber, revocations);

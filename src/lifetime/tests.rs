@@ -575,15 +575,23 @@ fn an_import_waits_for_a_mapping_handed_back_to_be_closed() {
 }
 
 /// A forked child closes its copies of the reading ends this process's reaper watches (the
-/// lease pipes it reads, the revocation sockets it subscribed through): holders and owners
-/// see the parent gone when it is, not when its last forked child is.
+/// lease pipes it reads, its ends of its subscribers' revocation sockets): holders and
+/// subscribers see the parent gone when it is, not when its last forked child is.
 #[test]
 fn a_forked_child_closes_the_reading_ends_its_parent_watches() {
     let open = |fd: std::os::fd::RawFd| std::path::Path::new(&format!("/proc/self/fd/{fd}")).exists();
     let id = StorageId::new_local();
     let freed = Arc::new(AtomicU64::new(0));
     let keep: AnyStorage = Arc::new(Mapping { closed: freed.clone() });
-    let (g, _fds) = wire::encode_scope(|| grant(id, 16, LeaseMode::Counted, false, move || keep, None).unwrap());
+    let (g, _fds) = wire::encode_scope(|| grant(id, 16, LeaseMode::Counted, true, move || keep, None).unwrap());
+    // A subscriber to this process's revocations: the reaper watches this process's end too.
+    let (tx, subscriber) = crate::sys::Socket::pair().unwrap();
+    let ticket = crate::handover::ticket().unwrap();
+    crate::handover::append_expiring(&ticket, Arc::new(tx), crate::handover::SUBSCRIPTION_TTL).unwrap();
+    let link = super::lease::Control::Link(ticket).record().unwrap();
+    crate::sys::write_record(std::os::fd::AsFd::as_fd(&*lease_of(&g).tx), &link).unwrap();
+    let until = Instant::now() + Duration::from_secs(5);
+    assert!(matches!(subscriber.recv(super::lease::MESSAGE_BYTES, crate::sys::Wait::Until(until)), Ok(Some(_))));
     // Tried again where the reaper's thread (or another test's) held its set at the fork, or
     // another test made or closed a descriptor between the listing and the fork.
     let closed = (0..50).any(|_| {
