@@ -197,7 +197,9 @@ pub(super) fn close_inherited() {
         match entry.source {
             Source::Pipe(fd) => crate::sys::close_inherited_shared(fd),
             Source::Socket(socket) => crate::sys::close_inherited_shared(socket),
-            Source::Subscriber(_) => {}
+            // Closed as `NotInherited` (by number); never dropped here, where it may be the
+            // last copy: its drop would close that number a second time.
+            Source::Subscriber(socket) => std::mem::forget(socket),
         }
     }
 }
