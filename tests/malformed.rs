@@ -424,9 +424,11 @@ fn a_lease_left_blocking_is_taken_without_changing_the_senders_file() {
     use std::os::fd::AsRawFd;
     let _g = serial();
     let (tx, rx) = connect::<ForgedTensor<CarriedFile, CarriedFile>, HostTensor<f32>>();
-    let f = forged(0, vec![4], 16);
-    let Claim::Lease(CarriedFile(lease), _) = &f.lease else { unreachable!("forged with a lease") };
+    let mut f = forged(0, vec![4], 16);
+    // A reader lives, as the owner of a real lease would.
+    let (lease, _reader) = lease_pipe();
     let senders = lease.try_clone().unwrap();
+    f.lease = Claim::Lease(CarriedFile(lease), true);
     // SAFETY: reads the flags of a descriptor this test owns.
     let flags = || unsafe { libc::fcntl(senders.as_raw_fd(), libc::F_GETFL) };
     assert_eq!(flags() & libc::O_NONBLOCK, 0, "the test's lease is blocking");

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use super::export::{Change, Grant, lease_message};
 use super::import::{owner_gone, revoke, table_arrived};
 use super::lease::CacheTicket;
-use super::table::Table;
+use super::table::{Table, owner};
 use super::*;
 use crate::wire;
 
@@ -592,6 +592,12 @@ fn a_forked_child_closes_the_reading_ends_its_parent_watches() {
     crate::sys::write_record(std::os::fd::AsFd::as_fd(&*lease_of(&g).tx), &link).unwrap();
     let until = Instant::now() + Duration::from_secs(5);
     assert!(matches!(subscriber.recv(super::lease::MESSAGE_BYTES, crate::sys::Wait::Until(until)), Ok(Some(_))));
+    // The table goes to the subscriber before its end joins the owner's list and the reaper's
+    // set, both under the owner lock.
+    while owner().subscribers.is_empty() {
+        assert!(Instant::now() < until, "the subscriber never joined the owner's list");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     // Tried again where the reaper's thread (or another test's) held its set at the fork, or
     // another test made or closed a descriptor between the listing and the fork.
     let closed = (0..50).any(|_| {
