@@ -62,6 +62,15 @@ impl<T: AsFd> NotInherited<T> {
         let slot = NOT_INHERITED_FDS
             .iter()
             .position(|s| s.compare_exchange(-1, fd, Ordering::AcqRel, Ordering::Relaxed).is_ok());
+        if slot.is_none() {
+            static SAID: AtomicBool = AtomicBool::new(false);
+            if !SAID.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    limit = NOT_INHERITED,
+                    "more descriptors to close in forked children than fit: the rest stay open in them"
+                );
+            }
+        }
         NotInherited { inner, slot }
     }
 }
