@@ -961,6 +961,21 @@ mod tests {
         assert!(require_scope().is_err(), "scope closed: exporting is refused again");
     }
 
+    /// A lease left blocking, shared by two values of one message, is opened again once: both
+    /// values hold the one non-blocking file of this process's own.
+    #[test]
+    fn a_blocking_lease_shared_by_two_values_is_opened_again_once() {
+        use crate::lifetime::Lease;
+        use std::os::fd::AsRawFd;
+        let (_reader, writer) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
+        let senders = writer.try_clone().unwrap();
+        let shared = (Carried { index: 0, spawn: None }, Carried { index: 0, spawn: None });
+        let (a, b): (Lease, Lease) = decode(&postcard::to_allocvec(&shared).unwrap(), vec![writer]).unwrap();
+        assert_eq!(a.fd().as_raw_fd(), b.fd().as_raw_fd(), "opened again for each value");
+        assert!(rustix::fs::fcntl_getfl(a.fd()).unwrap().contains(rustix::fs::OFlags::NONBLOCK));
+        assert!(!rustix::fs::fcntl_getfl(&senders).unwrap().contains(rustix::fs::OFlags::NONBLOCK));
+    }
+
     #[test]
     fn decoding_takes_each_descriptor_once_and_closes_the_rest() {
         let (a, b) = Socket::pair().unwrap();
