@@ -184,16 +184,13 @@ pub(crate) fn spare_leases() -> usize {
 /// sockets, shared with the owner's list and the courier, are closed as `NotInherited`.)
 pub(super) fn close_inherited() {
     let Some(reaper) = REAPER.inherited().and_then(OnceCell::get) else { return };
-    let spares = match reaper.spares.try_lock() {
-        Ok(mut spares) => std::mem::take(&mut *spares),
-        Err(_) => Vec::new(),
-    };
+    // What a parent's thread held locked at the fork is left alone.
+    fn take_unless_locked<T: Default>(m: &Mutex<T>) -> T {
+        m.try_lock().map(|mut v| std::mem::take(&mut *v)).unwrap_or_default()
+    }
+    let spares = take_unless_locked(&reaper.spares);
     spares.into_iter().for_each(|(_, tx)| crate::sys::close_inherited_shared(tx));
-    let watched = match reaper.watched.try_lock() {
-        Ok(mut watched) => std::mem::take(&mut *watched),
-        Err(_) => HashMap::new(),
-    };
-    for entry in watched.into_values() {
+    for entry in take_unless_locked(&reaper.watched).into_values() {
         match entry.source {
             Source::Pipe(fd) => crate::sys::close_inherited_shared(fd),
             Source::Socket(socket) => crate::sys::close_inherited_shared(socket),
