@@ -25,8 +25,12 @@ const RETRY: Duration = Duration::from_millis(10);
 /// two drops of a consumer that keeps up with a stream.
 const GATHER: Duration = Duration::from_micros(20);
 
-/// Indices in one revocation message at most (a small message, whatever the backlog).
-const BATCH: usize = 512;
+/// Indices owed to one subscriber at most, in one message: past them, one
+/// `Revocation::Recheck` stands for them all (the subscriber checks what it keeps of this
+/// owner against the liveness table, whose slots were cleared before the indices were
+/// posted). So a subscriber that stops reading costs its owner a few KiB, however many
+/// storages the owner drops meanwhile.
+const OWED_AT_MOST: usize = 512;
 
 struct Courier {
     queue: Mutex<Queue>,
@@ -38,9 +42,9 @@ struct Courier {
 
 #[derive(Default)]
 struct Queue {
-    /// Per subscriber (by its number in the owner's list): its socket and the indices it has
-    /// not been told of yet, oldest first.
-    revocations: BTreeMap<u64, (SubscriberEnd, Vec<u64>)>,
+    /// Per subscriber (by its number in the owner's list): its socket and what it has not
+    /// been told of yet.
+    revocations: BTreeMap<u64, (SubscriberEnd, Unsent)>,
     /// Records to send, in order, each with its lease: releases (the storage's index and how
     /// many claims), relays' retains, and requests to introduce a segment again.
     releases: Vec<(Arc<OwnedFd>, Control)>,
@@ -144,10 +148,47 @@ pub(super) fn revoke(subscribers: Vec<(u64, SubscriberEnd)>, index: u64) {
     };
     let mut queue = lock(courier);
     for (n, tx) in subscribers {
-        queue.revocations.entry(n).or_insert_with(|| (tx, Vec::new())).1.push(index);
+        queue.revocations.entry(n).or_insert_with(|| (tx, Unsent::default())).1.add(index);
     }
     drop(queue);
     courier.posted.notify_one();
+}
+
+/// What one subscriber has not been told of yet: the storages dropped, oldest first, or,
+/// past [`OWED_AT_MOST`] of them, to check everything against the table.
+#[derive(Default)]
+struct Unsent {
+    indices: Vec<u64>,
+    recheck: bool,
+}
+
+impl Unsent {
+    fn add(&mut self, index: u64) {
+        if !self.recheck {
+            self.indices.push(index);
+            self.bound();
+        }
+    }
+
+    /// `newer` (posted while this waited for room) after this.
+    fn append(&mut self, newer: Unsent) {
+        self.recheck |= newer.recheck;
+        if !self.recheck {
+            self.indices.extend(newer.indices);
+        }
+        self.bound();
+    }
+
+    fn bound(&mut self) {
+        if self.recheck || self.indices.len() > OWED_AT_MOST {
+            self.indices = Vec::new();
+            self.recheck = true;
+        }
+    }
+
+    fn message(&self) -> Revocation {
+        if self.recheck { Revocation::Recheck } else { Revocation::Storages(self.indices.clone()) }
+    }
 }
 
 /// Sends `record` (a `Release`, a forwarder's `Retain` for its relay, or a `Forget` on a
@@ -325,26 +366,11 @@ fn run(courier: &'static Courier) {
         }
         let mut gone = Vec::new();
         let mut waiting = Vec::new();
-        for (n, (tx, mut indices)) in revocations {
-            let mut sent = 0;
-            let mut full = false;
-            while sent < indices.len() {
-                let end = indices.len().min(sent + BATCH);
-                match lease::send(&tx, &Revocation::Storages(indices[sent..end].to_vec()), &[], Wait::Not) {
-                    Ok(()) => sent = end,
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                        full = true;
-                        break;
-                    }
-                    Err(_) => {
-                        gone.push(n);
-                        break;
-                    }
-                }
-            }
-            if full {
-                indices.drain(..sent);
-                waiting.push((n, tx, indices));
+        for (n, (tx, unsent)) in revocations {
+            match lease::send(&tx, &unsent.message(), &[], Wait::Not) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => waiting.push((n, tx, unsent)),
+                Err(_) => gone.push(n),
             }
         }
         let mut queue = lock(courier);
@@ -353,8 +379,8 @@ fn run(courier: &'static Courier) {
         if !waiting.is_empty() {
             for (n, tx, mut older) in waiting {
                 // Older indices first; posts that came meanwhile after them.
-                let entry = queue.revocations.entry(n).or_insert_with(|| (tx, Vec::new()));
-                older.append(&mut entry.1);
+                let entry = queue.revocations.entry(n).or_insert_with(|| (tx, Unsent::default()));
+                older.append(std::mem::take(&mut entry.1));
                 entry.1 = older;
             }
             queue.blocked = true;
@@ -605,6 +631,45 @@ mod tests {
         let got = read_releases(&rx, 3);
         assert_eq!(got, [Control::Retain(6), Control::Retain(6), Control::Release(7, 3)]);
         assert!(wait_for_releases(Some(Instant::now() + Duration::from_secs(10))));
+    }
+
+    /// A subscriber that does not read is owed at most one message: past [`OWED_AT_MOST`]
+    /// storages dropped, one `Recheck` stands for them all. Once it reads again it gets that,
+    /// and the storages dropped after it one by one again.
+    #[test]
+    fn revocations_owed_to_a_subscriber_that_does_not_read_stay_bounded() {
+        use crate::sys::Socket;
+        const N: u64 = u64::MAX - 7;
+        let (ours, theirs) = Socket::pair().unwrap();
+        let filler = Revocation::Storages(vec![0]);
+        let mut fillers = 0;
+        while lease::send(&ours, &filler, &[], Wait::Not).is_ok() {
+            fillers += 1;
+        }
+        let ours: SubscriberEnd = Arc::new(crate::fork::NotInherited::new(ours));
+        for index in 1..=20_000 {
+            revoke(vec![(N, ours.clone())], index);
+        }
+        let owed = || lock(COURIER.get()).revocations.get(&N).map(|(_, unsent)| (unsent.recheck, unsent.indices.len()));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while owed() != Some((true, 0)) {
+            assert!(Instant::now() < deadline, "never collapsed into a recheck: {:?}", owed());
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // The subscriber reads again.
+        let read = |until: Instant| {
+            let mut got = Vec::new();
+            while let Ok(Some(message)) = theirs.recv(lease::MESSAGE_BYTES, Wait::Until(until)) {
+                got.push(postcard::from_bytes::<Revocation>(&message.bytes).unwrap());
+            }
+            got
+        };
+        let got = read(Instant::now() + Duration::from_millis(500));
+        assert_eq!(got.len(), fillers + 1, "the fillers, then what it is owed, in one message");
+        assert!(matches!(got.last(), Some(Revocation::Recheck)), "{:?}", got.last());
+        revoke(vec![(N, ours.clone())], 20_001);
+        let got = read(Instant::now() + Duration::from_millis(500));
+        assert!(matches!(&got[..], [Revocation::Storages(i)] if i == &[20_001]), "{got:?}");
     }
 
     /// A lease whose owner is gone takes nothing, and holds up nothing.

@@ -238,6 +238,26 @@ pub(super) fn table_arrived(owner: u128, table: Table) {
     dispose_evicted(evicted);
 }
 
+/// The owner dropped more storages than it could list (`Revocation::Recheck`): every cached
+/// mapping and kept segment of it is checked against its table, as when the table arrived
+/// (each slot was cleared before the storage's revocation was posted). Without a table (its
+/// memory could not be mapped) every cached mapping of the owner is closed: they are only a
+/// cache.
+pub(super) fn recheck(owner: u128) {
+    let table = state().owner_tables.get(&owner).cloned().flatten();
+    match table {
+        Some(table) => table_arrived(owner, table),
+        None => {
+            let evicted = {
+                let mut s = state();
+                let keys: Vec<ImportKey> = s.idle.keys().filter(|(id, _)| id.owner() == owner).copied().collect();
+                evict(&mut s, &keys)
+            };
+            dispose_evicted(evicted);
+        }
+    }
+}
+
 /// Runs `take` on every channel end's segment table still alive and drops what it takes out:
 /// after the state lock (a table's lock is never held while taking it), off the reaper's
 /// thread (a table, or an end, may be dropped there last, and a GPU segment's unmap waits).

@@ -135,6 +135,10 @@ pub(crate) enum Revocation {
     Table,
     /// The owner dropped its handles on these storages: drop cached mappings of them.
     Storages(Vec<u64>),
+    /// The owner dropped more storages than one message lists (this subscriber did not read
+    /// for a while): drop cached mappings of every storage whose slot in the table no longer
+    /// holds it.
+    Recheck,
 }
 
 /// The most bytes of a message on a revocation socket.

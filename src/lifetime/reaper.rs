@@ -12,7 +12,7 @@ use once_cell::sync::OnceCell;
 use rustix::event::epoll;
 
 use super::export::{Change, lease_closed, lease_message};
-use super::import::{owner_gone, revoke, table_arrived};
+use super::import::{owner_gone, recheck, revoke, table_arrived};
 use super::lease::{self, Control, Lease, Revocation};
 use super::table::{SubscriberEnd, Table, owner};
 use crate::error::Result;
@@ -373,6 +373,7 @@ fn drain_revocations(reaper: &Reaper, id: u64, socket: &Socket) -> bool {
                 }
             }
             Ok(Revocation::Storages(indices)) => revoke(owner, Some(&indices)),
+            Ok(Revocation::Recheck) => recheck(owner),
             Err(_) => {}
         }
     }

@@ -7,7 +7,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use super::export::{Change, Grant, lease_message};
-use super::import::{owner_gone, revoke, table_arrived};
+use super::import::{owner_gone, recheck, revoke, table_arrived};
 use super::lease::CacheTicket;
 use super::table::{Table, owner};
 use super::*;
@@ -125,6 +125,39 @@ fn mappings_parked_before_the_table_arrives_are_checked_when_it_does() {
     // The owner goes away: everything of it is evicted.
     owner_gone(owner);
     assert_eq!(live_closed.load(Ordering::SeqCst), 1);
+}
+
+/// A recheck (the owner dropped more storages than it listed) closes the cached mappings whose
+/// slot no longer holds them, a slot taken by another storage since included, and keeps the
+/// rest; without the owner's table it closes them all.
+#[test]
+fn a_recheck_closes_what_the_owners_table_no_longer_holds() {
+    let owner = foreign_owner();
+    let cells = crate::os::SharedCells::zeroed(4).unwrap();
+    for (slot, index) in [(0, 1), (1, 2), (2, 3)] {
+        cells.cell(slot).unwrap().store(index, Ordering::SeqCst);
+    }
+    state().owner_tables.insert(owner, Some(Table::from_memory(cells.memory().clone())));
+    let parked: Vec<Arc<AtomicU64>> = (1..=3)
+        .map(|index| {
+            let (id, closed, handle) = imported(owner, index);
+            let slot = index as u32 - 1;
+            assert!(park_idle(id, "fake", Some(CacheTicket { slot }), handle).is_none(), "cached");
+            closed
+        })
+        .collect();
+    // The owner dropped storage 2 and gave storage 3's slot to storage 9.
+    cells.cell(1).unwrap().store(0, Ordering::SeqCst);
+    cells.cell(2).unwrap().store(9, Ordering::SeqCst);
+    recheck(owner);
+    // Off the reaper's thread, evicted mappings close before `recheck` returns.
+    let closed = |n: usize| parked[n].load(Ordering::SeqCst);
+    assert_eq!((closed(0), closed(1), closed(2)), (0, 1, 1), "only the held storage stays cached");
+    // No table (its memory could not be mapped): nothing can be told apart, all are closed.
+    state().owner_tables.insert(owner, None);
+    recheck(owner);
+    assert_eq!(closed(0), 1, "a recheck without a table closes every cached mapping");
+    owner_gone(owner);
 }
 
 #[test]
