@@ -5,7 +5,7 @@ use std::io;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicI32, AtomicI64};
 
-use rustix::fs::{Mode, fstat, ftruncate};
+use rustix::fs::{FileType, Mode, OFlags, fstat, ftruncate};
 use rustix::shm;
 
 use super::Mapping;
@@ -40,11 +40,35 @@ fn size_of_fd(fd: &OwnedFd) -> io::Result<u64> {
 
 /// Refuses an object that another user owns or that others may open: its owner could shrink
 /// it under the mapping (a SIGBUS in this process). The objects opened here are made mode 0600
-/// by their creators (this crate, and PyTorch's reference-counter files).
+/// by their creators (this crate, and PyTorch's reference-counter files). Refuses as well
+/// anything but a regular file with one name: a FIFO, or a second name of another file of this
+/// user's, planted under an absent object's name.
 fn check_private(fd: &OwnedFd, name: &CStr) -> io::Result<()> {
     let stat = fstat(fd)?;
     let why = "a shared-memory object of this user's alone, mode 600, is expected";
-    super::named::check_private(stat.st_uid, stat.st_mode, &name.to_string_lossy(), why)
+    super::named::check_private(stat.st_uid, stat.st_mode, &name.to_string_lossy(), why)?;
+    if FileType::from_raw_mode(stat.st_mode) != FileType::RegularFile || stat.st_nlink != 1 {
+        let text = format!("{}: refused, it is not a regular file with one name ({why})", name.to_string_lossy());
+        return Err(io::Error::new(io::ErrorKind::PermissionDenied, text));
+    }
+    Ok(())
+}
+
+/// Opens the existing object `name` with `access`: `Ok(None)` when there is none. A symbolic
+/// link is refused, not followed (it could lead to any file of this user's: glibc's
+/// `shm_open` adds `O_NOFOLLOW` itself, rustix's does not), and the open does not wait (one
+/// for reading would wait for a writer on a FIFO planted under the name).
+fn open_existing(name: &CStr, access: shm::OFlags) -> io::Result<Option<OwnedFd>> {
+    let never = shm::OFlags::from_bits_retain((OFlags::NOFOLLOW | OFlags::NONBLOCK).bits());
+    match shm::open(name, access | never, Mode::empty()) {
+        Ok(fd) => check_private(&fd, name).map(|()| Some(fd)),
+        Err(rustix::io::Errno::NOENT) => Ok(None),
+        Err(rustix::io::Errno::LOOP) => Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("{}: refused, it is a symbolic link", name.to_string_lossy()),
+        )),
+        Err(e) => Err(e.into()),
+    }
 }
 
 impl ShmFile {
@@ -64,12 +88,7 @@ impl ShmFile {
     /// Opens the existing object `name` read-write and maps its first `len` bytes; creates
     /// nothing and changes nothing when it is missing or smaller.
     pub(crate) fn open(name: &CStr, len: usize) -> io::Result<ShmOpen> {
-        let fd = match shm::open(name, shm::OFlags::RDWR, Mode::empty()) {
-            Ok(fd) => fd,
-            Err(rustix::io::Errno::NOENT) => return Ok(ShmOpen::Missing),
-            Err(e) => return Err(e.into()),
-        };
-        check_private(&fd, name)?;
+        let Some(fd) = open_existing(name, shm::OFlags::RDWR)? else { return Ok(ShmOpen::Missing) };
         if size_of_fd(&fd)? < len as u64 {
             return Ok(ShmOpen::TooSmall);
         }
@@ -78,11 +97,7 @@ impl ShmFile {
 
     /// Size in bytes of the existing object `name`, or None when there is none.
     pub(crate) fn size_of(name: &CStr) -> io::Result<Option<u64>> {
-        match shm::open(name, shm::OFlags::RDONLY, Mode::empty()) {
-            Ok(fd) => check_private(&fd, name).and_then(|()| size_of_fd(&fd)).map(Some),
-            Err(rustix::io::Errno::NOENT) => Ok(None),
-            Err(e) => Err(e.into()),
-        }
+        open_existing(name, shm::OFlags::RDONLY)?.map(|fd| size_of_fd(&fd)).transpose()
     }
 
     /// Maps the first `len` bytes (at least one) of `fd`, shared and read-write.
@@ -175,5 +190,45 @@ mod tests {
         assert_eq!(refused.kind(), io::ErrorKind::PermissionDenied, "{refused}");
         assert!(refused.to_string().contains("mode 666"), "{refused}");
         assert_eq!(sized.kind(), io::ErrorKind::PermissionDenied);
+    }
+
+    /// A name planted as a symbolic link (to a file of this user's elsewhere) or as a FIFO is
+    /// refused at once: neither followed nor waited on, and nothing is written.
+    #[test]
+    fn a_planted_link_or_fifo_is_refused_at_once() {
+        let dir = std::env::temp_dir().join(format!("cuda-mp-test-planted-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let target = dir.join("victim");
+        std::fs::write(&target, vec![0u8; 4096]).unwrap();
+        std::fs::set_permissions(&target, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+        let link = format!("cuda-mp-test-link-{}", std::process::id());
+        let fifo = format!("cuda-mp-test-fifo-{}", std::process::id());
+        let _ = std::fs::remove_file(format!("/dev/shm/{link}"));
+        let _ = std::fs::remove_file(format!("/dev/shm/{fifo}"));
+        std::os::unix::fs::symlink(&target, format!("/dev/shm/{link}")).unwrap();
+        rustix::fs::mkfifoat(rustix::fs::CWD, format!("/dev/shm/{fifo}").as_str(), Mode::RUSR | Mode::WUSR).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let tries: Vec<(String, bool, bool)> = [link, fifo]
+                .into_iter()
+                .map(|n| {
+                    let name = std::ffi::CString::new(format!("/{n}")).unwrap();
+                    let denied = |e: io::Error| e.kind() == io::ErrorKind::PermissionDenied;
+                    let opened = ShmFile::open(&name, 8).map(|_| ()).is_err_and(denied);
+                    let sized = ShmFile::size_of(&name).is_err_and(denied);
+                    let _ = std::fs::remove_file(format!("/dev/shm/{n}"));
+                    (n, opened, sized)
+                })
+                .collect();
+            let _ = tx.send(tries);
+        });
+        let tries = rx.recv_timeout(std::time::Duration::from_secs(10));
+        let untouched = std::fs::read(&target).unwrap().iter().all(|&b| b == 0);
+        let _ = std::fs::remove_dir_all(&dir);
+        let tries = tries.expect("an open waited on a planted FIFO");
+        for (name, opened, sized) in tries {
+            assert!(opened && sized, "{name}: open refused {opened}, size_of refused {sized}");
+        }
+        assert!(untouched, "the link's target was written");
     }
 }
