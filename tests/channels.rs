@@ -209,6 +209,46 @@ fn accept_and_connect_time_out_instead_of_hanging() {
     assert!(Sender::<u8>::connect("bad\0name").is_err());
 }
 
+/// A name file planted as a FIFO (which would hold a read for ever), as a symbolic link, or
+/// writable by others is refused at once, not waited on; a published one is the user's alone.
+#[test]
+fn connect_file_refuses_a_planted_fifo_link_or_writable_file_at_once() {
+    let listener = Listener::<u8>::bind().unwrap();
+    let dir = std::env::temp_dir().join(format!("cuda-mp-test-planted-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let published = dir.join("published");
+    listener.publish_to(&published).unwrap();
+    let mode =
+        |p: &std::path::Path| std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(p).unwrap().permissions());
+    assert_eq!(mode(&published) & 0o777, 0o600, "published for this user alone");
+    let fifo = dir.join("fifo");
+    let status = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(status.success());
+    let link = dir.join("link");
+    std::os::unix::fs::symlink(&published, &link).unwrap();
+    let writable = dir.join("writable");
+    std::fs::write(&writable, listener.name()).unwrap();
+    std::fs::set_permissions(&writable, std::os::unix::fs::PermissionsExt::from_mode(0o666)).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let paths = [fifo, link, writable];
+    let tried = paths.clone();
+    std::thread::spawn(move || {
+        let got: Vec<_> =
+            tried.iter().map(|p| Sender::<u8>::connect_file(p, Duration::from_millis(200)).map(drop)).collect();
+        let _ = tx.send(got);
+    });
+    let got = rx.recv_timeout(WAIT).expect("connect_file waited past its limit on a planted file");
+    let _ = std::fs::remove_dir_all(&dir);
+    for (path, result) in paths.iter().zip(got) {
+        let err = result.expect_err("a planted file was followed");
+        assert!(
+            matches!(&err, cuda_mp::Error::Io(e) if e.kind() == std::io::ErrorKind::PermissionDenied),
+            "{}: {err}",
+            path.display()
+        );
+    }
+}
+
 /// A value whose serialization fails with its own reason.
 struct Unsendable;
 

@@ -432,23 +432,28 @@ impl<T: Serialize> Sender<T> {
     /// Connects to a [`Listener`] whose name was written to `path` with
     /// [`Listener::publish_to`], waiting up to `timeout` for the file to appear (or to name a
     /// listener that is there: a file left by one that is gone is read again) and for room in
-    /// the listener's backlog.
+    /// the listener's backlog. A file that is not a regular file of this user's that others may
+    /// not write (a FIFO, a symbolic link, another user's file planted under the name) fails
+    /// at once (`PermissionDenied`); a listener of another user's is refused as by
+    /// [`connect`](Self::connect).
     ///
     /// ```
     /// use std::time::Duration;
     /// let listener = cuda_mp::Listener::<u8>::bind().unwrap();
-    /// let path = std::env::temp_dir().join(format!("cuda-mp-doc-{}.name", std::process::id()));
+    /// let path = format!("{}.name", listener.name());
     /// listener.publish_to(&path).unwrap();
     /// let tx = cuda_mp::Sender::<u8>::connect_file(&path, Duration::from_secs(5)).unwrap();
     /// let rx = listener.accept().unwrap();
     /// tx.send(2).unwrap();
     /// assert_eq!(rx.recv().unwrap(), 2);
+    /// std::fs::remove_file(&path).unwrap();
     /// ```
     pub fn connect_file(path: impl AsRef<Path>, timeout: Duration) -> Result<Sender<T>> {
         let deadline = crate::os::instant_after(timeout);
         loop {
-            let waited = match std::fs::read_to_string(path.as_ref()) {
-                Ok(name) => {
+            // A listener's name is a path of at most 107 bytes.
+            let waited = match crate::sys::read_published(path.as_ref(), 4096) {
+                Ok(Some(name)) => {
                     let left = deadline.saturating_duration_since(Instant::now());
                     match Sender::connect_until(name.trim(), left) {
                         Err(Error::Timeout(_)) => return Err(Error::Timeout(timeout)),
@@ -462,7 +467,7 @@ impl<T: Serialize> Sender<T> {
                         other => return other,
                     }
                 }
-                Err(e) if e.kind() == io::ErrorKind::NotFound => Error::Timeout(timeout),
+                Ok(None) => Error::Timeout(timeout),
                 Err(e) => return Err(e.into()),
             };
             if Instant::now() >= deadline {
@@ -1291,26 +1296,20 @@ impl<T: Serialize + DeserializeOwned> Listener<T> {
         &self.name
     }
 
-    /// Writes the name to `path` (atomically: a reader never sees half of it).
+    /// Writes the name to `path` (atomically: a reader never sees half of it), as a file of
+    /// this user's that others may not write, mode 600 ([`Sender::connect_file`] refuses any
+    /// other). Pick a path others cannot take first: in a directory of this user's alone.
     ///
     /// ```
     /// let listener = cuda_mp::Listener::<u8>::bind().unwrap();
-    /// let path = std::env::temp_dir().join(format!("cuda-mp-doc-pub-{}.name", std::process::id()));
+    /// // Beside the listener's socket, in a directory of this user's alone.
+    /// let path = format!("{}.name", listener.name());
     /// listener.publish_to(&path).unwrap();
     /// assert_eq!(std::fs::read_to_string(&path).unwrap(), listener.name());
+    /// std::fs::remove_file(&path).unwrap();
     /// ```
     pub fn publish_to(&self, path: impl AsRef<Path>) -> Result<()> {
-        let path = path.as_ref();
-        // A file of this call's own beside it (another process or thread may publish to the
-        // same path, or to one differing only in its extension), renamed over it.
-        let file = path.file_name().map_or_else(|| "name".into(), |n| n.to_string_lossy().into_owned());
-        let tmp =
-            path.with_file_name(format!(".{file}.{}.{:x}.partial", std::process::id(), crate::sys::random_u128()));
-        let written = std::fs::write(&tmp, &self.name).and_then(|()| std::fs::rename(&tmp, path));
-        if written.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        Ok(written?)
+        Ok(crate::sys::publish(path.as_ref(), &self.name)?)
     }
 
     /// Blocks until a peer connects; returns the receiving end of the connection.

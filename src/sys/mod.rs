@@ -24,7 +24,7 @@ pub(crate) use limits::{
 };
 pub(crate) use mapping::Mapping;
 pub(crate) use memory::MemoryFile;
-pub(crate) use named::NamedMemory;
+pub(crate) use named::{NamedMemory, publish, read_published};
 #[cfg(all(feature = "cuda", any(test, feature = "testing")))]
 pub(crate) use pipe::is_pipe_writer;
 #[cfg(feature = "cuda")]

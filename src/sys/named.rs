@@ -135,6 +135,58 @@ impl Drop for NamedMemory {
     }
 }
 
+/// Reads the small text file at `path` (a name a peer published), of at most `max_len` bytes;
+/// `Ok(None)` when there is none. Refused (`PermissionDenied`): a symbolic link, anything but
+/// a regular file (a FIFO planted there would hold the read for ever), and a file of another
+/// user's or one that others may write. The open does not wait.
+pub(crate) fn read_published(path: &Path, max_len: u64) -> io::Result<Option<String>> {
+    let flags = rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::NONBLOCK;
+    let file = match OpenOptions::new().read(true).custom_flags(flags.bits() as i32).open(path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.raw_os_error() == Some(rustix::io::Errno::LOOP.raw_os_error()) => {
+            let text = format!("{}: refused, it is a symbolic link", path.display());
+            return Err(io::Error::new(io::ErrorKind::PermissionDenied, text));
+        }
+        Err(e) => return Err(with_path(e, path)),
+    };
+    let meta = file.metadata()?;
+    let own = meta.uid() == rustix::process::geteuid().as_raw() && meta.mode() & 0o022 == 0;
+    if !meta.file_type().is_file() || !own || meta.len() > max_len {
+        let text = format!(
+            "{}: refused, a regular file of this user's that others may not write, of at most {max_len} bytes, \
+             is expected (owner {}, mode {:o}, {} bytes)",
+            path.display(),
+            meta.uid(),
+            meta.mode() & 0o7777,
+            meta.len()
+        );
+        return Err(io::Error::new(io::ErrorKind::PermissionDenied, text));
+    }
+    let mut text = String::new();
+    io::Read::read_to_string(&mut io::Read::take(file, max_len), &mut text).map_err(|e| with_path(e, path))?;
+    Ok(Some(text))
+}
+
+/// Writes `text` to `path` atomically (a reader never sees half of it), as a file of this
+/// user's alone: a file of this call's own beside it (another process or thread may publish to
+/// the same path, or to one differing only in its extension), renamed over it.
+pub(crate) fn publish(path: &Path, text: &str) -> io::Result<()> {
+    let file = path.file_name().map_or_else(|| "name".into(), |n| n.to_string_lossy().into_owned());
+    let tmp = path.with_file_name(format!(".{file}.{}.{:x}.partial", std::process::id(), super::random_u128()));
+    let written = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .and_then(|mut f| io::Write::write_all(&mut f, text.as_bytes()))
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
 /// True while `path` names the file open as `file`.
 fn same_file(file: &File, path: &Path) -> bool {
     match (file.metadata(), std::fs::symlink_metadata(path)) {
