@@ -46,13 +46,29 @@ impl SharedCells {
     }
 
     /// `len` zeroed cells in fresh shared memory.
+    #[cfg(test)]
     pub(crate) fn zeroed(len: usize) -> std::io::Result<SharedCells> {
         Ok(SharedCells::new(Arc::new(MemoryFile::zeroed(len * 8)?)))
     }
 
-    /// Cell `i`, if in range.
+    /// `len` zeroed cells in fresh shared memory that only this process writes: the processes
+    /// it is sent to map it read-only ([`MemoryFile::zeroed_for_readers`]).
+    pub(crate) fn zeroed_for_readers(len: usize) -> std::io::Result<SharedCells> {
+        Ok(SharedCells::new(Arc::new(MemoryFile::zeroed_for_readers(len * 8)?)))
+    }
+
+    /// Cell `i` to write, if in range and the memory is writable here.
     pub(crate) fn cell(&self, i: u32) -> Option<&AtomicU64> {
         self.memory.word(i as usize * 8)
+    }
+
+    /// The value of cell `i`, if in range; also where the memory is mapped read-only (a relaxed
+    /// load of a word, which read-only memory allows, then an acquire fence: an acquire load).
+    pub(crate) fn load(&self, i: u32) -> Option<u64> {
+        let mut word = [0u8; 8];
+        let read = self.memory.copy_out(i as usize * 8, &mut word);
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+        read.then(|| u64::from_ne_bytes(word))
     }
 
     /// The shared memory, to send to another process.

@@ -159,7 +159,8 @@ pub(super) fn send<M: Serialize>(
 /// The memory of a liveness table that arrived in a `Revocation::Table`.
 pub(super) fn table_memory(fds: Vec<std::os::fd::OwnedFd>) -> Option<Arc<MemoryFile>> {
     let fd = fds.into_iter().next()?;
-    MemoryFile::open(fd, super::table::TABLE_BYTES).ok().map(Arc::new)
+    // Only its owner may write it: a mark of another holder's would mislead the rest.
+    MemoryFile::open_read_only(fd, super::table::TABLE_BYTES).ok().map(Arc::new)
 }
 
 /// The writing end of a lease pipe, whose reading end the storage's owner watches.

@@ -33,7 +33,7 @@ impl Table {
 
     /// True when the owner still holds storage `id` in `slot`.
     pub(super) fn holds(&self, slot: u32, id: StorageId) -> bool {
-        self.0.cell(slot).is_some_and(|c| c.load(Ordering::SeqCst) == id.index())
+        self.0.load(slot) == Some(id.index())
     }
 }
 
@@ -63,8 +63,9 @@ impl Owner {
     /// the table is full.
     pub(super) fn take_slot(&mut self, id: StorageId) -> u32 {
         if self.table.is_none() {
-            // Without shared memory for the table, nothing is cached by receivers.
-            let Ok(cells) = SharedCells::zeroed(TABLE_SLOTS) else { return NO_SLOT };
+            // Without shared memory for the table, nothing is cached by receivers. Only this
+            // process writes it: its subscribers map it read-only.
+            let Ok(cells) = SharedCells::zeroed_for_readers(TABLE_SLOTS) else { return NO_SLOT };
             self.table = Some(Table(Arc::new(cells)));
             self.free_slots = (0..TABLE_SLOTS as u32).rev().collect();
         }
@@ -118,6 +119,7 @@ impl Owner {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsFd;
 
     /// A revocation whose slot was read before the storage's last claim went (and the slot
     /// was taken by another storage since) leaves the other storage's mark alone.
@@ -133,5 +135,27 @@ mod tests {
         assert!(table.holds(slot, b), "b's mark survives a's late revocation");
         owner.revoke(slot, b.index());
         assert!(!table.holds(slot, b), "b's own revocation clears it");
+    }
+
+    /// A subscriber reads its owner's table and cannot write it: a mark of its own would make
+    /// every other holder keep mappings (and their claims) of storages the owner dropped.
+    #[test]
+    fn a_subscriber_cannot_write_its_owners_table() {
+        let mut owner = Owner::default();
+        let a = StorageId::new_local();
+        let slot = owner.take_slot(a);
+        let memory = owner.table.as_ref().unwrap().0.memory().as_fd().try_clone_to_owned().unwrap();
+        let seen = Table::from_memory(lease::table_memory(vec![memory]).expect("the table maps"));
+        assert!(seen.holds(slot, a), "the subscriber reads the owner's mark");
+        assert!(seen.0.cell(slot).is_none(), "and has no cell to write");
+        owner.revoke(slot, a.index());
+        assert!(!seen.holds(slot, a), "the owner's clear shows");
+        let memory = owner.table.as_ref().unwrap().0.memory().as_fd().try_clone_to_owned().unwrap();
+        let file = std::fs::File::from(memory);
+        let written = std::os::unix::fs::FileExt::write_at(&file, &a.index().to_ne_bytes(), u64::from(slot) * 8);
+        assert!(written.is_err(), "a write is refused");
+        // A table every holder could write is refused.
+        let loose = crate::sys::MemoryFile::zeroed(TABLE_BYTES).unwrap();
+        assert!(lease::table_memory(vec![loose.as_fd().try_clone_to_owned().unwrap()]).is_none());
     }
 }

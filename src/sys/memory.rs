@@ -53,10 +53,24 @@ impl MemoryFile {
         made("cuda-mp-message", len, &[], true)
     }
 
+    /// A fresh zeroed file of `len` bytes that only this process writes, through this mapping:
+    /// sealed against resizing and, once mapped here, against every later write and writable
+    /// mapping (`F_SEAL_FUTURE_WRITE`), so that the processes it is sent to can only read it.
+    pub(crate) fn zeroed_for_readers(len: usize) -> io::Result<MemoryFile> {
+        let fd = memfd_create("cuda-mp-table", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+            .map_err(|e| out_of_memory(e.into(), "shared memory"))?;
+        ftruncate(&fd, len as u64).map_err(|e| out_of_memory(e.into(), &format!("{len} bytes of shared memory")))?;
+        fcntl_add_seals(&fd, SIZE_SEALS)?;
+        let file = map(fd, len, Access::Write)?;
+        fcntl_add_seals(&file.fd, SealFlags::FUTURE_WRITE | SealFlags::SEAL)?;
+        Ok(file)
+    }
+
     /// A file that arrived in a message: refused unless it is a memory file sealed against
     /// resizing, of at least `len` bytes. Only its first `len` bytes are mapped (the sender
     /// picks the file's size: a huge sparse file must not take this process's address space),
-    /// read-only when it is sealed against writes, else read-write.
+    /// read-only when it is sealed against writes (all of them, or those of every process but
+    /// its maker), else read-write.
     pub(crate) fn open(fd: OwnedFd, len: usize) -> io::Result<MemoryFile> {
         let refused = |why: String| io::Error::new(io::ErrorKind::InvalidData, why);
         let seals =
@@ -68,7 +82,27 @@ impl MemoryFile {
         if size < len as u64 {
             return Err(refused(format!("shared memory of {size} bytes where {len} were promised")));
         }
-        map(fd, len, seals.contains(SealFlags::WRITE))
+        let access = if seals.contains(SealFlags::WRITE) {
+            Access::Frozen
+        } else if seals.contains(SealFlags::FUTURE_WRITE) {
+            Access::Read
+        } else {
+            Access::Write
+        };
+        map(fd, len, access)
+    }
+
+    /// As [`open`](Self::open), and refused unless no process but its maker can write it
+    /// (made by [`zeroed_for_readers`](Self::zeroed_for_readers), or frozen).
+    pub(crate) fn open_read_only(fd: OwnedFd, len: usize) -> io::Result<MemoryFile> {
+        let file = MemoryFile::open(fd, len)?;
+        if file.mapping.is_writable() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "shared memory that every process holding it could write (not sealed against writes)",
+            ));
+        }
+        Ok(file)
     }
 
     /// The mapping, for the socket calls that read or write it in place.
@@ -107,14 +141,25 @@ fn made(name: &str, len: usize, bytes: &[u8], frozen: bool) -> io::Result<Memory
     }
     let seals = if frozen { SIZE_SEALS | SealFlags::WRITE } else { SIZE_SEALS };
     fcntl_add_seals(&fd, seals | SealFlags::SEAL)?;
-    map(fd, len, frozen)
+    map(fd, len, if frozen { Access::Frozen } else { Access::Write })
+}
+
+/// How a memory file is mapped here.
+#[derive(Clone, Copy, PartialEq)]
+enum Access {
+    /// Read-write.
+    Write,
+    /// Read-only: its maker may still write it.
+    Read,
+    /// Read-only: sealed against every write.
+    Frozen,
 }
 
 /// Maps a file sealed against shrinking (so every byte of it stays backed while mapped).
-fn map(fd: OwnedFd, len: usize, frozen: bool) -> io::Result<MemoryFile> {
-    let mapping = Mapping::new(&fd, len, !frozen)
+fn map(fd: OwnedFd, len: usize, access: Access) -> io::Result<MemoryFile> {
+    let mapping = Mapping::new(&fd, len, access == Access::Write)
         .map_err(|e| out_of_memory(e, &format!("a mapping of {len} bytes of shared memory")))?;
-    Ok(MemoryFile { fd, mapping, frozen })
+    Ok(MemoryFile { fd, mapping, frozen: access == Access::Frozen })
 }
 
 /// The mapping's pointer, length and bounds-checked copies (`copy_in`, `zero`: refused on a
@@ -180,6 +225,25 @@ mod tests {
         assert!(!b.copy_out(61, &mut out) && !b.copy_out(usize::MAX, &mut out));
         let frozen = MemoryFile::frozen(&[1; 16]).unwrap();
         assert!(frozen.word(0).is_none() && !frozen.copy_in(0, b"x"), "a frozen file takes no writes");
+    }
+
+    /// A file made for readers is written by its maker's mapping alone: another process's
+    /// copy maps read-only, and a writable mapping or a write of it is refused.
+    #[test]
+    fn a_file_for_readers_is_written_by_its_maker_alone() {
+        let a = MemoryFile::zeroed_for_readers(4096).unwrap();
+        let fd = || a.as_fd().try_clone_to_owned().unwrap();
+        let b = MemoryFile::open_read_only(fd(), 4096).unwrap();
+        a.word(8).unwrap().store(7, std::sync::atomic::Ordering::SeqCst);
+        let mut out = [0u8; 8];
+        assert!(b.copy_out(8, &mut out) && u64::from_ne_bytes(out) == 7, "the reader sees the maker's write");
+        assert!(b.word(8).is_none() && !b.copy_in(8, b"x"), "the reader takes no writes");
+        assert!(Mapping::new(fd(), 4096, true).is_err(), "a writable mapping is refused");
+        assert!(rustix::io::pwrite(fd(), b"x", 0).is_err(), "a write is refused");
+        assert!(b.frozen_bytes().is_none(), "its maker may still write it");
+        // A file every holder may write is not one for readers.
+        let plain = MemoryFile::zeroed(4096).unwrap();
+        assert!(MemoryFile::open_read_only(plain.as_fd().try_clone_to_owned().unwrap(), 4096).is_err());
     }
 
     #[test]
