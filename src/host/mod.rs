@@ -433,4 +433,18 @@ mod forged_records {
         };
         assert_eq!(again.to_vec(), b"FIRST!");
     }
+
+    /// Memory that only its maker may write (sealed against later writes) would map read-only
+    /// here, and a write through the tensor would fault: refused.
+    #[test]
+    fn a_host_tensor_whose_memory_only_its_maker_may_write_is_refused() {
+        let owner = 0x5eed_0000_0000_0000_0000_0000_0000_0002u128;
+        let (bytes, mut fds, _keep) = forged(owner, 6, &[0u8; 8]);
+        let sealed = MemoryFile::zeroed_for_readers(8).unwrap();
+        fds[0] = sealed.as_fd().try_clone_to_owned().unwrap();
+        match crate::wire::decode::<HostTensor<u8>>(&bytes, fds) {
+            Err(m) => assert!(m.contains("shared memory"), "{m}"),
+            Ok(t) => panic!("a host tensor of read-only memory was taken ({:?})", t.shape()),
+        }
+    }
 }

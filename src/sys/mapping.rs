@@ -95,6 +95,7 @@ impl Mapping {
     }
 
     /// Whether the mapping may be written.
+    #[cfg(feature = "remote")]
     pub(crate) fn is_writable(&self) -> bool {
         self.writable
     }

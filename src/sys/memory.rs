@@ -69,40 +69,28 @@ impl MemoryFile {
     /// A file that arrived in a message: refused unless it is a memory file sealed against
     /// resizing, of at least `len` bytes. Only its first `len` bytes are mapped (the sender
     /// picks the file's size: a huge sparse file must not take this process's address space),
-    /// read-only when it is sealed against writes (all of them, or those of every process but
-    /// its maker), else read-write.
+    /// read-only when it is sealed against writes, else read-write (a file that only its maker
+    /// may write, which cannot be mapped so, is refused: whoever opens it here means to write).
     pub(crate) fn open(fd: OwnedFd, len: usize) -> io::Result<MemoryFile> {
-        let refused = |why: String| io::Error::new(io::ErrorKind::InvalidData, why);
-        let seals =
-            fcntl_get_seals(&fd).map_err(|_| refused("shared memory that is not a sealed memory file".into()))?;
-        if !seals.contains(SIZE_SEALS) {
-            return Err(refused("shared memory that another process could shrink (not sealed)".into()));
-        }
-        let size = u64::try_from(fstat(&fd)?.st_size).map_err(|_| refused("shared memory of no size".into()))?;
-        if size < len as u64 {
-            return Err(refused(format!("shared memory of {size} bytes where {len} were promised")));
-        }
-        let access = if seals.contains(SealFlags::WRITE) {
-            Access::Frozen
-        } else if seals.contains(SealFlags::FUTURE_WRITE) {
-            Access::Read
-        } else {
-            Access::Write
-        };
-        map(fd, len, access)
+        let seals = checked_seals(&fd, len)?;
+        map(fd, len, if seals.contains(SealFlags::WRITE) { Access::Frozen } else { Access::Write })
     }
 
-    /// As [`open`](Self::open), and refused unless no process but its maker can write it
-    /// (made by [`zeroed_for_readers`](Self::zeroed_for_readers), or frozen).
+    /// A file that arrived in a message to be read only, checked as by [`open`](Self::open):
+    /// refused unless no process but its maker can write it (made by
+    /// [`zeroed_for_readers`](Self::zeroed_for_readers), or frozen). Mapped read-only.
     pub(crate) fn open_read_only(fd: OwnedFd, len: usize) -> io::Result<MemoryFile> {
-        let file = MemoryFile::open(fd, len)?;
-        if file.mapping.is_writable() {
-            return Err(io::Error::new(
+        let seals = checked_seals(&fd, len)?;
+        if seals.contains(SealFlags::WRITE) {
+            map(fd, len, Access::Frozen)
+        } else if seals.contains(SealFlags::FUTURE_WRITE) {
+            map(fd, len, Access::Read)
+        } else {
+            Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 "shared memory that every process holding it could write (not sealed against writes)",
-            ));
+            ))
         }
-        Ok(file)
     }
 
     /// The mapping, for the socket calls that read or write it in place.
@@ -142,6 +130,21 @@ fn made(name: &str, len: usize, bytes: &[u8], frozen: bool) -> io::Result<Memory
     let seals = if frozen { SIZE_SEALS | SealFlags::WRITE } else { SIZE_SEALS };
     fcntl_add_seals(&fd, seals | SealFlags::SEAL)?;
     map(fd, len, if frozen { Access::Frozen } else { Access::Write })
+}
+
+/// The seals of a file that arrived, once it is known to be a memory file sealed against
+/// resizing and to hold at least `len` bytes.
+fn checked_seals(fd: &OwnedFd, len: usize) -> io::Result<SealFlags> {
+    let refused = |why: String| io::Error::new(io::ErrorKind::InvalidData, why);
+    let seals = fcntl_get_seals(fd).map_err(|_| refused("shared memory that is not a sealed memory file".into()))?;
+    if !seals.contains(SIZE_SEALS) {
+        return Err(refused("shared memory that another process could shrink (not sealed)".into()));
+    }
+    let size = u64::try_from(fstat(fd)?.st_size).map_err(|_| refused("shared memory of no size".into()))?;
+    if size < len as u64 {
+        return Err(refused(format!("shared memory of {size} bytes where {len} were promised")));
+    }
+    Ok(seals)
 }
 
 /// How a memory file is mapped here.
@@ -241,6 +244,8 @@ mod tests {
         assert!(Mapping::new(fd(), 4096, true).is_err(), "a writable mapping is refused");
         assert!(rustix::io::pwrite(fd(), b"x", 0).is_err(), "a write is refused");
         assert!(b.frozen_bytes().is_none(), "its maker may still write it");
+        // Opened to be written (a host tensor's memory), it is refused, not mapped read-only.
+        assert!(MemoryFile::open(fd(), 4096).is_err(), "a file for readers opened to be written");
         // A file every holder may write is not one for readers.
         let plain = MemoryFile::zeroed(4096).unwrap();
         assert!(MemoryFile::open_read_only(plain.as_fd().try_clone_to_owned().unwrap(), 4096).is_err());
