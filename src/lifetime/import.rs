@@ -240,9 +240,9 @@ pub(super) fn table_arrived(owner: u128, table: Table) {
 
 /// The owner dropped more storages than it could list (`Revocation::Recheck`): every cached
 /// mapping and kept segment of it is checked against its table, as when the table arrived
-/// (each slot was cleared before the storage's revocation was posted). Without a table (its
-/// memory could not be mapped) every cached mapping of the owner is closed: they are only a
-/// cache.
+/// (each slot was cleared before the storage's revocation was posted). The table comes first
+/// on the socket, and one that does not map ends the subscription; without one all the same,
+/// every cached mapping of the owner is closed (they are only a cache).
 pub(super) fn recheck(owner: u128) {
     let table = state().owner_tables.get(&owner).cloned().flatten();
     match table {

@@ -249,6 +249,14 @@ pub(super) fn subscribe(owner: u128, lease: &Lease) -> bool {
     true
 }
 
+/// A revocation socket watched as owner `owner`'s, as a subscription makes one: the owner's end.
+#[cfg(test)]
+pub(super) fn watch_revocations(owner: u128) -> Socket {
+    let (tx, rx) = Socket::pair().unwrap();
+    reaper().unwrap().watch(Watched::Revocations(owner), Source::Socket(Arc::new(rx))).unwrap();
+    tx
+}
+
 /// How long the reaper may wait: until the next subscription's deposit expires, if any.
 fn next_expiry(reaper: &Reaper) -> Option<std::time::Duration> {
     let now = std::time::Instant::now();
@@ -355,22 +363,27 @@ fn drain_lease(reaper: &Reaper, id: u64, pipe: &OwnedFd) -> bool {
 /// subscriber).
 fn drain_revocations(reaper: &Reaper, id: u64, socket: &Socket) -> bool {
     loop {
+        let what = || lock(&reaper.watched).get(&id).map(|e| e.what);
         let message = match socket.recv(lease::MESSAGE_BYTES, Wait::Not) {
             Ok(Some(message)) => message,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
-            // Forged or cut short: ignored.
-            Err(e) if e.kind() == io::ErrorKind::InvalidData => continue,
+            // Cut short (the owner's table, its descriptor dropped at this process's limit):
+            // a subscription without the table cannot check a `Recheck`, so it ends, as at the
+            // owner's exit (a later import subscribes again). A subscriber's are discarded.
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => match what() {
+                Some(Watched::Revocations(_)) => return false,
+                _ => continue,
+            },
             Ok(None) | Err(_) => return false,
         };
-        let what = lock(&reaper.watched).get(&id).map(|e| e.what);
-        let Some(Watched::Revocations(owner)) = what else { continue };
+        let Some(Watched::Revocations(owner)) = what() else { continue };
         match postcard::from_bytes::<Revocation>(&message.bytes) {
             Ok(Revocation::Table) => {
                 // The owner fetched the subscription: nothing of it is left to expire.
                 lock(&reaper.subscribing).remove(&owner);
-                if let Some(memory) = lease::table_memory(message.fds) {
-                    table_arrived(owner, Table::from_memory(memory));
-                }
+                // A table that does not map (or that every holder could write) ends it too.
+                let Some(memory) = lease::table_memory(message.fds) else { return false };
+                table_arrived(owner, Table::from_memory(memory));
             }
             Ok(Revocation::Storages(indices)) => revoke(owner, Some(&indices)),
             Ok(Revocation::Recheck) => recheck(owner),

@@ -160,6 +160,28 @@ fn a_recheck_closes_what_the_owners_table_no_longer_holds() {
     owner_gone(owner);
 }
 
+/// A table that every holder could write (or that does not map) ends the subscription, as
+/// the owner's exit does: nothing stays cached on the word of a table this process cannot
+/// read, and a later `Recheck` cannot find the owner without one.
+#[test]
+fn a_table_that_does_not_map_ends_the_subscription() {
+    let owner = foreign_owner();
+    state().owner_tables.insert(owner, None);
+    let (id, closed, handle) = imported(owner, 1);
+    assert!(park_idle(id, "fake", Some(CacheTicket { slot: 0 }), handle).is_none(), "cached meanwhile");
+    let socket = super::reaper::watch_revocations(owner);
+    let loose = crate::sys::MemoryFile::zeroed(super::table::TABLE_BYTES).unwrap();
+    super::lease::send(&socket, &super::lease::Revocation::Table, &[&loose], crate::sys::Wait::Not).unwrap();
+    let ended = wait_for_lifetime(Duration::from_secs(10), |_| closed.load(Ordering::SeqCst) == 1);
+    assert!(ended.is_ok(), "the mapping cached on the subscription stayed");
+    assert!(!state().owner_tables.contains_key(&owner), "the subscription is over");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !socket.peer_closed() {
+        assert!(Instant::now() < deadline, "the subscriber kept its end of the socket");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 #[test]
 fn a_close_in_progress_makes_a_new_import_of_the_same_storage_wait() {
     let owner = foreign_owner();
