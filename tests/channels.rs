@@ -229,6 +229,12 @@ fn connect_file_refuses_a_planted_fifo_link_or_writable_file_at_once() {
     let writable = dir.join("writable");
     std::fs::write(&writable, listener.name()).unwrap();
     std::fs::set_permissions(&writable, std::os::unix::fs::PermissionsExt::from_mode(0o666)).unwrap();
+    // A group may write it (as a umask of 002 makes files): taken.
+    let group = dir.join("group");
+    std::fs::write(&group, listener.name()).unwrap();
+    std::fs::set_permissions(&group, std::os::unix::fs::PermissionsExt::from_mode(0o664)).unwrap();
+    let sender = Sender::<u8>::connect_file(&group, WAIT).expect("a name file its group may write is taken");
+    drop(sender);
     let (tx, rx) = std::sync::mpsc::channel();
     let paths = [fifo, link, writable];
     let tried = paths.clone();

@@ -432,10 +432,10 @@ impl<T: Serialize> Sender<T> {
     /// Connects to a [`Listener`] whose name was written to `path` with
     /// [`Listener::publish_to`], waiting up to `timeout` for the file to appear (or to name a
     /// listener that is there: a file left by one that is gone is read again) and for room in
-    /// the listener's backlog. A file that is not a regular file of this user's that others may
-    /// not write (a FIFO, a symbolic link, another user's file planted under the name) fails
-    /// at once (`PermissionDenied`); a listener of another user's is refused as by
-    /// [`connect`](Self::connect).
+    /// the listener's backlog. A file that is not a regular file of this user's (a FIFO, a
+    /// symbolic link, another user's file planted under the name), or that every user may
+    /// write, fails at once (`PermissionDenied`); a listener of another user's is refused as
+    /// by [`connect`](Self::connect).
     ///
     /// ```
     /// use std::time::Duration;
@@ -1297,8 +1297,8 @@ impl<T: Serialize + DeserializeOwned> Listener<T> {
     }
 
     /// Writes the name to `path` (atomically: a reader never sees half of it), as a file of
-    /// this user's that others may not write, mode 600 ([`Sender::connect_file`] refuses any
-    /// other). Pick a path others cannot take first: in a directory of this user's alone.
+    /// this user's alone, mode 600. Pick a path others cannot take first: in a directory of
+    /// this user's alone.
     ///
     /// ```
     /// let listener = cuda_mp::Listener::<u8>::bind().unwrap();
