@@ -656,19 +656,24 @@ mod tests {
             assert!(Instant::now() < deadline, "never collapsed into a recheck: {:?}", owed());
             std::thread::sleep(Duration::from_millis(1));
         }
-        // The subscriber reads again.
-        let read = |until: Instant| {
+        // The subscriber reads again: `want` messages (10 s at most), then whatever follows
+        // within 100 ms.
+        let read = |want: usize| {
             let mut got = Vec::new();
+            let mut until = Instant::now() + Duration::from_secs(10);
             while let Ok(Some(message)) = theirs.recv(lease::MESSAGE_BYTES, Wait::Until(until)) {
                 got.push(postcard::from_bytes::<Revocation>(&message.bytes).unwrap());
+                if got.len() == want {
+                    until = Instant::now() + Duration::from_millis(100);
+                }
             }
             got
         };
-        let got = read(Instant::now() + Duration::from_millis(500));
+        let got = read(fillers + 1);
         assert_eq!(got.len(), fillers + 1, "the fillers, then what it is owed, in one message");
         assert!(matches!(got.last(), Some(Revocation::Recheck)), "{:?}", got.last());
         revoke(vec![(N, ours.clone())], 20_001);
-        let got = read(Instant::now() + Duration::from_millis(500));
+        let got = read(1);
         assert!(matches!(&got[..], [Revocation::Storages(i)] if i == &[20_001]), "{got:?}");
     }
 
