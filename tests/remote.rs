@@ -626,6 +626,51 @@ fn connect_from(from: [u8; 4], to: std::net::SocketAddr) -> TcpStream {
     TcpStream::from(fd)
 }
 
+/// Silent connections from the sender's own address (every process of this host, or every
+/// host behind one NAT), as many as one source may run, keep no sender that proves the secret
+/// out: once they have had their grace, the oldest is ended to make room (before, the sender
+/// was closed unanswered for as long as they stayed).
+#[test]
+fn silent_peers_of_the_senders_own_address_keep_it_out_no_longer() {
+    let listener = listen::<u8>(network().secret(SECRET));
+    let addr = listener.local_addr().unwrap();
+    let silent: Vec<TcpStream> = (0..32).map(|_| connect_from([127, 0, 0, 1], addr)).collect();
+    let accepting = thread::spawn(move || {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Ok(rx) = listener.accept_timeout(Duration::from_millis(500)) {
+                return Some(rx);
+            }
+        }
+        None
+    });
+    // Past their grace.
+    thread::sleep(Duration::from_millis(1200));
+    let tx =
+        Sender::<u8>::connect_remote_with(addr, network().secret(SECRET).handshake_timeout(Duration::from_secs(5)));
+    let tx = tx.unwrap_or_else(|e| panic!("a sender from the flood's own address was kept out: {e}"));
+    tx.send(9).unwrap();
+    let rx = accepting.join().unwrap().expect("accepted");
+    assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(9));
+    drop(silent);
+}
+
+/// A sender without a secret sends to no address beyond this host: whoever answers on the
+/// port would get its messages. Refused before anything is sent, unless it says otherwise.
+#[test]
+fn a_sender_without_a_secret_connects_only_to_loopback() {
+    let started = Instant::now();
+    // 192.0.2.1 (TEST-NET-1) is never anyone's.
+    let options = RemoteOptions::default().connect_timeout(Duration::from_secs(5));
+    // A run that sets the environment's secret has no sender without one.
+    if options.has_secret() {
+        return;
+    }
+    let err = Sender::<u8>::connect_remote_with("192.0.2.1:9", options).unwrap_err();
+    assert!(err.to_string().contains("without a secret connects only to loopback"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(1), "it tried to connect first");
+}
+
 /// Peers of two sources that open every handshake slot they may (32 each: all 64) and never
 /// prove the secret keep no sender that proves it out: once they have had their grace, one of
 /// theirs is ended to make room for it (it waited for a slot as long as they held one).

@@ -461,9 +461,41 @@ struct RemoteBundleRef<'a> {
 #[cfg(feature = "remote")]
 #[derive(Deserialize)]
 struct RemoteBundle {
+    #[serde(deserialize_with = "allocation_sizes")]
     chunks: Vec<u64>,
     #[serde(with = "serde_bytes")]
     table: Vec<u8>,
+}
+
+/// A remote bundle's allocation sizes: at most as many as the message has tensors left to
+/// receive (each is one), checked as they come, so that a forged count collects nothing (a
+/// byte of the frame would otherwise become eight here).
+#[cfg(feature = "remote")]
+fn allocation_sizes<'de, D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Vec<u64>, D::Error> {
+    struct Sizes(u32);
+    impl<'de> serde::de::Visitor<'de> for Sizes {
+        type Value = Vec<u64>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "at most {} allocation sizes", self.0)
+        }
+
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<Vec<u64>, A::Error> {
+            let mut sizes = Vec::new();
+            while let Some(size) = seq.next_element()? {
+                if sizes.len() == self.0 as usize {
+                    return Err(decode_error(Error::Malformed(format!(
+                        "a bundle of more allocations than the message's {} tensors",
+                        self.0
+                    ))));
+                }
+                sizes.push(size);
+            }
+            Ok(sizes)
+        }
+    }
+    let (transfers, _) = remote::room().map_err(decode_error)?;
+    deserializer.deserialize_seq(Sizes(transfers))
 }
 
 /// A bundle from another host: fresh allocations on the connection's GPU (filled after the
@@ -478,7 +510,15 @@ fn decode_remote(wire: RemoteBundle) -> Result<Bundle> {
         .iter()
         .map(|&b| usize::try_from(b).map_err(|_| Error::Malformed("bundle allocation size overflows".into())))
         .collect::<Result<_>>()?;
-    // Checked before anything is allocated: a forged table costs no GPU memory.
+    // Checked before anything is allocated: a forged table costs no GPU memory, and no more
+    // host memory than the entries the options allow (each takes some 90 bytes parsed).
+    let (_, most) = remote::room()?;
+    let listed = postcard::take_from_bytes::<usize>(&wire.table).map(|(n, _)| n).unwrap_or(0);
+    if listed > most as usize {
+        return Err(Error::Malformed(format!(
+            "a bundle of {listed} tensors; the limit is {most} (RemoteOptions::max_tensors)"
+        )));
+    }
     let entries = parse_table(&wire.table, &lens)?;
     let chunks: Vec<Arc<GpuStorage>> = lens.iter().map(|&len| remote::receive_gpu(len)).collect::<Result<_>>()?;
     Ok(Bundle { chunks: chunks.into(), entries, table: Arc::new(OnceCell::with_value(wire.table)) })

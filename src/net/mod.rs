@@ -211,9 +211,10 @@ impl RemoteOptions {
         self.secret.is_some()
     }
 
-    /// Lets a listener without a secret bind addresses other than loopback (off by default):
-    /// any host that reaches the port may then connect. For a network where every host is
-    /// trusted.
+    /// Lets a listener without a secret bind addresses other than loopback, and a sender
+    /// without one connect to them (off by default): any host that reaches the port may then
+    /// connect, and whoever answers on it gets what a sender sends. For a network where every
+    /// host is trusted.
     ///
     /// ```
     /// let options = cuda_mp::RemoteOptions::default().allow_unauthenticated(true);
@@ -396,6 +397,31 @@ fn write_handshake_bytes(stream: &TcpStream, body: Vec<u8>, timeout: Duration) -
     let mut frame = (body.len() as u32).to_le_bytes().to_vec();
     frame.extend_from_slice(&body);
     tcp::write_all(stream, &frame, crate::os::instant_after(timeout)).map_err(|e| io_error(e, "the handshake", timeout))
+}
+
+/// Sends a connector's greeting and reads the listener's challenge; `None` when the listener
+/// closed the connection unanswered (it runs its most handshakes at once, and makes room for
+/// later ones).
+fn greet(stream: &TcpStream, ours: [u8; NONCE], timeout: Duration) -> Result<Option<Challenge>> {
+    let closed = |e: &io::Error| {
+        use io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
+        matches!(e.kind(), ConnectionReset | BrokenPipe | ConnectionAborted | UnexpectedEof)
+    };
+    let body = postcard::to_allocvec(&Greeting::new(ours)).map_err(|e| malformed("handshake", e))?;
+    let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+    frame.extend_from_slice(&body);
+    match tcp::write_all(stream, &frame, crate::os::instant_after(timeout)) {
+        Ok(()) => {}
+        Err(e) if closed(&e) => return Ok(None),
+        Err(e) => return Err(io_error(e, "the handshake", timeout)),
+    }
+    let mut reader = FrameReader::new(HANDSHAKE_BYTES, None);
+    match reader.read(stream, Some(crate::os::instant_after(timeout))) {
+        Ok(Some(body)) => postcard::from_bytes(&body).map(Some).map_err(|e| malformed("undecodable handshake", e)),
+        Ok(None) => Ok(None),
+        Err(e) if closed(&e) => Ok(None),
+        Err(e) => Err(io_error(e, "the handshake", timeout)),
+    }
 }
 
 fn read_handshake<M: DeserializeOwned>(stream: &TcpStream, timeout: Duration) -> Result<M> {
@@ -751,10 +777,16 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
             let mut by_source = lock(&self.by_source);
             let running = by_source.get(&source).map_or(0, Vec::len);
             if running >= MAX_HANDSHAKES_PER_SOURCE {
-                // Closed unanswered: one source's idle connections keep no other sender out.
-                return;
-            }
-            if self.pending.load(Ordering::Acquire) >= MAX_PENDING_HANDSHAKES && !make_room(&mut by_source, running) {
+                // At its source's cap: the source's oldest handshake that had its grace and
+                // proved nothing makes room (a sender behind the same address as a flood, or
+                // on the same host, gets in), else the connection is closed unanswered (one
+                // source's idle connections keep no other sender out).
+                if !end_oldest_unproven(by_source.get_mut(&source).into_iter().flatten()) {
+                    return;
+                }
+            } else if self.pending.load(Ordering::Acquire) >= MAX_PENDING_HANDSHAKES
+                && !make_room(&mut by_source, running)
+            {
                 return;
             }
             let copy = stream.try_clone().ok();
@@ -794,17 +826,25 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
 /// more than `running` (what the new connection's source runs); false when none may be.
 fn make_room(by_source: &mut BySource, running: usize) -> bool {
     let now = Instant::now();
-    let victim = by_source
+    by_source
         .values_mut()
         .filter(|hs| hs.len() > running && hs.iter().any(|r| r.evictable(now)))
         .max_by_key(|hs| hs.len())
-        .and_then(|hs| hs.iter_mut().filter(|r| r.evictable(now)).min_by_key(|r| r.started));
-    let Some(victim) = victim else { return false };
+        .is_some_and(|hs| end_oldest_unproven(hs.iter_mut()))
+}
+
+/// Ends the oldest of `running` that may be ended (no proof within its grace); false when none
+/// may be.
+fn end_oldest_unproven<'a>(running: impl IntoIterator<Item = &'a mut Running>) -> bool {
+    let now = Instant::now();
+    let Some(victim) = running.into_iter().filter(|r| r.evictable(now)).min_by_key(|r| r.started) else {
+        return false;
+    };
     // Its thread's next read fails, and it counts itself out.
     if let Some(stream) = victim.stream.take() {
         let _ = stream.shutdown(std::net::Shutdown::Both);
     }
-    tracing::debug!("ended a handshake that proved nothing, to make room for another source's");
+    tracing::debug!("ended a handshake that proved nothing, to make room for another");
     true
 }
 
@@ -875,11 +915,19 @@ fn handshake<T: Serialize + DeserializeOwned>(
             Error::Unsupported("refused a peer that did not prove the shared secret".into()),
         );
     }
-    proven.store(true, Ordering::Release);
-    let hello = match Hello::decode(&read_handshake_bytes(&stream, timeout)?) {
+    // Without a secret, answering the challenge proves nothing: such a peer keeps its first
+    // limit, and may be ended to make room, until its hello has come.
+    let hello_by = if secret.is_some() {
+        proven.store(true, Ordering::Release);
+        timeout
+    } else {
+        left()
+    };
+    let hello = match Hello::decode(&read_handshake_bytes(&stream, hello_by)?) {
         Ok(hello) => hello,
         Err(refusal) => return refuse(refusal.reason(), refusal.error()),
     };
+    proven.store(true, Ordering::Release);
     let here = std::any::type_name::<T>();
     if !hello.sends::<T>() {
         let why = format!("the listener receives {here}, the sender sends {}", hello.message);
@@ -1000,39 +1048,68 @@ impl<T: Serialize + DeserializeOwned + 'static> Sender<T> {
     ///
     /// Errors: [`Error::Timeout`] when the listener cannot be reached or does not answer in
     /// time; [`Error::Unsupported`] when it refuses (the secret, another protocol version,
-    /// another message type), or when this end holds a secret that the listener does not
-    /// prove.
+    /// another message type), when this end holds a secret that the listener does not prove,
+    /// or when it holds none and `addr` is not a loopback address (unless
+    /// [`RemoteOptions::allow_unauthenticated`]).
     pub fn connect_remote_with(addr: impl ToSocketAddrs, options: RemoteOptions) -> Result<Sender<T>> {
+        let addrs = resolve(addr)?;
         if let Some(secret) = &options.secret {
             secret.check()?;
+        } else if !options.allow_unauthenticated
+            && let Some(open) = addrs.iter().find(|a| !a.ip().is_loopback())
+        {
+            // Whoever answers on the port would get every message.
+            return Err(Error::Unsupported(format!(
+                "a remote sender without a secret connects only to loopback addresses, not {open}: set \
+                     RemoteOptions::secret (or {REMOTE_SECRET_ENV}) on both ends, or \
+                     RemoteOptions::allow_unauthenticated(true) where every host that can take the port is trusted"
+            )));
         }
         // Retried until the connect timeout: the listener may not be up yet (a peer process
-        // still starting), as torch.distributed's rendezvous retries.
-        let addrs = resolve(addr)?;
+        // still starting), as torch.distributed's rendezvous retries, or may close a connection
+        // unanswered while it runs its most handshakes at once.
         let deadline = crate::os::instant_after(options.connect_timeout);
-        let stream = 'connected: loop {
-            let mut last = None;
-            for addr in &addrs {
-                let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-                match TcpStream::connect_timeout(addr, left) {
-                    Ok(s) => break 'connected s,
-                    Err(e) => last = Some(e),
+        let timeout = options.handshake_timeout;
+        let pause =
+            || std::thread::sleep(Duration::from_millis(50).min(deadline.saturating_duration_since(Instant::now())));
+        let (stream, ours, challenge) = 'greeted: loop {
+            let stream = 'connected: {
+                let mut last = None;
+                for addr in &addrs {
+                    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+                    match TcpStream::connect_timeout(addr, left) {
+                        Ok(s) => break 'connected s,
+                        Err(e) => last = Some(e),
+                    }
+                }
+                let e = last.expect("resolve returns at least one address");
+                let retry = matches!(e.kind(), io::ErrorKind::ConnectionRefused | io::ErrorKind::ConnectionReset);
+                if !retry || Instant::now() >= deadline {
+                    return Err(io_error(e, "connecting", options.connect_timeout));
+                }
+                pause();
+                continue 'greeted;
+            };
+            tracing::debug!(listener = ?stream.peer_addr().ok(), "connected to a remote listener");
+            stream.set_nodelay(true)?;
+            // The secret first, both ways: this end proves it only to a listener that proved it.
+            let ours = auth::nonce()?;
+            match greet(&stream, ours, timeout)? {
+                Some(challenge) => break (stream, ours, challenge),
+                None if Instant::now() < deadline => pause(),
+                None => {
+                    return Err(Error::Io(io::Error::new(
+                        io::ErrorKind::ConnectionRefused,
+                        format!(
+                            "the listener closed every connection unanswered for {:?} (the connect timeout): \
+                             it runs its most handshakes at once",
+                            options.connect_timeout
+                        ),
+                    )));
                 }
             }
-            let e = last.expect("resolve returns at least one address");
-            let retry = matches!(e.kind(), io::ErrorKind::ConnectionRefused | io::ErrorKind::ConnectionReset);
-            if !retry || Instant::now() >= deadline {
-                return Err(io_error(e, "connecting", options.connect_timeout));
-            }
-            std::thread::sleep(Duration::from_millis(50).min(deadline.saturating_duration_since(Instant::now())));
         };
-        tracing::debug!(listener = ?stream.peer_addr().ok(), "connected to a remote listener");
-        stream.set_nodelay(true)?;
-        let timeout = options.handshake_timeout;
-        // The secret first, both ways: this end proves it only to a listener that proved it.
-        let ours = auth::nonce()?;
-        write_handshake(&stream, &Greeting::new(ours), timeout)?;
-        let (theirs, proof) = match read_handshake::<Challenge>(&stream, timeout)? {
+        let (theirs, proof) = match challenge {
             Challenge::Refused(why) => return Err(Error::Unsupported(format!("the listener refused: {why}"))),
             Challenge::Prove { nonce, proof } => (nonce, proof),
         };
@@ -1435,8 +1512,15 @@ fn decode_message<T: DeserializeOwned>(
             options.max_tensors
         )));
     }
-    let budget =
-        Budget { device: options.device, gpu_ready, host_bytes, gpu_bytes: options.max_gpu_bytes, transfers, spare };
+    let budget = Budget {
+        device: options.device,
+        gpu_ready,
+        host_bytes,
+        gpu_bytes: options.max_gpu_bytes,
+        transfers,
+        table_entries: options.max_tensors,
+        spare,
+    };
     let (decoded, incoming, unused) =
         codec::decode(budget, || catch_quietly(|| postcard::take_from_bytes::<T>(payload)));
     let value = match decoded {
@@ -1699,6 +1783,70 @@ mod tests {
         std::io::Write::write_all(&mut peer, &bytes).unwrap();
         let err = rx.recv_timeout(Duration::from_secs(10)).unwrap_err().to_string();
         assert!(err.contains("more than the message may still claim"), "{err}");
+    }
+
+    /// A bundle that lists more allocations than its frame announces tensors is refused as the
+    /// list is read (a byte a size: before, 32 Mi of them took 512 MiB before any limit), and
+    /// one whose table lists more tensors than the options allow, before the table is parsed.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn a_bundles_lists_are_bounded_before_they_are_collected() {
+        let (mut peer, rx) = forged_peer_of::<crate::Bundle>(RemoteOptions::default().max_tensors(4));
+        let sizes =
+            postcard::to_extend(&(vec![0u64; 1 << 20], serde_bytes::Bytes::new(&[0])), vec![0u8; HEAD]).unwrap();
+        std::io::Write::write_all(&mut peer, &frame(sizes, kind::MESSAGE, 1, 0)).unwrap();
+        let err = rx.recv_timeout(T60).unwrap_err().to_string();
+        assert!(err.contains("more allocations than the message's 1 tensors"), "{err}");
+        let (mut peer, rx) = forged_peer_of::<crate::Bundle>(RemoteOptions::default().max_tensors(4));
+        // A table that says it lists 1,000 entries.
+        let table = postcard::to_allocvec(&1000usize).unwrap();
+        let listed = postcard::to_extend(&(vec![64u64], serde_bytes::Bytes::new(&table)), vec![0u8; HEAD]).unwrap();
+        std::io::Write::write_all(&mut peer, &frame(listed, kind::MESSAGE, 1, 0)).unwrap();
+        let err = rx.recv_timeout(T60).unwrap_err().to_string();
+        assert!(err.contains("a bundle of 1000 tensors; the limit is 4"), "{err}");
+    }
+
+    /// Without a secret, a peer that answered the challenge and then stalls before its hello
+    /// proves nothing: 64 of them, from two other sources, keep no sender out (before, they
+    /// were never ended, and filled every handshake slot for as long as they stalled).
+    #[test]
+    fn peers_that_stall_after_the_challenge_keep_no_sender_out_without_a_secret() {
+        use rustix::net::{AddressFamily, SocketType, bind, connect, socket};
+        let listener =
+            RemoteListener::<u8>::bind_with("127.0.0.1:0", RemoteOptions::default().network_only(true)).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepting = std::thread::spawn(move || {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while Instant::now() < deadline {
+                // The stalled peers' ended handshakes come back as refusals.
+                if let Ok(rx) = listener.accept_timeout(Duration::from_millis(500)) {
+                    return Some(rx);
+                }
+            }
+            None
+        });
+        let stalled: Vec<TcpStream> = [[127u8, 0, 0, 2], [127, 0, 0, 3]]
+            .iter()
+            .flat_map(|&from| {
+                (0..32).map(move |_| {
+                    let fd = socket(AddressFamily::INET, SocketType::STREAM, None).unwrap();
+                    bind(&fd, &std::net::SocketAddr::from((from, 0))).unwrap();
+                    connect(&fd, &addr).unwrap();
+                    let s = TcpStream::from(fd);
+                    prove_by_hand(&s, None);
+                    s
+                })
+            })
+            .collect();
+        // Past their grace.
+        std::thread::sleep(Duration::from_millis(1200));
+        let options = RemoteOptions::default().network_only(true).handshake_timeout(T5);
+        let tx = Sender::<u8>::connect_remote_with(addr, options);
+        let tx = tx.unwrap_or_else(|e| panic!("a sender was kept out: {e}"));
+        tx.send(7).unwrap();
+        let rx = accepting.join().unwrap().expect("accepted");
+        assert_eq!(rx.recv_timeout(T5), Ok(7));
+        drop(stalled);
     }
 
     /// The wire form of a remote tensor, written by hand.

@@ -62,6 +62,8 @@ pub(crate) struct Budget {
     pub(crate) gpu_bytes: u64,
     /// Tensors the frame announced and not yet decoded.
     pub(crate) transfers: u32,
+    /// Tensors a bundle's table may list at most (`RemoteOptions::max_tensors`).
+    pub(crate) table_entries: u32,
     /// GPU storages of earlier messages to receive into instead of allocating, where one of
     /// the same size is no longer held by anyone; in the order the earlier message took them.
     pub(crate) spare: VecDeque<Arc<GpuStorage>>,
@@ -163,6 +165,13 @@ fn decoding<R>(f: impl FnOnce(&mut Decoding) -> Result<R>) -> Result<R> {
     wire::with_remote_decoding(|state| state.downcast_mut::<Decoding>().map(f))
         .flatten()
         .unwrap_or_else(|| Err(Error::Unsupported("no remote message is being decoded".into())))
+}
+
+/// What the message being decoded may still hold: tensors whose bytes follow (as the frame
+/// announced, less those decoded), and the entries a bundle's table may list. Read before a
+/// list of them is collected, so that a forged count allocates nothing.
+pub(crate) fn room() -> Result<(u32, u32)> {
+    decoding(|d| Ok((d.budget.transfers, d.budget.table_entries)))
 }
 
 /// Allocates `bytes` bytes on the connection's GPU for bytes that arrive by NCCL.

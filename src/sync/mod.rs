@@ -226,6 +226,11 @@ impl Object {
                         .and_then(|region| Object::attach(region, kind, None, &check))
                 })
             }
+            // A peer on another host names no object of this one: it could only make this
+            // process open files of its choosing.
+            Wire::Named { .. } if wire::is_remote_decoding() => {
+                Err(Error::Unsupported("a sync object from another host (they work within one host)".into()))
+            }
             Wire::Named { kind: sent, name, id } => check_kind(sent, kind, "the message carries").and_then(|()| {
                 let object = Object::named(kind, &name, Open::Existing, |_| {}, &check).map_err(|e| match e {
                     Error::Io(e) if e.kind() == io::ErrorKind::NotFound => Error::Malformed(format!(
@@ -356,6 +361,20 @@ mod tests {
         assert!(garbage.copy_in(0, &[0xab; region::BYTES]));
         let region = Region::from_memory(std::sync::Arc::new(garbage)).unwrap();
         assert!(matches!(Object::attach(region, Kind::Event, None, &|_| Ok(())), Err(Error::Malformed(_))));
+    }
+
+    /// A named object in a message from another host is refused before anything is opened:
+    /// the peer names files of its own host, not of this one (here one of the same name and
+    /// id exists, and would be opened).
+    #[cfg(feature = "remote")]
+    #[test]
+    fn a_named_object_from_another_host_is_refused() {
+        let name = format!("remote-named-{}", std::process::id());
+        let object = Object::named(Kind::Event, &name, Open::Create, |_| {}, |_| Ok(())).unwrap();
+        let forged = Wire::Named { kind: Kind::Event as u32, name: name.clone(), id: object.id() };
+        let body = crate::net::fuzzing::frame_of(&forged).unwrap();
+        let err = crate::net::fuzzing::read_frame::<crate::Event>(&body).err().unwrap();
+        assert!(err.contains("another host"), "{err}");
     }
 
     /// The creator of a named object forks a child (which shares its open file, and so its
