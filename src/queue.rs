@@ -104,7 +104,8 @@ const MAX_PREFETCH: usize = 64;
 /// each copy received by another process, is a consumer of its own. Gets on one handle from
 /// several threads take turns: clone the handle for threads that should wait side by side.
 /// A turn's wait counts in a `get_timeout`'s limit, and a `try_get` takes nothing while
-/// another thread's get holds the handle; a `stats` waits for its turn.
+/// another thread's get holds the handle; a `stats` waits for its turn (`stats_timeout` within
+/// its limit).
 ///
 /// # Guarantees
 ///
@@ -493,6 +494,16 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Queue<T> {
     /// ```
     pub fn stats(&self) -> std::result::Result<QueueStats, GetError> {
         self.consumer.stats()
+    }
+
+    /// The queue's counters, waiting at most `timeout`; see [`QueueConsumer::stats_timeout`].
+    ///
+    /// ```
+    /// let queue = cuda_mp::Queue::<u8>::new().unwrap();
+    /// assert!(!queue.stats_timeout(std::time::Duration::from_secs(5)).unwrap().closed);
+    /// ```
+    pub fn stats_timeout(&self, timeout: Duration) -> std::result::Result<QueueStats, GetTimeoutError> {
+        self.consumer.stats_timeout(timeout)
     }
 
     /// Puts every message that arrives on `source` until its senders are gone: a channel from
@@ -1066,14 +1077,34 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
     /// assert_eq!((stats.backlog, stats.consumers), (1, 1));
     /// ```
     pub fn stats(&self) -> std::result::Result<QueueStats, GetError> {
-        self.exchange(|e| {
-            e.ask(Ctl::Stats)?;
-            match e.until(Some(CANCEL_WAIT), |reply| matches!(reply, Reply::Stats(_)))? {
-                Reply::Stats(s) => Ok(s),
-                _ => Err(out_of_turn()),
-            }
-        })
-        .map_err(GetError::from)
+        self.exchange(Self::ask_stats).map_err(GetError::from)
+    }
+
+    /// Like [`stats`](Self::stats), waiting at most `timeout` for the handle (a `get` of
+    /// another thread holds it while it waits for a message) and for the dispatcher's answer.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let queue = cuda_mp::Queue::<u8>::new().unwrap();
+    /// let consumer = queue.consumer();
+    /// let stats = consumer.stats_timeout(Duration::from_secs(5)).unwrap();
+    /// assert_eq!(stats.consumers, 1);
+    /// ```
+    pub fn stats_timeout(&self, timeout: Duration) -> std::result::Result<QueueStats, GetTimeoutError> {
+        let deadline = crate::os::instant_after(timeout);
+        match self.exchange_until(Some(deadline), Self::ask_stats) {
+            Ok(Some(stats)) => Ok(stats),
+            Ok(None) => Err(GetTimeoutError::Timeout),
+            Err(f) => Err(f.into()),
+        }
+    }
+
+    fn ask_stats(e: &mut Endpoint<T>) -> std::result::Result<QueueStats, Fault> {
+        e.ask(Ctl::Stats)?;
+        match e.until(Some(CANCEL_WAIT), |reply| matches!(reply, Reply::Stats(_)))? {
+            Reply::Stats(s) => Ok(s),
+            _ => Err(out_of_turn()),
+        }
     }
 }
 

@@ -363,6 +363,66 @@ fn the_queue_ends_when_its_creator_exits() {
     });
 }
 
+/// Makes a queue, hands it out, forks a child without `exec` that only sleeps (as a forked CPU
+/// worker would), says the child's pid, then waits to be killed.
+fn create_fork_and_wait(tx: Sender<(Queue<u32>, QueueConsumer<u32>, i32)>) {
+    let queue = Queue::new().unwrap();
+    let consumer = queue.consumer();
+    // SAFETY: the child only sleeps and `_exit`s.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        std::thread::sleep(Duration::from_secs(60));
+        // SAFETY: ends the child without its parent's exit hooks.
+        unsafe { libc::_exit(0) };
+    }
+    tx.send((queue.clone(), consumer, pid)).unwrap();
+    loop {
+        std::thread::park();
+    }
+}
+
+/// The queue ends with its creator even where the creator forked a child without `exec`: the
+/// child's copies of the dispatcher's ends are closed (before, puts went on succeeding, and
+/// their messages were lost, for as long as the child lived).
+#[test]
+fn the_queue_ends_with_its_creator_whatever_it_forked() {
+    let (tx, rx) = channel().unwrap();
+    let mut creator = spawn(tx, create_fork_and_wait);
+    let (queue, consumer, forked) = rx.recv_timeout(WAIT).unwrap();
+    queue.put(1).unwrap();
+    assert_eq!(consumer.get_timeout(WAIT), Ok(1));
+    creator.kill().unwrap();
+    let ended = Instant::now();
+    let mut put = Ok(());
+    while put.is_ok() && ended.elapsed() < Duration::from_secs(10) {
+        put = queue.put(2);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: signals the creator's forked child, which only sleeps.
+    unsafe { libc::kill(forked, libc::SIGKILL) };
+    let err = put.expect_err("puts went on succeeding 10 s after the queue's creator was killed");
+    assert!(err.is_disconnected(), "{err}");
+    assert_eq!(consumer.get_timeout(WAIT), Err(GetTimeoutError::Disconnected));
+}
+
+/// `stats` waits for a `get` of another thread on the same handle; `stats_timeout` gives up at
+/// its limit, and answers once the handle is free.
+#[test]
+fn stats_timeout_gives_up_while_another_thread_gets() {
+    let queue = Queue::<u32>::new().unwrap();
+    let consumer = queue.consumer();
+    std::thread::scope(|s| {
+        let getting = s.spawn(|| consumer.get_timeout(Duration::from_secs(3)));
+        std::thread::sleep(Duration::from_millis(200));
+        let started = Instant::now();
+        assert_eq!(consumer.stats_timeout(Duration::from_millis(300)), Err(GetTimeoutError::Timeout));
+        assert!(started.elapsed() < Duration::from_secs(2), "it waited past its limit: {:?}", started.elapsed());
+        queue.put(5).unwrap();
+        assert_eq!(getting.join().unwrap(), Ok(5));
+    });
+    assert_eq!(consumer.stats_timeout(WAIT).unwrap().consumers, 1);
+}
+
 #[test]
 fn a_dropped_consumer_gives_back_what_it_prefetched_in_order() {
     let queue = Queue::<u32>::new().unwrap();

@@ -570,6 +570,9 @@ struct LocalReceiver<T> {
     /// Shared with the end's segment table, which looks whether everything was read when an
     /// owner of its segments exits (`Inbox::everything_read`).
     inbox: Arc<InboxLock>,
+    /// Set where forked children must not keep the channel's socket open
+    /// ([`Receiver::not_inherited`]); before `main`, which keeps the number open while it lives.
+    not_inherited: std::sync::OnceLock<crate::fork::NotInherited<crate::fork::Number>>,
     /// The channel's socket, to wait on without holding the inbox.
     main: Arc<Socket>,
     gauge: Gauge,
@@ -681,7 +684,20 @@ impl<T: DeserializeOwned> Receiver<T> {
             let mut inbox = inbox.try_lock()?;
             Some(inbox.everything_read())
         }));
-        Receiver { flavor: ReceiverFlavor::Local(LocalReceiver { inbox, main, gauge, _message: PhantomData }) }
+        let not_inherited = std::sync::OnceLock::new();
+        Receiver {
+            flavor: ReceiverFlavor::Local(LocalReceiver { inbox, not_inherited, main, gauge, _message: PhantomData }),
+        }
+    }
+
+    /// A child forked without `exec` closes this process's receiving end of the channel at
+    /// once, so that its senders see it gone when this process is, not when its last forked
+    /// child is (a queue's inbox, read by a thread that the child does not have); nothing for
+    /// a remote receiver. The child must not use or drop its copy of this receiver.
+    pub(crate) fn not_inherited(&self) {
+        if let ReceiverFlavor::Local(local) = &self.flavor {
+            local.not_inherited.get_or_init(|| crate::fork::NotInherited::new(crate::fork::Number::of(&*local.main)));
+        }
     }
 
     /// Blocks until a message arrives or every sender is gone.

@@ -318,6 +318,10 @@ where
 {
     let (inbox_tx, inbox_rx) = channel::<T>()?;
     let (join_tx, join_rx) = channel::<Join<T>>()?;
+    // Read by threads of this process alone: a child forked from it has none of them, and its
+    // copies must not keep puts and joins from failing once this process is gone.
+    inbox_rx.not_inherited();
+    join_rx.not_inherited();
     let hub = Arc::new(Hub::new());
     let puts = hub.clone();
     thread::Builder::new().name("cuda-mp-queue-puts".into()).spawn(move || read_puts(inbox_rx, &puts))?;
@@ -388,6 +392,7 @@ fn read_joins<T: Serialize + DeserializeOwned + Send + 'static>(joins: Receiver<
         // Joined before the first request of this consumer: handled before its reader exists.
         hub.handle(Some(Event::Joined(id, join.replies)));
         let requests = join.requests;
+        requests.not_inherited();
         let reader = hub.clone();
         let started = thread::Builder::new().name("cuda-mp-queue-consumer".into()).spawn(move || {
             let mut failures = 0;

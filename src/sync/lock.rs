@@ -287,10 +287,23 @@ impl Lock {
         gone.then_some(start)
     }
 
+    /// Releases the lock if this process holds it. A guard that a child forked without `exec`
+    /// copied names its parent, which holds the lock still: the child's drop of it leaves the
+    /// lock alone.
     fn release(&self) {
+        let me = sys::own_pid() & PID;
+        let word = self.word();
+        let mut current = word.load(Ordering::Acquire);
+        if current & PID != me {
+            return;
+        }
         self.holder_start().store(0, Ordering::Release);
-        if self.word().swap(0, Ordering::Release) & WAITERS != 0 {
-            sys::futex_wake(self.word(), 1);
+        // Waiters may set their flag meanwhile; nobody else changes a word that names us.
+        while let Err(now) = word.compare_exchange(current, 0, Ordering::Release, Ordering::Acquire) {
+            current = now;
+        }
+        if current & WAITERS != 0 {
+            sys::futex_wake(word, 1);
         }
     }
 }
@@ -439,6 +452,23 @@ impl std::error::Error for LockError<'_> {}
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A child forked while its parent held the lock drops its copy of the guard: the parent
+    /// still holds the lock (before, the child's drop released it under the parent).
+    #[test]
+    fn a_forked_childs_copy_of_a_guard_leaves_the_parents_lock_held() {
+        let lock = Lock::new().unwrap();
+        let held = std::cell::Cell::new(Some(lock.acquire().unwrap()));
+        let released_in_child = sys::fork_and_run(|| {
+            drop(held.take());
+            !lock.is_locked()
+        })
+        .unwrap();
+        assert!(!released_in_child, "the child's copy of the guard released the parent's lock");
+        assert_eq!(lock.holder(), Some(std::process::id()));
+        drop(held.take());
+        assert!(!lock.is_locked(), "the parent's own guard releases it");
+    }
 
     #[test]
     fn a_dead_holder_is_taken_over_once() {
