@@ -1077,7 +1077,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
     /// assert_eq!((stats.backlog, stats.consumers), (1, 1));
     /// ```
     pub fn stats(&self) -> std::result::Result<QueueStats, GetError> {
-        self.exchange(Self::ask_stats).map_err(GetError::from)
+        self.exchange(|e| Self::ask_stats(e, CANCEL_WAIT)).map_err(GetError::from)
     }
 
     /// Like [`stats`](Self::stats), waiting at most `timeout` for the handle (a `get` of
@@ -1092,16 +1092,27 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
     /// ```
     pub fn stats_timeout(&self, timeout: Duration) -> std::result::Result<QueueStats, GetTimeoutError> {
         let deadline = crate::os::instant_after(timeout);
-        match self.exchange_until(Some(deadline), Self::ask_stats) {
+        // Whether the answer's wait was cut to the caller's limit (else to the dispatcher's).
+        let cut = std::cell::Cell::new(false);
+        let asked = self.exchange_until(Some(deadline), |e| {
+            let left = deadline.saturating_duration_since(Instant::now());
+            cut.set(left < CANCEL_WAIT);
+            Self::ask_stats(e, left.min(CANCEL_WAIT))
+        });
+        match asked {
             Ok(Some(stats)) => Ok(stats),
             Ok(None) => Err(GetTimeoutError::Timeout),
+            // No answer within the limit: the endpoint starts afresh at the next call (a late
+            // answer would come out of turn).
+            Err(Fault::Io(_)) if cut.get() && Instant::now() >= deadline => Err(GetTimeoutError::Timeout),
             Err(f) => Err(f.into()),
         }
     }
 
-    fn ask_stats(e: &mut Endpoint<T>) -> std::result::Result<QueueStats, Fault> {
+    /// Asks the dispatcher for its counters and waits `wait` at most for the answer.
+    fn ask_stats(e: &mut Endpoint<T>, wait: Duration) -> std::result::Result<QueueStats, Fault> {
         e.ask(Ctl::Stats)?;
-        match e.until(Some(CANCEL_WAIT), |reply| matches!(reply, Reply::Stats(_)))? {
+        match e.until(Some(wait), |reply| matches!(reply, Reply::Stats(_)))? {
             Reply::Stats(s) => Ok(s),
             _ => Err(out_of_turn()),
         }

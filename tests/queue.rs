@@ -423,6 +423,36 @@ fn stats_timeout_gives_up_while_another_thread_gets() {
     assert_eq!(consumer.stats_timeout(WAIT).unwrap().consumers, 1);
 }
 
+fn create_and_wait(tx: Sender<(Queue<u32>, QueueConsumer<u32>)>) {
+    let queue = Queue::new().unwrap();
+    tx.send((queue.clone(), queue.consumer())).unwrap();
+    loop {
+        std::thread::park();
+    }
+}
+
+/// `stats_timeout` keeps to its limit while the dispatcher does not answer (its process
+/// stopped), and answers again once it does.
+#[test]
+fn stats_timeout_keeps_to_its_limit_while_the_dispatcher_is_stopped() {
+    let (tx, rx) = channel().unwrap();
+    let mut creator = spawn(tx, create_and_wait);
+    let (_queue, consumer) = rx.recv_timeout(WAIT).unwrap();
+    assert_eq!(consumer.stats_timeout(WAIT).unwrap().consumers, 1);
+    let pid = creator.pid().unwrap() as libc::pid_t;
+    // SAFETY: signals our own child.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let started = Instant::now();
+    let stopped = consumer.stats_timeout(Duration::from_millis(300));
+    let took = started.elapsed();
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    assert_eq!(stopped, Err(GetTimeoutError::Timeout));
+    assert!(took < Duration::from_secs(3), "it waited {took:?} for a 300 ms limit");
+    assert_eq!(consumer.stats_timeout(WAIT).unwrap().consumers, 1, "the handle joins again");
+    creator.kill().unwrap();
+}
+
 #[test]
 fn a_dropped_consumer_gives_back_what_it_prefetched_in_order() {
     let queue = Queue::<u32>::new().unwrap();

@@ -494,7 +494,7 @@ fn allocation_sizes<'de, D: Deserializer<'de>>(deserializer: D) -> std::result::
             Ok(sizes)
         }
     }
-    let (transfers, _) = remote::room().map_err(decode_error)?;
+    let transfers = remote::transfers_left().map_err(decode_error)?;
     deserializer.deserialize_seq(Sizes(transfers))
 }
 
@@ -510,15 +510,8 @@ fn decode_remote(wire: RemoteBundle) -> Result<Bundle> {
         .iter()
         .map(|&b| usize::try_from(b).map_err(|_| Error::Malformed("bundle allocation size overflows".into())))
         .collect::<Result<_>>()?;
-    // Checked before anything is allocated: a forged table costs no GPU memory, and no more
-    // host memory than the entries the options allow (each takes some 90 bytes parsed).
-    let (_, most) = remote::room()?;
-    let listed = postcard::take_from_bytes::<usize>(&wire.table).map(|(n, _)| n).unwrap_or(0);
-    if listed > most as usize {
-        return Err(Error::Malformed(format!(
-            "a bundle of {listed} tensors; the limit is {most} (RemoteOptions::max_tensors)"
-        )));
-    }
+    // Checked before anything is allocated: a forged table costs no GPU memory. (Its entries
+    // are parsed as they come, each from bytes of the frame: `max_frame_bytes` bounds them.)
     let entries = parse_table(&wire.table, &lens)?;
     let chunks: Vec<Arc<GpuStorage>> = lens.iter().map(|&len| remote::receive_gpu(len)).collect::<Result<_>>()?;
     Ok(Bundle { chunks: chunks.into(), entries, table: Arc::new(OnceCell::with_value(wire.table)) })
@@ -609,6 +602,15 @@ fn parse_table(table: &[u8], lens: &[usize]) -> Result<Arc<[BundleEntry]>> {
         e.layout.check_fits(len / e.dtype.size())?;
     }
     Ok(entries.into())
+}
+
+/// The table of `n` one-element f32 tensors packed into one allocation, and the allocations'
+/// lengths: a bundle's wire parts, for tests of its decoding.
+#[cfg(test)]
+pub(crate) fn table_of_tensors(n: usize) -> (Vec<u8>, Vec<usize>) {
+    let tensors = (0..n).map(|i| (format!("t{i}"), DType::F32, vec![1usize])).collect();
+    let (entries, lens) = pack(tensors, 1 << 20).unwrap();
+    (postcard::to_allocvec(&entries).unwrap(), lens)
 }
 
 #[cfg(test)]

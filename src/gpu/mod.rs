@@ -1,6 +1,8 @@
 //! GPU tensors: device memory shared across processes through CUDA IPC. See README.md here.
 
 mod bundle;
+#[cfg(all(test, feature = "remote"))]
+pub(crate) use bundle::table_of_tensors;
 mod caching;
 mod device;
 mod driver;

@@ -915,19 +915,19 @@ fn handshake<T: Serialize + DeserializeOwned>(
             Error::Unsupported("refused a peer that did not prove the shared secret".into()),
         );
     }
-    // Without a secret, answering the challenge proves nothing: such a peer keeps its first
-    // limit, and may be ended to make room, until its hello has come.
-    let hello_by = if secret.is_some() {
+    // Without a secret nothing a peer says proves anything: it keeps its first limit for the
+    // whole handshake, and may be ended to make room until it is done.
+    let limit = if secret.is_some() {
         proven.store(true, Ordering::Release);
         timeout
     } else {
         left()
     };
-    let hello = match Hello::decode(&read_handshake_bytes(&stream, hello_by)?) {
+    let hello = match Hello::decode(&read_handshake_bytes(&stream, limit)?) {
         Ok(hello) => hello,
         Err(refusal) => return refuse(refusal.reason(), refusal.error()),
     };
-    proven.store(true, Ordering::Release);
+    let limit = if secret.is_some() { timeout } else { left() };
     let here = std::any::type_name::<T>();
     if !hello.sends::<T>() {
         let why = format!("the listener receives {here}, the sender sends {}", hello.message);
@@ -943,8 +943,9 @@ fn handshake<T: Serialize + DeserializeOwned>(
         write_handshake(&stream, &Welcome::SameHost(local.name().to_string()), timeout)?;
         // `No`: the sender could not reach the local listener (another mount namespace, say):
         // the network route serves instead.
-        if let Joined::Yes = read_handshake::<Joined>(&stream, timeout)? {
-            return local.accept_timeout(timeout);
+        if let Joined::Yes = read_handshake::<Joined>(&stream, limit)? {
+            let limit = if secret.is_some() { timeout } else { left() };
+            return local.accept_timeout(limit);
         }
     }
     write_handshake(&stream, &Welcome::Network(Limits::of(options)), timeout)?;
@@ -1512,15 +1513,8 @@ fn decode_message<T: DeserializeOwned>(
             options.max_tensors
         )));
     }
-    let budget = Budget {
-        device: options.device,
-        gpu_ready,
-        host_bytes,
-        gpu_bytes: options.max_gpu_bytes,
-        transfers,
-        table_entries: options.max_tensors,
-        spare,
-    };
+    let budget =
+        Budget { device: options.device, gpu_ready, host_bytes, gpu_bytes: options.max_gpu_bytes, transfers, spare };
     let (decoded, incoming, unused) =
         codec::decode(budget, || catch_quietly(|| postcard::take_from_bytes::<T>(payload)));
     let value = match decoded {
@@ -1786,34 +1780,45 @@ mod tests {
     }
 
     /// A bundle that lists more allocations than its frame announces tensors is refused as the
-    /// list is read (a byte a size: before, 32 Mi of them took 512 MiB before any limit), and
-    /// one whose table lists more tensors than the options allow, before the table is parsed.
+    /// list is read (a byte a size: before, 32 Mi of them took 512 MiB before any limit); one
+    /// allocation holding more tensors than `max_tensors` (which counts transfers) is not.
     #[cfg(feature = "cuda")]
     #[test]
-    fn a_bundles_lists_are_bounded_before_they_are_collected() {
+    fn a_bundles_allocations_are_bounded_by_its_frames_tensors() {
         let (mut peer, rx) = forged_peer_of::<crate::Bundle>(RemoteOptions::default().max_tensors(4));
         let sizes =
             postcard::to_extend(&(vec![0u64; 1 << 20], serde_bytes::Bytes::new(&[0])), vec![0u8; HEAD]).unwrap();
         std::io::Write::write_all(&mut peer, &frame(sizes, kind::MESSAGE, 1, 0)).unwrap();
         let err = rx.recv_timeout(T60).unwrap_err().to_string();
         assert!(err.contains("more allocations than the message's 1 tensors"), "{err}");
+        // Five tensors in one allocation: the table is taken, and the decode goes on to the
+        // allocation (refused here only because no NCCL set-up came first).
+        let (table, lens) = crate::gpu::table_of_tensors(5);
         let (mut peer, rx) = forged_peer_of::<crate::Bundle>(RemoteOptions::default().max_tensors(4));
-        // A table that says it lists 1,000 entries.
-        let table = postcard::to_allocvec(&1000usize).unwrap();
-        let listed = postcard::to_extend(&(vec![64u64], serde_bytes::Bytes::new(&table)), vec![0u8; HEAD]).unwrap();
-        std::io::Write::write_all(&mut peer, &frame(listed, kind::MESSAGE, 1, 0)).unwrap();
+        let chunks: Vec<u64> = lens.iter().map(|&l| l as u64).collect();
+        let body = postcard::to_extend(&(chunks, serde_bytes::Bytes::new(&table)), vec![0u8; HEAD]).unwrap();
+        std::io::Write::write_all(&mut peer, &frame(body, kind::MESSAGE, 1, 0)).unwrap();
         let err = rx.recv_timeout(T60).unwrap_err().to_string();
-        assert!(err.contains("a bundle of 1000 tensors; the limit is 4"), "{err}");
+        assert!(err.contains("before the NCCL set-up"), "{err}");
     }
 
-    /// Without a secret, a peer that answered the challenge and then stalls before its hello
-    /// proves nothing: 64 of them, from two other sources, keep no sender out (before, they
-    /// were never ended, and filled every handshake slot for as long as they stalled).
+    /// Without a secret, a peer that answered the challenge and then stalls (before its hello,
+    /// or after a same-host hello, before it joins) proves nothing: 64 of them, from two other
+    /// sources, keep no sender out (before, they were never ended, and filled every handshake
+    /// slot for as long as they stalled).
     #[test]
-    fn peers_that_stall_after_the_challenge_keep_no_sender_out_without_a_secret() {
+    fn peers_that_stall_keep_no_sender_out_without_a_secret() {
+        stalled_peers_keep_no_sender_out(None);
+        let same_host = Hello::of::<u8>(Remote { host: host_identity(), network_only: false }).encode();
+        stalled_peers_keep_no_sender_out(Some(same_host));
+    }
+
+    /// 32 peers each from 127.0.0.2 and 127.0.0.3 answer the challenge, write `hello` if given,
+    /// and stall; after their grace a sender without a secret connects.
+    fn stalled_peers_keep_no_sender_out(hello: Option<Vec<u8>>) {
         use rustix::net::{AddressFamily, SocketType, bind, connect, socket};
-        let listener =
-            RemoteListener::<u8>::bind_with("127.0.0.1:0", RemoteOptions::default().network_only(true)).unwrap();
+        let options = RemoteOptions::default().network_only(hello.is_none());
+        let listener = RemoteListener::<u8>::bind_with("127.0.0.1:0", options.clone()).unwrap();
         let addr = listener.local_addr().unwrap();
         let accepting = std::thread::spawn(move || {
             let deadline = Instant::now() + Duration::from_secs(20);
@@ -1828,20 +1833,23 @@ mod tests {
         let stalled: Vec<TcpStream> = [[127u8, 0, 0, 2], [127, 0, 0, 3]]
             .iter()
             .flat_map(|&from| {
+                let hello = hello.clone();
                 (0..32).map(move |_| {
                     let fd = socket(AddressFamily::INET, SocketType::STREAM, None).unwrap();
                     bind(&fd, &std::net::SocketAddr::from((from, 0))).unwrap();
                     connect(&fd, &addr).unwrap();
                     let s = TcpStream::from(fd);
                     prove_by_hand(&s, None);
+                    if let Some(hello) = &hello {
+                        write_handshake_bytes(&s, hello.clone(), T5).unwrap();
+                    }
                     s
                 })
             })
             .collect();
         // Past their grace.
         std::thread::sleep(Duration::from_millis(1200));
-        let options = RemoteOptions::default().network_only(true).handshake_timeout(T5);
-        let tx = Sender::<u8>::connect_remote_with(addr, options);
+        let tx = Sender::<u8>::connect_remote_with(addr, options.handshake_timeout(T5));
         let tx = tx.unwrap_or_else(|e| panic!("a sender was kept out: {e}"));
         tx.send(7).unwrap();
         let rx = accepting.join().unwrap().expect("accepted");

@@ -62,8 +62,6 @@ pub(crate) struct Budget {
     pub(crate) gpu_bytes: u64,
     /// Tensors the frame announced and not yet decoded.
     pub(crate) transfers: u32,
-    /// Tensors a bundle's table may list at most (`RemoteOptions::max_tensors`).
-    pub(crate) table_entries: u32,
     /// GPU storages of earlier messages to receive into instead of allocating, where one of
     /// the same size is no longer held by anyone; in the order the earlier message took them.
     pub(crate) spare: VecDeque<Arc<GpuStorage>>,
@@ -167,11 +165,11 @@ fn decoding<R>(f: impl FnOnce(&mut Decoding) -> Result<R>) -> Result<R> {
         .unwrap_or_else(|| Err(Error::Unsupported("no remote message is being decoded".into())))
 }
 
-/// What the message being decoded may still hold: tensors whose bytes follow (as the frame
-/// announced, less those decoded), and the entries a bundle's table may list. Read before a
-/// list of them is collected, so that a forged count allocates nothing.
-pub(crate) fn room() -> Result<(u32, u32)> {
-    decoding(|d| Ok((d.budget.transfers, d.budget.table_entries)))
+/// The tensors whose bytes may still follow the message being decoded (as its frame
+/// announced, less those decoded): read before a list of them is collected, so that a forged
+/// count collects nothing.
+pub(crate) fn transfers_left() -> Result<u32> {
+    decoding(|d| Ok(d.budget.transfers))
 }
 
 /// Allocates `bytes` bytes on the connection's GPU for bytes that arrive by NCCL.

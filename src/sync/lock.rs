@@ -208,7 +208,7 @@ impl Lock {
                 let flag = if slept { WAITERS } else { current & WAITERS };
                 if word.compare_exchange(current, me | flag, Ordering::Acquire, Ordering::Relaxed).is_ok() {
                     self.holder_start().store(sys::own_start(), Ordering::Release);
-                    return Ok(LockGuard { lock: self });
+                    return Ok(LockGuard { lock: self, pid: me });
                 }
                 continue;
             }
@@ -222,7 +222,7 @@ impl Lock {
                         .compare_exchange(dead_start, sys::own_start(), Ordering::AcqRel, Ordering::Relaxed)
                         .is_ok()
                     {
-                        return Err(LockError::OwnerDied { pid: holder, guard: LockGuard { lock: self } });
+                        return Err(LockError::OwnerDied { pid: holder, guard: LockGuard { lock: self, pid: me } });
                     }
                     continue;
                 }
@@ -240,7 +240,7 @@ impl Lock {
                     match word.compare_exchange(seen, me | (seen & WAITERS), Ordering::Acquire, Ordering::Relaxed) {
                         Ok(_) => {
                             self.holder_start().store(sys::own_start(), Ordering::Release);
-                            return Err(LockError::OwnerDied { pid: holder, guard: LockGuard { lock: self } });
+                            return Err(LockError::OwnerDied { pid: holder, guard: LockGuard { lock: self, pid: me } });
                         }
                         Err(now) if now & PID == holder => seen = now,
                         Err(_) => break,
@@ -287,14 +287,15 @@ impl Lock {
         gone.then_some(start)
     }
 
-    /// Releases the lock if this process holds it. A guard that a child forked without `exec`
-    /// copied names its parent, which holds the lock still: the child's drop of it leaves the
-    /// lock alone.
-    fn release(&self) {
+    /// Releases the lock taken by process `pid` (a guard's), if that is this process and the
+    /// lock word names it. A guard that a child forked without `exec` copied is its parent's,
+    /// which holds the lock still: the child's drop of it leaves the lock alone, whoever holds
+    /// it then (the child itself included).
+    fn release(&self, pid: u32) {
         let me = sys::own_pid() & PID;
         let word = self.word();
         let mut current = word.load(Ordering::Acquire);
-        if current & PID != me {
+        if pid != me || current & PID != me {
             return;
         }
         self.holder_start().store(0, Ordering::Release);
@@ -342,11 +343,13 @@ object_serde!(Lock, check);
 /// ```
 pub struct LockGuard<'a> {
     lock: &'a Lock,
+    /// The process that took the lock (a forked child's copy of the guard is not its own).
+    pid: u32,
 }
 
 impl Drop for LockGuard<'_> {
     fn drop(&mut self) {
-        self.lock.release();
+        self.lock.release(self.pid);
     }
 }
 
@@ -468,6 +471,29 @@ mod tests {
         assert_eq!(lock.holder(), Some(std::process::id()));
         drop(held.take());
         assert!(!lock.is_locked(), "the parent's own guard releases it");
+    }
+
+    /// A child that takes the lock once its parent let go keeps it when it drops its stale copy
+    /// of the parent's guard.
+    #[test]
+    fn a_stale_copy_of_the_parents_guard_leaves_the_childs_own_hold() {
+        let lock = Lock::new().unwrap();
+        let held = std::sync::Mutex::new(Some(lock.acquire().unwrap()));
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(300));
+                drop(held.lock().unwrap().take());
+            });
+            let kept = sys::fork_and_run(|| {
+                let Ok(own) = lock.acquire_timeout(Duration::from_secs(10)) else { return false };
+                drop(held.lock().unwrap().take());
+                let kept = lock.holder() == Some(std::process::id());
+                drop(own);
+                kept
+            })
+            .unwrap();
+            assert!(kept, "a stale copy of the parent's guard released the child's own hold");
+        });
     }
 
     #[test]
