@@ -228,6 +228,7 @@ impl Object {
             }
             // A peer on another host names no object of this one: it could only make this
             // process open files of its choosing.
+            #[cfg(feature = "remote")]
             Wire::Named { .. } if wire::is_remote_decoding() => {
                 Err(Error::Unsupported("a sync object from another host (they work within one host)".into()))
             }
