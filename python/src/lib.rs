@@ -1183,15 +1183,21 @@ impl Queue {
     }
 
     /// Messages waiting, in flight and delivered so far: (backlog, in flight, delivered).
-    fn stats(&self, py: Python<'_>) -> PyResult<(usize, usize, u64)> {
-        let s = py.detach(|| self.inner.stats()).map_err(|e| {
-            let class = match &e {
-                cuda_mp::GetError::Disconnected => "Disconnected",
-                cuda_mp::GetError::Malformed(_) => "Malformed",
-                _ => "Error",
-            };
-            exception(py, class, e.to_string())
-        })?;
+    /// Waits for a get of another thread on this handle, and for the queue's process to
+    /// answer: without limit, or `timeout` seconds at most (then `cuda_mp.Timeout`).
+    #[pyo3(signature = (timeout=None))]
+    fn stats(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<(usize, usize, u64)> {
+        let s = match seconds(timeout)? {
+            None => py.detach(|| self.inner.stats()).map_err(|e| {
+                let class = match &e {
+                    cuda_mp::GetError::Disconnected => "Disconnected",
+                    cuda_mp::GetError::Malformed(_) => "Malformed",
+                    _ => "Error",
+                };
+                exception(py, class, e.to_string())
+            })?,
+            Some(limit) => py.detach(|| self.inner.stats_timeout(limit)).map_err(get_error)?,
+        };
         Ok((s.backlog, s.in_flight, s.delivered))
     }
 }

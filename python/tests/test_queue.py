@@ -102,6 +102,15 @@ def test_gets_time_out_as_multiprocessing_queues_do():
     assert "waiting=0" in repr(q)
 
 
+def test_stats_takes_a_timeout():
+    q = cuda_mp.Queue()
+    q.put(1)
+    assert q._native.stats(5.0)[0] == 1
+    with pytest.raises(ValueError):
+        q._native.stats(float("nan"))
+    assert q.get(timeout=10) == 1
+
+
 def test_a_pickled_handle_is_read_once():
     q = cuda_mp.Queue()
     data = pickle.dumps(q)

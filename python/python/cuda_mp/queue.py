@@ -261,10 +261,13 @@ class Queue:
         return (Queue.from_bytes, (self.to_bytes(),))
 
     def __repr__(self) -> str:
+        # Never waits long: a get of another thread on this handle holds it meanwhile.
         try:
-            backlog, in_flight, delivered = self._native.stats()
+            backlog, in_flight, delivered = self._native.stats(1.0)
         except Disconnected:
             return "cuda_mp.Queue(disconnected)"
+        except Timeout:
+            return "cuda_mp.Queue(busy)"
         return f"cuda_mp.Queue(waiting={backlog}, in_flight={in_flight}, delivered={delivered})"
 
 
