@@ -47,6 +47,9 @@ pub(crate) const FRAME_DECODERS: [FrameDecoder; 3] = {
 /// to confirm; it answers at once unless its process is stuck.
 const CANCEL_WAIT: Duration = Duration::from_secs(10);
 
+/// The least a `stats_timeout` waits for the dispatcher's answer, once it has the handle.
+const STATS_FLOOR: Duration = Duration::from_millis(100);
+
 /// How many messages a consumer keeps asked for ahead of its gets unless told otherwise
 /// ([`QueueConsumer::with_prefetch`]). With two, the next message is usually waiting in the
 /// consumer's channel even when the dispatcher is once slow to answer: one consumer of small
@@ -1081,7 +1084,9 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
     }
 
     /// Like [`stats`](Self::stats), waiting at most `timeout` for the handle (a `get` of
-    /// another thread holds it while it waits for a message) and for the dispatcher's answer.
+    /// another thread holds it while it waits for a message) and for the dispatcher's answer
+    /// (at least 100 ms for the answer, whatever `timeout`: a round trip to a dispatcher that
+    /// keeps up takes far less).
     ///
     /// ```
     /// use std::time::Duration;
@@ -1095,9 +1100,12 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
         // Whether the answer's wait was cut to the caller's limit (else to the dispatcher's).
         let cut = std::cell::Cell::new(false);
         let asked = self.exchange_until(Some(deadline), |e| {
-            let left = deadline.saturating_duration_since(Instant::now());
-            cut.set(left < CANCEL_WAIT);
-            Self::ask_stats(e, left.min(CANCEL_WAIT))
+            // Never less than a round trip takes a dispatcher that keeps up: a short limit
+            // must not turn a healthy queue's answer into a time-out (which starts the
+            // endpoint afresh, giving back what it had asked for ahead).
+            let wait = deadline.saturating_duration_since(Instant::now()).clamp(STATS_FLOOR, CANCEL_WAIT);
+            cut.set(wait < CANCEL_WAIT);
+            Self::ask_stats(e, wait)
         });
         match asked {
             Ok(Some(stats)) => Ok(stats),

@@ -421,6 +421,11 @@ fn stats_timeout_gives_up_while_another_thread_gets() {
         assert_eq!(getting.join().unwrap(), Ok(5));
     });
     assert_eq!(consumer.stats_timeout(WAIT).unwrap().consumers, 1);
+    // A limit shorter than a round trip, on a free handle of a queue that keeps up: answered,
+    // and the handle stays one consumer (a time-out would start it afresh each call).
+    for limit in [Duration::ZERO, Duration::from_micros(50)].into_iter().cycle().take(20) {
+        assert_eq!(consumer.stats_timeout(limit).map(|s| s.consumers), Ok(1));
+    }
 }
 
 fn create_and_wait(tx: Sender<(Queue<u32>, QueueConsumer<u32>)>) {

@@ -510,9 +510,9 @@ fn decode_remote(wire: RemoteBundle) -> Result<Bundle> {
         .iter()
         .map(|&b| usize::try_from(b).map_err(|_| Error::Malformed("bundle allocation size overflows".into())))
         .collect::<Result<_>>()?;
-    // Checked before anything is allocated: a forged table costs no GPU memory. (Its entries
-    // are parsed as they come, each from bytes of the frame: `max_frame_bytes` bounds them.)
-    let entries = parse_table(&wire.table, &lens)?;
+    // Checked before anything is allocated: a forged table costs no GPU memory, and no more
+    // host memory than `RemoteOptions::max_bundle_tensors` entries (counted as they are read).
+    let entries = parse_table_of_at_most(&wire.table, &lens, remote::bundle_tensors_at_most()?)?;
     let chunks: Vec<Arc<GpuStorage>> = lens.iter().map(|&len| remote::receive_gpu(len)).collect::<Result<_>>()?;
     Ok(Bundle { chunks: chunks.into(), entries, table: Arc::new(OnceCell::with_value(wire.table)) })
 }
@@ -590,8 +590,44 @@ impl ReceivedTables {
 /// Parses a bundle's table and checks every entry against the allocations' sizes (`lens`, in
 /// bytes).
 fn parse_table(table: &[u8], lens: &[usize]) -> Result<Arc<[BundleEntry]>> {
-    let (entries, rest): (Vec<BundleEntry>, &[u8]) =
-        postcard::take_from_bytes(table).map_err(|e| Error::Malformed(format!("bundle table: {e}")))?;
+    parse_table_of_at_most(table, lens, usize::MAX)
+}
+
+/// As [`parse_table`], refusing a table of more than `most` entries as it is read (each
+/// entry takes some 200 bytes parsed, from as few as 10 of the table).
+fn parse_table_of_at_most(table: &[u8], lens: &[usize], most: usize) -> Result<Arc<[BundleEntry]>> {
+    struct AtMost(usize);
+    impl<'de> serde::de::DeserializeSeed<'de> for AtMost {
+        type Value = Vec<BundleEntry>;
+        fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> std::result::Result<Self::Value, D::Error> {
+            deserializer.deserialize_seq(self)
+        }
+    }
+    impl<'de> serde::de::Visitor<'de> for AtMost {
+        type Value = Vec<BundleEntry>;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            write!(f, "a bundle table of at most {} tensors", self.0)
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<Self::Value, A::Error> {
+            let mut entries = Vec::new();
+            while let Some(entry) = seq.next_element()? {
+                if entries.len() == self.0 {
+                    return Err(decode_error(Error::Malformed(format!(
+                        "a bundle of more than {} tensors (RemoteOptions::max_bundle_tensors)",
+                        self.0
+                    ))));
+                }
+                entries.push(entry);
+            }
+            Ok(entries)
+        }
+    }
+    let malformed = |e: postcard::Error| {
+        crate::wire::take_failure().map_or_else(|| Error::Malformed(format!("bundle table: {e}")), Error::Malformed)
+    };
+    let mut deserializer = postcard::Deserializer::from_bytes(table);
+    let entries = serde::de::DeserializeSeed::deserialize(AtMost(most), &mut deserializer).map_err(malformed)?;
+    let rest = deserializer.finalize().map_err(malformed)?;
     if !rest.is_empty() {
         return Err(Error::Malformed(format!("bundle table: {} bytes after its entries", rest.len())));
     }

@@ -87,6 +87,7 @@ pub struct RemoteOptions {
     max_host_bytes: u64,
     max_gpu_bytes: u64,
     max_tensors: u32,
+    max_bundle_tensors: u32,
     network_only: bool,
     reuse_memory: bool,
     secret: Option<Secret>,
@@ -104,6 +105,7 @@ impl Default for RemoteOptions {
             max_host_bytes: 64 << 30,
             max_gpu_bytes: 64 << 30,
             max_tensors: 16 << 10,
+            max_bundle_tensors: 1 << 18,
             network_only: false,
             reuse_memory: true,
             secret: std::env::var_os(REMOTE_SECRET_ENV)
@@ -229,6 +231,19 @@ impl RemoteOptions {
     /// received is a shared-memory descriptor of this process.
     pub fn max_tensors(mut self, tensors: u32) -> Self {
         self.max_tensors = tensors;
+        self
+    }
+
+    /// The most tensors a received [`Bundle`](crate::Bundle) may hold (262,144 by default):
+    /// its table is read on the CPU, some 200 bytes of host memory a tensor, before anything
+    /// else of it. Checked where the bundle arrives.
+    ///
+    /// ```
+    /// let options = cuda_mp::RemoteOptions::default().max_bundle_tensors(1 << 20);
+    /// # drop(options);
+    /// ```
+    pub fn max_bundle_tensors(mut self, tensors: u32) -> Self {
+        self.max_bundle_tensors = tensors;
         self
     }
 
@@ -1513,8 +1528,15 @@ fn decode_message<T: DeserializeOwned>(
             options.max_tensors
         )));
     }
-    let budget =
-        Budget { device: options.device, gpu_ready, host_bytes, gpu_bytes: options.max_gpu_bytes, transfers, spare };
+    let budget = Budget {
+        device: options.device,
+        gpu_ready,
+        host_bytes,
+        gpu_bytes: options.max_gpu_bytes,
+        transfers,
+        bundle_tensors: options.max_bundle_tensors,
+        spare,
+    };
     let (decoded, incoming, unused) =
         codec::decode(budget, || catch_quietly(|| postcard::take_from_bytes::<T>(payload)));
     let value = match decoded {
@@ -1800,6 +1822,14 @@ mod tests {
         std::io::Write::write_all(&mut peer, &frame(body, kind::MESSAGE, 1, 0)).unwrap();
         let err = rx.recv_timeout(T60).unwrap_err().to_string();
         assert!(err.contains("before the NCCL set-up"), "{err}");
+        // Past `max_bundle_tensors`, the table is refused as it is read.
+        let (table, lens) = crate::gpu::table_of_tensors(5);
+        let (mut peer, rx) = forged_peer_of::<crate::Bundle>(RemoteOptions::default().max_bundle_tensors(4));
+        let chunks: Vec<u64> = lens.iter().map(|&l| l as u64).collect();
+        let body = postcard::to_extend(&(chunks, serde_bytes::Bytes::new(&table)), vec![0u8; HEAD]).unwrap();
+        std::io::Write::write_all(&mut peer, &frame(body, kind::MESSAGE, 1, 0)).unwrap();
+        let err = rx.recv_timeout(T60).unwrap_err().to_string();
+        assert!(err.contains("more than 4 tensors (RemoteOptions::max_bundle_tensors)"), "{err}");
     }
 
     /// Without a secret, a peer that answered the challenge and then stalls (before its hello,

@@ -62,6 +62,8 @@ pub(crate) struct Budget {
     pub(crate) gpu_bytes: u64,
     /// Tensors the frame announced and not yet decoded.
     pub(crate) transfers: u32,
+    /// Tensors a bundle's table may list (`RemoteOptions::max_bundle_tensors`).
+    pub(crate) bundle_tensors: u32,
     /// GPU storages of earlier messages to receive into instead of allocating, where one of
     /// the same size is no longer held by anyone; in the order the earlier message took them.
     pub(crate) spare: VecDeque<Arc<GpuStorage>>,
@@ -170,6 +172,11 @@ fn decoding<R>(f: impl FnOnce(&mut Decoding) -> Result<R>) -> Result<R> {
 /// count collects nothing.
 pub(crate) fn transfers_left() -> Result<u32> {
     decoding(|d| Ok(d.budget.transfers))
+}
+
+/// The most tensors a bundle's table in the message being decoded may list.
+pub(crate) fn bundle_tensors_at_most() -> Result<usize> {
+    decoding(|d| Ok(d.budget.bundle_tensors as usize))
 }
 
 /// Allocates `bytes` bytes on the connection's GPU for bytes that arrive by NCCL.
