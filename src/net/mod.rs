@@ -409,9 +409,19 @@ fn write_handshake<M: Serialize>(stream: &TcpStream, message: &M, timeout: Durat
 
 /// A handshake message's bytes, length-prefixed.
 fn write_handshake_bytes(stream: &TcpStream, body: Vec<u8>, timeout: Duration) -> Result<()> {
+    write_handshake_frame(stream, &body, timeout).map_err(|e| io_error(e, "the handshake", timeout))
+}
+
+/// Writes `body` length-prefixed, as every handshake message is.
+fn write_handshake_frame(stream: &TcpStream, body: &[u8], timeout: Duration) -> io::Result<()> {
     let mut frame = (body.len() as u32).to_le_bytes().to_vec();
-    frame.extend_from_slice(&body);
-    tcp::write_all(stream, &frame, crate::os::instant_after(timeout)).map_err(|e| io_error(e, "the handshake", timeout))
+    frame.extend_from_slice(body);
+    tcp::write_all(stream, &frame, crate::os::instant_after(timeout))
+}
+
+/// Reads the next length-prefixed handshake message; `Ok(None)` when the peer closed first.
+fn read_handshake_frame(stream: &TcpStream, timeout: Duration) -> io::Result<Option<Vec<u8>>> {
+    FrameReader::new(HANDSHAKE_BYTES, None).read(stream, Some(crate::os::instant_after(timeout)))
 }
 
 /// Sends a connector's greeting and reads the listener's challenge; `None` when the listener
@@ -423,15 +433,12 @@ fn greet(stream: &TcpStream, ours: [u8; NONCE], timeout: Duration) -> Result<Opt
         matches!(e.kind(), ConnectionReset | BrokenPipe | ConnectionAborted | UnexpectedEof)
     };
     let body = postcard::to_allocvec(&Greeting::new(ours)).map_err(|e| malformed("handshake", e))?;
-    let mut frame = (body.len() as u32).to_le_bytes().to_vec();
-    frame.extend_from_slice(&body);
-    match tcp::write_all(stream, &frame, crate::os::instant_after(timeout)) {
+    match write_handshake_frame(stream, &body, timeout) {
         Ok(()) => {}
         Err(e) if closed(&e) => return Ok(None),
         Err(e) => return Err(io_error(e, "the handshake", timeout)),
     }
-    let mut reader = FrameReader::new(HANDSHAKE_BYTES, None);
-    match reader.read(stream, Some(crate::os::instant_after(timeout))) {
+    match read_handshake_frame(stream, timeout) {
         Ok(Some(body)) => postcard::from_bytes(&body).map(Some).map_err(|e| malformed("undecodable handshake", e)),
         Ok(None) => Ok(None),
         Err(e) if closed(&e) => Ok(None),
@@ -445,9 +452,7 @@ fn read_handshake<M: DeserializeOwned>(stream: &TcpStream, timeout: Duration) ->
 
 /// The next handshake message's bytes.
 fn read_handshake_bytes(stream: &TcpStream, timeout: Duration) -> Result<Vec<u8>> {
-    let deadline = crate::os::instant_after(timeout);
-    let mut reader = FrameReader::new(HANDSHAKE_BYTES, None);
-    match reader.read(stream, Some(deadline)) {
+    match read_handshake_frame(stream, timeout) {
         Ok(Some(body)) => Ok(body),
         Ok(None) => Err(Error::Malformed("the peer closed the connection during the handshake".into())),
         Err(e) => Err(io_error(e, "the handshake", timeout)),
@@ -932,17 +937,14 @@ fn handshake<T: Serialize + DeserializeOwned>(
     }
     // Without a secret nothing a peer says proves anything: it keeps its first limit for the
     // whole handshake, and may be ended to make room until it is done.
-    let limit = if secret.is_some() {
+    if secret.is_some() {
         proven.store(true, Ordering::Release);
-        timeout
-    } else {
-        left()
-    };
-    let hello = match Hello::decode(&read_handshake_bytes(&stream, limit)?) {
+    }
+    let limit = || if secret.is_some() { timeout } else { left() };
+    let hello = match Hello::decode(&read_handshake_bytes(&stream, limit())?) {
         Ok(hello) => hello,
         Err(refusal) => return refuse(refusal.reason(), refusal.error()),
     };
-    let limit = if secret.is_some() { timeout } else { left() };
     let here = std::any::type_name::<T>();
     if !hello.sends::<T>() {
         let why = format!("the listener receives {here}, the sender sends {}", hello.message);
@@ -958,9 +960,8 @@ fn handshake<T: Serialize + DeserializeOwned>(
         write_handshake(&stream, &Welcome::SameHost(local.name().to_string()), timeout)?;
         // `No`: the sender could not reach the local listener (another mount namespace, say):
         // the network route serves instead.
-        if let Joined::Yes = read_handshake::<Joined>(&stream, limit)? {
-            let limit = if secret.is_some() { timeout } else { left() };
-            return local.accept_timeout(limit);
+        if let Joined::Yes = read_handshake::<Joined>(&stream, limit())? {
+            return local.accept_timeout(limit());
         }
     }
     write_handshake(&stream, &Welcome::Network(Limits::of(options)), timeout)?;
