@@ -341,28 +341,7 @@ impl Layout {
 pub(crate) fn bounded_dims<'de, D: serde::Deserializer<'de>>(
     deserializer: D,
 ) -> std::result::Result<Vec<usize>, D::Error> {
-    struct Dims;
-    impl<'de> serde::de::Visitor<'de> for Dims {
-        type Value = Vec<usize>;
-
-        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            write!(f, "at most {MAX_DIMS} dimensions")
-        }
-
-        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<Vec<usize>, A::Error> {
-            let mut dims = Vec::with_capacity(MAX_DIMS);
-            while let Some(d) = seq.next_element()? {
-                if dims.len() == MAX_DIMS {
-                    return Err(crate::wire::decode_error(crate::error::Error::Malformed(format!(
-                        "more than {MAX_DIMS} dimensions, at most {MAX_DIMS} are supported"
-                    ))));
-                }
-                dims.push(d);
-            }
-            Ok(dims)
-        }
-    }
-    deserializer.deserialize_seq(Dims)
+    crate::wire::bounded_seq(deserializer, MAX_DIMS, |n| format!("more than {n} dimensions, at most {n} are supported"))
 }
 
 /// Row-major strides for `shape`.

@@ -890,6 +890,41 @@ pub(crate) fn decode_error<E: serde::de::Error>(error: Error) -> E {
     E::custom(fail(&error))
 }
 
+/// Deserializes a sequence of at most `most` items: the first item past them is refused
+/// (`Malformed`, `too_many(most)` saying why), so a forged length collects nothing more
+/// (shapes, and a remote bundle's allocations and table).
+pub(crate) fn bounded_seq<'de, T: Deserialize<'de>, D: serde::Deserializer<'de>>(
+    deserializer: D,
+    most: usize,
+    too_many: fn(usize) -> String,
+) -> std::result::Result<Vec<T>, D::Error> {
+    struct AtMost<T> {
+        most: usize,
+        too_many: fn(usize) -> String,
+        _item: std::marker::PhantomData<fn() -> T>,
+    }
+    impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for AtMost<T> {
+        type Value = Vec<T>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "a sequence of at most {} items", self.most)
+        }
+
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<Vec<T>, A::Error> {
+            // Room for the items the message says it holds, within the bound and a few.
+            let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(self.most).min(16));
+            while let Some(item) = seq.next_element()? {
+                if items.len() == self.most {
+                    return Err(decode_error(Error::Malformed((self.too_many)(self.most))));
+                }
+                items.push(item);
+            }
+            Ok(items)
+        }
+    }
+    deserializer.deserialize_seq(AtMost { most, too_many, _item: std::marker::PhantomData })
+}
+
 /// An I/O error of a system call, as ours.
 pub(crate) fn io_error(e: io::Error) -> Error {
     descriptor_error(Error::Io(e))

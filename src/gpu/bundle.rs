@@ -472,30 +472,10 @@ struct RemoteBundle {
 /// byte of the frame would otherwise become eight here).
 #[cfg(feature = "remote")]
 fn allocation_sizes<'de, D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Vec<u64>, D::Error> {
-    struct Sizes(u32);
-    impl<'de> serde::de::Visitor<'de> for Sizes {
-        type Value = Vec<u64>;
-
-        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            write!(f, "at most {} allocation sizes", self.0)
-        }
-
-        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<Vec<u64>, A::Error> {
-            let mut sizes = Vec::new();
-            while let Some(size) = seq.next_element()? {
-                if sizes.len() == self.0 as usize {
-                    return Err(decode_error(Error::Malformed(format!(
-                        "a bundle of more allocations than the message's {} tensors",
-                        self.0
-                    ))));
-                }
-                sizes.push(size);
-            }
-            Ok(sizes)
-        }
-    }
     let transfers = remote::transfers_left().map_err(decode_error)?;
-    deserializer.deserialize_seq(Sizes(transfers))
+    crate::wire::bounded_seq(deserializer, transfers as usize, |n| {
+        format!("a bundle of more allocations than the message's {n} tensors")
+    })
 }
 
 /// A bundle from another host: fresh allocations on the connection's GPU (filled after the
@@ -596,37 +576,14 @@ fn parse_table(table: &[u8], lens: &[usize]) -> Result<Arc<[BundleEntry]>> {
 /// As [`parse_table`], refusing a table of more than `most` entries as it is read (each
 /// entry takes some 200 bytes parsed, from as few as 10 of the table).
 fn parse_table_of_at_most(table: &[u8], lens: &[usize], most: usize) -> Result<Arc<[BundleEntry]>> {
-    struct AtMost(usize);
-    impl<'de> serde::de::DeserializeSeed<'de> for AtMost {
-        type Value = Vec<BundleEntry>;
-        fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> std::result::Result<Self::Value, D::Error> {
-            deserializer.deserialize_seq(self)
-        }
-    }
-    impl<'de> serde::de::Visitor<'de> for AtMost {
-        type Value = Vec<BundleEntry>;
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            write!(f, "a bundle table of at most {} tensors", self.0)
-        }
-        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<Self::Value, A::Error> {
-            let mut entries = Vec::new();
-            while let Some(entry) = seq.next_element()? {
-                if entries.len() == self.0 {
-                    return Err(decode_error(Error::Malformed(format!(
-                        "a bundle of more than {} tensors (RemoteOptions::max_bundle_tensors)",
-                        self.0
-                    ))));
-                }
-                entries.push(entry);
-            }
-            Ok(entries)
-        }
-    }
     let malformed = |e: postcard::Error| {
         crate::wire::take_failure().map_or_else(|| Error::Malformed(format!("bundle table: {e}")), Error::Malformed)
     };
     let mut deserializer = postcard::Deserializer::from_bytes(table);
-    let entries = serde::de::DeserializeSeed::deserialize(AtMost(most), &mut deserializer).map_err(malformed)?;
+    let entries: Vec<BundleEntry> = crate::wire::bounded_seq(&mut deserializer, most, |n| {
+        format!("a bundle of more than {n} tensors (RemoteOptions::max_bundle_tensors)")
+    })
+    .map_err(malformed)?;
     let rest = deserializer.finalize().map_err(malformed)?;
     if !rest.is_empty() {
         return Err(Error::Malformed(format!("bundle table: {} bytes after its entries", rest.len())));
