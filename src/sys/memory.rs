@@ -57,9 +57,7 @@ impl MemoryFile {
     /// sealed against resizing and, once mapped here, against every later write and writable
     /// mapping (`F_SEAL_FUTURE_WRITE`), so that the processes it is sent to can only read it.
     pub(crate) fn zeroed_for_readers(len: usize) -> io::Result<MemoryFile> {
-        let fd = memfd_create("cuda-mp-table", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
-            .map_err(|e| out_of_memory(e.into(), "shared memory"))?;
-        ftruncate(&fd, len as u64).map_err(|e| out_of_memory(e.into(), &format!("{len} bytes of shared memory")))?;
+        let fd = fresh("cuda-mp-table", len, &[])?;
         fcntl_add_seals(&fd, SIZE_SEALS)?;
         let file = map(fd, len, Access::Write)?;
         fcntl_add_seals(&file.fd, SealFlags::FUTURE_WRITE | SealFlags::SEAL)?;
@@ -115,6 +113,14 @@ impl MemoryFile {
 /// A fresh file of `len` bytes starting with `bytes` (the rest zeros), sealed against resizing
 /// (and against writes when `frozen`), mapped.
 fn made(name: &str, len: usize, bytes: &[u8], frozen: bool) -> io::Result<MemoryFile> {
+    let fd = fresh(name, len, bytes)?;
+    let seals = if frozen { SIZE_SEALS | SealFlags::WRITE } else { SIZE_SEALS };
+    fcntl_add_seals(&fd, seals | SealFlags::SEAL)?;
+    map(fd, len, if frozen { Access::Frozen } else { Access::Write })
+}
+
+/// A fresh memory file of `len` bytes starting with `bytes` (the rest zeros), not sealed yet.
+fn fresh(name: &str, len: usize, bytes: &[u8]) -> io::Result<OwnedFd> {
     let fd = memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
         .map_err(|e| out_of_memory(e.into(), "shared memory"))?;
     ftruncate(&fd, len as u64).map_err(|e| out_of_memory(e.into(), &format!("{len} bytes of shared memory")))?;
@@ -127,9 +133,7 @@ fn made(name: &str, len: usize, bytes: &[u8], frozen: bool) -> io::Result<Memory
             Err(e) => return Err(e.into()),
         }
     }
-    let seals = if frozen { SIZE_SEALS | SealFlags::WRITE } else { SIZE_SEALS };
-    fcntl_add_seals(&fd, seals | SealFlags::SEAL)?;
-    map(fd, len, if frozen { Access::Frozen } else { Access::Write })
+    Ok(fd)
 }
 
 /// The seals of a file that arrived, once it is known to be a memory file sealed against
