@@ -137,8 +137,7 @@ pub(crate) fn subscribe(id: StorageId, lease: &Lease) {
             if matches!(s.owner_tables.get(&owner), Some(None)) {
                 s.owner_tables.remove(&owner);
             }
-            let keys: Vec<ImportKey> = s.idle.keys().filter(|(id, _)| id.owner() == owner).copied().collect();
-            evict(&mut s, &keys)
+            evict_owners(&mut s, owner)
         };
         dispose_evicted(evicted);
     }
@@ -248,11 +247,7 @@ pub(super) fn recheck(owner: u128) {
     match table {
         Some(table) => table_arrived(owner, table),
         None => {
-            let evicted = {
-                let mut s = state();
-                let keys: Vec<ImportKey> = s.idle.keys().filter(|(id, _)| id.owner() == owner).copied().collect();
-                evict(&mut s, &keys)
-            };
+            let evicted = evict_owners(&mut state(), owner);
             dispose_evicted(evicted);
         }
     }
@@ -271,6 +266,12 @@ fn in_segment_tables(
             drop(taken);
         });
     }
+}
+
+/// Takes every cached mapping of `owner`'s storages out of the idle cache, as [`evict`] does.
+fn evict_owners(s: &mut State, owner: u128) -> Vec<(ImportKey, AnyStorage)> {
+    let keys: Vec<ImportKey> = s.idle.keys().filter(|(id, _)| id.owner() == owner).copied().collect();
+    evict(s, &keys)
 }
 
 /// Takes `keys` out of the idle cache, under the lock: each is marked closing (a new import of
