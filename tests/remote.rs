@@ -626,6 +626,20 @@ fn connect_from(from: [u8; 4], to: std::net::SocketAddr) -> TcpStream {
     TcpStream::from(fd)
 }
 
+/// Accepts on a thread of its own, for `within` at most, the first sender whose handshake
+/// ends well: the ended handshakes of silent peers come back as refusals first.
+fn accept_past_refusals(listener: RemoteListener<u8>, within: Duration) -> thread::JoinHandle<Option<Receiver<u8>>> {
+    thread::spawn(move || {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if let Ok(rx) = listener.accept_timeout(Duration::from_millis(500)) {
+                return Some(rx);
+            }
+        }
+        None
+    })
+}
+
 /// Silent connections from the sender's own address (every process of this host, or every
 /// host behind one NAT), as many as one source may run, keep no sender that proves the secret
 /// out: once they have had their grace, the oldest is ended to make room (before, the sender
@@ -635,15 +649,7 @@ fn silent_peers_of_the_senders_own_address_keep_it_out_no_longer() {
     let listener = listen::<u8>(network().secret(SECRET));
     let addr = listener.local_addr().unwrap();
     let silent: Vec<TcpStream> = (0..32).map(|_| connect_from([127, 0, 0, 1], addr)).collect();
-    let accepting = thread::spawn(move || {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if let Ok(rx) = listener.accept_timeout(Duration::from_millis(500)) {
-                return Some(rx);
-            }
-        }
-        None
-    });
+    let accepting = accept_past_refusals(listener, Duration::from_secs(20));
     // Past their grace.
     thread::sleep(Duration::from_millis(1200));
     let tx =
@@ -680,16 +686,7 @@ fn silent_peers_of_two_sources_keep_no_sender_with_the_secret_out() {
     let addr = listener.local_addr().unwrap();
     let silent: Vec<TcpStream> =
         [[127, 0, 0, 2], [127, 0, 0, 3]].iter().flat_map(|&s| (0..32).map(move |_| connect_from(s, addr))).collect();
-    let accepting = thread::spawn(move || {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            // The silent peers' ended handshakes come back as refusals.
-            if let Ok(rx) = listener.accept_timeout(Duration::from_millis(500)) {
-                return Some(rx);
-            }
-        }
-        None
-    });
+    let accepting = accept_past_refusals(listener, Duration::from_secs(10));
     thread::sleep(Duration::from_millis(300));
     let start = Instant::now();
     let tx =

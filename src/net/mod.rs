@@ -1808,29 +1808,27 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn a_bundles_allocations_are_bounded_by_its_frames_tensors() {
-        let (mut peer, rx) = forged_peer_of::<crate::Bundle>(RemoteOptions::default().max_tensors(4));
-        let sizes =
-            postcard::to_extend(&(vec![0u64; 1 << 20], serde_bytes::Bytes::new(&[0])), vec![0u8; HEAD]).unwrap();
-        std::io::Write::write_all(&mut peer, &frame(sizes, kind::MESSAGE, 1, 0)).unwrap();
-        let err = rx.recv_timeout(T60).unwrap_err().to_string();
+        let err = bundle_refusal(RemoteOptions::default().max_tensors(4), vec![0u64; 1 << 20], &[0]);
         assert!(err.contains("more allocations than the message's 1 tensors"), "{err}");
         // Five tensors in one allocation: the table is taken, and the decode goes on to the
         // allocation (refused here only because no NCCL set-up came first).
         let (table, lens) = crate::gpu::table_of_tensors(5);
-        let (mut peer, rx) = forged_peer_of::<crate::Bundle>(RemoteOptions::default().max_tensors(4));
         let chunks: Vec<u64> = lens.iter().map(|&l| l as u64).collect();
-        let body = postcard::to_extend(&(chunks, serde_bytes::Bytes::new(&table)), vec![0u8; HEAD]).unwrap();
-        std::io::Write::write_all(&mut peer, &frame(body, kind::MESSAGE, 1, 0)).unwrap();
-        let err = rx.recv_timeout(T60).unwrap_err().to_string();
+        let err = bundle_refusal(RemoteOptions::default().max_tensors(4), chunks.clone(), &table);
         assert!(err.contains("before the NCCL set-up"), "{err}");
         // Past `max_bundle_tensors`, the table is refused as it is read.
-        let (table, lens) = crate::gpu::table_of_tensors(5);
-        let (mut peer, rx) = forged_peer_of::<crate::Bundle>(RemoteOptions::default().max_bundle_tensors(4));
-        let chunks: Vec<u64> = lens.iter().map(|&l| l as u64).collect();
-        let body = postcard::to_extend(&(chunks, serde_bytes::Bytes::new(&table)), vec![0u8; HEAD]).unwrap();
-        std::io::Write::write_all(&mut peer, &frame(body, kind::MESSAGE, 1, 0)).unwrap();
-        let err = rx.recv_timeout(T60).unwrap_err().to_string();
+        let err = bundle_refusal(RemoteOptions::default().max_bundle_tensors(4), chunks, &table);
         assert!(err.contains("more than 4 tensors (RemoteOptions::max_bundle_tensors)"), "{err}");
+    }
+
+    /// What a receiver of bundles with `options` says of a frame of one tensor whose bundle
+    /// lists allocations of `chunks` bytes and the table `table`.
+    #[cfg(feature = "cuda")]
+    fn bundle_refusal(options: RemoteOptions, chunks: Vec<u64>, table: &[u8]) -> String {
+        let (mut peer, rx) = forged_peer_of::<crate::Bundle>(options);
+        let body = postcard::to_extend(&(chunks, serde_bytes::Bytes::new(table)), vec![0u8; HEAD]).unwrap();
+        std::io::Write::write_all(&mut peer, &frame(body, kind::MESSAGE, 1, 0)).unwrap();
+        rx.recv_timeout(T60).unwrap_err().to_string()
     }
 
     /// Without a secret, a peer that answered the challenge and then stalls (before its hello,
