@@ -147,8 +147,7 @@ pub(crate) fn read_published(path: &Path, max_len: u64) -> io::Result<Option<Str
         Ok(file) => file,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) if e.raw_os_error() == Some(rustix::io::Errno::LOOP.raw_os_error()) => {
-            let text = format!("{}: refused, it is a symbolic link", path.display());
-            return Err(io::Error::new(io::ErrorKind::PermissionDenied, text));
+            return Err(refused_link(&path.display()));
         }
         Err(e) => return Err(with_path(e, path)),
     };
@@ -195,6 +194,11 @@ fn same_file(file: &File, path: &Path) -> bool {
         (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
         _ => false,
     }
+}
+
+/// The refusal of a name that is a symbolic link (opened with `O_NOFOLLOW`).
+pub(super) fn refused_link(name: &dyn std::fmt::Display) -> io::Error {
+    io::Error::new(io::ErrorKind::PermissionDenied, format!("{name}: refused, it is a symbolic link"))
 }
 
 /// Refuses an object `name` (a file, a shared-memory object) that another user owns or that

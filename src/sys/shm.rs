@@ -63,10 +63,7 @@ fn open_existing(name: &CStr, access: shm::OFlags) -> io::Result<Option<OwnedFd>
     match shm::open(name, access | never, Mode::empty()) {
         Ok(fd) => check_private(&fd, name).map(|()| Some(fd)),
         Err(rustix::io::Errno::NOENT) => Ok(None),
-        Err(rustix::io::Errno::LOOP) => Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            format!("{}: refused, it is a symbolic link", name.to_string_lossy()),
-        )),
+        Err(rustix::io::Errno::LOOP) => Err(super::named::refused_link(&name.to_string_lossy())),
         Err(e) => Err(e.into()),
     }
 }
