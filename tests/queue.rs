@@ -444,14 +444,14 @@ fn stats_timeout_keeps_to_its_limit_while_the_dispatcher_is_stopped() {
     let mut creator = spawn(tx, create_and_wait);
     let (_queue, consumer) = rx.recv_timeout(WAIT).unwrap();
     assert_eq!(consumer.stats_timeout(WAIT).unwrap().consumers, 1);
-    let pid = creator.pid().unwrap() as libc::pid_t;
-    // SAFETY: signals our own child.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let pid = creator.pid().unwrap();
+    // Stopped for sure before the ask (a signal is delivered when the kernel gets to it).
+    common::stop_process(pid);
     let started = Instant::now();
     let stopped = consumer.stats_timeout(Duration::from_millis(300));
     let took = started.elapsed();
-    // SAFETY: as above.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    // SAFETY: signals our own child.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGCONT) }, 0);
     assert_eq!(stopped, Err(GetTimeoutError::Timeout));
     assert!(took < Duration::from_secs(3), "it waited {took:?} for a 300 ms limit");
     assert_eq!(consumer.stats_timeout(WAIT).unwrap().consumers, 1, "the handle joins again");
