@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{JoinError, PanicReport};
 use crate::os::{catch_quietly, report_panics};
 use crate::process::{JoinHandle, exit_error, join_error, not_initialized};
-use crate::sys::ChildWatch;
+use crate::sys::{ChildWatch, Exit, SIGKILL};
 use crate::wire;
 
 /// How often a dispatcher waiting on its worker looks whether the pool is being terminated or
@@ -55,8 +55,10 @@ const POLL: Duration = Duration::from_millis(50);
 /// exiting during a job as [`JoinError::Signaled`] or [`JoinError::Exited`] (on Linux 6.15 and
 /// later, see below; a result that does not decode in the calling process comes back as the
 /// worker killed by SIGKILL too: the process layer kills a worker whose result it cannot take
-/// in, and reports only that); the worker is
-/// replaced by a fresh process (which runs the initializer again) and the jobs queued behind it
+/// in, and reports only that; a panic the job caught reads as the cause where the worker was
+/// then killed by SIGKILL while its connection broke, which procspawn's own kill after a panic
+/// looks like; a worker that dies while a child it forked keeps its connection is seen within
+/// 100 ms); the worker is replaced by a fresh process (which runs the initializer again) and the jobs queued behind it
 /// still run. [`map`] reports the first job to fail as [`JoinError::Job`] with its index.
 ///
 /// # Design and trade-offs
@@ -1195,6 +1197,9 @@ fn setup_worker(panics: crate::Sender<Report>) -> u32 {
 enum Waited<R> {
     Done(R),
     Failed(procspawn::SpawnError),
+    /// The worker's process ended and no result came: its connection to this process may
+    /// live on in a child it forked, so procspawn would not notice.
+    Died,
     TimedOut,
     /// The pool was terminated, or closed with nothing left to run.
     Stopped,
@@ -1203,10 +1208,18 @@ enum Waited<R> {
 /// Waits for a call's result until `deadline`, looking now and then whether the pool is being
 /// terminated, or is closing with no job left (then only a worker's start or initializer can
 /// be waiting, for a worker that would never get a job: a shutdown does not wait for it).
-fn wait<R>(handle: &mut procspawn::JoinHandle<R>, deadline: Option<Instant>, shared: &Shared) -> Waited<R>
+///
+/// With the worker's `watch`, a worker seen ended for two looks without a result has died.
+fn wait<R>(
+    handle: &mut procspawn::JoinHandle<R>,
+    deadline: Option<Instant>,
+    shared: &Shared,
+    watch: Option<&ChildWatch>,
+) -> Waited<R>
 where
     R: Serialize + DeserializeOwned,
 {
+    let mut seen_gone = 0;
     loop {
         let step = deadline.map_or(POLL, |d| POLL.min(d.saturating_duration_since(Instant::now())));
         match handle.join_timeout(step) {
@@ -1216,6 +1229,13 @@ where
         }
         if shared.terminated() || shared.closed_and_drained() {
             return Waited::Stopped;
+        }
+        // The result, written before the worker ended, is read by the next look at the latest.
+        if watch.is_some_and(ChildWatch::gone) {
+            seen_gone += 1;
+            if seen_gone > 1 {
+                return Waited::Died;
+            }
         }
         if deadline.is_some_and(|d| Instant::now() >= d) {
             return Waited::TimedOut;
@@ -1255,7 +1275,7 @@ impl Worker {
             }
             JoinError::Failed(format!("could not set up a pool worker: {panic}"))
         })?;
-        let waited = wait(&mut setup, deadline, shared);
+        let waited = wait(&mut setup, deadline, shared, None);
         if !matches!(waited, Waited::Done(_)) {
             withdraw();
         }
@@ -1264,6 +1284,7 @@ impl Worker {
             // A pool terminated meanwhile may have ended the process.
             Waited::Failed(_) if shared.terminated() => return Err(JoinError::PoolClosed),
             Waited::Failed(e) => return Err(join_error(e)),
+            Waited::Died => return Err(JoinError::Terminated("the pool worker ended while it was set up".into())),
             Waited::TimedOut => return Err(JoinError::Timeout),
             Waited::Stopped => return Err(JoinError::PoolClosed),
         };
@@ -1307,41 +1328,57 @@ impl Worker {
                 return Err(JoinError::Failed(format!("could not hand the job to its worker: {panic}")));
             }
         };
-        let waited = wait(&mut handle, deadline, shared);
+        let waited = wait(&mut handle, deadline, shared, Some(&self.watch));
         if !matches!(waited, Waited::Done(_)) {
             self.broken = true;
             withdraw();
         }
         match waited {
             Waited::Done(value) => Ok(value),
-            Waited::Failed(_) | Waited::Stopped if shared.terminated() => Err(JoinError::PoolClosed),
-            Waited::Failed(e) => Err(self.failure(e)),
+            Waited::Failed(_) | Waited::Died | Waited::Stopped if shared.terminated() => Err(JoinError::PoolClosed),
+            Waited::Failed(e) => Err(self.failure(Some(e))),
+            Waited::Died => Err(self.failure(None)),
             Waited::TimedOut => Err(JoinError::Timeout),
             Waited::Stopped => Err(JoinError::PoolClosed),
         }
     }
 
-    /// Why a call failed: the panic its worker reported, or how the worker ended.
-    fn failure(&self, e: procspawn::SpawnError) -> JoinError {
+    /// Why a call failed (`e`: as procspawn saw it, `None` where the worker died unseen by
+    /// it): how the worker ended, or the panic it reported.
+    fn failure(&self, e: Option<procspawn::SpawnError>) -> JoinError {
         // The panic hook sent the report before the panic unwound, so before the call failed.
         let mut report = None;
         while let Ok(r) = self.panics.try_recv() {
             report = Some(r);
         }
-        if let Some(r) = report {
-            return JoinError::Panicked(PanicReport { message: r.message, location: r.location });
+        let seen = e.map(join_error);
+        if let Some(JoinError::Panicked(panic)) = seen {
+            let panic = report.map_or(panic, |r| PanicReport { message: r.message, location: r.location });
+            return JoinError::Panicked(panic);
         }
-        match join_error(e) {
-            JoinError::Panicked(panic) => JoinError::Panicked(panic),
-            other => match self.watch.exit_status() {
-                Some(exit) => exit_error(exit),
-                None => {
-                    JoinError::Terminated(format!("the pool worker ended during the job, how is unknown ({other})"))
-                }
-            },
+        // How the worker ended says why, unless its job's panic may have ended it (procspawn
+        // ends a worker whose panic broke the call's connection: it exits, or procspawn's
+        // SIGKILL overtakes that): then the report, the panic's (a panic the job caught is
+        // reported too, and reads as the cause where the worker was killed after it).
+        // The end is seen an instant after the connection it closed in ending.
+        let exit = self.watch.exited(EXIT_SEEN_WITHIN).or_else(|| self.watch.exit_status());
+        let broke_the_call = seen.is_some();
+        match (exit, report) {
+            (Some(exit), Some(r)) if exit.may_be_a_panic() || (broke_the_call && exit == Exit::Signal(SIGKILL)) => {
+                JoinError::Panicked(PanicReport { message: r.message, location: r.location })
+            }
+            (Some(exit), _) => exit_error(exit),
+            (None, Some(r)) => JoinError::Panicked(PanicReport { message: r.message, location: r.location }),
+            (None, None) => JoinError::Terminated(match seen {
+                Some(other) => format!("the pool worker ended during the job, how is unknown ({other})"),
+                None => "the pool worker ended during the job, how is unknown".into(),
+            }),
         }
     }
 }
+
+/// How long a failed call waits to see how its worker ended.
+const EXIT_SEEN_WITHIN: Duration = Duration::from_millis(200);
 
 /// The most workers a pool takes (each a process and a thread of this one).
 const MAX_WORKERS: usize = 4096;

@@ -487,8 +487,9 @@ impl<R> JoinHandle<R> {
         self.ended.or_else(|| self.watch.as_ref()?.exit_status())
     }
 
-    /// The child's exit status once it has exited normally (`None` while it runs, when a
-    /// signal ended it, or once it has been joined).
+    /// The child's exit status once it has exited normally (`None` while it runs, or when a
+    /// signal ended it). After a join it is kept where the kernel keeps a reaped child's
+    /// status (Linux 6.15 and later); before, it is `None` once joined.
     ///
     /// ```no_run
     /// fn leave(code: i32) {

@@ -156,7 +156,7 @@ fn a_ready_result_is_there_to_take_at_once() {
 fn a_panicking_job_reports_its_message_and_location() {
     let pool = Pool::new(2).unwrap();
     let err = pool.apply_async("bad input".to_string(), explode).get().unwrap_err();
-    let panic = err.panic().expect("a panic report");
+    let panic = err.panic().unwrap_or_else(|| panic!("a panic report: {err:?}"));
     assert_eq!(panic.message, "job failed: bad input");
     assert_eq!(panic.location.as_deref(), Some(format!("tests/pool.rs:{EXPLODE_LINE}:5").as_str()));
     assert!(err.to_string().starts_with("child process panicked: job failed: bad input at tests/pool.rs:"), "{err}");
@@ -250,6 +250,50 @@ fn a_sigkilled_worker_is_replaced_its_job_fails_and_the_queued_jobs_run() {
     );
     assert_eq!(pool.map(square, [5]).unwrap(), vec![25]);
     pool.shutdown();
+}
+
+/// Catches a panic of its own (as a library may), then ends its process with `code`.
+fn catch_then_leave(code: i32) -> u8 {
+    let _ = std::panic::catch_unwind(|| panic!("caught and handled"));
+    std::process::exit(code)
+}
+
+/// Catches a panic, forks a child that lives `secs` seconds (holding every descriptor of the
+/// worker, its connection to the pool included), then is killed.
+fn fork_then_die(secs: u32) -> u8 {
+    let _ = std::panic::catch_unwind(|| panic!("caught and handled"));
+    // SAFETY: the child only sleeps and `_exit`s, which a forked child of a threaded process may.
+    if unsafe { libc::fork() } == 0 {
+        unsafe {
+            libc::sleep(secs);
+            libc::_exit(0);
+        }
+    }
+    // SAFETY: ends this process, as the OOM killer would.
+    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    0
+}
+
+#[test]
+fn a_workers_end_is_reported_as_it_ended_not_as_a_panic_its_job_caught() {
+    let pool = Pool::new(1).unwrap();
+    let err = pool.apply_async(7, catch_then_leave).get_timeout(WAIT).unwrap_err();
+    assert!(
+        matches!(err, JoinError::Exited { code: 7 })
+            || (!kernel_keeps_exit_status() && matches!(err, JoinError::Panicked(_) | JoinError::Terminated(_))),
+        "{err:?}"
+    );
+    // Killed while a child it forked holds its connection: the job fails at once all the same.
+    let t = Instant::now();
+    let err = pool.apply_async(10, fork_then_die).get_timeout(Duration::from_secs(15)).unwrap_err();
+    assert!(t.elapsed() < Duration::from_secs(5), "the job failed only after {:?}", t.elapsed());
+    assert!(
+        matches!(err, JoinError::Signaled { signal: 9, .. })
+            || (!kernel_keeps_exit_status() && matches!(err, JoinError::Panicked(_) | JoinError::Terminated(_))),
+        "{err:?}"
+    );
+    assert_eq!(pool.map(square, [6]).unwrap(), vec![36]);
+    pool.terminate();
 }
 
 /// How many times the initializer ran in this process.

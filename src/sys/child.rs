@@ -19,6 +19,15 @@ pub(crate) enum Exit {
     Signal(i32),
 }
 
+impl Exit {
+    /// Whether a process that ended so may have ended of a panic: procspawn's exit after it
+    /// caught one, Rust's exit code for a panic that unwound out of `main`, or the abort of
+    /// `panic = "abort"`.
+    pub(crate) fn may_be_a_panic(self) -> bool {
+        matches!(self, Exit::Code(0 | 101) | Exit::Signal(libc::SIGABRT))
+    }
+}
+
 /// Watches a child process for its end without reaping it.
 #[derive(Debug)]
 pub(crate) struct ChildWatch {
