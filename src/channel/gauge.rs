@@ -5,7 +5,7 @@
 //! | bytes | word | |
 //! | --- | --- | --- |
 //! | 0..4 | magic | `"CMCH"` |
-//! | 4..8 | version | 1 |
+//! | 4..8 | version | 2 |
 //! | 8..16 | id | random; the same channel's senders in one process share their backlog by it |
 //! | 16..24 | `queued` | the estimated bytes that frames on the socket cost the kernel, unread |
 //! | 24..32 | `limit` | `queued` may not pass this on a direct send (3/4 of the send buffer) |

@@ -493,7 +493,11 @@ impl Listening {
     }
 
     fn bind_to(addr: &SocketAddrUnix) -> io::Result<Listening> {
-        let fd = socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
+        // Not blocking: threads or forked processes that share the listener may all see one
+        // peer waiting, and those that lose the race for it must go back to waiting as they
+        // were told to, not block in `accept`. (Accepted sockets block, as every socket here.)
+        let flags = SocketFlags::CLOEXEC | SocketFlags::NONBLOCK;
+        let fd = socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, flags, None)?;
         bind(&fd, addr)?;
         listen(&fd, 64)?;
         Ok(Listening(fd))
@@ -501,13 +505,15 @@ impl Listening {
 
     /// Accepts one connection, waiting as `wait` says; refuses a peer of another user.
     pub(crate) fn accept(&self, wait: Wait) -> io::Result<Socket> {
-        if wait != Wait::Forever && !wait_readable(&[self.0.as_fd()], wait)?[0] {
-            return Err(io::ErrorKind::WouldBlock.into());
-        }
         let fd = loop {
             match accept_with(&self.0, SocketFlags::CLOEXEC) {
                 Ok(fd) => break fd,
                 Err(rustix::io::Errno::INTR) => continue,
+                Err(rustix::io::Errno::AGAIN) => {
+                    if !wait_readable(&[self.0.as_fd()], wait)?[0] {
+                        return Err(io::ErrorKind::WouldBlock.into());
+                    }
+                }
                 Err(e) => return Err(e.into()),
             }
         };
@@ -617,6 +623,33 @@ mod tests {
         let err = b.recv(16, Wait::Forever).unwrap_err();
         drop(over_tx);
         assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err:?}");
+    }
+
+    #[test]
+    fn an_accept_that_loses_the_race_for_a_peer_waits_only_as_long_as_told() {
+        let name = format!("cuda-mp-test-race-{}", std::process::id());
+        let listening = Listening::bind_abstract(&name).unwrap();
+        for round in 0..10 {
+            let _peer = connect_abstract_within(&name, Instant::now() + Duration::from_secs(5)).unwrap();
+            let go = std::sync::Barrier::new(2);
+            let took: Vec<(bool, Duration)> = std::thread::scope(|scope| {
+                let racers: Vec<_> = (0..2)
+                    .map(|_| {
+                        scope.spawn(|| {
+                            go.wait();
+                            let start = Instant::now();
+                            let got = listening.accept(Wait::Until(start + Duration::from_millis(100)));
+                            (got.is_ok(), start.elapsed())
+                        })
+                    })
+                    .collect();
+                racers.into_iter().map(|r| r.join().unwrap()).collect()
+            });
+            assert_eq!(took.iter().filter(|(got, _)| *got).count(), 1, "round {round}: {took:?}");
+            assert!(took.iter().all(|(_, t)| *t < Duration::from_secs(2)), "round {round}: {took:?}");
+        }
+        // Not waiting at all, with nobody there.
+        assert_eq!(listening.accept(Wait::Not).unwrap_err().kind(), io::ErrorKind::WouldBlock);
     }
 
     #[test]
