@@ -464,6 +464,12 @@ fn a_named_object_open_to_others_or_owned_by_another_user_is_refused() {
         refused("owned by another user");
         std::os::unix::fs::chown(&path, Some(0), Some(0)).unwrap();
     }
+    // A file with a second name (a hard link, which another user could make of ours under the
+    // name of another object where `fs.protected_hardlinks` is off) is refused under either.
+    let second = format!("/dev/shm/cuda-mp-sync.event.{}", unique("second-name"));
+    std::fs::hard_link(&path, &second).unwrap();
+    refused("a file with a second name");
+    std::fs::remove_file(&second).unwrap();
     let opened = Event::open(&name).unwrap();
     opened.set();
     assert!(event.is_set());

@@ -83,7 +83,7 @@ impl NamedMemory {
             // that others may open, is not ours to map (it could be changed under us).
             let meta = file.metadata()?;
             let why = "a named object is this user's alone, mode 600";
-            check_private(meta.uid(), meta.mode(), &path.display(), why)?;
+            check_private(meta.uid(), meta.mode(), meta.nlink(), &path.display(), why)?;
             match file.try_lock() {
                 Ok(()) => {
                     // Nobody holds the creator's shared lock: the creator is gone. Removers
@@ -201,13 +201,26 @@ pub(super) fn refused_link(name: &dyn std::fmt::Display) -> io::Error {
     io::Error::new(io::ErrorKind::PermissionDenied, format!("{name}: refused, it is a symbolic link"))
 }
 
-/// Refuses an object `name` (a file, a shared-memory object) that another user owns or that
-/// others may open (`uid` and `mode` as its metadata says; `why` ends the error): only objects
-/// this user made with mode 0600 are mapped, as another's could be changed or shrunk under us.
-pub(super) fn check_private(uid: u32, mode: u32, name: &dyn std::fmt::Display, why: &str) -> io::Result<()> {
+/// Refuses an object `name` (a file, a shared-memory object) that another user owns, that
+/// others may open, that is not a regular file, or that has another name too (`uid`, `mode`
+/// and `links` as its metadata says; `why` ends the error): only objects this user made with
+/// mode 0600 are mapped, as another's could be changed or shrunk under us, and a hard link of
+/// one of ours under another name would pass for the object of that name. (No links: the name
+/// was removed since it was opened, which its opener sees next.)
+pub(super) fn check_private(
+    uid: u32,
+    mode: u32,
+    links: u64,
+    name: &dyn std::fmt::Display,
+    why: &str,
+) -> io::Result<()> {
     if uid != rustix::process::geteuid().as_raw() || mode & 0o077 != 0 {
         let mode = mode & 0o7777;
         let text = format!("{name}: refused, it is owned by user {uid} with mode {mode:o} ({why})");
+        return Err(io::Error::new(io::ErrorKind::PermissionDenied, text));
+    }
+    if rustix::fs::FileType::from_raw_mode(mode) != rustix::fs::FileType::RegularFile || links > 1 {
+        let text = format!("{name}: refused, it is not a regular file with one name ({why})");
         return Err(io::Error::new(io::ErrorKind::PermissionDenied, text));
     }
     Ok(())

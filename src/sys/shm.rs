@@ -5,7 +5,7 @@ use std::io;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicI32, AtomicI64};
 
-use rustix::fs::{FileType, Mode, OFlags, fstat, ftruncate};
+use rustix::fs::{Mode, OFlags, fstat, ftruncate};
 use rustix::shm;
 
 use super::Mapping;
@@ -46,12 +46,7 @@ fn size_of_fd(fd: &OwnedFd) -> io::Result<u64> {
 fn check_private(fd: &OwnedFd, name: &CStr) -> io::Result<()> {
     let stat = fstat(fd)?;
     let why = "a shared-memory object of this user's alone, mode 600, is expected";
-    super::named::check_private(stat.st_uid, stat.st_mode, &name.to_string_lossy(), why)?;
-    if FileType::from_raw_mode(stat.st_mode) != FileType::RegularFile || stat.st_nlink != 1 {
-        let text = format!("{}: refused, it is not a regular file with one name ({why})", name.to_string_lossy());
-        return Err(io::Error::new(io::ErrorKind::PermissionDenied, text));
-    }
-    Ok(())
+    super::named::check_private(stat.st_uid, stat.st_mode, stat.st_nlink, &name.to_string_lossy(), why)
 }
 
 /// Opens the existing object `name` with `access`: `Ok(None)` when there is none. A symbolic
