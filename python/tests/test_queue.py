@@ -106,6 +106,9 @@ def test_stats_takes_a_timeout():
     q = cuda_mp.Queue()
     q.put(1)
     assert q._native.stats(5.0)[0] == 1
+    assert q.qsize(timeout=5.0) == 1 and not q.empty(timeout=5.0)
+    with pytest.raises(ValueError):
+        q.qsize(timeout=float("nan"))
     with pytest.raises(ValueError):
         q._native.stats(float("nan"))
     assert q.get(timeout=10) == 1

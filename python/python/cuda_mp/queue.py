@@ -236,15 +236,18 @@ class Queue:
     def get_nowait(self) -> Any:
         return self.get(block=False)
 
-    def qsize(self) -> int:
+    def qsize(self, timeout: Optional[float] = None) -> int:
         """Items not yet taken by a get: waiting, or on their way to a consumer that asked
         for them (ahead of its gets, with ``prefetch``). Raises ``cuda_mp.Disconnected`` once
-        the queue's process is gone."""
-        backlog, in_flight, _ = self._native.stats()
+        the queue's process is gone. It asks the queue's process: ``timeout`` (seconds, None:
+        no limit) bounds the wait for its answer, then ``cuda_mp.Timeout`` (a stopped process
+        does not answer)."""
+        backlog, in_flight, _ = self._native.stats(timeout)
         return backlog + in_flight
 
-    def empty(self) -> bool:
-        return self.qsize() == 0
+    def empty(self, timeout: Optional[float] = None) -> bool:
+        """Whether ``qsize`` is 0 (``timeout`` as for ``qsize``)."""
+        return self.qsize(timeout) == 0
 
     def to_bytes(self, ttl: float = HANDLE_TTL) -> bytes:
         """This handle as bytes that one process turns into a handle of the same queue within
