@@ -277,9 +277,10 @@ impl<T: Element> Tensor<T, HostStorage> {
         (IxDyn(self.shape()).strides(IxDyn(&strides)), ptr)
     }
 
-    /// True when no two indices of the view reach the same element: with the dimensions of
-    /// extent over 1 taken by growing stride, each stride is past everything the smaller ones
-    /// reach.
+    /// False only when no two indices of the view can reach the same element: with the
+    /// dimensions of extent over 1 taken by growing stride, each stride is past everything the
+    /// smaller ones reach (as ndarray checks; some views that reach distinct elements, shape
+    /// `[3, 2]` with strides `[2, 3]`, fail it too).
     fn overlaps_itself(&self) -> bool {
         let mut dims: Vec<(usize, usize)> =
             self.shape().iter().zip(self.strides()).filter(|(n, _)| **n > 1).map(|(&n, &s)| (s, n)).collect();
@@ -335,9 +336,11 @@ impl<T: Element> Tensor<T, HostStorage> {
     ///
     /// # Safety
     /// No other thread, process or tensor may read or write the viewed elements while the
-    /// view lives, and for `bool` every viewed byte must be 0 or 1. A view that reaches one
-    /// element by two indices (a stride 0 on a dimension longer than 1, or strides like `[1, 1]`
-    /// on shape `[2, 2]`) panics.
+    /// view lives, and for `bool` every viewed byte must be 0 or 1. A view that may reach one
+    /// element by two indices panics: unless each stride, dimensions taken by growing stride,
+    /// is past everything the smaller ones reach (a stride 0 on a dimension longer than 1,
+    /// strides `[1, 1]` on shape `[2, 2]`, and also strides `[2, 3]` on shape `[3, 2]`, which
+    /// reach six distinct elements).
     ///
     /// ```
     /// let t = cuda_mp::HostTensor::<f64>::zeros(&[2, 2]).unwrap();
@@ -368,17 +371,17 @@ impl<T: Element> Tensor<T, HostStorage> {
     }
 }
 
-/// The bytes of the view `layout` (of `dtype` elements) over `storage`, packed in row-major
-/// order: how a strided host view leaves for another host.
+/// The `bytes` bytes of the view `layout` (of `dtype` elements) over `storage`, packed in
+/// row-major order: how a strided host view leaves for another host.
 #[cfg(feature = "remote")]
 pub(crate) fn gather_bytes(
     storage: &HostStorage,
     layout: &crate::layout::Layout,
     dtype: crate::dtype::DType,
+    bytes: usize,
 ) -> Vec<u8> {
     let size = dtype.size();
-    let numel = layout.numel();
-    Shared::new(storage).read_runs::<u8>(layout.indices().map(|i| i * size), size, numel * size)
+    Shared::new(storage).read_runs::<u8>(layout.indices().map(|i| i * size), size, bytes)
 }
 
 #[cfg(test)]

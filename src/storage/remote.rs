@@ -261,14 +261,20 @@ pub(crate) fn encode_tensor<S: Shared, Se: Serializer>(
     layout: &Layout,
     serializer: Se,
 ) -> std::result::Result<Se::Ok, Se::Error> {
-    let bytes = layout.numel() * dtype.size();
+    // A broadcast view (stride 0) may count more bytes than an address holds.
+    let bytes = layout.numel().checked_mul(dtype.size()).filter(|&b| b <= isize::MAX as usize).ok_or_else(|| {
+        wire::encode_error(Error::Layout(format!(
+            "a view of {} {dtype:?} elements is too large to send to another host",
+            layout.numel()
+        )))
+    })?;
     // An empty view may have any offset, even past its storage's end: it moves nothing.
     let start = if bytes == 0 { 0 } else { layout.offset() * dtype.size() };
     let moved = if let Some(host) = downcast::<HostStorage, S>(storage.clone()) {
         if layout.is_contiguous() || bytes == 0 {
             push(Outgoing::Host { storage: host, offset: start, len: bytes })
         } else {
-            push(Outgoing::Packed(crate::host::gather_bytes(&host, layout, dtype)))
+            push(Outgoing::Packed(crate::host::gather_bytes(&host, layout, dtype, bytes)))
         }
     } else if let Some(gpu) = downcast::<GpuStorage, S>(storage.clone()) {
         if layout.is_contiguous() || bytes == 0 {
@@ -310,4 +316,24 @@ fn decode_remote<S: Shared>(tag: u8, shape: &[usize], expected: Option<DType>) -
     }
     .ok_or_else(|| Error::Unsupported("this storage kind cannot be received from another host".into()))?;
     DynTensor::new(storage, layout, dtype)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A broadcast view (stride 0) of 2^62 + 1 f32 elements over 4 bytes is a view like any
+    /// other; to another host its bytes do not fit an address: an error, and nothing to move
+    /// (its byte count overflowed: a panic in debug builds, 4 bytes sent in release builds).
+    #[test]
+    fn a_view_of_more_bytes_than_an_address_holds_is_refused_for_another_host() {
+        let storage = HostStorage::zeroed(8).unwrap();
+        let layout = Layout::new(vec![(1usize << 62) + 1], vec![0], 0, 2).unwrap();
+        let tensor = DynTensor::new(storage, layout, DType::F32).unwrap();
+        let (encoded, out) = encode(|| postcard::to_allocvec(&tensor));
+        assert!(encoded.is_err(), "encoded");
+        let why = wire::take_failure().unwrap_or_default();
+        assert!(why.contains("too large to send"), "{why}");
+        assert!(out.is_empty(), "{} transfers", out.len());
+    }
 }
