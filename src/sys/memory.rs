@@ -6,7 +6,7 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::AtomicU64;
 
-use rustix::fs::{MemfdFlags, SealFlags, fcntl_add_seals, fcntl_get_seals, fstat, ftruncate, memfd_create};
+use rustix::fs::{MemfdFlags, SealFlags, fcntl_add_seals, fcntl_get_seals, fstat, fstatfs, ftruncate, memfd_create};
 
 use super::Mapping;
 
@@ -141,6 +141,12 @@ fn fresh(name: &str, len: usize, bytes: &[u8]) -> io::Result<OwnedFd> {
 fn checked_seals(fd: &OwnedFd, len: usize) -> io::Result<SealFlags> {
     let refused = |why: String| io::Error::new(io::ErrorKind::InvalidData, why);
     let seals = fcntl_get_seals(fd).map_err(|_| refused("shared memory that is not a sealed memory file".into()))?;
+    // A memory file of huge pages can lose pages to a hole its sender punches (sealed against
+    // resizing or not), and with the pool of huge pages spent a holder's next touch faults
+    // (SIGBUS); ours are of ordinary memory (tmpfs).
+    if fstatfs(fd)?.f_type != TMPFS_MAGIC {
+        return Err(refused("shared memory that is not of ordinary pages (a memory file of huge pages)".into()));
+    }
     if !seals.contains(SIZE_SEALS) {
         return Err(refused("shared memory that another process could shrink (not sealed)".into()));
     }
@@ -150,6 +156,9 @@ fn checked_seals(fd: &OwnedFd, len: usize) -> io::Result<SealFlags> {
     }
     Ok(seals)
 }
+
+/// `TMPFS_MAGIC` of `linux/magic.h`: the file system of memory files made without huge pages.
+const TMPFS_MAGIC: i64 = 0x0102_1994;
 
 /// How a memory file is mapped here.
 #[derive(Clone, Copy, PartialEq)]
@@ -204,6 +213,13 @@ mod tests {
         let loose = memfd_create("loose", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
         ftruncate(&loose, 4096).unwrap();
         assert!(MemoryFile::open(loose, 0).is_err());
+        // Sealed, of huge pages (made without any huge page reserved: no page is touched).
+        let huge = memfd_create("huge", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING | MemfdFlags::HUGETLB)
+            .expect("a memory file of huge pages (the kernel's hugetlbfs)");
+        ftruncate(&huge, 2 << 20).unwrap();
+        fcntl_add_seals(&huge, SIZE_SEALS).unwrap();
+        let err = MemoryFile::open(huge, 4096).unwrap_err();
+        assert!(err.to_string().contains("huge pages"), "{err}");
         let not_memory = crate::sys::bell().unwrap();
         assert!(MemoryFile::open(not_memory, 0).is_err());
     }
