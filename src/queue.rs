@@ -684,6 +684,17 @@ fn error_fault(e: Error) -> Fault {
     }
 }
 
+/// Runs a receive, a panic of the message's `Deserialize` made the receive's `malformed` error:
+/// the message is then refused as one that does not decode here (and dropped once every
+/// consumer in turn refused it), where a panic would leave it first in line for every get.
+fn panic_as_malformed<R, E>(
+    receive: impl FnOnce() -> std::result::Result<R, E>,
+    malformed: fn(String) -> E,
+) -> std::result::Result<R, E> {
+    crate::os::catch_quietly(receive)
+        .unwrap_or_else(|panic| Err(malformed(format!("the message's decoding panicked: {panic}"))))
+}
+
 fn out_of_turn() -> Fault {
     Fault::Io(IoFailure::other("the queue's dispatcher answered out of turn"))
 }
@@ -696,14 +707,18 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Endpoint<T> {
     /// One answer from the channel, waiting up to `timeout` (`None`: for ever); `None` when
     /// the time ran out.
     fn read(&mut self, timeout: Option<Duration>) -> std::result::Result<Option<Reply<T>>, Fault> {
-        let reply = match timeout {
-            None => Some(self.replies.recv()?),
-            Some(t) => match self.replies.recv_timeout(t) {
-                Ok(reply) => Some(reply),
-                Err(RecvTimeoutError::Timeout) => None,
-                Err(e) => return Err(e.into()),
+        let received = panic_as_malformed(
+            || match timeout {
+                None => self.replies.recv().map(Some).map_err(Fault::from),
+                Some(t) => match self.replies.recv_timeout(t) {
+                    Ok(reply) => Ok(Some(reply)),
+                    Err(RecvTimeoutError::Timeout) => Ok(None),
+                    Err(e) => Err(e.into()),
+                },
             },
-        };
+            Fault::Malformed,
+        );
+        let reply = received?;
         self.answered |= reply.is_some();
         Ok(reply)
     }

@@ -1018,6 +1018,51 @@ fn a_message_no_consumer_can_decode_is_dropped_and_the_order_kept() {
     assert_eq!((stats.discarded, stats.requeued, stats.backlog), (0, 1, 1), "{stats:?}");
 }
 
+/// A message whose `Deserialize` panics on 13.
+#[derive(Debug, PartialEq, serde::Serialize)]
+struct Touchy(u32);
+
+impl<'de> serde::Deserialize<'de> for Touchy {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = <u32 as serde::Deserialize>::deserialize(d)?;
+        assert_ne!(n, 13, "13 panics");
+        Ok(Touchy(n))
+    }
+}
+
+#[test]
+fn a_message_whose_decoding_panics_is_refused_as_undecodable_not_first_in_line_for_ever() {
+    for try_get in [false, true] {
+        let queue = Queue::<Touchy>::new().unwrap();
+        let consumer = queue.consumer().with_prefetch(0);
+        queue.put(Touchy(13)).unwrap();
+        queue.put(Touchy(2)).unwrap();
+        let get = || {
+            if try_get {
+                match consumer.try_get() {
+                    Err(TryGetError::Empty) => Err("empty".to_string()),
+                    other => other.map_err(|e| e.to_string()),
+                }
+            } else {
+                consumer.get_timeout(WAIT).map_err(|e| e.to_string())
+            }
+        };
+        let t = Instant::now();
+        let (got, errors) = loop {
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(get)) {
+                Ok(Err(e)) if e == "empty" && t.elapsed() < WAIT => std::thread::sleep(Duration::from_millis(1)),
+                Ok(Err(e)) => {
+                    assert!(e.contains("decoding panicked") && e.contains("13 panics"), "try_get {try_get}: {e}");
+                    assert!(t.elapsed() < WAIT, "try_get {try_get}: {e}");
+                }
+                Ok(Ok(value)) => break (value, queue.stats().unwrap().requeued),
+                Err(_) => panic!("try_get {try_get}: the get panicked"),
+            }
+        };
+        assert_eq!((got, errors), (Touchy(2), 1), "try_get {try_get}");
+    }
+}
+
 #[test]
 fn a_message_one_consumer_cannot_decode_goes_to_another_and_each_once() {
     let queue = Queue::<Picky>::new().unwrap();
