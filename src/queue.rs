@@ -43,12 +43,17 @@ pub(crate) const FRAME_DECODERS: [FrameDecoder; 3] = {
     ]
 };
 
-/// How long a consumer that gave up waiting ([`Queue::get_timeout`]) waits for the dispatcher
-/// to confirm; it answers at once unless its process is stuck.
+/// How long an unbounded `stats`, and a delivered message's acknowledgement, wait for the
+/// dispatcher; it answers (reads) at once unless its process is stuck.
 const CANCEL_WAIT: Duration = Duration::from_secs(10);
 
 /// The least a `stats_timeout` waits for the dispatcher's answer, once it has the handle.
 const STATS_FLOOR: Duration = Duration::from_millis(100);
+
+/// How long a `get_timeout` past its limit, or a `try_get`, waits for the dispatcher's answer
+/// (a round trip to one that keeps up takes far less); then the consumer leaves, giving back
+/// what it asked for, and the call reports a time-out (empty).
+const ANSWER_PAST_LIMIT: Duration = Duration::from_millis(100);
 
 /// How many messages a consumer keeps asked for ahead of its gets unless told otherwise
 /// ([`QueueConsumer::with_prefetch`]). With two, the next message is usually waiting in the
@@ -121,7 +126,12 @@ const MAX_PREFETCH: usize = 64;
 ///   message it *had* received keeps its tensors only until the process dies: the kernel
 ///   closes its descriptors and the owners reclaim the memory, as for any channel.
 /// - **Puts never wait for consumers.** The queue is unbounded: the dispatcher reads every
-///   put into its backlog as it arrives.
+///   put into its backlog as it arrives. A put from another process whose dispatcher is behind
+///   (stopped, busy) is kept in that process's backlog until it can be handed on, as a
+///   channel's send is; a producer killed before that loses those puts, as a killed
+///   `multiprocessing.Queue` producer loses what its feeder thread had not written. Returning
+///   from `main` waits for them; [`flush_sends`](crate::flush_sends) waits for them within a
+///   limit.
 /// - **Order.** Messages put through one handle (and its clones, in one process) are handed
 ///   out in the order put, and one consumer's gets return them in the order handed to it;
 ///   messages taken back from a dead consumer go first, in their order, ahead of later ones.
@@ -638,6 +648,9 @@ enum Fault {
     /// The message meant for this request arrived and does not decode here: the dispatcher is
     /// told to drop it (the consumer is still in step with it).
     Rejected(String),
+    /// The dispatcher did not answer in time (its process stopped or stuck): the consumer is
+    /// out of step and leaves (the messages in flight to it go back to the backlog).
+    Unanswered,
 }
 
 impl Fault {
@@ -773,10 +786,12 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Endpoint<T> {
         timeout: Option<Duration>,
         mine: impl Fn(&Reply<T>) -> bool,
     ) -> std::result::Result<Reply<T>, Fault> {
+        // One limit for all the answers read on the way.
+        let deadline = timeout.map(crate::os::instant_after);
         loop {
-            let reply = match self.read(timeout) {
+            let reply = match self.read(deadline.map(|d| d.saturating_duration_since(Instant::now()))) {
                 Ok(Some(reply)) => reply,
-                Ok(None) => return Err(Fault::Io(IoFailure::other("the queue's dispatcher did not answer"))),
+                Ok(None) => return Err(Fault::Unanswered),
                 Err(Fault::Malformed(why)) if self.asked > 0 => {
                     // An `Item` asked for before, in its place for the gets: its `Reject` goes
                     // when its get comes, after the `Got`s of those before it (the dispatcher
@@ -969,7 +984,10 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
     }
 
     /// Waits up to `timeout` for a message. A message that the dispatcher sent just as the
-    /// wait ran out is returned rather than put back; one prefetched is returned at once.
+    /// wait ran out is returned rather than put back; one prefetched is returned at once. Past
+    /// the limit it waits at most 100 ms more for the dispatcher to take back what it asked
+    /// for (a dispatcher that does not answer, its process stopped, is left: the handle joins
+    /// again at its next call).
     ///
     /// ```
     /// use std::time::{Duration, Instant};
@@ -992,7 +1010,9 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
             // nothing more. Messages sent meanwhile come first: the first is returned, the
             // others kept for the next gets.
             e.ask(Ctl::Cancel)?;
-            e.until(Some(CANCEL_WAIT), |reply| matches!(reply, Reply::Cancelled))?;
+            // Past the caller's limit already: a dispatcher that keeps up answers at once; one
+            // that does not (its process stopped) is left (`Unanswered`: a time-out).
+            e.until(Some(ANSWER_PAST_LIMIT), |reply| matches!(reply, Reply::Cancelled))?;
             e.asked = 0;
             match e.early.pop_front() {
                 Some(reply) => e.deliver(reply, 0).map(Some),
@@ -1008,7 +1028,9 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
 
     /// Takes a message if one is waiting now, without waiting for one: one prefetched for this
     /// handle, else one the dispatcher has (a round trip). A put made earlier in the queue's
-    /// own process is seen; one from another process once it has reached the dispatcher.
+    /// own process is seen; one from another process once it has reached the dispatcher. A
+    /// dispatcher that does not answer within 100 ms (its process stopped) is left, and the
+    /// result is `Empty`.
     ///
     /// ```
     /// let queue = cuda_mp::Queue::new().unwrap();
@@ -1050,9 +1072,9 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
                     Reply::Item(_) | Reply::Empty | Reply::Closed | Reply::Failed(..) | Reply::Undecodable(_)
                 )
             };
-            // Bounded: a dispatcher that does not answer (its process stopped, say) fails the
-            // call instead of holding it.
-            match e.until(Some(CANCEL_WAIT), wanted)? {
+            // Bounded: a dispatcher that does not answer (its process stopped, say) is left,
+            // and nothing was taken (`Unanswered`: empty).
+            match e.until(Some(ANSWER_PAST_LIMIT), wanted)? {
                 Reply::Empty => {}
                 reply => e.early.push_back(reply),
             }
@@ -1112,22 +1134,17 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
     /// ```
     pub fn stats_timeout(&self, timeout: Duration) -> std::result::Result<QueueStats, GetTimeoutError> {
         let deadline = crate::os::instant_after(timeout);
-        // Whether the answer's wait was cut to the caller's limit (else to the dispatcher's).
-        let cut = std::cell::Cell::new(false);
         let asked = self.exchange_until(Some(deadline), |e| {
             // Never less than a round trip takes a dispatcher that keeps up: a short limit
             // must not turn a healthy queue's answer into a time-out (which starts the
             // endpoint afresh, giving back what it had asked for ahead).
-            let wait = deadline.saturating_duration_since(Instant::now()).clamp(STATS_FLOOR, CANCEL_WAIT);
-            cut.set(wait < CANCEL_WAIT);
-            Self::ask_stats(e, wait)
+            Self::ask_stats(e, deadline.saturating_duration_since(Instant::now()).max(STATS_FLOOR))
         });
         match asked {
             Ok(Some(stats)) => Ok(stats),
+            // The handle was held until the deadline, or no answer came in time (the endpoint
+            // starts afresh at the next call: a late answer would come out of turn).
             Ok(None) => Err(GetTimeoutError::Timeout),
-            // No answer within the limit: the endpoint starts afresh at the next call (a late
-            // answer would come out of turn).
-            Err(Fault::Io(_)) if cut.get() && Instant::now() >= deadline => Err(GetTimeoutError::Timeout),
             Err(f) => Err(f.into()),
         }
     }
@@ -1256,20 +1273,28 @@ impl From<Fault> for GetError {
             Fault::Rejected(m) => GetError::Malformed(format!(
                 "{m} (the queue hands the message to other consumers; it is dropped once three could not decode it, or no producer is left and none there can)"
             )),
-            Fault::Forward(f) => forward_text(f).into()
+            Fault::Forward(f) => forward_text(f).into(),
+            Fault::Unanswered => GetError::Io(IoFailure::other("the queue's dispatcher did not answer"))
         )
     }
 }
 
 impl From<Fault> for TryGetError {
     fn from(f: Fault) -> Self {
-        same_failure!(GetError::from(f), GetError => TryGetError)
+        match f {
+            // Nothing taken within the bounded wait.
+            Fault::Unanswered => TryGetError::Empty,
+            f => same_failure!(GetError::from(f), GetError => TryGetError),
+        }
     }
 }
 
 impl From<Fault> for GetTimeoutError {
     fn from(f: Fault) -> Self {
-        same_failure!(GetError::from(f), GetError => GetTimeoutError)
+        match f {
+            Fault::Unanswered => GetTimeoutError::Timeout,
+            f => same_failure!(GetError::from(f), GetError => GetTimeoutError),
+        }
     }
 }
 

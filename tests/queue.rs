@@ -436,25 +436,35 @@ fn create_and_wait(tx: Sender<(Queue<u32>, QueueConsumer<u32>)>) {
     }
 }
 
-/// `stats_timeout` keeps to its limit while the dispatcher does not answer (its process
-/// stopped), and answers again once it does.
+/// `stats_timeout`, `get_timeout` and `try_get` keep to their limits while the dispatcher does
+/// not answer (its process stopped), and the handle is answered again once it does.
 #[test]
-fn stats_timeout_keeps_to_its_limit_while_the_dispatcher_is_stopped() {
+fn timed_calls_keep_to_their_limits_while_the_dispatcher_is_stopped() {
     let (tx, rx) = channel().unwrap();
     let mut creator = spawn(tx, create_and_wait);
-    let (_queue, consumer) = rx.recv_timeout(WAIT).unwrap();
+    let (queue, consumer) = rx.recv_timeout(WAIT).unwrap();
     assert_eq!(consumer.stats_timeout(WAIT).unwrap().consumers, 1);
     let pid = creator.pid().unwrap();
     // Stopped for sure before the ask (a signal is delivered when the kernel gets to it).
     common::stop_process(pid);
-    let started = Instant::now();
-    let stopped = consumer.stats_timeout(Duration::from_millis(300));
-    let took = started.elapsed();
+    let timed = |call: &dyn Fn() -> String| {
+        let started = Instant::now();
+        let outcome = call();
+        (outcome, started.elapsed())
+    };
+    let stats = timed(&|| format!("{:?}", consumer.stats_timeout(Duration::from_millis(300))));
+    let get = timed(&|| format!("{:?}", consumer.get_timeout(Duration::from_millis(200))));
+    let try_get = timed(&|| format!("{:?}", consumer.try_get()));
     // SAFETY: signals our own child.
     assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGCONT) }, 0);
-    assert_eq!(stopped, Err(GetTimeoutError::Timeout));
-    assert!(took < Duration::from_secs(3), "it waited {took:?} for a 300 ms limit");
-    assert_eq!(consumer.stats_timeout(WAIT).unwrap().consumers, 1, "the handle joins again");
+    for ((outcome, took), want) in [(stats, "Err(Timeout)"), (get, "Err(Timeout)"), (try_get, "Err(Empty)")] {
+        assert_eq!(outcome, want);
+        assert!(took < Duration::from_secs(3), "{outcome}: it waited {took:?}");
+    }
+    // The endpoints the handle left are seen gone one by one.
+    wait_until("the handle is one consumer again", || consumer.stats_timeout(WAIT).unwrap().consumers == 1);
+    queue.put(5).unwrap();
+    assert_eq!(consumer.get_timeout(WAIT), Ok(5), "and gets");
     creator.kill().unwrap();
 }
 
