@@ -51,9 +51,10 @@ const CANCEL_WAIT: Duration = Duration::from_secs(10);
 const STATS_FLOOR: Duration = Duration::from_millis(100);
 
 /// How long a `get_timeout` past its limit, or a `try_get`, waits for the dispatcher's answer
-/// (a round trip to one that keeps up takes far less); then the consumer leaves, giving back
-/// what it asked for, and the call reports a time-out (empty).
-const ANSWER_PAST_LIMIT: Duration = Duration::from_millis(100);
+/// (a round trip to one that keeps up takes far less, and one reading a flood of puts may lag
+/// for a while: leaving it then would only make the consumer join again); then the consumer
+/// leaves, giving back what it asked for, and the call reports a time-out (empty).
+const ANSWER_PAST_LIMIT: Duration = Duration::from_secs(1);
 
 /// How many messages a consumer keeps asked for ahead of its gets unless told otherwise
 /// ([`QueueConsumer::with_prefetch`]). With two, the next message is usually waiting in the
@@ -985,7 +986,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
 
     /// Waits up to `timeout` for a message. A message that the dispatcher sent just as the
     /// wait ran out is returned rather than put back; one prefetched is returned at once. Past
-    /// the limit it waits at most 100 ms more for the dispatcher to take back what it asked
+    /// the limit it waits at most a second more for the dispatcher to take back what it asked
     /// for (a dispatcher that does not answer, its process stopped, is left: the handle joins
     /// again at its next call).
     ///
@@ -1029,7 +1030,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
     /// Takes a message if one is waiting now, without waiting for one: one prefetched for this
     /// handle, else one the dispatcher has (a round trip). A put made earlier in the queue's
     /// own process is seen; one from another process once it has reached the dispatcher. A
-    /// dispatcher that does not answer within 100 ms (its process stopped) is left, and the
+    /// dispatcher that does not answer within a second (its process stopped) is left, and the
     /// result is `Empty`.
     ///
     /// ```
