@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
-use std::sync::{Arc, Mutex, OnceLock, Weak, mpsc};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError, Weak, mpsc};
 use std::time::{Duration, Instant};
 
 use cuda_mp::{
@@ -653,6 +653,32 @@ fn try_wait<R: Send, E: WaitFailure>(
     }
 }
 
+/// A receiving end's lock, waited for `within` at most (`None` then). A receive of another
+/// thread holds it for one slice of its wait at a time; in a child forked while a thread of
+/// the parent held it, it stays locked for ever, and a blocking lock would hang the child past
+/// any timeout and past Ctrl-C.
+fn lock_within<T>(end: &Mutex<T>, within: Duration) -> Option<MutexGuard<'_, T>> {
+    let until = Instant::now() + within;
+    loop {
+        match end.try_lock() {
+            Ok(guard) => return Some(guard),
+            Err(TryLockError::Poisoned(p)) => return Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) if Instant::now() >= until => return None,
+            Err(TryLockError::WouldBlock) => std::thread::sleep(Duration::from_micros(200)),
+        }
+    }
+}
+
+/// How long pickling an end waits for a receive of another thread to let go of it.
+const PICKLE_WAIT: Duration = Duration::from_secs(1);
+
+/// The error of an end whose lock could not be had in time.
+fn end_held(what: &str) -> cuda_mp::Error {
+    cuda_mp::Error::Unsupported(format!(
+        "this {what} is held by a receive of another thread (or was, in the parent, when this process forked: then it cannot be used here)"
+    ))
+}
+
 /// Waits for the one connection of a bound name; gives the receiving end.
 #[pyclass(module = "cuda_mp._native")]
 pub struct Listener {
@@ -749,7 +775,7 @@ impl Receiver {
             return Err(pickled_away("receiver"));
         }
         let got = wait(py, timeout, |d| {
-            let rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(rx) = lock_within(&self.rx, d) else { return Err(RecvTimeoutError::Timeout) };
             match &*rx {
                 Rx::Gpu(rx) => rx.recv_timeout(d).map(|t| Received::Tensor(Any::Gpu(t))),
                 Rx::Host(rx) => rx.recv_timeout(d).map(|t| Received::Tensor(Any::Host(t))),
@@ -769,7 +795,7 @@ impl Receiver {
     fn to_bytes<'py>(&self, py: Python<'py>, ttl: f64) -> PyResult<Bound<'py, PyBytes>> {
         let ttl = seconds(Some(ttl))?.unwrap_or(Duration::ZERO);
         let bytes = py.detach(|| {
-            let mut rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
+            let mut rx = lock_within(&self.rx, PICKLE_WAIT).ok_or_else(|| end_held("receiver"))?;
             let bytes = match &*rx {
                 Rx::Gpu(rx) => cuda_mp::to_bytes(rx, ttl),
                 Rx::Host(rx) => cuda_mp::to_bytes(rx, ttl),
@@ -1237,7 +1263,8 @@ impl Connection {
     }
 
     fn receive_new(&self, timeout: Duration) -> Result<Value, RecvTimeoutError> {
-        match &*self.rx.lock().unwrap_or_else(|p| p.into_inner()) {
+        let Some(rx) = lock_within(&self.rx, timeout) else { return Err(RecvTimeoutError::Timeout) };
+        match &*rx {
             Some(rx) => rx.recv_timeout(timeout),
             None => Err(RecvTimeoutError::Disconnected),
         }
@@ -1337,7 +1364,7 @@ impl Connection {
     fn to_bytes<'py>(&self, py: Python<'py>, ttl: f64) -> PyResult<Bound<'py, PyBytes>> {
         let ttl = seconds(Some(ttl))?.unwrap_or(Duration::ZERO);
         let bytes = py.detach(|| {
-            let mut rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
+            let mut rx = lock_within(&self.rx, PICKLE_WAIT).ok_or_else(|| end_held("connection"))?;
             let Some(receiver) = rx.as_ref() else {
                 return Err(cuda_mp::Error::Unsupported("this connection was pickled already".into()));
             };

@@ -121,6 +121,50 @@ def test_what_poll_took_in_is_received_once_after_a_fork():
     assert got.count("only one copy of me") == 1, got
 
 
+def poll_and_receive(conn, rx, out):
+    started = time.monotonic()
+    try:
+        conn.poll(1)
+        rx.recv(timeout=1)
+    except cuda_mp.Timeout:
+        pass
+    out.put(time.monotonic() - started)
+
+
+def test_a_child_forked_while_a_thread_receives_keeps_to_its_timeouts():
+    # A thread of the parent holds each receiving end for a slice of its wait when the child is
+    # forked: the child's poll and recv keep to their limits (they hung for ever on its lock).
+    a, b = cuda_mp.Pipe()
+    listener = cuda_mp.Listener(cuda_mp.HostTensor)
+    tx = cuda_mp.connect(listener.name, cuda_mp.HostTensor)
+    rx = listener.accept(timeout=5)
+    stop = threading.Event()
+
+    def receive_for_ever(end):
+        while not stop.is_set():
+            try:
+                end.recv(timeout=0.5)
+            except cuda_mp.Timeout:
+                pass
+
+    readers = [threading.Thread(target=receive_for_ever, args=(end,), daemon=True) for end in (b, rx)]
+    for t in readers:
+        t.start()
+    time.sleep(0.3)
+    out = mp.get_context("fork").SimpleQueue()
+    p = mp.get_context("fork").Process(target=poll_and_receive, args=(b, rx, out))
+    p.start()
+    p.join(20)
+    hung = p.is_alive()
+    p.kill()
+    stop.set()
+    for t in readers:
+        t.join(5)
+    assert not hung, "the forked child's poll(1) and recv(timeout=1) did not return"
+    assert out.get() < 10
+    del tx
+
+
 def test_parts_of_a_value_met_twice_stay_one_object():
     q = cuda_mp.Queue()
     inner = []

@@ -395,12 +395,35 @@ def test_a_pipe_has_the_rest_of_multiprocessings_connection():
     with pytest.raises(OSError) as e:
         reader.recv_bytes(maxlength=4)
     assert e.value.received == bytes(10)
+    writer.send_bytes(b"hello")
+    buf = bytearray(8)
+    assert reader.recv_bytes_into(buf, 2) == 5 and bytes(buf) == b"\0\0hello\0"
+    writer.send_bytes(b"too long")
+    with pytest.raises(mp.BufferTooShort) as e:
+        reader.recv_bytes_into(bytearray(4))
+    assert e.value.args[0] == b"too long", "what came goes with the error"
     with writer:
         writer.send("last")
     assert writer.closed
     assert reader.recv(timeout=5) == "last"
     with pytest.raises(EOFError):
         reader.recv(timeout=5)
+
+
+def test_a_queue_has_the_rest_of_multiprocessings_queue():
+    q = cuda_mp.Queue()
+    q.put(1)
+    assert not q.full()
+    assert q.get(timeout=5) == 1
+    with pytest.raises(AssertionError):
+        q.join_thread()  # only after close, as multiprocessing's
+    q.close()
+    q.join_thread()
+    q.cancel_join_thread()
+    with pytest.raises(ValueError):
+        q.put(2)
+    with pytest.raises(ValueError):
+        q.get(timeout=1)
 
 
 def test_an_item_goes_to_a_consumer_only_in_its_get_unless_it_asks_ahead():

@@ -34,6 +34,7 @@ pickling process receives no more on it, and may still send: its copy of the sen
 from __future__ import annotations
 
 import io
+import multiprocessing as _mp
 import multiprocessing.context as _mpc
 import pickle
 import sys
@@ -214,10 +215,13 @@ class Queue:
 
     def __init__(self, prefetch: int = 0, _native_queue: Optional["_native.Queue"] = None):
         self._native = _native_queue if _native_queue is not None else _native.Queue(prefetch)
+        self._closed = False
 
     def put(self, obj: Any, block: bool = True, timeout: Optional[float] = None) -> None:
         """Puts ``obj`` (never waits: the queue has no bound; ``block`` and ``timeout`` are
-        accepted as ``multiprocessing.Queue`` takes them)."""
+        accepted as ``multiprocessing.Queue`` takes them). Raises ``ValueError`` once this
+        handle is closed."""
+        self._check_open()
         if not self._native.put(obj, _Leaves()):
             self._native.put_pickled(*_dumps(obj))
 
@@ -227,7 +231,8 @@ class Queue:
     def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
         """The next item; waits at most ``timeout`` seconds (None: for ever; ``block=False``: not
         at all), then raises ``queue.Empty``. Raises ``cuda_mp.Disconnected`` once the queue's
-        process is gone and nothing is left."""
+        process is gone and nothing is left, ``ValueError`` once this handle is closed."""
+        self._check_open()
         try:
             return self._native.get(timeout if block else 0.0, *_MAKERS)
         except Timeout as e:
@@ -235,6 +240,32 @@ class Queue:
 
     def get_nowait(self) -> Any:
         return self.get(block=False)
+
+    def full(self) -> bool:
+        """False: the queue has no bound."""
+        return False
+
+    def close(self) -> None:
+        """This process puts and gets no more through this handle. What it put is handed on
+        when it exits, as ``multiprocessing``'s feeder thread does."""
+        self._closed = True
+
+    def join_thread(self) -> None:
+        """Waits until everything this process sent has reached its reader (there is no feeder
+        thread; this waits for the process's messages, as ``cuda_mp.flush_sends`` does, but
+        not for its releases). Only after ``close``, as in ``multiprocessing``."""
+        if not self._closed:
+            raise AssertionError(f"Queue {object.__repr__(self)} not closed")
+        _native.flush_backlogs(None)
+
+    def cancel_join_thread(self) -> None:
+        """Nothing to cancel: there is no feeder thread (what this process sent is handed on at
+        exit unless its reader is gone)."""
+
+    def _check_open(self) -> None:
+        if self._closed:
+            # Not ``repr(self)``, which asks the queue's process for its counts.
+            raise ValueError(f"Queue {object.__repr__(self)} is closed")
 
     def qsize(self, timeout: Optional[float] = None) -> int:
         """Items not yet taken by a get: waiting, or on their way to a consumer that asked
@@ -277,13 +308,11 @@ class Queue:
 class MultiprocessingQueue(Queue):
     """What ``multiprocessing`` makes of ``Queue()`` (of any context, and so of
     ``torch.multiprocessing.Queue()``) after ``cuda_mp.torch.install(queues=True)``: a ``Queue``
-    that also answers ``multiprocessing.Queue``'s remaining methods (``full``, ``close``,
-    ``join_thread``, ``cancel_join_thread``) and stays one when pickled (never with
-    ``prefetch``)."""
+    whose puts and gets fail as ``multiprocessing.Queue``'s do once the queue's process is gone
+    (below), and that stays one when pickled (never with ``prefetch``)."""
 
     def __init__(self, _native_queue: Optional["_native.Queue"] = None):
         super().__init__(0, _native_queue)
-        self._closed = False
 
     @classmethod
     def _from_bytes(cls, data: bytes) -> "MultiprocessingQueue":
@@ -295,7 +324,6 @@ class MultiprocessingQueue(Queue):
         for want of a reader (its items wait in a pipe that nobody may ever read), and
         programs written for it, such as a ``DataLoader`` worker whose parent died, find
         out by other means (a watchdog on the parent) rather than from the put."""
-        self._check_open()
         try:
             super().put(obj)
         except Disconnected:
@@ -320,32 +348,6 @@ class MultiprocessingQueue(Queue):
             if block:
                 time.sleep(max(0.0, timeout - (time.monotonic() - start)))
             raise _queue.Empty from None
-
-    def full(self) -> bool:
-        """False: the queue has no bound."""
-        return False
-
-    def close(self) -> None:
-        """This process puts and gets no more through this handle. What it put is handed on
-        when it exits, as ``multiprocessing``'s feeder thread does."""
-        self._closed = True
-
-    def join_thread(self) -> None:
-        """Waits until everything this process sent has reached its reader (there is no feeder
-        thread; this waits for the process's messages, as ``cuda_mp.flush_sends`` does, but
-        not for its releases). Only after ``close``, as in ``multiprocessing``."""
-        if not self._closed:
-            raise AssertionError(f"Queue {object.__repr__(self)} not closed")
-        _native.flush_backlogs(None)
-
-    def cancel_join_thread(self) -> None:
-        """Nothing to cancel: there is no feeder thread (what this process sent is handed on at
-        exit unless its reader is gone)."""
-
-    def _check_open(self) -> None:
-        if self._closed:
-            # Not ``repr(self)``, which asks the queue's process for its counts.
-            raise ValueError(f"Queue {object.__repr__(self)} is closed")
 
     def __reduce__(self):
         return (MultiprocessingQueue._from_bytes, (self.to_bytes(),))
@@ -427,6 +429,19 @@ class Connection:
             error.received = got
             raise error
         return got
+
+    def recv_bytes_into(self, buf, offset: int = 0) -> int:
+        """Receives as ``recv_bytes`` into the writable bytes-like ``buf`` from ``offset``, and
+        returns how many bytes it wrote. Raises ``multiprocessing.BufferTooShort`` carrying the
+        whole message (``args[0]``) when it does not fit, as ``multiprocessing`` does."""
+        view = memoryview(buf).cast("B")
+        if offset < 0 or offset > len(view):
+            raise ValueError("offset is out of bounds")
+        got = self.recv_bytes()
+        if len(got) > len(view) - offset:
+            raise _mp.BufferTooShort(got)
+        view[offset : offset + len(got)] = got
+        return len(got)
 
     def poll(self, timeout: Optional[float] = 0.0) -> bool:
         """Whether a ``recv`` would return at once, waiting at most ``timeout`` seconds for an
