@@ -942,7 +942,7 @@ const VALUE_DEPTH: usize = 64;
 /// An object met twice (a list in two places, the same bytes many times, a tensor: tied
 /// weights) makes it `None`: pickle keeps one copy and the references to it, which a value
 /// would not (and a value of shared parts, walked once per reference, can grow exponentially
-/// with its depth).
+/// with its depth). Small immutable parts are the exception (`small_and_immutable`).
 fn to_value(
     obj: &Bound<'_, PyAny>,
     leaf: &Bound<'_, PyAny>,
@@ -956,7 +956,7 @@ fn to_value(
         || obj.is_exact_instance_of::<PyTuple>()
         || obj.is_exact_instance_of::<PyDict>()
         || obj.is_exact_instance_of::<PyBytes>();
-    if shared_part && !seen.insert(obj.as_ptr() as usize) {
+    if shared_part && !small_and_immutable(obj) && !seen.insert(obj.as_ptr() as usize) {
         return Ok(None);
     }
     let mut all = |items: &mut dyn Iterator<Item = Bound<'_, PyAny>>| -> PyResult<Option<Vec<Value>>> {
@@ -1003,6 +1003,25 @@ fn to_value(
         }
     };
     Ok(value)
+}
+
+/// Whether `obj` is a small immutable part, which CPython itself shares between places that
+/// never meant to share it: the empty tuple and bytes, one-byte bytes, a literal's equal
+/// constant tuples (`{"a": (1, 2), "b": (1, 2)}`). Met twice, such a part is copied into the
+/// value (a few values a reference) rather than making the object a pickle.
+fn small_and_immutable(obj: &Bound<'_, PyAny>) -> bool {
+    const MOST: usize = 16;
+    if let Ok(b) = obj.cast_exact::<PyBytes>() {
+        return b.as_bytes().len() <= 4 * MOST;
+    }
+    let scalar = |item: &Bound<'_, PyAny>| {
+        item.is_none()
+            || item.is_exact_instance_of::<PyBool>()
+            || item.is_exact_instance_of::<PyInt>()
+            || item.is_exact_instance_of::<PyFloat>()
+            || item.cast_exact::<PyString>().is_ok_and(|s| s.len().is_ok_and(|n| n <= 4 * MOST))
+    };
+    obj.cast_exact::<PyTuple>().is_ok_and(|t| t.len() <= MOST && t.iter().all(|item| scalar(&item)))
 }
 
 fn tensor_value(t: &Any) -> Value {
@@ -1360,9 +1379,15 @@ impl Connection {
 
     /// This end as bytes that one process turns into it with `from_bytes`, within `ttl`
     /// seconds (what pickling a `cuda_mp.Connection` writes): a copy of its sending half, and
-    /// its receiving half, which receives nothing more here.
-    fn to_bytes<'py>(&self, py: Python<'py>, ttl: f64) -> PyResult<Bound<'py, PyBytes>> {
+    /// its receiving half, which receives nothing more here. An end that is not `readable` (a
+    /// one-way pipe's writer) gives a copy of its sending half alone, as often as asked.
+    #[pyo3(signature = (ttl, readable=true))]
+    fn to_bytes<'py>(&self, py: Python<'py>, ttl: f64, readable: bool) -> PyResult<Bound<'py, PyBytes>> {
         let ttl = seconds(Some(ttl))?.unwrap_or(Duration::ZERO);
+        if !readable {
+            let bytes = py.detach(|| cuda_mp::to_bytes(&self.tx, ttl)).map_err(error)?;
+            return Ok(PyBytes::new(py, &bytes));
+        }
         let bytes = py.detach(|| {
             let mut rx = lock_within(&self.rx, PICKLE_WAIT).ok_or_else(|| end_held("connection"))?;
             let Some(receiver) = rx.as_ref() else {
@@ -1380,9 +1405,18 @@ impl Connection {
         Ok(PyBytes::new(py, &bytes.map_err(error)?))
     }
 
-    /// The end that `to_bytes` made `data` of; once.
+    /// The end that `to_bytes` made `data` of (with the same `readable`); once.
     #[staticmethod]
-    fn from_bytes(py: Python<'_>, data: &[u8]) -> PyResult<Connection> {
+    #[pyo3(signature = (data, readable=true))]
+    fn from_bytes(py: Python<'_>, data: &[u8], readable: bool) -> PyResult<Connection> {
+        if !readable {
+            let tx: RsSender<Value> = py.detach(|| cuda_mp::from_bytes(data)).map_err(error)?;
+            return Ok(Connection {
+                tx,
+                rx: Mutex::new(None),
+                polled: Mutex::new((std::process::id(), VecDeque::new())),
+            });
+        }
         let (tx, rx): (RsSender<Value>, RsReceiver<Value>) = py.detach(|| cuda_mp::from_bytes(data)).map_err(error)?;
         Ok(Connection::new(tx, rx))
     }

@@ -165,6 +165,20 @@ def test_a_child_forked_while_a_thread_receives_keeps_to_its_timeouts():
     del tx
 
 
+def test_small_immutable_parts_met_twice_still_travel_as_a_value():
+    # CPython shares these by itself (the empty tuple and bytes, a literal's equal constant
+    # tuples): a Rust consumer reads the item as a value (it was pickled, unreadable there).
+    from cuda_mp.queue import _Leaves
+
+    q = cuda_mp.Queue()
+    pair = (1, "two")
+    item = {"a": (), "b": (), "c": b"", "d": b"", "e": pair, "f": pair}
+    assert q._native.put(item, _Leaves()) is True
+    assert q.get(timeout=5) == item
+    big = bytes(1000)
+    assert q._native.put([big, big], _Leaves()) is False, "a large part met twice is pickled, once"
+
+
 def test_parts_of_a_value_met_twice_stay_one_object():
     q = cuda_mp.Queue()
     inner = []

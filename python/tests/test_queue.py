@@ -379,6 +379,24 @@ def test_a_bf16_host_tensor_in_an_item_arrives_as_a_tensor_numpy_cannot_hold():
         assert got["w"].dtype == torch.bfloat16 and got["w"].shape == (2, 2)
 
 
+def write_once(conn, i):
+    conn.send(i)
+
+
+def test_one_write_only_end_goes_to_many_spawned_children():
+    ctx = mp.get_context("spawn")
+    reader, writer = cuda_mp.Pipe(duplex=False)
+    children = [ctx.Process(target=write_once, args=(writer, i)) for i in range(3)]
+    for p in children:
+        p.start()  # each pickles the writer again (the second raised: "pickled already")
+    assert sorted(reader.recv(timeout=60) for _ in children) == [0, 1, 2]
+    for p in children:
+        p.join(60)
+        assert p.exitcode == 0
+    writer.send("and here")
+    assert reader.recv(timeout=5) == "and here"
+
+
 def test_a_pipe_has_the_rest_of_multiprocessings_connection():
     reader, writer = cuda_mp.Pipe(duplex=False)
     with pytest.raises(OSError, match="read-only"):

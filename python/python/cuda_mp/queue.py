@@ -481,17 +481,18 @@ class Connection:
     def __reduce__(self):
         return (Connection.from_bytes, (self.to_bytes(), self.readable, self.writable))
 
-
     def to_bytes(self, ttl: float = HANDLE_TTL) -> bytes:
         """This end as bytes that one process turns into it within ``ttl`` seconds: a Python one
         with ``Connection.from_bytes``, a Rust one with ``cuda_mp::from_bytes::<(Sender<Value>,
-        Receiver<Value>)>`` (what pickling writes). The end moves: this one receives no more."""
-        return self._open().to_bytes(ttl)
+        Receiver<Value>)>`` (what pickling writes). The end moves: this one receives no more.
+        A write-only end (``Pipe(duplex=False)``'s writer) is its sending half alone
+        (``cuda_mp::from_bytes::<Sender<Value>>``), and may go to many processes."""
+        return self._open().to_bytes(ttl, self.readable)
 
     @staticmethod
     def from_bytes(data: bytes, readable: bool = True, writable: bool = True) -> "Connection":
         """The end that ``to_bytes`` made ``data`` of (in Python or Rust); once."""
-        return Connection(_native.Connection.from_bytes(data), readable, writable)
+        return Connection(_native.Connection.from_bytes(data, readable), readable, writable)
 
 
 def Pipe(duplex: bool = True):  # noqa: N802  (named as multiprocessing.Pipe)
