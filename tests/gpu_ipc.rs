@@ -1386,3 +1386,44 @@ fn work_queued_between_the_tensors_of_one_message_is_waited_for() {
     producer.join().unwrap();
     consumer.join().unwrap();
 }
+
+/// Two small legacy allocations of their own (caching off), the second filled with 7.0 and
+/// never sent; sends the first and the distance to the second, then waits to be told to go.
+fn two_small_allocations((tx, go): (Sender<(GpuTensor<f32>, u64)>, Receiver<()>)) {
+    let dev = Device::get(0).unwrap();
+    dev.set_memory_kind(cuda_mp::GpuMemoryKind::Legacy);
+    dev.set_caching(false);
+    let sent = GpuTensor::<f32>::zeros(&dev, &[4]).unwrap();
+    let unsent = GpuTensor::<f32>::full(&dev, &[4], 7.0).unwrap();
+    dev.synchronize().unwrap();
+    let distance = unsent.device_ptr().wrapping_sub(sent.device_ptr());
+    tx.send((sent, distance)).unwrap();
+    go.recv().unwrap();
+    drop(unsent);
+}
+
+/// With caching off, each tensor is an allocation of its own, and its receiver maps nothing of
+/// the sender's but that allocation: the driver may cut small allocations from one block, and a
+/// handle to one maps the whole block (each allocation is therefore whole 2 MiB blocks).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_receiver_of_one_small_allocation_maps_none_of_its_neighbours() {
+    let _g = serial();
+    let dev = gpu();
+    let (tx, rx) = channel().unwrap();
+    let (go_tx, go_rx) = channel().unwrap();
+    let child = spawn((tx, go_rx), two_small_allocations);
+    let (t, distance): (GpuTensor<f32>, u64) = rx.recv_timeout(WAIT).unwrap();
+    let neighbour = t.device_ptr().wrapping_add(distance);
+    dev.context().bind_to_thread().unwrap();
+    let mut seen = [0f32; 4];
+    // SAFETY: a copy of 16 bytes into `seen`; the driver refuses an address not mapped here.
+    let read = unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut seen, neighbour) };
+    go_tx.send(()).unwrap();
+    drop(t);
+    child.join().unwrap();
+    assert!(
+        read.is_err() || seen != [7.0; 4],
+        "read {seen:?} of an allocation that was never sent ({distance} bytes on)"
+    );
+}

@@ -456,8 +456,11 @@ impl StorageKind for GpuKind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum GpuMemoryKind {
-    /// Virtual memory management where the device supports it and the allocation is at least
-    /// [`VMM_MIN_BYTES`]; legacy otherwise. The default.
+    /// Virtual memory management where the device supports it: allocations of their own from
+    /// [`VMM_MIN_BYTES`] up, and smaller tensors as blocks of VMM segments of the caching
+    /// allocator (legacy segments where [`Device::set_segment_kind`] says so, and legacy
+    /// allocations of their own with caching off); legacy where the device has no VMM. The
+    /// default.
     Auto,
     /// `cuMemAlloc`, shared through legacy CUDA IPC handles: what PyTorch opens. Mapping it
     /// in another process fails once the allocating process has exited.
