@@ -223,8 +223,8 @@ fn memory_of_another_allocator_is_sent_from_its_allocation_and_kept_until_releas
     // SAFETY: refused before anything is kept.
     let bad = unsafe { GpuStorage::from_foreign(&dev, 16, 4, Box::new(())) };
     assert!(matches!(bad, Err(cuda_mp::Error::Unsupported(_))), "{bad:?}");
-    // SAFETY: as above.
-    let past = unsafe { GpuStorage::from_foreign(&dev, block.device_ptr() + 4092, 8, Box::new(())) };
+    // SAFETY: as above. (An allocation of its own is whole 2 MiB blocks: its end is there.)
+    let past = unsafe { GpuStorage::from_foreign(&dev, block.device_ptr() + (2 << 20) - 4, 8, Box::new(())) };
     assert!(past.is_err(), "past the end of the allocation");
     drop((block, step_block));
     wait_for_lifetime(WAIT, |s| s.live_storages == before.live_storages && s.outstanding_leases == 0)

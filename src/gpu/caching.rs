@@ -104,8 +104,10 @@ impl Device {
     /// new GPU tensors below [`VMM_MIN_BYTES`](crate::VMM_MIN_BYTES) (and not of
     /// [`GpuMemoryKind::Vmm`](crate::GpuMemoryKind::Vmm)) are blocks of segments that
     /// receivers map once: a fresh tensor sent to a process that maps its segment opens
-    /// nothing. Off, each tensor is an allocation of its own (freed when every holder dropped
-    /// it), and the segments no block uses are given up.
+    /// nothing. Off, each tensor is an allocation of its own of whole 2 MiB blocks (freed when
+    /// every holder dropped it: NVIDIA recommends sharing only allocations of whole 2 MiB,
+    /// since the driver may cut smaller ones from one block, which a handle maps whole), and
+    /// the segments no block uses are given up.
     ///
     /// A receiver of a block maps its whole segment: the processes a program sends GPU tensors
     /// to can read and write the other tensors of the same segments (as with PyTorch's
