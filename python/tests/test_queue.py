@@ -413,6 +413,10 @@ def test_a_pipe_has_the_rest_of_multiprocessings_connection():
     with pytest.raises(OSError) as e:
         reader.recv_bytes(maxlength=4)
     assert e.value.received == bytes(10)
+    writer.send_bytes(b"kept")
+    with pytest.raises(ValueError, match="negative maxlength"):
+        reader.recv_bytes(-1)
+    assert reader.recv_bytes() == b"kept", "nothing was received by the refused call"
     writer.send_bytes(b"hello")
     buf = bytearray(8)
     assert reader.recv_bytes_into(buf, 2) == 5 and bytes(buf) == b"\0\0hello\0"

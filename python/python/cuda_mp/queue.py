@@ -418,7 +418,11 @@ class Connection:
     def recv_bytes(self, maxlength: Optional[int] = None) -> bytes:
         """The next object, which ``send_bytes`` (or ``send`` of ``bytes``) sent. Raises
         ``OSError`` for a longer message than ``maxlength``, and ``TypeError`` for one of another
-        type; either carries what came as its ``received``: nothing is lost."""
+        type; either carries what came as its ``received``: nothing is lost. A negative
+        ``maxlength`` raises ``ValueError`` before anything is received, as ``multiprocessing``
+        does."""
+        if maxlength is not None and maxlength < 0:
+            raise ValueError("negative maxlength")
         got = self.recv()
         error = None
         if not isinstance(got, bytes):
