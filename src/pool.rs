@@ -58,8 +58,8 @@ const POLL: Duration = Duration::from_millis(50);
 /// in, and reports only that; a panic the job caught reads as the cause where the worker was
 /// then killed by SIGKILL while its connection broke, which procspawn's own kill after a panic
 /// looks like; a worker that dies while a child it forked keeps its connection is seen within
-/// 100 ms); the worker is replaced by a fresh process (which runs the initializer again) and the jobs queued behind it
-/// still run. [`map`] reports the first job to fail as [`JoinError::Job`] with its index.
+/// about 2 s); the worker is replaced by a fresh process (which runs the initializer again)
+/// and the jobs queued behind it still run. [`map`] reports the first job to fail as [`JoinError::Job`] with its index.
 ///
 /// # Design and trade-offs
 ///
@@ -1209,7 +1209,7 @@ enum Waited<R> {
 /// terminated, or is closing with no job left (then only a worker's start or initializer can
 /// be waiting, for a worker that would never get a job: a shutdown does not wait for it).
 ///
-/// With the worker's `watch`, a worker seen ended for two looks without a result has died.
+/// With the worker's `watch`, a worker seen ended for [`DIED_AFTER`] without a result has died.
 fn wait<R>(
     handle: &mut procspawn::JoinHandle<R>,
     deadline: Option<Instant>,
@@ -1219,7 +1219,7 @@ fn wait<R>(
 where
     R: Serialize + DeserializeOwned,
 {
-    let mut seen_gone = 0;
+    let mut gone_since = None;
     loop {
         let step = deadline.map_or(POLL, |d| POLL.min(d.saturating_duration_since(Instant::now())));
         match handle.join_timeout(step) {
@@ -1230,12 +1230,17 @@ where
         if shared.terminated() || shared.closed_and_drained() {
             return Waited::Stopped;
         }
-        // The result, written before the worker ended, is read by the next look at the latest.
-        if watch.is_some_and(ChildWatch::gone) {
-            seen_gone += 1;
-            if seen_gone > 1 {
-                return Waited::Died;
+        // A result written before the worker ended is still decoded on procspawn's thread
+        // (for as long as its `Deserialize` takes): only a worker gone for `DIED_AFTER` with
+        // no result has died without one.
+        match watch {
+            Some(watch) if watch.gone() => {
+                let since = *gone_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= DIED_AFTER {
+                    return Waited::Died;
+                }
             }
+            _ => {}
         }
         if deadline.is_some_and(|d| Instant::now() >= d) {
             return Waited::TimedOut;
@@ -1376,6 +1381,11 @@ impl Worker {
         }
     }
 }
+
+/// How long a worker may be gone before its call, still without a result, has failed: its
+/// connection lives on in a child it forked, so procspawn sees no end (and a result the worker
+/// wrote before it ended is decoded on procspawn's thread meanwhile).
+const DIED_AFTER: Duration = Duration::from_secs(2);
 
 /// How long a failed call waits to see how its worker ended.
 const EXIT_SEEN_WITHIN: Duration = Duration::from_millis(200);

@@ -987,8 +987,9 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
     /// Waits up to `timeout` for a message. A message that the dispatcher sent just as the
     /// wait ran out is returned rather than put back; one prefetched is returned at once. Past
     /// the limit it waits at most a second more for the dispatcher to take back what it asked
-    /// for (a dispatcher that does not answer, its process stopped, is left: the handle joins
-    /// again at its next call).
+    /// for (a dispatcher that does not answer, its process stopped or lagging more than that
+    /// behind, is left: what it sends this handle later goes back to its backlog, and the
+    /// handle joins again at its next call).
     ///
     /// ```
     /// use std::time::{Duration, Instant};

@@ -296,6 +296,36 @@ fn a_workers_end_is_reported_as_it_ended_not_as_a_panic_its_job_caught() {
     pool.terminate();
 }
 
+/// A result whose decoding takes a while (on procspawn's thread, in the calling process).
+#[derive(Debug, PartialEq, serde::Serialize)]
+struct SlowToDecode(u32);
+
+impl<'de> serde::Deserialize<'de> for SlowToDecode {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = <u32 as serde::Deserialize>::deserialize(d)?;
+        std::thread::sleep(Duration::from_millis(600));
+        Ok(SlowToDecode(n))
+    }
+}
+
+/// Returns its result, and is killed 200 ms later.
+fn answer_then_die(n: u32) -> SlowToDecode {
+    std::thread::spawn(|| {
+        std::thread::sleep(Duration::from_millis(200));
+        // SAFETY: ends this process, as the OOM killer would.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    });
+    SlowToDecode(n)
+}
+
+#[test]
+fn a_result_sent_before_the_worker_died_is_returned() {
+    let pool = Pool::new(1).unwrap();
+    let got = pool.apply_async(5, answer_then_die).get_timeout(WAIT).map_err(|e| format!("{e:?}"));
+    assert_eq!(got, Ok(SlowToDecode(5)));
+    pool.terminate();
+}
+
 /// How many times the initializer ran in this process.
 static INITIALIZED: AtomicU32 = AtomicU32::new(0);
 

@@ -28,7 +28,9 @@ came in time, as ``multiprocessing`` does.
 
 ``Pipe()`` gives two ``Connection`` s, each sending to the other, as ``multiprocessing.Pipe()``
 does, with the same pickling of their objects; an end pickled to a child moves there (the
-pickling process receives no more on it, and may still send: its copy of the sending half).
+pickling process receives no more on it, and may still send: its copy of the sending half). A
+write-only end (``Pipe(duplex=False)``'s writer) pickles as a copy of its sending half alone,
+so it may go to many children.
 """
 
 from __future__ import annotations
