@@ -28,17 +28,21 @@ pub(crate) struct DeviceAllocation {
 }
 
 impl DeviceAllocation {
-    /// Allocates `bytes` bytes (uninitialized) on `device`, in a whole number of 2 MiB (at
-    /// least one): the driver may cut smaller allocations from one block, and an IPC handle
-    /// to one of them maps the whole block in the receiver, its neighbours included (CUDA
-    /// Programming Guide, "Interprocess Communication"; `benches/ipc_neighbours.py` shows it
-    /// with the driver alone). Every allocation here may be exported.
+    /// Allocates `bytes` bytes (uninitialized) on `device`, in a whole number of 2 MiB: NVIDIA's
+    /// guide says the driver may cut smaller allocations from one block, and that an IPC handle
+    /// to one of them then maps the whole block in the receiver, its neighbours included
+    /// (CUDA Programming Guide, "Interprocess Communication"; `benches/ipc_neighbours.py` asks
+    /// the driver alone whether it does). Every allocation here may be exported. A zero-byte
+    /// request gets one byte: it stands for an empty storage (one received from PyTorch, say),
+    /// which holds nothing to share, and a receiver of many of them must not hold 2 MiB each.
     pub(crate) fn new(device: &Arc<Device>, bytes: usize) -> Result<DeviceAllocation> {
         const IPC_BLOCK: usize = 2 << 20;
-        let request = bytes
-            .max(1)
-            .checked_next_multiple_of(IPC_BLOCK)
-            .ok_or_else(|| Error::Layout(format!("an allocation of {bytes} bytes is larger than an address holds")))?;
+        let request = match bytes {
+            0 => 1,
+            _ => bytes.checked_next_multiple_of(IPC_BLOCK).ok_or_else(|| {
+                Error::Layout(format!("an allocation of {bytes} bytes is larger than an address holds"))
+            })?,
+        };
         device.bind()?;
         // SAFETY: the context is current; the pointer is owned by the value built here, whose
         // drop frees it once.
