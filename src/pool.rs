@@ -59,7 +59,8 @@ const POLL: Duration = Duration::from_millis(50);
 /// then killed by SIGKILL while its connection broke, which procspawn's own kill after a panic
 /// looks like; a worker that dies while a child it forked keeps its connection is seen within
 /// about 2 s); the worker is replaced by a fresh process (which runs the initializer again)
-/// and the jobs queued behind it still run. [`map`] reports the first job to fail as [`JoinError::Job`] with its index.
+/// and the jobs queued behind it still run. [`map`] reports the first job to fail as
+/// [`JoinError::Job`] with its index.
 ///
 /// # Design and trade-offs
 ///
@@ -1182,6 +1183,12 @@ struct Report {
     location: Option<String>,
 }
 
+impl From<Report> for PanicReport {
+    fn from(r: Report) -> Self {
+        PanicReport { message: r.message, location: r.location }
+    }
+}
+
 /// The first call in every worker: report the panics of this thread (the one that runs the
 /// jobs) on `panics`, before they unwind. Returns the worker's process id.
 fn setup_worker(panics: crate::Sender<Report>) -> u32 {
@@ -1358,7 +1365,7 @@ impl Worker {
         }
         let seen = e.map(join_error);
         if let Some(JoinError::Panicked(panic)) = seen {
-            let panic = report.map_or(panic, |r| PanicReport { message: r.message, location: r.location });
+            let panic = report.map_or(panic, PanicReport::from);
             return JoinError::Panicked(panic);
         }
         // How the worker ended says why, unless its job's panic may have ended it (procspawn
@@ -1370,10 +1377,10 @@ impl Worker {
         let broke_the_call = seen.is_some();
         match (exit, report) {
             (Some(exit), Some(r)) if exit.may_be_a_panic() || (broke_the_call && exit == Exit::Signal(SIGKILL)) => {
-                JoinError::Panicked(PanicReport { message: r.message, location: r.location })
+                JoinError::Panicked(r.into())
             }
             (Some(exit), _) => exit_error(exit),
-            (None, Some(r)) => JoinError::Panicked(PanicReport { message: r.message, location: r.location }),
+            (None, Some(r)) => JoinError::Panicked(r.into()),
             (None, None) => JoinError::Terminated(match seen {
                 Some(other) => format!("the pool worker ended during the job, how is unknown ({other})"),
                 None => "the pool worker ended during the job, how is unknown".into(),
