@@ -1259,8 +1259,9 @@ pub struct Connection {
 }
 
 impl Connection {
-    fn new(tx: RsSender<Value>, rx: RsReceiver<Value>) -> Connection {
-        Connection { tx, rx: Mutex::new(Some(rx)), polled: Mutex::new((std::process::id(), VecDeque::new())) }
+    /// An end of `tx` and `rx` (`None`: a write-only end's copy, which receives nothing).
+    fn new(tx: RsSender<Value>, rx: Option<RsReceiver<Value>>) -> Connection {
+        Connection { tx, rx: Mutex::new(rx), polled: Mutex::new((std::process::id(), VecDeque::new())) }
     }
 
     /// What `poll` received in this process: a child forked after its parent polled does not
@@ -1316,7 +1317,7 @@ fn pipe(py: Python<'_>) -> PyResult<(Connection, Connection)> {
         Ok((tx_a, rx_a, tx_b, rx_b))
     });
     let (tx_a, rx_a, tx_b, rx_b) = made.map_err(error)?;
-    Ok((Connection::new(tx_a, rx_b), Connection::new(tx_b, rx_a)))
+    Ok((Connection::new(tx_a, Some(rx_b)), Connection::new(tx_b, Some(rx_a))))
 }
 
 #[pymethods]
@@ -1411,14 +1412,10 @@ impl Connection {
     fn from_bytes(py: Python<'_>, data: &[u8], readable: bool) -> PyResult<Connection> {
         if !readable {
             let tx: RsSender<Value> = py.detach(|| cuda_mp::from_bytes(data)).map_err(error)?;
-            return Ok(Connection {
-                tx,
-                rx: Mutex::new(None),
-                polled: Mutex::new((std::process::id(), VecDeque::new())),
-            });
+            return Ok(Connection::new(tx, None));
         }
         let (tx, rx): (RsSender<Value>, RsReceiver<Value>) = py.detach(|| cuda_mp::from_bytes(data)).map_err(error)?;
-        Ok(Connection::new(tx, rx))
+        Ok(Connection::new(tx, Some(rx)))
     }
 }
 
