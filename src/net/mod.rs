@@ -571,6 +571,23 @@ fn parse_frame(body: &[u8]) -> Result<(&[u8], u8, u32, u64)> {
     Ok((payload, kind, transfers, host_bytes))
 }
 
+/// Checks the end's secret; without one, refuses an address other than loopback unless
+/// [`RemoteOptions::allow_unauthenticated`] (`only` and `reach` say what the end does with
+/// the addresses, in the error).
+fn secret_or_loopback(options: &RemoteOptions, addrs: &[SocketAddr], only: &str, reach: &str) -> Result<()> {
+    if let Some(secret) = &options.secret {
+        return secret.check();
+    }
+    match addrs.iter().find(|a| !a.ip().is_loopback()) {
+        Some(open) if !options.allow_unauthenticated => Err(Error::Unsupported(format!(
+            "a remote {only} loopback addresses, not {open}: set RemoteOptions::secret (or \
+             {REMOTE_SECRET_ENV}) on both ends, or RemoteOptions::allow_unauthenticated(true) where \
+             every host that can {reach} the port is trusted"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 fn resolve(addr: impl ToSocketAddrs) -> Result<Vec<SocketAddr>> {
     let addrs: Vec<SocketAddr> = addr.to_socket_addrs()?.collect();
     if addrs.is_empty() {
@@ -663,17 +680,7 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
     /// ```
     pub fn bind_with(addr: impl ToSocketAddrs, options: RemoteOptions) -> Result<RemoteListener<T>> {
         let addrs = resolve(addr)?;
-        if let Some(secret) = &options.secret {
-            secret.check()?;
-        } else if !options.allow_unauthenticated
-            && let Some(open) = addrs.iter().find(|a| !a.ip().is_loopback())
-        {
-            return Err(Error::Unsupported(format!(
-                "a remote listener without a secret binds only loopback addresses, not {open}: set \
-                     RemoteOptions::secret (or {REMOTE_SECRET_ENV}) on both ends, or \
-                     RemoteOptions::allow_unauthenticated(true) where every host that can reach the port is trusted"
-            )));
-        }
+        secret_or_loopback(&options, &addrs, "listener without a secret binds only", "reach")?;
         let listener = TcpListener::bind(&addrs[..])?;
         listener.set_nonblocking(true)?;
         let (done_tx, done) = mpsc::channel();
@@ -1070,18 +1077,8 @@ impl<T: Serialize + DeserializeOwned + 'static> Sender<T> {
     /// [`RemoteOptions::allow_unauthenticated`]).
     pub fn connect_remote_with(addr: impl ToSocketAddrs, options: RemoteOptions) -> Result<Sender<T>> {
         let addrs = resolve(addr)?;
-        if let Some(secret) = &options.secret {
-            secret.check()?;
-        } else if !options.allow_unauthenticated
-            && let Some(open) = addrs.iter().find(|a| !a.ip().is_loopback())
-        {
-            // Whoever answers on the port would get every message.
-            return Err(Error::Unsupported(format!(
-                "a remote sender without a secret connects only to loopback addresses, not {open}: set \
-                     RemoteOptions::secret (or {REMOTE_SECRET_ENV}) on both ends, or \
-                     RemoteOptions::allow_unauthenticated(true) where every host that can take the port is trusted"
-            )));
-        }
+        // Without a secret, whoever answers on the port would get every message.
+        secret_or_loopback(&options, &addrs, "sender without a secret connects only to", "take")?;
         // Retried until the connect timeout: the listener may not be up yet (a peer process
         // still starting), as torch.distributed's rendezvous retries, or may close a connection
         // unanswered while it runs its most handshakes at once.
