@@ -338,7 +338,6 @@ class MultiprocessingQueue(Queue):
         them all and raises ``queue.Empty``, as ``multiprocessing``'s queue, which nobody fills
         any more, does; one without a timeout raises ``cuda_mp.Disconnected`` where
         ``multiprocessing``'s would wait for ever."""
-        self._check_open()
         if timeout is not None and timeout < 0:
             timeout = 0.0
         start = time.monotonic()
