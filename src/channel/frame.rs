@@ -59,7 +59,7 @@ pub(super) enum FrameOut<'a> {
     Inline(&'a [u8], &'a [Introduction]),
     Shared(MemoryFile, u64, &'a [Introduction]),
     /// A spill batch and the number of messages in it.
-    Redirect(Socket, u64),
+    Redirect(&'a Socket, u64),
     Ring(&'a ring::Introduction),
     Wake,
 }
@@ -99,6 +99,11 @@ fn head(kind: u8, leases: &[Introduction], order: Option<Order>) -> Vec<u8> {
 /// Whether a frame's bytes are a wake frame's.
 pub(super) fn is_wake(frame: &[u8]) -> bool {
     frame == [WAKE]
+}
+
+/// Whether a frame's kind is a message's (whatever the rest of it holds).
+pub(super) fn holds_a_message(frame: &[u8]) -> bool {
+    frame.first().is_some_and(|&kind| matches!(kind & !(WITH_LEASES | WITH_ORDER), INLINE | SHARED))
 }
 
 /// The place in its sender's order of a message frame that has one.
@@ -432,7 +437,7 @@ mod tests {
         frame.write_in_order(&a, &[], Wait::Not, None).unwrap();
         assert!(matches!(next(), Ok(Incoming::Message { value: Ok(v), .. }) if v == vec![2u8; 100_000]));
         let (batch, _) = Socket::pair().unwrap();
-        FrameOut::Redirect(batch, 1).write_in_order(&a, &[], Wait::Not, None).unwrap();
+        FrameOut::Redirect(&batch, 1).write_in_order(&a, &[], Wait::Not, None).unwrap();
         assert!(matches!(next(), Ok(Incoming::Redirect(_))));
         // An ordered frame, with and without leases: its place reads back, the message too.
         let order = Order { ring: 7, number: 41 };

@@ -662,6 +662,9 @@ impl Inbox {
         if main && let Some(cost) = frame::read_cost(&self.buf[raw.bytes.clone()]) {
             self.settle(gauge, cost);
         }
+        // A message frame that fails before its message decodes (a lease that cannot be
+        // reopened, a forged prefix) still takes its place in the channel with it.
+        let message = frame::holds_a_message(&self.buf[raw.bytes.clone()]);
         // Its leases adopted, its message decoded.
         let incoming = frame::read(&self.buf[raw.bytes], raw.fds, Some(&self.leases))
             .map_err(|e| Missing::Failed(checked(RecvError::Malformed(e))));
@@ -692,7 +695,12 @@ impl Inbox {
                 Look::Again
             }
             Ok(Incoming::Wake) => Look::Again,
-            Err(missing) => Look::Got(Err(missing)),
+            Err(missing) => {
+                if message {
+                    gauge.free_places(1);
+                }
+                Look::Got(Err(missing))
+            }
         }
     }
 

@@ -1499,6 +1499,42 @@ mod tests {
         assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(2), "the channel goes on");
     }
 
+    /// A message frame that fails before its message is decoded (here its place in its
+    /// sender's order is cut short; a lease that cannot be reopened fails the same way) gives
+    /// the place its sender took on a bounded channel back: it used to stay taken, and a full
+    /// channel's sends then waited for a message that would never be read.
+    #[test]
+    fn a_message_frame_that_cannot_be_read_gives_its_place_back() {
+        let (tx, rx) = bounded::<u32>(1).unwrap();
+        let gauge = &tx.outbox().gauge;
+        assert!(gauge.take_place(Some(None), || false).is_ok(), "the one place is free");
+        tx.outbox().write_raw(&[crate::protocol::kind::MESSAGE | 0x40, 1, 2, 3], &[]);
+        assert!(matches!(rx.recv_timeout(Duration::from_secs(5)), Err(RecvTimeoutError::Malformed(_))));
+        tx.send_timeout(7, Duration::from_secs(1)).expect("the place is back");
+        assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(7));
+    }
+
+    /// A redirect that the kernel refuses for a passing reason (no buffers; descriptors in
+    /// flight past a user's limit) is written again: the backlog arrives whole and in order,
+    /// where the channel used to be disconnected and the backlog dropped.
+    #[test]
+    fn a_redirect_refused_for_a_passing_reason_is_written_again() {
+        let (tx, rx) = channel::<Vec<u8>>().unwrap();
+        outbox::REFUSE_REDIRECTS.store(3, std::sync::atomic::Ordering::SeqCst);
+        // Too large for a ring, and together far more than the socket holds: they spill.
+        let sent = 300u32;
+        for i in 0..sent {
+            tx.send(vec![(i % 251) as u8; 8_000]).unwrap();
+        }
+        for i in 0..sent {
+            let got = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+            assert_eq!((got.len(), got[0]), (8_000, (i % 251) as u8), "message {i}");
+        }
+        assert_eq!(outbox::REFUSE_REDIRECTS.load(std::sync::atomic::Ordering::SeqCst), 0, "every refusal was met");
+        tx.send(vec![1]).unwrap();
+        assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(vec![1]), "the channel goes on");
+    }
+
     /// A receiving end keeps at most `MAX_RINGS` rings; the writer of one it refuses writes
     /// nothing to it, and no writer writes before its ring is adopted.
     #[test]

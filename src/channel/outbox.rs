@@ -110,6 +110,15 @@ impl Backlog {
     }
 }
 
+/// For a test: how many redirect writes to refuse as the kernel does when it is short of
+/// buffers.
+#[cfg(test)]
+pub(super) static REFUSE_REDIRECTS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// How long the feeder waits before it writes again a redirect that the kernel refused for a
+/// passing reason.
+const REDIRECT_RETRY: Duration = Duration::from_millis(10);
+
 /// For a test: how long an outbox's drop waits before it parks its ring (ms).
 #[cfg(test)]
 pub(super) static DROP_PAUSE_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -372,6 +381,15 @@ impl Outbox {
         written
     }
 
+    /// Writes the redirect frame that hands `batch` (of `messages`) on to the receiver.
+    fn write_redirect(&self, batch: &Socket, messages: usize) -> Result<(), SendFailure> {
+        #[cfg(test)]
+        if REFUSE_REDIRECTS.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
+            return Err(failure(io::Error::from_raw_os_error(rustix::io::Errno::NOBUFS.raw_os_error())));
+        }
+        self.write_main(&FrameOut::Redirect(batch, messages as u64), &[], Wait::Forever, None)
+    }
+
     /// Writes the bytes of a message that carries no descriptor to this process's ring of the
     /// channel where it may (README.md, "Rings"); `Ok(false)` when the message must take the
     /// socket instead. A full ring is waited for at most `patience`.
@@ -541,22 +559,36 @@ impl Outbox {
                 None => None,
             };
             match next {
-                Some(batch) => {
+                Some(mut batch) => {
                     backlog.handing_on = true;
                     drop(backlog);
                     let messages = batch.messages;
                     // Closing the writing end first: the receiver reads the batch to its end.
-                    drop(batch.tx);
+                    drop(batch.tx.take());
                     self.gauge.reserve(SMALL_COST);
-                    let written =
-                        self.write_main(&FrameOut::Redirect(batch.rx, messages as u64), &[], Wait::Forever, None);
+                    let written = self.write_redirect(&batch.rx, messages);
                     backlog = self.lock();
                     backlog.handing_on = false;
                     match written {
                         Ok(()) => backlog.messages = backlog.messages.saturating_sub(messages),
-                        Err(_) => {
+                        Err(SendFailure::Disconnected) => {
                             self.gauge.release(SMALL_COST);
                             self.disconnect(&mut backlog);
+                        }
+                        Err(why) => {
+                            // A passing refusal (descriptors in flight past the sender's limit,
+                            // kernel memory): the batch is handed on again, in its turn, after
+                            // a pause; the receiver's end is looked at meanwhile.
+                            self.gauge.release(SMALL_COST);
+                            tracing::warn!(%why, "a spilled batch could not be handed on yet: trying again");
+                            backlog.closed.push_front(batch);
+                            if self.main.peer_closed() {
+                                self.disconnect(&mut backlog);
+                                continue;
+                            }
+                            drop(backlog);
+                            std::thread::sleep(REDIRECT_RETRY);
+                            backlog = self.lock();
                         }
                     }
                     self.changed().notify_all();
