@@ -185,9 +185,12 @@ impl Socket {
         while fds.len() < target {
             // Nothing there (a forged message's socket whose writer is still open) is as
             // malformed as too few: never a "try again" that drops the message silently.
+            // So is a socket that cannot be read (one never connected): its `ENOTCONN` would
+            // read as the channel's end.
             let packet = match recv_packet(self.0.as_fd(), &mut byte, Wait::Not) {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
-                other => other?,
+                Err(e) => return Err(invalid(&format!("a message's overflow socket cannot be read: {e}"))),
+                Ok(packet) => packet,
             };
             match packet {
                 Some(Packet { fds_dropped: true, .. }) => return Ok(false),
@@ -332,7 +335,9 @@ fn recv_packet(socket: BorrowedFd<'_>, buf: &mut [u8], wait: Wait) -> io::Result
             Err(rustix::io::Errno::INTR) => continue,
             // Another reader took what woke us: wait again.
             Err(rustix::io::Errno::AGAIN) if matches!(wait, Wait::Until(_)) => continue,
-            Err(rustix::io::Errno::CONNRESET) => return Ok(None),
+            // A peer that closed with messages of ours unread: the kernel says so once, before
+            // what the peer sent us and we have not read yet. The next read finds that, then the end.
+            Err(rustix::io::Errno::CONNRESET) => continue,
             Err(e) => return Err(e.into()),
         };
         let mut fds = Vec::new();
@@ -623,6 +628,37 @@ mod tests {
         let err = b.recv(16, Wait::Forever).unwrap_err();
         drop(over_tx);
         assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err:?}");
+    }
+
+    #[test]
+    fn a_message_whose_overflow_socket_is_not_connected_is_malformed_not_the_end() {
+        crate::sys::raise_descriptor_limit();
+        let (a, b) = Socket::pair().unwrap();
+        let unconnected = socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None).unwrap();
+        let fillers: Vec<OwnedFd> =
+            (0..PACKET_FDS - 1).map(|_| std::fs::File::open("/dev/null").unwrap().into()).collect();
+        let mut fds: Vec<BorrowedFd<'_>> = fillers.iter().map(|f| f.as_fd()).collect();
+        fds.push(unconnected.as_fd());
+        send_packet(a.0.as_fd(), &[IoSlice::new(&300u32.to_le_bytes())], &fds, Wait::Not).unwrap();
+        let err = b.recv(16, Wait::Not).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err:?}");
+        send(&a, b"next", &[]).unwrap();
+        assert_eq!(b.recv(16, Wait::Not).unwrap().unwrap().bytes, b"next", "the socket goes on");
+    }
+
+    /// A peer that closes with our messages unread leaves its own messages readable: the
+    /// kernel's one report of the reset is not the end.
+    #[test]
+    fn messages_of_a_peer_that_closed_with_ours_unread_are_all_read() {
+        let (a, b) = Socket::pair().unwrap();
+        send(&b, b"unread by a", &[]).unwrap();
+        send(&a, b"m1", &[]).unwrap();
+        send(&a, b"m2", &[]).unwrap();
+        drop(a);
+        assert_eq!(b.recv(16, Wait::Not).unwrap().unwrap().bytes, b"m1");
+        assert_eq!(b.recv(16, Wait::Forever).unwrap().unwrap().bytes, b"m2");
+        assert!(b.recv(16, Wait::Forever).unwrap().is_none(), "then the end");
+        assert!(b.recv(16, Wait::Not).unwrap().is_none(), "and the end again");
     }
 
     #[test]
