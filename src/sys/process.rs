@@ -42,7 +42,11 @@ pub(crate) fn process_gone(pid: u32, start: u64) -> bool {
         return true;
     }
     match process_stat(pid) {
-        Some(stat) => matches!(stat.state, 'Z' | 'X' | 'x') || (start != 0 && stat.start != start),
+        // A process whose main thread ended while others run shows its main thread's state,
+        // `Z`, and lives on: it is gone only once its last thread is.
+        Some(stat) => {
+            (matches!(stat.state, 'Z' | 'X' | 'x') && stat.threads <= 1) || (start != 0 && stat.start != start)
+        }
         // Exists (kill said so) but /proc does not show it to us: assume it lives.
         None => false,
     }
@@ -50,6 +54,7 @@ pub(crate) fn process_gone(pid: u32, start: u64) -> bool {
 
 struct Stat {
     state: char,
+    threads: u64,
     start: u64,
 }
 
@@ -57,12 +62,13 @@ struct Stat {
 fn process_stat(pid: u32) -> Option<Stat> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // "pid (comm) state ppid ...": the name may hold spaces and parentheses; fields follow the
-    // last ')'. The start time is field 22, the 20th after the name.
+    // last ')'. The state is field 3, the number of threads field 20, the start time field 22.
     let rest = &text[text.rfind(')')? + 1..];
-    let mut fields = rest.split_ascii_whitespace();
-    let state = fields.next()?.chars().next()?;
-    let start = fields.nth(18)?.parse().ok()?;
-    Some(Stat { state, start })
+    let fields: Vec<&str> = rest.split_ascii_whitespace().take(20).collect();
+    let state = fields.first()?.chars().next()?;
+    let threads = fields.get(17)?.parse().ok()?;
+    let start = fields.get(19)?.parse().ok()?;
+    Some(Stat { state, threads, start })
 }
 
 /// Runs `f` when the process exits normally (`exit`, or returning from `main`), after the
@@ -186,5 +192,51 @@ mod tests {
         assert!(process_gone(u32::MAX, 0));
         assert!(process_gone(i32::MAX as u32, 0));
         assert_eq!(signal_name(SIGKILL), "SIGKILL");
+    }
+
+    /// A process whose main thread ended (`pthread_exit`) while another thread runs lives:
+    /// its `/proc` state is its main thread's, `Z`, and a lock it holds must not be taken
+    /// over. Once its last thread ends and it is a zombie, it is gone.
+    #[test]
+    fn a_process_whose_main_thread_ended_lives_while_another_thread_runs() {
+        extern "C" fn linger(_: *mut libc::c_void) -> *mut libc::c_void {
+            // SAFETY: `sleep` and `_exit` are async-signal-safe, as a forked child of a threaded
+            // process needs; `_exit` ends the whole process.
+            unsafe {
+                libc::sleep(2);
+                libc::_exit(0)
+            }
+        }
+        // SAFETY: the child makes one thread with `pthread_create` and ends its own thread with
+        // the `exit` system call (`pthread_exit` would unwind Rust frames, which aborts); neither
+        // allocates. The parent only looks at it and waits for it.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            let mut thread: libc::pthread_t = 0;
+            // SAFETY: `linger` takes no argument and ends the process itself.
+            unsafe {
+                if libc::pthread_create(&mut thread, std::ptr::null(), linger, std::ptr::null_mut()) != 0 {
+                    libc::_exit(3);
+                }
+                libc::syscall(libc::SYS_exit, 0);
+            }
+            unreachable!("the thread ended");
+        }
+        let child = pid as u32;
+        let start = process_stat(child).map_or(0, |s| s.start);
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        let stat = process_stat(child).expect("the child's stat");
+        assert_eq!((stat.state, stat.threads), ('Z', 2), "the main thread ended, the other runs");
+        assert!(!process_gone(child, start), "a process with a running thread lives");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !process_gone(child, start) {
+            assert!(std::time::Instant::now() < deadline, "the child ended with its last thread");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let mut status = 0;
+        // SAFETY: `pid` is our child; `status` is writable.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "status {status}");
     }
 }
