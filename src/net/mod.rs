@@ -124,8 +124,9 @@ impl RemoteOptions {
         self
     }
 
-    /// No receiving GPU: a message with GPU tensors is refused (a host-only receiver that
-    /// should never touch CUDA).
+    /// No receiving GPU: a message with GPU tensors, even empty ones, is refused by its sender
+    /// (a host-only receiver that should never touch CUDA); its value comes back and the
+    /// connection stays open.
     ///
     /// ```
     /// assert_eq!(cuda_mp::RemoteOptions::default().without_device().get_device(), None);
@@ -180,7 +181,8 @@ impl RemoteOptions {
     }
 
     /// The most GPU-tensor bytes one received message may make this end allocate (64 GiB by
-    /// default): checked tensor by tensor before each allocation.
+    /// default): checked tensor by tensor before each allocation. With 0 this end takes no GPU
+    /// tensor, as [`without_device`](Self::without_device).
     ///
     /// ```
     /// let options = cuda_mp::RemoteOptions::default().max_gpu_bytes(1 << 30);
@@ -338,12 +340,42 @@ struct Limits {
 }
 
 impl Limits {
+    /// A receiver's limits; one without a GPU takes no GPU tensor (it would refuse one, even
+    /// an empty one, and close the connection).
     fn of(options: &RemoteOptions) -> Limits {
         Limits {
             frame_bytes: options.max_frame_bytes as u64,
             host_bytes: options.max_host_bytes,
-            gpu_bytes: options.max_gpu_bytes,
+            gpu_bytes: if options.device.is_some() { options.max_gpu_bytes } else { 0 },
             tensors: options.max_tensors,
+        }
+    }
+
+    /// Whether a message of `frame` bytes and `tensors` tensors, `host` bytes of them host
+    /// tensors' and `gpu` GPU tensors' (`None`: it has none), is within these limits. A
+    /// receiver that takes no GPU bytes takes no GPU tensor.
+    fn check(&self, frame: u64, tensors: u64, host: u64, gpu: Option<u64>) -> std::result::Result<(), SendFailure> {
+        let over = |what: &str, have: u64, limit: u64| {
+            Err(SendFailure::Serialize(format!(
+                "the message has {have} {what}; the receiver takes at most {limit} (its RemoteOptions)"
+            )))
+        };
+        if frame > self.frame_bytes {
+            return over("bytes of frame", frame, self.frame_bytes);
+        }
+        if tensors > u64::from(self.tensors) {
+            return over("tensors", tensors, u64::from(self.tensors));
+        }
+        if host > self.host_bytes {
+            return over("bytes of host tensors", host, self.host_bytes);
+        }
+        match gpu {
+            Some(_) if self.gpu_bytes == 0 => Err(SendFailure::Serialize(
+                "the message has GPU tensors; the receiver takes none (it has no GPU, or its max_gpu_bytes is 0)"
+                    .into(),
+            )),
+            Some(gpu) if gpu > self.gpu_bytes => over("bytes of GPU tensors", gpu, self.gpu_bytes),
+            _ => Ok(()),
         }
     }
 }
@@ -1204,25 +1236,11 @@ impl NetSender {
         }
         let host_bytes: u64 =
             outgoing.iter().filter(|o| !matches!(o, Outgoing::Gpu { .. })).map(|o| o.len() as u64).sum();
-        let over = |what: &str, have: u64, limit: u64| {
-            Err(SendFailure::Serialize(format!(
-                "the message has {have} {what}; the receiver takes at most {limit} (its RemoteOptions)"
-            )))
-        };
-        if (bytes.len() - HEAD) as u64 > self.peer.frame_bytes {
-            return over("bytes of frame", (bytes.len() - HEAD) as u64, self.peer.frame_bytes);
-        }
-        if outgoing.len() as u64 > u64::from(self.peer.tensors) {
-            return over("tensors", outgoing.len() as u64, u64::from(self.peer.tensors));
-        }
-        if host_bytes > self.peer.host_bytes {
-            return over("bytes of host tensors", host_bytes, self.peer.host_bytes);
-        }
-        let gpu_bytes: u64 =
-            outgoing.iter().filter(|o| matches!(o, Outgoing::Gpu { .. })).map(|o| o.len() as u64).sum();
-        if gpu_bytes > self.peer.gpu_bytes {
-            return over("bytes of GPU tensors", gpu_bytes, self.peer.gpu_bytes);
-        }
+        let gpu = outgoing
+            .iter()
+            .any(|o| matches!(o, Outgoing::Gpu { .. }))
+            .then(|| outgoing.iter().filter(|o| matches!(o, Outgoing::Gpu { .. })).map(|o| o.len() as u64).sum());
+        self.peer.check((bytes.len() - HEAD) as u64, outgoing.len() as u64, host_bytes, gpu)?;
         let message = frame(bytes, kind::MESSAGE, outgoing.len() as u32, host_bytes);
         // The communicator's identity, made before anything is written: without NCCL the send
         // fails and the connection stays open for messages without GPU tensors.
@@ -2098,6 +2116,46 @@ mod tests {
         let answered = done.recv_timeout(T5).expect("the receive ended");
         assert!(answered.unwrap_err().contains("stopped inside a frame"));
         drop(peer);
+    }
+
+    /// A receiver without a GPU tells its senders it takes no GPU tensor, and a sender then
+    /// refuses one, even an empty one, before it writes: the receiver would refuse it and close
+    /// the connection, and an empty one was written without an answer awaited (its send said
+    /// `Ok` for a message that was lost).
+    #[test]
+    fn a_receiver_without_a_gpu_takes_no_gpu_tensor_and_its_senders_know() {
+        let limits = Limits::of(&RemoteOptions::default().without_device());
+        assert_eq!(limits.gpu_bytes, 0);
+        assert_eq!(Limits::of(&RemoteOptions::default()).gpu_bytes, 64 << 30);
+        let refused = |gpu| match limits.check(100, 1, 0, gpu) {
+            Err(SendFailure::Serialize(why)) => why,
+            other => panic!("{other:?}"),
+        };
+        assert!(refused(Some(0)).contains("takes none"), "an empty GPU tensor");
+        assert!(refused(Some(4)).contains("takes none"));
+        assert!(limits.check(100, 1, 4, None).is_ok(), "host tensors go");
+        let with_gpu = Limits::of(&RemoteOptions::default().max_gpu_bytes(8));
+        assert!(with_gpu.check(100, 2, 0, Some(8)).is_ok());
+        assert!(
+            matches!(with_gpu.check(100, 2, 0, Some(9)), Err(SendFailure::Serialize(why)) if why.contains("at most 8"))
+        );
+        // What the handshake gives a sender, read from a real one.
+        let listener = RemoteListener::<u8>::bind_with(
+            "127.0.0.1:0",
+            RemoteOptions::default().without_device().network_only(true),
+        )
+        .unwrap();
+        let addr = listener.local_addr().unwrap();
+        let hello = hello::<u8>(REMOTE_PROTOCOL_VERSION);
+        let peer = std::thread::spawn(move || {
+            let s = TcpStream::connect(addr).unwrap();
+            prove_by_hand(&s, None);
+            write_handshake_bytes(&s, hello, T5).unwrap();
+            read_handshake::<Welcome>(&s, T5).unwrap()
+        });
+        let _rx = listener.accept_timeout(T60).unwrap();
+        let Welcome::Network(told) = peer.join().unwrap() else { panic!("not a network welcome") };
+        assert_eq!(told.gpu_bytes, 0);
     }
 
     /// Sixteen senders of one host that connect at the same moment all get a channel (a cap
