@@ -1121,16 +1121,24 @@ impl<T: Serialize + DeserializeOwned + 'static> Sender<T> {
         let (stream, ours, challenge) = 'greeted: loop {
             let stream = 'connected: {
                 let mut last = None;
-                for addr in &addrs {
-                    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-                    match TcpStream::connect_timeout(addr, left) {
+                for (i, addr) in addrs.iter().enumerate() {
+                    // The time left shared by the addresses not tried yet: one that drops
+                    // connection attempts (an address of the name behind a firewall) does
+                    // not take it all from those after it.
+                    let untried = (addrs.len() - i) as u32;
+                    let left = deadline.saturating_duration_since(Instant::now()) / untried;
+                    match TcpStream::connect_timeout(addr, left.max(Duration::from_millis(1))) {
                         Ok(s) => break 'connected s,
                         Err(e) => last = Some(e),
                     }
                 }
-                let e = last.expect("resolve returns at least one address");
+                let Some(e) = last else { return Err(Error::Timeout(options.connect_timeout)) };
                 let retry = matches!(e.kind(), io::ErrorKind::ConnectionRefused | io::ErrorKind::ConnectionReset);
-                if !retry || Instant::now() >= deadline {
+                if retry && Instant::now() >= deadline {
+                    tracing::warn!(error = %e, "no remote listener answered within the connect timeout");
+                    return Err(Error::Timeout(options.connect_timeout));
+                }
+                if !retry {
                     return Err(io_error(e, "connecting", options.connect_timeout));
                 }
                 pause();
@@ -1144,14 +1152,11 @@ impl<T: Serialize + DeserializeOwned + 'static> Sender<T> {
                 Some(challenge) => break (stream, ours, challenge),
                 None if Instant::now() < deadline => pause(),
                 None => {
-                    return Err(Error::Io(io::Error::new(
-                        io::ErrorKind::ConnectionRefused,
-                        format!(
-                            "the listener closed every connection unanswered for {:?} (the connect timeout): \
-                             it runs its most handshakes at once",
-                            options.connect_timeout
-                        ),
-                    )));
+                    tracing::warn!(
+                        timeout = ?options.connect_timeout,
+                        "the remote listener closed every connection unanswered: it runs its most handshakes at once"
+                    );
+                    return Err(Error::Timeout(options.connect_timeout));
                 }
             }
         };
@@ -2156,6 +2161,18 @@ mod tests {
         let _rx = listener.accept_timeout(T60).unwrap();
         let Welcome::Network(told) = peer.join().unwrap() else { panic!("not a network welcome") };
         assert_eq!(told.gpu_bytes, 0);
+    }
+
+    /// A connect that finds nobody listening until its limit is a timeout, as documented
+    /// (it was the last refusal's `Io` error).
+    #[test]
+    fn a_connect_with_nobody_listening_times_out() {
+        let free = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        let options = RemoteOptions::default().connect_timeout(Duration::from_millis(300));
+        let start = Instant::now();
+        let err = Sender::<u8>::connect_remote_with(free, options).unwrap_err();
+        assert!(err.is_timeout(), "{err:?}");
+        assert!(start.elapsed() >= Duration::from_millis(300) && start.elapsed() < Duration::from_secs(5));
     }
 
     /// Sixteen senders of one host that connect at the same moment all get a channel (a cap
