@@ -502,11 +502,14 @@ struct FrameReader {
     /// How long a frame that has begun may stall (no byte coming) before the peer is taken
     /// for stopped, whatever the caller's own limit: `None` for none.
     stall: Option<Duration>,
+    /// When the frame being read last got bytes: a stall is counted from there, across reads
+    /// (a receiver that polls with short limits would otherwise never see one).
+    progress: Option<Instant>,
 }
 
 impl FrameReader {
     fn new(max: usize, stall: Option<Duration>) -> FrameReader {
-        FrameReader { max, prefix: [0; 4], prefix_filled: 0, body: Vec::new(), body_len: None, stall }
+        FrameReader { max, prefix: [0; 4], prefix_filled: 0, body: Vec::new(), body_len: None, stall, progress: None }
     }
 
     /// Reads some bytes into `into`: until the caller's `deadline`, and once a frame has begun
@@ -515,7 +518,8 @@ impl FrameReader {
     fn read_some(&self, socket: &TcpStream, into: &mut [u8], deadline: Option<Instant>) -> io::Result<usize> {
         let begun = self.prefix_filled > 0 || self.body_len.is_some();
         let Some(stall) = self.stall.filter(|_| begun) else { return tcp::read_some(socket, into, deadline) };
-        let stalled_at = crate::os::instant_after(stall);
+        let stalled_at =
+            self.progress.and_then(|p| p.checked_add(stall)).unwrap_or_else(|| crate::os::instant_after(stall));
         match tcp::read_some(socket, into, Some(deadline.map_or(stalled_at, |d| d.min(stalled_at)))) {
             Err(e) if e.kind() == io::ErrorKind::TimedOut && deadline.is_none_or(|d| stalled_at < d) => {
                 Err(io::Error::other(format!("the peer stopped inside a frame for {stall:?}")))
@@ -533,6 +537,7 @@ impl FrameReader {
             let mut prefix = self.prefix;
             let n = self.read_some(socket, &mut prefix[filled..], deadline)?;
             self.prefix = prefix;
+            self.progress = Some(Instant::now());
             if n == 0 {
                 if self.prefix_filled == 0 {
                     return Ok(None);
@@ -568,6 +573,7 @@ impl FrameReader {
                 }
             };
             self.body.truncate(start + n);
+            self.progress = Some(Instant::now());
             if n == 0 {
                 return Err(io::Error::new(
                     io::ErrorKind::UnexpectedEof,
@@ -577,6 +583,7 @@ impl FrameReader {
         }
         self.prefix_filled = 0;
         self.body_len = None;
+        self.progress = None;
         Ok(Some(std::mem::take(&mut self.body)))
     }
 }
@@ -2161,6 +2168,27 @@ mod tests {
         let _rx = listener.accept_timeout(T60).unwrap();
         let Welcome::Network(told) = peer.join().unwrap() else { panic!("not a network welcome") };
         assert_eq!(told.gpu_bytes, 0);
+    }
+
+    /// A frame that stalls is reported once it stalled for the transfer timeout, counted from
+    /// its last byte, also to a receiver that polls with shorter limits (each poll restarted
+    /// the count, and the stall was never seen).
+    #[test]
+    fn a_stalled_frame_is_reported_to_a_receiver_that_polls() {
+        let (mut peer, rx) = forged_peer(RemoteOptions::default().transfer_timeout(Duration::from_millis(200)));
+        std::io::Write::write_all(&mut peer, &[100, 0, 0, 0, 0, 0]).unwrap();
+        let start = Instant::now();
+        let stalled = loop {
+            assert!(start.elapsed() < Duration::from_secs(5), "the stall was never reported");
+            match rx.recv_timeout(Duration::from_millis(50)) {
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(e) => break e.to_string(),
+                Ok(_) => panic!("a message from half a frame"),
+            }
+        };
+        assert!(stalled.contains("stopped inside a frame"), "{stalled}");
+        assert!(start.elapsed() < Duration::from_secs(1), "{:?}", start.elapsed());
+        assert!(matches!(rx.recv_timeout(Duration::from_millis(50)), Err(RecvTimeoutError::Disconnected)));
     }
 
     /// A connect that finds nobody listening until its limit is a timeout, as documented
