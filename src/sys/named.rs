@@ -9,17 +9,48 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use super::Mapping;
+use crate::fork::NotInherited;
 
 /// A named file of shared memory, mapped read-write.
 #[derive(Debug)]
 pub(crate) struct NamedMemory {
-    /// Open while this value lives; the creator holds a shared lock on it.
+    /// The creator's shared lock (see [`CreatorLock`]); `None` in those that opened the name.
+    alive: Option<CreatorLock>,
+    /// Open while this value lives.
     file: File,
     path: PathBuf,
     /// The process that published the name (and removes it when it drops this): not a child
     /// forked from it, whose copy of this value is not the name's.
     creator: Option<u32>,
     mapping: Mapping,
+}
+
+/// The creator's shared lock on the file, held on a descriptor of its own (another open file
+/// description: a lock belongs to that, not to a process) that children forked from the
+/// creator close at once: a child that outlives a creator killed without dropping its object
+/// does not keep the name looking alive for its whole life.
+#[derive(Debug)]
+struct CreatorLock {
+    file: Option<NotInherited<File>>,
+    /// The process that took it: in a child forked from it the descriptor is closed already,
+    /// and its number may name another file by now.
+    pid: u32,
+}
+
+impl CreatorLock {
+    fn take(file: &File) -> io::Result<CreatorLock> {
+        let own = OpenOptions::new().read(true).open(format!("/proc/self/fd/{}", file.as_raw_fd()))?;
+        own.lock_shared()?;
+        Ok(CreatorLock { file: Some(NotInherited::new(own)), pid: super::own_pid() })
+    }
+}
+
+impl Drop for CreatorLock {
+    fn drop(&mut self) {
+        if super::own_pid() != self.pid {
+            std::mem::forget(self.file.take());
+        }
+    }
 }
 
 impl NamedMemory {
@@ -44,9 +75,9 @@ impl NamedMemory {
         file.set_len(len as u64)?;
         // Held for as long as this process holds the memory: how others tell that the creator
         // lives. The kernel drops it when the process ends, however it ends.
-        file.lock_shared()?;
+        let alive = Some(CreatorLock::take(&file)?);
         let mapping = Mapping::new(&file, len, true)?;
-        Ok(NamedMemory { file, path: path.to_owned(), creator: None, mapping })
+        Ok(NamedMemory { alive, file, path: path.to_owned(), creator: None, mapping })
     }
 
     /// Gives the file its name, which it owns from then on; false when the name is taken.
@@ -112,7 +143,7 @@ impl NamedMemory {
                 ));
             }
             let mapping = Mapping::new(&file, min_len, true)?;
-            return Ok(Some(NamedMemory { file, path: path.to_owned(), creator: None, mapping }));
+            return Ok(Some(NamedMemory { alive: None, file, path: path.to_owned(), creator: None, mapping }));
         }
         Err(io::Error::other(format!("{} keeps being replaced; giving up opening it", path.display())))
     }
@@ -122,7 +153,9 @@ impl Drop for NamedMemory {
     fn drop(&mut self) {
         if self.creator == Some(super::own_pid()) {
             // The creator owns the name: remove it, unless it was replaced meanwhile (a process
-            // that took this object for a leftover removed it and made another).
+            // that took this object for a leftover removed it and made another). Its shared
+            // lock goes first (the exclusive one, on another open file, would wait for it).
+            drop(self.alive.take());
             let _ = self.file.lock();
             if same_file(&self.file, &self.path) {
                 let _ = std::fs::remove_file(&self.path);
@@ -228,4 +261,46 @@ pub(super) fn check_private(
 
 fn with_path(e: io::Error, path: &Path) -> io::Error {
     io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A creator killed without dropping its object, whose child forked without `exec` lives
+    /// on, leaves a leftover that the next open removes: the child's copy of the creator's
+    /// lock used to keep the name looking alive for the child's whole life (and a new
+    /// creator's `create` failed, its `open` attaching to the dead creator's object).
+    #[test]
+    fn a_child_forked_from_a_killed_creator_does_not_keep_its_name_alive() {
+        let path = PathBuf::from(format!("/dev/shm/cuda-mp-test-named-fork-{}", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let creator_path = path.clone();
+        let made = crate::sys::fork_and_run(move || {
+            let Ok(mut memory) = NamedMemory::unpublished(&creator_path, 64) else { return false };
+            if !memory.publish().is_ok_and(|published| published) {
+                return false;
+            }
+            std::mem::forget(memory);
+            // SAFETY: the grandchild only sleeps and `_exit`s (async-signal-safe).
+            match unsafe { libc::fork() } {
+                0 => unsafe {
+                    libc::sleep(5);
+                    libc::_exit(0)
+                },
+                pid => pid > 0,
+            }
+        });
+        assert_eq!(made.ok(), Some(true), "the creator published and forked");
+        assert!(path.exists(), "the name outlives its creator");
+        assert!(NamedMemory::open(&path, 64).unwrap().is_none(), "the creator is gone: the name was a leftover");
+        assert!(!path.exists(), "and is removed");
+        // A live creator's name opens, and a child forked from it does not change that.
+        let mut memory = NamedMemory::unpublished(&path, 64).unwrap();
+        assert!(memory.publish().unwrap());
+        assert!(crate::sys::fork_and_run(|| true).unwrap());
+        assert!(NamedMemory::open(&path, 64).unwrap().is_some(), "its creator lives");
+        drop(memory);
+        assert!(!path.exists(), "the creator's drop removes the name");
+    }
 }
