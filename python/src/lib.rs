@@ -835,11 +835,13 @@ fn kind_name(k: Kind) -> &'static str {
     }
 }
 
-/// The sending end of a channel.
-#[pyclass(module = "cuda_mp._native")]
+/// The sending end of a channel. Sends of several threads go at once, each message whole
+/// (as the Rust end's do): no lock of ours is held across a send, so a child forked while a
+/// thread of its parent sends can send on its copy.
+#[pyclass(frozen, module = "cuda_mp._native")]
 pub struct Sender {
     kind: Kind,
-    tx: Mutex<Tx>,
+    tx: Tx,
 }
 
 impl fmt::Debug for Sender {
@@ -860,7 +862,7 @@ impl Sender {
             Kind::Host => RsSender::connect(&name).map(Tx::Host),
             Kind::Bundle => RsSender::connect(&name).map(Tx::Bundle),
         });
-        Ok(Sender { kind, tx: Mutex::new(tx.map_err(error)?) })
+        Ok(Sender { kind, tx: tx.map_err(error)? })
     }
 
     /// A copy of this end as bytes that one process turns into a sender of the same channel
@@ -868,13 +870,10 @@ impl Sender {
     /// end stays usable.
     fn to_bytes<'py>(&self, py: Python<'py>, ttl: f64) -> PyResult<Bound<'py, PyBytes>> {
         let ttl = seconds(Some(ttl))?.unwrap_or(Duration::ZERO);
-        let bytes = py.detach(|| {
-            let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
-            match &*tx {
-                Tx::Gpu(tx) => cuda_mp::to_bytes(tx, ttl),
-                Tx::Host(tx) => cuda_mp::to_bytes(tx, ttl),
-                Tx::Bundle(tx) => cuda_mp::to_bytes(tx, ttl),
-            }
+        let bytes = py.detach(|| match &self.tx {
+            Tx::Gpu(tx) => cuda_mp::to_bytes(tx, ttl),
+            Tx::Host(tx) => cuda_mp::to_bytes(tx, ttl),
+            Tx::Bundle(tx) => cuda_mp::to_bytes(tx, ttl),
         });
         Ok(PyBytes::new(py, &bytes.map_err(error)?))
     }
@@ -888,7 +887,7 @@ impl Sender {
             Kind::Host => cuda_mp::from_bytes(data).map(Tx::Host),
             Kind::Bundle => cuda_mp::from_bytes(data).map(Tx::Bundle),
         });
-        Ok(Sender { kind, tx: Mutex::new(tx.map_err(error)?) })
+        Ok(Sender { kind, tx: tx.map_err(error)? })
     }
 
     /// Sends a `Tensor` (gpu and host channels) or a `Bundle` (bundle channels).
@@ -907,14 +906,11 @@ impl Sender {
                 Err(_) => return Err(wrong()),
             },
         };
-        let sent = py.detach(|| {
-            let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
-            match (&*tx, message) {
-                (Tx::Gpu(tx), Received::Tensor(Any::Gpu(t))) => Ok(tx.send(t).map_err(cuda_mp::Error::from)),
-                (Tx::Host(tx), Received::Tensor(Any::Host(t))) => Ok(tx.send(t).map_err(cuda_mp::Error::from)),
-                (Tx::Bundle(tx), Received::Bundle(b)) => Ok(tx.send(b).map_err(cuda_mp::Error::from)),
-                _ => Err(()),
-            }
+        let sent = py.detach(|| match (&self.tx, message) {
+            (Tx::Gpu(tx), Received::Tensor(Any::Gpu(t))) => Ok(tx.send(t).map_err(cuda_mp::Error::from)),
+            (Tx::Host(tx), Received::Tensor(Any::Host(t))) => Ok(tx.send(t).map_err(cuda_mp::Error::from)),
+            (Tx::Bundle(tx), Received::Bundle(b)) => Ok(tx.send(b).map_err(cuda_mp::Error::from)),
+            _ => Err(()),
         });
         let sent = sent.map_err(|()| wrong())?;
         sent.map_err(|e| send_error(py, e))

@@ -165,6 +165,56 @@ def test_a_child_forked_while_a_thread_receives_keeps_to_its_timeouts():
     del tx
 
 
+def send_once(tx, out):
+    started = time.monotonic()
+    tx.send(np.arange(4, dtype=np.float32))
+    out.put(time.monotonic() - started)
+
+
+def test_a_child_forked_while_a_thread_sends_can_send():
+    # A thread of the parent sends on the same end, without pause, when each child is forked:
+    # the child's own send goes (it could wait for ever on a lock the parent's thread held).
+    listener = cuda_mp.Listener(cuda_mp.HostTensor)
+    tx = cuda_mp.connect(listener.name, cuda_mp.HostTensor)
+    rx = listener.accept(timeout=5)
+    stop = threading.Event()
+    counts = {"sent": 0, "received": 0}
+
+    def send_for_ever():
+        small = np.zeros(1, dtype=np.uint8)
+        while not stop.is_set():
+            tx.send(small)
+            counts["sent"] += 1
+
+    def receive_for_ever():
+        while not stop.is_set():
+            try:
+                rx.recv(timeout=0.2)
+                counts["received"] += 1
+            except cuda_mp.Timeout:
+                pass
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (send_for_ever, receive_for_ever)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    hung = 0
+    out = mp.get_context("fork").SimpleQueue()
+    for _ in range(20):
+        p = mp.get_context("fork").Process(target=send_once, args=(tx, out))
+        p.start()
+        p.join(10)
+        if p.is_alive():
+            hung += 1
+            p.kill()
+            p.join()
+    stop.set()
+    for t in threads:
+        t.join(5)
+    assert hung == 0, f"{hung} of 20 children forked during a send could not send"
+    assert counts["sent"] > 0 and counts["received"] > 0
+
+
 def test_small_immutable_parts_met_twice_still_travel_as_a_value():
     # CPython shares these by itself (the empty tuple and bytes, a literal's equal constant
     # tuples): a Rust consumer reads the item as a value (it was pickled, unreadable there).
