@@ -153,6 +153,9 @@ impl<T: Element> Tensor<T, HostStorage> {
     /// processes write the elements: a racing write may show in some elements and not in
     /// others (each element is read whole).
     ///
+    /// # Panics
+    /// As [`to_vec`](Self::to_vec), for a copy larger than an allocation may be.
+    ///
     /// ```
     /// let t = cuda_mp::HostTensor::<i32>::from_vec(&[2, 3], (0..6).collect()).unwrap();
     /// let a = t.transpose(0, 1).unwrap().to_ndarray();
@@ -166,6 +169,11 @@ impl<T: Element> Tensor<T, HostStorage> {
     /// or processes write the elements: a racing write may show in some elements and not in
     /// others (each element is read whole).
     ///
+    /// # Panics
+    /// When the copy is larger than an allocation may be (`isize::MAX` bytes): a view that
+    /// repeats its elements (a stride of 0) may have far more of them than its storage holds.
+    /// One that merely does not fit in memory ends the process, as any failed allocation does.
+    ///
     /// ```
     /// let t = cuda_mp::HostTensor::<i32>::from_vec(&[2, 3], (0..6).collect()).unwrap();
     /// assert_eq!(t.to_vec(), vec![0, 1, 2, 3, 4, 5]);
@@ -175,6 +183,10 @@ impl<T: Element> Tensor<T, HostStorage> {
         let numel = self.numel();
         if numel == 0 {
             return Vec::new();
+        }
+        // A clear panic for a copy larger than any allocation may be (a repeating view).
+        if std::alloc::Layout::array::<T>(numel).is_err() {
+            panic!("a view of {numel} elements of {} bytes is larger than any copy can be", size_of::<T>());
         }
         let shared = self.shared();
         match self.walk() {
@@ -263,17 +275,16 @@ impl<T: Element> Tensor<T, HostStorage> {
         (self.storage.as_ptr() as *mut T).wrapping_add(index)
     }
 
-    /// The view's shape, strides and first element as ndarray takes them: an empty view gets
-    /// a dangling (aligned, non-null) pointer, and a dimension of extent 1 or less stride 0
-    /// (its stride addresses nothing, and ndarray takes strides as signed).
+    /// The view's shape, strides and first element as ndarray takes them: a dimension of
+    /// extent 1 or less gets stride 0 (its stride addresses nothing, and ndarray takes strides
+    /// as signed), and an empty view a dangling (aligned, non-null) pointer with every stride
+    /// 0: ndarray may offset the pointer along any dimension (`index_axis`, `slice`) even when
+    /// the view is empty, which must not move it.
     fn ndarray_parts(&self) -> (ndarray::StrideShape<IxDyn>, *mut T) {
+        let empty = self.numel() == 0;
         let strides: Vec<usize> =
-            self.shape().iter().zip(self.strides()).map(|(&n, &s)| if n <= 1 { 0 } else { s }).collect();
-        let ptr = if self.numel() == 0 {
-            std::ptr::NonNull::<T>::dangling().as_ptr()
-        } else {
-            self.element_ptr(self.offset())
-        };
+            self.shape().iter().zip(self.strides()).map(|(&n, &s)| if n <= 1 || empty { 0 } else { s }).collect();
+        let ptr = if empty { std::ptr::NonNull::<T>::dangling().as_ptr() } else { self.element_ptr(self.offset()) };
         (IxDyn(self.shape()).strides(IxDyn(&strides)), ptr)
     }
 
@@ -318,9 +329,9 @@ impl<T: Element> Tensor<T, HostStorage> {
     pub unsafe fn as_array_view(&self) -> ArrayViewD<'_, T> {
         let (shape, ptr) = self.ndarray_parts();
         // SAFETY: a non-empty layout lies inside the storage, which lives as long as `self`
-        // (an empty one addresses nothing from an aligned, non-null pointer); strides fit
-        // `isize` (`Layout`) and those of extent-1 dimensions are 0; the caller rules out
-        // concurrent writes and invalid `bool` bytes.
+        // (an empty one addresses nothing from an aligned, non-null pointer, with every stride
+        // 0); strides fit `isize` (`Layout`) and those of extent-1 dimensions are 0; the caller
+        // rules out concurrent writes and invalid `bool` bytes.
         unsafe { ArrayViewD::from_shape_ptr(shape, ptr as *const T) }
     }
 
@@ -569,6 +580,39 @@ mod tests {
             t.copy_from_ndarray(&ndarray::ArrayD::<f32>::zeros(IxDyn(shape))).unwrap();
             assert!(HostTensor::<f32>::from_vec(shape, vec![]).unwrap().to_vec().is_empty());
         }
+    }
+
+    /// An empty view given to ndarray has every stride 0: ndarray moves its (dangling)
+    /// pointer along any dimension even in an empty array, as `index_axis` does, and a view
+    /// with a huge stride (a forged layout) made it overflow.
+    #[test]
+    fn empty_views_given_to_ndarray_move_nowhere() {
+        use ndarray::Axis;
+        let t = HostTensor::<f64>::zeros(&[4, 5]).unwrap();
+        let empty = t.narrow(0, 0, 0).unwrap();
+        // SAFETY: nothing writes `t` while the views live.
+        let view = unsafe { empty.as_array_view() };
+        assert_eq!((view.shape(), view.strides()), (&[0, 5][..], &[0, 0][..]));
+        assert_eq!(view.index_axis(Axis(1), 4).len(), 0);
+        // SAFETY: as above, and no other view of `t` lives.
+        assert_eq!(unsafe { empty.as_array_view_mut() }.index_axis_mut(Axis(1), 4).len(), 0);
+        let storage = HostStorage::zeroed(8).unwrap();
+        let layout = Layout::new(vec![0, 2], vec![1, isize::MAX as usize], 0, 1).unwrap();
+        let forged = crate::DynTensor::new(storage, layout, crate::DType::F64).unwrap().typed::<f64>().unwrap();
+        // SAFETY: nothing writes the storage.
+        assert_eq!(unsafe { forged.as_array_view() }.strides(), &[0, 0]);
+    }
+
+    /// A copy of a repeating view larger than any allocation is a clear panic (it was a
+    /// capacity overflow deep in the copy).
+    #[test]
+    fn a_copy_larger_than_any_allocation_panics_clearly() {
+        let storage = HostStorage::zeroed(4).unwrap();
+        let layout = Layout::new(vec![1 << 61], vec![0], 0, 1).unwrap();
+        let huge = crate::DynTensor::new(storage, layout, crate::DType::F32).unwrap().typed::<f32>().unwrap();
+        let why = std::panic::catch_unwind(|| huge.to_vec().len()).unwrap_err();
+        let why = why.downcast_ref::<String>().expect("a message");
+        assert!(why.contains("larger than any copy can be"), "{why}");
     }
 
     #[test]
