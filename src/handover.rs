@@ -113,12 +113,26 @@ struct Home {
     fetching: AtomicUsize,
 }
 
-/// This process's home (a forked child makes its own).
-static HOME: ForkLocal<OnceLock<std::result::Result<Home, String>>> = ForkLocal::new(OnceLock::new);
+/// This process's home (a forked child makes its own), once one started.
+static HOME: ForkLocal<OnceLock<Home>> = ForkLocal::new(OnceLock::new);
 
+/// Held while a home starts: one at a time, so that a process never runs two.
+static STARTING: ForkLocal<Mutex<()>> = ForkLocal::new(|| Mutex::new(()));
+
+/// This process's home, started at the first call. A start that fails (out of descriptors or
+/// threads for a moment) is tried again at the next call: it used to fail every later one.
 fn home() -> Result<&'static Home> {
-    let home = HOME.get().get_or_init(|| start().map_err(|e| e.to_string()));
-    home.as_ref().map_err(|e| Error::Io(io::Error::other(format!("cannot serve spawn descriptors: {e}"))))
+    let cell = HOME.get();
+    if let Some(home) = cell.get() {
+        return Ok(home);
+    }
+    let _starting = STARTING.get().lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(home) = cell.get() {
+        return Ok(home);
+    }
+    let home =
+        start().map_err(|e| Error::Io(io::Error::new(e.kind(), format!("cannot serve spawn descriptors: {e}"))))?;
+    Ok(cell.get_or_init(|| home))
 }
 
 fn start() -> io::Result<Home> {
@@ -549,7 +563,7 @@ pub(crate) fn note_parent() {
 /// At exit: waits until every result this process deposited has been fetched, for as long as
 /// its parent lives (arguments it deposited are its children's to fetch, not waited for).
 fn wait_at_exit() {
-    let Some(Ok(home)) = HOME.get().get() else { return };
+    let Some(home) = HOME.get().get() else { return };
     let parent = match STARTED_UNDER.get() {
         Some(&(this, parent)) if this == rustix::process::getpid() => parent,
         // A forked child: its parent is the process that forked it.
@@ -582,6 +596,29 @@ mod tests {
 
     /// The tests here fetch from this process's home, whose kept connection they share.
     static SERIAL: Mutex<()> = Mutex::new(());
+
+    /// A home that could not start (this process out of descriptors) starts at the next call
+    /// once descriptors are free again: the first failure used to stay for the process's life.
+    #[test]
+    fn a_home_that_could_not_start_starts_later() {
+        use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+        let child = crate::sys::fork_and_run(|| {
+            // A forked child has no home yet: it starts its own at the first call.
+            let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count()) as u64;
+            let hard = getrlimit(Resource::Nofile).maximum;
+            if setrlimit(Resource::Nofile, Rlimit { current: Some(open + 16), maximum: hard }).is_err() {
+                return false;
+            }
+            let mut filler = Vec::new();
+            while let Ok(f) = std::fs::File::open("/dev/null") {
+                filler.push(f);
+            }
+            let at_the_limit = ticket().is_err();
+            drop(filler);
+            at_the_limit && ticket().is_ok_and(|t| !t.home.is_empty())
+        });
+        assert_eq!(child.ok(), Some(true), "the home failed at the limit, then started");
+    }
 
     /// A fetch keeps its connection for the next one; a kept connection the home closed is
     /// replaced by a fresh one for the same fetch (the request was not taken: nothing lost);
