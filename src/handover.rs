@@ -200,13 +200,30 @@ pub(crate) fn batch_ticket(ttl: Duration) -> Result<SpawnTicket> {
 /// gone (its time was up).
 pub(crate) fn seal(ticket: &SpawnTicket) -> bool {
     let Ok(home) = home() else { return false };
-    lock(home).get_mut(&ticket.token).map(|d| d.sealed = true).is_some()
+    let mut deposits = lock(home);
+    match deposits.get_mut(&ticket.token) {
+        // Not one whose time is up that the serving thread has not dropped yet: its fetch
+        // would be refused.
+        Some(d) if d.expires.is_none_or(|e| e > Instant::now()) => {
+            d.sealed = true;
+            true
+        }
+        Some(_) => {
+            let expired = deposits.remove(&ticket.token);
+            drop(deposits);
+            drop(expired);
+            false
+        }
+        None => false,
+    }
 }
 
 /// Adds `fd` to what waits at this process's home under `ticket` (made by [`ticket`]) until it
-/// is fetched or `ttl` is up, and returns its index there.
-pub(crate) fn append_expiring(ticket: &SpawnTicket, fd: Held, ttl: Duration) -> Result<u32> {
-    deposit(ticket, fd, Some(ttl))
+/// is fetched or `ttl` is up, and returns its index there. `first`: the ticket's first
+/// descriptor. A later one whose deposit's time is up already fails: it would
+/// start a new deposit, numbered from 0 again, that the value's earlier indices do not match.
+pub(crate) fn append_expiring(ticket: &SpawnTicket, fd: Held, ttl: Duration, first: bool) -> Result<u32> {
+    deposit(ticket, fd, Some(ttl), first)
 }
 
 fn lock_kept(home: &Home) -> MutexGuard<'_, HashMap<(String, u128), Kept>> {
@@ -262,7 +279,7 @@ pub(crate) fn keep_until(ticket: &SpawnTicket, left: Option<Duration>) -> Instan
     now.checked_add(left.map_or(said, |left| left.min(said))).unwrap_or(now)
 }
 
-fn deposit(ticket: &SpawnTicket, fd: Held, ttl: Option<Duration>) -> Result<u32> {
+fn deposit(ticket: &SpawnTicket, fd: Held, ttl: Option<Duration>, first: bool) -> Result<u32> {
     let home = home()?;
     let mut deposits = lock(home);
     let now = Instant::now();
@@ -275,6 +292,12 @@ fn deposit(ticket: &SpawnTicket, fd: Held, ttl: Option<Duration>) -> Result<u32>
         Entry::Occupied(deposit) => deposit.into_mut(),
         Entry::Vacant(_) if ticket.batch.is_some() => {
             return Err(Error::Unsupported("a value was added to a batch whose time was up".into()));
+        }
+        Entry::Vacant(_) if !first => {
+            return Err(Error::Unsupported(format!(
+                "the value's time ({:?}) was up before it was encoded whole",
+                ttl.unwrap_or_default()
+            )));
         }
         Entry::Vacant(v) => v.insert(Deposit { fds: Vec::new(), expires, sealed: true }),
     };
@@ -584,7 +607,7 @@ fn wait_at_exit() {
 /// context of ours (a spawned function's result), under a ticket of its own.
 pub(crate) fn deposit_one(fd: Held) -> Result<SpawnTicket> {
     let ticket = ticket()?;
-    deposit(&ticket, fd, None)?;
+    deposit(&ticket, fd, None, true)?;
     Ok(ticket)
 }
 
@@ -596,6 +619,20 @@ mod tests {
 
     /// The tests here fetch from this process's home, whose kept connection they share.
     static SERIAL: Mutex<()> = Mutex::new(());
+
+    /// A batch whose time is up is not sealed, even before the serving thread drops it: its
+    /// fetch would be refused, and `finish` said Ok.
+    #[test]
+    fn a_batch_whose_time_is_up_is_not_sealed() {
+        let ticket = batch_ticket(Duration::from_secs(60)).unwrap();
+        let home = home().unwrap();
+        lock(home).get_mut(&ticket.token).unwrap().expires = Some(Instant::now() - Duration::from_millis(1));
+        assert!(!seal(&ticket));
+        assert!(!lock(home).contains_key(&ticket.token), "and it goes");
+        let ticket = batch_ticket(Duration::from_secs(60)).unwrap();
+        assert!(seal(&ticket));
+        withdraw(&ticket);
+    }
 
     /// A home that could not start (this process out of descriptors) starts at the next call
     /// once descriptors are free again: the first failure used to stay for the process's life.
@@ -629,7 +666,7 @@ mod tests {
         let deposit = || {
             let t = ticket().unwrap();
             let (a, _b) = Socket::pair().unwrap();
-            append_expiring(&t, Arc::new(a), ARGUMENT_TTL).unwrap();
+            append_expiring(&t, Arc::new(a), ARGUMENT_TTL, true).unwrap();
             t
         };
         let first = deposit();
@@ -682,7 +719,7 @@ mod tests {
         let (a, b) = Socket::pair().unwrap();
         let t = ticket().unwrap();
         let held: Held = Arc::new(b);
-        assert_eq!(append_expiring(&t, held, ARGUMENT_TTL).unwrap(), 0);
+        assert_eq!(append_expiring(&t, held, ARGUMENT_TTL, true).unwrap(), 0);
         let (fds, left) = fetch(&t).unwrap();
         assert_eq!(fds.len(), 1);
         // The home says how long the deposit had left.

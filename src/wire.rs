@@ -624,11 +624,12 @@ pub(crate) fn carry(fd: Held, dedup: Option<u64>) -> Result<Carried> {
         if let Some(ticket) = &mut e.spawn {
             // Spawn arguments are decoded outside a receive of ours: each value owns its own,
             // and it waits at this process's home from now on, before the call is handed over.
+            let first = ticket.is_none();
             let ticket = match ticket {
                 Some(ticket) => ticket,
                 None => ticket.insert(crate::handover::ticket()?),
             };
-            let index = crate::handover::append_expiring(ticket, fd, e.spawn_ttl)?;
+            let index = crate::handover::append_expiring(ticket, fd, e.spawn_ttl, first)?;
             return Ok(Carried { index, spawn: Some(ticket.clone()) });
         }
         if let Some(&index) = dedup.and_then(|k| e.numbered.get(&k)) {

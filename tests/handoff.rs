@@ -113,6 +113,33 @@ fn bytes_nobody_decodes_give_their_claims_back_when_their_time_is_up() {
     assert!(late.contains("holds none"), "{late}");
 }
 
+/// A value whose time runs out while it is still being encoded (a slow `Serialize`) is an
+/// error, and leaves nothing waiting: its later descriptors used to start a deposit of their
+/// own, numbered from 0 again, and the bytes (said to be made) could never be decoded.
+#[test]
+fn a_value_whose_time_runs_out_while_it_encodes_is_an_error() {
+    struct Slow;
+    impl serde::Serialize for Slow {
+        fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            std::thread::sleep(Duration::from_millis(400));
+            s.serialize_unit()
+        }
+    }
+    let _g = serial();
+    let before = settled();
+    let a = HostTensor::<u8>::from_vec(&[8], vec![1; 8]).unwrap();
+    let b = HostTensor::<u8>::from_vec(&[8], vec![2; 8]).unwrap();
+    let err = to_bytes(&(&a, Slow, &b), Duration::from_millis(300)).unwrap_err().to_string();
+    assert!(err.contains("was up before it was encoded whole"), "{err}");
+    drop((a, b));
+    back_to(&before, "nothing of the value waits");
+    // In time, the same value goes.
+    let a = HostTensor::<u8>::from_vec(&[8], vec![1; 8]).unwrap();
+    let bytes = to_bytes(&(&a, Slow, &a), WAIT).unwrap();
+    let (x, (), y): (HostTensor<u8>, (), HostTensor<u8>) = from_bytes(&bytes).unwrap();
+    assert!(x.shares_storage_with(&a) && y.shares_storage_with(&a));
+}
+
 #[test]
 fn a_decode_as_the_wrong_type_is_an_error_and_gives_the_claims_back() {
     let _g = serial();

@@ -231,7 +231,7 @@ pub(super) fn subscribe(owner: u128, lease: &Lease) -> bool {
     // An owner that died before it fetched the subscription never will: when the deposit
     // expires its socket closes, which ends the subscription as the owner's death does.
     let expires = std::time::Instant::now() + crate::handover::SUBSCRIPTION_TTL;
-    if crate::handover::append_expiring(&ticket, Arc::new(tx), crate::handover::SUBSCRIPTION_TTL).is_err() {
+    if crate::handover::append_expiring(&ticket, Arc::new(tx), crate::handover::SUBSCRIPTION_TTL, true).is_err() {
         return false;
     }
     // A lease that takes no record (its owner gone, or not a lease's writing end) is no way to

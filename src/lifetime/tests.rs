@@ -488,7 +488,7 @@ fn two_holders_linking_on_one_lease_at_once_are_both_subscribed() {
     for _ in 0..2 {
         let (tx, rx) = crate::sys::Socket::pair().unwrap();
         let ticket = crate::handover::ticket().unwrap();
-        crate::handover::append_expiring(&ticket, Arc::new(tx), crate::handover::SUBSCRIPTION_TTL).unwrap();
+        crate::handover::append_expiring(&ticket, Arc::new(tx), crate::handover::SUBSCRIPTION_TTL, true).unwrap();
         records.extend(Control::Link(ticket).record().unwrap());
         subscribers.push(rx);
     }
@@ -642,7 +642,7 @@ fn a_forked_child_closes_the_reading_ends_its_parent_watches() {
     // A subscriber to this process's revocations: the reaper watches this process's end too.
     let (tx, subscriber) = crate::sys::Socket::pair().unwrap();
     let ticket = crate::handover::ticket().unwrap();
-    crate::handover::append_expiring(&ticket, Arc::new(tx), crate::handover::SUBSCRIPTION_TTL).unwrap();
+    crate::handover::append_expiring(&ticket, Arc::new(tx), crate::handover::SUBSCRIPTION_TTL, true).unwrap();
     let link = super::lease::Control::Link(ticket).record().unwrap();
     crate::sys::write_record(std::os::fd::AsFd::as_fd(&*lease_of(&g).tx), &link).unwrap();
     let until = Instant::now() + Duration::from_secs(5);
