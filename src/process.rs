@@ -379,12 +379,11 @@ pub struct JoinHandle<R> {
 
 impl<R> Drop for JoinHandle<R> {
     fn drop(&mut self) {
-        // procspawn's handle kills the child as it drops: by pid, which a child that someone
-        // else reaped may have left to another process. Such a child is only reaped.
-        if let (Inner::Running(h), Some(watch)) = (&mut self.inner, &self.watch)
-            && watch.gone()
-        {
-            h.reap();
+        // Killed here rather than by procspawn's handle as it drops (which kills by pid even a
+        // child that someone else reaped, whose pid may be another's): then what the child
+        // left behind goes too.
+        if matches!(self.inner, Inner::Running(_)) {
+            let _ = self.kill();
         }
         self.forget_arguments();
     }
@@ -448,6 +447,63 @@ const JOIN_POLL: Duration = Duration::from_millis(20);
 const RESULT_LOOK: Duration = Duration::from_millis(200);
 
 impl<R> JoinHandle<R> {
+    /// Once the child has ended: a process killed by a signal leaves the CUDA driver's file of
+    /// its interprocess events in /dev/shm (one that exits removes it itself), which goes now.
+    /// Ended means unreaped, or reaped a moment ago: its pid is given out again only after the
+    /// kernel's pid space wraps. Called by every join that did not time out, by `kill` (so by
+    /// `terminate` and `spawn_n`'s ends of the other ranks) and by the drop.
+    fn remove_what_it_left(&self) {
+        #[cfg(feature = "cuda")]
+        if let Some(pid) = self.watch.as_ref().and_then(ChildWatch::pid)
+            && crate::sys::process_gone(pid, 0)
+        {
+            crate::sys::remove_cuda_event_files(pid);
+        }
+    }
+
+    /// Kills the child (SIGKILL). Its shared-memory and GPU references are reclaimed by their
+    /// owners when the kernel closes its descriptors. A pooled call is cancelled if it has not
+    /// started (its join then reports [`JoinError::Cancelled`]), or its worker is killed (the
+    /// pool starts another).
+    ///
+    /// ```no_run
+    /// #[cuda_mp::main]
+    /// fn main() {
+    ///     let mut child = cuda_mp::spawn((), |()| std::thread::sleep(std::time::Duration::from_secs(60)));
+    ///     child.kill().unwrap();
+    /// }
+    /// ```
+    pub fn kill(&mut self) -> Result<(), JoinError> {
+        match &mut self.inner {
+            Inner::Running(h) => {
+                // The kill reaps the child: how it ended is taken before (it may have exited
+                // by itself) and after (the kernel keeps the status for the pidfd, where it
+                // is new enough; else the SIGKILL sent, if it was).
+                let before = self.watch.as_ref().and_then(|w| w.exited(Duration::ZERO));
+                // A child reaped by someone else is not signalled: its pid may be another's.
+                let gone = self.watch.as_ref().is_some_and(ChildWatch::gone);
+                let killed = if gone {
+                    h.reap();
+                    Ok(())
+                } else {
+                    h.kill().map_err(join_error)
+                };
+                let after = || self.watch.as_ref().and_then(ChildWatch::exit_status);
+                let sent = (killed.is_ok() && !gone).then_some(Exit::Signal(crate::sys::SIGKILL));
+                self.ended = self.ended.or(before).or_else(after).or(sent);
+                self.forget_arguments();
+                self.remove_what_it_left();
+                killed
+            }
+            Inner::Pooled(result) => {
+                result.cancel();
+                Ok(())
+            }
+            Inner::Failed(Some(e)) => Err(JoinError::Failed(e.to_string())),
+            Inner::Failed(None) => Ok(()),
+        }
+    }
+
     fn new(inner: Inner<R>, watch: Option<ChildWatch>, arguments: Option<crate::handover::SpawnTicket>) -> Self {
         JoinHandle { inner, watch, ended: None, last_look: Instant::now(), outcome: None, arguments }
     }
@@ -600,15 +656,8 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
 
     fn join_until(&mut self, deadline: Option<Instant>) -> Result<R, JoinError> {
         let joined = self.join_now(deadline);
-        #[cfg(feature = "cuda")]
-        if !matches!(joined, Err(JoinError::Timeout))
-            && let Some(pid) = self.watch.as_ref().and_then(ChildWatch::pid)
-            && crate::sys::process_gone(pid, 0)
-        {
-            // A process killed by a signal leaves the CUDA driver's file of its interprocess
-            // events in /dev/shm (one that exits removes it itself). Ended (unreaped, or reaped
-            // a moment ago: its pid is given out again only after the kernel's pid space wraps).
-            crate::sys::remove_cuda_event_files(pid);
+        if !matches!(joined, Err(JoinError::Timeout)) {
+            self.remove_what_it_left();
         }
         joined
     }
@@ -675,48 +724,6 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
         }
     }
 
-    /// Kills the child (SIGKILL). Its shared-memory and GPU references are reclaimed by their
-    /// owners when the kernel closes its descriptors. A pooled call is cancelled if it has not
-    /// started (its join then reports [`JoinError::Cancelled`]), or its worker is killed (the
-    /// pool starts another).
-    ///
-    /// ```no_run
-    /// #[cuda_mp::main]
-    /// fn main() {
-    ///     let mut child = cuda_mp::spawn((), |()| std::thread::sleep(std::time::Duration::from_secs(60)));
-    ///     child.kill().unwrap();
-    /// }
-    /// ```
-    pub fn kill(&mut self) -> Result<(), JoinError> {
-        match &mut self.inner {
-            Inner::Running(h) => {
-                // The kill reaps the child: how it ended is taken before (it may have exited
-                // by itself) and after (the kernel keeps the status for the pidfd, where it
-                // is new enough; else the SIGKILL sent, if it was).
-                let before = self.watch.as_ref().and_then(|w| w.exited(Duration::ZERO));
-                // A child reaped by someone else is not signalled: its pid may be another's.
-                let gone = self.watch.as_ref().is_some_and(ChildWatch::gone);
-                let killed = if gone {
-                    h.reap();
-                    Ok(())
-                } else {
-                    h.kill().map_err(join_error)
-                };
-                let after = || self.watch.as_ref().and_then(ChildWatch::exit_status);
-                let sent = (killed.is_ok() && !gone).then_some(Exit::Signal(crate::sys::SIGKILL));
-                self.ended = self.ended.or(before).or_else(after).or(sent);
-                self.forget_arguments();
-                killed
-            }
-            Inner::Pooled(result) => {
-                result.cancel();
-                Ok(())
-            }
-            Inner::Failed(Some(e)) => Err(JoinError::Failed(e.to_string())),
-            Inner::Failed(None) => Ok(()),
-        }
-    }
-
     /// Asks the child to stop (SIGTERM), and kills it (SIGKILL) if it is still running after
     /// `grace`. A join afterwards reports the signal that ended it.
     ///
@@ -749,7 +756,12 @@ impl<R: Serialize + DeserializeOwned> JoinHandle<R> {
                 watch.exited(JOIN_POLL.min(deadline.saturating_duration_since(Instant::now())));
             }
         }
-        if self.end().is_some() { Ok(()) } else { self.kill() }
+        if self.end().is_some() {
+            self.remove_what_it_left();
+            Ok(())
+        } else {
+            self.kill()
+        }
     }
 }
 

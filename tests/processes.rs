@@ -33,6 +33,72 @@ fn a_child_panic_comes_back_with_message_and_location() {
     assert!(err.to_string().starts_with("child process panicked: worker failed: bad input at "), "{err}");
 }
 
+/// Writes a file named as the CUDA driver names a process's file of interprocess events (which
+/// a process killed by a signal leaves in /dev/shm), then waits to be killed.
+#[cfg(feature = "cuda")]
+fn leave_a_driver_file_and_sleep(tag: u32) {
+    let name = format!("/dev/shm/cuda.shm.0.{:x}.{tag}", std::process::id());
+    std::fs::write(name, b"").unwrap();
+    std::thread::sleep(Duration::from_secs(30));
+}
+
+#[cfg(feature = "cuda")]
+fn driver_file_of(pid: u32, tag: u32) -> std::path::PathBuf {
+    format!("/dev/shm/cuda.shm.0.{pid:x}.{tag}").into()
+}
+
+/// What a killed child leaves in /dev/shm goes whether its handle is joined, killed, dropped or
+/// terminated, and in `spawn_n` for the ranks it terminates after one failed: only a join
+/// removed it before.
+#[test]
+#[cfg(feature = "cuda")]
+fn a_killed_childs_driver_file_goes_however_its_handle_ends() {
+    let wait_for = |path: &std::path::Path| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while !path.exists() {
+            assert!(std::time::Instant::now() < deadline, "the child made no file");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    for (tag, end) in [(1u32, "kill"), (2, "drop"), (3, "terminate")] {
+        let mut child = spawn(tag, leave_a_driver_file_and_sleep);
+        let file = driver_file_of(child.pid().unwrap(), tag);
+        wait_for(&file);
+        match end {
+            "kill" => child.kill().unwrap(),
+            "drop" => drop(child),
+            _ => child.terminate(Duration::from_secs(5)).unwrap(),
+        }
+        assert!(!file.exists(), "{end}: {} is left", file.display());
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn fail_first_rank_or_leave_a_file((rank, tag): (usize, u32)) {
+    if rank == 0 {
+        std::thread::sleep(Duration::from_millis(500));
+        panic!("rank 0 fails");
+    }
+    let name = format!("/dev/shm/cuda.shm.0.{:x}.{tag}", std::process::id());
+    std::fs::write(&name, b"").unwrap();
+    std::fs::write(format!("/dev/shm/cuda-mp-test-rank-{tag}-{rank}"), std::process::id().to_string()).unwrap();
+    std::thread::sleep(Duration::from_secs(30));
+}
+
+#[test]
+#[cfg(feature = "cuda")]
+fn spawn_n_removes_the_driver_files_of_the_ranks_it_ends() {
+    let tag = std::process::id() & 0xffff;
+    let err = cuda_mp::spawn_n(3, tag, fail_first_rank_or_leave_a_file).unwrap_err();
+    assert!(err.to_string().contains("rank 0"), "{err}");
+    for rank in 1..3 {
+        let pid_file = format!("/dev/shm/cuda-mp-test-rank-{tag}-{rank}");
+        let pid: u32 = std::fs::read_to_string(&pid_file).expect("the rank wrote its pid").parse().unwrap();
+        let _ = std::fs::remove_file(&pid_file);
+        assert!(!driver_file_of(pid, tag).exists(), "rank {rank} left its driver file");
+    }
+}
+
 #[test]
 fn join_timeout_then_kill() {
     let mut child = spawn((), sleep_long);
