@@ -442,14 +442,37 @@ fn answer(home: &Home, socket: &Socket) -> bool {
                 .expires
                 .map_or(u64::MAX, |e| u64::try_from(e.saturating_duration_since(now).as_millis()).unwrap_or(u64::MAX));
             let answer: [&[u8]; 2] = [b"ok", &left.to_le_bytes()];
+            #[cfg(test)]
+            if REFUSE_ANSWERS.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
+                return answer_failed(home, token, deposit);
+            }
             socket.send(&answer, &borrow_all(&d.fds), Wait::Until(Instant::now() + FETCH_WAIT))
         }
         None => socket.send(&[b"no"], &[], Wait::Not),
     };
-    // Dropped only now: the descriptors are in flight, or the fetcher is gone.
+    if sent.is_err() {
+        return answer_failed(home, token, deposit);
+    }
+    // Dropped only now: the descriptors are in flight.
     drop(deposit);
-    sent.is_ok()
+    true
 }
+
+/// An answer that could not be sent (its descriptors past what may be in flight, the fetcher
+/// gone or not reading): nothing of it arrived (a packet arrives whole or not at all), so the
+/// deposit waits again, until its time, for the fetcher's request on a fresh connection (it
+/// asks again when the home closes a kept one). It was lost, and the retry told "taken
+/// before". False: the connection is closed.
+fn answer_failed(home: &Home, token: u128, deposit: Option<Deposit>) -> bool {
+    if let Some(deposit) = deposit {
+        lock(home).insert(token, deposit);
+    }
+    false
+}
+
+/// For a test: how many answers with a deposit to fail as if they could not be sent.
+#[cfg(test)]
+static REFUSE_ANSWERS: AtomicUsize = AtomicUsize::new(0);
 
 /// A connection this process keeps to another home (a forked child does not keep it open:
 /// that home's thread would keep answering the child's copy).
@@ -619,6 +642,27 @@ mod tests {
 
     /// The tests here fetch from this process's home, whose kept connection they share.
     static SERIAL: Mutex<()> = Mutex::new(());
+
+    /// An answer the home could not send leaves its deposit waiting: the fetcher's request
+    /// again, on a fresh connection, gets it (it was told "taken before").
+    #[test]
+    fn an_answer_that_could_not_be_sent_is_sent_again() {
+        let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+        let deposit = || {
+            let t = ticket().unwrap();
+            let (a, _b) = Socket::pair().unwrap();
+            append_expiring(&t, Arc::new(a), ARGUMENT_TTL, true).unwrap();
+            t
+        };
+        // A kept connection first: the home closes it as its answer fails.
+        assert_eq!(fetch(&deposit()).unwrap().0.len(), 1);
+        let t = deposit();
+        REFUSE_ANSWERS.store(1, Ordering::SeqCst);
+        let fetched = fetch(&t);
+        assert_eq!(REFUSE_ANSWERS.load(Ordering::SeqCst), 0, "an answer failed");
+        assert_eq!(fetched.unwrap().0.len(), 1, "then came whole");
+        assert!(fetch(&t).is_err(), "once");
+    }
 
     /// A batch whose time is up is not sealed, even before the serving thread drops it: its
     /// fetch would be refused, and `finish` said Ok.
