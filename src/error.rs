@@ -201,6 +201,11 @@ impl IoFailure {
         IoFailure::from(std::io::Error::new(e.kind(), format!("{text}: {e}")))
     }
 
+    /// The operating system's error number, where the error is one.
+    pub(crate) fn raw_os_error(&self) -> Option<i32> {
+        self.0.raw_os_error()
+    }
+
     /// The kind of the operating-system error.
     ///
     /// ```

@@ -1520,7 +1520,7 @@ mod tests {
     #[test]
     fn a_redirect_refused_for_a_passing_reason_is_written_again() {
         let (tx, rx) = channel::<Vec<u8>>().unwrap();
-        outbox::REFUSE_REDIRECTS.store(3, std::sync::atomic::Ordering::SeqCst);
+        tx.outbox().refuse_redirects(Some(3));
         // Too large for a ring, and together far more than the socket holds: they spill.
         let sent = 300u32;
         for i in 0..sent {
@@ -1530,7 +1530,7 @@ mod tests {
             let got = rx.recv_timeout(Duration::from_secs(10)).unwrap();
             assert_eq!((got.len(), got[0]), (8_000, (i % 251) as u8), "message {i}");
         }
-        assert_eq!(outbox::REFUSE_REDIRECTS.load(std::sync::atomic::Ordering::SeqCst), 0, "every refusal was met");
+        assert_eq!(tx.outbox().refuse_redirects(None), 0, "every refusal was met");
         tx.send(vec![1]).unwrap();
         assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(vec![1]), "the channel goes on");
     }

@@ -88,6 +88,12 @@ struct Backlog {
     ring: Option<RingWriter>,
     /// Messages that could have taken a ring before there was one.
     ring_candidates: u32,
+    /// For a test: how many redirect writes to refuse as the kernel does when it is short of
+    /// buffers.
+    #[cfg(test)]
+    refuse_redirects: u32,
+    /// A redirect refused for a passing reason was reported (once per backlog).
+    told_refused: bool,
 }
 
 /// A private channel holding spilled frames: written here, read by the receiver after the
@@ -109,11 +115,6 @@ impl Backlog {
         self.closed.is_empty() && self.open.is_none() && !self.handing_on
     }
 }
-
-/// For a test: how many redirect writes to refuse as the kernel does when it is short of
-/// buffers.
-#[cfg(test)]
-pub(super) static REFUSE_REDIRECTS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 /// How long the feeder waits before it writes again a redirect that the kernel refused for a
 /// passing reason.
@@ -205,6 +206,18 @@ fn is_disconnect(e: &io::Error) -> bool {
 }
 
 /// A failed system call of a send, as the send's failure.
+/// Whether a write failed for a reason that passes: kernel buffers or memory short, this
+/// user's descriptors in flight past its limit, this process out of descriptors.
+fn passing(why: &SendFailure) -> bool {
+    use rustix::io::Errno;
+    let passing = [Errno::NOBUFS, Errno::NOMEM, Errno::TOOMANYREFS, Errno::AGAIN].map(|e| e.raw_os_error());
+    match why {
+        SendFailure::OutOfDescriptors { .. } => true,
+        SendFailure::Io(e) => e.raw_os_error().is_some_and(|code| passing.contains(&code)),
+        _ => false,
+    }
+}
+
 pub(super) fn failure(e: io::Error) -> SendFailure {
     if out_of_descriptors() || e.raw_os_error() == Some(rustix::io::Errno::MFILE.raw_os_error()) {
         let limit = descriptor_limit();
@@ -381,13 +394,15 @@ impl Outbox {
         written
     }
 
-    /// Writes the redirect frame that hands `batch` (of `messages`) on to the receiver.
-    fn write_redirect(&self, batch: &Socket, messages: usize) -> Result<(), SendFailure> {
-        #[cfg(test)]
-        if REFUSE_REDIRECTS.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
-            return Err(failure(io::Error::from_raw_os_error(rustix::io::Errno::NOBUFS.raw_os_error())));
+    /// For a test: the feeder's next `n` redirects are refused as the kernel refuses one when
+    /// it is short of buffers; `None` reads how many are left to refuse.
+    #[cfg(test)]
+    pub(super) fn refuse_redirects(&self, n: Option<u32>) -> u32 {
+        let mut backlog = self.lock();
+        if let Some(n) = n {
+            backlog.refuse_redirects = n;
         }
-        self.write_main(&FrameOut::Redirect(batch, messages as u64), &[], Wait::Forever, None)
+        backlog.refuse_redirects
     }
 
     /// Writes the bytes of a message that carries no descriptor to this process's ring of the
@@ -561,34 +576,40 @@ impl Outbox {
             match next {
                 Some(mut batch) => {
                     backlog.handing_on = true;
+                    #[cfg(test)]
+                    let refused =
+                        backlog.refuse_redirects.checked_sub(1).map(|n| backlog.refuse_redirects = n).is_some();
+                    #[cfg(not(test))]
+                    let refused = false;
                     drop(backlog);
                     let messages = batch.messages;
                     // Closing the writing end first: the receiver reads the batch to its end.
                     drop(batch.tx.take());
                     self.gauge.reserve(SMALL_COST);
-                    let written = self.write_redirect(&batch.rx, messages);
+                    let written = if refused {
+                        Err(failure(io::Error::from_raw_os_error(rustix::io::Errno::NOBUFS.raw_os_error())))
+                    } else {
+                        self.write_main(&FrameOut::Redirect(&batch.rx, messages as u64), &[], Wait::Forever, None)
+                    };
                     backlog = self.lock();
                     backlog.handing_on = false;
                     match written {
                         Ok(()) => backlog.messages = backlog.messages.saturating_sub(messages),
-                        Err(SendFailure::Disconnected) => {
+                        Err(why) if passing(&why) && !self.main.peer_closed() => {
+                            // Descriptors in flight past the user's limit, kernel memory: the
+                            // batch is handed on again, in its turn, after a pause.
                             self.gauge.release(SMALL_COST);
-                            self.disconnect(&mut backlog);
-                        }
-                        Err(why) => {
-                            // A passing refusal (descriptors in flight past the sender's limit,
-                            // kernel memory): the batch is handed on again, in its turn, after
-                            // a pause; the receiver's end is looked at meanwhile.
-                            self.gauge.release(SMALL_COST);
-                            tracing::warn!(%why, "a spilled batch could not be handed on yet: trying again");
-                            backlog.closed.push_front(batch);
-                            if self.main.peer_closed() {
-                                self.disconnect(&mut backlog);
-                                continue;
+                            if !std::mem::replace(&mut backlog.told_refused, true) {
+                                tracing::warn!(%why, "a spilled batch could not be handed on yet: trying again");
                             }
+                            backlog.closed.push_front(batch);
                             drop(backlog);
                             std::thread::sleep(REDIRECT_RETRY);
                             backlog = self.lock();
+                        }
+                        Err(_) => {
+                            self.gauge.release(SMALL_COST);
+                            self.disconnect(&mut backlog);
                         }
                     }
                     self.changed().notify_all();
