@@ -444,14 +444,14 @@ fn answer(home: &Home, socket: &Socket) -> bool {
             let answer: [&[u8]; 2] = [b"ok", &left.to_le_bytes()];
             #[cfg(test)]
             if REFUSE_ANSWERS.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
-                return answer_failed(home, token, deposit);
+                return answer_failed(home, token, deposit, &io::Error::from(io::ErrorKind::OutOfMemory));
             }
             socket.send(&answer, &borrow_all(&d.fds), Wait::Until(Instant::now() + FETCH_WAIT))
         }
         None => socket.send(&[b"no"], &[], Wait::Not),
     };
-    if sent.is_err() {
-        return answer_failed(home, token, deposit);
+    if let Err(e) = sent {
+        return answer_failed(home, token, deposit, &e);
     }
     // Dropped only now: the descriptors are in flight.
     drop(deposit);
@@ -459,13 +459,26 @@ fn answer(home: &Home, socket: &Socket) -> bool {
 }
 
 /// An answer that could not be sent (its descriptors past what may be in flight, the fetcher
-/// gone or not reading): nothing of it arrived (a packet arrives whole or not at all), so the
-/// deposit waits again, until its time, for the fetcher's request on a fresh connection (it
-/// asks again when the home closes a kept one). It was lost, and the retry told "taken
-/// before". False: the connection is closed.
-fn answer_failed(home: &Home, token: u128, deposit: Option<Deposit>) -> bool {
-    if let Some(deposit) = deposit {
-        lock(home).insert(token, deposit);
+/// not reading): nothing of it arrived (a packet arrives whole or not at all), so the deposit
+/// waits again for the fetcher's request on a fresh connection (it asks again once when the
+/// home closes one unanswered), [`FETCH_WAIT`] at most. It was lost, and the retry told
+/// "taken before". A fetcher that is gone asks nothing more: its deposit goes. False: the
+/// connection is closed.
+fn answer_failed(home: &Home, token: u128, deposit: Option<Deposit>, e: &io::Error) -> bool {
+    let gone =
+        matches!(e.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset | io::ErrorKind::NotConnected);
+    if let Some(mut deposit) = deposit
+        && !gone
+    {
+        let retry_until = crate::os::instant_after(FETCH_WAIT);
+        deposit.expires = Some(deposit.expires.map_or(retry_until, |e| e.min(retry_until)));
+        let mut deposits = lock(home);
+        deposits.insert(token, deposit);
+        let wake = wakes_later(home, retry_until);
+        drop(deposits);
+        if wake {
+            crate::sys::ring(&home.bell);
+        }
     }
     false
 }
@@ -559,29 +572,36 @@ pub(crate) fn fetch_within(ticket: &SpawnTicket, wait: Duration) -> Result<(Vec<
 fn fetch_on(kept: Option<Arc<Link>>, ticket: &SpawnTicket, wait: Duration) -> Result<(Vec<OwnedFd>, Option<Duration>)> {
     let refused = |why: String| Error::Malformed(format!("the descriptors of a value from another process: {why}"));
     let exchange = |socket: &Socket| exchange(socket, ticket, wait).map_err(|e| refused(e.to_string()));
-    // Asked again on a fresh connection only when the home closed this one: a request it took
-    // (answered late, say, or with an answer this process could not take in) is not asked twice.
+    // Asked again on a fresh connection only when the home closed this one unanswered (it
+    // closes a kept connection it does not keep, and one whose answer it could not send, whose
+    // deposit then waits for this request again): a request it answered (late, say, or with an
+    // answer this process could not take in) is not asked twice.
     let answered = match kept {
         Some(socket) => exchange(&socket)?.map(|answer| (answer, socket, false)),
         None => None,
     };
-    let (answer, socket, new) = match answered {
-        Some(done) => done,
-        None => {
-            // Nobody listens under the home's name: the home's process has ended (or lives in
-            // another network namespace, where abstract names do not reach).
-            let deadline = crate::os::instant_after(wait);
-            let socket = crate::sys::connect_abstract_within(&ticket.home, deadline).map_err(|e| match e.kind() {
-                io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound => refused(format!(
-                    "the process that sent them has exited before this process took them, or cannot be reached from here ({e})"
-                )),
-                _ => refused(e.to_string()),
-            })?;
-            let answer =
-                exchange(&socket)?.ok_or_else(|| refused("the process that sent them closed the connection".into()))?;
-            (answer, Arc::new(NotInherited::new(socket)), true)
-        }
+    let fresh = || -> Result<Option<(crate::sys::Message, Arc<Link>, bool)>> {
+        // Nobody listens under the home's name: the home's process has ended (or lives in
+        // another network namespace, where abstract names do not reach).
+        let deadline = crate::os::instant_after(wait);
+        let socket = crate::sys::connect_abstract_within(&ticket.home, deadline).map_err(|e| match e.kind() {
+            io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound => refused(format!(
+                "the process that sent them has exited before this process took them, or cannot be reached from here ({e})"
+            )),
+            _ => refused(e.to_string()),
+        })?;
+        Ok(exchange(&socket)?.map(|answer| (answer, Arc::new(NotInherited::new(socket)), true)))
     };
+    let mut answered = answered;
+    // Two fresh connections at most: the second for a request whose answer could not be sent.
+    for _ in 0..2 {
+        if answered.is_some() {
+            break;
+        }
+        answered = fresh()?;
+    }
+    let (answer, socket, new) =
+        answered.ok_or_else(|| refused("the process that sent them closed the connection".into()))?;
     keep_link(&ticket.home, socket, new);
     if answer.bytes.starts_with(b"ok") {
         let left = <[u8; 8]>::try_from(&answer.bytes[2..]).ok().map(|ms| Duration::from_millis(u64::from_le_bytes(ms)));
@@ -654,14 +674,21 @@ mod tests {
             append_expiring(&t, Arc::new(a), ARGUMENT_TTL, true).unwrap();
             t
         };
-        // A kept connection first: the home closes it as its answer fails.
-        assert_eq!(fetch(&deposit()).unwrap().0.len(), 1);
-        let t = deposit();
-        REFUSE_ANSWERS.store(1, Ordering::SeqCst);
-        let fetched = fetch(&t);
-        assert_eq!(REFUSE_ANSWERS.load(Ordering::SeqCst), 0, "an answer failed");
-        assert_eq!(fetched.unwrap().0.len(), 1, "then came whole");
-        assert!(fetch(&t).is_err(), "once");
+        // On a kept connection, and on a fresh one (the first fetch from a home): the home
+        // closes it as its answer fails, and the request is asked again.
+        for kept in [true, false] {
+            if kept {
+                assert_eq!(fetch(&deposit()).unwrap().0.len(), 1);
+            } else {
+                links().clear();
+            }
+            let t = deposit();
+            REFUSE_ANSWERS.store(1, Ordering::SeqCst);
+            let fetched = fetch(&t);
+            assert_eq!(REFUSE_ANSWERS.load(Ordering::SeqCst), 0, "an answer failed");
+            assert_eq!(fetched.unwrap().0.len(), 1, "then came whole (kept: {kept})");
+            assert!(fetch(&t).is_err(), "once");
+        }
     }
 
     /// A batch whose time is up is not sealed, even before the serving thread drops it: its
