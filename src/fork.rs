@@ -38,9 +38,9 @@ pub(crate) fn on_fork_child(hook: fn()) {
 /// How many descriptors at most are closed in forked children (beyond, the rest stay open in
 /// them, as any inherited descriptor does): a home's listener and bell, its kept connections
 /// (at most 256), this process's connections to other homes (at most 64), the open batch of
-/// each channel's backlog, each queue consumer's request channel, and this process's end of
-/// each subscriber's revocation socket.
-const NOT_INHERITED: usize = 1024;
+/// each channel's backlog, each queue consumer's request channel, this process's end of each
+/// subscriber's revocation socket, and the creator's lock of each named sync object it made.
+const NOT_INHERITED: usize = 4096;
 
 /// The descriptors [`NotInherited`] holds, by number (-1: a free slot).
 static NOT_INHERITED_FDS: [AtomicI32; NOT_INHERITED] = [const { AtomicI32::new(-1) }; NOT_INHERITED];

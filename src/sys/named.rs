@@ -282,13 +282,27 @@ mod tests {
                 return false;
             }
             std::mem::forget(memory);
-            // SAFETY: the grandchild only sleeps and `_exit`s (async-signal-safe).
+            // The grandchild says when it runs (its fork handlers have run by then): the creator
+            // ends only after that.
+            let mut ready = [0i32; 2];
+            // SAFETY: `ready` has room for the two descriptors.
+            if unsafe { libc::pipe(ready.as_mut_ptr()) } != 0 {
+                return false;
+            }
+            // SAFETY: the grandchild only writes a byte, sleeps and `_exit`s (async-signal-safe);
+            // the creator reads the byte.
             match unsafe { libc::fork() } {
                 0 => unsafe {
+                    libc::write(ready[1], [1u8].as_ptr().cast(), 1);
                     libc::sleep(5);
                     libc::_exit(0)
                 },
-                pid => pid > 0,
+                pid if pid > 0 => {
+                    let mut byte = 0u8;
+                    // SAFETY: reads one byte into `byte`.
+                    unsafe { libc::read(ready[0], (&mut byte as *mut u8).cast(), 1) == 1 }
+                }
+                _ => false,
             }
         });
         assert_eq!(made.ok(), Some(true), "the creator published and forked");
