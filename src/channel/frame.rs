@@ -109,7 +109,7 @@ pub(super) fn holds_a_message(frame: &[u8]) -> bool {
 /// The place in its sender's order of a message frame that has one.
 pub(super) fn order_of(frame: &[u8]) -> Option<Order> {
     let (&kind, rest) = frame.split_first()?;
-    if kind & WITH_ORDER == 0 || kind & !(WITH_ORDER | WITH_LEASES) > SHARED {
+    if kind & WITH_ORDER == 0 || !holds_a_message(frame) {
         return None;
     }
     let word = |at: usize| rest.get(at..at + 8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")));
@@ -257,7 +257,7 @@ pub(super) fn read<T: DeserializeOwned>(
     leases: Option<&Arc<ConnectionLeases>>,
 ) -> Result<Incoming<T>, String> {
     let (&kind, mut rest) = bytes.split_first().ok_or("an empty frame")?;
-    let message = kind & !(WITH_LEASES | WITH_ORDER) <= SHARED;
+    let message = holds_a_message(bytes);
     if message && kind & WITH_ORDER != 0 {
         rest = rest.get(ORDER_BYTES..).ok_or("a frame whose place in its order is cut short")?;
     }
