@@ -663,17 +663,19 @@ mod tests {
     /// The tests here fetch from this process's home, whose kept connection they share.
     static SERIAL: Mutex<()> = Mutex::new(());
 
+    /// A fresh ticket with one socket deposited under it.
+    fn deposit() -> SpawnTicket {
+        let t = ticket().unwrap();
+        let (a, _b) = Socket::pair().unwrap();
+        append_expiring(&t, Arc::new(a), ARGUMENT_TTL, true).unwrap();
+        t
+    }
+
     /// An answer the home could not send leaves its deposit waiting: the fetcher's request
     /// again, on a fresh connection, gets it (it was told "taken before").
     #[test]
     fn an_answer_that_could_not_be_sent_is_sent_again() {
         let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-        let deposit = || {
-            let t = ticket().unwrap();
-            let (a, _b) = Socket::pair().unwrap();
-            append_expiring(&t, Arc::new(a), ARGUMENT_TTL, true).unwrap();
-            t
-        };
         // On a kept connection, and on a fresh one (the first fetch from a home): the home
         // closes it as its answer fails, and the request is asked again.
         for kept in [true, false] {
@@ -734,12 +736,6 @@ mod tests {
     #[test]
     fn fetches_reuse_their_connection_and_reconnect_when_it_was_closed() {
         let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-        let deposit = || {
-            let t = ticket().unwrap();
-            let (a, _b) = Socket::pair().unwrap();
-            append_expiring(&t, Arc::new(a), ARGUMENT_TTL, true).unwrap();
-            t
-        };
         let first = deposit();
         assert_eq!(fetch(&first).unwrap().0.len(), 1);
         let kept = links().get(&first.home).map(|(s, _)| s.identity());

@@ -1684,6 +1684,15 @@ mod tests {
 
     /// The same, for messages of type `T`.
     fn forged_peer_of<T: Serialize + DeserializeOwned + 'static>(options: RemoteOptions) -> (TcpStream, Receiver<T>) {
+        let (peer, _, rx) = handshake_by_hand(options);
+        (peer, rx)
+    }
+
+    /// A connection that made its handshake by hand to a listener of `T` with `options`, the
+    /// limits the listener told it, and the listener's receiver.
+    fn handshake_by_hand<T: Serialize + DeserializeOwned + 'static>(
+        options: RemoteOptions,
+    ) -> (TcpStream, Limits, Receiver<T>) {
         let listener = RemoteListener::<T>::bind_with("127.0.0.1:0", options.network_only(true)).unwrap();
         let addr = listener.local_addr().unwrap();
         let hello = hello::<T>(REMOTE_PROTOCOL_VERSION);
@@ -1691,11 +1700,14 @@ mod tests {
             let s = TcpStream::connect(addr).unwrap();
             prove_by_hand(&s, None);
             write_handshake_bytes(&s, hello, T5).unwrap();
-            assert!(matches!(read_handshake::<Welcome>(&s, T5).unwrap(), Welcome::Network(_)));
-            s
+            let Welcome::Network(limits) = read_handshake::<Welcome>(&s, T5).unwrap() else {
+                panic!("not a network welcome")
+            };
+            (s, limits)
         });
         let rx = listener.accept_timeout(T60).unwrap();
-        (peer.join().unwrap(), rx)
+        let (peer, limits) = peer.join().unwrap();
+        (peer, limits, rx)
     }
 
     /// How many descriptors of this process refer to the TCP socket whose local port is
@@ -2152,21 +2164,7 @@ mod tests {
             matches!(with_gpu.check(100, 2, 0, Some(9)), Err(SendFailure::Serialize(why)) if why.contains("at most 8"))
         );
         // What the handshake gives a sender, read from a real one.
-        let listener = RemoteListener::<u8>::bind_with(
-            "127.0.0.1:0",
-            RemoteOptions::default().without_device().network_only(true),
-        )
-        .unwrap();
-        let addr = listener.local_addr().unwrap();
-        let hello = hello::<u8>(REMOTE_PROTOCOL_VERSION);
-        let peer = std::thread::spawn(move || {
-            let s = TcpStream::connect(addr).unwrap();
-            prove_by_hand(&s, None);
-            write_handshake_bytes(&s, hello, T5).unwrap();
-            read_handshake::<Welcome>(&s, T5).unwrap()
-        });
-        let _rx = listener.accept_timeout(T60).unwrap();
-        let Welcome::Network(told) = peer.join().unwrap() else { panic!("not a network welcome") };
+        let (_peer, told, _rx) = handshake_by_hand::<u8>(RemoteOptions::default().without_device());
         assert_eq!(told.gpu_bytes, 0);
     }
 

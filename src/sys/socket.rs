@@ -613,18 +613,23 @@ mod tests {
         s.send(&[bytes], &fds, Wait::Forever)
     }
 
-    #[test]
-    fn a_message_whose_overflow_socket_is_empty_is_malformed_even_to_a_blocking_receive() {
+    /// Sends on `a` a forged message that claims 300 descriptors: a full packet of them whose
+    /// last, where the overflow socket goes, is `overflow`.
+    fn send_forged_overflow(a: &Socket, overflow: BorrowedFd<'_>) {
         crate::sys::raise_descriptor_limit();
-        let (a, b) = Socket::pair().unwrap();
-        // A forged message: a full packet of descriptors whose last is an overflow socket with
-        // nothing in it and its writer still open.
-        let (over_tx, over_rx) = Socket::pair().unwrap();
         let fillers: Vec<OwnedFd> =
             (0..PACKET_FDS - 1).map(|_| std::fs::File::open("/dev/null").unwrap().into()).collect();
         let mut fds: Vec<BorrowedFd<'_>> = fillers.iter().map(|f| f.as_fd()).collect();
-        fds.push(over_rx.0.as_fd());
+        fds.push(overflow);
         send_packet(a.0.as_fd(), &[IoSlice::new(&300u32.to_le_bytes())], &fds, Wait::Not).unwrap();
+    }
+
+    #[test]
+    fn a_message_whose_overflow_socket_is_empty_is_malformed_even_to_a_blocking_receive() {
+        let (a, b) = Socket::pair().unwrap();
+        // An overflow socket with nothing in it and its writer still open.
+        let (over_tx, over_rx) = Socket::pair().unwrap();
+        send_forged_overflow(&a, over_rx.0.as_fd());
         let err = b.recv(16, Wait::Forever).unwrap_err();
         drop(over_tx);
         assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err:?}");
@@ -632,14 +637,9 @@ mod tests {
 
     #[test]
     fn a_message_whose_overflow_socket_is_not_connected_is_malformed_not_the_end() {
-        crate::sys::raise_descriptor_limit();
         let (a, b) = Socket::pair().unwrap();
         let unconnected = socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None).unwrap();
-        let fillers: Vec<OwnedFd> =
-            (0..PACKET_FDS - 1).map(|_| std::fs::File::open("/dev/null").unwrap().into()).collect();
-        let mut fds: Vec<BorrowedFd<'_>> = fillers.iter().map(|f| f.as_fd()).collect();
-        fds.push(unconnected.as_fd());
-        send_packet(a.0.as_fd(), &[IoSlice::new(&300u32.to_le_bytes())], &fds, Wait::Not).unwrap();
+        send_forged_overflow(&a, unconnected.as_fd());
         let err = b.recv(16, Wait::Not).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err:?}");
         send(&a, b"next", &[]).unwrap();
