@@ -18,7 +18,7 @@
 
 use std::ops::Deref;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicPtr, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 /// Bumped in every forked child, before `fork` returns there.
@@ -192,7 +192,9 @@ extern "C" fn forked_parent() {
 }
 
 extern "C" fn forked_child() {
-    // In the child's only thread, before `fork` returns there.
+    // In the child's only thread, before `fork` returns there. The handlers run, so they are
+    // registered here, whether or not the parent's thread had marked them so.
+    HANDLERS.mark_done();
     GENERATION.fetch_add(1, Ordering::SeqCst);
     // The fork's pipe: its writing end stays open here (until this process and all it forks
     // without `exec` are gone), its reading end is the parent's.
@@ -290,10 +292,9 @@ fn forget_gone(children: &mut Vec<(u64, Option<OwnedFd>)>) {
 /// This process's generation: 0 in a process started fresh (or spawned, or exec'd), one more
 /// in each forked child than in its parent.
 pub(crate) fn generation() -> u64 {
-    // Every caller waits until the handler is registered, so no cell is built before a fork
+    // Every caller waits until the handlers are registered, so no cell is built before a fork
     // could be told apart.
-    static REGISTERED: std::sync::Once = std::sync::Once::new();
-    REGISTERED.call_once(|| {
+    HANDLERS.ensure(|| {
         // Should this fail (only when out of memory), forked children are not told apart:
         // they behave as before this module existed.
         // SAFETY: `forked_child` waits on no lock (the hook it runs only tries locks; the
@@ -303,6 +304,57 @@ pub(crate) fn generation() -> u64 {
         let _ = unsafe { crate::sys::at_fork(before_fork, forked_parent, forked_child) };
     });
     GENERATION.load(Ordering::Acquire)
+}
+
+/// Whether this process's fork handlers are registered.
+static HANDLERS: Registration = Registration::new();
+
+/// A one-time registration that a forked child never waits on for ever, as it would on a
+/// `std::sync::Once` that another thread of its parent was running when it forked: that thread
+/// is not in the child. The C library takes one lock for `pthread_atfork` and `fork`, so a
+/// child was forked either after the handlers were registered (its child handler marks them
+/// done) or before (it registers its own).
+struct Registration(AtomicI64);
+
+/// [`Registration`]'s state when done (others: 0, not begun; a process id, a thread of that
+/// process registers now).
+const REGISTERED: i64 = -1;
+
+impl Registration {
+    const fn new() -> Registration {
+        Registration(AtomicI64::new(0))
+    }
+
+    /// Runs `register` once in this process and its forked children together, and returns
+    /// when it has run.
+    fn ensure(&self, register: impl FnOnce()) {
+        if self.0.load(Ordering::Acquire) == REGISTERED {
+            return;
+        }
+        let me = i64::from(crate::sys::own_pid());
+        loop {
+            match self.0.load(Ordering::Acquire) {
+                REGISTERED => return,
+                // Another thread of this process registers: a matter of microseconds.
+                seen if seen == me => std::thread::yield_now(),
+                // Not begun, or begun by a thread of the parent this process was forked from
+                // before the registration was done: this process's own thread registers.
+                seen => {
+                    if self.0.compare_exchange(seen, me, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                        register();
+                        self.0.store(REGISTERED, Ordering::Release);
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Marks the registration done: in a forked child whose handlers ran, whatever state the
+    /// parent's copy was taken in.
+    fn mark_done(&self) {
+        self.0.store(REGISTERED, Ordering::Release);
+    }
 }
 
 /// A value of one generation of the process: built on first use, and built afresh on first use
@@ -413,6 +465,38 @@ mod tests {
             }
         });
         assert_eq!(BUILT.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_child_forked_during_a_registration_registers_on_its_own() {
+        static ONCE: Registration = Registration::new();
+        static RUNS: AtomicU64 = AtomicU64::new(0);
+        let (begun_tx, begun) = std::sync::mpsc::channel();
+        let registering = std::thread::spawn(move || {
+            ONCE.ensure(|| {
+                RUNS.fetch_add(1, Ordering::SeqCst);
+                begun_tx.send(()).unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(300));
+            })
+        });
+        begun.recv().unwrap();
+        // Forked while the other thread registers: the child must not wait for that thread.
+        let child = crate::sys::fork_and_run(|| {
+            let (done_tx, done) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                ONCE.ensure(|| {
+                    RUNS.fetch_add(1, Ordering::SeqCst);
+                });
+                ONCE.ensure(|| panic!("registered twice"));
+                let _ = done_tx.send(RUNS.load(Ordering::SeqCst));
+            });
+            done.recv_timeout(std::time::Duration::from_secs(5)) == Ok(2)
+        })
+        .expect("fork");
+        registering.join().unwrap();
+        assert!(child, "the child waited for its parent's registering thread, or did not register");
+        ONCE.ensure(|| panic!("registered twice"));
+        assert_eq!(RUNS.load(Ordering::SeqCst), 1);
     }
 
     #[test]

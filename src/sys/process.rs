@@ -125,9 +125,6 @@ pub(crate) fn close_inherited_shared<T: Into<std::os::fd::OwnedFd>>(fd: std::syn
 #[cfg(test)]
 pub(crate) fn fork_and_run(f: impl FnOnce() -> bool) -> std::io::Result<bool> {
     use std::panic::{AssertUnwindSafe, catch_unwind};
-    // Registered before the fork: a child forked while another test's thread was registering
-    // the fork handlers would wait for ever for that thread, which it does not have.
-    crate::fork::generation();
     // SAFETY: the child only runs `f` and `_exit`s; the parent only waits for it. (`f` may
     // allocate: the tests that use this hold no allocator lock across the fork in practice; a
     // child that deadlocked would hang its test, not corrupt memory.)
