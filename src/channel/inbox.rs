@@ -17,7 +17,7 @@ use super::ring::{self, RingReader};
 use crate::error::{IoFailure, RecvError};
 use crate::lifetime::ConnectionLeases;
 pub(super) use crate::sys::Wait;
-use crate::sys::{Received, Socket};
+use crate::sys::{Lost, Received, Socket};
 use crate::sys::{descriptor_limit, near_descriptor_limit};
 use crate::wire;
 
@@ -336,25 +336,24 @@ impl Inbox {
         gauge.release(std::mem::take(&mut self.unsettled));
     }
 
-    /// The stashed frame's bytes and descriptors, whether it came from the socket and whether
-    /// the kernel dropped some of its descriptors, to send with the receiving end (the
-    /// descriptors stay here until the message has been sent).
-    pub(super) fn stashed(&self) -> Option<(Vec<u8>, Vec<std::os::fd::BorrowedFd<'_>>, bool, bool)> {
+    /// The stashed frame's bytes and descriptors, whether it came from the socket and why it
+    /// is lost if it is, to send with the receiving end (the descriptors stay here until the
+    /// message has been sent).
+    pub(super) fn stashed(&self) -> Option<(Vec<u8>, Vec<std::os::fd::BorrowedFd<'_>>, bool, Option<Lost>)> {
         let Stashed { raw, main, .. } = self.stash.as_ref()?;
         let fds = raw.fds.iter().map(|fd| fd.as_fd()).collect();
-        Some((self.buf[raw.bytes.clone()].to_vec(), fds, *main, raw.descriptors_dropped))
+        Some((self.buf[raw.bytes.clone()].to_vec(), fds, *main, raw.lost.clone()))
     }
 
     /// A stashed frame that came with the receiving end.
-    pub(super) fn restash(&mut self, bytes: &[u8], fds: Vec<OwnedFd>, main: bool, descriptors_dropped: bool) {
+    pub(super) fn restash(&mut self, bytes: &[u8], fds: Vec<OwnedFd>, main: bool, lost: Option<Lost>) {
         let len = bytes.len().min(self.buf.len());
         self.buf[..len].copy_from_slice(&bytes[..len]);
         if len > 0 {
             let order = frame::order_of(&self.buf[..len]);
             // Read before any sweep here looks (`came_with_end`).
             let read_at = 0;
-            self.stash =
-                Some(Stashed { raw: Received { bytes: 0..len, fds, descriptors_dropped }, main, order, read_at });
+            self.stash = Some(Stashed { raw: Received { bytes: 0..len, fds, lost }, main, order, read_at });
         }
     }
 
@@ -654,9 +653,9 @@ impl Inbox {
     }
 
     /// A frame in its turn: its message, or what a frame of another kind does.
-    fn deliver<T: DeserializeOwned>(&mut self, gauge: &Gauge, raw: Received, main: bool) -> Look<T> {
-        if raw.descriptors_dropped {
-            return self.deliver_cut_short(gauge, raw, main);
+    fn deliver<T: DeserializeOwned>(&mut self, gauge: &Gauge, mut raw: Received, main: bool) -> Look<T> {
+        if let Some(lost) = raw.lost.take() {
+            return self.deliver_cut_short(gauge, raw, main, lost);
         }
         // Settled before the decode, which runs the user's `Deserialize` and may unwind.
         if main && let Some(cost) = frame::read_cost(&self.buf[raw.bytes.clone()]) {
@@ -704,14 +703,21 @@ impl Inbox {
         }
     }
 
-    /// A frame in its turn whose descriptors the kernel dropped: its message (or a spill batch's)
-    /// is lost, reported, and what it took given back as if read (README.md, "Rings", Out of
-    /// descriptors); `look_once` moved the ring past it, `gaps` steps over a batch's.
-    fn deliver_cut_short<T>(&mut self, gauge: &Gauge, raw: Received, main: bool) -> Look<T> {
-        let limit = descriptor_limit();
-        tracing::warn!(limit, "a message was lost: this process is at its limit of file descriptors");
+    /// A frame in its turn whose descriptors the kernel dropped, or whose descriptors do not
+    /// add up: its message (or a spill batch's) is lost, reported, and what it took given back
+    /// as if read (README.md, "Rings", Out of descriptors); `look_once` moved the ring past it,
+    /// `gaps` steps over a batch's.
+    fn deliver_cut_short<T>(&mut self, gauge: &Gauge, raw: Received, main: bool, lost: Lost) -> Look<T> {
+        let error = match lost {
+            Lost::DescriptorsDropped => {
+                let limit = descriptor_limit();
+                tracing::warn!(limit, "a message was lost: this process is at its limit of file descriptors");
+                RecvError::OutOfDescriptors { limit }
+            }
+            Lost::Malformed(why) => checked(RecvError::Malformed(why)),
+        };
         let Some(cut) = frame::cut_short(&self.buf[raw.bytes], raw.fds, &self.leases) else {
-            return Look::Got(Err(Missing::Failed(RecvError::OutOfDescriptors { limit })));
+            return Look::Got(Err(Missing::Failed(error)));
         };
         if cut.batch && !main {
             // As `deliver` refuses it when its descriptors come.
@@ -725,7 +731,7 @@ impl Inbox {
             self.rings.iter_mut().for_each(RingReader::batch_lost);
         }
         gauge.free_places(cut.messages);
-        Look::Got(Err(Missing::Failed(RecvError::OutOfDescriptors { limit })))
+        Look::Got(Err(Missing::Failed(error)))
     }
 
     /// The next message of a ring that is next in its sender's order, the rings taking turns.

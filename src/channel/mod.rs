@@ -978,8 +978,8 @@ struct ReceiverWire {
     /// The senders' rings: memory and pipe end of each.
     rings: Vec<(Carried, Carried)>,
     /// A frame read before its turn (`inbox.rs`): its bytes, descriptors, whether it came
-    /// from the socket and whether the kernel dropped some of its descriptors.
-    stash: Option<(Vec<u8>, Vec<Carried>, bool, bool)>,
+    /// from the socket and why it is lost, if it is.
+    stash: Option<(Vec<u8>, Vec<Carried>, bool, Option<crate::sys::Lost>)>,
     /// Whether messages were lost whose places in their senders' order are unknown.
     gaps: bool,
     /// The caching allocators' segments the senders introduced (messages still on the socket
@@ -1512,6 +1512,24 @@ mod tests {
         assert!(matches!(rx.recv_timeout(Duration::from_secs(5)), Err(RecvTimeoutError::Malformed(_))));
         tx.send_timeout(7, Duration::from_secs(1)).expect("the place is back");
         assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(7));
+    }
+
+    /// A message frame whose descriptors do not add up (its transport header claims one that
+    /// did not come: only a forger writes that) is reported as malformed and gives back the
+    /// place it took, as one whose message does not decode does.
+    #[test]
+    fn a_message_frame_whose_descriptors_do_not_add_up_gives_its_place_back() {
+        let (tx, rx) = bounded::<u32>(1).unwrap();
+        let gauge = &tx.outbox().gauge;
+        assert!(gauge.take_place(Some(None), || false).is_ok(), "the one place is free");
+        let frame = [&[crate::protocol::kind::MESSAGE][..], &postcard::to_allocvec(&7u32).unwrap(), &[0]].concat();
+        tx.outbox().write_forged(1, &frame);
+        match rx.recv_timeout(Duration::from_secs(5)) {
+            Err(RecvTimeoutError::Malformed(why)) => assert!(why.contains("do not match its header"), "{why}"),
+            other => panic!("a forged frame read as {other:?}"),
+        }
+        tx.send_timeout(8, Duration::from_secs(1)).expect("the place is back");
+        assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(8));
     }
 
     /// A redirect that the kernel refuses for a passing reason (no buffers; descriptors in

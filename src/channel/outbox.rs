@@ -302,6 +302,14 @@ impl Outbox {
         self.main.send(&[bytes], fds, Wait::Forever).expect("a raw frame written");
     }
 
+    /// Writes `bytes` to the channel's socket under a transport header that claims `claimed`
+    /// descriptors, with none attached (what only a forger writes), counted as a frame of ours.
+    #[cfg(test)]
+    pub(super) fn write_forged(&self, claimed: u32, bytes: &[u8]) {
+        self.gauge.writing_frame();
+        self.main.send_forged(claimed, bytes).expect("a forged frame written");
+    }
+
     /// Writes a frame to the channel's socket as this process's feeder would.
     #[cfg(test)]
     pub(super) fn write_frame(&self, frame: &FrameOut<'_>) {

@@ -44,7 +44,7 @@ pub(crate) use shm::{ShmFile, ShmOpen, remove_cuda_event_files, shm_unlink};
 #[cfg(feature = "remote")]
 pub(crate) use socket::wait_for;
 pub(crate) use socket::{
-    Listening, MESSAGE_FDS, Message, Received, Socket, Wait, bell, connect_abstract_within, connect_to,
+    Listening, Lost, MESSAGE_FDS, Message, Received, Socket, Wait, bell, connect_abstract_within, connect_to,
     peer_gone as reader_gone, peer_gone as writers_gone, private_dir, ring, silence, wait_readable,
     wait_readable_or_closed,
 };

@@ -69,9 +69,20 @@ pub(crate) struct Received {
     pub(crate) bytes: std::ops::Range<usize>,
     /// The descriptors that arrived, in the order they were given to [`Socket::send`].
     pub(crate) fds: Vec<OwnedFd>,
+    /// Why the message is lost but for its bytes, if it is.
+    pub(crate) lost: Option<Lost>,
+}
+
+/// Why a message that was read is lost but for its bytes (which the caller reads to account
+/// for it: the place and cost it took).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) enum Lost {
     /// The kernel dropped some of its descriptors, this process being at its limit of file
-    /// descriptors: `fds` holds the first ones only, and the message is lost but for its bytes.
-    pub(crate) descriptors_dropped: bool,
+    /// descriptors: `fds` holds the first ones only.
+    DescriptorsDropped,
+    /// Its descriptors do not add up (a forged message: its header claims others than came,
+    /// its overflow socket is not one or cannot be read): those that came are closed.
+    Malformed(String),
 }
 
 fn invalid(text: &str) -> io::Error {
@@ -136,40 +147,58 @@ impl Socket {
     pub(crate) fn recv(&self, max: usize, wait: Wait) -> io::Result<Option<Message>> {
         let mut buf = vec![0u8; max + HEADER];
         let Some(got) = self.recv_in(&mut buf, wait)? else { return Ok(None) };
-        if got.descriptors_dropped {
-            return Err(invalid("a message lost its descriptors: this process is at its limit of file descriptors"));
+        match got.lost {
+            Some(Lost::DescriptorsDropped) => {
+                Err(invalid("a message lost its descriptors: this process is at its limit of file descriptors"))
+            }
+            Some(Lost::Malformed(why)) => Err(invalid(&why)),
+            None => Ok(Some(Message { bytes: buf[got.bytes].to_vec(), fds: got.fds })),
         }
-        Ok(Some(Message { bytes: buf[got.bytes].to_vec(), fds: got.fds }))
     }
 
     /// Like [`recv`](Self::recv), into `buf` (kept by the caller, so that a receive allocates
-    /// nothing): messages of up to `buf.len() - 4` bytes. A message whose descriptors the
-    /// kernel dropped (this process at its limit of descriptors) is returned with its bytes,
-    /// so that the caller can account for it; see [`Received::descriptors_dropped`].
+    /// nothing): messages of up to `buf.len() - 4` bytes. A message whose descriptors were
+    /// dropped or do not add up is returned with its bytes, so that the caller can account
+    /// for it; see [`Received::lost`]. Only a message longer than the buffer, or shorter than
+    /// the header, is `InvalidData`.
     pub(crate) fn recv_in(&self, buf: &mut [u8], wait: Wait) -> io::Result<Option<Received>> {
         let Some(packet) = recv_packet(self.0.as_fd(), buf, wait)? else { return Ok(None) };
         let (len, mut fds) = (packet.len, packet.fds);
         if len < HEADER {
             return Err(invalid("a message shorter than the transport's header"));
         }
+        let received = |fds, lost| Ok(Some(Received { bytes: HEADER..len, fds, lost }));
+        let malformed = |why: String| received(Vec::new(), Some(Lost::Malformed(why)));
         let claimed = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
         // More than came only past a packet's worth (the rest in the overflow socket, attached
         // last), or where the kernel dropped some.
         let more = claimed > fds.len();
         if claimed > MESSAGE_FDS || claimed < fds.len() || (more && fds.len() != PACKET_FDS && !packet.fds_dropped) {
-            return Err(invalid("a message whose descriptors do not match its header"));
+            return malformed("a message whose descriptors do not match its header".into());
         }
-        let received = |fds, descriptors_dropped| Ok(Some(Received { bytes: HEADER..len, fds, descriptors_dropped }));
         if packet.fds_dropped {
             // The overflow socket, attached last, is among those dropped.
-            return received(fds, true);
+            return received(fds, Some(Lost::DescriptorsDropped));
         }
         if more {
-            let rest = fds.pop().map(Socket::from_fd).transpose()?.ok_or_else(|| invalid("no overflow socket"))?;
-            let complete = rest.read_overflow(claimed - fds.len(), &mut fds)?;
-            return received(fds, !complete);
+            let overflow = fds.pop().map(Socket::from_fd).transpose().and_then(|rest| {
+                let rest = rest.ok_or_else(|| invalid("no overflow socket"))?;
+                rest.read_overflow(claimed - fds.len(), &mut fds)
+            });
+            return match overflow {
+                Ok(true) => received(fds, None),
+                Ok(false) => received(fds, Some(Lost::DescriptorsDropped)),
+                Err(e) => malformed(e.to_string()),
+            };
         }
-        received(fds, false)
+        received(fds, None)
+    }
+
+    /// Sends `bytes` under a transport header that claims `claimed` descriptors, with none
+    /// attached: a forged message.
+    #[cfg(test)]
+    pub(crate) fn send_forged(&self, claimed: u32, bytes: &[u8]) -> io::Result<()> {
+        send_packet(self.0.as_fd(), &[IoSlice::new(&claimed.to_le_bytes()), IoSlice::new(bytes)], &[], Wait::Not)
     }
 
     /// The buffer size [`recv_in`](Self::recv_in) needs for messages of `max` bytes.
