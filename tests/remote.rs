@@ -189,6 +189,19 @@ fn a_listener_without_peers_and_a_silent_listener_time_out() {
     assert!(start.elapsed() >= Duration::from_millis(250) && start.elapsed() < Duration::from_secs(5));
 }
 
+/// A peer that connects and says nothing fails `accept` with the listener's handshake
+/// timeout (not with what was left of it when the step that ran out began).
+#[test]
+fn a_silent_peer_fails_accept_with_the_handshake_timeout() {
+    let limit = Duration::from_millis(200);
+    let listener = listen::<u8>(network().handshake_timeout(limit));
+    let _silent = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    match listener.accept_timeout(Duration::from_secs(10)) {
+        Err(cuda_mp::Error::Timeout(after)) => assert_eq!(after, limit),
+        other => panic!("a silent peer: {:?}", other.map(|_| ())),
+    }
+}
+
 #[test]
 fn connect_waits_for_a_listener_that_is_not_up_yet() {
     let _ports = ports();

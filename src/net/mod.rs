@@ -869,9 +869,12 @@ impl<T: Serialize + DeserializeOwned + 'static> RemoteListener<T> {
             let peer = stream.peer_addr().ok();
             // A handshake that panicked still gives `accept` an answer, so that it never waits
             // for a result that no thread will send.
-            let result = crate::os::catch_quietly(|| handshake::<T>(stream, &options, &proven)).unwrap_or_else(|why| {
-                Err(Error::Io(io::Error::other(format!("the handshake with a remote peer panicked: {why}"))))
-            });
+            let result = crate::os::catch_quietly(|| handshake::<T>(stream, &options, &proven))
+                .unwrap_or_else(|why| {
+                    Err(Error::Io(io::Error::other(format!("the handshake with a remote peer panicked: {why}"))))
+                })
+                // Each step waits what is left of the limit: the limit is what ran out.
+                .map_err(|e| if e.is_timeout() { Error::Timeout(options.handshake_timeout) } else { e });
             match &result {
                 Ok(_) => tracing::debug!(peer = ?peer, "accepted a remote sender"),
                 Err(e) => tracing::warn!(peer = ?peer, error = %e, "refused a remote peer"),
