@@ -280,8 +280,9 @@ impl<T> QueueConsumer<T> {
     }
 
     /// This handle with its gets keeping `n` messages asked for ahead of them (at most 64;
-    /// [`QUEUE_PREFETCH`] unless set); it never has more than `n` (or one) in flight. The
-    /// handle's copies (clones, and copies sent to other processes) keep the setting.
+    /// [`QUEUE_PREFETCH`] unless set); it never has more than `n` (or one) in flight, once the
+    /// messages it had asked for before the setting changed are taken. The handle's copies
+    /// (clones, and copies sent to other processes) keep the setting, as do a [`Queue`]'s.
     ///
     /// A get takes a prefetched message from its own channel without waiting for the
     /// dispatcher, which makes one consumer of small messages much faster. The cost: between
@@ -341,22 +342,25 @@ impl<T> fmt::Debug for QueueConsumer<T> {
 struct QueueWire<T> {
     inbox: Sender<T>,
     join: Sender<Join<T>>,
+    prefetch: u32,
 }
 
 impl<T> Serialize for Queue<T> {
     fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
-        QueueWire { inbox: self.inbox.clone(), join: self.consumer.join.clone() }.serialize(serializer)
+        // At most MAX_PREFETCH: fits.
+        let prefetch = self.consumer.prefetch as u32;
+        QueueWire { inbox: self.inbox.clone(), join: self.consumer.join.clone(), prefetch }.serialize(serializer)
     }
 }
 
 impl<'de, T> Deserialize<'de> for Queue<T> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        let QueueWire { inbox, join } = QueueWire::deserialize(deserializer)?;
+        let QueueWire { inbox, join, prefetch } = QueueWire::deserialize(deserializer)?;
         Ok(Queue {
             inbox,
             local: None,
             generation: crate::fork::generation(),
-            consumer: QueueConsumer::new(join, QUEUE_PREFETCH),
+            consumer: QueueConsumer::new(join, prefetch as usize),
         })
     }
 }
@@ -417,8 +421,13 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Queue<T> {
     }
 
     /// Puts a message on the queue. It never waits for a consumer (the queue is unbounded);
-    /// tensors inside are shared, not copied. Fails, handing the message back, when the
-    /// queue's process is gone or the message cannot be encoded. As a channel's send, it may
+    /// tensors inside are shared, not copied. From another process it fails, handing the
+    /// message back, when the queue's process is gone or the message cannot be encoded. In the
+    /// queue's own process (the handle that made it, its clones, and forked children's are
+    /// other processes) the message is not encoded here but when it is handed to a consumer,
+    /// as `multiprocessing.Queue` pickles in its feeder thread: one that cannot be encoded
+    /// then is dropped, counted in [`QueueStats::discarded`], and the consumer it was for gets
+    /// [`GetError::Malformed`] saying why. As a channel's send, it may
     /// encode the message on the calling thread (in the queue's process, when a consumer waits
     /// for it), so its `Serialize` must not take a lock that the calling thread holds; it
     /// never encodes another thread's message, nor waits for one's.
@@ -552,7 +561,8 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Queue<T> {
             let (source, queue) = (source, queue);
             let mut end = FeedEnd { fed: 0, undecodable: 0 };
             loop {
-                match source.recv() {
+                // A `Deserialize` that panics is a message that does not decode, as elsewhere.
+                match panic_as_malformed(|| source.recv(), RecvError::Malformed) {
                     Ok(value) => {
                         queue.put(value).map_err(|e| (end, e.into()))?;
                         end.fed += 1;
@@ -1052,7 +1062,8 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
                 return e.deliver(reply, ahead).map(Some);
             }
             if e.asked > 0 {
-                match e.replies.try_recv() {
+                // A `Deserialize` that panics is a message that does not decode here, as in `read`.
+                match panic_as_malformed(|| e.replies.try_recv(), TryRecvError::Malformed) {
                     Ok(reply) => {
                         e.answered = true;
                         let reply = e.counted(reply)?;
@@ -1435,6 +1446,53 @@ mod tests {
             assert!(v != 13, "refuses 13");
             Ok(Touchy(v))
         }
+    }
+
+    /// A prefetched message whose `Deserialize` panics, taken by `try_get`, is a message that
+    /// does not decode here (as for `get`), not a panic in the caller; the next goes on.
+    #[test]
+    fn a_try_get_of_a_message_whose_deserialize_panics_reports_it() {
+        let queue = Queue::<Touchy>::new().unwrap();
+        let consumer = queue.consumer().with_prefetch(2);
+        queue.put(Touchy(1)).unwrap();
+        queue.put(Touchy(13)).unwrap();
+        queue.put(Touchy(3)).unwrap();
+        assert_eq!(consumer.get().unwrap(), Touchy(1));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let got = loop {
+            let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| consumer.try_get()))
+                .expect("the panic of a message's Deserialize reached try_get's caller");
+            if got != Err(TryGetError::Empty) || Instant::now() > deadline {
+                break got;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        assert!(matches!(got, Err(TryGetError::Malformed(ref why)) if why.contains("refuses 13")), "{got:?}");
+        assert_eq!(consumer.get_timeout(Duration::from_secs(5)), Ok(Touchy(3)));
+    }
+
+    /// A message whose `Deserialize` panics in a feed is counted as undecodable, and the feed
+    /// goes on with the next.
+    #[test]
+    fn a_feed_counts_a_message_whose_deserialize_panics_and_goes_on() {
+        let queue = Queue::<Touchy>::new().unwrap();
+        let (tx, rx) = crate::channel::<Touchy>().unwrap();
+        let feed = queue.feed(rx).unwrap();
+        tx.send(Touchy(13)).unwrap();
+        tx.send(Touchy(2)).unwrap();
+        drop(tx);
+        assert_eq!(feed.join().unwrap(), FeedEnd { fed: 1, undecodable: 1 });
+        assert_eq!(queue.get_timeout(Duration::from_secs(5)), Ok(Touchy(2)));
+    }
+
+    /// A queue handle sent to another process keeps its prefetch setting, as a consumer does.
+    #[test]
+    fn a_queue_sent_keeps_its_prefetch() {
+        let queue = Queue::<u32>::new().unwrap().with_prefetch(0);
+        let (tx, rx) = crate::channel::<(Queue<u32>, QueueConsumer<u32>)>().unwrap();
+        tx.send((queue.clone().with_prefetch(5), queue.consumer())).unwrap();
+        let (copy, consumer) = rx.recv().unwrap();
+        assert_eq!((copy.consumer().prefetch(), consumer.prefetch()), (5, 0));
     }
 
     /// A put whose `Deserialize` panics in the queue's process is lost and counted as one that

@@ -42,8 +42,10 @@ fn key<T>(item: &Item<T>) -> usize {
     Arc::as_ptr(item) as usize
 }
 
-/// How many consumers may fail to decode a message before it is dropped (or all there are, if
-/// fewer): a broken message would otherwise go round for ever (README.md, "Protocol").
+/// How many consumers may fail to decode a message before it is dropped: a broken message would
+/// otherwise go round for ever (README.md, "Protocol"). Where fewer consumers are there, one
+/// that all of them refused waits for another to join, and is dropped once no producer is left
+/// (`drop_refused_by_all`).
 const MAX_REJECTS: usize = 3;
 /// How many messages that some consumer could not decode are held back for the others at
 /// most (a consumer looks past those it refused for its next one).
