@@ -6,6 +6,7 @@ mod dispatch;
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -194,7 +195,20 @@ pub struct QueueConsumer<T> {
     prefetch: usize,
     /// This handle's consumer, made on first use.
     /// (A forked child's copy joins afresh: its parent's endpoint is the parent's.)
-    endpoint: ForkLocal<Mutex<Option<Endpoint<T>>>>,
+    endpoint: ForkLocal<EndpointSlot<T>>,
+}
+
+/// A handle's consumer, made on first use, and how many threads wait for it while another
+/// thread's exchange holds it.
+struct EndpointSlot<T> {
+    endpoint: Mutex<Option<Endpoint<T>>>,
+    waiting: AtomicUsize,
+}
+
+impl<T> EndpointSlot<T> {
+    fn new() -> Self {
+        EndpointSlot { endpoint: Mutex::new(None), waiting: AtomicUsize::new(0) }
+    }
 }
 
 /// A consumer's two channels to the dispatcher, and where it stands with it.
@@ -266,17 +280,13 @@ impl<T> Clone for Queue<T> {
 impl<T> Clone for QueueConsumer<T> {
     /// Another handle on the same queue, a consumer of its own with the same prefetch.
     fn clone(&self) -> Self {
-        QueueConsumer {
-            join: self.join.clone(),
-            prefetch: self.prefetch,
-            endpoint: ForkLocal::new(|| Mutex::new(None)),
-        }
+        QueueConsumer { join: self.join.clone(), prefetch: self.prefetch, endpoint: ForkLocal::new(EndpointSlot::new) }
     }
 }
 
 impl<T> QueueConsumer<T> {
     fn new(join: Sender<Join<T>>, prefetch: usize) -> Self {
-        QueueConsumer { join, prefetch: prefetch.min(MAX_PREFETCH), endpoint: ForkLocal::new(|| Mutex::new(None)) }
+        QueueConsumer { join, prefetch: prefetch.min(MAX_PREFETCH), endpoint: ForkLocal::new(EndpointSlot::new) }
     }
 
     /// This handle with its gets keeping `n` messages asked for ahead of them (at most 64;
@@ -921,9 +931,25 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> QueueConsumer<T> {
     }
 
     /// The handle's endpoint, waiting for another thread's exchange until `deadline` at most
-    /// (looking every millisecond; `None` when it is still held then).
+    /// (looking every millisecond; `None` when it is still held then). Threads that wait for
+    /// it already go first: a get that waits in slices (the Python package's, which looks for
+    /// Ctrl-C between them) would otherwise take it back between two slices before a waiter
+    /// that looks every millisecond saw it free, and a `stats` of another thread would time out
+    /// against a healthy queue.
     fn lock_until(&self, deadline: Option<Instant>) -> Option<MutexGuard<'_, Option<Endpoint<T>>>> {
-        let endpoint = self.endpoint.get();
+        let EndpointSlot { endpoint, waiting } = self.endpoint.get();
+        if waiting.load(Ordering::Acquire) > 0 {
+            let pause = Duration::from_millis(3);
+            std::thread::sleep(deadline.map_or(pause, |d| d.saturating_duration_since(Instant::now()).min(pause)));
+        }
+        struct Waiting<'a>(&'a AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        waiting.fetch_add(1, Ordering::AcqRel);
+        let _waiting = Waiting(waiting);
         let locked = match deadline {
             None => endpoint.lock(),
             Some(deadline) => loop {
@@ -1483,6 +1509,29 @@ mod tests {
         drop(tx);
         assert_eq!(feed.join().unwrap(), FeedEnd { fed: 1, undecodable: 1 });
         assert_eq!(queue.get_timeout(Duration::from_secs(5)), Ok(Touchy(2)));
+    }
+
+    /// A thread that waits on a handle in slices (as the Python package's get does, looking for
+    /// Ctrl-C between them) lets another thread's `stats` in: it used to take the handle back
+    /// between its slices before the other thread, looking every millisecond, saw it free.
+    #[test]
+    fn a_get_that_waits_in_slices_lets_stats_of_another_thread_in() {
+        let queue = Queue::<u32>::new().unwrap();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                while !stop.load(Ordering::SeqCst) {
+                    if let Ok(v) = queue.get_timeout(Duration::from_millis(20)) {
+                        assert_eq!(v, 0, "only the last put is a message");
+                    }
+                }
+            });
+            std::thread::sleep(Duration::from_millis(50));
+            let stats: Vec<_> = (0..5).map(|_| queue.stats_timeout(Duration::from_secs(1))).collect();
+            stop.store(true, Ordering::SeqCst);
+            queue.put(0).unwrap();
+            assert!(stats.iter().all(Result::is_ok), "stats of a healthy queue, while another thread gets: {stats:?}");
+        });
     }
 
     /// A queue handle sent to another process keeps its prefetch setting, as a consumer does.
