@@ -47,9 +47,11 @@ pub fn to_bytes<T: Serialize + ?Sized>(value: &T, ttl: Duration) -> Result<Vec<u
 /// process that made them lives.
 ///
 /// Errors: [`Error::Malformed`] for bytes that are not a `T`, that were decoded before, whose
-/// time ran out, or whose sender is gone.
+/// time ran out, or whose sender is gone; [`Error::Timeout`] when the sending process did not
+/// answer within 30 s (stopped, say: its descriptors then wait for a later decode of the same
+/// bytes); [`Error::OutOfDescriptors`] when this process had no descriptor left for them.
 pub fn from_bytes<T: DeserializeOwned>(bytes: &[u8]) -> Result<T> {
-    crate::wire::decode_handoff(bytes).map_err(Error::Malformed)
+    crate::wire::decode_handoff(bytes)
 }
 
 /// Values turned into bytes one by one, as [`to_bytes`] does, whose descriptors wait in one

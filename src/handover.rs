@@ -571,7 +571,14 @@ pub(crate) fn fetch_within(ticket: &SpawnTicket, wait: Duration) -> Result<(Vec<
 /// [`fetch`] on `kept`, this process's connection to the ticket's home if it has one.
 fn fetch_on(kept: Option<Arc<Link>>, ticket: &SpawnTicket, wait: Duration) -> Result<(Vec<OwnedFd>, Option<Duration>)> {
     let refused = |why: String| Error::Malformed(format!("the descriptors of a value from another process: {why}"));
-    let exchange = |socket: &Socket| exchange(socket, ticket, wait).map_err(|e| refused(e.to_string()));
+    let exchange = |socket: &Socket| {
+        exchange(socket, ticket, wait).map_err(|e| match e.kind() {
+            // A home that does not answer (its process stopped, say): the deposit waits there
+            // for a later fetch (a late answer to this one finds the connection closed).
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Error::Timeout(wait),
+            _ => refused(e.to_string()),
+        })
+    };
     // Asked again on a fresh connection only when the home closed this one unanswered (it
     // closes a kept connection it does not keep, and one whose answer it could not send, whose
     // deposit then waits for this request again): a request it answered (late, say, or with an
@@ -691,6 +698,23 @@ mod tests {
             assert_eq!(fetched.unwrap().0.len(), 1, "then came whole (kept: {kept})");
             assert!(fetch(&t).is_err(), "once");
         }
+    }
+
+    /// A home that does not answer in time (its process stopped, say) is a time-out, not a
+    /// malformed value; the deposit waits for a later fetch.
+    #[test]
+    fn a_home_that_does_not_answer_is_a_time_out_and_the_deposit_waits() {
+        let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+        let t = deposit();
+        // The kept connection to the home: its other end takes requests and never answers.
+        let (silent, _never_answers) = Socket::pair().unwrap();
+        links().insert(t.home.clone(), (Arc::new(NotInherited::new(silent)), Instant::now()));
+        let wait = Duration::from_millis(100);
+        match fetch_within(&t, wait) {
+            Err(Error::Timeout(after)) => assert_eq!(after, wait),
+            other => panic!("a home that does not answer: {:?}", other.map(|(fds, _)| fds.len())),
+        }
+        assert_eq!(fetch(&t).unwrap().0.len(), 1, "then fetched on a fresh connection");
     }
 
     /// A batch whose time is up is not sealed, even before the serving thread drops it: its

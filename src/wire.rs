@@ -117,8 +117,10 @@ thread_local! {
     /// The descriptors of this process's spawn arguments, fetched from its parent.
     /// With until when what its values did not take may be kept (a batch's).
     static SPAWNED: RefCell<Option<Fetched>> = const { RefCell::new(None) };
-    /// Why the current operation's encode or decode failed (serde's error types cannot say).
-    static FAILURE: RefCell<Option<String>> = const { RefCell::new(None) };
+    /// Why the current operation's encode or decode failed (serde's error types cannot say),
+    /// and the error it was where that is a time-out or descriptor exhaustion (which a caller
+    /// may meet by trying again, not a malformed message).
+    static FAILURE: RefCell<Option<(String, Option<Error>)>> = const { RefCell::new(None) };
 }
 
 /// A message encoded: its bytes and the descriptors to send with them; on a channel also the
@@ -254,7 +256,7 @@ pub(crate) fn encode_deposited<T: Serialize + ?Sized>(
 /// process that encoded them (once: a second decode of the same bytes finds nothing there).
 /// Runs apart from any decode this thread is in; descriptors it fetched and did not take are
 /// closed before it returns.
-pub(crate) fn decode_handoff<T: DeserializeOwned>(bytes: &[u8]) -> std::result::Result<T, String> {
+pub(crate) fn decode_handoff<T: DeserializeOwned>(bytes: &[u8]) -> Result<T> {
     struct Restore(Vec<Decoding>, Option<Fetched>);
     impl Drop for Restore {
         fn drop(&mut self) {
@@ -274,7 +276,11 @@ pub(crate) fn decode_handoff<T: DeserializeOwned>(bytes: &[u8]) -> std::result::
     FAILURE.with(|f| f.borrow_mut().take());
     let result = postcard::from_bytes::<T>(bytes);
     drop(restore);
-    result.map_err(|e| take_failure().unwrap_or_else(|| format!("undecodable bytes ({e:?})")))
+    result.map_err(|e| match FAILURE.with(|f| f.borrow_mut().take()) {
+        Some((_, Some(error))) => error,
+        Some((why, None)) => Error::Malformed(why),
+        None => Error::Malformed(format!("undecodable bytes ({e:?})")),
+    })
 }
 
 /// Runs `encode` with `context` pushed, and gives back what it collected.
@@ -872,13 +878,18 @@ pub(crate) fn fail(error: &Error) -> String {
         Error::Malformed(m) => m.clone(),
         other => other.to_string(),
     };
-    FAILURE.with(|f| *f.borrow_mut() = Some(text.clone()));
+    let typed = match error {
+        Error::Timeout(after) => Some(Error::Timeout(*after)),
+        Error::OutOfDescriptors { limit } => Some(Error::OutOfDescriptors { limit: *limit }),
+        _ => None,
+    };
+    FAILURE.with(|f| *f.borrow_mut() = Some((text.clone(), typed)));
     text
 }
 
 /// The failure recorded by this operation, if any (and forgets it).
 pub(crate) fn take_failure() -> Option<String> {
-    FAILURE.with(|f| f.borrow_mut().take())
+    FAILURE.with(|f| f.borrow_mut().take()).map(|(text, _)| text)
 }
 
 /// An encode failure as the serializer's error.
