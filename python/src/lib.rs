@@ -653,6 +653,39 @@ fn try_wait<R: Send, E: WaitFailure>(
     }
 }
 
+/// Runs `decode` (of a handle's bytes, which fetches the handle's descriptors from the process
+/// that made them: up to 30 s for one that does not answer, stopped, say) on a thread of its
+/// own, and waits for it in slices, looking for Ctrl-C between them. Interrupted, the decode
+/// runs on to its end there and what it made is dropped (its descriptors wait, at the process
+/// that made the bytes, for a later decode of the same bytes, where they did not come yet).
+fn decode_off_thread<R: Send + 'static>(
+    py: Python<'_>,
+    decode: impl FnOnce() -> cuda_mp::Result<R> + Send + 'static,
+) -> PyResult<R> {
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    std::thread::Builder::new()
+        .name("cuda-mp-from-bytes".into())
+        .spawn(move || {
+            let _ = tx.send(decode());
+        })
+        .map_err(|e| error(cuda_mp::Error::Io(e)))?;
+    let mut rx = rx;
+    loop {
+        let (back, got) = py.detach(move || {
+            let got = rx.recv_timeout(Duration::from_millis(100));
+            (rx, got)
+        });
+        rx = back;
+        match got {
+            Ok(decoded) => return decoded.map_err(error),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => py.check_signals()?,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(error(cuda_mp::Error::Io(std::io::Error::other("the decode ended without an answer"))));
+            }
+        }
+    }
+}
+
 /// A receiving end's lock, waited for `within` at most (`None` then). A receive of another
 /// thread holds it for one slice of its wait at a time; in a child forked while a thread of
 /// the parent held it, it stays locked for ever, and a blocking lock would hang the child past
@@ -812,12 +845,13 @@ impl Receiver {
     #[staticmethod]
     fn from_bytes(py: Python<'_>, kind_name: &str, data: &[u8]) -> PyResult<Receiver> {
         let kind = kind(kind_name)?;
-        let rx = py.detach(|| match kind {
-            Kind::Gpu => cuda_mp::from_bytes(data).map(Rx::Gpu),
-            Kind::Host => cuda_mp::from_bytes(data).map(Rx::Host),
-            Kind::Bundle => cuda_mp::from_bytes(data).map(Rx::Bundle),
-        });
-        Ok(Receiver { kind, rx: Mutex::new(rx.map_err(error)?) })
+        let data = data.to_vec();
+        let rx = decode_off_thread(py, move || match kind {
+            Kind::Gpu => cuda_mp::from_bytes(&data).map(Rx::Gpu),
+            Kind::Host => cuda_mp::from_bytes(&data).map(Rx::Host),
+            Kind::Bundle => cuda_mp::from_bytes(&data).map(Rx::Bundle),
+        })?;
+        Ok(Receiver { kind, rx: Mutex::new(rx) })
     }
 
     /// "gpu", "host" or "bundle".
@@ -882,12 +916,13 @@ impl Sender {
     #[staticmethod]
     fn from_bytes(py: Python<'_>, kind_name: &str, data: &[u8]) -> PyResult<Sender> {
         let kind = kind(kind_name)?;
-        let tx = py.detach(|| match kind {
-            Kind::Gpu => cuda_mp::from_bytes(data).map(Tx::Gpu),
-            Kind::Host => cuda_mp::from_bytes(data).map(Tx::Host),
-            Kind::Bundle => cuda_mp::from_bytes(data).map(Tx::Bundle),
-        });
-        Ok(Sender { kind, tx: tx.map_err(error)? })
+        let data = data.to_vec();
+        let tx = decode_off_thread(py, move || match kind {
+            Kind::Gpu => cuda_mp::from_bytes(&data).map(Tx::Gpu),
+            Kind::Host => cuda_mp::from_bytes(&data).map(Tx::Host),
+            Kind::Bundle => cuda_mp::from_bytes(&data).map(Tx::Bundle),
+        })?;
+        Ok(Sender { kind, tx })
     }
 
     /// Sends a `Tensor` (gpu and host channels) or a `Bundle` (bundle channels).
@@ -1219,7 +1254,8 @@ impl Queue {
     #[staticmethod]
     #[pyo3(signature = (data, prefetch=None))]
     fn from_bytes(py: Python<'_>, data: &[u8], prefetch: Option<usize>) -> PyResult<Queue> {
-        let inner = py.detach(|| cuda_mp::from_bytes(data)).map_err(error)?;
+        let data = data.to_vec();
+        let inner = decode_off_thread(py, move || cuda_mp::from_bytes(&data))?;
         Ok(Queue { inner: with_prefetch(inner, prefetch) })
     }
 
@@ -1228,17 +1264,8 @@ impl Queue {
     /// answer: without limit, or `timeout` seconds at most (then `cuda_mp.Timeout`).
     #[pyo3(signature = (timeout=None))]
     fn stats(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<(usize, usize, u64)> {
-        let s = match seconds(timeout)? {
-            None => py.detach(|| self.inner.stats()).map_err(|e| {
-                let class = match &e {
-                    cuda_mp::GetError::Disconnected => "Disconnected",
-                    cuda_mp::GetError::Malformed(_) => "Malformed",
-                    _ => "Error",
-                };
-                exception(py, class, e.to_string())
-            })?,
-            Some(limit) => py.detach(|| self.inner.stats_timeout(limit)).map_err(get_error)?,
-        };
+        // In slices, as every wait: Ctrl-C ends one without limit (the queue's process stopped).
+        let s = wait(py, seconds(timeout)?, |slice| self.inner.stats_timeout(slice))?;
         Ok((s.backlog, s.in_flight, s.delivered))
     }
 }
@@ -1406,11 +1433,12 @@ impl Connection {
     #[staticmethod]
     #[pyo3(signature = (data, readable=true))]
     fn from_bytes(py: Python<'_>, data: &[u8], readable: bool) -> PyResult<Connection> {
+        let data = data.to_vec();
         if !readable {
-            let tx: RsSender<Value> = py.detach(|| cuda_mp::from_bytes(data)).map_err(error)?;
+            let tx: RsSender<Value> = decode_off_thread(py, move || cuda_mp::from_bytes(&data))?;
             return Ok(Connection::new(tx, None));
         }
-        let (tx, rx): (RsSender<Value>, RsReceiver<Value>) = py.detach(|| cuda_mp::from_bytes(data)).map_err(error)?;
+        let (tx, rx): (RsSender<Value>, RsReceiver<Value>) = decode_off_thread(py, move || cuda_mp::from_bytes(&data))?;
         Ok(Connection::new(tx, Some(rx)))
     }
 }

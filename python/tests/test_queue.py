@@ -5,6 +5,11 @@ import collections
 import multiprocessing as mp
 import pickle
 import queue
+import subprocess
+import sys
+import textwrap
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -476,3 +481,67 @@ def test_cuda_mp_tensors_as_dict_keys_arrive_as_keys():
     assert got["x"] == 2
     (tensor_key,) = [k for k in got if k != "x"]
     assert (tensor_key.dtype, tensor_key.shape, got[tensor_key]) == ("f32", [2], 1)
+
+
+STOPPED_QUEUE_PROCESS = textwrap.dedent(
+    """
+    import multiprocessing as mp, os, signal, time
+    import cuda_mp
+
+    def serve(conn):
+        q = cuda_mp.Queue()
+        conn.send((q.to_bytes(), q.to_bytes()))
+        time.sleep(60)
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("spawn")
+        here, there = ctx.Pipe()
+        server = ctx.Process(target=serve, args=(there,), daemon=True)
+        server.start()
+        first, second = here.recv()
+        q = cuda_mp.Queue.from_bytes(first)
+        assert q.qsize(timeout=10) == 0
+        os.kill(server.pid, signal.SIGSTOP)
+        time.sleep(0.5)  # stopped by now
+        signal.signal(signal.SIGALRM, signal.default_int_handler)  # Ctrl-C, one second on
+        for name, wait in [("qsize", q.qsize), ("from_bytes", lambda: cuda_mp.Queue.from_bytes(second))]:
+            signal.alarm(1)
+            start = time.monotonic()
+            try:
+                wait()
+                print(name, "returned", flush=True)
+            except KeyboardInterrupt:
+                print(name, "interrupted after", round(time.monotonic() - start, 1), flush=True)
+        os.kill(server.pid, signal.SIGKILL)
+    """
+)
+
+
+def test_waits_on_a_stopped_queue_process_end_at_ctrl_c(tmp_path):
+    """``qsize()`` without a timeout, and decoding a queue's bytes, wait for the queue's process;
+    stopped (SIGSTOP, Ctrl-Z), it never answers, and Ctrl-C must end the wait (both waited
+    in one piece, the decode for 30 s, and ignored it)."""
+    script = tmp_path / "stopped.py"
+    script.write_text(STOPPED_QUEUE_PROCESS)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    lines = out.stdout.splitlines()
+    assert [line.split(" after")[0] for line in lines] == ["qsize interrupted", "from_bytes interrupted"], out
+    assert all(float(line.split()[-1]) < 5 for line in lines), out
+
+
+def test_qsize_answers_while_another_thread_waits_in_get():
+    """A thread waiting in ``get`` takes the handle back between its slices (it looks for
+    Ctrl-C between them); a ``qsize`` of another thread used to time out against the queue."""
+    q = cuda_mp.Queue()
+    getter = threading.Thread(target=q.get, daemon=True)
+    getter.start()
+    time.sleep(0.3)
+    sizes = []
+    for _ in range(3):
+        try:
+            sizes.append(q.qsize(timeout=2))
+        except cuda_mp.Timeout as e:
+            sizes.append(e)
+    q.put("stop")
+    getter.join(5)
+    assert sizes == [0, 0, 0]

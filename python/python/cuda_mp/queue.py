@@ -272,9 +272,10 @@ class Queue:
     def qsize(self, timeout: Optional[float] = None) -> int:
         """Items not yet taken by a get: waiting, or on their way to a consumer that asked
         for them (ahead of its gets, with ``prefetch``). Raises ``cuda_mp.Disconnected`` once
-        the queue's process is gone. It asks the queue's process: ``timeout`` (seconds, None:
-        no limit) bounds the wait for its answer, then ``cuda_mp.Timeout`` (a stopped process
-        does not answer)."""
+        the queue's process is gone. It asks the queue's process, after a get of another
+        thread on this handle lets go of it: ``timeout`` (seconds, None: no limit) bounds both
+        waits, then ``cuda_mp.Timeout`` (a stopped process does not answer); Ctrl-C ends a
+        wait without limit."""
         backlog, in_flight, _ = self._native.stats(timeout)
         return backlog + in_flight
 
@@ -290,7 +291,10 @@ class Queue:
 
     @staticmethod
     def from_bytes(data: bytes) -> "Queue":
-        """The handle that ``to_bytes`` made ``data`` of (in Python or Rust); once."""
+        """The handle that ``to_bytes`` made ``data`` of (in Python or Rust); once. Its
+        descriptors come from the process that made the bytes, which has 30 s to answer
+        (``cuda_mp.Timeout`` then: stopped, say; the same bytes may be decoded again);
+        Ctrl-C ends the wait."""
         return Queue(_native_queue=_native.Queue.from_bytes(data))
 
     def __reduce__(self):
