@@ -48,8 +48,9 @@ pub fn to_bytes<T: Serialize + ?Sized>(value: &T, ttl: Duration) -> Result<Vec<u
 ///
 /// Errors: [`Error::Malformed`] for bytes that are not a `T`, that were decoded before, whose
 /// time ran out, or whose sender is gone; [`Error::Timeout`] when the sending process did not
-/// answer within 30 s (stopped, say: its descriptors then wait for a later decode of the same
-/// bytes); [`Error::OutOfDescriptors`] when this process had no descriptor left for them.
+/// answer within 30 s (stopped, say; an answer it sends later is not taken, so the value is
+/// lost: the same bytes do not decode again); [`Error::OutOfDescriptors`] when this process had
+/// no descriptor left for them.
 pub fn from_bytes<T: DeserializeOwned>(bytes: &[u8]) -> Result<T> {
     crate::wire::decode_handoff(bytes)
 }

@@ -573,8 +573,8 @@ fn fetch_on(kept: Option<Arc<Link>>, ticket: &SpawnTicket, wait: Duration) -> Re
     let refused = |why: String| Error::Malformed(format!("the descriptors of a value from another process: {why}"));
     let exchange = |socket: &Socket| {
         exchange(socket, ticket, wait).map_err(|e| match e.kind() {
-            // A home that does not answer (its process stopped, say): the deposit waits there
-            // for a later fetch (a late answer to this one finds the connection closed).
+            // A home that does not answer (its process stopped, say). What it answers later
+            // finds this connection closed, and the deposit is gone with that answer.
             io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Error::Timeout(wait),
             _ => refused(e.to_string()),
         })
@@ -701,9 +701,10 @@ mod tests {
     }
 
     /// A home that does not answer in time (its process stopped, say) is a time-out, not a
-    /// malformed value; the deposit waits for a later fetch.
+    /// malformed value. (Here the request never reached the home, whose deposit is then still
+    /// there for a fresh connection.)
     #[test]
-    fn a_home_that_does_not_answer_is_a_time_out_and_the_deposit_waits() {
+    fn a_home_that_does_not_answer_is_a_time_out() {
         let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
         let t = deposit();
         // The kept connection to the home: its other end takes requests and never answers.
@@ -714,7 +715,7 @@ mod tests {
             Err(Error::Timeout(after)) => assert_eq!(after, wait),
             other => panic!("a home that does not answer: {:?}", other.map(|(fds, _)| fds.len())),
         }
-        assert_eq!(fetch(&t).unwrap().0.len(), 1, "then fetched on a fresh connection");
+        assert_eq!(fetch(&t).unwrap().0.len(), 1, "the home's deposit, on a fresh connection");
     }
 
     /// A batch whose time is up is not sealed, even before the serving thread drops it: its

@@ -118,8 +118,8 @@ thread_local! {
     /// With until when what its values did not take may be kept (a batch's).
     static SPAWNED: RefCell<Option<Fetched>> = const { RefCell::new(None) };
     /// Why the current operation's encode or decode failed (serde's error types cannot say),
-    /// and the error it was where that is a time-out or descriptor exhaustion (which a caller
-    /// may meet by trying again, not a malformed message).
+    /// and the error it was where that is a time-out or descriptor exhaustion rather than a
+    /// malformed message.
     static FAILURE: RefCell<Option<(String, Option<Error>)>> = const { RefCell::new(None) };
 }
 

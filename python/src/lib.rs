@@ -656,8 +656,8 @@ fn try_wait<R: Send, E: WaitFailure>(
 /// Runs `decode` (of a handle's bytes, which fetches the handle's descriptors from the process
 /// that made them: up to 30 s for one that does not answer, stopped, say) on a thread of its
 /// own, and waits for it in slices, looking for Ctrl-C between them. Interrupted, the decode
-/// runs on to its end there and what it made is dropped (its descriptors wait, at the process
-/// that made the bytes, for a later decode of the same bytes, where they did not come yet).
+/// runs on to its end there and what it made is dropped: the handle is lost (a receiving end
+/// so dropped is closed), and a later decode of the same bytes fails.
 fn decode_off_thread<R: Send + 'static>(
     py: Python<'_>,
     decode: impl FnOnce() -> cuda_mp::Result<R> + Send + 'static,
@@ -1264,8 +1264,26 @@ impl Queue {
     /// answer: without limit, or `timeout` seconds at most (then `cuda_mp.Timeout`).
     #[pyo3(signature = (timeout=None))]
     fn stats(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<(usize, usize, u64)> {
-        // In slices, as every wait: Ctrl-C ends one without limit (the queue's process stopped).
-        let s = wait(py, seconds(timeout)?, |slice| self.inner.stats_timeout(slice))?;
+        let s = match seconds(timeout)? {
+            Some(limit) => py.detach(|| self.inner.stats_timeout(limit)).map_err(get_error)?,
+            // Without a limit, in slices that Ctrl-C ends (the queue's process stopped, say),
+            // each twice the last, up to 5 s: a slice shorter than the dispatcher takes to
+            // answer (busy encoding a large message) ends unanswered and starts the handle's
+            // consumer afresh, so the slices grow past what a busy dispatcher takes.
+            None => {
+                let mut slice = Duration::from_millis(100);
+                loop {
+                    match py.detach(|| self.inner.stats_timeout(slice)) {
+                        Ok(s) => break s,
+                        Err(e) if e.is_timeout() => {
+                            py.check_signals()?;
+                            slice = (slice * 2).min(Duration::from_secs(5));
+                        }
+                        Err(e) => return Err(get_error(e)),
+                    }
+                }
+            }
+        };
         Ok((s.backlog, s.in_flight, s.delivered))
     }
 }

@@ -293,8 +293,8 @@ class Queue:
     def from_bytes(data: bytes) -> "Queue":
         """The handle that ``to_bytes`` made ``data`` of (in Python or Rust); once. Its
         descriptors come from the process that made the bytes, which has 30 s to answer
-        (``cuda_mp.Timeout`` then: stopped, say; the same bytes may be decoded again);
-        Ctrl-C ends the wait."""
+        (``cuda_mp.Timeout`` then: stopped, say); Ctrl-C ends the wait. Either way the handle
+        is lost: a late answer is not taken, and the same bytes do not decode again."""
         return Queue(_native_queue=_native.Queue.from_bytes(data))
 
     def __reduce__(self):
