@@ -25,11 +25,12 @@
 //!
 //! # Why the words are valid
 //! [`HostStorage::as_ptr`] is valid for reads and writes of [`HostStorage::byte_len`] bytes
-//! while the storage lives, and [`Shared`] borrows the storage, so it lives. The storage is an
-//! `mmap` of a memory file: its base is page-aligned (checked to be 8-aligned in
-//! [`Shared::new`]) and the mapping covers whole pages, so the aligned word that holds any byte
-//! below `byte_len` lies inside the mapping even where it reaches past `byte_len` (an aligned
-//! word never crosses a page boundary). Bytes past `byte_len` are never changed: a partial
+//! while the storage lives, and [`Shared`] borrows the storage, so it lives. The storage lies in
+//! an `mmap` of a memory file that covers whole pages: a storage of its own starts at the
+//! mapping's page-aligned base, a pooled block at an offset into its segment's mapping (a
+//! multiple of 8); either base is checked to be 8-aligned in [`Shared::new`]. So the aligned
+//! word that holds any byte below `byte_len` lies inside the mapping even where it reaches past
+//! `byte_len` (an aligned word never crosses a page boundary). Bytes past `byte_len` are never changed: a partial
 //! store writes back the value it read there.
 //!
 //! Every function here checks its element range against the storage and panics when it does
