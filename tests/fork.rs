@@ -680,3 +680,45 @@ fn a_block_a_forked_child_forwards_stays_with_the_next_holder() {
         assert_eq!(later, Ok(1), "round {round}: the next holder read another tensor through the block");
     }
 }
+
+/// A block a forked child forwarded, the child then gone, is freed once every holder dropped it,
+/// while the process that forked the forwarder still holds the channel the block came on (the
+/// child's relay kept a claim on that process's lease, which nobody released).
+#[test]
+fn a_block_a_forked_child_forwarded_and_exited_is_freed_once_every_holder_dropped_it() {
+    let _one = FORKING.lock().unwrap_or_else(|p| p.into_inner());
+    let (to_here, from_owner) = channel::<HostTensor<i64>>().unwrap();
+    let (owner_tx, from_owner_report) = channel::<bool>().unwrap();
+    let (go_tx, go_rx) = channel::<()>().unwrap();
+    let (to_next, next_rx) = channel::<HostTensor<i64>>().unwrap();
+    let (next_tx, from_next) = channel::<i64>().unwrap();
+    let owner = in_forked_child_async(move || {
+        let t = HostTensor::<i64>::full(&[1024], 1).map_err(|e| e.to_string())?;
+        to_here.send(t).map_err(|e| e.to_string())?;
+        go_rx.recv_timeout(Duration::from_secs(20)).map_err(|e| e.to_string())?;
+        let freed = wait_for_lifetime(Duration::from_secs(5), |s| s.exported_storages == 0).is_ok();
+        owner_tx.send(freed).map_err(|e| e.to_string())?;
+        Ok(())
+    });
+    let next = in_forked_child_async(move || {
+        let t = next_rx.recv_timeout(Duration::from_secs(10)).map_err(|e| e.to_string())?;
+        next_tx.send(t.to_vec()[0]).map_err(|e| e.to_string())?;
+        drop(t);
+        let _ = cuda_mp::flush_sends(Duration::from_secs(5));
+        std::thread::sleep(Duration::from_secs(1));
+        Ok(())
+    });
+    let t = from_owner.recv_timeout(Duration::from_secs(10)).unwrap();
+    let forwarded = t.clone();
+    in_forked_child(move || to_next.send(forwarded).map_err(|e| e.to_string())).expect("the forwarder");
+    assert_eq!(from_next.recv_timeout(Duration::from_secs(10)), Ok(1));
+    drop(t);
+    next.join().expect("the next holder");
+    std::thread::sleep(Duration::from_millis(300));
+    go_tx.send(()).unwrap();
+    let freed = from_owner_report.recv_timeout(Duration::from_secs(20));
+    owner.join().expect("the owner");
+    // `from_owner` (the channel the block came on) is still held here.
+    assert_eq!(freed, Ok(true), "the block stayed claimed after every holder dropped it");
+    drop(from_owner);
+}
