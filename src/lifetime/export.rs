@@ -187,11 +187,7 @@ fn connection_claim(key: u64, name: u64, unsent: Option<Lease>, index: u64, anch
 /// counted claim inside a message is relayed (`Cover::chain`), otherwise the forwarder's lease
 /// travels itself (`Cover::forward`). README.md, "Leases and claims".
 pub(crate) fn forward(cover: &Cover, bytes: usize) -> Result<Claim> {
-    // A forked child's claim is its parent's: it passes the parent's lease on, so that its new
-    // holders release on it themselves. A relay of the child's would have them release through
-    // the child, and a child that exits first would leave its relay's claim on the parent's
-    // lease with nobody to release it.
-    if !cover.is_counted() || cover.is_inherited() {
+    if !cover.is_counted() {
         return Ok(cover.forward());
     }
     let connection = wire::connection();

@@ -388,11 +388,7 @@ impl Cover {
 
     /// The claim to send with this storage to another process where it is not relayed
     /// (`export.rs`): the same lease, plus one claim on it for the new holder when claims are
-    /// counted. A forked child passes its parent's claim on so (the parent's courier releases
-    /// the parent's, and the new holder its own). The parent releases a pooled block only after
-    /// its forked children are gone; other host memory may be released sooner, and then a late
-    /// `Retain` is ignored, but its pages live as long as any mapping of them and are never
-    /// handed out again.
+    /// counted.
     pub(crate) fn forward(&self) -> Claim {
         let counted = self.mode == LeaseMode::Counted;
         if counted {
@@ -412,11 +408,6 @@ impl Cover {
         self.index != self.id.index() || !self.anchors.is_empty()
     }
 
-    /// True for a forked child's copy of its parent's claim (the parent's courier releases it).
-    pub(crate) fn is_inherited(&self) -> bool {
-        self.generation != crate::fork::generation()
-    }
-
     /// True for claims counted on their lease (which a forwarder relays inside a message).
     pub(crate) fn is_counted(&self) -> bool {
         self.mode == LeaseMode::Counted
@@ -431,12 +422,18 @@ impl Cover {
     /// for the holders it relays to). Its `Retain` goes by the courier, as this cover's release
     /// will, so that the send that makes the relay never waits for an owner that does not
     /// read: the claim is only this process's, and this cover's claim, held meanwhile, is
-    /// released through the same queue after it (`courier.rs`, `Owed`). Never for a forked
-    /// child's copy of its parent's claim: a child passes the parent's lease on instead
-    /// ([`forward`](Self::forward), `export::forward`).
+    /// released through the same queue after it (`courier.rs`, `Owed`). A forked child's
+    /// cover of its parent's claim is released by the parent's courier, which knows nothing of
+    /// the child's: the child writes its `Retain` itself, waiting for room, before the
+    /// message. (The parent releases a pooled block only after its forked children are gone;
+    /// other host memory may be released sooner, and then a late `Retain` is ignored, but its
+    /// pages live as long as any mapping of them and are never handed out again.)
     pub(crate) fn retain(&self) -> Cover {
-        debug_assert!(!self.is_inherited(), "a forked child relays nothing of its parent's");
-        super::courier::post(self.lease.tx.clone(), Control::Retain(self.index));
+        if self.generation == crate::fork::generation() {
+            super::courier::post(self.lease.tx.clone(), Control::Retain(self.index));
+        } else {
+            let _ = Control::Retain(self.index).send(&self.lease.tx);
+        }
         Cover::at(self.lease.clone(), self.id, self.index, LeaseMode::Counted, Vec::new())
     }
 
