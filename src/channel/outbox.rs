@@ -205,7 +205,6 @@ fn is_disconnect(e: &io::Error) -> bool {
     matches!(e.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset | io::ErrorKind::NotConnected)
 }
 
-/// A failed system call of a send, as the send's failure.
 /// Whether a write failed for a reason that passes: kernel buffers or memory short, this
 /// user's descriptors in flight past its limit, this process out of descriptors.
 fn passing(why: &SendFailure) -> bool {
@@ -218,6 +217,7 @@ fn passing(why: &SendFailure) -> bool {
     }
 }
 
+/// A failed system call of a send, as the send's failure.
 pub(super) fn failure(e: io::Error) -> SendFailure {
     if out_of_descriptors() || e.raw_os_error() == Some(rustix::io::Errno::MFILE.raw_os_error()) {
         let limit = descriptor_limit();
