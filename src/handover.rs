@@ -465,10 +465,8 @@ fn answer(home: &Home, socket: &Socket) -> bool {
 /// "taken before". A fetcher that is gone asks nothing more: its deposit goes. False: the
 /// connection is closed.
 fn answer_failed(home: &Home, token: u128, deposit: Option<Deposit>, e: &io::Error) -> bool {
-    let gone =
-        matches!(e.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset | io::ErrorKind::NotConnected);
     if let Some(mut deposit) = deposit
-        && !gone
+        && !crate::sys::is_disconnect(e)
     {
         let retry_until = crate::os::instant_after(FETCH_WAIT);
         deposit.expires = Some(deposit.expires.map_or(retry_until, |e| e.min(retry_until)));

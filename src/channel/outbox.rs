@@ -201,10 +201,6 @@ fn parked_rings() -> MutexGuard<'static, ParkedRings> {
     parked
 }
 
-fn is_disconnect(e: &io::Error) -> bool {
-    matches!(e.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset | io::ErrorKind::NotConnected)
-}
-
 /// Whether a write failed for a reason that passes: kernel buffers or memory short, this
 /// user's descriptors in flight past its limit, this process out of descriptors.
 fn passing(why: &SendFailure) -> bool {
@@ -224,7 +220,7 @@ pub(super) fn failure(e: io::Error) -> SendFailure {
         tracing::warn!(limit, "a send failed: this process is out of file descriptors");
         return SendFailure::OutOfDescriptors { limit };
     }
-    if is_disconnect(&e) { SendFailure::Disconnected } else { SendFailure::Io(IoFailure::from(e)) }
+    if crate::sys::is_disconnect(&e) { SendFailure::Disconnected } else { SendFailure::Io(IoFailure::from(e)) }
 }
 
 impl Outbox {

@@ -45,7 +45,7 @@ pub(crate) use shm::{ShmFile, ShmOpen, remove_cuda_event_files, shm_unlink};
 pub(crate) use socket::wait_for;
 pub(crate) use socket::{
     Listening, Lost, MESSAGE_FDS, Message, Received, Socket, Wait, bell, connect_abstract_within, connect_to,
-    peer_gone as reader_gone, peer_gone as writers_gone, private_dir, ring, silence, wait_readable,
+    is_disconnect, peer_gone as reader_gone, peer_gone as writers_gone, private_dir, ring, silence, wait_readable,
     wait_readable_or_closed,
 };
 

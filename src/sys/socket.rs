@@ -462,6 +462,11 @@ fn poll_until(polled: &mut [PollFd<'_>], wait: Wait) -> io::Result<bool> {
     }
 }
 
+/// Whether a failed send on a socket of ours says that its peer is gone.
+pub(crate) fn is_disconnect(e: &io::Error) -> bool {
+    matches!(e.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset | io::ErrorKind::NotConnected)
+}
+
 /// True once the other end of `fd` is closed: a socket's peer; a pipe's reader, seen from a
 /// writing end, or every writer, seen from its reading end.
 pub(crate) fn peer_gone(fd: &impl AsFd) -> bool {
