@@ -581,7 +581,7 @@ fn fetch_on(kept: Option<Arc<Link>>, ticket: &SpawnTicket, wait: Duration) -> Re
     // closes a kept connection it does not keep, and one whose answer it could not send, whose
     // deposit then waits for this request again): a request it answered (late, say, or with an
     // answer this process could not take in) is not asked twice.
-    let answered = match kept {
+    let mut answered = match kept {
         Some(socket) => exchange(&socket)?.map(|answer| (answer, socket, false)),
         None => None,
     };
@@ -597,7 +597,6 @@ fn fetch_on(kept: Option<Arc<Link>>, ticket: &SpawnTicket, wait: Duration) -> Re
         })?;
         Ok(exchange(&socket)?.map(|answer| (answer, Arc::new(NotInherited::new(socket)), true)))
     };
-    let mut answered = answered;
     // Two fresh connections at most: the second for a request whose answer could not be sent.
     for _ in 0..2 {
         if answered.is_some() {
