@@ -669,21 +669,14 @@ fn decode_off_thread<R: Send + 'static>(
             let _ = tx.send(decode());
         })
         .map_err(|e| error(cuda_mp::Error::Io(e)))?;
-    let mut rx = rx;
-    loop {
-        let (back, got) = py.detach(move || {
-            let got = rx.recv_timeout(Duration::from_millis(100));
-            (rx, got)
-        });
-        rx = back;
-        match got {
-            Ok(decoded) => return decoded.map_err(error),
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => py.check_signals()?,
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                return Err(error(cuda_mp::Error::Io(std::io::Error::other("the decode ended without an answer"))));
-            }
+    let decoded = wait(py, None, move |slice| match rx.recv_timeout(slice) {
+        Ok(decoded) => Ok(decoded),
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(cuda_mp::Error::Timeout(slice)),
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            Err(cuda_mp::Error::Io(std::io::Error::other("the decode ended without an answer")))
         }
-    }
+    })?;
+    decoded.map_err(error)
 }
 
 /// A receiving end's lock, waited for `within` at most (`None` then). A receive of another
