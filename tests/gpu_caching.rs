@@ -666,3 +666,58 @@ fn values_dropped_after_a_stream_go_once_it_is_past_their_work() {
     assert!(dev.finish_retiring(Duration::from_secs(60)));
     assert!(third.load(Ordering::SeqCst));
 }
+
+/// Keeps the GPU busy writing 7 over the tensor it receives (fills queued one after another,
+/// for as long as it lives), says so, and waits to be killed.
+fn write_until_killed((rx, reply): (Receiver<GpuTensor<f32>>, Sender<()>)) {
+    let t = rx.recv().unwrap();
+    for _ in 0..64 {
+        t.fill(7.0).unwrap();
+    }
+    t.synchronize().unwrap();
+    reply.send(()).unwrap();
+    loop {
+        t.fill(7.0).unwrap();
+    }
+}
+
+/// A holder killed while GPU work it queued writes to a block: the block is handed out again
+/// only once that work can no longer write to it (the holder's exit is complete), not when
+/// the kernel closes the holder's lease, which it does before the CUDA driver's descriptors.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_block_a_killed_holders_gpu_work_writes_is_handed_out_again_only_once_that_work_stopped() {
+    let _g = serial();
+    let dev = common::gpu();
+    let before = lifetime_stats();
+    let (tx, rx) = channel().unwrap();
+    let (reply_tx, reply_rx) = channel().unwrap();
+    let mut child = spawn((rx, reply_tx), write_until_killed);
+    // 256 MiB: each fill takes the GPU about 0.1 ms, and the holder keeps hundreds queued.
+    let t = GpuTensor::<f32>::zeros(&dev, &[64 << 20]).unwrap();
+    let address = t.device_ptr();
+    tx.send(t).unwrap();
+    reply_rx.recv_timeout(WAIT).unwrap();
+    // A SIGKILL that does not wait for the child's exit, as `kill()` does.
+    let pid = rustix::process::Pid::from_raw(child.pid().unwrap() as i32).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::KILL).unwrap();
+    wait_for_lifetime(WAIT, |s| s.exported_storages == before.exported_storages).expect("the block is released");
+    let mut others = Vec::new();
+    let again = loop {
+        let t = GpuTensor::<f32>::zeros(&dev, &[64 << 20]).unwrap();
+        if t.device_ptr() == address {
+            break t;
+        }
+        assert!(others.len() < 8, "the released block is never handed out again");
+        others.push(t);
+    };
+    let counter = GpuTensor::<i64>::zeros(&dev, &[1]).unwrap();
+    let end = Instant::now() + Duration::from_millis(200);
+    while Instant::now() < end {
+        again.fill(0.0).unwrap();
+        dev.synchronize().unwrap();
+        again.count_not_equal(0.0, &counter).unwrap();
+        assert_eq!(counter.to_vec().unwrap(), vec![0], "a dead holder's GPU work wrote to a block handed out again");
+    }
+    child.kill().unwrap();
+}

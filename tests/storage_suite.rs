@@ -215,6 +215,69 @@ where
     closed(before);
 }
 
+/// Makes its exit slow, then holds the tensors it receives until it is killed: a file of
+/// shared memory (unlinked, 1 GiB) whose pages the kernel frees as the process's descriptors
+/// close at its exit, after those opened later (the channel's lease among them), as a CUDA
+/// driver's descriptors opened early stop the GPU work the process queued only then.
+fn hold_with_a_slow_exit<S>((rx, reply): (Receiver<Msg<S>>, Sender<usize>))
+where
+    Tensor<f32, S>: Serialize + DeserializeOwned,
+{
+    use std::io::Write;
+    let path = format!("/dev/shm/cuda-mp-test-slow-exit-{}", std::process::id());
+    let mut file = std::fs::File::options().write(true).create_new(true).open(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    let chunk = vec![1u8; 1 << 20];
+    (0..1024).for_each(|_| file.write_all(&chunk).unwrap());
+    // Copies in every free descriptor number below those to come: the lease that arrives
+    // lies above the file's last copy, and closes before it.
+    let copies: Vec<_> = (0..64).map(|_| file.try_clone().unwrap()).collect();
+    let held = rx.recv().unwrap();
+    reply.send(held.len()).unwrap();
+    std::thread::sleep(WAIT * 2);
+    drop((held, file, copies));
+}
+
+/// Whether the process of `pidfd` has exited (every thread of it: a main thread that ended
+/// first shows as a zombie while the others run).
+fn exited(pidfd: &std::os::fd::OwnedFd) -> bool {
+    use rustix::event::{PollFd, PollFlags, Timespec, poll};
+    let mut fds = [PollFd::new(pidfd, PollFlags::IN)];
+    poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })).unwrap() == 1
+}
+
+/// A holder killed while it holds tensors, whose exit takes a while once its descriptors
+/// (its lease among them) have closed: what it held is freed only once it has exited (until
+/// then GPU work it queued may still write to the memory).
+fn a_killed_holder_is_reclaimed_only_once_it_has_exited<K: Kind>()
+where
+    Tensor<f32, K::S>: Serialize + DeserializeOwned,
+{
+    let _g = serial();
+    let before = lifetime_stats();
+    let (tx, rx) = channel().unwrap();
+    let (reply_tx, reply_rx) = channel().unwrap();
+    let mut child = spawn((rx, reply_tx), hold_with_a_slow_exit::<K::S>);
+    tx.send((0..5).map(|_| K::make(16)).collect()).unwrap();
+    assert_eq!(reply_rx.recv_timeout(WAIT).unwrap(), 5);
+    // A SIGKILL that does not reap the child, as `kill()` does: its exit is watched here.
+    let pid = rustix::process::Pid::from_raw(child.pid().unwrap() as i32).unwrap();
+    let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::KILL).unwrap();
+    let deadline = Instant::now() + WAIT;
+    let freed = |s: &cuda_mp::LifetimeStats| {
+        s.live_storages == before.live_storages && s.exported_storages == before.exported_storages
+    };
+    while !freed(&lifetime_stats()) {
+        assert!(Instant::now() < deadline, "what the killed holder held is never freed");
+        std::thread::yield_now();
+    }
+    assert!(exited(&pidfd), "freed while the killed holder was still exiting");
+    child.kill().unwrap();
+    settled(before);
+    closed(before);
+}
+
 /// Starts holders A and B, sends two storages to A, which forwards both to B: gives (A, B).
 fn forward_two<K: Kind>() -> (Child<K::S>, Child<K::S>)
 where
@@ -682,6 +745,12 @@ macro_rules! suite {
             $(#[$attr])?
             fn a_sigkilled_holder_is_reclaimed() {
                 super::a_sigkilled_holder_is_reclaimed::<$kind>();
+            }
+
+            #[test]
+            $(#[$attr])?
+            fn a_killed_holder_is_reclaimed_only_once_it_has_exited() {
+                super::a_killed_holder_is_reclaimed_only_once_it_has_exited::<$kind>();
             }
 
             #[test]

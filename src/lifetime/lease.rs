@@ -44,6 +44,34 @@ pub(crate) enum Control {
     /// on the connection of this lease names (its introduction was lost, or could not be
     /// mapped there): the owner introduces it again with its next block there.
     Forget(u64),
+    /// A process holds a copy of this lease: its id, start time and pid namespace
+    /// (`Holder`), written once per process and lease, before anything it holds through the
+    /// lease is used there. When the lease closes while that process is ending, the owner
+    /// releases what the lease carried only once its exit is complete.
+    Holder(Holder),
+}
+
+/// A process that holds a copy of a lease, as it names itself on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Holder {
+    pub(crate) pid: u32,
+    /// In clock ticks since boot: with the pid, which process this is.
+    pub(crate) start: u64,
+    /// The inode of its pid namespace: its pid means nothing in another.
+    pub(crate) namespace: u64,
+}
+
+impl Holder {
+    /// This process.
+    fn this() -> Holder {
+        Holder { pid: crate::sys::own_pid(), start: crate::sys::own_start(), namespace: this_namespace() }
+    }
+}
+
+/// This process's pid namespace (read once: a process does not change its own).
+pub(crate) fn this_namespace() -> u64 {
+    static NAMESPACE: once_cell::sync::OnceCell<u64> = once_cell::sync::OnceCell::new();
+    *NAMESPACE.get_or_init(crate::sys::pid_namespace)
 }
 
 /// Why a message whose lease is not a pipe's writing end is malformed.
@@ -54,16 +82,21 @@ const RETAIN: u8 = 2;
 const LINK: u8 = 3;
 const RELEASE_MANY: u8 = 4;
 const FORGET: u8 = 5;
+const HOLDER: u8 = 6;
 
 impl Control {
     /// The record: a tag, then 8 bytes of index (and 8 of count for more than one release),
-    /// or 2 bytes of length and the ticket.
+    /// 2 bytes of length and the ticket, or a holder's 4 bytes of pid, 8 of start time and 8
+    /// of namespace.
     pub(super) fn record(&self) -> io::Result<Vec<u8>> {
         let (tag, body) = match self {
             Control::Release(index, 1) => (RELEASE, index.to_le_bytes().to_vec()),
             Control::Release(index, count) => (RELEASE_MANY, [index.to_le_bytes(), count.to_le_bytes()].concat()),
             Control::Retain(index) => (RETAIN, index.to_le_bytes().to_vec()),
             Control::Forget(index) => (FORGET, index.to_le_bytes().to_vec()),
+            Control::Holder(h) => {
+                (HOLDER, [&h.pid.to_le_bytes()[..], &h.start.to_le_bytes(), &h.namespace.to_le_bytes()].concat())
+            }
             Control::Link(ticket) => {
                 let ticket = postcard::to_allocvec(ticket).map_err(|e| io::Error::other(e.to_string()))?;
                 let mut body = (ticket.len() as u16).to_le_bytes().to_vec();
@@ -101,6 +134,17 @@ impl Control {
                     let (Some(i), Some(n)) = (word(rest, 1), word(rest, 9)) else { break };
                     out.push(Control::Release(i, n));
                     at += 17;
+                }
+                HOLDER => {
+                    let (Some(pid), Some(start), Some(namespace)) = (
+                        rest.get(1..5).map(|p| u32::from_le_bytes(p.try_into().expect("4 bytes"))),
+                        word(rest, 5),
+                        word(rest, 13),
+                    ) else {
+                        break;
+                    };
+                    out.push(Control::Holder(Holder { pid, start, namespace }));
+                    at += 21;
                 }
                 LINK => {
                     let Some(len) = rest.get(1..3).map(|l| u16::from_le_bytes([l[0], l[1]]) as usize) else { break };
@@ -208,16 +252,49 @@ impl Lease {
     /// and learns of the owner's revocations through it: on anything else they would wait for
     /// an answer that never comes).
     pub(crate) fn accept(fd: Arc<OwnedFd>) -> Option<Lease> {
-        crate::sys::accept_pipe_writer(fd).map(Lease::new)
+        crate::sys::accept_pipe_writer(fd).map(|fd| {
+            announce(&fd);
+            Lease::new(fd)
+        })
     }
 
     /// Takes a lease out of the message being decoded: anything [`Lease::accept`] refuses
     /// makes the message malformed.
     fn take(carried: Carried) -> Result<Lease> {
         let fd = wire::take_shared_fd_as(carried, crate::sys::accept_pipe_writer)?;
-        fd.map(Lease::new).ok_or_else(|| Error::Malformed(NOT_A_LEASE.into()))
+        let fd = fd.ok_or_else(|| Error::Malformed(NOT_A_LEASE.into()))?;
+        announce(&fd);
+        Ok(Lease::new(fd))
     }
 }
+
+/// The leases (pipes, by identity) this process has named itself on.
+static ANNOUNCED: crate::fork::ForkLocal<std::sync::Mutex<std::collections::HashSet<(u64, u64)>>> =
+    crate::fork::ForkLocal::new(Default::default);
+
+/// Names this process on lease `tx`, once per lease, before anything the lease covers is used
+/// here (`Control::Holder`): a process killed while GPU work it queued still runs closes its
+/// lease before the driver stops that work, and the owner waits for its exit. Without room in
+/// the pipe now (its owner stopped reading) nothing is written, and a later arrival of the
+/// lease tries again; until then the owner does not wait for this process.
+fn announce(tx: &Arc<OwnedFd>) {
+    let Some(identity) = crate::sys::file_identity(tx.as_fd()) else { return };
+    let mut announced = ANNOUNCED.get().lock().unwrap_or_else(|p| p.into_inner());
+    if announced.contains(&identity) {
+        return;
+    }
+    if matches!(Control::Holder(Holder::this()).try_send(tx), Ok(true)) {
+        // Pipes closed since are not told apart from new ones: forgetting all of them now and
+        // then costs a record on each lease that arrives again.
+        if announced.len() >= MAX_ANNOUNCED {
+            announced.clear();
+        }
+        announced.insert(identity);
+    }
+}
+
+/// Leases remembered as announced at most.
+const MAX_ANNOUNCED: usize = 4096;
 
 impl Serialize for Lease {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
@@ -502,6 +579,7 @@ mod record_tests {
             Control::Retain(u64::MAX),
             Control::Release(7, 300),
             Control::Forget(9),
+            Control::Holder(Holder { pid: 4_000_000, start: u64::MAX - 1, namespace: 4_026_531_836 }),
         ] {
             bytes.extend(c.record().unwrap());
         }
@@ -514,12 +592,13 @@ mod record_tests {
                 Control::Link(ticket),
                 Control::Retain(u64::MAX),
                 Control::Release(7, 300),
-                Control::Forget(9)
+                Control::Forget(9),
+                Control::Holder(Holder { pid: 4_000_000, start: u64::MAX - 1, namespace: 4_026_531_836 }),
             ]
         );
         assert_eq!(used, bytes.len());
         let (parsed, used, _) = Control::parse(&bytes[..bytes.len() - 3]);
-        assert_eq!((parsed.len(), used), (4, bytes.len() - 9), "the cut record waits");
+        assert_eq!((parsed.len(), used), (5, bytes.len() - 21), "the cut record waits");
         assert_eq!(Control::parse(&[9, 1, 2]), (vec![], 0, true), "not ours");
         // Records before a stray byte count (another holder's among them); what follows it
         // does not.

@@ -13,7 +13,7 @@ use rustix::event::epoll;
 
 use super::export::{Change, lease_closed, lease_message};
 use super::import::{owner_gone, recheck, revoke, table_arrived};
-use super::lease::{self, Control, Lease, Revocation};
+use super::lease::{self, Control, Holder, Lease, Revocation};
 use super::table::{SubscriberEnd, Table, owner};
 use crate::error::Result;
 use crate::fork::ForkLocal;
@@ -32,6 +32,9 @@ enum Watched {
     /// This process's end of subscriber `n`'s revocation socket, which nothing is sent to:
     /// its end means the subscriber is gone.
     Subscriber(u64),
+    /// A pidfd of a holder of lease `key` that was ending when the lease closed: the lease's
+    /// claims are released once every such holder has exited.
+    Exit(u64),
 }
 
 /// The reading end of what the reaper watches: a lease pipe, or a revocation socket.
@@ -41,12 +44,14 @@ enum Source {
     Socket(Arc<Socket>),
     /// A subscriber's revocation socket (which forked children close by themselves).
     Subscriber(SubscriberEnd),
+    /// A pidfd, readable once its process has exited.
+    Process(Arc<OwnedFd>),
 }
 
 impl Source {
     fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
         match self {
-            Source::Pipe(fd) => fd.as_fd(),
+            Source::Pipe(fd) | Source::Process(fd) => fd.as_fd(),
             Source::Socket(s) => s.as_fd(),
             Source::Subscriber(s) => s.as_fd(),
         }
@@ -61,7 +66,15 @@ struct Entry {
     /// A lease pipe's identity (`sys::pipe_identity`), to know a lease of this process when
     /// one arrives.
     pipe: Option<(u64, u64)>,
+    /// The processes that named themselves on a lease (`Control::Holder`), at most
+    /// `MAX_HOLDERS`.
+    holders: Vec<Holder>,
 }
+
+/// Holders of one lease whose exits are waited for at most: a lease shared by more
+/// processes (one passed on from holder to holder outside channels) is released without
+/// waiting for the later ones.
+const MAX_HOLDERS: usize = 64;
 
 /// The id of the reaper's bell in its epoll set (watched sockets count from 1).
 const BELL: u64 = 0;
@@ -80,6 +93,9 @@ pub(super) struct Reaper {
     subscribing: Mutex<HashMap<u128, std::time::Instant>>,
     /// Set once this process grants a lease: only then are spare lease channels kept.
     granting: AtomicBool,
+    /// Leases closed while holders of theirs were ending, by key: how many of those have not
+    /// exited yet.
+    ending: Mutex<HashMap<u64, usize>>,
 }
 
 /// Lease channels kept ready, so that a send makes no channel and wakes no thread.
@@ -113,6 +129,7 @@ pub(super) fn reaper() -> Result<&'static Reaper> {
             spares: Mutex::new(Vec::new()),
             subscribing: Mutex::new(HashMap::new()),
             granting: AtomicBool::new(false),
+            ending: Mutex::new(HashMap::new()),
         })
     })
 }
@@ -123,9 +140,10 @@ impl Reaper {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
         let pipe = match &source {
             Source::Pipe(fd) => crate::sys::file_identity(fd.as_fd()),
-            Source::Socket(_) | Source::Subscriber(_) => None,
+            Source::Socket(_) | Source::Subscriber(_) | Source::Process(_) => None,
         };
-        lock(&self.watched).insert(id, Entry { what, source: source.clone(), partial: Vec::new(), pipe });
+        let entry = Entry { what, source: source.clone(), partial: Vec::new(), pipe, holders: Vec::new() };
+        lock(&self.watched).insert(id, entry);
         if let Err(e) = epoll::add(&self.epoll, source.fd(), epoll::EventData::new_u64(id), epoll::EventFlags::IN) {
             lock(&self.watched).remove(&id);
             return Err(e.into());
@@ -192,7 +210,7 @@ pub(super) fn close_inherited() {
     spares.into_iter().for_each(|(_, tx)| crate::sys::close_inherited_shared(tx));
     for entry in take_unless_locked(&reaper.watched).into_values() {
         match entry.source {
-            Source::Pipe(fd) => crate::sys::close_inherited_shared(fd),
+            Source::Pipe(fd) | Source::Process(fd) => crate::sys::close_inherited_shared(fd),
             Source::Socket(socket) => crate::sys::close_inherited_shared(socket),
             // Closed as `NotInherited` (by number); never dropped here, where it may be the
             // last copy: its drop would close that number a second time.
@@ -302,6 +320,8 @@ fn reap() {
                 Source::Pipe(pipe) => drain_lease(reaper, id, pipe),
                 Source::Socket(socket) => drain_revocations(reaper, id, socket),
                 Source::Subscriber(socket) => drain_revocations(reaper, id, socket),
+                // Readable: the process has exited.
+                Source::Process(_) => false,
             };
             if !open {
                 closed(reaper, id);
@@ -326,7 +346,17 @@ fn drain_lease(reaper: &Reaper, id: u64, pipe: &OwnedFd) -> bool {
             let mut watched = lock(&reaper.watched);
             let Some(entry) = watched.get_mut(&id) else { return true };
             entry.partial.extend_from_slice(&buf[..n]);
-            let (records, used, stray) = Control::parse(&entry.partial);
+            let (mut records, used, stray) = Control::parse(&entry.partial);
+            records.retain(|record| match record {
+                Control::Holder(holder) => {
+                    let known = entry.holders.contains(holder);
+                    if !known && entry.holders.len() < MAX_HOLDERS && holder.namespace == lease::this_namespace() {
+                        entry.holders.push(*holder);
+                    }
+                    false
+                }
+                _ => true,
+            });
             if stray {
                 // A byte that starts no record of ours: the records before it count (other
                 // holders' among them: a lost `Retain` would free what a holder maps), what
@@ -343,6 +373,7 @@ fn drain_lease(reaper: &Reaper, id: u64, pipe: &OwnedFd) -> bool {
                 Control::Release(index, count) => lease_message(key, index, Change::Release(count)),
                 Control::Retain(index) => lease_message(key, index, Change::Retain),
                 Control::Forget(index) => super::connection::forgotten(key, index),
+                Control::Holder(_) => {}
                 // Fetched on the linker's thread, for no longer than the deposit lasts: why, and
                 // the 64 per lease, in README.md, "States of a storage".
                 Control::Link(ticket) => super::courier::link(key, move || {
@@ -406,11 +437,48 @@ fn closed(reaper: &Reaper, id: u64) {
     if let Some(entry) = removed {
         let _ = epoll::delete(&reaper.epoll, entry.source.fd());
         match entry.what {
-            Watched::Lease(key) => lease_closed(key),
+            Watched::Lease(key) => lease_ended(reaper, key, &entry.holders),
+            Watched::Exit(key) => {
+                let mut ending = lock(&reaper.ending);
+                let left = ending.get_mut(&key).map(|n| {
+                    *n -= 1;
+                    *n
+                });
+                if left == Some(0) {
+                    ending.remove(&key);
+                    drop(ending);
+                    lease_closed(key);
+                }
+            }
             Watched::Revocations(owner) => owner_gone(owner),
             Watched::Subscriber(n) => owner().subscribers.retain(|(k, _)| *k != n),
             Watched::Spare => {}
         }
+    }
+}
+
+/// Lease `key` has closed: releases what it carried, once every holder that was ending then
+/// has exited. A process killed (or exiting) closes its descriptors from the last opened to
+/// the first, so a lease it received after the CUDA driver opened its files closes before
+/// the driver stops the GPU work it queued, which may still write to the memory for
+/// milliseconds: freed then, or handed out again by a caching allocator, that memory would be
+/// written by a dead process.
+fn lease_ended(reaper: &Reaper, key: u64, holders: &[Holder]) {
+    let mut waiting = 0;
+    for holder in holders {
+        let Some(pidfd) = crate::sys::ending(holder.pid, holder.start) else { continue };
+        // Counted before it is watched: its exit may be read at once. (Where it cannot be
+        // watched, out of descriptors, it is not waited for.)
+        *lock(&reaper.ending).entry(key).or_default() += 1;
+        if reaper.watch(Watched::Exit(key), Source::Process(Arc::new(pidfd))).is_ok() {
+            waiting += 1;
+        } else {
+            *lock(&reaper.ending).entry(key).or_default() -= 1;
+        }
+    }
+    if waiting == 0 {
+        lock(&reaper.ending).remove(&key);
+        lease_closed(key);
     }
 }
 

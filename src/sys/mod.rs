@@ -36,7 +36,7 @@ pub(crate) use pipe::{
 #[cfg(test)]
 pub(crate) use process::fork_and_run;
 pub(crate) use process::{
-    SIGKILL, at_exit, at_fork, close_inherited, close_inherited_shared, own_pid, own_start, pid_namespace,
+    SIGKILL, at_exit, at_fork, close_inherited, close_inherited_shared, ending, own_pid, own_start, pid_namespace,
     process_gone, signal_name,
 };
 #[cfg(feature = "cuda")]

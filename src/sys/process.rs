@@ -54,21 +54,49 @@ pub(crate) fn process_gone(pid: u32, start: u64) -> bool {
 
 struct Stat {
     state: char,
+    /// The main thread's flags (`PF_*` of `linux/sched.h`).
+    flags: u64,
     threads: u64,
     start: u64,
+}
+
+/// `PF_EXITING` of `linux/sched.h`: the thread is in `do_exit`.
+const PF_EXITING: u64 = 0x4;
+
+/// A pidfd of process `pid` (which started at `start`) while it is ending and its exit is not
+/// complete: its main thread is exiting, or has ended while other threads of it still run. The
+/// pidfd reads as readable once the exit is complete: every thread has ended, after the
+/// release of every file it held (a CUDA driver's included, which stops the GPU work the
+/// process queued). `None` once it has exited, while it lives on, or where the kernel cannot
+/// tell (no pidfds, or `/proc` hides it).
+pub(crate) fn ending(pid: u32, start: u64) -> Option<std::os::fd::OwnedFd> {
+    use rustix::event::{PollFd, PollFlags, Timespec, poll};
+    let target = rustix::process::Pid::from_raw(i32::try_from(pid).ok()?)?;
+    let pidfd = rustix::process::pidfd_open(target, rustix::process::PidfdFlags::empty()).ok()?;
+    // Read after the pidfd is open: a process that started at another time is not the one
+    // named, and the one named has exited.
+    let stat = process_stat(pid).filter(|s| start == 0 || s.start == start)?;
+    if !matches!(stat.state, 'Z' | 'X' | 'x') && stat.flags & PF_EXITING == 0 {
+        return None;
+    }
+    let mut fds = [PollFd::new(&pidfd, PollFlags::IN)];
+    let done = poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })).map_or(true, |n| n > 0);
+    (!done).then_some(pidfd)
 }
 
 /// The state and start time of a process, from `/proc/PID/stat`.
 fn process_stat(pid: u32) -> Option<Stat> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // "pid (comm) state ppid ...": the name may hold spaces and parentheses; fields follow the
-    // last ')'. The state is field 3, the number of threads field 20, the start time field 22.
+    // last ')'. The state is field 3, the flags field 9, the number of threads field 20, the start
+    // time field 22.
     let rest = &text[text.rfind(')')? + 1..];
     let fields: Vec<&str> = rest.split_ascii_whitespace().take(20).collect();
     let state = fields.first()?.chars().next()?;
+    let flags = fields.get(6)?.parse().ok()?;
     let threads = fields.get(17)?.parse().ok()?;
     let start = fields.get(19)?.parse().ok()?;
-    Some(Stat { state, threads, start })
+    Some(Stat { state, flags, threads, start })
 }
 
 /// Runs `f` when the process exits normally (`exit`, or returning from `main`), after the
@@ -182,6 +210,21 @@ pub(crate) fn signal_name(signal: i32) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_living_process_a_made_up_one_and_one_that_exited_are_not_ending() {
+        assert!(ending(own_pid(), own_start()).is_none(), "this process lives on");
+        assert!(ending(own_pid(), own_start() + 1).is_none(), "another start time: another process");
+        assert!(ending(u32::MAX, 0).is_none());
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        // A zombie once it has exited (not reaped yet): its exit is complete.
+        while process_stat(pid).is_some_and(|s| s.state != 'Z') {
+            std::thread::yield_now();
+        }
+        assert!(ending(pid, 0).is_none(), "a zombie has exited");
+        child.wait().unwrap();
+    }
 
     #[test]
     fn this_process_lives_and_a_made_up_one_does_not() {
