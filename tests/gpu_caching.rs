@@ -668,8 +668,11 @@ fn values_dropped_after_a_stream_go_once_it_is_past_their_work() {
 }
 
 /// Keeps the GPU busy writing 7 over the tensor it receives (fills queued one after another,
-/// for as long as it lives), says so, and waits to be killed.
+/// for as long as it lives), says so, and waits to be killed. It uses the GPU before the
+/// tensor comes, as a worker that loaded its model does: the driver's descriptors come before
+/// the lease's.
 fn write_until_killed((rx, reply): (Receiver<GpuTensor<f32>>, Sender<()>)) {
+    let _before = GpuTensor::<f32>::zeros(&common::gpu(), &[1]).unwrap();
     let t = rx.recv().unwrap();
     for _ in 0..64 {
         t.fill(7.0).unwrap();

@@ -215,18 +215,17 @@ where
     closed(before);
 }
 
-/// Makes its exit slow, then holds the tensors it receives until it is killed: a file of
-/// shared memory (unlinked, 1 GiB) whose pages the kernel frees as the process's descriptors
-/// close at its exit, after those opened later (the channel's lease among them), as a CUDA
-/// driver's descriptors opened early stop the GPU work the process queued only then.
+/// Makes its exit slow, then holds the tensors it receives until it is killed: a memory file
+/// of 1 GiB whose pages the kernel frees as the process's descriptors close at its exit, after
+/// those of higher numbers (the channel's lease among them), as a CUDA driver's descriptors
+/// opened early stop the GPU work the process queued only then.
 fn hold_with_a_slow_exit<S>((rx, reply): (Receiver<Msg<S>>, Sender<usize>))
 where
     Tensor<f32, S>: Serialize + DeserializeOwned,
 {
     use std::io::Write;
-    let path = format!("/dev/shm/cuda-mp-test-slow-exit-{}", std::process::id());
-    let mut file = std::fs::File::options().write(true).create_new(true).open(&path).unwrap();
-    std::fs::remove_file(&path).unwrap();
+    let memfd = rustix::fs::memfd_create("cuda-mp-test-slow-exit", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+    let mut file = std::fs::File::from(memfd);
     let chunk = vec![1u8; 1 << 20];
     (0..1024).for_each(|_| file.write_all(&chunk).unwrap());
     // Copies in every free descriptor number below those to come: the lease that arrives

@@ -279,6 +279,8 @@ static ANNOUNCED: crate::fork::ForkLocal<std::sync::Mutex<std::collections::Hash
 /// lease tries again; until then the owner does not wait for this process.
 fn announce(tx: &Arc<OwnedFd>) {
     let Some(identity) = crate::sys::file_identity(tx.as_fd()) else { return };
+    // The write is made under the lock (it never waits: the pipe is non-blocking), so that
+    // another thread that takes the same lease meanwhile goes on only once it is written.
     let mut announced = ANNOUNCED.get().lock().unwrap_or_else(|p| p.into_inner());
     if announced.contains(&identity) {
         return;

@@ -67,13 +67,12 @@ struct Entry {
     /// one arrives.
     pipe: Option<(u64, u64)>,
     /// The processes that named themselves on a lease (`Control::Holder`), at most
-    /// `MAX_HOLDERS`.
+    /// `MAX_HOLDERS` at a time (`note_holder`).
     holders: Vec<Holder>,
 }
 
-/// Holders of one lease whose exits are waited for at most: a lease shared by more
-/// processes (one passed on from holder to holder outside channels) is released without
-/// waiting for the later ones.
+/// Holders of one lease remembered at most, those that exited since making room for new
+/// ones: past as many living holders of one lease, the later ones are not waited for.
 const MAX_HOLDERS: usize = 64;
 
 /// The id of the reaper's bell in its epoll set (watched sockets count from 1).
@@ -349,10 +348,7 @@ fn drain_lease(reaper: &Reaper, id: u64, pipe: &OwnedFd) -> bool {
             let (mut records, used, stray) = Control::parse(&entry.partial);
             records.retain(|record| match record {
                 Control::Holder(holder) => {
-                    let known = entry.holders.contains(holder);
-                    if !known && entry.holders.len() < MAX_HOLDERS && holder.namespace == lease::this_namespace() {
-                        entry.holders.push(*holder);
-                    }
+                    note_holder(&mut entry.holders, *holder);
                     false
                 }
                 _ => true,
@@ -386,6 +382,21 @@ fn drain_lease(reaper: &Reaper, id: u64, pipe: &OwnedFd) -> bool {
                 }),
             }
         }
+    }
+}
+
+/// Adds `holder` to a lease's named holders: one that names no start time (which would stand
+/// for any process with its pid) or another pid namespace is not waited for; with the list
+/// full, holders that have exited since make room.
+fn note_holder(holders: &mut Vec<Holder>, holder: Holder) {
+    if holder.start == 0 || holder.namespace != lease::this_namespace() || holders.contains(&holder) {
+        return;
+    }
+    if holders.len() >= MAX_HOLDERS {
+        holders.retain(|h| !crate::sys::process_gone(h.pid, h.start));
+    }
+    if holders.len() < MAX_HOLDERS {
+        holders.push(holder);
     }
 }
 
@@ -467,8 +478,7 @@ fn lease_ended(reaper: &Reaper, key: u64, holders: &[Holder]) {
     let mut waiting = 0;
     for holder in holders {
         let Some(pidfd) = crate::sys::ending(holder.pid, holder.start) else { continue };
-        // Counted before it is watched: its exit may be read at once. (Where it cannot be
-        // watched, out of descriptors, it is not waited for.)
+        // (Where it cannot be watched, out of descriptors, it is not waited for.)
         *lock(&reaper.ending).entry(key).or_default() += 1;
         if reaper.watch(Watched::Exit(key), Source::Process(Arc::new(pidfd))).is_ok() {
             waiting += 1;

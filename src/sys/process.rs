@@ -64,7 +64,7 @@ struct Stat {
 const PF_EXITING: u64 = 0x4;
 
 /// A pidfd of process `pid` (which started at `start`) while it is ending and its exit is not
-/// complete: its main thread is exiting, or has ended while other threads of it still run. The
+/// complete: its main thread is exiting, or has ended while another thread of it exits. The
 /// pidfd reads as readable once the exit is complete: every thread has ended, after the
 /// release of every file it held (a CUDA driver's included, which stops the GPU work the
 /// process queued). `None` once it has exited, while it lives on, or where the kernel cannot
@@ -76,7 +76,14 @@ pub(crate) fn ending(pid: u32, start: u64) -> Option<std::os::fd::OwnedFd> {
     // Read after the pidfd is open: a process that started at another time is not the one
     // named, and the one named has exited.
     let stat = process_stat(pid).filter(|s| start == 0 || s.start == start)?;
-    if !matches!(stat.state, 'Z' | 'X' | 'x') && stat.flags & PF_EXITING == 0 {
+    let exiting = if matches!(stat.state, 'Z' | 'X' | 'x') {
+        // A main thread that ended while the process lives on shows as a zombie too: the
+        // process ends only where another thread of it is exiting.
+        any_thread_exiting(pid)
+    } else {
+        stat.flags & PF_EXITING != 0
+    };
+    if !exiting {
         return None;
     }
     let mut fds = [PollFd::new(&pidfd, PollFlags::IN)];
@@ -84,9 +91,22 @@ pub(crate) fn ending(pid: u32, start: u64) -> Option<std::os::fd::OwnedFd> {
     (!done).then_some(pidfd)
 }
 
+/// Whether a thread of process `pid` is in `do_exit`.
+fn any_thread_exiting(pid: u32) -> bool {
+    let Ok(threads) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
+    threads
+        .flatten()
+        .any(|thread| stat_of(&thread.path().join("stat")).is_some_and(|s| s.flags & PF_EXITING != 0 && s.state != 'Z'))
+}
+
 /// The state and start time of a process, from `/proc/PID/stat`.
 fn process_stat(pid: u32) -> Option<Stat> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat_of(std::path::Path::new(&format!("/proc/{pid}/stat")))
+}
+
+/// The fields of a `stat` file of `/proc` (a process's, or one of its threads').
+fn stat_of(path: &std::path::Path) -> Option<Stat> {
+    let text = std::fs::read_to_string(path).ok()?;
     // "pid (comm) state ppid ...": the name may hold spaces and parentheses; fields follow the
     // last ')'. The state is field 3, the flags field 9, the number of threads field 20, the start
     // time field 22.
