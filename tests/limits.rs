@@ -14,6 +14,15 @@ cuda_mp::enable_test_support!();
 
 const WAIT: Duration = Duration::from_secs(30);
 
+/// One test at a time: the descriptor limit and the descriptor table are the whole process's,
+/// so a test that lowers the limit here (or counts the lowest free number) would make another's
+/// spawn or receive fail, or find room that another test's descriptor left when it closed.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Lowers this process's soft descriptor limit to `headroom` above what it has open (after
 /// cuda-mp's own start-up, which raises it to the hard limit).
 fn leave_headroom(headroom: u64) -> u64 {
@@ -43,12 +52,14 @@ fn allocate_until_it_fails(caching: bool) -> String {
 
 #[test]
 fn allocating_past_the_descriptor_limit_is_an_error_that_says_so() {
+    let _g = serial();
     let said = spawn(false, allocate_until_it_fails).join().unwrap();
     assert!(said.starts_with("out of descriptors after"), "{said}");
 }
 
 #[test]
 fn fresh_host_tensors_of_the_caching_allocator_cost_no_descriptor_each() {
+    let _g = serial();
     let said = spawn(true, allocate_until_it_fails).join().unwrap();
     assert_eq!(said, "never failed", "1,000 tensors in one segment, with 8 descriptors to spare");
 }
@@ -91,6 +102,7 @@ fn sent_to_a_receiver_with_little_room<T: Serialize + DeserializeOwned>(
 
 #[test]
 fn receiving_past_the_descriptor_limit_is_an_error_that_says_so() {
+    let _g = serial();
     let (said, joined) = sent_to_a_receiver_with_little_room(|| {
         // A memory file per tensor (this process's other tests do not depend on the allocator).
         cuda_mp::set_host_caching(false);
@@ -108,6 +120,7 @@ fn pooled_tensors((n, tx): (usize, Sender<Vec<HostTensor<u8>>>)) {
 
 #[test]
 fn a_message_of_blocks_of_one_segment_carries_its_descriptor_once() {
+    let _g = serial();
     let (tx, rx) = channel().unwrap();
     let (ready_tx, ready_rx) = channel().unwrap();
     let (reply_tx, reply_rx) = channel().unwrap();
@@ -138,6 +151,7 @@ fn send_files_with_little_room(tx: Sender<Vec<cuda_mp::testing::CarriedFile>>) -
 
 #[test]
 fn parking_descriptors_past_the_limit_is_an_error_that_says_so() {
+    let _g = serial();
     let (tx, rx) = channel().unwrap();
     let said = spawn(tx, send_files_with_little_room).join().unwrap();
     assert_eq!(said, "out of descriptors");
@@ -146,6 +160,7 @@ fn parking_descriptors_past_the_limit_is_an_error_that_says_so() {
 
 #[test]
 fn receiving_parked_descriptors_past_the_limit_is_an_error_that_says_so() {
+    let _g = serial();
     let (said, joined) = sent_to_a_receiver_with_little_room(|| {
         (0..ITEMS).map(|_| cuda_mp::testing::CarriedFile(std::fs::File::open("/dev/null").unwrap())).collect::<Vec<_>>()
     });
@@ -216,6 +231,7 @@ fn a_lost_frame_then_a_ring_message(_: ()) -> Vec<String> {
 
 #[test]
 fn a_message_lost_for_want_of_descriptors_does_not_hold_up_its_senders_later_ones() {
+    let _g = serial();
     let said = spawn((), a_lost_frame_then_a_ring_message).join().unwrap();
     assert_eq!(said, ["out of descriptors", "number 100"]);
 }
@@ -241,6 +257,7 @@ fn a_lost_message_on_a_full_bounded_channel(_: ()) -> Vec<String> {
 
 #[test]
 fn a_message_lost_for_want_of_descriptors_gives_its_place_back() {
+    let _g = serial();
     let said = spawn((), a_lost_message_on_a_full_bounded_channel).join().unwrap();
     assert_eq!(said, ["out of descriptors", "sent", "number 1"]);
 }
@@ -352,6 +369,7 @@ fn receive_the_later_messages((rx, go, mut got): (Receiver<Carrying>, Sender<()>
 
 #[test]
 fn a_batch_lost_for_want_of_descriptors_does_not_hold_up_later_messages() {
+    let _g = serial();
     let (lost, got) = spawn((), receive_a_backlog_with_no_room).join().unwrap();
     assert!(lost > 0 && got.len() < (MESSAGES + LATER) as usize, "{lost} receives failed, {} messages came", got.len());
     assert!(got.windows(2).all(|w| w[0] < w[1]), "out of order");
@@ -375,6 +393,7 @@ fn select_after_a_lost_backlog(_: ()) -> (String, String) {
 
 #[test]
 fn a_select_sees_a_message_after_a_batch_lost_for_want_of_descriptors() {
+    let _g = serial();
     let (selected, received) = spawn((), select_after_a_lost_backlog).join().unwrap();
     assert_eq!((selected.as_str(), received.as_str()), ("Ok(0)", "bytes 4000"));
 }
@@ -391,6 +410,7 @@ fn move_the_receiver_after_a_lost_backlog(_: ()) -> Vec<u32> {
 
 #[test]
 fn a_receiver_moved_after_a_batch_lost_for_want_of_descriptors_is_not_held_up() {
+    let _g = serial();
     let got = spawn((), move_the_receiver_after_a_lost_backlog).join().unwrap();
     assert_eq!(got, (MESSAGES..MESSAGES + LATER).collect::<Vec<_>>());
 }
@@ -420,6 +440,7 @@ fn send_a_lease_then_blocks_of_one_segment((tx, go): (Sender<HostTensor<f32>>, R
 /// again, so a later block of the same segment decodes.
 #[test]
 fn a_segment_whose_introduction_was_lost_is_introduced_again() {
+    let _g = serial();
     let (tx, rx) = channel::<HostTensor<f32>>().unwrap();
     let (go_tx, go_rx) = channel::<bool>().unwrap();
     let producer = spawn((tx, go_rx), send_a_lease_then_blocks_of_one_segment);

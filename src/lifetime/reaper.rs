@@ -66,9 +66,16 @@ struct Entry {
     /// A lease pipe's identity (`sys::pipe_identity`), to know a lease of this process when
     /// one arrives.
     pipe: Option<(u64, u64)>,
-    /// The processes that named themselves on a lease (`Control::Holder`), at most
-    /// `MAX_HOLDERS` at a time (`note_holder`).
-    holders: Vec<Holder>,
+    /// The processes that named themselves on a lease (`Control::Holder`).
+    holders: Holders,
+}
+
+/// The processes that named themselves on a lease, at most [`MAX_HOLDERS`] at a time, and
+/// when those that exited were last dropped to make room.
+#[derive(Default)]
+struct Holders {
+    named: Vec<Holder>,
+    pruned: Option<std::time::Instant>,
 }
 
 /// Holders of one lease remembered at most, those that exited since making room for new
@@ -141,7 +148,7 @@ impl Reaper {
             Source::Pipe(fd) => crate::sys::file_identity(fd.as_fd()),
             Source::Socket(_) | Source::Subscriber(_) | Source::Process(_) => None,
         };
-        let entry = Entry { what, source: source.clone(), partial: Vec::new(), pipe, holders: Vec::new() };
+        let entry = Entry { what, source: source.clone(), partial: Vec::new(), pipe, holders: Holders::default() };
         lock(&self.watched).insert(id, entry);
         if let Err(e) = epoll::add(&self.epoll, source.fd(), epoll::EventData::new_u64(id), epoll::EventFlags::IN) {
             lock(&self.watched).remove(&id);
@@ -387,18 +394,25 @@ fn drain_lease(reaper: &Reaper, id: u64, pipe: &OwnedFd) -> bool {
 
 /// Adds `holder` to a lease's named holders: one that names no start time (which would stand
 /// for any process with its pid) or another pid namespace is not waited for; with the list
-/// full, holders that have exited since make room.
-fn note_holder(holders: &mut Vec<Holder>, holder: Holder) {
-    if holder.start == 0 || holder.namespace != lease::this_namespace() || holders.contains(&holder) {
+/// full, holders that have exited since make room, looked for at most every 100 ms (each look
+/// reads `/proc` for every holder, under the lock of what the reaper watches).
+fn note_holder(holders: &mut Holders, holder: Holder) {
+    let named = &mut holders.named;
+    if holder.start == 0 || holder.namespace != lease::this_namespace() || named.contains(&holder) {
         return;
     }
-    if holders.len() >= MAX_HOLDERS {
-        holders.retain(|h| !crate::sys::process_gone(h.pid, h.start));
+    let now = std::time::Instant::now();
+    if named.len() >= MAX_HOLDERS && holders.pruned.is_none_or(|at| now.duration_since(at) >= PRUNE_EVERY) {
+        holders.pruned = Some(now);
+        named.retain(|h| !crate::sys::process_gone(h.pid, h.start));
     }
-    if holders.len() < MAX_HOLDERS {
-        holders.push(holder);
+    if named.len() < MAX_HOLDERS {
+        named.push(holder);
     }
 }
+
+/// How often a lease's full list of holders is looked through for those that exited.
+const PRUNE_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Reads every message waiting on revocation socket `id`; false at its end (the owner is gone,
 /// or, for a subscriber's socket, whose messages are discarded (cuda-mp sends none), the
@@ -448,7 +462,7 @@ fn closed(reaper: &Reaper, id: u64) {
     if let Some(entry) = removed {
         let _ = epoll::delete(&reaper.epoll, entry.source.fd());
         match entry.what {
-            Watched::Lease(key) => lease_ended(reaper, key, &entry.holders),
+            Watched::Lease(key) => lease_ended(reaper, key, &entry.holders.named),
             Watched::Exit(key) => {
                 let mut ending = lock(&reaper.ending);
                 let left = ending.get_mut(&key).map(|n| {
@@ -501,5 +515,30 @@ fn refill_spares(reaper: &Reaper) {
         let Ok((rx, tx)) = crate::sys::lease_pipe() else { return };
         let Ok(id) = reaper.watch(Watched::Spare, Source::Pipe(Arc::new(rx))) else { return };
         lock(&reaper.spares).push((id, Arc::new(tx)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn this() -> Holder {
+        Holder { pid: crate::sys::own_pid(), start: crate::sys::own_start(), namespace: lease::this_namespace() }
+    }
+
+    #[test]
+    fn a_lease_names_holders_once_never_without_a_start_and_makes_room_from_those_that_exited() {
+        let mut holders = Holders::default();
+        note_holder(&mut holders, Holder { start: 0, ..this() });
+        note_holder(&mut holders, Holder { namespace: this().namespace + 1, ..this() });
+        assert!(holders.named.is_empty(), "no start time, or another namespace: not kept");
+        note_holder(&mut holders, this());
+        note_holder(&mut holders, this());
+        assert_eq!(holders.named, [this()], "once");
+        // Full of processes that are gone (this pid, other start times): a new one makes room.
+        holders.named = (1..=MAX_HOLDERS as u64).map(|i| Holder { start: this().start + i, ..this() }).collect();
+        let newcomer = Holder { pid: 1, start: 1, ..this() };
+        note_holder(&mut holders, newcomer);
+        assert_eq!(holders.named, [newcomer]);
     }
 }
