@@ -10,7 +10,8 @@ pub(crate) fn own_pid() -> u32 {
 }
 
 /// When this process started (in clock ticks since boot; 0 when unknown). Cached with the
-/// process id it was read for: a child forked without `exec` reads its own. (Atomics, not a
+/// process id it was read for: a child forked without `exec` reads its own. Not cached while
+/// unknown (`/proc` unreadable, out of descriptors): a later call reads again. (Atomics, not a
 /// lock: a fork while another thread held a lock would leave it held in the child.)
 pub(crate) fn own_start() -> u64 {
     static START: AtomicU64 = AtomicU64::new(0);
@@ -20,8 +21,10 @@ pub(crate) fn own_start() -> u64 {
         return START.load(Ordering::Relaxed);
     }
     let start = process_stat(pid).map_or(0, |s| s.start);
-    START.store(start, Ordering::Relaxed);
-    FOR_PID.store(pid, Ordering::Release);
+    if start != 0 {
+        START.store(start, Ordering::Relaxed);
+        FOR_PID.store(pid, Ordering::Release);
+    }
     start
 }
 
