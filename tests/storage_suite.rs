@@ -263,14 +263,10 @@ where
     let pid = rustix::process::Pid::from_raw(child.pid().unwrap() as i32).unwrap();
     let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).unwrap();
     rustix::process::kill_process(pid, rustix::process::Signal::KILL).unwrap();
-    let deadline = Instant::now() + WAIT;
-    let freed = |s: &cuda_mp::LifetimeStats| {
+    wait_for_lifetime(WAIT, |s| {
         s.live_storages == before.live_storages && s.exported_storages == before.exported_storages
-    };
-    while !freed(&lifetime_stats()) {
-        assert!(Instant::now() < deadline, "what the killed holder held is never freed");
-        std::thread::yield_now();
-    }
+    })
+    .expect("what the killed holder held is freed");
     assert!(exited(&pidfd), "freed while the killed holder was still exiting");
     child.kill().unwrap();
     settled(before);

@@ -493,16 +493,15 @@ fn lease_ended(reaper: &Reaper, key: u64, holders: &[Holder]) {
     for holder in holders {
         let Some(pidfd) = crate::sys::ending(holder.pid, holder.start) else { continue };
         // (Where it cannot be watched, out of descriptors, it is not waited for.)
-        *lock(&reaper.ending).entry(key).or_default() += 1;
         if reaper.watch(Watched::Exit(key), Source::Process(Arc::new(pidfd))).is_ok() {
             waiting += 1;
-        } else {
-            *lock(&reaper.ending).entry(key).or_default() -= 1;
         }
     }
     if waiting == 0 {
-        lock(&reaper.ending).remove(&key);
         lease_closed(key);
+    } else {
+        // Counted before any of those exits is read: this thread is the one that reads them.
+        lock(&reaper.ending).insert(key, waiting);
     }
 }
 

@@ -73,7 +73,7 @@ const PF_EXITING: u64 = 0x4;
 /// process queued). `None` once it has exited, while it lives on, or where the kernel cannot
 /// tell (no pidfds, or `/proc` hides it).
 pub(crate) fn ending(pid: u32, start: u64) -> Option<std::os::fd::OwnedFd> {
-    use rustix::event::{PollFd, PollFlags, Timespec, poll};
+    use std::os::fd::AsFd;
     let target = rustix::process::Pid::from_raw(i32::try_from(pid).ok()?)?;
     let pidfd = rustix::process::pidfd_open(target, rustix::process::PidfdFlags::empty()).ok()?;
     // Read after the pidfd is open: a process that started at another time is not the one
@@ -89,9 +89,8 @@ pub(crate) fn ending(pid: u32, start: u64) -> Option<std::os::fd::OwnedFd> {
     if !exiting {
         return None;
     }
-    let mut fds = [PollFd::new(&pidfd, PollFlags::IN)];
-    let done = poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })).map_or(true, |n| n > 0);
-    (!done).then_some(pidfd)
+    let done = super::socket::wait_for(pidfd.as_fd(), rustix::event::PollFlags::IN, super::Wait::Not);
+    matches!(done, Ok(None)).then_some(pidfd)
 }
 
 /// Whether a thread of process `pid` is in `do_exit`.
