@@ -64,14 +64,8 @@ pub(crate) struct Holder {
 impl Holder {
     /// This process.
     fn this() -> Holder {
-        Holder { pid: crate::sys::own_pid(), start: crate::sys::own_start(), namespace: this_namespace() }
+        Holder { pid: crate::sys::own_pid(), start: crate::sys::own_start(), namespace: crate::sys::pid_namespace() }
     }
-}
-
-/// This process's pid namespace (read once: a process does not change its own).
-pub(crate) fn this_namespace() -> u64 {
-    static NAMESPACE: once_cell::sync::OnceCell<u64> = once_cell::sync::OnceCell::new();
-    *NAMESPACE.get_or_init(crate::sys::pid_namespace)
 }
 
 /// Why a message whose lease is not a pipe's writing end is malformed.

@@ -398,7 +398,7 @@ fn drain_lease(reaper: &Reaper, id: u64, pipe: &OwnedFd) -> bool {
 /// reads `/proc` for every holder, under the lock of what the reaper watches).
 fn note_holder(holders: &mut Holders, holder: Holder) {
     let named = &mut holders.named;
-    if holder.start == 0 || holder.namespace != lease::this_namespace() || named.contains(&holder) {
+    if holder.start == 0 || holder.namespace != crate::sys::pid_namespace() || named.contains(&holder) {
         return;
     }
     let now = std::time::Instant::now();
@@ -522,7 +522,7 @@ mod tests {
     use super::*;
 
     fn this() -> Holder {
-        Holder { pid: crate::sys::own_pid(), start: crate::sys::own_start(), namespace: lease::this_namespace() }
+        Holder { pid: crate::sys::own_pid(), start: crate::sys::own_start(), namespace: crate::sys::pid_namespace() }
     }
 
     #[test]

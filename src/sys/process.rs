@@ -29,9 +29,22 @@ pub(crate) fn own_start() -> u64 {
 }
 
 /// The identity of this process's pid namespace (0 when unknown): pids of processes in other
-/// namespaces mean nothing here.
+/// namespaces mean nothing here. Cached as `own_start` is, with the process id it was read for
+/// (a child forked after `unshare(CLONE_NEWPID)` is in another namespace), and not while
+/// unknown.
 pub(crate) fn pid_namespace() -> u64 {
-    std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino())
+    static NAMESPACE: AtomicU64 = AtomicU64::new(0);
+    static FOR_PID: AtomicU32 = AtomicU32::new(0);
+    let pid = own_pid();
+    if FOR_PID.load(Ordering::Acquire) == pid {
+        return NAMESPACE.load(Ordering::Relaxed);
+    }
+    let namespace = std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino());
+    if namespace != 0 {
+        NAMESPACE.store(namespace, Ordering::Relaxed);
+        FOR_PID.store(pid, Ordering::Release);
+    }
+    namespace
 }
 
 /// True when the process `pid`, which started at `start` (0: unknown), has ended: no such
