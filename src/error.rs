@@ -930,6 +930,13 @@ pub enum JoinError {
     /// does not keep the exit status of a reaped process).
     #[error("child process terminated without a result: {0}")]
     Terminated(String),
+    /// The child could not be started: this process had as many file descriptors open as its
+    /// limit allows (a spawn takes several: the child's pipes and its connection back).
+    #[error("child process not started: out of file descriptors: this process may open at most {limit}")]
+    OutOfDescriptors {
+        /// The process's soft limit on open descriptors (`RLIMIT_NOFILE`).
+        limit: u64,
+    },
     /// The child could not be started or its result not decoded.
     #[error("child process failed: {0}")]
     Failed(String),

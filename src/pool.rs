@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{JoinError, PanicReport};
 use crate::os::{catch_quietly, report_panics};
-use crate::process::{JoinHandle, exit_error, join_error, not_initialized};
+use crate::process::{JoinHandle, exit_error, join_error, not_initialized, not_started};
 use crate::sys::{ChildWatch, Exit, SIGKILL};
 use crate::wire;
 
@@ -1269,11 +1269,14 @@ impl Worker {
         let pool = match catch_quietly(|| builder.build()) {
             Ok(Ok(pool)) => pool,
             Ok(Err(e)) if e.is_cancellation() => return Err(JoinError::PoolClosed),
-            Ok(Err(e)) => return Err(join_error(e)),
-            Err(panic) => return Err(JoinError::Failed(format!("could not start a pool worker: {panic}"))),
+            Ok(Err(e)) => return Err(not_started(join_error(e))),
+            Err(panic) => {
+                return Err(not_started(JoinError::Failed(format!("could not start a pool worker: {panic}"))));
+            }
         };
-        let (tx, panics) = crate::channel::<Report>()
-            .map_err(|e| JoinError::Failed(format!("could not open a pool worker's panic channel: {e}")))?;
+        let (tx, panics) = crate::channel::<Report>().map_err(|e| {
+            not_started(JoinError::Failed(format!("could not open a pool worker's panic channel: {e}")))
+        })?;
         let (setup, arguments) = wire::encode_spawn_scope(|| catch_quietly(|| pool.spawn(tx, setup_worker)));
         let withdraw = || {
             if let Some(ticket) = &arguments {

@@ -328,18 +328,19 @@ impl Builder {
             // process, whose join says why.
             Ok(handle) if handle.pid().is_none() => {
                 withdraw();
-                Err(match handle.join() {
+                Err(not_started(match handle.join() {
                     Err(e) => join_error(e),
                     Ok(_) => JoinError::Failed("the process was not started".into()),
-                })
+                }))
             }
             Ok(handle) => {
                 let watch = handle.pid().map(ChildWatch::new);
                 Ok(JoinHandle::new(Inner::Running(handle), watch, arguments))
             }
+            // procspawn panics where it runs out of descriptors (an index out of bounds, say).
             Err(panic) => {
                 withdraw();
-                Err(JoinError::Failed(panic))
+                Err(not_started(JoinError::Failed(panic)))
             }
         }
     }
@@ -399,6 +400,17 @@ enum Inner<R> {
 impl<R> fmt::Debug for JoinHandle<R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("JoinHandle").field("pid", &self.pid()).finish()
+    }
+}
+
+/// The error of a spawn that started no process: `error`, or that this process is out of
+/// descriptors where it is at or close to its limit (procspawn's own words say nothing of
+/// them; the descriptors it opened before it failed are closed again by now).
+pub(crate) fn not_started(error: JoinError) -> JoinError {
+    if crate::sys::near_descriptor_limit() {
+        JoinError::OutOfDescriptors { limit: crate::sys::descriptor_limit() }
+    } else {
+        error
     }
 }
 

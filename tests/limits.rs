@@ -475,3 +475,28 @@ fn a_segment_whose_introduction_was_lost_is_introduced_again() {
     producer.join().unwrap();
     drop(first);
 }
+
+/// Spawns with no descriptor to spare, then again once there is room: what each gave.
+fn spawn_with_no_room(_: ()) -> (String, String) {
+    let failed = {
+        let _room = NoRoom::now();
+        match cuda_mp::Builder::new().spawn(7u32, |n| n + 1) {
+            Ok(child) => format!("started: {:?}", child.join()),
+            Err(cuda_mp::JoinError::OutOfDescriptors { limit }) => format!("out of descriptors, limit {limit}"),
+            Err(other) => format!("other error: {other}"),
+        }
+    };
+    let later = match spawn(7u32, |n| n + 1).join() {
+        Ok(n) => format!("joined {n}"),
+        Err(e) => format!("error: {e}"),
+    };
+    (failed, later)
+}
+
+#[test]
+fn spawning_past_the_descriptor_limit_is_an_error_that_says_so() {
+    let _g = serial();
+    let (failed, later) = spawn((), spawn_with_no_room).join().unwrap();
+    assert!(failed.starts_with("out of descriptors, limit "), "{failed}");
+    assert_eq!(later, "joined 8", "a spawn once there is room again starts");
+}
