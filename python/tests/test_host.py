@@ -61,6 +61,24 @@ def test_views_are_sent_by_value_and_shared_memory_by_reference():
     assert shared[1, 0] == -1
 
 
+def test_a_broadcast_view_of_shared_memory_arrives_read_only():
+    tx, rx = pair()
+    shared = cuda_mp.empty_host((4,), "int32")
+    shared[:] = np.arange(4)
+    tx.send(np.broadcast_to(shared, (3, 4)))  # each row the same 4 elements: stride 0
+    got = rx.recv(timeout=10)
+    assert got.strides[0] == 0
+    np.testing.assert_array_equal(got, np.tile(np.arange(4), (3, 1)))
+    assert not got.flags.writeable
+    with pytest.raises(ValueError):
+        got[0, 0] = -1
+    assert shared[0] == 0
+    tx.send(shared[:2])  # a view without repeats stays writable
+    plain = rx.recv(timeout=10)
+    plain[0] = -1
+    assert shared[0] == -1
+
+
 def test_timeouts_disconnects_and_wrong_values_raise_their_exceptions():
     tx, rx = pair()
     with pytest.raises(cuda_mp.Timeout) as e:

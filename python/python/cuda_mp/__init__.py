@@ -405,7 +405,8 @@ def _to_torch(t: "_native.Tensor"):
 
     device = t.device
     if device is None:
-        return torch.from_numpy(_to_numpy(t)) if t.dtype != "bf16" else _host_bf16(t)
+        # (torch refuses in-place writes to repeating elements itself)
+        return torch.from_numpy(_numpy_view(t)) if t.dtype != "bf16" else _host_bf16(t)
     global _FROM_DLPACK, _CUDA_READY
     if _FROM_DLPACK is None:
         _FROM_DLPACK = getattr(torch._C, "_from_dlpack", None) or False
@@ -426,7 +427,7 @@ def _host_bf16(t):
     return torch.from_dlpack(t)
 
 
-def _to_numpy(t: "_native.Tensor"):
+def _numpy_view(t: "_native.Tensor"):
     import numpy as np
 
     if t.dtype == "bf16":
@@ -435,6 +436,15 @@ def _to_numpy(t: "_native.Tensor"):
         error.received = t
         raise error
     return np.from_dlpack(t)
+
+
+def _to_numpy(t: "_native.Tensor"):
+    a = _numpy_view(t)
+    if 0 in a.strides and any(s == 0 and n > 1 for n, s in zip(a.shape, a.strides)):
+        # Elements that repeat (a broadcast view): read-only, as NumPy's own broadcast_to
+        # makes them, so that a write cannot change every place an element stands for.
+        a.flags.writeable = False
+    return a
 
 
 def _host_leaf(t: "_native.Tensor"):
