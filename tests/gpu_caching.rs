@@ -670,18 +670,9 @@ fn values_dropped_after_a_stream_go_once_it_is_past_their_work() {
 /// Keeps the GPU busy writing 7 over the tensor it receives (fills queued one after another,
 /// for as long as it lives), says so, and waits to be killed. It uses the GPU before the
 /// tensor comes, as a worker that loaded its model does: the driver's descriptors come before
-/// the lease's. Between the two lie the copies of a memory file of 1 GiB, whose pages the
-/// kernel frees at the exit after the lease has closed and before the driver's descriptors
-/// close (highest numbers first): the GPU work runs on for tens of milliseconds after the
-/// lease's end, as it does in a process that held much memory.
+/// the lease's.
 fn write_until_killed((rx, reply): (Receiver<GpuTensor<f32>>, Sender<()>)) {
-    use std::io::Write;
     let _before = GpuTensor::<f32>::zeros(&common::gpu(), &[1]).unwrap();
-    let memfd = rustix::fs::memfd_create("cuda-mp-test-slow-exit", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
-    let mut file = std::fs::File::from(memfd);
-    let chunk = vec![1u8; 1 << 20];
-    (0..1024).for_each(|_| file.write_all(&chunk).unwrap());
-    let _copies: Vec<_> = (0..64).map(|_| file.try_clone().unwrap()).collect();
     let t = rx.recv().unwrap();
     for _ in 0..64 {
         t.fill(7.0).unwrap();
