@@ -1340,7 +1340,7 @@ impl Worker {
                 if shared.terminated() {
                     return Err(JoinError::PoolClosed);
                 }
-                return Err(JoinError::Failed(format!("could not hand the job to its worker: {panic}")));
+                return Err(not_started(JoinError::Failed(format!("could not hand the job to its worker: {panic}"))));
             }
         };
         let waited = wait(&mut handle, deadline, shared, Some(&self.watch));

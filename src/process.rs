@@ -69,6 +69,9 @@ pub fn init() {
     // every shared storage and lease is a descriptor, so the soft limit is lifted in every
     // process, and a worker may spawn workers of its own.
     crate::sys::raise_descriptor_limit();
+    // Read while descriptors are to spare: a lease's holder names itself with them.
+    crate::sys::own_start();
+    crate::sys::pid_namespace();
     crate::handover::note_parent();
     INITIALIZED.store(true, Ordering::SeqCst);
     procspawn::init();
@@ -403,14 +406,23 @@ impl<R> fmt::Debug for JoinHandle<R> {
     }
 }
 
-/// The error of a spawn that started no process: `error`, or that this process is out of
-/// descriptors where it is at or close to its limit (procspawn's own words say nothing of
-/// them; the descriptors it opened before it failed are closed again by now).
+/// The error of a spawn that started no process (or of a job not handed to its worker):
+/// `error`, or that this process is out of descriptors where procspawn failed for want of one
+/// (its own words say nothing of the limit: an index out of bounds, "Bad file descriptor").
+/// Only a failure of that kind is told so, and only where this process is at its limit, or
+/// close to it (the descriptors procspawn opened before it failed are closed again by now):
+/// a timeout stays a timeout.
 pub(crate) fn not_started(error: JoinError) -> JoinError {
-    if crate::sys::near_descriptor_limit() {
-        JoinError::OutOfDescriptors { limit: crate::sys::descriptor_limit() }
-    } else {
-        error
+    let descriptors = |said: &str| {
+        ["os error 24", "os error 23", "os error 9", "index out of bounds"].iter().any(|s| said.contains(s))
+    };
+    match error {
+        JoinError::Failed(said)
+            if crate::sys::out_of_descriptors() || (descriptors(&said) && crate::sys::near_descriptor_limit()) =>
+        {
+            JoinError::OutOfDescriptors { limit: crate::sys::descriptor_limit() }
+        }
+        other => other,
     }
 }
 

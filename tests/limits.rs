@@ -476,8 +476,9 @@ fn a_segment_whose_introduction_was_lost_is_introduced_again() {
     drop(first);
 }
 
-/// Spawns with no descriptor to spare, then again once there is room: what each gave.
-fn spawn_with_no_room(_: ()) -> (String, String) {
+/// Spawns with no descriptor to spare, then again once there is room, then with a start
+/// limit too short to meet and few descriptors to spare: what each gave.
+fn spawn_with_no_room(_: ()) -> (String, String, String) {
     let failed = {
         let _room = NoRoom::now();
         match cuda_mp::Builder::new().spawn(7u32, |n| n + 1) {
@@ -490,13 +491,21 @@ fn spawn_with_no_room(_: ()) -> (String, String) {
         Ok(n) => format!("joined {n}"),
         Err(e) => format!("error: {e}"),
     };
-    (failed, later)
+    leave_headroom(48);
+    let short = cuda_mp::Builder::new().start_timeout(Duration::from_nanos(1)).spawn(7u32, |n| n + 1);
+    let timed_out = match short.map(|child| child.join()) {
+        Ok(Ok(n)) => format!("joined {n}"),
+        Err(e) | Ok(Err(e)) => format!("{e:?}"),
+    };
+    (failed, later, timed_out)
 }
 
 #[test]
 fn spawning_past_the_descriptor_limit_is_an_error_that_says_so() {
     let _g = serial();
-    let (failed, later) = spawn((), spawn_with_no_room).join().unwrap();
+    let (failed, later, timed_out) = spawn((), spawn_with_no_room).join().unwrap();
     assert!(failed.starts_with("out of descriptors, limit "), "{failed}");
     assert_eq!(later, "joined 8", "a spawn once there is room again starts");
+    // Close to the limit, a failure of another kind says what it is.
+    assert!(timed_out == "Timeout" || timed_out == "joined 8", "{timed_out}");
 }

@@ -62,9 +62,15 @@ pub(crate) struct Holder {
 }
 
 impl Holder {
-    /// This process.
-    fn this() -> Holder {
-        Holder { pid: crate::sys::own_pid(), start: crate::sys::own_start(), namespace: crate::sys::pid_namespace() }
+    /// This process; `None` while its start time or pid namespace is unknown (`/proc`
+    /// unreadable, say out of descriptors), which an owner could not check it against.
+    fn this() -> Option<Holder> {
+        let me = Holder {
+            pid: crate::sys::own_pid(),
+            start: crate::sys::own_start(),
+            namespace: crate::sys::pid_namespace(),
+        };
+        (me.start != 0 && me.namespace != 0).then_some(me)
     }
 }
 
@@ -269,9 +275,16 @@ static ANNOUNCED: crate::fork::ForkLocal<std::sync::Mutex<std::collections::Hash
 /// Names this process on lease `tx`, once per lease, before anything the lease covers is used
 /// here (`Control::Holder`): a process killed while GPU work it queued still runs closes its
 /// lease before the driver stops that work, and the owner waits for its exit. Without room in
-/// the pipe now (its owner stopped reading) nothing is written, and a later arrival of the
-/// lease tries again; until then the owner does not wait for this process.
+/// the pipe now (its owner stopped reading), or while this process cannot tell its start time,
+/// nothing is written, and a later arrival of the lease tries again; until then the owner
+/// does not wait for this process.
 fn announce(tx: &Arc<OwnedFd>) {
+    announce_as(tx, Holder::this());
+}
+
+/// [`announce`] as `me` (`None`: unknown).
+fn announce_as(tx: &Arc<OwnedFd>, me: Option<Holder>) {
+    let Some(me) = me else { return };
     let Some(identity) = crate::sys::file_identity(tx.as_fd()) else { return };
     // The write is made under the lock (it never waits: the pipe is non-blocking), so that
     // another thread that takes the same lease meanwhile goes on only once it is written.
@@ -279,7 +292,7 @@ fn announce(tx: &Arc<OwnedFd>) {
     if announced.contains(&identity) {
         return;
     }
-    if matches!(Control::Holder(Holder::this()).try_send(tx), Ok(true)) {
+    if matches!(Control::Holder(me).try_send(tx), Ok(true)) {
         // Pipes closed since are not told apart from new ones: forgetting all of them now and
         // then costs a record on each lease that arrives again.
         if announced.len() >= MAX_ANNOUNCED {
@@ -602,6 +615,28 @@ mod record_tests {
         stray.push(0xff);
         stray.extend(Control::Release(3, 1).record().unwrap());
         assert_eq!(Control::parse(&stray), (vec![Control::Retain(3)], 9, true));
+    }
+
+    /// What a lease pipe's reading end holds now, parsed.
+    fn records_in(read: &OwnedFd) -> Vec<Control> {
+        let mut buf = [0u8; 256];
+        let n = crate::sys::read_available(read, &mut buf).unwrap().unwrap_or(0);
+        Control::parse(&buf[..n]).0
+    }
+
+    /// A process that cannot tell its start time writes no record its owner would refuse,
+    /// and does not count the lease as named: the lease's next arrival names it.
+    #[test]
+    fn a_holder_whose_start_is_unknown_names_itself_at_the_next_arrival() {
+        let (read, write) = crate::sys::lease_pipe().unwrap();
+        let write = Arc::new(write);
+        announce_as(&write, None);
+        assert_eq!(records_in(&read), vec![], "nothing written while the start time is unknown");
+        let me = Holder { pid: 7, start: 11, namespace: 13 };
+        announce_as(&write, Some(me));
+        assert_eq!(records_in(&read), vec![Control::Holder(me)], "named at the next arrival");
+        announce_as(&write, Some(me));
+        assert_eq!(records_in(&read), vec![], "once per lease");
     }
 
     mod fuzz {
