@@ -61,7 +61,7 @@ def test_views_are_sent_by_value_and_shared_memory_by_reference():
     assert shared[1, 0] == -1
 
 
-def test_a_broadcast_view_of_shared_memory_arrives_read_only():
+def test_views_of_shared_memory_whose_elements_repeat_arrive_read_only():
     tx, rx = pair()
     shared = cuda_mp.empty_host((4,), "int32")
     shared[:] = np.arange(4)
@@ -73,7 +73,15 @@ def test_a_broadcast_view_of_shared_memory_arrives_read_only():
     with pytest.raises(ValueError):
         got[0, 0] = -1
     assert shared[0] == 0
-    tx.send(shared[:2])  # a view without repeats stays writable
+    windows = np.lib.stride_tricks.sliding_window_view(shared, 3)  # rows that overlap
+    tx.send(windows)
+    got = rx.recv(timeout=10)
+    np.testing.assert_array_equal(got, windows)
+    assert not got.flags.writeable
+    tx.send(shared[::2])  # a view without repeats stays writable
+    stepped = rx.recv(timeout=10)
+    assert stepped.flags.writeable
+    tx.send(shared[:2])
     plain = rx.recv(timeout=10)
     plain[0] = -1
     assert shared[0] == -1

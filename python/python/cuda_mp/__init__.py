@@ -405,7 +405,8 @@ def _to_torch(t: "_native.Tensor"):
 
     device = t.device
     if device is None:
-        # (torch refuses in-place writes to repeating elements itself)
+        # (torch has no read-only tensors: an in-place operation on a whole tensor whose
+        # elements repeat fails there, but a write to one element goes through)
         return torch.from_numpy(_numpy_view(t)) if t.dtype != "bf16" else _host_bf16(t)
     global _FROM_DLPACK, _CUDA_READY
     if _FROM_DLPACK is None:
@@ -440,11 +441,22 @@ def _numpy_view(t: "_native.Tensor"):
 
 def _to_numpy(t: "_native.Tensor"):
     a = _numpy_view(t)
-    if 0 in a.strides and any(s == 0 and n > 1 for n, s in zip(a.shape, a.strides)):
-        # Elements that repeat (a broadcast view): read-only, as NumPy's own broadcast_to
-        # makes them, so that a write cannot change every place an element stands for.
+    if not (a.flags.c_contiguous or a.flags.f_contiguous) and _overlaps(a):
+        # Elements that stand in several places (a broadcast view, a sliding window):
+        # read-only, as NumPy makes such views itself, so that one write cannot change them all.
         a.flags.writeable = False
     return a
+
+
+def _overlaps(a) -> bool:
+    """Whether two places of the view ``a`` (strides not negative) may be the same memory:
+    each stride, smallest first, must pass the span of the dimensions before it."""
+    span = a.itemsize
+    for stride, n in sorted((s, n) for n, s in zip(a.shape, a.strides) if n > 1):
+        if stride < span:
+            return True
+        span += stride * (n - 1)
+    return False
 
 
 def _host_leaf(t: "_native.Tensor"):
