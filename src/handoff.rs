@@ -40,7 +40,36 @@ pub fn to_bytes<T: Serialize + ?Sized>(value: &T, ttl: Duration) -> Result<Vec<u
     {
         crate::handover::withdraw(ticket);
     }
-    bytes.map_err(Error::Encode)
+    bytes.map(headed).map_err(Error::Encode)
+}
+
+/// What the bytes of a value start with: a mark, then the protocol version (one byte), so
+/// that bytes of another cuda-mp version are refused as such before anything of them is
+/// used (a decoder writes records on the leases they carry, in its own version's words).
+const MARK: [u8; 3] = *b"cmb";
+
+/// `bytes` behind the mark and the version.
+fn headed(bytes: Vec<u8>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(MARK.len() + 1 + bytes.len());
+    out.extend_from_slice(&MARK);
+    out.push(crate::protocol::VERSION as u8);
+    out.extend_from_slice(&bytes);
+    out
+}
+
+/// The value's own bytes of `bytes`, if they are of this version.
+fn unheaded(bytes: &[u8]) -> Result<&[u8]> {
+    match bytes.split_first_chunk::<3>() {
+        Some((mark, rest)) if *mark == MARK => match rest.split_first() {
+            Some((&version, rest)) if u32::from(version) == crate::protocol::VERSION => Ok(rest),
+            Some((&version, _)) => Err(Error::Malformed(format!(
+                "bytes of cuda-mp's protocol version {version}; this process reads version {}: use the same cuda-mp version on both ends",
+                crate::protocol::VERSION
+            ))),
+            None => Err(Error::Malformed("bytes cut short".into())),
+        },
+        _ => Err(Error::Malformed("not the bytes of a value (to_bytes) of this cuda-mp version".into())),
+    }
 }
 
 /// Decodes bytes made by [`to_bytes`] in any process of the same user on this host, while the
@@ -52,7 +81,7 @@ pub fn to_bytes<T: Serialize + ?Sized>(value: &T, ttl: Duration) -> Result<Vec<u
 /// lost: the same bytes do not decode again); [`Error::OutOfDescriptors`] when this process had
 /// no descriptor left for them.
 pub fn from_bytes<T: DeserializeOwned>(bytes: &[u8]) -> Result<T> {
-    crate::wire::decode_handoff(bytes)
+    crate::wire::decode_handoff(unheaded(bytes)?)
 }
 
 /// Values turned into bytes one by one, as [`to_bytes`] does, whose descriptors wait in one
@@ -107,7 +136,7 @@ impl HandoffBatch {
         let bytes =
             crate::wire::encode_deposited(value, Some(self.ticket.clone()), self.ttl).0.map_err(Error::Encode)?;
         self.encoded += 1;
-        Ok(bytes)
+        Ok(headed(bytes))
     }
 
     /// Ends the batch: its bytes decode from now on. [`Error::Timeout`] when its time was up

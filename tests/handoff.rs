@@ -391,3 +391,20 @@ fn bytes_of_a_process_that_forked_and_ended_fail_at_once() {
     assert!(took < Duration::from_secs(5), "the decode failed only after {took:?}: {err}");
     assert!(err.to_string().contains("has exited before this process took them"), "{err}");
 }
+
+/// Bytes of another protocol version (or without the mark) are refused as such, before
+/// anything they carry is taken: the real bytes decode after.
+#[test]
+fn bytes_of_another_version_are_refused_and_take_nothing() {
+    let _g = serial();
+    let t = HostTensor::<i16>::from_vec(&[4], vec![1, 2, 3, 4]).unwrap();
+    let bytes = to_bytes(&t, WAIT).unwrap();
+    let mut older = bytes.clone();
+    older[3] -= 1;
+    let said = from_bytes::<HostTensor<i16>>(&older).unwrap_err().to_string();
+    assert!(said.contains(&format!("protocol version {}", bytes[3] - 1)), "{said}");
+    let said = from_bytes::<HostTensor<i16>>(&bytes[3..]).unwrap_err().to_string();
+    assert!(said.contains("not the bytes of a value"), "{said}");
+    let back = from_bytes::<HostTensor<i16>>(&bytes).unwrap();
+    assert!(back.shares_storage_with(&t));
+}
