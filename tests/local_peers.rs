@@ -40,10 +40,11 @@ fn connect_as_nobody(name: String) -> bool {
     if connect(&fd, &SocketAddrUnix::new(name.as_str()).unwrap()).is_err() {
         return false;
     }
-    // The transport's header (one descriptor), then a hello: magic, version 11, message type.
+    // The transport's header (one descriptor), then a hello: magic, version 12 (the protocol's
+    // now), message type.
     let mut hello = 1u32.to_le_bytes().to_vec();
     hello.extend_from_slice(b"cuda-mp\0");
-    hello.extend_from_slice(&[11, 2, b'u', b'8']);
+    hello.extend_from_slice(&[12, 2, b'u', b'8']);
     let fds = [gauge.as_fd()];
     let mut space = vec![std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut control = SendAncillaryBuffer::new(&mut space);
@@ -153,4 +154,40 @@ fn a_process_of_another_user_gets_nothing_from_a_home_which_goes_on_serving() {
     assert_eq!(answered, Some(0), "connected, and closed without an answer");
     let back: cuda_mp::HostTensor<f32> = cuda_mp::from_bytes(&bytes).unwrap();
     assert_eq!(back.to_vec(), vec![3.0; 16], "the home still serves this user");
+}
+
+/// In a child whose temporary directory is `tmp`, where another user made this user's
+/// directory for listeners first: binds a listener, connects to it and sends a value.
+fn listen_beside_a_squatter(tmp: String) -> Result<(String, u32), String> {
+    // SAFETY: the child's own environment, set before any thread of it reads it.
+    unsafe { std::env::set_var("TMPDIR", &tmp) };
+    let listener = Listener::<u32>::bind().map_err(|e| e.to_string())?;
+    let name = listener.name().to_string();
+    let tx = Sender::<u32>::connect(&name).map_err(|e| e.to_string())?;
+    let rx = listener.accept_timeout(WAIT).map_err(|e| e.to_string())?;
+    tx.send(7).map_err(|e| e.to_string())?;
+    Ok((name, rx.recv_timeout(WAIT).map_err(|e| e.to_string())?))
+}
+
+#[test]
+fn a_listeners_directory_taken_by_another_user_does_not_stop_this_users_listeners() {
+    if !is_root() {
+        eprintln!("only root can make a directory of another user: the test is not run");
+        return;
+    }
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    let tmp = std::env::temp_dir().join(format!("cuda-mp-squat-test-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let uid = rustix::process::geteuid().as_raw();
+    let squatted = tmp.join(format!("cuda-mp-{uid}"));
+    std::fs::DirBuilder::new().mode(0o700).create(&squatted).unwrap();
+    std::os::unix::fs::chown(&squatted, Some(NOBODY), Some(NOBODY)).unwrap();
+    let got = spawn(tmp.to_string_lossy().into_owned(), listen_beside_a_squatter).join().unwrap();
+    let (name, value) = got.expect("a listener binds beside the squatter's directory");
+    assert_eq!(value, 7);
+    let dir = std::path::Path::new(&name).parent().unwrap();
+    assert_ne!(dir, squatted, "{name}");
+    let meta = std::fs::metadata(dir).unwrap();
+    assert_eq!((meta.uid(), meta.mode() & 0o777), (uid, 0o700), "{name}: a directory of this user's alone");
+    std::fs::remove_dir_all(&tmp).unwrap();
 }

@@ -595,30 +595,66 @@ fn connect_within(addr: &SocketAddrUnix, deadline: Instant) -> io::Result<Socket
     Socket::connected(fd)
 }
 
-/// This user's directory for listener sockets, which only this user may enter (made mode 0700
-/// if missing; refused if another user owns it or others may enter it).
+/// This user's directory for listener sockets, which only this user may enter: `$TMPDIR/
+/// cuda-mp-UID` (made mode 0700 if missing; closed again if this user opened it up). Where
+/// another user took that name first (anyone may make it in a shared directory), a directory
+/// of a random name beside it, made for this process and kept for its later listeners: a
+/// squatter cannot stop this user's listeners, and gets nothing of them.
 pub(crate) fn private_dir() -> io::Result<std::path::PathBuf> {
-    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    static FALLBACK: std::sync::Mutex<Option<std::path::PathBuf>> = std::sync::Mutex::new(None);
     let uid = rustix::process::geteuid().as_raw();
-    let dir = std::env::temp_dir().join(format!("cuda-mp-{uid}"));
-    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+    let named = std::env::temp_dir().join(format!("cuda-mp-{uid}"));
+    let refused = match own_dir(&named, uid, false) {
+        Err(e) if e.kind() == io::ErrorKind::PermissionDenied => e,
+        other => return other.map(|()| named),
+    };
+    let mut fallback = FALLBACK.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(dir) = fallback.as_ref()
+        && own_dir(dir, uid, false).is_ok()
+    {
+        return Ok(dir.clone());
+    }
+    for _ in 0..8 {
+        let dir = std::env::temp_dir().join(format!("cuda-mp-{uid}-{:016x}", crate::sys::random_u128() as u64));
+        match own_dir(&dir, uid, true) {
+            Ok(()) => {
+                tracing::warn!("{refused}; this process's listeners live in {} instead", dir.display());
+                *fallback = Some(dir.clone());
+                return Ok(dir);
+            }
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(refused)
+}
+
+/// Makes `dir` mode 0700 if missing (`fresh`: only a directory made now will do), and checks
+/// that it is a directory of user `uid` that nobody else may enter: `PermissionDenied` if not.
+fn own_dir(dir: &std::path::Path, uid: u32, fresh: bool) -> io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    let taken = || {
+        io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("refused: {} is not a directory of this user's alone", dir.display()),
+        )
+    };
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
         Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists && fresh => return Err(taken()),
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
         Err(e) => return Err(e),
     }
-    let meta = std::fs::symlink_metadata(&dir)?;
+    let meta = std::fs::symlink_metadata(dir)?;
     if meta.is_dir() && meta.uid() == uid && meta.permissions().mode() & 0o077 != 0 {
         // Ours, opened up by this user: closed again (only this user or root could have).
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
     }
-    let meta = std::fs::symlink_metadata(&dir)?;
+    let meta = std::fs::symlink_metadata(dir)?;
     if !meta.is_dir() || meta.uid() != uid || meta.permissions().mode() & 0o077 != 0 {
-        return Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            format!("refused: {} is not a directory of this user's alone", dir.display()),
-        ));
+        return Err(taken());
     }
-    Ok(dir)
+    Ok(())
 }
 
 /// A non-blocking `eventfd`, written to interrupt a thread that polls it.
