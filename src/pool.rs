@@ -1288,7 +1288,7 @@ impl Worker {
             if shared.terminated() {
                 return JoinError::PoolClosed;
             }
-            JoinError::Failed(format!("could not set up a pool worker: {panic}"))
+            not_started(JoinError::Failed(format!("could not set up a pool worker: {panic}")))
         })?;
         let waited = wait(&mut setup, deadline, shared, None);
         if !matches!(waited, Waited::Done(_)) {
