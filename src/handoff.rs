@@ -49,7 +49,7 @@ pub fn to_bytes<T: Serialize + ?Sized>(value: &T, ttl: Duration) -> Result<Vec<u
 const MARK: [u8; 3] = *b"cmb";
 
 /// `bytes` behind the mark and the version.
-fn headed(bytes: Vec<u8>) -> Vec<u8> {
+pub(crate) fn headed(bytes: Vec<u8>) -> Vec<u8> {
     let mut out = Vec::with_capacity(MARK.len() + 1 + bytes.len());
     out.extend_from_slice(&MARK);
     out.push(crate::protocol::VERSION as u8);

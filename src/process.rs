@@ -414,7 +414,7 @@ impl<R> fmt::Debug for JoinHandle<R> {
 /// a timeout stays a timeout.
 pub(crate) fn not_started(error: JoinError) -> JoinError {
     let descriptors = |said: &str| {
-        ["os error 24", "os error 23", "os error 9", "index out of bounds"].iter().any(|s| said.contains(s))
+        ["(os error 24)", "(os error 23)", "(os error 9)", "index out of bounds"].iter().any(|s| said.contains(s))
     };
     match error {
         JoinError::Failed(said)

@@ -157,8 +157,10 @@ fn a_process_of_another_user_gets_nothing_from_a_home_which_goes_on_serving() {
 }
 
 /// In a child whose temporary directory is `tmp`, where another user made this user's
-/// directory for listeners first: binds a listener, connects to it and sends a value.
-fn listen_beside_a_squatter(tmp: String) -> Result<(String, u32), String> {
+/// directory for listeners first: binds a listener, connects to it and sends a value. Gives
+/// the listener's name, the value received, and the owner and mode of its directory.
+fn listen_beside_a_squatter(tmp: String) -> Result<(String, u32, u32, u32), String> {
+    use std::os::unix::fs::MetadataExt;
     // SAFETY: the child's own environment, set before any thread of it reads it.
     unsafe { std::env::set_var("TMPDIR", &tmp) };
     let listener = Listener::<u32>::bind().map_err(|e| e.to_string())?;
@@ -166,7 +168,9 @@ fn listen_beside_a_squatter(tmp: String) -> Result<(String, u32), String> {
     let tx = Sender::<u32>::connect(&name).map_err(|e| e.to_string())?;
     let rx = listener.accept_timeout(WAIT).map_err(|e| e.to_string())?;
     tx.send(7).map_err(|e| e.to_string())?;
-    Ok((name, rx.recv_timeout(WAIT).map_err(|e| e.to_string())?))
+    let value = rx.recv_timeout(WAIT).map_err(|e| e.to_string())?;
+    let meta = std::fs::metadata(std::path::Path::new(&name).parent().unwrap()).map_err(|e| e.to_string())?;
+    Ok((name, value, meta.uid(), meta.mode() & 0o777))
 }
 
 #[test]
@@ -175,7 +179,7 @@ fn a_listeners_directory_taken_by_another_user_does_not_stop_this_users_listener
         eprintln!("only root can make a directory of another user: the test is not run");
         return;
     }
-    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    use std::os::unix::fs::DirBuilderExt;
     let tmp = std::env::temp_dir().join(format!("cuda-mp-squat-test-{}", std::process::id()));
     std::fs::create_dir_all(&tmp).unwrap();
     let uid = rustix::process::geteuid().as_raw();
@@ -183,11 +187,11 @@ fn a_listeners_directory_taken_by_another_user_does_not_stop_this_users_listener
     std::fs::DirBuilder::new().mode(0o700).create(&squatted).unwrap();
     std::os::unix::fs::chown(&squatted, Some(NOBODY), Some(NOBODY)).unwrap();
     let got = spawn(tmp.to_string_lossy().into_owned(), listen_beside_a_squatter).join().unwrap();
-    let (name, value) = got.expect("a listener binds beside the squatter's directory");
+    let (name, value, owner, mode) = got.expect("a listener binds beside the squatter's directory");
     assert_eq!(value, 7);
     let dir = std::path::Path::new(&name).parent().unwrap();
     assert_ne!(dir, squatted, "{name}");
-    let meta = std::fs::metadata(dir).unwrap();
-    assert_eq!((meta.uid(), meta.mode() & 0o777), (uid, 0o700), "{name}: a directory of this user's alone");
+    assert_eq!((owner, mode), (uid, 0o700), "{name}: a directory of this user's alone");
+    common::eventually(WAIT, "the child's directory is removed at its exit", || !dir.exists());
     std::fs::remove_dir_all(&tmp).unwrap();
 }

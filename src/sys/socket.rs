@@ -598,26 +598,32 @@ fn connect_within(addr: &SocketAddrUnix, deadline: Instant) -> io::Result<Socket
 /// This user's directory for listener sockets, which only this user may enter: `$TMPDIR/
 /// cuda-mp-UID` (made mode 0700 if missing; closed again if this user opened it up). Where
 /// another user took that name first (anyone may make it in a shared directory), a directory
-/// of a random name beside it, made for this process and kept for its later listeners: a
-/// squatter cannot stop this user's listeners, and gets nothing of them.
+/// of a random name beside it, made for this process, kept for its later listeners and removed
+/// at its exit: a squatter cannot stop this user's listeners, and gets nothing of them.
 pub(crate) fn private_dir() -> io::Result<std::path::PathBuf> {
-    static FALLBACK: std::sync::Mutex<Option<std::path::PathBuf>> = std::sync::Mutex::new(None);
     let uid = rustix::process::geteuid().as_raw();
     let named = std::env::temp_dir().join(format!("cuda-mp-{uid}"));
     let refused = match own_dir(&named, uid, false) {
         Err(e) if e.kind() == io::ErrorKind::PermissionDenied => e,
         other => return other.map(|()| named),
     };
-    let mut fallback = FALLBACK.lock().unwrap_or_else(|p| p.into_inner());
+    // This process's own (a forked child makes its own: a lock held across the fork by another
+    // thread of its parent is not seen there).
+    let mut fallback = FALLBACK.get().lock().unwrap_or_else(|p| p.into_inner());
     if let Some(dir) = fallback.as_ref()
         && own_dir(dir, uid, false).is_ok()
     {
         return Ok(dir.clone());
     }
     for _ in 0..8 {
-        let dir = std::env::temp_dir().join(format!("cuda-mp-{uid}-{:016x}", crate::sys::random_u128() as u64));
+        // Short: a listener's path must fit a socket address (108 bytes).
+        let dir = std::env::temp_dir().join(format!("cuda-mp-{uid}-{:08x}", crate::sys::random_u128() as u32));
         match own_dir(&dir, uid, true) {
             Ok(()) => {
+                static REMOVE_AT_EXIT: std::sync::Once = std::sync::Once::new();
+                REMOVE_AT_EXIT.call_once(|| {
+                    crate::sys::at_exit(remove_fallback);
+                });
                 tracing::warn!("{refused}; this process's listeners live in {} instead", dir.display());
                 *fallback = Some(dir.clone());
                 return Ok(dir);
@@ -627,6 +633,19 @@ pub(crate) fn private_dir() -> io::Result<std::path::PathBuf> {
         }
     }
     Err(refused)
+}
+
+/// The directory [`private_dir`] made for this process's listeners, if it made one.
+static FALLBACK: crate::fork::ForkLocal<std::sync::Mutex<Option<std::path::PathBuf>>> =
+    crate::fork::ForkLocal::new(Default::default);
+
+/// At exit: removes this process's own directory for listeners, with what is left in it (the
+/// sockets of listeners never dropped, which nobody can reach once this process is gone).
+extern "C" fn remove_fallback() {
+    let dir = FALLBACK.get().try_lock().ok().and_then(|d| d.clone());
+    if let Some(dir) = dir {
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }
 
 /// Makes `dir` mode 0700 if missing (`fresh`: only a directory made now will do), and checks

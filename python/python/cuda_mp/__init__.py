@@ -450,7 +450,9 @@ def _to_numpy(t: "_native.Tensor"):
 
 def _overlaps(a) -> bool:
     """Whether two places of the view ``a`` (strides not negative) may be the same memory:
-    each stride, smallest first, must pass the span of the dimensions before it."""
+    each stride, smallest first, must pass the span of the dimensions before it. Cautious:
+    some interleaved layouts (made with ``as_strided``) whose places all differ fail it too,
+    and arrive read-only (a copy of them is writable)."""
     span = a.itemsize
     for stride, n in sorted((s, n) for n, s in zip(a.shape, a.strides) if n > 1):
         if stride < span:
