@@ -64,7 +64,7 @@ pub(crate) struct Holder {
 impl Holder {
     /// This process; `None` while its start time or pid namespace is unknown (`/proc`
     /// unreadable, say out of descriptors), which an owner could not check it against.
-    fn this() -> Option<Holder> {
+    pub(super) fn this() -> Option<Holder> {
         let me = Holder {
             pid: crate::sys::own_pid(),
             start: crate::sys::own_start(),

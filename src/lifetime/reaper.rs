@@ -522,7 +522,7 @@ mod tests {
     use super::*;
 
     fn this() -> Holder {
-        Holder { pid: crate::sys::own_pid(), start: crate::sys::own_start(), namespace: crate::sys::pid_namespace() }
+        Holder::this().expect("this process's start time and pid namespace")
     }
 
     #[test]

@@ -9,42 +9,38 @@ pub(crate) fn own_pid() -> u32 {
     std::process::id()
 }
 
-/// When this process started (in clock ticks since boot; 0 when unknown). Cached with the
-/// process id it was read for: a child forked without `exec` reads its own. Not cached while
-/// unknown (`/proc` unreadable, out of descriptors): a later call reads again. (Atomics, not a
-/// lock: a fork while another thread held a lock would leave it held in the child.)
+/// When this process started (in clock ticks since boot; 0 when unknown), as
+/// [`per_process`] keeps it.
 pub(crate) fn own_start() -> u64 {
     static START: AtomicU64 = AtomicU64::new(0);
     static FOR_PID: AtomicU32 = AtomicU32::new(0);
-    let pid = own_pid();
-    if FOR_PID.load(Ordering::Acquire) == pid {
-        return START.load(Ordering::Relaxed);
-    }
-    let start = process_stat(pid).map_or(0, |s| s.start);
-    if start != 0 {
-        START.store(start, Ordering::Relaxed);
-        FOR_PID.store(pid, Ordering::Release);
-    }
-    start
+    per_process(&START, &FOR_PID, || process_stat(own_pid()).map_or(0, |s| s.start))
 }
 
 /// The identity of this process's pid namespace (0 when unknown): pids of processes in other
-/// namespaces mean nothing here. Cached as `own_start` is, with the process id it was read for
-/// (a child forked after `unshare(CLONE_NEWPID)` is in another namespace), and not while
-/// unknown.
+/// namespaces mean nothing here. Kept as [`per_process`] does (a child forked after
+/// `unshare(CLONE_NEWPID)` is in another namespace).
 pub(crate) fn pid_namespace() -> u64 {
     static NAMESPACE: AtomicU64 = AtomicU64::new(0);
     static FOR_PID: AtomicU32 = AtomicU32::new(0);
+    per_process(&NAMESPACE, &FOR_PID, || std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino()))
+}
+
+/// A value of this process that `read` gives (0: unknown), cached in `value` with the process id
+/// it was read for in `for_pid`: a child forked without `exec` reads its own. Not cached while
+/// unknown (`/proc` unreadable, out of descriptors): a later call reads again. (Atomics, not a
+/// lock: a fork while another thread held a lock would leave it held in the child.)
+fn per_process(value: &AtomicU64, for_pid: &AtomicU32, read: impl FnOnce() -> u64) -> u64 {
     let pid = own_pid();
-    if FOR_PID.load(Ordering::Acquire) == pid {
-        return NAMESPACE.load(Ordering::Relaxed);
+    if for_pid.load(Ordering::Acquire) == pid {
+        return value.load(Ordering::Relaxed);
     }
-    let namespace = std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino());
-    if namespace != 0 {
-        NAMESPACE.store(namespace, Ordering::Relaxed);
-        FOR_PID.store(pid, Ordering::Release);
+    let read = read();
+    if read != 0 {
+        value.store(read, Ordering::Relaxed);
+        for_pid.store(pid, Ordering::Release);
     }
-    namespace
+    read
 }
 
 /// True when the process `pid`, which started at `start` (0: unknown), has ended: no such
