@@ -33,14 +33,14 @@ use crate::error::{Error, Result};
 /// # Ok::<(), cuda_mp::Error>(())
 /// ```
 pub fn to_bytes<T: Serialize + ?Sized>(value: &T, ttl: Duration) -> Result<Vec<u8>> {
-    let (bytes, ticket) = crate::wire::encode_deposited(value, None, ttl);
+    let (bytes, ticket) = crate::wire::encode_deposited(value, head(), None, ttl);
     // Nothing of a value that did not encode is left waiting.
     if bytes.is_err()
         && let Some(ticket) = &ticket
     {
         crate::handover::withdraw(ticket);
     }
-    bytes.map(headed).map_err(Error::Encode)
+    bytes.map_err(Error::Encode)
 }
 
 /// What the bytes of a value start with: a mark, then the protocol version (one byte), so
@@ -48,13 +48,12 @@ pub fn to_bytes<T: Serialize + ?Sized>(value: &T, ttl: Duration) -> Result<Vec<u
 /// used (a decoder writes records on the leases they carry, in its own version's words).
 const MARK: [u8; 3] = *b"cmb";
 
-/// `bytes` behind the mark and the version.
-pub(crate) fn headed(bytes: Vec<u8>) -> Vec<u8> {
-    let mut out = Vec::with_capacity(MARK.len() + 1 + bytes.len());
-    out.extend_from_slice(&MARK);
-    out.push(crate::protocol::VERSION as u8);
-    out.extend_from_slice(&bytes);
-    out
+/// The mark and the version, which a value's bytes are written after.
+pub(crate) fn head() -> Vec<u8> {
+    const { assert!(crate::protocol::VERSION < 256, "the version fits the byte after the mark") };
+    let mut head = MARK.to_vec();
+    head.push(crate::protocol::VERSION as u8);
+    head
 }
 
 /// The value's own bytes of `bytes`, if they are of this version.
@@ -133,10 +132,11 @@ impl HandoffBatch {
     pub fn to_bytes<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<Vec<u8>> {
         // Each value a message of its own (its own per-message lease): the claims of one never
         // decoded go with its descriptors, whatever the others do.
-        let bytes =
-            crate::wire::encode_deposited(value, Some(self.ticket.clone()), self.ttl).0.map_err(Error::Encode)?;
+        let bytes = crate::wire::encode_deposited(value, head(), Some(self.ticket.clone()), self.ttl)
+            .0
+            .map_err(Error::Encode)?;
         self.encoded += 1;
-        Ok(headed(bytes))
+        Ok(bytes)
     }
 
     /// Ends the batch: its bytes decode from now on. [`Error::Timeout`] when its time was up

@@ -237,18 +237,19 @@ pub(crate) fn encode_spawn_scope<R>(encode: impl FnOnce() -> R) -> (R, Option<Sp
     (result, e.spawn.flatten())
 }
 
-/// Encodes `value` (postcard) with its descriptors deposited at this process's home for `ttl`
-/// (for the one process that decodes them: [`decode_handoff`]), under `ticket` (or a fresh one
-/// made at the first descriptor): the bytes or why they are not, and the ticket the
-/// descriptors wait under.
+/// Encodes `value` (postcard, after the bytes `head` holds) with its descriptors deposited at
+/// this process's home for `ttl` (for the one process that decodes them: [`decode_handoff`]),
+/// under `ticket` (or a fresh one made at the first descriptor): the bytes or why they are
+/// not, and the ticket the descriptors wait under.
 pub(crate) fn encode_deposited<T: Serialize + ?Sized>(
     value: &T,
+    head: Vec<u8>,
     ticket: Option<SpawnTicket>,
     ttl: Duration,
 ) -> (std::result::Result<Vec<u8>, String>, Option<SpawnTicket>) {
     let mut context = Encoding::new(Some(ticket), None);
     context.spawn_ttl = ttl;
-    let (bytes, e) = scope(context, || postcard::to_allocvec(value));
+    let (bytes, e) = scope(context, || postcard::to_extend(value, head));
     (bytes.map_err(|error| take_failure().unwrap_or_else(|| format!("{error:?}"))), e.spawn.flatten())
 }
 

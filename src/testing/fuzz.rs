@@ -245,7 +245,7 @@ pub fn host_bytes(bytes: &[u8]) -> String {
 /// deposit is taken at most once (else this panics: a finding).
 pub fn handoff_bytes(input: &[u8]) -> String {
     // Behind the mark and version that real bytes start with, so that the decoder sees them.
-    let raw = crate::from_bytes::<Message>(&crate::handoff::headed(input.to_vec())).map(|_| ());
+    let raw = crate::from_bytes::<Message>(&[&crate::handoff::head()[..], input].concat()).map(|_| ());
     let tensor = match HostTensor::<f32>::from_vec(&[4], vec![1.0, 2.0, 3.0, 4.0]) {
         Ok(t) => t,
         Err(e) => return e.to_string(),
