@@ -1298,7 +1298,9 @@ impl Worker {
             Waited::Done(pid) => pid,
             // A pool terminated meanwhile may have ended the process.
             Waited::Failed(_) if shared.terminated() => return Err(JoinError::PoolClosed),
-            Waited::Failed(e) => return Err(join_error(e)),
+            // The set-up is the worker's first message: a failure to get it there for want of
+            // descriptors says so, as a failed start does.
+            Waited::Failed(e) => return Err(not_started(join_error(e))),
             Waited::Died => return Err(JoinError::Terminated("the pool worker ended while it was set up".into())),
             Waited::TimedOut => return Err(JoinError::Timeout),
             Waited::Stopped => return Err(JoinError::PoolClosed),

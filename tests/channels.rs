@@ -210,7 +210,7 @@ fn accept_and_connect_time_out_instead_of_hanging() {
 }
 
 /// A name file planted as a FIFO (which would hold a read for ever), as a symbolic link, or
-/// writable by others is refused at once, not waited on; a published one is the user's alone.
+/// writable by its group or by others is refused at once, not waited on; a published one is the user's alone.
 #[test]
 fn connect_file_refuses_a_planted_fifo_link_or_writable_file_at_once() {
     let listener = Listener::<u8>::bind().unwrap();
@@ -229,14 +229,18 @@ fn connect_file_refuses_a_planted_fifo_link_or_writable_file_at_once() {
     let writable = dir.join("writable");
     std::fs::write(&writable, listener.name()).unwrap();
     std::fs::set_permissions(&writable, std::os::unix::fs::PermissionsExt::from_mode(0o666)).unwrap();
-    // A group may write it (as a umask of 002 makes files): taken.
+    // Its group may write it (a member could point it at another listener of this user's).
     let group = dir.join("group");
     std::fs::write(&group, listener.name()).unwrap();
     std::fs::set_permissions(&group, std::os::unix::fs::PermissionsExt::from_mode(0o664)).unwrap();
-    let sender = Sender::<u8>::connect_file(&group, WAIT).expect("a name file its group may write is taken");
+    // The same name in a file of this user's alone is taken.
+    let own = dir.join("own");
+    std::fs::write(&own, listener.name()).unwrap();
+    std::fs::set_permissions(&own, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let sender = Sender::<u8>::connect_file(&own, WAIT).expect("a name file only this user may write is taken");
     drop(sender);
     let (tx, rx) = std::sync::mpsc::channel();
-    let paths = [fifo, link, writable];
+    let paths = [fifo, link, writable, group];
     let tried = paths.clone();
     std::thread::spawn(move || {
         let got: Vec<_> =

@@ -433,8 +433,8 @@ impl<T: Serialize> Sender<T> {
     /// [`Listener::publish_to`], waiting up to `timeout` for the file to appear (or to name a
     /// listener that is there: a file left by one that is gone is read again) and for room in
     /// the listener's backlog. A file that is not a regular file of this user's (a FIFO, a
-    /// symbolic link, another user's file planted under the name), or that every user may
-    /// write, fails at once (`PermissionDenied`); a listener of another user's is refused as
+    /// symbolic link, another user's file planted under the name), or that its group or every
+    /// user may write, fails at once (`PermissionDenied`); a listener of another user's is refused as
     /// by [`connect`](Self::connect).
     ///
     /// ```

@@ -171,9 +171,8 @@ impl Drop for NamedMemory {
 /// Reads the small text file at `path` (a name a peer published), of at most `max_len` bytes;
 /// `Ok(None)` when there is none. Refused (`PermissionDenied`): a symbolic link, anything but
 /// a regular file (a FIFO planted there would hold the read for ever), a file of another
-/// user's, and one that every user may write. (A group that may write it is allowed: a umask
-/// of 002 makes such files, and the listener it names is checked to be this user's anyway.)
-/// The open does not wait.
+/// user's, and one that its group or every user may write (a member of the group could point
+/// it at another listener of this user's; [`publish`] writes mode 0600). The open does not wait.
 pub(crate) fn read_published(path: &Path, max_len: u64) -> io::Result<Option<String>> {
     let flags = rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::NONBLOCK;
     let file = match OpenOptions::new().read(true).custom_flags(flags.bits() as i32).open(path) {
@@ -185,11 +184,11 @@ pub(crate) fn read_published(path: &Path, max_len: u64) -> io::Result<Option<Str
         Err(e) => return Err(with_path(e, path)),
     };
     let meta = file.metadata()?;
-    let own = meta.uid() == rustix::process::geteuid().as_raw() && meta.mode() & 0o002 == 0;
+    let own = meta.uid() == rustix::process::geteuid().as_raw() && meta.mode() & 0o022 == 0;
     if !meta.file_type().is_file() || !own || meta.len() > max_len {
         let text = format!(
-            "{}: refused, a regular file of this user's that not every user may write, of at most {max_len} \
-             bytes, is expected (owner {}, mode {:o}, {} bytes)",
+            "{}: refused, a regular file of this user's that neither its group nor others may write, of at \
+             most {max_len} bytes, is expected (owner {}, mode {:o}, {} bytes)",
             path.display(),
             meta.uid(),
             meta.mode() & 0o7777,
