@@ -80,6 +80,19 @@ impl SharedCells {
 thread_local! {
     /// Set while a panic of the transport is being caught on this thread.
     static QUIET: Cell<bool> = const { Cell::new(false) };
+    /// Whether the last panic caught quietly on this thread was raised in procspawn's or
+    /// ipc-channel's code (its location's file).
+    static CAUGHT_IN_DEPENDENCY: Cell<bool> = const { Cell::new(false) };
+}
+
+/// A panic that [`catch_spawn_panic`] caught.
+#[derive(Debug)]
+pub(crate) struct Caught {
+    /// What it said.
+    pub(crate) message: String,
+    /// Whether it was raised in procspawn's or ipc-channel's code, not in a `Serialize` of the
+    /// caller's that they ran.
+    pub(crate) in_dependency: bool,
 }
 
 /// Where the panics of one thread of this process are reported (see [`report_panics`]).
@@ -106,6 +119,9 @@ fn install_hook() {
         *PREVIOUS.write().unwrap_or_else(|p| p.into_inner()) = Some(std::panic::take_hook());
         std::panic::set_hook(Box::new(|info| {
             if QUIET.with(Cell::get) {
+                let file = info.location().map_or("", |l| l.file());
+                let dependency = ["procspawn", "ipc-channel", "ipc_channel"].iter().any(|d| file.contains(d));
+                CAUGHT_IN_DEPENDENCY.with(|c| c.set(dependency));
                 return;
             }
             if let Some(reporter) = REPORTER.get()
@@ -151,11 +167,21 @@ pub(crate) fn report_panics(report: impl Fn(PanicReport) + Send + Sync + 'static
 /// errors to report, not crashes to print. Panics elsewhere, on other threads or outside `f`,
 /// print as usual.
 pub(crate) fn catch_quietly<R>(f: impl FnOnce() -> R) -> Result<R, String> {
+    catch_spawn_panic(f).map_err(|caught| caught.message)
+}
+
+/// [`catch_quietly`], telling whose code panicked: procspawn's (or ipc-channel's), or code
+/// they ran, such as the `Serialize` of a caller's arguments.
+pub(crate) fn catch_spawn_panic<R>(f: impl FnOnce() -> R) -> Result<R, Caught> {
     install_hook();
     let was_quiet = QUIET.with(|q| q.replace(true));
+    CAUGHT_IN_DEPENDENCY.with(|c| c.set(false));
     let result = catch_unwind(AssertUnwindSafe(f));
     QUIET.with(|q| q.set(was_quiet));
-    result.map_err(|payload| panic_message(&*payload))
+    result.map_err(|payload| Caught {
+        message: panic_message(&*payload),
+        in_dependency: CAUGHT_IN_DEPENDENCY.with(Cell::get),
+    })
 }
 
 /// The message a panic was given (`panic!` makes it a `&str` or a `String`).
@@ -175,5 +201,13 @@ mod tests {
     fn a_caught_panic_becomes_its_message() {
         assert_eq!(catch_quietly(|| 7), Ok(7));
         assert_eq!(catch_quietly(|| -> () { panic!("boom {}", 1) }), Err("boom 1".to_string()));
+    }
+
+    /// A panic raised in this crate's code (as in a caller's `Serialize`) is not procspawn's.
+    #[test]
+    fn a_caught_panic_of_this_crate_is_not_a_dependencys() {
+        let caught = catch_spawn_panic(|| -> () { panic!("index out of bounds") }).unwrap_err();
+        assert_eq!(caught.message, "index out of bounds");
+        assert!(!caught.in_dependency);
     }
 }

@@ -17,8 +17,8 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{JoinError, PanicReport};
-use crate::os::{catch_quietly, report_panics};
-use crate::process::{JoinHandle, exit_error, join_error, not_initialized, not_started};
+use crate::os::{catch_quietly, catch_spawn_panic, report_panics};
+use crate::process::{JoinHandle, exit_error, join_error, not_initialized, not_started, not_started_by_panic};
 use crate::sys::{ChildWatch, Exit, SIGKILL};
 use crate::wire;
 
@@ -1266,18 +1266,16 @@ impl Worker {
         if let Some(deadline) = deadline {
             builder.start_timeout(deadline.saturating_duration_since(Instant::now()));
         }
-        let pool = match catch_quietly(|| builder.build()) {
+        let pool = match catch_spawn_panic(|| builder.build()) {
             Ok(Ok(pool)) => pool,
             Ok(Err(e)) if e.is_cancellation() => return Err(JoinError::PoolClosed),
             Ok(Err(e)) => return Err(not_started(join_error(e))),
-            Err(panic) => {
-                return Err(not_started(JoinError::Failed(format!("could not start a pool worker: {panic}"))));
-            }
+            Err(panic) => return Err(not_started_by_panic(Some("could not start a pool worker"), panic)),
         };
         let (tx, panics) = crate::channel::<Report>().map_err(|e| {
             not_started(JoinError::Failed(format!("could not open a pool worker's panic channel: {e}")))
         })?;
-        let (setup, arguments) = wire::encode_spawn_scope(|| catch_quietly(|| pool.spawn(tx, setup_worker)));
+        let (setup, arguments) = wire::encode_spawn_scope(|| catch_spawn_panic(|| pool.spawn(tx, setup_worker)));
         let withdraw = || {
             if let Some(ticket) = &arguments {
                 crate::handover::withdraw(ticket);
@@ -1288,7 +1286,7 @@ impl Worker {
             if shared.terminated() {
                 return JoinError::PoolClosed;
             }
-            not_started(JoinError::Failed(format!("could not set up a pool worker: {panic}")))
+            not_started_by_panic(Some("could not set up a pool worker"), panic)
         })?;
         let waited = wait(&mut setup, deadline, shared, None);
         if !matches!(waited, Waited::Done(_)) {
@@ -1324,7 +1322,7 @@ impl Worker {
         // Reports of panics that an earlier job caught.
         while self.panics.try_recv().is_ok() {}
         // The arguments are encoded like a channel message: tensors inside may be exported.
-        let (handle, arguments) = wire::encode_spawn_scope(|| catch_quietly(|| self.pool.spawn(args, f)));
+        let (handle, arguments) = wire::encode_spawn_scope(|| catch_spawn_panic(|| self.pool.spawn(args, f)));
         // A job that did not run to its end may have left its arguments unfetched.
         let withdraw = || {
             if let Some(ticket) = &arguments {
@@ -1342,7 +1340,7 @@ impl Worker {
                 if shared.terminated() {
                     return Err(JoinError::PoolClosed);
                 }
-                return Err(not_started(JoinError::Failed(format!("could not hand the job to its worker: {panic}"))));
+                return Err(not_started_by_panic(Some("could not hand the job to its worker"), panic));
             }
         };
         let waited = wait(&mut handle, deadline, shared, Some(&self.watch));

@@ -11,7 +11,7 @@ use serde::de::DeserializeOwned;
 
 use crate::error::{JoinError, PanicReport};
 use crate::fork::ForkLocal;
-use crate::os::catch_quietly;
+use crate::os::{Caught, catch_spawn_panic};
 use crate::pool::AsyncResult;
 use crate::sys::signal_name;
 use crate::sys::{ChildWatch, Exit};
@@ -319,7 +319,7 @@ impl Builder {
         }
         // The arguments are encoded like a channel message: tensors inside may be exported, and
         // their descriptors wait at this process's home for the child to fetch.
-        let (handle, arguments) = wire::encode_spawn_scope(|| catch_quietly(|| builder.spawn(args, f)));
+        let (handle, arguments) = wire::encode_spawn_scope(|| catch_spawn_panic(|| builder.spawn(args, f)));
         let withdraw = || {
             if let Some(ticket) = &arguments {
                 crate::handover::withdraw(ticket);
@@ -340,10 +340,11 @@ impl Builder {
                 let watch = handle.pid().map(ChildWatch::new);
                 Ok(JoinHandle::new(Inner::Running(handle), watch, arguments))
             }
-            // procspawn panics where it runs out of descriptors (an index out of bounds, say).
+            // procspawn panics where it runs out of descriptors (an index out of bounds, say);
+            // the arguments' `Serialize` may panic too.
             Err(panic) => {
                 withdraw();
-                Err(not_started(JoinError::Failed(panic)))
+                Err(not_started_by_panic(None, panic))
             }
         }
     }
@@ -413,8 +414,27 @@ impl<R> fmt::Debug for JoinHandle<R> {
 /// close to it (the descriptors procspawn opened before it failed are closed again by now):
 /// a timeout stays a timeout.
 pub(crate) fn not_started(error: JoinError) -> JoinError {
+    told(error, false)
+}
+
+/// [`not_started`] for a panic caught while starting a process or handing a job over, told as
+/// `context: message`. Only a panic in procspawn's (or ipc-channel's) code may be for want of
+/// a descriptor; one in code they ran, such as the `Serialize` of the caller's arguments, is
+/// the caller's own failure, whatever it says and however few descriptors are left.
+pub(crate) fn not_started_by_panic(context: Option<&str>, caught: Caught) -> JoinError {
+    let text = match context {
+        Some(context) => format!("{context}: {}", caught.message),
+        None => caught.message,
+    };
+    if caught.in_dependency { told(JoinError::Failed(text), true) } else { JoinError::Failed(text) }
+}
+
+/// `error`, told as out of descriptors where it is one (`panicked`: procspawn's own panic,
+/// whose index out of bounds is how it fails for want of one).
+fn told(error: JoinError, panicked: bool) -> JoinError {
     let descriptors = |said: &str| {
-        ["(os error 24)", "(os error 23)", "(os error 9)", "index out of bounds"].iter().any(|s| said.contains(s))
+        ["(os error 24)", "(os error 23)", "(os error 9)"].iter().any(|s| said.contains(s))
+            || (panicked && said.contains("index out of bounds"))
     };
     match error {
         JoinError::Failed(said)

@@ -476,9 +476,27 @@ fn a_segment_whose_introduction_was_lost_is_introduced_again() {
     drop(first);
 }
 
+/// Arguments whose `Serialize` panics with an index out of bounds: a bug of the caller's.
+struct PanickingArguments;
+
+impl serde::Serialize for PanickingArguments {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        let empty: Vec<u8> = Vec::new();
+        let _ = empty[std::hint::black_box(3usize)];
+        unreachable!("the index is out of bounds")
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for PanickingArguments {
+    fn deserialize<D: serde::Deserializer<'de>>(_: D) -> Result<Self, D::Error> {
+        Ok(PanickingArguments)
+    }
+}
+
 /// Spawns with no descriptor to spare, then again once there is room, then with a start
-/// limit too short to meet and few descriptors to spare: what each gave.
-fn spawn_with_no_room(_: ()) -> (String, String, String) {
+/// limit too short to meet and few descriptors to spare, then with arguments that panic as
+/// they are encoded, few descriptors to spare: what each gave.
+fn spawn_with_no_room(_: ()) -> (String, String, String, String) {
     let failed = {
         let _room = NoRoom::now();
         match cuda_mp::Builder::new().spawn(7u32, |n| n + 1) {
@@ -497,15 +515,21 @@ fn spawn_with_no_room(_: ()) -> (String, String, String) {
         Ok(Ok(n)) => format!("joined {n}"),
         Err(e) | Ok(Err(e)) => format!("{e:?}"),
     };
-    (failed, later, timed_out)
+    let panicked = match cuda_mp::Builder::new().spawn(PanickingArguments, |_| 1u8) {
+        Ok(child) => format!("started: {:?}", child.join()),
+        Err(e) => format!("{e:?}"),
+    };
+    (failed, later, timed_out, panicked)
 }
 
 #[test]
 fn spawning_past_the_descriptor_limit_is_an_error_that_says_so() {
     let _g = serial();
-    let (failed, later, timed_out) = spawn((), spawn_with_no_room).join().unwrap();
+    let (failed, later, timed_out, panicked) = spawn((), spawn_with_no_room).join().unwrap();
     assert!(failed.starts_with("out of descriptors, limit "), "{failed}");
     assert_eq!(later, "joined 8", "a spawn once there is room again starts");
-    // Close to the limit, a failure of another kind says what it is.
+    // Close to the limit, a failure of another kind says what it is: a start limit not met,
+    // and a panic of the caller's own code whatever it says.
     assert!(timed_out == "Timeout" || timed_out == "joined 8", "{timed_out}");
+    assert!(panicked.starts_with("Failed(\"index out of bounds"), "{panicked}");
 }
