@@ -502,3 +502,58 @@ fn more_users_than_parties_see_no_break_that_did_not_happen() {
     });
     assert_eq!(spurious.load(Ordering::Relaxed), 0, "waits that read a break while nothing broke");
 }
+
+/// Forks; the child runs `f` and exits with its code. The child's exit code, or `None` where
+/// it did not exit.
+fn in_forked_child(f: impl FnOnce() -> i32) -> Option<i32> {
+    // SAFETY: the child runs `f` on its only thread and leaves with `_exit`, never returning
+    // into the test harness.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or(101);
+        // SAFETY: ends the forked child without running the parent's exit handlers.
+        unsafe { libc::_exit(code) };
+    }
+    let mut status = 0;
+    // SAFETY: waits for the child forked above; `status` is a valid place to write.
+    let waited = unsafe { libc::waitpid(pid, &mut status, 0) };
+    (waited == pid && libc::WIFEXITED(status)).then(|| libc::WEXITSTATUS(status))
+}
+
+/// A process that is pid 1 of its namespace (a container's first process) makes a lock, then
+/// a pid namespace for its children, and forks: the child, pid 1 too, is in another
+/// namespace, and refuses the lock (its holders' pids mean nothing there) instead of taking
+/// its parent's pid namespace, and start time, for its own.
+#[test]
+fn a_child_of_the_same_pid_in_another_namespace_refuses_its_parents_lock() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("only root can make a pid namespace: the test is not run");
+        return;
+    }
+    let _g = named();
+    let name = unique("pid-namespace");
+    let code = in_forked_child(|| {
+        // SAFETY: unshare changes only the pid namespace this process's children are made in.
+        if unsafe { libc::unshare(libc::CLONE_NEWPID) } != 0 {
+            return 10;
+        }
+        // The first child is pid 1 of the new namespace.
+        in_forked_child(|| {
+            let Ok(lock) = Lock::create(&name) else { return 11 };
+            drop(lock.acquire());
+            // SAFETY: as above.
+            if std::process::id() != 1 || unsafe { libc::unshare(libc::CLONE_NEWPID) } != 0 {
+                return 12;
+            }
+            let opened = in_forked_child(|| match Lock::open(&name) {
+                Err(e) if e.to_string().contains("another pid namespace") => 0,
+                Err(_) => 13,
+                Ok(_) => 14,
+            });
+            opened.unwrap_or(15)
+        })
+        .unwrap_or(16)
+    });
+    assert_eq!(code, Some(0), "0: refused; 14: the child took the lock of another pid namespace");
+}

@@ -2,7 +2,7 @@
 //! namespace), the C library's exit and fork hooks, and signal names.
 
 use std::os::unix::fs::MetadataExt;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 /// This process's id.
 pub(crate) fn own_pid() -> u32 {
@@ -10,37 +10,60 @@ pub(crate) fn own_pid() -> u32 {
 }
 
 /// When this process started (in clock ticks since boot; 0 when unknown), as
-/// [`per_process`] keeps it.
+/// [`per_process`] keeps it. Read from `/proc/self`: `/proc/<own pid>` names another process
+/// where this one is in a pid namespace other than the one `/proc` was mounted for.
 pub(crate) fn own_start() -> u64 {
-    static START: AtomicU64 = AtomicU64::new(0);
-    static FOR_PID: AtomicU32 = AtomicU32::new(0);
-    per_process(&START, &FOR_PID, || process_stat(own_pid()).map_or(0, |s| s.start))
+    per_process(&START, &START_FOR_PID, || stat_of(std::path::Path::new("/proc/self/stat")).map_or(0, |s| s.start))
 }
 
 /// The identity of this process's pid namespace (0 when unknown): pids of processes in other
 /// namespaces mean nothing here. Kept as [`per_process`] does (a child forked after
 /// `unshare(CLONE_NEWPID)` is in another namespace).
 pub(crate) fn pid_namespace() -> u64 {
-    static NAMESPACE: AtomicU64 = AtomicU64::new(0);
-    static FOR_PID: AtomicU32 = AtomicU32::new(0);
-    per_process(&NAMESPACE, &FOR_PID, || std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino()))
+    per_process(&NAMESPACE, &NAMESPACE_FOR_PID, || std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino()))
 }
 
+static START: AtomicU64 = AtomicU64::new(0);
+static START_FOR_PID: AtomicU32 = AtomicU32::new(0);
+static NAMESPACE: AtomicU64 = AtomicU64::new(0);
+static NAMESPACE_FOR_PID: AtomicU32 = AtomicU32::new(0);
+
 /// A value of this process that `read` gives (0: unknown), cached in `value` with the process id
-/// it was read for in `for_pid`: a child forked without `exec` reads its own. Not cached while
-/// unknown (`/proc` unreadable, out of descriptors): a later call reads again. (Atomics, not a
-/// lock: a fork while another thread held a lock would leave it held in the child.)
+/// it was read for in `for_pid`: a child forked without `exec` reads its own, as its pid
+/// differs; one whose pid is its parent's (both pid 1, the child in a pid namespace the parent
+/// made with `unshare`) has the cache emptied by a fork handler. Not cached while unknown
+/// (`/proc` unreadable, out of descriptors): a later call reads again. (Atomics, not a lock: a
+/// fork while another thread held a lock would leave it held in the child.)
 fn per_process(value: &AtomicU64, for_pid: &AtomicU32, read: impl FnOnce() -> u64) -> u64 {
     let pid = own_pid();
     if for_pid.load(Ordering::Acquire) == pid {
         return value.load(Ordering::Relaxed);
     }
+    forget_per_process_in_children();
     let read = read();
     if read != 0 {
         value.store(read, Ordering::Relaxed);
         for_pid.store(pid, Ordering::Release);
     }
     read
+}
+
+/// Registers, once per process (and before anything is cached), a fork handler that empties
+/// [`per_process`]'s caches in the child. A flag, not a `Once`: a child forked while another
+/// thread ran a `Once` would wait on it for ever.
+fn forget_per_process_in_children() {
+    static REGISTERED: AtomicBool = AtomicBool::new(false);
+    extern "C" fn nothing() {}
+    extern "C" fn forget() {
+        START_FOR_PID.store(0, Ordering::Release);
+        NAMESPACE_FOR_PID.store(0, Ordering::Release);
+    }
+    if REGISTERED.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+        // SAFETY: `forget` only stores to atomics (async-signal-safe); the others do nothing.
+        // Should registering fail (out of memory), a child of the same pid as its parent
+        // reads its parent's values, as before this handler.
+        let _ = unsafe { at_fork(nothing, nothing, forget) };
+    }
 }
 
 /// True when the process `pid`, which started at `start` (0: unknown), has ended: no such
