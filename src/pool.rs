@@ -17,7 +17,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{JoinError, PanicReport};
-use crate::os::{catch_quietly, catch_spawn_panic, report_panics};
+use crate::os::{catch_spawn_panic, report_panics};
 use crate::process::{JoinHandle, exit_error, join_error, not_initialized, not_started, not_started_by_panic};
 use crate::sys::{ChildWatch, Exit, SIGKILL};
 use crate::wire;
