@@ -620,10 +620,12 @@ pub(crate) fn private_dir() -> io::Result<std::path::PathBuf> {
         let dir = std::env::temp_dir().join(format!("cuda-mp-{uid}-{:08x}", crate::sys::random_u128() as u32));
         match own_dir(&dir, uid, true) {
             Ok(()) => {
-                static REMOVE_AT_EXIT: std::sync::Once = std::sync::Once::new();
-                REMOVE_AT_EXIT.call_once(|| {
+                // A flag, not a `Once`: a child forked while a thread of its parent ran a `Once`
+                // would wait on it for ever. (A child forked after this inherits the handler.)
+                static REMOVE_AT_EXIT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+                if !REMOVE_AT_EXIT.swap(true, std::sync::atomic::Ordering::AcqRel) {
                     crate::sys::at_exit(remove_fallback);
-                });
+                }
                 tracing::warn!("{refused}; this process's listeners live in {} instead", dir.display());
                 *fallback = Some(dir.clone());
                 return Ok(dir);
@@ -641,6 +643,8 @@ static FALLBACK: crate::fork::ForkLocal<std::sync::Mutex<Option<std::path::PathB
 
 /// At exit: removes this process's own directory for listeners, with what is left in it (the
 /// sockets of listeners never dropped, which nobody can reach once this process is gone).
+/// Left behind by a process killed, ended with `_exit` or replaced by `exec`, and where another
+/// thread holds the directory's lock at the exit (it waits for no lock there).
 extern "C" fn remove_fallback() {
     let dir = FALLBACK.get().try_lock().ok().and_then(|d| d.clone());
     if let Some(dir) = dir {
