@@ -62,15 +62,17 @@ pub(crate) struct Holder {
 }
 
 impl Holder {
-    /// This process; `None` while its start time or pid namespace is unknown (`/proc`
-    /// unreadable, say out of descriptors), which an owner could not check it against.
+    /// This process; `None` while its start time is unknown (`/proc` unreadable, say out of
+    /// descriptors), without which its pid could stand for any process. A pid namespace that
+    /// cannot be read is named 0: an owner that cannot read its own either (the same host's
+    /// rules) takes it, one that can refuses it.
     pub(super) fn this() -> Option<Holder> {
         let me = Holder {
             pid: crate::sys::own_pid(),
             start: crate::sys::own_start(),
             namespace: crate::sys::pid_namespace(),
         };
-        (me.start != 0 && me.namespace != 0).then_some(me)
+        (me.start != 0).then_some(me)
     }
 }
 
