@@ -40,34 +40,58 @@ pub fn to_bytes<T: Serialize + ?Sized>(value: &T, ttl: Duration) -> Result<Vec<u
     {
         crate::handover::withdraw(ticket);
     }
-    bytes.map_err(Error::Encode)
+    bytes.map(seal).map_err(Error::Encode)
 }
 
 /// What the bytes of a value start with: a mark, then the protocol version (one byte), so
 /// that bytes of another cuda-mp version are refused as such before anything of them is
-/// used (a decoder writes records on the leases they carry, in its own version's words).
+/// used (a decoder writes records on the leases they carry, in its own version's words); then
+/// a CRC-32 of the rest (4 bytes, little-endian), so that bytes cut short or damaged on their
+/// way are refused before the descriptors they name are fetched (which would take them from
+/// the intact bytes, and lose them with the failed decode).
 const MARK: [u8; 3] = *b"cmb";
 
-/// The mark and the version, which a value's bytes are written after.
+/// The length of the head: the mark, the version and the check.
+const HEAD: usize = 8;
+
+/// The head of a value's bytes, its check not written yet ([`seal`] writes it).
 pub(crate) fn head() -> Vec<u8> {
     const { assert!(crate::protocol::VERSION < 256, "the version fits the byte after the mark") };
     let mut head = MARK.to_vec();
     head.push(crate::protocol::VERSION as u8);
+    head.extend([0; 4]);
     head
 }
 
-/// The value's own bytes of `bytes`, if they are of this version.
+/// `bytes` (a [`head`], then a value's own bytes) with the check of the value's bytes written
+/// into the head.
+pub(crate) fn seal(mut bytes: Vec<u8>) -> Vec<u8> {
+    let check = crc32fast::hash(&bytes[HEAD..]);
+    bytes[HEAD - 4..HEAD].copy_from_slice(&check.to_le_bytes());
+    bytes
+}
+
+/// The value's own bytes of `bytes`, if they are of this version and intact.
 fn unheaded(bytes: &[u8]) -> Result<&[u8]> {
-    match bytes.split_first_chunk::<3>() {
+    let rest = match bytes.split_first_chunk::<3>() {
         Some((mark, rest)) if *mark == MARK => match rest.split_first() {
-            Some((&version, rest)) if u32::from(version) == crate::protocol::VERSION => Ok(rest),
-            Some((&version, _)) => Err(Error::Malformed(format!(
-                "bytes of cuda-mp's protocol version {version}; this process reads version {}: use the same cuda-mp version on both ends",
-                crate::protocol::VERSION
-            ))),
-            None => Err(Error::Malformed("bytes cut short".into())),
+            Some((&version, rest)) if u32::from(version) == crate::protocol::VERSION => rest,
+            Some((&version, _)) => {
+                return Err(Error::Malformed(format!(
+                    "bytes of cuda-mp's protocol version {version}; this process reads version {}: use the same cuda-mp version on both ends",
+                    crate::protocol::VERSION
+                )));
+            }
+            None => return Err(Error::Malformed("bytes cut short".into())),
         },
-        _ => Err(Error::Malformed("not the bytes of a value (to_bytes) of this cuda-mp version".into())),
+        _ => return Err(Error::Malformed("not the bytes of a value (to_bytes) of this cuda-mp version".into())),
+    };
+    match rest.split_first_chunk::<4>() {
+        Some((check, value)) if u32::from_le_bytes(*check) == crc32fast::hash(value) => Ok(value),
+        Some(_) => {
+            Err(Error::Malformed("bytes cut short or damaged: their check does not match what they hold".into()))
+        }
+        None => Err(Error::Malformed("bytes cut short".into())),
     }
 }
 
@@ -134,6 +158,7 @@ impl HandoffBatch {
         // decoded go with its descriptors, whatever the others do.
         let bytes = crate::wire::encode_deposited(value, head(), Some(self.ticket.clone()), self.ttl)
             .0
+            .map(seal)
             .map_err(Error::Encode)?;
         self.encoded += 1;
         Ok(bytes)

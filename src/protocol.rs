@@ -18,7 +18,7 @@ use crate::error::Error;
 pub(crate) const MAGIC: [u8; 8] = *b"cuda-mp\0";
 
 /// The version of both transports' protocol: their hellos, frames and the records inside.
-pub(crate) const VERSION: u32 = 12;
+pub(crate) const VERSION: u32 = 13;
 
 /// The kind byte a frame starts with, on either transport (each uses the kinds it needs).
 pub(crate) mod kind {

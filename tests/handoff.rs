@@ -175,7 +175,8 @@ fn an_edited_ticket_keeps_nothing_past_its_deposits_time() {
     let mut forged = bytes[..batch].to_vec();
     forged.extend([1, 0xff, 0xff, 0xff, 0xff, 0x0f]);
     forged.extend(&bytes[batch + 1..]);
-    let decoded = from_bytes::<HostTensor<f32>>(&forged);
+    // Its check written again, so that the decoder reads it.
+    let decoded = from_bytes::<HostTensor<f32>>(&cuda_mp::testing::seal_handoff(&forged));
     assert!(decoded.is_err(), "the ticket of its second descriptor is another: {decoded:?}");
     back_to(&before, "the sender's storage is freed once the deposit's time is up");
 }
@@ -187,19 +188,35 @@ fn mutated_bytes_are_errors_or_values_and_leave_nothing_behind() {
     let descriptors = common::open_descriptors();
     let t = HostTensor::<i16>::from_vec(&[8], (0..8).collect()).unwrap();
     let bytes = to_bytes(&t, WAIT).unwrap();
+    // Damaged on their way (every byte with its bits flipped, every truncation): refused by
+    // their check before anything is fetched, so the intact bytes decode after all of them.
+    for i in 0..bytes.len() {
+        let mut damaged = bytes.clone();
+        damaged[i] ^= 0xff;
+        let err = from_bytes::<HostTensor<i16>>(&damaged).expect_err("damaged bytes decoded");
+        assert!(matches!(err, cuda_mp::Error::Malformed(_)), "{err}");
+    }
+    for n in 0..bytes.len() {
+        assert!(from_bytes::<HostTensor<i16>>(&bytes[..n]).is_err(), "a truncation to {n} bytes decoded");
+    }
+    let intact = from_bytes::<HostTensor<i16>>(&bytes).expect("damaged bytes took what the intact ones carry");
+    assert_eq!(intact.to_vec(), (0..8).collect::<Vec<i16>>());
+    drop(intact);
+    // Forged: the same, with the check written again (what one who has the bytes can make):
+    // an error or a value, never a panic; the first decode that reaches the deposit takes it.
+    let bytes = to_bytes(&t, WAIT).unwrap();
     let mut decoded = 0;
-    // Every byte, each with its bits flipped, then every truncation: an error or a value,
-    // never a panic; the first decode that reaches the deposit takes it.
     for i in 0..bytes.len() {
         let mut forged = bytes.clone();
         forged[i] ^= 0xff;
-        if let Ok(v) = from_bytes::<HostTensor<i16>>(&forged) {
+        if let Ok(v) = from_bytes::<HostTensor<i16>>(&cuda_mp::testing::seal_handoff(&forged)) {
             assert_eq!(v.to_vec().len(), 8);
             decoded += 1;
         }
     }
     for n in 0..bytes.len() {
-        assert!(from_bytes::<HostTensor<i16>>(&bytes[..n]).is_err(), "a truncation to {n} bytes decoded");
+        let cut = cuda_mp::testing::seal_handoff(&bytes[..n]);
+        assert!(from_bytes::<HostTensor<i16>>(&cut).is_err(), "a truncation to {n} bytes decoded");
     }
     assert!(decoded <= 1, "the deposit was taken {decoded} times");
     drop(t);

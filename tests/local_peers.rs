@@ -40,11 +40,11 @@ fn connect_as_nobody(name: String) -> bool {
     if connect(&fd, &SocketAddrUnix::new(name.as_str()).unwrap()).is_err() {
         return false;
     }
-    // The transport's header (one descriptor), then a hello: magic, version 12 (the protocol's
+    // The transport's header (one descriptor), then a hello: magic, version 13 (the protocol's
     // now), message type.
     let mut hello = 1u32.to_le_bytes().to_vec();
     hello.extend_from_slice(b"cuda-mp\0");
-    hello.extend_from_slice(&[12, 2, b'u', b'8']);
+    hello.extend_from_slice(&[13, 2, b'u', b'8']);
     let fds = [gauge.as_fd()];
     let mut space = vec![std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut control = SendAncillaryBuffer::new(&mut space);

@@ -56,10 +56,18 @@ def test_bytes_that_nobody_reads_in_time_release_their_memory():
 
 def test_forged_bytes_raise():
     data = _native.tensor_to_bytes(cuda_mp._host(cuda_mp.empty_host((4,), "uint8")), 60.0)
-    for forged in (b"", b"\x07" + data[1:], data[:5], data[:1] + bytes(len(data) - 1)):
+    # The kind's tag, the mark and the version (5 bytes), then the value's own bytes.
+    head, body = data[:5], data[5:]
+    other_version = head[:4] + bytes([head[4] ^ 1])
+    forged = [b"", b"\x07" + data[1:], data[:1] + bytes(len(data) - 1), other_version + body]
+    # Past the header, so that the value's decoder reads them: every cut of the value's bytes,
+    # and bytes of the right length that are not a value's.
+    forged += [head + body[:n] for n in range(len(body))]
+    forged += [head + bytes(len(body)), head + bytes([0xFF]) * len(body), head + body[::-1]]
+    for f in forged:
         with pytest.raises(cuda_mp.Malformed):
-            _native.tensor_from_bytes(forged)
-    # The real bytes still decode (nothing of them waits on after the test).
+            _native.tensor_from_bytes(f)
+    # The real bytes still decode: no forgery took what they carry.
     assert np.from_dlpack(_native.tensor_from_bytes(data)).shape == (4,)
 
 

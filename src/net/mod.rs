@@ -32,7 +32,7 @@ use crate::wire;
 /// The version of the protocol, local and remote; both ends must speak the same.
 ///
 /// ```
-/// assert_eq!(cuda_mp::REMOTE_PROTOCOL_VERSION, 12);
+/// assert_eq!(cuda_mp::REMOTE_PROTOCOL_VERSION, 13);
 /// ```
 pub const REMOTE_PROTOCOL_VERSION: u32 = protocol::VERSION;
 

@@ -239,32 +239,47 @@ pub fn host_bytes(bytes: &[u8]) -> String {
 }
 
 /// Bytes of [`to_bytes`](crate::to_bytes), as a process that was handed them decodes them: the
-/// input decoded as a [`Message`] as it is, then a real handoff of a host tensor (its
-/// descriptors waiting at this process's home) edited by the input (each three bytes: a
-/// position, two bytes, and the byte written there) and decoded, then the real one. The
-/// deposit is taken at most once (else this panics: a finding).
+/// input decoded as a [`Message`] as it is (behind a head with its check), then two real
+/// handoffs of a host tensor (their descriptors waiting at this process's home) edited by the
+/// input (each three bytes: a position, two bytes, and the byte written there). The first,
+/// edited, is refused by its check and takes nothing: the intact bytes decode after it. The
+/// second, edited and its check written again (a forger's bytes, which the decoder reads), is
+/// decoded, then the real one: that deposit is taken at most once. Either broken panics (a
+/// finding).
 pub fn handoff_bytes(input: &[u8]) -> String {
-    // Behind the mark and version that real bytes start with, so that the decoder sees them.
-    let raw = crate::from_bytes::<Message>(&[&crate::handoff::head()[..], input].concat()).map(|_| ());
+    let raw =
+        crate::from_bytes::<Message>(&crate::handoff::seal([&crate::handoff::head()[..], input].concat())).map(|_| ());
     let tensor = match HostTensor::<f32>::from_vec(&[4], vec![1.0, 2.0, 3.0, 4.0]) {
         Ok(t) => t,
         Err(e) => return e.to_string(),
     };
-    let real = match crate::to_bytes(&tensor, Duration::from_secs(30)) {
-        Ok(bytes) => bytes,
-        Err(e) => return e.to_string(),
-    };
+    let (damaged_first, real) =
+        match (crate::to_bytes(&tensor, Duration::from_secs(30)), crate::to_bytes(&tensor, Duration::from_secs(30))) {
+            (Ok(a), Ok(b)) => (a, b),
+            (Err(e), _) | (_, Err(e)) => return e.to_string(),
+        };
     drop(tensor);
-    let mut forged = real.clone();
-    for edit in input.chunks_exact(3) {
-        let at = usize::from(u16::from_le_bytes([edit[0], edit[1]]));
-        if at < forged.len() {
-            forged[at] = edit[2];
-        } else {
-            forged.truncate(at % (forged.len() + 1));
+    let edit = |bytes: &[u8]| {
+        let mut edited = bytes.to_vec();
+        for edit in input.chunks_exact(3) {
+            let at = usize::from(u16::from_le_bytes([edit[0], edit[1]]));
+            if at < edited.len() {
+                edited[at] = edit[2];
+            } else {
+                edited.truncate(at % (edited.len() + 1));
+            }
         }
+        edited
+    };
+    let damaged = edit(&damaged_first);
+    if damaged != damaged_first {
+        assert!(crate::from_bytes::<HostTensor<f32>>(&damaged).is_err(), "damaged bytes passed their check");
     }
-    let forged = crate::from_bytes::<HostTensor<f32>>(&forged);
+    assert!(
+        crate::from_bytes::<HostTensor<f32>>(&damaged_first).is_ok(),
+        "damaged bytes took what the intact ones carry"
+    );
+    let forged = crate::from_bytes::<HostTensor<f32>>(&super::seal_handoff(&edit(&real)));
     let real = crate::from_bytes::<HostTensor<f32>>(&real);
     assert!(!(forged.is_ok() && real.is_ok()), "one handoff's deposit was taken twice");
     match (raw, forged, real) {
