@@ -555,5 +555,9 @@ fn a_child_of_the_same_pid_in_another_namespace_refuses_its_parents_lock() {
         })
         .unwrap_or(16)
     });
+    if code == Some(10) {
+        eprintln!("this process may not make a pid namespace (a container without CAP_SYS_ADMIN): the test is not run");
+        return;
+    }
     assert_eq!(code, Some(0), "0: refused; 14: the child took the lock of another pid namespace");
 }
