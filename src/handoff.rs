@@ -52,7 +52,7 @@ pub fn to_bytes<T: Serialize + ?Sized>(value: &T, ttl: Duration) -> Result<Vec<u
 const MARK: [u8; 3] = *b"cmb";
 
 /// The length of the head: the mark, the version and the check.
-const HEAD: usize = 8;
+pub(crate) const HEAD: usize = 8;
 
 /// The head of a value's bytes, its check not written yet ([`seal`] writes it).
 pub(crate) fn head() -> Vec<u8> {

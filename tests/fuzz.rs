@@ -323,10 +323,13 @@ fn a_lease_whose_owner_is_gone_kills_no_process_that_keeps_sigpipe() {
 #[test]
 fn an_edited_handoff_of_this_process_own_memory_keeps_nothing() {
     let _one = warmed_up();
-    let input = [107, 0, 236, 10, 0, 247];
+    // Bytes 10 and 107 of the value's own bytes (behind their head), as the finding edited them.
+    let head = cuda_mp::testing::HANDOFF_HEAD as u8;
+    let input = [107 + head, 0, 236, 10 + head, 0, 247];
     let _ = fuzz::handoff_bytes(&input);
     let before = open_descriptors();
     let said = fuzz::handoff_bytes(&input);
+    assert_eq!(said, "an edited handoff of 4 elements", "the edits no longer make the value of the finding");
     let after = settled_descriptors(before);
     assert!(after <= before, "{after} descriptors where {before} were, 5 s after {said:?}");
     let left = cuda_mp::wait_for_lifetime(Duration::from_secs(5), |s| {

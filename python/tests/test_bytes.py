@@ -3,6 +3,7 @@ with every start method; no GPU and no PyTorch needed."""
 
 import multiprocessing as mp
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -56,19 +57,37 @@ def test_bytes_that_nobody_reads_in_time_release_their_memory():
 
 def test_forged_bytes_raise():
     data = _native.tensor_to_bytes(cuda_mp._host(cuda_mp.empty_host((4,), "uint8")), 60.0)
-    # The kind's tag, the mark and the version (5 bytes), then the value's own bytes.
-    head, body = data[:5], data[5:]
-    other_version = head[:4] + bytes([head[4] ^ 1])
-    forged = [b"", b"\x07" + data[1:], data[:1] + bytes(len(data) - 1), other_version + body]
-    # Past the header, so that the value's decoder reads them: every cut of the value's bytes,
-    # and bytes of the right length that are not a value's.
-    forged += [head + body[:n] for n in range(len(body))]
-    forged += [head + bytes(len(body)), head + bytes([0xFF]) * len(body), head + body[::-1]]
-    for f in forged:
+    # The kind's tag, the mark and the version (5 bytes), a CRC-32 of the rest (4 bytes), then
+    # the value's own bytes.
+    head, body = data[:5], data[9:]
+    other_version = data[:4] + bytes([data[4] ^ 1]) + data[5:]
+    damaged = [b"", b"\x07" + data[1:], data[:1] + bytes(len(data) - 1), other_version]
+    # Cut short or damaged on the way: refused by the check.
+    damaged += [data[:n] for n in range(len(data))] + [data[:-1] + bytes([data[-1] ^ 1])]
+    for f in damaged:
         with pytest.raises(cuda_mp.Malformed):
             _native.tensor_from_bytes(f)
-    # The real bytes still decode: no forgery took what they carry.
+    # The real bytes still decode: nothing refused took what they carry.
     assert np.from_dlpack(_native.tensor_from_bytes(data)).shape == (4,)
+
+    # Forged past the check (written again), so that the value's decoder reads them, each from
+    # bytes whose deposit waits: every cut of the value's bytes, and bytes of the right length
+    # that are not a value's. The real bytes after each decode, or find their deposit taken.
+    def sealed(head, value):
+        return head + zlib.crc32(value).to_bytes(4, "little") + value
+
+    assert sealed(head, body) == data, "the check is a CRC-32 of the value's bytes"
+    forgeries = [lambda b, n=n: b[:n] for n in range(len(body))]
+    forgeries += [lambda b: bytes(len(b)), lambda b: bytes([0xFF]) * len(b), lambda b: b[::-1]]
+    tensor = cuda_mp._host(cuda_mp.empty_host((4,), "uint8"))
+    for forge in forgeries:
+        real = _native.tensor_to_bytes(tensor, 60.0)
+        with pytest.raises(cuda_mp.Malformed):
+            _native.tensor_from_bytes(sealed(real[:5], forge(real[9:])))
+        try:
+            _native.tensor_from_bytes(real)
+        except cuda_mp.Malformed as e:
+            assert "holds none" in str(e), e
 
 
 def add_index_to_each(q, back):

@@ -180,12 +180,9 @@ def test_forged_handle_bytes_raise_and_leave_the_real_ones_readable():
         for forged in (b"", b"\xff" * 8, data[: len(data) // 2], bytes([data[0] ^ 0xFF]) + data[1:]):
             with pytest.raises(cuda_mp.Malformed):
                 decode(forged)
-        # A forgery that reached the deposit took it (the first decode that does takes it): the
-        # real bytes then decode or are refused, never twice.
-        try:
-            decode(data)
-        except cuda_mp.Malformed as e:
-            assert "holds none" in str(e), (name, e)
+        # Cut short or damaged, the forgeries were refused by their check before anything was
+        # fetched: the real bytes decode.
+        decode(data)
     for decode in (cuda_mp._native.Sender.from_bytes, cuda_mp._native.Receiver.from_bytes):
         with pytest.raises(cuda_mp.Malformed):
             decode("host", b"\x00\x01garbage")

@@ -2,7 +2,7 @@
 //! namespace), the C library's exit and fork hooks, and signal names.
 
 use std::os::unix::fs::MetadataExt;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
 
 /// This process's id.
 pub(crate) fn own_pid() -> u32 {
@@ -31,38 +31,47 @@ static NAMESPACE_FOR_PID: AtomicU32 = AtomicU32::new(0);
 /// A value of this process that `read` gives (0: unknown), cached in `value` with the process id
 /// it was read for in `for_pid`: a child forked without `exec` reads its own, as its pid
 /// differs; one whose pid is its parent's (both pid 1, the child in a pid namespace the parent
-/// made with `unshare`) has the cache emptied by a fork handler. Not cached while unknown
-/// (`/proc` unreadable, out of descriptors): a later call reads again. (Atomics, not a lock: a
-/// fork while another thread held a lock would leave it held in the child.)
+/// made with `unshare`) has the cache emptied by a fork handler, and nothing is cached before
+/// that handler is registered. Not cached while unknown (`/proc` unreadable, out of
+/// descriptors): a later call reads again. (Atomics, not a lock: a fork while another thread
+/// held a lock would leave it held in the child.)
 fn per_process(value: &AtomicU64, for_pid: &AtomicU32, read: impl FnOnce() -> u64) -> u64 {
     let pid = own_pid();
     if for_pid.load(Ordering::Acquire) == pid {
         return value.load(Ordering::Relaxed);
     }
-    forget_per_process_in_children();
     let read = read();
-    if read != 0 {
+    if read != 0 && forgotten_in_children() {
         value.store(read, Ordering::Relaxed);
         for_pid.store(pid, Ordering::Release);
     }
     read
 }
 
-/// Registers, once per process (and before anything is cached), a fork handler that empties
-/// [`per_process`]'s caches in the child. A flag, not a `Once`: a child forked while another
+/// Whether the fork handler that empties [`per_process`]'s caches in a child is registered,
+/// registering it on the first call. False while another thread registers it (the value is
+/// then read again next time, not cached), and for ever in a child forked meanwhile (whose
+/// values are then always read). A state word, not a `Once`: a child forked while another
 /// thread ran a `Once` would wait on it for ever.
-fn forget_per_process_in_children() {
-    static REGISTERED: AtomicBool = AtomicBool::new(false);
+fn forgotten_in_children() -> bool {
+    const NONE: u8 = 0;
+    const REGISTERING: u8 = 1;
+    const REGISTERED: u8 = 2;
+    static STATE: AtomicU8 = AtomicU8::new(NONE);
     extern "C" fn nothing() {}
     extern "C" fn forget() {
         START_FOR_PID.store(0, Ordering::Release);
         NAMESPACE_FOR_PID.store(0, Ordering::Release);
     }
-    if REGISTERED.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-        // SAFETY: `forget` only stores to atomics (async-signal-safe); the others do nothing.
-        // Should registering fail (out of memory), a child of the same pid as its parent
-        // reads its parent's values, as before this handler.
-        let _ = unsafe { at_fork(nothing, nothing, forget) };
+    match STATE.compare_exchange(NONE, REGISTERING, Ordering::AcqRel, Ordering::Acquire) {
+        Ok(_) => {
+            // SAFETY: `forget` only stores to atomics (async-signal-safe); the others do
+            // nothing. Should registering fail (out of memory), nothing is cached.
+            let registered = unsafe { at_fork(nothing, nothing, forget) };
+            STATE.store(if registered { REGISTERED } else { REGISTERING }, Ordering::Release);
+            registered
+        }
+        Err(state) => state == REGISTERED,
     }
 }
 

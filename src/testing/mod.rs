@@ -281,10 +281,14 @@ pub fn ring_messages_received() -> u64 {
     crate::channel::ring_messages_received()
 }
 
+/// How many bytes of a value's [`to_bytes`](crate::to_bytes) come before its own: the mark, the
+/// protocol version and the check.
+pub const HANDOFF_HEAD: usize = crate::handoff::HEAD;
+
 /// `bytes` of [`to_bytes`](crate::to_bytes) (edited, say) with their check written again over
 /// what they hold now: what a forger who has real bytes can make, and the decoder then reads.
 pub fn seal_handoff(bytes: &[u8]) -> Vec<u8> {
-    if bytes.len() < crate::handoff::head().len() {
+    if bytes.len() < HANDOFF_HEAD {
         return bytes.to_vec();
     }
     crate::handoff::seal(bytes.to_vec())
