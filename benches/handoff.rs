@@ -384,6 +384,16 @@ fn fresh_rate(dev: &std::sync::Arc<Device>, n: usize, window: usize, zeroed: boo
     rate
 }
 
+/// [`hold_latest`] with receives that spin up to 10 ms before they sleep.
+fn hold_latest_spinning((rx, ack): (Receiver<Bundle>, Sender<i64>)) {
+    rx.set_spin(Some(SPIN));
+    hold_latest((rx, ack))
+}
+
+/// How long the receivers of row d's spinning re-publish spin: longer than the update kernels
+/// between two publishes.
+const SPIN: Duration = Duration::from_millis(10);
+
 fn hold_latest((rx, ack): (Receiver<Bundle>, Sender<i64>)) {
     let mut latest = None;
     while let Ok(b) = rx.recv() {
@@ -730,6 +740,38 @@ fn run_ours(dev: &std::sync::Arc<Device>, quick: bool, only: Option<&str>, r: &m
         drop(tx);
         child.join().unwrap();
         if key == "d" {
+            // The same re-publishes with both receivers (the consumer's of the weights, this
+            // process's of the acknowledgements) spinning through the update kernels:
+            // `Receiver::set_spin`, a processor busy on each side.
+            let (tx, rx) = channel().unwrap();
+            let (ack_tx, ack) = channel::<i64>().unwrap();
+            ack.set_spin(Some(SPIN));
+            let child = spawn((rx, ack_tx), hold_latest_spinning);
+            tx.send(BundleBuilder::new().add::<i64>("step", &[1]).build(dev).unwrap()).unwrap();
+            ack.recv_timeout(WAIT).unwrap();
+            tx.send(bundle.clone()).unwrap();
+            ack.recv_timeout(WAIT).unwrap();
+            let mut spinning = Vec::new();
+            for s in 12..=21 {
+                for t in &tensors {
+                    t.add_scalar(1.0).unwrap();
+                }
+                step.fill(s).unwrap();
+                bundle.synchronize().unwrap();
+                let start = Instant::now();
+                tx.send(bundle.clone()).unwrap();
+                let got = ack.recv_timeout(WAIT).unwrap();
+                spinning.push(start.elapsed().as_secs_f64() * 1e6);
+                assert_eq!(got, s, "the consumer read this publish's step");
+            }
+            let (median, p99) = summarize(spinning);
+            println!(
+                "d re-publish, both receivers spinning {} ms (Receiver::set_spin): median {median:.1} us, p99 {p99:.1} us",
+                SPIN.as_millis()
+            );
+            r.ours.insert("d_republish_spinning".into(), (median, p99));
+            drop(tx);
+            child.join().unwrap();
             // Traced: first publish to a fresh consumer, then re-publishes, both sides on one clock.
             let (tx, rx) = channel().unwrap();
             let (ack_tx, ack) = channel().unwrap();

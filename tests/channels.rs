@@ -713,3 +713,40 @@ fn a_connect_file_that_finds_a_gone_listeners_name_waits_for_the_next_one() {
     assert_eq!(restarted.join().unwrap(), 6);
     let _ = std::fs::remove_file(&path);
 }
+
+/// The processor time the calling thread has used.
+fn thread_cpu_time() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+}
+
+/// Receives one message that comes `after` the receive began; the processor time the receive
+/// used.
+fn cpu_time_of_a_receive(rx: &cuda_mp::Receiver<u8>, tx: Sender<u8>, after: Duration) -> Duration {
+    let sender = std::thread::spawn(move || {
+        std::thread::sleep(after);
+        tx.send(1).unwrap();
+    });
+    let before = thread_cpu_time();
+    assert_eq!(rx.recv_timeout(WAIT).unwrap(), 1);
+    let used = thread_cpu_time() - before;
+    sender.join().unwrap();
+    used
+}
+
+/// A receiver set to spin looks for its message awake for up to that long (it uses the
+/// processor meanwhile); one with the process's spin sleeps while it waits.
+#[test]
+fn a_receiver_set_to_spin_waits_awake_and_one_that_is_not_sleeps() {
+    let (tx, rx) = channel::<u8>().unwrap();
+    let process = rx.spin();
+    assert!(process <= Duration::from_millis(1), "the process's spin: {process:?}");
+    rx.set_spin(Some(Duration::from_secs(2)));
+    assert_eq!(rx.spin(), Duration::from_secs(2));
+    let spinning = cpu_time_of_a_receive(&rx, tx.clone(), Duration::from_millis(200));
+    rx.set_spin(None);
+    assert_eq!(rx.spin(), process, "back to the process's");
+    let sleeping = cpu_time_of_a_receive(&rx, tx, Duration::from_millis(200));
+    assert!(spinning >= Duration::from_millis(20), "a spinning receive used {spinning:?} of a processor in 200 ms");
+    assert!(sleeping < Duration::from_millis(20), "a sleeping receive used {sleeping:?} of a processor in 200 ms");
+}

@@ -68,7 +68,14 @@ pub(super) struct Inbox {
     /// What the sender of a named connection said it sends, when that is not `T`: named in
     /// the error of a message that does not decode.
     pub(super) sender_sends: Option<String>,
+    /// How long a receive of this end spins before it sleeps, in nanoseconds ([`PROCESS_SPIN`]:
+    /// the process's, [`spin`]); set through the [`InboxLock`] without taking the inbox, which
+    /// a receiving thread may hold while it sleeps.
+    spin: Arc<AtomicU64>,
 }
+
+/// [`Inbox::spin`]'s value for the process's spin ([`spin`]).
+const PROCESS_SPIN: u64 = u64::MAX;
 
 /// What a sweep of a receiver that is never idle found gone, and where the socket and the
 /// rings stood then (README.md, "Rings", Order).
@@ -151,11 +158,30 @@ pub(super) struct InboxLock {
     bells: Mutex<Vec<Arc<OwnedFd>>>,
     /// How many there are, read without the lock by every holder that lets go.
     waiting: AtomicUsize,
+    /// The inbox's spin ([`Inbox::spin`]), to set while another thread receives.
+    spin: Arc<AtomicU64>,
 }
 
 impl InboxLock {
     pub(super) fn new(inbox: Inbox) -> InboxLock {
-        InboxLock { inbox: Mutex::new(inbox), bells: Mutex::new(Vec::new()), waiting: AtomicUsize::new(0) }
+        let spin = inbox.spin.clone();
+        InboxLock { inbox: Mutex::new(inbox), bells: Mutex::new(Vec::new()), waiting: AtomicUsize::new(0), spin }
+    }
+
+    /// Sets how long the inbox's receives spin before they sleep (`None`: the process's,
+    /// [`spin`]), for the receives that begin after this.
+    pub(super) fn set_spin(&self, spin: Option<Duration>) {
+        let nanos = spin
+            .map_or(PROCESS_SPIN, |s| u64::try_from(s.as_nanos()).unwrap_or(PROCESS_SPIN - 1).min(PROCESS_SPIN - 1));
+        self.spin.store(nanos, Ordering::Relaxed);
+    }
+
+    /// How long the inbox's receives spin before they sleep.
+    pub(super) fn spin(&self) -> Duration {
+        match self.spin.load(Ordering::Relaxed) {
+            PROCESS_SPIN => spin(),
+            nanos => Duration::from_nanos(nanos),
+        }
     }
 
     pub(super) fn lock(&self) -> InboxGuard<'_> {
@@ -377,6 +403,7 @@ impl Inbox {
             spill_read_at: 0,
             gaps: false,
             sender_sends: None,
+            spin: Arc::new(AtomicU64::new(PROCESS_SPIN)),
         }
     }
 
@@ -384,7 +411,11 @@ impl Inbox {
     /// spill batches, following redirects. A receive that may wait looks without waiting
     /// first for up to [`spin`], then announces its sleep and waits for its socket.
     pub(super) fn receive<T: DeserializeOwned>(&mut self, gauge: &Gauge, wait: Wait) -> Result<T, Missing> {
-        let spin_until = match (wait, spin()) {
+        let spin = match self.spin.load(Ordering::Relaxed) {
+            PROCESS_SPIN => spin(),
+            nanos => Duration::from_nanos(nanos),
+        };
+        let spin_until = match (wait, spin) {
             (_, spin) if spin.is_zero() => None,
             (Wait::Not, _) => None,
             (Wait::Forever, spin) => Some(crate::os::instant_after(spin)),

@@ -621,6 +621,44 @@ impl<T> Receiver<T> {
         }
     }
 
+    /// Sets how long a receive on this end that would wait first looks for a message without
+    /// sleeping; `None` for the process's (50 us where two or more processors run, none on
+    /// one, or what `CUDA_MP_SPIN_US` says). A message that comes within that time is read by
+    /// a thread that is awake: neither the process's wake-up nor a processor's return from an
+    /// idle state is on its path (on an H100 host, a 7B model's re-publish took 241-278 us
+    /// with the default and 83-171 us with 10 ms, both ends spinning: docs/performance.md).
+    /// Each receive that waits may keep a processor busy for that long (it lets other threads
+    /// run between looks): for a receiver whose next message comes within milliseconds and
+    /// that can spare a processor, such as a rollout engine waiting for the next weights.
+    /// Receives that have begun keep the spin they began with. It belongs to this end in this
+    /// process: an end sent on starts with the receiving process's. A remote receiver waits
+    /// on its connection and does not spin.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let (tx, rx) = cuda_mp::channel::<u8>().unwrap();
+    /// rx.set_spin(Some(Duration::from_millis(2)));
+    /// assert_eq!(rx.spin(), Duration::from_millis(2));
+    /// tx.send(1).unwrap();
+    /// assert_eq!(rx.recv().unwrap(), 1);
+    /// ```
+    pub fn set_spin(&self, spin: Option<Duration>) {
+        if let ReceiverFlavor::Local(local) = &self.flavor {
+            local.inbox.set_spin(spin);
+        }
+    }
+
+    /// How long a receive on this end that would wait spins first ([`set_spin`]); zero for a
+    /// remote receiver.
+    ///
+    /// [`set_spin`]: Self::set_spin
+    pub fn spin(&self) -> Duration {
+        match &self.flavor {
+            ReceiverFlavor::Local(local) => local.inbox.spin(),
+            ReceiverFlavor::Remote(_) => Duration::ZERO,
+        }
+    }
+
     #[cfg(test)]
     fn lock(&self) -> inbox::InboxGuard<'_> {
         match &self.flavor {
