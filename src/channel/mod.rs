@@ -625,7 +625,7 @@ impl<T> Receiver<T> {
     /// sleeping; `None` for the process's (50 us where two or more processors run, none on
     /// one, or what `CUDA_MP_SPIN_US` says). A message that comes within that time is read by
     /// a thread that is awake: neither the process's wake-up nor a processor's return from an
-    /// idle state is on its path (on an H100 host, a 7B model's re-publish took 241-278 us
+    /// idle state is on its path (on H100 hosts, a 7B model's re-publish took 227-413 us
     /// with the default and 83-171 us with 10 ms, both ends spinning: docs/performance.md).
     /// Each receive that waits may keep a processor busy for that long (it lets other threads
     /// run between looks): for a receiver whose next message comes within milliseconds and
