@@ -82,8 +82,11 @@ def test_forged_bytes_raise():
     tensor = cuda_mp._host(cuda_mp.empty_host((4,), "uint8"))
     for forge in forgeries:
         real = _native.tensor_to_bytes(tensor, 60.0)
+        forged = forge(real[9:])
+        if forged == real[9:]:
+            continue  # a cut past the end of bytes a little shorter (the ticket's numbers vary)
         with pytest.raises(cuda_mp.Malformed):
-            _native.tensor_from_bytes(sealed(real[:5], forge(real[9:])))
+            _native.tensor_from_bytes(sealed(real[:5], forged))
         try:
             _native.tensor_from_bytes(real)
         except cuda_mp.Malformed as e:
