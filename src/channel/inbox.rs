@@ -77,6 +77,14 @@ pub(super) struct Inbox {
 /// [`Inbox::spin`]'s value for the process's spin ([`spin`]).
 const PROCESS_SPIN: u64 = u64::MAX;
 
+/// The spin an [`Inbox::spin`] cell says.
+fn spin_of(cell: &AtomicU64) -> Duration {
+    match cell.load(Ordering::Relaxed) {
+        PROCESS_SPIN => spin(),
+        nanos => Duration::from_nanos(nanos),
+    }
+}
+
 /// What a sweep of a receiver that is never idle found gone, and where the socket and the
 /// rings stood then (README.md, "Rings", Order).
 struct BusySweep {
@@ -178,10 +186,7 @@ impl InboxLock {
 
     /// How long the inbox's receives spin before they sleep.
     pub(super) fn spin(&self) -> Duration {
-        match self.spin.load(Ordering::Relaxed) {
-            PROCESS_SPIN => spin(),
-            nanos => Duration::from_nanos(nanos),
-        }
+        spin_of(&self.spin)
     }
 
     pub(super) fn lock(&self) -> InboxGuard<'_> {
@@ -411,11 +416,7 @@ impl Inbox {
     /// spill batches, following redirects. A receive that may wait looks without waiting
     /// first for up to [`spin`], then announces its sleep and waits for its socket.
     pub(super) fn receive<T: DeserializeOwned>(&mut self, gauge: &Gauge, wait: Wait) -> Result<T, Missing> {
-        let spin = match self.spin.load(Ordering::Relaxed) {
-            PROCESS_SPIN => spin(),
-            nanos => Duration::from_nanos(nanos),
-        };
-        let spin_until = match (wait, spin) {
+        let spin_until = match (wait, spin_of(&self.spin)) {
             (_, spin) if spin.is_zero() => None,
             (Wait::Not, _) => None,
             (Wait::Forever, spin) => Some(crate::os::instant_after(spin)),
