@@ -33,14 +33,25 @@ use crate::error::{Error, Result};
 /// # Ok::<(), cuda_mp::Error>(())
 /// ```
 pub fn to_bytes<T: Serialize + ?Sized>(value: &T, ttl: Duration) -> Result<Vec<u8>> {
-    let (bytes, ticket) = crate::wire::encode_deposited(value, head(), None, ttl);
+    let (bytes, ticket) = encode(value, None, ttl);
     // Nothing of a value that did not encode is left waiting.
     if bytes.is_err()
         && let Some(ticket) = &ticket
     {
         crate::handover::withdraw(ticket);
     }
-    bytes.map(seal).map_err(Error::Encode)
+    bytes.map_err(Error::Encode)
+}
+
+/// `value`'s bytes behind their head, sealed, with its descriptors deposited under `ticket` (or
+/// a fresh one): as [`crate::wire::encode_deposited`] gives them.
+fn encode<T: Serialize + ?Sized>(
+    value: &T,
+    ticket: Option<crate::handover::SpawnTicket>,
+    ttl: Duration,
+) -> (std::result::Result<Vec<u8>, String>, Option<crate::handover::SpawnTicket>) {
+    let (bytes, ticket) = crate::wire::encode_deposited(value, head(), ticket, ttl);
+    (bytes.map(seal), ticket)
 }
 
 /// What the bytes of a value start with: a mark, then the protocol version (one byte), so
@@ -156,10 +167,7 @@ impl HandoffBatch {
     pub fn to_bytes<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<Vec<u8>> {
         // Each value a message of its own (its own per-message lease): the claims of one never
         // decoded go with its descriptors, whatever the others do.
-        let bytes = crate::wire::encode_deposited(value, head(), Some(self.ticket.clone()), self.ttl)
-            .0
-            .map(seal)
-            .map_err(Error::Encode)?;
+        let bytes = encode(value, Some(self.ticket.clone()), self.ttl).0.map_err(Error::Encode)?;
         self.encoded += 1;
         Ok(bytes)
     }
